@@ -1,0 +1,5 @@
+import sys
+
+from mooncake_lite.cli import main
+
+sys.exit(main())

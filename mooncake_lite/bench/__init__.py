@@ -1,0 +1,1 @@
+"""``mooncake bench ...``: benchmarks that print ratios against this machine's own limits."""

@@ -1,0 +1,35 @@
+"""Dispatch ``mooncake bench NAME`` to ``mooncake_lite.bench.NAME.main(argv)``.
+
+Every benchmark accepts ``--json`` to print all of its figures as one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+BENCHES = {
+    "model": "prefill tokens/s and decode step time vs this CPU's matmul peak",
+    "store": "store put/get GB/s and latency vs memcpy and blocking-socket loopback",
+    "pd": "layer-wise overlap, prefix-hit TTFT, CPP, decode tokens/s; --profile for cost models",
+    "conductor": "scheduling decision time and the conductor's added latency",
+    "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        out = sys.stdout if (not argv or argv[0] in ("-h", "--help")) else sys.stderr
+        out.write("usage: mooncake bench NAME [--json] [args]\n\n")
+        out.write("\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items()) + "\n")
+        return 0 if out is sys.stdout else 2
+    try:
+        mod = importlib.import_module(f"mooncake_lite.bench.{argv[0]}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"mooncake_lite.bench.{argv[0]}":
+            sys.stderr.write(f"mooncake bench {argv[0]}: not implemented yet in this version\n")
+            return 2
+        raise
+    return int(mod.main(argv[1:]) or 0)

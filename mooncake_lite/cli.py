@@ -1,0 +1,103 @@
+"""The ``mooncake`` executable: ``mooncake --role ROLE [flags]`` or ``mooncake TOOL ...``.
+
+Roles live in ``mooncake_lite/<role>/main.py`` and export ``Config`` (a frozen dataclass built
+with :mod:`mooncake_lite.common.config`), ``DESCRIPTION`` and ``run(cfg) -> int``. Tools export
+``main(argv) -> int``. Both are imported lazily so ``--help`` stays fast and torch is only
+loaded by the roles that need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from mooncake_lite.common.config import ConfigError, load_config
+from mooncake_lite.common.logs import setup_logging
+
+ROLES = {
+    "conductor": "mooncake_lite.conductor.main",
+    "prefill": "mooncake_lite.prefill.main",
+    "decode": "mooncake_lite.decode.main",
+    "store": "mooncake_lite.store.main",
+}
+TOOLS = {
+    "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
+    "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay"),
+    "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),
+    "trace": ("mooncake_lite.trace.cli", "trace tools: stats, synth"),
+    "generate": ("mooncake_lite.model.generate", "run the model in one process (monolithic reference)"),
+}
+
+USAGE = """usage: mooncake --role {conductor,prefill,decode,store} [flags]   (add --help for the role's flags)
+       mooncake TOOL [args]                                          (add --help for the tool's args)
+
+roles:
+  conductor   global KVCache-centric scheduler and the OpenAI-compatible API
+  prefill     prefill instance: prefix reuse, chunked and layer-wise prefill, KV streamed to decode
+  decode      decode instance: receives KV, continuous batching, streams tokens
+  store       KV block pool: DRAM slab + SSD tier, binary transfer protocol
+
+tools:
+%s
+""" % "\n".join(f"  {name:<10}  {text}" for name, (_, text) in TOOLS.items())
+
+
+class NotImplementedYet(SystemExit):
+    pass
+
+
+def _import(module: str, what: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            sys.stderr.write(f"mooncake: {what} is not implemented yet in this version\n")
+            raise NotImplementedYet(2) from None
+        raise
+
+
+def run_role(role: str, argv: Sequence[str]) -> int:
+    mod = _import(ROLES[role], f"--role {role}")
+    try:
+        cfg = load_config(mod.Config, argv, prog=f"mooncake --role {role}", section=role,
+                          description=getattr(mod, "DESCRIPTION", ""))
+    except ConfigError as exc:
+        sys.stderr.write(f"mooncake --role {role}: error: {exc}\n")
+        return 2
+    setup_logging(role, cfg.log_level, cfg.log_json)
+    return int(mod.run(cfg) or 0)
+
+
+def _split_role(argv: list[str]) -> tuple[str | None, list[str]]:
+    for i, arg in enumerate(argv):
+        if arg == "--role" and i + 1 < len(argv):
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith("--role="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return None, argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        module, _ = TOOLS[argv[0]]
+        try:
+            return int(_import(module, f"mooncake {argv[0]}").main(argv[1:]) or 0)
+        except NotImplementedYet as exc:
+            return int(exc.code)
+    role, rest = _split_role(argv)
+    if role is None:
+        sys.stdout.write(USAGE) if (not argv or argv[0] in ("-h", "--help")) else sys.stderr.write(USAGE)
+        return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
+    if role not in ROLES:
+        sys.stderr.write(f"mooncake: unknown role {role!r}; choose one of {', '.join(ROLES)}\n")
+        return 2
+    try:
+        return run_role(role, rest)
+    except NotImplementedYet as exc:
+        return int(exc.code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pieces every role shares: config loading, block hashing, logging, service plumbing."""
