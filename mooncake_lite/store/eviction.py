@@ -1,0 +1,238 @@
+"""Eviction policies and a capacity-bounded block cache: pure logic, no IO, no clock.
+
+The store's DRAM index and the trace simulator (paper Table 1) drive the same classes. Keys are
+any hashable (16-byte chained hashes in the store, trace hash ids in the simulator).
+
+Policies:
+  * ``lru``          least recently used first.
+  * ``lfu``          least frequently used first; ties broken by least recently used.
+  * ``length-aware`` the block sitting latest in its request chain (largest ``chain_pos``) first,
+                     ties broken by least recently used. Blocks late in a chain are only useful
+                     when the whole prefix before them is cached too, so they go first (paper §4).
+
+``insert`` of a key already present counts as a hit (a ``touch``); the key keeps its original
+chain position, because with chained hashes a key's position is fixed by its prefix.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+Key = Hashable
+PinCheck = Callable[[Key], bool]
+
+POLICY_NAMES = ("lru", "lfu", "length-aware")
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Bookkeeping of which key to evict next. Never evicts on its own; the owner asks."""
+
+    def insert(self, key: Key, chain_pos: int) -> None: ...
+    def touch(self, key: Key) -> None: ...
+    def remove(self, key: Key) -> None: ...
+    def victim(self, is_pinned: PinCheck | None = None) -> Key | None: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy:
+    """O(1) insert/touch/remove/victim via one ordered dict (front = least recent)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key, chain_pos: int) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
+        for key in self._order:
+            if is_pinned is None or not is_pinned(key):
+                return key
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class _BucketedPolicy:
+    """Keys grouped into buckets by an integer rank; each bucket is LRU-ordered.
+
+    The victim comes from the bucket with the smallest ``_heap_value(rank)``. A lazy heap of
+    bucket ranks finds it in O(log buckets); stale heap entries are skipped and compacted.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, OrderedDict[Key, None]] = {}
+        self._rank: dict[Key, int] = {}
+        self._heap: list[int] = []
+
+    def _heap_value(self, rank: int) -> int:
+        raise NotImplementedError
+
+    def _put(self, key: Key, rank: int) -> None:
+        bucket = self._buckets.get(rank)
+        if bucket is None:
+            bucket = self._buckets[rank] = OrderedDict()
+            heapq.heappush(self._heap, self._heap_value(rank))
+            if len(self._heap) > 2 * len(self._buckets) + 16:
+                self._heap = [self._heap_value(r) for r in self._buckets]
+                heapq.heapify(self._heap)
+        bucket[key] = None
+        self._rank[key] = rank
+
+    def _take(self, key: Key) -> int:
+        rank = self._rank.pop(key)
+        bucket = self._buckets[rank]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[rank]
+        return rank
+
+    def remove(self, key: Key) -> None:
+        if key in self._rank:
+            self._take(key)
+
+    def _ranks_in_order(self) -> Iterator[int]:
+        """Bucket ranks, best victim first. Cheap for the first one (the common case)."""
+        while self._heap and self._heap_value(self._heap[0]) not in self._buckets:
+            heapq.heappop(self._heap)
+        if not self._heap:
+            return
+        first = self._heap_value(self._heap[0])
+        yield first
+        rest = sorted((r for r in self._buckets if r != first), key=self._heap_value)
+        yield from rest
+
+    def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
+        for rank in self._ranks_in_order():
+            for key in self._buckets[rank]:
+                if is_pinned is None or not is_pinned(key):
+                    return key
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rank
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+
+class LFUPolicy(_BucketedPolicy):
+    """Frequency buckets (rank = hit count, starting at 1); LRU within a frequency."""
+
+    def _heap_value(self, rank: int) -> int:
+        return rank  # min-heap: lowest frequency first (the map is its own inverse)
+
+    def insert(self, key: Key, chain_pos: int) -> None:
+        if key in self._rank:
+            self.touch(key)
+        else:
+            self._put(key, 1)
+
+    def touch(self, key: Key) -> None:
+        self._put(key, self._take(key) + 1)
+
+
+class LengthAwarePolicy(_BucketedPolicy):
+    """Chain-position buckets (rank = chain_pos); largest position evicted first, LRU within."""
+
+    def _heap_value(self, rank: int) -> int:
+        return -rank  # max-heap via negation (the map is its own inverse)
+
+    def insert(self, key: Key, chain_pos: int) -> None:
+        if chain_pos < 0:
+            raise ValueError(f"chain_pos must be >= 0, got {chain_pos}")
+        if key in self._rank:
+            self.touch(key)
+        else:
+            self._put(key, chain_pos)
+
+    def touch(self, key: Key) -> None:
+        rank = self._rank[key]
+        self._buckets[rank].move_to_end(key)
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by name: ``lru``, ``lfu`` or ``length-aware``."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name in ("length-aware", "length_aware"):
+        return LengthAwarePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+
+
+class BlockCache:
+    """A set of at most ``capacity_blocks`` keys (None = unbounded) under an eviction policy.
+
+    ``match_prefix`` answers "how many leading blocks of this chain are cached" and counts them
+    as hits; ``insert_chain`` adds a request's chain. While a chain is being inserted its own
+    blocks are protected, so a long chain never evicts its own prefix to make room for its tail.
+    """
+
+    def __init__(self, capacity_blocks: int | None, policy: str | EvictionPolicy = "lru") -> None:
+        if capacity_blocks is not None and capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0 or None, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+
+    def match_prefix(self, keys: Sequence[Key]) -> int:
+        """Length of the longest cached prefix of ``keys``; touches each hit."""
+        num_hits = 0
+        for key in keys:
+            if key not in self.policy:
+                break
+            self.policy.touch(key)
+            num_hits += 1
+        return num_hits
+
+    def insert_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> list[Key]:
+        """Insert ``keys`` (chain_pos = index), touching ones already cached; returns evicted keys.
+
+        Stops early, leaving the rest uncached, when nothing can be evicted (capacity smaller
+        than the chain, or everything else pinned): a block without its prefix is useless.
+        """
+        evicted: list[Key] = []
+        chain: set[Key] = set()
+
+        def protected(key: Key) -> bool:
+            return key in chain or (is_pinned is not None and is_pinned(key))
+
+        for pos, key in enumerate(keys):
+            if key in self.policy:
+                self.policy.touch(key)
+                chain.add(key)
+                continue
+            if self.capacity_blocks is not None and len(self.policy) >= self.capacity_blocks:
+                victim = self.policy.victim(protected)
+                if victim is None:
+                    break
+                self.policy.remove(victim)
+                evicted.append(victim)
+            self.policy.insert(key, pos)
+            chain.add(key)
+        return evicted
+
+    def remove(self, key: Key) -> None:
+        self.policy.remove(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.policy
+
+    def __len__(self) -> int:
+        return len(self.policy)
