@@ -1,0 +1,67 @@
+"""Attention over a paged KV cache.
+
+Cache layout per layer: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+a sequence's tokens live in the blocks listed by its block table, in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, kv_heads, head_dim]`` of one sequence, read through its block table."""
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Causal attention of ``q`` ([n, heads, head_dim], positions start_pos..start_pos+n-1) over the
+    sequence's cached keys 0..start_pos+n-1 (the new tokens' K/V must already be written)."""
+    n = q.shape[0]
+    ctx = start_pos + n
+    k = _gather_context(k_cache, block_table, ctx)
+    v = _gather_context(v_cache, block_table, ctx)
+    q_pos = torch.arange(start_pos, ctx, device=q.device)
+    k_pos = torch.arange(ctx, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One query per sequence: ``q`` [batch, heads, head_dim]; ``block_tables`` [batch, max_blocks]
+    (padded with any valid block id); ``context_lens`` [batch] includes the current token."""
+    batch, max_blocks = block_tables.shape
+    bs = k_cache.shape[1]
+    k = k_cache[block_tables].flatten(1, 2)  # [batch, max_blocks*bs, kvh, hd]
+    v = v_cache[block_tables].flatten(1, 2)
+    mask = torch.arange(max_blocks * bs, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def _fast_available(t: torch.Tensor) -> bool:
+    if not t.is_cuda:
+        return False
+    try:
+        from kernels import triton_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos):
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
+    if _fast_available(q):
+        from kernels.triton_attention import paged_decode_attention_triton
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens)

@@ -1,0 +1,69 @@
+"""Moving KV between the paged cache and contiguous transfer buffers.
+
+Paged cache (one instance's layers): ``kv`` is ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+Store block bytes (see docs/architecture.md): one block is ``[num_layers, 2, block_size, kv_heads, head_dim]``
+contiguous, so a layer range is one contiguous slice.
+Token stream (prefill -> decode): one layer's new tokens are ``[2, num_tokens, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, first_layer: int = 0,
+                    num_layers: int | None = None) -> torch.Tensor:
+    """``[len(block_ids), num_layers, 2, block_size, kvh, hd]`` contiguous copy of the given blocks."""
+    last = kv.shape[0] if num_layers is None else first_layer + num_layers
+    return kv[first_layer:last, :, block_ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def unpack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor,
+                      first_layer: int = 0) -> None:
+    """Inverse of :func:`pack_blocks_ref`: write packed blocks into the cache in place."""
+    num_layers = packed.shape[1]
+    kv[first_layer:first_layer + num_layers, :, block_ids] = packed.permute(1, 2, 0, 3, 4, 5).to(kv.dtype)
+
+
+def gather_tokens_ref(kv: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """``[2, len(slots), kvh, hd]``: K and V of one layer at flat slot ids (block*block_size + offset)."""
+    layer_kv = kv[layer].flatten(1, 2)  # [2, num_blocks*bs, kvh, hd]
+    return layer_kv[:, slots].contiguous()
+
+
+def scatter_tokens_ref(kv: torch.Tensor, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
+    """Inverse of :func:`gather_tokens_ref`."""
+    layer_kv = kv[layer].flatten(1, 2)
+    layer_kv[:, slots] = data.to(kv.dtype)
+
+
+def _triton(kv: torch.Tensor):
+    if not kv.is_cuda:
+        return None
+    try:
+        from kernels import triton_kv_pack
+    except ImportError:
+        return None
+    return triton_kv_pack
+
+
+def pack_blocks(kv, block_ids, first_layer=0, num_layers=None):
+    fast = _triton(kv)
+    if fast is not None:
+        return fast.pack_blocks_triton(kv, block_ids, first_layer, num_layers)
+    return pack_blocks_ref(kv, block_ids, first_layer, num_layers)
+
+
+def unpack_blocks(kv, block_ids, packed, first_layer=0):
+    fast = _triton(kv)
+    if fast is not None:
+        return fast.unpack_blocks_triton(kv, block_ids, packed, first_layer)
+    return unpack_blocks_ref(kv, block_ids, packed, first_layer)
+
+
+def gather_tokens(kv, layer, slots):
+    return gather_tokens_ref(kv, layer, slots)
+
+
+def scatter_tokens(kv, layer, slots, data):
+    return scatter_tokens_ref(kv, layer, slots, data)

@@ -1,0 +1,99 @@
+"""Model shapes: presets with seeded dummy weights, or read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model {f} must be positive, got {getattr(self, f)}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * self.kv_bytes_per_token(dtype)
+
+    def num_params(self) -> int:
+        attn = self.dim * self.dim * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
+        per_layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + emb + self.dim
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelArgs":
+        """Read a LLaMA/Qwen2-style ``config.json``."""
+        try:
+            num_heads = cfg["num_attention_heads"]
+            return cls(dim=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
+                       num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+                       ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                       max_seq_len=cfg.get("max_position_embeddings", 4096),
+                       rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                       norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                       tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name)
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+PRESETS: dict[str, ModelArgs] = {
+    # Fast enough for CPU tests: ~0.2M parameters, byte-level vocab.
+    "tiny": ModelArgs(dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=320,
+                      max_seq_len=4096, name="tiny"),
+    # A mid-size shape for CPU benchmarks (~110M parameters).
+    "small": ModelArgs(dim=768, num_layers=12, num_heads=12, num_kv_heads=4, ffn_dim=2048, vocab_size=32000,
+                       max_seq_len=8192, name="small"),
+    "llama2-7b": ModelArgs(dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008,
+                           vocab_size=32000, max_seq_len=4096, name="llama2-7b"),
+    "llama2-70b": ModelArgs(dim=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                            vocab_size=32000, max_seq_len=4096, name="llama2-70b"),
+    "llama3-8b": ModelArgs(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
+                           vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, name="llama3-8b"),
+}
+
+
+def with_overrides(args: ModelArgs, **changes: Any) -> ModelArgs:
+    return dataclasses.replace(args, **changes)

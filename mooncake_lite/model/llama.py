@@ -1,0 +1,149 @@
+"""A LLaMA-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+The model is stateless about sequences: callers pass the paged cache and per-call metadata, and may
+run it layer by layer (``embed`` → ``layer_forward`` × N → ``head``), which is what layer-wise
+prefill and chunked pipeline parallelism need. A model may hold only a slice of the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import paged_decode_attention, paged_prefill_attention
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.kv_cache import PagedKVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one forward call sit.
+
+    Prefill: one sequence, tokens at positions ``start_pos..start_pos+n-1``; ``block_tables`` is [1, nb].
+    Decode: one token per sequence; ``context_lens`` [batch] counts tokens including the current one.
+    """
+    is_prefill: bool
+    positions: torch.Tensor      # [num_tokens]
+    slot_mapping: torch.Tensor   # [num_tokens] flat cache slots to write the new K/V into
+    block_tables: torch.Tensor   # [batch, max_blocks]
+    context_lens: torch.Tensor   # [batch]
+    start_pos: int = 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)  # half-rotation layout, as in HF LLaMA checkpoints
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        n = x.shape[0]
+        q = apply_rope(self.wq(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(n, self.num_kv_heads, self.head_dim)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
+        if meta.is_prefill:
+            out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
+        else:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+        return self.wo(out.reshape(n, -1).to(x.dtype))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        h = x + self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Layers ``[first_layer, end_layer)`` of the model; embedding only on the first stage,
+    final norm and output head only on the last."""
+
+    def __init__(self, args: ModelArgs, layer_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.args = args
+        self.first_layer, self.end_layer = layer_range or (0, args.num_layers)
+        if not 0 <= self.first_layer < self.end_layer <= args.num_layers:
+            raise ValueError(f"bad layer range {layer_range} for {args.num_layers} layers")
+        self.is_first = self.first_layer == 0
+        self.is_last = self.end_layer == args.num_layers
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
+        # ModuleDict keyed by the global layer number, so stage slices keep checkpoint names.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(self.first_layer, self.end_layer)})
+        if self.is_last:
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+    def rope(self, positions: torch.Tensor):
+        return rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(token_ids)
+
+    def layer_forward(self, layer: int, h: torch.Tensor, rope, meta: AttentionMetadata,
+                      cache: PagedKVCache) -> torch.Tensor:
+        k_cache, v_cache = cache.layer(layer)
+        return self.layers[str(layer)](h, rope[0], rope[1], meta, k_cache, v_cache)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h)).float()
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+        h = self.embed(token_ids)
+        rope = self.rope(meta.positions)
+        for layer in self.layer_ids:
+            h = self.layer_forward(layer, h, rope, meta, cache)
+        return self.head(h)

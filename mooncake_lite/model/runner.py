@@ -1,0 +1,127 @@
+"""ModelRunner: the model plus its paged cache, driven by prefill chunks and batched decode steps.
+
+The runner holds no per-sequence state: callers own block tables (allocated from
+``runner.allocator``) and positions. Prefill can run whole (``prefill``) or layer by layer
+(``LayerwisePass``), which is how layer-wise KV streaming and pipeline stages drive it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
+from mooncake_lite.model.llama import AttentionMetadata, Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int):
+        param = next(model.parameters())
+        self.model = model
+        self.args = model.args
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.cache = PagedKVCache(model.args, num_blocks, block_size, dtype=self.dtype, device=self.device,
+                                  layer_range=(model.first_layer, model.end_layer))
+        self.allocator = BlockAllocator(num_blocks)
+
+    # --- metadata -------------------------------------------------------------------------------
+    def prefill_meta(self, block_table: Sequence[int], start_pos: int, num_tokens: int) -> AttentionMetadata:
+        end = start_pos + num_tokens
+        if -(-end // self.block_size) > len(block_table):
+            raise ValueError(f"block table of {len(block_table)} blocks cannot hold {end} tokens")
+        return AttentionMetadata(
+            is_prefill=True,
+            positions=torch.arange(start_pos, end, device=self.device),
+            slot_mapping=slot_mapping(block_table, start_pos, end, self.block_size).to(self.device),
+            block_tables=torch.as_tensor([list(block_table)], dtype=torch.long, device=self.device),
+            context_lens=torch.tensor([end], device=self.device),
+            start_pos=start_pos)
+
+    def decode_meta(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int]) -> AttentionMetadata:
+        width = max(len(t) for t in block_tables)
+        padded = [list(t) + [t[0]] * (width - len(t)) for t in block_tables]
+        slots = [t[p // self.block_size] * self.block_size + p % self.block_size
+                 for t, p in zip(block_tables, positions)]
+        return AttentionMetadata(
+            is_prefill=False,
+            positions=torch.as_tensor(list(positions), device=self.device),
+            slot_mapping=torch.as_tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=torch.as_tensor(padded, dtype=torch.long, device=self.device),
+            context_lens=torch.as_tensor([p + 1 for p in positions], device=self.device))
+
+    # --- compute --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, token_ids: Sequence[int], block_table: Sequence[int], start_pos: int = 0,
+                chunk_size: int | None = None) -> torch.Tensor:
+        """Compute ``token_ids`` at positions ``start_pos..``, attending to whatever the cache already
+        holds before ``start_pos``; in chunks of ``chunk_size`` tokens. Returns the last position's logits."""
+        chunk = chunk_size or len(token_ids)
+        logits = None
+        for off in range(0, len(token_ids), chunk):
+            piece = LayerwisePass(self, block_table, start_pos + off, token_ids=token_ids[off:off + chunk])
+            for layer in self.model.layer_ids:
+                piece.run_layer(layer)
+            logits = piece.output()
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits
+
+    @torch.no_grad()
+    def decode(self, token_ids: Sequence[int], block_tables: Sequence[Sequence[int]],
+               positions: Sequence[int]) -> torch.Tensor:
+        """One step for a batch: token i sits at ``positions[i]`` of sequence i. Returns [batch, vocab]."""
+        meta = self.decode_meta(block_tables, positions)
+        tokens = torch.as_tensor(list(token_ids), device=self.device)
+        return self.model(tokens, meta, self.cache)
+
+
+class LayerwisePass:
+    """One prefill chunk, advanced one layer at a time by the caller.
+
+    First stage: pass ``token_ids``; later pipeline stages: pass the previous stage's ``hidden``.
+    After the last layer, :meth:`output` gives the last position's logits on the final stage and
+    the hidden states (to send to the next stage) otherwise.
+    """
+
+    def __init__(self, runner: ModelRunner, block_table: Sequence[int], start_pos: int, *,
+                 token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None):
+        model = runner.model
+        if (token_ids is None) == (hidden is None):
+            raise ValueError("pass exactly one of token_ids or hidden")
+        num_tokens = len(token_ids) if token_ids is not None else hidden.shape[0]
+        if num_tokens == 0:
+            raise ValueError("prefill needs at least one token")
+        self.runner = runner
+        self.start_pos = start_pos
+        self.num_tokens = num_tokens
+        self.meta = runner.prefill_meta(block_table, start_pos, num_tokens)
+        self.rope = model.rope(self.meta.positions)
+        with torch.no_grad():
+            if token_ids is not None:
+                self.h = model.embed(torch.as_tensor(list(token_ids), device=runner.device))
+            else:
+                self.h = hidden.to(device=runner.device, dtype=runner.dtype)
+        self.next_layer = model.first_layer
+
+    @torch.no_grad()
+    def run_layer(self, layer: int) -> None:
+        if layer != self.next_layer:
+            raise ValueError(f"layers must run in order: expected {self.next_layer}, got {layer}")
+        self.h = self.runner.model.layer_forward(layer, self.h, self.rope, self.meta, self.runner.cache)
+        self.next_layer += 1
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Flat cache slots this chunk wrote (to stream its K/V per layer)."""
+        return self.meta.slot_mapping
+
+    @torch.no_grad()
+    def output(self) -> torch.Tensor:
+        model = self.runner.model
+        if self.next_layer != model.end_layer:
+            raise RuntimeError(f"output() before the last layer ran (next is {self.next_layer})")
+        if model.is_last:
+            return model.head(self.h[-1:])[0]
+        return self.h

@@ -1,0 +1,66 @@
+"""Building a model: seeded dummy weights for presets (as the paper did), or a local checkpoint.
+
+Dummy weights are seeded per parameter *name*, so a pipeline stage holding only some layers gets
+exactly the weights the full model has for those layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+
+import torch
+
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.llama import Transformer
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+@torch.no_grad()
+def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
+    """Scaled so activations stay O(1) through the depth and logits are decisive (clear argmax)."""
+    for name, param in model.named_parameters():
+        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        if param.dim() == 1:  # biases
+            std = 0.02
+        elif "tok_embeddings" in name:
+            std = 1.0
+        else:
+            std = 1.0 / math.sqrt(param.shape[1])
+            if name.endswith(("wo.weight", "w2.weight")):
+                std /= math.sqrt(2 * model.args.num_layers)
+        values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+        param.copy_(values.to(param.dtype))
+
+
+def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                layer_range: tuple[int, int] | None = None, seed: int = 0) -> Transformer:
+    """``model`` is a preset name (dummy weights from ``seed``) or a checkpoint directory."""
+    if os.path.isdir(model):
+        from mooncake_lite.model.loader import load_checkpoint
+        return load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
+    args = ModelArgs.from_name(model)
+    net = Transformer(args, layer_range)
+    init_dummy_weights(net, seed)
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def model_args(model: str) -> ModelArgs:
+    """Shape of a preset or checkpoint without building weights."""
+    if os.path.isdir(model):
+        from mooncake_lite.model.loader import read_args
+        return read_args(model)
+    return ModelArgs.from_name(model)
+
+
+def build_meta(args: ModelArgs) -> Transformer:
+    """The model on the ``meta`` device: sizes without allocating (for llama2-70b sizing)."""
+    with torch.device("meta"):
+        return Transformer(args)
