@@ -1,0 +1,80 @@
+"""Decode selection by predicted TBT and the SLO admission check (REFERENCE.md §2 steps 3–4, §3).
+
+``none`` and ``early`` read every decode instance's load *now* (with the new request added);
+``predictive`` reads the load predicted for ``t = now + predicted TTFT``: queued prefills that
+finish by ``t`` join their decode batch, running requests older than t_d at ``t`` leave.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.scheduler.costs import CostModels
+from mooncake_lite.scheduler.estimate import (arrivals_by, decode_has_room, decode_load_at,
+                                              decode_load_now, decode_tbt)
+from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The decode instance picked and its predicted TBT once the new request has joined."""
+
+    instance: DecodeInstanceState
+    tbt_s: float
+    batch_size: int       # including the new request
+    context_tokens: int   # including the new request's prompt
+
+
+def _load(d: DecodeInstanceState, costs: CostModels, cfg: SchedulerConfig, t: float,
+          arrivals: dict[str, list[int]] | None) -> tuple[int, int]:
+    if arrivals is None:
+        return decode_load_now(d)
+    return decode_load_at(d, costs, t, arrivals.get(d.instance_id, []), cfg.uniform_decode_s)
+
+
+def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
+                  costs: CostModels, now: float, ttft_s: float,
+                  rng: random.Random | None) -> DecodeChoice | None:
+    """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
+    adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
+    eligible one. None when no instance has room."""
+    t = now + ttft_s
+    arrivals = arrivals_by(cluster, costs, now, t) if cfg.admission == "predictive" else None
+    options: list[DecodeChoice] = []
+    for d in cluster.decodes:
+        batch, context = _load(d, costs, cfg, t, arrivals)
+        if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
+            continue
+        batch, context = batch + 1, context + req.num_tokens
+        options.append(DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context))
+    if not options:
+        return None
+    if cfg.strategy == "random":
+        if rng is None:
+            raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
+        return rng.choice(options)
+    return min(options, key=lambda o: o.tbt_s)  # min() keeps the first of equal keys
+
+
+def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
+                  tbt_slo_s: float) -> bool:
+    """The decode instance's own double check when the KV arrives (the paper's local
+    scheduler): room left and TBT with ``req`` added within the SLO. Used by the decode role
+    and the simulator; a refusal here wastes the prefill already done."""
+    batch, context = decode_load_now(d)
+    if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
+        return False
+    return decode_tbt(d, costs, batch + 1, context + req.num_tokens) <= tbt_slo_s
+
+
+def slo_violation(cfg: SchedulerConfig, ttft_s: float, tbt_s: float) -> tuple[str, str] | None:
+    """(cause, reason) if admission rejects, else None. ``none`` never rejects on SLOs."""
+    if cfg.admission == "none":
+        return None
+    if ttft_s > cfg.ttft_slo_s:
+        return "ttft", f"rejected: predicted TTFT {ttft_s:.3g}s > SLO {cfg.ttft_slo_s:.3g}s"
+    if tbt_s > cfg.tbt_slo_s:
+        return "tbt", f"rejected: predicted TBT {tbt_s:.3g}s > SLO {cfg.tbt_slo_s:.3g}s"
+    return None

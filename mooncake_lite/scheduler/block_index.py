@@ -1,0 +1,178 @@
+"""Global block index: which store holds which block keys.
+
+Fed by the stores' block events (stored / evicted, per store id). Answers the paper's
+``FindBestPrefixMatch``: for a request's chained keys, the longest run of *leading* keys each
+store holds. Each key maps to a bitmask of store slots, so a lookup walks only the request's
+keys (ANDing masks) and never scans the index: O(len(keys) + num_stores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A store reporting that it now holds (``stored``) or dropped (``evicted``) some keys."""
+
+    store_id: Hashable
+    kind: Literal["stored", "evicted"]
+    keys: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Result of :meth:`BlockIndex.match`: the best store and every store's prefix length
+    (in blocks; stores holding no leading block are absent from ``lengths``)."""
+
+    best_len: int
+    best_store_id: Hashable | None
+    lengths: dict[Hashable, int]
+
+    def length_at(self, store_id: Hashable) -> int:
+        return self.lengths.get(store_id, 0)
+
+
+class BlockIndex:
+    """Key → set of stores (as a bitmask over store slots). Not thread-safe; one owner."""
+
+    def __init__(self) -> None:
+        self._masks: dict[Hashable, int] = {}
+        self._slots: dict[Hashable, int] = {}        # store id -> bit position
+        self._store_of_slot: dict[int, Hashable] = {}
+        self._free_slots: list[int] = []
+        self._counts: dict[Hashable, int] = {}       # store id -> number of keys held
+
+    # ---- updates -------------------------------------------------------------------------
+    def _slot(self, store_id: Hashable) -> int:
+        slot = self._slots.get(store_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[store_id] = slot
+            self._store_of_slot[slot] = store_id
+            self._counts[store_id] = 0
+        return slot
+
+    def add(self, store_id: Hashable, keys: Iterable[Hashable]) -> None:
+        """Record that ``store_id`` now holds ``keys`` (idempotent)."""
+        bit = 1 << self._slot(store_id)
+        masks = self._masks
+        added = 0
+        for key in keys:
+            m = masks.get(key, 0)
+            if not m & bit:
+                masks[key] = m | bit
+                added += 1
+        self._counts[store_id] += added
+
+    def remove(self, store_id: Hashable, keys: Iterable[Hashable]) -> None:
+        """Record that ``store_id`` evicted ``keys`` (unknown keys are ignored)."""
+        slot = self._slots.get(store_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        masks = self._masks
+        removed = 0
+        for key in keys:
+            m = masks.get(key, 0)
+            if m & bit:
+                m &= ~bit
+                if m:
+                    masks[key] = m
+                else:
+                    del masks[key]
+                removed += 1
+        self._counts[store_id] -= removed
+
+    def apply(self, event: BlockEvent) -> None:
+        """Apply one store event."""
+        if event.kind == "stored":
+            self.add(event.store_id, event.keys)
+        elif event.kind == "evicted":
+            self.remove(event.store_id, event.keys)
+        else:
+            raise ValueError(f"unknown block event kind {event.kind!r} (expected 'stored' or 'evicted')")
+
+    def drop_store(self, store_id: Hashable) -> int:
+        """Forget a store entirely (it died or restarted empty). O(index size); rare.
+        Returns how many keys it held."""
+        slot = self._slots.pop(store_id, None)
+        if slot is None:
+            return 0
+        bit = 1 << slot
+        held = self._counts.pop(store_id)
+        if held:
+            for key in [k for k, m in self._masks.items() if m & bit]:
+                m = self._masks[key] & ~bit
+                if m:
+                    self._masks[key] = m
+                else:
+                    del self._masks[key]
+        del self._store_of_slot[slot]
+        self._free_slots.append(slot)
+        return held
+
+    # ---- queries -------------------------------------------------------------------------
+    def match(self, keys: Sequence[Hashable]) -> PrefixMatch:
+        """FindBestPrefixMatch: per-store leading-run lengths and the best (ties: the store
+        registered first, i.e. lowest slot, so the answer is deterministic)."""
+        masks = self._masks
+        lengths: dict[Hashable, int] = {}
+        alive = -1  # all slots
+        depth = 0
+        for key in keys:
+            m = masks.get(key, 0)
+            still = alive & m
+            if still != alive:
+                self._record(alive & ~still, depth, lengths)
+                alive = still
+                if not alive:
+                    break
+            depth += 1
+        if alive:
+            self._record(alive, depth, lengths)
+        best_store, best_len = None, 0
+        for store_id, n in lengths.items():
+            if n > best_len or (n == best_len and best_store is not None
+                                and self._slots[store_id] < self._slots[best_store]):
+                best_store, best_len = store_id, n
+        return PrefixMatch(best_len, best_store, lengths)
+
+    def _record(self, mask: int, depth: int, lengths: dict[Hashable, int]) -> None:
+        # depth 0 is the only time ``mask`` can still hold the all-slots sentinel (-1).
+        if depth == 0:
+            return
+        while mask:
+            low = mask & -mask
+            lengths[self._store_of_slot[low.bit_length() - 1]] = depth
+            mask ^= low
+
+    def prefix_len(self, keys: Sequence[Hashable], store_id: Hashable) -> int:
+        """Leading keys of ``keys`` held by one store."""
+        slot = self._slots.get(store_id)
+        if slot is None:
+            return 0
+        bit = 1 << slot
+        n = 0
+        for key in keys:
+            if not self._masks.get(key, 0) & bit:
+                break
+            n += 1
+        return n
+
+    def holders(self, key: Hashable) -> list[Hashable]:
+        """Stores holding ``key``."""
+        m = self._masks.get(key, 0)
+        return [s for slot, s in self._store_of_slot.items() if m >> slot & 1]
+
+    def num_blocks(self, store_id: Hashable | None = None) -> int:
+        """Distinct keys indexed (all stores), or keys held by one store."""
+        return len(self._masks) if store_id is None else self._counts.get(store_id, 0)
+
+    def store_ids(self) -> list[Hashable]:
+        return list(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._masks)

@@ -1,0 +1,59 @@
+"""Policy knobs of the scheduling core (SLOs, strategy, admission), validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mooncake_lite.common.config import require
+
+Strategy = Literal["random", "load-balance", "cache-aware", "kvcache-centric"]
+Admission = Literal["none", "early", "predictive"]
+
+STRATEGIES: tuple[str, ...] = ("random", "load-balance", "cache-aware", "kvcache-centric")
+ADMISSIONS: tuple[str, ...] = ("none", "early", "predictive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the conductor picks instances and when it rejects.
+
+    strategy:
+        ``random``          seeded random prefill and decode instance (local cache still reused);
+        ``load-balance``    prefill with the smallest queue + cache-blind execution time;
+        ``cache-aware``     prefill with the smallest queue + execution given its *local* prefix;
+        ``kvcache-centric`` Algorithm 1 (REFERENCE.md §2): may fetch the best prefix from another
+                            store and asks the caller to replicate it (hot-spot migration).
+    admission:
+        ``none``        never reject here (the decode instance may still refuse after prefill);
+        ``early``       reject at arrival if TTFT > SLO or the decode TBT *now* > SLO;
+        ``predictive``  reject if TTFT > SLO or the decode TBT predicted for the moment this
+                        request would finish prefill > SLO (REFERENCE.md §3).
+    kvcache_balancing_threshold:
+        ratio ``best_len / p.prefix_len`` at or above which instance ``p`` is costed with the
+        best global prefix fetched to it (Algorithm 1 line "if best_len / p.prefix_len < t").
+    uniform_decode_s:
+        the t_d of §3: every decoding request is assumed to leave the batch t_d seconds after it
+        joined. ``None`` estimates it per request as max_output_tokens × the instance's current TBT.
+    """
+
+    strategy: Strategy = "kvcache-centric"
+    admission: Admission = "early"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.2
+    kvcache_balancing_threshold: float = 1.5
+    block_size: int = 512
+    uniform_decode_s: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.strategy in STRATEGIES,
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        require(self.admission in ADMISSIONS,
+                f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        require(self.ttft_slo_s > 0, f"ttft_slo_s must be positive, got {self.ttft_slo_s}")
+        require(self.tbt_slo_s > 0, f"tbt_slo_s must be positive, got {self.tbt_slo_s}")
+        require(self.kvcache_balancing_threshold >= 1.0,
+                f"kvcache_balancing_threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
+        require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")
+        require(self.uniform_decode_s is None or self.uniform_decode_s > 0,
+                f"uniform_decode_s must be positive, got {self.uniform_decode_s}")

@@ -1,0 +1,142 @@
+"""Cost models the scheduler predicts with: prefill time, decode step time (TBT), KV transfer.
+
+The coefficient dataclasses are fitted by least squares from measured samples (each prefill
+instance profiles itself at startup; ``mooncake bench pd --profile`` saves them) and travel as
+plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T", bound="_Coefficients")
+
+
+class _Coefficients:
+    """Shared dict round-trip with validation (a bad dict is a clear ValueError, never a crash later)."""
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown coefficient(s) {unknown}; expected {names}")
+        values = {}
+        for name in names:
+            if name not in data:
+                continue
+            v = data[name]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+                raise ValueError(f"{cls.__name__}.{name} must be a finite number, got {v!r}")
+            values[name] = float(v)
+        return cls(**values)
+
+
+def _lstsq(rows: list[list[float]], targets: list[float], num_coef: int, what: str) -> list[float]:
+    if len(rows) < num_coef:
+        raise ValueError(f"{what}: need at least {num_coef} samples, got {len(rows)}")
+    a = np.asarray(rows, dtype=np.float64)
+    b = np.asarray(targets, dtype=np.float64)
+    # Scale columns so the quadratic term (~1e8) and the constant (1) are equally conditioned.
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
+    return [float(c) for c in coef / scale]
+
+
+@dataclass(frozen=True)
+class PrefillCostModel(_Coefficients):
+    """Prefill execution seconds for ``n`` new tokens on top of ``p`` reused prefix tokens:
+
+    ``t = c0 + c1·n + c2·n·(p + n) + c3·p``
+
+    c1 is the linear (MLP/projection) cost, c2 the attention cost of n queries over p + n keys,
+    c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0).
+    """
+
+    c0: float = 0.0
+    c1: float = 0.0
+    c2: float = 0.0
+    c3: float = 0.0
+
+    def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
+        """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached."""
+        p = min(max(num_prefix_tokens, 0), max(num_tokens - 1, 0))  # the last token is always computed
+        n = num_tokens - p
+        return max(0.0, self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p)
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
+        """Least-squares fit from ``(num_tokens, num_prefix_tokens, seconds)`` samples."""
+        rows, ys = [], []
+        for num_tokens, prefix, seconds in samples:
+            n = num_tokens - prefix
+            rows.append([1.0, n, n * (prefix + n), prefix])
+            ys.append(seconds)
+        return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
+
+
+@dataclass(frozen=True)
+class DecodeCostModel(_Coefficients):
+    """Seconds per decode step (TBT) for a batch: ``t = c0 + c1·batch_size + c2·context_tokens``
+    (weights read once per step, per-sequence overhead, attention over all cached tokens)."""
+
+    c0: float = 0.0
+    c1: float = 0.0
+    c2: float = 0.0
+
+    def predict(self, batch_size: int, context_tokens: int) -> float:
+        """Predicted TBT of one step; an empty batch costs nothing."""
+        if batch_size <= 0:
+            return 0.0
+        return max(0.0, self.c0 + self.c1 * batch_size + self.c2 * context_tokens)
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> DecodeCostModel:
+        """Least-squares fit from ``(batch_size, context_tokens, step_seconds)`` samples."""
+        rows, ys = [], []
+        for batch_size, context_tokens, seconds in samples:
+            rows.append([1.0, batch_size, context_tokens])
+            ys.append(seconds)
+        return cls(*_lstsq(rows, ys, 3, "DecodeCostModel.fit"))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """2 (K and V) × layers × kv_heads × head_dim × dtype bytes — 327,680 for LLaMA2-70B fp16."""
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_transfer_time(num_bytes: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """Seconds to move ``num_bytes`` at a measured bandwidth (0 bytes cost nothing)."""
+    if num_bytes <= 0:
+        return 0.0
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
+    return latency_s + num_bytes / bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class CostModels:
+    """Cluster-wide defaults; an instance's own reported model (``state.cost``) wins over these."""
+
+    prefill: PrefillCostModel
+    decode: DecodeCostModel
+    kv_bytes_per_token: int
+    bandwidth_bytes_per_s: float = 10e9
+    transfer_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be positive, got {self.kv_bytes_per_token}")
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be positive, got {self.bandwidth_bytes_per_s}")

@@ -1,0 +1,51 @@
+"""What the scheduler answers: a plan the caller executes (or a rejection), with its reasons."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+# Why this prefill instance: it already holds the prefix ("local-hit"), it will fetch the prefix
+# from another store ("transfer"), nothing reusable so the least loaded won ("balance"), or the
+# random strategy drew it ("random").
+Route = Literal["local-hit", "transfer", "balance", "random"]
+# Why a request was refused: predicted TTFT or TBT over the SLO, or no eligible instance.
+RejectCause = Literal["ttft", "tbt", "no-prefill", "no-decode"]
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Hot-spot migration the caller should execute: copy ``keys`` (in prefix order) from
+    ``source_store_id`` into ``target_store_id`` (the chosen prefill instance's store), so the
+    prefill can reuse them and later requests find them locally."""
+
+    source_store_id: Hashable
+    target_store_id: Hashable
+    keys: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The scheduler's answer for one request.
+
+    On rejection ``accepted`` is False, ``reject_cause`` says why, and ``prefill_id``/``decode_id``
+    still name the best candidates found (for logs and statistics) — never dispatch them.
+    Block counts are in blocks of ``SchedulerConfig.block_size``; times are predicted seconds.
+    """
+
+    accepted: bool
+    reason: str
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    route: Route | None = None
+    reject_cause: RejectCause | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    predicted_queue_s: float = 0.0
+    predicted_prefill_s: float = 0.0
+    predicted_transfer_s: float = 0.0
+    reused_prefix_blocks: int = 0      # blocks the prefill will not recompute
+    local_prefix_blocks: int = 0       # of those, already in the chosen instance's store
+    transfer_source: Hashable | None = None  # store the rest comes from, if any
+    migration: Migration | None = None

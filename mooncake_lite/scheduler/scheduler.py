@@ -1,0 +1,84 @@
+"""The conductor's decision: Algorithm 1 (REFERENCE.md §2) plus overload admission (§3).
+
+Pure: no IO, no clock. The live conductor and the simulator both build a :class:`ClusterState`
+snapshot, call :meth:`Scheduler.schedule` with their ``now``, and execute the returned
+:class:`Decision` (dispatch prefill/decode, run the migration, or answer 429).
+"""
+
+from __future__ import annotations
+
+import random
+
+from mooncake_lite.scheduler.admission import choose_decode, slo_violation
+from mooncake_lite.scheduler.block_index import BlockIndex
+from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.scheduler.costs import CostModels
+from mooncake_lite.scheduler.decision import Decision, Migration
+from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
+from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
+
+
+def _route_reason(req: ScheduleRequest, c: PrefillChoice) -> str:
+    n = len(req.block_keys)
+    pid = c.instance.instance_id
+    if c.route == "transfer":
+        return (f"transfer from {c.source_store_id}: {c.reused_blocks - c.local_blocks} blocks to "
+                f"{pid} ({c.local_blocks}/{n} local)")
+    if c.route == "local-hit":
+        return f"local hit: {c.local_blocks}/{n} blocks on {pid}"
+    if c.route == "random":
+        return f"random: {pid}"
+    return f"balance: {pid} queue {c.queue_s:.3g}s"
+
+
+def _migration(req: ScheduleRequest, c: PrefillChoice) -> Migration | None:
+    """Algorithm 1 step 5: when the chosen instance was costed with the best prefix fetched
+    from another store, the caller must copy those blocks there (hot-spot replication)."""
+    if c.route != "transfer":
+        return None
+    keys = tuple(req.block_keys[c.local_blocks:c.reused_blocks])
+    return Migration(c.source_store_id, c.instance.store_id, keys)
+
+
+def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
+             config: SchedulerConfig, costs: CostModels, now: float,
+             rng: random.Random | None = None) -> Decision:
+    """Place one request. ``rng`` is required (and only used) by strategy ``random``."""
+    match = index.match(req.block_keys)
+    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng)
+    if p is None:
+        return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
+    plan = dict(prefill_id=p.instance.instance_id, route=p.route, predicted_ttft_s=p.ttft_s,
+                predicted_queue_s=p.queue_s, predicted_prefill_s=p.prefill_s,
+                predicted_transfer_s=p.transfer_s, reused_prefix_blocks=p.reused_blocks,
+                local_prefix_blocks=p.local_blocks, transfer_source=p.source_store_id)
+    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng)
+    if d is None:
+        return Decision(False, "rejected: no decode instance with room", reject_cause="no-decode",
+                        **plan)
+    plan.update(decode_id=d.instance.instance_id, predicted_tbt_s=d.tbt_s)
+    violation = slo_violation(config, p.ttft_s, d.tbt_s)
+    if violation is not None:
+        cause, reason = violation
+        return Decision(False, reason, reject_cause=cause, **plan)
+    reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
+    return Decision(True, reason, migration=_migration(req, p), **plan)
+
+
+class Scheduler:
+    """Holds the policy, the cost models, the global block index and the rng between calls.
+
+    The owner feeds store events into ``index`` (``index.apply(event)``) and calls
+    :meth:`schedule` per request; swapping ``costs`` when instances report new profiles is a
+    plain attribute assignment (CostModels is immutable)."""
+
+    def __init__(self, config: SchedulerConfig, costs: CostModels, index: BlockIndex | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.costs = costs
+        self.index = index if index is not None else BlockIndex()
+        self.rng = rng if rng is not None else random.Random(0)
+
+    def schedule(self, req: ScheduleRequest, cluster: ClusterState, now: float) -> Decision:
+        return schedule(req, cluster, index=self.index, config=self.config, costs=self.costs,
+                        now=now, rng=self.rng)

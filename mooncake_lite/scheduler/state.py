@@ -1,0 +1,91 @@
+"""What the scheduler is told: the request and a snapshot of every live instance.
+
+All plain frozen dataclasses so the live conductor (from heartbeats and its own bookkeeping) and
+the simulator (from its event queue) can build them cheaply. Times are seconds on the caller's
+clock; the scheduler only ever compares them with the ``now`` it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """One request to place. ``block_keys`` are the chained keys of its *full* prompt blocks
+    (16-byte ``bytes`` live, ints in the simulator); ``num_tokens`` is the whole prompt length."""
+
+    request_id: str
+    block_keys: tuple[Hashable, ...]
+    num_tokens: int
+    max_output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens <= 0:
+            raise ValueError(f"request {self.request_id}: num_tokens must be positive, got {self.num_tokens}")
+        if self.max_output_tokens <= 0:
+            raise ValueError(f"request {self.request_id}: max_output_tokens must be positive, "
+                             f"got {self.max_output_tokens}")
+
+
+@dataclass(frozen=True)
+class QueuedPrefill:
+    """Prefill work already assigned to an instance, in execution order.
+
+    ``started_at`` is set for the job(s) executing now (remaining time = predicted − elapsed);
+    ``decode_id`` is where its KV goes afterwards, which predictive admission needs.
+    """
+
+    request_id: str
+    num_tokens: int
+    num_prefix_tokens: int = 0
+    decode_id: str | None = None
+    started_at: float | None = None
+
+
+@dataclass(frozen=True)
+class PrefillInstanceState:
+    """A prefill instance: its local store (where its prefix hits come from), queued work,
+    measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported."""
+
+    instance_id: str
+    store_id: Hashable
+    queue: tuple[QueuedPrefill, ...] = ()
+    bandwidth_bytes_per_s: float | None = None
+    cost: PrefillCostModel | None = None
+
+
+@dataclass(frozen=True)
+class DecodingRequest:
+    """A request in (or committed to) a decode instance's continuous batch.
+
+    ``context_tokens`` is prompt + tokens generated so far; ``joined_at`` is when it entered the
+    batch (used with t_d by predictive admission)."""
+
+    request_id: str
+    context_tokens: int
+    joined_at: float
+    max_output_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class DecodeInstanceState:
+    """A decode instance and its running batch. ``max_batch_size`` / ``max_context_tokens``
+    (None = unlimited) make a full instance ineligible."""
+
+    instance_id: str
+    running: tuple[DecodingRequest, ...] = ()
+    max_batch_size: int | None = None
+    max_context_tokens: int | None = None
+    cost: DecodeCostModel | None = None
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """Snapshot of the live instances at decision time (dead ones already left out)."""
+
+    prefills: tuple[PrefillInstanceState, ...] = field(default_factory=tuple)
+    decodes: tuple[DecodeInstanceState, ...] = field(default_factory=tuple)
