@@ -1,0 +1,176 @@
+"""Control-plane wire messages between conductor, prefill, decode and store (HTTP + JSON).
+
+One frozen dataclass per message. Bulk KV never travels here: it goes as raw binary frames over
+the transfer sockets (``mooncake_lite/transfer``). Keys travel as hex strings.
+
+Request path (see docs/architecture.md):
+  conductor --POST /v1/generate  GenerateRequest--> decode   (NDJSON stream of TokenEvent back)
+  conductor --POST /v1/prefill   PrefillRequest --> prefill  (PrefillResult back when done)
+  prefill   --KV frames (transfer_id)-----------> decode data port; the end frame carries the first token
+  conductor --POST /v1/abort     AbortRequest   --> prefill / decode on client disconnect
+Membership:
+  prefill/decode --POST /internal/v1/register  Register  --> conductor (409 + error on mismatch)
+  prefill/decode --POST /internal/v1/heartbeat Heartbeat --> conductor every heartbeat interval
+  store          --POST /internal/v1/block_events BlockEvents --> conductor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import orjson
+
+M = TypeVar("M")
+
+
+class ProtocolError(ValueError):
+    """A message is malformed: wrong JSON, missing or mistyped fields."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Conductor -> decode: reserve room for a request whose KV will arrive under ``transfer_id``."""
+    request_id: str
+    transfer_id: str
+    prompt_len: int
+    sampling: Sampling
+    kv_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Decode -> conductor, one NDJSON line per event. ``token`` events start at the *second*
+    generated token (the first comes from prefill); the last line has ``finish_reason``
+    ("stop", "length", "abort", "error") and ``error`` when it failed."""
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Conductor -> prefill. ``prefix_keys`` are the keys the conductor expects to be reusable
+    (the instance verifies against its store); ``migrate_from`` names a peer store to pull
+    ``migrate_keys`` from first (hot-spot migration)."""
+    request_id: str
+    transfer_id: str
+    token_ids: tuple[int, ...]
+    decode_data: str                      # "host:port" of the decode instance's data socket
+    sampling: Sampling
+    prefix_keys: tuple[str, ...] = ()
+    migrate_from: str | None = None
+    migrate_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_prefix_tokens: int                # tokens whose KV was loaded instead of computed
+    num_computed_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Register:
+    role: str                             # "prefill" | "decode"
+    instance_id: str
+    http: str                             # "host:port"
+    data: str | None                      # data socket "host:port" (decode: where KV streams to)
+    store: str | None                     # the store data "host:port" this instance reads/writes
+    model: str
+    block_size: int
+    hash_seed: int
+    kv_bytes_per_token: int
+    max_context: int
+    cost: dict[str, Any] = field(default_factory=dict)   # fitted cost coefficients (scheduler costs)
+    pipeline_stages: int = 1
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    instance_id: str
+    load: dict[str, float] = field(default_factory=dict)  # e.g. queued_s, num_running, context_tokens, free_blocks
+
+
+@dataclass(frozen=True)
+class BlockEvents:
+    store: str
+    stored: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()
+
+
+def dumps(msg: Any) -> bytes:
+    return orjson.dumps(dataclasses.asdict(msg))
+
+
+def from_dict(cls: type[M], data: Any) -> M:
+    """Build ``cls`` from decoded JSON, checking field names and scalar types."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{cls.__name__}: expected a JSON object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+def loads(cls: type[M], raw: bytes | str) -> M:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"{cls.__name__}: invalid JSON: {exc}") from None
+    return from_dict(cls, data)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        return tuple(_coerce(args[0], v, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected an object")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (not isinstance(value, hint) or
+                                            (hint is int and isinstance(value, bool))):
+        raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return value

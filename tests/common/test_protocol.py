@@ -1,0 +1,22 @@
+import pytest
+
+from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, ProtocolError, Sampling, dumps,
+                                            loads)
+
+
+def test_round_trip_nested():
+    msg = PrefillRequest("r1", "t1", (1, 2, 3), "127.0.0.1:9", Sampling(max_tokens=4, seed=3), prefix_keys=("ab",))
+    assert loads(PrefillRequest, dumps(msg)) == msg
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b"{", "invalid JSON"),
+    (b"[]", "expected a JSON object"),
+    (b'{"request_id": "r"}', "missing field"),
+    (b'{"request_id": 1, "transfer_id": "t", "prompt_len": 3, "sampling": {}}', "expected str"),
+    (b'{"request_id": "r", "transfer_id": "t", "prompt_len": true, "sampling": {}}', "expected int"),
+    (b'{"request_id": "r", "transfer_id": "t", "prompt_len": 3, "sampling": {}, "x": 1}', "unknown field"),
+])
+def test_malformed_messages_are_clear(raw, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        loads(GenerateRequest, raw)
