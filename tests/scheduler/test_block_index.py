@@ -1,0 +1,108 @@
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.scheduler import BlockEvent, BlockIndex
+
+
+def test_match_reports_each_stores_leading_run_and_the_best():
+    idx = BlockIndex()
+    idx.add("a", [1, 2, 3])
+    idx.add("b", [1, 2, 3, 4, 5])
+    idx.add("c", [2, 3, 4])            # holds later blocks but not the first: prefix length 0
+    m = idx.match([1, 2, 3, 4, 5, 6])
+    assert (m.best_len, m.best_store_id) == (5, "b")
+    assert m.lengths == {"a": 3, "b": 5}
+    assert m.length_at("c") == 0 and m.length_at("nobody") == 0
+
+
+def test_a_gap_ends_the_prefix_even_if_later_blocks_are_held():
+    idx = BlockIndex()
+    idx.add("a", [1, 2, 4, 5])
+    assert idx.match([1, 2, 3, 4, 5]).lengths == {"a": 2}
+    assert idx.prefix_len([1, 2, 3, 4, 5], "a") == 2
+
+
+def test_eviction_shortens_the_match_and_counts_stay_right():
+    idx = BlockIndex()
+    idx.apply(BlockEvent("a", "stored", (1, 2, 3)))
+    idx.apply(BlockEvent("a", "stored", (1, 2, 3)))   # idempotent
+    assert idx.num_blocks("a") == 3 and len(idx) == 3
+    idx.apply(BlockEvent("a", "evicted", (2, 99)))    # unknown key ignored
+    assert idx.num_blocks("a") == 2
+    assert idx.match([1, 2, 3]).lengths == {"a": 1}
+    idx.remove("never-seen", [1])                      # unknown store ignored
+    assert idx.holders(1) == ["a"]
+
+
+def test_bad_event_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown block event kind"):
+        BlockIndex().apply(BlockEvent("a", "moved", (1,)))  # type: ignore[arg-type]
+
+
+def test_drop_store_forgets_it_and_its_slot_is_reused():
+    idx = BlockIndex()
+    idx.add("a", [1, 2])
+    idx.add("b", [1])
+    assert idx.drop_store("a") == 2
+    assert idx.match([1, 2]).lengths == {"b": 1}
+    assert len(idx) == 1
+    idx.add("c", [7])                                   # takes a's freed slot
+    assert idx.holders(1) == ["b"] and idx.holders(7) == ["c"]
+    assert idx.match([1, 2]).lengths == {"b": 1}        # c did not inherit a's blocks
+    assert idx.drop_store("a") == 0
+
+
+def test_ties_go_to_the_store_registered_first():
+    idx = BlockIndex()
+    idx.add("z", [1, 2])
+    idx.add("a", [1, 2])
+    assert idx.match([1, 2, 3]).best_store_id == "z"
+
+
+def test_empty_request_or_empty_index():
+    idx = BlockIndex()
+    m = idx.match([1, 2])
+    assert (m.best_len, m.best_store_id, m.lengths) == (0, None, {})
+    idx.add("a", [1])
+    assert idx.match([]).best_len == 0
+
+
+def test_works_with_real_16_byte_chained_keys():
+    keys = prefix_hash(list(range(64)), 16)
+    idx = BlockIndex()
+    idx.add(("10.0.0.1", 7000), keys[:3])
+    assert idx.match(keys).lengths == {("10.0.0.1", 7000): 3}
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "drop"]), st.integers(0, 4),
+                         st.lists(st.integers(0, 9), max_size=6)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.lists(st.integers(0, 9), max_size=8))
+def test_matches_a_brute_force_model(operations, request_keys):
+    idx, model = BlockIndex(), {}
+    for op, store, keys in operations:
+        if op == "add":
+            idx.add(store, keys)
+            model.setdefault(store, set()).update(keys)
+        elif op == "remove":
+            idx.remove(store, keys)
+            model.get(store, set()).difference_update(keys)
+        else:
+            idx.drop_store(store)
+            model.pop(store, None)
+    expected = {}
+    for store, held in model.items():
+        n = 0
+        while n < len(request_keys) and request_keys[n] in held:
+            n += 1
+        if n:
+            expected[store] = n
+    m = idx.match(request_keys)
+    assert m.lengths == expected
+    assert m.best_len == max(expected.values(), default=0)
+    for store in model:
+        assert idx.num_blocks(store) == len(model[store])
+        assert idx.prefix_len(request_keys, store) == expected.get(store, 0)
