@@ -1,0 +1,136 @@
+"""The binary frame: fixed header + small orjson meta + raw payload bytes.
+
+Wire layout (little-endian), one frame::
+
+    magic   4s   b"MCKL"
+    version u8   1
+    op      u8   operation code (0 = HELLO handshake; others are defined by the user of the layer)
+    flags   u16  FLAG_REPLY | FLAG_ERROR
+    req_id  u64  request id chosen by the requester, echoed by the reply
+    meta    u32  length of the orjson meta (a JSON object; 0 = empty)
+    payload u64  length of the raw payload that follows the meta
+
+The payload is opaque bytes, usually several blocks back to back; the meta says how to split it
+(e.g. ``"sizes": [...]``). No pickle, no JSON for bulk bytes. Senders pass the header, the meta
+and the payload buffers to one ``transport.writelines`` call (scatter/gather, no concatenation).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+MAGIC = b"MCKL"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIQ")
+HEADER_BYTES = HEADER.size  # 28
+
+OP_HELLO = 0  # handshake: client -> server {"token": ..., "client": ...}; reply {"ok": true}
+
+FLAG_REPLY = 0x1
+FLAG_ERROR = 0x2  # reply carries {"error": code, "message": text}
+
+Buffer = bytes | bytearray | memoryview
+
+
+class FrameError(ValueError):
+    """A frame violates the protocol (bad magic/version, too large, undecodable meta)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Largest meta and payload a receiver accepts; anything larger closes the connection."""
+    max_meta_bytes: int = 4 << 20
+    max_payload_bytes: int = 1 << 34  # 16 GiB: a batch of many large blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    flags: int
+    request_id: int
+    meta_len: int
+    payload_len: int
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & FLAG_REPLY)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & FLAG_ERROR)
+
+
+@dataclass(slots=True)
+class Frame:
+    """A received frame. ``payload`` is the list of buffers the payload was received into."""
+    header: Header
+    meta: dict[str, Any]
+    payload: list[memoryview]
+
+    @property
+    def op(self) -> int:
+        return self.header.op
+
+    @property
+    def request_id(self) -> int:
+        return self.header.request_id
+
+    def payload_bytes(self) -> bytes:
+        """The whole payload as one bytes object (a copy; for small payloads and tests)."""
+        return b"".join(self.payload)
+
+
+def decode_header(data: Buffer, limits: Limits) -> Header:
+    """Parse and validate ``HEADER_BYTES`` bytes. Raises FrameError with a readable reason."""
+    magic, version, op, flags, request_id, meta_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r} (not a mooncake-lite peer?)")
+    if version != VERSION:
+        raise FrameError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if meta_len > limits.max_meta_bytes:
+        raise FrameError(f"meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise FrameError(f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}")
+    return Header(op, flags, request_id, meta_len, payload_len)
+
+
+def decode_meta(data: Buffer) -> dict[str, Any]:
+    if not len(data):
+        return {}
+    try:
+        meta = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise FrameError(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise FrameError(f"meta must be a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def as_bytes_view(buf: Buffer) -> memoryview:
+    """A flat unsigned-byte view of any contiguous buffer (numpy/torch arrays included)."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def encode_frame(op: int, request_id: int, meta: dict[str, Any] | None = None,
+                 payload: Sequence[Buffer] = (), flags: int = 0) -> list[Buffer]:
+    """The buffers of one frame, ready for ``transport.writelines`` (payload is not copied)."""
+    meta_bytes = orjson.dumps(meta) if meta else b""
+    payload_len = 0
+    for buf in payload:
+        payload_len += buf.nbytes if isinstance(buf, memoryview) else len(buf)
+    header = HEADER.pack(MAGIC, VERSION, op, flags, request_id, len(meta_bytes), payload_len)
+    parts: list[Buffer] = [header + meta_bytes] if meta_bytes else [header]
+    parts.extend(payload)
+    return parts
+
+
+def payload_length(buffers: Iterable[Buffer]) -> int:
+    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
