@@ -34,8 +34,10 @@ def bound_port(site: web.TCPSite) -> int:
 
 async def serve_app(app: web.Application, host: str, port: int, *, role: str,
                     extra_addresses: Callable[[], dict[str, str]] | None = None,
-                    shutdown_timeout: float = 10.0) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``."""
+                    shutdown_timeout: float = 10.0,
+                    on_ready: Callable[[dict[str, str]], None] | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``.
+    ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the conductor)."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -48,6 +50,8 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     if extra_addresses:
         addresses.update(extra_addresses())
     announce_ready(role, **addresses)
+    if on_ready is not None:
+        on_ready(addresses)
     log.info("%s serving on %s", role, addresses)
     try:
         await stop.wait()
