@@ -1,0 +1,80 @@
+"""Continuous batching in aggregate steps.
+
+Between two changes of batch membership every step of a batch costs the same (the step time
+is computed from batch size and context at the segment start), so a run of K steps is one
+log entry ``(gap, K)`` instead of K events. A segment ends at the step where the first running
+request finishes, or earlier at the step boundary after a new request arrives. Context grows
+by one token per request per step; only the step *time* ignores the growth inside a segment
+(segments are short: a few seconds, tens of tokens on top of thousands).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from mooncake_lite.scheduler.costs import DecodeCostModel
+from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, slowest_share_mean
+
+
+class Batch:
+    """The running requests of one decode engine and the log of its steps."""
+
+    __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log")
+
+    def __init__(self, model: DecodeCostModel) -> None:
+        self.model = model
+        self.running: dict[str, SimRequest] = {}
+        self._heap: list[tuple[int, int, SimRequest]] = []
+        self._seq = 0
+        self.steps_done = 0
+        self.context_tokens = 0
+        self.log: list[Segment] = []
+
+    def add(self, req: SimRequest, now: float) -> None:
+        """Join at a step boundary ``now``; the request needs output_length − 1 more tokens
+        (its first token came from prefill)."""
+        req.join_step = self.steps_done
+        req.join_log = len(self.log)
+        req.wait_extra = now - req.first_token
+        self.running[req.rid] = req
+        self._seq += 1
+        heapq.heappush(self._heap, (self.steps_done + req.output_length - 1, self._seq, req))
+        self.context_tokens += req.input_length + 1
+
+    def step_time(self) -> float:
+        return self.model.predict(len(self.running), self.context_tokens)
+
+    def steps_to_next_finish(self) -> int:
+        return self._heap[0][0] - self.steps_done
+
+    def stall(self, seconds: float) -> None:
+        """The engine did something else (a colocated prefill) for ``seconds``."""
+        if self.running:
+            self.log.append((seconds, 0))
+
+    def advance(self, num_steps: int, gap: float) -> list[SimRequest]:
+        """Run ``num_steps`` steps of ``gap`` seconds; return the requests that finished."""
+        if num_steps <= 0:
+            return []
+        self.log.append((gap, num_steps))
+        self.steps_done += num_steps
+        self.context_tokens += num_steps * len(self.running)
+        done: list[SimRequest] = []
+        heap = self._heap
+        end = len(self.log)
+        while heap and heap[0][0] <= self.steps_done:
+            _, _, req = heapq.heappop(heap)
+            del self.running[req.rid]
+            self.context_tokens -= req.input_length + req.output_length
+            gaps = fold_gaps(self.log, req.join_log, end, req.wait_extra)
+            req.tbt = slowest_share_mean(gaps)
+            req.num_gaps = sum(c for _, c in gaps)
+            req.mean_gap = sum(g * c for g, c in gaps) / req.num_gaps
+            done.append(req)
+        return done
+
+    def context_of(self, req: SimRequest) -> int:
+        return req.input_length + 1 + self.steps_done - req.join_step
+
+    def __len__(self) -> int:
+        return len(self.running)

@@ -1,0 +1,180 @@
+"""The Mooncake cluster simulation: the conductor's scheduling core driven by simulated time.
+
+Per request: arrival → ``Scheduler.schedule`` (the live conductor's code, unchanged) → reject,
+or (optional hot-spot migration over the target's inbound link) → FIFO prefill on the chosen
+instance (reusing what its store really holds when the job starts) → KV stream to the chosen
+decode instance (overlapped with prefill, layer-wise) → the decode's local double check
+(``decode_admits``) → continuous batching until the last token.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
+                                     decode_admits, prefill_queue_time)
+from mooncake_lite.sim.batch import Batch
+from mooncake_lite.sim.config import SimConfig
+from mooncake_lite.sim.costs import Hardware, get_hardware
+from mooncake_lite.sim.events import EventQueue
+from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cached_prefix, cpp_cost_model
+from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.request import SimRequest
+from mooncake_lite.store.eviction import BlockCache
+from mooncake_lite.trace.format import TraceRequest
+
+
+class MooncakeSim:
+    """One run over one trace. ``run()`` returns a :class:`SimResult`; every request ends
+    exactly once, as completed or rejected."""
+
+    def __init__(self, cfg: SimConfig, hardware: Hardware | None = None,
+                 scheduler: Scheduler | None = None) -> None:
+        self.cfg = cfg
+        self.hw = hw = hardware or get_hardware(cfg.hardware)
+        self.block_size = cfg.scheduler.block_size
+        self.costs = CostModels(prefill=hw.prefill, decode=hw.decode, kv_bytes_per_token=hw.kv_bytes_per_token,
+                                bandwidth_bytes_per_s=hw.network_bytes_per_s)
+        self.scheduler = scheduler or Scheduler(cfg.scheduler, self.costs, rng=random.Random(cfg.seed))
+        self.events = EventQueue()
+        capacity = cfg.store_blocks_per_node
+        if capacity is None:
+            capacity = hw.dram_blocks() * cfg.cpp_group_size
+        group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
+        self.prefills = [PrefillNode(f"P{i}", BlockCache(capacity, cfg.eviction), hw, cfg.cpp_group_size,
+                                     cfg.prefill_chunk, group_cost) for i in range(cfg.num_prefill)]
+        self.prefill_by_id = {p.instance_id: p for p in self.prefills}
+        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode), self.events, cfg.decode_max_batch,
+                                   hw.decode_max_context_tokens, self._finish)
+                        for i in range(cfg.num_decode)]
+        self.decode_by_id = {d.instance_id: d for d in self.decodes}
+        self.recorder = Recorder(self, cfg.sample_interval_s)
+        self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
+
+    # ---- conductor ---------------------------------------------------------------------------
+    def cluster_state(self, now: float) -> ClusterState:
+        return ClusterState(tuple(p.state() for p in self.prefills),
+                            tuple(d.state(now) for d in self.decodes))
+
+    def _arrive(self, now: float, req: SimRequest) -> None:
+        self.recorder.arrived()
+        self._push_next_arrival()
+        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
+        decision = self.scheduler.schedule(sreq, self.cluster_state(now), now)
+        if self.decisions is not None:
+            self.decisions.append(decision)
+        if not decision.accepted:
+            return self._reject(now, req, "conductor", decision.reject_cause)
+        slo = self.cfg.scheduler.ttft_slo_s
+        if self.cfg.local_ttft_check and decision.predicted_ttft_s is not None and decision.predicted_ttft_s > slo:
+            return self._reject(now, req, "prefill", "ttft")
+        p = self.prefill_by_id[decision.prefill_id]
+        req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
+        req.predicted_ttft = decision.predicted_ttft_s
+        req.planned_prefix_tokens = min(decision.reused_prefix_blocks * self.block_size, req.input_length - 1)
+        req.ready_at = now
+        if decision.migration is not None and decision.migration.keys:
+            m = decision.migration
+            src = self.prefill_by_id.get(m.source_store_id)
+            if src is not None:
+                src.cache.match_prefix(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
+            req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
+            self.recorder.migrated(len(m.keys))
+        p.waiting.append(req)
+        p.touched()
+        if p.current is None:
+            self._start_prefill(now, p)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def _start_prefill(self, now: float, p: PrefillNode) -> None:
+        if p.current is not None or not p.waiting:
+            return
+        req = p.waiting[0]
+        if req.ready_at > now:  # FIFO: the head waits for its KV fetch
+            self.events.push(req.ready_at, self._wake_prefill, p)
+            return
+        p.waiting.popleft()
+        p.current = req
+        req.prefill_start = now
+        if req.planned_prefix_tokens and cached_prefix(p.cache, req.keys) * self.block_size < req.planned_prefix_tokens:
+            self._store(p, req.keys[: req.planned_prefix_tokens // self.block_size])  # the fetched blocks
+        hits = cached_prefix(p.cache, req.keys)
+        req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
+        duration = p.true_seconds(req.input_length, req.reused_tokens)
+        p.busy_s += duration
+        p.touched()
+        self.events.push(now + duration, self._prefill_done, p)
+
+    def _wake_prefill(self, now: float, p: PrefillNode) -> None:
+        self._start_prefill(now, p)
+
+    def _store(self, p: PrefillNode, keys: Sequence) -> None:
+        evicted = p.cache.insert_chain(keys)
+        index = self.scheduler.index
+        if evicted:
+            index.remove(p.store_id, evicted)
+        index.add(p.store_id, keys[: cached_prefix(p.cache, keys)])
+
+    def _prefill_done(self, now: float, p: PrefillNode) -> None:
+        req = p.current
+        p.current = None
+        p.touched()
+        self._store(p, req.keys)
+        req.first_token = now
+        if req.output_length <= 1:
+            req.finish = now
+            self._finish(now, req)
+        else:
+            kv_bytes = req.input_length * self.hw.kv_bytes_per_token
+            arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
+            self.events.push(arrival, self._kv_arrived, req)
+        self._start_prefill(now, p)
+
+    # ---- decode ------------------------------------------------------------------------------
+    def _kv_arrived(self, now: float, req: SimRequest) -> None:
+        d = self.decode_by_id[req.decode_id]
+        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
+        if not decode_admits(d.state(now), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
+            return self._reject(now, req, "decode", "tbt")
+        d.arrive(now, req)
+
+    def _finish(self, now: float, req: SimRequest) -> None:
+        req.status = "completed"
+        self.recorder.ended(req)
+
+    def _reject(self, now: float, req: SimRequest, stage: str, cause: str | None) -> None:
+        req.status, req.reject_stage, req.reject_cause, req.finish = "rejected", stage, cause, now
+        self.recorder.ended(req)
+
+    def sample(self, now: float) -> dict[str, float]:
+        """Load as the paper plots it (Fig. 9/10): prefill = mean predicted queue time over the
+        TTFT SLO; decode = mean step time (TBT) over the TBT SLO; plus raw counts."""
+        sc = self.cfg.scheduler
+        queue = [prefill_queue_time(p.state(), self.costs, now) for p in self.prefills]
+        tbts = [d.batch.step_time() for d in self.decodes]
+        return {"prefill_load": sum(queue) / len(queue) / sc.ttft_slo_s,
+                "decode_load": sum(tbts) / len(tbts) / sc.tbt_slo_s,
+                "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) for p in self.prefills)),
+                "decode_running": float(sum(len(d.batch) for d in self.decodes))}
+
+    # ---- driver ------------------------------------------------------------------------------
+    def _push_next_arrival(self) -> None:
+        if self._next < len(self._trace):
+            tr = self._trace[self._next]
+            self._next += 1
+            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
+
+    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``trace`` (sorted by arrival) to the end; ``progress(n)`` is called with the
+        number of requests ended so far, now and then."""
+        if self.events.num_events:
+            raise RuntimeError("a MooncakeSim runs once; build a new one")
+        self._trace, self._next = list(trace), 0
+        self.recorder.start(len(self._trace), progress)
+        wall = time.perf_counter()
+        self._push_next_arrival()
+        self.events.run()
+        return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events)
+

@@ -1,0 +1,72 @@
+"""What to simulate: cluster shape, hardware, stores, scheduler policy, seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.store.eviction import POLICY_NAMES
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A Mooncake cluster of ``num_prefill`` prefill instances (each a CPP group of
+    ``cpp_group_size`` nodes) and ``num_decode`` decode instances, one node each.
+
+    local_ttft_check:
+        with admission ``none``, a prefill instance still refuses a request whose predicted TTFT
+        is over the SLO when it arrives (the paper's Table 3 "baseline": each stage checks only
+        its own SLO, when the request reaches it). Off = nothing is ever refused for TTFT.
+    decode_snapshot:
+        ``membership`` (default): the conductor's view of a decode batch is refreshed whenever a
+        request joins or leaves it, as the live conductor learns from its own dispatches and the
+        decode's completions; context lengths in between lag by the tokens generated since.
+    """
+
+    num_prefill: int = 8
+    num_decode: int = 8
+    cpp_group_size: int = 1
+    prefill_chunk: int = 8192
+    hardware: str = "llama2-70b-a800"
+    eviction: str = "lru"
+    store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    local_ttft_check: bool = False
+    decode_max_batch: int | None = None
+    sample_interval_s: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        if self.cpp_group_size < 1 or self.prefill_chunk < 1:
+            raise ValueError("cpp_group_size and prefill_chunk must be >= 1")
+        if self.eviction not in POLICY_NAMES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
+        if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:
+            raise ValueError("store_blocks_per_node must be >= 0")
+        if self.sample_interval_s <= 0:
+            raise ValueError("sample_interval_s must be positive")
+
+
+@dataclass(frozen=True)
+class ColocatedConfig:
+    """The vLLM-style baseline: ``num_instances`` instances each doing prefill and decode with
+    continuous batching, prefix caching local to the instance (in GPU memory), and prefill
+    steps that stall the running decode batch (prefill-priority scheduling as in vLLM v0)."""
+
+    num_instances: int = 16
+    hardware: str = "llama2-70b-a800"
+    eviction: str = "lru"
+    routing: str = "cache-aware"
+    max_batch: int | None = None
+    sample_interval_s: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_instances < 1:
+            raise ValueError("need at least one instance")
+        if self.routing not in ("cache-aware", "load-balance", "random"):
+            raise ValueError(f"routing must be cache-aware, load-balance or random, got {self.routing!r}")
+        if self.eviction not in POLICY_NAMES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")

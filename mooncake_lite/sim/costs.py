@@ -1,0 +1,156 @@
+"""Hardware cost presets for the simulator, and loading a live profile.
+
+The simulator's "truth" uses the scheduler's own coefficient classes
+(:class:`~mooncake_lite.scheduler.costs.PrefillCostModel`, ``DecodeCostModel``), so with
+``noise=0`` the conductor predicts exactly what the simulated hardware then does.
+
+``llama2-70b-a800`` (the paper's dummy model on 8×A800 nodes, REFERENCE.md §5):
+  * prefill: the FAST'25 FLOPs model ``l·(a·n²·d + b·n·d²)`` (a=4, b=22, l=80, d=8192) divided
+    by one effective throughput, plus a fixed overhead, both fitted (relative least squares)
+    to the measured TP8 batch-1 times 512→94 ms, 2k→274 ms, 8k→1,544 ms. The fit is within
+    ±14% of those points (see :func:`calibration_table`); a free 3-parameter fit would pass
+    through them exactly but makes attention 6× costlier than its FLOPs and 128k prompts
+    take 212 s, which no FlashAttention-era system shows, so the FLOPs shape is kept.
+    With a prefix of p tokens the n new tokens cost ``b·n·d²`` plus attention ``a·n·(p+n)·d``.
+  * decode step: ``c0 + c1·batch + c2·context``: c0 = 44.8 ms (≈45 ms/token at small batch),
+    c1 = 0.15 ms per sequence (2·70e9 FLOPs at the prefill's effective rate + sampling),
+    c2 = KV bytes per token / (8 × 2.0 TB/s HBM × 0.6 achieved) ≈ 34 ns per context token.
+  * KV 327,680 B/token; decode KV capacity (8×80 GB × 0.9 − 138 GB weights) ≈ 1.34 M tokens;
+    DRAM 1 TB per node (≈ 4,770 blocks of 512 tokens at 80% usable);
+    RDMA 800 Gbps at 90% = 90 GB/s between nodes; DRAM→GPU 8 × 25 GB/s PCIe for local prefix loads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel, kv_bytes_per_token
+
+# FAST'25 FLOPs model constants for LLaMA2-70B (REFERENCE.md §5).
+LAYERS, HIDDEN, ATTN_A, MLP_B = 80, 8192, 4, 22
+MEASURED_PREFILL_S = {512: 0.094, 2048: 0.274, 8192: 1.544}  # 8×A100 TP8, batch 1
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Everything the simulator needs to know about one node type and the network."""
+
+    name: str
+    prefill: PrefillCostModel
+    decode: DecodeCostModel
+    kv_bytes_per_token: int
+    network_bytes_per_s: float          # between nodes (KV fetch, prefill→decode stream)
+    local_load_bytes_per_s: float       # store DRAM → GPU of the same node
+    decode_max_context_tokens: int | None
+    dram_bytes_per_node: int
+    dram_usable_fraction: float = 0.8
+    block_size: int = 512
+
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    def dram_blocks(self) -> int:
+        """Blocks of ``block_size`` tokens one node's store can hold."""
+        return int(self.dram_bytes_per_node * self.dram_usable_fraction // self.block_bytes())
+
+    def prefill_seconds(self, num_tokens: int, num_prefix_tokens: int) -> float:
+        """True prefill time: compute, with the local prefix load hidden by layer-wise overlap
+        unless it is the longer of the two (REFERENCE.md §1)."""
+        compute = self.prefill.predict(num_tokens, num_prefix_tokens)
+        load = num_prefix_tokens * self.kv_bytes_per_token / self.local_load_bytes_per_s
+        return max(compute, load)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "network_bytes_per_s": self.network_bytes_per_s,
+                "local_load_bytes_per_s": self.local_load_bytes_per_s,
+                "decode_max_context_tokens": self.decode_max_context_tokens,
+                "dram_bytes_per_node": self.dram_bytes_per_node,
+                "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size}
+
+
+def _flops(n: float) -> float:
+    return LAYERS * (ATTN_A * n * n * HIDDEN + MLP_B * n * HIDDEN * HIDDEN)
+
+
+def fit_flops_prefill(measured: dict[int, float]) -> tuple[float, float]:
+    """(overhead_s, seconds_per_flop) minimising the relative error over ``measured``."""
+    # Weighted normal equations for t ≈ c0 + k·flops with weights 1/t (relative error).
+    rows = [(1.0 / t, _flops(n) / t) for n, t in measured.items()]
+    s00 = sum(a * a for a, _ in rows); s01 = sum(a * b for a, b in rows); s11 = sum(b * b for _, b in rows)
+    y0 = sum(a for a, _ in rows); y1 = sum(b for _, b in rows)   # targets are t/t = 1
+    det = s00 * s11 - s01 * s01
+    return (y0 * s11 - y1 * s01) / det, (s00 * y1 - s01 * y0) / det
+
+
+def llama2_70b_a800() -> Hardware:
+    overhead, per_flop = fit_flops_prefill(MEASURED_PREFILL_S)
+    prefill = PrefillCostModel(c0=overhead, c1=per_flop * LAYERS * MLP_B * HIDDEN * HIDDEN,
+                               c2=per_flop * LAYERS * ATTN_A * HIDDEN, c3=0.0)
+    kvb = kv_bytes_per_token(num_layers=80, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    hbm = 8 * 2.0e12 * 0.6
+    decode = DecodeCostModel(c0=0.0448, c1=1.5e-4, c2=kvb / hbm)
+    max_ctx = int((8 * 80e9 * 0.9 - 138e9) // kvb)
+    return Hardware(name="llama2-70b-a800", prefill=prefill, decode=decode, kv_bytes_per_token=kvb,
+                    network_bytes_per_s=800e9 / 8 * 0.9, local_load_bytes_per_s=8 * 25e9,
+                    decode_max_context_tokens=max_ctx, dram_bytes_per_node=10**12)
+
+
+PRESETS = {"llama2-70b-a800": llama2_70b_a800}
+
+
+def calibration_table(hw: Hardware) -> list[dict[str, float]]:
+    """Measured vs modelled prefill time at the calibration points."""
+    return [{"tokens": n, "measured_s": t, "model_s": hw.prefill.predict(n, 0),
+             "error": hw.prefill.predict(n, 0) / t - 1} for n, t in MEASURED_PREFILL_S.items()]
+
+
+def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
+    """Hardware from a live-profile JSON (``mooncake bench pd --profile out.json``).
+
+    Format (all but ``prefill`` optional; missing fields come from ``base``, default the
+    A800 preset)::
+
+        {"name": "...", "prefill": {"c0":..,"c1":..,"c2":..,"c3":..},
+         "decode": {"c0":..,"c1":..,"c2":..}, "kv_bytes_per_token": 327680,
+         "bandwidth_bytes_per_s": 9e10,            # or "network_bytes_per_s"
+         "local_load_bytes_per_s": 2e11, "decode_max_context_tokens": 1000000,
+         "dram_bytes_per_node": 1e12, "block_size": 512}
+    """
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read cost profile {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("prefill"), dict):
+        raise ValueError(f"cost profile {path}: expected an object with a 'prefill' coefficient dict")
+    hw = base or llama2_70b_a800()
+    changes: dict[str, Any] = {"name": str(data.get("name", Path(path).stem)),
+                               "prefill": PrefillCostModel.from_dict(data["prefill"])}
+    if isinstance(data.get("decode"), dict):
+        changes["decode"] = DecodeCostModel.from_dict(data["decode"])
+    bw = data.get("network_bytes_per_s", data.get("bandwidth_bytes_per_s"))
+    for key, value in (("network_bytes_per_s", bw), ("kv_bytes_per_token", data.get("kv_bytes_per_token")),
+                       ("local_load_bytes_per_s", data.get("local_load_bytes_per_s")),
+                       ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
+                       ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
+                       ("block_size", data.get("block_size"))):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
+            changes[key] = int(value) if key != "network_bytes_per_s" and key != "local_load_bytes_per_s" else float(value)
+    return replace(hw, **changes)
+
+
+def get_hardware(spec: str) -> Hardware:
+    """A preset by name, or a profile JSON by path."""
+    if spec in PRESETS:
+        return PRESETS[spec]()
+    if spec.endswith(".json") or Path(spec).exists():
+        return load_profile(spec)
+    raise ValueError(f"unknown cost model {spec!r}; use a preset ({', '.join(PRESETS)}) or a profile .json path")

@@ -1,0 +1,45 @@
+"""The event queue: a heap ordered by (time, insertion order), so equal times stay FIFO and
+runs are deterministic."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+Handler = Callable[[float, Any], None]
+
+
+class EventQueue:
+    """``push(time, handler, payload)``; ``run()`` pops in time order and calls handlers,
+    which may push more events. The clock never goes backwards."""
+
+    __slots__ = ("_heap", "_seq", "now", "num_events")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Handler, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.num_events = 0
+
+    def push(self, time: float, handler: Handler, payload: Any = None) -> None:
+        if time < self.now:
+            raise ValueError(f"event at {time} is in the past (now {self.now})")
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, handler, payload))
+
+    def run(self, until: float | None = None, on_step: Callable[[float], None] | None = None) -> None:
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            if until is not None and heap[0][0] > until:
+                break
+            time, _, handler, payload = pop(heap)
+            self.now = time
+            self.num_events += 1
+            handler(time, payload)
+            if on_step is not None:
+                on_step(time)
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,159 @@
+"""Simulated prefill and decode instances: queues, stores and batches, no policy of their own
+beyond what the real roles do (FIFO prefill, the decode's local SLO double check)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+
+from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState,
+                                           QueuedPrefill)
+from mooncake_lite.sim.batch import Batch
+from mooncake_lite.sim.costs import Hardware
+from mooncake_lite.sim.events import EventQueue
+from mooncake_lite.sim.request import SimRequest
+from mooncake_lite.store.eviction import BlockCache
+
+
+def cached_prefix(cache: BlockCache, keys: Sequence[Hashable]) -> int:
+    """Leading keys held, without touching them (the touch happens once, at insert)."""
+    n = 0
+    for key in keys:
+        if key not in cache:
+            break
+        n += 1
+    return n
+
+
+def cpp_prefill_seconds(hw: Hardware, num_tokens: int, prefix_tokens: int, group_size: int,
+                        chunk: int) -> float:
+    """Prefill on a CPP group of ``group_size`` nodes: the new tokens are cut into chunks of
+    ``chunk`` tokens that flow through ``group_size`` pipeline stages (each owns 1/X of the
+    layers), so c chunks take (c + X − 1) stage-times of T/(c·X) each. One chunk: no gain."""
+    single = hw.prefill_seconds(num_tokens, prefix_tokens)
+    if group_size == 1:
+        return single
+    chunks = max(1, math.ceil((num_tokens - prefix_tokens) / chunk))
+    return single * (chunks + group_size - 1) / (chunks * group_size)
+
+
+def cpp_cost_model(hw: Hardware, group_size: int, chunk: int) -> PrefillCostModel | None:
+    """What a CPP group would report after profiling itself: the scheduler's prefill model fitted
+    to the group's true times (None for single nodes: the cluster default is exact)."""
+    if group_size == 1:
+        return None
+    samples = [(n, p, cpp_prefill_seconds(hw, n, p, group_size, chunk))
+               for n in (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+               for p in (0, n // 4, n // 2, 3 * n // 4)]
+    return PrefillCostModel.fit(samples)
+
+
+class PrefillNode:
+    """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
+
+    def __init__(self, instance_id: str, cache: BlockCache, hw: Hardware, group_size: int, chunk: int,
+                 cost: PrefillCostModel | None) -> None:
+        self.instance_id = instance_id
+        self.store_id = instance_id
+        self.cache = cache
+        self.hw = hw
+        self.group_size = group_size
+        self.chunk = chunk
+        self.cost = cost
+        self.waiting: deque[SimRequest] = deque()
+        self.current: SimRequest | None = None
+        self.link_free_at = 0.0
+        self.busy_s = 0.0
+        self._state: PrefillInstanceState | None = None
+
+    def fetch(self, now: float, num_bytes: int) -> float:
+        """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
+        start = max(now, self.link_free_at)
+        self.link_free_at = start + num_bytes / self.hw.network_bytes_per_s
+        return self.link_free_at
+
+    def true_seconds(self, num_tokens: int, prefix_tokens: int) -> float:
+        return cpp_prefill_seconds(self.hw, num_tokens, prefix_tokens, self.group_size, self.chunk)
+
+    def state(self) -> PrefillInstanceState:
+        """The conductor's view: the running job (with its start) and the FIFO behind it."""
+        if self._state is None:
+            jobs = [self.current] if self.current is not None else []
+            jobs.extend(self.waiting)
+            queue = tuple(QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.decode_id,
+                                        r.prefill_start if r is self.current else None) for r in jobs)
+            self._state = PrefillInstanceState(self.instance_id, self.store_id, queue, None, self.cost)
+        return self._state
+
+    def touched(self) -> None:
+        self._state = None
+
+
+class DecodeNode:
+    """One decode instance: KV arrivals wait for the next step boundary, then join the batch."""
+
+    def __init__(self, instance_id: str, batch: Batch, events: EventQueue, max_batch: int | None,
+                 max_context_tokens: int | None, on_finish: Callable[[float, SimRequest], None]) -> None:
+        self.instance_id = instance_id
+        self.batch = batch
+        self.events = events
+        self.max_batch = max_batch
+        self.max_context_tokens = max_context_tokens
+        self.on_finish = on_finish
+        self.pending: list[SimRequest] = []
+        self.seg_start = 0.0
+        self.seg_gap = 0.0
+        self.seg_steps = 0          # steps planned for the running segment (0 = idle)
+        self.version = 0
+        self._state: DecodeInstanceState | None = None
+
+    def state(self, now: float) -> DecodeInstanceState:
+        if self._state is None:
+            b = self.batch
+            running = [DecodingRequest(r.rid, b.context_of(r), r.first_token, r.output_length)
+                       for r in b.running.values()]
+            running.extend(DecodingRequest(r.rid, r.input_length + 1, now, r.output_length)
+                           for r in self.pending)
+            self._state = DecodeInstanceState(self.instance_id, tuple(running), self.max_batch,
+                                              self.max_context_tokens)
+        return self._state
+
+    def arrive(self, now: float, req: SimRequest) -> None:
+        """KV fully received: join at the next step boundary (now, if idle)."""
+        self.pending.append(req)
+        self._state = None
+        if self.seg_steps == 0:
+            self._boundary(now, self.version)
+            return
+        done = math.floor((now - self.seg_start) / self.seg_gap + 1e-9)
+        cut = min(done + 1, self.seg_steps)
+        if cut < self.seg_steps:
+            self.seg_steps = cut
+            self.version += 1
+            self.events.push(self.seg_start + cut * self.seg_gap, self._boundary_event, self.version)
+
+    def _boundary_event(self, now: float, version: int) -> None:
+        if version == self.version:
+            self._boundary(now, version)
+
+    def _boundary(self, now: float, version: int) -> None:
+        b = self.batch
+        if self.seg_steps:
+            for req in b.advance(self.seg_steps, self.seg_gap):
+                req.finish = now
+                self.on_finish(now, req)
+            self._state = None
+        for req in self.pending:
+            b.add(req, now)
+        if self.pending:
+            self.pending = []
+            self._state = None
+        if not b.running:
+            self.seg_steps = 0
+            return
+        self.seg_start, self.seg_gap = now, max(b.step_time(), 1e-9)
+        self.seg_steps = b.steps_to_next_finish()
+        self.version += 1
+        self.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)

@@ -1,0 +1,79 @@
+"""Collects what happened in a run: one result per request (exactly once), load samples over
+time, counters; and packs them into a :class:`SimResult`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_lite.sim.request import RequestResult, SimRequest
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced. ``requests`` is in request-id order."""
+
+    system: str
+    config: dict[str, Any]
+    requests: list[RequestResult]
+    timeline: list[dict[str, float]]
+    counters: dict[str, int]
+    wall_s: float
+    num_events: int
+    duration_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Recorder:
+    """``owner`` must offer ``events`` (EventQueue) and ``sample(now) -> dict`` for the load
+    timeline, taken every ``interval_s`` of simulated time while requests are in flight."""
+
+    def __init__(self, owner: Any, interval_s: float) -> None:
+        self.owner = owner
+        self.interval_s = interval_s
+        self.results: dict[int, RequestResult] = {}
+        self.timeline: list[dict[str, float]] = []
+        self.counters = {"arrived": 0, "completed": 0, "rejected": 0, "migrations": 0, "migrated_blocks": 0}
+        self._total = 0
+        self._progress: Callable[[int], None] | None = None
+        self._sampling = False
+
+    def start(self, total: int, progress: Callable[[int], None] | None) -> None:
+        self._total = total
+        self._progress = progress
+        if total:
+            self._sampling = True
+            self.owner.events.push(0.0, self._sample, None)
+
+    def arrived(self) -> None:
+        self.counters["arrived"] += 1
+
+    def migrated(self, num_blocks: int) -> None:
+        self.counters["migrations"] += 1
+        self.counters["migrated_blocks"] += num_blocks
+
+    def ended(self, req: SimRequest) -> None:
+        rid = req.trace.request_id
+        if rid in self.results:
+            raise AssertionError(f"request {rid} ended twice ({self.results[rid].status}, then {req.status})")
+        self.results[rid] = RequestResult.of(req)
+        self.counters[req.status] += 1
+        n = len(self.results)
+        if self._progress is not None and (n % 256 == 0 or n == self._total):
+            self._progress(n)
+
+    def _sample(self, now: float, _: Any) -> None:
+        row = {"t": now, "ended": float(len(self.results)), "rejected": float(self.counters["rejected"])}
+        row.update(self.owner.sample(now))
+        self.timeline.append(row)
+        if len(self.results) < self._total:
+            self.owner.events.push(now + self.interval_s, self._sample, None)
+
+    def result(self, cfg: Any, hw: Any, wall_s: float, num_events: int, system: str = "mooncake") -> SimResult:
+        from dataclasses import asdict, is_dataclass
+        config = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+        config["hardware_model"] = hw.to_dict()
+        reqs = [self.results[k] for k in sorted(self.results)]
+        end = max((r.finish or r.arrival for r in reqs), default=0.0)
+        return SimResult(system, config, reqs, self.timeline, dict(self.counters), wall_s, num_events, end)
