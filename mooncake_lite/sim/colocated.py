@@ -1,0 +1,181 @@
+"""The colocated vLLM-style baseline: every instance prefills *and* decodes.
+
+Each instance has a waiting queue, a continuous batch and a prefix cache in its own GPU memory.
+At every step boundary the engine runs, prefill first (vLLM v0's default): if a request is
+waiting and its KV fits, it prefills it (one prompt per step: long-context prompts fill the
+token budget alone) while the running batch waits; otherwise one decode step of the batch.
+The time a prefill takes is added to the next token gap of every running request, which is
+exactly the interference the disaggregated design removes.
+
+Requests are routed with the scheduler core's own prefill selection (``choose_prefill``,
+default ``cache-aware``: smallest predicted queue + prefill given the instance's local prefix).
+Nothing is rejected: requests that miss the SLOs count against goodput.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from mooncake_lite.scheduler import (BlockIndex, CostModels, PrefillInstanceState, QueuedPrefill,
+                                     ScheduleRequest, SchedulerConfig, prefill_queue_time)
+from mooncake_lite.scheduler.prefill_select import choose_prefill
+from mooncake_lite.sim.batch import Batch
+from mooncake_lite.sim.config import ColocatedConfig
+from mooncake_lite.sim.costs import Hardware, get_hardware
+from mooncake_lite.sim.events import EventQueue
+from mooncake_lite.sim.nodes import cached_prefix
+from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.request import SimRequest
+from mooncake_lite.store.eviction import BlockCache
+from mooncake_lite.trace.format import TraceRequest
+
+
+class ColocatedInstance:
+    """One vLLM-style engine: waiting queue → (prefill | decode step) at each boundary."""
+
+    def __init__(self, instance_id: str, sim: ColocatedSim) -> None:
+        self.instance_id = instance_id
+        self.sim = sim
+        hw = sim.hw
+        self.cache = BlockCache(hw.decode_max_context_tokens // sim.block_size
+                                if hw.decode_max_context_tokens else None, sim.cfg.eviction)
+        self.batch = Batch(hw.decode)
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: SimRequest | None = None
+        self.seg_start = self.seg_gap = 0.0
+        self.seg_steps = 0
+        self.version = 0
+
+    def state(self) -> PrefillInstanceState:
+        jobs = [self.prefilling] if self.prefilling is not None else []
+        jobs.extend(self.waiting)
+        queue = tuple(QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, None,
+                                    r.prefill_start if r is self.prefilling else None) for r in jobs)
+        return PrefillInstanceState(self.instance_id, self.instance_id, queue)
+
+    def is_idle(self) -> bool:
+        return self.prefilling is None and self.seg_steps == 0
+
+    def enqueue(self, now: float, req: SimRequest) -> None:
+        self.waiting.append(req)
+        if self.is_idle():
+            self._boundary(now, self.version)
+        elif self.seg_steps:  # cut the decode segment at the next step boundary
+            done = math.floor((now - self.seg_start) / self.seg_gap + 1e-9)
+            cut = min(done + 1, self.seg_steps)
+            if cut < self.seg_steps:
+                self.seg_steps = cut
+                self.version += 1
+                self.sim.events.push(self.seg_start + cut * self.seg_gap, self._boundary_event, self.version)
+
+    def _fits(self, req: SimRequest) -> bool:
+        b, hw, cfg = self.batch, self.sim.hw, self.sim.cfg
+        if cfg.max_batch is not None and len(b) + 1 > cfg.max_batch:
+            return False
+        limit = hw.decode_max_context_tokens
+        # A request that could never fit runs alone rather than blocking forever.
+        return limit is None or not b.running or b.context_tokens + req.input_length + req.output_length <= limit
+
+    def _boundary_event(self, now: float, version: int) -> None:
+        if version == self.version:
+            self._boundary(now, version)
+
+    def _boundary(self, now: float, version: int) -> None:
+        b = self.batch
+        if self.seg_steps:
+            for req in b.advance(self.seg_steps, self.seg_gap):
+                req.finish = now
+                self.sim.finish(now, req)
+            self.seg_steps = 0
+        self.version += 1
+        if self.waiting and self._fits(self.waiting[0]):
+            req = self.waiting.popleft()
+            self.prefilling = req
+            req.prefill_start = now
+            req.reused_tokens = min(cached_prefix(self.cache, req.keys) * self.sim.block_size, req.input_length - 1)
+            duration = self.sim.hw.prefill_seconds(req.input_length, req.reused_tokens)
+            b.stall(duration)
+            self.sim.events.push(now + duration, self._prefill_done, self.version)
+            return
+        if b.running:
+            self.seg_start, self.seg_gap = now, max(b.step_time(), 1e-9)
+            self.seg_steps = b.steps_to_next_finish()
+            self.sim.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)
+
+    def _prefill_done(self, now: float, version: int) -> None:
+        req = self.prefilling
+        self.prefilling = None
+        self.sim.store(self, req.keys)
+        req.first_token = now
+        if req.output_length <= 1:
+            req.finish = now
+            self.sim.finish(now, req)
+        else:
+            self.batch.add(req, now)
+        self._boundary(now, self.version)
+
+
+class ColocatedSim:
+    """``num_instances`` colocated engines behind a cache-aware router."""
+
+    def __init__(self, cfg: ColocatedConfig, hardware: Hardware | None = None, block_size: int = 512) -> None:
+        self.cfg = cfg
+        self.hw = hw = hardware or get_hardware(cfg.hardware)
+        self.block_size = block_size
+        self.costs = CostModels(prefill=hw.prefill, decode=hw.decode, kv_bytes_per_token=hw.kv_bytes_per_token,
+                                bandwidth_bytes_per_s=hw.network_bytes_per_s)
+        self.sched_cfg = SchedulerConfig(strategy=cfg.routing, admission="none", block_size=block_size)
+        self.index = BlockIndex()
+        self.rng = random.Random(cfg.seed)
+        self.events = EventQueue()
+        self.instances = [ColocatedInstance(f"C{i}", self) for i in range(cfg.num_instances)]
+        self.by_id = {c.instance_id: c for c in self.instances}
+        self.recorder = Recorder(self, cfg.sample_interval_s)
+
+    def store(self, inst: ColocatedInstance, keys: Sequence) -> None:
+        evicted = inst.cache.insert_chain(keys)
+        if evicted:
+            self.index.remove(inst.instance_id, evicted)
+        self.index.add(inst.instance_id, keys[: cached_prefix(inst.cache, keys)])
+
+    def finish(self, now: float, req: SimRequest) -> None:
+        req.status = "completed"
+        self.recorder.ended(req)
+
+    def _arrive(self, now: float, req: SimRequest) -> None:
+        self.recorder.arrived()
+        self._push_next_arrival()
+        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
+        states = tuple(c.state() for c in self.instances)
+        choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng)
+        req.prefill_id = req.decode_id = choice.instance.instance_id
+        req.planned_prefix_tokens = min(choice.local_blocks * self.block_size, req.input_length - 1)
+        self.by_id[req.prefill_id].enqueue(now, req)
+
+    def sample(self, now: float) -> dict[str, float]:
+        queue = [prefill_queue_time(c.state(), self.costs, now) for c in self.instances]
+        tbts = [c.batch.step_time() for c in self.instances]
+        return {"prefill_load": sum(queue) / len(queue) / 30.0, "decode_load": sum(tbts) / len(tbts) / 0.1,
+                "prefill_queued": float(sum(len(c.waiting) + (c.prefilling is not None) for c in self.instances)),
+                "decode_running": float(sum(len(c.batch) for c in self.instances))}
+
+    def _push_next_arrival(self) -> None:
+        if self._next < len(self._trace):
+            tr = self._trace[self._next]
+            self._next += 1
+            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
+
+    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        if self.events.num_events:
+            raise RuntimeError("a ColocatedSim runs once; build a new one")
+        self._trace, self._next = list(trace), 0
+        self.recorder.start(len(self._trace), progress)
+        wall = time.perf_counter()
+        self._push_next_arrival()
+        self.events.run()
+        return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events,
+                                    system="colocated")
