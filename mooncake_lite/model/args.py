@@ -65,12 +65,20 @@ class ModelArgs:
                        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
                        ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                        max_seq_len=cfg.get("max_position_embeddings", 4096),
-                       rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                       rope_theta=_rope_theta(cfg),
                        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name)
         except KeyError as exc:
             raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers >= 5 writes it inside "rope_parameters"; older configs have it at top level.
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

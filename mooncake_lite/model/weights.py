@@ -46,7 +46,7 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
     if os.path.isdir(model):
         from mooncake_lite.model.loader import load_checkpoint
         return load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
-    args = ModelArgs.from_name(model)
+    args = _preset(model)
     net = Transformer(args, layer_range)
     init_dummy_weights(net, seed)
     return net.to(device=device, dtype=dtype).eval()
@@ -57,6 +57,13 @@ def model_args(model: str) -> ModelArgs:
     if os.path.isdir(model):
         from mooncake_lite.model.loader import read_args
         return read_args(model)
+    return _preset(model)
+
+
+def _preset(model: str) -> ModelArgs:
+    if os.sep in model or model.startswith("."):  # meant as a path, not a preset name
+        from mooncake_lite.model.loader import CheckpointNotFoundError
+        raise CheckpointNotFoundError(f"checkpoint directory {model!r} does not exist")
     return ModelArgs.from_name(model)
 
 

@@ -1,0 +1,185 @@
+"""Loading a local Hugging Face LLaMA/Qwen2-style checkpoint directory.
+
+The directory holds ``config.json`` and ``*.safetensors`` (one file, or shards listed by
+``model.safetensors.index.json``). The model is built on the ``meta`` device and the tensors are
+attached with ``load_state_dict(assign=True)``, so nothing is allocated twice; a pipeline stage
+reads only the tensors of its own layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.llama import Transformer
+
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+# Our parameter name (after ``layers.{i}.``) -> the Hugging Face one (after ``model.layers.{i}.``).
+_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+# Buffers some older checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is unusable: missing or mismatched tensors, unsupported features."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is absent (caught by ``except ValueError`` and ``except OSError``)."""
+
+
+def read_args(ckpt_dir: str) -> ModelArgs:
+    """Model shape from ``config.json``; refuses features this model does not implement."""
+    path = os.path.join(ckpt_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    _check_supported(cfg, path)
+    args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != args.head_dim:
+        raise CheckpointError(f"{path}: head_dim {head_dim} != hidden_size/num_attention_heads "
+                              f"{args.head_dim}; this model needs them equal")
+    return args
+
+
+def _check_supported(cfg: dict, path: str) -> None:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias")
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        problems.append("attention_bias (LLaMA puts a bias on o_proj too)")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        problems.append(f"rope scaling {rope_type!r}")
+    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+        problems.append("sliding-window attention")
+    if problems:
+        raise CheckpointError(f"{path}: unsupported model features: {'; '.join(problems)}")
+
+
+def load_checkpoint(ckpt_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    layer_range: tuple[int, int] | None = None) -> Transformer:
+    """The model (or the pipeline stage ``layer_range`` of it) with the checkpoint's weights."""
+    args = read_args(ckpt_dir)
+    with torch.device("meta"):
+        model = Transformer(args, layer_range)
+    index = _tensor_index(ckpt_dir)
+    prefix = "model." if any(k.startswith("model.") for k in index) else ""
+    wanted = {name: _hf_name(name, args, index, prefix) for name in model.state_dict()}
+    _check_no_unexpected(index, prefix, wanted.values(), model)
+    state = _read_tensors(ckpt_dir, index, wanted, model.state_dict())
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+def _hf_name(name: str, args: ModelArgs, index: dict[str, str], prefix: str) -> str:
+    if name == "output.weight":
+        if "lm_head.weight" in index or not args.tie_embeddings:
+            return "lm_head.weight"
+        return prefix + "embed_tokens.weight"  # tied: the head reuses the embedding matrix
+    if name in _TOP_NAMES:
+        return prefix + _TOP_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise CheckpointError(f"no checkpoint name known for parameter {name!r}")
+    return f"{prefix}layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _tensor_index(ckpt_dir: str) -> dict[str, str]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no weight_map")
+        for file in set(weight_map.values()):
+            if not os.path.isfile(os.path.join(ckpt_dir, file)):
+                raise CheckpointNotFoundError(f"{index_path} lists shard {file!r}, which is missing")
+        return dict(weight_map)
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir!r} has no *.safetensors files "
+                                "(only safetensors checkpoints are supported)")
+    index: dict[str, str] = {}
+    for file in files:
+        with safe_open(os.path.join(ckpt_dir, file), framework="pt") as f:
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+def _check_no_unexpected(index: dict[str, str], prefix: str, wanted: Iterable[str], model: Transformer) -> None:
+    """A checkpoint tensor of this stage that maps to nothing is a feature we would silently drop."""
+    wanted = set(wanted)
+    for key in index:
+        if key in wanted or key.endswith(_IGNORED_SUFFIXES):
+            continue
+        local = key[len(prefix):] if key.startswith(prefix) else key
+        m = _HF_LAYER_RE.match(local)
+        if m is not None and int(m.group(1)) not in model.layer_ids:
+            continue  # another pipeline stage's layer
+        if m is None and local in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            continue  # another stage's embedding or head
+        raise CheckpointError(f"checkpoint tensor {key!r} has no counterpart in the model "
+                              "(an unsupported architecture variant?)")
+
+
+def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str],
+                  expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, hf in wanted.items():
+        if hf not in index:
+            raise CheckpointError(f"checkpoint {ckpt_dir!r} lacks tensor {hf!r} (for {name})")
+        by_file.setdefault(index[hf], []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(os.path.join(ckpt_dir, file), framework="pt") as f:
+            for name in names:
+                hf = wanted[name]
+                try:
+                    tensor = f.get_tensor(hf)
+                except Exception as exc:  # safetensors raises its own error types
+                    raise CheckpointError(f"{file}: cannot read tensor {hf!r}: {exc}") from None
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise CheckpointError(f"tensor {hf!r} has shape {tuple(tensor.shape)}, config.json "
+                                          f"implies {tuple(expected[name].shape)}")
+                state[name] = tensor
+    return state

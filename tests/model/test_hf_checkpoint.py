@@ -1,0 +1,108 @@
+"""Our loader + model must match an independent implementation: Hugging Face transformers itself."""
+
+import json
+
+import pytest
+import torch
+
+from mooncake_lite.model.generate import full_recompute_logits, generate
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.loader import load_checkpoint, read_args
+from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.model.sampling import SamplingParams
+from mooncake_lite.model.weights import build_model, model_args
+from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2
+
+# float32 on both sides; the only differences are summation order in matmuls/attention, and the
+# logits are O(1-10), so 1e-4 absolute (plus 1e-4 relative) is ~1000x below a real mapping error.
+ATOL = RTOL = 1e-4
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, save_llama(path, seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    return path, save_qwen2(path, seed=2)
+
+
+def prompt(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_logits_match_hf_forward(which, request):
+    path, hf = request.getfixturevalue(which)
+    ours = load_checkpoint(str(path))
+    toks = prompt(2 * BS + 5, 3)
+    ref = hf_logits(hf, toks)
+    assert ref.abs().max() > 1.0  # decisive logits, so the tolerance below is meaningful
+    torch.testing.assert_close(full_recompute_logits(ours, toks, BS), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+@pytest.mark.parametrize("n, chunk", [(1, None), (BS, 3), (2 * BS + 3, BS)])
+def test_paged_greedy_matches_hf_generate(which, n, chunk, request):
+    path, hf = request.getfixturevalue(which)
+    ours = build_model(str(path))  # the path every role takes for a directory
+    toks = prompt(n, 10 + n)
+    runner = ModelRunner(ours, num_blocks=16, block_size=BS)
+    assert generate(runner, toks, SamplingParams(max_tokens=10), chunk) == hf_greedy(hf, toks, 10)
+
+
+def test_read_args_from_config(llama, qwen2):
+    a = read_args(str(llama[0]))
+    assert (a.dim, a.num_layers, a.num_heads, a.num_kv_heads, a.ffn_dim, a.vocab_size) == (48, 3, 6, 2, 100, VOCAB)
+    assert a.rope_theta == 5000.0 and not a.qkv_bias and not a.tie_embeddings
+    q = model_args(str(qwen2[0]))
+    assert q.qkv_bias and q.tie_embeddings and q.rope_theta == 20000.0 and q.norm_eps == 1e-6
+
+
+def test_qwen2_checkpoint_is_sharded_and_tied(qwen2):
+    path, _ = qwen2
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert "lm_head.weight" not in index["weight_map"]
+    model = load_checkpoint(str(path))
+    torch.testing.assert_close(model.output.weight, model.tok_embeddings.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_pipeline_stages_load_only_their_layers(which, request):
+    path, hf = request.getfixturevalue(which)
+    num_layers = read_args(str(path)).num_layers
+    cut = (num_layers + 1) // 2
+    s0 = load_checkpoint(str(path), layer_range=(0, cut))
+    s1 = load_checkpoint(str(path), layer_range=(cut, num_layers))
+    assert s0.tok_embeddings is not None and not hasattr(s0, "output")
+    assert s1.tok_embeddings is None and hasattr(s1, "output")
+    assert {n.split(".")[1] for n in s1.state_dict() if n.startswith("layers.")} == {
+        str(i) for i in range(cut, num_layers)}
+    hf_q = dict(hf.named_parameters())[f"model.layers.{cut}.self_attn.q_proj.weight"]
+    torch.testing.assert_close(s1.layers[str(cut)].attention.wq.weight, hf_q, atol=0, rtol=0)
+
+    toks = prompt(2 * BS + 1, 4)
+    table = list(range(blocks_needed(len(toks), BS)))
+    p0 = LayerwisePass(ModelRunner(s0, num_blocks=len(table), block_size=BS), table, 0, token_ids=toks)
+    for layer in s0.layer_ids:
+        p0.run_layer(layer)
+    p1 = LayerwisePass(ModelRunner(s1, num_blocks=len(table), block_size=BS), table, 0, hidden=p0.output())
+    for layer in s1.layer_ids:
+        p1.run_layer(layer)
+    torch.testing.assert_close(p1.output(), hf_logits(hf, toks)[-1], atol=ATOL, rtol=RTOL)
+
+
+def test_bfloat16_load_keeps_argmax(llama):
+    path, hf = llama
+    ours = load_checkpoint(str(path), dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    toks = prompt(BS, 5)
+    got = full_recompute_logits(ours, toks, BS)
+    ref = hf_logits(hf, toks)
+    # bf16 keeps ~3 significant digits; the loose bound still catches any wrong mapping.
+    torch.testing.assert_close(got, ref, atol=0.25, rtol=0.05)
