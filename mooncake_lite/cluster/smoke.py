@@ -1,0 +1,80 @@
+"""``mooncake up --smoke``: one real completion through the public API, streamed like a client would."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from mooncake_lite.common.auth import api_key_headers
+
+SMOKE_PROMPT = "The moon is"
+
+
+class SmokeError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SmokeResult:
+    model: str
+    prompt: str
+    text: str
+    num_chunks: int
+    finish_reason: str | None
+    ttft_s: float
+    total_s: float
+
+
+async def served_model(session: aiohttp.ClientSession, api_url: str, fallback: str) -> str:
+    """The first model id from ``GET /v1/models`` (the conductor may name a checkpoint differently)."""
+    try:
+        async with session.get(f"{api_url}/v1/models") as resp:
+            if resp.status == 200:
+                data = (await resp.json()).get("data") or []
+                if data and isinstance(data[0], dict) and data[0].get("id"):
+                    return str(data[0]["id"])
+    except (aiohttp.ClientError, ValueError):
+        pass
+    return fallback
+
+
+async def smoke_request(api_url: str, model: str, *, api_key: str | None = None, prompt: str = SMOKE_PROMPT,
+                        max_tokens: int = 16, timeout_s: float = 120.0) -> SmokeResult:
+    """Stream one completion; raise :class:`SmokeError` with the server's message on any failure."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, headers=api_key_headers(api_key)) as session:
+        model = await served_model(session, api_url, model)
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        start = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        finish, num_chunks, done = None, 0, False
+        async with session.post(f"{api_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise SmokeError(f"POST /v1/completions -> HTTP {resp.status}: {(await resp.text())[:500]}")
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    raise SmokeError(f"the stream reported an error: {chunk['error']}")
+                choice = (chunk.get("choices") or [{}])[0]
+                if first is None:
+                    first = time.perf_counter()
+                num_chunks += 1
+                parts.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+        if not done:
+            raise SmokeError("the stream ended without 'data: [DONE]'")
+        if num_chunks == 0:
+            raise SmokeError("the stream carried no completion chunks")
+        end = time.perf_counter()
+        return SmokeResult(model, prompt, "".join(parts), num_chunks, finish, (first or end) - start, end - start)

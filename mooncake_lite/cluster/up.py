@@ -1,0 +1,200 @@
+"""``mooncake up``: a whole cluster on one machine, one process per role, stopped cleanly.
+
+    mooncake up --prefill 1 --decode 1 --model tiny          # serve until Ctrl-C
+    mooncake up --smoke                                      # serve one real request, then exit
+
+Start order and flags come from :mod:`mooncake_lite.cluster.plan`; process handling from
+:mod:`mooncake_lite.cluster.supervisor`. Children's logs are relayed on stderr prefixed with
+their name (``[prefill-0] ...``); stdout carries the banner (API URL, curl example) and the
+smoke result. Exit code: 0 after a clean Ctrl-C/SIGTERM or a passing smoke test; 1 when a
+child fails (its last log lines are printed); 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+from collections.abc import Sequence
+
+from mooncake_lite.cluster.child import ChildFailed
+from mooncake_lite.cluster.plan import (ROLES, UpOptions, conductor_spec, instance_specs, split_args,
+                                        store_specs)
+from mooncake_lite.cluster.registration import check_role_support, connectable, wait_registered
+from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, smoke_request
+from mooncake_lite.cluster.supervisor import Supervisor
+from mooncake_lite.common.auth import cluster_headers
+
+_COLORS = {"conductor": "35", "store": "36", "prefill": "33", "decode": "32", "up": "1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mooncake up", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    p.add_argument("--stores", type=int, default=1, help="number of stores (instance i uses store i %% N)")
+    p.add_argument("--model", default="tiny", help="model preset or Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address every role binds; loopback unless you mean it")
+    p.add_argument("--port", type=int, default=8000, help="the conductor's public API port (0: pick a free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the public API")
+    p.add_argument("--cluster-token", default=None, help="shared secret for every internal connection")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML file passed to every role")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (passed to every role)")
+    p.add_argument("--hash-seed", type=int, default=None, help="block hash seed (passed to every role)")
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-json", action="store_true", help="roles log one JSON object per line")
+    for role in ROLES:
+        p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",
+                       help=f"extra flags for every {role} process, one quoted string")
+    p.add_argument("--smoke", action="store_true", help="send one completion, print it, shut down")
+    p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
+    p.add_argument("--smoke-max-tokens", type=int, default=16)
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
+    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds of drain before SIGKILL")
+    p.add_argument("--launcher", default=None,
+                   help="command that runs a role (default: this Python with -m mooncake_lite)")
+    p.add_argument("--no-color", action="store_true", help="plain log prefixes")
+    return p
+
+
+def options_from(ns: argparse.Namespace) -> UpOptions:
+    common: list[str] = []
+    for flag, value in (("--block-size", ns.block_size), ("--hash-seed", ns.hash_seed),
+                        ("--log-level", ns.log_level)):
+        if value is not None:
+            common += [flag, str(value)]
+    if ns.log_json:
+        common.append("--log-json")
+    launcher = tuple(shlex.split(ns.launcher)) if ns.launcher else (sys.executable, "-m", "mooncake_lite")
+    return UpOptions(num_prefill=ns.prefill, num_decode=ns.decode, num_stores=ns.stores, model=ns.model,
+                     host=ns.host, port=ns.port, api_key=ns.api_key or None,
+                     cluster_token=ns.cluster_token or None, config=ns.config, common=tuple(common),
+                     role_args={r: split_args(getattr(ns, f"{r}_args")) for r in ROLES},
+                     launcher=launcher)
+
+
+class Printer:
+    """Relays child log lines to stderr with a (coloured on a terminal) ``[name]`` prefix."""
+
+    def __init__(self, color: bool):
+        self.color = color
+
+    def __call__(self, name: str, line: str) -> None:
+        prefix = f"[{name}]"
+        if self.color:
+            prefix = f"\033[{_COLORS.get(name.rsplit('-', 1)[0], '0')}m{prefix}\033[0m"
+        sys.stderr.write(f"{prefix} {line}\n")
+        sys.stderr.flush()
+
+
+def banner(api_url: str, model: str, sup: Supervisor, api_key: str | None) -> str:
+    auth = " -H 'Authorization: Bearer $MOONCAKE_API_KEY'" if api_key else ""
+    lines = [f"mooncake-lite cluster is up: {len(sup.children)} processes", ""]
+    for name, child in sup.children.items():
+        addrs = " ".join(f"{k}={v}" for k, v in (child.addresses or {}).items())
+        lines.append(f"  {name:<12} pid {child.pid:<8} {addrs}")
+    lines += ["", f"OpenAI-compatible API: {api_url}/v1", "",
+              f"  curl -s {api_url}/v1/completions -H 'content-type: application/json'{auth} \\",
+              f"       -d '{{\"model\": \"{model}\", \"prompt\": \"The moon is\", \"max_tokens\": 16}}'", "",
+              "Ctrl-C stops every process."]
+    return "\n".join(lines)
+
+
+async def start_cluster(opts: UpOptions, sup: Supervisor, timeout: float) -> str:
+    """Start every stage in dependency order; returns the public API base URL."""
+    (conductor,) = await sup.start_group([conductor_spec(opts)], timeout)
+    conductor_url = f"http://{connectable(conductor.addresses['http'])}"
+    stores = await sup.start_group(store_specs(opts, conductor_url), timeout)
+    store_data = [connectable(s.addresses.get("data") or s.addresses["http"]) for s in stores]
+    await sup.start_group(instance_specs(opts, conductor_url, store_data), timeout)
+    await wait_registered(conductor_url, {"prefill": opts.num_prefill, "decode": opts.num_decode},
+                          sup, timeout=timeout, headers=cluster_headers(opts.cluster_token))
+    return conductor_url
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def report_failure(exc: ChildFailed) -> None:
+    sys.stderr.write(f"\nmooncake up: {exc}\n")
+    if exc.tail:
+        sys.stderr.write(f"last lines from {exc.name}:\n" + "".join(f"  | {ln}\n" for ln in exc.tail[-20:]))
+    sys.stderr.flush()
+
+
+async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
+    sup = Supervisor(Printer(sys.stderr.isatty() and not ns.no_color), stop_timeout=ns.stop_timeout)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    rc = 0
+    try:
+        rc = await _run(opts, ns, sup, stop)
+    except ChildFailed as exc:
+        report_failure(exc)
+        rc = 1
+    except SmokeError as exc:
+        sys.stderr.write(f"\nmooncake up --smoke: FAILED: {exc}\n")
+        rc = 1
+    finally:
+        sys.stderr.write("mooncake up: stopping every process\n")
+        codes = await sup.stop_all()
+        sys.stderr.write("mooncake up: stopped (" + ", ".join(f"{n}={c}" for n, c in codes.items()) + ")\n")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return rc
+
+
+async def _until_stopped(coro, stop: asyncio.Event):
+    """Run ``coro`` unless a stop signal comes first (then return None)."""
+    task, stopper = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        stopper.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: asyncio.Event) -> int:
+    api_url = await _until_stopped(start_cluster(opts, sup, ns.ready_timeout), stop)
+    if api_url is None:
+        sys.stderr.write("mooncake up: interrupted during start-up\n")
+        return 130
+    _say(banner(api_url, opts.model, sup, opts.api_key))
+    if ns.smoke:
+        res = await _until_stopped(smoke_request(api_url, opts.model, api_key=opts.api_key,
+                                                 prompt=ns.smoke_prompt, max_tokens=ns.smoke_max_tokens,
+                                                 timeout_s=ns.ready_timeout), stop)
+        if res is None:
+            return 130
+        _say(f"\nsmoke test: model {res.model!r}\n  prompt: {res.prompt!r}\n  answer: {res.text!r}\n"
+             f"  {res.num_chunks} chunks, finish_reason={res.finish_reason}, "
+             f"TTFT {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms\nsmoke test: OK")
+        return 0
+    crashed = await _until_stopped(sup.wait_any_exit(), stop)
+    if crashed is not None and not sup.is_stopping:
+        raise sup.failure_of(crashed)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = build_parser().parse_args(list(argv))
+    try:
+        opts = options_from(ns)
+        check_role_support(opts)
+    except ValueError as exc:
+        sys.stderr.write(f"mooncake up: error: {exc}\n")
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(opts, ns))
+    return uvloop.run(serve(opts, ns))

@@ -1,0 +1,69 @@
+"""Run ``mooncake up`` as a real subprocess and find every process it left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_ROLE = Path(__file__).with_name("fake_role.py")
+
+
+def marker() -> str:
+    """A unique model name: every child's command line carries it, so leftovers can be found."""
+    return f"marker-{uuid.uuid4().hex[:12]}"
+
+
+def processes_with(text: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose command line contains ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def wait_gone(text: str, timeout: float = 10.0) -> list[int]:
+    """Leftover PIDs after giving the kernel ``timeout`` seconds to deliver death signals."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with(text)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def up_command(*args: str, fake: bool = True) -> list[str]:
+    cmd = [sys.executable, "-m", "mooncake_lite", "up", "--port", "0", "--no-color", *args]
+    if fake:
+        cmd += ["--launcher", f"{sys.executable} {FAKE_ROLE}"]
+    return cmd
+
+
+def start_up(*args: str, env: dict | None = None, fake: bool = True) -> subprocess.Popen:
+    return subprocess.Popen(up_command(*args, fake=fake), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
+    """Read stdout lines until one contains ``needle`` (or the process ends / time runs out)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"never saw {needle!r} on stdout; got:\n{''.join(seen)}")

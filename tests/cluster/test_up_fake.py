@@ -1,0 +1,88 @@
+"""``mooncake up`` as a process supervisor, driven with a fake role that keeps the contract."""
+
+import signal
+import subprocess
+
+from tests.cluster.helpers import marker, processes_with, read_until, start_up, up_command, wait_gone
+
+
+def finish(proc, timeout=60):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def test_smoke_serves_a_completion_and_leaves_nothing_behind():
+    tag = marker()
+    proc = start_up("--model", tag, "--prefill", "2", "--decode", "1", "--smoke")
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert "answer: 'fake answer'" in out and "smoke test: OK" in out
+    assert "prefill-1" in out and "/v1/completions" in out  # banner lists children, curl example
+    assert "[conductor]" in err and "[prefill-0]" in err     # logs relayed with role prefixes
+    assert wait_gone(tag) == []
+
+
+def test_sigterm_stops_everything_in_order_even_a_stubborn_child():
+    tag = marker()
+    proc = start_up("--model", tag, "--stop-timeout", "1", env={"FAKE_STUBBORN": "store"})
+    try:
+        banner = read_until(proc, "Ctrl-C stops every process")
+        assert len(processes_with(tag)) == 4  # conductor, store, prefill, decode
+        proc.send_signal(signal.SIGTERM)
+        rc, _, err = finish(proc)
+    finally:
+        proc.kill()
+    assert rc == 0, err
+    assert "sending SIGKILL" in err  # the store ignored SIGTERM and was killed
+    assert "store-0" in banner and wait_gone(tag) == []
+
+
+def test_child_failing_at_start_stops_the_rest_and_shows_its_log():
+    tag = marker()
+    rc, out, err = finish(start_up("--model", tag, "--smoke", env={"FAKE_FAIL": "decode"}))
+    assert rc == 1
+    assert "decode-0: exited with code 3 before it was ready" in err
+    assert "| decode: boom, cannot start" in err   # its last log lines
+    assert "smoke test" not in out and wait_gone(tag) == []
+
+
+def test_child_crash_while_serving_brings_the_cluster_down_nonzero():
+    tag = marker()
+    rc, _, err = finish(start_up("--model", tag, env={"FAKE_CRASH_AFTER": "decode:0.5"}))
+    assert rc == 1 and "decode-0: exited with code 5" in err
+    assert wait_gone(tag) == []
+
+
+def test_cluster_token_travels_in_env_not_argv():
+    tag = marker()
+    rc, out, err = finish(start_up("--model", tag, "--cluster-token", "tok-s3cret", "--smoke"))
+    # the fake conductor refuses registrations without the token, so reaching the smoke test
+    # proves every instance got it
+    assert rc == 0, err
+    assert "smoke test: OK" in out
+    assert "tok-s3cret" not in err and "prefill argv:" in err
+
+
+def test_api_key_is_used_by_the_smoke_client():
+    tag = marker()
+    rc, out, err = finish(start_up("--model", tag, "--api-key", "sk-k", "--smoke"))
+    assert rc == 0, err
+    assert "Authorization: Bearer $MOONCAKE_API_KEY" in out
+
+
+def test_killing_the_supervisor_outright_still_takes_children_down():
+    tag = marker()
+    proc = start_up("--model", tag)
+    try:
+        read_until(proc, "Ctrl-C stops every process")
+        assert len(processes_with(tag)) == 4
+        proc.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
+        proc.wait(10)
+    finally:
+        proc.kill()
+    assert wait_gone(tag) == []
+
+
+def test_bad_flags_exit_2():
+    proc = subprocess.run(up_command("--prefill", "0"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--prefill must be at least 1" in proc.stderr
