@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Protocol
 
@@ -50,5 +51,20 @@ def load_tokenizer(model: str, vocab_size: int, eos_token_id: int | None = None)
     """``tokenizer.json`` from a checkpoint directory when present, else byte-level."""
     path = os.path.join(model, "tokenizer.json") if os.path.isdir(model) else None
     if path and os.path.exists(path):
-        return HFTokenizer(path, eos_token_id)
+        return HFTokenizer(path, eos_token_id if eos_token_id is not None else _config_eos(model))
     return ByteTokenizer(vocab_size)
+
+
+def _config_eos(ckpt_dir: str) -> int | None:
+    """The end-of-sequence id a checkpoint declares (generation_config.json wins, as in HF)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(ckpt_dir, name), encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, list):  # several stop ids: the first is the canonical EOS
+            eos = eos[0] if eos else None
+        if isinstance(eos, int):
+            return eos
+    return None
