@@ -1,0 +1,228 @@
+"""The public OpenAI-compatible API: completions and chat (JSON or SSE), models, health, metrics.
+
+A request is parsed (400 on anything malformed), placed by the scheduler (429 + Retry-After
+when the SLOs cannot be met, 503 when no instance is up) and run by a :class:`Flight`. The SSE
+response is opened only once the first token exists, so every failure before that is a plain
+HTTP error the client can act on; a failure after it is an ``error`` event, then the stream
+ends. A client that disconnects cancels the handler (``handler_cancellation``), and closing
+the flight aborts the request on prefill and decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from mooncake_lite.conductor.dispatch import Flight, Services
+from mooncake_lite.conductor.errors import ApiError, bad_request
+from mooncake_lite.conductor.metrics import paper_tbt
+from mooncake_lite.conductor.params import ApiRequest, parse_request
+from mooncake_lite.conductor.text import TextStream
+from mooncake_lite.model.tokenizer import Tokenizer
+
+MAX_BODY_BYTES = 64 * 2**20
+OUTCOMES = {400: "bad_request", 429: "rejected", 503: "unavailable"}
+
+
+@dataclass
+class ApiState:
+    svc: Services
+    tokenizer: Tokenizer
+    served: tuple[str, ...]        # model names accepted in requests; the first is advertised
+    vocab_size: int
+    max_context: int
+    created: int
+
+
+API: web.AppKey[ApiState] = web.AppKey("api", ApiState)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[API]
+    data = [{"id": st.served[0], "object": "model", "created": st.created, "owned_by": "mooncake-lite",
+             "max_model_len": st.max_context}]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    m = request.app[API].svc.membership
+    num_prefill, num_decode = len(m.alive("prefill")), len(m.alive("decode"))
+    ok = num_prefill > 0 and num_decode > 0
+    # 200 even without instances: the conductor itself is healthy; "ready" says if it can serve.
+    return web.json_response({"status": "ok", "ready": ok, "prefill": num_prefill, "decode": num_decode})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = request.app[API].svc
+    body = svc.metrics.render(svc.membership, svc.scheduler.index.num_blocks())
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _json_body(request: web.Request) -> object:
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise bad_request(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    st = request.app[API]
+    mx = st.svc.metrics
+    endpoint = "chat" if kind == "chat" else "completions"
+    arrival = time.perf_counter()
+    try:
+        req = parse_request(await _json_body(request), kind, served=st.served, tokenizer=st.tokenizer,
+                            vocab_size=st.vocab_size, max_context=st.max_context)
+    except ApiError as exc:
+        mx.requests.labels(endpoint, "bad_request").inc()
+        return exc.response()
+    flight = Flight(st.svc, req)
+    run = _Run(st, req, flight, arrival)
+    mx.in_flight.inc()
+    outcome = "aborted"   # stays so if the client disconnects (the handler is cancelled)
+    try:
+        await flight.start()
+        resp = await (run.stream(request) if req.stream else run.collect())
+        outcome = run.outcome
+        return resp
+    except ApiError as exc:
+        outcome = OUTCOMES.get(exc.status, "upstream_error")
+        return exc.response()
+    finally:
+        mx.in_flight.dec()
+        mx.requests.labels(endpoint, outcome).inc()
+        await flight.close(abort=outcome != "ok" or run.is_text_stopped)
+
+
+class _Run:
+    """Relays one flight's tokens to the client and measures it."""
+
+    def __init__(self, st: ApiState, req: ApiRequest, flight: Flight, arrival: float) -> None:
+        self.st, self.req, self.flight, self.arrival = st, req, flight, arrival
+        self.text = TextStream(st.tokenizer, req.stop)
+        self.created = int(time.time())
+        self.outcome = "ok"
+        self.is_text_stopped = False
+        self._last: float | None = None
+        self._gaps: list[float] = []
+
+    async def _deltas(self):
+        """(text delta) per token, then a final flush; stops early on a stop string."""
+        async for token in self.flight.tokens():
+            self._tick()
+            yield self.text.add(token)
+            if self.text.is_stopped:
+                self.is_text_stopped = True
+                self.flight.finish_reason = "stop"
+                return
+        yield self.text.flush()
+
+    def _tick(self) -> None:
+        now, mx = time.perf_counter(), self.st.svc.metrics
+        if self._last is None:
+            mx.ttft.observe(now - self.arrival)
+        else:
+            self._gaps.append(now - self._last)
+            mx.itl.observe(now - self._last)
+        self._last = now
+        mx.output_tokens.inc()
+
+    def _finish_metrics(self) -> None:
+        mx = self.st.svc.metrics
+        mx.e2e.observe(time.perf_counter() - self.arrival)
+        tbt = paper_tbt(self._gaps)
+        if tbt is not None:
+            mx.tbt.observe(tbt)
+
+    def _usage(self) -> dict:
+        n_prompt, n_out = len(self.req.prompt_ids), self.flight.num_tokens
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    def _headers(self) -> dict[str, str]:
+        f, d = self.flight, self.flight.decision
+        return {"X-Request-Id": f.request_id, "X-Mooncake-Prefill": d.prefill_id,
+                "X-Mooncake-Decode": d.decode_id, "X-Mooncake-Route": d.route,
+                "X-Mooncake-Reused-Blocks": str(d.reused_prefix_blocks)}
+
+    # ---- non-streaming ---------------------------------------------------------------------
+    async def collect(self) -> web.Response:
+        parts = [delta async for delta in self._deltas()]
+        self._finish_metrics()
+        text, reason = "".join(parts), self.flight.finish_reason
+        base = {"id": self.flight.request_id, "created": self.created, "model": self.req.model,
+                "usage": self._usage()}
+        if self.req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            body = {**base, "object": "chat.completion", "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            body = {**base, "object": "text_completion", "choices": [choice]}
+        return web.json_response(body, headers=self._headers(), dumps=lambda o: orjson.dumps(o).decode())
+
+    # ---- streaming -------------------------------------------------------------------------
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        deltas = self._deltas()
+        first = await anext(deltas)     # raises ApiError before any byte is sent
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers()})
+        await resp.prepare(request)
+        if self.req.kind == "chat":
+            await self._send(resp, self._chunk({"role": "assistant", "content": ""}, None))
+        try:
+            if first:
+                await self._send(resp, self._chunk(first, None))
+            async for delta in deltas:
+                if delta:
+                    await self._send(resp, self._chunk(delta, None))
+        except ApiError as exc:
+            self.outcome = "upstream_error"
+            await self._send(resp, exc.body())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        self._finish_metrics()
+        await self._send(resp, self._chunk(None, self.flight.finish_reason))
+        if self.req.include_usage:
+            await self._send(resp, self._envelope([], usage=self._usage()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _chunk(self, delta: str | dict | None, finish_reason: str | None) -> dict:
+        if self.req.kind == "chat":
+            content = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope([choice])
+
+    def _envelope(self, choices: list, **extra) -> dict:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.flight.request_id, "object": obj, "created": self.created, "model": self.req.model,
+                "choices": choices, **extra}
+
+    @staticmethod
+    async def _send(resp: web.StreamResponse, payload: dict) -> None:
+        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")

@@ -1,0 +1,102 @@
+"""The conductor's aiohttp app: public API + internal endpoints on one port, shared state
+under an AppKey, one ClientSession and the dead-instance reaper in ``cleanup_ctx``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from mooncake_lite.common.auth import api_key_middleware, cluster_token_middleware
+from mooncake_lite.conductor import api, internal
+from mooncake_lite.conductor.api import API, ApiState
+from mooncake_lite.conductor.costs import default_costs
+from mooncake_lite.conductor.dispatch import Services
+from mooncake_lite.conductor.main import Config
+from mooncake_lite.conductor.membership import Membership, model_id
+from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.model.tokenizer import load_tokenizer
+from mooncake_lite.model.weights import model_args
+from mooncake_lite.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+DEFAULT_DTYPE_BYTES = 2   # until an instance reports its real kv_bytes_per_token
+
+
+def make_app(cfg: Config) -> web.Application:
+    """Build the conductor. Raises ValueError for an unknown model."""
+    args = model_args(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, args.vocab_size, _eos_token_id(cfg.model))
+    sched_cfg = SchedulerConfig(strategy=cfg.strategy, admission=cfg.admission, ttft_slo_s=cfg.ttft_slo,
+                                tbt_slo_s=cfg.tbt_slo,
+                                kvcache_balancing_threshold=cfg.kvcache_balancing_threshold,
+                                block_size=cfg.block_size, uniform_decode_s=cfg.uniform_decode)
+    kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
+    scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
+    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after)
+    app = web.Application(
+        middlewares=[api_key_middleware(cfg.api_key, prefixes=("/v1/",)),
+                     cluster_token_middleware(cfg.cluster_token, prefixes=("/internal/",))],
+        # A client that disconnects cancels its handler, which aborts the request upstream.
+        handler_args={"handler_cancellation": True},
+        client_max_size=64 * 2**20)
+    served = tuple(dict.fromkeys((model_id(cfg.model), cfg.model)))
+    app[API] = ApiState(
+        svc=Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
+                     metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
+                     cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
+                     kv_timeout_s=cfg.kv_timeout),
+        tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
+        max_context=args.max_seq_len, created=int(time.time()))
+    api.add_routes(app)
+    internal.add_routes(app)
+    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_reaper)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    svc = app[API].svc
+    # No connection cap: every streaming request holds one connection to its decode instance.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    svc.session = aiohttp.ClientSession(connector=connector)
+    yield
+    if svc.background:  # aborts still being delivered
+        await asyncio.wait(list(svc.background), timeout=5)
+    await svc.session.close()
+
+
+async def _reaper(app: web.Application) -> AsyncIterator[None]:
+    """Marks silent instances dead a few times per ``dead_after`` period."""
+    membership = app[API].svc.membership
+    period = min(1.0, membership.dead_after_s / 4)
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(period)
+            membership.reap(asyncio.get_running_loop().time())
+
+    task = asyncio.get_running_loop().create_task(loop())
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def _eos_token_id(model: str) -> int | None:
+    """A checkpoint's EOS id from its config.json (byte-level presets know their own)."""
+    import json
+    import os
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None

@@ -1,0 +1,353 @@
+"""Running one request through the cluster: schedule, reserve decode, prefill, relay tokens.
+
+The order is the protocol's (``common/protocol.py``): ``POST /v1/generate`` on the decode
+instance first (it reserves room, may refuse with 429, and answers with an NDJSON stream of
+TokenEvents from the second token on), then ``POST /v1/prefill`` on the prefill instance
+(which streams the KV to decode's data address and answers with the first token). Everything
+that can happen to a request in flight — prefill result, decode tokens, decode's end line,
+an HTTP failure, an instance declared dead — lands on one queue, so the relay loop is a plain
+``await queue.get()`` and the order of events on the wire does not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from mooncake_lite.common.auth import cluster_headers
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
+                                           ProtocolError, TokenEvent, dumps, from_dict, loads)
+from mooncake_lite.conductor.errors import ApiError, rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
+from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.params import ApiRequest
+from mooncake_lite.scheduler import Decision, Scheduler, ScheduleRequest
+
+log = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 5.0
+DECODE_END_GRACE_S = 2.0
+
+
+@dataclass
+class Services:
+    """What a request needs from the app (one per conductor)."""
+
+    session: aiohttp.ClientSession
+    membership: Membership
+    scheduler: Scheduler
+    metrics: ConductorMetrics
+    block_size: int
+    hash_seed: int
+    cluster_token: str | None = None
+    upstream_timeout_s: float = 300.0
+    kv_timeout_s: float = 30.0
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, coro: Any) -> None:
+        """Fire-and-forget work (aborts) that must outlive a cancelled handler."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+class Flight:
+    """One request in flight. ``await start()`` (raises ApiError: 429/502/503), then iterate
+    :meth:`tokens`, then always ``await close()``."""
+
+    def __init__(self, svc: Services, req: ApiRequest, request_id: str | None = None) -> None:
+        self.svc = svc
+        self.req = req
+        self.request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        self.transfer_id = uuid.uuid4().hex
+        self.decision: Decision | None = None
+        self.prefill: Instance | None = None
+        self.decode: Instance | None = None
+        self.prefill_result: PrefillResult | None = None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self._queue: asyncio.Queue[tuple] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._decode_resp: aiohttp.ClientResponse | None = None
+        self._is_prefill_done = False
+        self._is_decode_done = False
+        self._is_closed = False
+
+    # ---- start ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        d = self.decision = self._schedule()
+        svc = self.svc
+        self.prefill = svc.membership.get(d.prefill_id)
+        self.decode = svc.membership.get(d.decode_id)
+        now = _now()
+        for inst in (self.prefill, self.decode):
+            svc.membership.watch(inst.instance_id, self.request_id, self._on_instance_death)
+        svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
+            self.request_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
+            self.decode.instance_id), now)
+        try:
+            await self._reserve_decode()
+        except BaseException:
+            self._is_decode_done = self._is_prefill_done = True  # nothing to abort
+            self._release()
+            raise
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read_decode()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._run_prefill()))
+
+    def _schedule(self) -> Decision:
+        svc, req = self.svc, self.req
+        keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
+        sreq = ScheduleRequest(self.request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
+        t0 = time.perf_counter()
+        decision = svc.scheduler.schedule(sreq, svc.membership.snapshot(), _now())
+        svc.metrics.decision.observe(time.perf_counter() - t0)
+        self.block_keys = keys
+        if decision.accepted:
+            svc.metrics.routes.labels(decision.route).inc()
+            svc.metrics.prompt_blocks.inc(len(keys))
+            svc.metrics.reused_blocks.inc(decision.reused_prefix_blocks)
+            if decision.migration is not None:
+                svc.metrics.migrations.inc(len(decision.migration.keys))
+            log.debug("%s: %s", self.request_id, decision.reason)
+            return decision
+        log.info("%s %s", self.request_id, decision.reason)
+        cause = decision.reject_cause
+        if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
+            raise unavailable(f"no live {cause.split('-')[1]} instance is registered; retry later")
+        svc.metrics.rejections.labels(cause).inc()
+        if cause == "no-decode":
+            raise rejected("every decode instance is full; retry later", 1)
+        wait = decision.predicted_queue_s if cause == "ttft" else 1.0
+        raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
+                       min(60, max(1, math.ceil(wait))))
+
+    async def _reserve_decode(self) -> None:
+        d, s = self.decode, self.req.sampling
+        msg = GenerateRequest(self.request_id, self.transfer_id, len(self.req.prompt_ids), s,
+                              self.svc.kv_timeout_s)
+        try:
+            resp = await self.svc.session.post(
+                f"http://{d.reg.http}/v1/generate", data=dumps(msg), headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.svc.upstream_timeout_s))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise upstream_failed(f"decode instance {d.instance_id} is unreachable: {exc!r}") from None
+        if resp.status == 200:
+            self._decode_resp = resp
+            return
+        detail = _error_text(await resp.read())
+        resp.release()
+        if resp.status == 429:
+            self.svc.metrics.rejections.labels("decode-refused").inc()
+            raise rejected(f"decode instance {d.instance_id} refused the request: {detail}", 1)
+        raise upstream_failed(f"decode instance {d.instance_id} answered {resp.status}: {detail}")
+
+    # ---- upstream workers (each ends by putting one final item on the queue) --------------
+    async def _read_decode(self) -> None:
+        resp, did = self._decode_resp, self.decode.instance_id
+        try:
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                ev = loads(TokenEvent, line)
+                if ev.token is not None:
+                    self._queue.put_nowait(("token", ev.token))
+                if ev.finish_reason is not None:
+                    self._is_decode_done = True
+                    self._queue.put_nowait(("end", ev.finish_reason, ev.error))
+                    return
+            self._queue.put_nowait(("fail", f"decode instance {did} closed its token stream early"))
+        except ProtocolError as exc:
+            self._queue.put_nowait(("fail", f"decode instance {did} sent a bad token line: {exc}"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._queue.put_nowait(("fail", f"decode instance {did} stream broke: {exc!r}"))
+        finally:
+            resp.release()
+
+    async def _run_prefill(self) -> None:
+        p, d, dec = self.prefill, self.decode, self.decision
+        keys = [k.hex() for k in self.block_keys[:dec.reused_prefix_blocks]]
+        m = dec.migration
+        msg = PrefillRequest(self.request_id, self.transfer_id, self.req.prompt_ids, d.reg.data,
+                             self.req.sampling, prefix_keys=tuple(keys),
+                             migrate_from=str(m.source_store_id) if m else None,
+                             migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
+        try:
+            async with self.svc.session.post(
+                    f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(),
+                    timeout=aiohttp.ClientTimeout(total=self.svc.upstream_timeout_s, connect=10)) as resp:
+                body = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} failed: {exc!r}"))
+            return
+        if resp.status == 429:
+            self._queue.put_nowait(("refused", f"prefill instance {p.instance_id} refused the request: "
+                                               f"{_error_text(body)}"))
+        elif resp.status != 200:
+            self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} answered {resp.status}: "
+                                            f"{_error_text(body)}"))
+        else:
+            try:
+                self._queue.put_nowait(("first", loads(PrefillResult, body)))
+            except ProtocolError as exc:
+                self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} sent a bad result: {exc}"))
+
+    def _on_instance_death(self, reason: str) -> None:
+        self._queue.put_nowait(("fail", reason))
+
+    # ---- relay ---------------------------------------------------------------------------
+    async def tokens(self) -> AsyncIterator[int]:
+        """Token ids in order: the first (from prefill), then decode's. Ends with
+        ``finish_reason`` set; raises ApiError if anything upstream fails or refuses."""
+        early: list[tuple] = []   # decode events that raced ahead of the prefill result
+        while self.prefill_result is None:
+            item = await self._queue.get()
+            if item[0] == "first":
+                self._on_first(item[1])
+                yield item[1].first_token
+                if self._count(item[1].first_token):
+                    return
+            elif item[0] in ("token", "end"):
+                early.append(item)
+            else:
+                self._raise(item)
+        for item in early:
+            if (yield_token := self._on_decode_event(item)) is not None:
+                yield yield_token
+                if self._count(yield_token):
+                    return
+            if self.finish_reason is not None:
+                return
+        while True:
+            item = await self._queue.get()
+            if item[0] in ("token", "end"):
+                if (token := self._on_decode_event(item)) is not None:
+                    yield token
+                    if self._count(token):
+                        return
+                if self.finish_reason is not None:
+                    return
+            else:
+                self._raise(item)
+
+    def _on_first(self, result: PrefillResult) -> None:
+        self.prefill_result = result
+        self._is_prefill_done = True
+        now, m = _now(), self.svc.membership
+        m.prefill_done(self.prefill.instance_id, self.request_id, now)
+        m.add_decode(self.decode.instance_id, DecodeJob(self.request_id, len(self.req.prompt_ids) + 1, now,
+                                                        self.req.sampling.max_tokens))
+
+    def _on_decode_event(self, item: tuple) -> int | None:
+        if item[0] == "token":
+            self.svc.membership.decode_progress(self.decode.instance_id, self.request_id)
+            return item[1]
+        _, reason, error = item
+        if error is not None or reason not in ("stop", "length"):
+            raise upstream_failed(f"decode instance {self.decode.instance_id} ended the request "
+                                  f"({reason}): {error or 'no reason given'}")
+        self.finish_reason = reason
+        return None
+
+    def _count(self, token: int) -> bool:
+        """Count one relayed token; True when the request is complete on our side too (the
+        conductor enforces max_tokens and stop ids itself rather than trust every instance)."""
+        self.num_tokens += 1
+        s = self.req.sampling
+        if token in s.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_tokens >= s.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def _raise(self, item: tuple) -> None:
+        if item[0] == "refused":
+            self.svc.metrics.rejections.labels("prefill-refused").inc()
+            raise rejected(item[1], 1)
+        raise upstream_failed(item[1])
+
+    # ---- close ---------------------------------------------------------------------------
+    async def close(self, *, abort: bool) -> None:
+        """Release bookkeeping. ``abort``: the client left, something failed or a stop string
+        ended the text — tell every instance still working on the request to drop it and free
+        its KV. Otherwise the request completed; decode's end line may still be in flight, so
+        give it a moment before aborting (the conductor counts max_tokens and stop ids itself)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        reader = self._tasks[0] if self._tasks else None
+        for task in self._tasks[1:]:
+            task.cancel()
+        if self.prefill is not None and not self._is_prefill_done:
+            self._abort(self.prefill)
+        if self.decode is not None and not self._is_decode_done:
+            if abort or reader is None:
+                if reader is not None:
+                    reader.cancel()
+                self._abort(self.decode)
+            else:
+                self.svc.spawn(self._await_decode_end(reader))
+        self._release()
+
+    async def _await_decode_end(self, reader: asyncio.Task) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), DECODE_END_GRACE_S)
+        except asyncio.TimeoutError:
+            reader.cancel()
+        if not self._is_decode_done:
+            await post_abort(self.svc, self.decode, self.request_id)
+
+    def _release(self) -> None:
+        ids = tuple(i.instance_id for i in (self.prefill, self.decode) if i is not None)
+        self.svc.membership.release(self.request_id, ids, _now())
+
+    def _abort(self, inst: Instance) -> None:
+        if not inst.is_alive:
+            return
+        self.svc.spawn(post_abort(self.svc, inst, self.request_id))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", **cluster_headers(self.svc.cluster_token)}
+
+
+async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:
+    """Tell an instance to drop a request and free its KV; failures are only logged."""
+    try:
+        async with svc.session.post(f"http://{inst.reg.http}/v1/abort", data=dumps(AbortRequest(request_id)),
+                                    headers={"Content-Type": "application/json",
+                                             **cluster_headers(svc.cluster_token)},
+                                    timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
+            await resp.read()
+            if resp.status >= 400 and resp.status != 404:
+                log.warning("abort %s on %s answered %d", request_id, inst.instance_id, resp.status)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        log.warning("abort %s on %s failed: %r", request_id, inst.instance_id, exc)
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an OpenAI-style or plain error body, shortened."""
+    try:
+        data = orjson.loads(body)
+        if isinstance(data, dict):
+            err = data.get("error", data)
+            if isinstance(err, dict):
+                return str(err.get("message", err))[:500]
+            return str(err)[:500]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:500].decode("utf-8", "replace") or "(empty body)"
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+__all__ = ["ApiError", "Flight", "Services", "from_dict", "post_abort"]

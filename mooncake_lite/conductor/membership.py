@@ -1,0 +1,245 @@
+"""Cluster membership and in-flight bookkeeping: who is alive, what each instance is doing.
+
+Prefill and decode instances register (refused on model / block size / hash seed mismatch) and
+heartbeat; one silent for ``dead_after_s`` is marked dead, leaves every scheduling snapshot,
+and the requests in flight on it are told (their ``on_death`` callback) so they fail cleanly.
+A dead instance that heartbeats again comes back. Queues and batches are the conductor's own
+record of what it dispatched — the scheduler reads them as a :class:`ClusterState` snapshot.
+
+No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mooncake_lite.common.protocol import Heartbeat, Register
+from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
+from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
+                                     PrefillInstanceState, QueuedPrefill)
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode")
+
+
+class RegistrationError(Exception):
+    """Registration refused: 409 for a cluster mismatch, 400 for a malformed message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def model_id(name_or_dir: str) -> str:
+    """The id a model is served and compared under: the preset name, or a checkpoint
+    directory's base name (paths differ between machines, the directory name does not)."""
+    if os.path.sep in name_or_dir or os.path.isdir(name_or_dir):
+        return os.path.basename(os.path.normpath(name_or_dir))
+    return name_or_dir
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    num_tokens: int
+    num_prefix_tokens: int
+    decode_id: str
+    started_at: float | None = None
+
+
+@dataclass
+class DecodeJob:
+    request_id: str
+    context_tokens: int
+    joined_at: float
+    max_output_tokens: int
+
+
+@dataclass
+class Instance:
+    reg: Register
+    costs: InstanceCosts
+    last_seen: float
+    is_alive: bool = True
+    load: dict[str, float] = field(default_factory=dict)
+    prefill_jobs: dict[str, PrefillJob] = field(default_factory=dict)   # dispatch order
+    decode_jobs: dict[str, DecodeJob] = field(default_factory=dict)
+    watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
+
+    @property
+    def instance_id(self) -> str:
+        return self.reg.instance_id
+
+    @property
+    def role(self) -> str:
+        return self.reg.role
+
+
+class Membership:
+    """Owns the instance table. One owner (the conductor app); not thread-safe."""
+
+    def __init__(self, model: str, block_size: int, hash_seed: int, dead_after_s: float) -> None:
+        self.model_id = model_id(model)
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.dead_after_s = dead_after_s
+        self.instances: dict[str, Instance] = {}
+        self.kv_bytes_per_token: int | None = None
+
+    # ---- membership messages --------------------------------------------------------------
+    def register(self, reg: Register, now: float) -> Instance:
+        """Add or replace an instance; raises RegistrationError with a clear reason."""
+        self._check(reg)
+        costs = self._costs(reg)
+        old = self.instances.get(reg.instance_id)
+        if old is not None and (old.reg.http != reg.http or old.role != reg.role):
+            # Same id, new process or address: whatever ran on the old one is gone.
+            self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}")
+        inst = Instance(reg, costs, now)
+        if old is not None and old.reg.http == reg.http and old.role == reg.role:
+            inst.prefill_jobs, inst.decode_jobs, inst.watchers = old.prefill_jobs, old.decode_jobs, old.watchers
+        self.instances[reg.instance_id] = inst
+        if self.kv_bytes_per_token is None:
+            self.kv_bytes_per_token = reg.kv_bytes_per_token
+        log.info("registered %s %s at %s (store %s)", reg.role, reg.instance_id, reg.http, reg.store)
+        return inst
+
+    def _check(self, reg: Register) -> None:
+        if reg.role not in ROLES:
+            raise RegistrationError(400, f"role must be one of {', '.join(ROLES)}, got {reg.role!r}")
+        if reg.role == "decode" and not reg.data:
+            raise RegistrationError(400, "a decode instance must give its data address ('data')")
+        mismatches = []
+        if model_id(reg.model) != self.model_id:
+            mismatches.append(f"model {reg.model!r} (conductor serves {self.model_id!r})")
+        if reg.block_size != self.block_size:
+            mismatches.append(f"block_size {reg.block_size} (cluster uses {self.block_size})")
+        if reg.hash_seed != self.hash_seed:
+            mismatches.append(f"hash_seed {reg.hash_seed} (cluster uses {self.hash_seed})")
+        others = [i for i in self.instances.values() if i.instance_id != reg.instance_id]
+        if others and self.kv_bytes_per_token not in (None, reg.kv_bytes_per_token):
+            mismatches.append(f"kv_bytes_per_token {reg.kv_bytes_per_token} (other instances use "
+                              f"{self.kv_bytes_per_token}: different dtype?)")
+        if mismatches:
+            raise RegistrationError(409, f"{reg.role} instance {reg.instance_id} refused: mismatched "
+                                         + "; ".join(mismatches))
+
+    @staticmethod
+    def _costs(reg: Register) -> InstanceCosts:
+        try:
+            return parse_instance_costs(reg.cost)
+        except ValueError as exc:
+            raise RegistrationError(400, f"{reg.role} instance {reg.instance_id}: {exc}") from None
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> Instance | None:
+        """Record liveness and load; None if the instance is unknown (it must register)."""
+        inst = self.instances.get(hb.instance_id)
+        if inst is None:
+            return None
+        if not inst.is_alive:
+            log.warning("%s %s is back after being marked dead", inst.role, inst.instance_id)
+            inst.is_alive = True
+        inst.last_seen = now
+        inst.load = dict(hb.load)
+        return inst
+
+    def reap(self, now: float) -> list[Instance]:
+        """Mark every instance silent for longer than ``dead_after_s`` dead; returns them."""
+        dead = [i for i in self.instances.values()
+                if i.is_alive and now - i.last_seen > self.dead_after_s]
+        for inst in dead:
+            self._kill(inst, f"{inst.role} instance {inst.instance_id} stopped heartbeating "
+                             f"(silent for {now - inst.last_seen:.1f}s)")
+        return dead
+
+    def _kill(self, inst: Instance, reason: str) -> None:
+        log.warning("%s; failing its %d request(s) in flight", reason, len(inst.watchers))
+        inst.is_alive = False
+        watchers, inst.watchers = inst.watchers, {}
+        inst.prefill_jobs.clear()
+        inst.decode_jobs.clear()
+        for notify in watchers.values():
+            notify(reason)
+
+    def alive(self, role: str | None = None) -> list[Instance]:
+        return [i for i in self.instances.values() if i.is_alive and (role is None or i.role == role)]
+
+    def get(self, instance_id: str) -> Instance | None:
+        inst = self.instances.get(instance_id)
+        return inst if inst is not None and inst.is_alive else None
+
+    # ---- in-flight bookkeeping ------------------------------------------------------------
+    def watch(self, instance_id: str, request_id: str, on_death: Callable[[str], None]) -> None:
+        self.instances[instance_id].watchers[request_id] = on_death
+
+    def add_prefill(self, instance_id: str, job: PrefillJob, now: float) -> None:
+        inst = self.instances[instance_id]
+        if not inst.prefill_jobs:
+            job.started_at = now
+        inst.prefill_jobs[job.request_id] = job
+
+    def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.prefill_jobs.pop(request_id, None) is None:
+            return
+        head = next(iter(inst.prefill_jobs.values()), None)
+        if head is not None and head.started_at is None:
+            head.started_at = now  # FIFO: the next job starts when this one ends
+
+    def add_decode(self, instance_id: str, job: DecodeJob) -> None:
+        inst = self.get(instance_id)
+        if inst is not None:
+            inst.decode_jobs[job.request_id] = job
+
+    def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
+        inst = self.instances.get(instance_id)
+        job = inst.decode_jobs.get(request_id) if inst is not None else None
+        if job is not None:
+            job.context_tokens += num_new_tokens
+
+    def release(self, request_id: str, instance_ids: tuple[str, ...], now: float) -> None:
+        """The request is over (any outcome): forget it everywhere."""
+        for iid in instance_ids:
+            inst = self.instances.get(iid)
+            if inst is None:
+                continue
+            inst.watchers.pop(request_id, None)
+            inst.decode_jobs.pop(request_id, None)
+            self.prefill_done(iid, request_id, now)
+
+    # ---- scheduler view -------------------------------------------------------------------
+    def snapshot(self) -> ClusterState:
+        """The live instances as the scheduler sees them (dead ones left out)."""
+        prefills, decodes = [], []
+        for inst in self.instances.values():
+            if not inst.is_alive:
+                continue
+            if inst.role == "prefill":
+                prefills.append(_prefill_state(inst))
+            else:
+                decodes.append(_decode_state(inst))
+        return ClusterState(tuple(prefills), tuple(decodes))
+
+
+def _prefill_state(inst: Instance) -> PrefillInstanceState:
+    queue = tuple(QueuedPrefill(j.request_id, j.num_tokens, j.num_prefix_tokens, j.decode_id, j.started_at)
+                  for j in inst.prefill_jobs.values())
+    # No store: a unique id no block event names, so nothing counts as cached there.
+    store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
+    bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
+    return PrefillInstanceState(inst.instance_id, store_id, queue, bandwidth, inst.costs.prefill)
+
+
+def _decode_state(inst: Instance) -> DecodeInstanceState:
+    running = tuple(DecodingRequest(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
+                    for j in inst.decode_jobs.values())
+    return DecodeInstanceState(inst.instance_id, running, _int_or_none(inst.load.get("max_batch_size")),
+                               _int_or_none(inst.load.get("max_context_tokens")), inst.costs.decode)
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return int(value) if value is not None and value > 0 else None

@@ -1,0 +1,73 @@
+"""Token ids → text deltas for streaming, with OpenAI ``stop`` strings.
+
+Decoding one token at a time can split a UTF-8 character (byte tokenizer) or lose a leading
+space (sentencepiece), so each step decodes a small window of recent ids and emits only the
+text that grew past what was already shown, holding back an incomplete character. With stop
+strings, the last ``len(longest stop) - 1`` characters are held back too, since they might be
+the start of a stop string; when one appears, the text is cut before it and the request stops.
+"""
+
+from __future__ import annotations
+
+from mooncake_lite.model.tokenizer import Tokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""               # everything decoded so far (before any stop cut)
+        self.num_emitted = 0         # characters of ``text`` already returned
+        self.is_stopped = False
+        self._prefix = 0             # window start for incremental decoding
+        self._read = 0               # ids already turned into ``text``
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the text now safe to show (may be empty)."""
+        if self.is_stopped:
+            return ""
+        self.token_ids.append(token_id)
+        self._decode_window()
+        if self.stop:
+            cut = self._find_stop()
+            if cut is not None:
+                self.is_stopped = True
+                return self._emit_upto(cut)
+        return self._emit_upto(len(self.text) - self.hold)
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (a stop string never appeared)."""
+        if self.is_stopped:
+            return ""
+        self._decode_window(force=True)
+        return self._emit_upto(len(self.text))
+
+    def _decode_window(self, force: bool = False) -> None:
+        ids = self.token_ids
+        before = self.tokenizer.decode(ids[self._prefix:self._read])
+        after = self.tokenizer.decode(ids[self._prefix:])
+        # An incomplete character shows as U+FFFD; wait for its next bytes, but not forever
+        # (a model may emit bytes that never form valid UTF-8).
+        pending = len(ids) - self._read
+        if len(after) > len(before) and (force or not after.endswith("\ufffd") or pending >= 4):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(ids)
+
+    def _find_stop(self) -> int | None:
+        start = max(0, self.num_emitted - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _emit_upto(self, end: int) -> str:
+        if end <= self.num_emitted:
+            return ""
+        delta = self.text[self.num_emitted:end]
+        self.num_emitted = end
+        return delta
+
+    @property
+    def output_text(self) -> str:
+        """The final text as the client sees it (cut before a stop string)."""
+        return self.text[:self.num_emitted] if self.is_stopped else self.text
