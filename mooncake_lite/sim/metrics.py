@@ -1,0 +1,84 @@
+"""Figures of a run: TTFT/TBT distributions, rejections, SLO attainment, goodput, sim speed."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_lite.sim.recorder import SimResult
+from mooncake_lite.sim.request import RequestResult
+
+
+def quantile(sorted_vals: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile of already sorted values (None when empty)."""
+    if not sorted_vals:
+        return None
+    return float(sorted_vals[min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))])
+
+
+def meets_slo(r: RequestResult, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+    """Completed with TTFT and TBT (mean of the slowest 10% of gaps) within the SLOs."""
+    return (r.status == "completed" and r.ttft is not None and r.ttft <= ttft_slo_s
+            and (r.tbt is None or r.tbt <= tbt_slo_s))
+
+
+def slo_attainment(requests: Sequence[RequestResult], ttft_slo_s: float, tbt_slo_s: float) -> float:
+    """Share of *all* requests (rejected ones count as misses) that met both SLOs."""
+    if not requests:
+        return 0.0
+    return sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in requests) / len(requests)
+
+
+def _dist(values: list[float]) -> dict[str, float | None]:
+    values.sort()
+    return {"mean": sum(values) / len(values) if values else None, "p50": quantile(values, 0.5),
+            "p90": quantile(values, 0.9), "p99": quantile(values, 0.99), "max": values[-1] if values else None}
+
+
+def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, Any]:
+    """One flat-ish dict of the headline figures of a run."""
+    reqs = res.requests
+    done = [r for r in reqs if r.status == "completed"]
+    rejected = Counter(f"{r.reject_stage}:{r.reject_cause}" for r in reqs if r.status == "rejected")
+    duration = max(res.duration_s, 1e-9)
+    good = sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in reqs)
+    input_tokens = sum(r.input_length for r in done)
+    return {
+        "system": res.system,
+        "num_requests": len(reqs),
+        "completed": len(done),
+        "rejected": sum(rejected.values()),
+        "rejected_by": dict(sorted(rejected.items())),
+        "wasted_prefills": rejected.get("decode:tbt", 0),
+        "ttft_s": _dist([r.ttft for r in done if r.ttft is not None]),
+        "tbt_s": _dist([r.tbt for r in done if r.tbt is not None]),
+        "slo": {"ttft_s": ttft_slo_s, "tbt_s": tbt_slo_s},
+        "slo_attainment": good / len(reqs) if reqs else 0.0,
+        "goodput_rps": good / duration,
+        "throughput_rps": len(done) / duration,
+        "reused_token_share": sum(r.reused_tokens for r in done) / input_tokens if input_tokens else 0.0,
+        "simulated_s": res.duration_s,
+        "wall_s": res.wall_s,
+        "requests_per_wall_s": len(reqs) / res.wall_s if res.wall_s > 0 else None,
+        "num_events": res.num_events,
+        "counters": res.counters,
+    }
+
+
+def format_summary(rows: Sequence[dict[str, Any]], title: str = "") -> str:
+    """A terminal table, one row per summarized run."""
+    head = f"{'system':<24}{'done':>7}{'rej':>7}{'TTFT avg':>10}{'TTFT p90':>10}{'TBT avg':>9}{'TBT p90':>9}{'SLO ok':>8}{'req/wall-s':>12}"
+    lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
+
+    def f(v: float | None, unit: str = "s", scale: float = 1.0) -> str:
+        return "-" if v is None else f"{v * scale:.2f}{unit}"
+
+    for s in rows:
+        name = s.get("label", s["system"])
+        lines.append(f"{name:<24}{s['completed']:>7}{s['rejected']:>7}{f(s['ttft_s']['mean']):>10}"
+                     f"{f(s['ttft_s']['p90']):>10}{f(s['tbt_s']['mean'], 'ms', 1e3):>9}"
+                     f"{f(s['tbt_s']['p90'], 'ms', 1e3):>9}{s['slo_attainment']:>8.1%}"
+                     f"{(s['requests_per_wall_s'] or 0):>12,.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""Event queue ordering and the aggregate-step batch bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.sim.events import EventQueue
+from mooncake_lite.sim.request import fold_gaps, slowest_share_mean
+
+
+def test_events_run_in_time_order_fifo_on_ties():
+    q = EventQueue()
+    seen = []
+
+    def h(t, tag):
+        seen.append((t, tag))
+        if tag == "a":
+            q.push(t + 1.0, h, "c")   # pushed during the run
+            q.push(t, h, "a-same-time")
+
+    q.push(2.0, h, "b")
+    q.push(1.0, h, "a")
+    q.push(2.0, h, "b2")
+    q.run()
+    assert seen == [(1.0, "a"), (1.0, "a-same-time"), (2.0, "b"), (2.0, "b2"), (2.0, "c")]
+    assert q.num_events == 5 and q.now == 2.0
+    with pytest.raises(ValueError, match="past"):
+        q.push(1.5, h, "late")
+
+
+def test_slowest_share_mean():
+    assert slowest_share_mean([]) is None
+    assert slowest_share_mean([(0.01, 9), (1.0, 1)]) == pytest.approx(1.0)        # 10 gaps -> slowest 1
+    assert slowest_share_mean([(0.01, 10), (1.0, 1)]) == pytest.approx(0.505)      # 11 gaps -> slowest 2
+    assert slowest_share_mean([(0.02, 3)]) == pytest.approx(0.02)
+
+
+def test_fold_gaps_applies_stalls_and_wait_to_the_next_gap():
+    log = [(0.5, 0), (0.01, 4), (1.0, 0), (0.02, 2), (0.03, 1)]
+    assert fold_gaps(log, 1, 5, 0.005) == [(0.015, 1), (0.01, 3), (1.02, 1), (0.02, 1), (0.03, 1)]
+    assert fold_gaps(log, 0, 2, 0.0) == [(0.51, 1), (0.01, 3)]

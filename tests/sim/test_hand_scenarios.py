@@ -1,0 +1,81 @@
+"""Scenarios small enough to compute by hand: exact TTFT, join timing, reuse, interference."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.sim.cluster import MooncakeSim
+from mooncake_lite.sim.colocated import ColocatedSim
+from mooncake_lite.sim.config import ColocatedConfig, SimConfig
+from tests.sim.helpers import req, toy_hardware
+
+
+def by_id(result):
+    return {r.request_id: r for r in result.requests}
+
+
+def run(trace, num_prefill=1, num_decode=1, **sched):
+    cfg = SimConfig(num_prefill=num_prefill, num_decode=num_decode,
+                    scheduler=SchedulerConfig(admission="none", **sched))
+    return by_id(MooncakeSim(cfg, hardware=toy_hardware()).run(trace))
+
+
+def test_fifo_queue_gives_exact_ttft_and_prefix_reuse():
+    shared = [1, 2]
+    r = run([req(0, 0.0, 1000, 3, ids=[1, 2]),                 # 1.0 s prefill
+             req(1, 0.5, 1000, 3),                             # waits for r0: starts 1.0, ends 2.0
+             req(2, 2.5, 1100, 3, ids=shared + [77, 78, 79][:1])])  # reuses block 1 only (1 full block of r0)
+    assert r[0].ttft == pytest.approx(1.0)
+    assert r[1].ttft == pytest.approx(1.5)
+    # r0 had one full block (1000 // 512) -> key 1 cached; r2's first full block is key 1 -> 512 reused.
+    assert r[2].reused_tokens == 512
+    assert r[2].ttft == pytest.approx((1100 - 512) * 1e-3)
+    # decode: 2 more tokens at 10 ms each, right after the first token.
+    assert r[0].finish == pytest.approx(1.02) and r[0].tbt == pytest.approx(0.01)
+    assert all(x.status == "completed" for x in r.values())
+
+
+def test_kv_arrival_mid_step_joins_at_the_next_boundary():
+    # X (1000 tok) on P0 and Y (1055 tok) on P1 both start at 0; one decode instance.
+    r = run([req(0, 0.0, 1000, 101), req(1, 0.0, 1055, 4)], num_prefill=2)
+    x, y = r[0], r[1]
+    assert x.prefill_id != y.prefill_id
+    assert x.ttft == pytest.approx(1.0) and y.ttft == pytest.approx(1.055)
+    # X steps end at 1.01, 1.02, ...; Y's KV lands at 1.055 and joins at 1.06.
+    assert y.finish == pytest.approx(1.06 + 3 * 0.01)
+    assert y.tbt == pytest.approx(0.015)               # slowest gap: 5 ms wait + a 10 ms step
+    assert x.finish == pytest.approx(1.0 + 100 * 0.01)
+    assert x.tbt == pytest.approx(0.01)
+
+
+def test_early_admission_rejects_over_ttft_slo_and_conserves_requests():
+    trace = [req(i, 0.0, 2000, 5) for i in range(10)]   # 2 s each on one instance
+    cfg = SimConfig(num_prefill=1, num_decode=1,
+                    scheduler=SchedulerConfig(admission="early", ttft_slo_s=7.0))
+    res = MooncakeSim(cfg, hardware=toy_hardware()).run(trace)
+    r = by_id(res)
+    # predicted TTFTs 2, 4, 6 are admitted; 8 and beyond are not (the queue stops growing).
+    assert [r[i].status for i in range(10)] == ["completed"] * 3 + ["rejected"] * 7
+    assert {r[i].reject_cause for i in range(3, 10)} == {"ttft"}
+    assert res.counters["completed"] + res.counters["rejected"] == 10
+
+
+def test_decode_double_check_wastes_the_prefill():
+    # TBT SLO below one step: admission 'none' lets it through, the decode refuses after prefill.
+    cfg = SimConfig(num_prefill=1, num_decode=1, scheduler=SchedulerConfig(admission="none", tbt_slo_s=0.005))
+    r = by_id(MooncakeSim(cfg, hardware=toy_hardware()).run([req(0, 0.0, 1000, 5)]))
+    assert r[0].status == "rejected" and r[0].reject_stage == "decode"
+    assert r[0].finish == pytest.approx(1.0)          # refused when the KV arrived, after prefill
+
+
+def test_colocated_prefill_stalls_the_running_batch():
+    trace = [req(0, 0.0, 1000, 11), req(1, 1.055, 1000, 3)]
+    res = ColocatedSim(ColocatedConfig(num_instances=1), hardware=toy_hardware()).run(trace)
+    a, b = by_id(res)[0], by_id(res)[1]
+    assert a.ttft == pytest.approx(1.0)
+    # B queues at 1.055, the engine reaches a step boundary at 1.06 and prefills B for 1 s.
+    assert b.ttft == pytest.approx(2.06 - 1.055)
+    # A: 6 steps, then a gap of 1 s stall + 10 ms, then 3 steps: 10 gaps, slowest 10% = 1 gap.
+    assert a.tbt == pytest.approx(1.01)
+    assert a.finish == pytest.approx(2.06 + 4 * 0.01)
