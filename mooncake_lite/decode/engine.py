@@ -1,0 +1,222 @@
+"""The decode engine: the batcher's decisions executed on the model, KV intake, token streams.
+
+All bookkeeping runs on the event loop; only the model step (and its sampling) runs in a
+one-thread executor, so HTTP and the KV data socket stay responsive while the model computes.
+Received KV is scattered straight into the paged cache on the loop; it only touches blocks of
+requests that are not in the running batch, so it never races the step's reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import scatter_tokens
+from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
+from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+
+class KVError(ValueError):
+    """A KV frame cannot be accepted; ``code`` goes back to the sender in the error frame."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PendingKV:
+    """A request whose KV is streaming in."""
+    request_id: str
+    transfer_id: str
+    seq: DecodeSequence
+    layer_tokens: list[int]
+    first_token: int | None = None
+    timer: asyncio.TimerHandle | None = None
+    senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
+
+    def is_complete(self) -> bool:
+        return self.first_token is not None and all(n == self.seq.prompt_len for n in self.layer_tokens)
+
+    def progress(self) -> str:
+        done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
+        return f"{done} of {len(self.layer_tokens)} layers complete"
+
+
+@dataclass
+class RequestState:
+    params: SamplingParams
+    generator: torch.Generator | None
+    events: asyncio.Queue
+
+
+class DecodeEngine:
+    def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
+                 on_step: Callable[[int, int, float], None] | None = None):
+        self.runner = runner
+        self.batcher = batcher
+        self.executor = executor
+        self.on_step = on_step  # (batch, context_tokens, seconds) for metrics/profiling
+        self.pending: dict[str, PendingKV] = {}            # transfer_id -> pending
+        self.requests: dict[str, RequestState] = {}        # request_id -> live request
+        self._transfer_of: dict[str, str] = {}             # request_id -> transfer_id while pending
+        self._wake = asyncio.Event()
+        self.num_steps = 0
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> asyncio.Queue:
+        """Reserve room; raises AdmissionError with the reason if this instance refuses."""
+        if req.transfer_id in self.pending:
+            raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
+        s = req.sampling
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
+        seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids)
+        pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers)
+        pending.timer = asyncio.get_running_loop().call_later(
+            req.kv_timeout_s, self._kv_timeout, req.transfer_id, req.kv_timeout_s)
+        self.pending[req.transfer_id] = pending
+        self._transfer_of[req.request_id] = req.transfer_id
+        state = RequestState(params, make_generator(params, self.runner.device), asyncio.Queue())
+        self.requests[req.request_id] = state
+        return state.events
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
+        """Stop a request in any state and free its KV. False if it is not here (any more)."""
+        state = self.requests.pop(request_id, None)
+        tid = self._transfer_of.pop(request_id, None)
+        if tid is not None:
+            pending = self.pending.pop(tid, None)
+            if pending is not None and pending.timer is not None:
+                pending.timer.cancel()
+        self.batcher.abort(request_id)
+        if state is None:
+            return False
+        state.events.put_nowait(TokenEvent(finish_reason=reason, error=error))
+        return True
+
+    # --- KV intake (called by the receiver on the loop) ----------------------------------------
+    def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor) -> None:
+        pending = self._pending(tid)
+        num_layers = len(pending.layer_tokens)
+        if not 0 <= layer < num_layers:
+            raise KVError("bad_layer", f"layer {layer} out of range for a {num_layers}-layer model")
+        prompt_len = pending.seq.prompt_len
+        if start < 0 or n <= 0 or start + n > prompt_len:
+            raise KVError("bad_range", f"tokens {start}..{start + n} outside the prompt of {prompt_len}")
+        if pending.layer_tokens[layer] + n > prompt_len:
+            raise KVError("duplicate", f"layer {layer} of transfer {tid} got more than {prompt_len} tokens")
+        pending.senders.add(conn_id)
+        table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
+        pos = torch.arange(start, start + n)
+        slots = table[pos // self.runner.block_size] * self.runner.block_size + pos % self.runner.block_size
+        scatter_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots, kv)
+        pending.layer_tokens[layer] += n
+
+    def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> None:
+        pending = self._pending(tid)
+        pending.senders.discard(conn_id)
+        if first_token is not None:
+            if not 0 <= first_token < self.runner.args.vocab_size:
+                raise KVError("bad_token", f"first token {first_token} outside the vocabulary")
+            pending.first_token = first_token
+        if pending.is_complete():
+            self._join(pending)
+
+    def kv_abort(self, tid: str, reason: str) -> None:
+        pending = self.pending.get(tid)
+        if pending is not None:
+            self.abort(pending.request_id, "error", f"prefill aborted the KV stream: {reason}")
+
+    def sender_lost(self, conn_id: int, tids: set[str]) -> None:
+        """A KV connection closed: every transfer it had not finished fails (its memory is freed)."""
+        for tid in tids:
+            pending = self.pending.get(tid)
+            if pending is not None and conn_id in pending.senders:
+                log.warning("KV stream for transfer %s broke midway (%s); failing request %s",
+                            tid, pending.progress(), pending.request_id)
+                self.abort(pending.request_id, "error",
+                           f"KV stream from prefill broke midway ({pending.progress()})")
+
+    def _pending(self, tid: str) -> PendingKV:
+        pending = self.pending.get(tid)
+        if pending is None:
+            raise KVError("unknown_transfer", f"no request waits for transfer {tid!r} (finished, "
+                          "aborted, timed out, or never announced with /v1/generate)")
+        return pending
+
+    def _kv_timeout(self, tid: str, timeout_s: float) -> None:
+        pending = self.pending.get(tid)
+        if pending is not None:
+            log.warning("transfer %s timed out after %.3gs (%s)", tid, timeout_s, pending.progress())
+            self.abort(pending.request_id, "error",
+                       f"KV did not arrive within {timeout_s:g}s ({pending.progress()}); prefill dead or slow")
+
+    def _join(self, pending: PendingKV) -> None:
+        del self.pending[pending.transfer_id]
+        self._transfer_of.pop(pending.request_id, None)
+        if pending.timer is not None:
+            pending.timer.cancel()
+        reason = self.batcher.join(pending.request_id, pending.first_token)
+        if reason is not None:
+            self._finish(pending.request_id, reason)
+        else:
+            self._wake.set()
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            state.events.put_nowait(TokenEvent(finish_reason=reason))
+
+    # --- the step loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Forever: plan a step over the running sequences, compute it off-loop, deliver tokens."""
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = self.batcher.plan()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            samplers = [self.requests.get(rid) for rid in plan.request_ids]
+            t0 = loop.time()
+            try:
+                tokens = await loop.run_in_executor(self.executor, self._compute, plan, samplers)
+            except Exception as exc:  # a model failure fails this batch, never the server
+                log.exception("decode step failed")
+                self.batcher.commit(plan, [0] * len(plan))
+                for rid in plan.request_ids:
+                    self.abort(rid, "error", f"decode step failed: {exc}")
+                continue
+            if self.on_step is not None:
+                self.on_step(len(plan), sum(p + 1 for p in plan.positions), loop.time() - t0)
+            self.num_steps += 1
+            for out in self.batcher.commit(plan, tokens):
+                state = self.requests.get(out.request_id)
+                if state is None:
+                    continue
+                state.events.put_nowait(TokenEvent(token=out.token))
+                if out.finish_reason is not None:
+                    self._finish(out.request_id, out.finish_reason)
+            await asyncio.sleep(0)  # let KV frames and HTTP writes in between steps
+
+    def _compute(self, plan: StepPlan, samplers: list[RequestState | None]) -> list[int]:
+        logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        return [greedy[i] if s is None or s.params.is_greedy else sample(logits[i], s.params, s.generator)
+                for i, s in enumerate(samplers)]
+
+    def load(self) -> dict[str, float]:
+        b = self.batcher
+        return {"num_running": b.num_running, "num_waiting": b.num_waiting,
+                "context_tokens": b.context_tokens, "free_blocks": b.allocator.num_free,
+                "predicted_tbt_s": b.predicted_tbt() or 0.0}

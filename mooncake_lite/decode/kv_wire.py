@@ -1,0 +1,42 @@
+"""The prefill -> decode KV stream on the transfer framing (``mooncake_lite/transfer``).
+
+A prefill instance (or each stage of a CPP group) opens one framed connection to the decode
+instance's data socket (``Register.data``, the ``"data"`` address of its ready line) and sends,
+for one request tagged by ``transfer_id`` (``tid``):
+
+    OP_KV_LAYER  meta {"tid", "layer", "start", "n"}      payload K,V of one layer for tokens
+                 start..start+n-1: ``[2][n][kv_heads][head_dim]`` in the model dtype (raw bytes)
+    OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null}
+                 this sender has sent all its layers; the stage that owns the last layer carries
+                 the first token sampled at the last prompt position
+    OP_KV_ABORT  meta {"tid", "reason"}                   the prefill gave up; decode fails the request
+
+Every frame is answered (``{"ok": true}`` or an error frame); senders pipeline frames and check
+the answers at the end, so a refused transfer (unknown tid, aborted, bad shape) stops the prefill.
+Prefix tokens loaded from the store travel the same way as computed ones: decode only needs the
+full KV of every prompt position, whatever produced it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_KV_LAYER = 20
+OP_KV_END = 21
+OP_KV_ABORT = 22
+
+
+def layer_frame_meta(transfer_id: str, layer: int, start: int, num_tokens: int) -> dict:
+    return {"tid": transfer_id, "layer": layer, "start": start, "n": num_tokens}
+
+
+def token_kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_tokens * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_from_payload(payload: list[memoryview], num_tokens: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``[2, n, kvh, hd]`` view over the received payload (no copy when it came in one buffer)."""
+    buf = payload[0] if len(payload) == 1 else memoryview(bytearray(b"".join(payload)))
+    flat = torch.frombuffer(buf, dtype=dtype) if buf.nbytes else torch.empty(0, dtype=dtype)
+    return flat.view(2, num_tokens, num_kv_heads, head_dim)

@@ -1,0 +1,211 @@
+"""Layer-wise prefill of one stage (the whole model, or a CPP stage's layer slice).
+
+For each request (a :class:`StageJob`) the stage:
+
+* loads the cached prefix KV from its store **layer by layer** — layer i+1's load is launched
+  before layer i waits for its own and computes, so loading hides behind compute;
+* computes only the uncached tokens, one chunk at a time (:meth:`StageEngine.run_chunk`);
+* after each layer, queues that layer's KV (prefix tokens with the first chunk, then each
+  chunk's new tokens) on the stream to decode, so sending overlaps the next layer's compute;
+* once a block is full in every layer of the stage, packs it and writes it to the store in the
+  background.
+
+Model compute runs in a one-thread executor; the loop only moves bytes and tracks state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import gather_tokens, pack_blocks, unpack_blocks
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
+from mooncake_lite.prefill.store_io import PrefixStore
+
+log = logging.getLogger(__name__)
+
+
+class PrefillAborted(RuntimeError):
+    """The request was aborted or its KV stream broke; the message says why."""
+
+
+@dataclass
+class StageJob:
+    request_id: str
+    token_ids: tuple[int, ...]
+    keys: list[bytes]                  # keys of the prompt's full blocks
+    num_prefix_blocks: int
+    block_ids: list[int]
+    sender: KVSender
+    loads: dict[int, asyncio.Task] = field(default_factory=dict)
+    prefix_done: bool = False
+    num_stored_blocks: int = 0         # full blocks already handed to the store (incl. the prefix)
+    num_prefix_tokens: int = 0
+    abort_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class StageEngine:
+    def __init__(self, runner: ModelRunner, store: PrefixStore | None, executor: Executor,
+                 write_back: bool = True):
+        self.runner = runner
+        self.store = store
+        self.executor = executor
+        self.write_back = write_back
+        model = runner.model
+        self.first_layer, self.end_layer = model.first_layer, model.end_layer
+        self.is_last = model.is_last
+        self.jobs: dict[str, StageJob] = {}
+        self._puts: set[asyncio.Task] = set()
+        self.num_blocks_stored = 0
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def match(self, keys: Sequence[bytes]) -> int:
+        if self.store is None or not keys:
+            return 0
+        return await self.store.match(keys)
+
+    def begin(self, request_id: str, token_ids: Sequence[int], keys: list[bytes], num_prefix_blocks: int,
+              sender: KVSender) -> StageJob:
+        """Allocate the request's blocks and start loading the first layer of its prefix.
+        Raises MemoryError when the cache cannot hold the prompt now."""
+        if request_id in self.jobs:
+            raise ValueError(f"request {request_id!r} is already being prefilled here")
+        bs = self.runner.block_size
+        if num_prefix_blocks * bs >= len(token_ids):
+            raise ValueError("the prefix must leave at least one token to compute")
+        block_ids = self.runner.allocator.allocate(blocks_needed(len(token_ids), bs))
+        job = StageJob(request_id, tuple(token_ids), keys, num_prefix_blocks, block_ids, sender,
+                       num_stored_blocks=num_prefix_blocks, num_prefix_tokens=num_prefix_blocks * bs)
+        self.jobs[request_id] = job
+        if num_prefix_blocks:
+            self._launch_load(job, self.first_layer)
+        else:
+            job.prefix_done = True
+        return job
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        job.abort_reason = job.abort_reason or reason
+        return True
+
+    async def finish(self, job: StageJob, first_token: int | None) -> None:
+        """Send END to decode once every frame is answered; raises PrefillAborted on failure."""
+        try:
+            await job.sender.end(self.first_layer, self.end_layer, first_token)
+        except ConnectionError as exc:
+            raise PrefillAborted(str(exc)) from None
+
+    async def release(self, job: StageJob, error: str | None = None) -> None:
+        """Free the job (always call, success or not); on error tell decode to drop the transfer."""
+        self.jobs.pop(job.request_id, None)
+        for task in job.loads.values():
+            task.cancel()
+        if error is not None:
+            await job.sender.abort(error)
+        self.runner.allocator.free(job.block_ids)
+        job.block_ids = []
+
+    # --- compute -------------------------------------------------------------------------------
+    async def run_chunk(self, job: StageJob, start: int, *, token_ids: Sequence[int] | None = None,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers over tokens ``start..start+n-1``; stream each layer's KV as soon
+        as it is computed. Returns the last position's logits (last stage) or the hidden states."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        piece = await loop.run_in_executor(self.executor, self._new_pass, job, start, token_ids, hidden)
+        for layer in self.layer_ids:
+            self._check(job)
+            if not job.prefix_done:
+                await self._load_prefix_layer(job, layer)
+            kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
+            job.sender.send_layer(layer, start, kv)
+        job.prefix_done = True
+        out = await loop.run_in_executor(self.executor, piece.output)
+        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + time.perf_counter() - t0
+        self._store_full_blocks(job, start + piece.num_tokens)
+        return out
+
+    def _new_pass(self, job: StageJob, start: int, token_ids, hidden) -> LayerwisePass:
+        return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden)
+
+    def _layer(self, piece: LayerwisePass, layer: int) -> torch.Tensor:
+        piece.run_layer(layer)
+        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots.cpu()).cpu()
+
+    def _check(self, job: StageJob) -> None:
+        if job.abort_reason is not None:
+            raise PrefillAborted(job.abort_reason)
+        if job.sender.error is not None:
+            raise PrefillAborted(job.sender.error)
+
+    # --- prefix loading ------------------------------------------------------------------------
+    def _launch_load(self, job: StageJob, layer: int) -> None:
+        if layer < self.end_layer and layer not in job.loads:
+            keys = job.keys[:job.num_prefix_blocks]
+            job.loads[layer] = asyncio.ensure_future(self.store.get_layers(keys, layer, 1))
+
+    async def _load_prefix_layer(self, job: StageJob, layer: int) -> None:
+        """Wait for this layer's prefix bytes (launching the next layer's load first), write them
+        into the paged cache and stream them to decode."""
+        self._launch_load(job, layer + 1)
+        t0 = time.perf_counter()
+        try:
+            views = await job.loads.pop(layer)
+        except KeyError as exc:
+            raise PrefillAborted(f"prefix block vanished from the store before it was loaded: {exc}") from None
+        job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
+        loop = asyncio.get_running_loop()
+        kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, views)
+        job.sender.send_layer(layer, 0, kv)
+
+    def _unpack_layer(self, job: StageJob, layer: int, views: list[memoryview]) -> torch.Tensor:
+        cache = self.runner.cache
+        shape = (1, 2, self.runner.block_size, self.runner.args.num_kv_heads, self.runner.args.head_dim)
+        packed = torch.stack([torch.frombuffer(bytearray(v), dtype=self.runner.dtype).view(shape) for v in views])
+        ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
+        unpack_blocks(cache.kv, ids.to(cache.kv.device), packed.to(cache.kv.device), cache.local_layer(layer))
+        slots = torch.arange(job.num_prefix_tokens)
+        slots = ids[slots // self.runner.block_size] * self.runner.block_size + slots % self.runner.block_size
+        return gather_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device)).cpu()
+
+    # --- write-back ----------------------------------------------------------------------------
+    def _store_full_blocks(self, job: StageJob, num_done_tokens: int) -> None:
+        """Blocks that became full (in all of this stage's layers) go to the store, in the background."""
+        full = min(num_done_tokens // self.runner.block_size, len(job.keys))
+        if self.store is None or not self.write_back or full <= job.num_stored_blocks:
+            return
+        first, job.num_stored_blocks = job.num_stored_blocks, full
+        cache = self.runner.cache
+        ids = torch.as_tensor(job.block_ids[first:full], dtype=torch.long, device=cache.kv.device)
+        packed = pack_blocks(cache.kv, ids).cpu()  # a copy: the blocks may be freed right after
+        task = asyncio.ensure_future(self.store.put_layers(
+            job.keys[first:full], [tensor_bytes(p) for p in packed], self.first_layer,
+            self.end_layer - self.first_layer))
+        self._puts.add(task)
+        task.add_done_callback(lambda t, n=full - first: self._put_done(t, n))
+
+    def _put_done(self, task: asyncio.Task, num_blocks: int) -> None:
+        self._puts.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("writing %d blocks to the store failed: %s", num_blocks, task.exception())
+        elif not task.cancelled():
+            self.num_blocks_stored += num_blocks
+
+    async def drain_puts(self) -> None:
+        while self._puts:
+            await asyncio.wait(set(self._puts))

@@ -1,0 +1,113 @@
+"""Streaming one request's KV to its decode instance (wire format in ``decode/kv_wire.py``).
+
+Frames are pipelined: ``send_layer`` queues a frame and returns at once, so the next layer computes
+while this one is on the wire; the answers are checked as they come back. The first refused or
+lost frame sets :attr:`KVSender.error`, which the prefill checks between layers to abandon a
+request whose decode instance is gone or no longer waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
+from mooncake_lite.transfer.client import FrameClient
+
+log = logging.getLogger(__name__)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class DecodeLinks:
+    """One framed connection per decode data address, opened on first use and reopened if lost."""
+
+    def __init__(self, token: str | None, connect_timeout_s: float = 5.0):
+        self.token = token
+        self.timeout = connect_timeout_s
+        self._clients: dict[str, FrameClient] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, address: str) -> FrameClient:
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(address)
+            if client is None or client.is_closed:
+                host, _, port = address.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"decode data address must be host:port, got {address!r}")
+                client = await FrameClient.connect(host, int(port), token=self.token, name="prefill",
+                                                   timeout=self.timeout)
+                self._clients[address] = client
+            return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+
+class KVSender:
+    def __init__(self, client: FrameClient, transfer_id: str):
+        self.client = client
+        self.transfer_id = transfer_id
+        self.error: str | None = None
+        self.num_frames = 0
+        self.num_bytes = 0
+        self._inflight: dict[asyncio.Task, torch.Tensor] = {}  # the payload memory outlives the send
+
+    def send_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:
+        """Queue K,V ``[2, n, kv_heads, head_dim]`` of ``layer`` for positions ``start..``."""
+        if self.error is not None:
+            return
+        payload = tensor_bytes(kv)
+        meta = layer_frame_meta(self.transfer_id, layer, start, kv.shape[1])
+        self.num_frames += 1
+        self.num_bytes += payload.nbytes
+        self._track(self.client.request(OP_KV_LAYER, meta, [payload]), keep=kv)
+
+    async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
+        """Wait for every frame's answer, then send END (with the first token from the last stage).
+        Raises ConnectionError with the reason if the stream failed."""
+        await self.flush()
+        if self.error is None:
+            meta = {"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
+                    "first_token": first_token}
+            try:
+                await self.client.request(OP_KV_END, meta)
+            except Exception as exc:
+                self.error = f"decode refused the end of the KV stream: {exc}"
+        if self.error is not None:
+            raise ConnectionError(self.error)
+
+    async def flush(self) -> None:
+        while self._inflight:
+            await asyncio.wait(set(self._inflight))
+
+    async def abort(self, reason: str) -> None:
+        """Tell decode to drop the transfer (best effort: decode may be gone already)."""
+        for task in list(self._inflight):
+            task.cancel()
+        try:
+            await asyncio.wait_for(self.client.request(OP_KV_ABORT, {"tid": self.transfer_id, "reason": reason}), 2.0)
+        except Exception as exc:
+            log.debug("abort of transfer %s not delivered: %s", self.transfer_id, exc)
+
+    def _track(self, coro, keep: torch.Tensor) -> None:
+        task = asyncio.ensure_future(coro)
+        self._inflight[task] = keep
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._inflight.pop(task, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self.error is None:
+            self.error = f"KV stream to decode failed: {exc}"
+            log.warning("transfer %s: %s", self.transfer_id, self.error)

@@ -1,0 +1,88 @@
+"""Self-profiling: time a few model runs and fit the scheduler's cost models.
+
+Prefill instances report the fitted :class:`PrefillCostModel` in ``Register.cost``, decode
+instances the :class:`DecodeCostModel` (the conductor predicts TTFT and TBT with them);
+``mooncake bench pd --profile`` runs the same timings with more points. KV contents do not
+matter for timing, so the cache is used as is (whatever it holds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
+
+QUICK_PREFILL = ((32, 0), (96, 0), (192, 0), (64, 128), (32, 192), (128, 64))
+QUICK_DECODE = ((1, 64), (4, 64), (8, 64), (1, 512), (4, 256), (8, 256))
+
+
+def _tokens(n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def time_prefill(runner: ModelRunner, num_new: int, num_prefix: int, chunk: int | None = None,
+                 repeats: int = 1) -> float:
+    """Seconds to compute ``num_new`` tokens on top of ``num_prefix`` cached ones (best of repeats)."""
+    total = num_new + num_prefix
+    table = runner.allocator.allocate(blocks_needed(total, runner.block_size))
+    try:
+        toks = _tokens(total, runner.args.vocab_size)
+        if num_prefix:
+            runner.prefill(toks[:num_prefix], table, 0, chunk)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.prefill(toks[num_prefix:], table, num_prefix, chunk)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        runner.allocator.free(table)
+
+
+def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int = 3) -> float:
+    """Seconds of one decode step for ``batch`` sequences of ``context`` tokens (best of repeats)."""
+    per_seq = blocks_needed(context, runner.block_size)
+    tables = [runner.allocator.allocate(per_seq) for _ in range(batch)]
+    try:
+        tokens, positions = [1] * batch, [context - 1] * batch
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.decode(tokens, tables, positions)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        for t in tables:
+            runner.allocator.free(t)
+
+
+def fits(runner: ModelRunner, tokens: int) -> bool:
+    return runner.allocator.can_allocate(blocks_needed(tokens, runner.block_size))
+
+
+def profile_prefill(runner: ModelRunner, points: Sequence[tuple[int, int]] = QUICK_PREFILL,
+                    repeats: int = 2) -> tuple[PrefillCostModel, list[tuple[int, int, float]]]:
+    """Fit ``PrefillCostModel`` from ``(new, prefix)`` points; samples are (num_tokens, prefix, s)."""
+    for n, p in points[:3]:  # warm-up: first calls pay one-off allocation and dispatch costs
+        if fits(runner, n + p):
+            time_prefill(runner, n, p)
+    samples = [(n + p, p, time_prefill(runner, n, p, repeats=repeats)) for n, p in points if fits(runner, n + p)]
+    return PrefillCostModel.fit(samples), samples
+
+
+def profile_decode(runner: ModelRunner, points: Sequence[tuple[int, int]] = QUICK_DECODE,
+                   repeats: int = 3) -> tuple[DecodeCostModel, list[tuple[int, int, float]]]:
+    """Fit ``DecodeCostModel`` from ``(batch, context)`` points; samples are (batch, context tokens, s)."""
+    for batch, context in points[:3]:
+        if fits(runner, batch * runner.block_size * blocks_needed(context, runner.block_size)):
+            time_decode(runner, batch, context, 1)
+    samples = []
+    for batch, context in points:
+        if fits(runner, batch * runner.block_size * blocks_needed(context, runner.block_size)):
+            samples.append((batch, batch * context, time_decode(runner, batch, context, repeats)))
+    return DecodeCostModel.fit(samples), samples

@@ -1,0 +1,170 @@
+"""One PrefillRequest end to end, on a single instance or as the head of a CPP group.
+
+    keys = PrefixHash(prompt)          verify the conductor's prefix_keys against them
+    hit  = min over stages of the store's leading match (each stage loads its own layers)
+    for each chunk of --prefill-chunk uncached tokens:
+        stage 0 runs its layers (streaming their KV to decode) and hands the activations on
+    the last stage samples the first token from the last position and ends the KV stream
+
+Requests run one at a time per group (FIFO), the way the conductor's queue-time estimate
+assumes; within a request, chunks overlap across the stages of a CPP group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
+from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
+from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
+from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRejected(ValueError):
+    """The request is malformed or cannot fit; answered 400 (never retried as is)."""
+
+
+@dataclass
+class QueuedJob:
+    request_id: str
+    num_tokens: int
+    num_prefix_tokens: int
+    started_at: float | None = None
+
+
+class PrefillService:
+    def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
+                 chunk_size: int, downstream=None, cost=None):
+        self.stage = stage
+        self.links = links
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.chunk_size = chunk_size
+        self.downstream = downstream   # pipeline.NextStage of a CPP group, or None
+        self.cost = cost               # PrefillCostModel, for the load figure
+        self.queue: dict[str, QueuedJob] = {}
+        self._lock = asyncio.Lock()
+        self._aborted: set[str] = set()
+        self.num_done = 0
+        self.num_failed = 0
+
+    def check(self, req: PrefillRequest) -> list[bytes]:
+        """Validate; returns the prompt's block keys."""
+        n = len(req.token_ids)
+        vocab = self.stage.runner.args.vocab_size
+        if n == 0:
+            raise PrefillRejected("token_ids must not be empty")
+        if any(not 0 <= t < vocab for t in req.token_ids):
+            raise PrefillRejected(f"token ids must be in [0, {vocab})")
+        if n > self.stage.runner.args.max_seq_len:
+            raise PrefillRejected(f"prompt of {n} tokens exceeds the model's {self.stage.runner.args.max_seq_len}")
+        blocks = -(-n // self.block_size)
+        if blocks > self.stage.runner.allocator.num_blocks:
+            raise PrefillRejected(f"prompt needs {blocks} KV blocks; this instance has "
+                                  f"{self.stage.runner.allocator.num_blocks}")
+        try:
+            _params(req)
+        except ValueError as exc:
+            raise PrefillRejected(f"sampling: {exc}") from None
+        keys = prefix_hash(req.token_ids, self.block_size, self.hash_seed)
+        given = list(req.prefix_keys)
+        if given != [k.hex() for k in keys[:len(given)]]:
+            raise PrefillRejected("prefix_keys do not match the prompt's block hashes "
+                                  "(different block size or hash seed?)")
+        return keys
+
+    def abort(self, request_id: str) -> bool:
+        known = request_id in self.queue
+        if known:
+            self._aborted.add(request_id)
+            self.stage.abort(request_id, "aborted by the conductor")
+        return known
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        keys = self.check(req)
+        if req.request_id in self.queue:
+            raise PrefillRejected(f"request {req.request_id!r} is already queued here")
+        job = QueuedJob(req.request_id, len(req.token_ids), 0)
+        self.queue[req.request_id] = job
+        t_arrive = time.perf_counter()
+        try:
+            async with self._lock:
+                if req.request_id in self._aborted:
+                    raise PrefillAborted("aborted by the conductor while queued")
+                job.started_at = time.perf_counter()
+                result = await self._run(req, keys, job)
+                result.timings["queue_s"] = job.started_at - t_arrive
+                self.num_done += 1
+                return result
+        except BaseException:
+            self.num_failed += 1
+            raise
+        finally:
+            self.queue.pop(req.request_id, None)
+            self._aborted.discard(req.request_id)
+
+    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob) -> PrefillResult:
+        t0 = time.perf_counter()
+        cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
+        hit = await self.stage.match(keys[:cap])
+        if self.downstream is not None and hit:
+            hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
+        prefix = hit * self.block_size
+        queued.num_prefix_tokens = prefix
+        client = await self.links.get(req.decode_data)
+        sender = KVSender(client, req.transfer_id)
+        try:
+            job = self.stage.begin(req.request_id, req.token_ids, keys, hit, sender)
+        except MemoryError as exc:
+            raise PrefillRejected(str(exc)) from None
+        error: str | None = None
+        try:
+            if self.downstream is not None:
+                await self.downstream.begin(req, keys, hit)
+            out = None
+            for start in range(prefix, len(req.token_ids), self.chunk_size):
+                chunk = req.token_ids[start:start + self.chunk_size]
+                out = await self.stage.run_chunk(job, start, token_ids=chunk)
+                if self.downstream is not None:
+                    await self.downstream.send_chunk(req.request_id, start, out)
+            if self.downstream is None:
+                first = sample(out, _params(req), make_generator(_params(req)))
+                await self.stage.finish(job, first)
+            else:
+                await self.stage.finish(job, None)
+                first = await self.downstream.end(req.request_id)
+        except BaseException as exc:
+            error = str(exc) or type(exc).__name__
+            if self.downstream is not None:
+                await self.downstream.abort(req.request_id, error)
+            raise
+        finally:
+            await self.stage.release(job, error)
+        timings = {"total_s": time.perf_counter() - t0, **job.timings,
+                   "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
+        return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
+
+    def load(self) -> dict[str, float]:
+        queued_s = 0.0
+        if self.cost is not None:
+            now = time.perf_counter()
+            for job in self.queue.values():
+                t = self.cost.predict(job.num_tokens, job.num_prefix_tokens)
+                if job.started_at is not None:
+                    t = max(0.0, t - (now - job.started_at))
+                queued_s += t
+        return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
+                "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
+                "free_blocks": float(self.stage.runner.allocator.num_free)}
+
+
+def _params(req: PrefillRequest) -> SamplingParams:
+    s = req.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max(1, s.max_tokens),
+                          stop_token_ids=tuple(s.stop_token_ids))

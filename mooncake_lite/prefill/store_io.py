@@ -1,0 +1,79 @@
+"""What a prefill stage needs from a KV store, and an in-process implementation.
+
+A stage asks three things: how many leading blocks of a key chain are cached (``match``), the
+bytes of one layer range of those blocks (``get_layers``, so loads go layer by layer), and to keep
+new full blocks (``put_layers``, its own layer range: a CPP stage only holds its slice).
+Values follow the cluster's block layout ``[num_layers][2][block_size][kv_heads][head_dim]``,
+so a layer range is one contiguous byte slice of a block.
+
+:class:`MemoryStore` is used when the instance runs without ``--store`` (each instance then
+reuses only its own prefixes) and in tests; :class:`RemoteStore` adapts the store role's client.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class PrefixStore(Protocol):
+    async def match(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` whose blocks (all layers) are stored."""
+
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+        """One byte view per key: layers ``first_layer..first_layer+num_layers-1`` of its block.
+        Raises KeyError if a block is gone."""
+
+    async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
+                         num_layers: int) -> None:
+        """Store layers ``first_layer..`` of each block (``values[i]`` is that slice of block i)."""
+
+
+class MemoryStore:
+    """Bounded LRU of blocks in this process, assembled from per-layer-range puts. It holds the
+    layers ``layer_range`` (a CPP stage's own slice); layer numbers in calls are global."""
+
+    def __init__(self, layer_range: tuple[int, int], layer_bytes: int, max_blocks: int = 4096):
+        self.first_layer, end_layer = layer_range
+        self.num_layers = end_layer - self.first_layer
+        self.layer_bytes = layer_bytes
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._partial: dict[bytes, tuple[bytearray, set[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    async def match(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._blocks:
+                break
+            self._blocks.move_to_end(key)
+            n += 1
+        return n
+
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+        lo = (first_layer - self.first_layer) * self.layer_bytes
+        hi = lo + num_layers * self.layer_bytes
+        return [memoryview(self._blocks[key])[lo:hi] for key in keys]
+
+    async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
+                         num_layers: int) -> None:
+        for key, value in zip(keys, values, strict=True):
+            if key in self._blocks:
+                continue
+            if value.nbytes != num_layers * self.layer_bytes:
+                raise ValueError(f"value of {value.nbytes} B for {num_layers} layers of {self.layer_bytes} B")
+            buf, layers = self._partial.get(key) or (bytearray(self.num_layers * self.layer_bytes), set())
+            lo = (first_layer - self.first_layer) * self.layer_bytes
+            buf[lo:lo + value.nbytes] = value
+            layers.update(range(first_layer, first_layer + num_layers))
+            if len(layers) == self.num_layers:
+                self._partial.pop(key, None)
+                self._blocks[key] = buf
+                while len(self._blocks) > self.max_blocks:
+                    self._blocks.popitem(last=False)
+            else:
+                self._partial[key] = (buf, layers)

@@ -1,0 +1,69 @@
+"""Flags shared by the two model-running roles (prefill and decode) and building their runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mooncake_lite.common.config import option, require
+from mooncake_lite.common.roles import RoleConfig
+from mooncake_lite.common.units import parse_duration, parse_size
+from mooncake_lite.model.args import DTYPES, dtype_bytes
+from mooncake_lite.model.runner import ModelRunner
+
+
+def _optional_duration(value):
+    return None if value in (None, "", "none") else parse_duration(value)
+
+
+@dataclass(frozen=True)
+class ModelRoleConfig(RoleConfig):
+    model: str = option("tiny", "model preset (tiny, small, llama2-7b, ...) or checkpoint directory")
+    dtype: str = option("float32", "model and KV dtype", choices=sorted(DTYPES))
+    device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
+    seed: int = option(0, "dummy-weight seed of presets; must be equal across the cluster")
+    threads: int | None = option(None, "torch intra-op threads (default: torch's choice)")
+    num_blocks: int | None = option(None, "KV cache blocks (overrides --kv-memory)")
+    kv_memory: int = option(256 << 20, "KV cache memory when --num-blocks is not given", parse=parse_size)
+    port: int = option(0, "HTTP port (0 = pick a free one)")
+    conductor: str | None = option(None, "conductor URL to register with, e.g. http://127.0.0.1:8000")
+    instance_id: str | None = option(None, "instance id (default: ROLE@HOST:PORT)")
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats to the conductor", parse=parse_duration)
+    profile: bool = option(True, "time a few model runs at startup and report the fitted cost model")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.threads is None or self.threads > 0, f"--threads must be positive, got {self.threads}")
+        require(self.num_blocks is None or self.num_blocks > 0, f"--num-blocks must be positive, got {self.num_blocks}")
+        require(self.kv_memory > 0, f"--kv-memory must be positive, got {self.kv_memory}")
+        require(0 <= self.port < 65536, f"--port out of range: {self.port}")
+        require(self.heartbeat_interval > 0, "--heartbeat-interval must be positive")
+        require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
+                f"--conductor must be an http(s) URL, got {self.conductor!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def blocks_for(cfg: ModelRoleConfig, num_layers: int, kv_heads: int, head_dim: int) -> int:
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    block_bytes = 2 * num_layers * kv_heads * head_dim * dtype_bytes(cfg.torch_dtype) * cfg.block_size
+    num = cfg.kv_memory // block_bytes
+    require(num > 0, f"--kv-memory {cfg.kv_memory} B holds no {cfg.block_size}-token block "
+                     f"({block_bytes} B each); raise it or lower --block-size")
+    return int(num)
+
+
+def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
+    """The model (or a layer slice of it) and its paged cache, as the flags say."""
+    from mooncake_lite.model.weights import build_model
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
+    args = model.args
+    num_layers = model.end_layer - model.first_layer
+    return ModelRunner(model, num_blocks=blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim),
+                       block_size=cfg.block_size)
