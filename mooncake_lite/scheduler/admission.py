@@ -27,13 +27,6 @@ class DecodeChoice:
     context_tokens: int   # including the new request's prompt
 
 
-def _load(d: DecodeInstanceState, costs: CostModels, cfg: SchedulerConfig, t: float,
-          arrivals: dict[str, list[int]] | None) -> tuple[int, int]:
-    if arrivals is None:
-        return decode_load_now(d)
-    return decode_load_at(d, costs, t, arrivals.get(d.instance_id, []), cfg.uniform_decode_s)
-
-
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
                   costs: CostModels, now: float, ttft_s: float,
                   rng: random.Random | None) -> DecodeChoice | None:
@@ -41,21 +34,30 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
     eligible one. None when no instance has room."""
     t = now + ttft_s
-    arrivals = arrivals_by(cluster, costs, now, t) if cfg.admission == "predictive" else None
-    options: list[DecodeChoice] = []
+    predictive = cfg.admission == "predictive"
+    arrivals = arrivals_by(cluster, costs, now, t) if predictive else {}
+    eligible: list[tuple[DecodeInstanceState, int, int]] = []
     for d in cluster.decodes:
-        batch, context = _load(d, costs, cfg, t, arrivals)
-        if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
-            continue
-        batch, context = batch + 1, context + req.num_tokens
-        options.append(DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context))
-    if not options:
+        if predictive:
+            batch, context = decode_load_at(d, costs, t, arrivals.get(d.instance_id, []),
+                                            cfg.uniform_decode_s)
+        else:
+            batch, context = decode_load_now(d)
+        if decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
+            eligible.append((d, batch + 1, context + req.num_tokens))
+    if not eligible:
         return None
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        return rng.choice(options)
-    return min(options, key=lambda o: o.tbt_s)  # min() keeps the first of equal keys
+        d, batch, context = rng.choice(eligible)
+        return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
+    best, best_tbt = eligible[0], float("inf")
+    for option in eligible:
+        tbt = decode_tbt(option[0], costs, option[1], option[2])
+        if tbt < best_tbt:  # strict: ties keep the earlier instance
+            best, best_tbt = option, tbt
+    return DecodeChoice(best[0], best_tbt, best[1], best[2])
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -67,9 +67,14 @@ class PrefillCostModel(_Coefficients):
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached."""
-        p = min(max(num_prefix_tokens, 0), max(num_tokens - 1, 0))  # the last token is always computed
+        # The last token is always computed; conditionals, not min/max: this runs per instance
+        # per decision.
+        p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
+        if p < 0:
+            p = 0
         n = num_tokens - p
-        return max(0.0, self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p)
+        t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
+        return t if t > 0.0 else 0.0
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
@@ -95,7 +100,8 @@ class DecodeCostModel(_Coefficients):
         """Predicted TBT of one step; an empty batch costs nothing."""
         if batch_size <= 0:
             return 0.0
-        return max(0.0, self.c0 + self.c1 * batch_size + self.c2 * context_tokens)
+        t = self.c0 + self.c1 * batch_size + self.c2 * context_tokens
+        return t if t > 0.0 else 0.0
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> DecodeCostModel:

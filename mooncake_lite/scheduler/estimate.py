@@ -1,14 +1,19 @@
-"""Estimators built on the cost models: queue time, prefill time per instance, decode TBT now
-and at a future time (the prediction of REFERENCE.md §3)."""
+"""Estimators built on the cost models: queue time, prefill finish times, decode TBT now and at
+a future time (the prediction of REFERENCE.md §3).
+
+Per-instance derived data (predicted job durations, batch totals) is computed
+once per state object and kept in its ``__dict__`` (the ``functools.cached_property`` trick:
+the snapshot is immutable, so the derived data never goes stale). A caller that keeps unchanged
+instance states between decisions therefore pays only for the instances that changed.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from itertools import accumulate
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.state import (ClusterState, DecodeInstanceState, PrefillInstanceState,
-                                           QueuedPrefill)
+from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, PrefillInstanceState
 
 
 def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostModel:
@@ -20,26 +25,47 @@ def decode_model(d: DecodeInstanceState, costs: CostModels) -> DecodeCostModel:
     return d.cost or costs.decode
 
 
-def queued_finish_times(p: PrefillInstanceState, costs: CostModels,
-                        now: float) -> Iterator[tuple[QueuedPrefill, float]]:
-    """Each queued job with its predicted finish time, running them back to back from ``now``;
-    a started job only has its predicted remainder (never negative) left."""
-    model = prefill_model(p, costs)
-    t = now
-    for job in p.queue:
-        duration = model.predict(job.num_tokens, job.num_prefix_tokens)
-        if job.started_at is not None:
-            duration = max(0.0, duration - (now - job.started_at))
-        t += duration
-        yield job, t
+def _cumulative_durations(p: PrefillInstanceState, model: PrefillCostModel) -> list[float]:
+    cached = p.__dict__.get("_cum_durations")
+    if cached is None or cached[0] is not model:
+        durations = (model.predict(j.num_tokens, j.num_prefix_tokens) for j in p.queue)
+        cached = (model, list(accumulate(durations)))
+        p.__dict__["_cum_durations"] = cached  # derived data only; the fields stay frozen
+    return cached[1]
+
+
+def _elapsed(p: PrefillInstanceState, cum: list[float], now: float) -> float:
+    """Work already done on the started jobs at the head of the queue (never more than them)."""
+    done, prev = 0.0, 0.0
+    for i, job in enumerate(p.queue):
+        if job.started_at is None:
+            break
+        done += min(cum[i] - prev, max(0.0, now - job.started_at))
+        prev = cum[i]
+    return done
+
+
+def prefill_backlog(p: PrefillInstanceState, costs: CostModels, now: float) -> tuple[list[float], float]:
+    """(cumulative predicted durations of the queued jobs, work already done on them).
+    Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
+    ``cum[-1] - done``."""
+    cum = _cumulative_durations(p, prefill_model(p, costs))
+    if not cum or p.queue[0].started_at is None:
+        return cum, 0.0
+    return cum, _elapsed(p, cum, now)
+
+
+def queued_finish_times(p: PrefillInstanceState, costs: CostModels, now: float) -> list[float]:
+    """Predicted finish time of each queued job, running them back to back from ``now``; a
+    started job only has its predicted remainder (never negative) left."""
+    cum, done = prefill_backlog(p, costs, now)
+    return [now - done + c for c in cum]
 
 
 def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -> float:
     """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead."""
-    end = now
-    for _, end in queued_finish_times(p, costs, now):
-        pass
-    return end - now
+    cum, done = prefill_backlog(p, costs, now)
+    return cum[-1] - done if cum else 0.0
 
 
 def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: int,
@@ -55,7 +81,10 @@ def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: 
 
 def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
     """(batch size, context tokens) of the running batch."""
-    return len(d.running), sum(r.context_tokens for r in d.running)
+    total = d.__dict__.get("_context_tokens")
+    if total is None:
+        total = d.__dict__["_context_tokens"] = sum(r.context_tokens for r in d.running)
+    return len(d.running), total
 
 
 def decode_tbt(d: DecodeInstanceState, costs: CostModels, batch_size: int, context_tokens: int) -> float:
@@ -68,8 +97,12 @@ def arrivals_by(cluster: ClusterState, costs: CostModels, now: float,
     (step 1 of the §3 prediction: those requests will have joined their decode batch)."""
     arrivals: dict[str, list[int]] = defaultdict(list)
     for p in cluster.prefills:
-        for job, end in queued_finish_times(p, costs, now):
-            if end > t:
+        if not p.queue:
+            continue
+        cum, done = prefill_backlog(p, costs, now)
+        limit = t - now + done
+        for job, c in zip(p.queue, cum):
+            if c > limit:
                 break  # jobs run in order: the rest end later
             if job.decode_id is not None:
                 arrivals[job.decode_id].append(job.num_tokens)
@@ -83,15 +116,12 @@ def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float,
 
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
     the instance's current TBT."""
-    tbt_now = None
-    batch, context = 0, 0
-    for r in d.running:
-        t_d = uniform_decode_s
-        if t_d is None:
-            if tbt_now is None:
-                tbt_now = decode_tbt(d, costs, *decode_load_now(d))
-            t_d = r.max_output_tokens * tbt_now
-        if r.joined_at + t_d > t:
-            batch += 1
-            context += r.context_tokens
+    if uniform_decode_s is not None:
+        cutoff = t - uniform_decode_s
+        staying = [r.context_tokens for r in d.running if r.joined_at > cutoff]
+    else:
+        tbt_now = decode_tbt(d, costs, *decode_load_now(d))
+        staying = [r.context_tokens for r in d.running
+                   if r.joined_at + r.max_output_tokens * tbt_now > t]
+    batch, context = len(staying), sum(staying)
     return batch + len(arriving_tokens), context + sum(arriving_tokens)

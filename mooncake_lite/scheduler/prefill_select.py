@@ -5,6 +5,7 @@ local prefix or with the best global prefix fetched to it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
@@ -27,31 +28,8 @@ class PrefillChoice:
     transfer_s: float
     reused_blocks: int
     local_blocks: int
-    source_store_id: object | None
+    source_store_id: Hashable | None
     route: Route
-
-
-def _local(req: ScheduleRequest, p: PrefillInstanceState, local_blocks: int, queue_s: float,
-           cfg: SchedulerConfig, costs: CostModels, route: Route | None = None) -> PrefillChoice:
-    prefill_s = prefill_model(p, costs).predict(req.num_tokens, local_blocks * cfg.block_size)
-    if route is None:
-        route = "local-hit" if local_blocks else "balance"
-    return PrefillChoice(p, queue_s + prefill_s, queue_s, prefill_s, 0.0,
-                         local_blocks, local_blocks, None, route)
-
-
-def _fetched(req: ScheduleRequest, p: PrefillInstanceState, local_blocks: int, match: PrefixMatch,
-             queue_s: float, cfg: SchedulerConfig, costs: CostModels) -> PrefillChoice:
-    """Cost of fetching blocks [local_blocks, best_len) from the best holder, then prefilling."""
-    fetch_blocks = match.best_len - local_blocks
-    nbytes = fetch_blocks * cfg.block_size * costs.kv_bytes_per_token
-    bandwidth = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
-    transfer_s = kv_transfer_time(nbytes, bandwidth, costs.transfer_latency_s)
-    prefill_s = prefill_model(p, costs).predict(req.num_tokens, match.best_len * cfg.block_size)
-    if fetch_blocks <= 0:  # this instance is (one of) the best holders
-        return _local(req, p, local_blocks, queue_s, cfg, costs)
-    return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
-                         match.best_len, local_blocks, match.best_store_id, "transfer")
 
 
 def wants_transfer(best_len: int, local_len: int, threshold: float) -> bool:
@@ -62,6 +40,29 @@ def wants_transfer(best_len: int, local_len: int, threshold: float) -> bool:
     if local_len == 0:
         return True
     return best_len / local_len >= threshold
+
+
+def _transfer_s(p: PrefillInstanceState, num_blocks: int, cfg: SchedulerConfig,
+                costs: CostModels) -> float:
+    nbytes = num_blocks * cfg.block_size * costs.kv_bytes_per_token
+    bandwidth = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+    return kv_transfer_time(nbytes, bandwidth, costs.transfer_latency_s)
+
+
+def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local: int,
+            match: PrefixMatch, fetch: bool, cfg: SchedulerConfig, costs: CostModels,
+            route: Route | None = None) -> PrefillChoice:
+    """Cost one instance: with its local prefix, or (``fetch``) with blocks [local, best_len)
+    copied from the best holder first."""
+    model = prefill_model(p, costs)
+    if fetch and match.best_len > local:
+        transfer_s = _transfer_s(p, match.best_len - local, cfg, costs)
+        prefill_s = model.predict(req.num_tokens, match.best_len * cfg.block_size)
+        return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
+                             match.best_len, local, match.best_store_id, route or "transfer")
+    prefill_s = model.predict(req.num_tokens, local * cfg.block_size)
+    route = route or ("local-hit" if local else "balance")
+    return PrefillChoice(p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route)
 
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
@@ -75,24 +76,29 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
         p = rng.choice(prefills)
-        return _local(req, p, match.length_at(p.store_id), prefill_queue_time(p, costs, now),
-                      cfg, costs, route="random")
-    best: PrefillChoice | None = None
-    best_key = float("inf")
+        return _option(req, p, prefill_queue_time(p, costs, now), match.length_at(p.store_id),
+                       match, False, cfg, costs, route="random")
+    lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
+    strategy, threshold = cfg.strategy, cfg.kvcache_balancing_threshold
+    best, best_key = None, float("inf")
+    # Only the winner's PrefillChoice is built: this loop runs per instance per request.
     for p in prefills:
         queue_s = prefill_queue_time(p, costs, now)
-        local_blocks = match.length_at(p.store_id)
-        if cfg.strategy == "load-balance":
+        local = lengths.get(p.store_id, 0)
+        model = p.cost or costs.prefill
+        if strategy == "load-balance":
             # Cache-blind: rank by queue + full recompute; the engine still reuses what it has.
-            key = queue_s + prefill_model(p, costs).predict(req.num_tokens, 0)
-            option = _local(req, p, local_blocks, queue_s, cfg, costs, route="balance")
-        elif cfg.strategy == "cache-aware" or not wants_transfer(
-                match.best_len, local_blocks, cfg.kvcache_balancing_threshold):
-            option = _local(req, p, local_blocks, queue_s, cfg, costs)
-            key = option.ttft_s
+            key, fetch = queue_s + model.predict(req.num_tokens, 0), False
+        elif strategy == "cache-aware" or not wants_transfer(best_len, local, threshold):
+            key, fetch = queue_s + model.predict(req.num_tokens, local * block_size), False
         else:
-            option = _fetched(req, p, local_blocks, match, queue_s, cfg, costs)
-            key = option.ttft_s
+            key = (_transfer_s(p, best_len - local, cfg, costs) + queue_s
+                   + model.predict(req.num_tokens, best_len * block_size))
+            fetch = True
         if key < best_key:
-            best, best_key = option, key
-    return best
+            best, best_key = (p, queue_s, local, fetch), key
+    if best is None:
+        return None
+    p, queue_s, local, fetch = best
+    route = "balance" if strategy == "load-balance" else None
+    return _option(req, p, queue_s, local, match, fetch, cfg, costs, route=route)
