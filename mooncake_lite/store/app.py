@@ -1,0 +1,139 @@
+"""The store process: HTTP control plane (aiohttp) + the data port, wired in ``cleanup_ctx``.
+
+HTTP: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /blocks`` (every key held, hex; needs
+the cluster token when one is set). The data port speaks ``store/protocol.py`` frames. On
+SIGTERM: stop accepting data connections, finish in-flight operations, flush replies, write
+DRAM-only blocks to the SSD tier (``--persist-on-exit``), finish SSD writes, send the last block
+events, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.store.blocks import BlockStore
+from mooncake_lite.store.dataplane import StoreHandler
+from mooncake_lite.store.eviction import make_policy
+from mooncake_lite.store.events import BlockEventPublisher
+from mooncake_lite.store.main import Config
+from mooncake_lite.store.metrics import StoreCollector, make_registry, render
+from mooncake_lite.store.replicate import Replicator
+from mooncake_lite.store.slab import Slab
+from mooncake_lite.store.ssd import SsdTier
+from mooncake_lite.transfer.framing import Limits
+from mooncake_lite.transfer.server import server_address, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataPlane:
+    cfg: Config
+    store: BlockStore
+    publisher: BlockEventPublisher
+    address: str = ""
+    handler: StoreHandler | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+DATA = web.AppKey("data", DataPlane)
+
+
+def make_app(cfg: Config) -> web.Application:
+    """Allocate the slab and re-index the SSD tier now (errors surface before serving)."""
+    publisher = BlockEventPublisher(cfg.conductor, "", token=cfg.cluster_token, interval=cfg.event_interval)
+    ssd = None
+    if cfg.ssd_dir:
+        ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue)
+    slab = Slab(cfg.dram, cfg.slot_bytes, pin=cfg.pin_memory)
+    store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
+    if ssd is not None:
+        for key in ssd.scan():
+            publisher.stored(key)  # the conductor learns what survived the restart
+    app = web.Application(middlewares=[cluster_token_middleware(cfg.cluster_token)])
+    app[DATA] = DataPlane(cfg, store, publisher)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/blocks", blocks)
+    app.cleanup_ctx.append(_data_plane)
+    return app
+
+
+async def _data_plane(app: web.Application) -> AsyncIterator[None]:
+    dp = app[DATA]
+    cfg, store = dp.cfg, dp.store
+    replicator = Replicator(store, token=cfg.cluster_token)
+    dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator)
+    server = await start_server(dp.handler, cfg.host, cfg.data_port, token=cfg.cluster_token,
+                                limits=Limits(max_payload_bytes=cfg.max_frame), name="store-client")
+    dp.address = replicator.self_address = dp.publisher.store_address = server_address(server)
+    session = aiohttp.ClientSession()
+    loop = asyncio.get_running_loop()
+    dp.tasks = [loop.create_task(dp.handler.run_lease_sweeper(min(1.0, cfg.lease_ttl / 4))),
+                loop.create_task(dp.publisher.run(session))]
+    if store.ssd is not None:
+        dp.tasks.append(loop.create_task(store.ssd.run_writer()))
+    log.info("store data port %s (eviction %s, %d slots of %d bytes, SSD %s)", dp.address, cfg.eviction,
+             store.slab.num_slots, store.slab.slot_bytes, cfg.ssd_dir or "off")
+    try:
+        yield
+    finally:
+        await _drain(dp, server, replicator, session)
+
+
+async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, session: aiohttp.ClientSession) -> None:
+    cfg, store, handler = dp.cfg, dp.store, dp.handler
+    assert handler is not None
+    deadline = time.monotonic() + cfg.drain_timeout
+    server.close()
+    if handler.tasks:
+        await asyncio.wait(list(handler.tasks), timeout=max(0.1, deadline - time.monotonic()))
+    for conn in list(handler.connections):
+        conn.close()  # flushes queued replies, then closes
+    closing = [conn.closed for conn in list(handler.connections)]
+    if closing:
+        await asyncio.wait(closing, timeout=max(0.1, deadline - time.monotonic()))
+    for conn in list(handler.connections):
+        conn.abort("store shutting down")
+    await replicator.close()
+    for task in dp.tasks:
+        if task.get_coro().__name__ != "run_writer":
+            task.cancel()
+    if store.ssd is not None:
+        if cfg.persist_on_exit:
+            num = await store.persist()
+            log.info("wrote %d DRAM block(s) to the SSD tier before exit", num)
+        await store.ssd.stop()
+    await dp.publisher.flush(session)
+    await session.close()
+
+
+async def health(request: web.Request) -> web.Response:
+    dp = request.app[DATA]
+    store = dp.store
+    return web.json_response({"status": "ok", "role": "store", "data": dp.address,
+                              "num_blocks": len(store.keys()), "num_dram_blocks": store.num_dram_blocks,
+                              "dram_free_slots": store.slab.num_free, "dram_slots": store.slab.num_slots,
+                              "slot_bytes": store.slab.slot_bytes, "eviction": dp.cfg.eviction,
+                              "ssd": store.ssd is not None})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    dp = request.app[DATA]
+    registry = make_registry(StoreCollector(dp.store, lambda: {
+        "connections": len(dp.handler.connections) if dp.handler else 0,
+        "events_pending": dp.publisher.num_pending}))
+    return web.Response(body=render(registry), content_type="text/plain", charset="utf-8")
+
+
+async def blocks(request: web.Request) -> web.Response:
+    dp = request.app[DATA]
+    return web.json_response({"store": dp.address, "keys": sorted(k.hex() for k in dp.store.keys())})

@@ -1,0 +1,316 @@
+"""The block pool: DRAM slab + eviction policy + leases + optional SSD tier. No sockets here.
+
+Life of a block:
+  reserve (slots handed out, invisible) -> payload lands in the slots -> commit (visible, atomic)
+  -> evicted from DRAM: written back to SSD (copy queued) or dropped -> promoted on an SSD hit.
+A block pinned by a lease (it is being sent) is never evicted; deleting it hides it at once and
+frees its slot when the last lease ends. Events: ``on_stored(key)`` when a key enters the store,
+``on_evicted(key)`` when it leaves both tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from mooncake_lite.store.eviction import EvictionPolicy
+from mooncake_lite.store.slab import Slab
+from mooncake_lite.store.ssd import SsdTier
+
+
+class StoreFull(RuntimeError):
+    """No DRAM slot can be freed: every block is leased or being written."""
+
+
+class BadRequest(ValueError):
+    """The request itself is wrong (sizes, layer ranges)."""
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    slot: int
+    size: int
+    num_layers: int
+    chain_pos: int
+    pins: int = 0
+    is_live: bool = True  # False once deleted while pinned: slot freed at the last unpin
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    blocks: list[Block]
+    expires_at: float
+    on_expire: Callable[[], None] | None
+    is_active: bool = True
+
+
+@dataclass(slots=True)
+class PutTicket:
+    """Slots reserved for one put; ``slots[i]`` is None when key i is already stored."""
+    keys: list[bytes]
+    sizes: list[int]
+    num_layers: int
+    first_pos: int
+    slots: list[int | None]
+
+
+@dataclass
+class StoreStats:
+    hits_dram: int = 0
+    hits_ssd: int = 0
+    misses: int = 0
+    evictions_dram: int = 0
+    blocks_put: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    full_errors: int = 0
+    leases_expired: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class BlockStore:
+    def __init__(self, slab: Slab, policy: EvictionPolicy, ssd: SsdTier | None = None, *,
+                 on_stored: Callable[[bytes], None] | None = None,
+                 on_evicted: Callable[[bytes], None] | None = None) -> None:
+        self.slab = slab
+        self.policy = policy
+        self.ssd = ssd
+        self.on_stored = on_stored or (lambda key: None)
+        self.on_evicted = on_evicted or (lambda key: None)
+        self.stats = StoreStats()
+        self._dram: dict[bytes, Block] = {}
+        self._leases: set[Lease] = set()
+        if ssd is not None:
+            ssd.on_dropped = self._ssd_dropped
+
+    # ---- queries ------------------------------------------------------------------------------
+    def __contains__(self, key: object) -> bool:
+        return key in self._dram or (self.ssd is not None and key in self.ssd)
+
+    def keys(self) -> set[bytes]:
+        return set(self._dram) | (self.ssd.keys() if self.ssd is not None else set())
+
+    @property
+    def num_dram_blocks(self) -> int:
+        return len(self._dram)
+
+    @property
+    def dram_used_bytes(self) -> int:
+        return (self.slab.num_slots - self.slab.num_free) * self.slab.slot_bytes
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` held in any tier."""
+        num = 0
+        for key in keys:
+            if key not in self:
+                break
+            num += 1
+        return num
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self for key in keys]
+
+    # ---- puts ---------------------------------------------------------------------------------
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], num_layers: int, first_pos: int = 0) -> PutTicket:
+        """Hand out slots for the blocks not stored yet (evicting if needed). StoreFull/BadRequest."""
+        if len(keys) != len(sizes):
+            raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        if num_layers < 1:
+            raise BadRequest(f"num_layers must be >= 1, got {num_layers}")
+        for size in sizes:
+            if not 0 < size <= self.slab.slot_bytes:
+                raise BadRequest(f"block of {size} bytes does not fit a {self.slab.slot_bytes}-byte slot "
+                                 "(start the store with a larger --slot-bytes)")
+            if size % num_layers:
+                raise BadRequest(f"block of {size} bytes is not divisible into {num_layers} layers")
+        ticket = PutTicket(list(keys), list(sizes), num_layers, first_pos, [])
+        for key in keys:
+            if key in self._dram:
+                ticket.slots.append(None)
+                continue
+            slot = self._alloc_slot()
+            if slot is None:
+                self.cancel(ticket)
+                self.stats.full_errors += 1
+                raise StoreFull(f"no free DRAM slot: all {self.slab.num_slots} slots are leased or being written")
+            ticket.slots.append(slot)
+        return ticket
+
+    def ticket_views(self, ticket: PutTicket, scratch: memoryview) -> list[memoryview]:
+        """Where each block's bytes should land (``scratch`` for blocks already stored)."""
+        return [self.slab.view(slot, size) if slot is not None else _discard_view(scratch, size)
+                for slot, size in zip(ticket.slots, ticket.sizes)]
+
+    def commit(self, ticket: PutTicket) -> int:
+        """Make the received blocks visible; returns how many were new."""
+        num_new = 0
+        for i, (key, slot, size) in enumerate(zip(ticket.keys, ticket.slots, ticket.sizes)):
+            self.stats.bytes_in += size
+            if slot is None or key in self._dram:  # a concurrent put of the same key won
+                if slot is not None:
+                    self.slab.free(slot)
+                if key in self._dram:
+                    self.policy.touch(key)
+                continue
+            is_new = key not in self
+            self._dram[key] = Block(slot, size, ticket.num_layers, ticket.first_pos + i)
+            self.policy.insert(key, ticket.first_pos + i)
+            self.stats.blocks_put += 1
+            if is_new:
+                num_new += 1
+                self.on_stored(key)
+        ticket.slots = []
+        return num_new
+
+    def cancel(self, ticket: PutTicket) -> None:
+        for slot in ticket.slots:
+            if slot is not None:
+                self.slab.free(slot)
+        ticket.slots = []
+
+    def _alloc_slot(self) -> int | None:
+        slot = self.slab.alloc()
+        while slot is None and self._evict_one():
+            slot = self.slab.alloc()
+        return slot
+
+    def _evict_one(self) -> bool:
+        key = self.policy.victim(self._is_pinned)
+        if key is None:
+            return False
+        self.policy.remove(key)
+        block = self._dram.pop(key)
+        self.stats.evictions_dram += 1
+        kept = self.ssd is not None and (key in self.ssd or self.ssd.enqueue(
+            key, bytes(self.slab.view(block.slot, block.size)), block.num_layers, block.chain_pos))
+        self.slab.free(block.slot)
+        if not kept:
+            self.on_evicted(key)
+        return True
+
+    def _is_pinned(self, key: bytes) -> bool:
+        return self._dram[key].pins > 0
+
+    def _ssd_dropped(self, key: bytes) -> None:
+        if key not in self._dram:
+            self.on_evicted(key)
+
+    # ---- gets ---------------------------------------------------------------------------------
+    def lookup_dram(self, keys: Sequence[bytes]) -> tuple[list[Block | None], list[int]]:
+        """DRAM blocks for ``keys`` (hits touched), and the indexes of misses that sit on the SSD
+        (finish those with ``promote``). Misses in every tier are counted here."""
+        found: list[Block | None] = []
+        on_ssd: list[int] = []
+        for i, key in enumerate(keys):
+            block = self._dram.get(key)
+            if block is not None:
+                self.policy.touch(key)
+                self.stats.hits_dram += 1
+            elif self.ssd is not None and key in self.ssd:
+                on_ssd.append(i)
+            else:
+                self.stats.misses += 1
+            found.append(block)
+        return found, on_ssd
+
+    async def promote(self, key: bytes) -> Block | memoryview | bytes | None:
+        """Bring an SSD block into DRAM. Returns the block; its raw bytes when DRAM is full of
+        leased blocks (served without promoting); None when it vanished or was corrupt."""
+        item = await self.ssd.read(key) if self.ssd is not None else None
+        if key in self._dram:  # promoted by a concurrent request meanwhile
+            self.stats.hits_dram += 1
+            self.policy.touch(key)
+            return self._dram[key]
+        if item is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits_ssd += 1
+        data, num_layers, chain_pos = item
+        slot = self._alloc_slot()
+        if slot is None:
+            return data
+        self.slab.view(slot, len(data))[:] = data
+        block = self._dram[key] = Block(slot, len(data), num_layers, chain_pos)
+        self.policy.insert(key, chain_pos)
+        return block
+
+    def view(self, block: Block, first_layer: int = 0, num_layers: int | None = None) -> memoryview:
+        """The bytes of a block, or of its layers ``[first_layer, first_layer + num_layers)``."""
+        count = block.num_layers - first_layer if num_layers is None else num_layers
+        if first_layer < 0 or count < 1 or first_layer + count > block.num_layers:
+            raise BadRequest(f"layers [{first_layer}, {first_layer + count}) outside a {block.num_layers}-layer block")
+        layer_bytes = block.size // block.num_layers
+        return self.slab.view(block.slot, count * layer_bytes, first_layer * layer_bytes)
+
+    # ---- leases -------------------------------------------------------------------------------
+    def pin(self, blocks: Sequence[Block], expires_at: float, on_expire: Callable[[], None] | None = None) -> Lease:
+        """Protect blocks from eviction until ``unpin`` or ``expires_at`` (then ``on_expire`` runs,
+        which must stop whatever was reading the memory, e.g. abort the connection)."""
+        for block in blocks:
+            block.pins += 1
+        lease = Lease(list(blocks), expires_at, on_expire)
+        self._leases.add(lease)
+        return lease
+
+    def unpin(self, lease: Lease) -> None:
+        if not lease.is_active:
+            return
+        lease.is_active = False
+        self._leases.discard(lease)
+        for block in lease.blocks:
+            block.pins -= 1
+            if block.pins == 0 and not block.is_live:
+                self.slab.free(block.slot)
+
+    def expire_leases(self, now: float) -> int:
+        """End every lease past its expiry; returns how many."""
+        expired = [lease for lease in self._leases if lease.expires_at <= now]
+        for lease in expired:
+            if lease.on_expire is not None:
+                lease.on_expire()
+            self.unpin(lease)
+        self.stats.leases_expired += len(expired)
+        return len(expired)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    # ---- deletes and shutdown ------------------------------------------------------------------
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        num = 0
+        for key in keys:
+            block = self._dram.pop(key, None)
+            if block is not None:
+                self.policy.remove(key)
+                if block.pins:
+                    block.is_live = False
+                else:
+                    self.slab.free(block.slot)
+            on_ssd = self.ssd is not None and await self.ssd.remove(key)
+            if block is not None or on_ssd:
+                num += 1
+                self.on_evicted(key)
+        return num
+
+    async def persist(self) -> int:
+        """Queue every DRAM-only block for the SSD and wait (graceful shutdown). Returns count."""
+        if self.ssd is None:
+            return 0
+        num = 0
+        for key, block in list(self._dram.items()):
+            if key in self.ssd:
+                continue
+            data = bytes(self.slab.view(block.slot, block.size))
+            while not self.ssd.enqueue(key, data, block.num_layers, block.chain_pos):
+                if self.ssd.pending_bytes == 0:
+                    break  # can never fit
+                await self.ssd.flush()
+            num += 1
+        await self.ssd.flush()
+        return num
+
+
+def _discard_view(scratch: memoryview, size: int) -> memoryview:
+    """Where bytes we must read but not keep go (a shared scratch buffer, reused for every block)."""
+    return scratch[:size] if size <= scratch.nbytes else memoryview(bytearray(size))

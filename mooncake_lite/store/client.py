@@ -1,0 +1,166 @@
+"""Async client of a store's data port: batched, pipelined, receives into caller memory.
+
+    client = await StoreClient.connect("127.0.0.1:8101", token=None)
+    num_new = await client.put(keys, blocks, num_layers=L)          # blocks: bytes-like, one per key
+    blocks = await client.get(keys)                                  # list[memoryview | None]
+    await client.get(keys, out=[tensor_bytes_view, ...])             # lands in your buffers
+    layer_slices = await client.get_layers(keys, first_layer=3, num_layers=1)
+    n = await client.match(keys)     # longest cached prefix (any tier)
+    await client.close()
+
+Large requests are split into batches (``max_batch_bytes`` / ``max_batch_keys``) that are all in
+flight at once on the one connection. Errors from the store raise ``RemoteError`` (``code`` is
+``full``, ``bad_request``, ...); a lost connection raises ``ConnectionError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
+from mooncake_lite.transfer.client import FrameClient, RemoteError
+from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
+
+__all__ = ["StoreClient", "RemoteError"]
+
+
+class StoreClient:
+    def __init__(self, frames: FrameClient, address: str, max_batch_bytes: int, max_batch_keys: int) -> None:
+        self.frames = frames
+        self.address = address
+        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_keys = max_batch_keys
+
+    @classmethod
+    async def connect(cls, address: str, *, token: str | None = None, name: str = "store-client",
+                      max_batch_bytes: int = 64 << 20, max_batch_keys: int = 1024) -> StoreClient:
+        """Connect to a store's data address ``host:port`` and do the token handshake."""
+        host, port = parse_peer(address)
+        frames = await FrameClient.connect(host, port, token=token, name=name)
+        return cls(frames, address, max_batch_bytes, max_batch_keys)
+
+    async def close(self) -> None:
+        await self.frames.close()
+
+    @property
+    def is_closed(self) -> bool:
+        return self.frames.is_closed
+
+    # ---- writes ------------------------------------------------------------------------------
+    async def put(self, keys: Sequence[bytes], blocks: Sequence[Buffer], num_layers: int = 1,
+                  first_pos: int = 0) -> int:
+        """Store ``blocks[i]`` under ``keys[i]``; ``first_pos`` is keys[0]'s position in its chain.
+        Returns how many blocks were new. Each batch is atomic; blocks must stay unchanged until
+        this returns."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        views = [as_bytes_view(b) for b in blocks]
+        batches = self._split(len(keys), [v.nbytes for v in views])
+        replies = await asyncio.gather(*(
+            self.frames.request(Op.PUT, {"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
+                                         "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
+            for a, b in batches))
+        return sum(r.meta["num_new"] for r in replies)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        replies = await self._each_batch(Op.DELETE, keys)
+        return sum(r.meta["num_deleted"] for r in replies)
+
+    async def replicate(self, keys: Sequence[bytes], peer: str, first_pos: int = 0) -> dict[str, int]:
+        """Ask this store to pull ``keys`` from the store at ``peer`` ("host:port")."""
+        reply = await self.frames.request(Op.REPLICATE, {"keys": keys_to_hex(keys), "peer": peer,
+                                                         "first_pos": first_pos})
+        return {k: int(v) for k, v in reply.meta.items()}
+
+    # ---- reads -------------------------------------------------------------------------------
+    async def get(self, keys: Sequence[bytes], out: Sequence[Buffer | None] | None = None) -> list[memoryview | None]:
+        """Whole blocks; None for misses. With ``out``, block i is received into ``out[i]``
+        (which must be big enough) and the result is a view of it."""
+        return [item[0] if item else None for item in await self._read(Op.GET, keys, out, {})]
+
+    async def get_blocks(self, keys: Sequence[bytes]) -> list[tuple[memoryview, int] | None]:
+        """Whole blocks with their layer counts: ``(bytes, num_layers)`` or None per key."""
+        return await self._read(Op.GET, keys, None, {})
+
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
+                         out: Sequence[Buffer | None] | None = None) -> list[memoryview | None]:
+        """Layers ``[first_layer, first_layer + num_layers)`` of each block (one contiguous slice)."""
+        items = await self._read(Op.GET_LAYERS, keys, out, {"first_layer": first_layer, "num_layers": num_layers})
+        return [item[0] if item else None for item in items]
+
+    async def match(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` the store holds."""
+        if not keys:
+            return 0
+        reply = await self.frames.request(Op.MATCH, {"keys": keys_to_hex(keys)})
+        return int(reply.meta["num_matched"])
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        replies = await self._each_batch(Op.EXISTS, keys)
+        return [bool(x) for r in replies for x in r.meta["exists"]]
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _split(self, num: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        batches, start, nbytes = [], 0, 0
+        for i in range(num):
+            size = sizes[i] if sizes else 0
+            if i > start and (i - start >= self.max_batch_keys or nbytes + size > self.max_batch_bytes):
+                batches.append((start, i))
+                start, nbytes = i, 0
+            nbytes += size
+        if num > start:
+            batches.append((start, num))
+        return batches
+
+    async def _each_batch(self, op: Op, keys: Sequence[bytes]) -> list[Frame]:
+        return list(await asyncio.gather(*(self.frames.request(op, {"keys": keys_to_hex(keys[a:b])})
+                                           for a, b in self._split(len(keys)))))
+
+    async def _read(self, op: Op, keys: Sequence[bytes], out: Sequence[Buffer | None] | None,
+                    extra: dict[str, Any]) -> list[tuple[memoryview, int] | None]:
+        if out is not None and len(out) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(out)} output buffers")
+        outs = [None if o is None else as_bytes_view(o) for o in out] if out is not None else None
+        batches = self._split(len(keys))
+        parts = await asyncio.gather(*(self._read_batch(op, keys[a:b], outs[a:b] if outs else None, extra)
+                                       for a, b in batches))
+        return [view for part in parts for view in part]
+
+    async def _read_batch(self, op: Op, keys: Sequence[bytes], outs: list[memoryview | None] | None,
+                          extra: dict[str, Any]) -> list[tuple[memoryview, int] | None]:
+        used_out = False
+
+        def sink(header: Header, meta: dict[str, Any]) -> list[memoryview] | None:
+            nonlocal used_out
+            sizes = meta.get("sizes")
+            if outs is None or not isinstance(sizes, list) or len(sizes) != len(outs):
+                return None
+            views = []
+            for size, target in zip(sizes, outs):
+                if size:
+                    if target is None or target.nbytes < size:
+                        return None  # fall back to a fresh buffer, then copy
+                    views.append(target[:size])
+            used_out = True
+            return views
+
+        frame = await self.frames.request(op, {"keys": keys_to_hex(keys), **extra}, sink=sink if outs else None)
+        sizes, layer_counts = frame.meta["sizes"], frame.meta["num_layers"]
+        whole = frame.payload[0] if (frame.payload and not used_out) else None
+        result: list[tuple[memoryview, int] | None] = []
+        offset = 0
+        for i, size in enumerate(sizes):
+            if not size:
+                result.append(None)
+            elif used_out:
+                result.append((outs[i][:size], layer_counts[i]))  # type: ignore[index]
+            else:
+                view = whole[offset:offset + size]  # type: ignore[index]
+                if outs is not None and outs[i] is not None and outs[i].nbytes >= size:
+                    outs[i][:size] = view
+                    view = outs[i][:size]
+                result.append((view, layer_counts[i]))
+                offset += size
+        return result

@@ -1,0 +1,208 @@
+"""Frames in, block-store operations out: the store's data-plane handler.
+
+Puts are received straight into reserved slab slots (``payload_sink``) and committed only when
+the whole frame has arrived, so a half-written block is never visible. Gets are sent from the
+slab in place under a lease that ends when the bytes are in the kernel, or when it expires (the
+connection is then aborted, so the memory is never read after it can be reused).
+Most operations finish synchronously on the event loop; SSD promotions, deletes and
+replication run as tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, PutTicket, StoreFull
+from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
+                                          sizes_from_meta)
+from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
+from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header
+from mooncake_lite.transfer.server import reply_error
+
+log = logging.getLogger(__name__)
+
+SCRATCH_BYTES = 1 << 20
+
+
+class StoreHandler(FrameHandler):
+    def __init__(self, store: BlockStore, *, lease_ttl: float, replicator: Callable[..., Coroutine] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.lease_ttl = lease_ttl
+        self.replicator = replicator
+        self.clock = clock
+        self.connections: set[FrameConnection] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self._scratch = memoryview(bytearray(max(SCRATCH_BYTES, store.slab.slot_bytes)))
+
+    # ---- connection bookkeeping ----------------------------------------------------------------
+    def connection_made(self, conn: FrameConnection) -> None:
+        self.connections.add(conn)
+
+    def connection_lost(self, conn: FrameConnection, exc: Exception | None) -> None:
+        self.connections.discard(conn)
+
+    # ---- receiving puts in place ---------------------------------------------------------------
+    def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
+        if header.op != Op.PUT:
+            meta["_error"] = ("bad_request", f"op {header.op} takes no payload")
+            return self._discard(header.payload_len)
+        try:
+            keys = keys_from_meta(meta)
+            sizes = sizes_from_meta(meta, len(keys))
+            if sum(sizes) != header.payload_len:
+                raise MetaError(f"sizes add up to {sum(sizes)} but the payload has {header.payload_len} bytes")
+            num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
+            ticket = self.store.reserve(keys, sizes, num_layers, int_from_meta(meta, "first_pos", 0))
+        except (MetaError, BadRequest) as exc:
+            meta["_error"] = ("bad_request", str(exc))
+            return self._discard(header.payload_len)
+        except StoreFull as exc:
+            meta["_error"] = ("full", str(exc))
+            return self._discard(header.payload_len)
+        meta["_ticket"] = ticket
+        return self.store.ticket_views(ticket, self._scratch)
+
+    def _discard(self, nbytes: int) -> list[memoryview]:
+        """Views that add up to ``nbytes``, all over one scratch buffer (bytes read and dropped)."""
+        size = self._scratch.nbytes
+        return [self._scratch] * (nbytes // size) + ([self._scratch[:nbytes % size]] if nbytes % size else [])
+
+    def frame_aborted(self, conn: FrameConnection, header: Header, meta: dict[str, Any]) -> None:
+        ticket: PutTicket | None = meta.get("_ticket")
+        if ticket is not None:
+            self.store.cancel(ticket)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
+        meta = frame.meta
+        if "_error" in meta:
+            reply_error(conn, frame, *meta["_error"])
+            return
+        try:
+            if frame.op == Op.PUT:
+                num_new = self.store.commit(meta["_ticket"]) if "_ticket" in meta else 0
+                conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
+            elif frame.op in (Op.GET, Op.GET_LAYERS):
+                self._get(conn, frame)
+            elif frame.op == Op.MATCH:
+                self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(meta))})
+            elif frame.op == Op.EXISTS:
+                self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
+            elif frame.op == Op.DELETE:
+                self._spawn(conn, frame, self._delete(conn, frame, keys_from_meta(meta)))
+            elif frame.op == Op.REPLICATE:
+                peer = parse_peer(meta.get("peer"))
+                first_pos = int_from_meta(meta, "first_pos", 0)
+                self._spawn(conn, frame, self._replicate(conn, frame, keys_from_meta(meta), peer, first_pos))
+            else:
+                reply_error(conn, frame, "unknown_op", f"unknown op {frame.op}")
+        except (MetaError, BadRequest) as exc:
+            reply_error(conn, frame, "bad_request", str(exc))
+
+    def _reply(self, conn: FrameConnection, frame: Frame, meta: dict[str, Any]) -> None:
+        conn.send(frame.op, frame.request_id, meta, flags=FLAG_REPLY)
+
+    def _spawn(self, conn: FrameConnection, frame: Frame, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(self._guard(conn, frame, coro))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _guard(self, conn: FrameConnection, frame: Frame, coro: Coroutine) -> None:
+        try:
+            await coro
+        except (MetaError, BadRequest) as exc:
+            self._safe_error(conn, frame, "bad_request", str(exc))
+        except Exception as exc:
+            log.exception("store op %d failed", frame.op)
+            self._safe_error(conn, frame, "internal", f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _safe_error(conn: FrameConnection, frame: Frame, code: str, message: str) -> None:
+        try:
+            reply_error(conn, frame, code, message)
+        except ConnectionError:
+            pass
+
+    # ---- gets --------------------------------------------------------------------------------
+    def _get(self, conn: FrameConnection, frame: Frame) -> None:
+        keys = keys_from_meta(frame.meta)
+        layers = None
+        if frame.op == Op.GET_LAYERS:
+            layers = (int_from_meta(frame.meta, "first_layer", 0), int_from_meta(frame.meta, "num_layers", 1, minimum=1))
+        found, on_ssd = self.store.lookup_dram(keys)
+        if on_ssd:
+            self._spawn(conn, frame, self._get_with_promotion(conn, frame, keys, found, on_ssd, layers))
+        else:
+            self._send_blocks(conn, frame, found, layers)
+
+    async def _get_with_promotion(self, conn, frame, keys, found, on_ssd, layers) -> None:
+        # Pin what we already have so promotions (which may evict) cannot take it away.
+        lease = self.store.pin([b for b in found if isinstance(b, Block)], self.clock() + self.lease_ttl)
+        try:
+            for i in on_ssd:
+                found[i] = await self.store.promote(keys[i])
+        finally:
+            self.store.unpin(lease)
+        if not conn.closed.done():
+            self._send_blocks(conn, frame, found, layers)
+
+    def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None) -> None:
+        views, sizes, block_layers, pinned = [], [], [], []
+        for item in found:
+            if item is None:
+                sizes.append(None)
+                block_layers.append(None)
+                continue
+            if isinstance(item, Block):
+                view = self.store.view(item, *layers) if layers else self.store.view(item)
+                pinned.append(item)
+                block_layers.append(item.num_layers)
+            else:  # SSD bytes that could not be promoted (DRAM full of leased blocks)
+                view = memoryview(item)
+                block_layers.append(None)
+                if layers:
+                    raise BadRequest("layer reads of blocks that could not be promoted are not supported")
+            views.append(view)
+            sizes.append(view.nbytes)
+        lease = self.store.pin(pinned, self.clock() + self.lease_ttl,
+                               on_expire=lambda: conn.abort("lease expired while sending (client not reading)"))
+        try:
+            conn.send(frame.op, frame.request_id, {"sizes": sizes, "num_layers": block_layers}, views, flags=FLAG_REPLY)
+        except ConnectionError:
+            self.store.unpin(lease)
+            return
+        self.store.stats.bytes_out += sum(v.nbytes for v in views)
+        conn.when_flushed(lambda: self.store.unpin(lease))
+
+    # ---- slow ops ----------------------------------------------------------------------------
+    async def _delete(self, conn: FrameConnection, frame: Frame, keys: list[bytes]) -> None:
+        num = await self.store.delete(keys)
+        self._reply(conn, frame, {"num_deleted": num})
+
+    async def _replicate(self, conn: FrameConnection, frame: Frame, keys: list[bytes], peer: tuple[str, int],
+                         first_pos: int) -> None:
+        if self.replicator is None:
+            self._safe_error(conn, frame, "bad_request", "replication is not configured on this store")
+            return
+        try:
+            result = await self.replicator(keys, peer, first_pos)
+        except StoreFull as exc:
+            self._safe_error(conn, frame, "full", str(exc))
+            return
+        except (OSError, ConnectionError, RuntimeError) as exc:
+            self._safe_error(conn, frame, "peer_error", f"{peer[0]}:{peer[1]}: {exc}")
+            return
+        self._reply(conn, frame, result)
+
+    # ---- upkeep ------------------------------------------------------------------------------
+    async def run_lease_sweeper(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            num = self.store.expire_leases(self.clock())
+            if num:
+                log.warning("%d lease(s) expired; their connections were closed", num)

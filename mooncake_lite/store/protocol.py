@@ -1,0 +1,84 @@
+"""The store's data-plane messages, carried as frames of ``mooncake_lite.transfer``.
+
+Every request is one frame whose meta is a JSON object; keys are 32-char hex strings. Block
+bytes travel only as raw payload, back to back in key order. Replies use the same op with
+FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with code one of
+``bad_request``, ``full``, ``unknown_op``, ``peer_error``.
+
+| op | request meta | request payload | reply meta | reply payload |
+|---|---|---|---|---|
+| PUT | keys, sizes, num_layers, first_pos | the blocks | num_new | - |
+| GET | keys | - | sizes (null = miss), num_layers (per key, null = miss) | found blocks |
+| GET_LAYERS | keys, first_layer, num_layers | - | sizes, num_layers (of the block) | layer slices |
+| MATCH | keys | - | num_matched (longest prefix held in any tier) | - |
+| EXISTS | keys | - | exists (list of bool) | - |
+| DELETE | keys | - | num_deleted | - |
+| REPLICATE | keys, peer ("host:port") | - | num_copied, num_present, num_missing | - |
+
+``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+from mooncake_lite.common.hashing import KEY_BYTES
+
+
+class Op(IntEnum):
+    PUT = 1
+    GET = 2
+    GET_LAYERS = 3
+    MATCH = 4
+    EXISTS = 5
+    DELETE = 6
+    REPLICATE = 7
+
+
+class MetaError(ValueError):
+    """A request meta is malformed (reported to the client as ``bad_request``)."""
+
+
+def keys_to_hex(keys: Sequence[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def keys_from_meta(meta: dict[str, Any], field: str = "keys") -> list[bytes]:
+    raw = meta.get(field)
+    if not isinstance(raw, list):
+        raise MetaError(f"'{field}' must be a list of {2 * KEY_BYTES}-character hex strings")
+    keys = []
+    for item in raw:
+        if not isinstance(item, str) or len(item) != 2 * KEY_BYTES:
+            raise MetaError(f"bad key {str(item)[:40]!r}: expected {2 * KEY_BYTES} hex characters")
+        try:
+            keys.append(bytes.fromhex(item))
+        except ValueError:
+            raise MetaError(f"bad key {item[:40]!r}: not hex") from None
+    return keys
+
+
+def int_from_meta(meta: dict[str, Any], field: str, default: int | None = None, minimum: int = 0) -> int:
+    value = meta.get(field, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MetaError(f"'{field}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def sizes_from_meta(meta: dict[str, Any], count: int) -> list[int]:
+    sizes = meta.get("sizes")
+    if not isinstance(sizes, list) or len(sizes) != count or \
+            not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise MetaError(f"'sizes' must be {count} positive integers (one per key)")
+    return sizes
+
+
+def parse_peer(peer: Any) -> tuple[str, int]:
+    if not isinstance(peer, str) or ":" not in peer:
+        raise MetaError(f"'peer' must be 'host:port', got {peer!r}")
+    host, _, port = peer.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise MetaError(f"'peer' must be 'host:port', got {peer!r}")
+    return host, int(port)

@@ -1,0 +1,81 @@
+"""The DRAM tier's memory: one preallocated buffer carved into equal slots, O(1) free list.
+
+With CUDA present the buffer is page-locked (``torch.empty(..., pin_memory=True)``) so GPUs can
+DMA from it; otherwise it is an anonymous mmap (pages are only touched when first written, so a
+large ``--dram`` starts instantly). Slots never move: a block's bytes stay where they were received
+until the slot is freed, which is what lets the transfer layer read and write them in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+log = logging.getLogger(__name__)
+
+
+def _allocate(total_bytes: int, pin: bool) -> tuple[object, memoryview]:
+    if pin:
+        import torch
+        tensor = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
+        return tensor, memoryview(tensor.numpy()).cast("B")
+    buf = mmap.mmap(-1, total_bytes)
+    return buf, memoryview(buf)
+
+
+def cuda_available() -> bool:
+    # Importing torch costs seconds; skip it on machines without an NVIDIA driver at all.
+    if not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidiactl"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class Slab:
+    """``num_slots`` slots of ``slot_bytes`` each inside one buffer."""
+
+    def __init__(self, total_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot size must be positive, got {slot_bytes}")
+        if total_bytes < slot_bytes:
+            raise ValueError(f"DRAM size {total_bytes} is smaller than one slot ({slot_bytes} bytes)")
+        self.slot_bytes = slot_bytes
+        self.num_slots = total_bytes // slot_bytes
+        self.capacity_bytes = self.num_slots * slot_bytes
+        self.is_pinned = cuda_available() if pin is None else pin
+        self._owner, self._view = _allocate(self.capacity_bytes, self.is_pinned)
+        # Pop from the end: low slot numbers are handed out first (tests can predict them).
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * self.num_slots
+        log.info("DRAM slab: %d slots x %d bytes (%s)", self.num_slots, slot_bytes,
+                 "pinned" if self.is_pinned else "pageable")
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A free slot number, or None when every slot is in use."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if self._is_free[slot]:
+            raise ValueError(f"slot {slot} freed twice")
+        self._is_free[slot] = 1
+        self._free.append(slot)
+
+    def view(self, slot: int, nbytes: int | None = None, offset: int = 0) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of a slot (the whole slot by default)."""
+        start = slot * self.slot_bytes + offset
+        end = start + (self.slot_bytes - offset if nbytes is None else nbytes)
+        if offset < 0 or end > (slot + 1) * self.slot_bytes:
+            raise ValueError(f"range [{offset}, {offset + (end - start)}) is outside a {self.slot_bytes}-byte slot")
+        return self._view[start:end]

@@ -1,0 +1,253 @@
+"""The SSD tier: one checksummed file per block, written back off the request path.
+
+File ``<ssd-dir>/<hex[:2]>/<hex>.blk`` (names come only from key bytes, never from the network)::
+
+    magic b"MCKS" | version u16 | chain_pos u16 | num_layers u32 | key 16s | length u64 | crc32 u32 | data
+
+(chain_pos, capped at 65535, lets a promoted block keep its length-aware eviction rank.)
+
+Writes go to ``.tmp`` and are renamed into place after (optional) fsync, so a crash leaves either
+the whole file or none; a block counts as "on SSD" only after the rename. On start the directory
+is re-indexed from headers (cheap); the checksum is verified on every read, and a block that
+fails it is deleted, counted and reported as a miss, never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import aiofiles
+import aiofiles.os
+
+from mooncake_lite.store.eviction import LRUPolicy
+
+log = logging.getLogger(__name__)
+
+FILE_MAGIC = b"MCKS"
+FILE_VERSION = 1
+FILE_HEADER = struct.Struct("<4sHHI16sQI")
+KEY_BYTES = 16
+
+
+class SsdTier:
+    """Index + write-back queue over a directory. ``on_dropped(key)`` fires when a block leaves
+    the tier for good (capacity eviction, failed write, corruption)."""
+
+    def __init__(self, root: str | Path, capacity_bytes: int, *, fsync: bool = True,
+                 max_pending_bytes: int = 256 << 20, on_dropped: Callable[[bytes], None] | None = None) -> None:
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.max_pending_bytes = max_pending_bytes
+        self.on_dropped = on_dropped or (lambda key: None)
+        self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (length, num_layers, chain_pos) on disk
+        self._lru = LRUPolicy()
+        self._pending: dict[bytes, tuple[bytes, int, int]] = {}  # queued writes, readable meanwhile
+        self._pending_bytes = 0
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.used_bytes = 0
+        self.num_writes = self.num_reads = self.num_corrupt = self.num_dropped = self.num_evicted = 0
+
+    # ---- index ------------------------------------------------------------------------------
+    def path_of(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}.blk"
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index or key in self._pending
+
+    def __len__(self) -> int:
+        return len(self._index) + sum(1 for k in self._pending if k not in self._index)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def keys(self) -> set[bytes]:
+        return set(self._index) | set(self._pending)
+
+    def scan(self) -> list[bytes]:
+        """Re-index the directory (startup). Removes temp files and files with bad headers."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        found: list[tuple[float, bytes, int, int, int]] = []
+        for sub in sorted(p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 2):
+            for path in sub.iterdir():
+                if path.suffix == ".tmp":
+                    path.unlink(missing_ok=True)
+                elif path.suffix == ".blk":
+                    entry = self._check_header(path)
+                    if entry is None:
+                        self.num_corrupt += 1
+                        log.warning("SSD file %s has a bad header; deleted", path)
+                        path.unlink(missing_ok=True)
+                    else:
+                        found.append((path.stat().st_mtime, *entry))
+        for _, key, length, num_layers, chain_pos in sorted(found):  # oldest first = least recently used
+            self._add(key, length, num_layers, chain_pos)
+        log.info("SSD tier %s: re-indexed %d blocks (%d bytes)", self.root, len(self._index), self.used_bytes)
+        return [entry[1] for entry in sorted(found)]
+
+    def _check_header(self, path: Path) -> tuple[bytes, int, int, int] | None:
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read(FILE_HEADER.size)
+            magic, version, chain_pos, num_layers, key, length, _ = FILE_HEADER.unpack(raw)
+            size = path.stat().st_size
+        except (OSError, struct.error):
+            return None
+        if magic != FILE_MAGIC or version != FILE_VERSION or key.hex() + ".blk" != path.name \
+                or size != FILE_HEADER.size + length:
+            return None
+        return key, length, num_layers, chain_pos
+
+    def _add(self, key: bytes, length: int, num_layers: int, chain_pos: int) -> None:
+        self._index[key] = (length, num_layers, chain_pos)
+        self._lru.insert(key, 0)
+        self.used_bytes += FILE_HEADER.size + length
+
+    def _forget(self, key: bytes) -> bool:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self._lru.remove(key)
+        self.used_bytes -= FILE_HEADER.size + entry[0]
+        return True
+
+    # ---- writes -----------------------------------------------------------------------------
+    def enqueue(self, key: bytes, data: bytes, num_layers: int, chain_pos: int = 0) -> bool:
+        """Queue a write-back. False (block dropped) when the queue is over its byte budget or
+        the block can never fit."""
+        if key in self:
+            return True
+        if self._pending_bytes + len(data) > self.max_pending_bytes or \
+                FILE_HEADER.size + len(data) > self.capacity_bytes:
+            self.num_dropped += 1
+            return False
+        self._pending[key] = (data, num_layers, min(chain_pos, 0xFFFF))
+        self._pending_bytes += len(data)
+        self._queue.put_nowait(key)
+        return True
+
+    async def run_writer(self) -> None:
+        """Background task: write queued blocks until a None sentinel arrives."""
+        while (key := await self._queue.get()) is not None:
+            try:
+                await self._write_pending(key)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    async def _write_pending(self, key: bytes) -> None:
+        item = self._pending.get(key)
+        if item is None:
+            return  # removed while queued
+        try:
+            await self._make_room(FILE_HEADER.size + len(item[0]))
+            await self._write(key, *item)
+            if self._pending.get(key) is not item:  # removed while being written
+                self._forget(key)
+                await self._unlink(self.path_of(key))
+        except OSError as exc:
+            log.error("SSD write of %s failed: %s; block dropped", key.hex(), exc)
+            self.num_dropped += 1
+            self.on_dropped(key)
+        finally:
+            if self._pending.get(key) is item:
+                del self._pending[key]
+                self._pending_bytes -= len(item[0])
+
+    async def flush(self) -> None:
+        """Wait until every queued write has finished."""
+        await self._queue.join()
+
+    async def stop(self) -> None:
+        await self.flush()
+        self._queue.put_nowait(None)
+        await self._queue.join()
+
+    async def _make_room(self, nbytes: int) -> None:
+        while self.used_bytes + nbytes > self.capacity_bytes and (victim := self._lru.victim()) is not None:
+            self._forget(victim)
+            self.num_evicted += 1
+            await self._unlink(self.path_of(victim))
+            self.on_dropped(victim)
+
+    async def _write(self, key: bytes, data: bytes, num_layers: int, chain_pos: int) -> None:
+        crc = await asyncio.to_thread(zlib.crc32, data)
+        path = self.path_of(key)
+        tmp = path.with_suffix(".tmp")
+        await aiofiles.os.makedirs(path.parent, exist_ok=True)
+        async with aiofiles.open(tmp, "wb") as fh:
+            await fh.write(FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, chain_pos, num_layers, key, len(data), crc))
+            await fh.write(data)
+            await fh.flush()
+            if self.fsync:
+                await asyncio.to_thread(os.fsync, fh.fileno())
+        await aiofiles.os.replace(tmp, path)
+        self._add(key, len(data), num_layers, chain_pos)
+        self.num_writes += 1
+
+    # ---- reads and deletes --------------------------------------------------------------------
+    async def read(self, key: bytes) -> tuple[bytes | memoryview, int, int] | None:
+        """(data, num_layers, chain_pos), or None if absent or corrupt (a corrupt file is deleted)."""
+        pending = self._pending.get(key)
+        if pending is not None:
+            return pending
+        if key not in self._index:
+            return None
+        self._lru.touch(key)
+        path = self.path_of(key)
+        try:
+            async with aiofiles.open(path, "rb") as fh:
+                raw = await fh.read()
+        except FileNotFoundError:
+            self._forget(key)
+            self.on_dropped(key)
+            return None
+        self.num_reads += 1
+        problem = await asyncio.to_thread(self._verify, key, raw)
+        if problem is not None:
+            self.num_corrupt += 1
+            log.warning("SSD block %s is corrupt (%s); deleted, not served", key.hex(), problem)
+            self._forget(key)
+            await self._unlink(path)
+            self.on_dropped(key)
+            return None
+        _, _, chain_pos, num_layers, _, _, _ = FILE_HEADER.unpack_from(raw)
+        return memoryview(raw)[FILE_HEADER.size:], num_layers, chain_pos
+
+    @staticmethod
+    def _verify(key: bytes, raw: bytes) -> str | None:
+        if len(raw) < FILE_HEADER.size:
+            return "truncated header"
+        magic, version, _, _, file_key, length, crc = FILE_HEADER.unpack_from(raw)
+        if magic != FILE_MAGIC or version != FILE_VERSION or file_key != key:
+            return "bad header"
+        if len(raw) != FILE_HEADER.size + length:
+            return f"length {len(raw) - FILE_HEADER.size} != {length}"
+        if zlib.crc32(memoryview(raw)[FILE_HEADER.size:]) != crc:
+            return "checksum mismatch"
+        return None
+
+    async def remove(self, key: bytes) -> bool:
+        """Delete a block from the tier (queued or on disk)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            self._pending_bytes -= len(pending[0])
+        on_disk = self._forget(key)
+        if on_disk:
+            await self._unlink(self.path_of(key))
+        return on_disk or pending is not None
+
+    @staticmethod
+    async def _unlink(path: Path) -> None:
+        try:
+            await aiofiles.os.remove(path)
+        except FileNotFoundError:
+            pass
