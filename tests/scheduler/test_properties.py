@@ -1,0 +1,64 @@
+"""Invariants of a decision on random clusters (hypothesis)."""
+
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeInstanceState,
+                                     DecodingRequest, PrefillInstanceState, QueuedPrefill,
+                                     ScheduleRequest, schedule)
+from tests.scheduler.clusters import BS, COSTS, cfg
+
+NUM_BLOCKS = 12
+
+
+@st.composite
+def scenarios(draw):
+    num_p = draw(st.integers(1, 5))
+    idx = BlockIndex()
+    prefills = []
+    for i in range(num_p):
+        held = draw(st.integers(0, NUM_BLOCKS))
+        idx.add(f"s{i}", range(held))
+        jobs = tuple(QueuedPrefill(f"q{i}{j}", draw(st.integers(1, 400)), decode_id="d0",
+                                   started_at=(-draw(st.floats(0, 1)) if j == 0 else None))
+                     for j in range(draw(st.integers(0, 3))))
+        prefills.append(PrefillInstanceState(f"p{i}", f"s{i}", jobs,
+                                             bandwidth_bytes_per_s=draw(st.sampled_from([None, 1e3, 1e5]))))
+    if draw(st.booleans()):
+        idx.add("extra", range(draw(st.integers(0, NUM_BLOCKS))))
+    decodes = tuple(DecodeInstanceState(f"d{i}", tuple(
+        DecodingRequest(f"r{i}{j}", 100, -draw(st.floats(0, 20)), 50) for j in range(draw(st.integers(0, 10)))))
+        for i in range(draw(st.integers(1, 3))))
+    n_blocks = draw(st.integers(1, NUM_BLOCKS))
+    req = ScheduleRequest("r", tuple(range(n_blocks)), n_blocks * BS + draw(st.integers(0, BS - 1)), 20)
+    return idx, ClusterState(tuple(prefills), decodes), req, draw(st.sampled_from([1.0, 1.5, 3.0]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.sampled_from(["none", "early", "predictive"]))
+def test_decision_invariants(scenario, admission):
+    idx, clus, req, threshold = scenario
+    decisions = {s: schedule(req, clus, index=idx, now=0.0, costs=COSTS,
+                             config=cfg(strategy=s, admission=admission, uniform_decode_s=10.0,
+                                        kvcache_balancing_threshold=threshold))
+                 for s in ("load-balance", "cache-aware", "kvcache-centric")}
+    for strategy, d in decisions.items():
+        parts = d.predicted_queue_s + d.predicted_prefill_s + d.predicted_transfer_s
+        assert abs(d.predicted_ttft_s - parts) < 1e-9
+        assert 0 <= d.local_prefix_blocks <= d.reused_prefix_blocks <= len(req.block_keys)
+        if d.accepted and admission != "none":
+            assert d.predicted_ttft_s <= 1.0 and d.predicted_tbt_s <= 0.1
+        if not d.accepted:
+            assert d.reason.startswith("rejected: ")
+        if d.migration is not None:
+            assert strategy == "kvcache-centric" and d.route == "transfer"
+            assert d.migration.keys == req.block_keys[d.local_prefix_blocks:d.reused_prefix_blocks]
+            assert d.migration.source_store_id == d.transfer_source != d.migration.target_store_id
+            assert idx.prefix_len(req.block_keys, d.transfer_source) >= d.reused_prefix_blocks
+        elif d.route != "transfer":
+            assert d.reused_prefix_blocks == d.local_prefix_blocks
+    # cache-aware minimises queue + prefill-with-local-prefix, which load-balance also pays
+    assert decisions["cache-aware"].predicted_ttft_s <= decisions["load-balance"].predicted_ttft_s + 1e-12
+    # with threshold 1 Algorithm 1 always costs the best prefix, so it reuses at least as much
+    # on the chosen instance as the best holder has
+    if threshold == 1.0 and decisions["kvcache-centric"].route in ("transfer", "local-hit"):
+        assert decisions["kvcache-centric"].reused_prefix_blocks == idx.match(req.block_keys).best_len
