@@ -68,7 +68,10 @@ async def health(request: web.Request) -> web.Response:
     num_prefill, num_decode = len(m.alive("prefill")), len(m.alive("decode"))
     ok = num_prefill > 0 and num_decode > 0
     # 200 even without instances: the conductor itself is healthy; "ready" says if it can serve.
-    return web.json_response({"status": "ok", "ready": ok, "prefill": num_prefill, "decode": num_decode})
+    instances = [{"instance_id": i.instance_id, "role": i.role, "http": i.reg.http, "store": i.reg.store,
+                  "alive": i.is_alive} for i in m.instances.values()]
+    return web.json_response({"status": "ok", "ready": ok, "prefill": num_prefill, "decode": num_decode,
+                              "instances": instances})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -31,7 +31,7 @@ DEFAULT_DTYPE_BYTES = 2   # until an instance reports its real kv_bytes_per_toke
 def make_app(cfg: Config) -> web.Application:
     """Build the conductor. Raises ValueError for an unknown model."""
     args = model_args(cfg.model)
-    tokenizer = load_tokenizer(cfg.model, args.vocab_size, _eos_token_id(cfg.model))
+    tokenizer = load_tokenizer(cfg.model, args.vocab_size)
     sched_cfg = SchedulerConfig(strategy=cfg.strategy, admission=cfg.admission, ttft_slo_s=cfg.ttft_slo,
                                 tbt_slo_s=cfg.tbt_slo,
                                 kvcache_balancing_threshold=cfg.kvcache_balancing_threshold,
@@ -89,14 +89,3 @@ async def _reaper(app: web.Application) -> AsyncIterator[None]:
     except asyncio.CancelledError:
         pass
 
-
-def _eos_token_id(model: str) -> int | None:
-    """A checkpoint's EOS id from its config.json (byte-level presets know their own)."""
-    import json
-    import os
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        eos = json.load(fh).get("eos_token_id")
-    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None

@@ -38,7 +38,7 @@ class Cluster:
 
 
 @pytest.fixture
-def make_cluster(aiohttp_server):
+async def make_cluster(aiohttp_server):
     """``cluster = await make_cluster(prefill=1, decode=1, **config_overrides)``."""
     made: list[tuple[Cluster, asyncio.Task]] = []
 
@@ -67,8 +67,4 @@ def make_cluster(aiohttp_server):
     # aiohttp_server tears the servers down; stop our loops first
     for cluster, task in made:
         task.cancel()
-
-
-@pytest.fixture
-async def cleanup_sessions():
-    yield
+        await cluster.session.close()

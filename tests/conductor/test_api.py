@@ -31,7 +31,6 @@ async def test_completion_matches_the_instances_tokens(make_cluster):
     assert out.usage.prompt_tokens == len(TOK.encode("The moon is"))
     assert out.usage.completion_tokens == 7 and out.usage.total_tokens == out.usage.prompt_tokens + 7
     await c.close()
-    await cluster.session.close()
 
 
 async def test_streamed_completion_ends_with_done(make_cluster):
@@ -55,7 +54,6 @@ async def test_streamed_completion_ends_with_done(make_cluster):
     assert r.headers["Content-Type"].startswith("text/event-stream")
     assert raw.rstrip().endswith(b"data: [DONE]")
     await c.close()
-    await cluster.session.close()
 
 
 async def test_chat_uses_the_documented_template(make_cluster):
@@ -72,7 +70,6 @@ async def test_chat_uses_the_documented_template(make_cluster):
     parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
     assert "".join(parts) == out.choices[0].message.content
     await c.close()
-    await cluster.session.close()
 
 
 async def test_stop_token_and_stop_string(make_cluster):
@@ -92,7 +89,6 @@ async def test_stop_token_and_stop_string(make_cluster):
     assert out.choices[0].text == text[:text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
     await c.close()
-    await cluster.session.close()
 
 
 async def test_models_health_metrics(make_cluster):
@@ -103,14 +99,15 @@ async def test_models_health_metrics(make_cluster):
     await c.completions.create(model="tiny", prompt="x", max_tokens=2)
     async with cluster.session.get(cluster.url + "/health") as r:
         health = await r.json()
-    assert health == {"status": "ok", "ready": True, "prefill": 1, "decode": 1}
+    assert (health["status"], health["ready"], health["prefill"], health["decode"]) == ("ok", True, 1, 1)
+    assert {(i["instance_id"], i["role"], i["alive"]) for i in health["instances"]} == \
+        {("p0", "prefill", True), ("d0", "decode", True)}
     async with cluster.session.get(cluster.url + "/metrics") as r:
         text = await r.text()
     assert 'mooncake_conductor_requests_total{endpoint="completions",outcome="ok"} 1.0' in text
     assert "mooncake_conductor_ttft_seconds_count 1.0" in text
     assert 'mooncake_conductor_instances{role="prefill",state="alive"} 1.0' in text
     await c.close()
-    await cluster.session.close()
 
 
 async def test_api_key_is_required_when_set(make_cluster):
@@ -123,4 +120,3 @@ async def test_api_key_is_required_when_set(make_cluster):
     assert out.usage.completion_tokens == 2
     await bad.close()
     await good.close()
-    await cluster.session.close()

@@ -1,0 +1,145 @@
+"""One request's path: 429s (admission, decode refusal), upstream failures, client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conductor.fakes import expected_tokens
+from tests.conductor.test_api import TOK, client
+
+
+async def _wait_for(cond, timeout: float = 5.0) -> None:
+    async def loop():
+        while not cond():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_overload_answers_429_with_retry_after(make_cluster):
+    cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=2.5)
+    p0 = await cluster.add("prefill", "p0", store="s0:1", cost={"prefill": {"c0": 1.0}})
+    p0.behaviour.hang = True          # prefills pile up in p0's queue
+    c = client(cluster)
+    pending = [asyncio.create_task(c.completions.create(model="tiny", prompt=f"q{i}", max_tokens=2))
+               for i in range(2)]
+    await _wait_for(lambda: len(p0.requests) == 2)
+    with pytest.raises(openai.RateLimitError) as info:
+        await c.completions.create(model="tiny", prompt="one too many", max_tokens=2)
+    err = info.value
+    assert err.status_code == 429 and "predicted TTFT 2.9" in err.message and "> SLO 2.5s" in err.message
+    assert err.code == "rate_limit_exceeded"
+    assert int(err.response.headers["Retry-After"]) >= 1
+    assert len(cluster.instances["d0"].requests) == 2     # the rejected one touched nothing
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        assert 'mooncake_conductor_rejections_total{cause="ttft"} 1.0' in await r.text()
+    await c.close()
+
+
+async def test_tbt_slo_rejects_before_prefill(make_cluster):
+    cluster = await make_cluster(prefill=1, decode=0, admission="predictive", tbt_slo=0.2)
+    await cluster.add("decode", "d0", cost={"decode": {"c0": 0.5}})
+    c = client(cluster)
+    with pytest.raises(openai.RateLimitError) as info:
+        await c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert "predicted TBT 0.5s > SLO 0.2s" in info.value.message
+    assert not cluster.instances["p0"].requests
+    await c.close()
+
+
+async def test_decode_refusal_is_a_429(make_cluster):
+    cluster = await make_cluster()
+    cluster.instances["d0"].behaviour.refuse = True
+    c = client(cluster)
+    with pytest.raises(openai.RateLimitError) as info:
+        await c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert "decode instance d0 refused the request: TBT SLO would break" in info.value.message
+    assert not cluster.instances["p0"].requests          # no prefill work wasted
+    await c.close()
+
+
+@pytest.mark.parametrize("status, exc, needle", [
+    (500, openai.APIStatusError, "prefill instance p0 answered 500: prefill exploded"),
+    (None, openai.RateLimitError, "prefill instance p0 refused the request: prefill queue full"),
+])
+async def test_prefill_failure_aborts_decode(make_cluster, status, exc, needle):
+    cluster = await make_cluster()
+    if status is None:
+        cluster.instances["p0"].behaviour.refuse = True
+    else:
+        cluster.instances["p0"].behaviour.fail_status = status
+    c = client(cluster)
+    with pytest.raises(exc) as info:
+        await c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True)
+    assert needle in info.value.message
+    d0 = cluster.instances["d0"]
+    await _wait_for(lambda: d0.aborts == [d0.requests[0].request_id])
+    assert not cluster.svc.membership.instances["d0"].decode_jobs
+    await c.close()
+
+
+async def test_decode_stream_breaking_midway_is_an_sse_error(make_cluster):
+    cluster = await make_cluster()
+    cluster.instances["d0"].behaviour.break_after = 2
+    c = client(cluster)
+    stream = await c.completions.create(model="tiny", prompt="abc", max_tokens=10, stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as info:
+        async for chunk in stream:
+            got.append(chunk.choices[0].text)
+    assert "decode instance d0" in str(info.value)
+    assert "".join(got) == TOK.decode(expected_tokens(TOK.encode("abc"), 3))   # first + 2 decode tokens
+    await c.close()
+
+
+async def test_client_disconnect_aborts_decode(make_cluster):
+    cluster = await make_cluster()
+    d0 = cluster.instances["d0"]
+    d0.behaviour.token_delay_s = 0.05
+    async with aiohttp.ClientSession() as s:
+        async with s.post(cluster.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "abc", "max_tokens": 1000, "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readline()          # the first token arrived; now walk away
+    await _wait_for(lambda: d0.aborts == [d0.requests[0].request_id])
+    await _wait_for(lambda: not cluster.svc.membership.instances["d0"].decode_jobs)
+
+
+async def test_client_disconnect_during_prefill_aborts_both(make_cluster):
+    cluster = await make_cluster()
+    p0, d0 = cluster.instances["p0"], cluster.instances["d0"]
+    p0.behaviour.hang = True
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(cluster.url + "/v1/completions",
+                                          json={"model": "tiny", "prompt": "abc", "max_tokens": 5}))
+        await _wait_for(lambda: p0.requests)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    rid = p0.requests[0].request_id
+    await _wait_for(lambda: p0.aborts == [rid] and d0.aborts == [rid])
+    await _wait_for(lambda: not cluster.svc.membership.instances["p0"].prefill_jobs)
+
+
+async def test_many_concurrent_requests_all_correct(make_cluster):
+    # predictive: decode selection counts the prefills that will have joined by then, so a
+    # burst spreads over both decode instances (none/early read only the running batches)
+    cluster = await make_cluster(prefill=2, decode=2, strategy="load-balance", admission="predictive")
+    for inst in cluster.instances.values():
+        inst.behaviour.token_delay_s = 0.002
+    c = client(cluster)
+    prompts = [f"prompt number {i}" for i in range(24)]
+    outs = await asyncio.gather(*[c.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
+                                  for p in prompts])
+    for p, out in zip(prompts, outs):
+        assert out.choices[0].text == TOK.decode(expected_tokens(TOK.encode(p), 6))
+    used = {inst.instance_id for inst in cluster.instances.values() if inst.requests}
+    assert used == {"p0", "p1", "d0", "d1"}
+    m = cluster.svc.membership
+    assert all(not i.prefill_jobs and not i.decode_jobs for i in m.instances.values())
+    await c.close()

@@ -1,0 +1,135 @@
+"""Registration (refusals), heartbeats, dead instances, block events feeding the index."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import Heartbeat
+from tests.conductor import fakes
+from tests.conductor.test_api import TOK, client
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"model": "small"}, "model 'small' (conductor serves 'tiny')"),
+    ({"block_size": 16}, "block_size 16 (cluster uses 4)"),
+    ({"hash_seed": 7}, "hash_seed 7 (cluster uses 0)"),
+    ({"kv_bytes_per_token": 3}, "kv_bytes_per_token 3"),
+])
+async def test_mismatched_registration_is_refused_with_409(make_cluster, changes, needle):
+    cluster = await make_cluster()
+    inst = await cluster.add("prefill", "p-bad", register=False)
+    status, body = await fakes.register(cluster.session, cluster.url, inst, **changes)
+    assert status == 409, body
+    assert needle in body["error"]["message"] and body["error"]["code"] == "cluster_mismatch"
+    assert "p-bad" not in cluster.svc.membership.instances
+
+
+async def test_malformed_registration_and_unknown_heartbeat(make_cluster):
+    cluster = await make_cluster()
+    async with cluster.session.post(cluster.url + "/internal/v1/register", data=b'{"role": "prefill"}') as r:
+        assert r.status == 400 and "missing field" in (await r.json())["error"]["message"]
+    inst = await cluster.add("decode", "d-x", register=False)
+    status, body = await fakes.register(cluster.session, cluster.url, inst, data=None)
+    assert status == 400 and "data address" in body["error"]["message"]
+    status, body = await fakes.register(cluster.session, cluster.url, inst, cost={"prefill": {"c9": 1}})
+    assert status == 400 and "unknown coefficient" in body["error"]["message"]
+    status, body = await fakes.post(cluster.session, cluster.url + "/internal/v1/heartbeat", Heartbeat("nobody"))
+    assert status == 404 and "register again" in body["error"]["message"]
+
+
+async def test_cluster_token_guards_internal_endpoints(make_cluster):
+    cluster = await make_cluster(prefill=0, decode=0, cluster_token="t0k")
+    inst = await cluster.add("prefill", "p0", register=False, store="s:1")
+    status, _ = await fakes.register(cluster.session, cluster.url, inst)
+    assert status == 403
+    inst.token = "t0k"
+    status, _ = await fakes.register(cluster.session, cluster.url, inst)
+    assert status == 200
+
+
+async def test_block_events_feed_the_index_and_route_to_the_holder(make_cluster):
+    cluster = await make_cluster(prefill=2, decode=1, strategy="cache-aware")
+    prompt = TOK.encode("0123456789abcdefghij")          # 21 tokens = 5 full blocks of 4
+    keys = prefix_hash(prompt, 4, 0)
+    status, body = await fakes.block_events(cluster.session, cluster.url, "store1:1", stored=keys[:4])
+    assert status == 200 and body["num_blocks"] == 4
+    c = client(cluster)
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt="0123456789abcdefghij", max_tokens=2)
+    assert raw.headers["X-Mooncake-Prefill"] == "p1" and raw.headers["X-Mooncake-Route"] == "local-hit"
+    sent = cluster.instances["p1"].requests[-1]
+    assert sent.prefix_keys == tuple(k.hex() for k in keys[:4])
+    assert sent.decode_data == cluster.instances["d0"].register_msg().data
+    # evicted: the hit is gone, the index says so
+    await fakes.block_events(cluster.session, cluster.url, "store1:1", evicted=keys[:4])
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt="0123456789abcdefghij", max_tokens=2)
+    assert raw.headers["X-Mooncake-Reused-Blocks"] == "0"
+    # bad keys are refused as a whole
+    async with cluster.session.post(cluster.url + "/internal/v1/block_events",
+                                    json={"store": "s", "stored": [keys[0].hex(), "zz"]}) as r:
+        assert r.status == 400
+    assert cluster.svc.scheduler.index.num_blocks() == 0
+    await c.close()
+
+
+async def test_hot_spot_migration_is_sent_to_prefill(make_cluster):
+    # p0's queue makes p1 cheaper; p1 must pull the prefix from store0 (kvcache-centric)
+    cluster = await make_cluster(prefill=2, decode=1, strategy="kvcache-centric")
+    prompt = TOK.encode("0123456789abcdefghij")
+    keys = prefix_hash(prompt, 4, 0)
+    await fakes.block_events(cluster.session, cluster.url, "store0:1", stored=keys[:5])
+    cluster.instances["p0"].behaviour.hang = True
+    c = client(cluster)
+    first = asyncio.create_task(c.completions.create(model="tiny", prompt=[1] * 2000, max_tokens=2))
+    while not cluster.instances["p0"].requests:
+        await asyncio.sleep(0.01)
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt="0123456789abcdefghij", max_tokens=2)
+    assert raw.headers["X-Mooncake-Prefill"] == "p1" and raw.headers["X-Mooncake-Route"] == "transfer"
+    sent = cluster.instances["p1"].requests[-1]
+    assert sent.migrate_from == "store0:1"
+    assert sent.migrate_keys == tuple(k.hex() for k in keys[:5])
+    assert sent.prefix_keys == tuple(k.hex() for k in keys[:5])
+    first.cancel()
+    await c.close()
+
+
+async def test_silent_instance_is_marked_dead_and_gets_no_work(make_cluster):
+    cluster = await make_cluster(prefill=1, decode=2, dead_after=0.3)
+    d0 = cluster.instances["d0"]
+    d0.is_heartbeating = False
+    while cluster.svc.membership.instances["d0"].is_alive:
+        await asyncio.sleep(0.05)
+    c = client(cluster)
+    for _ in range(4):
+        raw = await c.completions.with_raw_response.create(model="tiny", prompt="abc", max_tokens=2)
+        assert raw.headers["X-Mooncake-Decode"] == "d1"
+    assert not d0.requests
+    # it comes back when it heartbeats again
+    d0.is_heartbeating = True
+    while not cluster.svc.membership.instances["d0"].is_alive:
+        await asyncio.sleep(0.05)
+    await c.close()
+
+
+async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster):
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=0.3)
+    p0, d0 = cluster.instances["p0"], cluster.instances["d0"]
+    d0.behaviour.hang = True     # decode never sends a token...
+    c = client(cluster)
+    task = asyncio.create_task(c.completions.create(model="tiny", prompt="abc", max_tokens=5))
+    while not d0.requests:
+        await asyncio.sleep(0.01)
+    d0.is_heartbeating = False   # ...and goes silent
+    with pytest.raises(openai.APIStatusError) as info:
+        await task
+    assert info.value.status_code == 502 and "stopped heartbeating" in info.value.message
+    # bookkeeping is clean; with no decode left the next request is a clear 503
+    assert not cluster.svc.membership.instances["p0"].prefill_jobs
+    with pytest.raises(openai.APIStatusError) as info:
+        await c.completions.create(model="tiny", prompt="abc", max_tokens=5)
+    assert info.value.status_code == 503 and "no live decode instance" in info.value.message
+    assert p0.aborts == []   # prefill had already answered: nothing to abort there
+    await c.close()
