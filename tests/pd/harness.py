@@ -1,0 +1,67 @@
+"""In-process prefill + decode over real loopback sockets (cheap enough for thousands of requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling
+from mooncake_lite.decode.batcher import DecodeBatcher
+from mooncake_lite.decode.engine import DecodeEngine
+from mooncake_lite.decode.kv_receiver import start_kv_server
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.prefill.engine import StageEngine
+from mooncake_lite.prefill.kv_sender import DecodeLinks
+from mooncake_lite.prefill.service import PrefillService
+from mooncake_lite.prefill.store_io import MemoryStore
+from mooncake_lite.transfer.server import server_address
+
+
+@dataclass
+class Cluster:
+    decode: DecodeEngine
+    prefill: PrefillService
+    data: str
+    server: asyncio.Server
+
+    async def request(self, rid: str, token_ids: list[int], max_tokens: int,
+                      kv_timeout_s: float = 30.0) -> tuple[list[int], str | None, str | None]:
+        """(tokens, finish_reason, error) the way the conductor would collect them."""
+        events = self.decode.add_request(GenerateRequest(rid, f"t-{rid}", len(token_ids),
+                                                         Sampling(max_tokens=max_tokens), kv_timeout_s))
+        result = await self.prefill.prefill(PrefillRequest(rid, f"t-{rid}", tuple(token_ids), self.data,
+                                                           Sampling(max_tokens=max_tokens)))
+        tokens = [result.first_token]
+        while True:
+            ev = await events.get()
+            if ev.token is not None:
+                tokens.append(ev.token)
+            if ev.finish_reason is not None:
+                return tokens, ev.finish_reason, ev.error
+
+
+@contextlib.asynccontextmanager
+async def cluster(model, *, block_size: int = 8, chunk: int = 16, decode_blocks: int = 256,
+                  prefill_blocks: int = 128, store: MemoryStore | None = None):
+    decode_runner = ModelRunner(model, num_blocks=decode_blocks, block_size=block_size)
+    engine = DecodeEngine(decode_runner, DecodeBatcher(decode_runner.allocator, block_size),
+                          ThreadPoolExecutor(1))
+    server = await start_kv_server(engine, "127.0.0.1", 0, None)
+    step_task = asyncio.create_task(engine.run())
+    prefill_runner = ModelRunner(model, num_blocks=prefill_blocks, block_size=block_size)
+    layer_bytes = 2 * block_size * model.args.num_kv_heads * model.args.head_dim * 4
+    store = store or MemoryStore((0, model.args.num_layers), layer_bytes)
+    stage = StageEngine(prefill_runner, store, ThreadPoolExecutor(1))
+    links = DecodeLinks(None)
+    service = PrefillService(stage, links, block_size=block_size, hash_seed=0, chunk_size=chunk)
+    try:
+        yield Cluster(engine, service, server_address(server), server)
+    finally:
+        step_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step_task
+        await stage.drain_puts()
+        await links.close()
+        server.close()

@@ -1,0 +1,163 @@
+"""Prefill -> decode in one process over loopback sockets: exact tokens, and cheap failures in bulk."""
+
+import asyncio
+
+import pytest
+import torch
+
+from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling
+from mooncake_lite.decode.kv_wire import OP_KV_END, OP_KV_LAYER, layer_frame_meta
+from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.engine import PrefillAborted
+from mooncake_lite.transfer.client import FrameClient, RemoteError
+from tests.pd.harness import cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=3)
+
+
+def prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_clean(c):
+    """Nothing held anywhere: every block back, no pending transfer, no live request."""
+    assert c.decode.runner.allocator.num_free == c.decode.runner.allocator.num_blocks
+    assert c.decode.pending == {} and c.decode.requests == {} and c.decode.batcher.seqs == {}
+    assert c.prefill.stage.runner.allocator.num_free == c.prefill.stage.runner.allocator.num_blocks
+    assert c.prefill.stage.jobs == {} and c.prefill.queue == {}
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 1000])
+async def test_tokens_equal_reference_with_chunks_and_prefix_reuse(model, chunk):
+    shared = prompt(3 * BS, 1)
+    prompts = [shared + prompt(7, 2), shared + prompt(BS + 1, 3), prompt(BS, 4), shared + prompt(7, 2)]
+    async with cluster(model, block_size=BS, chunk=chunk) as c:
+        for i, toks in enumerate(prompts):
+            got, reason, err = await c.request(f"r{i}", toks, 6)
+            assert (reason, err) == ("length", None)
+            assert got == reference_greedy(model, toks, 6)
+            await c.prefill.stage.drain_puts()
+        assert_clean(c)
+
+
+async def test_prefix_hit_computes_only_new_tokens(model):
+    shared = prompt(4 * BS, 11)
+    async with cluster(model, block_size=BS, chunk=BS) as c:
+        await c.request("a", shared + [1, 2, 3], 4)
+        await c.prefill.stage.drain_puts()
+        events = c.decode.add_request(GenerateRequest("b", "t-b", len(shared) + 2, Sampling(max_tokens=4)))
+        res = await c.prefill.prefill(PrefillRequest("b", "t-b", tuple(shared + [9, 9]), c.data,
+                                                     Sampling(max_tokens=4)))
+        assert (res.num_prefix_tokens, res.num_computed_tokens) == (4 * BS, 2)
+        tokens = [res.first_token]
+        while (ev := await events.get()).finish_reason is None:
+            tokens.append(ev.token)
+        assert tokens == reference_greedy(model, shared + [9, 9], 4)
+        # a fully cached prompt still computes its last token (the first token needs its logits)
+        again = await c.request("c", shared, 3)
+        assert again[0] == reference_greedy(model, shared, 3)
+
+
+async def test_many_concurrent_requests_share_the_decode_batch(model):
+    prompts = [prompt(5 + 3 * i, 100 + i) for i in range(12)]
+    lengths = [3 + i % 5 for i in range(12)]
+    async with cluster(model, block_size=BS, chunk=16) as c:
+        results = await asyncio.gather(*(c.request(f"r{i}", p, n)
+                                         for i, (p, n) in enumerate(zip(prompts, lengths))))
+        for p, n, (tokens, reason, err) in zip(prompts, lengths, results):
+            assert err is None and tokens == reference_greedy(model, p, n)
+        assert_clean(c)
+
+
+async def _open_stream(c, rid, prompt_len, timeout=30.0):
+    events = c.decode.add_request(GenerateRequest(rid, f"t-{rid}", prompt_len, Sampling(max_tokens=4), timeout))
+    host, port = c.data.rsplit(":", 1)
+    return events, await FrameClient.connect(host, int(port))
+
+
+async def test_stream_stopping_midway_fails_the_request_and_frees_memory_thousands_of_times(model):
+    kvh, hd = model.args.num_kv_heads, model.args.head_dim
+    async with cluster(model, block_size=BS, decode_blocks=64) as c:
+        for i in range(1500):
+            n = 1 + i % 20
+            events, client = await _open_stream(c, f"f{i}", n)
+            for layer in range(1 + i % (model.args.num_layers - 1)):   # some layers, never all; link dies
+                kv = torch.randn(2, n, kvh, hd)
+                await client.request(OP_KV_LAYER, layer_frame_meta(f"t-f{i}", layer, 0, n),
+                                     [kv.numpy().tobytes()])
+            client.conn.abort(None)
+            ev = await asyncio.wait_for(events.get(), 5)
+            assert ev.finish_reason == "error" and "broke midway" in ev.error
+        assert_clean(c)
+        # the instance still serves correctly afterwards
+        toks = prompt(13, 5)
+        assert (await c.request("ok", toks, 5))[0] == reference_greedy(model, toks, 5)
+
+
+async def test_bad_frames_are_refused_without_harm(model):
+    kvh, hd = model.args.num_kv_heads, model.args.head_dim
+    async with cluster(model, block_size=BS) as c:
+        events, client = await _open_stream(c, "x", 4)
+        with pytest.raises(RemoteError, match="unknown_transfer"):
+            await client.request(OP_KV_LAYER, layer_frame_meta("nope", 0, 0, 4), [bytes(2 * 4 * kvh * hd * 4)])
+        with pytest.raises(RemoteError, match="bad_payload"):
+            await client.request(OP_KV_LAYER, layer_frame_meta("t-x", 0, 0, 4), [b"123"])
+        with pytest.raises(RemoteError, match="bad_range"):
+            await client.request(OP_KV_LAYER, layer_frame_meta("t-x", 0, 2, 4), [bytes(2 * 4 * kvh * hd * 4)])
+        with pytest.raises(RemoteError, match="bad_layer"):
+            await client.request(OP_KV_LAYER, layer_frame_meta("t-x", 99, 0, 4), [bytes(2 * 4 * kvh * hd * 4)])
+        with pytest.raises(RemoteError, match="bad_token"):
+            await client.request(OP_KV_END, {"tid": "t-x", "first_token": 10**6})
+        assert c.decode.abort("x")
+        assert (await events.get()).finish_reason == "abort"
+        await client.close()
+        assert_clean(c)
+
+
+async def test_dead_prefill_times_out_pending_requests(model):
+    async with cluster(model, block_size=BS) as c:
+        queues = [c.decode.add_request(GenerateRequest(f"w{i}", f"t-w{i}", 10, Sampling(max_tokens=3), 0.05))
+                  for i in range(120)]
+        for q in queues:
+            ev = await asyncio.wait_for(q.get(), 5)
+            assert ev.finish_reason == "error" and "did not arrive within 0.05s" in ev.error
+        assert_clean(c)
+
+
+async def test_decode_refusing_midway_makes_prefill_abandon(model):
+    """Decode drops the request while its KV streams in (e.g. client gone): prefill stops, frees."""
+    async with cluster(model, block_size=BS, chunk=4) as c:
+        for i in range(300):
+            rid = f"a{i}"
+            c.decode.add_request(GenerateRequest(rid, f"t-{rid}", 40, Sampling(max_tokens=3)))
+            task = asyncio.ensure_future(c.prefill.prefill(
+                PrefillRequest(rid, f"t-{rid}", tuple(prompt(40, i)), c.data, Sampling(max_tokens=3))))
+            for _ in range(i % 7):
+                await asyncio.sleep(0)
+            c.decode.abort(rid)
+            with pytest.raises(PrefillAborted, match="unknown_transfer"):
+                await task
+        assert_clean(c)
+
+
+async def test_dead_decode_makes_prefill_abandon(model):
+    async with cluster(model, block_size=BS, chunk=4) as c:
+        c.decode.add_request(GenerateRequest("d", "t-d", 60, Sampling(max_tokens=3)))
+        task = asyncio.ensure_future(c.prefill.prefill(
+            PrefillRequest("d", "t-d", tuple(prompt(60, 1)), c.data, Sampling(max_tokens=3))))
+        await asyncio.sleep(0.01)
+        c.server.close()
+        client = await c.prefill.links.get(c.data)
+        client.conn.abort(None)     # the decode side of the link is gone
+        with pytest.raises((PrefillAborted, ConnectionError)):
+            await task
+        assert c.prefill.stage.jobs == {}
+        assert c.prefill.stage.runner.allocator.num_free == c.prefill.stage.runner.allocator.num_blocks
