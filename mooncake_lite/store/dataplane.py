@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, PutTicket, StoreFull
+from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
 from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
                                           sizes_from_meta)
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
@@ -136,18 +136,25 @@ class StoreHandler(FrameHandler):
             layers = (int_from_meta(frame.meta, "first_layer", 0), int_from_meta(frame.meta, "num_layers", 1, minimum=1))
         found, on_ssd = self.store.lookup_dram(keys)
         if on_ssd:
-            self._spawn(conn, frame, self._get_with_promotion(conn, frame, keys, found, on_ssd, layers))
+            # Pin the DRAM hits now: the task starts later, and puts in between may evict.
+            lease = self.store.pin([b for b in found if b is not None], self.clock() + self.lease_ttl)
+            self._spawn(conn, frame, self._get_with_promotion(conn, frame, keys, found, on_ssd, layers, lease))
         else:
             self._send_blocks(conn, frame, found, layers)
 
-    async def _get_with_promotion(self, conn, frame, keys, found, on_ssd, layers) -> None:
-        # Pin what we already have so promotions (which may evict) cannot take it away.
-        lease = self.store.pin([b for b in found if isinstance(b, Block)], self.clock() + self.lease_ttl)
+    async def _get_with_promotion(self, conn, frame, keys, found, on_ssd, layers, lease: Lease) -> None:
+        # Each block is pinned as it is promoted, so later promotions (which may evict) cannot
+        # take it away before it is sent.
+        expires_at = lease.expires_at
+        leases = [lease]
         try:
             for i in on_ssd:
-                found[i] = await self.store.promote(keys[i])
+                found[i] = item = await self.store.promote(keys[i])
+                if isinstance(item, Block):
+                    leases.append(self.store.pin([item], expires_at))
         finally:
-            self.store.unpin(lease)
+            for lease in leases:
+                self.store.unpin(lease)
         if not conn.closed.done():
             self._send_blocks(conn, frame, found, layers)
 
