@@ -1,0 +1,133 @@
+"""The HTTP side of a replay: stream one completion and record when each chunk arrived.
+
+Speaks plain OpenAI ``/v1/completions`` with ``stream: true`` (SSE ``data:`` lines ending with
+``data: [DONE]``), so it works against mooncake-lite, vLLM, SGLang or anything compatible.
+The clock is injectable so tests can record a stream on a fake clock.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+
+from mooncake_lite.bench.replay_metrics import RequestRecord
+from mooncake_lite.bench.replay_prompts import SynthRequest
+
+Clock = Callable[[], float]
+
+
+def request_body(req: SynthRequest, model: str, *, ignore_eos: bool) -> dict:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM extension: produce exactly max_tokens, as the trace says
+    return body
+
+
+def _error_text(raw: str) -> str:
+    try:
+        err = orjson.loads(raw).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:300]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return raw[:300]
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest, body: dict, *,
+                     scheduled_s: float, clock: Clock = time.perf_counter) -> RequestRecord:
+    """Send one streamed completion; never raises for server or network trouble (it is recorded)."""
+    send = clock()
+    chunks: list[float] = []
+    base = dict(request_id=req.request_id, scheduled_s=scheduled_s, send_s=send,
+                prompt_tokens=req.num_prompt_tokens, num_prompt_blocks=req.num_full_blocks)
+    usage_out = cached = reused = None
+    try:
+        async with session.post(url, json=body) as resp:
+            reused_hdr = resp.headers.get("X-Mooncake-Reused-Blocks")
+            reused = int(reused_hdr) if reused_hdr and reused_hdr.isdigit() else None
+            if resp.status != 200:
+                return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
+            error, done = None, False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                now = clock()
+                data = orjson.loads(payload)
+                if data.get("error"):
+                    error = _error_text(payload.decode())
+                    continue
+                if data.get("choices"):
+                    chunks.append(now)
+                usage = data.get("usage")
+                if isinstance(usage, dict):
+                    usage_out = usage.get("completion_tokens", usage_out)
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = details.get("cached_tokens", cached) if isinstance(details, dict) else cached
+            if error is None and not done:
+                error = "stream ended without data: [DONE]"
+            return RequestRecord(**base, chunk_s=tuple(chunks), output_tokens=usage_out, status=resp.status,
+                                 error=error, cached_tokens=cached, reused_blocks=reused)
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
+        return RequestRecord(**base, chunk_s=tuple(chunks), error=f"{type(exc).__name__}: {exc}"[:300],
+                             reused_blocks=reused)
+
+
+async def served_model_info(session: aiohttp.ClientSession, base_url: str) -> tuple[str | None, int | None]:
+    """(first model id, its max_model_len) from ``GET /v1/models``; Nones when not offered."""
+    try:
+        async with session.get(f"{base_url}/v1/models") as resp:
+            if resp.status != 200:
+                return None, None
+            data = (await resp.json(content_type=None)).get("data") or []
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        return None, None
+    if not data or not isinstance(data[0], dict):
+        return None, None
+    ctx = data[0].get("max_model_len")
+    return data[0].get("id"), ctx if isinstance(ctx, int) else None
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfaINFA]+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum of every sample per metric name (labels folded) from Prometheus text format."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                continue
+    return totals
+
+
+async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            return parse_prometheus(await resp.text()) if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+HIT_METRICS = ("mooncake_conductor_reused_prefix_blocks_total", "mooncake_conductor_prompt_blocks_total")
+
+
+def cache_hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Prefix blocks reused / prompt blocks scheduled during the run, from the conductor's counters."""
+    if not before or not after or not all(k in after for k in HIT_METRICS):
+        return None
+    reused = after[HIT_METRICS[0]] - before.get(HIT_METRICS[0], 0.0)
+    total = after[HIT_METRICS[1]] - before.get(HIT_METRICS[1], 0.0)
+    return reused / total if total > 0 else None

@@ -1,0 +1,119 @@
+"""Prompts for a trace that has no text: one fixed pseudo-random block per ``hash_id``.
+
+Equal ids give equal blocks, and because trace ids are chained (equal id = equal prefix), two
+requests sharing their first k ids share their first k blocks token for token — the prefix
+sharing a cache can exploit is real. ``scale`` shrinks a 512-token trace block to
+``round(512 * scale)`` tokens so a long trace fits a small model's context.
+
+Two encodings:
+
+* ``text`` (default): printable ASCII, one character per token. For a byte-level model
+  (the built-in presets) every byte *is* a token, so lengths are exact; for other tokenizers
+  the text is still deterministic per block (sharing stays real) but lengths are approximate.
+* ``tokens``: the prompt is sent as a list of token ids (``prompt: [ids]``, accepted by vLLM
+  and by mooncake-lite), drawn from ``[min_token_id, vocab_size)``; exact for any model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest
+
+PRINTABLE = np.frombuffer(bytes(range(0x20, 0x7F)), dtype=np.uint8)  # space .. '~'
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    scale: float = 1.0                   # input length scale (and block size scale)
+    output_scale: float | None = None    # None: same as scale
+    max_output_tokens: int | None = None
+    max_context: int | None = None       # prompt + output must fit; prompts are cut (prefix kept)
+    mode: str = "text"                   # "text" | "tokens"
+    vocab_size: int = 32000              # tokens mode: ids drawn from [min_token_id, vocab_size)
+    min_token_id: int = 0
+    reserved_tokens: int = 1             # room for tokens the server adds (BOS)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0:
+            raise ValueError(f"--scale must be positive, got {self.scale}")
+        if self.output_scale is not None and not self.output_scale > 0:
+            raise ValueError(f"--output-scale must be positive, got {self.output_scale}")
+        if self.mode not in ("text", "tokens"):
+            raise ValueError(f"prompt mode must be 'text' or 'tokens', got {self.mode!r}")
+        if not 0 <= self.min_token_id < self.vocab_size:
+            raise ValueError("need 0 <= --min-token-id < --vocab-size")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError("--max-output-tokens must be at least 1")
+        if self.max_context is not None and self.max_context < 2 + self.reserved_tokens:
+            raise ValueError(f"--max-context {self.max_context} is too small")
+
+    @property
+    def block_tokens(self) -> int:
+        return max(1, round(TRACE_BLOCK_SIZE * self.scale))
+
+
+@dataclass(frozen=True)
+class SynthRequest:
+    """One request ready to send: ``prompt`` is a str (text mode) or a list of ids."""
+    request_id: int
+    arrival_s: float
+    prompt: str | list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    num_full_blocks: int
+    is_truncated: bool
+
+
+class PromptSynth:
+    def __init__(self, cfg: PromptConfig):
+        self.cfg = cfg
+        self._block = lru_cache(maxsize=65536)(self._make_block)
+
+    def _make_block(self, hash_id: int) -> np.ndarray:
+        rng = np.random.default_rng([self.cfg.seed, hash_id & 0xFFFFFFFFFFFFFFFF])
+        n = self.cfg.block_tokens
+        if self.cfg.mode == "text":
+            return PRINTABLE[rng.integers(0, len(PRINTABLE), n)]
+        return rng.integers(self.cfg.min_token_id, self.cfg.vocab_size, n, dtype=np.int64)
+
+    def lengths(self, req: TraceRequest) -> tuple[int, int, bool]:
+        """(prompt tokens, output tokens, truncated?) after scaling and the context cap."""
+        cfg, bt = self.cfg, self.cfg.block_tokens
+        n_in = min(max(1, round(req.input_length * bt / TRACE_BLOCK_SIZE)), len(req.hash_ids) * bt)
+        out_scale = cfg.scale if cfg.output_scale is None else cfg.output_scale
+        n_out = max(1, round(req.output_length * out_scale))
+        if cfg.max_output_tokens is not None:
+            n_out = min(n_out, cfg.max_output_tokens)
+        truncated = False
+        if cfg.max_context is not None:
+            n_out = min(n_out, cfg.max_context // 2)  # never let the output squeeze the prompt to nothing
+            room = cfg.max_context - n_out - cfg.reserved_tokens
+            if n_in > room:
+                n_in, truncated = room, True
+        return n_in, n_out, truncated
+
+    def tokens(self, hash_ids: tuple[int, ...], num_tokens: int) -> np.ndarray:
+        """The first ``num_tokens`` tokens of the blocks named by ``hash_ids``."""
+        need = math.ceil(num_tokens / self.cfg.block_tokens)
+        if need > len(hash_ids):
+            raise ValueError(f"{num_tokens} tokens need {need} blocks but the request names {len(hash_ids)}")
+        return np.concatenate([self._block(h) for h in hash_ids[:need]])[:num_tokens]
+
+    def build(self, req: TraceRequest) -> SynthRequest:
+        n_in, n_out, truncated = self.lengths(req)
+        toks = self.tokens(req.hash_ids, n_in)
+        prompt = toks.tobytes().decode("ascii") if self.cfg.mode == "text" else toks.tolist()
+        return SynthRequest(req.request_id, req.arrival_s, prompt, n_in, n_out,
+                            n_in // self.cfg.block_tokens, truncated)
+
+
+def auto_scale(requests: list[TraceRequest], max_context: int, fill: float = 0.9) -> float:
+    """A scale that makes the longest request (prompt + output) fill ``fill`` of the context."""
+    longest = max(r.input_length + r.output_length for r in requests)
+    return min(1.0, fill * max_context / longest)

@@ -1,0 +1,79 @@
+"""Metric arithmetic on a hand-made recorded stream; every expected number is worked out by hand."""
+
+import pytest
+
+from mooncake_lite.bench.replay_metrics import (RequestRecord, compute_metrics, meets_slos, paper_tbt, parse_slos,
+                                                served_block_hit_rate, tpot)
+
+A = RequestRecord(0, 0.0, 0.0, (0.10, 0.15, 0.25, 0.30), prompt_tokens=10, output_tokens=4, status=200,
+                  reused_blocks=1, num_prompt_blocks=4)
+B = RequestRecord(1, 1.0, 1.0, (1.2, 1.4), prompt_tokens=20, output_tokens=2, status=200,
+                  reused_blocks=2, num_prompt_blocks=4)
+C = RequestRecord(2, 2.0, 2.0, (), prompt_tokens=5, status=429, error="rejected")
+D = RequestRecord(3, 3.0, 3.0, (3.5,), prompt_tokens=30, output_tokens=1, status=200)
+E = RequestRecord(4, 3.5, 3.6, (), prompt_tokens=7, status=500, error="boom")
+RECORDS = [A, B, C, D, E]
+
+
+def test_counts_and_throughputs():
+    m = compute_metrics(RECORDS, duration_s=4.0)
+    assert (m["num_requests"], m["completed"], m["num_rejected_429"], m["num_failed"]) == (5, 3, 1, 1)
+    assert m["total_input_tokens"] == 60 and m["total_output_tokens"] == 7
+    assert m["request_throughput"] == pytest.approx(0.75)
+    assert m["output_throughput"] == pytest.approx(1.75)
+    assert m["total_token_throughput"] == pytest.approx(16.75)
+    assert "request_goodput" not in m
+
+
+def test_latency_summaries_in_ms():
+    m = compute_metrics(RECORDS, duration_s=4.0)
+    # TTFT 100, 200, 500 ms; linear-interpolated percentiles (numpy / vLLM)
+    assert m["mean_ttft_ms"] == pytest.approx(800 / 3)
+    assert m["median_ttft_ms"] == pytest.approx(200)
+    assert m["p90_ttft_ms"] == pytest.approx(440)
+    assert m["p99_ttft_ms"] == pytest.approx(494)
+    # TPOT: A (300-100)/3 = 66.67, B (400-200)/1 = 200; D has one token, so none
+    assert m["mean_tpot_ms"] == pytest.approx(400 / 3)
+    assert m["p90_tpot_ms"] == pytest.approx(200 / 3 + 0.9 * 400 / 3)
+    # ITL pooled: 50, 100, 50 (A) and 200 (B)
+    assert m["mean_itl_ms"] == pytest.approx(100)
+    assert m["median_itl_ms"] == pytest.approx(75)
+    assert m["p90_itl_ms"] == pytest.approx(170)
+    assert m["p99_itl_ms"] == pytest.approx(197)
+    # E2EL 300, 400, 500
+    assert (m["mean_e2el_ms"], m["median_e2el_ms"]) == (pytest.approx(400), pytest.approx(400))
+    assert m["p99_e2el_ms"] == pytest.approx(498)
+    # paper TBT: A's slowest 10% of 3 gaps is its one slowest (100), B's only gap is 200
+    assert m["mean_tbt_ms"] == pytest.approx(150) and m["p90_tbt_ms"] == pytest.approx(190)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    m = compute_metrics(RECORDS, 4.0, parse_slos(["ttft:250", "tpot:150"]))
+    assert m["request_goodput"] == pytest.approx(0.25)      # only A
+    m = compute_metrics(RECORDS, 4.0, parse_slos(["e2el:450"]))
+    assert m["request_goodput"] == pytest.approx(0.5)       # A and B
+    assert meets_slos(D, {"tpot": 0.001})                    # one token: TPOT counts as 0 (vLLM)
+    assert not meets_slos(C, {"ttft": 100.0})                # a rejected request is never good
+
+
+def test_paper_tbt_is_mean_of_slowest_tenth():
+    gaps = [0.01] * 18 + [0.5, 0.3]
+    assert paper_tbt(gaps) == pytest.approx(0.4)             # 20 gaps -> slowest 2
+    assert paper_tbt([0.2, 0.1]) == pytest.approx(0.2)       # fewer than 10 -> the slowest one
+    assert paper_tbt([]) is None
+    assert tpot(D) is None
+
+
+def test_empty_and_bad_inputs():
+    m = compute_metrics([C, E], 1.0)
+    assert m["completed"] == 0 and m["mean_ttft_ms"] is None and m["p99_itl_ms"] is None
+    with pytest.raises(ValueError):
+        compute_metrics(RECORDS, 0.0)
+    for bad in (["ttft"], ["foo:1"], ["ttft:x"], ["ttft:-1"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_slos(bad)
+
+
+def test_served_block_hit_rate():
+    assert served_block_hit_rate(RECORDS) == pytest.approx(3 / 8)
+    assert served_block_hit_rate([D]) is None

@@ -1,0 +1,117 @@
+"""``mooncake bench replay`` end to end against an in-process fake OpenAI streaming server."""
+
+
+import aiohttp
+import orjson
+import pytest
+
+from mooncake_lite.bench.replay import main
+from mooncake_lite.bench.replay_client import request_body, stream_one
+from mooncake_lite.bench.replay_metrics import compute_metrics
+from mooncake_lite.bench.replay_prompts import SynthRequest
+from tests.conftest import TRACE
+from tests.replay.fake_openai import FakeState, ThreadServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def replay_args(url, out, *extra):
+    return ["--trace", str(TRACE), "--base-url", url, "--max-requests", "30", "--speed", "20",
+            "--scale", str(1 / 32), "--max-output-tokens", "8", "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys):
+    st = FakeState(block_chars=16, reject_every=7)
+    with ThreadServer(st) as srv:
+        rc = main(replay_args(srv.url, tmp_path, "--json", "--goodput", "ttft:60000", "tpot:60000"))
+    assert rc == 0
+    summary = orjson.loads(capsys.readouterr().out)
+    m, cache = summary["metrics"], summary["cache"]
+    assert len(st.received) == 30 and m["num_requests"] == 30
+    assert m["num_rejected_429"] == 4 and m["completed"] == 26 and m["num_failed"] == 0   # 7th,14th,21st,28th
+    assert m["total_output_tokens"] == sum(b["max_tokens"] for i, (_, b) in enumerate(st.received, 1) if i % 7)
+    assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: all good
+    assert m["mean_ttft_ms"] > 0 and m["p99_itl_ms"] >= m["median_itl_ms"] > 0
+    # hit rate comes from the server's counters, and the shared hash id 0 makes it positive
+    assert cache["cache_hit_rate"] == pytest.approx(st.reused_blocks / st.prompt_blocks) and st.reused_blocks > 0
+    assert cache["served_block_hit_rate"] > 0 and 0 < cache["ideal_block_hit_rate"] < 1
+    prompts = [b["prompt"] for _, b in st.received]
+    assert len({p[:16] for p in prompts}) == 1 and len({p[16:32] for p in prompts}) > 1
+    assert all(b["stream"] and b["ignore_eos"] and b["model"] == "fake-model" for _, b in st.received)
+    assert max(len(p) for p in prompts) <= 2048 - 8 - 1 and summary["notes"]   # the 87k-token one was cut
+    result = orjson.loads((tmp_path / "result.json").read_bytes())
+    assert result["metrics"] == m and len(result["per_request"]["ttfts"]) == 26
+    assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_table_and_duration_window(tmp_path, capsys):
+    with ThreadServer(FakeState()) as srv:
+        # trace seconds 0..6 at speed 20 -> the first 0.3 s of replay time hold 29 requests
+        rc = main(["--trace", str(TRACE), "--base-url", srv.url, "--speed", "20", "--duration", "0.3",
+                   "--scale", "auto", "--max-output-tokens", "4", "--output-dir", str(tmp_path), "--no-progress",
+                   "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Successful requests" in out and "Mean TBT (ms):" in out
+    assert "29" in out.split("Successful requests")[1].split("\n")[0]
+    assert not (tmp_path / "cdf.png").exists()
+
+
+def test_block_tokens_aligned_with_the_server_block_give_hits(tmp_path, capsys):
+    st = FakeState(block_chars=16)
+    with ThreadServer(st) as srv:
+        assert main(replay_args(srv.url, tmp_path, "--block-tokens", "32", "--max-requests", "12", "--json",
+                                "--no-plot")) == 0
+    summary = orjson.loads(capsys.readouterr().out)
+    assert summary["config"]["block_tokens"] == 32
+    # hash id 0 (32 tokens = two 16-char server blocks) is shared by all 12 requests
+    assert st.reused_blocks == 2 * 11 and summary["cache"]["cache_hit_rate"] > 0
+
+
+class ScriptedClock:
+    def __init__(self, times):
+        self.times = iter(times)
+
+    def __call__(self):
+        return next(self.times)
+
+
+async def test_recorded_stream_on_a_fake_clock():
+    """The client stamps send, each chunk, and the usage line; the metrics follow by hand."""
+    req = SynthRequest(0, 0.0, "hello world!", 12, 3, 0, False)
+    clock = ScriptedClock([10.0, 10.2, 10.25, 10.4, 10.45])   # send, 3 chunks, usage line
+    st = FakeState()
+    with ThreadServer(st) as srv:
+        async with aiohttp.ClientSession() as s:
+            rec = await stream_one(s, srv.url + "/v1/completions", req,
+                                   request_body(req, "fake-model", ignore_eos=True), scheduled_s=10.0, clock=clock)
+    assert rec.is_ok and rec.chunk_s == (10.2, 10.25, 10.4) and rec.output_tokens == 3
+    m = compute_metrics([rec], duration_s=1.0)
+    assert m["mean_ttft_ms"] == pytest.approx(200)
+    assert m["mean_tpot_ms"] == pytest.approx(100)       # (400 - 200) / (3 - 1)
+    assert m["mean_itl_ms"] == pytest.approx(100)        # gaps 50 and 150
+    assert m["mean_tbt_ms"] == pytest.approx(150)        # slowest of 2 gaps
+    assert m["mean_e2el_ms"] == pytest.approx(400)
+
+
+def test_api_key_is_sent_and_a_wrong_one_is_a_failure(tmp_path, capsys):
+    with ThreadServer(FakeState(api_key="sk-x")) as srv:
+        assert main(replay_args(srv.url, tmp_path, "--api-key", "sk-x", "--max-requests", "3", "--json")) == 0
+        assert orjson.loads(capsys.readouterr().out)["metrics"]["completed"] == 3
+        assert main(replay_args(srv.url, tmp_path, "--api-key", "nope", "--max-requests", "3", "--json")) == 1
+        m = orjson.loads(capsys.readouterr().out)["metrics"]
+        assert m["completed"] == 0 and m["num_failed"] == 3
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["--trace", str(tmp_path / "none.jsonl"), "--output-dir", str(tmp_path)]) == 2
+    assert "error" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    assert main(["--trace", str(bad)]) == 2 and "missing field" in capsys.readouterr().err
+    assert main(["--trace", str(TRACE), "--speed", "0"]) == 2
+    assert main(["--trace", str(TRACE), "--scale", "big"]) == 2
+    assert main(["--trace", str(TRACE), "--goodput", "ttft"]) == 2
+    # nothing listening: reported, not a traceback
+    assert main(["--trace", str(TRACE), "--base-url", "http://127.0.0.1:9", "--max-requests", "1",
+                 "--output-dir", str(tmp_path), "--no-progress"]) == 2
+    assert "error" in capsys.readouterr().err
