@@ -121,13 +121,13 @@ def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float,
     have ended by ``t`` — joined_at + t_d <= t — leave; the arriving prefills join.
 
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
-    the instance's current TBT."""
+    the instance's current TBT (unknown max_output_tokens: assumed still decoding)."""
     if uniform_decode_s is not None:
         cutoff = t - uniform_decode_s
         staying = [r.context_tokens for r in d.running if r.joined_at > cutoff]
     else:
         tbt_now = decode_tbt(d, costs, *decode_load_now(d))
-        staying = [r.context_tokens for r in d.running
-                   if r.joined_at + r.max_output_tokens * tbt_now > t]
+        staying = [r.context_tokens for r in d.running if r.max_output_tokens is None
+                   or r.joined_at + r.max_output_tokens * tbt_now > t]
     batch, context = len(staying), sum(staying)
     return batch + len(arriving_tokens), context + sum(arriving_tokens)

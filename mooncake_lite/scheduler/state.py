@@ -63,12 +63,14 @@ class DecodingRequest:
     """A request in (or committed to) a decode instance's continuous batch.
 
     ``context_tokens`` is prompt + tokens generated so far; ``joined_at`` is when it entered the
-    batch (used with t_d by predictive admission)."""
+    batch (used with t_d by predictive admission); ``max_output_tokens`` (None = unknown) sizes
+    its t_d when ``SchedulerConfig.uniform_decode_s`` is None — an unknown one is assumed to
+    still be decoding at any future time (the conservative guess)."""
 
     request_id: str
     context_tokens: int
     joined_at: float
-    max_output_tokens: int = 1
+    max_output_tokens: int | None = None
 
 
 @dataclass(frozen=True)

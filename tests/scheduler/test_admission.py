@@ -74,3 +74,10 @@ def test_decode_side_double_check():
     assert decode_admits(decode("d0", batch=8), req, COSTS, tbt_slo_s=0.1)
     assert not decode_admits(decode("d0", batch=9), req, COSTS, tbt_slo_s=0.1)
     assert not decode_admits(decode("d0", batch=1, max_batch_size=1), req, COSTS, tbt_slo_s=1.0)
+
+
+def test_unknown_output_length_is_assumed_to_keep_decoding():
+    running = tuple(DecodingRequest(f"r{i}", 100, joined_at=-1000.0) for i in range(9))
+    clus = cluster([prefill("p0")], [DecodeInstanceState("d0", running=running)])
+    assert run(clus, "predictive").reject_cause == "tbt"
+    assert run(clus, "predictive", uniform_decode_s=10.0).accepted
