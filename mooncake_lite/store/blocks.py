@@ -80,6 +80,7 @@ class BlockStore:
         self.stats = StoreStats()
         self._dram: dict[bytes, Block] = {}
         self._leases: set[Lease] = set()
+        self._num_pinned = 0  # live DRAM blocks with pins > 0 (cannot be evicted)
         if ssd is not None:
             ssd.on_dropped = self._ssd_dropped
 
@@ -123,11 +124,20 @@ class BlockStore:
                                  "(start the store with a larger --slot-bytes)")
             if size % num_layers:
                 raise BadRequest(f"block of {size} bytes is not divisible into {num_layers} layers")
+        num_needed = sum(1 for key in set(keys) if key not in self._dram)
+        if num_needed > self.slab.num_free + len(self._dram) - self._num_pinned:
+            # Refuse before evicting anything: a put that fails must not change the cache.
+            self.stats.full_errors += 1
+            raise StoreFull(f"{num_needed} blocks need slots but only "
+                            f"{self.slab.num_free + len(self._dram) - self._num_pinned} of "
+                            f"{self.slab.num_slots} can be freed (the rest are leased or being written)")
         ticket = PutTicket(list(keys), list(sizes), num_layers, first_pos, [])
+        seen: set[bytes] = set()
         for key in keys:
-            if key in self._dram:
+            if key in self._dram or key in seen:  # stored already, or twice in this put
                 ticket.slots.append(None)
                 continue
+            seen.add(key)
             slot = self._alloc_slot()
             if slot is None:
                 self.cancel(ticket)
@@ -247,6 +257,8 @@ class BlockStore:
         """Protect blocks from eviction until ``unpin`` or ``expires_at`` (then ``on_expire`` runs,
         which must stop whatever was reading the memory, e.g. abort the connection)."""
         for block in blocks:
+            if block.pins == 0 and block.is_live:
+                self._num_pinned += 1
             block.pins += 1
         lease = Lease(list(blocks), expires_at, on_expire)
         self._leases.add(lease)
@@ -259,8 +271,11 @@ class BlockStore:
         self._leases.discard(lease)
         for block in lease.blocks:
             block.pins -= 1
-            if block.pins == 0 and not block.is_live:
-                self.slab.free(block.slot)
+            if block.pins == 0:
+                if block.is_live:
+                    self._num_pinned -= 1
+                else:
+                    self.slab.free(block.slot)
 
     def expire_leases(self, now: float) -> int:
         """End every lease past its expiry; returns how many."""
@@ -285,6 +300,7 @@ class BlockStore:
                 self.policy.remove(key)
                 if block.pins:
                     block.is_live = False
+                    self._num_pinned -= 1
                 else:
                     self.slab.free(block.slot)
             on_ssd = self.ssd is not None and await self.ssd.remove(key)
