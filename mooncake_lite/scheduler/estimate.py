@@ -9,6 +9,7 @@ instance states between decisions therefore pays only for the instances that cha
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from itertools import accumulate
 from operator import attrgetter
@@ -20,6 +21,7 @@ from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, Pre
 _CONTEXT_TOKENS = attrgetter("context_tokens")
 _NUM_TOKENS = attrgetter("num_tokens")
 _NUM_PREFIX = attrgetter("num_prefix_tokens")
+_JOINED_AT = attrgetter("joined_at")
 
 
 def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostModel:
@@ -29,15 +31,6 @@ def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostMode
 
 def decode_model(d: DecodeInstanceState, costs: CostModels) -> DecodeCostModel:
     return d.cost or costs.decode
-
-
-def _cumulative_durations(p: PrefillInstanceState, model: PrefillCostModel) -> list[float]:
-    cached = p.__dict__.get("_cum_durations")
-    if cached is None or cached[0] is not model:
-        durations = map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue))
-        cached = (model, list(accumulate(durations)))
-        p.__dict__["_cum_durations"] = cached  # derived data only; the fields stay frozen
-    return cached[1]
 
 
 def _elapsed(p: PrefillInstanceState, cum: list[float], now: float) -> float:
@@ -54,11 +47,21 @@ def _elapsed(p: PrefillInstanceState, cum: list[float], now: float) -> float:
 def prefill_backlog(p: PrefillInstanceState, costs: CostModels, now: float) -> tuple[list[float], float]:
     """(cumulative predicted durations of the queued jobs, work already done on them).
     Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
-    ``cum[-1] - done``."""
-    cum = _cumulative_durations(p, prefill_model(p, costs))
-    if not cum or p.queue[0].started_at is None:
-        return cum, 0.0
-    return cum, _elapsed(p, cum, now)
+    ``cum[-1] - done``. Cached on the state per cost model (and per ``now`` while a job is
+    running), since one decision asks for it twice (prefill choice and decode prediction)."""
+    model = p.cost or costs.prefill
+    cached = p.__dict__.get("_backlog")
+    if cached is not None and cached[0] is model and (not cached[4] or cached[1] == now):
+        return cached[2], cached[3]
+    if cached is not None and cached[0] is model:
+        cum = cached[2]
+    else:
+        durations = map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue))
+        cum = list(accumulate(durations))
+    is_running = bool(cum) and p.queue[0].started_at is not None
+    done = _elapsed(p, cum, now) if is_running else 0.0
+    p.__dict__["_backlog"] = (model, now, cum, done, is_running)  # derived data; fields stay frozen
+    return cum, done
 
 
 def queued_finish_times(p: PrefillInstanceState, costs: CostModels, now: float) -> list[float]:
@@ -115,6 +118,24 @@ def arrivals_by(cluster: ClusterState, costs: CostModels, now: float,
     return arrivals
 
 
+def _joined_after(d: DecodeInstanceState, cutoff: float) -> tuple[int, int]:
+    """(count, context tokens) of running requests with joined_at > cutoff. The first query on
+    a state scans; later ones bisect a sorted profile built on the second query, so a state
+    seen once costs no sort and a reused one costs O(log n)."""
+    profile = d.__dict__.get("_join_profile")
+    if profile is None:
+        if not d.__dict__.get("_join_seen"):
+            d.__dict__["_join_seen"] = True
+            staying = [r.context_tokens for r in d.running if r.joined_at > cutoff]
+            return len(staying), sum(staying)
+        ordered = sorted(d.running, key=_JOINED_AT)
+        suffix = list(accumulate(map(_CONTEXT_TOKENS, reversed(ordered))))[::-1] + [0]
+        profile = d.__dict__["_join_profile"] = (list(map(_JOINED_AT, ordered)), suffix)
+    joined, suffix = profile
+    first = bisect_right(joined, cutoff)
+    return len(joined) - first, suffix[first]
+
+
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float,
                    arriving_tokens: list[int], uniform_decode_s: float | None) -> tuple[int, int]:
     """(batch size, context tokens) predicted for time ``t`` (§3): requests whose decode would
@@ -123,11 +144,10 @@ def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float,
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
     the instance's current TBT (unknown max_output_tokens: assumed still decoding)."""
     if uniform_decode_s is not None:
-        cutoff = t - uniform_decode_s
-        staying = [r.context_tokens for r in d.running if r.joined_at > cutoff]
+        batch, context = _joined_after(d, t - uniform_decode_s)
     else:
         tbt_now = decode_tbt(d, costs, *decode_load_now(d))
         staying = [r.context_tokens for r in d.running if r.max_output_tokens is None
                    or r.joined_at + r.max_output_tokens * tbt_now > t]
-    batch, context = len(staying), sum(staying)
+        batch, context = len(staying), sum(staying)
     return batch + len(arriving_tokens), context + sum(arriving_tokens)

@@ -81,3 +81,23 @@ def test_unknown_output_length_is_assumed_to_keep_decoding():
     clus = cluster([prefill("p0")], [DecodeInstanceState("d0", running=running)])
     assert run(clus, "predictive").reject_cause == "tbt"
     assert run(clus, "predictive", uniform_decode_s=10.0).accepted
+
+
+def test_repeated_predictions_on_one_state_agree_with_the_first():
+    # The first query on a state scans, later ones use a cached sorted profile: same answers.
+    from mooncake_lite.scheduler.estimate import decode_load_at
+    running = tuple(DecodingRequest(f"r{i}", 100 + i, joined_at=float((i * 7) % 10)) for i in range(10))
+    d = DecodeInstanceState("d0", running=running)
+    for t in (0.0, 3.5, 5.0, 9.99, 12.0, 30.0, 12.0, 0.0):
+        expected = [r.context_tokens for r in running if r.joined_at + 3.0 > t]
+        assert decode_load_at(d, COSTS, t, [7], 3.0) == (len(expected) + 1, sum(expected) + 7)
+
+
+def test_queue_time_cache_follows_now_while_a_job_runs():
+    from mooncake_lite.scheduler import prefill_queue_time
+    p = prefill("p0", (QueuedPrefill("x", 100, started_at=0.0), QueuedPrefill("y", 50)))
+    assert prefill_queue_time(p, COSTS, 0.0) == pytest.approx(0.150)
+    assert prefill_queue_time(p, COSTS, 0.04) == pytest.approx(0.110)
+    assert prefill_queue_time(p, COSTS, 0.5) == pytest.approx(0.050)
+    idle = prefill("p1", queued(30))
+    assert prefill_queue_time(idle, COSTS, 0.0) == prefill_queue_time(idle, COSTS, 9.0) == pytest.approx(0.03)
