@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.dispatch import fast_module
+
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, kv_heads, head_dim]`` of one sequence, read through its block table."""
@@ -46,22 +48,14 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out[:, :, 0, :]
 
 
-def _fast_available(t: torch.Tensor) -> bool:
-    if not t.is_cuda:
-        return False
-    try:
-        from kernels import triton_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos):
+    # Prefill is compute-bound and dominated by the projections; SDPA over the gathered context
+    # is adequate on every device, so it has no separate fast kernel.
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
-    if _fast_available(q):
-        from kernels.triton_attention import paged_decode_attention_triton
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
+    fast = fast_module("triton_attention", q, k_cache, v_cache)
+    if fast is not None:
+        return fast.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens)

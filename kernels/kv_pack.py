@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import fast_module
+
 
 def pack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, first_layer: int = 0,
                     num_layers: int | None = None) -> torch.Tensor:
@@ -37,33 +39,29 @@ def scatter_tokens_ref(kv: torch.Tensor, layer: int, slots: torch.Tensor, data: 
     layer_kv[:, slots] = data.to(kv.dtype)
 
 
-def _triton(kv: torch.Tensor):
-    if not kv.is_cuda:
-        return None
-    try:
-        from kernels import triton_kv_pack
-    except ImportError:
-        return None
-    return triton_kv_pack
-
-
 def pack_blocks(kv, block_ids, first_layer=0, num_layers=None):
-    fast = _triton(kv)
+    fast = fast_module("triton_kv_pack", kv)
     if fast is not None:
         return fast.pack_blocks_triton(kv, block_ids, first_layer, num_layers)
     return pack_blocks_ref(kv, block_ids, first_layer, num_layers)
 
 
 def unpack_blocks(kv, block_ids, packed, first_layer=0):
-    fast = _triton(kv)
+    fast = fast_module("triton_kv_pack", kv, packed)
     if fast is not None:
         return fast.unpack_blocks_triton(kv, block_ids, packed, first_layer)
     return unpack_blocks_ref(kv, block_ids, packed, first_layer)
 
 
 def gather_tokens(kv, layer, slots):
+    fast = fast_module("triton_kv_pack", kv)
+    if fast is not None:
+        return fast.gather_tokens_triton(kv, layer, slots)
     return gather_tokens_ref(kv, layer, slots)
 
 
 def scatter_tokens(kv, layer, slots, data):
+    fast = fast_module("triton_kv_pack", kv, data)
+    if fast is not None:
+        return fast.scatter_tokens_triton(kv, layer, slots, data)
     return scatter_tokens_ref(kv, layer, slots, data)
