@@ -35,6 +35,9 @@ class UpOptions:
     common: tuple[str, ...] = ()          # flags passed to every role (--block-size 16 ...)
     role_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # extra flags per role
     launcher: tuple[str, ...] = ()        # command prefix that runs a role: python -m mooncake_lite
+    # Config field names per role, when known: wiring flags a role lacks (decode has no --store)
+    # are left out. None passes every wiring flag (custom launchers).
+    role_fields: Mapping[str, frozenset[str]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_stores"):
@@ -77,19 +80,29 @@ def secret_env(opts: UpOptions, role: str) -> dict[str, str]:
     return env
 
 
+def _wire(opts: UpOptions, role: str, argv: list[str], flag: str, value: str) -> None:
+    """Append a wiring flag if the role has that option (or when we cannot tell)."""
+    fields = (opts.role_fields or {}).get(role)
+    if fields is None or flag.removeprefix("--").replace("-", "_") in fields:
+        argv += [flag, value]
+
+
 def _finish(argv: list[str], opts: UpOptions, role: str) -> tuple[str, ...]:
     return tuple(argv + list(opts.role_args.get(role, ())))
 
 
 def conductor_spec(opts: UpOptions) -> ChildSpec:
-    argv = _base(opts, "conductor", opts.port) + ["--model", opts.model]
+    argv = _base(opts, "conductor", opts.port)
+    _wire(opts, "conductor", argv, "--model", opts.model)
     return ChildSpec("conductor", "conductor", _finish(argv, opts, "conductor"), secret_env(opts, "conductor"))
 
 
 def store_specs(opts: UpOptions, conductor_url: str) -> list[ChildSpec]:
     specs = []
     for i in range(opts.num_stores):
-        argv = _base(opts, "store", 0) + ["--data-port", "0", "--conductor", conductor_url]
+        argv = _base(opts, "store", 0)
+        _wire(opts, "store", argv, "--data-port", "0")
+        _wire(opts, "store", argv, "--conductor", conductor_url)
         specs.append(ChildSpec(f"store-{i}", "store", _finish(argv, opts, "store"), secret_env(opts, "store")))
     return specs
 
@@ -103,9 +116,10 @@ def instance_specs(opts: UpOptions, conductor_url: str, store_data: Sequence[str
         for i in range(count):
             argv = _base(opts, role, 0)
             if role == "decode":
-                argv += ["--data-port", "0"]
-            argv += ["--conductor", conductor_url, "--store", store_data[i % len(store_data)],
-                     "--model", opts.model]
+                _wire(opts, role, argv, "--data-port", "0")
+            _wire(opts, role, argv, "--conductor", conductor_url)
+            _wire(opts, role, argv, "--store", store_data[i % len(store_data)])
+            _wire(opts, role, argv, "--model", opts.model)
             specs.append(ChildSpec(f"{role}-{i}", role, _finish(argv, opts, role), secret_env(opts, role)))
     return specs
 

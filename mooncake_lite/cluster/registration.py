@@ -39,22 +39,26 @@ def uses_builtin_launcher(opts: UpOptions) -> bool:
     return tuple(opts.launcher) == (sys.executable, "-m", "mooncake_lite")
 
 
-def check_role_support(opts: UpOptions) -> None:
-    """Refuse to start when a role is missing or ignores a security option we were given.
+def with_role_support(opts: UpOptions) -> UpOptions:
+    """``opts`` with each role's option names filled in, after refusing to start when a role is
+    missing or would ignore a security option we were given.
 
     A silently ignored ``--api-key`` would leave the API open while the operator believes it is
-    closed, so that is an error, not a warning. Skipped for a custom ``--launcher``.
+    closed, so that is an error, not a warning. Nothing is checked for a custom ``--launcher``.
     """
     if not uses_builtin_launcher(opts):
-        return
+        return opts
+    known: dict[str, frozenset[str]] = {}
     for role in ROLE_MODULES:
         fields = role_fields(role)
         if fields is None:
             raise ValueError(f"--role {role} is not implemented in this version; cannot start a cluster")
         if opts.cluster_token and "cluster_token" not in fields:
             raise ValueError(f"--role {role} has no --cluster-token option")
-    if opts.api_key and "api_key" not in (role_fields("conductor") or set()):
+        known[role] = frozenset(fields)
+    if opts.api_key and "api_key" not in known["conductor"]:
         raise ValueError("the conductor has no --api-key option in this version")
+    return dataclasses.replace(opts, role_fields=known)
 
 
 async def wait_registered(conductor_url: str, want: dict[str, int], sup, *, timeout: float,

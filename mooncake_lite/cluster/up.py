@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from mooncake_lite.cluster.child import ChildFailed
 from mooncake_lite.cluster.plan import (ROLES, UpOptions, conductor_spec, instance_specs, split_args,
                                         store_specs)
-from mooncake_lite.cluster.registration import check_role_support, connectable, wait_registered
+from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, smoke_request
 from mooncake_lite.cluster.supervisor import Supervisor
 from mooncake_lite.common.auth import cluster_headers
@@ -188,8 +188,7 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
 def main(argv: Sequence[str]) -> int:
     ns = build_parser().parse_args(list(argv))
     try:
-        opts = options_from(ns)
-        check_role_support(opts)
+        opts = with_role_support(options_from(ns))
     except ValueError as exc:
         sys.stderr.write(f"mooncake up: error: {exc}\n")
         return 2

@@ -65,3 +65,13 @@ def test_missing_instances():
     body = {"instances": [{"role": "prefill"}]}
     assert missing_instances(body, {"prefill": 1, "decode": 2}) == {"decode": 2}
     assert missing_instances({"num_prefill": 1, "num_decode": 2}, {"prefill": 1, "decode": 2}) == {}
+
+
+def test_wiring_flags_a_role_lacks_are_left_out():
+    fields = {"conductor": frozenset({"model", "port"}), "store": frozenset({"data_port"}),
+              "prefill": frozenset({"conductor", "store", "model"}), "decode": frozenset({"conductor", "model"})}
+    o = UpOptions(launcher=LAUNCH, role_fields=fields)
+    assert "--conductor" not in store_specs(o, "http://c")[0].argv
+    prefill, decode = instance_specs(o, "http://c", ["h:1"])
+    assert "--store" in prefill.argv and "--store" not in decode.argv and "--data-port" not in decode.argv
+    assert "--model" in conductor_spec(o).argv
