@@ -14,13 +14,14 @@ class EventQueue:
     """``push(time, handler, payload)``; ``run()`` pops in time order and calls handlers,
     which may push more events. The clock never goes backwards."""
 
-    __slots__ = ("_heap", "_seq", "now", "num_events")
+    __slots__ = ("_heap", "_seq", "now", "num_events", "stopped")
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Handler, Any]] = []
         self._seq = 0
         self.now = 0.0
         self.num_events = 0
+        self.stopped = False
 
     def push(self, time: float, handler: Handler, payload: Any = None) -> None:
         if time < self.now:
@@ -31,7 +32,7 @@ class EventQueue:
     def run(self, until: float | None = None, on_step: Callable[[float], None] | None = None) -> None:
         heap = self._heap
         pop = heapq.heappop
-        while heap:
+        while heap and not self.stopped:
             if until is not None and heap[0][0] > until:
                 break
             time, _, handler, payload = pop(heap)
@@ -40,6 +41,10 @@ class EventQueue:
             handler(time, payload)
             if on_step is not None:
                 on_step(time)
+
+    def stop(self) -> None:
+        """End ``run()`` after the current event (used to abandon hopeless capacity probes)."""
+        self.stopped = True
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -38,6 +38,15 @@ class Recorder:
         self._total = 0
         self._progress: Callable[[int], None] | None = None
         self._sampling = False
+        self.miss_check: Callable[[SimRequest], bool] | None = None
+        self.miss_budget: int | None = None
+        self._misses = 0
+        self.aborted = False
+
+    def abort_after_misses(self, is_miss: Callable[[SimRequest], bool], budget: int) -> None:
+        """Stop the run once more than ``budget`` ended requests satisfy ``is_miss`` (a capacity
+        probe that already failed need not run to the end)."""
+        self.miss_check, self.miss_budget = is_miss, budget
 
     def start(self, total: int, progress: Callable[[int], None] | None) -> None:
         self._total = total
@@ -60,6 +69,11 @@ class Recorder:
         self.results[rid] = RequestResult.of(req)
         self.counters[req.status] += 1
         n = len(self.results)
+        if self.miss_check is not None and self.miss_check(req):
+            self._misses += 1
+            if self._misses > self.miss_budget and not self.aborted:
+                self.aborted = True
+                self.owner.events.stop()
         if self._progress is not None and (n % 256 == 0 or n == self._total):
             self._progress(n)
 
@@ -76,4 +90,5 @@ class Recorder:
         config["hardware_model"] = hw.to_dict()
         reqs = [self.results[k] for k in sorted(self.results)]
         end = max((r.finish or r.arrival for r in reqs), default=0.0)
-        return SimResult(system, config, reqs, self.timeline, dict(self.counters), wall_s, num_events, end)
+        return SimResult(system, config, reqs, self.timeline, dict(self.counters), wall_s, num_events, end,
+                         extra={"aborted": self.aborted})

@@ -1,0 +1,146 @@
+"""``mooncake sim [run] TRACE ...``, ``mooncake sim reproduce``, ``mooncake sim hitrate TRACE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+
+from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
+from mooncake_lite.sim.cluster import MooncakeSim
+from mooncake_lite.sim.colocated import ColocatedSim
+from mooncake_lite.sim.config import ColocatedConfig, SimConfig
+from mooncake_lite.sim.costs import PRESETS, get_hardware
+from mooncake_lite.sim.metrics import format_summary, summarize
+from mooncake_lite.store.eviction import POLICY_NAMES
+from mooncake_lite.trace.format import TraceError, read_trace
+
+SUBCOMMANDS = ("run", "reproduce", "hitrate")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mooncake sim", description=(
+        "Simulate a Mooncake cluster on a trace with the conductor's own scheduler. "
+        "Other subcommands: `mooncake sim reproduce --help`, `mooncake sim hitrate --help`."))
+    ap.add_argument("trace", help="Mooncake JSONL trace")
+    ap.add_argument("--prefill", type=int, default=8, help="prefill instances")
+    ap.add_argument("--decode", type=int, default=8, help="decode instances")
+    ap.add_argument("--cpp", type=int, default=1, help="nodes per prefill instance (CPP group size)")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (CPP)")
+    ap.add_argument("--cost-model", default="llama2-70b-a800",
+                    help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile`")
+    ap.add_argument("--eviction", choices=POLICY_NAMES, default="lru")
+    ap.add_argument("--store-blocks", type=int, default=None, help="blocks per node store (default: from DRAM)")
+    ap.add_argument("--strategy", choices=STRATEGIES, default="kvcache-centric")
+    ap.add_argument("--admission", choices=ADMISSIONS, default="early")
+    ap.add_argument("--local-ttft-check", action="store_true",
+                    help="with --admission none, prefill instances refuse requests predicted over the TTFT SLO")
+    ap.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
+    ap.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
+    ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
+    ap.add_argument("--speed", type=float, default=1.0, help="replay speed factor")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run the colocated vLLM-style baseline on the same number of nodes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="directory for results.json and plots")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def run_main(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    from mooncake_lite.sim import plots
+    from mooncake_lite.sim.runner import run_with_progress
+    try:
+        hw = get_hardware(args.cost_model)
+        sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
+                                tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
+                                block_size=hw.block_size)
+        cfg = SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
+                        prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
+                        store_blocks_per_node=args.store_blocks, scheduler=sched,
+                        local_ttft_check=args.local_ttft_check, seed=args.seed)
+        trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"mooncake sim: error: {exc}\n")
+        return 2
+    if not trace:
+        sys.stderr.write("mooncake sim: error: the trace is empty\n")
+        return 2
+    show = not args.no_progress and not args.json
+    runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
+    if args.baseline:
+        base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
+                               eviction=args.eviction, seed=args.seed)
+        runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
+                                                                     "colocated", show)
+    summaries = []
+    for label, res in runs.items():
+        s = summarize(res, args.ttft_slo, args.tbt_slo)
+        s["label"] = label
+        summaries.append(s)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plots.cdf_plot(runs, out / "cdf.png", args.ttft_slo, args.tbt_slo)
+        plots.load_plot(runs, out / "load.png")
+        (out / "results.json").write_bytes(orjson.dumps(
+            {"summaries": summaries, "config": runs[next(iter(runs))].config},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    if args.json:
+        print(orjson.dumps(summaries if len(summaries) > 1 else summaries[0], option=orjson.OPT_NON_STR_KEYS).decode())
+        return 0
+    print(format_summary(summaries, f"{len(trace):,} requests, {args.speed:g}x, TTFT SLO {args.ttft_slo:g}s, "
+                                    f"TBT SLO {args.tbt_slo * 1e3:g}ms"))
+    for s in summaries:
+        print(f"{s['label']}: rejected {s['rejected_by'] or 'none'}; reused {s['reused_token_share']:.1%} of input "
+              f"tokens; goodput {s['goodput_rps']:.2f} req/s; {s['requests_per_wall_s']:,.0f} simulated req per "
+              f"wall-second ({s['wall_s']:.1f} s)")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'results.json'}, cdf.png, load.png")
+    return 0
+
+
+def hitrate_main(argv: list[str]) -> int:
+    from mooncake_lite.sim.hitrate import PAPER_POLICIES, hit_rate_table
+    ap = argparse.ArgumentParser(prog="mooncake sim hitrate", description="Block hit rate by policy and capacity.")
+    ap.add_argument("trace")
+    ap.add_argument("--policies", default=",".join(PAPER_POLICIES))
+    ap.add_argument("--capacities", default="inf,100000,50000,30000,10000,1000", help="blocks; inf = unbounded")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        caps = [None if c.strip().lower() == "inf" else int(c) for c in args.capacities.split(",")]
+        table = hit_rate_table(read_trace(args.trace), [p.strip() for p in args.policies.split(",")], caps)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"mooncake sim hitrate: error: {exc}\n")
+        return 2
+    if args.json:
+        print(orjson.dumps([h.__dict__ for h in table]).decode())
+        return 0
+    print(f"{'policy':<14}{'capacity':>10}{'block hit':>11}{'token hit':>11}")
+    for h in table:
+        print(f"{h.policy:<14}{'inf' if h.capacity_blocks is None else h.capacity_blocks:>10}"
+              f"{h.block_hit_rate:>11.3f}{h.token_hit_rate:>11.3f}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "reproduce":
+        from mooncake_lite.sim.reproduce import main as reproduce_main
+        return reproduce_main(argv[1:])
+    if argv and argv[0] == "hitrate":
+        return hitrate_main(argv[1:])
+    if argv and argv[0] == "run":
+        argv = argv[1:]
+    try:
+        return run_main(argv)
+    except TraceError as exc:
+        sys.stderr.write(f"mooncake sim: error: {exc}\n")
+        return 2

@@ -1,0 +1,150 @@
+"""The paper reproductions, one function each. Every function returns a JSON-ready dict with
+``rows`` (simulated next to paper), ``table`` (terminal text), ``notes`` and ``plots``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.sim import paper, plots
+from mooncake_lite.sim.capacity import find_capacity
+from mooncake_lite.sim.cluster import MooncakeSim
+from mooncake_lite.sim.colocated import ColocatedSim
+from mooncake_lite.sim.config import ColocatedConfig, SimConfig
+from mooncake_lite.sim.hitrate import PAPER_CAPACITIES, PAPER_POLICIES, hit_rate_table
+from mooncake_lite.sim.metrics import summarize
+from mooncake_lite.sim.runner import run_with_progress
+from mooncake_lite.trace.format import TraceRequest, scale_time
+
+Tick = Callable[[str], None]   # reports progress of the whole reproduction ("what just ran")
+
+TTFT_SLO_S = 30.0
+TBT_SLO_S = 0.1     # the paper's real-workload TBT threshold (FAST'25 §6.3 / arXiv Fig. 13)
+
+
+def _cap(c: int | None) -> str:
+    return "Inf" if c is None else f"{c // 1000}k"
+
+
+def table1(trace: Sequence[TraceRequest], out: Path, tick: Tick) -> dict[str, Any]:
+    cells = hit_rate_table(trace, PAPER_POLICIES, PAPER_CAPACITIES, progress=lambda: tick("table1 cell"))
+    rows = [{"policy": h.policy, "capacity": _cap(h.capacity_blocks), "block_hit_rate": h.block_hit_rate,
+             "token_hit_rate": h.token_hit_rate, "paper": paper.TABLE1[h.policy][h.capacity_blocks]}
+            for h in cells]
+    lines = ["Table 1 - block hit rate (sim block / sim token-weighted / paper on the arXiv trace)",
+             f"{'policy':<14}" + "".join(f"{_cap(c):>19}" for c in PAPER_CAPACITIES)]
+    for policy in PAPER_POLICIES:
+        mine = [r for r in rows if r["policy"] == policy]
+        lines.append(f"{policy:<14}" + "".join(
+            f"{r['block_hit_rate']:>7.2f}/{r['token_hit_rate']:.2f}/{r['paper']:.2f}" for r in mine))
+    return {"rows": rows, "table": "\n".join(lines),
+            "plots": [plots.hitrate_plot(rows, out / "table1_hit_rate.png")]}
+
+
+def _mooncake(scheduler: SchedulerConfig, seed: int, **kw: Any) -> MooncakeSim:
+    return MooncakeSim(SimConfig(scheduler=scheduler, seed=seed, **kw))
+
+
+def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, speed: float = 2.0,
+           tbt_slo_s: float = TBT_SLO_S, decode_bound_tbt_s: float | None = 0.06) -> dict[str, Any]:
+    """Rejections by admission policy, 8P+8D at ``speed``; again with a TBT SLO tight enough to
+    make the decode pool the bottleneck, which is where the policies differ most."""
+    fast = scale_time(trace, speed)
+    rows, runs = [], {}
+    variants = [("paper SLOs", tbt_slo_s)] + ([("decode-bound", decode_bound_tbt_s)] if decode_bound_tbt_s else [])
+    for variant, tbt in variants:
+        for admission in ("none", "early", "predictive"):
+            sc = SchedulerConfig(admission=admission, ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
+            sim = _mooncake(sc, seed, local_ttft_check=admission == "none", sample_interval_s=5.0)
+            res = run_with_progress(sim, fast, f"table3 {variant} {admission}")
+            tick(f"table3 {variant} {admission}")
+            s = summarize(res, TTFT_SLO_S, tbt)
+            loads = [r["decode_load"] for r in res.timeline if r["t"] <= fast[-1].arrival_s]
+            mean = sum(loads) / len(loads) if loads else 0.0
+            rows.append({"variant": variant, "tbt_slo_s": tbt, "admission": admission,
+                         "rejected": s["rejected"], "rejected_by": s["rejected_by"],
+                         "wasted_prefills": s["wasted_prefills"], "completed": s["completed"],
+                         "slo_attainment": s["slo_attainment"], "ttft_mean_s": s["ttft_s"]["mean"],
+                         "decode_load_mean": mean,
+                         "decode_load_sd": (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5 if loads else 0.0,
+                         "paper_rejected": paper.TABLE3[admission] if variant == "paper SLOs" else None})
+            runs[f"{variant} (TBT {tbt * 1e3:.0f} ms): {admission}"] = res
+    n = len(trace)
+    lines = [f"Table 3 - rejected requests, 8P+8D, {speed:g}x replay of {n:,} requests "
+             f"(paper: ~{paper.TABLE3_REQUESTS:,} requests)",
+             f"{'variant':<14}{'admission':<12}{'rejected':>9}{'share':>8}{'wasted':>8}{'paper':>7}{'paper share':>12}"]
+    for r in rows:
+        p = r["paper_rejected"]
+        lines.append(f"{r['variant']:<14}{r['admission']:<12}{r['rejected']:>9,}{r['rejected'] / n:>8.1%}"
+                     f"{r['wasted_prefills']:>8,}{p if p else '-':>7}"
+                     f"{(f'{p / paper.TABLE3_REQUESTS:.1%}' if p else '-'):>12}")
+    plot_paths = [plots.load_plot({k: v for k, v in runs.items() if variant in k}, out / f"table3_load_{i}.png",
+                                  title=f"prefill/decode load over time, {variant}")
+                  for i, (variant, _) in enumerate(variants)]
+    return {"rows": rows, "table": "\n".join(lines), "plots": plot_paths}
+
+
+def strategies(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, speed: float = 1.0) -> dict[str, Any]:
+    """Average TTFT by prefill scheduling strategy (no rejection, so TTFT shows everything)."""
+    scaled = scale_time(trace, speed)
+    rows, runs = [], {}
+    for strategy in ("random", "load-balance", "cache-aware", "kvcache-centric"):
+        sc = SchedulerConfig(strategy=strategy, admission="none", ttft_slo_s=TTFT_SLO_S, tbt_slo_s=1e3)
+        res = run_with_progress(_mooncake(sc, seed), scaled, f"strategy {strategy}")
+        tick(f"strategy {strategy}")
+        s = summarize(res, TTFT_SLO_S, TBT_SLO_S)
+        rows.append({"strategy": strategy, "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p90_s": s["ttft_s"]["p90"],
+                     "ttft_slo_attainment": sum(1 for r in res.requests if r.ttft is not None and r.ttft <= TTFT_SLO_S) / len(trace),
+                     "reused_token_share": s["reused_token_share"], "migrations": res.counters["migrations"],
+                     "paper_ttft_mean_s": paper.STRATEGY_TTFT[strategy]})
+        runs[strategy] = res
+    lines = [f"TTFT by prefill strategy - 8P+8D, {speed:g}x, no rejection (paper: FAST'25 Fig. 5)",
+             f"{'strategy':<18}{'TTFT avg':>10}{'TTFT p90':>10}{'<=30s':>8}{'reused':>8}{'paper avg':>11}"]
+    for r in rows:
+        lines.append(f"{r['strategy']:<18}{r['ttft_mean_s']:>9.2f}s{r['ttft_p90_s']:>9.2f}s"
+                     f"{r['ttft_slo_attainment']:>8.1%}{r['reused_token_share']:>8.1%}{r['paper_ttft_mean_s']:>10.2f}s")
+    return {"rows": rows, "table": "\n".join(lines), "plots": [
+        plots.bar_plot({r["strategy"]: r["ttft_mean_s"] for r in rows}, out / "strategies_ttft.png",
+                       "average TTFT (s)", paper.STRATEGY_TTFT, "TTFT by prefill scheduling strategy"),
+        plots.cdf_plot(runs, out / "strategies_cdf.png", TTFT_SLO_S, None)]}
+
+
+def capacity(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int,
+             thresholds: Sequence[float] = (0.1, 0.2, 0.3), target: float = 0.9,
+             iterations: int = 5) -> dict[str, Any]:
+    """Highest replay speed meeting the SLOs for ``target`` of requests: Mooncake 8P+8D
+    (early admission at each TBT threshold) vs 16 colocated instances (the same 16 nodes)."""
+    rows = []
+    for tbt in thresholds:
+        sc = SchedulerConfig(admission="early", ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
+        m = find_capacity("mooncake", lambda: _mooncake(sc, seed), trace, TTFT_SLO_S, tbt, target,
+                          lo=0.25, hi=4.0, iterations=iterations, on_probe=lambda: tick("capacity probe"))
+        b = find_capacity("colocated", lambda: ColocatedSim(ColocatedConfig(num_instances=16, seed=seed)), trace,
+                          TTFT_SLO_S, tbt, target, lo=1 / 32, hi=4.0, iterations=iterations + 1,
+                          on_probe=lambda: tick("capacity probe"))
+        gain = m.speed / b.speed - 1 if b.speed > 0 else None
+        rows.append({"tbt_slo_s": tbt, "mooncake_speed": m.speed, "colocated_speed": b.speed,
+                     "mooncake_rps": m.speed * _rate(trace), "colocated_rps": b.speed * _rate(trace),
+                     "gain": gain, "paper_gain": paper.CAPACITY_GAIN.get(tbt),
+                     "mooncake_probes": m.probes, "colocated_probes": b.probes})
+    lines = [f"Effective request capacity - TTFT<=30s and TBT<=X for {target:.0%} of requests "
+             f"(Mooncake 8P+8D vs 16 colocated)",
+             f"{'TBT SLO':<10}{'Mooncake':>12}{'colocated':>12}{'gain':>9}{'paper gain':>12}"]
+    for r in rows:
+        g = "-" if r["gain"] is None else f"{r['gain']:+.0%}"
+        p = "-" if r["paper_gain"] is None else f"{r['paper_gain']:+.0%}"
+        lines.append(f"{r['tbt_slo_s'] * 1e3:>5.0f} ms {r['mooncake_rps']:>8.2f} r/s{r['colocated_rps']:>8.2f} r/s"
+                     f"{g:>9}{p:>12}")
+    values = {paper.capacity_label(r["tbt_slo_s"]): (r["gain"] or 0.0) * 100 for r in rows}
+    ref = {paper.capacity_label(t): g * 100 for t, g in paper.CAPACITY_GAIN.items()}
+    return {"rows": rows, "table": "\n".join(lines), "plots": [
+        plots.bar_plot(values, out / "capacity_gain.png", "capacity gain over colocated (%)", ref,
+                       "Effective request capacity gain")]}
+
+
+def _rate(trace: Sequence[TraceRequest]) -> float:
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    return (len(trace) - 1) / span if span > 0 else 0.0
+
