@@ -37,6 +37,9 @@ def test_early_rejection_seesaws_and_prediction_does_not(decode_spread_s):
     # consequences: early wastes prefills refused at decode, and serves fewer requests
     assert pred.wasted_prefills < early.wasted_prefills / 4
     assert pred.completed > early.completed
+    # the direction of the paper's Table 3: fewer requests refused in all (at the conductor or,
+    # after a wasted prefill, at decode)
+    assert pred.rejected + pred.wasted_prefills < early.rejected + early.wasted_prefills
 
 
 def test_without_admission_control_decode_refuses_many_finished_prefills():
