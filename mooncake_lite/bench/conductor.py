@@ -31,14 +31,21 @@ P99_TARGET_US = 1000.0
 BLOCK_SIZE = 512
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _decision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decision")
-    g.add_argument("--num-prefill", type=int, default=16)
-    g.add_argument("--num-decode", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=1_000_000, help="indexed block keys")
-    g.add_argument("--request-blocks", type=int, default=64)
-    g.add_argument("--iterations", type=int, default=20_000)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-prefill", type=_positive, default=16, help="prefill instances (one store each)")
+    g.add_argument("--num-decode", type=_positive, default=16, help="decode instances")
+    g.add_argument("--num-blocks", type=_positive, default=1_000_000, help="indexed block keys")
+    g.add_argument("--request-blocks", type=_positive, default=64, help="blocks per request")
+    g.add_argument("--iterations", type=_positive, default=20_000, help="decisions timed per case")
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster")
 
 
 def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_blocks: int,
@@ -160,7 +167,9 @@ PARTS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mooncake bench conductor", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mooncake bench conductor",
+        description="Scheduling decision time (and, where available, the live API's added latency).")
     parser.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run (available: {', '.join(PARTS)})")
