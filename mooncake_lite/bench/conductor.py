@@ -1,8 +1,8 @@
 """``mooncake bench conductor``: how long the conductor takes to decide, and (live part) what it
 adds to a request's latency.
 
-Parts are registered in :data:`PARTS` (name -> (add_arguments, run, show)); each ``run(args)`` returns
-a flat dict of figures. ``--parts`` picks some; ``--json`` prints all figures as one object.
+Parts are registered in :data:`PARTS` (name -> (add_arguments, run, show)); each
+``run(args)`` returns a flat dict of figures. ``--parts`` picks some; ``--json`` prints all figures as one object.
 The ``decision`` part times the pure scheduler on a synthetic cluster: 16 prefill + 16 decode
 instances, one million indexed 16-byte block keys, a 64-block request (targets: median
 ≤ 200 µs, p99 ≤ 1 ms). The live-API part (conductor's added latency) plugs in the same way.
