@@ -13,6 +13,7 @@ assumes; within a request, chunks overlap across the stages of a CPP group.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ class PrefillService:
         error: str | None = None
         try:
             if self.downstream is not None:
-                await self.downstream.begin(req, keys, hit)
+                await self.downstream.begin(req.request_id, req.transfer_id, req.token_ids, req.decode_data,
+                                            dataclasses.asdict(req.sampling), keys, hit)
             out = None
             for start in range(prefix, len(req.token_ids), self.chunk_size):
                 chunk = req.token_ids[start:start + self.chunk_size]
@@ -165,6 +167,11 @@ class PrefillService:
 
 
 def _params(req: PrefillRequest) -> SamplingParams:
-    s = req.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max(1, s.max_tokens),
-                          stop_token_ids=tuple(s.stop_token_ids))
+    return sampling_params(dataclasses.asdict(req.sampling))
+
+
+def sampling_params(s: dict) -> SamplingParams:
+    """SamplingParams from the wire's Sampling fields (a dict); ValueError if out of range."""
+    return SamplingParams(temperature=float(s.get("temperature", 0.0)), top_p=float(s.get("top_p", 1.0)),
+                          seed=s.get("seed"), max_tokens=max(1, int(s.get("max_tokens", 1))),
+                          stop_token_ids=tuple(s.get("stop_token_ids", ())))

@@ -37,19 +37,25 @@ async def generate(session: aiohttp.ClientSession, prefill_url: str, decode_url:
     try:
         pre = {"request_id": rid, "transfer_id": f"t-{rid}", "token_ids": list(token_ids),
                "decode_data": decode_data, "sampling": sampling, "prefix_keys": list(prefix_keys)}
-        async with session.post(f"{prefill_url}/v1/prefill", data=orjson.dumps(pre)) as presp:
-            body = await presp.json()
-        out = Outcome(200, prefill_status=presp.status, prefill=body)
-        if presp.status == 200:
+        try:
+            async with session.post(f"{prefill_url}/v1/prefill", data=orjson.dumps(pre)) as presp:
+                body = await presp.json()
+            out = Outcome(200, prefill_status=presp.status, prefill=body)
+        except aiohttp.ClientError as exc:   # the prefill instance died
+            out = Outcome(200, prefill={"error": str(exc)})
+        if out.prefill_status == 200:
             out.tokens.append(body["first_token"])
-        async for line in resp.content:
-            event = orjson.loads(line)
-            if "token" in event:
-                out.tokens.append(event["token"])
-            if "finish_reason" in event:
-                out.finish_reason = event["finish_reason"]
-                out.error = event.get("error")
-                break
+        try:
+            async for line in resp.content:
+                event = orjson.loads(line)
+                if "token" in event:
+                    out.tokens.append(event["token"])
+                if "finish_reason" in event:
+                    out.finish_reason = event["finish_reason"]
+                    out.error = event.get("error")
+                    break
+        except aiohttp.ClientError as exc:   # the decode instance died
+            out.error = f"decode stream lost: {exc}"
         return out
     finally:
         resp.release()
