@@ -183,6 +183,9 @@ class _Run:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
             body = {**base, "object": "text_completion", "choices": [choice]}
+        if self.req.return_token_ids:
+            choice["token_ids"] = self.text.token_ids
+            body["prompt_token_ids"] = list(self.req.prompt_ids)
         return web.json_response(body, headers=self._headers(), dumps=lambda o: orjson.dumps(o).decode())
 
     # ---- streaming -------------------------------------------------------------------------

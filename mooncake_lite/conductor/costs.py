@@ -4,7 +4,9 @@ Until an instance reports its own self-profiled coefficients (``Register.cost``)
 predicts with rough defaults derived from the model's shape and an assumed compute rate. They
 only need to rank instances sensibly; SLO admission is as good as the reported profiles.
 
-``Register.cost`` format (every part optional)::
+``Register.cost`` takes one of two forms. Flat: the instance's own model as
+``PrefillCostModel.to_dict()`` (prefill) or ``DecodeCostModel.to_dict()`` (decode) — what the
+roles send. Nested (every part optional)::
 
     {"prefill": {"c0": .., "c1": .., "c2": .., "c3": ..},   # PrefillCostModel, seconds
      "decode":  {"c0": .., "c1": .., "c2": ..},             # DecodeCostModel, seconds per step
@@ -44,8 +46,10 @@ class InstanceCosts:
     bandwidth_bytes_per_s: float | None = None
 
 
-def parse_instance_costs(cost: dict[str, Any]) -> InstanceCosts:
+def parse_instance_costs(cost: dict[str, Any], role: str) -> InstanceCosts:
     """Validate ``Register.cost``; a bad dict raises ValueError naming the problem."""
+    if cost and all(k.startswith("c") and k[1:].isdigit() for k in cost):   # the flat form
+        cost = {role: cost}
     unknown = sorted(set(cost) - set(COST_KEYS))
     if unknown:
         raise ValueError(f"cost: unknown key(s) {unknown}; expected some of {list(COST_KEYS)}")

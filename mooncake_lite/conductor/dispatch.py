@@ -27,7 +27,7 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                            ProtocolError, TokenEvent, dumps, from_dict, loads)
-from mooncake_lite.conductor.errors import ApiError, rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.errors import ApiError, bad_request, rejected, unavailable, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.params import ApiRequest
@@ -123,12 +123,23 @@ class Flight:
         cause = decision.reject_cause
         if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
             raise unavailable(f"no live {cause.split('-')[1]} instance is registered; retry later")
+        if cause == "no-decode":
+            self._check_fits_some_decode()
         svc.metrics.rejections.labels(cause).inc()
         if cause == "no-decode":
             raise rejected("every decode instance is full; retry later", 1)
         wait = decision.predicted_queue_s if cause == "ttft" else 1.0
         raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
                        min(60, max(1, math.ceil(wait))))
+
+    def _check_fits_some_decode(self) -> None:
+        """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
+        need = len(self.req.prompt_ids) + self.req.sampling.max_tokens
+        largest = max(i.reg.max_context for i in self.svc.membership.alive("decode"))
+        if need > largest:
+            raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
+                              f"largest decode instance holds {largest}; shorten the prompt or max_tokens",
+                              "max_tokens")
 
     async def _reserve_decode(self) -> None:
         d, s = self.decode, self.req.sampling

@@ -131,7 +131,7 @@ class Membership:
     @staticmethod
     def _costs(reg: Register) -> InstanceCosts:
         try:
-            return parse_instance_costs(reg.cost)
+            return parse_instance_costs(reg.cost, reg.role)
         except ValueError as exc:
             raise RegistrationError(400, f"{reg.role} instance {reg.instance_id}: {exc}") from None
 
@@ -237,8 +237,10 @@ def _prefill_state(inst: Instance) -> PrefillInstanceState:
 def _decode_state(inst: Instance) -> DecodeInstanceState:
     running = tuple(DecodingRequest(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
                     for j in inst.decode_jobs.values())
+    # Register.max_context of a decode instance is its KV capacity in tokens.
+    max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
     return DecodeInstanceState(inst.instance_id, running, _int_or_none(inst.load.get("max_batch_size")),
-                               _int_or_none(inst.load.get("max_context_tokens")), inst.costs.decode)
+                               max_context, inst.costs.decode)
 
 
 def _int_or_none(value: float | None) -> int | None:

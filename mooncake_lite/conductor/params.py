@@ -4,7 +4,8 @@ Every problem becomes a 400 with a message naming the field, before any instance
 Supported: ``/v1/completions`` (prompt as a string, a list with one string, or token ids) and
 ``/v1/chat/completions`` (messages rendered with :func:`chat_prompt`); ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n = 1``; vLLM's ``ignore_eos`` and ``stop_token_ids``.
+``stream_options.include_usage``, ``n = 1``; vLLM's ``ignore_eos`` and ``stop_token_ids``, and
+``return_token_ids`` (non-streaming: the choice carries ``token_ids``, the body ``prompt_token_ids``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class ApiRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 def chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -72,8 +74,11 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
     return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream,
-                      bool(options.get("include_usage", False)))
+                      bool(options.get("include_usage", False)), return_ids)
 
 
 def _unknown_model(model: str, served: str) -> ApiError:

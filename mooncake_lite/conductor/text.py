@@ -1,8 +1,9 @@
 """Token ids → text deltas for streaming, with OpenAI ``stop`` strings.
 
 Decoding one token at a time can split a UTF-8 character (byte tokenizer) or lose a leading
-space (sentencepiece), so each step decodes a small window of recent ids and emits only the
-text that grew past what was already shown, holding back an incomplete character. With stop
+space (sentencepiece), so each step decodes the ids since the last point where the text was
+final and emits only what grew past what was already shown, holding back a trailing
+incomplete character. With stop
 strings, the last ``len(longest stop) - 1`` characters are held back too, since they might be
 the start of a stop string; when one appears, the text is cut before it and the request stops.
 """
@@ -21,8 +22,8 @@ class TextStream:
         self.text = ""               # everything decoded so far (before any stop cut)
         self.num_emitted = 0         # characters of ``text`` already returned
         self.is_stopped = False
-        self._prefix = 0             # window start for incremental decoding
-        self._read = 0               # ids already turned into ``text``
+        self._start = 0              # ids before this are final ...
+        self._base = ""              # ... and decode to this
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text now safe to show (may be empty)."""
@@ -45,15 +46,16 @@ class TextStream:
         return self._emit_upto(len(self.text))
 
     def _decode_window(self, force: bool = False) -> None:
-        ids = self.token_ids
-        before = self.tokenizer.decode(ids[self._prefix:self._read])
-        after = self.tokenizer.decode(ids[self._prefix:])
-        # An incomplete character shows as U+FFFD; wait for its next bytes, but not forever
-        # (a model may emit bytes that never form valid UTF-8).
-        pending = len(ids) - self._read
-        if len(after) > len(before) and (force or not after.endswith("\ufffd") or pending >= 4):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(ids)
+        # Ids before ``_start`` decode to ``_base`` for good. Of the rest, only a trailing
+        # U+FFFD can still change (an incomplete character whose next bytes have not come);
+        # everything before it is final, so ``text`` only ever grows.
+        tail = self.tokenizer.decode(self.token_ids[self._start:])
+        if force or not tail.endswith("\ufffd"):
+            self._base += tail
+            self._start = len(self.token_ids)
+            self.text = self._base
+        else:
+            self.text = self._base + tail[:-1]
 
     def _find_stop(self) -> int | None:
         start = max(0, self.num_emitted - self.hold)

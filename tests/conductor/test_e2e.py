@@ -1,0 +1,83 @@
+"""All four roles as real processes on 127.0.0.1: tokens through the conductor's OpenAI API
+equal the monolithic greedy reference, and a shared prefix is served from the store."""
+
+from __future__ import annotations
+
+import time
+
+import importlib.util
+import json
+import urllib.request
+import openai
+import pytest
+
+from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.tokenizer import ByteTokenizer
+from mooncake_lite.model.weights import build_model
+
+BLOCK = "16"
+COMMON = ("--block-size", BLOCK, "--log-level", "warning")
+HAS_REMOTE_STORE = importlib.util.find_spec("mooncake_lite.prefill.remote_store") is not None
+
+
+def STORE_ARGS(store_data: str) -> tuple[str, ...]:  # noqa: N802
+    # Until the prefill role can use a store process, it keeps a private in-process store.
+    return ("--store", store_data) if HAS_REMOTE_STORE else ()
+
+
+def _wait_ready(url: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            body = json.load(resp)
+        if body.get("ready"):
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"cluster not ready: {body}")
+
+
+@pytest.fixture
+def cluster(role_procs):
+    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "none", *COMMON)
+    url = conductor.url()
+    store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "64MiB",
+                       "--conductor", url, "--event-interval", "0.05", *COMMON)
+    store_data = store.addresses["data"]
+    role_procs("prefill", "--conductor", url, *STORE_ARGS(store_data), "--model", "tiny", "--threads", "1",
+               "--heartbeat-interval", "0.5", "--no-profile", *COMMON)
+    role_procs("decode", "--conductor", url, "--data-port", "0", "--model", "tiny",
+               "--threads", "1", "--heartbeat-interval", "0.5", "--no-profile", *COMMON)
+    _wait_ready(url)
+    return url, conductor
+
+
+def test_tokens_through_the_conductor_equal_the_reference(cluster):
+    url, conductor = cluster
+    tok = ByteTokenizer(320)
+    model = build_model("tiny", seed=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    shared = "The quick brown fox jumps over the lazy dog; " * 2          # 91 bytes ≈ 5 full blocks
+    prompts = [shared + "then it rests.", shared + "then it runs away."]
+    routes = []
+    for i, prompt in enumerate(prompts):
+        want = reference_greedy(model, tok.encode(prompt), 8)
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        out = raw.parse()
+        assert out.choices[0].model_extra["token_ids"] == want, conductor.logs()[-3000:]
+        routes.append((raw.headers["X-Mooncake-Route"], int(raw.headers["X-Mooncake-Reused-Blocks"])))
+        assert out.choices[0].text == tok.decode(want), conductor.logs()[-3000:]
+        assert out.usage.completion_tokens == 8
+        # streamed, the same text arrives chunk by chunk
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == tok.decode(want)
+        if i == 0:
+            time.sleep(0.5)   # let the store's block events reach the conductor
+    # the second prompt shares five full blocks with the first: served as a prefix hit
+    assert routes[0][1] == 0
+    if HAS_REMOTE_STORE:
+        assert routes[1] == ("local-hit", 5)
+    client.close()
