@@ -76,7 +76,8 @@ def run_main(argv: list[str]) -> int:
     runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
     if args.baseline:
         base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
-                               eviction=args.eviction, seed=args.seed)
+                               eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                               seed=args.seed)
         runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
                                                                      "colocated", show)
     summaries = []

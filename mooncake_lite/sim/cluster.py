@@ -156,6 +156,7 @@ class MooncakeSim:
         tbts = [d.batch.step_time() for d in self.decodes]
         return {"prefill_load": sum(queue) / len(queue) / sc.ttft_slo_s,
                 "decode_load": sum(tbts) / len(tbts) / sc.tbt_slo_s,
+                "decode_load_max": max(tbts) / sc.tbt_slo_s,
                 "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) for p in self.prefills)),
                 "decode_running": float(sum(len(d.batch) for d in self.decodes))}
 

@@ -159,7 +159,9 @@ class ColocatedSim:
     def sample(self, now: float) -> dict[str, float]:
         queue = [prefill_queue_time(c.state(), self.costs, now) for c in self.instances]
         tbts = [c.batch.step_time() for c in self.instances]
-        return {"prefill_load": sum(queue) / len(queue) / 30.0, "decode_load": sum(tbts) / len(tbts) / 0.1,
+        ttft_slo, tbt_slo = self.cfg.ttft_slo_s, self.cfg.tbt_slo_s
+        return {"prefill_load": sum(queue) / len(queue) / ttft_slo, "decode_load": sum(tbts) / len(tbts) / tbt_slo,
+                "decode_load_max": max(tbts) / tbt_slo,
                 "prefill_queued": float(sum(len(c.waiting) + (c.prefilling is not None) for c in self.instances)),
                 "decode_running": float(sum(len(c.batch) for c in self.instances))}
 

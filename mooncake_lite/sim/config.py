@@ -61,6 +61,8 @@ class ColocatedConfig:
     routing: str = "cache-aware"
     max_batch: int | None = None
     sample_interval_s: float = 5.0
+    ttft_slo_s: float = 30.0     # only to normalise the load timeline; the baseline never rejects
+    tbt_slo_s: float = 0.1
     seed: int = 0
 
     def __post_init__(self) -> None:

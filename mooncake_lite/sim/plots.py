@@ -49,7 +49,10 @@ def load_plot(runs: Mapping[str, SimResult], path: Path, title: str = "") -> str
     for ax, (label, res) in zip(axes[:, 0], runs.items()):
         t = [row["t"] / 60 for row in res.timeline]
         ax.plot(t, [row["prefill_load"] for row in res.timeline], label="prefill load (queue / TTFT SLO)")
-        ax.plot(t, [row["decode_load"] for row in res.timeline], label="decode load (TBT / TBT SLO)")
+        line, = ax.plot(t, [row["decode_load"] for row in res.timeline], label="decode load (TBT / TBT SLO)")
+        if res.timeline and "decode_load_max" in res.timeline[0]:
+            ax.plot(t, [row["decode_load_max"] for row in res.timeline], color=line.get_color(), linestyle=":",
+                    linewidth=1, label="decode load, busiest instance")
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_title(label, fontsize=9)
         ax.set_ylabel("load")
