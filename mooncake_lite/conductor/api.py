@@ -196,23 +196,26 @@ class _Run:
                                            **self._headers()})
         await resp.prepare(request)
         if self.req.kind == "chat":
-            await self._send(resp, self._chunk({"role": "assistant", "content": ""}, None))
+            await resp.write(_sse(self._chunk({"role": "assistant", "content": ""}, None)))
+        pending: list[bytes] = []   # chunks of tokens that arrived together go out in one write
         try:
             if first:
-                await self._send(resp, self._chunk(first, None))
+                pending.append(_sse(self._chunk(first, None)))
             async for delta in deltas:
                 if delta:
-                    await self._send(resp, self._chunk(delta, None))
+                    pending.append(_sse(self._chunk(delta, None)))
+                if pending and not self.flight.has_pending:
+                    await resp.write(b"".join(pending))
+                    pending.clear()
         except ApiError as exc:
             self.outcome = "upstream_error"
-            await self._send(resp, exc.body())
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
             return resp
         self._finish_metrics()
-        await self._send(resp, self._chunk(None, self.flight.finish_reason))
+        pending.append(_sse(self._chunk(None, self.flight.finish_reason)))
         if self.req.include_usage:
-            await self._send(resp, self._envelope([], usage=self._usage()))
-        await resp.write(b"data: [DONE]\n\n")
+            pending.append(_sse(self._envelope([], usage=self._usage())))
+        await resp.write(b"".join(pending) + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -229,6 +232,7 @@ class _Run:
         return {"id": self.flight.request_id, "object": obj, "created": self.created, "model": self.req.model,
                 "choices": choices, **extra}
 
-    @staticmethod
-    async def _send(resp: web.StreamResponse, payload: dict) -> None:
-        await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

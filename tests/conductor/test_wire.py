@@ -1,0 +1,46 @@
+"""The conductor's fast decoders accept and refuse exactly what the protocol module does."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.common.protocol import PrefillResult, ProtocolError, TokenEvent, loads
+from mooncake_lite.conductor.dispatch import _encode, parse_prefill_result, parse_token_event
+from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling, dumps
+
+LINES = [b'{"token": 5}', b'{"finish_reason": "stop"}', b'{"finish_reason": "error", "error": "boom"}',
+         b'{"token": 7, "finish_reason": "length"}', b'{}', b'{"token": null}',
+         b'{"token": "5"}', b'{"token": true}', b'{"token": 1.5}', b'{"finish_reason": 3}', b'{"extra": 1}',
+         b'[1]', b'{bad', b'"x"']
+RESULTS = [b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9}',
+           b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9, '
+           b'"timings": {"a": 1.5}}',
+           b'{"request_id": "r", "first_token": "3", "num_prefix_tokens": 0, "num_computed_tokens": 9}',
+           b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0}',
+           b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9, "x": 0}',
+           b'{"request_id": 1, "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9}',
+           b'{"request_id": "r", "first_token": true, "num_prefix_tokens": 0, "num_computed_tokens": 9}',
+           b'nope']
+
+
+def _outcome(fn, raw):
+    try:
+        return fn(raw)
+    except ProtocolError:
+        return "error"
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_token_event_fast_path_matches_protocol(line):
+    assert _outcome(parse_token_event, line) == _outcome(lambda r: loads(TokenEvent, r), line)
+
+
+@pytest.mark.parametrize("body", RESULTS)
+def test_prefill_result_fast_path_matches_protocol(body):
+    assert _outcome(parse_prefill_result, body) == _outcome(lambda r: loads(PrefillResult, r), body)
+
+
+def test_encode_is_byte_identical_to_protocol_dumps():
+    s = Sampling(max_tokens=4, temperature=0.5, seed=3, stop_token_ids=(257,))
+    for msg in (GenerateRequest("r", "t", 9, s), PrefillRequest("r", "t", (1, 2, 3), "h:1", s, ("ab",), "s:2", ("ab",))):
+        assert _encode(msg) == dumps(msg)
