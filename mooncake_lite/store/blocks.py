@@ -148,8 +148,16 @@ class BlockStore:
 
     def ticket_views(self, ticket: PutTicket, scratch: memoryview) -> list[memoryview]:
         """Where each block's bytes should land (``scratch`` for blocks already stored)."""
-        return [self.slab.view(slot, size) if slot is not None else _discard_view(scratch, size)
-                for slot, size in zip(ticket.slots, ticket.sizes)]
+        views: list[memoryview] = []
+        run: list[tuple[int, int]] = []
+        for slot, size in zip(ticket.slots, ticket.sizes):
+            if slot is not None:
+                run.append((self.slab.offset_of(slot), size))
+                continue
+            views += self.slab.views(run)
+            run = []
+            views.append(_discard_view(scratch, size))
+        return views + self.slab.views(run)
 
     def commit(self, ticket: PutTicket) -> int:
         """Make the received blocks visible; returns how many were new."""
@@ -244,13 +252,18 @@ class BlockStore:
         self.policy.insert(key, chain_pos)
         return block
 
-    def view(self, block: Block, first_layer: int = 0, num_layers: int | None = None) -> memoryview:
-        """The bytes of a block, or of its layers ``[first_layer, first_layer + num_layers)``."""
+    def span(self, block: Block, first_layer: int = 0, num_layers: int | None = None) -> tuple[int, int]:
+        """``(slab offset, nbytes)`` of a block, or of its layers ``[first_layer, first_layer + num_layers)``."""
         count = block.num_layers - first_layer if num_layers is None else num_layers
         if first_layer < 0 or count < 1 or first_layer + count > block.num_layers:
             raise BadRequest(f"layers [{first_layer}, {first_layer + count}) outside a {block.num_layers}-layer block")
         layer_bytes = block.size // block.num_layers
-        return self.slab.view(block.slot, count * layer_bytes, first_layer * layer_bytes)
+        return self.slab.offset_of(block.slot, first_layer * layer_bytes), count * layer_bytes
+
+    def view(self, block: Block, first_layer: int = 0, num_layers: int | None = None) -> memoryview:
+        """The bytes of a block (or of a layer range), in place."""
+        start, nbytes = self.span(block, first_layer, num_layers)
+        return self.slab.views([(start, nbytes)])[0]
 
     # ---- leases -------------------------------------------------------------------------------
     def pin(self, blocks: Sequence[Block], expires_at: float, on_expire: Callable[[], None] | None = None) -> Lease:

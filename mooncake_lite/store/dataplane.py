@@ -159,23 +159,28 @@ class StoreHandler(FrameHandler):
             self._send_blocks(conn, frame, found, layers)
 
     def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None) -> None:
-        views, sizes, block_layers, pinned = [], [], [], []
+        views: list[memoryview] = []
+        run: list[tuple[int, int]] = []  # slab spans of consecutive found blocks, merged when adjacent
+        sizes, block_layers, pinned = [], [], []
         for item in found:
             if item is None:
                 sizes.append(None)
                 block_layers.append(None)
-                continue
-            if isinstance(item, Block):
-                view = self.store.view(item, *layers) if layers else self.store.view(item)
+            elif isinstance(item, Block):
+                span = self.store.span(item, *layers) if layers else self.store.span(item)
+                run.append(span)
                 pinned.append(item)
+                sizes.append(span[1])
                 block_layers.append(item.num_layers)
             else:  # SSD bytes that could not be promoted (DRAM full of leased blocks)
-                view = memoryview(item)
-                block_layers.append(None)
                 if layers:
                     raise BadRequest("layer reads of blocks that could not be promoted are not supported")
-            views.append(view)
-            sizes.append(view.nbytes)
+                views += self.store.slab.views(run)
+                run = []
+                views.append(memoryview(item))
+                sizes.append(len(item))
+                block_layers.append(None)
+        views += self.store.slab.views(run)
         lease = self.store.pin(pinned, self.clock() + self.lease_ttl,
                                on_expire=lambda: conn.abort("lease expired while sending (client not reading)"))
         try:
@@ -183,7 +188,7 @@ class StoreHandler(FrameHandler):
         except ConnectionError:
             self.store.unpin(lease)
             return
-        self.store.stats.bytes_out += sum(v.nbytes for v in views)
+        self.store.stats.bytes_out += sum(s for s in sizes if s)
         conn.when_flushed(lambda: self.store.unpin(lease))
 
     # ---- slow ops ----------------------------------------------------------------------------

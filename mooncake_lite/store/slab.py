@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections import deque
+from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,9 @@ class Slab:
         self.capacity_bytes = self.num_slots * slot_bytes
         self.is_pinned = cuda_available() if pin is None else pin
         self._owner, self._view = _allocate(self.capacity_bytes, self.is_pinned)
-        # Pop from the end: low slot numbers are handed out first (tests can predict them).
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        # FIFO: slots freed together (one evicted batch) are handed out together and in order,
+        # so a batch of full-slot blocks usually lands in one contiguous range (see ``views``).
+        self._free = deque(range(self.num_slots))
         self._is_free = bytearray(b"\x01") * self.num_slots
         log.info("DRAM slab: %d slots x %d bytes (%s)", self.num_slots, slot_bytes,
                  "pinned" if self.is_pinned else "pageable")
@@ -64,7 +67,7 @@ class Slab:
         """A free slot number, or None when every slot is in use."""
         if not self._free:
             return None
-        slot = self._free.pop()
+        slot = self._free.popleft()
         self._is_free[slot] = 0
         return slot
 
@@ -81,3 +84,17 @@ class Slab:
         if offset < 0 or end > (slot + 1) * self.slot_bytes:
             raise ValueError(f"range [{offset}, {offset + (end - start)}) is outside a {self.slot_bytes}-byte slot")
         return self._view[start:end]
+
+    def offset_of(self, slot: int, offset: int = 0) -> int:
+        return slot * self.slot_bytes + offset
+
+    def views(self, spans: Iterable[tuple[int, int]]) -> list[memoryview]:
+        """Views of ``(slab offset, nbytes)`` spans, merging spans that touch: one big view
+        means one big ``recv``/``writev`` entry instead of many small ones."""
+        merged: list[list[int]] = []
+        for start, nbytes in spans:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1][1] += nbytes
+            else:
+                merged.append([start, nbytes])
+        return [self._view[start:start + nbytes] for start, nbytes in merged]

@@ -1,0 +1,270 @@
+"""``mooncake bench store``: store put/get GB/s and latency vs this machine's raw limits.
+
+For each block size a real store process is started (``--slot-bytes`` = the block size) and
+driven over loopback by this process: single put/get (one block per request, one in flight) and
+batched put/get (many blocks per request, several requests in flight, gets received into
+preallocated buffers). In the same run it measures single-thread memcpy and a plain
+blocking-socket loopback transfer (``recv_into`` a preallocated buffer, two processes) with the
+same message sizes, and prints every figure beside the Mooncake Store reference and the goals of
+issue 3. Medians over ``--repeat`` runs; ``--json`` prints everything as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import orjson
+
+from mooncake_lite.common.units import format_size, parse_size
+
+SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mooncake bench store", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="block sizes, e.g. 64KiB,1MiB")
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (the median is reported)")
+    p.add_argument("--bytes-per-run", type=parse_size, default=parse_size("256MiB"),
+                   help="bytes moved per measurement run (at least 16 operations)")
+    p.add_argument("--dram", type=parse_size, default=parse_size("512MiB"), help="store DRAM per size")
+    p.add_argument("--batch-bytes", type=parse_size, default=parse_size("16MiB"),
+                   help="bytes per batched request (at least one block)")
+    p.add_argument("--in-flight", type=int, default=4, help="batched requests in flight at once")
+    p.add_argument("--json", action="store_true", help="print all figures as one JSON object")
+    p.add_argument("--socket-sender", nargs=3, metavar=("HOSTPORT", "SIZE", "COUNT"), help=argparse.SUPPRESS)
+    return p.parse_args(list(argv))
+
+
+# ---- raw machine limits --------------------------------------------------------------------------
+def memcpy_gbps(size: int, total: int) -> float:
+    src = bytearray(os.urandom(4096)) * (size // 4096) + os.urandom(size % 4096)
+    dst_view, src_view = memoryview(bytearray(size)), memoryview(src)
+    count = max(16, total // size)
+    dst_view[:] = src_view
+    start = time.perf_counter()
+    for _ in range(count):
+        dst_view[:] = src_view  # one memcpy of the whole block
+    return count * size / (time.perf_counter() - start) / 1e9
+
+
+def socket_sender(hostport: str, size: int, count: int) -> int:
+    host, port = hostport.rsplit(":", 1)
+    data = memoryview(bytearray(b"\x5a" * size))
+    with socket.create_connection((host, int(port))) as sock:
+        for _ in range(count):
+            sock.sendall(data)
+        sock.recv(1)
+    return 0
+
+
+def socket_gbps(size: int, total: int) -> float:
+    """Blocking sockets between two processes, receiver uses recv_into a preallocated buffer."""
+    count = max(16, total // size)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        sender = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store", "--socket-sender",
+                                   f"127.0.0.1:{port}", str(size), str(count)])
+        conn, _ = listener.accept()
+    with conn:
+        buf = memoryview(bytearray(size))
+        start = time.perf_counter()
+        for _ in range(count):
+            got = 0
+            while got < size:
+                n = conn.recv_into(buf[got:])
+                if not n:
+                    raise ConnectionError("socket sender stopped early")
+                got += n
+        elapsed = time.perf_counter() - start
+        conn.sendall(b"k")
+    sender.wait(30)
+    return count * size / elapsed / 1e9
+
+
+# ---- the store under test ------------------------------------------------------------------------
+def start_store(size: int, dram: int) -> tuple[subprocess.Popen, str]:
+    dram = max(dram, 64 * size)
+    cmd = [sys.executable, "-m", "mooncake_lite", "--role", "store", "--port", "0", "--data-port", "0",
+           "--dram", str(dram), "--slot-bytes", str(size), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # type: ignore[union-attr]
+        try:
+            msg = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(msg, dict) and msg.get("event") == "ready":
+            return proc, msg["data"]
+    proc.kill()
+    raise RuntimeError("the store did not start")
+
+
+async def measure_store(address: str, size: int, args: argparse.Namespace, num_slots: int) -> dict[str, list]:
+    from mooncake_lite.store.client import StoreClient
+    client = await StoreClient.connect(address, name="bench", max_batch_bytes=1 << 40, max_batch_keys=1 << 20)
+    block = memoryview(bytearray(os.urandom(64)) * (size // 64) + os.urandom(size % 64))
+    count = max(16, args.bytes_per_run // size)
+    per_batch = max(1, args.batch_bytes // size)
+    in_flight = max(1, min(args.in_flight, (num_slots // 2) // per_batch))
+    counter = iter(range(1 << 62))
+
+    def fresh_keys(n: int) -> list[bytes]:
+        return [next(counter).to_bytes(16, "little") for _ in range(n)]
+
+    working = fresh_keys(min(num_slots // 2, 64))
+    outs = [memoryview(bytearray(size)) for _ in range(per_batch * in_flight)]
+    results: dict[str, list] = {"put": [], "get": [], "batched_put": [], "batched_get": []}
+
+    async def single(op: str) -> tuple[float, list[float]]:
+        lat = []
+        start = time.perf_counter()
+        for i in range(count):
+            t = time.perf_counter()
+            if op == "put":
+                await client.put(fresh_keys(1), [block])
+            elif (await client.get([working[i % len(working)]]))[0] is None:
+                raise RuntimeError("bench bug: a get missed (the working set was evicted)")
+            lat.append(time.perf_counter() - t)
+        return count * size / (time.perf_counter() - start) / 1e9, lat
+
+    async def batched(op: str) -> tuple[float, list[float]]:
+        num_requests = max(in_flight * 2, count // per_batch)
+        lat: list[float] = []
+
+        async def worker(w: int) -> None:
+            for r in range(w, num_requests, in_flight):
+                t = time.perf_counter()
+                if op == "put":
+                    await client.put(fresh_keys(per_batch), [block] * per_batch)
+                else:
+                    keys = [working[(r * per_batch + j) % len(working)] for j in range(per_batch)]
+                    got = await client.get(keys, out=outs[w * per_batch:(w + 1) * per_batch])
+                    if any(g is None for g in got):
+                        raise RuntimeError("bench bug: a get missed (the working set was evicted)")
+                lat.append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(in_flight)))
+        return num_requests * per_batch * size / (time.perf_counter() - start) / 1e9, lat
+
+    for _ in range(args.repeat):
+        for name, fn in (("put", lambda: single("put")), ("get", lambda: single("get")),
+                         ("batched_put", lambda: batched("put")), ("batched_get", lambda: batched("get"))):
+            if name.endswith("get"):
+                await client.put(working, [block] * len(working))  # puts since may have evicted it
+            results[name].append(await fn())
+    await client.close()
+    results["config"] = [{"blocks_per_request": per_batch, "in_flight": in_flight, "ops_per_run": count}]
+    return results
+
+
+def bench_size(size: int, args: argparse.Namespace) -> dict:
+    raw = {"memcpy": [memcpy_gbps(size, args.bytes_per_run) for _ in range(args.repeat)],
+           "socket": [socket_gbps(size, args.bytes_per_run) for _ in range(args.repeat)]}
+    proc, address = start_store(size, args.dram)
+    try:
+        import uvloop
+        num_slots = max(args.dram, 64 * size) // size
+        store_runs = uvloop.run(measure_store(address, size, args, num_slots))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return summarize(size, raw, store_runs)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if args.socket_sender:
+        hostport, size, count = args.socket_sender
+        return socket_sender(hostport, int(size), int(count))
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if args.repeat < 1 or not sizes or any(s < 64 for s in sizes):
+        sys.stderr.write("mooncake bench store: --repeat must be >= 1 and sizes >= 64 bytes\n")
+        return 2
+    report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+              "repeat": args.repeat, "sizes": {}, "reference_mooncake_gbps": REFERENCE}
+    for size in sizes:
+        if not args.json:
+            print(f"measuring {size} B blocks ...", file=sys.stderr, flush=True)
+        report["sizes"][str(size)] = bench_size(size, args)
+    report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    if args.json:
+        sys.stdout.write(orjson.dumps(report).decode() + "\n")
+    else:
+        print_report(report)
+    return 0
+
+
+# ---- report ----------------------------------------------------------------------------------
+# Real Mooncake Store 0.3.13 on this kind of machine (issue 3), GB/s, (low, high) of two runs.
+REFERENCE = {
+    "put": {65536: (0.18, 0.20), 1048576: (1.31, 1.42), 4194304: (1.57, 1.85), 16777216: (1.55, 1.67)},
+    "get": {65536: (0.26, 0.29), 1048576: (0.73, 1.10), 4194304: (0.85, 1.82), 16777216: (1.57, 1.86)},
+    "batched_put": {65536: (0.79, 1.01), 1048576: (1.52, 2.10), 4194304: (2.08, 2.19), 16777216: (2.34, 2.40)},
+    "batched_get": {65536: (1.17, 1.20), 1048576: (1.88, 2.30), 4194304: (1.81, 1.92), 16777216: (2.16, 2.22)},
+}
+OPS = ("put", "get", "batched_put", "batched_get")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(size: int, raw: dict[str, list[float]], runs: dict[str, list]) -> dict:
+    out: dict = {"memcpy_gbps": statistics.median(raw["memcpy"]), "memcpy_runs": raw["memcpy"],
+                 "socket_gbps": statistics.median(raw["socket"]), "socket_runs": raw["socket"],
+                 "config": runs["config"][0]}
+    for op in OPS:
+        rates = [r for r, _ in runs[op]]
+        lat = [x for _, lats in runs[op] for x in lats]
+        gbps = statistics.median(rates)
+        ref = REFERENCE[op].get(size)
+        entry = {"gbps": gbps, "runs": rates, "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+                 "vs_socket": gbps / out["socket_gbps"], "vs_memcpy": gbps / out["memcpy_gbps"]}
+        goals = {}
+        if ref:
+            entry["mooncake_gbps"] = list(ref)
+            entry["vs_mooncake_high"] = gbps / ref[1]
+            goals["1.5x_mooncake"] = gbps >= 1.5 * ref[1]
+        if size >= 1 << 20:
+            goals["85pct_socket"] = gbps >= 0.85 * out["socket_gbps"]
+        if size == 64 << 10 and op.startswith("batched"):
+            goals["2GBps_at_64KiB"] = gbps >= 2.0
+        entry["goals_met"] = goals
+        out[op] = entry
+    return out
+
+
+def print_report(report: dict) -> None:
+    m = report["machine"]
+    print(f"mooncake bench store: {m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, "
+          f"median of {report['repeat']} runs, GB/s = 1e9 B/s")
+    for size, r in report["sizes"].items():
+        c = r["config"]
+        print(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s, blocking socket "
+              f"{r['socket_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
+              f"{c['in_flight']} in flight")
+        print(f"  {'op':<12} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'Mooncake':>11} "
+              f"{'x Mooncake':>10}  goals")
+        for op in OPS:
+            e = r[op]
+            ref = "-".join(f"{x:.2f}" for x in e.get("mooncake_gbps", [])) or "-"
+            vs = f"{e['vs_mooncake_high']:.2f}" if "vs_mooncake_high" in e else "-"
+            goals = " ".join(f"{k}:{'ok' if v else 'MISS'}" for k, v in e["goals_met"].items())
+            print(f"  {op:<12} {e['gbps']:>6.2f} {e['p50_ms']:>8.3f} {e['p99_ms']:>8.3f} {e['vs_socket']:>9.2f} "
+                  f"{ref:>11} {vs:>10}  {goals}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
