@@ -1,0 +1,220 @@
+"""``mooncake bench model``: prefill tokens/s and decode step time on this machine, next to its limits.
+
+Step times are medians; the best run is what is compared with the limits. The limits are measured in the same run: a large float32 matmul (GFLOP/s, the compute roof that
+prefill approaches) and a large tensor copy (GB/s, the memory roof that small-batch decode hits,
+since every step reads all weights). Each figure is reported as a fraction of its roof, using
+the model's useful FLOPs per token (matmuls plus causal attention) and its weight bytes.
+Decode runs on a cache whose context holds placeholder KV: step cost depends on context length,
+not on its values, so no prefill is needed per batch size. ``--json`` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import orjson
+import torch
+from tqdm import tqdm
+
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model, model_args
+
+BLOCK_SIZE = 16
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mooncake bench model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,small", help="comma-separated presets or checkpoint dirs")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prefill length in tokens")
+    ap.add_argument("--context-len", type=int, default=256, help="tokens already cached per decoding sequence")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="decode batch sizes")
+    ap.add_argument("--decode-steps", type=int, default=6, help="timed decode steps per batch size")
+    ap.add_argument("--repeats", type=int, default=2, help="timed prefills per model (median reported)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
+    args = ap.parse_args(list(argv))
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    args.models = [m for m in args.models.split(",") if m]
+    for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if not args.models or min(args.batch_sizes) <= 0:
+        ap.error("need at least one model and positive batch sizes")
+    return args
+
+
+# --- machine limits -------------------------------------------------------------------------------
+def _best_of(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: first call pays allocation and thread start-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats) / 1e9
+
+
+def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Read + write bandwidth of one large copy (bytes moved counted both ways)."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats) / 1e9
+
+
+# --- model cost -------------------------------------------------------------------------------------
+def layer_matmul_params(a: ModelArgs) -> int:
+    kv = a.num_kv_heads * a.head_dim
+    return a.num_layers * (2 * a.dim * a.dim + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+
+
+def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
+    """Useful FLOPs of a prefill from position 0; the head runs on the last position only."""
+    attention = 4 * a.num_layers * a.dim * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
+    return 2 * layer_matmul_params(a) * num_tokens + attention + 2 * a.dim * a.vocab_size
+
+
+def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
+    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * a.dim * context_len
+    return batch * per_token
+
+
+def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row)."""
+    return (layer_matmul_params(a) + a.dim * a.vocab_size) * torch.empty((), dtype=dtype).element_size()
+
+
+# --- measurements -----------------------------------------------------------------------------------
+def bench_prefill(runner: ModelRunner, prompt_len: int, repeats: int, bar: tqdm) -> list[float]:
+    """Seconds of each timed whole-prompt prefill."""
+    tokens = [(7 * i) % runner.args.vocab_size for i in range(prompt_len)]
+    table = list(range(blocks_needed(prompt_len, runner.block_size)))
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        runner.prefill(tokens, table, 0)
+        if i:  # the first run is a warm-up
+            times.append(time.perf_counter() - t0)
+        bar.update(1)
+    return times
+
+
+def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, bar: tqdm) -> list[float]:
+    """Seconds of each timed decode step for ``batch`` sequences of ``context_len`` cached tokens."""
+    per_seq = blocks_needed(context_len + steps + 1, runner.block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    tokens = [11] * batch
+    times = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        runner.decode(tokens, tables, [context_len + step] * batch)
+        if step:
+            times.append(time.perf_counter() - t0)
+        bar.update(1)
+    return times
+
+
+def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps: float, bar: tqdm) -> dict:
+    model = build_model(name)
+    margs = model.args
+    if args.prompt_len > margs.max_seq_len or args.context_len + args.decode_steps + 1 > margs.max_seq_len:
+        raise ValueError(f"{name}: lengths exceed max_seq_len {margs.max_seq_len}")
+    per_seq = blocks_needed(max(args.prompt_len, args.context_len + args.decode_steps + 1), BLOCK_SIZE)
+    runner = ModelRunner(model, num_blocks=per_seq * max(args.batch_sizes), block_size=BLOCK_SIZE)
+    # Median is the typical figure; the best run is compared with the roofs (themselves best-of),
+    # since on a shared machine both are otherwise dominated by whoever else holds the cores.
+    times = bench_prefill(runner, args.prompt_len, args.repeats, bar)
+    best_s = min(times)
+    gflops = prefill_flops(margs, args.prompt_len) / best_s / 1e9
+    out = {
+        "params": margs.num_params(),
+        "prefill": {"tokens": args.prompt_len, "seconds": statistics.median(times), "seconds_best": best_s,
+                    "tokens_per_s": args.prompt_len / statistics.median(times),
+                    "tokens_per_s_best": args.prompt_len / best_s,
+                    "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops},
+        "decode": {},
+    }
+    wbytes = weight_bytes(margs, runner.dtype)
+    for batch in args.batch_sizes:
+        times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
+        step_s, best_s = statistics.median(times), min(times)
+        gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
+        out["decode"][str(batch)] = {
+            "step_ms": step_s * 1e3, "step_ms_best": best_s * 1e3, "tokens_per_s": batch / step_s,
+            "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops,
+            "weight_gbps_best": wbytes / best_s / 1e9,
+            "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / peak_gbps,
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    for name in args.models:
+        model_args(name)  # a bad name fails now, not after a minute of measuring
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps_per_model = args.repeats + 1 + len(args.batch_sizes) * (args.decode_steps + 1)
+    with tqdm(total=2 + steps_per_model * len(args.models), desc="bench model", unit="run",
+              file=sys.stderr, disable=None, leave=False) as bar:
+        bar.set_postfix_str("matmul peak")
+        peak = matmul_gflops()
+        bar.update(1)
+        bar.set_postfix_str("copy bandwidth")
+        bandwidth = copy_gbps()
+        bar.update(1)
+        models = {}
+        for name in args.models:
+            bar.set_postfix_str(name)
+            with torch.inference_mode():
+                models[name] = bench_one(name, args, peak, bandwidth, bar)
+    # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
+    return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": bandwidth,
+                        "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+            "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
+                         "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": "float32"},
+            "models": models}
+
+
+def render(res: dict) -> str:
+    m = res["machine"]
+    s = res["settings"]
+    lines = [f"machine: {m['threads']} threads, float32 matmul {m['matmul_gflops']:.1f} GFLOP/s, "
+             f"copy {m['copy_gbps']:.1f} GB/s (load average {m['load_average_1m']:.1f} on {m['cpu_count']} CPUs)",
+             f"prefill {s['prompt_len']} tokens; decode with {s['context_len']} cached tokens per sequence"]
+    for name, r in res["models"].items():
+        p = r["prefill"]
+        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params)")
+        lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
+                     f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
+        for batch, d in r["decode"].items():
+            lines.append(f"  decode batch {batch:>3}: step {d['step_ms']:8.2f} ms (best {d['step_ms_best']:7.2f})  "
+                         f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
+                         f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
+                         f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    try:
+        res = run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"mooncake bench model: error: {exc}\n")
+        return 2
+    print(orjson.dumps(res).decode() if args.json else render(res))
+    return 0

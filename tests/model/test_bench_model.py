@@ -1,0 +1,74 @@
+"""``mooncake bench model``: its FLOP accounting is right and it prints one JSON object."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mooncake_lite.bench.model import decode_flops, main, prefill_flops, weight_bytes
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(build_model("tiny"), num_blocks=32, block_size=BS)
+
+
+def matmul_flops_counted(fn) -> int:
+    """FLOPs of the matrix multiplies torch actually ran (this torch's counter does not see the
+    CPU SDPA kernel, so attention is checked against its closed form separately)."""
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    counts = fc.get_flop_counts()["Global"]
+    return sum(v for k, v in counts.items() if str(k).split(".")[-1] in ("mm", "addmm", "bmm", "matmul"))
+
+
+def attention_flops(a, num_queries, keys_seen):
+    return 4 * a.num_layers * a.dim * num_queries * keys_seen  # QK^T and PV, 2 FLOPs per MAC
+
+
+def test_decode_flops_match_torch_flop_counter(runner):
+    batch, width = 3, 4
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
+    pos = width * BS - 1
+    got = matmul_flops_counted(lambda: runner.decode([5] * batch, tables, [pos] * batch))
+    expected = decode_flops(runner.args, batch, context_len=pos + 1)
+    assert got > 0 and got + attention_flops(runner.args, batch, pos + 1) == expected
+
+
+def test_prefill_flops_match_torch_flop_counter(runner):
+    n, a = 3 * BS, runner.args
+    got = matmul_flops_counted(lambda: runner.prefill(list(range(n)), list(range(3)), 0))
+    causal_pairs = n * (n + 1) / 2  # query i sees keys 0..i
+    assert got > 0 and got + attention_flops(a, 1, causal_pairs) == prefill_flops(a, n)
+
+
+def test_weight_bytes(runner):
+    model = runner.model
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "tok_emb" not in n)
+    assert weight_bytes(runner.args, torch.float32) == 4 * matmul_params
+    assert weight_bytes(runner.args, torch.bfloat16) == 2 * matmul_params
+
+
+def test_json_output(capsys):
+    rc = main(["--models", "tiny", "--prompt-len", "16", "--context-len", "16", "--batch-sizes", "1,2",
+               "--decode-steps", "2", "--repeats", "1", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["machine"]["matmul_gflops"] > 0 and res["machine"]["copy_gbps"] > 0
+    tiny = res["models"]["tiny"]
+    assert tiny["prefill"]["tokens"] == 16 and tiny["prefill"]["tokens_per_s"] > 0
+    assert set(tiny["decode"]) == {"1", "2"}
+    assert all(0 < d["fraction_of_matmul_peak"] and d["step_ms"] > 0 for d in tiny["decode"].values())
+
+
+def test_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--batch-sizes", "1,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["--models", "no-such-preset", "--repeats", "1"]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
