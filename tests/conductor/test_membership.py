@@ -133,3 +133,22 @@ async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster)
     assert info.value.status_code == 503 and "no live decode instance" in info.value.message
     assert p0.aborts == []   # prefill had already answered: nothing to abort there
     await c.close()
+
+
+async def test_reported_costs_are_used_and_capacity_limits_requests(make_cluster):
+    # the roles send their own model flat (PrefillCostModel/DecodeCostModel.to_dict())
+    cluster = await make_cluster(prefill=0, decode=0, admission="early", tbt_slo=0.2)
+    await cluster.add("prefill", "p0", store="s0:1", cost={"c0": 0.01, "c1": 0.0, "c2": 0.0, "c3": 0.0})
+    d0 = await cluster.add("decode", "d0", register=False, cost={"c0": 0.05, "c1": 0.0, "c2": 0.0})
+    status, body = await fakes.register(cluster.session, cluster.url, d0, max_context=64)
+    assert status == 200, body
+    m = cluster.svc.membership
+    assert m.instances["p0"].costs.prefill.c0 == 0.01 and m.instances["d0"].costs.decode.c0 == 0.05
+    c = client(cluster)
+    out = await c.completions.create(model="tiny", prompt="a" * 40, max_tokens=8)
+    assert out.usage.completion_tokens == 8
+    # 61 prompt tokens + 8 can never fit a 64-token decode instance: a 400, not a 429
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.completions.create(model="tiny", prompt="a" * 60, max_tokens=8)
+    assert "largest decode instance holds 64" in info.value.message
+    await c.close()
