@@ -75,6 +75,8 @@ class DecodeEngine:
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> asyncio.Queue:
         """Reserve room; raises AdmissionError with the reason if this instance refuses."""
+        if req.prompt_len <= 0:
+            raise ValueError(f"prompt_len must be positive, got {req.prompt_len}")
         if req.transfer_id in self.pending:
             raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
         s = req.sampling

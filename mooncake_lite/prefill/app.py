@@ -80,5 +80,8 @@ async def _lifetime(app: web.Application):
     service = app[SERVICE]
     await service.stage.drain_puts()
     await service.links.close()
+    close_store = getattr(service.stage.store, "close", None)
+    if close_store is not None:
+        await close_store()
     for fn in app[EXTRA_CLEANUP]:
         await fn()

@@ -59,9 +59,11 @@ class StageEngine:
         self.runner = runner
         self.store = store
         self.executor = executor
-        self.write_back = write_back
         model = runner.model
         self.first_layer, self.end_layer = model.first_layer, model.end_layer
+        can_put = getattr(store, "can_put", None)
+        self.write_back = write_back and store is not None and (
+            can_put is None or can_put(self.first_layer, self.end_layer - self.first_layer))
         self.is_last = model.is_last
         self.jobs: dict[str, StageJob] = {}
         self._puts: set[asyncio.Task] = set()
@@ -187,7 +189,7 @@ class StageEngine:
     def _store_full_blocks(self, job: StageJob, num_done_tokens: int) -> None:
         """Blocks that became full (in all of this stage's layers) go to the store, in the background."""
         full = min(num_done_tokens // self.runner.block_size, len(job.keys))
-        if self.store is None or not self.write_back or full <= job.num_stored_blocks:
+        if not self.write_back or full <= job.num_stored_blocks:
             return
         first, job.num_stored_blocks = job.num_stored_blocks, full
         cache = self.runner.cache
@@ -195,7 +197,7 @@ class StageEngine:
         packed = pack_blocks(cache.kv, ids).cpu()  # a copy: the blocks may be freed right after
         task = asyncio.ensure_future(self.store.put_layers(
             job.keys[first:full], [tensor_bytes(p) for p in packed], self.first_layer,
-            self.end_layer - self.first_layer))
+            self.end_layer - self.first_layer, first_pos=first))
         self._puts.add(task)
         task.add_done_callback(lambda t, n=full - first: self._put_done(t, n))
 

@@ -73,6 +73,8 @@ class PrefillService:
             _params(req)
         except ValueError as exc:
             raise PrefillRejected(f"sampling: {exc}") from None
+        if any(len(k) != 32 or not _is_hex(k) for k in req.migrate_keys):
+            raise PrefillRejected("migrate_keys must be 32-character hex block keys")
         keys = prefix_hash(req.token_ids, self.block_size, self.hash_seed)
         given = list(req.prefix_keys)
         if given != [k.hex() for k in keys[:len(given)]]:
@@ -113,6 +115,8 @@ class PrefillService:
     async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob) -> PrefillResult:
         t0 = time.perf_counter()
         cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
+        if req.migrate_from and req.migrate_keys:
+            await self._migrate(req)
         hit = await self.stage.match(keys[:cap])
         if self.downstream is not None and hit:
             hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
@@ -152,6 +156,21 @@ class PrefillService:
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
 
+    async def _migrate(self, req: PrefillRequest) -> None:
+        """Hot-spot migration (Algorithm 1 step 5): pull the named blocks into our store first.
+        A failure only costs prefix reuse, never the request."""
+        replicate = getattr(self.stage.store, "replicate", None)
+        if replicate is None:
+            log.warning("request %s asks to migrate blocks, but this instance has no shared store", req.request_id)
+            return
+        t0 = time.perf_counter()
+        try:
+            result = await replicate([bytes.fromhex(k) for k in req.migrate_keys], req.migrate_from)
+            log.info("migrated %d blocks from %s in %.3fs: %s", len(req.migrate_keys), req.migrate_from,
+                     time.perf_counter() - t0, result)
+        except Exception as exc:
+            log.warning("migration from %s failed (%s); prefilling without those blocks", req.migrate_from, exc)
+
     def load(self) -> dict[str, float]:
         queued_s = 0.0
         if self.cost is not None:
@@ -164,6 +183,14 @@ class PrefillService:
         return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
                 "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
                 "free_blocks": float(self.stage.runner.allocator.num_free)}
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _params(req: PrefillRequest) -> SamplingParams:

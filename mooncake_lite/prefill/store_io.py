@@ -26,8 +26,9 @@ class PrefixStore(Protocol):
         Raises KeyError if a block is gone."""
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
-                         num_layers: int) -> None:
-        """Store layers ``first_layer..`` of each block (``values[i]`` is that slice of block i)."""
+                         num_layers: int, first_pos: int = 0) -> None:
+        """Store layers ``first_layer..`` of each block (``values[i]`` is that slice of block i);
+        ``first_pos`` is keys[0]'s block position in its chain (for length-aware eviction)."""
 
 
 class MemoryStore:
@@ -60,7 +61,7 @@ class MemoryStore:
         return [memoryview(self._blocks[key])[lo:hi] for key in keys]
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
-                         num_layers: int) -> None:
+                         num_layers: int, first_pos: int = 0) -> None:
         for key, value in zip(keys, values, strict=True):
             if key in self._blocks:
                 continue

@@ -26,6 +26,13 @@ def prompt(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def start_many(role_procs, *specs):
+    """Start several roles at once (each waits for its own ready line)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(specs)) as pool:
+        return list(pool.map(lambda spec: role_procs(*spec), specs))
+
+
 async def decode_load(session, decode):
     async with session.get(f"{decode.url()}/v1/load") as resp:
         return await resp.json()
@@ -50,8 +57,8 @@ async def check_prompts(session, model, prefill, decode):
 
 
 async def test_single_instance_chunked_with_prefix_reuse_and_shared_batch(role_procs, model):
-    decode = role_procs("decode", *COMMON, "--num-blocks", "128")
-    prefill = role_procs("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "20")
+    decode, prefill = start_many(role_procs, ("decode", *COMMON, "--num-blocks", "128"),
+                                 ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "20"))
     async with aiohttp.ClientSession() as session:
         await check_prompts(session, model, prefill, decode)
         # the conductor's prefix keys are checked against the prompt
@@ -63,27 +70,21 @@ async def test_single_instance_chunked_with_prefix_reuse_and_shared_batch(role_p
                              prefix_keys=("00" * 16,), kv_timeout_s=1.0)
         assert bad.prefill_status == 400 and "prefix_keys" in bad.prefill["error"]
         assert bad.finish_reason == "error"   # decode gave up on the KV that never came
+        await check_client_disconnect(session, decode)
 
 
 async def test_two_stage_cpp_group_matches_reference(role_procs, model):
-    decode = role_procs("decode", *COMMON, "--num-blocks", "128")
-    prefill = role_procs("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "12", "--pipeline-group", "2")
+    decode, prefill = start_many(
+        role_procs, ("decode", *COMMON, "--num-blocks", "128"),
+        ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "12", "--pipeline-group", "2"))
     async with aiohttp.ClientSession() as session:
         await check_prompts(session, model, prefill, decode)
 
 
-async def test_decode_refuses_over_tbt_slo_with_reason(role_procs):
-    decode = role_procs("decode", "--model", "tiny", "--block-size", str(BS), "--port", "0", "--tbt-slo", "1us")
-    async with aiohttp.ClientSession() as session:
-        out = await generate(session, "http://unused", decode.url(), decode.addresses["data"], prompt(5, 1), 4)
-        assert out.status == 429 and "TBT" in out.error and "SLO" in out.error
-        bad = await session.post(f"{decode.url()}/v1/generate", data=b'{"request_id": 1}')
-        assert bad.status == 400 and "GenerateRequest" in (await bad.json())["error"]
-
-
 async def test_dead_prefill_and_dead_decode(role_procs, model):
-    decode = role_procs("decode", *COMMON, "--num-blocks", "512")
-    prefill = role_procs("prefill", *COMMON, "--num-blocks", "512", "--prefill-chunk", "8")
+    decode, prefill, prefill2 = start_many(
+        role_procs, ("decode", *COMMON, "--num-blocks", "512"),
+        *[("prefill", *COMMON, "--num-blocks", "512", "--prefill-chunk", "8")] * 2)
     long_prompt = prompt(3000, 7)
     async with aiohttp.ClientSession() as session:
         # prefill dies midway through the stream: decode fails the request and frees its blocks
@@ -97,7 +98,6 @@ async def test_dead_prefill_and_dead_decode(role_procs, model):
         assert load["free_blocks"] == 512 and load["pending_transfers"] == 0
 
         # decode dies midway: prefill abandons the stream, answers 502, frees, and keeps serving
-        prefill2 = role_procs("prefill", *COMMON, "--num-blocks", "512", "--prefill-chunk", "8")
         task = asyncio.ensure_future(generate(session, prefill2.url(), decode.url(), decode.addresses["data"],
                                               long_prompt, 4))
         await asyncio.sleep(1.0)
@@ -113,18 +113,61 @@ async def test_dead_prefill_and_dead_decode(role_procs, model):
         assert again.tokens == reference_greedy(model, toks, 5)
 
 
-async def test_client_disconnect_aborts_and_frees(role_procs):
-    decode = role_procs("decode", *COMMON, "--num-blocks", "64")
+async def check_client_disconnect(session, decode):
+    """A client that goes away while waiting for its stream aborts the request and frees it."""
+    total = (await decode_load(session, decode))["free_blocks"]
+    body = (b'{"request_id": "gone", "transfer_id": "t-gone", "prompt_len": 100, '
+            b'"sampling": {"max_tokens": 50}, "kv_timeout_s": 60}')
+    resp = await session.post(f"{decode.url()}/v1/generate", data=body)
+    assert resp.status == 200
+    assert (await decode_load(session, decode))["free_blocks"] < total
+    resp.close()                      # the conductor's client went away
+    for _ in range(100):
+        load = await decode_load(session, decode)
+        if load["free_blocks"] == total:
+            break
+        await asyncio.sleep(0.1)
+    assert load["free_blocks"] == total and load["pending_transfers"] == 0
+
+
+async def test_prefix_through_the_store_and_hot_spot_migration(role_procs, model):
+    """Prefill A writes blocks to store 1 and loads them back from it for the next request;
+    prefill C (store 2) gets them by migration from store 1. Tokens stay exact throughout."""
+    store_args = ("--port", "0", "--data-port", "0", "--dram", "16MiB", "--slot-bytes", "64KiB")
+    store1, store2, decode = start_many(role_procs, ("store", *store_args), ("store", *store_args),
+                                        ("decode", *COMMON, "--num-blocks", "128"))
+    # with --store, a prefill keeps no private cache: a hit on `a` itself came from the store
+    a, c = start_many(role_procs,
+                      ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "24", "--store", store1.addresses["data"]),
+                      ("prefill", *COMMON, "--num-blocks", "64", "--store", store2.addresses["data"]))
+
+    shared = prompt(4 * BS, 21)
+    data = decode.addresses["data"]
     async with aiohttp.ClientSession() as session:
-        body = (b'{"request_id": "gone", "transfer_id": "t-gone", "prompt_len": 100, '
-                b'"sampling": {"max_tokens": 50}, "kv_timeout_s": 60}')
-        resp = await session.post(f"{decode.url()}/v1/generate", data=body)
-        assert resp.status == 200
-        assert (await decode_load(session, decode))["free_blocks"] < 64
-        resp.close()                      # the conductor's client went away
-        for _ in range(100):
-            load = await decode_load(session, decode)
-            if load["free_blocks"] == 64:
+        first = await generate(session, a.url(), decode.url(), data, shared + prompt(9, 22), 5)
+        assert first.prefill["num_prefix_tokens"] == 0
+        toks = shared + prompt(3, 23)
+        for _ in range(50):   # write-back is asynchronous
+            out = await generate(session, a.url(), decode.url(), data, toks, 5)
+            if out.prefill["num_prefix_tokens"]:
                 break
             await asyncio.sleep(0.1)
-        assert load["free_blocks"] == 64 and load["pending_transfers"] == 0
+        assert out.prefill["num_prefix_tokens"] == 4 * BS and out.tokens == reference_greedy(model, toks, 5)
+
+        keys = [k.hex() for k in prefix_hash(toks, BS, 0)]
+        rid = "migrated"
+        gen = {"request_id": rid, "transfer_id": "t-m", "prompt_len": len(toks), "sampling": {"max_tokens": 5}}
+        resp = await session.post(f"{decode.url()}/v1/generate", json=gen)
+        pre = {"request_id": rid, "transfer_id": "t-m", "token_ids": toks, "decode_data": data,
+               "sampling": {"max_tokens": 5}, "migrate_from": store1.addresses["data"], "migrate_keys": keys}
+        async with session.post(f"{c.url()}/v1/prefill", json=pre) as presp:
+            result = await presp.json()
+        tokens = [result["first_token"]] + [e["token"] async for e in _events(resp) if "token" in e]
+        assert result["num_prefix_tokens"] == 4 * BS
+        assert tokens == reference_greedy(model, toks, 5)
+
+
+async def _events(resp):
+    import orjson
+    async for line in resp.content:
+        yield orjson.loads(line)

@@ -1,0 +1,67 @@
+"""The store role as a prefill stage's :class:`~mooncake_lite.prefill.store_io.PrefixStore`.
+
+A thin adapter over :class:`mooncake_lite.store.client.StoreClient` (one connection, reopened
+when lost). A store that is down never fails a request by itself: ``match`` then answers 0 (the
+prefill recomputes) and write-back failures are logged. Only a block that vanishes between
+``match`` and its load fails that request.
+
+The store keeps whole blocks (every layer), so a stage that owns only some layers (a CPP stage)
+cannot write back; it still loads its layer range of cached blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from mooncake_lite.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+class RemoteStore:
+    def __init__(self, address: str, token: str | None, num_layers: int, layer_bytes: int):
+        self.address = address
+        self.token = token
+        self.num_layers = num_layers
+        self.layer_bytes = layer_bytes
+        self._client: StoreClient | None = None
+        self._lock = asyncio.Lock()
+
+    async def client(self) -> StoreClient:
+        async with self._lock:
+            if self._client is None or self._client.is_closed:
+                self._client = await StoreClient.connect(self.address, token=self.token, name="prefill")
+            return self._client
+
+    async def match(self, keys: Sequence[bytes]) -> int:
+        try:
+            return await (await self.client()).match(keys)
+        except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("store %s unreachable (%s); computing without prefix reuse", self.address, exc)
+            return 0
+
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+        views = await (await self.client()).get_layers(keys, first_layer, num_layers)
+        missing = [k.hex() for k, v in zip(keys, views) if v is None]
+        if missing:
+            raise KeyError(f"{len(missing)} block(s) missing from store {self.address}, first {missing[0]}")
+        return views
+
+    def can_put(self, first_layer: int, num_layers: int) -> bool:
+        return first_layer == 0 and num_layers == self.num_layers
+
+    async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
+                         num_layers: int, first_pos: int = 0) -> None:
+        if not self.can_put(first_layer, num_layers):
+            return  # a CPP stage's slice: the store keeps whole blocks only
+        await (await self.client()).put(keys, values, num_layers=num_layers, first_pos=first_pos)
+
+    async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
+        """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""
+        return await (await self.client()).replicate(keys, peer)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()

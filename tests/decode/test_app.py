@@ -1,0 +1,66 @@
+"""The decode HTTP API in process: admission refusals, bad input, abort, NDJSON events."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+import pytest
+
+from mooncake_lite.decode.app import DecodeAppSettings, make_app
+from mooncake_lite.decode.batcher import DecodeBatcher
+from mooncake_lite.decode.engine import DecodeEngine
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.scheduler.costs import DecodeCostModel
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def engine():
+    runner = ModelRunner(build_model("tiny"), num_blocks=16, block_size=8)
+    # 5 ms + 10 ms per sequence: the SLO of 30 ms admits two sequences, not three
+    batcher = DecodeBatcher(runner.allocator, 8, cost=DecodeCostModel(0.005, 0.010, 0.0), tbt_slo_s=0.030)
+    return DecodeEngine(runner, batcher, ThreadPoolExecutor(1))
+
+
+def gen(rid, prompt_len=8, max_tokens=4, timeout=30):
+    return orjson.dumps({"request_id": rid, "transfer_id": f"t-{rid}", "prompt_len": prompt_len,
+                         "sampling": {"max_tokens": max_tokens}, "kv_timeout_s": timeout})
+
+
+async def test_refusals_have_reasons_and_abort_frees(aiohttp_client, engine):
+    client = await aiohttp_client(make_app(engine, DecodeAppSettings()))
+    r1 = await client.post("/v1/generate", data=gen("a"))
+    r2 = await client.post("/v1/generate", data=gen("b"))
+    assert r1.status == r2.status == 200
+    r3 = await client.post("/v1/generate", data=gen("c"))
+    assert r3.status == 429
+    assert "predicted TBT 35.00 ms with batch 3 exceeds the TBT SLO 30.00 ms" in (await r3.json())["error"]
+    big = await client.post("/v1/generate", data=gen("d", prompt_len=500))
+    assert big.status == 429 and "only 16" in (await big.json())["error"]
+    dup = await client.post("/v1/generate", data=gen("e").replace(b"t-e", b"t-a"))
+    assert dup.status == 400 and "already in use" in (await dup.json())["error"]
+
+    aborted = await client.post("/v1/abort", json={"request_id": "a"})
+    assert (await aborted.json()) == {"aborted": True}
+    assert orjson.loads(await r1.content.readline()) == {"finish_reason": "abort"}
+    assert (await (await client.post("/v1/abort", json={"request_id": "a"})).json()) == {"aborted": False}
+    load = await (await client.get("/v1/load")).json()
+    assert load["num_waiting"] == 1 and load["rejected"] == 2
+    r3 = await client.post("/v1/generate", data=gen("c"))   # room again after the abort
+    assert r3.status == 200
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"not json", "invalid JSON"),
+    (b'{"request_id": "x"}', "missing field"),
+    (b'{"request_id": "x", "transfer_id": "t", "prompt_len": "5", "sampling": {}}', "expected int"),
+    (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 0, "sampling": {}}', "must be positive"),
+    (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 3, "sampling": {}, "kv_timeout_s": 0}', "kv_timeout_s"),
+    (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 3, "sampling": {"temperature": -1}}', "temperature"),
+])
+async def test_bad_requests_get_400(aiohttp_client, engine, body, fragment):
+    client = await aiohttp_client(make_app(engine, DecodeAppSettings()))
+    resp = await client.post("/v1/generate", data=body)
+    assert resp.status == 400 and fragment in (await resp.json())["error"]
+    assert engine.runner.allocator.num_free == 16

@@ -1,0 +1,67 @@
+"""Registration with a (fake) conductor: fields, heartbeats, and exiting on 409."""
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from mooncake_lite.common.protocol import Heartbeat, Register, loads
+from mooncake_lite.scheduler.costs import PrefillCostModel
+from tests.conftest import start_role
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def fake_conductor(refuse_roles: set[str]):
+    seen: dict[str, list] = {"register": [], "heartbeat": []}
+
+    async def register(request):
+        msg = loads(Register, await request.read())
+        seen["register"].append(msg)
+        if msg.role in refuse_roles:
+            return web.json_response({"error": "model mismatch: cluster runs small"}, status=409)
+        return web.json_response({"ok": True})
+
+    async def heartbeat(request):
+        seen["heartbeat"].append(loads(Heartbeat, await request.read()))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/internal/v1/register", register)
+    app.router.add_post("/internal/v1/heartbeat", heartbeat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+async def test_register_heartbeat_and_exit_on_refusal():
+    runner, url, seen = await fake_conductor(refuse_roles={"decode"})
+    loop = asyncio.get_running_loop()
+    args = ("--model", "tiny", "--block-size", "16", "--port", "0", "--conductor", url,
+            "--heartbeat-interval", "0.2")
+    procs = []
+    try:
+        decode, prefill = await asyncio.gather(
+            loop.run_in_executor(None, lambda: start_role("decode", *args, "--no-profile")),
+            loop.run_in_executor(None, lambda: start_role("prefill", *args, "--num-blocks", "64")))
+        procs = [decode, prefill]
+        rc = await loop.run_in_executor(None, lambda: decode.proc.wait(60))
+        assert rc != 0 and "refused registration" in decode.logs() and "model mismatch" in decode.logs()
+        deadline = time.monotonic() + 60
+        while not seen["heartbeat"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        reg = next(m for m in seen["register"] if m.role == "prefill")
+        assert reg.http == prefill.addresses["http"] and reg.block_size == 16 and reg.model == "tiny"
+        assert reg.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4          # tiny: 4 layers, 2 kv heads, dim 16, fp32
+        PrefillCostModel.from_dict(reg.cost)                          # startup profile in the scheduler's format
+        assert reg.cost and reg.cost["c1"] != 0.0
+        beat = seen["heartbeat"][0]
+        assert beat.instance_id == reg.instance_id and {"queued_s", "num_queued", "free_blocks"} <= set(beat.load)
+    finally:
+        for p in procs:
+            p.stop()
+        await runner.cleanup()
