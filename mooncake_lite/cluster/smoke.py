@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,13 @@ SMOKE_PROMPT = "The moon is"
 
 class SmokeError(RuntimeError):
     pass
+
+
+REJECTED_HINT = ("the conductor's admission control refused the request (429) although the cluster is idle: "
+                 "the TBT/TTFT it predicts from the instances' start-up profiles exceeds its SLOs, which "
+                 "happens on a slow or busy CPU. Relax the SLOs (--conductor-args '--tbt-slo 2s --ttft-slo 60s') "
+                 "or turn admission off (--conductor-args '--admission none') for a local cluster.")
+MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -43,38 +51,63 @@ async def served_model(session: aiohttp.ClientSession, api_url: str, fallback: s
 
 async def smoke_request(api_url: str, model: str, *, api_key: str | None = None, prompt: str = SMOKE_PROMPT,
                         max_tokens: int = 16, timeout_s: float = 120.0) -> SmokeResult:
-    """Stream one completion; raise :class:`SmokeError` with the server's message on any failure."""
+    """Stream one completion; raise :class:`SmokeError` with the server's message on any failure.
+
+    A 429 is retried after its ``Retry-After`` (at most 5 s, :data:`MAX_ATTEMPTS` tries): load
+    reported by heartbeats can lag just after start-up."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, headers=api_key_headers(api_key)) as session:
         model = await served_model(session, api_url, model)
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-        start = time.perf_counter()
-        first: float | None = None
-        parts: list[str] = []
-        finish, num_chunks, done = None, 0, False
-        async with session.post(f"{api_url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise SmokeError(f"POST /v1/completions -> HTTP {resp.status}: {(await resp.text())[:500]}")
-            async for raw in resp.content:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                chunk = orjson.loads(payload)
-                if "error" in chunk:
-                    raise SmokeError(f"the stream reported an error: {chunk['error']}")
-                choice = (chunk.get("choices") or [{}])[0]
-                if first is None:
-                    first = time.perf_counter()
-                num_chunks += 1
-                parts.append(choice.get("text") or "")
-                finish = choice.get("finish_reason") or finish
-        if not done:
-            raise SmokeError("the stream ended without 'data: [DONE]'")
-        if num_chunks == 0:
-            raise SmokeError("the stream carried no completion chunks")
-        end = time.perf_counter()
-        return SmokeResult(model, prompt, "".join(parts), num_chunks, finish, (first or end) - start, end - start)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return await _stream(session, api_url, model, prompt, max_tokens)
+            except _Rejected as exc:
+                if attempt == MAX_ATTEMPTS:
+                    raise SmokeError(f"{exc.message}\n  {REJECTED_HINT}") from None
+                await asyncio.sleep(min(5.0, exc.retry_after_s))
+    raise AssertionError("unreachable")
+
+
+class _Rejected(Exception):
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.message, self.retry_after_s = message, retry_after_s
+
+
+async def _stream(session: aiohttp.ClientSession, api_url: str, model: str, prompt: str,
+                  max_tokens: int) -> SmokeResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    finish, num_chunks, done = None, 0, False
+    async with session.post(f"{api_url}/v1/completions", json=body) as resp:
+        if resp.status == 429:
+            retry = resp.headers.get("Retry-After", "1")
+            raise _Rejected(f"POST /v1/completions -> HTTP 429: {(await resp.text())[:300]}",
+                            float(retry) if retry.replace(".", "", 1).isdigit() else 1.0)
+        if resp.status != 200:
+            raise SmokeError(f"POST /v1/completions -> HTTP {resp.status}: {(await resp.text())[:500]}")
+        async for raw in resp.content:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                raise SmokeError(f"the stream reported an error: {chunk['error']}")
+            choice = (chunk.get("choices") or [{}])[0]
+            if first is None:
+                first = time.perf_counter()
+            num_chunks += 1
+            parts.append(choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+    if not done:
+        raise SmokeError("the stream ended without 'data: [DONE]'")
+    if num_chunks == 0:
+        raise SmokeError("the stream carried no completion chunks")
+    end = time.perf_counter()
+    return SmokeResult(model, prompt, "".join(parts), num_chunks, finish, (first or end) - start, end - start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import signal
 import sys
@@ -115,6 +116,10 @@ async def start_cluster(opts: UpOptions, sup: Supervisor, timeout: float) -> str
     return conductor_url
 
 
+def is_preset(model: str) -> bool:
+    return not os.path.isdir(model) and "/" not in model
+
+
 def _say(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -177,7 +182,11 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
             return 130
         _say(f"\nsmoke test: model {res.model!r}\n  prompt: {res.prompt!r}\n  answer: {res.text!r}\n"
              f"  {res.num_chunks} chunks, finish_reason={res.finish_reason}, "
-             f"TTFT {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms\nsmoke test: OK")
+             f"TTFT {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms")
+        if is_preset(opts.model):
+            _say(f"  (preset {opts.model!r} has seeded dummy weights, as in the paper: the text is noise; "
+                 "pass a checkpoint directory as --model for real text)")
+        _say("smoke test: OK")
         return 0
     crashed = await _until_stopped(sup.wait_any_exit(), stop)
     if crashed is not None and not sup.is_stopping:

@@ -4,7 +4,8 @@ It prints the JSON ready line, serves ``/health``, registers prefill/decode inst
 conductor (sending the cluster token from MOONCAKE_CLUSTER_TOKEN, as the real roles get it),
 and the conductor answers ``/v1/completions`` (streamed or not) with fixed text. Misbehaviour on
 demand, for the supervisor tests: ``FAKE_FAIL=ROLE`` exits with an error before ready,
-``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving.
+``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving, ``FAKE_REJECT=N`` answers the first N
+completions with 429.
 """
 
 from __future__ import annotations
@@ -50,8 +51,16 @@ async def models(request):
     return web.json_response({"object": "list", "data": [{"id": request.app["model"], "object": "model"}]})
 
 
+REJECTED = web.AppKey("rejected", list)
+
+
 async def completions(request):
     body = await request.json()
+    rejected = request.app[REJECTED]
+    if len(rejected) < int(os.environ.get("FAKE_REJECT", "0")):
+        rejected.append(1)
+        return web.json_response({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status=429,
+                                 headers={"Retry-After": "0"})
     created, model = int(time.time()), body.get("model")
     if not body.get("stream"):
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": created, "model": model,
@@ -77,6 +86,7 @@ async def serve(args) -> None:
     app = web.Application(middlewares=mws)
     app["model"] = args.model
     app[MEMBERS] = []
+    app[REJECTED] = []
     app.router.add_get("/health", health)
     if args.role == "conductor":
         app.router.add_post("/internal/v1/register", register)

@@ -86,3 +86,12 @@ def test_killing_the_supervisor_outright_still_takes_children_down():
 def test_bad_flags_exit_2():
     proc = subprocess.run(up_command("--prefill", "0"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--prefill must be at least 1" in proc.stderr
+
+
+def test_smoke_retries_a_429_then_explains_a_persistent_one():
+    tag = marker()
+    rc, out, err = finish(start_up("--model", tag, "--smoke", env={"FAKE_REJECT": "1"}))
+    assert rc == 0 and "smoke test: OK" in out, err
+    rc, out, err = finish(start_up("--model", tag, "--smoke", env={"FAKE_REJECT": "9"}))
+    assert rc == 1 and "HTTP 429" in err and "--admission none" in err
+    assert wait_gone(tag) == []
