@@ -1,6 +1,12 @@
 """Effective request capacity: the highest replay speed at which a system still serves
 ``target`` of all requests within TTFT and TBT SLOs (rejections count as misses), found by
-bisection on the trace's time-scale factor. Hopeless probes stop early (see Recorder)."""
+bisection on the trace's time-scale factor.
+
+A probe stops as soon as more than ``1 − target`` of the requests have missed the *loosest*
+TBT threshold asked for (it has failed them all). A completed probe answers every threshold at
+once, so systems whose behaviour does not depend on the threshold (the colocated baseline)
+share probes between thresholds through :class:`ProbeCache`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_lite.sim.metrics import slo_attainment
-from mooncake_lite.sim.recorder import SimResult
 from mooncake_lite.sim.request import SimRequest
 from mooncake_lite.trace.format import TraceRequest, scale_time
 
@@ -33,28 +38,48 @@ def _is_miss(ttft_slo_s: float, tbt_slo_s: float) -> Callable[[SimRequest], bool
 
 
 def probe(factory: SimFactory, trace: Sequence[TraceRequest], speed: float, ttft_slo_s: float,
-          tbt_slo_s: float, target: float) -> float:
-    """SLO attainment at ``speed`` (a lower bound when the probe was abandoned as failing)."""
+          tbt_slos: Sequence[float], target: float) -> dict[float, float]:
+    """SLO attainment per TBT threshold at ``speed`` (below ``target`` for all when abandoned)."""
     sim = factory()
-    sim.recorder.abort_after_misses(_is_miss(ttft_slo_s, tbt_slo_s), int((1 - target) * len(trace)))
-    res: SimResult = sim.run(scale_time(trace, speed))
+    sim.recorder.abort_after_misses(_is_miss(ttft_slo_s, max(tbt_slos)), int((1 - target) * len(trace)))
+    res = sim.run(scale_time(trace, speed))
+    out = {t: slo_attainment(res.requests, ttft_slo_s, t) * len(res.requests) / len(trace) for t in tbt_slos}
     if res.extra.get("aborted"):
-        return min(target - 1e-9, slo_attainment(res.requests, ttft_slo_s, tbt_slo_s))
-    return slo_attainment(res.requests, ttft_slo_s, tbt_slo_s)
+        out = {t: min(target - 1e-9, a) for t, a in out.items()}
+    return out
 
 
-def find_capacity(system: str, factory: SimFactory, trace: Sequence[TraceRequest], ttft_slo_s: float,
-                  tbt_slo_s: float, target: float = 0.9, lo: float = 0.125, hi: float = 8.0,
-                  iterations: int = 6, on_probe: Callable[[], None] | None = None) -> CapacityResult:
-    """Bisection in log space between ``lo`` and ``hi`` (assumes attainment falls with speed)."""
+class ProbeCache:
+    """Memoised probes of one system for several thresholds at once."""
+
+    def __init__(self, factory: SimFactory, trace: Sequence[TraceRequest], ttft_slo_s: float,
+                 tbt_slos: Sequence[float], target: float, on_probe: Callable[[], None] | None = None) -> None:
+        self.factory, self.trace, self.ttft_slo_s = factory, trace, ttft_slo_s
+        self.tbt_slos, self.target, self.on_probe = list(tbt_slos), target, on_probe
+        self._memo: dict[float, dict[float, float]] = {}
+
+    def attainment(self, speed: float, tbt_slo_s: float) -> float:
+        if speed not in self._memo:
+            self._memo[speed] = probe(self.factory, self.trace, speed, self.ttft_slo_s, self.tbt_slos, self.target)
+            if self.on_probe is not None:
+                self.on_probe()
+        return self._memo[speed][tbt_slo_s]
+
+    @property
+    def num_probes(self) -> int:
+        return len(self._memo)
+
+
+def find_capacity(system: str, probes: ProbeCache, tbt_slo_s: float, lo: float, hi: float,
+                  iterations: int) -> CapacityResult:
+    """Bisection in log space between ``lo`` and ``hi`` (assumes attainment falls with speed).
+    The answer is ``lo`` if even ``lo`` fails (speed 0 reported) and ``hi`` if ``hi`` passes."""
     out = CapacityResult(system, tbt_slo_s, 0.0)
 
     def ok(speed: float) -> bool:
-        att = probe(factory, trace, speed, ttft_slo_s, tbt_slo_s, target)
+        att = probes.attainment(speed, tbt_slo_s)
         out.probes.append((speed, att))
-        if on_probe is not None:
-            on_probe()
-        return att >= target
+        return att >= probes.target
 
     if not ok(lo):
         return out

@@ -9,7 +9,7 @@ from typing import Any
 
 from mooncake_lite.scheduler import SchedulerConfig
 from mooncake_lite.sim import paper, plots
-from mooncake_lite.sim.capacity import find_capacity
+from mooncake_lite.sim.capacity import ProbeCache, find_capacity
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.colocated import ColocatedSim
 from mooncake_lite.sim.config import ColocatedConfig, SimConfig
@@ -116,14 +116,15 @@ def capacity(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int,
              iterations: int = 5) -> dict[str, Any]:
     """Highest replay speed meeting the SLOs for ``target`` of requests: Mooncake 8P+8D
     (early admission at each TBT threshold) vs 16 colocated instances (the same 16 nodes)."""
+    base = ProbeCache(lambda: ColocatedSim(ColocatedConfig(num_instances=16, seed=seed)), trace, TTFT_SLO_S,
+                      thresholds, target, on_probe=lambda: tick("capacity probe"))
     rows = []
     for tbt in thresholds:
         sc = SchedulerConfig(admission="early", ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
-        m = find_capacity("mooncake", lambda: _mooncake(sc, seed), trace, TTFT_SLO_S, tbt, target,
-                          lo=0.25, hi=4.0, iterations=iterations, on_probe=lambda: tick("capacity probe"))
-        b = find_capacity("colocated", lambda: ColocatedSim(ColocatedConfig(num_instances=16, seed=seed)), trace,
-                          TTFT_SLO_S, tbt, target, lo=1 / 32, hi=4.0, iterations=iterations + 1,
+        mine = ProbeCache(lambda: _mooncake(sc, seed), trace, TTFT_SLO_S, [tbt], target,
                           on_probe=lambda: tick("capacity probe"))
+        m = find_capacity("mooncake", mine, tbt, lo=0.25, hi=4.0, iterations=iterations)
+        b = find_capacity("colocated", base, tbt, lo=1 / 32, hi=4.0, iterations=iterations + 1)
         gain = m.speed / b.speed - 1 if b.speed > 0 else None
         rows.append({"tbt_slo_s": tbt, "mooncake_speed": m.speed, "colocated_speed": b.speed,
                      "mooncake_rps": m.speed * _rate(trace), "colocated_rps": b.speed * _rate(trace),
