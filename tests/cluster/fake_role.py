@@ -5,7 +5,7 @@ conductor (sending the cluster token from MOONCAKE_CLUSTER_TOKEN, as the real ro
 and the conductor answers ``/v1/completions`` (streamed or not) with fixed text. Misbehaviour on
 demand, for the supervisor tests: ``FAKE_FAIL=ROLE`` exits with an error before ready,
 ``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving, ``FAKE_REJECT=N`` answers the first N
-completions with 429.
+completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start.
 """
 
 from __future__ import annotations
@@ -115,6 +115,9 @@ def main() -> int:
     if os.environ.get("FAKE_FAIL") == args.role:
         print(f"{args.role}: boom, cannot start", file=sys.stderr, flush=True)
         return 3
+    if os.environ.get("FAKE_SLOW") == args.role:
+        print(f"{args.role}: starting slowly", file=sys.stderr, flush=True)
+        time.sleep(60)
     if os.environ.get("FAKE_STUBBORN") == args.role:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         announce_ready(args.role, http=f"{args.host}:1", data=f"{args.host}:1")

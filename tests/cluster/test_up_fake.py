@@ -95,3 +95,18 @@ def test_smoke_retries_a_429_then_explains_a_persistent_one():
     rc, out, err = finish(start_up("--model", tag, "--smoke", env={"FAKE_REJECT": "9"}))
     assert rc == 1 and "HTTP 429" in err and "--admission none" in err
     assert wait_gone(tag) == []
+
+
+def test_sigterm_during_startup_stops_the_half_started_cluster():
+    tag = marker()
+    proc = start_up("--model", tag, env={"FAKE_SLOW": "decode"})
+    try:
+        for line in proc.stderr:              # wait until the last stage is starting
+            if "decode: starting slowly" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc)
+    finally:
+        proc.kill()
+    assert rc == 130 and "interrupted during start-up" in err and "Ctrl-C stops" not in out
+    assert wait_gone(tag) == []

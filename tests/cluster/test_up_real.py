@@ -4,6 +4,8 @@ cluster, a trace slice replays with prefix hits, and Ctrl-C-style shutdown leave
 import random
 import re
 import signal
+import urllib.error
+import urllib.request
 
 import orjson
 import pytest
@@ -43,6 +45,16 @@ def test_up_serves_openai_client_replays_with_hits_and_stops_clean(tmp_path, cap
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=api, api_key="wrong", max_retries=0).completions.create(
                 model="tiny", prompt="x", max_tokens=1)
+
+        # internal endpoints want the cluster token: a stranger cannot register or post block events
+        base = api.removesuffix("/v1")
+        for headers in ({}, {"X-Mooncake-Token": "guess"}):
+            req = urllib.request.Request(base + "/internal/v1/register", data=b"{}", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == 403
+        with urllib.request.urlopen(base + "/health", timeout=30) as resp:   # /health stays open
+            assert orjson.loads(resp.read())["ready"] is True
 
         # 10 requests at t=0 and 4 at t=3 s, all sharing hash id 0 (32 tokens = 2 cluster blocks)
         rc = replay_main(["--trace", str(TRACE), "--base-url", api.removesuffix("/v1"), "--api-key", KEY,
