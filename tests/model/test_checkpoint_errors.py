@@ -126,3 +126,27 @@ def test_bad_model_names(tmp_path):
 def test_generate_cli_reports_bad_checkpoint(tmp_path, capsys):
     assert generate_main(["--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_bad_runtime_sizes_are_clear():
+    import torch
+
+    from mooncake_lite.model.args import ModelArgs
+    from mooncake_lite.model.kv_cache import PagedKVCache
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.model.sampling import SamplingParams
+
+    args = ModelArgs.from_name("tiny")
+    with pytest.raises(ValueError, match="num_blocks and block_size must be positive"):
+        PagedKVCache(args, num_blocks=-4, block_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="vocab_size must be positive"):
+        ModelArgs(dim=64, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=8, vocab_size=-1)
+    with pytest.raises(ValueError, match="bad layer range"):
+        build_model("tiny", layer_range=(3, 9))
+    with pytest.raises(ValueError, match="max_tokens must be positive"):
+        SamplingParams(max_tokens=0)
+    runner = ModelRunner(build_model("tiny"), num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
+        runner.prefill(list(range(9)), [0, 1])
+    with pytest.raises(MemoryError, match="KV cache full"):
+        runner.allocator.allocate(3)
