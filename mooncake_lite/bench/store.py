@@ -65,8 +65,9 @@ def socket_sender(hostport: str, size: int, count: int) -> int:
     return 0
 
 
-def socket_gbps(size: int, total: int) -> float:
-    """Blocking sockets between two processes, receiver uses recv_into a preallocated buffer."""
+def socket_gbps(size: int, total: int) -> tuple[float, float]:
+    """Blocking sockets between two processes, receiver uses recv_into a preallocated buffer.
+    Returns (GB/s, CPU seconds per GB of both processes together)."""
     count = max(16, total // size)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -77,7 +78,8 @@ def socket_gbps(size: int, total: int) -> float:
         conn, _ = listener.accept()
     with conn:
         buf = memoryview(bytearray(size))
-        start = time.perf_counter()
+        sender_cpu0 = process_cpu(sender.pid)
+        start, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(count):
             got = 0
             while got < size:
@@ -85,15 +87,23 @@ def socket_gbps(size: int, total: int) -> float:
                 if not n:
                     raise ConnectionError("socket sender stopped early")
                 got += n
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        cpu += process_cpu(sender.pid) - sender_cpu0
         conn.sendall(b"k")
     sender.wait(30)
-    return count * size / elapsed / 1e9
+    gb = count * size / 1e9
+    return gb / elapsed, cpu / gb
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the store under test ------------------------------------------------------------------------
 def start_store(size: int, dram: int) -> tuple[subprocess.Popen, str]:
-    dram = max(dram, 64 * size)
     cmd = [sys.executable, "-m", "mooncake_lite", "--role", "store", "--port", "0", "--data-port", "0",
            "--dram", str(dram), "--slot-bytes", str(size), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -108,25 +118,22 @@ def start_store(size: int, dram: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the store did not start")
 
 
-async def measure_store(address: str, size: int, args: argparse.Namespace, num_slots: int) -> dict[str, list]:
+async def measure_store(address: str, server_pid: int, size: int, args: argparse.Namespace,
+                        num_slots: int) -> dict[str, tuple]:
+    """One round of the four store figures: op -> (GB/s, latencies, CPU s/GB of client + store)."""
     from mooncake_lite.store.client import StoreClient
     client = await StoreClient.connect(address, name="bench", max_batch_bytes=1 << 40, max_batch_keys=1 << 20)
     block = memoryview(bytearray(os.urandom(64)) * (size // 64) + os.urandom(size % 64))
     count = max(16, args.bytes_per_run // size)
     per_batch = max(1, args.batch_bytes // size)
     in_flight = max(1, min(args.in_flight, (num_slots // 2) // per_batch))
-    counter = iter(range(1 << 62))
+    working = [os.urandom(16) for _ in range(min(num_slots // 2, 64))]
+    outs = [memoryview(bytearray(size)) for _ in range(per_batch * in_flight)]
 
     def fresh_keys(n: int) -> list[bytes]:
-        return [next(counter).to_bytes(16, "little") for _ in range(n)]
+        return [os.urandom(16) for _ in range(n)]
 
-    working = fresh_keys(min(num_slots // 2, 64))
-    outs = [memoryview(bytearray(size)) for _ in range(per_batch * in_flight)]
-    results: dict[str, list] = {"put": [], "get": [], "batched_put": [], "batched_get": []}
-
-    async def single(op: str) -> tuple[float, list[float]]:
-        lat = []
-        start = time.perf_counter()
+    async def single(op: str, lat: list[float]) -> int:
         for i in range(count):
             t = time.perf_counter()
             if op == "put":
@@ -134,11 +141,10 @@ async def measure_store(address: str, size: int, args: argparse.Namespace, num_s
             elif (await client.get([working[i % len(working)]]))[0] is None:
                 raise RuntimeError("bench bug: a get missed (the working set was evicted)")
             lat.append(time.perf_counter() - t)
-        return count * size / (time.perf_counter() - start) / 1e9, lat
+        return count * size
 
-    async def batched(op: str) -> tuple[float, list[float]]:
+    async def batched(op: str, lat: list[float]) -> int:
         num_requests = max(in_flight * 2, count // per_batch)
-        lat: list[float] = []
 
         async def worker(w: int) -> None:
             for r in range(w, num_requests, in_flight):
@@ -152,33 +158,43 @@ async def measure_store(address: str, size: int, args: argparse.Namespace, num_s
                         raise RuntimeError("bench bug: a get missed (the working set was evicted)")
                 lat.append(time.perf_counter() - t)
 
-        start = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(in_flight)))
-        return num_requests * per_batch * size / (time.perf_counter() - start) / 1e9, lat
+        return num_requests * per_batch * size
 
-    for _ in range(args.repeat):
-        for name, fn in (("put", lambda: single("put")), ("get", lambda: single("get")),
-                         ("batched_put", lambda: batched("put")), ("batched_get", lambda: batched("get"))):
-            if name.endswith("get"):
-                await client.put(working, [block] * len(working))  # puts since may have evicted it
-            results[name].append(await fn())
+    results: dict[str, tuple] = {}
+    for name, fn, op in (("put", single, "put"), ("get", single, "get"),
+                         ("batched_put", batched, "put"), ("batched_get", batched, "get")):
+        if op == "get":
+            await client.put(working, [block] * len(working))  # the puts before may have evicted it
+        lat: list[float] = []
+        cpu0, server0, start = time.process_time(), process_cpu(server_pid), time.perf_counter()
+        nbytes = await fn(op, lat)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu0 + process_cpu(server_pid) - server0
+        results[name] = (nbytes / elapsed / 1e9, lat, cpu / (nbytes / 1e9))
     await client.close()
-    results["config"] = [{"blocks_per_request": per_batch, "in_flight": in_flight, "ops_per_run": count}]
+    results["config"] = ({"blocks_per_request": per_batch, "in_flight": in_flight, "ops_per_run": count},)
     return results
 
 
 def bench_size(size: int, args: argparse.Namespace) -> dict:
-    raw = {"memcpy": [memcpy_gbps(size, args.bytes_per_run) for _ in range(args.repeat)],
-           "socket": [socket_gbps(size, args.bytes_per_run) for _ in range(args.repeat)]}
-    proc, address = start_store(size, args.dram)
+    """Rounds alternate raw limits and store figures, so load changes hit both alike."""
+    import uvloop
+    raw: dict[str, list[float]] = {"memcpy": [], "socket": [], "socket_cpu": []}
+    rounds: list[dict] = []
+    dram = max(args.dram, 64 * size)
+    proc, address = start_store(size, dram)
     try:
-        import uvloop
-        num_slots = max(args.dram, 64 * size) // size
-        store_runs = uvloop.run(measure_store(address, size, args, num_slots))
+        for _ in range(args.repeat):
+            raw["memcpy"].append(memcpy_gbps(size, args.bytes_per_run))
+            gbps, cpu = socket_gbps(size, args.bytes_per_run)
+            raw["socket"].append(gbps)
+            raw["socket_cpu"].append(cpu)
+            rounds.append(uvloop.run(measure_store(address, proc.pid, size, args, dram // size)))
     finally:
         proc.terminate()
         proc.wait(30)
-    return summarize(size, raw, store_runs)
+    return summarize(size, raw, rounds)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -198,7 +214,7 @@ def main(argv: Sequence[str]) -> int:
         report["sizes"][str(size)] = bench_size(size, args)
     report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
     if args.json:
-        sys.stdout.write(orjson.dumps(report).decode() + "\n")
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
     else:
         print_report(report)
     return 0
@@ -220,16 +236,17 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(size: int, raw: dict[str, list[float]], runs: dict[str, list]) -> dict:
+def summarize(size: int, raw: dict[str, list[float]], rounds: list[dict]) -> dict:
     out: dict = {"memcpy_gbps": statistics.median(raw["memcpy"]), "memcpy_runs": raw["memcpy"],
                  "socket_gbps": statistics.median(raw["socket"]), "socket_runs": raw["socket"],
-                 "config": runs["config"][0]}
+                 "socket_cpu_s_per_gb": statistics.median(raw["socket_cpu"]), "config": rounds[0]["config"][0]}
     for op in OPS:
-        rates = [r for r, _ in runs[op]]
-        lat = [x for _, lats in runs[op] for x in lats]
+        rates = [r[op][0] for r in rounds]
+        lat = [x for r in rounds for x in r[op][1]]
         gbps = statistics.median(rates)
         ref = REFERENCE[op].get(size)
         entry = {"gbps": gbps, "runs": rates, "p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+                 "cpu_s_per_gb": statistics.median(r[op][2] for r in rounds),
                  "vs_socket": gbps / out["socket_gbps"], "vs_memcpy": gbps / out["memcpy_gbps"]}
         goals = {}
         if ref:
@@ -252,9 +269,9 @@ def print_report(report: dict) -> None:
     for size, r in report["sizes"].items():
         c = r["config"]
         print(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s, blocking socket "
-              f"{r['socket_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
-              f"{c['in_flight']} in flight")
-        print(f"  {'op':<12} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'Mooncake':>11} "
+              f"{r['socket_gbps']:.2f} GB/s ({r['socket_cpu_s_per_gb']:.2f} CPU s/GB); batched = "
+              f"{c['blocks_per_request']} blocks/request, {c['in_flight']} in flight")
+        print(f"  {'op':<12} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'CPU s/GB':>9} {'Mooncake':>11} "
               f"{'x Mooncake':>10}  goals")
         for op in OPS:
             e = r[op]
@@ -262,7 +279,7 @@ def print_report(report: dict) -> None:
             vs = f"{e['vs_mooncake_high']:.2f}" if "vs_mooncake_high" in e else "-"
             goals = " ".join(f"{k}:{'ok' if v else 'MISS'}" for k, v in e["goals_met"].items())
             print(f"  {op:<12} {e['gbps']:>6.2f} {e['p50_ms']:>8.3f} {e['p99_ms']:>8.3f} {e['vs_socket']:>9.2f} "
-                  f"{ref:>11} {vs:>10}  {goals}")
+                  f"{e['cpu_s_per_gb']:>9.2f} {ref:>11} {vs:>10}  {goals}")
 
 
 if __name__ == "__main__":

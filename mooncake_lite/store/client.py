@@ -16,14 +16,15 @@ flight at once on the one connection. Errors from the store raise ``RemoteError`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
 from mooncake_lite.transfer.client import FrameClient, RemoteError
 from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
 
 __all__ = ["StoreClient", "RemoteError"]
+T = TypeVar("T")
 
 
 class StoreClient:
@@ -58,10 +59,10 @@ class StoreClient:
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         views = [as_bytes_view(b) for b in blocks]
         batches = self._split(len(keys), [v.nbytes for v in views])
-        replies = await asyncio.gather(*(
+        replies = await _all(
             self.frames.request(Op.PUT, {"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
                                          "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
-            for a, b in batches))
+            for a, b in batches)
         return sum(r.meta["num_new"] for r in replies)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
@@ -115,8 +116,8 @@ class StoreClient:
         return batches
 
     async def _each_batch(self, op: Op, keys: Sequence[bytes]) -> list[Frame]:
-        return list(await asyncio.gather(*(self.frames.request(op, {"keys": keys_to_hex(keys[a:b])})
-                                           for a, b in self._split(len(keys)))))
+        return await _all(self.frames.request(op, {"keys": keys_to_hex(keys[a:b])})
+                          for a, b in self._split(len(keys)))
 
     async def _read(self, op: Op, keys: Sequence[bytes], out: Sequence[Buffer | None] | None,
                     extra: dict[str, Any]) -> list[tuple[memoryview, int] | None]:
@@ -124,8 +125,8 @@ class StoreClient:
             raise ValueError(f"{len(keys)} keys but {len(out)} output buffers")
         outs = [None if o is None else as_bytes_view(o) for o in out] if out is not None else None
         batches = self._split(len(keys))
-        parts = await asyncio.gather(*(self._read_batch(op, keys[a:b], outs[a:b] if outs else None, extra)
-                                       for a, b in batches))
+        parts = await _all(self._read_batch(op, keys[a:b], outs[a:b] if outs else None, extra)
+                           for a, b in batches)
         return [view for part in parts for view in part]
 
     async def _read_batch(self, op: Op, keys: Sequence[bytes], outs: list[memoryview | None] | None,
@@ -164,3 +165,11 @@ class StoreClient:
                 result.append((view, layer_counts[i]))
                 offset += size
         return result
+
+
+async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Run batches concurrently; a single batch is awaited directly (no task to schedule)."""
+    items = list(coros)
+    if len(items) == 1:
+        return [await items[0]]
+    return list(await asyncio.gather(*items))

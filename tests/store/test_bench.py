@@ -1,0 +1,25 @@
+"""``mooncake bench store`` runs end to end and reports every figure (no speed assertions)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+
+from tests.conftest import REPO
+
+
+def test_bench_store_json_smoke():
+    res = subprocess.run([sys.executable, "-m", "mooncake_lite", "bench", "store", "--sizes", "64KiB",
+                          "--repeat", "1", "--bytes-per-run", "2MiB", "--batch-bytes", "512KiB",
+                          "--dram", "8MiB", "--json"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    report = orjson.loads(res.stdout)
+    fig = report["sizes"]["65536"]
+    assert fig["memcpy_gbps"] > 0 and fig["socket_gbps"] > 0
+    for op in ("put", "get", "batched_put", "batched_get"):
+        assert fig[op]["gbps"] > 0 and fig[op]["p99_ms"] >= fig[op]["p50_ms"] > 0
+        assert fig[op]["mooncake_gbps"] == report["reference_mooncake_gbps"][op]["65536"]
+        assert set(fig[op]["goals_met"]) >= {"1.5x_mooncake"}
+    assert fig["config"]["blocks_per_request"] == 8
