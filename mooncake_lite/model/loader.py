@@ -60,7 +60,10 @@ def read_args(ckpt_dir: str) -> ModelArgs:
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     _check_supported(cfg, path)
-    args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
+    try:
+        args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
+    except TypeError as exc:  # e.g. "hidden_size": "768"
+        raise CheckpointError(f"{path}: a size has the wrong type ({exc})") from None
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim != args.head_dim:
         raise CheckpointError(f"{path}: head_dim {head_dim} != hidden_size/num_attention_heads "
@@ -100,8 +103,7 @@ def load_checkpoint(ckpt_dir: str, device: str | torch.device = "cpu", dtype: to
     prefix = "model." if any(k.startswith("model.") for k in index) else ""
     wanted = {name: _hf_name(name, args, index, prefix) for name in model.state_dict()}
     _check_no_unexpected(index, prefix, wanted.values(), model)
-    state = _read_tensors(ckpt_dir, index, wanted, model.state_dict())
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    state = _read_tensors(ckpt_dir, index, wanted, model.state_dict(), device, dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
 
@@ -160,8 +162,10 @@ def _check_no_unexpected(index: dict[str, str], prefix: str, wanted: Iterable[st
                               "(an unsupported architecture variant?)")
 
 
-def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str],
-                  expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str], expected: dict[str, torch.Tensor],
+                  device: str | torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our name -> tensor on ``device`` in ``dtype``; a checkpoint tensor used twice (tied
+    embeddings) is read and converted once, so both parameters share its memory."""
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
@@ -170,10 +174,14 @@ def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str],
             raise CheckpointError(f"checkpoint {ckpt_dir!r} lacks tensor {hf!r} (for {name})")
         by_file.setdefault(index[hf], []).append(name)
     state: dict[str, torch.Tensor] = {}
+    loaded: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         with safe_open(os.path.join(ckpt_dir, file), framework="pt") as f:
             for name in names:
                 hf = wanted[name]
+                if hf in loaded:
+                    state[name] = loaded[hf]
+                    continue
                 try:
                     tensor = f.get_tensor(hf)
                 except Exception as exc:  # safetensors raises its own error types
@@ -181,5 +189,5 @@ def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str],
                 if tuple(tensor.shape) != tuple(expected[name].shape):
                     raise CheckpointError(f"tensor {hf!r} has shape {tuple(tensor.shape)}, config.json "
                                           f"implies {tuple(expected[name].shape)}")
-                state[name] = tensor
+                state[name] = loaded[hf] = tensor.to(device=device, dtype=dtype)
     return state

@@ -98,6 +98,7 @@ def test_unexpected_tensor_is_not_silently_dropped(ckpt):
     ({"head_dim": 16}, "head_dim 16"),
     ({"num_key_value_heads": 4}, "not divisible by num_kv_heads"),
     ({"num_hidden_layers": -1}, "num_layers must be positive"),
+    ({"hidden_size": "48"}, "wrong type"),
 ])
 def test_unsupported_or_invalid_config(ckpt, changes, message):
     edit_config(ckpt, **changes)

@@ -70,6 +70,7 @@ def test_qwen2_checkpoint_is_sharded_and_tied(qwen2):
     assert "lm_head.weight" not in index["weight_map"]
     model = load_checkpoint(str(path))
     torch.testing.assert_close(model.output.weight, model.tok_embeddings.weight, atol=0, rtol=0)
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # read once, shared
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
