@@ -131,10 +131,9 @@ async def run(ns: argparse.Namespace) -> dict:
                                      request_timeout_s=ns.request_timeout, progress=not ns.no_progress)
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as session:
         after = await scrape_metrics(session, base)
-    hit = cache_hit_rate(before, after)
+    hit, why_not = cache_hit_rate(before, after)
     if hit is None:
-        notes.append("cluster cache hit rate omitted: the server's /metrics has no "
-                     "mooncake_conductor_reused_prefix_blocks_total / _prompt_blocks_total counters")
+        notes.append(f"cluster cache hit rate omitted: {why_not}")
     errors = sorted({r.error for r in records if r.error and not r.is_rejected})
     if errors:
         notes.append(f"{len(errors)} distinct error(s), first: {errors[0]}")

@@ -124,10 +124,14 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[
 HIT_METRICS = ("mooncake_conductor_reused_prefix_blocks_total", "mooncake_conductor_prompt_blocks_total")
 
 
-def cache_hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
-    """Prefix blocks reused / prompt blocks scheduled during the run, from the conductor's counters."""
+def cache_hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> tuple[float | None, str | None]:
+    """Prefix blocks reused / prompt blocks scheduled during the run, from the conductor's
+    counters, or (None, why not)."""
     if not before or not after or not all(k in after for k in HIT_METRICS):
-        return None
+        return None, ("the server's /metrics has no mooncake_conductor_reused_prefix_blocks_total / "
+                      "_prompt_blocks_total counters")
     reused = after[HIT_METRICS[0]] - before.get(HIT_METRICS[0], 0.0)
     total = after[HIT_METRICS[1]] - before.get(HIT_METRICS[1], 0.0)
-    return reused / total if total > 0 else None
+    if total <= 0:
+        return None, "the conductor scheduled no full prompt block during the run"
+    return reused / total, None
