@@ -221,13 +221,18 @@ class BlockStore:
     def pin(self, blocks: Sequence[Block], expires_at: float, on_expire: Callable[[], None] | None = None) -> Lease:
         """Protect blocks from eviction until ``unpin`` or ``expires_at`` (then ``on_expire`` runs,
         which must stop whatever was reading the memory, e.g. abort the connection)."""
+        lease = Lease([], expires_at, on_expire)
+        self._leases.add(lease)
+        self.extend(lease, blocks)
+        return lease
+
+    def extend(self, lease: Lease, blocks: Sequence[Block]) -> None:
+        """Pin more blocks under an active lease."""
         for block in blocks:
             if block.pins == 0 and block.is_live:
                 self._num_pinned += 1
             block.pins += 1
-        lease = Lease(list(blocks), expires_at, on_expire)
-        self._leases.add(lease)
-        return lease
+        lease.blocks.extend(blocks)
 
     def unpin(self, lease: Lease) -> None:
         if not lease.is_active:

@@ -98,6 +98,19 @@ class StoreClient:
         reply = await self.frames.request(Op.MATCH, {"keys": keys_to_hex(keys)})
         return int(reply.meta["num_matched"])
 
+    async def match_and_pin(self, keys: Sequence[bytes], lease_s: float) -> tuple[int, int]:
+        """Like ``match``, and the matched prefix is brought into DRAM and pinned for up to
+        ``lease_s`` seconds (capped by the store's --lease-ttl) so it cannot be evicted before you
+        load it. Returns ``(num_matched, lease_id)``; call ``release(lease_id)`` when done (closing
+        the connection releases it too)."""
+        reply = await self.frames.request(Op.MATCH, {"keys": keys_to_hex(keys), "lease_s": lease_s})
+        return int(reply.meta["num_matched"]), int(reply.meta["lease_id"])
+
+    async def release(self, lease_id: int) -> bool:
+        """End a ``match_and_pin`` lease early. False if it had already expired."""
+        reply = await self.frames.request(Op.RELEASE, {"lease_id": lease_id})
+        return bool(reply.meta["released"])
+
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         replies = await self._each_batch(Op.EXISTS, keys)
         return [bool(x) for r in replies for x in r.meta["exists"]]

@@ -37,6 +37,7 @@ class StoreHandler(FrameHandler):
         self.clock = clock
         self.connections: set[FrameConnection] = set()
         self.tasks: set[asyncio.Task] = set()
+        self._next_lease_id = 0
         self._scratch = memoryview(bytearray(max(SCRATCH_BYTES, store.slab.slot_bytes)))
 
     # ---- connection bookkeeping ----------------------------------------------------------------
@@ -45,6 +46,8 @@ class StoreHandler(FrameHandler):
 
     def connection_lost(self, conn: FrameConnection, exc: Exception | None) -> None:
         self.connections.discard(conn)
+        for lease in conn.state.pop("leases", {}).values():  # a client's match leases die with it
+            self.store.unpin(lease)
 
     # ---- receiving puts in place ---------------------------------------------------------------
     def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
@@ -90,7 +93,19 @@ class StoreHandler(FrameHandler):
             elif frame.op in (Op.GET, Op.GET_LAYERS):
                 self._get(conn, frame)
             elif frame.op == Op.MATCH:
-                self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(meta))})
+                if meta.get("lease_s") is None:
+                    self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(meta))})
+                else:
+                    lease_s = meta["lease_s"]
+                    if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
+                        raise MetaError(f"'lease_s' must be a positive number, got {lease_s!r}")
+                    self._spawn(conn, frame, self._match_and_pin(conn, frame, keys_from_meta(meta),
+                                                                 min(float(lease_s), self.lease_ttl)))
+            elif frame.op == Op.RELEASE:
+                lease = conn.state.get("leases", {}).pop(int_from_meta(meta, "lease_id"), None)
+                if lease is not None:
+                    self.store.unpin(lease)
+                self._reply(conn, frame, {"released": lease is not None})
             elif frame.op == Op.EXISTS:
                 self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
             elif frame.op == Op.DELETE:
@@ -190,6 +205,24 @@ class StoreHandler(FrameHandler):
             return
         self.store.stats.bytes_out += sum(s for s in sizes if s)
         conn.when_flushed(lambda: self.store.unpin(lease))
+
+    async def _match_and_pin(self, conn: FrameConnection, frame: Frame, keys: list[bytes], lease_s: float) -> None:
+        """Longest held prefix, promoted into DRAM and pinned under one lease owned by ``conn``."""
+        num = self.store.match(keys)
+        found, on_ssd = self.store.lookup_dram(keys[:num])
+        leases: dict[int, Lease] = conn.state.setdefault("leases", {})
+        self._next_lease_id += 1
+        lease_id = self._next_lease_id
+        lease = leases[lease_id] = self.store.pin(
+            [b for b in found if b is not None], self.clock() + lease_s,
+            on_expire=lambda: leases.pop(lease_id, None))
+        for i in on_ssd:
+            item = await self.store.promote(keys[i])
+            if not isinstance(item, Block) or not lease.is_active:
+                num = i  # the prefix we can vouch for ends here
+                break
+            self.store.extend(lease, [item])
+        self._reply(conn, frame, {"num_matched": num, "lease_id": lease_id})
 
     # ---- slow ops ----------------------------------------------------------------------------
     async def _delete(self, conn: FrameConnection, frame: Frame, keys: list[bytes]) -> None:

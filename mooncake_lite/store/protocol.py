@@ -10,12 +10,16 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 | PUT | keys, sizes, num_layers, first_pos | the blocks | num_new | - |
 | GET | keys | - | sizes (null = miss), num_layers (per key, null = miss) | found blocks |
 | GET_LAYERS | keys, first_layer, num_layers | - | sizes, num_layers (of the block) | layer slices |
-| MATCH | keys | - | num_matched (longest prefix held in any tier) | - |
+| MATCH | keys, lease_s (optional) | - | num_matched (longest prefix held in any tier), lease_id | - |
 | EXISTS | keys | - | exists (list of bool) | - |
 | DELETE | keys | - | num_deleted | - |
-| REPLICATE | keys, peer ("host:port") | - | num_copied, num_present, num_missing | - |
+| REPLICATE | keys, peer ("host:port"), first_pos | - | num_copied, num_present, num_missing | - |
+| RELEASE | lease_id | - | released (bool) | - |
 
-``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction).
+``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with
+``lease_s`` also brings the matched prefix into DRAM and pins it for up to ``lease_s`` seconds (at
+most the store's ``--lease-ttl``), until RELEASE, or until the connection closes, so blocks found
+by a match cannot be evicted before the layer-wise loads that follow.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Op(IntEnum):
     EXISTS = 5
     DELETE = 6
     REPLICATE = 7
+    RELEASE = 8
 
 
 class MetaError(ValueError):

@@ -93,3 +93,39 @@ async def test_lease_expires_and_closes_the_dead_reader(role_procs):
     finally:
         writer.close()
         await client.close()
+
+
+async def test_match_and_pin_keeps_a_prefix_until_released(role_procs, tmp_path):
+    store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "3MiB", "--slot-bytes", "1MiB",
+                       "--ssd-dir", str(tmp_path))
+    client = await StoreClient.connect(store.addresses["data"])
+    a0, a1, b, c, d, e = chain(6, seed=22)
+    try:
+        await client.put([a0, a1], [b"a0", b"a1"])
+        await client.put([b], [b"b"])
+        await client.put([e], [b"e"])  # a0 goes to the SSD
+        num, lease_id = await client.match_and_pin([a0, a1, c], lease_s=30)
+        assert num == 2  # a0 promoted from SSD, a1 in DRAM, c unknown
+        for key in (c, d):  # DRAM pressure: only the unpinned slot is reused
+            await client.put([key], [b"x"])
+        assert await client.exists([a0, a1]) == [True, True]
+        got = await client.get_layers([a0, a1], first_layer=0, num_layers=1)
+        assert [bytes(g) for g in got] == [b"a0", b"a1"]
+        with pytest.raises(RemoteError) as err:
+            await client.put([b, e], [b"b", b"e"])  # two slots needed, one can be freed
+        assert err.value.code == "full"
+        assert await client.release(lease_id) is True
+        assert await client.release(lease_id) is False
+        await client.put([b, e], [b"b", b"e"])
+        # Pinning through a second connection is undone when that connection closes.
+        other = await StoreClient.connect(store.addresses["data"])
+        await other.match_and_pin([b], lease_s=30)
+        await wait_metric(store.url(), "mooncake_store_leases", 1)
+        await other.close()
+        await wait_metric(store.url(), "mooncake_store_leases", 0)
+        with pytest.raises(RemoteError) as err:
+            await client.frames.request(Op.MATCH, {"keys": [b.hex()], "lease_s": -1})
+        assert err.value.code == "bad_request"
+    finally:
+        await client.close()
+    assert metric(store.url(), "mooncake_store_hits_total", 'tier="ssd"') >= 1
