@@ -14,7 +14,7 @@ from tests.pd.client import generate
 pytestmark = pytest.mark.timeout(240)
 
 BS = 16
-COMMON = ("--model", "tiny", "--block-size", str(BS), "--port", "0", "--no-profile")
+COMMON = ("--model", "tiny", "--block-size", str(BS), "--port", "0", "--no-profile", "--threads", "1")
 
 
 @pytest.fixture(scope="module")

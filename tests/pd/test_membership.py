@@ -42,7 +42,7 @@ async def test_register_heartbeat_and_exit_on_refusal():
     runner, url, seen = await fake_conductor(refuse_roles={"decode"})
     loop = asyncio.get_running_loop()
     args = ("--model", "tiny", "--block-size", "16", "--port", "0", "--conductor", url,
-            "--heartbeat-interval", "0.2")
+            "--heartbeat-interval", "0.2", "--threads", "1")
     procs = []
     try:
         decode, prefill = await asyncio.gather(

@@ -1,0 +1,312 @@
+"""``mooncake bench pd``: the prefill/decode data path on this machine.
+
+All times are the best of ``--repeats`` runs (other load on the machine can only add time).
+
+(a) **overlap**: TTFT of one prefill whose KV goes to a real decode process, three ways — compute
+    only (KV discarded), compute then send (all KV sent after the last layer), and layer-wise
+    streaming (the role's path). Hidden share = (then_send - streaming) / (then_send - compute_only):
+    the part of the transfer time that streaming hides behind compute (target >= 0.8).
+(b) **prefix**: TTFT of the same prompt with 0..75% of it cached in the store, next to the share
+    of tokens still computed (a prefix hit must cut TTFT in proportion).
+(c) **cpp**: TTFT of a long prompt on a 2-stage CPP group (T/2 threads per stage) vs one instance
+    with T threads, both as real processes driven over HTTP.
+(d) **decode**: tokens/s against batch size, and each step's time vs the memory roof (every
+    step reads all weights once).
+``--profile FILE`` writes the fitted prefill/decode cost models in the scheduler's ``to_dict``
+format (``mooncake sim --cost-model FILE`` reads it); ``--json`` prints every figure as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import orjson
+import torch
+
+from mooncake_lite.bench.model import copy_gbps, matmul_gflops, weight_bytes
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.engine import StageEngine
+from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.prefill.profile import profile_decode, profile_prefill, time_decode
+from mooncake_lite.prefill.store_io import MemoryStore
+
+BLOCK = 64
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mooncake bench pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,small", help="comma-separated presets")
+    ap.add_argument("--prompt-len", default="tiny=1024,small=512", help="prompt tokens per model (name=N,...) or one N")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median reported)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="decode batch sizes")
+    ap.add_argument("--context-len", type=int, default=256, help="cached tokens per decoding sequence")
+    ap.add_argument("--threads", type=int, default=2, help="total torch threads (CPP: split across stages)")
+    ap.add_argument("--no-cpp", dest="cpp", action="store_false", help="skip (c), which starts processes")
+    ap.add_argument("--profile", metavar="FILE", help="write the fitted cost models of the first model here")
+    ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
+    a = ap.parse_args(list(argv))
+    a.models = [m for m in a.models.split(",") if m]
+    try:
+        a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+        lens = dict(item.split("=") for item in a.prompt_len.split(",")) if "=" in a.prompt_len else {}
+        a.prompt_lens = {m: int(lens.get(m, a.prompt_len if not lens else 512)) for m in a.models}
+    except ValueError:
+        ap.error("--batch-sizes and --prompt-len must be integers")
+    if not a.models or min(a.batch_sizes) <= 0 or a.chunk <= 0 or a.repeats <= 0 or a.threads <= 0:
+        ap.error("need models and positive sizes")
+    return a
+
+
+# --- processes --------------------------------------------------------------------------------------
+class Role:
+    def __init__(self, *args: str):
+        cmd = [sys.executable, "-m", "mooncake_lite", *args, "--host", "127.0.0.1", "--port", "0"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in self.proc.stdout:
+            if line.startswith("{") and '"ready"' in line:
+                self.addresses = orjson.loads(line)
+                return
+        raise RuntimeError(f"{' '.join(args)} did not start (rc={self.proc.wait()})")
+
+    def url(self) -> str:
+        return f"http://{self.addresses['http']}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def announce(session: aiohttp.ClientSession, decode: Role, tid: str, prompt_len: int) -> aiohttp.ClientResponse:
+    """Reserve the request on decode (max_tokens 1: it finishes as soon as the KV is in)."""
+    body = {"request_id": tid, "transfer_id": tid, "prompt_len": prompt_len, "sampling": {"max_tokens": 1}}
+    resp = await session.post(f"{decode.url()}/v1/generate", json=body)
+    if resp.status != 200:
+        raise RuntimeError(f"decode refused: {await resp.text()}")
+    return resp
+
+
+# --- senders for the three overlap modes -------------------------------------------------------------
+class NullSender:
+    """Compute only: KV is dropped."""
+    error = None
+    num_frames = num_bytes = 0
+
+    def send_layer(self, layer, start, kv) -> None:
+        pass
+
+    async def end(self, first_layer, end_layer, first_token) -> None:
+        pass
+
+    async def abort(self, reason) -> None:
+        pass
+
+
+class ThenSendSender(KVSender):
+    """Compute, then send everything: KV frames are held until the last layer is done."""
+
+    def __init__(self, client, transfer_id):
+        super().__init__(client, transfer_id)
+        self.held: list = []
+
+    def send_layer(self, layer, start, kv) -> None:
+        self.held.append((layer, start, kv))
+
+    async def end(self, first_layer, end_layer, first_token) -> None:
+        for layer, start, kv in self.held:
+            super().send_layer(layer, start, kv)
+        await super().end(first_layer, end_layer, first_token)
+
+
+async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int, hit: int) -> float:
+    """One prefill through the stage engine (the role's code path minus HTTP); returns TTFT."""
+    keys = prefix_hash(tokens, BLOCK)
+    t0 = time.perf_counter()
+    job = stage.begin(f"r{t0}", tokens, keys, hit, sender)
+    try:
+        out = None
+        for start in range(hit * BLOCK, len(tokens), chunk):
+            out = await stage.run_chunk(job, start, token_ids=tokens[start:start + chunk])
+        await stage.finish(job, int(torch.argmax(out)))
+        return time.perf_counter() - t0
+    finally:
+        await stage.release(job)
+
+
+async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Role) -> dict:
+    n = a.prompt_lens[name]
+    model = build_model(name)
+    decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
+    runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks), block_size=BLOCK)
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    store = MemoryStore((0, model.args.num_layers), layer_bytes)
+    stage = StageEngine(runner, store, ThreadPoolExecutor(1), write_back=False)
+    links = DecodeLinks(None)
+    tokens = torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = iter(range(10**9))
+    async with aiohttp.ClientSession() as session:
+        async def run(mode: str, hit: int = 0) -> float:
+            if mode == "compute_only":
+                return await prefill_once(stage, NullSender(), tokens, a.chunk, hit)
+            tid = f"{name}-{mode}-{next(ids)}"
+            resp = await announce(session, decode, tid, n)
+            client = await links.get(decode.addresses["data"])
+            sender = (ThenSendSender if mode == "then_send" else KVSender)(client, tid)
+            try:
+                return await prefill_once(stage, sender, tokens, a.chunk, hit)
+            finally:
+                await resp.read()
+                resp.release()
+
+        await run("streaming")  # warm-up
+        ttft = {m: [] for m in ("compute_only", "then_send", "streaming")}
+        for _ in range(a.repeats):
+            for mode in ttft:   # interleaved, so load drifts hit every mode alike
+                ttft[mode].append(await run(mode))
+        med = {m: min(v) for m, v in ttft.items()}   # best of: other load on the machine only adds time
+        transfer = med["then_send"] - med["compute_only"]
+        kv_bytes = n * model.args.kv_bytes_per_token(runner.dtype)
+        overlap = {**{f"ttft_{m}_s": v for m, v in med.items()}, "kv_bytes": kv_bytes,
+                   "transfer_s": transfer, "stream_gbps": kv_bytes / transfer / 1e9 if transfer > 0 else None,
+                   "hidden_share": (med["then_send"] - med["streaming"]) / transfer if transfer > 0 else None}
+
+        # (b) cache the prompt's blocks, then prefill with growing cached prefixes
+        full = len(tokens) // BLOCK
+        packed = torch.randn(full, model.args.num_layers, layer_bytes // runner.cache.kv.element_size())
+        await store.put_layers(prefix_hash(tokens, BLOCK), [memoryview(p.numpy()).cast("B") for p in packed],
+                               0, model.args.num_layers)
+        prefix = []
+        for share in (0.0, 0.25, 0.5, 0.75):
+            hit = min(int(n * share) // BLOCK, (n - 1) // BLOCK)
+            times = [await run("streaming", hit) for _ in range(a.repeats)]
+            prefix.append({"cached_tokens": hit * BLOCK, "computed_share": 1 - hit * BLOCK / n,
+                           "ttft_s": min(times)})
+        for row in prefix:
+            row["ttft_share"] = row["ttft_s"] / prefix[0]["ttft_s"]
+    await links.close()
+    return {"overlap": overlap, "prefix": prefix, "runner": runner}
+
+
+def bench_decode(runner: ModelRunner, a: argparse.Namespace, peak_gbps: float) -> list[dict]:
+    floor = weight_bytes(runner.args, runner.dtype) / (peak_gbps * 1e9)
+    rows = []
+    for batch in a.batch_sizes:
+        if not runner.allocator.can_allocate(batch * (-(-a.context_len // runner.block_size))):
+            break
+        t = time_decode(runner, batch, a.context_len, repeats=a.repeats)
+        rows.append({"batch": batch, "step_s": t, "tokens_per_s": batch / t, "memory_roof_share": floor / t})
+    return rows
+
+
+async def cpp_ttft(prefill: Role, decode: Role, n: int, vocab: int, repeats: int) -> float:
+    tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(repeats + 1):
+            tid = f"cpp-{prefill.proc.pid}-{i}"
+            resp = await announce(session, decode, tid, n)
+            body = {"request_id": tid, "transfer_id": tid, "token_ids": tokens,
+                    "decode_data": decode.addresses["data"], "sampling": {"max_tokens": 1}}
+            t0 = time.perf_counter()
+            async with session.post(f"{prefill.url()}/v1/prefill", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"prefill failed: {await r.text()}")
+            times.append(time.perf_counter() - t0)
+            await resp.read()
+            resp.release()
+    return min(times[1:])   # the first run warms up
+
+
+def bench_cpp(name: str, a: argparse.Namespace, decode: Role, n: int, vocab: int) -> dict:
+    common = ("--role", "prefill", "--model", name, "--block-size", str(BLOCK), "--no-profile",
+              "--prefill-chunk", str(a.chunk), "--num-blocks", str(n // BLOCK + 2))
+    out = {}
+    for label, extra in (("one_instance", ("--threads", str(a.threads))),
+                         ("cpp_2_stages", ("--threads", str(max(1, a.threads // 2)), "--pipeline-group", "2"))):
+        prefill = Role(*common, *extra)
+        try:
+            out[f"ttft_{label}_s"] = asyncio.run(cpp_ttft(prefill, decode, n, vocab, a.repeats))
+        finally:
+            prefill.stop()
+    out["speedup"] = out["ttft_one_instance_s"] / out["ttft_cpp_2_stages_s"]
+    return out
+
+
+def run(a: argparse.Namespace) -> dict:
+    # (a), (b), (d) run here while a decode process receives: half the threads each, so torch's
+    # spinning worker threads do not fight over the cores (that makes timings erratic).
+    torch.set_num_threads(max(1, a.threads // 2))
+    res = {"machine": {"threads": a.threads, "matmul_gflops": matmul_gflops(), "copy_gbps": copy_gbps()},
+           "models": {}}
+    for name in a.models:
+        n = a.prompt_lens[name]
+        decode = Role("--role", "decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
+                      "--num-blocks", str(4 * (n // BLOCK + 2)), "--threads", "1")
+        try:
+            part = asyncio.run(bench_overlap_and_prefix(name, a, decode))
+            runner = part.pop("runner")
+            part["decode"] = bench_decode(runner, a, res["machine"]["copy_gbps"])
+            prefill_cost, _ = profile_prefill(runner, [(64, 0), (n // 2, 0), (n, 0), (n // 4, n // 2),
+                                                       (n // 2, n // 4), (n // 8, n - n // 8)], repeats=a.repeats)
+            decode_cost, _ = profile_decode(runner, [(b, c) for b in a.batch_sizes[:4] for c in (64, a.context_len)])
+            part["cost"] = {"prefill": prefill_cost.to_dict(), "decode": decode_cost.to_dict(),
+                            "kv_bytes_per_token": runner.args.kv_bytes_per_token(runner.dtype)}
+            if a.cpp:
+                part["cpp"] = bench_cpp(name, a, decode, n, runner.args.vocab_size)
+        finally:
+            decode.stop()
+        part["prompt_len"] = n
+        res["models"][name] = part
+    return res
+
+
+def profile_dict(name: str, part: dict) -> dict:
+    bw = part["overlap"]["stream_gbps"]
+    return {"name": f"{name}-cpu", **part["cost"], "block_size": BLOCK,
+            **({"bandwidth_bytes_per_s": bw * 1e9} if bw else {})}
+
+
+def render(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"machine: {m['threads']} threads, matmul {m['matmul_gflops']:.1f} GFLOP/s, copy {m['copy_gbps']:.1f} GB/s"]
+    for name, p in res["models"].items():
+        o = p["overlap"]
+        hs = "n/a" if o["hidden_share"] is None else f"{o['hidden_share']:.0%}"
+        lines += [f"\n{name} ({p['prompt_len']} tokens)",
+                  f"  (a) TTFT compute-only {o['ttft_compute_only_s'] * 1e3:.1f} ms, compute-then-send "
+                  f"{o['ttft_then_send_s'] * 1e3:.1f} ms, layer-wise streaming {o['ttft_streaming_s'] * 1e3:.1f} ms"
+                  f" -> transfer hidden: {hs} (target >= 80%)"]
+        lines += [f"  (b) cached {r['cached_tokens']:>5} tokens: TTFT {r['ttft_s'] * 1e3:8.1f} ms = "
+                  f"{r['ttft_share']:.2f} of uncached (computes {r['computed_share']:.2f} of the tokens)"
+                  for r in p["prefix"]]
+        if "cpp" in p:
+            c = p["cpp"]
+            lines.append(f"  (c) TTFT one instance {c['ttft_one_instance_s'] * 1e3:.1f} ms vs 2-stage CPP "
+                         f"{c['ttft_cpp_2_stages_s'] * 1e3:.1f} ms (speedup {c['speedup']:.2f}x)")
+        lines += [f"  (d) batch {r['batch']:>3}: {r['tokens_per_s']:8.1f} tokens/s, step {r['step_s'] * 1e3:.2f} ms "
+                  f"({r['memory_roof_share']:.0%} of the memory roof)" for r in p["decode"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    a = parse_args(argv)
+    res = run(a)
+    if a.profile:
+        name = a.models[0]
+        with open(a.profile, "wb") as fh:
+            fh.write(orjson.dumps(profile_dict(name, res["models"][name]), option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(res).decode() if a.json else render(res))
+    return 0

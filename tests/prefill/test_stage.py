@@ -1,0 +1,172 @@
+"""The prefill stage engine without sockets: load/compute order, store bytes, validation, helpers."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kernels import pack_blocks
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import PrefillRequest, Sampling
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
+from mooncake_lite.prefill.main import Config, layer_slices
+from mooncake_lite.prefill.pipeline import stage_argv
+from mooncake_lite.prefill.service import PrefillRejected, PrefillService
+from mooncake_lite.prefill.store_io import MemoryStore
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=5)
+
+
+class RecordingSender:
+    def __init__(self):
+        self.frames, self.error, self.ended = [], None, None
+
+    def send_layer(self, layer, start, kv):
+        self.frames.append((layer, start, kv.clone()))
+
+    async def end(self, first_layer, end_layer, first_token):
+        self.ended = (first_layer, end_layer, first_token)
+
+    async def abort(self, reason):
+        self.aborted = reason
+
+
+def layer_bytes(model):
+    return 2 * BS * model.args.num_kv_heads * model.args.head_dim * 4
+
+
+async def run_prompt(stage, tokens, chunk, hit=0, sender=None):
+    sender = sender or RecordingSender()
+    keys = prefix_hash(tokens, BS)
+    job = stage.begin("r", tokens, keys, hit, sender)
+    try:
+        out = None
+        for start in range(hit * BS, len(tokens), chunk):
+            out = await stage.run_chunk(job, start, token_ids=tokens[start:start + chunk])
+        await stage.finish(job, int(torch.argmax(out)))
+    finally:
+        await stage.release(job)
+    return sender
+
+
+def tokens_of(n, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def test_next_layer_load_is_launched_before_this_layer_computes(model):
+    store = MemoryStore((0, 4), layer_bytes(model))
+    runner = ModelRunner(model, num_blocks=32, block_size=BS)
+    stage = StageEngine(runner, store, ThreadPoolExecutor(1))
+    tokens = tokens_of(3 * BS + 5)
+    await run_prompt(stage, tokens, chunk=BS)
+    await stage.drain_puts()
+    assert len(store) == 3                               # the three full blocks were written back
+    events = []
+    real_get, real_layer = store.get_layers, stage._layer
+
+    async def get_layers(keys, first, num):
+        events.append(("load", first))
+        return await real_get(keys, first, num)
+
+    def layer(piece, i):
+        events.append(("compute", i))
+        return real_layer(piece, i)
+
+    store.get_layers, stage._layer = get_layers, layer
+    sender = await run_prompt(stage, tokens, chunk=100, hit=3)
+    assert events == [("load", 0), ("load", 1), ("compute", 0), ("load", 2), ("compute", 1),
+                      ("load", 3), ("compute", 2), ("compute", 3)]
+    # each layer streamed its 24 prefix tokens and its 5 new ones
+    assert [(f[0], f[1], f[2].shape[1]) for f in sender.frames] == \
+        [(layer, start, n) for layer in range(4) for start, n in ((0, 24), (24, 5))]
+
+
+async def test_streamed_and_stored_kv_equal_a_plain_prefill(model):
+    tokens = tokens_of(2 * BS + 3, 1)
+    ref = ModelRunner(model, num_blocks=8, block_size=BS)
+    table = ref.allocator.allocate(3)
+    ref.prefill(tokens, table, 0)
+    store = MemoryStore((0, 4), layer_bytes(model))
+    stage = StageEngine(ModelRunner(model, num_blocks=8, block_size=BS), store, ThreadPoolExecutor(1))
+    sender = await run_prompt(stage, tokens, chunk=5)
+    await stage.drain_puts()
+    keys = prefix_hash(tokens, BS)
+    expected = pack_blocks(ref.cache.kv, torch.tensor(table[:2]))
+    for i, key in enumerate(keys):
+        stored = torch.frombuffer(bytearray((await store.get_layers([key], 0, 4))[0]), dtype=torch.float32)
+        torch.testing.assert_close(stored, expected[i].flatten(), rtol=0, atol=1e-5)
+    for layer in range(4):      # the frames of each layer, in order, cover every position once
+        kv = torch.cat([f[2] for f in sender.frames if f[0] == layer], dim=1)
+        k_ref, v_ref = ref.cache.layer(layer)
+        pos = torch.arange(len(tokens))
+        slots = torch.tensor(table)[pos // BS] * BS + pos % BS
+        torch.testing.assert_close(kv[0], k_ref.flatten(0, 1)[slots], rtol=0, atol=1e-5)
+        torch.testing.assert_close(kv[1], v_ref.flatten(0, 1)[slots], rtol=0, atol=1e-5)
+
+
+async def test_abort_and_broken_stream_stop_between_layers_and_free(model):
+    runner = ModelRunner(model, num_blocks=8, block_size=BS)
+    stage = StageEngine(runner, None, ThreadPoolExecutor(1))
+    sender = RecordingSender()
+    job = stage.begin("x", tokens_of(20), [], 0, sender)
+    sender.error = "KV stream to decode failed: connection lost"
+    with pytest.raises(PrefillAborted, match="connection lost"):
+        await stage.run_chunk(job, 0, token_ids=tokens_of(20))
+    await stage.release(job, "gone")
+    assert runner.allocator.num_free == 8 and stage.jobs == {} and sender.aborted == "gone"
+
+
+def test_memory_store_assembles_stage_slices_and_evicts():
+    import asyncio
+    store = MemoryStore((0, 4), 8, max_blocks=2)
+
+    async def go():
+        await store.put_layers([b"a"], [memoryview(bytes(range(16)))], 0, 2)
+        assert await store.match([b"a"]) == 0           # layers 2..3 still missing
+        await store.put_layers([b"a"], [memoryview(bytes(range(16, 32)))], 2, 2)
+        assert await store.match([b"a", b"b"]) == 1
+        assert bytes((await store.get_layers([b"a"], 1, 2))[0]) == bytes(range(8, 24))
+        for key in (b"b", b"c"):
+            await store.put_layers([key], [memoryview(bytes(32))], 0, 4)
+        assert await store.match([b"a"]) == 0            # LRU evicted the oldest
+        with pytest.raises(ValueError):
+            await store.put_layers([b"d"], [memoryview(bytes(5))], 0, 4)
+    asyncio.run(go())
+
+
+async def test_service_validates_requests(model):
+    stage = StageEngine(ModelRunner(model, num_blocks=4, block_size=BS), None, ThreadPoolExecutor(1))
+    service = PrefillService(stage, None, block_size=BS, hash_seed=0, chunk_size=8)
+    toks = tuple(tokens_of(20))
+
+    def req(**kw):
+        base = dict(request_id="r", transfer_id="t", token_ids=toks, decode_data="127.0.0.1:1", sampling=Sampling())
+        return PrefillRequest(**{**base, **kw})
+    good = [k.hex() for k in prefix_hash(toks, BS)]
+    assert service.check(req(prefix_keys=tuple(good[:1])))
+    for bad, fragment in ((req(token_ids=()), "empty"), (req(token_ids=(1, 999)), "token ids"),
+                          (req(token_ids=tuple(range(40))), "KV blocks"),
+                          (req(prefix_keys=("ab" * 16,)), "prefix_keys"),
+                          (req(sampling=Sampling(top_p=0.0)), "top_p"),
+                          (req(migrate_keys=("zz",)), "migrate_keys")):
+        with pytest.raises(PrefillRejected, match=fragment):
+            service.check(bad)
+
+
+def test_layer_slices_and_stage_command_line():
+    assert layer_slices(4, 2) == [(0, 2), (2, 4)]
+    assert layer_slices(12, 5) == [(0, 2), (2, 5), (5, 7), (7, 10), (10, 12)]
+    with pytest.raises(ValueError):
+        layer_slices(2, 3)
+    cfg = Config(model="tiny", pipeline_group=3, threads=1, store="127.0.0.1:9", write_back=False, port=8000)
+    argv = stage_argv(cfg, 2, "127.0.0.1:7")
+    assert argv[argv.index("--pipeline-stage") + 1] == "2" and argv[argv.index("--next-stage") + 1] == "127.0.0.1:7"
+    assert "--no-write-back" in argv and argv[argv.index("--store") + 1] == "127.0.0.1:9"
+    assert argv[argv.index("--port") + 1] == "0" and "--conductor" not in argv
