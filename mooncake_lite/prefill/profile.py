@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -61,6 +62,38 @@ def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int = 3)
             runner.allocator.free(t)
 
 
+def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (a negative per-token cost fitted to noisy
+    timings would make the conductor predict nonsense): drop the most negative term and refit."""
+    a, b = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active] / scale[active], b, rcond=None)
+        sol = sol / scale[active]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
+
+
+def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillCostModel:
+    """``PrefillCostModel`` (t = c0 + c1·n + c2·n·(p+n) + c3·p) from (num_tokens, prefix, s)."""
+    if len(samples) < 4:
+        raise ValueError(f"need at least 4 prefill timings, got {len(samples)}")
+    rows = [[1.0, t - p, (t - p) * t, p] for t, p, _ in samples]
+    return PrefillCostModel(*nonneg_fit(rows, [s for *_, s in samples]))
+
+
+def fit_decode(samples: list[tuple[int, int, float]]) -> DecodeCostModel:
+    """``DecodeCostModel`` (t = c0 + c1·batch + c2·context) from (batch, context tokens, s)."""
+    if len(samples) < 3:
+        raise ValueError(f"need at least 3 decode timings, got {len(samples)}")
+    return DecodeCostModel(*nonneg_fit([[1.0, b, c] for b, c, _ in samples], [s for *_, s in samples]))
+
+
 def fits(runner: ModelRunner, tokens: int) -> bool:
     return runner.allocator.can_allocate(blocks_needed(tokens, runner.block_size))
 
@@ -72,7 +105,7 @@ def profile_prefill(runner: ModelRunner, points: Sequence[tuple[int, int]] = QUI
         if fits(runner, n + p):
             time_prefill(runner, n, p)
     samples = [(n + p, p, time_prefill(runner, n, p, repeats=repeats)) for n, p in points if fits(runner, n + p)]
-    return PrefillCostModel.fit(samples), samples
+    return fit_prefill(samples), samples
 
 
 def profile_decode(runner: ModelRunner, points: Sequence[tuple[int, int]] = QUICK_DECODE,
@@ -85,4 +118,4 @@ def profile_decode(runner: ModelRunner, points: Sequence[tuple[int, int]] = QUIC
     for batch, context in points:
         if fits(runner, batch * runner.block_size * blocks_needed(context, runner.block_size)):
             samples.append((batch, batch * context, time_decode(runner, batch, context, repeats)))
-    return DecodeCostModel.fit(samples), samples
+    return fit_decode(samples), samples

@@ -170,3 +170,15 @@ def test_layer_slices_and_stage_command_line():
     assert argv[argv.index("--pipeline-stage") + 1] == "2" and argv[argv.index("--next-stage") + 1] == "127.0.0.1:7"
     assert "--no-write-back" in argv and argv[argv.index("--store") + 1] == "127.0.0.1:9"
     assert argv[argv.index("--port") + 1] == "0" and "--conductor" not in argv
+
+
+def test_cost_fits_are_exact_on_clean_data_and_never_negative():
+    from mooncake_lite.prefill.profile import fit_decode, fit_prefill
+    true = dict(c0=0.004, c1=2e-5, c2=3e-8, c3=1e-6)
+    pts = [(n + p, p) for n, p in ((32, 0), (96, 0), (192, 0), (64, 128), (32, 192), (128, 64))]
+    model = fit_prefill([(t, p, true["c0"] + true["c1"] * (t - p) + true["c2"] * (t - p) * t + true["c3"] * p)
+                         for t, p in pts])
+    assert model.to_dict() == pytest.approx(true, rel=1e-6)
+    # noise that would fit a negative per-sequence term gets a zero instead
+    noisy = fit_decode([(1, 64, 0.012), (4, 256, 0.011), (8, 512, 0.010), (1, 512, 0.012), (8, 2048, 0.013)])
+    assert min(noisy.to_dict().values()) >= 0.0 and noisy.predict(1, 64) > 0
