@@ -52,14 +52,13 @@ def cluster(role_procs):
                                "--no-profile", *COMMON),
                    pool.submit(role_procs, "decode", "--conductor", url, "--data-port", "0", "--model", "tiny",
                                "--threads", "1", "--heartbeat-interval", "0.5", "--no-profile", *COMMON)]
-        for f in started:
-            f.result()
+        prefill, decode = (f.result() for f in started)
     _wait_ready(url)
-    return url, conductor
+    return url, conductor, prefill, decode
 
 
 def test_tokens_through_the_conductor_equal_the_reference(cluster):
-    url, conductor = cluster
+    url, conductor, _, decode = cluster
     tok = ByteTokenizer(320)
     model = build_model("tiny", seed=0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -88,4 +87,24 @@ def test_tokens_through_the_conductor_equal_the_reference(cluster):
     assert routes[0][1] == 0
     if HAS_REMOTE_STORE:
         assert routes[1] == ("local-hit", common // int(BLOCK)) and common // int(BLOCK) == 6
+
+    # a client that walks away mid-stream: decode drops the request and frees its KV
+    free_before = _load(decode)["free_blocks"]
+    stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):      # decode's tokens are flowing: the request is in its batch
+        next(chunks)
+    assert _load(decode)["num_running"] == 1
+    stream.close()
+    deadline = time.monotonic() + 20
+    while _load(decode)["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    load = _load(decode)
+    assert load["num_running"] == 0 and load["free_blocks"] == free_before, load
     client.close()
+
+
+def _load(rp) -> dict:
+    with urllib.request.urlopen(rp.url() + "/v1/load", timeout=5) as resp:
+        return json.load(resp)
