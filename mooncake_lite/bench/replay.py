@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from mooncake_lite.bench.replay_client import cache_hit_rate, scrape_metrics, served_model_info
-from mooncake_lite.bench.replay_metrics import compute_metrics, parse_slos, served_block_hit_rate
+from mooncake_lite.bench.replay_metrics import compute_metrics, parse_slos, prefix_hit_request_share
 from mooncake_lite.bench.replay_prompts import PromptConfig, PromptSynth, auto_scale
 from mooncake_lite.bench.replay_report import format_table, per_request, plot_cdfs, write_result
 from mooncake_lite.bench.replay_run import replay, select_window
@@ -145,7 +145,7 @@ async def run(ns: argparse.Namespace) -> dict:
                    "num_requests": len(requests), "max_concurrency": ns.max_concurrency,
                    "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, "started_at_unix": started_at},
         "metrics": metrics,
-        "cache": {"cache_hit_rate": hit, "served_block_hit_rate": served_block_hit_rate(records),
+        "cache": {"cache_hit_rate": hit, "requests_with_prefix_hit": prefix_hit_request_share(records),
                   "ideal_block_hit_rate": compute_stats(window).block_reuse_share},
         "notes": notes,
         "_records": records,

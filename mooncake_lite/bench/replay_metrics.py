@@ -38,7 +38,7 @@ class RequestRecord:
     error: str | None = None
     cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens, if reported
     reused_blocks: int | None = None    # X-Mooncake-Reused-Blocks, if reported
-    num_prompt_blocks: int | None = None  # full blocks of the synthesized prompt (trace blocks)
+    num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
     extra: Mapping[str, object] = field(default_factory=dict)
 
     @property
@@ -144,9 +144,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     return result
 
 
-def served_block_hit_rate(records: Sequence[RequestRecord]) -> float | None:
-    """Per-request reused blocks (``X-Mooncake-Reused-Blocks``) over prompt blocks, when reported."""
-    pairs = [(r.reused_blocks, r.num_prompt_blocks) for r in records
-             if r.is_ok and r.reused_blocks is not None and r.num_prompt_blocks]
-    total = sum(b for _, b in pairs)
-    return sum(a for a, _ in pairs) / total if total else None
+def prefix_hit_request_share(records: Sequence[RequestRecord]) -> float | None:
+    """Share of finished requests the server says reused a cached prefix (``X-Mooncake-Reused-Blocks``
+    > 0), when it says so at all. Unit-free: the header counts the *server's* blocks, whose size
+    the client does not know."""
+    told = [r.reused_blocks for r in records if r.is_ok and r.reused_blocks is not None]
+    return sum(1 for n in told if n > 0) / len(told) if told else None

@@ -3,7 +3,7 @@
 import pytest
 
 from mooncake_lite.bench.replay_metrics import (RequestRecord, compute_metrics, meets_slos, paper_tbt, parse_slos,
-                                                served_block_hit_rate, tpot)
+                                                prefix_hit_request_share, tpot)
 
 A = RequestRecord(0, 0.0, 0.0, (0.10, 0.15, 0.25, 0.30), prompt_tokens=10, output_tokens=4, status=200,
                   reused_blocks=1, num_prompt_blocks=4)
@@ -74,6 +74,7 @@ def test_empty_and_bad_inputs():
             parse_slos(bad)
 
 
-def test_served_block_hit_rate():
-    assert served_block_hit_rate(RECORDS) == pytest.approx(3 / 8)
-    assert served_block_hit_rate([D]) is None
+def test_prefix_hit_request_share():
+    zero = RequestRecord(5, 0.0, 0.0, (0.1,), output_tokens=1, status=200, reused_blocks=0)
+    assert prefix_hit_request_share([A, B, zero, C]) == pytest.approx(2 / 3)   # C was rejected: not counted
+    assert prefix_hit_request_share([D]) is None                               # no header at all

@@ -34,7 +34,7 @@ def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys
     assert m["mean_ttft_ms"] > 0 and m["p99_itl_ms"] >= m["median_itl_ms"] > 0
     # hit rate comes from the server's counters, and the shared hash id 0 makes it positive
     assert cache["cache_hit_rate"] == pytest.approx(st.reused_blocks / st.prompt_blocks) and st.reused_blocks > 0
-    assert cache["served_block_hit_rate"] > 0 and 0 < cache["ideal_block_hit_rate"] < 1
+    assert cache["requests_with_prefix_hit"] > 0 and 0 < cache["ideal_block_hit_rate"] < 1
     prompts = [b["prompt"] for _, b in st.received]
     assert len({p[:16] for p in prompts}) == 1 and len({p[16:32] for p in prompts}) > 1
     assert all(b["stream"] and b["ignore_eos"] and b["model"] == "fake-model" for _, b in st.received)
