@@ -98,7 +98,8 @@ def format_table(summary: Mapping) -> str:
     lines.append(f"{'-' * 16}Prefix cache{'-' * 33}")
     lines.append(f"{'Cluster hit rate (conductor /metrics):':<48}{_fmt(cache.get('cache_hit_rate')):>12}")
     if cache.get("requests_with_prefix_hit") is not None:
-        lines.append(f"{'Requests reusing a cached prefix (headers):':<48}{_fmt(cache['requests_with_prefix_hit']):>12}")
+        share = _fmt(cache["requests_with_prefix_hit"])
+        lines.append(f"{'Requests reusing a cached prefix (headers):':<48}{share:>12}")
     lines.append(f"{'Ideal (infinite cache) block reuse of slice:':<48}{_fmt(cache.get('ideal_block_hit_rate')):>12}")
     for note in summary.get("notes", []):
         lines.append(f"note: {note}")

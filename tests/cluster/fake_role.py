@@ -4,8 +4,8 @@ It prints the JSON ready line, serves ``/health``, registers prefill/decode inst
 conductor (sending the cluster token from MOONCAKE_CLUSTER_TOKEN, as the real roles get it),
 and the conductor answers ``/v1/completions`` (streamed or not) with fixed text. Misbehaviour on
 demand, for the supervisor tests: ``FAKE_FAIL=ROLE`` exits with an error before ready,
-``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving, ``FAKE_REJECT=N`` answers the first N
-completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start.
+``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving,
+``FAKE_REJECT=N`` answers the first N completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start.
 """
 
 from __future__ import annotations
