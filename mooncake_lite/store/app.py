@@ -79,14 +79,15 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     dp.tasks = [loop.create_task(dp.handler.run_lease_sweeper(min(1.0, cfg.lease_ttl / 4))),
                 loop.create_task(dp.publisher.run(session))]
-    if store.ssd is not None:
-        dp.tasks.append(loop.create_task(store.ssd.run_writer()))
+    writer = loop.create_task(store.ssd.run_writer()) if store.ssd is not None else None
     log.info("store data port %s (eviction %s, %d slots of %d bytes, SSD %s)", dp.address, cfg.eviction,
              store.slab.num_slots, store.slab.slot_bytes, cfg.ssd_dir or "off")
     try:
         yield
     finally:
         await _drain(dp, server, replicator, session)
+        if writer is not None:
+            await writer
 
 
 async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, session: aiohttp.ClientSession) -> None:
@@ -105,12 +106,16 @@ async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, 
         conn.abort("store shutting down")
     await replicator.close()
     for task in dp.tasks:
-        if task.get_coro().__name__ != "run_writer":
-            task.cancel()
+        task.cancel()
     if store.ssd is not None:
         if cfg.persist_on_exit:
-            num = await store.persist()
-            log.info("wrote %d DRAM block(s) to the SSD tier before exit", num)
+            # Bounded like the rest of the drain: a supervisor may not wait for 8 GiB of fsyncs.
+            budget = max(1.0, deadline - time.monotonic())
+            try:
+                num = await asyncio.wait_for(store.persist(), budget)
+                log.info("wrote %d DRAM block(s) to the SSD tier before exit", num)
+            except asyncio.TimeoutError:
+                log.warning("drain budget spent: some DRAM-only blocks were not written to the SSD tier")
         await store.ssd.stop()
     await dp.publisher.flush(session)
     await session.close()
