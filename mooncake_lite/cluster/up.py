@@ -20,13 +20,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import aiohttp
+
 from mooncake_lite.cluster.child import ChildFailed
 from mooncake_lite.cluster.plan import (ROLES, UpOptions, conductor_spec, instance_specs, split_args,
                                         store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
-from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, smoke_request
+from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import Supervisor
-from mooncake_lite.common.auth import cluster_headers
+from mooncake_lite.common.auth import api_key_headers, cluster_headers
 
 _COLORS = {"conductor": "35", "store": "36", "prefill": "33", "decode": "32", "up": "1"}
 
@@ -116,6 +118,13 @@ async def start_cluster(opts: UpOptions, sup: Supervisor, timeout: float) -> str
     return conductor_url
 
 
+async def model_name(api_url: str, opts: UpOptions) -> str:
+    """The name clients must send (a checkpoint directory is served under its own id)."""
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout, headers=api_key_headers(opts.api_key)) as session:
+        return await served_model(session, api_url, opts.model)
+
+
 def is_preset(model: str) -> bool:
     return not os.path.isdir(model) and "/" not in model
 
@@ -173,7 +182,7 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
     if api_url is None:
         sys.stderr.write("mooncake up: interrupted during start-up\n")
         return 130
-    _say(banner(api_url, opts.model, sup, opts.api_key))
+    _say(banner(api_url, await model_name(api_url, opts), sup, opts.api_key))
     if ns.smoke:
         res = await _until_stopped(smoke_request(api_url, opts.model, api_key=opts.api_key,
                                                  prompt=ns.smoke_prompt, max_tokens=ns.smoke_max_tokens,
