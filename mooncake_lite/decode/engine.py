@@ -121,7 +121,8 @@ class DecodeEngine:
         table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
         pos = torch.arange(start, start + n)
         slots = table[pos // self.runner.block_size] * self.runner.block_size + pos % self.runner.block_size
-        scatter_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots, kv)
+        device = self.runner.cache.kv.device
+        scatter_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots.to(device), kv.to(device))
         pending.layer_tokens[layer] += n
 
     def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> None:

@@ -147,7 +147,7 @@ class StageEngine:
 
     def _layer(self, piece: LayerwisePass, layer: int) -> torch.Tensor:
         piece.run_layer(layer)
-        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots.cpu()).cpu()
+        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots).cpu()
 
     def _check(self, job: StageJob) -> None:
         if job.abort_reason is not None:
