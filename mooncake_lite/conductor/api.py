@@ -113,6 +113,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     except ApiError as exc:
         outcome = OUTCOMES.get(exc.status, "upstream_error")
         return exc.response()
+    except ConnectionResetError:
+        # The client left while we were writing; the finally clause aborts upstream.
+        return web.Response(status=499)
     finally:
         mx.in_flight.dec()
         mx.requests.labels(endpoint, outcome).inc()
