@@ -95,8 +95,9 @@ async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, 
     assert handler is not None
     deadline = time.monotonic() + cfg.drain_timeout
     server.close()
-    if handler.tasks:
-        await asyncio.wait(list(handler.tasks), timeout=max(0.1, deadline - time.monotonic()))
+    # Let frames already arriving finish (a put cut in half would be lost) and their work end.
+    while time.monotonic() < deadline and (handler.tasks or not all(c.is_idle for c in handler.connections)):
+        await asyncio.sleep(0.01)
     for conn in list(handler.connections):
         conn.close()  # flushes queued replies, then closes
     closing = [conn.closed for conn in list(handler.connections)]

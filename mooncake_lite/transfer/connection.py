@@ -238,6 +238,11 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._targets = []
         self.handler.frame_received(self, frame)
 
+    @property
+    def is_idle(self) -> bool:
+        """No frame half-received (safe to close without losing a request)."""
+        return self._header is None and self._start == self._end
+
     # ---- sending and closing ----------------------------------------------------------------
     def send(self, op: int, request_id: int, meta: dict[str, Any] | None = None,
              payload: Sequence[Buffer] = (), flags: int = 0) -> None:

@@ -207,3 +207,17 @@ async def test_replicate_between_two_stores(role_procs):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_sigterm_finishes_a_put_in_flight(role_procs):
+    store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "96MiB", "--slot-bytes", "4MiB")
+    client = await StoreClient.connect(store.addresses["data"])
+    keys = chain(16, seed=35)
+    data = [block(k, 4 << 20) for k in keys]
+    put = asyncio.ensure_future(client.put(keys, data))
+    await asyncio.sleep(0)  # the frame is being written
+    store.proc.terminate()
+    assert await asyncio.wait_for(put, 30) == 16  # answered before the store went away
+    await client.close()
+    assert store.proc.wait(30) == 0
+    assert "closed mid-frame" not in store.logs()
