@@ -161,6 +161,9 @@ def main(argv: Sequence[str]) -> int:
     except (ValueError, TraceError, OSError) as exc:
         sys.stderr.write(f"mooncake bench replay: error: {exc}\n")
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("mooncake bench replay: interrupted; no results written\n")
+        return 130
     records = summary.pop("_records")
     out = Path(ns.output_dir)
     series = per_request(records)
