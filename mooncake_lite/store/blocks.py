@@ -177,8 +177,10 @@ class BlockStore:
                 self.policy.touch(key)
                 self.stats.hits_dram += 1
             elif self.ssd is not None and key in self.ssd:
+                self.stats.misses_dram += 1
                 on_ssd.append(i)
             else:
+                self.stats.misses_dram += 1
                 self.stats.misses += 1
             found.append(block)
         return found, on_ssd

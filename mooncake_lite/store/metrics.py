@@ -29,7 +29,8 @@ class StoreCollector:
             ("dram", stats.hits_dram), ("ssd", stats.hits_ssd)])
         yield _counter("evictions", "blocks evicted per tier", [
             ("dram", stats.evictions_dram), ("ssd", ssd.num_evicted if ssd else 0)])
-        yield _counter("misses", "block reads of keys held in no tier", value=stats.misses)
+        yield _counter("misses", "block reads a tier could not serve (tier=ssd: no tier could)", [
+            ("dram", stats.misses_dram), ("ssd", stats.misses)])
         yield _counter("bytes_in", "block bytes received by puts", value=stats.bytes_in)
         yield _counter("bytes_out", "block bytes sent by gets", value=stats.bytes_out)
         yield _counter("blocks_put", "blocks committed by puts", value=stats.blocks_put)

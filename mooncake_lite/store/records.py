@@ -46,7 +46,8 @@ class PutTicket:
 class StoreStats:
     hits_dram: int = 0
     hits_ssd: int = 0
-    misses: int = 0
+    misses_dram: int = 0  # reads DRAM could not serve (some then served by the SSD)
+    misses: int = 0  # reads no tier could serve
     evictions_dram: int = 0
     blocks_put: int = 0
     bytes_in: int = 0

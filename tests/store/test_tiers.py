@@ -76,6 +76,8 @@ async def test_spill_to_ssd_and_promotion(role_procs, tmp_path):
     finally:
         await client.close()
     assert metric(store.url(), "mooncake_store_hits_total", 'tier="ssd"') >= 4
+    assert metric(store.url(), "mooncake_store_misses_total", 'tier="dram"') >= 4
+    assert metric(store.url(), "mooncake_store_misses_total", 'tier="ssd"') == 0
     assert metric(store.url(), "mooncake_store_ssd_writes_total") >= 4
     assert metric(store.url(), "mooncake_store_blocks", 'tier="ssd"') >= 4
 
@@ -109,6 +111,7 @@ async def test_corrupted_ssd_block_is_not_served(role_procs, tmp_path):
     finally:
         await client.close()
     assert metric(store.url(), "mooncake_store_corrupt_blocks_total") == 1
+    assert metric(store.url(), "mooncake_store_misses_total", 'tier="ssd"') == 1
 
 
 @pytest.mark.parametrize("persist", [True, False])
