@@ -97,7 +97,7 @@ async def test_hot_spot_migration_is_sent_to_prefill(make_cluster):
 
 
 async def test_silent_instance_is_marked_dead_and_gets_no_work(make_cluster):
-    cluster = await make_cluster(prefill=1, decode=2, dead_after=0.3)
+    cluster = await make_cluster(prefill=1, decode=2, dead_after=1.0)
     d0 = cluster.instances["d0"]
     d0.is_heartbeating = False
     while cluster.svc.membership.instances["d0"].is_alive:
@@ -115,7 +115,7 @@ async def test_silent_instance_is_marked_dead_and_gets_no_work(make_cluster):
 
 
 async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster):
-    cluster = await make_cluster(prefill=1, decode=1, dead_after=0.3)
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=1.0)
     p0, d0 = cluster.instances["p0"], cluster.instances["d0"]
     d0.behaviour.hang = True     # decode never sends a token...
     c = client(cluster)
