@@ -212,14 +212,14 @@ class _Run:
                     pending.clear()
         except ApiError as exc:
             self.outcome = "upstream_error"
-            await resp.write(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
+            await resp.write_eof(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
             return resp
         self._finish_metrics()
         pending.append(_sse(self._chunk(None, self.flight.finish_reason)))
         if self.req.include_usage:
             pending.append(_sse(self._envelope([], usage=self._usage())))
-        await resp.write(b"".join(pending) + b"data: [DONE]\n\n")
-        await resp.write_eof()
+        # The tail, [DONE] and the end of the chunked body in one write (one syscall).
+        await resp.write_eof(b"".join(pending) + b"data: [DONE]\n\n")
         return resp
 
     def _chunk(self, delta: str | dict | None, finish_reason: str | None) -> dict:
