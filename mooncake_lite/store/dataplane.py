@@ -26,6 +26,9 @@ from mooncake_lite.transfer.server import reply_error
 log = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 1 << 20
+# Per-frame context (put ticket or error) rides in the frame's meta dict under a key no JSON
+# object can contain, so a client cannot forge it.
+_ERROR, _TICKET = object(), object()
 
 
 class StoreHandler(FrameHandler):
@@ -52,7 +55,7 @@ class StoreHandler(FrameHandler):
     # ---- receiving puts in place ---------------------------------------------------------------
     def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
         if header.op != Op.PUT:
-            meta["_error"] = ("bad_request", f"op {header.op} takes no payload")
+            meta[_ERROR] = ("bad_request", f"op {header.op} takes no payload")
             return self._discard(header.payload_len)
         try:
             keys = keys_from_meta(meta)
@@ -62,12 +65,12 @@ class StoreHandler(FrameHandler):
             num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
             ticket = self.store.reserve(keys, sizes, num_layers, int_from_meta(meta, "first_pos", 0))
         except (MetaError, BadRequest) as exc:
-            meta["_error"] = ("bad_request", str(exc))
+            meta[_ERROR] = ("bad_request", str(exc))
             return self._discard(header.payload_len)
         except StoreFull as exc:
-            meta["_error"] = ("full", str(exc))
+            meta[_ERROR] = ("full", str(exc))
             return self._discard(header.payload_len)
-        meta["_ticket"] = ticket
+        meta[_TICKET] = ticket
         return self.store.ticket_views(ticket, self._scratch)
 
     def _discard(self, nbytes: int) -> list[memoryview]:
@@ -76,19 +79,21 @@ class StoreHandler(FrameHandler):
         return [self._scratch] * (nbytes // size) + ([self._scratch[:nbytes % size]] if nbytes % size else [])
 
     def frame_aborted(self, conn: FrameConnection, header: Header, meta: dict[str, Any]) -> None:
-        ticket: PutTicket | None = meta.get("_ticket")
+        ticket: PutTicket | None = meta.get(_TICKET)
         if ticket is not None:
             self.store.cancel(ticket)
 
     # ---- dispatch ----------------------------------------------------------------------------
     def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
         meta = frame.meta
-        if "_error" in meta:
-            reply_error(conn, frame, *meta["_error"])
+        if _ERROR in meta:
+            reply_error(conn, frame, *meta[_ERROR])
             return
         try:
             if frame.op == Op.PUT:
-                num_new = self.store.commit(meta["_ticket"]) if "_ticket" in meta else 0
+                if _TICKET not in meta and keys_from_meta(meta):
+                    raise MetaError("a put of blocks needs a payload")
+                num_new = self.store.commit(meta[_TICKET]) if _TICKET in meta else 0
                 conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
             elif frame.op in (Op.GET, Op.GET_LAYERS):
                 self._get(conn, frame)

@@ -103,3 +103,17 @@ async def test_many_blocks_batched_and_pipelined(store):
         assert [bytes(g) for g in got] == data
     finally:
         await client.close()
+
+
+async def test_forged_private_meta_is_just_a_bad_request(store):
+    client = await StoreClient.connect(store.addresses["data"])
+    try:
+        key = chain(1, seed=5)[0].hex()
+        for meta in ({"keys": [key], "sizes": [4], "_ticket": 1, "_error": "x"}, {"keys": [key], "_ticket": 3}):
+            with pytest.raises(RemoteError) as err:
+                await client.frames.request(1, meta)  # PUT without a payload
+            assert err.value.code == "bad_request"
+        assert (await client.frames.request(1, {"keys": []})).meta == {"num_new": 0}
+        assert await client.exists([bytes.fromhex(key)]) == [False]
+    finally:
+        await client.close()
