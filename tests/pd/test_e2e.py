@@ -82,8 +82,8 @@ async def test_two_stage_cpp_group_matches_reference(role_procs, model):
 
 
 async def test_dead_prefill_and_dead_decode(role_procs, model):
-    decode, prefill, prefill2 = start_many(
-        role_procs, ("decode", *COMMON, "--num-blocks", "512"),
+    decode, decode2, prefill, prefill2 = start_many(
+        role_procs, ("decode", *COMMON, "--num-blocks", "512"), ("decode", *COMMON, "--num-blocks", "128"),
         *[("prefill", *COMMON, "--num-blocks", "512", "--prefill-chunk", "8")] * 2)
     long_prompt = prompt(3000, 7)
     async with aiohttp.ClientSession() as session:
@@ -107,7 +107,6 @@ async def test_dead_prefill_and_dead_decode(role_procs, model):
         async with session.get(f"{prefill2.url()}/v1/load") as resp:
             pload = await resp.json()
         assert pload["free_blocks"] == 512 and pload["num_queued"] == 0 and pload["num_failed"] == 1
-        decode2 = role_procs("decode", *COMMON, "--num-blocks", "128")
         toks = prompt(40, 8)
         again = await generate(session, prefill2.url(), decode2.url(), decode2.addresses["data"], toks, 5)
         assert again.tokens == reference_greedy(model, toks, 5)
