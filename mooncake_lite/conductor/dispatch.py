@@ -33,7 +33,7 @@ from mooncake_lite.conductor.errors import ApiError, bad_request, rejected, unav
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.params import ApiRequest
-from mooncake_lite.scheduler import Decision, Scheduler, ScheduleRequest
+from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -110,7 +110,7 @@ class Flight:
         keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
         sreq = ScheduleRequest(self.request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
         t0 = time.perf_counter()
-        decision = svc.scheduler.schedule(sreq, svc.membership.snapshot(), _now())
+        decision = svc.scheduler.schedule(sreq, self._snapshot(), _now())
         svc.metrics.decision.observe(time.perf_counter() - t0)
         self.block_keys = keys
         if decision.accepted:
@@ -133,6 +133,20 @@ class Flight:
         wait = decision.predicted_queue_s if cause == "ttft" else 1.0
         raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
                        min(60, max(1, math.ceil(wait))))
+
+    def _snapshot(self) -> ClusterState:
+        """The live cluster, without prefill instances whose KV cache cannot hold this prompt
+        (the scheduler core does not know their capacity). None can: 400."""
+        snap, n = self.svc.membership.snapshot(), len(self.req.prompt_ids)
+        instances = self.svc.membership.instances
+        fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= n)
+        if len(fits) == len(snap.prefills):
+            return snap
+        if not fits:
+            largest = max(instances[p.instance_id].reg.max_context for p in snap.prefills)
+            raise bad_request(f"the prompt has {n} tokens but the largest prefill instance holds {largest}",
+                              "prompt")
+        return ClusterState(fits, snap.decodes)
 
     def _check_fits_some_decode(self) -> None:
         """A request larger than every decode instance's KV capacity can never run: 400, not 429."""

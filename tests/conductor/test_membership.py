@@ -152,3 +152,22 @@ async def test_reported_costs_are_used_and_capacity_limits_requests(make_cluster
         await c.completions.create(model="tiny", prompt="a" * 60, max_tokens=8)
     assert "largest decode instance holds 64" in info.value.message
     await c.close()
+
+
+async def test_prefill_instances_too_small_for_a_prompt_are_skipped(make_cluster):
+    cluster = await make_cluster(prefill=0, decode=1)
+    small = await cluster.add("prefill", "p-small", register=False, store="s0:1")
+    status, _ = await fakes.register(cluster.session, cluster.url, small, max_context=32)
+    assert status == 200
+    await cluster.add("prefill", "p-big", store="s1:1")
+    c = client(cluster)
+    for _ in range(3):
+        raw = await c.completions.with_raw_response.create(model="tiny", prompt="a" * 40, max_tokens=2)
+        assert raw.headers["X-Mooncake-Prefill"] == "p-big"
+    cluster.instances["p-big"].is_heartbeating = False
+    cluster.svc.membership.instances["p-big"].last_seen -= 10
+    cluster.svc.membership.reap(cluster.svc.membership.instances["p-small"].last_seen + 1)
+    with pytest.raises(openai.BadRequestError) as info:
+        await c.completions.create(model="tiny", prompt="a" * 40, max_tokens=2)
+    assert "largest prefill instance holds 32" in info.value.message
+    await c.close()
