@@ -1,0 +1,38 @@
+"""Conductor flags: durations, choices and bad values give clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.common.config import ConfigError, load_config
+from mooncake_lite.conductor.app import make_app
+from mooncake_lite.conductor.main import Config
+
+
+def _load(*argv: str) -> Config:
+    return load_config(Config, list(argv), prog="mooncake --role conductor", section="conductor", env={})
+
+
+def test_flags_land_in_the_config():
+    cfg = _load("--port", "0", "--strategy", "cache-aware", "--admission", "early", "--ttft-slo", "500ms",
+                "--tbt-slo", "0.1", "--kvcache-balancing-threshold", "2", "--dead-after", "3s",
+                "--api-key", "k", "--uniform-decode", "4s")
+    assert (cfg.port, cfg.strategy, cfg.admission, cfg.ttft_slo, cfg.tbt_slo) == (0, "cache-aware", "early", 0.5, 0.1)
+    assert (cfg.kvcache_balancing_threshold, cfg.dead_after, cfg.api_key, cfg.uniform_decode) == (2.0, 3.0, "k", 4.0)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("--ttft-slo", "-1"), "--ttft-slo must be positive"),
+    (("--tbt-slo", "soon"), "not a duration"),
+    (("--kvcache-balancing-threshold", "0.5"), "ratio >= 1"),
+    (("--dead-after", "0"), "--dead-after must be positive"),
+    (("--port", "70000"), "--port must be in"),
+])
+def test_bad_values_are_clear_errors(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _load(*argv)
+
+
+def test_unknown_model_is_refused_at_startup():
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        make_app(Config(model="nope"))
