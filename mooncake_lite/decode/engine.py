@@ -220,6 +220,10 @@ class DecodeEngine:
 
     def load(self) -> dict[str, float]:
         b = self.batcher
-        return {"num_running": b.num_running, "num_waiting": b.num_waiting,
+        load = {"num_running": b.num_running, "num_waiting": b.num_waiting,
                 "context_tokens": b.context_tokens, "free_blocks": b.allocator.num_free,
+                "max_context_tokens": b.allocator.num_blocks * b.block_size,
                 "predicted_tbt_s": b.predicted_tbt() or 0.0}
+        if b.max_batch_size is not None:
+            load["max_batch_size"] = b.max_batch_size
+        return load

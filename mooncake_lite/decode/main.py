@@ -11,7 +11,7 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
-from mooncake_lite.prefill.worker_config import ModelRoleConfig, _optional_duration, build_runner
+from mooncake_lite.prefill.worker_config import ModelRoleConfig, optional_duration, build_runner
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ DESCRIPTION = ("Decode instance: receives each request's KV stream from prefill 
 class Config(ModelRoleConfig):
     data_port: int = option(0, "KV data socket port prefill streams into (0 = pick a free one)")
     tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms)",
-                                   parse=_optional_duration)
+                                   parse=optional_duration)
     max_batch_size: int | None = option(None, "most sequences decoding at once")
 
     def __post_init__(self) -> None:

@@ -91,7 +91,7 @@ def registration(cfg: Config, service, addresses: dict[str, str]) -> Register:
 
 def run(cfg: Config) -> int:
     if cfg.pipeline_stage > 0:
-        from mooncake_lite.prefill.pipeline import run_stage
+        from mooncake_lite.prefill.stage_process import run_stage
         return run_stage(cfg)
     from mooncake_lite.model.weights import model_args
     from mooncake_lite.prefill.app import EXTRA_CLEANUP, make_app
@@ -102,7 +102,7 @@ def run(cfg: Config) -> int:
     slices = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)
     group = None
     if cfg.pipeline_group > 1:
-        from mooncake_lite.prefill.pipeline import StageGroup
+        from mooncake_lite.prefill.stage_process import StageGroup
         group = StageGroup.spawn(cfg, slices)
     try:
         stage, cost = build_stage(cfg, slices[0])

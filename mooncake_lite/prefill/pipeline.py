@@ -1,7 +1,7 @@
 """Chunked Pipeline Parallelism: a prefill group of X processes, each owning a slice of layers.
 
 The group head (stage 0, the one the conductor talks to) starts stages 1..X-1 as child processes
-and talks to stage 1 over the transfer framing; every stage talks to the next the same way:
+(``stage_process.py``) and talks to stage 1 over the transfer framing; every stage talks to the next the same way:
 
     OP_STAGE_MATCH {rid, keys}                 -> {"num_blocks"}: min leading store hit, this stage and after
     OP_STAGE_BEGIN {rid, tid, token_ids, decode_data, sampling, keys, num_prefix_blocks} -> ok
@@ -19,17 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-import orjson
 import torch
 
-from mooncake_lite.common.config import flag_name
 from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
@@ -37,7 +30,7 @@ from mooncake_lite.prefill.service import sampling_params
 from mooncake_lite.transfer.client import FrameClient
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
-from mooncake_lite.transfer.server import reply_error, server_address, start_server
+from mooncake_lite.transfer.server import reply_error
 
 log = logging.getLogger(__name__)
 
@@ -207,119 +200,3 @@ class StageServer(FrameHandler):
         if work is None:
             raise KeyError(f"request {rid!r} is not running on this stage")
         return work
-
-
-# --- processes ------------------------------------------------------------------------------------
-SKIP_FLAGS = {"pipeline_stage", "next_stage", "port", "data_port", "conductor", "instance_id", "profile"}
-
-
-def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
-    """The command line of stage ``stage``: the head's own settings plus its place in the group."""
-    argv = [sys.executable, "-m", "mooncake_lite", "--role", "prefill"]
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in SKIP_FLAGS or value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
-        else:
-            argv += [flag_name(f), str(value)]
-    argv += ["--pipeline-stage", str(stage), "--port", "0", "--data-port", "0", "--no-profile"]
-    if next_address:
-        argv += ["--next-stage", next_address]
-    return argv
-
-
-class StageGroup:
-    """Stages 1..X-1 of a group, started by its head (last stage first, so each knows its next)."""
-
-    def __init__(self, procs: list[subprocess.Popen], first_address: str):
-        self.procs = procs
-        self.first_address = first_address
-
-    @classmethod
-    def spawn(cls, cfg, slices: list[tuple[int, int]], timeout_s: float = 120.0) -> StageGroup:
-        procs: list[subprocess.Popen] = []
-        address = None
-        try:
-            for stage in range(len(slices) - 1, 0, -1):
-                proc = subprocess.Popen(stage_argv(cfg, stage, address), stdout=subprocess.PIPE, text=True)
-                procs.append(proc)
-                address = _wait_ready(proc, stage)
-        except BaseException:
-            cls(procs, "").stop()
-            raise
-        log.info("CPP group of %d stages ready; stage 1 at %s", len(slices), address)
-        return cls(procs, address)
-
-    async def connect(self, token: str | None) -> NextStage:
-        return await NextStage.connect(self.first_address, token)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
-def _wait_ready(proc: subprocess.Popen, stage: int) -> str:
-    for line in proc.stdout:
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(msg, dict) and msg.get("event") == "ready":
-            return msg["stage"]
-    raise RuntimeError(f"pipeline stage {stage} exited before it was ready (rc={proc.wait()})")
-
-
-def run_stage(cfg) -> int:
-    """Main of a stage > 0: its layer slice, a stage socket, a /health endpoint."""
-    from aiohttp import web
-
-    from mooncake_lite.common.service import run as run_loop
-    from mooncake_lite.common.service import serve_app
-    from mooncake_lite.model.weights import model_args
-    from mooncake_lite.prefill.main import layer_slices, make_store
-    from mooncake_lite.prefill.worker_config import build_runner
-
-    layer_range = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)[cfg.pipeline_stage]
-    runner = build_runner(cfg, layer_range)
-    stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),
-                        write_back=cfg.write_back)
-
-    async def watch_parent(parent: int) -> None:
-        # A stage must not outlive its group head (e.g. the head was killed with SIGKILL).
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        log.warning("group head %d is gone; stage %d exits", parent, cfg.pipeline_stage)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    parent_pid = os.getppid()
-
-    async def main() -> None:
-        watcher = asyncio.ensure_future(watch_parent(parent_pid))
-        next_stage = await NextStage.connect(cfg.next_stage, cfg.cluster_token) if cfg.next_stage else None
-        links = DecodeLinks(cfg.cluster_token)
-        server = await start_server(StageServer(stage, links, next_stage), cfg.host, cfg.data_port,
-                                    token=cfg.cluster_token, name="stage")
-        app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", "stage": cfg.pipeline_stage}))
-        try:
-            await serve_app(app, cfg.host, cfg.port, role="prefill-stage",
-                            extra_addresses=lambda: {"stage": server_address(server)})
-        finally:
-            watcher.cancel()
-            server.close()
-            await stage.drain_puts()
-            await links.close()
-            if next_stage is not None:
-                await next_stage.close()
-
-    run_loop(main)
-    return 0

@@ -13,7 +13,7 @@ from mooncake_lite.model.args import DTYPES, dtype_bytes
 from mooncake_lite.model.runner import ModelRunner
 
 
-def _optional_duration(value):
+def optional_duration(value):
     return None if value in (None, "", "none") else parse_duration(value)
 
 
