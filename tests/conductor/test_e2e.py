@@ -40,7 +40,10 @@ def _wait_ready(url: str, timeout: float = 60.0) -> dict:
 
 @pytest.fixture
 def cluster(role_procs):
-    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "none", *COMMON)
+    # Early admission with a TTFT SLO a few prefills long (the instances run --no-profile, so the
+    # conductor predicts with its shape-derived defaults: ~7 ms for a 200-token tiny prompt).
+    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "early",
+                           "--ttft-slo", "20ms", *COMMON)
     url = conductor.url()
     store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "64MiB",
                        "--conductor", url, "--event-interval", "0.05", *COMMON)
@@ -102,6 +105,34 @@ def test_tokens_through_the_conductor_equal_the_reference(cluster):
         time.sleep(0.1)
     load = _load(decode)
     assert load["num_running"] == 0 and load["free_blocks"] == free_before, load
+    client.close()
+
+
+def test_a_burst_beyond_the_ttft_slo_gets_429s_and_the_rest_stays_exact(cluster):
+    url, conductor, _, _ = cluster
+    tok = ByteTokenizer(320)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompts = [f"request {i:02d}: " + "the moon is made of cheese and KV cache. " * 5 for i in range(16)]
+
+    def one(prompt: str):
+        try:
+            raw = client.completions.with_raw_response.create(
+                model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+            return "ok", raw.parse().choices[0].model_extra["token_ids"]
+        except openai.RateLimitError as exc:
+            return "429", (exc.message, exc.response.headers.get("Retry-After"))
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, prompts))
+    ok = [(p, r) for p, (kind, r) in zip(prompts, results) if kind == "ok"]
+    rejected = [r for kind, r in results if kind == "429"]
+    assert ok and rejected, results
+    for message, retry_after in rejected:
+        assert "predicted TTFT" in message and int(retry_after) >= 1
+    model = build_model("tiny", seed=0)
+    for prompt, token_ids in ok:
+        assert token_ids == reference_greedy(model, tok.encode(prompt), 4)
     client.close()
 
 
