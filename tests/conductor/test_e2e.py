@@ -82,8 +82,11 @@ def test_tokens_through_the_conductor_equal_the_reference(cluster):
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == tok.decode(want)
-        if i == 0:
-            time.sleep(0.5)   # let the store's block events reach the conductor
+        if i == 0 and HAS_REMOTE_STORE:   # wait for the store's block events to reach the conductor
+            full_blocks = len(tok.encode(prompt)) // int(BLOCK)
+            deadline = time.monotonic() + 30
+            while _indexed_blocks(url) < full_blocks and time.monotonic() < deadline:
+                time.sleep(0.05)
     # the second prompt shares its first full blocks with the first: served as a prefix hit
     a, b = (tok.encode(p) for p in prompts)
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -134,6 +137,14 @@ def test_a_burst_beyond_the_ttft_slo_gets_429s_and_the_rest_stays_exact(cluster)
     for prompt, token_ids in ok:
         assert token_ids == reference_greedy(model, tok.encode(prompt), 4)
     client.close()
+
+
+def _indexed_blocks(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("mooncake_conductor_indexed_blocks "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def _load(rp) -> dict:
