@@ -101,7 +101,7 @@ def run_main(argv: list[str]) -> int:
     for s in summaries:
         print(f"{s['label']}: rejected {s['rejected_by'] or 'none'}; reused {s['reused_token_share']:.1%} of input "
               f"tokens; goodput {s['goodput_rps']:.2f} req/s; {s['requests_per_wall_s']:,.0f} simulated req per "
-              f"wall-second ({s['wall_s']:.1f} s)")
+              f"wall-second ({s['wall_s']:.1f} s wall, {s['cpu_s']:.1f} s CPU)")
     if args.out:
         print(f"wrote {Path(args.out) / 'results.json'}, cdf.png, load.png")
     return 0

@@ -174,8 +174,9 @@ class MooncakeSim:
             raise RuntimeError("a MooncakeSim runs once; build a new one")
         self._trace, self._next = list(trace), 0
         self.recorder.start(len(self._trace), progress)
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         self._push_next_arrival()
         self.events.run()
+        self.recorder.cpu_s = time.process_time() - cpu
         return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events)
 

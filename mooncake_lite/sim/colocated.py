@@ -20,14 +20,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from mooncake_lite.scheduler import (BlockIndex, CostModels, PrefillInstanceState, QueuedPrefill,
+from mooncake_lite.scheduler import (BlockIndex, CostModels, PrefillInstanceState,
                                      ScheduleRequest, SchedulerConfig, prefill_queue_time)
 from mooncake_lite.scheduler.prefill_select import choose_prefill
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.config import ColocatedConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.events import EventQueue
-from mooncake_lite.sim.nodes import cached_prefix
+from mooncake_lite.sim.nodes import cached_prefix, queued
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.request import SimRequest
 from mooncake_lite.store.eviction import BlockCache
@@ -49,19 +49,21 @@ class ColocatedInstance:
         self.seg_start = self.seg_gap = 0.0
         self.seg_steps = 0
         self.version = 0
+        self._state: PrefillInstanceState | None = None
 
     def state(self) -> PrefillInstanceState:
-        jobs = [self.prefilling] if self.prefilling is not None else []
-        jobs.extend(self.waiting)
-        queue = tuple(QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, None,
-                                    r.prefill_start if r is self.prefilling else None) for r in jobs)
-        return PrefillInstanceState(self.instance_id, self.instance_id, queue)
+        if self._state is None:
+            jobs = [self.prefilling] if self.prefilling is not None else []
+            jobs.extend(self.waiting)
+            self._state = PrefillInstanceState(self.instance_id, self.instance_id, tuple(queued(r) for r in jobs))
+        return self._state
 
     def is_idle(self) -> bool:
         return self.prefilling is None and self.seg_steps == 0
 
     def enqueue(self, now: float, req: SimRequest) -> None:
         self.waiting.append(req)
+        self._state = None
         if self.is_idle():
             self._boundary(now, self.version)
         elif self.seg_steps:  # cut the decode segment at the next step boundary
@@ -95,6 +97,7 @@ class ColocatedInstance:
         if self.waiting and self._fits(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling = req
+            self._state = None
             req.prefill_start = now
             req.reused_tokens = min(cached_prefix(self.cache, req.keys) * self.sim.block_size, req.input_length - 1)
             duration = self.sim.hw.prefill_seconds(req.input_length, req.reused_tokens)
@@ -109,6 +112,7 @@ class ColocatedInstance:
     def _prefill_done(self, now: float, version: int) -> None:
         req = self.prefilling
         self.prefilling = None
+        self._state = None
         self.sim.store(self, req.keys)
         req.first_token = now
         if req.output_length <= 1:
@@ -176,8 +180,9 @@ class ColocatedSim:
             raise RuntimeError("a ColocatedSim runs once; build a new one")
         self._trace, self._next = list(trace), 0
         self.recorder.start(len(self._trace), progress)
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         self._push_next_arrival()
         self.events.run()
+        self.recorder.cpu_s = time.process_time() - cpu
         return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events,
                                     system="colocated")

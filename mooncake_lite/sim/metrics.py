@@ -62,6 +62,7 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, 
         "simulated_s": res.duration_s,
         "wall_s": res.wall_s,
         "requests_per_wall_s": len(reqs) / res.wall_s if res.wall_s > 0 else None,
+        "cpu_s": res.extra.get("cpu_s"),
         "num_events": res.num_events,
         "counters": res.counters,
     }

@@ -50,6 +50,19 @@ def cpp_cost_model(hw: Hardware, group_size: int, chunk: int) -> PrefillCostMode
     return PrefillCostModel.fit(samples)
 
 
+def queued(r: SimRequest) -> QueuedPrefill:
+    """The request as a queued prefill job, built once while waiting and once when started."""
+    q = r.snap
+    if q is None or q.started_at != r.prefill_start:
+        q = r.snap = QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.decode_id, r.prefill_start)
+    return q
+
+
+# A decode snapshot's context length may lag the truth by at most this many generated tokens
+# (rebuilding every DecodingRequest at every batch change dominated the run time).
+MAX_CONTEXT_LAG = 32
+
+
 class PrefillNode:
     """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
 
@@ -82,9 +95,8 @@ class PrefillNode:
         if self._state is None:
             jobs = [self.current] if self.current is not None else []
             jobs.extend(self.waiting)
-            queue = tuple(QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.decode_id,
-                                        r.prefill_start if r is self.current else None) for r in jobs)
-            self._state = PrefillInstanceState(self.instance_id, self.store_id, queue, None, self.cost)
+            self._state = PrefillInstanceState(self.instance_id, self.store_id, tuple(queued(r) for r in jobs),
+                                               None, self.cost)
         return self._state
 
     def touched(self) -> None:
@@ -111,9 +123,14 @@ class DecodeNode:
 
     def state(self, now: float) -> DecodeInstanceState:
         if self._state is None:
-            b = self.batch
-            running = [DecodingRequest(r.rid, b.context_of(r), r.first_token, r.output_length)
-                       for r in b.running.values()]
+            steps = self.batch.steps_done
+            running = []
+            for r in self.batch.running.values():
+                if r.snap_step < 0 or steps - r.snap_step > MAX_CONTEXT_LAG:
+                    r.snap = DecodingRequest(r.rid, r.input_length + 1 + steps - r.join_step, r.join_time,
+                                             r.output_length)
+                    r.snap_step = steps
+                running.append(r.snap)
             running.extend(DecodingRequest(r.rid, r.input_length + 1, now, r.output_length)
                            for r in self.pending)
             self._state = DecodeInstanceState(self.instance_id, tuple(running), self.max_batch,

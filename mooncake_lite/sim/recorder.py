@@ -42,6 +42,7 @@ class Recorder:
         self.miss_budget: int | None = None
         self._misses = 0
         self.aborted = False
+        self.cpu_s = 0.0
 
     def abort_after_misses(self, is_miss: Callable[[SimRequest], bool], budget: int) -> None:
         """Stop the run once more than ``budget`` ended requests satisfy ``is_miss`` (a capacity
@@ -91,4 +92,4 @@ class Recorder:
         reqs = [self.results[k] for k in sorted(self.results)]
         end = max((r.finish or r.arrival for r in reqs), default=0.0)
         return SimResult(system, config, reqs, self.timeline, dict(self.counters), wall_s, num_events, end,
-                         extra={"aborted": self.aborted})
+                         extra={"aborted": self.aborted, "cpu_s": self.cpu_s})

@@ -16,7 +16,8 @@ class SimRequest:
     __slots__ = ("trace", "rid", "arrival", "keys", "prefill_id", "decode_id", "reused_tokens",
                  "predicted_ttft", "prefill_start", "first_token", "finish", "status",
                  "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
-                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps")
+                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "snap",
+                 "snap_step")
 
     def __init__(self, trace: TraceRequest, block_size: int) -> None:
         self.trace = trace
@@ -42,6 +43,9 @@ class SimRequest:
         self.tbt: float | None = None
         self.mean_gap: float | None = None
         self.num_gaps = 0
+        self.join_time = 0.0
+        self.snap = None          # cached scheduler-state object (QueuedPrefill / DecodingRequest)
+        self.snap_step = 0
 
     @property
     def input_length(self) -> int:
