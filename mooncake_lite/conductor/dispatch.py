@@ -21,18 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
-                                           ProtocolError, TokenEvent, dumps, from_dict, loads)
-
-__all__ = ["Flight", "Services", "parse_prefill_result", "parse_token_event", "post_abort"]
-from mooncake_lite.conductor.errors import ApiError, bad_request, rejected, unavailable, upstream_failed
+                                           ProtocolError, dumps)
+from mooncake_lite.conductor.errors import bad_request, rejected, unavailable, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.params import ApiRequest
+from mooncake_lite.conductor.wire import encode, error_text, parse_prefill_result, parse_token_event
 from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest
 
 log = logging.getLogger(__name__)
@@ -163,14 +161,14 @@ class Flight:
                               self.svc.kv_timeout_s)
         try:
             resp = await self.svc.session.post(
-                f"http://{d.reg.http}/v1/generate", data=_encode(msg), headers=self._headers(),
+                f"http://{d.reg.http}/v1/generate", data=encode(msg), headers=self._headers(),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.svc.upstream_timeout_s))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise upstream_failed(f"decode instance {d.instance_id} is unreachable: {exc!r}") from None
         if resp.status == 200:
             self._decode_resp = resp
             return
-        detail = _error_text(await resp.read())
+        detail = error_text(await resp.read())
         resp.release()
         if resp.status == 429:
             self.svc.metrics.rejections.labels("decode-refused").inc()
@@ -209,7 +207,7 @@ class Flight:
                              migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
         try:
             async with self.svc.session.post(
-                    f"http://{p.reg.http}/v1/prefill", data=_encode(msg), headers=self._headers(),
+                    f"http://{p.reg.http}/v1/prefill", data=encode(msg), headers=self._headers(),
                     timeout=aiohttp.ClientTimeout(total=self.svc.upstream_timeout_s, connect=10)) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -217,10 +215,10 @@ class Flight:
             return
         if resp.status == 429:
             self._queue.put_nowait(("refused", f"prefill instance {p.instance_id} refused the request: "
-                                               f"{_error_text(body)}"))
+                                               f"{error_text(body)}"))
         elif resp.status != 200:
             self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} answered {resp.status}: "
-                                            f"{_error_text(body)}"))
+                                            f"{error_text(body)}"))
         else:
             try:
                 self._queue.put_nowait(("first", parse_prefill_result(body)))
@@ -362,62 +360,6 @@ async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:
                 log.warning("abort %s on %s answered %d", request_id, inst.instance_id, resp.status)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         log.warning("abort %s on %s failed: %r", request_id, inst.instance_id, exc)
-
-
-_TOKEN_EVENT_FIELDS = frozenset(("token", "finish_reason", "error"))
-
-
-def parse_token_event(line: bytes) -> TokenEvent:
-    """``protocol.loads(TokenEvent, line)`` with the same checks, on the per-token hot path
-    (the generic decoder resolves type hints on every call: ~0.5 ms a line)."""
-    try:
-        data = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"TokenEvent: invalid JSON: {exc}") from None
-    if not isinstance(data, dict) or not data.keys() <= _TOKEN_EVENT_FIELDS:
-        return from_dict(TokenEvent, data)   # the slow path names exactly what is wrong
-    token, reason, error = data.get("token"), data.get("finish_reason"), data.get("error")
-    if (token is not None and (type(token) is not int)) or (reason is not None and type(reason) is not str) \
-            or (error is not None and type(error) is not str):
-        return from_dict(TokenEvent, data)
-    return TokenEvent(token, reason, error)
-
-
-_RESULT_INTS = ("first_token", "num_prefix_tokens", "num_computed_tokens")
-
-
-def parse_prefill_result(body: bytes) -> PrefillResult:
-    """``protocol.loads(PrefillResult, body)`` with the same checks, once per request."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"PrefillResult: invalid JSON: {exc}") from None
-    if isinstance(data, dict) and data.keys() <= {"request_id", "timings", *_RESULT_INTS} \
-            and type(data.get("request_id")) is str and all(type(data.get(k)) is int for k in _RESULT_INTS) \
-            and isinstance(data.get("timings", {}), dict):
-        return PrefillResult(data["request_id"], data["first_token"], data["num_prefix_tokens"],
-                             data["num_computed_tokens"], data.get("timings", {}))
-    return from_dict(PrefillResult, data)
-
-
-def _encode(msg: Any) -> bytes:
-    """Same bytes as ``protocol.dumps`` (orjson serializes dataclasses natively), without
-    ``dataclasses.asdict`` deep-copying every prompt token id."""
-    return orjson.dumps(msg)
-
-
-def _error_text(body: bytes) -> str:
-    """The message of an OpenAI-style or plain error body, shortened."""
-    try:
-        data = orjson.loads(body)
-        if isinstance(data, dict):
-            err = data.get("error", data)
-            if isinstance(err, dict):
-                return str(err.get("message", err))[:500]
-            return str(err)[:500]
-    except orjson.JSONDecodeError:
-        pass
-    return body[:500].decode("utf-8", "replace") or "(empty body)"
 
 
 def _now() -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_lite.common.protocol import PrefillResult, ProtocolError, TokenEvent, loads
-from mooncake_lite.conductor.dispatch import _encode, parse_prefill_result, parse_token_event
+from mooncake_lite.conductor.wire import encode, parse_prefill_result, parse_token_event
 from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling, dumps
 
 LINES = [b'{"token": 5}', b'{"finish_reason": "stop"}', b'{"finish_reason": "error", "error": "boom"}',
@@ -43,4 +43,4 @@ def test_prefill_result_fast_path_matches_protocol(body):
 def test_encode_is_byte_identical_to_protocol_dumps():
     s = Sampling(max_tokens=4, temperature=0.5, seed=3, stop_token_ids=(257,))
     for msg in (GenerateRequest("r", "t", 9, s), PrefillRequest("r", "t", (1, 2, 3), "h:1", s, ("ab",), "s:2", ("ab",))):
-        assert _encode(msg) == dumps(msg)
+        assert encode(msg) == dumps(msg)
