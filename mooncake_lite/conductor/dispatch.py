@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,15 +21,15 @@ from typing import Any
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                            ProtocolError, dumps)
-from mooncake_lite.conductor.errors import bad_request, rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.errors import rejected, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.wire import encode, error_text, parse_prefill_result, parse_token_event
-from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest
+from mooncake_lite.conductor.placement import place
+from mooncake_lite.scheduler import Decision, Scheduler
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -70,6 +68,7 @@ class Flight:
         self.request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         self.transfer_id = uuid.uuid4().hex
         self.decision: Decision | None = None
+        self.block_keys: list[bytes] = []
         self.prefill: Instance | None = None
         self.decode: Instance | None = None
         self.prefill_result: PrefillResult | None = None
@@ -84,7 +83,8 @@ class Flight:
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
-        d = self.decision = self._schedule()
+        d, self.block_keys = place(self.svc, self.request_id, self.req, _now())
+        self.decision = d
         svc = self.svc
         self.prefill = svc.membership.get(d.prefill_id)
         self.decode = svc.membership.get(d.decode_id)
@@ -102,58 +102,6 @@ class Flight:
             raise
         self._tasks.append(asyncio.get_running_loop().create_task(self._read_decode()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._run_prefill()))
-
-    def _schedule(self) -> Decision:
-        svc, req = self.svc, self.req
-        keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
-        sreq = ScheduleRequest(self.request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
-        t0 = time.perf_counter()
-        decision = svc.scheduler.schedule(sreq, self._snapshot(), _now())
-        svc.metrics.decision.observe(time.perf_counter() - t0)
-        self.block_keys = keys
-        if decision.accepted:
-            svc.metrics.routes.labels(decision.route).inc()
-            svc.metrics.prompt_blocks.inc(len(keys))
-            svc.metrics.reused_blocks.inc(decision.reused_prefix_blocks)
-            if decision.migration is not None:
-                svc.metrics.migrations.inc(len(decision.migration.keys))
-            log.debug("%s: %s", self.request_id, decision.reason)
-            return decision
-        log.info("%s %s", self.request_id, decision.reason)
-        cause = decision.reject_cause
-        if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
-            raise unavailable(f"no live {cause.split('-')[1]} instance is registered; retry later")
-        if cause == "no-decode":
-            self._check_fits_some_decode()
-        svc.metrics.rejections.labels(cause).inc()
-        if cause == "no-decode":
-            raise rejected("every decode instance is full; retry later", 1)
-        wait = decision.predicted_queue_s if cause == "ttft" else 1.0
-        raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                       min(60, max(1, math.ceil(wait))))
-
-    def _snapshot(self) -> ClusterState:
-        """The live cluster, without prefill instances whose KV cache cannot hold this prompt
-        (the scheduler core does not know their capacity). None can: 400."""
-        snap, n = self.svc.membership.snapshot(), len(self.req.prompt_ids)
-        instances = self.svc.membership.instances
-        fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= n)
-        if len(fits) == len(snap.prefills):
-            return snap
-        if not fits:
-            largest = max(instances[p.instance_id].reg.max_context for p in snap.prefills)
-            raise bad_request(f"the prompt has {n} tokens but the largest prefill instance holds {largest}",
-                              "prompt")
-        return ClusterState(fits, snap.decodes)
-
-    def _check_fits_some_decode(self) -> None:
-        """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
-        need = len(self.req.prompt_ids) + self.req.sampling.max_tokens
-        largest = max(i.reg.max_context for i in self.svc.membership.alive("decode"))
-        if need > largest:
-            raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
-                              f"largest decode instance holds {largest}; shorten the prompt or max_tokens",
-                              "max_tokens")
 
     async def _reserve_decode(self) -> None:
         d, s = self.decode, self.req.sampling

@@ -1,0 +1,72 @@
+"""Placing one request: hash its blocks, snapshot the cluster, ask the scheduler core, and turn
+a refusal into the HTTP error the client should see (429 / 503 / 400)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.conductor.errors import bad_request, rejected, unavailable
+from mooncake_lite.conductor.params import ApiRequest
+from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
+
+if TYPE_CHECKING:
+    from mooncake_lite.conductor.dispatch import Services
+
+log = logging.getLogger(__name__)
+
+
+def place(svc: Services, request_id: str, req: ApiRequest, now: float) -> tuple[Decision, list[bytes]]:
+    """An accepted decision and the prompt's block keys; raises ApiError otherwise."""
+    keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
+    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
+    t0 = time.perf_counter()
+    decision = svc.scheduler.schedule(sreq, _snapshot(svc, req), now)
+    svc.metrics.decision.observe(time.perf_counter() - t0)
+    if decision.accepted:
+        svc.metrics.routes.labels(decision.route).inc()
+        svc.metrics.prompt_blocks.inc(len(keys))
+        svc.metrics.reused_blocks.inc(decision.reused_prefix_blocks)
+        if decision.migration is not None:
+            svc.metrics.migrations.inc(len(decision.migration.keys))
+        log.debug("%s: %s", request_id, decision.reason)
+        return decision, keys
+    log.info("%s %s", request_id, decision.reason)
+    cause = decision.reject_cause
+    if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
+        raise unavailable(f"no live {cause.split('-')[1]} instance is registered; retry later")
+    if cause == "no-decode":
+        _check_fits_some_decode(svc, req)
+    svc.metrics.rejections.labels(cause).inc()
+    if cause == "no-decode":
+        raise rejected("every decode instance is full; retry later", 1)
+    wait = decision.predicted_queue_s if cause == "ttft" else 1.0
+    raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
+                   min(60, max(1, math.ceil(wait))))
+
+
+def _snapshot(svc: Services, req: ApiRequest) -> ClusterState:
+    """The live cluster, without prefill instances whose KV cache cannot hold this prompt
+    (the scheduler core does not know their capacity). None can: 400."""
+    snap, n = svc.membership.snapshot(), len(req.prompt_ids)
+    instances = svc.membership.instances
+    fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= n)
+    if len(fits) == len(snap.prefills):
+        return snap
+    if not fits:
+        largest = max(instances[p.instance_id].reg.max_context for p in snap.prefills)
+        raise bad_request(f"the prompt has {n} tokens but the largest prefill instance holds {largest}", "prompt")
+    return ClusterState(fits, snap.decodes)
+
+
+def _check_fits_some_decode(svc: Services, req: ApiRequest) -> None:
+    """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
+    need = len(req.prompt_ids) + req.sampling.max_tokens
+    largest = max(i.reg.max_context for i in svc.membership.alive("decode"))
+    if need > largest:
+        raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
+                          f"largest decode instance holds {largest}; shorten the prompt or max_tokens",
+                          "max_tokens")
