@@ -45,6 +45,9 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the colocated vLLM-style baseline on the same number of nodes")
+    ap.add_argument("--baseline-chunk", type=int, default=None,
+                    help="baseline with chunked prefill of this many tokens per step (default: vLLM v0, "
+                         "whole prompts that stall decode)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json and plots")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -77,7 +80,7 @@ def run_main(argv: list[str]) -> int:
     if args.baseline:
         base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
                                eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                               seed=args.seed)
+                               chunked_prefill_tokens=args.baseline_chunk, seed=args.seed)
         runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
                                                                      "colocated", show)
     summaries = []

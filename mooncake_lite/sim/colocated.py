@@ -5,7 +5,9 @@ At every step boundary the engine runs, prefill first (vLLM v0's default): if a 
 waiting and its KV fits, it prefills it (one prompt per step: long-context prompts fill the
 token budget alone) while the running batch waits; otherwise one decode step of the batch.
 The time a prefill takes is added to the next token gap of every running request, which is
-exactly the interference the disaggregated design removes.
+exactly the interference the disaggregated design removes. With ``chunked_prefill_tokens``
+(vLLM's chunked prefill) every step instead carries the decode batch plus up to that many
+prompt tokens of one waiting request, so each token gap grows by a chunk's prefill time.
 
 Requests are routed with the scheduler core's own prefill selection (``choose_prefill``,
 default ``cache-aware``: smallest predicted queue + prefill given the instance's local prefix).
@@ -94,20 +96,42 @@ class ColocatedInstance:
                 self.sim.finish(now, req)
             self.seg_steps = 0
         self.version += 1
-        if self.waiting and self._fits(self.waiting[0]):
+        if self.prefilling is None and self.waiting and self._fits(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling = req
             self._state = None
             req.prefill_start = now
             req.reused_tokens = min(cached_prefix(self.cache, req.keys) * self.sim.block_size, req.input_length - 1)
-            duration = self.sim.hw.prefill_seconds(req.input_length, req.reused_tokens)
-            b.stall(duration)
-            self.sim.events.push(now + duration, self._prefill_done, self.version)
+            req.prefilled = req.reused_tokens
+            if self.sim.cfg.chunked_prefill_tokens is None:
+                duration = self.sim.hw.prefill_seconds(req.input_length, req.reused_tokens)
+                b.stall(duration)
+                self.sim.events.push(now + duration, self._prefill_done, self.version)
+                return
+        if self.prefilling is not None:  # chunked prefill: one mixed step (decode batch + a chunk)
+            req = self.prefilling
+            budget = max(1, self.sim.cfg.chunked_prefill_tokens - len(b))
+            num = min(budget, req.input_length - req.prefilled)
+            step = self.sim.hw.prefill.predict(req.prefilled + num, req.prefilled)
+            if b.running:
+                step += b.step_time()
+            self.sim.events.push(now + step, self._chunk_done, (num, step))
             return
         if b.running:
             self.seg_start, self.seg_gap = now, max(b.step_time(), 1e-9)
             self.seg_steps = b.steps_to_next_finish()
             self.sim.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)
+
+    def _chunk_done(self, now: float, step: tuple[int, float]) -> None:
+        num, gap = step
+        for done in self.batch.advance(1, gap) if self.batch.running else ():
+            done.finish = now
+            self.sim.finish(now, done)
+        self.prefilling.prefilled += num
+        if self.prefilling.prefilled >= self.prefilling.input_length:
+            self._prefill_done(now, self.version)
+        else:
+            self._boundary(now, self.version)
 
     def _prefill_done(self, now: float, version: int) -> None:
         req = self.prefilling

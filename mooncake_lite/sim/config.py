@@ -60,6 +60,7 @@ class ColocatedConfig:
     eviction: str = "lru"
     routing: str = "cache-aware"
     max_batch: int | None = None
+    chunked_prefill_tokens: int | None = None   # None = vLLM v0 (whole prompt, decode stalls)
     sample_interval_s: float = 5.0
     ttft_slo_s: float = 30.0     # only to normalise the load timeline; the baseline never rejects
     tbt_slo_s: float = 0.1
@@ -68,6 +69,8 @@ class ColocatedConfig:
     def __post_init__(self) -> None:
         if self.num_instances < 1:
             raise ValueError("need at least one instance")
+        if self.chunked_prefill_tokens is not None and self.chunked_prefill_tokens < 1:
+            raise ValueError("chunked_prefill_tokens must be >= 1 (or None)")
         if self.routing not in ("cache-aware", "load-balance", "random"):
             raise ValueError(f"routing must be cache-aware, load-balance or random, got {self.routing!r}")
         if self.eviction not in POLICY_NAMES:

@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", default="sim-results", help="directory for results.json and PNG plots")
     ap.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma list of {', '.join(EXPERIMENTS)}")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N requests (quick runs)")
-    ap.add_argument("--capacity-iterations", type=int, default=5)
+    ap.add_argument("--capacity-iterations", type=int, default=3, help="bisection steps after bracketing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return ap.parse_args(argv)

@@ -79,3 +79,15 @@ def test_colocated_prefill_stalls_the_running_batch():
     # A: 6 steps, then a gap of 1 s stall + 10 ms, then 3 steps: 10 gaps, slowest 10% = 1 gap.
     assert a.tbt == pytest.approx(1.01)
     assert a.finish == pytest.approx(2.06 + 4 * 0.01)
+
+
+def test_colocated_chunked_prefill_lengthens_every_gap_by_a_chunk():
+    trace = [req(0, 0.0, 1000, 3), req(1, 1.005, 500, 2)]
+    cfg = ColocatedConfig(num_instances=1, chunked_prefill_tokens=250)
+    res = by_id(ColocatedSim(cfg, hardware=toy_hardware()).run(trace))
+    a, b = res[0], res[1]
+    assert a.ttft == pytest.approx(1.0)                      # 4 chunks of 250 tokens, nothing running
+    # B joins at the 1.01 boundary: a mixed step of 249 prompt tokens + A's decode = 0.259 s.
+    assert a.finish == pytest.approx(1.269) and a.tbt == pytest.approx(0.259)
+    # then 250 tokens alone (0.25 s) and the last token (1 ms).
+    assert b.ttft == pytest.approx(1.520 - 1.005)
