@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,36 +186,27 @@ class Flight:
     async def tokens(self) -> AsyncIterator[int]:
         """Token ids in order: the first (from prefill), then decode's. Ends with
         ``finish_reason`` set; raises ApiError if anything upstream fails or refuses."""
-        early: list[tuple] = []   # decode events that raced ahead of the prefill result
-        while self.prefill_result is None:
-            item = await self._queue.get()
+        early: deque[tuple] = deque()   # decode events that raced ahead of the prefill result
+        while True:
+            if self.prefill_result is not None and early:
+                item = early.popleft()
+            else:
+                item = await self._queue.get()
             if item[0] == "first":
                 self._on_first(item[1])
-                yield item[1].first_token
-                if self._count(item[1].first_token):
-                    return
+                token = item[1].first_token
             elif item[0] in ("token", "end"):
-                early.append(item)
+                if self.prefill_result is None:
+                    early.append(item)
+                    continue
+                token = self._on_decode_event(item)
+                if token is None:       # decode's end line: finish_reason is set
+                    return
             else:
                 self._raise(item)
-        for item in early:
-            if (yield_token := self._on_decode_event(item)) is not None:
-                yield yield_token
-                if self._count(yield_token):
-                    return
-            if self.finish_reason is not None:
+            yield token
+            if self._count(token):
                 return
-        while True:
-            item = await self._queue.get()
-            if item[0] in ("token", "end"):
-                if (token := self._on_decode_event(item)) is not None:
-                    yield token
-                    if self._count(token):
-                        return
-                if self.finish_reason is not None:
-                    return
-            else:
-                self._raise(item)
 
     def _on_first(self, result: PrefillResult) -> None:
         self.prefill_result = result

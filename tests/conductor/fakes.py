@@ -55,6 +55,7 @@ class Behaviour:
     hang: bool = False                   # never answer (prefill) / never send tokens (decode)
     token_delay_s: float = 0.0           # decode: pause between tokens
     break_after: int | None = None       # decode: drop the connection after N tokens
+    result_delay_s: float = 0.0          # prefill: answer this long after the "KV" went to decode
 
 
 @dataclass
@@ -103,6 +104,8 @@ class FakeInstance:
             await asyncio.Event().wait()
         first = fake_next(req.token_ids)
         _wire(req.transfer_id).set_result((req.token_ids, first))
+        if b.result_delay_s:
+            await asyncio.sleep(b.result_delay_s)
         return web.Response(body=dumps(PrefillResult(req.request_id, first, len(req.prefix_keys) * 4,
                                                      len(req.token_ids) - len(req.prefix_keys) * 4)),
                             content_type="application/json")

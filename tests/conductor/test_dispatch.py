@@ -143,3 +143,19 @@ async def test_many_concurrent_requests_all_correct(make_cluster):
     m = cluster.svc.membership
     assert all(not i.prefill_jobs and not i.decode_jobs for i in m.instances.values())
     await c.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_tokens_racing_ahead_of_the_prefill_result_keep_their_order(make_cluster, stream):
+    cluster = await make_cluster()
+    cluster.instances["p0"].behaviour.result_delay_s = 0.2   # decode finishes before prefill answers
+    c = client(cluster)
+    want = TOK.decode(expected_tokens(TOK.encode("race"), 6))
+    if stream:
+        chunks = await c.completions.create(model="tiny", prompt="race", max_tokens=6, stream=True)
+        text = "".join([ch.choices[0].text async for ch in chunks if ch.choices])
+    else:
+        text = (await c.completions.create(model="tiny", prompt="race", max_tokens=6)).choices[0].text
+    assert text == want
+    assert cluster.instances["d0"].aborts == []    # decode had ended on its own
+    await c.close()
