@@ -70,8 +70,10 @@ async def health(request: web.Request) -> web.Response:
     # 200 even without instances: the conductor itself is healthy; "ready" says if it can serve.
     instances = [{"instance_id": i.instance_id, "role": i.role, "http": i.reg.http, "store": i.reg.store,
                   "alive": i.is_alive} for i in m.instances.values()]
+    index = request.app[API].svc.scheduler.index
+    stores = [{"store": str(sid), "num_blocks": index.num_blocks(sid)} for sid in index.store_ids()]
     return web.json_response({"status": "ok", "ready": ok, "prefill": num_prefill, "decode": num_decode,
-                              "instances": instances})
+                              "instances": instances, "stores": stores})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -150,3 +150,74 @@ def _indexed_blocks(url: str) -> float:
 def _load(rp) -> dict:
     with urllib.request.urlopen(rp.url() + "/v1/load", timeout=5) as resp:
         return json.load(resp)
+
+
+@pytest.fixture
+def two_stores(role_procs):
+    """Two prefill instances, each with its own store, one decode; instances die after 1 s of silence."""
+    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "none",
+                           "--dead-after", "1s", *COMMON)
+    url = conductor.url()
+    with ThreadPoolExecutor(2) as pool:
+        stores = [f.result() for f in [pool.submit(role_procs, "store", "--port", "0", "--data-port", "0",
+                                                   "--dram", "64MiB", "--conductor", url, "--event-interval",
+                                                   "0.05", *COMMON) for _ in range(2)]]
+    args = ("--conductor", url, "--model", "tiny", "--threads", "1", "--heartbeat-interval", "0.2",
+            "--no-profile", *COMMON)
+    with ThreadPoolExecutor(3) as pool:
+        started = [pool.submit(role_procs, "prefill", "--instance-id", f"p{i}", "--store",
+                               stores[i].addresses["data"], *args) for i in range(2)]
+        started.append(pool.submit(role_procs, "decode", "--instance-id", "d0", "--data-port", "0", *args))
+        procs = [f.result() for f in started]
+    _wait_ready(url)
+    return url, {"p0": procs[0], "p1": procs[1]}
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+        return json.load(resp)
+
+
+def _until(cond, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := cond()):
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.skipif(not HAS_REMOTE_STORE, reason="the prefill role cannot use a store process yet")
+def test_hot_spot_migration_replicates_the_prefix_to_where_it_is_used(two_stores):
+    url, prefills = two_stores
+    tok = ByteTokenizer(320)
+    model = build_model("tiny", seed=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    shared = "Hot blocks are replicated to where they are used. " * 2        # > 6 blocks of 16
+    n_shared = (len(tok.encode(shared))) // int(BLOCK)
+
+    def ask(suffix: str) -> tuple[str, str, int]:
+        prompt = shared + suffix
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert raw.parse().choices[0].model_extra["token_ids"] == reference_greedy(model, tok.encode(prompt), 5)
+        return (raw.headers["X-Mooncake-Prefill"], raw.headers["X-Mooncake-Route"],
+                int(raw.headers["X-Mooncake-Reused-Blocks"]))
+
+    def store_blocks(store: str) -> int:
+        return next((s["num_blocks"] for s in _health(url)["stores"] if s["store"] == store), 0)
+
+    stores = {i["instance_id"]: i["store"] for i in _health(url)["instances"] if i["role"] == "prefill"}
+    holder, _, _ = ask("first.")
+    other = "p1" if holder == "p0" else "p0"
+    _until(lambda: store_blocks(stores[holder]) >= n_shared, "the holder's store to report its blocks")
+    assert store_blocks(stores[other]) == 0
+    # the holder's prefill instance goes away; its store (and the prefix in it) stays
+    prefills[holder].stop()
+    _until(lambda: not next(i["alive"] for i in _health(url)["instances"] if i["instance_id"] == holder),
+           "the conductor to mark the silent instance dead")
+    assert ask("second.") == (other, "transfer", n_shared)      # fetched from the holder's store...
+    _until(lambda: store_blocks(stores[other]) >= n_shared, "the migrated blocks to be reported")
+    assert ask("third.") == (other, "local-hit", n_shared)      # ...and now local
+    client.close()
