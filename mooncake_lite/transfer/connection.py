@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 STAGING_BYTES = 256 << 10
 DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received in place
+BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
 
 
 class FrameHandler:
@@ -71,6 +72,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._ti = 0
         self._toff = 0
         self._remaining = 0
+        self._is_bulk = False  # the last frame was large: read header and meta exactly
         self._paused = False
         self._flush_callbacks: list[Callable[[], None]] = []
         self._drain_waiters: list[asyncio.Future] = []
@@ -125,6 +127,13 @@ class FrameConnection(asyncio.BufferedProtocol):
                 return self._targets[self._ti][self._toff:]
         if self._start == self._end:
             self._start = self._end = 0
+            if self._is_bulk:
+                # Bulk traffic: read just the header, then just the meta, so the next payload is
+                # not pulled into the staging buffer (and copied out again) ahead of its frame.
+                if self._header is None:
+                    return self._sview[:HEADER_BYTES]
+                if self._meta is None and self._header.meta_len:
+                    return self._sview[:self._header.meta_len]
         elif self._end == STAGING_BYTES:
             self._compact()
         return self._sview[self._end:]
@@ -234,6 +243,7 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def _deliver(self) -> None:
         frame = Frame(self._header, self._meta, self._targets)  # type: ignore[arg-type]
+        self._is_bulk = frame.header.payload_len >= BULK_BYTES
         self._header = self._meta = None
         self._targets = []
         self.handler.frame_received(self, frame)

@@ -53,7 +53,7 @@ async def test_random_splits_reassemble_every_frame(seed):
     for i in range(60):
         meta_len = rng.choice([0, 10, 1000, STAGING_BYTES // 2 + rng.randrange(1, 40_000)])
         meta = {"pad": "m" * meta_len, "i": i} if meta_len else None
-        payload = rng.randbytes(rng.choice([0, 1, 100, 70_000, 300_000, 1_000_000]))
+        payload = rng.randbytes(rng.choice([0, 1, 100, 70_000, 300_000, 1_000_000, 2_100_000]))
         parts = [payload[: len(payload) // 3], payload[len(payload) // 3:]]
         stream += b"".join(bytes(p) for p in encode_frame(i % 200, i, meta, parts))
         sent.append((i % 200, i, meta or {}, payload))
