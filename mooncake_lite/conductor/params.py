@@ -135,7 +135,15 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> tuple[int,
     raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
 
 
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
+               "logit_bias", "tools", "functions", "response_format")
+
+
 def _check_n(body: dict) -> None:
+    """Refuse what would be silently wrong (asked for, not done) rather than ignore it."""
+    for key in UNSUPPORTED:
+        if body.get(key) not in (None, False, 0, 0.0, {}, []):
+            raise bad_request(f"'{key}' is not supported by this server", key)
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or n != 1):
         raise bad_request("only n = 1 is supported", "n")

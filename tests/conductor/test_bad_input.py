@@ -25,6 +25,9 @@ LONG = "x" * 5000   # tiny's context is 4096 tokens; one byte = one token (+ BOS
     (b'{"model": "tiny", "prompt": ["a", "b"]}', "batched prompts", "prompt"),
     (b'{"model": "tiny", "prompt": [1, 99999]}', "outside the vocabulary", "prompt"),
     (b'{"model": "tiny", "prompt": "hi", "n": 2}', "only n = 1", "n"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 3}', "'logprobs' is not supported", "logprobs"),
+    (b'{"model": "tiny", "prompt": "hi", "echo": true}', "'echo' is not supported", "echo"),
+    (b'{"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}', "not supported", "presence_penalty"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": 7}', "temperature", "temperature"),
     (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', "'stream' must be a boolean", "stream"),
 ])

@@ -16,6 +16,8 @@ from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.tokenizer import ByteTokenizer
 from mooncake_lite.model.weights import build_model
 
+pytestmark = pytest.mark.slow   # each test starts a whole cluster of real processes
+
 BLOCK = "16"
 COMMON = ("--block-size", BLOCK, "--log-level", "warning")
 HAS_REMOTE_STORE = importlib.util.find_spec("mooncake_lite.prefill.remote_store") is not None
