@@ -131,3 +131,12 @@ async def test_ssd_tier_write_read_corrupt_capacity_scan(tmp_path):
     assert again.scan() == [K[2]]
     assert not ssd.enqueue(K[5], b"x" * (1 << 21), 1)  # can never fit
     assert await again.remove(K[2]) and len(again) == 0
+
+
+@pytest.mark.gpu
+def test_pinned_slab_with_cuda():
+    import torch
+    slab = Slab(4 << 20, 1 << 20)  # pin=None: pinned because CUDA is present
+    assert slab.is_pinned and torch.from_numpy(__import__("numpy").asarray(slab.view(0))).is_pinned()
+    slab.view(1, 4)[:] = b"abcd"
+    assert bytes(slab.view(1, 4)) == b"abcd"
