@@ -89,6 +89,16 @@ def registration(cfg: Config, service, addresses: dict[str, str]) -> Register:
                     cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group)
 
 
+async def _watch_stage_link(downstream, state: dict) -> None:
+    """A CPP group without its next stage cannot serve: exit non-zero so a supervisor restarts it."""
+    import os
+    import signal
+    await asyncio.shield(downstream.client.conn.closed)   # cancelling us must not cancel the future
+    log.error("the link to CPP stage 1 is gone; this group cannot prefill any more; exiting")
+    state["exit"] = 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(cfg: Config) -> int:
     if cfg.pipeline_stage > 0:
         from mooncake_lite.prefill.stage_process import run_stage
@@ -120,7 +130,11 @@ def run(cfg: Config) -> int:
                                  downstream=downstream, cost=cost)
         app = make_app(service, cfg.cluster_token)
         if downstream is not None:
-            app[EXTRA_CLEANUP].append(downstream.close)
+            watcher = asyncio.ensure_future(_watch_stage_link(downstream, state))
+
+            async def stop_watching() -> None:   # shutting down closes the link on purpose
+                watcher.cancel()
+            app[EXTRA_CLEANUP] += [stop_watching, downstream.close]
 
         def on_ready(addresses: dict[str, str]) -> None:
             if cfg.conductor:

@@ -79,6 +79,7 @@ async def test_two_stage_cpp_group_matches_reference(role_procs, model):
         ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "12", "--pipeline-group", "2"))
     async with aiohttp.ClientSession() as session:
         await check_prompts(session, model, prefill, decode)
+    assert prefill.stop() == 0     # a clean shutdown of the group is not an error
 
 
 async def test_dead_prefill_and_dead_decode(role_procs, model):
@@ -170,3 +171,14 @@ async def _events(resp):
     import orjson
     async for line in resp.content:
         yield orjson.loads(line)
+
+
+def test_cpp_head_exits_when_its_stage_dies(role_procs):
+    import os
+    import signal
+    import subprocess
+    head = role_procs("prefill", *COMMON, "--num-blocks", "16", "--pipeline-group", "2")
+    stage_pids = subprocess.run(["pgrep", "-P", str(head.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(stage_pids) == 1
+    os.kill(int(stage_pids[0]), signal.SIGKILL)
+    assert head.proc.wait(60) == 1 and "CPP stage 1 is gone" in head.logs()
