@@ -1,6 +1,7 @@
 """The store's data-plane messages, carried as frames of ``mooncake_lite.transfer``.
 
-Every request is one frame whose meta is a JSON object; keys are 32-char hex strings. Block
+Every request is one frame whose meta is a JSON object; ``keys`` is one hex string, 32
+characters per key (a list of 32-character hex strings is accepted too). Block
 bytes travel only as raw payload, back to back in key order. Replies use the same op with
 FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with code one of
 ``bad_request``, ``full``, ``unknown_op``, ``peer_error``.
@@ -46,23 +47,34 @@ class MetaError(ValueError):
     """A request meta is malformed (reported to the client as ``bad_request``)."""
 
 
-def keys_to_hex(keys: Sequence[bytes]) -> list[str]:
-    return [k.hex() for k in keys]
+def keys_to_hex(keys: Sequence[bytes]) -> str:
+    """All keys as one hex string (32 characters per key): one C call each way instead of one
+    string per key, which matters for batches of hundreds of blocks."""
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"keys must be {KEY_BYTES} bytes, got {len(key)}")
+    return b"".join(keys).hex()
 
 
 def keys_from_meta(meta: dict[str, Any], field: str = "keys") -> list[bytes]:
+    """Keys from one concatenated hex string, or from a list of 32-character hex strings."""
     raw = meta.get(field)
-    if not isinstance(raw, list):
-        raise MetaError(f"'{field}' must be a list of {2 * KEY_BYTES}-character hex strings")
-    keys = []
-    for item in raw:
-        if not isinstance(item, str) or len(item) != 2 * KEY_BYTES:
-            raise MetaError(f"bad key {str(item)[:40]!r}: expected {2 * KEY_BYTES} hex characters")
-        try:
-            keys.append(bytes.fromhex(item))
-        except ValueError:
-            raise MetaError(f"bad key {item[:40]!r}: not hex") from None
-    return keys
+    width = 2 * KEY_BYTES
+    if isinstance(raw, list):
+        if not all(isinstance(item, str) and len(item) == width for item in raw):
+            bad = next(item for item in raw if not isinstance(item, str) or len(item) != width)
+            raise MetaError(f"bad key {str(bad)[:40]!r}: expected {width} hex characters")
+        raw = "".join(raw)
+    if not isinstance(raw, str) or len(raw) % width:
+        raise MetaError(f"'{field}' must be a hex string of {width} characters per key "
+                        f"(or a list of such keys)")
+    try:
+        flat = bytes.fromhex(raw)
+    except ValueError:
+        raise MetaError(f"'{field}' is not hex") from None
+    if len(flat) * 2 != len(raw):  # fromhex skips whitespace; keys never contain any
+        raise MetaError(f"'{field}' is not hex")
+    return [flat[i:i + KEY_BYTES] for i in range(0, len(flat), KEY_BYTES)]
 
 
 def int_from_meta(meta: dict[str, Any], field: str, default: int | None = None, minimum: int = 0) -> int:
