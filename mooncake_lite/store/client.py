@@ -28,19 +28,29 @@ T = TypeVar("T")
 
 
 class StoreClient:
-    def __init__(self, frames: FrameClient, address: str, max_batch_bytes: int, max_batch_keys: int) -> None:
+    def __init__(self, frames: FrameClient, address: str, max_batch_bytes: int, max_batch_keys: int,
+                 timeout: float | None = None) -> None:
         self.frames = frames
         self.address = address
         self.max_batch_bytes = max_batch_bytes
         self.max_batch_keys = max_batch_keys
+        self.timeout = timeout
 
     @classmethod
     async def connect(cls, address: str, *, token: str | None = None, name: str = "store-client",
-                      max_batch_bytes: int = 64 << 20, max_batch_keys: int = 1024) -> StoreClient:
-        """Connect to a store's data address ``host:port`` and do the token handshake."""
+                      max_batch_bytes: int = 64 << 20, max_batch_keys: int = 1024,
+                      timeout: float | None = None) -> StoreClient:
+        """Connect to a store's data address ``host:port`` and do the token handshake.
+        ``timeout`` (seconds) bounds every request: ``asyncio.TimeoutError`` when exceeded, and
+        the connection stays usable (a late reply is discarded)."""
         host, port = parse_peer(address)
-        frames = await FrameClient.connect(host, port, token=token, name=name)
-        return cls(frames, address, max_batch_bytes, max_batch_keys)
+        frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or 10.0)
+        return cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
+
+    async def _request(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
+                       sink=None) -> Frame:
+        request = self.frames.request(op, meta, payload, sink=sink)
+        return await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
 
     async def close(self) -> None:
         await self.frames.close()
@@ -60,7 +70,7 @@ class StoreClient:
         views = [as_bytes_view(b) for b in blocks]
         batches = self._split(len(keys), [v.nbytes for v in views])
         replies = await _all(
-            self.frames.request(Op.PUT, {"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
+            self._request(Op.PUT, {"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
                                          "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
             for a, b in batches)
         return sum(r.meta["num_new"] for r in replies)
@@ -71,7 +81,7 @@ class StoreClient:
 
     async def replicate(self, keys: Sequence[bytes], peer: str, first_pos: int = 0) -> dict[str, int]:
         """Ask this store to pull ``keys`` from the store at ``peer`` ("host:port")."""
-        reply = await self.frames.request(Op.REPLICATE, {"keys": keys_to_hex(keys), "peer": peer,
+        reply = await self._request(Op.REPLICATE, {"keys": keys_to_hex(keys), "peer": peer,
                                                          "first_pos": first_pos})
         return {k: int(v) for k, v in reply.meta.items()}
 
@@ -95,7 +105,7 @@ class StoreClient:
         """Length of the longest prefix of ``keys`` the store holds."""
         if not keys:
             return 0
-        reply = await self.frames.request(Op.MATCH, {"keys": keys_to_hex(keys)})
+        reply = await self._request(Op.MATCH, {"keys": keys_to_hex(keys)})
         return int(reply.meta["num_matched"])
 
     async def match_and_pin(self, keys: Sequence[bytes], lease_s: float) -> tuple[int, int]:
@@ -103,12 +113,12 @@ class StoreClient:
         ``lease_s`` seconds (capped by the store's --lease-ttl) so it cannot be evicted before you
         load it. Returns ``(num_matched, lease_id)``; call ``release(lease_id)`` when done (closing
         the connection releases it too)."""
-        reply = await self.frames.request(Op.MATCH, {"keys": keys_to_hex(keys), "lease_s": lease_s})
+        reply = await self._request(Op.MATCH, {"keys": keys_to_hex(keys), "lease_s": lease_s})
         return int(reply.meta["num_matched"]), int(reply.meta["lease_id"])
 
     async def release(self, lease_id: int) -> bool:
         """End a ``match_and_pin`` lease early. False if it had already expired."""
-        reply = await self.frames.request(Op.RELEASE, {"lease_id": lease_id})
+        reply = await self._request(Op.RELEASE, {"lease_id": lease_id})
         return bool(reply.meta["released"])
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -129,7 +139,7 @@ class StoreClient:
         return batches
 
     async def _each_batch(self, op: Op, keys: Sequence[bytes]) -> list[Frame]:
-        return await _all(self.frames.request(op, {"keys": keys_to_hex(keys[a:b])})
+        return await _all(self._request(op, {"keys": keys_to_hex(keys[a:b])})
                           for a, b in self._split(len(keys)))
 
     async def _read(self, op: Op, keys: Sequence[bytes], out: Sequence[Buffer | None] | None,
@@ -160,7 +170,7 @@ class StoreClient:
             used_out = True
             return views
 
-        frame = await self.frames.request(op, {"keys": keys_to_hex(keys), **extra}, sink=sink if outs else None)
+        frame = await self._request(op, {"keys": keys_to_hex(keys), **extra}, sink=sink if outs else None)
         sizes, layer_counts = frame.meta["sizes"], frame.meta["num_layers"]
         whole = frame.payload[0] if (frame.payload and not used_out) else None
         result: list[tuple[memoryview, int] | None] = []

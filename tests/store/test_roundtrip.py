@@ -117,3 +117,27 @@ async def test_forged_private_meta_is_just_a_bad_request(store):
         assert await client.exists([bytes.fromhex(key)]) == [False]
     finally:
         await client.close()
+
+
+async def test_client_timeout_leaves_the_connection_usable():
+    import asyncio
+
+    from mooncake_lite.transfer.connection import FrameHandler
+    from mooncake_lite.transfer.framing import FLAG_REPLY
+    from mooncake_lite.transfer.server import server_address, start_server
+
+    class SlowStore(FrameHandler):  # answers every MATCH after 0.3 s
+        def frame_received(self, conn, frame):
+            asyncio.get_running_loop().call_later(
+                0.3, conn.send, frame.op, frame.request_id, {"num_matched": 1}, (), FLAG_REPLY)
+
+    server = await start_server(SlowStore(), "127.0.0.1", 0)
+    client = await StoreClient.connect(server_address(server), timeout=0.05)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await client.match(chain(1))
+        client.timeout = None
+        assert await client.match(chain(1)) == 1  # the late first reply was dropped quietly
+    finally:
+        await client.close()
+        server.close()
