@@ -140,3 +140,16 @@ def test_pinned_slab_with_cuda():
     assert slab.is_pinned and torch.from_numpy(__import__("numpy").asarray(slab.view(0))).is_pinned()
     slab.view(1, 4)[:] = b"abcd"
     assert bytes(slab.view(1, 4)) == b"abcd"
+
+
+async def test_evicted_block_dropped_when_the_ssd_queue_is_full(tmp_path):
+    evicted = []
+    ssd = SsdTier(tmp_path, capacity_bytes=1 << 20, fsync=False, max_pending_bytes=100)
+    store = BlockStore(Slab(2 * 64, 64, pin=False), make_policy("lru"), ssd, on_evicted=evicted.append)
+    put(store, K[:2], [b"a" * 64, b"b" * 60])
+    put(store, [K[2]], [b"c"])  # K[0] (64 B) is queued for the SSD: still in the store
+    assert evicted == [] and K[0] in store and K[0] in ssd
+    put(store, [K[3]], [b"d"])  # K[1] (60 B) would exceed the 100-byte queue: dropped
+    assert evicted == [K[1]] and K[1] not in store and ssd.num_dropped == 1
+    await ssd._write_pending(K[0])
+    assert ssd.path_of(K[0]).exists() and ssd.pending_bytes == 0
