@@ -70,7 +70,7 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, 
 
 def format_summary(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     """A terminal table, one row per summarized run."""
-    head = f"{'system':<24}{'done':>7}{'rej':>7}{'TTFT avg':>10}{'TTFT p90':>10}{'TBT avg':>9}{'TBT p90':>9}{'SLO ok':>8}{'req/wall-s':>12}"
+    head = f"{'system':<24}{'done':>7}{'rej':>7}{'TTFT avg':>10}{'TTFT p90':>10}{'TBT avg':>11}{'TBT p90':>11}{'SLO ok':>8}{'req/wall-s':>12}"
     lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
 
     def f(v: float | None, unit: str = "s", scale: float = 1.0) -> str:
@@ -79,7 +79,7 @@ def format_summary(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     for s in rows:
         name = s.get("label", s["system"])
         lines.append(f"{name:<24}{s['completed']:>7}{s['rejected']:>7}{f(s['ttft_s']['mean']):>10}"
-                     f"{f(s['ttft_s']['p90']):>10}{f(s['tbt_s']['mean'], 'ms', 1e3):>9}"
-                     f"{f(s['tbt_s']['p90'], 'ms', 1e3):>9}{s['slo_attainment']:>8.1%}"
+                     f"{f(s['ttft_s']['p90']):>10}{f(s['tbt_s']['mean'], 'ms', 1e3):>11}"
+                     f"{f(s['tbt_s']['p90'], 'ms', 1e3):>11}{s['slo_attainment']:>8.1%}"
                      f"{(s['requests_per_wall_s'] or 0):>12,.0f}")
     return "\n".join(lines)
