@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -34,6 +35,9 @@ def _run_parser() -> argparse.ArgumentParser:
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile`")
     ap.add_argument("--eviction", choices=POLICY_NAMES, default="lru")
     ap.add_argument("--store-blocks", type=int, default=None, help="blocks per node store (default: from DRAM)")
+    ap.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier blocks per node (0 = none)")
+    ap.add_argument("--network-gbps", type=float, default=None,
+                    help="effective network bandwidth between nodes (default: the cost model's)")
     ap.add_argument("--strategy", choices=STRATEGIES, default="kvcache-centric")
     ap.add_argument("--admission", choices=ADMISSIONS, default="early")
     ap.add_argument("--local-ttft-check", action="store_true",
@@ -61,12 +65,17 @@ def run_main(argv: list[str]) -> int:
     from mooncake_lite.sim.runner import run_with_progress
     try:
         hw = get_hardware(args.cost_model)
+        if args.network_gbps is not None:
+            if args.network_gbps <= 0:
+                raise ValueError("--network-gbps must be positive")
+            hw = replace(hw, network_bytes_per_s=args.network_gbps * 1e9 / 8)
         sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
                                 tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
                                 block_size=hw.block_size)
         cfg = SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
                         prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
-                        store_blocks_per_node=args.store_blocks, scheduler=sched,
+                        store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
+                        scheduler=sched,
                         local_ttft_check=args.local_ttft_check, seed=args.seed)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:

@@ -22,7 +22,7 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cached_prefix, cpp_cost_model
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.request import SimRequest
-from mooncake_lite.store.eviction import BlockCache
+from mooncake_lite.sim.store import NodeStore
 from mooncake_lite.trace.format import TraceRequest
 
 
@@ -43,7 +43,8 @@ class MooncakeSim:
         if capacity is None:
             capacity = hw.dram_blocks() * cfg.cpp_group_size
         group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
-        self.prefills = [PrefillNode(f"P{i}", BlockCache(capacity, cfg.eviction), hw, cfg.cpp_group_size,
+        ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
+        self.prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
                                      cfg.prefill_chunk, group_cost) for i in range(cfg.num_prefill)]
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode), self.events, cfg.decode_max_batch,
@@ -79,7 +80,7 @@ class MooncakeSim:
             m = decision.migration
             src = self.prefill_by_id.get(m.source_store_id)
             if src is not None:
-                src.cache.match_prefix(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
+                src.cache.touch(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
             req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
             self.recorder.migrated(len(m.keys))
         p.waiting.append(req)
@@ -100,9 +101,12 @@ class MooncakeSim:
         req.prefill_start = now
         if req.planned_prefix_tokens and cached_prefix(p.cache, req.keys) * self.block_size < req.planned_prefix_tokens:
             self._store(p, req.keys[: req.planned_prefix_tokens // self.block_size])  # the fetched blocks
-        hits = cached_prefix(p.cache, req.keys)
+        hits, on_ssd = p.cache.prefix(req.keys)
         req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
         duration = p.true_seconds(req.input_length, req.reused_tokens)
+        if on_ssd:  # SSD reads are slower than the DRAM loads layer-wise prefill hides
+            ssd_s = on_ssd * self.hw.block_bytes() / self.hw.ssd_load_bytes_per_s
+            duration = max(duration, ssd_s + (hits - on_ssd) * self.hw.block_bytes() / self.hw.local_load_bytes_per_s)
         p.busy_s += duration
         p.touched()
         self.events.push(now + duration, self._prefill_done, p)
@@ -111,11 +115,11 @@ class MooncakeSim:
         self._start_prefill(now, p)
 
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
-        evicted = p.cache.insert_chain(keys)
+        held, dropped = p.cache.insert(keys)
         index = self.scheduler.index
-        if evicted:
-            index.remove(p.store_id, evicted)
-        index.add(p.store_id, keys[: cached_prefix(p.cache, keys)])
+        if dropped:
+            index.remove(p.store_id, dropped)
+        index.add(p.store_id, held)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
         req = p.current

@@ -30,6 +30,7 @@ class SimConfig:
     hardware: str = "llama2-70b-a800"
     eviction: str = "lru"
     store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
+    ssd_blocks_per_node: int = 0                 # 0 = no SSD tier
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     local_ttft_check: bool = False
     decode_max_batch: int | None = None
@@ -45,6 +46,8 @@ class SimConfig:
             raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
         if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:
             raise ValueError("store_blocks_per_node must be >= 0")
+        if self.ssd_blocks_per_node < 0:
+            raise ValueError("ssd_blocks_per_node must be >= 0")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
 

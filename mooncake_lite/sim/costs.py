@@ -50,6 +50,7 @@ class Hardware:
     dram_bytes_per_node: int
     dram_usable_fraction: float = 0.8
     block_size: int = 512
+    ssd_load_bytes_per_s: float = 8 * 3e9   # 8 NVMe drives × ~3 GB/s (SSD tier → GPU)
 
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * self.block_size
@@ -72,7 +73,8 @@ class Hardware:
                 "local_load_bytes_per_s": self.local_load_bytes_per_s,
                 "decode_max_context_tokens": self.decode_max_context_tokens,
                 "dram_bytes_per_node": self.dram_bytes_per_node,
-                "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size}
+                "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size,
+                "ssd_load_bytes_per_s": self.ssd_load_bytes_per_s}
 
 
 def _flops(n: float) -> float:
@@ -137,13 +139,14 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
     bw = data.get("network_bytes_per_s", data.get("bandwidth_bytes_per_s"))
     for key, value in (("network_bytes_per_s", bw), ("kv_bytes_per_token", data.get("kv_bytes_per_token")),
                        ("local_load_bytes_per_s", data.get("local_load_bytes_per_s")),
+                       ("ssd_load_bytes_per_s", data.get("ssd_load_bytes_per_s")),
                        ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
                        ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
                        ("block_size", data.get("block_size"))):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
-            changes[key] = int(value) if key != "network_bytes_per_s" and key != "local_load_bytes_per_s" else float(value)
+            changes[key] = float(value) if key.endswith("_per_s") else int(value)
     return replace(hw, **changes)
 
 

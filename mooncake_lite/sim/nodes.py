@@ -12,12 +12,13 @@ from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest,
                                            QueuedPrefill)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
+from mooncake_lite.store.eviction import BlockCache
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.request import SimRequest
-from mooncake_lite.store.eviction import BlockCache
+from mooncake_lite.sim.store import NodeStore
 
 
-def cached_prefix(cache: BlockCache, keys: Sequence[Hashable]) -> int:
+def cached_prefix(cache: BlockCache | NodeStore, keys: Sequence[Hashable]) -> int:
     """Leading keys held, without touching them (the touch happens once, at insert)."""
     n = 0
     for key in keys:
@@ -66,7 +67,7 @@ MAX_CONTEXT_LAG = 32
 class PrefillNode:
     """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
 
-    def __init__(self, instance_id: str, cache: BlockCache, hw: Hardware, group_size: int, chunk: int,
+    def __init__(self, instance_id: str, cache: NodeStore, hw: Hardware, group_size: int, chunk: int,
                  cost: PrefillCostModel | None) -> None:
         self.instance_id = instance_id
         self.store_id = instance_id

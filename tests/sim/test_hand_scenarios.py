@@ -91,3 +91,24 @@ def test_colocated_chunked_prefill_lengthens_every_gap_by_a_chunk():
     assert a.finish == pytest.approx(1.269) and a.tbt == pytest.approx(0.259)
     # then 250 tokens alone (0.25 s) and the last token (1 ms).
     assert b.ttft == pytest.approx(1.520 - 1.005)
+
+
+def test_ssd_tier_hit_is_slower_than_dram_but_beats_recompute():
+    from mooncake_lite.sim.store import NodeStore
+    s = NodeStore(dram_blocks=2, ssd_blocks=10, policy="lru")
+    assert s.insert([1, 2]) == ([1, 2], [])
+    held, dropped = s.insert([5, 6])            # 1, 2 spill to SSD: still held, nothing dropped
+    assert held == [5, 6] and dropped == []
+    assert s.prefix([1, 2, 9]) == (2, 2) and s.prefix([5, 1]) == (2, 1) and s.prefix([7]) == (0, 0)
+
+    hw = toy_hardware(ssd_load_bytes_per_s=512 / 0.3)       # 0.3 s per block from SSD
+    trace = [req(0, 0.0, 1024, 2, ids=[1, 2]), req(1, 2.0, 1024, 2, ids=[5, 6]),
+             req(2, 4.0, 1100, 2, ids=[1, 2, 7])]
+    cfg = SimConfig(num_prefill=1, num_decode=1, store_blocks_per_node=2, ssd_blocks_per_node=10,
+                    scheduler=SchedulerConfig(admission="none"))
+    r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
+    assert r[2].reused_tokens == 1024
+    assert r[2].ttft == pytest.approx(0.6)                   # 2 SSD blocks; compute would be 0.076
+    no_ssd = by_id(MooncakeSim(SimConfig(num_prefill=1, num_decode=1, store_blocks_per_node=2,
+                                         scheduler=SchedulerConfig(admission="none")), hardware=hw).run(trace))
+    assert no_ssd[2].reused_tokens == 0 and no_ssd[2].ttft == pytest.approx(1.1)

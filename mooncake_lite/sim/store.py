@@ -1,0 +1,57 @@
+"""A simulated node store: a DRAM tier and an optional SSD tier, each a :class:`BlockCache`
+under the configured eviction policy. Blocks the DRAM tier evicts spill to SSD; a block is
+gone from the node (and from the conductor's index) only when the SSD tier drops it too.
+Hits are promoted back to DRAM when the prefill re-inserts its chain."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from mooncake_lite.store.eviction import BlockCache
+
+
+class NodeStore:
+    def __init__(self, dram_blocks: int | None, ssd_blocks: int, policy: str) -> None:
+        self.dram = BlockCache(dram_blocks, policy)
+        self.ssd = BlockCache(ssd_blocks, policy) if ssd_blocks > 0 else None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.dram or (self.ssd is not None and key in self.ssd)
+
+    def prefix(self, keys: Sequence[Hashable]) -> tuple[int, int]:
+        """(leading blocks held in either tier, how many of those only on SSD); no touch."""
+        n = on_ssd = 0
+        ssd = self.ssd
+        for key in keys:
+            if key in self.dram:
+                n += 1
+            elif ssd is not None and key in ssd:
+                n += 1
+                on_ssd += 1
+            else:
+                break
+        return n, on_ssd
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """A read of these leading keys (a migration source serving them) counts as a use."""
+        self.dram.match_prefix(keys)
+
+    def insert(self, keys: Sequence[Hashable]) -> tuple[list[Hashable], list[Hashable]]:
+        """Insert a chain into DRAM (touching what is there). Returns (keys now held that the
+        index should learn, keys the node no longer holds at all)."""
+        spilled = self.dram.insert_chain(keys)
+        dropped: list[Hashable] = []
+        if self.ssd is None:
+            dropped = spilled
+        elif spilled:
+            gone = self.ssd.insert_chain(spilled)
+            dropped = [k for k in gone if k not in self.dram]
+        held = []
+        for key in keys:
+            if key not in self:
+                break
+            held.append(key)
+        return held, dropped
+
+    def __len__(self) -> int:
+        return len(self.dram) + (len(self.ssd) if self.ssd is not None else 0)
