@@ -21,7 +21,7 @@ from mooncake_lite.conductor.main import Config
 from mooncake_lite.conductor.membership import Membership, model_id
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.model.tokenizer import load_tokenizer
-from mooncake_lite.model.weights import model_args
+from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# Element sizes by dtype name, so shape arithmetic (the conductor, the simulator) needs no torch.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,11 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_token(self, dtype: "torch.dtype | str") -> int:
         """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
-    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+    def kv_block_bytes(self, block_size: int, dtype: "torch.dtype | str") -> int:
         return block_size * self.kv_bytes_per_token(dtype)
 
     def num_params(self) -> int:
@@ -81,11 +85,16 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return float(cfg.get("rope_theta", 10000.0))
 
 
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_bytes(dtype: "torch.dtype | str") -> int:
+    return DTYPE_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def __getattr__(name: str) -> Any:
+    # DTYPES (name -> torch.dtype) imports torch lazily: importing ModelArgs must stay torch-free.
+    if name == "DTYPES":
+        import torch
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 PRESETS: dict[str, ModelArgs] = {
     # Fast enough for CPU tests: ~0.2M parameters, byte-level vocab.

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 import torch
 
 from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.checkpoint_config import (  # noqa: F401  (re-exported)
+    SUPPORTED_TYPES, CheckpointError, CheckpointNotFoundError, read_args)
 from mooncake_lite.model.llama import Transformer
 
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
 # Our parameter name (after ``layers.{i}.``) -> the Hugging Face one (after ``model.layers.{i}.``).
 _LAYER_NAMES = {
@@ -37,60 +38,6 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 # Buffers some older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is unusable: missing or mismatched tensors, unsupported features."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A file the checkpoint needs is absent (caught by ``except ValueError`` and ``except OSError``)."""
-
-
-def read_args(ckpt_dir: str) -> ModelArgs:
-    """Model shape from ``config.json``; refuses features this model does not implement."""
-    path = os.path.join(ckpt_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir!r} has no config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    _check_supported(cfg, path)
-    try:
-        args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
-    except TypeError as exc:  # e.g. "hidden_size": "768"
-        raise CheckpointError(f"{path}: a size has the wrong type ({exc})") from None
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != args.head_dim:
-        raise CheckpointError(f"{path}: head_dim {head_dim} != hidden_size/num_attention_heads "
-                              f"{args.head_dim}; this model needs them equal")
-    return args
-
-
-def _check_supported(cfg: dict, path: str) -> None:
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_TYPES:
-        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
-    problems = []
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
-    if cfg.get("mlp_bias"):
-        problems.append("mlp_bias")
-    if model_type != "qwen2" and cfg.get("attention_bias"):
-        problems.append("attention_bias (LLaMA puts a bias on o_proj too)")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type != "default":
-        problems.append(f"rope scaling {rope_type!r}")
-    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
-        problems.append("sliding-window attention")
-    if problems:
-        raise CheckpointError(f"{path}: unsupported model features: {'; '.join(problems)}")
 
 
 def load_checkpoint(ckpt_dir: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

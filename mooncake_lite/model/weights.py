@@ -13,6 +13,7 @@ import os
 import torch
 
 from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.checkpoint_config import model_args  # noqa: F401  (re-exported)
 from mooncake_lite.model.llama import Transformer
 
 
@@ -50,14 +51,6 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
     net = Transformer(args, layer_range)
     init_dummy_weights(net, seed)
     return net.to(device=device, dtype=dtype).eval()
-
-
-def model_args(model: str) -> ModelArgs:
-    """Shape of a preset or checkpoint without building weights."""
-    if os.path.isdir(model):
-        from mooncake_lite.model.loader import read_args
-        return read_args(model)
-    return _preset(model)
 
 
 def _preset(model: str) -> ModelArgs:

@@ -1,0 +1,77 @@
+"""A checkpoint's model shape from its ``config.json``, without importing torch.
+
+The conductor and the simulator need only the shape (context length, KV bytes per token), so
+this module stays torch-free; ``loader.py`` builds on it to load weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mooncake_lite.model.args import ModelArgs
+
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is unusable: missing or mismatched tensors, unsupported features."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is absent (caught by ``except ValueError`` and ``except OSError``)."""
+
+
+def read_args(ckpt_dir: str) -> ModelArgs:
+    """Model shape from ``config.json``; refuses features this model does not implement."""
+    path = os.path.join(ckpt_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir!r} has no config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    _check_supported(cfg, path)
+    try:
+        args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
+    except TypeError as exc:  # e.g. "hidden_size": "768"
+        raise CheckpointError(f"{path}: a size has the wrong type ({exc})") from None
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != args.head_dim:
+        raise CheckpointError(f"{path}: head_dim {head_dim} != hidden_size/num_attention_heads "
+                              f"{args.head_dim}; this model needs them equal")
+    return args
+
+
+def _check_supported(cfg: dict, path: str) -> None:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias")
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        problems.append("attention_bias (LLaMA puts a bias on o_proj too)")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        problems.append(f"rope scaling {rope_type!r}")
+    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+        problems.append("sliding-window attention")
+    if problems:
+        raise CheckpointError(f"{path}: unsupported model features: {'; '.join(problems)}")
+
+
+def model_args(model: str) -> ModelArgs:
+    """Shape of a preset or checkpoint directory without building weights."""
+    if os.path.isdir(model):
+        return read_args(model)
+    if os.sep in model or model.startswith("."):  # meant as a path, not a preset name
+        raise CheckpointNotFoundError(f"checkpoint directory {model!r} does not exist")
+    return ModelArgs.from_name(model)
