@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 import orjson
 
+from mooncake_lite.bench import conductor_live
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
                                      DecodeInstanceState, DecodingRequest, PrefillCostModel,
                                      PrefillInstanceState, QueuedPrefill, ScheduleRequest,
@@ -163,6 +164,7 @@ def _print_decision(f: dict) -> None:
 PARTS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                        Callable[[argparse.Namespace], dict], Callable[[dict], None]]] = {
     "decision": (_decision_args, run_decision, _print_decision),
+    "live": conductor_live.PART,
 }
 
 

@@ -17,6 +17,8 @@ Membership:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -118,25 +120,31 @@ class BlockEvents:
 
 
 def dumps(msg: Any) -> bytes:
-    return orjson.dumps(dataclasses.asdict(msg))
+    return orjson.dumps(msg)  # orjson serialises dataclasses natively (no asdict copy)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    # get_type_hints re-evaluates string annotations on every call; messages are decoded per token.
+    hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def from_dict(cls: type[M], data: Any) -> M:
     """Build ``cls`` from decoded JSON, checking field names and scalar types."""
     if not isinstance(data, dict):
         raise ProtocolError(f"{cls.__name__}: expected a JSON object")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
+    fields = _fields(cls)
+    unknown = set(data) - {f.name for f, _ in fields}
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
     kwargs = {}
-    for f in dataclasses.fields(cls):
+    for f, hint in fields:
         if f.name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
             continue
-        kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{cls.__name__}.{f.name}")
+        kwargs[f.name] = _coerce(hint, data[f.name], f"{cls.__name__}.{f.name}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -153,7 +161,7 @@ def loads(cls: type[M], raw: bytes | str) -> M:
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
