@@ -117,7 +117,8 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
     """Hardware from a live-profile JSON (``mooncake bench pd --profile out.json``).
 
     Format (all but ``prefill`` optional; missing fields come from ``base``, default the
-    A800 preset)::
+    A800 preset). ``block_size`` is accepted but not applied: the simulator's block is the
+    trace's hash-id granularity (512 tokens for Mooncake traces), not the live paging unit::
 
         {"name": "...", "prefill": {"c0":..,"c1":..,"c2":..,"c3":..},
          "decode": {"c0":..,"c1":..,"c2":..}, "kv_bytes_per_token": 327680,
@@ -141,8 +142,7 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
                        ("local_load_bytes_per_s", data.get("local_load_bytes_per_s")),
                        ("ssd_load_bytes_per_s", data.get("ssd_load_bytes_per_s")),
                        ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
-                       ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
-                       ("block_size", data.get("block_size"))):
+                       ("dram_bytes_per_node", data.get("dram_bytes_per_node"))):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")

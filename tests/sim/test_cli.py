@@ -66,3 +66,15 @@ def test_tiny_reproduction(tmp_path, capsys):
         for plot in res[name]["plots"]:
             assert (out / plot.split("/")[-1]).stat().st_size > 1000
     assert (out / "results.json").exists()
+
+
+def test_sim_with_a_bench_pd_style_profile(tmp_path, capsys):
+    prof = tmp_path / "prof.json"
+    prof.write_bytes(orjson.dumps({"name": "tiny-cpu", "prefill": {"c0": 0.001, "c1": 2e-5, "c2": 1e-9, "c3": 0.0},
+                                   "decode": {"c0": 0.002, "c1": 1e-4, "c2": 1e-8}, "kv_bytes_per_token": 8192,
+                                   "block_size": 16, "bandwidth_bytes_per_s": 2e9}))
+    assert main([str(synth_file(tmp_path)), "--cost-model", str(prof), "--prefill", "1", "--decode", "1",
+                 "--json"]) == 0
+    s = orjson.loads(capsys.readouterr().out)
+    assert s["completed"] + s["rejected"] == 120
+    assert s["ttft_s"]["p50"] < 1.0        # the tiny model's costs, not the 70B preset's

@@ -27,12 +27,13 @@ def test_a800_preset_matches_reference_figures():
 def test_profile_roundtrip_and_errors(tmp_path):
     prof = {"name": "lab", "prefill": PrefillCostModel(c0=0.01, c1=1e-4).to_dict(),
             "decode": {"c0": 0.02, "c1": 0.0, "c2": 0.0}, "bandwidth_bytes_per_s": 5e9,
-            "kv_bytes_per_token": 4096}
+            "kv_bytes_per_token": 4096, "block_size": 16}
     path = tmp_path / "p.json"
     path.write_bytes(orjson.dumps(prof))
     hw = get_hardware(str(path))
     assert hw.name == "lab" and hw.prefill.c1 == 1e-4 and hw.decode.c0 == 0.02
     assert hw.network_bytes_per_s == 5e9 and hw.kv_bytes_per_token == 4096
+    assert hw.block_size == 512          # the trace's block, not the live paging unit
     path.write_bytes(b'{"prefill": {"c9": 1}}')
     with pytest.raises(ValueError, match="unknown coefficient"):
         load_profile(path)
