@@ -52,12 +52,13 @@ class MooncakeSim:
                         for i in range(cfg.num_decode)]
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.recorder = Recorder(self, cfg.sample_interval_s)
+        self._with_committed = cfg.decode_view == "committed"
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
 
     # ---- conductor ---------------------------------------------------------------------------
     def cluster_state(self, now: float) -> ClusterState:
         return ClusterState(tuple(p.state() for p in self.prefills),
-                            tuple(d.state(now) for d in self.decodes))
+                            tuple(d.conductor_view(now, self._with_committed) for d in self.decodes))
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         self.recorder.arrived()
@@ -83,6 +84,7 @@ class MooncakeSim:
                 src.cache.touch(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
             req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
             self.recorder.migrated(len(m.keys))
+        self.decode_by_id[req.decode_id].commit(req)
         p.waiting.append(req)
         p.touched()
         if p.current is None:
@@ -139,6 +141,7 @@ class MooncakeSim:
     # ---- decode ------------------------------------------------------------------------------
     def _kv_arrived(self, now: float, req: SimRequest) -> None:
         d = self.decode_by_id[req.decode_id]
+        d.uncommit(req)
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
         if not decode_admits(d.state(now), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
             return self._reject(now, req, "decode", "tbt")

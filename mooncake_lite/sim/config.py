@@ -17,10 +17,12 @@ class SimConfig:
         with admission ``none``, a prefill instance still refuses a request whose predicted TTFT
         is over the SLO when it arrives (the paper's Table 3 "baseline": each stage checks only
         its own SLO, when the request reaches it). Off = nothing is ever refused for TTFT.
-    decode_snapshot:
-        ``membership`` (default): the conductor's view of a decode batch is refreshed whenever a
-        request joins or leaves it, as the live conductor learns from its own dispatches and the
-        decode's completions; context lengths in between lag by the tokens generated since.
+    decode_view:
+        ``arrived`` (default, the scheduler core's contract): the conductor's decode snapshot
+        holds the requests whose KV has arrived. ``committed`` also counts requests already
+        dispatched to that decode whose prefill is still running (joined "now") — an
+        alternative the simulator can evaluate; the decode's own double check always uses its
+        real batch.
     """
 
     num_prefill: int = 8
@@ -34,6 +36,7 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     local_ttft_check: bool = False
     decode_max_batch: int | None = None
+    decode_view: str = "arrived"
     sample_interval_s: float = 5.0
     seed: int = 0
 
@@ -50,6 +53,8 @@ class SimConfig:
             raise ValueError("ssd_blocks_per_node must be >= 0")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
+        if self.decode_view not in ("arrived", "committed"):
+            raise ValueError(f"decode_view must be 'arrived' or 'committed', got {self.decode_view!r}")
 
 
 @dataclass(frozen=True)

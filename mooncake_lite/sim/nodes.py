@@ -116,6 +116,8 @@ class DecodeNode:
         self.max_context_tokens = max_context_tokens
         self.on_finish = on_finish
         self.pending: list[SimRequest] = []
+        self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
+        self._view: DecodeInstanceState | None = None
         self.seg_start = 0.0
         self.seg_gap = 0.0
         self.seg_steps = 0          # steps planned for the running segment (0 = idle)
@@ -138,10 +140,31 @@ class DecodeNode:
                                               self.max_context_tokens)
         return self._state
 
+    def conductor_view(self, now: float, with_committed: bool) -> DecodeInstanceState:
+        """What the conductor sees: the local state, plus (``with_committed``) the requests it
+        has dispatched here whose KV has not arrived yet, as if they had joined now."""
+        if not with_committed or not self.committed:
+            return self.state(now)
+        if self._view is None:
+            base = self.state(now)
+            extra = tuple(DecodingRequest(r.rid, r.input_length + 1, now, r.output_length)
+                          for r in self.committed.values())
+            self._view = DecodeInstanceState(base.instance_id, base.running + extra, base.max_batch_size,
+                                             base.max_context_tokens)
+        return self._view
+
+    def commit(self, req: SimRequest) -> None:
+        self.committed[req.rid] = req
+        self._view = None
+
+    def uncommit(self, req: SimRequest) -> None:
+        self.committed.pop(req.rid, None)
+        self._view = None
+
     def arrive(self, now: float, req: SimRequest) -> None:
         """KV fully received: join at the next step boundary (now, if idle)."""
         self.pending.append(req)
-        self._state = None
+        self._state = self._view = None
         if self.seg_steps == 0:
             self._boundary(now, self.version)
             return
@@ -162,12 +185,12 @@ class DecodeNode:
             for req in b.advance(self.seg_steps, self.seg_gap):
                 req.finish = now
                 self.on_finish(now, req)
-            self._state = None
+            self._state = self._view = None
         for req in self.pending:
             b.add(req, now)
         if self.pending:
             self.pending = []
-            self._state = None
+            self._state = self._view = None
         if not b.running:
             self.seg_steps = 0
             return

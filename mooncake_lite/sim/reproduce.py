@@ -28,8 +28,10 @@ NOTES = {
               "conductor's decode view holds only requests whose KV has arrived (docs/scheduler.md), so "
               "early admission sends every request of a prefill window to the decode instance that is "
               "least loaded *now*; the decode's double check then refuses them after prefill (wasted "
-              "prefills). Predictive admission counts in-flight prefills and avoids that. The paper's "
-              "trace is a different, longer 23k-request sample.",
+              "prefills). Predictive admission counts in-flight prefills and avoids that; so does a "
+              "conductor view that counts dispatched-but-not-arrived requests (the 'committed view' "
+              "rows), which then needs no early rejection at all. The paper's trace is a "
+              "different, longer 23k-request sample.",
     "strategies": "Our prefill cost model (FLOPs shape fitted to A100 TP8 measurements) makes 8 prefill "
                   "instances too few for the 1x trace without prefix reuse: random and load-balance "
                   "saturate and their TTFT grows for the whole hour, while the paper's cluster had "
