@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.scheduler import DecodeCostModel, SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.colocated import ColocatedSim
 from mooncake_lite.sim.config import ColocatedConfig, SimConfig
@@ -112,3 +112,13 @@ def test_ssd_tier_hit_is_slower_than_dram_but_beats_recompute():
     no_ssd = by_id(MooncakeSim(SimConfig(num_prefill=1, num_decode=1, store_blocks_per_node=2,
                                          scheduler=SchedulerConfig(admission="none")), hardware=hw).run(trace))
     assert no_ssd[2].reused_tokens == 0 and no_ssd[2].ttft == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("view, expected", [("arrived", ["D0", "D0", "D0", "D0"]),
+                                            ("committed", ["D0", "D1", "D0", "D1"])])
+def test_decode_view_decides_whether_in_flight_requests_herd(view, expected):
+    trace = [req(i, 0.1 * i, 1000, 50) for i in range(4)]   # all arrive during the first prefill
+    cfg = SimConfig(num_prefill=1, num_decode=2, decode_view=view, scheduler=SchedulerConfig(admission="none"))
+    hw = toy_hardware(decode=DecodeCostModel(c0=0.01, c1=0.001))   # TBT grows with the batch
+    r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
+    assert [r[i].decode_id for i in range(4)] == expected
