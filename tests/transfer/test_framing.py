@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from mooncake_lite.transfer.client import FrameClient, RemoteError
-from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
+from mooncake_lite.transfer.connection import FrameHandler
 from mooncake_lite.transfer.framing import (FLAG_REPLY, HEADER, MAGIC, VERSION, Frame, FrameError, Limits,
                                             decode_header, encode_frame)
 from mooncake_lite.transfer.server import server_address, start_server
