@@ -4,7 +4,6 @@ deterministic under a seed."""
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 
