@@ -83,6 +83,7 @@ class MooncakeSim:
             if src is not None:
                 src.cache.touch(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
             req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
+            req.fetched_blocks = decision.reused_prefix_blocks
             self.recorder.migrated(len(m.keys))
         self.decode_by_id[req.decode_id].commit(req)
         p.waiting.append(req)
@@ -101,8 +102,8 @@ class MooncakeSim:
         p.waiting.popleft()
         p.current = req
         req.prefill_start = now
-        if req.planned_prefix_tokens and cached_prefix(p.cache, req.keys) * self.block_size < req.planned_prefix_tokens:
-            self._store(p, req.keys[: req.planned_prefix_tokens // self.block_size])  # the fetched blocks
+        if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
+            self._store(p, req.keys[: req.fetched_blocks])
         hits, on_ssd = p.cache.prefix(req.keys)
         req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
         duration = p.true_seconds(req.input_length, req.reused_tokens)

@@ -16,7 +16,7 @@ class SimRequest:
     __slots__ = ("trace", "rid", "arrival", "keys", "prefill_id", "decode_id", "reused_tokens",
                  "predicted_ttft", "prefill_start", "first_token", "finish", "status",
                  "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
-                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "snap", "prefilled",
+                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "snap", "prefilled", "fetched_blocks",
                  "snap_step")
 
     def __init__(self, trace: TraceRequest, block_size: int) -> None:
@@ -47,6 +47,7 @@ class SimRequest:
         self.snap = None          # cached scheduler-state object (QueuedPrefill / DecodingRequest)
         self.snap_step = 0
         self.prefilled = 0        # prompt tokens already computed (colocated chunked prefill)
+        self.fetched_blocks = 0   # leading blocks a migration brings into the prefill's store
 
     @property
     def input_length(self) -> int:

@@ -122,3 +122,19 @@ def test_decode_view_decides_whether_in_flight_requests_herd(view, expected):
     hw = toy_hardware(decode=DecodeCostModel(c0=0.01, c1=0.001))   # TBT grows with the batch
     r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
     assert [r[i].decode_id for i in range(4)] == expected
+
+
+def test_hot_prefix_migrates_to_the_idle_instance():
+    hw = toy_hardware(network_bytes_per_s=10240.0)          # 4 blocks of 512 B (1 B/token) = 0.2 s
+    trace = [req(0, 0.0, 2100, 2, ids=[1, 2, 3, 4, 5]),        # P0, 2.1 s; stores blocks 1-4
+             req(1, 0.1, 5000, 2),                             # P1 until 5.1
+             req(2, 2.2, 6000, 2),                             # P0 until 8.2
+             req(3, 2.5, 2200, 2, ids=[1, 2, 3, 4, 9])]        # fetch 1-4 from P0 to P1
+    cfg = SimConfig(num_prefill=2, num_decode=1, scheduler=SchedulerConfig(admission="none"))
+    sim = MooncakeSim(cfg, hardware=hw)
+    res = sim.run(trace)
+    r = by_id(res)
+    assert [r[i].prefill_id for i in range(4)] == ["P0", "P1", "P0", "P1"]
+    assert r[3].reused_tokens == 2048 and res.counters["migrations"] == 1
+    assert r[3].ttft == pytest.approx(5.1 + 0.152 - 2.5)      # waits for P1; the fetch (0.2 s) hides
+    assert sim.scheduler.index.match([1, 2, 3, 4]).lengths == {"P0": 4, "P1": 4}   # replicated
