@@ -55,6 +55,9 @@ class SimConfig:
             raise ValueError("sample_interval_s must be positive")
         if self.decode_view not in ("arrived", "committed"):
             raise ValueError(f"decode_view must be 'arrived' or 'committed', got {self.decode_view!r}")
+        if self.decode_view == "committed" and self.scheduler.admission == "predictive":
+            raise ValueError("decode_view 'committed' with predictive admission would count in-flight "
+                             "prefills twice (predictive already adds them); use 'arrived'")
 
 
 @dataclass(frozen=True)
