@@ -41,7 +41,9 @@ class PendingKV:
     seq: DecodeSequence
     layer_tokens: list[int]
     first_token: int | None = None
+    timeout_s: float = 30.0
     timer: asyncio.TimerHandle | None = None
+    last_progress: float = 0.0
     senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
 
     def is_complete(self) -> bool:
@@ -83,9 +85,10 @@ class DecodeEngine:
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                 max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
         seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids)
-        pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers)
-        pending.timer = asyncio.get_running_loop().call_later(
-            req.kv_timeout_s, self._kv_timeout, req.transfer_id, req.kv_timeout_s)
+        loop = asyncio.get_running_loop()
+        pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers,
+                            timeout_s=req.kv_timeout_s, last_progress=loop.time())
+        pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
         state = RequestState(params, make_generator(params, self.runner.device), asyncio.Queue())
@@ -124,6 +127,7 @@ class DecodeEngine:
         device = self.runner.cache.kv.device
         scatter_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots.to(device), kv.to(device))
         pending.layer_tokens[layer] += n
+        pending.last_progress = asyncio.get_running_loop().time()
 
     def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> None:
         pending = self._pending(tid)
@@ -157,12 +161,21 @@ class DecodeEngine:
                           "aborted, timed out, or never announced with /v1/generate)")
         return pending
 
-    def _kv_timeout(self, tid: str, timeout_s: float) -> None:
+    def _kv_timeout(self, tid: str) -> None:
+        """The KV must start within ``kv_timeout_s`` and never stall longer than that: a long
+        prefill that keeps streaming is not cut off, a dead one is."""
         pending = self.pending.get(tid)
-        if pending is not None:
-            log.warning("transfer %s timed out after %.3gs (%s)", tid, timeout_s, pending.progress())
-            self.abort(pending.request_id, "error",
-                       f"KV did not arrive within {timeout_s:g}s ({pending.progress()}); prefill dead or slow")
+        if pending is None:
+            return
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - pending.last_progress
+        if idle < pending.timeout_s:
+            pending.timer = loop.call_later(pending.timeout_s - idle, self._kv_timeout, tid)
+            return
+        t = pending.timeout_s
+        log.warning("transfer %s: no KV for %.3gs (%s)", tid, t, pending.progress())
+        self.abort(pending.request_id, "error",
+                   f"KV did not arrive within {t:g}s ({pending.progress()}); prefill dead or slow")
 
     def _join(self, pending: PendingKV) -> None:
         del self.pending[pending.transfer_id]

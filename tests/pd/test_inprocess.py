@@ -161,3 +161,19 @@ async def test_dead_decode_makes_prefill_abandon(model):
             await task
         assert c.prefill.stage.jobs == {}
         assert c.prefill.stage.runner.allocator.num_free == c.prefill.stage.runner.allocator.num_blocks
+
+
+async def test_kv_timeout_counts_inactivity_not_total_time(model):
+    """A stream that keeps moving outlives kv_timeout_s; one that stalls (link still open) fails."""
+    kvh, hd = model.args.num_kv_heads, model.args.head_dim
+    async with cluster(model, block_size=BS) as c:
+        events, client = await _open_stream(c, "slow", 6, timeout=1.0)
+        for layer, start in [(0, t) for t in range(6)] + [(1, 0), (1, 1)]:   # 8 x 0.3 s > 1 s in all
+            await asyncio.sleep(0.3)
+            await client.request(OP_KV_LAYER, layer_frame_meta("t-slow", layer, start, 1),
+                                 [torch.randn(2, 1, kvh, hd).numpy().tobytes()])
+        assert events.empty() and "t-slow" in c.decode.pending
+        ev = await asyncio.wait_for(events.get(), 10)           # then it stalls
+        assert ev.finish_reason == "error" and "within 1s (1 of 4 layers complete)" in ev.error
+        await client.close()
+        assert_clean(c)
