@@ -51,7 +51,7 @@ async def cluster(model, *, block_size: int = 8, chunk: int = 16, decode_blocks:
     server = await start_kv_server(engine, "127.0.0.1", 0, None)
     step_task = asyncio.create_task(engine.run())
     prefill_runner = ModelRunner(model, num_blocks=prefill_blocks, block_size=block_size)
-    layer_bytes = 2 * block_size * model.args.num_kv_heads * model.args.head_dim * 4
+    layer_bytes = 2 * block_size * model.args.num_kv_heads * model.args.head_dim * prefill_runner.cache.kv.element_size()
     store = store or MemoryStore((0, model.args.num_layers), layer_bytes)
     stage = StageEngine(prefill_runner, store, ThreadPoolExecutor(1))
     links = DecodeLinks(None)

@@ -177,3 +177,18 @@ async def test_kv_timeout_counts_inactivity_not_total_time(model):
         assert ev.finish_reason == "error" and "within 1s (1 of 4 layers complete)" in ev.error
         await client.close()
         assert_clean(c)
+
+
+async def test_bfloat16_kv_travels_exactly():
+    """bf16 KV through the store layout and the wire: tokens equal the monolithic bf16 run."""
+    from mooncake_lite.model.generate import generate
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.model.sampling import SamplingParams
+    bf16 = build_model("tiny", dtype=torch.bfloat16, seed=2)
+    async with cluster(bf16, block_size=BS, chunk=1000) as c:
+        for i in range(3):
+            toks = prompt(20 + 7 * i, 40 + i)
+            got, _, err = await c.request(f"b{i}", toks, 6)
+            want = generate(ModelRunner(bf16, num_blocks=16, block_size=BS), toks, SamplingParams(max_tokens=6))
+            assert err is None and got == want
+        assert_clean(c)

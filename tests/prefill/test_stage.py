@@ -182,3 +182,15 @@ def test_cost_fits_are_exact_on_clean_data_and_never_negative():
     # noise that would fit a negative per-sequence term gets a zero instead
     noisy = fit_decode([(1, 64, 0.012), (4, 256, 0.011), (8, 512, 0.010), (1, 512, 0.012), (8, 2048, 0.013)])
     assert min(noisy.to_dict().values()) >= 0.0 and noisy.predict(1, 64) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_payload_round_trip_any_dtype(dtype):
+    from mooncake_lite.decode.kv_wire import tensor_from_payload, token_kv_bytes
+    from mooncake_lite.prefill.kv_sender import tensor_bytes
+    kv = torch.randn(2, 5, 2, 16).to(dtype)
+    raw = tensor_bytes(kv)
+    assert raw.nbytes == token_kv_bytes(5, 2, 16, dtype)
+    received = [memoryview(bytearray(raw[:7])), memoryview(bytearray(raw[7:]))]   # split across buffers
+    assert torch.equal(tensor_from_payload(received, 5, 2, 16, dtype), kv)
+    assert torch.equal(tensor_from_payload([memoryview(bytearray(raw))], 5, 2, 16, dtype), kv)
