@@ -91,7 +91,14 @@ class DecodeEngine:
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
-        state = RequestState(params, make_generator(params, self.runner.device), asyncio.Queue())
+        generator = make_generator(params, self.runner.device)
+        if generator is not None:
+            # Prefill drew the first token from a generator seeded alike; one draw over the same
+            # vocabulary size advances ours past it, so a seeded request samples the same tokens
+            # as the monolithic run (multinomial consumes one random number per vocabulary entry).
+            torch.multinomial(torch.ones(self.runner.args.vocab_size, device=self.runner.device), 1,
+                              generator=generator)
+        state = RequestState(params, generator, asyncio.Queue())
         self.requests[req.request_id] = state
         return state.events
 

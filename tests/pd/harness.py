@@ -26,13 +26,12 @@ class Cluster:
     data: str
     server: asyncio.Server
 
-    async def request(self, rid: str, token_ids: list[int], max_tokens: int,
-                      kv_timeout_s: float = 30.0) -> tuple[list[int], str | None, str | None]:
+    async def request(self, rid: str, token_ids: list[int], max_tokens: int, kv_timeout_s: float = 30.0,
+                      sampling: Sampling | None = None) -> tuple[list[int], str | None, str | None]:
         """(tokens, finish_reason, error) the way the conductor would collect them."""
-        events = self.decode.add_request(GenerateRequest(rid, f"t-{rid}", len(token_ids),
-                                                         Sampling(max_tokens=max_tokens), kv_timeout_s))
-        result = await self.prefill.prefill(PrefillRequest(rid, f"t-{rid}", tuple(token_ids), self.data,
-                                                           Sampling(max_tokens=max_tokens)))
+        sampling = sampling or Sampling(max_tokens=max_tokens)
+        events = self.decode.add_request(GenerateRequest(rid, f"t-{rid}", len(token_ids), sampling, kv_timeout_s))
+        result = await self.prefill.prefill(PrefillRequest(rid, f"t-{rid}", tuple(token_ids), self.data, sampling))
         tokens = [result.first_token]
         while True:
             ev = await events.get()

@@ -192,3 +192,18 @@ async def test_bfloat16_kv_travels_exactly():
             want = generate(ModelRunner(bf16, num_blocks=16, block_size=BS), toks, SamplingParams(max_tokens=6))
             assert err is None and got == want
         assert_clean(c)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+async def test_seeded_sampling_equals_the_monolithic_run(model, top_p):
+    from mooncake_lite.model.generate import generate
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.model.sampling import SamplingParams
+    async with cluster(model, block_size=BS) as c:
+        for seed in range(4):
+            toks = prompt(15 + seed, 60 + seed)
+            s = Sampling(max_tokens=10, temperature=1.5, top_p=top_p, seed=seed)
+            got, _, err = await c.request(f"s{seed}", toks, 10, sampling=s)
+            want = generate(ModelRunner(model, num_blocks=16, block_size=BS), toks,
+                            SamplingParams(temperature=1.5, top_p=top_p, seed=seed, max_tokens=10))
+            assert err is None and got == want
