@@ -30,8 +30,11 @@ NOTES = {
               "least loaded *now*; the decode's double check then refuses them after prefill (wasted "
               "prefills). Predictive admission counts in-flight prefills and avoids that; so does a "
               "conductor view that counts dispatched-but-not-arrived requests (the 'committed view' "
-              "rows), which then needs no early rejection at all. The paper's trace is a "
-              "different, longer 23k-request sample.",
+              "rows), which then needs no early rejection at all. Early's own TBT check rarely fires "
+              "because each decode's double check already caps its batch at the SLO, so the least "
+              "loaded one is almost always below it. With 8P+4D the decode pool as a whole is "
+              "overloaded and predictive still rejects less than half as many. The paper's trace "
+              "is a different, longer 23k-request sample.",
     "strategies": "Our prefill cost model (FLOPs shape fitted to A100 TP8 measurements) makes 8 prefill "
                   "instances too few for the 1x trace without prefix reuse: random and load-balance "
                   "saturate and their TTFT grows for the whole hour, while the paper's cluster had "
