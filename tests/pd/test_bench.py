@@ -25,5 +25,7 @@ def test_bench_pd_json_and_profile(tmp_path):
     assert [r["cached_tokens"] for r in tiny["prefix"]] == [0, 0, 64, 64]   # whole 64-token blocks only
     assert [r["batch"] for r in tiny["decode"]] == [1, 2]
     hw = load_profile(profile)
-    assert hw.name == "tiny-cpu" and hw.kv_bytes_per_token == 1024 and hw.block_size == 64
+    saved = orjson.loads(profile.read_bytes())
+    assert hw.name == "tiny-cpu" and hw.kv_bytes_per_token == 1024 and saved["block_size"] == 64
+    assert hw.network_bytes_per_s == saved["bandwidth_bytes_per_s"] > 0
     assert hw.prefill.to_dict() == tiny["cost"]["prefill"] and hw.decode.to_dict() == tiny["cost"]["decode"]
