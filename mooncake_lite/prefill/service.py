@@ -73,6 +73,9 @@ class PrefillService:
             _params(req)
         except ValueError as exc:
             raise PrefillRejected(f"sampling: {exc}") from None
+        host, _, port = req.decode_data.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise PrefillRejected(f"decode_data must be host:port, got {req.decode_data!r}")
         if any(len(k) != 32 or not _is_hex(k) for k in req.migrate_keys):
             raise PrefillRejected("migrate_keys must be 32-character hex block keys")
         keys = prefix_hash(req.token_ids, self.block_size, self.hash_seed)

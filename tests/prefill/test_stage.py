@@ -155,7 +155,8 @@ async def test_service_validates_requests(model):
                           (req(token_ids=tuple(range(40))), "KV blocks"),
                           (req(prefix_keys=("ab" * 16,)), "prefix_keys"),
                           (req(sampling=Sampling(top_p=0.0)), "top_p"),
-                          (req(migrate_keys=("zz",)), "migrate_keys")):
+                          (req(migrate_keys=("zz",)), "migrate_keys"),
+                          (req(decode_data="nowhere"), "decode_data")):
         with pytest.raises(PrefillRejected, match=fragment):
             service.check(bad)
 
