@@ -132,14 +132,17 @@ async def check_client_disconnect(session, decode):
 
 async def test_prefix_through_the_store_and_hot_spot_migration(role_procs, model):
     """Prefill A writes blocks to store 1 and loads them back from it for the next request;
-    prefill C (store 2) gets them by migration from store 1. Tokens stay exact throughout."""
+    prefill C (store 2) gets them by migration from store 1; a CPP group on store 1 loads them
+    layer range by layer range. Tokens stay exact throughout."""
     store_args = ("--port", "0", "--data-port", "0", "--dram", "16MiB", "--slot-bytes", "64KiB")
     store1, store2, decode = start_many(role_procs, ("store", *store_args), ("store", *store_args),
                                         ("decode", *COMMON, "--num-blocks", "128"))
     # with --store, a prefill keeps no private cache: a hit on `a` itself came from the store
-    a, c = start_many(role_procs,
-                      ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "24", "--store", store1.addresses["data"]),
-                      ("prefill", *COMMON, "--num-blocks", "64", "--store", store2.addresses["data"]))
+    a, c, cpp = start_many(
+        role_procs, ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "24", "--store", store1.addresses["data"]),
+        ("prefill", *COMMON, "--num-blocks", "64", "--store", store2.addresses["data"]),
+        ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "8", "--pipeline-group", "2",
+         "--store", store1.addresses["data"]))
 
     shared = prompt(4 * BS, 21)
     data = decode.addresses["data"]
@@ -165,6 +168,11 @@ async def test_prefix_through_the_store_and_hot_spot_migration(role_procs, model
         tokens = [result["first_token"]] + [e["token"] async for e in _events(resp) if "token" in e]
         assert result["num_prefix_tokens"] == 4 * BS
         assert tokens == reference_greedy(model, toks, 5)
+
+        # a CPP group on store 1: each stage loads its own layer range of the cached blocks
+        toks = shared + prompt(11, 24)
+        out = await generate(session, cpp.url(), decode.url(), data, toks, 5)
+        assert out.prefill["num_prefix_tokens"] == 4 * BS and out.tokens == reference_greedy(model, toks, 5)
 
 
 async def _events(resp):
