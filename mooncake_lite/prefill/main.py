@@ -41,6 +41,10 @@ class Config(ModelRoleConfig):
                 f"--pipeline-stage must be in [0, {self.pipeline_group})")
         require(self.store is None or ":" in self.store, f"--store must be HOST:PORT, got {self.store!r}")
         require(0 <= self.data_port < 65536, f"--data-port out of range: {self.data_port}")
+        from mooncake_lite.model.weights import model_args
+        num_layers = model_args(self.model).num_layers
+        require(self.pipeline_group <= num_layers,
+                f"--pipeline-group {self.pipeline_group} exceeds the model's {num_layers} layers")
 
 
 def layer_slices(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -41,6 +41,11 @@ class ModelRoleConfig(RoleConfig):
         require(self.heartbeat_interval > 0, "--heartbeat-interval must be positive")
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s) URL, got {self.conductor!r}")
+        from mooncake_lite.model.weights import model_args
+        try:
+            model_args(self.model)
+        except (ValueError, OSError) as exc:
+            require(False, f"--model: {exc}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
