@@ -16,7 +16,9 @@ from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
 from mooncake_lite.prefill.service import PrefillService
 from mooncake_lite.prefill.store_io import MemoryStore
-from mooncake_lite.transfer.server import server_address
+from mooncake_lite.prefill.pipeline import NextStage, StageServer
+from mooncake_lite.transfer.client import FrameClient
+from mooncake_lite.transfer.server import server_address, start_server
 
 
 @dataclass
@@ -43,21 +45,38 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(model, *, block_size: int = 8, chunk: int = 16, decode_blocks: int = 256,
-                  prefill_blocks: int = 128, store: MemoryStore | None = None):
+                  prefill_blocks: int = 128, store: MemoryStore | None = None, stage_models=None):
+    """``stage_models``: layer slices of ``model`` for an in-process CPP group (stage 0 first)."""
     decode_runner = ModelRunner(model, num_blocks=decode_blocks, block_size=block_size)
     engine = DecodeEngine(decode_runner, DecodeBatcher(decode_runner.allocator, block_size),
                           ThreadPoolExecutor(1))
     server = await start_kv_server(engine, "127.0.0.1", 0, None)
     step_task = asyncio.create_task(engine.run())
-    prefill_runner = ModelRunner(model, num_blocks=prefill_blocks, block_size=block_size)
-    layer_bytes = 2 * block_size * model.args.num_kv_heads * model.args.head_dim * prefill_runner.cache.kv.element_size()
-    store = store or MemoryStore((0, model.args.num_layers), layer_bytes)
-    stage = StageEngine(prefill_runner, store, ThreadPoolExecutor(1))
     links = DecodeLinks(None)
-    service = PrefillService(stage, links, block_size=block_size, hash_seed=0, chunk_size=chunk)
+
+    def make_stage(m):
+        runner = ModelRunner(m, num_blocks=prefill_blocks, block_size=block_size)
+        layer_bytes = 2 * block_size * m.args.num_kv_heads * m.args.head_dim * runner.cache.kv.element_size()
+        return StageEngine(runner, store or MemoryStore((m.first_layer, m.end_layer), layer_bytes),
+                           ThreadPoolExecutor(1))
+
+    stage_models = stage_models or [model]
+    stage = make_stage(stage_models[0])
+    downstream, servers, extra_stages = None, [], []
+    for m in reversed(stage_models[1:]):     # last stage first, so each knows its next
+        extra_stages.insert(0, StageServer(make_stage(m), links, downstream))
+        servers.append(await start_server(extra_stages[0], "127.0.0.1", 0, name="stage"))
+        host, port = server_address(servers[-1]).rsplit(":", 1)
+        downstream = NextStage(await FrameClient.connect(host, int(port)))
+    service = PrefillService(stage, links, block_size=block_size, hash_seed=0, chunk_size=chunk,
+                             downstream=downstream)
     try:
-        yield Cluster(engine, service, server_address(server), server)
+        c = Cluster(engine, service, server_address(server), server)
+        c.stages = extra_stages
+        yield c
     finally:
+        for srv in servers:
+            srv.close()
         step_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await step_task
