@@ -146,6 +146,10 @@ class DecodeEngine:
         if pending.is_complete():
             self._join(pending)
 
+    def kv_alive(self, tid: str) -> None:
+        """The prefill holds this request in its queue: it is alive, the KV will come."""
+        self._pending(tid).last_progress = asyncio.get_running_loop().time()
+
     def kv_abort(self, tid: str, reason: str) -> None:
         pending = self.pending.get(tid)
         if pending is not None:

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from mooncake_lite.decode.engine import DecodeEngine, KVError
-from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, tensor_from_payload
+from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, tensor_from_payload
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Limits
 from mooncake_lite.transfer.server import reply_error, start_server
@@ -64,6 +64,8 @@ class KVReceiver(FrameHandler):
                     raise KVError("bad_meta", f"first_token must be an integer or null, got {token!r}")
                 conn.state["tids"].discard(tid)
                 self.engine.kv_end(id(conn), tid, token)
+            elif frame.op == OP_KV_ALIVE:
+                self.engine.kv_alive(tid)
             elif frame.op == OP_KV_ABORT:
                 conn.state["tids"].discard(tid)
                 self.engine.kv_abort(tid, str(meta.get("reason", "no reason given"))[:500])

@@ -10,6 +10,8 @@ for one request tagged by ``transfer_id`` (``tid``):
                  this sender has sent all its layers; the stage that owns the last layer carries
                  the first token sampled at the last prompt position
     OP_KV_ABORT  meta {"tid", "reason"}                   the prefill gave up; decode fails the request
+    OP_KV_ALIVE  meta {"tid"}                             the request waits in the prefill queue: it
+                 counts as progress for decode's inactivity timeout (``kv_timeout_s``)
 
 Every frame is answered (``{"ok": true}`` or an error frame); senders pipeline frames and check
 the answers at the end, so a refused transfer (unknown tid, aborted, bad shape) stops the prefill.
@@ -24,6 +26,7 @@ import torch
 OP_KV_LAYER = 20
 OP_KV_END = 21
 OP_KV_ABORT = 22
+OP_KV_ALIVE = 23
 
 
 def layer_frame_meta(transfer_id: str, layer: int, start: int, num_tokens: int) -> dict:

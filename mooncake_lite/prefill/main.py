@@ -11,6 +11,7 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
+from mooncake_lite.common.units import parse_duration
 from mooncake_lite.prefill.worker_config import ModelRoleConfig
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ class Config(ModelRoleConfig):
     pipeline_stage: int = option(0, "internal: this process's stage in a group (set by the group head)")
     next_stage: str | None = option(None, "internal: HOST:PORT of the next stage's socket")
     data_port: int = option(0, "stage socket port of a CPP stage > 0 (0 = pick a free one)")
+    kv_keepalive: float = option(1.0, "while a request waits in the queue, tell its decode instance it is "
+                                 "alive this often (keep it below the conductor's kv_timeout_s)",
+                                 parse=parse_duration)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,6 +45,7 @@ class Config(ModelRoleConfig):
                 f"--pipeline-stage must be in [0, {self.pipeline_group})")
         require(self.store is None or ":" in self.store, f"--store must be HOST:PORT, got {self.store!r}")
         require(0 <= self.data_port < 65536, f"--data-port out of range: {self.data_port}")
+        require(self.kv_keepalive > 0, "--kv-keepalive must be positive")
         from mooncake_lite.model.weights import model_args
         num_layers = model_args(self.model).num_layers
         require(self.pipeline_group <= num_layers,
@@ -131,7 +136,7 @@ def run(cfg: Config) -> int:
         downstream = await group.connect(cfg.cluster_token) if group is not None else None
         service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                                  hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
-                                 downstream=downstream, cost=cost)
+                                 downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive)
         app = make_app(service, cfg.cluster_token)
         if downstream is not None:
             watcher = asyncio.ensure_future(_watch_stage_link(downstream, state))

@@ -19,10 +19,12 @@ import time
 from dataclasses import dataclass
 
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.decode.kv_wire import OP_KV_ALIVE
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class QueuedJob:
 
 class PrefillService:
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
-                 chunk_size: int, downstream=None, cost=None):
+                 chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0):
         self.stage = stage
         self.links = links
         self.block_size = block_size
@@ -49,6 +51,7 @@ class PrefillService:
         self.chunk_size = chunk_size
         self.downstream = downstream   # pipeline.NextStage of a CPP group, or None
         self.cost = cost               # PrefillCostModel, for the load figure
+        self.keepalive_s = keepalive_s # while queued, tell decode the request is alive this often
         self.queue: dict[str, QueuedJob] = {}
         self._lock = asyncio.Lock()
         self._aborted: set[str] = set()
@@ -99,10 +102,13 @@ class PrefillService:
         job = QueuedJob(req.request_id, len(req.token_ids), 0)
         self.queue[req.request_id] = job
         t_arrive = time.perf_counter()
+        keepalive = asyncio.ensure_future(self._keepalive(req)) if self._lock.locked() else None
         try:
             async with self._lock:
+                if keepalive is not None:
+                    keepalive.cancel()
                 if req.request_id in self._aborted:
-                    raise PrefillAborted("aborted by the conductor while queued")
+                    raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
                 job.started_at = time.perf_counter()
                 result = await self._run(req, keys, job)
                 result.timings["queue_s"] = job.started_at - t_arrive
@@ -112,6 +118,8 @@ class PrefillService:
             self.num_failed += 1
             raise
         finally:
+            if keepalive is not None:
+                keepalive.cancel()
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
 
@@ -158,6 +166,20 @@ class PrefillService:
         timings = {"total_s": time.perf_counter() - t0, **job.timings,
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
+
+    async def _keepalive(self, req: PrefillRequest) -> None:
+        """While the request waits for its turn, keep decode from timing it out; if decode no
+        longer waits for it, drop it from the queue instead of computing it for nothing."""
+        try:
+            client = await self.links.get(req.decode_data)
+            while True:
+                await client.request(OP_KV_ALIVE, {"tid": req.transfer_id})
+                await asyncio.sleep(self.keepalive_s)
+        except RemoteError as exc:
+            log.info("decode dropped queued request %s (%s); skipping it", req.request_id, exc)
+            self.abort(req.request_id)
+        except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            log.debug("keepalive for %s stopped: %s", req.request_id, exc)
 
     async def _migrate(self, req: PrefillRequest) -> None:
         """Hot-spot migration (Algorithm 1 step 5): pull the named blocks into our store first.

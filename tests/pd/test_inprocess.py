@@ -207,3 +207,27 @@ async def test_seeded_sampling_equals_the_monolithic_run(model, top_p):
             want = generate(ModelRunner(model, num_blocks=16, block_size=BS), toks,
                             SamplingParams(temperature=1.5, top_p=top_p, seed=seed, max_tokens=10))
             assert err is None and got == want
+
+
+async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped(model):
+    async with cluster(model, block_size=BS) as c:
+        c.prefill.keepalive_s = 0.1
+        await c.prefill._lock.acquire()              # the prefill is busy with something else
+        toks = prompt(12, 70)
+        waiting = asyncio.ensure_future(c.request("queued", toks, 4, kv_timeout_s=0.8))
+        dropped_events = c.decode.add_request(GenerateRequest("gone", "t-gone", 9, Sampling(max_tokens=2)))
+        dropped = asyncio.ensure_future(c.prefill.prefill(
+            PrefillRequest("gone", "t-gone", tuple(prompt(9, 71)), c.data, Sampling(max_tokens=2))))
+        await asyncio.sleep(0.3)
+        c.decode.abort("gone")                       # e.g. its client disconnected
+        assert (await dropped_events.get()).finish_reason == "abort"
+        for _ in range(25):                          # 2.5 s in the queue, 3x the decode's kv_timeout
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+        assert "gone" in c.prefill._aborted          # the keepalive learned that decode dropped it
+        c.prefill._lock.release()
+        tokens, reason, err = await waiting
+        assert err is None and tokens == reference_greedy(model, toks, 4)
+        with pytest.raises(PrefillAborted, match="while queued"):
+            await dropped
+        assert_clean(c)
