@@ -17,6 +17,7 @@ from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, loads
 from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
+from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ async def prefill(request: web.Request) -> web.Response:
     except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
         log.warning("prefill %s: cannot stream to decode %s: %s", req.request_id, req.decode_data, exc)
         return error(502, f"cannot stream KV to decode {req.decode_data}: {exc or type(exc).__name__}")
+    except RemoteError as exc:   # a CPP stage refused (e.g. its KV cache is full)
+        log.warning("prefill %s: pipeline stage failed: %s", req.request_id, exc)
+        return error(502, f"pipeline stage failed: {exc}")
+    except Exception as exc:     # never take the server down; say what happened
+        log.exception("prefill %s failed", req.request_id)
+        return error(500, f"prefill failed: {type(exc).__name__}: {exc}")
     return web.json_response(dataclasses.asdict(result))
 
 
