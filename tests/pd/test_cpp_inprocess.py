@@ -91,3 +91,23 @@ async def test_decode_dropping_the_request_stops_every_stage_and_frees(model):
         assert c.stages[0].works == {}
         toks = prompt(12, 3)
         assert (await c.request("after", toks, 3))[0] == reference_greedy(model, toks, 3)
+
+
+async def test_a_full_stage_refuses_cleanly_through_the_http_api(model, aiohttp_client):
+    from mooncake_lite.prefill.app import make_app
+    async with cluster(model, block_size=BS, chunk=4, stage_models=slices([(0, 2), (2, 4)])) as c:
+        stage1 = c.stages[0].stage.runner.allocator
+        held = stage1.allocate(stage1.num_free - 1)          # stage 1 has room for one block only
+        client = await aiohttp_client(make_app(c.prefill))
+        events = c.decode.add_request(GenerateRequest("big", "t-big", 20, Sampling(max_tokens=2)))
+        body = {"request_id": "big", "transfer_id": "t-big", "token_ids": prompt(20, 1),
+                "decode_data": c.data, "sampling": {"max_tokens": 2}}
+        resp = await client.post("/v1/prefill", json=body)
+        assert resp.status == 502 and "KV cache full" in (await resp.json())["error"]
+        ev = await asyncio.wait_for(events.get(), 10)           # decode hears the abort, frees
+        assert ev.finish_reason == "error"
+        head = c.prefill.stage.runner.allocator
+        assert head.num_free == head.num_blocks and c.prefill.stage.jobs == {}
+        stage1.free(held)
+        toks = prompt(20, 2)
+        assert (await c.request("fits", toks, 3))[0] == reference_greedy(model, toks, 3)
