@@ -79,10 +79,19 @@ async def test_next_layer_load_is_launched_before_this_layer_computes(model):
         events.append(("compute", i))
         return real_layer(piece, i)
 
+    class Sender(RecordingSender):
+        def send_layer(self, layer, start, kv):
+            events.append(("send", layer, start))
+            super().send_layer(layer, start, kv)
+
     store.get_layers, stage._layer = get_layers, layer
-    sender = await run_prompt(stage, tokens, chunk=100, hit=3)
-    assert events == [("load", 0), ("load", 1), ("compute", 0), ("load", 2), ("compute", 1),
-                      ("load", 3), ("compute", 2), ("compute", 3)]
+    sender = await run_prompt(stage, tokens, chunk=100, hit=3, sender=Sender())
+    # each layer's prefix goes out as soon as it is loaded, its new KV as soon as it is computed,
+    # while the next layer's load is already under way
+    assert events == [("load", 0), ("load", 1), ("send", 0, 0), ("compute", 0), ("send", 0, 24),
+                      ("load", 2), ("send", 1, 0), ("compute", 1), ("send", 1, 24),
+                      ("load", 3), ("send", 2, 0), ("compute", 2), ("send", 2, 24),
+                      ("send", 3, 0), ("compute", 3), ("send", 3, 24)]
     # each layer streamed its 24 prefix tokens and its 5 new ones
     assert [(f[0], f[1], f[2].shape[1]) for f in sender.frames] == \
         [(layer, start, n) for layer in range(4) for start, n in ((0, 24), (24, 5))]
