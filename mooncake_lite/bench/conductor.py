@@ -23,9 +23,10 @@ import orjson
 
 from mooncake_lite.bench import conductor_live
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
-                                     DecodeInstanceState, DecodingRequest, PrefillCostModel,
-                                     PrefillInstanceState, QueuedPrefill, ScheduleRequest,
-                                     Scheduler, SchedulerConfig, kv_bytes_per_token)
+                                     DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                     PrefillCostModel, PrefillInstanceState, QueuedPrefill,
+                                     ScheduleRequest, Scheduler, SchedulerConfig,
+                                     kv_bytes_per_token)
 
 MEDIAN_TARGET_US = 200.0
 P99_TARGET_US = 1000.0
@@ -73,16 +74,22 @@ def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_bl
         for other in rng.sample(range(num_prefill), 2):
             index.add(stores[other], keys[:rng.randint(0, depth)])
         requests.append(ScheduleRequest(f"r{r}", tuple(keys), request_blocks * BLOCK_SIZE, 256))
-    prefills = tuple(
-        PrefillInstanceState(f"prefill-{i}", stores[i], tuple(
-            QueuedPrefill(f"q{i}-{j}", rng.randint(1000, 30000), rng.randint(0, 8000),
-                          decode_id=f"decode-{rng.randrange(num_decode)}",
-                          started_at=-0.1 if j == 0 else None) for j in range(rng.randint(0, 6))))
-        for i in range(num_prefill))
+    # Each queued prefill is committed to a decode instance: it appears there as incoming.
+    incoming: list[list[IncomingRequest]] = [[] for _ in range(num_decode)]
+    queues = []
+    for i in range(num_prefill):
+        queue = []
+        for j in range(rng.randint(0, 6)):
+            job = QueuedPrefill(f"q{i}-{j}", rng.randint(1000, 30000), rng.randint(0, 8000),
+                                started_at=-0.1 if j == 0 else None)
+            incoming[rng.randrange(num_decode)].append(IncomingRequest(job.request_id, job.num_tokens, 256))
+            queue.append(job)
+        queues.append(tuple(queue))
+    prefills = tuple(PrefillInstanceState(f"prefill-{i}", stores[i], queues[i]) for i in range(num_prefill))
     decodes = tuple(
         DecodeInstanceState(f"decode-{i}", tuple(
             DecodingRequest(f"d{i}-{j}", rng.randint(1000, 40000), -rng.uniform(0, 60), 512)
-            for j in range(rng.randint(8, 48))))
+            for j in range(rng.randint(8, 48))), incoming=tuple(incoming[i]))
         for i in range(num_decode))
     return index, ClusterState(prefills, decodes), requests
 

@@ -94,7 +94,7 @@ class Flight:
             svc.membership.watch(inst.instance_id, self.request_id, self._on_instance_death)
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.request_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
-            self.decode.instance_id), now)
+            self.decode.instance_id, max_output_tokens=self.req.sampling.max_tokens), now)
         try:
             await self._reserve_decode()
         except BaseException:

@@ -4,7 +4,9 @@ Prefill and decode instances register (refused on model / block size / hash seed
 heartbeat; one silent for ``dead_after_s`` is marked dead, leaves every scheduling snapshot,
 and the requests in flight on it are told (their ``on_death`` callback) so they fail cleanly.
 A dead instance that heartbeats again comes back. Queues and batches are the conductor's own
-record of what it dispatched — the scheduler reads them as a :class:`ClusterState` snapshot.
+record of what it dispatched — the scheduler reads them as a :class:`ClusterState` snapshot; a
+request dispatched to a decode instance counts there as ``incoming`` from dispatch until its KV
+has arrived (the first token), so a burst is spread instead of herding onto one instance.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
 from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
-                                     PrefillInstanceState, QueuedPrefill)
+                                     IncomingRequest, PrefillInstanceState, QueuedPrefill)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -49,6 +51,7 @@ class PrefillJob:
     num_prefix_tokens: int
     decode_id: str
     started_at: float | None = None
+    max_output_tokens: int | None = None
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Instance:
     load: dict[str, float] = field(default_factory=dict)
     prefill_jobs: dict[str, PrefillJob] = field(default_factory=dict)   # dispatch order
     decode_jobs: dict[str, DecodeJob] = field(default_factory=dict)
+    # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
+    incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
     watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
 
     @property
@@ -102,6 +107,7 @@ class Membership:
         inst = Instance(reg, costs, now)
         if old is not None and old.reg.http == reg.http and old.role == reg.role:
             inst.prefill_jobs, inst.decode_jobs, inst.watchers = old.prefill_jobs, old.decode_jobs, old.watchers
+            inst.incoming_jobs = old.incoming_jobs
         self.instances[reg.instance_id] = inst
         if self.kv_bytes_per_token is None:
             self.kv_bytes_per_token = reg.kv_bytes_per_token
@@ -162,6 +168,7 @@ class Membership:
         watchers, inst.watchers = inst.watchers, {}
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
+        inst.incoming_jobs.clear()
         for notify in watchers.values():
             notify(reason)
 
@@ -177,10 +184,15 @@ class Membership:
         self.instances[instance_id].watchers[request_id] = on_death
 
     def add_prefill(self, instance_id: str, job: PrefillJob, now: float) -> None:
+        """Queue ``job`` on its prefill instance and record it as incoming on its decode
+        instance (``job.decode_id``) until :meth:`add_decode` says its KV arrived."""
         inst = self.instances[instance_id]
         if not inst.prefill_jobs:
             job.started_at = now
         inst.prefill_jobs[job.request_id] = job
+        decode = self.instances.get(job.decode_id)
+        if decode is not None:
+            decode.incoming_jobs[job.request_id] = job
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
         inst = self.instances.get(instance_id)
@@ -193,6 +205,7 @@ class Membership:
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
         if inst is not None:
+            inst.incoming_jobs.pop(job.request_id, None)
             inst.decode_jobs[job.request_id] = job
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
@@ -209,6 +222,7 @@ class Membership:
                 continue
             inst.watchers.pop(request_id, None)
             inst.decode_jobs.pop(request_id, None)
+            inst.incoming_jobs.pop(request_id, None)
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
@@ -226,7 +240,7 @@ class Membership:
 
 
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
-    queue = tuple(QueuedPrefill(j.request_id, j.num_tokens, j.num_prefix_tokens, j.decode_id, j.started_at)
+    queue = tuple(QueuedPrefill(j.request_id, j.num_tokens, j.num_prefix_tokens, j.started_at)
                   for j in inst.prefill_jobs.values())
     # No store: a unique id no block event names, so nothing counts as cached there.
     store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
@@ -237,10 +251,12 @@ def _prefill_state(inst: Instance) -> PrefillInstanceState:
 def _decode_state(inst: Instance) -> DecodeInstanceState:
     running = tuple(DecodingRequest(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
                     for j in inst.decode_jobs.values())
+    incoming = tuple(IncomingRequest(j.request_id, j.num_tokens + 1, j.max_output_tokens)  # as add_decode will
+                     for j in inst.incoming_jobs.values())
     # Register.max_context of a decode instance is its KV capacity in tokens.
     max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
     return DecodeInstanceState(inst.instance_id, running, _int_or_none(inst.load.get("max_batch_size")),
-                               max_context, inst.costs.decode)
+                               max_context, inst.costs.decode, incoming)
 
 
 def _int_or_none(value: float | None) -> int | None:

@@ -13,12 +13,13 @@ from mooncake_lite.scheduler.decision import Decision, Migration
 from mooncake_lite.scheduler.estimate import prefill_queue_time
 from mooncake_lite.scheduler.scheduler import Scheduler, schedule
 from mooncake_lite.scheduler.state import (ClusterState, DecodeInstanceState, DecodingRequest,
-                                           PrefillInstanceState, QueuedPrefill, ScheduleRequest)
+                                           IncomingRequest, PrefillInstanceState, QueuedPrefill,
+                                           ScheduleRequest)
 
 __all__ = [
     "ADMISSIONS", "STRATEGIES", "BlockEvent", "BlockIndex", "ClusterState", "CostModels",
-    "Decision", "DecodeCostModel", "DecodeInstanceState", "DecodingRequest", "Migration",
-    "PrefillCostModel", "PrefillInstanceState", "PrefixMatch", "QueuedPrefill", "ScheduleRequest",
+    "Decision", "DecodeCostModel", "DecodeInstanceState", "DecodingRequest", "IncomingRequest",
+    "Migration", "PrefillCostModel", "PrefillInstanceState", "PrefixMatch", "QueuedPrefill", "ScheduleRequest",
     "Scheduler", "SchedulerConfig", "decode_admits", "kv_bytes_per_token", "kv_transfer_time",
     "prefill_queue_time", "schedule",
 ]

@@ -1,8 +1,9 @@
 """Decode selection by predicted TBT and the SLO admission check (REFERENCE.md §2 steps 3–4, §3).
 
-``none`` and ``early`` read every decode instance's load *now* (with the new request added);
-``predictive`` reads the load predicted for ``t = now + predicted TTFT``: queued prefills that
-finish by ``t`` join their decode batch, running requests older than t_d at ``t`` leave.
+``none`` and ``early`` read every decode instance's committed load *now* (running batch plus the
+requests already dispatched there whose KV has not arrived, plus the new request);
+``predictive`` reads the load predicted for ``t = now + predicted TTFT``: incoming requests whose
+prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
-from mooncake_lite.scheduler.estimate import (arrivals_by, decode_has_room, decode_load_at,
-                                              decode_load_now, decode_tbt)
+from mooncake_lite.scheduler.estimate import (decode_has_room, decode_load_at, decode_load_now,
+                                              decode_tbt, late_prefills, running_load)
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
 
@@ -35,12 +36,12 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     eligible one. None when no instance has room."""
     t = now + ttft_s
     predictive = cfg.admission == "predictive"
-    arrivals = arrivals_by(cluster, costs, now, t) if predictive else {}
+    has_incoming = predictive and any(d.incoming for d in cluster.decodes)
+    late = late_prefills(cluster, costs, now, t) if has_incoming else set()
     eligible: list[tuple[DecodeInstanceState, int, int]] = []
     for d in cluster.decodes:
         if predictive:
-            batch, context = decode_load_at(d, costs, t, arrivals.get(d.instance_id, []),
-                                            cfg.uniform_decode_s)
+            batch, context = decode_load_at(d, costs, t, late, cfg.uniform_decode_s)
         else:
             batch, context = decode_load_now(d)
         if decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
@@ -63,9 +64,10 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
                   tbt_slo_s: float) -> bool:
     """The decode instance's own double check when the KV arrives (the paper's local
-    scheduler): room left and TBT with ``req`` added within the SLO. Used by the decode role
-    and the simulator; a refusal here wastes the prefill already done."""
-    batch, context = decode_load_now(d)
+    scheduler): room left and TBT with ``req`` added within the SLO, judged on the running
+    batch only (``incoming`` is the conductor's forecast, not the instance's own state). Used by
+    the decode role and the simulator; a refusal here wastes the prefill already done."""
+    batch, context = running_load(d)
     if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
         return False
     return decode_tbt(d, costs, batch + 1, context + req.num_tokens) <= tbt_slo_s

@@ -10,7 +10,6 @@ instance states between decisions therefore pays only for the instances that cha
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import defaultdict
 from itertools import accumulate
 from operator import attrgetter
 
@@ -22,6 +21,7 @@ _CONTEXT_TOKENS = attrgetter("context_tokens")
 _NUM_TOKENS = attrgetter("num_tokens")
 _NUM_PREFIX = attrgetter("num_prefix_tokens")
 _JOINED_AT = attrgetter("joined_at")
+_REQUEST_ID = attrgetter("request_id")
 
 
 def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostModel:
@@ -88,34 +88,45 @@ def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: 
     return True
 
 
-def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
-    """(batch size, context tokens) of the running batch."""
+def running_load(d: DecodeInstanceState) -> tuple[int, int]:
+    """(batch size, context tokens) of the running batch only (KV arrived): what the decode
+    instance itself sees, for its own double check and its current step time."""
     total = d.__dict__.get("_context_tokens")
     if total is None:
         total = d.__dict__["_context_tokens"] = sum(map(_CONTEXT_TOKENS, d.running))
     return len(d.running), total
 
 
+def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
+    """(batch size, context tokens) committed now: the running batch plus every incoming
+    request (dispatched here, KV not arrived yet — it will be in this batch). Counting them is
+    what keeps a burst from herding onto the instance that merely *looks* least loaded."""
+    batch, context = running_load(d)
+    if not d.incoming:
+        return batch, context
+    extra = d.__dict__.get("_incoming_tokens")
+    if extra is None:
+        extra = d.__dict__["_incoming_tokens"] = sum(map(_CONTEXT_TOKENS, d.incoming))
+    return batch + len(d.incoming), context + extra
+
+
 def decode_tbt(d: DecodeInstanceState, costs: CostModels, batch_size: int, context_tokens: int) -> float:
     return decode_model(d, costs).predict(batch_size, context_tokens)
 
 
-def arrivals_by(cluster: ClusterState, costs: CostModels, now: float,
-                t: float) -> dict[str, list[int]]:
-    """Per decode id, the prompt lengths of queued prefills predicted to finish by ``t``
-    (step 1 of the §3 prediction: those requests will have joined their decode batch)."""
-    arrivals: dict[str, list[int]] = defaultdict(list)
+def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float) -> set[str]:
+    """Request ids of queued prefills predicted to finish *after* ``t``. Every other request
+    committed to a decode instance (``incoming``) has joined its batch by ``t`` — step 1 of the
+    §3 prediction; one in no queue has already finished prefill."""
+    late: set[str] = set()
     for p in cluster.prefills:
         if not p.queue:
             continue
         cum, done = prefill_backlog(p, costs, now)
-        limit = t - now + done
-        for job, c in zip(p.queue, cum):
-            if c > limit:
-                break  # jobs run in order: the rest end later
-            if job.decode_id is not None:
-                arrivals[job.decode_id].append(job.num_tokens)
-    return arrivals
+        first = bisect_right(cum, t - now + done)   # jobs run in order: the rest end later
+        if first < len(cum):
+            late.update(map(_REQUEST_ID, p.queue[first:]))
+    return late
 
 
 def _joined_after(d: DecodeInstanceState, cutoff: float) -> tuple[int, int]:
@@ -136,18 +147,23 @@ def _joined_after(d: DecodeInstanceState, cutoff: float) -> tuple[int, int]:
     return len(joined) - first, suffix[first]
 
 
-def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float,
-                   arriving_tokens: list[int], uniform_decode_s: float | None) -> tuple[int, int]:
+def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
+                   uniform_decode_s: float | None) -> tuple[int, int]:
     """(batch size, context tokens) predicted for time ``t`` (§3): requests whose decode would
-    have ended by ``t`` — joined_at + t_d <= t — leave; the arriving prefills join.
+    have ended by ``t`` — joined_at + t_d <= t — leave; the incoming requests whose prefill ends
+    by ``t`` (not in ``late``, see :func:`late_prefills`) join.
 
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
     the instance's current TBT (unknown max_output_tokens: assumed still decoding)."""
     if uniform_decode_s is not None:
         batch, context = _joined_after(d, t - uniform_decode_s)
     else:
-        tbt_now = decode_tbt(d, costs, *decode_load_now(d))
+        tbt_now = decode_tbt(d, costs, *running_load(d))
         staying = [r.context_tokens for r in d.running if r.max_output_tokens is None
                    or r.joined_at + r.max_output_tokens * tbt_now > t]
         batch, context = len(staying), sum(staying)
-    return batch + len(arriving_tokens), context + sum(arriving_tokens)
+    for r in d.incoming:
+        if r.request_id not in late:
+            batch += 1
+            context += r.context_tokens
+    return batch, context

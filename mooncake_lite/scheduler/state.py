@@ -35,14 +35,15 @@ class ScheduleRequest:
 class QueuedPrefill:
     """Prefill work already assigned to an instance, in execution order.
 
-    ``started_at`` is set for the job(s) executing now (remaining time = predicted − elapsed);
-    ``decode_id`` is where its KV goes afterwards, which predictive admission needs.
+    ``started_at`` is set for the job(s) executing now (remaining time = predicted − elapsed).
+    Where its KV goes afterwards is said once, on the decode side
+    (:attr:`DecodeInstanceState.incoming`, same ``request_id``); the scheduler reads this queue
+    for *when* that request's prefill ends.
     """
 
     request_id: str
     num_tokens: int
     num_prefix_tokens: int = 0
-    decode_id: str | None = None
     started_at: float | None = None
 
 
@@ -74,15 +75,35 @@ class DecodingRequest:
 
 
 @dataclass(frozen=True)
+class IncomingRequest:
+    """A request the caller has committed to a decode instance whose KV has not arrived yet
+    (its prefill is queued or running, or its KV is still in transit). It will be in that
+    instance's batch, so decode selection and admission count it (REFERENCE.md §3).
+
+    When it joins is not stored here: the scheduler predicts its prefill end from the prefill
+    queue holding the same ``request_id`` (one source of truth, nothing counted twice); one in
+    no queue has finished prefill and joins as soon as its KV lands. ``context_tokens`` is the
+    prompt length it brings; ``max_output_tokens`` (None = unknown) sizes its t_d like
+    :class:`DecodingRequest`'s."""
+
+    request_id: str
+    context_tokens: int
+    max_output_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class DecodeInstanceState:
-    """A decode instance and its running batch. ``max_batch_size`` / ``max_context_tokens``
-    (None = unlimited) make a full instance ineligible."""
+    """A decode instance: its running batch (KV arrived) and the requests committed to it whose
+    KV is still to come (``incoming``, from the caller's record of what it dispatched).
+    ``max_batch_size`` / ``max_context_tokens`` (None = unlimited) make a full instance
+    ineligible; the capacity check counts incoming requests too."""
 
     instance_id: str
     running: tuple[DecodingRequest, ...] = ()
     max_batch_size: int | None = None
     max_context_tokens: int | None = None
     cost: DecodeCostModel | None = None
+    incoming: tuple[IncomingRequest, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,6 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admission", choices=ADMISSIONS, default="early")
     ap.add_argument("--local-ttft-check", action="store_true",
                     help="with --admission none, prefill instances refuse requests predicted over the TTFT SLO")
-    ap.add_argument("--decode-view", choices=("arrived", "committed"), default="arrived",
-                    help="conductor's decode load: requests whose KV arrived (default), or also those "
-                         "dispatched there and still in prefill")
     ap.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
     ap.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
     ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
@@ -79,7 +76,7 @@ def run_main(argv: list[str]) -> int:
                         prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
                         store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
                         scheduler=sched,
-                        local_ttft_check=args.local_ttft_check, decode_view=args.decode_view, seed=args.seed)
+                        local_ttft_check=args.local_ttft_check, seed=args.seed)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")

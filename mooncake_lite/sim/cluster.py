@@ -52,13 +52,12 @@ class MooncakeSim:
                         for i in range(cfg.num_decode)]
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.recorder = Recorder(self, cfg.sample_interval_s)
-        self._with_committed = cfg.decode_view == "committed"
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
 
     # ---- conductor ---------------------------------------------------------------------------
     def cluster_state(self, now: float) -> ClusterState:
         return ClusterState(tuple(p.state() for p in self.prefills),
-                            tuple(d.conductor_view(now, self._with_committed) for d in self.decodes))
+                            tuple(d.conductor_view(now) for d in self.decodes))
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         self.recorder.arrived()
@@ -130,7 +129,8 @@ class MooncakeSim:
         p.touched()
         self._store(p, req.keys)
         req.first_token = now
-        if req.output_length <= 1:
+        if req.output_length <= 1:   # done with its first token: it never reaches decode
+            self.decode_by_id[req.decode_id].uncommit(req)
             req.finish = now
             self._finish(now, req)
         else:

@@ -17,12 +17,10 @@ class SimConfig:
         with admission ``none``, a prefill instance still refuses a request whose predicted TTFT
         is over the SLO when it arrives (the paper's Table 3 "baseline": each stage checks only
         its own SLO, when the request reaches it). Off = nothing is ever refused for TTFT.
-    decode_view:
-        ``arrived`` (default, the scheduler core's contract): the conductor's decode snapshot
-        holds the requests whose KV has arrived. ``committed`` also counts requests already
-        dispatched to that decode whose prefill is still running (joined "now") — an
-        alternative the simulator can evaluate; the decode's own double check always uses its
-        real batch.
+
+    The conductor's decode snapshot holds each decode's running batch plus, as ``incoming``,
+    the requests dispatched there whose KV has not arrived yet (the scheduler core's contract);
+    the decode's own double check uses its real batch only.
     """
 
     num_prefill: int = 8
@@ -36,7 +34,6 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     local_ttft_check: bool = False
     decode_max_batch: int | None = None
-    decode_view: str = "arrived"
     sample_interval_s: float = 5.0
     seed: int = 0
 
@@ -53,11 +50,6 @@ class SimConfig:
             raise ValueError("ssd_blocks_per_node must be >= 0")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")
-        if self.decode_view not in ("arrived", "committed"):
-            raise ValueError(f"decode_view must be 'arrived' or 'committed', got {self.decode_view!r}")
-        if self.decode_view == "committed" and self.scheduler.admission == "predictive":
-            raise ValueError("decode_view 'committed' with predictive admission would count in-flight "
-                             "prefills twice (predictive already adds them); use 'arrived'")
 
 
 @dataclass(frozen=True)

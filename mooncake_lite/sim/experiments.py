@@ -54,25 +54,22 @@ def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, spee
     fast = scale_time(trace, speed)
     rows, runs = [], {}
     every = ("none", "early", "predictive")
-    variants = [("paper SLOs", tbt_slo_s, "arrived", every, 8)]
+    variants = [("paper SLOs", tbt_slo_s, 8)]
     if decode_bound_tbt_s:
-        # The committed view is an alternative for none/early only: predictive already adds the
-        # in-flight prefills itself and would count them twice. 8P+4D overloads the decode
-        # pool as a whole, the situation of the paper's Fig. 9/10.
-        variants += [("decode-bound", decode_bound_tbt_s, "arrived", every, 8),
-                     ("decode-bound, committed view", decode_bound_tbt_s, "committed", ("none", "early"), 8),
-                     ("decode-bound, 8P+4D", decode_bound_tbt_s, "arrived", every, 4)]
-    for variant, tbt, view, admissions, num_decode in variants:
-        for admission in admissions:
+        # 8P+4D overloads the decode pool as a whole, the situation of the paper's Fig. 9/10.
+        variants += [("decode-bound", decode_bound_tbt_s, 8),
+                     ("decode-bound, 8P+4D", decode_bound_tbt_s, 4)]
+    for variant, tbt, num_decode in variants:
+        for admission in every:
             sc = SchedulerConfig(admission=admission, ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
             sim = _mooncake(sc, seed, local_ttft_check=admission == "none", sample_interval_s=5.0,
-                            decode_view=view, num_decode=num_decode)
+                            num_decode=num_decode)
             res = run_with_progress(sim, fast, f"table3 {variant} {admission}")
             tick(f"table3 {variant} {admission}")
             s = summarize(res, TTFT_SLO_S, tbt)
             loads = [r["decode_load"] for r in res.timeline if r["t"] <= fast[-1].arrival_s]
             mean = sum(loads) / len(loads) if loads else 0.0
-            rows.append({"variant": variant, "decode_view": view, "num_decode": num_decode, "tbt_slo_s": tbt,
+            rows.append({"variant": variant, "num_decode": num_decode, "tbt_slo_s": tbt,
                          "admission": admission,
                          "rejected": s["rejected"], "rejected_by": s["rejected_by"],
                          "wasted_prefills": s["wasted_prefills"], "completed": s["completed"],

@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState,
-                                           QueuedPrefill)
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                           PrefillInstanceState, QueuedPrefill)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
 from mooncake_lite.store.eviction import BlockCache
@@ -55,7 +55,7 @@ def queued(r: SimRequest) -> QueuedPrefill:
     """The request as a queued prefill job, built once while waiting and once when started."""
     q = r.snap
     if q is None or q.started_at != r.prefill_start:
-        q = r.snap = QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.decode_id, r.prefill_start)
+        q = r.snap = QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.prefill_start)
     return q
 
 
@@ -140,17 +140,17 @@ class DecodeNode:
                                               self.max_context_tokens)
         return self._state
 
-    def conductor_view(self, now: float, with_committed: bool) -> DecodeInstanceState:
-        """What the conductor sees: the local state, plus (``with_committed``) the requests it
-        has dispatched here whose KV has not arrived yet, as if they had joined now."""
-        if not with_committed or not self.committed:
+    def conductor_view(self, now: float) -> DecodeInstanceState:
+        """What the conductor sees: the local state plus, as ``incoming``, the requests it has
+        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit)."""
+        if not self.committed:
             return self.state(now)
         if self._view is None:
             base = self.state(now)
-            extra = tuple(DecodingRequest(r.rid, r.input_length + 1, now, r.output_length)
-                          for r in self.committed.values())
-            self._view = DecodeInstanceState(base.instance_id, base.running + extra, base.max_batch_size,
-                                             base.max_context_tokens)
+            incoming = tuple(IncomingRequest(r.rid, r.input_length + 1, r.output_length)
+                             for r in self.committed.values())
+            self._view = DecodeInstanceState(base.instance_id, base.running, base.max_batch_size,
+                                             base.max_context_tokens, incoming=incoming)
         return self._view
 
     def commit(self, req: SimRequest) -> None:

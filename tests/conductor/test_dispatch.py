@@ -126,9 +126,30 @@ async def test_client_disconnect_during_prefill_aborts_both(make_cluster):
     await _wait_for(lambda: not cluster.svc.membership.instances["p0"].prefill_jobs)
 
 
+@pytest.mark.parametrize("admission", ["none", "early", "predictive"])
+async def test_a_burst_spreads_over_decode_instances_before_any_kv_arrives(make_cluster, admission):
+    # The prefill instance holds every request, so no KV ever reaches a decode: decode selection
+    # must count the requests already dispatched to each decode (incoming), not only running ones.
+    cluster = await make_cluster(prefill=1, decode=2, admission=admission)
+    p0, d0, d1 = (cluster.instances[i] for i in ("p0", "d0", "d1"))
+    p0.behaviour.hang = True
+    c = client(cluster)
+    pending = [asyncio.create_task(c.completions.create(model="tiny", prompt=f"burst {i}", max_tokens=4))
+               for i in range(6)]
+    await _wait_for(lambda: len(p0.requests) == 6)
+    assert (len(d0.requests), len(d1.requests)) == (3, 3)
+    decodes = cluster.svc.membership.snapshot().decodes
+    assert sorted(len(d.incoming) for d in decodes) == [3, 3] and all(not d.running for d in decodes)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await c.close()
+    await _wait_for(lambda: all(not d.incoming for d in cluster.svc.membership.snapshot().decodes))
+
+
 async def test_many_concurrent_requests_all_correct(make_cluster):
-    # predictive: decode selection counts the prefills that will have joined by then, so a
-    # burst spreads over both decode instances (none/early read only the running batches)
+    # decode selection counts the requests already dispatched to each decode instance, so a
+    # burst spreads over both
     cluster = await make_cluster(prefill=2, decode=2, strategy="load-balance", admission="predictive")
     for inst in cluster.instances.values():
         inst.behaviour.token_delay_s = 0.002

@@ -7,7 +7,8 @@ Block size 10 tokens. Prefill costs 1 ms per new token; fetching KV costs 0.1 ms
 from __future__ import annotations
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
-                                     DecodeInstanceState, DecodingRequest, PrefillCostModel,
+                                     DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                     PrefillCostModel,
                                      PrefillInstanceState, QueuedPrefill, ScheduleRequest,
                                      SchedulerConfig)
 
@@ -28,9 +29,14 @@ def request(num_blocks: int = 10, rid: str = "r", max_output_tokens: int = 16) -
     return ScheduleRequest(rid, tuple(range(num_blocks)), num_blocks * BS, max_output_tokens)
 
 
-def queued(*num_tokens: int, decode_id: str | None = None) -> tuple[QueuedPrefill, ...]:
-    """Queued jobs with no cached prefix (1 ms per token each)."""
-    return tuple(QueuedPrefill(f"q{i}", n, decode_id=decode_id) for i, n in enumerate(num_tokens))
+def queued(*num_tokens: int, tag: str = "q") -> tuple[QueuedPrefill, ...]:
+    """Queued jobs with no cached prefix (1 ms per token each), ids ``{tag}{i}``."""
+    return tuple(QueuedPrefill(f"{tag}{i}", n) for i, n in enumerate(num_tokens))
+
+
+def bound(*jobs: QueuedPrefill) -> tuple[IncomingRequest, ...]:
+    """The decode side of queued jobs committed to a decode instance (``decode(incoming=...)``)."""
+    return tuple(IncomingRequest(j.request_id, j.num_tokens) for j in jobs)
 
 
 def prefill(name: str, queue=(), **kw) -> PrefillInstanceState:

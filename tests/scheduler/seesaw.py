@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
-                                     DecodeInstanceState, DecodingRequest, PrefillCostModel,
+                                     DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                     PrefillCostModel,
                                      PrefillInstanceState, QueuedPrefill, ScheduleRequest,
                                      Scheduler, SchedulerConfig, decode_admits)
 
@@ -72,17 +73,18 @@ def _leaves(r: DecodingRequest, spread_s: float) -> float:
 
 def _arrive(sched: Scheduler, req: ScheduleRequest, queues: list[list[QueuedPrefill]],
             running: list[DecodingRequest], now: float, trace: Trace) -> None:
+    # Every queued prefill is committed to the one decode instance: the caller says so.
+    incoming = tuple(IncomingRequest(job.request_id, job.num_tokens, 1) for q in queues for job in q)
     cluster = ClusterState(
         tuple(PrefillInstanceState(f"p{i}", f"s{i}", tuple(q)) for i, q in enumerate(queues)),
-        (DecodeInstanceState("d0", tuple(running)),))
+        (DecodeInstanceState("d0", tuple(running), incoming=incoming),))
     decision = sched.schedule(req, cluster, now)
     if not decision.accepted:
         trace.rejected += 1
         return
     trace.admitted += 1
     q = queues[int(decision.prefill_id[1:])]
-    q.append(QueuedPrefill(req.request_id, req.num_tokens, decode_id=decision.decode_id,
-                           started_at=None if q else now))
+    q.append(QueuedPrefill(req.request_id, req.num_tokens, started_at=None if q else now))
 
 
 def _advance(queue: list[QueuedPrefill], now: float) -> list[tuple[float, QueuedPrefill]]:
@@ -97,6 +99,5 @@ def _advance(queue: list[QueuedPrefill], now: float) -> list[tuple[float, Queued
         done.append((end, job))
         if queue:
             nxt = queue[0]
-            queue[0] = QueuedPrefill(nxt.request_id, nxt.num_tokens, nxt.num_prefix_tokens,
-                                     nxt.decode_id, end)
+            queue[0] = QueuedPrefill(nxt.request_id, nxt.num_tokens, nxt.num_prefix_tokens, end)
     return done

@@ -3,8 +3,8 @@
 import pytest
 
 from mooncake_lite.scheduler import (BlockIndex, DecodeInstanceState, DecodingRequest,
-                                     QueuedPrefill, decode_admits, schedule)
-from tests.scheduler.clusters import COSTS, cfg, cluster, decode, prefill, queued, request
+                                     IncomingRequest, QueuedPrefill, decode_admits, schedule)
+from tests.scheduler.clusters import COSTS, bound, cfg, cluster, decode, prefill, queued, request
 
 
 def run(clus, admission, now=0.0, **kw):
@@ -12,23 +12,81 @@ def run(clus, admission, now=0.0, **kw):
                     costs=COSTS, now=now)
 
 
-def test_predictive_counts_prefills_that_reach_decode_before_this_one():
-    # Decode is empty now, but 9 queued prefills bound for d0 finish before the new request
-    # (each 50 ms, then ours 100 ms): at t = 0.55 s the batch is 9 + 1 -> TBT 0.11 s.
-    clus = cluster([prefill("p0", queued(*[50] * 9, decode_id="d0"))], [decode("d0")])
-    assert run(clus, "early").accepted
-    d = run(clus, "predictive")
-    assert not d.accepted and d.reject_cause == "tbt"
-    assert d.predicted_tbt_s == pytest.approx(0.11)
+def test_committed_requests_count_before_their_kv_arrives():
+    # Decode's batch is empty, but 9 queued prefills are committed to d0 and finish before the
+    # new request (each 50 ms, then ours 100 ms): at t = 0.55 s the batch is 9 + 1 -> TBT
+    # 0.11 s. Early counts them too (committed load now); without them both would accept.
+    jobs = queued(*[50] * 9)
+    clus = cluster([prefill("p0", jobs)], [decode("d0", incoming=bound(*jobs))])
+    for admission in ("early", "predictive"):
+        d = run(clus, admission)
+        assert not d.accepted and d.reject_cause == "tbt"
+        assert d.predicted_tbt_s == pytest.approx(0.11)
     assert d.reason == "rejected: predicted TBT 0.11s > SLO 0.1s"
+    assert run(cluster([prefill("p0", jobs)], [decode("d0")]), "early").accepted
 
 
 def test_predictive_ignores_prefills_that_finish_later_or_go_elsewhere():
-    later = prefill("p1", queued(5000, decode_id="d0"))          # ends at 5 s, after ours
-    elsewhere = prefill("p2", queued(*[1] * 9, decode_id="dX"))  # other decode
-    clus = cluster([prefill("p0"), later, elsewhere], [decode("d0")])
+    later = queued(5000, tag="late")                 # ends at 5 s, after ours
+    elsewhere = queued(*[1] * 9, tag="else")         # committed to d1
+    clus = cluster([prefill("p0"), prefill("p1", later), prefill("p2", elsewhere)],
+                   [decode("d0", incoming=bound(*later)), decode("d1", incoming=bound(*elsewhere))])
     d = run(clus, "predictive", ttft_slo_s=100)
-    assert d.accepted and d.predicted_tbt_s == pytest.approx(0.02)
+    assert d.accepted and d.decode_id == "d0" and d.predicted_tbt_s == pytest.approx(0.02)
+    # Early counts the late one as committed now: batch 2.
+    d = run(clus, "early", ttft_slo_s=100)
+    assert d.accepted and d.decode_id == "d0" and d.predicted_tbt_s == pytest.approx(0.03)
+
+
+def test_incoming_whose_prefill_is_done_joins_by_any_time():
+    # In no prefill queue = prefill finished, KV in transit: predictive counts it at any t.
+    clus = cluster([prefill("p0")], [decode("d0", batch=8, incoming=(IncomingRequest("x", 100),))])
+    assert run(clus, "predictive", uniform_decode_s=100).reject_cause == "tbt"   # 8 + 1 + 1
+    assert run(clus, "early").reject_cause == "tbt"
+
+
+@pytest.mark.parametrize("admission", ["none", "early", "predictive"])
+def test_burst_before_any_kv_arrives_spreads_over_decodes(admission):
+    # Six requests at t=0, each committed (queued on p0, incoming on its decode) before the next
+    # decision, none has reached decode yet. d1 already runs 2. Each goes to the smallest
+    # committed batch (ties: earlier instance): d0, d2, d0, d2, d0, d1.
+    queue, incoming = [], {"d0": [], "d1": [], "d2": []}
+    chosen = []
+    for i in range(6):
+        decodes = [decode(name, batch=2 if name == "d1" else 0, incoming=tuple(incoming[name]))
+                   for name in ("d0", "d1", "d2")]
+        req = request(rid=f"b{i}")
+        d = schedule(req, cluster([prefill("p0", tuple(queue))], decodes), index=BlockIndex(),
+                     config=cfg(admission=admission), costs=COSTS, now=0.0)
+        assert d.accepted, d.reason
+        chosen.append(d.decode_id)
+        queue.append(QueuedPrefill(req.request_id, req.num_tokens))
+        incoming[d.decode_id].append(IncomingRequest(req.request_id, req.num_tokens))
+    assert chosen == ["d0", "d2", "d0", "d2", "d0", "d1"]
+
+
+def test_burst_herds_when_the_caller_records_no_incoming():
+    # The failure the incoming field fixes: seen by arrived KV only, d0 looks least loaded
+    # every time (d0/d2 tie at 0, d1 runs 2).
+    queue, chosen = [], []
+    for i in range(4):
+        decodes = [decode("d0"), decode("d1", batch=2), decode("d2")]
+        req = request(rid=f"b{i}")
+        d = schedule(req, cluster([prefill("p0", tuple(queue))], decodes), index=BlockIndex(),
+                     config=cfg(admission="early"), costs=COSTS, now=0.0)
+        chosen.append(d.decode_id)
+        queue.append(QueuedPrefill(req.request_id, req.num_tokens))
+    assert chosen == ["d0"] * 4
+
+
+def test_capacity_counts_incoming_but_the_decode_double_check_does_not():
+    req = request()
+    full = decode("d0", batch=1, max_batch_size=2, incoming=(IncomingRequest("x", 100),))
+    assert run(cluster([prefill("p0")], [full]), "early").reject_cause == "no-decode"
+    # The decode instance itself judges its running batch: the incoming one is not there yet.
+    assert decode_admits(full, req, COSTS, tbt_slo_s=1.0)
+    busy = decode("d0", batch=8, incoming=tuple(IncomingRequest(f"x{i}", 100) for i in range(5)))
+    assert decode_admits(busy, req, COSTS, tbt_slo_s=0.1)
 
 
 def test_predictive_removes_requests_that_will_have_finished():
@@ -54,19 +112,23 @@ def test_predictive_per_request_decode_time_from_max_output_tokens():
 
 
 def test_predictive_picks_the_decode_that_will_be_lightest():
-    # d0 is busy now but drains before we arrive; d1 is light now but receives 5 prefills first.
-    p0 = prefill("p0", queued(*[10] * 5, decode_id="d1"))
-    clus = cluster([p0], [decode("d0", batch=6, joined_at=-10.0), decode("d1", batch=1)])
+    # d0 is busy now but drains before we arrive; d1 has 1 running + 5 committed (6 < 7 now).
+    jobs = queued(*[10] * 5)
+    clus = cluster([prefill("p0", jobs)], [decode("d0", batch=7, joined_at=-10.0),
+                                           decode("d1", batch=1, incoming=bound(*jobs))])
     assert run(clus, "early", uniform_decode_s=10.0).decode_id == "d1"
     assert run(clus, "predictive", uniform_decode_s=10.0).decode_id == "d0"
 
 
 def test_started_prefill_finishing_soon_is_counted():
-    job = QueuedPrefill("x", 1000, decode_id="d0", started_at=-0.99)   # 10 ms left
-    clus = cluster([prefill("p0", (job,)), prefill("p1")], [decode("d0", batch=8)])
-    # ours runs on p1 and ends at 0.1 s; x joins d0 at 0.01 s -> batch 10 -> 0.11 s
-    assert run(clus, "early", uniform_decode_s=100).accepted
-    assert run(clus, "predictive", uniform_decode_s=100).reject_cause == "tbt"
+    # ours runs on p1 and ends at 0.1 s; x (committed to d0) with 10 ms left joins d0 first ->
+    # batch 10 -> 0.11 s; with 500 ms left it joins after us and predictive does not count it.
+    for started_at, predictive_ok in ((-0.99, False), (-0.5, True)):
+        job = QueuedPrefill("x", 1000, started_at=started_at)
+        clus = cluster([prefill("p0", (job,)), prefill("p1")],
+                       [decode("d0", batch=8, incoming=bound(job))])
+        assert run(clus, "predictive", uniform_decode_s=100).accepted is predictive_ok
+        assert run(clus, "early", uniform_decode_s=100).reject_cause == "tbt"   # committed now
 
 
 def test_decode_side_double_check():
@@ -87,10 +149,11 @@ def test_repeated_predictions_on_one_state_agree_with_the_first():
     # The first query on a state scans, later ones use a cached sorted profile: same answers.
     from mooncake_lite.scheduler.estimate import decode_load_at
     running = tuple(DecodingRequest(f"r{i}", 100 + i, joined_at=float((i * 7) % 10)) for i in range(10))
-    d = DecodeInstanceState("d0", running=running)
+    d = DecodeInstanceState("d0", running=running, incoming=(IncomingRequest("x", 7),))
     for t in (0.0, 3.5, 5.0, 9.99, 12.0, 30.0, 12.0, 0.0):
         expected = [r.context_tokens for r in running if r.joined_at + 3.0 > t]
-        assert decode_load_at(d, COSTS, t, [7], 3.0) == (len(expected) + 1, sum(expected) + 7)
+        assert decode_load_at(d, COSTS, t, set(), 3.0) == (len(expected) + 1, sum(expected) + 7)
+        assert decode_load_at(d, COSTS, t, {"x"}, 3.0) == (len(expected), sum(expected))
 
 
 def test_queue_time_cache_follows_now_while_a_job_runs():

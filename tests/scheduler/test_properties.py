@@ -3,8 +3,8 @@
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeInstanceState,
-                                     DecodingRequest, PrefillInstanceState, QueuedPrefill,
-                                     ScheduleRequest, schedule)
+                                     DecodingRequest, IncomingRequest, PrefillInstanceState,
+                                     QueuedPrefill, ScheduleRequest, schedule)
 from tests.scheduler.clusters import BS, COSTS, cfg
 
 NUM_BLOCKS = 12
@@ -18,15 +18,18 @@ def scenarios(draw):
     for i in range(num_p):
         held = draw(st.integers(0, NUM_BLOCKS))
         idx.add(f"s{i}", range(held))
-        jobs = tuple(QueuedPrefill(f"q{i}{j}", draw(st.integers(1, 400)), decode_id="d0",
+        jobs = tuple(QueuedPrefill(f"q{i}-{j}", draw(st.integers(1, 400)),
                                    started_at=(-draw(st.floats(0, 1)) if j == 0 else None))
                      for j in range(draw(st.integers(0, 3))))
         prefills.append(PrefillInstanceState(f"p{i}", f"s{i}", jobs,
                                              bandwidth_bytes_per_s=draw(st.sampled_from([None, 1e3, 1e5]))))
     if draw(st.booleans()):
         idx.add("extra", range(draw(st.integers(0, NUM_BLOCKS))))
+    # Every queued prefill is committed to d0 (incoming there).
+    incoming = tuple(IncomingRequest(j.request_id, j.num_tokens, 50) for p in prefills for j in p.queue)
     decodes = tuple(DecodeInstanceState(f"d{i}", tuple(
-        DecodingRequest(f"r{i}{j}", 100, -draw(st.floats(0, 20)), 50) for j in range(draw(st.integers(0, 10)))))
+        DecodingRequest(f"r{i}{j}", 100, -draw(st.floats(0, 20)), 50) for j in range(draw(st.integers(0, 10)))),
+        incoming=incoming if i == 0 else ())
         for i in range(draw(st.integers(1, 3))))
     n_blocks = draw(st.integers(1, NUM_BLOCKS))
     req = ScheduleRequest("r", tuple(range(n_blocks)), n_blocks * BS + draw(st.integers(0, BS - 1)), 20)

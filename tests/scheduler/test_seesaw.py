@@ -1,6 +1,12 @@
 """The seesaw of REFERENCE.md §3: with early rejection the decode load read *now* lags the
 prefill pipeline, so prefill and decode load swing in anti-phase; prediction-based admission
-reads the decode load at the moment the request would reach it and keeps decode steady."""
+reads the decode load at the moment the request would reach it and keeps decode steady.
+
+Early counts the requests already committed to decode (``incoming``) as if they were there now,
+so it never overfills decode (no wasted prefill) — but it does not see that the running batch
+will have drained by the time they arrive: after a full batch it admits nothing, then admits a
+whole batch at once when the old one leaves, and decode sits empty through that batch's
+prefill. The seesaw survives; its cost is throughput rather than wasted prefills."""
 
 import numpy as np
 import pytest
@@ -32,11 +38,14 @@ def test_early_rejection_seesaws_and_prediction_does_not(decode_spread_s):
     # other times decode is full while prefill has gone (nearly) idle
     batch = np.asarray(early.decode_batch[WARMUP:])
     busy = np.asarray(early.prefill_busy[WARMUP:])
-    assert busy[batch <= CAPACITY / 2].mean() >= 0.8 * NUM_PREFILL
+    assert busy[batch <= CAPACITY / 2].mean() >= 0.6 * NUM_PREFILL > 2 * busy.mean()
     assert ((busy <= NUM_PREFILL / 4) & (batch == CAPACITY)).mean() > 0.02
-    # consequences: early wastes prefills refused at decode, and serves fewer requests
-    assert pred.wasted_prefills < early.wasted_prefills / 4
-    assert pred.completed > early.completed
+    assert np.corrcoef(batch, busy)[0, 1] < -0.9
+    # consequences: early counts committed requests, so running + incoming never exceeds the
+    # batch the SLO allows and nothing is refused at decode; instead decode idles and serves
+    # fewer requests
+    assert early.wasted_prefills == 0
+    assert pred.completed > 1.2 * early.completed
     # the direction of the paper's Table 3: fewer requests refused in all (at the conductor or,
     # after a wasted prefill, at decode)
     assert pred.rejected + pred.wasted_prefills < early.rejected + early.wasted_prefills

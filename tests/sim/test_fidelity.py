@@ -96,7 +96,11 @@ def test_snapshot_shows_running_and_queued_work():
         if q:
             assert q[0].started_at is not None and q[0].started_at <= now   # the running job
             assert all(job.started_at is None for job in q[1:])             # FIFO behind it
-            assert all(job.decode_id in ("D0", "D1") for job in q)
+    # Every queued prefill is committed to exactly one decode instance, listed there as incoming.
+    incoming = [r.request_id for d in last.decodes for r in d.incoming]
+    assert len(incoming) == len(set(incoming))
+    assert {job.request_id for q in queues for job in q} <= set(incoming)
+    assert {d.instance_id for d in last.decodes} == {"D0", "D1"}
 
 
 def run_summary(sim, trace):

@@ -114,14 +114,25 @@ def test_ssd_tier_hit_is_slower_than_dram_but_beats_recompute():
     assert no_ssd[2].reused_tokens == 0 and no_ssd[2].ttft == pytest.approx(1.1)
 
 
-@pytest.mark.parametrize("view, expected", [("arrived", ["D0", "D0", "D0", "D0"]),
-                                            ("committed", ["D0", "D1", "D0", "D1"])])
-def test_decode_view_decides_whether_in_flight_requests_herd(view, expected):
-    trace = [req(i, 0.1 * i, 1000, 50) for i in range(4)]   # all arrive during the first prefill
-    cfg = SimConfig(num_prefill=1, num_decode=2, decode_view=view, scheduler=SchedulerConfig(admission="none"))
+@pytest.mark.parametrize("admission", ["none", "early", "predictive"])
+def test_in_flight_requests_do_not_herd_onto_one_decode(admission):
+    # All four arrive during the first prefill, before any KV reached a decode: the conductor
+    # counts the ones it already sent to a decode (incoming), so they alternate.
+    trace = [req(i, 0.1 * i, 1000, 50) for i in range(4)]
+    cfg = SimConfig(num_prefill=1, num_decode=2, scheduler=SchedulerConfig(admission=admission))
     hw = toy_hardware(decode=DecodeCostModel(c0=0.01, c1=0.001))   # TBT grows with the batch
     r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
-    assert [r[i].decode_id for i in range(4)] == expected
+    assert [r[i].decode_id for i in range(4)] == ["D0", "D1", "D0", "D1"]
+
+
+def test_nothing_stays_incoming_after_the_run():
+    # A one-token request ends at prefill and never reaches decode; a refused one leaves too.
+    trace = [req(0, 0.0, 1000, 1), req(1, 0.1, 1000, 50), req(2, 0.2, 1000, 1)]
+    sim = MooncakeSim(SimConfig(num_prefill=1, num_decode=2, scheduler=SchedulerConfig(admission="none")),
+                      hardware=toy_hardware())
+    sim.run(trace)
+    assert all(not d.committed for d in sim.decodes)
+    assert all(d.incoming == () for d in sim.cluster_state(100.0).decodes)
 
 
 def test_hot_prefix_migrates_to_the_idle_instance():
