@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mooncake_lite.common.gpu import GpuCollector
 from mooncake_lite.store.blocks import BlockStore
 
 P = "mooncake_store_"
@@ -70,6 +71,7 @@ def _counter(name: str, doc: str, per_tier: list[tuple[str, float]] | None = Non
 def make_registry(collector: StoreCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    registry.register(GpuCollector())  # the store's slab is pinned for the node's GPUs
     return registry
 
 
