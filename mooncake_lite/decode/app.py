@@ -1,4 +1,4 @@
-"""The decode role's aiohttp app: ``/v1/generate`` (NDJSON token stream), ``/v1/abort``, load.
+"""The decode role's aiohttp app: ``/v1/generate`` (NDJSON token stream), ``/v1/abort``, load, ``/metrics``.
 
 ``POST /v1/generate`` (GenerateRequest) reserves KV room and answers at once: either 429 with
 ``{"error": reason}`` when the local check refuses (TBT SLO, memory, batch size), or 200 with an
@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, ProtocolError, TokenEvent, loads
 from mooncake_lite.decode.batcher import AdmissionError
 from mooncake_lite.decode.engine import DecodeEngine
@@ -109,6 +110,11 @@ async def load(request: web.Request) -> web.Response:
                               "pending_transfers": len(engine.pending), **request.app[STATS]})
 
 
+def figures(app: web.Application) -> dict[str, float]:
+    engine = app[ENGINE]
+    return {**engine.load(), "steps_total": engine.num_steps, "pending_transfers": len(engine.pending),
+            "rejected_total": app[STATS]["rejected"]}
+
 
 def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Application:
     """The decode app around a ready engine; the step loop and the KV data socket live in
@@ -123,6 +129,7 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
+    add_metrics_route(app, "decode", lambda: figures(app))
     app.cleanup_ctx.append(_background)
     return app
 

@@ -1,4 +1,4 @@
-"""The prefill role's aiohttp app: ``/v1/prefill``, ``/v1/abort``, ``/health``, ``/v1/load``.
+"""The prefill role's aiohttp app: ``/v1/prefill``, ``/v1/abort``, ``/health``, ``/v1/load``, ``/metrics``.
 
 ``POST /v1/prefill`` (PrefillRequest) answers PrefillResult once the KV stream has ended and the
 first token is known. Errors: 400 ``{"error"}`` for a bad request (never retry as is), 502 when
@@ -14,6 +14,7 @@ import logging
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, loads
 from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
@@ -64,6 +65,11 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def figures(service: PrefillService) -> dict[str, float]:
+    return {**service.load(), **service.totals, "requests_done_total": service.num_done,
+            "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored}
+
+
 async def load(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     return web.json_response({**service.load(), "num_done": service.num_done, "num_failed": service.num_failed,
@@ -78,6 +84,7 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
+    add_metrics_route(app, "prefill", lambda: figures(service))
     app.cleanup_ctx.append(_lifetime)
     return app
 

@@ -57,6 +57,8 @@ class PrefillService:
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0
+        # Cumulative, for /metrics: how much prompt KV was reused vs computed, and bytes streamed.
+        self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0}
 
     def check(self, req: PrefillRequest) -> list[bytes]:
         """Validate; returns the prompt's block keys."""
@@ -163,6 +165,9 @@ class PrefillService:
             raise
         finally:
             await self.stage.release(job, error)
+        self.totals["prefix_tokens_total"] += prefix
+        self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
+        self.totals["kv_bytes_sent_total"] += sender.num_bytes
         timings = {"total_s": time.perf_counter() - t0, **job.timings,
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)

@@ -71,6 +71,27 @@ async def test_single_instance_chunked_with_prefix_reuse_and_shared_batch(role_p
         assert bad.prefill_status == 400 and "prefix_keys" in bad.prefill["error"]
         assert bad.finish_reason == "error"   # decode gave up on the KV that never came
         await check_client_disconnect(session, decode)
+        await check_metrics(session, prefill, decode)
+
+
+async def scrape(session, role) -> dict[str, float]:
+    async with session.get(f"{role.url()}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+async def check_metrics(session, prefill, decode):
+    """Prometheus figures track the work just done (prefix reuse counted, KV bytes moved, steps)."""
+    p, d = await scrape(session, prefill), await scrape(session, decode)
+    assert p["mooncake_prefill_prefix_tokens_total"] >= BS        # the shared-prefix prompts reused blocks
+    assert p["mooncake_prefill_computed_tokens_total"] > 0
+    assert p["mooncake_prefill_kv_bytes_sent_total"] > 0
+    assert p["mooncake_prefill_num_queued"] == 0
+    assert d["mooncake_decode_steps_total"] > 0 and d["mooncake_decode_num_running"] == 0
+    if not torch.cuda.is_available():
+        assert not any(k.startswith("mooncake_gpu") for k in {**p, **d})  # no GPU: no figures, no error
 
 
 async def test_two_stage_cpp_group_matches_reference(role_procs, model):
