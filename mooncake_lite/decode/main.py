@@ -67,7 +67,7 @@ def registration(cfg: Config, engine, addresses: dict[str, str]) -> Register:
 
 def run(cfg: Config) -> int:
     from mooncake_lite.decode.app import RUNTIME, DecodeAppSettings, make_app
-    from mooncake_lite.prefill.membership import exit_process, keep_membership
+    from mooncake_lite.common.membership import exit_process, keep_membership
 
     engine = build_engine(cfg)
     app = make_app(engine, DecodeAppSettings(cfg.host, cfg.data_port, cfg.cluster_token))

@@ -115,7 +115,7 @@ def run(cfg: Config) -> int:
     from mooncake_lite.model.weights import model_args
     from mooncake_lite.prefill.app import EXTRA_CLEANUP, make_app
     from mooncake_lite.prefill.kv_sender import DecodeLinks
-    from mooncake_lite.prefill.membership import exit_process, keep_membership
+    from mooncake_lite.common.membership import exit_process, keep_membership
     from mooncake_lite.prefill.service import PrefillService
 
     slices = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)
