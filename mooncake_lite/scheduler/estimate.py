@@ -101,13 +101,13 @@ def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
     """(batch size, context tokens) committed now: the running batch plus every incoming
     request (dispatched here, KV not arrived yet — it will be in this batch). Counting them is
     what keeps a burst from herding onto the instance that merely *looks* least loaded."""
-    batch, context = running_load(d)
-    if not d.incoming:
-        return batch, context
-    extra = d.__dict__.get("_incoming_tokens")
-    if extra is None:
-        extra = d.__dict__["_incoming_tokens"] = sum(map(_CONTEXT_TOKENS, d.incoming))
-    return batch + len(d.incoming), context + extra
+    load = d.__dict__.get("_committed_load")
+    if load is None:
+        batch, context = running_load(d)
+        if d.incoming:
+            batch, context = batch + len(d.incoming), context + sum(map(_CONTEXT_TOKENS, d.incoming))
+        load = d.__dict__["_committed_load"] = (batch, context)
+    return load
 
 
 def decode_tbt(d: DecodeInstanceState, costs: CostModels, batch_size: int, context_tokens: int) -> float:
