@@ -23,7 +23,8 @@ class Config(RoleConfig):
     port: int = option(8000, "HTTP port of the public API and the internal endpoints (0 = any free port)")
     model: str = option("tiny", "model served: a preset name or a checkpoint directory (instances must match)")
     strategy: str = option("kvcache-centric", "prefill placement strategy", choices=STRATEGIES)
-    admission: str = option("predictive", "overload admission: none, early (decode load now) or "
+    admission: str = option("predictive", "overload admission: none, early (decode load now, requests "
+                            "dispatched there included) or "
                             "predictive (decode load when prefill ends)", choices=ADMISSIONS)
     ttft_slo: float = option(30.0, "TTFT SLO (e.g. 30s, 500ms)", parse=parse_duration)
     tbt_slo: float = option(0.2, "TBT SLO (e.g. 200ms)", parse=parse_duration)
