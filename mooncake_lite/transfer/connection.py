@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,29 @@ log = logging.getLogger(__name__)
 STAGING_BYTES = 256 << 10
 DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received in place
 BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
+
+
+# Congestion control for data connections, first one the kernel lets us pick. BBR (this machine's
+# default) paces every burst; on request/reply traffic over loopback or a datacenter link that
+# pacing, restarted after each idle gap, roughly halved 1 MiB round trips (blocking sockets:
+# 1.4-1.8 GB/s with bbr vs 2.8-3.0 with reno) and put multi-ms stalls in the tail.
+CONGESTION_CONTROLS = (b"cubic", b"reno")
+
+
+def tune_socket(sock: socket.socket | None) -> None:
+    """Per-connection TCP options for bulk request/reply traffic (best effort, never fails)."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # uvloop sets it too; be explicit
+    except OSError:
+        pass
+    for name in CONGESTION_CONTROLS:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
+            break
+        except (OSError, AttributeError):
+            continue
 
 
 class FrameHandler:
@@ -82,6 +106,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.transport = transport
         # Pause as soon as anything stays buffered: "resumed" then means "all handed to the kernel".
         transport.set_write_buffer_limits(high=0, low=0)
+        tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
         if peer:
             self.name = f"{self.name} {peer[0]}:{peer[1]}"
