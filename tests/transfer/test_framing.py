@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 
 import pytest
 
 from mooncake_lite.transfer.client import FrameClient, RemoteError
-from mooncake_lite.transfer.connection import FrameHandler
+from mooncake_lite.transfer.connection import CONGESTION_CONTROLS, FrameHandler
 from mooncake_lite.transfer.framing import (FLAG_REPLY, HEADER, MAGIC, VERSION, Frame, FrameError, Limits,
                                             decode_header, encode_frame)
 from mooncake_lite.transfer.server import server_address, start_server
@@ -194,3 +195,44 @@ def test_decode_header_rejects():
     assert (h.op, h.request_id, h.meta_len, h.payload_len, h.is_reply, h.is_error) == (1, 5, 10, 100, True, False)
     with pytest.raises(struct.error):
         decode_header(b"short", limits)
+
+
+def _allowed_congestion_controls() -> set[bytes]:
+    """Algorithms a throwaway socket accepts here (root may pick any available one)."""
+    allowed = set()
+    with socket.socket() as probe:
+        for name in CONGESTION_CONTROLS:
+            try:
+                probe.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
+                allowed.add(name)
+            except OSError:
+                pass
+    return allowed
+
+
+def _congestion_control(sock) -> bytes:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\x00")
+
+
+async def test_data_connections_use_an_unpaced_congestion_control():
+    # BBR pacing after idle gaps halves request/reply throughput; both ends must opt out of it.
+    if not hasattr(socket, "TCP_CONGESTION"):
+        pytest.skip("no TCP_CONGESTION on this platform")
+    allowed = _allowed_congestion_controls()
+    if not allowed:
+        pytest.skip("the kernel allows none of " + ", ".join(n.decode() for n in CONGESTION_CONTROLS))
+    expected = next(n for n in CONGESTION_CONTROLS if n in allowed)
+    handler = EchoHandler()
+    seen: list = []
+    handler.connection_made = lambda conn: seen.append(conn)  # type: ignore[method-assign]
+    server, host, port = await start(handler)
+    client = await FrameClient.connect(host, port)
+    try:
+        await client.request(OP_ECHO, {"x": 1})
+        assert _congestion_control(client.conn.transport.get_extra_info("socket")) == expected
+        assert len(seen) == 1
+        assert _congestion_control(seen[0].transport.get_extra_info("socket")) == expected
+        assert seen[0].transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        await client.close()
+        server.close()
