@@ -10,23 +10,22 @@ decode instance (overlapped with prefill, layer-wise) → the decode's local dou
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
                                      decode_admits, prefill_queue_time)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.config import SimConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
+from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
-from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cached_prefix, cpp_cost_model
-from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
+from mooncake_lite.sim.recorder import Recorder
 from mooncake_lite.sim.request import SimRequest
 from mooncake_lite.sim.store import NodeStore
-from mooncake_lite.trace.format import TraceRequest
 
 
-class MooncakeSim:
+class MooncakeSim(TraceDriver):
     """One run over one trace. ``run()`` returns a :class:`SimResult`; every request ends
     exactly once, as completed or rejected."""
 
@@ -169,22 +168,4 @@ class MooncakeSim:
                 "decode_running": float(sum(len(d.batch) for d in self.decodes))}
 
     # ---- driver ------------------------------------------------------------------------------
-    def _push_next_arrival(self) -> None:
-        if self._next < len(self._trace):
-            tr = self._trace[self._next]
-            self._next += 1
-            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
-
-    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``trace`` (sorted by arrival) to the end; ``progress(n)`` is called with the
-        number of requests ended so far, now and then."""
-        if self.events.num_events:
-            raise RuntimeError("a MooncakeSim runs once; build a new one")
-        self._trace, self._next = list(trace), 0
-        self.recorder.start(len(self._trace), progress)
-        wall, cpu = time.perf_counter(), time.process_time()
-        self._push_next_arrival()
-        self.events.run()
-        self.recorder.cpu_s = time.process_time() - cpu
-        return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events)
 

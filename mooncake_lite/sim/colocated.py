@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mooncake_lite.scheduler import (BlockIndex, CostModels, PrefillInstanceState,
                                      ScheduleRequest, SchedulerConfig, prefill_queue_time)
@@ -28,12 +27,12 @@ from mooncake_lite.scheduler.prefill_select import choose_prefill
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.config import ColocatedConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
+from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import cached_prefix, queued
-from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.recorder import Recorder
 from mooncake_lite.sim.request import SimRequest
 from mooncake_lite.store.eviction import BlockCache
-from mooncake_lite.trace.format import TraceRequest
 
 
 class ColocatedInstance:
@@ -147,8 +146,10 @@ class ColocatedInstance:
         self._boundary(now, self.version)
 
 
-class ColocatedSim:
+class ColocatedSim(TraceDriver):
     """``num_instances`` colocated engines behind a cache-aware router."""
+
+    system = "colocated"
 
     def __init__(self, cfg: ColocatedConfig, hardware: Hardware | None = None, block_size: int = 512) -> None:
         self.cfg = cfg
@@ -192,21 +193,3 @@ class ColocatedSim:
                 "decode_load_max": max(tbts) / tbt_slo,
                 "prefill_queued": float(sum(len(c.waiting) + (c.prefilling is not None) for c in self.instances)),
                 "decode_running": float(sum(len(c.batch) for c in self.instances))}
-
-    def _push_next_arrival(self) -> None:
-        if self._next < len(self._trace):
-            tr = self._trace[self._next]
-            self._next += 1
-            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
-
-    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
-        if self.events.num_events:
-            raise RuntimeError("a ColocatedSim runs once; build a new one")
-        self._trace, self._next = list(trace), 0
-        self.recorder.start(len(self._trace), progress)
-        wall, cpu = time.perf_counter(), time.process_time()
-        self._push_next_arrival()
-        self.events.run()
-        self.recorder.cpu_s = time.process_time() - cpu
-        return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events,
-                                    system="colocated")

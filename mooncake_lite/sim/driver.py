@@ -1,0 +1,41 @@
+"""The trace-replay loop both simulated systems share (Mooncake and the colocated baseline).
+
+Arrivals are pushed one at a time (each arrival pushes the next), so the event queue holds
+only the events of requests in flight, not the whole trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from mooncake_lite.sim.recorder import SimResult
+from mooncake_lite.sim.request import SimRequest
+from mooncake_lite.trace.format import TraceRequest
+
+
+class TraceDriver:
+    """Mixin: the subclass provides ``events``, ``recorder``, ``cfg``, ``hw``, ``block_size`` and
+    ``_arrive(now, request)``, which must call :meth:`_push_next_arrival`."""
+
+    system = "mooncake"   # label of the results
+
+    def _push_next_arrival(self) -> None:
+        if self._next < len(self._trace):
+            tr = self._trace[self._next]
+            self._next += 1
+            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
+
+    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``trace`` (sorted by arrival) to the end; ``progress(n)`` is called with the
+        number of requests ended so far, now and then."""
+        if self.events.num_events:
+            raise RuntimeError(f"a {type(self).__name__} runs once; build a new one")
+        self._trace, self._next = list(trace), 0
+        self.recorder.start(len(self._trace), progress)
+        wall, cpu = time.perf_counter(), time.process_time()
+        self._push_next_arrival()
+        self.events.run()
+        self.recorder.cpu_s = time.process_time() - cpu
+        return self.recorder.result(self.cfg, self.hw, time.perf_counter() - wall, self.events.num_events,
+                                    system=self.system)
