@@ -8,6 +8,13 @@ record of what it dispatched — the scheduler reads them as a :class:`ClusterSt
 request dispatched to a decode instance counts there as ``incoming`` from dispatch until its KV
 has arrived (the first token), so a burst is spread instead of herding onto one instance.
 
+Each instance's scheduler state is built once and kept until something it shows changes (a job
+added, started, finished or released; a heartbeat changing its capacity or bandwidth; death):
+the scheduler caches derived data on the state objects, so a decision pays only for the
+instances that changed since the last one (docs/conductor.md, "Decision time"). Generated
+tokens alone rebuild a decode instance's state only once one of its requests is more than
+``MAX_CONTEXT_LAG`` tokens ahead of it, as in the simulator.
+
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
 
@@ -20,11 +27,14 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
-from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
-                                     IncomingRequest, PrefillInstanceState, QueuedPrefill)
+from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, ClusterState, DecodeInstanceState,
+                                     DecodingRequest, IncomingRequest, PrefillInstanceState,
+                                     QueuedPrefill)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
+# Heartbeat load fields that appear in a scheduler state: a change rebuilds it.
+STATE_LOAD_KEYS = ("bandwidth_bytes_per_s", "max_context_tokens", "max_batch_size")
 
 
 class RegistrationError(Exception):
@@ -60,6 +70,8 @@ class DecodeJob:
     context_tokens: int
     joined_at: float
     max_output_tokens: int
+    # The job as the current state shows it; its context may trail ours by MAX_CONTEXT_LAG.
+    shown: DecodingRequest | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -74,6 +86,8 @@ class Instance:
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
     incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
     watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
+    # The scheduler's view of this instance; None = changed since, rebuild at the next snapshot.
+    state: PrefillInstanceState | DecodeInstanceState | None = field(default=None, repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -94,6 +108,7 @@ class Membership:
         self.dead_after_s = dead_after_s
         self.instances: dict[str, Instance] = {}
         self.kv_bytes_per_token: int | None = None
+        self._cluster: ClusterState | None = None     # last snapshot while nothing changed
 
     # ---- membership messages --------------------------------------------------------------
     def register(self, reg: Register, now: float) -> Instance:
@@ -109,6 +124,7 @@ class Membership:
             inst.prefill_jobs, inst.decode_jobs, inst.watchers = old.prefill_jobs, old.decode_jobs, old.watchers
             inst.incoming_jobs = old.incoming_jobs
         self.instances[reg.instance_id] = inst
+        self._cluster = None
         if self.kv_bytes_per_token is None:
             self.kv_bytes_per_token = reg.kv_bytes_per_token
         log.info("registered %s %s at %s (store %s)", reg.role, reg.instance_id, reg.http, reg.store)
@@ -149,8 +165,11 @@ class Membership:
         if not inst.is_alive:
             log.warning("%s %s is back after being marked dead", inst.role, inst.instance_id)
             inst.is_alive = True
+            self._touch(inst)
         inst.last_seen = now
-        inst.load = dict(hb.load)
+        old, inst.load = inst.load, dict(hb.load)
+        if any(old.get(k) != inst.load.get(k) for k in STATE_LOAD_KEYS):
+            self._touch(inst)
         return inst
 
     def reap(self, now: float) -> list[Instance]:
@@ -169,6 +188,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
+        self._touch(inst)
         for notify in watchers.values():
             notify(reason)
 
@@ -190,14 +210,17 @@ class Membership:
         if not inst.prefill_jobs:
             job.started_at = now
         inst.prefill_jobs[job.request_id] = job
+        self._touch(inst)
         decode = self.instances.get(job.decode_id)
         if decode is not None:
             decode.incoming_jobs[job.request_id] = job
+            self._touch(decode)
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
         inst = self.instances.get(instance_id)
         if inst is None or inst.prefill_jobs.pop(request_id, None) is None:
             return
+        self._touch(inst)
         head = next(iter(inst.prefill_jobs.values()), None)
         if head is not None and head.started_at is None:
             head.started_at = now  # FIFO: the next job starts when this one ends
@@ -207,12 +230,15 @@ class Membership:
         if inst is not None:
             inst.incoming_jobs.pop(job.request_id, None)
             inst.decode_jobs[job.request_id] = job
+            self._touch(inst)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
         inst = self.instances.get(instance_id)
         job = inst.decode_jobs.get(request_id) if inst is not None else None
         if job is not None:
             job.context_tokens += num_new_tokens
+            if job.shown is not None and job.context_tokens - job.shown.context_tokens > MAX_CONTEXT_LAG:
+                self._touch(inst)
 
     def release(self, request_id: str, instance_ids: tuple[str, ...], now: float) -> None:
         """The request is over (any outcome): forget it everywhere."""
@@ -221,22 +247,31 @@ class Membership:
             if inst is None:
                 continue
             inst.watchers.pop(request_id, None)
-            inst.decode_jobs.pop(request_id, None)
-            inst.incoming_jobs.pop(request_id, None)
+            running = inst.decode_jobs.pop(request_id, None)
+            incoming = inst.incoming_jobs.pop(request_id, None)
+            if running is not None or incoming is not None:
+                self._touch(inst)
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
+    def _touch(self, inst: Instance) -> None:
+        inst.state = None
+        self._cluster = None
+
     def snapshot(self) -> ClusterState:
-        """The live instances as the scheduler sees them (dead ones left out)."""
+        """The live instances as the scheduler sees them (dead ones left out). Unchanged
+        instances keep their state objects (and the scheduler's data cached on them)."""
+        if self._cluster is not None:
+            return self._cluster
         prefills, decodes = [], []
         for inst in self.instances.values():
             if not inst.is_alive:
                 continue
-            if inst.role == "prefill":
-                prefills.append(_prefill_state(inst))
-            else:
-                decodes.append(_decode_state(inst))
-        return ClusterState(tuple(prefills), tuple(decodes))
+            if inst.state is None:
+                inst.state = _prefill_state(inst) if inst.role == "prefill" else _decode_state(inst)
+            (prefills if inst.role == "prefill" else decodes).append(inst.state)
+        self._cluster = ClusterState(tuple(prefills), tuple(decodes))
+        return self._cluster
 
 
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
@@ -248,9 +283,18 @@ def _prefill_state(inst: Instance) -> PrefillInstanceState:
     return PrefillInstanceState(inst.instance_id, store_id, queue, bandwidth, inst.costs.prefill)
 
 
+def _shown(job: DecodeJob) -> DecodingRequest:
+    """The job as a new state shows it: its true context now (every rebuild resets the lag, so
+    the requests of one batch stay in step and cross the lag bound together)."""
+    shown = job.shown
+    if shown is None or shown.context_tokens != job.context_tokens:
+        shown = job.shown = DecodingRequest(job.request_id, job.context_tokens, job.joined_at,
+                                            job.max_output_tokens)
+    return shown
+
+
 def _decode_state(inst: Instance) -> DecodeInstanceState:
-    running = tuple(DecodingRequest(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
-                    for j in inst.decode_jobs.values())
+    running = tuple(map(_shown, inst.decode_jobs.values()))
     incoming = tuple(IncomingRequest(j.request_id, j.num_tokens + 1, j.max_output_tokens)  # as add_decode will
                      for j in inst.incoming_jobs.values())
     # Register.max_context of a decode instance is its KV capacity in tokens.

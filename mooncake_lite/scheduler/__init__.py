@@ -12,12 +12,12 @@ from mooncake_lite.scheduler.costs import (CostModels, DecodeCostModel, PrefillC
 from mooncake_lite.scheduler.decision import Decision, Migration
 from mooncake_lite.scheduler.estimate import prefill_queue_time
 from mooncake_lite.scheduler.scheduler import Scheduler, schedule
-from mooncake_lite.scheduler.state import (ClusterState, DecodeInstanceState, DecodingRequest,
+from mooncake_lite.scheduler.state import (MAX_CONTEXT_LAG, ClusterState, DecodeInstanceState, DecodingRequest,
                                            IncomingRequest, PrefillInstanceState, QueuedPrefill,
                                            ScheduleRequest)
 
 __all__ = [
-    "ADMISSIONS", "STRATEGIES", "BlockEvent", "BlockIndex", "ClusterState", "CostModels",
+    "ADMISSIONS", "MAX_CONTEXT_LAG", "STRATEGIES", "BlockEvent", "BlockIndex", "ClusterState", "CostModels",
     "Decision", "DecodeCostModel", "DecodeInstanceState", "DecodingRequest", "IncomingRequest",
     "Migration", "PrefillCostModel", "PrefillInstanceState", "PrefixMatch", "QueuedPrefill", "ScheduleRequest",
     "Scheduler", "SchedulerConfig", "decode_admits", "kv_bytes_per_token", "kv_transfer_time",

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
+# How many generated tokens a decode instance's state may lag its requests' true context by.
+# Rebuilding the state on every token would throw away its derived data (estimate.py) before
+# nearly every decision; 32 tokens of context are noise beside prompts of thousands. Both the
+# live conductor and the simulator keep states within this bound.
+MAX_CONTEXT_LAG = 32
+
 
 @dataclass(frozen=True)
 class ScheduleRequest:

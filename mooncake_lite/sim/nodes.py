@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
-                                           PrefillInstanceState, QueuedPrefill)
+from mooncake_lite.scheduler.state import (MAX_CONTEXT_LAG, DecodeInstanceState, DecodingRequest,
+                                           IncomingRequest, PrefillInstanceState, QueuedPrefill)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
 from mooncake_lite.store.eviction import BlockCache
@@ -58,10 +58,6 @@ def queued(r: SimRequest) -> QueuedPrefill:
         q = r.snap = QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.prefill_start)
     return q
 
-
-# A decode snapshot's context length may lag the truth by at most this many generated tokens
-# (rebuilding every DecodingRequest at every batch change dominated the run time).
-MAX_CONTEXT_LAG = 32
 
 
 class PrefillNode:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
+from mooncake_lite.scheduler import MAX_CONTEXT_LAG
 
 
 def _reg(role: str, iid: str, **kw) -> Register:
@@ -82,3 +87,108 @@ def test_reap_marks_silent_instances_dead_and_tells_their_requests():
 def test_model_ids_compare_checkpoint_directories_by_name():
     assert model_id("tiny") == "tiny"
     assert model_id("/models/Qwen2-0.5B/") == "Qwen2-0.5B" == model_id("/mnt/other/Qwen2-0.5B")
+
+
+# ---- cached scheduler states ---------------------------------------------------------------
+def _exact(m: Membership):
+    """The snapshot rebuilt from the tables, independently of Membership's cache."""
+    prefills, decodes = [], []
+    for inst in m.instances.values():
+        if not inst.is_alive:
+            continue
+        if inst.role == "prefill":
+            prefills.append((inst.instance_id, [(j.request_id, j.num_tokens, j.num_prefix_tokens, j.started_at)
+                                                for j in inst.prefill_jobs.values()]))
+        else:
+            decodes.append((inst.instance_id, inst.load.get("max_batch_size"),
+                            [(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
+                             for j in inst.decode_jobs.values()],
+                            [(j.request_id, j.num_tokens + 1) for j in inst.incoming_jobs.values()]))
+    return prefills, decodes
+
+
+def _check_against_exact(m: Membership) -> None:
+    snap = m.snapshot()
+    prefills, decodes = _exact(m)
+    assert [(p.instance_id, [(q.request_id, q.num_tokens, q.num_prefix_tokens, q.started_at) for q in p.queue])
+            for p in snap.prefills] == prefills
+    assert [d.instance_id for d in snap.decodes] == [d[0] for d in decodes]
+    for d, (_, max_batch, running, incoming) in zip(snap.decodes, decodes):
+        assert d.max_batch_size == (int(max_batch) if max_batch else None)
+        assert [(r.request_id, r.context_tokens) for r in d.incoming] == incoming
+        assert [(r.request_id, r.joined_at, r.max_output_tokens) for r in d.running] == \
+            [(rid, joined, out) for rid, _, joined, out in running]
+        for shown, (_, true_context, _, _) in zip(d.running, running):
+            assert 0 <= true_context - shown.context_tokens <= MAX_CONTEXT_LAG
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
+    """Random dispatches, prefill ends, tokens, releases, heartbeats, deaths and revivals, with
+    snapshots taken at random points: the cached view never shows anything but the truth (decode
+    contexts at most MAX_CONTEXT_LAG tokens behind)."""
+    rng = random.Random(seed)
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    ids = {"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1", "d2"]}
+    for role, names in ids.items():
+        for iid in names:
+            m.register(_reg(role, iid), now=0)
+    now, n = 0.0, 0
+    for _ in range(400):
+        now += rng.uniform(0, 0.5)
+        op = rng.random()
+        live = {r: [i for i in names if m.get(i)] for r, names in ids.items()}
+        queued = [(i.instance_id, j) for i in m.alive("prefill") for j in i.prefill_jobs.values()]
+        running = [(i.instance_id, j) for i in m.alive("decode") for j in i.decode_jobs.values()]
+        if op < 0.25 and live["prefill"] and live["decode"]:
+            n += 1
+            m.add_prefill(rng.choice(live["prefill"]), PrefillJob(f"r{n}", rng.randint(1, 500), 0,
+                                                                  rng.choice(live["decode"])), now)
+        elif op < 0.4 and queued:
+            pid, job = rng.choice(queued)
+            m.prefill_done(pid, job.request_id, now)
+            m.add_decode(job.decode_id, DecodeJob(job.request_id, job.num_tokens + 1, now, 64))
+        elif op < 0.7 and running:
+            did, job = rng.choice(running)
+            for _ in range(rng.randint(1, 40)):
+                m.decode_progress(did, job.request_id)
+        elif op < 0.8 and (queued or running):
+            iid, job = rng.choice(queued + running)
+            m.release(job.request_id, (iid, getattr(job, "decode_id", iid)), now)
+        elif op < 0.9:
+            iid = rng.choice(ids["prefill"] + ids["decode"])
+            m.heartbeat(Heartbeat(iid, {"max_batch_size": float(rng.choice([8, 16]))}), now)
+        else:
+            for iid in ids["prefill"] + ids["decode"]:
+                if rng.random() < 0.8:
+                    m.heartbeat(Heartbeat(iid, m.instances[iid].load), now)
+            m.reap(now + 5.01 if rng.random() < 0.3 else now)
+        if rng.random() < 0.5:
+            _check_against_exact(m)
+    _check_against_exact(m)
+
+
+def test_only_changed_instances_get_new_states():
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    for role, iid in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1")):
+        m.register(_reg(role, iid), now=0)
+    m.add_prefill("p0", PrefillJob("a", 100, 0, "d0"), now=0)
+    m.prefill_done("p0", "a", now=1)
+    m.add_decode("d0", DecodeJob("a", 101, 1.0, 64))
+    before = m.snapshot()
+    for _ in range(MAX_CONTEXT_LAG):                     # within the lag: the same snapshot
+        m.decode_progress("d0", "a")
+    assert m.snapshot() is before
+    m.decode_progress("d0", "a")                          # one more: d0 is rebuilt, alone
+    after = m.snapshot()
+    assert after.decodes[0] is not before.decodes[0] and after.decodes[0].running[0].context_tokens == 134
+    assert after.decodes[1] is before.decodes[1] and after.prefills == before.prefills
+    assert all(a is b for a, b in zip(after.prefills, before.prefills))
+    m.add_prefill("p1", PrefillJob("b", 50, 0, "d1"), now=2)   # a dispatch touches its two instances
+    third = m.snapshot()
+    assert third.prefills[0] is after.prefills[0] and third.decodes[0] is after.decodes[0]
+    assert third.prefills[1] is not after.prefills[1] and third.decodes[1] is not after.decodes[1]
+    m.heartbeat(Heartbeat("d0", {"queued_s": 1.0}), now=3)    # a load field no state shows
+    assert m.snapshot() is third
+    m.heartbeat(Heartbeat("d0", {"max_batch_size": 4.0}), now=3)
+    assert m.snapshot().decodes[0].max_batch_size == 4
