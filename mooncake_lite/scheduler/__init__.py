@@ -10,16 +10,16 @@ from mooncake_lite.scheduler.config import ADMISSIONS, STRATEGIES, SchedulerConf
 from mooncake_lite.scheduler.costs import (CostModels, DecodeCostModel, PrefillCostModel,
                                            kv_bytes_per_token, kv_transfer_time)
 from mooncake_lite.scheduler.decision import Decision, Migration
-from mooncake_lite.scheduler.estimate import prefill_queue_time
+from mooncake_lite.scheduler.estimate import carry_running_estimates, prefill_queue_time
 from mooncake_lite.scheduler.scheduler import Scheduler, schedule
 from mooncake_lite.scheduler.state import (MAX_CONTEXT_LAG, ClusterState, DecodeInstanceState, DecodingRequest,
                                            IncomingRequest, PrefillInstanceState, QueuedPrefill,
-                                           ScheduleRequest)
+                                           ScheduleRequest, context_lag_bound)
 
 __all__ = [
     "ADMISSIONS", "MAX_CONTEXT_LAG", "STRATEGIES", "BlockEvent", "BlockIndex", "ClusterState", "CostModels",
     "Decision", "DecodeCostModel", "DecodeInstanceState", "DecodingRequest", "IncomingRequest",
     "Migration", "PrefillCostModel", "PrefillInstanceState", "PrefixMatch", "QueuedPrefill", "ScheduleRequest",
     "Scheduler", "SchedulerConfig", "decode_admits", "kv_bytes_per_token", "kv_transfer_time",
-    "prefill_queue_time", "schedule",
+    "carry_running_estimates", "context_lag_bound", "prefill_queue_time", "schedule",
 ]

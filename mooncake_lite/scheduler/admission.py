@@ -9,6 +9,7 @@ prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mooncake_lite.scheduler.config import SchedulerConfig
@@ -34,31 +35,43 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
     eligible one. None when no instance has room."""
-    t = now + ttft_s
-    predictive = cfg.admission == "predictive"
-    has_incoming = predictive and any(d.incoming for d in cluster.decodes)
-    late = late_prefills(cluster, costs, now, t) if has_incoming else set()
-    eligible: list[tuple[DecodeInstanceState, int, int]] = []
-    for d in cluster.decodes:
-        if predictive:
-            batch, context = decode_load_at(d, costs, t, late, cfg.uniform_decode_s)
-        else:
-            batch, context = decode_load_now(d)
-        if decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
-            eligible.append((d, batch + 1, context + req.num_tokens))
-    if not eligible:
-        return None
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
+        eligible = list(_eligible(req, cluster, cfg, costs, now, ttft_s))
+        if not eligible:
+            return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
-    best, best_tbt = eligible[0], float("inf")
-    for option in eligible:
-        tbt = decode_tbt(option[0], costs, option[1], option[2])
-        if tbt < best_tbt:  # strict: ties keep the earlier instance
-            best, best_tbt = option, tbt
+    best, best_tbt = None, float("inf")
+    # One pass, one cost call per instance: this runs per decode instance per request.
+    for d, batch, context in _eligible(req, cluster, cfg, costs, now, ttft_s):
+        tbt = (d.cost or costs.decode).predict(batch, context)
+        if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
+            best, best_tbt = (d, batch, context), tbt
+    if best is None:
+        return None
     return DecodeChoice(best[0], best_tbt, best[1], best[2])
+
+
+def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels,
+              now: float, ttft_s: float) -> Iterator[tuple[DecodeInstanceState, int, int]]:
+    """(instance, batch size, context tokens) with ``req`` added, for every instance with room:
+    the load now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
+    num_tokens, need = req.num_tokens, req.num_tokens + req.max_output_tokens
+    if cfg.admission == "predictive":
+        t, uniform = now + ttft_s, cfg.uniform_decode_s
+        late = late_prefills(cluster, costs, now, t) if any(d.incoming for d in cluster.decodes) else set()
+        loads = ((d, *decode_load_at(d, costs, t, late, uniform)) for d in cluster.decodes)
+    else:
+        loads = ((d, *decode_load_now(d)) for d in cluster.decodes)
+    for d, batch, context in loads:
+        # decode_has_room, inlined: this is the hot loop of every decision
+        if d.max_batch_size is not None and batch + 1 > d.max_batch_size:
+            continue
+        if d.max_context_tokens is not None and context + need > d.max_context_tokens:
+            continue
+        yield d, batch + 1, context + num_tokens
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from itertools import accumulate
+from math import inf
 from operator import attrgetter
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
@@ -33,35 +34,35 @@ def decode_model(d: DecodeInstanceState, costs: CostModels) -> DecodeCostModel:
     return d.cost or costs.decode
 
 
-def _elapsed(p: PrefillInstanceState, cum: list[float], now: float) -> float:
-    """Work already done on the started jobs at the head of the queue (never more than them)."""
-    done, prev = 0.0, 0.0
-    for i, job in enumerate(p.queue):
+def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
+    """(model, cumulative predicted durations, (duration, started_at) of the leading started
+    jobs, the jobs' request ids). Independent of ``now``: kept on the state, the per-decision
+    part is a short loop."""
+    durations = list(map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue)))
+    started = []
+    for duration, job in zip(durations, p.queue):
         if job.started_at is None:
             break
-        done += min(cum[i] - prev, max(0.0, now - job.started_at))
-        prev = cum[i]
-    return done
+        started.append((duration, job.started_at))
+    return model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue))
 
 
 def prefill_backlog(p: PrefillInstanceState, costs: CostModels, now: float) -> tuple[list[float], float]:
     """(cumulative predicted durations of the queued jobs, work already done on them).
     Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
-    ``cum[-1] - done``. Cached on the state per cost model (and per ``now`` while a job is
-    running), since one decision asks for it twice (prefill choice and decode prediction)."""
+    ``cum[-1] - done``. A started job counts as done for its elapsed time, never more than its
+    predicted duration. The now-independent part is cached on the state per cost model (one
+    decision asks twice: prefill choice and decode prediction; a reused state, every time)."""
     model = p.cost or costs.prefill
     cached = p.__dict__.get("_backlog")
-    if cached is not None and cached[0] is model and (not cached[4] or cached[1] == now):
-        return cached[2], cached[3]
-    if cached is not None and cached[0] is model:
-        cum = cached[2]
-    else:
-        durations = map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue))
-        cum = list(accumulate(durations))
-    is_running = bool(cum) and p.queue[0].started_at is not None
-    done = _elapsed(p, cum, now) if is_running else 0.0
-    p.__dict__["_backlog"] = (model, now, cum, done, is_running)  # derived data; fields stay frozen
-    return cum, done
+    if cached is None or cached[0] is not model:
+        cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
+    done = 0.0
+    for duration, started_at in cached[2]:
+        elapsed = now - started_at
+        if elapsed > 0.0:
+            done += duration if elapsed > duration else elapsed
+    return cached[1], done
 
 
 def queued_finish_times(p: PrefillInstanceState, costs: CostModels, now: float) -> list[float]:
@@ -97,6 +98,21 @@ def running_load(d: DecodeInstanceState) -> tuple[int, int]:
     return len(d.running), total
 
 
+# Derived data that depends on a decode state's running batch alone (anything else it uses, such
+# as the cost model, is part of the cached value and checked on use).
+_RUNNING_ONLY = ("_context_tokens", "_leave")
+
+
+def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState) -> None:
+    """Let ``new`` reuse what was derived from ``old``'s running batch when both show the very
+    same batch object — for a caller that rebuilds a state because only its incoming requests
+    or capacity changed."""
+    if new.running is old.running:
+        for key in _RUNNING_ONLY:
+            if key in old.__dict__:
+                new.__dict__.setdefault(key, old.__dict__[key])
+
+
 def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
     """(batch size, context tokens) committed now: the running batch plus every incoming
     request (dispatched here, KV not arrived yet — it will be in this batch). Counting them is
@@ -119,32 +135,51 @@ def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float
     committed to a decode instance (``incoming``) has joined its batch by ``t`` — step 1 of the
     §3 prediction; one in no queue has already finished prefill."""
     late: set[str] = set()
+    horizon = t - now
     for p in cluster.prefills:
         if not p.queue:
             continue
         cum, done = prefill_backlog(p, costs, now)
-        first = bisect_right(cum, t - now + done)   # jobs run in order: the rest end later
+        first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
         if first < len(cum):
-            late.update(map(_REQUEST_ID, p.queue[first:]))
+            late.update(p.__dict__["_backlog"][3][first:])   # request ids, cached with cum
     return late
 
 
-def _joined_after(d: DecodeInstanceState, cutoff: float) -> tuple[int, int]:
-    """(count, context tokens) of running requests with joined_at > cutoff. The first query on
-    a state scans; later ones bisect a sorted profile built on the second query, so a state
-    seen once costs no sort and a reused one costs O(log n)."""
-    profile = d.__dict__.get("_join_profile")
+def _leave_times(d: DecodeInstanceState, costs: CostModels, uniform_decode_s: float | None) -> list[float]:
+    """When each running request is predicted to finish decoding: joined_at + t_d, with t_d
+    uniform or max_output_tokens × the instance's current TBT (unknown: never, the
+    conservative guess). Fixed for a given state, so it is computed once per state."""
+    if uniform_decode_s is not None:
+        return [joined + uniform_decode_s for joined in map(_JOINED_AT, d.running)]
+    tbt_now = decode_tbt(d, costs, *running_load(d))
+    return [inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt_now
+            for r in d.running]
+
+
+def _staying_at(d: DecodeInstanceState, costs: CostModels, t: float,
+                uniform_decode_s: float | None) -> tuple[int, int]:
+    """(count, context tokens) of running requests still decoding at ``t`` (leave time > t).
+    The first query on a state scans; the second builds a profile sorted by leave time, so a
+    state seen once costs no sort and a reused one costs O(log n) per query."""
+    model = decode_model(d, costs)
+    cached = d.__dict__.get("_leave")
+    if cached is None or cached[0] is not model or cached[1] != uniform_decode_s:
+        leave = _leave_times(d, costs, uniform_decode_s)
+        d.__dict__["_leave"] = (model, uniform_decode_s, leave, None)
+        staying = [c for c, end in zip(map(_CONTEXT_TOKENS, d.running), leave) if end > t]
+        return len(staying), sum(staying)
+    profile = cached[3]
     if profile is None:
-        if not d.__dict__.get("_join_seen"):
-            d.__dict__["_join_seen"] = True
-            staying = [r.context_tokens for r in d.running if r.joined_at > cutoff]
-            return len(staying), sum(staying)
-        ordered = sorted(d.running, key=_JOINED_AT)
-        suffix = list(accumulate(map(_CONTEXT_TOKENS, reversed(ordered))))[::-1] + [0]
-        profile = d.__dict__["_join_profile"] = (list(map(_JOINED_AT, ordered)), suffix)
-    joined, suffix = profile
-    first = bisect_right(joined, cutoff)
-    return len(joined) - first, suffix[first]
+        order = sorted(zip(cached[2], map(_CONTEXT_TOKENS, d.running)))
+        ends, contexts = [e for e, _ in order], [c for _, c in order]
+        suffix = list(accumulate(reversed(contexts), initial=0))
+        suffix.reverse()   # suffix[i]: context of the requests leaving at ends[i] or later
+        profile = ends, suffix
+        d.__dict__["_leave"] = (*cached[:3], profile)
+    ends, suffix = profile
+    first = bisect_right(ends, t)
+    return len(ends) - first, suffix[first]
 
 
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
@@ -155,13 +190,7 @@ def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: se
 
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
     the instance's current TBT (unknown max_output_tokens: assumed still decoding)."""
-    if uniform_decode_s is not None:
-        batch, context = _joined_after(d, t - uniform_decode_s)
-    else:
-        tbt_now = decode_tbt(d, costs, *running_load(d))
-        staying = [r.context_tokens for r in d.running if r.max_output_tokens is None
-                   or r.joined_at + r.max_output_tokens * tbt_now > t]
-        batch, context = len(staying), sum(staying)
+    batch, context = _staying_at(d, costs, t, uniform_decode_s)
     for r in d.incoming:
         if r.request_id not in late:
             batch += 1

@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.state import (MAX_CONTEXT_LAG, DecodeInstanceState, DecodingRequest,
-                                           IncomingRequest, PrefillInstanceState, QueuedPrefill)
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                           PrefillInstanceState, QueuedPrefill, context_lag_bound)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
 from mooncake_lite.store.eviction import BlockCache
@@ -125,7 +125,7 @@ class DecodeNode:
             steps = self.batch.steps_done
             running = []
             for r in self.batch.running.values():
-                if r.snap_step < 0 or steps - r.snap_step > MAX_CONTEXT_LAG:
+                if r.snap_step < 0 or steps - r.snap_step > context_lag_bound(r.snap.context_tokens):
                     r.snap = DecodingRequest(r.rid, r.input_length + 1 + steps - r.join_step, r.join_time,
                                              r.output_length)
                     r.snap_step = steps

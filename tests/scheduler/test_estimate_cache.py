@@ -1,0 +1,76 @@
+"""The estimators cache derived data on state objects (estimate.py); asking the same state
+again, at other times, must give exactly what the definitions give from scratch."""
+
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.scheduler import (CostModels, DecodeCostModel, DecodeInstanceState,
+                                     DecodingRequest, IncomingRequest, PrefillCostModel,
+                                     PrefillInstanceState, QueuedPrefill, carry_running_estimates)
+from mooncake_lite.scheduler.estimate import decode_load_at, prefill_queue_time
+
+COSTS = CostModels(prefill=PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7),
+                   decode=DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), kv_bytes_per_token=1)
+times = st.floats(-50, 50, allow_nan=False)
+
+
+@st.composite
+def decode_states(draw):
+    running = tuple(DecodingRequest(f"r{i}", draw(st.integers(1, 5000)), draw(times),
+                                    draw(st.one_of(st.none(), st.integers(1, 2000))))
+                    for i in range(draw(st.integers(0, 12))))
+    return DecodeInstanceState("d", running)
+
+
+def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | None) -> tuple[int, int]:
+    tbt = COSTS.decode.predict(len(d.running), sum(r.context_tokens for r in d.running))
+    left = [r for r in d.running
+            if (uniform is not None and r.joined_at + uniform > t)
+            or (uniform is None and (r.max_output_tokens is None or r.joined_at + r.max_output_tokens * tbt > t))]
+    return len(left), sum(r.context_tokens for r in left)
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode_states(), st.lists(times, min_size=1, max_size=5), st.one_of(st.none(), st.floats(0.1, 30)))
+def test_predicted_decode_load_matches_the_definition_on_every_query(d, ts, uniform):
+    for t in ts:   # first query scans, the second builds the sorted profile, later ones bisect
+        assert decode_load_at(d, COSTS, t, set(), uniform) == staying_by_definition(d, t, uniform)
+    other = 5.0 if uniform is None else None   # another t_d setting must not reuse the cache
+    assert decode_load_at(d, COSTS, ts[0], set(), other) == staying_by_definition(d, ts[0], other)
+
+
+@st.composite
+def prefill_states(draw):
+    n = draw(st.integers(0, 6))
+    started = draw(st.integers(0, n))
+    queue = tuple(QueuedPrefill(f"q{i}", draw(st.integers(1, 4000)), draw(st.integers(0, 3000)),
+                                draw(times) if i < started else None) for i in range(n))
+    return PrefillInstanceState("p", "s", queue)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prefill_states(), st.lists(times, min_size=1, max_size=5))
+def test_queue_time_matches_the_definition_at_every_now(p, nows):
+    for now in nows:
+        total, done = 0.0, 0.0
+        for i, job in enumerate(p.queue):
+            cost = COSTS.prefill.predict(job.num_tokens, job.num_prefix_tokens)
+            total += cost
+            if job.started_at is not None and all(j.started_at is not None for j in p.queue[:i]):
+                done += min(cost, max(0.0, now - job.started_at))
+        assert abs(prefill_queue_time(p, COSTS, now) - (total - done)) < 1e-9
+
+
+def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
+    running = tuple(DecodingRequest(f"r{i}", 1000 * (i + 1), float(i), 100) for i in range(5))
+    old = DecodeInstanceState("d", running)
+    for t in (1.0, 2.0, 3.0):     # scan, profile, bisect: all cached on ``old``
+        decode_load_at(old, COSTS, t, set(), None)
+    same = DecodeInstanceState("d", running, incoming=(IncomingRequest("x", 10),))
+    carry_running_estimates(old, same)
+    assert same.__dict__["_leave"] is old.__dict__["_leave"]
+    assert decode_load_at(same, COSTS, 2.0, set(), None) == (lambda b, c: (b + 1, c + 10))(
+        *staying_by_definition(same, 2.0, None))
+    other = DecodeInstanceState("d", running[:4])          # another batch: nothing carried
+    carry_running_estimates(old, other)
+    assert "_leave" not in other.__dict__
+    assert decode_load_at(other, COSTS, 2.0, set(), None) == staying_by_definition(other, 2.0, None)
