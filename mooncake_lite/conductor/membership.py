@@ -12,8 +12,8 @@ Each instance's scheduler state is built once and kept until something it shows 
 added, started, finished or released; a heartbeat changing its capacity or bandwidth; death):
 the scheduler caches derived data on the state objects, so a decision pays only for the
 instances that changed since the last one (docs/conductor.md, "Decision time"). Generated
-tokens alone rebuild a decode instance's state only once one of its requests is more than
-``MAX_CONTEXT_LAG`` tokens ahead of it, as in the simulator.
+tokens alone rebuild a decode instance's state only once one of its requests is further ahead
+of it than :func:`~mooncake_lite.scheduler.context_lag_bound` allows, as in the simulator.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
-from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, ClusterState, DecodeInstanceState,
-                                     DecodingRequest, IncomingRequest, PrefillInstanceState,
-                                     QueuedPrefill)
+from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
+                                     IncomingRequest, PrefillInstanceState, QueuedPrefill,
+                                     carry_running_estimates, context_lag_bound)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -62,6 +62,9 @@ class PrefillJob:
     decode_id: str
     started_at: float | None = None
     max_output_tokens: int | None = None
+    # Built once and reused by every state showing the job (a state object costs ~1 µs).
+    queued: QueuedPrefill | None = field(default=None, repr=False, compare=False)
+    incoming: IncomingRequest | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -70,7 +73,7 @@ class DecodeJob:
     context_tokens: int
     joined_at: float
     max_output_tokens: int
-    # The job as the current state shows it; its context may trail ours by MAX_CONTEXT_LAG.
+    # The job as the current state shows it; its context may trail ours by context_lag_bound.
     shown: DecodingRequest | None = field(default=None, repr=False, compare=False)
 
 
@@ -86,8 +89,14 @@ class Instance:
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
     incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
     watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
-    # The scheduler's view of this instance; None = changed since, rebuild at the next snapshot.
+    # The scheduler's view of this instance, rebuilt at the next snapshot once it is stale.
     state: PrefillInstanceState | DecodeInstanceState | None = field(default=None, repr=False)
+    is_stale: bool = field(default=True, repr=False)
+    # Decode: a request got further ahead of its state than context_lag_bound; the next
+    # rebuild refreshes every request's context (other rebuilds reuse the shown requests).
+    is_context_stale: bool = field(default=False, repr=False)
+    # Decode: the running batch as shown (kept up to date as requests join and leave).
+    running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -188,6 +197,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
+        inst.running = None
         self._touch(inst)
         for notify in watchers.values():
             notify(reason)
@@ -229,7 +239,10 @@ class Membership:
         inst = self.get(instance_id)
         if inst is not None:
             inst.incoming_jobs.pop(job.request_id, None)
+            replaced = inst.decode_jobs.get(job.request_id) is not None
             inst.decode_jobs[job.request_id] = job
+            # Extend the shown batch here, at the event, not in the next decision's snapshot.
+            inst.running = None if replaced or inst.running is None else (*inst.running, _shown(job, False))
             self._touch(inst)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
@@ -237,7 +250,10 @@ class Membership:
         job = inst.decode_jobs.get(request_id) if inst is not None else None
         if job is not None:
             job.context_tokens += num_new_tokens
-            if job.shown is not None and job.context_tokens - job.shown.context_tokens > MAX_CONTEXT_LAG:
+            shown = job.shown
+            if shown is not None and job.context_tokens - shown.context_tokens > \
+                    context_lag_bound(shown.context_tokens):
+                inst.is_context_stale = True
                 self._touch(inst)
 
     def release(self, request_id: str, instance_ids: tuple[str, ...], now: float) -> None:
@@ -249,13 +265,15 @@ class Membership:
             inst.watchers.pop(request_id, None)
             running = inst.decode_jobs.pop(request_id, None)
             incoming = inst.incoming_jobs.pop(request_id, None)
+            if running is not None and inst.running is not None:
+                inst.running = tuple(r for r in inst.running if r.request_id != request_id)
             if running is not None or incoming is not None:
                 self._touch(inst)
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
     def _touch(self, inst: Instance) -> None:
-        inst.state = None
+        inst.is_stale = True
         self._cluster = None
 
     def snapshot(self) -> ClusterState:
@@ -267,40 +285,60 @@ class Membership:
         for inst in self.instances.values():
             if not inst.is_alive:
                 continue
-            if inst.state is None:
-                inst.state = _prefill_state(inst) if inst.role == "prefill" else _decode_state(inst)
-            (prefills if inst.role == "prefill" else decodes).append(inst.state)
+            is_prefill = inst.reg.role == "prefill"
+            if inst.is_stale:
+                inst.state = _prefill_state(inst) if is_prefill else _decode_state(inst)
+                inst.is_stale = False
+            (prefills if is_prefill else decodes).append(inst.state)
         self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
 
 
+def _queued(job: PrefillJob) -> QueuedPrefill:
+    q = job.queued
+    if q is None or q.started_at != job.started_at:
+        q = job.queued = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
+    return q
+
+
+def _incoming(job: PrefillJob) -> IncomingRequest:
+    if job.incoming is None:   # the context it brings: prompt + first token, as add_decode will record
+        job.incoming = IncomingRequest(job.request_id, job.num_tokens + 1, job.max_output_tokens)
+    return job.incoming
+
+
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
-    queue = tuple(QueuedPrefill(j.request_id, j.num_tokens, j.num_prefix_tokens, j.started_at)
-                  for j in inst.prefill_jobs.values())
+    queue = tuple(map(_queued, inst.prefill_jobs.values()))
     # No store: a unique id no block event names, so nothing counts as cached there.
     store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
     bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
     return PrefillInstanceState(inst.instance_id, store_id, queue, bandwidth, inst.costs.prefill)
 
 
-def _shown(job: DecodeJob) -> DecodingRequest:
-    """The job as a new state shows it: its true context now (every rebuild resets the lag, so
-    the requests of one batch stay in step and cross the lag bound together)."""
+def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:
+    """The job as a new state shows it. Building one costs about a microsecond, so a rebuild
+    for another reason (a request joining or leaving) reuses the shown ones, lag and all; a
+    rebuild for the lag refreshes them all, so a batch's requests stay in step and cross the
+    lag bound together rather than one after another."""
     shown = job.shown
-    if shown is None or shown.context_tokens != job.context_tokens:
+    if shown is None or (refresh and shown.context_tokens != job.context_tokens):
         shown = job.shown = DecodingRequest(job.request_id, job.context_tokens, job.joined_at,
                                             job.max_output_tokens)
     return shown
 
 
 def _decode_state(inst: Instance) -> DecodeInstanceState:
-    running = tuple(map(_shown, inst.decode_jobs.values()))
-    incoming = tuple(IncomingRequest(j.request_id, j.num_tokens + 1, j.max_output_tokens)  # as add_decode will
-                     for j in inst.incoming_jobs.values())
+    refresh, inst.is_context_stale = inst.is_context_stale, False
+    if inst.running is None or refresh:
+        inst.running = tuple(_shown(j, refresh) for j in inst.decode_jobs.values())
+    incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
     # Register.max_context of a decode instance is its KV capacity in tokens.
     max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
-    return DecodeInstanceState(inst.instance_id, running, _int_or_none(inst.load.get("max_batch_size")),
-                               max_context, inst.costs.decode, incoming)
+    state = DecodeInstanceState(inst.instance_id, inst.running, _int_or_none(inst.load.get("max_batch_size")),
+                                max_context, inst.costs.decode, incoming)
+    if inst.state is not None:
+        carry_running_estimates(inst.state, state)
+    return state
 
 
 def _int_or_none(value: float | None) -> int | None:
