@@ -3,9 +3,15 @@ adds to a request's latency.
 
 Parts are registered in :data:`PARTS` (name -> (add_arguments, run, show)); each
 ``run(args)`` returns a flat dict of figures. ``--parts`` picks some; ``--json`` prints all figures as one object.
-The ``decision`` part times the pure scheduler on a synthetic cluster: 16 prefill + 16 decode
+The ``decision`` part times the scheduler on a synthetic cluster: 16 prefill + 16 decode
 instances, one million indexed 16-byte block keys, a 64-block request (targets: median
-≤ 200 µs, p99 ≤ 1 ms). The live-API part (conductor's added latency) plugs in the same way.
+≤ 200 µs, p99 ≤ 1 ms), in three cases: ``conductor`` — the live conductor's own path (its
+Membership snapshot plus the decision, in a steady state where every decision is dispatched and
+prefills end, requests finish and tokens are generated between decisions; see
+:mod:`conductor_steady`), the figure the targets are for; ``warm`` — the core alone on an
+unchanged snapshot (the best case); ``fresh`` — the core alone with every instance state
+rebuilt before each decision (the worst case: no derived data reused). The live-API part
+(conductor's added latency) plugs in the same way.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from dataclasses import replace
 import numpy as np
 import orjson
 
-from mooncake_lite.bench import conductor_live
+from mooncake_lite.bench import conductor_live, conductor_steady
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
                                      DecodeInstanceState, DecodingRequest, IncomingRequest,
                                      PrefillCostModel, PrefillInstanceState, QueuedPrefill,
                                      ScheduleRequest, Scheduler, SchedulerConfig,
                                      kv_bytes_per_token)
 
+CASES = ("conductor", "warm", "fresh")
 MEDIAN_TARGET_US = 200.0
 P99_TARGET_US = 1000.0
 BLOCK_SIZE = 512
@@ -48,6 +55,12 @@ def _decision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-blocks", type=_positive, default=64, help="blocks per request")
     g.add_argument("--iterations", type=_positive, default=20_000, help="decisions timed per case")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster")
+    g.add_argument("--uniform-decode", type=float, default=None, metavar="SECONDS",
+                   help="t_d for predictive admission, as the conductor's --uniform-decode (default: "
+                        "none, like the conductor: max_tokens × current TBT per request)")
+    g.add_argument("--tokens-per-decision", type=_positive, default=2,
+                   help="conductor case: tokens each running request generates between two "
+                        "decisions (≈ arrival interval / decode step time)")
 
 
 def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_blocks: int,
@@ -126,10 +139,14 @@ def run_decision(args: argparse.Namespace) -> dict:
                        kv_bytes_per_token(80, 8, 128, 2), bandwidth_bytes_per_s=20e9)
     for admission in ("early", "predictive"):
         config = SchedulerConfig(strategy="kvcache-centric", admission=admission,
-                                 block_size=BLOCK_SIZE, uniform_decode_s=20.0)
-        sched = Scheduler(config, costs, index)
-        for snapshot in ("warm", "fresh"):
-            wall, cpu = _time_decisions(sched, cluster, requests, args.iterations, snapshot == "fresh")
+                                 block_size=BLOCK_SIZE, uniform_decode_s=args.uniform_decode)
+        for snapshot in CASES:
+            sched = Scheduler(config, costs, index)
+            if snapshot == "conductor":
+                wall, cpu = conductor_steady.time_steady_decisions(
+                    cluster, sched, requests, args.iterations, args.tokens_per_decision, BLOCK_SIZE, args.seed)
+            else:
+                wall, cpu = _time_decisions(sched, cluster, requests, args.iterations, snapshot == "fresh")
             for clock, us in (("", wall), ("cpu_", cpu)):
                 median, p99 = float(np.median(us)), float(np.percentile(us, 99))
                 name = f"{admission}_{snapshot}_{clock}"
@@ -143,6 +160,8 @@ def run_decision(args: argparse.Namespace) -> dict:
         start = time.thread_time_ns()
         index.match(keys)
         match_us[i] = (time.thread_time_ns() - start) / 1e3
+    figures["tokens_per_decision"] = args.tokens_per_decision
+    figures["uniform_decode_s"] = args.uniform_decode
     figures["match_cpu_median_us"] = round(float(np.median(match_us)), 1)
     figures["decision_median_target_us"] = MEDIAN_TARGET_US
     figures["decision_p99_target_us"] = P99_TARGET_US
@@ -152,17 +171,20 @@ def run_decision(args: argparse.Namespace) -> dict:
 def _print_decision(f: dict) -> None:
     print(f"decision: {f['num_prefill']}P+{f['num_decode']}D, {f['indexed_blocks']:,} indexed blocks, "
           f"{f['request_blocks']}-block request (setup {f['setup_s']} s, load average "
-          f"{f['load_average_1m']} on {f['num_cpus']} CPUs)")
+          f"{f['load_average_1m']} on {f['num_cpus']} CPUs; predictive t_d: "
+          f"{f['uniform_decode_s'] or 'max_tokens × TBT'})")
     print(f"  targets: median ≤ {MEDIAN_TARGET_US:.0f} µs, p99 ≤ {P99_TARGET_US:.0f} µs; "
           "ratios are measured/target (≤ 1 meets it)")
     for adm in ("early", "predictive"):
-        for snap in ("warm", "fresh"):
+        for snap in CASES:
             for clock in ("", "cpu_"):
                 k = f"{adm}_{snap}_{clock}"
-                print(f"  {adm:<10} {snap:<5} {clock[:-1] or 'wall':<4} median "
+                print(f"  {adm:<10} {snap:<9} {clock[:-1] or 'wall':<4} median "
                       f"{f[k + 'median_us']:7.1f} µs ({f[k + 'median_vs_target']:.2f}×)   "
                       f"p99 {f[k + 'p99_us']:7.1f} µs ({f[k + 'p99_vs_target']:.2f}×)")
-    print("  warm: unchanged instance states reused between decisions; fresh: all rebuilt.")
+    print(f"  conductor: the live conductor's snapshot + decision in a steady state "
+          f"({f['tokens_per_decision']} tokens per running request between decisions) — the targeted figure")
+    print("  warm: scheduler core alone, unchanged snapshot; fresh: core alone, every state rebuilt (worst case)")
     print("  wall: perf_counter; cpu: this thread's CPU time (excludes preemption by other processes)")
     print(f"  FindBestPrefixMatch alone: median {f['match_cpu_median_us']} µs CPU")
 

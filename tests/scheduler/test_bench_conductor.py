@@ -13,7 +13,7 @@ def test_json_has_every_figure(capsys):
     assert figures["decision.indexed_blocks"] >= 2000
     assert figures["decision.num_prefill"] == figures["decision.num_decode"] == 16
     for adm in ("early", "predictive"):
-        for snap in ("warm", "fresh"):
+        for snap in ("conductor", "warm", "fresh"):
             for clock in ("", "cpu_"):
                 k = f"decision.{adm}_{snap}_{clock}"
                 assert figures[k + "median_us"] > 0
