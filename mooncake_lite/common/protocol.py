@@ -117,6 +117,9 @@ class BlockEvents:
     store: str
     stored: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    # True: the first message of a full sync — the conductor forgets what it knew of this store
+    # and ``stored`` starts its whole inventory (more plain messages may follow with the rest).
+    full: bool = False
 
 
 def dumps(msg: Any) -> bytes:

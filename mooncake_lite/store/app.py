@@ -49,15 +49,19 @@ DATA = web.AppKey("data", DataPlane)
 
 def make_app(cfg: Config) -> web.Application:
     """Allocate the slab and re-index the SSD tier now (errors surface before serving)."""
-    publisher = BlockEventPublisher(cfg.conductor, "", token=cfg.cluster_token, interval=cfg.event_interval)
+    # Idle keepalive (to hear of a restarted conductor): a few seconds, sooner with fast events.
+    publisher = BlockEventPublisher(cfg.conductor, "", token=cfg.cluster_token, interval=cfg.event_interval,
+                                    keepalive=min(5.0, 20 * cfg.event_interval))
     ssd = None
     if cfg.ssd_dir:
         ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue)
     slab = Slab(cfg.dram, cfg.slot_bytes, pin=cfg.pin_memory)
     store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
     if ssd is not None:
-        for key in ssd.scan():
-            publisher.stored(key)  # the conductor learns what survived the restart
+        ssd.scan()
+    # The first post is a full sync: the conductor learns what survived a restart (SSD) and
+    # forgets what a previous run of this store held.
+    publisher.enable_full_sync(store.keys)
     app = web.Application(middlewares=[cluster_token_middleware(cfg.cluster_token)])
     app[DATA] = DataPlane(cfg, store, publisher)
     app.router.add_get("/health", health)

@@ -5,15 +5,24 @@ background task POSTs the batch every ``interval`` seconds to
 ``{conductor}/internal/v1/block_events`` as ``BlockEvents{store, stored: [hex], evicted: [hex]}``.
 If the conductor is down, the batch is kept (newer events win) and retried with backoff;
 one log line per outage, not one per attempt.
+
+Given an ``inventory`` (the store's held keys), the first post is a full sync
+(``BlockEvents.full``, chunked), so a restarted store replaces whatever the conductor still
+believed it held; and whenever the conductor answers ``"resync": true`` (it restarted and does
+not know this store), the next post is a full sync again. An idle store posts an empty message
+every ``keepalive`` seconds, so a quiet store hears about a restarted conductor too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 
 import aiohttp
+import orjson
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import BlockEvents, dumps
@@ -21,11 +30,13 @@ from mooncake_lite.common.protocol import BlockEvents, dumps
 log = logging.getLogger(__name__)
 
 STORED, EVICTED = True, False
+SYNC_CHUNK_KEYS = 65536   # keys per full-sync message (~2.3 MB of JSON)
 
 
 class BlockEventPublisher:
     def __init__(self, conductor_url: str | None, store_address: str, *, token: str | None = None,
-                 interval: float = 0.2, max_pending: int = 1_000_000, timeout: float = 5.0) -> None:
+                 interval: float = 0.2, max_pending: int = 1_000_000, timeout: float = 5.0,
+                 inventory: Callable[[], Collection[bytes]] | None = None, keepalive: float = 5.0) -> None:
         self.url = conductor_url.rstrip("/") + "/internal/v1/block_events" if conductor_url else None
         self.store_address = store_address
         self.headers = {"Content-Type": "application/json", **cluster_headers(token)}
@@ -35,6 +46,11 @@ class BlockEventPublisher:
         self._pending: OrderedDict[bytes, bool] = OrderedDict()
         self.num_sent = self.num_failed_posts = self.num_dropped = 0
         self._is_down = False
+        self.inventory = inventory
+        self.keepalive = keepalive
+        self._last_post = time.monotonic()
+        self.num_full_syncs = 0
+        self._needs_full = inventory is not None
 
     # ---- recording (called from the data path) ------------------------------------------------
     def stored(self, key: bytes) -> None:
@@ -49,8 +65,14 @@ class BlockEventPublisher:
         self._pending[key] = kind
         self._pending.move_to_end(key)
         if len(self._pending) > self.max_pending:
-            self._pending.popitem(last=False)  # the conductor can resync from GET /blocks
+            self._pending.popitem(last=False)
             self.num_dropped += 1
+            self._needs_full = self.inventory is not None   # the next post makes up for it
+
+    def enable_full_sync(self, inventory: Callable[[], Collection[bytes]]) -> None:
+        """Sync in full from ``inventory`` at the next post, and whenever the conductor asks."""
+        self.inventory = inventory
+        self._needs_full = True
 
     @property
     def num_pending(self) -> int:
@@ -66,31 +88,64 @@ class BlockEventPublisher:
             delay = self.interval if ok else min(max(delay * 2, 0.5), 5.0)
 
     async def flush(self, session: aiohttp.ClientSession) -> bool:
-        """POST everything pending now. True on success (or nothing to send)."""
-        if self.url is None or not self._pending:
+        """POST everything pending now (a full sync first if one is due). True on success (or
+        nothing to send)."""
+        if self.url is None:
             return True
+        if self._needs_full:
+            return await self._full_sync(session)
+        if not self._pending:
+            if self.inventory is None or time.monotonic() - self._last_post < self.keepalive:
+                return True
+            return await self._post(session, BlockEvents(self.store_address))   # may ask to resync
         batch, self._pending = self._pending, OrderedDict()
         msg = BlockEvents(self.store_address,
                           stored=tuple(k.hex() for k, kind in batch.items() if kind is STORED),
                           evicted=tuple(k.hex() for k, kind in batch.items() if kind is EVICTED))
+        if not await self._post(session, msg):
+            self._requeue(batch)
+            return False
+        self.num_sent += len(batch)
+        return True
+
+    async def _full_sync(self, session: aiohttp.ClientSession) -> bool:
+        """Send the whole inventory; the events pending until now are part of it (the inventory
+        is read after them), so they are dropped. Any failed chunk restarts the sync later."""
+        self._pending = OrderedDict()
+        keys = [k.hex() for k in self.inventory()]
+        self._needs_full = False
+        for start in range(0, max(len(keys), 1), SYNC_CHUNK_KEYS):
+            msg = BlockEvents(self.store_address, stored=tuple(keys[start:start + SYNC_CHUNK_KEYS]),
+                              full=start == 0)
+            if not await self._post(session, msg):
+                self._needs_full = True
+                return False
+        self.num_full_syncs += 1
+        self.num_sent += len(keys)
+        log.info("block events: full sync of %d key(s) sent to the conductor", len(keys))
+        return True
+
+    async def _post(self, session: aiohttp.ClientSession, msg: BlockEvents) -> bool:
         try:
             async with session.post(self.url, data=dumps(msg), headers=self.headers,
                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                body = await resp.read()
                 if resp.status >= 300:
                     raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=resp.status,
-                                                      message=(await resp.text())[:200])
+                                                      message=body[:200].decode(errors="replace"))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self._requeue(batch)
             self.num_failed_posts += 1
             if not self._is_down:
                 log.warning("block events: conductor at %s unreachable (%s); keeping %d event(s) and retrying",
-                            self.url, exc or type(exc).__name__, len(self._pending))
+                            self.url, exc or type(exc).__name__, len(self._pending) + len(msg.stored))
                 self._is_down = True
             return False
+        self._last_post = time.monotonic()
         if self._is_down:
             log.info("block events: conductor reachable again")
             self._is_down = False
-        self.num_sent += len(batch)
+        if self.inventory is not None and _asks_resync(body):
+            self._needs_full = True
         return True
 
     def _requeue(self, batch: OrderedDict[bytes, bool]) -> None:
@@ -98,3 +153,12 @@ class BlockEventPublisher:
         self._pending = batch
         for key, kind in newer.items():  # events recorded during the failed POST are newer
             self._record(key, kind)
+
+
+def _asks_resync(body: bytes) -> bool:
+    """The conductor's answer says it does not know this store (it restarted): sync in full."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(answer, dict) and answer.get("resync") is True

@@ -171,6 +171,6 @@ async def heartbeat(session, conductor_url: str, inst: FakeInstance):
                       inst.token)
 
 
-async def block_events(session, conductor_url: str, store: str, stored=(), evicted=()):
-    msg = BlockEvents(store, tuple(k.hex() for k in stored), tuple(k.hex() for k in evicted))
+async def block_events(session, conductor_url: str, store: str, stored=(), evicted=(), full=False):
+    msg = BlockEvents(store, tuple(k.hex() for k in stored), tuple(k.hex() for k in evicted), full)
     return await post(session, f"{conductor_url}/internal/v1/block_events", msg)

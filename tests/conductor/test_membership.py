@@ -75,6 +75,23 @@ async def test_block_events_feed_the_index_and_route_to_the_holder(make_cluster)
     await c.close()
 
 
+async def test_a_store_it_never_synced_with_is_asked_for_its_inventory(make_cluster):
+    """After a conductor restart the stores' plain events only carry changes: the conductor
+    applies them but asks for a full sync, which replaces all it believed about that store."""
+    cluster = await make_cluster(prefill=1, decode=1)
+    index = cluster.svc.scheduler.index
+    keys = prefix_hash(list(range(40)), 4, 0)
+    status, body = await fakes.block_events(cluster.session, cluster.url, "s:1", stored=keys[:3])
+    assert status == 200 and body["resync"] is True and index.num_blocks("s:1") == 3
+    status, body = await fakes.block_events(cluster.session, cluster.url, "s:1", stored=keys[5:7], full=True)
+    assert body["resync"] is False and body["num_blocks"] == 2           # keys[:3] forgotten
+    assert index.prefix_len(keys[5:7], "s:1") == 2 and index.prefix_len(keys[:3], "s:1") == 0
+    status, body = await fakes.block_events(cluster.session, cluster.url, "s:1", stored=keys[7:9])
+    assert body == {"ok": True, "num_blocks": 4, "resync": False}       # later parts and events add up
+    status, body = await fakes.block_events(cluster.session, cluster.url, "other:1", full=True)
+    assert body["resync"] is False and body["num_blocks"] == 0          # an empty store is synced too
+
+
 async def test_hot_spot_migration_is_sent_to_prefill(make_cluster):
     # p0's queue makes p1 cheaper; p1 must pull the prefix from store0 (kvcache-centric)
     cluster = await make_cluster(prefill=2, decode=1, strategy="kvcache-centric")

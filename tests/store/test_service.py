@@ -144,6 +144,11 @@ async def test_block_events_reach_the_conductor(role_procs):
     client = await StoreClient.connect(store.addresses["data"])
     keys = chain(3, seed=32)
     try:
+        for _ in range(300):          # a store starts with a full sync of its (empty) inventory
+            if conductor.batches:
+                break
+            await asyncio.sleep(0.05)
+        assert conductor.batches[0]["full"] is True and conductor.batches[0]["stored"] == []
         for key, value in zip(keys, [b"a", b"b", b"c"]):  # 2 slots: the first block is evicted (no SSD)
             await client.put([key], [value])
         # Events are coalesced per key (latest wins), so the first block may only show as evicted.
@@ -221,3 +226,32 @@ async def test_sigterm_finishes_a_put_in_flight(role_procs):
     await client.close()
     assert store.proc.wait(30) == 0
     assert "closed mid-frame" not in store.logs()
+
+
+async def test_a_restarted_conductor_relearns_what_a_quiet_store_holds(role_procs):
+    """No block changes after the conductor restarts: the store's keepalive gets the answer
+    "resync" and its full sync refills the new conductor's index."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conductor_args = ("conductor", "--port", str(port), "--model", "tiny", "--log-level", "warning")
+    conductor = role_procs(*conductor_args)
+    store = role_procs("store", *BASE, "--conductor", conductor.url(), "--event-interval", "50ms")
+    client = await StoreClient.connect(store.addresses["data"])
+    try:
+        await client.put(chain(3, seed=34), [b"a", b"b", b"c"])
+        await _wait_indexed(conductor.url(), 3)
+        conductor.stop()
+        conductor = role_procs(*conductor_args)
+        await _wait_indexed(conductor.url(), 3)
+    finally:
+        await client.close()
+
+
+async def _wait_indexed(url: str, n: int) -> None:
+    for _ in range(200):
+        metrics = (await asyncio.to_thread(http_get, url + "/metrics"))[1].decode()
+        if f"mooncake_conductor_indexed_blocks {float(n)}" in metrics:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the conductor never indexed {n} blocks")
