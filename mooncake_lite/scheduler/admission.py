@@ -46,7 +46,7 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     best, best_tbt = None, float("inf")
     # One pass, one cost call per instance: this runs per decode instance per request.
     for d, batch, context in _eligible(req, cluster, cfg, costs, now, ttft_s):
-        tbt = (d.cost or costs.decode).predict(batch, context)
+        tbt = decode_tbt(d, costs, batch, context)
         if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
             best, best_tbt = (d, batch, context), tbt
     if best is None:
@@ -58,7 +58,7 @@ def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
               now: float, ttft_s: float) -> Iterator[tuple[DecodeInstanceState, int, int]]:
     """(instance, batch size, context tokens) with ``req`` added, for every instance with room:
     the load now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
-    num_tokens, need = req.num_tokens, req.num_tokens + req.max_output_tokens
+    num_tokens, max_output = req.num_tokens, req.max_output_tokens
     if cfg.admission == "predictive":
         t, uniform = now + ttft_s, cfg.uniform_decode_s
         late = late_prefills(cluster, costs, now, t) if any(d.incoming for d in cluster.decodes) else set()
@@ -66,12 +66,8 @@ def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
     else:
         loads = ((d, *decode_load_now(d)) for d in cluster.decodes)
     for d, batch, context in loads:
-        # decode_has_room, inlined: this is the hot loop of every decision
-        if d.max_batch_size is not None and batch + 1 > d.max_batch_size:
-            continue
-        if d.max_context_tokens is not None and context + need > d.max_context_tokens:
-            continue
-        yield d, batch + 1, context + num_tokens
+        if decode_has_room(d, num_tokens, max_output, batch, context):
+            yield d, batch + 1, context + num_tokens
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -47,16 +47,21 @@ def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
     return model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue))
 
 
+def _cached_backlog(p: PrefillInstanceState, costs: CostModels) -> tuple:
+    model = p.cost or costs.prefill
+    cached = p.__dict__.get("_backlog")
+    if cached is None or cached[0] is not model:
+        cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
+    return cached
+
+
 def prefill_backlog(p: PrefillInstanceState, costs: CostModels, now: float) -> tuple[list[float], float]:
     """(cumulative predicted durations of the queued jobs, work already done on them).
     Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
     ``cum[-1] - done``. A started job counts as done for its elapsed time, never more than its
     predicted duration. The now-independent part is cached on the state per cost model (one
     decision asks twice: prefill choice and decode prediction; a reused state, every time)."""
-    model = p.cost or costs.prefill
-    cached = p.__dict__.get("_backlog")
-    if cached is None or cached[0] is not model:
-        cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
+    cached = _cached_backlog(p, costs)
     done = 0.0
     for duration, started_at in cached[2]:
         elapsed = now - started_at
@@ -142,7 +147,7 @@ def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float
         cum, done = prefill_backlog(p, costs, now)
         first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
         if first < len(cum):
-            late.update(p.__dict__["_backlog"][3][first:])   # request ids, cached with cum
+            late.update(_cached_backlog(p, costs)[3][first:])   # the queue's request ids
     return late
 
 

@@ -12,7 +12,7 @@ from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import prefill_backlog, prefill_model, prefill_queue_time
+from mooncake_lite.scheduler.estimate import prefill_model, prefill_queue_time
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
@@ -79,22 +79,21 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
         return _option(req, p, prefill_queue_time(p, costs, now), match.length_at(p.store_id),
                        match, False, cfg, costs, route="random")
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
-    strategy, threshold, num_tokens = cfg.strategy, cfg.kvcache_balancing_threshold, req.num_tokens
+    strategy, threshold = cfg.strategy, cfg.kvcache_balancing_threshold
     best, best_key = None, float("inf")
     # Only the winner's PrefillChoice is built: this loop runs per instance per request.
     for p in prefills:
-        cum, done = prefill_backlog(p, costs, now)
-        queue_s = cum[-1] - done if cum else 0.0
+        queue_s = prefill_queue_time(p, costs, now)
         local = lengths.get(p.store_id, 0)
         model = p.cost or costs.prefill
         if strategy == "load-balance":
             # Cache-blind: rank by queue + full recompute; the engine still reuses what it has.
-            key, fetch = queue_s + model.predict(num_tokens, 0), False
+            key, fetch = queue_s + model.predict(req.num_tokens, 0), False
         elif strategy == "cache-aware" or not wants_transfer(best_len, local, threshold):
-            key, fetch = queue_s + model.predict(num_tokens, local * block_size), False
+            key, fetch = queue_s + model.predict(req.num_tokens, local * block_size), False
         else:
             key = (_transfer_s(p, best_len - local, cfg, costs) + queue_s
-                   + model.predict(num_tokens, best_len * block_size))
+                   + model.predict(req.num_tokens, best_len * block_size))
             fetch = True
         if key < best_key:
             best, best_key = (p, queue_s, local, fetch), key
