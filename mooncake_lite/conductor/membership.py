@@ -12,8 +12,9 @@ Each instance's scheduler state is built once and kept until something it shows 
 added, started, finished or released; a heartbeat changing its capacity or bandwidth; death):
 the scheduler caches derived data on the state objects, so a decision pays only for the
 instances that changed since the last one (docs/conductor.md, "Decision time"). Generated
-tokens alone rebuild a decode instance's state only once one of its requests is further ahead
-of it than :func:`~mooncake_lite.scheduler.context_lag_bound` allows, as in the simulator.
+tokens alone rebuild a decode instance's state only once its running requests together are
+further ahead of it than :func:`~mooncake_lite.scheduler.context_lag_bound` allows, as in the
+simulator.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
@@ -73,7 +74,8 @@ class DecodeJob:
     context_tokens: int
     joined_at: float
     max_output_tokens: int
-    # The job as the current state shows it; its context may trail ours by context_lag_bound.
+    # The job as the decode state shows it (built when it joins); its context trails ours by
+    # the tokens generated since, counted in Instance.context_lag.
     shown: DecodingRequest | None = field(default=None, repr=False, compare=False)
 
 
@@ -92,11 +94,14 @@ class Instance:
     # The scheduler's view of this instance, rebuilt at the next snapshot once it is stale.
     state: PrefillInstanceState | DecodeInstanceState | None = field(default=None, repr=False)
     is_stale: bool = field(default=True, repr=False)
-    # Decode: a request got further ahead of its state than context_lag_bound; the next
-    # rebuild refreshes every request's context (other rebuilds reuse the shown requests).
+    # Decode: the running requests got further ahead of the shown batch than context_lag_bound;
+    # the next rebuild refreshes every request's context (other rebuilds reuse the shown ones).
     is_context_stale: bool = field(default=False, repr=False)
-    # Decode: the running batch as shown (kept up to date as requests join and leave).
+    # Decode: the running batch as shown (kept up to date as requests join and leave), the sum
+    # of its shown contexts, and how many tokens its requests generated beyond them in total.
     running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
+    shown_context: int = field(default=0, repr=False)
+    context_lag: int = field(default=0, repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -198,6 +203,7 @@ class Membership:
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
         inst.running = None
+        inst.shown_context = inst.context_lag = 0
         self._touch(inst)
         for notify in watchers.values():
             notify(reason)
@@ -239,10 +245,18 @@ class Membership:
         inst = self.get(instance_id)
         if inst is not None:
             inst.incoming_jobs.pop(job.request_id, None)
-            replaced = inst.decode_jobs.get(job.request_id) is not None
+            old = inst.decode_jobs.get(job.request_id)
+            if old is not None:
+                _unshow(inst, old)
             inst.decode_jobs[job.request_id] = job
-            # Extend the shown batch here, at the event, not in the next decision's snapshot.
-            inst.running = None if replaced or inst.running is None else (*inst.running, _shown(job, False))
+            if old is None and inst.running is not None:
+                # Extend the shown batch here, at the event, not in the next decision's snapshot.
+                shown = _shown(job, False)
+                inst.shown_context += shown.context_tokens
+                inst.context_lag += job.context_tokens - shown.context_tokens
+                inst.running = (*inst.running, shown)
+            else:
+                inst.running = None      # rebuilt (and recounted) at the next snapshot
             self._touch(inst)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
@@ -250,11 +264,9 @@ class Membership:
         job = inst.decode_jobs.get(request_id) if inst is not None else None
         if job is not None:
             job.context_tokens += num_new_tokens
-            shown = job.shown
-            if shown is not None and job.context_tokens - shown.context_tokens > \
-                    context_lag_bound(shown.context_tokens):
-                inst.is_context_stale = True
-                self._touch(inst)
+            if job.shown is not None:   # else its record, still to be built, will show it all
+                inst.context_lag += num_new_tokens
+                self._check_lag(inst)
 
     def release(self, request_id: str, instance_ids: tuple[str, ...], now: float) -> None:
         """The request is over (any outcome): forget it everywhere."""
@@ -265,8 +277,11 @@ class Membership:
             inst.watchers.pop(request_id, None)
             running = inst.decode_jobs.pop(request_id, None)
             incoming = inst.incoming_jobs.pop(request_id, None)
-            if running is not None and inst.running is not None:
-                inst.running = tuple(r for r in inst.running if r.request_id != request_id)
+            if running is not None:
+                _unshow(inst, running)
+                self._check_lag(inst)     # a smaller batch allows less lag
+                if inst.running is not None:
+                    inst.running = tuple(r for r in inst.running if r.request_id != request_id)
             if running is not None or incoming is not None:
                 self._touch(inst)
             self.prefill_done(iid, request_id, now)
@@ -275,6 +290,11 @@ class Membership:
     def _touch(self, inst: Instance) -> None:
         inst.is_stale = True
         self._cluster = None
+
+    def _check_lag(self, inst: Instance) -> None:
+        if not inst.is_context_stale and inst.context_lag > context_lag_bound(inst.shown_context):
+            inst.is_context_stale = True
+            self._touch(inst)
 
     def snapshot(self) -> ClusterState:
         """The live instances as the scheduler sees them (dead ones left out). Unchanged
@@ -316,10 +336,9 @@ def _prefill_state(inst: Instance) -> PrefillInstanceState:
 
 
 def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:
-    """The job as a new state shows it. Building one costs about a microsecond, so a rebuild
-    for another reason (a request joining or leaving) reuses the shown ones, lag and all; a
-    rebuild for the lag refreshes them all, so a batch's requests stay in step and cross the
-    lag bound together rather than one after another."""
+    """The job as a state shows it: built when it joins; a rebuild for another reason (a
+    request joining or leaving) reuses it, lag and all (a record costs about a microsecond);
+    a rebuild for the batch's lag refreshes every record, so the lag starts again from zero."""
     shown = job.shown
     if shown is None or (refresh and shown.context_tokens != job.context_tokens):
         shown = job.shown = DecodingRequest(job.request_id, job.context_tokens, job.joined_at,
@@ -327,10 +346,20 @@ def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:
     return shown
 
 
+def _unshow(inst: Instance, job: DecodeJob) -> None:
+    """Take a leaving job's shown context and lag out of its instance's totals."""
+    if job.shown is not None:
+        inst.shown_context -= job.shown.context_tokens
+        inst.context_lag -= job.context_tokens - job.shown.context_tokens
+
+
 def _decode_state(inst: Instance) -> DecodeInstanceState:
     refresh, inst.is_context_stale = inst.is_context_stale, False
     if inst.running is None or refresh:
-        inst.running = tuple(_shown(j, refresh) for j in inst.decode_jobs.values())
+        jobs = inst.decode_jobs.values()
+        inst.running = tuple(_shown(j, refresh) for j in jobs)
+        inst.shown_context = sum(r.context_tokens for r in inst.running)
+        inst.context_lag = sum(j.context_tokens for j in jobs) - inst.shown_context
     incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
     # Register.max_context of a decode instance is its KV capacity in tokens.
     max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)

@@ -12,17 +12,21 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
-# How many generated tokens a decode state may show fewer than a request's true context: at
-# least MAX_CONTEXT_LAG, and up to 1/64 of the context it shows. Rebuilding states on every
-# token would throw away their derived data (estimate.py) before nearly every decision and cost
-# a new record per running request; within the bound, the context's share of a predicted TBT is
-# off by under 1.6% — far inside the cost model's own error. Both the live conductor and the
-# simulator keep states within it.
+# How many tokens a decode batch's running requests may have generated, in total, beyond the
+# contexts its state shows: at least MAX_CONTEXT_LAG, and up to 1/64 of the batch's shown
+# context. Rebuilding states on every token would throw away their derived data (estimate.py)
+# before nearly every decision and cost a new record per running request. The cost model reads
+# the batch's *total* context, so the bound is on the total: any predicted TBT (now or at a
+# future time, for any subset of the batch) is off by at most 1/64 of the batch's context term
+# — far inside the cost model's own error — and a batch refreshes once per ~mean context / 64
+# steps instead of whenever its shortest request crosses its own bound. Both the live conductor
+# and the simulator keep states within it.
 MAX_CONTEXT_LAG = 32
 
 
 def context_lag_bound(shown_context_tokens: int) -> int:
-    """Tokens a request may have generated beyond the context its state shows."""
+    """Tokens a decode batch whose state shows ``shown_context_tokens`` in total may have
+    generated (summed over its running requests) beyond what the state shows."""
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
 
 

@@ -123,9 +123,13 @@ class DecodeNode:
     def state(self, now: float) -> DecodeInstanceState:
         if self._state is None:
             steps = self.batch.steps_done
+            batch = self.batch.running.values()
+            shown = [r for r in batch if r.snap_step >= 0]
+            lag = sum(steps - r.snap_step for r in shown)
+            refresh = lag > context_lag_bound(sum(r.snap.context_tokens for r in shown))
             running = []
-            for r in self.batch.running.values():
-                if r.snap_step < 0 or steps - r.snap_step > context_lag_bound(r.snap.context_tokens):
+            for r in batch:
+                if r.snap_step < 0 or (refresh and r.snap_step != steps):
                     r.snap = DecodingRequest(r.rid, r.input_length + 1 + steps - r.join_step, r.join_time,
                                              r.output_length)
                     r.snap_step = steps

@@ -118,15 +118,16 @@ def _check_against_exact(m: Membership) -> None:
         assert [(r.request_id, r.context_tokens) for r in d.incoming] == incoming
         assert [(r.request_id, r.joined_at, r.max_output_tokens) for r in d.running] == \
             [(rid, joined, out) for rid, _, joined, out in running]
-        for shown, (_, true_context, _, _) in zip(d.running, running):
-            assert 0 <= true_context - shown.context_tokens <= context_lag_bound(shown.context_tokens)
+        lags = [true_context - shown.context_tokens for shown, (_, true_context, _, _) in zip(d.running, running)]
+        assert min(lags, default=0) >= 0
+        assert sum(lags) <= context_lag_bound(sum(r.context_tokens for r in d.running))
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
     """Random dispatches, prefill ends, tokens, releases, heartbeats, deaths and revivals, with
     snapshots taken at random points: the cached view never shows anything but the truth (decode
-    contexts behind by at most context_lag_bound)."""
+    contexts behind by at most context_lag_bound in total)."""
     rng = random.Random(seed)
     m = Membership("tiny", 16, 0, dead_after_s=5)
     ids = {"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1", "d2"]}
