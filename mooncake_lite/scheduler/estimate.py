@@ -22,6 +22,7 @@ _CONTEXT_TOKENS = attrgetter("context_tokens")
 _NUM_TOKENS = attrgetter("num_tokens")
 _NUM_PREFIX = attrgetter("num_prefix_tokens")
 _JOINED_AT = attrgetter("joined_at")
+_MAX_OUTPUT = attrgetter("max_output_tokens")
 _REQUEST_ID = attrgetter("request_id")
 
 
@@ -151,40 +152,35 @@ def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float
     return late
 
 
-def _leave_times(d: DecodeInstanceState, costs: CostModels, uniform_decode_s: float | None) -> list[float]:
-    """When each running request is predicted to finish decoding: joined_at + t_d, with t_d
-    uniform or max_output_tokens × the instance's current TBT (unknown: never, the
-    conservative guess). Fixed for a given state, so it is computed once per state."""
+def _leave_profile(d: DecodeInstanceState, costs: CostModels,
+                   uniform_decode_s: float | None) -> tuple[list[float], list[int]]:
+    """When each running request is predicted to finish decoding — joined_at + t_d, with t_d
+    uniform or max_output_tokens × the instance's current TBT (unknown: never, the conservative
+    guess) — sorted, with the prefix sums of their contexts in that order. Fixed for a given
+    state, so it is built once per state; a query is then one bisection."""
+    running = d.running
+    joined = map(_JOINED_AT, running)
     if uniform_decode_s is not None:
-        return [joined + uniform_decode_s for joined in map(_JOINED_AT, d.running)]
-    tbt_now = decode_tbt(d, costs, *running_load(d))
-    return [inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt_now
-            for r in d.running]
+        ends = [j + uniform_decode_s for j in joined]
+    else:
+        tbt_now = decode_tbt(d, costs, *running_load(d))
+        ends = [inf if m is None else j + m * tbt_now for j, m in zip(joined, map(_MAX_OUTPUT, running))]
+    order = sorted(range(len(ends)), key=ends.__getitem__)
+    ends.sort()
+    contexts = list(map(_CONTEXT_TOKENS, running))
+    return ends, list(accumulate(map(contexts.__getitem__, order), initial=0))
 
 
 def _staying_at(d: DecodeInstanceState, costs: CostModels, t: float,
                 uniform_decode_s: float | None) -> tuple[int, int]:
-    """(count, context tokens) of running requests still decoding at ``t`` (leave time > t).
-    The first query on a state scans; the second builds a profile sorted by leave time, so a
-    state seen once costs no sort and a reused one costs O(log n) per query."""
-    model = decode_model(d, costs)
+    """(count, context tokens) of running requests still decoding at ``t`` (leave time > t)."""
+    model = d.cost or costs.decode
     cached = d.__dict__.get("_leave")
     if cached is None or cached[0] is not model or cached[1] != uniform_decode_s:
-        leave = _leave_times(d, costs, uniform_decode_s)
-        d.__dict__["_leave"] = (model, uniform_decode_s, leave, None)
-        staying = [c for c, end in zip(map(_CONTEXT_TOKENS, d.running), leave) if end > t]
-        return len(staying), sum(staying)
-    profile = cached[3]
-    if profile is None:
-        order = sorted(zip(cached[2], map(_CONTEXT_TOKENS, d.running)))
-        ends, contexts = [e for e, _ in order], [c for _, c in order]
-        suffix = list(accumulate(reversed(contexts), initial=0))
-        suffix.reverse()   # suffix[i]: context of the requests leaving at ends[i] or later
-        profile = ends, suffix
-        d.__dict__["_leave"] = (*cached[:3], profile)
-    ends, suffix = profile
+        cached = d.__dict__["_leave"] = (model, uniform_decode_s, *_leave_profile(d, costs, uniform_decode_s))
+    ends, prefix = cached[2], cached[3]
     first = bisect_right(ends, t)
-    return len(ends) - first, suffix[first]
+    return len(ends) - first, prefix[-1] - prefix[first]
 
 
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
