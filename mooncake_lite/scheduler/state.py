@@ -30,7 +30,7 @@ def context_lag_bound(shown_context_tokens: int) -> int:
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduleRequest:
     """One request to place. ``block_keys`` are the chained keys of its *full* prompt blocks
     (16-byte ``bytes`` live, ints in the simulator); ``num_tokens`` is the whole prompt length."""
@@ -48,7 +48,7 @@ class ScheduleRequest:
                              f"got {self.max_output_tokens}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QueuedPrefill:
     """Prefill work already assigned to an instance, in execution order.
 
@@ -76,7 +76,7 @@ class PrefillInstanceState:
     cost: PrefillCostModel | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodingRequest:
     """A request in (or committed to) a decode instance's continuous batch.
 
@@ -91,7 +91,7 @@ class DecodingRequest:
     max_output_tokens: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IncomingRequest:
     """A request the caller has committed to a decode instance whose KV has not arrived yet
     (its prefill is queued or running, or its KV is still in transit). It will be in that
