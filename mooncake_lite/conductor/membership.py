@@ -102,6 +102,10 @@ class Instance:
     running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
     shown_context: int = field(default=0, repr=False)
     context_lag: int = field(default=0, repr=False)
+    # Decode: incoming_jobs as shown (None: rebuild). Both roles: what the state shows from the
+    # registration and the last heartbeat (None: recompute), so a rebuild need not re-derive it.
+    incoming: tuple[IncomingRequest, ...] | None = field(default=None, repr=False)
+    limits: tuple | None = field(default=None, repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -183,6 +187,7 @@ class Membership:
         inst.last_seen = now
         old, inst.load = inst.load, dict(hb.load)
         if any(old.get(k) != inst.load.get(k) for k in STATE_LOAD_KEYS):
+            inst.limits = None
             self._touch(inst)
         return inst
 
@@ -202,7 +207,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
-        inst.running = None
+        inst.running = inst.incoming = None
         inst.shown_context = inst.context_lag = 0
         self._touch(inst)
         for notify in watchers.values():
@@ -230,6 +235,8 @@ class Membership:
         decode = self.instances.get(job.decode_id)
         if decode is not None:
             decode.incoming_jobs[job.request_id] = job
+            if decode.incoming is not None:
+                decode.incoming = (*decode.incoming, _incoming(job))
             self._touch(decode)
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
@@ -244,7 +251,8 @@ class Membership:
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
         if inst is not None:
-            inst.incoming_jobs.pop(job.request_id, None)
+            if inst.incoming_jobs.pop(job.request_id, None) is not None:
+                inst.incoming = None
             old = inst.decode_jobs.get(job.request_id)
             if old is not None:
                 _unshow(inst, old)
@@ -282,6 +290,8 @@ class Membership:
                 self._check_lag(inst)     # a smaller batch allows less lag
                 if inst.running is not None:
                     inst.running = tuple(r for r in inst.running if r.request_id != request_id)
+            if incoming is not None:
+                inst.incoming = None
             if running is not None or incoming is not None:
                 self._touch(inst)
             self.prefill_done(iid, request_id, now)
@@ -327,11 +337,19 @@ def _incoming(job: PrefillJob) -> IncomingRequest:
     return job.incoming
 
 
+def _prefill_limits(inst: Instance) -> tuple:
+    """(store id, inbound bandwidth) as the prefill state shows them."""
+    if inst.limits is None:
+        # No store: a unique id no block event names, so nothing counts as cached there.
+        store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
+        bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
+        inst.limits = (store_id, bandwidth)
+    return inst.limits
+
+
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
+    store_id, bandwidth = _prefill_limits(inst)
     queue = tuple(map(_queued, inst.prefill_jobs.values()))
-    # No store: a unique id no block event names, so nothing counts as cached there.
-    store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
-    bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
     return PrefillInstanceState(inst.instance_id, store_id, queue, bandwidth, inst.costs.prefill)
 
 
@@ -353,6 +371,15 @@ def _unshow(inst: Instance, job: DecodeJob) -> None:
         inst.context_lag -= job.context_tokens - job.shown.context_tokens
 
 
+def _decode_limits(inst: Instance) -> tuple:
+    """(max batch size, max context tokens) as the decode state shows them."""
+    if inst.limits is None:
+        # Register.max_context of a decode instance is its KV capacity in tokens.
+        max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
+        inst.limits = (_int_or_none(inst.load.get("max_batch_size")), max_context)
+    return inst.limits
+
+
 def _decode_state(inst: Instance) -> DecodeInstanceState:
     refresh, inst.is_context_stale = inst.is_context_stale, False
     if inst.running is None or refresh:
@@ -360,11 +387,10 @@ def _decode_state(inst: Instance) -> DecodeInstanceState:
         inst.running = tuple(_shown(j, refresh) for j in jobs)
         inst.shown_context = sum(r.context_tokens for r in inst.running)
         inst.context_lag = sum(j.context_tokens for j in jobs) - inst.shown_context
-    incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
-    # Register.max_context of a decode instance is its KV capacity in tokens.
-    max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
-    state = DecodeInstanceState(inst.instance_id, inst.running, _int_or_none(inst.load.get("max_batch_size")),
-                                max_context, inst.costs.decode, incoming)
+    if inst.incoming is None:
+        inst.incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
+    state = DecodeInstanceState(inst.instance_id, inst.running, *_decode_limits(inst), inst.costs.decode,
+                                inst.incoming)
     if inst.state is not None:
         carry_running_estimates(inst.state, state)
     return state
