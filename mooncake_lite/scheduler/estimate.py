@@ -48,39 +48,28 @@ def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
     return model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue))
 
 
-def _cached_backlog(p: PrefillInstanceState, costs: CostModels) -> tuple:
+def prefill_backlog(p: PrefillInstanceState, costs: CostModels,
+                    now: float) -> tuple[list[float], float, tuple[str, ...]]:
+    """(cumulative predicted durations of the queued jobs, work already done on them, their
+    request ids). Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
+    ``cum[-1] - done``. A started job counts as done for its elapsed time, never more than its
+    predicted duration. The now-independent part is cached on the state per cost model (one
+    decision asks twice: prefill choice and decode prediction; a reused state, every time)."""
     model = p.cost or costs.prefill
     cached = p.__dict__.get("_backlog")
     if cached is None or cached[0] is not model:
         cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
-    return cached
-
-
-def prefill_backlog(p: PrefillInstanceState, costs: CostModels, now: float) -> tuple[list[float], float]:
-    """(cumulative predicted durations of the queued jobs, work already done on them).
-    Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
-    ``cum[-1] - done``. A started job counts as done for its elapsed time, never more than its
-    predicted duration. The now-independent part is cached on the state per cost model (one
-    decision asks twice: prefill choice and decode prediction; a reused state, every time)."""
-    cached = _cached_backlog(p, costs)
     done = 0.0
     for duration, started_at in cached[2]:
         elapsed = now - started_at
         if elapsed > 0.0:
             done += duration if elapsed > duration else elapsed
-    return cached[1], done
-
-
-def queued_finish_times(p: PrefillInstanceState, costs: CostModels, now: float) -> list[float]:
-    """Predicted finish time of each queued job, running them back to back from ``now``; a
-    started job only has its predicted remainder (never negative) left."""
-    cum, done = prefill_backlog(p, costs, now)
-    return [now - done + c for c in cum]
+    return cached[1], done, cached[3]
 
 
 def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -> float:
     """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead."""
-    cum, done = prefill_backlog(p, costs, now)
+    cum, done, _ = prefill_backlog(p, costs, now)
     return cum[-1] - done if cum else 0.0
 
 
@@ -145,10 +134,10 @@ def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float
     for p in cluster.prefills:
         if not p.queue:
             continue
-        cum, done = prefill_backlog(p, costs, now)
+        cum, done, request_ids = prefill_backlog(p, costs, now)
         first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
         if first < len(cum):
-            late.update(_cached_backlog(p, costs)[3][first:])   # the queue's request ids
+            late.update(request_ids[first:])
     return late
 
 
