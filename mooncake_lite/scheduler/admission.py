@@ -9,7 +9,6 @@ prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mooncake_lite.scheduler.config import SchedulerConfig
@@ -38,7 +37,7 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        eligible = list(_eligible(req, cluster, cfg, costs, now, ttft_s))
+        eligible = _eligible(req, cluster, cfg, costs, now, ttft_s)
         if not eligible:
             return None
         d, batch, context = rng.choice(eligible)
@@ -55,19 +54,18 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 
 
 def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels,
-              now: float, ttft_s: float) -> Iterator[tuple[DecodeInstanceState, int, int]]:
+              now: float, ttft_s: float) -> list[tuple[DecodeInstanceState, int, int]]:
     """(instance, batch size, context tokens) with ``req`` added, for every instance with room:
     the load now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
-    num_tokens, max_output = req.num_tokens, req.max_output_tokens
+    decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
     if cfg.admission == "predictive":
         t, uniform = now + ttft_s, cfg.uniform_decode_s
-        late = late_prefills(cluster, costs, now, t) if any(d.incoming for d in cluster.decodes) else set()
-        loads = ((d, *decode_load_at(d, costs, t, late, uniform)) for d in cluster.decodes)
+        late = late_prefills(cluster, costs, now, t) if any(d.incoming for d in decodes) else set()
+        loads = [decode_load_at(d, costs, t, late, uniform) for d in decodes]
     else:
-        loads = ((d, *decode_load_now(d)) for d in cluster.decodes)
-    for d, batch, context in loads:
-        if decode_has_room(d, num_tokens, max_output, batch, context):
-            yield d, batch + 1, context + num_tokens
+        loads = list(map(decode_load_now, decodes))
+    return [(d, batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)
+            if decode_has_room(d, num_tokens, max_output, batch, context)]
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
