@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
-from mooncake_lite.scheduler.estimate import (decode_has_room, decode_load_at, decode_load_now,
-                                              decode_tbt, late_prefills, running_load)
+from mooncake_lite.scheduler.estimate import (PrefillView, decode_has_room, decode_load_now,
+                                              decode_loads_at, decode_tbt, late_prefills, prefill_views,
+                                              running_load)
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
 
@@ -29,22 +30,23 @@ class DecodeChoice:
 
 
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
-                  costs: CostModels, now: float, ttft_s: float,
-                  rng: random.Random | None) -> DecodeChoice | None:
+                  costs: CostModels, now: float, ttft_s: float, rng: random.Random | None,
+                  views: list[PrefillView] | None = None) -> DecodeChoice | None:
     """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
-    eligible one. None when no instance has room."""
+    eligible one. None when no instance has room. ``views`` (:func:`prefill_views` of
+    ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them."""
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        eligible = _eligible(req, cluster, cfg, costs, now, ttft_s)
+        eligible = _eligible(req, cluster, cfg, costs, now, ttft_s, views)
         if not eligible:
             return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
     best, best_tbt = None, float("inf")
     # One pass, one cost call per instance: this runs per decode instance per request.
-    for d, batch, context in _eligible(req, cluster, cfg, costs, now, ttft_s):
+    for d, batch, context in _eligible(req, cluster, cfg, costs, now, ttft_s, views):
         tbt = decode_tbt(d, costs, batch, context)
         if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
             best, best_tbt = (d, batch, context), tbt
@@ -54,14 +56,17 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 
 
 def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels,
-              now: float, ttft_s: float) -> list[tuple[DecodeInstanceState, int, int]]:
+              now: float, ttft_s: float,
+              views: list[PrefillView] | None) -> list[tuple[DecodeInstanceState, int, int]]:
     """(instance, batch size, context tokens) with ``req`` added, for every instance with room:
     the load now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
     if cfg.admission == "predictive":
         t, uniform = now + ttft_s, cfg.uniform_decode_s
-        late = late_prefills(cluster, costs, now, t) if any(d.incoming for d in decodes) else set()
-        loads = [decode_load_at(d, costs, t, late, uniform) for d in decodes]
+        late = set()
+        if any(d.incoming for d in decodes):
+            late = late_prefills(views if views is not None else prefill_views(cluster.prefills, costs, now), now, t)
+        loads = decode_loads_at(decodes, costs, t, late, uniform)
     else:
         loads = list(map(decode_load_now, decodes))
     return [(d, batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)

@@ -48,29 +48,37 @@ def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
     return model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue))
 
 
-def prefill_backlog(p: PrefillInstanceState, costs: CostModels,
-                    now: float) -> tuple[list[float], float, tuple[str, ...]]:
-    """(cumulative predicted durations of the queued jobs, work already done on them, their
-    request ids). Job i is predicted to finish at ``now - done + cum[i]``; the queue time is
-    ``cum[-1] - done``. A started job counts as done for its elapsed time, never more than its
-    predicted duration. The now-independent part is cached on the state per cost model (one
-    decision asks twice: prefill choice and decode prediction; a reused state, every time)."""
-    model = p.cost or costs.prefill
-    cached = p.__dict__.get("_backlog")
-    if cached is None or cached[0] is not model:
-        cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
-    done = 0.0
-    for duration, started_at in cached[2]:
-        elapsed = now - started_at
-        if elapsed > 0.0:
-            done += duration if elapsed > duration else elapsed
-    return cached[1], done, cached[3]
+# Per prefill instance at one ``now``: (queue time, cumulative predicted durations of the queued
+# jobs, work already done on them, their request ids). Job i is predicted to finish at
+# ``now - done + cum[i]``; the queue time is ``cum[-1] - done``.
+PrefillView = tuple[float, list[float], float, tuple[str, ...]]
+
+
+def prefill_views(prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
+                  now: float) -> list[PrefillView]:
+    """Every prefill instance's backlog at ``now``, in one pass: a decision reads it twice (the
+    prefill choice, then the decode prediction). A started job counts as done for its elapsed
+    time, never more than its predicted duration. The now-independent part is cached on each
+    state per cost model, so a reused state costs a short loop."""
+    views = []
+    for p in prefills:
+        model = p.cost or costs.prefill
+        cached = p.__dict__.get("_backlog")
+        if cached is None or cached[0] is not model:
+            cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
+        _, cum, started, request_ids = cached
+        done = 0.0
+        for duration, started_at in started:
+            elapsed = now - started_at
+            if elapsed > 0.0:
+                done += duration if elapsed > duration else elapsed
+        views.append((cum[-1] - done if cum else 0.0, cum, done, request_ids))
+    return views
 
 
 def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -> float:
     """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead."""
-    cum, done, _ = prefill_backlog(p, costs, now)
-    return cum[-1] - done if cum else 0.0
+    return prefill_views((p,), costs, now)[0][0]
 
 
 def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: int,
@@ -122,19 +130,17 @@ def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
 
 
 def decode_tbt(d: DecodeInstanceState, costs: CostModels, batch_size: int, context_tokens: int) -> float:
-    return decode_model(d, costs).predict(batch_size, context_tokens)
+    return (d.cost or costs.decode).predict(batch_size, context_tokens)
 
 
-def late_prefills(cluster: ClusterState, costs: CostModels, now: float, t: float) -> set[str]:
-    """Request ids of queued prefills predicted to finish *after* ``t``. Every other request
-    committed to a decode instance (``incoming``) has joined its batch by ``t`` — step 1 of the
-    §3 prediction; one in no queue has already finished prefill."""
+def late_prefills(views: list[PrefillView], now: float, t: float) -> set[str]:
+    """Request ids of queued prefills (``views``: :func:`prefill_views` at ``now``) predicted to
+    finish *after* ``t``. Every other request committed to a decode instance (``incoming``) has
+    joined its batch by ``t`` — step 1 of the §3 prediction; one in no queue has already
+    finished prefill."""
     late: set[str] = set()
     horizon = t - now
-    for p in cluster.prefills:
-        if not p.queue:
-            continue
-        cum, done, request_ids = prefill_backlog(p, costs, now)
+    for _, cum, done, request_ids in views:
         first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
         if first < len(cum):
             late.update(request_ids[first:])
@@ -160,29 +166,34 @@ def _leave_profile(d: DecodeInstanceState, costs: CostModels,
     return ends, list(accumulate(map(contexts.__getitem__, order), initial=0))
 
 
-def _staying_at(d: DecodeInstanceState, costs: CostModels, t: float,
-                uniform_decode_s: float | None) -> tuple[int, int]:
-    """(count, context tokens) of running requests still decoding at ``t`` (leave time > t)."""
-    model = d.cost or costs.decode
-    cached = d.__dict__.get("_leave")
-    if cached is None or cached[0] is not model or cached[1] != uniform_decode_s:
-        cached = d.__dict__["_leave"] = (model, uniform_decode_s, *_leave_profile(d, costs, uniform_decode_s))
-    ends, prefix = cached[2], cached[3]
-    first = bisect_right(ends, t)
-    return len(ends) - first, prefix[-1] - prefix[first]
+def decode_loads_at(decodes: tuple[DecodeInstanceState, ...], costs: CostModels, t: float,
+                    late: set[str], uniform_decode_s: float | None) -> list[tuple[int, int]]:
+    """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3):
+    requests whose decode would have ended by ``t`` — joined_at + t_d <= t — leave; the
+    incoming requests whose prefill ends by ``t`` (not in ``late``, see
+    :func:`late_prefills`) join.
+
+    With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
+    the instance's current TBT (unknown max_output_tokens: assumed still decoding). One pass
+    over the instances: this runs per decode instance per request."""
+    loads = []
+    for d in decodes:
+        model = d.cost or costs.decode
+        profile = d.__dict__.get("_leave")
+        if profile is None or profile[0] is not model or profile[1] != uniform_decode_s:
+            profile = d.__dict__["_leave"] = (model, uniform_decode_s, *_leave_profile(d, costs, uniform_decode_s))
+        ends, prefix = profile[2], profile[3]
+        first = bisect_right(ends, t)               # running requests still decoding at t
+        batch, context = len(ends) - first, prefix[-1] - prefix[first]
+        for r in d.incoming:
+            if r.request_id not in late:
+                batch += 1
+                context += r.context_tokens
+        loads.append((batch, context))
+    return loads
 
 
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
                    uniform_decode_s: float | None) -> tuple[int, int]:
-    """(batch size, context tokens) predicted for time ``t`` (§3): requests whose decode would
-    have ended by ``t`` — joined_at + t_d <= t — leave; the incoming requests whose prefill ends
-    by ``t`` (not in ``late``, see :func:`late_prefills`) join.
-
-    With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
-    the instance's current TBT (unknown max_output_tokens: assumed still decoding)."""
-    batch, context = _staying_at(d, costs, t, uniform_decode_s)
-    for r in d.incoming:
-        if r.request_id not in late:
-            batch += 1
-            context += r.context_tokens
-    return batch, context
+    """:func:`decode_loads_at` for one instance."""
+    return decode_loads_at((d,), costs, t, late, uniform_decode_s)[0]

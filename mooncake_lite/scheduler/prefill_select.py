@@ -12,7 +12,7 @@ from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import prefill_model, prefill_queue_time
+from mooncake_lite.scheduler.estimate import PrefillView, prefill_model, prefill_views
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
@@ -67,23 +67,26 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
-                   rng: random.Random | None) -> PrefillChoice | None:
+                   rng: random.Random | None, views: list[PrefillView] | None = None) -> PrefillChoice | None:
     """The prefill option the configured strategy picks (None when there is no instance).
-    Ties go to the earlier instance in ``prefills``, so results are deterministic."""
+    Ties go to the earlier instance in ``prefills``, so results are deterministic. ``views``
+    (:func:`prefill_views` of ``prefills`` at ``now``) saves recomputing them."""
     if not prefills:
         return None
+    if views is None:
+        views = prefill_views(prefills, costs, now)
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        p = rng.choice(prefills)
-        return _option(req, p, prefill_queue_time(p, costs, now), match.length_at(p.store_id),
+        i = rng.randrange(len(prefills))
+        return _option(req, prefills[i], views[i][0], match.length_at(prefills[i].store_id),
                        match, False, cfg, costs, route="random")
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     strategy, threshold = cfg.strategy, cfg.kvcache_balancing_threshold
     best, best_key = None, float("inf")
     # Only the winner's PrefillChoice is built: this loop runs per instance per request.
-    for p in prefills:
-        queue_s = prefill_queue_time(p, costs, now)
+    for p, view in zip(prefills, views):
+        queue_s = view[0]
         local = lengths.get(p.store_id, 0)
         model = p.cost or costs.prefill
         if strategy == "load-balance":

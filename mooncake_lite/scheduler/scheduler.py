@@ -14,6 +14,7 @@ from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration
+from mooncake_lite.scheduler.estimate import prefill_views
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -45,14 +46,15 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
              rng: random.Random | None = None) -> Decision:
     """Place one request. ``rng`` is required (and only used) by strategy ``random``."""
     match = index.match(req.block_keys)
-    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng)
+    views = prefill_views(cluster.prefills, costs, now)   # read by both choices
+    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, views)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
     plan = dict(prefill_id=p.instance.instance_id, route=p.route, predicted_ttft_s=p.ttft_s,
                 predicted_queue_s=p.queue_s, predicted_prefill_s=p.prefill_s,
                 predicted_transfer_s=p.transfer_s, reused_prefix_blocks=p.reused_blocks,
                 local_prefix_blocks=p.local_blocks, transfer_source=p.source_store_id)
-    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng)
+    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, views)
     if d is None:
         return Decision(False, "rejected: no decode instance with room", reject_cause="no-decode",
                         **plan)
