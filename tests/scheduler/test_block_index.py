@@ -106,3 +106,18 @@ def test_matches_a_brute_force_model(operations, request_keys):
     for store in model:
         assert idx.num_blocks(store) == len(model[store])
         assert idx.prefix_len(request_keys, store) == expected.get(store, 0)
+
+
+def test_keys_held_by_the_same_stores_share_one_mask_object():
+    index = BlockIndex()
+    for i in range(10):          # slots 0-9 taken: the masks below are ints CPython does not cache
+        index.add(f"other{i}", [b"x%d" % i])
+    index.add("a", [b"k1", b"k2", b"k3"])
+    index.add("b", [b"k2", b"k3", b"k4"])
+    index.add("z", [b"k4"])
+    masks = index._masks
+    assert masks[b"k2"] is masks[b"k3"] and masks[b"k1"] is not masks[b"k2"]
+    index.remove("a", [b"k2"])
+    index.remove("z", [b"k4"])
+    assert masks[b"k2"] is masks[b"k4"] and masks[b"k2"] > 256   # both held by "b" alone
+    assert index.match([b"k1", b"k2"]).lengths == {"a": 1}
