@@ -126,7 +126,12 @@ class Membership:
         self.dead_after_s = dead_after_s
         self.instances: dict[str, Instance] = {}
         self.kv_bytes_per_token: int | None = None
-        self._cluster: ClusterState | None = None     # last snapshot while nothing changed
+        self._cluster: ClusterState | None = None     # the last snapshot
+        # Where each live instance sits in _cluster's tuples (None: the set of live instances
+        # changed, rebuild the tuples) and the instances touched since: a snapshot replaces
+        # only their entries.
+        self._positions: dict[str, int] | None = None
+        self._changed: dict[str, Instance] = {}
 
     # ---- membership messages --------------------------------------------------------------
     def register(self, reg: Register, now: float) -> Instance:
@@ -142,7 +147,7 @@ class Membership:
             inst.prefill_jobs, inst.decode_jobs, inst.watchers = old.prefill_jobs, old.decode_jobs, old.watchers
             inst.incoming_jobs = old.incoming_jobs
         self.instances[reg.instance_id] = inst
-        self._cluster = None
+        self._positions = None
         if self.kv_bytes_per_token is None:
             self.kv_bytes_per_token = reg.kv_bytes_per_token
         log.info("registered %s %s at %s (store %s)", reg.role, reg.instance_id, reg.http, reg.store)
@@ -183,6 +188,7 @@ class Membership:
         if not inst.is_alive:
             log.warning("%s %s is back after being marked dead", inst.role, inst.instance_id)
             inst.is_alive = True
+            self._positions = None
             self._touch(inst)
         inst.last_seen = now
         old, inst.load = inst.load, dict(hb.load)
@@ -209,6 +215,7 @@ class Membership:
         inst.incoming_jobs.clear()
         inst.running = inst.incoming = None
         inst.shown_context = inst.context_lag = 0
+        self._positions = None
         self._touch(inst)
         for notify in watchers.values():
             notify(reason)
@@ -299,7 +306,7 @@ class Membership:
     # ---- scheduler view -------------------------------------------------------------------
     def _touch(self, inst: Instance) -> None:
         inst.is_stale = True
-        self._cluster = None
+        self._changed[inst.instance_id] = inst
 
     def _check_lag(self, inst: Instance) -> None:
         if not inst.is_context_stale and inst.context_lag > context_lag_bound(inst.shown_context):
@@ -308,20 +315,36 @@ class Membership:
 
     def snapshot(self) -> ClusterState:
         """The live instances as the scheduler sees them (dead ones left out). Unchanged
-        instances keep their state objects (and the scheduler's data cached on them)."""
-        if self._cluster is not None:
-            return self._cluster
+        instances keep their state objects (and the scheduler's data cached on them); only the
+        entries of instances touched since the last snapshot are replaced."""
+        if self._cluster is None or self._positions is None:
+            return self._rebuild()
+        if self._changed:
+            prefills, decodes = list(self._cluster.prefills), list(self._cluster.decodes)
+            for iid, inst in self._changed.items():
+                if inst.is_stale and inst.is_alive:
+                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = _state(inst)
+            self._changed.clear()
+            self._cluster = ClusterState(tuple(prefills), tuple(decodes))
+        return self._cluster
+
+    def _rebuild(self) -> ClusterState:
         prefills, decodes = [], []
+        self._positions = {}
         for inst in self.instances.values():
-            if not inst.is_alive:
-                continue
-            is_prefill = inst.reg.role == "prefill"
-            if inst.is_stale:
-                inst.state = _prefill_state(inst) if is_prefill else _decode_state(inst)
-                inst.is_stale = False
-            (prefills if is_prefill else decodes).append(inst.state)
+            if inst.is_alive:
+                same_role = prefills if inst.reg.role == "prefill" else decodes
+                self._positions[inst.instance_id] = len(same_role)
+                same_role.append(_state(inst) if inst.is_stale else inst.state)
+        self._changed.clear()
         self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
+
+
+def _state(inst: Instance) -> PrefillInstanceState | DecodeInstanceState:
+    inst.state = _prefill_state(inst) if inst.reg.role == "prefill" else _decode_state(inst)
+    inst.is_stale = False
+    return inst.state
 
 
 def _queued(job: PrefillJob) -> QueuedPrefill:
