@@ -102,6 +102,8 @@ class Instance:
     running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
     shown_context: int = field(default=0, repr=False)
     context_lag: int = field(default=0, repr=False)
+    # Prefill: the queue as shown (kept up to date as jobs are added and end; None: rebuild).
+    queue: tuple[QueuedPrefill, ...] | None = field(default=None, repr=False)
     # Decode: incoming_jobs as shown (None: rebuild). Both roles: what the state shows from the
     # registration and the last heartbeat (None: recompute), so a rebuild need not re-derive it.
     incoming: tuple[IncomingRequest, ...] | None = field(default=None, repr=False)
@@ -213,7 +215,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
-        inst.running = inst.incoming = None
+        inst.running = inst.incoming = inst.queue = None
         inst.shown_context = inst.context_lag = 0
         self._positions = None
         self._touch(inst)
@@ -238,6 +240,8 @@ class Membership:
         if not inst.prefill_jobs:
             job.started_at = now
         inst.prefill_jobs[job.request_id] = job
+        if inst.queue is not None:
+            inst.queue = (*inst.queue, _queued(job))
         self._touch(inst)
         decode = self.instances.get(job.decode_id)
         if decode is not None:
@@ -251,9 +255,15 @@ class Membership:
         if inst is None or inst.prefill_jobs.pop(request_id, None) is None:
             return
         self._touch(inst)
+        queue = inst.queue
+        if queue is not None:
+            inst.queue = queue[1:] if queue[0].request_id == request_id else \
+                tuple(q for q in queue if q.request_id != request_id)
         head = next(iter(inst.prefill_jobs.values()), None)
         if head is not None and head.started_at is None:
             head.started_at = now  # FIFO: the next job starts when this one ends
+            if inst.queue is not None:
+                inst.queue = (_queued(head), *inst.queue[1:])
 
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
@@ -372,8 +382,9 @@ def _prefill_limits(inst: Instance) -> tuple:
 
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
     store_id, bandwidth = _prefill_limits(inst)
-    queue = tuple(map(_queued, inst.prefill_jobs.values()))
-    return PrefillInstanceState(inst.instance_id, store_id, queue, bandwidth, inst.costs.prefill)
+    if inst.queue is None:
+        inst.queue = tuple(map(_queued, inst.prefill_jobs.values()))
+    return PrefillInstanceState(inst.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
 
 
 def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:
