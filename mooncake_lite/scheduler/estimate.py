@@ -9,20 +9,20 @@ instance states between decisions therefore pays only for the instances that cha
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from math import inf
 from operator import attrgetter
+from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, PrefillInstanceState
+from mooncake_lite.scheduler.state import (ClusterState, DecodeInstanceState, DecodingRequest,
+                                           PrefillInstanceState)
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 _CONTEXT_TOKENS = attrgetter("context_tokens")
 _NUM_TOKENS = attrgetter("num_tokens")
 _NUM_PREFIX = attrgetter("num_prefix_tokens")
-_JOINED_AT = attrgetter("joined_at")
-_MAX_OUTPUT = attrgetter("max_output_tokens")
 _REQUEST_ID = attrgetter("request_id")
 
 
@@ -107,13 +107,16 @@ _RUNNING_ONLY = ("_context_tokens", "_leave")
 
 
 def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState) -> None:
-    """Let ``new`` reuse what was derived from ``old``'s running batch when both show the very
-    same batch object — for a caller that rebuilds a state because only its incoming requests
-    or capacity changed."""
+    """For a caller that rebuilds a decode state from the previous one: ``new`` reuses what was
+    derived from ``old``'s running batch when both show the very same batch object (only its
+    incoming requests or capacity changed); otherwise its leave profile may be edited from
+    ``old``'s when one request joined or left (see MAX_TBT_DRIFT)."""
     if new.running is old.running:
         for key in _RUNNING_ONLY:
             if key in old.__dict__:
                 new.__dict__.setdefault(key, old.__dict__[key])
+    elif "_leave" in old.__dict__:
+        new.__dict__["_previous"] = old
 
 
 def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
@@ -147,23 +150,94 @@ def late_prefills(views: list[PrefillView], now: float, t: float) -> set[str]:
     return late
 
 
-def _leave_profile(d: DecodeInstanceState, costs: CostModels,
-                   uniform_decode_s: float | None) -> tuple[list[float], list[int]]:
-    """When each running request is predicted to finish decoding — joined_at + t_d, with t_d
-    uniform or max_output_tokens × the instance's current TBT (unknown: never, the conservative
-    guess) — sorted, with the prefix sums of their contexts in that order. Fixed for a given
-    state, so it is built once per state; a query is then one bisection."""
-    running = d.running
-    joined = map(_JOINED_AT, running)
+# How far the TBT behind a per-request t_d (max_output_tokens × TBT) may drift from the
+# instance's current TBT before its leave profile is rebuilt. One request joining or leaving a
+# batch moves its TBT by a few percent and would otherwise re-derive and re-sort every
+# member's leave time, twice per decision in a steady state; a profile edited in place instead
+# keeps the TBT it was built with, within this bound — far inside the error of
+# max_output_tokens as a stand-in for the output length.
+MAX_TBT_DRIFT = 1 / 16
+
+
+class _LeaveProfile(NamedTuple):
+    """A decode state's running requests sorted by predicted leave time (``ends``), with their
+    records and contexts in that order and the prefix sums of those contexts; ``tbt`` is the
+    TBT the per-request t_d were computed with (None with a uniform t_d)."""
+
+    model: DecodeCostModel
+    uniform_decode_s: float | None
+    tbt: float | None
+    ends: list[float]
+    members: list[DecodingRequest]
+    contexts: list[int]
+    prefix: list[int]
+
+
+def _leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt: float | None) -> float:
+    """joined_at + t_d, t_d uniform or max_output_tokens × tbt (unknown: never leaves — the
+    conservative guess)."""
     if uniform_decode_s is not None:
-        ends = [j + uniform_decode_s for j in joined]
-    else:
-        tbt_now = decode_tbt(d, costs, *running_load(d))
-        ends = [inf if m is None else j + m * tbt_now for j, m in zip(joined, map(_MAX_OUTPUT, running))]
+        return r.joined_at + uniform_decode_s
+    return inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt
+
+
+def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
+                   uniform_decode_s: float | None) -> _LeaveProfile:
+    """The profile of ``d``'s running batch, per-request t_d from its current TBT: edited from
+    the previous state's (see :func:`carry_running_estimates`) when one request joined or
+    left and the TBT moved less than MAX_TBT_DRIFT, else built by sorting."""
+    previous = d.__dict__.pop("_previous", None)
+    profile = previous is not None and _edited_profile(d, previous, model, uniform_decode_s)
+    if profile:
+        return profile
+    running = d.running
+    tbt = None if uniform_decode_s is not None else model.predict(*running_load(d))
+    ends = [_leave_time(r, uniform_decode_s, tbt) for r in running]
     order = sorted(range(len(ends)), key=ends.__getitem__)
     ends.sort()
-    contexts = list(map(_CONTEXT_TOKENS, running))
-    return ends, list(accumulate(map(contexts.__getitem__, order), initial=0))
+    members = list(map(running.__getitem__, order))
+    contexts = list(map(_CONTEXT_TOKENS, members))
+    return _LeaveProfile(model, uniform_decode_s, tbt, ends, members, contexts,
+                         list(accumulate(contexts, initial=0)))
+
+
+def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model: DecodeCostModel,
+                    uniform_decode_s: float | None) -> _LeaveProfile | None:
+    old = previous.__dict__.get("_leave")
+    change = _one_change(d.running, previous.running)
+    if old is None or change is None or old.model is not model or old.uniform_decode_s != uniform_decode_s:
+        return None
+    joined, r = change
+    total = old.prefix[-1] + (r.context_tokens if joined else -r.context_tokens)
+    d.__dict__.setdefault("_context_tokens", total)
+    if old.tbt is not None and abs(model.predict(len(d.running), total) - old.tbt) > old.tbt * MAX_TBT_DRIFT:
+        return None
+    end = _leave_time(r, uniform_decode_s, old.tbt)
+    ends, members, contexts = old.ends.copy(), old.members.copy(), old.contexts.copy()
+    if joined:
+        i = bisect_right(ends, end)
+        ends.insert(i, end)
+        members.insert(i, r)
+        contexts.insert(i, r.context_tokens)
+    else:
+        i = members.index(r, bisect_left(ends, end))   # identity first: finds this very record
+        del ends[i], members[i], contexts[i]
+    return old._replace(ends=ends, members=members, contexts=contexts,
+                        prefix=list(accumulate(contexts, initial=0)))
+
+
+def _one_change(running: tuple, old_running: tuple) -> tuple[bool, DecodingRequest] | None:
+    """(True, record) if ``running`` is ``old_running`` plus one record at the end, (False,
+    record) if it is ``old_running`` minus one; else None. Records compare by identity first,
+    so the tuple comparisons are C loops."""
+    n, k = len(running), len(old_running)
+    if n == k + 1 and running[:k] == old_running:
+        return True, running[k]
+    if n == k - 1:
+        i = next((i for i, (a, b) in enumerate(zip(running, old_running)) if a is not b), n)
+        if running[i:] == old_running[i + 1:]:
+            return False, old_running[i]
+    return None
 
 
 def decode_loads_at(decodes: tuple[DecodeInstanceState, ...], costs: CostModels, t: float,
@@ -180,9 +254,9 @@ def decode_loads_at(decodes: tuple[DecodeInstanceState, ...], costs: CostModels,
     for d in decodes:
         model = d.cost or costs.decode
         profile = d.__dict__.get("_leave")
-        if profile is None or profile[0] is not model or profile[1] != uniform_decode_s:
-            profile = d.__dict__["_leave"] = (model, uniform_decode_s, *_leave_profile(d, costs, uniform_decode_s))
-        ends, prefix = profile[2], profile[3]
+        if profile is None or profile.model is not model or profile.uniform_decode_s != uniform_decode_s:
+            profile = d.__dict__["_leave"] = _leave_profile(d, model, uniform_decode_s)
+        ends, prefix = profile.ends, profile.prefix
         first = bisect_right(ends, t)               # running requests still decoding at t
         batch, context = len(ends) - first, prefix[-1] - prefix[first]
         for r in d.incoming:

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.scheduler.estimate import carry_running_estimates
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
                                            PrefillInstanceState, QueuedPrefill, context_lag_bound)
 from mooncake_lite.sim.batch import Batch
@@ -114,6 +115,7 @@ class DecodeNode:
         self.pending: list[SimRequest] = []
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
         self._view: DecodeInstanceState | None = None
+        self._shown: DecodeInstanceState | None = None   # what conductor_view last returned
         self.seg_start = 0.0
         self.seg_gap = 0.0
         self.seg_steps = 0          # steps planned for the running segment (0 = idle)
@@ -142,9 +144,16 @@ class DecodeNode:
 
     def conductor_view(self, now: float) -> DecodeInstanceState:
         """What the conductor sees: the local state plus, as ``incoming``, the requests it has
-        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit)."""
-        if not self.committed:
-            return self.state(now)
+        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit).
+        Like the live conductor, a new view carries the scheduler's estimates from the last."""
+        view = self._committed_view(now) if self.committed else self.state(now)
+        if view is not self._shown:
+            if self._shown is not None:
+                carry_running_estimates(self._shown, view)
+            self._shown = view
+        return view
+
+    def _committed_view(self, now: float) -> DecodeInstanceState:
         if self._view is None:
             base = self.state(now)
             incoming = tuple(IncomingRequest(r.rid, r.input_length + 1, r.output_length)

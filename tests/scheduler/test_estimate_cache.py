@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from mooncake_lite.scheduler import (CostModels, DecodeCostModel, DecodeInstanceState,
                                      DecodingRequest, IncomingRequest, PrefillCostModel,
                                      PrefillInstanceState, QueuedPrefill, carry_running_estimates)
-from mooncake_lite.scheduler.estimate import decode_load_at, prefill_queue_time
+from mooncake_lite.scheduler.estimate import MAX_TBT_DRIFT, decode_load_at, prefill_queue_time
 
 COSTS = CostModels(prefill=PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7),
                    decode=DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), kv_bytes_per_token=1)
@@ -21,8 +21,13 @@ def decode_states(draw):
     return DecodeInstanceState("d", running)
 
 
-def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | None) -> tuple[int, int]:
-    tbt = COSTS.decode.predict(len(d.running), sum(r.context_tokens for r in d.running))
+def current_tbt(d: DecodeInstanceState) -> float:
+    return COSTS.decode.predict(len(d.running), sum(r.context_tokens for r in d.running))
+
+
+def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | None,
+                          tbt: float | None = None) -> tuple[int, int]:
+    tbt = current_tbt(d) if tbt is None else tbt
     left = [r for r in d.running
             if (uniform is not None and r.joined_at + uniform > t)
             or (uniform is None and (r.max_output_tokens is None or r.joined_at + r.max_output_tokens * tbt > t))]
@@ -36,6 +41,37 @@ def test_predicted_decode_load_matches_the_definition_on_every_query(d, ts, unif
         assert decode_load_at(d, COSTS, t, set(), uniform) == staying_by_definition(d, t, uniform)
     other = 5.0 if uniform is None else None   # another t_d setting must not reuse the cache
     assert decode_load_at(d, COSTS, ts[0], set(), other) == staying_by_definition(d, ts[0], other)
+
+
+edits = st.lists(st.tuples(st.sampled_from(["join", "leave", "reorder"]), st.integers(1, 5000), times,
+                           st.one_of(st.none(), st.integers(1, 2000)), st.integers(0, 100)), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode_states(), edits, st.lists(times, min_size=1, max_size=3), st.one_of(st.none(), st.floats(0.1, 30)))
+def test_a_chain_of_rebuilt_batches_predicts_like_the_definition(d, changes, ts, uniform):
+    """The conductor rebuilds a decode state at every join and leave and carries the previous
+    one's estimates: an edited profile must answer like the definition with the TBT it keeps,
+    and that TBT must stay within MAX_TBT_DRIFT of the batch's current one."""
+    decode_load_at(d, COSTS, ts[0], set(), uniform)
+    for n, (kind, context, joined, max_output, pick) in enumerate(changes):
+        running = d.running
+        if kind == "join":
+            running += (DecodingRequest(f"j{n}", context, joined, max_output),)
+        elif kind == "leave" and running:
+            i = pick % len(running)
+            running = running[:i] + running[i + 1:]
+        else:
+            running = tuple(reversed(running))      # not one join or leave: built afresh
+        new = DecodeInstanceState("d", running)
+        carry_running_estimates(d, new)
+        decode_load_at(new, COSTS, ts[0], set(), uniform)
+        kept = new.__dict__["_leave"].tbt
+        if uniform is None:
+            assert abs(kept - current_tbt(new)) <= kept * MAX_TBT_DRIFT + 1e-12
+        for t in ts:
+            assert decode_load_at(new, COSTS, t, set(), uniform) == staying_by_definition(new, t, uniform, kept)
+        d = new
 
 
 @st.composite
