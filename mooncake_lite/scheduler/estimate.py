@@ -1,10 +1,13 @@
 """Estimators built on the cost models: queue time, prefill finish times, decode TBT now and at
 a future time (the prediction of REFERENCE.md §3).
 
-Per-instance derived data (predicted job durations, batch totals) is computed
-once per state object and kept in its ``__dict__`` (the ``functools.cached_property`` trick:
-the snapshot is immutable, so the derived data never goes stale). A caller that keeps unchanged
-instance states between decisions therefore pays only for the instances that changed.
+Per-instance derived data (predicted job durations, batch totals, the sorted leave profile) is
+computed once per state object and kept in its ``__dict__`` (the ``functools.cached_property``
+trick: the snapshot is immutable, so the derived data never goes stale). A caller that keeps
+unchanged instance states between decisions therefore pays only for the instances that changed,
+and one that rebuilds a decode state from the previous one (:func:`carry_running_estimates`)
+pays for a leave profile only by the request that joined or left. A decision computes each
+instance's view (prefill backlog at ``now``, decode load at ``t``) in one pass per role.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.state import (ClusterState, DecodeInstanceState, DecodingRequest,
-                                           PrefillInstanceState)
+from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 _CONTEXT_TOKENS = attrgetter("context_tokens")
