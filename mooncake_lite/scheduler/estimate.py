@@ -13,6 +13,7 @@ instance's view (prefill backlog at ``now``, decode load at ``t``) in one pass p
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from itertools import accumulate
 from math import inf
 from operator import attrgetter
@@ -175,12 +176,14 @@ class _LeaveProfile(NamedTuple):
     prefix: list[int]
 
 
-def _leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt: float | None) -> float:
-    """joined_at + t_d, t_d uniform or max_output_tokens × tbt (unknown: never leaves — the
-    conservative guess)."""
+def _leave_times(requests: Sequence[DecodingRequest], uniform_decode_s: float | None,
+                 tbt: float | None) -> list[float]:
+    """joined_at + t_d of each request, t_d uniform or max_output_tokens × tbt (unknown: never
+    leaves — the conservative guess)."""
     if uniform_decode_s is not None:
-        return r.joined_at + uniform_decode_s
-    return inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt
+        return [r.joined_at + uniform_decode_s for r in requests]
+    return [inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt
+            for r in requests]
 
 
 def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
@@ -194,7 +197,7 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
         return profile
     running = d.running
     tbt = None if uniform_decode_s is not None else model.predict(*running_load(d))
-    ends = [_leave_time(r, uniform_decode_s, tbt) for r in running]
+    ends = _leave_times(running, uniform_decode_s, tbt)
     order = sorted(range(len(ends)), key=ends.__getitem__)
     ends.sort()
     members = list(map(running.__getitem__, order))
@@ -214,7 +217,7 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model
     d.__dict__.setdefault("_context_tokens", total)
     if old.tbt is not None and abs(model.predict(len(d.running), total) - old.tbt) > old.tbt * MAX_TBT_DRIFT:
         return None
-    end = _leave_time(r, uniform_decode_s, old.tbt)
+    end = _leave_times((r,), uniform_decode_s, old.tbt)[0]
     ends, members, contexts = old.ends.copy(), old.members.copy(), old.contexts.copy()
     if joined:
         i = bisect_right(ends, end)
