@@ -2,8 +2,8 @@
 a future time (the prediction of REFERENCE.md §3).
 
 Per-instance derived data (predicted job durations, batch totals, the sorted leave profile) is
-computed once per state object and kept in its ``__dict__`` (the ``functools.cached_property``
-trick: the snapshot is immutable, so the derived data never goes stale). A caller that keeps
+computed once per state object and kept in its derived slots (state.py; like
+``functools.cached_property``: the snapshot is immutable, so the derived data never goes stale). A caller that keeps
 unchanged instance states between decisions therefore pays only for the instances that changed,
 and one that rebuilds a decode state from the previous one (:func:`carry_running_estimates`)
 pays for a leave profile only by the request that joined or left. A decision computes each
@@ -21,6 +21,9 @@ from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState
+
+# Sets a derived slot on a frozen state (state.py ``_derived``): its fields never change.
+_keep = object.__setattr__
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 _CONTEXT_TOKENS = attrgetter("context_tokens")
@@ -66,9 +69,10 @@ def prefill_views(prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
     views = []
     for p in prefills:
         model = p.cost or costs.prefill
-        cached = p.__dict__.get("_backlog")
+        cached = p._backlog
         if cached is None or cached[0] is not model:
-            cached = p.__dict__["_backlog"] = _backlog(p, model)  # derived data; fields stay frozen
+            cached = _backlog(p, model)
+            _keep(p, "_backlog", cached)
         _, cum, started, request_ids = cached
         done = 0.0
         for duration, started_at in started:
@@ -98,9 +102,10 @@ def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: 
 def running_load(d: DecodeInstanceState) -> tuple[int, int]:
     """(batch size, context tokens) of the running batch only (KV arrived): what the decode
     instance itself sees, for its own double check and its current step time."""
-    total = d.__dict__.get("_context_tokens")
+    total = d._context_tokens
     if total is None:
-        total = d.__dict__["_context_tokens"] = sum(map(_CONTEXT_TOKENS, d.running))
+        total = sum(map(_CONTEXT_TOKENS, d.running))
+        _keep(d, "_context_tokens", total)
     return len(d.running), total
 
 
@@ -116,22 +121,23 @@ def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState) 
     ``old``'s when one request joined or left (see MAX_TBT_DRIFT)."""
     if new.running is old.running:
         for key in _RUNNING_ONLY:
-            if key in old.__dict__:
-                new.__dict__.setdefault(key, old.__dict__[key])
-    elif "_leave" in old.__dict__:
-        new.__dict__["_previous"] = old
+            if getattr(new, key) is None:
+                _keep(new, key, getattr(old, key))
+    elif old._leave is not None:
+        _keep(new, "_previous", old)
 
 
 def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
     """(batch size, context tokens) committed now: the running batch plus every incoming
     request (dispatched here, KV not arrived yet — it will be in this batch). Counting them is
     what keeps a burst from herding onto the instance that merely *looks* least loaded."""
-    load = d.__dict__.get("_committed_load")
+    load = d._committed_load
     if load is None:
         batch, context = running_load(d)
         if d.incoming:
             batch, context = batch + len(d.incoming), context + sum(map(_CONTEXT_TOKENS, d.incoming))
-        load = d.__dict__["_committed_load"] = (batch, context)
+        load = (batch, context)
+        _keep(d, "_committed_load", load)
     return load
 
 
@@ -191,7 +197,8 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
     """The profile of ``d``'s running batch, per-request t_d from its current TBT: edited from
     the previous state's (see :func:`carry_running_estimates`) when one request joined or
     left and the TBT moved less than MAX_TBT_DRIFT, else built by sorting."""
-    previous = d.__dict__.pop("_previous", None)
+    previous = d._previous
+    _keep(d, "_previous", None)        # used once: do not keep the old state alive
     profile = previous is not None and _edited_profile(d, previous, model, uniform_decode_s)
     if profile:
         return profile
@@ -208,13 +215,14 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
 
 def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model: DecodeCostModel,
                     uniform_decode_s: float | None) -> _LeaveProfile | None:
-    old = previous.__dict__.get("_leave")
+    old = previous._leave
     change = _one_change(d.running, previous.running)
     if old is None or change is None or old.model is not model or old.uniform_decode_s != uniform_decode_s:
         return None
     joined, r = change
     total = old.prefix[-1] + (r.context_tokens if joined else -r.context_tokens)
-    d.__dict__.setdefault("_context_tokens", total)
+    if d._context_tokens is None:
+        _keep(d, "_context_tokens", total)
     if old.tbt is not None and abs(model.predict(len(d.running), total) - old.tbt) > old.tbt * MAX_TBT_DRIFT:
         return None
     end = _leave_times((r,), uniform_decode_s, old.tbt)[0]
@@ -258,9 +266,10 @@ def decode_loads_at(decodes: tuple[DecodeInstanceState, ...], costs: CostModels,
     loads = []
     for d in decodes:
         model = d.cost or costs.decode
-        profile = d.__dict__.get("_leave")
+        profile = d._leave
         if profile is None or profile.model is not model or profile.uniform_decode_s != uniform_decode_s:
-            profile = d.__dict__["_leave"] = _leave_profile(d, model, uniform_decode_s)
+            profile = _leave_profile(d, model, uniform_decode_s)
+            _keep(d, "_leave", profile)
         ends, prefix = profile.ends, profile.prefix
         first = bisect_right(ends, t)               # running requests still decoding at t
         batch, context = len(ends) - first, prefix[-1] - prefix[first]

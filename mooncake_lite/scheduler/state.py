@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
@@ -64,7 +65,15 @@ class QueuedPrefill:
     started_at: float | None = None
 
 
-@dataclass(frozen=True)
+def _derived() -> Any:
+    """A slot for data the estimators derive from a state and keep on it (estimate.py): not
+    an argument, never compared or shown, set through ``object.__setattr__`` — the state's own
+    fields never change, so neither does what is derived from them. Slots, not a ``__dict__``:
+    a decision reads every instance's state, and each dict is more cold cache lines."""
+    return field(default=None, init=False, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillInstanceState:
     """A prefill instance: its local store (where its prefix hits come from), queued work,
     measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported."""
@@ -74,6 +83,7 @@ class PrefillInstanceState:
     queue: tuple[QueuedPrefill, ...] = ()
     bandwidth_bytes_per_s: float | None = None
     cost: PrefillCostModel | None = None
+    _backlog: tuple | None = _derived()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +118,7 @@ class IncomingRequest:
     max_output_tokens: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodeInstanceState:
     """A decode instance: its running batch (KV arrived) and the requests committed to it whose
     KV is still to come (``incoming``, from the caller's record of what it dispatched).
@@ -121,6 +131,10 @@ class DecodeInstanceState:
     max_context_tokens: int | None = None
     cost: DecodeCostModel | None = None
     incoming: tuple[IncomingRequest, ...] = ()
+    _context_tokens: int | None = _derived()
+    _committed_load: tuple[int, int] | None = _derived()
+    _leave: Any = _derived()
+    _previous: DecodeInstanceState | None = _derived()
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def test_a_chain_of_rebuilt_batches_predicts_like_the_definition(d, changes, ts,
         new = DecodeInstanceState("d", running)
         carry_running_estimates(d, new)
         decode_load_at(new, COSTS, ts[0], set(), uniform)
-        kept = new.__dict__["_leave"].tbt
+        kept = new._leave.tbt
         if uniform is None:
             assert abs(kept - current_tbt(new)) <= kept * MAX_TBT_DRIFT + 1e-12
         for t in ts:
@@ -103,10 +103,10 @@ def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
         decode_load_at(old, COSTS, t, set(), None)
     same = DecodeInstanceState("d", running, incoming=(IncomingRequest("x", 10),))
     carry_running_estimates(old, same)
-    assert same.__dict__["_leave"] is old.__dict__["_leave"]
+    assert same._leave is old._leave
     assert decode_load_at(same, COSTS, 2.0, set(), None) == (lambda b, c: (b + 1, c + 10))(
         *staying_by_definition(same, 2.0, None))
     other = DecodeInstanceState("d", running[:4])          # another batch: nothing carried
     carry_running_estimates(old, other)
-    assert "_leave" not in other.__dict__
+    assert other._leave is None
     assert decode_load_at(other, COSTS, 2.0, set(), None) == staying_by_definition(other, 2.0, None)
