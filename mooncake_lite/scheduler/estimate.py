@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, compress, count
 from math import inf
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
@@ -235,19 +235,19 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model
     else:
         i = members.index(r, bisect_left(ends, end))   # identity first: finds this very record
         del ends[i], members[i], contexts[i]
-    return old._replace(ends=ends, members=members, contexts=contexts,
-                        prefix=list(accumulate(contexts, initial=0)))
+    return _LeaveProfile(model, uniform_decode_s, old.tbt, ends, members, contexts,
+                         list(accumulate(contexts, initial=0)))
 
 
 def _one_change(running: tuple, old_running: tuple) -> tuple[bool, DecodingRequest] | None:
     """(True, record) if ``running`` is ``old_running`` plus one record at the end, (False,
     record) if it is ``old_running`` minus one; else None. Records compare by identity first,
-    so the tuple comparisons are C loops."""
+    and the first differing position is found with C iterators, so this never loops in Python."""
     n, k = len(running), len(old_running)
     if n == k + 1 and running[:k] == old_running:
         return True, running[k]
     if n == k - 1:
-        i = next((i for i, (a, b) in enumerate(zip(running, old_running)) if a is not b), n)
+        i = next(compress(count(), map(is_not, running, old_running)), n)
         if running[i:] == old_running[i + 1:]:
             return False, old_running[i]
     return None
