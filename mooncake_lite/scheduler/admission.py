@@ -36,41 +36,41 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
     eligible one. None when no instance has room. ``views`` (:func:`prefill_views` of
     ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them."""
+    decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
+    loads = _loads(cluster, cfg, costs, now, ttft_s, views)
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        eligible = _eligible(req, cluster, cfg, costs, now, ttft_s, views)
+        eligible = [(d, batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)
+                    if decode_has_room(d, num_tokens, max_output, batch, context)]
         if not eligible:
             return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
     best, best_tbt = None, float("inf")
     # One pass, one cost call per instance: this runs per decode instance per request.
-    for d, batch, context in _eligible(req, cluster, cfg, costs, now, ttft_s, views):
-        tbt = decode_tbt(d, costs, batch, context)
-        if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
-            best, best_tbt = (d, batch, context), tbt
+    for d, (batch, context) in zip(decodes, loads):
+        if decode_has_room(d, num_tokens, max_output, batch, context):
+            tbt = decode_tbt(d, costs, batch + 1, context + num_tokens)
+            if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
+                best, best_tbt, best_load = d, tbt, (batch, context)
     if best is None:
         return None
-    return DecodeChoice(best[0], best_tbt, best[1], best[2])
+    return DecodeChoice(best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens)
 
 
-def _eligible(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels,
-              now: float, ttft_s: float,
-              views: list[PrefillView] | None) -> list[tuple[DecodeInstanceState, int, int]]:
-    """(instance, batch size, context tokens) with ``req`` added, for every instance with room:
-    the load now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
-    decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
+def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
+           views: list[PrefillView] | None) -> list[tuple[int, int]]:
+    """Each decode instance's (batch size, context tokens) before adding the request: the load
+    now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
+    decodes = cluster.decodes
     if cfg.admission == "predictive":
         t, uniform = now + ttft_s, cfg.uniform_decode_s
         late = set()
         if any(d.incoming for d in decodes):
             late = late_prefills(views if views is not None else prefill_views(cluster.prefills, costs, now), now, t)
-        loads = decode_loads_at(decodes, costs, t, late, uniform)
-    else:
-        loads = list(map(decode_load_now, decodes))
-    return [(d, batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)
-            if decode_has_room(d, num_tokens, max_output, batch, context)]
+        return decode_loads_at(decodes, costs, t, late, uniform)
+    return list(map(decode_load_now, decodes))
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
