@@ -9,7 +9,7 @@ prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
@@ -19,8 +19,7 @@ from mooncake_lite.scheduler.estimate import (PrefillView, decode_has_room, deco
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
 
-@dataclass(frozen=True)
-class DecodeChoice:
+class DecodeChoice(NamedTuple):
     """The decode instance picked and its predicted TBT once the new request has joined."""
 
     instance: DecodeInstanceState

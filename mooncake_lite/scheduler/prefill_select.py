@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
@@ -16,8 +16,7 @@ from mooncake_lite.scheduler.estimate import PrefillView, prefill_model, prefill
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
-@dataclass(frozen=True)
-class PrefillChoice:
+class PrefillChoice(NamedTuple):
     """One costed option: run the prefill on ``instance`` reusing ``reused_blocks`` blocks, of
     which ``local_blocks`` are already in its store and the rest come from ``source_store_id``."""
 
