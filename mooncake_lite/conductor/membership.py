@@ -30,7 +30,7 @@ from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
 from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
                                      IncomingRequest, PrefillInstanceState, QueuedPrefill,
-                                     carry_running_estimates, context_lag_bound)
+                                     carry_queue_estimates, carry_running_estimates, context_lag_bound)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -384,7 +384,10 @@ def _prefill_state(inst: Instance) -> PrefillInstanceState:
     store_id, bandwidth = _prefill_limits(inst)
     if inst.queue is None:
         inst.queue = tuple(map(_queued, inst.prefill_jobs.values()))
-    return PrefillInstanceState(inst.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
+    state = PrefillInstanceState(inst.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
+    if inst.state is not None:
+        carry_queue_estimates(inst.state, state)
+    return state
 
 
 def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:

@@ -10,7 +10,7 @@ from mooncake_lite.scheduler.config import ADMISSIONS, STRATEGIES, SchedulerConf
 from mooncake_lite.scheduler.costs import (CostModels, DecodeCostModel, PrefillCostModel,
                                            kv_bytes_per_token, kv_transfer_time)
 from mooncake_lite.scheduler.decision import Decision, Migration
-from mooncake_lite.scheduler.estimate import carry_running_estimates, prefill_queue_time
+from mooncake_lite.scheduler.estimate import carry_queue_estimates, carry_running_estimates, prefill_queue_time
 from mooncake_lite.scheduler.scheduler import Scheduler, schedule
 from mooncake_lite.scheduler.state import (MAX_CONTEXT_LAG, ClusterState, DecodeInstanceState, DecodingRequest,
                                            IncomingRequest, PrefillInstanceState, QueuedPrefill,
@@ -21,5 +21,5 @@ __all__ = [
     "Decision", "DecodeCostModel", "DecodeInstanceState", "DecodingRequest", "IncomingRequest",
     "Migration", "PrefillCostModel", "PrefillInstanceState", "PrefixMatch", "QueuedPrefill", "ScheduleRequest",
     "Scheduler", "SchedulerConfig", "decode_admits", "kv_bytes_per_token", "kv_transfer_time",
-    "carry_running_estimates", "context_lag_bound", "prefill_queue_time", "schedule",
+    "carry_queue_estimates", "carry_running_estimates", "context_lag_bound", "prefill_queue_time", "schedule",
 ]

@@ -20,7 +20,8 @@ from operator import attrgetter, is_not
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState,
+                                           QueuedPrefill)
 
 # Sets a derived slot on a frozen state (state.py ``_derived``): its fields never change.
 _keep = object.__setattr__
@@ -43,15 +44,53 @@ def decode_model(d: DecodeInstanceState, costs: CostModels) -> DecodeCostModel:
 
 def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
     """(model, cumulative predicted durations, (duration, started_at) of the leading started
-    jobs, the jobs' request ids). Independent of ``now``: kept on the state, the per-decision
-    part is a short loop."""
-    durations = list(map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue)))
+    jobs, the jobs' request ids, their predicted durations). Independent of ``now``: kept on
+    the state, the per-decision part is a short loop. Edited from the previous state's when
+    :func:`carry_queue_estimates` linked them and one job was queued or the head finished."""
+    durations = _edited_durations(p, model)
+    if durations is None:
+        durations = list(map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue)))
     started = []
     for duration, job in zip(durations, p.queue):
         if job.started_at is None:
             break
         started.append((duration, job.started_at))
-    return model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue))
+    return (model, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, p.queue)),
+            durations)
+
+
+def _edited_durations(p: PrefillInstanceState, model: PrefillCostModel) -> list[float] | None:
+    """The previous state's predicted durations with the job queued since appended, or without
+    the head that finished; None when anything else changed (or nothing links them)."""
+    previous = p._previous
+    if previous is None:
+        return None
+    _keep(p, "_previous", None)        # used once: do not keep the old state alive
+    old = previous._backlog
+    if old is None or old[0] is not model:
+        return None
+    queue, old_queue, durations = p.queue, previous.queue, old[4]
+    k = len(old_queue)
+    if len(queue) == k + 1 and queue[:k] == old_queue:
+        job = queue[k]
+        return [*durations, model.predict(job.num_tokens, job.num_prefix_tokens)]
+    if len(queue) == k - 1 and queue[1:] == old_queue[2:] and queue and _same_job(queue[0], old_queue[1]):
+        return durations[1:]
+    return None
+
+
+def _same_job(a: QueuedPrefill, b: QueuedPrefill) -> bool:
+    """The same job, perhaps shown again with a new started_at."""
+    return a is b or (a.request_id == b.request_id and a.num_tokens == b.num_tokens
+                      and a.num_prefix_tokens == b.num_prefix_tokens)
+
+
+def carry_queue_estimates(old: PrefillInstanceState, new: PrefillInstanceState) -> None:
+    """For a caller that rebuilds a prefill state from the previous one: ``new``'s backlog is
+    then edited from ``old``'s (one job queued, or the head finished) instead of predicting
+    every queued job again."""
+    if old._backlog is not None:
+        _keep(new, "_previous", old)
 
 
 # Per prefill instance at one ``now``: (queue time, cumulative predicted durations of the queued
@@ -73,7 +112,7 @@ def prefill_views(prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
         if cached is None or cached[0] is not model:
             cached = _backlog(p, model)
             _keep(p, "_backlog", cached)
-        _, cum, started, request_ids = cached
+        _, cum, started, request_ids, _ = cached
         done = 0.0
         for duration, started_at in started:
             elapsed = now - started_at

@@ -84,6 +84,7 @@ class PrefillInstanceState:
     bandwidth_bytes_per_s: float | None = None
     cost: PrefillCostModel | None = None
     _backlog: tuple | None = _derived()
+    _previous: PrefillInstanceState | None = _derived()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.estimate import carry_running_estimates
+from mooncake_lite.scheduler.estimate import carry_queue_estimates, carry_running_estimates
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
                                            PrefillInstanceState, QueuedPrefill, context_lag_bound)
 from mooncake_lite.sim.batch import Batch
@@ -78,6 +78,7 @@ class PrefillNode:
         self.link_free_at = 0.0
         self.busy_s = 0.0
         self._state: PrefillInstanceState | None = None
+        self._shown: PrefillInstanceState | None = None   # the last state built
 
     def fetch(self, now: float, num_bytes: int) -> float:
         """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
@@ -89,12 +90,16 @@ class PrefillNode:
         return cpp_prefill_seconds(self.hw, num_tokens, prefix_tokens, self.group_size, self.chunk)
 
     def state(self) -> PrefillInstanceState:
-        """The conductor's view: the running job (with its start) and the FIFO behind it."""
+        """The conductor's view: the running job (with its start) and the FIFO behind it.
+        Like the live conductor, a new view carries the scheduler's estimates from the last."""
         if self._state is None:
             jobs = [self.current] if self.current is not None else []
             jobs.extend(self.waiting)
             self._state = PrefillInstanceState(self.instance_id, self.store_id, tuple(queued(r) for r in jobs),
                                                None, self.cost)
+            if self._shown is not None:
+                carry_queue_estimates(self._shown, self._state)
+            self._shown = self._state
         return self._state
 
     def touched(self) -> None:

@@ -1,12 +1,15 @@
 """The estimators cache derived data on state objects (estimate.py); asking the same state
 again, at other times, must give exactly what the definitions give from scratch."""
 
+from dataclasses import replace
+
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (CostModels, DecodeCostModel, DecodeInstanceState,
                                      DecodingRequest, IncomingRequest, PrefillCostModel,
-                                     PrefillInstanceState, QueuedPrefill, carry_running_estimates)
-from mooncake_lite.scheduler.estimate import MAX_TBT_DRIFT, decode_load_at, prefill_queue_time
+                                     PrefillInstanceState, QueuedPrefill, carry_queue_estimates,
+                                     carry_running_estimates)
+from mooncake_lite.scheduler.estimate import MAX_TBT_DRIFT, decode_load_at, prefill_queue_time, prefill_views
 
 COSTS = CostModels(prefill=PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7),
                    decode=DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), kv_bytes_per_token=1)
@@ -94,6 +97,36 @@ def test_queue_time_matches_the_definition_at_every_now(p, nows):
             if job.started_at is not None and all(j.started_at is not None for j in p.queue[:i]):
                 done += min(cost, max(0.0, now - job.started_at))
         assert abs(prefill_queue_time(p, COSTS, now) - (total - done)) < 1e-9
+
+
+queue_edits = st.lists(st.tuples(st.sampled_from(["queue", "finish", "drop", "reorder"]), st.integers(1, 4000),
+                                 st.integers(0, 3000), times, st.integers(0, 100)), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prefill_states(), queue_edits, st.lists(times, min_size=1, max_size=3))
+def test_a_chain_of_rebuilt_queues_gives_exactly_the_fresh_backlog(p, changes, nows):
+    """The conductor rebuilds a prefill state at every dispatch and prefill end and carries the
+    previous one's estimates: the edited backlog must equal one computed from scratch."""
+    prefill_views((p,), COSTS, nows[0])
+    for n, (kind, tokens, prefix, now, pick) in enumerate(changes):
+        queue = p.queue
+        if kind == "queue":
+            queue += (QueuedPrefill(f"n{n}", tokens, prefix, now if not queue else None),)
+        elif kind == "finish" and queue:
+            queue = queue[1:]
+            if queue and queue[0].started_at is None:   # the next job starts, shown anew
+                queue = (replace(queue[0], started_at=now), *queue[1:])
+        elif kind == "drop" and queue:
+            queue = queue[:pick % len(queue)] + queue[pick % len(queue) + 1:]
+        else:
+            queue = tuple(reversed(queue))
+        new = PrefillInstanceState("p", "s", queue)
+        carry_queue_estimates(p, new)
+        fresh = PrefillInstanceState("p", "s", queue)
+        for t in nows:
+            assert prefill_views((new,), COSTS, t) == prefill_views((fresh,), COSTS, t)
+        p = new
 
 
 def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
