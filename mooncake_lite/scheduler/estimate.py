@@ -3,11 +3,12 @@ a future time (the prediction of REFERENCE.md §3).
 
 Per-instance derived data (predicted job durations, batch totals, the sorted leave profile) is
 computed once per state object and kept in its derived slots (state.py; like
-``functools.cached_property``: the snapshot is immutable, so the derived data never goes stale). A caller that keeps
-unchanged instance states between decisions therefore pays only for the instances that changed,
-and one that rebuilds a decode state from the previous one (:func:`carry_running_estimates`)
-pays for a leave profile only by the request that joined or left. A decision computes each
-instance's view (prefill backlog at ``now``, decode load at ``t``) in one pass per role.
+``functools.cached_property``: the snapshot is immutable, so the derived data never goes
+stale). A caller that keeps unchanged instance states between decisions therefore pays only for
+the instances that changed, and one that rebuilds a state from the previous one
+(:func:`carry_queue_estimates`, :func:`carry_running_estimates`) pays only for the job queued
+or finished, or the request that joined or left. A decision computes each instance's view
+(prefill backlog at ``now``, decode load at ``t``) in one pass per role.
 """
 
 from __future__ import annotations
@@ -254,6 +255,8 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
 
 def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model: DecodeCostModel,
                     uniform_decode_s: float | None) -> _LeaveProfile | None:
+    """``previous``'s profile with the one request that joined inserted or the one that left
+    removed, keeping its TBT while the current one is within MAX_TBT_DRIFT of it; else None."""
     old = previous._leave
     change = _one_change(d.running, previous.running)
     if old is None or change is None or old.model is not model or old.uniform_decode_s != uniform_decode_s:
