@@ -417,13 +417,20 @@ def _decode_limits(inst: Instance) -> tuple:
     return inst.limits
 
 
+def _show_batch(inst: Instance, refresh: bool) -> None:
+    """Rebuild the shown batch (refreshed records when ``refresh``) and recount its totals."""
+    jobs = inst.decode_jobs.values()
+    inst.running = tuple(_shown(j, refresh) for j in jobs)
+    inst.shown_context = sum(r.context_tokens for r in inst.running)
+    inst.context_lag = sum(j.context_tokens for j in jobs) - inst.shown_context
+
+
 def _decode_state(inst: Instance) -> DecodeInstanceState:
     refresh, inst.is_context_stale = inst.is_context_stale, False
     if inst.running is None or refresh:
-        jobs = inst.decode_jobs.values()
-        inst.running = tuple(_shown(j, refresh) for j in jobs)
-        inst.shown_context = sum(r.context_tokens for r in inst.running)
-        inst.context_lag = sum(j.context_tokens for j in jobs) - inst.shown_context
+        _show_batch(inst, refresh)
+        if inst.context_lag > context_lag_bound(inst.shown_context):
+            _show_batch(inst, True)   # e.g. lag carried over a re-registration or a replaced job
     if inst.incoming is None:
         inst.incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
     state = DecodeInstanceState(inst.instance_id, inst.running, *_decode_limits(inst), inst.costs.decode,

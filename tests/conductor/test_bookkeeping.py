@@ -194,3 +194,19 @@ def test_only_changed_instances_get_new_states():
     assert m.snapshot() is third
     m.heartbeat(Heartbeat("d0", {"max_batch_size": 4.0}), now=3)
     assert m.snapshot().decodes[0].max_batch_size == 4
+
+
+def test_a_re_registered_decode_keeps_its_batch_within_the_lag_bound():
+    """Re-registering at the same address keeps the jobs (and their shown records) but starts a
+    new Instance: its lag is recounted at the next snapshot and must still be bounded."""
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m.register(_reg("decode", "d"), now=0)
+    m.add_decode("d", DecodeJob("a", 100, 0.0, 64))
+    m.snapshot()
+    for _ in range(30):                              # within the bound of 32
+        m.decode_progress("d", "a")
+    m.register(_reg("decode", "d"), now=1)
+    for _ in range(30):                              # 60 behind the shown record in all
+        m.decode_progress("d", "a")
+    _check_against_exact(m)
+    assert m.snapshot().decodes[0].running[0].context_tokens == 160

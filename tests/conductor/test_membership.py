@@ -182,6 +182,7 @@ async def test_prefill_instances_too_small_for_a_prompt_are_skipped(make_cluster
         raw = await c.completions.with_raw_response.create(model="tiny", prompt="a" * 40, max_tokens=2)
         assert raw.headers["X-Mooncake-Prefill"] == "p-big"
     cluster.instances["p-big"].is_heartbeating = False
+    await asyncio.sleep(0.2)   # > one beat period: a heartbeat already on its way lands first
     cluster.svc.membership.instances["p-big"].last_seen -= 10
     cluster.svc.membership.reap(cluster.svc.membership.instances["p-small"].last_seen + 1)
     with pytest.raises(openai.BadRequestError) as info:
