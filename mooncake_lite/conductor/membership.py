@@ -11,7 +11,9 @@ has arrived (the first token), so a burst is spread instead of herding onto one 
 Each instance's scheduler state is built once and kept until something it shows changes (a job
 added, started, finished or released; a heartbeat changing its capacity or bandwidth; death):
 the scheduler caches derived data on the state objects, so a decision pays only for the
-instances that changed since the last one (docs/conductor.md, "Decision time"). Generated
+instances that changed since the last one (docs/conductor.md, "Decision time"). The states are
+built in ``conductor/view.py``; the event handlers here keep the shown queue, batch and incoming
+tuples current. Generated
 tokens alone rebuild a decode instance's state only once its running requests together are
 further ahead of it than :func:`~mooncake_lite.scheduler.context_lag_bound` allows, as in the
 simulator.
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
+from mooncake_lite.conductor.view import build_state, incoming_record, queued_record, shown_record, unshow
 from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
                                      IncomingRequest, PrefillInstanceState, QueuedPrefill,
-                                     carry_queue_estimates, carry_running_estimates, context_lag_bound)
+                                     context_lag_bound)
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -241,13 +244,13 @@ class Membership:
             job.started_at = now
         inst.prefill_jobs[job.request_id] = job
         if inst.queue is not None:
-            inst.queue = (*inst.queue, _queued(job))
+            inst.queue = (*inst.queue, queued_record(job))
         self._touch(inst)
         decode = self.instances.get(job.decode_id)
         if decode is not None:
             decode.incoming_jobs[job.request_id] = job
             if decode.incoming is not None:
-                decode.incoming = (*decode.incoming, _incoming(job))
+                decode.incoming = (*decode.incoming, incoming_record(job))
             self._touch(decode)
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
@@ -263,7 +266,7 @@ class Membership:
         if head is not None and head.started_at is None:
             head.started_at = now  # FIFO: the next job starts when this one ends
             if inst.queue is not None:
-                inst.queue = (_queued(head), *inst.queue[1:])
+                inst.queue = (queued_record(head), *inst.queue[1:])
 
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
@@ -272,11 +275,11 @@ class Membership:
                 inst.incoming = None
             old = inst.decode_jobs.get(job.request_id)
             if old is not None:
-                _unshow(inst, old)
+                unshow(inst, old)
             inst.decode_jobs[job.request_id] = job
             if old is None and inst.running is not None:
                 # Extend the shown batch here, at the event, not in the next decision's snapshot.
-                shown = _shown(job, False)
+                shown = shown_record(job, False)
                 inst.shown_context += shown.context_tokens
                 inst.context_lag += job.context_tokens - shown.context_tokens
                 inst.running = (*inst.running, shown)
@@ -303,7 +306,7 @@ class Membership:
             running = inst.decode_jobs.pop(request_id, None)
             incoming = inst.incoming_jobs.pop(request_id, None)
             if running is not None:
-                _unshow(inst, running)
+                unshow(inst, running)
                 self._check_lag(inst)     # a smaller batch allows less lag
                 if inst.running is not None:
                     inst.running = tuple(r for r in inst.running if r.request_id != request_id)
@@ -333,7 +336,7 @@ class Membership:
             prefills, decodes = list(self._cluster.prefills), list(self._cluster.decodes)
             for iid, inst in self._changed.items():
                 if inst.is_stale and inst.is_alive:
-                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = _state(inst)
+                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = build_state(inst)
             self._changed.clear()
             self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
@@ -345,100 +348,8 @@ class Membership:
             if inst.is_alive:
                 same_role = prefills if inst.reg.role == "prefill" else decodes
                 self._positions[inst.instance_id] = len(same_role)
-                same_role.append(_state(inst) if inst.is_stale else inst.state)
+                same_role.append(build_state(inst) if inst.is_stale else inst.state)
         self._changed.clear()
         self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
 
-
-def _state(inst: Instance) -> PrefillInstanceState | DecodeInstanceState:
-    inst.state = _prefill_state(inst) if inst.reg.role == "prefill" else _decode_state(inst)
-    inst.is_stale = False
-    return inst.state
-
-
-def _queued(job: PrefillJob) -> QueuedPrefill:
-    q = job.queued
-    if q is None or q.started_at != job.started_at:
-        q = job.queued = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
-    return q
-
-
-def _incoming(job: PrefillJob) -> IncomingRequest:
-    if job.incoming is None:   # the context it brings: prompt + first token, as add_decode will record
-        job.incoming = IncomingRequest(job.request_id, job.num_tokens + 1, job.max_output_tokens)
-    return job.incoming
-
-
-def _prefill_limits(inst: Instance) -> tuple:
-    """(store id, inbound bandwidth) as the prefill state shows them."""
-    if inst.limits is None:
-        # No store: a unique id no block event names, so nothing counts as cached there.
-        store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
-        bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
-        inst.limits = (store_id, bandwidth)
-    return inst.limits
-
-
-def _prefill_state(inst: Instance) -> PrefillInstanceState:
-    store_id, bandwidth = _prefill_limits(inst)
-    if inst.queue is None:
-        inst.queue = tuple(map(_queued, inst.prefill_jobs.values()))
-    state = PrefillInstanceState(inst.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
-    if inst.state is not None:
-        carry_queue_estimates(inst.state, state)
-    return state
-
-
-def _shown(job: DecodeJob, refresh: bool) -> DecodingRequest:
-    """The job as a state shows it: built when it joins; a rebuild for another reason (a
-    request joining or leaving) reuses it, lag and all (a record costs about a microsecond);
-    a rebuild for the batch's lag refreshes every record, so the lag starts again from zero."""
-    shown = job.shown
-    if shown is None or (refresh and shown.context_tokens != job.context_tokens):
-        shown = job.shown = DecodingRequest(job.request_id, job.context_tokens, job.joined_at,
-                                            job.max_output_tokens)
-    return shown
-
-
-def _unshow(inst: Instance, job: DecodeJob) -> None:
-    """Take a leaving job's shown context and lag out of its instance's totals."""
-    if job.shown is not None:
-        inst.shown_context -= job.shown.context_tokens
-        inst.context_lag -= job.context_tokens - job.shown.context_tokens
-
-
-def _decode_limits(inst: Instance) -> tuple:
-    """(max batch size, max context tokens) as the decode state shows them."""
-    if inst.limits is None:
-        # Register.max_context of a decode instance is its KV capacity in tokens.
-        max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
-        inst.limits = (_int_or_none(inst.load.get("max_batch_size")), max_context)
-    return inst.limits
-
-
-def _show_batch(inst: Instance, refresh: bool) -> None:
-    """Rebuild the shown batch (refreshed records when ``refresh``) and recount its totals."""
-    jobs = inst.decode_jobs.values()
-    inst.running = tuple(_shown(j, refresh) for j in jobs)
-    inst.shown_context = sum(r.context_tokens for r in inst.running)
-    inst.context_lag = sum(j.context_tokens for j in jobs) - inst.shown_context
-
-
-def _decode_state(inst: Instance) -> DecodeInstanceState:
-    refresh, inst.is_context_stale = inst.is_context_stale, False
-    if inst.running is None or refresh:
-        _show_batch(inst, refresh)
-        if inst.context_lag > context_lag_bound(inst.shown_context):
-            _show_batch(inst, True)   # e.g. lag carried over a re-registration or a replaced job
-    if inst.incoming is None:
-        inst.incoming = tuple(map(_incoming, inst.incoming_jobs.values()))
-    state = DecodeInstanceState(inst.instance_id, inst.running, *_decode_limits(inst), inst.costs.decode,
-                                inst.incoming)
-    if inst.state is not None:
-        carry_running_estimates(inst.state, state)
-    return state
-
-
-def _int_or_none(value: float | None) -> int | None:
-    return int(value) if value is not None and value > 0 else None

@@ -39,10 +39,6 @@ def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostMode
     return p.cost or costs.prefill
 
 
-def decode_model(d: DecodeInstanceState, costs: CostModels) -> DecodeCostModel:
-    return d.cost or costs.decode
-
-
 def _backlog(p: PrefillInstanceState, model: PrefillCostModel) -> tuple:
     """(model, cumulative predicted durations, (duration, started_at) of the leading started
     jobs, the jobs' request ids, their predicted durations). Independent of ``now``: kept on
