@@ -162,6 +162,9 @@ def loads(cls: type[M], raw: bytes | str) -> M:
     return from_dict(cls, data)
 
 
+_EXACT_ITEMS = (int, str, bool)
+
+
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -174,6 +177,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if origin is tuple:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list")
+        # Token ids and block keys come by the thousand: items all of the exact scalar type are
+        # checked in one C pass; anything else goes item by item (and fails with the item's type).
+        if args[0] in _EXACT_ITEMS and set(map(type, value)) <= {args[0]}:
+            return tuple(value)
         return tuple(_coerce(args[0], v, where) for v in value)
     if origin is dict:
         if not isinstance(value, dict):

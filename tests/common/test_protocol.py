@@ -20,3 +20,18 @@ def test_round_trip_nested():
 def test_malformed_messages_are_clear(raw, needle):
     with pytest.raises(ProtocolError, match=needle):
         loads(GenerateRequest, raw)
+
+
+@pytest.mark.parametrize("ids, needle", [
+    ("[1, true, 3]", "expected int, got bool"),
+    ('[1, "2", 3]', "expected int, got str"),
+    ("[1, 2.5]", "expected int, got float"),
+    ("[1, null]", "expected int, got NoneType"),
+])
+def test_every_item_of_a_list_field_is_checked(ids, needle):
+    raw = ('{"request_id": "r", "transfer_id": "t", "token_ids": %s, "decode_data": "127.0.0.1:9", '
+           '"sampling": {"max_tokens": 2}}' % ids)
+    with pytest.raises(ProtocolError, match=f"PrefillRequest.token_ids: {needle}"):
+        loads(PrefillRequest, raw)
+    ok = loads(PrefillRequest, raw.replace(ids, "[1, 2, 3]"))
+    assert ok.token_ids == (1, 2, 3) and type(ok.token_ids) is tuple
