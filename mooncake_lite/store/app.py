@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.store.blocks import BlockStore
@@ -42,6 +43,9 @@ class DataPlane:
     address: str = ""
     handler: StoreHandler | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # Built once: the collectors read the live objects at each scrape, and the GPU collector
+    # starts NVML once per process, not once per scrape.
+    registry: CollectorRegistry | None = None
 
 
 DATA = web.AppKey("data", DataPlane)
@@ -63,7 +67,10 @@ def make_app(cfg: Config) -> web.Application:
     # forgets what a previous run of this store held.
     publisher.enable_full_sync(store.keys)
     app = web.Application(middlewares=[cluster_token_middleware(cfg.cluster_token)])
-    app[DATA] = DataPlane(cfg, store, publisher)
+    dp = app[DATA] = DataPlane(cfg, store, publisher)
+    dp.registry = make_registry(StoreCollector(store, lambda: {
+        "connections": len(dp.handler.connections) if dp.handler else 0,
+        "events_pending": dp.publisher.num_pending}))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/blocks", blocks)
@@ -137,11 +144,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    dp = request.app[DATA]
-    registry = make_registry(StoreCollector(dp.store, lambda: {
-        "connections": len(dp.handler.connections) if dp.handler else 0,
-        "events_pending": dp.publisher.num_pending}))
-    return web.Response(body=render(registry), content_type="text/plain", charset="utf-8")
+    return web.Response(body=render(request.app[DATA].registry), content_type="text/plain", charset="utf-8")
 
 
 async def blocks(request: web.Request) -> web.Response:
