@@ -181,8 +181,11 @@ class PrefillService:
                 await client.request(OP_KV_ALIVE, {"tid": req.transfer_id})
                 await asyncio.sleep(self.keepalive_s)
         except RemoteError as exc:
-            log.info("decode dropped queued request %s (%s); skipping it", req.request_id, exc)
-            self.abort(req.request_id)
+            if exc.code == "unknown_transfer":
+                log.info("decode dropped queued request %s (%s); skipping it", req.request_id, exc)
+                self.abort(req.request_id)
+            else:   # e.g. a decode from before KV_ALIVE answers bad_op: keep the request, stop asking
+                log.warning("keepalive for %s refused by decode (%s); not sending more", req.request_id, exc)
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.debug("keepalive for %s stopped: %s", req.request_id, exc)
 

@@ -209,6 +209,28 @@ async def test_seeded_sampling_equals_the_monolithic_run(model, top_p):
             assert err is None and got == want
 
 
+async def test_a_decode_refusing_keepalives_for_another_reason_keeps_the_queued_request(model):
+    """Only "no such transfer" drops a queued request: a decode that answers keepalives with any
+    other error (say, one older than KV_ALIVE: bad_op) still gets the request's KV."""
+    from mooncake_lite.decode.engine import KVError
+
+    def old_decode(tid):
+        raise KVError("bad_op", "unknown operation 23 on the KV data socket")
+
+    async with cluster(model, block_size=BS) as c:
+        c.prefill.keepalive_s = 0.05
+        c.decode.kv_alive = old_decode
+        await c.prefill._lock.acquire()
+        toks = prompt(12, 72)
+        waiting = asyncio.ensure_future(c.request("queued", toks, 4))
+        await asyncio.sleep(0.3)                     # several keepalives refused meanwhile
+        assert "queued" not in c.prefill._aborted
+        c.prefill._lock.release()
+        tokens, reason, err = await waiting
+        assert err is None and tokens == reference_greedy(model, toks, 4)
+        assert_clean(c)
+
+
 async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped(model):
     async with cluster(model, block_size=BS) as c:
         c.prefill.keepalive_s = 0.1
