@@ -43,15 +43,15 @@ class NodeStore:
         dropped: list[Hashable] = []
         if self.ssd is None:
             dropped = spilled
-        elif spilled:
-            gone = self.ssd.insert_chain(spilled)
-            dropped = [k for k in gone if k not in self.dram]
-        held = []
-        for key in keys:
-            if key not in self:
-                break
-            held.append(key)
-        return held, dropped
+        else:
+            # One block at a time, as the real store spills: the spilled keys are not one chain
+            # (protecting them from each other could leave one in neither tier, unreported).
+            for key in spilled:
+                dropped.extend(k for k in self.ssd.insert_chain((key,)) if k not in self.dram)
+                if key not in self.ssd:
+                    dropped.append(key)
+        n, _ = self.prefix(keys)
+        return list(keys[:n]), dropped
 
     def __len__(self) -> int:
         return len(self.dram) + (len(self.ssd) if self.ssd is not None else 0)

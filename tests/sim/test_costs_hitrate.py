@@ -71,3 +71,16 @@ def test_hit_rate_known_answers():
     assert hit_rate(t2, "length-aware", 4).block_hit_rate == pytest.approx(4 / 9)
     cells = hit_rate_table(trace, ["lru", "lfu"], [None, 2])
     assert [(c.policy, c.capacity_blocks) for c in cells] == [("lru", None), ("lru", 2), ("lfu", None), ("lfu", 2)]
+
+
+def test_a_spill_larger_than_the_ssd_tier_reports_every_block_it_loses():
+    from mooncake_lite.sim.store import NodeStore
+    store = NodeStore(dram_blocks=3, ssd_blocks=2, policy="lru")
+    inserted, dropped = set(), set()
+    for chain in ([1, 2, 3], [4, 5, 6], [7, 8]):
+        held, gone = store.insert(chain)
+        inserted.update(chain)
+        dropped.update(gone)
+        assert held == chain
+    assert {k for k in inserted if k not in store} == dropped    # the index forgets exactly these
+    assert len(store) == 5
