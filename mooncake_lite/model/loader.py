@@ -16,8 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from mooncake_lite.model.args import ModelArgs
-from mooncake_lite.model.checkpoint_config import (  # noqa: F401  (re-exported)
-    SUPPORTED_TYPES, CheckpointError, CheckpointNotFoundError, read_args)
+from mooncake_lite.model.checkpoint_config import CheckpointError, CheckpointNotFoundError, read_args
 from mooncake_lite.model.llama import Transformer
 
 

@@ -13,7 +13,7 @@ import os
 import torch
 
 from mooncake_lite.model.args import ModelArgs
-from mooncake_lite.model.checkpoint_config import model_args  # noqa: F401  (re-exported)
+from mooncake_lite.model.checkpoint_config import model_args  # also imported from here by callers
 from mooncake_lite.model.llama import Transformer
 
 
@@ -47,17 +47,9 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
     if os.path.isdir(model):
         from mooncake_lite.model.loader import load_checkpoint
         return load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
-    args = _preset(model)
-    net = Transformer(args, layer_range)
+    net = Transformer(model_args(model), layer_range)
     init_dummy_weights(net, seed)
     return net.to(device=device, dtype=dtype).eval()
-
-
-def _preset(model: str) -> ModelArgs:
-    if os.sep in model or model.startswith("."):  # meant as a path, not a preset name
-        from mooncake_lite.model.loader import CheckpointNotFoundError
-        raise CheckpointNotFoundError(f"checkpoint directory {model!r} does not exist")
-    return ModelArgs.from_name(model)
 
 
 def build_meta(args: ModelArgs) -> Transformer:
