@@ -112,10 +112,10 @@ class BlockEventPublisher:
         """Send the whole inventory; the events pending until now are part of it (the inventory
         is read after them), so they are dropped. Any failed chunk restarts the sync later."""
         self._pending = OrderedDict()
-        keys = [k.hex() for k in self.inventory()]
+        keys = list(self.inventory())   # the snapshot; hex-encoded chunk by chunk, between posts
         self._needs_full = False
         for start in range(0, max(len(keys), 1), SYNC_CHUNK_KEYS):
-            msg = BlockEvents(self.store_address, stored=tuple(keys[start:start + SYNC_CHUNK_KEYS]),
+            msg = BlockEvents(self.store_address, stored=tuple(k.hex() for k in keys[start:start + SYNC_CHUNK_KEYS]),
                               full=start == 0)
             if not await self._post(session, msg):
                 self._needs_full = True
