@@ -167,7 +167,7 @@ class StageServer(FrameHandler):
             await work.worker
             if self.next is None:
                 params = sampling_params(work.sampling)
-                first = sample(work.logits, params, make_generator(params))
+                first = sample(work.logits, params, make_generator(params, work.logits.device))
                 await self.stage.finish(work.job, first)
             else:
                 await self.stage.finish(work.job, None)

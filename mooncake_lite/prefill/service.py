@@ -153,7 +153,7 @@ class PrefillService:
                 if self.downstream is not None:
                     await self.downstream.send_chunk(req.request_id, start, out)
             if self.downstream is None:
-                first = sample(out, _params(req), make_generator(_params(req)))
+                first = sample(out, _params(req), make_generator(_params(req), out.device))
                 await self.stage.finish(job, first)
             else:
                 await self.stage.finish(job, None)
