@@ -17,6 +17,7 @@ rebuilt before each decision (the worst case: no derived data reused). The live-
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -47,6 +48,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _decision_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decision")
     g.add_argument("--num-prefill", type=_positive, default=16, help="prefill instances (one store each)")
@@ -55,7 +63,7 @@ def _decision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-blocks", type=_positive, default=64, help="blocks per request")
     g.add_argument("--iterations", type=_positive, default=20_000, help="decisions timed per case")
     g.add_argument("--seed", type=int, default=0, help="seed of the synthetic cluster")
-    g.add_argument("--uniform-decode", type=float, default=None, metavar="SECONDS",
+    g.add_argument("--uniform-decode", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="t_d for predictive admission, as the conductor's --uniform-decode (default: "
                         "none, like the conductor: max_tokens × current TBT per request)")
     g.add_argument("--tokens-per-decision", type=_positive, default=2,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -66,8 +67,8 @@ def run_main(argv: list[str]) -> int:
     try:
         hw = get_hardware(args.cost_model)
         if args.network_gbps is not None:
-            if args.network_gbps <= 0:
-                raise ValueError("--network-gbps must be positive")
+            if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
+                raise ValueError(f"--network-gbps must be a positive number, got {args.network_gbps}")
             hw = replace(hw, network_bytes_per_s=args.network_gbps * 1e9 / 8)
         sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
                                 tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,

@@ -27,3 +27,7 @@ def test_human_output_and_unknown_part(capsys):
     assert "median" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         conductor.main(["--parts", "nope"])
+    for bad in ("0", "nan", "-1"):              # refused before the cluster is built
+        with pytest.raises(SystemExit):
+            conductor.main(["--uniform-decode", bad])
+        assert "must be a positive number of seconds" in capsys.readouterr().err

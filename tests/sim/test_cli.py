@@ -49,6 +49,9 @@ def test_sim_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main([str(bad)]) == 2
     assert "missing field" in capsys.readouterr().err
     assert main([str(synth_file(tmp_path)), "--cost-model", "nope"]) == 2
+    for gbps in ("0", "nan", "-3"):
+        assert main([str(synth_file(tmp_path)), "--network-gbps", gbps]) == 2
+        assert "--network-gbps must be a positive number" in capsys.readouterr().err
 
 
 def test_tiny_reproduction(tmp_path, capsys):
