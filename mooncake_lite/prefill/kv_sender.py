@@ -14,7 +14,7 @@ import logging
 import torch
 
 from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
-from mooncake_lite.transfer.client import FrameClient
+from mooncake_lite.transfer.client import FrameClient, split_address
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,8 @@ class DecodeLinks:
         async with lock:
             client = self._clients.get(address)
             if client is None or client.is_closed:
-                host, _, port = address.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"decode data address must be host:port, got {address!r}")
-                client = await FrameClient.connect(host, int(port), token=self.token, name="prefill",
+                host, port = split_address(address)
+                client = await FrameClient.connect(host, port, token=self.token, name="prefill",
                                                    timeout=self.timeout)
                 self._clients[address] = client
             return client

@@ -27,7 +27,7 @@ from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
 from mooncake_lite.prefill.service import sampling_params
-from mooncake_lite.transfer.client import FrameClient
+from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
 from mooncake_lite.transfer.server import reply_error
@@ -45,8 +45,8 @@ class NextStage:
 
     @classmethod
     async def connect(cls, address: str, token: str | None) -> NextStage:
-        host, _, port = address.rpartition(":")
-        return cls(await FrameClient.connect(host, int(port), token=token, name="stage"))
+        host, port = split_address(address)
+        return cls(await FrameClient.connect(host, port, token=token, name="stage"))
 
     async def match(self, rid: str, keys: list[bytes]) -> int:
         frame = await self.client.request(OP_STAGE_MATCH, {"rid": rid, "keys": [k.hex() for k in keys]})

@@ -24,7 +24,7 @@ from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
-from mooncake_lite.transfer.client import RemoteError
+from mooncake_lite.transfer.client import RemoteError, split_address
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,10 @@ class PrefillService:
             _params(req)
         except ValueError as exc:
             raise PrefillRejected(f"sampling: {exc}") from None
-        host, _, port = req.decode_data.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise PrefillRejected(f"decode_data must be host:port, got {req.decode_data!r}")
+        try:
+            split_address(req.decode_data)
+        except ValueError as exc:
+            raise PrefillRejected(f"decode_data {exc}") from None
         if any(len(k) != 32 or not _is_hex(k) for k in req.migrate_keys):
             raise PrefillRejected("migrate_keys must be 32-character hex block keys")
         keys = prefix_hash(req.token_ids, self.block_size, self.hash_seed)

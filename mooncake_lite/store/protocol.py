@@ -30,6 +30,7 @@ from enum import IntEnum
 from typing import Any
 
 from mooncake_lite.common.hashing import KEY_BYTES
+from mooncake_lite.transfer.client import split_address
 
 
 class Op(IntEnum):
@@ -93,9 +94,7 @@ def sizes_from_meta(meta: dict[str, Any], count: int) -> list[int]:
 
 
 def parse_peer(peer: Any) -> tuple[str, int]:
-    if not isinstance(peer, str) or ":" not in peer:
-        raise MetaError(f"'peer' must be 'host:port', got {peer!r}")
-    host, _, port = peer.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise MetaError(f"'peer' must be 'host:port', got {peer!r}")
-    return host, int(port)
+    try:
+        return split_address(peer)
+    except ValueError as exc:
+        raise MetaError(f"'peer' {exc}") from None

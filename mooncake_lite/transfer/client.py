@@ -70,6 +70,15 @@ class _ClientHandler(FrameHandler):
         self.pending.clear()
 
 
+def split_address(address: Any) -> tuple[str, int]:
+    """``'host:port'`` → (host, port) for :meth:`FrameClient.connect`; a clear ValueError for
+    anything else (no host, a port that is not 1–65535)."""
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be 'host:port', got {address!r}")
+    return host, int(port)
+
+
 class FrameClient:
     def __init__(self, conn: FrameConnection, handler: _ClientHandler) -> None:
         self.conn = conn

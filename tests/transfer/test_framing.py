@@ -236,3 +236,16 @@ async def test_data_connections_use_an_unpaced_congestion_control():
     finally:
         await client.close()
         server.close()
+
+
+@pytest.mark.parametrize("bad", ["x", ":9", "h:", "h:0", "h:65536", "h:-1", "h:p", None, 7])
+def test_split_address_refuses_anything_but_host_port(bad):
+    from mooncake_lite.transfer.client import split_address
+    with pytest.raises(ValueError, match="must be 'host:port'"):
+        split_address(bad)
+
+
+def test_split_address_takes_the_last_colon_as_the_port():
+    from mooncake_lite.transfer.client import split_address
+    assert split_address("127.0.0.1:9") == ("127.0.0.1", 9)
+    assert split_address("[::1]:8101") == ("[::1]", 8101)
