@@ -72,7 +72,8 @@ class SteadyConductor:
         self.decode_ids = [i.instance_id for i in m.alive("decode")]
 
     def decide(self, req: ScheduleRequest):
-        return self.sched.schedule(req, self.m.snapshot(), self.now)
+        # As conductor/placement.py: the snapshot, less prefills too small for the prompt.
+        return self.sched.schedule(req, self.m.fitting(self.m.snapshot(), req.num_tokens), self.now)
 
     def after(self, req: ScheduleRequest, decision) -> None:
         self.count += 1

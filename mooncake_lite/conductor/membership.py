@@ -341,6 +341,13 @@ class Membership:
             self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
 
+    def fitting(self, snap: ClusterState, num_tokens: int) -> ClusterState:
+        """``snap`` without the prefill instances whose KV cache cannot hold a ``num_tokens``
+        prompt (the scheduler core does not know their capacity); no prefills if none can."""
+        instances = self.instances
+        fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= num_tokens)
+        return snap if len(fits) == len(snap.prefills) else ClusterState(fits, snap.decodes)
+
     def _rebuild(self) -> ClusterState:
         prefills, decodes = [], []
         self._positions = {}

@@ -52,14 +52,11 @@ def _snapshot(svc: Services, req: ApiRequest) -> ClusterState:
     """The live cluster, without prefill instances whose KV cache cannot hold this prompt
     (the scheduler core does not know their capacity). None can: 400."""
     snap, n = svc.membership.snapshot(), len(req.prompt_ids)
-    instances = svc.membership.instances
-    fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= n)
-    if len(fits) == len(snap.prefills):
-        return snap
-    if not fits:
-        largest = max(instances[p.instance_id].reg.max_context for p in snap.prefills)
+    fits = svc.membership.fitting(snap, n)
+    if snap.prefills and not fits.prefills:
+        largest = max(svc.membership.instances[p.instance_id].reg.max_context for p in snap.prefills)
         raise bad_request(f"the prompt has {n} tokens but the largest prefill instance holds {largest}", "prompt")
-    return ClusterState(fits, snap.decodes)
+    return fits
 
 
 def _check_fits_some_decode(svc: Services, req: ApiRequest) -> None:
