@@ -31,16 +31,6 @@ class PrefillChoice(NamedTuple):
     route: Route
 
 
-def wants_transfer(best_len: int, local_len: int, threshold: float) -> bool:
-    """Algorithm 1's branch test, negated: ``best_len / prefix_len < threshold`` keeps the local
-    prefix. A zero local prefix makes the ratio infinite (fetch) unless nothing is cached at all."""
-    if best_len <= local_len:
-        return False
-    if local_len == 0:
-        return True
-    return best_len / local_len >= threshold
-
-
 def _transfer_s(p: PrefillInstanceState, num_blocks: int, cfg: SchedulerConfig,
                 costs: CostModels) -> float:
     nbytes = num_blocks * cfg.block_size * costs.kv_bytes_per_token
@@ -80,27 +70,53 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
         i = rng.randrange(len(prefills))
         return _option(req, prefills[i], views[i][0], match.length_at(prefills[i].store_id),
                        match, False, cfg, costs, route="random")
+    if cfg.strategy != "kvcache-centric":
+        return _choose_without_transfer(req, prefills, match, cfg, costs, views)
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
-    strategy, threshold = cfg.strategy, cfg.kvcache_balancing_threshold
+    threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
+    block_bytes = block_size * costs.kv_bytes_per_token
+    latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
+    # Instances costed with the best prefix fetched differ only in transfer time (inlined
+    # _transfer_s) and, rarely, in model: the prefill is predicted once per model. This loop
+    # runs per instance per request, so it makes no call it can avoid.
+    fetched_prefill_s: dict[int, float] = {}
     best, best_key = None, float("inf")
-    # Only the winner's PrefillChoice is built: this loop runs per instance per request.
     for p, view in zip(prefills, views):
-        queue_s = view[0]
         local = lengths.get(p.store_id, 0)
         model = p.cost or costs.prefill
-        if strategy == "load-balance":
-            # Cache-blind: rank by queue + full recompute; the engine still reuses what it has.
-            key, fetch = queue_s + model.predict(req.num_tokens, 0), False
-        elif strategy == "cache-aware" or not wants_transfer(best_len, local, threshold):
-            key, fetch = queue_s + model.predict(req.num_tokens, local * block_size), False
+        # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
+        # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
+        if local < best_len and (not local or best_len / local >= threshold):
+            prefill_s = fetched_prefill_s.get(id(model))   # the models outlive this loop
+            if prefill_s is None:
+                prefill_s = fetched_prefill_s[id(model)] = model.predict(num_tokens, best_len * block_size)
+            bandwidth = p.bandwidth_bytes_per_s or default_bandwidth
+            key, fetch = latency_s + (best_len - local) * block_bytes / bandwidth + view[0] + prefill_s, True
         else:
-            key = (_transfer_s(p, best_len - local, cfg, costs) + queue_s
-                   + model.predict(req.num_tokens, best_len * block_size))
-            fetch = True
+            key, fetch = view[0] + model.predict(num_tokens, local * block_size), False
         if key < best_key:
-            best, best_key = (p, queue_s, local, fetch), key
+            best, best_key = (p, view[0], local, fetch), key
     if best is None:
         return None
     p, queue_s, local, fetch = best
-    route = "balance" if strategy == "load-balance" else None
-    return _option(req, p, queue_s, local, match, fetch, cfg, costs, route=route)
+    return _option(req, p, queue_s, local, match, fetch, cfg, costs)
+
+
+def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
+                             match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels,
+                             views: list[PrefillView]) -> PrefillChoice | None:
+    """``load-balance`` (cache-blind: queue + full recompute; the engine still reuses what it
+    has) and ``cache-aware`` (queue + execution given the local prefix)."""
+    lengths, num_tokens = match.lengths, req.num_tokens
+    cached_tokens = 0 if cfg.strategy == "load-balance" else cfg.block_size
+    best, best_key = None, float("inf")
+    for p, view in zip(prefills, views):
+        local = lengths.get(p.store_id, 0)
+        key = view[0] + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+        if key < best_key:
+            best, best_key = (p, view[0], local), key
+    if best is None:
+        return None
+    p, queue_s, local = best
+    route = "balance" if cfg.strategy == "load-balance" else None
+    return _option(req, p, queue_s, local, match, False, cfg, costs, route=route)

@@ -1,10 +1,14 @@
 """Invariants of a decision on random clusters (hypothesis)."""
 
+from dataclasses import replace
+
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeInstanceState,
                                      DecodingRequest, IncomingRequest, PrefillInstanceState,
-                                     QueuedPrefill, ScheduleRequest, schedule)
+                                     PrefillCostModel, QueuedPrefill, ScheduleRequest, kv_transfer_time,
+                                     prefill_queue_time, schedule)
+from mooncake_lite.scheduler.prefill_select import choose_prefill
 from tests.scheduler.clusters import BS, COSTS, cfg
 
 NUM_BLOCKS = 12
@@ -65,3 +69,36 @@ def test_decision_invariants(scenario, admission):
     # on the chosen instance as the best holder has
     if threshold == 1.0 and decisions["kvcache-centric"].route in ("transfer", "local-hit"):
         assert decisions["kvcache-centric"].reused_prefix_blocks == idx.match(req.block_keys).best_len
+
+
+def _algorithm_1(req, prefills, idx, config, costs):
+    """Algorithm 1 lines 1–16 (REFERENCE.md §2) spelled out per instance, every option costed
+    with the plain helpers: (instance id, TTFT) of the first instance with the smallest TTFT."""
+    best_len = idx.match(req.block_keys).best_len
+    options = []
+    for p in prefills:
+        model = p.cost or costs.prefill
+        queue_s = prefill_queue_time(p, costs, 0.0)
+        prefix_len = idx.prefix_len(req.block_keys, p.store_id)
+        if best_len <= prefix_len or (prefix_len and best_len / prefix_len < config.kvcache_balancing_threshold):
+            ttft = queue_s + model.predict(req.num_tokens, prefix_len * BS)
+        else:
+            nbytes = (best_len - prefix_len) * BS * costs.kv_bytes_per_token
+            transfer = kv_transfer_time(nbytes, p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s,
+                                        costs.transfer_latency_s)
+            ttft = transfer + queue_s + model.predict(req.num_tokens, best_len * BS)
+        options.append((ttft, p.instance_id))
+    return min(options, key=lambda o: o[0])[::-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.lists(st.sampled_from([None, PrefillCostModel(c1=2e-3), PrefillCostModel(c0=0.05, c1=5e-4)]),
+                             min_size=5, max_size=5))
+def test_kvcache_centric_prefill_is_algorithm_1(scenario, models):
+    """The prefill choice (which prices shared options once and inlines the transfer time)
+    picks exactly the instance and TTFT of Algorithm 1 computed option by option."""
+    idx, clus, req, threshold = scenario
+    prefills = tuple(replace(p, cost=m) for p, m in zip(clus.prefills, models))
+    config = cfg(kvcache_balancing_threshold=threshold)
+    choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, COSTS, 0.0, None)
+    assert (choice.instance.instance_id, choice.ttft_s) == _algorithm_1(req, prefills, idx, config, COSTS)
