@@ -137,6 +137,9 @@ class Membership:
         # only their entries.
         self._positions: dict[str, int] | None = None
         self._changed: dict[str, Instance] = {}
+        # The smallest KV capacity among _cluster's prefill instances: a prompt within it fits
+        # them all (the common case), so fitting() need not look them up one by one.
+        self._smallest_prefill: int = 0
 
     # ---- membership messages --------------------------------------------------------------
     def register(self, reg: Register, now: float) -> Instance:
@@ -344,6 +347,8 @@ class Membership:
     def fitting(self, snap: ClusterState, num_tokens: int) -> ClusterState:
         """``snap`` without the prefill instances whose KV cache cannot hold a ``num_tokens``
         prompt (the scheduler core does not know their capacity); no prefills if none can."""
+        if snap is self._cluster and num_tokens <= self._smallest_prefill:
+            return snap
         instances = self.instances
         fits = tuple(p for p in snap.prefills if instances[p.instance_id].reg.max_context >= num_tokens)
         return snap if len(fits) == len(snap.prefills) else ClusterState(fits, snap.decodes)
@@ -358,5 +363,7 @@ class Membership:
                 same_role.append(build_state(inst) if inst.is_stale else inst.state)
         self._changed.clear()
         self._cluster = ClusterState(tuple(prefills), tuple(decodes))
+        # Only this rebuild changes which prefills are live (and their registrations).
+        self._smallest_prefill = min((self.instances[p.instance_id].reg.max_context for p in prefills), default=0)
         return self._cluster
 

@@ -210,3 +210,20 @@ def test_a_re_registered_decode_keeps_its_batch_within_the_lag_bound():
         m.decode_progress("d", "a")
     _check_against_exact(m)
     assert m.snapshot().decodes[0].running[0].context_tokens == 160
+
+
+def test_fitting_leaves_out_prefills_too_small_for_the_prompt_as_registrations_change():
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m.register(_reg("prefill", "small", max_context=100), now=0)
+    m.register(_reg("prefill", "large", max_context=500), now=0)
+    m.register(_reg("decode", "d"), now=0)
+    ids = lambda snap: [p.instance_id for p in snap.prefills]  # noqa: E731
+    snap = m.snapshot()
+    assert m.fitting(snap, 100) is snap
+    assert ids(m.fitting(snap, 101)) == ["large"] and ids(m.fitting(snap, 501)) == []
+    m.register(_reg("prefill", "large", max_context=50), now=1)    # restarted with less memory
+    snap = m.snapshot()
+    assert ids(m.fitting(snap, 60)) == ["small"] and ids(m.fitting(snap, 50)) == ["small", "large"]
+    m.reap(now=10)                                                  # all silent: nothing fits
+    m.heartbeat(Heartbeat("small", {}), now=10)                     # ... until one comes back
+    assert ids(m.fitting(m.snapshot(), 100)) == ["small"]
