@@ -103,6 +103,10 @@ class Instance:
     # Decode: the running batch as shown (kept up to date as requests join and leave), the sum
     # of its shown contexts, and how many tokens its requests generated beyond them in total.
     running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
+    # Decode: how ``running`` was edited since ``state`` was built — (True, record) appended,
+    # (False, record) removed — so the scheduler can edit its estimates by just those (None:
+    # not known, e.g. the batch was rebuilt; see carry_running_estimates).
+    batch_edits: list[tuple[bool, DecodingRequest]] | None = field(default=None, repr=False)
     shown_context: int = field(default=0, repr=False)
     context_lag: int = field(default=0, repr=False)
     # Prefill: the queue as shown (kept up to date as jobs are added and end; None: rebuild).
@@ -221,7 +225,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
-        inst.running = inst.incoming = inst.queue = None
+        inst.running = inst.incoming = inst.queue = inst.batch_edits = None
         inst.shown_context = inst.context_lag = 0
         self._positions = None
         self._touch(inst)
@@ -286,8 +290,10 @@ class Membership:
                 inst.shown_context += shown.context_tokens
                 inst.context_lag += job.context_tokens - shown.context_tokens
                 inst.running = (*inst.running, shown)
+                if inst.batch_edits is not None:
+                    inst.batch_edits.append((True, shown))
             else:
-                inst.running = None      # rebuilt (and recounted) at the next snapshot
+                inst.running = inst.batch_edits = None   # rebuilt (and recounted) at the next snapshot
             self._touch(inst)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
@@ -312,7 +318,7 @@ class Membership:
                 unshow(inst, running)
                 self._check_lag(inst)     # a smaller batch allows less lag
                 if inst.running is not None:
-                    inst.running = tuple(r for r in inst.running if r.request_id != request_id)
+                    self._unlist(inst, running)
             if incoming is not None:
                 inst.incoming = None
             if running is not None or incoming is not None:
@@ -320,6 +326,18 @@ class Membership:
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
+    @staticmethod
+    def _unlist(inst: Instance, job: DecodeJob) -> None:
+        """Take a leaving job's record out of the shown batch."""
+        running = inst.running
+        kept = tuple(r for r in running if r.request_id != job.request_id)
+        inst.running = kept
+        if inst.batch_edits is not None:
+            if job.shown is not None and len(kept) == len(running) - 1:
+                inst.batch_edits.append((False, job.shown))
+            else:
+                inst.batch_edits = None
+
     def _touch(self, inst: Instance) -> None:
         inst.is_stale = True
         self._changed[inst.instance_id] = inst

@@ -100,12 +100,14 @@ def _decode_state(inst: Instance) -> DecodeInstanceState:
         _show_batch(inst, refresh)
         if inst.context_lag > context_lag_bound(inst.shown_context):
             _show_batch(inst, True)   # e.g. lag carried over a re-registration or a replaced job
+        inst.batch_edits = None       # new records: the estimates cannot be edited by a few
     if inst.incoming is None:
         inst.incoming = tuple(map(incoming_record, inst.incoming_jobs.values()))
     state = DecodeInstanceState(inst.instance_id, inst.running, *_decode_limits(inst), inst.costs.decode,
                                 inst.incoming)
     if inst.state is not None:
-        carry_running_estimates(inst.state, state)
+        carry_running_estimates(inst.state, state, inst.batch_edits)
+    inst.batch_edits = []
     return state
 
 

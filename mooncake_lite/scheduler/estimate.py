@@ -150,17 +150,21 @@ def running_load(d: DecodeInstanceState) -> tuple[int, int]:
 _RUNNING_ONLY = ("_context_tokens", "_leave")
 
 
-def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState) -> None:
+def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState,
+                            edits: Sequence[tuple[bool, DecodingRequest]] | None = None) -> None:
     """For a caller that rebuilds a decode state from the previous one: ``new`` reuses what was
     derived from ``old``'s running batch when both show the very same batch object (only its
     incoming requests or capacity changed); otherwise its leave profile may be edited from
-    ``old``'s when one request joined or left (see MAX_TBT_DRIFT)."""
+    ``old``'s (see MAX_TBT_DRIFT). A caller that knows how ``new.running`` came from
+    ``old.running`` passes ``edits``: ``(True, record)`` appended, ``(False, record)`` removed,
+    in the order they happened; without them, one appended or removed record is recognised by
+    comparing the two batches (which touches every record of both)."""
     if new.running is old.running:
         for key in _RUNNING_ONLY:
             if getattr(new, key) is None:
                 _keep(new, key, getattr(old, key))
     elif old._leave is not None:
-        _keep(new, "_previous", old)
+        _keep(new, "_previous", (old, edits))
 
 
 def decode_load_now(d: DecodeInstanceState) -> tuple[int, int]:
@@ -218,10 +222,17 @@ class _LeaveProfile(NamedTuple):
     prefix: list[int]
 
 
+def _leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt: float | None) -> float:
+    """joined_at + t_d, t_d uniform or max_output_tokens × tbt (unknown: never leaves — the
+    conservative guess)."""
+    if uniform_decode_s is not None:
+        return r.joined_at + uniform_decode_s
+    return inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt
+
+
 def _leave_times(requests: Sequence[DecodingRequest], uniform_decode_s: float | None,
                  tbt: float | None) -> list[float]:
-    """joined_at + t_d of each request, t_d uniform or max_output_tokens × tbt (unknown: never
-    leaves — the conservative guess)."""
+    """:func:`_leave_time` of each request (written out: this runs over whole batches)."""
     if uniform_decode_s is not None:
         return [r.joined_at + uniform_decode_s for r in requests]
     return [inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt
@@ -233,9 +244,9 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
     """The profile of ``d``'s running batch, per-request t_d from its current TBT: edited from
     the previous state's (see :func:`carry_running_estimates`) when one request joined or
     left and the TBT moved less than MAX_TBT_DRIFT, else built by sorting."""
-    previous = d._previous
+    carried = d._previous              # (previous state, edits) from carry_running_estimates
     _keep(d, "_previous", None)        # used once: do not keep the old state alive
-    profile = previous is not None and _edited_profile(d, previous, model, uniform_decode_s)
+    profile = carried is not None and _edited_profile(d, *carried, model, uniform_decode_s)
     if profile:
         return profile
     running = d.running
@@ -249,31 +260,44 @@ def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
                          list(accumulate(contexts, initial=0)))
 
 
-def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState, model: DecodeCostModel,
+def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
+                    edits: Sequence[tuple[bool, DecodingRequest]] | None, model: DecodeCostModel,
                     uniform_decode_s: float | None) -> _LeaveProfile | None:
-    """``previous``'s profile with the one request that joined inserted or the one that left
+    """``previous``'s profile with the requests that joined inserted and those that left
     removed, keeping its TBT while the current one is within MAX_TBT_DRIFT of it; else None."""
     old = previous._leave
-    change = _one_change(d.running, previous.running)
-    if old is None or change is None or old.model is not model or old.uniform_decode_s != uniform_decode_s:
+    if old is None or old.model is not model or old.uniform_decode_s != uniform_decode_s:
         return None
-    joined, r = change
-    total = old.prefix[-1] + (r.context_tokens if joined else -r.context_tokens)
+    if edits is None:
+        change = _one_change(d.running, previous.running)
+        if change is None:
+            return None
+        edits = (change,)
+    total = old.prefix[-1]
+    for joined, r in edits:
+        total += r.context_tokens if joined else -r.context_tokens
+    if len(old.ends) + sum(1 if joined else -1 for joined, _ in edits) != len(d.running):
+        return None                    # the edits do not describe this batch: build it afresh
     if d._context_tokens is None:
         _keep(d, "_context_tokens", total)
-    if old.tbt is not None and abs(model.predict(len(d.running), total) - old.tbt) > old.tbt * MAX_TBT_DRIFT:
+    tbt = old.tbt
+    if tbt is not None and abs(model.predict(len(d.running), total) - tbt) > tbt * MAX_TBT_DRIFT:
         return None
-    end = _leave_times((r,), uniform_decode_s, old.tbt)[0]
     ends, members, contexts = old.ends.copy(), old.members.copy(), old.contexts.copy()
-    if joined:
-        i = bisect_right(ends, end)
-        ends.insert(i, end)
-        members.insert(i, r)
-        contexts.insert(i, r.context_tokens)
-    else:
-        i = members.index(r, bisect_left(ends, end))   # identity first: finds this very record
-        del ends[i], members[i], contexts[i]
-    return _LeaveProfile(model, uniform_decode_s, old.tbt, ends, members, contexts,
+    for joined, r in edits:
+        end = _leave_time(r, uniform_decode_s, tbt)
+        if joined:
+            i = bisect_right(ends, end)
+            ends.insert(i, end)
+            members.insert(i, r)
+            contexts.insert(i, r.context_tokens)
+        else:
+            try:
+                i = members.index(r, bisect_left(ends, end))   # identity first: finds this very record
+            except ValueError:         # not in the batch the edits start from
+                return None
+            del ends[i], members[i], contexts[i]
+    return _LeaveProfile(model, uniform_decode_s, tbt, ends, members, contexts,
                          list(accumulate(contexts, initial=0)))
 
 

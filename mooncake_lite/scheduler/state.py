@@ -135,7 +135,7 @@ class DecodeInstanceState:
     _context_tokens: int | None = _derived()
     _committed_load: tuple[int, int] | None = _derived()
     _leave: Any = _derived()
-    _previous: DecodeInstanceState | None = _derived()
+    _previous: tuple | None = _derived()
 
 
 @dataclass(frozen=True)

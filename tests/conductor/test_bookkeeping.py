@@ -8,7 +8,12 @@ import pytest
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
-from mooncake_lite.scheduler import MAX_CONTEXT_LAG, context_lag_bound
+from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, PrefillCostModel,
+                                     context_lag_bound)
+from mooncake_lite.scheduler.estimate import decode_load_at
+
+COSTS = CostModels(PrefillCostModel(c1=1e-3), DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
+T_D = 30.0
 
 
 def _reg(role: str, iid: str, **kw) -> Register:
@@ -121,6 +126,13 @@ def _check_against_exact(m: Membership) -> None:
         lags = [true_context - shown.context_tokens for shown, (_, true_context, _, _) in zip(d.running, running)]
         assert min(lags, default=0) >= 0
         assert sum(lags) <= context_lag_bound(sum(r.context_tokens for r in d.running))
+        # The scheduler's leave profile, edited by the joins and leaves Membership stated since
+        # the last state, predicts exactly as the shown batch does (uniform t_d: no TBT drift;
+        # nothing late, so every incoming request has joined).
+        for t in (0.0, 20.0, 40.0, 80.0):
+            staying = [r.context_tokens for r in d.running if r.joined_at + T_D > t]
+            staying += [r.context_tokens for r in d.incoming]
+            assert decode_load_at(d, COSTS, t, set(), T_D) == (len(staying), sum(staying))
 
 
 @pytest.mark.parametrize("seed", range(12))

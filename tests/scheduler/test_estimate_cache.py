@@ -68,13 +68,50 @@ def test_a_chain_of_rebuilt_batches_predicts_like_the_definition(d, changes, ts,
             running = tuple(reversed(running))      # not one join or leave: built afresh
         new = DecodeInstanceState("d", running)
         carry_running_estimates(d, new)
-        decode_load_at(new, COSTS, ts[0], set(), uniform)
-        kept = new._leave.tbt
-        if uniform is None:
-            assert abs(kept - current_tbt(new)) <= kept * MAX_TBT_DRIFT + 1e-12
-        for t in ts:
-            assert decode_load_at(new, COSTS, t, set(), uniform) == staying_by_definition(new, t, uniform, kept)
+        _check_edited(new, ts, uniform)
         d = new
+
+
+def _check_edited(new: DecodeInstanceState, ts: list[float], uniform: float | None) -> None:
+    decode_load_at(new, COSTS, ts[0], set(), uniform)
+    kept = new._leave.tbt
+    if uniform is None:
+        assert abs(kept - current_tbt(new)) <= kept * MAX_TBT_DRIFT + 1e-12
+    for t in ts:
+        assert decode_load_at(new, COSTS, t, set(), uniform) == staying_by_definition(new, t, uniform, kept)
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode_states(), edits, st.lists(times, min_size=1, max_size=3), st.one_of(st.none(), st.floats(0.1, 30)),
+       st.integers(1, 3))
+def test_stated_edits_carry_the_profile_like_the_definition(d, changes, ts, uniform, per_rebuild):
+    """The live conductor states how the batch changed (several joins and leaves between two
+    rebuilds): the profile edited by exactly those answers like the definition."""
+    decode_load_at(d, COSTS, ts[0], set(), uniform)
+    running, stated = d.running, []
+    for n, (kind, context, joined, max_output, pick) in enumerate(changes):
+        if kind == "join":
+            r = DecodingRequest(f"j{n}", context, joined, max_output)
+            running, stated = running + (r,), [*stated, (True, r)]
+        elif kind == "leave" and running:
+            i = pick % len(running)
+            running, stated = running[:i] + running[i + 1:], [*stated, (False, running[i])]
+        if stated and (len(stated) >= per_rebuild or n == len(changes) - 1):
+            new = DecodeInstanceState("d", running)
+            carry_running_estimates(d, new, stated)
+            _check_edited(new, ts, uniform)
+            d, stated = new, []
+
+
+def test_stated_edits_that_do_not_describe_the_batch_rebuild_the_profile():
+    a, b, c = (DecodingRequest(x, 100 * (i + 1), float(i), 10) for i, x in enumerate("abc"))
+    old = DecodeInstanceState("d", (a, b))
+    decode_load_at(old, COSTS, 0.0, set(), 5.0)
+    for stated in ([(False, c)], [(True, c), (True, c)]):   # c was never there / joined once
+        new = DecodeInstanceState("d", (a, b, c) if len(stated) == 2 else (a,))
+        carry_running_estimates(old, new, stated)
+        for t in (0.0, 5.5, 6.5, 7.5):
+            assert decode_load_at(new, COSTS, t, set(), 5.0) == staying_by_definition(new, t, 5.0)
 
 
 @st.composite
