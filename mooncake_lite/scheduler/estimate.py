@@ -273,10 +273,13 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
         if change is None:
             return None
         edits = (change,)
-    total = old.prefix[-1]
+    total, size = old.prefix[-1], len(old.ends)
     for joined, r in edits:
-        total += r.context_tokens if joined else -r.context_tokens
-    if len(old.ends) + sum(1 if joined else -1 for joined, _ in edits) != len(d.running):
+        if joined:
+            total, size = total + r.context_tokens, size + 1
+        else:
+            total, size = total - r.context_tokens, size - 1
+    if size != len(d.running):
         return None                    # the edits do not describe this batch: build it afresh
     if d._context_tokens is None:
         _keep(d, "_context_tokens", total)
