@@ -46,11 +46,13 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
             return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
-    best, best_tbt = None, float("inf")
-    # One pass, one cost call per instance: this runs per decode instance per request.
+    best, best_tbt, need, default = None, float("inf"), num_tokens + max_output, costs.decode
+    # One pass, one cost call per instance (decode_has_room and decode_tbt written out): this
+    # runs per decode instance per request.
     for d, (batch, context) in zip(decodes, loads):
-        if decode_has_room(d, num_tokens, max_output, batch, context):
-            tbt = decode_tbt(d, costs, batch + 1, context + num_tokens)
+        if (d.max_batch_size is None or batch < d.max_batch_size) and \
+                (d.max_context_tokens is None or context + need <= d.max_context_tokens):
+            tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
             if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
                 best, best_tbt, best_load = d, tbt, (batch, context)
     if best is None:

@@ -112,6 +112,15 @@ def test_full_decode_instances_are_skipped_and_all_full_rejects():
     assert not d.accepted and d.reject_cause == "no-decode" and d.prefill_id == "p0"
 
 
+def test_a_decode_instance_fits_a_request_that_fills_it_exactly():
+    # batch context 100 + prompt 100 + max_tokens 16 = 216 tokens of KV at the end
+    for capacity, fits in ((216, True), (215, False)):
+        clus = cluster([prefill("p0")], [decode("d0", batch=1, max_context_tokens=capacity)])
+        assert run(clus, BlockIndex(), admission="none").accepted == fits
+        clus = cluster([prefill("p0")], [decode("d0", batch=1, max_batch_size=2 if fits else 1)])
+        assert run(clus, BlockIndex(), admission="none").accepted == fits
+
+
 def test_reject_on_predicted_ttft():
     clus = cluster([prefill("p0", queued(2000)), prefill("p1", queued(1500))])
     d = run(clus, BlockIndex())

@@ -4,10 +4,13 @@ from dataclasses import replace
 
 from hypothesis import given, settings, strategies as st
 
-from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeInstanceState,
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeCostModel, DecodeInstanceState,
                                      DecodingRequest, IncomingRequest, PrefillInstanceState,
                                      PrefillCostModel, QueuedPrefill, ScheduleRequest, kv_transfer_time,
                                      prefill_queue_time, schedule)
+from mooncake_lite.scheduler.admission import choose_decode
+from mooncake_lite.scheduler.estimate import (decode_has_room, decode_load_at, decode_load_now, decode_tbt,
+                                              late_prefills, prefill_views)
 from mooncake_lite.scheduler.prefill_select import choose_prefill
 from tests.scheduler.clusters import BS, COSTS, cfg
 
@@ -102,3 +105,30 @@ def test_kvcache_centric_prefill_is_algorithm_1(scenario, models):
     config = cfg(kvcache_balancing_threshold=threshold)
     choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, COSTS, 0.0, None)
     assert (choice.instance.instance_id, choice.ttft_s) == _algorithm_1(req, prefills, idx, config, COSTS)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.lists(st.tuples(st.sampled_from([None, 2, 5, 11]), st.sampled_from([None, 500, 1500, 3000]),
+                                       st.sampled_from([None, DecodeCostModel(c0=0.02, c1=0.005, c2=1e-5)])),
+                             min_size=3, max_size=3),
+       st.sampled_from(["none", "early", "predictive"]))
+def test_decode_choice_is_the_smallest_tbt_among_instances_with_room(scenario, limits, admission):
+    """The decode choice (capacity check and TBT written out in its loop) against the plain
+    helpers: the first eligible instance with the smallest TBT, or None when none has room."""
+    _, clus, req, _ = scenario
+    decodes = tuple(replace(d, max_batch_size=b, max_context_tokens=c, cost=m)
+                    for d, (b, c, m) in zip(clus.decodes, limits))
+    config = cfg(admission=admission, uniform_decode_s=10.0)
+    choice = choose_decode(req, replace(clus, decodes=decodes), config, COSTS, 0.0, 0.5, None)
+    if admission == "predictive":
+        late = late_prefills(prefill_views(clus.prefills, COSTS, 0.0), 0.0, 0.5)
+        loads = [decode_load_at(d, COSTS, 0.5, late, 10.0) for d in decodes]
+    else:
+        loads = [decode_load_now(d) for d in decodes]
+    options = [(decode_tbt(d, COSTS, b + 1, c + req.num_tokens), i) for i, (d, (b, c)) in enumerate(zip(decodes, loads))
+               if decode_has_room(d, req.num_tokens, req.max_output_tokens, b, c)]
+    if not options:
+        assert choice is None
+    else:
+        tbt, i = min(options)
+        assert (choice.instance, choice.tbt_s, choice.batch_size) == (decodes[i], tbt, loads[i][0] + 1)
