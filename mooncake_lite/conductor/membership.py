@@ -278,8 +278,7 @@ class Membership:
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
         if inst is not None:
-            if inst.incoming_jobs.pop(job.request_id, None) is not None:
-                inst.incoming = None
+            self._not_incoming(inst, job.request_id)
             old = inst.decode_jobs.get(job.request_id)
             if old is not None:
                 unshow(inst, old)
@@ -313,19 +312,28 @@ class Membership:
                 continue
             inst.watchers.pop(request_id, None)
             running = inst.decode_jobs.pop(request_id, None)
-            incoming = inst.incoming_jobs.pop(request_id, None)
+            incoming = self._not_incoming(inst, request_id)
             if running is not None:
                 unshow(inst, running)
                 self._check_lag(inst)     # a smaller batch allows less lag
                 if inst.running is not None:
                     self._unlist(inst, running)
-            if incoming is not None:
-                inst.incoming = None
             if running is not None or incoming is not None:
                 self._touch(inst)
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
+    @staticmethod
+    def _not_incoming(inst: Instance, request_id: str) -> PrefillJob | None:
+        """Forget ``request_id`` as incoming on ``inst`` (its KV arrived, or it is over),
+        editing the shown incoming tuple here rather than rebuilding it at the next snapshot."""
+        job = inst.incoming_jobs.pop(request_id, None)
+        if job is not None and inst.incoming is not None:
+            record = job.incoming
+            kept = tuple(r for r in inst.incoming if r is not record)
+            inst.incoming = kept if record is not None and len(kept) == len(inst.incoming) - 1 else None
+        return job
+
     @staticmethod
     def _unlist(inst: Instance, job: DecodeJob) -> None:
         """Take a leaving job's record out of the shown batch."""
