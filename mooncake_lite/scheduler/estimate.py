@@ -158,11 +158,15 @@ def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState,
     ``old``'s (see MAX_TBT_DRIFT). A caller that knows how ``new.running`` came from
     ``old.running`` passes ``edits``: ``(True, record)`` appended, ``(False, record)`` removed,
     in the order they happened; without them, one appended or removed record is recognised by
-    comparing the two batches (which touches every record of both)."""
+    comparing the two batches (which touches every record of both).
+
+    The profile *moves* to ``new`` (edited in place, so an edit touches only the entries it
+    shifts): ``old`` answers as before if asked again, but builds its profile afresh."""
     if new.running is old.running:
         for key in _RUNNING_ONLY:
             if getattr(new, key) is None:
                 _keep(new, key, getattr(old, key))
+        _keep(old, "_leave", None)     # a profile has one owner: the next rebuild may edit it in place
     elif old._leave is not None:
         _keep(new, "_previous", (old, edits))
 
@@ -286,7 +290,9 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
     tbt = old.tbt
     if tbt is not None and abs(model.predict(len(d.running), total) - tbt) > tbt * MAX_TBT_DRIFT:
         return None
-    ends, members, contexts = old.ends.copy(), old.members.copy(), old.contexts.copy()
+    _keep(previous, "_leave", None)    # moved to ``d`` (see carry_running_estimates)
+    ends, members, contexts, prefix = old.ends, old.members, old.contexts, old.prefix
+    lowest = size                      # entries before it keep their prefix sums
     for joined, r in edits:
         end = _leave_time(r, uniform_decode_s, tbt)
         if joined:
@@ -300,8 +306,9 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
             except ValueError:         # not in the batch the edits start from
                 return None
             del ends[i], members[i], contexts[i]
-    return _LeaveProfile(model, uniform_decode_s, tbt, ends, members, contexts,
-                         list(accumulate(contexts, initial=0)))
+        lowest = i if i < lowest else lowest
+    prefix[lowest:] = accumulate(contexts[lowest:], initial=prefix[lowest])
+    return _LeaveProfile(model, uniform_decode_s, tbt, ends, members, contexts, prefix)
 
 
 def _one_change(running: tuple, old_running: tuple) -> tuple[bool, DecodingRequest] | None:

@@ -100,6 +100,8 @@ def test_stated_edits_carry_the_profile_like_the_definition(d, changes, ts, unif
             new = DecodeInstanceState("d", running)
             carry_running_estimates(d, new, stated)
             _check_edited(new, ts, uniform)
+            # the profile moved to ``new`` and was edited in place: ``d`` still answers right
+            assert decode_load_at(d, COSTS, ts[-1], set(), uniform) == staying_by_definition(d, ts[-1], uniform)
             d, stated = new, []
 
 
@@ -172,8 +174,10 @@ def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
     for t in (1.0, 2.0, 3.0):     # scan, profile, bisect: all cached on ``old``
         decode_load_at(old, COSTS, t, set(), None)
     same = DecodeInstanceState("d", running, incoming=(IncomingRequest("x", 10),))
+    profile = old._leave
     carry_running_estimates(old, same)
-    assert same._leave is old._leave
+    assert same._leave is profile and old._leave is None     # moved, not shared
+    assert decode_load_at(old, COSTS, 2.0, set(), None) == staying_by_definition(old, 2.0, None)
     assert decode_load_at(same, COSTS, 2.0, set(), None) == (lambda b, c: (b + 1, c + 10))(
         *staying_by_definition(same, 2.0, None))
     other = DecodeInstanceState("d", running[:4])          # another batch: nothing carried
