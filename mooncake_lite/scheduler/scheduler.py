@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 
-from mooncake_lite.scheduler.admission import choose_decode, slo_violation
+from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
-from mooncake_lite.scheduler.decision import Decision, Migration
+from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
 from mooncake_lite.scheduler.estimate import prefill_views
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
@@ -50,21 +50,26 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
     p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, views)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
-    plan = dict(prefill_id=p.instance.instance_id, route=p.route, predicted_ttft_s=p.ttft_s,
-                predicted_queue_s=p.queue_s, predicted_prefill_s=p.prefill_s,
-                predicted_transfer_s=p.transfer_s, reused_prefix_blocks=p.reused_blocks,
-                local_prefix_blocks=p.local_blocks, transfer_source=p.source_store_id)
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, views)
     if d is None:
-        return Decision(False, "rejected: no decode instance with room", reject_cause="no-decode",
-                        **plan)
-    plan.update(decode_id=d.instance.instance_id, predicted_tbt_s=d.tbt_s)
+        return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
     violation = slo_violation(config, p.ttft_s, d.tbt_s)
     if violation is not None:
-        cause, reason = violation
-        return Decision(False, reason, reject_cause=cause, **plan)
+        return _decision(False, violation[1], p, d, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
-    return Decision(True, reason, migration=_migration(req, p), **plan)
+    return _decision(True, reason, p, d, migration=_migration(req, p))
+
+
+def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
+              reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
+    """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
+    return Decision(accepted, reason, prefill_id=p.instance.instance_id,
+                    decode_id=None if d is None else d.instance.instance_id, route=p.route,
+                    reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
+                    predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
+                    predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
+                    reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
+                    transfer_source=p.source_store_id, migration=migration)
 
 
 class Scheduler:
