@@ -71,6 +71,14 @@ def _decision_args(p: argparse.ArgumentParser) -> None:
                         "decisions (≈ arrival interval / decode step time)")
 
 
+PREFILL_COST = PrefillCostModel(c0=0.02, c1=1.2e-4, c2=1.5e-9)
+DECODE_COST = DecodeCostModel(c0=0.02, c1=2e-4, c2=1e-7)
+
+
+def _jittered(model: PrefillCostModel | DecodeCostModel, rng: random.Random):
+    return type(model).from_dict({k: v * rng.uniform(0.95, 1.05) for k, v in model.to_dict().items()})
+
+
 def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_blocks: int,
                   seed: int) -> tuple[BlockIndex, ClusterState, list[ScheduleRequest]]:
     """A busy synthetic cluster: every store holds ~num_blocks/num_prefill of the keys (some
@@ -106,11 +114,14 @@ def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_bl
             incoming[rng.randrange(num_decode)].append(IncomingRequest(job.request_id, job.num_tokens, 256))
             queue.append(job)
         queues.append(tuple(queue))
-    prefills = tuple(PrefillInstanceState(f"prefill-{i}", stores[i], queues[i]) for i in range(num_prefill))
+    # Every instance has its own cost model, as live instances do (each profiles itself at
+    # startup): the same hardware, fitted a few percent apart.
+    prefills = tuple(PrefillInstanceState(f"prefill-{i}", stores[i], queues[i],
+                                          cost=_jittered(PREFILL_COST, rng)) for i in range(num_prefill))
     decodes = tuple(
         DecodeInstanceState(f"decode-{i}", tuple(
             DecodingRequest(f"d{i}-{j}", rng.randint(1000, 40000), -rng.uniform(0, 60), 512)
-            for j in range(rng.randint(8, 48))), incoming=tuple(incoming[i]))
+            for j in range(rng.randint(8, 48))), cost=_jittered(DECODE_COST, rng), incoming=tuple(incoming[i]))
         for i in range(num_decode))
     return index, ClusterState(prefills, decodes), requests
 
@@ -142,9 +153,7 @@ def run_decision(args: argparse.Namespace) -> dict:
                      "indexed_blocks": len(index), "request_blocks": args.request_blocks,
                      "setup_s": round(time.perf_counter() - t0, 2),
                      "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count()}
-    costs = CostModels(PrefillCostModel(c0=0.02, c1=1.2e-4, c2=1.5e-9),
-                       DecodeCostModel(c0=0.02, c1=2e-4, c2=1e-7),
-                       kv_bytes_per_token(80, 8, 128, 2), bandwidth_bytes_per_s=20e9)
+    costs = CostModels(PREFILL_COST, DECODE_COST, kv_bytes_per_token(80, 8, 128, 2), bandwidth_bytes_per_s=20e9)
     for admission in ("early", "predictive"):
         config = SchedulerConfig(strategy="kvcache-centric", admission=admission,
                                  block_size=BLOCK_SIZE, uniform_decode_s=args.uniform_decode)

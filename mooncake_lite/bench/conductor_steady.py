@@ -28,26 +28,28 @@ import numpy as np
 
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob
-from mooncake_lite.scheduler import ClusterState, ScheduleRequest, Scheduler
+from mooncake_lite.scheduler import (ClusterState, DecodeCostModel, PrefillCostModel, ScheduleRequest,
+                                     Scheduler)
 
 MODEL = "bench"
 ARRIVAL_INTERVAL_S = 0.1     # simulated time between decisions
 
 
-def _register(m: Membership, role: str, iid: str, store: str | None, block_size: int) -> None:
+def _register(m: Membership, role: str, iid: str, store: str | None, block_size: int,
+              cost: PrefillCostModel | DecodeCostModel | None) -> None:
     m.register(Register(role=role, instance_id=iid, http=f"127.0.0.1:{len(m.instances) + 1}",
                         data="127.0.0.1:0" if role == "decode" else None, store=store, model=MODEL,
                         block_size=block_size, hash_seed=0, kv_bytes_per_token=1,
-                        max_context=1 << 40), now=0.0)
+                        max_context=1 << 40, cost=cost.to_dict() if cost else {}), now=0.0)
 
 
 def build_membership(cluster: ClusterState, block_size: int) -> Membership:
     """A Membership holding exactly the jobs of the synthetic ``cluster``."""
     m = Membership(MODEL, block_size, 0, dead_after_s=1e9)
     for p in cluster.prefills:
-        _register(m, "prefill", p.instance_id, str(p.store_id), block_size)
+        _register(m, "prefill", p.instance_id, str(p.store_id), block_size, p.cost)
     for d in cluster.decodes:
-        _register(m, "decode", d.instance_id, None, block_size)
+        _register(m, "decode", d.instance_id, None, block_size, d.cost)
     bound_for = {r.request_id: d.instance_id for d in cluster.decodes for r in d.incoming}
     for p in cluster.prefills:
         for q in p.queue:
