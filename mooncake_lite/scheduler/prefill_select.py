@@ -76,22 +76,19 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
     latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
-    # Instances costed with the best prefix fetched differ only in transfer time (inlined
-    # _transfer_s) and, rarely, in model: the prefill is predicted once per model. This loop
-    # runs per instance per request, so it makes no call it can avoid.
-    fetched_prefill_s: dict[int, float] = {}
-    best, best_key = None, float("inf")
+    best, best_key, default_model = None, float("inf"), costs.prefill
+    # This loop runs per instance per request: one cost-model call each, the transfer time
+    # (_transfer_s) written out.
     for p, view in zip(prefills, views):
         local = lengths.get(p.store_id, 0)
-        model = p.cost or costs.prefill
+        model = p.cost or default_model
         # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
         if local < best_len and (not local or best_len / local >= threshold):
-            prefill_s = fetched_prefill_s.get(id(model))   # the models outlive this loop
-            if prefill_s is None:
-                prefill_s = fetched_prefill_s[id(model)] = model.predict(num_tokens, best_len * block_size)
             bandwidth = p.bandwidth_bytes_per_s or default_bandwidth
-            key, fetch = latency_s + (best_len - local) * block_bytes / bandwidth + view[0] + prefill_s, True
+            key = (latency_s + (best_len - local) * block_bytes / bandwidth + view[0]
+                   + model.predict(num_tokens, best_len * block_size))
+            fetch = True
         else:
             key, fetch = view[0] + model.predict(num_tokens, local * block_size), False
         if key < best_key:
