@@ -50,10 +50,10 @@ def _prefill_limits(inst: Instance) -> tuple:
 
 
 def _prefill_state(inst: Instance) -> PrefillInstanceState:
-    store_id, bandwidth = _prefill_limits(inst)
+    store_id, bandwidth = inst.limits or _prefill_limits(inst)
     if inst.queue is None:
         inst.queue = tuple(map(queued_record, inst.prefill_jobs.values()))
-    state = PrefillInstanceState(inst.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
+    state = PrefillInstanceState(inst.reg.instance_id, store_id, inst.queue, bandwidth, inst.costs.prefill)
     if inst.state is not None:
         carry_queue_estimates(inst.state, state)
     return state
@@ -103,7 +103,8 @@ def _decode_state(inst: Instance) -> DecodeInstanceState:
         inst.batch_edits = None       # new records: the estimates cannot be edited by a few
     if inst.incoming is None:
         inst.incoming = tuple(map(incoming_record, inst.incoming_jobs.values()))
-    state = DecodeInstanceState(inst.instance_id, inst.running, *_decode_limits(inst), inst.costs.decode,
+    max_batch, max_context = inst.limits or _decode_limits(inst)
+    state = DecodeInstanceState(inst.reg.instance_id, inst.running, max_batch, max_context, inst.costs.decode,
                                 inst.incoming)
     if inst.state is not None:
         carry_running_estimates(inst.state, state, inst.batch_edits)

@@ -102,9 +102,9 @@ def prefill_views(prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
     prefill choice, then the decode prediction). A started job counts as done for its elapsed
     time, never more than its predicted duration. The now-independent part is cached on each
     state per cost model, so a reused state costs a short loop."""
-    views = []
+    views, default_model = [], costs.prefill
     for p in prefills:
-        model = p.cost or costs.prefill
+        model = p.cost or default_model
         cached = p._backlog
         if cached is None or cached[0] is not model:
             cached = _backlog(p, model)
@@ -145,11 +145,6 @@ def running_load(d: DecodeInstanceState) -> tuple[int, int]:
     return len(d.running), total
 
 
-# Derived data that depends on a decode state's running batch alone (anything else it uses, such
-# as the cost model, is part of the cached value and checked on use).
-_RUNNING_ONLY = ("_context_tokens", "_leave")
-
-
 def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState,
                             edits: Sequence[tuple[bool, DecodingRequest]] | None = None) -> None:
     """For a caller that rebuilds a decode state from the previous one: ``new`` reuses what was
@@ -163,10 +158,11 @@ def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState,
     The profile *moves* to ``new`` (edited in place, so an edit touches only the entries it
     shifts): ``old`` answers as before if asked again, but builds its profile afresh."""
     if new.running is old.running:
-        for key in _RUNNING_ONLY:
-            if getattr(new, key) is None:
-                _keep(new, key, getattr(old, key))
-        _keep(old, "_leave", None)     # a profile has one owner: the next rebuild may edit it in place
+        if new._context_tokens is None:
+            _keep(new, "_context_tokens", old._context_tokens)
+        if new._leave is None:
+            _keep(new, "_leave", old._leave)
+            _keep(old, "_leave", None)     # a profile has one owner: the next rebuild may edit it in place
     elif old._leave is not None:
         _keep(new, "_previous", (old, edits))
 
@@ -335,9 +331,9 @@ def decode_loads_at(decodes: tuple[DecodeInstanceState, ...], costs: CostModels,
     With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
     the instance's current TBT (unknown max_output_tokens: assumed still decoding). One pass
     over the instances: this runs per decode instance per request."""
-    loads = []
+    loads, default_model = [], costs.decode
     for d in decodes:
-        model = d.cost or costs.decode
+        model = d.cost or default_model
         profile = d._leave
         if profile is None or profile.model is not model or profile.uniform_decode_s != uniform_decode_s:
             profile = _leave_profile(d, model, uniform_decode_s)
