@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_lite.common.hashing import prefix_hash
@@ -105,15 +106,15 @@ class PrefillService:
         job = QueuedJob(req.request_id, len(req.token_ids), 0)
         self.queue[req.request_id] = job
         t_arrive = time.perf_counter()
-        keepalive = asyncio.ensure_future(self._keepalive(req)) if self._lock.locked() else None
+        # Decode hears nothing of this request until its first KV frame: keep it from timing the
+        # request out through the queue wait, a hot-spot migration and the prefix match.
+        keepalive = asyncio.ensure_future(self._keepalive(req))
         try:
             async with self._lock:
-                if keepalive is not None:
-                    keepalive.cancel()
                 if req.request_id in self._aborted:
                     raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
                 job.started_at = time.perf_counter()
-                result = await self._run(req, keys, job)
+                result = await self._run(req, keys, job, keepalive.cancel)
                 result.timings["queue_s"] = job.started_at - t_arrive
                 self.num_done += 1
                 return result
@@ -121,12 +122,12 @@ class PrefillService:
             self.num_failed += 1
             raise
         finally:
-            if keepalive is not None:
-                keepalive.cancel()
+            keepalive.cancel()
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
 
-    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob) -> PrefillResult:
+    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob,
+                   stop_keepalive: Callable[[], object]) -> PrefillResult:
         t0 = time.perf_counter()
         cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
         if req.migrate_from and req.migrate_keys:
@@ -148,6 +149,9 @@ class PrefillService:
                 await self.downstream.begin(req.request_id, req.transfer_id, req.token_ids, req.decode_data,
                                             dataclasses.asdict(req.sampling), keys, hit)
             out = None
+            stop_keepalive()           # KV frames from here on tell decode the request is alive
+            if req.request_id in self._aborted:
+                raise PrefillAborted("aborted before its first KV frame (by the conductor, or decode dropped it)")
             for start in range(prefix, len(req.token_ids), self.chunk_size):
                 chunk = req.token_ids[start:start + self.chunk_size]
                 out = await self.stage.run_chunk(job, start, token_ids=chunk)
@@ -174,13 +178,14 @@ class PrefillService:
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
 
     async def _keepalive(self, req: PrefillRequest) -> None:
-        """While the request waits for its turn, keep decode from timing it out; if decode no
-        longer waits for it, drop it from the queue instead of computing it for nothing."""
+        """Until the request's first KV frame, keep decode from timing it out; if decode no
+        longer waits for it, drop it instead of computing it for nothing. The first keepalive
+        goes one period in, so a request that starts at once sends none."""
         try:
             client = await self.links.get(req.decode_data)
             while True:
-                await client.request(OP_KV_ALIVE, {"tid": req.transfer_id})
                 await asyncio.sleep(self.keepalive_s)
+                await client.request(OP_KV_ALIVE, {"tid": req.transfer_id})
         except RemoteError as exc:
             if exc.code == "unknown_transfer":
                 log.info("decode dropped queued request %s (%s); skipping it", req.request_id, exc)
