@@ -232,10 +232,19 @@ async def test_data_connections_use_an_unpaced_congestion_control():
         assert _congestion_control(client.conn.transport.get_extra_info("socket")) == expected
         assert len(seen) == 1
         assert _congestion_control(seen[0].transport.get_extra_info("socket")) == expected
-        assert seen[0].transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         await client.close()
         server.close()
+
+
+def test_tune_socket_turns_off_nagle():
+    # On a plain socket (asyncio's transports set TCP_NODELAY themselves, so a connection
+    # made through them could not tell whether tune_socket did).
+    from mooncake_lite.transfer.connection import tune_socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        assert not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        tune_socket(sock)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 @pytest.mark.parametrize("bad", ["x", ":9", "h:", "h:0", "h:65536", "h:-1", "h:p", None, 7])
