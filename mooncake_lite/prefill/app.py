@@ -42,11 +42,14 @@ async def prefill(request: web.Request) -> web.Response:
         log.warning("prefill %s abandoned: %s", req.request_id, exc)
         return error(502, f"prefill abandoned: {exc}")
     except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
-        log.warning("prefill %s: cannot stream to decode %s: %s", req.request_id, req.decode_data, exc)
-        return error(502, f"cannot stream KV to decode {req.decode_data}: {exc or type(exc).__name__}")
-    except RemoteError as exc:   # a CPP stage refused (e.g. its KV cache is full)
-        log.warning("prefill %s: pipeline stage failed: %s", req.request_id, exc)
-        return error(502, f"pipeline stage failed: {exc}")
+        # Decode (KV), the store or a downstream pipeline stage: the error names the address.
+        detail = f"{exc}" or type(exc).__name__
+        log.warning("prefill %s: lost a peer (KV to decode %s): %s", req.request_id, req.decode_data, detail)
+        return error(502, f"lost a peer during the prefill (KV to decode {req.decode_data}): {detail}")
+    except RemoteError as exc:   # decode, the store or a pipeline stage refused (e.g. its KV cache is full)
+        who = exc.peer or "a peer"
+        log.warning("prefill %s: %s refused: %s", req.request_id, who, exc)
+        return error(502, f"{who} refused: {exc}")
     except Exception as exc:     # never take the server down; say what happened
         log.exception("prefill %s failed", req.request_id)
         return error(500, f"prefill failed: {type(exc).__name__}: {exc}")

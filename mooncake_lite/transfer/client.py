@@ -23,12 +23,14 @@ ReplySink = Callable[[Header, dict[str, Any]], list[memoryview] | None]
 
 
 class RemoteError(RuntimeError):
-    """The peer answered with an error frame."""
+    """The peer answered with an error frame. ``peer`` names the connection it came on (e.g.
+    ``server 127.0.0.1:8200``), so a caller juggling several peers can say which refused."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, peer: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.peer = peer
 
 
 class _Pending:
@@ -59,7 +61,7 @@ class _ClientHandler(FrameHandler):
             return  # the caller gave up (timeout/cancel)
         if frame.header.is_error:
             pending.future.set_exception(RemoteError(str(frame.meta.get("error", "error")),
-                                                     str(frame.meta.get("message", ""))))
+                                                     str(frame.meta.get("message", "")), conn.name))
         else:
             pending.future.set_result(frame)
 

@@ -108,7 +108,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0, low=0)
         tune_socket(transport.get_extra_info("socket"))
         peer = transport.get_extra_info("peername")
-        if peer:
+        if peer and self.is_server:   # a client's name already says which server it dialled
             self.name = f"{self.name} {peer[0]}:{peer[1]}"
         self.handler.connection_made(self)
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
     (b'{"request_id": "r", "transfer_id": "t", "token_ids": [1, 99999], "decode_data": "127.0.0.1:1", '
      b'"sampling": {}}', 400, "token ids"),
     (b'{"request_id": "r", "transfer_id": "t", "token_ids": [1, 2], "decode_data": "127.0.0.1:1", '
-     b'"sampling": {}}', 502, "cannot stream KV to decode"),
+     b'"sampling": {}}', 502, "lost a peer during the prefill (KV to decode 127.0.0.1:1): "),
 ])
 async def test_prefill_api_errors(aiohttp_client, body, status, fragment):
     async with cluster(build_model("tiny"), block_size=8) as c:

@@ -157,7 +157,7 @@ async def test_cluster_token_handshake(caplog):
     try:
         with pytest.raises(RemoteError) as err:
             await FrameClient.connect(host, port, token="wrong")
-        assert err.value.code == "unauthorized"
+        assert err.value.code == "unauthorized" and err.value.peer == f"server {host}:{port}"
         with pytest.raises(RemoteError):
             await FrameClient.connect(host, port)
         # No handshake at all: the payload is refused before any memory is allocated.
