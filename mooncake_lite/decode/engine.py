@@ -20,7 +20,7 @@ from kernels import scatter_tokens
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
 from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
+from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,8 @@ class DecodeEngine:
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
         generator = make_generator(params, self.runner.device)
-        if generator is not None:
-            # Prefill drew the first token from a generator seeded alike; one draw over the same
-            # vocabulary size advances ours past it, so a seeded request samples the same tokens
-            # as the monolithic run (multinomial consumes one random number per vocabulary entry).
-            torch.multinomial(torch.ones(self.runner.args.vocab_size, device=self.runner.device), 1,
-                              generator=generator)
+        if generator is not None:   # prefill drew the first token: continue where it left off
+            skip_draw(generator, self.runner.args.vocab_size)
         state = RequestState(params, generator, asyncio.Queue())
         self.requests[req.request_id] = state
         return state.events

@@ -48,3 +48,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance ``generator`` exactly as one :func:`sample` call over ``vocab_size`` logits does
+    (with or without top-p: each is one multinomial draw, which consumes one random number per
+    vocabulary entry) — for a decode instance continuing a seeded request whose first token
+    the prefill instance drew from a generator seeded alike."""
+    torch.multinomial(torch.ones(vocab_size, device=generator.device), 1, generator=generator)
