@@ -128,21 +128,19 @@ def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_bl
 
 def _time_decisions(sched: Scheduler, cluster: ClusterState, requests: list[ScheduleRequest],
                     iterations: int, fresh: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(wall µs, thread-CPU µs) per decision. ``fresh`` rebuilds every instance state before
-    each call (outside the timing), so no per-instance derived data is reused — the worst case;
-    "warm" reuses the snapshot, as a conductor does for instances that did not change. CPU time
-    is reported too because on a shared machine the wall-clock tail is mostly preemption."""
-    wall, cpu = np.empty(iterations), np.empty(iterations)
-    for i in range(iterations):
-        if fresh:
-            cluster = ClusterState(tuple(replace(p) for p in cluster.prefills),
-                                   tuple(replace(d) for d in cluster.decodes))
-        req = requests[i % len(requests)]
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        sched.schedule(req, cluster, 0.0)
-        cpu[i] = time.thread_time_ns() - start_cpu
-        wall[i] = time.perf_counter_ns() - start
-    return wall / 1e3, cpu / 1e3
+    """(wall µs, thread-CPU µs) per decision on a fixed cluster. ``fresh`` rebuilds every
+    instance state before each call (untimed), so no per-instance derived data is reused — the
+    worst case; "warm" reuses the snapshot, as a conductor does for instances that did not
+    change."""
+    shown = [cluster]
+
+    def rebuild(_: int) -> None:
+        shown[0] = ClusterState(tuple(replace(p) for p in cluster.prefills),
+                                tuple(replace(d) for d in cluster.decodes))
+
+    return conductor_steady.time_each(
+        iterations, lambda i: sched.schedule(requests[i % len(requests)], shown[0], 0.0),
+        before=rebuild if fresh else None)
 
 
 def run_decision(args: argparse.Namespace) -> dict:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -110,17 +112,29 @@ class SteadyConductor:
                 self.m.decode_progress(inst.instance_id, rid, steps)
 
 
+def time_each(iterations: int, timed: Callable[[int], Any],
+              before: Callable[[int], None] | None = None,
+              after: Callable[[int, Any], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(wall µs, thread-CPU µs) of ``timed(i)`` for each i; ``before(i)`` and ``after(i, result)``
+    run around it, untimed. CPU time is reported too because on a shared machine the
+    wall-clock tail is mostly preemption by other processes."""
+    wall, cpu = np.empty(iterations), np.empty(iterations)
+    for i in range(iterations):
+        if before is not None:
+            before(i)
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        result = timed(i)
+        cpu[i] = time.thread_time_ns() - start_cpu
+        wall[i] = time.perf_counter_ns() - start
+        if after is not None:
+            after(i, result)
+    return wall / 1e3, cpu / 1e3
+
+
 def time_steady_decisions(cluster: ClusterState, sched: Scheduler, requests: list[ScheduleRequest],
                           iterations: int, tokens_per_decision: int, block_size: int,
                           seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(wall µs, thread-CPU µs) per decision, snapshot included."""
     driver = SteadyConductor(build_membership(cluster, block_size), sched, tokens_per_decision, seed)
-    wall, cpu = np.empty(iterations), np.empty(iterations)
-    for i in range(iterations):
-        req = requests[i % len(requests)]
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        decision = driver.decide(req)
-        cpu[i] = time.thread_time_ns() - start_cpu
-        wall[i] = time.perf_counter_ns() - start
-        driver.after(req, decision)
-    return wall / 1e3, cpu / 1e3
+    return time_each(iterations, lambda i: driver.decide(requests[i % len(requests)]),
+                     after=lambda i, decision: driver.after(requests[i % len(requests)], decision))
