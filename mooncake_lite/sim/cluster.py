@@ -105,9 +105,8 @@ class MooncakeSim(TraceDriver):
         hits, on_ssd = p.cache.prefix(req.keys)
         req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
         duration = p.true_seconds(req.input_length, req.reused_tokens)
-        if on_ssd:  # SSD reads are slower than the DRAM loads layer-wise prefill hides
-            ssd_s = on_ssd * self.hw.block_bytes() / self.hw.ssd_load_bytes_per_s
-            duration = max(duration, ssd_s + (hits - on_ssd) * self.hw.block_bytes() / self.hw.local_load_bytes_per_s)
+        if on_ssd:  # the prefix load may outlast the compute it is overlapped with
+            duration = max(duration, self.hw.prefix_load_seconds(req.reused_tokens, on_ssd * self.block_size))
         p.busy_s += duration
         p.touched()
         self.events.push(now + duration, self._prefill_done, p)

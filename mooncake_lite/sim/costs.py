@@ -63,8 +63,14 @@ class Hardware:
         """True prefill time: compute, with the local prefix load hidden by layer-wise overlap
         unless it is the longer of the two (REFERENCE.md §1)."""
         compute = self.prefill.predict(num_tokens, num_prefix_tokens)
-        load = num_prefix_tokens * self.kv_bytes_per_token / self.local_load_bytes_per_s
-        return max(compute, load)
+        return max(compute, self.prefix_load_seconds(num_prefix_tokens))
+
+    def prefix_load_seconds(self, num_prefix_tokens: int, from_ssd_tokens: int = 0) -> float:
+        """Loading a reused prefix into the GPU: from the node's DRAM, except ``from_ssd_tokens``
+        of it read from the SSD tier first (slower than the loads layer-wise prefill hides)."""
+        from_ssd_tokens = min(from_ssd_tokens, num_prefix_tokens)
+        return ((num_prefix_tokens - from_ssd_tokens) * self.kv_bytes_per_token / self.local_load_bytes_per_s
+                + from_ssd_tokens * self.kv_bytes_per_token / self.ssd_load_bytes_per_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),

@@ -84,3 +84,13 @@ def test_a_spill_larger_than_the_ssd_tier_reports_every_block_it_loses():
         assert held == chain
     assert {k for k in inserted if k not in store} == dropped    # the index forgets exactly these
     assert len(store) == 5
+
+
+def test_prefix_load_counts_tokens_from_dram_and_ssd_at_their_rates():
+    from tests.sim.helpers import toy_hardware
+    hw = toy_hardware(local_load_bytes_per_s=100.0, ssd_load_bytes_per_s=10.0)   # 1 byte per token
+    assert hw.prefix_load_seconds(500) == pytest.approx(5.0)
+    assert hw.prefix_load_seconds(500, from_ssd_tokens=200) == pytest.approx(3.0 + 20.0)
+    # the prefix a prompt reuses is capped below its last token: so is the part read from SSD
+    assert hw.prefix_load_seconds(1000, from_ssd_tokens=1024) == pytest.approx(100.0)
+    assert hw.prefill_seconds(2000, 500) == pytest.approx(max(hw.prefill.predict(2000, 500), 5.0))
