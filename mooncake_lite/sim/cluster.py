@@ -22,7 +22,7 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.sim.recorder import Recorder
 from mooncake_lite.sim.request import SimRequest
-from mooncake_lite.sim.store import NodeStore
+from mooncake_lite.sim.store import NodeStore, store_chain
 
 
 class MooncakeSim(TraceDriver):
@@ -59,8 +59,6 @@ class MooncakeSim(TraceDriver):
                             tuple(d.conductor_view(now) for d in self.decodes))
 
     def _arrive(self, now: float, req: SimRequest) -> None:
-        self.recorder.arrived()
-        self._push_next_arrival()
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
         decision = self.scheduler.schedule(sreq, self.cluster_state(now), now)
         if self.decisions is not None:
@@ -115,11 +113,7 @@ class MooncakeSim(TraceDriver):
         self._start_prefill(now, p)
 
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
-        held, dropped = p.cache.insert(keys)
-        index = self.scheduler.index
-        if dropped:
-            index.remove(p.store_id, dropped)
-        index.add(p.store_id, held)
+        store_chain(p.cache, self.scheduler.index, p.store_id, keys)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
         req = p.current

@@ -32,7 +32,7 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import cached_prefix, queued
 from mooncake_lite.sim.recorder import Recorder
 from mooncake_lite.sim.request import SimRequest
-from mooncake_lite.store.eviction import BlockCache
+from mooncake_lite.sim.store import NodeStore, store_chain
 
 
 class ColocatedInstance:
@@ -42,8 +42,8 @@ class ColocatedInstance:
         self.instance_id = instance_id
         self.sim = sim
         hw = sim.hw
-        self.cache = BlockCache(hw.decode_max_context_tokens // sim.block_size
-                                if hw.decode_max_context_tokens else None, sim.cfg.eviction)
+        self.cache = NodeStore(hw.decode_max_context_tokens // sim.block_size
+                               if hw.decode_max_context_tokens else None, 0, sim.cfg.eviction)
         self.batch = Batch(hw.decode)
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: SimRequest | None = None
@@ -166,18 +166,13 @@ class ColocatedSim(TraceDriver):
         self.recorder = Recorder(self, cfg.sample_interval_s)
 
     def store(self, inst: ColocatedInstance, keys: Sequence) -> None:
-        evicted = inst.cache.insert_chain(keys)
-        if evicted:
-            self.index.remove(inst.instance_id, evicted)
-        self.index.add(inst.instance_id, keys[: cached_prefix(inst.cache, keys)])
+        store_chain(inst.cache, self.index, inst.instance_id, keys)
 
     def finish(self, now: float, req: SimRequest) -> None:
         req.status = "completed"
         self.recorder.ended(req)
 
     def _arrive(self, now: float, req: SimRequest) -> None:
-        self.recorder.arrived()
-        self._push_next_arrival()
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
         states = tuple(c.state() for c in self.instances)
         choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng)

@@ -16,7 +16,7 @@ from mooncake_lite.trace.format import TraceRequest
 
 class TraceDriver:
     """Mixin: the subclass provides ``events``, ``recorder``, ``cfg``, ``hw``, ``block_size`` and
-    ``_arrive(now, request)``, which must call :meth:`_push_next_arrival`."""
+    ``_arrive(now, request)``, which places the request (the next arrival is already queued)."""
 
     system = "mooncake"   # label of the results
 
@@ -24,7 +24,15 @@ class TraceDriver:
         if self._next < len(self._trace):
             tr = self._trace[self._next]
             self._next += 1
-            self.events.push(tr.arrival_s, self._arrive, SimRequest(tr, self.block_size))
+            self.events.push(tr.arrival_s, self._on_arrival, SimRequest(tr, self.block_size))
+
+    def _on_arrival(self, now: float, req: SimRequest) -> None:
+        self.recorder.arrived()
+        self._push_next_arrival()
+        self._arrive(now, req)
+
+    def _arrive(self, now: float, req: SimRequest) -> None:
+        raise NotImplementedError
 
     def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         """Simulate ``trace`` (sorted by arrival) to the end; ``progress(n)`` is called with the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.store.eviction import BlockCache
 
 
@@ -55,3 +56,12 @@ class NodeStore:
 
     def __len__(self) -> int:
         return len(self.dram) + (len(self.ssd) if self.ssd is not None else 0)
+
+
+def store_chain(cache: NodeStore, index: BlockIndex, store_id: Hashable, keys: Sequence[Hashable]) -> None:
+    """Insert a chain into a node's cache and tell the conductor's index what the node now
+    holds and what it no longer holds at all (the stores' block events, simulated)."""
+    held, dropped = cache.insert(keys)
+    if dropped:
+        index.remove(store_id, dropped)
+    index.add(store_id, held)
