@@ -81,3 +81,14 @@ def test_sim_with_a_bench_pd_style_profile(tmp_path, capsys):
     s = orjson.loads(capsys.readouterr().out)
     assert s["completed"] + s["rejected"] == 120
     assert s["ttft_s"]["p50"] < 1.0        # the tiny model's costs, not the 70B preset's
+
+
+def test_sim_ssd_tier_keeps_prefixes_a_small_dram_store_loses(capsys):
+    base = [str(TRACE), "--prefill", "2", "--decode", "2", "--limit", "400", "--store-blocks", "50",
+            "--json", "--no-progress"]
+    assert main(base) == 0
+    dram_only = orjson.loads(capsys.readouterr().out)
+    assert main(base + ["--ssd-blocks", "5000"]) == 0
+    with_ssd = orjson.loads(capsys.readouterr().out)
+    assert with_ssd["reused_token_share"] > 1.5 * dram_only["reused_token_share"] > 0
+    assert main(base + ["--ssd-blocks", "-1"]) == 2

@@ -127,10 +127,14 @@ def test_in_flight_requests_do_not_herd_onto_one_decode(admission):
 
 def test_nothing_stays_incoming_after_the_run():
     # A one-token request ends at prefill and never reaches decode; a refused one leaves too.
-    trace = [req(0, 0.0, 1000, 1), req(1, 0.1, 1000, 50), req(2, 0.2, 1000, 1)]
-    sim = MooncakeSim(SimConfig(num_prefill=1, num_decode=2, scheduler=SchedulerConfig(admission="none")),
+    trace = [req(0, 0.0, 1000, 1), req(1, 0.1, 1000, 50), req(2, 0.2, 1000, 1), req(3, 0.3, 1000, 50)]
+    # a TBT SLO below one decode step: the decode refuses the multi-token ones when their KV lands
+    sim = MooncakeSim(SimConfig(num_prefill=1, num_decode=2,
+                                scheduler=SchedulerConfig(admission="none", tbt_slo_s=0.005)),
                       hardware=toy_hardware())
-    sim.run(trace)
+    r = by_id(sim.run(trace))
+    assert [r[i].status for i in range(4)] == ["completed", "rejected", "completed", "rejected"]
+    assert r[1].reject_stage == r[3].reject_stage == "decode"
     assert all(not d.committed for d in sim.decodes)
     assert all(d.incoming == () for d in sim.cluster_state(100.0).decodes)
 
