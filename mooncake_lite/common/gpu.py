@@ -2,12 +2,17 @@
 
 Absent driver, absent GPU or absent module all mean "no GPU metrics", never an error: the
 collector then yields nothing. NVML is initialised once, lazily, at the first scrape.
+
+A prefill or decode instance exports only the GPU it computes on (one instance per GPU is the
+usual layout, and every instance exporting every GPU would report each one several times); the
+store, which serves all of a node's GPUs, exports them all.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -15,11 +20,30 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 log = logging.getLogger(__name__)
 
 
-class GpuCollector:
-    """Prometheus collector: ``mooncake_gpu_*`` gauges labelled by GPU index."""
+def nvml_devices(device: Any, env: Mapping[str, str] = os.environ) -> list[int | str]:
+    """The NVML device a process computing on torch ``device`` uses: ``cuda:N`` is the Nth
+    entry of CUDA_VISIBLE_DEVICES (an NVML index, or a GPU/MIG UUID) or index N when it is
+    unset; a CPU device uses none."""
+    text = str(device)
+    if not text.startswith("cuda"):
+        return []
+    index = int(text.partition(":")[2] or 0)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [index]
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        return []
+    return [int(entries[index]) if entries[index].isdigit() else entries[index]]
 
-    def __init__(self, nvml: Any | None = None) -> None:
+
+class GpuCollector:
+    """Prometheus collector: ``mooncake_gpu_*`` gauges labelled by GPU (NVML index or UUID).
+    ``devices``: the NVML indices / UUIDs to export (see :func:`nvml_devices`); None = all."""
+
+    def __init__(self, nvml: Any | None = None, devices: Sequence[int | str] | None = None) -> None:
         self._nvml = nvml          # injectable for tests; real pynvml otherwise
+        self._devices = devices
         self._ready: bool | None = None
 
     def _init(self) -> bool:
@@ -44,8 +68,9 @@ class GpuCollector:
         total = GaugeMetricFamily("mooncake_gpu_memory_total_bytes", "GPU memory size", labels=["gpu"])
         power = GaugeMetricFamily("mooncake_gpu_power_watts", "GPU power draw", labels=["gpu"])
         try:
-            for i in range(nv.nvmlDeviceGetCount()):
-                handle, label = nv.nvmlDeviceGetHandleByIndex(i), [str(i)]
+            for d in self._devices if self._devices is not None else range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(d) if isinstance(d, int) else nv.nvmlDeviceGetHandleByUUID(d)
+                label = [str(d)]
                 util.add_metric(label, nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
                 mem = nv.nvmlDeviceGetMemoryInfo(handle)
                 used.add_metric(label, float(mem.used))

@@ -9,12 +9,13 @@ collector reads them at scrape time, so the hot path pays nothing. Names are
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mooncake_lite.common.gpu import GpuCollector
+from mooncake_lite.common.gpu import GpuCollector, nvml_devices
 
 
 class FiguresCollector:
@@ -30,11 +31,13 @@ class FiguresCollector:
                 yield GaugeMetricFamily(self.prefix + key, key, value=float(value))
 
 
-def add_metrics_route(app: web.Application, role: str, read: Callable[[], dict[str, float]]) -> None:
-    """``GET /metrics`` on ``app``: the role's figures plus GPU telemetry when a GPU is present."""
+def add_metrics_route(app: web.Application, role: str, read: Callable[[], dict[str, float]],
+                      device: Any) -> None:
+    """``GET /metrics`` on ``app``: the role's figures plus telemetry of the GPU it computes on
+    (torch ``device``), if any."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FiguresCollector(role, read))
-    registry.register(GpuCollector())
+    registry.register(GpuCollector(devices=nvml_devices(device)))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -129,7 +129,7 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
-    add_metrics_route(app, "decode", lambda: figures(app))
+    add_metrics_route(app, "decode", lambda: figures(app), engine.runner.device)
     app.cleanup_ctx.append(_background)
     return app
 

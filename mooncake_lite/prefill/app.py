@@ -87,7 +87,7 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
-    add_metrics_route(app, "prefill", lambda: figures(service))
+    add_metrics_route(app, "prefill", lambda: figures(service), service.stage.runner.device)
     app.cleanup_ctx.append(_lifetime)
     return app
 

@@ -2,7 +2,9 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from mooncake_lite.common.gpu import GpuCollector
+import pytest
+
+from mooncake_lite.common.gpu import GpuCollector, nvml_devices
 
 
 class FakeNvml:
@@ -14,6 +16,9 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return {"GPU-aaa": 0, "GPU-bbb": 1}[uuid]
 
     def nvmlDeviceGetUtilizationRates(self, h):
         return SimpleNamespace(gpu=50 + h)
@@ -50,3 +55,23 @@ def test_no_driver_means_no_gpu_metrics_and_no_error():
 
 def test_real_nvml_on_this_machine_never_raises():
     scrape(GpuCollector())  # CPU machine: no driver; GPU machine: real figures
+
+
+def test_an_instance_exports_only_its_own_gpu():
+    text = scrape(GpuCollector(FakeNvml(), devices=[1]))
+    assert 'mooncake_gpu_utilization_ratio{gpu="1"} 0.51' in text and 'gpu="0"' not in text
+    text = scrape(GpuCollector(FakeNvml(), devices=["GPU-aaa"]))
+    assert 'mooncake_gpu_memory_used_bytes{gpu="GPU-aaa"} 1000.0' in text and 'gpu="1"' not in text
+    assert "mooncake_gpu_power_watts{" not in scrape(GpuCollector(FakeNvml(), devices=[]))   # a CPU instance
+
+
+@pytest.mark.parametrize("device, env, expected", [
+    ("cpu", {}, []),
+    ("cuda", {}, [0]),
+    ("cuda:1", {}, [1]),
+    ("cuda:1", {"CUDA_VISIBLE_DEVICES": "4,6"}, [6]),          # torch numbers the visible ones
+    ("cuda:0", {"CUDA_VISIBLE_DEVICES": "GPU-bbb"}, ["GPU-bbb"]),
+    ("cuda:2", {"CUDA_VISIBLE_DEVICES": "4,6"}, []),
+])
+def test_nvml_device_of_a_torch_device(device, env, expected):
+    assert nvml_devices(device, env) == expected
