@@ -35,9 +35,11 @@ def bound_port(site: web.TCPSite) -> int:
 async def serve_app(app: web.Application, host: str, port: int, *, role: str,
                     extra_addresses: Callable[[], dict[str, str]] | None = None,
                     shutdown_timeout: float = 10.0,
-                    on_ready: Callable[[dict[str, str]], None] | None = None) -> None:
+                    on_ready: Callable[[dict[str, str]], None] | None = None,
+                    advertise_host: str | None = None) -> None:
     """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``.
-    ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the conductor)."""
+    ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the
+    conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -46,7 +48,7 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    addresses = {"http": f"{host}:{bound_port(site)}"}
+    addresses = {"http": f"{advertise_host or host}:{bound_port(site)}"}
     if extra_addresses:
         addresses.update(extra_addresses())
     announce_ready(role, **addresses)

@@ -39,6 +39,7 @@ class DecodeAppSettings:
     data_port: int = 0
     cluster_token: str | None = None
     disconnect_poll_s: float = 0.5
+    advertise_host: str | None = None   # the data address given to peers (default: host)
 
 
 SETTINGS = web.AppKey("settings", DecodeAppSettings)
@@ -137,7 +138,7 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
 async def _background(app: web.Application):
     engine, settings = app[ENGINE], app[SETTINGS]
     server = await start_kv_server(engine, settings.host, settings.data_port, settings.cluster_token)
-    app[RUNTIME]["data"] = server_address(server)
+    app[RUNTIME]["data"] = server_address(server, settings.advertise_host)
     loop_task = asyncio.create_task(engine.run(), name="decode-steps")
     yield
     loop_task.cancel()

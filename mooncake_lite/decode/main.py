@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 from mooncake_lite.common.config import option, require
@@ -22,6 +23,7 @@ DESCRIPTION = ("Decode instance: receives each request's KV stream from prefill 
 
 @dataclass(frozen=True)
 class Config(ModelRoleConfig):
+    ADVERTISES: ClassVar[bool] = True   # registers its HTTP and KV data addresses
     data_port: int = option(0, "KV data socket port prefill streams into (0 = pick a free one)")
     tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms)",
                                    parse=optional_duration)
@@ -70,7 +72,8 @@ def run(cfg: Config) -> int:
     from mooncake_lite.common.membership import exit_process, keep_membership
 
     engine = build_engine(cfg)
-    app = make_app(engine, DecodeAppSettings(cfg.host, cfg.data_port, cfg.cluster_token))
+    app = make_app(engine, DecodeAppSettings(cfg.host, cfg.data_port, cfg.cluster_token,
+                                             advertise_host=cfg.advertise_host))
     state = {"exit": 0}
     tasks: list[asyncio.Task] = []
 
@@ -83,7 +86,7 @@ def run(cfg: Config) -> int:
 
     async def main() -> None:
         try:
-            await serve_app(app, cfg.host, cfg.port, role="decode",
+            await serve_app(app, cfg.host, cfg.port, role="decode", advertise_host=cfg.advertise_host,
                             extra_addresses=lambda: {"data": app[RUNTIME]["data"]}, on_ready=on_ready)
         finally:
             for t in tasks:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.protocol import Register
@@ -24,6 +25,7 @@ DESCRIPTION = ("Prefill instance: loads the cached prefix KV layer by layer from
 
 @dataclass(frozen=True)
 class Config(ModelRoleConfig):
+    ADVERTISES: ClassVar[bool] = True   # registers its HTTP address with the conductor
     prefill_chunk: int = option(512, "tokens per prefill chunk")
     store: str | None = option(None, "store data address HOST:PORT (default: a private in-process store)")
     local_store_blocks: int = option(4096, "blocks the private in-process store keeps when --store is not given")
@@ -152,7 +154,8 @@ def run(cfg: Config) -> int:
                     cfg.conductor, msg, service.load, cfg.heartbeat_interval, cfg.cluster_token,
                     exit_process(state, "exit"))))
         try:
-            await serve_app(app, cfg.host, cfg.port, role="prefill", on_ready=on_ready)
+            await serve_app(app, cfg.host, cfg.port, role="prefill", on_ready=on_ready,
+                            advertise_host=cfg.advertise_host)
         finally:
             for t in tasks:
                 t.cancel()

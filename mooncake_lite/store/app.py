@@ -85,7 +85,7 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator)
     server = await start_server(dp.handler, cfg.host, cfg.data_port, token=cfg.cluster_token,
                                 limits=Limits(max_payload_bytes=cfg.max_frame), name="store-client")
-    dp.address = replicator.self_address = dp.publisher.store_address = server_address(server)
+    dp.address = replicator.self_address = dp.publisher.store_address = server_address(server, cfg.advertise_host)
     session = aiohttp.ClientSession()
     loop = asyncio.get_running_loop()
     dp.tasks = [loop.create_task(dp.handler.run_lease_sweeper(min(1.0, cfg.lease_ttl / 4))),

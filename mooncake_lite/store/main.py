@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.roles import RoleConfig
@@ -24,6 +25,7 @@ def _optional_size(value):
 
 @dataclass(frozen=True)
 class Config(RoleConfig):
+    ADVERTISES: ClassVar[bool] = True   # its data address goes to the conductor and prefills
     port: int = option(8100, "HTTP port of /health, /metrics, /blocks (0 = any free port)")
     data_port: int = option(8101, "TCP port of the binary data protocol (0 = any free port)")
     dram: int = option(1 << 30, "DRAM tier size (e.g. 8GiB); one slab allocated at start", parse=parse_size)
@@ -80,6 +82,6 @@ def run(cfg: Config) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         sys.stderr.write(f"mooncake --role store: error: cannot set up the store: {exc}\n")
         return 2
-    return run_loop(lambda: serve_app(app, cfg.host, cfg.port, role="store",
+    return run_loop(lambda: serve_app(app, cfg.host, cfg.port, role="store", advertise_host=cfg.advertise_host,
                                       extra_addresses=lambda: {"data": app[DATA].address},
                                       shutdown_timeout=cfg.drain_timeout))

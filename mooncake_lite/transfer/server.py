@@ -81,6 +81,7 @@ async def start_server(handler: FrameHandler, host: str, port: int, *, token: st
                                     host, port, reuse_address=True)
 
 
-def server_address(server: asyncio.Server) -> str:
+def server_address(server: asyncio.Server, advertise_host: str | None = None) -> str:
+    """``host:port`` a peer dials: the bound port, on ``advertise_host`` if given."""
     host, port = server.sockets[0].getsockname()[:2]
-    return f"{host}:{port}"
+    return f"{advertise_host or host}:{port}"

@@ -16,9 +16,22 @@ pytestmark = pytest.mark.timeout(120)
     (["--role", "decode", "--model", "nosuch"], "--model: unknown model preset 'nosuch'"),
     (["--role", "decode", "--model", "tiny", "--port", "99999"], "--port out of range: 99999"),
     (["--role", "decode", "--model", "tiny", "--num-blocks", "0"], "--num-blocks"),
+    (["--role", "store", "--host", "0.0.0.0"], "no address a peer can dial: set --advertise-host"),
+    (["--role", "prefill", "--model", "tiny", "--host", "::"], "no address a peer can dial: set --advertise-host"),
+    (["--role", "decode", "--model", "tiny", "--advertise-host", "0.0.0.0"], "--advertise-host must be an address"),
 ])
 def test_bad_role_configuration_exits_with_a_clear_error(args, message):
     proc = subprocess.run([sys.executable, "-m", "mooncake_lite", *args], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"mooncake --role {args[1]}: error: ") and message in last
+
+
+def test_a_conductor_may_bind_every_interface_and_others_may_with_an_advertised_host():
+    # Checked in process: nothing is bound. Peers reach the conductor by its configured URL.
+    from mooncake_lite.common.config import load_config
+    from mooncake_lite.conductor.main import Config as ConductorConfig
+    from mooncake_lite.store.main import Config as StoreConfig
+    assert load_config(ConductorConfig, ["--host", "0.0.0.0"], prog="t", section="conductor").host == "0.0.0.0"
+    cfg = load_config(StoreConfig, ["--host", "0.0.0.0", "--advertise-host", "10.0.0.7"], prog="t", section="store")
+    assert cfg.peer_host == "10.0.0.7"

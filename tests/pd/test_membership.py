@@ -65,3 +65,33 @@ async def test_register_heartbeat_and_exit_on_refusal():
         for p in procs:
             p.stop()
         await runner.cleanup()
+
+
+async def test_roles_give_peers_the_advertised_host():
+    """Bound to one address, advertising another (here: a name that resolves to it), a role
+    puts the advertised host in its ready line, its registration and its data addresses."""
+    import urllib.request
+    runner, url, seen = await fake_conductor(refuse_roles=set())
+    loop = asyncio.get_running_loop()
+    procs = []
+    try:
+        decode, store = await asyncio.gather(
+            loop.run_in_executor(None, lambda: start_role(
+                "decode", "--model", "tiny", "--block-size", "16", "--port", "0", "--conductor", url,
+                "--heartbeat-interval", "0.2", "--threads", "1", "--no-profile", "--advertise-host", "localhost")),
+            loop.run_in_executor(None, lambda: start_role(
+                "store", "--port", "0", "--data-port", "0", "--dram", "16MiB", "--advertise-host", "localhost")))
+        procs = [decode, store]
+        deadline = time.monotonic() + 60
+        while not seen["register"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        reg = seen["register"][0]
+        assert reg.http == decode.addresses["http"] and reg.http.startswith("localhost:")
+        assert reg.data == decode.addresses["data"] and reg.data.startswith("localhost:")
+        assert store.addresses["http"].startswith("localhost:") and store.addresses["data"].startswith("localhost:")
+        health = await loop.run_in_executor(None, lambda: urllib.request.urlopen(store.url() + "/health", timeout=10).read())
+        assert b'"data":"' + store.addresses["data"].encode() in health.replace(b" ", b"")
+    finally:
+        for p in procs:
+            p.stop()
+        await runner.cleanup()
