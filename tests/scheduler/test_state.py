@@ -1,6 +1,6 @@
 """The scheduler's state records keep dataclass semantics with their faster constructor."""
 
-from dataclasses import FrozenInstanceError, dataclass, replace
+from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 import pytest
 
@@ -25,7 +25,7 @@ def test_states_construct_like_dataclasses_and_stay_frozen():
         PrefillInstanceState("p", "s", unknown=1)
 
 
-def test_a_class_with_post_init_is_refused():
+def test_a_class_it_cannot_build_faithfully_is_refused():
     with pytest.raises(TypeError, match="__post_init__"):
         @_slot_init
         @dataclass(frozen=True, slots=True)
@@ -34,3 +34,9 @@ def test_a_class_with_post_init_is_refused():
 
             def __post_init__(self) -> None:
                 pass
+
+    with pytest.raises(TypeError, match="default_factory"):
+        @_slot_init
+        @dataclass(frozen=True, slots=True)
+        class Listed:
+            xs: list = field(default_factory=list)
