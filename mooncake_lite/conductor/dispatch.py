@@ -51,8 +51,6 @@ class Services:
     upstream_timeout_s: float = 300.0
     kv_timeout_s: float = 30.0
     background: set[asyncio.Task] = field(default_factory=set)
-    # Stores whose whole inventory the block index has received (BlockEvents.full) since start.
-    synced_stores: set[str] = field(default_factory=set)
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

@@ -74,8 +74,7 @@ async def block_events(request: web.Request) -> web.Response:
     except ProtocolError as exc:
         return _bad(str(exc))
     if ev.full:   # the store's whole inventory follows: forget what we believed it held
-        dropped = index.drop_store(ev.store)
-        svc.synced_stores.add(ev.store)
+        dropped = index.begin_full_sync(ev.store)
         log.info("store %s: full sync (%d key(s) in this part; %d forgotten)", ev.store, len(stored), dropped)
     # Stored before evicted: a key in both lists ends up absent, the safe side (a missing
     # entry only costs a missed reuse; a false one sends a prefill to look for a block in vain).
@@ -86,7 +85,7 @@ async def block_events(request: web.Request) -> web.Response:
     # A store we never had a full sync from (we restarted, it did not): ask for one. Its
     # events are applied meanwhile — partial knowledge beats none.
     return web.json_response({"ok": True, "num_blocks": index.num_blocks(ev.store),
-                              "resync": ev.store not in svc.synced_stores})
+                              "resync": not index.is_synced(ev.store)})
 
 
 def _keys(hex_keys: tuple[str, ...], where: str) -> tuple[bytes, ...]:

@@ -44,6 +44,9 @@ class BlockIndex:
         self._store_of_slot: dict[int, Hashable] = {}
         self._free_slots: list[int] = []
         self._counts: dict[Hashable, int] = {}       # store id -> number of keys held
+        # Stores whose whole inventory the index was sent (begin_full_sync) since it was built:
+        # for the others it knows only the events since, and the owner should ask for a sync.
+        self._synced: set[Hashable] = set()
         # One shared int object per distinct mask: a million keys held by a few store
         # combinations then point at a few hot objects, not a million cold ones (less memory,
         # one cache miss less per key in match()).
@@ -107,9 +110,21 @@ class BlockIndex:
         else:
             raise ValueError(f"unknown block event kind {event.kind!r} (expected 'stored' or 'evicted')")
 
+    def begin_full_sync(self, store_id: Hashable) -> int:
+        """The store's whole inventory follows (as ``stored`` events): forget what the index
+        believed it held, and count it as synced from now on. Returns how many keys it held."""
+        dropped = self.drop_store(store_id)
+        self._synced.add(store_id)
+        return dropped
+
+    def is_synced(self, store_id: Hashable) -> bool:
+        """Whether the index was sent this store's whole inventory (see begin_full_sync)."""
+        return store_id in self._synced
+
     def drop_store(self, store_id: Hashable) -> int:
         """Forget a store entirely (it died or restarted empty). O(index size); rare.
         Returns how many keys it held."""
+        self._synced.discard(store_id)
         slot = self._slots.pop(store_id, None)
         if slot is None:
             return 0

@@ -121,3 +121,14 @@ def test_keys_held_by_the_same_stores_share_one_mask_object():
     index.remove("z", [b"k4"])
     assert masks[b"k2"] is masks[b"k4"] and masks[b"k2"] > 256   # both held by "b" alone
     assert index.match([b"k1", b"k2"]).lengths == {"a": 1}
+
+
+def test_a_full_sync_replaces_what_the_index_believed_and_marks_the_store_synced():
+    idx = BlockIndex()
+    idx.add("a", [1, 2, 3])                      # events only: the index may miss some keys
+    assert not idx.is_synced("a")
+    assert idx.begin_full_sync("a") == 3 and idx.is_synced("a")
+    idx.add("a", [2, 9])                         # the inventory as sent
+    assert idx.match([2, 9]).lengths == {"a": 2} and idx.match([1]).lengths == {}
+    idx.drop_store("a")                          # forgotten: a later inventory is needed again
+    assert not idx.is_synced("a")
