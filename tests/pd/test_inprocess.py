@@ -235,16 +235,16 @@ async def test_slow_work_before_the_first_kv_frame_keeps_decode_waiting(model):
     """A prefill that starts at once but spends longer than decode's kv_timeout before its
     first KV frame (a slow hot-spot migration, a slow prefix lookup) is kept alive too."""
     async with cluster(model, block_size=BS) as c:
-        c.prefill.keepalive_s = 0.1
+        c.prefill.keepalive_s = 0.05                 # 10 keepalives per kv_timeout: margin for a busy CI
         match = c.prefill.stage.match
 
         async def slow_match(keys):
-            await asyncio.sleep(1.2)                 # 3x the decode's kv_timeout below
+            await asyncio.sleep(1.5)                 # 3x the decode's kv_timeout below
             return await match(keys)
 
         c.prefill.stage.match = slow_match
         toks = prompt(12, 73)
-        tokens, reason, err = await c.request("slow", toks, 4, kv_timeout_s=0.4)
+        tokens, reason, err = await c.request("slow", toks, 4, kv_timeout_s=0.5)
         assert err is None and tokens == reference_greedy(model, toks, 4)
         assert_clean(c)
 
