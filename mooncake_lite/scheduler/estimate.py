@@ -152,8 +152,10 @@ def carry_running_estimates(old: DecodeInstanceState, new: DecodeInstanceState,
     incoming requests or capacity changed); otherwise its leave profile may be edited from
     ``old``'s (see MAX_TBT_DRIFT). A caller that knows how ``new.running`` came from
     ``old.running`` passes ``edits``: ``(True, record)`` appended, ``(False, record)`` removed,
-    in the order they happened; without them, one appended or removed record is recognised by
-    comparing the two batches (which touches every record of both).
+    in the order they happened — exactly those: edits that change the batch's size wrongly or
+    remove a record the profile does not hold fall back to a fresh profile, but others (say, the
+    wrong record appended) are not detected. Without ``edits``, one appended or removed record
+    is recognised by comparing the two batches (which touches every record of both).
 
     The profile *moves* to ``new`` (edited in place, so an edit touches only the entries it
     shifts): ``old`` answers as before if asked again, but builds its profile afresh."""
@@ -281,8 +283,6 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
             total, size = total - r.context_tokens, size - 1
     if size != len(d.running):
         return None                    # the edits do not describe this batch: build it afresh
-    if d._context_tokens is None:
-        _keep(d, "_context_tokens", total)
     tbt = old.tbt
     if tbt is not None and abs(model.predict(len(d.running), total) - tbt) > tbt * MAX_TBT_DRIFT:
         return None
@@ -304,6 +304,8 @@ def _edited_profile(d: DecodeInstanceState, previous: DecodeInstanceState,
             del ends[i], members[i], contexts[i]
         lowest = i if i < lowest else lowest
     prefix[lowest:] = accumulate(contexts[lowest:], initial=prefix[lowest])
+    if d._context_tokens is None:      # only now: the edits applied, so the total is the batch's
+        _keep(d, "_context_tokens", total)
     return _LeaveProfile(model, uniform_decode_s, tbt, ends, members, contexts, prefix)
 
 

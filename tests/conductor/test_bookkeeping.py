@@ -10,7 +10,7 @@ from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
 from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, PrefillCostModel,
                                      context_lag_bound)
-from mooncake_lite.scheduler.estimate import decode_load_at
+from mooncake_lite.scheduler.estimate import decode_load_at, running_load
 
 COSTS = CostModels(PrefillCostModel(c1=1e-3), DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
 T_D = 30.0
@@ -129,6 +129,7 @@ def _check_against_exact(m: Membership) -> None:
         # The scheduler's leave profile, edited by the joins and leaves Membership stated since
         # the last state, predicts exactly as the shown batch does (uniform t_d: no TBT drift;
         # nothing late, so every incoming request has joined).
+        assert running_load(d) == (len(d.running), sum(r.context_tokens for r in d.running))
         for t in (0.0, 20.0, 40.0, 80.0):
             staying = [r.context_tokens for r in d.running if r.joined_at + T_D > t]
             staying += [r.context_tokens for r in d.incoming]

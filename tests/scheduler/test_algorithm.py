@@ -154,3 +154,14 @@ def test_random_is_seeded_and_spreads():
     assert {m.reused_prefix_blocks for m in many if m.prefill_id == "p0"} == {8}
     with pytest.raises(ValueError, match="seeded random.Random"):
         run(clus, index(), strategy="random")
+
+
+def test_transfer_latency_counts_against_fetching_the_prefix():
+    # p0 holds 8 of 10 blocks behind a 0.2 s queue; idle p1 could fetch them (8 ms) instead.
+    from dataclasses import replace
+    clus = cluster([prefill("p0", queued(200)), prefill("p1")])
+    d = schedule(request(), clus, index=index(p0=8), config=cfg(), costs=COSTS, now=0.0)
+    assert (d.prefill_id, d.route) == ("p1", "transfer") and d.predicted_ttft_s == pytest.approx(0.028)
+    slow_link = replace(COSTS, transfer_latency_s=0.5)      # every fetch pays 0.5 s first
+    d = schedule(request(), clus, index=index(p0=8), config=cfg(), costs=slow_link, now=0.0)
+    assert (d.prefill_id, d.route) == ("p0", "local-hit") and d.predicted_ttft_s == pytest.approx(0.22)

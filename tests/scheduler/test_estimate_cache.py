@@ -9,7 +9,8 @@ from mooncake_lite.scheduler import (CostModels, DecodeCostModel, DecodeInstance
                                      DecodingRequest, IncomingRequest, PrefillCostModel,
                                      PrefillInstanceState, QueuedPrefill, carry_queue_estimates,
                                      carry_running_estimates)
-from mooncake_lite.scheduler.estimate import MAX_TBT_DRIFT, decode_load_at, prefill_queue_time, prefill_views
+from mooncake_lite.scheduler.estimate import (MAX_TBT_DRIFT, decode_load_at, decode_load_now, prefill_queue_time,
+                                              prefill_views, running_load)
 
 COSTS = CostModels(prefill=PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7),
                    decode=DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), kv_bytes_per_token=1)
@@ -125,6 +126,10 @@ def test_stated_edits_that_do_not_describe_the_batch_rebuild_the_profile():
         carry_running_estimates(old, new, stated)
         for t in (0.0, 5.5, 6.5, 7.5):
             assert decode_load_at(new, COSTS, t, set(), 5.0) == staying_by_definition(new, t, 5.0)
+        # nothing derived from the refused edits stays behind (the batch's total, say)
+        assert running_load(new) == decode_load_now(new) == (len(new.running), sum(r.context_tokens for r in new.running))
+        old = DecodeInstanceState("d", (a, b))
+        decode_load_at(old, COSTS, 0.0, set(), 5.0)
 
 
 @st.composite
@@ -191,7 +196,6 @@ def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
     assert decode_load_at(old, COSTS, 2.0, set(), None) == staying_by_definition(old, 2.0, None)
     assert decode_load_at(same, COSTS, 2.0, set(), None) == (lambda b, c: (b + 1, c + 10))(
         *staying_by_definition(same, 2.0, None))
-    other = DecodeInstanceState("d", running[:4])          # another batch: nothing carried
-    carry_running_estimates(old, other)
-    assert other._leave is None
-    assert decode_load_at(other, COSTS, 2.0, set(), None) == staying_by_definition(other, 2.0, None)
+    other = DecodeInstanceState("d", running[:4])          # another batch: only a link to ``same`` is carried
+    carry_running_estimates(same, other)
+    assert decode_load_at(other, COSTS, 2.0, set(), None) == staying_by_definition(other, 2.0, None, other._leave.tbt)

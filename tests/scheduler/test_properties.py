@@ -74,37 +74,46 @@ def test_decision_invariants(scenario, admission):
         assert decisions["kvcache-centric"].reused_prefix_blocks == idx.match(req.block_keys).best_len
 
 
-def _algorithm_1(req, prefills, idx, config, costs):
-    """Algorithm 1 lines 1–16 (REFERENCE.md §2) spelled out per instance, every option costed
-    with the plain helpers: (instance id, TTFT) of the first instance with the smallest TTFT."""
+def _reference_choice(req, prefills, idx, config, costs):
+    """The prefill choice spelled out per instance with the plain helpers (Algorithm 1 lines
+    1–16, REFERENCE.md §2, for ``kvcache-centric``): (instance id, predicted TTFT) of the first
+    instance with the smallest ranking key (the TTFT, but cache-blind for ``load-balance``)."""
     best_len = idx.match(req.block_keys).best_len
     options = []
     for p in prefills:
         model = p.cost or costs.prefill
         queue_s = prefill_queue_time(p, costs, 0.0)
         prefix_len = idx.prefix_len(req.block_keys, p.store_id)
-        if best_len <= prefix_len or (prefix_len and best_len / prefix_len < config.kvcache_balancing_threshold):
+        if config.strategy == "load-balance":   # ranked cache-blind; the prefill still reuses its prefix
+            key, ttft = queue_s + model.predict(req.num_tokens, 0), queue_s + model.predict(req.num_tokens, prefix_len * BS)
+            options.append((key, p.instance_id, ttft))
+            continue
+        if config.strategy == "cache-aware" or best_len <= prefix_len or (
+                prefix_len and best_len / prefix_len < config.kvcache_balancing_threshold):
             ttft = queue_s + model.predict(req.num_tokens, prefix_len * BS)
         else:
             nbytes = (best_len - prefix_len) * BS * costs.kv_bytes_per_token
             transfer = kv_transfer_time(nbytes, p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s,
                                         costs.transfer_latency_s)
             ttft = transfer + queue_s + model.predict(req.num_tokens, best_len * BS)
-        options.append((ttft, p.instance_id))
-    return min(options, key=lambda o: o[0])[::-1]
+        options.append((ttft, p.instance_id, ttft))
+    _, instance_id, ttft = min(options, key=lambda o: o[0])
+    return instance_id, ttft
 
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios(), st.lists(st.sampled_from([None, PrefillCostModel(c1=2e-3), PrefillCostModel(c0=0.05, c1=5e-4)]),
-                             min_size=5, max_size=5))
-def test_kvcache_centric_prefill_is_algorithm_1(scenario, models):
-    """The prefill choice (which prices shared options once and inlines the transfer time)
-    picks exactly the instance and TTFT of Algorithm 1 computed option by option."""
+                             min_size=5, max_size=5),
+       st.sampled_from(["kvcache-centric", "cache-aware", "load-balance"]), st.sampled_from([0.0, 0.05, 0.5]))
+def test_prefill_choice_matches_the_choice_costed_option_by_option(scenario, models, strategy, latency):
+    """The prefill choice (which writes the transfer time out in its loop) picks exactly the
+    instance and TTFT of the per-instance definition, for every strategy that costs options."""
     idx, clus, req, threshold = scenario
     prefills = tuple(replace(p, cost=m) for p, m in zip(clus.prefills, models))
-    config = cfg(kvcache_balancing_threshold=threshold)
-    choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, COSTS, 0.0, None)
-    assert (choice.instance.instance_id, choice.ttft_s) == _algorithm_1(req, prefills, idx, config, COSTS)
+    config = cfg(strategy=strategy, kvcache_balancing_threshold=threshold)
+    costs = replace(COSTS, transfer_latency_s=latency)
+    choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, costs, 0.0, None)
+    assert (choice.instance.instance_id, choice.ttft_s) == _reference_choice(req, prefills, idx, config, costs)
 
 
 @settings(max_examples=150, deadline=None)
