@@ -180,11 +180,13 @@ class PrefillService:
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no
         longer waits for it, drop it instead of computing it for nothing. The first keepalive
-        goes one period in, so a request that starts at once sends none."""
+        goes one period in, so a request that starts at once sends none (nor opens the link to
+        decode before the prefill itself does: against an unreachable decode it would make the
+        prefill wait out a second connect timeout)."""
         try:
-            client = await self.links.get(req.decode_data)
             while True:
                 await asyncio.sleep(self.keepalive_s)
+                client = await self.links.get(req.decode_data)
                 await client.request(OP_KV_ALIVE, {"tid": req.transfer_id})
         except RemoteError as exc:
             if exc.code == "unknown_transfer":

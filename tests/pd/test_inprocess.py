@@ -249,6 +249,34 @@ async def test_slow_work_before_the_first_kv_frame_keeps_decode_waiting(model):
         assert_clean(c)
 
 
+async def test_a_request_decode_drops_before_its_first_kv_frame_is_not_computed(model):
+    async with cluster(model, block_size=BS) as c:
+        c.prefill.keepalive_s = 0.05
+        match, chunks = c.prefill.stage.match, []
+
+        async def slow_match(keys):
+            await asyncio.sleep(0.6)
+            return await match(keys)
+
+        run_chunk = c.prefill.stage.run_chunk
+
+        async def counted(*args, **kwargs):
+            chunks.append(args)
+            return await run_chunk(*args, **kwargs)
+
+        c.prefill.stage.match, c.prefill.stage.run_chunk = slow_match, counted
+        events = c.decode.add_request(GenerateRequest("gone", "t-gone", 9, Sampling(max_tokens=2)))
+        pending = asyncio.ensure_future(c.prefill.prefill(
+            PrefillRequest("gone", "t-gone", tuple(prompt(9, 74)), c.data, Sampling(max_tokens=2))))
+        await asyncio.sleep(0.1)
+        c.decode.abort("gone")                       # its client went away during the prefix lookup
+        assert (await events.get()).finish_reason == "abort"
+        with pytest.raises(PrefillAborted, match="before its first KV frame"):
+            await pending
+        assert chunks == []
+        assert_clean(c)
+
+
 async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped(model):
     async with cluster(model, block_size=BS) as c:
         c.prefill.keepalive_s = 0.1
