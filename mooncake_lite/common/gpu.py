@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 def nvml_devices(device: Any, env: Mapping[str, str] = os.environ) -> list[int | str]:
     """The NVML device a process computing on torch ``device`` uses: ``cuda:N`` is the Nth
-    entry of CUDA_VISIBLE_DEVICES (an NVML index, or a GPU/MIG UUID) or index N when it is
-    unset; a CPU device uses none."""
+    entry of CUDA_VISIBLE_DEVICES (an index, or a full GPU UUID) or index N when it is unset; a
+    CPU device uses none. CUDA numbers devices fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    NVML in PCI order: on a node with mixed GPU models, set PCI_BUS_ID (or list UUIDs) so the
+    two agree."""
     text = str(device)
     if not text.startswith("cuda"):
         return []
@@ -45,6 +47,7 @@ class GpuCollector:
         self._nvml = nvml          # injectable for tests; real pynvml otherwise
         self._devices = devices
         self._ready: bool | None = None
+        self._unsupported: set[tuple[str, str]] = set()
 
     def _init(self) -> bool:
         if self._ready is None:
@@ -68,14 +71,29 @@ class GpuCollector:
         total = GaugeMetricFamily("mooncake_gpu_memory_total_bytes", "GPU memory size", labels=["gpu"])
         power = GaugeMetricFamily("mooncake_gpu_power_watts", "GPU power draw", labels=["gpu"])
         try:
-            for d in self._devices if self._devices is not None else range(nv.nvmlDeviceGetCount()):
-                handle = nv.nvmlDeviceGetHandleByIndex(d) if isinstance(d, int) else nv.nvmlDeviceGetHandleByUUID(d)
-                label = [str(d)]
-                util.add_metric(label, nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-                mem = nv.nvmlDeviceGetMemoryInfo(handle)
-                used.add_metric(label, float(mem.used))
-                total.add_metric(label, float(mem.total))
-                power.add_metric(label, nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)
-        except Exception as exc:  # a GPU falling off the bus must not break /metrics
+            devices = self._devices if self._devices is not None else range(nv.nvmlDeviceGetCount())
+        except Exception as exc:  # a driver gone bad must not break /metrics
             log.warning("GPU telemetry failed: %s", exc)
+            devices = ()
+        for d in devices:
+            label = [str(d)]
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(d) if isinstance(d, int) else nv.nvmlDeviceGetHandleByUUID(d)
+            except Exception as exc:  # a GPU falling off the bus
+                log.warning("GPU %s telemetry failed: %s", d, exc)
+                continue
+            # Each figure on its own: some devices (MIG instances) support memory but not
+            # utilization or power, and what is supported is still worth exporting.
+            self._add(util, label, lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+            self._add(used, label, lambda: float(nv.nvmlDeviceGetMemoryInfo(handle).used))
+            self._add(total, label, lambda: float(nv.nvmlDeviceGetMemoryInfo(handle).total))
+            self._add(power, label, lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)
         yield from (util, used, total, power)
+
+    def _add(self, family: GaugeMetricFamily, label: list[str], read: Any) -> None:
+        try:
+            family.add_metric(label, read())
+        except Exception as exc:
+            if (family.name, label[0]) not in self._unsupported:   # say it once, not every scrape
+                self._unsupported.add((family.name, label[0]))
+                log.info("GPU %s: no %s (%s)", label[0], family.name, exc)

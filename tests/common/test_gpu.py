@@ -75,3 +75,17 @@ def test_an_instance_exports_only_its_own_gpu():
 ])
 def test_nvml_device_of_a_torch_device(device, env, expected):
     assert nvml_devices(device, env) == expected
+
+
+class MigNvml(FakeNvml):
+    def nvmlDeviceGetUtilizationRates(self, h):
+        raise RuntimeError("Not Supported")
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        raise RuntimeError("Not Supported")
+
+
+def test_a_device_without_utilization_or_power_still_reports_its_memory():
+    text = scrape(GpuCollector(MigNvml(), devices=["GPU-bbb"]))
+    assert 'mooncake_gpu_memory_used_bytes{gpu="GPU-bbb"} 2000.0' in text
+    assert "mooncake_gpu_utilization_ratio{" not in text and "mooncake_gpu_power_watts{" not in text
