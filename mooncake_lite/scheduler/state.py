@@ -37,8 +37,11 @@ def _slot_init(cls: type) -> type:
     ``object.__setattr__(self, name, value)`` per field (a name lookup each, ~0.2 µs); the
     conductor builds several states per decision and the simulator one per event, and this
     halves that cost. Fields without ``init`` get their default, as dataclasses does."""
-    if hasattr(cls, "__post_init__") or any(f.default_factory is not MISSING for f in fields(cls)):
-        raise TypeError(f"{cls.__name__}: _slot_init handles neither __post_init__ nor default_factory")
+    unsupported = [f.name for f in fields(cls) if f.default_factory is not MISSING or f.kw_only
+                   or (not f.init and f.default is MISSING)]
+    if hasattr(cls, "__post_init__") or unsupported:
+        raise TypeError(f"{cls.__name__}: _slot_init builds plain positional fields with plain defaults "
+                        f"and no __post_init__; not {unsupported or '__post_init__'}")
     params, body, env = [], [], {}
     for f in fields(cls):
         env[f"_set_{f.name}"] = getattr(cls, f.name).__set__

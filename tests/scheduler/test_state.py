@@ -35,8 +35,9 @@ def test_a_class_it_cannot_build_faithfully_is_refused():
             def __post_init__(self) -> None:
                 pass
 
-    with pytest.raises(TypeError, match="default_factory"):
-        @_slot_init
-        @dataclass(frozen=True, slots=True)
-        class Listed:
-            xs: list = field(default_factory=list)
+    for spec in (dict(default_factory=list), dict(kw_only=True, default=()), dict(init=False)):
+        with pytest.raises(TypeError, match=r"not \['xs'\]"):
+            @_slot_init
+            @dataclass(frozen=True, slots=True)
+            class Unusual:
+                xs: tuple = field(**spec)
