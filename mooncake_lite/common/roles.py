@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -9,7 +10,15 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means "every interface" (0.0.0.0, ::, [::], ::0, ...): bindable, but no
+    address a peer can dial."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return not host
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,10 @@ class RoleConfig:
         return self.advertise_host or self.host
 
     def __post_init__(self) -> None:
-        require(self.advertise_host is None or self.advertise_host.strip() not in WILDCARD_HOSTS,
+        require(self.advertise_host is None or (self.advertise_host == self.advertise_host.strip()
+                                                 and not is_wildcard(self.advertise_host)),
                 f"--advertise-host must be an address peers can dial, got {self.advertise_host!r}")
-        require(not self.ADVERTISES or self.peer_host not in WILDCARD_HOSTS,
+        require(not self.ADVERTISES or not is_wildcard(self.peer_host),
                 f"--host {self.host} binds every interface but is no address a peer can dial: "
                 "set --advertise-host to this node's cluster-network address")
         require(self.block_size > 0, f"--block-size must be positive, got {self.block_size}")

@@ -68,4 +68,4 @@ def run(cfg: Config) -> int:
         import sys
         sys.stderr.write(f"mooncake --role conductor: error: {exc}\n")
         return 2
-    return run_loop(lambda: serve_app(app, cfg.host, cfg.port, role="conductor"))
+    return run_loop(lambda: serve_app(app, cfg.host, cfg.port, role="conductor", advertise_host=cfg.advertise_host))

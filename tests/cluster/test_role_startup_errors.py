@@ -19,6 +19,8 @@ pytestmark = pytest.mark.timeout(120)
     (["--role", "store", "--host", "0.0.0.0"], "no address a peer can dial: set --advertise-host"),
     (["--role", "prefill", "--model", "tiny", "--host", "::"], "no address a peer can dial: set --advertise-host"),
     (["--role", "decode", "--model", "tiny", "--advertise-host", "0.0.0.0"], "--advertise-host must be an address"),
+    (["--role", "store", "--host", "[::]"], "no address a peer can dial"),
+    (["--role", "store", "--advertise-host", " 10.0.0.7"], "--advertise-host must be an address"),
 ])
 def test_bad_role_configuration_exits_with_a_clear_error(args, message):
     proc = subprocess.run([sys.executable, "-m", "mooncake_lite", *args], capture_output=True, text=True, timeout=90)
