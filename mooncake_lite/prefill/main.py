@@ -14,6 +14,7 @@ from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.prefill.worker_config import ModelRoleConfig
+from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,27 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None):
     return StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back), cost
 
 
-def registration(cfg: Config, service, addresses: dict[str, str]) -> Register:
+async def store_id(cfg: Config, store, timeout_s: float = 10.0) -> str | None:
+    """The id the conductor knows this instance's store by: what the store itself says (its
+    advertised data address) when it answers, else ``--store`` as given."""
+    if cfg.store is None or not hasattr(store, "store_id"):
+        return cfg.store
+    try:
+        canonical = await asyncio.wait_for(store.store_id(), timeout_s)
+    except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
+        log.warning("store %s did not answer (%s): registering it as given; if it advertises another "
+                    "address, the conductor will not see this instance's cached blocks", cfg.store, exc)
+        return cfg.store
+    if canonical and canonical != cfg.store:
+        log.info("store %s calls itself %s: registering that (the id its block events carry)", cfg.store, canonical)
+    return canonical or cfg.store
+
+
+def registration(cfg: Config, service, addresses: dict[str, str], store: str | None = None) -> Register:
     runner = service.stage.runner
     args = runner.args
     return Register(role="prefill", instance_id=cfg.instance_id or f"prefill@{addresses['http']}",
-                    http=addresses["http"], data=None, store=cfg.store, model=cfg.model,
+                    http=addresses["http"], data=None, store=store or cfg.store, model=cfg.model,
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
@@ -147,9 +164,11 @@ def run(cfg: Config) -> int:
                 watcher.cancel()
             app[EXTRA_CLEANUP] += [stop_watching, downstream.close]
 
+        known_as = await store_id(cfg, stage.store) if cfg.conductor else cfg.store
+
         def on_ready(addresses: dict[str, str]) -> None:
             if cfg.conductor:
-                msg = registration(cfg, service, addresses)
+                msg = registration(cfg, service, addresses, known_as)
                 tasks.append(asyncio.ensure_future(keep_membership(
                     cfg.conductor, msg, service.load, cfg.heartbeat_interval, cfg.cluster_token,
                     exit_process(state, "exit"))))

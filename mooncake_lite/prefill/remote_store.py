@@ -35,6 +35,12 @@ class RemoteStore:
                 self._client = await StoreClient.connect(self.address, token=self.token, name="prefill")
             return self._client
 
+    async def store_id(self) -> str | None:
+        """The id the store's block events carry (its advertised data address), which may be
+        spelled differently from the address this instance dials; None from an older store."""
+        store_id = (await self.client()).frames.hello.get("store_id")
+        return store_id if isinstance(store_id, str) and store_id else None
+
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
             return await (await self.client()).match(keys)

@@ -86,6 +86,7 @@ class FrameClient:
         self.conn = conn
         self._handler = handler
         self._ids = itertools.count(1)
+        self.hello: dict[str, Any] = {}   # the server's HELLO reply (e.g. a store's canonical id)
 
     @classmethod
     async def connect(cls, host: str, port: int, *, token: str | None = None, name: str = "client",
@@ -98,7 +99,8 @@ class FrameClient:
             timeout)
         client = cls(conn, handler)
         try:
-            await asyncio.wait_for(client.request(OP_HELLO, {"token": token, "client": name}), timeout)
+            reply = await asyncio.wait_for(client.request(OP_HELLO, {"token": token, "client": name}), timeout)
+            client.hello = dict(reply.meta)
         except BaseException:
             conn.abort(None)
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
@@ -33,9 +34,10 @@ def token_matches(expected: str | None, given: Any) -> bool:
 class AuthGate(FrameHandler):
     """Wraps the real handler; lets frames through only after a valid HELLO."""
 
-    def __init__(self, inner: FrameHandler, token: str | None) -> None:
+    def __init__(self, inner: FrameHandler, token: str | None, hello: Mapping[str, Any] | None = None) -> None:
         self.inner = inner
         self.token = token
+        self.hello = hello if hello is not None else {}   # what the HELLO reply tells a client
 
     def connection_made(self, conn: FrameConnection) -> None:
         conn.state["authenticated"] = False
@@ -62,7 +64,7 @@ class AuthGate(FrameHandler):
             return
         conn.state["authenticated"] = True
         conn.state["client"] = str(frame.meta.get("client", ""))[:64]
-        conn.send(OP_HELLO, frame.request_id, {"ok": True}, flags=FLAG_REPLY)
+        conn.send(OP_HELLO, frame.request_id, {**self.hello, "ok": True}, flags=FLAG_REPLY)
 
     def frame_aborted(self, conn: FrameConnection, header: Header, meta: dict[str, Any]) -> None:
         self.inner.frame_aborted(conn, header, meta)
@@ -72,10 +74,12 @@ class AuthGate(FrameHandler):
 
 
 async def start_server(handler: FrameHandler, host: str, port: int, *, token: str | None = None,
-                       limits: Limits = Limits(), name: str = "client") -> asyncio.Server:
+                       limits: Limits = Limits(), name: str = "client",
+                       hello: Mapping[str, Any] | None = None) -> asyncio.Server:
     """Listen on host:port (0 = any free port); each connection gets a FrameConnection whose
-    frames go to ``handler`` after the handshake."""
-    gate = AuthGate(handler, token)
+    frames go to ``handler`` after the handshake. ``hello`` (read at each handshake, so the
+    caller may fill it in once the port is known) goes back in the HELLO reply."""
+    gate = AuthGate(handler, token, hello)
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: FrameConnection(gate, limits, name, is_server=True),
                                     host, port, reuse_address=True)

@@ -95,3 +95,28 @@ async def test_roles_give_peers_the_advertised_host():
         for p in procs:
             p.stop()
         await runner.cleanup()
+
+
+async def test_a_prefill_registers_its_store_by_the_id_the_store_gives_itself():
+    """Dialled as 127.0.0.1, a store advertising 'localhost' tells the prefill so at the
+    handshake; the prefill registers that name, the one the store's block events carry."""
+    runner, url, seen = await fake_conductor(refuse_roles=set())
+    loop = asyncio.get_running_loop()
+    procs = []
+    try:
+        store = await loop.run_in_executor(None, lambda: start_role(
+            "store", "--port", "0", "--data-port", "0", "--dram", "16MiB", "--advertise-host", "localhost"))
+        procs.append(store)
+        dialled = "127.0.0.1:" + store.addresses["data"].rsplit(":", 1)[1]
+        prefill = await loop.run_in_executor(None, lambda: start_role(
+            "prefill", "--model", "tiny", "--block-size", "16", "--port", "0", "--conductor", url,
+            "--heartbeat-interval", "0.2", "--threads", "1", "--no-profile", "--store", dialled))
+        procs.append(prefill)
+        deadline = time.monotonic() + 60
+        while not seen["register"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert seen["register"][0].store == store.addresses["data"] != dialled
+    finally:
+        for p in procs:
+            p.stop()
+        await runner.cleanup()
