@@ -84,16 +84,24 @@ class GpuCollector:
                 continue
             # Each figure on its own: some devices (MIG instances) support memory but not
             # utilization or power, and what is supported is still worth exporting.
-            self._add(util, label, lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-            self._add(used, label, lambda: float(nv.nvmlDeviceGetMemoryInfo(handle).used))
-            self._add(total, label, lambda: float(nv.nvmlDeviceGetMemoryInfo(handle).total))
-            self._add(power, label, lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+            self._add((util,), label, lambda: (nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0,))
+            self._add((used, total), label, lambda: _memory(nv.nvmlDeviceGetMemoryInfo(handle)))
+            self._add((power,), label, lambda: (nv.nvmlDeviceGetPowerUsage(handle) / 1000.0,))
         yield from (util, used, total, power)
 
-    def _add(self, family: GaugeMetricFamily, label: list[str], read: Any) -> None:
+    def _add(self, families: tuple[GaugeMetricFamily, ...], label: list[str], read: Any) -> None:
+        """One NVML query, ``read()``, feeding one value to each of ``families``."""
         try:
-            family.add_metric(label, read())
+            values = read()
         except Exception as exc:
-            if (family.name, label[0]) not in self._unsupported:   # say it once, not every scrape
-                self._unsupported.add((family.name, label[0]))
-                log.info("GPU %s: no %s (%s)", label[0], family.name, exc)
+            name = families[0].name
+            if (name, label[0]) not in self._unsupported:   # say it once, not every scrape
+                self._unsupported.add((name, label[0]))
+                log.info("GPU %s: no %s (%s)", label[0], name, exc)
+            return
+        for family, value in zip(families, values):
+            family.add_metric(label, value)
+
+
+def _memory(info: Any) -> tuple[float, float]:
+    return float(info.used), float(info.total)
