@@ -40,12 +40,12 @@ def incoming_record(job: PrefillJob) -> IncomingRequest:
 
 
 def _prefill_limits(inst: Instance) -> tuple:
-    """(store id, inbound bandwidth) as the prefill state shows them."""
-    if inst.limits is None:
-        # No store: a unique id no block event names, so nothing counts as cached there.
-        store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
-        bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
-        inst.limits = (store_id, bandwidth)
+    """(store id, inbound bandwidth) as the prefill state shows them, kept in ``inst.limits``
+    until a heartbeat changes them."""
+    # No store: a unique id no block event names, so nothing counts as cached there.
+    store_id = inst.reg.store if inst.reg.store else f"(no store):{inst.instance_id}"
+    bandwidth = inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
+    inst.limits = (store_id, bandwidth)
     return inst.limits
 
 
@@ -78,11 +78,11 @@ def unshow(inst: Instance, job: DecodeJob) -> None:
 
 
 def _decode_limits(inst: Instance) -> tuple:
-    """(max batch size, max context tokens) as the decode state shows them."""
-    if inst.limits is None:
-        # Register.max_context of a decode instance is its KV capacity in tokens.
-        max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
-        inst.limits = (_int_or_none(inst.load.get("max_batch_size")), max_context)
+    """(max batch size, max context tokens) as the decode state shows them, kept in
+    ``inst.limits`` until a heartbeat changes them."""
+    # Register.max_context of a decode instance is its KV capacity in tokens.
+    max_context = _int_or_none(inst.load.get("max_context_tokens")) or _int_or_none(inst.reg.max_context)
+    inst.limits = (_int_or_none(inst.load.get("max_batch_size")), max_context)
     return inst.limits
 
 

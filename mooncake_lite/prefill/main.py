@@ -93,8 +93,8 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None):
 async def store_id(cfg: Config, store, timeout_s: float = 10.0) -> str | None:
     """The id the conductor knows this instance's store by: what the store itself says (its
     advertised data address) when it answers, else ``--store`` as given."""
-    if cfg.store is None or not hasattr(store, "store_id"):
-        return cfg.store
+    if cfg.store is None:              # a private in-process store: no block events, nothing to ask
+        return None
     try:
         canonical = await asyncio.wait_for(store.store_id(), timeout_s)
     except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
@@ -106,11 +106,11 @@ async def store_id(cfg: Config, store, timeout_s: float = 10.0) -> str | None:
     return canonical or cfg.store
 
 
-def registration(cfg: Config, service, addresses: dict[str, str], store: str | None = None) -> Register:
+def registration(cfg: Config, service, addresses: dict[str, str], store: str | None) -> Register:
     runner = service.stage.runner
     args = runner.args
     return Register(role="prefill", instance_id=cfg.instance_id or f"prefill@{addresses['http']}",
-                    http=addresses["http"], data=None, store=store or cfg.store, model=cfg.model,
+                    http=addresses["http"], data=None, store=store, model=cfg.model,
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),

@@ -244,8 +244,8 @@ def _leave_times(requests: Sequence[DecodingRequest], uniform_decode_s: float | 
 def _leave_profile(d: DecodeInstanceState, model: DecodeCostModel,
                    uniform_decode_s: float | None) -> _LeaveProfile:
     """The profile of ``d``'s running batch, per-request t_d from its current TBT: edited from
-    the previous state's (see :func:`carry_running_estimates`) when one request joined or
-    left and the TBT moved less than MAX_TBT_DRIFT, else built by sorting."""
+    the previous state's (see :func:`carry_running_estimates`) by the requests that joined or
+    left while the TBT moved less than MAX_TBT_DRIFT, else built by sorting."""
     carried = d._previous              # (previous state, edits) from carry_running_estimates
     _keep(d, "_previous", None)        # used once: do not keep the old state alive
     profile = carried is not None and _edited_profile(d, *carried, model, uniform_decode_s)
