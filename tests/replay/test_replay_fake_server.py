@@ -9,7 +9,7 @@ from mooncake_lite.bench.replay import main
 from mooncake_lite.bench.replay_client import request_body, stream_one
 from mooncake_lite.bench.replay_metrics import compute_metrics
 from mooncake_lite.bench.replay_prompts import SynthRequest
-from tests.conftest import TRACE
+from tests.conftest import TRACE, needs_trace
 from tests.replay.fake_openai import FakeState, ThreadServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,6 +20,7 @@ def replay_args(url, out, *extra):
             "--scale", str(1 / 32), "--max-output-tokens", "8", "--output-dir", str(out), "--no-progress", *extra]
 
 
+@needs_trace
 def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys):
     st = FakeState(block_chars=16, reject_every=7)
     with ThreadServer(st) as srv:
@@ -44,6 +45,7 @@ def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys
     assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@needs_trace
 def test_text_table_and_duration_window(tmp_path, capsys):
     with ThreadServer(FakeState()) as srv:
         # trace seconds 0..6 at speed 20 -> the first 0.3 s of replay time hold 29 requests
@@ -56,6 +58,7 @@ def test_text_table_and_duration_window(tmp_path, capsys):
     assert not (tmp_path / "cdf.png").exists()
 
 
+@needs_trace
 def test_block_tokens_aligned_with_the_server_block_give_hits(tmp_path, capsys):
     st = FakeState(block_chars=16)
     with ThreadServer(st) as srv:
@@ -93,6 +96,7 @@ async def test_recorded_stream_on_a_fake_clock():
     assert m["mean_e2el_ms"] == pytest.approx(400)
 
 
+@needs_trace
 def test_api_key_is_sent_and_a_wrong_one_is_a_failure(tmp_path, capsys):
     with ThreadServer(FakeState(api_key="sk-x")) as srv:
         assert main(replay_args(srv.url, tmp_path, "--api-key", "sk-x", "--max-requests", "3", "--json")) == 0
@@ -102,6 +106,7 @@ def test_api_key_is_sent_and_a_wrong_one_is_a_failure(tmp_path, capsys):
         assert m["completed"] == 0 and m["num_failed"] == 3
 
 
+@needs_trace
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--trace", str(tmp_path / "none.jsonl"), "--output-dir", str(tmp_path)]) == 2
     assert "error" in capsys.readouterr().err

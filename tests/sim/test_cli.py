@@ -7,7 +7,7 @@ import orjson
 from mooncake_lite.sim.cli import main
 from mooncake_lite.trace.format import write_trace
 from mooncake_lite.trace.synth import SynthConfig, synthesize
-from tests.conftest import TRACE
+from tests.conftest import TRACE, needs_trace
 
 
 def synth_file(tmp_path, n=120, rate=2.0):
@@ -54,6 +54,7 @@ def test_sim_bad_input_is_a_clear_error(tmp_path, capsys):
         assert "--network-gbps must be a positive number" in capsys.readouterr().err
 
 
+@needs_trace
 def test_tiny_reproduction(tmp_path, capsys):
     out = tmp_path / "repro"
     assert main(["reproduce", "--trace", str(TRACE), "--limit", "150", "--out", str(out),
@@ -83,6 +84,7 @@ def test_sim_with_a_bench_pd_style_profile(tmp_path, capsys):
     assert s["ttft_s"]["p50"] < 1.0        # the tiny model's costs, not the 70B preset's
 
 
+@needs_trace
 def test_sim_ssd_tier_keeps_prefixes_a_small_dram_store_loses(capsys):
     base = [str(TRACE), "--prefill", "2", "--decode", "2", "--limit", "400", "--store-blocks", "50",
             "--json", "--no-progress"]
