@@ -13,6 +13,27 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency adjustment (``rope_type: "llama3"``): long wavelengths are
+    stretched by ``factor`` so the model reaches past the context it was pretrained on."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.low_freq_factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(f"rope scaling values must be positive, got {self}")
+        # The interpolation band divides by their difference.
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must exceed "
+                             f"low_freq_factor {self.low_freq_factor}")
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     dim: int
@@ -27,6 +48,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
     name: str = "custom"
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self) -> None:
         for f in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -72,7 +94,8 @@ class ModelArgs:
                        rope_theta=_rope_theta(cfg),
                        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name)
+                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name,
+                       rope_scaling=rope_scaling_from_config(cfg))
         except KeyError as exc:
             raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
 
@@ -83,6 +106,39 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(cfg.get("rope_theta", 10000.0))
+
+
+def rope_params(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The config key holding the rope settings, and its dict: older configs write
+    ``rope_scaling``, transformers >= 5 writes ``rope_parameters``."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict) and cfg[key]:
+            return key, cfg[key]
+    return "rope_scaling", {}
+
+
+def rope_type(params: dict[str, Any]) -> str:
+    return params.get("rope_type", params.get("type", "default"))  # "type" is the pre-4.45 spelling
+
+
+def rope_scaling_from_config(cfg: dict[str, Any]) -> RopeScaling | None:
+    """Raises ValueError naming the field for an unsupported rope type or a missing or
+    non-numeric llama3 value: scaling silently ignored would run a different model."""
+    key, params = rope_params(cfg)
+    kind = rope_type(params)
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{key}.rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    values = {}
+    for f in dataclasses.fields(RopeScaling):
+        value = params.get(f.name)
+        if value is None:
+            raise ValueError(f"{key}.{f.name} is missing (rope_type 'llama3' needs it)")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key}.{f.name} {value!r} is not a number")
+        values[f.name] = value
+    return RopeScaling(**values)
 
 
 def dtype_bytes(dtype: "torch.dtype | str") -> int:

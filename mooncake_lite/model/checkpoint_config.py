@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.args import ROPE_TYPES, ModelArgs, rope_params, rope_scaling_from_config, rope_type
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
@@ -58,14 +58,17 @@ def _check_supported(cfg: dict, path: str) -> None:
         problems.append("mlp_bias")
     if model_type != "qwen2" and cfg.get("attention_bias"):
         problems.append("attention_bias (LLaMA puts a bias on o_proj too)")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type != "default":
-        problems.append(f"rope scaling {rope_type!r}")
+    rope_key, rope = rope_params(cfg)
+    if rope_type(rope) not in ROPE_TYPES:
+        problems.append(f"{rope_key}.rope_type {rope_type(rope)!r} (supported: {', '.join(ROPE_TYPES)})")
     if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
         problems.append("sliding-window attention")
     if problems:
         raise CheckpointError(f"{path}: unsupported model features: {'; '.join(problems)}")
+    try:  # a supported rope type whose values are missing or malformed
+        rope_scaling_from_config(cfg)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def model_args(model: str) -> ModelArgs:

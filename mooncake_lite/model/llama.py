@@ -7,6 +7,7 @@ prefill and chunked pipeline parallelism need. A model may hold only a slice of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention
-from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.args import ModelArgs, RopeScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 
 
@@ -44,11 +45,26 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)  # half-rotation layout, as in HF LLaMA checkpoints
     return emb.cos(), emb.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rule: frequencies whose wavelength exceeds ``original / low_freq_factor`` (long
+    against the pretraining context) are divided by ``factor``, so longer contexts stay within the
+    angles seen in training; those shorter than ``original / high_freq_factor`` stay; the band
+    between blends the two linearly in ``original / wavelength``."""
+    wavelen = 2 * math.pi / inv_freq
+    # 0 → fully scaled, 1 → untouched; clamping gives the two outer bands exactly.
+    keep = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - keep) * inv_freq / s.factor + keep * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,7 +144,7 @@ class Transformer(nn.Module):
         return range(self.first_layer, self.end_layer)
 
     def rope(self, positions: torch.Tensor):
-        return rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
+        return rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(token_ids)

@@ -28,13 +28,14 @@ def _decisive_init(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_llama(path: Path, *, seed: int = 0, num_layers: int = 3, **overrides):
-    """A ``LlamaForCausalLM`` (GQA, non-default rope theta) saved as one safetensors file."""
+    """A ``LlamaForCausalLM`` (GQA, non-default rope theta) saved as one safetensors file;
+    ``overrides`` may replace any config value."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=48, intermediate_size=100, num_hidden_layers=num_layers,
-                      num_attention_heads=6, num_key_value_heads=2, vocab_size=VOCAB,
-                      max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-5,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None, **overrides)
+    shape = dict(hidden_size=48, intermediate_size=100, num_hidden_layers=num_layers, num_attention_heads=6,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rope_theta=5000.0,
+                 rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(**(shape | overrides))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     _decisive_init(model, seed)

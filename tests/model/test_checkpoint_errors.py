@@ -92,7 +92,7 @@ def test_unexpected_tensor_is_not_silently_dropped(ckpt):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type 'yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"head_dim": 16}, "head_dim 16"),
