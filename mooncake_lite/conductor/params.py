@@ -15,6 +15,7 @@ from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.conductor.errors import ApiError, bad_request
+from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -35,10 +36,24 @@ class ApiRequest:
 
 
 def chat_prompt(messages: list[dict[str, str]]) -> str:
-    """The chat template for byte-level models: one ``<|role|>`` header line per message, its
-    content on the next line(s), then ``<|assistant|>`` and a newline for the reply."""
+    """The fallback chat template, for checkpoints without one of their own (the byte-level
+    presets): one ``<|role|>`` header line per message, its content on the next line(s), then
+    ``<|assistant|>`` and a newline for the reply."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
+
+
+def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The conversation in the checkpoint's own chat format. The rendered template already holds
+    every special token the model expects (BOS included), so encoding adds none."""
+    template = tokenizer.chat_template
+    if template is None:
+        return tuple(tokenizer.encode(chat_prompt(messages)))
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: Tokenizer,
@@ -51,7 +66,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     if kind == "chat":
-        prompt_ids = tuple(tokenizer.encode(chat_prompt(_messages(body))))
+        prompt_ids = _chat_ids(_messages(body), tokenizer)
     else:
         prompt_ids = _prompt_ids(body, tokenizer, vocab_size)
     if not prompt_ids:
@@ -206,7 +221,6 @@ def _stop_token_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> tuple[
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
-    eos = tokenizer.eos_token_id
-    if eos is not None and not ignore_eos and eos not in ids:
-        ids = [*ids, eos]
+    if not ignore_eos:   # every id the checkpoint says ends a turn, not only the first
+        ids = [*ids, *(e for e in tokenizer.eos_token_ids if e not in ids)]
     return tuple(ids)

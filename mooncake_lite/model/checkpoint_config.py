@@ -72,9 +72,12 @@ def _check_supported(cfg: dict, path: str) -> None:
 
 
 def model_args(model: str) -> ModelArgs:
-    """Shape of a preset or checkpoint directory without building weights."""
-    if os.path.isdir(model):
+    """Shape of a preset, named model, GGUF file or checkpoint directory without building weights."""
+    from mooncake_lite.model.source import resolve
+    source = resolve(model)
+    if source.kind == "hf":
         return read_args(model)
-    if os.sep in model or model.startswith("."):  # meant as a path, not a preset name
-        raise CheckpointNotFoundError(f"checkpoint directory {model!r} does not exist")
+    if source.kind == "gguf":
+        from mooncake_lite.model.gguf_file import args_from_meta, read_meta
+        return args_from_meta(read_meta(source.path), source.served_name)
     return ModelArgs.from_name(model)

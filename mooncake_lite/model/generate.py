@@ -15,6 +15,7 @@ from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 
 
@@ -58,7 +59,8 @@ def main(argv: Sequence[str]) -> int:
     from mooncake_lite.model.weights import build_model
 
     ap = argparse.ArgumentParser(prog="mooncake generate", description=__doc__)
-    ap.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="named real model, GGUF file, checkpoint directory "
+                    "or preset (default: %(default)s)")
     ap.add_argument("--prompt", default="The moon is")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.0)

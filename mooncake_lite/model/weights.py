@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 
 import torch
 
@@ -43,10 +42,16 @@ def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
 
 def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 layer_range: tuple[int, int] | None = None, seed: int = 0) -> Transformer:
-    """``model`` is a preset name (dummy weights from ``seed``) or a checkpoint directory."""
-    if os.path.isdir(model):
+    """``model`` is a preset name (dummy weights from ``seed``), a named packaged model, a GGUF
+    file or a checkpoint directory."""
+    from mooncake_lite.model.source import resolve
+    source = resolve(model)
+    if source.kind == "hf":
         from mooncake_lite.model.loader import load_checkpoint
         return load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
+    if source.kind == "gguf":
+        from mooncake_lite.model.gguf_loader import load_gguf
+        return load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
     net = Transformer(model_args(model), layer_range)
     init_dummy_weights(net, seed)
     return net.to(device=device, dtype=dtype).eval()

@@ -11,6 +11,7 @@ from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES, dtype_bytes
 from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.source import DEFAULT_MODEL
 
 
 def optional_duration(value):
@@ -19,7 +20,8 @@ def optional_duration(value):
 
 @dataclass(frozen=True)
 class ModelRoleConfig(RoleConfig):
-    model: str = option("tiny", "model preset (tiny, small, llama2-7b, ...) or checkpoint directory")
+    model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
+                        "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
     dtype: str = option("float32", "model and KV dtype", choices=sorted(DTYPES))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
     seed: int = option(0, "dummy-weight seed of presets; must be equal across the cluster")

@@ -2,7 +2,8 @@
 
 It prints the JSON ready line, serves ``/health``, registers prefill/decode instances with the
 conductor (sending the cluster token from MOONCAKE_CLUSTER_TOKEN, as the real roles get it),
-and the conductor answers ``/v1/completions`` (streamed or not) with fixed text. Misbehaviour on
+and the conductor answers ``/v1/completions`` (streamed or not) and ``/v1/chat/completions``
+(streamed) with fixed text. Misbehaviour on
 demand, for the supervisor tests: ``FAKE_FAIL=ROLE`` exits with an error before ready,
 ``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving,
 ``FAKE_REJECT=N`` answers the first N completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start.
@@ -54,6 +55,26 @@ async def models(request):
 REJECTED = web.AppKey("rejected", list)
 
 
+async def chat_completions(request):
+    """Chat, as the smoke client asks: the same fixed answer as content deltas."""
+    body = await request.json()
+    rejected = request.app[REJECTED]
+    if len(rejected) < int(os.environ.get("FAKE_REJECT", "0")):
+        rejected.append(1)
+        return web.json_response({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status=429,
+                                 headers={"Retry-After": "0"})
+    created, model = int(time.time()), body.get("model")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i, word in enumerate(ANSWER.split(" ")):
+        chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": {"content": word if i == 0 else " " + word},
+                              "finish_reason": "length" if i == 1 else None}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
 async def completions(request):
     body = await request.json()
     rejected = request.app[REJECTED]
@@ -92,6 +113,7 @@ async def serve(args) -> None:
         app.router.add_post("/internal/v1/register", register)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", chat_completions)
     extra = {}
     if args.data_port is not None:
         server = await asyncio.start_server(lambda r, w: w.close(), args.host, int(args.data_port))

@@ -17,7 +17,7 @@ def test_smoke_serves_a_completion_and_leaves_nothing_behind():
     rc, out, err = finish(proc)
     assert rc == 0, err
     assert "answer: 'fake answer'" in out and "smoke test: OK" in out
-    assert "prefill-1" in out and "/v1/completions" in out  # banner lists children, curl example
+    assert "prefill-1" in out and "/v1/chat/completions" in out  # banner lists children, curl example
     assert "[conductor]" in err and "[prefill-0]" in err     # logs relayed with role prefixes
     assert wait_gone(tag) == []
 

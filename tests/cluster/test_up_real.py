@@ -29,7 +29,7 @@ def test_up_serves_openai_client_replays_with_hits_and_stops_clean(tmp_path, cap
     tag = str(random.randrange(10**8, 10**9))
     # Admission off: this test is about serving and shutdown; SLO admission has its own tests, and
     # start-up profiles on a busy CI CPU can predict an idle cluster's TBT above the 200 ms SLO.
-    proc = start_up("--hash-seed", tag, "--block-size", "16", "--api-key", KEY, "--cluster-token", "tok-up",
+    proc = start_up("--model", "tiny", "--hash-seed", tag, "--block-size", "16", "--api-key", KEY, "--cluster-token", "tok-up",
                     "--conductor-args", "--admission none", fake=False)
     try:
         banner = read_until(proc, "Ctrl-C stops every process", timeout=300)

@@ -43,7 +43,7 @@ async def make_cluster(aiohttp_server):
     made: list[tuple[Cluster, asyncio.Task]] = []
 
     async def _make(prefill: int = 1, decode: int = 1, **overrides) -> Cluster:
-        cfg = Config(**{"block_size": 4, "dead_after": 2.0, "admission": "none", **overrides})
+        cfg = Config(**{"model": "tiny", "block_size": 4, "dead_after": 2.0, "admission": "none", **overrides})
         app = make_app(cfg)
         server = await aiohttp_server(app)
         session = aiohttp.ClientSession()

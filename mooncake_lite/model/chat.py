@@ -1,0 +1,61 @@
+"""Rendering chat ``messages`` with a checkpoint's own Jinja chat template.
+
+A model answers well only in the format it was trained on, which its checkpoint states as a
+Jinja template (GGUF ``tokenizer.chat_template``, ``tokenizer_config.json``'s ``chat_template``
+or ``chat_template.jinja``). Templates come from model files, so they run in Jinja's immutable
+sandbox. The environment follows the conventions templates are written for (blocks trimmed,
+``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text), so the output is
+the same as ``transformers``' ``apply_chat_template(..., add_generation_prompt=True)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (its ``raise_exception``) or failed to render."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
+        self.source = source
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self._template = _environment().from_string(source)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except ChatTemplateError:
+            raise
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env

@@ -1,0 +1,131 @@
+"""Reading a GGUF file's metadata: the model shape, the tokenizer's vocabulary and the chat template.
+
+Uses ``gguf``, the format's reference Python reader (numpy only, so the conductor stays
+torch-free). Opening a file parses its whole key/value section (the vocabulary is most of it,
+~3 s for a 49k-token vocabulary on a small CPU), so one process opens each file once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.checkpoint_config import CheckpointError
+
+# Architectures whose GGUF tensors map onto our LLaMA-family decoder.
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class GGUFMeta:
+    path: str
+    fields: dict[str, Any]      # every key but the tokenizer arrays, as plain Python values
+    tensor_names: frozenset[str]
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    @property
+    def arch(self) -> str:
+        return self.fields["general.architecture"]
+
+
+_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+
+
+def read_meta(path: str) -> GGUFMeta:
+    st = os.stat(path)
+    return _read_meta(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_meta(path: str, _mtime_ns: int, _size: int) -> GGUFMeta:
+    reader = open_reader(path)
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in _ARRAYS:
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a key we cannot decode is one we do not use
+            continue
+
+    def array(key: str) -> tuple:
+        field = reader.fields.get(key)
+        return tuple(field.contents()) if field is not None else ()
+    return GGUFMeta(path, fields, frozenset(t.name for t in reader.tensors), array("tokenizer.ggml.tokens"),
+                    array("tokenizer.ggml.token_type"), array("tokenizer.ggml.merges"))
+
+
+def open_reader(path: str):
+    """The file's reader, shared within a process (the shape, the vocabulary and the weights all
+    come from one parse; the tensors are memory-mapped, not read)."""
+    st = os.stat(path)
+    return _open_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_reader(path: str, _mtime_ns: int, _size: int):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the 'gguf' package (pip install gguf)") from None
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:
+    """The model shape from ``<arch>.*`` keys; refuses what our decoder does not implement."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(f"{meta.path}: GGUF architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def key(k: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{k}", default)
+        if value is None:
+            raise CheckpointError(f"{meta.path}: GGUF metadata lacks {arch}.{k}")
+        return value
+    dim, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = dim // num_heads if num_heads else 0
+    _check_gguf_features(meta, arch, head_dim)
+    try:
+        return ModelArgs(dim=dim, num_layers=int(key("block_count")), num_heads=num_heads,
+                         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+                         ffn_dim=int(key("feed_forward_length")),
+                         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta.tokens)),
+                         max_seq_len=int(key("context_length", 4096)),
+                         rope_theta=float(key("rope.freq_base", 10000.0)),
+                         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+                         tie_embeddings="output.weight" not in meta.tensor_names,
+                         qkv_bias="blk.0.attn_q.bias" in meta.tensor_names, name=name)
+    except ValueError as exc:
+        raise CheckpointError(f"{meta.path}: {exc}") from None
+
+
+def _check_gguf_features(meta: GGUFMeta, arch: str, head_dim: int) -> None:
+    problems = []
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        problems.append(f"{arch}.rope.dimension_count {rope_dims} (partial rotary; head_dim is {head_dim})")
+    for k in ("attention.key_length", "attention.value_length"):
+        value = meta.get(f"{arch}.{k}")
+        if value is not None and int(value) != head_dim:
+            problems.append(f"{arch}.{k} {value} (must equal embedding_length/head_count = {head_dim})")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        problems.append(f"{arch}.rope.scaling.type {scaling!r}")
+    if "rope_freqs.weight" in meta.tensor_names:
+        problems.append("tensor rope_freqs.weight (Llama-3.1 rope factors in GGUF form)")
+    if meta.get(f"{arch}.expert_count"):
+        problems.append(f"{arch}.expert_count (mixture of experts)")
+    if problems:
+        raise CheckpointError(f"{meta.path}: unsupported model features: {'; '.join(problems)}")
