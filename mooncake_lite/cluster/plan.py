@@ -9,6 +9,11 @@ Start order follows the data dependencies of the ready lines:
 
 Stop order is the drain order: the conductor first (it stops taking requests and finishes
 the ones in flight, which still need prefill/decode), then the instances, then the stores.
+
+Stores are sized for the served model: one KV block (``kv_block_bytes`` at the prefill's block
+size and dtype, worked out by ``up.py``) must fit a slot, or every write-back is refused, so
+stores get ``--slot-bytes`` (rounded up to 64 KiB) and a ``--dram`` of at least 64 such slots,
+unless the user set those options (flags, config file or environment) themselves.
 """
 
 from __future__ import annotations
@@ -16,8 +21,20 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE
 
 ROLES = ("conductor", "store", "prefill", "decode")
+
+DEFAULT_DTYPE = "float32"               # ModelRoleConfig.dtype's default (a test keeps them equal)
+SLOT_ALIGN = 64 << 10                   # --slot-bytes is rounded up to this
+MIN_STORE_BLOCKS = 64                   # --dram holds at least this many slots...
+STORE_DRAM = 1 << 30                    # ...and at least the store's default --dram
+STORE_SSD_QUEUE = 256 << 20             # the store's default --ssd-queue (must hold one slot)
+MAX_SLOT_BYTES = 1 << 30                # the store's largest --slot-bytes
+# Options the store sizing reads (prefill) or sets (store); see UpOptions.preset.
+SIZING_OPTIONS = ("block_size", "dtype", "slot_bytes", "dram", "ssd_queue")
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,13 @@ class UpOptions:
     # Config field names per role, when known: wiring flags a role lacks (decode has no --store)
     # are left out. None passes every wiring flag (custom launchers).
     role_fields: Mapping[str, frozenset[str]] | None = None
+    # Bytes of one KV block of the served model at the prefill's block size and dtype (None:
+    # unknown, stores keep their defaults); see kv_layout and store_sizing.
+    kv_block_bytes: int | None = None
+    # Values of SIZING_OPTIONS each role gets from the config file and environment, by role and
+    # field name ({"store": {"slot_bytes": "8MiB"}}): set there, they are neither read from
+    # defaults nor overridden by flags of ours.
+    preset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_stores"):
@@ -91,6 +115,61 @@ def _finish(argv: list[str], opts: UpOptions, role: str) -> tuple[str, ...]:
     return tuple(argv + list(opts.role_args.get(role, ())))
 
 
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value the last ``flag V`` / ``flag=V`` in ``argv`` gives (argparse: the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def role_setting(opts: UpOptions, role: str, name: str) -> Any | None:
+    """What the user set for option ``name`` of ``role``: its flags (role args after the common
+    ones), else the config file / environment (``opts.preset``); None when left to the default."""
+    value = flag_value([*opts.common, *opts.role_args.get(role, ())], "--" + name.replace("_", "-"))
+    return value if value is not None else opts.preset.get(role, {}).get(name)
+
+
+def kv_layout(opts: UpOptions) -> tuple[int, str]:
+    """(block size, dtype) of the KV blocks the prefill instances will write to the stores."""
+    block_size = role_setting(opts, "prefill", "block_size")
+    dtype = role_setting(opts, "prefill", "dtype")
+    return (int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE,
+            str(dtype) if dtype is not None else DEFAULT_DTYPE)
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """A store slot for blocks of ``block_bytes``: rounded up to a multiple of 64 KiB."""
+    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def store_sizing(opts: UpOptions) -> list[tuple[str, str]]:
+    """The ``--slot-bytes`` / ``--dram`` / ``--ssd-queue`` flags that let a store hold the served
+    model's blocks, leaving out whatever the user set. ``--dram`` is sized from the slot size in
+    effect (the user's, if set)."""
+    if opts.kv_block_bytes is None:
+        return []
+    from mooncake_lite.common.units import parse_size
+    flags: list[tuple[str, str]] = []
+    user_slot = role_setting(opts, "store", "slot_bytes")
+    if user_slot is None:
+        slot = slot_bytes_for(opts.kv_block_bytes)
+        flags.append(("--slot-bytes", str(slot)))
+    else:
+        try:
+            slot = int(parse_size(user_slot))
+        except (TypeError, ValueError):
+            return flags          # the store will say what is wrong with it
+    if role_setting(opts, "store", "dram") is None and MIN_STORE_BLOCKS * slot > STORE_DRAM:
+        flags.append(("--dram", str(MIN_STORE_BLOCKS * slot)))
+    if role_setting(opts, "store", "ssd_queue") is None and slot > STORE_SSD_QUEUE:
+        flags.append(("--ssd-queue", str(2 * slot)))
+    return flags
+
+
 def conductor_spec(opts: UpOptions) -> ChildSpec:
     argv = _base(opts, "conductor", opts.port)
     _wire(opts, "conductor", argv, "--model", opts.model)
@@ -103,6 +182,8 @@ def store_specs(opts: UpOptions, conductor_url: str) -> list[ChildSpec]:
         argv = _base(opts, "store", 0)
         _wire(opts, "store", argv, "--data-port", "0")
         _wire(opts, "store", argv, "--conductor", conductor_url)
+        for flag, value in store_sizing(opts):
+            _wire(opts, "store", argv, flag, value)
         specs.append(ChildSpec(f"store-{i}", "store", _finish(argv, opts, "store"), secret_env(opts, "store")))
     return specs
 

@@ -18,13 +18,13 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import aiohttp
 
 from mooncake_lite.cluster.child import ChildFailed
-from mooncake_lite.cluster.plan import (ROLES, UpOptions, conductor_spec, instance_specs, split_args,
-                                        store_specs)
+from mooncake_lite.cluster.plan import (MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions, conductor_spec,
+                                        instance_specs, kv_layout, slot_bytes_for, split_args, store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import Supervisor
@@ -77,6 +77,33 @@ def options_from(ns: argparse.Namespace) -> UpOptions:
                      cluster_token=ns.cluster_token or None, config=ns.config, common=tuple(common),
                      role_args={r: split_args(getattr(ns, f"{r}_args")) for r in ROLES},
                      launcher=launcher)
+
+
+def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> UpOptions:
+    """``opts`` with the served model's KV block bytes (at the prefill's block size and dtype) and
+    the sizing options the config file or environment set, so the stores get slots that hold a
+    block (``plan.store_sizing``). A model or option we cannot read here is left to the roles,
+    which say what is wrong with it."""
+    import dataclasses
+
+    from mooncake_lite.common.config import read_toml
+    from mooncake_lite.model.checkpoint_config import model_args
+    env = os.environ if env is None else env
+    preset: dict[str, dict[str, object]] = {}
+    for role in ("prefill", "store"):
+        values = read_toml(opts.config, ["cluster", role]) if opts.config else {}
+        values.update({n: env[f"MOONCAKE_{n.upper()}"] for n in SIZING_OPTIONS if f"MOONCAKE_{n.upper()}" in env})
+        preset[role] = {n: v for n, v in values.items() if n in SIZING_OPTIONS}
+    opts = dataclasses.replace(opts, preset=preset)
+    try:
+        block_size, dtype = kv_layout(opts)
+        block_bytes = model_args(opts.model).kv_block_bytes(block_size, dtype)
+    except (ValueError, OSError, KeyError):
+        return opts
+    if slot_bytes_for(block_bytes) > MAX_SLOT_BYTES:
+        raise ValueError(f"one {block_size}-token KV block of {opts.model} in {dtype} is {block_bytes} bytes, more "
+                         f"than a store slot can hold ({MAX_SLOT_BYTES}): lower --block-size")
+    return dataclasses.replace(opts, kv_block_bytes=block_bytes)
 
 
 class Printer:
@@ -206,7 +233,7 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
 def main(argv: Sequence[str]) -> int:
     ns = build_parser().parse_args(list(argv))
     try:
-        opts = with_role_support(options_from(ns))
+        opts = with_store_sizing(with_role_support(options_from(ns)))
     except ValueError as exc:
         sys.stderr.write(f"mooncake up: error: {exc}\n")
         return 2

@@ -8,7 +8,7 @@ collector reads them at scrape time, so the hot path pays nothing. Names are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -32,11 +32,13 @@ class FiguresCollector:
 
 
 def add_metrics_route(app: web.Application, role: str, read: Callable[[], dict[str, float]],
-                      device: Any) -> None:
+                      device: Any, extra: Iterable[Any] = ()) -> None:
     """``GET /metrics`` on ``app``: the role's figures plus telemetry of the GPU it computes on
-    (torch ``device``), if any."""
+    (torch ``device``), if any, plus the ``extra`` collectors (e.g. labelled counters)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FiguresCollector(role, read))
+    for collector in extra:
+        registry.register(collector)
     registry.register(GpuCollector(devices=nvml_devices(device)))
 
     async def metrics(request: web.Request) -> web.Response:

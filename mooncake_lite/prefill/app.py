@@ -18,6 +18,7 @@ from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, loads
 from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
+from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ async def health(request: web.Request) -> web.Response:
 
 def figures(service: PrefillService) -> dict[str, float]:
     return {**service.load(), **service.totals, "requests_done_total": service.num_done,
-            "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored}
+            "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored,
+            **service.stage.writebacks.figures()}
 
 
 async def load(request: web.Request) -> web.Response:
@@ -87,7 +89,8 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
-    add_metrics_route(app, "prefill", lambda: figures(service), service.stage.runner.device)
+    add_metrics_route(app, "prefill", lambda: figures(service), service.stage.runner.device,
+                      extra=[WritebackFailuresCollector(service.stage.writebacks)])
     app.cleanup_ctx.append(_lifetime)
     return app
 

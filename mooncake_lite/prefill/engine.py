@@ -29,6 +29,7 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
 from mooncake_lite.prefill.store_io import PrefixStore
+from mooncake_lite.prefill.writeback import WritebackStats
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class StageEngine:
         self.jobs: dict[str, StageJob] = {}
         self._puts: set[asyncio.Task] = set()
         self.num_blocks_stored = 0
+        self.writebacks = WritebackStats()
 
     @property
     def layer_ids(self) -> range:
@@ -203,11 +205,15 @@ class StageEngine:
 
     def _put_done(self, task: asyncio.Task, num_blocks: int) -> None:
         self._puts.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("writing %d blocks to the store failed: %s", num_blocks, task.exception())
-        elif not task.cancelled():
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self.writebacks.failed(task.exception(), num_blocks)
+        else:
             self.num_blocks_stored += num_blocks
+            self.writebacks.succeeded()
 
     async def drain_puts(self) -> None:
         while self._puts:
             await asyncio.wait(set(self._puts))
+        self.writebacks.flush()

@@ -90,17 +90,38 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None):
     return StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back), cost
 
 
-async def store_id(cfg: Config, store, timeout_s: float = 10.0) -> str | None:
+class StoreTooSmall(RuntimeError):
+    """The store cannot hold one of this instance's blocks: every write-back would be refused."""
+
+
+def check_slot(cfg: Config, slot_bytes: int | None) -> None:
+    """Raise StoreTooSmall when one whole KV block (all layers, even on a CPP head: the store keeps
+    whole blocks) is larger than the store's slots. A store that does not say passes."""
+    from mooncake_lite.model.weights import model_args
+    block_bytes = model_args(cfg.model).kv_block_bytes(cfg.block_size, cfg.dtype)
+    if slot_bytes is not None and block_bytes > slot_bytes:
+        raise StoreTooSmall(
+            f"store {cfg.store} holds blocks of at most {slot_bytes} bytes (--slot-bytes) but one "
+            f"{cfg.block_size}-token block of {cfg.model} in {cfg.dtype} is {block_bytes} bytes: start the "
+            f"store with --slot-bytes >= {block_bytes} (or lower --block-size)")
+
+
+async def store_id(cfg: Config, store, timeout_s: float = 10.0, check: bool = False) -> str | None:
     """The id the conductor knows this instance's store by: what the store itself says (its
-    advertised data address) when it answers, else ``--store`` as given."""
+    advertised data address) when it answers, else ``--store`` as given. With ``check``, also
+    raise StoreTooSmall when the store answers with slots too small for this model's blocks."""
     if cfg.store is None:              # a private in-process store: no block events, nothing to ask
         return None
     try:
         canonical = await asyncio.wait_for(store.store_id(), timeout_s)
+        slot_bytes = await asyncio.wait_for(store.slot_bytes(), timeout_s) if check else None
     except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
-        log.warning("store %s did not answer (%s): registering it as given; if it advertises another "
-                    "address, the conductor will not see this instance's cached blocks", cfg.store, exc)
+        then = ("registering it as given; if it advertises another address, the conductor will not see "
+                "this instance's cached blocks" if cfg.conductor else "going on")
+        log.warning("store %s did not answer (%s): %s (its slot size is unchecked)", cfg.store, exc, then)
         return cfg.store
+    if check:
+        check_slot(cfg, slot_bytes)
     if canonical and canonical != cfg.store:
         log.info("store %s calls itself %s: registering that (the id its block events carry)", cfg.store, canonical)
     return canonical or cfg.store
@@ -152,6 +173,12 @@ def run(cfg: Config) -> int:
     tasks: list[asyncio.Task] = []
 
     async def main() -> None:
+        # Before serving: a store whose slots cannot hold our blocks refuses every write-back.
+        try:
+            known_as = await store_id(cfg, stage.store, check=True)
+        except StoreTooSmall:
+            await stage.store.close()
+            raise
         downstream = await group.connect(cfg.cluster_token) if group is not None else None
         service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                                  hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
@@ -163,8 +190,6 @@ def run(cfg: Config) -> int:
             async def stop_watching() -> None:   # shutting down closes the link on purpose
                 watcher.cancel()
             app[EXTRA_CLEANUP] += [stop_watching, downstream.close]
-
-        known_as = await store_id(cfg, stage.store) if cfg.conductor else cfg.store
 
         def on_ready(addresses: dict[str, str]) -> None:
             if cfg.conductor:
@@ -179,9 +204,16 @@ def run(cfg: Config) -> int:
             for t in tasks:
                 t.cancel()
 
+    refused = None
     try:
         run_loop(main)
+    except StoreTooSmall as exc:
+        refused = exc
     finally:
         if group is not None:
             group.stop()
+    if refused is not None:
+        import sys
+        sys.stderr.write(f"mooncake --role prefill: error: {refused}\n")
+        return 2
     return state["exit"]

@@ -2,8 +2,10 @@
 
 A thin adapter over :class:`mooncake_lite.store.client.StoreClient` (one connection, reopened
 when lost). A store that is down never fails a request by itself: ``match`` then answers 0 (the
-prefill recomputes) and write-back failures are logged. Only a block that vanishes between
-``match`` and its load fails that request.
+prefill recomputes) and write-back failures are counted and logged by the stage
+(``prefill/writeback.py``). Only a block that vanishes between ``match`` and its load fails that
+request. A block larger than the store's slots (``--slot-bytes``, from its handshake) is refused
+here, before its bytes are sent.
 
 The store keeps whole blocks (every layer), so a stage that owns only some layers (a CPP stage)
 cannot write back; it still loads its layer range of cached blocks.
@@ -15,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from mooncake_lite.prefill.writeback import BlockTooLarge
 from mooncake_lite.store.client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,10 @@ class RemoteStore:
         store_id = (await self.client()).frames.hello.get("store_id")
         return store_id if isinstance(store_id, str) and store_id else None
 
+    async def slot_bytes(self) -> int | None:
+        """The largest block the store accepts (its --slot-bytes); None from an older store."""
+        return (await self.client()).slot_bytes
+
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
             return await (await self.client()).match(keys)
@@ -62,7 +69,13 @@ class RemoteStore:
                          num_layers: int, first_pos: int = 0) -> None:
         if not self.can_put(first_layer, num_layers):
             return  # a CPP stage's slice: the store keeps whole blocks only
-        await (await self.client()).put(keys, values, num_layers=num_layers, first_pos=first_pos)
+        client = await self.client()
+        slot = client.slot_bytes
+        if slot is not None and values and (largest := max(v.nbytes for v in values)) > slot:
+            # Refused before sending: the store would read and drop every byte of it.
+            raise BlockTooLarge(f"block of {largest} bytes does not fit store {self.address}'s "
+                                f"{slot}-byte slots (--slot-bytes)")
+        await client.put(keys, values, num_layers=num_layers, first_pos=first_pos)
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""

@@ -83,13 +83,15 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     cfg, store = dp.cfg, dp.store
     replicator = Replicator(store, token=cfg.cluster_token)
     dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator)
-    hello: dict[str, str] = {}
+    hello: dict[str, str | int] = {}
     server = await start_server(dp.handler, cfg.host, cfg.data_port, token=cfg.cluster_token,
                                 limits=Limits(max_payload_bytes=cfg.max_frame), name="store-client", hello=hello)
     dp.address = replicator.self_address = dp.publisher.store_address = server_address(server, cfg.advertise_host)
     # The advertised data address is the store id its block events carry: a client that dialled
     # it under another name (127.0.0.1 for 10.0.0.7) learns the one the conductor knows.
     hello["store_id"] = dp.address
+    # The largest block a put may carry: a prefill checks its model's blocks fit before serving.
+    hello["slot_bytes"] = store.slab.slot_bytes
     session = aiohttp.ClientSession()
     loop = asyncio.get_running_loop()
     dp.tasks = [loop.create_task(dp.handler.run_lease_sweeper(min(1.0, cfg.lease_ttl / 4))),

@@ -59,6 +59,13 @@ class StoreClient:
     def is_closed(self) -> bool:
         return self.frames.is_closed
 
+    @property
+    def slot_bytes(self) -> int | None:
+        """The largest block the store accepts (its ``--slot-bytes``, from its HELLO reply);
+        None from a store too old to say."""
+        value = self.frames.hello.get("slot_bytes")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     # ---- writes ------------------------------------------------------------------------------
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Buffer], num_layers: int = 1,
                   first_pos: int = 0) -> int:

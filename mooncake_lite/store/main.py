@@ -29,8 +29,8 @@ class Config(RoleConfig):
     port: int = option(8100, "HTTP port of /health, /metrics, /blocks (0 = any free port)")
     data_port: int = option(8101, "TCP port of the binary data protocol (0 = any free port)")
     dram: int = option(1 << 30, "DRAM tier size (e.g. 8GiB); one slab allocated at start", parse=parse_size)
-    slot_bytes: int = option(4 << 20, "bytes per DRAM slot = largest block accepted (e.g. 4MiB)",
-                             parse=parse_size)
+    slot_bytes: int = option(4 << 20, "bytes per DRAM slot = largest block accepted (e.g. 4MiB); must hold one "
+                             "KV block of the served model (prefills check it at startup)", parse=parse_size)
     eviction: str = option("lru", "DRAM eviction policy", choices=POLICY_NAMES)
     ssd_dir: str | None = option(None, "directory of the SSD tier (None = DRAM only)")
     ssd: int = option(16 << 30, "SSD tier capacity (e.g. 100GiB)", parse=parse_size)

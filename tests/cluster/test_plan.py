@@ -75,3 +75,117 @@ def test_wiring_flags_a_role_lacks_are_left_out():
     prefill, decode = instance_specs(o, "http://c", ["h:1"])
     assert "--store" in prefill.argv and "--store" not in decode.argv and "--data-port" not in decode.argv
     assert "--model" in conductor_spec(o).argv
+
+
+# --- stores sized for the served model's KV blocks ------------------------------------------------
+
+def sized(env=None, **kw):
+    from mooncake_lite.cluster.up import with_store_sizing
+    return with_store_sizing(opts(**kw), env={} if env is None else env)
+
+
+def store_flags(o):
+    """The sizing flags ``mooncake up`` adds to a store's command line (the user's own are not counted)."""
+    argv = store_specs(o, "http://c")[0].argv
+    ours = argv[:len(argv) - len(o.role_args.get("store", ()))]          # role args come last
+    flags = {}
+    for i, arg in enumerate(ours[:-1]):
+        if arg in ("--slot-bytes", "--dram", "--ssd-queue"):
+            flags[arg] = ours[i + 1]
+    return flags
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("kw, env, block_bytes, flags", [
+    # tiny: 2 x 4 layers x 2 kv heads x 16 x 4 B = 1 KiB per token; slots round up to 64 KiB
+    ({"model": "tiny", "common": ("--block-size", "16")}, {}, 16 << 10, {"--slot-bytes": str(64 << 10)}),
+    ({"model": "tiny", "common": ("--block-size", "100")}, {}, 100 << 10, {"--slot-bytes": str(128 << 10)}),
+    # llama3-8b bf16 at 512 tokens: 64 MiB blocks, and DRAM for 64 of them (4 GiB > the 1 GiB default)
+    ({"model": "llama3-8b", "common": ("--block-size", "512"), "role_args": {"prefill": ("--dtype", "bfloat16")}},
+     {}, 64 * MiB, {"--slot-bytes": str(64 * MiB), "--dram": str(4096 * MiB)}),
+    # the prefill's own --block-size wins over the common one (it is later on its command line)
+    ({"model": "llama3-8b", "common": ("--block-size", "512"), "role_args": {"prefill": ("--block-size=64",)}},
+     {}, 16 * MiB, {"--slot-bytes": str(16 * MiB)}),
+    # the environment the roles inherit
+    ({"model": "tiny"}, {"MOONCAKE_BLOCK_SIZE": "32"}, 32 << 10, {"--slot-bytes": str(64 << 10)}),
+    # llama2-7b float32 at 512 tokens: 512 MiB slots also need a bigger SSD write queue
+    ({"model": "llama2-7b", "common": ("--block-size", "512")}, {}, 512 * MiB,
+     {"--slot-bytes": str(512 * MiB), "--dram": str(32768 * MiB), "--ssd-queue": str(1024 * MiB)}),
+    # the user's own --slot-bytes is kept; --dram is sized from it
+    ({"model": "llama3-8b", "common": ("--block-size", "512"), "role_args": {"store": ("--slot-bytes", "32MiB")}},
+     {}, 128 * MiB, {"--dram": str(2048 * MiB)}),
+    ({"model": "tiny"}, {"MOONCAKE_SLOT_BYTES": "1MiB"}, None, {}),
+    ({"model": "llama3-8b", "role_args": {"store": ("--dram", "2GiB")}, "common": ("--block-size", "512")}, {},
+     128 * MiB, {"--slot-bytes": str(128 * MiB)}),
+    # a model this process cannot read: the stores keep their defaults, the roles will say what is wrong
+    ({"model": "no-such-model"}, {}, None, {}),
+])
+def test_stores_are_sized_for_the_served_models_blocks(kw, env, block_bytes, flags):
+    o = sized(env, **kw)
+    if block_bytes is not None:
+        assert o.kv_block_bytes == block_bytes
+    assert store_flags(o) == flags
+
+
+def test_sizing_reads_the_config_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[cluster]\nblock_size = 16\n[prefill]\ndtype = "bfloat16"\n[store]\ndram = "8GiB"\n')
+    o = sized(model="llama3-8b", config=str(cfg))
+    assert o.kv_block_bytes == 16 * 128 << 10 and store_flags(o) == {"--slot-bytes": str(2 * MiB)}
+    cfg.write_text('[store]\nslot_bytes = "1MiB"\n')
+    assert store_flags(sized(model="llama3-8b", config=str(cfg), common=("--block-size", "16"))) == {}
+
+
+def test_a_block_no_store_slot_can_hold_is_refused_up_front():
+    with pytest.raises(ValueError, match="lower --block-size"):
+        sized(model="llama2-7b", common=("--block-size", "2048"))       # 2 GiB blocks in float32
+
+
+def test_sizing_without_a_known_block_passes_nothing():
+    assert store_flags(opts(model="llama3-8b")) == {}
+
+
+def test_the_sizing_flags_are_ones_the_store_accepts_and_defaults_agree():
+    import dataclasses
+
+    from mooncake_lite.cluster import plan
+    from mooncake_lite.common.config import load_config
+    from mooncake_lite.prefill.worker_config import ModelRoleConfig
+    from mooncake_lite.store.main import MAX_SLOT_BYTES, Config as StoreConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
+    assert (plan.STORE_DRAM, plan.STORE_SSD_QUEUE, plan.MAX_SLOT_BYTES) == (
+        defaults["dram"], defaults["ssd_queue"], MAX_SLOT_BYTES)
+    assert plan.DEFAULT_DTYPE == {f.name: f.default for f in dataclasses.fields(ModelRoleConfig)}["dtype"]
+    o = sized(model="llama2-7b", common=("--block-size", "512"))
+    argv = [a for pair in store_flags(o).items() for a in pair]
+    cfg = load_config(StoreConfig, argv, prog="t", section="store", env={})
+    assert cfg.slot_bytes == o.kv_block_bytes and cfg.dram == 64 * cfg.slot_bytes
+
+
+def test_sizing_flags_follow_the_wiring_rule():
+    fields = {"conductor": frozenset(), "store": frozenset({"data_port"}), "prefill": frozenset(),
+              "decode": frozenset()}
+    o = sized(model="llama3-8b", common=("--block-size", "512"))
+    assert store_flags(o)
+    assert store_flags(UpOptions(**{**o.__dict__, "role_fields": fields})) == {}
+
+
+def test_the_slot_table_in_the_example_config_is_right():
+    import re
+    from pathlib import Path
+
+    from mooncake_lite.cluster.plan import slot_bytes_for
+    from mooncake_lite.common.units import parse_size
+    from mooncake_lite.model.checkpoint_config import model_args
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.example.toml").read_text()
+    row = re.compile(r"#\s+(\S+)\s+(\d+) x (\d+) x (\d+)\s+([\d.]+ \w+)\s+/ \"(\w+)\"\s+([\d.]+ \w+)\s+/ \"(\w+)\"")
+    rows = [m.groups() for m in map(row.match, text.splitlines()) if m]
+    assert {r[0] for r in rows} >= {"tiny", "small", "smollm2-135m", "llama2-7b", "llama3-8b"}
+    for name, layers, kv_heads, head_dim, *cells in rows:
+        args = model_args(name)
+        assert (args.num_layers, args.num_kv_heads, args.head_dim) == (int(layers), int(kv_heads), int(head_dim))
+        for dtype, (block, slot) in zip(("float32", "bfloat16"), (cells[:2], cells[2:])):
+            want = args.kv_block_bytes(64, dtype)
+            assert parse_size(block.replace(" ", "")) == want and parse_size(slot) == slot_bytes_for(want), name
