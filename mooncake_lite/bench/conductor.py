@@ -153,8 +153,9 @@ def run_decision(args: argparse.Namespace) -> dict:
                      "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count()}
     costs = CostModels(PREFILL_COST, DECODE_COST, kv_bytes_per_token(80, 8, 128, 2), bandwidth_bytes_per_s=20e9)
     for admission in ("early", "predictive"):
-        config = SchedulerConfig(strategy="kvcache-centric", admission=admission,
-                                 block_size=BLOCK_SIZE, uniform_decode_s=args.uniform_decode)
+        # The conductor's default SLOs: relative to each instance's own cost model.
+        config = SchedulerConfig(strategy="kvcache-centric", admission=admission, ttft_slo_s=None,
+                                 tbt_slo_s=None, block_size=BLOCK_SIZE, uniform_decode_s=args.uniform_decode)
         for snapshot in CASES:
             sched = Scheduler(config, costs, index)
             if snapshot == "conductor":

@@ -33,7 +33,8 @@ def make_app(cfg: Config) -> web.Application:
     args = model_args(cfg.model)
     tokenizer = load_tokenizer(cfg.model, args.vocab_size)
     sched_cfg = SchedulerConfig(strategy=cfg.strategy, admission=cfg.admission, ttft_slo_s=cfg.ttft_slo,
-                                tbt_slo_s=cfg.tbt_slo,
+                                tbt_slo_s=cfg.tbt_slo, ttft_slo_factor=cfg.ttft_slo_factor,
+                                tbt_slo_factor=cfg.tbt_slo_factor,
                                 kvcache_balancing_threshold=cfg.kvcache_balancing_threshold,
                                 block_size=cfg.block_size, uniform_decode_s=cfg.uniform_decode)
     kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES

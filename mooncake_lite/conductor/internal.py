@@ -16,14 +16,22 @@ from aiohttp import web
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
 from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.costs import InstanceCosts
 from mooncake_lite.conductor.errors import ApiError
 from mooncake_lite.conductor.membership import RegistrationError
 from mooncake_lite.scheduler import BlockEvent
+from mooncake_lite.scheduler.admission import unmeetable_slos
 
 log = logging.getLogger(__name__)
 
+# (instance id, metric, cost model) already warned about: an instance that registers again
+# with the same profile (a conductor restart, a 404 heartbeat) is not warned about twice.
+SLO_WARNED = web.AppKey("slo_warned", set)
+_FLAGS = {"ttft": "--ttft-slo", "tbt": "--tbt-slo"}
+
 
 def add_routes(app: web.Application) -> None:
+    app[SLO_WARNED] = set()
     app.router.add_post("/internal/v1/register", register)
     app.router.add_post("/internal/v1/heartbeat", heartbeat)
     app.router.add_post("/internal/v1/block_events", block_events)
@@ -47,9 +55,26 @@ async def register(request: web.Request) -> web.Response:
     kv = svc.membership.kv_bytes_per_token
     if kv is not None and svc.scheduler.costs.kv_bytes_per_token != kv:
         svc.scheduler.costs = dataclasses.replace(svc.scheduler.costs, kv_bytes_per_token=kv)
+    _warn_unmeetable_slos(request.app, inst.instance_id, inst.costs)
     dead_after = svc.membership.dead_after_s
     return web.json_response({"ok": True, "instance_id": inst.instance_id, "dead_after_s": dead_after,
                               "heartbeat_interval_s": dead_after / 4})
+
+
+def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: InstanceCosts) -> None:
+    """Say loudly, once per instance and profile, when an absolute SLO is beyond what the
+    instance's own profile predicts for the smallest request alone: admission would reject
+    every such request, and nothing else would tell the operator why."""
+    cfg, warned = app[API].svc.scheduler.config, app[SLO_WARNED]
+    for miss in unmeetable_slos(cfg, costs.prefill, costs.decode):
+        key = (instance_id, miss.metric, costs.prefill if miss.metric == "ttft" else costs.decode)
+        if key in warned:
+            continue
+        warned.add(key)
+        flag = _FLAGS[miss.metric]
+        log.error("%s: %s takes %.3g s by its profile, above %s %.3g s: %s will be rejected by %s "
+                  "admission; raise %s or use the relative default (%s-factor)", instance_id, miss.what,
+                  miss.predicted_s, flag, miss.slo_s, miss.consequence, cfg.admission, flag, flag)
 
 
 async def heartbeat(request: web.Request) -> web.Response:

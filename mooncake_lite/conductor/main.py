@@ -26,8 +26,14 @@ class Config(RoleConfig):
     admission: str = option("predictive", "overload admission: none, early (decode load now, requests "
                             "dispatched there included) or "
                             "predictive (decode load when prefill ends)", choices=ADMISSIONS)
-    ttft_slo: float = option(30.0, "TTFT SLO (e.g. 30s, 500ms)", parse=parse_duration)
-    tbt_slo: float = option(0.2, "TBT SLO (e.g. 200ms)", parse=parse_duration)
+    ttft_slo: float | None = option(None, "absolute TTFT SLO (e.g. 30s, 500ms); replaces --ttft-slo-factor "
+                                    "(default: relative)", parse=_optional_duration)
+    tbt_slo: float | None = option(None, "absolute TBT SLO (e.g. 200ms); replaces --tbt-slo-factor "
+                                   "(default: relative)", parse=_optional_duration)
+    ttft_slo_factor: float = option(10.0, "relative TTFT SLO without --ttft-slo: at most this many times "
+                                    "the prompt's prefill alone on the chosen instance, by its own profile")
+    tbt_slo_factor: float = option(5.0, "relative TBT SLO without --tbt-slo: at most this many times one "
+                                   "decode step of the request alone on the chosen instance, by its own profile")
     kvcache_balancing_threshold: float = option(
         1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
              "from another store (Algorithm 1)")
@@ -45,8 +51,10 @@ class Config(RoleConfig):
         super().__post_init__()
         require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
         require(bool(self.model), "--model must not be empty")
-        require(self.ttft_slo > 0, f"--ttft-slo must be positive, got {self.ttft_slo}")
-        require(self.tbt_slo > 0, f"--tbt-slo must be positive, got {self.tbt_slo}")
+        require(self.ttft_slo is None or self.ttft_slo > 0, f"--ttft-slo must be positive, got {self.ttft_slo}")
+        require(self.tbt_slo is None or self.tbt_slo > 0, f"--tbt-slo must be positive, got {self.tbt_slo}")
+        require(self.ttft_slo_factor >= 1, f"--ttft-slo-factor must be >= 1, got {self.ttft_slo_factor}")
+        require(self.tbt_slo_factor >= 1, f"--tbt-slo-factor must be >= 1, got {self.tbt_slo_factor}")
         require(self.kvcache_balancing_threshold >= 1.0,
                 f"--kvcache-balancing-threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
         require(self.uniform_decode is None or self.uniform_decode > 0,

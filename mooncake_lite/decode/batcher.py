@@ -71,12 +71,16 @@ class TokenOut:
 
 class DecodeBatcher:
     def __init__(self, allocator: BlockAllocator, block_size: int, *, max_batch_size: int | None = None,
-                 cost: DecodeCostModel | None = None, tbt_slo_s: float | None = None):
+                 cost: DecodeCostModel | None = None, tbt_slo_s: float | None = None,
+                 tbt_slo_factor: float | None = None):
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.cost = cost
+        # The local TBT check: absolute (tbt_slo_s) if set, else relative (tbt_slo_factor × one
+        # step of the request alone, by this instance's cost model), else off.
         self.tbt_slo_s = tbt_slo_s
+        self.tbt_slo_factor = tbt_slo_factor
         self.seqs: dict[str, DecodeSequence] = {}
         self._in_flight: set[str] = set()
 
@@ -101,11 +105,15 @@ class DecodeBatcher:
             return f"KV cache full: need {need} blocks, {self.allocator.num_free} free"
         if self.max_batch_size is not None and len(self.seqs) >= self.max_batch_size:
             return f"batch full: {len(self.seqs)} of max {self.max_batch_size} sequences"
-        if self.tbt_slo_s is not None:
+        slo = self.tbt_slo_s
+        if slo is None and self.tbt_slo_factor is not None and self.cost is not None:
+            slo = self.tbt_slo_factor * self.cost.predict(1, prompt_len)
+        if slo is not None:
             tbt = self.predicted_tbt(1, prompt_len)
-            if tbt is not None and tbt > self.tbt_slo_s:
+            if tbt is not None and tbt > slo:
+                how = "" if self.tbt_slo_s is not None else f" ({self.tbt_slo_factor:g}x a step alone)"
                 return (f"predicted TBT {tbt * 1e3:.2f} ms with batch {len(self.seqs) + 1} exceeds "
-                        f"the TBT SLO {self.tbt_slo_s * 1e3:.2f} ms")
+                        f"the TBT SLO {slo * 1e3:.2f} ms{how}")
         return None
 
     def reserve(self, request_id: str, prompt_len: int, max_tokens: int,

@@ -25,14 +25,17 @@ DESCRIPTION = ("Decode instance: receives each request's KV stream from prefill 
 class Config(ModelRoleConfig):
     ADVERTISES: ClassVar[bool] = True   # registers its HTTP and KV data addresses
     data_port: int = option(0, "KV data socket port prefill streams into (0 = pick a free one)")
-    tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms)",
-                                   parse=optional_duration)
+    tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms); "
+                                   "replaces --tbt-slo-factor", parse=optional_duration)
+    tbt_slo_factor: float | None = option(None, "refuse requests whose predicted TBT exceeds this many times "
+                                          "one decode step of the request alone (e.g. 5; default: off)")
     max_batch_size: int | None = option(None, "most sequences decoding at once")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.data_port < 65536, f"--data-port out of range: {self.data_port}")
         require(self.tbt_slo is None or self.tbt_slo > 0, "--tbt-slo must be positive")
+        require(self.tbt_slo_factor is None or self.tbt_slo_factor >= 1, "--tbt-slo-factor must be >= 1")
         require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be positive")
 
 
@@ -51,9 +54,14 @@ def build_engine(cfg: Config):
         except ValueError as exc:
             log.warning("startup profiling skipped: %s", exc)
     batcher = DecodeBatcher(runner.allocator, runner.block_size, max_batch_size=cfg.max_batch_size,
-                            cost=cost, tbt_slo_s=cfg.tbt_slo)
-    if cfg.tbt_slo is not None and cost is None:
-        log.warning("--tbt-slo is set but no cost model was fitted (--no-profile): TBT is not checked")
+                            cost=cost, tbt_slo_s=cfg.tbt_slo, tbt_slo_factor=cfg.tbt_slo_factor)
+    if (cfg.tbt_slo is not None or cfg.tbt_slo_factor is not None) and cost is None:
+        log.warning("--tbt-slo/--tbt-slo-factor is set but no cost model was fitted (--no-profile): "
+                    "TBT is not checked")
+    elif cfg.tbt_slo is not None and cost.predict(1, 1) > cfg.tbt_slo:
+        log.error("one decode step alone (batch 1) takes %.3g s by this instance's profile, above --tbt-slo "
+                  "%.3g s: every request will be refused here; raise --tbt-slo or use --tbt-slo-factor",
+                  cost.predict(1, 1), cfg.tbt_slo)
     return DecodeEngine(runner, batcher, make_executor())
 
 

@@ -4,6 +4,10 @@
 requests already dispatched there whose KV has not arrived, plus the new request);
 ``predictive`` reads the load predicted for ``t = now + predicted TTFT``: incoming requests whose
 prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
+
+The SLOs checked are absolute or relative to the request alone on the chosen instances
+(``SchedulerConfig``, :func:`slo_violation`). :func:`unmeetable_slos` tells a caller
+when an instance's own profile says it cannot meet an absolute SLO even when idle.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import random
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels
+from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import (PrefillView, decode_has_room, decode_load_now,
                                               decode_loads_at, decode_tbt, late_prefills, prefill_views,
                                               running_load)
+from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
 
@@ -86,12 +91,69 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
     return decode_tbt(d, costs, batch + 1, context + req.num_tokens) <= tbt_slo_s
 
 
-def slo_violation(cfg: SchedulerConfig, ttft_s: float, tbt_s: float) -> tuple[str, str] | None:
-    """(cause, reason) if admission rejects, else None. ``none`` never rejects on SLOs."""
+def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
+                  d: DecodeChoice) -> tuple[str, str] | None:
+    """(cause, reason) if admission rejects, else None. ``none`` never rejects on SLOs.
+
+    A relative SLO (``cfg.ttft_slo_s``/``tbt_slo_s`` None) is the factor × what the chosen
+    instance's own cost model predicts for this request alone on it: the whole prompt's
+    execution with no queue and no cached prefix (reuse only makes the real one faster), and
+    one decode step at batch 1 with the prompt as context. One ``predict`` call per metric; the
+    request's size is an argument of both, so there is nothing to precompute per instance."""
     if cfg.admission == "none":
         return None
-    if ttft_s > cfg.ttft_slo_s:
-        return "ttft", f"rejected: predicted TTFT {ttft_s:.3g}s > SLO {cfg.ttft_slo_s:.3g}s"
-    if tbt_s > cfg.tbt_slo_s:
-        return "tbt", f"rejected: predicted TBT {tbt_s:.3g}s > SLO {cfg.tbt_slo_s:.3g}s"
+    limit = cfg.ttft_slo_s
+    if limit is None:
+        alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
+        limit = cfg.ttft_slo_factor * alone
+        if p.ttft_s > limit:
+            return "ttft", (f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s "
+                            f"({cfg.ttft_slo_factor:g}x the {alone:.3g}s of this prompt alone on "
+                            f"{p.instance.instance_id})")
+    elif p.ttft_s > limit:
+        return "ttft", f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s"
+    limit = cfg.tbt_slo_s
+    if limit is None:
+        alone = (d.instance.cost or costs.decode).predict(1, req.num_tokens)
+        limit = cfg.tbt_slo_factor * alone
+        if d.tbt_s > limit:
+            return "tbt", (f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s "
+                           f"({cfg.tbt_slo_factor:g}x the {alone:.3g}s step of this request alone on "
+                           f"{d.instance.instance_id})")
+    elif d.tbt_s > limit:
+        return "tbt", f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s"
     return None
+
+
+class UnmeetableSlo(NamedTuple):
+    """An absolute SLO that an instance's own cost model says it misses even idle and alone."""
+
+    metric: str           # "ttft" or "tbt"
+    predicted_s: float    # what the instance's model predicts for ``what``
+    slo_s: float
+    what: str             # the smallest work that already misses it
+    consequence: str      # which requests admission will therefore reject
+
+
+def unmeetable_slos(cfg: SchedulerConfig, prefill: PrefillCostModel | None = None,
+                    decode: DecodeCostModel | None = None) -> list[UnmeetableSlo]:
+    """Absolute SLOs an instance cannot meet even when idle, judged by its own cost model: a
+    prefill of one block (``cfg.block_size`` tokens) over ``ttft_slo_s``, a decode step at batch 1
+    with one token of context over ``tbt_slo_s``. Empty for admission ``none`` and for relative
+    SLOs (met by construction). For the caller to say so loudly once per instance: every such
+    request will be rejected."""
+    out: list[UnmeetableSlo] = []
+    if cfg.admission == "none":
+        return out
+    if prefill is not None and cfg.ttft_slo_s is not None:
+        block_size = cfg.block_size
+        t = prefill.predict(block_size)
+        if t > cfg.ttft_slo_s:
+            out.append(UnmeetableSlo("ttft", t, cfg.ttft_slo_s, f"prefilling one block ({block_size} tokens) alone",
+                                     f"every prompt of {block_size} tokens or more"))
+    if decode is not None and cfg.tbt_slo_s is not None:
+        t = decode.predict(1, 1)
+        if t > cfg.tbt_slo_s:
+            out.append(UnmeetableSlo("tbt", t, cfg.tbt_slo_s, "one decode step alone (batch 1)",
+                                     "every request"))
+    return out

@@ -35,23 +35,42 @@ class SchedulerConfig:
     uniform_decode_s:
         the t_d of §3: every decoding request is assumed to leave the batch t_d seconds after it
         joined. ``None`` estimates it per request as max_output_tokens × the instance's current TBT.
+    ttft_slo_s, tbt_slo_s, ttft_slo_factor, tbt_slo_factor:
+        the SLOs admission checks, per metric either **absolute** (``ttft_slo_s``/``tbt_slo_s``
+        in seconds: FAST'25's TTFT ≤ 30 s, TBT ≤ 100–300 ms) or, when that is ``None``,
+        **relative** to the request's own latency without interference (REFERENCE.md §4,
+        arXiv: TTFT ≤ 10×, TBT ≤ 5×): TTFT ≤ ``ttft_slo_factor`` × the chosen prefill
+        instance's predicted execution of the whole prompt alone (no queue, no cached prefix),
+        TBT ≤ ``tbt_slo_factor`` × the chosen decode instance's predicted step for this request
+        alone (batch 1, context = its prompt), each by that instance's own cost model. An
+        absolute SLO given for a metric replaces its factor (they never combine). A factor is
+        ≥ 1, so a request alone on an idle instance always meets its relative SLO. The
+        dataclass defaults are the paper's absolute SLOs, which the simulator reproduces; the
+        live conductor passes ``None`` for both unless ``--ttft-slo``/``--tbt-slo`` are given.
     """
 
     strategy: Strategy = "kvcache-centric"
     admission: Admission = "early"
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.2
+    ttft_slo_s: float | None = 30.0
+    tbt_slo_s: float | None = 0.2
     kvcache_balancing_threshold: float = 1.5
     block_size: int = 512
     uniform_decode_s: float | None = None
+    ttft_slo_factor: float = 10.0
+    tbt_slo_factor: float = 5.0
 
     def __post_init__(self) -> None:
         require(self.strategy in STRATEGIES,
                 f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         require(self.admission in ADMISSIONS,
                 f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
-        require(self.ttft_slo_s > 0, f"ttft_slo_s must be positive, got {self.ttft_slo_s}")
-        require(self.tbt_slo_s > 0, f"tbt_slo_s must be positive, got {self.tbt_slo_s}")
+        require(self.ttft_slo_s is None or self.ttft_slo_s > 0,
+                f"ttft_slo_s must be positive (or None: relative), got {self.ttft_slo_s}")
+        require(self.tbt_slo_s is None or self.tbt_slo_s > 0,
+                f"tbt_slo_s must be positive (or None: relative), got {self.tbt_slo_s}")
+        # >= 1: a relative SLO below the latency of the request alone would refuse an idle cluster.
+        require(self.ttft_slo_factor >= 1.0, f"ttft_slo_factor must be >= 1, got {self.ttft_slo_factor}")
+        require(self.tbt_slo_factor >= 1.0, f"tbt_slo_factor must be >= 1, got {self.tbt_slo_factor}")
         require(self.kvcache_balancing_threshold >= 1.0,
                 f"kvcache_balancing_threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
         require(self.block_size > 0, f"block_size must be positive, got {self.block_size}")

@@ -53,7 +53,7 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, views)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
-    violation = slo_violation(config, p.ttft_s, d.tbt_s)
+    violation = slo_violation(config, req, costs, p, d)
     if violation is not None:
         return _decision(False, violation[1], p, d, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"

@@ -21,8 +21,18 @@ def test_flags_land_in_the_config():
     assert (cfg.kvcache_balancing_threshold, cfg.dead_after, cfg.api_key, cfg.uniform_decode) == (2.0, 3.0, "k", 4.0)
 
 
+def test_slos_are_relative_unless_given():
+    cfg = _load()
+    assert (cfg.admission, cfg.ttft_slo, cfg.tbt_slo, cfg.ttft_slo_factor, cfg.tbt_slo_factor) == \
+        ("predictive", None, None, 10.0, 5.0)
+    cfg = _load("--ttft-slo-factor", "20", "--tbt-slo-factor", "3", "--tbt-slo", "300ms")
+    assert (cfg.ttft_slo, cfg.tbt_slo, cfg.ttft_slo_factor, cfg.tbt_slo_factor) == (None, 0.3, 20.0, 3.0)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (("--ttft-slo", "-1"), "--ttft-slo must be positive"),
+    (("--tbt-slo-factor", "0.5"), "--tbt-slo-factor must be >= 1"),
+    (("--ttft-slo-factor", "0"), "--ttft-slo-factor must be >= 1"),
     (("--tbt-slo", "soon"), "not a duration"),
     (("--kvcache-balancing-threshold", "0.5"), "ratio >= 1"),
     (("--dead-after", "0"), "--dead-after must be positive"),

@@ -149,8 +149,10 @@ async def test_a_burst_spreads_over_decode_instances_before_any_kv_arrives(make_
 
 async def test_many_concurrent_requests_all_correct(make_cluster):
     # decode selection counts the requests already dispatched to each decode instance, so a
-    # burst spreads over both
-    cluster = await make_cluster(prefill=2, decode=2, strategy="load-balance", admission="predictive")
+    # burst spreads over both (absolute SLOs loose enough to admit all 24: relative ones would
+    # refuse the ones queued more than 10 prompts deep)
+    cluster = await make_cluster(prefill=2, decode=2, strategy="load-balance", admission="predictive",
+                                 ttft_slo=30.0, tbt_slo=0.2)
     for inst in cluster.instances.values():
         inst.behaviour.token_delay_s = 0.002
     c = client(cluster)

@@ -171,6 +171,43 @@ async def test_reported_costs_are_used_and_capacity_limits_requests(make_cluster
     await c.close()
 
 
+# A slow CPU's profiles (the measured case): one decode step alone 0.61 s, prefill 10 ms a token.
+SLOW_PREFILL = {"c0": 0.01, "c1": 0.01, "c2": 0.0, "c3": 0.0}
+SLOW_DECODE = {"c0": 0.6, "c1": 0.01, "c2": 0.0}
+
+
+async def _slow_cluster(make_cluster, **overrides):
+    cluster = await make_cluster(prefill=0, decode=0, admission="predictive", **overrides)
+    await cluster.add("prefill", "p0", store="s0:1", cost=SLOW_PREFILL)
+    await cluster.add("decode", "d0", cost=SLOW_DECODE)
+    return cluster
+
+
+async def test_an_idle_slow_cluster_admits_its_first_request_by_default(make_cluster, caplog):
+    cluster = await _slow_cluster(make_cluster)       # relative SLOs: the default
+    c = client(cluster)
+    out = await c.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    assert out.usage.completion_tokens == 4
+    await c.close()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_an_absolute_slo_no_instance_can_meet_is_said_once_per_instance(make_cluster, caplog):
+    cluster = await _slow_cluster(make_cluster, tbt_slo=0.2)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["d0: one decode step alone (batch 1) takes 0.61 s by its profile, above --tbt-slo 0.2 s: "
+                      "every request will be rejected by predictive admission; raise --tbt-slo or use the "
+                      "relative default (--tbt-slo-factor)"]
+    status, body = await fakes.register(cluster.session, cluster.url, cluster.instances["d0"])   # again
+    assert status == 200, body
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    c = client(cluster)
+    with pytest.raises(openai.RateLimitError) as info:       # and indeed: the idle cluster refuses
+        await c.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    assert "predicted TBT 0.61s > SLO 0.2s" in info.value.message
+    await c.close()
+
+
 async def test_prefill_instances_too_small_for_a_prompt_are_skipped(make_cluster):
     cluster = await make_cluster(prefill=0, decode=1)
     small = await cluster.add("prefill", "p-small", register=False, store="s0:1")

@@ -98,6 +98,22 @@ def test_tbt_prediction_refuses_over_slo():
     assert b.check_admit(40, 4) is None                      # 10 + 2 + 8 = 20 ms: allowed
 
 
+def test_relative_tbt_check_against_a_step_alone():
+    cost = DecodeCostModel(c0=0.010, c1=0.001, c2=0.0001)
+    assert make(num_blocks=256, cost=cost).check_admit(10, 4) is None      # off by default
+    b = make(num_blocks=256, cost=cost, tbt_slo_factor=2.0)
+    b.reserve("a", 100, 4)                                   # context 100: 10 ms of attention
+    # 50 tokens alone: 10 + 1 + 5 = 16 ms, SLO 32 ms; with a: 10 + 2 + 15 = 27 ms -> admitted
+    assert b.check_admit(50, 4) is None
+    b.reserve("b", 100, 4)
+    # with a and b: 10 + 3 + 25 = 38 ms > 32 ms
+    reason = b.check_admit(50, 4)
+    assert reason is not None and "predicted TBT 38.00 ms" in reason and "SLO 32.00 ms (2x a step alone)" in reason
+    # an absolute SLO replaces the factor
+    b.tbt_slo_s = 0.040
+    assert b.check_admit(50, 4) is None
+
+
 def test_no_leak_over_many_random_lifecycles():
     import random
     rng = random.Random(0)
