@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE
+from mooncake_lite.model.source import DEFAULT_MODEL
 
 ROLES = ("conductor", "store", "prefill", "decode")
 
@@ -43,7 +44,7 @@ class UpOptions:
     num_prefill: int = 1
     num_decode: int = 1
     num_stores: int = 1
-    model: str = "tiny"
+    model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 8000                      # the conductor's public API port; 0 picks a free one
     api_key: str | None = None

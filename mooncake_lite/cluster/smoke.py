@@ -18,10 +18,11 @@ class SmokeError(RuntimeError):
     pass
 
 
-REJECTED_HINT = ("the conductor's admission control refused the request (429) although the cluster is idle: "
-                 "the TBT/TTFT it predicts from the instances' start-up profiles exceeds its SLOs, which "
-                 "happens on a slow or busy CPU. Relax the SLOs (--conductor-args '--tbt-slo 2s --ttft-slo 60s') "
-                 "or turn admission off (--conductor-args '--admission none') for a local cluster.")
+REJECTED_HINT = ("the conductor's admission control refused the request (429) although the cluster is idle. "
+                 "By default its SLOs are relative to each instance's own profiled latency, which an idle "
+                 "instance meets; an absolute --tbt-slo/--ttft-slo may be beyond this machine (the conductor "
+                 "logs an error naming the numbers). Drop it, raise the factors (--conductor-args "
+                 "'--tbt-slo-factor 10'), or turn admission off (--conductor-args '--admission none').")
 MAX_ATTEMPTS = 3
 
 

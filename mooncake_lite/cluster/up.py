@@ -29,6 +29,7 @@ from mooncake_lite.cluster.registration import connectable, wait_registered, wit
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import Supervisor
 from mooncake_lite.common.auth import api_key_headers, cluster_headers
+from mooncake_lite.model.source import DEFAULT_MODEL
 
 _COLORS = {"conductor": "35", "store": "36", "prefill": "33", "decode": "32", "up": "1"}
 
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     p.add_argument("--decode", type=int, default=1, help="number of decode instances")
     p.add_argument("--stores", type=int, default=1, help="number of stores (instance i uses store i %% N)")
-    p.add_argument("--model", default="tiny", help="model preset or Hugging Face checkpoint directory")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="named real model (default: %(default)s), GGUF file, "
+                   "Hugging Face checkpoint directory, or a dummy-weight preset such as tiny")
     p.add_argument("--host", default="127.0.0.1", help="address every role binds; loopback unless you mean it")
     p.add_argument("--port", type=int, default=8000, help="the conductor's public API port (0: pick a free one)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the public API")
@@ -52,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ROLES:
         p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",
                        help=f"extra flags for every {role} process, one quoted string")
-    p.add_argument("--smoke", action="store_true", help="send one completion, print it, shut down")
+    p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
     p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
-    p.add_argument("--smoke-max-tokens", type=int, default=16)
+    p.add_argument("--smoke-max-tokens", type=int, default=48)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
     p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds of drain before SIGKILL")
     p.add_argument("--launcher", default=None,
@@ -127,8 +129,9 @@ def banner(api_url: str, model: str, sup: Supervisor, api_key: str | None) -> st
         addrs = " ".join(f"{k}={v}" for k, v in (child.addresses or {}).items())
         lines.append(f"  {name:<12} pid {child.pid:<8} {addrs}")
     lines += ["", f"OpenAI-compatible API: {api_url}/v1", "",
-              f"  curl -s {api_url}/v1/completions -H 'content-type: application/json'{auth} \\",
-              f"       -d '{{\"model\": \"{model}\", \"prompt\": \"The moon is\", \"max_tokens\": 16}}'", "",
+              f"  curl -s {api_url}/v1/chat/completions -H 'content-type: application/json'{auth} \\",
+              f"       -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"What is the capital of France?\"}}]}}'", "",
               "Ctrl-C stops every process."]
     return "\n".join(lines)
 
@@ -153,7 +156,11 @@ async def model_name(api_url: str, opts: UpOptions) -> str:
 
 
 def is_preset(model: str) -> bool:
-    return not os.path.isdir(model) and "/" not in model
+    from mooncake_lite.model.source import resolve
+    try:
+        return resolve(model).kind == "preset"
+    except FileNotFoundError:
+        return False
 
 
 def _say(text: str) -> None:
@@ -216,12 +223,12 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
                                                  timeout_s=ns.ready_timeout), stop)
         if res is None:
             return 130
-        _say(f"\nsmoke test: model {res.model!r}\n  prompt: {res.prompt!r}\n  answer: {res.text!r}\n"
+        _say(f"\nsmoke test: model {res.model!r}\n  question: {res.prompt!r}\n  answer: {res.text!r}\n"
              f"  {res.num_chunks} chunks, finish_reason={res.finish_reason}, "
              f"TTFT {res.ttft_s * 1000:.0f} ms, total {res.total_s * 1000:.0f} ms")
         if is_preset(opts.model):
             _say(f"  (preset {opts.model!r} has seeded dummy weights, as in the paper: the text is noise; "
-                 "pass a checkpoint directory as --model for real text)")
+                 "leave --model at its default, smollm2-135m, for a real answer)")
         _say("smoke test: OK")
         return 0
     crashed = await _until_stopped(sup.wait_any_exit(), stop)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
+from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES
 
 DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membership and the global "
@@ -21,7 +22,8 @@ def _optional_duration(value):
 @dataclass(frozen=True)
 class Config(RoleConfig):
     port: int = option(8000, "HTTP port of the public API and the internal endpoints (0 = any free port)")
-    model: str = option("tiny", "model served: a preset name or a checkpoint directory (instances must match)")
+    model: str = option(DEFAULT_MODEL, "model served: a named real model, a GGUF file, a checkpoint "
+                        "directory or a preset name (instances must match)")
     strategy: str = option("kvcache-centric", "prefill placement strategy", choices=STRATEGIES)
     admission: str = option("predictive", "overload admission: none, early (decode load now, requests "
                             "dispatched there included) or "
