@@ -166,7 +166,11 @@ class _Run:
 
     def _usage(self) -> dict:
         n_prompt, n_out = len(self.req.prompt_ids), self.flight.num_tokens
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        # What prefill really loaded from the pool, not what the scheduler hoped to reuse.
+        result = self.flight.prefill_result
+        cached = result.num_prefix_tokens if result is not None else 0
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _headers(self) -> dict[str, str]:
         f, d = self.flight, self.flight.decision

