@@ -37,12 +37,6 @@ class Supervisor:
         await asyncio.gather(*(c.wait_ready(ready_timeout) for c in group))
         return group
 
-    def by_role(self, role: str) -> list[Child]:
-        return [c for c in self.children.values() if c.role == role]
-
-    def pids(self) -> dict[str, int]:
-        return {name: c.pid for name, c in self.children.items() if c.pid is not None}
-
     def dead(self) -> list[Child]:
         return [c for c in self.children.values() if c.returncode is not None]
 

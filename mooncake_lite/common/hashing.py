@@ -46,7 +46,3 @@ def prefix_hash(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
         prev = block_key(prev, token_ids[start:start + block_size], seed)
         keys.append(prev)
     return keys
-
-
-def key_hex(key: bytes) -> str:
-    return key.hex()

@@ -44,10 +44,6 @@ class DecodeSequence:
         """Tokens the sequence occupies (prompt + generated)."""
         return self.prompt_len + len(self.output_ids)
 
-    @property
-    def num_reserved_tokens(self) -> int:
-        return self.prompt_len + self.max_tokens
-
 
 @dataclass(frozen=True)
 class StepPlan:

@@ -29,10 +29,6 @@ _TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "outp
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_args(path: str, name: str) -> ModelArgs:
-    return args_from_meta(read_meta(path), name)
-
-
 def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               layer_range: tuple[int, int] | None = None) -> Transformer:
     """The model (or the pipeline stage ``layer_range`` of it) with the file's weights."""

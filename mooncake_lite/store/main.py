@@ -19,10 +19,6 @@ DESCRIPTION = ("Store: the KVCache pool. Keeps KV blocks in a preallocated DRAM 
 MAX_SLOT_BYTES = 1 << 30
 
 
-def _optional_size(value):
-    return None if value is None else parse_size(value)
-
-
 @dataclass(frozen=True)
 class Config(RoleConfig):
     ADVERTISES: ClassVar[bool] = True   # its data address goes to the conductor and prefills

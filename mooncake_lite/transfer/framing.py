@@ -18,7 +18,7 @@ and the payload buffers to one ``transport.writelines`` call (scatter/gather, no
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,3 @@ def encode_frame(op: int, request_id: int, meta: dict[str, Any] | None = None,
     parts: list[Buffer] = [header + meta_bytes] if meta_bytes else [header]
     parts.extend(payload)
     return parts
-
-
-def payload_length(buffers: Iterable[Buffer]) -> int:
-    return sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
