@@ -13,9 +13,9 @@ import logging
 from typing import Any
 
 from mooncake_lite.decode.engine import DecodeEngine, KVError
-from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, tensor_from_payload
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Limits
+from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, tensor_from_payload
 from mooncake_lite.transfer.server import reply_error, start_server
 
 log = logging.getLogger(__name__)

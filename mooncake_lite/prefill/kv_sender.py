@@ -1,4 +1,4 @@
-"""Streaming one request's KV to its decode instance (wire format in ``decode/kv_wire.py``).
+"""Streaming one request's KV to its decode instance (wire format in ``transfer/kv_stream.py``).
 
 Frames are pipelined: ``send_layer`` queues a frame and returns at once, so the next layer computes
 while this one is on the wire; the answers are checked as they come back. The first refused or
@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from mooncake_lite.decode.kv_wire import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from mooncake_lite.transfer.client import FrameClient, split_address
+from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 
 log = logging.getLogger(__name__)
 

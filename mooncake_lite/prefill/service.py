@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.decode.kv_wire import OP_KV_ALIVE
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
 from mooncake_lite.transfer.client import RemoteError, split_address
+from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling
-from mooncake_lite.decode.kv_wire import OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.transfer.client import FrameClient, RemoteError
+from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from tests.pd.harness import cluster
 
 pytestmark = pytest.mark.timeout(120)

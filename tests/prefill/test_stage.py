@@ -196,7 +196,7 @@ def test_cost_fits_are_exact_on_clean_data_and_never_negative():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_payload_round_trip_any_dtype(dtype):
-    from mooncake_lite.decode.kv_wire import tensor_from_payload, token_kv_bytes
+    from mooncake_lite.transfer.kv_stream import tensor_from_payload, token_kv_bytes
     from mooncake_lite.prefill.kv_sender import tensor_bytes
     kv = torch.randn(2, 5, 2, 16).to(dtype)
     raw = tensor_bytes(kv)

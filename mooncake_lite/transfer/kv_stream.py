@@ -1,4 +1,5 @@
-"""The prefill -> decode KV stream on the transfer framing (``mooncake_lite/transfer``).
+"""The prefill -> decode KV stream on the transfer framing: the op codes and frame layouts both
+ends share (prefill/kv_sender.py sends, decode/kv_receiver.py receives).
 
 A prefill instance (or each stage of a CPP group) opens one framed connection to the decode
 instance's data socket (``Register.data``, the ``"data"`` address of its ready line) and sends,
