@@ -12,6 +12,9 @@ Membership:
   prefill/decode --POST /internal/v1/register  Register  --> conductor (409 + error on mismatch)
   prefill/decode --POST /internal/v1/heartbeat Heartbeat --> conductor every heartbeat interval
   store          --POST /internal/v1/block_events BlockEvents --> conductor
+
+``loads`` decodes any message strictly; ``parse_token_event`` and ``parse_prefill_result`` are its
+fast paths for the conductor's per-token and per-request hot path.
 """
 
 from __future__ import annotations
@@ -160,6 +163,58 @@ def loads(cls: type[M], raw: bytes | str) -> M:
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"{cls.__name__}: invalid JSON: {exc}") from None
     return from_dict(cls, data)
+
+
+# Fast paths of ``loads`` for the conductor's hot path: ``from_dict`` walks every field's type hint
+# (~0.5 ms a message) and a streamed request decodes one TokenEvent line per token. Each accepts
+# and refuses exactly what ``loads`` does (tests/common/test_protocol_fast_paths.py), handing
+# anything unusual to ``from_dict`` so the error names the bad field.
+
+_TOKEN_EVENT_FIELDS = frozenset(("token", "finish_reason", "error"))
+_RESULT_INTS = ("first_token", "num_prefix_tokens", "num_computed_tokens")
+
+
+def parse_token_event(line: bytes) -> TokenEvent:
+    """``loads(TokenEvent, line)`` with the same checks, once per streamed token."""
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"TokenEvent: invalid JSON: {exc}") from None
+    if not isinstance(data, dict) or not data.keys() <= _TOKEN_EVENT_FIELDS:
+        return from_dict(TokenEvent, data)
+    token, reason, error = data.get("token"), data.get("finish_reason"), data.get("error")
+    if (token is not None and (type(token) is not int)) or (reason is not None and type(reason) is not str) \
+            or (error is not None and type(error) is not str):
+        return from_dict(TokenEvent, data)
+    return TokenEvent(token, reason, error)
+
+
+def parse_prefill_result(body: bytes) -> PrefillResult:
+    """``loads(PrefillResult, body)`` with the same checks, once per request."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"PrefillResult: invalid JSON: {exc}") from None
+    if isinstance(data, dict) and data.keys() <= {"request_id", "timings", *_RESULT_INTS} \
+            and type(data.get("request_id")) is str and all(type(data.get(k)) is int for k in _RESULT_INTS) \
+            and isinstance(data.get("timings", {}), dict):
+        return PrefillResult(data["request_id"], data["first_token"], data["num_prefix_tokens"],
+                             data["num_computed_tokens"], data.get("timings", {}))
+    return from_dict(PrefillResult, data)
+
+
+def error_text(body: bytes) -> str:
+    """The message of an error answer (``{"error": ...}``, OpenAI-style or plain text), shortened."""
+    try:
+        data = orjson.loads(body)
+        if isinstance(data, dict):
+            err = data.get("error", data)
+            if isinstance(err, dict):
+                return str(err.get("message", err))[:500]
+            return str(err)[:500]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:500].decode("utf-8", "replace") or "(empty body)"
 
 
 _EXACT_ITEMS = (int, str, bool)

@@ -23,12 +23,12 @@ import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
-                                           ProtocolError, dumps)
+                                           ProtocolError, dumps, error_text, parse_prefill_result,
+                                           parse_token_event)
 from mooncake_lite.conductor.errors import rejected, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.params import ApiRequest
-from mooncake_lite.conductor.wire import encode, error_text, parse_prefill_result, parse_token_event
 from mooncake_lite.conductor.placement import place
 from mooncake_lite.scheduler import Decision, Scheduler
 
@@ -110,7 +110,7 @@ class Flight:
                               self.svc.kv_timeout_s)
         try:
             resp = await self.svc.session.post(
-                f"http://{d.reg.http}/v1/generate", data=encode(msg), headers=self._headers(),
+                f"http://{d.reg.http}/v1/generate", data=dumps(msg), headers=self._headers(),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.svc.upstream_timeout_s))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise upstream_failed(f"decode instance {d.instance_id} is unreachable: {exc!r}") from None
@@ -156,7 +156,7 @@ class Flight:
                              migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
         try:
             async with self.svc.session.post(
-                    f"http://{p.reg.http}/v1/prefill", data=encode(msg), headers=self._headers(),
+                    f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(),
                     timeout=aiohttp.ClientTimeout(total=self.svc.upstream_timeout_s, connect=10)) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

@@ -1,12 +1,15 @@
-"""The conductor's fast decoders accept and refuse exactly what the protocol module does."""
+"""The protocol's fast decoders accept and refuse exactly what its strict ``loads`` does."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import orjson
 import pytest
 
-from mooncake_lite.common.protocol import PrefillResult, ProtocolError, TokenEvent, loads
-from mooncake_lite.conductor.wire import encode, parse_prefill_result, parse_token_event
-from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling, dumps
+from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, PrefillResult, ProtocolError, Sampling,
+                                           TokenEvent, dumps, error_text, loads, parse_prefill_result,
+                                           parse_token_event)
 
 LINES = [b'{"token": 5}', b'{"finish_reason": "stop"}', b'{"finish_reason": "error", "error": "boom"}',
          b'{"token": 7, "finish_reason": "length"}', b'{}', b'{"token": null}',
@@ -40,7 +43,18 @@ def test_prefill_result_fast_path_matches_protocol(body):
     assert _outcome(parse_prefill_result, body) == _outcome(lambda r: loads(PrefillResult, r), body)
 
 
-def test_encode_is_byte_identical_to_protocol_dumps():
+def test_dumps_is_byte_identical_to_encoding_asdict():
+    # dumps hands the dataclass to orjson directly instead of deep-copying every token id via asdict.
     s = Sampling(max_tokens=4, temperature=0.5, seed=3, stop_token_ids=(257,))
     for msg in (GenerateRequest("r", "t", 9, s), PrefillRequest("r", "t", (1, 2, 3), "h:1", s, ("ab",), "s:2", ("ab",))):
-        assert encode(msg) == dumps(msg)
+        assert dumps(msg) == orjson.dumps(dataclasses.asdict(msg))
+
+
+@pytest.mark.parametrize("body, text", [
+    (b'{"error": "full"}', "full"),
+    (b'{"error": {"message": "bad prompt", "type": "invalid_request_error"}}', "bad prompt"),
+    (b"upstream gone", "upstream gone"),
+    (b"", "(empty body)"),
+])
+def test_error_text_names_the_message(body, text):
+    assert error_text(body) == text
