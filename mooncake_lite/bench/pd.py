@@ -40,7 +40,7 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
-from mooncake_lite.prefill.profile import profile_decode, profile_prefill, time_decode
+from mooncake_lite.instance.profile import profile_decode, profile_prefill, time_decode
 from mooncake_lite.prefill.store_io import MemoryStore
 
 BLOCK = 64

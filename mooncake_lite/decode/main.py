@@ -12,7 +12,8 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
-from mooncake_lite.prefill.worker_config import ModelRoleConfig, optional_duration, build_runner
+from mooncake_lite.instance.config import ModelRoleConfig, optional_duration
+from mooncake_lite.instance.runner import build_runner
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def build_engine(cfg: Config):
     from mooncake_lite.decode.app import make_executor
     from mooncake_lite.decode.batcher import DecodeBatcher
     from mooncake_lite.decode.engine import DecodeEngine
-    from mooncake_lite.prefill.profile import profile_decode
+    from mooncake_lite.instance.profile import profile_decode
 
     runner = build_runner(cfg)
     cost = None

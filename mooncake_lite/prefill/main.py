@@ -13,7 +13,7 @@ from mooncake_lite.common.protocol import Register
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.common.units import parse_duration
-from mooncake_lite.prefill.worker_config import ModelRoleConfig
+from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ def make_store(cfg: Config, runner):
 
 def build_stage(cfg: Config, layer_range: tuple[int, int] | None):
     from mooncake_lite.prefill.engine import StageEngine
-    from mooncake_lite.prefill.profile import profile_prefill
-    from mooncake_lite.prefill.worker_config import build_runner
+    from mooncake_lite.instance.profile import profile_prefill
+    from mooncake_lite.instance.runner import build_runner
 
     runner = build_runner(cfg, layer_range)
     cost = None

@@ -102,7 +102,7 @@ def run_stage(cfg) -> int:
     from mooncake_lite.common.service import serve_app
     from mooncake_lite.model.weights import model_args
     from mooncake_lite.prefill.main import layer_slices, make_store
-    from mooncake_lite.prefill.worker_config import build_runner
+    from mooncake_lite.instance.runner import build_runner
 
     layer_range = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)[cfg.pipeline_stage]
     runner = build_runner(cfg, layer_range)

@@ -183,7 +183,7 @@ def test_layer_slices_and_stage_command_line():
 
 
 def test_cost_fits_are_exact_on_clean_data_and_never_negative():
-    from mooncake_lite.prefill.profile import fit_decode, fit_prefill
+    from mooncake_lite.instance.profile import fit_decode, fit_prefill
     true = dict(c0=0.004, c1=2e-5, c2=3e-8, c3=1e-6)
     pts = [(n + p, p) for n, p in ((32, 0), (96, 0), (192, 0), (64, 128), (32, 192), (128, 64))]
     model = fit_prefill([(t, p, true["c0"] + true["c1"] * (t - p) + true["c2"] * (t - p) * t + true["c3"] * p)

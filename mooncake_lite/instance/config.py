@@ -1,4 +1,5 @@
-"""Flags shared by the two model-running roles (prefill and decode) and building their runner."""
+"""Flags shared by the two inference instances (prefill and decode): the model, its KV cache, and
+registering with the conductor. ``runner.py`` builds what they describe."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
-from mooncake_lite.model.args import DTYPES, dtype_bytes
-from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.args import DTYPES
+from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 
@@ -43,7 +44,6 @@ class ModelRoleConfig(RoleConfig):
         require(self.heartbeat_interval > 0, "--heartbeat-interval must be positive")
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s) URL, got {self.conductor!r}")
-        from mooncake_lite.model.weights import model_args
         try:
             model_args(self.model)
         except (ValueError, OSError) as exc:
@@ -53,24 +53,3 @@ class ModelRoleConfig(RoleConfig):
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-
-def blocks_for(cfg: ModelRoleConfig, num_layers: int, kv_heads: int, head_dim: int) -> int:
-    if cfg.num_blocks is not None:
-        return cfg.num_blocks
-    block_bytes = 2 * num_layers * kv_heads * head_dim * dtype_bytes(cfg.torch_dtype) * cfg.block_size
-    num = cfg.kv_memory // block_bytes
-    require(num > 0, f"--kv-memory {cfg.kv_memory} B holds no {cfg.block_size}-token block "
-                     f"({block_bytes} B each); raise it or lower --block-size")
-    return int(num)
-
-
-def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
-    """The model (or a layer slice of it) and its paged cache, as the flags say."""
-    from mooncake_lite.model.weights import build_model
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
-    args = model.args
-    num_layers = model.end_layer - model.first_layer
-    return ModelRunner(model, num_blocks=blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim),
-                       block_size=cfg.block_size)

@@ -1,0 +1,6 @@
+"""What the two inference instances (prefill and decode) share, below both roles.
+
+config.py   ModelRoleConfig: the flags of a model-running role (model, dtype, KV cache size, conductor)
+runner.py   build_runner: the model (or a CPP layer slice of it) and its paged KV cache, as the flags say
+profile.py  start-up self-profiling: time a few model runs, fit the scheduler's cost models
+"""
