@@ -9,9 +9,9 @@ instances, one million indexed 16-byte block keys, a 64-block request (targets: 
 Membership snapshot plus the decision, in a steady state where every decision is dispatched and
 prefills end, requests finish and tokens are generated between decisions; see
 :mod:`conductor_steady`), the figure the targets are for; ``warm`` — the core alone on an
-unchanged snapshot (the best case); ``fresh`` — the core alone with every instance state
-rebuilt before each decision (the worst case: no derived data reused). The live-API part
-(conductor's added latency) plugs in the same way.
+unchanged snapshot (the best case); ``fresh`` — the core alone with a ``FromScratch``
+estimate cache (the worst case: nothing derived is reused). The live-API part (conductor's
+added latency) plugs in the same way.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import numpy as np
 import orjson
 
 from mooncake_lite.bench import conductor_live, conductor_steady
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
-                                     DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                     DecodeInstanceState, DecodingRequest, FromScratch, IncomingRequest,
                                      PrefillCostModel, PrefillInstanceState, QueuedPrefill,
                                      ScheduleRequest, Scheduler, SchedulerConfig,
                                      kv_bytes_per_token)
@@ -127,20 +126,12 @@ def build_cluster(num_prefill: int, num_decode: int, num_blocks: int, request_bl
 
 
 def _time_decisions(sched: Scheduler, cluster: ClusterState, requests: list[ScheduleRequest],
-                    iterations: int, fresh: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(wall µs, thread-CPU µs) per decision on a fixed cluster. ``fresh`` rebuilds every
-    instance state before each call (untimed), so no per-instance derived data is reused — the
-    worst case; "warm" reuses the snapshot, as a conductor does for instances that did not
-    change."""
-    shown = [cluster]
-
-    def rebuild(_: int) -> None:
-        shown[0] = ClusterState(tuple(replace(p) for p in cluster.prefills),
-                                tuple(replace(d) for d in cluster.decodes))
-
+                    iterations: int) -> tuple[np.ndarray, np.ndarray]:
+    """(wall µs, thread-CPU µs) per decision on a fixed cluster: "warm" with an estimate cache
+    (every instance unchanged, as a conductor sees the ones that did not change), "fresh" with a
+    FromScratch one (nothing derived is reused — the worst case)."""
     return conductor_steady.time_each(
-        iterations, lambda i: sched.schedule(requests[i % len(requests)], shown[0], 0.0),
-        before=rebuild if fresh else None)
+        iterations, lambda i: sched.schedule(requests[i % len(requests)], cluster, 0.0))
 
 
 def run_decision(args: argparse.Namespace) -> dict:
@@ -157,12 +148,12 @@ def run_decision(args: argparse.Namespace) -> dict:
         config = SchedulerConfig(strategy="kvcache-centric", admission=admission, ttft_slo_s=None,
                                  tbt_slo_s=None, block_size=BLOCK_SIZE, uniform_decode_s=args.uniform_decode)
         for snapshot in CASES:
-            sched = Scheduler(config, costs, index)
+            sched = Scheduler(config, costs, index, cache=FromScratch() if snapshot == "fresh" else None)
             if snapshot == "conductor":
                 wall, cpu = conductor_steady.time_steady_decisions(
                     cluster, sched, requests, args.iterations, args.tokens_per_decision, BLOCK_SIZE, args.seed)
             else:
-                wall, cpu = _time_decisions(sched, cluster, requests, args.iterations, snapshot == "fresh")
+                wall, cpu = _time_decisions(sched, cluster, requests, args.iterations)
             for clock, us in (("", wall), ("cpu_", cpu)):
                 median, p99 = float(np.median(us)), float(np.percentile(us, 99))
                 name = f"{admission}_{snapshot}_{clock}"
@@ -200,7 +191,7 @@ def _print_decision(f: dict) -> None:
                       f"p99 {f[k + 'p99_us']:7.1f} µs ({f[k + 'p99_vs_target']:.2f}×)")
     print(f"  conductor: the live conductor's snapshot + decision in a steady state "
           f"({f['tokens_per_decision']} tokens per running request between decisions) — the targeted figure")
-    print("  warm: scheduler core alone, unchanged snapshot; fresh: core alone, every state rebuilt (worst case)")
+    print("  warm: scheduler core alone, unchanged snapshot; fresh: core alone, nothing cached (worst case)")
     print("  wall: perf_counter; cpu: this thread's CPU time (excludes preemption by other processes)")
     print(f"  FindBestPrefixMatch alone: median {f['match_cpu_median_us']} µs CPU")
 

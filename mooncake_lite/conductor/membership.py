@@ -8,15 +8,13 @@ record of what it dispatched — the scheduler reads them as a :class:`ClusterSt
 request dispatched to a decode instance counts there as ``incoming`` from dispatch until its KV
 has arrived (the first token), so a burst is spread instead of herding onto one instance.
 
-Each instance's scheduler state is built once and kept until something it shows changes (a job
-added, started, finished or released; a heartbeat changing its capacity or bandwidth; death):
-the scheduler caches derived data on the state objects, so a decision pays only for the
-instances that changed since the last one (docs/conductor.md, "Decision time"). The states are
-built in ``conductor/view.py``; the event handlers here keep the shown queue, batch and incoming
-tuples current. Generated
-tokens alone rebuild a decode instance's state only once its running requests together are
-further ahead of it than :func:`~mooncake_lite.scheduler.context_lag_bound` allows, as in the
-simulator.
+Each instance's scheduler state comes from its instance view (``scheduler/view.py``, the class
+the simulator drives too): the event handlers here tell it what happened, and it builds a new
+state only when something the state shows changed (a job added, started, finished or released;
+a heartbeat changing its capacity or bandwidth; death; generated tokens only once a batch's
+requests together are further ahead than :func:`~mooncake_lite.scheduler.context_lag_bound`
+allows). A snapshot replaces only the entries of the instances touched since the last one, so
+an unchanged instance keeps its state object and the scheduler's estimate cache hits.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
@@ -30,10 +28,7 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
-from mooncake_lite.conductor.view import build_state, incoming_record, queued_record, shown_record, unshow
-from mooncake_lite.scheduler import (ClusterState, DecodeInstanceState, DecodingRequest,
-                                     IncomingRequest, PrefillInstanceState, QueuedPrefill,
-                                     context_lag_bound)
+from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -66,9 +61,6 @@ class PrefillJob:
     decode_id: str
     started_at: float | None = None
     max_output_tokens: int | None = None
-    # Built once and reused by every state showing the job (a state object costs ~1 µs).
-    queued: QueuedPrefill | None = field(default=None, repr=False, compare=False)
-    incoming: IncomingRequest | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -77,9 +69,6 @@ class DecodeJob:
     context_tokens: int
     joined_at: float
     max_output_tokens: int
-    # The job as the decode state shows it (built when it joins); its context trails ours by
-    # the tokens generated since, counted in Instance.context_lag.
-    shown: DecodingRequest | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -87,6 +76,8 @@ class Instance:
     reg: Register
     costs: InstanceCosts
     last_seen: float
+    # The scheduler's view of this instance (its queue, or its batch and incoming requests).
+    view: PrefillView | DecodeView
     is_alive: bool = True
     load: dict[str, float] = field(default_factory=dict)
     prefill_jobs: dict[str, PrefillJob] = field(default_factory=dict)   # dispatch order
@@ -94,27 +85,6 @@ class Instance:
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
     incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
     watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
-    # The scheduler's view of this instance, rebuilt at the next snapshot once it is stale.
-    state: PrefillInstanceState | DecodeInstanceState | None = field(default=None, repr=False)
-    is_stale: bool = field(default=True, repr=False)
-    # Decode: the running requests got further ahead of the shown batch than context_lag_bound;
-    # the next rebuild refreshes every request's context (other rebuilds reuse the shown ones).
-    is_context_stale: bool = field(default=False, repr=False)
-    # Decode: the running batch as shown (kept up to date as requests join and leave), the sum
-    # of its shown contexts, and how many tokens its requests generated beyond them in total.
-    running: tuple[DecodingRequest, ...] | None = field(default=None, repr=False)
-    # Decode: how ``running`` was edited since ``state`` was built — (True, record) appended,
-    # (False, record) removed — so the scheduler can edit its estimates by just those (None:
-    # not known, e.g. the batch was rebuilt; see carry_running_estimates).
-    batch_edits: list[tuple[bool, DecodingRequest]] | None = field(default=None, repr=False)
-    shown_context: int = field(default=0, repr=False)
-    context_lag: int = field(default=0, repr=False)
-    # Prefill: the queue as shown (kept up to date as jobs are added and end; None: rebuild).
-    queue: tuple[QueuedPrefill, ...] | None = field(default=None, repr=False)
-    # Decode: incoming_jobs as shown (None: rebuild). Both roles: what the state shows from the
-    # registration and the last heartbeat (None: recompute), so a rebuild need not re-derive it.
-    incoming: tuple[IncomingRequest, ...] | None = field(default=None, repr=False)
-    limits: tuple | None = field(default=None, repr=False)
 
     @property
     def instance_id(self) -> str:
@@ -154,10 +124,14 @@ class Membership:
         if old is not None and (old.reg.http != reg.http or old.role != reg.role):
             # Same id, new process or address: whatever ran on the old one is gone.
             self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}")
-        inst = Instance(reg, costs, now)
-        if old is not None and old.reg.http == reg.http and old.role == reg.role:
+        same_address = old is not None and old.reg.http == reg.http and old.role == reg.role
+        inst = Instance(reg, costs, now, old.view if same_address else self._new_view(reg, costs))
+        if same_address:
             inst.prefill_jobs, inst.decode_jobs, inst.watchers = old.prefill_jobs, old.decode_jobs, old.watchers
             inst.incoming_jobs = old.incoming_jobs
+            if reg.role == "decode":
+                inst.view.set_cost(costs.decode)
+        self._describe(inst)
         self.instances[reg.instance_id] = inst
         self._positions = None
         if self.kv_bytes_per_token is None:
@@ -186,6 +160,26 @@ class Membership:
                                          + "; ".join(mismatches))
 
     @staticmethod
+    def _new_view(reg: Register, costs: InstanceCosts) -> PrefillView | DecodeView:
+        if reg.role == "prefill":
+            return PrefillView(reg.instance_id, None)    # its store: _describe
+        return DecodeView(reg.instance_id, costs.decode)
+
+    @staticmethod
+    def _describe(inst: Instance) -> None:
+        """Tell the view what the registration and the last heartbeat say about the instance."""
+        reg, load, costs = inst.reg, inst.load, inst.costs
+        if reg.role == "prefill":
+            # No store: a unique id no block event names, so nothing counts as cached there.
+            store_id = reg.store if reg.store else f"(no store):{reg.instance_id}"
+            bandwidth = costs.bandwidth_bytes_per_s or load.get("bandwidth_bytes_per_s") or None
+            inst.view.set_instance(store_id, bandwidth, costs.prefill)
+        else:
+            # Register.max_context of a decode instance is its KV capacity in tokens.
+            max_context = _int_or_none(load.get("max_context_tokens")) or _int_or_none(reg.max_context)
+            inst.view.set_limits(_int_or_none(load.get("max_batch_size")), max_context)
+
+    @staticmethod
     def _costs(reg: Register) -> InstanceCosts:
         try:
             return parse_instance_costs(reg.cost, reg.role)
@@ -205,7 +199,7 @@ class Membership:
         inst.last_seen = now
         old, inst.load = inst.load, dict(hb.load)
         if any(old.get(k) != inst.load.get(k) for k in STATE_LOAD_KEYS):
-            inst.limits = None
+            self._describe(inst)
             self._touch(inst)
         return inst
 
@@ -225,8 +219,7 @@ class Membership:
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
         inst.incoming_jobs.clear()
-        inst.running = inst.incoming = inst.queue = inst.batch_edits = None
-        inst.shown_context = inst.context_lag = 0
+        inst.view.clear()
         self._positions = None
         self._touch(inst)
         for notify in watchers.values():
@@ -250,14 +243,13 @@ class Membership:
         if not inst.prefill_jobs:
             job.started_at = now
         inst.prefill_jobs[job.request_id] = job
-        if inst.queue is not None:
-            inst.queue = (*inst.queue, queued_record(job))
+        inst.view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
         self._touch(inst)
         decode = self.instances.get(job.decode_id)
         if decode is not None:
             decode.incoming_jobs[job.request_id] = job
-            if decode.incoming is not None:
-                decode.incoming = (*decode.incoming, incoming_record(job))
+            # the context it brings: prompt + first token, as add_decode will record
+            decode.view.commit(job.request_id, job.num_tokens + 1, job.max_output_tokens)
             self._touch(decode)
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
@@ -265,34 +257,18 @@ class Membership:
         if inst is None or inst.prefill_jobs.pop(request_id, None) is None:
             return
         self._touch(inst)
-        queue = inst.queue
-        if queue is not None:
-            inst.queue = queue[1:] if queue[0].request_id == request_id else \
-                tuple(q for q in queue if q.request_id != request_id)
+        inst.view.remove(request_id)
         head = next(iter(inst.prefill_jobs.values()), None)
         if head is not None and head.started_at is None:
             head.started_at = now  # FIFO: the next job starts when this one ends
-            if inst.queue is not None:
-                inst.queue = (queued_record(head), *inst.queue[1:])
+            inst.view.start(head.request_id, now)
 
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
         if inst is not None:
-            self._not_incoming(inst, job.request_id)
-            old = inst.decode_jobs.get(job.request_id)
-            if old is not None:
-                unshow(inst, old)
+            inst.incoming_jobs.pop(job.request_id, None)
             inst.decode_jobs[job.request_id] = job
-            if old is None and inst.running is not None:
-                # Extend the shown batch here, at the event, not in the next decision's snapshot.
-                shown = shown_record(job, False)
-                inst.shown_context += shown.context_tokens
-                inst.context_lag += job.context_tokens - shown.context_tokens
-                inst.running = (*inst.running, shown)
-                if inst.batch_edits is not None:
-                    inst.batch_edits.append((True, shown))
-            else:
-                inst.running = inst.batch_edits = None   # rebuilt (and recounted) at the next snapshot
+            inst.view.join(job.request_id, job.context_tokens, job.joined_at, job.max_output_tokens)
             self._touch(inst)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
@@ -300,9 +276,8 @@ class Membership:
         job = inst.decode_jobs.get(request_id) if inst is not None else None
         if job is not None:
             job.context_tokens += num_new_tokens
-            if job.shown is not None:   # else its record, still to be built, will show it all
-                inst.context_lag += num_new_tokens
-                self._check_lag(inst)
+            if inst.view.progress(request_id, num_new_tokens):
+                self._touch(inst)
 
     def release(self, request_id: str, instance_ids: tuple[str, ...], now: float) -> None:
         """The request is over (any outcome): forget it everywhere."""
@@ -312,60 +287,27 @@ class Membership:
                 continue
             inst.watchers.pop(request_id, None)
             running = inst.decode_jobs.pop(request_id, None)
-            incoming = self._not_incoming(inst, request_id)
-            if running is not None:
-                unshow(inst, running)
-                self._check_lag(inst)     # a smaller batch allows less lag
-                if inst.running is not None:
-                    self._unlist(inst, running)
+            incoming = inst.incoming_jobs.pop(request_id, None)
             if running is not None or incoming is not None:
+                inst.view.leave(request_id)
                 self._touch(inst)
             self.prefill_done(iid, request_id, now)
 
     # ---- scheduler view -------------------------------------------------------------------
-    @staticmethod
-    def _not_incoming(inst: Instance, request_id: str) -> PrefillJob | None:
-        """Forget ``request_id`` as incoming on ``inst`` (its KV arrived, or it is over),
-        editing the shown incoming tuple here rather than rebuilding it at the next snapshot."""
-        job = inst.incoming_jobs.pop(request_id, None)
-        if job is not None and inst.incoming is not None:
-            record = job.incoming
-            kept = tuple(r for r in inst.incoming if r is not record)
-            inst.incoming = kept if record is not None and len(kept) == len(inst.incoming) - 1 else None
-        return job
-
-    @staticmethod
-    def _unlist(inst: Instance, job: DecodeJob) -> None:
-        """Take a leaving job's record out of the shown batch."""
-        running = inst.running
-        kept = tuple(r for r in running if r.request_id != job.request_id)
-        inst.running = kept
-        if inst.batch_edits is not None:
-            if job.shown is not None and len(kept) == len(running) - 1:
-                inst.batch_edits.append((False, job.shown))
-            else:
-                inst.batch_edits = None
-
     def _touch(self, inst: Instance) -> None:
-        inst.is_stale = True
         self._changed[inst.instance_id] = inst
-
-    def _check_lag(self, inst: Instance) -> None:
-        if not inst.is_context_stale and inst.context_lag > context_lag_bound(inst.shown_context):
-            inst.is_context_stale = True
-            self._touch(inst)
 
     def snapshot(self) -> ClusterState:
         """The live instances as the scheduler sees them (dead ones left out). Unchanged
-        instances keep their state objects (and the scheduler's data cached on them); only the
+        instances keep their state objects (so the scheduler's estimate cache hits); only the
         entries of instances touched since the last snapshot are replaced."""
         if self._cluster is None or self._positions is None:
             return self._rebuild()
         if self._changed:
             prefills, decodes = list(self._cluster.prefills), list(self._cluster.decodes)
             for iid, inst in self._changed.items():
-                if inst.is_stale and inst.is_alive:
-                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = build_state(inst)
+                if inst.is_alive:
+                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = inst.view.state()
             self._changed.clear()
             self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
@@ -386,10 +328,13 @@ class Membership:
             if inst.is_alive:
                 same_role = prefills if inst.reg.role == "prefill" else decodes
                 self._positions[inst.instance_id] = len(same_role)
-                same_role.append(build_state(inst) if inst.is_stale else inst.state)
+                same_role.append(inst.view.state())
         self._changed.clear()
         self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         # Only this rebuild changes which prefills are live (and their registrations).
         self._smallest_prefill = min((self.instances[p.instance_id].reg.max_context for p in prefills), default=0)
         return self._cluster
 
+
+def _int_or_none(value: float | None) -> int | None:
+    return int(value) if value is not None and value > 0 else None

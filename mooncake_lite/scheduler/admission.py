@@ -15,11 +15,11 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+from mooncake_lite.scheduler.cache import Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import (PrefillView, decode_has_room, decode_load_now,
-                                              decode_loads_at, decode_tbt, late_prefills, prefill_views,
-                                              running_load)
+from mooncake_lite.scheduler.estimate import (QueueAt, decode_has_room, decode_load_now, decode_loads_at,
+                                              decode_tbt, late_prefills, prefill_queues, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
@@ -35,13 +35,14 @@ class DecodeChoice(NamedTuple):
 
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
                   costs: CostModels, now: float, ttft_s: float, rng: random.Random | None,
-                  views: list[PrefillView] | None = None) -> DecodeChoice | None:
+                  queues: list[QueueAt] | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
     """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
-    eligible one. None when no instance has room. ``views`` (:func:`prefill_views` of
-    ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them."""
+    eligible one. None when no instance has room. ``queues`` (:func:`prefill_queues` of
+    ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them; ``cache``
+    (None: from scratch) keeps what is derived per instance between decisions."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
-    loads = _loads(cluster, cfg, costs, now, ttft_s, views)
+    loads = _loads(cluster, cfg, costs, now, ttft_s, queues, cache)
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
@@ -66,7 +67,7 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
-           views: list[PrefillView] | None) -> list[tuple[int, int]]:
+           queues: list[QueueAt] | None, cache: Estimates | None) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) before adding the request: the load
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
     decodes = cluster.decodes
@@ -74,9 +75,11 @@ def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: 
         t, uniform = now + ttft_s, cfg.uniform_decode_s
         late = set()
         if any(d.incoming for d in decodes):
-            late = late_prefills(views if views is not None else prefill_views(cluster.prefills, costs, now), now, t)
-        return decode_loads_at(decodes, costs, t, late, uniform)
-    return list(map(decode_load_now, decodes))
+            if queues is None:
+                queues = prefill_queues(cluster.prefills, costs, now, cache)
+            late = late_prefills(queues, now, t)
+        return decode_loads_at(decodes, costs, t, late, uniform, cache)
+    return list(map(decode_load_now if cache is None else cache.committed_load, decodes))
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -9,10 +9,11 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
+from mooncake_lite.scheduler.cache import Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import PrefillView, prefill_model, prefill_views
+from mooncake_lite.scheduler.estimate import QueueAt, prefill_model, prefill_queues
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
@@ -56,22 +57,24 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
-                   rng: random.Random | None, views: list[PrefillView] | None = None) -> PrefillChoice | None:
+                   rng: random.Random | None, queues: list[QueueAt] | None = None,
+                   cache: Estimates | None = None) -> PrefillChoice | None:
     """The prefill option the configured strategy picks (None when there is no instance).
-    Ties go to the earlier instance in ``prefills``, so results are deterministic. ``views``
-    (:func:`prefill_views` of ``prefills`` at ``now``) saves recomputing them."""
+    Ties go to the earlier instance in ``prefills``, so results are deterministic. ``queues``
+    (:func:`prefill_queues` of ``prefills`` at ``now``) saves recomputing them; ``cache`` (None:
+    from scratch) keeps each queue's predicted work between decisions."""
     if not prefills:
         return None
-    if views is None:
-        views = prefill_views(prefills, costs, now)
+    if queues is None:
+        queues = prefill_queues(prefills, costs, now, cache)
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
         i = rng.randrange(len(prefills))
-        return _option(req, prefills[i], views[i][0], match.length_at(prefills[i].store_id),
+        return _option(req, prefills[i], queues[i].queue_s, match.length_at(prefills[i].store_id),
                        match, False, cfg, costs, route="random")
     if cfg.strategy != "kvcache-centric":
-        return _choose_without_transfer(req, prefills, match, cfg, costs, views)
+        return _choose_without_transfer(req, prefills, match, cfg, costs, queues)
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
@@ -79,20 +82,20 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     best, best_key, default_model = None, float("inf"), costs.prefill
     # This loop runs per instance per request: one cost-model call each, the transfer time
     # (_transfer_s) written out.
-    for p, view in zip(prefills, views):
-        local = lengths.get(p.store_id, 0)
+    for p, queue in zip(prefills, queues):
+        local, queue_s = lengths.get(p.store_id, 0), queue.queue_s
         model = p.cost or default_model
         # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
         if local < best_len and (not local or best_len / local >= threshold):
             bandwidth = p.bandwidth_bytes_per_s or default_bandwidth
-            key = (latency_s + (best_len - local) * block_bytes / bandwidth + view[0]
+            key = (latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
                    + model.predict(num_tokens, best_len * block_size))
             fetch = True
         else:
-            key, fetch = view[0] + model.predict(num_tokens, local * block_size), False
+            key, fetch = queue_s + model.predict(num_tokens, local * block_size), False
         if key < best_key:
-            best, best_key = (p, view[0], local, fetch), key
+            best, best_key = (p, queue_s, local, fetch), key
     if best is None:
         return None
     p, queue_s, local, fetch = best
@@ -101,17 +104,17 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
 
 def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                              match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels,
-                             views: list[PrefillView]) -> PrefillChoice | None:
+                             queues: list[QueueAt]) -> PrefillChoice | None:
     """``load-balance`` (cache-blind: queue + full recompute; the engine still reuses what it
     has) and ``cache-aware`` (queue + execution given the local prefix)."""
     lengths, num_tokens = match.lengths, req.num_tokens
     cached_tokens = 0 if cfg.strategy == "load-balance" else cfg.block_size
     best, best_key = None, float("inf")
-    for p, view in zip(prefills, views):
+    for p, queue in zip(prefills, queues):
         local = lengths.get(p.store_id, 0)
-        key = view[0] + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+        key = queue.queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
         if key < best_key:
-            best, best_key = (p, view[0], local), key
+            best, best_key = (p, queue.queue_s, local), key
     if best is None:
         return None
     p, queue_s, local = best

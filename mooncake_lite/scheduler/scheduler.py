@@ -11,10 +11,11 @@ import random
 
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
+from mooncake_lite.scheduler.cache import EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
-from mooncake_lite.scheduler.estimate import prefill_views
+from mooncake_lite.scheduler.estimate import prefill_queues
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -43,14 +44,16 @@ def _migration(req: ScheduleRequest, c: PrefillChoice) -> Migration | None:
 
 def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
              config: SchedulerConfig, costs: CostModels, now: float,
-             rng: random.Random | None = None) -> Decision:
-    """Place one request. ``rng`` is required (and only used) by strategy ``random``."""
+             rng: random.Random | None = None, cache: Estimates | None = None) -> Decision:
+    """Place one request. ``rng`` is required (and only used) by strategy ``random``. ``cache``
+    keeps what is derived per instance between decisions (None: everything from scratch; the
+    decision is the same either way)."""
     match = index.match(req.block_keys)
-    views = prefill_views(cluster.prefills, costs, now)   # read by both choices
-    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, views)
+    queues = prefill_queues(cluster.prefills, costs, now, cache)   # read by both choices
+    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
-    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, views)
+    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, cache)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
     violation = slo_violation(config, req, costs, p, d)
@@ -73,19 +76,23 @@ def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | N
 
 
 class Scheduler:
-    """Holds the policy, the cost models, the global block index and the rng between calls.
+    """Holds the policy, the cost models, the global block index, the rng and the estimate
+    cache between calls.
 
     The owner feeds store events into ``index`` (``index.apply(event)``) and calls
     :meth:`schedule` per request; swapping ``costs`` when instances report new profiles is a
-    plain attribute assignment (CostModels is immutable)."""
+    plain attribute assignment (CostModels is immutable). ``cache`` defaults to an
+    :class:`~mooncake_lite.scheduler.cache.EstimateCache`; a ``FromScratch`` one gives the same
+    decisions, slower."""
 
     def __init__(self, config: SchedulerConfig, costs: CostModels, index: BlockIndex | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, cache: Estimates | None = None) -> None:
         self.config = config
         self.costs = costs
         self.index = index if index is not None else BlockIndex()
         self.rng = rng if rng is not None else random.Random(0)
+        self.cache = cache if cache is not None else EstimateCache()
 
     def schedule(self, req: ScheduleRequest, cluster: ClusterState, now: float) -> Decision:
         return schedule(req, cluster, index=self.index, config=self.config, costs=self.costs,
-                        now=now, rng=self.rng)
+                        now=now, rng=self.rng, cache=self.cache)

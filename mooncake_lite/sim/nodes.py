@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
+from itertools import compress, count
+from operator import is_not
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.estimate import carry_queue_estimates, carry_running_estimates
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
-                                           PrefillInstanceState, QueuedPrefill, context_lag_bound)
+                                           PrefillInstanceState, QueuedPrefill)
+from mooncake_lite.scheduler.view import MAX_TBT_DRIFT, context_lag_bound
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
 from mooncake_lite.store.eviction import BlockCache
@@ -78,7 +81,6 @@ class PrefillNode:
         self.link_free_at = 0.0
         self.busy_s = 0.0
         self._state: PrefillInstanceState | None = None
-        self._shown: PrefillInstanceState | None = None   # the last state built
 
     def fetch(self, now: float, num_bytes: int) -> float:
         """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
@@ -90,16 +92,12 @@ class PrefillNode:
         return cpp_prefill_seconds(self.hw, num_tokens, prefix_tokens, self.group_size, self.chunk)
 
     def state(self) -> PrefillInstanceState:
-        """The conductor's view: the running job (with its start) and the FIFO behind it.
-        Like the live conductor, a new view carries the scheduler's estimates from the last."""
+        """The conductor's view: the running job (with its start) and the FIFO behind it."""
         if self._state is None:
             jobs = [self.current] if self.current is not None else []
             jobs.extend(self.waiting)
             self._state = PrefillInstanceState(self.instance_id, self.store_id, tuple(queued(r) for r in jobs),
                                                None, self.cost)
-            if self._shown is not None:
-                carry_queue_estimates(self._shown, self._state)
-            self._shown = self._state
         return self._state
 
     def touched(self) -> None:
@@ -120,7 +118,8 @@ class DecodeNode:
         self.pending: list[SimRequest] = []
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
         self._view: DecodeInstanceState | None = None
-        self._shown: DecodeInstanceState | None = None   # what conductor_view last returned
+        self._base: DecodeInstanceState | None = None    # what conductor_view last showed, and
+        self._shown: DecodeInstanceState | None = None   # with the TBT its t_d are sized with
         self.seg_start = 0.0
         self.seg_gap = 0.0
         self.seg_steps = 0          # steps planned for the running segment (0 = idle)
@@ -149,14 +148,20 @@ class DecodeNode:
 
     def conductor_view(self, now: float) -> DecodeInstanceState:
         """What the conductor sees: the local state plus, as ``incoming``, the requests it has
-        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit).
-        Like the live conductor, a new view carries the scheduler's estimates from the last."""
-        view = self._committed_view(now) if self.committed else self.state(now)
-        if view is not self._shown:
-            if self._shown is not None:
-                carry_running_estimates(self._shown, view)
-            self._shown = view
-        return view
+        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit),
+        and the TBT its running requests' t_d are sized with: kept from the last view while
+        the batch is the same or one request joined or left and its TBT moved less than
+        MAX_TBT_DRIFT, else the batch's current one."""
+        base = self._committed_view(now) if self.committed else self.state(now)
+        if base is not self._base:
+            running, shown = base.running, self._shown
+            tbt = None if shown is None else shown.tbt_s
+            if shown is None or running is not shown.running:
+                current = self.batch.model.predict(len(running), sum(r.context_tokens for r in running))
+                if shown is None or not _one_change(running, shown.running) or abs(current - tbt) > tbt * MAX_TBT_DRIFT:
+                    tbt = current
+            self._base, self._shown = base, replace(base, tbt_s=tbt)
+        return self._shown
 
     def _committed_view(self, now: float) -> DecodeInstanceState:
         if self._view is None:
@@ -212,3 +217,14 @@ class DecodeNode:
         self.seg_steps = b.steps_to_next_finish()
         self.version += 1
         self.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)
+
+
+def _one_change(running: tuple, old_running: tuple) -> bool:
+    """``running`` is ``old_running`` plus one record at the end, or less one record."""
+    n, k = len(running), len(old_running)
+    if n == k + 1 and running[:k] == old_running:
+        return True
+    if n == k - 1:
+        i = next(compress(count(), map(is_not, running, old_running)), n)
+        return running[i:] == old_running[i + 1:]
+    return False

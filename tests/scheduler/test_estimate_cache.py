@@ -1,37 +1,174 @@
-"""The estimators cache derived data on state objects (estimate.py); asking the same state
-again, at other times, must give exactly what the definitions give from scratch."""
+"""The estimate cache (scheduler/cache.py) against its from-scratch definition.
 
-from dataclasses import replace
+Random histories of instances joining and leaving the cluster, jobs queued, started and
+finished, requests committed to decodes, joining their batches, generating tokens and leaving —
+told to the same instance views the conductor and the simulator use — with decisions taken at
+random points: every decision and every estimate made through the cache must equal the one
+computed from scratch on the same snapshot."""
 
-from hypothesis import example, given, settings, strategies as st
+from __future__ import annotations
 
-from mooncake_lite.scheduler import (CostModels, DecodeCostModel, DecodeInstanceState,
-                                     DecodingRequest, IncomingRequest, PrefillCostModel,
-                                     PrefillInstanceState, QueuedPrefill, carry_queue_estimates,
-                                     carry_running_estimates)
-from mooncake_lite.scheduler.estimate import (MAX_TBT_DRIFT, decode_load_at, decode_load_now, prefill_queue_time,
-                                              prefill_views, running_load)
+import random
 
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
+                                     DecodeView, DecodingRequest, EstimateCache, FromScratch, PrefillCostModel,
+                                     PrefillInstanceState, PrefillView, QueuedPrefill, ScheduleRequest, Scheduler,
+                                     SchedulerConfig, prefill_queue_time)
+from mooncake_lite.scheduler.cache import MAX_EDITED_LEAVES, batch_change
+from mooncake_lite.scheduler.estimate import (decode_load_at, decode_load_now, decode_loads_at, late_prefills,
+                                              prefill_queues)
+
+BS = 16
+# Decode steps that one request moves by a few percent (within MAX_TBT_DRIFT: leave profiles
+# get edited) or by more (re-priced), per instance.
 COSTS = CostModels(prefill=PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7),
-                   decode=DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), kv_bytes_per_token=1)
+                   decode=DecodeCostModel(c0=0.05, c1=1e-3, c2=1e-7), kv_bytes_per_token=1,
+                   bandwidth_bytes_per_s=1e5)
+OWN_PREFILL = (None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6))
+OWN_DECODE = (None, DecodeCostModel(c0=0.1, c1=1e-3, c2=1e-7), DecodeCostModel(c0=0.005, c1=1e-2))
 times = st.floats(-50, 50, allow_nan=False)
 
 
+class World:
+    """Three prefill and three decode instances, each behind its instance view, driven by
+    ``rng`` the way the conductor drives them (Membership), with instances dying and coming back
+    (a view emptied and shown again) and re-registering with another cost model."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.now, self.n = rng, 0.0, 0
+        self.prefills = {f"p{i}": PrefillView(f"p{i}", f"s{i}", rng.choice([None, 1e4]), rng.choice(OWN_PREFILL))
+                         for i in range(3)}
+        self.decodes = {f"d{i}": DecodeView(f"d{i}", rng.choice(OWN_DECODE)) for i in range(3)}
+        self.live = set(self.prefills) | set(self.decodes)
+        self.jobs: dict[str, tuple[str, str, int, int]] = {}      # rid -> (prefill, decode, tokens, max_out)
+        self.queues: dict[str, list[str]] = {p: [] for p in self.prefills}
+        self.running: dict[str, list[str]] = {d: [] for d in self.decodes}
+
+    def cluster(self) -> ClusterState:
+        return ClusterState(tuple(v.state() for i, v in self.prefills.items() if i in self.live),
+                            tuple(v.state() for i, v in self.decodes.items() if i in self.live))
+
+    def step(self, op: str) -> None:
+        rng = self.rng
+        self.now += rng.uniform(0, 2)
+        live_p = [p for p in self.prefills if p in self.live]
+        live_d = [d for d in self.decodes if d in self.live]
+        if op == "dispatch" and live_p and live_d:
+            self.n += 1
+            rid, p, d = f"r{self.n}", rng.choice(live_p), rng.choice(live_d)
+            tokens, max_out = rng.choice([1, 10, 100]) * rng.randint(1, 300), rng.choice([None, 5, 50, 500])
+            queue = self.queues[p]
+            self.prefills[p].add(rid, tokens, rng.randint(0, tokens - 1), None if queue else self.now)
+            queue.append(rid)
+            self.decodes[d].commit(rid, tokens + 1, max_out)
+            self.jobs[rid] = (p, d, tokens, max_out)
+        elif op == "prefill_end":
+            busy = [p for p in live_p if self.queues[p]]
+            if busy:
+                p = rng.choice(busy)
+                rid = self.queues[p].pop(0)
+                self.prefills[p].remove(rid)
+                if self.queues[p]:
+                    self.prefills[p].start(self.queues[p][0], self.now)
+                _, d, tokens, max_out = self.jobs[rid]
+                if d in self.live:
+                    self.decodes[d].join(rid, tokens + 1, self.now, max_out)
+                    self.running[d].append(rid)
+        elif op == "tokens":
+            for d in live_d:
+                for rid in self.running[d]:
+                    self.decodes[d].progress(rid, rng.choice([0, 1, 2, 5, 40]))
+        elif op == "finish":
+            busy = [d for d in live_d if self.running[d]]
+            if busy:
+                d = rng.choice(busy)
+                rid = self.running[d].pop(rng.randrange(len(self.running[d])))
+                self.decodes[d].leave(rid)
+        elif op == "abort":
+            waiting = [(p, rid) for p in live_p for rid in self.queues[p]]
+            if waiting:
+                p, rid = rng.choice(waiting)
+                self.queues[p].remove(rid)
+                self.prefills[p].remove(rid)
+                self.decodes[self.jobs[rid][1]].leave(rid)
+        elif op == "limits" and live_d:
+            self.decodes[rng.choice(live_d)].set_limits(rng.choice([None, 4, 30]), rng.choice([None, 5000, 10**6]))
+        elif op == "reregister":
+            if rng.random() < 0.5 and live_d:
+                self.decodes[rng.choice(live_d)].set_cost(rng.choice(OWN_DECODE))
+            elif live_p:
+                i = rng.choice(live_p)
+                self.prefills[i].set_instance(f"s{rng.randrange(3)}", rng.choice([None, 1e4]), rng.choice(OWN_PREFILL))
+        elif op == "die":
+            iid = rng.choice(sorted(self.live)) if self.live else None
+            if iid is not None:
+                self.live.discard(iid)
+                {**self.prefills, **self.decodes}[iid].clear()
+                for rid in self.queues.get(iid, []):
+                    self.decodes[self.jobs[rid][1]].leave(rid)
+                self.queues.get(iid, []).clear()
+                self.running.get(iid, []).clear()
+        elif op == "revive":
+            self.live |= set(self.prefills) | set(self.decodes)
+
+
+OPS = ["dispatch"] * 4 + ["prefill_end"] * 3 + ["tokens"] * 2 + ["finish"] * 2 + \
+    ["abort", "limits", "reregister", "die", "revive", "decide", "decide"]
+
+
+def _index(rng: random.Random) -> BlockIndex:
+    idx = BlockIndex()
+    for i in range(3):
+        idx.add(f"s{i}", range(rng.randint(0, 12)))
+    return idx
+
+
+def _check_estimates(cluster: ClusterState, cache: EstimateCache, now: float, uniform: float | None) -> None:
+    queues = prefill_queues(cluster.prefills, COSTS, now, cache)
+    assert queues == prefill_queues(cluster.prefills, COSTS, now)
+    for d in cluster.decodes:
+        assert cache.committed_load(d) == decode_load_now(d)
+    for t in (now, now + 0.5, now + 5.0, now + 50.0):
+        late = late_prefills(queues, now, t)
+        assert decode_loads_at(cluster.decodes, COSTS, t, late, uniform, cache) == \
+            decode_loads_at(cluster.decodes, COSTS, t, late, uniform)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.lists(st.sampled_from(OPS), min_size=30, max_size=150),
+       st.sampled_from(["early", "predictive"]), st.sampled_from([None, 3.0, 40.0]),
+       st.sampled_from([(None, None), (5.0, 0.05)]))
+def test_decisions_and_estimates_through_the_cache_equal_those_from_scratch(seed, ops, admission, uniform, slos):
+    rng = random.Random(seed)
+    world, idx = World(rng), _index(rng)
+    config = SchedulerConfig(admission=admission, uniform_decode_s=uniform, block_size=BS,
+                             ttft_slo_s=slos[0], tbt_slo_s=slos[1])
+    cached = Scheduler(config, COSTS, idx)
+    scratch = Scheduler(config, COSTS, idx, cache=FromScratch())
+    for op in ops + ["decide"]:
+        world.step(op)
+        if op != "decide":
+            continue
+        cluster, blocks = world.cluster(), rng.randint(1, 12)
+        req = ScheduleRequest(f"x{world.n}", tuple(range(blocks)), blocks * BS + rng.randrange(BS), rng.randint(1, 400))
+        assert cached.schedule(req, cluster, world.now) == scratch.schedule(req, cluster, world.now)
+        _check_estimates(cluster, cached.cache, world.now, uniform)
+
+
+# ---- the definitions themselves --------------------------------------------------------------
 @st.composite
 def decode_states(draw):
     running = tuple(DecodingRequest(f"r{i}", draw(st.integers(1, 5000)), draw(times),
                                     draw(st.one_of(st.none(), st.integers(1, 2000))))
                     for i in range(draw(st.integers(0, 12))))
-    return DecodeInstanceState("d", running)
+    return DecodeInstanceState("d", running, tbt_s=draw(st.one_of(st.none(), st.floats(0.001, 0.5))))
 
 
-def current_tbt(d: DecodeInstanceState) -> float:
-    return COSTS.decode.predict(len(d.running), sum(r.context_tokens for r in d.running))
-
-
-def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | None,
-                          tbt: float | None = None) -> tuple[int, int]:
-    tbt = current_tbt(d) if tbt is None else tbt
+def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | None) -> tuple[int, int]:
+    tbt = d.tbt_s if d.tbt_s is not None else \
+        COSTS.decode.predict(len(d.running), sum(r.context_tokens for r in d.running))
     left = [r for r in d.running
             if (uniform is not None and r.joined_at + uniform > t)
             or (uniform is None and (r.max_output_tokens is None or r.joined_at + r.max_output_tokens * tbt > t))]
@@ -40,96 +177,11 @@ def staying_by_definition(d: DecodeInstanceState, t: float, uniform: float | Non
 
 @settings(max_examples=150, deadline=None)
 @given(decode_states(), st.lists(times, min_size=1, max_size=5), st.one_of(st.none(), st.floats(0.1, 30)))
-def test_predicted_decode_load_matches_the_definition_on_every_query(d, ts, uniform):
-    for t in ts:   # first query scans, the second builds the sorted profile, later ones bisect
-        assert decode_load_at(d, COSTS, t, set(), uniform) == staying_by_definition(d, t, uniform)
-    other = 5.0 if uniform is None else None   # another t_d setting must not reuse the cache
-    assert decode_load_at(d, COSTS, ts[0], set(), other) == staying_by_definition(d, ts[0], other)
-
-
-edits = st.lists(st.tuples(st.sampled_from(["join", "leave", "reorder"]), st.integers(1, 5000), times,
-                           st.one_of(st.none(), st.integers(1, 2000)), st.integers(0, 100)), max_size=12)
-
-
-@settings(max_examples=150, deadline=None)
-@given(decode_states(), edits, st.lists(times, min_size=1, max_size=3), st.one_of(st.none(), st.floats(0.1, 30)))
-def test_a_chain_of_rebuilt_batches_predicts_like_the_definition(d, changes, ts, uniform):
-    """The conductor rebuilds a decode state at every join and leave and carries the previous
-    one's estimates: an edited profile must answer like the definition with the TBT it keeps,
-    and that TBT must stay within MAX_TBT_DRIFT of the batch's current one."""
-    decode_load_at(d, COSTS, ts[0], set(), uniform)
-    for n, (kind, context, joined, max_output, pick) in enumerate(changes):
-        running = d.running
-        if kind == "join":
-            running += (DecodingRequest(f"j{n}", context, joined, max_output),)
-        elif kind == "leave" and running:
-            i = pick % len(running)
-            running = running[:i] + running[i + 1:]
-        else:
-            running = tuple(reversed(running))      # not one join or leave: built afresh
-        new = DecodeInstanceState("d", running)
-        carry_running_estimates(d, new)
-        _check_edited(new, ts, uniform)
-        d = new
-
-
-def _check_edited(new: DecodeInstanceState, ts: list[float], uniform: float | None) -> None:
-    decode_load_at(new, COSTS, ts[0], set(), uniform)
-    kept = new._leave.tbt
-    if uniform is None:
-        assert abs(kept - current_tbt(new)) <= kept * MAX_TBT_DRIFT + 1e-12
+def test_predicted_decode_load_matches_the_definition(d, ts, uniform):
+    cache = EstimateCache()
     for t in ts:
-        assert decode_load_at(new, COSTS, t, set(), uniform) == staying_by_definition(new, t, uniform, kept)
-
-
-# Found by CI: a rebuild for TBT drift leaves ``d`` its own edited profile, whose kept TBT puts
-# the request that joined at 20.0 just on the other side of t = 38.
-_DRIFT_CASE = (DecodeInstanceState("d", tuple(DecodingRequest(f"r{i}", c, 0.0, None)
-                                              for i, c in enumerate([1] * 9 + [4022, 5000]))),
-               [("join", 1, 0.0, None, 0)] * 6 + [("join", 1, 20.0, 486, 0), ("join", 1, 0.0, None, 0)],
-               [38.0], None, 1)
-
-
-@settings(max_examples=150, deadline=None)
-@given(decode_states(), edits, st.lists(times, min_size=1, max_size=3), st.one_of(st.none(), st.floats(0.1, 30)),
-       st.integers(1, 3))
-@example(*_DRIFT_CASE)
-def test_stated_edits_carry_the_profile_like_the_definition(d, changes, ts, uniform, per_rebuild):
-    """The live conductor states how the batch changed (several joins and leaves between two
-    rebuilds): the profile edited by exactly those answers like the definition."""
-    decode_load_at(d, COSTS, ts[0], set(), uniform)
-    running, stated = d.running, []
-    for n, (kind, context, joined, max_output, pick) in enumerate(changes):
-        if kind == "join":
-            r = DecodingRequest(f"j{n}", context, joined, max_output)
-            running, stated = running + (r,), [*stated, (True, r)]
-        elif kind == "leave" and running:
-            i = pick % len(running)
-            running, stated = running[:i] + running[i + 1:], [*stated, (False, running[i])]
-        if stated and (len(stated) >= per_rebuild or n == len(changes) - 1):
-            new = DecodeInstanceState("d", running)
-            carry_running_estimates(d, new, stated)
-            _check_edited(new, ts, uniform)
-            # If the profile moved to ``new`` (edited in place), ``d`` builds a new one and answers
-            # with its current TBT; if ``new`` rebuilt instead, ``d`` kept its own (and its TBT).
-            kept = d._leave.tbt if d._leave is not None else None
-            assert decode_load_at(d, COSTS, ts[-1], set(), uniform) == staying_by_definition(d, ts[-1], uniform, kept)
-            d, stated = new, []
-
-
-def test_stated_edits_that_do_not_describe_the_batch_rebuild_the_profile():
-    a, b, c = (DecodingRequest(x, 100 * (i + 1), float(i), 10) for i, x in enumerate("abc"))
-    old = DecodeInstanceState("d", (a, b))
-    decode_load_at(old, COSTS, 0.0, set(), 5.0)
-    for stated in ([(False, c)], [(True, c), (True, c)]):   # c was never there / joined once
-        new = DecodeInstanceState("d", (a, b, c) if len(stated) == 2 else (a,))
-        carry_running_estimates(old, new, stated)
-        for t in (0.0, 5.5, 6.5, 7.5):
-            assert decode_load_at(new, COSTS, t, set(), 5.0) == staying_by_definition(new, t, 5.0)
-        # nothing derived from the refused edits stays behind (the batch's total, say)
-        assert running_load(new) == decode_load_now(new) == (len(new.running), sum(r.context_tokens for r in new.running))
-        old = DecodeInstanceState("d", (a, b))
-        decode_load_at(old, COSTS, 0.0, set(), 5.0)
+        assert decode_load_at(d, COSTS, t, set(), uniform) == staying_by_definition(d, t, uniform)
+        assert decode_loads_at((d,), COSTS, t, set(), uniform, cache) == [staying_by_definition(d, t, uniform)]
 
 
 @st.composite
@@ -154,48 +206,33 @@ def test_queue_time_matches_the_definition_at_every_now(p, nows):
         assert abs(prefill_queue_time(p, COSTS, now) - (total - done)) < 1e-9
 
 
-queue_edits = st.lists(st.tuples(st.sampled_from(["queue", "finish", "drop", "reorder"]), st.integers(1, 4000),
-                                 st.integers(0, 3000), times, st.integers(0, 100)), max_size=12)
+# ---- how the cache edits a leave profile -----------------------------------------------------
+records = [DecodingRequest(f"r{i}", i + 1, float(i)) for i in range(20)]
 
 
-@settings(max_examples=150, deadline=None)
-@given(prefill_states(), queue_edits, st.lists(times, min_size=1, max_size=3))
-def test_a_chain_of_rebuilt_queues_gives_exactly_the_fresh_backlog(p, changes, nows):
-    """The conductor rebuilds a prefill state at every dispatch and prefill end and carries the
-    previous one's estimates: the edited backlog must equal one computed from scratch."""
-    prefill_views((p,), COSTS, nows[0])
-    for n, (kind, tokens, prefix, now, pick) in enumerate(changes):
-        queue = p.queue
-        if kind == "queue":
-            queue += (QueuedPrefill(f"n{n}", tokens, prefix, now if not queue else None),)
-        elif kind == "finish" and queue:
-            queue = queue[1:]
-            if queue and queue[0].started_at is None:   # the next job starts, shown anew
-                queue = (replace(queue[0], started_at=now), *queue[1:])
-        elif kind == "drop" and queue:
-            queue = queue[:pick % len(queue)] + queue[pick % len(queue) + 1:]
-        else:
-            queue = tuple(reversed(queue))
-        new = PrefillInstanceState("p", "s", queue)
-        carry_queue_estimates(p, new)
-        fresh = PrefillInstanceState("p", "s", queue)
-        for t in nows:
-            assert prefill_views((new,), COSTS, t) == prefill_views((fresh,), COSTS, t)
-        p = new
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(records), max_size=15, unique=True),
+       st.lists(st.sampled_from(records), max_size=15, unique=True))
+def test_batch_change_accounts_for_every_record_of_any_two_batches(old, new):
+    change = batch_change(tuple(old), tuple(new))
+    if change is None:                   # too many leaving to be worth editing
+        assert len(old) > MAX_EDITED_LEAVES
+        return
+    left, joined = change
+    remaining = list(old)
+    for r in left:
+        remaining.remove(r)
+    assert sorted(map(id, remaining + list(joined))) == sorted(map(id, new))
 
 
-def test_a_rebuilt_state_reuses_running_estimates_only_for_the_same_batch():
-    running = tuple(DecodingRequest(f"r{i}", 1000 * (i + 1), float(i), 100) for i in range(5))
-    old = DecodeInstanceState("d", running)
-    for t in (1.0, 2.0, 3.0):     # scan, profile, bisect: all cached on ``old``
-        decode_load_at(old, COSTS, t, set(), None)
-    same = DecodeInstanceState("d", running, incoming=(IncomingRequest("x", 10),))
-    profile = old._leave
-    carry_running_estimates(old, same)
-    assert same._leave is profile and old._leave is None     # moved, not shared
-    assert decode_load_at(old, COSTS, 2.0, set(), None) == staying_by_definition(old, 2.0, None)
-    assert decode_load_at(same, COSTS, 2.0, set(), None) == (lambda b, c: (b + 1, c + 10))(
-        *staying_by_definition(same, 2.0, None))
-    other = DecodeInstanceState("d", running[:4])          # another batch: only a link to ``same`` is carried
-    carry_running_estimates(same, other)
-    assert decode_load_at(other, COSTS, 2.0, set(), None) == staying_by_definition(other, 2.0, None, other._leave.tbt)
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(records), max_size=15, unique=True), st.data())
+def test_batch_change_of_a_view_edit_is_exactly_its_joins_and_leaves(old, data):
+    """A view takes leaving records out (the rest stay in order) and appends joining ones."""
+    kept = [r for r in old if data.draw(st.booleans())]
+    appended = tuple(r for r in records if r not in old)[:data.draw(st.integers(0, 3))]
+    change = batch_change(tuple(old), (*kept, *appended))
+    if len(old) - len(kept) > MAX_EDITED_LEAVES:
+        assert change is None
+    else:
+        assert change == ([r for r in old if r not in kept], appended)

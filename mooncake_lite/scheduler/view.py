@@ -1,0 +1,290 @@
+"""The scheduler's view of one prefill or decode instance, kept current at its owner's events.
+
+The live conductor (``conductor/membership.py``) and the simulator (``sim/nodes.py``) both say
+what happened to an instance — a job queued, started or finished; a request committed to a
+decode instance, joined its batch (its KV arrived), generated tokens, left — and ask
+:meth:`PrefillView.state` / :meth:`DecodeView.state` for the frozen snapshot the scheduler
+reads. A state is built once and returned again until something it shows changes, so an
+unchanged instance hands the scheduler the very same object (and its estimate cache a hit).
+
+Two things a decode state shows may trail the truth, by a bound, so that it is not rebuilt on
+every token:
+
+- contexts: the running requests together may have generated up to
+  :func:`context_lag_bound` tokens beyond the contexts shown; past that the next state shows
+  every request's context afresh;
+- ``tbt_s``, the TBT the running requests' per-request t_d are sized with: re-read from the
+  instance's cost model when the batch is shown afresh, and kept while requests join and leave
+  as long as the batch's predicted TBT stays within ``MAX_TBT_DRIFT`` of it (so a join or leave
+  re-prices only that request, and the estimate cache edits its leave profile instead of
+  sorting it again).
+
+No IO and no clock: times are arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import replace
+
+from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.estimate import CONTEXT_TOKENS
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
+                                           PrefillInstanceState, QueuedPrefill)
+
+# How many tokens a decode batch's running requests may have generated, in total, beyond the
+# contexts its state shows: at least MAX_CONTEXT_LAG, and up to 1/64 of the batch's shown
+# context. The cost model reads the batch's *total* context, so the bound is on the total: any
+# predicted TBT (now or at a future time, for any subset of the batch) is off by at most 1/64
+# of the batch's context term — far inside the cost model's own error — and a batch is shown
+# afresh once per ~mean context / 64 steps instead of whenever its shortest request crosses a
+# bound of its own.
+MAX_CONTEXT_LAG = 32
+
+# How far a decode batch's predicted TBT may move from the ``tbt_s`` its state shows before the
+# view re-reads it: within this, one request joining or leaving (a few percent of the TBT)
+# leaves every other member's t_d as it was — far inside the error of max_output_tokens as a
+# stand-in for the output length.
+MAX_TBT_DRIFT = 1 / 16
+
+
+def context_lag_bound(shown_context_tokens: int) -> int:
+    """Tokens a decode batch whose state shows ``shown_context_tokens`` in total may have
+    generated (summed over its running requests) beyond what the state shows."""
+    return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
+
+
+class PrefillView:
+    """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
+    starts (the conductor: when the one before it ends; the simulator: when it really does)."""
+
+    def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
+                 cost: PrefillCostModel | None = None) -> None:
+        self.instance_id = instance_id
+        self._about = (store_id, bandwidth_bytes_per_s, cost)
+        self._jobs: dict[str, QueuedPrefill] = {}            # execution order
+        self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
+        self._state: PrefillInstanceState | None = None
+
+    def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
+                     cost: PrefillCostModel | None) -> None:
+        """What the instance reports about itself (registration, heartbeats)."""
+        if (store_id, bandwidth_bytes_per_s, cost) != self._about:
+            self._about = (store_id, bandwidth_bytes_per_s, cost)
+            self._state = None
+
+    def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
+            started_at: float | None = None) -> None:
+        """Queue a job behind the others (or replace the job of that id where it stands)."""
+        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at)
+        replaced = self._jobs.get(request_id)
+        self._jobs[request_id] = job
+        if self._queue is not None:
+            self._queue = (*self._queue, job) if replaced is None else None
+        self._state = None
+
+    def start(self, request_id: str, now: float) -> None:
+        """The job started executing at ``now``."""
+        job = self._jobs[request_id]
+        if job.started_at != now:
+            self._jobs[request_id] = started = replace(job, started_at=now)
+            queue = self._queue
+            self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
+            self._state = None
+
+    def remove(self, request_id: str) -> bool:
+        """The job ended (or was aborted): False if there was none of that id."""
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return False
+        queue = self._queue
+        if queue is not None:
+            self._queue = queue[1:] if queue[0] is job else tuple(q for q in queue if q is not job)
+        self._state = None
+        return True
+
+    def clear(self) -> None:
+        self._jobs.clear()
+        self._queue, self._state = (), None
+
+    def state(self) -> PrefillInstanceState:
+        if self._state is None:
+            if self._queue is None:
+                self._queue = tuple(self._jobs.values())
+            store_id, bandwidth, cost = self._about
+            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost)
+        return self._state
+
+
+class _Running:
+    """A request in the decode batch: its true context and the record the states show."""
+
+    __slots__ = ("request_id", "context_tokens", "joined_at", "max_output_tokens", "shown")
+
+    def __init__(self, request_id: str, context_tokens: int, joined_at: float, max_output_tokens: int | None) -> None:
+        self.request_id, self.context_tokens = request_id, context_tokens
+        self.joined_at, self.max_output_tokens = joined_at, max_output_tokens
+        self.shown: DecodingRequest | None = None
+
+    def show(self, refresh: bool) -> DecodingRequest:
+        """The record a state shows: built once; a refresh rebuilds it if the context moved."""
+        shown = self.shown
+        if shown is None or (refresh and shown.context_tokens != self.context_tokens):
+            shown = self.shown = DecodingRequest(self.request_id, self.context_tokens, self.joined_at,
+                                                 self.max_output_tokens)
+        return shown
+
+
+class DecodeView:
+    """A decode instance's running batch and incoming requests as the scheduler sees them.
+
+    A request is ``commit``-ted when it is dispatched here (incoming: KV to come), ``join``-s
+    when its KV has arrived (running; no longer incoming), ``progress``-es as it generates
+    tokens, and ``leave``-s when it ends for any reason. The shown batch is edited at each
+    event (joins appended, leaves taken out); contexts and ``tbt_s`` trail within the bounds
+    of the module doc."""
+
+    def __init__(self, instance_id: str, cost: DecodeCostModel | None = None,
+                 max_batch_size: int | None = None, max_context_tokens: int | None = None) -> None:
+        self.instance_id = instance_id
+        self._cost = cost
+        self._limits = (max_batch_size, max_context_tokens)
+        self._jobs: dict[str, _Running] = {}
+        self._incoming: dict[str, IncomingRequest] = {}
+        self._running: tuple[DecodingRequest, ...] | None = None   # None: show the batch afresh
+        self._incoming_shown: tuple[IncomingRequest, ...] | None = None
+        self._shown_context = 0        # the shown batch's total context
+        self._context_lag = 0          # tokens generated beyond it
+        self._is_context_stale = False   # the lag passed the bound: refresh at the next state
+        self._tbt_s: float | None = None
+        self._tbt_of: tuple | None = None   # the batch _tbt_s was last checked against
+        self._state: DecodeInstanceState | None = None
+
+    def set_limits(self, max_batch_size: int | None, max_context_tokens: int | None) -> None:
+        if (max_batch_size, max_context_tokens) != self._limits:
+            self._limits = (max_batch_size, max_context_tokens)
+            self._state = None
+
+    def set_cost(self, cost: DecodeCostModel | None) -> None:
+        """A (re-)registration's cost model: the batch is shown afresh and its TBT re-read."""
+        self._cost = cost
+        self._running = self._incoming_shown = self._state = None
+
+    def commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None = None) -> None:
+        """Dispatched here; its KV (``context_tokens`` of it) is still to come."""
+        record = IncomingRequest(request_id, context_tokens, max_output_tokens)
+        replaced = self._incoming.get(request_id)
+        self._incoming[request_id] = record
+        if self._incoming_shown is not None:
+            self._incoming_shown = (*self._incoming_shown, record) if replaced is None else None
+        self._state = None
+
+    def uncommit(self, request_id: str) -> bool:
+        """No longer incoming (its KV arrived, or it ended first); False if it was not."""
+        record = self._incoming.pop(request_id, None)
+        if record is None:
+            return False
+        shown = self._incoming_shown
+        if shown is not None:
+            self._incoming_shown = tuple(r for r in shown if r is not record)
+        self._state = None
+        return True
+
+    def join(self, request_id: str, context_tokens: int, joined_at: float,
+             max_output_tokens: int | None = None) -> None:
+        """Its KV arrived: it runs in the batch from ``joined_at`` (and is no longer incoming)."""
+        self.uncommit(request_id)
+        old = self._jobs.get(request_id)
+        if old is not None:
+            self._unshow(old)
+        job = self._jobs[request_id] = _Running(request_id, context_tokens, joined_at, max_output_tokens)
+        if old is None and self._running is not None:
+            shown = job.show(False)
+            self._shown_context += shown.context_tokens
+            self._running = (*self._running, shown)
+        else:
+            self._running = None
+        self._state = None
+
+    def progress(self, request_id: str, num_tokens: int = 1) -> bool:
+        """It generated ``num_tokens`` more; True when that makes the next state differ (the
+        batch ran further ahead of the one shown than the lag bound allows)."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        job.context_tokens += num_tokens
+        if job.shown is None:          # its record, still to be built, will show it all
+            return False
+        self._context_lag += num_tokens
+        return self._check_lag()
+
+    def leave(self, request_id: str) -> bool:
+        """It ended (finished, failed, aborted), running or incoming; False if it was neither."""
+        was_incoming = self.uncommit(request_id)
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return was_incoming
+        self._unshow(job)
+        self._check_lag()              # a smaller batch allows less lag
+        if self._running is not None:
+            self._running = tuple(r for r in self._running if r.request_id != request_id)
+        self._state = None
+        return True
+
+    def clear(self) -> None:
+        """Nothing runs or comes here any more (the instance died)."""
+        self._jobs.clear()
+        self._incoming.clear()
+        self._shown_context = self._context_lag = 0
+        self._is_context_stale = False
+        self._running = self._incoming_shown = self._state = None
+
+    def state(self) -> DecodeInstanceState:
+        if self._state is None:
+            self._state = self._build()
+        return self._state
+
+    def _build(self) -> DecodeInstanceState:
+        refresh, self._is_context_stale = self._is_context_stale, False
+        afresh = self._running is None or refresh
+        if afresh:
+            self._show_batch(refresh)
+            if self._context_lag > context_lag_bound(self._shown_context):
+                self._show_batch(True)     # e.g. lag carried over a re-registration
+        if self._incoming_shown is None:
+            self._incoming_shown = tuple(self._incoming.values())
+        max_batch, max_context = self._limits
+        return DecodeInstanceState(self.instance_id, self._running, max_batch, max_context, self._cost,
+                                   self._incoming_shown, self._shown_tbt(afresh))
+
+    def _show_batch(self, refresh: bool) -> None:
+        jobs = self._jobs.values()
+        self._running = tuple(job.show(refresh) for job in jobs)
+        self._shown_context = sum(map(CONTEXT_TOKENS, self._running))
+        self._context_lag = sum(job.context_tokens for job in jobs) - self._shown_context
+
+    def _shown_tbt(self, afresh: bool) -> float | None:
+        """The batch's predicted TBT when shown afresh or once it drifted past MAX_TBT_DRIFT;
+        else the one shown before. None without a cost model (the scheduler then uses the
+        cluster default's prediction for the batch as it is)."""
+        if self._cost is None:
+            return None
+        if afresh or self._tbt_s is None or self._tbt_of is not self._running:
+            tbt = self._cost.predict(len(self._running), self._shown_context)
+            if afresh or self._tbt_s is None or abs(tbt - self._tbt_s) > self._tbt_s * MAX_TBT_DRIFT:
+                self._tbt_s = tbt
+            self._tbt_of = self._running
+        return self._tbt_s
+
+    def _unshow(self, job: _Running) -> None:
+        """Take a leaving job's shown context and lag out of the totals."""
+        if job.shown is not None:
+            self._shown_context -= job.shown.context_tokens
+            self._context_lag -= job.context_tokens - job.shown.context_tokens
+
+    def _check_lag(self) -> bool:
+        if not self._is_context_stale and self._context_lag > context_lag_bound(self._shown_context):
+            self._is_context_stale = True
+            self._state = None
+            return True
+        return False

@@ -1,0 +1,104 @@
+"""Instance views (scheduler/view.py): what a state shows against the events told."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, MAX_TBT_DRIFT, DecodeCostModel, DecodeView, PrefillView,
+                                     context_lag_bound)
+
+COST = DecodeCostModel(c0=0.05, c1=1e-3, c2=1e-7)
+
+
+def test_a_prefill_view_shows_its_fifo_and_when_the_head_started():
+    v = PrefillView("p", "s", 1e9)
+    v.add("a", 100, 0, started_at=1.0)
+    v.add("b", 50, 16)
+    first = v.state()
+    assert v.state() is first                                # nothing changed: the same state
+    assert [(q.request_id, q.started_at) for q in first.queue] == [("a", 1.0), ("b", None)]
+    assert (first.store_id, first.bandwidth_bytes_per_s) == ("s", 1e9)
+    v.remove("a")
+    v.start("b", 3.5)
+    assert [(q.request_id, q.num_prefix_tokens, q.started_at) for q in v.state().queue] == [("b", 16, 3.5)]
+    assert not v.remove("a")
+    v.set_instance("s2", None, None)
+    assert v.state().store_id == "s2"
+
+
+def test_a_decode_view_moves_a_request_from_incoming_to_running_and_forgets_it():
+    v = DecodeView("d", COST, max_batch_size=8)
+    v.commit("a", 101, 16)
+    assert [(r.request_id, r.context_tokens) for r in v.state().incoming] == [("a", 101)]
+    v.join("a", 101, 2.0, 16)
+    s = v.state()
+    assert s.incoming == () and [(r.request_id, r.context_tokens, r.joined_at) for r in s.running] == [("a", 101, 2.0)]
+    assert (s.max_batch_size, s.cost) == (8, COST)
+    assert v.leave("a") and v.state().running == () and not v.leave("a")
+
+
+def test_contexts_trail_by_at_most_the_lag_bound_and_tokens_alone_keep_the_state():
+    v = DecodeView("d", COST)
+    v.state()
+    v.join("a", 100, 0.0, 64)
+    before = v.state()
+    assert not any(v.progress("a") for _ in range(MAX_CONTEXT_LAG))   # within the bound
+    assert v.state() is before
+    assert v.progress("a")                                             # one more: shown afresh
+    assert v.state().running[0].context_tokens == 100 + MAX_CONTEXT_LAG + 1
+
+
+def _current_tbt(v: DecodeView) -> float:
+    s = v.state()
+    return COST.predict(len(s.running), sum(r.context_tokens for r in s.running))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tbt_is_kept_across_joins_and_leaves_within_the_drift_and_reread_past_it(seed):
+    """The TBT the running requests' t_d are sized with stays within MAX_TBT_DRIFT of the shown
+    batch's predicted TBT, is kept while joins and leaves move that less, and is re-read
+    whenever the batch is shown afresh (contexts refreshed) or moved more."""
+    rng = random.Random(seed)
+    v = DecodeView("d", COST)
+    true_context: dict[str, int] = {}
+    n, kept, reread = 0, 0, 0
+    for _ in range(400):
+        before = v.state().tbt_s
+        if rng.random() < 0.5 or not true_context:
+            n += 1
+            true_context[f"r{n}"] = rng.randint(100, 20000)
+            v.join(f"r{n}", true_context[f"r{n}"], 0.0, 64)
+        elif rng.random() < 0.7:
+            rid = rng.choice(sorted(true_context))
+            del true_context[rid]
+            v.leave(rid)
+        else:
+            for rid in true_context:
+                tokens = rng.randint(0, 60)
+                true_context[rid] += tokens
+                v.progress(rid, tokens)
+        s, current = v.state(), _current_tbt(v)
+        assert abs(s.tbt_s - current) <= s.tbt_s * MAX_TBT_DRIFT
+        if s.tbt_s == before:
+            kept += 1
+        else:
+            assert s.tbt_s == current
+            reread += 1
+        assert [r.request_id for r in s.running] == list(true_context)
+        lags = [true_context[r.request_id] - r.context_tokens for r in s.running]
+        assert min(lags, default=0) >= 0
+        assert sum(lags) <= context_lag_bound(sum(r.context_tokens for r in s.running))
+    assert kept > 50 and reread > 10
+
+
+def test_a_new_cost_model_rereads_the_tbt_and_no_model_leaves_it_to_the_scheduler():
+    v = DecodeView("d", COST)
+    v.join("a", 1000, 0.0, 64)
+    assert v.state().tbt_s == COST.predict(1, 1000)
+    other = DecodeCostModel(c0=0.2)
+    v.set_cost(other)
+    assert v.state().tbt_s == 0.2 and v.state().cost is other
+    v.set_cost(None)
+    assert v.state().tbt_s is None
