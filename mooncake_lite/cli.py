@@ -1,9 +1,10 @@
 """The ``mooncake`` executable: ``mooncake --role ROLE [flags]`` or ``mooncake TOOL ...``.
 
-Roles live in ``mooncake_lite/<role>/main.py`` and export ``Config`` (a frozen dataclass built
-with :mod:`mooncake_lite.common.config`), ``DESCRIPTION`` and ``run(cfg) -> int``. Tools export
-``main(argv) -> int``. Both are imported lazily so ``--help`` stays fast and torch is only
-loaded by the roles that need it.
+Each role reads the same way: ``mooncake_lite/<role>/config.py`` exports ``Config`` (a frozen
+dataclass built with :mod:`mooncake_lite.common.config`) and ``DESCRIPTION``, ``app.py`` builds the
+role, and ``main.py`` exports ``run(cfg) -> int``. Tools export ``main(argv) -> int``. Everything is
+imported lazily: parsing a role's flags (``--help`` included) imports only its ``config.py``, and
+only the tool asked for is imported, so torch is loaded by the roles and tools that need it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from collections.abc import Sequence
 from mooncake_lite.common.config import ConfigError, load_config
 from mooncake_lite.common.logs import setup_logging
 
-ROLES = {
-    "conductor": "mooncake_lite.conductor.main",
-    "prefill": "mooncake_lite.prefill.main",
-    "decode": "mooncake_lite.decode.main",
-    "store": "mooncake_lite.store.main",
-}
+ROLES = ("conductor", "prefill", "decode", "store")   # packages mooncake_lite.<role>
 TOOLS = {
     "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
     "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay"),
@@ -43,30 +39,16 @@ tools:
 """ % "\n".join(f"  {name:<10}  {text}" for name, (_, text) in TOOLS.items())
 
 
-class NotImplementedYet(SystemExit):
-    pass
-
-
-def _import(module: str, what: str):
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            sys.stderr.write(f"mooncake: {what} is not implemented yet in this version\n")
-            raise NotImplementedYet(2) from None
-        raise
-
-
 def run_role(role: str, argv: Sequence[str]) -> int:
-    mod = _import(ROLES[role], f"--role {role}")
+    config = importlib.import_module(f"mooncake_lite.{role}.config")
     try:
-        cfg = load_config(mod.Config, argv, prog=f"mooncake --role {role}", section=role,
-                          description=getattr(mod, "DESCRIPTION", ""))
+        cfg = load_config(config.Config, argv, prog=f"mooncake --role {role}", section=role,
+                          description=config.DESCRIPTION)
     except ConfigError as exc:
         sys.stderr.write(f"mooncake --role {role}: error: {exc}\n")
         return 2
     setup_logging(role, cfg.log_level, cfg.log_json)
-    return int(mod.run(cfg) or 0)
+    return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
 
 
 def _split_role(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -82,10 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
         module, _ = TOOLS[argv[0]]
-        try:
-            return int(_import(module, f"mooncake {argv[0]}").main(argv[1:]) or 0)
-        except NotImplementedYet as exc:
-            return int(exc.code)
+        return int(importlib.import_module(module).main(argv[1:]) or 0)
     role, rest = _split_role(argv)
     if role is None:
         sys.stdout.write(USAGE) if (not argv or argv[0] in ("-h", "--help")) else sys.stderr.write(USAGE)
@@ -93,10 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if role not in ROLES:
         sys.stderr.write(f"mooncake: unknown role {role!r}; choose one of {', '.join(ROLES)}\n")
         return 2
-    try:
-        return run_role(role, rest)
-    except NotImplementedYet as exc:
-        return int(exc.code)
+    return run_role(role, rest)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from mooncake_lite.cluster.child import ChildFailed
 from mooncake_lite.cluster.health import missing_instances
 from mooncake_lite.cluster.plan import UpOptions
 
-ROLE_MODULES = {r: f"mooncake_lite.{r}.main" for r in ("conductor", "store", "prefill", "decode")}
+ROLE_MODULES = {r: f"mooncake_lite.{r}.config" for r in ("conductor", "store", "prefill", "decode")}
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "[::1]"}
 
 

@@ -15,9 +15,9 @@ from aiohttp import web
 from mooncake_lite.common.auth import api_key_middleware, cluster_token_middleware
 from mooncake_lite.conductor import api, internal
 from mooncake_lite.conductor.api import API, ApiState
+from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
 from mooncake_lite.conductor.dispatch import Services
-from mooncake_lite.conductor.main import Config
 from mooncake_lite.conductor.membership import Membership, model_id
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.model.tokenizer import load_tokenizer

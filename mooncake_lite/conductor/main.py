@@ -1,81 +1,22 @@
-"""``mooncake --role conductor``: the front door (OpenAI API) and the global scheduler."""
+"""``mooncake --role conductor``: the front door (OpenAI API) and the global scheduler.
+
+The flags are in ``config.py``, the app is built by ``app.make_app``; this module only runs it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
 
-from mooncake_lite.common.config import option, require
-from mooncake_lite.common.roles import RoleConfig
-from mooncake_lite.common.units import parse_duration
-from mooncake_lite.model.source import DEFAULT_MODEL
-from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES
-
-DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membership and the global "
-               "block index, and places each request on a prefill and a decode instance "
-               "(KVCache-centric scheduling, SLO-aware admission).")
-
-
-def _optional_duration(value):
-    return None if value is None else parse_duration(value)
-
-
-@dataclass(frozen=True)
-class Config(RoleConfig):
-    port: int = option(8000, "HTTP port of the public API and the internal endpoints (0 = any free port)")
-    model: str = option(DEFAULT_MODEL, "model served: a named real model, a GGUF file, a checkpoint "
-                        "directory or a preset name (instances must match)")
-    strategy: str = option("kvcache-centric", "prefill placement strategy", choices=STRATEGIES)
-    admission: str = option("predictive", "overload admission: none, early (decode load now, requests "
-                            "dispatched there included) or "
-                            "predictive (decode load when prefill ends)", choices=ADMISSIONS)
-    ttft_slo: float | None = option(None, "absolute TTFT SLO (e.g. 30s, 500ms); replaces --ttft-slo-factor "
-                                    "(default: relative)", parse=_optional_duration)
-    tbt_slo: float | None = option(None, "absolute TBT SLO (e.g. 200ms); replaces --tbt-slo-factor "
-                                   "(default: relative)", parse=_optional_duration)
-    ttft_slo_factor: float = option(10.0, "relative TTFT SLO without --ttft-slo: at most this many times "
-                                    "the prompt's prefill alone on the chosen instance, by its own profile")
-    tbt_slo_factor: float = option(5.0, "relative TBT SLO without --tbt-slo: at most this many times one "
-                                   "decode step of the request alone on the chosen instance, by its own profile")
-    kvcache_balancing_threshold: float = option(
-        1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
-             "from another store (Algorithm 1)")
-    uniform_decode: float | None = option(None, "assumed decode duration t_d per request for predictive "
-                                          "admission (None: max_tokens x current TBT)",
-                                          parse=_optional_duration)
-    api_key: str | None = option(None, "API key clients must send as 'Authorization: Bearer KEY'")
-    dead_after: float = option(10.0, "an instance silent this long is marked dead", parse=parse_duration)
-    upstream_timeout: float = option(300.0, "longest wait for a prefill result or a decode token",
-                                     parse=parse_duration)
-    kv_timeout: float = option(30.0, "how long decode waits for a request's KV to arrive", parse=parse_duration)
-    seed: int = option(0, "seed of the random strategy")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
-        require(bool(self.model), "--model must not be empty")
-        require(self.ttft_slo is None or self.ttft_slo > 0, f"--ttft-slo must be positive, got {self.ttft_slo}")
-        require(self.tbt_slo is None or self.tbt_slo > 0, f"--tbt-slo must be positive, got {self.tbt_slo}")
-        require(self.ttft_slo_factor >= 1, f"--ttft-slo-factor must be >= 1, got {self.ttft_slo_factor}")
-        require(self.tbt_slo_factor >= 1, f"--tbt-slo-factor must be >= 1, got {self.tbt_slo_factor}")
-        require(self.kvcache_balancing_threshold >= 1.0,
-                f"--kvcache-balancing-threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
-        require(self.uniform_decode is None or self.uniform_decode > 0,
-                f"--uniform-decode must be positive, got {self.uniform_decode}")
-        require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
-        require(self.dead_after > 0, f"--dead-after must be positive, got {self.dead_after}")
-        require(self.upstream_timeout > 0, f"--upstream-timeout must be positive, got {self.upstream_timeout}")
-        require(self.kv_timeout > 0, f"--kv-timeout must be positive, got {self.kv_timeout}")
+from mooncake_lite.common.service import run as run_loop
+from mooncake_lite.common.service import serve_app
+from mooncake_lite.conductor.app import make_app
+from mooncake_lite.conductor.config import Config
 
 
 def run(cfg: Config) -> int:
-    from mooncake_lite.common.service import run as run_loop
-    from mooncake_lite.common.service import serve_app
-    from mooncake_lite.conductor.app import make_app
-
     try:
         app = make_app(cfg)
     except ValueError as exc:
-        import sys
         sys.stderr.write(f"mooncake --role conductor: error: {exc}\n")
         return 2
     return run_loop(lambda: serve_app(app, cfg.host, cfg.port, role="conductor", advertise_host=cfg.advertise_host))

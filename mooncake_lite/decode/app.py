@@ -6,6 +6,9 @@
 before starting the prefill, so the KV never arrives before its request. Lines are TokenEvents
 from the *second* token on; the last carries ``finish_reason``. A client that disconnects aborts
 the request and frees its KV.
+
+Built here from the flags: ``build_engine(cfg)`` (model, paged cache, start-up profile, batcher),
+then ``make_app(engine, settings)``; ``registration`` is what ``main.py`` tells the conductor.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.metrics import add_metrics_route
-from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, ProtocolError, TokenEvent, loads
-from mooncake_lite.decode.batcher import AdmissionError
+from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, ProtocolError, Register, TokenEvent, loads
+from mooncake_lite.decode.batcher import AdmissionError, DecodeBatcher
+from mooncake_lite.decode.config import Config
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
+from mooncake_lite.instance.profile import profile_decode
+from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.transfer.server import server_address
 
 log = logging.getLogger(__name__)
@@ -153,3 +159,36 @@ async def _background(app: web.Application):
 
 def make_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-model")
+
+
+def build_engine(cfg: Config) -> DecodeEngine:
+    """The model, its paged cache and the batcher the flags describe (profiled unless --no-profile)."""
+    runner = build_runner(cfg)
+    cost = None
+    if cfg.profile:
+        try:
+            cost, samples = profile_decode(runner)
+            log.info("decode cost model %s from %d timings", cost.to_dict(), len(samples))
+        except ValueError as exc:
+            log.warning("startup profiling skipped: %s", exc)
+    batcher = DecodeBatcher(runner.allocator, runner.block_size, max_batch_size=cfg.max_batch_size,
+                            cost=cost, tbt_slo_s=cfg.tbt_slo, tbt_slo_factor=cfg.tbt_slo_factor)
+    if (cfg.tbt_slo is not None or cfg.tbt_slo_factor is not None) and cost is None:
+        log.warning("--tbt-slo/--tbt-slo-factor is set but no cost model was fitted (--no-profile): "
+                    "TBT is not checked")
+    elif cfg.tbt_slo is not None and cost.predict(1, 1) > cfg.tbt_slo:
+        log.error("one decode step alone (batch 1) takes %.3g s by this instance's profile, above --tbt-slo "
+                  "%.3g s: every request will be refused here; raise --tbt-slo or use --tbt-slo-factor",
+                  cost.predict(1, 1), cfg.tbt_slo)
+    return DecodeEngine(runner, batcher, make_executor())
+
+
+def registration(cfg: Config, engine: DecodeEngine, addresses: dict[str, str]) -> Register:
+    """What this instance tells the conductor once its addresses are known."""
+    args = engine.runner.args
+    return Register(role="decode", instance_id=cfg.instance_id or f"decode@{addresses['http']}",
+                    http=addresses["http"], data=addresses["data"], store=None, model=cfg.model,
+                    block_size=cfg.block_size, hash_seed=cfg.hash_seed,
+                    kv_bytes_per_token=args.kv_bytes_per_token(engine.runner.dtype),
+                    max_context=engine.runner.allocator.num_blocks * engine.runner.block_size,
+                    cost=engine.batcher.cost.to_dict() if engine.batcher.cost else {})

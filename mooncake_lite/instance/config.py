@@ -52,4 +52,3 @@ class ModelRoleConfig(RoleConfig):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-

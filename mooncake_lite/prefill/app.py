@@ -3,6 +3,10 @@
 ``POST /v1/prefill`` (PrefillRequest) answers PrefillResult once the KV stream has ended and the
 first token is known. Errors: 400 ``{"error"}`` for a bad request (never retry as is), 502 when
 the KV stream to decode failed or the request was aborted (decode gone, transfer refused).
+
+Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store, start-up
+profile), then ``build_app`` (its ``PrefillService`` and routes). ``store_id`` asks the store its id
+(refusing one whose slots are too small); ``registration`` is what ``main.py`` tells the conductor.
 """
 
 from __future__ import annotations
@@ -10,15 +14,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.metrics import add_metrics_route
-from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, loads
-from mooncake_lite.prefill.engine import PrefillAborted
+from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, Register, loads
+from mooncake_lite.instance.profile import profile_prefill
+from mooncake_lite.instance.runner import build_runner
+from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.prefill.config import Config
+from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
+from mooncake_lite.prefill.kv_sender import DecodeLinks
+from mooncake_lite.prefill.pipeline import NextStage
+from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
+from mooncake_lite.prefill.store_io import MemoryStore, PrefixStore
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
+from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
@@ -81,6 +96,15 @@ async def load(request: web.Request) -> web.Response:
                               "blocks_stored": service.stage.num_blocks_stored})
 
 
+def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
+              downstream: NextStage | None = None) -> web.Application:
+    """The prefill app of this process's ``stage`` (a CPP group's other stages behind ``downstream``)."""
+    service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
+                             hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
+                             downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive)
+    return make_app(service, cfg.cluster_token)
+
+
 def make_app(service: PrefillService, cluster_token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[cluster_token_middleware(cluster_token)], client_max_size=256 << 20)
     app[SERVICE] = service
@@ -105,3 +129,75 @@ async def _lifetime(app: web.Application):
         await close_store()
     for fn in app[EXTRA_CLEANUP]:
         await fn()
+
+
+def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
+    """The store this stage reads prefixes from and writes back to: ``--store``, else a private one."""
+    model = runner.model
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    if cfg.store is None:
+        return MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
+    return RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes)
+
+
+def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
+    """The stage engine of ``layer_range`` (model slice, paged cache, store) and, for a lone
+    instance unless --no-profile, the cost model its start-up timings fit."""
+    runner = build_runner(cfg, layer_range)
+    cost = None
+    if cfg.profile and cfg.pipeline_group == 1:
+        try:
+            cost, samples = profile_prefill(runner)
+            log.info("prefill cost model %s from %d timings", cost.to_dict(), len(samples))
+        except ValueError as exc:
+            log.warning("startup profiling skipped: %s", exc)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
+    return StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back), cost
+
+
+class StoreTooSmall(RuntimeError):
+    """The store cannot hold one of this instance's blocks: every write-back would be refused."""
+
+
+def check_slot(cfg: Config, slot_bytes: int | None) -> None:
+    """Raise StoreTooSmall when one whole KV block (all layers, even on a CPP head: the store keeps
+    whole blocks) is larger than the store's slots. A store that does not say passes."""
+    block_bytes = model_args(cfg.model).kv_block_bytes(cfg.block_size, cfg.dtype)
+    if slot_bytes is not None and block_bytes > slot_bytes:
+        raise StoreTooSmall(
+            f"store {cfg.store} holds blocks of at most {slot_bytes} bytes (--slot-bytes) but one "
+            f"{cfg.block_size}-token block of {cfg.model} in {cfg.dtype} is {block_bytes} bytes: start the "
+            f"store with --slot-bytes >= {block_bytes} (or lower --block-size)")
+
+
+async def store_id(cfg: Config, store, timeout_s: float = 10.0, check: bool = False) -> str | None:
+    """The id the conductor knows this instance's store by: what the store itself says (its
+    advertised data address) when it answers, else ``--store`` as given. With ``check``, also
+    raise StoreTooSmall when the store answers with slots too small for this model's blocks."""
+    if cfg.store is None:              # a private in-process store: no block events, nothing to ask
+        return None
+    try:
+        canonical = await asyncio.wait_for(store.store_id(), timeout_s)
+        slot_bytes = await asyncio.wait_for(store.slot_bytes(), timeout_s) if check else None
+    except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
+        then = ("registering it as given; if it advertises another address, the conductor will not see "
+                "this instance's cached blocks" if cfg.conductor else "going on")
+        log.warning("store %s did not answer (%s): %s (its slot size is unchecked)", cfg.store, exc, then)
+        return cfg.store
+    if check:
+        check_slot(cfg, slot_bytes)
+    if canonical and canonical != cfg.store:
+        log.info("store %s calls itself %s: registering that (the id its block events carry)", cfg.store, canonical)
+    return canonical or cfg.store
+
+
+def registration(cfg: Config, service: PrefillService, addresses: dict[str, str], store: str | None) -> Register:
+    """What this instance tells the conductor once its addresses are known."""
+    runner = service.stage.runner
+    args = runner.args
+    return Register(role="prefill", instance_id=cfg.instance_id or f"prefill@{addresses['http']}",
+                    http=addresses["http"], data=None, store=store, model=cfg.model,
+                    block_size=cfg.block_size, hash_seed=cfg.hash_seed,
+                    kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
+                    max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
+                    cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group)

@@ -17,8 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
 import orjson
+from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
+from mooncake_lite.common.service import run as run_loop
+from mooncake_lite.common.service import serve_app
+from mooncake_lite.instance.runner import build_runner
+from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.prefill.app import make_store
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
 from mooncake_lite.prefill.pipeline import NextStage, StageServer
@@ -27,6 +33,14 @@ from mooncake_lite.transfer.server import server_address, start_server
 log = logging.getLogger(__name__)
 
 SKIP_FLAGS = {"pipeline_stage", "next_stage", "port", "data_port", "conductor", "instance_id", "profile"}
+
+
+def layer_slices(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal layer ranges, one per stage."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
@@ -96,14 +110,6 @@ def _wait_ready(proc: subprocess.Popen, stage: int) -> str:
 
 def run_stage(cfg) -> int:
     """Main of a stage > 0: its layer slice, a stage socket, a /health endpoint."""
-    from aiohttp import web
-
-    from mooncake_lite.common.service import run as run_loop
-    from mooncake_lite.common.service import serve_app
-    from mooncake_lite.model.weights import model_args
-    from mooncake_lite.prefill.main import layer_slices, make_store
-    from mooncake_lite.instance.runner import build_runner
-
     layer_range = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)[cfg.pipeline_stage]
     runner = build_runner(cfg, layer_range)
     stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),

@@ -21,10 +21,10 @@ from prometheus_client import CollectorRegistry
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.store.blocks import BlockStore
+from mooncake_lite.store.config import Config
 from mooncake_lite.store.dataplane import StoreHandler
 from mooncake_lite.store.eviction import make_policy
 from mooncake_lite.store.events import BlockEventPublisher
-from mooncake_lite.store.main import Config
 from mooncake_lite.store.metrics import StoreCollector, make_registry, render
 from mooncake_lite.store.replicate import Replicator
 from mooncake_lite.store.slab import Slab

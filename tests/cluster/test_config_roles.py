@@ -12,8 +12,7 @@ EXAMPLE = REPO / "docs" / "config.example.toml"
 
 
 def role_config(role):
-    pytest.importorskip(f"mooncake_lite.{role}.main")
-    return importlib.import_module(f"mooncake_lite.{role}.main").Config
+    return importlib.import_module(f"mooncake_lite.{role}.config").Config
 
 
 def load(role, argv, env=None):

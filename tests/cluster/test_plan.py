@@ -153,7 +153,7 @@ def test_the_sizing_flags_are_ones_the_store_accepts_and_defaults_agree():
     from mooncake_lite.cluster import plan
     from mooncake_lite.common.config import load_config
     from mooncake_lite.instance.config import ModelRoleConfig
-    from mooncake_lite.store.main import MAX_SLOT_BYTES, Config as StoreConfig
+    from mooncake_lite.store.config import MAX_SLOT_BYTES, Config as StoreConfig
     defaults = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
     assert (plan.STORE_DRAM, plan.STORE_SSD_QUEUE, plan.MAX_SLOT_BYTES) == (
         defaults["dram"], defaults["ssd_queue"], MAX_SLOT_BYTES)

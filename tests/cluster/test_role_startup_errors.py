@@ -32,8 +32,8 @@ def test_bad_role_configuration_exits_with_a_clear_error(args, message):
 def test_a_conductor_may_bind_every_interface_and_others_may_with_an_advertised_host():
     # Checked in process: nothing is bound. Peers reach the conductor by its configured URL.
     from mooncake_lite.common.config import load_config
-    from mooncake_lite.conductor.main import Config as ConductorConfig
-    from mooncake_lite.store.main import Config as StoreConfig
+    from mooncake_lite.conductor.config import Config as ConductorConfig
+    from mooncake_lite.store.config import Config as StoreConfig
     assert load_config(ConductorConfig, ["--host", "0.0.0.0"], prog="t", section="conductor").host == "0.0.0.0"
     cfg = load_config(StoreConfig, ["--host", "0.0.0.0", "--advertise-host", "10.0.0.7"], prog="t", section="store")
     assert cfg.peer_host == "10.0.0.7"

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from mooncake_lite.conductor.app import make_app
-from mooncake_lite.conductor.main import Config
+from mooncake_lite.conductor.config import Config
 from tests.conductor import fakes
 from tests.conductor.fakes import FakeInstance
 

@@ -6,7 +6,7 @@ import pytest
 
 from mooncake_lite.common.config import ConfigError, load_config
 from mooncake_lite.conductor.app import make_app
-from mooncake_lite.conductor.main import Config
+from mooncake_lite.conductor.config import Config
 
 
 def _load(*argv: str) -> Config:

@@ -11,7 +11,8 @@ from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
-from mooncake_lite.prefill.main import Config, layer_slices
+from mooncake_lite.prefill.config import Config
+from mooncake_lite.prefill.stage_process import layer_slices
 from mooncake_lite.prefill.stage_process import stage_argv
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
 from mooncake_lite.prefill.store_io import MemoryStore

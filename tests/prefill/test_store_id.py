@@ -2,7 +2,8 @@
 
 import pytest
 
-from mooncake_lite.prefill.main import Config, store_id
+from mooncake_lite.prefill.app import store_id
+from mooncake_lite.prefill.config import Config
 
 
 class Store:

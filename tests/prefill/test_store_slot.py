@@ -11,7 +11,8 @@ import pytest
 
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.app import make_app
-from mooncake_lite.prefill.main import Config, StoreTooSmall, store_id
+from mooncake_lite.prefill.app import StoreTooSmall, store_id
+from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.prefill.writeback import WritebackStats
 from mooncake_lite.store.client import StoreClient

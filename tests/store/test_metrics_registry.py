@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import mooncake_lite.store.metrics as store_metrics
 from mooncake_lite.store.app import DATA, make_app, metrics
-from mooncake_lite.store.main import Config
+from mooncake_lite.store.config import Config
 
 
 async def test_scrapes_share_one_registry_and_see_the_live_store(monkeypatch):

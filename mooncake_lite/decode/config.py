@@ -1,0 +1,30 @@
+"""The decode instance's flags (``mooncake --role decode --help``): one frozen dataclass, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mooncake_lite.common.config import option, require
+from mooncake_lite.instance.config import ModelRoleConfig, optional_duration
+
+DESCRIPTION = ("Decode instance: receives each request's KV stream from prefill into its paged cache, "
+               "runs continuous batching, streams tokens; refuses requests that would break the TBT SLO.")
+
+
+@dataclass(frozen=True)
+class Config(ModelRoleConfig):
+    ADVERTISES: ClassVar[bool] = True   # registers its HTTP and KV data addresses
+    data_port: int = option(0, "KV data socket port prefill streams into (0 = pick a free one)")
+    tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms); "
+                                   "replaces --tbt-slo-factor", parse=optional_duration)
+    tbt_slo_factor: float | None = option(None, "refuse requests whose predicted TBT exceeds this many times "
+                                          "one decode step of the request alone (e.g. 5; default: off)")
+    max_batch_size: int | None = option(None, "most sequences decoding at once")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.data_port < 65536, f"--data-port out of range: {self.data_port}")
+        require(self.tbt_slo is None or self.tbt_slo > 0, "--tbt-slo must be positive")
+        require(self.tbt_slo_factor is None or self.tbt_slo_factor >= 1, "--tbt-slo-factor must be >= 1")
+        require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be positive")
