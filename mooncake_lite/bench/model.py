@@ -6,6 +6,11 @@ since every step reads all weights). Each figure is reported as a fraction of it
 the model's useful FLOPs per token (matmuls plus causal attention) and its weight bytes.
 Decode runs on a cache whose context holds placeholder KV: step cost depends on context length,
 not on its values, so no prefill is needed per batch size. ``--json`` prints one JSON object.
+
+``--models`` takes any model spec: a preset (seeded dummy weights), a named packaged checkpoint
+(``smollm2-135m``), a GGUF file or an HF checkpoint directory. The default list puts the real
+default model beside the presets (skipped with a note where its package is not installed);
+each model's entry says which kind it is and how long loading it took.
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ from tqdm import tqdm
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.source import DEFAULT_MODEL, NAMED_MODELS, resolve
 from mooncake_lite.model.weights import build_model, model_args
 
 BLOCK_SIZE = 16
+DEFAULT_MODELS = ("tiny", "small", DEFAULT_MODEL)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="mooncake bench model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny,small", help="comma-separated presets or checkpoint dirs")
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated model specs: presets, named models, .gguf files or HF checkpoint dirs "
+                         f"(default: {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefill length in tokens")
     ap.add_argument("--context-len", type=int, default=256, help="tokens already cached per decoding sequence")
     ap.add_argument("--batch-sizes", default="1,4,16", help="decode batch sizes")
@@ -45,7 +54,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
-    args.models = [m for m in args.models.split(",") if m]
+    args.default_models = args.models is None
+    args.models = list(DEFAULT_MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
@@ -75,6 +85,39 @@ def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     src = torch.ones(num_bytes // 4)
     dst = torch.empty_like(src)
     return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats) / 1e9
+
+
+# --- what each model is -------------------------------------------------------------------------------
+def describe_model(spec: str) -> dict:
+    """What ``spec`` names: a preset with seeded dummy weights, or a real checkpoint (and where)."""
+    source = resolve(spec)
+    if source.kind == "preset":
+        return {"kind": "preset", "weights": "dummy (seeded random)", "path": None,
+                "description": f"preset {spec!r} with seeded dummy weights"}
+    description = (NAMED_MODELS[spec].description if spec in NAMED_MODELS
+                   else f"{'GGUF file' if source.kind == 'gguf' else 'HF checkpoint'} {source.served_name}")
+    if source.kind == "gguf":
+        description += " (dequantized to float32)"
+    return {"kind": source.kind, "weights": "checkpoint", "path": source.path, "description": description}
+
+
+def usable_models(models: Sequence[str], *, drop_missing: bool) -> tuple[dict[str, float], list[str]]:
+    """({model: seconds its shape took to read}, notes). A bad spec raises now, not after a
+    minute of measuring; with ``drop_missing`` (the default list) a named model whose package is
+    absent is skipped with a note. The time is the first read of a checkpoint's header/config
+    (a GGUF's metadata, vocabulary included), part of what loading it costs."""
+    keep, notes = {}, []
+    for name in models:
+        t0 = time.perf_counter()
+        try:
+            model_args(name)
+        except FileNotFoundError as exc:
+            if not (drop_missing and name in NAMED_MODELS):
+                raise
+            notes.append(f"skipped {name}: {exc}")
+            continue
+        keep[name] = time.perf_counter() - t0
+    return keep, notes
 
 
 # --- model cost -------------------------------------------------------------------------------------
@@ -129,8 +172,13 @@ def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, 
     return times
 
 
-def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps: float, bar: tqdm) -> dict:
+def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps: float, bar: tqdm,
+              header_s: float = 0.0) -> dict:
+    source = describe_model(name)
+    t0 = time.perf_counter()
     model = build_model(name)
+    source["build_s"] = time.perf_counter() - t0
+    source["load_s"] = header_s + source["build_s"]   # header/config, then the weights
     margs = model.args
     if args.prompt_len > margs.max_seq_len or args.context_len + args.decode_steps + 1 > margs.max_seq_len:
         raise ValueError(f"{name}: lengths exceed max_seq_len {margs.max_seq_len}")
@@ -142,6 +190,7 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
     best_s = min(times)
     gflops = prefill_flops(margs, args.prompt_len) / best_s / 1e9
     out = {
+        "source": source,
         "params": margs.num_params(),
         "prefill": {"tokens": args.prompt_len, "seconds": statistics.median(times), "seconds_best": best_s,
                     "tokens_per_s": args.prompt_len / statistics.median(times),
@@ -164,8 +213,10 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
 
 
 def run(args: argparse.Namespace) -> dict:
-    for name in args.models:
-        model_args(name)  # a bad name fails now, not after a minute of measuring
+    header_s, notes = usable_models(args.models, drop_missing=args.default_models)
+    args.models = list(header_s)
+    if not args.models:
+        raise ValueError("no model to measure: " + "; ".join(notes))
     if args.threads:
         torch.set_num_threads(args.threads)
     steps_per_model = args.repeats + 1 + len(args.batch_sizes) * (args.decode_steps + 1)
@@ -181,13 +232,13 @@ def run(args: argparse.Namespace) -> dict:
         for name in args.models:
             bar.set_postfix_str(name)
             with torch.inference_mode():
-                models[name] = bench_one(name, args, peak, bandwidth, bar)
+                models[name] = bench_one(name, args, peak, bandwidth, bar, header_s[name])
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": bandwidth,
                         "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
             "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
                          "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": "float32"},
-            "models": models}
+            "models": models, "notes": notes}
 
 
 def render(res: dict) -> str:
@@ -198,7 +249,9 @@ def render(res: dict) -> str:
              f"prefill {s['prompt_len']} tokens; decode with {s['context_len']} cached tokens per sequence"]
     for name, r in res["models"].items():
         p = r["prefill"]
-        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params)")
+        src = r["source"]
+        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params; {src['description']}; "
+                     f"loaded in {src['load_s']:.2f} s)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
                      f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
         for batch, d in r["decode"].items():
@@ -206,6 +259,7 @@ def render(res: dict) -> str:
                          f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
                          f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+    lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 
 

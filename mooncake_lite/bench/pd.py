@@ -18,6 +18,11 @@ All times are the best of ``--repeats`` runs (other load on the machine can only
     step reads all weights once).
 ``--profile FILE`` writes the fitted prefill/decode cost models in the scheduler's ``to_dict``
 format (``mooncake sim --cost-model FILE`` reads it); ``--json`` prints every figure as one object.
+
+``--models`` takes any model spec (preset, named model such as ``smollm2-135m``, .gguf file, HF
+checkpoint directory); the default list runs the real default model beside the ``tiny`` preset
+(skipped with a note where its package is not installed). Each model's entry says whether its
+weights are seeded dummies or a checkpoint, and how long loading them took.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import aiohttp
 import orjson
 import torch
 
-from mooncake_lite.bench.model import copy_gbps, matmul_gflops, weight_bytes
+from mooncake_lite.bench.model import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.source import DEFAULT_MODEL, resolve
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
@@ -44,16 +50,31 @@ from mooncake_lite.instance.profile import profile_decode, profile_prefill, time
 from mooncake_lite.prefill.store_io import MemoryStore
 
 BLOCK = 64
+DEFAULT_MODELS = ("tiny", DEFAULT_MODEL)
+# (a)/(b) prompt tokens per model; a 30-layer real model gets a shorter one so a default run stays short
+DEFAULT_PROMPT_LENS = {"tiny": 1024, "small": 512, DEFAULT_MODEL: 256}
+OTHER_PROMPT_LEN = 512
+# (c) prompt = factor x the model's prompt; 2 for the real model (its 1024-token CPP runs, in three
+# more processes that each load the checkpoint, would double a default run's time)
+DEFAULT_CPP_FACTOR = 4
+DEFAULT_CPP_FACTORS = {DEFAULT_MODEL: 2}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="mooncake bench pd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny,small", help="comma-separated presets")
-    ap.add_argument("--prompt-len", default="tiny=1024,small=512", help="prompt tokens per model (name=N,...) or one N")
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated model specs: presets, named models, .gguf files or HF checkpoint dirs "
+                         f"(default: {','.join(DEFAULT_MODELS)})")
+    ap.add_argument("--prompt-len", default=None,
+                    help="prompt tokens per model (name=N,...) or one N (default: "
+                         + ",".join(f"{k}={v}" for k, v in DEFAULT_PROMPT_LENS.items())
+                         + f", {OTHER_PROMPT_LEN} for others)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
-    ap.add_argument("--cpp-prompt-factor", type=int, default=4, help="(c) prompt = this x the model's prompt length")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median reported)")
+    ap.add_argument("--cpp-prompt-factor", type=int, default=None,
+                    help=f"(c) prompt = this x the model's prompt length (default: {DEFAULT_CPP_FACTOR}; "
+                         + ", ".join(f"{k}: {v}" for k, v in DEFAULT_CPP_FACTORS.items()) + ")")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the best is reported)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="decode batch sizes")
     ap.add_argument("--context-len", type=int, default=256, help="cached tokens per decoding sequence")
     ap.add_argument("--threads", type=int, default=2, help="total torch threads (CPP: split across stages)")
@@ -61,16 +82,32 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--profile", metavar="FILE", help="write the fitted cost models of the first model here")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     a = ap.parse_args(list(argv))
-    a.models = [m for m in a.models.split(",") if m]
+    a.default_models = a.models is None
+    a.models = list(DEFAULT_MODELS) if a.models is None else [m for m in a.models.split(",") if m]
     try:
         a.batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-        lens = dict(item.split("=") for item in a.prompt_len.split(",")) if "=" in a.prompt_len else {}
-        a.prompt_lens = {m: int(lens.get(m, a.prompt_len if not lens else 512)) for m in a.models}
+        a.prompt_lens = _prompt_lens(a.prompt_len, a.models)
     except ValueError:
-        ap.error("--batch-sizes and --prompt-len must be integers")
-    if not a.models or min(a.batch_sizes) <= 0 or a.chunk <= 0 or a.repeats <= 0 or a.threads <= 0:
+        ap.error("--batch-sizes and --prompt-len must be integers (--prompt-len: N or name=N,...)")
+    a.cpp_lens = {m: n * (a.cpp_prompt_factor or DEFAULT_CPP_FACTORS.get(m, DEFAULT_CPP_FACTOR))
+                  for m, n in a.prompt_lens.items()}
+    if not a.models or min(a.batch_sizes) <= 0 or a.chunk <= 0 or a.repeats <= 0 or a.threads <= 0 \
+            or min(a.prompt_lens.values()) <= 0 or (a.cpp_prompt_factor is not None and a.cpp_prompt_factor <= 0):
         ap.error("need models and positive sizes")
     return a
+
+
+def _prompt_lens(value: str | None, models: Sequence[str]) -> dict[str, int]:
+    """``N`` for every model, or ``name=N,...`` over the defaults (a model spec is split at its
+    last ``=``, so a path may hold one)."""
+    if value is not None and "=" not in value:
+        return dict.fromkeys(models, int(value))
+    lens = dict(DEFAULT_PROMPT_LENS)
+    for item in (value or "").split(","):
+        if item:
+            name, _, n = item.rpartition("=")
+            lens[name] = int(n)
+    return {m: lens.get(m, OTHER_PROMPT_LEN) for m in models}
 
 
 # --- processes --------------------------------------------------------------------------------------
@@ -157,7 +194,13 @@ async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int
 
 async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Role) -> dict:
     n = a.prompt_lens[name]
+    t0 = time.perf_counter()
     model = build_model(name)
+    build_s = time.perf_counter() - t0
+    longest = max(n, a.cpp_lens[name] if a.cpp else n)
+    if longest > model.args.max_seq_len:
+        raise ValueError(f"{name}: a {longest}-token prompt exceeds max_seq_len {model.args.max_seq_len}; "
+                         f"pass a smaller --prompt-len or --cpp-prompt-factor")
     decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
     runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks), block_size=BLOCK)
     layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
@@ -213,7 +256,7 @@ async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Rol
         for row in prefix:
             row["ttft_share"] = row["ttft_s"] / prefix[0]["ttft_s"]
     await links.close()
-    return {"overlap": overlap, "prefix": prefix, "runner": runner}
+    return {"overlap": overlap, "prefix": prefix, "runner": runner, "build_s": build_s}
 
 
 def _ttft_share(best: dict, transfer: float) -> float | None:
@@ -273,18 +316,24 @@ def bench_cpp(name: str, a: argparse.Namespace, decode: Role, n: int, vocab: int
 
 
 def run(a: argparse.Namespace) -> dict:
+    header_s, notes = usable_models(a.models, drop_missing=a.default_models)
+    a.models = list(header_s)
+    if not a.models:
+        raise ValueError("no model to measure: " + "; ".join(notes))
     # (a), (b), (d) run here while a decode process receives: half the threads each, so torch's
     # spinning worker threads do not fight over the cores (that makes timings erratic).
     torch.set_num_threads(max(1, a.threads // 2))
     res = {"machine": {"threads": a.threads, "matmul_gflops": matmul_gflops(), "copy_gbps": copy_gbps()},
-           "models": {}}
+           "models": {}, "notes": notes}
     for name in a.models:
         n = a.prompt_lens[name]
         decode = Role("--role", "decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
-                      "--num-blocks", str(2 * (n * a.cpp_prompt_factor // BLOCK + 2)), "--threads", "1")
+                      "--num-blocks", str(2 * (max(n, a.cpp_lens[name]) // BLOCK + 2)), "--threads", "1")
         try:
             part = asyncio.run(bench_overlap_and_prefix(name, a, decode))
             runner = part.pop("runner")
+            build_s = part.pop("build_s")
+            part["source"] = {**describe_model(name), "build_s": build_s, "load_s": header_s[name] + build_s}
             part["decode"] = bench_decode(runner, a, res["machine"]["copy_gbps"])
             prefill_cost, _ = profile_prefill(runner, [(64, 0), (n // 2, 0), (n, 0), (n // 4, n // 2),
                                                        (n // 2, n // 4), (n // 8, n - n // 8)], repeats=a.repeats)
@@ -292,7 +341,7 @@ def run(a: argparse.Namespace) -> dict:
             part["cost"] = {"prefill": prefill_cost.to_dict(), "decode": decode_cost.to_dict(),
                             "kv_bytes_per_token": runner.args.kv_bytes_per_token(runner.dtype)}
             if a.cpp:
-                part["cpp"] = bench_cpp(name, a, decode, n * a.cpp_prompt_factor, runner.args.vocab_size)
+                part["cpp"] = bench_cpp(name, a, decode, a.cpp_lens[name], runner.args.vocab_size)
         finally:
             decode.stop()
         part["prompt_len"] = n
@@ -301,7 +350,7 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def profile_dict(name: str, part: dict) -> dict:
-    return {"name": f"{name}-cpu", **part["cost"], "block_size": BLOCK,
+    return {"name": f"{resolve(name).served_name}-cpu", **part["cost"], "block_size": BLOCK,
             "bandwidth_bytes_per_s": part["overlap"]["stream_gbps"] * 1e9}
 
 
@@ -310,7 +359,8 @@ def render(res: dict) -> str:
     lines = [f"machine: {m['threads']} threads, matmul {m['matmul_gflops']:.1f} GFLOP/s, copy {m['copy_gbps']:.1f} GB/s"]
     for name, p in res["models"].items():
         o = p["overlap"]
-        lines += [f"\n{name} ({p['prompt_len']} tokens, {o['kv_bytes'] / 2**20:.1f} MiB of KV)",
+        lines += [f"\n{name} ({p['prompt_len']} tokens, {o['kv_bytes'] / 2**20:.1f} MiB of KV; "
+                  f"{p['source']['description']}, loaded in {p['source']['load_s']:.2f} s)",
                   f"  (a) TTFT compute-only {o['ttft_compute_only_s'] * 1e3:.1f} ms, compute-then-send "
                   f"{o['ttft_then_send_s'] * 1e3:.1f} ms, layer-wise streaming {o['ttft_streaming_s'] * 1e3:.1f} ms",
                   f"      transfer {o['transfer_s'] * 1e3:.1f} ms ({o['stream_gbps']:.2f} GB/s), exposed when "
@@ -327,12 +377,17 @@ def render(res: dict) -> str:
                          f"{c['ttft_cpp_2_stages_s'] * 1e3:.1f} ms (speedup {c['speedup']:.2f}x)")
         lines += [f"  (d) batch {r['batch']:>3}: {r['tokens_per_s']:8.1f} tokens/s, step {r['step_s'] * 1e3:.2f} ms "
                   f"({r['memory_roof_share']:.0%} of the memory roof)" for r in p["decode"]]
+    lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> int:
     a = parse_args(argv)
-    res = run(a)
+    try:
+        res = run(a)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"mooncake bench pd: error: {exc}\n")
+        return 2
     if a.profile:
         name = a.models[0]
         with open(a.profile, "wb") as fh:

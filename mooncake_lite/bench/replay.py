@@ -6,8 +6,11 @@
 
 Requests go out at their trace timestamps (divided by ``--speed``) through ``/v1/completions``
 with ``stream: true``; prompts follow the trace's ``hash_ids`` so prefix sharing is real
-(``replay_prompts.py``). Reports vLLM ``bench serve`` metrics plus the paper's TBT, 429s and the
-cluster's prefix-cache hit rate; writes ``result.json`` and ``cdf.png`` under ``--output-dir``.
+(``replay_prompts.py``), and their lengths are counted in the served model's own tokenizer
+(``--tokenizer``; by default the model the server names, when it resolves locally). Reports vLLM
+``bench serve`` metrics plus the paper's TBT, 429s and the prefix-cache hit rate measured from
+``usage.prompt_tokens_details.cached_tokens``; writes ``result.json`` and ``cdf.png`` under
+``--output-dir``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import aiohttp
 import orjson
 
 from mooncake_lite.bench.replay_client import cache_hit_rate, scrape_metrics, served_model_info
-from mooncake_lite.bench.replay_metrics import compute_metrics, parse_slos, prefix_hit_request_share
-from mooncake_lite.bench.replay_prompts import PromptConfig, PromptSynth, auto_scale
+from mooncake_lite.bench.replay_metrics import (cached_token_hit_rate, compute_metrics, parse_slos,
+                                                 prefix_hit_request_share)
+from mooncake_lite.bench.replay_prompts import PromptConfig, PromptSynth, TextTokenizer, auto_scale
 from mooncake_lite.bench.replay_report import format_table, per_request, plot_cdfs, write_result
 from mooncake_lite.bench.replay_run import replay, select_window
 from mooncake_lite.common.auth import api_key_headers
@@ -55,11 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + output budget (default: max_model_len from /v1/models, if given)")
+    p.add_argument("--tokenizer", default="auto", metavar="MODEL_SPEC|auto|bytes",
+                   help="count prompt lengths in this model's tokenizer (a named model such as smollm2-135m, "
+                        "a .gguf file or an HF checkpoint dir); auto (default): the model the server names, "
+                        "if it resolves here; bytes: one printable ASCII byte per token (exact for presets)")
     p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text",
-                   help="text: printable ASCII, one byte per token (exact for byte-level models); "
+                   help="text: words of the tokenizer (or printable ASCII bytes without one); "
                         "tokens: send token id lists (exact for any model that accepts them)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="tokens mode: draw ids below this")
-    p.add_argument("--min-token-id", type=int, default=0, help="tokens mode: draw ids from here (skip specials)")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="tokens mode without a tokenizer: draw ids below this")
+    p.add_argument("--min-token-id", type=int, default=0,
+                   help="tokens mode without a tokenizer: draw ids from here (skip specials)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-hash-id block contents")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send vLLM's ignore_eos (for servers that reject unknown fields)")
@@ -92,6 +102,43 @@ def validate(ns: argparse.Namespace) -> None:
             raise ValueError(f"--scale must be a number or 'auto', got {ns.scale!r}") from None
 
 
+def resolve_tokenizer(choice: str, model: str) -> tuple[TextTokenizer | None, str, str | None]:
+    """(tokenizer or None for bytes, what lengths are counted in, a note or None).
+
+    ``auto`` uses ``model`` (the served name) when it names a checkpoint this machine has: a
+    named model, a .gguf file or an HF directory. A preset's tokenizer is the byte-level one,
+    for which bytes are exact. Any other name (another server's model) falls back to bytes with
+    a note. An explicit spec that does not load is an error.
+    """
+    from mooncake_lite.model.args import PRESETS
+    from mooncake_lite.model.source import resolve
+    from mooncake_lite.model.tokenizer import ByteTokenizer, load_tokenizer
+
+    if choice in ("bytes", "none"):
+        return None, "bytes", None
+    spec = model if choice == "auto" else choice
+    try:
+        source = resolve(spec)
+    except FileNotFoundError as exc:
+        if choice != "auto":
+            raise ValueError(f"--tokenizer {choice}: {exc}") from None
+        source = None
+    if source is not None and source.kind == "preset":
+        if spec in PRESETS:
+            return None, f"bytes ({spec}: byte-level tokenizer)", None
+        if choice != "auto":
+            raise ValueError(f"--tokenizer {choice!r}: not a preset, named model, .gguf file or checkpoint dir")
+        source = None
+    if source is None:
+        return None, "bytes", (f"prompt lengths are counted in bytes: the served model {model!r} is not a "
+                               f"model this machine can load a tokenizer for, so the server's token counts "
+                               f"will differ; pass --tokenizer MODEL_SPEC (named model, .gguf, HF dir)")
+    tok = load_tokenizer(spec, 320)
+    if isinstance(tok, ByteTokenizer):
+        return None, f"bytes ({spec}: byte-level tokenizer)", None
+    return tok, spec, None
+
+
 async def run(ns: argparse.Namespace) -> dict:
     trace = read_trace(ns.trace, speed=ns.speed)
     count = select_window([r.arrival_s for r in trace], max_requests=ns.max_requests, duration_s=ns.duration)
@@ -120,8 +167,14 @@ async def run(ns: argparse.Namespace) -> dict:
     pcfg = PromptConfig(scale=scale, output_scale=ns.output_scale, max_output_tokens=ns.max_output_tokens,
                         max_context=max_context, mode=ns.prompt_mode, vocab_size=ns.vocab_size,
                         min_token_id=ns.min_token_id, seed=ns.seed)
-    synth = PromptSynth(pcfg)
+    tokenizer, counted_in, note = resolve_tokenizer(ns.tokenizer, model)
+    if note:
+        notes.append(note)
+    synth = PromptSynth(pcfg, tokenizer)
     requests = [synth.build(r) for r in window]
+    if synth.mismatched:
+        notes.append(f"{synth.mismatched} text prompts did not re-encode to their drawn tokens in {counted_in}; "
+                     f"their lengths are the re-encoded ones (--prompt-mode tokens is exact)")
     if any(r.is_truncated for r in requests):
         notes.append(f"{sum(r.is_truncated for r in requests)} prompts were cut to fit a {max_context}-token context")
     slos = parse_slos(ns.goodput)
@@ -138,14 +191,18 @@ async def run(ns: argparse.Namespace) -> dict:
     if errors:
         notes.append(f"{len(errors)} distinct error(s), first: {errors[0]}")
     metrics = compute_metrics(records, max(duration, 1e-9), slos)
+    measured = cached_token_hit_rate(records)
+    if measured["cached_token_hit_rate"] is None and metrics["completed"]:
+        notes.append("measured hit rate omitted: the server reported no usage.prompt_tokens_details.cached_tokens")
     return {
         "config": {"trace": str(ns.trace), "base_url": base, "endpoint": ns.endpoint, "model": model,
                    "speed": ns.speed, "scale": scale, "block_tokens": pcfg.block_tokens,
-                   "max_context": max_context, "prompt_mode": ns.prompt_mode, "ignore_eos": ns.ignore_eos,
+                   "max_context": max_context, "prompt_mode": ns.prompt_mode, "tokenizer": counted_in,
+                   "ignore_eos": ns.ignore_eos,
                    "num_requests": len(requests), "max_concurrency": ns.max_concurrency,
                    "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, "started_at_unix": started_at},
         "metrics": metrics,
-        "cache": {"cache_hit_rate": hit, "requests_with_prefix_hit": prefix_hit_request_share(records),
+        "cache": {**measured, "cache_hit_rate": hit, "requests_with_prefix_hit": prefix_hit_request_share(records),
                   "ideal_block_hit_rate": compute_stats(window).block_reuse_share},
         "notes": notes,
         "_records": records,

@@ -38,6 +38,12 @@ def _error_text(raw: str) -> str:
     return raw[:300]
 
 
+def _count(obj: dict, key: str, default: int | None) -> int | None:
+    """A token count from a usage object (a non-integer is ignored, not trusted)."""
+    value = obj.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest, body: dict, *,
                      scheduled_s: float, clock: Clock = time.perf_counter) -> RequestRecord:
     """Send one streamed completion; never raises for server or network trouble (it is recorded)."""
@@ -45,7 +51,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
     chunks: list[float] = []
     base = dict(request_id=req.request_id, scheduled_s=scheduled_s, send_s=send,
                 prompt_tokens=req.num_prompt_tokens, num_prompt_blocks=req.num_full_blocks)
-    usage_out = cached = reused = None
+    usage_out = usage_in = cached = reused = None
     try:
         async with session.post(url, json=body) as resp:
             reused_hdr = resp.headers.get("X-Mooncake-Reused-Blocks")
@@ -70,13 +76,15 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                     chunks.append(now)
                 usage = data.get("usage")
                 if isinstance(usage, dict):
-                    usage_out = usage.get("completion_tokens", usage_out)
-                    details = usage.get("prompt_tokens_details") or {}
-                    cached = details.get("cached_tokens", cached) if isinstance(details, dict) else cached
+                    usage_out = _count(usage, "completion_tokens", usage_out)
+                    usage_in = _count(usage, "prompt_tokens", usage_in)
+                    details = usage.get("prompt_tokens_details")
+                    cached = _count(details, "cached_tokens", cached) if isinstance(details, dict) else cached
             if error is None and not done:
                 error = "stream ended without data: [DONE]"
             return RequestRecord(**base, chunk_s=tuple(chunks), output_tokens=usage_out, status=resp.status,
-                                 error=error, cached_tokens=cached, reused_blocks=reused)
+                                 error=error, cached_tokens=cached, server_prompt_tokens=usage_in,
+                                 reused_blocks=reused)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         return RequestRecord(**base, chunk_s=tuple(chunks), error=f"{type(exc).__name__}: {exc}"[:300],
                              reused_blocks=reused)

@@ -37,6 +37,7 @@ class RequestRecord:
     status: int | None = None           # HTTP status (None: no response at all)
     error: str | None = None
     cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens, if reported
+    server_prompt_tokens: int | None = None  # usage.prompt_tokens, if reported (the server's count)
     reused_blocks: int | None = None    # X-Mooncake-Reused-Blocks, if reported
     num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
     extra: Mapping[str, object] = field(default_factory=dict)
@@ -150,3 +151,17 @@ def prefix_hit_request_share(records: Sequence[RequestRecord]) -> float | None:
     the client does not know."""
     told = [r.reused_blocks for r in records if r.is_ok and r.reused_blocks is not None]
     return sum(1 for n in told if n > 0) / len(told) if told else None
+
+
+def cached_token_hit_rate(records: Sequence[RequestRecord]) -> dict[str, float | int | None]:
+    """The prefix hit rate the server measured: prompt tokens it served from cache
+    (``usage.prompt_tokens_details.cached_tokens``; mooncake-lite: the tokens prefill really
+    reused) over the prompt tokens of the same finished requests (``usage.prompt_tokens``, else
+    the tokens we sent). Only requests that report ``cached_tokens`` count; None when none do."""
+    told = [r for r in records if r.is_ok and r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in told)
+    prompt = sum(r.server_prompt_tokens if r.server_prompt_tokens is not None else r.prompt_tokens for r in told)
+    return {"cached_token_hit_rate": cached / prompt if prompt > 0 else None,
+            "cached_tokens": cached, "cached_of_prompt_tokens": prompt,
+            "requests_reporting_cached_tokens": len(told),
+            "requests_with_cached_tokens": (sum(r.cached_tokens > 0 for r in told) / len(told)) if told else None}

@@ -5,26 +5,75 @@ requests sharing their first k ids share their first k blocks token for token â€
 sharing a cache can exploit is real. ``scale`` shrinks a 512-token trace block to
 ``round(512 * scale)`` tokens so a long trace fits a small model's context.
 
-Two encodings:
+Lengths are counted in the served model's own tokenizer when one is given (``PromptSynth(cfg,
+tokenizer)``; ``mooncake bench replay --tokenizer``):
 
-* ``text`` (default): printable ASCII, one character per token. For a byte-level model
+* ``text`` (default) with a tokenizer: every block is a run of the tokenizer's own *word tokens*
+  â€” vocabulary entries that decode to a space plus letters (`` the``, `` cake``) and come back as
+  themselves when re-encoded, alone and side by side (``WordVocab``). A byte-level BPE's
+  pre-tokenizer splits text before every such word, so the text of n drawn tokens re-encodes to
+  exactly those n ids, and a shared trace prefix is a shared token prefix on the server. Each
+  prompt is re-encoded to check it (``PromptSynth.mismatched`` counts any that are not exact).
+* ``text`` without a tokenizer: printable ASCII, one character per token. For a byte-level model
   (the built-in presets) every byte *is* a token, so lengths are exact; for other tokenizers
   the text is still deterministic per block (sharing stays real) but lengths are approximate.
 * ``tokens``: the prompt is sent as a list of token ids (``prompt: [ids]``, accepted by vLLM
-  and by mooncake-lite), drawn from ``[min_token_id, vocab_size)``; exact for any model.
+  and by mooncake-lite): the tokenizer's word tokens when one is given, else ids drawn from
+  ``[min_token_id, vocab_size)``; exact for any model.
+
+Lengths are of the prompt's own tokens: a server whose tokenizer adds BOS counts one more
+(``reserved_tokens`` keeps room for it in the context budget).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import numpy as np
 
 from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest
 
 PRINTABLE = np.frombuffer(bytes(range(0x20, 0x7F)), dtype=np.uint8)  # space .. '~'
+
+
+class TextTokenizer(Protocol):
+    """What prompt synthesis needs of a tokenizer (``model.tokenizer.HFTokenizer`` has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+_WORD = re.compile(r" [A-Za-z]+")
+MIN_WORDS = 256
+
+
+class WordVocab:
+    """A tokenizer's word tokens: ids whose text is a space plus ASCII letters and that encode
+    back to themselves alone and doubled (so no merge crosses the boundary between two words)."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int):
+        pieces = [tokenizer.decode([i]) for i in range(vocab_size)]
+        ids = [i for i, p in enumerate(pieces) if _WORD.fullmatch(p)
+               and tokenizer.encode(p + p, add_special_tokens=False) == [i, i]]
+        if len(ids) < MIN_WORDS:
+            raise ValueError(f"the tokenizer has only {len(ids)} word tokens (' ' + letters that re-encode to "
+                             f"themselves; need {MIN_WORDS}): use --prompt-mode tokens")
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.pieces = pieces
+
+    def text(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def vocab_size_of(tokenizer: TextTokenizer, fallback: int) -> int:
+    """The size of a ``tokenizers``-backed tokenizer's vocabulary (special tokens included)."""
+    raw = getattr(tokenizer, "_tok", tokenizer)
+    get = getattr(raw, "get_vocab_size", None)
+    return int(get(with_added_tokens=True)) if callable(get) else fallback
 
 
 @dataclass(frozen=True)
@@ -71,13 +120,28 @@ class SynthRequest:
 
 
 class PromptSynth:
-    def __init__(self, cfg: PromptConfig):
+    """``tokenizer``: the served model's (lengths then count its tokens); None: bytes / raw ids."""
+
+    def __init__(self, cfg: PromptConfig, tokenizer: TextTokenizer | None = None, *,
+                 words: WordVocab | None = None):
         self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.words = words
+        if words is None and tokenizer is not None:
+            try:
+                self.words = WordVocab(tokenizer, vocab_size_of(tokenizer, cfg.vocab_size))
+            except ValueError:
+                if cfg.mode == "text":
+                    raise
+                # tokens mode is exact for any ids: draw them from [min_token_id, vocab_size)
+        self.mismatched = 0   # text prompts whose re-encoding was not the drawn ids (0 expected)
         self._block = lru_cache(maxsize=65536)(self._make_block)
 
     def _make_block(self, hash_id: int) -> np.ndarray:
         rng = np.random.default_rng([self.cfg.seed, hash_id & 0xFFFFFFFFFFFFFFFF])
         n = self.cfg.block_tokens
+        if self.words is not None:
+            return self.words.ids[rng.integers(0, len(self.words.ids), n)]
         if self.cfg.mode == "text":
             return PRINTABLE[rng.integers(0, len(PRINTABLE), n)]
         return rng.integers(self.cfg.min_token_id, self.cfg.vocab_size, n, dtype=np.int64)
@@ -108,7 +172,17 @@ class PromptSynth:
     def build(self, req: TraceRequest) -> SynthRequest:
         n_in, n_out, truncated = self.lengths(req)
         toks = self.tokens(req.hash_ids, n_in)
-        prompt = toks.tobytes().decode("ascii") if self.cfg.mode == "text" else toks.tolist()
+        if self.cfg.mode == "tokens":
+            prompt: str | list[int] = toks.tolist()
+        elif self.words is None:
+            prompt = toks.tobytes().decode("ascii")
+        else:
+            prompt = self.words.text(toks.tolist())
+            if self.tokenizer is not None:   # count it in the server's tokenizer, as it will
+                got = self.tokenizer.encode(prompt, add_special_tokens=False)
+                if len(got) != n_in or got != toks.tolist():
+                    self.mismatched += 1
+                    n_in = len(got)
         return SynthRequest(req.request_id, req.arrival_s, prompt, n_in, n_out,
                             n_in // self.cfg.block_tokens, truncated)
 

@@ -27,6 +27,8 @@ def per_request(records: Sequence[RequestRecord]) -> dict[str, list]:
         "tbts": [t for r in ok if (t := paper_tbt(itls(r))) is not None],
         "itls": [itls(r) for r in ok],
         "reused_blocks": [r.reused_blocks for r in records],
+        "cached_tokens": [r.cached_tokens for r in records],
+        "server_prompt_tokens": [r.server_prompt_tokens for r in records],
     }
 
 
@@ -96,7 +98,9 @@ def format_table(summary: Mapping) -> str:
             lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<48}{_fmt(m.get(f'{stat}_{name}_ms')):>12}")
     cache = summary["cache"]
     lines.append(f"{'-' * 16}Prefix cache{'-' * 33}")
-    lines.append(f"{'Cluster hit rate (conductor /metrics):':<48}{_fmt(cache.get('cache_hit_rate')):>12}")
+    lines.append(f"{'Hit rate (usage cached_tokens / prompt tokens):':<48}"
+                 f"{_fmt(cache.get('cached_token_hit_rate')):>12}")
+    lines.append(f"{'Cluster block hit rate (conductor /metrics):':<48}{_fmt(cache.get('cache_hit_rate')):>12}")
     if cache.get("requests_with_prefix_hit") is not None:
         share = _fmt(cache["requests_with_prefix_hit"])
         lines.append(f"{'Requests reusing a cached prefix (headers):':<48}{share:>12}")

@@ -6,9 +6,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mooncake_lite.bench.model import decode_flops, main, prefill_flops, weight_bytes
+from mooncake_lite.bench import model as bench_model
+from mooncake_lite.bench.model import decode_flops, describe_model, main, parse_args, prefill_flops, weight_bytes
 from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.source import ModelNotInstalledError
 from mooncake_lite.model.weights import build_model
+from tests.real_model import SMOLLM, needs_smollm
 
 BS = 8
 
@@ -64,6 +67,8 @@ def test_json_output(capsys):
     assert tiny["prefill"]["tokens"] == 16 and tiny["prefill"]["tokens_per_s"] > 0
     assert set(tiny["decode"]) == {"1", "2"}
     assert all(0 < d["fraction_of_matmul_peak"] and d["step_ms"] > 0 for d in tiny["decode"].values())
+    assert tiny["source"]["kind"] == "preset" and tiny["source"]["weights"].startswith("dummy")
+    assert tiny["source"]["load_s"] >= tiny["source"]["build_s"] > 0 and res["notes"] == []
 
 
 def test_bad_arguments(capsys):
@@ -72,3 +77,31 @@ def test_bad_arguments(capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["--models", "no-such-preset", "--repeats", "1"]) == 2
     assert "unknown model preset" in capsys.readouterr().err
+
+
+def test_real_model_in_the_default_list_and_accepted_by_name():
+    args = parse_args([])
+    assert args.models == ["tiny", "small", SMOLLM] and args.default_models
+    args = parse_args(["--models", f"{SMOLLM},tiny,/models/x.gguf"])
+    assert args.models == [SMOLLM, "tiny", "/models/x.gguf"] and not args.default_models
+
+
+@needs_smollm
+def test_describe_a_real_checkpoint():
+    src = describe_model(SMOLLM)
+    assert src["kind"] == "gguf" and src["weights"] == "checkpoint" and src["path"].endswith(".gguf")
+    assert "SmolLM2" in src["description"]
+
+
+def test_a_missing_real_model_is_skipped_from_the_defaults_only(monkeypatch):
+    real = bench_model.model_args
+
+    def fake(name):
+        if name == SMOLLM:
+            raise ModelNotInstalledError("not installed: pip install ...")
+        return real(name)
+    monkeypatch.setattr(bench_model, "model_args", fake)
+    keep, notes = bench_model.usable_models(["tiny", SMOLLM], drop_missing=True)
+    assert list(keep) == ["tiny"] and SMOLLM in notes[0] and "pip install" in notes[0]
+    with pytest.raises(ModelNotInstalledError):
+        bench_model.usable_models(["tiny", SMOLLM], drop_missing=False)

@@ -6,8 +6,10 @@ import sys
 import orjson
 import pytest
 
+from mooncake_lite.bench.pd import main, parse_args, profile_dict
 from mooncake_lite.sim.costs import load_profile
 from tests.conftest import REPO
+from tests.real_model import SMOLLM
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,8 +26,34 @@ def test_bench_pd_json_and_profile(tmp_path):
     assert tiny["overlap"]["kv_bytes"] == 128 * 1024 and tiny["overlap"]["transfer_s"] > 0
     assert [r["cached_tokens"] for r in tiny["prefix"]] == [0, 0, 64, 64]   # whole 64-token blocks only
     assert [r["batch"] for r in tiny["decode"]] == [1, 2]
+    assert tiny["source"]["kind"] == "preset" and tiny["source"]["load_s"] > 0
     hw = load_profile(profile)
     saved = orjson.loads(profile.read_bytes())
     assert hw.name == "tiny-cpu" and hw.kv_bytes_per_token == 1024 and saved["block_size"] == 64
     assert hw.network_bytes_per_s == saved["bandwidth_bytes_per_s"] > 0
     assert hw.prefill.to_dict() == tiny["cost"]["prefill"] and hw.decode.to_dict() == tiny["cost"]["decode"]
+
+
+def test_any_model_spec_is_accepted_and_prompt_lengths_follow_it(tmp_path):
+    a = parse_args([])
+    assert a.models == ["tiny", SMOLLM] and a.prompt_lens == {"tiny": 1024, SMOLLM: 256}
+    assert a.cpp_lens == {"tiny": 4096, SMOLLM: 512}
+    assert parse_args(["--cpp-prompt-factor", "3"]).cpp_lens == {"tiny": 3072, SMOLLM: 768}
+    a = parse_args(["--models", f"{SMOLLM},small,/ckpt/m=1.gguf", "--prompt-len", f"{SMOLLM}=128,/ckpt/m=1.gguf=64"])
+    assert a.prompt_lens == {SMOLLM: 128, "small": 512, "/ckpt/m=1.gguf": 64}
+    assert parse_args(["--models", SMOLLM, "--prompt-len", "96"]).prompt_lens == {SMOLLM: 96}
+    for bad in (["--prompt-len", "tiny=x"], ["--prompt-len", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    part = {"cost": {"prefill": {}, "decode": {}}, "overlap": {"stream_gbps": 1.0}}
+    gguf = tmp_path / "SmolLM2.gguf"
+    gguf.write_bytes(b"")
+    assert profile_dict(str(gguf), part)["name"] == "SmolLM2-cpu"     # named as the cluster serves it
+    assert profile_dict("tiny", part)["name"] == "tiny-cpu"
+
+
+def test_a_bad_model_is_an_error_before_any_measuring(capsys, tmp_path):
+    assert main(["--models", "no-such-preset", "--no-cpp"]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
+    assert main(["--models", str(tmp_path / "none.gguf")]) == 2
+    assert "does not exist" in capsys.readouterr().err

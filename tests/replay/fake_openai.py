@@ -1,8 +1,10 @@
 """A small OpenAI-compatible streaming server for replay tests, run on 127.0.0.1 in a thread.
 
 It streams ``max_tokens`` one-token chunks, rejects every ``reject_every``-th request with a
-429, keeps a prefix cache over ``block_chars``-character blocks of the prompt (chained, like
-the real cluster) and exposes the same hit counters as the conductor on ``/metrics``.
+429, keeps a prefix cache over ``block_chars``-element blocks of the prompt (characters of a text
+prompt, ids of a token-id prompt; chained, like the real cluster), exposes the same hit counters
+as the conductor on ``/metrics`` and, like the conductor, reports the prompt tokens it reused as
+``usage.prompt_tokens_details.cached_tokens`` (unless ``report_cached`` is off).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ class FakeState:
     reject_every: int | None = None
     max_model_len: int = 2048
     api_key: str | None = None
+    report_cached: bool = True
+    model: str = MODEL
     seen_blocks: set = field(default_factory=set)
     reused_blocks: int = 0
     prompt_blocks: int = 0
     received: list = field(default_factory=list)   # (arrival time, body)
 
-    def cache(self, prompt: str) -> tuple[int, int]:
+    def cache(self, prompt: str | tuple) -> tuple[int, int]:
         blocks = [prompt[: i + self.block_chars] for i in range(0, len(prompt) - self.block_chars + 1,
                                                                 self.block_chars)]
         hits = 0
@@ -45,7 +49,7 @@ class FakeState:
 
 def make_app(st: FakeState) -> web.Application:
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "max_model_len": st.max_model_len}]})
+        return web.json_response({"object": "list", "data": [{"id": st.model, "max_model_len": st.max_model_len}]})
 
     async def metrics(request):
         text = (f"# TYPE mooncake_conductor_reused_prefix_blocks_total counter\n"
@@ -62,8 +66,11 @@ def make_app(st: FakeState) -> web.Application:
             return web.json_response({"error": {"message": "overloaded", "code": "rate_limit_exceeded"}},
                                      status=429, headers={"Retry-After": "1"})
         prompt = body["prompt"]
-        if not isinstance(prompt, str) or not prompt.isprintable():
-            return web.json_response({"error": {"message": "prompt must be printable text"}}, status=400)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = tuple(prompt)
+        elif not isinstance(prompt, str) or not prompt.isprintable():
+            return web.json_response({"error": {"message": "prompt must be printable text or token ids"}},
+                                     status=400)
         hits, _ = st.cache(prompt)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "X-Mooncake-Reused-Blocks": str(hits)})
@@ -71,11 +78,13 @@ def make_app(st: FakeState) -> web.Application:
         n = body["max_tokens"]
         for i in range(n):
             await asyncio.sleep(0.001)
-            chunk = {"id": "c", "object": "text_completion", "model": MODEL,
+            chunk = {"id": "c", "object": "text_completion", "model": st.model,
                      "choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+            if st.report_cached:
+                usage["prompt_tokens_details"] = {"cached_tokens": hits * st.block_chars}
             await resp.write(b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mooncake_lite.bench.replay_metrics import (RequestRecord, compute_metrics, meets_slos, paper_tbt, parse_slos,
-                                                prefix_hit_request_share, tpot)
+from mooncake_lite.bench.replay_metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, meets_slos,
+                                                paper_tbt, parse_slos, prefix_hit_request_share, tpot)
 
 A = RequestRecord(0, 0.0, 0.0, (0.10, 0.15, 0.25, 0.30), prompt_tokens=10, output_tokens=4, status=200,
                   reused_blocks=1, num_prompt_blocks=4)
@@ -78,3 +78,14 @@ def test_prefix_hit_request_share():
     zero = RequestRecord(5, 0.0, 0.0, (0.1,), output_tokens=1, status=200, reused_blocks=0)
     assert prefix_hit_request_share([A, B, zero, C]) == pytest.approx(2 / 3)   # C was rejected: not counted
     assert prefix_hit_request_share([D]) is None                               # no header at all
+
+
+def test_cached_token_hit_rate_uses_the_servers_counts():
+    def rec(i, cached, prompt, server=None, status=200):
+        return RequestRecord(i, 0.0, 0.0, (0.1,), prompt_tokens=prompt, status=status, cached_tokens=cached,
+                             server_prompt_tokens=server)
+    got = cached_token_hit_rate([rec(0, 0, 100), rec(1, 64, 100, server=101), rec(2, 128, 200),
+                                 rec(3, None, 500), rec(4, 64, 100, status=429)])
+    assert got["cached_token_hit_rate"] == 192 / 401 and got["cached_tokens"] == 192
+    assert got["requests_reporting_cached_tokens"] == 3 and got["requests_with_cached_tokens"] == 2 / 3
+    assert cached_token_hit_rate([rec(0, None, 10)])["cached_token_hit_rate"] is None

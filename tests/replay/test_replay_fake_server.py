@@ -5,11 +5,12 @@ import aiohttp
 import orjson
 import pytest
 
-from mooncake_lite.bench.replay import main
+from mooncake_lite.bench.replay import main, resolve_tokenizer
 from mooncake_lite.bench.replay_client import request_body, stream_one
 from mooncake_lite.bench.replay_metrics import compute_metrics
 from mooncake_lite.bench.replay_prompts import SynthRequest
 from tests.conftest import TRACE, needs_trace
+from tests.real_model import SMOLLM, needs_smollm
 from tests.replay.fake_openai import FakeState, ThreadServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,6 +37,11 @@ def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys
     # hit rate comes from the server's counters, and the shared hash id 0 makes it positive
     assert cache["cache_hit_rate"] == pytest.approx(st.reused_blocks / st.prompt_blocks) and st.reused_blocks > 0
     assert cache["requests_with_prefix_hit"] > 0 and 0 < cache["ideal_block_hit_rate"] < 1
+    # the measured hit rate: usage cached_tokens over the prompt tokens of the finished requests
+    served = [len(b["prompt"]) for i, (_, b) in enumerate(st.received, 1) if i % 7]
+    assert cache["cached_tokens"] == 16 * st.reused_blocks and cache["cached_of_prompt_tokens"] == sum(served)
+    assert cache["cached_token_hit_rate"] == pytest.approx(16 * st.reused_blocks / sum(served))
+    assert cache["requests_reporting_cached_tokens"] == 26 and summary["config"]["tokenizer"] == "bytes"
     prompts = [b["prompt"] for _, b in st.received]
     assert len({p[:16] for p in prompts}) == 1 and len({p[16:32] for p in prompts}) > 1
     assert all(b["stream"] and b["ignore_eos"] and b["model"] == "fake-model" for _, b in st.received)
@@ -120,3 +126,53 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--trace", str(TRACE), "--base-url", "http://127.0.0.1:9", "--max-requests", "1",
                  "--output-dir", str(tmp_path), "--no-progress"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@needs_trace
+def test_no_cached_tokens_in_usage_means_no_measured_hit_rate(tmp_path, capsys):
+    with ThreadServer(FakeState(report_cached=False)) as srv:
+        assert main(replay_args(srv.url, tmp_path, "--max-requests", "5", "--json", "--no-plot")) == 0
+    summary = orjson.loads(capsys.readouterr().out)
+    assert summary["cache"]["cached_token_hit_rate"] is None
+    assert summary["cache"]["requests_reporting_cached_tokens"] == 0
+    assert any("cached_tokens" in n for n in summary["notes"])
+
+
+def test_resolve_tokenizer_choices(tmp_path):
+    assert resolve_tokenizer("bytes", "smollm2-135m")[:2] == (None, "bytes")
+    tok, label, note = resolve_tokenizer("auto", "tiny")            # a preset: bytes are its tokens
+    assert tok is None and "byte-level" in label and note is None
+    tok, label, note = resolve_tokenizer("auto", "gpt-4o")          # another server's model
+    assert tok is None and label == "bytes" and "--tokenizer" in note
+    tok, label, note = resolve_tokenizer("auto", "org/model")
+    assert tok is None and "--tokenizer" in note
+    for bad in (str(tmp_path / "missing.gguf"), "no-such-model"):
+        with pytest.raises(ValueError, match="--tokenizer"):
+            resolve_tokenizer(bad, "fake-model")
+
+
+@needs_smollm
+@needs_trace
+def test_replay_against_a_server_naming_the_real_model_counts_its_tokens(tmp_path, capsys):
+    from mooncake_lite.model.tokenizer import load_tokenizer
+    tok = load_tokenizer(SMOLLM, 320)
+    st = FakeState(model=SMOLLM, block_chars=64)
+    with ThreadServer(st) as srv:
+        assert main(replay_args(srv.url, tmp_path, "--block-tokens", "64", "--max-requests", "8", "--json",
+                                "--no-plot")) == 0
+        text = orjson.loads(capsys.readouterr().out)
+        n_text = len(st.received)
+        # tokens mode: the same ids, sent as a list; the fake server caches 64-id blocks
+        assert main(replay_args(srv.url, tmp_path, "--block-tokens", "64", "--max-requests", "8", "--json",
+                                "--no-plot", "--prompt-mode", "tokens")) == 0
+        ids_run = orjson.loads(capsys.readouterr().out)
+    assert text["config"]["tokenizer"] == SMOLLM and not [n for n in text["notes"] if "bytes" in n]
+    lens = orjson.loads((tmp_path / "result.json").read_bytes())["per_request"]["input_lens"]
+    texts = [b["prompt"] for _, b in st.received[:n_text]]
+    ids = [b["prompt"] for _, b in st.received[n_text:]]
+    assert [len(tok.encode(t)) for t in texts] == [len(i) for i in ids] == lens   # the server's own count
+    assert [tok.encode(t) for t in texts] == ids
+    assert len({tuple(i[:64]) for i in ids}) == 1 and len({tuple(i[64:128]) for i in ids if len(i) >= 128}) > 1
+    # hash id 0 (one 64-token block) is shared by all 8: the 7 after the first hit it
+    assert ids_run["cache"]["cached_token_hit_rate"] == pytest.approx(
+        ids_run["cache"]["cached_tokens"] / sum(lens)) and ids_run["cache"]["cached_tokens"] >= 64 * 7
