@@ -10,16 +10,11 @@ import json
 import os
 
 from mooncake_lite.model.args import ROPE_TYPES, ModelArgs, rope_params, rope_scaling_from_config, rope_type
+from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
+from mooncake_lite.model.gguf_file import args_from_meta, read_meta
+from mooncake_lite.model.source import resolve
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is unusable: missing or mismatched tensors, unsupported features."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """A file the checkpoint needs is absent (caught by ``except ValueError`` and ``except OSError``)."""
 
 
 def read_args(ckpt_dir: str) -> ModelArgs:
@@ -73,11 +68,9 @@ def _check_supported(cfg: dict, path: str) -> None:
 
 def model_args(model: str) -> ModelArgs:
     """Shape of a preset, named model, GGUF file or checkpoint directory without building weights."""
-    from mooncake_lite.model.source import resolve
     source = resolve(model)
     if source.kind == "hf":
         return read_args(model)
     if source.kind == "gguf":
-        from mooncake_lite.model.gguf_file import args_from_meta, read_meta
         return args_from_meta(read_meta(source.path), source.served_name)
     return ModelArgs.from_name(model)

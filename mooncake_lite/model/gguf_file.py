@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.model.args import ModelArgs
-from mooncake_lite.model.checkpoint_config import CheckpointError
+from mooncake_lite.model.errors import CheckpointError
 
 # Architectures whose GGUF tensors map onto our LLaMA-family decoder.
 SUPPORTED_ARCHS = ("llama", "qwen2")

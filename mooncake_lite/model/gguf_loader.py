@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from mooncake_lite.model.args import ModelArgs
-from mooncake_lite.model.checkpoint_config import CheckpointError
+from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_file import args_from_meta, open_reader, read_meta
 from mooncake_lite.model.llama import Transformer
 

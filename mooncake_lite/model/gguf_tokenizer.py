@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from mooncake_lite.model.checkpoint_config import CheckpointError
+from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_file import GGUFMeta
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 import torch
 
 from mooncake_lite.model.args import ModelArgs
-from mooncake_lite.model.checkpoint_config import CheckpointError, CheckpointNotFoundError, read_args
+from mooncake_lite.model.checkpoint_config import read_args
+from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
 from mooncake_lite.model.llama import Transformer
 
 
