@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE
+from mooncake_lite.common.launch import role_argv
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 ROLES = ("conductor", "store", "prefill", "decode")
@@ -91,7 +92,7 @@ def split_args(text: str | None) -> tuple[str, ...]:
 
 
 def _base(opts: UpOptions, role: str, port: int) -> list[str]:
-    argv = [*opts.launcher, "--role", role, "--host", opts.host, "--port", str(port)]
+    argv = role_argv(role, "--host", opts.host, "--port", str(port), launcher=opts.launcher)
     if opts.config:
         argv += ["--config", opts.config]
     return argv + list(opts.common)

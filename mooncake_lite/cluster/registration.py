@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
-import sys
 import time
 
 import aiohttp
 
-from mooncake_lite.cluster.child import ChildFailed
 from mooncake_lite.cluster.health import missing_instances
 from mooncake_lite.cluster.plan import UpOptions
+from mooncake_lite.common.launch import LAUNCHER, RoleFailed
 
 ROLE_MODULES = {r: f"mooncake_lite.{r}.config" for r in ("conductor", "store", "prefill", "decode")}
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "[::1]"}
@@ -36,7 +35,7 @@ def role_fields(role: str) -> set[str] | None:
 
 
 def uses_builtin_launcher(opts: UpOptions) -> bool:
-    return tuple(opts.launcher) == (sys.executable, "-m", "mooncake_lite")
+    return tuple(opts.launcher) == LAUNCHER
 
 
 def with_role_support(opts: UpOptions) -> UpOptions:
@@ -65,7 +64,7 @@ async def wait_registered(conductor_url: str, want: dict[str, int], sup, *, time
                           headers: dict[str, str] | None = None, interval: float = 0.2) -> dict:
     """Poll the conductor's ``/health`` until ``want`` instances per role are registered.
 
-    Raises :class:`ChildFailed` when a child exits meanwhile or the deadline passes.
+    Raises :class:`RoleFailed` when a child exits meanwhile or the deadline passes.
     """
     deadline = time.monotonic() + timeout
     body: object = None
@@ -85,6 +84,6 @@ async def wait_registered(conductor_url: str, want: dict[str, int], sup, *, time
                 pass
             if time.monotonic() > deadline:
                 conductor = sup.children.get("conductor")
-                raise ChildFailed("conductor", f"still missing registrations {missing} after {timeout:g}s; "
+                raise RoleFailed("conductor", f"still missing registrations {missing} after {timeout:g}s; "
                                   f"last /health: {str(body)[:300]}", conductor.tail if conductor else [])
             await asyncio.sleep(interval)

@@ -22,13 +22,13 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
-from mooncake_lite.cluster.child import ChildFailed
 from mooncake_lite.cluster.plan import (MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions, conductor_spec,
                                         instance_specs, kv_layout, slot_bytes_for, split_args, store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import Supervisor
 from mooncake_lite.common.auth import api_key_headers, cluster_headers
+from mooncake_lite.common.launch import LAUNCHER, RoleFailed
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 _COLORS = {"conductor": "35", "store": "36", "prefill": "33", "decode": "32", "up": "1"}
@@ -73,7 +73,7 @@ def options_from(ns: argparse.Namespace) -> UpOptions:
             common += [flag, str(value)]
     if ns.log_json:
         common.append("--log-json")
-    launcher = tuple(shlex.split(ns.launcher)) if ns.launcher else (sys.executable, "-m", "mooncake_lite")
+    launcher = tuple(shlex.split(ns.launcher)) if ns.launcher else LAUNCHER
     return UpOptions(num_prefill=ns.prefill, num_decode=ns.decode, num_stores=ns.stores, model=ns.model,
                      host=ns.host, port=ns.port, api_key=ns.api_key or None,
                      cluster_token=ns.cluster_token or None, config=ns.config, common=tuple(common),
@@ -168,7 +168,7 @@ def _say(text: str) -> None:
     sys.stdout.flush()
 
 
-def report_failure(exc: ChildFailed) -> None:
+def report_failure(exc: RoleFailed) -> None:
     sys.stderr.write(f"\nmooncake up: {exc}\n")
     if exc.tail:
         sys.stderr.write(f"last lines from {exc.name}:\n" + "".join(f"  | {ln}\n" for ln in exc.tail[-20:]))
@@ -184,7 +184,7 @@ async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
     rc = 0
     try:
         rc = await _run(opts, ns, sup, stop)
-    except ChildFailed as exc:
+    except RoleFailed as exc:
         report_failure(exc)
         rc = 1
     except SmokeError as exc:
