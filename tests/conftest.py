@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
 import pytest
 import torch
+
+from mooncake_lite.common.launch import RoleProcess
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -36,64 +32,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@dataclass
-class RoleProcess:
-    """A running ``mooncake --role ...`` process and the addresses from its ready line."""
-    role: str
-    proc: subprocess.Popen
-    addresses: dict[str, str]
-    stderr_lines: list[str] = field(default_factory=list)
-
-    def url(self, key: str = "http") -> str:
-        return f"http://{self.addresses[key]}"
-
-    def hostport(self, key: str) -> tuple[str, int]:
-        host, port = self.addresses[key].rsplit(":", 1)
-        return host, int(port)
-
-    def logs(self) -> str:
-        return "".join(self.stderr_lines)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
-def _drain(stream, sink: list[str]) -> None:
-    for line in iter(stream.readline, ""):
-        sink.append(line)
-
-
 def start_role(role: str, *args: str, timeout: float = 120.0, env: dict | None = None) -> RoleProcess:
-    """Start ``mooncake --role ROLE ARGS`` and wait for its ready line on stdout."""
-    cmd = [sys.executable, "-m", "mooncake_lite", "--role", role, "--host", "127.0.0.1", *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=full_env)
-    rp = RoleProcess(role, proc, {})
-    threading.Thread(target=_drain, args=(proc.stderr, rp.stderr_lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(msg, dict) and msg.get("event") == "ready":
-            rp.addresses = {k: v for k, v in msg.items() if k not in ("event", "role")}
-            threading.Thread(target=_drain, args=(proc.stdout, []), daemon=True).start()
-            return rp
-    rp.stop()
-    time.sleep(0.2)
-    raise RuntimeError(f"{role} did not become ready (rc={proc.returncode}):\n{rp.logs()[-4000:]}")
+    """Start ``mooncake --role ROLE ARGS`` on 127.0.0.1 and wait for its ready line on stdout."""
+    return RoleProcess.start(role, "--host", "127.0.0.1", *args, timeout=timeout, env=env, cwd=REPO)
 
 
 @pytest.fixture

@@ -117,6 +117,7 @@ class RoleProcess:
         self.name, self.argv = name, list(argv)
         self.out = _Output(name, on_line, tail_lines)
         self._ready = threading.Event()
+        self._is_terminating = False  # SIGTERM sent: a second one could cut its drain short
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
                                      env=_child_env(env), cwd=cwd)
@@ -147,7 +148,8 @@ class RoleProcess:
         if is_stdout:
             self._ready.set()  # EOF: wait_ready sees no addresses
 
-    def wait_ready(self, timeout: float) -> dict[str, str]:
+    def wait_ready(self, timeout: float | None) -> dict[str, str]:
+        """The ready line's addresses (``timeout`` None: as long as the process lives)."""
         if not self._ready.wait(timeout):
             self.stop()
             raise RoleFailed(self.name, f"not ready after {timeout:g}s{_last_lines(self.out.tail)}", self.out.tail)
@@ -182,10 +184,13 @@ class RoleProcess:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
+                self._is_terminating = self._is_terminating or sig == signal.SIGTERM
 
     def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, wait up to ``timeout`` for the drain, then SIGKILL. Returns the exit code."""
-        self.send(signal.SIGTERM)
+        """SIGTERM (unless sent already), wait up to ``timeout`` for the drain, then SIGKILL.
+        Returns the exit code."""
+        if not self._is_terminating:
+            self.send(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

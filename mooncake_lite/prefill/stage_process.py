@@ -11,15 +11,14 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
-import orjson
 from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
+from mooncake_lite.common.launch import RoleProcess, role_argv
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.instance.runner import build_runner
@@ -45,7 +44,7 @@ def layer_slices(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
     """The command line of stage ``stage``: the head's own settings plus its place in the group."""
-    argv = [sys.executable, "-m", "mooncake_lite", "--role", "prefill"]
+    argv = role_argv("prefill")
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in SKIP_FLAGS or value is None:
@@ -63,19 +62,20 @@ def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
 class StageGroup:
     """Stages 1..X-1 of a group, started by its head (last stage first, so each knows its next)."""
 
-    def __init__(self, procs: list[subprocess.Popen], first_address: str):
+    def __init__(self, procs: list[RoleProcess], first_address: str):
         self.procs = procs
         self.first_address = first_address
 
     @classmethod
-    def spawn(cls, cfg, slices: list[tuple[int, int]], timeout_s: float = 120.0) -> StageGroup:
-        procs: list[subprocess.Popen] = []
+    def spawn(cls, cfg, slices: list[tuple[int, int]], timeout_s: float | None = None) -> StageGroup:
+        procs: list[RoleProcess] = []
         address = None
         try:
             for stage in range(len(slices) - 1, 0, -1):
-                proc = subprocess.Popen(stage_argv(cfg, stage, address), stdout=subprocess.PIPE, text=True)
+                # a stage logs through its head's stderr, as if it were part of the head
+                proc = RoleProcess(f"pipeline stage {stage}", stage_argv(cfg, stage, address), on_line=_relay)
                 procs.append(proc)
-                address = _wait_ready(proc, stage)
+                address = proc.wait_ready(timeout_s)["stage"]
         except BaseException:
             cls(procs, "").stop()
             raise
@@ -86,26 +86,14 @@ class StageGroup:
         return await NextStage.connect(self.first_address, token)
 
     def stop(self) -> None:
+        for proc in self.procs:  # all drain at once
+            proc.send(signal.SIGTERM)
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            proc.stop(10)
 
 
-def _wait_ready(proc: subprocess.Popen, stage: int) -> str:
-    for line in proc.stdout:
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(msg, dict) and msg.get("event") == "ready":
-            return msg["stage"]
-    raise RuntimeError(f"pipeline stage {stage} exited before it was ready (rc={proc.wait()})")
+def _relay(name: str, line: str) -> None:
+    sys.stderr.write(line + "\n")
 
 
 def run_stage(cfg) -> int:
