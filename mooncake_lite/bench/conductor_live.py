@@ -20,17 +20,17 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 
 import aiohttp
-import orjson
 from aiohttp import web
 
+from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.common.protocol import (GenerateRequest, Heartbeat, PrefillRequest, PrefillResult, Register,
                                            Sampling, TokenEvent, dumps, loads)
+from mooncake_lite.common.service import announce_ready
 
 TARGET_MS = 2.0
 BLOCK_SIZE = 16
@@ -92,8 +92,7 @@ async def _serve_instances(conductor: str) -> None:
             async with s.post(conductor + "/internal/v1/register", data=dumps(reg)) as r:
                 if r.status != 200:
                     raise SystemExit(f"registration refused: {await r.text()}")
-        sys.stdout.write(orjson.dumps({"event": "ready", "http": http}).decode() + "\n")
-        sys.stdout.flush()
+        announce_ready("bench-instances", http=http)
         while True:
             for reg in regs:
                 async with s.post(conductor + "/internal/v1/heartbeat",
@@ -132,29 +131,6 @@ async def _direct(s: aiohttp.ClientSession, instances: str, token_ids: tuple[int
         pass
     dec.release()
     return ttft, time.perf_counter() - t0
-
-
-def _start(cmd: list[str]) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if msg.get("event") == "ready":
-            return proc, msg
-    proc.kill()
-    raise RuntimeError(f"{cmd[3:5]} did not start (rc={proc.wait()})")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def _measure(args: argparse.Namespace, url: str, instances: str) -> dict:
@@ -197,18 +173,17 @@ def _figures(via: list, direct: list, n: int, k: int, prompt_len: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    py = sys.executable
-    conductor, ready = _start([py, "-m", "mooncake_lite", "--role", "conductor", "--port", "0", "--model", "tiny",
-                               "--block-size", str(BLOCK_SIZE), "--admission", "none", "--log-level", "warning"])
+    conductor = RoleProcess.start("conductor", "--port", "0", "--model", "tiny", "--block-size", str(BLOCK_SIZE),
+                                  "--admission", "none", "--log-level", "warning")
     instances = None
     try:
-        url = f"http://{ready['http']}"
-        instances, inst_ready = _start([py, "-m", "mooncake_lite.bench.conductor_live", "serve-instances", url])
-        return asyncio.run(_measure(args, url, inst_ready["http"]))
+        instances = RoleProcess.launch([sys.executable, "-m", "mooncake_lite.bench.conductor_live",
+                                        "serve-instances", conductor.url()], name="bench instances")
+        return asyncio.run(_measure(args, conductor.url(), instances.addresses["http"]))
     finally:
         if instances is not None:
-            _stop(instances)
-        _stop(conductor)
+            instances.stop(10)
+        conductor.stop(10)
 
 
 def show(f: dict) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ import torch
 
 from mooncake_lite.bench.model import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, resolve
 from mooncake_lite.model.weights import build_model
@@ -111,28 +111,12 @@ def _prompt_lens(value: str | None, models: Sequence[str]) -> dict[str, int]:
 
 
 # --- processes --------------------------------------------------------------------------------------
-class Role:
-    def __init__(self, *args: str):
-        cmd = [sys.executable, "-m", "mooncake_lite", *args, "--host", "127.0.0.1", "--port", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for line in self.proc.stdout:
-            if line.startswith("{") and '"ready"' in line:
-                self.addresses = orjson.loads(line)
-                return
-        raise RuntimeError(f"{' '.join(args)} did not start (rc={self.proc.wait()})")
-
-    def url(self) -> str:
-        return f"http://{self.addresses['http']}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def start_role(role: str, *args: str) -> RoleProcess:
+    """A role process on 127.0.0.1 (however long its model takes to load)."""
+    return RoleProcess.start(role, *args, "--host", "127.0.0.1", "--port", "0", timeout=None)
 
 
-async def announce(session: aiohttp.ClientSession, decode: Role, tid: str, prompt_len: int) -> aiohttp.ClientResponse:
+async def announce(session: aiohttp.ClientSession, decode: RoleProcess, tid: str, prompt_len: int) -> aiohttp.ClientResponse:
     """Reserve the request on decode (max_tokens 1: it finishes as soon as the KV is in)."""
     body = {"request_id": tid, "transfer_id": tid, "prompt_len": prompt_len, "sampling": {"max_tokens": 1}}
     resp = await session.post(f"{decode.url()}/v1/generate", json=body)
@@ -192,7 +176,7 @@ async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int
         await stage.release(job)
 
 
-async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Role) -> dict:
+async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: RoleProcess) -> dict:
     n = a.prompt_lens[name]
     t0 = time.perf_counter()
     model = build_model(name)
@@ -279,7 +263,7 @@ def bench_decode(runner: ModelRunner, a: argparse.Namespace, peak_gbps: float) -
     return rows
 
 
-async def cpp_ttft(prefill: Role, decode: Role, n: int, vocab: int, repeats: int) -> float:
+async def cpp_ttft(prefill: RoleProcess, decode: RoleProcess, n: int, vocab: int, repeats: int) -> float:
     times = []
     async with aiohttp.ClientSession() as session:
         for i in range(repeats + 1):
@@ -299,13 +283,13 @@ async def cpp_ttft(prefill: Role, decode: Role, n: int, vocab: int, repeats: int
     return min(times[1:])   # the first run warms up
 
 
-def bench_cpp(name: str, a: argparse.Namespace, decode: Role, n: int, vocab: int) -> dict:
-    common = ("--role", "prefill", "--model", name, "--block-size", str(BLOCK), "--no-profile",
+def bench_cpp(name: str, a: argparse.Namespace, decode: RoleProcess, n: int, vocab: int) -> dict:
+    common = ("--model", name, "--block-size", str(BLOCK), "--no-profile",
               "--prefill-chunk", str(a.chunk), "--num-blocks", str(n // BLOCK + 2))
     out = {}
     for label, extra in (("one_instance", ("--threads", str(a.threads))),
                          ("cpp_2_stages", ("--threads", str(max(1, a.threads // 2)), "--pipeline-group", "2"))):
-        prefill = Role(*common, *extra)
+        prefill = start_role("prefill", *common, *extra)
         try:
             out[f"ttft_{label}_s"] = asyncio.run(cpp_ttft(prefill, decode, n, vocab, a.repeats))
         finally:
@@ -327,7 +311,7 @@ def run(a: argparse.Namespace) -> dict:
            "models": {}, "notes": notes}
     for name in a.models:
         n = a.prompt_lens[name]
-        decode = Role("--role", "decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
+        decode = start_role("decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
                       "--num-blocks", str(2 * (max(n, a.cpp_lens[name]) // BLOCK + 2)), "--threads", "1")
         try:
             part = asyncio.run(bench_overlap_and_prefix(name, a, decode))

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from mooncake_lite.common.launch import RoleProcess, to_stderr
 from mooncake_lite.common.units import format_size, parse_size
 
 SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -109,19 +110,9 @@ def process_cpu(pid: int) -> float:
 
 
 # ---- the store under test ------------------------------------------------------------------------
-def start_store(size: int, dram: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "mooncake_lite", "--role", "store", "--port", "0", "--data-port", "0",
-           "--dram", str(dram), "--slot-bytes", str(size), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # type: ignore[union-attr]
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(msg, dict) and msg.get("event") == "ready":
-            return proc, msg["data"]
-    proc.kill()
-    raise RuntimeError("the store did not start")
+def start_store(size: int, dram: int) -> RoleProcess:
+    return RoleProcess.start("store", "--port", "0", "--data-port", "0", "--dram", str(dram),
+                             "--slot-bytes", str(size), "--log-level", "warning", timeout=None, on_line=to_stderr)
 
 
 async def measure_store(address: str, server_pid: int, size: int, args: argparse.Namespace,
@@ -189,7 +180,7 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
     raw: dict[str, list[float]] = {"memcpy": [], "socket": [], "socket_cpu": [], "socket_arena": []}
     rounds: list[dict] = []
     dram = max(args.dram, 64 * size)
-    proc, address = start_store(size, dram)
+    store = start_store(size, dram)
     try:
         for _ in range(args.repeat):
             raw["memcpy"].append(memcpy_gbps(size, args.bytes_per_run))
@@ -197,10 +188,9 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
             raw["socket"].append(gbps)
             raw["socket_cpu"].append(cpu)
             raw["socket_arena"].append(socket_gbps(size, args.bytes_per_run, min(dram, 512 << 20))[0])
-            rounds.append(uvloop.run(measure_store(address, proc.pid, size, args, dram // size)))
+            rounds.append(uvloop.run(measure_store(store.addresses["data"], store.pid, size, args, dram // size)))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        store.stop(30)
     return summarize(size, raw, rounds)
 
 

@@ -62,6 +62,11 @@ def parse_ready(line: str) -> dict[str, str] | None:
     return {k: str(v) for k, v in msg.items() if k not in ("event", "role")}
 
 
+def to_stderr(name: str, line: str) -> None:
+    """A sink that passes a child's lines on to our own stderr, as if we had written them."""
+    sys.stderr.write(line + "\n")
+
+
 def _child_env(env: dict[str, str] | None) -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
@@ -127,13 +132,13 @@ class RoleProcess:
             reader.start()
 
     @classmethod
-    def start(cls, role: str, *args: str, name: str | None = None, timeout: float = 120.0,
+    def start(cls, role: str, *args: str, name: str | None = None, timeout: float | None = 120.0,
               launcher: Sequence[str] = LAUNCHER, **options) -> RoleProcess:
         """Start ``mooncake --role ROLE ARGS`` and wait for its ready line (see :meth:`launch`)."""
         return cls.launch(role_argv(role, *args, launcher=launcher), name=name or role, timeout=timeout, **options)
 
     @classmethod
-    def launch(cls, argv: Sequence[str], *, name: str, timeout: float = 120.0, **options) -> RoleProcess:
+    def launch(cls, argv: Sequence[str], *, name: str, timeout: float | None = 120.0, **options) -> RoleProcess:
         """Run any command that prints a ready line and wait for it; :class:`RoleFailed` (with
         its last output lines) if it exits or ``timeout`` passes first, after stopping it.
         ``options``: ``env``, ``cwd``, ``on_line``, ``tail_lines`` of the constructor."""

@@ -11,14 +11,13 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
 from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
-from mooncake_lite.common.launch import RoleProcess, role_argv
+from mooncake_lite.common.launch import RoleProcess, role_argv, to_stderr
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.instance.runner import build_runner
@@ -73,7 +72,7 @@ class StageGroup:
         try:
             for stage in range(len(slices) - 1, 0, -1):
                 # a stage logs through its head's stderr, as if it were part of the head
-                proc = RoleProcess(f"pipeline stage {stage}", stage_argv(cfg, stage, address), on_line=_relay)
+                proc = RoleProcess(f"pipeline stage {stage}", stage_argv(cfg, stage, address), on_line=to_stderr)
                 procs.append(proc)
                 address = proc.wait_ready(timeout_s)["stage"]
         except BaseException:
@@ -90,10 +89,6 @@ class StageGroup:
             proc.send(signal.SIGTERM)
         for proc in self.procs:
             proc.stop(10)
-
-
-def _relay(name: str, line: str) -> None:
-    sys.stderr.write(line + "\n")
 
 
 def run_stage(cfg) -> int:
