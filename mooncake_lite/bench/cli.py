@@ -1,4 +1,5 @@
-"""Dispatch ``mooncake bench NAME`` to ``mooncake_lite.bench.NAME.main(argv)``.
+"""Dispatch ``mooncake bench NAME`` to ``mooncake_lite.bench.NAME.main(argv)`` (a benchmark that
+is a package, like ``replay/``, to its ``cli.main``).
 
 Every benchmark accepts ``--json`` to print all of its figures as one JSON object on stdout.
 """
@@ -16,6 +17,7 @@ BENCHES = {
     "conductor": "scheduling decision time and the conductor's added latency",
     "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
 }
+PACKAGES = {"replay"}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -25,10 +27,11 @@ def main(argv: Sequence[str]) -> int:
         out.write("usage: mooncake bench NAME [--json] [args]\n\n")
         out.write("\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items()) + "\n")
         return 0 if out is sys.stdout else 2
+    module = f"mooncake_lite.bench.{argv[0]}" + (".cli" if argv[0] in PACKAGES else "")
     try:
-        mod = importlib.import_module(f"mooncake_lite.bench.{argv[0]}")
+        mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name == f"mooncake_lite.bench.{argv[0]}":
+        if exc.name == module:
             sys.stderr.write(f"mooncake bench {argv[0]}: not implemented yet in this version\n")
             return 2
         raise

@@ -23,7 +23,7 @@ KEY = "sk-up-test"
 
 
 def test_up_serves_openai_client_replays_with_hits_and_stops_clean(tmp_path, capsys):
-    from mooncake_lite.bench.replay import main as replay_main
+    from mooncake_lite.bench.replay.cli import main as replay_main
 
     # a random hash seed is on every child's command line: it finds leftovers, and nothing else has it
     tag = str(random.randrange(10**8, 10**9))

@@ -1,4 +1,4 @@
-from mooncake_lite.bench.replay_client import HIT_METRICS, cache_hit_rate, parse_prometheus
+from mooncake_lite.bench.replay.client import HIT_METRICS, cache_hit_rate, parse_prometheus
 
 TEXT = """# HELP mooncake_conductor_reused_prefix_blocks_total prompt blocks scheduled as prefix hits
 # TYPE mooncake_conductor_reused_prefix_blocks_total counter

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mooncake_lite.bench.replay_metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, meets_slos,
+from mooncake_lite.bench.replay.metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, meets_slos,
                                                 paper_tbt, parse_slos, prefix_hit_request_share, tpot)
 
 A = RequestRecord(0, 0.0, 0.0, (0.10, 0.15, 0.25, 0.30), prompt_tokens=10, output_tokens=4, status=200,

@@ -1,6 +1,6 @@
 import pytest
 
-from mooncake_lite.bench.replay_prompts import PromptConfig, PromptSynth, auto_scale
+from mooncake_lite.bench.replay.workload import PromptConfig, PromptSynth, auto_scale
 from mooncake_lite.trace.format import TraceRequest
 from tests.real_model import SMOLLM, needs_smollm
 

@@ -5,10 +5,11 @@ import aiohttp
 import orjson
 import pytest
 
-from mooncake_lite.bench.replay import main, resolve_tokenizer
-from mooncake_lite.bench.replay_client import request_body, stream_one
-from mooncake_lite.bench.replay_metrics import compute_metrics
-from mooncake_lite.bench.replay_prompts import SynthRequest
+from mooncake_lite.bench.replay.cli import main
+from mooncake_lite.bench.replay.client import request_body, stream_one
+from mooncake_lite.bench.replay.metrics import compute_metrics
+from mooncake_lite.bench.replay.run import resolve_tokenizer
+from mooncake_lite.bench.replay.workload import SynthRequest
 from tests.conftest import TRACE, needs_trace
 from tests.real_model import SMOLLM, needs_smollm
 from tests.replay.fake_openai import FakeState, ThreadServer

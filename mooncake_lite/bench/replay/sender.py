@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 import aiohttp
 from tqdm import tqdm
 
-from mooncake_lite.bench.replay_client import Clock, request_body, stream_one
-from mooncake_lite.bench.replay_metrics import RequestRecord
-from mooncake_lite.bench.replay_prompts import SynthRequest
+from mooncake_lite.bench.replay.client import Clock, request_body, stream_one
+from mooncake_lite.bench.replay.metrics import RequestRecord
+from mooncake_lite.bench.replay.workload import SynthRequest
 
 
 def select_window(arrivals_s: Sequence[float], *, max_requests: int | None, duration_s: float | None) -> int:

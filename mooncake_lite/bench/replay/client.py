@@ -14,8 +14,8 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from mooncake_lite.bench.replay_metrics import RequestRecord
-from mooncake_lite.bench.replay_prompts import SynthRequest
+from mooncake_lite.bench.replay.metrics import RequestRecord
+from mooncake_lite.bench.replay.workload import SynthRequest
 
 Clock = Callable[[], float]
 

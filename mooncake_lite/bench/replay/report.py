@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from mooncake_lite.bench.replay_metrics import RequestRecord, e2el, itls, num_output_tokens, paper_tbt, tpot, ttft
+from mooncake_lite.bench.replay.metrics import RequestRecord, e2el, itls, num_output_tokens, paper_tbt, tpot, ttft
 
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, list]:
