@@ -203,6 +203,16 @@ def main(argv: Sequence[str]) -> int:
     if args.repeat < 1 or not sizes or any(s < 64 for s in sizes):
         sys.stderr.write("mooncake bench store: --repeat must be >= 1 and sizes >= 64 bytes\n")
         return 2
+    report = measure(sizes, args)
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
+    else:
+        print(render(report))
+    return 0
+
+
+def measure(sizes: Sequence[int], args: argparse.Namespace) -> dict:
+    """Every figure of every block size, with the machine and the reference, as one dict."""
     report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
               "repeat": args.repeat, "sizes": {}, "reference_mooncake_gbps": REFERENCE}
     for size in sizes:
@@ -210,11 +220,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"measuring {size} B blocks ...", file=sys.stderr, flush=True)
         report["sizes"][str(size)] = bench_size(size, args)
     report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
-    if args.json:
-        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
-    else:
-        print_report(report)
-    return 0
+    return report
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -262,25 +268,26 @@ def summarize(size: int, raw: dict[str, list[float]], rounds: list[dict]) -> dic
     return out
 
 
-def print_report(report: dict) -> None:
+def render(report: dict) -> str:
     m = report["machine"]
-    print(f"mooncake bench store: {m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, "
-          f"median of {report['repeat']} runs, GB/s = 1e9 B/s")
+    lines = [f"mooncake bench store: {m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, "
+             f"median of {report['repeat']} runs, GB/s = 1e9 B/s"]
     for size, r in report["sizes"].items():
         c = r["config"]
-        print(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s, blocking socket "
-              f"{r['socket_gbps']:.2f} GB/s ({r['socket_cpu_s_per_gb']:.2f} CPU s/GB), into a slab-sized arena "
-              f"{r['socket_arena_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
-              f"{c['in_flight']} in flight")
-        print(f"  {'op':<12} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'x arena':>8} {'CPU s/GB':>9} "
-              f"{'Mooncake':>11} {'x Mooncake':>10}  goals")
+        lines.append(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s, blocking socket "
+                     f"{r['socket_gbps']:.2f} GB/s ({r['socket_cpu_s_per_gb']:.2f} CPU s/GB), into a slab-sized arena "
+                     f"{r['socket_arena_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
+                     f"{c['in_flight']} in flight")
+        lines.append(f"  {'op':<12} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'x arena':>8} "
+                     f"{'CPU s/GB':>9} {'Mooncake':>11} {'x Mooncake':>10}  goals")
         for op in OPS:
             e = r[op]
             ref = "-".join(f"{x:.2f}" for x in e.get("mooncake_gbps", [])) or "-"
             vs = f"{e['vs_mooncake_high']:.2f}" if "vs_mooncake_high" in e else "-"
             goals = " ".join(f"{k}:{'ok' if v else 'MISS'}" for k, v in e["goals_met"].items())
-            print(f"  {op:<12} {e['gbps']:>6.2f} {e['p50_ms']:>8.3f} {e['p99_ms']:>8.3f} {e['vs_socket']:>9.2f} "
-                  f"{e['vs_socket_arena']:>8.2f} {e['cpu_s_per_gb']:>9.2f} {ref:>11} {vs:>10}  {goals}")
+            lines.append(f"  {op:<12} {e['gbps']:>6.2f} {e['p50_ms']:>8.3f} {e['p99_ms']:>8.3f} {e['vs_socket']:>9.2f} "
+                         f"{e['vs_socket_arena']:>8.2f} {e['cpu_s_per_gb']:>9.2f} {ref:>11} {vs:>10}  {goals}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
