@@ -4,8 +4,9 @@ Every role process prints exactly one JSON line on stdout once it serves::
 
     {"event": "ready", "role": "store", "http": "127.0.0.1:8100", "data": "127.0.0.1:8101"}
 
-Logs go to stderr. ``mooncake up`` and the test fixtures wait for that line (ports may be 0,
-meaning "pick a free one", so the line is the only place the real port is known).
+Logs go to stderr. ``common/launch.py`` waits for that line, for ``mooncake up``, the test
+fixtures and the benchmarks alike (ports may be 0, meaning "pick a free one", so the line is the
+only place the real port is known).
 """
 
 from __future__ import annotations
