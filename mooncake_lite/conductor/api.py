@@ -10,14 +10,16 @@ the flight aborts the request on prefill and decode.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import zlib
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
 from mooncake_lite.conductor.dispatch import Flight, Services
-from mooncake_lite.conductor.errors import ApiError, bad_request
+from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.metrics import paper_tbt
 from mooncake_lite.conductor.params import ApiRequest, parse_request
 from mooncake_lite.conductor.text import TextStream
@@ -84,12 +86,52 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _json_body(request: web.Request) -> object:
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise bad_request(f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.read()
+        raise _too_large()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large() from None
+    except web.RequestPayloadError as exc:   # broken chunked framing
+        raise ApiError(400, f"the request body could not be read ({short(' '.join(str(exc).split()), 200)})",
+                       code="invalid_body") from None
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("gzip", "deflate"):
+        # Compressed bodies are decoded here, not by aiohttp (auto_decompress is off, app.py), so
+        # the decoded size is capped exactly and a zip bomb is a 413, off the event loop.
+        raw = await asyncio.to_thread(decode_body, raw, encoding, MAX_BODY_BYTES)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes (after decoding "
+                         f"its Content-Encoding)", code="request_too_large")
+
+
+def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip (concatenated members too) or deflate (zlib-wrapped or raw) body, decoded; 413 past
+    ``limit`` decoded bytes, 400 when it is not what its Content-Encoding says."""
+    out = bytearray()
+    rest = raw
+    while rest:
+        wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else \
+            (zlib.MAX_WBITS if rest[0] & 0x0F == 8 else -zlib.MAX_WBITS)
+        d = zlib.decompressobj(wbits)
+        try:
+            out += d.decompress(rest, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise ApiError(400, f"the request body is not valid {encoding} data, as its Content-Encoding "
+                                f"says ({exc})", code="invalid_body") from None
+        if len(out) > limit or d.unconsumed_tail:
+            raise _too_large()
+        if not d.eof:
+            raise ApiError(400, f"the request body's {encoding} data is truncated", code="invalid_body")
+        rest = d.unused_data   # gzip: the next member; deflate: one stream only
+        if encoding == "deflate" and rest:
+            raise ApiError(400, "the request body has bytes after its deflate data", code="invalid_body")
+    return bytes(out)
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:

@@ -14,10 +14,11 @@ from aiohttp import web
 
 from mooncake_lite.common.auth import api_key_middleware, cluster_token_middleware
 from mooncake_lite.conductor import api, internal
-from mooncake_lite.conductor.api import API, ApiState
+from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
 from mooncake_lite.conductor.dispatch import Services
+from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middleware
 from mooncake_lite.conductor.membership import Membership, model_id
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.model.tokenizer import load_tokenizer
@@ -41,11 +42,16 @@ def make_app(cfg: Config) -> web.Application:
     scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
     membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after)
     app = web.Application(
-        middlewares=[api_key_middleware(cfg.api_key, prefixes=("/v1/",)),
+        # json_errors first (outermost): every error aiohttp itself raises answers OpenAI-style JSON.
+        middlewares=[json_errors_middleware,
+                     api_key_middleware(cfg.api_key, prefixes=("/v1/",)),
                      cluster_token_middleware(cfg.cluster_token, prefixes=("/internal/",))],
-        # A client that disconnects cancels its handler, which aborts the request upstream.
-        handler_args={"handler_cancellation": True},
-        client_max_size=64 * 2**20)
+        # A client that disconnects cancels its handler, which aborts the request upstream. The
+        # parser's header limits are above the middleware's, so an oversized header gets its JSON 431;
+        # compressed bodies are decoded by api.py (size-capped), not by the parser.
+        handler_args={"handler_cancellation": True, "max_field_size": PARSER_FIELD_BYTES,
+                      "max_line_size": PARSER_FIELD_BYTES, "auto_decompress": False},
+        client_max_size=MAX_BODY_BYTES)
     served = tuple(dict.fromkeys((model_id(cfg.model), cfg.model)))
     app[API] = ApiState(
         svc=Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]

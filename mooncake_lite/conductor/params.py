@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
-from mooncake_lite.conductor.errors import ApiError, bad_request
+from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer
 
@@ -86,20 +86,26 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if include_usage is None:
+        include_usage = False
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
-    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream,
-                      bool(options.get("include_usage", False)), return_ids)
+    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids)
 
 
 def _unknown_model(model: str, served: str) -> ApiError:
     # OpenAI answers an unknown model with 404 model_not_found; the issue asks for 400, as vLLM
     # does. Keep OpenAI's code so clients can still tell what happened.
-    return ApiError(400, f"The model '{model}' does not exist. This server serves '{served}'.",
+    return ApiError(400, f"The model '{short(model)}' does not exist. This server serves '{served}'.",
                     code="model_not_found", param="model")
 
 
@@ -159,11 +165,17 @@ def _check_n(body: dict) -> None:
     for key in UNSUPPORTED:
         if body.get(key) not in (None, False, 0, 0.0, {}, []):
             raise bad_request(f"'{key}' is not supported by this server", key)
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad_request("only n = 1 is supported", "n")
-    if body.get("best_of") not in (None, 1):
-        raise bad_request("best_of is not supported", "best_of")
+    # Exactly the integer 1 (or absent): 1.0 and true compare equal to 1 in Python, not in the API.
+    n = body.get("n")
+    if n is not None and not _is_int(n, 1):
+        raise bad_request(f"only n = 1 is supported (an integer), got {short(n)}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and not _is_int(best_of, 1):
+        raise bad_request(f"best_of is not supported (only the integer 1), got {short(best_of)}", "best_of")
+
+
+def _is_int(value: Any, expected: int) -> bool:
+    return type(value) is int and value == expected
 
 
 def _max_tokens(body: dict, kind: str, num_prompt: int, max_context: int) -> int:
@@ -185,7 +197,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise bad_request(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {value!r}", key)
+        raise bad_request(f"'{key}' must be a number in [{lo:g}, {hi:g}], got {short(value)}", key)
     return float(value)
 
 
@@ -215,8 +227,10 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _stop_token_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
         raise bad_request(f"'stop_token_ids' must be a list of token ids in [0, {vocab_size})", "stop_token_ids")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
