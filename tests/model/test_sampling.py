@@ -28,3 +28,43 @@ def test_without_the_skip_the_tokens_differ():
     drew, fresh = make_generator(params), make_generator(params)
     sample(logits[0], params, drew)
     assert [sample(r, params, drew) for r in logits[1:]] != [sample(r, params, fresh) for r in logits[1:]]
+
+
+# Issue #15, finding 3: every value the API accepts samples a valid token (no inf/nan).
+TINY = [1e-300, 5e-324, 1e-45, 1e-8]
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperature_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature, top_p=1.0, seed=3)
+    assert params.is_greedy and make_generator(params) is None
+    logits = torch.randn(20, 257, generator=torch.Generator().manual_seed(1)) * 30
+    assert [sample(row, params) for row in logits] == [int(torch.argmax(row)) for row in logits]
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-4, 0.01])
+def test_small_temperature_above_the_cutoff_samples_the_top_token(temperature):
+    params = SamplingParams(temperature=temperature, top_p=1.0, seed=3)
+    logits = torch.randn(20, 257, generator=torch.Generator().manual_seed(1)) * 1e4   # huge logits too
+    gen = make_generator(params)
+    assert gen is not None
+    assert [sample(row, params, gen) for row in logits] == [int(torch.argmax(row)) for row in logits]
+
+
+@pytest.mark.parametrize("top_p", TINY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tiny_top_p_keeps_the_top_token(top_p, dtype):
+    params = SamplingParams(temperature=1.0, top_p=top_p, seed=3)
+    logits = (torch.randn(20, 257, generator=torch.Generator().manual_seed(2)) * 5).to(dtype)
+    gen = make_generator(params)
+    assert [sample(row, params, gen) for row in logits] == [int(torch.argmax(row.float())) for row in logits]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(2.0, 1.0), (2.0, 1e-300), (1e-5, 0.5), (0.7, 0.999999999)])
+def test_extreme_logits_still_give_a_token(temperature, top_p):
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=5)
+    gen = make_generator(params)
+    for row in (torch.full((257,), -1e30), torch.tensor([3e38] * 3 + [-3e38] * 254),
+                torch.tensor([float("-inf")] * 256 + [0.0])):
+        token = sample(row, params, gen)
+        assert 0 <= token < 257 and torch.isfinite(row[token]) and row[token] == row.max()
