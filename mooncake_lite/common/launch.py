@@ -113,7 +113,9 @@ class RoleProcess:
     """A running role process (blocking flavour): ``RoleProcess.start("store", "--port", "0")``.
 
     Reader threads drain stdout and stderr for the whole life of the process, so it never blocks
-    on a full pipe; ``logs()`` is what it wrote besides the ready line (the last ``tail_lines``).
+    on a full pipe (``on_line`` runs on those threads); ``logs()`` is what it wrote besides the
+    ready line (the last ``tail_lines``). It does not die with its parent: a parent *thread* ending
+    would trigger ``PR_SET_PDEATHSIG``, and tests start roles from worker threads.
     """
 
     def __init__(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
