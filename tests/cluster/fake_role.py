@@ -58,11 +58,9 @@ REJECTED = web.AppKey("rejected", list)
 async def chat_completions(request):
     """Chat, as the smoke client asks: the same fixed answer as content deltas."""
     body = await request.json()
-    rejected = request.app[REJECTED]
-    if len(rejected) < int(os.environ.get("FAKE_REJECT", "0")):
-        rejected.append(1)
-        return web.json_response({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status=429,
-                                 headers={"Retry-After": "0"})
+    refusal = _maybe_reject(request)
+    if refusal is not None:
+        return refusal
     created, model = int(time.time()), body.get("model")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -75,13 +73,21 @@ async def chat_completions(request):
     return resp
 
 
+def _maybe_reject(request):
+    """A 429 for each of the first FAKE_REJECT requests, completions and chat together."""
+    rejected = request.app[REJECTED]
+    if len(rejected) >= int(os.environ.get("FAKE_REJECT", "0")):
+        return None
+    rejected.append(1)
+    return web.json_response({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status=429,
+                             headers={"Retry-After": "0"})
+
+
 async def completions(request):
     body = await request.json()
-    rejected = request.app[REJECTED]
-    if len(rejected) < int(os.environ.get("FAKE_REJECT", "0")):
-        rejected.append(1)
-        return web.json_response({"error": {"message": "overloaded", "type": "rate_limit_error"}}, status=429,
-                                 headers={"Retry-After": "0"})
+    refusal = _maybe_reject(request)
+    if refusal is not None:
+        return refusal
     created, model = int(time.time()), body.get("model")
     if not body.get("stream"):
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": created, "model": model,
