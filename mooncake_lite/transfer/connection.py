@@ -9,6 +9,13 @@ many small frames). Protocol violations close only this connection, with one log
 Sending: ``send`` writes header, meta and payload buffers with one ``writelines`` (uvloop keeps
 references, no copy). ``when_flushed(cb)`` runs ``cb`` once everything written so far has been
 handed to the kernel, which is when memory being sent may be reused (the store's leases).
+
+Bounds (``Limits``): every length is checked when the header arrives, before anything is
+allocated; a server connection starts with a small staging buffer and accepts only a small meta
+and no payload until its HELLO is accepted (:meth:`FrameConnection.authenticate`); fresh receive
+memory is charged to an :class:`InflightBudget` shared by the server's connections; and a server
+connection is closed when its handshake, a half-received frame or (optionally) an idle spell
+takes too long.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from mooncake_lite.transfer.framing import (HEADER_BYTES, Buffer, Frame, FrameEr
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 256 << 10
+HELLO_STAGING_BYTES = 8 << 10  # a server connection's staging buffer until its handshake passes
 DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received in place
 BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
 
@@ -52,6 +60,28 @@ def tune_socket(sock: socket.socket | None) -> None:
             continue
 
 
+class OverBudget(FrameError):
+    """A frame's receive memory would take the server over its in-flight budget."""
+
+
+class InflightBudget:
+    """Receive memory held by frames still arriving, shared by all connections of one server."""
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int, what: str) -> None:
+        if self.used + nbytes > self.limit:
+            raise OverBudget(f"a {nbytes}-byte {what} would bring receive buffers to "
+                             f"{self.used + nbytes} bytes, over the in-flight budget of {self.limit}")
+        self.used += nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
 class FrameHandler:
     """Callbacks of a connection. Subclass and override what you need."""
 
@@ -75,18 +105,29 @@ class FrameHandler:
 
 class FrameConnection(asyncio.BufferedProtocol):
     def __init__(self, handler: FrameHandler, limits: Limits = Limits(), name: str = "peer",
-                 is_server: bool = False) -> None:
+                 is_server: bool = False, *, authenticated: bool = True,
+                 budget: InflightBudget | None = None) -> None:
         self.handler = handler
         # Only servers stop reading while their replies queue: if both ends did, two peers
-        # writing big frames at each other could wait on each other forever.
+        # writing big frames at each other could wait on each other forever. Only servers time
+        # their peers out.
         self.is_server = is_server
         self.limits = limits
         self.name = name
+        # False until the handler accepts the peer's HELLO (``authenticate``): until then a
+        # header may announce only a small meta and no payload.
+        self.authenticated = authenticated
+        self.budget = budget  # None: fresh receive memory is not accounted (clients)
+        self._held = 0  # bytes charged to the budget for the frame being received
+        self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.get_running_loop().create_future()
+        self.closed = self._loop.create_future()
         self.state: dict[str, Any] = {}  # for the handler (e.g. "authenticated")
-        self._staging = bytearray(STAGING_BYTES)
+        self._cap = STAGING_BYTES if authenticated else HELLO_STAGING_BYTES
+        self._staging = bytearray(self._cap)
         self._sview = memoryview(self._staging)
+        self._timer: asyncio.TimerHandle | None = None
+        self._accepted = self._last_recv = self._frame_start = 0.0
         self._start = 0
         self._end = 0
         self._header: Header | None = None
@@ -110,6 +151,9 @@ class FrameConnection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         if peer and self.is_server:   # a client's name already says which server it dialled
             self.name = f"{self.name} {peer[0]}:{peer[1]}"
+        self._accepted = self._last_recv = self._frame_start = self._loop.time()
+        if self.is_server:
+            self._check_deadlines()
         self.handler.connection_made(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -119,6 +163,12 @@ class FrameConnection(asyncio.BufferedProtocol):
                         self.name, got, self._header.payload_len)
             self._safe(self.handler.frame_aborted, self, self._header, self._meta)
         self._header = self._meta = None
+        self._meta_buf = None
+        self._targets = []
+        self._release()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._paused = False
         self._run_flush_callbacks()
         for waiter in self._drain_waiters:
@@ -159,11 +209,15 @@ class FrameConnection(asyncio.BufferedProtocol):
                     return self._sview[:HEADER_BYTES]
                 if self._meta is None and self._header.meta_len:
                     return self._sview[:self._header.meta_len]
-        elif self._end == STAGING_BYTES:
+        elif self._end == self._cap:
             self._compact()
         return self._sview[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        now = self._loop.time()
+        if self._header is None and self._start == self._end:
+            self._frame_start = now  # the first bytes of a frame
+        self._last_recv = now
         try:
             if self._start == self._end and self._header is not None and (
                     self._meta_buf is not None or (self._meta is not None and self._remaining >= DIRECT_MIN_BYTES)):
@@ -171,6 +225,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             else:
                 self._end += nbytes
             self._process()
+        except OverBudget as exc:
+            self.abort(f"over the in-flight budget: {exc}")
         except FrameError as exc:
             self.abort(f"protocol error: {exc}")
         except Exception:
@@ -188,6 +244,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self._meta_buf is not None:
             if self._remaining == 0:
                 meta_buf, self._meta_buf = self._meta_buf, None
+                self._release()
                 self._begin_payload(decode_meta(meta_buf))
             return
         self._toff += nbytes
@@ -206,10 +263,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self._header is None:
                 if avail < HEADER_BYTES:
                     return
-                self._header = decode_header(self._sview[self._start:self._start + HEADER_BYTES], self.limits)
+                self._header = decode_header(self._sview[self._start:self._start + HEADER_BYTES], self.limits,
+                                             self.authenticated)
                 self._start += HEADER_BYTES
                 self._remaining = self._header.meta_len
-                if self._header.meta_len > STAGING_BYTES // 2:
+                if self._header.meta_len > self._cap // 2:
+                    self._charge(self._header.meta_len, "meta")
                     self._meta_buf = bytearray(self._header.meta_len)
                     take = min(avail - HEADER_BYTES, self._remaining)
                     self._meta_buf[:take] = self._sview[self._start:self._start + take]
@@ -218,12 +277,13 @@ class FrameConnection(asyncio.BufferedProtocol):
                     if self._remaining:
                         return
                     meta_buf, self._meta_buf = self._meta_buf, None
+                    self._release()
                     self._begin_payload(decode_meta(meta_buf))
                 continue
             if self._meta is None:
                 need = self._header.meta_len
                 if avail < need:
-                    if self._start + need > STAGING_BYTES:
+                    if self._start + need > self._cap:
                         self._compact()
                     return
                 meta = decode_meta(self._sview[self._start:self._start + need])
@@ -244,10 +304,13 @@ class FrameConnection(asyncio.BufferedProtocol):
         assert header is not None
         self._remaining = header.payload_len
         targets = self.handler.payload_sink(self, header, meta) if header.payload_len else []
-        self._meta = meta  # from here on, a dying connection reports frame_aborted
         if targets is None:
+            # Only now, with the length checked against the limits and by the handler, is
+            # memory allocated for it (and charged to the budget until the frame is delivered).
+            self._charge(header.payload_len, "payload")
             targets = [memoryview(bytearray(header.payload_len))]
-        elif sum(t.nbytes for t in targets) != header.payload_len:
+        self._meta = meta  # from here on, a dying connection reports frame_aborted
+        if sum(t.nbytes for t in targets) != header.payload_len:
             raise FrameError(f"payload sink gave {sum(t.nbytes for t in targets)} bytes for a "
                              f"{header.payload_len}-byte payload")
         self._targets = [t for t in targets if t.nbytes]
@@ -271,7 +334,78 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._is_bulk = frame.header.payload_len >= BULK_BYTES
         self._header = self._meta = None
         self._targets = []
+        self._frame_start = self._last_recv
+        if self._held:
+            self._release()
         self.handler.frame_received(self, frame)
+
+    # ---- bounds: budget, handshake, timeouts ------------------------------------------------
+    def _charge(self, nbytes: int, what: str) -> None:
+        if self.budget is not None and nbytes:
+            self.budget.take(nbytes, what)
+            self._held += nbytes
+
+    def _release(self) -> None:
+        if self._held and self.budget is not None:
+            self.budget.give(self._held)
+        self._held = 0
+
+    def authenticate(self) -> None:
+        """The peer's HELLO was accepted: full limits and a full-size staging buffer from now on."""
+        if self.authenticated:
+            return
+        self.authenticated = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._cap < STAGING_BYTES:
+            unread = self._sview[self._start:self._end]
+            staging = bytearray(STAGING_BYTES)
+            staging[:unread.nbytes] = unread
+            self._staging, self._sview, self._cap = staging, memoryview(staging), STAGING_BYTES
+            self._start, self._end = 0, unread.nbytes
+        if self.is_server:
+            self._check_deadlines()
+
+    def _deadline(self) -> tuple[float, str] | None:
+        """When this connection must be closed if nothing changes, and why (None: no deadline)."""
+        limits = self.limits
+        if not self.authenticated:
+            if limits.handshake_timeout is not None:
+                return self._accepted + limits.handshake_timeout, f"no handshake within {limits.handshake_timeout:g}s"
+            return None
+        if self._paused:
+            return None  # our own replies are queued (back-pressure): not the peer's stall
+        if self._header is not None or self._start != self._end:
+            stall = limits.stall_timeout
+            if stall is None:
+                return None
+            if self._header is None or self._meta is None:
+                return self._frame_start + stall, f"stalled: a frame's header and meta took over {stall:g}s"
+            total = self._header.payload_len
+            return (self._last_recv + stall,
+                    f"stalled mid-frame: no bytes for {stall:g}s (payload {total - self._remaining} of {total})")
+        if limits.idle_timeout is not None and not self._flush_callbacks:
+            return self._last_recv + limits.idle_timeout, f"idle for {limits.idle_timeout:g}s"
+        return None
+
+    def _check_deadlines(self) -> None:
+        """Close the connection if its deadline passed, else check again when it is due (and at
+        least every stall period, so a frame that starts later is watched too)."""
+        self._timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        now = self._loop.time()
+        due = self._deadline()
+        if due is not None and now >= due[0]:
+            self.abort(due[1])
+            return
+        at = due[0] if due is not None else None
+        periods = [t for t in (self.limits.stall_timeout, self.limits.idle_timeout) if t is not None]
+        if periods:
+            at = now + min(periods) if at is None else min(at, now + min(periods))
+        if at is not None:
+            self._timer = self._loop.call_at(at, self._check_deadlines)
 
     @property
     def is_idle(self) -> bool:

@@ -43,9 +43,36 @@ class FrameError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Largest meta and payload a receiver accepts; anything larger closes the connection."""
+    """What a receiver accepts and how long it waits. A frame over a size limit closes the
+    connection when its header arrives, before any memory is allocated for it.
+
+    Sizes: ``max_meta_bytes``/``max_payload_bytes`` after the handshake (a server passes the
+    most its protocol can legitimately carry); before it, a meta of at most ``hello_meta_bytes``
+    and no payload at all. ``max_inflight_bytes``: the receive memory (payloads without a
+    ``payload_sink`` buffer, metas too big for the staging buffer) all connections of one server
+    may hold for frames still arriving; the connection whose frame would go over it is closed.
+    Timeouts (seconds, None = off; servers only): ``handshake_timeout`` from accept to a
+    completed HELLO, ``stall_timeout`` for a half-received frame (its header and meta must arrive
+    within it, its payload must keep moving), ``idle_timeout`` for an authenticated connection
+    with nothing half-received."""
     max_meta_bytes: int = 4 << 20
     max_payload_bytes: int = 1 << 34  # 16 GiB: a batch of many large blocks
+    hello_meta_bytes: int = 4 << 10
+    handshake_timeout: float | None = 5.0
+    stall_timeout: float | None = 30.0
+    idle_timeout: float | None = None
+    max_inflight_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("max_meta_bytes", "max_payload_bytes", "hello_meta_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Limits.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_inflight_bytes <= 0:
+            raise ValueError(f"Limits.max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+        for name in ("handshake_timeout", "stall_timeout", "idle_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Limits.{name} must be positive or None, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +112,20 @@ class Frame:
         return b"".join(self.payload)
 
 
-def decode_header(data: Buffer, limits: Limits) -> Header:
-    """Parse and validate ``HEADER_BYTES`` bytes. Raises FrameError with a readable reason."""
+def decode_header(data: Buffer, limits: Limits, authenticated: bool = True) -> Header:
+    """Parse and validate ``HEADER_BYTES`` bytes. Raises FrameError with a readable reason.
+    Before the handshake (``authenticated`` false) only a small meta and no payload pass."""
     magic, version, op, flags, request_id, meta_len, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r} (not a mooncake-lite peer?)")
     if version != VERSION:
         raise FrameError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if not authenticated:
+        if payload_len:
+            raise FrameError(f"payload sent before the handshake ({payload_len} bytes announced)")
+        if meta_len > limits.hello_meta_bytes:
+            raise FrameError(f"meta of {meta_len} bytes before the handshake exceeds the limit of "
+                             f"{limits.hello_meta_bytes}")
     if meta_len > limits.max_meta_bytes:
         raise FrameError(f"meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes}")
     if payload_len > limits.max_payload_bytes:

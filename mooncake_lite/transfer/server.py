@@ -2,8 +2,9 @@
 
 Every connection starts with one HELLO frame from the client (meta ``{"token": str|null,
 "client": name}``). The server replies ``{"ok": true}`` or an error frame (``unauthorized``)
-and closes. Before the handshake no payload is accepted at all, so an unauthenticated peer
-cannot make the server allocate memory.
+and closes. Before the handshake no payload is accepted at all and a meta of at most
+``Limits.hello_meta_bytes``, so an unauthenticated peer cannot make the server allocate memory;
+one that has not completed its HELLO within ``Limits.handshake_timeout`` is closed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
+from mooncake_lite.transfer.connection import FrameConnection, FrameHandler, InflightBudget
 from mooncake_lite.transfer.framing import FLAG_ERROR, FLAG_REPLY, OP_HELLO, Frame, FrameError, Header, Limits
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class AuthGate(FrameHandler):
             log.warning("refused connection %s: wrong or missing cluster token", conn.name)
             return
         conn.state["authenticated"] = True
+        conn.authenticate()
         conn.state["client"] = str(frame.meta.get("client", ""))[:64]
         conn.send(OP_HELLO, frame.request_id, {**self.hello, "ok": True}, flags=FLAG_REPLY)
 
@@ -78,11 +80,14 @@ async def start_server(handler: FrameHandler, host: str, port: int, *, token: st
                        hello: Mapping[str, Any] | None = None) -> asyncio.Server:
     """Listen on host:port (0 = any free port); each connection gets a FrameConnection whose
     frames go to ``handler`` after the handshake. ``hello`` (read at each handshake, so the
-    caller may fill it in once the port is known) goes back in the HELLO reply."""
+    caller may fill it in once the port is known) goes back in the HELLO reply. All its
+    connections share one in-flight budget of ``limits.max_inflight_bytes``."""
     gate = AuthGate(handler, token, hello)
+    budget = InflightBudget(limits.max_inflight_bytes)
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: FrameConnection(gate, limits, name, is_server=True),
-                                    host, port, reuse_address=True)
+    return await loop.create_server(
+        lambda: FrameConnection(gate, limits, name, is_server=True, authenticated=False, budget=budget),
+        host, port, reuse_address=True)
 
 
 def server_address(server: asyncio.Server, advertise_host: str | None = None) -> str:
