@@ -15,11 +15,11 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from mooncake_lite.scheduler.cache import Estimates
+from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import (QueueAt, decode_has_room, decode_load_now, decode_loads_at,
-                                              decode_tbt, late_prefills, prefill_queues, running_load)
+from mooncake_lite.scheduler.estimate import (QueuesAt, decode_has_room, decode_tbt, late_prefills, loads_at,
+                                              queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
@@ -35,10 +35,10 @@ class DecodeChoice(NamedTuple):
 
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
                   costs: CostModels, now: float, ttft_s: float, rng: random.Random | None,
-                  queues: list[QueueAt] | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
+                  queues: QueuesAt | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
     """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
-    eligible one. None when no instance has room. ``queues`` (:func:`prefill_queues` of
+    eligible one. None when no instance has room. ``queues`` (the backlogs of
     ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them; ``cache``
     (None: from scratch) keeps what is derived per instance between decisions."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
@@ -67,19 +67,19 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
-           queues: list[QueueAt] | None, cache: Estimates | None) -> list[tuple[int, int]]:
+           queues: QueuesAt | None, cache: Estimates | None) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) before adding the request: the load
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
-    decodes = cluster.decodes
+    decodes, estimates = cluster.decodes, cache or FROM_SCRATCH
     if cfg.admission == "predictive":
-        t, uniform = now + ttft_s, cfg.uniform_decode_s
+        t = now + ttft_s
         late = set()
         if any(d.incoming for d in decodes):
             if queues is None:
-                queues = prefill_queues(cluster.prefills, costs, now, cache)
+                queues = queues_at(estimates.backlogs(cluster.prefills, costs), now)
             late = late_prefills(queues, now, t)
-        return decode_loads_at(decodes, costs, t, late, uniform, cache)
-    return list(map(decode_load_now if cache is None else cache.committed_load, decodes))
+        return loads_at(decodes, estimates.leave_profiles(decodes, costs, cfg.uniform_decode_s), t, late)
+    return estimates.loads_now(decodes)
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -8,25 +8,29 @@ model, by identity: the states are immutable and the cache holds on to them, so 
 means the same values — and the value. On the next decision an instance whose inputs are the
 same objects costs a lookup; a decode batch that changed only by requests joining and leaving
 (with the TBT their t_d are sized with unchanged) has its leave profile edited by exactly
-those; anything else is derived anew from the definitions in ``estimate.py``. A value handed
-out is never changed afterwards (an edit works on copies).
+those, and a prefill queue with jobs appended or its head gone keeps the other jobs' predicted
+durations; anything else is derived anew by the definitions in ``estimate.py``. A value handed out
+is never changed afterwards (an edit works on copies).
 
 :class:`FromScratch` derives everything anew on every call: the definition the cache must
 equal, decision by decision (tests/scheduler/test_estimate_cache.py drives both through random
-histories of the same instances).
+histories of the same instances). Both answer for all instances of a role at once: a decision
+asks once per role, not once per instance.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from itertools import accumulate, compress, count
 from operator import is_not
 from typing import Protocol
 
-from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProfile, backlog_of, decode_load_now,
-                                              leave_profile_of, leave_time, pricing_tbt)
-from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState
+from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProfile, backlog_from, backlog_of,
+                                              decode_load_now, durations_of, leave_profile_of, leave_time,
+                                              pricing_tbt)
+from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
 
 # Beyond this many requests leaving a batch between two of its states, sorting its leave
 # profile afresh costs about what finding and removing them would.
@@ -34,33 +38,35 @@ MAX_EDITED_LEAVES = 8
 
 
 class Estimates(Protocol):
-    """What a decision derives per instance (estimate.py's definitions), however it is kept."""
+    """What a decision derives per instance (estimate.py's definitions), however it is kept:
+    one value per instance, in the order given."""
 
-    def backlog(self, p: PrefillInstanceState, model: PrefillCostModel) -> Backlog: ...
+    def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]: ...
 
-    def committed_load(self, d: DecodeInstanceState) -> tuple[int, int]: ...
+    def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]: ...
 
-    def leave_profile(self, d: DecodeInstanceState, model: DecodeCostModel,
-                      uniform_decode_s: float | None) -> LeaveProfile: ...
+    def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                       uniform_decode_s: float | None) -> list[LeaveProfile]: ...
 
 
 class FromScratch:
     """Every value derived anew, on every call."""
 
-    backlog = staticmethod(backlog_of)
-    committed_load = staticmethod(decode_load_now)
-    leave_profile = staticmethod(leave_profile_of)
+    @staticmethod
+    def backlogs(prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]:
+        return [backlog_of(p, p.cost or costs.prefill) for p in prefills]
+
+    @staticmethod
+    def loads_now(decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:
+        return list(map(decode_load_now, decodes))
+
+    @staticmethod
+    def leave_profiles(decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                       uniform_decode_s: float | None) -> list[LeaveProfile]:
+        return [leave_profile_of(d, d.cost or costs.decode, uniform_decode_s) for d in decodes]
 
 
-class _Profiled:
-    """A decode instance's leave profile and what it was derived from."""
-
-    __slots__ = ("running", "tbt_s", "model", "uniform_decode_s", "profile")
-
-    def __init__(self, d: DecodeInstanceState, model: DecodeCostModel, uniform_decode_s: float | None,
-                 profile: LeaveProfile) -> None:
-        self.running, self.tbt_s, self.model = d.running, d.tbt_s, model
-        self.uniform_decode_s, self.profile = uniform_decode_s, profile
+FROM_SCRATCH = FromScratch()
 
 
 class EstimateCache:
@@ -68,46 +74,85 @@ class EstimateCache:
     :class:`~mooncake_lite.scheduler.scheduler.Scheduler`; not thread-safe."""
 
     def __init__(self) -> None:
-        # instance id -> (queue, model, its backlog)
-        self._backlogs: dict[str, tuple[tuple, PrefillCostModel, Backlog]] = {}
-        # instance id -> (running, incoming, their committed load)
-        self._loads: dict[str, tuple[tuple, tuple, tuple[int, int]]] = {}
-        self._profiles: dict[str, _Profiled] = {}
+        # instance id -> (what the value was derived from ..., the value), unpacked by name below
+        self._backlogs: dict[str, Backlog] = {}      # (a backlog names its queue and model)
+        self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
+        self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
 
-    def backlog(self, p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
-        kept = self._backlogs.get(p.instance_id)
-        if kept is not None and kept[0] is p.queue and kept[1] is model:
-            return kept[2]
-        backlog = backlog_of(p, model)    # a queue holds a few jobs: predicting them is cheap
-        self._backlogs[p.instance_id] = (p.queue, model, backlog)
-        return backlog
+    def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]:
+        kept, out, default = self._backlogs, [], costs.prefill
+        for p in prefills:
+            model = p.cost or default
+            backlog = kept.get(p.instance_id)
+            if backlog is None or backlog.queue is not p.queue or backlog.model is not model:
+                durations = None
+                if backlog is not None and backlog.model is model:
+                    durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
+                if durations is None:
+                    durations = durations_of(p.queue, model)
+                backlog = kept[p.instance_id] = backlog_from(p.queue, model, durations)
+            out.append(backlog)
+        return out
 
-    def committed_load(self, d: DecodeInstanceState) -> tuple[int, int]:
-        kept = self._loads.get(d.instance_id)
-        if kept is not None and kept[0] is d.running and kept[1] is d.incoming:
-            return kept[2]
-        load = decode_load_now(d)
-        self._loads[d.instance_id] = (d.running, d.incoming, load)
-        return load
+    def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:
+        kept, out = self._loads, []
+        for d in decodes:
+            running, context, incoming, load = kept.get(d.instance_id, _NOTHING_KEPT_4)
+            if running is not d.running or incoming is not d.incoming:
+                if running is not d.running:
+                    context = sum(map(CONTEXT_TOKENS, d.running))
+                load = (len(d.running) + len(d.incoming), context + sum(map(CONTEXT_TOKENS, d.incoming)))
+                kept[d.instance_id] = (d.running, context, d.incoming, load)
+            out.append(load)
+        return out
 
-    def leave_profile(self, d: DecodeInstanceState, model: DecodeCostModel,
-                      uniform_decode_s: float | None) -> LeaveProfile:
-        kept = self._profiles.get(d.instance_id)
-        if kept is None or kept.model is not model or kept.uniform_decode_s != uniform_decode_s:
-            return self._keep(d, model, uniform_decode_s, leave_profile_of(d, model, uniform_decode_s))
-        if kept.running is d.running and kept.tbt_s == d.tbt_s:
-            return kept.profile
-        profile = kept.profile
-        same_tbt = pricing_tbt(d, model, uniform_decode_s) == profile.tbt_s
-        change = batch_change(kept.running, d.running) if same_tbt else None
-        if change is None:
-            return self._keep(d, model, uniform_decode_s, leave_profile_of(d, model, uniform_decode_s))
-        return self._keep(d, model, uniform_decode_s, _edited(profile, *change, uniform_decode_s))
+    def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                       uniform_decode_s: float | None) -> list[LeaveProfile]:
+        kept, out, default = self._profiles, [], costs.decode
+        for d in decodes:
+            model = d.cost or default
+            running, tbt_s, kept_model, kept_uniform, profile = kept.get(d.instance_id, _NOTHING_KEPT_5)
+            if running is not d.running or tbt_s != d.tbt_s or kept_model is not model \
+                    or kept_uniform != uniform_decode_s:
+                if kept_model is model and kept_uniform == uniform_decode_s:
+                    profile = _edited_or_new(d, model, uniform_decode_s, running, profile)
+                else:
+                    profile = leave_profile_of(d, model, uniform_decode_s)
+                kept[d.instance_id] = (d.running, d.tbt_s, model, uniform_decode_s, profile)
+            out.append(profile)
+        return out
 
-    def _keep(self, d: DecodeInstanceState, model: DecodeCostModel, uniform_decode_s: float | None,
-              profile: LeaveProfile) -> LeaveProfile:
-        self._profiles[d.instance_id] = _Profiled(d, model, uniform_decode_s, profile)
-        return profile
+
+_NOTHING_KEPT_4 = (None, None, None, None)
+_NOTHING_KEPT_5 = (None, None, None, None, None)
+
+
+def _kept_durations(old: tuple[QueuedPrefill, ...], new: tuple[QueuedPrefill, ...], durations: list[float],
+                    model: PrefillCostModel) -> list[float] | None:
+    """The durations of ``new``'s jobs, from ``old``'s (``durations``) when ``new`` is ``old``
+    with jobs appended, or without its head (the next one shown again, started); else None."""
+    k = len(old)
+    if len(new) >= k and new[:k] == old:
+        return durations + durations_of(new[k:], model)
+    if len(new) == k - 1 and new[1:] == old[2:] and (not new or _same_job(new[0], old[1])):
+        return durations[1:]
+    return None
+
+
+def _same_job(a: QueuedPrefill, b: QueuedPrefill) -> bool:
+    """The same work (its start aside): a job's predicted duration depends on nothing else."""
+    return a.num_tokens == b.num_tokens and a.num_prefix_tokens == b.num_prefix_tokens
+
+
+def _edited_or_new(d: DecodeInstanceState, model: DecodeCostModel, uniform_decode_s: float | None,
+                   old_running: tuple[DecodingRequest, ...], profile: LeaveProfile) -> LeaveProfile:
+    """``profile`` (of ``old_running``) edited into ``d``'s when only requests joined and left
+    and their t_d are still sized with the same TBT, else ``d``'s derived anew."""
+    if pricing_tbt(d, model, uniform_decode_s) == profile.tbt_s:
+        change = batch_change(old_running, d.running)
+        if change is not None:
+            return _edited(profile, *change, uniform_decode_s)
+    return leave_profile_of(d, model, uniform_decode_s)
 
 
 def batch_change(old: tuple[DecodingRequest, ...], new: tuple[DecodingRequest, ...]
@@ -115,12 +160,18 @@ def batch_change(old: tuple[DecodingRequest, ...], new: tuple[DecodingRequest, .
     """(left, joined) such that ``new`` holds exactly ``old`` less ``left`` plus ``joined``.
 
     Cheap when ``new`` is ``old`` with some records taken out (the rest in order) and others
-    appended — how an instance view edits its batch: each identical run is found by C
-    iterators. Correct for any two batches (a record that moved counts as leaving and joining);
-    None when more than MAX_EDITED_LEAVES records would leave."""
-    left: list[DecodingRequest] = []
-    i = j = 0                          # the next unmatched position in new, in old
+    appended — how an instance view edits its batch: each run of the same records is found by
+    C iterators, and the most common edits (requests appended; one taken out, others appended)
+    by one comparison. Correct for any two batches (a record that moved counts as leaving and
+    joining); None when more than MAX_EDITED_LEAVES records would leave."""
     num_new, num_old = len(new), len(old)
+    i = next(compress(count(), map(is_not, new, old)), min(num_new, num_old))   # first difference
+    if i == num_old:
+        return [], new[i:]
+    if num_new >= num_old - 1 and new[i:num_old - 1] == old[i + 1:]:
+        return [old[i]], new[num_old - 1:]
+    left: list[DecodingRequest] = []
+    j = i                              # the next unmatched position in new (i), in old (j)
     while j < num_old and i < num_new:
         same = next(compress(count(), map(is_not, new[i:], old[j:])), min(num_new - i, num_old - j))
         i, j = i + same, j + same

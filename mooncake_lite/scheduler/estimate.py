@@ -2,10 +2,10 @@
 a future time (the prediction of REFERENCE.md §3).
 
 Each ``*_of`` function is a definition: it derives one thing from one instance state, from
-scratch. The per-decision functions here (one pass per role) read them through an estimate
-cache when given one (``cache``, :mod:`mooncake_lite.scheduler.cache`), which hands back what it
-derived for an instance before while that instance's state shows the same thing; without one
-they call the definitions.
+scratch, independent of ``now``. A decision gets them for every instance of a role at once
+from an estimate cache (:mod:`mooncake_lite.scheduler.cache`), which reuses what it derived for
+an instance while that instance's state shows the same thing, and combines them with ``now``
+and ``t`` here (:func:`queues_at`, :func:`late_prefills`, :func:`loads_at`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ from collections.abc import Sequence
 from itertools import accumulate
 from math import inf
 from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
 
-if TYPE_CHECKING:
-    from mooncake_lite.scheduler.cache import Estimates
-
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 CONTEXT_TOKENS = attrgetter("context_tokens")
-_NUM_TOKENS = attrgetter("num_tokens")
-_NUM_PREFIX = attrgetter("num_prefix_tokens")
 _REQUEST_ID = attrgetter("request_id")
 
 
@@ -37,75 +32,80 @@ def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostMode
 
 # ---- prefill queues ------------------------------------------------------------------------
 class Backlog(NamedTuple):
-    """A prefill queue's predicted work, independent of ``now``: each job's predicted duration,
-    their running sums (job i ends ``cumulative_s[i]`` after the queue's work started), the
-    (duration, started_at) of the leading jobs that have started, and the jobs' request ids."""
+    """A prefill queue's predicted work, independent of ``now``: the queue and cost model it is
+    of, each job's predicted duration, their running sums (job i ends ``cumulative_s[i]`` after
+    the queue's work started), the (duration, started_at) of the leading jobs that have
+    started, and the jobs' request ids."""
 
+    queue: tuple[QueuedPrefill, ...]
+    model: PrefillCostModel
     durations_s: list[float]
     cumulative_s: list[float]
     started: tuple[tuple[float, float], ...]
     request_ids: tuple[str, ...]
 
 
+def durations_of(queue: Sequence[QueuedPrefill], model: PrefillCostModel) -> list[float]:
+    """Each queued job's predicted prefill time."""
+    predict = model.predict
+    return [predict(job.num_tokens, job.num_prefix_tokens) for job in queue]
+
+
 def backlog_of(p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
-    return backlog_from(p.queue, list(map(model.predict, map(_NUM_TOKENS, p.queue), map(_NUM_PREFIX, p.queue))))
+    return backlog_from(p.queue, model, durations_of(p.queue, model))
 
 
-def backlog_from(queue: tuple[QueuedPrefill, ...], durations: list[float]) -> Backlog:
-    """The backlog of ``queue`` given each job's predicted duration."""
+def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, durations: list[float]) -> Backlog:
+    """The backlog of ``queue`` whose jobs take ``durations`` by ``model``."""
     started = []
     for duration, job in zip(durations, queue):
         if job.started_at is None:
             break
         started.append((duration, job.started_at))
-    return Backlog(durations, list(accumulate(durations)), tuple(started), tuple(map(_REQUEST_ID, queue)))
+    return Backlog(queue, model, durations, list(accumulate(durations)), tuple(started),
+                   tuple(map(_REQUEST_ID, queue)))
 
 
-class QueueAt(NamedTuple):
-    """A prefill instance's backlog at one ``now``: the queue time, and for each queued job
-    (request id) its predicted end, ``now - done_s + cumulative_s[i]``."""
+class QueuesAt(NamedTuple):
+    """Every prefill instance's backlog at one ``now`` (lists in the instances' order): the
+    work already done on its started jobs, and its queue time (EstimatePrefillQueueTime). Job i
+    of instance k ends at ``now - done_s[k] + backlogs[k].cumulative_s[i]``."""
 
-    queue_s: float
-    cumulative_s: list[float]
-    done_s: float
-    request_ids: tuple[str, ...]
+    backlogs: list[Backlog]
+    done_s: list[float]
+    queue_s: list[float]
 
 
-def queue_at(b: Backlog, now: float) -> QueueAt:
+def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
     """A started job counts as done for its elapsed time, never more than its duration."""
-    done = 0.0
-    for duration, started_at in b.started:
-        elapsed = now - started_at
-        if elapsed > 0.0:
-            done += duration if elapsed > duration else elapsed
-    cum = b.cumulative_s
-    return QueueAt(cum[-1] - done if cum else 0.0, cum, done, b.request_ids)
-
-
-def prefill_queues(prefills: Sequence[PrefillInstanceState], costs: CostModels, now: float,
-                   cache: Estimates | None = None) -> list[QueueAt]:
-    """Every prefill instance's backlog at ``now``, in one pass: a decision reads it twice (the
-    prefill choice, then the decode prediction)."""
-    backlog, default = backlog_of if cache is None else cache.backlog, costs.prefill
-    return [queue_at(backlog(p, p.cost or default), now) for p in prefills]
+    done_s, queue_s = [], []
+    for b in backlogs:
+        cum, done = b.cumulative_s, 0.0
+        for duration, started_at in b.started:
+            elapsed = now - started_at
+            if elapsed > 0.0:
+                done += duration if elapsed > duration else elapsed
+        done_s.append(done)
+        queue_s.append(cum[-1] - done if cum else 0.0)
+    return QueuesAt(backlogs, done_s, queue_s)
 
 
 def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -> float:
     """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead."""
-    return queue_at(backlog_of(p, prefill_model(p, costs)), now).queue_s
+    return queues_at([backlog_of(p, prefill_model(p, costs))], now).queue_s[0]
 
 
-def late_prefills(queues: list[QueueAt], now: float, t: float) -> set[str]:
-    """Request ids of queued prefills (``queues``: :func:`prefill_queues` at ``now``) predicted
-    to finish *after* ``t``. Every other request committed to a decode instance (``incoming``)
-    has joined its batch by ``t`` — step 1 of the §3 prediction; one in no queue has already
-    finished prefill."""
+def late_prefills(queues: QueuesAt, now: float, t: float) -> set[str]:
+    """Request ids of queued prefills predicted (``queues``: at ``now``) to finish *after*
+    ``t``. Every other request committed to a decode instance (``incoming``) has joined its
+    batch by ``t`` — step 1 of the §3 prediction; one in no queue has already finished prefill."""
     late: set[str] = set()
     horizon = t - now
-    for _, cum, done, request_ids in queues:
+    for b, done in zip(queues.backlogs, queues.done_s):
+        cum = b.cumulative_s
         first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
         if first < len(cum):
-            late.update(request_ids[first:])
+            late.update(b.request_ids[first:])
     return late
 
 
@@ -181,19 +181,14 @@ def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
     return LeaveProfile(tbt, ends, members, list(accumulate(map(CONTEXT_TOKENS, members), initial=0)))
 
 
-def decode_loads_at(decodes: Sequence[DecodeInstanceState], costs: CostModels, t: float, late: set[str],
-                    uniform_decode_s: float | None, cache: Estimates | None = None) -> list[tuple[int, int]]:
-    """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3):
-    requests whose decode would have ended by ``t`` — joined_at + t_d <= t — leave; the
-    incoming requests whose prefill ends by ``t`` (not in ``late``, see
-    :func:`late_prefills`) join.
-
-    With ``uniform_decode_s`` None, t_d is estimated per request as its max_output_tokens times
-    the instance's TBT (:func:`pricing_tbt`; unknown max_output_tokens: assumed still decoding).
-    One pass over the instances: this runs per decode instance per request."""
-    profile, loads, default = leave_profile_of if cache is None else cache.leave_profile, [], costs.decode
-    for d in decodes:
-        _, ends, _, prefix = profile(d, d.cost or default, uniform_decode_s)
+def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile], t: float,
+             late: set[str]) -> list[tuple[int, int]]:
+    """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3), from
+    its leave profile: running requests whose decode would have ended by ``t`` — joined_at +
+    t_d <= t — leave; the incoming requests whose prefill ends by ``t`` (not in ``late``, see
+    :func:`late_prefills`) join. One pass: this runs per decode instance per request."""
+    loads = []
+    for d, (_, ends, _, prefix) in zip(decodes, profiles):
         first = bisect_right(ends, t)               # running requests still decoding at t
         batch, context = len(ends) - first, prefix[-1] - prefix[first]
         for r in d.incoming:
@@ -206,5 +201,7 @@ def decode_loads_at(decodes: Sequence[DecodeInstanceState], costs: CostModels, t
 
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
                    uniform_decode_s: float | None) -> tuple[int, int]:
-    """:func:`decode_loads_at` for one instance, from scratch."""
-    return decode_loads_at((d,), costs, t, late, uniform_decode_s)[0]
+    """:func:`loads_at` for one instance, from scratch. With ``uniform_decode_s`` None, t_d is
+    estimated per request as its max_output_tokens times the instance's TBT
+    (:func:`pricing_tbt`; unknown max_output_tokens: assumed still decoding)."""
+    return loads_at((d,), [leave_profile_of(d, d.cost or costs.decode, uniform_decode_s)], t, late)[0]

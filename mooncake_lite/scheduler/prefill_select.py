@@ -9,11 +9,11 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
-from mooncake_lite.scheduler.cache import Estimates
+from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import QueueAt, prefill_model, prefill_queues
+from mooncake_lite.scheduler.estimate import QueuesAt, prefill_model, queues_at
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
@@ -57,24 +57,25 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
-                   rng: random.Random | None, queues: list[QueueAt] | None = None,
+                   rng: random.Random | None, queues: QueuesAt | None = None,
                    cache: Estimates | None = None) -> PrefillChoice | None:
     """The prefill option the configured strategy picks (None when there is no instance).
     Ties go to the earlier instance in ``prefills``, so results are deterministic. ``queues``
-    (:func:`prefill_queues` of ``prefills`` at ``now``) saves recomputing them; ``cache`` (None:
-    from scratch) keeps each queue's predicted work between decisions."""
+    (the backlogs of ``prefills`` at ``now``) saves recomputing them; ``cache`` (None: from
+    scratch) keeps each queue's predicted work between decisions."""
     if not prefills:
         return None
     if queues is None:
-        queues = prefill_queues(prefills, costs, now, cache)
+        queues = queues_at((cache or FROM_SCRATCH).backlogs(prefills, costs), now)
+    queue_times = queues.queue_s
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
         i = rng.randrange(len(prefills))
-        return _option(req, prefills[i], queues[i].queue_s, match.length_at(prefills[i].store_id),
+        return _option(req, prefills[i], queue_times[i], match.length_at(prefills[i].store_id),
                        match, False, cfg, costs, route="random")
     if cfg.strategy != "kvcache-centric":
-        return _choose_without_transfer(req, prefills, match, cfg, costs, queues)
+        return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times)
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
@@ -82,8 +83,8 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     best, best_key, default_model = None, float("inf"), costs.prefill
     # This loop runs per instance per request: one cost-model call each, the transfer time
     # (_transfer_s) written out.
-    for p, queue in zip(prefills, queues):
-        local, queue_s = lengths.get(p.store_id, 0), queue.queue_s
+    for p, queue_s in zip(prefills, queue_times):
+        local = lengths.get(p.store_id, 0)
         model = p.cost or default_model
         # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
@@ -104,17 +105,17 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
 
 def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                              match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels,
-                             queues: list[QueueAt]) -> PrefillChoice | None:
+                             queue_times: list[float]) -> PrefillChoice | None:
     """``load-balance`` (cache-blind: queue + full recompute; the engine still reuses what it
     has) and ``cache-aware`` (queue + execution given the local prefix)."""
     lengths, num_tokens = match.lengths, req.num_tokens
     cached_tokens = 0 if cfg.strategy == "load-balance" else cfg.block_size
     best, best_key = None, float("inf")
-    for p, queue in zip(prefills, queues):
+    for p, queue_s in zip(prefills, queue_times):
         local = lengths.get(p.store_id, 0)
-        key = queue.queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+        key = queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
         if key < best_key:
-            best, best_key = (p, queue.queue_s, local), key
+            best, best_key = (p, queue_s, local), key
     if best is None:
         return None
     p, queue_s, local = best

@@ -11,11 +11,11 @@ import random
 
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
-from mooncake_lite.scheduler.cache import EstimateCache, Estimates
+from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
-from mooncake_lite.scheduler.estimate import prefill_queues
+from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -49,7 +49,8 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
     keeps what is derived per instance between decisions (None: everything from scratch; the
     decision is the same either way)."""
     match = index.match(req.block_keys)
-    queues = prefill_queues(cluster.prefills, costs, now, cache)   # read by both choices
+    # every prefill's backlog at now: read by both choices
+    queues = queues_at((cache or FROM_SCRATCH).backlogs(cluster.prefills, costs), now)
     p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")

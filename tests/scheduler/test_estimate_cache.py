@@ -17,8 +17,7 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, Decod
                                      PrefillInstanceState, PrefillView, QueuedPrefill, ScheduleRequest, Scheduler,
                                      SchedulerConfig, prefill_queue_time)
 from mooncake_lite.scheduler.cache import MAX_EDITED_LEAVES, batch_change
-from mooncake_lite.scheduler.estimate import (decode_load_at, decode_load_now, decode_loads_at, late_prefills,
-                                              prefill_queues)
+from mooncake_lite.scheduler.estimate import decode_load_at, late_prefills, loads_at, queues_at
 
 BS = 16
 # Decode steps that one request moves by a few percent (within MAX_TBT_DRIFT: leave profiles
@@ -51,6 +50,10 @@ class World:
                             tuple(v.state() for i, v in self.decodes.items() if i in self.live))
 
     def step(self, op: str) -> None:
+        if op == "burst":
+            for _ in range(6):
+                self.step("dispatch")
+            return
         rng = self.rng
         self.now += rng.uniform(0, 2)
         live_p = [p for p in self.prefills if p in self.live]
@@ -115,7 +118,7 @@ class World:
 
 
 OPS = ["dispatch"] * 4 + ["prefill_end"] * 3 + ["tokens"] * 2 + ["finish"] * 2 + \
-    ["abort", "limits", "reregister", "die", "revive", "decide", "decide"]
+    ["burst", "abort", "limits", "reregister", "die", "revive", "decide", "decide"]
 
 
 def _index(rng: random.Random) -> BlockIndex:
@@ -126,14 +129,15 @@ def _index(rng: random.Random) -> BlockIndex:
 
 
 def _check_estimates(cluster: ClusterState, cache: EstimateCache, now: float, uniform: float | None) -> None:
-    queues = prefill_queues(cluster.prefills, COSTS, now, cache)
-    assert queues == prefill_queues(cluster.prefills, COSTS, now)
-    for d in cluster.decodes:
-        assert cache.committed_load(d) == decode_load_now(d)
+    scratch = FromScratch()
+    queues = queues_at(cache.backlogs(cluster.prefills, COSTS), now)
+    assert queues == queues_at(scratch.backlogs(cluster.prefills, COSTS), now)
+    assert cache.loads_now(cluster.decodes) == scratch.loads_now(cluster.decodes)
+    cached = cache.leave_profiles(cluster.decodes, COSTS, uniform)
+    fresh = scratch.leave_profiles(cluster.decodes, COSTS, uniform)
     for t in (now, now + 0.5, now + 5.0, now + 50.0):
         late = late_prefills(queues, now, t)
-        assert decode_loads_at(cluster.decodes, COSTS, t, late, uniform, cache) == \
-            decode_loads_at(cluster.decodes, COSTS, t, late, uniform)
+        assert loads_at(cluster.decodes, cached, t, late) == loads_at(cluster.decodes, fresh, t, late)
 
 
 @settings(max_examples=60, deadline=None)
@@ -181,7 +185,8 @@ def test_predicted_decode_load_matches_the_definition(d, ts, uniform):
     cache = EstimateCache()
     for t in ts:
         assert decode_load_at(d, COSTS, t, set(), uniform) == staying_by_definition(d, t, uniform)
-        assert decode_loads_at((d,), COSTS, t, set(), uniform, cache) == [staying_by_definition(d, t, uniform)]
+        profiles = cache.leave_profiles((d,), COSTS, uniform)
+        assert loads_at((d,), profiles, t, set()) == [staying_by_definition(d, t, uniform)]
 
 
 @st.composite

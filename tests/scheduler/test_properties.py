@@ -5,12 +5,12 @@ from dataclasses import replace
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeCostModel, DecodeInstanceState,
-                                     DecodingRequest, IncomingRequest, PrefillInstanceState,
+                                     DecodingRequest, FromScratch, IncomingRequest, PrefillInstanceState,
                                      PrefillCostModel, QueuedPrefill, ScheduleRequest, kv_transfer_time,
                                      prefill_queue_time, schedule)
 from mooncake_lite.scheduler.admission import choose_decode
 from mooncake_lite.scheduler.estimate import (decode_has_room, decode_load_at, decode_load_now, decode_tbt,
-                                              late_prefills, prefill_queues)
+                                              late_prefills, queues_at)
 from mooncake_lite.scheduler.prefill_select import choose_prefill
 from tests.scheduler.clusters import BS, COSTS, cfg
 
@@ -130,7 +130,7 @@ def test_decode_choice_is_the_smallest_tbt_among_instances_with_room(scenario, l
     config = cfg(admission=admission, uniform_decode_s=10.0)
     choice = choose_decode(req, replace(clus, decodes=decodes), config, COSTS, 0.0, 0.5, None)
     if admission == "predictive":
-        late = late_prefills(prefill_queues(clus.prefills, COSTS, 0.0), 0.0, 0.5)
+        late = late_prefills(queues_at(FromScratch.backlogs(clus.prefills, COSTS), 0.0), 0.0, 0.5)
         loads = [decode_load_at(d, COSTS, 0.5, late, 10.0) for d in decodes]
     else:
         loads = [decode_load_now(d) for d in decodes]
