@@ -4,12 +4,19 @@ File ``<ssd-dir>/<hex[:2]>/<hex>.blk`` (names come only from key bytes, never fr
 
     magic b"MCKS" | version u16 | chain_pos u16 | num_layers u32 | key 16s | length u64 | crc32 u32 | data
 
-(chain_pos, capped at 65535, lets a promoted block keep its length-aware eviction rank.)
+(chain_pos, capped at 65535, lets a promoted block keep its length-aware eviction rank.) Format
+version 2: the CRC-32 covers the header's first 36 bytes (everything but the CRC itself) and then
+the data, so a changed header field is caught like a changed payload byte. Version 1 files (CRC
+of the data only) are not read: they count as invalid (logged, counted, deleted).
 
 Writes go to ``.tmp`` and are renamed into place after (optional) fsync, so a crash leaves either
 the whole file or none; a block counts as "on SSD" only after the rename. On start the directory
-is re-indexed from headers (cheap); the checksum is verified on every read, and a block that
-fails it is deleted, counted and reported as a miss, never served.
+is re-indexed from headers (cheap): every field is checked against the file (magic, version, the
+key against the file name, length against the file size, num_layers >= 1 and dividing the
+length), and a bad file is deleted and counted. Anything else in the directory (other names,
+directories, links) is skipped with a log line, never fatal. The checksum is verified on every
+read, and a block that fails it (or any header check) is deleted, counted and reported as a
+miss, never served.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable
@@ -30,9 +38,49 @@ from mooncake_lite.store.eviction import LRUPolicy
 log = logging.getLogger(__name__)
 
 FILE_MAGIC = b"MCKS"
-FILE_VERSION = 1
+FILE_VERSION = 2          # 2: the CRC covers the header too (1: the data only; no longer read)
 FILE_HEADER = struct.Struct("<4sHHI16sQI")
+CRC_OFFSET = FILE_HEADER.size - 4   # the header bytes before the CRC, all covered by it
 KEY_BYTES = 16
+_HEX = frozenset("0123456789abcdef")   # key.hex() is lowercase
+
+
+def file_crc(head: bytes | memoryview, data: bytes | memoryview) -> int:
+    """The file's CRC-32: the header up to the CRC field, then the data."""
+    return zlib.crc32(data, zlib.crc32(head[:CRC_OFFSET]))
+
+
+def pack_header(key: bytes, data: bytes | memoryview, num_layers: int, chain_pos: int) -> bytes:
+    head = FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, chain_pos, num_layers, key, len(data), 0)
+    return head[:CRC_OFFSET] + struct.pack("<I", file_crc(head, data))
+
+
+def header_problem(fields: tuple, file_size: int, key: bytes, max_block_bytes: int | None = None) -> str | None:
+    """What is wrong with an unpacked header of the file for ``key`` that is ``file_size`` bytes
+    long (None: nothing the header alone can tell; the CRC is checked with the data)."""
+    magic, version, _, num_layers, file_key, length, _ = fields
+    if magic != FILE_MAGIC:
+        return f"bad magic {magic!r}"
+    if version != FILE_VERSION:
+        return f"format version {version} (this store reads version {FILE_VERSION})"
+    if file_key != key:
+        return "the key in the header is not the file's name"
+    if length != file_size - FILE_HEADER.size:
+        return f"header length {length} but {file_size - FILE_HEADER.size} bytes of data"
+    if num_layers < 1 or length % num_layers:
+        return f"{length} bytes do not split into {num_layers} layers"
+    if max_block_bytes is not None and length > max_block_bytes:
+        return f"{length} bytes is more than a block may hold ({max_block_bytes})"
+    return None
+
+
+def _key_of(path: Path) -> bytes | None:
+    """The key a block file's path names, when it is where :meth:`SsdTier.path_of` puts it."""
+    name = path.stem
+    if path.suffix != ".blk" or len(name) != 2 * KEY_BYTES or not set(name) <= _HEX or \
+            path.parent.name != name[:2]:
+        return None
+    return bytes.fromhex(name)
 
 
 class SsdTier:
@@ -40,11 +88,13 @@ class SsdTier:
     the tier for good (capacity eviction, failed write, corruption)."""
 
     def __init__(self, root: str | Path, capacity_bytes: int, *, fsync: bool = True,
-                 max_pending_bytes: int = 256 << 20, on_dropped: Callable[[bytes], None] | None = None) -> None:
+                 max_pending_bytes: int = 256 << 20, on_dropped: Callable[[bytes], None] | None = None,
+                 max_block_bytes: int | None = None) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.max_pending_bytes = max_pending_bytes
+        self.max_block_bytes = max_block_bytes   # files holding more are invalid (None: no limit)
         self.on_dropped = on_dropped or (lambda key: None)
         self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (length, num_layers, chain_pos) on disk
         self._lru = LRUPolicy()
@@ -73,38 +123,76 @@ class SsdTier:
         return set(self._index) | set(self._pending)
 
     def scan(self) -> list[bytes]:
-        """Re-index the directory (startup). Removes temp files and files with bad headers."""
+        """Re-index the directory (startup). Removes temp files and block files that fail a header
+        check (counted as corrupt); skips, with a log line, anything else it finds."""
         self.root.mkdir(parents=True, exist_ok=True)
         found: list[tuple[float, bytes, int, int, int]] = []
-        for sub in sorted(p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 2):
-            for path in sub.iterdir():
-                if path.suffix == ".tmp":
-                    path.unlink(missing_ok=True)
-                elif path.suffix == ".blk":
-                    entry = self._check_header(path)
-                    if entry is None:
-                        self.num_corrupt += 1
-                        log.warning("SSD file %s has a bad header; deleted", path)
-                        path.unlink(missing_ok=True)
-                    else:
-                        found.append((path.stat().st_mtime, *entry))
+        for sub in self._entries(self.root):
+            if not (len(sub.name) == 2 and set(sub.name) <= _HEX and self._is_dir(sub)):
+                log.warning("SSD tier %s: skipping %s (not a block directory)", self.root, sub.name)
+                continue
+            for path in self._entries(sub):
+                entry = self._scan_entry(path)
+                if entry is not None:
+                    found.append(entry)
         for _, key, length, num_layers, chain_pos in sorted(found):  # oldest first = least recently used
             self._add(key, length, num_layers, chain_pos)
         log.info("SSD tier %s: re-indexed %d blocks (%d bytes)", self.root, len(self._index), self.used_bytes)
         return [entry[1] for entry in sorted(found)]
 
-    def _check_header(self, path: Path) -> tuple[bytes, int, int, int] | None:
+    @staticmethod
+    def _entries(folder: Path) -> list[Path]:
+        try:
+            return sorted(folder.iterdir())
+        except OSError as exc:
+            log.warning("SSD tier: skipping %s: %s", folder, exc)
+            return []
+
+    @staticmethod
+    def _is_dir(path: Path) -> bool:
+        try:
+            return stat.S_ISDIR(path.lstat().st_mode)   # a link is never followed
+        except OSError:
+            return False
+
+    def _scan_entry(self, path: Path) -> tuple[float, bytes, int, int, int] | None:
+        try:
+            st = path.lstat()
+        except OSError as exc:
+            log.warning("SSD tier: skipping %s: %s", path, exc)
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("SSD tier: skipping %s (not a regular file)", path)
+            return None
+        if path.suffix == ".tmp":   # a write cut short by a crash
+            self._remove_file(path)
+            return None
+        key = _key_of(path)
+        if key is None:
+            log.warning("SSD tier: skipping %s (not a block file name)", path)
+            return None
         try:
             with open(path, "rb") as fh:
                 raw = fh.read(FILE_HEADER.size)
-            magic, version, chain_pos, num_layers, key, length, _ = FILE_HEADER.unpack(raw)
-            size = path.stat().st_size
-        except (OSError, struct.error):
+        except OSError as exc:
+            log.warning("SSD tier: skipping %s: %s", path, exc)
             return None
-        if magic != FILE_MAGIC or version != FILE_VERSION or key.hex() + ".blk" != path.name \
-                or size != FILE_HEADER.size + length:
+        problem = "truncated header" if len(raw) < FILE_HEADER.size else \
+            header_problem(FILE_HEADER.unpack(raw), st.st_size, key, self.max_block_bytes)
+        if problem is not None:
+            self.num_corrupt += 1
+            log.warning("SSD file %s is invalid (%s); deleted", path, problem)
+            self._remove_file(path)
             return None
-        return key, length, num_layers, chain_pos
+        _, _, chain_pos, num_layers, _, length, _ = FILE_HEADER.unpack(raw)
+        return st.st_mtime, key, length, num_layers, chain_pos
+
+    @staticmethod
+    def _remove_file(path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("SSD tier: could not delete %s: %s", path, exc)
 
     def _add(self, key: bytes, length: int, num_layers: int, chain_pos: int) -> None:
         self._index[key] = (length, num_layers, chain_pos)
@@ -179,12 +267,12 @@ class SsdTier:
             self.on_dropped(victim)
 
     async def _write(self, key: bytes, data: bytes, num_layers: int, chain_pos: int) -> None:
-        crc = await asyncio.to_thread(zlib.crc32, data)
+        header = await asyncio.to_thread(pack_header, key, data, num_layers, chain_pos)
         path = self.path_of(key)
         tmp = path.with_suffix(".tmp")
         await aiofiles.os.makedirs(path.parent, exist_ok=True)
         async with aiofiles.open(tmp, "wb") as fh:
-            await fh.write(FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, chain_pos, num_layers, key, len(data), crc))
+            await fh.write(header)
             await fh.write(data)
             await fh.flush()
             if self.fsync:
@@ -210,8 +298,14 @@ class SsdTier:
             self._forget(key)
             self.on_dropped(key)
             return None
+        except OSError as exc:   # not a file any more, unreadable: a miss, never an error for the batch
+            log.warning("SSD block %s cannot be read (%s); dropped", key.hex(), exc)
+            self.num_corrupt += 1
+            self._forget(key)
+            self.on_dropped(key)
+            return None
         self.num_reads += 1
-        problem = await asyncio.to_thread(self._verify, key, raw)
+        problem = await asyncio.to_thread(self._verify, key, raw, self.max_block_bytes)
         if problem is not None:
             self.num_corrupt += 1
             log.warning("SSD block %s is corrupt (%s); deleted, not served", key.hex(), problem)
@@ -223,16 +317,16 @@ class SsdTier:
         return memoryview(raw)[FILE_HEADER.size:], num_layers, chain_pos
 
     @staticmethod
-    def _verify(key: bytes, raw: bytes) -> str | None:
+    def _verify(key: bytes, raw: bytes, max_block_bytes: int | None = None) -> str | None:
         if len(raw) < FILE_HEADER.size:
             return "truncated header"
-        magic, version, _, _, file_key, length, crc = FILE_HEADER.unpack_from(raw)
-        if magic != FILE_MAGIC or version != FILE_VERSION or file_key != key:
-            return "bad header"
-        if len(raw) != FILE_HEADER.size + length:
-            return f"length {len(raw) - FILE_HEADER.size} != {length}"
-        if zlib.crc32(memoryview(raw)[FILE_HEADER.size:]) != crc:
-            return "checksum mismatch"
+        fields = FILE_HEADER.unpack_from(raw)
+        problem = header_problem(fields, len(raw), key, max_block_bytes)
+        if problem is not None:
+            return problem
+        view = memoryview(raw)
+        if file_crc(view, view[FILE_HEADER.size:]) != fields[-1]:
+            return "checksum mismatch (header or data)"
         return None
 
     async def remove(self, key: bytes) -> bool:
@@ -251,3 +345,5 @@ class SsdTier:
             await aiofiles.os.remove(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:   # e.g. a directory in its place: leave it, never fail the caller
+            log.warning("SSD tier: could not delete %s: %s", path, exc)

@@ -142,3 +142,52 @@ async def test_restart_recovers_from_ssd(role_procs, tmp_path, persist):
     finally:
         await client.close()
     assert not (tmp_path / "ab" / "leftover.tmp").exists()
+
+
+async def test_tampered_ssd_header_is_not_served_and_spares_the_batch(role_procs, tmp_path):
+    """Issue #15: a changed num_layers in an SSD header was served (wrong layer slices), or broke
+    the whole batched get (num_layers 0). Now the checksum covers the header."""
+    import struct
+    store = role_procs("store", *store_args("--ssd-dir", str(tmp_path), slots=3))
+    client = await StoreClient.connect(store.addresses["data"])
+    keys = chain(6, seed=17)
+    data = [block(k, 30_000) for k in keys]
+    try:
+        for k, d in zip(keys, data):
+            await client.put([k], [d], num_layers=4)
+        await wait_for_files(tmp_path, 3)       # keys 0-2 spilled; 3-5 in DRAM
+        for key, num_layers in ((keys[0], 3), (keys[1], 0)):
+            path = tmp_path / key.hex()[:2] / f"{key.hex()}.blk"
+            raw = bytearray(path.read_bytes())
+            struct.pack_into("<I", raw, 8, num_layers)   # num_layers sits after magic, version, chain_pos
+            path.write_bytes(bytes(raw))
+        batch = [keys[0], keys[1], keys[2], keys[5]]
+        layers = await client.get_layers(batch, first_layer=1, num_layers=2)
+        assert layers[0] is None and layers[1] is None, "a tampered header must never be served"
+        assert bytes(layers[2]) == data[2][7_500:22_500] and bytes(layers[3]) == data[5][7_500:22_500]
+        got = await client.get(batch)
+        assert got[0] is None and got[1] is None and bytes(got[2]) == data[2] and bytes(got[3]) == data[5]
+        assert await client.exists(keys[:2]) == [False, False]
+    finally:
+        await client.close()
+    assert metric(store.url(), "mooncake_store_corrupt_blocks_total") == 2
+
+
+async def test_odd_entries_in_the_ssd_dir_do_not_stop_the_store(role_procs, tmp_path):
+    keys = chain(3, seed=18)
+    odd = tmp_path / keys[0].hex()[:2] / f"{keys[0].hex()}.blk"
+    odd.mkdir(parents=True)                          # a directory named like a block file
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "README").write_text("hello")
+    store = role_procs("store", *store_args("--ssd-dir", str(tmp_path), slots=1))
+    client = await StoreClient.connect(store.addresses["data"])
+    try:
+        for k in keys:
+            await client.put([k], [block(k, 20_000)])
+        got = await client.get(keys[1:])   # (key 0's own SSD write fails on that directory: dropped)
+        assert [bytes(g) for g in got] == [block(k, 20_000) for k in keys[1:]]
+    finally:
+        await client.close()
+    assert odd.is_dir()
+    logs = store.logs()
+    assert f"{keys[0].hex()}.blk" in logs and "lost+found" in logs and "README" in logs
