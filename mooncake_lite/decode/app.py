@@ -46,6 +46,12 @@ class DecodeAppSettings:
     cluster_token: str | None = None
     disconnect_poll_s: float = 0.5
     advertise_host: str | None = None   # the data address given to peers (default: host)
+    # KV data connections (the --data-* flags): handshake and stall deadlines, idle close
+    # (None = never), the receive memory all of them may hold for frames still arriving.
+    data_handshake_timeout: float = 5.0
+    data_stall_timeout: float = 30.0
+    data_idle_timeout: float | None = None
+    data_inflight: int = 1 << 30
 
 
 SETTINGS = web.AppKey("settings", DecodeAppSettings)
@@ -143,7 +149,10 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
 
 async def _background(app: web.Application):
     engine, settings = app[ENGINE], app[SETTINGS]
-    server = await start_kv_server(engine, settings.host, settings.data_port, settings.cluster_token)
+    server = await start_kv_server(engine, settings.host, settings.data_port, settings.cluster_token,
+                                   handshake_timeout=settings.data_handshake_timeout,
+                                   stall_timeout=settings.data_stall_timeout, idle_timeout=settings.data_idle_timeout,
+                                   max_inflight_bytes=settings.data_inflight)
     app[RUNTIME]["data"] = server_address(server, settings.advertise_host)
     loop_task = asyncio.create_task(engine.run(), name="decode-steps")
     yield

@@ -113,7 +113,10 @@ class DecodeEngine:
         return True
 
     # --- KV intake (called by the receiver on the loop) ----------------------------------------
-    def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor) -> None:
+    def check_layer(self, tid: str, layer: int, start: int, n: int) -> PendingKV:
+        """What a layer frame may carry: tokens ``start..start+n`` of a layer of a request this
+        instance reserved and still waits for. Raises KVError otherwise. The receiver calls it
+        when a frame's meta arrives, before any memory is allocated for its payload."""
         pending = self._pending(tid)
         num_layers = len(pending.layer_tokens)
         if not 0 <= layer < num_layers:
@@ -123,6 +126,10 @@ class DecodeEngine:
             raise KVError("bad_range", f"tokens {start}..{start + n} outside the prompt of {prompt_len}")
         if pending.layer_tokens[layer] + n > prompt_len:
             raise KVError("duplicate", f"layer {layer} of transfer {tid} got more than {prompt_len} tokens")
+        return pending
+
+    def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor) -> None:
+        pending = self.check_layer(tid, layer, start, n)
         pending.senders.add(conn_id)
         table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
         pos = torch.arange(start, start + n)

@@ -4,6 +4,14 @@ Runs the transfer framing's server (cluster-token handshake included). Each fram
 applied on the event loop, then answered; a bad frame gets an error answer and the connection
 stays up (only framing violations close it). A connection that closes before sending OP_KV_END
 for a transfer fails that transfer (see :meth:`DecodeEngine.sender_lost`).
+
+Memory is bounded by what a frame may legitimately carry: a header announcing more than one
+layer of the largest request the KV cache could hold, or a meta over ``KV_META_BYTES``, closes
+the connection before anything is allocated; a layer frame's meta is checked against the request
+it names (:meth:`DecodeEngine.check_layer`: a reserved transfer, a layer, tokens inside its
+prompt, a payload of exactly those tokens' bytes) before memory is allocated for its payload. A
+frame that fails the check (an unknown or aborted transfer, for one) has its payload read into a
+small scratch buffer and dropped, and gets an error answer.
 """
 
 from __future__ import annotations
@@ -14,11 +22,17 @@ from typing import Any
 
 from mooncake_lite.decode.engine import DecodeEngine, KVError
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
-from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Limits
-from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, tensor_from_payload
+from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header, Limits
+from mooncake_lite.transfer.kv_stream import (OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, token_kv_bytes,
+                                              tensor_from_payload)
 from mooncake_lite.transfer.server import reply_error, start_server
 
 log = logging.getLogger(__name__)
+
+KV_META_BYTES = 64 << 10   # KV frames' metas are a few dozen bytes
+SCRATCH_BYTES = 1 << 20
+# A refused frame's error rides in its meta under a key no JSON object can contain.
+_REFUSED = object()
 
 
 def _int(meta: dict[str, Any], key: str) -> int:
@@ -40,7 +54,34 @@ class KVReceiver(FrameHandler):
         self.engine = engine
         args = engine.runner.args
         self.kv_heads, self.head_dim, self.dtype = args.num_kv_heads, args.head_dim, engine.runner.dtype
+        self.token_bytes = token_kv_bytes(1, self.kv_heads, self.head_dim, self.dtype)
         self.num_frames = 0
+        self.refused_bytes = 0   # payload bytes of refused frames, read and dropped
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+
+    def max_payload_bytes(self) -> int:
+        """One layer of the largest prompt the KV cache could ever hold: no frame is larger."""
+        runner = self.engine.runner
+        return self.token_bytes * runner.allocator.num_blocks * runner.block_size
+
+    def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
+        try:
+            if header.op != OP_KV_LAYER:
+                raise KVError("bad_payload", f"operation {header.op} carries no payload")
+            n = _int(meta, "n")
+            if n <= 0 or header.payload_len != n * self.token_bytes:
+                raise KVError("bad_payload", f"{header.payload_len} payload bytes for {n} tokens "
+                                             f"(expected {max(n, 0) * self.token_bytes})")
+            self.engine.check_layer(_tid(meta), _int(meta, "layer"), _int(meta, "start"), n)
+        except KVError as exc:
+            meta[_REFUSED] = exc
+            self.refused_bytes += header.payload_len
+            return self._discard(header.payload_len)
+        return None   # checked: fresh memory of exactly this size (charged to the in-flight budget)
+
+    def _discard(self, nbytes: int) -> list[memoryview]:
+        size = self._scratch.nbytes
+        return [self._scratch] * (nbytes // size) + ([self._scratch[:nbytes % size]] if nbytes % size else [])
 
     def connection_made(self, conn: FrameConnection) -> None:
         conn.state["tids"] = set()
@@ -48,6 +89,8 @@ class KVReceiver(FrameHandler):
     def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
         meta = frame.meta
         try:
+            if _REFUSED in meta:
+                raise meta[_REFUSED]
             tid = _tid(meta)
             if frame.op == OP_KV_LAYER:
                 n = _int(meta, "n")
@@ -83,6 +126,12 @@ class KVReceiver(FrameHandler):
             self.engine.sender_lost(id(conn), set(tids))
 
 
-async def start_kv_server(engine: DecodeEngine, host: str, port: int, token: str | None) -> asyncio.Server:
-    return await start_server(KVReceiver(engine), host, port, token=token, limits=Limits(),
-                              name="prefill")
+async def start_kv_server(engine: DecodeEngine, host: str, port: int, token: str | None, *,
+                          handshake_timeout: float | None = 5.0, stall_timeout: float | None = 30.0,
+                          idle_timeout: float | None = None, max_inflight_bytes: int = 1 << 30) -> asyncio.Server:
+    receiver = KVReceiver(engine)
+    # The budget must hold at least one legitimate frame, or the largest prompts could never arrive.
+    limits = Limits(max_meta_bytes=KV_META_BYTES, max_payload_bytes=receiver.max_payload_bytes(),
+                    handshake_timeout=handshake_timeout, stall_timeout=stall_timeout, idle_timeout=idle_timeout,
+                    max_inflight_bytes=max(max_inflight_bytes, receiver.max_payload_bytes()))
+    return await start_server(receiver, host, port, token=token, limits=limits, name="prefill")

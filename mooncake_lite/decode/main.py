@@ -18,7 +18,11 @@ from mooncake_lite.decode.config import Config
 def run(cfg: Config) -> int:
     engine = build_engine(cfg)
     app = make_app(engine, DecodeAppSettings(cfg.host, cfg.data_port, cfg.cluster_token,
-                                             advertise_host=cfg.advertise_host))
+                                             advertise_host=cfg.advertise_host,
+                                             data_handshake_timeout=cfg.data_handshake_timeout,
+                                             data_stall_timeout=cfg.data_stall_timeout,
+                                             data_idle_timeout=cfg.data_idle_timeout or None,
+                                             data_inflight=cfg.data_inflight))
     state = {"exit": 0}
     tasks: list[asyncio.Task] = []
 

@@ -57,7 +57,9 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
             while await reader.read(65536):
                 pass
         return True
-    except (asyncio.TimeoutError, ConnectionError):
+    except ConnectionError:     # reset: closed too
+        return True
+    except asyncio.TimeoutError:
         return False
 
 
