@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.store.blocks import BlockStore
 from mooncake_lite.store.config import Config
-from mooncake_lite.store.dataplane import StoreHandler
+from mooncake_lite.store.dataplane import META_BYTES, StoreHandler
 from mooncake_lite.store.eviction import make_policy
 from mooncake_lite.store.events import BlockEventPublisher
 from mooncake_lite.store.metrics import StoreCollector, make_registry, render
@@ -58,7 +58,9 @@ def make_app(cfg: Config) -> web.Application:
                                     keepalive=min(5.0, 20 * cfg.event_interval))
     ssd = None
     if cfg.ssd_dir:
-        ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue)
+        # A block larger than a DRAM slot could never be promoted: count it as bad at start-up.
+        ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue,
+                      max_block_bytes=cfg.slot_bytes)
     slab = Slab(cfg.dram, cfg.slot_bytes, pin=cfg.pin_memory)
     store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
     if ssd is not None:
@@ -84,8 +86,11 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     replicator = Replicator(store, token=cfg.cluster_token)
     dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator)
     hello: dict[str, str | int] = {}
+    limits = Limits(max_meta_bytes=META_BYTES, max_payload_bytes=cfg.max_frame,
+                    handshake_timeout=cfg.data_handshake_timeout, stall_timeout=cfg.data_stall_timeout,
+                    idle_timeout=cfg.data_idle_timeout or None, max_inflight_bytes=cfg.data_inflight)
     server = await start_server(dp.handler, cfg.host, cfg.data_port, token=cfg.cluster_token,
-                                limits=Limits(max_payload_bytes=cfg.max_frame), name="store-client", hello=hello)
+                                limits=limits, name="store-client", hello=hello)
     dp.address = replicator.self_address = dp.publisher.store_address = server_address(server, cfg.advertise_host)
     # The advertised data address is the store id its block events carry: a client that dialled
     # it under another name (127.0.0.1 for 10.0.0.7) learns the one the conductor knows.

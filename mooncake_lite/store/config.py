@@ -40,6 +40,16 @@ class Config(RoleConfig):
     conductor: str | None = option(None, "conductor base URL (http://HOST:PORT) to send block events to")
     event_interval: float = option(0.2, "how often block events are sent", parse=parse_duration)
     max_frame: int = option(4 << 30, "largest frame payload accepted on the data port", parse=parse_size)
+    data_handshake_timeout: float = option(5.0, "a data connection that has not completed its HELLO (cluster "
+                                           "token) within this long is closed", parse=parse_duration)
+    data_stall_timeout: float = option(30.0, "a data connection is closed when a frame's header and meta take "
+                                       "longer than this, or its payload stops moving for this long",
+                                       parse=parse_duration)
+    data_idle_timeout: float = option(0.0, "close data connections idle this long (0 = never; clients "
+                                      "reconnect when they next need one)", parse=parse_duration)
+    data_inflight: int = option(256 << 20, "most memory all data connections together may hold for frames "
+                                "still arriving (large metas; put payloads land in the slab); a frame that "
+                                "would exceed it closes its connection", parse=parse_size)
     drain_timeout: float = option(10.0, "graceful-shutdown budget for in-flight work", parse=parse_duration)
     pin_memory: bool | None = option(None, "page-lock the slab (None = when CUDA is present)")
 
@@ -56,6 +66,10 @@ class Config(RoleConfig):
         require(self.lease_ttl > 0, f"--lease-ttl must be positive, got {self.lease_ttl}")
         require(self.event_interval > 0, f"--event-interval must be positive, got {self.event_interval}")
         require(self.max_frame >= self.slot_bytes, "--max-frame must be at least --slot-bytes")
+        require(self.data_handshake_timeout > 0, "--data-handshake-timeout must be positive")
+        require(self.data_stall_timeout > 0, "--data-stall-timeout must be positive")
+        require(self.data_idle_timeout >= 0, "--data-idle-timeout must be >= 0 (0 = never)")
+        require(self.data_inflight > 0, "--data-inflight must be positive")
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s):// URL, got {self.conductor!r}")
         require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")

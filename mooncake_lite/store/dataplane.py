@@ -6,6 +6,11 @@ slab in place under a lease that ends when the bytes are in the kernel, or when 
 connection is then aborted, so the memory is never read after it can be reused).
 Most operations finish synchronously on the event loop; SSD promotions, deletes and
 replication run as tasks.
+
+No frame makes the store allocate memory for its payload: a put lands in its reserved slots, a
+refused frame's payload is read into one scratch buffer and dropped. A payload larger than its op
+can carry (a put: ``slot_bytes`` per key; anything else: nothing) is refused that way only up to
+``DISCARD_BYTES``; beyond it the connection is closed at once instead of reading gigabytes.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, Put
 from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
                                           sizes_from_meta)
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
-from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header
+from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, FrameError, Header
 from mooncake_lite.transfer.server import reply_error
 
 log = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 1 << 20
+# Metas carry up to a batch of keys (32 hex characters each); MATCH and REPLICATE send a whole
+# prompt's keys at once: 1 MiB holds 32k keys (a 512k-token prompt of 16-token blocks).
+META_BYTES = 1 << 20
+# A refused payload up to this size is read and dropped, keeping the connection (a client's
+# default batch); a bigger one over what its op can carry closes the connection.
+DISCARD_BYTES = 64 << 20
 # Per-frame context (put ticket or error) rides in the frame's meta dict under a key no JSON
 # object can contain, so a client cannot forge it.
 _ERROR, _TICKET = object(), object()
@@ -55,16 +66,23 @@ class StoreHandler(FrameHandler):
     # ---- receiving puts in place ---------------------------------------------------------------
     def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
         if header.op != Op.PUT:
+            self._check_refusable(header, 0, f"op {header.op} takes no payload")
             meta[_ERROR] = ("bad_request", f"op {header.op} takes no payload")
             return self._discard(header.payload_len)
+        legit = 0   # what this put can carry: a slot per key (0 while its keys are unreadable)
         try:
             keys = keys_from_meta(meta)
+            slot = self.store.slab.slot_bytes
+            legit = slot * len(keys)
+            self._check_refusable(header, legit, f"a put of {len(keys)} key(s) can carry at most "
+                                                 f"{legit} bytes ({slot}-byte slots)")
             sizes = sizes_from_meta(meta, len(keys))
             if sum(sizes) != header.payload_len:
                 raise MetaError(f"sizes add up to {sum(sizes)} but the payload has {header.payload_len} bytes")
             num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
             ticket = self.store.reserve(keys, sizes, num_layers, int_from_meta(meta, "first_pos", 0))
         except (MetaError, BadRequest) as exc:
+            self._check_refusable(header, legit, str(exc))
             meta[_ERROR] = ("bad_request", str(exc))
             return self._discard(header.payload_len)
         except StoreFull as exc:
@@ -72,6 +90,12 @@ class StoreHandler(FrameHandler):
             return self._discard(header.payload_len)
         meta[_TICKET] = ticket
         return self.store.ticket_views(ticket, self._scratch)
+
+    @staticmethod
+    def _check_refusable(header: Header, legit: int, why: str) -> None:
+        """Close the connection (FrameError) for a payload far over what its op can carry."""
+        if header.payload_len > max(legit, DISCARD_BYTES):
+            raise FrameError(f"payload of {header.payload_len} bytes refused: {why}")
 
     def _discard(self, nbytes: int) -> list[memoryview]:
         """Views that add up to ``nbytes``, all over one scratch buffer (bytes read and dropped)."""
