@@ -7,6 +7,12 @@ Every role process prints exactly one JSON line on stdout once it serves::
 Logs go to stderr. ``common/launch.py`` waits for that line, for ``mooncake up``, the test
 fixtures and the benchmarks alike (ports may be 0, meaning "pick a free one", so the line is the
 only place the real port is known).
+
+Slow clients are cut: a request's headers must arrive within ``HEADER_TIMEOUT_S`` of the
+connection opening or of the previous response (aiohttp's keep-alive timer, which also closes
+idle keep-alive connections; kept above aiohttp clients' own 15 s keep-alive so a pooled
+connection is never closed under a client that is about to reuse it), and its body within
+``BODY_TIMEOUT_S`` of the handler starting (a middleware; streaming answers are not limited).
 """
 
 from __future__ import annotations
@@ -22,10 +28,49 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+HEADER_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 30.0
+
 
 def announce_ready(role: str, **addresses: str) -> None:
     sys.stdout.write(orjson.dumps({"event": "ready", "role": role, **addresses}).decode() + "\n")
     sys.stdout.flush()
+
+
+def body_timeout_middleware(timeout: float):
+    """Close the connection of a request whose body has not fully arrived ``timeout`` seconds
+    after its headers (the handler awaiting it then fails with a connection error)."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if not request.body_exists or request.content.is_eof():
+            return await handler(request)
+
+        def expire() -> None:
+            if not request.content.is_eof() and request.transport is not None:
+                log.warning("closing HTTP connection from %s: %s %s body not received within %gs",
+                            request.remote, request.method, request.path, timeout)
+                request.transport.close()
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            return await handler(request)
+        finally:
+            timer.cancel()
+    return middleware
+
+
+async def start_site(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 10.0,
+                     header_timeout: float = HEADER_TIMEOUT_S,
+                     body_timeout: float = BODY_TIMEOUT_S) -> tuple[web.AppRunner, web.TCPSite]:
+    """Serve ``app`` on host:port with the header and body timeouts; the caller cleans up the
+    runner. The app must not have started yet (the body middleware goes first in its chain)."""
+    app.middlewares.insert(0, body_timeout_middleware(body_timeout))
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout,
+                           keepalive_timeout=header_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site
 
 
 def bound_port(site: web.TCPSite) -> int:
@@ -41,10 +86,7 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``.
     ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the
     conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port."""
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    runner, site = await start_site(app, host, port, shutdown_timeout=shutdown_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
