@@ -24,7 +24,7 @@ No IO and no clock: times are arguments.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import replace
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
@@ -216,6 +216,18 @@ class DecodeView:
         if job.shown is None:          # its record, still to be built, will show it all
             return False
         self._context_lag += num_tokens
+        return self._check_lag()
+
+    def progress_each(self, request_ids: Iterable[str], num_tokens: int) -> bool:
+        """Each of them generated ``num_tokens`` more (the batch ran that many steps): as
+        :meth:`progress` for each, the lag checked once."""
+        jobs, shown = self._jobs, 0
+        for request_id in request_ids:
+            job = jobs[request_id]
+            job.context_tokens += num_tokens
+            if job.shown is not None:
+                shown += 1
+        self._context_lag += shown * num_tokens
         return self._check_lag()
 
     def leave(self, request_id: str) -> bool:

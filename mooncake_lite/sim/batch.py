@@ -37,7 +37,6 @@ class Batch:
         req.join_log = len(self.log)
         req.wait_extra = now - req.first_token
         req.join_time = now
-        req.snap_step = -1        # its cached scheduler view (a queued prefill) is stale now
         self.running[req.rid] = req
         self._seq += 1
         heapq.heappush(self._heap, (self.steps_done + req.output_length - 1, self._seq, req))

@@ -54,13 +54,13 @@ class MooncakeSim(TraceDriver):
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
 
     # ---- conductor ---------------------------------------------------------------------------
-    def cluster_state(self, now: float) -> ClusterState:
-        return ClusterState(tuple(p.state() for p in self.prefills),
-                            tuple(d.conductor_view(now) for d in self.decodes))
+    def cluster_state(self) -> ClusterState:
+        """What the conductor sees of every instance (their views' states)."""
+        return ClusterState(tuple(p.state() for p in self.prefills), tuple(d.state() for d in self.decodes))
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
-        decision = self.scheduler.schedule(sreq, self.cluster_state(now), now)
+        decision = self.scheduler.schedule(sreq, self.cluster_state(), now)
         if self.decisions is not None:
             self.decisions.append(decision)
         if not decision.accepted:
@@ -82,8 +82,7 @@ class MooncakeSim(TraceDriver):
             req.fetched_blocks = decision.reused_prefix_blocks
             self.recorder.migrated(len(m.keys))
         self.decode_by_id[req.decode_id].commit(req)
-        p.waiting.append(req)
-        p.touched()
+        p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)
 
@@ -95,9 +94,7 @@ class MooncakeSim(TraceDriver):
         if req.ready_at > now:  # FIFO: the head waits for its KV fetch
             self.events.push(req.ready_at, self._wake_prefill, p)
             return
-        p.waiting.popleft()
-        p.current = req
-        req.prefill_start = now
+        p.begin(now)
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
         hits, on_ssd = p.cache.prefix(req.keys)
@@ -106,7 +103,6 @@ class MooncakeSim(TraceDriver):
         if on_ssd:  # the prefix load may outlast the compute it is overlapped with
             duration = max(duration, self.hw.prefix_load_seconds(req.reused_tokens, on_ssd * self.block_size))
         p.busy_s += duration
-        p.touched()
         self.events.push(now + duration, self._prefill_done, p)
 
     def _wake_prefill(self, now: float, p: PrefillNode) -> None:
@@ -116,9 +112,7 @@ class MooncakeSim(TraceDriver):
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
-        req = p.current
-        p.current = None
-        p.touched()
+        req = p.end()
         self._store(p, req.keys)
         req.first_token = now
         if req.output_length <= 1:   # done with its first token: it never reaches decode
@@ -136,7 +130,7 @@ class MooncakeSim(TraceDriver):
         d = self.decode_by_id[req.decode_id]
         d.uncommit(req)
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
-        if not decode_admits(d.state(now), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
+        if not decode_admits(d.state(), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
             return self._reject(now, req, "decode", "tbt")
         d.arrive(now, req)
 

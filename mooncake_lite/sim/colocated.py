@@ -21,7 +21,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
-from mooncake_lite.scheduler import (BlockIndex, CostModels, PrefillInstanceState,
+from mooncake_lite.scheduler import (BlockIndex, CostModels, EstimateCache, PrefillInstanceState, PrefillView,
                                      ScheduleRequest, SchedulerConfig, prefill_queue_time)
 from mooncake_lite.scheduler.prefill_select import choose_prefill
 from mooncake_lite.sim.batch import Batch
@@ -29,7 +29,7 @@ from mooncake_lite.sim.config import ColocatedConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
-from mooncake_lite.sim.nodes import cached_prefix, queued
+from mooncake_lite.sim.nodes import cached_prefix
 from mooncake_lite.sim.recorder import Recorder
 from mooncake_lite.sim.request import SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
@@ -50,21 +50,17 @@ class ColocatedInstance:
         self.seg_start = self.seg_gap = 0.0
         self.seg_steps = 0
         self.version = 0
-        self._state: PrefillInstanceState | None = None
+        self.view = PrefillView(instance_id, instance_id)   # the prompt prefilling, then the waiting ones
 
     def state(self) -> PrefillInstanceState:
-        if self._state is None:
-            jobs = [self.prefilling] if self.prefilling is not None else []
-            jobs.extend(self.waiting)
-            self._state = PrefillInstanceState(self.instance_id, self.instance_id, tuple(queued(r) for r in jobs))
-        return self._state
+        return self.view.state()
 
     def is_idle(self) -> bool:
         return self.prefilling is None and self.seg_steps == 0
 
     def enqueue(self, now: float, req: SimRequest) -> None:
         self.waiting.append(req)
-        self._state = None
+        self.view.add(req.rid, req.input_length, req.planned_prefix_tokens)
         if self.is_idle():
             self._boundary(now, self.version)
         elif self.seg_steps:  # cut the decode segment at the next step boundary
@@ -98,7 +94,7 @@ class ColocatedInstance:
         if self.prefilling is None and self.waiting and self._fits(self.waiting[0]):
             req = self.waiting.popleft()
             self.prefilling = req
-            self._state = None
+            self.view.start(req.rid, now)
             req.prefill_start = now
             req.reused_tokens = min(cached_prefix(self.cache, req.keys) * self.sim.block_size, req.input_length - 1)
             req.prefilled = req.reused_tokens
@@ -135,7 +131,7 @@ class ColocatedInstance:
     def _prefill_done(self, now: float, version: int) -> None:
         req = self.prefilling
         self.prefilling = None
-        self._state = None
+        self.view.remove(req.rid)
         self.sim.store(self, req.keys)
         req.first_token = now
         if req.output_length <= 1:
@@ -159,6 +155,7 @@ class ColocatedSim(TraceDriver):
                                 bandwidth_bytes_per_s=hw.network_bytes_per_s)
         self.sched_cfg = SchedulerConfig(strategy=cfg.routing, admission="none", block_size=block_size)
         self.index = BlockIndex()
+        self.estimates = EstimateCache()
         self.rng = random.Random(cfg.seed)
         self.events = EventQueue()
         self.instances = [ColocatedInstance(f"C{i}", self) for i in range(cfg.num_instances)]
@@ -175,7 +172,8 @@ class ColocatedSim(TraceDriver):
     def _arrive(self, now: float, req: SimRequest) -> None:
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
         states = tuple(c.state() for c in self.instances)
-        choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng)
+        choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng,
+                                cache=self.estimates)
         req.prefill_id = req.decode_id = choice.instance.instance_id
         req.planned_prefix_tokens = min(choice.local_blocks * self.block_size, req.input_length - 1)
         self.by_id[req.prefill_id].enqueue(now, req)

@@ -1,19 +1,20 @@
 """Simulated prefill and decode instances: queues, stores and batches, no policy of their own
-beyond what the real roles do (FIFO prefill, the decode's local SLO double check)."""
+beyond what the real roles do (FIFO prefill, the decode's local SLO double check).
+
+What the conductor sees of each instance is kept by the scheduler's own instance views
+(``scheduler/view.py``), the class the live conductor's Membership drives: the simulator tells
+them the same events (a job queued, started, ended; a request committed, its KV arrived, tokens
+generated, finished), so its snapshots are built by the conductor's code."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import replace
-from itertools import compress, count
-from operator import is_not
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
-                                           PrefillInstanceState, QueuedPrefill)
-from mooncake_lite.scheduler.view import MAX_TBT_DRIFT, context_lag_bound
+from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
+from mooncake_lite.scheduler.view import DecodeView, PrefillView
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.costs import Hardware
 from mooncake_lite.store.eviction import BlockCache
@@ -55,15 +56,6 @@ def cpp_cost_model(hw: Hardware, group_size: int, chunk: int) -> PrefillCostMode
     return PrefillCostModel.fit(samples)
 
 
-def queued(r: SimRequest) -> QueuedPrefill:
-    """The request as a queued prefill job, built once while waiting and once when started."""
-    q = r.snap
-    if q is None or q.started_at != r.prefill_start:
-        q = r.snap = QueuedPrefill(r.rid, r.input_length, r.planned_prefix_tokens, r.prefill_start)
-    return q
-
-
-
 class PrefillNode:
     """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
 
@@ -80,7 +72,7 @@ class PrefillNode:
         self.current: SimRequest | None = None
         self.link_free_at = 0.0
         self.busy_s = 0.0
-        self._state: PrefillInstanceState | None = None
+        self.view = PrefillView(instance_id, self.store_id, None, cost)
 
     def fetch(self, now: float, num_bytes: int) -> float:
         """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
@@ -93,15 +85,25 @@ class PrefillNode:
 
     def state(self) -> PrefillInstanceState:
         """The conductor's view: the running job (with its start) and the FIFO behind it."""
-        if self._state is None:
-            jobs = [self.current] if self.current is not None else []
-            jobs.extend(self.waiting)
-            self._state = PrefillInstanceState(self.instance_id, self.store_id, tuple(queued(r) for r in jobs),
-                                               None, self.cost)
-        return self._state
+        return self.view.state()
 
-    def touched(self) -> None:
-        self._state = None
+    def enqueue(self, req: SimRequest) -> None:
+        """Dispatched here, behind the others, with the prefix the decision planned to reuse."""
+        self.waiting.append(req)
+        self.view.add(req.rid, req.input_length, req.planned_prefix_tokens)
+
+    def begin(self, now: float) -> SimRequest:
+        """The head of the FIFO starts."""
+        req = self.current = self.waiting.popleft()
+        req.prefill_start = now
+        self.view.start(req.rid, now)
+        return req
+
+    def end(self) -> SimRequest:
+        """The running prefill is done."""
+        req, self.current = self.current, None
+        self.view.remove(req.rid)
+        return req
 
 
 class DecodeNode:
@@ -117,73 +119,31 @@ class DecodeNode:
         self.on_finish = on_finish
         self.pending: list[SimRequest] = []
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
-        self._view: DecodeInstanceState | None = None
-        self._base: DecodeInstanceState | None = None    # what conductor_view last showed, and
-        self._shown: DecodeInstanceState | None = None   # with the TBT its t_d are sized with
         self.seg_start = 0.0
         self.seg_gap = 0.0
         self.seg_steps = 0          # steps planned for the running segment (0 = idle)
         self.version = 0
-        self._state: DecodeInstanceState | None = None
+        # What the conductor sees, as the live one would: requests committed here (KV to
+        # come) and, from their KV's arrival, running — whether or not they have reached a step
+        # boundary yet; it has the instance's own cost model, as a live decode reports it.
+        self.view = DecodeView(instance_id, batch.model, max_batch, max_context_tokens)
 
-    def state(self, now: float) -> DecodeInstanceState:
-        if self._state is None:
-            steps = self.batch.steps_done
-            batch = self.batch.running.values()
-            shown = [r for r in batch if r.snap_step >= 0]
-            lag = sum(steps - r.snap_step for r in shown)
-            refresh = lag > context_lag_bound(sum(r.snap.context_tokens for r in shown))
-            running = []
-            for r in batch:
-                if r.snap_step < 0 or (refresh and r.snap_step != steps):
-                    r.snap = DecodingRequest(r.rid, r.input_length + 1 + steps - r.join_step, r.join_time,
-                                             r.output_length)
-                    r.snap_step = steps
-                running.append(r.snap)
-            running.extend(DecodingRequest(r.rid, r.input_length + 1, now, r.output_length)
-                           for r in self.pending)
-            self._state = DecodeInstanceState(self.instance_id, tuple(running), self.max_batch,
-                                              self.max_context_tokens)
-        return self._state
-
-    def conductor_view(self, now: float) -> DecodeInstanceState:
-        """What the conductor sees: the local state plus, as ``incoming``, the requests it has
-        dispatched here whose KV has not arrived yet (prefill queued/running or KV in transit),
-        and the TBT its running requests' t_d are sized with: kept from the last view while
-        the batch is the same or one request joined or left and its TBT moved less than
-        MAX_TBT_DRIFT, else the batch's current one."""
-        base = self._committed_view(now) if self.committed else self.state(now)
-        if base is not self._base:
-            running, shown = base.running, self._shown
-            tbt = None if shown is None else shown.tbt_s
-            if shown is None or running is not shown.running:
-                current = self.batch.model.predict(len(running), sum(r.context_tokens for r in running))
-                if shown is None or not _one_change(running, shown.running) or abs(current - tbt) > tbt * MAX_TBT_DRIFT:
-                    tbt = current
-            self._base, self._shown = base, replace(base, tbt_s=tbt)
-        return self._shown
-
-    def _committed_view(self, now: float) -> DecodeInstanceState:
-        if self._view is None:
-            base = self.state(now)
-            incoming = tuple(IncomingRequest(r.rid, r.input_length + 1, r.output_length)
-                             for r in self.committed.values())
-            self._view = DecodeInstanceState(base.instance_id, base.running, base.max_batch_size,
-                                             base.max_context_tokens, incoming=incoming)
-        return self._view
+    def state(self) -> DecodeInstanceState:
+        return self.view.state()
 
     def commit(self, req: SimRequest) -> None:
+        """Dispatched here: incoming until its KV arrives (``input + 1`` tokens of it)."""
         self.committed[req.rid] = req
-        self._view = None
+        self.view.commit(req.rid, req.input_length + 1, req.output_length)
 
     def uncommit(self, req: SimRequest) -> None:
         self.committed.pop(req.rid, None)
-        self._view = None
+        self.view.uncommit(req.rid)
 
     def arrive(self, now: float, req: SimRequest) -> None:
         """KV fully received: join at the next step boundary (now, if idle)."""
         self.pending.append(req)
-        self._state = self._view = None
+        self.view.join(req.rid, req.input_length + 1, now, req.output_length)
         if self.seg_steps == 0:
             self._boundary(now, self.version)
             return
@@ -199,17 +159,16 @@ class DecodeNode:
             self._boundary(now, version)
 
     def _boundary(self, now: float, version: int) -> None:
-        b = self.batch
+        b, view = self.batch, self.view
         if self.seg_steps:
+            view.progress_each(b.running, self.seg_steps)
             for req in b.advance(self.seg_steps, self.seg_gap):
+                view.leave(req.rid)
                 req.finish = now
                 self.on_finish(now, req)
-            self._state = self._view = None
         for req in self.pending:
             b.add(req, now)
-        if self.pending:
-            self.pending = []
-            self._state = self._view = None
+        self.pending = []
         if not b.running:
             self.seg_steps = 0
             return
@@ -217,14 +176,3 @@ class DecodeNode:
         self.seg_steps = b.steps_to_next_finish()
         self.version += 1
         self.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)
-
-
-def _one_change(running: tuple, old_running: tuple) -> bool:
-    """``running`` is ``old_running`` plus one record at the end, or less one record."""
-    n, k = len(running), len(old_running)
-    if n == k + 1 and running[:k] == old_running:
-        return True
-    if n == k - 1:
-        i = next(compress(count(), map(is_not, running, old_running)), n)
-        return running[i:] == old_running[i + 1:]
-    return False

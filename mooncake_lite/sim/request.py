@@ -16,8 +16,7 @@ class SimRequest:
     __slots__ = ("trace", "rid", "arrival", "keys", "prefill_id", "decode_id", "reused_tokens",
                  "predicted_ttft", "prefill_start", "first_token", "finish", "status",
                  "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
-                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "snap", "prefilled", "fetched_blocks",
-                 "snap_step")
+                 "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "prefilled", "fetched_blocks")
 
     def __init__(self, trace: TraceRequest, block_size: int) -> None:
         self.trace = trace
@@ -44,8 +43,6 @@ class SimRequest:
         self.mean_gap: float | None = None
         self.num_gaps = 0
         self.join_time = 0.0
-        self.snap = None          # cached scheduler-state object (QueuedPrefill / DecodingRequest)
-        self.snap_step = 0
         self.prefilled = 0        # prompt tokens already computed (colocated chunked prefill)
         self.fetched_blocks = 0   # leading blocks a migration brings into the prefill's store
 

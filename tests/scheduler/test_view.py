@@ -102,3 +102,16 @@ def test_a_new_cost_model_rereads_the_tbt_and_no_model_leaves_it_to_the_schedule
     assert v.state().tbt_s == 0.2 and v.state().cost is other
     v.set_cost(None)
     assert v.state().tbt_s is None
+
+
+def test_progress_of_a_whole_batch_is_progress_of_each():
+    each, whole = DecodeView("d", COST), DecodeView("d", COST)
+    for v in (each, whole):
+        v.state()
+        for i in range(3):
+            v.join(f"r{i}", 100 * (i + 1), 0.0, 64)
+        v.state()
+    rids = ["r0", "r1", "r2"]
+    for steps in (5, 5, 20):
+        assert whole.progress_each(rids, steps) == any([each.progress(r, steps) for r in rids])
+        assert whole.state() == each.state()

@@ -136,7 +136,7 @@ def test_nothing_stays_incoming_after_the_run():
     assert [r[i].status for i in range(4)] == ["completed", "rejected", "completed", "rejected"]
     assert r[1].reject_stage == r[3].reject_stage == "decode"
     assert all(not d.committed for d in sim.decodes)
-    assert all(d.incoming == () for d in sim.cluster_state(100.0).decodes)
+    assert all(d.incoming == () for d in sim.cluster_state().decodes)
 
 
 def test_hot_prefix_migrates_to_the_idle_instance():
