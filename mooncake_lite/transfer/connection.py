@@ -120,6 +120,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.budget = budget  # None: fresh receive memory is not accounted (clients)
         self._held = 0  # bytes charged to the budget for the frame being received
         self._loop = asyncio.get_running_loop()
+        self._now = self._loop.time
         self.transport: asyncio.Transport | None = None
         self.closed = self._loop.create_future()
         self.state: dict[str, Any] = {}  # for the handler (e.g. "authenticated")
@@ -214,10 +215,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         return self._sview[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        now = self._loop.time()
-        if self._header is None and self._start == self._end:
-            self._frame_start = now  # the first bytes of a frame
-        self._last_recv = now
+        if self.is_server:  # only servers time their peers out
+            self._last_recv = now = self._now()
+            if self._header is None and self._start == self._end:
+                self._frame_start = now  # the first bytes of a frame
         try:
             if self._start == self._end and self._header is not None and (
                     self._meta_buf is not None or (self._meta is not None and self._remaining >= DIRECT_MIN_BYTES)):
