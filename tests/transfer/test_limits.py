@@ -202,6 +202,25 @@ async def test_the_in_flight_budget_closes_the_connection_that_would_exceed_it(c
         server.close()
 
 
+async def test_idle_timeout_closes_only_idle_authenticated_connections(caplog):
+    server, host, port = await start(Echo(), limits=Limits(idle_timeout=0.4))
+    try:
+        idle = await FrameClient.connect(host, port)
+        busy = await FrameClient.connect(host, port)
+        with caplog.at_level(logging.WARNING):
+            for i in range(8):      # one request every 0.1 s keeps a connection open
+                assert (await busy.request(OP_ECHO, {"i": i})).meta == {"i": i}
+                await asyncio.sleep(0.1)
+        assert idle.is_closed and not busy.is_closed
+        assert "idle for 0.4s" in caplog.text
+        again = await FrameClient.connect(host, port)   # a client just dials again
+        assert (await again.request(OP_ECHO, {"x": 1})).meta == {"x": 1}
+        for client in (busy, again):
+            await client.close()
+    finally:
+        server.close()
+
+
 def test_limits_refuse_nonsense():
     with pytest.raises(ValueError):
         Limits(hello_meta_bytes=-1)
