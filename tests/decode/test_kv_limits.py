@@ -20,9 +20,10 @@ from mooncake_lite.decode.kv_receiver import start_kv_server
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.transfer.client import FrameClient, RemoteError
-from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
+from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from mooncake_lite.transfer.server import server_address
+from tests.transfer.peers import closed_within, frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,22 +50,6 @@ def kv_bytes(engine: DecodeEngine, n: int) -> bytes:
     args = engine.runner.args
     kv = torch.randn(2, n, args.num_kv_heads, args.head_dim, dtype=engine.runner.dtype)
     return kv.view(torch.uint8).numpy().tobytes()
-
-
-def frame(op, rid, meta=None, payload=()) -> bytes:
-    return b"".join(bytes(p) for p in encode_frame(op, rid, meta, payload))
-
-
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        async with asyncio.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except ConnectionError:     # reset: closed too
-        return True
-    except asyncio.TimeoutError:
-        return False
 
 
 async def stream_request(engine: DecodeEngine, client: FrameClient, tid: str, prompt_len: int = 12) -> None:

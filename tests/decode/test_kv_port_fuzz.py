@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from mooncake_lite.model.args import PRESETS
 from mooncake_lite.transfer.client import FrameClient
-from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
+from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
+from tests.transfer.peers import one_peer, rss_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,29 +53,6 @@ def frames(draw) -> bytes:
 
 FRAMES = frames()
 STREAMS = st.tuples(st.sampled_from(["hello", "hello", "hello", "none", "wrong"]), st.lists(FRAMES, min_size=1, max_size=4))
-
-
-def rss_of(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-async def one_peer(host: str, port: int, hello: str, frames: list[bytes], pid: int) -> int:
-    """Send, give the decode 50 ms, and return its RSS while the connection is still open."""
-    token = {"hello": "tok", "wrong": "nope"}.get(hello)
-    prefix = b"".join(bytes(p) for p in encode_frame(0, 1, {"token": token})) if token else b""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(prefix + b"".join(frames))
-        try:
-            async with asyncio.timeout(0.05):
-                while await reader.read(1 << 16):
-                    pass
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        return rss_of(pid)
-    finally:
-        writer.close()
 
 
 async def generate(session: aiohttp.ClientSession, url: str, rid: str, prompt_len: int) -> aiohttp.ClientResponse:

@@ -11,8 +11,9 @@ import pytest
 
 from mooncake_lite.store.client import StoreClient
 from mooncake_lite.store.protocol import Op
-from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
+from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from tests.store.helpers import block, chain
+from tests.transfer.peers import closed_within, frame
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -24,23 +25,7 @@ def rss_of(pid: int) -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def frame(op, rid, meta=None, payload=()) -> bytes:
-    return b"".join(bytes(p) for p in encode_frame(op, rid, meta, payload))
-
-
 HELLO = frame(0, 1, {"token": "tok"})
-
-
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        async with asyncio.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except ConnectionError:     # reset: closed too
-        return True
-    except asyncio.TimeoutError:
-        return False
 
 
 async def good_round_trip(client: StoreClient, seed: int) -> None:

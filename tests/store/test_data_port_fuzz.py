@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lite.store.client import StoreClient
-from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
+from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from tests.store.helpers import block, chain
+from tests.transfer.peers import one_peer, rss_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,29 +38,6 @@ FRAMES = st.builds(
     st.one_of(st.integers(0, 3 << 20), st.integers(0, 2**64 - 1), st.sampled_from([1 << 33, 2 << 30, 64 << 20])),
     st.integers(0, 300_000))
 STREAMS = st.tuples(st.sampled_from(["hello", "hello", "none", "wrong"]), st.lists(FRAMES, min_size=1, max_size=4))
-
-
-def rss_of(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-async def one_peer(host: str, port: int, hello: str, frames: list[bytes], pid: int) -> int:
-    """Send, give the store 50 ms, and return its RSS while the connection is still open."""
-    token = {"hello": "tok", "wrong": "nope"}.get(hello)
-    prefix = b"".join(bytes(p) for p in encode_frame(0, 1, {"token": token})) if token else b""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(prefix + b"".join(frames))
-        try:
-            async with asyncio.timeout(0.05):
-                while await reader.read(1 << 16):
-                    pass
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        return rss_of(pid)
-    finally:
-        writer.close()
 
 
 def test_random_frames_never_grow_the_store_nor_stop_a_good_client(role_procs):

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from mooncake_lite.transfer.client import FrameClient
 from mooncake_lite.transfer.connection import STAGING_BYTES, FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import (FLAG_REPLY, HEADER, HEADER_BYTES, MAGIC, VERSION, Frame, FrameError,
-                                            Limits, decode_header, encode_frame)
+                                            Limits, decode_header)
 from mooncake_lite.transfer.server import AuthGate, server_address, start_server
+from tests.transfer.peers import closed_within, frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,23 +45,6 @@ async def start(handler, **kw):
     server = await start_server(handler, "127.0.0.1", 0, **kw)
     host, port = server_address(server).rsplit(":", 1)
     return server, host, int(port)
-
-
-def frame(op, rid, meta=None, payload=()) -> bytes:
-    return b"".join(bytes(p) for p in encode_frame(op, rid, meta, payload))
-
-
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    """True if the peer closed the connection within ``seconds`` (whatever it sent first)."""
-    try:
-        async with asyncio.timeout(seconds):
-            while await reader.read(65536):
-                pass
-        return True
-    except ConnectionError:     # reset: closed too
-        return True
-    except asyncio.TimeoutError:
-        return False
 
 
 async def test_big_metas_before_hello_cost_nothing_and_idle_peers_are_cut_at_the_handshake_deadline(caplog):
