@@ -74,8 +74,9 @@ class EstimateCache:
     :class:`~mooncake_lite.scheduler.scheduler.Scheduler`; not thread-safe."""
 
     def __init__(self) -> None:
-        # instance id -> (what the value was derived from ..., the value), unpacked by name below
-        self._backlogs: dict[str, Backlog] = {}      # (a backlog names its queue and model)
+        # instance id -> the value with what it was derived from (a backlog names its queue
+        # and model; the tuples are unpacked by name below)
+        self._backlogs: dict[str, Backlog] = {}
         self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
         self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
 
