@@ -188,7 +188,8 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
     t_d <= t — leave; the incoming requests whose prefill ends by ``t`` (not in ``late``, see
     :func:`late_prefills`) join. One pass: this runs per decode instance per request."""
     loads = []
-    for d, (_, ends, _, prefix) in zip(decodes, profiles):
+    for d, profile in zip(decodes, profiles):
+        ends, prefix = profile.ends, profile.prefix
         first = bisect_right(ends, t)               # running requests still decoding at t
         batch, context = len(ends) - first, prefix[-1] - prefix[first]
         for r in d.incoming:

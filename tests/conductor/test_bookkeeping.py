@@ -8,9 +8,9 @@ import pytest
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
-from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, PrefillCostModel,
+from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, EstimateCache, PrefillCostModel,
                                      context_lag_bound)
-from mooncake_lite.scheduler.estimate import decode_load_at, running_load
+from mooncake_lite.scheduler.estimate import loads_at, running_load
 
 COSTS = CostModels(PrefillCostModel(c1=1e-3), DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
 T_D = 30.0
@@ -112,7 +112,7 @@ def _exact(m: Membership):
     return prefills, decodes
 
 
-def _check_against_exact(m: Membership) -> None:
+def _check_against_exact(m: Membership, cache: EstimateCache | None = None) -> None:
     snap = m.snapshot()
     prefills, decodes = _exact(m)
     assert [(p.instance_id, [(q.request_id, q.num_tokens, q.num_prefix_tokens, q.started_at) for q in p.queue])
@@ -126,14 +126,15 @@ def _check_against_exact(m: Membership) -> None:
         lags = [true_context - shown.context_tokens for shown, (_, true_context, _, _) in zip(d.running, running)]
         assert min(lags, default=0) >= 0
         assert sum(lags) <= context_lag_bound(sum(r.context_tokens for r in d.running))
-        # The scheduler's leave profile, edited by the joins and leaves Membership stated since
-        # the last state, predicts exactly as the shown batch does (uniform t_d: no TBT drift;
-        # nothing late, so every incoming request has joined).
+        # The scheduler's leave profile — through its estimate cache, edited by the joins and
+        # leaves since the last snapshot — predicts exactly as the shown batch does (uniform t_d:
+        # no TBT drift; nothing late, so every incoming request has joined).
         assert running_load(d) == (len(d.running), sum(r.context_tokens for r in d.running))
+        profiles = (cache or EstimateCache()).leave_profiles((d,), COSTS, T_D)
         for t in (0.0, 20.0, 40.0, 80.0):
             staying = [r.context_tokens for r in d.running if r.joined_at + T_D > t]
             staying += [r.context_tokens for r in d.incoming]
-            assert decode_load_at(d, COSTS, t, set(), T_D) == (len(staying), sum(staying))
+            assert loads_at((d,), profiles, t, set()) == [(len(staying), sum(staying))]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -142,7 +143,7 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
     snapshots taken at random points: the cached view never shows anything but the truth (decode
     contexts behind by at most context_lag_bound in total)."""
     rng = random.Random(seed)
-    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m, cache = Membership("tiny", 16, 0, dead_after_s=5), EstimateCache()
     ids = {"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1", "d2"]}
     for role, names in ids.items():
         for iid in names:
@@ -179,8 +180,8 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
                     m.heartbeat(Heartbeat(iid, m.instances[iid].load), now)
             m.reap(now + 5.01 if rng.random() < 0.3 else now)
         if rng.random() < 0.5:
-            _check_against_exact(m)
-    _check_against_exact(m)
+            _check_against_exact(m, cache)
+    _check_against_exact(m, cache)
 
 
 def test_only_changed_instances_get_new_states():
