@@ -28,11 +28,4 @@ def main(argv: Sequence[str]) -> int:
         out.write("\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items()) + "\n")
         return 0 if out is sys.stdout else 2
     module = f"mooncake_lite.bench.{argv[0]}" + (".cli" if argv[0] in PACKAGES else "")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name == module:
-            sys.stderr.write(f"mooncake bench {argv[0]}: not implemented yet in this version\n")
-            return 2
-        raise
-    return int(mod.main(argv[1:]) or 0)
+    return int(importlib.import_module(module).main(argv[1:]) or 0)

@@ -23,14 +23,9 @@ def connectable(hostport: str) -> str:
     return f"{_WILDCARDS.get(host, host)}:{port}"
 
 
-def role_fields(role: str) -> set[str] | None:
-    """The config field names of a role, or None when the role is not importable here."""
-    try:
-        mod = importlib.import_module(ROLE_MODULES[role])
-    except ModuleNotFoundError as exc:
-        if exc.name and ROLE_MODULES[role].startswith(exc.name):
-            return None
-        raise
+def role_fields(role: str) -> set[str]:
+    """The config field names of a role."""
+    mod = importlib.import_module(ROLE_MODULES[role])
     return {f.name for f in dataclasses.fields(mod.Config)}
 
 
@@ -39,8 +34,8 @@ def uses_builtin_launcher(opts: UpOptions) -> bool:
 
 
 def with_role_support(opts: UpOptions) -> UpOptions:
-    """``opts`` with each role's option names filled in, after refusing to start when a role is
-    missing or would ignore a security option we were given.
+    """``opts`` with each role's option names filled in, after refusing to start when a role
+    would ignore a security option we were given.
 
     A silently ignored ``--api-key`` would leave the API open while the operator believes it is
     closed, so that is an error, not a warning. Nothing is checked for a custom ``--launcher``.
@@ -50,8 +45,6 @@ def with_role_support(opts: UpOptions) -> UpOptions:
     known: dict[str, frozenset[str]] = {}
     for role in ROLE_MODULES:
         fields = role_fields(role)
-        if fields is None:
-            raise ValueError(f"--role {role} is not implemented in this version; cannot start a cluster")
         if opts.cluster_token and "cluster_token" not in fields:
             raise ValueError(f"--role {role} has no --cluster-token option")
         known[role] = frozenset(fields)

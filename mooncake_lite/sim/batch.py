@@ -74,8 +74,5 @@ class Batch:
             done.append(req)
         return done
 
-    def context_of(self, req: SimRequest) -> int:
-        return req.input_length + 1 + self.steps_done - req.join_step
-
     def __len__(self) -> int:
         return len(self.running)
