@@ -5,7 +5,6 @@ request completes after every one."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import socket
 
@@ -13,14 +12,13 @@ import aiohttp
 import orjson
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lite.model.args import PRESETS
 from mooncake_lite.transfer.client import FrameClient
 from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
-from tests.transfer.peers import one_peer, rss_of
+from tests.transfer.peers import fuzz_peak_rss
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,25 +104,8 @@ def test_random_kv_frames_never_grow_the_decode_nor_stop_a_good_prefill(role_pro
             await good_request(session, url, data, f"good-{next(ids)}")
 
     victim = reserve_victim(url)
-    asyncio.run(good())
-    base = rss_of(decode.pid)
-    peak = 0
-
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(STREAMS)
-    def fuzz(stream):
-        nonlocal peak
-        hello, frames = stream
-
-        async def run() -> int:
-            during = await one_peer(host, int(port), hello, frames, decode.pid)
-            await good()
-            return during
-
-        peak = max(peak, asyncio.run(run()) - base)
-
     try:
-        fuzz()
+        peak = fuzz_peak_rss(STREAMS, host, int(port), decode.pid, good)
     finally:
         victim.close()
     assert peak < 50 << 20, f"decode RSS grew by {peak >> 20} MiB"

@@ -4,17 +4,15 @@ the store's memory beyond a bound, and a well-behaved client is served after eve
 
 from __future__ import annotations
 
-import asyncio
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_lite.store.client import StoreClient
 from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION
 from tests.store.helpers import block, chain
-from tests.transfer.peers import one_peer, rss_of
+from tests.transfer.peers import fuzz_peak_rss
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,23 +53,6 @@ def test_random_frames_never_grow_the_store_nor_stop_a_good_client(role_procs):
         finally:
             await client.close()
 
-    asyncio.run(good())
-    base = rss_of(store.pid)
-    peak = 0
-
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(STREAMS)
-    def fuzz(stream):
-        nonlocal peak
-        hello, frames = stream
-
-        async def run() -> int:
-            during = await one_peer(host, int(port), hello, frames, store.pid)
-            await good()
-            return during
-
-        peak = max(peak, asyncio.run(run()) - base)
-
-    fuzz()
+    peak = fuzz_peak_rss(STREAMS, host, int(port), store.pid, good)
     assert peak < 50 << 20, f"store RSS grew by {peak >> 20} MiB"
     assert "Traceback" not in store.logs()

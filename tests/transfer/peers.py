@@ -47,3 +47,30 @@ async def one_peer(host: str, port: int, hello: str, frames: list[bytes], pid: i
         return rss_of(pid)
     finally:
         writer.close()
+
+
+def fuzz_peak_rss(streams, host: str, port: int, pid: int, good, max_examples: int = 40) -> int:
+    """Send hypothesis-drawn ``(hello, frames)`` streams as hostile peers, each followed by the
+    well-behaved ``good()`` coroutine (which must still be served); the largest RSS growth of
+    the server ``pid`` seen while a hostile peer was connected."""
+    from hypothesis import HealthCheck, given, settings
+
+    asyncio.run(good())
+    base = rss_of(pid)
+    peak = 0
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(streams)
+    def fuzz(stream):
+        nonlocal peak
+        hello, frames = stream
+
+        async def run() -> int:
+            during = await one_peer(host, port, hello, frames, pid)
+            await good()
+            return during
+
+        peak = max(peak, asyncio.run(run()) - base)
+
+    fuzz()
+    return peak
