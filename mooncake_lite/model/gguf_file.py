@@ -1,19 +1,16 @@
-"""Reading a GGUF file's metadata: the model shape, the tokenizer's vocabulary and the chat template.
-
-Uses ``gguf``, the format's reference Python reader (numpy only, so the conductor stays
-torch-free). Opening a file parses its whole key/value section (the vocabulary is most of it,
-~3 s for a 49k-token vocabulary on a small CPU), so one process opens each file once.
-"""
+"""A GGUF file's metadata: the model shape, the tokenizer's vocabulary, the chat template, and
+where each tensor lies (read by ``gguf_read``, torch-free, once per process)."""
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.errors import CheckpointError
+from mooncake_lite.model.gguf_read import TensorInfo, read_header
 
 # Architectures whose GGUF tensors map onto our LLaMA-family decoder.
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -27,6 +24,7 @@ class GGUFMeta:
     tokens: tuple[str, ...]
     token_types: tuple[int, ...]
     merges: tuple[str, ...]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -46,40 +44,10 @@ def read_meta(path: str) -> GGUFMeta:
 
 @functools.lru_cache(maxsize=4)
 def _read_meta(path: str, _mtime_ns: int, _size: int) -> GGUFMeta:
-    reader = open_reader(path)
-    fields: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key in _ARRAYS:
-            continue
-        try:
-            fields[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a key we cannot decode is one we do not use
-            continue
-
-    def array(key: str) -> tuple:
-        field = reader.fields.get(key)
-        return tuple(field.contents()) if field is not None else ()
-    return GGUFMeta(path, fields, frozenset(t.name for t in reader.tensors), array("tokenizer.ggml.tokens"),
-                    array("tokenizer.ggml.token_type"), array("tokenizer.ggml.merges"))
-
-
-def open_reader(path: str):
-    """The file's reader, shared within a process (the shape, the vocabulary and the weights all
-    come from one parse; the tensors are memory-mapped, not read)."""
-    st = os.stat(path)
-    return _open_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_reader(path: str, _mtime_ns: int, _size: int):
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise CheckpointError("reading GGUF files needs the 'gguf' package (pip install gguf)") from None
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
+    fields, tensors = read_header(path)
+    arrays = {k: tuple(fields.pop(k, ())) for k in _ARRAYS}
+    return GGUFMeta(path, fields, frozenset(tensors), arrays["tokenizer.ggml.tokens"],
+                    arrays["tokenizer.ggml.token_type"], arrays["tokenizer.ggml.merges"], tensors)
 
 
 def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:

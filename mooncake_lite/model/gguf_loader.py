@@ -15,7 +15,8 @@ import torch
 
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.errors import CheckpointError
-from mooncake_lite.model.gguf_file import args_from_meta, open_reader, read_meta
+from mooncake_lite.model.gguf_file import args_from_meta, read_meta
+from mooncake_lite.model.gguf_read import TensorInfo
 from mooncake_lite.model.llama import Transformer
 
 # Our parameter name (after ``layers.{i}.``) -> the GGUF one (after ``blk.{i}.``).
@@ -38,7 +39,8 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
     permuted = meta.arch == "llama"
     with torch.device("meta"):
         model = Transformer(args, layer_range)
-    tensors = {t.name: t for t in open_reader(path).tensors}
+    tensors = meta.tensors
+    data = np.memmap(path, dtype=np.uint8, mode="r")   # tensors are read from here as needed
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor] = {}
@@ -47,7 +49,7 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
         if gguf_name not in tensors:
             raise CheckpointError(f"{path}: lacks tensor {gguf_name!r} (for {ours})")
         if gguf_name not in loaded:
-            values = _dequantize(tensors[gguf_name], path)
+            values = _dequantize(tensors[gguf_name], data, path)
             values = _unpermute(ours, values, args) if permuted else values
             if tuple(values.shape) != tuple(meta_tensor.shape):
                 raise CheckpointError(f"{path}: tensor {gguf_name!r} has shape {tuple(values.shape)}, "
@@ -69,21 +71,36 @@ def _gguf_name(ours: str, args: ModelArgs, tensors: dict) -> str:
     return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _dequantize(tensor, path: str) -> np.ndarray:
+def _dequantize(info: TensorInfo, data: np.ndarray, path: str) -> np.ndarray:
     """float32 values in PyTorch's [out, in] order (GGUF lists dimensions innermost first)."""
     from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
-    shape = tuple(int(d) for d in reversed(tensor.shape))
     try:
-        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            values = dequantize(tensor.data, tensor.tensor_type) if tensor.tensor_type == GGMLQuantizationType.BF16 \
-                else np.asarray(tensor.data, dtype=np.float32)
+        qtype = GGMLQuantizationType(info.qtype)
+        block, type_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise CheckpointError(f"{path}: tensor {info.name!r} has unknown quantization type {info.qtype}") from None
+    inner = info.dims[0] if info.dims else 1
+    rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
+    if inner % block:
+        raise CheckpointError(f"{path}: tensor {info.name!r}: {inner} values per row is not a whole "
+                              f"number of {qtype.name} blocks")
+    nbytes = rows * inner // block * type_bytes
+    if info.offset + nbytes > len(data):
+        raise CheckpointError(f"{path}: tensor {info.name!r} runs past the end of the file (truncated?)")
+    raw = data[info.offset:info.offset + nbytes].reshape(rows, inner // block * type_bytes)
+    try:
+        if qtype == GGMLQuantizationType.F32:
+            values = raw.view(np.float32)
+        elif qtype == GGMLQuantizationType.F16:
+            values = raw.view(np.float16).astype(np.float32)
         else:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(raw, qtype)
     except NotImplementedError:
-        raise CheckpointError(f"{path}: tensor {tensor.name!r} has quantization {tensor.tensor_type.name}, "
+        raise CheckpointError(f"{path}: tensor {info.name!r} has quantization {qtype.name}, "
                               "which gguf cannot dequantize") from None
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape)
 
 
 def _writable(values: np.ndarray) -> np.ndarray:

@@ -117,6 +117,32 @@ def test_gguf_shape_and_refusals_name_the_field():
         args_from_meta(_meta(**{"llama.feed_forward_length": None}), "x")
 
 
+def test_our_header_reader_agrees_with_the_gguf_package():
+    from gguf import GGUFReader
+
+    from mooncake_lite.model.gguf_read import read_header
+    fields, tensors = read_header(smollm_path())
+    ref = GGUFReader(smollm_path())
+    ref_fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert fields == {k: tuple(v) if isinstance(v, list) else v for k, v in ref_fields.items()}
+    assert {t.name: (t.data_offset, tuple(int(d) for d in t.shape), int(t.tensor_type)) for t in ref.tensors} == \
+        {n: (t.offset, t.dims, t.qtype) for n, t in tensors.items()}
+
+
+def test_a_truncated_or_lying_gguf_file_is_refused_clearly(tmp_path):
+    import struct
+    cut = tmp_path / "cut.gguf"
+    with open(smollm_path(), "rb") as f:
+        cut.write_bytes(f.read(100_000))       # ends inside the vocabulary
+    with pytest.raises(CheckpointError, match="truncated|runs past the end"):
+        model_args(str(cut))
+    huge = tmp_path / "huge.gguf"              # one key claiming an array of 2**60 uint8
+    huge.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+                     + struct.pack("<IIQ", 9, 0, 2**60))
+    with pytest.raises(CheckpointError, match="runs past the end"):
+        model_args(str(huge))
+
+
 def test_a_corrupt_gguf_file_is_refused_clearly(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
