@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from mooncake_lite.common.units import parse_duration, parse_size
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -51,3 +52,26 @@ class RoleConfig:
         require(self.block_size > 0, f"--block-size must be positive, got {self.block_size}")
         require(self.hash_seed >= 0, f"--hash-seed must be non-negative, got {self.hash_seed}")
         require(bool(self.host), "--host must not be empty")
+
+
+@dataclass(frozen=True)
+class DataPortFlags:
+    """The ``--data-*`` limits of a role that serves a binary data port (store, decode): what an
+    unauthenticated, stalled or idle peer may cost. Mixed into the role's Config, whose
+    ``__post_init__`` calls :meth:`check_data_flags`."""
+    data_handshake_timeout: float = option(5.0, "a data connection that has not completed its HELLO (cluster "
+                                           "token) within this long is closed", parse=parse_duration)
+    data_stall_timeout: float = option(30.0, "a data connection is closed when a frame's header and meta take "
+                                       "longer than this, or its payload stops moving for this long",
+                                       parse=parse_duration)
+    data_idle_timeout: float = option(0.0, "close data connections idle this long (0 = never; peers "
+                                      "reconnect when they next need one)", parse=parse_duration)
+    data_inflight: int = option(1 << 30, "most memory all data connections together may hold for frames "
+                                "still arriving; a frame that would exceed it closes its connection",
+                                parse=parse_size)
+
+    def check_data_flags(self) -> None:
+        require(self.data_handshake_timeout > 0, "--data-handshake-timeout must be positive")
+        require(self.data_stall_timeout > 0, "--data-stall-timeout must be positive")
+        require(self.data_idle_timeout >= 0, "--data-idle-timeout must be >= 0 (0 = never)")
+        require(self.data_inflight > 0, "--data-inflight must be positive")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
-from mooncake_lite.common.roles import RoleConfig
+from mooncake_lite.common.roles import DataPortFlags, RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.store.eviction import POLICY_NAMES
 from mooncake_lite.transfer.rdma import TRANSPORTS
@@ -19,7 +19,7 @@ MAX_SLOT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
-class Config(RoleConfig):
+class Config(RoleConfig, DataPortFlags):
     ADVERTISES: ClassVar[bool] = True   # its data address goes to the conductor and prefills
     port: int = option(8100, "HTTP port of /health, /metrics, /blocks (0 = any free port)")
     data_port: int = option(8101, "TCP port of the binary data protocol (0 = any free port)")
@@ -40,13 +40,6 @@ class Config(RoleConfig):
     conductor: str | None = option(None, "conductor base URL (http://HOST:PORT) to send block events to")
     event_interval: float = option(0.2, "how often block events are sent", parse=parse_duration)
     max_frame: int = option(4 << 30, "largest frame payload accepted on the data port", parse=parse_size)
-    data_handshake_timeout: float = option(5.0, "a data connection that has not completed its HELLO (cluster "
-                                           "token) within this long is closed", parse=parse_duration)
-    data_stall_timeout: float = option(30.0, "a data connection is closed when a frame's header and meta take "
-                                       "longer than this, or its payload stops moving for this long",
-                                       parse=parse_duration)
-    data_idle_timeout: float = option(0.0, "close data connections idle this long (0 = never; clients "
-                                      "reconnect when they next need one)", parse=parse_duration)
     data_inflight: int = option(256 << 20, "most memory all data connections together may hold for frames "
                                 "still arriving (large metas; put payloads land in the slab); a frame that "
                                 "would exceed it closes its connection", parse=parse_size)
@@ -66,10 +59,7 @@ class Config(RoleConfig):
         require(self.lease_ttl > 0, f"--lease-ttl must be positive, got {self.lease_ttl}")
         require(self.event_interval > 0, f"--event-interval must be positive, got {self.event_interval}")
         require(self.max_frame >= self.slot_bytes, "--max-frame must be at least --slot-bytes")
-        require(self.data_handshake_timeout > 0, "--data-handshake-timeout must be positive")
-        require(self.data_stall_timeout > 0, "--data-stall-timeout must be positive")
-        require(self.data_idle_timeout >= 0, "--data-idle-timeout must be >= 0 (0 = never)")
-        require(self.data_inflight > 0, "--data-inflight must be positive")
+        self.check_data_flags()
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s):// URL, got {self.conductor!r}")
         require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
