@@ -74,3 +74,37 @@ def fuzz_peak_rss(streams, host: str, port: int, pid: int, good, max_examples: i
 
     fuzz()
     return peak
+
+
+class FakeTransport:
+    """An asyncio transport that only records: feeds a FrameConnection with no socket."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.written: list = []
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def writelines(self, parts) -> None:
+        self.written.append(b"".join(bytes(p) for p in parts))
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.closed = True
+
+    close = abort

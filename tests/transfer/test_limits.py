@@ -20,7 +20,7 @@ from mooncake_lite.transfer.connection import STAGING_BYTES, FrameConnection, Fr
 from mooncake_lite.transfer.framing import (FLAG_REPLY, HEADER, HEADER_BYTES, MAGIC, VERSION, Frame, FrameError,
                                             Limits, decode_header)
 from mooncake_lite.transfer.server import AuthGate, server_address, start_server
-from tests.transfer.peers import closed_within, frame
+from tests.transfer.peers import FakeTransport, closed_within, frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,36 +215,6 @@ def test_limits_refuse_nonsense():
 
 
 # ---- the parser fuzzed, no sockets ---------------------------------------------------------------
-class FakeTransport:
-    def __init__(self) -> None:
-        self.closed = False
-        self.written: list = []
-
-    def set_write_buffer_limits(self, high=None, low=None) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return default
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def writelines(self, parts) -> None:
-        self.written.append(b"".join(bytes(p) for p in parts))
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        self.closed = True
-
-    close = abort
 
 
 FUZZ_LIMITS = Limits(max_meta_bytes=200_000, max_payload_bytes=3 << 20, hello_meta_bytes=4096,

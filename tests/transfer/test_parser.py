@@ -9,25 +9,7 @@ import pytest
 
 from mooncake_lite.transfer.connection import STAGING_BYTES, FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import encode_frame
-
-
-class FakeTransport:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def set_write_buffer_limits(self, high=None, low=None) -> None:
-        pass
-
-    def get_extra_info(self, name, default=None):
-        return default
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def abort(self) -> None:
-        self.closed = True
-
-    close = abort
+from tests.transfer.peers import FakeTransport
 
 
 class Collect(FrameHandler):
