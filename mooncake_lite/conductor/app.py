@@ -19,7 +19,8 @@ from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
 from mooncake_lite.conductor.dispatch import Services
 from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middleware
-from mooncake_lite.conductor.membership import Membership, model_id
+from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.model.source import model_id
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.model.tokenizer import load_tokenizer
 from mooncake_lite.model.checkpoint_config import model_args

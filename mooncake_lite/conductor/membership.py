@@ -22,12 +22,12 @@ No IO here and no clock: ``now`` is passed in (the app uses the event loop's mon
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
+from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 
 log = logging.getLogger(__name__)
@@ -43,14 +43,6 @@ class RegistrationError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def model_id(name_or_dir: str) -> str:
-    """The id a model is served and compared under: the preset name, or a checkpoint
-    directory's base name (paths differ between machines, the directory name does not)."""
-    if os.path.sep in name_or_dir or os.path.isdir(name_or_dir):
-        return os.path.basename(os.path.normpath(name_or_dir))
-    return name_or_dir
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.model.args import ModelArgs
@@ -20,11 +20,10 @@ SUPPORTED_ARCHS = ("llama", "qwen2")
 class GGUFMeta:
     path: str
     fields: dict[str, Any]      # every key but the tokenizer arrays, as plain Python values
-    tensor_names: frozenset[str]
     tokens: tuple[str, ...]
     token_types: tuple[int, ...]
     merges: tuple[str, ...]
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo]   # by name
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -46,7 +45,7 @@ def read_meta(path: str) -> GGUFMeta:
 def _read_meta(path: str, _mtime_ns: int, _size: int) -> GGUFMeta:
     fields, tensors = read_header(path)
     arrays = {k: tuple(fields.pop(k, ())) for k in _ARRAYS}
-    return GGUFMeta(path, fields, frozenset(tensors), arrays["tokenizer.ggml.tokens"],
+    return GGUFMeta(path, fields, arrays["tokenizer.ggml.tokens"],
                     arrays["tokenizer.ggml.token_type"], arrays["tokenizer.ggml.merges"], tensors)
 
 
@@ -73,8 +72,8 @@ def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:
                          max_seq_len=int(key("context_length", 4096)),
                          rope_theta=float(key("rope.freq_base", 10000.0)),
                          norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-                         tie_embeddings="output.weight" not in meta.tensor_names,
-                         qkv_bias="blk.0.attn_q.bias" in meta.tensor_names, name=name)
+                         tie_embeddings="output.weight" not in meta.tensors,
+                         qkv_bias="blk.0.attn_q.bias" in meta.tensors, name=name)
     except ValueError as exc:
         raise CheckpointError(f"{meta.path}: {exc}") from None
 
@@ -91,7 +90,7 @@ def _check_gguf_features(meta: GGUFMeta, arch: str, head_dim: int) -> None:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         problems.append(f"{arch}.rope.scaling.type {scaling!r}")
-    if "rope_freqs.weight" in meta.tensor_names:
+    if "rope_freqs.weight" in meta.tensors:
         problems.append("tensor rope_freqs.weight (Llama-3.1 rope factors in GGUF form)")
     if meta.get(f"{arch}.expert_count"):
         problems.append(f"{arch}.expert_count (mixture of experts)")

@@ -43,12 +43,18 @@ class ModelSource:
 
     @property
     def served_name(self) -> str:
-        """The id clients use and instances are compared under: a preset or named model's name,
-        a file or directory's base name (paths differ between machines, names do not)."""
-        if self.path is None or self.spec in NAMED_MODELS:
-            return self.spec
-        base = os.path.basename(os.path.normpath(self.spec))
-        return base.removesuffix(".gguf") if self.kind == "gguf" else base
+        return model_id(self.spec)
+
+
+def model_id(spec: str) -> str:
+    """The id a model is served and compared under: a preset or named model's name, a
+    checkpoint directory's or GGUF file's base name (paths differ between machines, names do
+    not). Pure string work, so a conductor can name what a remote instance reports."""
+    if spec in NAMED_MODELS:
+        return spec
+    if os.path.sep in spec or os.path.isdir(spec) or spec.endswith(".gguf"):
+        return os.path.basename(os.path.normpath(spec)).removesuffix(".gguf")
+    return spec
 
 
 class ModelNotInstalledError(FileNotFoundError):

@@ -92,6 +92,8 @@ def test_a_named_model_whose_package_is_missing_says_how_to_install(monkeypatch)
 def test_served_names():
     assert source.resolve(SMOLLM).served_name == SMOLLM
     assert source.resolve(smollm_path()).served_name == "SmolLM2-135M-Instruct.Q4_1"
+    # the conductor names what a remote instance reports, whose path need not exist here
+    assert source.model_id("/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     assert source.resolve("tiny").kind == "preset"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         source.resolve("/nope/model.gguf")
@@ -101,7 +103,7 @@ def _meta(**fields) -> GGUFMeta:
     base = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 2,
             "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.feed_forward_length": 128,
             "llama.context_length": 256}
-    return GGUFMeta("x.gguf", {**base, **fields}, frozenset({"token_embd.weight"}), ("a",) * 100, (), ())
+    return GGUFMeta("x.gguf", {**base, **fields}, ("a",) * 100, (), (), {"token_embd.weight": None})
 
 
 def test_gguf_shape_and_refusals_name_the_field():
