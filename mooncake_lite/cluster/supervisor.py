@@ -1,8 +1,12 @@
-"""Start groups of role processes, watch them, and stop all of them in drain order.
+"""Start groups of role processes, watch them, restart the ones that die, stop all in drain order.
 
 The supervisor owns every child (an :class:`AsyncRoleProcess`) it started; :meth:`Supervisor.stop_all` is safe to call
-at any point (half-started cluster, after a crash, twice) and returns only when every child
-has exited, escalating to SIGKILL after ``stop_timeout``.
+at any point (half-started cluster, after a crash, mid-restart, twice) and returns only when every
+child has exited, escalating to SIGKILL after ``stop_timeout``.
+
+While serving, :meth:`Supervisor.watch` either restarts a child that died (with a
+:class:`RestartPolicy`: bounded, doubling backoff) on the ports its first run bound, so its peers
+find it where they were told it is, or (without one) raises :class:`RoleFailed` for it.
 """
 
 from __future__ import annotations
@@ -10,18 +14,63 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from mooncake_lite.cluster.plan import ChildSpec, stop_order
 from mooncake_lite.common.launch import AsyncRoleProcess, LineSink, RoleFailed
 
 log = logging.getLogger(__name__)
 
+# Ready-line address → the flag that binds it: a restarted child gets the port its first run bound.
+PORT_FLAGS = {"http": "--port", "data": "--data-port"}
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """A child that dies while serving comes back after ``first_delay_s``, doubling with each
+    death up to ``max_delay_s`` (a crash loop costs little); a child that served ``healthy_after_s``
+    before it died starts over from ``first_delay_s``."""
+    first_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    healthy_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay_s <= self.max_delay_s:
+            raise ValueError("need 0 < first_delay_s <= max_delay_s")
+
+    def delay(self, num_recent_restarts: int) -> float:
+        """Seconds to wait before the next start, after ``num_recent_restarts`` since it was last healthy."""
+        return min(self.max_delay_s, self.first_delay_s * 2.0 ** min(num_recent_restarts, 32))
+
+
+def pinned(argv: Sequence[str], addresses: Mapping[str, str]) -> tuple[str, ...]:
+    """``argv`` with each port flag set to the port its run bound (``--port 0`` picked a free one)."""
+    out = list(argv)
+    for key, flag in PORT_FLAGS.items():
+        if key not in addresses:
+            continue
+        port = addresses[key].rsplit(":", 1)[1]
+        for i, arg in enumerate(out):
+            if arg == flag and i + 1 < len(out):
+                out[i + 1] = port
+            elif arg.startswith(flag + "="):
+                out[i] = f"{flag}={port}"
+    return tuple(out)
+
 
 class Supervisor:
-    def __init__(self, on_line: LineSink, *, stop_timeout: float = 15.0):
-        self.on_line, self.stop_timeout = on_line, stop_timeout
+    def __init__(self, on_line: LineSink, *, stop_timeout: float = 15.0, restart: RestartPolicy | None = None,
+                 on_event: Callable[[str], None] | None = None):
+        self.on_line, self.stop_timeout, self.restart = on_line, stop_timeout, restart
+        self.on_event = on_event or log.warning
         self.children: dict[str, AsyncRoleProcess] = {}
+        self.specs: dict[str, ChildSpec] = {}          # how to start each child again (ports pinned)
+        self.restarts: Counter[str] = Counter()        # restarts per child name, for status lines
+        self._ready_at: dict[str, float] = {}
+        self._starting: set[asyncio.Task] = set()      # restarts stop_all must let finish first
         self.is_stopping = False
 
     async def start_group(self, specs: Sequence[ChildSpec], ready_timeout: float) -> list[AsyncRoleProcess]:
@@ -30,32 +79,90 @@ class Supervisor:
         for spec in specs:
             if spec.name in self.children:
                 raise ValueError(f"duplicate child name {spec.name!r}")
-            child = AsyncRoleProcess(spec.name, spec.role, spec.argv, on_line=self.on_line, env=dict(spec.env))
+            self.specs[spec.name] = spec
+            child = self._new_child(spec)
             self.children[spec.name] = child
             await child.start()
             group.append(child)
-        await asyncio.gather(*(c.wait_ready(ready_timeout) for c in group))
+        await asyncio.gather(*(self._ready(c, ready_timeout) for c in group))
         return group
+
+    def _new_child(self, spec: ChildSpec) -> AsyncRoleProcess:
+        return AsyncRoleProcess(spec.name, spec.role, spec.argv, on_line=self.on_line, env=dict(spec.env))
+
+    async def _ready(self, child: AsyncRoleProcess, timeout: float) -> None:
+        addresses = await child.wait_ready(timeout)
+        self._ready_at[child.name] = time.monotonic()
+        spec = self.specs[child.name]
+        self.specs[child.name] = replace(spec, argv=pinned(spec.argv, addresses))
 
     def dead(self) -> list[AsyncRoleProcess]:
         return [c for c in self.children.values() if c.returncode is not None]
 
-    async def wait_any_exit(self) -> AsyncRoleProcess:
-        """Block until some child exits; return it (used to notice crashes while serving)."""
-        waits = {asyncio.create_task(c.proc.wait()): c for c in self.children.values() if c.proc}
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            return waits[next(iter(done))]
-        finally:
-            for task in waits:
-                task.cancel()
-
     def failure_of(self, child: AsyncRoleProcess) -> RoleFailed:
         return RoleFailed(child.name, f"exited with code {child.returncode}", child.tail)
+
+    async def watch(self, ready_timeout: float) -> None:
+        """While serving: restart each child that dies (with a restart policy) or raise
+        :class:`RoleFailed` for the first one (without). Returns only when stopping."""
+        tasks = [asyncio.create_task(self._keep(name, ready_timeout)) for name in list(self.children)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # re-raise the first failure
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _keep(self, name: str, ready_timeout: float) -> None:
+        """Keep child ``name`` running until the supervisor stops."""
+        num_recent = 0
+        while True:
+            child = self.children[name]
+            rc = await child.wait_exit()
+            if self.is_stopping:
+                return
+            if self.restart is None:
+                raise self.failure_of(child)
+            ready_at = self._ready_at.pop(name, None)
+            uptime = time.monotonic() - ready_at if ready_at is not None else 0.0
+            if uptime >= self.restart.healthy_after_s:
+                num_recent = 0
+            delay = self.restart.delay(num_recent)
+            num_recent += 1
+            self.on_event(f"{name} exited with code {rc} after {uptime:.1f}s serving; "
+                          f"restart {self.restarts[name] + 1} in {delay:g}s")
+            await asyncio.sleep(delay)
+            if self.is_stopping:
+                return
+            await self._restart(name, ready_timeout)
+
+    async def _restart(self, name: str, ready_timeout: float) -> None:
+        """Start ``name`` again from its pinned spec; a failed start is left for ``_keep`` to see."""
+        child = self._new_child(self.specs[name])
+        self.children[name] = child
+        self.restarts[name] += 1
+        start = asyncio.create_task(child.start())   # stop_all waits for it: no process escapes
+        self._starting.add(start)
+        start.add_done_callback(self._starting.discard)
+        await asyncio.shield(start)
+        try:
+            await self._ready(child, ready_timeout)
+        except RoleFailed as exc:
+            self.on_event(f"{name} failed to come back: {exc}")
+            await child.stop(self.stop_timeout)
+            return
+        self.on_event(f"{name} is back: pid {child.pid} (restart {self.restarts[name]})")
+
+    def restart_summary(self) -> str:
+        """``decode-0=2, store-0=1``: restarts per child so far ("none" when there were none)."""
+        return ", ".join(f"{n}={k}" for n, k in self.restarts.items() if k) or "none"
 
     async def stop_all(self) -> dict[str, int]:
         """Stop every child, group by group (conductor, instances, stores); exit codes by name."""
         self.is_stopping = True
+        await asyncio.gather(*self._starting, return_exceptions=True)
         codes: dict[str, int] = {}
         for group in stop_order(list(self.children)):
             children = [self.children[n] for n in group]

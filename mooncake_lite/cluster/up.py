@@ -3,11 +3,14 @@
     mooncake up --prefill 1 --decode 1 --model tiny          # serve until Ctrl-C
     mooncake up --smoke                                      # serve one real request, then exit
 
+A child that dies while serving is restarted (bounded, doubling backoff) on the ports it had, and
+rejoins; the rest keep serving (``--no-restart``: its death stops the cluster, as under ``--smoke``).
+
 Start order and flags come from :mod:`mooncake_lite.cluster.plan`; process handling from
 :mod:`mooncake_lite.cluster.supervisor`. Children's logs are relayed on stderr prefixed with
 their name (``[prefill-0] ...``); stdout carries the banner (API URL, curl example) and the
 smoke result. Exit code: 0 after a clean Ctrl-C/SIGTERM or a passing smoke test; 1 when a
-child fails (its last log lines are printed); 2 for bad flags.
+child fails to start, or dies without ``--restart`` (its last log lines are printed); 2 for bad flags.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from mooncake_lite.cluster.plan import (MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, U
                                         instance_specs, kv_layout, slot_bytes_for, split_args, store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
-from mooncake_lite.cluster.supervisor import Supervisor
+from mooncake_lite.cluster.supervisor import RestartPolicy, Supervisor
 from mooncake_lite.common.auth import api_key_headers, cluster_headers
 from mooncake_lite.common.launch import LAUNCHER, RoleFailed
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",
                        help=f"extra flags for every {role} process, one quoted string")
     p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="restart a child that dies while serving, with backoff (default: on, off under --smoke)")
     p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
     p.add_argument("--smoke-max-tokens", type=int, default=48)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
@@ -132,7 +137,7 @@ def banner(api_url: str, model: str, sup: Supervisor, api_key: str | None) -> st
               f"  curl -s {api_url}/v1/chat/completions -H 'content-type: application/json'{auth} \\",
               f"       -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}]}}'", "",
-              "Ctrl-C stops every process."]
+              "Ctrl-C stops every process." + (" A child that dies is restarted." if sup.restart else "")]
     return "\n".join(lines)
 
 
@@ -175,8 +180,15 @@ def report_failure(exc: RoleFailed) -> None:
     sys.stderr.flush()
 
 
+def restart_policy(ns: argparse.Namespace) -> RestartPolicy | None:
+    """Restarts are on unless ``--no-restart``, or ``--smoke`` (a one-shot check should fail loudly)."""
+    return RestartPolicy() if (ns.restart if ns.restart is not None else not ns.smoke) else None
+
+
 async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
-    sup = Supervisor(Printer(sys.stderr.isatty() and not ns.no_color), stop_timeout=ns.stop_timeout)
+    printer = Printer(sys.stderr.isatty() and not ns.no_color)
+    sup = Supervisor(printer, stop_timeout=ns.stop_timeout, restart=restart_policy(ns),
+                     on_event=lambda text: printer("up", text))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -193,7 +205,8 @@ async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
     finally:
         sys.stderr.write("mooncake up: stopping every process\n")
         codes = await sup.stop_all()
-        sys.stderr.write("mooncake up: stopped (" + ", ".join(f"{n}={c}" for n, c in codes.items()) + ")\n")
+        sys.stderr.write("mooncake up: stopped (" + ", ".join(f"{n}={c}" for n, c in codes.items()) + "); "
+                         f"restarts: {sup.restart_summary()}\n")
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return rc
@@ -231,9 +244,7 @@ async def _run(opts: UpOptions, ns: argparse.Namespace, sup: Supervisor, stop: a
                  "leave --model at its default, smollm2-135m, for a real answer)")
         _say("smoke test: OK")
         return 0
-    crashed = await _until_stopped(sup.wait_any_exit(), stop)
-    if crashed is not None and not sup.is_stopping:
-        raise sup.failure_of(crashed)
+    await _until_stopped(sup.watch(ns.ready_timeout), stop)  # RoleFailed: a child died, no restarts
     return 0
 
 
