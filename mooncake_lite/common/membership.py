@@ -53,13 +53,17 @@ async def register(session: aiohttp.ClientSession, conductor: str, msg: Register
 
 async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict[str, float]],
                           interval_s: float, token: str | None,
-                          on_refused: Callable[[str], None]) -> None:
-    """Register, then heartbeat forever (run as a background task)."""
+                          on_refused: Callable[[str], None],
+                          on_registered: Callable[[], None] | None = None) -> None:
+    """Register, then heartbeat forever (run as a background task); ``on_registered`` runs
+    once, after the first registration (the instance can be sent work from then on)."""
     hb_url = conductor.rstrip("/") + "/internal/v1/heartbeat"
     headers = {**JSON, **cluster_headers(token)}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         try:
             await register(session, conductor, msg, token)
+            if on_registered is not None:
+                on_registered()
             while True:
                 await asyncio.sleep(interval_s)
                 beat = Heartbeat(msg.instance_id, {k: float(v) for k, v in load().items()})

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from mooncake_lite.common import sdnotify
+
 log = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 20.0
@@ -82,10 +84,14 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
                     extra_addresses: Callable[[], dict[str, str]] | None = None,
                     shutdown_timeout: float = 10.0,
                     on_ready: Callable[[dict[str, str]], None] | None = None,
-                    advertise_host: str | None = None) -> None:
+                    advertise_host: str | None = None, notify_ready: bool = True) -> None:
     """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``.
     ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the
-    conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port."""
+    conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port.
+    Under systemd (``common/sdnotify.py``) the watchdog pings from this loop throughout,
+    ``READY=1`` follows the ready line unless ``notify_ready`` is False (the caller sends it
+    once it can really serve, e.g. registered), and ``STOPPING=1`` starts the drain."""
+    watchdog = sdnotify.start_watchdog()
     runner, site = await start_site(app, host, port, shutdown_timeout=shutdown_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -97,12 +103,17 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     announce_ready(role, **addresses)
     if on_ready is not None:
         on_ready(addresses)
+    if notify_ready:
+        sdnotify.notify("READY=1", f"STATUS={role} serving on {addresses['http']}")
     log.info("%s serving on %s", role, addresses)
     try:
         await stop.wait()
+        sdnotify.notify("STOPPING=1", f"STATUS={role} draining")
         log.info("%s draining", role)
     finally:
         await runner.cleanup()
+        if watchdog is not None:
+            watchdog.cancel()
         log.info("%s stopped", role)
 
 

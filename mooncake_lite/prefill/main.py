@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from mooncake_lite.common import sdnotify
 from mooncake_lite.common.membership import exit_process, keep_membership
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
@@ -36,6 +37,7 @@ async def _watch_stage_link(downstream, state: dict) -> None:
 def run(cfg: Config) -> int:
     if cfg.pipeline_stage > 0:
         return run_stage(cfg)
+    sdnotify.notify(f"STATUS=prefill loading {cfg.model}")
     slices = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)
     group = None
     if cfg.pipeline_group > 1:
@@ -69,12 +71,15 @@ def run(cfg: Config) -> int:
         def on_ready(addresses: dict[str, str]) -> None:
             if cfg.conductor:
                 msg = registration(cfg, service, addresses, known_as)
+                # systemd hears READY=1 only once the conductor can send us work.
+                sdnotify.notify(f"STATUS=prefill registering with {cfg.conductor}")
                 tasks.append(asyncio.ensure_future(keep_membership(
                     cfg.conductor, msg, service.load, cfg.heartbeat_interval, cfg.cluster_token,
-                    exit_process(state, "exit"))))
+                    exit_process(state, "exit"), on_registered=lambda: sdnotify.ready(
+                        f"prefill serving on {addresses['http']}, registered with {cfg.conductor}"))))
         try:
             await serve_app(app, cfg.host, cfg.port, role="prefill", on_ready=on_ready,
-                            advertise_host=cfg.advertise_host)
+                            advertise_host=cfg.advertise_host, notify_ready=not cfg.conductor)
         finally:
             for t in tasks:
                 t.cancel()

@@ -93,6 +93,8 @@ class StageGroup:
 
 def run_stage(cfg) -> int:
     """Main of a stage > 0: its layer slice, a stage socket, a /health endpoint."""
+    # Only the group head speaks to systemd (NotifyAccess=main): its READY=1 covers the group.
+    os.environ.pop("NOTIFY_SOCKET", None)
     layer_range = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)[cfg.pipeline_stage]
     runner = build_runner(cfg, layer_range)
     stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),
