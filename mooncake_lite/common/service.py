@@ -13,6 +13,9 @@ connection opening or of the previous response (aiohttp's keep-alive timer, whic
 idle keep-alive connections; kept above aiohttp clients' own 15 s keep-alive so a pooled
 connection is never closed under a client that is about to reuse it), and its body within
 ``BODY_TIMEOUT_S`` of the handler starting (a middleware; streaming answers are not limited).
+
+What aiohttp answers on its own, before any handler or middleware runs (a bad request line or
+header: 400; an unhandled exception: 500), is OpenAI-style JSON like every other error of ours.
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 
 import orjson
 from aiohttp import web
 
 from mooncake_lite.common import sdnotify
+from mooncake_lite.common.auth import openai_error
 
 log = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 30.0
+MAX_ERROR_CHARS = 200   # a parser's message quotes the client's bytes: echo only so much
 
 
 def announce_ready(role: str, **addresses: str) -> None:
@@ -61,6 +67,28 @@ def body_timeout_middleware(timeout: float):
     return middleware
 
 
+class JsonErrorHandler(web.RequestHandler):
+    """aiohttp's connection handler with its own error answers (parse errors, uncaught
+    exceptions) in OpenAI's JSON shape instead of plain text."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if a response began
+        detail = message if message and status != 500 else HTTPStatus(status).phrase
+        resp = openai_error(status, detail[:MAX_ERROR_CHARS],
+                            err_type="invalid_request_error" if status < 500 else "server_error",
+                            code=HTTPStatus(status).phrase.lower().replace(" ", "_"))
+        resp.force_close()  # the stream may be out of step with the parser: start afresh
+        return resp
+
+
+class JsonErrorServer(web.Server):
+    """The protocol factory a runner listens with, making :class:`JsonErrorHandler`s."""
+
+    def __call__(self) -> web.RequestHandler:
+        return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
 async def start_site(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 10.0,
                      header_timeout: float = HEADER_TIMEOUT_S,
                      body_timeout: float = BODY_TIMEOUT_S) -> tuple[web.AppRunner, web.TCPSite]:
@@ -70,6 +98,7 @@ async def start_site(app: web.Application, host: str, port: int, *, shutdown_tim
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout,
                            keepalive_timeout=header_timeout)
     await runner.setup()
+    runner.server.__class__ = JsonErrorServer  # aiohttp offers no hook; the subclass adds no state
     site = web.TCPSite(runner, host, port)
     await site.start()
     return runner, site
