@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mooncake_lite.model.kv_cache import BlockAllocator, blocks_needed
+from mooncake_lite.scheduler.admission import tbt_refusal
 from mooncake_lite.scheduler.costs import DecodeCostModel
 
 
@@ -101,16 +102,12 @@ class DecodeBatcher:
             return f"KV cache full: need {need} blocks, {self.allocator.num_free} free"
         if self.max_batch_size is not None and len(self.seqs) >= self.max_batch_size:
             return f"batch full: {len(self.seqs)} of max {self.max_batch_size} sequences"
-        slo = self.tbt_slo_s
-        if slo is None and self.tbt_slo_factor is not None and self.cost is not None:
-            slo = self.tbt_slo_factor * self.cost.predict(1, prompt_len)
-        if slo is not None:
-            tbt = self.predicted_tbt(1, prompt_len)
-            if tbt is not None and tbt > slo:
-                how = "" if self.tbt_slo_s is not None else f" ({self.tbt_slo_factor:g}x a step alone)"
-                return (f"predicted TBT {tbt * 1e3:.2f} ms with batch {len(self.seqs) + 1} exceeds "
-                        f"the TBT SLO {slo * 1e3:.2f} ms{how}")
-        return None
+        if self.cost is None:
+            return None
+        # The simulator runs this same check (scheduler/admission.tbt_refusal) on what a decode
+        # holds: every reserved sequence, running or still waiting for its KV.
+        context = sum(s.context_len for s in self.seqs.values())
+        return tbt_refusal(self.cost, len(self.seqs), context, prompt_len, self.tbt_slo_s, self.tbt_slo_factor)
 
     def reserve(self, request_id: str, prompt_len: int, max_tokens: int,
                 stop_token_ids: tuple[int, ...] = ()) -> DecodeSequence:

@@ -13,14 +13,21 @@ DESCRIPTION = ("Decode instance: receives each request's KV stream from prefill 
                "runs continuous batching, streams tokens; refuses requests that would break the TBT SLO.")
 
 
+def _optional_float(value):
+    return None if value in (None, "", "none", "off") else float(value)
+
+
 @dataclass(frozen=True)
 class Config(ModelRoleConfig, DataPortFlags):
     ADVERTISES: ClassVar[bool] = True   # registers its HTTP and KV data addresses
     data_port: int = option(0, "KV data socket port prefill streams into (0 = pick a free one)")
     tbt_slo: float | None = option(None, "refuse requests whose predicted TBT exceeds this (seconds, 200ms); "
                                    "replaces --tbt-slo-factor", parse=optional_duration)
-    tbt_slo_factor: float | None = option(None, "refuse requests whose predicted TBT exceeds this many times "
-                                          "one decode step of the request alone (e.g. 5; default: off)")
+    # On by default with the conductor's own default SLO (its --tbt-slo-factor), so the double
+    # check judges by the rule admission used; set the same --tbt-slo on both to use an absolute one.
+    tbt_slo_factor: float | None = option(5.0, "refuse requests whose predicted TBT exceeds this many times "
+                                          "one decode step of the request alone, as the conductor's default "
+                                          "relative SLO does ('none': no TBT check)", parse=_optional_float)
     max_batch_size: int | None = option(None, "most sequences decoding at once")
 
     def __post_init__(self) -> None:

@@ -82,16 +82,37 @@ def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: 
     return estimates.loads_now(decodes)
 
 
+def tbt_refusal(cost: DecodeCostModel, batch: int, context_tokens: int, num_tokens: int,
+                tbt_slo_s: float | None, tbt_slo_factor: float | None = None) -> str | None:
+    """The decode instance's own TBT double check, one code for the live decode
+    (``decode/batcher.py``, at reservation) and the simulator: None if one more sequence of
+    ``num_tokens`` context on an instance holding ``batch`` sequences of ``context_tokens``
+    keeps the predicted step within the SLO, else why not. The SLO is ``tbt_slo_s`` if set, else
+    ``tbt_slo_factor`` × one step of the request alone (the conductor's relative SLO), else
+    there is no check."""
+    slo = tbt_slo_s
+    if slo is None:
+        if tbt_slo_factor is None:
+            return None
+        slo = tbt_slo_factor * cost.predict(1, num_tokens)
+    tbt = cost.predict(batch + 1, context_tokens + num_tokens)
+    if tbt <= slo:
+        return None
+    how = "" if tbt_slo_s is not None else f" ({tbt_slo_factor:g}x a step alone)"
+    return f"predicted TBT {tbt * 1e3:.2f} ms with batch {batch + 1} exceeds the TBT SLO {slo * 1e3:.2f} ms{how}"
+
+
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
                   tbt_slo_s: float) -> bool:
-    """The decode instance's own double check when the KV arrives (the paper's local
-    scheduler): room left and TBT with ``req`` added within the SLO, judged on the running
-    batch only (``incoming`` is the conductor's forecast, not the instance's own state). Used by
-    the decode role and the simulator; a refusal here wastes the prefill already done."""
+    """The paper's local double check when the KV arrives: room left and TBT with ``req``
+    added within the SLO, judged on the running batch only (``incoming`` is the conductor's
+    forecast, not the instance's own state); a refusal here wastes the prefill already done.
+    The simulator's ``decode_check="arrival"``; the live decode checks at reservation instead
+    (:func:`tbt_refusal`, before the prefill starts)."""
     batch, context = running_load(d)
     if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
         return False
-    return decode_tbt(d, costs, batch + 1, context + req.num_tokens) <= tbt_slo_s
+    return tbt_refusal(d.cost or costs.decode, batch, context, req.num_tokens, tbt_slo_s) is None
 
 
 def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,

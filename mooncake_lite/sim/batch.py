@@ -31,15 +31,15 @@ class Batch:
         self.log: list[Segment] = []
 
     def add(self, req: SimRequest, now: float) -> None:
-        """Join at a step boundary ``now``; the request needs output_length − 1 more tokens
-        (its first token came from prefill)."""
+        """Join at a step boundary ``now``; the request needs its true output length − 1 more
+        tokens (its first token came from prefill): the model's own stop, planned here."""
         req.join_step = self.steps_done
         req.join_log = len(self.log)
         req.wait_extra = now - req.first_token
         req.join_time = now
         self.running[req.rid] = req
         self._seq += 1
-        heapq.heappush(self._heap, (self.steps_done + req.output_length - 1, self._seq, req))
+        heapq.heappush(self._heap, (self.steps_done + req.tokens_to_generate() - 1, self._seq, req))
         self.context_tokens += req.input_length + 1
 
     def step_time(self) -> float:
@@ -64,9 +64,9 @@ class Batch:
         heap = self._heap
         end = len(self.log)
         while heap and heap[0][0] <= self.steps_done:
-            _, _, req = heapq.heappop(heap)
+            last, _, req = heapq.heappop(heap)
             del self.running[req.rid]
-            self.context_tokens -= req.input_length + req.output_length
+            self.context_tokens -= req.input_length + 1 + last - req.join_step   # prompt + every token
             gaps = fold_gaps(self.log, req.join_log, end, req.wait_extra)
             req.tbt = slowest_share_mean(gaps)
             req.num_gaps = sum(c for _, c in gaps)

@@ -3,14 +3,16 @@
 Per request: arrival → ``Scheduler.schedule`` (the live conductor's code, unchanged) → reject,
 or (optional hot-spot migration over the target's inbound link) → FIFO prefill on the chosen
 instance (reusing what its store really holds when the job starts) → KV stream to the chosen
-decode instance (overlapped with prefill, layer-wise) → the decode's local double check
-(``decode_admits``) → continuous batching until the last token.
+decode instance (overlapped with prefill, layer-wise) → continuous batching until the last
+token. The decode's own double check runs where ``SimConfig.decode_check`` says: at dispatch
+(``reserve``, as the live decode) or when the KV arrives (``arrival``, the paper's).
+The conductor knows ``max_tokens`` and a predicted output length, never the true one.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
                                      decode_admits, prefill_queue_time)
@@ -20,9 +22,11 @@ from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
-from mooncake_lite.sim.recorder import Recorder
-from mooncake_lite.sim.request import SimRequest
+from mooncake_lite.scheduler.predict import OutputPredictor
+from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
+from mooncake_lite.trace.format import TraceRequest
 
 
 class MooncakeSim(TraceDriver):
@@ -52,6 +56,14 @@ class MooncakeSim(TraceDriver):
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.recorder = Recorder(self, cfg.sample_interval_s)
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
+        self.max_tokens_policy = MaxTokensPolicy.parse(cfg.max_tokens_policy)
+        self.predictor = OutputPredictor() if cfg.predict_output else None
+        self.accuracy = PredictionAccuracy()
+
+    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        res = super().run(trace, progress)
+        res.extra["output_prediction"] = self.accuracy.to_dict()
+        return res
 
     # ---- conductor ---------------------------------------------------------------------------
     def cluster_state(self) -> ClusterState:
@@ -59,14 +71,24 @@ class MooncakeSim(TraceDriver):
         return ClusterState(tuple(p.state() for p in self.prefills), tuple(d.state() for d in self.decodes))
 
     def _arrive(self, now: float, req: SimRequest) -> None:
-        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
+        req.send_with(self.max_tokens_policy)
+        if self.predictor is not None:
+            req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)
+        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
         decision = self.scheduler.schedule(sreq, self.cluster_state(), now)
         if self.decisions is not None:
             self.decisions.append(decision)
         if not decision.accepted:
             return self._reject(now, req, "conductor", decision.reject_cause)
+        d = self.decode_by_id[decision.decode_id]
+        if self.cfg.decode_check == "reserve":   # the live conductor reserves decode before prefill
+            cause = d.refusal(req, self.cfg.scheduler.tbt_slo_s)
+            if cause is not None:
+                return self._reject(now, req, "decode", cause)
+            d.hold(req)
         slo = self.cfg.scheduler.ttft_slo_s
         if self.cfg.local_ttft_check and decision.predicted_ttft_s is not None and decision.predicted_ttft_s > slo:
+            d.release(req)
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
         req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
@@ -81,7 +103,7 @@ class MooncakeSim(TraceDriver):
             req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
             req.fetched_blocks = decision.reused_prefix_blocks
             self.recorder.migrated(len(m.keys))
-        self.decode_by_id[req.decode_id].commit(req)
+        d.commit(req)
         p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)
@@ -115,8 +137,9 @@ class MooncakeSim(TraceDriver):
         req = p.end()
         self._store(p, req.keys)
         req.first_token = now
-        if req.output_length <= 1:   # done with its first token: it never reaches decode
+        if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
             self.decode_by_id[req.decode_id].uncommit(req)
+            self.decode_by_id[req.decode_id].release(req)
             req.finish = now
             self._finish(now, req)
         else:
@@ -129,13 +152,18 @@ class MooncakeSim(TraceDriver):
     def _kv_arrived(self, now: float, req: SimRequest) -> None:
         d = self.decode_by_id[req.decode_id]
         d.uncommit(req)
-        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
-        if not decode_admits(d.state(), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
-            return self._reject(now, req, "decode", "tbt")
+        if self.cfg.decode_check == "arrival":
+            sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
+            if not decode_admits(d.state(), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
+                return self._reject(now, req, "decode", "tbt")
+            d.hold(req)
         d.arrive(now, req)
 
     def _finish(self, now: float, req: SimRequest) -> None:
         req.status = "completed"
+        self.accuracy.add(req.expected_output, req.output_length)
+        if self.predictor is not None:   # the client has the whole answer now, and so does the conductor
+            self.predictor.observe(req.keys, req.input_length, req.output_length)
         self.recorder.ended(req)
 
     def _reject(self, now: float, req: SimRequest, stage: str, cause: str | None) -> None:

@@ -77,7 +77,7 @@ class ColocatedInstance:
             return False
         limit = hw.decode_max_context_tokens
         # A request that could never fit runs alone rather than blocking forever.
-        return limit is None or not b.running or b.context_tokens + req.input_length + req.output_length <= limit
+        return limit is None or not b.running or b.context_tokens + req.input_length + req.max_tokens <= limit
 
     def _boundary_event(self, now: float, version: int) -> None:
         if version == self.version:
@@ -134,7 +134,7 @@ class ColocatedInstance:
         self.view.remove(req.rid)
         self.sim.store(self, req.keys)
         req.first_token = now
-        if req.output_length <= 1:
+        if req.tokens_to_generate() <= 1:
             req.finish = now
             self.sim.finish(now, req)
         else:
@@ -170,7 +170,7 @@ class ColocatedSim(TraceDriver):
         self.recorder.ended(req)
 
     def _arrive(self, now: float, req: SimRequest) -> None:
-        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.output_length)
+        sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
         states = tuple(c.state() for c in self.instances)
         choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng,
                                 cache=self.estimates)

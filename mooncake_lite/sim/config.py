@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.sim.request import MaxTokensPolicy
 from mooncake_lite.store.eviction import POLICY_NAMES
+
+DECODE_CHECKS = ("reserve", "arrival")
 
 
 @dataclass(frozen=True)
@@ -19,8 +22,19 @@ class SimConfig:
         its own SLO, when the request reaches it). Off = nothing is ever refused for TTFT.
 
     The conductor's decode snapshot holds each decode's running batch plus, as ``incoming``,
-    the requests dispatched there whose KV has not arrived yet (the scheduler core's contract);
-    the decode's own double check uses its real batch only.
+    the requests dispatched there whose KV has not arrived yet (the scheduler core's contract).
+
+    No oracle: the conductor and the decodes know a request's ``max_tokens`` (what the client
+    sends, by ``max_tokens_policy``: ``output`` or ``cap:N``, see ``sim/request.MaxTokensPolicy``)
+    and, with ``predict_output``, the output length ``scheduler/predict.py`` expects from what
+    has finished before (else max_tokens sizes t_d); the true output length only ends a request.
+
+    decode_check:
+        ``reserve`` — as the live decode: at dispatch, before the prefill, on everything the
+        decode holds (running or waiting for KV), room for prompt + max_tokens and the TBT
+        (``scheduler/admission.tbt_refusal``); a refusal costs no prefill. ``arrival`` — the
+        paper's local scheduler: when the KV arrives, on the running batch; a refusal wastes
+        the prefill.
     """
 
     num_prefill: int = 8
@@ -36,8 +50,14 @@ class SimConfig:
     decode_max_batch: int | None = None
     sample_interval_s: float = 5.0
     seed: int = 0
+    max_tokens_policy: str = "output"
+    predict_output: bool = False
+    decode_check: str = "reserve"
 
     def __post_init__(self) -> None:
+        MaxTokensPolicy.parse(self.max_tokens_policy)   # raises ValueError naming the bad value
+        if self.decode_check not in DECODE_CHECKS:
+            raise ValueError(f"decode_check must be one of {', '.join(DECODE_CHECKS)}, got {self.decode_check!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
         if self.cpp_group_size < 1 or self.prefill_chunk < 1:

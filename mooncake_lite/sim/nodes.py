@@ -12,6 +12,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
+from mooncake_lite.scheduler.admission import tbt_refusal
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
 from mooncake_lite.scheduler.view import DecodeView, PrefillView
@@ -119,6 +120,9 @@ class DecodeNode:
         self.on_finish = on_finish
         self.pending: list[SimRequest] = []
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
+        self.committed_tokens = 0                    # their prompts' tokens
+        self.held: set[str] = set()                  # requests holding a KV reservation here
+        self.reserved_tokens = 0                     # prompt + max_tokens of each of them
         self.seg_start = 0.0
         self.seg_gap = 0.0
         self.seg_steps = 0          # steps planned for the running segment (0 = idle)
@@ -131,19 +135,47 @@ class DecodeNode:
     def state(self) -> DecodeInstanceState:
         return self.view.state()
 
+    def refusal(self, req: SimRequest, tbt_slo_s: float) -> str | None:
+        """The live decode's check at reservation (``decode/batcher.check_admit``): room for
+        prompt + max_tokens beside every reservation held, then the shared TBT check on all it
+        holds — running, waiting for the next step, or waiting for KV. None: admitted."""
+        if self.max_context_tokens is not None and \
+                self.reserved_tokens + req.input_length + req.max_tokens > self.max_context_tokens:
+            return "reserve-kv"
+        held = len(self.batch) + len(self.pending) + len(self.committed)
+        if self.max_batch is not None and held >= self.max_batch:
+            return "reserve-batch"
+        context = self.batch.context_tokens + sum(r.input_length + 1 for r in self.pending) + self.committed_tokens
+        if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s) is not None:
+            return "reserve-tbt"
+        return None
+
+    def hold(self, req: SimRequest) -> None:
+        """Reserve KV room for the whole request (prompt + max_tokens), as the live decode does."""
+        self.held.add(req.rid)
+        self.reserved_tokens += req.input_length + req.max_tokens
+
+    def release(self, req: SimRequest) -> None:
+        if req.rid in self.held:
+            self.held.discard(req.rid)
+            self.reserved_tokens -= req.input_length + req.max_tokens
+
     def commit(self, req: SimRequest) -> None:
-        """Dispatched here: incoming until its KV arrives (``input + 1`` tokens of it)."""
+        """Dispatched here: incoming until its KV arrives (``input + 1`` tokens of it); the
+        conductor sizes its t_d with the output it expects (max_tokens or a prediction)."""
         self.committed[req.rid] = req
-        self.view.commit(req.rid, req.input_length + 1, req.output_length)
+        self.committed_tokens += req.input_length
+        self.view.commit(req.rid, req.input_length + 1, req.expected_output)
 
     def uncommit(self, req: SimRequest) -> None:
-        self.committed.pop(req.rid, None)
+        if self.committed.pop(req.rid, None) is not None:
+            self.committed_tokens -= req.input_length
         self.view.uncommit(req.rid)
 
     def arrive(self, now: float, req: SimRequest) -> None:
         """KV fully received: join at the next step boundary (now, if idle)."""
         self.pending.append(req)
-        self.view.join(req.rid, req.input_length + 1, now, req.output_length)
+        self.view.join(req.rid, req.input_length + 1, now, req.expected_output)
         if self.seg_steps == 0:
             self._boundary(now, self.version)
             return
@@ -164,6 +196,7 @@ class DecodeNode:
             view.progress_each(b.running, self.seg_steps)
             for req in b.advance(self.seg_steps, self.seg_gap):
                 view.leave(req.rid)
+                self.release(req)
                 req.finish = now
                 self.on_finish(now, req)
         for req in self.pending:

@@ -64,7 +64,7 @@ class Recorder:
         self.counters["migrated_blocks"] += num_blocks
 
     def ended(self, req: SimRequest) -> None:
-        rid = req.trace.request_id
+        rid = req.request_id
         if rid in self.results:
             raise AssertionError(f"request {rid} ended twice ({self.results[rid].status}, then {req.status})")
         self.results[rid] = RequestResult.of(req)

@@ -1,4 +1,11 @@
-"""A simulated request's life and the per-request figures that come out of it."""
+"""A simulated request's life and the per-request figures that come out of it.
+
+No oracle: a request's true output length (the trace's ``output_length``) is what the simulated
+*model* will generate, and only the model reads it (:meth:`SimRequest.tokens_to_generate`, to
+plan the step of the last token). The conductor and the decode instances see what their live
+counterparts see: ``max_tokens``, which the client sends by a :class:`MaxTokensPolicy`, and a
+prediction (``expected_output``). ``output_length`` itself raises until the request has ended.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +17,50 @@ from mooncake_lite.trace.format import TraceRequest
 Segment = tuple[float, int]   # (gap seconds, number of gaps); count 0 marks a stall (see fold_gaps)
 
 
+class OracleError(AssertionError):
+    """Something read a request's true output length before the request ended."""
+
+
+@dataclass(frozen=True)
+class MaxTokensPolicy:
+    """What a client sends as ``max_tokens`` for a trace request (a Mooncake trace has none):
+    ``output`` — the true output length (what replay clients send by default; it hides the
+    problem: the scheduler then knows every output length), or ``cap:N`` — the fixed cap N, as
+    chat clients often send (outputs longer than N stop at N, as a live decode stops them)."""
+
+    cap: int | None = None    # None: the output length itself
+
+    @classmethod
+    def parse(cls, text: str) -> MaxTokensPolicy:
+        if text == "output":
+            return cls()
+        name, _, value = text.partition(":")
+        if name == "cap" and value.isdigit() and int(value) >= 1:
+            return cls(int(value))
+        raise ValueError(f"max-tokens policy must be 'output' or 'cap:N' (N >= 1), got {text!r}")
+
+    def max_tokens(self, output_length: int) -> int:
+        return output_length if self.cap is None else self.cap
+
+    def __str__(self) -> str:
+        return "output" if self.cap is None else f"cap:{self.cap}"
+
+
 class SimRequest:
     """Mutable state of one request while it moves through the simulated cluster."""
 
-    __slots__ = ("trace", "rid", "arrival", "keys", "prefill_id", "decode_id", "reused_tokens",
-                 "predicted_ttft", "prefill_start", "first_token", "finish", "status",
-                 "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
+    __slots__ = ("request_id", "_input", "_output", "max_tokens", "expected_output", "rid", "arrival", "keys",
+                 "prefill_id", "decode_id", "reused_tokens", "predicted_ttft", "prefill_start", "first_token",
+                 "finish", "status", "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
                  "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "prefilled", "fetched_blocks")
 
     def __init__(self, trace: TraceRequest, block_size: int) -> None:
-        self.trace = trace
+        self.request_id = trace.request_id
         self.rid = str(trace.request_id)
+        self._input = trace.input_length
+        self._output = trace.output_length
+        self.max_tokens = trace.output_length    # the ``output`` policy until send_with says otherwise
+        self.expected_output = self.max_tokens   # what the conductor sizes t_d with (a predictor may lower it)
         self.arrival = trace.arrival_s
         # Only full blocks have keys (a partial tail block can still grow), as in the live system.
         self.keys = trace.hash_ids[: trace.input_length // block_size]
@@ -46,13 +86,46 @@ class SimRequest:
         self.prefilled = 0        # prompt tokens already computed (colocated chunked prefill)
         self.fetched_blocks = 0   # leading blocks a migration brings into the prefill's store
 
+    def send_with(self, policy: MaxTokensPolicy) -> None:
+        """The client sends the request with ``policy``'s max_tokens (once, at arrival, on a
+        request built with the default ``output`` policy)."""
+        self.max_tokens = self.expected_output = policy.max_tokens(self._output)
+        self._output = min(self._output, self.max_tokens)
+
     @property
     def input_length(self) -> int:
-        return self.trace.input_length
+        return self._input
+
+    def tokens_to_generate(self) -> int:
+        """The true output length: what the simulated model will generate before it stops. Only
+        the model reads it, to plan the step that ends the request (tests/sim audit that)."""
+        return self._output
 
     @property
     def output_length(self) -> int:
-        return self.trace.output_length
+        """The true output length, known to everyone once the request has ended."""
+        if self.status is None:
+            raise OracleError(f"request {self.rid}: its true output length was read before it ended")
+        return self._output
+
+
+class PredictionAccuracy:
+    """How far the output length the conductor sized t_d with was from the true one, over the
+    completed requests: mean absolute error and how often it was an underestimate."""
+
+    __slots__ = ("num", "abs_error", "num_under")
+
+    def __init__(self) -> None:
+        self.num, self.abs_error, self.num_under = 0, 0, 0
+
+    def add(self, expected: int, true_output: int) -> None:
+        self.num += 1
+        self.abs_error += abs(expected - true_output)
+        self.num_under += expected < true_output
+
+    def to_dict(self) -> dict[str, float]:
+        n = max(self.num, 1)
+        return {"requests": self.num, "mae_tokens": self.abs_error / n, "underestimated": self.num_under / n}
 
 
 def fold_gaps(log: list[Segment], start: int, end: int, wait_extra: float) -> list[Segment]:
@@ -115,7 +188,7 @@ class RequestResult:
 
     @classmethod
     def of(cls, r: SimRequest) -> RequestResult:
-        return cls(r.trace.request_id, r.arrival, r.input_length, r.output_length, r.status or "lost",
+        return cls(r.request_id, r.arrival, r.input_length, r.output_length, r.status or "lost",
                    r.reject_stage, r.reject_cause, r.prefill_id, r.decode_id, r.reused_tokens,
                    None if r.first_token is None or r.status != "completed" else r.first_token - r.arrival,
                    r.tbt, r.mean_gap, r.finish)

@@ -61,12 +61,16 @@ def test_early_admission_rejects_over_ttft_slo_and_conserves_requests():
     assert res.counters["completed"] + res.counters["rejected"] == 10
 
 
-def test_decode_double_check_wastes_the_prefill():
-    # TBT SLO below one step: admission 'none' lets it through, the decode refuses after prefill.
-    cfg = SimConfig(num_prefill=1, num_decode=1, scheduler=SchedulerConfig(admission="none", tbt_slo_s=0.005))
+@pytest.mark.parametrize("check, refused_at, cause", [("arrival", 1.0, "tbt"), ("reserve", 0.0, "reserve-tbt")])
+def test_decode_double_check_at_arrival_wastes_the_prefill(check, refused_at, cause):
+    # TBT SLO below one step: admission 'none' lets it through, the decode refuses it — after
+    # the prefill when it checks at KV arrival (the paper's), before it when it checks at
+    # reservation (the live decode's).
+    cfg = SimConfig(num_prefill=1, num_decode=1, decode_check=check,
+                    scheduler=SchedulerConfig(admission="none", tbt_slo_s=0.005))
     r = by_id(MooncakeSim(cfg, hardware=toy_hardware()).run([req(0, 0.0, 1000, 5)]))
-    assert r[0].status == "rejected" and r[0].reject_stage == "decode"
-    assert r[0].finish == pytest.approx(1.0)          # refused when the KV arrived, after prefill
+    assert r[0].status == "rejected" and (r[0].reject_stage, r[0].reject_cause) == ("decode", cause)
+    assert r[0].finish == pytest.approx(refused_at)
 
 
 def test_colocated_prefill_stalls_the_running_batch():
@@ -129,7 +133,7 @@ def test_nothing_stays_incoming_after_the_run():
     # A one-token request ends at prefill and never reaches decode; a refused one leaves too.
     trace = [req(0, 0.0, 1000, 1), req(1, 0.1, 1000, 50), req(2, 0.2, 1000, 1), req(3, 0.3, 1000, 50)]
     # a TBT SLO below one decode step: the decode refuses the multi-token ones when their KV lands
-    sim = MooncakeSim(SimConfig(num_prefill=1, num_decode=2,
+    sim = MooncakeSim(SimConfig(num_prefill=1, num_decode=2, decode_check="arrival",
                                 scheduler=SchedulerConfig(admission="none", tbt_slo_s=0.005)),
                       hardware=toy_hardware())
     r = by_id(sim.run(trace))
