@@ -28,6 +28,7 @@ from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, Prefil
 from mooncake_lite.conductor.errors import rejected, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.outputs import OutputHistory
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.placement import place
 from mooncake_lite.scheduler import Decision, Scheduler
@@ -51,6 +52,7 @@ class Services:
     upstream_timeout_s: float = 300.0
     kv_timeout_s: float = 30.0
     background: set[asyncio.Task] = field(default_factory=set)
+    outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""
@@ -75,6 +77,7 @@ class Flight:
         self.prefill_result: PrefillResult | None = None
         self.finish_reason: str | None = None
         self.num_tokens = 0
+        self.expected_output = req.sampling.max_tokens
         self._queue: asyncio.Queue[tuple] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._decode_resp: aiohttp.ClientResponse | None = None
@@ -92,9 +95,12 @@ class Flight:
         now = _now()
         for inst in (self.prefill, self.decode):
             svc.membership.watch(inst.instance_id, self.request_id, self._on_instance_death)
+        # predictive admission sizes this request's decode time with its predicted output
+        self.expected_output = svc.outputs.expected(self.block_keys, len(self.req.prompt_ids),
+                                                    self.req.sampling.max_tokens)
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.request_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
-            self.decode.instance_id, max_output_tokens=self.req.sampling.max_tokens), now)
+            self.decode.instance_id, max_output_tokens=self.expected_output), now)
         try:
             await self._reserve_decode()
         except BaseException:
@@ -214,7 +220,7 @@ class Flight:
         now, m = _now(), self.svc.membership
         m.prefill_done(self.prefill.instance_id, self.request_id, now)
         m.add_decode(self.decode.instance_id, DecodeJob(self.request_id, len(self.req.prompt_ids) + 1, now,
-                                                        self.req.sampling.max_tokens))
+                                                        self.expected_output))
 
     def _on_decode_event(self, item: tuple) -> int | None:
         if item[0] == "token":
@@ -253,6 +259,8 @@ class Flight:
         if self._is_closed:
             return
         self._is_closed = True
+        if self.finish_reason is not None:   # the real output length, for later predictions
+            self.svc.outputs.finished(self.block_keys, len(self.req.prompt_ids), self.num_tokens, self.expected_output)
         reader = self._tasks[0] if self._tasks else None
         for task in self._tasks[1:]:
             task.cancel()
