@@ -3,7 +3,9 @@
 Prefill instances report the fitted :class:`PrefillCostModel` in ``Register.cost``, decode
 instances the :class:`DecodeCostModel` (the conductor predicts TTFT and TBT with them);
 ``mooncake bench pd --profile`` runs the same timings with more points. KV contents do not
-matter for timing, so the cache is used as is (whatever it holds).
+matter for timing, so the cache is used as is (whatever it holds). The start-up model is only
+where an instance begins: while it serves, a refiner (``refine.py``) keeps it current from the
+chunks and steps it really runs, and its heartbeats carry the result.
 """
 
 from __future__ import annotations
@@ -11,15 +13,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from mooncake_lite.instance.refine import DecodeRefiner, PrefillRefiner, nonneg_fit
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
 QUICK_PREFILL = ((32, 0), (96, 0), (192, 0), (64, 128), (32, 192), (128, 64))
 QUICK_DECODE = ((1, 64), (4, 64), (8, 64), (1, 512), (4, 256), (8, 256))
+# Shapes where a refiner keeps the start-up model's shape until it measures them (refine.py):
+# the profiled ones and a few larger, so long prompts and big batches extrapolate from it.
+PRIOR_PREFILL = QUICK_PREFILL + ((512, 0), (512, 512), (2048, 0), (512, 1536))
+PRIOR_DECODE = QUICK_DECODE + ((16, 512), (32, 1024), (64, 256))
 
 
 def _tokens(n: int, vocab: int) -> list[int]:
@@ -62,23 +68,6 @@ def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int = 3)
             runner.allocator.free(t)
 
 
-def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0 (a negative per-token cost fitted to noisy
-    timings would make the conductor predict nonsense): drop the most negative term and refit."""
-    a, b = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-    active = list(range(a.shape[1]))
-    coef = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active] / scale[active], b, rcond=None)
-        sol = sol / scale[active]
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return [float(c) for c in coef]
-
-
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillCostModel:
     """``PrefillCostModel`` (t = c0 + c1·n + c2·n·(p+n) + c3·p) from (num_tokens, prefix, s)."""
     if len(samples) < 4:
@@ -92,6 +81,16 @@ def fit_decode(samples: list[tuple[int, int, float]]) -> DecodeCostModel:
     if len(samples) < 3:
         raise ValueError(f"need at least 3 decode timings, got {len(samples)}")
     return DecodeCostModel(*nonneg_fit([[1.0, b, c] for b, c, _ in samples], [s for *_, s in samples]))
+
+
+def prefill_refiner(cost: PrefillCostModel | None) -> PrefillRefiner:
+    """A refiner of the start-up prefill model ``cost`` (its samples: num_tokens, prefix, s)."""
+    return PrefillRefiner(cost, [(n + p, p) for n, p in PRIOR_PREFILL])
+
+
+def decode_refiner(cost: DecodeCostModel | None) -> DecodeRefiner:
+    """A refiner of the start-up decode model ``cost`` (its samples: batch, context tokens, s)."""
+    return DecodeRefiner(cost, [(b, b * c) for b, c in PRIOR_DECODE])
 
 
 def fits(runner: ModelRunner, tokens: int) -> bool:

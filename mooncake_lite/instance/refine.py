@@ -1,0 +1,221 @@
+"""Keeping an instance's cost model current from the work it actually runs.
+
+The start-up profile (``profile.py``) is a handful of timings taken once: a CPU that happens to
+be busy then makes it several times too pessimistic, and nothing would ever correct it (issue
+#15: an idle cluster answered every request 429 until restarted). A refiner takes every
+measurement the instance makes while serving — prefill: each chunk's seconds against its new
+tokens and the context before it; decode: each step's seconds against the batch size and its
+total context — and fits the same cost model to them, robust to outliers:
+
+* measurements fall into buckets by shape (the power of two of each feature); a bucket keeps
+  its last ``WINDOW`` samples and speaks through their median, so a step stalled by a busy
+  neighbour or a GC pause moves nothing, while a lasting change turns the median within
+  ``WINDOW / 2`` samples;
+* a bucket counts once it holds ``MIN_SAMPLES``; every counting bucket is one point of the fit,
+  so a flood of one shape does not drown the others;
+* shapes nobody has run yet keep the start-up profile's *shape*, scaled by the median ratio of
+  measured to predicted over the counting buckets (a busy CPU at start-up gets the level wrong,
+  not the shape): those prior points join the fit, so a model measured only on short prompts
+  still extrapolates to long ones;
+* the fit is least squares in relative error with every coefficient >= 0 (``nonneg_fit``);
+  with fewer shapes than coefficients it is the start-up model scaled by that ratio;
+* the model :meth:`Refiner.current` returns changes only when the new fit moves a prediction
+  at some counting bucket by more than ``REPORT_TOLERANCE``: the conductor re-derives an
+  instance's estimates whenever its model changes (its caches key on the model object), so
+  noise must not change it at every heartbeat.
+
+Pure: no clock, no IO, no torch. The roles feed it timings and read :meth:`Refiner.current`
+for each heartbeat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from statistics import median
+
+import numpy as np
+
+from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
+
+WINDOW = 32              # samples a bucket keeps (the newest)
+MIN_SAMPLES = 5          # a bucket counts from this many: its median outvotes 2 outliers
+REPORT_TOLERANCE = 0.10  # a new model is reported once it moves some prediction by more
+
+Model = PrefillCostModel | DecodeCostModel
+
+
+def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (a negative per-token cost fitted to noisy
+    timings would make the conductor predict nonsense): drop the most negative term and refit."""
+    a, b = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active] / scale[active], b, rcond=None)
+        sol = sol / scale[active]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
+
+
+def _seconds(sample: tuple[int, int, float]) -> float:
+    return sample[2]
+
+
+class Refiner:
+    """Recent measurements of one cost model, bucketed by shape (module doc). A measurement
+    is ``(x, y, seconds)`` in the model's own terms: prefill ``(num_tokens, num_prefix_tokens)``,
+    decode ``(batch_size, context_tokens)``. Subclasses say how a shape becomes a fit row."""
+
+    MODEL: type[Model]
+
+    def __init__(self, prior: Model | None, prior_points: Sequence[tuple[int, int]] = (),
+                 window: int = WINDOW, min_samples: int = MIN_SAMPLES,
+                 tolerance: float = REPORT_TOLERANCE) -> None:
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"need 1 <= min_samples <= window, got {min_samples} and {window}")
+        self.prior = prior
+        self.prior_points = tuple(p for p in prior_points if self._valid(*p))
+        self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
+        self._buckets: dict[tuple[int, int], deque[tuple[int, int, float]]] = {}
+        self._published: Model | None = prior
+        self._num_new = 0        # samples since the last fit
+        self.num_samples = 0
+
+    # ---- what subclasses define -----------------------------------------------------------
+    @staticmethod
+    def _valid(x: int, y: int) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _bucket(x: int, y: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _row(x: int, y: int) -> list[float]:
+        raise NotImplementedError
+
+    # ---- feeding and reading --------------------------------------------------------------
+    def observe(self, x: int, y: int, seconds: float) -> None:
+        """One measurement; nonsense (non-positive, non-finite) is ignored."""
+        if not self._valid(x, y) or not (math.isfinite(seconds) and seconds > 0):
+            return
+        key = self._bucket(x, y)
+        samples = self._buckets.get(key)
+        if samples is None:
+            samples = self._buckets[key] = deque(maxlen=self.window)
+        samples.append((x, y, seconds))
+        self._num_new += 1
+        self.num_samples += 1
+
+    def current(self) -> Model | None:
+        """The model to report: the prior (None without one) until measurements move it by
+        more than the tolerance; the same object while nothing does."""
+        if self._num_new:
+            self._num_new = 0
+            points = self.points()
+            fitted = self._fit(points)
+            if fitted is not None and self._moved(fitted, points):
+                self._published = fitted
+        return self._published
+
+    def points(self) -> list[tuple[int, int, float]]:
+        """Each counting bucket's median sample ``(x, y, seconds)`` (by time; a real sample, so
+        its shape and time belong together)."""
+        return [sorted(samples, key=_seconds)[len(samples) // 2] for samples in self._buckets.values()
+                if len(samples) >= self.min_samples]
+
+    # ---- fitting --------------------------------------------------------------------------
+    def _fit(self, points: list[tuple[int, int, float]]) -> Model | None:
+        if not points:
+            return None
+        pts = points + self._prior_points(points)
+        if len(pts) < len(self._row(1, 1)):      # too few shapes to fit every coefficient
+            return self._scaled_prior(points)
+        # Relative error: each point's row and target divided by its own time, so a 2 ms step
+        # weighs as much as a 2 s prefill.
+        rows = [[v / t for v in self._row(x, y)] for x, y, t in pts]
+        coef = nonneg_fit(rows, [1.0] * len(pts))
+        if not all(math.isfinite(c) for c in coef) or not any(coef):
+            return None
+        return self.MODEL(*coef)
+
+    def _scaled_prior(self, points: list[tuple[int, int, float]]) -> Model | None:
+        scale = self._scale(points)
+        if scale is None:
+            return None
+        return self.MODEL(*(scale * c for c in self.prior.to_dict().values()))
+
+    def _scale(self, points: list[tuple[int, int, float]]) -> float | None:
+        """The median ratio measured / predicted by the prior (None: nothing to compare)."""
+        if self.prior is None:
+            return None
+        ratios = [t / p for x, y, t in points if (p := self.prior.predict(x, y)) > 0]
+        return median(ratios) if ratios else None
+
+    def _prior_points(self, points: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+        """The prior's shapes no counting bucket covers, at the prior's prediction scaled by the
+        median measured/predicted ratio."""
+        prior, scale = self.prior, self._scale(points)
+        if scale is None:
+            return []
+        covered = {self._bucket(x, y) for x, y, _ in points}
+        out = []
+        for x, y in self.prior_points:
+            t = scale * prior.predict(x, y)
+            if self._bucket(x, y) not in covered and t > 0:
+                out.append((x, y, t))
+        return out
+
+    def _moved(self, fitted: Model, points: list[tuple[int, int, float]]) -> bool:
+        old = self._published
+        if old is None:
+            return True
+        for x, y, _ in points:
+            before, after = old.predict(x, y), fitted.predict(x, y)
+            if abs(after - before) > self.tolerance * max(before, 1e-12):
+                return True
+        return False
+
+
+class PrefillRefiner(Refiner):
+    """``PrefillCostModel`` from ``(num_tokens, num_prefix_tokens, seconds)``: a chunk of
+    ``num_tokens - num_prefix_tokens`` new tokens computed on top of ``num_prefix_tokens``."""
+
+    MODEL = PrefillCostModel
+
+    @staticmethod
+    def _valid(x: int, y: int) -> bool:
+        return 0 <= y < x
+
+    @staticmethod
+    def _bucket(x: int, y: int) -> tuple[int, int]:
+        return (x - y).bit_length(), y.bit_length()
+
+    @staticmethod
+    def _row(x: int, y: int) -> list[float]:
+        n = x - y
+        return [1.0, n, n * x, y]
+
+
+class DecodeRefiner(Refiner):
+    """``DecodeCostModel`` from ``(batch_size, context_tokens, seconds)`` of each step."""
+
+    MODEL = DecodeCostModel
+
+    @staticmethod
+    def _valid(x: int, y: int) -> bool:
+        return x > 0 and y >= x
+
+    @staticmethod
+    def _bucket(x: int, y: int) -> tuple[int, int]:
+        return x.bit_length(), y.bit_length()
+
+    @staticmethod
+    def _row(x: int, y: int) -> list[float]:
+        return [1.0, x, y]
