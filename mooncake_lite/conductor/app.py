@@ -41,7 +41,7 @@ def make_app(cfg: Config) -> web.Application:
                                 block_size=cfg.block_size, uniform_decode_s=cfg.uniform_decode)
     kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
     scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
-    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after)
+    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
     app = web.Application(
         # json_errors first (outermost): every error aiohttp itself raises answers OpenAI-style JSON.
         middlewares=[json_errors_middleware,
@@ -58,7 +58,7 @@ def make_app(cfg: Config) -> web.Application:
         svc=Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
                      metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                      cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
-                     kv_timeout_s=cfg.kv_timeout),
+                     kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
     api.add_routes(app)
@@ -80,14 +80,16 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _reaper(app: web.Application) -> AsyncIterator[None]:
-    """Marks silent instances dead a few times per ``dead_after`` period."""
+    """Marks silent instances dead, and drops silent stores, a few times per ``dead_after`` period."""
     membership = app[API].svc.membership
     period = min(1.0, membership.dead_after_s / 4)
 
     async def loop() -> None:
         while True:
             await asyncio.sleep(period)
-            membership.reap(asyncio.get_running_loop().time())
+            now = asyncio.get_running_loop().time()
+            membership.reap(now)
+            internal.drop_silent_stores(app, now)
 
     task = asyncio.get_running_loop().create_task(loop())
     yield

@@ -43,7 +43,12 @@ class Config(RoleConfig):
                                           "admission (None: max_tokens x current TBT)",
                                           parse=_optional_duration)
     api_key: str | None = option(None, "API key clients must send as 'Authorization: Bearer KEY'")
-    dead_after: float = option(10.0, "an instance silent this long is marked dead", parse=parse_duration)
+    dead_after: float = option(10.0, "an instance or store silent this long is marked dead (a dead store's "
+                               "blocks leave the index)", parse=parse_duration)
+    dead_after_failures: int = option(3, "refused or broken connections in a row that mark an instance dead "
+                                      "(the first makes it suspect: not scheduled while others are trusted)")
+    dispatch_retries: int = option(2, "times a request that fails before its first token is sent again to "
+                                   "other instances (0: never)")
     upstream_timeout: float = option(300.0, "longest wait for a prefill result or a decode token",
                                      parse=parse_duration)
     kv_timeout: float = option(30.0, "how long decode waits for a request's KV to arrive", parse=parse_duration)
@@ -63,5 +68,8 @@ class Config(RoleConfig):
                 f"--uniform-decode must be positive, got {self.uniform_decode}")
         require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
         require(self.dead_after > 0, f"--dead-after must be positive, got {self.dead_after}")
+        require(self.dead_after_failures >= 1,
+                f"--dead-after-failures must be at least 1, got {self.dead_after_failures}")
+        require(self.dispatch_retries >= 0, f"--dispatch-retries must be >= 0, got {self.dispatch_retries}")
         require(self.upstream_timeout > 0, f"--upstream-timeout must be positive, got {self.upstream_timeout}")
         require(self.kv_timeout > 0, f"--kv-timeout must be positive, got {self.kv_timeout}")

@@ -259,7 +259,7 @@ class Flight:
         if self._is_closed:
             return
         self._is_closed = True
-        if self.finish_reason is not None:   # the real output length, for later predictions
+        if self.num_tokens:   # the output length the client took (ended, or it stopped reading)
             self.svc.outputs.finished(self.block_keys, len(self.req.prompt_ids), self.num_tokens, self.expected_output)
         reader = self._tasks[0] if self._tasks else None
         for task in self._tasks[1:]:

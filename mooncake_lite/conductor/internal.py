@@ -1,4 +1,5 @@
-"""Internal endpoints: instance registration and heartbeats, store block events.
+"""Internal endpoints: instance registration and heartbeats, store block events (and the stores
+gone silent, dropped from the index).
 
 All guarded by the cluster token (when one is set). Answers are JSON; errors use the same
 ``{"error": {...}}`` shape as the public API. A bad message is refused as a whole — nothing is
@@ -86,6 +87,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     if svc.membership.heartbeat(hb, asyncio.get_running_loop().time()) is None:
         return ApiError(404, f"unknown instance {hb.instance_id!r}: register again",
                         code="unknown_instance").response()
+    svc.membership.trust(hb.instance_id, "it heartbeated")
     return web.json_response({"ok": True})
 
 
@@ -98,6 +100,9 @@ async def block_events(request: web.Request) -> web.Response:
         evicted = _keys(ev.evicted, "evicted")
     except ProtocolError as exc:
         return _bad(str(exc))
+    if svc.membership.stores.heard(ev.store, asyncio.get_running_loop().time()):
+        log.warning("store %s is back after being dropped as silent%s", ev.store,
+                    "" if ev.full else "; asking it for a full sync")
     if ev.full:   # the store's whole inventory follows: forget what we believed it held
         dropped = index.begin_full_sync(ev.store)
         log.info("store %s: full sync (%d key(s) in this part; %d forgotten)", ev.store, len(stored), dropped)
@@ -111,6 +116,16 @@ async def block_events(request: web.Request) -> web.Response:
     # events are applied meanwhile — partial knowledge beats none.
     return web.json_response({"ok": True, "num_blocks": index.num_blocks(ev.store),
                               "resync": not index.is_synced(ev.store)})
+
+
+def drop_silent_stores(app: web.Application, now: float) -> None:
+    """Drop from the block index every store silent for ``--dead-after`` (killed, cut off):
+    its blocks must stop attracting requests. Called by the app's reaper."""
+    svc = app[API].svc
+    for store_id in svc.membership.stores.silent(now):
+        dropped = svc.scheduler.index.drop_store(store_id)
+        log.warning("store %s: nothing heard for more than %.1fs (no block events, no keepalive); dropped "
+                    "its %d block(s) from the index", store_id, svc.membership.dead_after_s, dropped)
 
 
 def _keys(hex_keys: tuple[str, ...], where: str) -> tuple[bytes, ...]:

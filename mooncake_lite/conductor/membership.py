@@ -3,10 +3,14 @@
 Prefill and decode instances register (refused on model / block size / hash seed mismatch) and
 heartbeat; one silent for ``dead_after_s`` is marked dead, leaves every scheduling snapshot,
 and the requests in flight on it are told (their ``on_death`` callback) so they fail cleanly.
-A dead instance that heartbeats again comes back. Queues and batches are the conductor's own
-record of what it dispatched — the scheduler reads them as a :class:`ClusterState` snapshot; a
-request dispatched to a decode instance counts there as ``incoming`` from dispatch until its KV
-has arrived (the first token), so a burst is spread instead of herding onto one instance.
+A dead instance that heartbeats again comes back. Dispatch reports what it sees at once: a
+refused or broken connection makes an instance *suspect* (left out of snapshots while another
+of its role is not), ``max_failures`` of them in a row mark it dead, and an answer or a
+heartbeat clears it. Stores are watched too (``stores``: the silent ones, for the index to
+drop). Queues and batches are the conductor's own record of what it dispatched — the
+scheduler reads them as a :class:`ClusterState` snapshot; a request dispatched to a decode
+instance counts there as ``incoming`` from dispatch until its KV has arrived (the first
+token), so a burst is spread instead of herding onto one instance.
 
 Each instance's scheduler state comes from its instance view (``scheduler/view.py``, the class
 the simulator drives too): the event handlers here tell it what happened, and it builds a new
@@ -22,11 +26,13 @@ No IO here and no clock: ``now`` is passed in (the app uses the event loop's mon
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
+from mooncake_lite.conductor.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 
@@ -77,6 +83,12 @@ class Instance:
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
     incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
     watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
+    # Refused or broken connections in a row (reset by an answer or a heartbeat); > 0: suspect.
+    num_failures: int = 0
+
+    @property
+    def is_suspect(self) -> bool:
+        return self.num_failures > 0
 
     @property
     def instance_id(self) -> str:
@@ -90,12 +102,18 @@ class Instance:
 class Membership:
     """Owns the instance table. One owner (the conductor app); not thread-safe."""
 
-    def __init__(self, model: str, block_size: int, hash_seed: int, dead_after_s: float) -> None:
+    def __init__(self, model: str, block_size: int, hash_seed: int, dead_after_s: float,
+                 max_failures: int = 3) -> None:
         self.model_id = model_id(model)
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.dead_after_s = dead_after_s
+        self.max_failures = max_failures
         self.instances: dict[str, Instance] = {}
+        self.stores = StoreWatch(dead_after_s)
+        # (role, event) -> count, for /metrics: suspect, cleared, dead-failures, dead-silent,
+        # dead-replaced, connection-failure.
+        self.events: Counter[tuple[str, str]] = Counter()
         self.kv_bytes_per_token: int | None = None
         self._cluster: ClusterState | None = None     # the last snapshot
         # Where each live instance sits in _cluster's tuples (None: the set of live instances
@@ -115,7 +133,7 @@ class Membership:
         old = self.instances.get(reg.instance_id)
         if old is not None and (old.reg.http != reg.http or old.role != reg.role):
             # Same id, new process or address: whatever ran on the old one is gone.
-            self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}")
+            self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}", "replaced")
         same_address = old is not None and old.reg.http == reg.http and old.role == reg.role
         inst = Instance(reg, costs, now, old.view if same_address else self._new_view(reg, costs))
         if same_address:
@@ -201,12 +219,14 @@ class Membership:
                 if i.is_alive and now - i.last_seen > self.dead_after_s]
         for inst in dead:
             self._kill(inst, f"{inst.role} instance {inst.instance_id} stopped heartbeating "
-                             f"(silent for {now - inst.last_seen:.1f}s)")
+                             f"(silent for {now - inst.last_seen:.1f}s)", "silent")
         return dead
 
-    def _kill(self, inst: Instance, reason: str) -> None:
+    def _kill(self, inst: Instance, reason: str, cause: str) -> None:
         log.warning("%s; failing its %d request(s) in flight", reason, len(inst.watchers))
+        self.events[inst.role, f"dead-{cause}"] += 1
         inst.is_alive = False
+        inst.num_failures = 0     # if it comes back, it comes back trusted
         watchers, inst.watchers = inst.watchers, {}
         inst.prefill_jobs.clear()
         inst.decode_jobs.clear()
@@ -216,6 +236,38 @@ class Membership:
         self._touch(inst)
         for notify in watchers.values():
             notify(reason)
+
+    # ---- failures seen by dispatch ---------------------------------------------------------
+    def connection_failed(self, instance_id: str, reason: str) -> str | None:
+        """A connection to the instance was refused or broke. The first such failure makes it
+        suspect (out of snapshots while another of its role is trusted); ``max_failures`` in a
+        row mark it dead. Returns "suspect" or "dead" when its state changed, else None."""
+        inst = self.get(instance_id)
+        if inst is None:
+            return None
+        self.events[inst.role, "connection-failure"] += 1
+        inst.num_failures += 1
+        if inst.num_failures >= self.max_failures:
+            self._kill(inst, f"{inst.role} instance {inst.instance_id}: {inst.num_failures} connections "
+                             f"in a row refused or broken (last: {reason})", "failures")
+            return "dead"
+        if inst.num_failures > 1:
+            return None
+        log.warning("%s instance %s is suspect: %s; not scheduled while another %s instance is trusted, "
+                    "until it answers or heartbeats", inst.role, instance_id, reason, inst.role)
+        self.events[inst.role, "suspect"] += 1
+        self._positions = None
+        return "suspect"
+
+    def trust(self, instance_id: str, why: str) -> None:
+        """The instance answered a call or heartbeated: no longer suspect."""
+        inst = self.instances.get(instance_id)
+        if inst is None or not inst.num_failures:
+            return
+        log.info("%s instance %s is trusted again (%s)", inst.role, instance_id, why)
+        self.events[inst.role, "cleared"] += 1
+        inst.num_failures = 0
+        self._positions = None
 
     def alive(self, role: str | None = None) -> list[Instance]:
         return [i for i in self.instances.values() if i.is_alive and (role is None or i.role == role)]
@@ -297,9 +349,10 @@ class Membership:
             return self._rebuild()
         if self._changed:
             prefills, decodes = list(self._cluster.prefills), list(self._cluster.decodes)
+            positions = self._positions
             for iid, inst in self._changed.items():
-                if inst.is_alive:
-                    (prefills if inst.reg.role == "prefill" else decodes)[self._positions[iid]] = inst.view.state()
+                if inst.is_alive and iid in positions:     # a suspect may be left out
+                    (prefills if inst.reg.role == "prefill" else decodes)[positions[iid]] = inst.view.state()
             self._changed.clear()
             self._cluster = ClusterState(tuple(prefills), tuple(decodes))
         return self._cluster
@@ -316,8 +369,11 @@ class Membership:
     def _rebuild(self) -> ClusterState:
         prefills, decodes = [], []
         self._positions = {}
+        # Suspects are left out of a role that has a trusted instance; a role with only suspects
+        # keeps them, so a request probes them (an answer clears, more failures kill).
+        trusted_roles = {i.role for i in self.instances.values() if i.is_alive and not i.is_suspect}
         for inst in self.instances.values():
-            if inst.is_alive:
+            if inst.is_alive and not (inst.is_suspect and inst.role in trusted_roles):
                 same_role = prefills if inst.reg.role == "prefill" else decodes
                 self._positions[inst.instance_id] = len(same_role)
                 same_role.append(inst.view.state())

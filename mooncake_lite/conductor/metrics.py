@@ -4,7 +4,10 @@ from the membership table at scrape time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from mooncake_lite.conductor.membership import Membership
 
@@ -47,19 +50,48 @@ class ConductorMetrics:
                                     ["instance"], registry=r)
         self.indexed_blocks = Gauge(p + "indexed_blocks", "block keys in the global index (all stores)",
                                     registry=r)
+        self.retries = Counter(p + "retries", "requests sent again to other instances after a failure "
+                               "before their first token, by reason (prefill-unreachable, prefill-error, "
+                               "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
+        self.stores = Gauge(p + "stores", "stores heard from within --dead-after", registry=r)
+        self._membership: Membership | None = None
+        r.register(_MembershipEvents(lambda: self._membership))
 
     def render(self, membership: Membership, num_indexed_blocks: int) -> bytes:
+        self._membership = membership
         self.instances.clear()
         self.prefill_queue.clear()
         self.decode_running.clear()
         for inst in membership.instances.values():
-            self.instances.labels(inst.role, "alive" if inst.is_alive else "dead").inc()
+            state = "dead" if not inst.is_alive else ("suspect" if inst.is_suspect else "alive")
+            self.instances.labels(inst.role, state).inc()
             if inst.is_alive and inst.role == "prefill":
                 self.prefill_queue.labels(inst.instance_id).set(len(inst.prefill_jobs))
             elif inst.is_alive:
                 self.decode_running.labels(inst.instance_id).set(len(inst.decode_jobs))
         self.indexed_blocks.set(num_indexed_blocks)
+        self.stores.set(membership.stores.num_live())
         return generate_latest(self.registry)
+
+
+class _MembershipEvents:
+    """Counters the membership keeps itself (it has no metrics): instance failures and deaths
+    by role and event, connection failures, stores dropped as silent."""
+
+    def __init__(self, membership) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.membership()
+        events = CounterMetricFamily("mooncake_conductor_instance_events", "instance failures seen: "
+                                     "connection-failure (refused or broken), suspect, cleared (answered or "
+                                     "heartbeated again), dead-failures, dead-silent, dead-replaced",
+                                     labels=["role", "event"])
+        for (role, event), n in sorted(m.events.items() if m is not None else ()):
+            events.add_metric([role, event], float(n))
+        yield events
+        yield CounterMetricFamily("mooncake_conductor_stores_dropped", "stores silent for --dead-after whose "
+                                  "blocks left the index", value=float(m.stores.num_dropped if m else 0))
 
 
 def paper_tbt(gaps: list[float]) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from mooncake_lite.common.hashing import prefix_hash
@@ -19,12 +20,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def place(svc: Services, request_id: str, req: ApiRequest, now: float) -> tuple[Decision, list[bytes]]:
-    """An accepted decision and the prompt's block keys; raises ApiError otherwise."""
+def place(svc: Services, request_id: str, req: ApiRequest, now: float,
+          exclude: Collection[str] = ()) -> tuple[Decision, list[bytes]]:
+    """An accepted decision and the prompt's block keys, on none of the ``exclude`` instances
+    (a retry's failed ones); raises ApiError otherwise."""
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
     sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
     t0 = time.perf_counter()
-    decision = svc.scheduler.schedule(sreq, _snapshot(svc, req), now)
+    decision = svc.scheduler.schedule(sreq, _snapshot(svc, req, exclude), now)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -48,10 +51,13 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float) -> tuple[
                    min(60, max(1, math.ceil(wait))))
 
 
-def _snapshot(svc: Services, req: ApiRequest) -> ClusterState:
+def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:
     """The live cluster, without prefill instances whose KV cache cannot hold this prompt
-    (the scheduler core does not know their capacity). None can: 400."""
+    (the scheduler core does not know their capacity; none can: 400) or ``exclude``d ones."""
     snap, n = svc.membership.snapshot(), len(req.prompt_ids)
+    if exclude:
+        snap = ClusterState(tuple(p for p in snap.prefills if p.instance_id not in exclude),
+                            tuple(d for d in snap.decodes if d.instance_id not in exclude))
     fits = svc.membership.fitting(snap, n)
     if snap.prefills and not fits.prefills:
         largest = max(svc.membership.instances[p.instance_id].reg.max_context for p in snap.prefills)

@@ -27,6 +27,7 @@ from mooncake_lite.bench.replay.metrics import RequestRecord, parse_slos
 from mooncake_lite.bench.replay.report import format_table, per_request, plot_cdfs, write_result
 from mooncake_lite.bench.replay.run import run
 from mooncake_lite.common.units import parse_duration
+from mooncake_lite.sim.request import MaxTokensPolicy
 from mooncake_lite.trace.format import TraceError
 
 
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the server's KV block size so shared trace blocks are whole cache blocks")
     p.add_argument("--output-scale", type=float, default=None, help="output length scale (default: --scale)")
     p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--max-tokens-policy", default="output", type=MaxTokensPolicy.parse, metavar="output|cap:N",
+                   help="what to send as max_tokens: the trace's output length (the server learns every "
+                        "output length in advance), or a fixed cap N as chat clients send (the client stops "
+                        "reading at the trace's output); `mooncake sim --max-tokens-policy` models the same")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + output budget (default: max_model_len from /v1/models, if given)")
     p.add_argument("--tokenizer", default="auto", metavar="MODEL_SPEC|auto|bytes",

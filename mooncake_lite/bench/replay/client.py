@@ -74,6 +74,11 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                     continue
                 if data.get("choices"):
                     chunks.append(now)
+                    if req.stop_after is not None and len(chunks) >= req.stop_after:
+                        # the trace's answer is complete: a client that sent a max_tokens cap
+                        # stops reading here (closing the stream ends the request upstream)
+                        usage_out, done = len(chunks), True
+                        break
                 usage = data.get("usage")
                 if isinstance(usage, dict):
                     usage_out = _count(usage, "completion_tokens", usage_out)

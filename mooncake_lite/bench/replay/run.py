@@ -111,7 +111,7 @@ async def run(ns: argparse.Namespace) -> dict:
     max_context = ns.max_context or served_ctx
     scale = length_scale(ns, window, max_context)
     pcfg = PromptConfig(scale=scale, output_scale=ns.output_scale, max_output_tokens=ns.max_output_tokens,
-                        max_context=max_context, mode=ns.prompt_mode, vocab_size=ns.vocab_size,
+                        max_tokens_cap=ns.max_tokens_policy.cap, max_context=max_context, mode=ns.prompt_mode, vocab_size=ns.vocab_size,
                         min_token_id=ns.min_token_id, seed=ns.seed)
     requests, counted_in = build_requests(ns, window, pcfg, model, notes)
     slos = parse_slos(ns.goodput)
@@ -127,7 +127,7 @@ async def run(ns: argparse.Namespace) -> dict:
         "config": {"trace": str(ns.trace), "base_url": base, "endpoint": ns.endpoint, "model": model,
                    "speed": ns.speed, "scale": scale, "block_tokens": pcfg.block_tokens,
                    "max_context": max_context, "prompt_mode": ns.prompt_mode, "tokenizer": counted_in,
-                   "ignore_eos": ns.ignore_eos,
+                   "ignore_eos": ns.ignore_eos, "max_tokens_policy": str(ns.max_tokens_policy),
                    "num_requests": len(requests), "max_concurrency": ns.max_concurrency,
                    "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, "started_at_unix": started_at},
         "metrics": metrics,

@@ -81,6 +81,7 @@ class PromptConfig:
     scale: float = 1.0                   # input length scale (and block size scale)
     output_scale: float | None = None    # None: same as scale
     max_output_tokens: int | None = None
+    max_tokens_cap: int | None = None    # --max-tokens-policy cap:N: send N, stop reading at the output
     max_context: int | None = None       # prompt + output must fit; prompts are cut (prefix kept)
     mode: str = "text"                   # "text" | "tokens"
     vocab_size: int = 32000              # tokens mode: ids drawn from [min_token_id, vocab_size)
@@ -99,6 +100,8 @@ class PromptConfig:
             raise ValueError("need 0 <= --min-token-id < --vocab-size")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError("--max-output-tokens must be at least 1")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("a max_tokens cap must be at least 1")
         if self.max_context is not None and self.max_context < 2 + self.reserved_tokens:
             raise ValueError(f"--max-context {self.max_context} is too small")
 
@@ -117,6 +120,9 @@ class SynthRequest:
     max_tokens: int
     num_full_blocks: int
     is_truncated: bool
+    # The trace's output length when max_tokens is a cap above it: the client reads this many
+    # tokens and closes the stream (None: the server stops at max_tokens).
+    stop_after: int | None = None
 
 
 class PromptSynth:
@@ -157,10 +163,18 @@ class PromptSynth:
         truncated = False
         if cfg.max_context is not None:
             n_out = min(n_out, cfg.max_context // 2)  # never let the output squeeze the prompt to nothing
-            room = cfg.max_context - n_out - cfg.reserved_tokens
+            room = cfg.max_context - max(n_out, self.max_tokens(n_out)) - cfg.reserved_tokens
             if n_in > room:
                 n_in, truncated = room, True
         return n_in, n_out, truncated
+
+    def max_tokens(self, n_out: int) -> int:
+        """What the client sends as max_tokens for an output of ``n_out`` tokens: the output
+        itself, or the cap (within half the context, as outputs are)."""
+        cap = self.cfg.max_tokens_cap
+        if cap is None:
+            return n_out
+        return cap if self.cfg.max_context is None else min(cap, self.cfg.max_context // 2)
 
     def tokens(self, hash_ids: tuple[int, ...], num_tokens: int) -> np.ndarray:
         """The first ``num_tokens`` tokens of the blocks named by ``hash_ids``."""
@@ -183,8 +197,10 @@ class PromptSynth:
                 if len(got) != n_in or got != toks.tolist():
                     self.mismatched += 1
                     n_in = len(got)
-        return SynthRequest(req.request_id, req.arrival_s, prompt, n_in, n_out,
-                            n_in // self.cfg.block_tokens, truncated)
+        max_tokens = self.max_tokens(n_out)
+        n_out = min(n_out, max_tokens)
+        return SynthRequest(req.request_id, req.arrival_s, prompt, n_in, max_tokens,
+                            n_in // self.cfg.block_tokens, truncated, n_out if n_out < max_tokens else None)
 
 
 def auto_scale(requests: list[TraceRequest], max_context: int, fill: float = 0.9) -> float:
