@@ -41,7 +41,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32:
+            # One fused op instead of six: per-op dispatch is a visible share of a small decode step.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()   # lower precisions normalise in float32 and round once, as HF does
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
@@ -52,7 +55,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
         inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)  # half-rotation layout, as in HF LLaMA checkpoints
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    # The sign of the rotation's first half is folded into sin once per pass (not per layer):
+    # x*cos + cat(-x2, x1)*sin == x*cos + cat(x2, x1)*signed_sin, bit for bit.
+    return emb.cos(), torch.cat([-sin[:, :head_dim // 2], sin[:, head_dim // 2:]], dim=-1)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -67,10 +73,30 @@ def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return (1 - keep) * inv_freq / s.factor + keep * inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [n, heads, head_dim] rotated by ``rope_cos_sin``'s (cos, signed sin) of its positions."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).type_as(x)
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
+    return (x.float() * cos[:, None, :] + swapped.float() * signed_sin[:, None, :]).type_as(x)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' output rows in order; each linear's parameters
+    become views of it, so checkpoints, state dicts and weight counts see no change and nothing is
+    held twice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    row = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if has_bias:
+            lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -81,14 +107,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None   # set by fuse_()
+
+    def fuse_(self) -> None:
+        """Read q, k and v with one matmul (one pass over the input, one call instead of three)."""
+        if self.qkv is None:
+            self.qkv = fuse_linears(self.wq, self.wk, self.wv)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv is not None:
+            return F.linear(x, *self.qkv)
+        return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
-        n = x.shape[0]
-        q = apply_rope(self.wq(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.wv(x).view(n, self.num_kv_heads, self.head_dim)
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self._project(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)   # q and k rotated together
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if meta.is_prefill:
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
@@ -102,9 +139,18 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.gate_up: torch.Tensor | None = None   # set by fuse_()
+
+    def fuse_(self) -> None:
+        """Gate and up projections in one matmul."""
+        if self.gate_up is None:
+            self.gate_up = fuse_linears(self.w1, self.w3)[0]
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.gate_up is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = F.linear(x, self.gate_up).split(self.w1.out_features, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -138,6 +184,14 @@ class Transformer(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def fuse_(self) -> "Transformer":
+        """Fuse each layer's q/k/v and gate/up weights (in place, no extra memory). Call it last:
+        ``.to()`` after it would copy the fused tensors and their views apart."""
+        for block in self.layers.values():
+            block.attention.fuse_()
+            block.feed_forward.fuse_()
+        return self
 
     @property
     def layer_ids(self) -> range:

@@ -48,13 +48,15 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
     source = resolve(model)
     if source.kind == "hf":
         from mooncake_lite.model.loader import load_checkpoint
-        return load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
-    if source.kind == "gguf":
+        net = load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
+    elif source.kind == "gguf":
         from mooncake_lite.model.gguf_loader import load_gguf
-        return load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
-    net = Transformer(model_args(model), layer_range)
-    init_dummy_weights(net, seed)
-    return net.to(device=device, dtype=dtype).eval()
+        net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
+    else:
+        net = Transformer(model_args(model), layer_range)
+        init_dummy_weights(net, seed)
+        net = net.to(device=device, dtype=dtype).eval()
+    return net.fuse_()   # last: fused q/k/v and gate/up weights (see Transformer.fuse_)
 
 
 def build_meta(args: ModelArgs) -> Transformer:
