@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common import sdnotify
+from mooncake_lite.common.logs import reset_request_id, set_request_id
 from mooncake_lite.common.auth import openai_error
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,24 @@ class JsonErrorServer(web.Server):
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
+@web.middleware
+async def request_id_scope(request: web.Request, handler):
+    """The request id a handler tags its log lines with (``common/logs.set_request_id``) ends
+    with it: the connection's next request starts untagged."""
+    token = set_request_id(None)
+    try:
+        return await handler(request)
+    finally:
+        reset_request_id(token)
+
+
 async def start_site(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 10.0,
                      header_timeout: float = HEADER_TIMEOUT_S,
                      body_timeout: float = BODY_TIMEOUT_S) -> tuple[web.AppRunner, web.TCPSite]:
     """Serve ``app`` on host:port with the header and body timeouts; the caller cleans up the
     runner. The app must not have started yet (the body middleware goes first in its chain)."""
     app.middlewares.insert(0, body_timeout_middleware(body_timeout))
+    app.middlewares.insert(0, request_id_scope)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout,
                            keepalive_timeout=header_timeout)
     await runner.setup()

@@ -11,6 +11,7 @@ the flight aborts the request on prefill and decode.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.conductor.dispatch import Flight, Services
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.metrics import paper_tbt
@@ -25,6 +27,7 @@ from mooncake_lite.conductor.params import ApiRequest, parse_request
 from mooncake_lite.conductor.text import TextStream
 from mooncake_lite.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 2**20
 OUTCOMES = {400: "bad_request", 429: "rejected", 503: "unavailable"}
 
@@ -146,6 +149,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         mx.requests.labels(endpoint, "bad_request").inc()
         return exc.response()
     flight = Flight(st.svc, req)
+    set_request_id(flight.request_id)   # every log line from here on names the request
     run = _Run(st, req, flight, arrival)
     mx.in_flight.inc()
     outcome = "aborted"   # stays so if the client disconnects (the handler is cancelled)
@@ -163,6 +167,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         mx.in_flight.dec()
         mx.requests.labels(endpoint, outcome).inc()
+        log.debug("%s %s after %.3fs: %d token(s)", endpoint, outcome, time.perf_counter() - arrival,
+                  flight.num_tokens)
         await flight.close(abort=outcome != "ok" or run.is_text_stopped)
 
 

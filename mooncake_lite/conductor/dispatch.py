@@ -15,7 +15,7 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                            ProtocolError, dumps, error_text, parse_prefill_result,
                                            parse_token_event)
-from mooncake_lite.conductor.errors import rejected, upstream_failed
+from mooncake_lite.conductor.errors import ApiError, rejected, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.outputs import OutputHistory
@@ -51,6 +51,7 @@ class Services:
     cluster_token: str | None = None
     upstream_timeout_s: float = 300.0
     kv_timeout_s: float = 30.0
+    max_retries: int = 2          # re-dispatches of a request that failed before its first token
     background: set[asyncio.Task] = field(default_factory=set)
     outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
 
@@ -61,143 +62,243 @@ class Services:
         task.add_done_callback(self.background.discard)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt failed upstream. ``instance_id``: the instance to leave out of a retry;
+    ``reason``: the retries_total label; ``retry``: whether it may be retried elsewhere (a
+    timeout is not: the request has waited long enough)."""
+
+    message: str
+    instance_id: str
+    reason: str
+    retry: bool = True
+
+
 class Flight:
     """One request in flight. ``await start()`` (raises ApiError: 429/502/503), then iterate
-    :meth:`tokens`, then always ``await close()``."""
+    :meth:`tokens`, then always ``await close()``.
+
+    A request is dispatched in *attempts*: one placement, one decode reservation, one prefill.
+    An attempt that fails before the first token reached the client is torn down and the
+    request placed again (at most ``Services.max_retries`` times) without the instances that
+    failed it; each attempt has its own upstream request id and transfer id, so nothing from a
+    torn-down attempt can reach the next one. Once a token is out, a failure ends the request."""
 
     def __init__(self, svc: Services, req: ApiRequest, request_id: str | None = None) -> None:
         self.svc = svc
         self.req = req
         self.request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        self.num_retries = 0
+        self._excluded: set[str] = set()     # instances a failed attempt ran on
+        self.prefill_result: PrefillResult | None = None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.expected_output = req.sampling.max_tokens
+        self._is_closed = False
+        self._new_attempt(self.request_id)
+
+    def _new_attempt(self, upstream_id: str) -> None:
+        self.upstream_id = upstream_id     # what prefill, decode and the membership know it by
         self.transfer_id = uuid.uuid4().hex
         self.decision: Decision | None = None
         self.block_keys: list[bytes] = []
         self.prefill: Instance | None = None
         self.decode: Instance | None = None
-        self.prefill_result: PrefillResult | None = None
-        self.finish_reason: str | None = None
-        self.num_tokens = 0
-        self.expected_output = req.sampling.max_tokens
         self._queue: asyncio.Queue[tuple] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._decode_resp: aiohttp.ClientResponse | None = None
         self._is_prefill_done = False
         self._is_decode_done = False
-        self._is_closed = False
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
-        d, self.block_keys = place(self.svc, self.request_id, self.req, _now())
+        failure = await self._start_attempt()
+        while failure is not None:
+            failure = await self._retry(failure)
+
+    async def _start_attempt(self) -> Failure | None:
+        """Place the request, reserve decode, start prefill; a Failure if decode failed."""
+        d, self.block_keys = place(self.svc, self.upstream_id, self.req, _now(), self._excluded)
         self.decision = d
         svc = self.svc
         self.prefill = svc.membership.get(d.prefill_id)
         self.decode = svc.membership.get(d.decode_id)
         now = _now()
         for inst in (self.prefill, self.decode):
-            svc.membership.watch(inst.instance_id, self.request_id, self._on_instance_death)
+            svc.membership.watch(inst.instance_id, self.upstream_id, self._death_watch(inst.instance_id))
         # predictive admission sizes this request's decode time with its predicted output
         self.expected_output = svc.outputs.expected(self.block_keys, len(self.req.prompt_ids),
                                                     self.req.sampling.max_tokens)
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
-            self.request_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
+            self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
             self.decode.instance_id, max_output_tokens=self.expected_output), now)
         try:
-            await self._reserve_decode()
+            failure = await self._reserve_decode()
         except BaseException:
             self._is_decode_done = self._is_prefill_done = True  # nothing to abort
             self._release()
             raise
-        self._tasks.append(asyncio.get_running_loop().create_task(self._read_decode()))
-        self._tasks.append(asyncio.get_running_loop().create_task(self._run_prefill()))
+        if failure is not None:
+            self._is_prefill_done = True     # prefill never heard of this attempt
+        else:
+            loop = asyncio.get_running_loop()
+            self._tasks.append(loop.create_task(self._read_decode(self._queue)))
+            self._tasks.append(loop.create_task(self._run_prefill(self._queue)))
+        return failure
 
-    async def _reserve_decode(self) -> None:
+    async def _retry(self, failure: Failure) -> Failure | None:
+        """Tear the failed attempt down and start another without the instances that failed;
+        raises the failure as a 502 when no retry is left or no other instance can take it."""
+        self._end_attempt()
+        self._excluded.add(failure.instance_id)
+        if not failure.retry or self.num_retries >= self.svc.max_retries:
+            raise upstream_failed(failure.message)
+        self.num_retries += 1
+        self._new_attempt(f"{self.request_id}-retry{self.num_retries}")
+        try:
+            d_failure = await self._start_attempt()
+        except ApiError as exc:
+            if exc.status == 429:
+                raise
+            raise upstream_failed(f"{failure.message}; not retried: {exc.message}") from None
+        log.info("%s: %s; retried on %s + %s (attempt %d)", self.request_id, failure.message,
+                 self.decision.prefill_id, self.decision.decode_id, self.num_retries + 1)
+        self.svc.metrics.retries.labels(failure.reason).inc()
+        return d_failure
+
+    def _end_attempt(self) -> None:
+        """Stop the current attempt's workers, abort what still runs upstream, forget it."""
+        for task in self._tasks:
+            task.cancel()
+        if self.prefill is not None and not self._is_prefill_done:
+            self._abort(self.prefill)
+        if self.decode is not None and not self._is_decode_done:
+            self._abort(self.decode)
+        self._is_prefill_done = self._is_decode_done = True
+        self._release()
+
+    async def _reserve_decode(self) -> Failure | None:
         d, s = self.decode, self.req.sampling
-        msg = GenerateRequest(self.request_id, self.transfer_id, len(self.req.prompt_ids), s,
+        msg = GenerateRequest(self.upstream_id, self.transfer_id, len(self.req.prompt_ids), s,
                               self.svc.kv_timeout_s)
         try:
             resp = await self.svc.session.post(
                 f"http://{d.reg.http}/v1/generate", data=dumps(msg), headers=self._headers(),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.svc.upstream_timeout_s))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise upstream_failed(f"decode instance {d.instance_id} is unreachable: {exc!r}") from None
+            self._is_decode_done = True
+            return self._failed(d, exc, f"decode instance {d.instance_id} is unreachable: {exc!r}",
+                                "decode-unreachable")
+        self.svc.membership.trust(d.instance_id, "it answered")
         if resp.status == 200:
             self._decode_resp = resp
-            return
+            return None
+        self._is_decode_done = True
         detail = error_text(await resp.read())
         resp.release()
         if resp.status == 429:
             self.svc.metrics.rejections.labels("decode-refused").inc()
             raise rejected(f"decode instance {d.instance_id} refused the request: {detail}", 1)
-        raise upstream_failed(f"decode instance {d.instance_id} answered {resp.status}: {detail}")
+        return Failure(f"decode instance {d.instance_id} answered {resp.status}: {detail}", d.instance_id,
+                       "decode-error", retry=resp.status >= 500)
 
-    # ---- upstream workers (each ends by putting one final item on the queue) --------------
-    async def _read_decode(self) -> None:
-        resp, did = self._decode_resp, self.decode.instance_id
+    def _failed(self, inst: Instance, exc: BaseException, message: str, reason: str) -> Failure:
+        """A call to ``inst`` raised ``exc``: a refused or broken connection makes it suspect at
+        once (the scheduler stops choosing it); a timeout is not retried."""
+        if is_connection_failure(exc):
+            self.svc.membership.connection_failed(inst.instance_id, message)
+            return Failure(message, inst.instance_id, reason)
+        return Failure(message, inst.instance_id, reason.replace("unreachable", "error"),
+                       retry=not isinstance(exc, asyncio.TimeoutError))
+
+    # ---- upstream workers (each ends by putting one final item on its queue) --------------
+    async def _read_decode(self, queue: asyncio.Queue) -> None:
+        resp, d = self._decode_resp, self.decode
+        did = d.instance_id
         try:
             async for line in resp.content:
                 if not line.strip():
                     continue
                 ev = parse_token_event(line)
                 if ev.token is not None:
-                    self._queue.put_nowait(("token", ev.token))
+                    queue.put_nowait(("token", ev.token))
                 if ev.finish_reason is not None:
                     self._is_decode_done = True
-                    self._queue.put_nowait(("end", ev.finish_reason, ev.error))
+                    queue.put_nowait(("end", ev.finish_reason, ev.error))
                     return
-            self._queue.put_nowait(("fail", f"decode instance {did} closed its token stream early"))
+            message = f"decode instance {did} closed its token stream early"
+            self.svc.membership.connection_failed(did, message)
+            queue.put_nowait(("fail", Failure(message, did, "decode-unreachable")))
         except ProtocolError as exc:
-            self._queue.put_nowait(("fail", f"decode instance {did} sent a bad token line: {exc}"))
+            queue.put_nowait(("fail", Failure(f"decode instance {did} sent a bad token line: {exc}", did,
+                                              "decode-error")))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self._queue.put_nowait(("fail", f"decode instance {did} stream broke: {exc!r}"))
+            queue.put_nowait(("fail", self._failed(d, exc, f"decode instance {did} stream broke: {exc!r}",
+                                                   "decode-unreachable")))
         finally:
             resp.release()
 
-    async def _run_prefill(self) -> None:
+    async def _run_prefill(self, queue: asyncio.Queue) -> None:
         p, d, dec = self.prefill, self.decode, self.decision
         keys = [k.hex() for k in self.block_keys[:dec.reused_prefix_blocks]]
         m = dec.migration
-        msg = PrefillRequest(self.request_id, self.transfer_id, self.req.prompt_ids, d.reg.data,
+        msg = PrefillRequest(self.upstream_id, self.transfer_id, self.req.prompt_ids, d.reg.data,
                              self.req.sampling, prefix_keys=tuple(keys),
                              migrate_from=str(m.source_store_id) if m else None,
                              migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
+        pid = p.instance_id
         try:
             async with self.svc.session.post(
                     f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(),
                     timeout=aiohttp.ClientTimeout(total=self.svc.upstream_timeout_s, connect=10)) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} failed: {exc!r}"))
+            self._is_prefill_done = is_connection_failure(exc)   # nothing left there to abort
+            queue.put_nowait(("fail", self._failed(p, exc, f"prefill instance {pid} failed: {exc!r}",
+                                                   "prefill-unreachable")))
             return
+        self.svc.membership.trust(pid, "it answered")
         if resp.status == 429:
-            self._queue.put_nowait(("refused", f"prefill instance {p.instance_id} refused the request: "
-                                               f"{error_text(body)}"))
+            queue.put_nowait(("refused", f"prefill instance {pid} refused the request: {error_text(body)}"))
         elif resp.status != 200:
-            self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} answered {resp.status}: "
-                                            f"{error_text(body)}"))
+            queue.put_nowait(("fail", Failure(f"prefill instance {pid} answered {resp.status}: "
+                                              f"{error_text(body)}", pid, "prefill-error",
+                                              retry=resp.status >= 500)))
         else:
             try:
-                self._queue.put_nowait(("first", parse_prefill_result(body)))
+                queue.put_nowait(("first", parse_prefill_result(body)))
             except ProtocolError as exc:
-                self._queue.put_nowait(("fail", f"prefill instance {p.instance_id} sent a bad result: {exc}"))
+                queue.put_nowait(("fail", Failure(f"prefill instance {pid} sent a bad result: {exc}", pid,
+                                                  "prefill-error")))
 
     @property
     def has_pending(self) -> bool:
         """More upstream events are already waiting (the relay can batch its writes)."""
         return not self._queue.empty()
 
-    def _on_instance_death(self, reason: str) -> None:
-        self._queue.put_nowait(("fail", reason))
+    def _death_watch(self, instance_id: str) -> Callable[[str], None]:
+        """What the membership calls when ``instance_id`` is declared dead: a failure of this
+        attempt (on this attempt's queue, so it cannot reach a later one)."""
+        queue = self._queue
+        return lambda reason: queue.put_nowait(("fail", Failure(reason, instance_id, "instance-dead")))
 
     # ---- relay ---------------------------------------------------------------------------
     async def tokens(self) -> AsyncIterator[int]:
         """Token ids in order: the first (from prefill), then decode's. Ends with
-        ``finish_reason`` set; raises ApiError if anything upstream fails or refuses."""
+        ``finish_reason`` set; raises ApiError if anything upstream fails or refuses. A failure
+        before the first token is retried on other instances (:meth:`_retry`)."""
         early: deque[tuple] = deque()   # decode events that raced ahead of the prefill result
         while True:
             if self.prefill_result is not None and early:
                 item = early.popleft()
             else:
                 item = await self._queue.get()
+            if item[0] == "fail" and self.num_tokens == 0:
+                early.clear()           # the failed attempt's; the next one starts afresh
+                failure = item[1]
+                while failure is not None:
+                    failure = await self._retry(failure)
+                continue
             if item[0] == "first":
                 self._on_first(item[1])
                 token = item[1].first_token
@@ -218,13 +319,13 @@ class Flight:
         self.prefill_result = result
         self._is_prefill_done = True
         now, m = _now(), self.svc.membership
-        m.prefill_done(self.prefill.instance_id, self.request_id, now)
-        m.add_decode(self.decode.instance_id, DecodeJob(self.request_id, len(self.req.prompt_ids) + 1, now,
+        m.prefill_done(self.prefill.instance_id, self.upstream_id, now)
+        m.add_decode(self.decode.instance_id, DecodeJob(self.upstream_id, len(self.req.prompt_ids) + 1, now,
                                                         self.expected_output))
 
     def _on_decode_event(self, item: tuple) -> int | None:
         if item[0] == "token":
-            self.svc.membership.decode_progress(self.decode.instance_id, self.request_id)
+            self.svc.membership.decode_progress(self.decode.instance_id, self.upstream_id)
             return item[1]
         _, reason, error = item
         if error is not None or reason not in ("stop", "length"):
@@ -248,7 +349,7 @@ class Flight:
         if item[0] == "refused":
             self.svc.metrics.rejections.labels("prefill-refused").inc()
             raise rejected(item[1], 1)
-        raise upstream_failed(item[1])
+        raise upstream_failed(item[1].message)
 
     # ---- close ---------------------------------------------------------------------------
     async def close(self, *, abort: bool) -> None:
@@ -272,25 +373,25 @@ class Flight:
                     reader.cancel()
                 self._abort(self.decode)
             else:
-                self.svc.spawn(self._await_decode_end(reader))
+                self.svc.spawn(self._await_decode_end(reader, self.decode, self.upstream_id))
         self._release()
 
-    async def _await_decode_end(self, reader: asyncio.Task) -> None:
+    async def _await_decode_end(self, reader: asyncio.Task, decode: Instance, upstream_id: str) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(reader), DECODE_END_GRACE_S)
         except asyncio.TimeoutError:
             reader.cancel()
         if not self._is_decode_done:
-            await post_abort(self.svc, self.decode, self.request_id)
+            await post_abort(self.svc, decode, upstream_id)
 
     def _release(self) -> None:
         ids = tuple(i.instance_id for i in (self.prefill, self.decode) if i is not None)
-        self.svc.membership.release(self.request_id, ids, _now())
+        self.svc.membership.release(self.upstream_id, ids, _now())
 
     def _abort(self, inst: Instance) -> None:
         if not inst.is_alive:
             return
-        self.svc.spawn(post_abort(self.svc, inst, self.request_id))
+        self.svc.spawn(post_abort(self.svc, inst, self.upstream_id))
 
     def _headers(self) -> dict[str, str]:
         return {"Content-Type": "application/json", **cluster_headers(self.svc.cluster_token)}
@@ -308,6 +409,16 @@ async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:
                 log.warning("abort %s on %s answered %d", request_id, inst.instance_id, resp.status)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         log.warning("abort %s on %s failed: %r", request_id, inst.instance_id, exc)
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """A refused, reset or broken connection (the instance is likely gone), not a slow answer:
+    a connect timeout counts, a read timeout does not."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return True
+    if isinstance(exc, asyncio.TimeoutError):
+        return False
+    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError))
 
 
 def _now() -> float:

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, ProtocolError, Register, TokenEvent, loads
 from mooncake_lite.decode.batcher import AdmissionError, DecodeBatcher
@@ -65,6 +66,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         req = loads(GenerateRequest, await request.read())
+        set_request_id(req.request_id)   # every log line from here on names the request
         if req.kv_timeout_s <= 0:
             raise ProtocolError("GenerateRequest.kv_timeout_s must be positive")
         events = engine.add_request(req)
@@ -74,6 +76,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return error(429, str(exc))
     except (ProtocolError, ValueError) as exc:
         return error(400, str(exc))
+    log.debug("admitted: %d prompt token(s), KV to come as transfer %s", req.prompt_len, req.transfer_id)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     finished = False
     try:
@@ -88,6 +91,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await resp.write(orjson.dumps(_event_dict(event)) + b"\n")
             if event.finish_reason is not None:
                 finished = True
+                log.debug("finished: %s%s", event.finish_reason, f" ({event.error})" if event.error else "")
                 break
         await resp.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
@@ -110,6 +114,8 @@ async def abort(request: web.Request) -> web.Response:
         msg = loads(AbortRequest, await request.read())
     except ProtocolError as exc:
         return error(400, str(exc))
+    set_request_id(msg.request_id)
+    log.debug("abort asked")
     return web.json_response({"aborted": request.app[ENGINE].abort(msg.request_id)})
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, Register, loads
 from mooncake_lite.instance.profile import profile_prefill
@@ -50,6 +51,7 @@ async def prefill(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     try:
         req = loads(PrefillRequest, await request.read())
+        set_request_id(req.request_id)   # every log line from here on names the request
         # The conductor may go away; the prefill still finishes (decode waits for this KV).
         result = await asyncio.shield(service.prefill(req))
     except (ProtocolError, PrefillRejected) as exc:
@@ -69,6 +71,8 @@ async def prefill(request: web.Request) -> web.Response:
     except Exception as exc:     # never take the server down; say what happened
         log.exception("prefill %s failed", req.request_id)
         return error(500, f"prefill failed: {type(exc).__name__}: {exc}")
+    log.debug("prefilled for decode %s: %d token(s) loaded, %d computed, timings %s", req.decode_data,
+              result.num_prefix_tokens, result.num_computed_tokens, result.timings)
     return web.json_response(dataclasses.asdict(result))
 
 
@@ -77,6 +81,8 @@ async def abort(request: web.Request) -> web.Response:
         msg = loads(AbortRequest, await request.read())
     except ProtocolError as exc:
         return error(400, str(exc))
+    set_request_id(msg.request_id)
+    log.debug("abort asked")
     return web.json_response({"aborted": request.app[SERVICE].abort(msg.request_id)})
 
 
