@@ -113,6 +113,9 @@ class Register:
 class Heartbeat:
     instance_id: str
     load: dict[str, float] = field(default_factory=dict)  # e.g. queued_s, num_running, context_tokens, free_blocks
+    # The instance's current cost model, refined from the work it ran (``Register.cost``'s
+    # format); None or absent: unchanged since the last report.
+    cost: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,12 @@ async def heartbeat(request: web.Request) -> web.Response:
     svc = request.app[API].svc
     try:
         hb = loads(Heartbeat, await request.read())
+        inst = svc.membership.heartbeat(hb, asyncio.get_running_loop().time())
     except ProtocolError as exc:
         return _bad(str(exc))
-    if svc.membership.heartbeat(hb, asyncio.get_running_loop().time()) is None:
+    except RegistrationError as exc:     # a malformed cost model: nothing was applied
+        return _bad(exc.message)
+    if inst is None:
         return ApiError(404, f"unknown instance {hb.instance_id!r}: register again",
                         code="unknown_instance").response()
     svc.membership.trust(hb.instance_id, "it heartbeated")

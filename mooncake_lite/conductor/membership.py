@@ -197,10 +197,14 @@ class Membership:
             raise RegistrationError(400, f"{reg.role} instance {reg.instance_id}: {exc}") from None
 
     def heartbeat(self, hb: Heartbeat, now: float) -> Instance | None:
-        """Record liveness and load; None if the instance is unknown (it must register)."""
+        """Record liveness, load and a refined cost model; None if the instance is unknown (it
+        must register). A malformed cost raises RegistrationError (400) before anything applies."""
         inst = self.instances.get(hb.instance_id)
         if inst is None:
             return None
+        costs = self._heartbeat_costs(inst, hb)
+        if costs != inst.costs:
+            self._set_costs(inst, costs)
         if not inst.is_alive:
             log.warning("%s %s is back after being marked dead", inst.role, inst.instance_id)
             inst.is_alive = True
@@ -212,6 +216,29 @@ class Membership:
             self._describe(inst)
             self._touch(inst)
         return inst
+
+    def _heartbeat_costs(self, inst: Instance, hb: Heartbeat) -> InstanceCosts:
+        """The instance's costs with what the heartbeat reports in place of what it replaces."""
+        if not hb.cost:
+            return inst.costs
+        try:
+            new = parse_instance_costs(hb.cost, inst.role)
+        except ValueError as exc:
+            raise RegistrationError(400, f"{inst.role} instance {inst.instance_id} heartbeat: {exc}") from None
+        return InstanceCosts(new.prefill or inst.costs.prefill, new.decode or inst.costs.decode,
+                             new.bandwidth_bytes_per_s or inst.costs.bandwidth_bytes_per_s)
+
+    def _set_costs(self, inst: Instance, costs: InstanceCosts) -> None:
+        """A changed cost model reaches the scheduler: the view shows it in a new state, so the
+        estimate cache, which keys on the model object, derives this instance's estimates anew
+        (a decode batch is shown afresh and its TBT re-read from the new model)."""
+        log.info("%s %s reports a refined cost model: %s", inst.role, inst.instance_id,
+                 (costs.prefill if inst.role == "prefill" else costs.decode))
+        old, inst.costs = inst.costs, costs
+        if inst.role == "decode" and costs.decode != old.decode:
+            inst.view.set_cost(costs.decode)
+        self._describe(inst)
+        self._touch(inst)
 
     def reap(self, now: float) -> list[Instance]:
         """Mark every instance silent for longer than ``dead_after_s`` dead; returns them."""
