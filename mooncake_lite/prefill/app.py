@@ -93,7 +93,7 @@ async def health(request: web.Request) -> web.Response:
 def figures(service: PrefillService) -> dict[str, float]:
     return {**service.load(), **service.totals, "requests_done_total": service.num_done,
             "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored,
-            **service.stage.writebacks.figures()}
+            **service.stage.writebacks.figures(), **service.stage.fallback_figures()}
 
 
 async def load(request: web.Request) -> web.Response:

@@ -3,7 +3,9 @@
 For each request (a :class:`StageJob`) the stage:
 
 * loads the cached prefix KV from its store **layer by layer** — layer i+1's load is launched
-  before layer i waits for its own and computes, so loading hides behind compute;
+  before layer i waits for its own and computes, so loading hides behind compute; a load that
+  fails (the store died, a block vanished) falls back to recomputing the prefix, as vLLM's
+  ``kv_load_failure_policy=recompute`` does, instead of failing the request;
 * computes only the uncached tokens, one chunk at a time (:meth:`StageEngine.run_chunk`);
 * after each layer, queues that layer's KV (prefix tokens with the first chunk, then each
   chunk's new tokens) on the stream to decode, so sending overlaps the next layer's compute;
@@ -30,8 +32,12 @@ from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
 from mooncake_lite.prefill.store_io import PrefixStore
 from mooncake_lite.prefill.writeback import WritebackStats
+from mooncake_lite.transfer.client import RemoteError
 
 log = logging.getLogger(__name__)
+# What a failed prefix load raises: a block gone (KeyError), the store gone or refusing.
+PREFIX_LOAD_ERRORS = (KeyError, ConnectionError, OSError, asyncio.TimeoutError, RemoteError)
+RECOMPUTE_CHUNK_TOKENS = 512    # a recomputed prefix runs in passes of at most this many tokens
 
 
 class PrefillAborted(RuntimeError):
@@ -52,6 +58,13 @@ class StageJob:
     num_prefix_tokens: int = 0
     abort_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Set when a prefix load failed: passes recomputing the prefix, one layer at a time.
+    recompute: list[LayerwisePass] | None = None
+
+    @property
+    def is_prefix_recomputed(self) -> bool:
+        """The prefix was computed after all (its load failed): nothing was really reused."""
+        return self.recompute is not None
 
 
 class StageEngine:
@@ -70,6 +83,8 @@ class StageEngine:
         self._puts: set[asyncio.Task] = set()
         self.num_blocks_stored = 0
         self.writebacks = WritebackStats()
+        self.num_prefix_fallbacks = 0          # prefix loads that failed and were recomputed
+        self.num_prefix_tokens_recomputed = 0
 
     @property
     def layer_ids(self) -> range:
@@ -165,17 +180,62 @@ class StageEngine:
 
     async def _load_prefix_layer(self, job: StageJob, layer: int) -> None:
         """Wait for this layer's prefix bytes (launching the next layer's load first), write them
-        into the paged cache and stream them to decode."""
-        self._launch_load(job, layer + 1)
-        t0 = time.perf_counter()
-        try:
-            views = await job.loads.pop(layer)
-        except KeyError as exc:
-            raise PrefillAborted(f"prefix block vanished from the store before it was loaded: {exc}") from None
-        job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
+        into the paged cache and stream them to decode; once a load has failed, recompute them."""
         loop = asyncio.get_running_loop()
-        kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, views)
+        if job.recompute is None:
+            self._launch_load(job, layer + 1)
+            t0 = time.perf_counter()
+            try:
+                views = await job.loads.pop(layer)
+            except PREFIX_LOAD_ERRORS as exc:
+                await self._fall_back(job, layer, exc)
+            else:
+                job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
+                kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, views)
+                job.sender.send_layer(layer, 0, kv)
+                return
+        kv = await loop.run_in_executor(self.executor, self._recompute_layer, job, layer)
         job.sender.send_layer(layer, 0, kv)
+
+    async def _fall_back(self, job: StageJob, layer: int, exc: BaseException) -> None:
+        """Loading the prefix failed at ``layer``: recompute it instead of failing the request.
+        The layers before went to decode as loaded (decode takes each layer's tokens once, so
+        they are not sent again); recompute passes over the prefix tokens catch up to ``layer``
+        and from there run along with the chunk, one layer at a time. Only a stage that starts
+        at the embeddings can (a later CPP stage has no activations for the prefix)."""
+        for task in job.loads.values():
+            task.cancel()
+        job.loads.clear()
+        if self.first_layer != 0:
+            raise PrefillAborted(f"the prefix KV could not be loaded from the store ({exc!r}), and this "
+                                 f"pipeline stage (layers {self.first_layer}..) cannot recompute it") from None
+        self.num_prefix_fallbacks += 1
+        self.num_prefix_tokens_recomputed += job.num_prefix_tokens
+        log.warning("request %s: loading its %d-token prefix failed at layer %d (%r); recomputing it",
+                    job.request_id, job.num_prefix_tokens, layer, exc)
+        job.num_stored_blocks = 0     # its blocks may be gone from the store: write them back
+        job.recompute = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._catch_up, job, layer)
+
+    def _catch_up(self, job: StageJob, layer: int) -> list[LayerwisePass]:
+        n, step = job.num_prefix_tokens, RECOMPUTE_CHUNK_TOKENS
+        passes = [LayerwisePass(self.runner, job.block_ids, s, token_ids=job.token_ids[s:min(n, s + step)])
+                  for s in range(0, n, step)]
+        for done in range(self.first_layer, layer):
+            for piece in passes:      # in order: each attends to the KV the ones before wrote
+                piece.run_layer(done)
+        return passes
+
+    def _recompute_layer(self, job: StageJob, layer: int) -> torch.Tensor:
+        for piece in job.recompute:
+            piece.run_layer(layer)
+        slots = torch.cat([piece.slots for piece in job.recompute])
+        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots).cpu()
+
+    def fallback_figures(self) -> dict[str, float]:
+        """For /metrics: prefix loads that failed and were recomputed, and the tokens recomputed."""
+        return {"prefix_load_fallbacks_total": self.num_prefix_fallbacks,
+                "prefix_tokens_recomputed_total": self.num_prefix_tokens_recomputed}
 
     def _unpack_layer(self, job: StageJob, layer: int, views: list[memoryview]) -> torch.Tensor:
         cache = self.runner.cache

@@ -170,6 +170,8 @@ class PrefillService:
             raise
         finally:
             await self.stage.release(job, error)
+        if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
+            prefix = 0
         self.totals["prefix_tokens_total"] += prefix
         self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
         self.totals["kv_bytes_sent_total"] += sender.num_bytes
