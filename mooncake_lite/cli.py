@@ -19,6 +19,7 @@ from mooncake_lite.common.logs import setup_logging
 ROLES = ("conductor", "prefill", "decode", "store")   # packages mooncake_lite.<role>
 TOOLS = {
     "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
+    "status": ("mooncake_lite.cluster.status", "live view of a running cluster (--once, --json for scripts)"),
     "netns": ("mooncake_lite.cluster.netns_cli", "nodes on one box: network namespaces, shaped links (root)"),
     "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay"),
     "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import replace
 
 import aiohttp
 
@@ -54,9 +55,11 @@ async def register(session: aiohttp.ClientSession, conductor: str, msg: Register
 async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict[str, float]],
                           interval_s: float, token: str | None,
                           on_refused: Callable[[str], None],
-                          on_registered: Callable[[], None] | None = None) -> None:
+                          on_registered: Callable[[], None] | None = None,
+                          cost: Callable[[], dict[str, float] | None] | None = None) -> None:
     """Register, then heartbeat forever (run as a background task); ``on_registered`` runs
-    once, after the first registration (the instance can be sent work from then on)."""
+    once, after the first registration (the instance can be sent work from then on). ``cost``
+    gives the instance's current cost model for each heartbeat (and a re-registration)."""
     hb_url = conductor.rstrip("/") + "/internal/v1/heartbeat"
     headers = {**JSON, **cluster_headers(token)}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
@@ -66,12 +69,13 @@ async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict
                 on_registered()
             while True:
                 await asyncio.sleep(interval_s)
-                beat = Heartbeat(msg.instance_id, {k: float(v) for k, v in load().items()})
+                current = cost() if cost is not None else None
+                beat = Heartbeat(msg.instance_id, {k: float(v) for k, v in load().items()}, current)
                 try:
                     async with session.post(hb_url, data=dumps(beat), headers=headers) as resp:
                         if resp.status == 404:
                             log.warning("conductor forgot this instance; registering again")
-                            await register(session, conductor, msg, token)
+                            await register(session, conductor, replace(msg, cost=current) if current else msg, token)
                         elif resp.status == 409:
                             raise RegistrationRefused(f"conductor refused heartbeat: {(await resp.text())[:300]}")
                 except aiohttp.ClientError as exc:

@@ -126,6 +126,9 @@ class BlockEvents:
     # True: the first message of a full sync — the conductor forgets what it knew of this store
     # and ``stored`` starts its whole inventory (more plain messages may follow with the rest).
     full: bool = False
+    # The store's figures now (DRAM/SSD bytes used and held, hits per tier, misses), shown by
+    # ``mooncake status``; every post carries them, keepalives included.
+    usage: dict[str, float] = field(default_factory=dict)
 
 
 def dumps(msg: Any) -> bytes:

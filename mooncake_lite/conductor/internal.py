@@ -16,6 +16,7 @@ from aiohttp import web
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
+from mooncake_lite.conductor import status
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.costs import InstanceCosts
 from mooncake_lite.conductor.errors import ApiError
@@ -103,6 +104,7 @@ async def block_events(request: web.Request) -> web.Response:
         evicted = _keys(ev.evicted, "evicted")
     except ProtocolError as exc:
         return _bad(str(exc))
+    status.note_store_usage(request.app, ev.store, ev.usage)   # for `mooncake status`
     if svc.membership.stores.heard(ev.store, asyncio.get_running_loop().time()):
         log.warning("store %s is back after being dropped as silent%s", ev.store,
                     "" if ev.full else "; asking it for a full sync")

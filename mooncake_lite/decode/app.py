@@ -29,7 +29,7 @@ from mooncake_lite.decode.batcher import AdmissionError, DecodeBatcher
 from mooncake_lite.decode.config import Config
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
-from mooncake_lite.instance.profile import profile_decode
+from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.transfer.server import server_address
 
@@ -195,7 +195,18 @@ def build_engine(cfg: Config) -> DecodeEngine:
         log.error("one decode step alone (batch 1) takes %.3g s by this instance's profile, above --tbt-slo "
                   "%.3g s: every request will be refused here; raise --tbt-slo or use --tbt-slo-factor",
                   cost.predict(1, 1), cfg.tbt_slo)
-    return DecodeEngine(runner, batcher, make_executor())
+    refiner = decode_refiner(cost) if cost is not None else None   # refined from every step run
+    return DecodeEngine(runner, batcher, make_executor(), refiner=refiner)
+
+
+def reported_cost(engine: DecodeEngine) -> dict[str, float] | None:
+    """The cost model this instance's heartbeats carry: the start-up one as refined since from
+    the steps it ran (None without one: --no-profile). The local TBT check uses it too, so a
+    pessimistic start-up profile stops refusing requests here as well."""
+    if engine.refiner is None:
+        return None
+    engine.batcher.cost = engine.refiner.current()
+    return engine.batcher.cost.to_dict() if engine.batcher.cost is not None else None
 
 
 def registration(cfg: Config, engine: DecodeEngine, addresses: dict[str, str]) -> Register:

@@ -19,6 +19,7 @@ import torch
 from kernels import scatter_tokens
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
+from mooncake_lite.instance.refine import DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
@@ -63,11 +64,13 @@ class RequestState:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
-                 on_step: Callable[[int, int, float], None] | None = None):
+                 on_step: Callable[[int, int, float], None] | None = None,
+                 refiner: DecodeRefiner | None = None):
         self.runner = runner
         self.batcher = batcher
         self.executor = executor
         self.on_step = on_step  # (batch, context_tokens, seconds) for metrics/profiling
+        self.refiner = refiner  # told every step's timing: the cost model is refined from them
         self.pending: dict[str, PendingKV] = {}            # transfer_id -> pending
         self.requests: dict[str, RequestState] = {}        # request_id -> live request
         self._transfer_of: dict[str, str] = {}             # request_id -> transfer_id while pending
@@ -227,8 +230,12 @@ class DecodeEngine:
                 for rid in plan.request_ids:
                     self.abort(rid, "error", f"decode step failed: {exc}")
                 continue
-            if self.on_step is not None:
-                self.on_step(len(plan), sum(p + 1 for p in plan.positions), loop.time() - t0)
+            if self.on_step is not None or self.refiner is not None:
+                step = (len(plan), sum(p + 1 for p in plan.positions), loop.time() - t0)
+                if self.on_step is not None:
+                    self.on_step(*step)
+                if self.refiner is not None:
+                    self.refiner.observe(*step)
             self.num_steps += 1
             for out in self.batcher.commit(plan, tokens):
                 state = self.requests.get(out.request_id)

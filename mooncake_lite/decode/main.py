@@ -12,7 +12,8 @@ from mooncake_lite.common import sdnotify
 from mooncake_lite.common.membership import exit_process, keep_membership
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
-from mooncake_lite.decode.app import RUNTIME, DecodeAppSettings, build_engine, make_app, registration
+from mooncake_lite.decode.app import (RUNTIME, DecodeAppSettings, build_engine, make_app, registration,
+                                      reported_cost)
 from mooncake_lite.decode.config import Config
 
 
@@ -36,7 +37,8 @@ def run(cfg: Config) -> int:
             tasks.append(asyncio.ensure_future(keep_membership(
                 cfg.conductor, msg, engine.load, cfg.heartbeat_interval, cfg.cluster_token,
                 exit_process(state, "exit"), on_registered=lambda: sdnotify.ready(
-                    f"decode serving on {addresses['http']}, registered with {cfg.conductor}"))))
+                    f"decode serving on {addresses['http']}, registered with {cfg.conductor}")),
+                cost=lambda: reported_cost(engine)))
 
     async def main() -> None:
         try:

@@ -19,7 +19,7 @@ from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import (EXTRA_CLEANUP, SERVICE, StoreTooSmall, build_app, build_stage, registration,
-                                       store_id)
+                                       reported_cost, store_id)
 from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.stage_process import StageGroup, layer_slices, run_stage
 
@@ -76,7 +76,8 @@ def run(cfg: Config) -> int:
                 tasks.append(asyncio.ensure_future(keep_membership(
                     cfg.conductor, msg, service.load, cfg.heartbeat_interval, cfg.cluster_token,
                     exit_process(state, "exit"), on_registered=lambda: sdnotify.ready(
-                        f"prefill serving on {addresses['http']}, registered with {cfg.conductor}"))))
+                        f"prefill serving on {addresses['http']}, registered with {cfg.conductor}")),
+                    cost=lambda: reported_cost(service)))
         try:
             await serve_app(app, cfg.host, cfg.port, role="prefill", on_ready=on_ready,
                             advertise_host=cfg.advertise_host, notify_ready=not cfg.conductor)

@@ -68,6 +68,7 @@ def make_app(cfg: Config) -> web.Application:
     # The first post is a full sync: the conductor learns what survived a restart (SSD) and
     # forgets what a previous run of this store held.
     publisher.enable_full_sync(store.keys)
+    publisher.usage = lambda: usage(store)   # for `mooncake status`, via the conductor
     app = web.Application(middlewares=[cluster_token_middleware(cfg.cluster_token)])
     dp = app[DATA] = DataPlane(cfg, store, publisher)
     dp.registry = make_registry(StoreCollector(store, lambda: {
@@ -142,6 +143,15 @@ async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, 
         await store.ssd.stop()
     await dp.publisher.flush(session)
     await session.close()
+
+
+def usage(store: BlockStore) -> dict[str, float]:
+    """What the conductor's status view shows of this store (sent with the block events)."""
+    ssd, stats = store.ssd, store.stats
+    return {"dram_used_bytes": store.dram_used_bytes, "dram_capacity_bytes": store.slab.capacity_bytes,
+            "dram_blocks": store.num_dram_blocks, "ssd_used_bytes": ssd.used_bytes if ssd else 0,
+            "ssd_capacity_bytes": ssd.capacity_bytes if ssd else 0, "ssd_blocks": len(ssd) if ssd else 0,
+            "hits_dram": stats.hits_dram, "hits_ssd": stats.hits_ssd, "misses": stats.misses}
 
 
 async def health(request: web.Request) -> web.Response:

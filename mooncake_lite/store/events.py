@@ -16,6 +16,7 @@ every ``keepalive`` seconds, so a quiet store hears about a restarted conductor 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -51,6 +52,7 @@ class BlockEventPublisher:
         self._last_post = time.monotonic()
         self.num_full_syncs = 0
         self._needs_full = inventory is not None
+        self.usage: Callable[[], dict[str, float]] | None = None   # the store's figures, sent with each post
 
     # ---- recording (called from the data path) ------------------------------------------------
     def stored(self, key: bytes) -> None:
@@ -126,6 +128,8 @@ class BlockEventPublisher:
         return True
 
     async def _post(self, session: aiohttp.ClientSession, msg: BlockEvents) -> bool:
+        if self.usage is not None:
+            msg = dataclasses.replace(msg, usage=self.usage())
         try:
             async with session.post(self.url, data=dumps(msg), headers=self.headers,
                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:

@@ -1,0 +1,214 @@
+"""Operating a live cluster (issue #19): one request's id in every role's log lines, and
+``mooncake status`` (``--json``, ``--once``, and the live view driven in a pty) against a real
+conductor, store, prefill and decode on 127.0.0.1."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mooncake_lite.conductor.status import quantiles
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKEN = "status-test-token"
+COMMON = ("--block-size", "16", "--cluster-token", TOKEN)
+INSTANCE = ("--model", "tiny", "--threads", "1", "--no-profile", "--heartbeat-interval", "0.3")
+PROMPT = "The quick brown fox jumps over the lazy dog; " * 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """conductor, store, prefill and decode; conductor and prefill log JSON, decode plain text,
+    all at debug level (where a request's per-role lines are)."""
+    from tests.conftest import start_role
+    started = []
+
+    def start(*args, **kw):
+        started.append(start_role(*args, **kw))
+        return started[-1]
+    try:
+        conductor = start("conductor", "--port", "0", "--model", "tiny", "--log-level", "debug", "--log-json",
+                          *COMMON)
+        url = conductor.url()
+        store = start("store", "--port", "0", "--data-port", "0", "--dram", "64MiB", "--conductor", url,
+                      "--event-interval", "0.05", "--log-level", "warning", *COMMON)
+        with ThreadPoolExecutor(2) as pool:
+            p = pool.submit(start, "prefill", "--port", "0", "--conductor", url, "--store", store.addresses["data"],
+                            "--log-level", "debug", "--log-json", *INSTANCE, *COMMON)
+            d = pool.submit(start, "decode", "--port", "0", "--data-port", "0", "--conductor", url,
+                            "--log-level", "debug", *INSTANCE, *COMMON)
+            prefill, decode = p.result(), d.result()
+        _until(lambda: len([i for i in _status(url)["instances"] if i["health"] == "alive"]) == 2, "registration")
+        yield {"url": url, "conductor": conductor, "store": store, "prefill": prefill, "decode": decode}
+    finally:
+        for rp in started:        # all drain at once
+            rp.send(signal.SIGTERM)
+        for rp in reversed(started):
+            rp.stop()
+
+
+def _until(cond, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def _status(url: str, token: str | None = TOKEN) -> dict:
+    req = urllib.request.Request(url + "/internal/v1/status", headers={"X-Mooncake-Token": token} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.load(resp)
+
+
+def _complete(url: str, max_tokens: int = 6) -> str:
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)["id"]
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _status_cli(url: str, *args: str, token: str = TOKEN) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_lite", "status", "--conductor", url, *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "MOONCAKE_CLUSTER_TOKEN": token})
+
+
+def test_one_request_id_tags_its_log_lines_in_every_role(cluster):
+    rid = _complete(cluster["url"])
+    # decode logs "finished" as its stream ends, just before the conductor's answer completes
+    _until(lambda: f"[{rid}]: finished: length" in cluster["decode"].logs(), "decode's last line")
+    for role in ("conductor", "prefill"):
+        tagged = [e for e in _json_lines(cluster[role].logs()) if e.get("request_id") == rid]
+        # tagged by the context, not by quoting the id in the message
+        assert any(rid not in e["msg"] for e in tagged), (role, tagged)
+    conductor = [e["msg"] for e in _json_lines(cluster["conductor"].logs()) if e.get("request_id") == rid]
+    assert any(m.startswith("completions ok") for m in conductor), conductor
+    prefill = [e["msg"] for e in _json_lines(cluster["prefill"].logs()) if e.get("request_id") == rid]
+    assert any(m.startswith("prefilled for decode") for m in prefill), prefill
+    decode = [line for line in cluster["decode"].logs().splitlines() if f"[{rid}]" in line]
+    assert any("admitted" in line for line in decode), decode
+    # lines of other requests, or of none, do not carry it
+    assert not any(e.get("request_id") == rid and "registered" in e["msg"]
+                   for e in _json_lines(cluster["conductor"].logs()))
+
+
+def test_status_json_and_once_show_instances_stores_and_recent_requests(cluster):
+    url = cluster["url"]
+    _complete(url)
+    with pytest.raises(urllib.error.HTTPError) as refused:   # an internal endpoint: the cluster token
+        _status(url, token=None)
+    assert refused.value.code == 403
+    # the store's usage arrives with its block events (the request's blocks were written back)
+    _until(lambda: any((s.get("usage") or {}).get("dram_blocks", 0) > 0 for s in _status(url)["stores"]),
+           "the store's usage")
+    out = _status_cli(url, "--json")
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout)
+    roles = {i["role"]: i for i in st["instances"]}
+    assert set(roles) == {"prefill", "decode"} and all(i["health"] == "alive" for i in st["instances"])
+    assert roles["prefill"]["queue"] == 0 and roles["decode"]["batch"] == 0
+    assert roles["prefill"]["node"] == "127.0.0.1" and roles["decode"]["kv_used"] == 0.0
+    assert roles["prefill"]["store"] == cluster["store"].addresses["data"]
+    (store,) = st["stores"]
+    assert store["store"] == cluster["store"].addresses["data"] and store["indexed_blocks"] > 0
+    assert store["usage"]["dram_used_bytes"] > 0 and store["usage"]["dram_capacity_bytes"] == 64 << 20
+    req = st["requests"]
+    assert req["outcomes"].get("ok", 0) >= 1 and req["ttft_s"]["count"] >= 1 and req["ttft_s"]["p50"] > 0
+    assert req["requests_per_s"] > 0 and req["tokens_per_s"] > 0
+
+    once = _status_cli(url, "--once")
+    assert once.returncode == 0, once.stderr
+    assert "\x1b" not in once.stdout
+    for text in ("REQUESTS", "INSTANCES", "STORES", roles["prefill"]["instance_id"],
+                 roles["decode"]["instance_id"], store["store"], "TTFT        p50"):
+        assert text in once.stdout, once.stdout
+    bad = _status_cli(url, "--once", token="wrong")
+    assert bad.returncode == 1 and "403" in bad.stderr
+
+
+def test_live_view_redraws_in_place_in_a_terminal(cluster):
+    url = cluster["url"]
+    before = _status(url)["requests"]["outcomes"].get("ok", 0)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_lite", "status", "--conductor", url, "--interval", "0.2"],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO, start_new_session=True,
+                            env={**env, "MOONCAKE_CLUSTER_TOKEN": TOKEN, "TERM": "xterm"})
+    os.close(slave)
+    screen = b""
+
+    def read_until(pred, what: str, timeout: float = 30.0) -> None:
+        nonlocal screen
+        deadline = time.monotonic() + timeout
+        while not pred(screen.decode(errors="replace")):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"no {what} on the terminal: {screen[-2000:]!r}")
+            os.set_blocking(master, False)
+            try:
+                screen += os.read(master, 65536)
+            except (BlockingIOError, OSError):
+                time.sleep(0.05)
+    try:
+        read_until(lambda s: s.count("INSTANCES") >= 2, "two frames")
+        text = screen.decode(errors="replace")
+        assert text.startswith("\x1b[?1049h")                     # the alternate screen
+        assert text.count("\x1b[H") >= 2 and "decode@" in text and "prefill@" in text
+        _complete(url)                                             # a new frame shows the new request
+        read_until(lambda s: f"ok {before + 1:.0f}" in s.rsplit("\x1b[H", 1)[-1]
+                   or f"ok {before + 1:.0f}" in s.rsplit("\x1b[H", 2)[-2], "the refreshed outcome count")
+        proc.send_signal(signal.SIGINT)                           # what Ctrl-C sends
+        assert proc.wait(15) == 0
+        screen += _read_rest(master)
+        assert screen.endswith(b"\x1b[?25h\x1b[?1049l")         # cursor and main screen restored
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        os.close(master)
+
+
+def _read_rest(fd: int) -> bytes:
+    """What a pty holds after its process exited (EIO once it is drained)."""
+    rest = b""
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except (BlockingIOError, OSError):
+            return rest
+        if not chunk:
+            return rest
+        rest += chunk
+
+
+def test_quantiles_interpolate_like_prometheus():
+    inf = float("inf")
+    # 10 samples: 4 at <= 0.1, 4 in (0.1, 0.2], 2 beyond the last bound
+    q = quantiles(((0.1, 4.0), (0.2, 8.0), (inf, 10.0)))
+    assert q["count"] == 10
+    assert q["p50"] == pytest.approx(0.1 + 0.1 * (5 - 4) / 4)
+    assert q["p99"] == 0.2        # in the +Inf bucket: the highest finite bound
+    assert quantiles(((0.1, 0.0), (inf, 0.0)))["p50"] is None
