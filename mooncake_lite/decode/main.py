@@ -37,8 +37,8 @@ def run(cfg: Config) -> int:
             tasks.append(asyncio.ensure_future(keep_membership(
                 cfg.conductor, msg, engine.load, cfg.heartbeat_interval, cfg.cluster_token,
                 exit_process(state, "exit"), on_registered=lambda: sdnotify.ready(
-                    f"decode serving on {addresses['http']}, registered with {cfg.conductor}")),
-                cost=lambda: reported_cost(engine)))
+                    f"decode serving on {addresses['http']}, registered with {cfg.conductor}"),
+                cost=lambda: reported_cost(engine))))
 
     async def main() -> None:
         try:

@@ -76,8 +76,8 @@ def run(cfg: Config) -> int:
                 tasks.append(asyncio.ensure_future(keep_membership(
                     cfg.conductor, msg, service.load, cfg.heartbeat_interval, cfg.cluster_token,
                     exit_process(state, "exit"), on_registered=lambda: sdnotify.ready(
-                        f"prefill serving on {addresses['http']}, registered with {cfg.conductor}")),
-                    cost=lambda: reported_cost(service)))
+                        f"prefill serving on {addresses['http']}, registered with {cfg.conductor}"),
+                    cost=lambda: reported_cost(service))))
         try:
             await serve_app(app, cfg.host, cfg.port, role="prefill", on_ready=on_ready,
                             advertise_host=cfg.advertise_host, notify_ready=not cfg.conductor)
