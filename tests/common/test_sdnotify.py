@@ -110,25 +110,9 @@ def test_watchdog_period_is_half_of_watchdog_usec_for_this_pid_only(monkeypatch,
     assert sdnotify.notify("WATCHDOG=1") is False
 
 
-def test_a_conductor_reports_ready_status_watchdog_and_stopping(listener):
-    li = listener(abstract=True)
-    env = {"NOTIFY_SOCKET": li.address, "WATCHDOG_USEC": "200000"}   # pings every 0.1 s
-    conductor = start_role("conductor", "--port", "0", "--model", "tiny", "--log-level", "warning", env=env)
-    try:
-        li.until("READY=1")
-        assert conductor.addresses["http"] in li.until("STATUS=conductor serving")
-        time.sleep(0.6)
-        assert len(li.seen("WATCHDOG=1")) >= 3
-        assert not li.seen("STOPPING=1")
-        conductor.send(signal.SIGTERM)
-        li.until("STOPPING=1", 20)
-        assert li.seen("STATUS=conductor draining")
-    finally:
-        assert conductor.stop() == 0
-
-
-async def test_decode_is_ready_only_once_registered_with_the_conductor(listener, aiohttp_server):
-    """READY=1 waits for the registration: a conductor that answers 503 holds it back."""
+async def test_decode_is_ready_once_registered_pings_and_says_stopping(listener, aiohttp_server):
+    """A real decode process: READY=1 waits for the registration (a conductor that answers 503
+    holds it back), WATCHDOG=1 pings come from its loop, SIGTERM sends STOPPING=1."""
     li = listener()
     accept = asyncio.Event()
 
@@ -148,7 +132,8 @@ async def test_decode_is_ready_only_once_registered_with_the_conductor(listener,
     url = f"http://127.0.0.1:{server.port}"
     decode = await asyncio.to_thread(
         start_role, "decode", "--port", "0", "--data-port", "0", "--model", "tiny", "--no-profile",
-        "--threads", "1", "--conductor", url, "--log-level", "warning", env={"NOTIFY_SOCKET": li.address})
+        "--threads", "1", "--conductor", url, "--log-level", "warning",
+        env={"NOTIFY_SOCKET": li.address, "WATCHDOG_USEC": "200000"})   # pings every 0.1 s
     try:
         await asyncio.to_thread(li.until, "STATUS=decode registering", 30)
         await asyncio.sleep(1.0)     # several refused registrations
@@ -156,6 +141,11 @@ async def test_decode_is_ready_only_once_registered_with_the_conductor(listener,
         accept.set()
         await asyncio.to_thread(li.until, "READY=1", 30)
         assert url in li.until("STATUS=decode serving")
+        assert len(li.seen("WATCHDOG=1")) >= 3
+        assert not li.seen("STOPPING=1")
+        decode.send(signal.SIGTERM)
+        await asyncio.to_thread(li.until, "STOPPING=1", 20)
+        assert li.seen("STATUS=decode draining")
     finally:
         assert await asyncio.to_thread(decode.stop) == 0
 
