@@ -22,7 +22,7 @@ from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, Register, loads
-from mooncake_lite.instance.profile import profile_prefill
+from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.runner import ModelRunner
@@ -158,7 +158,21 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[Stage
         except ValueError as exc:
             log.warning("startup profiling skipped: %s", exc)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
-    return StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back), cost
+    stage = StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back)
+    if cost is not None:   # refined from every chunk this instance runs
+        stage.refiner = prefill_refiner(cost)
+    return stage, cost
+
+
+def reported_cost(service: PrefillService) -> dict[str, float] | None:
+    """The cost model this instance's heartbeats carry: the start-up one as refined since from
+    the chunks it ran (None without one: --no-profile, a CPP group). The queue figure of
+    ``load()`` predicts with it too."""
+    refiner = service.stage.refiner
+    if refiner is None:
+        return None
+    service.cost = refiner.current()
+    return service.cost.to_dict() if service.cost is not None else None
 
 
 class StoreTooSmall(RuntimeError):

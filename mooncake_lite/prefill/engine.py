@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import gather_tokens, pack_blocks, unpack_blocks
+from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
@@ -85,6 +86,9 @@ class StageEngine:
         self.writebacks = WritebackStats()
         self.num_prefix_fallbacks = 0          # prefix loads that failed and were recomputed
         self.num_prefix_tokens_recomputed = 0
+        # Told each chunk's (num_tokens, num_prefix_tokens, seconds): the instance's cost model
+        # is refined from them (instance/refine.py); None on a CPP stage, which has no model.
+        self.refiner: PrefillRefiner | None = None
 
     @property
     def layer_ids(self) -> range:
@@ -155,7 +159,10 @@ class StageEngine:
             job.sender.send_layer(layer, start, kv)
         job.prefix_done = True
         out = await loop.run_in_executor(self.executor, piece.output)
-        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+        if self.refiner is not None:
+            self.refiner.observe(start + piece.num_tokens, start, seconds)
         self._store_full_blocks(job, start + piece.num_tokens)
         return out
 
