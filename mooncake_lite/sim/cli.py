@@ -46,6 +46,14 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
     ap.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
     ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
+    ap.add_argument("--max-tokens-policy", default="output", metavar="output|cap:N",
+                    help="what clients send as max_tokens: the true output length, or a fixed cap "
+                         "(`mooncake bench replay --max-tokens-policy` sends the same)")
+    ap.add_argument("--predict-output", action="store_true",
+                    help="size decode times with predicted output lengths (scheduler/predict.py), not max_tokens")
+    ap.add_argument("--decode-check", choices=("reserve", "arrival"), default="reserve",
+                    help="the decode's own TBT check: at reservation, before prefill (as live), or when the KV "
+                         "arrives (the paper's; a refusal wastes the prefill)")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed factor")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--baseline", action="store_true",
@@ -77,7 +85,9 @@ def run_main(argv: list[str]) -> int:
                         prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
                         store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
                         scheduler=sched,
-                        local_ttft_check=args.local_ttft_check, seed=args.seed)
+                        local_ttft_check=args.local_ttft_check, seed=args.seed,
+                        max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
+                        decode_check=args.decode_check)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")

@@ -47,50 +47,77 @@ def _mooncake(scheduler: SchedulerConfig, seed: int, **kw: Any) -> MooncakeSim:
     return MooncakeSim(SimConfig(scheduler=scheduler, seed=seed, **kw))
 
 
+# (admission, predicted output lengths?) per Table 3 column: predictive admission sizes t_d with
+# the client's max_tokens, or with scheduler/predict.py's prediction.
+TABLE3_COLUMNS = (("none", False), ("early", False), ("predictive", False), ("predictive", True))
+
+
+def _column(admission: str, predict: bool) -> str:
+    return admission + ("+predictor" if predict else "")
+
+
 def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, speed: float = 2.0,
-           tbt_slo_s: float = TBT_SLO_S, decode_bound_tbt_s: float | None = 0.06) -> dict[str, Any]:
+           tbt_slo_s: float = TBT_SLO_S, decode_bound_tbt_s: float | None = 0.06,
+           policies: Sequence[str] = ("output", "cap:4096"), decode_check: str = "reserve") -> dict[str, Any]:
     """Rejections by admission policy, 8P+8D at ``speed``; again with a TBT SLO tight enough to
-    make the decode pool the bottleneck, which is where the policies differ most."""
+    make the decode pool the bottleneck, which is where the policies differ most. Each under
+    every max_tokens policy (what clients send), with the decode's own check where
+    ``decode_check`` says."""
     fast = scale_time(trace, speed)
     rows, runs = [], {}
-    every = ("none", "early", "predictive")
     variants = [("paper SLOs", tbt_slo_s, 8)]
     if decode_bound_tbt_s:
         # 8P+4D overloads the decode pool as a whole, the situation of the paper's Fig. 9/10.
         variants += [("decode-bound", decode_bound_tbt_s, 8),
                      ("decode-bound, 8P+4D", decode_bound_tbt_s, 4)]
     for variant, tbt, num_decode in variants:
-        for admission in every:
-            sc = SchedulerConfig(admission=admission, ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
-            sim = _mooncake(sc, seed, local_ttft_check=admission == "none", sample_interval_s=5.0,
-                            num_decode=num_decode)
-            res = run_with_progress(sim, fast, f"table3 {variant} {admission}")
-            tick(f"table3 {variant} {admission}")
-            s = summarize(res, TTFT_SLO_S, tbt)
-            loads = [r["decode_load"] for r in res.timeline if r["t"] <= fast[-1].arrival_s]
-            mean = sum(loads) / len(loads) if loads else 0.0
-            rows.append({"variant": variant, "num_decode": num_decode, "tbt_slo_s": tbt,
-                         "admission": admission,
-                         "rejected": s["rejected"], "rejected_by": s["rejected_by"],
-                         "wasted_prefills": s["wasted_prefills"], "completed": s["completed"],
-                         "slo_attainment": s["slo_attainment"], "ttft_mean_s": s["ttft_s"]["mean"],
-                         "decode_load_mean": mean,
-                         "decode_load_sd": (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5 if loads else 0.0,
-                         "paper_rejected": paper.TABLE3[admission] if variant == "paper SLOs" else None})
-            runs[f"{variant} (TBT {tbt * 1e3:.0f} ms): {admission}"] = res
-    n = len(trace)
+        for policy in policies:
+            for admission, predict in TABLE3_COLUMNS:
+                sc = SchedulerConfig(admission=admission, ttft_slo_s=TTFT_SLO_S, tbt_slo_s=tbt)
+                sim = _mooncake(sc, seed, local_ttft_check=admission == "none", sample_interval_s=5.0,
+                                num_decode=num_decode, max_tokens_policy=policy, predict_output=predict,
+                                decode_check=decode_check)
+                name = f"{variant} {policy} {_column(admission, predict)}"
+                res = run_with_progress(sim, fast, f"table3 {name}")
+                tick(f"table3 {name}")
+                rows.append(_table3_row(res, variant, num_decode, tbt, policy, admission, predict))
+                runs[f"{variant} (TBT {tbt * 1e3:.0f} ms), max_tokens {policy}: {_column(admission, predict)}"] = res
+    plot_paths = [plots.load_plot({k: v for k, v in runs.items() if k.startswith(f"{variant} (") and
+                                   k.split("max_tokens ")[1].startswith(policy + ":")},
+                                  out / f"table3_load_{i}_{policy.replace(':', '')}.png",
+                                  title=f"prefill/decode load over time, {variant}, max_tokens {policy}")
+                  for i, (variant, *_) in enumerate(variants) for policy in policies]
+    return {"rows": rows, "table": _table3_text(rows, speed, len(trace)), "plots": plot_paths}
+
+
+def _table3_row(res: Any, variant: str, num_decode: int, tbt: float, policy: str, admission: str,
+                predict: bool) -> dict[str, Any]:
+    s = summarize(res, TTFT_SLO_S, tbt)
+    loads = [r["decode_load"] for r in res.timeline if r["t"] <= res.duration_s]
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return {"variant": variant, "num_decode": num_decode, "tbt_slo_s": tbt, "max_tokens_policy": policy,
+            "admission": admission, "output_prediction": predict,
+            "rejected": s["rejected"], "rejected_by": s["rejected_by"],
+            "wasted_prefills": s["wasted_prefills"], "completed": s["completed"],
+            "slo_attainment": s["slo_attainment"], "goodput": round(s["slo_attainment"] * len(res.requests)),
+            "ttft_mean_s": s["ttft_s"]["mean"], "decode_load_mean": mean,
+            "decode_load_sd": (sum((x - mean) ** 2 for x in loads) / len(loads)) ** 0.5 if loads else 0.0,
+            "t_d_error": res.extra.get("output_prediction"),
+            "paper_rejected": paper.TABLE3[admission] if variant == "paper SLOs" and not predict else None}
+
+
+def _table3_text(rows: Sequence[dict[str, Any]], speed: float, n: int) -> str:
     lines = [f"Table 3 - rejected requests, 8P+8D unless noted, {speed:g}x replay of {n:,} requests "
-             f"(paper: ~{paper.TABLE3_REQUESTS:,} requests)",
-             f"{'variant':<30}{'admission':<12}{'rejected':>9}{'share':>8}{'wasted':>8}{'paper':>7}{'paper share':>12}"]
+             f"(paper: ~{paper.TABLE3_REQUESTS:,} requests); goodput = requests within both SLOs",
+             f"{'variant':<22}{'max_tokens':<11}{'admission':<22}{'rejected':>9}{'share':>7}{'wasted':>7}"
+             f"{'goodput':>8}{'t_d MAE':>8}{'paper':>7}"]
     for r in rows:
         p = r["paper_rejected"]
-        lines.append(f"{r['variant']:<30}{r['admission']:<12}{r['rejected']:>9,}{r['rejected'] / n:>8.1%}"
-                     f"{r['wasted_prefills']:>8,}{p if p else '-':>7}"
-                     f"{(f'{p / paper.TABLE3_REQUESTS:.1%}' if p else '-'):>12}")
-    plot_paths = [plots.load_plot({k: v for k, v in runs.items() if k.startswith(variant + " (")},
-                                  out / f"table3_load_{i}.png", title=f"prefill/decode load over time, {variant}")
-                  for i, (variant, *_) in enumerate(variants)]
-    return {"rows": rows, "table": "\n".join(lines), "plots": plot_paths}
+        err = r["t_d_error"]["mae_tokens"] if r["t_d_error"] else float("nan")
+        lines.append(f"{r['variant']:<22}{r['max_tokens_policy']:<11}{_column(r['admission'], r['output_prediction']):<22}"
+                     f"{r['rejected']:>9,}{r['rejected'] / n:>7.1%}{r['wasted_prefills']:>7,}{r['goodput']:>8,}"
+                     f"{err:>8.0f}{p if p else '-':>7}")
+    return "\n".join(lines)
 
 
 def strategies(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int,

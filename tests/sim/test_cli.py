@@ -94,3 +94,13 @@ def test_sim_ssd_tier_keeps_prefixes_a_small_dram_store_loses(capsys):
     with_ssd = orjson.loads(capsys.readouterr().out)
     assert with_ssd["reused_token_share"] > 1.5 * dram_only["reused_token_share"] > 0
     assert main(base + ["--ssd-blocks", "-1"]) == 2
+
+
+def test_sim_max_tokens_policy_predictor_and_decode_check_flags(tmp_path, capsys):
+    path = synth_file(tmp_path)
+    base = [str(path), "--prefill", "2", "--decode", "1", "--admission", "predictive", "--json", "--no-progress"]
+    assert main([*base, "--max-tokens-policy", "cap:4096", "--predict-output", "--decode-check", "arrival"]) == 0
+    s = orjson.loads(capsys.readouterr().out)
+    assert s["completed"] + s["rejected"] == 120
+    assert main([*base, "--max-tokens-policy", "cap:0"]) == 2
+    assert "max-tokens policy must be" in capsys.readouterr().err
