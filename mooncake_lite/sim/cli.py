@@ -1,4 +1,5 @@
-"""``mooncake sim [run] TRACE ...``, ``mooncake sim reproduce``, ``mooncake sim hitrate TRACE``."""
+"""``mooncake sim [run] TRACE ...``, ``mooncake sim reproduce``, ``mooncake sim hitrate TRACE``,
+``mooncake sim export-costs --conductor URL -o FILE``."""
 
 from __future__ import annotations
 
@@ -20,20 +21,22 @@ from mooncake_lite.sim.metrics import format_summary, summarize
 from mooncake_lite.store.eviction import POLICY_NAMES
 from mooncake_lite.trace.format import TraceError, read_trace
 
-SUBCOMMANDS = ("run", "reproduce", "hitrate")
+SUBCOMMANDS = ("run", "reproduce", "hitrate", "export-costs")
 
 
 def _run_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mooncake sim", description=(
         "Simulate a Mooncake cluster on a trace with the conductor's own scheduler. "
-        "Other subcommands: `mooncake sim reproduce --help`, `mooncake sim hitrate --help`."))
+        "Other subcommands: `mooncake sim reproduce --help`, `mooncake sim hitrate --help`, "
+        "`mooncake sim export-costs --help`."))
     ap.add_argument("trace", help="Mooncake JSONL trace")
     ap.add_argument("--prefill", type=int, default=8, help="prefill instances")
     ap.add_argument("--decode", type=int, default=8, help="decode instances")
     ap.add_argument("--cpp", type=int, default=1, help="nodes per prefill instance (CPP group size)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (CPP)")
     ap.add_argument("--cost-model", default="llama2-70b-a800",
-                    help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile`")
+                    help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
+                         "or `mooncake sim export-costs`")
     ap.add_argument("--eviction", choices=POLICY_NAMES, default="lru")
     ap.add_argument("--store-blocks", type=int, default=None, help="blocks per node store (default: from DRAM)")
     ap.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier blocks per node (0 = none)")
@@ -154,6 +157,46 @@ def hitrate_main(argv: list[str]) -> int:
     return 0
 
 
+def export_costs_main(argv: list[str]) -> int:
+    """Write a running cluster's own cost models (its conductor's ``/internal/v1/cost_model``) as
+    a ``--cost-model`` file, checked by loading it back the way ``mooncake sim`` will."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    from mooncake_lite.common.auth import cluster_headers
+    from mooncake_lite.sim.costs import load_profile
+    ap = argparse.ArgumentParser(prog="mooncake sim export-costs", description=(
+        "Export the cost models a running cluster's instances report (start-up profiles, refined "
+        "while serving) as a `mooncake sim --cost-model` file."))
+    ap.add_argument("--conductor", required=True, help="conductor URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"),
+                    help="the cluster token (default: $MOONCAKE_CLUSTER_TOKEN)")
+    ap.add_argument("-o", "--out", required=True, help="profile JSON to write")
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    args = ap.parse_args(argv)
+    url = args.conductor.rstrip("/") + "/internal/v1/cost_model"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=cluster_headers(args.token)),
+                                    timeout=args.timeout) as resp:
+            profile = orjson.loads(resp.read())
+        Path(args.out).write_bytes(orjson.dumps(profile, option=orjson.OPT_INDENT_2))
+        hw = load_profile(args.out)
+    except urllib.error.HTTPError as exc:
+        sys.stderr.write(f"mooncake sim export-costs: error: {url} answered {exc.code}: "
+                         f"{exc.read()[:300].decode('utf-8', 'replace')}\n")
+        return 2
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        sys.stderr.write(f"mooncake sim export-costs: error: {url}: {exc}\n")
+        return 2
+    measured = "measured" if profile.get("network_bytes_per_s_measured") else "the conductor's prior"
+    print(f"wrote {args.out}: {hw.name} from {len(profile.get('instances', []))} live instance(s); "
+          f"prefill {hw.prefill.predict(512) * 1e3:.1f} ms per 512 tokens, decode step "
+          f"{hw.decode.predict(1, 512) * 1e3:.1f} ms at batch 1; network {hw.network_bytes_per_s / 1e9:.2f} GB/s "
+          f"({measured})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "reproduce":
@@ -161,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return reproduce_main(argv[1:])
     if argv and argv[0] == "hitrate":
         return hitrate_main(argv[1:])
+    if argv and argv[0] == "export-costs":
+        return export_costs_main(argv[1:])
     if argv and argv[0] == "run":
         argv = argv[1:]
     try:

@@ -120,7 +120,9 @@ def calibration_table(hw: Hardware) -> list[dict[str, float]]:
 
 
 def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
-    """Hardware from a live-profile JSON (``mooncake bench pd --profile out.json``).
+    """Hardware from a live-profile JSON (``mooncake bench pd --profile out.json``, or a running
+    cluster's own models: ``mooncake sim export-costs``, whose extra keys — ``instances``,
+    ``network_bytes_per_s_measured`` — are for the reader and ignored here).
 
     Format (all but ``prefill`` optional; missing fields come from ``base``, default the
     A800 preset). ``block_size`` is accepted but not applied: the simulator's block is the
