@@ -2,10 +2,11 @@
 
 A thin adapter over :class:`mooncake_lite.store.client.StoreClient` (one connection, reopened
 when lost). A store that is down never fails a request by itself: ``match`` then answers 0 (the
-prefill recomputes) and write-back failures are counted and logged by the stage
-(``prefill/writeback.py``). Only a block that vanishes between ``match`` and its load fails that
-request. A block larger than the store's slots (``--slot-bytes``, from its handshake) is refused
-here, before its bytes are sent.
+prefill recomputes), a load that fails midway (the store died, a block vanished between ``match``
+and its load) makes the stage recompute the prefix (``prefill/engine.py``), and write-back
+failures are counted and logged by the stage (``prefill/writeback.py``). A block larger than
+the store's slots (``--slot-bytes``, from its handshake) is refused here, before its bytes are
+sent.
 
 The store keeps whole blocks (every layer), so a stage that owns only some layers (a CPP stage)
 cannot write back; it still loads its layer range of cached blocks.

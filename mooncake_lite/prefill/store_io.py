@@ -23,7 +23,8 @@ class PrefixStore(Protocol):
 
     async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
         """One byte view per key: layers ``first_layer..first_layer+num_layers-1`` of its block.
-        Raises KeyError if a block is gone."""
+        Raises KeyError if a block is gone (ConnectionError/OSError if the store is): the stage
+        then recomputes the prefix."""
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
