@@ -1,7 +1,7 @@
 """``GET /internal/v1/status``: what the cluster is doing now, in one JSON answer (``mooncake status``).
 
 Instances from the membership table (role, node, queue or batch, KV use from their last
-heartbeat, profiled speed, health); stores from the block index and the usage each one sends
+heartbeat, speed by its current cost model, health); stores from the block index and the usage each one sends
 with its block events (DRAM/SSD use, hit counts); and the last ``WINDOW_S`` seconds of traffic:
 TTFT/TBT quantiles, rejections by cause, requests and tokens per second. The recent figures are
 differences of the conductor's own Prometheus counters and histograms (``metrics.py``) between
