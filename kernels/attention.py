@@ -42,7 +42,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bs = k_cache.shape[1]
     # index_select, not cache[block_tables]: the same gather at a fraction of advanced indexing's cost on CPU.
     flat = block_tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(batch, max_blocks * bs, *k_cache.shape[2:])  # [batch, max_blocks*bs, kvh, hd]
+    k = k_cache.index_select(0, flat).view(batch, max_blocks * bs, *k_cache.shape[2:])  # [batch, ctx, kvh, hd]
     v = v_cache.index_select(0, flat).view(batch, max_blocks * bs, *v_cache.shape[2:])
     mask = torch.arange(max_blocks * bs, device=q.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),

@@ -14,6 +14,14 @@ Stores are sized for the served model: one KV block (``kv_block_bytes`` at the p
 size and dtype, worked out by ``up.py``) must fit a slot, or every write-back is refused, so
 stores get ``--slot-bytes`` (rounded up to 64 KiB) and a ``--dram`` of at least 64 such slots,
 unless the user set those options (flags, config file or environment) themselves.
+
+On one box the roles share the machine (``UpOptions.share``, see :func:`core_shares` and
+:func:`memory_shares`): each prefill and decode instance gets its own slice of the CPUs (torch
+intra-op threads and affinity), since instances that each ask for every core spin against each
+other; and a fraction of the memory available at start, after every instance's weights, is split
+into the instances' KV caches and the stores' DRAM, so the default cluster can hold the load the
+machine can. Anything the user set (``--threads``, ``--cpus``, ``--kv-memory``, ``--num-blocks``,
+``--dram``) wins.
 """
 
 from __future__ import annotations
@@ -36,7 +44,45 @@ STORE_DRAM = 1 << 30                    # ...and at least the store's default --
 STORE_SSD_QUEUE = 256 << 20             # the store's default --ssd-queue (must hold one slot)
 MAX_SLOT_BYTES = 1 << 30                # the store's largest --slot-bytes
 # Options the store sizing reads (prefill) or sets (store); see UpOptions.preset.
-SIZING_OPTIONS = ("block_size", "dtype", "slot_bytes", "dram", "ssd_queue")
+SIZING_OPTIONS = ("block_size", "dtype", "slot_bytes", "dram", "ssd_queue", "threads", "cpus", "kv_memory",
+                  "num_blocks")
+INSTANCE_KV_MEMORY = 256 << 20          # ModelRoleConfig.kv_memory's default: the floor of a KV share
+PROCESS_OVERHEAD = 512 << 20            # Python, torch, tokenizer and buffers of one instance, beside weights
+DEFAULT_MEMORY_FRACTION = 0.25          # of MemAvailable: the box is shared with the OS and other work
+# How the memory left after weights is split: decode holds every running sequence's whole
+# context; the store's DRAM is the prefix cache (more is more reuse); prefill holds the prompts
+# in flight only.
+SHARE_DECODE, SHARE_STORE, SHARE_PREFILL = 0.45, 0.4, 0.15
+# Caps, in full-length (max_seq_len) sequences, past which a share is memory nobody can use at
+# once; they keep a small model (tests' `tiny`) from zeroing gigabytes at start.
+PREFILL_SEQUENCES, DECODE_SEQUENCES, STORE_SEQUENCES = 4, 64, 256
+
+
+@dataclass(frozen=True)
+class MachineShare:
+    """What ``mooncake up`` may divide among its roles (read at start by ``cluster/machine.py``)."""
+    cpus: tuple[int, ...]                 # CPUs this process may run on
+    available_memory: int                 # bytes available at start (MemAvailable)
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    weight_bytes: int | None = None       # one instance's model weights in its dtype (None: unknown)
+    kv_token_bytes: int | None = None     # KV bytes of one token, every layer (None: unknown)
+    max_seq_len: int | None = None        # the model's longest sequence
+    threads: int | None = None            # `mooncake up --threads`: this many per instance, not pinned
+
+    def __post_init__(self) -> None:
+        if not self.cpus:
+            raise ValueError("a machine share needs at least one CPU")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"--kv-memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be positive, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class MemoryShares:
+    prefill_kv: int        # --kv-memory of each prefill instance
+    decode_kv: int         # --kv-memory of each decode instance
+    store_dram: int        # --dram of each store
 
 
 @dataclass(frozen=True)
@@ -64,6 +110,8 @@ class UpOptions:
     # field name ({"store": {"slot_bytes": "8MiB"}}): set there, they are neither read from
     # defaults nor overridden by flags of ours.
     preset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # The machine to divide among the roles (None: every role takes its own defaults, all cores).
+    share: MachineShare | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_stores"):
@@ -110,6 +158,14 @@ def _wire(opts: UpOptions, role: str, argv: list[str], flag: str, value: str) ->
     """Append a wiring flag if the role has that option (or when we cannot tell)."""
     fields = (opts.role_fields or {}).get(role)
     if fields is None or flag.removeprefix("--").replace("-", "_") in fields:
+        argv += [flag, value]
+
+
+def _tune(opts: UpOptions, role: str, argv: list[str], flag: str, value: str) -> None:
+    """Append a tuning flag only where the role is known to have it: unlike wiring, a machine
+    share is optional, so a custom launcher's roles (fields unknown) run without it."""
+    fields = (opts.role_fields or {}).get(role)
+    if fields is not None and flag.removeprefix("--").replace("-", "_") in fields:
         argv += [flag, value]
 
 
@@ -165,10 +221,73 @@ def store_sizing(opts: UpOptions) -> list[tuple[str, str]]:
             slot = int(parse_size(user_slot))
         except (TypeError, ValueError):
             return flags          # the store will say what is wrong with it
-    if role_setting(opts, "store", "dram") is None and MIN_STORE_BLOCKS * slot > STORE_DRAM:
-        flags.append(("--dram", str(MIN_STORE_BLOCKS * slot)))
+    dram = STORE_DRAM
+    if opts.share is not None:
+        dram = memory_shares(opts.share, opts.num_prefill, opts.num_decode, opts.num_stores).store_dram
+    if role_setting(opts, "store", "dram") is None and max(MIN_STORE_BLOCKS * slot, dram) > STORE_DRAM:
+        flags.append(("--dram", str(max(MIN_STORE_BLOCKS * slot, dram))))
     if role_setting(opts, "store", "ssd_queue") is None and slot > STORE_SSD_QUEUE:
         flags.append(("--ssd-queue", str(2 * slot)))
+    return flags
+
+
+def core_shares(cpus: Sequence[int], num_prefill: int, num_decode: int) -> dict[str, tuple[int, ...]]:
+    """CPUs of each instance ("prefill-0", ..., "decode-0", ...): disjoint contiguous slices when
+    there are enough, the spare ones to prefills first (prefill is compute-bound, decode mostly
+    waits on memory); with fewer CPUs than instances, one CPU each, dealt round-robin. The
+    conductor and stores (event loops, mostly waiting on sockets) are not pinned."""
+    names = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+    cpus = sorted(cpus)
+    if len(cpus) < len(names):
+        return {name: (cpus[i % len(cpus)],) for i, name in enumerate(names)}
+    base, spare = divmod(len(cpus), len(names))
+    shares, start = {}, 0
+    for i, name in enumerate(names):
+        width = base + (1 if i < spare else 0)
+        shares[name] = tuple(cpus[start:start + width])
+        start += width
+    return shares
+
+
+def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_stores: int) -> MemoryShares:
+    """KV memory per instance and DRAM per store from ``memory_fraction`` of the available memory,
+    less each instance's weights and process overhead. No share is below the role's own default
+    (the cluster never gets less than it did before sizing); a prefill's is capped at what
+    ``PREFILL_SEQUENCES`` full-length prompts need when the model's shape is known, and what that
+    cap frees goes to decode (itself capped at ``DECODE_SEQUENCES``, the stores at ``STORE_SEQUENCES``)."""
+    instances = num_prefill + num_decode
+    budget = int(share.available_memory * share.memory_fraction)
+    budget -= instances * ((share.weight_bytes or 0) + PROCESS_OVERHEAD)
+    budget = max(budget, 0)
+    seq = share.max_seq_len * share.kv_token_bytes if share.kv_token_bytes and share.max_seq_len else None
+
+    def capped(value: int, sequences: int) -> int:
+        return value if seq is None else min(value, sequences * seq)
+    prefill = capped(int(budget * SHARE_PREFILL) // num_prefill, PREFILL_SEQUENCES)
+    decode = capped((int(budget * (SHARE_PREFILL + SHARE_DECODE)) - prefill * num_prefill) // num_decode,
+                    DECODE_SEQUENCES)
+    store = capped(int(budget * SHARE_STORE) // num_stores, STORE_SEQUENCES)
+    return MemoryShares(prefill_kv=max(prefill, INSTANCE_KV_MEMORY), decode_kv=max(decode, INSTANCE_KV_MEMORY),
+                        store_dram=max(store, STORE_DRAM))
+
+
+def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[str, str]]:
+    """``--threads``/``--cpus``/``--kv-memory`` for instance ``name`` from ``opts.share``, leaving out
+    whatever the user set for the role (a user's ``--num-blocks`` also rules out ``--kv-memory``)."""
+    share = opts.share
+    if share is None:
+        return []
+    flags: list[tuple[str, str]] = []
+    user = {n: role_setting(opts, role, n) is not None for n in ("threads", "cpus", "kv_memory", "num_blocks")}
+    if share.threads is not None:
+        if not user["threads"]:
+            flags.append(("--threads", str(share.threads)))
+    elif not (user["threads"] or user["cpus"]):
+        cpus = core_shares(share.cpus, opts.num_prefill, opts.num_decode)[name]
+        flags += [("--threads", str(len(cpus))), ("--cpus", ",".join(map(str, cpus)))]
+    if not (user["kv_memory"] or user["num_blocks"]):
+        mem = memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores)
+        flags.append(("--kv-memory", str(mem.prefill_kv if role == "prefill" else mem.decode_kv)))
     return flags
 
 
@@ -203,6 +322,8 @@ def instance_specs(opts: UpOptions, conductor_url: str, store_data: Sequence[str
             _wire(opts, role, argv, "--conductor", conductor_url)
             _wire(opts, role, argv, "--store", store_data[i % len(store_data)])
             _wire(opts, role, argv, "--model", opts.model)
+            for flag, value in instance_share_flags(opts, role, f"{role}-{i}"):
+                _tune(opts, role, argv, flag, value)
             specs.append(ChildSpec(f"{role}-{i}", role, _finish(argv, opts, role), secret_env(opts, role)))
     return specs
 

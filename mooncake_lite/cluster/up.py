@@ -25,8 +25,10 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
-from mooncake_lite.cluster.plan import (MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions, conductor_spec,
-                                        instance_specs, kv_layout, slot_bytes_for, split_args, store_specs)
+from mooncake_lite.cluster.machine import with_machine_share
+from mooncake_lite.cluster.plan import (DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
+                                        conductor_spec, instance_specs, kv_layout, slot_bytes_for, split_args,
+                                        store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import RestartPolicy, Supervisor
@@ -57,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ROLES:
         p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",
                        help=f"extra flags for every {role} process, one quoted string")
+    p.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
+                   help="share of the memory available at start for the instances' KV caches and the stores' "
+                        "DRAM, after every instance's weights (docs/operations.md)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of every prefill/decode instance, unpinned (default: each gets its own "
+                        "slice of this machine's CPUs)")
+    p.add_argument("--no-share", action="store_true",
+                   help="size nothing from this machine: every role takes its own defaults and all cores")
     p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart a child that dies while serving, with backoff (default: on, off under --smoke)")
@@ -97,7 +107,7 @@ def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> 
     from mooncake_lite.model.checkpoint_config import model_args
     env = os.environ if env is None else env
     preset: dict[str, dict[str, object]] = {}
-    for role in ("prefill", "store"):
+    for role in ("prefill", "decode", "store"):
         values = read_toml(opts.config, ["cluster", role]) if opts.config else {}
         values.update({n: env[f"MOONCAKE_{n.upper()}"] for n in SIZING_OPTIONS if f"MOONCAKE_{n.upper()}" in env})
         preset[role] = {n: v for n, v in values.items() if n in SIZING_OPTIONS}
@@ -252,6 +262,8 @@ def main(argv: Sequence[str]) -> int:
     ns = build_parser().parse_args(list(argv))
     try:
         opts = with_store_sizing(with_role_support(options_from(ns)))
+        if not ns.no_share:   # each role's share of this machine's cores and memory (plan.py)
+            opts = with_machine_share(opts, memory_fraction=ns.kv_memory_fraction, threads=ns.threads)
     except ValueError as exc:
         sys.stderr.write(f"mooncake up: error: {exc}\n")
         return 2

@@ -19,6 +19,19 @@ def optional_duration(value):
     return None if value in (None, "", "none") else parse_duration(value)
 
 
+def parse_cpus(value) -> tuple[int, ...] | None:
+    """``"0,2-3"`` → (0, 2, 3), as taskset and /proc's Cpus_allowed_list write CPU lists."""
+    if value in (None, "", "all"):
+        return None
+    if isinstance(value, (tuple, list)):
+        return tuple(sorted({int(v) for v in value}))
+    cpus: set[int] = set()
+    for part in str(value).split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cpus))
+
+
 @dataclass(frozen=True)
 class ModelRoleConfig(RoleConfig):
     model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
@@ -26,7 +39,10 @@ class ModelRoleConfig(RoleConfig):
     dtype: str = option("float32", "model and KV dtype", choices=sorted(DTYPES))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
     seed: int = option(0, "dummy-weight seed of presets; must be equal across the cluster")
-    threads: int | None = option(None, "torch intra-op threads (default: torch's choice)")
+    threads: int | None = option(None, "torch intra-op threads (default: torch's choice; `mooncake up` gives "
+                                 "each instance its share of the cores)")
+    cpus: tuple[int, ...] | None = option(None, "CPUs to run on, e.g. 0,1 or 2-3 (default: all this process may "
+                                          "use; ignored where the OS has no affinity call)", parse=parse_cpus)
     num_blocks: int | None = option(None, "KV cache blocks (overrides --kv-memory)")
     kv_memory: int = option(256 << 20, "KV cache memory when --num-blocks is not given", parse=parse_size)
     port: int = option(0, "HTTP port (0 = pick a free one)")
@@ -38,6 +54,7 @@ class ModelRoleConfig(RoleConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.threads is None or self.threads > 0, f"--threads must be positive, got {self.threads}")
+        require(self.cpus is None or (len(self.cpus) > 0 and min(self.cpus) >= 0), f"--cpus: bad list {self.cpus}")
         require(self.num_blocks is None or self.num_blocks > 0, f"--num-blocks must be positive, got {self.num_blocks}")
         require(self.kv_memory > 0, f"--kv-memory must be positive, got {self.kv_memory}")
         require(0 <= self.port < 65536, f"--port out of range: {self.port}")

@@ -1,0 +1,48 @@
+"""What ``mooncake up`` reads about this machine and the served model to divide them among its
+roles (the division itself is pure: ``plan.core_shares`` / ``plan.memory_shares``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout
+
+
+def usable_cpus() -> tuple[int, ...]:
+    """CPUs this process may run on (its affinity, e.g. a container's cpuset), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes the kernel says new work can take without swapping (MemAvailable), else free pages."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+                       threads: int | None = None) -> UpOptions:
+    """``opts`` with this machine's CPUs and available memory and the served model's weight and KV
+    sizes, for the plan to divide. A model this process cannot read still gets its core shares
+    (the memory shares then count no weights)."""
+    from mooncake_lite.model.args import dtype_bytes
+    from mooncake_lite.model.checkpoint_config import model_args
+    facts: dict[str, int] = {}
+    try:
+        args = model_args(opts.model)
+        _, dtype = kv_layout(opts)
+        facts = {"weight_bytes": args.num_params() * dtype_bytes(dtype),
+                 "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}
+    except (ValueError, OSError, KeyError):
+        pass
+    share = MachineShare(cpus=usable_cpus(), available_memory=available_memory(), memory_fraction=memory_fraction,
+                         threads=threads, **facts)
+    return dataclasses.replace(opts, share=share)
