@@ -53,7 +53,8 @@ async def test_first_post_is_a_chunked_full_sync_then_plain_events(conductor, mo
         new = chain(1, seed=2)[0]
         pub.stored(new)
         assert await pub.flush(session)
-        assert conductor.messages[-1] == {"store": "s:1", "stored": [new.hex()], "evicted": [], "full": False}
+        assert conductor.messages[-1] == {"store": "s:1", "stored": [new.hex()], "evicted": [], "full": False,
+                                           "usage": {}}
     assert pub.num_full_syncs == 1
 
 
@@ -97,5 +98,6 @@ async def test_an_idle_store_still_hears_that_the_conductor_restarted(conductor)
         assert await pub.flush(session) and conductor.messages[-1]["full"]
         conductor.synced = False                    # restarted; the store has nothing new to say
         assert await pub.flush(session)
-        assert conductor.messages[-1] == {"store": "s:1", "stored": [], "evicted": [], "full": False}
+        assert conductor.messages[-1] == {"store": "s:1", "stored": [], "evicted": [], "full": False,
+                                           "usage": {}}
         assert await pub.flush(session) and conductor.messages[-1]["full"]
