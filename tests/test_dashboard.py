@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+import yaml   # pyyaml comes with transformers, a dev dependency
 from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry, generate_latest
 
