@@ -15,7 +15,9 @@ is never changed afterwards (an edit works on copies).
 :class:`FromScratch` derives everything anew on every call: the definition the cache must
 equal, decision by decision (tests/scheduler/test_estimate_cache.py drives both through random
 histories of the same instances). Both answer for all instances of a role at once: a decision
-asks once per role, not once per instance.
+asks once per role, not once per instance. On a wide cluster the cache also keeps the same
+values as rows of arrays (:meth:`EstimateCache.prefill_table`, :meth:`EstimateCache.decode_table`,
+``wide.py``), rewriting only the rows of instances whose state changed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProf
                                               decode_load_now, durations_of, leave_profile_of, leave_time,
                                               pricing_tbt)
 from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
+from mooncake_lite.scheduler.wide import DecodeTable, PrefillTable
 
 # Beyond this many requests leaving a batch between two of its states, sorting its leave
 # profile afresh costs about what finding and removing them would.
@@ -79,6 +82,7 @@ class EstimateCache:
         self._backlogs: dict[str, Backlog] = {}
         self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
         self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
+        self._prefill_table, self._decode_table = PrefillTable(), DecodeTable()
 
     def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]:
         kept, out, default = self._backlogs, [], costs.prefill
@@ -86,26 +90,53 @@ class EstimateCache:
             model = p.cost or default
             backlog = kept.get(p.instance_id)
             if backlog is None or backlog.queue is not p.queue or backlog.model is not model:
-                durations = None
-                if backlog is not None and backlog.model is model:
-                    durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
-                if durations is None:
-                    durations = durations_of(p.queue, model)
-                backlog = kept[p.instance_id] = backlog_from(p.queue, model, durations)
+                backlog = self._backlog(p, model)
             out.append(backlog)
         return out
+
+    def _backlog(self, p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
+        """One instance's backlog: kept, edited (jobs appended, head gone) or derived anew."""
+        backlog = self._backlogs.get(p.instance_id)
+        if backlog is not None and backlog.queue is p.queue and backlog.model is model:
+            return backlog
+        durations = None
+        if backlog is not None and backlog.model is model:
+            durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
+        if durations is None:
+            durations = durations_of(p.queue, model)
+        backlog = self._backlogs[p.instance_id] = backlog_from(p.queue, model, durations)
+        return backlog
 
     def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:
         kept, out = self._loads, []
         for d in decodes:
             running, context, incoming, load = kept.get(d.instance_id, _NOTHING_KEPT_4)
             if running is not d.running or incoming is not d.incoming:
-                if running is not d.running:
-                    context = sum(map(CONTEXT_TOKENS, d.running))
-                load = (len(d.running) + len(d.incoming), context + sum(map(CONTEXT_TOKENS, d.incoming)))
-                kept[d.instance_id] = (d.running, context, d.incoming, load)
+                load = self._load(d)
             out.append(load)
         return out
+
+    def _load(self, d: DecodeInstanceState) -> tuple[int, int]:
+        """One instance's load now; its running batch's context summed again only if it changed."""
+        running, context, incoming, load = self._loads.get(d.instance_id, _NOTHING_KEPT_4)
+        if running is d.running and incoming is d.incoming:
+            return load
+        if running is not d.running:
+            context = sum(map(CONTEXT_TOKENS, d.running))
+        load = (len(d.running) + len(d.incoming), context + sum(map(CONTEXT_TOKENS, d.incoming)))
+        self._loads[d.instance_id] = (d.running, context, d.incoming, load)
+        return load
+
+    # ---- wide clusters: the same values as rows of arrays (scheduler/wide.py) ------------------
+    def prefill_table(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels) -> PrefillTable:
+        """The rows of ``prefills`` (their backlogs kept as :meth:`backlogs` keeps them)."""
+        self._prefill_table.update(prefills, costs, self._backlog)
+        return self._prefill_table
+
+    def decode_table(self, decodes: tuple[DecodeInstanceState, ...], costs: CostModels) -> DecodeTable:
+        """The rows of ``decodes`` with their loads now (kept as :meth:`loads_now` keeps them)."""
+        self._decode_table.update(decodes, costs.decode, self._load)
+        return self._decode_table
 
     def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
                        uniform_decode_s: float | None) -> list[LeaveProfile]:

@@ -9,12 +9,15 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
+import numpy as np
+
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
 from mooncake_lite.scheduler.estimate import QueuesAt, prefill_model, queues_at
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
+from mooncake_lite.scheduler.wide import PrefillTable, choose_prefill_row
 
 
 class PrefillChoice(NamedTuple):
@@ -58,11 +61,14 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
                    rng: random.Random | None, queues: QueuesAt | None = None,
-                   cache: Estimates | None = None) -> PrefillChoice | None:
+                   cache: Estimates | None = None,
+                   wide: tuple[PrefillTable, np.ndarray] | None = None) -> PrefillChoice | None:
     """The prefill option the configured strategy picks (None when there is no instance).
     Ties go to the earlier instance in ``prefills``, so results are deterministic. ``queues``
     (the backlogs of ``prefills`` at ``now``) saves recomputing them; ``cache`` (None: from
-    scratch) keeps each queue's predicted work between decisions."""
+    scratch) keeps each queue's predicted work between decisions. ``wide`` (the estimate cache's
+    table of ``prefills`` and their queue times as an array) picks by the table's rows instead
+    of the loop (scheduler/wide.py: the same choice)."""
     if not prefills:
         return None
     if queues is None:
@@ -76,6 +82,11 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
                        match, False, cfg, costs, route="random")
     if cfg.strategy != "kvcache-centric":
         return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times)
+    if wide is not None:
+        hit = choose_prefill_row(req, wide[0], queues, wide[1], match, cfg, costs)
+        if hit is not None:
+            i, local, fetch = hit
+            return _option(req, prefills[i], queue_times[i], local, match, fetch, cfg, costs)
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token

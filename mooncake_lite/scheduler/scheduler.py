@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+from mooncake_lite.scheduler import wide as _wide
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
@@ -49,12 +50,20 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
     keeps what is derived per instance between decisions (None: everything from scratch; the
     decision is the same either way)."""
     match = index.match(req.block_keys)
-    # every prefill's backlog at now: read by both choices
-    queues = queues_at((cache or FROM_SCRATCH).backlogs(cluster.prefills, costs), now)
-    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache)
+    # every prefill's backlog at now: read by both choices; as arrays on a wide cluster
+    wide = None
+    if isinstance(cache, EstimateCache) and len(cluster.prefills) >= _wide.WIDE_MIN_INSTANCES:
+        table = cache.prefill_table(cluster.prefills, costs)
+        queues, queue_array = table.queues_at(now)
+        wide = (table, queue_array)
+    else:
+        queues = queues_at((cache or FROM_SCRATCH).backlogs(cluster.prefills, costs), now)
+    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache, wide)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
-    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, cache)
+    d = _wide_decode(req, cluster, config, costs, cache)
+    if d is None:
+        d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, cache)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
     violation = slo_violation(config, req, costs, p, d)
@@ -62,6 +71,22 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
         return _decision(False, violation[1], p, d, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
     return _decision(True, reason, p, d, migration=_migration(req, p))
+
+
+def _wide_decode(req: ScheduleRequest, cluster: ClusterState, config: SchedulerConfig, costs: CostModels,
+                 cache: Estimates | None) -> DecodeChoice | None:
+    """``choose_decode`` on the loads now, over the estimate cache's rows, on a wide cluster
+    (None: not wide, another strategy or admission, or a case the loop must decide)."""
+    decodes = cluster.decodes
+    if not isinstance(cache, EstimateCache) or len(decodes) < _wide.WIDE_MIN_INSTANCES \
+            or config.strategy == "random" or config.admission == "predictive":
+        return None
+    table = cache.decode_table(decodes, costs)
+    hit = table.choose_now(req)
+    if hit is None:
+        return None
+    i, tbt = hit
+    return DecodeChoice(decodes[i], tbt, int(table.batch[i]) + 1, int(table.context[i]) + req.num_tokens)
 
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,

@@ -54,7 +54,43 @@ def context_lag_bound(shown_context_tokens: int) -> int:
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
 
 
-class PrefillView:
+class _Shown:
+    """What both views share: the state last built (None: build it at the next ``state()``)
+    and the :class:`StateTuple` row to mark when it goes stale."""
+
+    _state: PrefillInstanceState | DecodeInstanceState | None = None
+    _watch: tuple[set[int], int] | None = None
+
+    def _stale(self) -> None:
+        self._state = None
+        if self._watch is not None:
+            self._watch[0].add(self._watch[1])
+
+
+class StateTuple:
+    """The states of a fixed list of views as one tuple, rebuilt only at the views that went
+    stale since the last call (each view tells it): a snapshot of N instances of which k changed
+    costs O(k) Python calls and one tuple copy, not N calls. A view belongs to one StateTuple."""
+
+    def __init__(self, views: Iterable[PrefillView | DecodeView]) -> None:
+        self._views = list(views)
+        self._stale: set[int] = set()
+        for i, view in enumerate(self._views):
+            view._watch = (self._stale, i)
+        self._states = [view.state() for view in self._views]
+        self._tuple = tuple(self._states)
+
+    def states(self) -> tuple:
+        if self._stale:
+            states, views = self._states, self._views
+            for i in self._stale:
+                states[i] = views[i].state()
+            self._stale.clear()
+            self._tuple = tuple(states)
+        return self._tuple
+
+
+class PrefillView(_Shown):
     """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
     starts (the conductor: when the one before it ends; the simulator: when it really does)."""
 
@@ -71,7 +107,7 @@ class PrefillView:
         """What the instance reports about itself (registration, heartbeats)."""
         if (store_id, bandwidth_bytes_per_s, cost) != self._about:
             self._about = (store_id, bandwidth_bytes_per_s, cost)
-            self._state = None
+            self._stale()
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
             started_at: float | None = None) -> None:
@@ -81,7 +117,7 @@ class PrefillView:
         self._jobs[request_id] = job
         if self._queue is not None:
             self._queue = (*self._queue, job) if replaced is None else None
-        self._state = None
+        self._stale()
 
     def start(self, request_id: str, now: float) -> None:
         """The job started executing at ``now``."""
@@ -90,7 +126,7 @@ class PrefillView:
             self._jobs[request_id] = started = replace(job, started_at=now)
             queue = self._queue
             self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
-            self._state = None
+            self._stale()
 
     def remove(self, request_id: str) -> bool:
         """The job ended (or was aborted): False if there was none of that id."""
@@ -100,12 +136,13 @@ class PrefillView:
         queue = self._queue
         if queue is not None:
             self._queue = queue[1:] if queue[0] is job else tuple(q for q in queue if q is not job)
-        self._state = None
+        self._stale()
         return True
 
     def clear(self) -> None:
         self._jobs.clear()
-        self._queue, self._state = (), None
+        self._queue = ()
+        self._stale()
 
     def state(self) -> PrefillInstanceState:
         if self._state is None:
@@ -135,7 +172,7 @@ class _Running:
         return shown
 
 
-class DecodeView:
+class DecodeView(_Shown):
     """A decode instance's running batch and incoming requests as the scheduler sees them.
 
     A request is ``commit``-ted when it is dispatched here (incoming: KV to come), ``join``-s
@@ -163,12 +200,13 @@ class DecodeView:
     def set_limits(self, max_batch_size: int | None, max_context_tokens: int | None) -> None:
         if (max_batch_size, max_context_tokens) != self._limits:
             self._limits = (max_batch_size, max_context_tokens)
-            self._state = None
+            self._stale()
 
     def set_cost(self, cost: DecodeCostModel | None) -> None:
         """A (re-)registration's cost model: the batch is shown afresh and its TBT re-read."""
         self._cost = cost
-        self._running = self._incoming_shown = self._state = None
+        self._running = self._incoming_shown = None
+        self._stale()
 
     def commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None = None) -> None:
         """Dispatched here; its KV (``context_tokens`` of it) is still to come."""
@@ -177,7 +215,7 @@ class DecodeView:
         self._incoming[request_id] = record
         if self._incoming_shown is not None:
             self._incoming_shown = (*self._incoming_shown, record) if replaced is None else None
-        self._state = None
+        self._stale()
 
     def uncommit(self, request_id: str) -> bool:
         """No longer incoming (its KV arrived, or it ended first); False if it was not."""
@@ -187,7 +225,7 @@ class DecodeView:
         shown = self._incoming_shown
         if shown is not None:
             self._incoming_shown = tuple(r for r in shown if r is not record)
-        self._state = None
+        self._stale()
         return True
 
     def join(self, request_id: str, context_tokens: int, joined_at: float,
@@ -204,7 +242,7 @@ class DecodeView:
             self._running = (*self._running, shown)
         else:
             self._running = None
-        self._state = None
+        self._stale()
 
     def progress(self, request_id: str, num_tokens: int = 1) -> bool:
         """It generated ``num_tokens`` more; True when that makes the next state differ (the
@@ -240,7 +278,7 @@ class DecodeView:
         self._check_lag()              # a smaller batch allows less lag
         if self._running is not None:
             self._running = tuple(r for r in self._running if r.request_id != request_id)
-        self._state = None
+        self._stale()
         return True
 
     def clear(self) -> None:
@@ -249,7 +287,8 @@ class DecodeView:
         self._incoming.clear()
         self._shown_context = self._context_lag = 0
         self._is_context_stale = False
-        self._running = self._incoming_shown = self._state = None
+        self._running = self._incoming_shown = None
+        self._stale()
 
     def state(self) -> DecodeInstanceState:
         if self._state is None:
@@ -297,6 +336,6 @@ class DecodeView:
     def _check_lag(self) -> bool:
         if not self._is_context_stale and self._context_lag > context_lag_bound(self._shown_context):
             self._is_context_stale = True
-            self._state = None
+            self._stale()
             return True
         return False

@@ -23,6 +23,7 @@ from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.predict import OutputPredictor
+from mooncake_lite.scheduler.view import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
@@ -54,6 +55,8 @@ class MooncakeSim(TraceDriver):
                                    hw.decode_max_context_tokens, self._finish)
                         for i in range(cfg.num_decode)]
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
+        # a snapshot rebuilds only the entries of the instances whose view changed
+        self._states = (StateTuple(p.view for p in self.prefills), StateTuple(d.view for d in self.decodes))
         self.recorder = Recorder(self, cfg.sample_interval_s)
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
         self.max_tokens_policy = MaxTokensPolicy.parse(cfg.max_tokens_policy)
@@ -68,7 +71,7 @@ class MooncakeSim(TraceDriver):
     # ---- conductor ---------------------------------------------------------------------------
     def cluster_state(self) -> ClusterState:
         """What the conductor sees of every instance (their views' states)."""
-        return ClusterState(tuple(p.state() for p in self.prefills), tuple(d.state() for d in self.decodes))
+        return ClusterState(self._states[0].states(), self._states[1].states())
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         req.send_with(self.max_tokens_policy)

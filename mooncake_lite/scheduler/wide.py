@@ -1,0 +1,220 @@
+"""numpy forms of a decision's per-instance loops, for wide clusters.
+
+A decision reads every instance. At 128 prefill + 128 decode instances the Python loops of
+:func:`~mooncake_lite.scheduler.estimate.queues_at`,
+:func:`~mooncake_lite.scheduler.prefill_select.choose_prefill` and the decode choice cost about
+a microsecond per instance each, so the decision grows with the cluster. Here each instance's
+inputs are a row of a few arrays that the estimate cache keeps in step with the snapshots (only
+the rows of instances whose state object changed are rewritten: a C-level identity scan finds
+them), and a decision is a few dozen array operations whatever the width.
+
+Exact, not approximate: every array expression performs the same IEEE-754 double operations in
+the same order as the Python code it stands for (numpy's elementwise ``+ - * /`` round exactly as
+Python floats do, and the int64 → float64 conversions of the token and block counts here are
+exact), and ties go to the earliest instance (``argmin`` returns the first minimum), so the
+decision is the same either way — tests/scheduler/test_wide.py drives both on random histories.
+Below :data:`WIDE_MIN_INSTANCES` instances numpy's fixed cost per call is more than the loops
+cost, and the loops run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from itertools import compress, count
+from operator import is_not
+
+import numpy as np
+
+from mooncake_lite.scheduler.block_index import PrefixMatch
+from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.estimate import Backlog, QueuesAt
+from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
+
+# Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
+# at 48 the arrays do; tests set it to 1).
+WIDE_MIN_INSTANCES = 48
+
+_INF = float("inf")
+# Up to this many distinct prefill cost models, each predicts once per decision in Python.
+_FEW_MODELS = 8
+
+
+def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
+    """Positions whose entry is another object (None: the two differ in length)."""
+    if len(new) != len(old):
+        return None
+    return list(compress(count(), map(is_not, new, old)))
+
+
+class PrefillTable:
+    """Per prefill instance: its backlog's total predicted work, its started head job
+    (duration, start; start +inf when none has started), its fetch bandwidth and which of the
+    distinct cost models it has. Instances with more than one started job (rare) are costed
+    in Python."""
+
+    def __init__(self) -> None:
+        self.prefills: tuple[PrefillInstanceState, ...] = ()   # what the rows were written from
+        self.costs: CostModels | None = None
+        self._resize(0)
+
+    def _resize(self, n: int) -> None:
+        self.backlogs: list[Backlog | None] = [None] * n
+        self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
+        self.coef = np.zeros((4, n))                   # each row's model's c0..c3
+        self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
+        self.models: list[PrefillCostModel] = []
+        self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
+        self.multi: set[int] = set()
+        self.positions: dict[Hashable, list[int]] = {}
+
+    def update(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
+        """Rewrite the rows of the instances whose state changed since the last call
+        (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
+        rows = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
+        old, moved = self.prefills, False
+        if rows is None or any(prefills[i].instance_id != old[i].instance_id for i in rows) \
+                or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
+            self._resize(len(prefills))
+            rows, moved, self.costs = range(len(prefills)), True, costs
+        for i in rows:
+            p = prefills[i]
+            moved = moved or old[i].store_id != p.store_id
+            self._write(i, p, costs, backlog)
+        if moved:
+            self.positions = {}
+            for i, p in enumerate(prefills):
+                self.positions.setdefault(p.store_id, []).append(i)
+        self.prefills = prefills
+
+    def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
+        model = p.cost or costs.prefill
+        b = self.backlogs[i] = backlog(p, model)
+        self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
+        started = b.started
+        self.multi.discard(i)
+        if len(started) == 1:
+            self.head_d[i], self.head_s[i] = started[0]
+        else:
+            self.head_d[i], self.head_s[i] = 0.0, _INF
+            if started:
+                self.multi.add(i)
+        pos = self._model_pos.get(id(model))
+        if pos is None or self.models[pos] is not model:
+            pos = self._model_pos[id(model)] = len(self.models)
+            self.models.append(model)
+        self.model_of[i] = pos
+        self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
+        self.bw[i] = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+
+    def queues_at(self, now: float) -> tuple[QueuesAt, np.ndarray]:
+        """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
+        as an array. A started job counts as done for its elapsed time, never more than its
+        duration; an empty queue has no started job and a total of 0."""
+        done = np.minimum(np.maximum(now - self.head_s, 0.0), self.head_d)
+        queue = self.total - done
+        for i in self.multi:
+            b, d = self.backlogs[i], 0.0
+            for duration, started_at in b.started:
+                elapsed = now - started_at
+                if elapsed > 0.0:
+                    d += duration if elapsed > duration else elapsed
+            done[i], queue[i] = d, b.cumulative_s[-1] - d
+        return QueuesAt(list(self.backlogs), done.tolist(), queue.tolist()), queue
+
+    def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
+        """Each row's model's prediction for one prompt: a Python call per distinct model when
+        there are few (instances of the same hardware share one), else
+        :meth:`PrefillCostModel.predict`'s expression over the coefficient rows."""
+        if len(self.models) <= _FEW_MODELS:
+            return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
+        p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
+        p = p if p > 0 else 0
+        n = num_tokens - p
+        c0, c1, c2, c3 = self.coef
+        t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
+        return np.where(t > 0.0, t, 0.0)
+
+
+def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queues: QueuesAt, queue: np.ndarray,
+                       match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> tuple[int, int, bool] | None:
+    """The kvcache-centric loop of ``choose_prefill`` over the rows: (row, its local prefix
+    blocks, whether it fetches the best prefix), or None when no key is below infinity (the
+    loop then decides). Rows whose store holds none of the prefix are costed as arrays; the few
+    that hold some, by the loop's own expressions."""
+    best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
+    latency_s = costs.transfer_latency_s
+    if best_len:   # no local prefix: fetch the best one (blocks [0, best_len))
+        key = latency_s + best_len * (block_size * costs.kv_bytes_per_token) / table.bw + queue \
+            + table.predict(num_tokens, best_len * block_size)
+    else:
+        key = queue + table.predict(num_tokens, 0)
+    threshold, queue_s, prefills = cfg.kvcache_balancing_threshold, queues.queue_s, table.prefills
+    block_bytes = block_size * costs.kv_bytes_per_token
+    held = []
+    for store_id, local in match.lengths.items():
+        for i in table.positions.get(store_id, ()):
+            held.append(i)
+            p = prefills[i]
+            model = p.cost or costs.prefill
+            if local < best_len and best_len / local >= threshold:
+                key[i] = (latency_s + (best_len - local) * block_bytes / float(table.bw[i]) + queue_s[i]
+                          + model.predict(num_tokens, best_len * block_size))
+            else:
+                key[i] = queue_s[i] + model.predict(num_tokens, local * block_size)
+    i = int(np.argmin(key))
+    if not key[i] < _INF:            # all infinite, or a NaN the loop would have skipped
+        return None
+    local = match.lengths.get(prefills[i].store_id, 0) if i in held else 0
+    fetch = local < best_len and (not local or best_len / local >= threshold)
+    return i, local, fetch
+
+
+class DecodeTable:
+    """Per decode instance: the parts of its predicted TBT with one more request that do not
+    depend on the request (``c0 + c1·(batch + 1)``), its context and context coefficient,
+    whether its batch has room, and its context room (+inf where unlimited)."""
+
+    def __init__(self) -> None:
+        self.decodes: tuple[DecodeInstanceState, ...] = ()
+        self.default: DecodeCostModel | None = None
+        self._resize(0)
+
+    def _resize(self, n: int) -> None:
+        self.batch, self.context = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        self.base, self.c2, self.context_room = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.batch_room = np.zeros(n, dtype=bool)
+
+    def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
+               load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
+        """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
+        through the cache)."""
+        rows = None if default is not self.default else _changed_rows(decodes, self.decodes)
+        if rows is None:
+            self._resize(len(decodes))
+            rows, self.default = range(len(decodes)), default
+        for i in rows:
+            d = decodes[i]
+            batch, context = load(d)
+            model = d.cost or default
+            self.batch[i], self.context[i] = batch, context
+            self.base[i], self.c2[i] = model.c0 + model.c1 * (batch + 1), model.c2
+            self.batch_room[i] = d.max_batch_size is None or batch < d.max_batch_size
+            self.context_room[i] = _INF if d.max_context_tokens is None else d.max_context_tokens - context
+        self.decodes = decodes
+
+    def choose_now(self, req: ScheduleRequest) -> tuple[int, float] | None:
+        """The decode loop of ``choose_decode`` on the loads now: (row, its predicted TBT with
+        ``req`` added), or None when the loop must decide (no row with room, or only infinite
+        TBTs, where the loop's first-eligible rule applies). ``context + need <= max_context``
+        is asked as ``need <= max_context - context``: integers, exact either way."""
+        tbt = self.base + self.c2 * (self.context + req.num_tokens)
+        tbt = np.where(tbt > 0.0, tbt, 0.0)
+        room = self.batch_room & (req.num_tokens + req.max_output_tokens <= self.context_room)
+        keyed = np.where(room, tbt, _INF)
+        i = int(np.argmin(keyed))
+        if not keyed[i] < _INF:
+            return None
+        return i, float(tbt[i])
