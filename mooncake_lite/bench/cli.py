@@ -16,6 +16,7 @@ BENCHES = {
     "pd": "layer-wise overlap, prefix-hit TTFT, CPP, decode tokens/s; --profile for cost models",
     "conductor": "scheduling decision time and the conductor's added latency",
     "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
+    "chaos": "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, recovery, leaks",
 }
 PACKAGES = {"replay"}
 

@@ -1,0 +1,270 @@
+"""``mooncake bench chaos``: kill -9 prefill, decode and store in turn under a steady streaming load.
+
+    mooncake bench chaos                                  # smollm2-135m, 2 prefill, 2 decode, 1 store
+    mooncake bench chaos --victims decode-0 --json
+
+It starts ``mooncake up`` (restarts on), keeps ``--concurrency`` chat completions streaming through
+the official ``openai`` client, and for each victim in turn: lets the load settle, drains it and
+reads every role's leak gauges (``/metrics``), kills the victim with SIGKILL mid-load, keeps the
+load going until the victim is back and the conductor counts every instance again, drains, and
+reads the gauges once more (the load runs ``--window-s`` after the kill and ``--after-s`` after
+the rejoin, whichever ends later). For each kill it reports
+
+* requests **hung** (no byte for ``--hang-s``; goal 0),
+* requests **failed**, split into those whose tokens were already streaming (the only ones that
+  may fail) and those that failed before their first token (goal 0: they should be re-dispatched),
+  and 429s,
+* **service restored**: seconds from the kill to the first token of the first request started
+  after the last failed one (goal ≤ 3 s where a live replacement exists), and **rejoined**: to
+  the victim being back and registered,
+* **leaked**: leak gauges that did not return to their idle value within ``--quiet-s`` (goal none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import orjson
+
+from mooncake_lite.bench.chaos_load import Load, phase_figures
+from mooncake_lite.cluster.health import missing_instances
+from mooncake_lite.model.source import DEFAULT_MODEL
+
+# Gauges that must come back to their idle value once the load stops: KV blocks and slots held,
+# requests queued or running, store leases, the conductor's in-flight requests.
+LEAK_GAUGES = ("mooncake_prefill_free_blocks", "mooncake_prefill_num_queued", "mooncake_decode_free_blocks",
+               "mooncake_decode_num_running", "mooncake_decode_num_waiting", "mooncake_decode_pending_transfers",
+               "mooncake_store_leases", "mooncake_conductor_requests_in_flight")
+
+
+class Cluster:
+    """A ``mooncake up`` subprocess: its banner (API URL, children), and its ``[up]`` events."""
+
+    def __init__(self, up_args: list[str], *, ready_timeout: float):
+        cmd = [sys.executable, "-m", "mooncake_lite", "up", "--port", "0", "--no-color", "--restart",
+               "--ready-timeout", str(ready_timeout), *up_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.events: list[tuple[float, str]] = []      # (monotonic time, "[up] ..." line)
+        self.tail: deque[str] = deque(maxlen=60)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self.api, self.children = self._read_banner(ready_timeout)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            line = line.rstrip("\n")
+            with self._lock:
+                self.tail.append(line)
+                if line.startswith("[up] "):
+                    self.events.append((time.monotonic(), line))
+
+    def _read_banner(self, timeout: float) -> tuple[str, dict[str, dict]]:
+        lines, deadline = [], time.monotonic() + timeout
+        for line in self.proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops every process" in line or time.monotonic() > deadline:
+                break
+        text = "".join(lines)
+        api = re.search(r"OpenAI-compatible API: (http://\S+)/v1", text)
+        if api is None:
+            self.stop()
+            raise RuntimeError("mooncake up did not start; last lines:\n" + "\n".join(self.tail))
+        children = {m.group(1): {"pid": int(m.group(2)), **dict(kv.split("=", 1) for kv in m.group(3).split())}
+                    for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)\s+(.*)$", text, re.M)}
+        return api.group(1), children
+
+    def pid_of(self, name: str) -> int:
+        """The child's current pid (a restart's, once one happened)."""
+        pid = self.children[name]["pid"]
+        with self._lock:
+            for _, line in self.events:
+                m = re.match(rf"\[up\] {re.escape(name)} is back: pid (\d+)", line)
+                pid = int(m.group(1)) if m else pid
+        return pid
+
+    def wait_event(self, needle: str, since: float, timeout: float) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                hit = next((t for t, line in self.events if t >= since and needle in line), None)
+            if hit is not None:
+                return hit
+            time.sleep(0.05)
+        return None
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def get_json(url: str, timeout: float = 5.0):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return orjson.loads(resp.read())
+
+
+def gauges(cluster: Cluster) -> dict[str, float]:
+    """Every leak gauge of every child, keyed ``child.gauge`` (children not answering are skipped)."""
+    import urllib.request
+    found: dict[str, float] = {}
+    for name, child in cluster.children.items():
+        try:
+            with urllib.request.urlopen(f"http://{child['http']}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            metric, _, value = line.partition(" ")
+            if metric in LEAK_GAUGES:
+                found[f"{name}.{metric.removeprefix('mooncake_')}"] = float(value)
+    return found
+
+
+def leaks(cluster: Cluster, idle: dict[str, float], quiet_s: float) -> dict[str, float]:
+    """Gauges still off their idle value after up to ``quiet_s`` (aborts and frees are async)."""
+    deadline = time.monotonic() + quiet_s
+    while True:
+        now = gauges(cluster)
+        off = {k: now.get(k, float("nan")) - v for k, v in idle.items() if now.get(k) != v}
+        if not off or time.monotonic() > deadline:
+            return off
+        time.sleep(0.25)
+
+
+def wait_whole(cluster: Cluster, want: dict[str, int], timeout: float) -> float | None:
+    """Monotonic time at which the conductor counts ``want`` live instances again (None: never)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not missing_instances(get_json(cluster.api + "/health"), want):
+                return time.monotonic()
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    return None
+
+
+@dataclass
+class KillReport:
+    victim: str
+    requests: int = 0
+    ok: int = 0
+    hung: int = 0
+    failed_streaming: int = 0
+    failed_before_tokens: int = 0
+    rejected_429: int = 0
+    service_restored_s: float | None = None
+    rejoined_s: float | None = None
+    leaked: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
+    """One kill under load, measured from an idle reading before to one after."""
+    load.resume()
+    time.sleep(a.settle_s)
+    load.pause()                             # drained: the gauges show the idle cluster
+    idle, first = gauges(cluster), len(load.outcomes)
+    load.resume()
+    time.sleep(a.lead_s)                     # requests are streaming when the kill lands
+    t0 = time.monotonic()
+    os.kill(cluster.pid_of(victim), signal.SIGKILL)
+    back = cluster.wait_event(f"{victim} is back", t0, a.rejoin_timeout_s)
+    whole = wait_whole(cluster, want, a.rejoin_timeout_s) if back is not None else None
+    until = max(t0 + a.window_s, (whole or 0.0) + a.after_s)  # and requests get served after the rejoin
+    time.sleep(max(0.0, until - time.monotonic()))
+    load.pause()
+    report = KillReport(victim, leaked=leaks(cluster, idle, a.quiet_s))
+    report.rejoined_s = None if whole is None else round(max(whole, back) - t0, 2)
+    for key, value in phase_figures(load.outcomes[first:], t0).items():
+        setattr(report, key, value)
+    return report
+
+
+def run(a: argparse.Namespace) -> dict:
+    up_args = ["--model", a.model, "--prefill", str(a.prefill), "--decode", str(a.decode),
+               "--stores", str(a.stores), *shlex.split(a.up_args)]
+    cluster = Cluster(up_args, ready_timeout=a.ready_timeout_s)
+    want = {"prefill": a.prefill, "decode": a.decode}
+    try:
+        model = get_json(cluster.api + "/v1/models")["data"][0]["id"]
+        with Load(cluster.api + "/v1", model, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                  hang_s=a.hang_s) as load:
+            reports = [kill_one(cluster, load, victim, a, want) for victim in a.victims.split(",")]
+    finally:
+        rc = cluster.stop()
+    return {"model": a.model, "commit": _commit(), "cluster": {"prefill": a.prefill, "decode": a.decode,
+            "stores": a.stores}, "load": {"concurrency": a.concurrency, "max_tokens": a.max_tokens},
+            "kills": [asdict(r) for r in reports], "up_exit_code": rc}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def render(res: dict) -> str:
+    lines = [f"chaos: {res['model']}, {res['cluster']}, {res['load']['concurrency']} streams of "
+             f"{res['load']['max_tokens']} tokens, commit {res['commit']}", "",
+             f"{'victim':<11}{'requests':>9}{'hung':>6}{'failed streaming':>18}{'failed before 1st':>19}"
+             f"{'429':>5}{'restored s':>12}{'rejoined s':>12}  leaked"]
+    for k in res["kills"]:
+        lines.append(f"{k['victim']:<11}{k['requests']:>9}{k['hung']:>6}{k['failed_streaming']:>18}"
+                     f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}{_s(k['service_restored_s']):>12}"
+                     f"{_s(k['rejoined_s']):>12}  {k['leaked'] or 'none'}")
+        lines += [f"    {e}" for e in k["errors"][:3]]
+    return "\n".join(lines)
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def parse_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mooncake bench chaos", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--stores", type=int, default=1)
+    p.add_argument("--up-args", default="", help="more flags for mooncake up, one quoted string")
+    p.add_argument("--victims", default="prefill-0,decode-0,store-0", help="children to kill, in turn")
+    p.add_argument("--concurrency", type=int, default=4, help="requests streaming at once")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--settle-s", type=float, default=5.0, help="load before each kill's idle reading")
+    p.add_argument("--lead-s", type=float, default=1.5, help="load before the kill lands")
+    p.add_argument("--window-s", type=float, default=15.0, help="load after the kill (at least)")
+    p.add_argument("--after-s", type=float, default=3.0, help="load after the victim rejoined (at least)")
+    p.add_argument("--hang-s", type=float, default=30.0, help="a request silent this long is hung")
+    p.add_argument("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle")
+    p.add_argument("--rejoin-timeout-s", type=float, default=180.0)
+    p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(list(argv))
+
+
+def main(argv) -> int:
+    a = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the cluster we started is stopped, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res = run(a)
+    print(orjson.dumps(res).decode() if a.json else render(res))
+    return 0

@@ -1,0 +1,133 @@
+"""The steady load of ``mooncake bench chaos``: threads streaming chat completions through the
+official ``openai`` client, each request's fate recorded.
+
+A request ends ``ok`` (a finish reason arrived), ``failed_streaming`` (it failed after content had
+reached the client), ``failed_before_tokens``, ``rejected_429`` or ``hung`` (no byte for
+``hang_s``). The load can be paused, which waits until nothing is in flight, so the cluster's
+gauges can be read idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+# Shared by every request, so prompts share their first blocks: prefill loads them from the store,
+# which is what a store kill disturbs.
+SYSTEM = ("You are a concise assistant for a lunar observatory. Answer in one short sentence, use plain "
+          "words, and never repeat the question. The observatory logs every answer with its request "
+          "number, so keep the number out of the reply. ") * 3
+QUESTIONS = ("What is the Moon made of?", "Why does the Moon have phases?", "How far away is the Moon?",
+             "What causes tides?", "Who first walked on the Moon?", "Why do we see one side of the Moon?")
+RETRY_PAUSE_S = 0.1        # after a failure, so an outage is not a busy loop of instant errors
+
+
+@dataclass(frozen=True)
+class Outcome:
+    start: float                 # time.monotonic()
+    end: float
+    first_token: float | None    # first content chunk
+    kind: str                    # ok | failed_streaming | failed_before_tokens | rejected_429 | hung
+    error: str = ""
+
+
+class Load:
+    """``concurrency`` threads, each sending one streamed chat completion after the other."""
+
+    def __init__(self, base_url: str, model: str, *, concurrency: int, max_tokens: int, hang_s: float,
+                 api_key: str | None = None):
+        import openai
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=hang_s)
+        self.model, self.max_tokens, self.concurrency = model, max_tokens, concurrency
+        self.outcomes: list[Outcome] = []
+        self._running = threading.Event()
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._is_closed = False
+        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(concurrency)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._is_closed = True
+        self._running.set()
+        for t in self._threads:
+            t.join(60)
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def pause(self) -> None:
+        """Stop starting requests and wait until every one in flight has ended (a hung one ends
+        at the client's ``hang_s`` read timeout)."""
+        with self._cond:
+            self._running.clear()
+            self._cond.wait_for(lambda: self._in_flight == 0)
+
+    def _worker(self, index: int) -> None:
+        num = 0
+        while not self._is_closed:
+            if not self._running.wait(0.2):
+                continue
+            with self._cond:
+                if not self._running.is_set() or self._is_closed:
+                    continue
+                self._in_flight += 1
+            outcome = self._one(index, num)
+            with self._cond:
+                self.outcomes.append(outcome)
+                self._in_flight -= 1
+                self._cond.notify_all()
+            num += 1
+            if outcome.kind != "ok":
+                time.sleep(RETRY_PAUSE_S)
+
+    def _one(self, index: int, num: int) -> Outcome:
+        import openai
+        start, first, finish = time.monotonic(), None, None
+        question = QUESTIONS[(index + num) % len(QUESTIONS)]
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"#{index}-{num}: {question}"}]
+        try:
+            stream = self.client.chat.completions.create(model=self.model, messages=messages, stream=True,
+                                                         max_tokens=self.max_tokens, temperature=0)
+            with stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        if first is None and choice.delta.content:
+                            first = time.monotonic()
+                        finish = choice.finish_reason or finish
+        except openai.RateLimitError as exc:
+            return Outcome(start, time.monotonic(), first, "rejected_429", _text(exc))
+        except Exception as exc:  # noqa: BLE001 - the HTTP library's own errors escape a stream too
+            return Outcome(start, time.monotonic(), first, _failure(exc, first), _text(exc))
+        if finish is None:
+            return Outcome(start, time.monotonic(), first, _failure(None, first), "stream ended without a finish reason")
+        return Outcome(start, time.monotonic(), first, "ok")
+
+
+def _failure(exc: BaseException | None, first_token: float | None) -> str:
+    """How a request failed: silent too long (the client's read timeout) is a hang."""
+    if exc is not None and "timeout" in type(exc).__name__.lower():
+        return "hung"
+    return "failed_streaming" if first_token is not None else "failed_before_tokens"
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def phase_figures(outcomes: list[Outcome], t0: float) -> dict:
+    """What one kill did to the requests around it (``t0``: the kill). ``service_restored_s``: to
+    the first token of the first request started after the last one that did not succeed."""
+    counts = {kind: sum(o.kind == kind for o in outcomes)
+              for kind in ("ok", "hung", "failed_streaming", "failed_before_tokens", "rejected_429")}
+    bad = [o for o in outcomes if o.kind != "ok" and o.end >= t0]
+    since = max([t0, *(o.start for o in bad)])
+    after = [o.first_token for o in outcomes if o.kind == "ok" and o.start >= since and o.first_token]
+    restored = round(min(after) - t0, 2) if after else None
+    errors = sorted({o.error for o in bad if o.error})[:5]
+    return {"requests": len(outcomes), **counts, "service_restored_s": restored, "errors": errors}
