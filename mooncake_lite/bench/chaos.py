@@ -50,7 +50,7 @@ LEAK_GAUGES = ("mooncake_prefill_free_blocks", "mooncake_prefill_num_queued", "m
 class Cluster:
     """A ``mooncake up`` subprocess: its banner (API URL, children), and its ``[up]`` events."""
 
-    def __init__(self, up_args: list[str], *, ready_timeout: float):
+    def __init__(self, up_args: list[str], *, ready_timeout: float, log_path: str | None = None):
         cmd = [sys.executable, "-m", "mooncake_lite", "up", "--port", "0", "--no-color", "--restart",
                "--ready-timeout", str(ready_timeout), *up_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -58,6 +58,7 @@ class Cluster:
         self.events: list[tuple[float, str]] = []      # (monotonic time, "[up] ..." line)
         self.tail: deque[str] = deque(maxlen=60)
         self._lock = threading.Lock()
+        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed in stop()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         self.api, self.children = self._read_banner(ready_timeout)
 
@@ -65,6 +66,8 @@ class Cluster:
         for line in self.proc.stderr:
             line = line.rstrip("\n")
             with self._lock:
+                if self._log is not None and not self._log.closed:
+                    self._log.write(line + "\n")
                 self.tail.append(line)
                 if line.startswith("[up] "):
                     self.events.append((time.monotonic(), line))
@@ -110,6 +113,11 @@ class Cluster:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            time.sleep(0.5)           # the reader's last lines
+            with self._lock:
+                if self._log is not None:
+                    self._log.close()
 
 
 def get_json(url: str, timeout: float = 5.0):
@@ -199,7 +207,7 @@ def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, w
 def run(a: argparse.Namespace) -> dict:
     up_args = ["--model", a.model, "--prefill", str(a.prefill), "--decode", str(a.decode),
                "--stores", str(a.stores), *shlex.split(a.up_args)]
-    cluster = Cluster(up_args, ready_timeout=a.ready_timeout_s)
+    cluster = Cluster(up_args, ready_timeout=a.ready_timeout_s, log_path=a.up_log)
     want = {"prefill": a.prefill, "decode": a.decode}
     try:
         model = get_json(cluster.api + "/v1/models")["data"][0]["id"]
@@ -257,6 +265,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle")
     p.add_argument("--rejoin-timeout-s", type=float, default=180.0)
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--up-log", default=None, metavar="FILE", help="write mooncake up's log (every role's) here")
     p.add_argument("--json", action="store_true")
     return p.parse_args(list(argv))
 
