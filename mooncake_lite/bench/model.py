@@ -26,7 +26,7 @@ import orjson
 import torch
 from tqdm import tqdm
 
-from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, NAMED_MODELS, resolve
@@ -48,12 +48,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=6, help="timed decode steps per batch size")
     ap.add_argument("--repeats", type=int, default=2, help="timed prefills per model (median reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--dtype", default="float32",
+                    help="comma-separated model dtypes, each measured in the same run (e.g. float32,bfloat16)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also break a batch-1 decode step down by operator kind (torch.profiler)")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     args = ap.parse_args(list(argv))
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         ap.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+    args.dtypes = [d for d in args.dtype.split(",") if d]
+    if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
+        ap.error(f"--dtype takes {', '.join(sorted(DTYPES))}, got {args.dtype!r}")
     args.default_models = args.models is None
     args.models = list(DEFAULT_MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
@@ -87,6 +94,13 @@ def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats) / 1e9
 
 
+def read_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bandwidth of one large read (a sum): what a decode step's weight reads could reach, since
+    they write almost nothing. Shown beside the copy roof, which the goals are stated against."""
+    src = torch.ones(num_bytes // 4)
+    return num_bytes / _best_of(lambda: src.sum(), repeats) / 1e9
+
+
 # --- what each model is -------------------------------------------------------------------------------
 def describe_model(spec: str) -> dict:
     """What ``spec`` names: a preset with seeded dummy weights, or a real checkpoint (and where)."""
@@ -97,7 +111,7 @@ def describe_model(spec: str) -> dict:
     description = (NAMED_MODELS[spec].description if spec in NAMED_MODELS
                    else f"{'GGUF file' if source.kind == 'gguf' else 'HF checkpoint'} {source.served_name}")
     if source.kind == "gguf":
-        description += " (dequantized to float32)"
+        description += " (dequantized, then cast to the dtype measured)"
     return {"kind": source.kind, "weights": "checkpoint", "path": source.path, "description": description}
 
 
@@ -172,11 +186,39 @@ def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, 
     return times
 
 
+# Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
+OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+            ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax")),
+            ("kv write", ("aten::index_copy", "aten::index_put", "aten::_index_put")),
+            ("kv gather", ("aten::index_select", "aten::index")))
+
+
+def profile_decode(runner: ModelRunner, context_len: int, steps: int = 4) -> dict:
+    """Milliseconds per batch-1 decode step by operator kind (self CPU time), and the rest of the
+    wall time: Python, dispatch and everything the profiler does not attribute to an operator."""
+    from torch.profiler import ProfilerActivity, profile
+    per_seq = blocks_needed(context_len + steps + 2, runner.block_size)
+    table = [list(range(per_seq))]
+    runner.decode([11], table, [context_len])   # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for step in range(steps):
+            runner.decode([11], table, [context_len + 1 + step])
+        wall = time.perf_counter() - t0
+    kinds = {kind: 0.0 for kind, _ in OP_KINDS} | {"other ops": 0.0}
+    for event in prof.key_averages():
+        kind = next((k for k, prefixes in OP_KINDS if event.key.startswith(prefixes)), "other ops")
+        kinds[kind] += event.self_cpu_time_total / 1e3 / steps
+    kinds["outside ops"] = max(wall * 1e3 / steps - sum(kinds.values()), 0.0)
+    # Profiling slows every op a little: read these as shares of the step, not as its time.
+    return {"step_ms_profiled": wall * 1e3 / steps, "ms_per_step": kinds}
+
+
 def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps: float, bar: tqdm,
-              header_s: float = 0.0) -> dict:
+              header_s: float = 0.0, dtype: str = "float32") -> dict:
     source = describe_model(name)
     t0 = time.perf_counter()
-    model = build_model(name)
+    model = build_model(name, dtype=DTYPES[dtype])
     source["build_s"] = time.perf_counter() - t0
     source["load_s"] = header_s + source["build_s"]   # header/config, then the weights
     margs = model.args
@@ -191,6 +233,7 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
     gflops = prefill_flops(margs, args.prompt_len) / best_s / 1e9
     out = {
         "source": source,
+        "dtype": dtype,
         "params": margs.num_params(),
         "prefill": {"tokens": args.prompt_len, "seconds": statistics.median(times), "seconds_best": best_s,
                     "tokens_per_s": args.prompt_len / statistics.median(times),
@@ -209,6 +252,8 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
             "weight_gbps_best": wbytes / best_s / 1e9,
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / peak_gbps,
         }
+    if args.profile:
+        out["decode_profile"] = profile_decode(runner, args.context_len)
     return out
 
 
@@ -220,24 +265,27 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     steps_per_model = args.repeats + 1 + len(args.batch_sizes) * (args.decode_steps + 1)
-    with tqdm(total=2 + steps_per_model * len(args.models), desc="bench model", unit="run",
+    with tqdm(total=2 + steps_per_model * len(args.models) * len(args.dtypes), desc="bench model", unit="run",
               file=sys.stderr, disable=None, leave=False) as bar:
         bar.set_postfix_str("matmul peak")
         peak = matmul_gflops()
         bar.update(1)
         bar.set_postfix_str("copy bandwidth")
         bandwidth = copy_gbps()
+        read = read_gbps()
         bar.update(1)
         models = {}
         for name in args.models:
-            bar.set_postfix_str(name)
-            with torch.inference_mode():
-                models[name] = bench_one(name, args, peak, bandwidth, bar, header_s[name])
+            for dtype in args.dtypes:
+                bar.set_postfix_str(f"{name} {dtype}")
+                key = name if len(args.dtypes) == 1 else f"{name} {dtype}"
+                with torch.inference_mode():
+                    models[key] = bench_one(name, args, peak, bandwidth, bar, header_s[name], dtype)
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": bandwidth,
-                        "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+                        "read_gbps": read, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
             "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
-                         "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": "float32"},
+                         "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": args.dtype},
             "models": models, "notes": notes}
 
 
@@ -245,12 +293,13 @@ def render(res: dict) -> str:
     m = res["machine"]
     s = res["settings"]
     lines = [f"machine: {m['threads']} threads, float32 matmul {m['matmul_gflops']:.1f} GFLOP/s, "
-             f"copy {m['copy_gbps']:.1f} GB/s (load average {m['load_average_1m']:.1f} on {m['cpu_count']} CPUs)",
+             f"copy {m['copy_gbps']:.1f} GB/s, read {m['read_gbps']:.1f} GB/s "
+             f"(load average {m['load_average_1m']:.1f} on {m['cpu_count']} CPUs)",
              f"prefill {s['prompt_len']} tokens; decode with {s['context_len']} cached tokens per sequence"]
     for name, r in res["models"].items():
         p = r["prefill"]
         src = r["source"]
-        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params; {src['description']}; "
+        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params in {r['dtype']}; {src['description']}; "
                      f"loaded in {src['load_s']:.2f} s)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
                      f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
@@ -259,6 +308,10 @@ def render(res: dict) -> str:
                          f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
                          f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+        if "decode_profile" in r:
+            prof = r["decode_profile"]
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in prof["ms_per_step"].items())
+            lines.append(f"  decode batch 1 profiled ({prof['step_ms_profiled']:.1f} ms/step), ms per step: {parts}")
     lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 

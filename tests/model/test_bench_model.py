@@ -105,3 +105,27 @@ def test_a_missing_real_model_is_skipped_from_the_defaults_only(monkeypatch):
     assert list(keep) == ["tiny"] and SMOLLM in notes[0] and "pip install" in notes[0]
     with pytest.raises(ModelNotInstalledError):
         bench_model.usable_models(["tiny", SMOLLM], drop_missing=False)
+
+
+def test_dtypes_in_one_run_and_the_decode_profile(capsys):
+    rc = main(["--models", "tiny", "--prompt-len", "8", "--context-len", "8", "--batch-sizes", "1",
+               "--decode-steps", "1", "--repeats", "1", "--dtype", "float32,bfloat16", "--profile", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["models"]) == {"tiny float32", "tiny bfloat16"} and res["machine"]["read_gbps"] > 0
+    f32, bf16 = res["models"]["tiny float32"], res["models"]["tiny bfloat16"]
+    assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    # bandwidth x step time = the weight bytes in that dtype (bfloat16 reads half of float32)
+    for r, size in ((f32, 4), (bf16, 2)):
+        d = r["decode"]["1"]
+        assert abs(d["weight_gbps_best"] * d["step_ms_best"] / 1e3 * 1e9
+                   - weight_bytes(bench_model.model_args("tiny"), getattr(torch, r["dtype"]))) < 1e3
+        kinds = r["decode_profile"]["ms_per_step"]
+        assert set(kinds) >= {"matmul", "attention", "kv gather", "kv write", "other ops", "outside ops"}
+        assert kinds["matmul"] > 0 and kinds["attention"] > 0 and kinds["kv write"] > 0
+
+
+def test_bad_dtype(capsys):
+    with pytest.raises(SystemExit):
+        main(["--models", "tiny", "--dtype", "float64"])
+    assert "--dtype takes" in capsys.readouterr().err
