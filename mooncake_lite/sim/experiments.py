@@ -80,7 +80,8 @@ def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, spee
                 name = f"{variant} {policy} {_column(admission, predict)}"
                 res = run_with_progress(sim, fast, f"table3 {name}")
                 tick(f"table3 {name}")
-                rows.append(_table3_row(res, variant, num_decode, tbt, policy, admission, predict))
+                rows.append(_table3_row(res, fast[-1].arrival_s, variant, num_decode, tbt, policy, admission,
+                                        predict))
                 runs[f"{variant} (TBT {tbt * 1e3:.0f} ms), max_tokens {policy}: {_column(admission, predict)}"] = res
     plot_paths = [plots.load_plot({k: v for k, v in runs.items() if k.startswith(f"{variant} (") and
                                    k.split("max_tokens ")[1].startswith(policy + ":")},
@@ -90,10 +91,10 @@ def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, spee
     return {"rows": rows, "table": _table3_text(rows, speed, len(trace)), "plots": plot_paths}
 
 
-def _table3_row(res: Any, variant: str, num_decode: int, tbt: float, policy: str, admission: str,
-                predict: bool) -> dict[str, Any]:
+def _table3_row(res: Any, last_arrival_s: float, variant: str, num_decode: int, tbt: float, policy: str,
+                admission: str, predict: bool) -> dict[str, Any]:
     s = summarize(res, TTFT_SLO_S, tbt)
-    loads = [r["decode_load"] for r in res.timeline if r["t"] <= res.duration_s]
+    loads = [r["decode_load"] for r in res.timeline if r["t"] <= last_arrival_s]   # not the drain
     mean = sum(loads) / len(loads) if loads else 0.0
     return {"variant": variant, "num_decode": num_decode, "tbt_slo_s": tbt, "max_tokens_policy": policy,
             "admission": admission, "output_prediction": predict,
