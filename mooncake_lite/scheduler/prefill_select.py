@@ -83,7 +83,7 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     if cfg.strategy != "kvcache-centric":
         return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times)
     if wide is not None:
-        hit = choose_prefill_row(req, wide[0], queues, wide[1], match, cfg, costs)
+        hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
         if hit is not None:
             i, local, fetch = hit
             return _option(req, prefills[i], queue_times[i], local, match, fetch, cfg, costs)

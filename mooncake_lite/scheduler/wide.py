@@ -138,38 +138,53 @@ class PrefillTable:
         return np.where(t > 0.0, t, 0.0)
 
 
-def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queues: QueuesAt, queue: np.ndarray,
+def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray,
                        match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> tuple[int, int, bool] | None:
     """The kvcache-centric loop of ``choose_prefill`` over the rows: (row, its local prefix
     blocks, whether it fetches the best prefix), or None when no key is below infinity (the
-    loop then decides). Rows whose store holds none of the prefix are costed as arrays; the few
-    that hold some, by the loop's own expressions."""
+    loop then decides). Every row is first costed as holding none of the prefix (fetch it all,
+    or compute it all when nothing is cached), then the rows whose store holds some of it
+    (a hot prefix may be on most stores) are costed again with their local prefix."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
-    latency_s = costs.transfer_latency_s
-    if best_len:   # no local prefix: fetch the best one (blocks [0, best_len))
-        key = latency_s + best_len * (block_size * costs.kv_bytes_per_token) / table.bw + queue \
-            + table.predict(num_tokens, best_len * block_size)
-    else:
+    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
+    if not best_len:
         key = queue + table.predict(num_tokens, 0)
-    threshold, queue_s, prefills = cfg.kvcache_balancing_threshold, queues.queue_s, table.prefills
-    block_bytes = block_size * costs.kv_bytes_per_token
-    held = []
-    for store_id, local in match.lengths.items():
-        for i in table.positions.get(store_id, ()):
-            held.append(i)
-            p = prefills[i]
-            model = p.cost or costs.prefill
-            if local < best_len and best_len / local >= threshold:
-                key[i] = (latency_s + (best_len - local) * block_bytes / float(table.bw[i]) + queue_s[i]
-                          + model.predict(num_tokens, best_len * block_size))
-            else:
-                key[i] = queue_s[i] + model.predict(num_tokens, local * block_size)
+    else:
+        fetched = table.predict(num_tokens, best_len * block_size)
+        key = latency_s + best_len * block_bytes / table.bw + queue + fetched
+        rows, local = _held(table, match)
+        if rows.size:
+            fetch = (local < best_len) & (best_len / local >= cfg.kvcache_balancing_threshold)
+            with_fetch = (latency_s + (best_len - local) * block_bytes / table.bw[rows] + queue[rows]
+                          + fetched[rows])
+            with_local = queue[rows] + _predict_rows(table.coef[:, rows], num_tokens, local * block_size)
+            key[rows] = np.where(fetch, with_fetch, with_local)
     i = int(np.argmin(key))
     if not key[i] < _INF:            # all infinite, or a NaN the loop would have skipped
         return None
-    local = match.lengths.get(prefills[i].store_id, 0) if i in held else 0
-    fetch = local < best_len and (not local or best_len / local >= threshold)
-    return i, local, fetch
+    local_i = match.lengths.get(table.prefills[i].store_id, 0)
+    return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
+
+
+def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarray]:
+    """The rows whose store holds a leading part of the prefix, and how many blocks each."""
+    rows, lengths, positions = [], [], table.positions
+    for store_id, length in match.lengths.items():
+        at = positions.get(store_id)
+        if at is not None:
+            rows.extend(at)
+            lengths.extend([length] * len(at))
+    return np.array(rows, dtype=np.intp), np.array(lengths, dtype=np.int64)
+
+
+def _predict_rows(coef: np.ndarray, num_tokens: int, prefix: np.ndarray) -> np.ndarray:
+    """PrefillCostModel.predict per row (``coef`` its c0..c3 rows, ``prefix`` its cached
+    tokens), the same operations in the same order."""
+    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
+    n = num_tokens - p
+    c0, c1, c2, c3 = coef
+    t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
+    return np.where(t > 0.0, t, 0.0)
 
 
 class DecodeTable:
