@@ -1,13 +1,15 @@
 """The trace-replay loop both simulated systems share (Mooncake and the colocated baseline).
 
 Arrivals are pushed one at a time (each arrival pushes the next), so the event queue holds
-only the events of requests in flight, not the whole trace.
+only the events of requests in flight, not the whole trace, and the trace itself may be an
+iterator read as the simulation goes (``trace.format.iter_trace``): with the recorder's
+``sink`` set, a run's memory does not grow with its number of requests.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sized
 
 from mooncake_lite.sim.recorder import SimResult
 from mooncake_lite.sim.request import SimRequest
@@ -21,10 +23,13 @@ class TraceDriver:
     system = "mooncake"   # label of the results
 
     def _push_next_arrival(self) -> None:
-        if self._next < len(self._trace):
-            tr = self._trace[self._next]
-            self._next += 1
-            self.events.push(tr.arrival_s, self._on_arrival, SimRequest(tr, self.block_size))
+        tr = next(self._trace, None)
+        if tr is None:
+            if self._total is None:
+                self.recorder.trace_ended(self._next)
+            return
+        self._next += 1
+        self.events.push(tr.arrival_s, self._on_arrival, SimRequest(tr, self.block_size))
 
     def _on_arrival(self, now: float, req: SimRequest) -> None:
         self.recorder.arrived()
@@ -34,13 +39,15 @@ class TraceDriver:
     def _arrive(self, now: float, req: SimRequest) -> None:
         raise NotImplementedError
 
-    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``trace`` (sorted by arrival) to the end; ``progress(n)`` is called with the
-        number of requests ended so far, now and then."""
+    def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``trace`` (in arrival order; a sequence or an iterator read as the run goes)
+        to the end; ``progress(n)`` is called with the number of requests ended so far, now and
+        then."""
         if self.events.num_events:
             raise RuntimeError(f"a {type(self).__name__} runs once; build a new one")
-        self._trace, self._next = list(trace), 0
-        self.recorder.start(len(self._trace), progress)
+        self._total = len(trace) if isinstance(trace, Sized) else None
+        self._trace, self._next = iter(trace), 0
+        self.recorder.start(self._total, progress)
         wall, cpu = time.perf_counter(), time.process_time()
         self._push_next_arrival()
         self.events.run()

@@ -68,6 +68,94 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, 
     }
 
 
+class QuantileSketch:
+    """Quantiles of a stream of positive values in bounded memory: a histogram of logarithmic
+    buckets each ``relative_error`` wide (about 460 buckets per factor 100 at 1%), so a
+    quantile is within ``relative_error`` of the nearest-rank value :func:`quantile` gives.
+    Mean and max are exact. Zero and negative values count in one bucket of their own, as 0."""
+
+    def __init__(self, relative_error: float = 0.005) -> None:
+        if not 0.0 < relative_error < 1.0:
+            raise ValueError(f"relative_error must be in (0, 1), got {relative_error}")
+        self._gamma = (1.0 + relative_error) / (1.0 - relative_error)
+        self._log_gamma = math.log(self._gamma)
+        self._counts: Counter[int | None] = Counter()   # bucket -> count (None: values <= 0)
+        self.count, self.total, self.max = 0, 0.0, None
+
+    def add(self, value: float) -> None:
+        self._counts[math.ceil(math.log(value) / self._log_gamma) if value > 0.0 else None] += 1
+        self.count += 1
+        self.total += value
+        self.max = value if self.max is None or value > self.max else self.max
+
+    def quantile(self, q: float) -> float | None:
+        """Nearest rank, as :func:`quantile`: the bucket holding that rank, at its midpoint."""
+        if not self.count:
+            return None
+        rank = min(self.count, max(1, math.ceil(q * self.count)))
+        if rank == self.count:
+            return self.max
+        seen = self._counts.get(None, 0)
+        if seen >= rank:
+            return 0.0
+        for bucket in sorted(k for k in self._counts if k is not None):
+            seen += self._counts[bucket]
+            if seen >= rank:   # the bucket (gamma^(b-1), gamma^b]: its midpoint errs < relative_error
+                return min(2.0 * self._gamma ** bucket / (self._gamma + 1.0), self.max)
+        return self.max
+
+    def summary(self) -> dict[str, float | None]:
+        """What :func:`summarize` reports of a distribution."""
+        return {"mean": self.total / self.count if self.count else None, "p50": self.quantile(0.5),
+                "p90": self.quantile(0.9), "p99": self.quantile(0.99), "max": self.max}
+
+
+class StreamingSummary:
+    """:func:`summarize` of a run whose results are not kept: the recorder's ``sink`` (one
+    :class:`RequestResult` at a time), then :meth:`summarize`. The same figures, with TTFT and
+    TBT quantiles from :class:`QuantileSketch` (within its relative error); memory does not grow
+    with the number of requests."""
+
+    def __init__(self, ttft_slo_s: float, tbt_slo_s: float, relative_error: float = 0.005) -> None:
+        self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
+        self.ttft, self.tbt = QuantileSketch(relative_error), QuantileSketch(relative_error)
+        self.rejected: Counter[str] = Counter()
+        self.count = self.completed = self.good = self.input_tokens = self.reused_tokens = 0
+
+    def add(self, r: RequestResult) -> None:
+        self.count += 1
+        if r.status == "rejected":
+            self.rejected[f"{r.reject_stage}:{r.reject_cause}"] += 1
+        if meets_slo(r, self.ttft_slo_s, self.tbt_slo_s):
+            self.good += 1
+        if r.status != "completed":
+            return
+        self.completed += 1
+        self.input_tokens += r.input_length
+        self.reused_tokens += r.reused_tokens
+        if r.ttft is not None:
+            self.ttft.add(r.ttft)
+        if r.tbt is not None:
+            self.tbt.add(r.tbt)
+
+    def summarize(self, res: SimResult) -> dict[str, Any]:
+        """The dict :func:`summarize` returns, for the run ``res`` this summary was the sink of."""
+        duration = max(res.duration_s, 1e-9)
+        return {
+            "system": res.system, "num_requests": self.count, "completed": self.completed,
+            "rejected": sum(self.rejected.values()), "rejected_by": dict(sorted(self.rejected.items())),
+            "wasted_prefills": self.rejected.get("decode:tbt", 0),
+            "ttft_s": self.ttft.summary(), "tbt_s": self.tbt.summary(),
+            "slo": {"ttft_s": self.ttft_slo_s, "tbt_s": self.tbt_slo_s},
+            "slo_attainment": self.good / self.count if self.count else 0.0,
+            "goodput_rps": self.good / duration, "throughput_rps": self.completed / duration,
+            "reused_token_share": self.reused_tokens / self.input_tokens if self.input_tokens else 0.0,
+            "simulated_s": res.duration_s, "wall_s": res.wall_s,
+            "requests_per_wall_s": self.count / res.wall_s if res.wall_s > 0 else None,
+            "cpu_s": res.extra.get("cpu_s"), "num_events": res.num_events, "counters": res.counters,
+        }
+
+
 def format_summary(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     """A terminal table, one row per summarized run."""
     head = f"{'system':<24}{'done':>7}{'rej':>7}{'TTFT avg':>10}{'TTFT p90':>10}{'TBT avg':>11}{'TBT p90':>11}{'SLO ok':>8}{'req/wall-s':>12}"

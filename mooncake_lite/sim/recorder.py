@@ -43,16 +43,22 @@ class Recorder:
         self._misses = 0
         self.aborted = False
         self.cpu_s = 0.0
+        # Set: each result goes there and is not kept (a run of millions of requests stays
+        # bounded in memory; the sink keeps what it needs, e.g. metrics.StreamingSummary).
+        self.sink: Callable[[RequestResult], None] | None = None
+        self.num_ended = 0
+        self._last_end = 0.0
 
     def abort_after_misses(self, is_miss: Callable[[SimRequest], bool], budget: int) -> None:
         """Stop the run once more than ``budget`` ended requests satisfy ``is_miss`` (a capacity
         probe that already failed need not run to the end)."""
         self.miss_check, self.miss_budget = is_miss, budget
 
-    def start(self, total: int, progress: Callable[[int], None] | None) -> None:
+    def start(self, total: int | None, progress: Callable[[int], None] | None) -> None:
+        """``total``: the trace's length (None: not known until :meth:`trace_ended`)."""
         self._total = total
         self._progress = progress
-        if total:
+        if total is None or total:
             self._sampling = True
             self.owner.events.push(0.0, self._sample, None)
 
@@ -63,13 +69,23 @@ class Recorder:
         self.counters["migrations"] += 1
         self.counters["migrated_blocks"] += num_blocks
 
+    def trace_ended(self, total: int) -> None:
+        """The driver read the last request of a trace whose length it did not know."""
+        self._total = total
+
     def ended(self, req: SimRequest) -> None:
-        rid = req.request_id
-        if rid in self.results:
-            raise AssertionError(f"request {rid} ended twice ({self.results[rid].status}, then {req.status})")
-        self.results[rid] = RequestResult.of(req)
+        result = RequestResult.of(req)
+        if self.sink is None:
+            rid = req.request_id
+            if rid in self.results:
+                raise AssertionError(f"request {rid} ended twice ({self.results[rid].status}, then {req.status})")
+            self.results[rid] = result
+        else:
+            self.sink(result)
+            end = result.finish or result.arrival
+            self._last_end = end if end > self._last_end else self._last_end
         self.counters[req.status] += 1
-        n = len(self.results)
+        self.num_ended = n = self.num_ended + 1
         if self.miss_check is not None and self.miss_check(req):
             self._misses += 1
             if self._misses > self.miss_budget and not self.aborted:
@@ -79,10 +95,10 @@ class Recorder:
             self._progress(n)
 
     def _sample(self, now: float, _: Any) -> None:
-        row = {"t": now, "ended": float(len(self.results)), "rejected": float(self.counters["rejected"])}
+        row = {"t": now, "ended": float(self.num_ended), "rejected": float(self.counters["rejected"])}
         row.update(self.owner.sample(now))
         self.timeline.append(row)
-        if len(self.results) < self._total:
+        if self._total is None or self.num_ended < self._total:
             self.owner.events.push(now + self.interval_s, self._sample, None)
 
     def result(self, cfg: Any, hw: Any, wall_s: float, num_events: int, system: str = "mooncake") -> SimResult:
@@ -90,6 +106,6 @@ class Recorder:
         config = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
         config["hardware_model"] = hw.to_dict()
         reqs = [self.results[k] for k in sorted(self.results)]
-        end = max((r.finish or r.arrival for r in reqs), default=0.0)
+        end = max((r.finish or r.arrival for r in reqs), default=self._last_end)
         return SimResult(system, config, reqs, self.timeline, dict(self.counters), wall_s, num_events, end,
                          extra={"aborted": self.aborted, "cpu_s": self.cpu_s})

@@ -10,7 +10,7 @@ import orjson
 
 from mooncake_lite.trace.format import TraceError, read_trace, write_trace
 from mooncake_lite.trace.stats import compute_stats, format_stats
-from mooncake_lite.trace.synth import DISTRIBUTIONS, SynthConfig, synthesize
+from mooncake_lite.trace.synth import DISTRIBUTIONS, SynthConfig, iter_synthesize
 
 
 def parse_tokens(text: str) -> int:
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               input_dist=args.input_dist, output_dist=args.output_dist,
                               cache_ratio=args.cache_ratio, num_prefixes=args.num_prefixes,
                               max_length=args.max_len, seed=args.seed)
-            n = write_trace(synthesize(cfg), args.out)
+            n = write_trace(iter_synthesize(cfg), args.out)
             print(f"wrote {n:,} requests to {args.out}")
         else:
             n = write_trace(read_trace(args.file, speed=args.speed), args.out)

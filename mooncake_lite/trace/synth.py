@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest
@@ -75,10 +76,15 @@ class _IdAllocator:
 
 def synthesize(cfg: SynthConfig) -> list[TraceRequest]:
     """Generate ``cfg.num_requests`` requests; the same config gives the same trace."""
+    return list(iter_synthesize(cfg))
+
+
+def iter_synthesize(cfg: SynthConfig) -> Iterator[TraceRequest]:
+    """:func:`synthesize`'s requests one at a time (a million-request trace is written without
+    being held: only the shared documents are)."""
     rng = random.Random(cfg.seed)
     ids = _IdAllocator(cfg.first_hash_id)
     documents: list[list[int]] = [[] for _ in range(cfg.num_prefixes)]
-    out: list[TraceRequest] = []
     now_s = 0.0
     for i in range(cfg.num_requests):
         if i:
@@ -92,5 +98,4 @@ def synthesize(cfg: SynthConfig) -> list[TraceRequest]:
         if len(doc) < num_shared:
             doc.extend(ids.take(num_shared - len(doc)))
         hash_ids = tuple(doc[:num_shared]) + tuple(ids.take(num_blocks - num_shared))
-        out.append(TraceRequest(i, round(now_s * 1000.0, 3), n_in, n_out, hash_ids))
-    return out
+        yield TraceRequest(i, round(now_s * 1000.0, 3), n_in, n_out, hash_ids)
