@@ -16,6 +16,7 @@ BENCHES = {
     "pd": "layer-wise overlap, prefix-hit TTFT, CPP, decode tokens/s; --profile for cost models",
     "conductor": "scheduling decision time and the conductor's added latency",
     "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
+    "sim-scale": "the simulator on a million-request trace at 128P+128D: wall time, peak memory",
     "chaos": "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, recovery, leaks",
 }
 PACKAGES = {"replay"}
@@ -28,5 +29,5 @@ def main(argv: Sequence[str]) -> int:
         out.write("usage: mooncake bench NAME [--json] [args]\n\n")
         out.write("\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items()) + "\n")
         return 0 if out is sys.stdout else 2
-    module = f"mooncake_lite.bench.{argv[0]}" + (".cli" if argv[0] in PACKAGES else "")
+    module = f"mooncake_lite.bench.{argv[0].replace('-', '_')}" + (".cli" if argv[0] in PACKAGES else "")
     return int(importlib.import_module(module).main(argv[1:]) or 0)
