@@ -13,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from mooncake_lite.common import tracing
 from mooncake_lite.common.config import ConfigError, load_config
 from mooncake_lite.common.logs import setup_logging
 
@@ -50,6 +51,7 @@ def run_role(role: str, argv: Sequence[str]) -> int:
         sys.stderr.write(f"mooncake --role {role}: error: {exc}\n")
         return 2
     setup_logging(role, cfg.log_level, cfg.log_json)
+    tracing.setup(role, cfg.otlp_endpoint)
     return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
 
 

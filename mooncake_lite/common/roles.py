@@ -32,6 +32,8 @@ class RoleConfig:
     hash_seed: int = option(DEFAULT_HASH_SEED, "seed of the chained block hash (cluster-wide)")
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
     log_json: bool = option(False, "write logs as one JSON object per line")
+    otlp_endpoint: str | None = option(None, "export request traces (OpenTelemetry) to this OTLP/HTTP collector, "
+                                       "e.g. http://127.0.0.1:4318 (spans go to its /v1/traces); unset: no tracing")
 
     # Whether the role hands its own addresses to peers (registration, block events), which
     # they must be able to dial.
@@ -52,6 +54,8 @@ class RoleConfig:
         require(self.block_size > 0, f"--block-size must be positive, got {self.block_size}")
         require(self.hash_seed >= 0, f"--hash-seed must be non-negative, got {self.hash_seed}")
         require(bool(self.host), "--host must not be empty")
+        require(self.otlp_endpoint is None or self.otlp_endpoint.startswith(("http://", "https://")),
+                f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from http import HTTPStatus
 import orjson
 from aiohttp import web
 
-from mooncake_lite.common import sdnotify
+from mooncake_lite.common import sdnotify, tracing
 from mooncake_lite.common.logs import reset_request_id, set_request_id
 from mooncake_lite.common.auth import openai_error
 
@@ -107,6 +107,8 @@ async def start_site(app: web.Application, host: str, port: int, *, shutdown_tim
     """Serve ``app`` on host:port with the header and body timeouts; the caller cleans up the
     runner. The app must not have started yet (the body middleware goes first in its chain)."""
     app.middlewares.insert(0, body_timeout_middleware(body_timeout))
+    if tracing.is_enabled():   # a caller's traceparent header parents the handler's spans
+        app.middlewares.insert(0, tracing.remote_parent_middleware())
     app.middlewares.insert(0, request_id_scope)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout,
                            keepalive_timeout=header_timeout)
