@@ -177,6 +177,8 @@ class KillReport:
     failed_before_tokens: int = 0
     rejected_429: int = 0
     service_restored_s: float | None = None
+    ttft_p50_before_s: float | None = None
+    ttft_p50_after_s: float | None = None
     rejoined_s: float | None = None
     leaked: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -184,6 +186,7 @@ class KillReport:
 
 def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
     """One kill under load, measured from an idle reading before to one after."""
+    settled = len(load.outcomes)
     load.resume()
     time.sleep(a.settle_s)
     load.pause()                             # drained: the gauges show the idle cluster
@@ -199,7 +202,7 @@ def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, w
     load.pause()
     report = KillReport(victim, leaked=leaks(cluster, idle, a.quiet_s))
     report.rejoined_s = None if whole is None else round(max(whole, back) - t0, 2)
-    for key, value in phase_figures(load.outcomes[first:], t0).items():
+    for key, value in phase_figures(load.outcomes[first:], t0, load.outcomes[settled:first]).items():
         setattr(report, key, value)
     return report
 
@@ -233,17 +236,18 @@ def render(res: dict) -> str:
     lines = [f"chaos: {res['model']}, {res['cluster']}, {res['load']['concurrency']} streams of "
              f"{res['load']['max_tokens']} tokens, commit {res['commit']}", "",
              f"{'victim':<11}{'requests':>9}{'hung':>6}{'failed streaming':>18}{'failed before 1st':>19}"
-             f"{'429':>5}{'restored s':>12}{'rejoined s':>12}  leaked"]
+             f"{'429':>5}{'restored s':>12}{'rejoined s':>12}{'TTFT p50 before/after':>23}  leaked"]
     for k in res["kills"]:
+        ttft = f"{_s(k['ttft_p50_before_s'], '-')}/{_s(k['ttft_p50_after_s'], '-')}"
         lines.append(f"{k['victim']:<11}{k['requests']:>9}{k['hung']:>6}{k['failed_streaming']:>18}"
                      f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}{_s(k['service_restored_s']):>12}"
-                     f"{_s(k['rejoined_s']):>12}  {k['leaked'] or 'none'}")
+                     f"{_s(k['rejoined_s']):>12}{ttft:>23}  {k['leaked'] or 'none'}")
         lines += [f"    {e}" for e in k["errors"][:3]]
     return "\n".join(lines)
 
 
-def _s(value: float | None) -> str:
-    return "never" if value is None else f"{value:.2f}"
+def _s(value: float | None, missing: str = "never") -> str:
+    return missing if value is None else f"{value:.2f}"
 
 
 def parse_args(argv) -> argparse.Namespace:

@@ -9,6 +9,7 @@ gauges can be read idle.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -120,9 +121,11 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def phase_figures(outcomes: list[Outcome], t0: float) -> dict:
-    """What one kill did to the requests around it (``t0``: the kill). ``service_restored_s``: to
-    the first token of the first request started after the last one that did not succeed."""
+def phase_figures(outcomes: list[Outcome], t0: float, baseline: list[Outcome]) -> dict:
+    """What one kill did to the requests around it (``t0``: the kill; ``baseline``: requests of
+    the settled load before it). ``service_restored_s``: to the first token of the first request
+    started after the last one that did not succeed; the TTFT medians before and after the kill
+    say how much of that is the cluster's ordinary TTFT."""
     counts = {kind: sum(o.kind == kind for o in outcomes)
               for kind in ("ok", "hung", "failed_streaming", "failed_before_tokens", "rejected_429")}
     bad = [o for o in outcomes if o.kind != "ok" and o.end >= t0]
@@ -130,4 +133,11 @@ def phase_figures(outcomes: list[Outcome], t0: float) -> dict:
     after = [o.first_token for o in outcomes if o.kind == "ok" and o.start >= since and o.first_token]
     restored = round(min(after) - t0, 2) if after else None
     errors = sorted({o.error for o in bad if o.error})[:5]
-    return {"requests": len(outcomes), **counts, "service_restored_s": restored, "errors": errors}
+    return {"requests": len(outcomes), **counts, "service_restored_s": restored,
+            "ttft_p50_before_s": _ttft_p50(baseline),
+            "ttft_p50_after_s": _ttft_p50([o for o in outcomes if o.start >= t0]), "errors": errors}
+
+
+def _ttft_p50(outcomes: list[Outcome]) -> float | None:
+    ttfts = [o.first_token - o.start for o in outcomes if o.kind == "ok" and o.first_token]
+    return round(statistics.median(ttfts), 2) if ttfts else None
