@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                            ProtocolError, dumps, error_text, parse_prefill_result,
@@ -95,6 +96,9 @@ class Flight:
         self.num_tokens = 0
         self.expected_output = req.sampling.max_tokens
         self._is_closed = False
+        # The request's trace (None when tracing is off): a child of the client's traceparent if it sent one.
+        self.span = tracing.start_span("conductor.request", kind="server", request_id=self.request_id,
+                                       prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
         self._new_attempt(self.request_id)
 
     def _new_attempt(self, upstream_id: str) -> None:
@@ -109,6 +113,7 @@ class Flight:
         self._decode_resp: aiohttp.ClientResponse | None = None
         self._is_prefill_done = False
         self._is_decode_done = False
+        self._decode_span = None           # conductor → decode, open while decode streams tokens
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,8 +123,16 @@ class Flight:
 
     async def _start_attempt(self) -> Failure | None:
         """Place the request, reserve decode, start prefill; a Failure if decode failed."""
-        d, self.block_keys = place(self.svc, self.upstream_id, self.req, _now(), self._excluded)
+        span = tracing.start_span("conductor.schedule", self.span, attempt=self.num_retries + 1,
+                                  excluded=sorted(self._excluded) or None)
+        try:
+            d, self.block_keys = place(self.svc, self.upstream_id, self.req, _now(), self._excluded)
+        except ApiError as exc:
+            tracing.end_span(span, exc.message, status=exc.status)
+            raise
         self.decision = d
+        if span is not None:
+            tracing.end_span(span, **decision_attributes(d))
         svc = self.svc
         self.prefill = svc.membership.get(d.prefill_id)
         self.decode = svc.membership.get(d.decode_id)
@@ -170,6 +183,7 @@ class Flight:
         """Stop the current attempt's workers, abort what still runs upstream, forget it."""
         for task in self._tasks:
             task.cancel()
+        tracing.end_span(self._decode_span, "attempt torn down")
         if self.prefill is not None and not self._is_prefill_done:
             self._abort(self.prefill)
         if self.decode is not None and not self._is_decode_done:
@@ -181,12 +195,15 @@ class Flight:
         d, s = self.decode, self.req.sampling
         msg = GenerateRequest(self.upstream_id, self.transfer_id, len(self.req.prompt_ids), s,
                               self.svc.kv_timeout_s)
+        self._decode_span = span = tracing.start_span("conductor.decode", self.span, kind="client",
+                                                      instance=d.instance_id, upstream_id=self.upstream_id)
         try:
             resp = await self.svc.session.post(
-                f"http://{d.reg.http}/v1/generate", data=dumps(msg), headers=self._headers(),
+                f"http://{d.reg.http}/v1/generate", data=dumps(msg), headers=self._headers(span),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.svc.upstream_timeout_s))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._is_decode_done = True
+            tracing.end_span(span, f"unreachable: {exc!r}")
             return self._failed(d, exc, f"decode instance {d.instance_id} is unreachable: {exc!r}",
                                 "decode-unreachable")
         self.svc.membership.trust(d.instance_id, "it answered")
@@ -196,6 +213,7 @@ class Flight:
         self._is_decode_done = True
         detail = error_text(await resp.read())
         resp.release()
+        tracing.end_span(span, f"answered {resp.status}: {detail}", status=resp.status)
         if resp.status == 429:
             self.svc.metrics.rejections.labels("decode-refused").inc()
             raise rejected(f"decode instance {d.instance_id} refused the request: {detail}", 1)
@@ -213,7 +231,7 @@ class Flight:
 
     # ---- upstream workers (each ends by putting one final item on its queue) --------------
     async def _read_decode(self, queue: asyncio.Queue) -> None:
-        resp, d = self._decode_resp, self.decode
+        resp, d, span = self._decode_resp, self.decode, self._decode_span   # this attempt's
         did = d.instance_id
         try:
             async for line in resp.content:
@@ -237,8 +255,14 @@ class Flight:
                                                    "decode-unreachable")))
         finally:
             resp.release()
+            tracing.end_span(span, None if self._is_decode_done else "token stream ended early")
 
     async def _run_prefill(self, queue: asyncio.Queue) -> None:
+        with tracing.span("conductor.prefill", self.span, kind="client", instance=self.prefill.instance_id,
+                          upstream_id=self.upstream_id) as span:
+            await self._post_prefill(queue, span)
+
+    async def _post_prefill(self, queue: asyncio.Queue, span) -> None:
         p, d, dec = self.prefill, self.decode, self.decision
         keys = [k.hex() for k in self.block_keys[:dec.reused_prefix_blocks]]
         m = dec.migration
@@ -249,7 +273,7 @@ class Flight:
         pid = p.instance_id
         try:
             async with self.svc.session.post(
-                    f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(),
+                    f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(span),
                     timeout=aiohttp.ClientTimeout(total=self.svc.upstream_timeout_s, connect=10)) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -317,6 +341,8 @@ class Flight:
 
     def _on_first(self, result: PrefillResult) -> None:
         self.prefill_result = result
+        tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
+                          computed_tokens=result.num_computed_tokens)
         self._is_prefill_done = True
         now, m = _now(), self.svc.membership
         m.prefill_done(self.prefill.instance_id, self.upstream_id, now)
@@ -360,6 +386,9 @@ class Flight:
         if self._is_closed:
             return
         self._is_closed = True
+        tracing.end_span(self.span, "aborted" if abort and self.finish_reason is None else None,
+                         output_tokens=self.num_tokens, finish_reason=self.finish_reason,
+                         retries=self.num_retries)
         if self.num_tokens:   # the output length the client took (ended, or it stopped reading)
             self.svc.outputs.finished(self.block_keys, len(self.req.prompt_ids), self.num_tokens, self.expected_output)
         reader = self._tasks[0] if self._tasks else None
@@ -393,8 +422,23 @@ class Flight:
             return
         self.svc.spawn(post_abort(self.svc, inst, self.upstream_id))
 
-    def _headers(self) -> dict[str, str]:
-        return {"Content-Type": "application/json", **cluster_headers(self.svc.cluster_token)}
+    def _headers(self, span=None) -> dict[str, str]:
+        """The JSON and cluster-token headers, and ``span``'s ``traceparent`` (tracing on)."""
+        headers = {"Content-Type": "application/json", **cluster_headers(self.svc.cluster_token)}
+        if span is not None:
+            headers.update(tracing.headers(span))
+        return headers
+
+
+def decision_attributes(d: Decision) -> dict[str, Any]:
+    """A schedule span's attributes: what Algorithm 1 chose, why, and what it predicted."""
+    m = d.migration
+    return {"prefill": d.prefill_id, "decode": d.decode_id, "route": d.route, "reason": d.reason,
+            "predicted_ttft_s": d.predicted_ttft_s, "predicted_tbt_s": d.predicted_tbt_s,
+            "predicted_queue_s": d.predicted_queue_s, "predicted_prefill_s": d.predicted_prefill_s,
+            "predicted_transfer_s": d.predicted_transfer_s, "reused_prefix_blocks": d.reused_prefix_blocks,
+            "local_prefix_blocks": d.local_prefix_blocks,
+            "migrated_blocks": len(m.keys) if m is not None else None}
 
 
 async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
@@ -64,17 +65,22 @@ def error(status: int, message: str) -> web.Response:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
+    span = None     # decode.request: a child of the conductor's span (traceparent header; tracing on)
     try:
         req = loads(GenerateRequest, await request.read())
         set_request_id(req.request_id)   # every log line from here on names the request
         if req.kv_timeout_s <= 0:
             raise ProtocolError("GenerateRequest.kv_timeout_s must be positive")
-        events = engine.add_request(req)
+        span = tracing.start_span("decode.request", kind="server", request_id=req.request_id,
+                                  transfer_id=req.transfer_id, prompt_tokens=req.prompt_len)
+        events = engine.add_request(req, span)
     except AdmissionError as exc:
         request.app[STATS]["rejected"] += 1
         log.info("refused request %s: %s", getattr(req, "request_id", "?"), exc)
+        tracing.end_span(span, f"refused: {exc}")
         return error(429, str(exc))
     except (ProtocolError, ValueError) as exc:
+        tracing.end_span(span, str(exc))
         return error(400, str(exc))
     log.debug("admitted: %d prompt token(s), KV to come as transfer %s", req.prompt_len, req.transfer_id)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -91,6 +97,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await resp.write(orjson.dumps(_event_dict(event)) + b"\n")
             if event.finish_reason is not None:
                 finished = True
+                tracing.end_span(span, event.error, finish_reason=event.finish_reason)
                 log.debug("finished: %s%s", event.finish_reason, f" ({event.error})" if event.error else "")
                 break
         await resp.write_eof()
@@ -101,6 +108,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         if not finished:
             engine.abort(req.request_id)
+            tracing.end_span(span, "the conductor went away")
     return resp
 
 

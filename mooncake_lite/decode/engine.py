@@ -13,10 +13,12 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kernels import scatter_tokens
+from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
 from mooncake_lite.instance.refine import DecodeRefiner
@@ -46,6 +48,8 @@ class PendingKV:
     timer: asyncio.TimerHandle | None = None
     last_progress: float = 0.0
     senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
+    admission_span: Any = None     # decode.admission: reserved → joined the batch (tracing on)
+    receive_span: Any = None       # decode.kv_receive: a child of prefill's kv_stream span (frame meta "tp")
 
     def is_complete(self) -> bool:
         return self.first_token is not None and all(n == self.seq.prompt_len for n in self.layer_tokens)
@@ -60,6 +64,10 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     events: asyncio.Queue
+    span: Any = None               # decode.request (tracing on): the parent of this request's spans
+    steps_span: Any = None         # decode.steps: joined → finished, one span for all its steps
+    num_steps: int = 0             # counted only while traced
+    batch_total: int = 0           # the sum of the batch sizes of those steps
 
 
 class DecodeEngine:
@@ -78,8 +86,9 @@ class DecodeEngine:
         self.num_steps = 0
 
     # --- requests ------------------------------------------------------------------------------
-    def add_request(self, req: GenerateRequest) -> asyncio.Queue:
-        """Reserve room; raises AdmissionError with the reason if this instance refuses."""
+    def add_request(self, req: GenerateRequest, span: Any = None) -> asyncio.Queue:
+        """Reserve room; raises AdmissionError with the reason if this instance refuses.
+        ``span``: the request's span when traced; its admission and steps spans go under it."""
         if req.prompt_len <= 0:
             raise ValueError(f"prompt_len must be positive, got {req.prompt_len}")
         if req.transfer_id in self.pending:
@@ -87,17 +96,24 @@ class DecodeEngine:
         s = req.sampling
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                 max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
-        seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids)
+        admission = None if span is None else tracing.start_span(
+            "decode.admission", span, prompt_tokens=req.prompt_len, max_tokens=s.max_tokens,
+            num_running=self.batcher.num_running)
+        try:
+            seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids)
+        except Exception as exc:
+            tracing.end_span(admission, f"refused: {exc}")
+            raise
         loop = asyncio.get_running_loop()
         pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers,
-                            timeout_s=req.kv_timeout_s, last_progress=loop.time())
+                            timeout_s=req.kv_timeout_s, last_progress=loop.time(), admission_span=admission)
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
         generator = make_generator(params, self.runner.device)
         if generator is not None:   # prefill drew the first token: continue where it left off
             skip_draw(generator, self.runner.args.vocab_size)
-        state = RequestState(params, generator, asyncio.Queue())
+        state = RequestState(params, generator, asyncio.Queue(), span=span)
         self.requests[req.request_id] = state
         return state.events
 
@@ -109,9 +125,13 @@ class DecodeEngine:
             pending = self.pending.pop(tid, None)
             if pending is not None and pending.timer is not None:
                 pending.timer.cancel()
+            if pending is not None and pending.admission_span is not None:
+                tracing.end_span(pending.receive_span, error or reason, layers=pending.progress())
+                tracing.end_span(pending.admission_span, error or reason)
         self.batcher.abort(request_id)
         if state is None:
             return False
+        _end_steps(state, reason, error)
         state.events.put_nowait(TokenEvent(finish_reason=reason, error=error))
         return True
 
@@ -131,9 +151,15 @@ class DecodeEngine:
             raise KVError("duplicate", f"layer {layer} of transfer {tid} got more than {prompt_len} tokens")
         return pending
 
-    def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor) -> None:
+    def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor,
+                 traceparent: str | None = None) -> None:
+        """Scatter one layer frame's KV into the request's blocks. ``traceparent`` (the frame
+        meta's, when the prefill traces): the sender's span, parent of this end's receive span."""
         pending = self.check_layer(tid, layer, start, n)
         pending.senders.add(conn_id)
+        if traceparent is not None and pending.receive_span is None:
+            pending.receive_span = tracing.start_span("decode.kv_receive", traceparent, kind="server",
+                                                      request_id=pending.request_id, transfer_id=tid)
         table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
         pos = torch.arange(start, start + n)
         slots = table[pos // self.runner.block_size] * self.runner.block_size + pos % self.runner.block_size
@@ -200,14 +226,26 @@ class DecodeEngine:
         if pending.timer is not None:
             pending.timer.cancel()
         reason = self.batcher.join(pending.request_id, pending.first_token)
+        if pending.admission_span is not None:
+            self._trace_join(pending, reason)
         if reason is not None:
             self._finish(pending.request_id, reason)
         else:
             self._wake.set()
 
+    def _trace_join(self, pending: PendingKV, reason: str | None) -> None:
+        """The KV is in and the sequence joined the batch (or ended at once, ``reason``)."""
+        tracing.end_span(pending.receive_span, layers=len(pending.layer_tokens), tokens=pending.seq.prompt_len)
+        tracing.end_span(pending.admission_span, joined=reason is None, num_running=self.batcher.num_running,
+                         num_waiting=self.batcher.num_waiting)
+        state = self.requests.get(pending.request_id)
+        if state is not None and reason is None:
+            state.steps_span = tracing.start_span("decode.steps", state.span)
+
     def _finish(self, request_id: str, reason: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
+            _end_steps(state, reason, None)
             state.events.put_nowait(TokenEvent(finish_reason=reason))
 
     # --- the step loop -------------------------------------------------------------------------
@@ -242,6 +280,9 @@ class DecodeEngine:
                 if state is None:
                     continue
                 state.events.put_nowait(TokenEvent(token=out.token))
+                if state.steps_span is not None:
+                    state.num_steps += 1
+                    state.batch_total += len(plan)
                 if out.finish_reason is not None:
                     self._finish(out.request_id, out.finish_reason)
             await asyncio.sleep(0)  # let KV frames and HTTP writes in between steps
@@ -261,3 +302,10 @@ class DecodeEngine:
         if b.max_batch_size is not None:
             load["max_batch_size"] = b.max_batch_size
         return load
+
+
+def _end_steps(state: RequestState, reason: str, error: str | None) -> None:
+    """End a traced request's decode.steps span: how many steps, at what mean batch size."""
+    if state.steps_span is not None:
+        tracing.end_span(state.steps_span, error, num_steps=state.num_steps, finish_reason=reason,
+                         mean_batch_size=state.batch_total / state.num_steps if state.num_steps else None)

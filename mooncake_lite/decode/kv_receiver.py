@@ -20,6 +20,7 @@ import asyncio
 import logging
 from typing import Any
 
+from mooncake_lite.common.tracing import META_KEY
 from mooncake_lite.decode.engine import DecodeEngine, KVError
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header, Limits
@@ -47,6 +48,12 @@ def _tid(meta: dict[str, Any]) -> str:
     if not isinstance(tid, str) or not tid:
         raise KVError("bad_meta", "frame meta 'tid' must be a non-empty string")
     return tid
+
+
+def _traceparent(meta: dict[str, Any]) -> str | None:
+    """The sender's span (tracing on at the prefill); anything but a short string is ignored."""
+    tp = meta.get(META_KEY)
+    return tp if isinstance(tp, str) and len(tp) < 128 else None
 
 
 class KVReceiver(FrameHandler):
@@ -100,7 +107,8 @@ class KVReceiver(FrameHandler):
                     raise KVError("bad_payload", f"{got} payload bytes for {n} tokens (expected {expected})")
                 kv = tensor_from_payload(frame.payload, n, self.kv_heads, self.head_dim, self.dtype)
                 conn.state["tids"].add(tid)
-                self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv)
+                self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv,
+                                     _traceparent(meta))
             elif frame.op == OP_KV_END:
                 token = meta.get("first_token")
                 if token is not None and (not isinstance(token, int) or isinstance(token, bool)):

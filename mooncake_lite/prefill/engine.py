@@ -23,10 +23,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kernels import gather_tokens, pack_blocks, unpack_blocks
+from mooncake_lite.common import tracing
 from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
@@ -61,6 +63,7 @@ class StageJob:
     timings: dict[str, float] = field(default_factory=dict)
     # Set when a prefix load failed: passes recomputing the prefix, one layer at a time.
     recompute: list[LayerwisePass] | None = None
+    load_span: Any = None              # prefill.prefix_load, open until the prefix is in (tracing on)
 
     @property
     def is_prefix_recomputed(self) -> bool:
@@ -114,6 +117,8 @@ class StageEngine:
                        num_stored_blocks=num_prefix_blocks, num_prefix_tokens=num_prefix_blocks * bs)
         self.jobs[request_id] = job
         if num_prefix_blocks:
+            job.load_span = tracing.start_span("prefill.prefix_load", blocks=num_prefix_blocks,
+                                               tokens=job.num_prefix_tokens)
             self._launch_load(job, self.first_layer)
         else:
             job.prefix_done = True
@@ -138,6 +143,7 @@ class StageEngine:
         self.jobs.pop(job.request_id, None)
         for task in job.loads.values():
             task.cancel()
+        tracing.end_span(job.load_span, error)   # no-op once the prefix was in
         if error is not None:
             await job.sender.abort(error)
         self.runner.allocator.free(job.block_ids)
@@ -158,6 +164,9 @@ class StageEngine:
             kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
             job.sender.send_layer(layer, start, kv)
         job.prefix_done = True
+        if job.load_span is not None:   # the prefix is in (loaded, or recomputed): no-op after the first chunk
+            tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
+                             recomputed=job.is_prefix_recomputed)
         out = await loop.run_in_executor(self.executor, piece.output)
         seconds = time.perf_counter() - t0
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
@@ -183,7 +192,8 @@ class StageEngine:
     def _launch_load(self, job: StageJob, layer: int) -> None:
         if layer < self.end_layer and layer not in job.loads:
             keys = job.keys[:job.num_prefix_blocks]
-            job.loads[layer] = asyncio.ensure_future(self.store.get_layers(keys, layer, 1))
+            with tracing.activate(job.load_span):   # the store op's span goes under the prefix load
+                job.loads[layer] = asyncio.ensure_future(self.store.get_layers(keys, layer, 1))
 
     async def _load_prefix_layer(self, job: StageJob, layer: int) -> None:
         """Wait for this layer's prefix bytes (launching the next layer's load first), write them
@@ -218,6 +228,7 @@ class StageEngine:
                                  f"pipeline stage (layers {self.first_layer}..) cannot recompute it") from None
         self.num_prefix_fallbacks += 1
         self.num_prefix_tokens_recomputed += job.num_prefix_tokens
+        tracing.add_event(job.load_span, "recompute", layer=layer, error=repr(exc))
         log.warning("request %s: loading its %d-token prefix failed at layer %d (%r); recomputing it",
                     job.request_id, job.num_prefix_tokens, layer, exc)
         job.num_stored_blocks = 0     # its blocks may be gone from the store: write them back

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 
@@ -51,9 +52,10 @@ class DecodeLinks:
 
 
 class KVSender:
-    def __init__(self, client: FrameClient, transfer_id: str):
+    def __init__(self, client: FrameClient, transfer_id: str, traceparent: str | None = None):
         self.client = client
         self.transfer_id = transfer_id
+        self.traceparent = traceparent   # the stream's span, in every frame's meta (tracing on)
         self.error: str | None = None
         self.num_frames = 0
         self.num_bytes = 0
@@ -64,7 +66,7 @@ class KVSender:
         if self.error is not None:
             return
         payload = tensor_bytes(kv)
-        meta = layer_frame_meta(self.transfer_id, layer, start, kv.shape[1])
+        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, kv.shape[1]), self.traceparent)
         self.num_frames += 1
         self.num_bytes += payload.nbytes
         self._track(self.client.request(OP_KV_LAYER, meta, [payload]), keep=kv)
@@ -74,8 +76,8 @@ class KVSender:
         Raises ConnectionError with the reason if the stream failed."""
         await self.flush()
         if self.error is None:
-            meta = {"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
-                    "first_token": first_token}
+            meta = add_to_meta({"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
+                                "first_token": first_token}, self.traceparent)
             try:
                 await self.client.request(OP_KV_END, meta)
             except Exception as exc:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
@@ -100,6 +101,16 @@ class PrefillService:
         return known
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        # A child of the conductor's span when its traceparent header came along (tracing on).
+        with tracing.span("prefill.request", kind="server", request_id=req.request_id,
+                          transfer_id=req.transfer_id, prompt_tokens=len(req.token_ids)) as span:
+            result = await self._prefill(req)
+            if span is not None:
+                tracing.set_attributes(span, prefix_tokens=result.num_prefix_tokens,
+                                       computed_tokens=result.num_computed_tokens, first_token=result.first_token)
+            return result
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         keys = self.check(req)
         if req.request_id in self.queue:
             raise PrefillRejected(f"request {req.request_id!r} is already queued here")
@@ -109,8 +120,10 @@ class PrefillService:
         # Decode hears nothing of this request until its first KV frame: keep it from timing the
         # request out through the queue wait, a hot-spot migration and the prefix match.
         keepalive = asyncio.ensure_future(self._keepalive(req))
+        queued = tracing.start_span("prefill.queue", num_queued=len(self.queue) - 1)
         try:
             async with self._lock:
+                tracing.end_span(queued)
                 if req.request_id in self._aborted:
                     raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
                 job.started_at = time.perf_counter()
@@ -122,6 +135,7 @@ class PrefillService:
             self.num_failed += 1
             raise
         finally:
+            tracing.end_span(queued, "left the queue unserved")   # no-op once it was served
             keepalive.cancel()
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
@@ -131,17 +145,22 @@ class PrefillService:
         t0 = time.perf_counter()
         cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
         if req.migrate_from and req.migrate_keys:
-            await self._migrate(req)
+            with tracing.span("prefill.migrate", source=req.migrate_from, blocks=len(req.migrate_keys)):
+                await self._migrate(req)
         hit = await self.stage.match(keys[:cap])
         if self.downstream is not None and hit:
             hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
         prefix = hit * self.block_size
         queued.num_prefix_tokens = prefix
         client = await self.links.get(req.decode_data)
-        sender = KVSender(client, req.transfer_id)
+        # Its traceparent rides in the KV frames' meta: decode's receive span is its child.
+        stream = tracing.start_span("prefill.kv_stream", kind="client", decode=req.decode_data,
+                                    transfer_id=req.transfer_id)
+        sender = KVSender(client, req.transfer_id, traceparent=tracing.traceparent(stream))
         try:
             job = self.stage.begin(req.request_id, req.token_ids, keys, hit, sender)
         except MemoryError as exc:
+            tracing.end_span(stream, str(exc))
             raise PrefillRejected(str(exc)) from None
         error: str | None = None
         try:
@@ -154,9 +173,10 @@ class PrefillService:
                 raise PrefillAborted("aborted before its first KV frame (by the conductor, or decode dropped it)")
             for start in range(prefix, len(req.token_ids), self.chunk_size):
                 chunk = req.token_ids[start:start + self.chunk_size]
-                out = await self.stage.run_chunk(job, start, token_ids=chunk)
-                if self.downstream is not None:
-                    await self.downstream.send_chunk(req.request_id, start, out)
+                with tracing.span("prefill.chunk", start=start, tokens=len(chunk)):
+                    out = await self.stage.run_chunk(job, start, token_ids=chunk)
+                    if self.downstream is not None:
+                        await self.downstream.send_chunk(req.request_id, start, out)
             if self.downstream is None:
                 first = sample(out, _params(req), make_generator(_params(req), out.device))
                 await self.stage.finish(job, first)
@@ -170,6 +190,7 @@ class PrefillService:
             raise
         finally:
             await self.stage.release(job, error)
+            tracing.end_span(stream, error, frames=sender.num_frames, bytes=sender.num_bytes)
         if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
             prefix = 0
         self.totals["prefix_tokens_total"] += prefix

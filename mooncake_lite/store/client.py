@@ -19,12 +19,14 @@ import asyncio
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from mooncake_lite.common import tracing
 from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
 from mooncake_lite.transfer.client import FrameClient, RemoteError
 from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
 
 __all__ = ["StoreClient", "RemoteError"]
 T = TypeVar("T")
+_TRACED_REPLY = ("num_new", "num_matched", "num_deleted")   # reply figures a store op's span shows
 
 
 class StoreClient:
@@ -49,8 +51,26 @@ class StoreClient:
 
     async def _request(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
                        sink=None) -> Frame:
+        span = self._span(op, meta, payload) if tracing.is_enabled() else None
         request = self.frames.request(op, meta, payload, sink=sink)
-        return await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
+        try:
+            reply = await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
+        except BaseException as exc:
+            tracing.end_span(span, f"{type(exc).__name__}: {exc}")
+            raise
+        if span is not None:
+            tracing.end_span(span, **{k: v for k, v in reply.meta.items() if k in _TRACED_REPLY})
+        return reply
+
+    def _span(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview]):
+        """A span for an op a traced request caused (one under a current span; None for others,
+        e.g. a stage's handshake); its traceparent rides in the frame meta (``"tp"``)."""
+        span = tracing.child_span(f"store.{op.name.lower()}", kind="client", store=self.address,
+                                  keys=len(meta.get("keys") or "") // 32 or None,   # 32 hex characters a key
+                                  bytes=sum(v.nbytes for v in payload) or None)
+        if span is not None:
+            tracing.add_to_meta(meta, tracing.traceparent(span))
+        return span
 
     async def close(self) -> None:
         await self.frames.close()
