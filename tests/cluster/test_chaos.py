@@ -24,3 +24,22 @@ def test_a_killed_prefill_heals_without_hangs_or_leaks():
     assert kill["service_restored_s"] is not None, kill    # a request after the kill was served
     assert kill["ok"] > 0 and kill["leaked"] == {}, kill
     assert res["up_exit_code"] == 0
+
+
+def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_failure():
+    from mooncake_lite.bench.chaos_load import Outcome, phase_figures
+    t0 = 100.0
+    outcomes = [Outcome(99.0, 101.0, 99.5, "failed_streaming", "stream broke"),   # streaming at the kill
+                Outcome(100.2, 100.3, None, "failed_before_tokens", "502"),
+                Outcome(100.1, 104.0, 103.0, "ok"),      # started before the last failure: not the mark
+                Outcome(100.5, 102.0, 101.5, "ok"),      # first started after it: restored at 1.5 s
+                Outcome(101.0, 131.0, None, "hung", "ReadTimeout")]
+    baseline = [Outcome(90.0, 91.0, 90.2, "ok"), Outcome(91.0, 92.0, 91.4, "ok"), Outcome(92, 93, None, "hung")]
+    fig = phase_figures(outcomes, t0, baseline)
+    assert (fig["requests"], fig["ok"], fig["failed_streaming"], fig["failed_before_tokens"], fig["hung"]) == \
+        (5, 2, 1, 1, 1)
+    # the hung request started at 101.0, after which nothing succeeded: service never restored
+    assert fig["service_restored_s"] is None
+    assert fig["ttft_p50_before_s"] == 0.3 and fig["errors"] == ["502", "ReadTimeout", "stream broke"]
+    fig = phase_figures(outcomes[:4], t0, [])
+    assert fig["service_restored_s"] == 1.5 and fig["ttft_p50_before_s"] is None
