@@ -65,6 +65,9 @@ def make_app(cfg: Config) -> web.Application:
     store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
     if ssd is not None:
         ssd.scan()
+        num = store.restore_holds(ssd.journal.load(), time.time())   # context holds survive restarts
+        if num:
+            log.info("restored %d context hold(s) from %s", num, ssd.journal.path)
     # The first post is a full sync: the conductor learns what survived a restart (SSD) and
     # forgets what a previous run of this store held.
     publisher.enable_full_sync(store.keys)

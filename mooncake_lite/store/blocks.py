@@ -4,7 +4,9 @@ Life of a block:
   reserve (slots handed out, invisible) -> payload lands in the slots -> commit (visible, atomic)
   -> evicted from DRAM: written back to SSD (copy queued) or dropped -> promoted on an SSD hit.
 A block pinned by a lease (it is being sent) is never evicted; deleting it hides it at once and
-frees its slot when the last lease ends. Events: ``on_stored(key)`` when a key enters the store,
+frees its slot when the last lease ends. A block held for a cached context (``hold``: a named
+owner, a wall-clock expiry) is never evicted from either tier before its expiry; holds are
+journaled beside the SSD files and restored at start. Events: ``on_stored(key)`` when a key enters the store,
 ``on_evicted(key)`` when it leaves both tiers.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mooncake_lite.store.eviction import EvictionPolicy
+from mooncake_lite.store.eviction import EvictionPolicy, PinTable
 from mooncake_lite.store.records import BadRequest, Block, Lease, PutTicket, StoreFull, StoreStats
 from mooncake_lite.store.slab import Slab
 from mooncake_lite.store.ssd import SsdTier
@@ -33,8 +35,11 @@ class BlockStore:
         self._dram: dict[bytes, Block] = {}
         self._leases: set[Lease] = set()
         self._num_pinned = 0  # live DRAM blocks with pins > 0 (cannot be evicted)
+        # Context holds: a held DRAM block carries one pin for all its holders together.
+        self.holds = PinTable()
         if ssd is not None:
             ssd.on_dropped = self._ssd_dropped
+            ssd.is_pinned = self.holds.is_pinned
 
     # ---- queries ------------------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -123,8 +128,7 @@ class BlockStore:
                     self.policy.touch(key)
                 continue
             is_new = key not in self
-            self._dram[key] = Block(slot, size, ticket.num_layers, ticket.first_pos + i)
-            self.policy.insert(key, ticket.first_pos + i)
+            self._add_block(key, Block(slot, size, ticket.num_layers, ticket.first_pos + i))
             self.stats.blocks_put += 1
             if is_new:
                 num_new += 1
@@ -202,9 +206,15 @@ class BlockStore:
         if slot is None:
             return data
         self.slab.view(slot, len(data))[:] = data
-        block = self._dram[key] = Block(slot, len(data), num_layers, chain_pos)
-        self.policy.insert(key, chain_pos)
+        block = Block(slot, len(data), num_layers, chain_pos)
+        self._add_block(key, block)
         return block
+
+    def _add_block(self, key: bytes, block: Block) -> None:
+        self._dram[key] = block
+        self.policy.insert(key, block.chain_pos)
+        if self.holds.is_pinned(key):   # back in DRAM (promoted, or put again) while held
+            self._pin_block(block)
 
     def span(self, block: Block, first_layer: int = 0, num_layers: int | None = None) -> tuple[int, int]:
         """``(slab offset, nbytes)`` of a block, or of its layers ``[first_layer, first_layer + num_layers)``."""
@@ -266,10 +276,17 @@ class BlockStore:
     # ---- deletes and shutdown ------------------------------------------------------------------
     async def delete(self, keys: Sequence[bytes]) -> int:
         num = 0
+        is_held = False
         for key in keys:
+            held = self.holds.is_pinned(key)
+            if held:
+                self.holds.forget_key(key)
+                is_held = True
             block = self._dram.pop(key, None)
             if block is not None:
                 self.policy.remove(key)
+                if held:
+                    self._unpin_block(block)
                 if block.pins:
                     block.is_live = False
                     self._num_pinned -= 1
@@ -279,7 +296,71 @@ class BlockStore:
             if block is not None or on_ssd:
                 num += 1
                 self.on_evicted(key)
+        if is_held:
+            self._journal()
         return num
+
+    # ---- context holds ------------------------------------------------------------------------
+    def hold(self, owner: str, keys: Sequence[bytes], expires_at: float) -> int:
+        """Keep the ``keys`` this store has (any tier) from eviction for ``owner`` until
+        ``expires_at`` (wall clock), replacing what ``owner`` held; returns how many it has.
+        Held DRAM-only blocks are queued for the SSD tier at once, so a crash keeps them too."""
+        present = [key for key in keys if key in self]
+        added, dropped = self.holds.pin(owner, present, expires_at)
+        for key in added:
+            if key in self._dram:
+                self._pin_block(self._dram[key])
+        self._release(dropped)
+        for key in present:
+            block = self._dram.get(key)
+            if self.ssd is not None and block is not None and key not in self.ssd:
+                self.ssd.enqueue(key, bytes(self.slab.view(block.slot, block.size)), block.num_layers,
+                                 block.chain_pos)
+        self._journal()
+        return len(present)
+
+    def unhold(self, owner: str) -> bool:
+        """End ``owner``'s hold; False when it held nothing."""
+        if owner not in self.holds.entries():
+            return False
+        self._release(self.holds.unpin(owner))
+        self._journal()
+        return True
+
+    def expire_holds(self, now: float) -> list[str]:
+        """End every hold past its expiry; returns their owners."""
+        owners = self.holds.expired(now)
+        for owner in owners:
+            self.unhold(owner)
+        return owners
+
+    def restore_holds(self, entries: dict[str, tuple[list[bytes], float]], now: float) -> int:
+        """Re-apply journaled holds (start-up, after the SSD scan); expired ones are dropped."""
+        live = {owner: entry for owner, entry in entries.items() if entry[1] > now}
+        for owner, (keys, expires_at) in live.items():
+            self.hold(owner, keys, expires_at)
+        self._journal()
+        return len(live)
+
+    def _release(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            block = self._dram.get(key)
+            if block is not None:
+                self._unpin_block(block)
+
+    def _pin_block(self, block: Block) -> None:
+        if block.pins == 0 and block.is_live:
+            self._num_pinned += 1
+        block.pins += 1
+
+    def _unpin_block(self, block: Block) -> None:
+        block.pins -= 1
+        if block.pins == 0 and block.is_live:
+            self._num_pinned -= 1
+
+    def _journal(self) -> None:
+        if self.ssd is not None:
+            self.ssd.journal.save(self.holds.entries())
 
     async def persist(self) -> int:
         """Queue every DRAM-only block for the SSD and wait (graceful shutdown). Returns count."""

@@ -37,6 +37,7 @@ META_BYTES = 1 << 20
 # A refused payload up to this size is read and dropped, keeping the connection (a client's
 # default batch); a bigger one over what its op can carry closes the connection.
 DISCARD_BYTES = 64 << 20
+MAX_PIN_NAME = 128   # a context hold's owner id
 # Per-frame context (put ticket or error) rides in the frame's meta dict under a key no JSON
 # object can contain, so a client cannot forge it.
 _ERROR, _TICKET = object(), object()
@@ -139,6 +140,8 @@ class StoreHandler(FrameHandler):
                 self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
             elif frame.op == Op.DELETE:
                 self._spawn(conn, frame, self._delete(conn, frame, keys_from_meta(meta)))
+            elif frame.op in (Op.PIN, Op.UNPIN):
+                self._reply(conn, frame, self._pin(frame.op, meta))
             elif frame.op == Op.REPLICATE:
                 peer = parse_peer(meta.get("peer"))
                 first_pos = int_from_meta(meta, "first_pos", 0)
@@ -253,6 +256,17 @@ class StoreHandler(FrameHandler):
             self.store.extend(lease, [item])
         self._reply(conn, frame, {"num_matched": num, "lease_id": lease_id})
 
+    def _pin(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
+        owner = meta.get("pin")
+        if not isinstance(owner, str) or not 0 < len(owner) <= MAX_PIN_NAME:
+            raise MetaError(f"'pin' must be a string of 1 to {MAX_PIN_NAME} characters")
+        if op == Op.UNPIN:
+            return {"released": self.store.unhold(owner)}
+        expires_at = meta.get("expires_at")
+        if not isinstance(expires_at, (int, float)) or isinstance(expires_at, bool):
+            raise MetaError(f"'expires_at' must be a number (unix seconds), got {expires_at!r}")
+        return {"num_held": self.store.hold(owner, keys_from_meta(meta), float(expires_at))}
+
     # ---- slow ops ----------------------------------------------------------------------------
     async def _delete(self, conn: FrameConnection, frame: Frame, keys: list[bytes]) -> None:
         num = await self.store.delete(keys)
@@ -280,3 +294,5 @@ class StoreHandler(FrameHandler):
             num = self.store.expire_leases(self.clock())
             if num:
                 log.warning("%d lease(s) expired; their connections were closed", num)
+            for owner in self.store.expire_holds(time.time()):   # wall clock: holds outlive restarts
+                log.info("context hold %s expired", owner)

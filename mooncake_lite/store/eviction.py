@@ -236,3 +236,64 @@ class BlockCache:
 
     def __len__(self) -> int:
         return len(self.policy)
+
+
+class PinTable:
+    """Keys held against eviction by named owners (cached contexts), each until its expiry.
+
+    Pure bookkeeping, no clock: callers pass ``now`` (wall-clock seconds, so a journal of the
+    table stays meaningful across a restart). A key is pinned while any live owner holds it;
+    eviction policies take :meth:`is_pinned` as their ``is_pinned`` check.
+    """
+
+    def __init__(self) -> None:
+        self._owners: dict[str, tuple[frozenset[Key], float]] = {}
+        self._counts: dict[Key, int] = {}
+
+    def pin(self, owner: str, keys: Sequence[Key], expires_at: float) -> tuple[list[Key], list[Key]]:
+        """Hold ``keys`` for ``owner`` until ``expires_at`` (replacing what it held before).
+        Returns (keys newly pinned, keys no longer pinned by anyone)."""
+        old = self._owners.get(owner, (frozenset(), 0.0))[0]
+        new = frozenset(keys)
+        self._owners[owner] = (new, expires_at)
+        added = [k for k in new - old if self._add(k)]
+        return added, [k for k in old - new if self._drop(k)]
+
+    def unpin(self, owner: str) -> list[Key]:
+        """Forget ``owner``; returns the keys no longer pinned by anyone."""
+        keys, _ = self._owners.pop(owner, (frozenset(), 0.0))
+        return [k for k in keys if self._drop(k)]
+
+    def forget_key(self, key: Key) -> None:
+        """The key is gone (deleted): no owner holds it any more."""
+        if self._counts.pop(key, None) is None:
+            return
+        for owner, (keys, expires_at) in list(self._owners.items()):
+            if key in keys:
+                self._owners[owner] = (keys - {key}, expires_at)
+
+    def expired(self, now: float) -> list[str]:
+        """Owners whose expiry is at or before ``now`` (still pinned: the caller unpins them)."""
+        return [owner for owner, (_, expires_at) in self._owners.items() if expires_at <= now]
+
+    def is_pinned(self, key: Key) -> bool:
+        return key in self._counts
+
+    def entries(self) -> dict[str, tuple[frozenset[Key], float]]:
+        """owner -> (keys, expires_at), for a journal or a listing."""
+        return dict(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _add(self, key: Key) -> bool:
+        self._counts[key] = self._counts.get(key, 0) + 1
+        return self._counts[key] == 1
+
+    def _drop(self, key: Key) -> bool:
+        num = self._counts.get(key, 0) - 1
+        if num > 0:
+            self._counts[key] = num
+            return False
+        self._counts.pop(key, None)
+        return True

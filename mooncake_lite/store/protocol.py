@@ -16,6 +16,11 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 | DELETE | keys | - | num_deleted | - |
 | REPLICATE | keys, peer ("host:port"), first_pos | - | num_copied, num_present, num_missing | - |
 | RELEASE | lease_id | - | released (bool) | - |
+| PIN | keys, pin (owner id), expires_at (unix s) | - | num_held (of keys, held in any tier) | - |
+| UNPIN | pin | - | released (bool) | - |
+
+PIN holds a cached context's blocks against eviction until ``expires_at`` (a repeated PIN of the
+same owner replaces its keys and expiry); holds are journaled beside the SSD files.
 
 ``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with
 ``lease_s`` also brings the matched prefix into DRAM and pins it for up to ``lease_s`` seconds (at
@@ -42,6 +47,8 @@ class Op(IntEnum):
     DELETE = 6
     REPLICATE = 7
     RELEASE = 8
+    PIN = 16       # context holds (conductor/contexts.py)
+    UNPIN = 17
 
 
 class MetaError(ValueError):

@@ -17,11 +17,16 @@ length), and a bad file is deleted and counted. Anything else in the directory (
 directories, links) is skipped with a log line, never fatal. The checksum is verified on every
 read, and a block that fails it (or any header check) is deleted, counted and reported as a
 miss, never served.
+
+Context holds (``BlockStore.hold``) are journaled in ``<ssd-dir>/pins.json`` (rewritten whole,
+atomically, at each change: a few entries), so pinned blocks stay pinned across a restart; the
+tier never evicts a held block to make room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import stat
@@ -42,6 +47,7 @@ FILE_VERSION = 2          # 2: the CRC covers the header too (1: the data only; 
 FILE_HEADER = struct.Struct("<4sHHI16sQI")
 CRC_OFFSET = FILE_HEADER.size - 4   # the header bytes before the CRC, all covered by it
 KEY_BYTES = 16
+PIN_JOURNAL = "pins.json"
 _HEX = frozenset("0123456789abcdef")   # key.hex() is lowercase
 
 
@@ -96,6 +102,8 @@ class SsdTier:
         self.max_pending_bytes = max_pending_bytes
         self.max_block_bytes = max_block_bytes   # files holding more are invalid (None: no limit)
         self.on_dropped = on_dropped or (lambda key: None)
+        self.is_pinned: Callable[[bytes], bool] = lambda key: False   # held blocks are never evicted
+        self.journal = PinJournal(self.root / PIN_JOURNAL, fsync=fsync)
         self._index: dict[bytes, tuple[int, int, int]] = {}  # key -> (length, num_layers, chain_pos) on disk
         self._lru = LRUPolicy()
         self._pending: dict[bytes, tuple[bytes, int, int]] = {}  # queued writes, readable meanwhile
@@ -128,6 +136,8 @@ class SsdTier:
         self.root.mkdir(parents=True, exist_ok=True)
         found: list[tuple[float, bytes, int, int, int]] = []
         for sub in self._entries(self.root):
+            if sub.name in (PIN_JOURNAL, PIN_JOURNAL + ".tmp"):
+                continue
             if not (len(sub.name) == 2 and set(sub.name) <= _HEX and self._is_dir(sub)):
                 log.warning("SSD tier %s: skipping %s (not a block directory)", self.root, sub.name)
                 continue
@@ -236,7 +246,8 @@ class SsdTier:
         if item is None:
             return  # removed while queued
         try:
-            await self._make_room(FILE_HEADER.size + len(item[0]))
+            if not await self._make_room(FILE_HEADER.size + len(item[0])):
+                raise OSError("the SSD tier is full of held (pinned) blocks")
             await self._write(key, *item)
             if self._pending.get(key) is not item:  # removed while being written
                 self._forget(key)
@@ -259,12 +270,17 @@ class SsdTier:
         self._queue.put_nowait(None)
         await self._queue.join()
 
-    async def _make_room(self, nbytes: int) -> None:
-        while self.used_bytes + nbytes > self.capacity_bytes and (victim := self._lru.victim()) is not None:
+    async def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used unheld blocks until ``nbytes`` fit; False if they cannot."""
+        while self.used_bytes + nbytes > self.capacity_bytes:
+            victim = self._lru.victim(self.is_pinned)
+            if victim is None:
+                return False
             self._forget(victim)
             self.num_evicted += 1
             await self._unlink(self.path_of(victim))
             self.on_dropped(victim)
+        return True
 
     async def _write(self, key: bytes, data: bytes, num_layers: int, chain_pos: int) -> None:
         header = await asyncio.to_thread(pack_header, key, data, num_layers, chain_pos)
@@ -347,3 +363,48 @@ class SsdTier:
             pass
         except OSError as exc:   # e.g. a directory in its place: leave it, never fail the caller
             log.warning("SSD tier: could not delete %s: %s", path, exc)
+
+
+class PinJournal:
+    """The store's context holds as one small JSON file: ``{"version": 1, "pins": {owner:
+    {"expires_at": unix seconds, "keys": [hex, ...]}}}``, replaced atomically on each save."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path, *, fsync: bool = True) -> None:
+        self.path = path
+        self.fsync = fsync
+
+    def save(self, entries: dict[str, tuple[frozenset[bytes], float]]) -> None:
+        pins = {owner: {"expires_at": expires_at, "keys": sorted(k.hex() for k in keys)}
+                for owner, (keys, expires_at) in entries.items()}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as fh:
+                json.dump({"version": self.VERSION, "pins": pins}, fh)
+                fh.flush()
+                if self.fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:   # the holds still apply in memory; only a restart would lose them
+            log.error("could not write the pin journal %s: %s", self.path, exc)
+
+    def load(self) -> dict[str, tuple[list[bytes], float]]:
+        """owner -> (keys, expires_at); an absent file is empty, a bad one is logged and ignored."""
+        try:
+            raw = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("pin journal %s unreadable (%s); no holds restored", self.path, exc)
+            return {}
+        try:
+            doc = json.loads(raw)
+            if doc.get("version") != self.VERSION:
+                raise ValueError(f"version {doc.get('version')!r}")
+            return {str(owner): ([bytes.fromhex(k) for k in entry["keys"]], float(entry["expires_at"]))
+                    for owner, entry in doc["pins"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("pin journal %s is invalid (%s); no holds restored", self.path, exc)
+            return {}
