@@ -16,7 +16,7 @@ flight at once on the one connection. Errors from the store raise ``RemoteError`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from mooncake_lite.common import tracing
@@ -51,26 +51,32 @@ class StoreClient:
 
     async def _request(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
                        sink=None) -> Frame:
-        span = self._span(op, meta, payload) if tracing.is_enabled() else None
-        request = self.frames.request(op, meta, payload, sink=sink)
-        try:
-            reply = await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
-        except BaseException as exc:
-            tracing.end_span(span, f"{type(exc).__name__}: {exc}")
-            raise
-        if span is not None:
-            tracing.end_span(span, **{k: v for k, v in reply.meta.items() if k in _TRACED_REPLY})
-        return reply
+        if tracing.is_enabled():
+            return await self._traced(op, meta, payload, lambda: self._send(op, meta, payload, sink))
+        return await self._send(op, meta, payload, sink)
 
-    def _span(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview]):
-        """A span for an op a traced request caused (one under a current span; None for others,
-        e.g. a stage's handshake); its traceparent rides in the frame meta (``"tp"``)."""
+    async def _send(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview], sink) -> Frame:
+        request = self.frames.request(op, meta, payload, sink=sink)
+        return await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
+
+    async def _traced(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview],
+                      send: Callable[[], Awaitable[Frame]]) -> Frame:
+        """``send()`` the op, in a span when a traced request caused it (one under a current
+        span; not e.g. a stage's handshake); its traceparent rides in the frame meta (``"tp"``)."""
         span = tracing.child_span(f"store.{op.name.lower()}", kind="client", store=self.address,
                                   keys=len(meta.get("keys") or "") // 32 or None,   # 32 hex characters a key
                                   bytes=sum(v.nbytes for v in payload) or None)
-        if span is not None:
-            tracing.add_to_meta(meta, tracing.traceparent(span))
-        return span
+        if span is None:
+            return await send()
+        tracing.add_to_meta(meta, tracing.traceparent(span))
+        try:
+            reply = await send()
+        except BaseException as exc:
+            tracing.end_span(span, f"{type(exc).__name__}: {exc}")
+            raise
+        tracing.end_span(span, **{k: v for k, v in reply.meta.items() if k in _TRACED_REPLY})
+        return reply
+
 
     async def close(self) -> None:
         await self.frames.close()
