@@ -14,6 +14,9 @@ for one request tagged by ``transfer_id`` (``tid``):
     OP_KV_ALIVE  meta {"tid"}                             the request waits in the prefill queue: it
                  counts as progress for decode's inactivity timeout (``kv_timeout_s``)
 
+Layer and end frames of a traced request also carry ``"tp"``, the W3C traceparent of the
+prefill's KV stream span (``common/tracing.py``); decode parents its receive span on it.
+
 Every frame is answered (``{"ok": true}`` or an error frame); senders pipeline frames and check
 the answers at the end, so a refused transfer (unknown tid, aborted, bad shape) stops the prefill.
 Prefix tokens loaded from the store travel the same way as computed ones: decode only needs the
