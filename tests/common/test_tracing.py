@@ -58,6 +58,14 @@ def test_a_client_traceparent_parents_the_span_and_a_bad_one_starts_a_trace(expo
     assert not second.status.is_ok and second.status.description == "failed"
 
 
+def test_a_traceparent_not_sampled_is_followed_downstream(exported):
+    unsampled = f"00-{TRACE}-00f067aa0ba902b7-00"
+    with tracing.span("prefill.request", unsampled) as span:
+        assert not span.is_recording() and tracing.traceparent().endswith("-00")
+        tracing.end_span(tracing.child_span("store.get"))
+    assert exported() == ()
+
+
 def test_the_current_span_parents_children_and_the_traceparent_names_it(exported):
     assert tracing.child_span("store.get") is None   # no request in context: not traced
     with tracing.span("prefill.request") as parent:
