@@ -44,9 +44,15 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     flat = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat).view(batch, max_blocks * bs, *k_cache.shape[2:])  # [batch, ctx, kvh, hd]
     v = v_cache.index_select(0, flat).view(batch, max_blocks * bs, *v_cache.shape[2:])
-    mask = torch.arange(max_blocks * bs, device=q.device)[None, :] < context_lens[:, None]
+    lens = context_lens.tolist() if not context_lens.is_cuda else None   # no device sync on GPUs
+    if lens and min(lens) == max(lens):
+        # Equal lengths (always so at batch 1): cut the padding off instead of masking it, which
+        # spares building and applying a mask per layer.
+        k, v, mask = k[:, :lens[0]], v[:, :lens[0]], None
+    else:
+        mask = (torch.arange(max_blocks * bs, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], enable_gqa=True)
+                                         attn_mask=mask, enable_gqa=True)
     return out[:, :, 0, :]
 
 

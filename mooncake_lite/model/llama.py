@@ -150,7 +150,7 @@ class FeedForward(nn.Module):
         if self.gate_up is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         gate, up = F.linear(x, self.gate_up).split(self.w1.out_features, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(gate, inplace=True).mul_(up))   # in place: no new [n, ffn_dim] tensors
 
 
 class Block(nn.Module):
@@ -162,8 +162,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        h = x + self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # Residuals added into the fresh sublayer outputs (a + b == b + a exactly): no new tensors.
+        h = self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache).add_(x)
+        return self.feed_forward(self.ffn_norm(h)).add_(h)
 
 
 class Transformer(nn.Module):
