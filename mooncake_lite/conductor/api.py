@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -40,6 +41,8 @@ class ApiState:
     vocab_size: int
     max_context: int
     created: int
+    # Rewrites a body naming a cached context (conductor/contexts.py) before it is parsed.
+    rewrite_body: Callable[[web.Request, object, str], object] | None = None
 
 
 API: web.AppKey[ApiState] = web.AppKey("api", ApiState)
@@ -143,7 +146,10 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     endpoint = "chat" if kind == "chat" else "completions"
     arrival = time.perf_counter()
     try:
-        req = parse_request(await _json_body(request), kind, served=st.served, tokenizer=st.tokenizer,
+        body = await _json_body(request)
+        if st.rewrite_body is not None:
+            body = st.rewrite_body(request, body, kind)
+        req = parse_request(body, kind, served=st.served, tokenizer=st.tokenizer,
                             vocab_size=st.vocab_size, max_context=st.max_context)
     except ApiError as exc:
         mx.requests.labels(endpoint, "bad_request").inc()

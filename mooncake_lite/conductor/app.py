@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import api_key_middleware, cluster_token_middleware
-from mooncake_lite.conductor import api, cost_export, internal, status
+from mooncake_lite.conductor import api, contexts, cost_export, internal, status
 from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
@@ -62,6 +62,7 @@ def make_app(cfg: Config) -> web.Application:
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
     api.add_routes(app)
+    contexts.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)
     internal.add_routes(app)
     status.add_routes(app)   # GET /internal/v1/status, for `mooncake status`
     app.router.add_get("/internal/v1/cost_model", cost_export.cost_model)   # `mooncake sim export-costs`

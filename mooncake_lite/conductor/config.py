@@ -53,6 +53,12 @@ class Config(RoleConfig):
                                      parse=parse_duration)
     kv_timeout: float = option(30.0, "how long decode waits for a request's KV to arrive", parse=parse_duration)
     seed: int = option(0, "seed of the random strategy")
+    context_quota: int = option(1 << 20, "most tokens of cached contexts (POST /v1/contexts) one API key may "
+                                "hold pinned in the stores at once")
+    context_ttl: float = option(3600.0, "a cached context's lifetime when its creator names none",
+                                parse=parse_duration)
+    context_max_ttl: float = option(7 * 86400.0, "the longest lifetime a cached context may be given (at "
+                                    "creation or by extending it)", parse=parse_duration)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,3 +79,6 @@ class Config(RoleConfig):
         require(self.dispatch_retries >= 0, f"--dispatch-retries must be >= 0, got {self.dispatch_retries}")
         require(self.upstream_timeout > 0, f"--upstream-timeout must be positive, got {self.upstream_timeout}")
         require(self.kv_timeout > 0, f"--kv-timeout must be positive, got {self.kv_timeout}")
+        require(self.context_quota >= 0, f"--context-quota must be >= 0, got {self.context_quota}")
+        require(0 < self.context_ttl <= self.context_max_ttl,
+                f"--context-ttl must be in (0, --context-max-ttl], got {self.context_ttl}")

@@ -1,0 +1,311 @@
+"""Cached contexts (issue #18): a client pays once to prefill a long shared prefix (a document, a
+system prompt) and reuses its KV across requests until the context expires.
+
+    POST   /v1/contexts        {"model", "prompt" | "messages", "ttl" (s), "name"?} -> the context
+    GET    /v1/contexts        the caller's live contexts
+    GET    /v1/contexts/{id}   one of them
+    PATCH  /v1/contexts/{id}   {"ttl"}: it now expires ttl seconds from now
+    DELETE /v1/contexts/{id}   unpinned at once
+
+Creating one dispatches a prefill-only job (its KV stream goes to the conductor's sink,
+``kv_sink.py``; no decode takes part), then holds the blocks the prefill wrote in that prefill's
+store (the store's PIN op) until the expiry, counted against the caller's quota. A completion
+naming ``context_id`` has the context's tokens put before its prompt (chat: its messages before
+the request's); the usual prefix match then finds the held blocks, Algorithm 1 prices the hit on
+the store holding them, and ``usage.prompt_tokens_details.cached_tokens`` says what prefill
+reused. A request whose prompt merely starts with a context's reuses it the same way.
+
+Tenants are API keys (the bearer token's hash; ``anonymous`` without one): each sees only its
+own contexts. Contexts live in the conductor's memory (a restarted conductor forgets them; the
+stores still hold their blocks until the expiry, so prefix matches keep working).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.conductor.api import API, ApiState, _json_body
+from mooncake_lite.conductor.config import Config
+from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, store_unpin
+from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
+from mooncake_lite.conductor.kv_sink import KVSink
+from mooncake_lite.conductor.params import chat_prompt, parse_request
+
+log = logging.getLogger(__name__)
+MAX_TOMBSTONES = 10_000   # expired ids remembered, so using one says "expired", not "unknown"
+SWEEP_S = 5.0
+
+
+@dataclass
+class Context:
+    context_id: str
+    tenant: str
+    kind: str                            # "prompt" (completions) | "messages" (chat)
+    model: str
+    prompt_ids: tuple[int, ...]
+    messages: tuple[dict[str, str], ...]
+    keys: tuple[bytes, ...]              # its full blocks: what is held in the store
+    store: str                           # the store holding them (data address)
+    created: int
+    expires_at: float
+    name: str | None = None
+    cached_tokens: int = 0
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.context_id, "object": "context", "model": self.model, "created": self.created,
+                "expires_at": int(self.expires_at), "kind": self.kind, "name": self.name,
+                "num_tokens": len(self.prompt_ids), "cached_tokens": self.cached_tokens}
+
+
+@dataclass
+class ContextBook:
+    """The live contexts by id, and the ids of expired ones (for a clear error)."""
+
+    contexts: dict[str, Context] = field(default_factory=dict)
+    expired: OrderedDict[str, str] = field(default_factory=OrderedDict)   # id -> tenant
+
+    def get(self, tenant: str, context_id: Any, now: float) -> Context:
+        """The tenant's live context ``context_id``; 404 unknown (or another tenant's), 410 expired."""
+        self.sweep(now)
+        ctx = self.contexts.get(context_id) if isinstance(context_id, str) else None
+        if ctx is not None and ctx.tenant == tenant:
+            return ctx
+        if isinstance(context_id, str) and self.expired.get(context_id) == tenant:
+            raise ApiError(410, f"context {short(context_id)} has expired; create it again",
+                           code="context_expired", param="context_id")
+        raise ApiError(404, f"no context {short(context_id)} (unknown, deleted, or created with another API key)",
+                       code="context_not_found", param="context_id")
+
+    def used_tokens(self, tenant: str) -> int:
+        return sum(c.cached_tokens for c in self.contexts.values() if c.tenant == tenant)
+
+    def of(self, tenant: str, now: float) -> list[Context]:
+        self.sweep(now)
+        return sorted((c for c in self.contexts.values() if c.tenant == tenant), key=lambda c: c.created)
+
+    def sweep(self, now: float) -> list[Context]:
+        """Move expired contexts to the tombstones (their stores end the holds themselves)."""
+        gone = [c for c in self.contexts.values() if c.expires_at <= now]
+        for ctx in gone:
+            del self.contexts[ctx.context_id]
+            self.expired[ctx.context_id] = ctx.tenant
+        while len(self.expired) > MAX_TOMBSTONES:
+            self.expired.popitem(last=False)
+        return gone
+
+
+@dataclass
+class ContextState:
+    cfg: Config
+    book: ContextBook = field(default_factory=ContextBook)
+    sink: KVSink = field(default_factory=KVSink)
+
+
+CONTEXTS: web.AppKey[ContextState] = web.AppKey("contexts", ContextState)
+
+
+def add_routes(app: web.Application, cfg: Config) -> None:
+    app[CONTEXTS] = ContextState(cfg)
+    app[API].rewrite_body = use_context
+    app.router.add_post("/v1/contexts", create)
+    app.router.add_get("/v1/contexts", list_contexts)
+    app.router.add_get("/v1/contexts/{context_id}", get_one)
+    app.router.add_patch("/v1/contexts/{context_id}", extend)
+    app.router.add_delete("/v1/contexts/{context_id}", delete)
+    app.cleanup_ctx.append(_sink_and_sweeper)
+
+
+def tenant_of(request: web.Request) -> str:
+    """The caller's tenant: a hash of its API key (never the key itself), or ``anonymous``."""
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return "anonymous"
+    return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+
+
+# ---- using a context -----------------------------------------------------------------------------
+def use_context(request: web.Request, body: Any, kind: str) -> Any:
+    """A completion body with ``context_id``, rewritten to carry the context's prefix first."""
+    if not isinstance(body, dict) or body.get("context_id") is None:
+        return body
+    ctx = request.app[CONTEXTS].book.get(tenant_of(request), body["context_id"], time.time())
+    body = {k: v for k, v in body.items() if k != "context_id"}
+    if kind == "chat":
+        if ctx.kind != "messages":
+            raise bad_request(f"context {ctx.context_id} was made from a prompt: use it with /v1/completions",
+                              "context_id")
+        messages = body.get("messages")
+        body["messages"] = [*ctx.messages, *(messages if isinstance(messages, list) else [])]
+        return body
+    if ctx.kind != "prompt":
+        raise bad_request(f"context {ctx.context_id} was made from messages: use it with /v1/chat/completions",
+                          "context_id")
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):   # no BOS in the middle: the context already starts with it
+        prompt = request.app[API].tokenizer.encode(prompt, add_special_tokens=False)
+    if not isinstance(prompt, list):
+        raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+    body["prompt"] = [*ctx.prompt_ids, *prompt]
+    return body
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+async def create(request: web.Request) -> web.Response:
+    st, cs = request.app[API], request.app[CONTEXTS]
+    try:
+        body = await _json_body(request)
+        kind, ids, messages = _context_ids(st, body)
+        ttl = _ttl(body, cs.cfg)
+        name = _name(body)
+        keys = prefix_hash(ids, st.svc.block_size, st.svc.hash_seed)
+        if not keys:
+            raise bad_request(f"a context must hold at least one full block ({st.svc.block_size} tokens); "
+                              f"this one has {len(ids)}", "prompt" if kind == "prompt" else "messages")
+        tenant, cached = tenant_of(request), len(keys) * st.svc.block_size
+        used = cs.book.used_tokens(tenant)
+        if used + cached > cs.cfg.context_quota:
+            raise ApiError(429, f"this context would hold {cached} tokens, and this API key already holds "
+                                f"{used} of its {cs.cfg.context_quota}; delete a context or wait for one to "
+                                f"expire", err_type="insufficient_quota", code="context_quota_exceeded",
+                           headers={"x-should-retry": "false"})
+        context_id = f"ctx-{uuid.uuid4().hex}"
+        req = parse_request({"model": body["model"], "prompt": list(ids), "max_tokens": 1}, "completion",
+                            served=st.served, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
+                            max_context=st.max_context)
+        store = await prefill_only(st.svc, cs.sink, context_id, req, keys)
+        expires_at = time.time() + ttl
+        num_held = await store_pin(st.svc, store, context_id, keys, expires_at)
+        if num_held < len(keys):
+            await store_unpin(st.svc, store, context_id)
+            raise unavailable(f"only {num_held} of the context's {len(keys)} blocks reached store {store} "
+                              f"(is it full of held blocks?); try again")
+    except ApiError as exc:
+        return exc.response()
+    ctx = Context(context_id, tenant, kind, req.model, ids, messages, tuple(keys), store, int(time.time()),
+                  expires_at, name, num_held * st.svc.block_size)
+    cs.book.contexts[context_id] = ctx
+    log.info("context %s: %d tokens, %d block(s) held in store %s for %.0fs", context_id, len(ids), num_held,
+             store, ttl)
+    return web.json_response(ctx.public())
+
+
+async def list_contexts(request: web.Request) -> web.Response:
+    book = request.app[CONTEXTS].book
+    data = [c.public() for c in book.of(tenant_of(request), time.time())]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_one(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(_lookup(request).public())
+    except ApiError as exc:
+        return exc.response()
+
+
+async def extend(request: web.Request) -> web.Response:
+    st, cs = request.app[API], request.app[CONTEXTS]
+    try:
+        ctx = _lookup(request)
+        body = await _json_body(request)
+        if not isinstance(body, dict) or "ttl" not in body:
+            raise bad_request("'ttl' (seconds from now) is required", "ttl")
+        expires_at = time.time() + _ttl(body, cs.cfg)
+        num_held = await store_pin(st.svc, ctx.store, ctx.context_id, ctx.keys, expires_at, wait_s=0)
+    except ApiError as exc:
+        return exc.response()
+    ctx.expires_at, ctx.cached_tokens = expires_at, num_held * st.svc.block_size
+    return web.json_response(ctx.public())
+
+
+async def delete(request: web.Request) -> web.Response:
+    st, cs = request.app[API], request.app[CONTEXTS]
+    try:
+        ctx = _lookup(request)
+    except ApiError as exc:
+        return exc.response()
+    del cs.book.contexts[ctx.context_id]
+    await store_unpin(st.svc, ctx.store, ctx.context_id)
+    return web.json_response({"id": ctx.context_id, "object": "context.deleted", "deleted": True})
+
+
+def _lookup(request: web.Request) -> Context:
+    return request.app[CONTEXTS].book.get(tenant_of(request), request.match_info["context_id"], time.time())
+
+
+# ---- parsing -------------------------------------------------------------------------------------
+def _context_ids(st: ApiState, body: Any) -> tuple[str, tuple[int, ...], tuple[dict[str, str], ...]]:
+    """(kind, token ids, messages) of a creation body; the model is checked like a completion's."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad_request("give exactly one of 'prompt' (for /v1/completions) or 'messages' (for chat)",
+                          "prompt")
+    if not has_messages:   # the prompt is validated the way a completion's is
+        req = parse_request({**_only(body, "model", "prompt"), "max_tokens": 1}, "completion", served=st.served,
+                            tokenizer=st.tokenizer, vocab_size=st.vocab_size, max_context=st.max_context)
+        return "prompt", req.prompt_ids, ()
+    # Chat: validated by a chat parse; the context is the messages rendered without the
+    # assistant's turn, which a request's rendering (these messages, then its own) starts with.
+    parse_request({**_only(body, "model", "messages"), "max_tokens": 1}, "chat", served=st.served,
+                  tokenizer=st.tokenizer, vocab_size=st.vocab_size, max_context=st.max_context)
+    messages = tuple({"role": m["role"], "content": m["content"]} for m in body["messages"]
+                     if isinstance(m.get("content"), str))
+    if len(messages) != len(body["messages"]):
+        raise bad_request("a context's messages must have string contents", "messages")
+    template = st.tokenizer.chat_template
+    if template is None:
+        ids = st.tokenizer.encode(chat_prompt(list(messages)).removesuffix("<|assistant|>\n"))
+    else:
+        ids = st.tokenizer.encode(template.render(list(messages), add_generation_prompt=False),
+                                  add_special_tokens=False)
+    return "messages", tuple(ids), messages
+
+
+def _only(body: dict, *names: str) -> dict:
+    return {k: body[k] for k in names if k in body}
+
+
+def _ttl(body: dict, cfg: Config) -> float:
+    ttl = body.get("ttl", cfg.context_ttl)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= cfg.context_max_ttl:
+        raise bad_request(f"'ttl' must be a number of seconds in (0, {cfg.context_max_ttl:g}], got {short(ttl)}",
+                          "ttl")
+    return float(ttl)
+
+
+def _name(body: dict) -> str | None:
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or len(name) > 256):
+        raise bad_request("'name' must be a string of at most 256 characters", "name")
+    return name
+
+
+async def _sink_and_sweeper(app: web.Application) -> AsyncIterator[None]:
+    cs = app[CONTEXTS]
+    await cs.sink.start(cs.cfg.host, cs.cfg.advertise_host, cs.cfg.cluster_token)
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            for ctx in cs.book.sweep(time.time()):
+                log.info("context %s expired", ctx.context_id)
+
+    task = asyncio.get_running_loop().create_task(sweep())
+    yield
+    task.cancel()
+    await cs.sink.stop()

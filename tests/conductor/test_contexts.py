@@ -1,0 +1,183 @@
+"""Cached contexts (issue #18) through a live cluster of real processes on 127.0.0.1: create ->
+use (cached_tokens covers the context, tokens equal the reference) -> list -> extend -> delete ->
+use fails cleanly; the held blocks survive eviction pressure on both store tiers and a kill -9
+of the store; quota, expiry and unknown ids answer clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from mooncake_lite.conductor.contexts import Context, ContextBook
+from mooncake_lite.conductor.errors import ApiError
+from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.store.client import StoreClient
+from tests.store.helpers import block, chain
+
+pytestmark = pytest.mark.slow   # a whole cluster of real processes
+
+BLOCK = 16
+COMMON = ("--block-size", str(BLOCK), "--log-level", "warning")
+SLOT = 16 << 10     # one block of the tiny preset (4 layers x 2 x 16 tokens x 2 heads x 16 x fp32)
+KEY = "sk-tenant-a"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, method: str, path: str, body: dict | None = None, key: str = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def _wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            if json.load(resp).get("ready"):
+                return
+        time.sleep(0.1)
+    raise AssertionError("cluster not ready")
+
+
+@pytest.fixture
+def cluster(role_procs, tmp_path):
+    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "none",
+                           "--api-key", KEY, "--context-quota", str(6 * BLOCK), *COMMON)
+    url = conductor.url()
+    # 16 DRAM slots and an SSD of about 30 blocks: a few dozen other blocks overflow both tiers.
+    store_args = ("--port", str(_free_port()), "--data-port", str(_free_port()), "--dram", str(16 * SLOT),
+                  "--slot-bytes", str(SLOT), "--ssd-dir", str(tmp_path), "--ssd", str(30 * (SLOT + 64)),
+                  "--no-ssd-fsync", "--conductor", url, "--event-interval", "0.05", *COMMON)
+    store = role_procs("store", *store_args)
+    instance = ("--conductor", url, "--model", "tiny", "--threads", "1", "--heartbeat-interval", "0.5",
+                "--no-profile", *COMMON)
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(role_procs, "prefill", "--store", store.addresses["data"], *instance),
+                   pool.submit(role_procs, "decode", "--data-port", "0", *instance)]
+        for f in started:
+            f.result()
+    _wait_ready(url)
+    return url, store, store_args
+
+
+def _complete(client: openai.OpenAI, prompt: list[int], **extra) -> tuple[list[int], int]:
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
+    return out.choices[0].model_extra["token_ids"], out.usage.prompt_tokens_details.cached_tokens
+
+
+async def _pressure(store_data: str, num_blocks: int) -> None:
+    """Other blocks put straight into the store, more than both tiers hold."""
+    client = await StoreClient.connect(store_data)
+    try:
+        for key in chain(num_blocks, seed=99):
+            await client.put([key], [block(key, SLOT)], num_layers=4)
+    finally:
+        await client.close()
+
+
+def test_tenants_see_only_their_own_contexts():
+    book = ContextBook()
+    book.contexts["ctx-1"] = Context("ctx-1", "key-a", "prompt", "tiny", (1,) * BLOCK, (), (b"k" * 16,), "s:1",
+                                     0, expires_at=100.0, cached_tokens=BLOCK)
+    assert book.get("key-a", "ctx-1", now=50.0).context_id == "ctx-1"
+    assert [c.context_id for c in book.of("key-b", now=50.0)] == [] and book.used_tokens("key-b") == 0
+    with pytest.raises(ApiError) as other:
+        book.get("key-b", "ctx-1", now=50.0)
+    assert other.value.status == 404 and other.value.code == "context_not_found"
+    with pytest.raises(ApiError) as expired:
+        book.get("key-a", "ctx-1", now=100.0)
+    assert expired.value.status == 410 and book.used_tokens("key-a") == 0
+    with pytest.raises(ApiError) as still_other:   # an expired context of another tenant stays unknown
+        book.get("key-b", "ctx-1", now=100.0)
+    assert still_other.value.status == 404
+
+
+def test_context_lifecycle_pins_and_errors(cluster, role_procs):
+    url, store, store_args = cluster
+    model = build_model("tiny", seed=0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    doc = [(7 * i + 3) % 300 + 10 for i in range(5 * BLOCK + 5)]      # 5 full blocks and a bit
+    question = [42, 43, 44, 45, 46]
+
+    # create: prefilled once (no decode), its 5 full blocks held
+    status, ctx = call(url, "POST", "/v1/contexts", {"model": "tiny", "prompt": doc, "ttl": 60, "name": "doc"})
+    assert status == 200, ctx
+    assert ctx["object"] == "context" and ctx["num_tokens"] == len(doc) and ctx["cached_tokens"] == 5 * BLOCK
+
+    # use by id: the context's tokens go first, and prefill reuses every held block
+    want = reference_greedy(model, doc + question, 6)
+    tokens, cached = _complete(client, question, context_id=ctx["id"])
+    assert tokens == want and cached >= ctx["cached_tokens"]
+    tokens, cached = _complete(client, doc + question)                 # the same prefix, no id
+    assert tokens == want and cached >= ctx["cached_tokens"]
+
+    # list, get, extend
+    status, listed = call(url, "GET", "/v1/contexts")
+    assert status == 200 and [c["id"] for c in listed["data"]] == [ctx["id"]]
+    status, longer = call(url, "PATCH", f"/v1/contexts/{ctx['id']}", {"ttl": 600})
+    assert status == 200 and longer["expires_at"] >= ctx["expires_at"] + 500
+
+    # over the quota (6 blocks): a second context of 2 blocks is refused, clearly
+    status, err = call(url, "POST", "/v1/contexts", {"model": "tiny", "prompt": question * 7})
+    assert status == 429 and err["error"]["code"] == "context_quota_exceeded", err
+
+    # eviction pressure on both tiers, then kill -9 of the store and a restart on its ports
+    asyncio.run(_pressure(store.addresses["data"], 60))
+    tokens, cached = _complete(client, question, context_id=ctx["id"])
+    assert tokens == want and cached >= ctx["cached_tokens"]
+    store.send(signal.SIGKILL)
+    assert store.stop() != 0
+    role_procs("store", *store_args)
+    asyncio.run(_pressure(store.addresses["data"], 60))
+    deadline = time.monotonic() + 20      # the prefill notices the new store on its next request
+    while True:
+        tokens, cached = _complete(client, question, context_id=ctx["id"])
+        if cached >= ctx["cached_tokens"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert tokens == want and cached >= ctx["cached_tokens"]
+
+    # delete: gone for good
+    status, gone = call(url, "DELETE", f"/v1/contexts/{ctx['id']}")
+    assert status == 200 and gone == {"id": ctx["id"], "object": "context.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError) as unknown:
+        _complete(client, question, context_id=ctx["id"])
+    assert unknown.value.code == "context_not_found"
+    assert call(url, "PATCH", f"/v1/contexts/{ctx['id']}", {"ttl": 5})[0] == 404
+
+    # chat: a context of messages, used by a chat completion; then it expires
+    status, chat = call(url, "POST", "/v1/contexts", {
+        "model": "tiny", "ttl": 1.5,
+        "messages": [{"role": "system", "content": "You answer questions about this text."}]})
+    assert status == 200 and chat["kind"] == "messages" and chat["cached_tokens"] >= BLOCK, chat
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Why?"}],
+                                         max_tokens=2, extra_body={"context_id": chat["id"]})
+    assert out.usage.prompt_tokens_details.cached_tokens >= chat["cached_tokens"]
+    with pytest.raises(openai.BadRequestError, match="made from messages"):
+        _complete(client, question, context_id=chat["id"])
+    time.sleep(1.6)
+    with pytest.raises(openai.APIStatusError) as expired:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Why?"}],
+                                       max_tokens=2, extra_body={"context_id": chat["id"]})
+    assert expired.value.status_code == 410 and expired.value.code == "context_expired"
+    client.close()
