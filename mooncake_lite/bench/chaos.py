@@ -4,19 +4,21 @@
     mooncake bench chaos --victims decode-0 --json
 
 It starts ``mooncake up`` (restarts on), keeps ``--concurrency`` chat completions streaming through
-the official ``openai`` client, and for each victim in turn: lets the load settle, drains it and
-reads every role's leak gauges (``/metrics``), kills the victim with SIGKILL mid-load, keeps the
-load going until the victim is back and the conductor counts every instance again, drains, and
-reads the gauges once more (the load runs ``--window-s`` after the kill and ``--after-s`` after
-the rejoin, whichever ends later). For each kill it reports
+the official ``openai`` client plus a one-token probe every ``--probe-every-s``, and for each
+victim in turn: lets the load settle, drains it and reads every role's leak gauges
+(``/metrics``), kills the victim with SIGKILL mid-load, keeps the load going until the victim is
+back and the conductor counts every instance again, drains, and reads the gauges once more (the
+load runs ``--window-s`` after the kill and ``--after-s`` after the rejoin, whichever ends
+later). For each kill it reports
 
 * requests **hung** (no byte for ``--hang-s``; goal 0),
 * requests **failed**, split into those whose tokens were already streaming (the only ones that
   may fail) and those that failed before their first token (goal 0: they should be re-dispatched),
-  and 429s,
-* **service restored**: seconds from the kill to the first token of the first request started
-  after the last failed one (goal ≤ 3 s where a live replacement exists), and **rejoined**: to
-  the victim being back and registered,
+  and 429s (the streaming load's requests; the probes' failures are counted apart),
+* **service restored**: seconds from the kill to the first token of the first probe sent after
+  the last failed probe (goal ≤ 3 s where a live replacement exists), beside the probes' median
+  TTFT before and after the kill (what a busy machine adds), and **rejoined**: to the victim
+  being back and registered,
 * **leaked**: leak gauges that did not return to their idle value within ``--quiet-s`` (goal none).
 """
 
@@ -176,6 +178,8 @@ class KillReport:
     failed_streaming: int = 0
     failed_before_tokens: int = 0
     rejected_429: int = 0
+    probes: int = 0
+    probes_failed: int = 0
     service_restored_s: float | None = None
     ttft_p50_before_s: float | None = None
     ttft_p50_after_s: float | None = None
@@ -186,11 +190,11 @@ class KillReport:
 
 def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
     """One kill under load, measured from an idle reading before to one after."""
-    settled = len(load.outcomes)
+    settled = len(load.probes)
     load.resume()
     time.sleep(a.settle_s)
     load.pause()                             # drained: the gauges show the idle cluster
-    idle, first = gauges(cluster), len(load.outcomes)
+    idle, first, first_probe = gauges(cluster), len(load.outcomes), len(load.probes)
     load.resume()
     time.sleep(a.lead_s)                     # requests are streaming when the kill lands
     t0 = time.monotonic()
@@ -202,7 +206,8 @@ def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, w
     load.pause()
     report = KillReport(victim, leaked=leaks(cluster, idle, a.quiet_s))
     report.rejoined_s = None if whole is None else round(max(whole, back) - t0, 2)
-    for key, value in phase_figures(load.outcomes[first:], t0, load.outcomes[settled:first]).items():
+    figures = phase_figures(load.outcomes[first:], load.probes[first_probe:], t0, load.probes[settled:first_probe])
+    for key, value in figures.items():
         setattr(report, key, value)
     return report
 
@@ -215,7 +220,7 @@ def run(a: argparse.Namespace) -> dict:
     try:
         model = get_json(cluster.api + "/v1/models")["data"][0]["id"]
         with Load(cluster.api + "/v1", model, concurrency=a.concurrency, max_tokens=a.max_tokens,
-                  hang_s=a.hang_s) as load:
+                  hang_s=a.hang_s, probe_every_s=a.probe_every_s) as load:
             reports = [kill_one(cluster, load, victim, a, want) for victim in a.victims.split(",")]
     finally:
         rc = cluster.stop()
@@ -236,12 +241,14 @@ def render(res: dict) -> str:
     lines = [f"chaos: {res['model']}, {res['cluster']}, {res['load']['concurrency']} streams of "
              f"{res['load']['max_tokens']} tokens, commit {res['commit']}", "",
              f"{'victim':<11}{'requests':>9}{'hung':>6}{'failed streaming':>18}{'failed before 1st':>19}"
-             f"{'429':>5}{'restored s':>12}{'rejoined s':>12}{'TTFT p50 before/after':>23}  leaked"]
+             f"{'429':>5}{'probes failed':>15}{'restored s':>12}{'rejoined s':>12}{'probe TTFT p50 before/after':>29}"
+             "  leaked"]
     for k in res["kills"]:
         ttft = f"{_s(k['ttft_p50_before_s'], '-')}/{_s(k['ttft_p50_after_s'], '-')}"
         lines.append(f"{k['victim']:<11}{k['requests']:>9}{k['hung']:>6}{k['failed_streaming']:>18}"
-                     f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}{_s(k['service_restored_s']):>12}"
-                     f"{_s(k['rejoined_s']):>12}{ttft:>23}  {k['leaked'] or 'none'}")
+                     f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}"
+                     f"{str(k['probes_failed']) + '/' + str(k['probes']):>15}{_s(k['service_restored_s']):>12}"
+                     f"{_s(k['rejoined_s']):>12}{ttft:>29}  {k['leaked'] or 'none'}")
         lines += [f"    {e}" for e in k["errors"][:3]]
     return "\n".join(lines)
 
@@ -261,6 +268,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--victims", default="prefill-0,decode-0,store-0", help="children to kill, in turn")
     p.add_argument("--concurrency", type=int, default=4, help="requests streaming at once")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--probe-every-s", type=float, default=0.5, help="a one-token request this often")
     p.add_argument("--settle-s", type=float, default=5.0, help="load before each kill's idle reading")
     p.add_argument("--lead-s", type=float, default=1.5, help="load before the kill lands")
     p.add_argument("--window-s", type=float, default=15.0, help="load after the kill (at least)")

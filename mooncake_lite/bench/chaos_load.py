@@ -34,19 +34,25 @@ class Outcome:
 
 
 class Load:
-    """``concurrency`` threads, each sending one streamed chat completion after the other."""
+    """``concurrency`` threads, each sending one streamed chat completion after the other, and a
+    prober sending a one-token one every ``probe_every_s`` (its own list: how soon a new request
+    is served again does not depend on when a long one of the load happens to end)."""
 
     def __init__(self, base_url: str, model: str, *, concurrency: int, max_tokens: int, hang_s: float,
-                 api_key: str | None = None):
+                 probe_every_s: float = 0.5, api_key: str | None = None):
         import openai
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=hang_s)
         self.model, self.max_tokens, self.concurrency = model, max_tokens, concurrency
+        self.probe_every_s = probe_every_s
         self.outcomes: list[Outcome] = []
+        self.probes: list[Outcome] = []
         self._running = threading.Event()
         self._cond = threading.Condition()
         self._in_flight = 0
         self._is_closed = False
         self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(concurrency)]
+        self._threads.append(threading.Thread(target=self._worker, args=(concurrency,), kwargs={"is_probe": True},
+                                              daemon=True))
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -69,8 +75,8 @@ class Load:
             self._running.clear()
             self._cond.wait_for(lambda: self._in_flight == 0)
 
-    def _worker(self, index: int) -> None:
-        num = 0
+    def _worker(self, index: int, is_probe: bool = False) -> None:
+        num, results = 0, self.probes if is_probe else self.outcomes
         while not self._is_closed:
             if not self._running.wait(0.2):
                 continue
@@ -78,23 +84,25 @@ class Load:
                 if not self._running.is_set() or self._is_closed:
                     continue
                 self._in_flight += 1
-            outcome = self._one(index, num)
+            outcome = self._one(index, num, 1 if is_probe else self.max_tokens)
             with self._cond:
-                self.outcomes.append(outcome)
+                results.append(outcome)
                 self._in_flight -= 1
                 self._cond.notify_all()
             num += 1
-            if outcome.kind != "ok":
+            if is_probe:
+                time.sleep(max(0.0, outcome.start + self.probe_every_s - time.monotonic()))
+            elif outcome.kind != "ok":
                 time.sleep(RETRY_PAUSE_S)
 
-    def _one(self, index: int, num: int) -> Outcome:
+    def _one(self, index: int, num: int, max_tokens: int) -> Outcome:
         import openai
         start, first, finish = time.monotonic(), None, None
         question = QUESTIONS[(index + num) % len(QUESTIONS)]
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"#{index}-{num}: {question}"}]
         try:
             stream = self.client.chat.completions.create(model=self.model, messages=messages, stream=True,
-                                                         max_tokens=self.max_tokens, temperature=0)
+                                                         max_tokens=max_tokens, temperature=0)
             with stream:
                 for chunk in stream:
                     for choice in chunk.choices:
@@ -121,21 +129,22 @@ def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def phase_figures(outcomes: list[Outcome], t0: float, baseline: list[Outcome]) -> dict:
-    """What one kill did to the requests around it (``t0``: the kill; ``baseline``: requests of
-    the settled load before it). ``service_restored_s``: to the first token of the first request
-    started after the last one that did not succeed; the TTFT medians before and after the kill
-    say how much of that is the cluster's ordinary TTFT."""
+def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, baseline: list[Outcome]) -> dict:
+    """What one kill (at ``t0``) did to the load's ``outcomes`` and to the ``probes`` around it
+    (``baseline``: the probes of the settled load before). ``service_restored_s``: to the first
+    token of the first probe sent after the last probe that did not succeed; the probes' TTFT
+    medians before and after say how much of that is the cluster's ordinary TTFT."""
     counts = {kind: sum(o.kind == kind for o in outcomes)
               for kind in ("ok", "hung", "failed_streaming", "failed_before_tokens", "rejected_429")}
-    bad = [o for o in outcomes if o.kind != "ok" and o.end >= t0]
+    bad = [o for o in probes if o.kind != "ok" and o.end >= t0]
     since = max([t0, *(o.start for o in bad)])
-    after = [o.first_token for o in outcomes if o.kind == "ok" and o.start >= since and o.first_token]
+    after = [o.first_token for o in probes if o.kind == "ok" and o.start >= since and o.first_token]
     restored = round(min(after) - t0, 2) if after else None
-    errors = sorted({o.error for o in bad if o.error})[:5]
-    return {"requests": len(outcomes), **counts, "service_restored_s": restored,
+    errors = sorted({o.error for o in [*outcomes, *probes] if o.kind != "ok" and o.error})[:5]
+    return {"requests": len(outcomes), **counts, "probes": len(probes),
+            "probes_failed": sum(o.kind != "ok" for o in probes), "service_restored_s": restored,
             "ttft_p50_before_s": _ttft_p50(baseline),
-            "ttft_p50_after_s": _ttft_p50([o for o in outcomes if o.start >= t0]), "errors": errors}
+            "ttft_p50_after_s": _ttft_p50([o for o in probes if o.start >= t0]), "errors": errors}
 
 
 def _ttft_p50(outcomes: list[Outcome]) -> float | None:

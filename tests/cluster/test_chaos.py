@@ -26,20 +26,25 @@ def test_a_killed_prefill_heals_without_hangs_or_leaks():
     assert res["up_exit_code"] == 0
 
 
-def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_failure():
+def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_failed_probe():
     from mooncake_lite.bench.chaos_load import Outcome, phase_figures
     t0 = 100.0
-    outcomes = [Outcome(99.0, 101.0, 99.5, "failed_streaming", "stream broke"),   # streaming at the kill
-                Outcome(100.2, 100.3, None, "failed_before_tokens", "502"),
-                Outcome(100.1, 104.0, 103.0, "ok"),      # started before the last failure: not the mark
-                Outcome(100.5, 102.0, 101.5, "ok"),      # first started after it: restored at 1.5 s
-                Outcome(101.0, 131.0, None, "hung", "ReadTimeout")]
+    load = [Outcome(99.0, 101.0, 99.5, "failed_streaming", "stream broke"),      # streaming at the kill
+            Outcome(100.2, 100.3, None, "failed_before_tokens", "502"),
+            Outcome(100.1, 104.0, 103.0, "ok"),
+            Outcome(101.0, 131.0, None, "hung", "ReadTimeout")]
+    probes = [Outcome(100.0, 100.1, None, "failed_before_tokens", "503"),
+              Outcome(100.4, 101.2, 101.2, "ok"),       # started before the last failed probe
+              Outcome(100.5, 100.6, None, "failed_before_tokens", "503"),
+              Outcome(101.0, 101.5, 101.5, "ok"),       # the first after it: restored at 1.5 s
+              Outcome(101.5, 101.8, 101.8, "ok")]
     baseline = [Outcome(90.0, 91.0, 90.2, "ok"), Outcome(91.0, 92.0, 91.4, "ok"), Outcome(92, 93, None, "hung")]
-    fig = phase_figures(outcomes, t0, baseline)
+    fig = phase_figures(load, probes, t0, baseline)
     assert (fig["requests"], fig["ok"], fig["failed_streaming"], fig["failed_before_tokens"], fig["hung"]) == \
-        (5, 2, 1, 1, 1)
-    # the hung request started at 101.0, after which nothing succeeded: service never restored
-    assert fig["service_restored_s"] is None
-    assert fig["ttft_p50_before_s"] == 0.3 and fig["errors"] == ["502", "ReadTimeout", "stream broke"]
-    fig = phase_figures(outcomes[:4], t0, [])
-    assert fig["service_restored_s"] == 1.5 and fig["ttft_p50_before_s"] is None
+        (4, 1, 1, 1, 1)
+    assert (fig["probes"], fig["probes_failed"], fig["service_restored_s"]) == (5, 2, 1.5)
+    assert fig["ttft_p50_before_s"] == 0.3 and fig["ttft_p50_after_s"] == 0.5
+    assert fig["errors"] == ["502", "503", "ReadTimeout", "stream broke"]
+    # a probe that never succeeds after the last failure: service was not restored
+    fig = phase_figures(load, probes[:3], t0, [])
+    assert fig["service_restored_s"] is None and fig["ttft_p50_before_s"] is None
