@@ -27,10 +27,11 @@ from mooncake_lite.store.eviction import make_policy
 from mooncake_lite.store.events import BlockEventPublisher
 from mooncake_lite.store.metrics import StoreCollector, make_registry, render
 from mooncake_lite.store.replicate import Replicator
-from mooncake_lite.store.slab import Slab
+from mooncake_lite.store.slab import Slab, cuda_available
 from mooncake_lite.store.ssd import SsdTier
 from mooncake_lite.transfer.framing import Limits
 from mooncake_lite.transfer.server import server_address, start_server
+from mooncake_lite.transfer.shm import is_supported as shm_supported
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def make_app(cfg: Config) -> web.Application:
         # A block larger than a DRAM slot could never be promoted: count it as bad at start-up.
         ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue,
                       max_block_bytes=cfg.slot_bytes)
-    slab = Slab(cfg.dram, cfg.slot_bytes, pin=cfg.pin_memory)
+    slab = _make_slab(cfg)
     store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
     if ssd is not None:
         ssd.scan()
@@ -84,12 +85,20 @@ def make_app(cfg: Config) -> web.Application:
     return app
 
 
+def _make_slab(cfg: Config) -> Slab:
+    pin = cuda_available() if cfg.pin_memory is None else cfg.pin_memory
+    shared = cfg.shm == "auto" and not pin and shm_supported()
+    if cfg.shm == "auto" and not shared:
+        log.info("same-node fast path off: %s", "the slab is page-locked" if pin else "no memfd here")
+    return Slab(cfg.dram, cfg.slot_bytes, pin=pin, shared=shared)
+
+
 async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     dp = app[DATA]
     cfg, store = dp.cfg, dp.store
     replicator = Replicator(store, token=cfg.cluster_token)
-    dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator)
-    hello: dict[str, str | int] = {}
+    dp.handler = StoreHandler(store, lease_ttl=cfg.lease_ttl, replicator=replicator, shm_staging=cfg.shm_staging)
+    hello: dict[str, object] = {}
     limits = Limits(max_meta_bytes=META_BYTES, max_payload_bytes=cfg.max_frame,
                     handshake_timeout=cfg.data_handshake_timeout, stall_timeout=cfg.data_stall_timeout,
                     idle_timeout=cfg.data_idle_timeout or None, max_inflight_bytes=cfg.data_inflight)
@@ -101,6 +110,8 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     hello["store_id"] = dp.address
     # The largest block a put may carry: a prefill checks its model's blocks fit before serving.
     hello["slot_bytes"] = store.slab.slot_bytes
+    if dp.handler.shm.is_enabled:   # same-node clients map the slab instead of using the socket
+        hello["shm"] = dp.handler.shm.offer()
     session = aiohttp.ClientSession()
     loop = asyncio.get_running_loop()
     dp.tasks = [loop.create_task(dp.handler.run_lease_sweeper(min(1.0, cfg.lease_ttl / 4))),

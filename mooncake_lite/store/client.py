@@ -8,6 +8,9 @@
     n = await client.match(keys)     # longest cached prefix (any tier)
     await client.close()
 
+On the same node as the store, block bytes move through shared memory (``store/shm_client.py``)
+when the store offers it and this process can use it, else over the socket; ``transport`` says which.
+
 Large requests are split into batches (``max_batch_bytes`` / ``max_batch_keys``) that are all in
 flight at once on the one connection. Errors from the store raise ``RemoteError`` (``code`` is
 ``full``, ``bad_request``, ...); a lost connection raises ``ConnectionError``.
@@ -21,6 +24,7 @@ from typing import Any, TypeVar
 
 from mooncake_lite.common import tracing
 from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
+from mooncake_lite.store.shm_client import ShmPath, attach
 from mooncake_lite.transfer.client import FrameClient, RemoteError
 from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
 
@@ -37,17 +41,31 @@ class StoreClient:
         self.max_batch_bytes = max_batch_bytes
         self.max_batch_keys = max_batch_keys
         self.timeout = timeout
+        self.shm: ShmPath | None = None   # the same-node fast path, when the store and we can use it
 
     @classmethod
     async def connect(cls, address: str, *, token: str | None = None, name: str = "store-client",
                       max_batch_bytes: int = 64 << 20, max_batch_keys: int = 1024,
-                      timeout: float | None = None) -> StoreClient:
+                      timeout: float | None = None, shm: bool = True) -> StoreClient:
         """Connect to a store's data address ``host:port`` and do the token handshake.
         ``timeout`` (seconds) bounds every request: ``asyncio.TimeoutError`` when exceeded, and
-        the connection stays usable (a late reply is discarded)."""
+        the connection stays usable (a late reply is discarded). ``shm=False``: TCP even on the
+        store's node."""
         host, port = parse_peer(address)
         frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or 10.0)
-        return cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
+        client = cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
+        if shm:
+            try:
+                client.shm = await asyncio.wait_for(attach(frames), timeout or 10.0)
+            except BaseException:
+                await client.close()
+                raise
+        return client
+
+    @property
+    def transport(self) -> str:
+        """How block bytes move: "shm" (the store's slab mapped here) or "tcp"."""
+        return "tcp" if self.shm is None else "shm"
 
     async def _request(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
                        sink=None) -> Frame:
@@ -77,9 +95,10 @@ class StoreClient:
         tracing.end_span(span, **{k: v for k, v in reply.meta.items() if k in _TRACED_REPLY})
         return reply
 
-
     async def close(self) -> None:
         await self.frames.close()
+        if self.shm is not None:
+            self.shm.close()
 
     @property
     def is_closed(self) -> bool:
@@ -101,12 +120,25 @@ class StoreClient:
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         views = [as_bytes_view(b) for b in blocks]
-        batches = self._split(len(keys), [v.nbytes for v in views])
-        replies = await _all(
-            self._request(Op.PUT, {"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
-                                         "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
-            for a, b in batches)
+        batches = self._split(len(keys), [v.nbytes for v in views], self._put_batch_bytes())
+        replies = await _all(self._put_batch({"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
+                                              "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
+                             for a, b in batches)
         return sum(r.meta["num_new"] for r in replies)
+
+    def _put_batch_bytes(self) -> int:
+        # Through shared memory, batches of half the staging area: one is copied in while the
+        # store copies the other out.
+        if self.shm is None or self.shm.staging is None:
+            return self.max_batch_bytes
+        return max(1, min(self.max_batch_bytes, self.shm.staging.size // 2))
+
+    async def _put_batch(self, meta: dict[str, Any], views: list[memoryview]) -> Frame:
+        if self.shm is not None and self.shm.fits([v.nbytes for v in views]):
+            if tracing.is_enabled():   # traced as a put over the socket is
+                return await self._traced(Op.PUT, meta, views, lambda: self.shm.put(meta, views, self.timeout))
+            return await self.shm.put(meta, views, self.timeout)
+        return await self._request(Op.PUT, meta, views)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         replies = await self._each_batch(Op.DELETE, keys)
@@ -145,12 +177,21 @@ class StoreClient:
         """Like ``match``, and the matched prefix is brought into DRAM and pinned for up to
         ``lease_s`` seconds (capped by the store's --lease-ttl) so it cannot be evicted before you
         load it. Returns ``(num_matched, lease_id)``; call ``release(lease_id)`` when done (closing
-        the connection releases it too)."""
-        reply = await self._request(Op.MATCH, {"keys": keys_to_hex(keys), "lease_s": lease_s})
-        return int(reply.meta["num_matched"]), int(reply.meta["lease_id"])
+        the connection releases it too). Through shared memory, gets of pinned blocks then read
+        the slab directly, without asking the store."""
+        meta: dict[str, Any] = {"keys": keys_to_hex(keys), "lease_s": lease_s}
+        if self.shm is not None:
+            meta["shm"] = True
+        reply = await self._request(Op.MATCH, meta)
+        num, lease_id = int(reply.meta["num_matched"]), int(reply.meta["lease_id"])
+        if self.shm is not None:
+            self.shm.remember(lease_id, keys[:num], reply.meta.get("spans"))
+        return num, lease_id
 
     async def release(self, lease_id: int) -> bool:
         """End a ``match_and_pin`` lease early. False if it had already expired."""
+        if self.shm is not None:
+            self.shm.forget(lease_id)
         reply = await self._request(Op.RELEASE, {"lease_id": lease_id})
         return bool(reply.meta["released"])
 
@@ -159,11 +200,12 @@ class StoreClient:
         return [bool(x) for r in replies for x in r.meta["exists"]]
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _split(self, num: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    def _split(self, num: int, sizes: Sequence[int] | None = None, max_bytes: int | None = None) -> list[tuple[int, int]]:
         batches, start, nbytes = [], 0, 0
+        max_bytes = max_bytes or self.max_batch_bytes
         for i in range(num):
             size = sizes[i] if sizes else 0
-            if i > start and (i - start >= self.max_batch_keys or nbytes + size > self.max_batch_bytes):
+            if i > start and (i - start >= self.max_batch_keys or nbytes + size > max_bytes):
                 batches.append((start, i))
                 start, nbytes = i, 0
             nbytes += size
@@ -180,6 +222,10 @@ class StoreClient:
         if out is not None and len(out) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(out)} output buffers")
         outs = [None if o is None else as_bytes_view(o) for o in out] if out is not None else None
+        if self.shm is not None:   # blocks we hold a lease on: straight from the slab
+            local = self.shm.read_pinned(keys, outs, _layer_range(extra))
+            if local is not None:
+                return local   # type: ignore[return-value]
         batches = self._split(len(keys))
         parts = await _all(self._read_batch(op, keys[a:b], outs[a:b] if outs else None, extra)
                            for a, b in batches)
@@ -187,6 +233,18 @@ class StoreClient:
 
     async def _read_batch(self, op: Op, keys: Sequence[bytes], outs: list[memoryview | None] | None,
                           extra: dict[str, Any]) -> list[tuple[memoryview, int] | None]:
+        if self.shm is None:
+            return await self._read_batch_tcp(op, keys, outs, extra)
+        result, stale = await self.shm.read(self._request, op, {"keys": keys_to_hex(keys), **extra}, outs)
+        if stale:   # reused by the store while we copied (a lease ran out): ask again on the socket
+            again = await self._read_batch_tcp(op, [keys[i] for i in stale],
+                                               [result[i][0] for i in stale], extra)  # type: ignore[index]
+            for i, item in zip(stale, again):
+                result[i] = item
+        return result
+
+    async def _read_batch_tcp(self, op: Op, keys: Sequence[bytes], outs: list[memoryview | None] | None,
+                              extra: dict[str, Any]) -> list[tuple[memoryview, int] | None]:
         used_out = False
 
         def sink(header: Header, meta: dict[str, Any]) -> list[memoryview] | None:
@@ -221,6 +279,10 @@ class StoreClient:
                 result.append((view, layer_counts[i]))
                 offset += size
         return result
+
+
+def _layer_range(extra: dict[str, Any]) -> tuple[int, int] | None:
+    return (extra["first_layer"], extra["num_layers"]) if "first_layer" in extra else None
 
 
 async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:

@@ -45,6 +45,11 @@ class Config(RoleConfig, DataPortFlags):
                                 "would exceed it closes its connection", parse=parse_size)
     drain_timeout: float = option(10.0, "graceful-shutdown budget for in-flight work", parse=parse_duration)
     pin_memory: bool | None = option(None, "page-lock the slab (None = when CUDA is present)")
+    shm: str = option("auto", "same-node fast path: auto (the slab in shared memory, offered to clients on "
+                      "this node, which fall back to TCP when they cannot use it), off (TCP only); a "
+                      "page-locked slab is never shared", choices=("auto", "off"))
+    shm_staging: int = option(64 << 20, "per-connection shared staging area for same-node puts (allocated as "
+                              "the client writes it; 0 = same-node puts go over TCP)", parse=parse_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,3 +68,4 @@ class Config(RoleConfig, DataPortFlags):
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s):// URL, got {self.conductor!r}")
         require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        require(self.shm_staging >= 0, "--shm-staging must be >= 0")

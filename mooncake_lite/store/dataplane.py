@@ -11,6 +11,10 @@ No frame makes the store allocate memory for its payload: a put lands in its res
 refused frame's payload is read into one scratch buffer and dropped. A payload larger than its op
 can carry (a put: ``slot_bytes`` per key; anything else: nothing) is refused that way only up to
 ``DISCARD_BYTES``; beyond it the connection is closed at once instead of reading gigabytes.
+
+Same-node clients move block bytes through shared memory instead (``store/shm.py``): gets with
+``shm`` are answered with slab offsets under a read lease, puts with ``staged`` offsets carry no
+payload.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
 from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
                                           sizes_from_meta)
+from mooncake_lite.store.shm import ShmService
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, FrameError, Header
 from mooncake_lite.transfer.server import reply_error
@@ -45,8 +50,9 @@ _ERROR, _TICKET = object(), object()
 
 class StoreHandler(FrameHandler):
     def __init__(self, store: BlockStore, *, lease_ttl: float, replicator: Callable[..., Coroutine] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shm_staging: int = 0) -> None:
         self.store = store
+        self.shm = ShmService(store, staging_bytes=shm_staging, lease_ttl=lease_ttl, clock=clock)
         self.lease_ttl = lease_ttl
         self.replicator = replicator
         self.clock = clock
@@ -63,10 +69,11 @@ class StoreHandler(FrameHandler):
         self.connections.discard(conn)
         for lease in conn.state.pop("leases", {}).values():  # a client's match leases die with it
             self.store.unpin(lease)
+        self.shm.connection_lost(conn)
 
     # ---- receiving puts in place ---------------------------------------------------------------
     def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
-        if header.op != Op.PUT:
+        if header.op != Op.PUT or "staged" in meta:
             self._check_refusable(header, 0, f"op {header.op} takes no payload")
             meta[_ERROR] = ("bad_request", f"op {header.op} takes no payload")
             return self._discard(header.payload_len)
@@ -115,7 +122,9 @@ class StoreHandler(FrameHandler):
             reply_error(conn, frame, *meta[_ERROR])
             return
         try:
-            if frame.op == Op.PUT:
+            if frame.op == Op.PUT and "staged" in meta:
+                self._reply(conn, frame, {"num_new": self.shm.staged_put(conn, frame)})
+            elif frame.op == Op.PUT:
                 if _TICKET not in meta and keys_from_meta(meta):
                     raise MetaError("a put of blocks needs a payload")
                 num_new = self.store.commit(meta[_TICKET]) if _TICKET in meta else 0
@@ -140,6 +149,8 @@ class StoreHandler(FrameHandler):
                 self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
             elif frame.op == Op.DELETE:
                 self._spawn(conn, frame, self._delete(conn, frame, keys_from_meta(meta)))
+            elif frame.op in (Op.SHM_ATTACH, Op.SHM_READY, Op.READ_DONE):
+                self.shm.handle(conn, frame)
             elif frame.op in (Op.PIN, Op.UNPIN):
                 self._reply(conn, frame, self._pin(frame.op, meta))
             elif frame.op == Op.REPLICATE:
@@ -150,6 +161,8 @@ class StoreHandler(FrameHandler):
                 reply_error(conn, frame, "unknown_op", f"unknown op {frame.op}")
         except (MetaError, BadRequest) as exc:
             reply_error(conn, frame, "bad_request", str(exc))
+        except StoreFull as exc:
+            reply_error(conn, frame, "full", str(exc))
 
     def _reply(self, conn: FrameConnection, frame: Frame, meta: dict[str, Any]) -> None:
         conn.send(frame.op, frame.request_id, meta, flags=FLAG_REPLY)
@@ -206,6 +219,10 @@ class StoreHandler(FrameHandler):
             self._send_blocks(conn, frame, found, layers)
 
     def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None) -> None:
+        if frame.meta.get("shm") is True and self.shm.is_enabled:
+            self.shm.end_reads(conn, frame.meta.get("done"))
+            self.shm.reply_spans(conn, frame, found, layers)
+            return
         views: list[memoryview] = []
         run: list[tuple[int, int]] = []  # slab spans of consecutive found blocks, merged when adjacent
         sizes, block_layers, pinned = [], [], []
@@ -254,7 +271,12 @@ class StoreHandler(FrameHandler):
                 num = i  # the prefix we can vouch for ends here
                 break
             self.store.extend(lease, [item])
-        self._reply(conn, frame, {"num_matched": num, "lease_id": lease_id})
+            found[i] = item
+        reply: dict[str, Any] = {"num_matched": num, "lease_id": lease_id}
+        if frame.meta.get("shm") is True and self.shm.is_enabled and lease.is_active:
+            # Offsets only for blocks this lease pins: the client may read them until it ends.
+            reply["spans"] = self.shm.match_spans(found[:num])
+        self._reply(conn, frame, reply)
 
     def _pin(self, op: Op, meta: dict[str, Any]) -> dict[str, Any]:
         owner = meta.get("pin")

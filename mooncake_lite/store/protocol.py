@@ -16,11 +16,19 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 | DELETE | keys | - | num_deleted | - |
 | REPLICATE | keys, peer ("host:port"), first_pos | - | num_copied, num_present, num_missing | - |
 | RELEASE | lease_id | - | released (bool) | - |
+| SHM_ATTACH | - | - | a staging area's offer (pid, fd, size, nonce, host) | - |
+| SHM_READY | - | - | ok | - |
+| READ_DONE | reads (read lease ids) | - | (no reply: one-way, request id 0) | - |
 | PIN | keys, pin (owner id), expires_at (unix s) | - | num_held (of keys, held in any tier) | - |
 | UNPIN | pin | - | released (bool) | - |
 
 PIN holds a cached context's blocks against eviction until ``expires_at`` (a repeated PIN of the
 same owner replaces its keys and expiry); holds are journaled beside the SSD files.
+
+Same-node fast path (docs/store.md): a GET/GET_LAYERS with ``shm: true`` is answered with
+``spans`` ([offset, slot, generation] per block in the shared slab, under the read lease
+``read``) instead of payload, and ends the read leases its ``done`` lists; a PUT with ``staged`` (one offset per key in the connection's
+staging area) carries no payload.
 
 ``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with
 ``lease_s`` also brings the matched prefix into DRAM and pins it for up to ``lease_s`` seconds (at
@@ -47,6 +55,9 @@ class Op(IntEnum):
     DELETE = 6
     REPLICATE = 7
     RELEASE = 8
+    SHM_ATTACH = 9
+    SHM_READY = 10
+    READ_DONE = 11
     PIN = 16       # context holds (conductor/contexts.py)
     UNPIN = 17
 

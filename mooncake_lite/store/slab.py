@@ -3,6 +3,12 @@
 With CUDA present the buffer is page-locked (``torch.empty(..., pin_memory=True)``) so GPUs can
 DMA from it; otherwise it is an anonymous mmap populated at start (about 0.3 s per GiB). Slots never move: a block's bytes stay where they were received
 until the slot is freed, which is what lets the transfer layer read and write them in place.
+
+With ``shared=True`` the slab lives in a sealed memfd (``transfer/shm.py``) that clients on the
+same node map read-only: a page of header (the nonce), one u64 generation per slot, then the
+slots. A slot's generation goes up each time it is freed, before it can be written again, so a
+reader that copied a block and then still sees the generation it was given knows the copy is
+whole (see docs/store.md, same-node fast path).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import mmap
 import os
 from collections import deque
 from collections.abc import Iterable
+
+from mooncake_lite.transfer.shm import PAGE, Region, align
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,7 @@ def cuda_available() -> bool:
 class Slab:
     """``num_slots`` slots of ``slot_bytes`` each inside one buffer."""
 
-    def __init__(self, total_bytes: int, slot_bytes: int, pin: bool | None = None) -> None:
+    def __init__(self, total_bytes: int, slot_bytes: int, pin: bool | None = None, shared: bool = False) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot size must be positive, got {slot_bytes}")
         if total_bytes < slot_bytes:
@@ -51,13 +59,28 @@ class Slab:
         self.num_slots = total_bytes // slot_bytes
         self.capacity_bytes = self.num_slots * slot_bytes
         self.is_pinned = cuda_available() if pin is None else pin
-        self._owner, self._view = _allocate(self.capacity_bytes, self.is_pinned)
+        self.region: Region | None = None
+        self.slab_offset = 0                  # where slot 0 starts in the shared region
+        self.gens: memoryview | None = None   # u64 per slot, shared slabs only
+        if shared:
+            self._owner, self._view = self._allocate_shared()
+        else:
+            self._owner, self._view = _allocate(self.capacity_bytes, self.is_pinned)
         # FIFO: slots freed together (one evicted batch) are handed out together and in order,
         # so a batch of full-slot blocks usually lands in one contiguous range (see ``views``).
         self._free = deque(range(self.num_slots))
         self._is_free = bytearray(b"\x01") * self.num_slots
-        log.info("DRAM slab: %d slots x %d bytes (%s)", self.num_slots, slot_bytes,
-                 "pinned" if self.is_pinned else "pageable")
+        log.info("DRAM slab: %d slots x %d bytes (%s%s)", self.num_slots, slot_bytes,
+                 "pinned" if self.is_pinned else "pageable", ", shared" if shared else "")
+
+    def _allocate_shared(self) -> tuple[object, memoryview]:
+        # Page-lock a shared slab for CUDA is not built (cudaHostRegister); shared means pageable.
+        self.is_pinned = False
+        self.slab_offset = align(PAGE + 8 * self.num_slots)
+        self.region = Region(self.slab_offset + self.capacity_bytes, name="mooncake-slab")
+        self.gens = self.region.view[PAGE:PAGE + 8 * self.num_slots].cast("Q")
+        self.region.seal_readonly()
+        return self.region, self.region.view[self.slab_offset:]
 
     @property
     def num_free(self) -> int:
@@ -75,6 +98,8 @@ class Slab:
         if self._is_free[slot]:
             raise ValueError(f"slot {slot} freed twice")
         self._is_free[slot] = 1
+        if self.gens is not None:
+            self.gens[slot] += 1   # before the slot can be written again: readers' copies are stale
         self._free.append(slot)
 
     def view(self, slot: int, nbytes: int | None = None, offset: int = 0) -> memoryview:

@@ -1,0 +1,158 @@
+"""The store side of the same-node fast path: block bytes through shared memory, not the socket.
+
+A store whose slab is shared (``Slab(shared=True)``) offers it in its HELLO reply. A client on
+the same node that can open and verify it (``transfer/shm.py``) then:
+
+* **gets** with ``shm: true``: the store pins the blocks under a *read lease* and answers with
+  where they are (``spans``: slab offset, slot, slot generation) instead of sending them; the
+  client copies them out of its read-only mapping, checks the generations, and ends the lease
+  by naming it in its next get (``done``) or, when none follows soon, a one-way READ_DONE. The store hands out offsets only for blocks it has leased to that
+  connection; the mapping itself cannot stop a client from reading other slots (see docs).
+* **puts** through a per-connection *staging area* (SHM_ATTACH: a fresh memfd only this
+  connection's client is given; SHM_READY: the store closes its descriptor so nobody else can
+  open it): the client copies blocks into it and sends PUT with ``staged`` offsets and no
+  payload; the store checks every offset and length against the area, reserves slots and copies
+  the blocks in, then commits (atomic, like a socket put).
+
+Control frames stay on the connection's socket, so the cluster token gates all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mooncake_lite.store.blocks import BadRequest, Block, BlockStore
+from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
+from mooncake_lite.transfer.connection import FrameConnection
+from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
+from mooncake_lite.transfer.shm import PAGE, Region, ShmError
+
+log = logging.getLogger(__name__)
+
+
+class ShmService:
+    def __init__(self, store: BlockStore, *, staging_bytes: int, lease_ttl: float, clock) -> None:
+        self.store = store
+        self.staging_bytes = staging_bytes
+        self.lease_ttl = lease_ttl
+        self.clock = clock
+        self._next_read_id = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.store.slab.region is not None
+
+    def offer(self) -> dict[str, Any] | None:
+        """The HELLO reply's ``shm`` entry: how to map the slab and where its parts are."""
+        slab = self.store.slab
+        if slab.region is None:
+            return None
+        return slab.region.offer(gens_offset=PAGE, num_slots=slab.num_slots, slab_offset=slab.slab_offset,
+                                 staging=self.staging_bytes)
+
+    # ---- control ops -------------------------------------------------------------------------
+    def handle(self, conn: FrameConnection, frame: Frame) -> None:
+        if frame.op == Op.READ_DONE:   # one-way: no reply, even to a malformed one
+            self.end_reads(conn, frame.meta.get("reads"))
+        elif frame.op == Op.SHM_ATTACH:
+            conn.send(frame.op, frame.request_id, self._attach(conn), flags=FLAG_REPLY)
+        elif frame.op == Op.SHM_READY:
+            staging: Region | None = conn.state.get("staging")
+            if staging is None:
+                raise MetaError("no staging area to confirm")
+            staging.close_fd()   # the client has mapped it: nobody else can open it now
+            conn.send(frame.op, frame.request_id, {"ok": True}, flags=FLAG_REPLY)
+
+    def end_reads(self, conn: FrameConnection, read_ids: Any) -> None:
+        """End the read leases a client is done with (anything else in the list is ignored)."""
+        reads = conn.state.get("reads", {})
+        for read_id in read_ids if isinstance(read_ids, list) else ():
+            lease = reads.pop(read_id, None) if isinstance(read_id, int) else None
+            if lease is not None:
+                self.store.unpin(lease)
+
+    def _attach(self, conn: FrameConnection) -> dict[str, Any]:
+        if not self.is_enabled or self.staging_bytes <= 0:
+            raise MetaError("this store offers no staging area")
+        if "staging" in conn.state:
+            raise MetaError("this connection has a staging area already")
+        try:
+            # Not populated: a client that only gets never costs the store this memory.
+            region = conn.state["staging"] = Region(self.staging_bytes, name="mooncake-staging", populate=False)
+        except ShmError as exc:
+            raise MetaError(f"cannot create a staging area: {exc}") from None
+        return region.offer()
+
+    def connection_lost(self, conn: FrameConnection) -> None:
+        for lease in conn.state.pop("reads", {}).values():
+            self.store.unpin(lease)
+        staging = conn.state.pop("staging", None)
+        if staging is not None:
+            staging.close()
+
+    # ---- gets --------------------------------------------------------------------------------
+    def reply_spans(self, conn: FrameConnection, frame: Frame, found: list,
+                    layers: tuple[int, int] | None) -> None:
+        """Answer a get with where its blocks are; bytes only for SSD blocks DRAM could not take."""
+        sizes, block_layers, spans, pinned, raw = [], [], [], [], []
+        for item in found:
+            size = layer_count = span = None
+            if isinstance(item, Block):
+                offset, size = self.store.span(item, *layers) if layers else self.store.span(item)
+                layer_count, span = item.num_layers, self._span(item, offset)
+                pinned.append(item)
+            elif item is not None:   # SSD bytes DRAM could not take: sent on the socket
+                if layers:
+                    raise BadRequest("layer reads of blocks that could not be promoted are not supported")
+                raw.append(memoryview(item))
+                size = len(item)
+            sizes.append(size)
+            block_layers.append(layer_count)
+            spans.append(span)
+        meta = {"sizes": sizes, "num_layers": block_layers, "spans": spans,
+                "read": self._read_lease(conn, pinned) if pinned else None}
+        conn.send(frame.op, frame.request_id, meta, raw, flags=FLAG_REPLY)
+        self.store.stats.bytes_out += sum(s for s in sizes if s)
+
+    def _span(self, block: Block, slab_offset: int) -> list[int]:
+        slab = self.store.slab
+        return [slab.slab_offset + slab_offset, block.slot, slab.gens[block.slot]]
+
+    def _read_lease(self, conn: FrameConnection, blocks: list[Block]) -> int:
+        # No on_expire: a lease that runs out lets the slot be reused, which bumps its
+        # generation, so a client still copying sees that and refetches; nothing to abort.
+        self._next_read_id += 1
+        conn.state.setdefault("reads", {})[self._next_read_id] = self.store.pin(blocks, self.clock() + self.lease_ttl)
+        return self._next_read_id
+
+    def match_spans(self, blocks: list[Block]) -> list[list[int]]:
+        """Where the blocks a MATCH pinned are (the client may read them without asking again
+        while its lease lasts): offset, size, num_layers, slot, generation."""
+        slab = self.store.slab
+        return [[slab.slab_offset + self.store.span(b)[0], b.size, b.num_layers, b.slot, slab.gens[b.slot]]
+                for b in blocks]
+
+    # ---- puts --------------------------------------------------------------------------------
+    def staged_put(self, conn: FrameConnection, frame: Frame) -> int:
+        """Copy a put's blocks from the connection's staging area into reserved slots and commit."""
+        staging: Region | None = conn.state.get("staging")
+        if staging is None:
+            raise MetaError("a staged put needs a staging area (SHM_ATTACH)")
+        meta = frame.meta
+        keys = keys_from_meta(meta)
+        sizes = sizes_from_meta(meta, len(keys))
+        offsets = meta.get("staged")
+        if not isinstance(offsets, list) or len(offsets) != len(keys):
+            raise MetaError(f"'staged' must be {len(keys)} offsets (one per key)")
+        for offset, size in zip(offsets, sizes):
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 \
+                    or offset + size > staging.size:
+                raise MetaError(f"staged block [{offset!r}, +{size}) is outside the "
+                                f"{staging.size}-byte staging area")
+        ticket = self.store.reserve(keys, sizes, int_from_meta(meta, "num_layers", 1, minimum=1),
+                                    int_from_meta(meta, "first_pos", 0))
+        for slot, offset, size in zip(ticket.slots, offsets, sizes):
+            if slot is not None:
+                self.store.slab.view(slot, size)[:] = staging.view[offset:offset + size]
+        return self.store.commit(ticket)

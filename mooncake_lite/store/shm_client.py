@@ -1,0 +1,247 @@
+"""The client side of the same-node fast path (the store side and the protocol: ``store/shm.py``).
+
+``attach`` maps the slab a store offered in its HELLO reply (read-only; the store sealed it so
+no process but the store can write it) and asks for a staging area for puts. Anything that
+fails (another host or namespace, another user, an old store, a nonce that does not match)
+leaves the client on TCP: ``attach`` returns None, or a path without staging.
+
+Every copy out of the slab is checked afterwards against the generation of its slot, which the
+store bumps whenever it frees a slot: a block the store reused while we copied (only possible
+once its lease ran out) is detected and fetched again over the socket, never returned torn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from mooncake_lite.store.protocol import Op
+from mooncake_lite.transfer.client import FrameClient, RemoteError
+from mooncake_lite.transfer.framing import Frame
+from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer, copy, open_offer
+
+log = logging.getLogger(__name__)
+Request = Callable[[Op, dict[str, Any]], Awaitable[Frame]]
+ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)
+DONE_DELAY = 0.005   # how long a finished read lease waits for a get to carry its end
+
+
+class SharedSlab:
+    """The store's slab as mapped here: read-only bytes plus the slot generations."""
+
+    def __init__(self, mapping: Mapping, gens_offset: int, num_slots: int) -> None:
+        if not (0 < gens_offset and num_slots > 0 and gens_offset + 8 * num_slots <= mapping.size):
+            raise ShmError("malformed slab offer")
+        self.mapping = mapping
+        self.num_slots = num_slots
+        self.gens = mapping.view[gens_offset:gens_offset + 8 * num_slots].cast("Q")
+
+    def copy(self, offset: int, size: int, target: memoryview) -> None:
+        if not (0 <= offset and offset + size <= self.mapping.size):
+            raise RemoteError("bad_reply", f"store named bytes [{offset}, +{size}) outside its slab")
+        copy(target[:size], self.mapping.view[offset:offset + size])
+
+    def is_current(self, slot: int, gen: int) -> bool:
+        if not 0 <= slot < self.num_slots:
+            raise RemoteError("bad_reply", f"store named slot {slot} of {self.num_slots}")
+        return self.gens[slot] == gen
+
+    def close(self) -> None:
+        self.gens.release()
+        self.mapping.close()
+
+
+class Staging:
+    """This connection's staging area, handed out first-fit to the puts in flight."""
+
+    def __init__(self, mapping: Mapping) -> None:
+        self.mapping = mapping
+        self.size = mapping.size
+        self._free: list[tuple[int, int]] = [(0, mapping.size)]   # (start, length), sorted
+        self._waiters: list[asyncio.Future] = []
+
+    async def alloc(self, nbytes: int) -> int:
+        while (start := self._take(nbytes)) is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        return start
+
+    def _take(self, nbytes: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= nbytes:
+                self._free[i:i + 1] = [(start + nbytes, length - nbytes)] if length > nbytes else []
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        self._free.append((start, nbytes))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self._free = merged
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class ShmPath:
+    def __init__(self, frames: FrameClient, slab: SharedSlab, staging: Staging | None = None) -> None:
+        self.frames = frames
+        self.slab = slab
+        self.staging = staging
+        # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned
+        self._pinned: dict[bytes, tuple[int, int, int, int, int, int]] = {}
+        # Read leases we are done with, named in the next get (or a one-way READ_DONE soon after):
+        # one message per get instead of two, and no extra wake-up of the store.
+        self._done: list[int] = []
+        self._flush: asyncio.TimerHandle | None = None
+
+    # ---- gets --------------------------------------------------------------------------------
+    async def read(self, request: Request, op: Op, meta: dict[str, Any], outs: Sequence[memoryview | None] | None
+                   ) -> tuple[list[tuple[memoryview, int] | None], list[int]]:
+        """One get batch through the slab: the blocks, and the indexes of those that went stale
+        while copied (the caller fetches those over the socket)."""
+        done, self._done = self._done, []
+        try:
+            frame = await request(op, {**meta, "shm": True, **({"done": done} if done else {})})
+        except BaseException:
+            self._done += done   # maybe never sent: name them again (the store ignores repeats)
+            raise
+        sizes, counts, spans = frame.meta["sizes"], frame.meta["num_layers"], frame.meta.get("spans")
+        if not isinstance(spans, list) or len(spans) != len(sizes):
+            raise RemoteError("bad_reply", "a shared-memory get reply without spans")
+        raw, raw_offset = (frame.payload[0] if frame.payload else None), 0
+        result: list[tuple[memoryview, int] | None] = []
+        checks = []
+        try:
+            for i, (size, span) in enumerate(zip(sizes, spans)):
+                if not size:
+                    result.append(None)
+                    continue
+                target = _target(outs, i, size)
+                if span is None:   # bytes the store could not keep in DRAM came on the socket
+                    target[:] = raw[raw_offset:raw_offset + size]
+                    raw_offset += size
+                else:
+                    offset, slot, gen = span
+                    self.slab.copy(offset, size, target)
+                    checks.append((i, slot, gen))
+                result.append((target, counts[i]))
+            return result, [i for i, slot, gen in checks if not self.slab.is_current(slot, gen)]
+        finally:
+            self._finished(frame.meta.get("read"))
+
+    def _finished(self, read_id: Any) -> None:
+        if isinstance(read_id, int):
+            self._done.append(read_id)
+            if self._flush is None:
+                self._flush = asyncio.get_running_loop().call_later(DONE_DELAY, self._send_done)
+
+    def _send_done(self) -> None:
+        self._flush = None
+        done, self._done = self._done, []
+        if done:
+            try:
+                self.frames.conn.send(Op.READ_DONE, 0, {"reads": done})   # one-way: no reply
+            except ConnectionError:
+                pass   # the leases end with the connection anyway
+
+    def remember(self, lease_id: int, keys: Sequence[bytes], spans: Any) -> None:
+        """Blocks a MATCH pinned for us, readable without asking the store until released."""
+        if isinstance(spans, list):
+            for key, span in zip(keys, spans):
+                self._pinned[key] = (lease_id, *span)
+
+    def forget(self, lease_id: int) -> None:
+        self._pinned = {k: v for k, v in self._pinned.items() if v[0] != lease_id}
+
+    def read_pinned(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
+                    layers: tuple[int, int] | None) -> list[tuple[memoryview, int]] | None:
+        """The blocks (or layer ranges) straight from the slab when our leases cover every key
+        and nothing went stale; else None (ask the store)."""
+        entries = [self._pinned.get(key) for key in keys]
+        if not keys or None in entries:
+            return None
+        result, checks = [], []
+        for i, (_, offset, size, num_layers, slot, gen) in enumerate(entries):   # type: ignore[misc]
+            if layers is not None:
+                first, count = layers
+                if first < 0 or count < 1 or first + count > num_layers:
+                    return None   # the store gives the error
+                offset, size = offset + first * (size // num_layers), count * (size // num_layers)
+            target = _target(outs, i, size)
+            self.slab.copy(offset, size, target)
+            result.append((target, num_layers))
+            checks.append((slot, gen))
+        return result if all(self.slab.is_current(slot, gen) for slot, gen in checks) else None
+
+    # ---- puts --------------------------------------------------------------------------------
+    def fits(self, sizes: Sequence[int]) -> bool:
+        return self.staging is not None and sum(align(n, ALIGN) for n in sizes) <= self.staging.size
+
+    async def put(self, meta: dict[str, Any], views: Sequence[memoryview], timeout: float | None) -> Frame:
+        """One put batch through the staging area (``fits`` must be true)."""
+        staging = self.staging
+        assert staging is not None
+        need = sum(align(v.nbytes, ALIGN) for v in views)
+        start = await staging.alloc(need)
+        offsets, pos = [], start
+        for view in views:
+            staging.mapping.view[pos:pos + view.nbytes] = view
+            offsets.append(pos)
+            pos += align(view.nbytes, ALIGN)
+        reply = asyncio.ensure_future(self.frames.request(Op.PUT, {**meta, "staged": offsets}))
+        # The area is ours again only once the store has answered (it copies before answering):
+        # a caller that times out must not let the next put overwrite bytes not yet copied.
+        reply.add_done_callback(lambda f: (staging.free(start, need), f.cancelled() or f.exception()))
+        return await (asyncio.wait_for(asyncio.shield(reply), timeout) if timeout else asyncio.shield(reply))
+
+    def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+        self.slab.close()
+        if self.staging is not None:
+            self.staging.mapping.close()
+
+
+def _target(outs: Sequence[memoryview | None] | None, i: int, size: int) -> memoryview:
+    out = outs[i] if outs is not None else None
+    return out[:size] if out is not None and out.nbytes >= size else aligned_buffer(size)
+
+
+async def attach(frames: FrameClient) -> ShmPath | None:
+    """The fast path to the store behind ``frames`` if it offered one we can use, else None."""
+    offer = frames.hello.get("shm")
+    if not isinstance(offer, dict):
+        return None
+    try:
+        mapping = open_offer(offer)
+    except ShmError as exc:
+        log.info("store %s: using TCP, its shared memory is not usable here (%s)", frames.conn.name, exc)
+        return None
+    try:
+        path = ShmPath(frames, SharedSlab(mapping, int(offer.get("gens_offset", 0)), int(offer.get("num_slots", 0))))
+    except (ShmError, TypeError, ValueError) as exc:
+        mapping.close()
+        log.info("store %s: using TCP (%s)", frames.conn.name, exc)
+        return None
+    if offer.get("staging"):
+        try:
+            reply = await frames.request(Op.SHM_ATTACH, {})
+            staging = open_offer(reply.meta, writable=True)
+            path.staging = Staging(staging)
+            await frames.request(Op.SHM_READY, {})
+        except (ShmError, RemoteError) as exc:
+            log.info("store %s: puts use TCP (%s)", frames.conn.name, exc)
+            if path.staging is not None:
+                path.staging.mapping.close()
+            path.staging = None
+    return path

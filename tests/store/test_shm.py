@@ -1,0 +1,209 @@
+"""The same-node fast path against a real store process: chosen on the same host, TCP otherwise,
+bytes equal either way, reads only under leases and never torn, token still required, staging
+bounds enforced, the slab read-only for clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from mooncake_lite.store import shm_client
+from mooncake_lite.store.client import RemoteError, StoreClient
+from mooncake_lite.store.protocol import Op, keys_to_hex
+from mooncake_lite.transfer import shm
+from mooncake_lite.transfer.client import FrameClient
+from mooncake_lite.transfer.framing import HEADER_BYTES, Limits, decode_header, encode_frame
+from tests.store.helpers import block, chain, metric
+
+SLOT = 256 << 10
+TOKEN = "s3cret"
+pytestmark = pytest.mark.skipif(not shm.is_supported(), reason="no memfd_create or /proc here")
+
+
+@pytest.fixture
+def store(role_procs):
+    # 16 slots, a 1 MiB staging area, leases that run out quickly (the stale-read test).
+    return role_procs("store", "--port", "0", "--data-port", "0", "--dram", "4MiB", "--slot-bytes", "256KiB",
+                      "--shm-staging", "1MiB", "--lease-ttl", "1s", "--cluster-token", TOKEN)
+
+
+def no_socket_bytes(client: StoreClient) -> None:
+    """Make any block bytes on the socket fail the test."""
+    async def refuse(*args, **kwargs):
+        raise AssertionError("block bytes went over TCP")
+    client._read_batch_tcp = refuse   # type: ignore[method-assign]
+    request = client.frames.request
+
+    async def checked(op, meta=None, payload=(), sink=None):
+        assert not payload, "a put sent its blocks on the socket"
+        return await request(op, meta, payload, sink)
+    client.frames.request = checked   # type: ignore[method-assign]
+
+
+async def test_shm_selected_bytes_equal_and_tcp_agrees(store):
+    address = store.addresses["data"]
+    fast = await StoreClient.connect(address, token=TOKEN)
+    slow = await StoreClient.connect(address, token=TOKEN, shm=False)
+    try:
+        assert fast.transport == "shm" and fast.shm.staging is not None and slow.transport == "tcp"
+        no_socket_bytes(fast)
+        keys = chain(8, seed=3)
+        sizes = [SLOT, 4096, 1, 100_000, SLOT - 8, 12_288, SLOT, 65_536]
+        data = [block(k, s) for k, s in zip(keys, sizes)]
+        # 8 blocks > the 1 MiB staging area: several staged batches, some in flight together.
+        assert await fast.put(keys, data) == 8
+        assert [bytes(g) for g in await fast.get(keys)] == data
+        assert [bytes(g) for g in await slow.get(keys)] == data
+        outs = [bytearray(SLOT) for _ in keys]
+        got = await fast.get(keys + chain(1, seed=4), out=outs + [None])
+        assert got[-1] is None and all(g.obj is o for g, o in zip(got, outs))
+        assert [bytes(o[:s]) for o, s in zip(outs, sizes)] == data
+        layered = chain(2, seed=5)
+        ldata = [block(k, 8 * 4096) for k in layered]
+        await slow.put(layered, ldata, num_layers=8)   # written over TCP, read through the slab
+        assert [bytes(g) for g in await fast.get_layers(layered, 3, 2)] == [d[3 * 4096:5 * 4096] for d in ldata]
+        with pytest.raises(RemoteError, match="outside"):
+            await fast.get_layers(layered, 7, 2)
+        # The read leases of those gets were all handed back (one-way READ_DONE).
+        for _ in range(100):
+            if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+    finally:
+        await fast.close()
+        await slow.close()
+
+
+async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
+    address = store.addresses["data"]
+    off = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "1MiB", "--slot-bytes", "256KiB",
+                     "--shm", "off")
+    keys, data = chain(2, seed=6), [b"x" * 5000, b"y" * 7]
+    client = await StoreClient.connect(off.addresses["data"])
+    assert "shm" not in client.frames.hello and client.transport == "tcp"
+    assert await client.put(keys, data) == 2 and [bytes(g) for g in await client.get(keys)] == data
+    await client.close()
+
+    async def offer_with(**changes):
+        frames = await FrameClient.connect(*address.rsplit(":", 1), token=TOKEN)
+        frames.hello["shm"] = {**frames.hello["shm"], **changes}
+        try:
+            return await shm_client.attach(frames)
+        finally:
+            await frames.close()
+    assert await offer_with() is not None   # the untouched offer is usable here
+    assert await offer_with(nonce="00" * 16) is None   # not the memory the store announced
+    assert await offer_with(fd=10_000) is None          # cannot be opened
+    assert await offer_with(pid=(1 << 22) + 1) is None  # no such process
+    assert await offer_with(host="another-node") is None
+    monkeypatch.setattr(shm, "host_identity", lambda: "other/boot/netns")   # another node
+    client = await StoreClient.connect(address, token=TOKEN)
+    assert client.transport == "tcp"
+    assert await client.put(keys, data) == 2 and [bytes(g) for g in await client.get(keys)] == data
+    await client.close()
+
+
+async def test_auth_still_required(store):
+    address = store.addresses["data"]
+    with pytest.raises(RemoteError) as err:
+        await StoreClient.connect(address, token="wrong")
+    assert err.value.code == "unauthorized"
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"".join(bytes(p) for p in encode_frame(Op.SHM_ATTACH, 1, {})))
+    header = decode_header(await reader.readexactly(HEADER_BYTES), Limits())
+    meta = await reader.readexactly(header.meta_len)
+    assert header.is_error and b"handshake_required" in meta and b"fd" not in meta
+    writer.close()
+    with pytest.raises(RemoteError) as err:
+        await FrameClient.connect(host, int(port), token=None)
+    assert err.value.code == "unauthorized"
+
+
+async def test_staging_bounds_and_read_only_slab(store):
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    area = client.shm.staging.size
+    keys = chain(2, seed=7)
+
+    async def staged(offsets, sizes=(100, 100), payload=(), op=Op.PUT):
+        meta = {"keys": keys_to_hex(keys[:len(sizes)]), "sizes": list(sizes), "staged": offsets}
+        return await client.frames.request(op, meta, payload)
+    hostile = [[area - 50, 0], [-1, 0], [0, area], [2 ** 62, 0], ["0", 0], [True, 0], [0], [0, 0, 0], None, 7]
+    try:
+        for offsets in hostile:
+            with pytest.raises(RemoteError) as err:
+                await staged(offsets)
+            assert err.value.code == "bad_request", offsets
+        with pytest.raises(RemoteError, match="no payload"):
+            await staged([0, 200], payload=[b"z" * 200])
+        with pytest.raises(RemoteError, match="already"):
+            await client.frames.request(Op.SHM_ATTACH, {})
+        assert await client.exists(keys) == [False, False]   # nothing refused was stored
+        client.shm.staging.mapping.view[area - 200:area] = b"q" * 200
+        assert (await staged([area - 200, area - 100])).meta["num_new"] == 2   # the last byte is fine
+        assert [bytes(g) for g in await client.get(keys)] == [b"q" * 100] * 2
+        # The slab cannot be mapped writable nor written, even through its descriptor.
+        offer = client.frames.hello["shm"]
+        with pytest.raises(shm.ShmError):
+            shm.open_offer(offer, writable=True)
+        fd = os.open(f"/proc/{offer['pid']}/fd/{offer['fd']}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"!", offer["slab_offset"])
+        finally:
+            os.close(fd)
+        # A client without a staging area (TCP) cannot send a staged put either.
+        tcp = await StoreClient.connect(store.addresses["data"], token=TOKEN, shm=False)
+        with pytest.raises(RemoteError, match="staging area"):
+            await tcp.frames.request(Op.PUT, {"keys": keys_to_hex(keys[:1]), "sizes": [1], "staged": [0]})
+        await tcp.close()
+    finally:
+        await client.close()
+
+
+async def test_reads_only_under_leases_never_torn(store):
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    filler = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    keys = chain(4, seed=8)
+    data = [block(k, SLOT) for k in keys]
+    try:
+        await client.put(keys, data)
+        # A raw shm GET: offsets only for the blocks found, under a read lease we do not end.
+        missing = chain(1, seed=9)[0]
+        reply = await client.frames.request(Op.GET, {"keys": keys_to_hex([keys[0], missing]), "shm": True})
+        (offset, slot, gen), absent = reply.meta["spans"]
+        assert absent is None and reply.meta["read"] is not None and not reply.payload
+        # Fill the 16-slot store twice over: the leased block is not evicted, its bytes stay.
+        more = chain(32, seed=10)
+        for i in range(0, 32, 4):
+            await filler.put(more[i:i + 4], [block(k, SLOT) for k in more[i:i + 4]])
+        view = client.shm.slab.mapping.view
+        assert bytes(view[offset:offset + SLOT]) == data[0] and client.shm.slab.is_current(slot, gen)
+        # A MATCH lease lets gets skip the store entirely while it lasts...
+        await client.put(keys[1:], data[1:])
+        num, lease = await client.match_and_pin(keys[1:], lease_s=0.5)
+        assert num == 3
+        request = client._request
+
+        async def no_round_trip(*args, **kwargs):
+            raise AssertionError("asked the store for a block we hold a lease on")
+        client._request = no_round_trip   # type: ignore[method-assign]
+        assert [bytes(g) for g in await client.get(keys[1:])] == data[1:]
+        assert [bytes(g) for g in await client.get_layers(keys[1:], 0, 1)] == data[1:]
+        client._request = request   # type: ignore[method-assign]
+        # ...and once it (and the read lease) ran out and the slots were reused, the copy is
+        # seen to be stale: the get asks the store, which no longer has them, never old bytes.
+        await asyncio.sleep(1.6)
+        more = chain(32, seed=11)
+        for i in range(0, 32, 4):
+            await filler.put(more[i:i + 4], [block(k, SLOT) for k in more[i:i + 4]])
+        assert not client.shm.slab.is_current(slot, gen)
+        got = await client.get(keys[1:])
+        assert all(g is None or bytes(g) == d for g, d in zip(got, data[1:]))
+        assert any(g is None for g in got)
+    finally:
+        await client.close()
+        await filler.close()
