@@ -181,3 +181,26 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
                                        max_tokens=2, extra_body={"context_id": chat["id"]})
     assert expired.value.status_code == 410 and expired.value.code == "context_expired"
     client.close()
+
+
+async def test_a_request_naming_a_context_goes_where_its_blocks_are(make_cluster):
+    """Algorithm 1 prices the held blocks: with two idle prefill instances, the one whose store
+    holds the context's blocks serves a request naming it (a local hit on every block)."""
+    from mooncake_lite.common.hashing import prefix_hash
+    from mooncake_lite.conductor.contexts import CONTEXTS
+    from tests.conductor import fakes
+
+    cluster = await make_cluster(prefill=2, decode=1)
+    ids = tuple(range(10, 22))                                  # 3 blocks of 4
+    keys = tuple(prefix_hash(ids, 4, 0))
+    cluster.app[CONTEXTS].book.contexts["ctx-x"] = Context("ctx-x", "anonymous", "prompt", "tiny", ids, (), keys,
+                                                           "store1:1", 0, time.time() + 60, cached_tokens=12)
+    status, _ = await fakes.block_events(cluster.session, cluster.url, "store1:1", stored=keys, full=True)
+    assert status == 200
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "context_id": "ctx-x"}
+    async with cluster.session.post(cluster.url + "/v1/completions", json=body) as resp:   # no key: anonymous
+        assert resp.status == 200, await resp.text()
+        out = await resp.json()
+        assert resp.headers["X-Mooncake-Prefill"] == "p1" and resp.headers["X-Mooncake-Route"] == "local-hit"
+        assert resp.headers["X-Mooncake-Reused-Blocks"] == "3"
+    assert out["usage"]["prompt_tokens"] == len(ids) + 3
