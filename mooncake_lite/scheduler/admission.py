@@ -149,6 +149,32 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     return None
 
 
+def slo_limits(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill: PrefillCostModel | None,
+               decode: DecodeCostModel | None) -> tuple[float, float]:
+    """The (TTFT, TBT) limits :func:`slo_violation` judges a prompt of ``num_tokens`` by on
+    instances with these cost models (None: the defaults): absolute, or factor x alone."""
+    ttft = cfg.ttft_slo_s
+    if ttft is None:
+        ttft = cfg.ttft_slo_factor * (prefill or costs.prefill).predict(num_tokens)
+    tbt = cfg.tbt_slo_s
+    if tbt is None:
+        tbt = cfg.tbt_slo_factor * (decode or costs.decode).predict(1, num_tokens)
+    return ttft, tbt
+
+
+def decision_load(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, cluster: ClusterState,
+                  prefill_id: str | None, decode_id: str | None, ttft_s: float | None,
+                  tbt_s: float | None) -> float:
+    """How close an accepted decision is to the SLOs it was judged by: the larger of predicted /
+    limit per metric (1.0 at the SLO). The tenants' priority rule (``scheduler/tenants.py``)
+    sheds lower classes above their share of it."""
+    p = next((x.cost for x in cluster.prefills if x.instance_id == prefill_id), None)
+    d = next((x.cost for x in cluster.decodes if x.instance_id == decode_id), None)
+    ttft_limit, tbt_limit = slo_limits(cfg, req.num_tokens, costs, p, d)
+    load = 0.0 if ttft_s is None else ttft_s / ttft_limit
+    return load if tbt_s is None else max(load, tbt_s / tbt_limit)
+
+
 class UnmeetableSlo(NamedTuple):
     """An absolute SLO that an instance's own cost model says it misses even idle and alone."""
 

@@ -1,0 +1,311 @@
+"""Tenants and priorities (issue #18 item 3): who a request belongs to, its limits, and the
+priority-aware admission rule. Pure: no IO, no clock (``now`` is passed in); the live conductor
+(``conductor/tenants.py``) and the simulator (``sim/tenants.py``) drive the same code.
+
+A tenant (an API key maps to one) has its own TTFT/TBT SLOs, a priority class, a weight, a
+request rate limit (token bucket: ``rate`` requests/s, ``burst`` at once) and a concurrency
+limit. A request is admitted in four steps, each refusal a 429 naming its limit:
+
+1. ``concurrency``: fewer than ``max_concurrency`` of the tenant's requests in flight;
+2. ``rate``: the tenant's bucket has a token (the refusal says when it will);
+3. the scheduler's own decision, judged against the tenant's SLOs (:meth:`TenantSpec.scheduler_config`);
+4. ``priority``: the accepted decision's *load*, ``max(predicted TTFT / TTFT SLO, predicted TBT /
+   TBT SLO)``, is compared with the tenant's ``shed_at`` (by class: high 1.0, normal 0.5, low 0.2)
+   — but only while the tenant holds more than its weighted fair share of the requests in flight
+   among the tenants active lately. Under that share a tenant is judged by its SLOs alone.
+
+So as load rises the low class is refused first, then normal, and high only when its own SLO
+cannot be met; and a tenant never loses its fair share to another's flood, whatever the classes
+(a flooding tenant is over its share, so it is the one shed).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+from mooncake_lite.common.config import ConfigError, require
+from mooncake_lite.common.units import parse_duration
+from mooncake_lite.scheduler.admission import decision_load
+from mooncake_lite.scheduler.config import SchedulerConfig
+from mooncake_lite.scheduler.costs import CostModels
+from mooncake_lite.scheduler.decision import Decision
+from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
+
+PRIORITIES = {"high": 2, "normal": 1, "low": 0}
+DEFAULT_TENANT = "default"       # the tenant of every request when no tenants are configured
+ACTIVE_WINDOW_S = 10.0           # a tenant with an arrival this recent counts in the fair share
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # a Prometheus label value, readable in logs
+_KEYS = frozenset({"api_keys", "priority", "weight", "rate", "burst", "max_concurrency", "ttft_slo",
+                   "tbt_slo", "ttft_slo_factor", "tbt_slo_factor", "shed_at"})
+
+
+def default_shed_at(priority: int) -> float:
+    """The load above which a tenant of this class over its fair share is refused: 1.0 for
+    high (only its own SLO refuses it), 0.5 normal, 0.2 low, 0.08 below (x2.5 per class)."""
+    return min(1.0, 0.2 * 2.5 ** priority)
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One tenant's configuration. ``None`` SLO fields: the conductor's (``SchedulerConfig``)."""
+
+    name: str
+    api_keys: tuple[str, ...] = ()
+    priority: int = PRIORITIES["normal"]
+    weight: float = 1.0
+    rate: float | None = None            # requests/s; None: unlimited
+    burst: int | None = None             # bucket size; None: max(1, ceil(rate))
+    max_concurrency: int | None = None   # requests in flight; None: unlimited
+    ttft_slo_s: float | None = None      # absolute; replaces the factor
+    tbt_slo_s: float | None = None
+    ttft_slo_factor: float | None = None
+    tbt_slo_factor: float | None = None
+    shed_at: float | None = None         # None: default_shed_at(priority)
+
+    def __post_init__(self) -> None:
+        where = f"tenant {self.name!r}"
+        require(bool(_NAME.match(self.name)), f"{where}: a name is 1-64 letters, digits, '_', '.' or '-'")
+        require(all(isinstance(k, str) and k for k in self.api_keys), f"{where}: api_keys must be non-empty strings")
+        require(self.weight > 0, f"{where}: weight must be positive, got {self.weight}")
+        require(self.rate is None or (math.isfinite(self.rate) and self.rate > 0),
+                f"{where}: rate must be a positive number of requests/s, got {self.rate}")
+        require(self.burst is None or self.burst >= 1, f"{where}: burst must be >= 1, got {self.burst}")
+        require(self.burst is None or self.rate is not None, f"{where}: burst needs a rate")
+        require(self.max_concurrency is None or self.max_concurrency >= 1,
+                f"{where}: max_concurrency must be >= 1, got {self.max_concurrency}")
+        for slo in ("ttft_slo_s", "tbt_slo_s"):
+            v = getattr(self, slo)
+            require(v is None or v > 0, f"{where}: {slo[:-2]} must be positive, got {v}")
+        for factor in ("ttft_slo_factor", "tbt_slo_factor"):
+            v = getattr(self, factor)
+            require(v is None or v >= 1, f"{where}: {factor} must be >= 1, got {v}")
+        require(self.shed_at is None or 0 < self.shed_at <= 1, f"{where}: shed_at must be in (0, 1], got {self.shed_at}")
+
+    @property
+    def shed_threshold(self) -> float:
+        return self.shed_at if self.shed_at is not None else default_shed_at(self.priority)
+
+    @property
+    def bucket_size(self) -> float:
+        return float(self.burst) if self.burst is not None else max(1.0, math.ceil(self.rate or 1.0))
+
+    @property
+    def priority_name(self) -> str:
+        names = {v: k for k, v in PRIORITIES.items()}
+        return names.get(self.priority, str(self.priority))
+
+    def scheduler_config(self, base: SchedulerConfig) -> SchedulerConfig:
+        """``base`` with this tenant's SLOs: an absolute SLO replaces the factor, a factor given
+        alone makes that metric relative (the base's absolute one no longer applies)."""
+        changes: dict[str, Any] = {}
+        for metric in ("ttft", "tbt"):
+            absolute, factor = getattr(self, f"{metric}_slo_s"), getattr(self, f"{metric}_slo_factor")
+            if absolute is not None:
+                changes[f"{metric}_slo_s"] = absolute
+            elif factor is not None:
+                changes[f"{metric}_slo_s"], changes[f"{metric}_slo_factor"] = None, factor
+        return replace(base, **changes) if changes else base
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """Every configured tenant; ``anonymous`` names the one for requests without a known key
+    (None: those are refused with 401). Empty: tenants are off, every request is ``default``."""
+
+    specs: tuple[TenantSpec, ...] = ()
+    anonymous: str | None = None
+    _by_key: Mapping[str, TenantSpec] = field(default_factory=dict, repr=False, compare=False)
+    _by_name: Mapping[str, TenantSpec] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name: dict[str, TenantSpec] = {}
+        by_key: dict[str, TenantSpec] = {}
+        for s in self.specs:
+            require(s.name not in by_name, f"tenant {s.name!r} is configured twice")
+            by_name[s.name] = s
+            for k in s.api_keys:
+                require(k not in by_key, f"an API key of tenant {s.name!r} is also tenant {by_key.get(k, s).name!r}'s")
+                by_key[k] = s
+        require(self.anonymous is None or self.anonymous in by_name,
+                f"tenants: anonymous = {self.anonymous!r} names no configured tenant")
+        object.__setattr__(self, "_by_key", by_key)
+        object.__setattr__(self, "_by_name", by_name)
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def by_key(self, key: str | None) -> TenantSpec | None:
+        """The tenant of an API key (the anonymous one for no key); None: refuse (401)."""
+        if key is not None:
+            return self._by_key.get(key)
+        return self._by_name.get(self.anonymous) if self.anonymous is not None else None
+
+    def get(self, name: str) -> TenantSpec:
+        return self._by_name[name]
+
+    def with_key(self, key: str, name: str = DEFAULT_TENANT) -> Tenants:
+        """These tenants plus ``key`` (the conductor's ``--api-key``) as tenant ``name`` at
+        normal priority, unless that key is already some tenant's."""
+        if key in self._by_key:
+            return self
+        if name in self._by_name:
+            spec = self._by_name[name]
+            specs = tuple(replace(s, api_keys=s.api_keys + (key,)) if s is spec else s for s in self.specs)
+        else:
+            specs = self.specs + (TenantSpec(name, (key,)),)
+        return Tenants(specs, self.anonymous)
+
+
+def parse_tenants(table: Mapping[str, Any]) -> Tenants:
+    """The ``[tenants]`` TOML table: ``[tenants.NAME]`` sub-tables (keys in ``_KEYS``), plus an
+    optional ``anonymous = "NAME"``. Raises ConfigError naming the bad tenant and key."""
+    require(isinstance(table, Mapping), f"tenants must be a table, got {type(table).__name__}")
+    anonymous = table.get("anonymous")
+    require(anonymous is None or isinstance(anonymous, str), "tenants: anonymous must be a tenant's name")
+    specs = []
+    for name, body in table.items():
+        if name == "anonymous":
+            continue
+        require(isinstance(body, Mapping), f"tenants.{name} must be a table ([tenants.{name}])")
+        specs.append(_spec(str(name), {k.replace("-", "_"): v for k, v in body.items()}))
+    return Tenants(tuple(specs), anonymous)
+
+
+def _spec(name: str, body: Mapping[str, Any]) -> TenantSpec:
+    unknown = sorted(set(body) - _KEYS)
+    require(not unknown, f"tenants.{name}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+    try:
+        keys = body.get("api_keys", [])
+        require(isinstance(keys, list), f"tenants.{name}.api_keys must be a list of strings")
+        return TenantSpec(
+            name, tuple(keys), _priority(name, body.get("priority", "normal")),
+            float(body.get("weight", 1.0)), _opt(body, "rate", float), _opt(body, "burst", int),
+            _opt(body, "max_concurrency", int), _opt(body, "ttft_slo", parse_duration),
+            _opt(body, "tbt_slo", parse_duration), _opt(body, "ttft_slo_factor", float),
+            _opt(body, "tbt_slo_factor", float), _opt(body, "shed_at", float))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"tenants.{name}: {exc}") from None
+
+
+def _opt(body: Mapping[str, Any], key: str, conv) -> Any:
+    v = body.get(key)
+    if isinstance(v, bool):
+        raise ValueError(f"{key} must be a number, got {v}")
+    return None if v is None else conv(v)
+
+
+def _priority(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    require(isinstance(value, str) and value in PRIORITIES,
+            f"tenants.{name}.priority must be one of {', '.join(PRIORITIES)} or an integer, got {value!r}")
+    return PRIORITIES[value]
+
+
+# ---- live state --------------------------------------------------------------------------------
+
+class Refusal(NamedTuple):
+    """Why a tenant's request is refused: ``limit`` (``concurrency``, ``rate`` or ``priority``),
+    a message naming it, and the seconds after which a retry may succeed."""
+
+    limit: str
+    message: str
+    retry_after_s: float
+
+
+@dataclass
+class TokenBucket:
+    """``rate`` tokens/s up to ``size``; starts full."""
+
+    rate: float
+    size: float
+    tokens: float
+    updated: float | None = None
+
+    def take(self, now: float) -> float:
+        """Take one token: 0.0 if there was one, else the seconds until there will be (nothing taken)."""
+        if self.updated is not None:
+            self.tokens = min(self.size, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class TenantLedger:
+    """Each tenant's requests in flight, token bucket and last arrival. The owner calls
+    :meth:`check_limits` on arrival, :meth:`shed` on an accepted decision,
+    :meth:`start` when it admits a request and :meth:`end` when that request ends."""
+
+    def __init__(self, tenants: Tenants, active_window_s: float = ACTIVE_WINDOW_S) -> None:
+        self.tenants = tenants
+        self.active_window_s = active_window_s
+        self.in_flight: dict[str, int] = {}
+        self.last_arrival: dict[str, float] = {}
+        self.buckets = {s.name: TokenBucket(s.rate, s.bucket_size, s.bucket_size)
+                        for s in tenants.specs if s.rate is not None}
+
+    def check_limits(self, spec: TenantSpec, now: float) -> Refusal | None:
+        """Concurrency, then rate (a token is taken only when both pass). Marks the tenant active."""
+        self.last_arrival[spec.name] = now
+        n = self.in_flight.get(spec.name, 0)
+        if spec.max_concurrency is not None and n >= spec.max_concurrency:
+            return Refusal("concurrency", f"tenant {spec.name!r} has {n} requests in flight, its limit "
+                                          f"(max_concurrency {spec.max_concurrency}); retry when one ends", 1.0)
+        bucket = self.buckets.get(spec.name)
+        wait = bucket.take(now) if bucket is not None else 0.0
+        if wait > 0:
+            return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({spec.rate:g} requests/s, "
+                                   f"burst {bucket.size:g}); retry in {wait:.2f}s", wait)
+        return None
+
+    def over_share(self, spec: TenantSpec, now: float) -> bool:
+        """Whether one more request would put ``spec`` over its weighted fair share of the
+        requests in flight, among the tenants with requests in flight or recent arrivals."""
+        active = {name for name, n in self.in_flight.items() if n > 0}
+        active.update(name for name, t in self.last_arrival.items() if now - t <= self.active_window_s)
+        active.add(spec.name)
+        weights = sum(self._weight(name) for name in active)
+        total = sum(self.in_flight.values()) + 1
+        share = spec.weight / weights * total
+        return self.in_flight.get(spec.name, 0) + 1 > share
+
+    def _weight(self, name: str) -> float:
+        try:
+            return self.tenants.get(name).weight
+        except KeyError:
+            return 1.0
+
+    def shed(self, spec: TenantSpec, decision: Decision, req: ScheduleRequest, cluster: ClusterState,
+             cfg: SchedulerConfig, costs: CostModels, now: float) -> Refusal | None:
+        """The priority rule on a decision the scheduler accepted under ``cfg`` (the tenant's)."""
+        load = decision_load(cfg, req, costs, cluster, decision.prefill_id, decision.decode_id,
+                             decision.predicted_ttft_s, decision.predicted_tbt_s)
+        return self.priority_refusal(spec, load, now)
+
+    def priority_refusal(self, spec: TenantSpec, load: float, now: float) -> Refusal | None:
+        """The priority rule on an accepted decision of predicted ``load``
+        (``admission.decision_load``: 1.0 at the tenant's SLO)."""
+        threshold = spec.shed_threshold
+        if load <= threshold or threshold >= 1.0 or not self.over_share(spec, now):
+            return None
+        return Refusal("priority", f"the cluster is busy: predicted load {load:.2f} of tenant {spec.name!r}'s "
+                                   f"SLO is above the {threshold:g} its {spec.priority_name} priority may use "
+                                   f"beyond its fair share; retry later", max(1.0, load))
+
+    def start(self, name: str) -> None:
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
+
+    def end(self, name: str) -> None:
+        n = self.in_flight.get(name, 0) - 1
+        if n > 0:
+            self.in_flight[name] = n
+        else:
+            self.in_flight.pop(name, None)
