@@ -2,6 +2,7 @@
 rest keep serving (fake roles keep the process contract; tests/cluster/test_chaos.py does it with
 real ones). ``--no-restart`` keeps the old behaviour: a death stops the cluster."""
 
+import asyncio
 import os
 import re
 import signal
@@ -10,8 +11,12 @@ import urllib.request
 
 import orjson
 import pytest
+from aiohttp import web
 
 from mooncake_lite.cluster.supervisor import RestartPolicy, pinned
+from mooncake_lite.common.membership import keep_membership
+from mooncake_lite.common.protocol import Register
+from mooncake_lite.common.service import bound_port
 from tests.cluster.helpers import marker, processes_with, read_until, start_up, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,3 +98,52 @@ def test_no_restart_keeps_a_death_fatal():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "decode-0: exited with code 5" in err
     assert "is back" not in err and wait_gone(tag) == []
+
+
+async def test_an_instance_registers_again_with_a_conductor_restarted_on_its_port():
+    """What a real prefill/decode does when ``mooncake up`` restarts the conductor: its heartbeats
+    fail while the conductor is down, the new one answers 404 (it knows nobody), and the instance
+    registers again (common/membership.keep_membership)."""
+    async def conductor(port: int, registered: list) -> web.AppRunner:
+        known: set[str] = set()
+
+        async def register(request):
+            body = await request.json()
+            known.add(body["instance_id"])
+            registered.append(body["instance_id"])
+            return web.json_response({"ok": True})
+
+        async def heartbeat(request):
+            return web.json_response({}, status=200 if (await request.json())["instance_id"] in known else 404)
+
+        app = web.Application()
+        app.router.add_post("/internal/v1/register", register)
+        app.router.add_post("/internal/v1/heartbeat", heartbeat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        return runner, bound_port(site)
+
+    async def until(condition) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("timed out")
+
+    first, second = [], []
+    runner, port = await conductor(0, first)
+    msg = Register("decode", "decode@x:1", "x:1", None, None, "tiny", 16, 0, 64, 128)
+    task = asyncio.create_task(keep_membership(f"http://127.0.0.1:{port}", msg, lambda: {}, 0.05, None,
+                                               on_refused=lambda text: None))
+    try:
+        await until(lambda: first == ["decode@x:1"])
+        await runner.cleanup()                   # killed: heartbeats are refused for a while
+        await asyncio.sleep(0.2)
+        runner, _ = await conductor(port, second)  # back on the same port, knowing nobody
+        await until(lambda: second == ["decode@x:1"])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
