@@ -103,6 +103,10 @@ class ShmPath:
         # one message per get instead of two, and no extra wake-up of the store.
         self._done: list[int] = []
         self._flush: asyncio.TimerHandle | None = None
+        self.is_closed = False
+        # Unmap as soon as the connection is gone: a mapping keeps a dead store's whole slab
+        # allocated, and the owner of a lost client may never call close().
+        frames.conn.closed.add_done_callback(lambda _: self.close())
 
     # ---- gets --------------------------------------------------------------------------------
     async def read(self, request: Request, op: Op, meta: dict[str, Any], outs: Sequence[memoryview | None] | None
@@ -115,6 +119,8 @@ class ShmPath:
         except BaseException:
             self._done += done   # maybe never sent: name them again (the store ignores repeats)
             raise
+        if self.is_closed:
+            raise ConnectionError(f"connection {self.frames.conn.name} lost")
         sizes, counts, spans = frame.meta["sizes"], frame.meta["num_layers"], frame.meta.get("spans")
         if not isinstance(spans, list) or len(spans) != len(sizes):
             raise RemoteError("bad_reply", "a shared-memory get reply without spans")
@@ -168,7 +174,7 @@ class ShmPath:
         """The blocks (or layer ranges) straight from the slab when our leases cover every key
         and nothing went stale; else None (ask the store)."""
         entries = [self._pinned.get(key) for key in keys]
-        if not keys or None in entries:
+        if not keys or None in entries or self.is_closed:
             return None
         result, checks = [], []
         for i, (_, offset, size, num_layers, slot, gen) in enumerate(entries):   # type: ignore[misc]
@@ -193,6 +199,9 @@ class ShmPath:
         assert staging is not None
         need = sum(align(v.nbytes, ALIGN) for v in views)
         start = await staging.alloc(need)
+        if self.is_closed:
+            staging.free(start, need)
+            raise ConnectionError(f"connection {self.frames.conn.name} lost")
         offsets, pos = [], start
         for view in views:
             staging.mapping.view[pos:pos + view.nbytes] = view
@@ -205,6 +214,9 @@ class ShmPath:
         return await (asyncio.wait_for(asyncio.shield(reply), timeout) if timeout else asyncio.shield(reply))
 
     def close(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
         if self._flush is not None:
             self._flush.cancel()
         self.slab.close()

@@ -204,6 +204,12 @@ async def test_reads_only_under_leases_never_torn(store):
         got = await client.get(keys[1:])
         assert all(g is None or bytes(g) == d for g, d in zip(got, data[1:]))
         assert any(g is None for g in got)
+        # A store that goes away: its slab is unmapped at once, and gets fail cleanly.
+        store.stop()
+        await asyncio.wait_for(client.frames.conn.closed, 10)
+        assert client.shm.is_closed
+        with pytest.raises(ConnectionError):
+            await client.get(keys[:1])
     finally:
         await client.close()
         await filler.close()
