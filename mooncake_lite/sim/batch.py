@@ -16,10 +16,14 @@ from mooncake_lite.scheduler.costs import DecodeCostModel
 from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, slowest_share_mean
 
 
+# Log entries appended between two trims of a batch's log.
+LOG_TRIM_EVERY = 4096
+
+
 class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
-    __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log")
+    __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at")
 
     def __init__(self, model: DecodeCostModel) -> None:
         self.model = model
@@ -29,12 +33,17 @@ class Batch:
         self.steps_done = 0
         self.context_tokens = 0
         self.log: list[Segment] = []
+        # The log keeps only what running requests may still read: entries before the oldest
+        # one's join are dropped now and then, and ``_log_base`` counts them (join_log is an
+        # absolute position), so a long run's memory does not grow with its requests.
+        self._log_base = 0
+        self._trim_at = LOG_TRIM_EVERY
 
     def add(self, req: SimRequest, now: float) -> None:
         """Join at a step boundary ``now``; the request needs its true output length − 1 more
         tokens (its first token came from prefill): the model's own stop, planned here."""
         req.join_step = self.steps_done
-        req.join_log = len(self.log)
+        req.join_log = self._log_base + len(self.log)
         req.wait_extra = now - req.first_token
         req.join_time = now
         self.running[req.rid] = req
@@ -67,12 +76,20 @@ class Batch:
             last, _, req = heapq.heappop(heap)
             del self.running[req.rid]
             self.context_tokens -= req.input_length + 1 + last - req.join_step   # prompt + every token
-            gaps = fold_gaps(self.log, req.join_log, end, req.wait_extra)
+            gaps = fold_gaps(self.log, req.join_log - self._log_base, end, req.wait_extra)
             req.tbt = slowest_share_mean(gaps)
             req.num_gaps = sum(c for _, c in gaps)
             req.mean_gap = sum(g * c for g, c in gaps) / req.num_gaps
             done.append(req)
+        if end >= self._trim_at:
+            self._trim_log()
         return done
+
+    def _trim_log(self) -> None:
+        oldest = min((r.join_log for r in self.running.values()), default=self._log_base + len(self.log))
+        del self.log[:oldest - self._log_base]
+        self._log_base = oldest
+        self._trim_at = len(self.log) + LOG_TRIM_EVERY    # amortized: a scan per this many entries
 
     def __len__(self) -> int:
         return len(self.running)

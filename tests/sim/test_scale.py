@@ -111,3 +111,17 @@ def test_the_sketch_quantiles_are_within_its_relative_error():
         assert sketch.quantile(q) == pytest.approx(exact, rel=0.01, abs=1e-12), q
     assert sketch.max == values[-1] and sketch.count == len(values)
     assert len(sketch._counts) < 2000       # bounded by the value range, not the count
+
+
+def test_decode_logs_are_trimmed_without_changing_any_result(monkeypatch):
+    from mooncake_lite.sim import batch
+    trace = synthesize(SynthConfig(num_requests=300, rate_per_s=6, seed=4))
+    kept_sim = _sim()
+    whole = kept_sim.run(trace)
+    monkeypatch.setattr(batch, "LOG_TRIM_EVERY", 3)
+    sim = _sim()
+    trimmed = sim.run(trace)
+    assert trimmed.requests == whole.requests        # every TBT folded from the trimmed logs
+    kept = sum(len(d.batch.log) for d in kept_sim.decodes)
+    assert sum(d.batch._log_base + len(d.batch.log) for d in sim.decodes) == kept    # same entries...
+    assert sum(len(d.batch.log) for d in sim.decodes) < kept / 4                     # ...few still held
