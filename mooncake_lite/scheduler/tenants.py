@@ -241,8 +241,8 @@ class TokenBucket:
 
 class TenantLedger:
     """Each tenant's requests in flight, token bucket and last arrival. The owner calls
-    :meth:`check_limits` on arrival, :meth:`shed` on an accepted decision,
-    :meth:`start` when it admits a request and :meth:`end` when that request ends."""
+    :meth:`admit` on arrival, :meth:`shed` on the scheduler's accepted decision, and :meth:`end`
+    once for every request :meth:`admit` let in, when it ends (refused later included)."""
 
     def __init__(self, tenants: Tenants, active_window_s: float = ACTIVE_WINDOW_S) -> None:
         self.tenants = tenants
@@ -252,8 +252,9 @@ class TenantLedger:
         self.buckets = {s.name: TokenBucket(s.rate, s.bucket_size, s.bucket_size)
                         for s in tenants.specs if s.rate is not None}
 
-    def check_limits(self, spec: TenantSpec, now: float) -> Refusal | None:
-        """Concurrency, then rate (a token is taken only when both pass). Marks the tenant active."""
+    def admit(self, spec: TenantSpec, now: float) -> Refusal | None:
+        """A request of ``spec`` arrives: concurrency, then rate (a token is taken only when both
+        pass). Admitted, it counts as in flight until :meth:`end`. Marks the tenant active."""
         self.last_arrival[spec.name] = now
         n = self.in_flight.get(spec.name, 0)
         if spec.max_concurrency is not None and n >= spec.max_concurrency:
@@ -264,18 +265,19 @@ class TenantLedger:
         if wait > 0:
             return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({spec.rate:g} requests/s, "
                                    f"burst {bucket.size:g}); retry in {wait:.2f}s", wait)
+        self.in_flight[spec.name] = n + 1
         return None
 
     def over_share(self, spec: TenantSpec, now: float) -> bool:
-        """Whether one more request would put ``spec`` over its weighted fair share of the
-        requests in flight, among the tenants with requests in flight or recent arrivals."""
+        """Whether ``spec`` (its request being judged admitted, so counted) holds more than its
+        weighted fair share of the requests in flight, among the tenants with requests in flight
+        or recent arrivals."""
         active = {name for name, n in self.in_flight.items() if n > 0}
         active.update(name for name, t in self.last_arrival.items() if now - t <= self.active_window_s)
         active.add(spec.name)
         weights = sum(self._weight(name) for name in active)
-        total = sum(self.in_flight.values()) + 1
-        share = spec.weight / weights * total
-        return self.in_flight.get(spec.name, 0) + 1 > share
+        share = spec.weight / weights * sum(self.in_flight.values())
+        return self.in_flight.get(spec.name, 0) > share
 
     def _weight(self, name: str) -> float:
         try:
@@ -299,9 +301,6 @@ class TenantLedger:
         return Refusal("priority", f"the cluster is busy: predicted load {load:.2f} of tenant {spec.name!r}'s "
                                    f"SLO is above the {threshold:g} its {spec.priority_name} priority may use "
                                    f"beyond its fair share; retry later", max(1.0, load))
-
-    def start(self, name: str) -> None:
-        self.in_flight[name] = self.in_flight.get(name, 0) + 1
 
     def end(self, name: str) -> None:
         n = self.in_flight.get(name, 0) - 1

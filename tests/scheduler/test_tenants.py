@@ -75,30 +75,35 @@ def test_token_bucket_refills_at_its_rate_up_to_its_size():
 def test_concurrency_then_rate_and_a_refused_request_takes_no_token():
     t = parse_tenants(TOML)
     led, free = TenantLedger(t), t.get("free")
-    assert led.check_limits(free, 0.0) is None
-    led.start("free")
-    assert led.check_limits(free, 0.0) is None
-    led.start("free")
-    r = led.check_limits(free, 0.0)
+    assert led.admit(free, 0.0) is None and led.admit(free, 0.0) is None
+    r = led.admit(free, 0.0)
     assert r.limit == "concurrency" and "max_concurrency 2" in r.message
     led.end("free")
-    assert led.check_limits(free, 0.0) is None             # the third token of the burst
-    r = led.check_limits(free, 0.0)
+    assert led.admit(free, 0.0) is None                    # the third token of the burst
+    led.end("free")
+    r = led.admit(free, 0.0)
     assert r.limit == "rate" and "2 requests/s" in r.message and r.retry_after_s == pytest.approx(0.5)
-    assert led.check_limits(free, 0.5) is None
+    assert led.admit(free, 0.5) is None and led.in_flight == {"free": 2}
 
 
 def test_low_is_shed_before_normal_before_high_when_over_share():
     t = Tenants((TenantSpec("hi", priority=2), TenantSpec("mid", priority=1), TenantSpec("lo", priority=0)))
     led = TenantLedger(t)
     for name in ("hi", "mid", "lo"):
-        led.check_limits(t.get(name), 0.0)
         for _ in range(5):
-            led.start(name)                                # everyone at its share: the next one is over
-    verdicts = {load: [led.priority_refusal(t.get(n), load, 0.0) is not None for n in ("hi", "mid", "lo")]
-                for load in (0.1, 0.3, 0.7, 0.99)}
+            led.admit(t.get(name), 0.0)                    # everyone at its share
+
+    def refused(name: str, load: float) -> bool:
+        led.admit(t.get(name), 0.0)                        # the one judged: 6 of 16 > a third
+        try:
+            return led.priority_refusal(t.get(name), load, 0.0) is not None
+        finally:
+            led.end(name)
+
+    verdicts = {load: [refused(n, load) for n in ("hi", "mid", "lo")] for load in (0.1, 0.3, 0.7, 0.99)}
     assert verdicts == {0.1: [False, False, False], 0.3: [False, False, True],
                         0.7: [False, True, True], 0.99: [False, True, True]}
+    led.admit(t.get("lo"), 0.0)
     r = led.priority_refusal(t.get("lo"), 0.3, 0.0)
     assert r.limit == "priority" and "low priority" in r.message
 
@@ -106,18 +111,17 @@ def test_low_is_shed_before_normal_before_high_when_over_share():
 def test_a_tenant_under_its_fair_share_is_never_shed_for_anothers_flood():
     t = Tenants((TenantSpec("flood", priority=0), TenantSpec("light", priority=0)))
     led = TenantLedger(t)
-    led.check_limits(t.get("light"), 0.0)
+    led.admit(t.get("light"), 0.0)
     for _ in range(20):
-        led.start("flood")
+        led.admit(t.get("flood"), 0.0)
     assert led.priority_refusal(t.get("light"), 0.9, 0.0) is None       # 1 of 21 < its half
     assert led.priority_refusal(t.get("flood"), 0.9, 0.0) is not None
-    # weights: a tenant of weight 3 is under its share at 3 of 4 in flight, one of weight 1 is not
+    # weights: a tenant of weight 3 is within its share at 3 of 5 in flight, one of weight 1 at 2 is not
     t = Tenants((TenantSpec("big", weight=3.0, priority=0), TenantSpec("small", priority=0)))
     led = TenantLedger(t)
-    for name, n in (("big", 2), ("small", 1)):
-        led.check_limits(t.get(name), 0.0)
+    for name, n in (("big", 3), ("small", 2)):
         for _ in range(n):
-            led.start(name)
+            led.admit(t.get(name), 0.0)
     assert not led.over_share(t.get("big"), 0.0) and led.over_share(t.get("small"), 0.0)
 
 
@@ -125,9 +129,10 @@ def test_a_tenant_alone_is_judged_by_its_slos_and_activity_expires():
     t = Tenants((TenantSpec("a", priority=0), TenantSpec("b", priority=2)))
     led = TenantLedger(t, active_window_s=10.0)
     for _ in range(5):
-        led.start("a")
+        led.admit(t.get("a"), 0.0)
     assert led.priority_refusal(t.get("a"), 0.9, 0.0) is None           # nobody else to protect
-    led.check_limits(t.get("b"), 0.0)                                   # b arrived: a is over its half
+    led.admit(t.get("b"), 0.0)
+    led.end("b")                                                        # b came and went: a is over its half
     assert led.priority_refusal(t.get("a"), 0.9, 1.0) is not None
     assert led.priority_refusal(t.get("a"), 0.9, 11.0) is None          # b quiet for > the window
 
@@ -140,9 +145,9 @@ def test_shed_reads_the_decisions_load_against_the_tenants_own_slo():
     other = TenantSpec("other", priority=2)
     t = Tenants((lo, other))
     led = TenantLedger(t)
-    led.check_limits(other, 0.0)
-    led.start("other")
-    led.start("lo")
+    led.admit(other, 0.0)
+    led.admit(lo, 0.0)
+    led.admit(lo, 0.0)                                                  # 2 of 3: over its half
     sched = Scheduler(lo.scheduler_config(cfg()), COSTS)
     d = sched.schedule(req, clus, 0.0)
     assert d.accepted and d.predicted_ttft_s == pytest.approx(0.4)
