@@ -10,7 +10,6 @@ import json
 import signal
 import socket
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,16 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def call(url: str, method: str, path: str, body: dict | None = None, key: str = KEY) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.load(resp)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
 
 
 def _wait_ready(url: str) -> None:
@@ -119,9 +108,8 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
     doc = [(7 * i + 3) % 300 + 10 for i in range(5 * BLOCK + 5)]      # 5 full blocks and a bit
     question = [42, 43, 44, 45, 46]
 
-    # create: prefilled once (no decode), its 5 full blocks held
-    status, ctx = call(url, "POST", "/v1/contexts", {"model": "tiny", "prompt": doc, "ttl": 60, "name": "doc"})
-    assert status == 200, ctx
+    # create: prefilled once (no decode), its 5 full blocks held (the calls docs/contexts.md shows)
+    ctx = client.post("/contexts", cast_to=object, body={"model": "tiny", "prompt": doc, "ttl": 60, "name": "doc"})
     assert ctx["object"] == "context" and ctx["num_tokens"] == len(doc) and ctx["cached_tokens"] == 5 * BLOCK
 
     # use by id: the context's tokens go first, and prefill reuses every held block
@@ -130,16 +118,21 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
     assert tokens == want and cached >= ctx["cached_tokens"]
     tokens, cached = _complete(client, doc + question)                 # the same prefix, no id
     assert tokens == want and cached >= ctx["cached_tokens"]
+    stream = client.completions.create(model="tiny", prompt=question, max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"context_id": ctx["id"]})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens >= ctx["cached_tokens"]
 
     # list, get, extend
-    status, listed = call(url, "GET", "/v1/contexts")
-    assert status == 200 and [c["id"] for c in listed["data"]] == [ctx["id"]]
-    status, longer = call(url, "PATCH", f"/v1/contexts/{ctx['id']}", {"ttl": 600})
-    assert status == 200 and longer["expires_at"] >= ctx["expires_at"] + 500
+    assert [c["id"] for c in client.get("/contexts", cast_to=object)["data"]] == [ctx["id"]]
+    assert client.get(f"/contexts/{ctx['id']}", cast_to=object)["name"] == "doc"
+    longer = client.patch(f"/contexts/{ctx['id']}", cast_to=object, body={"ttl": 600})
+    assert longer["expires_at"] >= ctx["expires_at"] + 500
 
     # over the quota (6 blocks): a second context of 2 blocks is refused, clearly
-    status, err = call(url, "POST", "/v1/contexts", {"model": "tiny", "prompt": question * 7})
-    assert status == 429 and err["error"]["code"] == "context_quota_exceeded", err
+    with pytest.raises(openai.RateLimitError) as over:
+        client.post("/contexts", cast_to=object, body={"model": "tiny", "prompt": question * 7})
+    assert over.value.code == "context_quota_exceeded"
 
     # eviction pressure on both tiers, then kill -9 of the store and a restart on its ports
     asyncio.run(_pressure(store.addresses["data"], 60))
@@ -158,18 +151,18 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
     assert tokens == want and cached >= ctx["cached_tokens"]
 
     # delete: gone for good
-    status, gone = call(url, "DELETE", f"/v1/contexts/{ctx['id']}")
-    assert status == 200 and gone == {"id": ctx["id"], "object": "context.deleted", "deleted": True}
+    gone = client.delete(f"/contexts/{ctx['id']}", cast_to=object)
+    assert gone == {"id": ctx["id"], "object": "context.deleted", "deleted": True}
     with pytest.raises(openai.NotFoundError) as unknown:
         _complete(client, question, context_id=ctx["id"])
     assert unknown.value.code == "context_not_found"
-    assert call(url, "PATCH", f"/v1/contexts/{ctx['id']}", {"ttl": 5})[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        client.patch(f"/contexts/{ctx['id']}", cast_to=object, body={"ttl": 5})
 
     # chat: a context of messages, used by a chat completion; then it expires
-    status, chat = call(url, "POST", "/v1/contexts", {
-        "model": "tiny", "ttl": 1.5,
-        "messages": [{"role": "system", "content": "You answer questions about this text."}]})
-    assert status == 200 and chat["kind"] == "messages" and chat["cached_tokens"] >= BLOCK, chat
+    chat = client.post("/contexts", cast_to=object, body={
+        "model": "tiny", "ttl": 1.5, "messages": [{"role": "system", "content": "You answer questions about this text."}]})
+    assert chat["kind"] == "messages" and chat["cached_tokens"] >= BLOCK, chat
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Why?"}],
                                          max_tokens=2, extra_body={"context_id": chat["id"]})
     assert out.usage.prompt_tokens_details.cached_tokens >= chat["cached_tokens"]
