@@ -82,6 +82,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return (x.float() * cos[:, None, :] + swapped.float() * signed_sin[:, None, :]).type_as(x)
 
 
+SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the weight-major product
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. For a few rows on CPU (batched decode) it is computed as
+    ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams the weight
+    once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16 rows here
+    (`mooncake bench model`, docs/model.md). One row and prefill-sized inputs keep ``F.linear``."""
+    if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out.add_(bias) if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the linears' output rows in order; each linear's parameters
     become views of it, so checkpoints, state dicts and weight counts see no change and nothing is
@@ -116,7 +130,7 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
-            return F.linear(x, *self.qkv)
+            return linear(x, *self.qkv)
         return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -130,7 +144,7 @@ class Attention(nn.Module):
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-        return self.wo(out.reshape(n, -1).to(x.dtype))
+        return linear(out.reshape(n, -1).to(x.dtype), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -149,8 +163,8 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.gate_up is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gate, up = F.linear(x, self.gate_up).split(self.w1.out_features, dim=-1)
-        return self.w2(F.silu(gate, inplace=True).mul_(up))   # in place: no new [n, ffn_dim] tensors
+        gate, up = linear(x, self.gate_up).split(self.w1.out_features, dim=-1)
+        return linear(F.silu(gate, inplace=True).mul_(up), self.w2.weight)   # in place: no new [n, ffn] tensors
 
 
 class Block(nn.Module):
@@ -210,7 +224,7 @@ class Transformer(nn.Module):
         return self.layers[str(layer)](h, rope[0], rope[1], meta, k_cache, v_cache)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(h)).float()
+        return linear(self.norm(h), self.output.weight).float()
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         h = self.embed(token_ids)
