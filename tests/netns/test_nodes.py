@@ -12,10 +12,9 @@ import time
 import pytest
 
 from mooncake_lite.cluster import netns, netns_cli
-from mooncake_lite.cluster.netns import Link, NetnsUnavailable, Nodes, unavailable_reason
+from mooncake_lite.cluster.netns import Link, NetnsUnavailable, Nodes
+from tests.netns.conftest import needs_netns
 
-REASON = unavailable_reason()
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"nodes on one box unavailable: {REASON}")
 RATE = 20_000_000              # bit/s: slow enough that a 2.5 MB transfer is a clear second
 
 
