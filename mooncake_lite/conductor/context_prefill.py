@@ -63,6 +63,8 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
         sink.forget(transfer_id)
         if not ended.done():
             ended.cancel()
+        elif not ended.cancelled():
+            ended.exception()   # retrieved: an abort already reported as the prefill's answer
         svc.membership.prefill_done(inst.instance_id, job_id, loop.time())
         svc.membership.release(job_id, (inst.instance_id,), loop.time())
     return inst.reg.store

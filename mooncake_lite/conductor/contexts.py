@@ -74,6 +74,7 @@ class ContextBook:
 
     contexts: dict[str, Context] = field(default_factory=dict)
     expired: OrderedDict[str, str] = field(default_factory=OrderedDict)   # id -> tenant
+    creating: dict[str, int] = field(default_factory=dict)   # tenant -> tokens of contexts being made
 
     def get(self, tenant: str, context_id: Any, now: float) -> Context:
         """The tenant's live context ``context_id``; 404 unknown (or another tenant's), 410 expired."""
@@ -88,7 +89,16 @@ class ContextBook:
                        code="context_not_found", param="context_id")
 
     def used_tokens(self, tenant: str) -> int:
-        return sum(c.cached_tokens for c in self.contexts.values() if c.tenant == tenant)
+        """Held tokens of the tenant's live contexts, and of those being created (so two
+        concurrent creations cannot both pass the quota)."""
+        held = sum(c.cached_tokens for c in self.contexts.values() if c.tenant == tenant)
+        return held + self.creating.get(tenant, 0)
+
+    def reserve(self, tenant: str, num_tokens: int, delta: int = 1) -> None:
+        """Count (``delta`` 1) or stop counting (-1) a creation in progress."""
+        self.creating[tenant] = self.creating.get(tenant, 0) + delta * num_tokens
+        if not self.creating[tenant]:
+            del self.creating[tenant]
 
     def of(self, tenant: str, now: float) -> list[Context]:
         self.sweep(now)
@@ -147,7 +157,8 @@ def use_context(request: web.Request, body: Any, kind: str) -> Any:
             raise bad_request(f"context {ctx.context_id} was made from a prompt: use it with /v1/completions",
                               "context_id")
         messages = body.get("messages")
-        body["messages"] = [*ctx.messages, *(messages if isinstance(messages, list) else [])]
+        if isinstance(messages, list) and messages:   # anything else: parse_request says what is wrong
+            body["messages"] = [*ctx.messages, *messages]
         return body
     if ctx.kind != "prompt":
         raise bad_request(f"context {ctx.context_id} was made from messages: use it with /v1/chat/completions",
@@ -166,41 +177,55 @@ def use_context(request: web.Request, body: Any, kind: str) -> Any:
 # ---- endpoints -----------------------------------------------------------------------------------
 async def create(request: web.Request) -> web.Response:
     st, cs = request.app[API], request.app[CONTEXTS]
+    tenant = tenant_of(request)
     try:
         body = await _json_body(request)
         kind, ids, messages = _context_ids(st, body)
-        ttl = _ttl(body, cs.cfg)
-        name = _name(body)
+        ttl, name = _ttl(body, cs.cfg), _name(body)
         keys = prefix_hash(ids, st.svc.block_size, st.svc.hash_seed)
         if not keys:
             raise bad_request(f"a context must hold at least one full block ({st.svc.block_size} tokens); "
                               f"this one has {len(ids)}", "prompt" if kind == "prompt" else "messages")
-        tenant, cached = tenant_of(request), len(keys) * st.svc.block_size
-        used = cs.book.used_tokens(tenant)
-        if used + cached > cs.cfg.context_quota:
-            raise ApiError(429, f"this context would hold {cached} tokens, and this API key already holds "
-                                f"{used} of its {cs.cfg.context_quota}; delete a context or wait for one to "
-                                f"expire", err_type="insufficient_quota", code="context_quota_exceeded",
-                           headers={"x-should-retry": "false"})
-        context_id = f"ctx-{uuid.uuid4().hex}"
-        req = parse_request({"model": body["model"], "prompt": list(ids), "max_tokens": 1}, "completion",
-                            served=st.served, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
-                            max_context=st.max_context)
-        store = await prefill_only(st.svc, cs.sink, context_id, req, keys)
-        expires_at = time.time() + ttl
-        num_held = await store_pin(st.svc, store, context_id, keys, expires_at)
-        if num_held < len(keys):
-            await store_unpin(st.svc, store, context_id)
-            raise unavailable(f"only {num_held} of the context's {len(keys)} blocks reached store {store} "
-                              f"(is it full of held blocks?); try again")
+        cached = len(keys) * st.svc.block_size
+        _check_quota(cs, tenant, cached)
+        cs.book.reserve(tenant, cached)
+        try:
+            ctx = await _make(st, cs, Context(f"ctx-{uuid.uuid4().hex}", tenant, kind, body["model"], ids,
+                                              messages, tuple(keys), "", int(time.time()), 0.0, name), ttl)
+        finally:
+            cs.book.reserve(tenant, cached, -1)
     except ApiError as exc:
         return exc.response()
-    ctx = Context(context_id, tenant, kind, req.model, ids, messages, tuple(keys), store, int(time.time()),
-                  expires_at, name, num_held * st.svc.block_size)
-    cs.book.contexts[context_id] = ctx
-    log.info("context %s: %d tokens, %d block(s) held in store %s for %.0fs", context_id, len(ids), num_held,
-             store, ttl)
+    cs.book.contexts[ctx.context_id] = ctx
+    log.info("context %s: %d tokens, %d block(s) held in store %s for %.0fs", ctx.context_id, len(ids),
+             len(keys), ctx.store, ttl)
     return web.json_response(ctx.public())
+
+
+def _check_quota(cs: ContextState, tenant: str, num_tokens: int) -> None:
+    used = cs.book.used_tokens(tenant)
+    if used + num_tokens > cs.cfg.context_quota:
+        raise ApiError(429, f"this context would hold {num_tokens} tokens, and this API key already holds "
+                            f"{used} of its {cs.cfg.context_quota}; delete a context or wait for one to "
+                            f"expire", err_type="insufficient_quota", code="context_quota_exceeded",
+                       headers={"x-should-retry": "false"})
+
+
+async def _make(st: ApiState, cs: ContextState, ctx: Context, ttl: float) -> Context:
+    """Prefill the context once (no decode) and hold every block of it; ApiError otherwise."""
+    req = parse_request({"model": ctx.model, "prompt": list(ctx.prompt_ids), "max_tokens": 1}, "completion",
+                        served=st.served, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
+                        max_context=st.max_context)
+    ctx.model = req.model
+    ctx.store = await prefill_only(st.svc, cs.sink, ctx.context_id, req, list(ctx.keys))
+    ctx.expires_at = time.time() + ttl
+    num_held = await store_pin(st.svc, ctx.store, ctx.context_id, ctx.keys, ctx.expires_at)
+    if num_held < len(ctx.keys):
+        await store_unpin(st.svc, ctx.store, ctx.context_id)
+        raise unavailable(f"only {num_held} of the context's {len(ctx.keys)} blocks reached store {ctx.store} "
+                          f"(is it full of held blocks?); try again")
+    ctx.cached_tokens = num_held * st.svc.block_size
+    return ctx
 
 
 async def list_contexts(request: web.Request) -> web.Response:

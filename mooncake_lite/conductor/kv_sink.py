@@ -4,9 +4,10 @@ frames of the transfers it expects and drops their bytes.
 A cached context is prefilled once to get its blocks written to the store; no decode instance
 takes part. The prefill instance streams its KV the way it always does (``transfer/kv_stream.py``)
 to the address it is given, so the conductor gives it this sink's: each expected transfer's layer
-frames are read into one scratch buffer and answered ok, and its END frame (carrying the first
-token) completes the transfer. Frames of transfers nobody expects are refused like decode refuses
-them (``unknown_transfer``), so a stray stream stops its prefill.
+frames are read into one scratch buffer and answered ok, and the END frame carrying the first
+token (the last stage's, in a CPP group where every stage streams its own layers) completes the
+transfer. Frames of transfers nobody expects are refused like decode refuses them
+(``unknown_transfer``), so a stray stream stops its prefill.
 """
 
 from __future__ import annotations
@@ -64,15 +65,17 @@ class KVSink(FrameHandler):
     def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
         tid = frame.meta.get("tid")
         fut = self._expected.get(tid) if isinstance(tid, str) else None
-        if fut is None or fut.done():
+        if fut is None:
             reply_error(conn, frame, "unknown_transfer", f"no prefill-only transfer {tid!r} is expected here")
             return
         if frame.op == OP_KV_LAYER:
             self.num_bytes += frame.header.payload_len
         elif frame.op == OP_KV_END:
-            fut.set_result(frame.meta)
+            if frame.meta.get("first_token") is not None and not fut.done():
+                fut.set_result(frame.meta)
         elif frame.op == OP_KV_ABORT:
-            fut.set_exception(ConnectionError(f"prefill aborted the transfer: {frame.meta.get('reason')}"))
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"prefill aborted the transfer: {frame.meta.get('reason')}"))
         elif frame.op != OP_KV_ALIVE:
             reply_error(conn, frame, "bad_op", f"operation {frame.op} is not part of a KV stream")
             return

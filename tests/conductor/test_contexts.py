@@ -99,6 +99,10 @@ def test_tenants_see_only_their_own_contexts():
     with pytest.raises(ApiError) as still_other:   # an expired context of another tenant stays unknown
         book.get("key-b", "ctx-1", now=100.0)
     assert still_other.value.status == 404
+    book.reserve("key-b", 32)                      # a creation in flight counts against the quota
+    assert book.used_tokens("key-b") == 32
+    book.reserve("key-b", 32, -1)
+    assert book.used_tokens("key-b") == 0 and book.creating == {}
 
 
 def test_context_lifecycle_pins_and_errors(cluster, role_procs):
