@@ -25,6 +25,7 @@ from mooncake_lite.conductor.dispatch import Flight, Services
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.metrics import paper_tbt
 from mooncake_lite.conductor.params import ApiRequest, parse_request
+from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.conductor.text import TextStream
 from mooncake_lite.model.tokenizer import Tokenizer
 
@@ -154,10 +155,18 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     except ApiError as exc:
         mx.requests.labels(endpoint, "bad_request").inc()
         return exc.response()
+    tenant, gate = request.get(TENANT, "default"), st.svc.tenants
+    try:
+        if gate is not None:
+            gate.admit(tenant)   # its concurrency and rate limits (429); in flight until gate.end
+    except ApiError as exc:
+        _tenant_outcome(mx, tenant, endpoint, exc)
+        return exc.response()
     flight = Flight(st.svc, req)
     set_request_id(flight.request_id)   # every log line from here on names the request
-    run = _Run(st, req, flight, arrival)
+    run = _Run(st, req, flight, arrival, tenant)
     mx.in_flight.inc()
+    mx.tenant_in_flight.labels(tenant).inc()
     outcome = "aborted"   # stays so if the client disconnects (the handler is cancelled)
     try:
         await flight.start()
@@ -166,23 +175,37 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         return resp
     except ApiError as exc:
         outcome = OUTCOMES.get(exc.status, "upstream_error")
+        if exc.status == 429:
+            mx.tenant_rejections.labels(tenant, getattr(exc, "cause", "upstream-refused")).inc()
         return exc.response()
     except ConnectionResetError:
         # The client left while we were writing; the finally clause aborts upstream.
         return web.Response(status=499)
     finally:
+        if gate is not None:
+            gate.end(tenant)
         mx.in_flight.dec()
+        mx.tenant_in_flight.labels(tenant).dec()
         mx.requests.labels(endpoint, outcome).inc()
+        mx.tenant_requests.labels(tenant, outcome).inc()
         log.debug("%s %s after %.3fs: %d token(s)", endpoint, outcome, time.perf_counter() - arrival,
                   flight.num_tokens)
         await flight.close(abort=outcome != "ok" or run.is_text_stopped)
 
 
+def _tenant_outcome(mx, tenant: str, endpoint: str, exc: ApiError) -> None:
+    """A request its tenant's limits refused before it was placed, counted."""
+    mx.requests.labels(endpoint, "rejected").inc()
+    mx.tenant_requests.labels(tenant, "rejected").inc()
+    mx.tenant_rejections.labels(tenant, getattr(exc, "cause", "upstream-refused")).inc()
+
+
 class _Run:
     """Relays one flight's tokens to the client and measures it."""
 
-    def __init__(self, st: ApiState, req: ApiRequest, flight: Flight, arrival: float) -> None:
-        self.st, self.req, self.flight, self.arrival = st, req, flight, arrival
+    def __init__(self, st: ApiState, req: ApiRequest, flight: Flight, arrival: float,
+                 tenant: str = "default") -> None:
+        self.st, self.req, self.flight, self.arrival, self.tenant = st, req, flight, arrival, tenant
         self.text = TextStream(st.tokenizer, req.stop)
         self.created = int(time.time())
         self.outcome = "ok"
@@ -205,6 +228,7 @@ class _Run:
         now, mx = time.perf_counter(), self.st.svc.metrics
         if self._last is None:
             mx.ttft.observe(now - self.arrival)
+            mx.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
         else:
             self._gaps.append(now - self._last)
             mx.itl.observe(now - self._last)

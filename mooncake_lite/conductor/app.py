@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from mooncake_lite.common.auth import api_key_middleware, cluster_token_middleware
+from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.conductor import api, contexts, cost_export, internal, status
 from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
@@ -22,6 +22,7 @@ from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middl
 from mooncake_lite.conductor.membership import Membership
 from mooncake_lite.model.source import model_id
 from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.tenants import TenantGate, tenant_middleware
 from mooncake_lite.model.tokenizer import load_tokenizer
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.scheduler import Scheduler, SchedulerConfig
@@ -42,10 +43,12 @@ def make_app(cfg: Config) -> web.Application:
     kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
     scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
     membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
+    # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
+    gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
     app = web.Application(
         # json_errors first (outermost): every error aiohttp itself raises answers OpenAI-style JSON.
         middlewares=[json_errors_middleware,
-                     api_key_middleware(cfg.api_key, prefixes=("/v1/",)),
+                     tenant_middleware(gate, prefixes=("/v1/",)),
                      cluster_token_middleware(cfg.cluster_token, prefixes=("/internal/",))],
         # A client that disconnects cancels its handler, which aborts the request upstream. The
         # parser's header limits are above the middleware's, so an oversized header gets its JSON 431;
@@ -58,7 +61,7 @@ def make_app(cfg: Config) -> web.Application:
         svc=Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
                      metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                      cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
-                     kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries),
+                     kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
     api.add_routes(app)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mooncake_lite.common.config import option, require
+from mooncake_lite.common.config import ConfigError, option, require
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES
+from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
 
 DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membership and the global "
                "block index, and places each request on a prefill and a decode instance "
@@ -17,6 +20,25 @@ DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membe
 
 def _optional_duration(value):
     return None if value is None else parse_duration(value)
+
+
+def load_tenants(value: object) -> Tenants:
+    """``--tenants``: a table (``[conductor.tenants.NAME]`` in the config file) or the path of a
+    TOML file whose ``[tenants]`` table holds them (keys kept in a file of their own, mode 0600)."""
+    if isinstance(value, Tenants):
+        return value
+    if isinstance(value, Mapping):
+        return parse_tenants(value)
+    try:
+        with open(str(value), "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tenants file: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{value} is not valid TOML: {exc}") from None
+    if "tenants" not in data:
+        raise ConfigError(f"{value} has no [tenants] table")
+    return parse_tenants(data["tenants"])
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,11 @@ class Config(RoleConfig):
     uniform_decode: float | None = option(None, "assumed decode duration t_d per request for predictive "
                                           "admission (None: max_tokens x current TBT)",
                                           parse=_optional_duration)
-    api_key: str | None = option(None, "API key clients must send as 'Authorization: Bearer KEY'")
+    api_key: str | None = option(None, "API key clients must send as 'Authorization: Bearer KEY' (with --tenants: "
+                                 "one more key, tenant 'default')")
+    tenants: Tenants = option(Tenants(), "tenants: API keys -> their SLOs, priority, rate and concurrency limits; "
+                              "[conductor.tenants.NAME] tables in the config file, or a TOML file with "
+                              "[tenants.NAME] tables (docs/conductor.md, Tenants)", parse=load_tenants)
     dead_after: float = option(10.0, "an instance or store silent this long is marked dead (a dead store's "
                                "blocks leave the index)", parse=parse_duration)
     dead_after_failures: int = option(3, "refused or broken connections in a row that mark an instance dead "

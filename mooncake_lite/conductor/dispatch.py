@@ -32,6 +32,7 @@ from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.outputs import OutputHistory
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.placement import place
+from mooncake_lite.conductor.tenants import TenantGate
 from mooncake_lite.scheduler import Decision, Scheduler
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Services:
     max_retries: int = 2          # re-dispatches of a request that failed before its first token
     background: set[asyncio.Task] = field(default_factory=set)
     outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
+    tenants: TenantGate | None = None   # per-tenant limits, SLOs and priorities (conductor/tenants.py)
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

@@ -54,6 +54,16 @@ class ConductorMetrics:
                                "before their first token, by reason (prefill-unreachable, prefill-error, "
                                "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
         self.stores = Gauge(p + "stores", "stores heard from within --dead-after", registry=r)
+        # per tenant (docs/conductor.md, Tenants): "default" when no tenants are configured
+        self.tenant_requests = Counter(p + "tenant_requests", "API requests by tenant and outcome (as requests)",
+                                       ["tenant", "outcome"], registry=r)
+        self.tenant_rejections = Counter(p + "tenant_rejections", "429s by tenant and reason (rate, concurrency, "
+                                         "priority, ttft, tbt, no-decode, upstream-refused)", ["tenant", "reason"],
+                                         registry=r)
+        self.tenant_ttft = Histogram(p + "tenant_ttft_seconds", "time from request arrival to the first token, "
+                                     "by tenant", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_in_flight = Gauge(p + "tenant_requests_in_flight", "requests being served, by tenant",
+                                      ["tenant"], registry=r)
         self._membership: Membership | None = None
         r.register(_MembershipEvents(lambda: self._membership))
 

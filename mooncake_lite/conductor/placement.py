@@ -10,6 +10,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.conductor import tenants
 from mooncake_lite.conductor.errors import bad_request, rejected, unavailable
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
@@ -27,7 +28,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
     sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
     t0 = time.perf_counter()
-    decision = svc.scheduler.schedule(sreq, _snapshot(svc, req, exclude), now)
+    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -44,11 +45,16 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
     if cause == "no-decode":
         _check_fits_some_decode(svc, req)
     svc.metrics.rejections.labels(cause).inc()
+    if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
+        raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
     if cause == "no-decode":
-        raise rejected("every decode instance is full; retry later", 1)
-    wait = decision.predicted_queue_s if cause == "ttft" else 1.0
-    raise rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                   min(60, max(1, math.ceil(wait))))
+        err = rejected("every decode instance is full; retry later", 1)
+    else:
+        wait = decision.predicted_queue_s if cause == "ttft" else 1.0
+        err = rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
+                       min(60, max(1, math.ceil(wait))))
+    err.cause = cause   # type: ignore[attr-defined]  # the per-tenant rejections' reason
+    raise err
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:

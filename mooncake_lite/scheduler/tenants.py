@@ -54,7 +54,7 @@ class TenantSpec:
     """One tenant's configuration. ``None`` SLO fields: the conductor's (``SchedulerConfig``)."""
 
     name: str
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)   # secrets: kept out of logs
     priority: int = PRIORITIES["normal"]
     weight: float = 1.0
     rate: float | None = None            # requests/s; None: unlimited
