@@ -20,7 +20,7 @@ cost, and the loops run.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from itertools import compress, count
+from itertools import compress, count, repeat
 from operator import is_not
 
 import numpy as np
@@ -66,7 +66,8 @@ class PrefillTable:
         self.models: list[PrefillCostModel] = []
         self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
         self.multi: set[int] = set()
-        self.positions: dict[Hashable, list[int]] = {}
+        self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
+        self.row_of: dict[Hashable, int] | None = {}     # store id -> its row, when each has one
 
     def update(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
@@ -86,6 +87,8 @@ class PrefillTable:
             self.positions = {}
             for i, p in enumerate(prefills):
                 self.positions.setdefault(p.store_id, []).append(i)
+            one_each = all(len(rows) == 1 for rows in self.positions.values())
+            self.row_of = {store: rows[0] for store, rows in self.positions.items()} if one_each else None
         self.prefills = prefills
 
     def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
@@ -167,7 +170,14 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
 
 
 def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarray]:
-    """The rows whose store holds a leading part of the prefix, and how many blocks each."""
+    """The rows whose store holds a leading part of the prefix, and how many blocks each (one
+    C-level pass when every store has one row, the usual case: a hot prefix is on most)."""
+    lengths = match.lengths
+    if table.row_of is not None:
+        rows = np.fromiter(map(table.row_of.get, lengths, repeat(-1)), dtype=np.intp, count=len(lengths))
+        local = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
+        known = rows >= 0
+        return (rows, local) if known.all() else (rows[known], local[known])
     rows, lengths, positions = [], [], table.positions
     for store_id, length in match.lengths.items():
         at = positions.get(store_id)
