@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from mooncake_lite.conductor.contexts import Context, ContextBook
+from mooncake_lite.conductor.context_book import Context, ContextBook
 from mooncake_lite.conductor.errors import ApiError
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
@@ -164,8 +164,8 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
         client.patch(f"/contexts/{ctx['id']}", cast_to=object, body={"ttl": 5})
 
     # chat: a context of messages, used by a chat completion; then it expires
-    chat = client.post("/contexts", cast_to=object, body={
-        "model": "tiny", "ttl": 1.5, "messages": [{"role": "system", "content": "You answer questions about this text."}]})
+    system = {"role": "system", "content": "You answer questions about this text."}
+    chat = client.post("/contexts", cast_to=object, body={"model": "tiny", "ttl": 1.5, "messages": [system]})
     assert chat["kind"] == "messages" and chat["cached_tokens"] >= BLOCK, chat
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Why?"}],
                                          max_tokens=2, extra_body={"context_id": chat["id"]})
