@@ -15,6 +15,7 @@ from mooncake_lite.store.protocol import Op, keys_to_hex
 from mooncake_lite.transfer import shm
 from mooncake_lite.transfer.client import FrameClient
 from mooncake_lite.transfer.framing import HEADER_BYTES, Limits, decode_header, encode_frame
+from tests.conftest import start_role
 from tests.store.helpers import block, chain, metric
 
 SLOT = 256 << 10
@@ -22,11 +23,17 @@ TOKEN = "s3cret"
 pytestmark = pytest.mark.skipif(not shm.is_supported(), reason="no memfd_create or /proc here")
 
 
-@pytest.fixture
-def store(role_procs):
-    # 16 slots, a 1 MiB staging area, leases that run out quickly (the stale-read test).
-    return role_procs("store", "--port", "0", "--data-port", "0", "--dram", "4MiB", "--slot-bytes", "256KiB",
-                      "--shm-staging", "1MiB", "--lease-ttl", "1s", "--cluster-token", TOKEN)
+STORE_ARGS = ("--port", "0", "--data-port", "0", "--dram", "4MiB", "--slot-bytes", "256KiB",
+              "--shm-staging", "1MiB", "--lease-ttl", "1s", "--cluster-token", TOKEN)
+
+
+@pytest.fixture(scope="module")
+def store():
+    """16 slots, a 1 MiB staging area, leases that run out quickly; shared by the tests that
+    neither fill nor stop it (keys differ per test)."""
+    proc = start_role("store", *STORE_ARGS)
+    yield proc
+    proc.stop()
 
 
 def no_socket_bytes(client: StoreClient) -> None:
@@ -164,7 +171,8 @@ async def test_staging_bounds_and_read_only_slab(store):
         await client.close()
 
 
-async def test_reads_only_under_leases_never_torn(store):
+async def test_reads_only_under_leases_never_torn(role_procs):
+    store = role_procs("store", *STORE_ARGS)
     client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
     filler = await StoreClient.connect(store.addresses["data"], token=TOKEN)
     keys = chain(4, seed=8)
