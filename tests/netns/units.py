@@ -67,4 +67,12 @@ def read_unit(path: Path, paths: dict[str, str]) -> Unit:
     if not exec_start:
         raise ValueError(f"{path}: no ExecStart")
     expanded = [_VAR.sub(lambda m: env.get(m.group(1) or m.group(2), ""), word) for word in exec_start]
-    return Unit(tuple(paths.get(word, word) for word in expanded), env)
+    return Unit(tuple(_local(word, paths) for word in expanded), env)
+
+
+def _local(word: str, paths: dict[str, str]) -> str:
+    """A path word, or the path of a ``--flag=PATH`` word, where it is here."""
+    flag, eq, value = word.partition("=")
+    if eq and flag.startswith("-") and value in paths:
+        return f"{flag}={paths[value]}"
+    return paths.get(word, word)
