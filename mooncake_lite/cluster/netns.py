@@ -94,11 +94,14 @@ class Link:
         return None
 
     def __str__(self) -> str:
-        unit = next((u for u in ("tbit", "gbit", "mbit", "kbit") if self.rate_bps and not self.rate_bps % _RATE_UNITS[u]),
-                    "bit")
-        parts = [f"{self.rate_bps // _RATE_UNITS[unit]}{unit}"] if self.rate_bps else []
+        parts = [_format_rate(self.rate_bps)] if self.rate_bps else []
         parts += [f"{self.delay_s * 1e3:g}ms"] if self.delay_s else []
         return ",".join(parts) or "unshaped"
+
+
+def _format_rate(bps: int) -> str:
+    unit = next((u for u in ("tbit", "gbit", "mbit", "kbit") if bps % _RATE_UNITS[u] == 0), "bit")
+    return f"{bps // _RATE_UNITS[unit]}{unit}"
 
 
 @dataclass(frozen=True)

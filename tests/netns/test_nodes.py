@@ -170,3 +170,19 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@needs_netns
+def test_netns_up_prints_the_nodes_and_removes_them_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_lite", "netns", "up", "--nodes", "2", "--link", "1gbit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = [proc.stdout.readline() for _ in range(3)]
+        names = [line.split()[-2] for line in banner[1:]]        # "  node1  10.213.X.1  ip netns exec NAME COMMAND"
+        assert [line.split()[0] for line in banner[1:]] == ["node1", "node2"], banner
+        assert set(names) <= _existing()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "nodes removed" in out and not set(names) & _existing()
