@@ -50,7 +50,7 @@ class ContextBook:
         if isinstance(context_id, str) and self.expired.get(context_id) == tenant:
             raise ApiError(410, f"context {short(context_id)} has expired; create it again",
                            code="context_expired", param="context_id")
-        raise ApiError(404, f"no context {short(context_id)} (unknown, deleted, or created with another API key)",
+        raise ApiError(404, f"no context {short(context_id)} (unknown, deleted, or another tenant's)",
                        code="context_not_found", param="context_id")
 
     def used_tokens(self, tenant: str) -> int:

@@ -15,15 +15,14 @@ the request's); the usual prefix match then finds the held blocks, Algorithm 1 p
 the store holding them, and ``usage.prompt_tokens_details.cached_tokens`` says what prefill
 reused. A request whose prompt merely starts with a context's reuses it the same way.
 
-Tenants are API keys (the bearer token's hash; ``anonymous`` without one): each sees only its
-own contexts. Contexts live in the conductor's memory (a restarted conductor forgets them; the
+Contexts belong to the caller's tenant (its API key names it, ``conductor/tenants.py``): each
+tenant sees and uses only its own, and holds at most ``--context-quota`` tokens of them. Contexts live in the conductor's memory (a restarted conductor forgets them; the
 stores still hold their blocks until the expiry, so prefix matches keep working).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -41,6 +40,8 @@ from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, sto
 from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
 from mooncake_lite.conductor.kv_sink import KVSink
 from mooncake_lite.conductor.params import chat_prompt, parse_request
+from mooncake_lite.conductor.tenants import TENANT
+from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 SWEEP_S = 5.0
@@ -68,12 +69,9 @@ def add_routes(app: web.Application, cfg: Config) -> None:
 
 
 def tenant_of(request: web.Request) -> str:
-    """The caller's tenant: a hash of its API key (never the key itself), or ``anonymous``."""
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return "anonymous"
-    return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    """The caller's tenant, as the tenant middleware resolved it from its API key
+    (``conductor/tenants.py``; ``default`` when no tenants are configured)."""
+    return request.get(TENANT, DEFAULT_TENANT)
 
 
 # ---- using a context -----------------------------------------------------------------------------
@@ -136,7 +134,7 @@ async def create(request: web.Request) -> web.Response:
 def _check_quota(cs: ContextState, tenant: str, num_tokens: int) -> None:
     used = cs.book.used_tokens(tenant)
     if used + num_tokens > cs.cfg.context_quota:
-        raise ApiError(429, f"this context would hold {num_tokens} tokens, and this API key already holds "
+        raise ApiError(429, f"this context would hold {num_tokens} tokens, and your tenant already holds "
                             f"{used} of its {cs.cfg.context_quota}; delete a context or wait for one to "
                             f"expire", err_type="insufficient_quota", code="context_quota_exceeded",
                        headers={"x-should-retry": "false"})

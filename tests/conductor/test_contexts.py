@@ -182,22 +182,33 @@ def test_context_lifecycle_pins_and_errors(cluster, role_procs):
 
 async def test_a_request_naming_a_context_goes_where_its_blocks_are(make_cluster):
     """Algorithm 1 prices the held blocks: with two idle prefill instances, the one whose store
-    holds the context's blocks serves a request naming it (a local hit on every block)."""
+    holds the context's blocks serves a request naming it (a local hit on every block). Another
+    tenant (another API key) neither sees nor uses it."""
     from mooncake_lite.common.hashing import prefix_hash
     from mooncake_lite.conductor.contexts import CONTEXTS
+    from mooncake_lite.scheduler.tenants import parse_tenants
     from tests.conductor import fakes
 
-    cluster = await make_cluster(prefill=2, decode=1)
+    tenants = parse_tenants({"a": {"api_keys": ["k-a"]}, "b": {"api_keys": ["k-b"]}})
+    cluster = await make_cluster(prefill=2, decode=1, tenants=tenants)
     ids = tuple(range(10, 22))                                  # 3 blocks of 4
     keys = tuple(prefix_hash(ids, 4, 0))
-    cluster.app[CONTEXTS].book.contexts["ctx-x"] = Context("ctx-x", "anonymous", "prompt", "tiny", ids, (), keys,
+    cluster.app[CONTEXTS].book.contexts["ctx-x"] = Context("ctx-x", "a", "prompt", "tiny", ids, (), keys,
                                                            "store1:1", 0, time.time() + 60, cached_tokens=12)
     status, _ = await fakes.block_events(cluster.session, cluster.url, "store1:1", stored=keys, full=True)
     assert status == 200
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "context_id": "ctx-x"}
-    async with cluster.session.post(cluster.url + "/v1/completions", json=body) as resp:   # no key: anonymous
+    async with cluster.session.post(cluster.url + "/v1/completions", json=body,
+                                    headers={"Authorization": "Bearer k-a"}) as resp:
         assert resp.status == 200, await resp.text()
         out = await resp.json()
         assert resp.headers["X-Mooncake-Prefill"] == "p1" and resp.headers["X-Mooncake-Route"] == "local-hit"
         assert resp.headers["X-Mooncake-Reused-Blocks"] == "3"
     assert out["usage"]["prompt_tokens"] == len(ids) + 3
+    other = {"Authorization": "Bearer k-b"}
+    async with cluster.session.post(cluster.url + "/v1/completions", json=body, headers=other) as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "context_not_found"
+    async with cluster.session.get(cluster.url + "/v1/contexts", headers=other) as resp:
+        assert (await resp.json())["data"] == []
+    async with cluster.session.get(cluster.url + "/v1/contexts", headers={"Authorization": "Bearer k-a"}) as resp:
+        assert [c["id"] for c in (await resp.json())["data"]] == ["ctx-x"]
