@@ -16,7 +16,7 @@ from mooncake_lite.store.client import StoreClient
 from tests.netns import systemd_cluster as sc
 from tests.netns.conftest import needs_netns
 
-pytestmark = [needs_netns, pytest.mark.timeout(300)]
+pytestmark = [needs_netns, pytest.mark.slow, pytest.mark.timeout(300)]
 SLACK = 5.0                 # seconds beyond --dead-after for a busy 2-core machine
 # A request still open this long is a hang: the conductor has had --dead-after to notice, and a
 # retry elsewhere takes about a second (generous: this machine is shared).

@@ -8,7 +8,7 @@ import pytest
 from tests.netns import systemd_cluster as sc
 from tests.netns.conftest import needs_netns
 
-pytestmark = [needs_netns, pytest.mark.timeout(300)]
+pytestmark = [needs_netns, pytest.mark.slow, pytest.mark.timeout(300)]
 DOCUMENT = ("Mooncake keeps the attention keys and values of earlier requests in the spare DRAM of the "
             "GPU nodes, and a conductor sends each new request where the longest prefix is cached. ") * 12
 
