@@ -175,7 +175,9 @@ async def health(request: web.Request) -> web.Response:
                               "num_blocks": len(store.keys()), "num_dram_blocks": store.num_dram_blocks,
                               "dram_free_slots": store.slab.num_free, "dram_slots": store.slab.num_slots,
                               "slot_bytes": store.slab.slot_bytes, "eviction": dp.cfg.eviction,
-                              "ssd": store.ssd is not None})
+                              "ssd": store.ssd is not None,
+                              # cached contexts' blocks, held against eviction (PIN)
+                              "held_blocks": len(store.holds), "holds": len(store.holds.entries())})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -4,6 +4,7 @@ the SSD, and stay pinned across a store restart (the pin journal beside the SSD 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 import pytest
@@ -14,7 +15,7 @@ from mooncake_lite.store.eviction import PinTable, make_policy
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Slab
 from mooncake_lite.store.ssd import PIN_JOURNAL, SsdTier
-from tests.store.helpers import block, chain
+from tests.store.helpers import block, chain, http_get
 from tests.store.test_blocks import K, put
 
 SLOT = 64 << 10
@@ -132,6 +133,8 @@ async def test_pin_op_on_the_data_port_survives_kill_9(role_procs, tmp_path):
             await client.put([key], [block(key, SLOT // 2)])
         assert await client.exists(keys) == [True, True]
         assert [bytes(b) for b in await client.get(keys)] == [block(k, SLOT // 2) for k in keys]
+        _, body = http_get(again.url() + "/health")
+        assert json.loads(body)["held_blocks"] == 2 and json.loads(body)["holds"] == 1
         reply = await client.frames.request(Op.UNPIN, {"pin": "ctx-1"})
         assert reply.meta["released"] is True
         assert (await client.frames.request(Op.UNPIN, {"pin": "ctx-1"})).meta["released"] is False
