@@ -162,17 +162,14 @@ def slo_limits(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill
     return ttft, tbt
 
 
-def decision_load(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, cluster: ClusterState,
-                  prefill_id: str | None, decode_id: str | None, ttft_s: float | None,
-                  tbt_s: float | None) -> float:
-    """How close an accepted decision is to the SLOs it was judged by: the larger of predicted /
-    limit per metric (1.0 at the SLO). The tenants' priority rule (``scheduler/tenants.py``)
-    sheds lower classes above their share of it."""
+def ttft_load(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, cluster: ClusterState,
+              prefill_id: str | None, ttft_s: float) -> float:
+    """An accepted request's predicted TTFT over its TTFT limit (1.0: at the SLO). Its TTFT is
+    also how long the chosen prefill is taken before a request arriving behind it can start (the
+    queue it waits in plus its own prefill), so the tenants' priority rule
+    (``scheduler/tenants.py``) sheds lower classes above a fraction of it."""
     p = next((x.cost for x in cluster.prefills if x.instance_id == prefill_id), None)
-    d = next((x.cost for x in cluster.decodes if x.instance_id == decode_id), None)
-    ttft_limit, tbt_limit = slo_limits(cfg, req.num_tokens, costs, p, d)
-    load = 0.0 if ttft_s is None else ttft_s / ttft_limit
-    return load if tbt_s is None else max(load, tbt_s / tbt_limit)
+    return ttft_s / slo_limits(cfg, req.num_tokens, costs, p, None)[0]
 
 
 class UnmeetableSlo(NamedTuple):

@@ -9,10 +9,12 @@ limit. A request is admitted in four steps, each refusal a 429 naming its limit:
 1. ``concurrency``: fewer than ``max_concurrency`` of the tenant's requests in flight;
 2. ``rate``: the tenant's bucket has a token (the refusal says when it will);
 3. the scheduler's own decision, judged against the tenant's SLOs (:meth:`TenantSpec.scheduler_config`);
-4. ``priority``: the accepted decision's *load*, ``max(predicted TTFT / TTFT SLO, predicted TBT /
-   TBT SLO)``, is compared with the tenant's ``shed_at`` (by class: high 1.0, normal 0.5, low 0.2)
-   — but only while the tenant holds more than its weighted fair share of the requests in flight
-   among the tenants active lately. Under that share a tenant is judged by its SLOs alone.
+4. ``priority``: the accepted decision's *load*, its predicted TTFT over the tenant's TTFT SLO
+   (how long it holds the chosen prefill: what a request arriving behind it waits), is compared
+   with the tenant's ``shed_at`` (by class: high 1.0, normal 0.25, low 0.05) — but only while the
+   tenant holds more than its weighted fair share (weights by class: high 16, normal 4, low 1) of
+   the requests in flight among the tenants active lately. Under that share a tenant is judged by
+   its SLOs alone.
 
 So as load rises the low class is refused first, then normal, and high only when its own SLO
 cannot be met; and a tenant never loses its fair share to another's flood, whatever the classes
@@ -29,7 +31,7 @@ from typing import Any, NamedTuple
 
 from mooncake_lite.common.config import ConfigError, require
 from mooncake_lite.common.units import parse_duration
-from mooncake_lite.scheduler.admission import decision_load
+from mooncake_lite.scheduler.admission import ttft_load
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision
@@ -44,9 +46,16 @@ _KEYS = frozenset({"api_keys", "priority", "weight", "rate", "burst", "max_concu
 
 
 def default_shed_at(priority: int) -> float:
-    """The load above which a tenant of this class over its fair share is refused: 1.0 for
-    high (only its own SLO refuses it), 0.5 normal, 0.2 low, 0.08 below (x2.5 per class)."""
-    return min(1.0, 0.2 * 2.5 ** priority)
+    """The load (predicted TTFT / TTFT SLO) above which a tenant of this class over its fair share is
+    refused: 1.0 for high (only its own SLO refuses it), 0.25 normal, 0.05 low, 0.01 below
+    (x5 per class)."""
+    return min(1.0, 0.05 * 5.0 ** priority)
+
+
+def default_weight(priority: int) -> float:
+    """A class's weight in the fair share: x4 per class (high 16, normal 4, low 1), so a lower
+    class keeps a small share it is never shed from, and never more while higher ones are busy."""
+    return 4.0 ** priority
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class TenantSpec:
     name: str
     api_keys: tuple[str, ...] = field(default=(), repr=False)   # secrets: kept out of logs
     priority: int = PRIORITIES["normal"]
-    weight: float = 1.0
+    weight: float | None = None          # None: default_weight(priority)
     rate: float | None = None            # requests/s; None: unlimited
     burst: int | None = None             # bucket size; None: max(1, ceil(rate))
     max_concurrency: int | None = None   # requests in flight; None: unlimited
@@ -70,7 +79,7 @@ class TenantSpec:
         where = f"tenant {self.name!r}"
         require(bool(_NAME.match(self.name)), f"{where}: a name is 1-64 letters, digits, '_', '.' or '-'")
         require(all(isinstance(k, str) and k for k in self.api_keys), f"{where}: api_keys must be non-empty strings")
-        require(self.weight > 0, f"{where}: weight must be positive, got {self.weight}")
+        require(self.weight is None or self.weight > 0, f"{where}: weight must be positive, got {self.weight}")
         require(self.rate is None or (math.isfinite(self.rate) and self.rate > 0),
                 f"{where}: rate must be a positive number of requests/s, got {self.rate}")
         require(self.burst is None or self.burst >= 1, f"{where}: burst must be >= 1, got {self.burst}")
@@ -84,6 +93,10 @@ class TenantSpec:
             v = getattr(self, factor)
             require(v is None or v >= 1, f"{where}: {factor} must be >= 1, got {v}")
         require(self.shed_at is None or 0 < self.shed_at <= 1, f"{where}: shed_at must be in (0, 1], got {self.shed_at}")
+
+    @property
+    def share_weight(self) -> float:
+        return self.weight if self.weight is not None else default_weight(self.priority)
 
     @property
     def shed_threshold(self) -> float:
@@ -183,7 +196,7 @@ def _spec(name: str, body: Mapping[str, Any]) -> TenantSpec:
         require(isinstance(keys, list), f"tenants.{name}.api_keys must be a list of strings")
         return TenantSpec(
             name, tuple(keys), _priority(name, body.get("priority", "normal")),
-            float(body.get("weight", 1.0)), _opt(body, "rate", float), _opt(body, "burst", int),
+            _opt(body, "weight", float), _opt(body, "rate", float), _opt(body, "burst", int),
             _opt(body, "max_concurrency", int), _opt(body, "ttft_slo", parse_duration),
             _opt(body, "tbt_slo", parse_duration), _opt(body, "ttft_slo_factor", float),
             _opt(body, "tbt_slo_factor", float), _opt(body, "shed_at", float))
@@ -276,25 +289,24 @@ class TenantLedger:
         active.update(name for name, t in self.last_arrival.items() if now - t <= self.active_window_s)
         active.add(spec.name)
         weights = sum(self._weight(name) for name in active)
-        share = spec.weight / weights * sum(self.in_flight.values())
+        share = spec.share_weight / weights * sum(self.in_flight.values())
         return self.in_flight.get(spec.name, 0) > share
 
     def _weight(self, name: str) -> float:
         try:
-            return self.tenants.get(name).weight
+            return self.tenants.get(name).share_weight
         except KeyError:
-            return 1.0
+            return default_weight(PRIORITIES["normal"])
 
     def shed(self, spec: TenantSpec, decision: Decision, req: ScheduleRequest, cluster: ClusterState,
              cfg: SchedulerConfig, costs: CostModels, now: float) -> Refusal | None:
         """The priority rule on a decision the scheduler accepted under ``cfg`` (the tenant's)."""
-        load = decision_load(cfg, req, costs, cluster, decision.prefill_id, decision.decode_id,
-                             decision.predicted_ttft_s, decision.predicted_tbt_s)
+        load = ttft_load(cfg, req, costs, cluster, decision.prefill_id, decision.predicted_ttft_s)
         return self.priority_refusal(spec, load, now)
 
     def priority_refusal(self, spec: TenantSpec, load: float, now: float) -> Refusal | None:
         """The priority rule on an accepted decision of predicted ``load``
-        (``admission.decision_load``: 1.0 at the tenant's SLO)."""
+        (``admission.ttft_load``: predicted TTFT / the tenant's TTFT SLO)."""
         threshold = spec.shed_threshold
         if load <= threshold or threshold >= 1.0 or not self.over_share(spec, now):
             return None

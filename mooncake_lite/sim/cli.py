@@ -64,6 +64,11 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--baseline-chunk", type=int, default=None,
                     help="baseline with chunked prefill of this many tokens per step (default: vLLM v0, "
                          "whole prompts that stall decode)")
+    ap.add_argument("--tenants", default=None, metavar="FILE",
+                    help="[tenants.NAME] tables as the conductor reads them, each with a `share` of the "
+                         "trace's requests: per-tenant limits, SLOs and priority shedding (sim/tenants.py)")
+    ap.add_argument("--tenants-without", default=None, metavar="NAME",
+                    help="with --tenants: also run without NAME's requests, and compare each tenant's p90 TTFT")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for results.json and plots")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -99,7 +104,16 @@ def run_main(argv: list[str]) -> int:
         sys.stderr.write("mooncake sim: error: the trace is empty\n")
         return 2
     show = not args.no_progress and not args.json
-    runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
+    tenant_table = None
+    if args.tenants:   # issue #18: tenants, priorities and a flood's cost to the others
+        from mooncake_lite.sim.tenants import tenant_runs
+        try:
+            runs, tenant_table = tenant_runs(cfg, hw, trace, args.tenants, args.tenants_without, args.seed, show)
+        except (ValueError, OSError) as exc:
+            sys.stderr.write(f"mooncake sim: error: --tenants: {exc}\n")
+            return 2
+    else:
+        runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
     if args.baseline:
         base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
                                eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
@@ -110,6 +124,8 @@ def run_main(argv: list[str]) -> int:
     for label, res in runs.items():
         s = summarize(res, args.ttft_slo, args.tbt_slo)
         s["label"] = label
+        if "tenants" in res.extra:
+            s["tenants"] = res.extra["tenants"]
         summaries.append(s)
     if args.out:
         out = Path(args.out)
@@ -128,6 +144,8 @@ def run_main(argv: list[str]) -> int:
         print(f"{s['label']}: rejected {s['rejected_by'] or 'none'}; reused {s['reused_token_share']:.1%} of input "
               f"tokens; goodput {s['goodput_rps']:.2f} req/s; {s['requests_per_wall_s']:,.0f} simulated req per "
               f"wall-second ({s['wall_s']:.1f} s wall, {s['cpu_s']:.1f} s CPU)")
+    if tenant_table is not None:
+        print(tenant_table)
     if args.out:
         print(f"wrote {Path(args.out) / 'results.json'}, cdf.png, load.png")
     return 0

@@ -78,7 +78,7 @@ class MooncakeSim(TraceDriver):
         if self.predictor is not None:
             req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
-        decision = self.scheduler.schedule(sreq, self.cluster_state(), now)
+        decision = self._decide(now, req, sreq)
         if self.decisions is not None:
             self.decisions.append(decision)
         if not decision.accepted:
@@ -110,6 +110,10 @@ class MooncakeSim(TraceDriver):
         p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)
+
+    def _decide(self, now: float, req: SimRequest, sreq: ScheduleRequest) -> Decision:
+        """The conductor's decision (``sim/tenants.py`` adds each tenant's limits and priority)."""
+        return self.scheduler.schedule(sreq, self.cluster_state(), now)
 
     # ---- prefill -----------------------------------------------------------------------------
     def _start_prefill(self, now: float, p: PrefillNode) -> None:

@@ -8,7 +8,7 @@ import pytest
 from mooncake_lite.common.config import ConfigError
 from mooncake_lite.scheduler import Scheduler
 from mooncake_lite.scheduler.tenants import (DEFAULT_TENANT, TenantLedger, Tenants, TenantSpec, TokenBucket,
-                                             default_shed_at, parse_tenants)
+                                             default_shed_at, default_weight, parse_tenants)
 from tests.scheduler.clusters import COSTS, cfg, cluster, decode, prefill, queued, request
 
 TOML = {
@@ -27,8 +27,10 @@ def test_parse_maps_keys_to_tenants_and_the_anonymous_one():
     assert (gold.priority, free.priority, batch.priority) == (2, 0, -1)
     assert gold.ttft_slo_s == 2.0 and gold.weight == 3.0
     assert (free.rate, free.bucket_size, free.max_concurrency) == (2.0, 3.0, 2)
-    assert batch.shed_threshold == 0.3 and free.shed_threshold == default_shed_at(0) == 0.2
-    assert default_shed_at(2) == 1.0 and default_shed_at(1) == 0.5 and default_shed_at(-1) < 0.2
+    assert batch.shed_threshold == 0.3 and free.shed_threshold == default_shed_at(0) == 0.05
+    assert default_shed_at(2) == 1.0 and default_shed_at(1) == 0.25 and default_shed_at(-1) < 0.05
+    assert (gold.share_weight, free.share_weight, batch.share_weight) == (3.0, 1.0, 0.25)   # given, 4**p
+    assert t.get("gold").share_weight == 3.0 and default_weight(2) == 16.0
     assert parse_tenants({"x": {}}).by_key(None) is None      # no anonymous tenant: 401
 
 
@@ -87,7 +89,8 @@ def test_concurrency_then_rate_and_a_refused_request_takes_no_token():
 
 
 def test_low_is_shed_before_normal_before_high_when_over_share():
-    t = Tenants((TenantSpec("hi", priority=2), TenantSpec("mid", priority=1), TenantSpec("lo", priority=0)))
+    t = Tenants((TenantSpec("hi", priority=2, weight=1), TenantSpec("mid", priority=1, weight=1),
+                 TenantSpec("lo", priority=0, weight=1)))
     led = TenantLedger(t)
     for name in ("hi", "mid", "lo"):
         for _ in range(5):
@@ -100,11 +103,11 @@ def test_low_is_shed_before_normal_before_high_when_over_share():
         finally:
             led.end(name)
 
-    verdicts = {load: [refused(n, load) for n in ("hi", "mid", "lo")] for load in (0.1, 0.3, 0.7, 0.99)}
-    assert verdicts == {0.1: [False, False, False], 0.3: [False, False, True],
-                        0.7: [False, True, True], 0.99: [False, True, True]}
+    verdicts = {load: [refused(n, load) for n in ("hi", "mid", "lo")] for load in (0.01, 0.1, 0.3, 0.99)}
+    assert verdicts == {0.01: [False, False, False], 0.1: [False, False, True],
+                        0.3: [False, True, True], 0.99: [False, True, True]}
     led.admit(t.get("lo"), 0.0)
-    r = led.priority_refusal(t.get("lo"), 0.3, 0.0)
+    r = led.priority_refusal(t.get("lo"), 0.1, 0.0)
     assert r.limit == "priority" and "low priority" in r.message
 
 
@@ -151,7 +154,10 @@ def test_shed_reads_the_decisions_load_against_the_tenants_own_slo():
     sched = Scheduler(lo.scheduler_config(cfg()), COSTS)
     d = sched.schedule(req, clus, 0.0)
     assert d.accepted and d.predicted_ttft_s == pytest.approx(0.4)
-    r = led.shed(lo, d, req, clus, sched.config, COSTS, 0.0)             # 0.4 of 1 s > 0.2
+    r = led.shed(lo, d, req, clus, sched.config, COSTS, 0.0)             # 0.4 of 1 s > 0.05
     assert r is not None and "0.40" in r.message
-    looser = TenantSpec("lo", priority=0, ttft_slo_s=4.0, tbt_slo_s=10.0)
-    assert led.shed(looser, d, req, clus, looser.scheduler_config(cfg()), COSTS, 0.0) is None   # 0.1
+    looser = TenantSpec("lo", priority=0, ttft_slo_s=10.0, tbt_slo_s=10.0)
+    assert led.shed(looser, d, req, clus, looser.scheduler_config(cfg()), COSTS, 0.0) is None   # 0.04
+    # relative SLO: 10x this prompt alone (0.1 s) = 1 s, same load
+    rel = TenantSpec("lo", priority=0, ttft_slo_factor=10.0, tbt_slo_s=10.0)
+    assert "0.40" in led.shed(rel, d, req, clus, rel.scheduler_config(cfg()), COSTS, 0.0).message
