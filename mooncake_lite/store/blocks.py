@@ -306,6 +306,7 @@ class BlockStore:
         ``expires_at`` (wall clock), replacing what ``owner`` held; returns how many it has.
         Held DRAM-only blocks are queued for the SSD tier at once, so a crash keeps them too."""
         present = [key for key in keys if key in self]
+        before = self.holds.get(owner)
         added, dropped = self.holds.pin(owner, present, expires_at)
         for key in added:
             if key in self._dram:
@@ -316,12 +317,13 @@ class BlockStore:
             if self.ssd is not None and block is not None and key not in self.ssd:
                 self.ssd.enqueue(key, bytes(self.slab.view(block.slot, block.size)), block.num_layers,
                                  block.chain_pos)
-        self._journal()
+        if self.holds.get(owner) != before:   # a repeated PIN (waiting for a write-back) changes nothing
+            self._journal()
         return len(present)
 
     def unhold(self, owner: str) -> bool:
         """End ``owner``'s hold; False when it held nothing."""
-        if owner not in self.holds.entries():
+        if self.holds.get(owner) is None:
             return False
         self._release(self.holds.unpin(owner))
         self._journal()

@@ -279,6 +279,10 @@ class PinTable:
     def is_pinned(self, key: Key) -> bool:
         return key in self._counts
 
+    def get(self, owner: str) -> tuple[frozenset[Key], float] | None:
+        """(keys, expires_at) that ``owner`` holds, or None."""
+        return self._owners.get(owner)
+
     def entries(self) -> dict[str, tuple[frozenset[Key], float]]:
         """owner -> (keys, expires_at), for a journal or a listing."""
         return dict(self._owners)
