@@ -212,3 +212,33 @@ async def test_a_request_naming_a_context_goes_where_its_blocks_are(make_cluster
         assert (await resp.json())["data"] == []
     async with cluster.session.get(cluster.url + "/v1/contexts", headers={"Authorization": "Bearer k-a"}) as resp:
         assert [c["id"] for c in (await resp.json())["data"]] == ["ctx-x"]
+
+
+async def test_the_kv_sink_takes_every_stages_frames_and_ends_on_the_first_token():
+    """A prefill-only job's KV goes to the conductor's sink: each CPP stage streams its own layers
+    and ends with an END; the transfer completes on the END carrying the first token. Frames of
+    a transfer nobody expects are refused, as decode refuses them."""
+    from mooncake_lite.conductor.kv_sink import KVSink
+    from mooncake_lite.transfer.client import FrameClient, RemoteError
+    from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
+
+    sink = KVSink()
+    await sink.start("127.0.0.1", None, token="secret")
+    host, port = sink.address.rsplit(":", 1)
+    stages = [await FrameClient.connect(host, int(port), token="secret") for _ in range(2)]
+    try:
+        done = sink.expect("t1")
+        payload = bytes(3 << 20)                    # larger than the sink's scratch buffer
+        for layer, stage in enumerate(stages):
+            await stage.request(OP_KV_LAYER, layer_frame_meta("t1", layer, 0, 4), [payload])
+        await stages[0].request(OP_KV_END, {"tid": "t1", "first_layer": 0, "end_layer": 1, "first_token": None})
+        assert not done.done()
+        await stages[1].request(OP_KV_END, {"tid": "t1", "first_layer": 1, "end_layer": 2, "first_token": 7})
+        assert (await done)["first_token"] == 7 and sink.num_bytes == 2 * len(payload)
+        sink.forget("t1")
+        with pytest.raises(RemoteError, match="unknown_transfer"):
+            await stages[0].request(OP_KV_LAYER, layer_frame_meta("t1", 0, 0, 4), [payload])
+    finally:
+        for stage in stages:
+            await stage.close()
+        await sink.stop()
