@@ -13,8 +13,8 @@ limit. A request is admitted in four steps, each refusal a 429 naming its limit:
    (how long it holds the chosen prefill: what a request arriving behind it waits), is compared
    with the tenant's ``shed_at`` (by class: high 1.0, normal 0.25, low 0.05) — but only while the
    tenant holds more than its weighted fair share (weights by class: high 16, normal 4, low 1) of
-   the requests in flight among the tenants active lately. Under that share a tenant is judged by
-   its SLOs alone.
+   the requests in flight among the tenants active lately (and at least one request). Under that
+   share a tenant is judged by its SLOs alone.
 
 So as load rises the low class is refused first, then normal, and high only when its own SLO
 cannot be met; and a tenant never loses its fair share to another's flood, whatever the classes
@@ -284,12 +284,13 @@ class TenantLedger:
     def over_share(self, spec: TenantSpec, now: float) -> bool:
         """Whether ``spec`` (its request being judged admitted, so counted) holds more than its
         weighted fair share of the requests in flight, among the tenants with requests in flight
-        or recent arrivals."""
+        or recent arrivals. Every tenant's share is at least one request."""
         active = {name for name, n in self.in_flight.items() if n > 0}
         active.update(name for name, t in self.last_arrival.items() if now - t <= self.active_window_s)
         active.add(spec.name)
         weights = sum(self._weight(name) for name in active)
-        share = spec.share_weight / weights * sum(self.in_flight.values())
+        # at least one request in flight whatever the weights: no active tenant is starved
+        share = max(1.0, spec.share_weight / weights * sum(self.in_flight.values()))
         return self.in_flight.get(spec.name, 0) > share
 
     def _weight(self, name: str) -> float:

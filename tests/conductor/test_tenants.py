@@ -40,6 +40,14 @@ async def metrics(cluster) -> str:
         return await r.text()
 
 
+async def wait_in_flight(cluster, tenant: str) -> None:
+    for _ in range(200):
+        if cluster.svc.tenants.ledger.in_flight.get(tenant):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no request of {tenant} went in flight")
+
+
 def sample(text: str, name: str, **labels: str) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     m = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
@@ -87,10 +95,7 @@ async def test_concurrency_limit_counts_requests_in_flight(make_cluster):
     cluster.instances["d0"].behaviour.token_delay_s = 0.2     # the first request stays in flight
     first = asyncio.create_task(post(cluster, "k-solo", max_tokens=5))
     gate = cluster.svc.tenants
-    for _ in range(100):
-        if gate.ledger.in_flight.get("solo"):
-            break
-        await asyncio.sleep(0.01)
+    await wait_in_flight(cluster, "solo")
     status, headers, body = await post(cluster, "k-solo")
     assert status == 429 and body["error"]["code"] == "concurrency_limit_exceeded"
     assert "max_concurrency 1" in body["error"]["message"] and headers["Retry-After"] == "1"
@@ -103,10 +108,15 @@ async def test_low_priority_over_its_share_is_shed_and_high_is_not(make_cluster)
     cluster = await make_cluster(tenants=parse_tenants(TENANTS))
     assert (await post(cluster, "k-bulk"))[0] == 200             # alone: nobody to protect
     assert (await post(cluster, "k-gold"))[0] == 200
-    status, headers, body = await post(cluster, "k-bulk")        # gold is active now
+    assert (await post(cluster, "k-bulk"))[0] == 200             # one in flight: never starved
+    cluster.instances["d0"].behaviour.token_delay_s = 0.2        # now one stays in flight...
+    held = asyncio.create_task(post(cluster, "k-bulk", max_tokens=4))
+    await wait_in_flight(cluster, "bulk")
+    status, headers, body = await post(cluster, "k-bulk")        # ...so a second is over its share
     assert status == 429 and body["error"]["code"] == "priority_shed"
     assert "low priority" in body["error"]["message"] and "Retry-After" in headers
     assert (await post(cluster, "k-gold"))[0] == 200             # high: only its own SLO refuses it
+    assert (await held)[0] == 200
     text = await metrics(cluster)
     assert sample(text, "mooncake_conductor_tenant_rejections_total", tenant="bulk", reason="priority") == 1
     assert sample(text, "mooncake_conductor_rejections_total", cause="priority") == 1
