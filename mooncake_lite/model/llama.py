@@ -89,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias``. For a few rows on CPU (batched decode) it is computed as
     ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams the weight
     once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16 rows here
-    (`mooncake bench model`, docs/model.md). One row and prefill-sized inputs keep ``F.linear``."""
+    (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
     if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":
         out = torch.mm(weight, x.t()).t().contiguous()
         return out.add_(bias) if bias is not None else out
