@@ -1,0 +1,77 @@
+"""The KV block codec (kernels/kv_codec.py): error bounds of int8/fp8 with per-block, per-head
+scales, the byte layout (layer-sliceable, fixed size per layer) and exact round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.kv_codec import (KVCodec, codec_for, decode_layers, dequantize, encode_layers,
+                              encoded_layer_bytes, fp8_supported, quantize, round_trip)
+
+CODECS = ["int8"] + (["fp8"] if fp8_supported() else [])
+
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 6), st.integers(1, 3), st.integers(1, 8))
+
+
+def _block(shape, seed, spread):
+    """[layers, 2, bs, kvh, hd] with per-head magnitudes spread over 10**spread (as real heads are)."""
+    layers, bs, kvh, hd = shape
+    g = torch.Generator().manual_seed(seed)
+    mags = 10.0 ** (torch.rand(layers, 2, 1, kvh, 1, generator=g) * spread - spread / 2)
+    return torch.randn(layers, 2, bs, kvh, hd, generator=g) * mags
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), spread=st.floats(0, 6))
+def test_int8_error_is_at_most_half_a_step_of_its_head(shape, seed, spread):
+    x = _block(shape, seed, spread)
+    codes, scale = quantize(x, KVCodec("int8"))
+    assert codes.dtype == torch.int8 and scale.shape == (shape[0], 2, shape[2])
+    err = (dequantize(codes, scale, torch.float32) - x).abs()
+    step = x.abs().amax(dim=(-3, -1), keepdim=True) / 127      # per layer, K/V and head
+    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-30).all())
+
+
+@pytest.mark.skipif(not fp8_supported(), reason="this torch build cannot cast float8_e4m3fn")
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), spread=st.floats(0, 6))
+def test_fp8_error_is_relative_to_the_value_plus_a_subnormal_floor(shape, seed, spread):
+    x = _block(shape, seed, spread)
+    codes, scale = quantize(x, KVCodec("fp8"))
+    err = (dequantize(codes, scale, torch.float32) - x).abs()
+    s = scale[:, :, None, :, None]
+    # e4m3: 3 mantissa bits → half an ulp is 2**-4 of the value; below 2**-6 subnormals step 2**-9.
+    assert bool((err <= x.abs() * 2**-4 * (1 + 1e-5) + s * 2**-10 * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_encoded_block_is_layer_sliceable_and_decodes_like_round_trip(name, dtype):
+    codec = codec_for(name)
+    layers, bs, kvh, hd = 3, 4, 2, 8
+    x = _block((layers, bs, kvh, hd), 7, 3).to(dtype)
+    raw = encode_layers(x[None], codec)[0]
+    assert raw.dtype == torch.uint8 and raw.shape == (layers, encoded_layer_bytes(bs, kvh, hd))
+    full = decode_layers(raw, (bs, kvh, hd), codec, dtype)
+    assert full.dtype == dtype
+    assert torch.equal(full, round_trip(x, codec))
+    # One layer's slice of the encoded bytes decodes on its own to that layer.
+    assert torch.equal(decode_layers(raw[1:2], (bs, kvh, hd), codec, dtype)[0], full[1])
+    # Coding what was decoded again changes nothing: a block reloaded and rewritten stays put.
+    assert torch.equal(decode_layers(encode_layers(full, codec), (bs, kvh, hd), codec, dtype), full)
+
+
+def test_zero_heads_and_sizes():
+    x = torch.zeros(1, 2, 4, 2, 8)
+    x[0, 0, :, 1] = 3.0
+    out = round_trip(x, KVCodec("int8"))
+    assert torch.equal(out, x)        # zero heads stay zero; a constant head is exact
+    assert encoded_layer_bytes(16, 3, 64) == 2 * 16 * 3 * 64 + 2 * 3 * 4
+    assert codec_for("none") is None and codec_for(None) is None
+    with pytest.raises(ValueError):
+        KVCodec("int4")
+    with pytest.raises(ValueError):
+        decode_layers(torch.zeros(1, 10, dtype=torch.uint8), (4, 2, 8), KVCodec("int8"), torch.float32)
