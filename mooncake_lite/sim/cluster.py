@@ -62,6 +62,7 @@ class MooncakeSim(TraceDriver):
         self.max_tokens_policy = MaxTokensPolicy.parse(cfg.max_tokens_policy)
         self.predictor = OutputPredictor() if cfg.predict_output else None
         self.accuracy = PredictionAccuracy()
+        self.refused = {"conductor": 0, "prefill": 0, "decode": 0}   # rejections so far, by stage
 
     def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         res = super().run(trace, progress)
@@ -175,17 +176,24 @@ class MooncakeSim(TraceDriver):
 
     def _reject(self, now: float, req: SimRequest, stage: str, cause: str | None) -> None:
         req.status, req.reject_stage, req.reject_cause, req.finish = "rejected", stage, cause, now
+        self.refused[stage] += 1
         self.recorder.ended(req)
 
     def sample(self, now: float) -> dict[str, float]:
         """Load as the paper plots it (Fig. 9/10): prefill = mean predicted queue time over the
-        TTFT SLO; decode = mean step time (TBT) over the TBT SLO; plus raw counts."""
+        TTFT SLO; decode = mean step time (TBT) over the TBT SLO; ``decode_held_load`` = the same
+        with everything the decodes hold (running and reserved: what their own check judges);
+        cumulative rejections by stage; plus raw counts."""
         sc = self.cfg.scheduler
         queue = [prefill_queue_time(p.state(), self.costs, now) for p in self.prefills]
         tbts = [d.batch.step_time() for d in self.decodes]
+        held = [d.held_step_time() for d in self.decodes]
         return {"prefill_load": sum(queue) / len(queue) / sc.ttft_slo_s,
                 "decode_load": sum(tbts) / len(tbts) / sc.tbt_slo_s,
                 "decode_load_max": max(tbts) / sc.tbt_slo_s,
+                "decode_held_load": sum(held) / len(held) / sc.tbt_slo_s,
+                "refused_conductor": float(self.refused["conductor"]),
+                "refused_decode": float(self.refused["decode"]),
                 "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) for p in self.prefills)),
                 "decode_running": float(sum(len(d.batch) for d in self.decodes))}
 

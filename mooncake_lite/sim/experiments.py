@@ -88,6 +88,12 @@ def table3(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int, spee
                                   out / f"table3_load_{i}_{policy.replace(':', '')}.png",
                                   title=f"prefill/decode load over time, {variant}, max_tokens {policy}")
                   for i, (variant, *_) in enumerate(variants) for policy in policies]
+    last = variants[-1][0]   # the most overloaded variant: who refuses, early vs predictive
+    plot_paths += [plots.refusals_plot({k: v for k, v in runs.items() if k.startswith(f"{last} (") and
+                                        k.split("max_tokens ")[1].startswith(policy + ":") and ": none" not in k},
+                                       out / f"table3_refusals_{policy.replace(':', '')}.png",
+                                       title=f"who refuses, {last}, max_tokens {policy}")
+                   for policy in policies]
     return {"rows": rows, "table": _table3_text(rows, speed, len(trace)), "plots": plot_paths}
 
 

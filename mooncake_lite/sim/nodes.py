@@ -142,13 +142,23 @@ class DecodeNode:
         if self.max_context_tokens is not None and \
                 self.reserved_tokens + req.input_length + req.max_tokens > self.max_context_tokens:
             return "reserve-kv"
-        held = len(self.batch) + len(self.pending) + len(self.committed)
+        held, context = self._held_load()
         if self.max_batch is not None and held >= self.max_batch:
             return "reserve-batch"
-        context = self.batch.context_tokens + sum(r.input_length + 1 for r in self.pending) + self.committed_tokens
         if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s) is not None:
             return "reserve-tbt"
         return None
+
+    def _held_load(self) -> tuple[int, int]:
+        """(sequences, context tokens) of everything here: running, waiting for the next step
+        boundary, or dispatched here with KV still to come."""
+        held = len(self.batch) + len(self.pending) + len(self.committed)
+        return held, self.batch.context_tokens + sum(r.input_length + 1 for r in self.pending) + self.committed_tokens
+
+    def held_step_time(self) -> float:
+        """The step time with everything held here decoding (what the reservation check judges)."""
+        held, context = self._held_load()
+        return self.batch.model.predict(held, context) if held else 0.0
 
     def hold(self, req: SimRequest) -> None:
         """Reserve KV room for the whole request (prompt + max_tokens), as the live decode does."""

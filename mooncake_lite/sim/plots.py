@@ -64,6 +64,33 @@ def load_plot(runs: Mapping[str, SimResult], path: Path, title: str = "") -> str
     return _save(fig, path)
 
 
+def refusals_plot(runs: Mapping[str, SimResult], path: Path, title: str = "") -> str:
+    """Who refuses, over time: per run, the decodes' load running and held (running + reserved,
+    what their own check judges) and the cumulative rejections at the conductor and at decode."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True, squeeze=False)
+    for ax, (label, res) in zip(axes[:, 0], runs.items()):
+        rows = [row for row in res.timeline if "decode_held_load" in row]
+        t = [row["t"] / 60 for row in rows]
+        ax.plot(t, [row["decode_load"] for row in rows], label="decode load, running (TBT / SLO)")
+        ax.plot(t, [row["decode_held_load"] for row in rows], label="decode load, held (running + reserved)")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel("load")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(t, [row["refused_conductor"] for row in rows], color="tab:red", linewidth=1,
+                  label="refused at the conductor (cumulative)")
+        twin.plot(t, [row["refused_decode"] for row in rows], color="tab:purple", linewidth=1,
+                  label="refused by a decode (cumulative)")
+        twin.set_ylabel("requests")
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    twin.legend(fontsize=8, loc="lower right")
+    axes[-1, 0].set_xlabel("simulated time (min)")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
 def bar_plot(values: Mapping[str, float], path: Path, ylabel: str, paper: Mapping[str, float] | None = None,
              title: str = "") -> str:
     """Side-by-side bars: simulated vs paper (when given)."""
