@@ -176,7 +176,7 @@ class MooncakeSim(TraceDriver):
 
     def _reject(self, now: float, req: SimRequest, stage: str, cause: str | None) -> None:
         req.status, req.reject_stage, req.reject_cause, req.finish = "rejected", stage, cause, now
-        self.refused[stage] += 1
+        self.refused[stage] = self.refused.get(stage, 0) + 1
         self.recorder.ended(req)
 
     def sample(self, now: float) -> dict[str, float]:
