@@ -185,7 +185,7 @@ class StoreClient:
         reply = await self._request(Op.MATCH, meta)
         num, lease_id = int(reply.meta["num_matched"]), int(reply.meta["lease_id"])
         if self.shm is not None:
-            self.shm.remember(lease_id, keys[:num], reply.meta.get("spans"))
+            self.shm.remember(lease_id, keys[:num], reply.meta.get("spans"), lease_s)
         return num, lease_id
 
     async def release(self, lease_id: int) -> bool:

@@ -99,6 +99,7 @@ class ShmPath:
         self.staging = staging
         # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned
         self._pinned: dict[bytes, tuple[int, int, int, int, int, int]] = {}
+        self._lease_ends: dict[int, float] = {}   # lease id -> when it ends at the latest (loop time)
         # Read leases we are done with, named in the next get (or a one-way READ_DONE soon after):
         # one message per get instead of two, and no extra wake-up of the store.
         self._done: list[int] = []
@@ -160,14 +161,23 @@ class ShmPath:
             except ConnectionError:
                 pass   # the leases end with the connection anyway
 
-    def remember(self, lease_id: int, keys: Sequence[bytes], spans: Any) -> None:
-        """Blocks a MATCH pinned for us, readable without asking the store until released."""
-        if isinstance(spans, list):
-            for key, span in zip(keys, spans):
+    def remember(self, lease_id: int, keys: Sequence[bytes], spans: Any, lease_s: float) -> None:
+        """Blocks a MATCH pinned for us, readable without asking the store until released (or
+        until the lease has surely ended: then they are forgotten, so unreleased leases cost no
+        memory here)."""
+        now = asyncio.get_running_loop().time()
+        for ended in [i for i, end in self._lease_ends.items() if end < now]:
+            self.forget(ended)
+        if not isinstance(spans, list):
+            return
+        self._lease_ends[lease_id] = now + lease_s
+        for key, span in zip(keys, spans):
+            if isinstance(span, list) and len(span) == 5 and all(type(x) is int for x in span):
                 self._pinned[key] = (lease_id, *span)
 
     def forget(self, lease_id: int) -> None:
-        self._pinned = {k: v for k, v in self._pinned.items() if v[0] != lease_id}
+        if self._lease_ends.pop(lease_id, None) is not None:
+            self._pinned = {k: v for k, v in self._pinned.items() if v[0] != lease_id}
 
     def read_pinned(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
                     layers: tuple[int, int] | None) -> list[tuple[memoryview, int]] | None:

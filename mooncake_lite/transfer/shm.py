@@ -26,6 +26,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 NONCE_BYTES = 16
 PAGE = mmap.PAGESIZE
 # Linux >= 5.1: no new writable mappings or writes, existing ones keep working. Not exported by
@@ -175,9 +177,9 @@ def copy(dst: memoryview, src: memoryview) -> None:
 
 
 def aligned_buffer(nbytes: int, to: int = 64) -> memoryview:
-    """Fresh writable memory starting on a ``to``-byte boundary: copies from page-aligned shared
-    memory into a destination that is not 64-byte aligned take ``rep movsb``'s slow path (a 64 KiB
-    copy measured 22 µs instead of 2 µs here)."""
-    raw = memoryview(bytearray(nbytes + to))
-    start = -address(raw) % to
-    return raw[start:start + nbytes]
+    """Fresh writable memory starting on a ``to``-byte boundary (see ``copy``), not zeroed first:
+    it is about to be overwritten, and zeroing is a pass over memory as costly as the copy
+    (a fresh 16 MiB result: 2.7 GB/s with ``np.empty``, 1.5 with ``bytearray`` here)."""
+    raw = np.empty(nbytes + to, dtype=np.uint8)
+    start = -raw.ctypes.data % to
+    return memoryview(raw[start:start + nbytes])
