@@ -51,6 +51,9 @@ class BlockIndex:
         # combinations then point at a few hot objects, not a million cold ones (less memory,
         # one cache miss less per key in match()).
         self._shared: dict[int, int] = {}
+        # mask -> its stores (lowest slot first): a hot prefix replicated to most stores is one
+        # mask, and match() would otherwise walk its bits on every request.
+        self._stores_of: dict[int, list[Hashable]] = {}
 
     def _sharing(self) -> dict[int, int]:
         # Masks no key uses any more stay in the table; past this many, start afresh (the
@@ -66,6 +69,7 @@ class BlockIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slots)
             self._slots[store_id] = slot
             self._store_of_slot[slot] = store_id
+            self._stores_of.clear()      # a reused slot names another store now
             self._counts[store_id] = 0
         return slot
 
@@ -139,6 +143,7 @@ class BlockIndex:
                     del self._masks[key]
         del self._store_of_slot[slot]
         self._free_slots.append(slot)
+        self._stores_of.clear()
         return held
 
     # ---- queries -------------------------------------------------------------------------
@@ -171,10 +176,18 @@ class BlockIndex:
         # depth 0 is the only time ``mask`` can still hold the all-slots sentinel (-1).
         if depth == 0:
             return
-        while mask:
-            low = mask & -mask
-            lengths[self._store_of_slot[low.bit_length() - 1]] = depth
-            mask ^= low
+        stores = self._stores_of.get(mask)
+        if stores is None:               # the stores of a mask, lowest slot first, found once
+            stores, bits = [], mask
+            while bits:
+                low = bits & -bits
+                stores.append(self._store_of_slot[low.bit_length() - 1])
+                bits ^= low
+            if len(self._stores_of) >= 1 << 12:
+                self._stores_of.clear()
+            self._stores_of[mask] = stores
+        for store_id in stores:
+            lengths[store_id] = depth
 
     def prefix_len(self, keys: Sequence[Hashable], store_id: Hashable) -> int:
         """Leading keys of ``keys`` held by one store."""

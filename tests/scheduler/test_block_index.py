@@ -93,6 +93,10 @@ def test_matches_a_brute_force_model(operations, request_keys):
         else:
             idx.drop_store(store)
             model.pop(store, None)
+        _check_match(idx, model, request_keys)   # after every op: what match remembers stays true
+
+
+def _check_match(idx: BlockIndex, model: dict, request_keys: list) -> None:
     expected = {}
     for store, held in model.items():
         n = 0
