@@ -44,8 +44,8 @@ async def register(session: aiohttp.ClientSession, conductor: str, msg: Register
                     log.info("registered with conductor %s as %s", conductor, msg.instance_id)
                     return
                 log.warning("conductor %s answered %d to register: %s", conductor, resp.status, body[:300])
-        except aiohttp.ClientError as exc:
-            log.warning("conductor %s unreachable (%s); retrying", conductor, exc)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # the session's total timeout is the latter
+            log.warning("conductor %s unreachable (%r); retrying", conductor, exc)
         if waited >= max_wait_s:
             raise RegistrationRefused(f"could not register with conductor {conductor} within {max_wait_s:g}s")
         await asyncio.sleep(retry_s)
@@ -78,8 +78,8 @@ async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict
                             await register(session, conductor, replace(msg, cost=current) if current else msg, token)
                         elif resp.status == 409:
                             raise RegistrationRefused(f"conductor refused heartbeat: {(await resp.text())[:300]}")
-                except aiohttp.ClientError as exc:
-                    log.warning("heartbeat to %s failed: %s", conductor, exc)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # a timeout must not end the loop
+                    log.warning("heartbeat to %s failed: %r", conductor, exc)
         except RegistrationRefused as exc:
             on_refused(str(exc))
 

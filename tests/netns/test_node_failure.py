@@ -21,6 +21,9 @@ SLACK = 5.0                 # seconds beyond --dead-after for a busy 2-core mach
 # A request still open this long is a hang: the conductor has had --dead-after to notice, and a
 # retry elsewhere takes about a second (generous: this machine is shared).
 CLIENT_TIMEOUT = sc.DEAD_AFTER + 20.0
+# Longer than an instance's 10 s HTTP timeout to the conductor: a heartbeat stalled on the dead
+# link times out while the node is away, and the instance must keep beating all the same.
+MIN_CUT = 12.0
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,13 @@ def test_a_cut_node_is_routed_around_and_rejoins_when_its_link_returns(cluster):
         w.start()
     try:
         sc.wait_until(lambda: sum(o.status == 200 for o in outcomes) >= 6, 60, "no load got through")
+        cut = time.monotonic()
         cluster.nodes.cut(node)
         try:
             _, detected = sc.wait_health(cluster, lambda h: _alive(h, node.address) == [False, False]
                                          and _indexed(h, store) == 0, sc.DEAD_AFTER + SLACK)
             away = [_ask(cluster, f"away {i}") for i in range(3)]      # routed to node2 only
+            time.sleep(max(0.0, cut + MIN_CUT - time.monotonic()))
         finally:
             cluster.nodes.restore(node)
         # rejoined: instances registered again, and the store's full sync brought its block back
