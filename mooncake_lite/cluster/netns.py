@@ -142,12 +142,13 @@ def unavailable_reason() -> str | None:
 
 
 def _owner_alive(pid: int) -> bool:
+    """Whether the process that named a namespace still runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
