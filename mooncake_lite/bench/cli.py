@@ -17,6 +17,7 @@ BENCHES = {
     "conductor": "scheduling decision time and the conductor's added latency",
     "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
     "sim-scale": "the simulator on a million-request trace at 128P+128D: wall time, peak memory",
+    "fidelity": "one trace slice live and simulated with the cluster's own cost model: errors, CDFs",
     "chaos": "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, recovery, leaks",
 }
 PACKAGES = {"replay"}

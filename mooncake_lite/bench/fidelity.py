@@ -1,0 +1,485 @@
+"""``mooncake bench fidelity``: one trace slice, replayed live and simulated, side by side.
+
+    mooncake bench fidelity                                # smollm2-135m, 1P+1D, 40 requests
+    mooncake bench fidelity --conductor http://127.0.0.1:8000 --block-tokens 64   # a running cluster
+
+1. Starts ``mooncake up`` (``--model``, ``--prefill``/``--decode``, ``--block-size`` = the trace
+   block's tokens, so one trace block is one KV block) unless ``--conductor`` names a running one.
+2. Replays the first ``-n`` requests of ``--trace`` through ``bench replay``'s own pieces
+   (lengths scaled ``--block-tokens``/512, outputs scaled by ``--output-scale`` and capped at
+   ``--max-output-tokens``, ``max_tokens`` = the output, ``ignore_eos``), at ``--speed``.
+3. Exports the cluster's own cost models as ``mooncake sim export-costs`` does (in-process; the
+   models as refined by the replay's own chunks and steps).
+4. Simulates the same slice — the prompts' lengths as the server counted them, the same outputs,
+   arrivals, instance counts, block size and admission — with that cost model.
+5. Prints TTFT and TBT (the paper's: mean of each request's slowest 10% of gaps) mean/p50/p90,
+   rejections (and whether the *same* requests were rejected), prefix-hit tokens, each with the
+   simulator's relative error, plus two measured modelling gaps (``gaps``); writes a CDF plot.
+
+SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
+5× one step alone, by the chosen instance's own profile); the simulator's are absolute. Without
+``--ttft-slo``/``--tbt-slo`` the simulator gets the median over the slice of the per-request
+limits the exported model gives (``scheduler.admission.slo_limits``); with them, both sides use
+the same absolute SLOs (passed to the conductor this command starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+
+from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest
+
+DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+GOAL_MEAN_ERROR = 0.15        # mean TTFT and mean TBT within 15% ...
+GOAL_REJECTION_SHARE = 0.10   # ... and the same requests rejected within ±10% of the slice
+
+
+# ---- the arithmetic (pure) ------------------------------------------------------------------
+
+def rel_error(sim: float | None, live: float | None) -> float | None:
+    """(sim − live) / live; None when either is missing or live is 0 (no scale to judge by)."""
+    if sim is None or live is None or live == 0 or not (math.isfinite(sim) and math.isfinite(live)):
+        return None
+    return (sim - live) / abs(live)
+
+
+def dist(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90 (linear interpolation, as ``bench replay``); None for an empty list."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None}
+    xs = sorted(values)
+    return {"mean": sum(xs) / len(xs), "p50": _quantile(xs, 0.5), "p90": _quantile(xs, 0.9)}
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def rejection_agreement(live: frozenset[int], sim: frozenset[int], num_requests: int) -> dict[str, float | int]:
+    """How far the two runs' rejected *sets* differ: requests rejected by one side only, as a
+    share of the slice (the goal: ≤ 10%)."""
+    differ = len(live ^ sim)
+    return {"live": len(live), "sim": len(sim), "both": len(live & sim), "live_only": len(live - sim),
+            "sim_only": len(sim - live), "differ_share": differ / num_requests if num_requests else 0.0}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One run's figures (seconds; ``rejected`` holds request ids)."""
+    ttft: tuple[float, ...]
+    tbt: tuple[float, ...]
+    completed: int
+    rejected: frozenset[int]
+    failed: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+
+
+def compare(live: Side, sim: Side, num_requests: int) -> dict:
+    """The side-by-side rows (metric → live, sim, relative error) and the goal verdicts."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for name in ("ttft", "tbt"):
+        a, b = dist(getattr(live, name)), dist(getattr(sim, name))
+        for stat in ("mean", "p50", "p90"):
+            rows[f"{name}_{stat}_s"] = {"live": a[stat], "sim": b[stat], "rel_error": rel_error(b[stat], a[stat])}
+    for name in ("completed", "prefix_hit_tokens"):
+        x, y = getattr(live, name), getattr(sim, name)
+        rows[name] = {"live": x, "sim": y, "rel_error": rel_error(y, x)}
+    rows["rejected"] = {"live": len(live.rejected), "sim": len(sim.rejected),
+                        "rel_error": rel_error(len(sim.rejected), len(live.rejected))}
+    agree = rejection_agreement(live.rejected, sim.rejected, num_requests)
+    goals = {f"mean_{n}_within_15%": _within(rows[f"{n}_mean_s"]["rel_error"], GOAL_MEAN_ERROR)
+             for n in ("ttft", "tbt")}
+    goals["same_rejections_within_10%"] = agree["differ_share"] <= GOAL_REJECTION_SHARE
+    return {"rows": rows, "rejections": agree, "goals": goals}
+
+
+def _within(err: float | None, bound: float) -> bool | None:
+    return None if err is None else abs(err) <= bound
+
+
+def format_report(report: Mapping) -> str:
+    """The terminal table of :func:`compare`'s dict plus the run's notes."""
+    lines = [f"{'':<20}{'live':>12}{'sim':>12}{'sim error':>11}"]
+    for name, row in report["rows"].items():
+        ms = name.endswith("_s")
+        label = name.removesuffix("_s") + (" (ms)" if ms else "")
+        err = "—" if row["rel_error"] is None else f"{row['rel_error']:+.1%}"
+        lines.append(f"{label:<20}{_fmt(row['live'], ms):>12}{_fmt(row['sim'], ms):>12}{err:>11}")
+    agree = report["rejections"]
+    lines.append(f"same requests rejected: {agree['both']} both, {agree['live_only']} live only, "
+                 f"{agree['sim_only']} sim only ({agree['differ_share']:.1%} of the slice differ)")
+    lines.append("goals: " + ", ".join(f"{k} {'—' if v is None else ('yes' if v else 'NO')}"
+                                       for k, v in report["goals"].items()))
+    return "\n".join(lines)
+
+
+def _fmt(value: float | int | None, ms: bool) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1e3:,.1f}" if ms else f"{value:,}"
+
+
+def converted_slos(prompt_tokens: Sequence[int], hw, ttft_factor: float, tbt_factor: float) -> dict:
+    """The absolute SLOs the simulator gets for the conductor's relative ones: each request's
+    limits by the exported model (factor × its prefill alone; factor × one step alone with its
+    prompt as context), and their median over the slice (with the range, for the report)."""
+    ttft = [ttft_factor * hw.prefill.predict(n) for n in prompt_tokens]
+    tbt = [tbt_factor * hw.decode.predict(1, n) for n in prompt_tokens]
+    return {"ttft_slo_s": statistics.median(ttft), "tbt_slo_s": statistics.median(tbt),
+            "ttft_range_s": [min(ttft), max(ttft)], "tbt_range_s": [min(tbt), max(tbt)],
+            "how": f"median over the slice of {ttft_factor:g}x prefill alone / {tbt_factor:g}x one step alone "
+                   f"(exported model)"}
+
+
+# ---- the two sides ---------------------------------------------------------------------------
+
+def live_side(records: Sequence) -> Side:
+    from mooncake_lite.bench.replay.metrics import itls, paper_tbt, ttft
+    ok = [r for r in records if r.is_ok]
+    return Side(ttft=tuple(ttft(r) for r in ok),
+                tbt=tuple(t for r in ok if (t := paper_tbt(itls(r))) is not None),
+                completed=len(ok), rejected=frozenset(r.request_id for r in records if r.is_rejected),
+                failed=sum(not r.is_ok and not r.is_rejected for r in records),
+                prefix_hit_tokens=sum(r.cached_tokens or 0 for r in ok),
+                prompt_tokens=sum(_server_tokens(r) for r in ok))
+
+
+def sim_side(result) -> Side:
+    done = [r for r in result.requests if r.status == "completed"]
+    return Side(ttft=tuple(r.ttft for r in done if r.ttft is not None),
+                tbt=tuple(r.tbt for r in done if r.tbt is not None), completed=len(done),
+                rejected=frozenset(r.request_id for r in result.requests if r.status == "rejected"),
+                failed=sum(r.status not in ("completed", "rejected") for r in result.requests),
+                prefix_hit_tokens=sum(r.reused_tokens for r in done),
+                prompt_tokens=sum(r.input_length for r in done))
+
+
+def _server_tokens(record) -> int:
+    return record.server_prompt_tokens if record.server_prompt_tokens is not None else record.prompt_tokens
+
+
+def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Sequence, block: int) -> list[TraceRequest]:
+    """The slice as the simulator sees it: the server's prompt length (its tokenizer adds BOS;
+    a request it never counted — rejected — gets the client's count plus the same offset), the
+    output the client asked for and read, the trace's hash ids cut to the scaled length (one
+    trace block = ``block`` tokens), the replay's arrival times (ms, relative to the first)."""
+    offsets = [r.server_prompt_tokens - r.prompt_tokens for r in records if r.server_prompt_tokens is not None]
+    offset = int(statistics.median(offsets)) if offsets else 0
+    by_id = {r.request_id: r for r in records}
+    t0 = requests[0].arrival_s if requests else 0.0
+    out = []
+    for tr, req in zip(window, requests):
+        rec = by_id.get(req.request_id)
+        n_in = _server_tokens(rec) if rec is not None and rec.server_prompt_tokens is not None \
+            else req.num_prompt_tokens + offset
+        n_out = req.stop_after if req.stop_after is not None else req.max_tokens
+        ids = tuple(tr.hash_ids[: max(1, math.ceil(n_in / block))])
+        out.append(TraceRequest(tr.request_id, (req.arrival_s - t0) * 1e3, n_in, max(1, n_out), ids))
+    return out
+
+
+def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
+             tbt_slo_s: float, block: int):
+    from mooncake_lite.scheduler import SchedulerConfig
+    from mooncake_lite.sim.cluster import MooncakeSim
+    from mooncake_lite.sim.config import SimConfig
+    sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
+    cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
+                    max_tokens_policy="output", decode_check="reserve")
+    return MooncakeSim(cfg, replace(hw, block_size=block)).run(trace)
+
+
+def cdf_plot(path: Path, live: Side, sim: Side, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, name in zip(axes, ("ttft", "tbt")):
+        for label, side, style in (("live", live, "-"), ("sim", sim, "--")):
+            xs = sorted(v * 1e3 for v in getattr(side, name))
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post",
+                        label=f"{label} (n={len(xs)})")
+        ax.set_xlabel(f"{name.upper()} (ms)")
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- measured gaps ---------------------------------------------------------------------------
+
+def delta(before: Mapping[str, float] | None, after: Mapping[str, float] | None, key: str) -> float | None:
+    if not after or key not in after:
+        return None
+    return after[key] - (before or {}).get(key, 0.0)
+
+
+def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping, hw) -> dict:
+    """Two modelling gaps, measured: (1) what HTTP + SSE to the client add to the conductor's own
+    TTFT and inter-token gaps (client means − the conductor's histograms over the same run); (2)
+    the decode step: live mean gap per step and mean batch (the decodes' step counters) against
+    the exported model's step at that batch and the mean context."""
+    from mooncake_lite.bench.replay.metrics import itls
+    c = "mooncake_conductor_"
+    out: dict[str, float | None] = {}
+    n_ttft, s_ttft = delta(before["conductor"], after["conductor"], c + "ttft_seconds_count"), \
+        delta(before["conductor"], after["conductor"], c + "ttft_seconds_sum")
+    n_itl, s_itl = delta(before["conductor"], after["conductor"], c + "itl_seconds_count"), \
+        delta(before["conductor"], after["conductor"], c + "itl_seconds_sum")
+    ok = [r for r in records if r.is_ok]
+    gaps = [g for r in ok for g in itls(r)]
+    client_ttft = statistics.fmean(live.ttft) if live.ttft else None
+    client_itl = statistics.fmean(gaps) if gaps else None
+    if n_ttft and client_ttft is not None:
+        out["conductor_ttft_mean_s"] = s_ttft / n_ttft
+        out["http_sse_ttft_overhead_s"] = client_ttft - s_ttft / n_ttft
+    if n_itl and client_itl is not None:
+        out["conductor_itl_mean_s"] = s_itl / n_itl
+        out["http_sse_itl_overhead_s"] = client_itl - s_itl / n_itl
+    steps = sum(v for k, v in _deltas(before["decode"], after["decode"]).items() if k.endswith("steps_total"))
+    tokens = sum(max(0, (r.output_tokens or len(r.chunk_s)) - 1) for r in ok)
+    if steps and client_itl is not None:
+        batch = tokens / steps
+        ctx = statistics.fmean(_server_tokens(r) + (r.output_tokens or 0) / 2 for r in ok)
+        out.update(decode_steps=steps, mean_batch=batch, live_itl_mean_s=client_itl,
+                   model_step_s=hw.decode.predict(max(1, round(batch)), round(ctx * batch)))
+        out["step_model_error"] = rel_error(out["model_step_s"], client_itl)
+    return out
+
+
+def _deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+# ---- the live side: cluster, replay, export ---------------------------------------------------
+
+def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    from mooncake_lite.bench.replay.client import parse_prometheus
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
+            return parse_prometheus(resp.read().decode())
+    except OSError:
+        return {}
+
+
+def scrape_all(api: str, decodes: Sequence[str]) -> dict[str, dict[str, float]]:
+    merged: dict[str, float] = {}
+    for i, url in enumerate(decodes):
+        merged.update({f"{i}.{k}": v for k, v in scrape(url).items()})
+    return {"conductor": scrape(api), "decode": merged}
+
+
+def replay_namespace(ns: argparse.Namespace, api: str, out_dir: str) -> argparse.Namespace:
+    from mooncake_lite.bench.replay.cli import build_parser
+    argv = ["--trace", ns.trace, "--base-url", api, "--max-requests", str(ns.num_requests),
+            "--speed", str(ns.speed), "--block-tokens", str(ns.block_tokens), "--output-scale",
+            str(ns.output_scale), "--max-output-tokens", str(ns.max_output_tokens), "--no-progress",
+            "--output-dir", out_dir, "--tokenizer", ns.tokenizer, "--prompt-mode", ns.prompt_mode]
+    return build_parser().parse_args(argv)
+
+
+async def live_replay(rns: argparse.Namespace, headers: dict[str, str]) -> tuple[list, list, list, dict]:
+    """(trace window, synthesized requests, records, the served model's context) — the replay's
+    own pieces, so the prompts are exactly what ``bench replay`` would send."""
+    import aiohttp
+
+    from mooncake_lite.bench.replay.client import served_model_info
+    from mooncake_lite.bench.replay.run import build_requests, length_scale, read_window
+    from mooncake_lite.bench.replay.sender import replay
+    from mooncake_lite.bench.replay.workload import PromptConfig
+    window = read_window(rns)
+    base = rns.base_url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as session:
+        model, max_context = await served_model_info(session, base)
+    if model is None:
+        raise ValueError(f"{base}/v1/models names no model: is the conductor up?")
+    pcfg = PromptConfig(scale=length_scale(rns, window, max_context), output_scale=rns.output_scale,
+                        max_output_tokens=rns.max_output_tokens, max_context=max_context, mode=rns.prompt_mode,
+                        seed=rns.seed)
+    notes: list[str] = []
+    requests, _ = build_requests(rns, window, pcfg, model, notes)
+    records, _ = await replay(requests, base + rns.endpoint, model, headers=headers, progress=False)
+    return window, requests, records, {"model": model, "max_context": max_context, "notes": notes}
+
+
+def export_profile(api: str, token: str | None, path: Path) -> dict:
+    """``mooncake sim export-costs`` in-process: the file it writes, and that file's dict."""
+    from mooncake_lite.sim.cli import export_costs_main
+    argv = ["--conductor", api, "-o", str(path)] + (["--token", token] if token else [])
+    if export_costs_main(argv) != 0:
+        raise RuntimeError(f"exporting the cost models from {api} failed")
+    return orjson.loads(path.read_bytes())
+
+
+def conductor_config(api: str, token: str | None) -> dict:
+    """What the conductor says of itself in ``/internal/v1/status`` (instances; admission if shown)."""
+    import urllib.request
+
+    from mooncake_lite.common.auth import cluster_headers
+    req = urllib.request.Request(api.rstrip("/") + "/internal/v1/status", headers=cluster_headers(token))
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return orjson.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def decode_urls(status: Mapping) -> list[str]:
+    urls = []
+    for inst in status.get("instances", []):
+        if isinstance(inst, dict) and inst.get("role") == "decode" and inst.get("http"):
+            http = str(inst["http"])
+            urls.append(http if "://" in http else f"http://{http}")
+    return urls
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mooncake bench fidelity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=DEFAULT_TRACE)
+    p.add_argument("-n", "--num-requests", type=int, default=40, help="the first N requests of the trace")
+    p.add_argument("--speed", type=float, default=0.25, help="replay speed (0.25: a quarter of the recorded rate)")
+    p.add_argument("--block-tokens", type=int, default=16,
+                   help="tokens per 512-token trace block, and the cluster's KV block size")
+    p.add_argument("--output-scale", type=float, default=1.0, help="output length scale")
+    p.add_argument("--max-output-tokens", type=int, default=32, help="output cap")
+    p.add_argument("--conductor", default=None, help="a running cluster's conductor URL (default: start one)")
+    p.add_argument("--token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"), help="its cluster token")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model of the cluster this command starts")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--admission", default="predictive", help="the conductor's admission (its default)")
+    p.add_argument("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides")
+    p.add_argument("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides")
+    p.add_argument("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO")
+    p.add_argument("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO")
+    p.add_argument("--tokenizer", default="auto")
+    p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)")
+    p.add_argument("--output-dir", default="fidelity-results")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = build_parser().parse_args(list(argv))
+    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1:
+        sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive\n")
+        return 2
+    cluster = None
+    try:
+        if ns.conductor is None:
+            cluster = start_cluster(ns)
+        api = ns.conductor or cluster.api
+        report = run(ns, api.removesuffix("/v1"))
+    except (ValueError, OSError, RuntimeError) as exc:
+        sys.stderr.write(f"mooncake bench fidelity: error: {exc}\n")
+        return 2
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if ns.json:
+        print(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode())
+    else:
+        print(report["text"])
+    return 0
+
+
+def start_cluster(ns: argparse.Namespace):
+    from mooncake_lite.bench.chaos import Cluster
+    args = ["--model", ns.model, "--prefill", str(ns.prefill), "--decode", str(ns.decode),
+            "--block-size", str(ns.block_tokens)]
+    conductor = ["--admission", ns.admission, "--ttft-slo-factor", str(ns.ttft_slo_factor),
+                 "--tbt-slo-factor", str(ns.tbt_slo_factor)]
+    conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
+    conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
+    args += ["--conductor-args", " ".join(conductor)]
+    if ns.token:
+        args += ["--cluster-token", ns.token]
+    return Cluster(args, ready_timeout=ns.ready_timeout)
+
+
+def run(ns: argparse.Namespace, api: str) -> dict:
+    """Replay, export, simulate, compare: the report dict (``text``: the table)."""
+    from mooncake_lite.common.auth import cluster_headers
+    from mooncake_lite.sim.costs import load_profile
+    out = Path(ns.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    decodes = decode_urls(conductor_config(api, ns.token))
+    before = scrape_all(api, decodes)
+    t0 = time.perf_counter()
+    window, requests, records, served = asyncio.run(
+        live_replay(replay_namespace(ns, api, str(out)), cluster_headers(None)))
+    live_s = time.perf_counter() - t0
+    after = scrape_all(api, decodes)
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = export_profile(api, ns.token, Path(tmp) / "costs.json")
+        hw = load_profile(Path(tmp) / "costs.json")
+    (out / "costs.json").write_bytes(orjson.dumps(profile, option=orjson.OPT_INDENT_2))
+    trace = sim_trace(window, requests, records, ns.block_tokens)
+    if ns.ttft_slo and ns.tbt_slo:
+        slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
+    else:
+        slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
+    res = simulate(trace, hw, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
+                   ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens)
+    live, sim = live_side(records), sim_side(res)
+    report = compare(live, sim, len(records))
+    report.update(slos=slos, gaps=measured_gaps(live, records, before, after, hw),
+                  config={k: v for k, v in vars(ns).items() if k != "token"}, served=served,
+                  live_wall_s=live_s, live_failed=live.failed, sim_rejected_by=_rejected_by(res),
+                  prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
+                  cost_model={"prefill": profile.get("prefill"), "decode": profile.get("decode"),
+                              "decode_max_context_tokens": profile.get("decode_max_context_tokens")})
+    plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
+    cdf_plot(plot, live, sim, f"{served['model']} · first {len(records)} requests · {ns.prefill}P+{ns.decode}D · "
+                              f"{ns.speed:g}x · live vs sim (exported cost model)")
+    report["plot"] = str(plot)
+    report["text"] = _text(report)
+    (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
+                                                     option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    return report
+
+
+def _rejected_by(res) -> dict[str, int]:
+    from collections import Counter
+    return dict(Counter(f"{r.reject_stage}:{r.reject_cause}" for r in res.requests if r.status == "rejected"))
+
+
+def _text(report: Mapping) -> str:
+    s = report["slos"]
+    lines = [format_report(report),
+             f"SLOs given the simulator: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms "
+             f"({s['how']})",
+             f"sim rejected by: {report['sim_rejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
+             "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None),
+             f"wrote {report['plot']}"]
+    return "\n".join(lines)
+
+

@@ -1,0 +1,113 @@
+"""``mooncake bench fidelity``'s pieces: the error arithmetic, the slice as the simulator sees it,
+and a whole report (live column from recorded client timings, sim column from a real simulation
+with a profile in the exported format) on five requests — no cluster, so it stays fast; the live
+run itself is the command's (docs/sim.md, Fidelity)."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from mooncake_lite.bench import fidelity
+from mooncake_lite.bench.replay.metrics import RequestRecord
+from mooncake_lite.bench.replay.workload import SynthRequest
+from mooncake_lite.sim.costs import load_profile
+from mooncake_lite.trace.format import TraceRequest
+
+
+def test_rel_error_is_signed_and_refuses_a_zero_or_missing_reference():
+    assert fidelity.rel_error(110.0, 100.0) == pytest.approx(0.10)
+    assert fidelity.rel_error(85.0, 100.0) == pytest.approx(-0.15)
+    assert fidelity.rel_error(3.0, 0.0) is None
+    assert fidelity.rel_error(None, 1.0) is None and fidelity.rel_error(1.0, None) is None
+    assert fidelity.rel_error(float("nan"), 1.0) is None
+
+
+def test_dist_interpolates_like_numpy():
+    d = fidelity.dist([4.0, 1.0, 3.0, 2.0])
+    assert d == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7)}
+    assert fidelity.dist([]) == {"mean": None, "p50": None, "p90": None}
+
+
+def test_rejection_agreement_counts_the_symmetric_difference():
+    agree = fidelity.rejection_agreement(frozenset({1, 2, 3}), frozenset({2, 3, 4, 5}), 20)
+    assert (agree["both"], agree["live_only"], agree["sim_only"]) == (2, 1, 2)
+    assert agree["differ_share"] == pytest.approx(3 / 20)
+
+
+def _side(ttft, tbt, rejected=()):
+    return fidelity.Side(ttft=tuple(ttft), tbt=tuple(tbt), completed=len(ttft), rejected=frozenset(rejected),
+                         failed=0, prefix_hit_tokens=100, prompt_tokens=1000)
+
+
+def test_compare_judges_the_goals():
+    live = _side([1.0, 1.0], [0.1, 0.1], rejected={7})
+    close = fidelity.compare(live, _side([1.1, 1.1], [0.09, 0.09], rejected={7}), 20)
+    assert close["rows"]["ttft_mean_s"]["rel_error"] == pytest.approx(0.10)
+    assert close["rows"]["tbt_mean_s"]["rel_error"] == pytest.approx(-0.10)
+    assert close["goals"] == {"mean_ttft_within_15%": True, "mean_tbt_within_15%": True,
+                              "same_rejections_within_10%": True}
+    # as many rejections, but other requests: 3 of 10 differ
+    far = fidelity.compare(live, _side([2.0, 2.0], [0.1, 0.1], rejected={1, 2}), 10)
+    assert far["rows"]["rejected"]["rel_error"] == pytest.approx(1.0)
+    assert far["goals"]["mean_ttft_within_15%"] is False
+    assert far["goals"]["same_rejections_within_10%"] is False
+
+
+PROFILE = {"name": "live-test", "prefill": {"c0": 0.01, "c1": 2e-4, "c2": 1e-8, "c3": 1e-5},
+           "decode": {"c0": 0.02, "c1": 1e-3, "c2": 1e-7}, "kv_bytes_per_token": 46080, "block_size": 16,
+           "network_bytes_per_s": 2e9, "decode_max_context_tokens": 200_000}
+
+
+def _slice():
+    """Five requests sharing a system prompt (hash id 0), two of them a conversation's turns."""
+    ids = [(0, 1, 2), (0, 3), (0, 1, 2, 4, 5), (0, 6, 7), (0, 8)]
+    window = [TraceRequest(i, 250.0 * i, 512 * len(h), 300, h) for i, h in enumerate(ids)]
+    requests = [SynthRequest(i, 0.25 * i + 5.0, "", 16 * len(h) - 1, 8, len(h) - 1, False) for i, h in enumerate(ids)]
+    records = []
+    for r in requests:
+        if r.request_id == 3:   # the server refused it: it never said how it counted the prompt
+            records.append(RequestRecord(3, r.arrival_s, r.arrival_s, prompt_tokens=r.num_prompt_tokens, status=429))
+            continue
+        chunks = tuple(r.arrival_s + 0.2 + 0.03 * k for k in range(r.max_tokens))
+        records.append(RequestRecord(r.request_id, r.arrival_s, r.arrival_s, chunks, r.num_prompt_tokens, 8, 200,
+                                     cached_tokens=16 if r.request_id else 0,
+                                     server_prompt_tokens=r.num_prompt_tokens + 1))   # BOS
+    return window, requests, records
+
+
+def test_sim_trace_takes_the_servers_counts_and_cuts_hash_ids_to_the_scaled_prompt():
+    window, requests, records = _slice()
+    trace = fidelity.sim_trace(window, requests, records, 16)
+    assert [t.input_length for t in trace] == [r.num_prompt_tokens + 1 for r in requests]  # 3: same BOS offset
+    assert [t.output_length for t in trace] == [8] * 5
+    assert [t.hash_ids for t in trace] == [w.hash_ids for w in window]   # 16·k tokens: k blocks
+    assert trace[0].timestamp_ms == 0.0 and trace[4].timestamp_ms == pytest.approx(1000.0)
+
+
+def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
+    window, requests, records = _slice()
+    (tmp_path / "costs.json").write_bytes(orjson.dumps(PROFILE))
+    hw = load_profile(tmp_path / "costs.json")
+    trace = fidelity.sim_trace(window, requests, records, 16)
+    slos = fidelity.converted_slos([t.input_length for t in trace], hw, 10.0, 5.0)
+    lengths = sorted(t.input_length for t in trace)
+    assert slos["ttft_slo_s"] == pytest.approx(10.0 * hw.prefill.predict(lengths[2]))
+    res = fidelity.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
+                            ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=16)
+    live, sim = fidelity.live_side(records), fidelity.sim_side(res)
+    assert live.rejected == {3} and live.completed == 4 and live.prefix_hit_tokens == 48
+    assert sim.completed + len(sim.rejected) == 5
+    assert sim.prefix_hit_tokens > 0        # the shared system-prompt block is reused in the sim too
+    report = fidelity.compare(live, sim, 5)
+    for row in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "tbt_mean_s", "tbt_p50_s", "tbt_p90_s"):
+        assert report["rows"][row]["live"] is not None and report["rows"][row]["sim"] is not None
+    assert report["rows"]["tbt_mean_s"]["live"] == pytest.approx(0.03)
+    text = fidelity.format_report(report)
+    assert "live" in text.splitlines()[0] and "sim" in text.splitlines()[0]
+    assert "ttft_mean (ms)" in text and "same requests rejected" in text
+    fidelity.cdf_plot(tmp_path / "cdf.png", live, sim, "test")
+    assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert all(math.isfinite(v) for v in live.ttft + sim.ttft)
