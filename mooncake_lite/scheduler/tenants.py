@@ -92,7 +92,8 @@ class TenantSpec:
         for factor in ("ttft_slo_factor", "tbt_slo_factor"):
             v = getattr(self, factor)
             require(v is None or v >= 1, f"{where}: {factor} must be >= 1, got {v}")
-        require(self.shed_at is None or 0 < self.shed_at <= 1, f"{where}: shed_at must be in (0, 1], got {self.shed_at}")
+        require(self.shed_at is None or 0 < self.shed_at <= 1,
+                f"{where}: shed_at must be in (0, 1], got {self.shed_at}")
 
     @property
     def share_weight(self) -> float:
@@ -313,7 +314,7 @@ class TenantLedger:
             return None
         return Refusal("priority", f"the cluster is busy: predicted load {load:.2f} of tenant {spec.name!r}'s "
                                    f"SLO is above the {threshold:g} its {spec.priority_name} priority may use "
-                                   f"beyond its fair share; retry later", max(1.0, load))
+                                   f"beyond its fair share; retry later", min(60.0, max(1.0, load)))
 
     def end(self, name: str) -> None:
         n = self.in_flight.get(name, 0) - 1
