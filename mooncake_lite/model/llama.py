@@ -32,6 +32,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [batch, max_blocks]
     context_lens: torch.Tensor   # [batch]
     start_pos: int = 0
+    # A packed prefill (several sequences in one forward): (first token, num tokens, start_pos)
+    # of each sequence's run of tokens, which attends only to its own sequence (block_tables[i]).
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -140,11 +143,22 @@ class Attention(nn.Module):
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        if meta.is_prefill:
+        if meta.segments is not None:
+            out = packed_prefill_attention(q, k_cache, v_cache, meta)
+        elif meta.is_prefill:
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
         return linear(out.reshape(n, -1).to(x.dtype), self.wo.weight)
+
+
+def packed_prefill_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """Causal attention of a packed prefill: each sequence's queries over its own context only
+    (variable lengths, no padding). The projections around it run on all sequences' tokens at
+    once, which is where packing pays; attention is per sequence, as in a single prefill."""
+    outs = [paged_prefill_attention(q[off:off + n], k_cache, v_cache, meta.block_tables[i], start)
+            for i, (off, n, start) in enumerate(meta.segments)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class FeedForward(nn.Module):

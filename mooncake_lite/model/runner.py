@@ -39,6 +39,24 @@ class ModelRunner:
             context_lens=torch.tensor([end], device=self.device),
             start_pos=start_pos)
 
+    def packed_prefill_meta(self, seqs: Sequence[tuple[Sequence[int], int, int]]) -> AttentionMetadata:
+        """Several sequences' prefill chunks in one forward: ``seqs`` holds (block table, start_pos,
+        num_tokens) per sequence; their tokens are concatenated in that order."""
+        metas = [self.prefill_meta(table, start, n) for table, start, n in seqs]
+        width = max(len(t) for t, _, _ in seqs)
+        offsets, segments = 0, []
+        for _, start, n in seqs:
+            segments.append((offsets, n, start))
+            offsets += n
+        return AttentionMetadata(
+            is_prefill=True,
+            positions=torch.cat([m.positions for m in metas]),
+            slot_mapping=torch.cat([m.slot_mapping for m in metas]),
+            block_tables=torch.as_tensor([list(t) + [t[0]] * (width - len(t)) for t, _, _ in seqs],
+                                         dtype=torch.long, device=self.device),
+            context_lens=torch.cat([m.context_lens for m in metas]),
+            segments=tuple(segments))
+
     def decode_meta(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int]) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
         padded = [list(t) + [t[0]] * (width - len(t)) for t in block_tables]
@@ -67,6 +85,15 @@ class ModelRunner:
         if logits is None:
             raise ValueError("prefill needs at least one token")
         return logits
+
+    @torch.no_grad()
+    def prefill_packed(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> torch.Tensor:
+        """One forward over several sequences' new tokens, ``seqs`` = (block table, start_pos,
+        token ids) each; returns each sequence's last-position logits ``[num_seqs, vocab]``."""
+        piece = PackedPass(self, seqs)
+        for layer in self.model.layer_ids:
+            piece.run_layer(layer)
+        return piece.output()
 
     @torch.no_grad()
     def decode(self, token_ids: Sequence[int], block_tables: Sequence[Sequence[int]],
@@ -125,3 +152,46 @@ class LayerwisePass:
         if model.is_last:
             return model.head(self.h[-1:])[0]
         return self.h
+
+
+class PackedPass(LayerwisePass):
+    """Prefill chunks of several sequences packed into one forward, advanced one layer at a time
+    (first stage and whole models only). The projections and MLP run over every sequence's tokens
+    together (one large matmul instead of one small one per sequence); attention stays within each
+    sequence. :meth:`slots_of` gives a sequence's cache slots, :meth:`output` the last logits of
+    each sequence ``[num_seqs, vocab]``."""
+
+    def __init__(self, runner: ModelRunner, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]):
+        """``seqs``: (block table, start_pos, token ids) per sequence."""
+        model = runner.model
+        if not seqs or any(len(toks) == 0 for _, _, toks in seqs):
+            raise ValueError("a packed prefill needs at least one sequence, each with a token")
+        if not model.is_first:
+            raise ValueError("a packed prefill starts at the embeddings (no CPP stage > 0)")
+        self.runner = runner
+        self.meta = runner.packed_prefill_meta([(t, start, len(toks)) for t, start, toks in seqs])
+        self.start_pos = seqs[0][1]
+        self.num_tokens = int(self.meta.positions.shape[0])
+        self.rope = model.rope(self.meta.positions)
+        tokens = [t for _, _, toks in seqs for t in toks]
+        with torch.no_grad():
+            self.h = model.embed(torch.as_tensor(tokens, device=runner.device))
+        self.next_layer = model.first_layer
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        return self.meta.segments
+
+    def slots_of(self, i: int) -> torch.Tensor:
+        off, n, _ = self.meta.segments[i]
+        return self.meta.slot_mapping[off:off + n]
+
+    @torch.no_grad()
+    def output(self) -> torch.Tensor:
+        model = self.runner.model
+        if self.next_layer != model.end_layer:
+            raise RuntimeError(f"output() before the last layer ran (next is {self.next_layer})")
+        if not model.is_last:
+            return self.h
+        last = torch.as_tensor([off + n - 1 for off, n, _ in self.meta.segments], device=self.h.device)
+        return model.head(self.h.index_select(0, last))
