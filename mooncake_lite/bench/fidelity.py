@@ -266,6 +266,25 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
         out.update(decode_steps=steps, mean_batch=batch, live_itl_mean_s=client_itl,
                    model_step_s=hw.decode.predict(max(1, round(batch)), round(ctx * batch)))
         out["step_model_error"] = rel_error(out["model_step_s"], client_itl)
+    out.update(gaps_by_prefill_activity(ok))
+    return out
+
+
+def gaps_by_prefill_activity(ok: Sequence) -> dict[str, float]:
+    """Token gaps split by whether a prefill was in progress (some request sent and without its
+    first token: the prefill queue is not empty, so the prefill computes) at the gap's midpoint.
+    On one box prefill and decode share the CPU; the simulator's nodes do not interfere."""
+    from mooncake_lite.bench.replay.metrics import itls
+    busy = sorted((r.send_s, r.chunk_s[0]) for r in ok)
+    during, idle = [], []
+    for r in ok:
+        for a, gap in zip(r.chunk_s, itls(r)):
+            mid = a + gap / 2
+            (during if any(s <= mid <= e for s, e in busy) else idle).append(gap)
+    out = {"gaps_during_prefill": float(len(during)), "gaps_prefill_idle": float(len(idle))}
+    if during and idle:
+        out.update(gap_mean_during_prefill_s=statistics.fmean(during), gap_mean_prefill_idle_s=statistics.fmean(idle),
+                   gap_ratio_during_vs_idle=statistics.fmean(during) / statistics.fmean(idle))
     return out
 
 
@@ -457,6 +476,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
                   cost_model={"prefill": profile.get("prefill"), "decode": profile.get("decode"),
                               "decode_max_context_tokens": profile.get("decode_max_context_tokens")})
+    report["per_request"] = per_request(records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
     cdf_plot(plot, live, sim, f"{served['model']} · first {len(records)} requests · {ns.prefill}P+{ns.decode}D · "
                               f"{ns.speed:g}x · live vs sim (exported cost model)")
@@ -465,6 +485,20 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
                                                      option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return report
+
+
+def per_request(records: Sequence, res) -> list[dict]:
+    """Each request's outcome on both sides (TTFT/TBT seconds, or its rejection), by id."""
+    from mooncake_lite.bench.replay.metrics import itls, paper_tbt, ttft
+    sims = {r.request_id: r for r in res.requests}
+    rows = []
+    for rec in records:
+        s = sims.get(rec.request_id)
+        rows.append({"id": rec.request_id, "live_ttft": ttft(rec) if rec.is_ok else None,
+                     "live_tbt": paper_tbt(itls(rec)) if rec.is_ok else None, "live_status": rec.status,
+                     "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
+                     "sim_status": s.status if s else None, "input": s.input_length if s else None})
+    return rows
 
 
 def _rejected_by(res) -> dict[str, int]:

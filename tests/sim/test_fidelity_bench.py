@@ -111,3 +111,12 @@ def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
     fidelity.cdf_plot(tmp_path / "cdf.png", live, sim, "test")
     assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert all(math.isfinite(v) for v in live.ttft + sim.ttft)
+
+
+def test_gaps_are_split_by_whether_a_prefill_was_in_progress():
+    a = RequestRecord(0, 0.0, 0.0, (1.0, 1.1, 1.2, 1.3), 10, 4, 200)
+    b = RequestRecord(1, 1.0, 1.0, (1.25, 1.5), 10, 2, 200)      # b's prefill: 1.0 .. 1.25
+    out = fidelity.gaps_by_prefill_activity([a, b])
+    assert (out["gaps_during_prefill"], out["gaps_prefill_idle"]) == (3, 1)
+    assert out["gap_mean_during_prefill_s"] == pytest.approx(0.1)
+    assert out["gap_ratio_during_vs_idle"] == pytest.approx(0.1 / 0.25)
