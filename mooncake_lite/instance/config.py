@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_codec import CODEC_NAMES, fp8_supported
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
@@ -50,6 +51,9 @@ class ModelRoleConfig(RoleConfig):
     instance_id: str | None = option(None, "instance id (default: ROLE@HOST:PORT)")
     heartbeat_interval: float = option(1.0, "seconds between heartbeats to the conductor", parse=parse_duration)
     profile: bool = option(True, "time a few model runs at startup and report the fitted cost model")
+    kv_compression: str = option("none", "KV blocks in the store (DRAM, SSD, its wire) as 1-byte codes with "
+                                 "per-head scales, dequantized on load: none, int8, fp8 (e4m3); must equal "
+                                 "the store's --kv-compression", choices=CODEC_NAMES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,6 +65,8 @@ class ModelRoleConfig(RoleConfig):
         require(self.heartbeat_interval > 0, "--heartbeat-interval must be positive")
         require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
                 f"--conductor must be an http(s) URL, got {self.conductor!r}")
+        require(self.kv_compression != "fp8" or fp8_supported(),
+                "--kv-compression fp8: this torch build cannot cast torch.float8_e4m3fn (use int8)")
         try:
             model_args(self.model)
         except (ValueError, OSError) as exc:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
+from kernels.kv_codec import codec_for, encoded_layer_bytes
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
@@ -32,7 +33,7 @@ from mooncake_lite.prefill.kv_sender import DecodeLinks
 from mooncake_lite.prefill.pipeline import NextStage
 from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
-from mooncake_lite.prefill.store_io import MemoryStore, PrefixStore
+from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore, PrefixStore
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
@@ -140,10 +141,23 @@ async def _lifetime(app: web.Application):
 def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     """The store this stage reads prefixes from and writes back to: ``--store``, else a private one."""
     model = runner.model
-    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    codec = codec_for(cfg.kv_compression)
+    block_shape = (runner.block_size, model.args.num_kv_heads, model.args.head_dim)
+    layer_bytes = (encoded_layer_bytes(*block_shape) if codec is not None else
+                   runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size())
     if cfg.store is None:
-        return MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
-    return RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes)
+        store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
+    else:
+        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes)
+    return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
+
+
+def stored_block_bytes(cfg: Config) -> int:
+    """Bytes of one whole KV block as the store keeps it: model dtype, or encoded (--kv-compression)."""
+    args = model_args(cfg.model)
+    if codec_for(cfg.kv_compression) is None:
+        return args.kv_block_bytes(cfg.block_size, cfg.dtype)
+    return args.num_layers * encoded_layer_bytes(cfg.block_size, args.num_kv_heads, args.head_dim)
 
 
 def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
@@ -175,19 +189,37 @@ def reported_cost(service: PrefillService) -> dict[str, float] | None:
     return service.cost.to_dict() if service.cost is not None else None
 
 
-class StoreTooSmall(RuntimeError):
+class StoreUnfit(RuntimeError):
+    """The store cannot serve this instance's blocks: the prefill refuses to start."""
+
+
+class StoreTooSmall(StoreUnfit):
     """The store cannot hold one of this instance's blocks: every write-back would be refused."""
 
 
 def check_slot(cfg: Config, slot_bytes: int | None) -> None:
     """Raise StoreTooSmall when one whole KV block (all layers, even on a CPP head: the store keeps
     whole blocks) is larger than the store's slots. A store that does not say passes."""
-    block_bytes = model_args(cfg.model).kv_block_bytes(cfg.block_size, cfg.dtype)
+    block_bytes = stored_block_bytes(cfg)
     if slot_bytes is not None and block_bytes > slot_bytes:
+        how = cfg.dtype if cfg.kv_compression == "none" else f"{cfg.kv_compression} (--kv-compression)"
         raise StoreTooSmall(
             f"store {cfg.store} holds blocks of at most {slot_bytes} bytes (--slot-bytes) but one "
-            f"{cfg.block_size}-token block of {cfg.model} in {cfg.dtype} is {block_bytes} bytes: start the "
+            f"{cfg.block_size}-token block of {cfg.model} in {how} is {block_bytes} bytes: start the "
             f"store with --slot-bytes >= {block_bytes} (or lower --block-size)")
+
+
+class StoreEncodingMismatch(StoreUnfit):
+    """The store keeps blocks encoded otherwise than this instance would write and read them."""
+
+
+def check_encoding(cfg: Config, encoding: str | None) -> None:
+    """Raise StoreEncodingMismatch unless the store's --kv-compression is this instance's: blocks of
+    another encoding would be misread (a store that does not say holds plain blocks)."""
+    if (encoding or "none") != cfg.kv_compression:
+        raise StoreEncodingMismatch(
+            f"store {cfg.store} keeps KV blocks as {encoding or 'none'} (--kv-compression) but this instance "
+            f"reads and writes {cfg.kv_compression}: every role of a cluster must use the same value")
 
 
 async def store_id(cfg: Config, store, timeout_s: float = 10.0, check: bool = False) -> str | None:
@@ -199,12 +231,15 @@ async def store_id(cfg: Config, store, timeout_s: float = 10.0, check: bool = Fa
     try:
         canonical = await asyncio.wait_for(store.store_id(), timeout_s)
         slot_bytes = await asyncio.wait_for(store.slot_bytes(), timeout_s) if check else None
+        ask = getattr(store, "kv_compression", None)    # a store adapter that cannot tell: plain blocks
+        encoding = await asyncio.wait_for(ask(), timeout_s) if check and ask is not None else None
     except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
         then = ("registering it as given; if it advertises another address, the conductor will not see "
                 "this instance's cached blocks" if cfg.conductor else "going on")
         log.warning("store %s did not answer (%s): %s (its slot size is unchecked)", cfg.store, exc, then)
         return cfg.store
     if check:
+        check_encoding(cfg, encoding)     # first: block sizes compare only under one encoding
         check_slot(cfg, slot_bytes)
     if canonical and canonical != cfg.store:
         log.info("store %s calls itself %s: registering that (the id its block events carry)", cfg.store, canonical)

@@ -18,7 +18,7 @@ from mooncake_lite.common.membership import exit_process, keep_membership
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
 from mooncake_lite.model.checkpoint_config import model_args
-from mooncake_lite.prefill.app import (EXTRA_CLEANUP, SERVICE, StoreTooSmall, build_app, build_stage, registration,
+from mooncake_lite.prefill.app import (EXTRA_CLEANUP, SERVICE, StoreUnfit, build_app, build_stage, registration,
                                        reported_cost, store_id)
 from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.stage_process import StageGroup, layer_slices, run_stage
@@ -52,10 +52,11 @@ def run(cfg: Config) -> int:
     tasks: list[asyncio.Task] = []
 
     async def main() -> None:
-        # Before serving: a store whose slots cannot hold our blocks refuses every write-back.
+        # Before serving: a store whose slots cannot hold our blocks refuses every write-back, and
+        # one that encodes blocks otherwise (--kv-compression) would have them misread.
         try:
             known_as = await store_id(cfg, stage.store, check=True)
-        except StoreTooSmall:
+        except StoreUnfit:
             await stage.store.close()
             raise
         downstream = await group.connect(cfg.cluster_token) if group is not None else None
@@ -88,7 +89,7 @@ def run(cfg: Config) -> int:
     refused = None
     try:
         run_loop(main)
-    except StoreTooSmall as exc:
+    except StoreUnfit as exc:
         refused = exc
     finally:
         if group is not None:

@@ -49,6 +49,11 @@ class RemoteStore:
         """The largest block the store accepts (its --slot-bytes); None from an older store."""
         return (await self.client()).slot_bytes
 
+    async def kv_compression(self) -> str | None:
+        """How the store's blocks are encoded (its --kv-compression); None from an older store."""
+        value = (await self.client()).frames.hello.get("kv_compression")
+        return value if isinstance(value, str) else None
+
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
             return await (await self.client()).match(keys)

@@ -7,14 +7,20 @@ Values follow the cluster's block layout ``[num_layers][2][block_size][kv_heads]
 so a layer range is one contiguous byte slice of a block.
 
 :class:`MemoryStore` is used when the instance runs without ``--store`` (each instance then
-reuses only its own prefixes) and in tests; :class:`RemoteStore` adapts the store role's client.
+reuses only its own prefixes) and in tests; :class:`RemoteStore` adapts the store role's client;
+:class:`CompressedStore` wraps either to keep blocks encoded (``--kv-compression``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
+
+import torch
+
+from kernels.kv_codec import decode_layers, encode_layers
 
 
 class PrefixStore(Protocol):
@@ -79,3 +85,50 @@ class MemoryStore:
                     self._blocks.popitem(last=False)
             else:
                 self._partial[key] = (buf, layers)
+
+
+class CompressedStore:
+    """``--kv-compression``: the blocks of ``inner`` are kept encoded by a KV codec
+    (``kernels/kv_codec.py``: 1-byte codes and per-layer, per-head scales), so the store's DRAM
+    and SSD tiers and its wire carry about half (bfloat16) or a quarter (float32) of the bytes;
+    loads are dequantized into the model dtype here, before the stage sees them. An encoded
+    layer is still one fixed-size contiguous record, so ``inner`` slices layers unchanged.
+    Everything else (store_id, slot_bytes, replicate, close, ...) is ``inner``'s."""
+
+    def __init__(self, inner: PrefixStore, codec, block_shape: tuple[int, int, int], dtype):
+        self.inner = inner
+        self.codec = codec
+        self.block_shape = block_shape      # (block_size, kv_heads, head_dim)
+        self.dtype = dtype
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def match(self, keys: Sequence[bytes]) -> int:
+        return await self.inner.match(keys)
+
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+        views = await self.inner.get_layers(keys, first_layer, num_layers)
+        return await asyncio.to_thread(self._decode, views, num_layers)
+
+    async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
+                         num_layers: int, first_pos: int = 0) -> None:
+        can_put = getattr(self.inner, "can_put", None)   # a CPP stage's slice is not kept: skip the coding
+        if not values or (can_put is not None and not can_put(first_layer, num_layers)):
+            return
+        encoded = await asyncio.to_thread(self._encode, values, num_layers)
+        await self.inner.put_layers(keys, encoded, first_layer, num_layers, first_pos=first_pos)
+
+    def _decode(self, views: Sequence[memoryview], num_layers: int) -> list[memoryview]:
+        out = []
+        for view in views:
+            raw = torch.frombuffer(bytearray(view), dtype=torch.uint8).view(num_layers, -1)
+            kv = decode_layers(raw, self.block_shape, self.codec, self.dtype)
+            out.append(memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B"))
+        return out
+
+    def _encode(self, values: Sequence[memoryview], num_layers: int) -> list[memoryview]:
+        shape = (len(values), num_layers, 2, *self.block_shape)
+        packed = torch.stack([torch.frombuffer(bytearray(v), dtype=self.dtype) for v in values]).view(shape)
+        encoded = encode_layers(packed, self.codec).reshape(len(values), -1)
+        return [memoryview(row.numpy()).cast("B") for row in encoded]

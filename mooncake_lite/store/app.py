@@ -110,6 +110,7 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     hello["store_id"] = dp.address
     # The largest block a put may carry: a prefill checks its model's blocks fit before serving.
     hello["slot_bytes"] = store.slab.slot_bytes
+    hello["kv_compression"] = cfg.kv_compression   # one block encoding per cluster (prefills check)
     if dp.handler.shm.is_enabled:   # same-node clients map the slab instead of using the socket
         hello["shm"] = dp.handler.shm.offer()
     session = aiohttp.ClientSession()

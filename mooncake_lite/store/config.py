@@ -16,6 +16,8 @@ DESCRIPTION = ("Store: the KVCache pool. Keeps KV blocks in a preallocated DRAM 
                "over a binary framed protocol, and publishes block events to the conductor.")
 
 MAX_SLOT_BYTES = 1 << 30
+# kernels/kv_codec.CODEC_NAMES, spelled out: the store never decodes a block, so it needs no torch.
+KV_CODECS = ("none", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class Config(RoleConfig, DataPortFlags):
     shm: str = option("auto", "same-node fast path: auto (the slab in shared memory, offered to clients on "
                       "this node, which fall back to TCP when they cannot use it), off (TCP only); a "
                       "page-locked slab is never shared", choices=("auto", "off"))
+    kv_compression: str = option("none", "how the cluster's prefills encode the KV blocks kept here (none, int8, "
+                                 "fp8); told to clients at HELLO: a prefill set otherwise refuses to start",
+                                 choices=KV_CODECS)
     shm_staging: int = option(64 << 20, "per-connection shared staging area for same-node puts (allocated as "
                               "the client writes it; 0 = same-node puts go over TCP)", parse=parse_size)
 

@@ -1,0 +1,49 @@
+"""The monolithic reference of ``--kv-compression``: what a request computes when its reused
+prefix KV went through the store's codec (``kernels/kv_codec.py``) and everything else did not.
+
+The prefix's full blocks are computed, quantized and dequantized in place (as a store round trip
+leaves them), then the rest of the prompt is prefilled on top and tokens are decoded greedily.
+With ``codec=None`` it is plain paged greedy generation, the uncompressed peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.kv_codec import KVCodec, round_trip
+from kernels.kv_pack import pack_blocks_ref, unpack_blocks_ref
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.llama import Transformer
+from mooncake_lite.model.runner import ModelRunner
+
+
+@torch.no_grad()
+def compressed_prefix_run(model: Transformer, prompt_ids: Sequence[int], num_prefix_blocks: int,
+                          block_size: int, codec: KVCodec | None, max_tokens: int,
+                          forced: Sequence[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logits ``[max_tokens, vocab]`` for ``prompt_ids`` whose first
+    ``num_prefix_blocks`` blocks of KV were reused through ``codec``. With ``forced`` (teacher
+    forcing), those tokens are fed back instead of the argmax, so logits compare position by
+    position with another run's. The prefix must leave at least one prompt token to compute (a
+    prefill instance always computes the last one)."""
+    n = num_prefix_blocks * block_size
+    if not 0 <= n < len(prompt_ids):
+        raise ValueError(f"a {num_prefix_blocks}-block prefix leaves no token of a {len(prompt_ids)}-token prompt")
+    total = len(prompt_ids) + max_tokens
+    runner = ModelRunner(model, num_blocks=blocks_needed(total, block_size), block_size=block_size)
+    table = runner.allocator.allocate(blocks_needed(total, block_size))
+    if n:
+        runner.prefill(prompt_ids[:n], table, 0)
+        if codec is not None:
+            ids = torch.as_tensor(table[:num_prefix_blocks], dtype=torch.long, device=runner.cache.kv.device)
+            packed = pack_blocks_ref(runner.cache.kv, ids)
+            unpack_blocks_ref(runner.cache.kv, ids, round_trip(packed, codec))
+    logits = [runner.prefill(prompt_ids[n:], table, n)]
+    tokens = [int(torch.argmax(logits[-1]))]
+    while len(tokens) < max_tokens:
+        fed = tokens[-1] if forced is None else forced[len(tokens) - 1]
+        logits.append(runner.decode([fed], [table], [len(prompt_ids) + len(tokens) - 1])[0])
+        tokens.append(int(torch.argmax(logits[-1])))
+    return tokens, torch.stack([x.float() for x in logits])
