@@ -497,7 +497,8 @@ def per_request(records: Sequence, res) -> list[dict]:
         rows.append({"id": rec.request_id, "live_ttft": ttft(rec) if rec.is_ok else None,
                      "live_tbt": paper_tbt(itls(rec)) if rec.is_ok else None, "live_status": rec.status,
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
-                     "sim_status": s.status if s else None, "input": s.input_length if s else None})
+                     "sim_status": s.status if s else None, "input": s.input_length if s else None,
+                     "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows
 
 

@@ -108,6 +108,9 @@ def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
     text = fidelity.format_report(report)
     assert "live" in text.splitlines()[0] and "sim" in text.splitlines()[0]
     assert "ttft_mean (ms)" in text and "same requests rejected" in text
+    rows = fidelity.per_request(records, res)
+    assert [r["id"] for r in rows] == [0, 1, 2, 3, 4] and rows[3]["live_status"] == 429
+    assert rows[0]["live_ttft"] == pytest.approx(0.2) and rows[0]["sim_status"] in ("completed", "rejected")
     fidelity.cdf_plot(tmp_path / "cdf.png", live, sim, "test")
     assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert all(math.isfinite(v) for v in live.ttft + sim.ttft)
