@@ -31,7 +31,7 @@ from kernels import gather_tokens, pack_blocks, unpack_blocks
 from mooncake_lite.common import tracing
 from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
-from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
 from mooncake_lite.prefill.store_io import PrefixStore
 from mooncake_lite.prefill.writeback import WritebackStats
@@ -174,6 +174,54 @@ class StageEngine:
             self.refiner.observe(start + piece.num_tokens, start, seconds)
         self._store_full_blocks(job, start + piece.num_tokens)
         return out
+
+    async def run_packed(self, parts: Sequence[tuple[StageJob, int, Sequence[int]]]) -> tuple[torch.Tensor, list[str | None]]:
+        """Prefill batching: the (job, start, token ids) chunks of several requests in one forward
+        (a whole-model or first stage). Each job's prefix loads, KV frames and write-backs are its
+        own, as in :meth:`run_chunk`; a job aborted or whose stream broke midway only stops being
+        served (its frames and loads; its rows are computed and dropped), the others go on.
+        Returns each job's last-position logits and its error (None when it went through)."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        seqs = [(job.block_ids, start, toks) for job, start, toks in parts]
+        piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs)
+        errors: list[str | None] = [None] * len(parts)
+        for layer in self.layer_ids:
+            for i, (job, _, _) in enumerate(parts):
+                errors[i] = errors[i] or self._error_of(job)
+                if errors[i] is None and not job.prefix_done:
+                    try:
+                        await self._load_prefix_layer(job, layer)
+                    except PrefillAborted as exc:
+                        errors[i] = str(exc)
+            kvs = await loop.run_in_executor(self.executor, self._packed_layer, piece, layer)
+            for i, ((job, start, _), kv) in enumerate(zip(parts, kvs)):
+                if errors[i] is None:
+                    job.sender.send_layer(layer, start, kv)
+        out = await loop.run_in_executor(self.executor, piece.output)
+        seconds = time.perf_counter() - t0
+        for i, (job, start, toks) in enumerate(parts):
+            self._prefix_in(job)
+            job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+            if errors[i] is None:
+                self._store_full_blocks(job, start + len(toks))
+        if self.refiner is not None and len(parts) == 1:   # the refined model is of one prompt's pass
+            self.refiner.observe(parts[0][1] + len(parts[0][2]), parts[0][1], seconds)
+        return out, errors
+
+    def _packed_layer(self, piece: PackedPass, layer: int) -> list[torch.Tensor]:
+        piece.run_layer(layer)
+        kv = gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots).cpu()
+        return [kv[:, off:off + n].contiguous() for off, n, _ in piece.segments]
+
+    def _prefix_in(self, job: StageJob) -> None:
+        job.prefix_done = True
+        if job.load_span is not None:
+            tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
+                             recomputed=job.is_prefix_recomputed)
+
+    def _error_of(self, job: StageJob) -> str | None:
+        return job.abort_reason or job.sender.error
 
     def _new_pass(self, job: StageJob, start: int, token_ids, hidden) -> LayerwisePass:
         return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden)

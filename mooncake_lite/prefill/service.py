@@ -7,7 +7,12 @@
     the last stage samples the first token from the last position and ends the KV stream
 
 Requests run one at a time per group (FIFO), the way the conductor's queue-time estimate
-assumes; within a request, chunks overlap across the stages of a CPP group.
+assumes; within a request, chunks overlap across the stages of a CPP group. With prefill batching
+(``batch_tokens`` > 0, a single instance), the request at the head of the queue takes the ones
+queued behind it along, in order, while their uncached tokens together fit in ``batch_tokens``
+(each within one chunk): one packed forward serves them all (``StageEngine.run_packed``), each
+with its own KV stream, store write-back and result. ``scheduler.costs.packed_queue_times`` is
+the same rule as a cost: how long a queue takes when packed.
 """
 
 from __future__ import annotations
@@ -41,11 +46,18 @@ class QueuedJob:
     num_tokens: int
     num_prefix_tokens: int
     started_at: float | None = None
+    # For prefill batching: what a pack's leader needs to serve this request along with its own.
+    req: PrefillRequest | None = None
+    keys: list[bytes] | None = None
+    hit: int | None = None                      # leading blocks found in the store, once matched
+    stop_keepalive: Callable[[], object] | None = None
+    result: asyncio.Future | None = None        # set by the leader that served it in its pack
 
 
 class PrefillService:
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
-                 chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0):
+                 chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0,
+                 batch_tokens: int = 0):
         self.stage = stage
         self.links = links
         self.block_size = block_size
@@ -54,6 +66,10 @@ class PrefillService:
         self.downstream = downstream   # pipeline.NextStage of a CPP group, or None
         self.cost = cost               # PrefillCostModel, for the load figure
         self.keepalive_s = keepalive_s # while queued, tell decode the request is alive this often
+        # Prefill batching: pack queued prompts up to this many uncached tokens per forward (0: off;
+        # a CPP group runs one request at a time).
+        self.batch_tokens = batch_tokens if downstream is None else 0
+        self.num_packs = 0             # packed forwards of more than one request (for /metrics)
         self.queue: dict[str, QueuedJob] = {}
         self._lock = asyncio.Lock()
         self._aborted: set[str] = set()
@@ -114,20 +130,26 @@ class PrefillService:
         keys = self.check(req)
         if req.request_id in self.queue:
             raise PrefillRejected(f"request {req.request_id!r} is already queued here")
-        job = QueuedJob(req.request_id, len(req.token_ids), 0)
+        job = QueuedJob(req.request_id, len(req.token_ids), 0, req=req, keys=keys,
+                        result=asyncio.get_running_loop().create_future())
+        job.result.add_done_callback(_retrieved)
         self.queue[req.request_id] = job
         t_arrive = time.perf_counter()
         # Decode hears nothing of this request until its first KV frame: keep it from timing the
         # request out through the queue wait, a hot-spot migration and the prefix match.
         keepalive = asyncio.ensure_future(self._keepalive(req))
+        job.stop_keepalive = keepalive.cancel
         queued = tracing.start_span("prefill.queue", num_queued=len(self.queue) - 1)
         try:
             async with self._lock:
                 tracing.end_span(queued)
-                if req.request_id in self._aborted:
-                    raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
-                job.started_at = time.perf_counter()
-                result = await self._run(req, keys, job, keepalive.cancel)
+                if job.result.done():    # served in the pack of a request queued before it
+                    result = job.result.result()
+                else:
+                    if req.request_id in self._aborted:
+                        raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
+                    job.started_at = time.perf_counter()
+                    result = await self._serve(job)
                 result.timings["queue_s"] = job.started_at - t_arrive
                 self.num_done += 1
                 return result
@@ -140,18 +162,116 @@ class PrefillService:
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
 
-    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob,
-                   stop_keepalive: Callable[[], object]) -> PrefillResult:
+    # --- prefill batching -----------------------------------------------------------------------
+    async def _serve(self, lead: QueuedJob) -> PrefillResult:
+        """Serve the head of the queue, packed with the requests queued behind it that fit."""
+        pack = await self._pack(lead) if self.batch_tokens > 0 else [lead]
+        if len(pack) == 1:
+            return await self._run(lead.req, lead.keys, lead, lead.stop_keepalive)
+        now = time.perf_counter()
+        for member in pack[1:]:
+            member.started_at = now
+        self.num_packs += 1
+        # Shielded: the leader's client leaving must not cancel the others' prefill midway.
+        task = asyncio.ensure_future(self._run_pack(pack))
+        try:
+            outcomes = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.stage.abort(lead.request_id, "the request was cancelled")
+            outcomes = await task
+            outcomes[0] = asyncio.CancelledError()
+        for member, outcome in zip(pack[1:], outcomes[1:]):
+            if isinstance(outcome, BaseException):
+                member.result.set_exception(outcome)
+            else:
+                member.result.set_result(outcome)
+        if isinstance(outcomes[0], BaseException):
+            raise outcomes[0]
+        return outcomes[0]
+
+    async def _pack(self, lead: QueuedJob) -> list[QueuedJob]:
+        """The lead and, in queue order, the requests after it while their uncached tokens fit
+        in ``batch_tokens`` together and each in one chunk (the first that does not ends the pack)."""
+        limit = min(self.batch_tokens, self.chunk_size)
+        total = await self._uncached(lead)
+        pack = [lead]
+        if total > limit:
+            return pack
+        for job in list(self.queue.values()):
+            if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
+                continue
+            n = await self._uncached(job)
+            if total + n > limit or job.request_id not in self.queue:
+                break
+            pack.append(job)
+            total += n
+        return pack
+
+    async def _uncached(self, job: QueuedJob) -> int:
+        return job.num_tokens - await self._match(job) * self.block_size
+
+    async def _run_pack(self, pack: list[QueuedJob]) -> list[PrefillResult | BaseException]:
+        """One packed forward for every request of ``pack``; each one's outcome, in order."""
         t0 = time.perf_counter()
-        cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
-        if req.migrate_from and req.migrate_keys:
-            with tracing.span("prefill.migrate", source=req.migrate_from, blocks=len(req.migrate_keys)):
-                await self._migrate(req)
-        hit = await self.stage.match(keys[:cap])
-        if self.downstream is not None and hit:
-            hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
-        prefix = hit * self.block_size
-        queued.num_prefix_tokens = prefix
+        outcomes: list[PrefillResult | BaseException | None] = [None] * len(pack)
+        live = []       # (index, job, sender, stream) of the requests that began
+        for i, queued in enumerate(pack):
+            try:
+                job, sender, stream = await self._begin(queued.req, queued.keys, queued.hit)
+            except Exception as exc:       # a full cache, decode unreachable: this request only
+                outcomes[i] = exc
+                continue
+            queued.stop_keepalive()
+            if queued.request_id in self._aborted:
+                self.stage.abort(queued.request_id, "aborted before its first KV frame")
+            live.append((i, job, sender, stream))
+        errors: dict[int, str | None] = {i: "the packed prefill failed" for i, *_ in live}
+        try:
+            if live:
+                parts = [(job, pack[i].hit * self.block_size, pack[i].req.token_ids[pack[i].hit * self.block_size:])
+                         for i, job, _, _ in live]
+                out, failed = await self.stage.run_packed(parts)
+                for row, ((i, job, _, _), error) in enumerate(zip(live, failed)):
+                    outcomes[i], errors[i] = await self._first_token(pack[i].req, job, out[row], error)
+        except Exception as exc:           # the forward itself failed: every request of the pack did
+            log.exception("packed prefill of %d requests failed", len(live))
+            for i, *_ in live:
+                outcomes[i], errors[i] = exc, str(exc) or type(exc).__name__
+        finally:
+            for i, job, sender, stream in live:
+                await self._end(job, sender, stream, errors[i])
+        for i, job, sender, _ in live:
+            if errors[i] is None:
+                outcomes[i] = self._result(pack[i].req, job, sender, pack[i].hit * self.block_size, outcomes[i], t0)
+        return outcomes
+
+    async def _first_token(self, req: PrefillRequest, job, logits, error: str | None):
+        """(first token, None) once its KV stream ended well, else (PrefillAborted, reason)."""
+        if error is None:
+            try:
+                first = sample(logits, _params(req), make_generator(_params(req), logits.device))
+                await self.stage.finish(job, first)
+                return first, None
+            except PrefillAborted as exc:
+                error = str(exc)
+        return PrefillAborted(error), error
+
+    # --- one request -----------------------------------------------------------------------------
+    async def _match(self, queued: QueuedJob) -> int:
+        """Leading blocks of the prompt this instance (every stage) can load: asked once, kept."""
+        if queued.hit is None:
+            req, keys = queued.req, queued.keys
+            cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
+            if req.migrate_from and req.migrate_keys:
+                with tracing.span("prefill.migrate", source=req.migrate_from, blocks=len(req.migrate_keys)):
+                    await self._migrate(req)
+            hit = await self.stage.match(keys[:cap])
+            if self.downstream is not None and hit:
+                hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
+            queued.hit, queued.num_prefix_tokens = hit, hit * self.block_size
+        return queued.hit
+
+    async def _begin(self, req: PrefillRequest, keys: list[bytes], hit: int):
         client = await self.links.get(req.decode_data)
         # Its traceparent rides in the KV frames' meta: decode's receive span is its child.
         stream = tracing.start_span("prefill.kv_stream", kind="client", decode=req.decode_data,
@@ -162,6 +282,28 @@ class PrefillService:
         except MemoryError as exc:
             tracing.end_span(stream, str(exc))
             raise PrefillRejected(str(exc)) from None
+        return job, sender, stream
+
+    async def _end(self, job, sender: KVSender, stream, error: str | None) -> None:
+        await self.stage.release(job, error)
+        tracing.end_span(stream, error, frames=sender.num_frames, bytes=sender.num_bytes)
+
+    def _result(self, req: PrefillRequest, job, sender: KVSender, prefix: int, first: int, t0: float) -> PrefillResult:
+        if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
+            prefix = 0
+        self.totals["prefix_tokens_total"] += prefix
+        self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
+        self.totals["kv_bytes_sent_total"] += sender.num_bytes
+        timings = {"total_s": time.perf_counter() - t0, **job.timings,
+                   "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
+        return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
+
+    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob,
+                   stop_keepalive: Callable[[], object]) -> PrefillResult:
+        t0 = time.perf_counter()
+        hit = await self._match(queued)
+        prefix = hit * self.block_size
+        job, sender, stream = await self._begin(req, keys, hit)
         error: str | None = None
         try:
             if self.downstream is not None:
@@ -189,16 +331,8 @@ class PrefillService:
                 await self.downstream.abort(req.request_id, error)
             raise
         finally:
-            await self.stage.release(job, error)
-            tracing.end_span(stream, error, frames=sender.num_frames, bytes=sender.num_bytes)
-        if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
-            prefix = 0
-        self.totals["prefix_tokens_total"] += prefix
-        self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
-        self.totals["kv_bytes_sent_total"] += sender.num_bytes
-        timings = {"total_s": time.perf_counter() - t0, **job.timings,
-                   "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
-        return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
+            await self._end(job, sender, stream, error)
+        return self._result(req, job, sender, prefix, first, t0)
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no
@@ -247,6 +381,12 @@ class PrefillService:
         return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
                 "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
                 "free_blocks": float(self.stage.runner.allocator.num_free)}
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A pack member's outcome may land after its request left (cancelled): no 'never retrieved'."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _is_hex(text: str) -> bool:

@@ -1,13 +1,19 @@
 """Prefill batching (issue #17 item 4): several prompts packed into one forward give exactly the
 logits and tokens of prefilling each alone, and stream/store the same KV."""
 
+import asyncio
+
 import pytest
 import torch
 
-from mooncake_lite.model.generate import full_recompute_logits
+from mooncake_lite.common.protocol import Sampling
+from mooncake_lite.model.generate import full_recompute_logits, reference_greedy
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner, PackedPass
 from mooncake_lite.model.weights import build_model
+from tests.pd.harness import cluster
+
+pytestmark = pytest.mark.timeout(120)
 
 BS = 8
 ATOL = 1e-4   # float32: packing changes only the matmul's row count, i.e. summation blocking
@@ -72,3 +78,54 @@ def test_packed_pass_refuses_empty_input(model):
         PackedPass(runner, [])
     with pytest.raises(ValueError):
         PackedPass(runner, [(runner.allocator.allocate(1), 0, [])])
+
+
+# --- the prefill instance packing a burst (in-process prefill and decode over loopback) ---------
+def assert_clean(c):
+    assert c.decode.runner.allocator.num_free == c.decode.runner.allocator.num_blocks
+    assert c.decode.pending == {} and c.decode.requests == {}
+    assert c.prefill.stage.runner.allocator.num_free == c.prefill.stage.runner.allocator.num_blocks
+    assert c.prefill.stage.jobs == {} and c.prefill.queue == {}
+
+
+async def test_a_burst_is_packed_and_every_request_gets_its_reference_tokens(model):
+    shared = tokens_of(2 * BS, 50)
+    prompts = [tokens_of(3 + 5 * i, 60 + i) for i in range(6)] + [shared + tokens_of(3, 70), shared + [1, 2],
+                                                                  tokens_of(3 * BS + 1, 71)]
+    async with cluster(model, block_size=BS, chunk=32) as c:
+        c.prefill.batch_tokens = 48
+        await c.request("warm", shared + [5], 2)    # the shared prefix in the store: packed with a hit
+        await c.prefill.stage.drain_puts()
+        seeded = Sampling(max_tokens=5, temperature=0.8, seed=7)
+        burst = [c.request(f"r{i}", p, 5) for i, p in enumerate(prompts)]
+        burst += [c.request(f"s{i}", p, 5, sampling=seeded) for i, p in enumerate(prompts[:2])]
+        results = await asyncio.gather(*burst)
+        for p, (tokens, reason, err) in zip(prompts, results):
+            assert err is None and tokens == reference_greedy(model, p, 5)
+        assert c.prefill.num_packs >= 2       # 11 prompts, 48 tokens a forward: several packs
+        assert c.prefill.totals["prefix_tokens_total"] >= 2 * 2 * BS   # both shared-prefix prompts hit
+        # seeded sampling: packed, a request draws exactly what it draws alone
+        c.prefill.batch_tokens = 0
+        for i, p in enumerate(prompts[:2]):
+            assert results[len(prompts) + i] == await c.request(f"a{i}", p, 5, sampling=seeded)
+        await c.prefill.stage.drain_puts()
+        assert_clean(c)
+
+
+async def test_a_member_aborted_in_the_queue_fails_alone(model):
+    prompts = [tokens_of(5 + i, 80 + i) for i in range(5)]
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.batch_tokens = 64
+        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 3)) for i, p in enumerate(prompts)]
+        while len(c.prefill.queue) < len(prompts):
+            await asyncio.sleep(0.001)
+        assert c.prefill.abort("r2") and c.decode.abort("r2")    # as the conductor does, to both
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert c.prefill.num_packs >= 1
+        for i, (p, res) in enumerate(zip(prompts, results)):
+            if i == 2:
+                assert isinstance(res, Exception) or res[2] is not None
+            else:
+                assert res[0] == reference_greedy(model, p, 3)
+        await c.prefill.stage.drain_puts()
+        assert_clean(c)
