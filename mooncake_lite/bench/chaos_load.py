@@ -9,6 +9,7 @@ gauges can be read idle.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ SYSTEM = ("You are a concise assistant for a lunar observatory. Answer in one sh
 QUESTIONS = ("What is the Moon made of?", "Why does the Moon have phases?", "How far away is the Moon?",
              "What causes tides?", "Who first walked on the Moon?", "Why do we see one side of the Moon?")
 RETRY_PAUSE_S = 0.1        # after a failure, so an outage is not a busy loop of instant errors
+PROBE_LANES = 4            # probes in flight at most: one is sent every probe_every_s while TTFT is short
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,10 @@ class Outcome:
 
 
 class Load:
-    """``concurrency`` threads, each sending one streamed chat completion after the other, and a
-    prober sending a one-token one every ``probe_every_s`` (its own list: how soon a new request
-    is served again does not depend on when a long one of the load happens to end)."""
+    """``concurrency`` threads, each sending one streamed chat completion after the other, and
+    probes: a one-token request every ``probe_every_s`` from staggered lanes, so one does not wait
+    for the last (their own list: how soon a new request is served again does not depend on when
+    a long one of the load happens to end)."""
 
     def __init__(self, base_url: str, model: str, *, concurrency: int, max_tokens: int, hang_s: float,
                  probe_every_s: float = 0.5, api_key: str | None = None):
@@ -50,9 +53,10 @@ class Load:
         self._cond = threading.Condition()
         self._in_flight = 0
         self._is_closed = False
+        self._epoch = time.monotonic()
         self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(concurrency)]
-        self._threads.append(threading.Thread(target=self._worker, args=(concurrency,), kwargs={"is_probe": True},
-                                              daemon=True))
+        self._threads += [threading.Thread(target=self._worker, args=(concurrency + lane,),
+                                           kwargs={"probe_lane": lane}, daemon=True) for lane in range(PROBE_LANES)]
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -75,11 +79,14 @@ class Load:
             self._running.clear()
             self._cond.wait_for(lambda: self._in_flight == 0)
 
-    def _worker(self, index: int, is_probe: bool = False) -> None:
+    def _worker(self, index: int, probe_lane: int | None = None) -> None:
+        is_probe = probe_lane is not None
         num, results = 0, self.probes if is_probe else self.outcomes
         while not self._is_closed:
             if not self._running.wait(0.2):
                 continue
+            if is_probe:
+                time.sleep(self._until_slot(probe_lane))
             with self._cond:
                 if not self._running.is_set() or self._is_closed:
                     continue
@@ -90,10 +97,15 @@ class Load:
                 self._in_flight -= 1
                 self._cond.notify_all()
             num += 1
-            if is_probe:
-                time.sleep(max(0.0, outcome.start + self.probe_every_s - time.monotonic()))
-            elif outcome.kind != "ok":
+            if not is_probe and outcome.kind != "ok":
                 time.sleep(RETRY_PAUSE_S)
+
+    def _until_slot(self, lane: int) -> float:
+        """Seconds to this lane's next turn: probes keep to one grid of ``probe_every_s`` steps,
+        dealt to the lanes in turn, across pauses too."""
+        step = math.ceil((time.monotonic() - self._epoch) / self.probe_every_s)
+        step += (lane - step) % PROBE_LANES
+        return max(0.0, self._epoch + step * self.probe_every_s - time.monotonic())
 
     def _one(self, index: int, num: int, max_tokens: int) -> Outcome:
         import openai
