@@ -220,7 +220,6 @@ class StoreHandler(FrameHandler):
 
     def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None) -> None:
         if frame.meta.get("shm") is True and self.shm.is_enabled:
-            self.shm.end_reads(conn, frame.meta.get("done"))
             self.shm.reply_spans(conn, frame, found, layers)
             return
         views: list[memoryview] = []

@@ -27,7 +27,7 @@ same owner replaces its keys and expiry); holds are journaled beside the SSD fil
 
 Same-node fast path (docs/store.md): a GET/GET_LAYERS with ``shm: true`` is answered with
 ``spans`` ([offset, slot, generation] per block in the shared slab, under the read lease
-``read``) instead of payload, and ends the read leases its ``done`` lists; a PUT with ``staged`` (one offset per key in the connection's
+``read``) instead of payload; a PUT with ``staged`` (one offset per key in the connection's
 staging area) carries no payload.
 
 ``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with

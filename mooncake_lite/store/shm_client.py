@@ -25,7 +25,6 @@ from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer,
 log = logging.getLogger(__name__)
 Request = Callable[[Op, dict[str, Any]], Awaitable[Frame]]
 ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)
-DONE_DELAY = 0.005   # how long a finished read lease waits for a get to carry its end
 
 
 class SharedSlab:
@@ -100,10 +99,6 @@ class ShmPath:
         # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned
         self._pinned: dict[bytes, tuple[int, int, int, int, int, int]] = {}
         self._lease_ends: dict[int, float] = {}   # lease id -> when it ends at the latest (loop time)
-        # Read leases we are done with, named in the next get (or a one-way READ_DONE soon after):
-        # one message per get instead of two, and no extra wake-up of the store.
-        self._done: list[int] = []
-        self._flush: asyncio.TimerHandle | None = None
         self.is_closed = False
         # Unmap as soon as the connection is gone: a mapping keeps a dead store's whole slab
         # allocated, and the owner of a lost client may never call close().
@@ -114,12 +109,7 @@ class ShmPath:
                    ) -> tuple[list[tuple[memoryview, int] | None], list[int]]:
         """One get batch through the slab: the blocks, and the indexes of those that went stale
         while copied (the caller fetches those over the socket)."""
-        done, self._done = self._done, []
-        try:
-            frame = await request(op, {**meta, "shm": True, **({"done": done} if done else {})})
-        except BaseException:
-            self._done += done   # maybe never sent: name them again (the store ignores repeats)
-            raise
+        frame = await request(op, {**meta, "shm": True})
         if self.is_closed:
             raise ConnectionError(f"connection {self.frames.conn.name} lost")
         sizes, counts, spans = frame.meta["sizes"], frame.meta["num_layers"], frame.meta.get("spans")
@@ -147,19 +137,14 @@ class ShmPath:
             self._finished(frame.meta.get("read"))
 
     def _finished(self, read_id: Any) -> None:
+        """End the read lease now, one-way: the store handles it before any later frame of ours,
+        so a get leaves nothing pinned behind it, as over TCP (a put right after it may need
+        the slot)."""
         if isinstance(read_id, int):
-            self._done.append(read_id)
-            if self._flush is None:
-                self._flush = asyncio.get_running_loop().call_later(DONE_DELAY, self._send_done)
-
-    def _send_done(self) -> None:
-        self._flush = None
-        done, self._done = self._done, []
-        if done:
             try:
-                self.frames.conn.send(Op.READ_DONE, 0, {"reads": done})   # one-way: no reply
+                self.frames.conn.send(Op.READ_DONE, 0, {"reads": [read_id]})
             except ConnectionError:
-                pass   # the leases end with the connection anyway
+                pass   # the lease ends with the connection anyway
 
     def remember(self, lease_id: int, keys: Sequence[bytes], spans: Any, lease_s: float) -> None:
         """Blocks a MATCH pinned for us, readable without asking the store until released (or
@@ -227,8 +212,6 @@ class ShmPath:
         if self.is_closed:
             return
         self.is_closed = True
-        if self._flush is not None:
-            self._flush.cancel()
         self.slab.close()
         if self.staging is not None:
             self.staging.mapping.close()
