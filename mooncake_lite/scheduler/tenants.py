@@ -13,8 +13,9 @@ limit. A request is admitted in four steps, each refusal a 429 naming its limit:
    (how long it holds the chosen prefill: what a request arriving behind it waits), is compared
    with the tenant's ``shed_at`` (by class: high 1.0, normal 0.25, low 0.05) — but only while the
    tenant holds more than its weighted fair share (weights by class: high 16, normal 4, low 1) of
-   the requests in flight among the tenants active lately (and at least one request). Under that
-   share a tenant is judged by its SLOs alone.
+   the requests in flight among the tenants active lately. Under that share a tenant is judged by
+   its SLOs alone; over it, a tenant with nothing in flight gets a request through at least every
+   ``STARVE_AFTER_S`` (1 s).
 
 So as load rises the low class is refused first, then normal, and high only when its own SLO
 cannot be met; and a tenant never loses its fair share to another's flood, whatever the classes
@@ -40,6 +41,7 @@ from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 PRIORITIES = {"high": 2, "normal": 1, "low": 0}
 DEFAULT_TENANT = "default"       # the tenant of every request when no tenants are configured
 ACTIVE_WINDOW_S = 10.0           # a tenant with an arrival this recent counts in the fair share
+STARVE_AFTER_S = 1.0             # a tenant the priority rule let nothing through for this long gets one
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # a Prometheus label value, readable in logs
 _KEYS = frozenset({"api_keys", "priority", "weight", "rate", "burst", "max_concurrency", "ttft_slo",
                    "tbt_slo", "ttft_slo_factor", "tbt_slo_factor", "shed_at"})
@@ -258,11 +260,14 @@ class TenantLedger:
     :meth:`admit` on arrival, :meth:`shed` on the scheduler's accepted decision, and :meth:`end`
     once for every request :meth:`admit` let in, when it ends (refused later included)."""
 
-    def __init__(self, tenants: Tenants, active_window_s: float = ACTIVE_WINDOW_S) -> None:
+    def __init__(self, tenants: Tenants, active_window_s: float = ACTIVE_WINDOW_S,
+                 starve_after_s: float = STARVE_AFTER_S) -> None:
         self.tenants = tenants
         self.active_window_s = active_window_s
+        self.starve_after_s = starve_after_s
         self.in_flight: dict[str, int] = {}
         self.last_arrival: dict[str, float] = {}
+        self.last_passed: dict[str, float] = {}   # the priority rule last let one through (or first seen)
         self.buckets = {s.name: TokenBucket(s.rate, s.bucket_size, s.bucket_size)
                         for s in tenants.specs if s.rate is not None}
 
@@ -270,6 +275,7 @@ class TenantLedger:
         """A request of ``spec`` arrives: concurrency, then rate (a token is taken only when both
         pass). Admitted, it counts as in flight until :meth:`end`. Marks the tenant active."""
         self.last_arrival[spec.name] = now
+        self.last_passed.setdefault(spec.name, now)
         n = self.in_flight.get(spec.name, 0)
         if spec.max_concurrency is not None and n >= spec.max_concurrency:
             return Refusal("concurrency", f"tenant {spec.name!r} has {n} requests in flight, its limit "
@@ -285,13 +291,12 @@ class TenantLedger:
     def over_share(self, spec: TenantSpec, now: float) -> bool:
         """Whether ``spec`` (its request being judged admitted, so counted) holds more than its
         weighted fair share of the requests in flight, among the tenants with requests in flight
-        or recent arrivals. Every tenant's share is at least one request."""
+        or recent arrivals."""
         active = {name for name, n in self.in_flight.items() if n > 0}
         active.update(name for name, t in self.last_arrival.items() if now - t <= self.active_window_s)
         active.add(spec.name)
         weights = sum(self._weight(name) for name in active)
-        # at least one request in flight whatever the weights: no active tenant is starved
-        share = max(1.0, spec.share_weight / weights * sum(self.in_flight.values()))
+        share = spec.share_weight / weights * sum(self.in_flight.values())
         return self.in_flight.get(spec.name, 0) > share
 
     def _weight(self, name: str) -> float:
@@ -308,9 +313,14 @@ class TenantLedger:
 
     def priority_refusal(self, spec: TenantSpec, load: float, now: float) -> Refusal | None:
         """The priority rule on an accepted decision of predicted ``load``
-        (``admission.ttft_load``: predicted TTFT / the tenant's TTFT SLO)."""
+        (``admission.ttft_load``: predicted TTFT / the tenant's TTFT SLO). A tenant with nothing
+        else in flight that it let nothing through for ``starve_after_s`` gets this request
+        through whatever the load: shed, never starved."""
         threshold = spec.shed_threshold
-        if load <= threshold or threshold >= 1.0 or not self.over_share(spec, now):
+        if load <= threshold or threshold >= 1.0 or not self.over_share(spec, now) or \
+                (self.in_flight.get(spec.name, 0) <= 1 and
+                 now - self.last_passed.get(spec.name, now) >= self.starve_after_s):
+            self.last_passed[spec.name] = now
             return None
         return Refusal("priority", f"the cluster is busy: predicted load {load:.2f} of tenant {spec.name!r}'s "
                                    f"SLO is above the {threshold:g} its {spec.priority_name} priority may use "

@@ -136,8 +136,22 @@ def test_a_tenant_alone_is_judged_by_its_slos_and_activity_expires():
     assert led.priority_refusal(t.get("a"), 0.9, 0.0) is None           # nobody else to protect
     led.admit(t.get("b"), 0.0)
     led.end("b")                                                        # b came and went: a is over its half
-    assert led.priority_refusal(t.get("a"), 0.9, 1.0) is not None
+    assert led.priority_refusal(t.get("a"), 0.9, 0.5) is not None
     assert led.priority_refusal(t.get("a"), 0.9, 11.0) is None          # b quiet for > the window
+
+
+def test_a_shed_tenant_gets_one_request_through_per_starve_interval():
+    t = Tenants((TenantSpec("lo", priority=0), TenantSpec("hi", priority=2)))
+    led = TenantLedger(t, starve_after_s=1.0)
+    for _ in range(8):
+        led.admit(t.get("hi"), 0.0)
+    led.admit(t.get("lo"), 0.0)                                         # first seen at 0
+    passed = [now for now in (0.0, 0.4, 0.8, 1.0, 1.2, 1.9, 2.0, 2.5)
+              if led.priority_refusal(t.get("lo"), 0.9, now) is None]
+    assert passed == [1.0, 2.0]                                         # one per second, the rest shed
+    led.admit(t.get("lo"), 3.5)                                         # the one let through is in flight...
+    assert led.priority_refusal(t.get("lo"), 0.9, 3.5) is not None       # ...so no second one
+    assert led.priority_refusal(t.get("hi"), 0.9, 2.1) is None          # high: never shed
 
 
 def test_shed_reads_the_decisions_load_against_the_tenants_own_slo():
