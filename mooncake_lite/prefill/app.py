@@ -108,7 +108,8 @@ def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
     """The prefill app of this process's ``stage`` (a CPP group's other stages behind ``downstream``)."""
     service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                              hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
-                             downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive)
+                             downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive,
+                             batch_tokens=cfg.prefill_batch_tokens)
     return make_app(service, cfg.cluster_token)
 
 

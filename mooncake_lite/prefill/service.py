@@ -30,6 +30,7 @@ from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.scheduler.costs import pack_sizes, packed_durations
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
@@ -69,14 +70,15 @@ class PrefillService:
         # Prefill batching: pack queued prompts up to this many uncached tokens per forward (0: off;
         # a CPP group runs one request at a time).
         self.batch_tokens = batch_tokens if downstream is None else 0
-        self.num_packs = 0             # packed forwards of more than one request (for /metrics)
         self.queue: dict[str, QueuedJob] = {}
         self._lock = asyncio.Lock()
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0
         # Cumulative, for /metrics: how much prompt KV was reused vs computed, and bytes streamed.
-        self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0}
+        # packed_*: forwards that served several requests at once, and the requests they served.
+        self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0,
+                       "packed_forwards_total": 0, "packed_requests_total": 0}
 
     def check(self, req: PrefillRequest) -> list[bytes]:
         """Validate; returns the prompt's block keys."""
@@ -171,7 +173,8 @@ class PrefillService:
         now = time.perf_counter()
         for member in pack[1:]:
             member.started_at = now
-        self.num_packs += 1
+        self.totals["packed_forwards_total"] += 1
+        self.totals["packed_requests_total"] += len(pack)
         # Shielded: the leader's client leaving must not cancel the others' prefill midway.
         task = asyncio.ensure_future(self._run_pack(pack))
         try:
@@ -192,20 +195,24 @@ class PrefillService:
     async def _pack(self, lead: QueuedJob) -> list[QueuedJob]:
         """The lead and, in queue order, the requests after it while their uncached tokens fit
         in ``batch_tokens`` together and each in one chunk (the first that does not ends the pack)."""
-        limit = min(self.batch_tokens, self.chunk_size)
-        total = await self._uncached(lead)
+        limit = self.pack_limit
+        uncached = [await self._uncached(lead)]
         pack = [lead]
-        if total > limit:
-            return pack
         for job in list(self.queue.values()):
+            if uncached[0] > limit:
+                break
             if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
                 continue
-            n = await self._uncached(job)
-            if total + n > limit or job.request_id not in self.queue:
-                break
+            uncached.append(await self._uncached(job))
+            if pack_sizes(uncached, limit)[0] < len(uncached) or job.request_id not in self.queue:
+                break     # scheduler.costs.packed_durations prices a queue by this same rule
             pack.append(job)
-            total += n
         return pack
+
+    @property
+    def pack_limit(self) -> int:
+        """Uncached tokens one packed forward may hold (0: no packing)."""
+        return min(self.batch_tokens, self.chunk_size)
 
     async def _uncached(self, job: QueuedJob) -> int:
         return job.num_tokens - await self._match(job) * self.block_size
@@ -373,8 +380,10 @@ class PrefillService:
         queued_s = 0.0
         if self.cost is not None:
             now = time.perf_counter()
-            for job in self.queue.values():
-                t = self.cost.predict(job.num_tokens, job.num_prefix_tokens)
+            jobs = [j for j in self.queue.values() if not j.result.done()]   # served ones are only leaving
+            durations = packed_durations(self.cost, [(j.num_tokens, j.num_prefix_tokens) for j in jobs],
+                                         self.pack_limit)
+            for job, t in zip(jobs, durations):
                 if job.started_at is not None:
                     t = max(0.0, t - (now - job.started_at))
                 queued_s += t

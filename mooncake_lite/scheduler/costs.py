@@ -7,7 +7,7 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
@@ -89,6 +89,44 @@ class PrefillCostModel(_Coefficients):
             rows.append([1.0, n, n * (prefix + n), prefix])
             ys.append(seconds)
         return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
+
+
+def pack_sizes(uncached_tokens: Sequence[int], limit: int) -> list[int]:
+    """Prefill batching's rule: how a FIFO queue of prompts with these uncached token counts is
+    cut into packed forwards. From the head, prompts join the pack while their uncached tokens
+    together fit in ``limit``; the first that does not starts the next pack; a prompt over
+    ``limit`` is a pack of its own (it runs alone, chunked). ``limit`` <= 0: one prompt a pack."""
+    sizes: list[int] = []
+    total = 0
+    for n in uncached_tokens:
+        if sizes and limit > 0 and total + n <= limit:
+            sizes[-1] += 1
+            total += n
+        else:
+            sizes.append(1)
+            total = n if n <= limit else limit + 1   # an oversize prompt takes nobody along
+    return sizes
+
+
+def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], limit: int) -> list[float]:
+    """Each job's predicted duration in a queue of ``(num_tokens, num_prefix_tokens)`` jobs run
+    packed by :func:`pack_sizes` (the prefill instance's ``--prefill-batch-tokens``, capped at its
+    chunk). One forward pays the fixed ``c0`` once and each job its own token terms, so a pack
+    takes ``c0 + Σ (predict(job) - c0)``. Its jobs all end when it does: the last job of a pack
+    carries the pack's time and the others 0, so the running sums are the jobs' finish times and
+    a started pack counts as done for its elapsed time, exactly as with one job at a time (which
+    ``limit`` 0 gives: each job's own ``predict``)."""
+    predict, c0 = model.predict, model.c0
+    own = [predict(n, p) for n, p in jobs]
+    uncached = [n - min(max(p, 0), n - 1) for n, p in jobs]
+    out: list[float] = []
+    i = 0
+    for size in pack_sizes(uncached, limit):
+        pack = own[i:i + size]
+        out.extend([0.0] * (size - 1))
+        out.append(max(0.0, sum(pack) - c0 * (size - 1)))
+        i += size
+    return out
 
 
 @dataclass(frozen=True, slots=True)

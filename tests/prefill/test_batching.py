@@ -11,6 +11,7 @@ from mooncake_lite.model.generate import full_recompute_logits, reference_greedy
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner, PackedPass
 from mooncake_lite.model.weights import build_model
+from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_durations
 from tests.pd.harness import cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +103,7 @@ async def test_a_burst_is_packed_and_every_request_gets_its_reference_tokens(mod
         results = await asyncio.gather(*burst)
         for p, (tokens, reason, err) in zip(prompts, results):
             assert err is None and tokens == reference_greedy(model, p, 5)
-        assert c.prefill.num_packs >= 2       # 11 prompts, 48 tokens a forward: several packs
+        assert c.prefill.totals["packed_forwards_total"] >= 2       # 11 prompts, 48 tokens a forward: several packs
         assert c.prefill.totals["prefix_tokens_total"] >= 2 * 2 * BS   # both shared-prefix prompts hit
         # seeded sampling: packed, a request draws exactly what it draws alone
         c.prefill.batch_tokens = 0
@@ -121,11 +122,59 @@ async def test_a_member_aborted_in_the_queue_fails_alone(model):
             await asyncio.sleep(0.001)
         assert c.prefill.abort("r2") and c.decode.abort("r2")    # as the conductor does, to both
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert c.prefill.num_packs >= 1
+        assert c.prefill.totals["packed_forwards_total"] >= 1
         for i, (p, res) in enumerate(zip(prompts, results)):
             if i == 2:
                 assert isinstance(res, Exception) or res[2] is not None
             else:
                 assert res[0] == reference_greedy(model, p, 3)
+        await c.prefill.stage.drain_puts()
+        assert_clean(c)
+
+
+# --- the rule as a cost (scheduler.costs), and the instance following it ------------------------
+def test_pack_sizes_cut_a_fifo_queue_within_the_budget():
+    assert pack_sizes([100] * 6, 512) == [5, 1]
+    assert pack_sizes([600, 10, 10], 512) == [1, 2]          # oversize runs alone, takes nobody
+    assert pack_sizes([10, 600, 10], 512) == [1, 1, 1]       # FIFO: no one jumps the big one
+    assert pack_sizes([300, 300, 200, 12], 512) == [1, 3]
+    assert pack_sizes([5, 5, 5], 0) == [1, 1, 1]
+    assert pack_sizes([], 512) == []
+
+
+def test_packed_durations_pay_the_fixed_cost_once_per_pack():
+    model = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-6, c3=1e-5)
+    jobs = [(100, 0), (120, 64), (90, 0), (700, 0), (30, 16), (40, 0)]
+    alone = [model.predict(n, p) for n, p in jobs]
+    assert packed_durations(model, jobs, 0) == alone
+    got = packed_durations(model, jobs, 512)
+    # packs: jobs 0-2 (100+56+90 uncached), job 3 alone (700), jobs 4-5
+    assert got[:2] == [0.0, 0.0] and got[4] == 0.0
+    assert got[2] == pytest.approx(sum(alone[:3]) - 2 * model.c0)
+    assert got[3] == pytest.approx(alone[3])
+    assert got[5] == pytest.approx(alone[4] + alone[5] - model.c0)
+    assert sum(got) == pytest.approx(sum(alone) - 3 * model.c0)
+
+
+async def test_the_instance_packs_a_queue_the_way_the_rule_cuts_it(model):
+    prompts = [tokens_of(n, 90 + i) for i, n in enumerate([20, 20, 30, 70, 5, 5, 40, 3])]
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.batch_tokens = 48
+        packs, real_pack = [], c.prefill._pack
+
+        async def record(lead):
+            pack = await real_pack(lead)
+            packs.append(len(pack))
+            return pack
+
+        c.prefill._pack = record
+        await c.prefill._lock.acquire()       # hold the instance until the whole burst is queued
+        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 2)) for i, p in enumerate(prompts)]
+        while len(c.prefill.queue) < len(prompts):
+            await asyncio.sleep(0.001)
+        c.prefill._lock.release()
+        for p, (tokens, _, err) in zip(prompts, await asyncio.gather(*tasks)):
+            assert err is None and tokens == reference_greedy(model, p, 2)
+        assert packs == pack_sizes([len(p) for p in prompts], 48) == [2, 1, 1, 2, 2]
         await c.prefill.stage.drain_puts()
         assert_clean(c)
