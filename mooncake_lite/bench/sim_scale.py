@@ -42,12 +42,33 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--admission", default="early", choices=("none", "early", "predictive"))
     ap.add_argument("--ttft-slo", type=float, default=30.0)
     ap.add_argument("--tbt-slo", type=float, default=0.1)
+    ap.add_argument("--progress-every", type=int, default=50_000, metavar="N",
+                    help="print CPU seconds and resident memory to stderr every N ended requests (0: never)")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     return ap.parse_args(list(argv))
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # KiB on Linux
+
+
+def _progress_every(step: int):
+    """A progress callback printing, every ``step`` ended requests, the CPU seconds and the
+    current resident memory so far to stderr (a long run shows its rate and that its memory
+    stays flat before it ends)."""
+    if step <= 0:
+        return None
+    start, mark = time.process_time(), [0]
+
+    def progress(n: int) -> None:
+        if n >= mark[0] + step:
+            mark[0] = n - n % step
+            with open("/proc/self/statm") as fh:
+                rss_mb = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            sys.stderr.write(f"sim-scale: {n:,} requests ended, {time.process_time() - start:.1f} s CPU, "
+                             f"RSS {rss_mb:.0f} MB\n")
+            sys.stderr.flush()
+    return progress
 
 
 def simulate(path: str, args: argparse.Namespace) -> dict:
@@ -60,7 +81,7 @@ def simulate(path: str, args: argparse.Namespace) -> dict:
     stream = StreamingSummary(args.ttft_slo, args.tbt_slo)
     sim.recorder.sink = stream.add
     rss_before = _peak_rss_mb()
-    res = sim.run(iter_trace(path, block_size=hw.block_size))
+    res = sim.run(iter_trace(path, block_size=hw.block_size), progress=_progress_every(args.progress_every))
     summary = stream.summarize(res)
     n = summary["num_requests"]
     return {"num_requests": n, "num_prefill": args.prefill, "num_decode": args.decode,
