@@ -16,6 +16,10 @@ All times are the best of ``--repeats`` runs (other load on the machine can only
     with T threads, both as real processes driven over HTTP.
 (d) **decode**: tokens/s against batch size, and each step's time vs the memory roof (every
     step reads all weights once).
+(e) **burst**: ``--burst N`` prompts of ``--burst-len`` tokens arrive at one prefill instance at
+    once (the role's service, its KV to a real decode process); TTFT of each, with prefill batching
+    (``--burst-tokens``, the role's ``--prefill-batch-tokens``) against one prompt at a time, runs
+    interleaved; the ratio batched/unbatched of the mean and of the last TTFT (best of the runs).
 ``--profile FILE`` writes the fitted prefill/decode cost models in the scheduler's ``to_dict``
 format (``mooncake sim --cost-model FILE`` reads it); ``--json`` prints every figure as one object.
 
@@ -46,6 +50,8 @@ from mooncake_lite.model.source import DEFAULT_MODEL, resolve
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.prefill.service import PrefillService
+from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.instance.profile import profile_decode, profile_prefill, time_decode
 from mooncake_lite.prefill.store_io import MemoryStore
 
@@ -78,6 +84,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="decode batch sizes")
     ap.add_argument("--context-len", type=int, default=256, help="cached tokens per decoding sequence")
     ap.add_argument("--threads", type=int, default=2, help="total torch threads (CPP: split across stages)")
+    ap.add_argument("--burst", type=int, default=16, help="(e) prompts arriving at once (0: skip)")
+    ap.add_argument("--burst-len", type=int, default=100, help="(e) tokens per burst prompt")
+    ap.add_argument("--burst-tokens", type=int, default=512,
+                    help="(e) prefill batching budget (--prefill-batch-tokens) of the batched runs")
     ap.add_argument("--no-cpp", dest="cpp", action="store_false", help="skip (c), which starts processes")
     ap.add_argument("--profile", metavar="FILE", help="write the fitted cost models of the first model here")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
@@ -92,7 +102,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     a.cpp_lens = {m: n * (a.cpp_prompt_factor or DEFAULT_CPP_FACTORS.get(m, DEFAULT_CPP_FACTOR))
                   for m, n in a.prompt_lens.items()}
     if not a.models or min(a.batch_sizes) <= 0 or a.chunk <= 0 or a.repeats <= 0 or a.threads <= 0 \
-            or min(a.prompt_lens.values()) <= 0 or (a.cpp_prompt_factor is not None and a.cpp_prompt_factor <= 0):
+            or min(a.prompt_lens.values()) <= 0 or (a.cpp_prompt_factor is not None and a.cpp_prompt_factor <= 0) \
+            or a.burst < 0 or a.burst_len <= 0 or a.burst_tokens <= 0:
         ap.error("need models and positive sizes")
     return a
 
@@ -186,7 +197,8 @@ async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Rol
         raise ValueError(f"{name}: a {longest}-token prompt exceeds max_seq_len {model.args.max_seq_len}; "
                          f"pass a smaller --prompt-len or --cpp-prompt-factor")
     decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
-    runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks), block_size=BLOCK)
+    burst_blocks = a.burst * -(-a.burst_len // BLOCK)   # (e): a pack holds its members' blocks at once
+    runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks, burst_blocks), block_size=BLOCK)
     layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
     store = MemoryStore((0, model.args.num_layers), layer_bytes)
     stage = StageEngine(runner, store, ThreadPoolExecutor(1), write_back=False)
@@ -241,6 +253,58 @@ async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Rol
             row["ttft_share"] = row["ttft_s"] / prefix[0]["ttft_s"]
     await links.close()
     return {"overlap": overlap, "prefix": prefix, "runner": runner, "build_s": build_s}
+
+
+async def burst_ttfts(service: PrefillService, decode: RoleProcess, tag: str, n: int, length: int,
+                      vocab: int, seed: int) -> list[float]:
+    """Each TTFT (prefill request in to first token out, KV acknowledged by decode) of ``n``
+    fresh prompts sent to ``service`` at once; decode has reserved every one before."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    async with aiohttp.ClientSession() as session:
+        tids = [f"burst-{tag}-{seed}-{i}" for i in range(n)]
+        resps = [await announce(session, decode, tid, len(p)) for tid, p in zip(tids, prompts)]
+        t0 = time.perf_counter()
+
+        async def one(tid: str, tokens: list[int]) -> float:
+            await service.prefill(PrefillRequest(tid, tid, tuple(tokens), decode.addresses["data"],
+                                                 Sampling(max_tokens=1)))
+            return time.perf_counter() - t0
+
+        ttfts = await asyncio.gather(*(one(tid, p) for tid, p in zip(tids, prompts)))
+        for resp in resps:
+            await resp.read()
+            resp.release()
+    return list(ttfts)
+
+
+async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RoleProcess) -> dict:
+    """(e): the same bursts with prefill batching and without, interleaved; best run of each."""
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    stage = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
+                        write_back=False)
+    links = DecodeLinks(None)
+    modes = {}
+    for mode, budget in (("batched", a.burst_tokens), ("unbatched", 0)):
+        # chunk = the budget, so a pack may hold it all (the role's defaults: both 512)
+        modes[mode] = PrefillService(stage, links, block_size=BLOCK, hash_seed=0,
+                                     chunk_size=max(a.burst_tokens, a.burst_len), batch_tokens=budget)
+    runs = {m: [] for m in modes}
+    for rep in range(a.repeats + 1):        # the first round warms up
+        for mode, service in modes.items():
+            ttfts = await burst_ttfts(service, decode, mode, a.burst, a.burst_len, runner.args.vocab_size, rep)
+            if rep:
+                runs[mode].append(ttfts)
+    await links.close()
+    out = {"prompts": a.burst, "prompt_len": a.burst_len, "batch_tokens": a.burst_tokens,
+           "packed_forwards": modes["batched"].totals["packed_forwards_total"]}
+    for mode, rs in runs.items():
+        out[f"mean_ttft_{mode}_s"] = min(sum(r) / len(r) for r in rs)
+        out[f"last_ttft_{mode}_s"] = min(max(r) for r in rs)
+        out[f"first_ttft_{mode}_s"] = min(min(r) for r in rs)
+    out["mean_ratio"] = out["mean_ttft_batched_s"] / out["mean_ttft_unbatched_s"]
+    out["last_ratio"] = out["last_ttft_batched_s"] / out["last_ttft_unbatched_s"]
+    return out
 
 
 def _ttft_share(best: dict, transfer: float) -> float | None:
@@ -311,14 +375,17 @@ def run(a: argparse.Namespace) -> dict:
            "models": {}, "notes": notes}
     for name in a.models:
         n = a.prompt_lens[name]
+        blocks = max(2 * (max(n, a.cpp_lens[name]) // BLOCK + 2), 2 * a.burst * -(-(a.burst_len + 1) // BLOCK))
         decode = start_role("decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
-                      "--num-blocks", str(2 * (max(n, a.cpp_lens[name]) // BLOCK + 2)), "--threads", "1")
+                            "--num-blocks", str(blocks), "--threads", "1")
         try:
             part = asyncio.run(bench_overlap_and_prefix(name, a, decode))
             runner = part.pop("runner")
             build_s = part.pop("build_s")
             part["source"] = {**describe_model(name), "build_s": build_s, "load_s": header_s[name] + build_s}
             part["decode"] = bench_decode(runner, a, res["machine"]["copy_gbps"])
+            if a.burst:
+                part["burst"] = asyncio.run(bench_burst(runner, a, decode))
             prefill_cost, _ = profile_prefill(runner, [(64, 0), (n // 2, 0), (n, 0), (n // 4, n // 2),
                                                        (n // 2, n // 4), (n // 8, n - n // 8)], repeats=a.repeats)
             decode_cost, _ = profile_decode(runner, [(b, c) for b in a.batch_sizes[:4] for c in (64, a.context_len)])
@@ -361,6 +428,13 @@ def render(res: dict) -> str:
                          f"{c['ttft_cpp_2_stages_s'] * 1e3:.1f} ms (speedup {c['speedup']:.2f}x)")
         lines += [f"  (d) batch {r['batch']:>3}: {r['tokens_per_s']:8.1f} tokens/s, step {r['step_s'] * 1e3:.2f} ms "
                   f"({r['memory_roof_share']:.0%} of the memory roof)" for r in p["decode"]]
+        if "burst" in p:
+            b = p["burst"]
+            lines.append(f"  (e) burst of {b['prompts']} x {b['prompt_len']} tokens: mean TTFT batched "
+                         f"{b['mean_ttft_batched_s'] * 1e3:.1f} ms vs one at a time {b['mean_ttft_unbatched_s'] * 1e3:.1f} ms "
+                         f"({b['mean_ratio']:.2f}x), last {b['last_ttft_batched_s'] * 1e3:.1f} vs "
+                         f"{b['last_ttft_unbatched_s'] * 1e3:.1f} ms ({b['last_ratio']:.2f}x); budget {b['batch_tokens']} "
+                         f"tokens, {b['packed_forwards']} packed forwards")
     lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 

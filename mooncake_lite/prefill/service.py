@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
+from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
@@ -198,14 +199,17 @@ class PrefillService:
         limit = self.pack_limit
         uncached = [await self._uncached(lead)]
         pack = [lead]
+        # Every member's blocks are held at once: a pack never takes more than the cache has free.
+        free = self.stage.runner.allocator.num_free - blocks_needed(lead.num_tokens, self.block_size)
         for job in list(self.queue.values()):
             if uncached[0] > limit:
                 break
             if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
                 continue
             uncached.append(await self._uncached(job))
-            if pack_sizes(uncached, limit)[0] < len(uncached) or job.request_id not in self.queue:
-                break     # scheduler.costs.packed_durations prices a queue by this same rule
+            free -= blocks_needed(job.num_tokens, self.block_size)
+            if pack_sizes(uncached, limit)[0] < len(uncached) or free < 0 or job.request_id not in self.queue:
+                break     # scheduler.costs.packed_durations prices a queue by the same cut
             pack.append(job)
         return pack
 

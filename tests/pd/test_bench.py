@@ -18,7 +18,8 @@ def test_bench_pd_json_and_profile(tmp_path):
     profile = tmp_path / "tiny.json"
     out = subprocess.run([sys.executable, "-m", "mooncake_lite", "bench", "pd", "--models", "tiny",
                           "--prompt-len", "128", "--chunk", "64", "--repeats", "1", "--batch-sizes", "1,2",
-                          "--context-len", "64", "--no-cpp", "--threads", "1", "--json", "--profile", str(profile)],
+                          "--context-len", "64", "--no-cpp", "--threads", "1", "--json", "--profile", str(profile),
+                          "--burst", "4", "--burst-len", "20", "--burst-tokens", "64"],
                          cwd=REPO, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     res = orjson.loads(out.stdout)
@@ -27,6 +28,8 @@ def test_bench_pd_json_and_profile(tmp_path):
     assert [r["cached_tokens"] for r in tiny["prefix"]] == [0, 0, 64, 64]   # whole 64-token blocks only
     assert [r["batch"] for r in tiny["decode"]] == [1, 2]
     assert tiny["source"]["kind"] == "preset" and tiny["source"]["load_s"] > 0
+    burst = tiny["burst"]     # (e): 4 prompts of 20 tokens, 64 tokens a forward: packed
+    assert burst["prompts"] == 4 and burst["packed_forwards"] >= 1 and burst["mean_ratio"] > 0
     hw = load_profile(profile)
     saved = orjson.loads(profile.read_bytes())
     assert hw.name == "tiny-cpu" and hw.kv_bytes_per_token == 1024 and saved["block_size"] == 64

@@ -178,3 +178,19 @@ async def test_the_instance_packs_a_queue_the_way_the_rule_cuts_it(model):
         assert packs == pack_sizes([len(p) for p in prompts], 48) == [2, 1, 1, 2, 2]
         await c.prefill.stage.drain_puts()
         assert_clean(c)
+
+
+async def test_a_pack_takes_no_more_than_the_cache_holds(model):
+    """Members hold their blocks at once: with room for two prompts, packs are of two, nobody is refused."""
+    prompts = [tokens_of(2 * BS, 120 + i) for i in range(5)]
+    async with cluster(model, block_size=BS, chunk=64, prefill_blocks=4) as c:
+        c.prefill.batch_tokens = 64
+        await c.prefill._lock.acquire()
+        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 2)) for i, p in enumerate(prompts)]
+        while len(c.prefill.queue) < len(prompts):
+            await asyncio.sleep(0.001)
+        c.prefill._lock.release()
+        for p, (tokens, _, err) in zip(prompts, await asyncio.gather(*tasks)):
+            assert err is None and tokens == reference_greedy(model, p, 2)
+        assert c.prefill.totals["packed_requests_total"] == 4 and c.prefill.totals["packed_forwards_total"] == 2
+        assert_clean(c)
