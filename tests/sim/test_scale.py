@@ -125,3 +125,20 @@ def test_decode_logs_are_trimmed_without_changing_any_result(monkeypatch):
     kept = sum(len(d.batch.log) for d in kept_sim.decodes)
     assert sum(d.batch._log_base + len(d.batch.log) for d in sim.decodes) == kept    # same entries...
     assert sum(len(d.batch.log) for d in sim.decodes) < kept / 4                     # ...few still held
+
+
+def test_bench_sim_scale_streams_a_synthetic_trace_and_reports_its_run(capsys, tmp_path):
+    from mooncake_lite.bench import sim_scale
+    assert sim_scale.main(["-n", "150", "--prefill", "3", "--decode", "2", "--rate", "2", "--json",
+                           "--progress-every", "100"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    s = out["summary"]
+    assert out["num_requests"] == s["num_requests"] == 150 == s["completed"] + s["rejected"]
+    assert out["num_prefill"] == 3 and out["peak_rss_mb"] >= out["peak_rss_mb_before_run"] > 0
+    assert s["ttft_s"]["p50"] is not None and 0 < s["reused_token_share"] < 1
+    assert "150 requests ended" in captured.err                  # progress goes to stderr
+    path = tmp_path / "t.jsonl"                                  # --trace: simulate a given file
+    path.write_text("".join(json.dumps(obj) + "\n" for obj in _fast25_lines(30)))
+    assert sim_scale.main(["--trace", str(path), "--prefill", "2", "--decode", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_requests"] == 30
