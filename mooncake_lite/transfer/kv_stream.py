@@ -25,7 +25,10 @@ full KV of every prompt position, whatever produced it.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the op codes are read by the conductor's KV sink, which must not load torch
+    import torch
 
 OP_KV_LAYER = 20
 OP_KV_END = 21
@@ -38,12 +41,14 @@ def layer_frame_meta(transfer_id: str, layer: int, start: int, num_tokens: int) 
 
 
 def token_kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    import torch
     return 2 * num_tokens * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def tensor_from_payload(payload: list[memoryview], num_tokens: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> torch.Tensor:
     """``[2, n, kvh, hd]`` view over the received payload (no copy when it came in one buffer)."""
+    import torch
     buf = payload[0] if len(payload) == 1 else memoryview(bytearray(b"".join(payload)))
     flat = torch.frombuffer(buf, dtype=dtype) if buf.nbytes else torch.empty(0, dtype=dtype)
     return flat.view(2, num_tokens, num_kv_heads, head_dim)
