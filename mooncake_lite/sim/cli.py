@@ -40,6 +40,9 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eviction", choices=POLICY_NAMES, default="lru")
     ap.add_argument("--store-blocks", type=int, default=None, help="blocks per node store (default: from DRAM)")
     ap.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier blocks per node (0 = none)")
+    ap.add_argument("--kv-compression", choices=("none", "int8", "fp8"), default="none",
+                    help="store blocks as 1-byte codes (the live --kv-compression): more blocks in the "
+                         "same DRAM, smaller prefix loads and fetches")
     ap.add_argument("--network-gbps", type=float, default=None,
                     help="effective network bandwidth between nodes (default: the cost model's)")
     ap.add_argument("--strategy", choices=STRATEGIES, default="kvcache-centric")
@@ -81,7 +84,7 @@ def run_main(argv: list[str]) -> int:
     from mooncake_lite.sim import plots
     from mooncake_lite.sim.runner import run_with_progress
     try:
-        hw = get_hardware(args.cost_model)
+        hw = get_hardware(args.cost_model).with_kv_compression(args.kv_compression)
         if args.network_gbps is not None:
             if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
                 raise ValueError(f"--network-gbps must be a positive number, got {args.network_gbps}")

@@ -51,9 +51,14 @@ class Hardware:
     dram_usable_fraction: float = 0.8
     block_size: int = 512
     ssd_load_bytes_per_s: float = 8 * 3e9   # 8 NVMe drives × ~3 GB/s (SSD tier → GPU)
+    # Bytes of a stored block over its bytes in the model dtype (--kv-compression: ~0.5 for int8
+    # codes of fp16 KV). Store capacity, store→store fetches and prefix loads shrink by it; the
+    # prefill→decode stream stays in the model dtype, as the scheduler's estimates do.
+    store_kv_factor: float = 1.0
 
     def block_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.block_size
+        """Bytes of one block as the store keeps (and moves) it."""
+        return int(self.kv_bytes_per_token * self.store_kv_factor * self.block_size)
 
     def dram_blocks(self) -> int:
         """Blocks of ``block_size`` tokens one node's store can hold."""
@@ -69,8 +74,16 @@ class Hardware:
         """Loading a reused prefix into the GPU: from the node's DRAM, except ``from_ssd_tokens``
         of it read from the SSD tier first (slower than the loads layer-wise prefill hides)."""
         from_ssd_tokens = min(from_ssd_tokens, num_prefix_tokens)
-        return ((num_prefix_tokens - from_ssd_tokens) * self.kv_bytes_per_token / self.local_load_bytes_per_s
-                + from_ssd_tokens * self.kv_bytes_per_token / self.ssd_load_bytes_per_s)
+        per_token = self.kv_bytes_per_token * self.store_kv_factor
+        return ((num_prefix_tokens - from_ssd_tokens) * per_token / self.local_load_bytes_per_s
+                + from_ssd_tokens * per_token / self.ssd_load_bytes_per_s)
+
+    def with_kv_compression(self, codec: str, dtype_bytes: int = 2, head_dim: int = 128) -> Hardware:
+        """This hardware with store blocks encoded by ``codec`` (kernels/kv_codec.py: 1-byte codes
+        plus a 4-byte scale per ``block_size`` x ``head_dim`` codes of each K/V head and layer)."""
+        if codec == "none":
+            return self
+        return replace(self, store_kv_factor=(1 + 4 / (self.block_size * head_dim)) / dtype_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),

@@ -108,3 +108,28 @@ async def test_int8_prefix_hit_matches_the_codec_reference(role_procs, tmp_path,
     files = list(Path(tmp_path / "ssd").rglob("*.blk"))
     assert len(files) >= 4
     assert all(BLOCK < f.stat().st_size < BLOCK + 256 for f in files)   # header + one encoded block
+
+
+def test_the_simulator_keeps_twice_the_blocks_in_equal_dram_and_loads_them_faster():
+    from mooncake_lite.sim.costs import get_hardware
+    hw = get_hardware("llama2-70b-a800")
+    coded = hw.with_kv_compression("int8")
+    assert hw.with_kv_compression("none") is hw
+    assert coded.dram_blocks() == pytest.approx(2 * hw.dram_blocks(), abs=1)
+    assert coded.block_bytes() < hw.block_bytes() / 1.99
+    assert coded.prefix_load_seconds(4096) == pytest.approx(hw.prefix_load_seconds(4096) * coded.store_kv_factor)
+    assert coded.kv_bytes_per_token == hw.kv_bytes_per_token    # the prefill→decode stream is not coded
+
+
+def test_the_bench_reports_agreement_bytes_and_capacity(capsys):
+    import orjson
+
+    from mooncake_lite.bench.kv_compression import main
+    assert main(["--model", "tiny", "--prompts", "2", "--max-tokens", "2", "--codecs", "int8", "--trace", "",
+                 "--dram", "1MiB", "--json"]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    acc = out["accuracy"]["int8"]
+    assert acc["prompts"] == 2 and 0 <= acc["greedy_token_agreement"] <= 1 and acc["logit_max_abs_err"] > 0
+    plain, coded = out["blocks"]["block_bytes"]["none"], out["blocks"]["block_bytes"]["coded"]
+    assert (plain, coded) == (16384, BLOCK)
+    assert out["blocks"]["store_blocks_at_dram"] == {"dram": 1 << 20, "none": 64, "coded": (1 << 20) // BLOCK}
