@@ -118,9 +118,11 @@ async def block_events(request: web.Request) -> web.Response:
     if evicted:
         index.apply(BlockEvent(ev.store, "evicted", evicted))
     # A store we never had a full sync from (we restarted, it did not): ask for one. Its
-    # events are applied meanwhile — partial knowledge beats none.
+    # events are applied meanwhile — partial knowledge beats none. dead_after_s: the store keeps
+    # alive well within it, whatever --dead-after is.
     return web.json_response({"ok": True, "num_blocks": index.num_blocks(ev.store),
-                              "resync": not index.is_synced(ev.store)})
+                              "resync": not index.is_synced(ev.store),
+                              "dead_after_s": svc.membership.dead_after_s})
 
 
 def drop_silent_stores(app: web.Application, now: float) -> None:

@@ -10,7 +10,9 @@ Given an ``inventory`` (the store's held keys), the first post is a full sync
 (``BlockEvents.full``, chunked), so a restarted store replaces whatever the conductor still
 believed it held; and whenever the conductor answers ``"resync": true`` (it restarted and does
 not know this store), the next post is a full sync again. An idle store posts an empty message
-every ``keepalive`` seconds, so a quiet store hears about a restarted conductor too.
+every ``keepalive`` seconds, so a quiet store hears about a restarted conductor too. The
+conductor's answer carries its ``dead_after_s``; the keepalive then follows it (a third of it,
+at most ``keepalive``), so a short ``--dead-after`` never drops a live idle store as silent.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class BlockEventPublisher:
         self._is_down = False
         self.inventory = inventory
         self.keepalive = keepalive
+        self.max_keepalive = keepalive   # the configured ceiling; the conductor's dead_after may lower it
         self._last_post = time.monotonic()
         self.num_full_syncs = 0
         self._needs_full = inventory is not None
@@ -148,9 +151,17 @@ class BlockEventPublisher:
         if self._is_down:
             log.info("block events: conductor reachable again")
             self._is_down = False
-        if self.inventory is not None and _asks_resync(body):
+        answer = _answer(body)
+        if self.inventory is not None and answer.get("resync") is True:
             self._needs_full = True
+        self._follow_dead_after(answer.get("dead_after_s"))
         return True
+
+    def _follow_dead_after(self, dead_after: object) -> None:
+        """Keep alive three times per conductor's ``dead_after``: one lost or late post must not
+        make a live idle store look silent."""
+        if isinstance(dead_after, (int, float)) and not isinstance(dead_after, bool) and dead_after > 0:
+            self.keepalive = min(self.max_keepalive, dead_after / 3)
 
     def _requeue(self, batch: OrderedDict[bytes, bool]) -> None:
         newer = self._pending
@@ -159,10 +170,11 @@ class BlockEventPublisher:
             self._record(key, kind)
 
 
-def _asks_resync(body: bytes) -> bool:
-    """The conductor's answer says it does not know this store (it restarted): sync in full."""
+def _answer(body: bytes) -> dict:
+    """The conductor's answer: ``resync`` (it does not know this store: sync in full) and
+    ``dead_after_s`` (how long a silent store stays in its index); {} if unreadable."""
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(answer, dict) and answer.get("resync") is True
+        return {}
+    return answer if isinstance(answer, dict) else {}
