@@ -41,10 +41,12 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import orjson
 import torch
+import torch.nn.functional as F
 
 from mooncake_lite.bench.model import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
+from mooncake_lite.model.llama import packed_prefill_attention
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, resolve
 from mooncake_lite.model.weights import build_model
@@ -304,7 +306,55 @@ async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RolePr
         out[f"first_ttft_{mode}_s"] = min(min(r) for r in rs)
     out["mean_ratio"] = out["mean_ttft_batched_s"] / out["mean_ttft_unbatched_s"]
     out["last_ratio"] = out["last_ttft_batched_s"] / out["last_ttft_unbatched_s"]
+    # the packed forward's attention, as run (varlen) and as a padded batch would: equal prompts,
+    # then lengths spread 0.5-1.5x (padding to the longest then costs more)
+    spread = [max(1, a.burst_len * (2 + 4 * i // max(1, a.burst - 1)) // 4) for i in range(a.burst)]
+    out["attention_equal"] = attention_varlen_vs_padded(runner, [a.burst_len] * a.burst, 5 * a.repeats)
+    out["attention_spread"] = attention_varlen_vs_padded(runner, spread, 5 * a.repeats)
     return out
+
+
+def attention_varlen_vs_padded(runner: ModelRunner, lengths: list[int], repeats: int) -> dict:
+    """One layer's prefill attention for prompts of ``lengths`` packed in one forward, two ways:
+    varlen (each sequence's SDPA over its own context: what the model runs) and a padded batch
+    (one SDPA over [batch, longest] with a causal and length mask). Seconds, best of ``repeats``."""
+    args, bs = runner.args, runner.block_size
+    tables = [runner.allocator.allocate(-(-n // bs)) for n in lengths]
+    try:
+        meta = runner.packed_prefill_meta([(t, 0, n) for t, n in zip(tables, lengths)])
+        k_cache, v_cache = runner.cache.layer(runner.model.first_layer)
+        q = torch.randn(sum(lengths), args.num_heads, args.head_dim, dtype=runner.dtype)
+        longest = max(lengths)
+        pos = torch.arange(longest)
+        mask = (pos[None, :] <= pos[:, None])[None] & (pos < torch.tensor(lengths)[:, None])[:, None, :]
+
+        def varlen():
+            return packed_prefill_attention(q, k_cache, v_cache, meta)
+
+        def padded():
+            qp = q.new_zeros(len(lengths), longest, args.num_heads, args.head_dim)
+            kp = q.new_zeros(len(lengths), longest, args.num_kv_heads, args.head_dim)
+            vp = torch.zeros_like(kp)
+            for i, (off, n, _) in enumerate(meta.segments):
+                slots = meta.slot_mapping[off:off + n]
+                qp[i, :n] = q[off:off + n]
+                kp[i, :n] = k_cache.view(-1, args.num_kv_heads, args.head_dim)[slots]
+                vp[i, :n] = v_cache.view(-1, args.num_kv_heads, args.head_dim)[slots]
+            out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                                 attn_mask=mask[:, None], enable_gqa=True)
+            return torch.cat([out[i, :, :n].transpose(0, 1) for i, n in enumerate(lengths)])
+
+        torch.testing.assert_close(varlen(), padded(), atol=1e-3, rtol=1e-3)   # the same attention
+        times = {"varlen_s": float("inf"), "padded_s": float("inf")}
+        for _ in range(repeats):          # interleaved: a load drift hits both alike
+            for name, fn in (("varlen_s", varlen), ("padded_s", padded)):
+                t0 = time.perf_counter()
+                fn()
+                times[name] = min(times[name], time.perf_counter() - t0)
+        return {**times, "padded_over_varlen": times["padded_s"] / times["varlen_s"]}
+    finally:
+        for t in tables:
+            runner.allocator.free(t)
 
 
 def _ttft_share(best: dict, transfer: float) -> float | None:
@@ -435,6 +485,10 @@ def render(res: dict) -> str:
                          f"({b['mean_ratio']:.2f}x), last {b['last_ttft_batched_s'] * 1e3:.1f} vs "
                          f"{b['last_ttft_unbatched_s'] * 1e3:.1f} ms ({b['last_ratio']:.2f}x); budget {b['batch_tokens']} "
                          f"tokens, {b['packed_forwards']} packed forwards")
+            for label, key in (("equal lengths", "attention_equal"), ("lengths 0.5-1.5x", "attention_spread")):
+                t = b[key]
+                lines.append(f"      one layer's attention, {label}: varlen {t['varlen_s'] * 1e3:.2f} ms, padded batch "
+                             f"{t['padded_s'] * 1e3:.2f} ms ({t['padded_over_varlen']:.2f}x)")
     lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
 
