@@ -29,7 +29,7 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
 
 
 def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-                       threads: int | None = None) -> UpOptions:
+                       threads: int | None = None, pin: bool = False) -> UpOptions:
     """``opts`` with this machine's CPUs and available memory and the served model's weight and KV
     sizes, for the plan to divide. A model this process cannot read still gets its core shares
     (the memory shares then count no weights)."""
@@ -44,5 +44,5 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
     except (ValueError, OSError, KeyError):
         pass
     share = MachineShare(cpus=usable_cpus(), available_memory=available_memory(), memory_fraction=memory_fraction,
-                         threads=threads, **facts)
+                         threads=threads, pin=pin, **facts)
     return dataclasses.replace(opts, share=share)

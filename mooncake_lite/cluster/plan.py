@@ -16,9 +16,9 @@ stores get ``--slot-bytes`` (rounded up to 64 KiB) and a ``--dram`` of at least 
 unless the user set those options (flags, config file or environment) themselves.
 
 On one box the roles share the machine (``UpOptions.share``, see :func:`core_shares` and
-:func:`memory_shares`): each prefill and decode instance gets its own slice of the CPUs (torch
-intra-op threads and affinity), since instances that each ask for every core spin against each
-other; and a fraction of the memory available at start, after every instance's weights, is split
+:func:`memory_shares`): each prefill and decode instance gets its own slice of the CPUs as torch
+intra-op threads (and, with ``--pin``, as its affinity), since instances that each ask for every
+core spin against each other; and a fraction of the memory available at start, after every instance's weights, is split
 into the instances' KV caches and the stores' DRAM, so the default cluster can hold the load the
 machine can. Anything the user set (``--threads``, ``--cpus``, ``--kv-memory``, ``--num-blocks``,
 ``--dram``) wins.
@@ -68,6 +68,7 @@ class MachineShare:
     kv_token_bytes: int | None = None     # KV bytes of one token, every layer (None: unknown)
     max_seq_len: int | None = None        # the model's longest sequence
     threads: int | None = None            # `mooncake up --threads`: this many per instance, not pinned
+    pin: bool = False                     # `mooncake up --pin`: also bind each instance to its CPUs
 
     def __post_init__(self) -> None:
         if not self.cpus:
@@ -284,7 +285,9 @@ def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[st
             flags.append(("--threads", str(share.threads)))
     elif not (user["threads"] or user["cpus"]):
         cpus = core_shares(share.cpus, opts.num_prefill, opts.num_decode)[name]
-        flags += [("--threads", str(len(cpus))), ("--cpus", ",".join(map(str, cpus)))]
+        flags.append(("--threads", str(len(cpus))))
+        if share.pin:
+            flags.append(("--cpus", ",".join(map(str, cpus))))
     if not (user["kv_memory"] or user["num_blocks"]):
         mem = memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores)
         flags.append(("--kv-memory", str(mem.prefill_kv if role == "prefill" else mem.decode_kv)))

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of every prefill/decode instance, unpinned (default: each gets its own "
                         "slice of this machine's CPUs)")
+    p.add_argument("--pin", action="store_true",
+                   help="also bind each prefill/decode instance to its CPUs (affinity); off by default, since "
+                        "on a box shared with other work a pinned process cannot move off a busy core")
     p.add_argument("--no-share", action="store_true",
                    help="size nothing from this machine: every role takes its own defaults and all cores")
     p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
@@ -263,7 +266,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         opts = with_store_sizing(with_role_support(options_from(ns)))
         if not ns.no_share:   # each role's share of this machine's cores and memory (plan.py)
-            opts = with_machine_share(opts, memory_fraction=ns.kv_memory_fraction, threads=ns.threads)
+            opts = with_machine_share(opts, memory_fraction=ns.kv_memory_fraction, threads=ns.threads, pin=ns.pin)
     except ValueError as exc:
         sys.stderr.write(f"mooncake up: error: {exc}\n")
         return 2

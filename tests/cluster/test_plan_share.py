@@ -101,8 +101,10 @@ def test_instances_get_their_share_as_flags_the_roles_accept():
     o = planned()
     prefill, decode = instance_specs(o, "http://c", ["h:1"])
     m = memory_shares(o.share, 1, 1, 1)
-    assert flags_of(prefill) == {"--threads": "1", "--cpus": "0", "--kv-memory": str(m.prefill_kv)}
-    assert flags_of(decode) == {"--threads": "1", "--cpus": "1", "--kv-memory": str(m.decode_kv)}
+    assert flags_of(prefill) == {"--threads": "1", "--kv-memory": str(m.prefill_kv)}     # not pinned
+    assert flags_of(decode) == {"--threads": "1", "--kv-memory": str(m.decode_kv)}
+    prefill, decode = instance_specs(planned(share=smollm(pin=True)), "http://c", ["h:1"])  # --pin
+    assert flags_of(prefill)["--cpus"] == "0" and flags_of(decode)["--cpus"] == "1"
     for spec, config, role in ((prefill, PrefillConfig, "prefill"), (decode, DecodeConfig, "decode")):
         argv = [a for pair in flags_of(spec).items() for a in pair]
         cfg = load_config(config, argv, prog="t", section=role, env={})
@@ -110,11 +112,11 @@ def test_instances_get_their_share_as_flags_the_roles_accept():
 
 
 def test_what_the_user_set_wins():
-    o = planned(role_args={"decode": ("--threads", "2"), "prefill": ("--num-blocks=64",)})
+    o = planned(share=smollm(pin=True), role_args={"decode": ("--threads", "2"), "prefill": ("--num-blocks=64",)})
     prefill, decode = instance_specs(o, "http://c", ["h:1"])
     assert flags_of(prefill).keys() == {"--threads", "--cpus"} and "--kv-memory" in flags_of(decode)
     assert decode.argv[-2:] == ("--threads", "2") and "--cpus" not in decode.argv
-    unpinned = planned(share=smollm(threads=3))                     # `mooncake up --threads 3`
+    unpinned = planned(share=smollm(threads=3, pin=True))           # `mooncake up --threads 3`: unpinned
     assert all(flags_of(s).get("--threads") == "3" and "--cpus" not in s.argv
                for s in instance_specs(unpinned, "http://c", ["h:1"]))
     # a custom launcher's roles may not take tuning flags: they get none
@@ -147,9 +149,9 @@ def test_machine_facts_are_read_from_this_machine(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_real_up_child_runs_with_its_share():
-    """`mooncake up --smoke` with the real roles: each instance logs the torch threads and CPUs it
-    actually has, and they are its plan's share."""
-    proc = subprocess.run(up_command("--model", "tiny", "--smoke", "--smoke-max-tokens", "1", fake=False),
+    """`mooncake up --pin --smoke` with the real roles: each instance logs the torch threads and
+    CPUs it actually has, and they are its plan's share."""
+    proc = subprocess.run(up_command("--model", "tiny", "--pin", "--smoke", "--smoke-max-tokens", "1", fake=False),
                           capture_output=True, text=True, timeout=230, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {m.group(1): (int(m.group(2)), tuple(int(c) for c in m.group(3).split(",")))
