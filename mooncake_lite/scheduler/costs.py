@@ -8,10 +8,13 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
 
@@ -182,6 +185,10 @@ class CostModels:
     kv_bytes_per_token: int
     bandwidth_bytes_per_s: float = 10e9
     transfer_latency_s: float = 0.0
+    # Measured speed per store pair (the live conductor's, updated in place as prefills report
+    # transfers); a measured pair wins over an instance's and the default bandwidth. None: the
+    # fixed figures only (the simulator).
+    links: LinkSpeeds | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:

@@ -35,10 +35,11 @@ class PrefillChoice(NamedTuple):
     route: Route
 
 
-def _transfer_s(p: PrefillInstanceState, num_blocks: int, cfg: SchedulerConfig,
+def _transfer_s(p: PrefillInstanceState, num_blocks: int, source: Hashable, cfg: SchedulerConfig,
                 costs: CostModels) -> float:
     nbytes = num_blocks * cfg.block_size * costs.kv_bytes_per_token
-    bandwidth = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+    measured = costs.links.bandwidth(source, p.store_id) if costs.links is not None else None
+    bandwidth = measured or p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
     return kv_transfer_time(nbytes, bandwidth, costs.transfer_latency_s)
 
 
@@ -49,7 +50,7 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
     copied from the best holder first."""
     model = prefill_model(p, costs)
     if fetch and match.best_len > local:
-        transfer_s = _transfer_s(p, match.best_len - local, cfg, costs)
+        transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
         prefill_s = model.predict(req.num_tokens, match.best_len * cfg.block_size)
         return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
                              match.best_len, local, match.best_store_id, route or "transfer")
@@ -92,6 +93,7 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     block_bytes = block_size * costs.kv_bytes_per_token
     latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
     best, best_key, default_model = None, float("inf"), costs.prefill
+    measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     # This loop runs per instance per request: one cost-model call each, the transfer time
     # (_transfer_s) written out.
     for p, queue_s in zip(prefills, queue_times):
@@ -100,7 +102,7 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
         # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
         if local < best_len and (not local or best_len / local >= threshold):
-            bandwidth = p.bandwidth_bytes_per_s or default_bandwidth
+            bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
             key = (latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
                    + model.predict(num_tokens, best_len * block_size))
             fetch = True

@@ -154,11 +154,12 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
         key = queue + table.predict(num_tokens, 0)
     else:
         fetched = table.predict(num_tokens, best_len * block_size)
-        key = latency_s + best_len * block_bytes / table.bw + queue + fetched
+        bw = _measured_bw(table, costs, match.best_store_id)
+        key = latency_s + best_len * block_bytes / bw + queue + fetched
         rows, local = _held(table, match)
         if rows.size:
             fetch = (local < best_len) & (best_len / local >= cfg.kvcache_balancing_threshold)
-            with_fetch = (latency_s + (best_len - local) * block_bytes / table.bw[rows] + queue[rows]
+            with_fetch = (latency_s + (best_len - local) * block_bytes / bw[rows] + queue[rows]
                           + fetched[rows])
             with_local = queue[rows] + _predict_rows(table.coef[:, rows], num_tokens, local * block_size)
             key[rows] = np.where(fetch, with_fetch, with_local)
@@ -167,6 +168,21 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
         return None
     local_i = match.lengths.get(table.prefills[i].store_id, 0)
     return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
+
+
+def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np.ndarray:
+    """The rows' fetch bandwidths, with the measured speed from ``source`` to a row's store in
+    place of its instance's or the default one (costs.links; the table itself never holds
+    these: they change without any instance's state changing)."""
+    measured = costs.links.from_source(source) if costs.links is not None else None
+    if not measured:
+        return table.bw
+    bw, positions = table.bw.copy(), table.positions
+    for dest, speed in measured.items():
+        rows = positions.get(dest)
+        if rows and speed:
+            bw[rows] = speed
+    return bw
 
 
 def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarray]:
