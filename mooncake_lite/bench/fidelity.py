@@ -267,7 +267,23 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
                    model_step_s=hw.decode.predict(max(1, round(batch)), round(ctx * batch)))
         out["step_model_error"] = rel_error(out["model_step_s"], client_itl)
     out.update(gaps_by_prefill_activity(ok))
+    out.update(first_token_shapes(ok))
     return out
+
+
+def first_token_shapes(ok: Sequence, within_s: float = 0.05) -> dict[str, float]:
+    """Two live behaviours the simulator does not have, counted: requests whose first token
+    reached the client within ``within_s`` of another request's (prefill batching packs queued
+    prompts into one forward; the simulated prefill runs one at a time), and requests whose
+    first two tokens arrived together (the first token was held until the decode's first
+    step, so the live TTFT includes that step and the first gap is ~0)."""
+    firsts = sorted(r.chunk_s[0] for r in ok)
+    packed = sum(1 for i, t in enumerate(firsts)
+                 if (i > 0 and t - firsts[i - 1] <= within_s) or (i + 1 < len(firsts) and firsts[i + 1] - t <= within_s))
+    two = [r for r in ok if len(r.chunk_s) > 1]
+    together = sum(1 for r in two if r.chunk_s[1] - r.chunk_s[0] <= within_s)
+    return {"first_tokens_packed": float(packed), "first_two_tokens_together": float(together),
+            "requests_with_two_tokens": float(len(two))}
 
 
 def gaps_by_prefill_activity(ok: Sequence) -> dict[str, float]:

@@ -123,3 +123,11 @@ def test_gaps_are_split_by_whether_a_prefill_was_in_progress():
     assert (out["gaps_during_prefill"], out["gaps_prefill_idle"]) == (3, 1)
     assert out["gap_mean_during_prefill_s"] == pytest.approx(0.1)
     assert out["gap_ratio_during_vs_idle"] == pytest.approx(0.1 / 0.25)
+
+
+def test_first_tokens_landing_together_are_counted():
+    a = RequestRecord(0, 0.0, 0.0, (1.00, 1.001, 1.3), 10, 3, 200)   # packed with b; tokens 1 and 2 together
+    b = RequestRecord(1, 0.0, 0.0, (1.02, 1.4), 10, 2, 200)          # packed with a
+    c = RequestRecord(2, 0.0, 0.0, (2.0, 2.3), 10, 2, 200)
+    out = fidelity.first_token_shapes([a, b, c])
+    assert (out["first_tokens_packed"], out["first_two_tokens_together"], out["requests_with_two_tokens"]) == (2, 1, 3)
