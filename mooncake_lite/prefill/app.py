@@ -109,7 +109,7 @@ def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
     service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                              hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
                              downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive,
-                             batch_tokens=cfg.prefill_batch_tokens)
+                             batch_tokens=cfg.prefill_batch_tokens, block_bytes=stored_block_bytes(cfg))
     return make_app(service, cfg.cluster_token)
 
 

@@ -54,13 +54,15 @@ class QueuedJob:
     hit: int | None = None                      # leading blocks found in the store, once matched
     stop_keepalive: Callable[[], object] | None = None
     result: asyncio.Future | None = None        # set by the leader that served it in its pack
+    migrated: tuple[float, float] | None = None # its hot-spot migration: (bytes copied, seconds)
 
 
 class PrefillService:
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
                  chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0,
-                 batch_tokens: int = 0):
+                 batch_tokens: int = 0, block_bytes: int = 0):
         self.stage = stage
+        self.block_bytes = block_bytes # one whole block as the store keeps it: prices a migration
         self.links = links
         self.block_size = block_size
         self.hash_seed = hash_seed
@@ -154,6 +156,8 @@ class PrefillService:
                     job.started_at = time.perf_counter()
                     result = await self._serve(job)
                 result.timings["queue_s"] = job.started_at - t_arrive
+                if job.migrated is not None:   # the conductor learns the link's speed from it
+                    result.timings["migrate_bytes"], result.timings["migrate_s"] = job.migrated
                 self.num_done += 1
                 return result
         except BaseException:
@@ -275,7 +279,7 @@ class PrefillService:
             cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
             if req.migrate_from and req.migrate_keys:
                 with tracing.span("prefill.migrate", source=req.migrate_from, blocks=len(req.migrate_keys)):
-                    await self._migrate(req)
+                    queued.migrated = await self._migrate(req)
             hit = await self.stage.match(keys[:cap])
             if self.downstream is not None and hit:
                 hit = min(hit, await self.downstream.match(req.request_id, keys[:cap]))
@@ -365,20 +369,25 @@ class PrefillService:
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.debug("keepalive for %s stopped: %s", req.request_id, exc)
 
-    async def _migrate(self, req: PrefillRequest) -> None:
+    async def _migrate(self, req: PrefillRequest) -> tuple[float, float] | None:
         """Hot-spot migration (Algorithm 1 step 5): pull the named blocks into our store first.
-        A failure only costs prefix reuse, never the request."""
+        A failure only costs prefix reuse, never the request. Returns (bytes copied, seconds)
+        when blocks moved, for the conductor's link speed (PrefillResult.timings)."""
         replicate = getattr(self.stage.store, "replicate", None)
         if replicate is None:
             log.warning("request %s asks to migrate blocks, but this instance has no shared store", req.request_id)
-            return
+            return None
         t0 = time.perf_counter()
         try:
             result = await replicate([bytes.fromhex(k) for k in req.migrate_keys], req.migrate_from)
-            log.info("migrated %d blocks from %s in %.3fs: %s", len(req.migrate_keys), req.migrate_from,
-                     time.perf_counter() - t0, result)
         except Exception as exc:
             log.warning("migration from %s failed (%s); prefilling without those blocks", req.migrate_from, exc)
+            return None
+        seconds = time.perf_counter() - t0
+        log.info("migrated %d blocks from %s in %.3fs: %s", len(req.migrate_keys), req.migrate_from,
+                 seconds, result)
+        copied = int(result.get("num_copied", 0)) * self.block_bytes
+        return (float(copied), seconds) if copied else None
 
     def load(self) -> dict[str, float]:
         queued_s = 0.0
