@@ -121,15 +121,23 @@ def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], l
     ``limit`` 0 gives: each job's own ``predict``)."""
     predict, c0 = model.predict, model.c0
     own = [predict(n, p) for n, p in jobs]
-    uncached = [n - min(max(p, 0), n - 1) for n, p in jobs]
     out: list[float] = []
     i = 0
-    for size in pack_sizes(uncached, limit):
-        pack = own[i:i + size]
+    for size in pack_sizes([uncached_tokens(n, p) for n, p in jobs], limit):
         out.extend([0.0] * (size - 1))
-        out.append(max(0.0, sum(pack) - c0 * (size - 1)))
+        out.append(packed_seconds(own[i:i + size], c0))
         i += size
     return out
+
+
+def packed_seconds(alone_s: Sequence[float], c0: float) -> float:
+    """One packed forward of jobs that take ``alone_s`` each alone: the fixed ``c0`` paid once."""
+    return max(0.0, sum(alone_s) - c0 * (len(alone_s) - 1)) if alone_s else 0.0
+
+
+def uncached_tokens(num_tokens: int, num_prefix_tokens: int) -> int:
+    """Tokens a prefill computes: the prompt less its cached prefix, never less than the last token."""
+    return num_tokens - min(max(num_prefix_tokens, 0), num_tokens - 1)
 
 
 @dataclass(frozen=True, slots=True)

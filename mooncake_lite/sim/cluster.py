@@ -22,6 +22,7 @@ from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
+from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.view import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
@@ -127,13 +128,40 @@ class MooncakeSim(TraceDriver):
         p.begin(now)
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
+        duration = self._prefill_seconds(p, req)
+        if self.cfg.prefill_batch_tokens and p.group_size == 1:
+            duration = self._pack(now, p, req, duration)
+        p.busy_s += duration
+        self.events.push(now + duration, self._prefill_done, p)
+
+    def _prefill_seconds(self, p: PrefillNode, req: SimRequest) -> float:
+        """Sets the prefix ``req`` reuses from the node's store; its true time alone."""
         hits, on_ssd = p.cache.prefix(req.keys)
         req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
         duration = p.true_seconds(req.input_length, req.reused_tokens)
         if on_ssd:  # the prefix load may outlast the compute it is overlapped with
             duration = max(duration, self.hw.prefix_load_seconds(req.reused_tokens, on_ssd * self.block_size))
-        p.busy_s += duration
-        self.events.push(now + duration, self._prefill_done, p)
+        return duration
+
+    def _pack(self, now: float, p: PrefillNode, head: SimRequest, head_s: float) -> float:
+        """Prefill batching as the live instance does it (``scheduler.costs.pack_sizes``): the
+        ready requests behind the head join its forward while their uncached tokens fit; the
+        forward takes ``packed_seconds`` of their times alone (one fixed cost)."""
+        limit = min(self.cfg.prefill_batch_tokens, self.cfg.prefill_chunk)
+        uncached = [uncached_tokens(head.input_length, head.reused_tokens)]
+        alone = [head_s]
+        while p.waiting and p.waiting[0].ready_at <= now and uncached[0] <= limit:
+            nxt = p.waiting[0]
+            if nxt.fetched_blocks:   # its migrated prefix has landed (ready): in the store first
+                self._store(p, nxt.keys[: nxt.fetched_blocks])
+            hits, _ = p.cache.prefix(nxt.keys)
+            n = uncached_tokens(nxt.input_length, min(hits * self.block_size, nxt.input_length - 1))
+            if pack_sizes(uncached + [n], limit)[0] <= len(uncached):
+                break
+            p.begin_packed(now)
+            alone.append(self._prefill_seconds(p, nxt))
+            uncached.append(n)
+        return packed_seconds(alone, self.hw.prefill.c0)
 
     def _wake_prefill(self, now: float, p: PrefillNode) -> None:
         self._start_prefill(now, p)
@@ -142,18 +170,18 @@ class MooncakeSim(TraceDriver):
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
-        req = p.end()
-        self._store(p, req.keys)
-        req.first_token = now
-        if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
-            self.decode_by_id[req.decode_id].uncommit(req)
-            self.decode_by_id[req.decode_id].release(req)
-            req.finish = now
-            self._finish(now, req)
-        else:
-            kv_bytes = req.input_length * self.hw.kv_bytes_per_token
-            arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
-            self.events.push(arrival, self._kv_arrived, req)
+        for req in [p.end(), *p.end_packed()]:
+            self._store(p, req.keys)
+            req.first_token = now
+            if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
+                self.decode_by_id[req.decode_id].uncommit(req)
+                self.decode_by_id[req.decode_id].release(req)
+                req.finish = now
+                self._finish(now, req)
+            else:
+                kv_bytes = req.input_length * self.hw.kv_bytes_per_token
+                arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
+                self.events.push(arrival, self._kv_arrived, req)
         self._start_prefill(now, p)
 
     # ---- decode ------------------------------------------------------------------------------
@@ -194,7 +222,8 @@ class MooncakeSim(TraceDriver):
                 "decode_held_load": sum(held) / len(held) / sc.tbt_slo_s,
                 "refused_conductor": float(self.refused["conductor"]),
                 "refused_decode": float(self.refused["decode"]),
-                "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) for p in self.prefills)),
+                "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) + len(p.packed)
+                                             for p in self.prefills)),
                 "decode_running": float(sum(len(d.batch) for d in self.decodes))}
 
     # ---- driver ------------------------------------------------------------------------------

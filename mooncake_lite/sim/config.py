@@ -41,6 +41,9 @@ class SimConfig:
     num_decode: int = 8
     cpp_group_size: int = 1
     prefill_chunk: int = 8192
+    # Prefill batching, as the role's --prefill-batch-tokens (capped at prefill_chunk): a single-node
+    # prefill instance packs queued prompts by scheduler.costs.pack_sizes; 0: one prompt at a time.
+    prefill_batch_tokens: int = 0
     hardware: str = "llama2-70b-a800"
     eviction: str = "lru"
     store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
@@ -62,6 +65,8 @@ class SimConfig:
             raise ValueError("need at least one prefill and one decode instance")
         if self.cpp_group_size < 1 or self.prefill_chunk < 1:
             raise ValueError("cpp_group_size and prefill_chunk must be >= 1")
+        if self.prefill_batch_tokens < 0:
+            raise ValueError("prefill_batch_tokens must be >= 0")
         if self.eviction not in POLICY_NAMES:
             raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
         if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:

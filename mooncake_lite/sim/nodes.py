@@ -71,6 +71,7 @@ class PrefillNode:
         self.cost = cost
         self.waiting: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
+        self.packed: list[SimRequest] = []      # prefill batching: the others in current's forward
         self.link_free_at = 0.0
         self.busy_s = 0.0
         self.view = PrefillView(instance_id, self.store_id, None, cost)
@@ -100,11 +101,26 @@ class PrefillNode:
         self.view.start(req.rid, now)
         return req
 
+    def begin_packed(self, now: float) -> SimRequest:
+        """The next in the FIFO starts too, packed into the running forward."""
+        req = self.waiting.popleft()
+        self.packed.append(req)
+        req.prefill_start = now
+        self.view.start(req.rid, now)
+        return req
+
     def end(self) -> SimRequest:
         """The running prefill is done."""
         req, self.current = self.current, None
         self.view.remove(req.rid)
         return req
+
+    def end_packed(self) -> list[SimRequest]:
+        """The others of the running forward are done with it."""
+        done, self.packed = self.packed, []
+        for req in done:
+            self.view.remove(req.rid)
+        return done
 
 
 class DecodeNode:

@@ -12,7 +12,11 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner, PackedPass
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_durations
+from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.sim.cluster import MooncakeSim
+from mooncake_lite.sim.config import SimConfig
 from tests.pd.harness import cluster
+from tests.sim.helpers import req, toy_hardware
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,3 +198,19 @@ async def test_a_pack_takes_no_more_than_the_cache_holds(model):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert c.prefill.totals["packed_requests_total"] == 4 and c.prefill.totals["packed_forwards_total"] == 2
         assert_clean(c)
+
+
+def test_the_simulator_packs_by_the_same_rule():
+    """A burst on one simulated prefill instance: the first runs alone (nothing else has arrived
+    when it starts), the five behind it share one forward and its one fixed cost."""
+    hw = toy_hardware(prefill=PrefillCostModel(c0=0.05, c1=1e-3))
+    trace = [req(i, 0.0, 100, 2) for i in range(6)]
+
+    def ttfts(budget):
+        cfg = SimConfig(num_prefill=1, num_decode=1, prefill_batch_tokens=budget,
+                        scheduler=SchedulerConfig(admission="none"))
+        return [r.ttft for r in MooncakeSim(cfg, hardware=hw).run(trace).requests]
+
+    assert ttfts(0) == pytest.approx([0.15 * (i + 1) for i in range(6)])
+    assert ttfts(512) == pytest.approx([0.15] + [0.15 + 5 * 0.15 - 4 * 0.05] * 5)
+    assert ttfts(250) == pytest.approx([0.15, 0.40, 0.40, 0.65, 0.65, 0.80])   # packs of 2 (200 tokens)
