@@ -87,7 +87,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     svc = request.app[API].svc
-    body = svc.metrics.render(svc.membership, svc.scheduler.index.num_blocks())
+    body = svc.metrics.render(svc.membership, svc.scheduler.index.num_blocks(), svc.scheduler.costs.links)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

@@ -34,6 +34,7 @@ from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.placement import place
 from mooncake_lite.conductor.tenants import TenantGate
 from mooncake_lite.scheduler import Decision, Scheduler
+from mooncake_lite.scheduler.links import observe_migration
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -343,6 +344,9 @@ class Flight:
 
     def _on_first(self, result: PrefillResult) -> None:
         self.prefill_result = result
+        mig, links = self.decision.migration, self.svc.scheduler.costs.links
+        if mig is not None and links is not None:   # the prefill timed the migration: the link's speed
+            observe_migration(links, mig.source_store_id, mig.target_store_id, result.timings)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
         self._is_prefill_done = True

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.scheduler.links import LinkSpeeds
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
@@ -64,10 +65,13 @@ class ConductorMetrics:
                                      "by tenant", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.tenant_in_flight = Gauge(p + "tenant_requests_in_flight", "requests being served, by tenant",
                                       ["tenant"], registry=r)
+        self.link_speed = Gauge(p + "link_bytes_per_second", "measured KV transfer speed per store pair "
+                                "(EWMA of hot-spot migrations; absent before the first: the prior applies)",
+                                ["source", "dest"], registry=r)
         self._membership: Membership | None = None
         r.register(_MembershipEvents(lambda: self._membership))
 
-    def render(self, membership: Membership, num_indexed_blocks: int) -> bytes:
+    def render(self, membership: Membership, num_indexed_blocks: int, links: LinkSpeeds | None = None) -> bytes:
         self._membership = membership
         self.instances.clear()
         self.prefill_queue.clear()
@@ -81,6 +85,8 @@ class ConductorMetrics:
                 self.decode_running.labels(inst.instance_id).set(len(inst.decode_jobs))
         self.indexed_blocks.set(num_indexed_blocks)
         self.stores.set(membership.stores.num_live())
+        for source, dest, speed in links.items() if links is not None else ():
+            self.link_speed.labels(str(source), str(dest)).set(speed)
         return generate_latest(self.registry)
 
 

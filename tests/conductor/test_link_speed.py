@@ -1,0 +1,88 @@
+"""The conductor learns each store pair's speed from the migrations prefills time, exports it,
+and Algorithm 1 prices the next fetch over that pair with it (fake instances)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from aiohttp import web
+
+from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import PrefillRequest
+from tests.conductor import fakes
+from tests.conductor.test_api import TOK, client
+
+PROMPT = "0123456789abcdefghij"
+MIB = 1 << 20
+
+
+def _timing_prefill(seconds_per_mib: float):
+    """A fake prefill handler that, asked to migrate, reports 1 MiB moved in ``seconds_per_mib``."""
+    original = fakes.FakeInstance.prefill
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        resp = await original(self, _Replayed(request, body))
+        if fakes.loads(PrefillRequest, body).migrate_keys and resp.status == 200:
+            result = orjson.loads(resp.body)
+            result["timings"] = {"migrate_bytes": MIB, "migrate_s": seconds_per_mib}
+            resp = web.Response(body=orjson.dumps(result), content_type="application/json")
+        return resp
+    return prefill
+
+
+class _Replayed:
+    """The request with its body already read, for the wrapped handler."""
+
+    def __init__(self, request: web.Request, body: bytes) -> None:
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body
+
+
+async def _ask(c) -> tuple[str, str]:
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    return raw.headers["X-Mooncake-Prefill"], raw.headers["X-Mooncake-Route"]
+
+
+async def _gauge(cluster) -> dict[tuple[str, str], float]:
+    async with cluster.session.get(cluster.url + "/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_conductor_link_bytes_per_second{"):
+            labels, value = line[line.index("{") + 1:].split("} ")
+            pairs = dict(kv.split("=", 1) for kv in labels.split(","))
+            out[(pairs["source"].strip('"'), pairs["dest"].strip('"'))] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("seconds_per_mib, then", [(1000.0, ("p0", "local-hit")),   # 1 KiB/s
+                                                     (0.001, ("p1", "transfer"))])     # 1 GiB/s
+async def test_the_measured_link_decides_whether_the_prefix_migrates(make_cluster, monkeypatch,
+                                                                      seconds_per_mib, then):
+    monkeypatch.setattr(fakes.FakeInstance, "prefill", _timing_prefill(seconds_per_mib))
+    cluster = await make_cluster(prefill=2, decode=1, strategy="kvcache-centric")
+    keys = prefix_hash(TOK.encode(PROMPT), 4, 0)
+    await fakes.block_events(cluster.session, cluster.url, "store0:1", stored=keys[:5])
+    p0 = cluster.instances["p0"]
+    p0.behaviour.hang = True                    # p0 holds the prefix but is busy with a long prompt
+    c = client(cluster)
+    busy = asyncio.create_task(c.completions.create(model="tiny", prompt=[1] * 2000, max_tokens=2))
+    while not p0.requests:
+        await asyncio.sleep(0.01)
+    p0.behaviour.hang = False                   # (only that first request stays stuck)
+    assert await _gauge(cluster) == {}          # nothing measured yet: the 2 GB/s prior
+    # the prior prices 5 blocks (10 KiB) at ~5 us: p1 fetches them from p0's store
+    assert await _ask(c) == ("p1", "transfer")
+    assert cluster.instances["p1"].requests[-1].migrate_from == "store0:1"
+    # p1 timed that migration: the pair's speed is exported, and prices the same request again
+    # (slow: 10 KiB take ~10 s, more than p0's queue, so p0 serves it from its own store)
+    speed = (await _gauge(cluster))[("store0:1", "store1:1")]
+    assert abs(speed - MIB / seconds_per_mib) < 1e-6 * speed
+    assert await _ask(c) == then
+    busy.cancel()
+    await c.close()
