@@ -1,5 +1,6 @@
 """The conductor learns each store pair's speed from the migrations prefills time, exports it,
-and Algorithm 1 prices the next fetch over that pair with it (fake instances)."""
+and Algorithm 1 prices the next fetch over that pair with it (fake instances); the prefill's
+side: what it reports of a migration its store ran."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.common.protocol import PrefillRequest
+from mooncake_lite.common.protocol import PrefillRequest, Sampling
+from mooncake_lite.prefill.service import PrefillService, QueuedJob
 from tests.conductor import fakes
 from tests.conductor.test_api import TOK, client
 
@@ -86,3 +88,43 @@ async def test_the_measured_link_decides_whether_the_prefix_migrates(make_cluste
     assert await _ask(c) == then
     busy.cancel()
     await c.close()
+
+
+class _Store:
+    """A prefill's store whose replication copies ``copied`` blocks (or fails)."""
+
+    def __init__(self, copied: int | None) -> None:
+        self.copied, self.asked = copied, []
+
+    async def replicate(self, keys, peer):
+        self.asked.append((len(keys), peer))
+        if self.copied is None:
+            raise ConnectionError("peer unreachable")
+        return {"num_copied": self.copied, "num_present": len(keys) - self.copied, "num_missing": 0}
+
+    async def match(self, keys) -> int:
+        return 0
+
+
+class _Stage:
+    def __init__(self, store: _Store) -> None:
+        self.store = store
+
+    async def match(self, keys) -> int:
+        return await self.store.match(keys)
+
+
+@pytest.mark.parametrize("copied, expected", [(3, 3 * 4096.0), (0, None), (None, None)])
+async def test_the_prefill_times_the_blocks_its_store_pulled(copied, expected):
+    store = _Store(copied)
+    svc = PrefillService(_Stage(store), links=None, block_size=4, hash_seed=0, chunk_size=64, block_bytes=4096)
+    keys = prefix_hash(list(range(20)), 4, 0)
+    req = PrefillRequest("r", "t", tuple(range(20)), "127.0.0.1:1", Sampling(max_tokens=2),
+                         migrate_from="store0:1", migrate_keys=tuple(k.hex() for k in keys[:4]))
+    job = QueuedJob("r", 20, 0, req=req, keys=keys)
+    await svc._match(job)
+    assert store.asked == [(4, "store0:1")]
+    if expected is None:                  # nothing moved (or it failed): nothing to report
+        assert job.migrated is None
+    else:
+        assert job.migrated[0] == expected and job.migrated[1] > 0
