@@ -195,13 +195,13 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
 
 
 def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
-             tbt_slo_s: float, block: int):
+             tbt_slo_s: float, block: int, batch_tokens: int = 0):
     from mooncake_lite.scheduler import SchedulerConfig
     from mooncake_lite.sim.cluster import MooncakeSim
     from mooncake_lite.sim.config import SimConfig
     sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
     cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
-                    max_tokens_policy="output", decode_check="reserve")
+                    max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens)
     return MooncakeSim(cfg, replace(hw, block_size=block)).run(trace)
 
 
@@ -413,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides")
     p.add_argument("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO")
     p.add_argument("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO")
+    p.add_argument("--prefill-batch-tokens", type=int, default=512,
+                   help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
+                        "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)")
     p.add_argument("--tokenizer", default="auto")
     p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -481,7 +484,8 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     else:
         slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
     res = simulate(trace, hw, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
-                   ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens)
+                   ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
+                   batch_tokens=ns.prefill_batch_tokens)
     live, sim = live_side(records), sim_side(res)
     report = compare(live, sim, len(records))
     report.update(slos=slos, gaps=measured_gaps(live, records, before, after, hw),

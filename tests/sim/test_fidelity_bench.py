@@ -97,6 +97,10 @@ def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
     assert slos["ttft_slo_s"] == pytest.approx(10.0 * hw.prefill.predict(lengths[2]))
     res = fidelity.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
                             ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=16)
+    packed = fidelity.sim_side(fidelity.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
+                                                 ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"],
+                                                 block=16, batch_tokens=512))   # the live prefill's packing
+    assert packed.completed + len(packed.rejected) == 5
     live, sim = fidelity.live_side(records), fidelity.sim_side(res)
     assert live.rejected == {3} and live.completed == 4 and live.prefix_hit_tokens == 48
     assert sim.completed + len(sim.rejected) == 5
