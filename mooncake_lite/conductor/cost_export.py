@@ -7,9 +7,10 @@ heartbeats (``instance/refine.py``); one the instance never reported is the cond
 The simulator models identical instances, so the file holds the coefficient-wise median over
 the live instances of each role (a median of models with non-negative coefficients is one too),
 and lists every instance's own model under ``instances`` for a reader to check the spread.
-``network_bytes_per_s`` is the median bandwidth instances measured and reported; none do yet,
-so it is the conductor's prior and ``network_bytes_per_s_measured`` says ``false``. Guarded by
-the cluster token like the other internal endpoints.
+``network_bytes_per_s`` is the median bandwidth instances reported, else the median of the
+store pairs' speeds the conductor measured from migrations (``scheduler/links.py``), else the
+conductor's prior, and then ``network_bytes_per_s_measured`` says ``false``. Guarded by the
+cluster token like the other internal endpoints.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def cluster_profile(membership: Membership, defaults: CostModels) -> dict[str, A
     prefills, decodes = membership.alive("prefill"), membership.alive("decode")
     prefill_models = [i.costs.prefill or defaults.prefill for i in prefills]
     decode_models = [i.costs.decode or defaults.decode for i in decodes]
-    bandwidths = [b for i in prefills if (b := _bandwidth(i)) is not None]
+    bandwidths = [b for i in prefills if (b := _bandwidth(i)) is not None] \
+        or [speed for _, _, speed in (defaults.links.items() if defaults.links is not None else ())]
     profile: dict[str, Any] = {
         "name": f"live-{membership.model_id}",
         "prefill": _median_model(prefill_models, defaults.prefill.to_dict()),

@@ -86,6 +86,9 @@ async def test_the_measured_link_decides_whether_the_prefix_migrates(make_cluste
     speed = (await _gauge(cluster))[("store0:1", "store1:1")]
     assert abs(speed - MIB / seconds_per_mib) < 1e-6 * speed
     assert await _ask(c) == then
+    async with cluster.session.get(cluster.url + "/internal/v1/cost_model") as resp:   # sim export-costs
+        profile = await resp.json()
+    assert profile["network_bytes_per_s_measured"] and profile["network_bytes_per_s"] == speed
     busy.cancel()
     await c.close()
 
