@@ -215,6 +215,7 @@ def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, w
 def run(a: argparse.Namespace) -> dict:
     up_args = ["--model", a.model, "--prefill", str(a.prefill), "--decode", str(a.decode),
                "--stores", str(a.stores), *shlex.split(a.up_args)]
+    commit = _commit()                   # what the cluster runs: the tree as it starts
     cluster = Cluster(up_args, ready_timeout=a.ready_timeout_s, log_path=a.up_log)
     want = {"prefill": a.prefill, "decode": a.decode}
     try:
@@ -224,7 +225,7 @@ def run(a: argparse.Namespace) -> dict:
             reports = [kill_one(cluster, load, victim, a, want) for victim in a.victims.split(",")]
     finally:
         rc = cluster.stop()
-    return {"model": a.model, "commit": _commit(), "cluster": {"prefill": a.prefill, "decode": a.decode,
+    return {"model": a.model, "commit": commit, "cluster": {"prefill": a.prefill, "decode": a.decode,
             "stores": a.stores}, "load": {"concurrency": a.concurrency, "max_tokens": a.max_tokens},
             "kills": [asdict(r) for r in reports], "up_exit_code": rc}
 
