@@ -11,6 +11,7 @@ from mooncake_lite.model.generate import full_recompute_logits, reference_greedy
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner, PackedPass
 from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_durations
 from mooncake_lite.scheduler import SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim
@@ -214,3 +215,29 @@ def test_the_simulator_packs_by_the_same_rule():
     assert ttfts(0) == pytest.approx([0.15 * (i + 1) for i in range(6)])
     assert ttfts(512) == pytest.approx([0.15] + [0.15 + 5 * 0.15 - 4 * 0.05] * 5)
     assert ttfts(250) == pytest.approx([0.15, 0.40, 0.40, 0.65, 0.65, 0.80])   # packs of 2 (200 tokens)
+
+
+async def test_a_member_aborted_midway_through_the_packed_forward_fails_alone(model):
+    prompts = [tokens_of(6 + i, 140 + i) for i in range(4)]
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.batch_tokens = 64
+        loop, real_layer = asyncio.get_running_loop(), c.prefill.stage._packed_layer
+
+        def layer(piece, i):
+            if i == 1:     # while layer 1 computes, the conductor aborts r1 (prefill and decode)
+                loop.call_soon_threadsafe(lambda: (c.prefill.abort("r1"), c.decode.abort("r1")))
+            return real_layer(piece, i)
+
+        c.prefill.stage._packed_layer = layer
+        await c.prefill._lock.acquire()
+        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 3)) for i, p in enumerate(prompts)]
+        while len(c.prefill.queue) < len(prompts):
+            await asyncio.sleep(0.001)
+        c.prefill._lock.release()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert c.prefill.totals["packed_requests_total"] == 4
+        assert isinstance(results[1], PrefillAborted)
+        for i in (0, 2, 3):
+            assert results[i][0] == reference_greedy(model, prompts[i], 3)
+        await c.prefill.stage.drain_puts()
+        assert_clean(c)
