@@ -325,6 +325,9 @@ class Membership:
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
         inst = self.instances.get(instance_id)
+        if inst is not None:
+            # Its KV has reached the decode: the prefill dying now must not fail the request.
+            inst.watchers.pop(request_id, None)
         if inst is None or inst.prefill_jobs.pop(request_id, None) is None:
             return
         self._touch(inst)

@@ -195,3 +195,19 @@ def test_suspects_leave_the_snapshot_unless_their_role_has_no_trusted_instance()
     assert m.connection_failed("d0", "refused") is None and m.connection_failed("d0", "refused") == "dead"
     assert ids() == (["p0", "p1"], []) and not m.instances["d0"].is_suspect
     assert m.events[("decode", "dead-failures")] == 1 and m.events[("prefill", "cleared")] == 1
+
+
+def test_a_prefill_dying_after_its_result_does_not_fail_the_request_it_handed_to_decode():
+    """Found by bench chaos: a request kept watching its prefill after the first token, so the
+    prefill's death (heartbeats, seconds later) failed streams that decode was serving fine."""
+    m = Membership("tiny", 16, 0, dead_after_s=5, max_failures=1)
+    for role, iid in (("prefill", "p0"), ("decode", "d0")):
+        m.register(_reg(role, iid), 0.0)
+    failed: list[str] = []
+    m.watch("p0", "r1", failed.append)
+    m.watch("d0", "r1", failed.append)
+    m.prefill_done("p0", "r1", 1.0)          # the prefill's result (first token) arrived
+    assert m.connection_failed("p0", "refused") == "dead"
+    assert failed == []
+    assert m.connection_failed("d0", "refused") == "dead"
+    assert len(failed) == 1                  # the decode still watches it
