@@ -3,7 +3,10 @@
 Frames are pipelined: ``send_layer`` queues a frame and returns at once, so the next layer computes
 while this one is on the wire; the answers are checked as they come back. The first refused or
 lost frame sets :attr:`KVSender.error`, which the prefill checks between layers to abandon a
-request whose decode instance is gone or no longer waits for it.
+request whose decode instance is gone or no longer waits for it. Every frame has a deadline
+(``DecodeLinks``' ``request_timeout_s``): a decode on a cut-off node fails the stream with an
+error naming it and the op ("decode 10.0.0.4:7003 kv_layer: no answer in 10 s"), and the
+connection is dropped so the next request dials afresh.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import torch
 
 from mooncake_lite.common.tracing import add_to_meta
-from mooncake_lite.transfer.client import FrameClient, split_address
+from mooncake_lite.transfer.client import FrameClient, NoAnswer, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 
 log = logging.getLogger(__name__)
@@ -28,9 +31,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class DecodeLinks:
     """One framed connection per decode data address, opened on first use and reopened if lost."""
 
-    def __init__(self, token: str | None, connect_timeout_s: float = 5.0):
+    def __init__(self, token: str | None, connect_timeout_s: float = 5.0, request_timeout_s: float = 10.0):
         self.token = token
         self.timeout = connect_timeout_s
+        self.request_timeout = request_timeout_s   # decode answers each frame on arrival: far below this
         self._clients: dict[str, FrameClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -41,7 +45,8 @@ class DecodeLinks:
             if client is None or client.is_closed:
                 host, port = split_address(address)
                 client = await FrameClient.connect(host, port, token=self.token, name="prefill",
-                                                   timeout=self.timeout)
+                                                   timeout=self.timeout, label=f"decode {address}")
+                client.request_timeout = self.request_timeout
                 self._clients[address] = client
             return client
 
@@ -69,7 +74,7 @@ class KVSender:
         meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, kv.shape[1]), self.traceparent)
         self.num_frames += 1
         self.num_bytes += payload.nbytes
-        self._track(self.client.request(OP_KV_LAYER, meta, [payload]), keep=kv)
+        self._track(self.client.request(OP_KV_LAYER, meta, [payload], what="kv_layer"), keep=kv)
 
     async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
         """Wait for every frame's answer, then send END (with the first token from the last stage).
@@ -79,7 +84,10 @@ class KVSender:
             meta = add_to_meta({"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
                                 "first_token": first_token}, self.traceparent)
             try:
-                await self.client.request(OP_KV_END, meta)
+                await self.client.request(OP_KV_END, meta, what="kv_end")
+            except NoAnswer as exc:
+                self.client.abort()
+                self.error = f"KV stream to decode failed: {exc}"
             except Exception as exc:
                 self.error = f"decode refused the end of the KV stream: {exc}"
         if self.error is not None:
@@ -94,7 +102,8 @@ class KVSender:
         for task in list(self._inflight):
             task.cancel()
         try:
-            await asyncio.wait_for(self.client.request(OP_KV_ABORT, {"tid": self.transfer_id, "reason": reason}), 2.0)
+            await self.client.request(OP_KV_ABORT, {"tid": self.transfer_id, "reason": reason}, timeout=2.0,
+                                      what="kv_abort")
         except Exception as exc:
             log.debug("abort of transfer %s not delivered: %s", self.transfer_id, exc)
 
@@ -108,6 +117,8 @@ class KVSender:
         if task.cancelled():
             return
         exc = task.exception()
+        if isinstance(exc, NoAnswer):
+            self.client.abort()   # a cut peer: fail every other frame on it now, not one deadline each
         if exc is not None and self.error is None:
             self.error = f"KV stream to decode failed: {exc}"
             log.warning("transfer %s: %s", self.transfer_id, self.error)

@@ -6,7 +6,9 @@ prefill recomputes), a load that fails midway (the store died, a block vanished 
 and its load) makes the stage recompute the prefix (``prefill/engine.py``), and write-back
 failures are counted and logged by the stage (``prefill/writeback.py``). A block larger than
 the store's slots (``--slot-bytes``, from its handshake) is refused here, before its bytes are
-sent.
+sent. Every op ends within ``timeout`` s (a store on a cut-off node answers nothing): NoAnswer,
+an OSError naming the store and the op, which the stage treats as a failed load (recompute);
+the connection is then dropped, so the next op dials afresh.
 
 The store keeps whole blocks (every layer), so a stage that owns only some layers (a CPP stage)
 cannot write back; it still loads its layer range of cached blocks.
@@ -19,14 +21,16 @@ import logging
 from collections.abc import Sequence
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
-from mooncake_lite.store.client import StoreClient
+from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, StoreClient
 
 log = logging.getLogger(__name__)
 
 
 class RemoteStore:
-    def __init__(self, address: str, token: str | None, num_layers: int, layer_bytes: int):
+    def __init__(self, address: str, token: str | None, num_layers: int, layer_bytes: int,
+                 timeout: float = DEFAULT_TIMEOUT_S):
         self.address = address
+        self.timeout = timeout
         self.token = token
         self.num_layers = num_layers
         self.layer_bytes = layer_bytes
@@ -36,8 +40,20 @@ class RemoteStore:
     async def client(self) -> StoreClient:
         async with self._lock:
             if self._client is None or self._client.is_closed:
-                self._client = await StoreClient.connect(self.address, token=self.token, name="prefill")
+                self._client = await StoreClient.connect(self.address, token=self.token, name="prefill",
+                                                         timeout=self.timeout)
             return self._client
+
+    async def _call(self, op):
+        """``await op(client)``; a store that did not answer loses its connection: a cut link
+        leaves it open but dead, and every later op would wait out its deadline on it again."""
+        client = await self.client()
+        try:
+            return await op(client)
+        except NoAnswer:
+            client.frames.abort()
+            await client.close()
+            raise
 
     async def store_id(self) -> str | None:
         """The id the store's block events carry (its advertised data address), which may be
@@ -56,13 +72,13 @@ class RemoteStore:
 
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
-            return await (await self.client()).match(keys)
+            return await self._call(lambda c: c.match(keys))
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.warning("store %s unreachable (%s); computing without prefix reuse", self.address, exc)
             return 0
 
     async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
-        views = await (await self.client()).get_layers(keys, first_layer, num_layers)
+        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers))
         missing = [k.hex() for k, v in zip(keys, views) if v is None]
         if missing:
             raise KeyError(f"{len(missing)} block(s) missing from store {self.address}, first {missing[0]}")
@@ -81,11 +97,11 @@ class RemoteStore:
             # Refused before sending: the store would read and drop every byte of it.
             raise BlockTooLarge(f"block of {largest} bytes does not fit store {self.address}'s "
                                 f"{slot}-byte slots (--slot-bytes)")
-        await client.put(keys, values, num_layers=num_layers, first_pos=first_pos)
+        await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""
-        return await (await self.client()).replicate(keys, peer)
+        return await self._call(lambda c: c.replicate(keys, peer))
 
     async def close(self) -> None:
         if self._client is not None:

@@ -13,7 +13,9 @@ when the store offers it and this process can use it, else over the socket; ``tr
 
 Large requests are split into batches (``max_batch_bytes`` / ``max_batch_keys``) that are all in
 flight at once on the one connection. Errors from the store raise ``RemoteError`` (``code`` is
-``full``, ``bad_request``, ...); a lost connection raises ``ConnectionError``.
+``full``, ``bad_request``, ...); a lost connection raises ``ConnectionError``; a store that does
+not answer within ``timeout`` (default 10 s; a cut-off node) raises ``NoAnswer``, a
+``TimeoutError`` naming the store and the op ("store 10.0.0.3:7002 get_layers: no answer in 10 s").
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ from typing import Any, TypeVar
 from mooncake_lite.common import tracing
 from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
 from mooncake_lite.store.shm_client import ShmPath, attach
-from mooncake_lite.transfer.client import FrameClient, RemoteError
+from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
 from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
 
-__all__ = ["StoreClient", "RemoteError"]
+__all__ = ["StoreClient", "RemoteError", "NoAnswer", "DEFAULT_TIMEOUT_S"]
+DEFAULT_TIMEOUT_S = 10.0   # far beyond any batch on a working link; a store silent this long is cut off
+# A replicate is answered only once the store has pulled from its peer: the pull gets this share
+# of the caller's deadline, so its own error (naming the peer) comes back before the caller gives up.
+REPLICATE_PULL_SHARE = 0.8
 T = TypeVar("T")
 _TRACED_REPLY = ("num_new", "num_matched", "num_deleted")   # reply figures a store op's span shows
 
@@ -46,17 +52,22 @@ class StoreClient:
     @classmethod
     async def connect(cls, address: str, *, token: str | None = None, name: str = "store-client",
                       max_batch_bytes: int = 64 << 20, max_batch_keys: int = 1024,
-                      timeout: float | None = None, shm: bool = True) -> StoreClient:
+                      timeout: float | None = DEFAULT_TIMEOUT_S, shm: bool = True) -> StoreClient:
         """Connect to a store's data address ``host:port`` and do the token handshake.
-        ``timeout`` (seconds) bounds every request: ``asyncio.TimeoutError`` when exceeded, and
-        the connection stays usable (a late reply is discarded). ``shm=False``: TCP even on the
-        store's node."""
+        ``timeout`` (seconds; None: no deadline) bounds the connect and every request: NoAnswer
+        (a ``TimeoutError``) when exceeded, and the connection stays usable (a late reply is
+        discarded). ``shm=False``: TCP even on the store's node."""
         host, port = parse_peer(address)
-        frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or 10.0)
+        label = f"store {address}"
+        frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or DEFAULT_TIMEOUT_S,
+                                           label=label)
         client = cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
         if shm:
             try:
-                client.shm = await asyncio.wait_for(attach(frames), timeout or 10.0)
+                client.shm = await asyncio.wait_for(attach(frames), timeout or DEFAULT_TIMEOUT_S)
+            except TimeoutError:
+                await client.close()
+                raise NoAnswer(label, "shm attach", timeout or DEFAULT_TIMEOUT_S) from None
             except BaseException:
                 await client.close()
                 raise
@@ -74,8 +85,14 @@ class StoreClient:
         return await self._send(op, meta, payload, sink)
 
     async def _send(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview], sink) -> Frame:
-        request = self.frames.request(op, meta, payload, sink=sink)
-        return await (asyncio.wait_for(request, self.timeout) if self.timeout else request)
+        if not self.timeout:
+            return await self.frames.request(op, meta, payload, sink=sink)
+        try:   # a timeout scope, not wait_for: no task in between, the frame goes out before we yield
+            async with asyncio.timeout(self.timeout):
+                return await self.frames.request(op, meta, payload, sink=sink)
+        except TimeoutError as exc:
+            raise exc if isinstance(exc, NoAnswer) else NoAnswer(self.frames.label, op.name.lower(),
+                                                                 self.timeout) from None
 
     async def _traced(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview],
                       send: Callable[[], Awaitable[Frame]]) -> Frame:
@@ -136,18 +153,28 @@ class StoreClient:
     async def _put_batch(self, meta: dict[str, Any], views: list[memoryview]) -> Frame:
         if self.shm is not None and self.shm.fits([v.nbytes for v in views]):
             if tracing.is_enabled():   # traced as a put over the socket is
-                return await self._traced(Op.PUT, meta, views, lambda: self.shm.put(meta, views, self.timeout))
-            return await self.shm.put(meta, views, self.timeout)
+                return await self._traced(Op.PUT, meta, views, lambda: self._shm_put(meta, views))
+            return await self._shm_put(meta, views)
         return await self._request(Op.PUT, meta, views)
+
+    async def _shm_put(self, meta: dict[str, Any], views: list[memoryview]) -> Frame:
+        try:
+            return await self.shm.put(meta, views, self.timeout)   # type: ignore[union-attr]
+        except TimeoutError as exc:
+            raise exc if isinstance(exc, NoAnswer) else NoAnswer(self.frames.label, "put", self.timeout or 0) from None
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         replies = await self._each_batch(Op.DELETE, keys)
         return sum(r.meta["num_deleted"] for r in replies)
 
     async def replicate(self, keys: Sequence[bytes], peer: str, first_pos: int = 0) -> dict[str, int]:
-        """Ask this store to pull ``keys`` from the store at ``peer`` ("host:port")."""
-        reply = await self._request(Op.REPLICATE, {"keys": keys_to_hex(keys), "peer": peer,
-                                                         "first_pos": first_pos})
+        """Ask this store to pull ``keys`` from the store at ``peer`` ("host:port"). With a
+        deadline, the store's pull gets most of it (``timeout_s``) and answers a peer that does
+        not (a cut node) with a ``peer_error`` naming it."""
+        meta: dict[str, Any] = {"keys": keys_to_hex(keys), "peer": peer, "first_pos": first_pos}
+        if self.timeout:
+            meta["timeout_s"] = self.timeout * REPLICATE_PULL_SHARE
+        reply = await self._request(Op.REPLICATE, meta)
         return {k: int(v) for k, v in reply.meta.items()}
 
     # ---- reads -------------------------------------------------------------------------------

@@ -156,7 +156,8 @@ class StoreHandler(FrameHandler):
             elif frame.op == Op.REPLICATE:
                 peer = parse_peer(meta.get("peer"))
                 first_pos = int_from_meta(meta, "first_pos", 0)
-                self._spawn(conn, frame, self._replicate(conn, frame, keys_from_meta(meta), peer, first_pos))
+                self._spawn(conn, frame, self._replicate(conn, frame, keys_from_meta(meta), peer, first_pos,
+                                                         _deadline(meta)))
             else:
                 reply_error(conn, frame, "unknown_op", f"unknown op {frame.op}")
         except (MetaError, BadRequest) as exc:
@@ -294,14 +295,21 @@ class StoreHandler(FrameHandler):
         self._reply(conn, frame, {"num_deleted": num})
 
     async def _replicate(self, conn: FrameConnection, frame: Frame, keys: list[bytes], peer: tuple[str, int],
-                         first_pos: int) -> None:
+                         first_pos: int, deadline: float | None) -> None:
         if self.replicator is None:
             self._safe_error(conn, frame, "bad_request", "replication is not configured on this store")
             return
         try:
-            result = await self.replicator(keys, peer, first_pos)
+            # The caller's deadline bounds the pull (the peer client's own one may be longer):
+            # a cut peer is answered with an error naming it before the caller gives up.
+            async with asyncio.timeout(deadline):
+                result = await self.replicator(keys, peer, first_pos)
         except StoreFull as exc:
             self._safe_error(conn, frame, "full", str(exc))
+            return
+        except TimeoutError as exc:   # the peer client's NoAnswer names the op; ours, the whole pull
+            why = str(exc) or f"store {peer[0]}:{peer[1]} replicate: no answer in {deadline or 0:g} s"
+            self._safe_error(conn, frame, "peer_error", why)
             return
         except (OSError, ConnectionError, RuntimeError) as exc:
             self._safe_error(conn, frame, "peer_error", f"{peer[0]}:{peer[1]}: {exc}")
@@ -317,3 +325,13 @@ class StoreHandler(FrameHandler):
                 log.warning("%d lease(s) expired; their connections were closed", num)
             for owner in self.store.expire_holds(time.time()):   # wall clock: holds outlive restarts
                 log.info("context hold %s expired", owner)
+
+
+def _deadline(meta: dict[str, Any]) -> float | None:
+    """A replicate's ``timeout_s`` (the caller's deadline for the pull); None if absent."""
+    value = meta.get("timeout_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+        raise MetaError(f"timeout_s must be a positive number of seconds, got {value!r}")
+    return float(value)

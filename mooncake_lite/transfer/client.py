@@ -7,6 +7,11 @@
 
 Many requests may be in flight on one connection (call ``request`` from several tasks); their
 frames never interleave because every frame is written by one synchronous ``writelines``.
+
+A peer whose node is cut off answers nothing and TCP may take minutes to say so: ``connect``
+and every request with a deadline (``request(..., timeout=)``, or the client's
+``request_timeout``) end instead with :class:`NoAnswer`, a ``TimeoutError`` naming the peer and
+the op ("store 10.0.0.3:7002 get_layers: no answer in 10 s").
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ class RemoteError(RuntimeError):
         self.code = code
         self.message = message
         self.peer = peer
+
+
+class NoAnswer(TimeoutError):
+    """No answer from ``peer`` to ``op`` within ``seconds``. A ``TimeoutError`` (so also an
+    ``OSError``): callers that fall back on a lost peer fall back on this too."""
+
+    def __init__(self, peer: str, op: str, seconds: float) -> None:
+        super().__init__(f"{peer} {op}: no answer in {seconds:g} s")
+        self.peer = peer
+        self.op = op
+        self.seconds = seconds
 
 
 class _Pending:
@@ -87,19 +103,27 @@ class FrameClient:
         self._handler = handler
         self._ids = itertools.count(1)
         self.hello: dict[str, Any] = {}   # the server's HELLO reply (e.g. a store's canonical id)
+        self.label = conn.name            # how errors name the peer, e.g. "store 10.0.0.3:7002"
+        self.request_timeout: float | None = None   # the deadline of a request given none
 
     @classmethod
     async def connect(cls, host: str, port: int, *, token: str | None = None, name: str = "client",
-                      limits: Limits = Limits(), timeout: float = 10.0) -> FrameClient:
-        """Open a connection and complete the HELLO handshake (RemoteError if refused)."""
+                      limits: Limits = Limits(), timeout: float = 10.0, label: str | None = None) -> FrameClient:
+        """Open a connection and complete the HELLO handshake (RemoteError if refused; NoAnswer
+        naming ``label``, default "server host:port", when either takes over ``timeout`` s)."""
         handler = _ClientHandler()
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: FrameConnection(handler, limits, f"server {host}:{port}"), host, port),
-            timeout)
-        client = cls(conn, handler)
+        label = label or f"server {host}:{port}"
         try:
-            reply = await asyncio.wait_for(client.request(OP_HELLO, {"token": token, "client": name}), timeout)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: FrameConnection(handler, limits, f"server {host}:{port}"), host, port),
+                timeout)
+        except TimeoutError:
+            raise NoAnswer(label, "connect", timeout) from None
+        client = cls(conn, handler)
+        client.label = label
+        try:
+            reply = await client.request(OP_HELLO, {"token": token, "client": name}, timeout=timeout, what="hello")
             client.hello = dict(reply.meta)
         except BaseException:
             conn.abort(None)
@@ -107,9 +131,24 @@ class FrameClient:
         return client
 
     async def request(self, op: int, meta: dict[str, Any] | None = None, payload: Sequence[Buffer] = (),
-                      sink: ReplySink | None = None) -> Frame:
+                      sink: ReplySink | None = None, *, timeout: float | None = None,
+                      what: str | None = None) -> Frame:
         """Send one frame and wait for its reply. ``sink(header, meta)`` may return the memory
-        the reply payload should be received into (sizes must add up), or None."""
+        the reply payload should be received into (sizes must add up), or None. ``timeout``
+        (default ``request_timeout``; None: none) bounds the wait for room to send too (a cut
+        peer stops reading); past it, :class:`NoAnswer` naming the op as ``what`` (default its
+        number) and the connection stays usable (a late reply is dropped)."""
+        timeout = self.request_timeout if timeout is None else timeout
+        if not timeout:
+            return await self._request(op, meta, payload, sink)
+        try:   # no task in between: the frame is sent before this first yields, as without a deadline
+            async with asyncio.timeout(timeout):
+                return await self._request(op, meta, payload, sink)
+        except TimeoutError:
+            raise NoAnswer(self.label, what or f"op {op}", timeout) from None
+
+    async def _request(self, op: int, meta: dict[str, Any] | None, payload: Sequence[Buffer],
+                       sink: ReplySink | None) -> Frame:
         await self.conn.drain()
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
@@ -131,6 +170,19 @@ class FrameClient:
     def is_closed(self) -> bool:
         return self.conn.closed.done() or self.conn.transport is None or self.conn.transport.is_closing()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 2.0) -> None:
+        """Close, letting queued frames go out for up to ``timeout`` s; then drop them: a cut
+        peer reads nothing, and a close waiting on it would never end."""
         self.conn.close()
-        await self.conn.closed
+        try:
+            await asyncio.wait_for(asyncio.shield(self.conn.closed), timeout)
+        except TimeoutError:
+            self.abort()
+            await self.conn.closed
+
+    def abort(self) -> None:
+        """Drop the connection now (a peer that stopped answering): every request still
+        waiting on it fails at once with ConnectionError. Also after ``close`` began (a graceful
+        close still waiting to send its queued bytes)."""
+        if self.conn.transport is not None:
+            self.conn.transport.abort()

@@ -12,8 +12,11 @@ import pytest
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.app import make_app
 from mooncake_lite.conductor.config import Config
+from mooncake_lite.prefill.remote_store import RemoteStore
+from mooncake_lite.store.client import NoAnswer, RemoteError, StoreClient
 from mooncake_lite.store.events import BlockEventPublisher
-from tests.store.helpers import chain
+from tests.store.helpers import block, chain
+from tests.transfer.test_deadlines import MutePeer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,3 +47,42 @@ async def test_the_keepalive_never_grows_past_its_own_setting(aiohttp_server):
     async with aiohttp.ClientSession() as session:
         assert await pub.flush(session)
     assert pub.keepalive == 2.0
+
+
+async def test_a_store_that_does_not_answer_is_named_with_the_op():
+    async with MutePeer(hello=False) as peer:
+        with pytest.raises(NoAnswer, match=rf"^store {peer.address} hello: no answer in 0.3 s$"):
+            await StoreClient.connect(peer.address, timeout=0.3, shm=False)
+    async with MutePeer() as peer:
+        client = await StoreClient.connect(peer.address, timeout=0.3, shm=False)
+        try:
+            with pytest.raises(NoAnswer, match=rf"^store {peer.address} get_layers: no answer in 0.3 s$"):
+                await client.get_layers(chain(2), first_layer=0, num_layers=1)
+        finally:
+            await client.close()
+
+
+async def test_a_prefill_falls_back_when_its_store_stops_answering():
+    async with MutePeer() as peer:
+        store = RemoteStore(peer.address, None, num_layers=2, layer_bytes=64, timeout=0.3)
+        first = await store.client()
+        assert await store.match(chain(2)) == 0          # no reuse, no error: the prefill recomputes
+        assert first.is_closed                           # and the next op dials afresh
+        with pytest.raises(OSError, match="get_layers: no answer"):   # a failed prefix load: recompute
+            await store.get_layers(chain(2), 0, 1)
+        await store.close()
+
+
+async def test_replicating_from_a_peer_that_does_not_answer_ends_within_the_callers_deadline(role_procs):
+    dst = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "4MiB", "--slot-bytes", "1MiB")
+    client = await StoreClient.connect(dst.addresses["data"], timeout=1.0, shm=False)
+    keys = chain(2, seed=5)
+    try:
+        async with MutePeer() as peer:           # the pull's HELLO is answered, its get never
+            with pytest.raises(RemoteError) as err:
+                await client.replicate(keys, peer.address)
+        assert err.value.code == "peer_error" and peer.address in err.value.message
+        assert "no answer in 0.8 s" in err.value.message     # the pull's share of our 1 s deadline
+        await client.put(keys[:1], [block(keys[0], 1024)])  # the store itself still answers
+    finally:
+        await client.close()
