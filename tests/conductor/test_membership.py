@@ -87,7 +87,8 @@ async def test_a_store_it_never_synced_with_is_asked_for_its_inventory(make_clus
     assert body["resync"] is False and body["num_blocks"] == 2           # keys[:3] forgotten
     assert index.prefix_len(keys[5:7], "s:1") == 2 and index.prefix_len(keys[:3], "s:1") == 0
     status, body = await fakes.block_events(cluster.session, cluster.url, "s:1", stored=keys[7:9])
-    assert body == {"ok": True, "num_blocks": 4, "resync": False}       # later parts and events add up
+    assert body == {"ok": True, "num_blocks": 4, "resync": False,   # later parts and events add up
+                    "dead_after_s": cluster.svc.membership.dead_after_s}
     status, body = await fakes.block_events(cluster.session, cluster.url, "other:1", full=True)
     assert body["resync"] is False and body["num_blocks"] == 0          # an empty store is synced too
 
