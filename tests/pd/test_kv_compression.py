@@ -133,3 +133,19 @@ def test_the_bench_reports_agreement_bytes_and_capacity(capsys):
     plain, coded = out["blocks"]["block_bytes"]["none"], out["blocks"]["block_bytes"]["coded"]
     assert (plain, coded) == (16384, BLOCK)
     assert out["blocks"]["store_blocks_at_dram"] == {"dram": 1 << 20, "none": 64, "coded": (1 << 20) // BLOCK}
+
+
+async def test_compressed_store_keeps_encoded_blocks_and_loads_any_layer_range_decoded():
+    from kernels.kv_codec import round_trip
+    from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore
+    shape = (BS, KV_HEADS, HEAD_DIM)
+    inner = MemoryStore((0, LAYERS), encoded_layer_bytes(*shape))
+    store = CompressedStore(inner, KVCodec("int8"), shape, torch.bfloat16)
+    blocks = torch.randn(2, LAYERS, 2, *shape).to(torch.bfloat16)
+    keys = [b"k0" * 8, b"k1" * 8]
+    await store.put_layers(keys, [memoryview(b.contiguous().view(torch.uint8).numpy()) for b in blocks], 0, LAYERS)
+    assert len(inner) == 2 and await store.match(keys + [b"zz" * 8]) == 2
+    assert len(inner._blocks[keys[0]]) == BLOCK                   # kept encoded
+    views = await store.get_layers(keys, 1, 2)                          # layers 1..2, model dtype
+    got = torch.stack([torch.frombuffer(bytearray(v), dtype=torch.bfloat16).view(2, 2, *shape) for v in views])
+    assert torch.equal(got, round_trip(blocks, KVCodec("int8"))[:, 1:3])
