@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
-import torch
 
 from kernels.kv_codec import codec_for, encoded_layer_bytes, fp8_supported
 from mooncake_lite.model.args import DTYPES
@@ -176,20 +175,21 @@ def main(argv: Sequence[str]) -> int:
 
 
 def report(out: dict) -> str:
-    lines = [f"{out['model']} ({out['dtype']}), block {out['block_size']} tokens, {out['max_tokens']} tokens per prompt"]
+    lines = [f"{out['model']} ({out['dtype']}), block {out['block_size']} tokens, "
+             f"{out['max_tokens']} tokens per prompt"]
     for c, a in out["accuracy"].items():
-        lines.append(f"  {c}: {a['prompts']} prompts (mean reused prefix {a['mean_prefix_tokens']:.0f} tokens): greedy "
-                     f"token agreement {a['greedy_token_agreement']:.1%}, sequences equal {a['sequences_equal']:.1%}; "
-                     f"teacher-forced top-1 {a['forced_top1_agreement']:.1%}, logit error max {a['logit_max_abs_err']:.3g} "
-                     f"mean {a['logit_mean_abs_err']:.3g} (max {a['logit_max_err_over_logit_std']:.3g} logit std)")
+        lines.append(f"  {c}: {a['prompts']} prompts (mean reused prefix {a['mean_prefix_tokens']:.0f} tokens): "
+                     f"greedy token agreement {a['greedy_token_agreement']:.1%}, sequences equal "
+                     f"{a['sequences_equal']:.1%}; teacher-forced top-1 {a['forced_top1_agreement']:.1%}, "
+                     f"logit error max {a['logit_max_abs_err']:.3g} mean {a['logit_mean_abs_err']:.3g} "
+                     f"(max {a['logit_max_err_over_logit_std']:.3g} logit std)")
     for key, label in (("blocks", out["dtype"]), ("blocks_bfloat16", "bfloat16")):
-        b = out[key]
+        b, per, cap = out[key], out[key]["prefix_bytes_per_request"], out[key]["store_blocks_at_dram"]
         lines.append(f"  {label}: block {b['block_bytes']['none']:,} B -> {b['block_bytes']['coded']:,} B "
-                     f"(x{b['ratio']:.3f}); prefix bytes per request {b['prefix_bytes_per_request']['none']:,.0f} -> "
-                     f"{b['prefix_bytes_per_request']['coded']:,.0f}; blocks in {b['store_blocks_at_dram']['dram']:,} B "
-                     f"of DRAM {b['store_blocks_at_dram']['none']:,} -> {b['store_blocks_at_dram']['coded']:,}")
+                     f"(x{b['ratio']:.3f}); prefix bytes per request {per['none']:,.0f} -> {per['coded']:,.0f}; "
+                     f"blocks in {cap['dram']:,} B of DRAM {cap['none']:,} -> {cap['coded']:,}")
     for r in out.get("sim", []):
         lines.append(f"  sim DRAM x{r['dram_share']:g} {r['codec']:<5} {r['store_blocks_per_node']:>6} blocks/node: "
-                     f"reused {r['reused_token_share']:.1%}, TTFT mean {r['ttft_mean_s']:.2f}s p90 {r['ttft_p90_s']:.2f}s, "
-                     f"completed {r['completed']}, rejected {r['rejected']}")
+                     f"reused {r['reused_token_share']:.1%}, TTFT mean {r['ttft_mean_s']:.2f}s "
+                     f"p90 {r['ttft_p90_s']:.2f}s, completed {r['completed']}, rejected {r['rejected']}")
     return "\n".join(lines)
