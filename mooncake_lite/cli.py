@@ -22,7 +22,7 @@ TOOLS = {
     "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
     "status": ("mooncake_lite.cluster.status", "live view of a running cluster (--once, --json for scripts)"),
     "netns": ("mooncake_lite.cluster.netns_cli", "nodes on one box: network namespaces, shaped links (root)"),
-    "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay"),
+    "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay, chaos, fidelity, sim-scale, kv-compression"),
     "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),
     "trace": ("mooncake_lite.trace.cli", "trace tools: stats, synth"),
     "generate": ("mooncake_lite.model.generate", "run the model in one process (monolithic reference)"),
