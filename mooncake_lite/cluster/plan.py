@@ -45,7 +45,7 @@ STORE_SSD_QUEUE = 256 << 20             # the store's default --ssd-queue (must 
 MAX_SLOT_BYTES = 1 << 30                # the store's largest --slot-bytes
 # Options the store sizing reads (prefill) or sets (store); see UpOptions.preset.
 SIZING_OPTIONS = ("block_size", "dtype", "slot_bytes", "dram", "ssd_queue", "threads", "cpus", "kv_memory",
-                  "num_blocks")
+                  "num_blocks", "kv_compression")
 INSTANCE_KV_MEMORY = 256 << 20          # ModelRoleConfig.kv_memory's default: the floor of a KV share
 PROCESS_OVERHEAD = 512 << 20            # Python, torch, tokenizer and buffers of one instance, beside weights
 DEFAULT_MEMORY_FRACTION = 0.25          # of MemAvailable: the box is shared with the OS and other work

@@ -27,7 +27,8 @@ import aiohttp
 
 from mooncake_lite.cluster.machine import with_machine_share
 from mooncake_lite.cluster.plan import (DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
-                                        conductor_spec, instance_specs, kv_layout, slot_bytes_for, split_args,
+                                        conductor_spec, instance_specs, kv_layout, role_setting, slot_bytes_for,
+                                        split_args,
                                         store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
@@ -117,9 +118,14 @@ def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> 
     opts = dataclasses.replace(opts, preset=preset)
     try:
         block_size, dtype = kv_layout(opts)
-        block_bytes = model_args(opts.model).kv_block_bytes(block_size, dtype)
+        args = model_args(opts.model)
+        block_bytes = args.kv_block_bytes(block_size, dtype)
     except (ValueError, OSError, KeyError):
         return opts
+    if role_setting(opts, "prefill", "kv_compression") not in (None, "none"):
+        # encoded blocks: 1-byte codes and per-head scales per layer, whatever the dtype
+        from kernels.kv_codec import encoded_layer_bytes
+        block_bytes = args.num_layers * encoded_layer_bytes(block_size, args.num_kv_heads, args.head_dim)
     if slot_bytes_for(block_bytes) > MAX_SLOT_BYTES:
         raise ValueError(f"one {block_size}-token KV block of {opts.model} in {dtype} is {block_bytes} bytes, more "
                          f"than a store slot can hold ({MAX_SLOT_BYTES}): lower --block-size")

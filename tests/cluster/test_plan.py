@@ -108,6 +108,11 @@ MiB = 1 << 20
     # the prefill's own --block-size wins over the common one (it is later on its command line)
     ({"model": "llama3-8b", "common": ("--block-size", "512"), "role_args": {"prefill": ("--block-size=64",)}},
      {}, 16 * MiB, {"--slot-bytes": str(16 * MiB)}),
+    # compressed KV (tiny: 4 layers x (2 x 16 tokens x 2 heads x 16 one-byte codes + 2 x 2 float32 scales))
+    ({"model": "tiny", "common": ("--block-size", "16", "--kv-compression", "int8")}, {}, 4 * 1040,
+     {"--slot-bytes": str(64 << 10)}),
+    ({"model": "llama3-8b", "common": ("--block-size", "512")}, {"MOONCAKE_KV_COMPRESSION": "int8"},
+     32 * (2 * 512 * 8 * 128 + 2 * 8 * 4), {"--slot-bytes": str(513 << 16), "--dram": str(64 * (513 << 16))}),
     # the environment the roles inherit
     ({"model": "tiny"}, {"MOONCAKE_BLOCK_SIZE": "32"}, 32 << 10, {"--slot-bytes": str(64 << 10)}),
     # llama2-7b float32 at 512 tokens: 512 MiB slots also need a bigger SSD write queue
