@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 import urllib.error
@@ -141,6 +142,9 @@ def _frame(lines: list[str], width: int, height: int) -> str:
 
 
 def live(args: argparse.Namespace) -> int:
+    # Ctrl-C must quit the view even when started from a shell that ignores SIGINT for background
+    # jobs (Python keeps an inherited SIG_IGN instead of raising KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = sys.stdout
     out.write(ALT_SCREEN)
     try:
