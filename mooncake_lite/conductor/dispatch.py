@@ -23,7 +23,7 @@ import aiohttp
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import (AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
+from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, PrefillResult,
                                            ProtocolError, dumps, error_text, parse_prefill_result,
                                            parse_token_event)
 from mooncake_lite.conductor.errors import ApiError, rejected, upstream_failed
@@ -33,11 +33,11 @@ from mooncake_lite.conductor.outputs import OutputHistory
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.placement import place
 from mooncake_lite.conductor.tenants import TenantGate
+from mooncake_lite.conductor.upstream import Failure, is_connection_failure, post_abort
 from mooncake_lite.scheduler import Decision, Scheduler
 from mooncake_lite.scheduler.links import observe_migration
 
 log = logging.getLogger(__name__)
-ABORT_TIMEOUT_S = 5.0
 DECODE_END_GRACE_S = 2.0
 
 
@@ -64,18 +64,6 @@ class Services:
         task = asyncio.get_running_loop().create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why an attempt failed upstream. ``instance_id``: the instance to leave out of a retry;
-    ``reason``: the retries_total label; ``retry``: whether it may be retried elsewhere (a
-    timeout is not: the request has waited long enough)."""
-
-    message: str
-    instance_id: str
-    reason: str
-    retry: bool = True
 
 
 class Flight:
@@ -445,30 +433,6 @@ def decision_attributes(d: Decision) -> dict[str, Any]:
             "predicted_transfer_s": d.predicted_transfer_s, "reused_prefix_blocks": d.reused_prefix_blocks,
             "local_prefix_blocks": d.local_prefix_blocks,
             "migrated_blocks": len(m.keys) if m is not None else None}
-
-
-async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:
-    """Tell an instance to drop a request and free its KV; failures are only logged."""
-    try:
-        async with svc.session.post(f"http://{inst.reg.http}/v1/abort", data=dumps(AbortRequest(request_id)),
-                                    headers={"Content-Type": "application/json",
-                                             **cluster_headers(svc.cluster_token)},
-                                    timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
-            await resp.read()
-            if resp.status >= 400 and resp.status != 404:
-                log.warning("abort %s on %s answered %d", request_id, inst.instance_id, resp.status)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.warning("abort %s on %s failed: %r", request_id, inst.instance_id, exc)
-
-
-def is_connection_failure(exc: BaseException) -> bool:
-    """A refused, reset or broken connection (the instance is likely gone), not a slow answer:
-    a connect timeout counts, a read timeout does not."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return True
-    if isinstance(exc, asyncio.TimeoutError):
-        return False
-    return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError))
 
 
 def _now() -> float:
