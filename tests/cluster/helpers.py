@@ -67,3 +67,13 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> st
         if needle in line:
             return "".join(seen)
     raise AssertionError(f"never saw {needle!r} on stdout; got:\n{''.join(seen)}")
+
+
+def wait_until(cond, what: str, timeout: float = 30.0):
+    """Poll ``cond`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value

@@ -22,6 +22,7 @@ import pytest
 
 from mooncake_lite.conductor.status import quantiles
 from tests.conftest import REPO
+from tests.cluster.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,22 +54,13 @@ def cluster():
             d = pool.submit(start, "decode", "--port", "0", "--data-port", "0", "--conductor", url,
                             "--log-level", "debug", *INSTANCE, *COMMON)
             prefill, decode = p.result(), d.result()
-        _until(lambda: len([i for i in _status(url)["instances"] if i["health"] == "alive"]) == 2, "registration")
+        wait_until(lambda: len([i for i in _status(url)["instances"] if i["health"] == "alive"]) == 2, "registration")
         yield {"url": url, "conductor": conductor, "store": store, "prefill": prefill, "decode": decode}
     finally:
         for rp in started:        # all drain at once
             rp.send(signal.SIGTERM)
         for rp in reversed(started):
             rp.stop()
-
-
-def _until(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def _status(url: str, token: str | None = TOKEN) -> dict:
@@ -98,7 +90,7 @@ def _status_cli(url: str, *args: str, token: str = TOKEN) -> subprocess.Complete
 def test_one_request_id_tags_its_log_lines_in_every_role(cluster):
     rid = _complete(cluster["url"])
     # decode logs "finished" as its stream ends, just before the conductor's answer completes
-    _until(lambda: f"[{rid}]: finished: length" in cluster["decode"].logs(), "decode's last line")
+    wait_until(lambda: f"[{rid}]: finished: length" in cluster["decode"].logs(), "decode's last line")
     for role in ("conductor", "prefill"):
         tagged = [e for e in _json_lines(cluster[role].logs()) if e.get("request_id") == rid]
         # tagged by the context, not by quoting the id in the message
@@ -121,7 +113,7 @@ def test_status_json_and_once_show_instances_stores_and_recent_requests(cluster)
         _status(url, token=None)
     assert refused.value.code == 403
     # the store's usage arrives with its block events (the request's blocks were written back)
-    _until(lambda: any((s.get("usage") or {}).get("dram_blocks", 0) > 0 for s in _status(url)["stores"]),
+    wait_until(lambda: any((s.get("usage") or {}).get("dram_blocks", 0) > 0 for s in _status(url)["stores"]),
            "the store's usage")
     out = _status_cli(url, "--json")
     assert out.returncode == 0, out.stderr
@@ -160,7 +152,7 @@ def test_live_view_redraws_in_place_in_a_terminal(cluster):
     os.close(slave)
     screen = b""
 
-    def read_until(pred, what: str, timeout: float = 30.0) -> None:
+    def readwait_until(pred, what: str, timeout: float = 30.0) -> None:
         nonlocal screen
         deadline = time.monotonic() + timeout
         while not pred(screen.decode(errors="replace")):
@@ -172,12 +164,12 @@ def test_live_view_redraws_in_place_in_a_terminal(cluster):
             except (BlockingIOError, OSError):
                 time.sleep(0.05)
     try:
-        read_until(lambda s: s.count("INSTANCES") >= 2, "two frames")
+        readwait_until(lambda s: s.count("INSTANCES") >= 2, "two frames")
         text = screen.decode(errors="replace")
         assert text.startswith("\x1b[?1049h")                     # the alternate screen
         assert text.count("\x1b[H") >= 2 and "decode@" in text and "prefill@" in text
         _complete(url)                                             # a new frame shows the new request
-        read_until(lambda s: f"ok {before + 1:.0f}" in s.rsplit("\x1b[H", 1)[-1]
+        readwait_until(lambda s: f"ok {before + 1:.0f}" in s.rsplit("\x1b[H", 1)[-1]
                    or f"ok {before + 1:.0f}" in s.rsplit("\x1b[H", 2)[-2], "the refreshed outcome count")
         proc.send_signal(signal.SIGINT)                           # what Ctrl-C sends
         # keep reading while it exits: a full pty would block its last writes (a busy box lets

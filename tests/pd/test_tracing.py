@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from tests.cluster.helpers import wait_until
 from tests.conftest import start_role
 
 pytestmark = pytest.mark.timeout(180)
@@ -116,8 +117,8 @@ def traced():
             p.result(), d.result()
         # The first request (once both instances are registered) leaves PROMPT's blocks in the
         # store; its write-back span has come back once the store answered the put.
-        first = _until(lambda: _complete(url, probe=True), "both instances registered")
-        _until(lambda: _named(collector, first, "store.put"), "the first request's write-back")
+        first = wait_until(lambda: _complete(url, probe=True), "both instances registered")
+        wait_until(lambda: _named(collector, first, "store.put"), "the first request's write-back")
         yield url, collector, first
     finally:
         for rp in started:
@@ -125,15 +126,6 @@ def traced():
         for rp in reversed(started):
             rp.stop()
         collector.close()
-
-
-def _until(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def _complete(url: str, traceparent: str | None = None, probe: bool = False):
@@ -176,7 +168,7 @@ def test_one_request_has_one_span_tree_across_every_role(traced):
     # The probe requests ran PROMPT already: its blocks are in the store, so this one loads a prefix.
     rid = _complete(url, client_tp)
     wanted = ("conductor.request", "decode.request", "decode.steps", "prefill.request", "store.get_layers")
-    spans = _until(lambda: (s := collector.trace(CLIENT_TRACE)) and all(any(x["name"] == n for x in s)
+    spans = wait_until(lambda: (s := collector.trace(CLIENT_TRACE)) and all(any(x["name"] == n for x in s)
                                                                         for n in wanted) and s, "the spans")
     time.sleep(0.5)   # the last batches in flight
     spans = collector.trace(CLIENT_TRACE)
