@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -59,15 +60,8 @@ def dist(values: Sequence[float]) -> dict[str, float | None]:
     """mean, p50, p90 (linear interpolation, as ``bench replay``); None for an empty list."""
     if not values:
         return {"mean": None, "p50": None, "p90": None}
-    xs = sorted(values)
-    return {"mean": sum(xs) / len(xs), "p50": _quantile(xs, 0.5), "p90": _quantile(xs, 0.9)}
-
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    p50, p90 = np.percentile(values, [50, 90])
+    return {"mean": sum(values) / len(values), "p50": float(p50), "p90": float(p90)}
 
 
 def rejection_agreement(live: frozenset[int], sim: frozenset[int], num_requests: int) -> dict[str, float | int]:
