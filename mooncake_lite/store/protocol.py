@@ -14,7 +14,7 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 | MATCH | keys, lease_s (optional) | - | num_matched (longest prefix held in any tier), lease_id | - |
 | EXISTS | keys | - | exists (list of bool) | - |
 | DELETE | keys | - | num_deleted | - |
-| REPLICATE | keys, peer ("host:port"), first_pos | - | num_copied, num_present, num_missing | - |
+| REPLICATE | keys, peer ("host:port"), first_pos | - | num_copied, num_present, num_missing, num_bytes (pulled) | - |
 | RELEASE | lease_id | - | released (bool) | - |
 | SHM_ATTACH | - | - | a staging area's offer (pid, fd, size, nonce, host) | - |
 | SHM_READY | - | - | ok | - |

@@ -25,7 +25,7 @@ class Replicator:
         if f"{peer[0]}:{peer[1]}" == self.self_address:
             raise RuntimeError("a store cannot replicate from itself")
         wanted = [(i, k) for i, k in enumerate(keys) if k not in self.store]
-        num_copied = num_missing = 0
+        num_copied = num_missing = num_bytes = 0
         if wanted:
             client = await self._client(peer)
             blocks = await client.get_blocks([k for _, k in wanted])
@@ -34,9 +34,12 @@ class Replicator:
                     num_missing += 1
                     continue
                 num_copied += self._put_local(key, item[0], item[1] or 1, first_pos + i)
+                num_bytes += item[0].nbytes
         log.info("replicated %d block(s) from %s:%d (%d present, %d missing at the peer)",
                  num_copied, peer[0], peer[1], len(keys) - len(wanted), num_missing)
-        return {"num_copied": num_copied, "num_present": len(keys) - len(wanted), "num_missing": num_missing}
+        # num_bytes: what crossed the link, so a caller timing the pull can tell the link's speed
+        return {"num_copied": num_copied, "num_present": len(keys) - len(wanted), "num_missing": num_missing,
+                "num_bytes": num_bytes}
 
     def _put_local(self, key: bytes, data: memoryview, num_layers: int, chain_pos: int) -> int:
         ticket = self.store.reserve([key], [data.nbytes], num_layers, chain_pos)

@@ -197,12 +197,12 @@ async def test_replicate_between_two_stores(role_procs):
     try:
         await a.put(keys[:3], data[:3], num_layers=8)
         result = await b.replicate(keys, src.addresses["data"])
-        assert result == {"num_copied": 3, "num_present": 0, "num_missing": 1}
+        assert result == {"num_copied": 3, "num_present": 0, "num_missing": 1, "num_bytes": 3 * 8 * 1024}
         assert [bytes(x) for x in await b.get(keys[:3])] == data[:3]
         layer = await b.get_layers(keys[:1], first_layer=2, num_layers=1)
         assert bytes(layer[0]) == data[0][2048:3072]
         assert await b.replicate(keys[:3], src.addresses["data"]) == {"num_copied": 0, "num_present": 3,
-                                                                     "num_missing": 0}
+                                                                     "num_missing": 0, "num_bytes": 0}
         with pytest.raises(RemoteError) as err:
             await b.replicate(keys, "127.0.0.1:1")
         assert err.value.code == "peer_error"
