@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
-from mooncake_lite.conductor import api, contexts, cost_export, internal, status
+from mooncake_lite.conductor import api, contexts, cost_export, hot_replication, internal, status
 from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
@@ -26,6 +26,7 @@ from mooncake_lite.conductor.tenants import TenantGate, tenant_middleware
 from mooncake_lite.model.tokenizer import load_tokenizer
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.scheduler import Scheduler, SchedulerConfig
+from mooncake_lite.scheduler.hot import HotConfig, HotTracker
 
 log = logging.getLogger(__name__)
 DEFAULT_DTYPE_BYTES = 2   # until an instance reports its real kv_bytes_per_token
@@ -64,6 +65,7 @@ def make_app(cfg: Config) -> web.Application:
                      kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
+    _hot_replication(app, cfg)
     api.add_routes(app)
     contexts.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)
     internal.add_routes(app)
@@ -72,6 +74,18 @@ def make_app(cfg: Config) -> web.Application:
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_reaper)
     return app
+
+
+def _hot_replication(app: web.Application, cfg: Config) -> None:
+    """Hot blocks copied ahead of need, in the background (off with --hot-replication-share 0)."""
+    if cfg.hot_replication_share <= 0:
+        return
+    svc = app[API].svc
+    tracker = HotTracker(HotConfig(threshold=cfg.hot_threshold, window_s=cfg.hot_window,
+                                   share=cfg.hot_replication_share, period_s=cfg.hot_replication_period))
+    hot = app[hot_replication.HOT] = hot_replication.HotReplication(svc, tracker)
+    svc.on_placed = hot.note
+    app.cleanup_ctx.append(hot_replication.run)
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:

@@ -85,6 +85,16 @@ class Config(RoleConfig):
                                 parse=parse_duration)
     context_max_ttl: float = option(7 * 86400.0, "the longest lifetime a cached context may be given (at "
                                     "creation or by extending it)", parse=parse_duration)
+    # Hot blocks copied ahead of need (conductor/hot_replication.py, scheduler/hot.py)
+    hot_replication_share: float = option(0.1, "share of each store link's time spent copying hot prefix blocks, "
+                                          "in the background, to the live prefill nodes' stores that lack them "
+                                          "(0: off)")
+    hot_threshold: int = option(3, "requests within --hot-window that must reuse a block before it is hot "
+                                "(replicated ahead of need)")
+    hot_window: float = option(60.0, "how long a request's reuse of a block counts towards its heat",
+                               parse=parse_duration)
+    hot_replication_period: float = option(1.0, "how often hot blocks are planned and copied (each link's budget: "
+                                           "share x its speed x this period)", parse=parse_duration)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -106,5 +116,11 @@ class Config(RoleConfig):
         require(self.upstream_timeout > 0, f"--upstream-timeout must be positive, got {self.upstream_timeout}")
         require(self.kv_timeout > 0, f"--kv-timeout must be positive, got {self.kv_timeout}")
         require(self.context_quota >= 0, f"--context-quota must be >= 0, got {self.context_quota}")
+        require(0 <= self.hot_replication_share <= 1,
+                f"--hot-replication-share must be in [0, 1], got {self.hot_replication_share}")
+        require(self.hot_threshold >= 1, f"--hot-threshold must be at least 1, got {self.hot_threshold}")
+        require(self.hot_window > 0, f"--hot-window must be positive, got {self.hot_window}")
+        require(self.hot_replication_period > 0,
+                f"--hot-replication-period must be positive, got {self.hot_replication_period}")
         require(0 < self.context_ttl <= self.context_max_ttl,
                 f"--context-ttl must be in (0, --context-max-ttl], got {self.context_ttl}")

@@ -58,6 +58,8 @@ class Services:
     background: set[asyncio.Task] = field(default_factory=set)
     outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
     tenants: TenantGate | None = None   # per-tenant limits, SLOs and priorities (conductor/tenants.py)
+    # told each accepted placement (decision, block keys, now): hot-block heat (conductor/hot_replication.py)
+    on_placed: Callable[[Decision, list[bytes], float], None] | None = None
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

@@ -68,6 +68,13 @@ class ConductorMetrics:
         self.link_speed = Gauge(p + "link_bytes_per_second", "measured KV transfer speed per store pair "
                                 "(EWMA of hot-spot migrations; absent before the first: the prior applies)",
                                 ["source", "dest"], registry=r)
+        # hot blocks copied ahead of need (conductor/hot_replication.py)
+        self.hot_blocks = Gauge(p + "hot_blocks", "prefix blocks reused by at least --hot-threshold requests "
+                                "within --hot-window, at the last plan", registry=r)
+        self.hot_replications = Counter(p + "hot_replications", "background replications of hot blocks asked "
+                                        "of a store, by outcome (ok, failed)", ["outcome"], registry=r)
+        self.hot_replicated_bytes = Counter(p + "hot_replicated_bytes", "bytes stores pulled from their peers "
+                                            "for background replications of hot blocks", registry=r)
         self._membership: Membership | None = None
         r.register(_MembershipEvents(lambda: self._membership))
 

@@ -36,6 +36,8 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
         svc.metrics.reused_blocks.inc(decision.reused_prefix_blocks)
         if decision.migration is not None:
             svc.metrics.migrations.inc(len(decision.migration.keys))
+        if svc.on_placed is not None:
+            svc.on_placed(decision, keys, now)
         log.debug("%s: %s", request_id, decision.reason)
         return decision, keys
     log.info("%s %s", request_id, decision.reason)
