@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.dispatch import fast_module
 
@@ -21,7 +23,8 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_table: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Causal attention of ``q`` ([n, heads, head_dim], positions start_pos..start_pos+n-1) over the
-    sequence's cached keys 0..start_pos+n-1 (the new tokens' K/V must already be written)."""
+    sequence's cached keys 0..start_pos+n-1 (the new tokens' K/V must already be written).
+    The reference: an explicit [n, start_pos+n] boolean mask."""
     n = q.shape[0]
     ctx = start_pos + n
     k = _gather_context(k_cache, block_table, ctx)
@@ -32,6 +35,44 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                          v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of ``q`` [heads, n, hd] over ``k``/``v`` [kv_heads, ctx, hd] where the queries
+    are the last n of the ctx positions, without a mask tensor. From position 0 (n == ctx) it is
+    plain ``is_causal``. With a cached prefix the diagonal is offset (query i sees keys
+    0..ctx-n+i): torch's lower-right causal bias says so without materialising it, and on CUDA
+    picks the flash or memory-efficient kernel with that variant. Flash takes grouped KV heads
+    as they are; where only the memory-efficient kernel applies (float32) the KV heads are
+    repeated first, since grouped heads would send torch to the math kernel, which builds the
+    mask. (Off CUDA, with a prefix, torch builds the mask itself and warns: see below.)"""
+    n, ctx = q.shape[1], k.shape[1]
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1 and q.is_cuda and not _flash_takes(q, k, v):
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    bias = None if n == ctx else causal_lower_right(n, ctx)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, is_causal=bias is None,
+                                          enable_gqa=k.shape[0] != q.shape[0])[0]
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel runs this grouped-query attention (CUDA, half precision)."""
+    if not q.is_cuda:
+        return False
+    try:
+        params = SDPAParams(q[None], k[None], v[None], None, 0.0, False, True)
+        return bool(can_use_flash_attention(params, False))
+    except (TypeError, RuntimeError):   # another torch's signature: repeating the heads is always right
+        return False
+
+
+def paged_prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_table: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """:func:`paged_prefill_attention_ref` through :func:`causal_sdpa`: no [n, ctx] mask."""
+    ctx = start_pos + q.shape[0]
+    k = _gather_context(k_cache, block_table, ctx).transpose(0, 1)
+    v = _gather_context(v_cache, block_table, ctx).transpose(0, 1)
+    return causal_sdpa(q.transpose(0, 1), k, v).transpose(0, 1)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -57,8 +98,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos):
-    # Prefill is compute-bound and dominated by the projections; SDPA over the gathered context
-    # is adequate on every device, so it has no separate fast kernel.
+    # Prefill is compute-bound and dominated by the projections, so SDPA over the gathered context
+    # serves; what matters is that it runs a fused kernel, not one fed a dense mask. From position 0
+    # that is is_causal everywhere; with a prefix on CUDA, the lower-right causal bias. The CPU has
+    # no fused kernel for that bias (torch would build the mask and warn each call), so there the
+    # reference's explicit mask stays: n*ctx bytes, small beside the attention it masks.
+    if start_pos == 0 or q.is_cuda:
+        return paged_prefill_attention_fused(q, k_cache, v_cache, block_table, start_pos)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, start_pos)
 
 
