@@ -107,6 +107,9 @@ class Register:
     max_context: int
     cost: dict[str, Any] = field(default_factory=dict)   # fitted cost coefficients (scheduler costs)
     pipeline_stages: int = 1
+    # Prefill batching: uncached tokens one forward packs (--prefill-batch-tokens capped at the
+    # chunk; 0: one prompt at a time, and what an instance that does not say means).
+    pack_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,15 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from mooncake_lite.common.protocol import Heartbeat, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
 from mooncake_lite.conductor.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
+from mooncake_lite.scheduler.costs import uncached_tokens
+from mooncake_lite.scheduler.packing import first_pack
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -183,7 +186,7 @@ class Membership:
             # No store: a unique id no block event names, so nothing counts as cached there.
             store_id = reg.store if reg.store else f"(no store):{reg.instance_id}"
             bandwidth = costs.bandwidth_bytes_per_s or load.get("bandwidth_bytes_per_s") or None
-            inst.view.set_instance(store_id, bandwidth, costs.prefill)
+            inst.view.set_instance(store_id, bandwidth, costs.prefill, max(reg.pack_tokens, 0))
         else:
             # Register.max_context of a decode instance is its KV capacity in tokens.
             max_context = _int_or_none(load.get("max_context_tokens")) or _int_or_none(reg.max_context)
@@ -336,6 +339,21 @@ class Membership:
         if head is not None and head.started_at is None:
             head.started_at = now  # FIFO: the next job starts when this one ends
             inst.view.start(head.request_id, now)
+        if head is not None and inst.reg.pack_tokens > 0:
+            self._start_pack(inst, now)
+
+    @staticmethod
+    def _start_pack(inst: Instance, now: float) -> None:
+        """Prefill batching: the jobs the running head takes along into its forward (the
+        instance's rule, ``scheduler.packing.first_pack``) start with it. Re-run as members'
+        results arrive one by one, so the forward after a pack is shown whole once its own
+        head is."""
+        jobs = inst.prefill_jobs.values()
+        size = first_pack((uncached_tokens(j.num_tokens, j.num_prefix_tokens) for j in jobs), inst.reg.pack_tokens)
+        for job in islice(jobs, 1, size):
+            if job.started_at is None:
+                job.started_at = now
+                inst.view.start(job.request_id, now)
 
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)

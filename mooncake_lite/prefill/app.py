@@ -256,4 +256,5 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
-                    cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group)
+                    cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group,
+                    pack_tokens=service.pack_limit)

@@ -89,7 +89,8 @@ class EstimateCache:
         for p in prefills:
             model = p.cost or default
             backlog = kept.get(p.instance_id)
-            if backlog is None or backlog.queue is not p.queue or backlog.model is not model:
+            if backlog is None or backlog.queue is not p.queue or backlog.model is not model \
+                    or backlog.pack_tokens != p.pack_tokens:
                 backlog = self._backlog(p, model)
             out.append(backlog)
         return out
@@ -97,10 +98,14 @@ class EstimateCache:
     def _backlog(self, p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
         """One instance's backlog: kept, edited (jobs appended, head gone) or derived anew."""
         backlog = self._backlogs.get(p.instance_id)
-        if backlog is not None and backlog.queue is p.queue and backlog.model is model:
+        if backlog is not None and backlog.queue is p.queue and backlog.model is model \
+                and backlog.pack_tokens == p.pack_tokens:
+            return backlog
+        if p.pack_tokens > 0:   # packed: one job more or less re-cuts the packs, so derive anew
+            backlog = self._backlogs[p.instance_id] = backlog_of(p, model)
             return backlog
         durations = None
-        if backlog is not None and backlog.model is model:
+        if backlog is not None and backlog.model is model and not backlog.pack_tokens:
             durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
         if durations is None:
             durations = durations_of(p.queue, model)

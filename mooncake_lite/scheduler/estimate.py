@@ -18,6 +18,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.packing import NO_TAIL, packed_queue
 from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
@@ -35,7 +36,9 @@ class Backlog(NamedTuple):
     """A prefill queue's predicted work, independent of ``now``: the queue and cost model it is
     of, each job's predicted duration, their running sums (job i ends ``cumulative_s[i]`` after
     the queue's work started), the (duration, started_at) of the leading jobs that have
-    started, and the jobs' request ids."""
+    started, and the jobs' request ids. An instance that packs (``pack_tokens`` > 0) has its
+    queue priced packed (:mod:`~mooncake_lite.scheduler.packing`: a pack's first job carries
+    its time) and names the last waiting pack a new request may join (``tail_tokens``, ``tail_s``)."""
 
     queue: tuple[QueuedPrefill, ...]
     model: PrefillCostModel
@@ -43,6 +46,9 @@ class Backlog(NamedTuple):
     cumulative_s: list[float]
     started: tuple[tuple[float, float], ...]
     request_ids: tuple[str, ...]
+    pack_tokens: int = 0
+    tail_tokens: int = NO_TAIL
+    tail_s: float = 0.0
 
 
 def durations_of(queue: Sequence[QueuedPrefill], model: PrefillCostModel) -> list[float]:
@@ -52,6 +58,10 @@ def durations_of(queue: Sequence[QueuedPrefill], model: PrefillCostModel) -> lis
 
 
 def backlog_of(p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
+    if p.pack_tokens > 0:
+        packed = packed_queue(p.queue, model, p.pack_tokens)
+        return backlog_from(p.queue, model, packed.durations_s)._replace(
+            pack_tokens=p.pack_tokens, tail_tokens=packed.tail_tokens, tail_s=packed.tail_s)
     return backlog_from(p.queue, model, durations_of(p.queue, model))
 
 
@@ -91,7 +101,8 @@ def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
 
 
 def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -> float:
-    """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead."""
+    """EstimatePrefillQueueTime: the sum of predicted prefill times of the work ahead (its
+    packed forwards when the instance packs)."""
     return queues_at([backlog_of(p, prefill_model(p, costs))], now).queue_s[0]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
+from operator import attrgetter
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.block_index import PrefixMatch
@@ -15,7 +16,8 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import QueuesAt, prefill_model, queues_at
+from mooncake_lite.scheduler.estimate import Backlog, QueuesAt, prefill_model, queues_at
+from mooncake_lite.scheduler.packing import joins_tail, own_seconds
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.wide import PrefillTable, choose_prefill_row
 
@@ -45,18 +47,35 @@ def _transfer_s(p: PrefillInstanceState, num_blocks: int, source: Hashable, cfg:
 
 def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local: int,
             match: PrefixMatch, fetch: bool, cfg: SchedulerConfig, costs: CostModels,
-            route: Route | None = None) -> PrefillChoice:
+            route: Route | None = None, backlog: Backlog | None = None) -> PrefillChoice:
     """Cost one instance: with its local prefix, or (``fetch``) with blocks [local, best_len)
-    copied from the best holder first."""
+    copied from the best holder first. ``backlog`` (its queue's, when the instance packs)
+    prices the request packed with what is queued (:func:`_packed`)."""
     model = prefill_model(p, costs)
     if fetch and match.best_len > local:
         transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
-        prefill_s = model.predict(req.num_tokens, match.best_len * cfg.block_size)
+        prefix = match.best_len * cfg.block_size
+        queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog)
         return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
                              match.best_len, local, match.best_store_id, route or "transfer")
-    prefill_s = model.predict(req.num_tokens, local * cfg.block_size)
+    queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog)
     route = route or ("local-hit" if local else "balance")
     return PrefillChoice(p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route)
+
+
+def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
+            backlog: Backlog | None) -> tuple[float, float]:
+    """(queue, execution) of the request queued last: on an instance that packs, when it joins
+    the last waiting pack its queue is the forwards before that pack and its execution that
+    pack's forward with its own token terms added (scheduler/packing.py); else the whole
+    queue, then its own prefill."""
+    if backlog is not None and backlog.pack_tokens > 0:
+        n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
+        if joins_tail(backlog.tail_tokens, n, backlog.pack_tokens):
+            ahead = queue_s - backlog.tail_s
+            return ahead if ahead > 0.0 else 0.0, backlog.tail_s + own_seconds(model, req.num_tokens,
+                                                                             prefix_tokens, True)
+    return queue_s, model.predict(req.num_tokens, prefix_tokens)
 
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
@@ -75,14 +94,18 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     if queues is None:
         queues = queues_at((cache or FROM_SCRATCH).backlogs(prefills, costs), now)
     queue_times = queues.queue_s
+    packing = any(map(_PACK_TOKENS, queues.backlogs))
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
         i = rng.randrange(len(prefills))
         return _option(req, prefills[i], queue_times[i], match.length_at(prefills[i].store_id),
-                       match, False, cfg, costs, route="random")
+                       match, False, cfg, costs, route="random", backlog=queues.backlogs[i])
     if cfg.strategy != "kvcache-centric":
-        return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times)
+        return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times,
+                                        queues.backlogs if packing else None)
+    if packing:
+        return _choose_packed(req, prefills, queues, match, cfg, costs)
     if wide is not None:
         hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
         if hit is not None:
@@ -118,19 +141,44 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
 
 def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                              match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels,
-                             queue_times: list[float]) -> PrefillChoice | None:
+                             queue_times: list[float], backlogs: list[Backlog] | None = None
+                             ) -> PrefillChoice | None:
     """``load-balance`` (cache-blind: queue + full recompute; the engine still reuses what it
-    has) and ``cache-aware`` (queue + execution given the local prefix)."""
+    has) and ``cache-aware`` (queue + execution given the local prefix). ``backlogs`` (when an
+    instance packs) price the request packed with each queue."""
     lengths, num_tokens = match.lengths, req.num_tokens
     cached_tokens = 0 if cfg.strategy == "load-balance" else cfg.block_size
     best, best_key = None, float("inf")
-    for p, queue_s in zip(prefills, queue_times):
+    for i, (p, queue_s) in enumerate(zip(prefills, queue_times)):
         local = lengths.get(p.store_id, 0)
-        key = queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+        if backlogs is None:
+            key = queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+        else:
+            key = sum(_packed(req, p.cost or costs.prefill, queue_s, local * cached_tokens, backlogs[i]))
         if key < best_key:
-            best, best_key = (p, queue_s, local), key
+            best, best_key = (p, queue_s, local, i), key
     if best is None:
         return None
-    p, queue_s, local = best
+    p, queue_s, local, i = best
     route = "balance" if cfg.strategy == "load-balance" else None
-    return _option(req, p, queue_s, local, match, False, cfg, costs, route=route)
+    return _option(req, p, queue_s, local, match, False, cfg, costs, route=route,
+                   backlog=None if backlogs is None else backlogs[i])
+
+
+def _choose_packed(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...], queues: QueuesAt,
+                   match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> PrefillChoice | None:
+    """The kvcache-centric choice when an instance packs: Algorithm 1's branch per instance,
+    each option priced by :func:`_option` with its backlog (the request packed with its queue),
+    the smallest TTFT (ties: the earlier instance)."""
+    best_len, threshold = match.best_len, cfg.kvcache_balancing_threshold
+    best, best_key = None, float("inf")
+    for p, queue_s, backlog in zip(prefills, queues.queue_s, queues.backlogs):
+        local = match.lengths.get(p.store_id, 0)
+        fetch = local < best_len and (not local or best_len / local >= threshold)
+        option = _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
+        if option.ttft_s < best_key:
+            best, best_key = option, option.ttft_s
+    return best
+
+
+_PACK_TOKENS = attrgetter("pack_tokens")

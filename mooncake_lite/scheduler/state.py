@@ -52,13 +52,16 @@ class QueuedPrefill:
 @dataclass(frozen=True, slots=True)
 class PrefillInstanceState:
     """A prefill instance: its local store (where its prefix hits come from), queued work,
-    measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported."""
+    measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported.
+    ``pack_tokens``: the uncached tokens one forward of it packs (prefill batching, priced by
+    :mod:`mooncake_lite.scheduler.packing`; 0: one job a forward)."""
 
     instance_id: str
     store_id: Hashable
     queue: tuple[QueuedPrefill, ...] = ()
     bandwidth_bytes_per_s: float | None = None
     cost: PrefillCostModel | None = None
+    pack_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,18 +95,18 @@ class PrefillView(_Shown):
     starts (the conductor: when the one before it ends; the simulator: when it really does)."""
 
     def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
-                 cost: PrefillCostModel | None = None) -> None:
+                 cost: PrefillCostModel | None = None, pack_tokens: int = 0) -> None:
         self.instance_id = instance_id
-        self._about = (store_id, bandwidth_bytes_per_s, cost)
+        self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens)
         self._jobs: dict[str, QueuedPrefill] = {}            # execution order
         self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
         self._state: PrefillInstanceState | None = None
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
-                     cost: PrefillCostModel | None) -> None:
+                     cost: PrefillCostModel | None, pack_tokens: int = 0) -> None:
         """What the instance reports about itself (registration, heartbeats)."""
-        if (store_id, bandwidth_bytes_per_s, cost) != self._about:
-            self._about = (store_id, bandwidth_bytes_per_s, cost)
+        if (store_id, bandwidth_bytes_per_s, cost, pack_tokens) != self._about:
+            self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens)
             self._stale()
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
@@ -148,8 +148,8 @@ class PrefillView(_Shown):
         if self._state is None:
             if self._queue is None:
                 self._queue = tuple(self._jobs.values())
-            store_id, bandwidth, cost = self._about
-            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost)
+            store_id, bandwidth, cost, pack_tokens = self._about
+            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost, pack_tokens)
         return self._state
 
 

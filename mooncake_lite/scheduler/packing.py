@@ -1,0 +1,99 @@
+"""Prefill batching as the scheduler prices it: a prefill instance's FIFO queue run packed.
+
+A prefill instance with a packing budget (``--prefill-batch-tokens``, capped at its chunk: the
+``pack_tokens`` it registers) serves the head of its queue together with the jobs queued behind
+it while their uncached tokens fit in the budget (:func:`~mooncake_lite.scheduler.costs.pack_sizes`,
+the rule ``prefill/service.py`` forms its packs with), in one forward that pays the cost model's
+fixed ``c0`` once (:func:`~mooncake_lite.scheduler.costs.packed_seconds`). Here the same rule
+gives the conductor's queue estimate:
+
+* the jobs shown started are the forward running now (whoever drives the queue — the conductor's
+  membership, the simulator — starts a pack's members together); the jobs behind them are cut into
+  packs by ``pack_sizes``;
+* a pack's time is carried by its *first* job and its other jobs carry 0, so the running sums of
+  the durations are each job's finish time (the end of its pack), and a started pack counts as
+  done for its elapsed time exactly as one started job does;
+* a new request queued last joins the last pack that has not started when its uncached tokens
+  still fit (:func:`joins_tail`): it waits for the forwards before that pack, and its own forward
+  is that pack's with its token terms added (``predict − c0``).
+
+``pack_tokens`` 0 (an instance that does not pack, or registered before the field existed) gives
+each job its own ``predict``: exactly the one-at-a-time estimate. Pure, no IO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.state import QueuedPrefill
+
+NO_TAIL = -1     # no pack a new request could join (nothing waiting, or packing off)
+
+
+class PackedQueue(NamedTuple):
+    """A queue priced packed: each job's share of the work (first of a pack carries it), and the
+    last not-started pack's uncached tokens as ``pack_sizes`` counts them (``limit + 1`` for an
+    oversize job that takes nobody along; :data:`NO_TAIL` when there is none) and its seconds."""
+
+    durations_s: list[float]
+    tail_tokens: int
+    tail_s: float
+
+
+def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit: int) -> PackedQueue:
+    """``queue`` (execution order, started jobs first) priced as an instance packing up to
+    ``limit`` uncached tokens a forward runs it (module doc)."""
+    predict = model.predict
+    own = [predict(job.num_tokens, job.num_prefix_tokens) for job in queue]
+    if limit <= 0:
+        return PackedQueue(own, NO_TAIL, 0.0)
+    running = 0
+    while running < len(queue) and queue[running].started_at is not None:
+        running += 1
+    out: list[float] = []
+    if running:
+        out.append(packed_seconds(own[:running], model.c0))
+        out.extend([0.0] * (running - 1))
+    tail_tokens, tail_s, i = NO_TAIL, 0.0, running
+    waiting = [uncached_tokens(job.num_tokens, job.num_prefix_tokens) for job in queue[running:]]
+    for size in pack_sizes(waiting, limit):
+        tail_s = packed_seconds(own[i:i + size], model.c0)
+        out.append(tail_s)
+        out.extend([0.0] * (size - 1))
+        tokens = sum(waiting[i - running:i - running + size])
+        tail_tokens = tokens if tokens <= limit else limit + 1
+        i += size
+    return PackedQueue(out, tail_tokens, tail_s)
+
+
+def joins_tail(tail_tokens: int, new_uncached: int, limit: int) -> bool:
+    """Whether a request with ``new_uncached`` tokens to compute, queued last, is taken along by
+    the last pack still waiting (``pack_sizes``: it fits beside that pack's tokens)."""
+    return tail_tokens >= 0 and tail_tokens + new_uncached <= limit
+
+
+def own_seconds(model: PrefillCostModel, num_tokens: int, num_prefix_tokens: int, joins: bool) -> float:
+    """The new request's own share of the work: ``predict``, less the fixed ``c0`` its pack pays
+    anyway when it joins one."""
+    t = model.predict(num_tokens, num_prefix_tokens)
+    if joins:
+        t = t - model.c0
+        return t if t > 0.0 else 0.0
+    return t
+
+
+def first_pack(uncached: Iterable[int], limit: int) -> int:
+    """How many jobs from the head of a queue with these uncached token counts the head's
+    forward takes: ``pack_sizes(uncached, limit)[0]`` (0 for no jobs), reading no further than
+    the first job left out."""
+    size = total = 0
+    for n in uncached:
+        if not size:
+            size, total = 1, (n if n <= limit else limit + 1)
+        elif limit > 0 and total + n <= limit:
+            size, total = size + 1, total + n
+        else:
+            break
+    return size
