@@ -10,8 +10,9 @@ sent. Every op ends within ``timeout`` s (a store on a cut-off node answers noth
 an OSError naming the store and the op, which the stage treats as a failed load (recompute);
 the connection is then dropped, so the next op dials afresh.
 
-The store keeps whole blocks (every layer), so a stage that owns only some layers (a CPP stage)
-cannot write back; it still loads its layer range of cached blocks.
+A stage that owns only some layers (a CPP stage) writes its layer slice of each new block; the
+store assembles the group's slices and shows a block only once all its layers are in
+(``store/assembly.py``). Each stage loads its own layer range of cached blocks.
 """
 
 from __future__ import annotations
@@ -85,19 +86,26 @@ class RemoteStore:
         return views
 
     def can_put(self, first_layer: int, num_layers: int) -> bool:
-        return first_layer == 0 and num_layers == self.num_layers
+        """Any layer range of the model: whole blocks, or a CPP stage's slice of them."""
+        return 0 <= first_layer and num_layers >= 1 and first_layer + num_layers <= self.num_layers
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
         if not self.can_put(first_layer, num_layers):
-            return  # a CPP stage's slice: the store keeps whole blocks only
+            raise ValueError(f"layers [{first_layer}, {first_layer + num_layers}) are not of this "
+                             f"{self.num_layers}-layer model")
         client = await self.client()
         slot = client.slot_bytes
-        if slot is not None and values and (largest := max(v.nbytes for v in values)) > slot:
+        whole = max((v.nbytes for v in values), default=0) // num_layers * self.num_layers
+        if slot is not None and whole > slot:
             # Refused before sending: the store would read and drop every byte of it.
-            raise BlockTooLarge(f"block of {largest} bytes does not fit store {self.address}'s "
+            raise BlockTooLarge(f"block of {whole} bytes does not fit store {self.address}'s "
                                 f"{slot}-byte slots (--slot-bytes)")
-        await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos))
+        if num_layers == self.num_layers:
+            await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos))
+        else:   # a slice: the store holds it apart until the other stages' slices are in
+            await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
+                                             first_layer=first_layer, block_layers=self.num_layers))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""

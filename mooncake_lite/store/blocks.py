@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from mooncake_lite.store.assembly import Assembler
 from mooncake_lite.store.eviction import EvictionPolicy, PinTable
 from mooncake_lite.store.records import BadRequest, Block, Lease, PutTicket, StoreFull, StoreStats
 from mooncake_lite.store.slab import Slab
@@ -37,6 +38,8 @@ class BlockStore:
         self._num_pinned = 0  # live DRAM blocks with pins > 0 (cannot be evicted)
         # Context holds: a held DRAM block carries one pin for all its holders together.
         self.holds = PinTable()
+        # Blocks put one layer range at a time (a CPP group's stages), invisible until whole.
+        self.assembly = Assembler(self)
         if ssd is not None:
             ssd.on_dropped = self._ssd_dropped
             ssd.is_pinned = self.holds.is_pinned
@@ -141,6 +144,17 @@ class BlockStore:
             if slot is not None:
                 self.slab.free(slot)
         ticket.slots = []
+
+    def alloc_slot(self) -> int | None:
+        """A free slot, evicting if need be; None when every block is pinned (the assembler's
+        partial blocks take their slots this way, outside any put ticket)."""
+        return self._alloc_slot()
+
+    def adopt(self, key: bytes, slot: int, size: int, num_layers: int, chain_pos: int) -> None:
+        """Make a slot filled outside a put (a block assembled from slices) visible, as a commit does."""
+        self._add_block(key, Block(slot, size, num_layers, chain_pos))
+        self.stats.blocks_put += 1
+        self.on_stored(key)
 
     def _alloc_slot(self) -> int | None:
         slot = self.slab.alloc()

@@ -2,6 +2,7 @@
 
     client = await StoreClient.connect("127.0.0.1:8101", token=None)
     num_new = await client.put(keys, blocks, num_layers=L)          # blocks: bytes-like, one per key
+    await client.put(keys, slices, num_layers=2, first_layer=4, block_layers=L)   # layers 4..5 only
     blocks = await client.get(keys)                                  # list[memoryview | None]
     await client.get(keys, out=[tensor_bytes_view, ...])             # lands in your buffers
     layer_slices = await client.get_layers(keys, first_layer=3, num_layers=1)
@@ -130,16 +131,24 @@ class StoreClient:
 
     # ---- writes ------------------------------------------------------------------------------
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Buffer], num_layers: int = 1,
-                  first_pos: int = 0) -> int:
+                  first_pos: int = 0, *, first_layer: int | None = None, block_layers: int | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]``; ``first_pos`` is keys[0]'s position in its chain.
         Returns how many blocks were new. Each batch is atomic; blocks must stay unchanged until
-        this returns."""
+        this returns. With ``first_layer``, each of ``blocks`` is only layers ``[first_layer,
+        first_layer + num_layers)`` of a block of ``block_layers`` layers (a CPP stage's slice):
+        the store shows the block once all its layers are in, and the count is of those."""
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        extra: dict[str, Any] = {}
+        if first_layer is not None:
+            if block_layers is None:
+                raise ValueError("a slice put (first_layer) needs block_layers, the whole block's layer count")
+            extra = {"first_layer": first_layer, "block_layers": block_layers}
         views = [as_bytes_view(b) for b in blocks]
         batches = self._split(len(keys), [v.nbytes for v in views], self._put_batch_bytes())
         replies = await _all(self._put_batch({"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
-                                              "num_layers": num_layers, "first_pos": first_pos + a}, views[a:b])
+                                              "num_layers": num_layers, "first_pos": first_pos + a, **extra},
+                                             views[a:b])
                              for a, b in batches)
         return sum(r.meta["num_new"] for r in replies)
 
@@ -151,7 +160,8 @@ class StoreClient:
         return max(1, min(self.max_batch_bytes, self.shm.staging.size // 2))
 
     async def _put_batch(self, meta: dict[str, Any], views: list[memoryview]) -> Frame:
-        if self.shm is not None and self.shm.fits([v.nbytes for v in views]):
+        # Slices go over the socket: only that path lands them in place in the block being assembled.
+        if self.shm is not None and "first_layer" not in meta and self.shm.fits([v.nbytes for v in views]):
             if tracing.is_enabled():   # traced as a put over the socket is
                 return await self._traced(Op.PUT, meta, views, lambda: self._shm_put(meta, views))
             return await self._shm_put(meta, views)

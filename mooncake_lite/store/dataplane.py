@@ -12,6 +12,9 @@ refused frame's payload is read into one scratch buffer and dropped. A payload l
 can carry (a put: ``slot_bytes`` per key; anything else: nothing) is refused that way only up to
 ``DISCARD_BYTES``; beyond it the connection is closed at once instead of reading gigabytes.
 
+A put with ``first_layer`` is one layer slice of its blocks (a CPP stage's): it lands in a slot
+the assembler (``store/assembly.py``) holds apart, and the block becomes visible once whole.
+
 Same-node clients move block bytes through shared memory instead (``store/shm.py``): gets with
 ``shm`` are answered with slab offsets under a read lease, puts with ``staged`` offsets carry no
 payload.
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from mooncake_lite.store.assembly import SliceTicket
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
 from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
                                           sizes_from_meta)
@@ -88,7 +92,14 @@ class StoreHandler(FrameHandler):
             if sum(sizes) != header.payload_len:
                 raise MetaError(f"sizes add up to {sum(sizes)} but the payload has {header.payload_len} bytes")
             num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
-            ticket = self.store.reserve(keys, sizes, num_layers, int_from_meta(meta, "first_pos", 0))
+            first_pos = int_from_meta(meta, "first_pos", 0)
+            if "first_layer" in meta:   # a layer slice: held apart until its block is whole
+                ticket = self.store.assembly.reserve(
+                    keys, sizes, int_from_meta(meta, "first_layer"), num_layers,
+                    int_from_meta(meta, "block_layers", minimum=1), first_pos, self.clock())
+                meta[_TICKET] = ticket
+                return self.store.assembly.views(ticket, self._scratch)
+            ticket = self.store.reserve(keys, sizes, num_layers, first_pos)
         except (MetaError, BadRequest) as exc:
             self._check_refusable(header, legit, str(exc))
             meta[_ERROR] = ("bad_request", str(exc))
@@ -111,8 +122,10 @@ class StoreHandler(FrameHandler):
         return [self._scratch] * (nbytes // size) + ([self._scratch[:nbytes % size]] if nbytes % size else [])
 
     def frame_aborted(self, conn: FrameConnection, header: Header, meta: dict[str, Any]) -> None:
-        ticket: PutTicket | None = meta.get(_TICKET)
-        if ticket is not None:
+        ticket: PutTicket | SliceTicket | None = meta.get(_TICKET)
+        if isinstance(ticket, SliceTicket):
+            self.store.assembly.cancel(ticket)
+        elif ticket is not None:
             self.store.cancel(ticket)
 
     # ---- dispatch ----------------------------------------------------------------------------
@@ -123,11 +136,13 @@ class StoreHandler(FrameHandler):
             return
         try:
             if frame.op == Op.PUT and "staged" in meta:
+                if "first_layer" in meta:
+                    raise MetaError("a layer slice is put over the socket, not staged")
                 self._reply(conn, frame, {"num_new": self.shm.staged_put(conn, frame)})
             elif frame.op == Op.PUT:
                 if _TICKET not in meta and keys_from_meta(meta):
                     raise MetaError("a put of blocks needs a payload")
-                num_new = self.store.commit(meta[_TICKET]) if _TICKET in meta else 0
+                num_new = self._commit(meta[_TICKET]) if _TICKET in meta else 0
                 conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
             elif frame.op in (Op.GET, Op.GET_LAYERS):
                 self._get(conn, frame)
@@ -164,6 +179,12 @@ class StoreHandler(FrameHandler):
             reply_error(conn, frame, "bad_request", str(exc))
         except StoreFull as exc:
             reply_error(conn, frame, "full", str(exc))
+
+    def _commit(self, ticket: PutTicket | SliceTicket) -> int:
+        if isinstance(ticket, SliceTicket):
+            self.store.stats.bytes_in += sum(ticket.sizes)
+            return self.store.assembly.commit(ticket)
+        return self.store.commit(ticket)
 
     def _reply(self, conn: FrameConnection, frame: Frame, meta: dict[str, Any]) -> None:
         conn.send(frame.op, frame.request_id, meta, flags=FLAG_REPLY)
@@ -325,6 +346,9 @@ class StoreHandler(FrameHandler):
                 log.warning("%d lease(s) expired; their connections were closed", num)
             for owner in self.store.expire_holds(time.time()):   # wall clock: holds outlive restarts
                 log.info("context hold %s expired", owner)
+            num = self.store.assembly.expire(self.clock())
+            if num:
+                log.warning("%d block(s) put in layer slices expired unfinished (a layer range never came)", num)
 
 
 def _deadline(meta: dict[str, Any]) -> float | None:

@@ -44,8 +44,25 @@ class StoreCollector:
         yield _counter("leases_expired", "leases that expired (their connection was closed)",
                        value=stats.leases_expired)
         yield _gauge_value("leases", "active leases (blocks being sent)", store.num_leases)
+        yield from _assembly(store)
         for name, value in self.extra().items():
             yield _gauge_value(name, name.replace("_", " "), value)
+
+
+def _assembly(store: BlockStore) -> Iterator[Metric]:
+    """Blocks put in layer slices (CPP stages): partial ones each hold a DRAM slot until whole."""
+    asm = store.assembly
+    yield _gauge_value("partial_blocks", "blocks being assembled from layer slices (each holds a DRAM slot)",
+                       asm.num_partial)
+    yield _gauge_value("partial_blocks_max", "most blocks held partial at once", asm.max_partial)
+    yield _counter("slices", "layer slices received (per key; no-ops included)", value=asm.stats.slices)
+    yield _counter("slices_dropped", "layer slices that were no-ops (block held, or range put already)",
+                   value=asm.stats.slices_dropped)
+    yield _counter("blocks_assembled", "blocks made whole from layer slices", value=asm.stats.assembled)
+    yield _counter("partial_expired", "partial blocks dropped unfinished (a layer range never came)",
+                   value=asm.stats.expired)
+    yield _counter("slices_refused", "slice puts refused (bad range or size, or partial blocks at their bound)",
+                   value=asm.stats.refused)
 
 
 def _gauge(name: str, doc: str, per_tier: list[tuple[str, float]]) -> Metric:

@@ -8,7 +8,7 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 
 | op | request meta | request payload | reply meta | reply payload |
 |---|---|---|---|---|
-| PUT | keys, sizes, num_layers, first_pos | the blocks | num_new | - |
+| PUT | keys, sizes, num_layers, first_pos, first_layer + block_layers (a slice) | the blocks | num_new | - |
 | GET | keys | - | sizes (null = miss), num_layers (per key, null = miss) | found blocks |
 | GET_LAYERS | keys, first_layer, num_layers | - | sizes, num_layers (of the block) | layer slices |
 | MATCH | keys, lease_s (optional) | - | num_matched (longest prefix held in any tier), lease_id | - |
@@ -29,6 +29,14 @@ Same-node fast path (docs/store.md): a GET/GET_LAYERS with ``shm: true`` is answ
 ``spans`` ([offset, slot, generation] per block in the shared slab, under the read lease
 ``read``) instead of payload; a PUT with ``staged`` (one offset per key in the connection's
 staging area) carries no payload.
+
+A PUT with ``first_layer`` carries one layer slice per key: layers ``[first_layer, first_layer +
+num_layers)`` of blocks of ``block_layers`` layers (a CPP stage's). The store assembles them
+(``store/assembly.py``): a block becomes visible, and its block event goes out, only once every
+layer has arrived; ``num_new`` counts the blocks a slice completed. A slice of a block the store
+holds, or of a range already put, is a no-op; one out of range, overlapping a range in part, or
+of another layer size than the block's first slice is refused (``bad_request``); unfinished
+blocks expire. Slices go over the socket, never ``staged``.
 
 ``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with
 ``lease_s`` also brings the matched prefix into DRAM and pins it for up to ``lease_s`` seconds (at

@@ -1,0 +1,240 @@
+"""Whole blocks assembled from layer slices: each stage of a CPP group puts only its own layers.
+
+A put with ``first_layer`` carries layers ``[first_layer, first_layer + num_layers)`` of blocks of
+``block_layers`` layers. A key's first slice takes a DRAM slot for the whole block; each slice
+lands in place, at its layers' offset (the block layout keeps a layer range contiguous); the slot
+stays invisible (no match, no get, no block event) until every layer has arrived, and is then
+committed like a put. Rules, per key:
+
+* the store holds the whole block already (any tier): a slice is a no-op;
+* a range already covered (arrived, or on its way): a no-op (two requests that share a prefix
+  write the same slices);
+* a range outside ``[0, block_layers)``, overlapping another only in part, or whose layer size or
+  ``block_layers`` differ from the key's first slice: refused (``BadRequest``), nothing reserved;
+* a partial block expires ``ttl_s`` after its first slice (a stage died, a put was lost), and at
+  most ``max_partial`` are held at once (``StoreFull`` beyond): their slots are bounded, and
+  counted in ``/metrics``.
+
+State and rules only; the slots come from the ``BlockStore`` this serves (``alloc_slot``,
+``adopt``), and ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mooncake_lite.store.records import BadRequest, StoreFull
+from mooncake_lite.store.slab import Slab
+
+MAX_BLOCK_LAYERS = 1024     # far above any model; bounds a hostile put's layer masks
+PARTIAL_TTL_S = 30.0        # a group's slices of one block arrive within a few chunk times
+PARTIAL_SHARE = 0.5         # of the DRAM slots, at most, held by partial blocks
+
+
+class SlotSource(Protocol):
+    """What the assembler needs of the block pool (``store/blocks.py``)."""
+    slab: Slab
+
+    def __contains__(self, key: object) -> bool: ...
+    def alloc_slot(self) -> int | None: ...
+    def adopt(self, key: bytes, slot: int, size: int, num_layers: int, chain_pos: int) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Partial:
+    """One block being assembled: its slot, its shape, and which layers are in (bit i: layer i)."""
+    slot: int
+    block_layers: int
+    layer_bytes: int
+    chain_pos: int
+    expires_at: float
+    arrived: int = 0
+    receiving: int = 0         # layers whose bytes are on their way into the slot
+    num_writers: int = 0       # slices being received: the slot is freed only once they end
+    is_dropped: bool = False   # expired (or made moot) while being written
+
+    @property
+    def is_complete(self) -> bool:
+        return self.arrived == (1 << self.block_layers) - 1
+
+
+@dataclass(slots=True)
+class SliceTicket:
+    """One slice put's reservation; ``partials[i]`` is None when key i's bytes are dropped."""
+    keys: list[bytes]
+    sizes: list[int]
+    first_layer: int
+    num_layers: int
+    partials: list[Partial | None] = field(default_factory=list)
+
+    @property
+    def mask(self) -> int:
+        return ((1 << self.num_layers) - 1) << self.first_layer
+
+
+@dataclass
+class AssemblyStats:
+    slices: int = 0            # slices received (whole frames committed), per key
+    slices_dropped: int = 0    # of which no-ops: block present, or range covered already
+    assembled: int = 0         # blocks made visible
+    expired: int = 0           # partial blocks dropped unfinished
+    refused: int = 0           # slice puts refused (hostile ranges, at the bound, no slot)
+
+
+def check_range(first_layer: int, num_layers: int, block_layers: int) -> None:
+    """BadRequest unless ``[first_layer, first_layer + num_layers)`` lies in a block of ``block_layers``."""
+    if not 1 <= block_layers <= MAX_BLOCK_LAYERS:
+        raise BadRequest(f"block_layers must be in [1, {MAX_BLOCK_LAYERS}], got {block_layers}")
+    if first_layer < 0 or num_layers < 1 or first_layer + num_layers > block_layers:
+        raise BadRequest(f"layers [{first_layer}, {first_layer + num_layers}) are outside a "
+                         f"{block_layers}-layer block")
+
+
+def covers(partial: Partial, mask: int, block_layers: int, layer_bytes: int) -> bool:
+    """True when ``partial`` already has (or is receiving) the layers of ``mask``; False when they
+    are new to it; BadRequest when the slice does not fit it."""
+    if (block_layers, layer_bytes) != (partial.block_layers, partial.layer_bytes):
+        raise BadRequest(f"slice of {block_layers} layers of {layer_bytes} bytes does not match the block "
+                         f"being assembled ({partial.block_layers} layers of {partial.layer_bytes} bytes)")
+    held = (partial.arrived | partial.receiving) & mask
+    if held and held != mask:
+        raise BadRequest("slice overlaps a layer range already put in part only")
+    return held == mask
+
+
+class Assembler:
+    def __init__(self, store: SlotSource, *, max_partial: int | None = None, ttl_s: float = PARTIAL_TTL_S):
+        self.store = store
+        self.max_partial = max(1, int(store.slab.num_slots * PARTIAL_SHARE)) if max_partial is None else max_partial
+        self.ttl_s = ttl_s
+        self.partials: dict[bytes, Partial] = {}
+        self.stats = AssemblyStats()
+
+    @property
+    def num_partial(self) -> int:
+        return len(self.partials)
+
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], first_layer: int, num_layers: int,
+                block_layers: int, first_pos: int, now: float) -> SliceTicket:
+        """Slots (or a drop) for each key's slice; all or nothing: BadRequest, StoreFull."""
+        try:
+            layer_bytes = self._check(keys, sizes, first_layer, num_layers, block_layers)
+            ticket = SliceTicket(list(keys), list(sizes), first_layer, num_layers)
+            try:
+                for i, key in enumerate(keys):
+                    ticket.partials.append(self._take(key, ticket.mask, block_layers, layer_bytes[i],
+                                                      first_pos + i, now))
+            except BaseException:
+                self.cancel(ticket)
+                raise
+        except (BadRequest, StoreFull):
+            self.stats.refused += 1
+            raise
+        return ticket
+
+    def _check(self, keys, sizes, first_layer: int, num_layers: int, block_layers: int) -> list[int]:
+        if len(keys) != len(sizes):
+            raise BadRequest(f"{len(keys)} keys but {len(sizes)} sizes")
+        check_range(first_layer, num_layers, block_layers)
+        slot_bytes = self.store.slab.slot_bytes
+        for size in sizes:
+            if size <= 0 or size % num_layers:
+                raise BadRequest(f"slice of {size} bytes is not divisible into {num_layers} layers")
+            if size // num_layers * block_layers > slot_bytes:
+                raise BadRequest(f"a block of {block_layers} layers of {size // num_layers} bytes does not fit "
+                                 f"a {slot_bytes}-byte slot (start the store with a larger --slot-bytes)")
+        return [size // num_layers for size in sizes]
+
+    def _take(self, key: bytes, mask: int, block_layers: int, layer_bytes: int, chain_pos: int,
+              now: float) -> Partial | None:
+        if key in self.store:            # the whole block is here already
+            self._drop(key)
+            return None
+        partial = self.partials.get(key)
+        if partial is None:
+            partial = self._open(key, block_layers, layer_bytes, chain_pos, now)
+        elif covers(partial, mask, block_layers, layer_bytes):
+            return None
+        partial.receiving |= mask
+        partial.num_writers += 1
+        return partial
+
+    def _open(self, key: bytes, block_layers: int, layer_bytes: int, chain_pos: int, now: float) -> Partial:
+        if len(self.partials) >= self.max_partial:
+            raise StoreFull(f"{len(self.partials)} blocks are being assembled from layer slices already "
+                            f"(at most {self.max_partial})")
+        slot = self.store.alloc_slot()
+        if slot is None:
+            raise StoreFull(f"no free DRAM slot for a block to assemble: all {self.store.slab.num_slots} "
+                            "slots are leased or being written")
+        partial = self.partials[key] = Partial(slot, block_layers, layer_bytes, chain_pos, now + self.ttl_s)
+        return partial
+
+    def views(self, ticket: SliceTicket, scratch: memoryview) -> list[memoryview]:
+        """Where each slice's bytes land: its layers' place in the slot, or ``scratch`` (dropped)."""
+        views = []
+        for partial, size in zip(ticket.partials, ticket.sizes):
+            if partial is None:
+                views.append(scratch[:size] if size <= scratch.nbytes else memoryview(bytearray(size)))
+            else:
+                views.append(self.store.slab.view(partial.slot, size, ticket.first_layer * partial.layer_bytes))
+        return views
+
+    def commit(self, ticket: SliceTicket) -> int:
+        """The slices are in: mark their layers; returns how many blocks became whole (visible)."""
+        num_new = 0
+        for key, partial in zip(ticket.keys, ticket.partials):
+            self.stats.slices += 1
+            if partial is None:
+                self.stats.slices_dropped += 1
+                continue
+            self._release(partial, ticket.mask, arrived=True)
+            if partial.is_dropped or not partial.is_complete:
+                continue
+            del self.partials[key]
+            if key in self.store:        # a whole put of it won meanwhile
+                self.store.slab.free(partial.slot)
+                continue
+            self.store.adopt(key, partial.slot, partial.layer_bytes * partial.block_layers,
+                             partial.block_layers, partial.chain_pos)
+            self.stats.assembled += 1
+            num_new += 1
+        ticket.partials = []
+        return num_new
+
+    def cancel(self, ticket: SliceTicket) -> None:
+        """The put died before its bytes were all in: its layers are not marked (nor reserved)."""
+        for key, partial in zip(ticket.keys, ticket.partials):
+            if partial is None:
+                continue
+            self._release(partial, ticket.mask, arrived=False)
+            if not partial.is_dropped and partial.arrived == 0 and partial.num_writers == 0:
+                self._drop(key)          # nothing of it arrived: it holds its slot for nothing
+        ticket.partials = []
+
+    def _release(self, partial: Partial, mask: int, *, arrived: bool) -> None:
+        partial.receiving &= ~mask
+        if arrived:
+            partial.arrived |= mask
+        partial.num_writers -= 1
+        if partial.is_dropped and partial.num_writers == 0:
+            self.store.slab.free(partial.slot)
+
+    def expire(self, now: float) -> int:
+        """Drop partial blocks past their deadline; returns how many."""
+        late = [key for key, partial in self.partials.items() if partial.expires_at <= now]
+        for key in late:
+            self._drop(key)
+        self.stats.expired += len(late)
+        return len(late)
+
+    def _drop(self, key: bytes) -> None:
+        """Forget a partial block; its slot is freed now, or by the last slice still landing in it."""
+        partial = self.partials.pop(key, None)
+        if partial is None:
+            return
+        partial.is_dropped = True
+        if partial.num_writers == 0:
+            self.store.slab.free(partial.slot)
