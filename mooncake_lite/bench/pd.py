@@ -93,6 +93,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--no-cpp", dest="cpp", action="store_false", help="skip (c), which starts processes")
     ap.add_argument("--profile", metavar="FILE", help="write the fitted cost models of the first model here")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
+    ap.add_argument("--link", action="append", metavar="RATE",
+                    help="instead of (a)-(e): prefill and decode on two nodes over a link shaped to RATE (e.g. "
+                         "1gbit; repeat for more rates): hidden share and link share (needs root; bench/link.py)")
     a = ap.parse_args(list(argv))
     a.default_models = a.models is None
     a.models = list(DEFAULT_MODELS) if a.models is None else [m for m in a.models.split(",") if m]
@@ -495,6 +498,9 @@ def render(res: dict) -> str:
 
 def main(argv: Sequence[str]) -> int:
     a = parse_args(argv)
+    if a.link:
+        from mooncake_lite.bench import link
+        return link.pd_main(a)
     try:
         res = run(a)
     except (ValueError, FileNotFoundError) as exc:

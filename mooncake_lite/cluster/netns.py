@@ -141,6 +141,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def reshape(devices: Sequence[Sequence[str]], link: Link) -> None:
+    """Give these (namespace, device) egresses ``link``'s shape in place (``tc qdisc replace``;
+    unshaped: the root qdisc removed), so a benchmark can compare rates without restarting what
+    runs on the nodes. Any process that may run ``tc`` may call it, e.g. a worker inside a node."""
+    qdisc = link.qdisc()
+    for netns, device in devices:
+        if qdisc is None:
+            run_ip("tc", "-n", netns, "qdisc", "del", "dev", device, "root", check=False)
+        else:
+            run_ip("tc", "-n", netns, "qdisc", "replace", "dev", device, "root", *qdisc)
+
+
 def _owner_alive(pid: int) -> bool:
     """Whether the process that named a namespace still runs (another user's counts as running)."""
     try:
@@ -319,6 +331,12 @@ class Nodes:
         if timeout is not None:
             proc.wait_ready(timeout)
         return proc
+
+    def shaped_devices(self) -> list[tuple[str, str]]:
+        """Every (namespace, device) whose egress carries the link's shape: both veth ends of
+        each node (for :func:`reshape`, and for reading their ``tc -s`` counters)."""
+        return [(self.hub, f"n{i}") for i in range(1, len(self.nodes) + 1)] + \
+            [(n.netns, n.device) for n in self.nodes]
 
     def cut(self, node: Node) -> None:
         """Take the node's link down from inside it: packets to and from it are lost, and open
