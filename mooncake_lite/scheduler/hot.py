@@ -28,7 +28,8 @@ The decision, step by step (``HotTracker.plan``):
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import heapq
+from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ class HotConfig:
     period_s: float = 1.0       # one plan per period
     recheck_s: float = 5.0      # a block planned for a store is not planned there again this soon
     max_requests: int = 4096    # uses remembered at most (memory bound; the oldest go first)
+    max_hot: int = 4096         # hottest blocks one plan considers (bounds its time; far above what
+                                # a period's budget moves on any link)
 
     def __post_init__(self) -> None:
         if self.threshold < 1:
@@ -52,8 +55,8 @@ class HotConfig:
             raise ValueError("window_s and period_s must be positive, recheck_s >= 0")
         if not 0.0 <= self.share <= 1.0:
             raise ValueError(f"share must be in [0, 1], got {self.share}")
-        if self.max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+        if self.max_requests < 1 or self.max_hot < 1:
+            raise ValueError("max_requests and max_hot must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -79,20 +82,24 @@ class HotTracker:
 
     def __init__(self, config: HotConfig) -> None:
         self.config = config
-        self._uses: deque[tuple[float, tuple[Hashable, ...]]] = deque()   # (time, reused keys), oldest first
-        self._heat: Counter[Hashable] = Counter()
-        self._planned: dict[tuple[Hashable, Hashable], float] = {}        # (target, key) -> when
+        # A reused prefix is known by its last key (equal chained keys: equal prefixes), so a
+        # request costs one count, not one per block; blocks' heat is summed when planning.
+        self._uses: deque[tuple[float, Hashable]] = deque()      # (time, last key), oldest first
+        self._count: dict[Hashable, int] = {}                     # last key -> uses in the window
+        self._chain: dict[Hashable, tuple[Hashable, ...]] = {}    # last key -> the prefix's keys
+        self._planned: dict[tuple[Hashable, Hashable], float] = {}   # (target, key) -> when
 
     # ---- heat --------------------------------------------------------------------------------
     def note(self, now: float, reused_keys: Sequence[Hashable]) -> None:
         """One accepted request reused this prefix (its leading block keys, in order)."""
-        if not reused_keys:
-            return
-        keys = tuple(reused_keys)
-        self._uses.append((now, keys))
-        self._heat.update(keys)
-        if len(self._uses) > self.config.max_requests:
-            self._forget(self._uses.popleft()[1])
+        if reused_keys:
+            last = reused_keys[-1]
+            if last not in self._chain:
+                self._chain[last] = tuple(reused_keys)
+            self._count[last] = self._count.get(last, 0) + 1
+            self._uses.append((now, last))
+            if len(self._uses) > self.config.max_requests:
+                self._forget(self._uses.popleft()[1])
         self._expire(now)
 
     def _expire(self, now: float) -> None:
@@ -100,36 +107,45 @@ class HotTracker:
         while self._uses and self._uses[0][0] <= horizon:
             self._forget(self._uses.popleft()[1])
 
-    def _forget(self, keys: tuple[Hashable, ...]) -> None:
-        heat = self._heat
-        for key in keys:
-            n = heat[key] - 1
-            if n:
-                heat[key] = n
-            else:
-                del heat[key]
+    def _forget(self, last: Hashable) -> None:
+        n = self._count[last] - 1
+        if n:
+            self._count[last] = n
+        else:
+            del self._count[last], self._chain[last]
+
+    def _heat(self) -> dict[Hashable, int]:
+        """Uses within the window per block: each prefix's uses count for each of its blocks."""
+        heat: dict[Hashable, int] = {}
+        for last, n in self._count.items():
+            for key in self._chain[last]:
+                heat[key] = heat.get(key, 0) + n
+        return heat
 
     def heat(self, key: Hashable) -> int:
-        return self._heat.get(key, 0)
+        return self._heat().get(key, 0)
 
     def hot(self, now: float) -> list[tuple[Hashable, Hashable | None, int]]:
         """The hot blocks as ``(key, predecessor or None, chain position)``: hottest first, then
-        prefix order, so each block comes after its predecessor."""
+        prefix order, so each block comes after its predecessor (at most ``max_hot`` of them)."""
+        return self._hot(now)[0]
+
+    def _hot(self, now: float) -> tuple[list[tuple[Hashable, Hashable | None, int]], int]:
         self._expire(now)
-        threshold, heat = self.config.threshold, self._heat
+        threshold, heat = self.config.threshold, self._heat()
         found: dict[Hashable, tuple[Hashable | None, int, int]] = {}   # key -> (parent, position, first seen)
-        walked: set[Hashable] = set()    # last keys of prefixes walked (an equal key is an equal prefix)
-        for _, keys in self._uses:
-            if keys[-1] in walked:
-                continue
-            walked.add(keys[-1])
+        for keys in self._chain.values():
             for pos, key in enumerate(keys):
                 if heat[key] < threshold:
                     break          # its successors are no hotter
                 if key not in found:
                     found[key] = (keys[pos - 1] if pos else None, pos, len(found))
-        order = sorted(found, key=lambda k: (-heat[k], found[k][1], found[k][2]))
-        return [(k, found[k][0], found[k][1]) for k in order]
+        ranked = [(-heat[k], pos, seen, k, parent) for k, (parent, pos, seen) in found.items()]
+        if len(ranked) > self.config.max_hot:
+            ranked = heapq.nsmallest(self.config.max_hot, ranked)   # a block's predecessor ranks before it
+        else:
+            ranked.sort()
+        return [(k, parent, pos) for _, pos, _, k, parent in ranked], len(found)
 
     # ---- plan --------------------------------------------------------------------------------
     def plan(self, now: float, index: BlockIndex, targets: Iterable[Hashable], *, block_bytes: int,
@@ -137,18 +153,19 @@ class HotTracker:
              busy: Iterable[Hashable] = ()) -> Plan:
         """What to replicate now. ``targets``: the live prefill nodes' stores; ``busy``: those
         still running an earlier plan (skipped). Records what it plans (see ``recheck_s``)."""
-        hot = self.hot(now)
+        hot, num_hot = self._hot(now)
         cfg = self.config
         self._planned = {tk: t for tk, t in self._planned.items() if now - t < cfg.recheck_s}
         if cfg.share <= 0 or not hot:
-            return Plan((), len(hot))
+            return Plan((), num_hot)
         skip = set(busy)
+        holders = {key: index.holders(key) for key, _, _ in hot}     # looked up once for all targets
         out: list[Replication] = []
         for target in sorted(set(targets) - skip, key=str):
-            out.extend(self._plan_target(now, index, target, hot, block_bytes, prior_bytes_per_s, links))
-        return Plan(tuple(out), len(hot))
+            out.extend(self._plan_target(now, holders, target, hot, block_bytes, prior_bytes_per_s, links))
+        return Plan(tuple(out), num_hot)
 
-    def _plan_target(self, now: float, index: BlockIndex, target: Hashable,
+    def _plan_target(self, now: float, holders_of: dict[Hashable, list[Hashable]], target: Hashable,
                      hot: list[tuple[Hashable, Hashable | None, int]], block_bytes: int,
                      prior: float, links: LinkSpeeds | None) -> list[Replication]:
         allowance = self.config.share * self.config.period_s    # seconds of link time
@@ -156,7 +173,7 @@ class HotTracker:
         will_hold: set[Hashable] = set()     # held, planned earlier, or planned now
         runs: list[list] = []                # [source, keys, first_pos]
         for key, parent, pos in hot:
-            holders = index.holders(key)
+            holders = holders_of[key]
             if target in holders or (target, key) in self._planned:
                 will_hold.add(key)
                 continue

@@ -132,7 +132,8 @@ def test_the_hottest_prefix_goes_first_within_the_budget():
 
 
 def test_bad_configs_are_refused():
-    for kw in ({"threshold": 0}, {"share": 1.5}, {"window_s": 0}, {"period_s": -1}, {"max_requests": 0}):
+    for kw in ({"threshold": 0}, {"share": 1.5}, {"window_s": 0}, {"period_s": -1}, {"max_requests": 0},
+               {"max_hot": 0}):
         with pytest.raises(ValueError):
             HotConfig(**kw)
 
@@ -160,3 +161,14 @@ def test_every_plan_is_hot_sourced_budgeted_new_and_reusable(uses, threshold, bu
                 pos = r.first_pos + i
                 assert pos == 0 or f"{key.split('-')[0]}-{pos - 1}" in held
                 held.add(key)
+
+
+def test_a_plan_considers_only_the_hottest_max_hot_blocks_but_counts_them_all():
+    warm, hot = _chain("w", 3), _chain("h", 2)
+    tracker, index = _tracker(max_hot=2), _index(A=warm + hot)
+    for t in range(3):
+        tracker.note(t, warm)
+    for t in range(4):
+        tracker.note(t, hot)
+    plan = _plan(tracker, index, now=4)
+    assert plan.num_hot == 5 and [r.keys for r in plan.replications] == [tuple(hot)]
