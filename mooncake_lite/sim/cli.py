@@ -34,6 +34,9 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode", type=int, default=8, help="decode instances")
     ap.add_argument("--cpp", type=int, default=1, help="nodes per prefill instance (CPP group size)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (CPP)")
+    ap.add_argument("--prefill-batch-tokens", type=int, default=0,
+                    help="prefill batching as the live role's flag: pack queued prompts up to this many "
+                         "uncached tokens a forward (capped at --chunk; 0: one prompt at a time, the paper's)")
     ap.add_argument("--cost-model", default="llama2-70b-a800",
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
                          "or `mooncake sim export-costs`")
@@ -98,7 +101,7 @@ def run_main(argv: list[str]) -> int:
                         scheduler=sched,
                         local_ttft_check=args.local_ttft_check, seed=args.seed,
                         max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
-                        decode_check=args.decode_check)
+                        decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")

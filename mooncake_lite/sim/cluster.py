@@ -50,7 +50,8 @@ class MooncakeSim(TraceDriver):
         group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
         ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
         self.prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
-                                     cfg.prefill_chunk, group_cost) for i in range(cfg.num_prefill)]
+                                     cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens)
+                         for i in range(cfg.num_prefill)]
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode), self.events, cfg.decode_max_batch,
                                    hw.decode_max_context_tokens, self._finish)
@@ -129,7 +130,7 @@ class MooncakeSim(TraceDriver):
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
         duration = self._prefill_seconds(p, req)
-        if self.cfg.prefill_batch_tokens and p.group_size == 1:
+        if p.pack_tokens:
             duration = self._pack(now, p, req, duration)
         p.busy_s += duration
         self.events.push(now + duration, self._prefill_done, p)
@@ -147,7 +148,7 @@ class MooncakeSim(TraceDriver):
         """Prefill batching as the live instance does it (``scheduler.costs.pack_sizes``): the
         ready requests behind the head join its forward while their uncached tokens fit; the
         forward takes ``packed_seconds`` of their times alone (one fixed cost)."""
-        limit = min(self.cfg.prefill_batch_tokens, self.cfg.prefill_chunk)
+        limit = p.pack_tokens
         uncached = [uncached_tokens(head.input_length, head.reused_tokens)]
         alone = [head_s]
         while p.waiting and p.waiting[0].ready_at <= now and uncached[0] <= limit:

@@ -61,7 +61,7 @@ class PrefillNode:
     """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
 
     def __init__(self, instance_id: str, cache: NodeStore, hw: Hardware, group_size: int, chunk: int,
-                 cost: PrefillCostModel | None) -> None:
+                 cost: PrefillCostModel | None, batch_tokens: int = 0) -> None:
         self.instance_id = instance_id
         self.store_id = instance_id
         self.cache = cache
@@ -69,12 +69,15 @@ class PrefillNode:
         self.group_size = group_size
         self.chunk = chunk
         self.cost = cost
+        # Prefill batching, as the live role: its --prefill-batch-tokens capped at its chunk, off
+        # in a CPP group; registered with the conductor's view, which prices the queue packed.
+        self.pack_tokens = min(batch_tokens, chunk) if batch_tokens > 0 and group_size == 1 else 0
         self.waiting: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
         self.packed: list[SimRequest] = []      # prefill batching: the others in current's forward
         self.link_free_at = 0.0
         self.busy_s = 0.0
-        self.view = PrefillView(instance_id, self.store_id, None, cost)
+        self.view = PrefillView(instance_id, self.store_id, None, cost, self.pack_tokens)
 
     def fetch(self, now: float, num_bytes: int) -> float:
         """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
