@@ -56,6 +56,8 @@ from mooncake_lite.prefill.service import PrefillService
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.instance.profile import profile_decode, profile_prefill, time_decode
 from mooncake_lite.prefill.store_io import MemoryStore
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
+                                     PrefillCostModel, PrefillView, ScheduleRequest, Scheduler, SchedulerConfig)
 
 BLOCK = 64
 DEFAULT_MODELS = ("tiny", DEFAULT_MODEL)
@@ -283,8 +285,27 @@ async def burst_ttfts(service: PrefillService, decode: RoleProcess, tag: str, n:
     return list(ttfts)
 
 
+def predicted_burst_ttfts(cost: PrefillCostModel, n: int, length: int, pack_tokens: int) -> list[float]:
+    """The conductor's predicted TTFT of each prompt of a burst of ``n`` fresh ``length``-token
+    prompts sent to one prefill instance at once, in arrival order: its scheduler deciding each
+    with the ones before it queued (the first running since the burst began), the instance
+    registered with ``cost`` and ``pack_tokens``, as membership shows it."""
+    costs = CostModels(cost, DecodeCostModel(), kv_bytes_per_token=1)
+    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK, admission="none"), costs, BlockIndex())
+    view, out = PrefillView("prefill", "store", None, cost, pack_tokens), []
+    for i in range(n):
+        cluster = ClusterState((view.state(),), (DecodeInstanceState("decode"),))
+        out.append(scheduler.schedule(ScheduleRequest(f"b{i}", (), length, 1), cluster, 0.0).predicted_ttft_s)
+        view.add(f"b{i}", length, 0, 0.0 if i == 0 else None)
+    return out
+
+
 async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RoleProcess) -> dict:
-    """(e): the same bursts with prefill batching and without, interleaved; best run of each."""
+    """(e): the same bursts with prefill batching and without, interleaved; best run of each.
+    Beside them, the conductor's predicted TTFTs for each mode from the start-up profile a
+    prefill role reports (``profile_prefill``' default shapes), the batched instance's queue
+    priced packed (its ``pack_tokens``) and as one prompt at a time (a conductor told nothing)."""
+    cost, _ = profile_prefill(runner)
     layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
     stage = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
                         write_back=False)
@@ -309,6 +330,11 @@ async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RolePr
         out[f"first_ttft_{mode}_s"] = min(min(r) for r in rs)
     out["mean_ratio"] = out["mean_ttft_batched_s"] / out["mean_ttft_unbatched_s"]
     out["last_ratio"] = out["last_ttft_batched_s"] / out["last_ttft_unbatched_s"]
+    for mode, limit in (("batched", modes["batched"].pack_limit), ("unbatched", 0)):
+        predicted = predicted_burst_ttfts(cost, a.burst, a.burst_len, limit)
+        out[f"predicted_mean_ttft_{mode}_s"] = sum(predicted) / len(predicted)
+        out[f"predicted_last_ttft_{mode}_s"] = predicted[-1]
+    out["prefill_cost"] = cost.to_dict()
     # the packed forward's attention, as run (varlen) and as a padded batch would: equal prompts,
     # then lengths spread 0.5-1.5x (padding to the longest then costs more)
     spread = [max(1, a.burst_len * (2 + 4 * i // max(1, a.burst - 1)) // 4) for i in range(a.burst)]
@@ -488,6 +514,15 @@ def render(res: dict) -> str:
                          f"({b['mean_ratio']:.2f}x), last {b['last_ttft_batched_s'] * 1e3:.1f} vs "
                          f"{b['last_ttft_unbatched_s'] * 1e3:.1f} ms ({b['last_ratio']:.2f}x); budget {b['batch_tokens']} "
                          f"tokens, {b['packed_forwards']} packed forwards")
+            if "predicted_mean_ttft_batched_s" in b:
+                lines.append("      conductor's predicted TTFT (mean, last) over measured: batched "
+                             f"{b['predicted_mean_ttft_batched_s'] / b['mean_ttft_batched_s']:.2f}x, "
+                             f"{b['predicted_last_ttft_batched_s'] / b['last_ttft_batched_s']:.2f}x; one at a time "
+                             f"{b['predicted_mean_ttft_unbatched_s'] / b['mean_ttft_unbatched_s']:.2f}x, "
+                             f"{b['predicted_last_ttft_unbatched_s'] / b['last_ttft_unbatched_s']:.2f}x; batched "
+                             "priced one at a time (a conductor told nothing) "
+                             f"{b['predicted_mean_ttft_unbatched_s'] / b['mean_ttft_batched_s']:.2f}x, "
+                             f"{b['predicted_last_ttft_unbatched_s'] / b['last_ttft_batched_s']:.2f}x")
             for label, key in (("equal lengths", "attention_equal"), ("lengths 0.5-1.5x", "attention_spread")):
                 t = b[key]
                 lines.append(f"      one layer's attention, {label}: varlen {t['varlen_s'] * 1e3:.2f} ms, padded batch "

@@ -69,3 +69,12 @@ def test_a_cpp_group_never_packs():
     one = SimConfig(num_prefill=1, num_decode=1, prefill_batch_tokens=5000, prefill_chunk=256,
                     scheduler=SchedulerConfig(admission="none"))
     assert MooncakeSim(one, hardware=HW).prefills[0].state().pack_tokens == 256   # capped at the chunk
+
+
+def test_bench_pd_predicts_a_burst_as_the_simulated_conductor_does():
+    """``mooncake bench pd`` (e) reports the conductor's predictions for its live burst by the same
+    scheduler: on the toy instance they are the simulated conductor's, packed and not."""
+    from mooncake_lite.bench.pd import predicted_burst_ttfts
+    for budget in (512, 0):
+        _, predicted = _predicted(budget)
+        assert predicted_burst_ttfts(HW.prefill, 12, 100, budget) == pytest.approx(predicted)
