@@ -11,8 +11,9 @@ assumes; within a request, chunks overlap across the stages of a CPP group. With
 (``batch_tokens`` > 0, a single instance), the request at the head of the queue takes the ones
 queued behind it along, in order, while their uncached tokens together fit in ``batch_tokens``
 (each within one chunk): one packed forward serves them all (``StageEngine.run_packed``), each
-with its own KV stream, store write-back and result. ``scheduler.costs.packed_queue_times`` is
-the same rule as a cost: how long a queue takes when packed.
+with its own KV stream, store write-back and result. The cut is ``scheduler.costs.pack_sizes``;
+the instance registers its budget (``pack_limit`` as ``Register.pack_tokens``) and the
+conductor prices its queue by the same rule (``scheduler/packing.py``).
 """
 
 from __future__ import annotations
