@@ -109,6 +109,11 @@ class Staged:
     def is_ready(self) -> bool:
         return _is_done(self.event)
 
+    @property
+    def is_plain(self) -> bool:
+        """A pass-through (off CUDA): ``tensor`` is ordinary memory, ready, owing the pool nothing."""
+        return self.event is None and self._buf is None
+
     def wait(self) -> None:
         """Block this thread until the copy has completed."""
         if self.event is not None:

@@ -12,7 +12,11 @@ For each request (a :class:`StageJob`) the stage:
 * once a block is full in every layer of the stage, packs it and writes it to the store in the
   background.
 
-Model compute runs in a one-thread executor; the loop only moves bytes and tracks state.
+Model compute runs in a one-thread executor; the loop only moves bytes and tracks state. KV
+leaves the device through a :class:`~kernels.copies.Copier`: on CUDA each layer's copy runs on
+its own stream into a pooled pinned buffer and is awaited off the loop, so layer i's copy
+overlaps layer i+1's compute instead of a blocking ``.cpu()`` per layer (on the CPU it passes
+the tensors through).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 
 from kernels import gather_tokens, pack_blocks, unpack_blocks
+from kernels.copies import Copier, Staged
+from kernels.device import sync
 from mooncake_lite.common import tracing
 from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -41,6 +47,12 @@ log = logging.getLogger(__name__)
 # What a failed prefix load raises: a block gone (KeyError), the store gone or refusing.
 PREFIX_LOAD_ERRORS = (KeyError, ConnectionError, OSError, asyncio.TimeoutError, RemoteError)
 RECOMPUTE_CHUNK_TOKENS = 512    # a recomputed prefix runs in passes of at most this many tokens
+
+
+def _send(sender: KVSender, layer: int, start: int, kv: Staged) -> None:
+    """Queue one layer frame: a pass-through copy (CPU) as the tensor it is, a copy still in
+    flight from the device as such (the sender waits for it off the loop)."""
+    sender.send_layer(layer, start, kv.tensor if kv.is_plain else kv)
 
 
 class PrefillAborted(RuntimeError):
@@ -73,10 +85,11 @@ class StageJob:
 
 class StageEngine:
     def __init__(self, runner: ModelRunner, store: PrefixStore | None, executor: Executor,
-                 write_back: bool = True):
+                 write_back: bool = True, copier: Copier | None = None):
         self.runner = runner
         self.store = store
         self.executor = executor
+        self.copier = copier or Copier(runner.device)
         model = runner.model
         self.first_layer, self.end_layer = model.first_layer, model.end_layer
         can_put = getattr(store, "can_put", None)
@@ -162,12 +175,12 @@ class StageEngine:
             if not job.prefix_done:
                 await self._load_prefix_layer(job, layer)
             kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
-            job.sender.send_layer(layer, start, kv)
+            _send(job.sender, layer, start, kv)
         job.prefix_done = True
         if job.load_span is not None:   # the prefix is in (loaded, or recomputed): no-op after the first chunk
             tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
                              recomputed=job.is_prefix_recomputed)
-        out = await loop.run_in_executor(self.executor, piece.output)
+        out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
         if self.refiner is not None:
@@ -197,8 +210,8 @@ class StageEngine:
             kvs = await loop.run_in_executor(self.executor, self._packed_layer, piece, layer)
             for i, ((job, start, _), kv) in enumerate(zip(parts, kvs)):
                 if errors[i] is None:
-                    job.sender.send_layer(layer, start, kv)
-        out = await loop.run_in_executor(self.executor, piece.output)
+                    _send(job.sender, layer, start, kv)
+        out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
@@ -209,10 +222,15 @@ class StageEngine:
             self.refiner.observe(parts[0][1] + len(parts[0][2]), parts[0][1], seconds)
         return out, errors
 
-    def _packed_layer(self, piece: PackedPass, layer: int) -> list[torch.Tensor]:
+    def _packed_layer(self, piece: PackedPass, layer: int) -> list[Staged]:
         piece.run_layer(layer)
-        kv = gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots).cpu()
-        return [kv[:, off:off + n].contiguous() for off, n, _ in piece.segments]
+        kv = gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots)
+        return [self.copier.to_host(kv[:, off:off + n]) for off, n, _ in piece.segments]
+
+    def _output(self, piece: LayerwisePass) -> torch.Tensor:
+        out = piece.output()
+        sync(self.runner.device)   # the chunk's time (refiner, timings) is its compute, not its launch
+        return out
 
     def _prefix_in(self, job: StageJob) -> None:
         job.prefix_done = True
@@ -226,9 +244,10 @@ class StageEngine:
     def _new_pass(self, job: StageJob, start: int, token_ids, hidden) -> LayerwisePass:
         return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden)
 
-    def _layer(self, piece: LayerwisePass, layer: int) -> torch.Tensor:
+    def _layer(self, piece: LayerwisePass, layer: int) -> Staged:
         piece.run_layer(layer)
-        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots).cpu()
+        return self.copier.to_host(gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer),
+                                                 piece.slots))
 
     def _check(self, job: StageJob) -> None:
         if job.abort_reason is not None:
@@ -257,10 +276,10 @@ class StageEngine:
             else:
                 job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
                 kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, views)
-                job.sender.send_layer(layer, 0, kv)
+                _send(job.sender, layer, 0, kv)
                 return
         kv = await loop.run_in_executor(self.executor, self._recompute_layer, job, layer)
-        job.sender.send_layer(layer, 0, kv)
+        _send(job.sender, layer, 0, kv)
 
     async def _fall_back(self, job: StageJob, layer: int, exc: BaseException) -> None:
         """Loading the prefix failed at ``layer``: recompute it instead of failing the request.
@@ -292,26 +311,28 @@ class StageEngine:
                 piece.run_layer(done)
         return passes
 
-    def _recompute_layer(self, job: StageJob, layer: int) -> torch.Tensor:
+    def _recompute_layer(self, job: StageJob, layer: int) -> Staged:
         for piece in job.recompute:
             piece.run_layer(layer)
         slots = torch.cat([piece.slots for piece in job.recompute])
-        return gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots).cpu()
+        return self.copier.to_host(gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots))
 
     def fallback_figures(self) -> dict[str, float]:
         """For /metrics: prefix loads that failed and were recomputed, and the tokens recomputed."""
         return {"prefix_load_fallbacks_total": self.num_prefix_fallbacks,
                 "prefix_tokens_recomputed_total": self.num_prefix_tokens_recomputed}
 
-    def _unpack_layer(self, job: StageJob, layer: int, views: list[memoryview]) -> torch.Tensor:
+    def _unpack_layer(self, job: StageJob, layer: int, views: list[memoryview]) -> Staged:
         cache = self.runner.cache
         shape = (1, 2, self.runner.block_size, self.runner.args.num_kv_heads, self.runner.args.head_dim)
         packed = torch.stack([torch.frombuffer(bytearray(v), dtype=self.runner.dtype).view(shape) for v in views])
         ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
-        unpack_blocks(cache.kv, ids.to(cache.kv.device), packed.to(cache.kv.device), cache.local_layer(layer))
+        # Host to device on the copy stream; the unpack kernel is queued after it, no host wait.
+        on_device = self.copier.use(self.copier.to_device(packed))
+        unpack_blocks(cache.kv, ids.to(cache.kv.device), on_device, cache.local_layer(layer))
         slots = torch.arange(job.num_prefix_tokens)
         slots = ids[slots // self.runner.block_size] * self.runner.block_size + slots % self.runner.block_size
-        return gather_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device)).cpu()
+        return self.copier.to_host(gather_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device)))
 
     # --- write-back ----------------------------------------------------------------------------
     def _store_full_blocks(self, job: StageJob, num_done_tokens: int) -> None:
@@ -322,12 +343,20 @@ class StageEngine:
         first, job.num_stored_blocks = job.num_stored_blocks, full
         cache = self.runner.cache
         ids = torch.as_tensor(job.block_ids[first:full], dtype=torch.long, device=cache.kv.device)
-        packed = pack_blocks(cache.kv, ids).cpu()  # a copy: the blocks may be freed right after
-        task = asyncio.ensure_future(self.store.put_layers(
-            job.keys[first:full], [tensor_bytes(p) for p in packed], self.first_layer,
-            self.end_layer - self.first_layer, first_pos=first))
+        # A copy (the blocks may be freed right after); on CUDA packed on the compute stream, so
+        # after the kernels that wrote the blocks, and copied out on the copy stream.
+        packed = self.copier.to_host(pack_blocks(cache.kv, ids))
+        task = asyncio.ensure_future(self._put(job.keys[first:full], packed, first))
         self._puts.add(task)
         task.add_done_callback(lambda t, n=full - first: self._put_done(t, n))
+
+    async def _put(self, keys: list[bytes], packed: Staged, first: int) -> None:
+        """Write packed blocks once their copy is in host memory; the staging buffer goes back
+        to the pool only after the store took the bytes (a failed put may still hold them)."""
+        await packed.ready()
+        await self.store.put_layers(keys, [tensor_bytes(p) for p in packed.tensor], self.first_layer,
+                                    self.end_layer - self.first_layer, first_pos=first)
+        packed.release()
 
     def _put_done(self, task: asyncio.Task, num_blocks: int) -> None:
         self._puts.discard(task)

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from kernels.copies import Staged
 from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
@@ -64,17 +65,28 @@ class KVSender:
         self.error: str | None = None
         self.num_frames = 0
         self.num_bytes = 0
-        self._inflight: dict[asyncio.Task, torch.Tensor] = {}  # the payload memory outlives the send
+        self._inflight: dict[asyncio.Task, Staged] = {}  # the payload memory outlives the send
 
-    def send_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:
-        """Queue K,V ``[2, n, kv_heads, head_dim]`` of ``layer`` for positions ``start..``."""
+    def send_layer(self, layer: int, start: int, kv: torch.Tensor | Staged) -> None:
+        """Queue K,V ``[2, n, kv_heads, head_dim]`` of ``layer`` for positions ``start..``: a host
+        tensor, or a copy still in flight from the device (sent once it has landed; its staging
+        buffer is given back once decode has answered the frame)."""
+        staged = kv if isinstance(kv, Staged) else Staged(kv)
         if self.error is not None:
+            staged.release()
             return
-        payload = tensor_bytes(kv)
-        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, kv.shape[1]), self.traceparent)
+        t = staged.tensor
+        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1]), self.traceparent)
         self.num_frames += 1
-        self.num_bytes += payload.nbytes
-        self._track(self.client.request(OP_KV_LAYER, meta, [payload], what="kv_layer"), keep=kv)
+        self.num_bytes += t.numel() * t.element_size()
+        self._track(self._send(meta, staged), keep=staged)
+
+    async def _send(self, meta: dict, staged: Staged) -> None:
+        await staged.ready()
+        await self.client.request(OP_KV_LAYER, meta, [tensor_bytes(staged.tensor)], what="kv_layer")
+        # Answered: the bytes are out of every socket buffer. On failure or cancellation they
+        # might not be, so the buffer is dropped, never reused.
+        staged.release()
 
     async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
         """Wait for every frame's answer, then send END (with the first token from the last stage).
@@ -107,7 +119,7 @@ class KVSender:
         except Exception as exc:
             log.debug("abort of transfer %s not delivered: %s", self.transfer_id, exc)
 
-    def _track(self, coro, keep: torch.Tensor) -> None:
+    def _track(self, coro, keep: Staged) -> None:
         task = asyncio.ensure_future(coro)
         self._inflight[task] = keep
         task.add_done_callback(self._done)
