@@ -1,9 +1,12 @@
 """The decode engine: the batcher's decisions executed on the model, KV intake, token streams.
 
-All bookkeeping runs on the event loop; only the model step (and its sampling) runs in a
-one-thread executor, so HTTP and the KV data socket stay responsive while the model computes.
-Received KV is scattered straight into the paged cache on the loop; it only touches blocks of
-requests that are not in the running batch, so it never races the step's reads.
+All bookkeeping runs on the event loop; the model step (and its sampling) runs in a one-thread
+executor, so HTTP and the KV data socket stay responsive while the model computes. Received KV is
+written into the paged cache in that same executor, never on the loop: the one thread orders each
+write between steps (no write races a step, and a write queued before an abort runs before
+anything that could reuse the freed blocks), and on CUDA the write is a host-to-device copy on the
+copier's stream (``kernels/copies.py``) with the scatter queued after it, no host wait. A
+sequence joins the batch only once every one of its writes has completed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from kernels import scatter_tokens
+from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
@@ -48,11 +52,15 @@ class PendingKV:
     timer: asyncio.TimerHandle | None = None
     last_progress: float = 0.0
     senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
+    num_writes: int = 0            # layer frames received but not yet written into the cache
+    drained: asyncio.Future | None = None   # END arrived with writes outstanding: set when they are done
     admission_span: Any = None     # decode.admission: reserved → joined the batch (tracing on)
     receive_span: Any = None       # decode.kv_receive: a child of prefill's kv_stream span (frame meta "tp")
 
     def is_complete(self) -> bool:
-        return self.first_token is not None and all(n == self.seq.prompt_len for n in self.layer_tokens)
+        """Every layer's tokens received and written, and the first token known."""
+        return (self.first_token is not None and self.num_writes == 0
+                and all(n == self.seq.prompt_len for n in self.layer_tokens))
 
     def progress(self) -> str:
         done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
@@ -73,10 +81,11 @@ class RequestState:
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
                  on_step: Callable[[int, int, float], None] | None = None,
-                 refiner: DecodeRefiner | None = None):
+                 refiner: DecodeRefiner | None = None, copier: Copier | None = None):
         self.runner = runner
         self.batcher = batcher
-        self.executor = executor
+        self.executor = executor   # one thread: steps and KV writes, in order
+        self.copier = copier or Copier(runner.device)
         self.on_step = on_step  # (batch, context_tokens, seconds) for metrics/profiling
         self.refiner = refiner  # told every step's timing: the cost model is refined from them
         self.pending: dict[str, PendingKV] = {}            # transfer_id -> pending
@@ -152,9 +161,11 @@ class DecodeEngine:
         return pending
 
     def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor,
-                 traceparent: str | None = None) -> None:
-        """Scatter one layer frame's KV into the request's blocks. ``traceparent`` (the frame
-        meta's, when the prefill traces): the sender's span, parent of this end's receive span."""
+                 traceparent: str | None = None) -> asyncio.Future:
+        """Queue one layer frame's KV for writing into the request's blocks (in the executor);
+        the future is done once it is written (the receiver answers the frame then).
+        ``traceparent`` (the frame meta's, when the prefill traces): the sender's span, parent of
+        this end's receive span."""
         pending = self.check_layer(tid, layer, start, n)
         pending.senders.add(conn_id)
         if traceparent is not None and pending.receive_span is None:
@@ -163,20 +174,55 @@ class DecodeEngine:
         table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
         pos = torch.arange(start, start + n)
         slots = table[pos // self.runner.block_size] * self.runner.block_size + pos % self.runner.block_size
-        device = self.runner.cache.kv.device
-        scatter_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots.to(device), kv.to(device))
-        pending.layer_tokens[layer] += n
-        pending.last_progress = asyncio.get_running_loop().time()
+        pending.layer_tokens[layer] += n   # counted now: check_layer refuses a duplicate at once
+        pending.num_writes += 1
+        loop = asyncio.get_running_loop()
+        pending.last_progress = loop.time()
+        write = loop.run_in_executor(self.executor, self._write_kv, layer, slots, kv)
+        write.add_done_callback(lambda f, p=pending: self._written(p, f))
+        return write
 
-    def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> None:
+    def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """In the executor, between steps: scatter a frame's K/V into the paged cache."""
+        cache = self.runner.cache
+        on_device = self.copier.use(self.copier.to_device(kv))
+        scatter_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device), on_device)
+
+    def _written(self, pending: PendingKV, write: asyncio.Future) -> None:
+        """A frame's write finished: the sequence joins once it was the last one outstanding."""
+        pending.num_writes -= 1
+        failed = write.cancelled() or write.exception() is not None
+        current = self.pending.get(pending.transfer_id) is pending   # else aborted or timed out meanwhile
+        if current and failed:
+            error = "cancelled" if write.cancelled() else repr(write.exception())
+            log.error("transfer %s: writing KV into the cache failed: %s", pending.transfer_id, error)
+            self.abort(pending.request_id, "error", f"writing received KV into the cache failed: {error}")
+        elif current and pending.is_complete():
+            self._join(pending)
+        if pending.num_writes == 0 and pending.drained is not None and not pending.drained.done():
+            if current and not failed:
+                pending.drained.set_result(None)
+            else:
+                pending.drained.set_exception(KVError("aborted", f"transfer {pending.transfer_id} ended "
+                                                                 "before its KV was written"))
+
+    def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> asyncio.Future | None:
+        """The sender is done. Returns None when that is all, or a future done once the frames
+        it sent are written (the receiver answers END then, so an answered END means the KV is
+        in the cache and, if complete, the sequence has joined the batch)."""
         pending = self._pending(tid)
         pending.senders.discard(conn_id)
         if first_token is not None:
             if not 0 <= first_token < self.runner.args.vocab_size:
                 raise KVError("bad_token", f"first token {first_token} outside the vocabulary")
             pending.first_token = first_token
+        if pending.num_writes:
+            if pending.drained is None or pending.drained.done():
+                pending.drained = asyncio.get_running_loop().create_future()
+            return pending.drained
         if pending.is_complete():
             self._join(pending)
+        return None
 
     def kv_alive(self, tid: str) -> None:
         """The prefill holds this request in its queue: it is alive, the KV will come."""

@@ -1,8 +1,10 @@
 """The decode instance's data socket: KV frames from prefill instances into the engine.
 
-Runs the transfer framing's server (cluster-token handshake included). Each frame is checked and
-applied on the event loop, then answered; a bad frame gets an error answer and the connection
-stays up (only framing violations close it). A connection that closes before sending OP_KV_END
+Runs the transfer framing's server (cluster-token handshake included). Each frame is checked on
+the event loop; a layer frame's KV is then written into the cache in the engine's executor and the
+frame answered once it is written (END once every frame before it is), so an answer means the KV
+is in the cache; a bad frame gets an error answer and the connection stays up (only framing
+violations close it). A connection that closes before sending OP_KV_END
 for a transfer fails that transfer (see :meth:`DecodeEngine.sender_lost`).
 
 Memory is bounded by what a frame may legitimately carry: a header announcing more than one
@@ -107,17 +109,19 @@ class KVReceiver(FrameHandler):
                     raise KVError("bad_payload", f"{got} payload bytes for {n} tokens (expected {expected})")
                 kv = tensor_from_payload(frame.payload, n, self.kv_heads, self.head_dim, self.dtype)
                 conn.state["tids"].add(tid)
-                self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv,
-                                     _traceparent(meta))
+                done = self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv,
+                                            _traceparent(meta))
             elif frame.op == OP_KV_END:
                 token = meta.get("first_token")
                 if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
                     raise KVError("bad_meta", f"first_token must be an integer or null, got {token!r}")
                 conn.state["tids"].discard(tid)
-                self.engine.kv_end(id(conn), tid, token)
+                done = self.engine.kv_end(id(conn), tid, token)
             elif frame.op == OP_KV_ALIVE:
+                done = None
                 self.engine.kv_alive(tid)
             elif frame.op == OP_KV_ABORT:
+                done = None
                 conn.state["tids"].discard(tid)
                 self.engine.kv_abort(tid, str(meta.get("reason", "no reason given"))[:500])
             else:
@@ -125,8 +129,24 @@ class KVReceiver(FrameHandler):
         except KVError as exc:
             reply_error(conn, frame, exc.code, str(exc))
             return
-        self.num_frames += 1
-        conn.send(frame.op, frame.request_id, {"ok": True}, flags=FLAG_REPLY)
+        if done is None:
+            self._answer(conn, frame, None)
+        else:
+            done.add_done_callback(lambda f: self._answer(conn, frame, f))
+
+    def _answer(self, conn: FrameConnection, frame: Frame, done: asyncio.Future | None) -> None:
+        """Answer ``frame``: ok, or the error its write (or an earlier frame's) ended with."""
+        error = None
+        if done is not None:
+            error = KVError("write_failed", "cancelled") if done.cancelled() else done.exception()
+        try:
+            if error is None:
+                self.num_frames += 1
+                conn.send(frame.op, frame.request_id, {"ok": True}, flags=FLAG_REPLY)
+            else:
+                reply_error(conn, frame, getattr(error, "code", "write_failed"), str(error))
+        except ConnectionError:
+            pass   # the prefill is gone; its unfinished transfers fail through connection_lost
 
     def connection_lost(self, conn: FrameConnection, exc: Exception | None) -> None:
         tids = conn.state.get("tids") or set()
