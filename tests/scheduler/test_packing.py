@@ -185,3 +185,24 @@ def test_an_instance_that_does_not_pack_is_shown_one_job_at_a_time():
     m.prefill_done("p", "r0", now=1.0)
     p = m.snapshot().prefills[0]
     assert p.pack_tokens == 0 and [j.started_at for j in p.queue] == [1.0, None]
+
+
+def test_a_prefill_instance_registers_its_budget_capped_at_its_chunk():
+    """What the conductor reads: ``Register.pack_tokens`` is the instance's own pack limit (its
+    budget capped at its chunk; 0 off, and in a CPP group, which never packs)."""
+    from types import SimpleNamespace
+
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.model.weights import build_model
+    from mooncake_lite.prefill.app import registration
+    from mooncake_lite.prefill.config import Config
+    from mooncake_lite.prefill.service import PrefillService
+
+    stage = SimpleNamespace(runner=ModelRunner(build_model("tiny", seed=3), num_blocks=8, block_size=8))
+
+    def registered(budget, downstream=None):
+        service = PrefillService(stage, None, block_size=8, hash_seed=0, chunk_size=64, batch_tokens=budget,
+                                 downstream=downstream)
+        return registration(Config(), service, {"http": "127.0.0.1:1"}, None).pack_tokens
+
+    assert [registered(48), registered(500), registered(0), registered(48, downstream=object())] == [48, 64, 0, 0]
