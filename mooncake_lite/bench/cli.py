@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 BENCHES = {
     "model": "prefill tokens/s and decode step time vs this CPU's matmul peak",
-    "store": "store put/get GB/s and latency vs memcpy and blocking-socket loopback",
-    "pd": "layer-wise overlap, prefix-hit TTFT, CPP, decode tokens/s; --profile for cost models",
+    "store": "store put/get GB/s and latency vs memcpy and blocking-socket loopback; --link RATE: "
+             "between two nodes over a shaped link, its share used",
+    "pd": "layer-wise overlap, prefix-hit TTFT, CPP, decode tokens/s; --profile for cost models; "
+          "--link RATE: prefill and decode on two nodes, share of the transfer hidden",
     "conductor": "scheduling decision time and the conductor's added latency",
     "replay": "replay a Mooncake trace against a live OpenAI-compatible server",
     "sim-scale": "the simulator on a million-request trace at 128P+128D: wall time, peak memory",
