@@ -11,6 +11,11 @@ not on its values, so no prefill is needed per batch size. ``--json`` prints one
 (``smollm2-135m``), a GGUF file or an HF checkpoint directory. The default list puts the real
 default model beside the presets (skipped with a note where its package is not installed);
 each model's entry says which kind it is and how long loading it took.
+
+``--device cuda`` runs it all on the GPU (every timer synchronises the device), measures the
+roofs there, and prints the GPU's datasheet roofs beside the figures: MFU against its dense
+peak for the dtype, decode's weight reads against HBM bandwidth, and the pinned host link
+against PCIe (``bench/gpu_roofs.py``; "unknown" for a GPU not in its table).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import orjson
 import torch
 from tqdm import tqdm
 
+from kernels.device import sync
+from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
@@ -52,8 +59,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="comma-separated model dtypes, each measured in the same run (e.g. float32,bfloat16)")
     ap.add_argument("--profile", action="store_true",
                     help="also break a batch-1 decode step down by operator kind (torch.profiler)")
+    ap.add_argument("--device", default="cpu", help="torch device to measure on (cpu, cuda, cuda:1)")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     args = ap.parse_args(list(argv))
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device: not a torch device: {args.device!r}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
@@ -72,33 +86,35 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # --- machine limits -------------------------------------------------------------------------------
-def _best_of(fn: Callable[[], None], repeats: int) -> float:
+def _best_of(fn: Callable[[], None], repeats: int, device: torch.device | str = "cpu") -> float:
     fn()  # warm-up: first call pays allocation and thread start-up
     times = []
     for _ in range(repeats):
+        sync(device)   # CUDA: time the kernels, not their launches
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats) / 1e9
+def matmul_gflops(n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats, device) / 1e9
 
 
-def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Read + write bandwidth of one large copy (bytes moved counted both ways)."""
-    src = torch.ones(num_bytes // 4)
+    src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats) / 1e9
+    return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats, device) / 1e9
 
 
-def read_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+def read_gbps(num_bytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bandwidth of one large read (a sum): what a decode step's weight reads could reach, since
     they write almost nothing. Shown beside the copy roof, which the goals are stated against."""
-    src = torch.ones(num_bytes // 4)
-    return num_bytes / _best_of(lambda: src.sum(), repeats) / 1e9
+    src = torch.ones(num_bytes // 4, device=device)
+    return num_bytes / _best_of(lambda: src.sum(), repeats, device) / 1e9
 
 
 # --- what each model is -------------------------------------------------------------------------------
@@ -163,8 +179,10 @@ def bench_prefill(runner: ModelRunner, prompt_len: int, repeats: int, bar: tqdm)
     table = list(range(blocks_needed(prompt_len, runner.block_size)))
     times = []
     for i in range(repeats + 1):
+        sync(runner.device)
         t0 = time.perf_counter()
         runner.prefill(tokens, table, 0)
+        sync(runner.device)
         if i:  # the first run is a warm-up
             times.append(time.perf_counter() - t0)
         bar.update(1)
@@ -178,8 +196,10 @@ def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, 
     tokens = [11] * batch
     times = []
     for step in range(steps + 1):
+        sync(runner.device)
         t0 = time.perf_counter()
         runner.decode(tokens, tables, [context_len + step] * batch)
+        sync(runner.device)
         if step:
             times.append(time.perf_counter() - t0)
         bar.update(1)
@@ -200,10 +220,12 @@ def profile_decode(runner: ModelRunner, context_len: int, steps: int = 4) -> dic
     per_seq = blocks_needed(context_len + steps + 2, runner.block_size)
     table = [list(range(per_seq))]
     runner.decode([11], table, [context_len])   # warm-up outside the profile
+    sync(runner.device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for step in range(steps):
             runner.decode([11], table, [context_len + 1 + step])
+        sync(runner.device)
         wall = time.perf_counter() - t0
     kinds = {kind: 0.0 for kind, _ in OP_KINDS} | {"other ops": 0.0}
     for event in prof.key_averages():
@@ -215,10 +237,10 @@ def profile_decode(runner: ModelRunner, context_len: int, steps: int = 4) -> dic
 
 
 def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps: float, bar: tqdm,
-              header_s: float = 0.0, dtype: str = "float32") -> dict:
+              header_s: float = 0.0, dtype: str = "float32", gpu: dict | None = None) -> dict:
     source = describe_model(name)
     t0 = time.perf_counter()
-    model = build_model(name, dtype=DTYPES[dtype])
+    model = build_model(name, dtype=DTYPES[dtype], device=getattr(args, "device", "cpu"))
     source["build_s"] = time.perf_counter() - t0
     source["load_s"] = header_s + source["build_s"]   # header/config, then the weights
     margs = model.args
@@ -241,6 +263,8 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
                     "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops},
         "decode": {},
     }
+    if gpu is not None:
+        out["prefill"] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9)
     wbytes = weight_bytes(margs, runner.dtype)
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
@@ -252,6 +276,8 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
             "weight_gbps_best": wbytes / best_s / 1e9,
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / peak_gbps,
         }
+        if gpu is not None:
+            out["decode"][str(batch)] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9, wbytes / best_s)
     if args.profile:
         out["decode_profile"] = profile_decode(runner, args.context_len)
     return out
@@ -268,11 +294,12 @@ def run(args: argparse.Namespace) -> dict:
     with tqdm(total=2 + steps_per_model * len(args.models) * len(args.dtypes), desc="bench model", unit="run",
               file=sys.stderr, disable=None, leave=False) as bar:
         bar.set_postfix_str("matmul peak")
-        peak = matmul_gflops()
+        peak = matmul_gflops(device=args.device)
         bar.update(1)
         bar.set_postfix_str("copy bandwidth")
-        bandwidth = copy_gbps()
-        read = read_gbps()
+        bandwidth = copy_gbps(device=args.device)
+        read = read_gbps(device=args.device)
+        gpu = gpu_roofs.gpu_machine(args.device) if args.device.type == "cuda" else None
         bar.update(1)
         models = {}
         for name in args.models:
@@ -280,10 +307,11 @@ def run(args: argparse.Namespace) -> dict:
                 bar.set_postfix_str(f"{name} {dtype}")
                 key = name if len(args.dtypes) == 1 else f"{name} {dtype}"
                 with torch.inference_mode():
-                    models[key] = bench_one(name, args, peak, bandwidth, bar, header_s[name], dtype)
+                    models[key] = bench_one(name, args, peak, bandwidth, bar, header_s[name], dtype, gpu)
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": bandwidth,
-                        "read_gbps": read, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+                        "read_gbps": read, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+                        "device": str(args.device), "gpu": gpu},
             "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
                          "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": args.dtype},
             "models": models, "notes": notes}
@@ -292,10 +320,12 @@ def run(args: argparse.Namespace) -> dict:
 def render(res: dict) -> str:
     m = res["machine"]
     s = res["settings"]
-    lines = [f"machine: {m['threads']} threads, float32 matmul {m['matmul_gflops']:.1f} GFLOP/s, "
-             f"copy {m['copy_gbps']:.1f} GB/s, read {m['read_gbps']:.1f} GB/s "
+    lines = [f"machine ({m.get('device', 'cpu')}): {m['threads']} threads, float32 matmul "
+             f"{m['matmul_gflops']:.1f} GFLOP/s, copy {m['copy_gbps']:.1f} GB/s, read {m['read_gbps']:.1f} GB/s "
              f"(load average {m['load_average_1m']:.1f} on {m['cpu_count']} CPUs)",
              f"prefill {s['prompt_len']} tokens; decode with {s['context_len']} cached tokens per sequence"]
+    if m.get("gpu"):
+        lines.append(gpu_roofs.render_machine(m["gpu"]))
     for name, r in res["models"].items():
         p = r["prefill"]
         src = r["source"]
@@ -303,11 +333,15 @@ def render(res: dict) -> str:
                      f"loaded in {src['load_s']:.2f} s)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
                      f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
+        if "mfu" in p:
+            lines.append(gpu_roofs.render_prefill(p))
         for batch, d in r["decode"].items():
             lines.append(f"  decode batch {batch:>3}: step {d['step_ms']:8.2f} ms (best {d['step_ms_best']:7.2f})  "
                          f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
                          f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+            if "mfu" in d:
+                lines.append(gpu_roofs.render_decode(d))
         if "decode_profile" in r:
             prof = r["decode_profile"]
             parts = ", ".join(f"{k} {v:.1f}" for k, v in prof["ms_per_step"].items())

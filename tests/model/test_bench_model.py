@@ -109,7 +109,7 @@ def test_a_missing_real_model_is_skipped_from_the_defaults_only(monkeypatch):
 
 def test_dtypes_in_one_run_and_the_decode_profile(capsys, monkeypatch):
     for roof in ("matmul_gflops", "copy_gbps", "read_gbps"):    # measured by test_json_output already
-        monkeypatch.setattr(bench_model, roof, lambda: 10.0)
+        monkeypatch.setattr(bench_model, roof, lambda **_: 10.0)
     rc = main(["--models", "tiny", "--prompt-len", "8", "--context-len", "8", "--batch-sizes", "1",
                "--decode-steps", "1", "--repeats", "1", "--dtype", "float32,bfloat16", "--profile", "--json"])
     assert rc == 0
