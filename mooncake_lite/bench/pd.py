@@ -43,6 +43,7 @@ import orjson
 import torch
 import torch.nn.functional as F
 
+from kernels.device import sync
 from mooncake_lite.bench.model import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
@@ -88,6 +89,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="decode batch sizes")
     ap.add_argument("--context-len", type=int, default=256, help="cached tokens per decoding sequence")
     ap.add_argument("--threads", type=int, default=2, help="total torch threads (CPP: split across stages)")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device of the model here and in every role process (cpu, cuda, cuda:1)")
     ap.add_argument("--burst", type=int, default=16, help="(e) prompts arriving at once (0: skip)")
     ap.add_argument("--burst-len", type=int, default=100, help="(e) tokens per burst prompt")
     ap.add_argument("--burst-tokens", type=int, default=512,
@@ -112,6 +115,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             or min(a.prompt_lens.values()) <= 0 or (a.cpp_prompt_factor is not None and a.cpp_prompt_factor <= 0) \
             or a.burst < 0 or a.burst_len <= 0 or a.burst_tokens <= 0:
         ap.error("need models and positive sizes")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is false)")
     return a
 
 
@@ -197,7 +202,7 @@ async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int
 async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: RoleProcess) -> dict:
     n = a.prompt_lens[name]
     t0 = time.perf_counter()
-    model = build_model(name)
+    model = build_model(name, device=a.device)
     build_s = time.perf_counter() - t0
     longest = max(n, a.cpp_lens[name] if a.cpp else n)
     if longest > model.args.max_seq_len:
@@ -352,10 +357,11 @@ def attention_varlen_vs_padded(runner: ModelRunner, lengths: list[int], repeats:
     try:
         meta = runner.packed_prefill_meta([(t, 0, n) for t, n in zip(tables, lengths)])
         k_cache, v_cache = runner.cache.layer(runner.model.first_layer)
-        q = torch.randn(sum(lengths), args.num_heads, args.head_dim, dtype=runner.dtype)
+        q = torch.randn(sum(lengths), args.num_heads, args.head_dim, dtype=runner.dtype, device=runner.device)
         longest = max(lengths)
-        pos = torch.arange(longest)
-        mask = (pos[None, :] <= pos[:, None])[None] & (pos < torch.tensor(lengths)[:, None])[:, None, :]
+        pos = torch.arange(longest, device=runner.device)
+        lens = torch.tensor(lengths, device=runner.device)
+        mask = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]
 
         def varlen():
             return packed_prefill_attention(q, k_cache, v_cache, meta)
@@ -377,8 +383,10 @@ def attention_varlen_vs_padded(runner: ModelRunner, lengths: list[int], repeats:
         times = {"varlen_s": float("inf"), "padded_s": float("inf")}
         for _ in range(repeats):          # interleaved: a load drift hits both alike
             for name, fn in (("varlen_s", varlen), ("padded_s", padded)):
+                sync(runner.device)
                 t0 = time.perf_counter()
                 fn()
+                sync(runner.device)
                 times[name] = min(times[name], time.perf_counter() - t0)
         return {**times, "padded_over_varlen": times["padded_s"] / times["varlen_s"]}
     finally:
@@ -427,7 +435,7 @@ async def cpp_ttft(prefill: RoleProcess, decode: RoleProcess, n: int, vocab: int
 
 
 def bench_cpp(name: str, a: argparse.Namespace, decode: RoleProcess, n: int, vocab: int) -> dict:
-    common = ("--model", name, "--block-size", str(BLOCK), "--no-profile",
+    common = ("--model", name, "--block-size", str(BLOCK), "--no-profile", "--device", a.device,
               "--prefill-chunk", str(a.chunk), "--num-blocks", str(n // BLOCK + 2))
     out = {}
     for label, extra in (("one_instance", ("--threads", str(a.threads))),
@@ -450,13 +458,14 @@ def run(a: argparse.Namespace) -> dict:
     # (a), (b), (d) run here while a decode process receives: half the threads each, so torch's
     # spinning worker threads do not fight over the cores (that makes timings erratic).
     torch.set_num_threads(max(1, a.threads // 2))
-    res = {"machine": {"threads": a.threads, "matmul_gflops": matmul_gflops(), "copy_gbps": copy_gbps()},
+    res = {"machine": {"threads": a.threads, "matmul_gflops": matmul_gflops(device=a.device),
+                       "copy_gbps": copy_gbps(device=a.device), "device": a.device},
            "models": {}, "notes": notes}
     for name in a.models:
         n = a.prompt_lens[name]
         blocks = max(2 * (max(n, a.cpp_lens[name]) // BLOCK + 2), 2 * a.burst * -(-(a.burst_len + 1) // BLOCK))
         decode = start_role("decode", "--model", name, "--block-size", str(BLOCK), "--no-profile",
-                            "--num-blocks", str(blocks), "--threads", "1")
+                            "--num-blocks", str(blocks), "--threads", "1", "--device", a.device)
         try:
             part = asyncio.run(bench_overlap_and_prefix(name, a, decode))
             runner = part.pop("runner")
