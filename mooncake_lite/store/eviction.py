@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 Key = Hashable
 PinCheck = Callable[[Key], bool]
@@ -177,6 +177,15 @@ def make_policy(name: str) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
+class ChainAdded(NamedTuple):
+    """What :meth:`BlockCache.add_chain` did: the keys it evicted, how many leading keys of the
+    chain are now cached, and which of those it inserted (were not cached before)."""
+
+    evicted: list[Key]
+    num_held: int
+    inserted: list[Key]
+
+
 class BlockCache:
     """A set of at most ``capacity_blocks`` keys (None = unbounded) under an eviction policy.
 
@@ -207,12 +216,23 @@ class BlockCache:
         Stops early, leaving the rest uncached, when nothing can be evicted (capacity smaller
         than the chain, or everything else pinned): a block without its prefix is useless.
         """
+        return self.add_chain(keys, is_pinned).evicted
+
+    def add_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> ChainAdded:
+        """:meth:`insert_chain`, also saying how far it got and which keys are new: the leading
+        ``num_held`` keys are now cached (all of them unless it stopped early), ``inserted`` of
+        them were not before. A simulator reports exactly these to its index without walking the
+        chain again."""
+        if is_pinned is None and type(self.policy) is LRUPolicy:
+            return self._add_chain_lru(keys)
         evicted: list[Key] = []
+        inserted: list[Key] = []
         chain: set[Key] = set()
 
         def protected(key: Key) -> bool:
             return key in chain or (is_pinned is not None and is_pinned(key))
 
+        pos = 0
         for pos, key in enumerate(keys):
             if key in self.policy:
                 self.policy.touch(key)
@@ -221,12 +241,50 @@ class BlockCache:
             if self.capacity_blocks is not None and len(self.policy) >= self.capacity_blocks:
                 victim = self.policy.victim(protected)
                 if victim is None:
-                    break
+                    return ChainAdded(evicted, pos, inserted)
                 self.policy.remove(victim)
                 evicted.append(victim)
             self.policy.insert(key, pos)
+            inserted.append(key)
             chain.add(key)
-        return evicted
+        return ChainAdded(evicted, len(keys), inserted)
+
+    def _add_chain_lru(self, keys: Sequence[Key]) -> ChainAdded:
+        """:meth:`add_chain` under LRU with nothing pinned, on the policy's ordered dict itself
+        (this runs per simulated prefill, per block: no method call per key). The same result:
+        the keys of the chain handled so far were each moved or added to the end, so they are
+        the dict's last entries, and the LRU victim the general path finds (the first key not
+        in the chain) is the first key, unless every key is the chain's."""
+        order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
+        move, capacity = order.move_to_end, self.capacity_blocks
+        evicted: list[Key] = []
+        inserted: list[Key] = []
+        chain: set[Key] = set()
+        for pos, key in enumerate(keys):
+            if key in order:
+                move(key)
+                chain.add(key)
+                continue
+            if capacity is not None and len(order) >= capacity:
+                victim = next(iter(order), None)
+                if victim is None or victim in chain:
+                    return ChainAdded(evicted, pos, inserted)
+                del order[victim]
+                evicted.append(victim)
+            order[key] = None
+            inserted.append(key)
+            chain.add(key)
+        return ChainAdded(evicted, len(keys), inserted)
+
+    def leading(self, keys: Sequence[Key]) -> int:
+        """How many leading keys of ``keys`` are cached; touches nothing."""
+        members = self.policy._order if type(self.policy) is LRUPolicy else self.policy  # type: ignore[attr-defined]
+        n = 0
+        for key in keys:
+            if key not in members:
+                break
+            n += 1
+        return n
 
     def remove(self, key: Key) -> None:
         self.policy.remove(key)
