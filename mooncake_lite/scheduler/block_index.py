@@ -9,7 +9,7 @@ keys (ANDing masks) and never scans the index: O(len(keys) + num_stores).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -30,6 +30,10 @@ class PrefixMatch:
     best_len: int
     best_store_id: Hashable | None
     lengths: dict[Hashable, int]
+    # ``lengths`` grouped: (length, the stores with that length), one entry per run of the walk.
+    # Each list is the index's own (shared by every match with the same holders, never changed),
+    # so a caller may key what it derives from a list's stores on the list's identity.
+    runs: tuple[tuple[int, list[Hashable]], ...] = field(default=(), compare=False, repr=False)
 
     def length_at(self, store_id: Hashable) -> int:
         return self.lengths.get(store_id, 0)
@@ -152,27 +156,29 @@ class BlockIndex:
         registered first, i.e. lowest slot, so the answer is deterministic)."""
         masks = self._masks
         lengths: dict[Hashable, int] = {}
+        runs: list[tuple[int, list[Hashable]]] = []
         alive = -1  # all slots
         depth = 0
         for key in keys:
             m = masks.get(key, 0)
             still = alive & m
             if still != alive:
-                self._record(alive & ~still, depth, lengths)
+                self._record(alive & ~still, depth, lengths, runs)
                 alive = still
                 if not alive:
                     break
             depth += 1
         if alive:
-            self._record(alive, depth, lengths)
+            self._record(alive, depth, lengths, runs)
         best_store, best_len = None, 0
         for store_id, n in lengths.items():
             if n > best_len or (n == best_len and best_store is not None
                                 and self._slots[store_id] < self._slots[best_store]):
                 best_store, best_len = store_id, n
-        return PrefixMatch(best_len, best_store, lengths)
+        return PrefixMatch(best_len, best_store, lengths, tuple(runs))
 
-    def _record(self, mask: int, depth: int, lengths: dict[Hashable, int]) -> None:
+    def _record(self, mask: int, depth: int, lengths: dict[Hashable, int],
+                runs: list[tuple[int, list[Hashable]]]) -> None:
         # depth 0 is the only time ``mask`` can still hold the all-slots sentinel (-1).
         if depth == 0:
             return
@@ -186,6 +192,7 @@ class BlockIndex:
             if len(self._stores_of) >= 1 << 12:
                 self._stores_of.clear()
             self._stores_of[mask] = stores
+        runs.append((depth, stores))
         for store_id in stores:
             lengths[store_id] = depth
 

@@ -68,6 +68,10 @@ class PrefillTable:
         self.multi: set[int] = set()
         self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
         self.row_of: dict[Hashable, int] | None = {}     # store id -> its row, when each has one
+        self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
+        # id(list of stores of a PrefixMatch run) -> (that list, its stores' rows): a hot prefix's
+        # holders are the same list on every request for it (block_index.PrefixMatch.runs)
+        self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
 
     def update(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
@@ -84,6 +88,7 @@ class PrefillTable:
             moved = moved or old[i].store_id != p.store_id
             self._write(i, p, costs, backlog)
         if moved:
+            self._run_rows = {}
             self.positions = {}
             for i, p in enumerate(prefills):
                 self.positions.setdefault(p.store_id, []).append(i)
@@ -110,7 +115,23 @@ class PrefillTable:
             self.models.append(model)
         self.model_of[i] = pos
         self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
-        self.bw[i] = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+        self.bw[i] = bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+        if bw == costs.bandwidth_bytes_per_s:
+            self.odd_bw.discard(i)
+        else:
+            self.odd_bw.add(i)
+
+    def run_rows(self, stores: list[Hashable]) -> np.ndarray:
+        """The rows of ``stores`` (a list from a PrefixMatch's ``runs``), found once per list."""
+        kept = self._run_rows.get(id(stores))
+        if kept is not None:
+            return kept[1]
+        if len(self._run_rows) >= 1 << 12:
+            self._run_rows.clear()
+        positions = self.positions
+        rows = np.array([row for store in stores for row in positions.get(store, ())], dtype=np.intp)
+        self._run_rows[id(stores)] = (stores, rows)    # the list is kept alive: its id stays its own
+        return rows
 
     def queues_at(self, now: float) -> tuple[QueuesAt, np.ndarray]:
         """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
@@ -150,7 +171,10 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
     (a hot prefix may be on most stores) are costed again with their local prefix."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
     latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
-    if not best_len:
+    if len(table.models) == 1 and not table.odd_bw and (match.runs or not match.lengths) \
+            and not (costs.links is not None and costs.links.from_source(match.best_store_id)):
+        key = _one_model_keys(req, table, queue, match, cfg, costs)
+    elif not best_len:
         key = queue + table.predict(num_tokens, 0)
     else:
         fetched = table.predict(num_tokens, best_len * block_size)
@@ -168,6 +192,35 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
         return None
     local_i = match.lengths.get(table.prefills[i].store_id, 0)
     return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
+
+
+def _one_model_keys(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray, match: PrefixMatch,
+                    cfg: SchedulerConfig, costs: CostModels) -> np.ndarray:
+    """The keys of :func:`choose_prefill_row` when every row has the same model and the default
+    bandwidth (the usual cluster): each term that is the same for all rows is one Python float
+    (the same double the arrays would hold), and the holders of the prefix are costed a run at a
+    time (the stores of one run all hold the same length), their rows found once per run's list.
+    The same operations in the same order as the general expressions, so the same keys."""
+    best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
+    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
+    predict, bw = table.models[0].predict, costs.bandwidth_bytes_per_s
+    if not best_len:
+        return queue + predict(num_tokens, 0)
+    fetched = predict(num_tokens, best_len * block_size)
+    key = latency_s + best_len * block_bytes / bw + queue
+    key += fetched
+    threshold = cfg.kvcache_balancing_threshold
+    for local, stores in match.runs:
+        rows = table.run_rows(stores)
+        if not rows.size:
+            continue
+        if local < best_len and best_len / local >= threshold:
+            held = latency_s + (best_len - local) * block_bytes / bw + queue[rows]
+            held += fetched
+        else:
+            held = queue[rows] + predict(num_tokens, local * block_size)
+        key[rows] = held
+    return key
 
 
 def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np.ndarray:
