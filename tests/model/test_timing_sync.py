@@ -113,3 +113,12 @@ def test_bench_model_on_cuda_prints_roofs(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "gpu:" in out and "MFU" in out and "HBM" in out and "host->device" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_pd_device_cuda_refused_without_a_gpu(capsys):
+    from mooncake_lite.bench import pd
+    with pytest.raises(SystemExit):
+        pd.parse_args(["--device", "cuda"])
+    assert "no CUDA device" in capsys.readouterr().err
+    assert pd.parse_args([]).device == "cpu"
