@@ -154,14 +154,17 @@ class PrefillView(_Shown):
 
 
 class _Running:
-    """A request in the decode batch: its true context and the record the states show."""
+    """A request in the decode batch: its true context and the record the states show. In a
+    step group (:meth:`DecodeView.enter_group`) its context is ``context_tokens`` plus the
+    group's tokens since ``mark``, added in by :meth:`DecodeView._settle` before it is read."""
 
-    __slots__ = ("request_id", "context_tokens", "joined_at", "max_output_tokens", "shown")
+    __slots__ = ("request_id", "context_tokens", "joined_at", "max_output_tokens", "shown", "mark")
 
     def __init__(self, request_id: str, context_tokens: int, joined_at: float, max_output_tokens: int | None) -> None:
         self.request_id, self.context_tokens = request_id, context_tokens
         self.joined_at, self.max_output_tokens = joined_at, max_output_tokens
         self.shown: DecodingRequest | None = None
+        self.mark: int | None = None       # the group's token count when it entered (None: not in it)
 
     def show(self, refresh: bool) -> DecodingRequest:
         """The record a state shows: built once; a refresh rebuilds it if the context moved."""
@@ -196,6 +199,10 @@ class DecodeView(_Shown):
         self._tbt_s: float | None = None
         self._tbt_of: tuple | None = None   # the batch _tbt_s was last checked against
         self._state: DecodeInstanceState | None = None
+        # The step group (a simulated engine's batch, whose members all step together): tokens
+        # each member generated since the group began, and how many members are shown.
+        self._group_tokens = 0
+        self._group_shown = 0
 
     def set_limits(self, max_batch_size: int | None, max_context_tokens: int | None) -> None:
         if (max_batch_size, max_context_tokens) != self._limits:
@@ -235,6 +242,7 @@ class DecodeView(_Shown):
         old = self._jobs.get(request_id)
         if old is not None:
             self._unshow(old)
+            self._leave_group(old)
         job = self._jobs[request_id] = _Running(request_id, context_tokens, joined_at, max_output_tokens)
         if old is None and self._running is not None:
             shown = job.show(False)
@@ -268,6 +276,32 @@ class DecodeView(_Shown):
         self._context_lag += shown * num_tokens
         return self._check_lag()
 
+    def enter_group(self, request_id: str) -> None:
+        """It steps with the group from now on (a simulator's engine batch: it joined at a step
+        boundary), until it leaves."""
+        job = self._jobs[request_id]
+        if job.mark is None:
+            job.mark = self._group_tokens
+            self._group_shown += job.shown is not None
+
+    def progress_group(self, num_tokens: int) -> bool:
+        """Every member of the group generated ``num_tokens`` more: :meth:`progress_each` of the
+        members, in O(1) — each member's context catches up when it is next read."""
+        self._group_tokens += num_tokens
+        self._context_lag += self._group_shown * num_tokens
+        return self._check_lag()
+
+    def _settle(self, job: _Running) -> None:
+        """Add the group's tokens since its mark to a member's context (before it is read)."""
+        if job.mark is not None:
+            job.context_tokens += self._group_tokens - job.mark
+            job.mark = self._group_tokens
+
+    def _leave_group(self, job: _Running) -> None:
+        if job.mark is not None:
+            job.mark = None
+            self._group_shown -= job.shown is not None
+
     def leave(self, request_id: str) -> bool:
         """It ended (finished, failed, aborted), running or incoming; False if it was neither."""
         was_incoming = self.uncommit(request_id)
@@ -275,6 +309,7 @@ class DecodeView(_Shown):
         if job is None:
             return was_incoming
         self._unshow(job)
+        self._leave_group(job)
         self._check_lag()              # a smaller batch allows less lag
         if self._running is not None:
             self._running = tuple(r for r in self._running if r.request_id != request_id)
@@ -285,7 +320,7 @@ class DecodeView(_Shown):
         """Nothing runs or comes here any more (the instance died)."""
         self._jobs.clear()
         self._incoming.clear()
-        self._shown_context = self._context_lag = 0
+        self._shown_context = self._context_lag = self._group_shown = 0
         self._is_context_stale = False
         self._running = self._incoming_shown = None
         self._stale()
@@ -310,7 +345,14 @@ class DecodeView(_Shown):
 
     def _show_batch(self, refresh: bool) -> None:
         jobs = self._jobs.values()
+        group_tokens = self._group_tokens
+        for job in jobs:               # _settle, written out
+            if job.mark is not None:
+                job.context_tokens += group_tokens - job.mark
+                job.mark = group_tokens
         self._running = tuple(job.show(refresh) for job in jobs)
+        # every job is shown now: the group's shown members are all its members
+        self._group_shown = sum(job.mark is not None for job in jobs)
         self._shown_context = sum(map(CONTEXT_TOKENS, self._running))
         self._context_lag = sum(job.context_tokens for job in jobs) - self._shown_context
 
@@ -330,6 +372,7 @@ class DecodeView(_Shown):
     def _unshow(self, job: _Running) -> None:
         """Take a leaving job's shown context and lag out of the totals."""
         if job.shown is not None:
+            self._settle(job)
             self._shown_context -= job.shown.context_tokens
             self._context_lag -= job.context_tokens - job.shown.context_tokens
 

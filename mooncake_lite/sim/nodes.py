@@ -222,7 +222,7 @@ class DecodeNode:
     def _boundary(self, now: float, version: int) -> None:
         b, view = self.batch, self.view
         if self.seg_steps:
-            view.progress_each(b.running, self.seg_steps)
+            view.progress_group(self.seg_steps)     # the batch's members: the view's step group
             for req in b.advance(self.seg_steps, self.seg_gap):
                 view.leave(req.rid)
                 self.release(req)
@@ -230,6 +230,7 @@ class DecodeNode:
                 self.on_finish(now, req)
         for req in self.pending:
             b.add(req, now)
+            view.enter_group(req.rid)
         self.pending = []
         if not b.running:
             self.seg_steps = 0
