@@ -1,8 +1,9 @@
 """``mooncake --role prefill``: prefix reuse, chunked and layer-wise prefill, KV streamed to decode.
 
 The flags are in ``config.py``, the stage and app are built in ``app.py``; this module starts the
-rest of a CPP group (``stage_process.py``), runs the app and keeps the instance registered with
-the conductor. A process started as stage k > 0 of a group runs ``stage_process.run_stage``.
+rest of a CPP group or dials it (``--stages``; ``stage_process.py``), runs the app and keeps the
+instance registered with the conductor. A process started as stage k > 0 of a group runs
+``stage_process.run_stage``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from mooncake_lite.common.service import serve_app
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import (EXTRA_CLEANUP, SERVICE, StoreUnfit, build_app, build_stage, registration,
                                        reported_cost, store_id)
-from mooncake_lite.prefill.config import Config
-from mooncake_lite.prefill.stage_process import StageGroup, layer_slices, run_stage
+from mooncake_lite.prefill.config import Config, layer_slices
+from mooncake_lite.prefill.pipeline import StageUnreachable
+from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, profile_group, run_stage
+
+# The head cannot serve as configured: it says why on stderr and exits 2 (not restarted in a loop).
+REFUSALS = (StoreUnfit, StageUnreachable, GroupMismatch)
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +39,28 @@ async def _watch_stage_link(downstream, state: dict) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+async def _profile_group(cfg: Config, stage, downstream):
+    """A CPP group's cost model, timed through all its stages (None if that failed: it then
+    registers none, as with --no-profile)."""
+    try:
+        cost, samples = await profile_group(stage, downstream)
+    except Exception as exc:
+        log.warning("start-up profiling of the CPP group skipped: %s", exc)
+        return None
+    log.info("CPP group cost model %s from %d timings through its %d stages", cost.to_dict(), len(samples),
+             cfg.pipeline_group)
+    return cost
+
+
 def run(cfg: Config) -> int:
     if cfg.pipeline_stage > 0:
         return run_stage(cfg)
     sdnotify.notify(f"STATUS=prefill loading {cfg.model}")
-    slices = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)
     group = None
-    if cfg.pipeline_group > 1:
-        group = StageGroup.spawn(cfg, slices)
+    if cfg.pipeline_group > 1 and not cfg.stage_addresses:   # no --stages: the head starts its stages
+        group = StageGroup.spawn(cfg, layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group))
     try:
-        stage, cost = build_stage(cfg, slices[0])
+        stage, cost = build_stage(cfg, cfg.layer_range)
     except BaseException:
         if group is not None:
             group.stop()
@@ -59,8 +76,17 @@ def run(cfg: Config) -> int:
         except StoreUnfit:
             await stage.store.close()
             raise
-        downstream = await group.connect(cfg.cluster_token) if group is not None else None
-        app = build_app(cfg, stage, cost, downstream)
+        try:
+            if cfg.stage_addresses:
+                sdnotify.notify(f"STATUS=prefill dialling CPP stages {cfg.stages}")
+            downstream = await connect_group(cfg, group)
+        except REFUSALS:
+            close = getattr(stage.store, "close", None)   # a private store has nothing to close
+            if close is not None:
+                await close()
+            raise
+        group_cost = await _profile_group(cfg, stage, downstream) if downstream and cfg.profile else cost
+        app = build_app(cfg, stage, group_cost, downstream)
         service = app[SERVICE]
         if downstream is not None:
             watcher = asyncio.ensure_future(_watch_stage_link(downstream, state))
@@ -89,7 +115,7 @@ def run(cfg: Config) -> int:
     refused = None
     try:
         run_loop(main)
-    except StoreUnfit as exc:
+    except REFUSALS as exc:
         refused = exc
     finally:
         if group is not None:

@@ -1,7 +1,7 @@
 """Chunked Pipeline Parallelism: a prefill group of X processes, each owning a slice of layers.
 
-The group head (stage 0, the one the conductor talks to) starts stages 1..X-1 as child processes
-(``stage_process.py``) and talks to stage 1 over the transfer framing; every stage talks to the next the same way:
+The group head (stage 0, the one the conductor talks to) talks to stage 1 over the transfer
+framing, and every stage talks to the next the same way (the processes: ``stage_process.py``):
 
     OP_STAGE_MATCH {rid, keys}                 -> {"num_blocks"}: min leading store hit, this stage and after
     OP_STAGE_BEGIN {rid, tid, token_ids, decode_data, sampling, keys, num_prefix_blocks} -> ok
@@ -10,6 +10,12 @@ The group head (stage 0, the one the conductor talks to) starts stages 1..X-1 as
                                                chunk while this stage computes this one
     OP_STAGE_END   {rid}                       -> {"first_token"} once every chunk went through all stages
     OP_STAGE_ABORT {rid, reason}               -> ok (forwarded down the group)
+    OP_STAGE_INFO  {}                          -> {"stages": [what each stage is, this one first]}
+    OP_STAGE_FLUSH {rid}                       -> ok once every chunk sent so far went through all stages
+
+BEGIN with ``decode_data: null`` runs a request whose KV goes nowhere: the head's start-up
+profile of the whole group (``stage_process.profile_group``) times chunks that way, with FLUSH.
+A request whose link from the previous stage is lost is dropped (its KV cache blocks freed).
 
 Only stage-boundary activations cross between stages; each stage loads its own layers' prefix KV
 from its store, streams its own layers' KV to decode, and writes its layer slice back.
@@ -18,7 +24,9 @@ from its store, streams its own layers' KV to decode, and writes its layer slice
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,24 +43,51 @@ from mooncake_lite.transfer.server import reply_error
 log = logging.getLogger(__name__)
 
 OP_STAGE_MATCH, OP_STAGE_BEGIN, OP_STAGE_CHUNK, OP_STAGE_END, OP_STAGE_ABORT = 30, 31, 32, 33, 34
+OP_STAGE_INFO, OP_STAGE_FLUSH = 35, 36
+DIAL_INTERVAL_S = 0.5
+
+
+class StageUnreachable(RuntimeError):
+    """The next stage of a CPP group did not answer within the start-up deadline."""
 
 
 class NextStage:
     """Client side of the link to the next stage."""
 
-    def __init__(self, client: FrameClient):
+    def __init__(self, client: FrameClient, address: str = ""):
         self.client = client
+        self.address = address
 
     @classmethod
-    async def connect(cls, address: str, token: str | None) -> NextStage:
+    async def connect(cls, address: str, token: str | None, deadline_s: float | None = None) -> NextStage:
+        """Dial the stage at ``address``; with ``deadline_s``, keep dialling (it may still be
+        starting, e.g. its unit comes up after ours) until then, and raise StageUnreachable."""
         host, port = split_address(address)
-        return cls(await FrameClient.connect(host, port, token=token, name="stage"))
+        give_up = time.monotonic() + (deadline_s or 0.0)
+        while True:
+            try:
+                client = await FrameClient.connect(host, port, token=token, name="stage",
+                                                   label=f"CPP stage {address}")
+                return cls(client, address)
+            except (ConnectionError, OSError, asyncio.TimeoutError) as exc:  # RemoteError (token): at once
+                if deadline_s is None or time.monotonic() >= give_up:
+                    raise StageUnreachable(
+                        f"CPP stage at {address} did not answer within {deadline_s or 0:g} s ({exc}); is it "
+                        "started (mooncake --role prefill --pipeline-stage K ...) and listening there?") from None
+            await asyncio.sleep(DIAL_INTERVAL_S)
+
+    async def info(self) -> list[dict]:
+        """What each stage from this one to the last is (stage, group, layers, model, next)."""
+        return list((await self.client.request(OP_STAGE_INFO, {})).meta["stages"])
+
+    async def flush(self, rid: str) -> None:
+        await self.client.request(OP_STAGE_FLUSH, {"rid": rid})
 
     async def match(self, rid: str, keys: list[bytes]) -> int:
         frame = await self.client.request(OP_STAGE_MATCH, {"rid": rid, "keys": [k.hex() for k in keys]})
         return int(frame.meta["num_blocks"])
 
-    async def begin(self, rid: str, tid: str, token_ids, decode_data: str, sampling: dict,
+    async def begin(self, rid: str, tid: str, token_ids, decode_data: str | None, sampling: dict,
                     keys: list[bytes], num_prefix_blocks: int) -> None:
         await self.client.request(OP_STAGE_BEGIN, {
             "rid": rid, "tid": tid, "token_ids": list(token_ids), "decode_data": decode_data,
@@ -76,34 +111,64 @@ class NextStage:
         await self.client.close()
 
 
+class NullSender:
+    """The KV "stream" of a profiling request: nothing is sent anywhere."""
+    error: str | None = None
+    num_frames = num_bytes = 0
+
+    def send_layer(self, layer: int, start: int, kv) -> None:
+        pass
+
+    async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def abort(self, reason: str) -> None:
+        pass
+
+
 @dataclass
 class StageWork:
     """One request on a stage > 0: its job, its chunks in arrival order, the worker running them."""
     job: StageJob
     sampling: dict
+    upstream: FrameConnection | None = None    # the link it came on: if that goes, so does the request
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: asyncio.Task | None = None
     logits: torch.Tensor | None = None
 
 
 class StageServer(FrameHandler):
-    """A stage > 0: runs what the previous stage hands it, forwards to the next stage."""
+    """A stage > 0: runs what the previous stage hands it, forwards to the next stage.
+    ``identity`` is what INFO says of this stage (stage, group, layers, model, next)."""
 
-    def __init__(self, stage: StageEngine, links: DecodeLinks, next_stage: NextStage | None):
+    def __init__(self, stage: StageEngine, links: DecodeLinks, next_stage: NextStage | None,
+                 identity: dict | None = None):
         self.stage = stage
         self.links = links
         self.next = next_stage
+        self.identity = identity or {}
         self.works: dict[str, StageWork] = {}
         self.dim = stage.runner.args.dim
 
     def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
         handlers = {OP_STAGE_MATCH: self._match, OP_STAGE_BEGIN: self._begin, OP_STAGE_CHUNK: self._chunk,
-                    OP_STAGE_END: self._end, OP_STAGE_ABORT: self._abort}
+                    OP_STAGE_END: self._end, OP_STAGE_ABORT: self._abort, OP_STAGE_INFO: self._info,
+                    OP_STAGE_FLUSH: self._flush}
         handler = handlers.get(frame.op)
         if handler is None:
             reply_error(conn, frame, "bad_op", f"unknown stage operation {frame.op}")
             return
+        if frame.op == OP_STAGE_BEGIN:
+            handler = functools.partial(self._begin, upstream=conn)
         asyncio.ensure_future(self._answer(conn, frame, handler))
+
+    def connection_lost(self, conn: FrameConnection, exc: Exception | None) -> None:
+        # The previous stage (or the head) is gone: nobody will end its requests here.
+        for rid in [rid for rid, work in self.works.items() if work.upstream is conn]:
+            asyncio.ensure_future(self._fail(rid, "the link from the previous CPP stage was lost"))
 
     async def _answer(self, conn: FrameConnection, frame: Frame, handler) -> None:
         try:
@@ -123,12 +188,17 @@ class StageServer(FrameHandler):
             hit = min(hit, await self.next.match(frame.meta["rid"], keys[:hit]))
         return {"num_blocks": hit}
 
-    async def _begin(self, frame: Frame) -> None:
+    async def _info(self, frame: Frame) -> dict:
+        rest = await self.next.info() if self.next is not None else []
+        return {"stages": [self.identity, *rest]}
+
+    async def _begin(self, frame: Frame, upstream: FrameConnection | None = None) -> None:
         m = frame.meta
         rid, keys = m["rid"], [bytes.fromhex(k) for k in m["keys"]]
-        sender = KVSender(await self.links.get(m["decode_data"]), m["tid"])
+        decode = m["decode_data"]
+        sender = NullSender() if decode is None else KVSender(await self.links.get(decode), m["tid"])
         job = self.stage.begin(rid, m["token_ids"], keys, int(m["num_prefix_blocks"]), sender)
-        work = StageWork(job, m["sampling"])
+        work = StageWork(job, m["sampling"], upstream)
         self.works[rid] = work
         try:
             if self.next is not None:
@@ -146,11 +216,28 @@ class StageServer(FrameHandler):
         hidden = torch.frombuffer(raw, dtype=self.stage.runner.dtype).view(n, self.dim)
         work.chunks.put_nowait((int(frame.meta["start"]), hidden))
 
+    async def _flush(self, frame: Frame) -> None:
+        work = self._work(frame.meta["rid"])
+        done = asyncio.get_running_loop().create_future()
+        work.chunks.put_nowait(done)
+        await asyncio.wait([done, work.worker], return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise RuntimeError("the request ended before its chunks went through")
+        done.result()
+
     async def _run(self, rid: str, work: StageWork) -> None:
         while True:
             item = await work.chunks.get()
             if item is None:
                 return
+            if isinstance(item, asyncio.Future):   # FLUSH: every chunk before it went through
+                try:
+                    if self.next is not None:
+                        await self.next.flush(rid)
+                    item.set_result(None)
+                except Exception as exc:
+                    item.set_exception(exc)
+                continue
             start, hidden = item
             out = await self.stage.run_chunk(work.job, start, hidden=hidden)
             if self.next is not None:

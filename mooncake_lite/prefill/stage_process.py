@@ -1,8 +1,13 @@
-"""The processes of a CPP group: the head starts stages 1..X-1, each runs one layer slice.
+"""The processes of a CPP group: stages 1..X-1, each running one layer slice behind a stage socket.
 
-Stage k is the same ``mooncake --role prefill`` command as the head, plus ``--pipeline-stage k``
-and ``--next-stage`` (the socket of stage k+1); it prints a ready line with its ``"stage"``
-socket address and exits when its head disappears.
+Stage k is ``mooncake --role prefill --pipeline-group X --pipeline-stage k`` (plus ``--next-stage``,
+the socket of stage k+1, unless it is the last). Either its head starts it as a child
+(``StageGroup``: no ``--stages``; the stage then exits with its head), or it is started like any
+other role, on any node (its own unit, ``--host`` its node's address, ``--data-port`` its socket),
+and the head is given the stages' addresses (``--stages``). Either way a stage prints a ready line
+with its ``"stage"`` socket address once its link to the next stage is up, and the head checks the
+group it dialled (``check_group``: every stage in its place, contiguous layers, one model) and
+times chunks through it for its cost model (``profile_group``).
 """
 
 from __future__ import annotations
@@ -11,34 +16,40 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
+import torch
 from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
 from mooncake_lite.common.launch import RoleProcess, role_argv, to_stderr
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.common.service import serve_app
+from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import make_store
+from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
-from mooncake_lite.prefill.pipeline import NextStage, StageServer
+from mooncake_lite.prefill.pipeline import NextStage, NullSender, StageServer
+from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.server import server_address, start_server
 
+__all__ = ["GroupMismatch", "StageGroup", "check_group", "connect_group", "layer_slices", "profile_group",
+           "run_stage", "stage_argv"]
 log = logging.getLogger(__name__)
 
-SKIP_FLAGS = {"pipeline_stage", "next_stage", "port", "data_port", "conductor", "instance_id", "profile"}
+SKIP_FLAGS = {"pipeline_stage", "next_stage", "port", "data_port", "conductor", "instance_id", "profile",
+              "stages", "layers", "head_pid"}
+# What every stage of a group must agree on with its head (INFO): one model, one cache layout.
+SHARED = ("group", "model", "dtype", "block_size", "kv_compression", "seed")
 
 
-def layer_slices(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal layer ranges, one per stage."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
-    bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+class GroupMismatch(RuntimeError):
+    """The stages a head dialled do not make up its group (places, layers, model)."""
 
 
 def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
@@ -52,7 +63,8 @@ def stage_argv(cfg, stage: int, next_address: str | None) -> list[str]:
             argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
         else:
             argv += [flag_name(f), str(value)]
-    argv += ["--pipeline-stage", str(stage), "--port", "0", "--data-port", "0", "--no-profile"]
+    argv += ["--pipeline-stage", str(stage), "--port", "0", "--data-port", "0", "--no-profile",
+             "--head-pid", str(os.getpid())]
     if next_address:
         argv += ["--next-stage", next_address]
     return argv
@@ -91,37 +103,132 @@ class StageGroup:
             proc.stop(10)
 
 
-def run_stage(cfg) -> int:
+def identity(cfg: Config, next_stage: str | None = None) -> dict:
+    """What INFO says of a process of a group, and what its head compares."""
+    return {"stage": cfg.pipeline_stage, "group": cfg.pipeline_group, "layers": list(cfg.layer_range),
+            "model": cfg.model, "dtype": cfg.dtype, "block_size": cfg.block_size,
+            "kv_compression": cfg.kv_compression, "seed": cfg.seed, "next": next_stage}
+
+
+async def connect_group(cfg: Config, group: StageGroup | None) -> NextStage | None:
+    """The head's link to stage 1: to the stages it started, or dialled at ``--stages`` (each
+    until ``--stage-connect-timeout``, so one that is not up is named); the group is checked."""
+    if group is not None:
+        downstream = await group.connect(cfg.cluster_token)
+    elif cfg.stage_addresses:
+        deadline = time.monotonic() + cfg.stage_connect_timeout
+        links = []
+        try:   # the last first: a stage opens its socket only once its own next stage answers
+            for address in reversed(cfg.stage_addresses):
+                links.append(await NextStage.connect(address, cfg.cluster_token,
+                                                     max(0.1, deadline - time.monotonic())))
+        finally:
+            for link in links[:-1]:
+                await link.close()
+        downstream = links[-1]
+    else:
+        return None
+    try:
+        check_group(cfg, await downstream.info())
+    except BaseException:
+        await downstream.close()
+        raise
+    return downstream
+
+
+def check_group(cfg: Config, stages: list[dict]) -> None:
+    """GroupMismatch unless ``stages`` (INFO from stage 1 on) are stages 1..X-1 of this head's
+    group in order, on the same model and cache layout, with layers following on from the head's."""
+    me = identity(cfg)
+    where = cfg.stage_addresses or ["(started by this head)"] * (cfg.pipeline_group - 1)
+    if len(stages) != cfg.pipeline_group - 1:
+        raise GroupMismatch(f"the CPP group behind stage 1 ({where[0]}) has {len(stages)} stage(s); "
+                            f"--pipeline-group {cfg.pipeline_group} needs {cfg.pipeline_group - 1}")
+    end = me["layers"][1]
+    for k, (info, address) in enumerate(zip(stages, where), start=1):
+        wrong = [f"{key} {info.get(key)!r} (head: {me[key]!r})" for key in SHARED if info.get(key) != me[key]]
+        if info.get("stage") != k:
+            wrong.insert(0, f"it is --pipeline-stage {info.get('stage')}")
+        if info.get("layers", [None])[0] != end:
+            wrong.append(f"its layers {info.get('layers')} do not start where the stage before ends ({end})")
+        if wrong:
+            raise GroupMismatch(f"CPP stage {k} at {address}: " + "; ".join(wrong))
+        end = info["layers"][1]
+        if k < len(stages) and cfg.stage_addresses and info.get("next") != where[k]:
+            log.warning("CPP stage %d dials %s as its next stage, --stages names %s", k, info.get("next"), where[k])
+    num_layers = model_args(cfg.model).num_layers
+    if end != num_layers:
+        raise GroupMismatch(f"the group's layers end at {end}, the model has {num_layers}")
+
+
+async def profile_group(stage: StageEngine, downstream: NextStage,
+                        points=QUICK_PREFILL, repeats: int = 2) -> tuple[PrefillCostModel, list]:
+    """The group's cost model, fit like a lone instance's (``instance/profile.py``) from the time
+    a chunk of n new tokens on p cached ones takes through every stage, activations included."""
+    for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
+        await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
+    samples = []
+    for i, (n, p) in enumerate(points):
+        best = min([await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p) for r in range(repeats)])
+        samples.append((n + p, p, best))
+    return fit_prefill(samples), samples
+
+
+async def _time_chunk(stage: StageEngine, downstream: NextStage, rid: str, n: int, p: int) -> float:
+    """Seconds for tokens p..p+n-1 to go through the whole group (the prefix first, untimed)."""
+    vocab = stage.runner.args.vocab_size
+    tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
+    job = stage.begin(rid, tokens, [], 0, NullSender())    # no keys: nothing is written back
+    error = None
+    try:
+        await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
+        if p:
+            await downstream.send_chunk(rid, 0, await stage.run_chunk(job, 0, token_ids=tokens[:p]))
+            await downstream.flush(rid)
+        t0 = time.perf_counter()
+        await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
+        await downstream.flush(rid)
+        seconds = time.perf_counter() - t0
+        await downstream.end(rid)
+        return seconds
+    except BaseException as exc:
+        error = str(exc) or type(exc).__name__
+        await downstream.abort(rid, error)
+        raise
+    finally:
+        await stage.release(job, error)
+
+
+def run_stage(cfg: Config) -> int:
     """Main of a stage > 0: its layer slice, a stage socket, a /health endpoint."""
-    # Only the group head speaks to systemd (NotifyAccess=main): its READY=1 covers the group.
-    os.environ.pop("NOTIFY_SOCKET", None)
-    layer_range = layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group)[cfg.pipeline_stage]
-    runner = build_runner(cfg, layer_range)
+    spawned = cfg.head_pid is not None
+    if spawned:   # only the group head speaks to systemd (NotifyAccess=main): its READY=1 covers the group
+        os.environ.pop("NOTIFY_SOCKET", None)
+    if cfg.conductor:
+        log.info("CPP stage %d does not register with %s: its group's head does", cfg.pipeline_stage, cfg.conductor)
+    runner = build_runner(cfg, cfg.layer_range)
     stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),
                         write_back=cfg.write_back)
-
-    async def watch_parent(parent: int) -> None:
-        # A stage must not outlive its group head (e.g. the head was killed with SIGKILL).
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        log.warning("group head %d is gone; stage %d exits", parent, cfg.pipeline_stage)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    parent_pid = os.getppid()
+    state = {"exit": 0}
 
     async def main() -> None:
-        watcher = asyncio.ensure_future(watch_parent(parent_pid))
-        next_stage = await NextStage.connect(cfg.next_stage, cfg.cluster_token) if cfg.next_stage else None
+        watchers = [asyncio.ensure_future(_watch_head(cfg.head_pid, cfg.pipeline_stage))] if spawned else []
+        # A stage started apart may come up before its next one: dial until the deadline.
+        next_stage = (await NextStage.connect(cfg.next_stage, cfg.cluster_token, cfg.stage_connect_timeout)
+                      if cfg.next_stage else None)
+        if next_stage is not None:
+            watchers.append(asyncio.ensure_future(_watch_next(next_stage, cfg.pipeline_stage, state)))
         links = DecodeLinks(cfg.cluster_token)
-        server = await start_server(StageServer(stage, links, next_stage), cfg.host, cfg.data_port,
-                                    token=cfg.cluster_token, name="stage")
+        server = await start_server(StageServer(stage, links, next_stage, identity(cfg, cfg.next_stage)),
+                                    cfg.host, cfg.data_port, token=cfg.cluster_token, name="stage")
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", "stage": cfg.pipeline_stage}))
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **identity(cfg, cfg.next_stage)}))
         try:
-            await serve_app(app, cfg.host, cfg.port, role="prefill-stage",
-                            extra_addresses=lambda: {"stage": server_address(server)})
+            await serve_app(app, cfg.host, cfg.port, role="prefill-stage", advertise_host=cfg.advertise_host,
+                            extra_addresses=lambda: {"stage": server_address(server, cfg.advertise_host)})
         finally:
-            watcher.cancel()
+            for watcher in watchers:   # shutting down closes the links on purpose
+                watcher.cancel()
             server.close()
             await stage.drain_puts()
             await links.close()
@@ -129,4 +236,21 @@ def run_stage(cfg) -> int:
                 await next_stage.close()
 
     run_loop(main)
-    return 0
+    return state["exit"]
+
+
+async def _watch_head(head_pid: int, stage: int) -> None:
+    """A stage its head started must not outlive it (e.g. the head was killed with SIGKILL)."""
+    while os.getppid() == head_pid:
+        await asyncio.sleep(1.0)
+    log.warning("group head %d is gone; stage %d exits", head_pid, stage)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _watch_next(next_stage: NextStage, stage: int, state: dict) -> None:
+    """Without its next stage this one cannot serve: exit non-zero so a supervisor restarts it
+    (it dials again; its head, losing this link in turn, does the same)."""
+    await asyncio.shield(next_stage.client.conn.closed)
+    log.error("the link to CPP stage %d (%s) is gone; stage %d exits", stage + 1, next_stage.address, stage)
+    state["exit"] = 1
+    os.kill(os.getpid(), signal.SIGTERM)

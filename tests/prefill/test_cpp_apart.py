@@ -1,0 +1,134 @@
+"""A CPP group whose stages are started apart, as separate ``mooncake`` processes on their own
+ports (as their own units on other nodes would be): the head dials them, retrying until they are
+up; tokens equal the monolithic reference; each stage writes its layer slice of new blocks and
+the store assembles them, so a second request with the same prefix loads them; the head registers
+a cost model profiled through the whole group."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import aiohttp
+import pytest
+import torch
+
+from mooncake_lite.common.launch import RoleProcess, role_argv
+from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.config import Config
+from mooncake_lite.prefill.pipeline import NextStage, StageUnreachable
+from mooncake_lite.prefill.stage_process import GroupMismatch, check_group
+from tests.conftest import REPO
+from tests.pd.client import generate
+from tests.store.helpers import metric
+
+pytestmark = pytest.mark.timeout(180)
+
+BS = 16
+BASE = ("--host", "127.0.0.1", "--model", "tiny", "--block-size", str(BS), "--port", "0", "--threads", "1",
+        "--num-blocks", "64")
+GROUP = (*BASE, "--prefill-chunk", "12", "--pipeline-group", "3")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def procs():
+    started: list[RoleProcess] = []
+    yield started
+    for proc in started:      # all drain at once
+        proc.send(signal.SIGTERM)
+    for proc in reversed(started):
+        proc.stop()
+
+
+def launch(procs: list, name: str, role: str, *args: str) -> RoleProcess:
+    """Start a role without waiting for its ready line (several then load their models at once)."""
+    proc = RoleProcess(name, role_argv(role, *args), cwd=REPO)
+    procs.append(proc)
+    return proc
+
+
+async def test_stages_started_apart_give_reference_tokens_and_assemble_blocks_in_the_store(procs):
+    store = launch(procs, "store", "store", "--host", "127.0.0.1", "--port", "0", "--data-port", "0",
+                   "--dram", "16MiB", "--slot-bytes", "64KiB")
+    conductor = launch(procs, "conductor", "conductor", "--host", "127.0.0.1", "--port", "0", "--model", "tiny",
+                       "--block-size", str(BS))
+    decode = launch(procs, "decode", "decode", *BASE, "--no-profile")
+    store_data = store.wait_ready(60)["data"]
+    ports = [free_port(), free_port()]
+    stage_at = [f"127.0.0.1:{p}" for p in ports]
+    # The head first: it keeps dialling its stages until they answer. Uneven slices (--layers).
+    conductor_url = f"http://{conductor.wait_ready(60)['http']}"
+    head = launch(procs, "head", "prefill", *GROUP, "--store", store_data, "--layers", "0:2",
+                  "--stages", ",".join(stage_at), "--conductor", conductor_url, "--stage-connect-timeout", "60")
+    launch(procs, "stage 2", "prefill", *GROUP, "--store", store_data, "--no-profile", "--pipeline-stage", "2",
+           "--layers", "3:4", "--data-port", str(ports[1]))
+    launch(procs, "stage 1", "prefill", *GROUP, "--store", store_data, "--no-profile", "--pipeline-stage", "1",
+           "--layers", "2:3", "--data-port", str(ports[0]), "--next-stage", stage_at[1])
+    for proc in procs[3:]:
+        proc.wait_ready(90)
+    model = build_model("tiny", seed=0)
+    shared = prompt(3 * BS, 31)
+    data = decode.wait_ready(60)["data"]
+    async with aiohttp.ClientSession() as session:
+        first_toks = shared + prompt(7, 32)
+        first = await generate(session, head.out.url("http"), decode.out.url("http"), data, first_toks, 5)
+        assert first.error is None and first.tokens == reference_greedy(model, first_toks, 5)
+        assert first.prefill["num_prefix_tokens"] == 0
+        # Each stage wrote its slice; the store shows the 3 shared blocks only once all three are in.
+        url = store.out.url("http")
+        for _ in range(100):
+            if metric(url, "mooncake_store_blocks_assembled_total") >= 3:
+                break
+            await asyncio.sleep(0.1)
+        assert metric(url, "mooncake_store_blocks_assembled_total") == 3
+        assert metric(url, "mooncake_store_slices_total") == 9 and metric(url, "mooncake_store_partial_blocks") == 0
+        again_toks = shared + prompt(9, 33)
+        again = await generate(session, head.out.url("http"), decode.out.url("http"), data, again_toks, 5)
+        assert again.prefill["num_prefix_tokens"] == 3 * BS        # loaded, each stage its own layers
+        assert again.tokens == reference_greedy(model, again_toks, 5)
+        async with session.get(f"{conductor.out.url('http')}/internal/v1/cost_model") as resp:
+            profile = await resp.json()
+    [mine] = [i for i in profile["instances"] if i["role"] == "prefill"]
+    # its own model, timed through the group (not the conductor's default), predicting real time
+    assert mine["reported"] and mine["cost"]["c0"] + 100 * mine["cost"]["c1"] > 0
+
+
+async def test_dialling_a_stage_that_never_comes_up_ends_with_a_clear_error():
+    port = free_port()
+    with pytest.raises(StageUnreachable, match=f"CPP stage at 127.0.0.1:{port} did not answer within 0.3 s"):
+        await NextStage.connect(f"127.0.0.1:{port}", None, deadline_s=0.3)
+
+
+def head(**kw) -> Config:
+    return Config(model="tiny", pipeline_group=3, block_size=16, stages="10.0.0.2:7001,10.0.0.3:7001", **kw)
+
+
+def stage_info(k: int, layers: list[int], **kw) -> dict:
+    return {"stage": k, "group": 3, "layers": layers, "model": "tiny", "dtype": "float32", "block_size": 16,
+            "kv_compression": "none", "seed": 0, "next": "10.0.0.3:7001" if k == 1 else None, **kw}
+
+
+@pytest.mark.parametrize("stages, why", [
+    ([stage_info(1, [1, 3])], "has 1 stage"),
+    ([stage_info(2, [1, 3]), stage_info(1, [3, 4])], "stage 1 at 10.0.0.2:7001: it is --pipeline-stage 2"),
+    ([stage_info(1, [2, 3]), stage_info(2, [3, 4])], "do not start where the stage before ends"),
+    ([stage_info(1, [1, 3]), stage_info(2, [3, 4], model="small")], "stage 2 at 10.0.0.3:7001: model 'small'"),
+    ([stage_info(1, [1, 3]), stage_info(2, [3, 4], block_size=32)], "block_size 32"),
+    ([stage_info(1, [1, 2]), stage_info(2, [2, 3])], "end at 3, the model has 4"),
+])
+def test_the_head_refuses_a_group_that_does_not_fit(stages, why):
+    check_group(head(), [stage_info(1, [1, 3]), stage_info(2, [3, 4])])   # the default slices fit
+    with pytest.raises(GroupMismatch, match=why):
+        check_group(head(), stages)
