@@ -1,5 +1,6 @@
 """Issue #16 item 2 across nodes: a CPP group whose head and stage run on two nodes joined by a
-shaped link, each bound to its node's address, the stage started on its own. Activations cross
+shaped link, each bound to its node's address, the stage started on its own by the command of
+docs/systemd/mooncake-prefill-stage.service and its node's TOML. Activations cross
 the link; the stage writes its layer slice of new blocks to the store on the head's node, which
 assembles them; the next request with the same prefix loads them, and tokens equal the reference."""
 
@@ -16,6 +17,8 @@ from mooncake_lite.cluster.netns import Link, Nodes
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
 from tests.netns.conftest import needs_netns
+from tests.netns.systemd_cluster import CONFIG_PATH, ENV_PATH, UNITS, dump_toml, local_command
+from tests.netns.units import read_unit
 from tests.pd.client import generate
 from tests.store.helpers import metric
 
@@ -32,7 +35,19 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_head_and_stage_on_two_nodes():
+def stage_unit(far, store_data: str, tmp_path) -> tuple[list[str], dict]:
+    """The stage unit's command and environment, with the stage node's /etc/mooncake files."""
+    toml, env = tmp_path / "mooncake.toml", tmp_path / "mooncake.env"
+    toml.write_text(dump_toml({"cluster": {"host": far.address}, "prefill": {
+        "model": "tiny", "block_size": BS, "threads": 1, "num_blocks": 64, "profile": False, "port": 0,
+        "prefill_chunk": 12, "pipeline_group": 2, "pipeline_stage": 1, "data_port": STAGE_PORT,
+        "store": store_data}}))
+    env.write_text("")
+    unit = read_unit(UNITS / "mooncake-prefill-stage.service", {CONFIG_PATH: str(toml), ENV_PATH: str(env)})
+    return local_command(unit.exec_start), unit.env
+
+
+def test_head_and_stage_on_two_nodes(tmp_path):
     model_args = ("--model", "tiny", "--block-size", str(BS), "--threads", "1", "--num-blocks", "64", "--no-profile")
     group = (*model_args, "--prefill-chunk", "12", "--pipeline-group", "2")
     with Nodes.create(2, Link.parse("1gbit")) as nodes:
@@ -43,8 +58,8 @@ def test_head_and_stage_on_two_nodes():
         # Started at once, in no particular order: the head dials its stage until it answers.
         head = nodes.start(near, "head", role(near, "prefill", *group, "--store", store.addresses["data"],
                                               "--stages", stage_at), timeout=None)
-        nodes.start(far, "stage", role(far, "prefill", *group, "--store", store.addresses["data"],
-                                       "--pipeline-stage", "1", "--data-port", str(STAGE_PORT)), timeout=None)
+        argv, env = stage_unit(far, store.addresses["data"], tmp_path)
+        nodes.start(far, "stage", argv, env=env, cwd=tmp_path, timeout=None)
         decode = nodes.start(near, "decode", role(near, "decode", *model_args), timeout=None)
         for proc in (head, decode):
             proc.wait_ready(120)
