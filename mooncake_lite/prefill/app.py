@@ -181,8 +181,9 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[Stage
 
 def reported_cost(service: PrefillService) -> dict[str, float] | None:
     """The cost model this instance's heartbeats carry: the start-up one as refined since from
-    the chunks it ran (None without one: --no-profile, a CPP group). The queue figure of
-    ``load()`` predicts with it too."""
+    the chunks it ran (None without one: --no-profile; and a CPP group, whose start-up group
+    profile is registered and kept as is: its head sees only its own slice's chunk times). The
+    queue figure of ``load()`` predicts with it too."""
     refiner = service.stage.refiner
     if refiner is None:
         return None
