@@ -11,9 +11,13 @@ by one token per request per step; only the step *time* ignores the growth insid
 from __future__ import annotations
 
 import heapq
+from itertools import starmap
+from operator import itemgetter, mul
 
 from mooncake_lite.scheduler.costs import DecodeCostModel
-from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, slowest_share_mean
+from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
+
+_COUNT = itemgetter(1)
 
 
 # Log entries appended between two trims of a batch's log.
@@ -23,7 +27,8 @@ LOG_TRIM_EVERY = 4096
 class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
-    __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at")
+    __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
+                 "stalled")
 
     def __init__(self, model: DecodeCostModel) -> None:
         self.model = model
@@ -38,6 +43,7 @@ class Batch:
         # absolute position), so a long run's memory does not grow with its requests.
         self._log_base = 0
         self._trim_at = LOG_TRIM_EVERY
+        self.stalled = False      # a stall was logged: requests' gaps are folded step by step
 
     def add(self, req: SimRequest, now: float) -> None:
         """Join at a step boundary ``now``; the request needs its true output length − 1 more
@@ -61,6 +67,7 @@ class Batch:
         """The engine did something else (a colocated prefill) for ``seconds``."""
         if self.running:
             self.log.append((seconds, 0))
+            self.stalled = True
 
     def advance(self, num_steps: int, gap: float) -> list[SimRequest]:
         """Run ``num_steps`` steps of ``gap`` seconds; return the requests that finished."""
@@ -76,10 +83,11 @@ class Batch:
             last, _, req = heapq.heappop(heap)
             del self.running[req.rid]
             self.context_tokens -= req.input_length + 1 + last - req.join_step   # prompt + every token
-            gaps = fold_gaps(self.log, req.join_log - self._log_base, end, req.wait_extra)
-            req.tbt = slowest_share_mean(gaps)
-            req.num_gaps = sum(c for _, c in gaps)
-            req.mean_gap = sum(g * c for g, c in gaps) / req.num_gaps
+            fold = fold_gaps if self.stalled else fold_steady_gaps
+            gaps = fold(self.log, req.join_log - self._log_base, end, req.wait_extra)
+            req.num_gaps = sum(map(_COUNT, gaps))
+            req.tbt = slowest_share_mean(gaps, total=req.num_gaps)
+            req.mean_gap = sum(starmap(mul, gaps)) / req.num_gaps
             done.append(req)
         if end >= self._trim_at:
             self._trim_log()

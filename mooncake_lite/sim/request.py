@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from mooncake_lite.trace.format import TraceRequest
 
 Segment = tuple[float, int]   # (gap seconds, number of gaps); count 0 marks a stall (see fold_gaps)
+_COUNT = itemgetter(1)
 
 
 class OracleError(AssertionError):
@@ -150,9 +152,22 @@ def fold_gaps(log: list[Segment], start: int, end: int, wait_extra: float) -> li
     return out
 
 
-def slowest_share_mean(segments: list[Segment], share: float = 0.1) -> float | None:
-    """FAST'25 TBT: the mean of the slowest ``share`` of a request's token gaps (at least one)."""
-    total = sum(c for _, c in segments)
+def fold_steady_gaps(log: list[Segment], start: int, end: int, wait_extra: float) -> list[Segment]:
+    """:func:`fold_gaps` of a log with no stall in it (a disaggregated decode's: its engine does
+    nothing else): the entries as they are, the first gap lengthened by ``wait_extra`` — list
+    slices instead of a Python step per entry, the same list."""
+    if not wait_extra or start >= end:
+        return log[start:end]
+    gap, count = log[start]
+    head = [(gap + wait_extra, 1), (gap, count - 1)] if count > 1 else [(gap + wait_extra, 1)]
+    return head + log[start + 1:end]
+
+
+def slowest_share_mean(segments: list[Segment], share: float = 0.1, total: int | None = None) -> float | None:
+    """FAST'25 TBT: the mean of the slowest ``share`` of a request's token gaps (at least one).
+    ``total``: their number, if the caller has it."""
+    if total is None:
+        total = sum(map(_COUNT, segments))
     if total == 0:
         return None
     want = max(1, math.ceil(share * total))

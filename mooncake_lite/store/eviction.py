@@ -252,28 +252,26 @@ class BlockCache:
     def _add_chain_lru(self, keys: Sequence[Key]) -> ChainAdded:
         """:meth:`add_chain` under LRU with nothing pinned, on the policy's ordered dict itself
         (this runs per simulated prefill, per block: no method call per key). The same result:
-        the keys of the chain handled so far were each moved or added to the end, so they are
-        the dict's last entries, and the LRU victim the general path finds (the first key not
-        in the chain) is the first key, unless every key is the chain's."""
+        the chain's keys handled so far were each moved or added to the end, and nothing else
+        moves, so they are the dict's last entries; the general path's victim (the first key not
+        in the chain) is then the first key whenever the dict holds more keys than the ``pos``
+        handled, and otherwise only if that key is not one of them."""
         order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
         move, capacity = order.move_to_end, self.capacity_blocks
         evicted: list[Key] = []
         inserted: list[Key] = []
-        chain: set[Key] = set()
         for pos, key in enumerate(keys):
             if key in order:
                 move(key)
-                chain.add(key)
                 continue
             if capacity is not None and len(order) >= capacity:
                 victim = next(iter(order), None)
-                if victim is None or victim in chain:
+                if victim is None or (len(order) <= pos and victim in set(keys[:pos])):
                     return ChainAdded(evicted, pos, inserted)
                 del order[victim]
                 evicted.append(victim)
             order[key] = None
             inserted.append(key)
-            chain.add(key)
         return ChainAdded(evicted, len(keys), inserted)
 
     def leading(self, keys: Sequence[Key]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from pathlib import Path
 
 import orjson
@@ -45,7 +46,9 @@ class TraceRequest:
                 "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
 
 
-def _parse_line(raw: bytes, where: str, block_size: int, strict_blocks: bool) -> tuple[float, int, int, tuple]:
+def _parse_line(raw: bytes, path: object, lineno: int, block_size: int,
+                strict_blocks: bool) -> tuple[float, int, int, tuple]:
+    where = _Where(path, lineno)      # formatted only into an error's message
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -60,12 +63,25 @@ def _parse_line(raw: bytes, where: str, block_size: int, strict_blocks: bool) ->
         raise TraceError(f"{where}: timestamp must be a non-negative number of ms, got {ts!r}")
     if not isinstance(n_in, int) or n_in < 1 or not isinstance(n_out, int) or n_out < 1:
         raise TraceError(f"{where}: input_length and output_length must be positive integers")
-    if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
+    if not isinstance(ids, list) or not all(map(isinstance, ids, repeat(int))):
         raise TraceError(f"{where}: hash_ids must be a list of integers")
     if strict_blocks and len(ids) != math.ceil(n_in / block_size):
         raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} tokens; expected "
                          f"ceil({n_in}/{block_size}) = {math.ceil(n_in / block_size)}")
     return float(ts), n_in, n_out, tuple(ids)
+
+
+class _Where:
+    """``path:lineno`` for an error message, built only if one is raised (a million-line trace
+    is read per line)."""
+
+    __slots__ = ("path", "lineno")
+
+    def __init__(self, path: object, lineno: int) -> None:
+        self.path, self.lineno = path, lineno
+
+    def __format__(self, spec: str) -> str:
+        return format(f"{self.path}:{self.lineno}", spec)
 
 
 def read_trace(path: str | Path, *, speed: float = 1.0, limit: int | None = None,
@@ -82,7 +98,7 @@ def read_trace(path: str | Path, *, speed: float = 1.0, limit: int | None = None
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             if raw.strip():
-                rows.append(_parse_line(raw, f"{path}:{lineno}", block_size, strict_blocks))
+                rows.append(_parse_line(raw, path, lineno, block_size, strict_blocks))
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
     if limit is not None:
         rows = rows[:limit]
@@ -104,7 +120,7 @@ def iter_trace(path: str | Path, *, speed: float = 1.0, limit: int | None = None
                 return
             if not raw.strip():
                 continue
-            ts, n_in, n_out, ids = _parse_line(raw, f"{path}:{lineno}", block_size, strict_blocks)
+            ts, n_in, n_out, ids = _parse_line(raw, path, lineno, block_size, strict_blocks)
             if ts < last:
                 raise TraceError(f"{path}:{lineno}: timestamp {ts:g} ms is earlier than the line before "
                                  f"({last:g} ms); streaming needs a trace in time order")
