@@ -63,6 +63,7 @@ class PrefillTable:
         self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
         self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
+        self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
         self.models: list[PrefillCostModel] = []
         self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
         self.multi: set[int] = set()
@@ -109,12 +110,14 @@ class PrefillTable:
             self.head_d[i], self.head_s[i] = 0.0, _INF
             if started:
                 self.multi.add(i)
-        pos = self._model_pos.get(id(model))
-        if pos is None or self.models[pos] is not model:
-            pos = self._model_pos[id(model)] = len(self.models)
-            self.models.append(model)
-        self.model_of[i] = pos
-        self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
+        if self._row_model[i] is not model:     # else its model's position and coefficients stand
+            self._row_model[i] = model
+            pos = self._model_pos.get(id(model))
+            if pos is None or self.models[pos] is not model:
+                pos = self._model_pos[id(model)] = len(self.models)
+                self.models.append(model)
+            self.model_of[i] = pos
+            self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
         self.bw[i] = bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
         if bw == costs.bandwidth_bytes_per_s:
             self.odd_bw.discard(i)
@@ -280,6 +283,9 @@ class DecodeTable:
         self.batch, self.context = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         self.base, self.c2, self.context_room = np.zeros(n), np.zeros(n), np.zeros(n)
         self.batch_room = np.zeros(n, dtype=bool)
+        # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
+        # any, the clamp at 0 changes nothing and is skipped
+        self.may_clamp: set[int] = set()
 
     def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
@@ -294,7 +300,11 @@ class DecodeTable:
             batch, context = load(d)
             model = d.cost or default
             self.batch[i], self.context[i] = batch, context
-            self.base[i], self.c2[i] = model.c0 + model.c1 * (batch + 1), model.c2
+            self.base[i], self.c2[i] = base, c2 = model.c0 + model.c1 * (batch + 1), model.c2
+            if base > 0.0 and c2 >= 0.0 and context >= 0:
+                self.may_clamp.discard(i)
+            else:
+                self.may_clamp.add(i)
             self.batch_room[i] = d.max_batch_size is None or batch < d.max_batch_size
             self.context_room[i] = _INF if d.max_context_tokens is None else d.max_context_tokens - context
         self.decodes = decodes
@@ -305,7 +315,8 @@ class DecodeTable:
         TBTs, where the loop's first-eligible rule applies). ``context + need <= max_context``
         is asked as ``need <= max_context - context``: integers, exact either way."""
         tbt = self.base + self.c2 * (self.context + req.num_tokens)
-        tbt = np.where(tbt > 0.0, tbt, 0.0)
+        if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
+            tbt = np.where(tbt > 0.0, tbt, 0.0)
         room = self.batch_room & (req.num_tokens + req.max_output_tokens <= self.context_room)
         keyed = np.where(room, tbt, _INF)
         i = int(np.argmin(keyed))

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
-                                     FromScratch, PrefillCostModel, PrefillInstanceState, QueuedPrefill,
+                                     DecodingRequest, FromScratch, PrefillCostModel, PrefillInstanceState, QueuedPrefill,
                                      ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler import wide
 
@@ -77,3 +78,23 @@ def test_match_runs_group_the_lengths_and_share_the_index_lists():
     assert {s: n for n, stores in m1.runs for s in stores} == m1.lengths
     assert [stores for _, stores in m1.runs][1] is [stores for _, stores in m2.runs][1]   # the same list
     assert idx.match([9]).runs == ()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_decode_rows_clamp_a_tbt_at_zero_only_where_it_can_fall_there(seed):
+    """Decode models with a negative intercept give TBTs that the clamp at 0 ties; the rows
+    must then pick as the loop does (the first instance with room)."""
+    rng = random.Random(seed)
+    idx, cluster = _cluster(rng, 60, True)
+    models = [DecodeCostModel(c0=0.01, c1=1e-3, c2=1e-6), DecodeCostModel(c0=-0.5, c1=1e-3, c2=1e-7)]
+    decodes = tuple(DecodeInstanceState(f"d{i}", tuple(DecodingRequest(f"d{i}-{j}", rng.randint(1, 4000), 0.0, 100)
+                                                         for j in range(rng.randint(0, 5))),
+                                        None, None, rng.choice(models) if rng.random() < 0.3 else None, ())
+                    for i in range(60))
+    cluster = ClusterState(cluster.prefills, decodes)
+    costs = CostModels(MODEL, models[0], kv_bytes_per_token=2, bandwidth_bytes_per_s=1e5)
+    config = SchedulerConfig(block_size=BS, ttft_slo_s=None, tbt_slo_s=None)
+    cached, scratch = Scheduler(config, costs, idx), Scheduler(config, costs, idx, cache=FromScratch())
+    for k in range(20):
+        req = ScheduleRequest(f"r{k}", (1, 2), 2 * BS, rng.randint(1, 400))
+        assert cached.schedule(req, cluster, 1.0) == scratch.schedule(req, cluster, 1.0)
