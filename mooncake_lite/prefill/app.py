@@ -99,8 +99,10 @@ def figures(service: PrefillService) -> dict[str, float]:
 
 async def load(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
+    # cost: the model it predicts its queue with and registered (a CPP group's: timed through its stages)
     return web.json_response({**service.load(), "num_done": service.num_done, "num_failed": service.num_failed,
-                              "blocks_stored": service.stage.num_blocks_stored})
+                              "blocks_stored": service.stage.num_blocks_stored,
+                              "cost": service.cost.to_dict() if service.cost is not None else None})
 
 
 def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
