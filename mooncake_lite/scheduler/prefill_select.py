@@ -167,18 +167,35 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
 
 def _choose_packed(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...], queues: QueuesAt,
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> PrefillChoice | None:
-    """The kvcache-centric choice when an instance packs: Algorithm 1's branch per instance,
-    each option priced by :func:`_option` with its backlog (the request packed with its queue),
-    the smallest TTFT (ties: the earlier instance)."""
-    best_len, threshold = match.best_len, cfg.kvcache_balancing_threshold
-    best, best_key = None, float("inf")
+    """The kvcache-centric loop when an instance packs: the same branch and keys, each
+    instance's own execution priced packed with its queue (:func:`_packed`: less ``c0`` when the
+    request joins its last waiting pack; the queue time plus that is the same sum)."""
+    lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
+    threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
+    block_bytes = block_size * costs.kv_bytes_per_token
+    latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
+    best, best_key, default_model = None, float("inf"), costs.prefill
+    measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     for p, queue_s, backlog in zip(prefills, queues.queue_s, queues.backlogs):
-        local = match.lengths.get(p.store_id, 0)
-        fetch = local < best_len and (not local or best_len / local >= threshold)
-        option = _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
-        if option.ttft_s < best_key:
-            best, best_key = option, option.ttft_s
-    return best
+        local = lengths.get(p.store_id, 0)
+        model = p.cost or default_model
+        if local < best_len and (not local or best_len / local >= threshold):
+            bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
+            key = latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
+            prefix, fetch = best_len * block_size, True
+        else:
+            key, prefix, fetch = queue_s, local * block_size, False
+        own = model.predict(num_tokens, prefix)
+        tail = backlog.tail_tokens
+        if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
+            own = own - model.c0 if own > model.c0 else 0.0      # joins_tail, own_seconds
+        key += own
+        if key < best_key:
+            best, best_key = (p, queue_s, local, fetch, backlog), key
+    if best is None:
+        return None
+    p, queue_s, local, fetch, backlog = best
+    return _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
 
 
 _PACK_TOKENS = attrgetter("pack_tokens")
