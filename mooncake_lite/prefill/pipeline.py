@@ -65,8 +65,10 @@ class NextStage:
         host, port = split_address(address)
         give_up = time.monotonic() + (deadline_s or 0.0)
         while True:
+            # Each attempt within what is left (a node that drops packets answers no connect at all).
+            attempt_s = 10.0 if deadline_s is None else min(10.0, max(0.5, give_up - time.monotonic()))
             try:
-                client = await FrameClient.connect(host, port, token=token, name="stage",
+                client = await FrameClient.connect(host, port, token=token, name="stage", timeout=attempt_s,
                                                    label=f"CPP stage {address}")
                 return cls(client, address)
             except (ConnectionError, OSError, asyncio.TimeoutError) as exc:  # RemoteError (token): at once
