@@ -19,7 +19,8 @@ All times are the best of ``--repeats`` runs (other load on the machine can only
 (e) **burst**: ``--burst N`` prompts of ``--burst-len`` tokens arrive at one prefill instance at
     once (the role's service, its KV to a real decode process); TTFT of each, with prefill batching
     (``--burst-tokens``, the role's ``--prefill-batch-tokens``) against one prompt at a time, runs
-    interleaved; the ratio batched/unbatched of the mean and of the last TTFT (best of the runs).
+    interleaved; the ratio batched/unbatched of the mean and of the last TTFT (best of the runs),
+    and the conductor's predicted TTFTs for both (its scheduler, from a start-up profile).
 ``--profile FILE`` writes the fitted prefill/decode cost models in the scheduler's ``to_dict``
 format (``mooncake sim --cost-model FILE`` reads it); ``--json`` prints every figure as one object.
 
