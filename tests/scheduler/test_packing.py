@@ -11,9 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.conductor.membership import Membership, PrefillJob
-from mooncake_lite.scheduler import (BlockIndex, CostModels, DecodeCostModel, FromScratch, PrefillCostModel,
-                                     PrefillInstanceState, QueuedPrefill, ScheduleRequest, Scheduler,
-                                     SchedulerConfig, prefill_queue_time)
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
+                                     FromScratch, PrefillCostModel, PrefillInstanceState, QueuedPrefill,
+                                     ScheduleRequest, Scheduler, SchedulerConfig, prefill_queue_time)
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds
 from mooncake_lite.scheduler.estimate import backlog_of, durations_of, queues_at
 from mooncake_lite.scheduler.packing import NO_TAIL, first_pack, joins_tail, packed_queue
@@ -109,8 +109,7 @@ def test_a_new_request_is_predicted_to_end_where_the_queue_with_it_appended_does
     assert d.predicted_ttft_s <= alone.predicted_ttft_s + 1e-12
 
 
-def _cluster(p: PrefillInstanceState):
-    from mooncake_lite.scheduler import ClusterState, DecodeInstanceState
+def _cluster(p: PrefillInstanceState) -> ClusterState:
     return ClusterState((p,), (DecodeInstanceState("d"),))
 
 
@@ -121,7 +120,6 @@ def test_the_request_goes_where_packing_makes_it_first():
     plain = PrefillInstanceState("p0", "s0", queue)
     packs = PrefillInstanceState("p1", "s1", tuple(job(j.request_id + "'", j.num_tokens, 0, j.started_at)
                                                    for j in queue), pack_tokens=512)
-    from mooncake_lite.scheduler import ClusterState, DecodeInstanceState
     clus = ClusterState((plain, packs), (DecodeInstanceState("d"),))
     d = Scheduler(SchedulerConfig(block_size=BS), COSTS, BlockIndex()).schedule(ScheduleRequest("x", (), 40, 8), clus, 0.0)
     assert d.prefill_id == "p1"
