@@ -18,7 +18,7 @@ from mooncake_lite.common.launch import RoleProcess, role_argv
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.config import Config
-from mooncake_lite.prefill.pipeline import NextStage, StageUnreachable
+from mooncake_lite.prefill.pipeline import NextStage, NullSender, StageServer, StageUnreachable
 from mooncake_lite.prefill.stage_process import GroupMismatch, check_group
 from tests.conftest import REPO
 from tests.pd.client import generate
@@ -128,3 +128,43 @@ def test_the_head_refuses_a_group_that_does_not_fit(stages, why):
     check_group(head(), [stage_info(1, [1, 3]), stage_info(2, [3, 4])])   # the default slices fit
     with pytest.raises(GroupMismatch, match=why):
         check_group(head(), stages)
+
+
+async def test_group_profile_and_a_lost_upstream_link_leave_nothing_behind():
+    """In process, over loopback: the head's profile through a stage (FLUSH, KV to nowhere) fits a
+    model and frees everything; a stage whose previous stage vanishes mid-request frees its blocks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.prefill.engine import StageEngine
+    from mooncake_lite.prefill.stage_process import profile_group
+    from mooncake_lite.transfer.server import server_address, start_server
+
+    def stage(layers):
+        runner = ModelRunner(build_model("tiny", seed=0, layer_range=layers), num_blocks=32, block_size=BS)
+        return StageEngine(runner, None, ThreadPoolExecutor(1))
+
+    head, last = stage((0, 2)), stage((2, 4))
+    server = StageServer(last, None, None)
+    listening = await start_server(server, "127.0.0.1", 0, name="stage")
+    try:
+        link = await NextStage.connect(server_address(listening), None)
+        cost, samples = await profile_group(head, link, repeats=1)
+        assert len(samples) == 6 and cost.predict(192, 0) > 0
+        for s in (head, last):
+            assert s.jobs == {} and s.runner.allocator.num_free == 32
+        assert server.works == {}
+        tokens = prompt(40, 51)
+        job = head.begin("cut", tokens, [], 0, NullSender())
+        await link.begin("cut", "", tokens, None, {"max_tokens": 1}, [], 0)
+        await link.send_chunk("cut", 0, await head.run_chunk(job, 0, token_ids=tokens[:20]))
+        assert last.runner.allocator.num_free < 32
+        await link.close()                      # the head is gone, END never comes
+        for _ in range(200):
+            if not server.works:
+                break
+            await asyncio.sleep(0.01)
+        assert server.works == {} and last.jobs == {} and last.runner.allocator.num_free == 32
+        await head.release(job)
+    finally:
+        listening.close()
