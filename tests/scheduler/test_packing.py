@@ -16,6 +16,7 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, Decod
                                      ScheduleRequest, Scheduler, SchedulerConfig, prefill_queue_time)
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds
 from mooncake_lite.scheduler.estimate import backlog_of, durations_of, queues_at
+from mooncake_lite.scheduler import wide
 from mooncake_lite.scheduler.packing import NO_TAIL, first_pack, joins_tail, packed_queue
 from tests.scheduler.test_estimate_cache import COSTS as CACHE_COSTS, OPS, World, _check_estimates, _index
 
@@ -131,8 +132,17 @@ def test_the_request_goes_where_packing_makes_it_first():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32), st.lists(st.sampled_from(OPS), min_size=30, max_size=120),
-       st.sampled_from(["early", "predictive"]), st.sampled_from([64, 512]))
-def test_decisions_through_the_cache_equal_from_scratch_on_packing_instances(seed, ops, admission, budget):
+       st.sampled_from(["early", "predictive"]), st.sampled_from([64, 512]), st.booleans())
+def test_decisions_through_the_cache_equal_from_scratch_on_packing_instances(seed, ops, admission, budget, arrays):
+    saved = wide.WIDE_MIN_INSTANCES
+    wide.WIDE_MIN_INSTANCES = 1 if arrays else saved     # the cache's array rows give the queue times
+    try:
+        _packing_history(seed, ops, admission, budget)
+    finally:
+        wide.WIDE_MIN_INSTANCES = saved
+
+
+def _packing_history(seed, ops, admission, budget):
     rng = random.Random(seed)
     world, idx = World(rng), _index(rng)
     for view in world.prefills.values():          # these instances pack (a re-registration may stop it)
