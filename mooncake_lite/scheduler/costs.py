@@ -115,10 +115,11 @@ def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], l
     """Each job's predicted duration in a queue of ``(num_tokens, num_prefix_tokens)`` jobs run
     packed by :func:`pack_sizes` (the prefill instance's ``--prefill-batch-tokens``, capped at its
     chunk). One forward pays the fixed ``c0`` once and each job its own token terms, so a pack
-    takes ``c0 + Σ (predict(job) - c0)``. Its jobs all end when it does: the last job of a pack
-    carries the pack's time and the others 0, so the running sums are the jobs' finish times and
-    a started pack counts as done for its elapsed time, exactly as with one job at a time (which
-    ``limit`` 0 gives: each job's own ``predict``)."""
+    takes ``c0 + Σ (predict(job) - c0)``. The last job of a pack carries the pack's time and the
+    others 0, so the total and each pack's end (the running sum at its last job) are right, and a
+    started pack counts as done for its elapsed time, exactly as with one job at a time (which
+    ``limit`` 0 gives: each job's own ``predict``). The conductor's estimate needs every job's
+    finish time and the running forward as started: :func:`scheduler.packing.packed_queue`."""
     predict, c0 = model.predict, model.c0
     own = [predict(n, p) for n, p in jobs]
     out: list[float] = []
