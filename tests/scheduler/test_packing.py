@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -183,6 +184,14 @@ def test_the_conductor_starts_the_jobs_the_head_takes_along():
     m.prefill_done("p", "r2", now=2.01)
     m.prefill_done("p", "r3", now=2.02)
     assert started() == [2.0, None]
+
+
+def test_the_budget_crosses_the_wire_and_an_instance_that_does_not_send_it_packs_nothing():
+    from mooncake_lite.common.protocol import dumps, loads
+    assert loads(Register, dumps(_reg("p", 192))).pack_tokens == 192
+    old = orjson.loads(dumps(_reg("p", 0)))
+    del old["pack_tokens"]                      # an instance from before the field
+    assert loads(Register, orjson.dumps(old)).pack_tokens == 0
 
 
 def test_an_instance_that_does_not_pack_is_shown_one_job_at_a_time():
