@@ -170,12 +170,10 @@ class BlockIndex:
             depth += 1
         if alive:
             self._record(alive, depth, lengths, runs)
-        best_store, best_len = None, 0
-        for store_id, n in lengths.items():
-            if n > best_len or (n == best_len and best_store is not None
-                                and self._slots[store_id] < self._slots[best_store]):
-                best_store, best_len = store_id, n
-        return PrefixMatch(best_len, best_store, lengths, tuple(runs))
+        # The runs come longest last, each store in exactly one, each run's stores lowest slot
+        # first: the best is the last run's first store (longest; ties to the lowest slot).
+        best_len, stores = runs[-1] if runs else (0, (None,))
+        return PrefixMatch(best_len, stores[0], lengths, tuple(runs))
 
     def _record(self, mask: int, depth: int, lengths: dict[Hashable, int],
                 runs: list[tuple[int, list[Hashable]]]) -> None:
@@ -193,8 +191,7 @@ class BlockIndex:
                 self._stores_of.clear()
             self._stores_of[mask] = stores
         runs.append((depth, stores))
-        for store_id in stores:
-            lengths[store_id] = depth
+        lengths.update(dict.fromkeys(stores, depth))
 
     def prefix_len(self, keys: Sequence[Hashable], store_id: Hashable) -> int:
         """Leading keys of ``keys`` held by one store."""

@@ -107,6 +107,9 @@ def _check_match(idx: BlockIndex, model: dict, request_keys: list) -> None:
     m = idx.match(request_keys)
     assert m.lengths == expected
     assert m.best_len == max(expected.values(), default=0)
+    longest = [s for s, n in expected.items() if n == m.best_len]     # ties: the lowest slot
+    assert m.best_store_id == (min(longest, key=idx._slots.__getitem__) if longest else None)
+    assert {s: n for n, stores in m.runs for s in stores} == m.lengths
     for store in model:
         assert idx.num_blocks(store) == len(model[store])
         assert idx.prefix_len(request_keys, store) == expected.get(store, 0)
