@@ -282,12 +282,16 @@ class _Run:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **self._headers()})
         await resp.prepare(request)
-        if self.req.kind == "chat":
-            await resp.write(_sse(self._chunk({"role": "assistant", "content": ""}, None)))
         pending: list[bytes] = []   # chunks of tokens that arrived together go out in one write
+        if self.req.kind == "chat":
+            pending.append(_sse(self._chunk({"role": "assistant", "content": ""}, None)))
         try:
             if first:
                 pending.append(_sse(self._chunk(first, None)))
+            # Token 1 goes out now, not with the next delta: that waits for decode's first step.
+            if pending and not self.flight.has_pending:
+                await resp.write(b"".join(pending))
+                pending.clear()
             async for delta in deltas:
                 if delta:
                     pending.append(_sse(self._chunk(delta, None)))
