@@ -79,7 +79,7 @@ def run(cfg: Config) -> int:
         try:
             if cfg.stage_addresses:
                 sdnotify.notify(f"STATUS=prefill dialling CPP stages {cfg.stages}")
-            downstream = await connect_group(cfg, group)
+            downstream = await connect_group(cfg, group, known_as)
         except REFUSALS:
             close = getattr(stage.store, "close", None)   # a private store has nothing to close
             if close is not None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -30,7 +31,7 @@ from mooncake_lite.common.service import serve_app
 from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
-from mooncake_lite.prefill.app import make_store
+from mooncake_lite.prefill.app import StoreUnfit, make_store, store_id
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
@@ -103,16 +104,18 @@ class StageGroup:
             proc.stop(10)
 
 
-def identity(cfg: Config, next_stage: str | None = None) -> dict:
-    """What INFO says of a process of a group, and what its head compares."""
+def identity(cfg: Config, next_stage: str | None = None, store: str | None = None) -> dict:
+    """What INFO says of a process of a group, and what its head compares (``store``: the id of
+    the store it writes to, None for a private one)."""
     return {"stage": cfg.pipeline_stage, "group": cfg.pipeline_group, "layers": list(cfg.layer_range),
             "model": cfg.model, "dtype": cfg.dtype, "block_size": cfg.block_size,
-            "kv_compression": cfg.kv_compression, "seed": cfg.seed, "next": next_stage}
+            "kv_compression": cfg.kv_compression, "seed": cfg.seed, "next": next_stage, "store": store}
 
 
-async def connect_group(cfg: Config, group: StageGroup | None) -> NextStage | None:
+async def connect_group(cfg: Config, group: StageGroup | None, store: str | None = None) -> NextStage | None:
     """The head's link to stage 1: to the stages it started, or dialled at ``--stages`` (each
-    until ``--stage-connect-timeout``, so one that is not up is named); the group is checked."""
+    until ``--stage-connect-timeout``, so one that is not up is named); the group is checked
+    (``store``: the id of the head's store)."""
     if group is not None:
         downstream = await group.connect(cfg.cluster_token)
     elif cfg.stage_addresses:
@@ -129,16 +132,17 @@ async def connect_group(cfg: Config, group: StageGroup | None) -> NextStage | No
     else:
         return None
     try:
-        check_group(cfg, await downstream.info())
+        check_group(cfg, await downstream.info(), store)
     except BaseException:
         await downstream.close()
         raise
     return downstream
 
 
-def check_group(cfg: Config, stages: list[dict]) -> None:
+def check_group(cfg: Config, stages: list[dict], store: str | None = None) -> None:
     """GroupMismatch unless ``stages`` (INFO from stage 1 on) are stages 1..X-1 of this head's
-    group in order, on the same model and cache layout, with layers following on from the head's."""
+    group in order, on the same model and cache layout, with layers following on from the head's.
+    A stage writing to another store than the head's (``store``) is only warned about."""
     me = identity(cfg)
     where = cfg.stage_addresses or ["(started by this head)"] * (cfg.pipeline_group - 1)
     if len(stages) != cfg.pipeline_group - 1:
@@ -159,6 +163,11 @@ def check_group(cfg: Config, stages: list[dict]) -> None:
     num_layers = model_args(cfg.model).num_layers
     if end != num_layers:
         raise GroupMismatch(f"the group's layers end at {end}, the model has {num_layers}")
+    for k, info in enumerate(stages, start=1):
+        if store is not None and info.get("store") != store:
+            log.warning("CPP stage %d writes its layer slices to store %s, this head to %s: a block is whole "
+                        "only in a store that gets every stage's slice, so this group will not reuse the "
+                        "prefixes it computes", k, info.get("store"), store)
 
 
 async def profile_group(stage: StageEngine, downstream: NextStage,
@@ -212,6 +221,12 @@ def run_stage(cfg: Config) -> int:
     state = {"exit": 0}
 
     async def main() -> None:
+        # As a head does: a store whose slots or encoding do not fit ours would refuse or misread.
+        try:
+            known_as = await store_id(cfg, stage.store, check=True)
+        except StoreUnfit:
+            await stage.store.close()
+            raise
         watchers = [asyncio.ensure_future(_watch_head(cfg.head_pid, cfg.pipeline_stage))] if spawned else []
         # A stage started apart may come up before its next one: dial until the deadline.
         next_stage = (await NextStage.connect(cfg.next_stage, cfg.cluster_token, cfg.stage_connect_timeout)
@@ -219,10 +234,11 @@ def run_stage(cfg: Config) -> int:
         if next_stage is not None:
             watchers.append(asyncio.ensure_future(_watch_next(next_stage, cfg.pipeline_stage, state)))
         links = DecodeLinks(cfg.cluster_token)
-        server = await start_server(StageServer(stage, links, next_stage, identity(cfg, cfg.next_stage)),
-                                    cfg.host, cfg.data_port, token=cfg.cluster_token, name="stage")
+        me = identity(cfg, cfg.next_stage, known_as)
+        server = await start_server(StageServer(stage, links, next_stage, me), cfg.host, cfg.data_port,
+                                    token=cfg.cluster_token, name="stage")
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **identity(cfg, cfg.next_stage)}))
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **me}))
         try:
             await serve_app(app, cfg.host, cfg.port, role="prefill-stage", advertise_host=cfg.advertise_host,
                             extra_addresses=lambda: {"stage": server_address(server, cfg.advertise_host)})
@@ -235,7 +251,11 @@ def run_stage(cfg: Config) -> int:
             if next_stage is not None:
                 await next_stage.close()
 
-    run_loop(main)
+    try:
+        run_loop(main)
+    except StoreUnfit as exc:
+        sys.stderr.write(f"mooncake --role prefill: error: {exc}\n")
+        return 2
     return state["exit"]
 
 

@@ -168,3 +168,10 @@ async def test_group_profile_and_a_lost_upstream_link_leave_nothing_behind():
         await head.release(job)
     finally:
         listening.close()
+
+
+def test_a_stage_writing_to_another_store_is_warned_about(caplog):
+    stages = [stage_info(1, [1, 3], store="10.0.0.2:8101"), stage_info(2, [3, 4], store="10.0.0.1:8101")]
+    check_group(head(), stages, store="10.0.0.1:8101")
+    assert "CPP stage 1 writes its layer slices to store 10.0.0.2:8101, this head to 10.0.0.1:8101" in caplog.text
+    assert "CPP stage 2" not in caplog.text
