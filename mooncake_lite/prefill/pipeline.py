@@ -64,6 +64,7 @@ class NextStage:
         starting, e.g. its unit comes up after ours) until then, and raise StageUnreachable."""
         host, port = split_address(address)
         give_up = time.monotonic() + (deadline_s or 0.0)
+        is_waiting = False
         while True:
             # Each attempt within what is left (a node that drops packets answers no connect at all).
             attempt_s = 10.0 if deadline_s is None else min(10.0, max(0.5, give_up - time.monotonic()))
@@ -76,6 +77,10 @@ class NextStage:
                     raise StageUnreachable(
                         f"CPP stage at {address} did not answer within {deadline_s or 0:g} s ({exc}); is it "
                         "started (mooncake --role prefill --pipeline-stage K ...) and listening there?") from None
+                if not is_waiting:
+                    log.info("CPP stage at %s does not answer yet (%s); dialling it for up to %g s",
+                             address, exc, deadline_s)
+                    is_waiting = True
             await asyncio.sleep(DIAL_INTERVAL_S)
 
     async def info(self) -> list[dict]:

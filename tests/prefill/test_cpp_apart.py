@@ -69,6 +69,11 @@ async def test_stages_started_apart_give_reference_tokens_and_assemble_blocks_in
     # The head first: it keeps dialling its stages until they answer. Uneven slices (--layers).
     head = launch(procs, "head", "prefill", *GROUP, "--store", store_data, "--layers", "0:2",
                   "--stages", ",".join(stage_at), "--stage-connect-timeout", "60")
+    for _ in range(600):     # the stages start only once the head is dialling them in vain
+        if "does not answer yet" in head.logs() or head.proc.poll() is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert "does not answer yet" in head.logs(), head.logs()
     launch(procs, "stage 2", "prefill", *GROUP, "--store", store_data, "--no-profile", "--pipeline-stage", "2",
            "--layers", "3:4", "--data-port", str(ports[1]))
     launch(procs, "stage 1", "prefill", *GROUP, "--store", store_data, "--no-profile", "--pipeline-stage", "1",
