@@ -120,14 +120,17 @@ async def connect_group(cfg: Config, group: StageGroup | None, store: str | None
         downstream = await group.connect(cfg.cluster_token)
     elif cfg.stage_addresses:
         deadline = time.monotonic() + cfg.stage_connect_timeout
-        links = []
+        links: list[NextStage] = []
         try:   # the last first: a stage opens its socket only once its own next stage answers
             for address in reversed(cfg.stage_addresses):
                 links.append(await NextStage.connect(address, cfg.cluster_token,
                                                      max(0.1, deadline - time.monotonic())))
-        finally:
-            for link in links[:-1]:
+        except BaseException:
+            for link in links:
                 await link.close()
+            raise
+        for link in links[:-1]:   # only stage 1's link carries requests
+            await link.close()
         downstream = links[-1]
     else:
         return None
