@@ -1,7 +1,9 @@
 """The prefill role's aiohttp app: ``/v1/prefill``, ``/v1/abort``, ``/health``, ``/v1/load``, ``/metrics``.
 
-``POST /v1/prefill`` (PrefillRequest) answers PrefillResult once the KV stream has ended and the
-first token is known. Errors: 400 ``{"error"}`` for a bad request (never retry as is), 502 when
+``POST /v1/prefill`` (PrefillRequest) answers PrefillResult as soon as the first token is known
+(a single instance: before decode has answered the KV stream's END, which waits for the step decode
+is running; a CPP group: once the stream has ended). A stream that fails after that answer is
+logged, and decode drops the request (the conductor sees its token stream fail). Errors: 400 ``{"error"}`` for a bad request (never retry as is), 502 when
 the KV stream to decode failed or the request was aborted (decode gone, transfer refused).
 
 Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store, start-up
@@ -22,7 +24,7 @@ from kernels.kv_codec import codec_for, encoded_layer_bytes
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
-from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, ProtocolError, Register, loads
+from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, PrefillResult, ProtocolError, Register, loads
 from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("service", PrefillService)
 EXTRA_CLEANUP = web.AppKey("extra_cleanup", list)
+ENDING = web.AppKey("ending", set)   # prefills answered at their first token, still ending their stream
 
 
 def error(status: int, message: str) -> web.Response:
@@ -53,8 +56,7 @@ async def prefill(request: web.Request) -> web.Response:
     try:
         req = loads(PrefillRequest, await request.read())
         set_request_id(req.request_id)   # every log line from here on names the request
-        # The conductor may go away; the prefill still finishes (decode waits for this KV).
-        result = await asyncio.shield(service.prefill(req))
+        result = await _first_result(service, req, request.app[ENDING])
     except (ProtocolError, PrefillRejected) as exc:
         return error(400, str(exc))
     except PrefillAborted as exc:
@@ -75,6 +77,29 @@ async def prefill(request: web.Request) -> web.Response:
     log.debug("prefilled for decode %s: %d token(s) loaded, %d computed, timings %s", req.decode_data,
               result.num_prefix_tokens, result.num_computed_tokens, result.timings)
     return web.json_response(dataclasses.asdict(result))
+
+
+async def _first_result(service: PrefillService, req: PrefillRequest, ending: set) -> PrefillResult:
+    """The result as soon as the first token is known; the prefill goes on to end the stream
+    (held in ``ending`` until it has). Neither the conductor leaving nor an early answer cancels
+    it (decode waits for this KV)."""
+    first: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(service.prefill(req, on_first=lambda r: first.done() or first.set_result(r)))
+    await asyncio.wait({task, first}, return_when=asyncio.FIRST_COMPLETED)
+    if not first.done():
+        return task.result()
+    if not task.done():
+        ending.add(task)
+        task.add_done_callback(ending.discard)
+    task.add_done_callback(lambda t, rid=req.request_id: _late_failure(rid, t))
+    return first.result()
+
+
+def _late_failure(request_id: str, task: asyncio.Task) -> None:
+    """The prefill's stream failed after its first token was answered: decode drops the request."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("prefill %s: the KV stream failed after the first token was answered: %s",
+                    request_id, task.exception())
 
 
 async def abort(request: web.Request) -> web.Response:
@@ -119,6 +144,7 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
     app = web.Application(middlewares=[cluster_token_middleware(cluster_token)], client_max_size=256 << 20)
     app[SERVICE] = service
     app[EXTRA_CLEANUP] = []
+    app[ENDING] = set()
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
@@ -132,6 +158,8 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
 async def _lifetime(app: web.Application):
     yield
     service = app[SERVICE]
+    if app[ENDING]:   # streams answered at their first token: let them end before the links close
+        await asyncio.wait(set(app[ENDING]), timeout=service.links.request_timeout)
     await service.stage.drain_puts()
     await service.links.close()
     close_store = getattr(service.stage.store, "close", None)

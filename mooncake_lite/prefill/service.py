@@ -56,6 +56,10 @@ class QueuedJob:
     stop_keepalive: Callable[[], object] | None = None
     result: asyncio.Future | None = None        # set by the leader that served it in its pack
     migrated: tuple[float, float] | None = None # its hot-spot migration: (bytes copied, seconds)
+    # Told the result once the first token is sampled, before decode answers END (which waits
+    # for decode's running step): the HTTP answer goes out then (prefill/app.py).
+    on_first: Callable[[PrefillResult], object] | None = None
+    arrived_at: float = 0.0
 
 
 class PrefillService:
@@ -122,25 +126,29 @@ class PrefillService:
             self.stage.abort(request_id, "aborted by the conductor")
         return known
 
-    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+    async def prefill(self, req: PrefillRequest,
+                      on_first: Callable[[PrefillResult], object] | None = None) -> PrefillResult:
+        """The result once the KV stream has ended; ``on_first`` is given it as soon as the first
+        token is known (a single instance; a CPP group's comes with the end), which can be a
+        decode step earlier. A stream that fails after that still raises here."""
         # A child of the conductor's span when its traceparent header came along (tracing on).
         with tracing.span("prefill.request", kind="server", request_id=req.request_id,
                           transfer_id=req.transfer_id, prompt_tokens=len(req.token_ids)) as span:
-            result = await self._prefill(req)
+            result = await self._prefill(req, on_first)
             if span is not None:
                 tracing.set_attributes(span, prefix_tokens=result.num_prefix_tokens,
                                        computed_tokens=result.num_computed_tokens, first_token=result.first_token)
             return result
 
-    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
+    async def _prefill(self, req: PrefillRequest, on_first=None) -> PrefillResult:
         keys = self.check(req)
         if req.request_id in self.queue:
             raise PrefillRejected(f"request {req.request_id!r} is already queued here")
         job = QueuedJob(req.request_id, len(req.token_ids), 0, req=req, keys=keys,
-                        result=asyncio.get_running_loop().create_future())
+                        result=asyncio.get_running_loop().create_future(), on_first=on_first,
+                        arrived_at=time.perf_counter())
         job.result.add_done_callback(_retrieved)
         self.queue[req.request_id] = job
-        t_arrive = time.perf_counter()
         # Decode hears nothing of this request until its first KV frame: keep it from timing the
         # request out through the queue wait, a hot-spot migration and the prefix match.
         keepalive = asyncio.ensure_future(self._keepalive(req))
@@ -156,9 +164,7 @@ class PrefillService:
                         raise PrefillAborted("aborted while queued (by the conductor, or decode dropped it)")
                     job.started_at = time.perf_counter()
                     result = await self._serve(job)
-                result.timings["queue_s"] = job.started_at - t_arrive
-                if job.migrated is not None:   # the conductor learns the link's speed from it
-                    result.timings["migrate_bytes"], result.timings["migrate_s"] = job.migrated
+                _annotate(result, job)
                 self.num_done += 1
                 return result
         except BaseException:
@@ -247,8 +253,15 @@ class PrefillService:
                 parts = [(job, pack[i].hit * self.block_size, pack[i].req.token_ids[pack[i].hit * self.block_size:])
                          for i, job, _, _ in live]
                 out, failed = await self.stage.run_packed(parts)
+                firsts = {}
+                for row, ((i, job, sender, _), error) in enumerate(zip(live, failed)):
+                    if error is None:   # every member's token 1 out before any END is answered
+                        req = pack[i].req
+                        firsts[i] = sample(out[row], _params(req), make_generator(_params(req), out.device))
+                        _tell_first(pack[i], self._result(req, job, sender, pack[i].hit * self.block_size,
+                                                          firsts[i], t0, count=False))
                 for row, ((i, job, _, _), error) in enumerate(zip(live, failed)):
-                    outcomes[i], errors[i] = await self._first_token(pack[i].req, job, out[row], error)
+                    outcomes[i], errors[i] = await self._end_stream(job, firsts.get(i), error)
         except Exception as exc:           # the forward itself failed: every request of the pack did
             log.exception("packed prefill of %d requests failed", len(live))
             for i, *_ in live:
@@ -261,11 +274,10 @@ class PrefillService:
                 outcomes[i] = self._result(pack[i].req, job, sender, pack[i].hit * self.block_size, outcomes[i], t0)
         return outcomes
 
-    async def _first_token(self, req: PrefillRequest, job, logits, error: str | None):
+    async def _end_stream(self, job, first: int | None, error: str | None):
         """(first token, None) once its KV stream ended well, else (PrefillAborted, reason)."""
         if error is None:
             try:
-                first = sample(logits, _params(req), make_generator(_params(req), logits.device))
                 await self.stage.finish(job, first)
                 return first, None
             except PrefillAborted as exc:
@@ -304,12 +316,15 @@ class PrefillService:
         await self.stage.release(job, error)
         tracing.end_span(stream, error, frames=sender.num_frames, bytes=sender.num_bytes)
 
-    def _result(self, req: PrefillRequest, job, sender: KVSender, prefix: int, first: int, t0: float) -> PrefillResult:
+    def _result(self, req: PrefillRequest, job, sender: KVSender, prefix: int, first: int, t0: float,
+                count: bool = True) -> PrefillResult:
+        """``count``: add it to the totals (once, when the stream has ended well)."""
         if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
             prefix = 0
-        self.totals["prefix_tokens_total"] += prefix
-        self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
-        self.totals["kv_bytes_sent_total"] += sender.num_bytes
+        if count:
+            self.totals["prefix_tokens_total"] += prefix
+            self.totals["computed_tokens_total"] += len(req.token_ids) - prefix
+            self.totals["kv_bytes_sent_total"] += sender.num_bytes
         timings = {"total_s": time.perf_counter() - t0, **job.timings,
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
@@ -337,6 +352,7 @@ class PrefillService:
                         await self.downstream.send_chunk(req.request_id, start, out)
             if self.downstream is None:
                 first = sample(out, _params(req), make_generator(_params(req), out.device))
+                _tell_first(queued, self._result(req, job, sender, prefix, first, t0, count=False))
                 await self.stage.finish(job, first)
             else:
                 await self.stage.finish(job, None)
@@ -404,6 +420,24 @@ class PrefillService:
         return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
                 "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
                 "free_blocks": float(self.stage.runner.allocator.num_free)}
+
+
+def _annotate(result: PrefillResult, job: QueuedJob) -> PrefillResult:
+    """The queue's part of a result's timings (and a hot-spot migration's, which the conductor
+    learns the link's speed from)."""
+    result.timings["queue_s"] = job.started_at - job.arrived_at
+    if job.migrated is not None:
+        result.timings["migrate_bytes"], result.timings["migrate_s"] = job.migrated
+    return result
+
+
+def _tell_first(job: QueuedJob, result: PrefillResult) -> None:
+    """Hand the caller its result as soon as the first token is known (see ``QueuedJob.on_first``)."""
+    if job.on_first is not None:
+        try:
+            job.on_first(_annotate(result, job))
+        except Exception:   # the caller's problem must not fail the stream others wait for
+            log.exception("on_first of %s failed", job.request_id)
 
 
 def _retrieved(future: asyncio.Future) -> None:
