@@ -3,8 +3,9 @@
 ``POST /v1/prefill`` (PrefillRequest) answers PrefillResult as soon as the first token is known
 (a single instance: before decode has answered the KV stream's END, which waits for the step decode
 is running; a CPP group: once the stream has ended). A stream that fails after that answer is
-logged, and decode drops the request (the conductor sees its token stream fail). Errors: 400 ``{"error"}`` for a bad request (never retry as is), 502 when
-the KV stream to decode failed or the request was aborted (decode gone, transfer refused).
+logged, and decode drops the request (the conductor sees its token stream fail). Errors: 400
+``{"error"}`` for a bad request (never retry as is), 502 when the KV stream to decode failed or
+the request was aborted (decode gone, transfer refused).
 
 Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store, start-up
 profile), then ``build_app`` (its ``PrefillService`` and routes). ``store_id`` asks the store its id
