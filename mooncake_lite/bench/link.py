@@ -3,8 +3,9 @@
 
 Both put the role under test on one node and its peer's code in a worker process (on uvloop, as
 the roles run) on another, so every byte crosses the nodes' veth links shaped to RATE (a ``tbf``
-on each end's egress), never the loopback. Several ``--link`` rates are measured in one run, interleaved: between them the worker
-re-shapes the same links in place (``netns.reshape``), so nothing restarts.
+on each end's egress), never the loopback. Several ``--link`` rates are measured in one run,
+interleaved: between them the worker re-shapes the same links in place (``netns.reshape``), so
+nothing restarts.
 
 Link share used = payload bytes moved / (rate x time). Its ceiling is below 1: on a 1500-byte MTU
 each Ethernet frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on), so at most
@@ -135,7 +136,7 @@ def socket_stream(host: str, port: int, size: int, count: int, wire: list) -> di
         for _ in range(count):
             conn.sendall(data)
         conn.shutdown(socket.SHUT_WR)
-        got = int.from_bytes(conn.recv(8), "little")
+        got = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
         seconds = time.perf_counter() - t0
     return meter.done({"bytes": got, "seconds": seconds})
 
@@ -285,13 +286,15 @@ def render_store(report: dict) -> str:
              f"{' / '.join(report['links'])}; loopback = the same client on node1",
              f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}; median of "
              f"{report['repeat']} runs of {format_size(report['bytes_per_op'])} per op; GB/s = 1e9 B/s",
-             "share = payload / (rate x time) (ceiling 1448/1514 = 95.6% at MTU 1500); wire = bytes the link's "
-             "qdisc sent / (rate x time); socket = one blocking-socket stream of the same bytes"]
+             f"share = payload / (rate x time) (ceiling 1448/1514 = {PAYLOAD_PER_FRAME:.1%} at MTU 1500); "
+             "wire = bytes the link's qdisc sent / (rate x time); "
+             "socket = one blocking-socket stream of the same bytes"]
     for size, r in report["sizes"].items():
         c = r["config"]
         lines.append(f"\n{format_size(int(size))} blocks ({c['blocks_per_request']} a request, {c['in_flight']} in "
                      f"flight, {format_size(r['bytes_asked'])} per op)")
-        lines.append(f"  {'path':<10} {'op':<7} {'GB/s':>7} {'share':>6} {'wire':>6} {'drops':>6} {'x loopback':>10}  goal")
+        lines.append(f"  {'path':<10} {'op':<7} {'GB/s':>7} {'share':>6} {'wire':>6} {'drops':>6} "
+                     f"{'x loopback':>10}  goal")
         for path, entry in ((p, e) for p, e in r.items() if p not in ("bytes_asked", "config")):
             for op in STORE_OPS:
                 e = entry[op]
@@ -351,7 +354,8 @@ def run_pd(name: str, n: int, links: Sequence[Link], a) -> dict:
             "--block-size", str(BLOCK), "--no-profile", "--num-blocks", str(2 * (n // BLOCK + 2)),
             "--threads", str(max(1, a.threads // 2)), "--log-level", "warning"], timeout=300, on_line=to_stderr)
         spec = {"model": name, "prompt_len": n, "chunk": a.chunk, "repeats": a.repeats,
-                "threads": max(1, a.threads // 2), "decode_http": decode.url(), "decode_data": decode.addresses["data"], "decode_pid": decode.pid,
+                "threads": max(1, a.threads // 2), "decode_http": decode.url(), "decode_pid": decode.pid,
+                "decode_data": decode.addresses["data"],
                 "links": [str(x) for x in links], "shaped": nodes.shaped_devices(),
                 "wire": [(prefill_node.netns, prefill_node.device), (nodes.hub, "n2")],
                 "nodes": {"prefill": prefill_node.address, "decode": decode_node.address}}
@@ -510,7 +514,7 @@ def render_pd(res: dict) -> str:
              f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}; best of "
              f"{res['repeats']} runs",
              "hidden = 1 - (end-to-end - compute alone) / transfer at the rate (goal >= 80%); stream share = "
-             "KV bytes / (rate x compute-then-send tail) (goal >= 90%, ceiling 95.6% at MTU 1500)"]
+             f"KV bytes / (rate x compute-then-send tail) (goal >= 90%, ceiling {PAYLOAD_PER_FRAME:.1%} at MTU 1500)"]
     for name, p in res["models"].items():
         lines.append(f"\n{name}: {p['prompt_len']} tokens, {p['kv_bytes'] / 1e6:.1f} MB of KV over {p['num_layers']} "
                      f"layers; compute alone {p['compute_alone_s'] * 1e3:.0f} ms")
@@ -520,15 +524,17 @@ def render_pd(res: dict) -> str:
                       f"{r['hidden_share']:.0%} ({'ok' if r['goal_hidden_80pct'] else 'MISS'})"
                       + (f"; at most {r['hideable_share']:.0%} can be: the transfer outlasts compute"
                          if r["hideable_share"] < 1 else ""),
-                      f"    compute-then-send {r['then_send_s'] * 1e3:.0f} ms, its tail {r['stream_tail_s'] * 1e3:.0f} ms "
-                      f"-> stream share {r['stream_link_share']:.1%} ({'ok' if r['goal_share_90pct'] else 'MISS'}), "
+                      f"    compute-then-send {r['then_send_s'] * 1e3:.0f} ms, its tail "
+                      f"{r['stream_tail_s'] * 1e3:.0f} ms -> stream share {r['stream_link_share']:.1%} "
+                      f"({'ok' if r['goal_share_90pct'] else 'MISS'}), "
                       f"wire/payload {r['stream_wire_over_payload']:.3f}, drops {r['stream_drops']}; a plain socket "
                       f"stream of the same bytes: {r['socket_link_share']:.1%}",
                       f"    CPU on the tail: sender {r['tail_sender_cpu_s'] * 1e3:.0f} ms, receiver (decode) "
                       f"{r['tail_receiver_cpu_s'] * 1e3:.0f} ms",
                       f"    load-independent: streaming's own tail {r['exposed_tail_s'] * 1e3:.0f} ms + the CPU it "
-                      f"added to the prefill {r['stream_extra_cpu_s'] * 1e3:.0f} ms ({r['stream_extra_sys_s'] * 1e3:.0f} ms of it "
-                      f"in the kernel, {r['stream_extra_loop_cpu_s'] * 1e3:.0f} ms in the event loop's thread) -> "
+                      f"added to the prefill {r['stream_extra_cpu_s'] * 1e3:.0f} ms "
+                      f"({r['stream_extra_sys_s'] * 1e3:.0f} ms of it in the kernel, "
+                      f"{r['stream_extra_loop_cpu_s'] * 1e3:.0f} ms in the event loop's thread) -> "
                       f"hidden {r['cpu_hidden_share']:.0%}"]
     return "\n".join(lines)
 
