@@ -9,8 +9,11 @@ the live instances of each role (a median of models with non-negative coefficien
 and lists every instance's own model under ``instances`` for a reader to check the spread.
 ``network_bytes_per_s`` is the median bandwidth instances reported, else the median of the
 store pairs' speeds the conductor measured from migrations (``scheduler/links.py``), else the
-conductor's prior, and then ``network_bytes_per_s_measured`` says ``false``. Guarded by the
-cluster token like the other internal endpoints.
+conductor's prior, and then ``network_bytes_per_s_measured`` says ``false``.
+``decode_step_ratios``, where every live decode reports them (``step_ratio_q*`` in its load,
+``instance/refine.py``): equal-mass quantiles of a step's measured time over its model's
+prediction, the median over the decodes quantile by quantile; the simulator draws each step's
+time from them (``sim/batch.py``). Guarded by the cluster token like the other internal endpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from aiohttp import web
 
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.membership import Instance, Membership
+from mooncake_lite.instance.refine import STEP_RATIO_PREFIX
 from mooncake_lite.scheduler import CostModels
 
 
@@ -49,7 +53,16 @@ def cluster_profile(membership: Membership, defaults: CostModels) -> dict[str, A
     }
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
+    ratios = [r for i in decodes if (r := _step_ratios(i))]
+    if decodes and len(ratios) == len(decodes) and len({len(r) for r in ratios}) == 1:
+        profile["decode_step_ratios"] = [median(col) for col in zip(*ratios)]
     return profile
+
+
+def _step_ratios(inst: Instance) -> list[float]:
+    """The decode's reported step-time spread, its quantiles in order (empty: none reported)."""
+    keys = sorted(k for k in inst.load if k.startswith(STEP_RATIO_PREFIX))
+    return [float(inst.load[k]) for k in keys]
 
 
 def _median_model(models: list, default: dict[str, float]) -> dict[str, float]:

@@ -25,7 +25,7 @@ from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
-from mooncake_lite.instance.refine import DecodeRefiner
+from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
@@ -347,6 +347,9 @@ class DecodeEngine:
                 "predicted_tbt_s": b.predicted_tbt() or 0.0}
         if b.max_batch_size is not None:
             load["max_batch_size"] = b.max_batch_size
+        ratios = self.refiner.ratio_quantiles() if self.refiner is not None else None
+        if ratios is not None:   # how steps spread around the model (instance/refine.py)
+            load.update(zip(STEP_RATIO_KEYS, ratios))
         return load
 
 

@@ -19,6 +19,11 @@ total context — and fits the same cost model to them, robust to outliers:
   still extrapolates to long ones;
 * the fit is least squares in relative error with every coefficient >= 0 (``nonneg_fit``);
   with fewer shapes than coefficients it is the start-up model scaled by that ratio;
+* the model speaks for a bucket's median, but a step's time scatters around it (a busy
+  neighbour, a GC pause, KV writes queued in the model thread) and TBT, the mean of a request's
+  slowest 10% of gaps, feels exactly that tail: :meth:`Refiner.ratio_quantiles` says how the
+  kept samples spread around the current model (each one's seconds over its prediction), which
+  a decode reports beside its model for the simulator to replay (``sim/batch.py``);
 * the model :meth:`Refiner.current` returns changes only when the new fit moves a prediction
   at some counting bucket by more than ``REPORT_TOLERANCE``: the conductor re-derives an
   instance's estimates whenever its model changes (its caches key on the model object), so
@@ -42,6 +47,12 @@ from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 WINDOW = 32              # samples a bucket keeps (the newest)
 MIN_SAMPLES = 5          # a bucket counts from this many: its median outvotes 2 outliers
 REPORT_TOLERANCE = 0.10  # a new model is reported once it moves some prediction by more
+# Equal-mass midpoints: a draw of one of them at random follows the measured spread.
+RATIO_QUANTILES = tuple((2 * i + 1) / 20 for i in range(10))
+MIN_RATIO_SAMPLES = 20   # fewer samples say little about a tail
+# Their names in a decode's load (heartbeats; the conductor's cost export reads them back).
+STEP_RATIO_PREFIX = "step_ratio_q"
+STEP_RATIO_KEYS = tuple(f"{STEP_RATIO_PREFIX}{round(q * 100):02d}" for q in RATIO_QUANTILES)
 
 Model = PrefillCostModel | DecodeCostModel
 
@@ -129,6 +140,19 @@ class Refiner:
         its shape and time belong together)."""
         return [sorted(samples, key=_seconds)[len(samples) // 2] for samples in self._buckets.values()
                 if len(samples) >= self.min_samples]
+
+    def ratio_quantiles(self, quantiles: Sequence[float] = RATIO_QUANTILES,
+                        min_samples: int = MIN_RATIO_SAMPLES) -> list[float] | None:
+        """Quantiles of measured / predicted seconds over the samples kept (every bucket's, by
+        the model last reported); None before ``min_samples`` of them or without a model."""
+        model = self._published
+        if model is None:
+            return None
+        ratios = [t / p for samples in self._buckets.values() for x, y, t in samples
+                  if (p := model.predict(x, y)) > 0]
+        if len(ratios) < min_samples:
+            return None
+        return [float(v) for v in np.quantile(ratios, quantiles)]
 
     # ---- fitting --------------------------------------------------------------------------
     def _fit(self, points: list[tuple[int, int, float]]) -> Model | None:

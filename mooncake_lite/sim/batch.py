@@ -6,13 +6,22 @@ log entry ``(gap, K)`` instead of K events. A segment ends at the step where the
 request finishes, or earlier at the step boundary after a new request arrives. Context grows
 by one token per request per step; only the step *time* ignores the growth inside a segment
 (segments are short: a few seconds, tens of tokens on top of thousands).
+
+With ``step_ratios`` (a live cluster's measured spread of step times around its model,
+``Hardware.decode_step_ratios``) a step takes the model's time × their mean, and a finished
+request's gaps are replayed step by step, each × one of the ratios drawn at random (seeded by
+the request id, so a run repeats) over their mean: the same time in total, with the tail that
+TBT — the slowest 10% of a request's gaps — measures live. Without them nothing changes.
 """
 
 from __future__ import annotations
 
 import heapq
+import zlib
 from itertools import starmap
 from operator import itemgetter, mul
+
+import numpy as np
 
 from mooncake_lite.scheduler.costs import DecodeCostModel
 from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
@@ -28,10 +37,13 @@ class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
     __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
-                 "stalled")
+                 "stalled", "step_ratios", "_step_scale")
 
-    def __init__(self, model: DecodeCostModel) -> None:
+    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = ()) -> None:
         self.model = model
+        spread = len(set(step_ratios)) > 1      # a flat spread only scales the steps
+        self.step_ratios = np.asarray(step_ratios, dtype=np.float64) if spread else None
+        self._step_scale = float(np.mean(step_ratios)) if step_ratios else 1.0
         self.running: dict[str, SimRequest] = {}
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._seq = 0
@@ -58,7 +70,7 @@ class Batch:
         self.context_tokens += req.input_length + 1
 
     def step_time(self) -> float:
-        return self.model.predict(len(self.running), self.context_tokens)
+        return self.model.predict(len(self.running), self.context_tokens) * self._step_scale
 
     def steps_to_next_finish(self) -> int:
         return self._heap[0][0] - self.steps_done
@@ -88,10 +100,23 @@ class Batch:
             req.num_gaps = sum(map(_COUNT, gaps))
             req.tbt = slowest_share_mean(gaps, total=req.num_gaps)
             req.mean_gap = sum(starmap(mul, gaps)) / req.num_gaps
+            if self.step_ratios is not None:
+                self._replay_spread(req, fold(self.log, req.join_log - self._log_base, end, 0.0))
             done.append(req)
         if end >= self._trim_at:
             self._trim_log()
         return done
+
+    def _replay_spread(self, req: SimRequest, gaps: list[Segment]) -> None:
+        """``req``'s TBT and mean gap with each step's time drawn from the measured spread (module
+        doc); ``gaps`` are its steps' (time, count) without the wait before its first."""
+        times = np.repeat([g for g, _ in gaps], [c for _, c in gaps])
+        rng = np.random.default_rng(zlib.crc32(str(req.rid).encode()))
+        times = times * (self.step_ratios[rng.integers(len(self.step_ratios), size=len(times))] / self._step_scale)
+        times[0] += req.wait_extra
+        steps = [(t, 1) for t in times.tolist()]
+        req.tbt = slowest_share_mean(steps, total=len(steps))
+        req.mean_gap = sum(t for t, _ in steps) / len(steps)
 
     def _trim_log(self) -> None:
         oldest = min((r.join_log for r in self.running.values()), default=self._log_base + len(self.log))

@@ -55,6 +55,9 @@ class Hardware:
     # codes of fp16 KV). Store capacity, store→store fetches and prefix loads shrink by it; the
     # prefill→decode stream stays in the model dtype, as the scheduler's estimates do.
     store_kv_factor: float = 1.0
+    # A decode step's measured time over its model's prediction, as equal-mass quantiles (a
+    # live cluster's export, conductor/cost_export.py); empty: every step takes the model's time.
+    decode_step_ratios: tuple[float, ...] = ()
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
@@ -93,7 +96,8 @@ class Hardware:
                 "decode_max_context_tokens": self.decode_max_context_tokens,
                 "dram_bytes_per_node": self.dram_bytes_per_node,
                 "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size,
-                "ssd_load_bytes_per_s": self.ssd_load_bytes_per_s}
+                "ssd_load_bytes_per_s": self.ssd_load_bytes_per_s,
+                **({"decode_step_ratios": list(self.decode_step_ratios)} if self.decode_step_ratios else {})}
 
 
 def _flops(n: float) -> float:
@@ -145,7 +149,8 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "decode": {"c0":..,"c1":..,"c2":..}, "kv_bytes_per_token": 327680,
          "bandwidth_bytes_per_s": 9e10,            # or "network_bytes_per_s"
          "local_load_bytes_per_s": 2e11, "decode_max_context_tokens": 1000000,
-         "dram_bytes_per_node": 1e12, "block_size": 512}
+         "dram_bytes_per_node": 1e12, "block_size": 512,
+         "decode_step_ratios": [0.9, .., 1.6]}    # a step's spread around the decode model
     """
     try:
         data = orjson.loads(Path(path).read_bytes())
@@ -168,7 +173,19 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
             changes[key] = float(value) if key.endswith("_per_s") else int(value)
+    if "decode_step_ratios" in data:
+        changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
     return replace(hw, **changes)
+
+
+def _step_ratios(path: str | Path, value: Any) -> tuple[float, ...]:
+    """A profile's ``decode_step_ratios``: positive finite numbers in ascending order."""
+    ok = isinstance(value, list) and value and all(
+        not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in value)
+    if not ok or any(a > b for a, b in zip(value, value[1:])):
+        raise ValueError(f"cost profile {path}: decode_step_ratios must be a non-empty ascending list of "
+                         f"positive numbers, got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 def get_hardware(spec: str) -> Hardware:
