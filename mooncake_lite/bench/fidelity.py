@@ -268,8 +268,9 @@ def first_token_shapes(ok: Sequence, within_s: float = 0.05) -> dict[str, float]
     """Two live behaviours the simulator does not have, counted: requests whose first token
     reached the client within ``within_s`` of another request's (prefill batching packs queued
     prompts into one forward; the simulated prefill runs one at a time), and requests whose
-    first two tokens arrived together (the first token was held until the decode's first
-    step, so the live TTFT includes that step and the first gap is ~0)."""
+    first two tokens arrived together (until the conductor wrote token 1 at once and the prefill
+    answered before decode's END reply, the first was held until the decode's first step: the
+    live TTFT included that step and the first gap was ~0)."""
     firsts = sorted(r.chunk_s[0] for r in ok)
     packed = sum(1 for i, t in enumerate(firsts)
                  if (i > 0 and t - firsts[i - 1] <= within_s) or (i + 1 < len(firsts) and firsts[i + 1] - t <= within_s))
@@ -482,12 +483,18 @@ def run(ns: argparse.Namespace, api: str) -> dict:
                    batch_tokens=ns.prefill_batch_tokens)
     live, sim = live_side(records), sim_side(res)
     report = compare(live, sim, len(records))
+    if hw.decode_step_ratios:   # the same simulation with every step at the model's time: what the spread moves
+        flat = simulate(trace, replace(hw, decode_step_ratios=()), prefill=ns.prefill, decode=ns.decode,
+                        admission=ns.admission, ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"],
+                        block=ns.block_tokens, batch_tokens=ns.prefill_batch_tokens)
+        report["sim_without_step_spread"] = compare(live, sim_side(flat), len(records))["rows"]
     report.update(slos=slos, gaps=measured_gaps(live, records, before, after, hw),
                   config={k: v for k, v in vars(ns).items() if k != "token"}, served=served,
                   live_wall_s=live_s, live_failed=live.failed, sim_rejected_by=_rejected_by(res),
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
                   cost_model={"prefill": profile.get("prefill"), "decode": profile.get("decode"),
-                              "decode_max_context_tokens": profile.get("decode_max_context_tokens")})
+                              "decode_max_context_tokens": profile.get("decode_max_context_tokens"),
+                              "decode_step_ratios": profile.get("decode_step_ratios")})
     report["per_request"] = per_request(records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
     cdf_plot(plot, live, sim, f"{served['model']} · first {len(records)} requests · {ns.prefill}P+{ns.decode}D · "
@@ -525,8 +532,15 @@ def _text(report: Mapping) -> str:
              f"SLOs given the simulator: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms "
              f"({s['how']})",
              f"sim rejected by: {report['sim_rejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
-             "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None),
-             f"wrote {report['plot']}"]
+             "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None)]
+    ratios = report["cost_model"].get("decode_step_ratios")
+    flat = report.get("sim_without_step_spread")
+    if ratios and flat:
+        lines.append("decode step / model, exported deciles: " + " ".join(f"{r:.2f}" for r in ratios)
+                     + "; without them the sim's error would be: " + ", ".join(
+                         f"{k.removesuffix('_s')} {row['rel_error']:+.1%}" for k, row in flat.items()
+                         if k.endswith("mean_s") and row["rel_error"] is not None))
+    lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
 
 
