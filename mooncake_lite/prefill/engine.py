@@ -76,6 +76,7 @@ class StageJob:
     # Set when a prefix load failed: passes recomputing the prefix, one layer at a time.
     recompute: list[LayerwisePass] | None = None
     load_span: Any = None              # prefill.prefix_load, open until the prefix is in (tracing on)
+    prefix_handed_back: bool = False   # the store was told its loads are over (prefix_loaded)
 
     @property
     def is_prefix_recomputed(self) -> bool:
@@ -156,6 +157,7 @@ class StageEngine:
         self.jobs.pop(job.request_id, None)
         for task in job.loads.values():
             task.cancel()
+        self._loads_over(job)
         tracing.end_span(job.load_span, error)   # no-op once the prefix was in
         if error is not None:
             await job.sender.abort(error)
@@ -176,10 +178,7 @@ class StageEngine:
                 await self._load_prefix_layer(job, layer)
             kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
             _send(job.sender, layer, start, kv)
-        job.prefix_done = True
-        if job.load_span is not None:   # the prefix is in (loaded, or recomputed): no-op after the first chunk
-            tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
-                             recomputed=job.is_prefix_recomputed)
+        self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
@@ -234,9 +233,20 @@ class StageEngine:
 
     def _prefix_in(self, job: StageJob) -> None:
         job.prefix_done = True
+        self._loads_over(job)
         if job.load_span is not None:
             tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
                              recomputed=job.is_prefix_recomputed)
+
+    def _loads_over(self, job: StageJob) -> None:
+        """Tell the store once that this job reads its prefix no more: a store on this node
+        pinned it at match time (``RemoteStore.prefix_loaded``) and can let it go now."""
+        if job.prefix_handed_back:
+            return
+        job.prefix_handed_back = True
+        loaded = getattr(self.store, "prefix_loaded", None)
+        if loaded is not None and job.num_prefix_blocks:
+            loaded(job.keys[:job.num_prefix_blocks])
 
     def _error_of(self, job: StageJob) -> str | None:
         return job.abort_reason or job.sender.error

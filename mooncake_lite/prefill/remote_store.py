@@ -13,6 +13,17 @@ the connection is then dropped, so the next op dials afresh.
 A stage that owns only some layers (a CPP stage) writes its layer slice of each new block; the
 store assembles the group's slices and shows a block only once all its layers are in
 (``store/assembly.py``). Each stage loads its own layer range of cached blocks.
+
+On the store's node (the client's transport is "shm") ``match`` pins the matched prefix under a
+lease (``match_and_pin``), which also tells the client where the pinned blocks are in the mapped
+slab: the layer-by-layer ``get_layers`` that follow copy them straight out of it, no request
+per layer (``store/shm_client.py``; a block whose slot changed generation, a lease that ran out
+or was released go back to asking the store). The stage calls ``prefix_loaded`` once its loads
+are over, which hands one lease covering that prefix back. Leases are pooled by their prefix's
+first key, not tied to a request (``match`` is asked before the request exists): releasing the
+shortest lease that covers the prefix keeps every other loading request covered by one.
+A lease nobody hands back (its request never began, or began with a shorter prefix than
+matched because a later CPP stage had less) ends at ``lease_s``.
 """
 
 from __future__ import annotations
@@ -20,23 +31,38 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
-from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, StoreClient
+from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, RemoteError, StoreClient
 
 log = logging.getLogger(__name__)
+# How long a matched prefix stays pinned at most: from the MATCH (the request may still queue)
+# to the end of its layer loads. The store caps it by its --lease-ttl.
+PREFIX_LEASE_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Lease:
+    num_keys: int            # it pins keys[:num_keys] of the chain that starts with its pool's key
+    lease_id: int
+    client: StoreClient      # the connection that owns it (a lease ends with its connection)
+    ends_at: float           # loop time
 
 
 class RemoteStore:
     def __init__(self, address: str, token: str | None, num_layers: int, layer_bytes: int,
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 timeout: float = DEFAULT_TIMEOUT_S, lease_s: float = PREFIX_LEASE_S):
         self.address = address
         self.timeout = timeout
         self.token = token
         self.num_layers = num_layers
         self.layer_bytes = layer_bytes
+        self.lease_s = lease_s
         self._client: StoreClient | None = None
         self._lock = asyncio.Lock()
+        self._leases: dict[bytes, list[_Lease]] = {}   # first key of a pinned prefix -> its leases
+        self._releases: set[asyncio.Task] = set()
 
     async def client(self) -> StoreClient:
         async with self._lock:
@@ -73,10 +99,70 @@ class RemoteStore:
 
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
-            return await self._call(lambda c: c.match(keys))
+            return await self._call(lambda c: self._match(c, keys))
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.warning("store %s unreachable (%s); computing without prefix reuse", self.address, exc)
             return 0
+
+    async def _match(self, client: StoreClient, keys: Sequence[bytes]) -> int:
+        if client.transport != "shm" or not keys:
+            return await client.match(keys)
+        num, lease_id = await client.match_and_pin(keys, self.lease_s)
+        if not num:
+            self._release(_Lease(0, lease_id, client, 0.0))
+            return 0
+        now = asyncio.get_running_loop().time()
+        self._prune(now)
+        self._leases.setdefault(keys[0], []).append(_Lease(num, lease_id, client, now + self.lease_s))
+        return num
+
+    def prefix_loaded(self, keys: Sequence[bytes]) -> None:
+        """The layer loads of a request whose prefix is ``keys`` are over (done, failed or given
+        up): hand back the shortest live lease covering them (see the module doc). Never waits."""
+        pool = self._leases.get(keys[0]) if keys else None
+        if not pool:
+            return
+        now = asyncio.get_running_loop().time()
+        fits = [lease for lease in pool if lease.num_keys >= len(keys) and lease.ends_at > now]
+        if fits:
+            lease = min(fits, key=lambda lease: lease.num_keys)
+            pool.remove(lease)
+            self._release(lease)
+        if not pool:
+            del self._leases[keys[0]]
+
+    @property
+    def num_leases(self) -> int:
+        """Match leases held for loads not over yet (they may have run out at the store)."""
+        return sum(len(pool) for pool in self._leases.values())
+
+    def _prune(self, now: float) -> None:
+        """Forget leases past their end (the store has ended them; nothing to send)."""
+        for first in [k for k, pool in self._leases.items() if any(lease.ends_at <= now for lease in pool)]:
+            live = [lease for lease in self._leases[first] if lease.ends_at > now]
+            if live:
+                self._leases[first] = live
+            else:
+                del self._leases[first]
+
+    def _release(self, lease: _Lease) -> None:
+        """RELEASE in the background: nothing reads through the lease from now on (forgotten at
+        once), and a store that does not answer ends it at its expiry anyway."""
+        client = lease.client
+        if client.is_closed:
+            return   # the lease ended with its connection
+        if client.shm is not None:
+            client.shm.forget(lease.lease_id)
+        task = asyncio.ensure_future(self._send_release(client, lease.lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _send_release(self, client: StoreClient, lease_id: int) -> None:
+        try:
+            await client.release(lease_id)
+        except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
+            log.debug("store %s: releasing lease %d failed (%s); it ends at its expiry", self.address,
+                      lease_id, exc)
 
     async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
         views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers))
@@ -112,5 +198,8 @@ class RemoteStore:
         return await self._call(lambda c: c.replicate(keys, peer))
 
     async def close(self) -> None:
+        for task in list(self._releases):   # its leases end with the connection anyway
+            task.cancel()
+        self._leases.clear()
         if self._client is not None:
             await self._client.close()

@@ -96,9 +96,12 @@ class ShmPath:
         self.frames = frames
         self.slab = slab
         self.staging = staging
-        # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned
-        self._pinned: dict[bytes, tuple[int, int, int, int, int, int]] = {}
-        self._lease_ends: dict[int, float] = {}   # lease id -> when it ends at the latest (loop time)
+        # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned,
+        # newest lease last: several leases may cover one key (requests sharing a prefix), and
+        # the key stays readable here until the last of them is forgotten.
+        self._pinned: dict[bytes, list[tuple[int, int, int, int, int, int]]] = {}
+        # lease id -> (when it ends at the latest (loop time), the keys it covers)
+        self._leases: dict[int, tuple[float, list[bytes]]] = {}
         self.is_closed = False
         # Unmap as soon as the connection is gone: a mapping keeps a dead store's whole slab
         # allocated, and the owner of a lost client may never call close().
@@ -151,24 +154,36 @@ class ShmPath:
         until the lease has surely ended: then they are forgotten, so unreleased leases cost no
         memory here)."""
         now = asyncio.get_running_loop().time()
-        for ended in [i for i, end in self._lease_ends.items() if end < now]:
+        for ended in [i for i, (end, _) in self._leases.items() if end < now]:
             self.forget(ended)
         if not isinstance(spans, list):
             return
-        self._lease_ends[lease_id] = now + lease_s
+        covered = []
         for key, span in zip(keys, spans):
             if isinstance(span, list) and len(span) == 5 and all(type(x) is int for x in span):
-                self._pinned[key] = (lease_id, *span)
+                self._pinned.setdefault(key, []).append((lease_id, *span))
+                covered.append(key)
+        self._leases[lease_id] = (now + lease_s, covered)
 
     def forget(self, lease_id: int) -> None:
-        if self._lease_ends.pop(lease_id, None) is not None:
-            self._pinned = {k: v for k, v in self._pinned.items() if v[0] != lease_id}
+        _, keys = self._leases.pop(lease_id, (0.0, []))
+        for key in keys:
+            kept = [e for e in self._pinned.get(key, ()) if e[0] != lease_id]
+            if kept:
+                self._pinned[key] = kept
+            else:
+                self._pinned.pop(key, None)
+
+    @property
+    def num_leases(self) -> int:
+        """Match leases whose blocks are readable here without asking (not yet forgotten)."""
+        return len(self._leases)
 
     def read_pinned(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
                     layers: tuple[int, int] | None) -> list[tuple[memoryview, int]] | None:
         """The blocks (or layer ranges) straight from the slab when our leases cover every key
         and nothing went stale; else None (ask the store)."""
-        entries = [self._pinned.get(key) for key in keys]
+        entries = [self._pinned[key][-1] if key in self._pinned else None for key in keys]
         if not keys or None in entries or self.is_closed:
             return None
         result, checks = [], []
