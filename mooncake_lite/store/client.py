@@ -160,8 +160,7 @@ class StoreClient:
         return max(1, min(self.max_batch_bytes, self.shm.staging.size // 2))
 
     async def _put_batch(self, meta: dict[str, Any], views: list[memoryview]) -> Frame:
-        # Slices go over the socket: only that path lands them in place in the block being assembled.
-        if self.shm is not None and "first_layer" not in meta and self.shm.fits([v.nbytes for v in views]):
+        if self.shm is not None and self.shm.fits([v.nbytes for v in views]):
             if tracing.is_enabled():   # traced as a put over the socket is
                 return await self._traced(Op.PUT, meta, views, lambda: self._shm_put(meta, views))
             return await self._shm_put(meta, views)

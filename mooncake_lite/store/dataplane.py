@@ -136,8 +136,6 @@ class StoreHandler(FrameHandler):
             return
         try:
             if frame.op == Op.PUT and "staged" in meta:
-                if "first_layer" in meta:
-                    raise MetaError("a layer slice is put over the socket, not staged")
                 self._reply(conn, frame, {"num_new": self.shm.staged_put(conn, frame)})
             elif frame.op == Op.PUT:
                 if _TICKET not in meta and keys_from_meta(meta):

@@ -12,7 +12,8 @@ the same node that can open and verify it (``transfer/shm.py``) then:
   connection's client is given; SHM_READY: the store closes its descriptor so nobody else can
   open it): the client copies blocks into it and sends PUT with ``staged`` offsets and no
   payload; the store checks every offset and length against the area, reserves slots and copies
-  the blocks in, then commits (atomic, like a socket put).
+  the blocks in, then commits (atomic, like a socket put). A CPP stage's layer slices
+  (``first_layer``) go the same way into the block being assembled (``store/assembly.py``).
 
 Control frames stay on the connection's socket, so the cluster token gates all of it.
 """
@@ -150,9 +151,25 @@ class ShmService:
                     or offset + size > staging.size:
                 raise MetaError(f"staged block [{offset!r}, +{size}) is outside the "
                                 f"{staging.size}-byte staging area")
-        ticket = self.store.reserve(keys, sizes, int_from_meta(meta, "num_layers", 1, minimum=1),
-                                    int_from_meta(meta, "first_pos", 0))
+        num_layers, first_pos = int_from_meta(meta, "num_layers", 1, minimum=1), int_from_meta(meta, "first_pos", 0)
+        if "first_layer" in meta:
+            return self._staged_slices(meta, keys, sizes, offsets, num_layers, first_pos, staging)
+        ticket = self.store.reserve(keys, sizes, num_layers, first_pos)
         for slot, offset, size in zip(ticket.slots, offsets, sizes):
             if slot is not None:
                 self.store.slab.view(slot, size)[:] = staging.view[offset:offset + size]
         return self.store.commit(ticket)
+
+    def _staged_slices(self, meta: dict[str, Any], keys: list[bytes], sizes: list[int], offsets: list[int],
+                       num_layers: int, first_pos: int, staging: Region) -> int:
+        """A CPP stage's layer slices, staged: the same assembly as over the socket (each slice
+        copied to its layers' place in the block's slot; a no-op slice is not copied at all)."""
+        assembly = self.store.assembly
+        ticket = assembly.reserve(keys, sizes, int_from_meta(meta, "first_layer"), num_layers,
+                                  int_from_meta(meta, "block_layers", minimum=1), first_pos, self.clock())
+        for partial, offset, size in zip(ticket.partials, offsets, sizes):
+            if partial is not None:
+                at = ticket.first_layer * partial.layer_bytes
+                self.store.slab.view(partial.slot, size, at)[:] = staging.view[offset:offset + size]
+        self.store.stats.bytes_in += sum(sizes)
+        return assembly.commit(ticket)

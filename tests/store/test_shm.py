@@ -221,3 +221,32 @@ async def test_reads_only_under_leases_never_torn(role_procs):
     finally:
         await client.close()
         await filler.close()
+
+
+async def test_layer_slices_are_staged_and_assembled(store):
+    """A CPP stage's slices go through the staging area too: the block shows only once every
+    layer is in, whole and byte-exact; a slice already in is a no-op; a bad range is refused
+    and the connection stays usable."""
+    stage0 = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    stage1 = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    keys, layer = chain(3, seed=12), 8192
+    data = [block(k, 4 * layer) for k in keys]
+    try:
+        no_socket_bytes(stage0)
+        no_socket_bytes(stage1)
+        assert await stage0.put(keys, [d[:2 * layer] for d in data], num_layers=2, first_layer=0,
+                                block_layers=4) == 0
+        assert await stage0.exists(keys) == [False] * 3                     # half a block: not shown
+        assert await stage0.put(keys[:1], [data[0][:2 * layer]], num_layers=2, first_layer=0,
+                                block_layers=4) == 0                          # covered already: a no-op
+        with pytest.raises(RemoteError) as err:
+            await stage1.put(keys, [d[3 * layer:] + d[3 * layer:] for d in data], num_layers=2, first_layer=3,
+                             block_layers=4)
+        assert err.value.code == "bad_request"                              # layers 3..4 of a 4-layer block
+        assert await stage1.put(keys, [d[2 * layer:] for d in data], num_layers=2, first_layer=2,
+                                block_layers=4) == 3
+        assert [bytes(g) for g in await stage1.get(keys)] == data
+        assert [n for _, n in await stage1.get_blocks(keys)] == [4] * 3
+    finally:
+        await stage0.close()
+        await stage1.close()
