@@ -233,7 +233,8 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
     """Two modelling gaps, measured: (1) what HTTP + SSE to the client add to the conductor's own
     TTFT and inter-token gaps (client means − the conductor's histograms over the same run); (2)
     the decode step: live mean gap per step and mean batch (the decodes' step counters) against
-    the exported model's step at that batch and the mean context."""
+    the exported model's step at that batch and the mean context, and the decodes' own mean step
+    time (their step clocks), so what lies between steps shows."""
     from mooncake_lite.bench.replay.metrics import itls
     c = "mooncake_conductor_"
     out: dict[str, float | None] = {}
@@ -259,6 +260,12 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
         out.update(decode_steps=steps, mean_batch=batch, live_itl_mean_s=client_itl,
                    model_step_s=hw.decode.predict(max(1, round(batch)), round(ctx * batch)))
         out["step_model_error"] = rel_error(out["model_step_s"], client_itl)
+        # The decodes' own step clocks: what of a gap is the step, what is between steps.
+        step_s = sum(v for k, v in _deltas(before["decode"], after["decode"]).items()
+                     if k.endswith("step_seconds_total"))
+        if step_s:
+            out["live_step_mean_s"] = step_s / steps
+            out["between_steps_s"] = client_itl - step_s / steps
     out.update(gaps_by_prefill_activity(ok))
     out.update(first_token_shapes(ok))
     return out

@@ -139,7 +139,8 @@ async def load(request: web.Request) -> web.Response:
 
 def figures(app: web.Application) -> dict[str, float]:
     engine = app[ENGINE]
-    return {**engine.load(), "steps_total": engine.num_steps, "pending_transfers": len(engine.pending),
+    return {**engine.load(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
+            "pending_transfers": len(engine.pending),
             "rejected_total": app[STATS]["rejected"]}
 
 

@@ -93,6 +93,7 @@ class DecodeEngine:
         self._transfer_of: dict[str, str] = {}             # request_id -> transfer_id while pending
         self._wake = asyncio.Event()
         self.num_steps = 0
+        self.step_seconds = 0.0   # their time, from submitting to the model thread to the tokens
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest, span: Any = None) -> asyncio.Queue:
@@ -321,6 +322,7 @@ class DecodeEngine:
                 if self.refiner is not None:
                     self.refiner.observe(*step)
             self.num_steps += 1
+            self.step_seconds += loop.time() - t0
             for out in self.batcher.commit(plan, tokens):
                 state = self.requests.get(out.request_id)
                 if state is None:

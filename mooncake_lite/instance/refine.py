@@ -22,7 +22,7 @@ total context — and fits the same cost model to them, robust to outliers:
 * the model speaks for a bucket's median, but a step's time scatters around it (a busy
   neighbour, a GC pause, KV writes queued in the model thread) and TBT, the mean of a request's
   slowest 10% of gaps, feels exactly that tail: :meth:`Refiner.ratio_quantiles` says how the
-  kept samples spread around the current model (each one's seconds over its prediction), which
+  newest samples (each step once, not a bucket's window) spread around the current model (each one's seconds over its prediction), which
   a decode reports beside its model for the simulator to replay (``sim/batch.py``);
 * the model :meth:`Refiner.current` returns changes only when the new fit moves a prediction
   at some counting bucket by more than ``REPORT_TOLERANCE``: the conductor re-derives an
@@ -50,6 +50,7 @@ REPORT_TOLERANCE = 0.10  # a new model is reported once it moves some prediction
 # Equal-mass midpoints: a draw of one of them at random follows the measured spread.
 RATIO_QUANTILES = tuple((2 * i + 1) / 20 for i in range(10))
 MIN_RATIO_SAMPLES = 20   # fewer samples say little about a tail
+RATIO_WINDOW = 512       # the newest samples, every one once, that the spread is read from
 # Their names in a decode's load (heartbeats; the conductor's cost export reads them back).
 STEP_RATIO_PREFIX = "step_ratio_q"
 STEP_RATIO_KEYS = tuple(f"{STEP_RATIO_PREFIX}{round(q * 100):02d}" for q in RATIO_QUANTILES)
@@ -97,6 +98,9 @@ class Refiner:
         self._published: Model | None = prior
         self._num_new = 0        # samples since the last fit
         self.num_samples = 0
+        # The buckets keep each shape's newest, so a rare shape weighs as much as a common one:
+        # the spread is read from the newest steps in the order they ran instead.
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RATIO_WINDOW)
 
     # ---- what subclasses define -----------------------------------------------------------
     @staticmethod
@@ -121,6 +125,7 @@ class Refiner:
         if samples is None:
             samples = self._buckets[key] = deque(maxlen=self.window)
         samples.append((x, y, seconds))
+        self._recent.append((x, y, seconds))
         self._num_new += 1
         self.num_samples += 1
 
@@ -143,13 +148,12 @@ class Refiner:
 
     def ratio_quantiles(self, quantiles: Sequence[float] = RATIO_QUANTILES,
                         min_samples: int = MIN_RATIO_SAMPLES) -> list[float] | None:
-        """Quantiles of measured / predicted seconds over the samples kept (every bucket's, by
-        the model last reported); None before ``min_samples`` of them or without a model."""
+        """Quantiles of measured / predicted seconds over the newest ``RATIO_WINDOW`` samples
+        (by the model last reported); None before ``min_samples`` of them or without a model."""
         model = self._published
         if model is None:
             return None
-        ratios = [t / p for samples in self._buckets.values() for x, y, t in samples
-                  if (p := model.predict(x, y)) > 0]
+        ratios = [t / p for x, y, t in self._recent if (p := model.predict(x, y)) > 0]
         if len(ratios) < min_samples:
             return None
         return [float(v) for v in np.quantile(ratios, quantiles)]

@@ -81,3 +81,14 @@ def test_the_export_and_the_profile_carry_the_spread(tmp_path):
     path.write_text('{"prefill": {"c1": 0.001}, "decode_step_ratios": [1.0, 0.5]}')
     with pytest.raises(ValueError, match="ascending"):
         load_profile(path)
+
+
+def test_each_step_counts_once_not_each_shape():
+    model = DecodeCostModel(c0=0.01, c1=0.001, c2=0.0)
+    r = DecodeRefiner(model, tolerance=10.0)
+    for _ in range(200):                          # the common shape, on time
+        r.observe(1, 10, model.predict(1, 10))
+    for _ in range(20):                           # a rare one, twice as slow: 9% of the steps
+        r.observe(8, 80, 2 * model.predict(8, 80))
+    q = r.ratio_quantiles()
+    assert q[-2] == pytest.approx(1.0) and q[-1] == pytest.approx(2.0)   # by bucket it would be 38%
