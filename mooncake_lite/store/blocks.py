@@ -119,6 +119,11 @@ class BlockStore:
             views.append(_discard_view(scratch, size))
         return views + self.slab.views(run)
 
+    def num_new(self, ticket: PutTicket) -> int:
+        """What ``commit(ticket)`` will return if nothing changes the store in between."""
+        return sum(1 for key, slot in zip(ticket.keys, ticket.slots)
+                   if slot is not None and key not in self)
+
     def commit(self, ticket: PutTicket) -> int:
         """Make the received blocks visible; returns how many were new."""
         num_new = 0

@@ -136,7 +136,7 @@ class StoreHandler(FrameHandler):
             return
         try:
             if frame.op == Op.PUT and "staged" in meta:
-                self._reply(conn, frame, {"num_new": self.shm.staged_put(conn, frame)})
+                self.shm.staged_put(conn, frame)   # answers it
             elif frame.op == Op.PUT:
                 if _TICKET not in meta and keys_from_meta(meta):
                     raise MetaError("a put of blocks needs a payload")

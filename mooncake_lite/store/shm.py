@@ -135,8 +135,12 @@ class ShmService:
                 for b in blocks]
 
     # ---- puts --------------------------------------------------------------------------------
-    def staged_put(self, conn: FrameConnection, frame: Frame) -> int:
-        """Copy a put's blocks from the connection's staging area into reserved slots and commit."""
+    def staged_put(self, conn: FrameConnection, frame: Frame) -> None:
+        """Copy a put's blocks from the connection's staging area into reserved slots, commit, and
+        answer. Whole blocks are answered *first* (``copying: true``), then copied and committed
+        in the same callback: nothing (no frame of any connection) runs in between, so nobody can
+        tell, but the client goes on while the store copies. It must not reuse the staged range
+        until a later answer on the connection (which the store sends after the copy) arrives."""
         staging: Region | None = conn.state.get("staging")
         if staging is None:
             raise MetaError("a staged put needs a staging area (SHM_ATTACH)")
@@ -153,12 +157,20 @@ class ShmService:
                                 f"{staging.size}-byte staging area")
         num_layers, first_pos = int_from_meta(meta, "num_layers", 1, minimum=1), int_from_meta(meta, "first_pos", 0)
         if "first_layer" in meta:
-            return self._staged_slices(meta, keys, sizes, offsets, num_layers, first_pos, staging)
+            num_new = self._staged_slices(meta, keys, sizes, offsets, num_layers, first_pos, staging)
+            conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
+            return
         ticket = self.store.reserve(keys, sizes, num_layers, first_pos)
+        try:
+            conn.send(frame.op, frame.request_id, {"num_new": self.store.num_new(ticket), "copying": True},
+                      flags=FLAG_REPLY)
+        except ConnectionError:
+            self.store.cancel(ticket)
+            return
         for slot, offset, size in zip(ticket.slots, offsets, sizes):
             if slot is not None:
                 self.store.slab.view(slot, size)[:] = staging.view[offset:offset + size]
-        return self.store.commit(ticket)
+        self.store.commit(ticket)
 
     def _staged_slices(self, meta: dict[str, Any], keys: list[bytes], sizes: list[int], offsets: list[int],
                        num_layers: int, first_pos: int, staging: Region) -> int:

@@ -61,8 +61,12 @@ class Staging:
         self._free: list[tuple[int, int]] = [(0, mapping.size)]   # (start, length), sorted
         self._waiters: list[asyncio.Future] = []
 
-    async def alloc(self, nbytes: int) -> int:
+    async def alloc(self, nbytes: int, unblock: Callable[[], Awaitable[bool]] | None = None) -> int:
+        """A range of ``nbytes``; waits for one to be freed (``unblock``: tried first, true when
+        it freed something)."""
         while (start := self._take(nbytes)) is None:
+            if unblock is not None and await unblock():
+                continue
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             await waiter
@@ -102,6 +106,10 @@ class ShmPath:
         self._pinned: dict[bytes, list[tuple[int, int, int, int, int, int]]] = {}
         # lease id -> (when it ends at the latest (loop time), the keys it covers)
         self._leases: dict[int, tuple[float, list[bytes]]] = {}
+        # Staged ranges of puts answered but maybe still being copied out by the store, and the
+        # staged puts not answered yet (see ``put``).
+        self._copying: list[tuple[int, int]] = []
+        self._unanswered = 0
         self.is_closed = False
         # Unmap as soon as the connection is gone: a mapping keeps a dead store's whole slab
         # allocated, and the owner of a lost client may never call close().
@@ -208,7 +216,7 @@ class ShmPath:
         staging = self.staging
         assert staging is not None
         need = sum(align(v.nbytes, ALIGN) for v in views)
-        start = await staging.alloc(need)
+        start = await staging.alloc(need, self._flush)
         if self.is_closed:
             staging.free(start, need)
             raise ConnectionError(f"connection {self.frames.conn.name} lost")
@@ -218,10 +226,43 @@ class ShmPath:
             offsets.append(pos)
             pos += align(view.nbytes, ALIGN)
         reply = asyncio.ensure_future(self.frames.request(Op.PUT, {**meta, "staged": offsets}))
-        # The area is ours again only once the store has answered (it copies before answering):
-        # a caller that times out must not let the next put overwrite bytes not yet copied.
-        reply.add_done_callback(lambda f: (staging.free(start, need), f.cancelled() or f.exception()))
+        self._unanswered += 1
+        # A caller that times out must not let the next put overwrite bytes not yet copied:
+        # the range is let go only by the answer (and what follows it), whoever waits for it.
+        reply.add_done_callback(lambda f: self._answered(f, start, need))
         return await (asyncio.wait_for(asyncio.shield(reply), timeout) if timeout else asyncio.shield(reply))
+
+    def _answered(self, reply: asyncio.Future, start: int, need: int) -> None:
+        """The store answers a staged put of whole blocks before copying them out (``copying``),
+        so its range stays taken; the store handles a connection's frames in order, so any later
+        answer means the copies before it are over: those ranges are free now."""
+        self._unanswered -= 1
+        staging = self.staging
+        if staging is None:
+            return
+        self._release_copying()
+        if not reply.cancelled() and reply.exception() is None and reply.result().meta.get("copying") is True:
+            self._copying.append((start, need))
+        else:
+            staging.free(start, need)
+
+    def _release_copying(self) -> None:
+        copied, self._copying = self._copying, []
+        for start, need in copied:
+            self.staging.free(start, need)   # type: ignore[union-attr]
+
+    async def _flush(self) -> bool:
+        """No room, and no staged put in flight whose answer would free some: ask the store
+        anything (an empty EXISTS) — its answer comes after the copies it owed us."""
+        if not self._copying or self._unanswered or self.is_closed:
+            return False
+        owed = list(self._copying)
+        await self.frames.request(Op.EXISTS, {"keys": []})
+        for entry in owed:
+            if entry in self._copying:
+                self._copying.remove(entry)
+                self.staging.free(*entry)   # type: ignore[union-attr]
+        return True
 
     def close(self) -> None:
         if self.is_closed:

@@ -250,3 +250,33 @@ async def test_layer_slices_are_staged_and_assembled(store):
     finally:
         await stage0.close()
         await stage1.close()
+
+
+async def test_a_staged_range_is_reused_only_after_the_store_copied_it(store):
+    """The store answers a staged put before copying its blocks out, so the client keeps the
+    range until a later answer; with no put in flight to bring one, it asks (an empty EXISTS)
+    rather than wait forever, and no block is overwritten before it was copied."""
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    keys = chain(5, seed=13)
+    data = [block(k, SLOT) for k in keys]
+    sent: list[Op] = []
+    request = client.frames.request
+
+    async def recorded(op, meta=None, payload=(), sink=None):
+        sent.append(op)
+        return await request(op, meta, payload, sink)
+    client.frames.request = recorded   # type: ignore[method-assign]
+
+    def put_meta(ks):
+        return {"keys": keys_to_hex(ks), "sizes": [SLOT] * len(ks), "num_layers": 1, "first_pos": 0}
+    try:
+        assert client.shm.staging.size == 4 * SLOT
+        reply = await client.shm.put(put_meta(keys[:3]), [memoryview(d) for d in data[:3]], 10)
+        assert reply.meta == {"num_new": 3, "copying": True}
+        assert client.shm._copying == [(0, 3 * SLOT)]        # not reused yet: maybe still being copied
+        # Two more blocks do not fit beside the held range: the client asks, then reuses it.
+        reply = await asyncio.wait_for(client.shm.put(put_meta(keys[3:]), [memoryview(d) for d in data[3:]], 10), 10)
+        assert reply.meta["num_new"] == 2 and sent.count(Op.EXISTS) == 1
+        assert [bytes(g) for g in await client.get(keys)] == data
+    finally:
+        await client.close()
