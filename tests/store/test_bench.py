@@ -24,6 +24,7 @@ def test_bench_store_json_smoke():
         assert set(fig[op]["goals_met"]) >= {"1.5x_mooncake"}
     assert fig["config"]["blocks_per_request"] == 8
     # The same-node fast path, beside TCP in the same run, with its goals (issue 17).
-    for op in ("shm_put", "shm_get", "shm_batched_put", "shm_batched_get", "shm_leased_get"):
+    for op in ("shm_put", "shm_put_alone", "shm_get", "shm_batched_put", "shm_batched_get", "shm_leased_get"):
         assert fig[op]["gbps"] > 0 and fig[op]["vs_tcp"] > 0 and "2x_tcp" in fig[op]["goals_met"]
+    assert fig["put_alone"]["gbps"] > 0 and fig["put_alone"]["goals_met"] == {}
     assert "64KiB_get_50us" in fig["shm_leased_get"]["goals_met"]
