@@ -258,8 +258,13 @@ class StoreClient:
         if out is not None and len(out) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(out)} output buffers")
         outs = [None if o is None else as_bytes_view(o) for o in out] if out is not None else None
-        if self.shm is not None:   # blocks we hold a lease on: straight from the slab
+        if self.shm is not None and self.shm.covers(keys):   # blocks we hold a lease on: from the slab
+            # Traced like a request (a prefill's layer loads show in its trace either way);
+            # ``stale``: a slot changed under us, the store is asked after all (its own span).
+            span = tracing.child_span(f"store.{op.name.lower()}", kind="client", store=self.address,
+                                      keys=len(keys)) if tracing.is_enabled() else None
             local = self.shm.read_pinned(keys, outs, _layer_range(extra))
+            tracing.end_span(span, transport="shm", stale=local is None)
             if local is not None:
                 return local   # type: ignore[return-value]
         batches = self._split(len(keys))

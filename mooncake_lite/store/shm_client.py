@@ -187,6 +187,10 @@ class ShmPath:
         """Match leases whose blocks are readable here without asking (not yet forgotten)."""
         return len(self._leases)
 
+    def covers(self, keys: Sequence[bytes]) -> bool:
+        """Every key is under a match lease we hold (``read_pinned`` may serve them)."""
+        return bool(keys) and not self.is_closed and all(key in self._pinned for key in keys)
+
     def read_pinned(self, keys: Sequence[bytes], outs: Sequence[memoryview | None] | None,
                     layers: tuple[int, int] | None) -> list[tuple[memoryview, int]] | None:
         """The blocks (or layer ranges) straight from the slab when our leases cover every key
