@@ -2,7 +2,9 @@
 
 A stage asks three things: how many leading blocks of a key chain are cached (``match``), the
 bytes of one layer range of those blocks (``get_layers``, so loads go layer by layer), and to keep
-new full blocks (``put_layers``, its own layer range: a CPP stage only holds its slice).
+new full blocks (``put_layers``, its own layer range: a CPP stage only holds its slice). A store
+may also have ``prefix_loaded(keys)``, which the stage calls once a request's prefix loads are
+over: a store that pinned the matched prefix (``RemoteStore`` on the store's node) lets it go.
 Values follow the cluster's block layout ``[num_layers][2][block_size][kv_heads][head_dim]``,
 so a layer range is one contiguous byte slice of a block.
 
