@@ -198,18 +198,26 @@ class ShmPath:
         entries = [self._pinned[key][-1] if key in self._pinned else None for key in keys]
         if not keys or None in entries or self.is_closed:
             return None
-        result, checks = [], []
-        for i, (_, offset, size, num_layers, slot, gen) in enumerate(entries):   # type: ignore[misc]
+        spans = []
+        for _, offset, size, num_layers, slot, gen in entries:   # type: ignore[misc]
             if layers is not None:
                 first, count = layers
                 if first < 0 or count < 1 or first + count > num_layers:
                     return None   # the store gives the error
                 offset, size = offset + first * (size // num_layers), count * (size // num_layers)
-            target = _target(outs, i, size)
+            spans.append((offset, size, num_layers))
+        # Without ``out`` buffers, one fresh allocation cut into 64-byte aligned pieces: a layer
+        # load of many blocks is many small copies, and an allocation each cost as much as the copy.
+        arena = aligned_buffer(sum(align(size, ALIGN) for _, size, _ in spans)) if outs is None else None
+        result, pos = [], 0
+        for i, (offset, size, num_layers) in enumerate(spans):
+            if arena is not None:
+                target, pos = arena[pos:pos + size], pos + align(size, ALIGN)
+            else:
+                target = _target(outs, i, size)
             self.slab.copy(offset, size, target)
             result.append((target, num_layers))
-            checks.append((slot, gen))
-        return result if all(self.slab.is_current(slot, gen) for slot, gen in checks) else None
+        return result if all(self.slab.is_current(e[4], e[5]) for e in entries) else None   # type: ignore[index]
 
     # ---- puts --------------------------------------------------------------------------------
     def fits(self, sizes: Sequence[int]) -> bool:
