@@ -144,7 +144,8 @@ def converted_slos(prompt_tokens: Sequence[int], hw, ttft_factor: float, tbt_fac
 # ---- the two sides ---------------------------------------------------------------------------
 
 def live_side(records: Sequence) -> Side:
-    from mooncake_lite.bench.replay.metrics import itls, paper_tbt, ttft
+    from mooncake_lite.bench.replay.metrics import itls, ttft
+    from mooncake_lite.common.tbt import paper_tbt
     ok = [r for r in records if r.is_ok]
     return Side(ttft=tuple(ttft(r) for r in ok),
                 tbt=tuple(t for r in ok if (t := paper_tbt(itls(r))) is not None),
@@ -515,7 +516,8 @@ def run(ns: argparse.Namespace, api: str) -> dict:
 
 def per_request(records: Sequence, res) -> list[dict]:
     """Each request's outcome on both sides (TTFT/TBT seconds, or its rejection), by id."""
-    from mooncake_lite.bench.replay.metrics import itls, paper_tbt, ttft
+    from mooncake_lite.bench.replay.metrics import itls, ttft
+    from mooncake_lite.common.tbt import paper_tbt
     sims = {r.request_id: r for r in res.requests}
     rows = []
     for rec in records:

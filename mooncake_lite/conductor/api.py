@@ -21,9 +21,9 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common.logs import set_request_id
+from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.dispatch import Flight, Services
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
-from mooncake_lite.conductor.metrics import paper_tbt
 from mooncake_lite.conductor.params import ApiRequest, parse_request
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.conductor.text import TextStream

@@ -115,11 +115,3 @@ class _MembershipEvents:
         yield events
         yield CounterMetricFamily("mooncake_conductor_stores_dropped", "stores silent for --dead-after whose "
                                   "blocks left the index", value=float(m.stores.num_dropped if m else 0))
-
-
-def paper_tbt(gaps: list[float]) -> float | None:
-    """TBT as FAST'25 defines it: the mean of the slowest 10% of a request's token gaps."""
-    if not gaps:
-        return None
-    k = max(1, len(gaps) // 10)
-    return sum(sorted(gaps)[-k:]) / k

@@ -9,10 +9,10 @@ prediction (``expected_output``). ``output_length`` itself raises until the requ
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from operator import itemgetter
 
+from mooncake_lite.common.tbt import paper_tbt_of_runs
 from mooncake_lite.trace.format import TraceRequest
 
 Segment = tuple[float, int]   # (gap seconds, number of gaps); count 0 marks a stall (see fold_gaps)
@@ -163,23 +163,10 @@ def fold_steady_gaps(log: list[Segment], start: int, end: int, wait_extra: float
     return head + log[start + 1:end]
 
 
-def slowest_share_mean(segments: list[Segment], share: float = 0.1, total: int | None = None) -> float | None:
-    """FAST'25 TBT: the mean of the slowest ``share`` of a request's token gaps (at least one).
+def slowest_share_mean(segments: list[Segment], total: int | None = None) -> float | None:
+    """FAST'25 TBT of a request's folded gaps (``common/tbt.py``, the live definition).
     ``total``: their number, if the caller has it."""
-    if total is None:
-        total = sum(map(_COUNT, segments))
-    if total == 0:
-        return None
-    want = max(1, math.ceil(share * total))
-    acc = 0.0
-    left = want
-    for gap, count in sorted(segments, reverse=True):
-        take = min(count, left)
-        acc += gap * take
-        left -= take
-        if left == 0:
-            break
-    return acc / want
+    return paper_tbt_of_runs(segments, sum(map(_COUNT, segments)) if total is None else total)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 import pytest
 
 from mooncake_lite.bench.replay.metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, meets_slos,
-                                                paper_tbt, parse_slos, prefix_hit_request_share, tpot)
+                                                parse_slos, prefix_hit_request_share, tpot)
+from mooncake_lite.common.tbt import paper_tbt
 
 A = RequestRecord(0, 0.0, 0.0, (0.10, 0.15, 0.25, 0.30), prompt_tokens=10, output_tokens=4, status=200,
                   reused_blocks=1, num_prompt_blocks=4)

@@ -31,7 +31,8 @@ def test_events_run_in_time_order_fifo_on_ties():
 def test_slowest_share_mean():
     assert slowest_share_mean([]) is None
     assert slowest_share_mean([(0.01, 9), (1.0, 1)]) == pytest.approx(1.0)        # 10 gaps -> slowest 1
-    assert slowest_share_mean([(0.01, 10), (1.0, 1)]) == pytest.approx(0.505)      # 11 gaps -> slowest 2
+    assert slowest_share_mean([(0.01, 10), (1.0, 1)]) == pytest.approx(1.0)        # 11 gaps -> slowest 1
+    assert slowest_share_mean([(0.01, 18), (1.0, 2)]) == pytest.approx(1.0)        # 20 gaps -> slowest 2
     assert slowest_share_mean([(0.02, 3)]) == pytest.approx(0.02)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mooncake_lite.common.tbt import paper_tbt
+
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
@@ -70,14 +72,6 @@ def tpot(r: RequestRecord) -> float | None:
 
 def itls(r: RequestRecord) -> list[float]:
     return [b - a for a, b in zip(r.chunk_s, r.chunk_s[1:])]
-
-
-def paper_tbt(gaps: Sequence[float]) -> float | None:
-    """Mean of the slowest 10% of one request's token gaps (at least one gap)."""
-    if not gaps:
-        return None
-    k = max(1, len(gaps) // 10)
-    return sum(sorted(gaps)[-k:]) / k
 
 
 def summarize_ms(values_s: Sequence[float], name: str) -> dict[str, float | None]:

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from mooncake_lite.bench.replay.metrics import RequestRecord, e2el, itls, num_output_tokens, paper_tbt, tpot, ttft
+from mooncake_lite.bench.replay.metrics import RequestRecord, e2el, itls, num_output_tokens, tpot, ttft
+from mooncake_lite.common.tbt import paper_tbt
 
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, list]:
