@@ -5,7 +5,7 @@ the transfer sockets (``mooncake_lite/transfer``). Keys travel as hex strings.
 
 Request path (see docs/architecture.md):
   conductor --POST /v1/generate  GenerateRequest--> decode   (NDJSON stream of TokenEvent back)
-  conductor --POST /v1/prefill   PrefillRequest --> prefill  (PrefillResult back when done)
+  conductor --POST /v1/prefill   PrefillRequest --> prefill  (PrefillResult back once token 1 is sampled; the KV stream ends after)
   prefill   --KV frames (transfer_id)-----------> decode data port; the end frame carries the first token
   conductor --POST /v1/abort     AbortRequest   --> prefill / decode on client disconnect
 Membership:

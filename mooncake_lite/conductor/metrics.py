@@ -23,7 +23,7 @@ class ConductorMetrics:
         self.requests = Counter(p + "requests", "API requests by endpoint and outcome "
                                 "(ok, rejected, bad_request, unavailable, upstream_error, aborted)",
                                 ["endpoint", "outcome"], registry=r)
-        self.rejections = Counter(p + "rejections", "429s by cause (ttft, tbt, no-decode, decode-refused)",
+        self.rejections = Counter(p + "rejections", "429s by cause (ttft, tbt, no-decode, decode-refused, prefill-refused)",
                                   ["cause"], registry=r)
         self.routes = Counter(p + "routes", "accepted requests by prefill route "
                               "(local-hit, transfer, balance, random)", ["route"], registry=r)

@@ -1,7 +1,8 @@
 """Measured KV transfer speed per store pair, for Algorithm 1's transfer-time estimate.
 
 The conductor feeds it what prefills report after moving KV blocks between stores (a hot-spot
-migration: bytes and seconds, source store → destination store) and the scheduler reads the
+migration: bytes and seconds, source store → destination store), and what stores answer after
+its own background copies of hot blocks (``conductor/hot_replication.py``) and the scheduler reads the
 smoothed speed of the pair a fetch would use. Before a pair's first measurement nothing is
 known here and the caller's prior applies (an instance's reported bandwidth, else
 ``CostModels.bandwidth_bytes_per_s``). Pure: no IO, no clock.

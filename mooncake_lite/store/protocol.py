@@ -36,7 +36,8 @@ num_layers)`` of blocks of ``block_layers`` layers (a CPP stage's). The store as
 layer has arrived; ``num_new`` counts the blocks a slice completed. A slice of a block the store
 holds, or of a range already put, is a no-op; one out of range, overlapping a range in part, or
 of another layer size than the block's first slice is refused (``bad_request``); unfinished
-blocks expire. Slices go over the socket, never ``staged``.
+blocks expire. A same-node client may stage slices too (``staged``, as whole blocks are;
+``store/shm.py``): they land in the same assembly.
 
 ``first_pos`` is the chain position of ``keys[0]`` (used by length-aware eviction). MATCH with
 ``lease_s`` also brings the matched prefix into DRAM and pins it for up to ``lease_s`` seconds (at
