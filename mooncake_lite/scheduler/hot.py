@@ -23,7 +23,10 @@ The decision, step by step (``HotTracker.plan``):
 5. **Order and budget.** Per target, hottest first and in prefix order (a store serves only a
    leading run: block i is useless without block i-1, so a block whose predecessor the target
    will not hold is skipped), until the link time they take reaches ``share × period_s``: the
-   bytes budget ``share × link speed × period`` of each link the target pulls over.
+   bytes budget ``share × link speed × period`` of each link the target pulls over. A source
+   has the same allowance for what it sends, over all targets of the plan (one store feeding
+   many would otherwise spend many shares of its own link): a source whose allowance is spent
+   is passed over for the next fastest holder, and a block none can send waits.
 """
 
 from __future__ import annotations
@@ -161,13 +164,14 @@ class HotTracker:
         skip = set(busy)
         holders = {key: index.holders(key) for key, _, _ in hot}     # looked up once for all targets
         out: list[Replication] = []
+        sent: dict[Hashable, float] = {}     # seconds of link time each source sends in this plan
         for target in sorted(set(targets) - skip, key=str):
-            out.extend(self._plan_target(now, holders, target, hot, block_bytes, prior_bytes_per_s, links))
+            out.extend(self._plan_target(now, holders, target, hot, block_bytes, prior_bytes_per_s, links, sent))
         return Plan(tuple(out), num_hot)
 
     def _plan_target(self, now: float, holders_of: dict[Hashable, list[Hashable]], target: Hashable,
                      hot: list[tuple[Hashable, Hashable | None, int]], block_bytes: int,
-                     prior: float, links: LinkSpeeds | None) -> list[Replication]:
+                     prior: float, links: LinkSpeeds | None, sent: dict[Hashable, float]) -> list[Replication]:
         allowance = self.config.share * self.config.period_s    # seconds of link time
         used = 0.0
         will_hold: set[Hashable] = set()     # held, planned earlier, or planned now
@@ -179,14 +183,17 @@ class HotTracker:
                 continue
             if parent is not None and parent not in will_hold:
                 continue                     # the target could not reuse it
-            sources = [s for s in holders if s != target]
-            if not sources:
+            costs = {s: block_bytes / _speed(links, s, target, prior) for s in holders if s != target}
+            if not costs:
                 continue                     # evicted everywhere
-            source = max(sources, key=lambda s: _speed(links, s, target, prior))   # first of the fastest
-            cost = block_bytes / _speed(links, source, target, prior)
-            if used + cost > allowance:
-                break                        # the budget is spent; the rest waits for the next plan
-            used += cost
+            if used + min(costs.values()) > allowance:
+                break                        # the target's budget is spent; the rest waits for the next plan
+            able = [s for s, c in costs.items() if used + c <= allowance and sent.get(s, 0.0) + c <= allowance]
+            if not able:
+                continue                     # every holder has spent its own allowance this plan
+            source = min(able, key=costs.__getitem__)    # the fastest link, first of equals
+            used += costs[source]
+            sent[source] = sent.get(source, 0.0) + costs[source]
             will_hold.add(key)
             self._planned[(target, key)] = now
             last = runs[-1] if runs else None

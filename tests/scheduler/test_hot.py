@@ -89,6 +89,22 @@ def test_the_byte_budget_is_share_times_link_speed_times_period():
     assert later.replications == (Replication("A", "B", tuple(keys[4:8]), 4, 4 * BLOCK),)
 
 
+def test_a_source_sends_within_its_own_budget_over_all_targets_and_another_holder_takes_over():
+    keys = _chain("a", 3)                        # budget: 100 blocks a link a plan (PRIOR, share 0.1)
+    many = [f"t{i}" for i in range(40)]          # 40 targets x 3 blocks = 120 blocks wanted
+    tracker, index = _tracker(), _index(A=keys)
+    for t in range(3):
+        tracker.note(t, keys)
+    plan = _plan(tracker, index, now=3, targets=many)
+    assert 99 <= sum(len(r.keys) for r in plan.replications) <= 100   # A's own share; the rest wait
+    tracker, index = _tracker(), _index(A=keys, E=keys)           # a second holder: both send
+    for t in range(3):
+        tracker.note(t, keys)
+    plan = _plan(tracker, index, now=3, targets=many)
+    sent = {s: sum(len(r.keys) for r in plan.replications if r.source == s) for s in "AE"}
+    assert sum(sent.values()) == 120 and max(sent.values()) <= 100
+
+
 def test_a_budget_below_one_block_copies_nothing_and_share_zero_is_off():
     keys = _chain("a", 3)
     for kw in ({"share": 0.0}, {"share": 0.1, "period_s": 0.001}):    # 0.1 ms of a 1 MB/s link: 100 bytes
@@ -143,13 +159,16 @@ def test_bad_configs_are_refused():
        st.integers(1, 4), st.integers(1, 12), st.sets(st.sampled_from("ABC"), max_size=3))
 def test_every_plan_is_hot_sourced_budgeted_new_and_reusable(uses, threshold, budget_blocks, targets):
     """Whatever the uses: each planned block is hot, held by its source, absent at its target,
-    in prefix order after blocks the target holds or gets; each target within its budget."""
+    in prefix order after blocks the target holds or gets; each target and each source within
+    its budget."""
     chains = {c: _chain(f"c{c}-", 6) for c in range(4)}
     index = _index(A=[k for ch in chains.values() for k in ch], B=chains[0][:3])
     tracker = _tracker(threshold=threshold, period_s=budget_blocks * BLOCK / PRIOR / 0.1)
     for t, (c, n) in enumerate(uses):
         tracker.note(t * 0.1, chains[c][:n])
     plan = _plan(tracker, index, now=len(uses) * 0.1, targets=targets)
+    for source in "ABC":
+        assert sum(len(r.keys) for r in plan.replications if r.source == source) <= budget_blocks
     for target in targets:
         reps = [r for r in plan.replications if r.target == target]
         assert sum(len(r.keys) for r in reps) <= budget_blocks
