@@ -94,6 +94,17 @@ def assert_clean(c):
     assert c.prefill.stage.jobs == {} and c.prefill.queue == {}
 
 
+async def queued_burst(c, prompts, max_tokens, **gather):
+    """Send every prompt while the instance is held, so the whole burst is queued before its
+    first pack is cut; the requests' outcomes in prompt order."""
+    await c.prefill._lock.acquire()
+    tasks = [asyncio.ensure_future(c.request(f"r{i}", p, max_tokens)) for i, p in enumerate(prompts)]
+    while len(c.prefill.queue) < len(prompts):
+        await asyncio.sleep(0.001)
+    c.prefill._lock.release()
+    return await asyncio.gather(*tasks, **gather)
+
+
 async def test_a_burst_is_packed_and_every_request_gets_its_reference_tokens(model):
     shared = tokens_of(2 * BS, 50)
     prompts = [tokens_of(3 + 5 * i, 60 + i) for i in range(6)] + [shared + tokens_of(3, 70), shared + [1, 2],
@@ -173,12 +184,7 @@ async def test_the_instance_packs_a_queue_the_way_the_rule_cuts_it(model):
             return pack
 
         c.prefill._pack = record
-        await c.prefill._lock.acquire()       # hold the instance until the whole burst is queued
-        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 2)) for i, p in enumerate(prompts)]
-        while len(c.prefill.queue) < len(prompts):
-            await asyncio.sleep(0.001)
-        c.prefill._lock.release()
-        for p, (tokens, _, err) in zip(prompts, await asyncio.gather(*tasks)):
+        for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2)):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert packs == pack_sizes([len(p) for p in prompts], 48) == [2, 1, 1, 2, 2]
         await c.prefill.stage.drain_puts()
@@ -190,12 +196,7 @@ async def test_a_pack_takes_no_more_than_the_cache_holds(model):
     prompts = [tokens_of(2 * BS, 120 + i) for i in range(5)]
     async with cluster(model, block_size=BS, chunk=64, prefill_blocks=4) as c:
         c.prefill.batch_tokens = 64
-        await c.prefill._lock.acquire()
-        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 2)) for i, p in enumerate(prompts)]
-        while len(c.prefill.queue) < len(prompts):
-            await asyncio.sleep(0.001)
-        c.prefill._lock.release()
-        for p, (tokens, _, err) in zip(prompts, await asyncio.gather(*tasks)):
+        for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2)):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert c.prefill.totals["packed_requests_total"] == 4 and c.prefill.totals["packed_forwards_total"] == 2
         assert_clean(c)
@@ -229,12 +230,7 @@ async def test_a_member_aborted_midway_through_the_packed_forward_fails_alone(mo
             return real_layer(piece, i)
 
         c.prefill.stage._packed_layer = layer
-        await c.prefill._lock.acquire()
-        tasks = [asyncio.ensure_future(c.request(f"r{i}", p, 3)) for i, p in enumerate(prompts)]
-        while len(c.prefill.queue) < len(prompts):
-            await asyncio.sleep(0.001)
-        c.prefill._lock.release()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results = await queued_burst(c, prompts, 3, return_exceptions=True)
         assert c.prefill.totals["packed_requests_total"] == 4
         assert isinstance(results[1], PrefillAborted)
         for i in (0, 2, 3):
