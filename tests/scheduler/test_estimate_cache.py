@@ -145,10 +145,17 @@ def _check_estimates(cluster: ClusterState, cache: EstimateCache, now: float, un
        st.sampled_from(["early", "predictive"]), st.sampled_from([None, 3.0, 40.0]),
        st.sampled_from([(None, None), (5.0, 0.05)]))
 def test_decisions_and_estimates_through_the_cache_equal_those_from_scratch(seed, ops, admission, uniform, slos):
-    rng = random.Random(seed)
-    world, idx = World(rng), _index(rng)
     config = SchedulerConfig(admission=admission, uniform_decode_s=uniform, block_size=BS,
                              ttft_slo_s=slos[0], tbt_slo_s=slos[1])
+    run_history(seed, ops, config, uniform)
+
+
+def run_history(seed, ops, config, uniform, prepare=lambda world: None):
+    """Play ``ops`` on a random world (``prepare`` sets it up first); at every "decide", the
+    cached scheduler decides as one from scratch does and its estimates equal fresh ones."""
+    rng = random.Random(seed)
+    world, idx = World(rng), _index(rng)
+    prepare(world)
     cached = Scheduler(config, COSTS, idx)
     scratch = Scheduler(config, COSTS, idx, cache=FromScratch())
     for op in ops + ["decide"]:

@@ -4,7 +4,6 @@ definition on packing instances, and the conductor's bookkeeping starting a pack
 
 from __future__ import annotations
 
-import random
 
 import orjson
 import pytest
@@ -19,7 +18,7 @@ from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds
 from mooncake_lite.scheduler.estimate import backlog_of, durations_of, queues_at
 from mooncake_lite.scheduler import wide
 from mooncake_lite.scheduler.packing import NO_TAIL, first_pack, joins_tail, packed_queue
-from tests.scheduler.test_estimate_cache import COSTS as CACHE_COSTS, OPS, World, _check_estimates, _index
+from tests.scheduler.test_estimate_cache import OPS, run_history
 
 MODEL = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-7, c3=1e-5)
 COSTS = CostModels(MODEL, DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
@@ -144,21 +143,11 @@ def test_decisions_through_the_cache_equal_from_scratch_on_packing_instances(see
 
 
 def _packing_history(seed, ops, admission, budget):
-    rng = random.Random(seed)
-    world, idx = World(rng), _index(rng)
-    for view in world.prefills.values():          # these instances pack (a re-registration may stop it)
-        view.set_instance(*view._about[:3], budget)
+    def packing(world):                           # these instances pack (a re-registration may stop it)
+        for view in world.prefills.values():
+            view.set_instance(*view._about[:3], budget)
     config = SchedulerConfig(admission=admission, block_size=16, ttft_slo_s=5.0, tbt_slo_s=0.05)
-    cached = Scheduler(config, CACHE_COSTS, idx)
-    scratch = Scheduler(config, CACHE_COSTS, idx, cache=FromScratch())
-    for op in ops + ["decide"]:
-        world.step(op)
-        if op != "decide":
-            continue
-        cluster, blocks = world.cluster(), rng.randint(1, 12)
-        req = ScheduleRequest(f"x{world.n}", tuple(range(blocks)), blocks * 16 + rng.randrange(16), rng.randint(1, 400))
-        assert cached.schedule(req, cluster, world.now) == scratch.schedule(req, cluster, world.now)
-        _check_estimates(cluster, cached.cache, world.now, None)
+    run_history(seed, ops, config, None, prepare=packing)
 
 
 # ---- the conductor's bookkeeping -----------------------------------------------------------------
