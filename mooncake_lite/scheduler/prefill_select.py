@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
+from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -104,13 +105,21 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     if cfg.strategy != "kvcache-centric":
         return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times,
                                         queues.backlogs if packing else None)
-    if packing:
-        return _choose_packed(req, prefills, queues, match, cfg, costs)
-    if wide is not None:
+    if wide is not None and not packing:
         hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
         if hit is not None:
             i, local, fetch = hit
             return _option(req, prefills[i], queue_times[i], local, match, fetch, cfg, costs)
+    return _choose_kvcache(req, prefills, queue_times, queues.backlogs if packing else None, match, cfg, costs)
+
+
+def _choose_kvcache(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...], queue_times: list[float],
+                    backlogs: list[Backlog] | None, match: PrefixMatch, cfg: SchedulerConfig,
+                    costs: CostModels) -> PrefillChoice | None:
+    """Algorithm 1's loop: each instance keyed by its queue, the transfer of the best prefix (if
+    it fetches) and its own execution. ``backlogs`` (when an instance packs): its own execution
+    priced packed with its queue (less ``c0`` when the request joins its last waiting pack; the
+    queue time plus that is the same sum as :func:`_packed`)."""
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
@@ -118,25 +127,30 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     best, best_key, default_model = None, float("inf"), costs.prefill
     measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     # This loop runs per instance per request: one cost-model call each, the transfer time
-    # (_transfer_s) written out.
-    for p, queue_s in zip(prefills, queue_times):
+    # (_transfer_s) and the packed pricing (joins_tail, own_seconds) written out.
+    for p, queue_s, backlog in zip(prefills, queue_times, backlogs or repeat(None)):
         local = lengths.get(p.store_id, 0)
         model = p.cost or default_model
         # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
         if local < best_len and (not local or best_len / local >= threshold):
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            key = (latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
-                   + model.predict(num_tokens, best_len * block_size))
-            fetch = True
+            key = latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
+            prefix, fetch = best_len * block_size, True
         else:
-            key, fetch = queue_s + model.predict(num_tokens, local * block_size), False
+            key, prefix, fetch = queue_s, local * block_size, False
+        own = model.predict(num_tokens, prefix)
+        if backlog is not None:
+            tail = backlog.tail_tokens
+            if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
+                own = own - model.c0 if own > model.c0 else 0.0
+        key += own
         if key < best_key:
-            best, best_key = (p, queue_s, local, fetch), key
+            best, best_key = (p, queue_s, local, fetch, backlog), key
     if best is None:
         return None
-    p, queue_s, local, fetch = best
-    return _option(req, p, queue_s, local, match, fetch, cfg, costs)
+    p, queue_s, local, fetch, backlog = best
+    return _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
 
 
 def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
@@ -163,39 +177,6 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
     route = "balance" if cfg.strategy == "load-balance" else None
     return _option(req, p, queue_s, local, match, False, cfg, costs, route=route,
                    backlog=None if backlogs is None else backlogs[i])
-
-
-def _choose_packed(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...], queues: QueuesAt,
-                   match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> PrefillChoice | None:
-    """The kvcache-centric loop when an instance packs: the same branch and keys, each
-    instance's own execution priced packed with its queue (:func:`_packed`: less ``c0`` when the
-    request joins its last waiting pack; the queue time plus that is the same sum)."""
-    lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
-    threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
-    block_bytes = block_size * costs.kv_bytes_per_token
-    latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
-    best, best_key, default_model = None, float("inf"), costs.prefill
-    measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
-    for p, queue_s, backlog in zip(prefills, queues.queue_s, queues.backlogs):
-        local = lengths.get(p.store_id, 0)
-        model = p.cost or default_model
-        if local < best_len and (not local or best_len / local >= threshold):
-            bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            key = latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
-            prefix, fetch = best_len * block_size, True
-        else:
-            key, prefix, fetch = queue_s, local * block_size, False
-        own = model.predict(num_tokens, prefix)
-        tail = backlog.tail_tokens
-        if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
-            own = own - model.c0 if own > model.c0 else 0.0      # joins_tail, own_seconds
-        key += own
-        if key < best_key:
-            best, best_key = (p, queue_s, local, fetch, backlog), key
-    if best is None:
-        return None
-    p, queue_s, local, fetch, backlog = best
-    return _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
 
 
 _PACK_TOKENS = attrgetter("pack_tokens")
