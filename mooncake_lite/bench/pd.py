@@ -101,7 +101,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     ap.add_argument("--link", action="append", metavar="RATE",
                     help="instead of (a)-(e): prefill and decode on two nodes over a link shaped to RATE (e.g. "
-                         "1gbit; repeat for more rates): hidden share and link share (needs root; bench/link.py)")
+                         "1gbit; repeat for more rates): hidden share and link share (needs root; bench/link_pd.py)")
     a = ap.parse_args(list(argv))
     a.default_models = a.models is None
     a.models = list(DEFAULT_MODELS) if a.models is None else [m for m in a.models.split(",") if m]
@@ -544,8 +544,8 @@ def render(res: dict) -> str:
 def main(argv: Sequence[str]) -> int:
     a = parse_args(argv)
     if a.link:
-        from mooncake_lite.bench import link
-        return link.pd_main(a)
+        from mooncake_lite.bench import link_pd
+        return link_pd.pd_main(a)
     try:
         res = run(a)
     except (ValueError, FileNotFoundError) as exc:

@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print all figures as one JSON object")
     p.add_argument("--link", action="append", metavar="RATE",
                    help="between two nodes over a link shaped to RATE (e.g. 1gbit; repeat for more rates), "
-                        "beside loopback: GB/s and the link's share used (needs root; bench/link.py)")
+                        "beside loopback: GB/s and the link's share used (needs root; bench/link_store.py)")
     p.add_argument("--link-bytes", type=parse_size, default=parse_size("64MiB"),
                    help="with --link: bytes moved per op and path")
     p.add_argument("--socket-sender", nargs=3, metavar=("HOSTPORT", "SIZE", "COUNT"), help=argparse.SUPPRESS)
@@ -246,8 +246,8 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write("mooncake bench store: --repeat must be >= 1 and sizes >= 64 bytes\n")
         return 2
     if args.link:
-        from mooncake_lite.bench import link
-        return link.store_main(sizes, args)
+        from mooncake_lite.bench import link_store
+        return link_store.store_main(sizes, args)
     report = measure(sizes, args)
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode() + "\n")
