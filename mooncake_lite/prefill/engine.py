@@ -93,9 +93,7 @@ class StageEngine:
         self.copier = copier or Copier(runner.device)
         model = runner.model
         self.first_layer, self.end_layer = model.first_layer, model.end_layer
-        can_put = getattr(store, "can_put", None)
-        self.write_back = write_back and store is not None and (
-            can_put is None or can_put(self.first_layer, self.end_layer - self.first_layer))
+        self.write_back = write_back and store is not None   # a CPP stage writes its slice
         self.is_last = model.is_last
         self.jobs: dict[str, StageJob] = {}
         self._puts: set[asyncio.Task] = set()

@@ -78,7 +78,7 @@ class KVSender:
         t = staged.tensor
         meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1]), self.traceparent)
         self.num_frames += 1
-        self.num_bytes += t.numel() * t.element_size()
+        self.num_bytes += t.nbytes
         self._track(self._send(meta, staged), keep=staged)
 
     async def _send(self, meta: dict, staged: Staged) -> None:

@@ -171,13 +171,10 @@ class RemoteStore:
             raise KeyError(f"{len(missing)} block(s) missing from store {self.address}, first {missing[0]}")
         return views
 
-    def can_put(self, first_layer: int, num_layers: int) -> bool:
-        """Any layer range of the model: whole blocks, or a CPP stage's slice of them."""
-        return 0 <= first_layer and num_layers >= 1 and first_layer + num_layers <= self.num_layers
-
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
-        if not self.can_put(first_layer, num_layers):
+        """Whole blocks, or a CPP stage's slice of them (any layer range of the model)."""
+        if not (0 <= first_layer and num_layers >= 1 and first_layer + num_layers <= self.num_layers):
             raise ValueError(f"layers [{first_layer}, {first_layer + num_layers}) are not of this "
                              f"{self.num_layers}-layer model")
         client = await self.client()
@@ -187,11 +184,10 @@ class RemoteStore:
             # Refused before sending: the store would read and drop every byte of it.
             raise BlockTooLarge(f"block of {whole} bytes does not fit store {self.address}'s "
                                 f"{slot}-byte slots (--slot-bytes)")
-        if num_layers == self.num_layers:
-            await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos))
-        else:   # a slice: the store holds it apart until the other stages' slices are in
-            await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
-                                             first_layer=first_layer, block_layers=self.num_layers))
+        # A slice (first_layer given): the store holds it apart until the other stages' slices are in.
+        sliced = first_layer if num_layers < self.num_layers else None
+        await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
+                                         first_layer=sliced, block_layers=self.num_layers))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""

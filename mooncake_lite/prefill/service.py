@@ -181,7 +181,7 @@ class PrefillService:
         """Serve the head of the queue, packed with the requests queued behind it that fit."""
         pack = await self._pack(lead) if self.batch_tokens > 0 else [lead]
         if len(pack) == 1:
-            return await self._run(lead.req, lead.keys, lead, lead.stop_keepalive)
+            return await self._run(lead)
         now = time.perf_counter()
         for member in pack[1:]:
             member.started_at = now
@@ -212,9 +212,9 @@ class PrefillService:
         pack = [lead]
         # Every member's blocks are held at once: a pack never takes more than the cache has free.
         free = self.stage.runner.allocator.num_free - blocks_needed(lead.num_tokens, self.block_size)
+        if uncached[0] > limit:
+            return pack
         for job in list(self.queue.values()):
-            if uncached[0] > limit:
-                break
             if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
                 continue
             uncached.append(await self._uncached(job))
@@ -250,7 +250,7 @@ class PrefillService:
         errors: dict[int, str | None] = {i: "the packed prefill failed" for i, *_ in live}
         try:
             if live:
-                parts = [(job, pack[i].hit * self.block_size, pack[i].req.token_ids[pack[i].hit * self.block_size:])
+                parts = [(job, pack[i].num_prefix_tokens, pack[i].req.token_ids[pack[i].num_prefix_tokens:])
                          for i, job, _, _ in live]
                 out, failed = await self.stage.run_packed(parts)
                 firsts = {}
@@ -258,7 +258,7 @@ class PrefillService:
                     if error is None:   # every member's token 1 out before any END is answered
                         req = pack[i].req
                         firsts[i] = sample(out[row], _params(req), make_generator(_params(req), out.device))
-                        _tell_first(pack[i], self._result(req, job, sender, pack[i].hit * self.block_size,
+                        _tell_first(pack[i], self._result(req, job, sender, pack[i].num_prefix_tokens,
                                                           firsts[i], t0, count=False))
                 for row, ((i, job, _, _), error) in enumerate(zip(live, failed)):
                     outcomes[i], errors[i] = await self._end_stream(job, firsts.get(i), error)
@@ -271,7 +271,7 @@ class PrefillService:
                 await self._end(job, sender, stream, errors[i])
         for i, job, sender, _ in live:
             if errors[i] is None:
-                outcomes[i] = self._result(pack[i].req, job, sender, pack[i].hit * self.block_size, outcomes[i], t0)
+                outcomes[i] = self._result(pack[i].req, job, sender, pack[i].num_prefix_tokens, outcomes[i], t0)
         return outcomes
 
     async def _end_stream(self, job, first: int | None, error: str | None):
@@ -329,9 +329,9 @@ class PrefillService:
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
         return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
 
-    async def _run(self, req: PrefillRequest, keys: list[bytes], queued: QueuedJob,
-                   stop_keepalive: Callable[[], object]) -> PrefillResult:
+    async def _run(self, queued: QueuedJob) -> PrefillResult:
         t0 = time.perf_counter()
+        req, keys, stop_keepalive = queued.req, queued.keys, queued.stop_keepalive
         hit = await self._match(queued)
         prefix = hit * self.block_size
         job, sender, stream = await self._begin(req, keys, hit)

@@ -115,8 +115,7 @@ class CompressedStore:
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
-        can_put = getattr(self.inner, "can_put", None)   # a CPP stage's slice is not kept: skip the coding
-        if not values or (can_put is not None and not can_put(first_layer, num_layers)):
+        if not values:
             return
         encoded = await asyncio.to_thread(self._encode, values, num_layers)
         await self.inner.put_layers(keys, encoded, first_layer, num_layers, first_pos=first_pos)
