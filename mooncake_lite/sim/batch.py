@@ -19,14 +19,13 @@ from __future__ import annotations
 import heapq
 import zlib
 from itertools import starmap
-from operator import itemgetter, mul
+from operator import mul
 
 import numpy as np
 
 from mooncake_lite.scheduler.costs import DecodeCostModel
-from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
+from mooncake_lite.sim.request import _COUNT, Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
 
-_COUNT = itemgetter(1)
 
 
 # Log entries appended between two trims of a batch's log.
@@ -96,12 +95,14 @@ class Batch:
             del self.running[req.rid]
             self.context_tokens -= req.input_length + 1 + last - req.join_step   # prompt + every token
             fold = fold_gaps if self.stalled else fold_steady_gaps
-            gaps = fold(self.log, req.join_log - self._log_base, end, req.wait_extra)
+            spread = self.step_ratios is not None     # then the wait is added to the drawn first step
+            gaps = fold(self.log, req.join_log - self._log_base, end, 0.0 if spread else req.wait_extra)
             req.num_gaps = sum(map(_COUNT, gaps))
-            req.tbt = slowest_share_mean(gaps, total=req.num_gaps)
-            req.mean_gap = sum(starmap(mul, gaps)) / req.num_gaps
-            if self.step_ratios is not None:
-                self._replay_spread(req, fold(self.log, req.join_log - self._log_base, end, 0.0))
+            if spread:
+                self._replay_spread(req, gaps)
+            else:
+                req.tbt = slowest_share_mean(gaps, total=req.num_gaps)
+                req.mean_gap = sum(starmap(mul, gaps)) / req.num_gaps
             done.append(req)
         if end >= self._trim_at:
             self._trim_log()
