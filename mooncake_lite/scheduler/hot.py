@@ -128,12 +128,10 @@ class HotTracker:
     def heat(self, key: Hashable) -> int:
         return self._heat().get(key, 0)
 
-    def hot(self, now: float) -> list[tuple[Hashable, Hashable | None, int]]:
-        """The hot blocks as ``(key, predecessor or None, chain position)``: hottest first, then
-        prefix order, so each block comes after its predecessor (at most ``max_hot`` of them)."""
-        return self._hot(now)[0]
-
     def _hot(self, now: float) -> tuple[list[tuple[Hashable, Hashable | None, int]], int]:
+        """The hot blocks as ``(key, predecessor or None, chain position)``: hottest first, then
+        prefix order, so each block comes after its predecessor (at most ``max_hot`` of them);
+        and how many blocks are hot in all."""
         self._expire(now)
         threshold, heat = self.config.threshold, self._heat()
         found: dict[Hashable, tuple[Hashable | None, int, int]] = {}   # key -> (parent, position, first seen)
