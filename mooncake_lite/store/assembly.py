@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mooncake_lite.store.records import BadRequest, StoreFull
+from mooncake_lite.store.records import BadRequest, StoreFull, discard_view
 from mooncake_lite.store.slab import Slab
 
 MAX_BLOCK_LAYERS = 1024     # far above any model; bounds a hostile put's layer masks
@@ -177,7 +177,7 @@ class Assembler:
         views = []
         for partial, size in zip(ticket.partials, ticket.sizes):
             if partial is None:
-                views.append(scratch[:size] if size <= scratch.nbytes else memoryview(bytearray(size)))
+                views.append(discard_view(scratch, size))
             else:
                 views.append(self.store.slab.view(partial.slot, size, ticket.first_layer * partial.layer_bytes))
         return views

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from mooncake_lite.store.assembly import Assembler
 from mooncake_lite.store.eviction import EvictionPolicy, PinTable
-from mooncake_lite.store.records import BadRequest, Block, Lease, PutTicket, StoreFull, StoreStats
+from mooncake_lite.store.records import BadRequest, Block, Lease, PutTicket, StoreFull, StoreStats, discard_view
 from mooncake_lite.store.slab import Slab
 from mooncake_lite.store.ssd import SsdTier
 
@@ -116,7 +116,7 @@ class BlockStore:
                 continue
             views += self.slab.views(run)
             run = []
-            views.append(_discard_view(scratch, size))
+            views.append(discard_view(scratch, size))
         return views + self.slab.views(run)
 
     def num_new(self, ticket: PutTicket) -> int:
@@ -399,8 +399,3 @@ class BlockStore:
             num += 1
         await self.ssd.flush()
         return num
-
-
-def _discard_view(scratch: memoryview, size: int) -> memoryview:
-    """Where bytes we must read but not keep go (a shared scratch buffer, reused for every block)."""
-    return scratch[:size] if size <= scratch.nbytes else memoryview(bytearray(size))

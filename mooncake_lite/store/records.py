@@ -54,3 +54,8 @@ class StoreStats:
     bytes_out: int = 0
     full_errors: int = 0
     leases_expired: int = 0
+
+
+def discard_view(scratch: memoryview, size: int) -> memoryview:
+    """Where bytes we must read but not keep go (a shared scratch buffer, reused for every block)."""
+    return scratch[:size] if size <= scratch.nbytes else memoryview(bytearray(size))
