@@ -7,7 +7,7 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -99,16 +99,23 @@ def pack_sizes(uncached_tokens: Sequence[int], limit: int) -> list[int]:
     cut into packed forwards. From the head, prompts join the pack while their uncached tokens
     together fit in ``limit``; the first that does not starts the next pack; a prompt over
     ``limit`` is a pack of its own (it runs alone, chunked). ``limit`` <= 0: one prompt a pack."""
-    sizes: list[int] = []
-    total = 0
+    return list(iter_pack_sizes(uncached_tokens, limit))
+
+
+def iter_pack_sizes(uncached_tokens: Iterable[int], limit: int) -> Iterator[int]:
+    """:func:`pack_sizes` one pack at a time: a pack's size comes out once the prompt after it
+    has been read (or the queue ended), so taking the first reads no further than it needs."""
+    size = total = 0
     for n in uncached_tokens:
-        if sizes and limit > 0 and total + n <= limit:
-            sizes[-1] += 1
+        if size and limit > 0 and total + n <= limit:
+            size += 1
             total += n
         else:
-            sizes.append(1)
-            total = n if n <= limit else limit + 1   # an oversize prompt takes nobody along
-    return sizes
+            if size:
+                yield size
+            size, total = 1, (n if n <= limit else limit + 1)   # an oversize prompt takes nobody along
+    if size:
+        yield size
 
 
 def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], limit: int) -> list[float]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.costs import PrefillCostModel, iter_pack_sizes, pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler.state import QueuedPrefill
 
 NO_TAIL = -1     # no pack a new request could join (nothing waiting, or packing off)
@@ -88,12 +88,4 @@ def first_pack(uncached: Iterable[int], limit: int) -> int:
     """How many jobs from the head of a queue with these uncached token counts the head's
     forward takes: ``pack_sizes(uncached, limit)[0]`` (0 for no jobs), reading no further than
     the first job left out."""
-    size = total = 0
-    for n in uncached:
-        if not size:
-            size, total = 1, (n if n <= limit else limit + 1)
-        elif limit > 0 and total + n <= limit:
-            size, total = size + 1, total + n
-        else:
-            break
-    return size
+    return next(iter_pack_sizes(uncached, limit), 0)
