@@ -115,6 +115,9 @@ def test_status_json_and_once_show_instances_stores_and_recent_requests(cluster)
     # the store's usage arrives with its block events (the request's blocks were written back)
     wait_until(lambda: any((s.get("usage") or {}).get("dram_blocks", 0) > 0 for s in _status(url)["stores"]),
            "the store's usage")
+    # and a heartbeat from after the request: one sent while decode still held its KV (written,
+    # not yet joined to the batch) would show batch 0 with KV in use
+    wait_until(lambda: all(i.get("kv_used") in (None, 0.0) for i in _status(url)["instances"]), "an idle decode")
     out = _status_cli(url, "--json")
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
