@@ -14,28 +14,70 @@ conductor's prior, and then ``network_bytes_per_s_measured`` says ``false``.
 ``instance/refine.py``): equal-mass quantiles of a step's measured time over its model's
 prediction, the median over the decodes quantile by quantile; the simulator draws each step's
 time from them (``sim/batch.py``). Guarded by the cluster token like the other internal endpoints.
+
+Co-location (one box, issue #20 item 4): the export asks every live instance for its recent work
+(``GET /v1/timeline``: a decode's steps, a prefill's forwards, on its host's monotonic clock) and
+splits each decode's token gaps by whether a prefill on the same host was computing through them
+(``instance/refine.colocation_split``). Where that split exists, ``decode_step_ratios`` are the
+spread of the gaps run alone (gap = step + the loop's work between steps, what a client's TBT
+sees; the heartbeat's deciles time the step only) and ``decode_colocated_slowdown`` the mean gap
+beside a prefill over the mean gap alone (per unit of the model's step), which the simulator
+applies to a decode's steps while a prefill computes (``sim/costs.Hardware``); ``colocation``
+has every decode's figures. A decode with no prefill on its host reports no slowdown (1.0).
+``decode_padded_context``: every decode's attention runs a batch's sequences to the longest
+one's context (the torch reference kernel: CPU), so the simulator prices the padding's tokens
+at the model's per-token cost (``instance/refine.padded_step``), and the ratios above are over
+that step.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping
 from statistics import median
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
+from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.membership import Instance, Membership
-from mooncake_lite.instance.refine import STEP_RATIO_PREFIX
+from mooncake_lite.instance.refine import STEP_RATIO_PREFIX, colocation_split
 from mooncake_lite.scheduler import CostModels
+
+TIMELINE_TIMEOUT_S = 5.0
 
 
 async def cost_model(request: web.Request) -> web.Response:
     svc = request.app[API].svc
-    return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs))
+    timelines = await fetch_timelines(svc.session, svc.membership, svc.cluster_token)
+    return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs, timelines))
 
 
-def cluster_profile(membership: Membership, defaults: CostModels) -> dict[str, Any]:
-    """The profile dict (module doc) of the live instances."""
+async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership,
+                          token: str | None) -> dict[str, dict]:
+    """Every live instance's ``GET /v1/timeline`` answer by instance id; one that does not
+    answer (down, or a role from before timelines) is left out, and its decodes keep the
+    heartbeat's spread."""
+    async def one(inst: Instance) -> tuple[str, dict | None]:
+        try:
+            async with session.get(f"http://{inst.reg.http}/v1/timeline", headers=cluster_headers(token),
+                                   timeout=aiohttp.ClientTimeout(total=TIMELINE_TIMEOUT_S)) as resp:
+                if resp.status == 200:
+                    return inst.instance_id, await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
+        return inst.instance_id, None
+    insts = [*membership.alive("prefill"), *membership.alive("decode")]
+    answers = await asyncio.gather(*(one(i) for i in insts))
+    return {iid: t for iid, t in answers if isinstance(t, dict)}
+
+
+def cluster_profile(membership: Membership, defaults: CostModels,
+                    timelines: Mapping[str, Mapping] | None = None) -> dict[str, Any]:
+    """The profile dict (module doc) of the live instances (``timelines``: their
+    ``/v1/timeline`` answers by instance id, for the co-location split)."""
     prefills, decodes = membership.alive("prefill"), membership.alive("decode")
     prefill_models = [i.costs.prefill or defaults.prefill for i in prefills]
     decode_models = [i.costs.decode or defaults.decode for i in decodes]
@@ -53,10 +95,42 @@ def cluster_profile(membership: Membership, defaults: CostModels) -> dict[str, A
     }
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
-    ratios = [r for i in decodes if (r := _step_ratios(i))]
+    splits = colocation(decodes, prefills, timelines or {}, defaults)
+    if splits:
+        profile["colocation"] = splits
+    ratios = [r for i in decodes if (r := _gap_ratios(splits.get(i.instance_id)) or _step_ratios(i))]
     if decodes and len(ratios) == len(decodes) and len({len(r) for r in ratios}) == 1:
         profile["decode_step_ratios"] = [median(col) for col in zip(*ratios)]
+    answered = [timelines[i.instance_id] for i in decodes if i.instance_id in timelines]
+    if answered and len(answered) == len(decodes) and all(t.get("padded_attention") for t in answered):
+        profile["decode_padded_context"] = True   # a step costs batch × the longest context
+    slowdowns = [s["slowdown"] for s in splits.values() if s.get("slowdown")]
+    if slowdowns:   # the decodes that share a host with a prefill and ran steps both ways
+        profile["decode_colocated_slowdown"] = median(slowdowns)
     return profile
+
+
+def colocation(decodes: list[Instance], prefills: list[Instance], timelines: Mapping[str, Mapping],
+               defaults: CostModels) -> dict[str, dict]:
+    """Each decode's ``colocation_split`` (its steps against the forwards of the prefills on its
+    host, by its own model), by instance id; decodes without a timeline are left out."""
+    out = {}
+    for d in decodes:
+        mine = timelines.get(d.instance_id)
+        if not mine or not mine.get("steps"):
+            continue
+        forwards = [f for p in prefills if (t := timelines.get(p.instance_id)) and t.get("host") == mine.get("host")
+                    for f in t.get("forwards", ())]
+        split = colocation_split(mine["steps"], forwards, d.costs.decode or defaults.decode,
+                                 padded=bool(mine.get("padded_attention")))
+        if split is not None:
+            out[d.instance_id] = split
+    return out
+
+
+def _gap_ratios(split: Mapping | None) -> list[float]:
+    """The spread of a decode's gaps with no prefill computing beside it (empty: none)."""
+    return list(split.get("idle_ratios") or ()) if split else []
 
 
 def _step_ratios(inst: Instance) -> list[float]:

@@ -33,6 +33,7 @@ from mooncake_lite.decode.kv_receiver import start_kv_server
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.transfer.server import server_address
+from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,25 @@ async def load(request: web.Request) -> web.Response:
                               "pending_transfers": len(engine.pending), **request.app[STATS]})
 
 
+async def timeline(request: web.Request) -> web.Response:
+    """The newest steps on this host's monotonic clock (``DecodeEngine.timeline``), for the
+    conductor's cost export to set beside the forwards of the prefills on the same host."""
+    engine = request.app[ENGINE]
+    return web.json_response({"host": host_identity(), "clock": "monotonic", "steps": list(engine.timeline),
+                              "padded_attention": pads_decode_attention(engine.runner.device)})
+
+
+def pads_decode_attention(device) -> bool:
+    """Whether this decode's attention runs every sequence of a batch to the longest one's
+    context (the torch reference, kernels/attention.py: CPU, or a GPU without the Triton
+    kernel), so a step costs batch × the longest context rather than the contexts' sum."""
+    import torch
+
+    from kernels.dispatch import fast_module
+    probe = torch.empty(0, device=device)
+    return fast_module("triton_attention", probe) is None
+
+
 def figures(app: web.Application) -> dict[str, float]:
     engine = app[ENGINE]
     return {**engine.load(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
@@ -157,6 +177,7 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
+    app.router.add_get("/v1/timeline", timeline)
     add_metrics_route(app, "decode", lambda: figures(app), engine.runner.device)
     app.cleanup_ctx.append(_background)
     return app

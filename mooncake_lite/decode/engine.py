@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
-from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
+from mooncake_lite.instance.refine import STEP_RATIO_KEYS, TIMELINE_LEN, DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
@@ -94,6 +96,11 @@ class DecodeEngine:
         self._wake = asyncio.Event()
         self.num_steps = 0
         self.step_seconds = 0.0   # their time, from submitting to the model thread to the tokens
+        # The newest steps as (start on the host's monotonic clock, seconds, batch, context,
+        # 1 if the loop waited for work before it, the longest sequence's context):
+        # GET /v1/timeline, for the cost export's split of steps beside a prefill on this host
+        # from those without (instance/refine.py).
+        self.timeline: deque[tuple[float, float, int, int, int, int]] = deque(maxlen=TIMELINE_LEN)
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest, span: Any = None) -> asyncio.Queue:
@@ -299,14 +306,16 @@ class DecodeEngine:
     async def run(self) -> None:
         """Forever: plan a step over the running sequences, compute it off-loop, deliver tokens."""
         loop = asyncio.get_running_loop()
+        waited = 1
         while True:
             plan = self.batcher.plan()
             if plan is None:
                 self._wake.clear()
                 await self._wake.wait()
+                waited = 1
                 continue
             samplers = [self.requests.get(rid) for rid in plan.request_ids]
-            t0 = loop.time()
+            t0, m0 = loop.time(), time.monotonic()
             try:
                 tokens = await loop.run_in_executor(self.executor, self._compute, plan, samplers)
             except Exception as exc:  # a model failure fails this batch, never the server
@@ -323,6 +332,10 @@ class DecodeEngine:
                     self.refiner.observe(*step)
             self.num_steps += 1
             self.step_seconds += loop.time() - t0
+            # time.monotonic, not loop.time: uvloop's is in whole ms and not the other roles' clock
+            self.timeline.append((m0, time.monotonic() - m0, len(plan), sum(p + 1 for p in plan.positions), waited,
+                                  max(plan.positions) + 1))
+            waited = 0
             for out in self.batcher.commit(plan, tokens):
                 state = self.requests.get(out.request_id)
                 if state is None:

@@ -36,6 +36,7 @@ for each heartbeat.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from statistics import median
@@ -247,3 +248,99 @@ class DecodeRefiner(Refiner):
     @staticmethod
     def _row(x: int, y: int) -> list[float]:
         return [1.0, x, y]
+
+
+# ---- co-location: decode token gaps while a prefill on the same host computes ------------------
+# On one box prefill and decode share the CPU: a decode step run beside a prefill's forward is
+# slower than one run alone, and a single spread for every step (ratio_quantiles) cannot say
+# when the slow ones come. Each role keeps its recent work on the host's monotonic clock
+# (``GET /v1/timeline``); :func:`colocation_split` joins a decode's steps with the forwards of
+# the prefills on its host, which the conductor's cost export does for the simulator.
+TIMELINE_LEN = 4096          # steps (decode) or forwards (prefill) a role keeps, newest
+BUSY_SHARE = 0.5             # a gap is "beside a prefill" when a forward covers this much of it
+MIN_SPLIT_GAPS = 20          # gaps on each side before a slowdown is reported
+
+
+def covered_share(start: float, end: float, intervals: Sequence[tuple[float, float]]) -> float:
+    """The share of ``[start, end]`` covered by the union of ``intervals`` (sorted by start,
+    not overlapping: :func:`merge_intervals`)."""
+    if end <= start:
+        return 0.0
+    covered = 0.0
+    for a, b in intervals[bisect_right(intervals, start, key=_end):]:   # the first that ends after start
+        if a >= end:
+            break
+        if b > start:
+            covered += min(b, end) - max(a, start)
+    return covered / (end - start)
+
+
+def _end(interval: tuple[float, float]) -> float:
+    return interval[1]
+
+
+def merge_intervals(intervals: Sequence[Sequence[float]]) -> list[tuple[float, float]]:
+    """``(start, end)`` intervals sorted and merged where they overlap (several prefills, packed
+    forwards, a CPP group's stages)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((float(a), float(b)) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def step_gaps(steps: Sequence[Sequence[float]]) -> list[tuple[float, float, int, int, float, int]]:
+    """A decode's token gaps from its step timeline (``(start, seconds, batch, context,
+    waited, longest context)`` per step, in order): a step's tokens go out when it ends, so the
+    gap before step i's tokens is ``end_i − end_{i−1}`` — the step plus the loop's work between
+    the two (KV writes, HTTP) — when step i followed step i−1 at once (``waited`` 0: the batch
+    was never empty between). ``(gap start, gap end, batch, context, step seconds, longest
+    context)`` of step i."""
+    out = []
+    for prev, cur in zip(steps, steps[1:]):
+        if cur[4]:
+            continue
+        a, b = prev[0] + prev[1], cur[0] + cur[1]
+        if b > a:
+            longest = int(cur[5]) if len(cur) > 5 else int(cur[3])
+            out.append((a, b, int(cur[2]), int(cur[3]), float(cur[1]), longest))
+    return out
+
+
+def padded_step(model: DecodeCostModel, batch: int, context: int, longest: int) -> float:
+    """A step's time when attention runs every sequence to the batch's longest context (the
+    CPU's reference kernel): the model's, with the padding's tokens at its per-token cost."""
+    return model.predict(batch, context) + model.c2 * max(0, batch * longest - context)
+
+
+def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequence[float]],
+                     model: DecodeCostModel, padded: bool = False,
+                     quantiles: Sequence[float] = RATIO_QUANTILES) -> dict | None:
+    """A decode's token gaps over its model's step (:func:`step_gaps`; ``padded``: the step of
+    :func:`padded_step`, as the simulator then runs it), split by whether a
+    prefill on its host was computing through most of the gap (``forwards``: their
+    ``(start, end)`` on the same clock): how many on each side, their mean gap, the quantiles
+    of gap / model on each side (``idle_ratios``, ``busy_ratios``), and ``slowdown`` = the mean
+    ratio beside a prefill over the mean ratio without (None below ``MIN_SPLIT_GAPS`` a side).
+    ``step_share`` = the steps' own seconds over the gaps' (the rest is between steps).
+    None without gaps."""
+    gaps = step_gaps(steps)
+    busy_at = merge_intervals(forwards)
+    sides: dict[str, list[tuple[float, float]]] = {"idle": [], "busy": []}
+    for a, b, batch, context, _, longest in gaps:
+        predicted = padded_step(model, batch, context, longest) if padded else model.predict(batch, context)
+        if predicted > 0:
+            side = "busy" if covered_share(a, b, busy_at) >= BUSY_SHARE else "idle"
+            sides[side].append((b - a, (b - a) / predicted))
+    if not gaps or not (sides["idle"] or sides["busy"]):
+        return None
+    out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps)}
+    for name, vals in sides.items():
+        out[f"gaps_{name}"] = len(vals)
+        out[f"gap_mean_{name}_s"] = float(np.mean([g for g, _ in vals])) if vals else None
+        out[f"{name}_ratios"] = [float(v) for v in np.quantile([r for _, r in vals], quantiles)] if vals else None
+    means = {name: float(np.mean([r for _, r in vals])) for name, vals in sides.items() if len(vals) >= MIN_SPLIT_GAPS}
+    out["slowdown"] = means["busy"] / means["idle"] if len(means) == 2 and means["idle"] > 0 else None
+    return out

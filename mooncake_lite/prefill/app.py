@@ -40,6 +40,7 @@ from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore, PrefixS
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
+from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,14 @@ async def load(request: web.Request) -> web.Response:
                               "cost": service.cost.to_dict() if service.cost is not None else None})
 
 
+async def timeline(request: web.Request) -> web.Response:
+    """The newest forwards on this host's monotonic clock (``StageEngine.timeline``): when this
+    prefill computed, for the conductor's cost export to split the steps of a decode on the
+    same host by (``instance/refine.colocation_split``)."""
+    return web.json_response({"host": host_identity(), "clock": "monotonic",
+                              "forwards": list(request.app[SERVICE].stage.timeline)})
+
+
 def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
               downstream: NextStage | None = None) -> web.Application:
     """The prefill app of this process's ``stage`` (a CPP group's other stages behind ``downstream``)."""
@@ -150,6 +159,7 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
+    app.router.add_get("/v1/timeline", timeline)
     add_metrics_route(app, "prefill", lambda: figures(service), service.stage.runner.device,
                       extra=[WritebackFailuresCollector(service.stage.writebacks)])
     app.cleanup_ctx.append(_lifetime)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from kernels import gather_tokens, pack_blocks, unpack_blocks
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
-from mooncake_lite.instance.refine import PrefillRefiner
+from mooncake_lite.instance.refine import TIMELINE_LEN, PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
@@ -104,6 +105,10 @@ class StageEngine:
         # Told each chunk's (num_tokens, num_prefix_tokens, seconds): the instance's cost model
         # is refined from them (instance/refine.py); None on a CPP stage, which has no model.
         self.refiner: PrefillRefiner | None = None
+        # The newest forwards (a chunk, or a packed forward) as (start, end) on the host's
+        # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
+        # host run beside a forward from those run alone (instance/refine.colocation_split).
+        self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
 
     @property
     def layer_ids(self) -> range:
@@ -179,6 +184,7 @@ class StageEngine:
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
+        self._busy(seconds)
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
         if self.refiner is not None:
             self.refiner.observe(start + piece.num_tokens, start, seconds)
@@ -210,6 +216,7 @@ class StageEngine:
                     _send(job.sender, layer, start, kv)
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
+        self._busy(seconds)
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
             job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
@@ -218,6 +225,12 @@ class StageEngine:
         if self.refiner is not None and len(parts) == 1:   # the refined model is of one prompt's pass
             self.refiner.observe(parts[0][1] + len(parts[0][2]), parts[0][1], seconds)
         return out, errors
+
+    def _busy(self, seconds: float) -> None:
+        """A forward of ``seconds`` just ended: its interval on the monotonic clock, the one the
+        other roles on this host read too."""
+        end = time.monotonic()
+        self.timeline.append((end - seconds, end))
 
     def _packed_layer(self, piece: PackedPass, layer: int) -> list[Staged]:
         piece.run_layer(layer)

@@ -4,6 +4,7 @@ from its conductor, written as a ``--cost-model`` file the simulator loads as is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import orjson
@@ -76,3 +77,37 @@ def test_an_unreachable_conductor_is_a_clean_error(tmp_path, capsys):
     assert sim_main(["export-costs", "--conductor", "http://127.0.0.1:9", "-o", str(tmp_path / "x.json"),
                      "--timeout", "2"]) == 2
     assert "mooncake sim export-costs: error:" in capsys.readouterr().err
+
+
+async def test_the_export_splits_a_decodes_steps_by_the_prefill_beside_it(aiohttp_server):
+    """Co-location (issue #20 item 4): the conductor reads each instance's ``/v1/timeline`` and
+    exports the decode's slowdown beside a computing prefill on its host, and the spread of its
+    gaps alone; a prefill on another host does not count."""
+    from aiohttp import web
+
+    from tests.instance.test_colocation import timeline
+
+    def role_app(body):
+        async def answer(request):
+            return web.json_response(body)
+        app = web.Application()
+        app.router.add_get("/v1/timeline", answer)
+        return app
+    model = {"c0": 0.01, "c1": 0.0, "c2": 0.0}
+    decode = await aiohttp_server(role_app({"host": "box", "steps": timeline(busy=(0.5, 1.25), beside=0.03)}))
+    here = await aiohttp_server(role_app({"host": "box", "forwards": [[0.5, 1.25]]}))
+    elsewhere = await aiohttp_server(role_app({"host": "other", "forwards": [[0.0, 0.5]]}))
+    conductor = await aiohttp_server(make_app(Config(model="tiny", block_size=4)))
+    url = f"http://127.0.0.1:{conductor.port}"
+    async with aiohttp.ClientSession() as s:
+        for role, iid, srv in (("decode", "d0", decode), ("prefill", "p0", here), ("prefill", "p1", elsewhere)):
+            reg = dataclasses.replace(registration(role, iid, model if role == "decode" else PREFILLS["p0"], 4096),
+                                      http=f"127.0.0.1:{srv.port}")
+            async with s.post(url + "/internal/v1/register", data=dumps(reg)) as r:
+                assert r.status == 200, await r.text()
+        async with s.get(url + "/internal/v1/cost_model") as r:
+            profile = await r.json()
+    assert profile["decode_colocated_slowdown"] == pytest.approx(3.0, rel=0.02)
+    assert profile["decode_step_ratios"] == pytest.approx([1.0] * 10)          # the gaps alone
+    split = profile["colocation"]["d0"]
+    assert split["gaps_busy"] == 25 and split["gaps_idle"] == 74

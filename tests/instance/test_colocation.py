@@ -1,0 +1,72 @@
+"""The co-location split (issue #20 item 4): a decode's token gaps, from its step timeline, split
+by whether a prefill on its host was computing through them, and each side's spread over the
+decode's model (``instance/refine.colocation_split``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.instance.refine import (colocation_split, covered_share, merge_intervals, padded_step,
+                                           step_gaps)
+from mooncake_lite.scheduler import DecodeCostModel
+
+MODEL = DecodeCostModel(c0=0.01, c1=0.0, c2=0.0)     # every step: 10 ms by the model
+
+
+def timeline(busy=(0.5, 1.0), n=100, alone=0.01, beside=0.02, between=0.0):
+    """Steps back to back (``between`` s of loop work after each): ``beside`` s each while a
+    forward covers ``busy``, ``alone`` s otherwise."""
+    steps, t = [], 0.0
+    for i in range(n):
+        dur = beside if busy[0] <= t + 1e-9 < busy[1] else alone
+        steps.append((t, dur, 2, 40, int(i == 0)))
+        t += dur + between
+    return steps
+
+
+def test_intervals_merge_and_cover():
+    merged = merge_intervals([(3, 4), (0, 1), (0.5, 2), (5, 5)])
+    assert merged == [(0, 2), (3, 4)]
+    assert covered_share(1, 3, merged) == pytest.approx(0.5)
+    assert covered_share(4, 5, merged) == 0.0 and covered_share(2, 2, merged) == 0.0
+
+
+def test_gaps_run_end_to_end_and_skip_a_wait():
+    steps = [(0.0, 0.1, 1, 10, 1, 10), (0.15, 0.1, 1, 11, 0, 11), (2.0, 0.1, 1, 12, 1, 12), (2.1, 0.2, 2, 30, 0, 20)]
+    # step 1's tokens 0.15 s after step 0's (0.1 of step, 0.05 between); step 2 came after a wait
+    assert step_gaps(steps) == [pytest.approx((0.1, 0.25, 1, 11, 0.1, 11)), pytest.approx((2.1, 2.3, 2, 30, 0.2, 20))]
+    assert step_gaps([s[:5] for s in steps])[1][5] == 30      # a timeline without the longest: the sum
+
+
+def test_steps_beside_a_forward_are_split_out_and_their_slowdown_measured():
+    split = colocation_split(timeline(), [(0.5, 1.0)], MODEL)
+    assert split["gaps_busy"] == 25 and split["gaps_idle"] == 74          # 99 gaps: the first step has none
+    assert split["slowdown"] == pytest.approx(2.0, rel=0.02)
+    assert split["idle_ratios"] == pytest.approx([1.0] * 10) and split["busy_ratios"] == pytest.approx([2.0] * 10)
+    assert split["step_share"] == pytest.approx(1.0)
+
+
+def test_work_between_steps_counts_in_the_gap_not_the_step():
+    split = colocation_split(timeline(busy=(0, 0), between=0.005), [], MODEL)
+    assert split["gaps_busy"] == 0 and split["slowdown"] is None          # no forward: no slowdown to tell
+    assert split["idle_ratios"] == pytest.approx([1.5] * 10)               # (10 + 5) ms per 10 ms step
+    assert split["step_share"] == pytest.approx(0.01 / 0.015)
+
+
+def test_too_few_gaps_beside_a_forward_say_nothing():
+    split = colocation_split(timeline(busy=(0.5, 0.6)), [(0.5, 0.6)], MODEL)
+    assert 0 < split["gaps_busy"] < 20 and split["slowdown"] is None
+    assert colocation_split(timeline()[:1], [], MODEL) is None              # one step: no gap
+
+
+def test_a_padded_step_prices_the_padding_at_the_context_cost():
+    model = DecodeCostModel(c0=0.01, c1=0.001, c2=1e-5)
+    assert padded_step(model, 1, 500, 500) == model.predict(1, 500)         # one sequence: no padding
+    # three sequences run to the longest (2,000): 6,000 token-steps of attention, not 2,400
+    assert padded_step(model, 3, 2400, 2000) == pytest.approx(model.predict(3, 2400) + 3600e-5)
+    # gaps that took the padded time are at ratio 1 over it, at more over the plain model
+    steps = [(0.1 * i, padded_step(model, 3, 2400, 2000), 3, 2400, int(i == 0), 2000) for i in range(30)]
+    for i in range(1, 30):
+        steps[i] = (steps[i - 1][0] + steps[i - 1][1], *steps[i][1:])
+    assert colocation_split(steps, [], model, padded=True)["idle_ratios"] == pytest.approx([1.0] * 10)
+    assert colocation_split(steps, [], model)["idle_ratios"][0] > 1.5
