@@ -23,6 +23,7 @@ from operator import mul
 
 import numpy as np
 
+from mooncake_lite.instance.refine import padded_step
 from mooncake_lite.scheduler.costs import DecodeCostModel
 from mooncake_lite.sim.request import _COUNT, Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
 
@@ -36,13 +37,15 @@ class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
     __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
-                 "stalled", "step_ratios", "_step_scale")
+                 "stalled", "step_ratios", "_step_scale", "_spread_mean", "padded")
 
-    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = ()) -> None:
+    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padded: bool = False) -> None:
         self.model = model
+        self.padded = padded      # attention runs every request to the longest context (Hardware)
         spread = len(set(step_ratios)) > 1      # a flat spread only scales the steps
         self.step_ratios = np.asarray(step_ratios, dtype=np.float64) if spread else None
-        self._step_scale = float(np.mean(step_ratios)) if step_ratios else 1.0
+        self._spread_mean = float(np.mean(step_ratios)) if step_ratios else 1.0
+        self._step_scale = self._spread_mean     # × a co-location slowdown while it lasts (scale)
         self.running: dict[str, SimRequest] = {}
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._seq = 0
@@ -69,7 +72,18 @@ class Batch:
         self.context_tokens += req.input_length + 1
 
     def step_time(self) -> float:
+        if self.padded and self.running:
+            return padded_step(self.model, len(self.running), self.context_tokens, self._longest()) * self._step_scale
         return self.model.predict(len(self.running), self.context_tokens) * self._step_scale
+
+    def _longest(self) -> int:
+        """The longest running request's context now (prompt, its first token, one per step)."""
+        return max(r.input_length + 1 + self.steps_done - r.join_step for r in self.running.values())
+
+    def scale(self, factor: float) -> None:
+        """Steps timed from now on take ``factor`` × the spread's mean × the model's time (a
+        prefill computing on the same host: ``Hardware.decode_colocated_slowdown``)."""
+        self._step_scale = self._spread_mean * factor
 
     def steps_to_next_finish(self) -> int:
         return self._heap[0][0] - self.steps_done
@@ -113,7 +127,7 @@ class Batch:
         doc); ``gaps`` are its steps' (time, count) without the wait before its first."""
         times = np.repeat([g for g, _ in gaps], [c for _, c in gaps])
         rng = np.random.default_rng(zlib.crc32(str(req.rid).encode()))
-        times = times * (self.step_ratios[rng.integers(len(self.step_ratios), size=len(times))] / self._step_scale)
+        times = times * (self.step_ratios[rng.integers(len(self.step_ratios), size=len(times))] / self._spread_mean)
         times[0] += req.wait_extra
         steps = [(t, 1) for t in times.tolist()]
         req.tbt = slowest_share_mean(steps, total=len(steps))

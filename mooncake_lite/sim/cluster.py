@@ -53,7 +53,8 @@ class MooncakeSim(TraceDriver):
                                      cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens)
                          for i in range(cfg.num_prefill)]
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
-        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios), self.events, cfg.decode_max_batch,
+        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padded_context),
+                                   self.events, cfg.decode_max_batch,
                                    hw.decode_max_context_tokens, self._finish)
                         for i in range(cfg.num_decode)]
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
@@ -65,6 +66,9 @@ class MooncakeSim(TraceDriver):
         self.predictor = OutputPredictor() if cfg.predict_output else None
         self.accuracy = PredictionAccuracy()
         self.refused = {"conductor": 0, "prefill": 0, "decode": 0}   # rejections so far, by stage
+        # One box (Hardware.decode_colocated_slowdown != 1): decodes slow while any prefill computes.
+        self.slowdown = hw.decode_colocated_slowdown
+        self._prefilling = False
 
     def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         res = super().run(trace, progress)
@@ -127,6 +131,8 @@ class MooncakeSim(TraceDriver):
             self.events.push(req.ready_at, self._wake_prefill, p)
             return
         p.begin(now)
+        if self.slowdown != 1.0:
+            self._colocate(now)
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
         duration = self._prefill_seconds(p, req)
@@ -184,6 +190,17 @@ class MooncakeSim(TraceDriver):
                 arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
                 self.events.push(arrival, self._kv_arrived, req)
         self._start_prefill(now, p)
+        if self.slowdown != 1.0:
+            self._colocate(now)
+
+    def _colocate(self, now: float) -> None:
+        """A one-box cluster: every decode's steps take ``slowdown`` × their time while any
+        prefill computes, from their next step boundary (the live export's measured ratio)."""
+        prefilling = any(p.current is not None for p in self.prefills)
+        if prefilling != self._prefilling:
+            self._prefilling = prefilling
+            for d in self.decodes:
+                d.rescale(now, self.slowdown if prefilling else 1.0)
 
     # ---- decode ------------------------------------------------------------------------------
     def _kv_arrived(self, now: float, req: SimRequest) -> None:

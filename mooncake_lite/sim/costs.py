@@ -58,6 +58,15 @@ class Hardware:
     # A decode step's measured time over its model's prediction, as equal-mass quantiles (a
     # live cluster's export, conductor/cost_export.py); empty: every step takes the model's time.
     decode_step_ratios: tuple[float, ...] = ()
+    # A decode step's time while a prefill computes beside it over its time alone, measured on
+    # a one-box cluster (conductor/cost_export.py: prefill and decode share its CPU). 1.0: the
+    # nodes do not interfere (the paper's). Else the simulated cluster is that one box: every
+    # decode's steps take this much longer while any prefill computes (sim/cluster.py).
+    decode_colocated_slowdown: float = 1.0
+    # The decode's attention runs every sequence of a batch to the longest one's context (the
+    # torch reference kernel a CPU decode runs: kernels/attention.py): a step then costs the
+    # padding's tokens too, at the model's per-token cost (instance/refine.padded_step).
+    decode_padded_context: bool = False
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
@@ -97,7 +106,10 @@ class Hardware:
                 "dram_bytes_per_node": self.dram_bytes_per_node,
                 "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size,
                 "ssd_load_bytes_per_s": self.ssd_load_bytes_per_s,
-                **({"decode_step_ratios": list(self.decode_step_ratios)} if self.decode_step_ratios else {})}
+                **({"decode_step_ratios": list(self.decode_step_ratios)} if self.decode_step_ratios else {}),
+                **({"decode_colocated_slowdown": self.decode_colocated_slowdown}
+                   if self.decode_colocated_slowdown != 1.0 else {}),
+                **({"decode_padded_context": True} if self.decode_padded_context else {})}
 
 
 def _flops(n: float) -> float:
@@ -150,7 +162,9 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "bandwidth_bytes_per_s": 9e10,            # or "network_bytes_per_s"
          "local_load_bytes_per_s": 2e11, "decode_max_context_tokens": 1000000,
          "dram_bytes_per_node": 1e12, "block_size": 512,
-         "decode_step_ratios": [0.9, .., 1.6]}    # a step's spread around the decode model
+         "decode_step_ratios": [0.9, .., 1.6],    # a step's spread around the decode model
+         "decode_colocated_slowdown": 1.8,        # steps beside a computing prefill (one box)
+         "decode_padded_context": true}           # attention runs a batch to its longest context
     """
     try:
         data = orjson.loads(Path(path).read_bytes())
@@ -168,11 +182,16 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
                        ("local_load_bytes_per_s", data.get("local_load_bytes_per_s")),
                        ("ssd_load_bytes_per_s", data.get("ssd_load_bytes_per_s")),
                        ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
-                       ("dram_bytes_per_node", data.get("dram_bytes_per_node"))):
+                       ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
+                       ("decode_colocated_slowdown", data.get("decode_colocated_slowdown"))):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
-            changes[key] = float(value) if key.endswith("_per_s") else int(value)
+            changes[key] = float(value) if key.endswith(("_per_s", "_slowdown")) else int(value)
+    if "decode_padded_context" in data:
+        if not isinstance(data["decode_padded_context"], bool):
+            raise ValueError(f"cost profile {path}: decode_padded_context must be true or false")
+        changes["decode_padded_context"] = data["decode_padded_context"]
     if "decode_step_ratios" in data:
         changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
     return replace(hw, **changes)

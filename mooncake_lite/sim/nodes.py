@@ -208,6 +208,16 @@ class DecodeNode:
         if self.seg_steps == 0:
             self._boundary(now, self.version)
             return
+        self._cut(now)
+
+    def rescale(self, now: float, factor: float) -> None:
+        """Steps take ``factor`` × their time from the next step boundary on (``Batch.scale``)."""
+        self.batch.scale(factor)
+        if self.seg_steps:
+            self._cut(now)
+
+    def _cut(self, now: float) -> None:
+        """End the running segment at the first step boundary after ``now``."""
         done = math.floor((now - self.seg_start) / self.seg_gap + 1e-9)
         cut = min(done + 1, self.seg_steps)
         if cut < self.seg_steps:
