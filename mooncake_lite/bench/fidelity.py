@@ -14,7 +14,10 @@
    arrivals, instance counts, block size and admission — with that cost model.
 5. Prints TTFT and TBT (the paper's: mean of each request's slowest 10% of gaps) mean/p50/p90,
    rejections (and whether the *same* requests were rejected), prefix-hit tokens, each with the
-   simulator's relative error, plus two measured modelling gaps (``gaps``); writes a CDF plot.
+   simulator's relative error, plus the measured modelling gaps (``gaps``), the export's split of
+   the decode's gaps beside a prefill forward from those without (``cost_model.colocation``),
+   and the same slice simulated without each one-box effect the profile models (``ablations``);
+   writes a CDF plot, and the instances' step and forward timelines (``timelines.json``).
 
 SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
 5× one step alone, by the chosen instance's own profile); the simulator's are absolute. Without
@@ -144,15 +147,25 @@ def converted_slos(prompt_tokens: Sequence[int], hw, ttft_factor: float, tbt_fac
 # ---- the two sides ---------------------------------------------------------------------------
 
 def live_side(records: Sequence) -> Side:
-    from mooncake_lite.bench.replay.metrics import itls, ttft
+    from mooncake_lite.bench.replay.metrics import ttft
     from mooncake_lite.common.tbt import paper_tbt
     ok = [r for r in records if r.is_ok]
     return Side(ttft=tuple(ttft(r) for r in ok),
-                tbt=tuple(t for r in ok if (t := paper_tbt(itls(r))) is not None),
+                tbt=tuple(t for r in ok if (t := paper_tbt(token_gaps(r))) is not None),
                 completed=len(ok), rejected=frozenset(r.request_id for r in records if r.is_rejected),
                 failed=sum(not r.is_ok and not r.is_rejected for r in records),
                 prefix_hit_tokens=sum(r.cached_tokens or 0 for r in ok),
                 prompt_tokens=sum(_server_tokens(r) for r in ok))
+
+
+def token_gaps(record) -> list[float]:
+    """The gaps between a request's tokens as the client got them. The stream's last chunk
+    carries only the finish reason, right after the last token: ``bench replay`` counts that
+    0 s gap too (``itls``), which the simulator has no twin of — 32 gaps for 31, a mean gap
+    3% low, and the slowest tenth of a different count whenever the real count ends in 9."""
+    from mooncake_lite.bench.replay.metrics import itls
+    gaps = itls(record)
+    return gaps[: record.output_tokens - 1] if record.output_tokens else gaps
 
 
 def sim_side(result) -> Side:
@@ -236,7 +249,6 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
     the decode step: live mean gap per step and mean batch (the decodes' step counters) against
     the exported model's step at that batch and the mean context, and the decodes' own mean step
     time (their step clocks), so what lies between steps shows."""
-    from mooncake_lite.bench.replay.metrics import itls
     c = "mooncake_conductor_"
     out: dict[str, float | None] = {}
     n_ttft, s_ttft = delta(before["conductor"], after["conductor"], c + "ttft_seconds_count"), \
@@ -244,7 +256,7 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
     n_itl, s_itl = delta(before["conductor"], after["conductor"], c + "itl_seconds_count"), \
         delta(before["conductor"], after["conductor"], c + "itl_seconds_sum")
     ok = [r for r in records if r.is_ok]
-    gaps = [g for r in ok for g in itls(r)]
+    gaps = [g for r in ok for g in token_gaps(r)]
     client_ttft = statistics.fmean(live.ttft) if live.ttft else None
     client_itl = statistics.fmean(gaps) if gaps else None
     if n_ttft and client_ttft is not None:
@@ -292,11 +304,10 @@ def gaps_by_prefill_activity(ok: Sequence) -> dict[str, float]:
     """Token gaps split by whether a prefill was in progress (some request sent and without its
     first token: the prefill queue is not empty, so the prefill computes) at the gap's midpoint.
     On one box prefill and decode share the CPU; the simulator's nodes do not interfere."""
-    from mooncake_lite.bench.replay.metrics import itls
     busy = sorted((r.send_s, r.chunk_s[0]) for r in ok)
     during, idle = [], []
     for r in ok:
-        for a, gap in zip(r.chunk_s, itls(r)):
+        for a, gap in zip(r.chunk_s, token_gaps(r)):
             mid = a + gap / 2
             (during if any(s <= mid <= e for s, e in busy) else idle).append(gap)
     out = {"gaps_during_prefill": float(len(during)), "gaps_prefill_idle": float(len(idle))}
@@ -385,13 +396,30 @@ def conductor_config(api: str, token: str | None) -> dict:
         return {}
 
 
-def decode_urls(status: Mapping) -> list[str]:
+def decode_urls(status: Mapping, role: str = "decode") -> list[str]:
     urls = []
     for inst in status.get("instances", []):
-        if isinstance(inst, dict) and inst.get("role") == "decode" and inst.get("http"):
+        if isinstance(inst, dict) and inst.get("role") == role and inst.get("http"):
             http = str(inst["http"])
             urls.append(http if "://" in http else f"http://{http}")
     return urls
+
+
+def timelines(status: Mapping, token: str | None) -> dict[str, dict]:
+    """Every instance's ``GET /v1/timeline`` (decode steps, prefill forwards on the host's
+    monotonic clock) by URL, as the cost export read them: kept for offline analysis."""
+    import urllib.request
+
+    from mooncake_lite.common.auth import cluster_headers
+    out = {}
+    for url in decode_urls(status, "prefill") + decode_urls(status, "decode"):
+        req = urllib.request.Request(url.rstrip("/") + "/v1/timeline", headers=cluster_headers(token))
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                out[url] = orjson.loads(resp.read())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -472,7 +500,8 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     from mooncake_lite.sim.costs import load_profile
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    decodes = decode_urls(conductor_config(api, ns.token))
+    status = conductor_config(api, ns.token)
+    decodes = decode_urls(status)
     before = scrape_all(api, decodes)
     t0 = time.perf_counter()
     window, requests, records, served = asyncio.run(
@@ -480,6 +509,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     live_s = time.perf_counter() - t0
     after = scrape_all(api, decodes)
     profile = export_profile(api, ns.token, out / "costs.json")
+    (out / "timelines.json").write_bytes(orjson.dumps(timelines(status, ns.token)))
     hw = load_profile(out / "costs.json")
     trace = sim_trace(window, requests, records, ns.block_tokens)
     if ns.ttft_slo and ns.tbt_slo:
@@ -491,18 +521,21 @@ def run(ns: argparse.Namespace, api: str) -> dict:
                    batch_tokens=ns.prefill_batch_tokens)
     live, sim = live_side(records), sim_side(res)
     report = compare(live, sim, len(records))
-    if hw.decode_step_ratios:   # the same simulation with every step at the model's time: what the spread moves
-        flat = simulate(trace, replace(hw, decode_step_ratios=()), prefill=ns.prefill, decode=ns.decode,
-                        admission=ns.admission, ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"],
-                        block=ns.block_tokens, batch_tokens=ns.prefill_batch_tokens)
-        report["sim_without_step_spread"] = compare(live, sim_side(flat), len(records))["rows"]
+    for name, other in ablations(hw).items():   # the same slice without one modelled effect: what it moves
+        res_other = simulate(trace, other, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
+                             ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
+                             batch_tokens=ns.prefill_batch_tokens)
+        report[f"sim_{name}"] = compare(live, sim_side(res_other), len(records))["rows"]
     report.update(slos=slos, gaps=measured_gaps(live, records, before, after, hw),
                   config={k: v for k, v in vars(ns).items() if k != "token"}, served=served,
                   live_wall_s=live_s, live_failed=live.failed, sim_rejected_by=_rejected_by(res),
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
                   cost_model={"prefill": profile.get("prefill"), "decode": profile.get("decode"),
                               "decode_max_context_tokens": profile.get("decode_max_context_tokens"),
-                              "decode_step_ratios": profile.get("decode_step_ratios")})
+                              "decode_step_ratios": profile.get("decode_step_ratios"),
+                              "decode_colocated_slowdown": profile.get("decode_colocated_slowdown"),
+                              "decode_padded_context": profile.get("decode_padded_context"),
+                              "colocation": profile.get("colocation")})
     report["per_request"] = per_request(records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
     cdf_plot(plot, live, sim, f"{served['model']} · first {len(records)} requests · {ns.prefill}P+{ns.decode}D · "
@@ -514,16 +547,32 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     return report
 
 
+def ablations(hw) -> dict:
+    """The exported hardware without each one-box effect it models (only those it has), and
+    without all three: the simulator as it ran before they were measured."""
+    out = {}
+    if hw.decode_step_ratios:
+        out["without_step_spread"] = replace(hw, decode_step_ratios=())
+    if hw.decode_padded_context:
+        out["without_padded_context"] = replace(hw, decode_padded_context=False)
+    if hw.decode_colocated_slowdown != 1.0:
+        out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
+    if len(out) > 1:
+        out["without_any"] = replace(hw, decode_step_ratios=(), decode_padded_context=False,
+                                     decode_colocated_slowdown=1.0)
+    return out
+
+
 def per_request(records: Sequence, res) -> list[dict]:
     """Each request's outcome on both sides (TTFT/TBT seconds, or its rejection), by id."""
-    from mooncake_lite.bench.replay.metrics import itls, ttft
+    from mooncake_lite.bench.replay.metrics import ttft
     from mooncake_lite.common.tbt import paper_tbt
     sims = {r.request_id: r for r in res.requests}
     rows = []
     for rec in records:
         s = sims.get(rec.request_id)
         rows.append({"id": rec.request_id, "live_ttft": ttft(rec) if rec.is_ok else None,
-                     "live_tbt": paper_tbt(itls(rec)) if rec.is_ok else None, "live_status": rec.status,
+                     "live_tbt": paper_tbt(token_gaps(rec)) if rec.is_ok else None, "live_status": rec.status,
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
@@ -542,14 +591,30 @@ def _text(report: Mapping) -> str:
              f"({s['how']})",
              f"sim rejected by: {report['sim_rejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
              "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None)]
-    ratios = report["cost_model"].get("decode_step_ratios")
-    flat = report.get("sim_without_step_spread")
-    if ratios and flat:
-        lines.append("decode step / model, exported deciles: " + " ".join(f"{r:.2f}" for r in ratios)
-                     + "; without them the sim's error would be: " + ", ".join(
-                         f"{k.removesuffix('_s')} {row['rel_error']:+.1%}" for k, row in flat.items()
-                         if k.endswith("mean_s") and row["rel_error"] is not None))
+    cm = report["cost_model"]
+    if cm.get("decode_step_ratios"):
+        lines.append("decode gap / model, exported deciles: " + " ".join(f"{r:.2f}" for r in cm["decode_step_ratios"]))
+    for d, split in (cm.get("colocation") or {}).items():
+        lines.append(f"{d}: {split['gaps_busy']} gaps beside a prefill forward, mean "
+                     f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
+                     f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
+    lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
+                 f"decode_padded_context {bool(cm.get('decode_padded_context'))}")
+    for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"):
+        rows = report.get(f"sim_{name}")
+        if rows:
+            lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(
+                f"{k.removesuffix('_s')} {row['rel_error']:+.1%}" for k, row in rows.items()
+                if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}"
 
 

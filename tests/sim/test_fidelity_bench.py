@@ -135,3 +135,23 @@ def test_first_tokens_landing_together_are_counted():
     c = RequestRecord(2, 0.0, 0.0, (2.0, 2.3), 10, 2, 200)
     out = fidelity.first_token_shapes([a, b, c])
     assert (out["first_tokens_packed"], out["first_two_tokens_together"], out["requests_with_two_tokens"]) == (2, 1, 3)
+
+
+def test_the_finish_chunk_is_no_token_gap():
+    # 3 tokens, then the chunk that carries only the finish reason, right after the last token
+    r = RequestRecord(0, 0.0, 0.0, (1.0, 1.1, 1.3, 1.3), 10, 3, 200)
+    assert fidelity.token_gaps(r) == pytest.approx([0.1, 0.2])
+    assert fidelity.live_side([r]).tbt == pytest.approx((0.2,))
+
+
+def test_ablations_take_out_one_modelled_effect_at_a_time(tmp_path):
+    import dataclasses
+    (tmp_path / "p.json").write_bytes(orjson.dumps({"prefill": {"c1": 1e-3}}))
+    hw = load_profile(tmp_path / "p.json")
+    assert fidelity.ablations(hw) == {}
+    full = dataclasses.replace(hw, decode_step_ratios=(0.9, 1.3), decode_padded_context=True,
+                               decode_colocated_slowdown=1.4)
+    out = fidelity.ablations(full)
+    assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"}
+    assert out["without_padded_context"] == dataclasses.replace(full, decode_padded_context=False)
+    assert out["without_any"] == hw
