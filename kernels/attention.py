@@ -6,6 +6,9 @@ a sequence's tokens live in the blocks listed by its block table, in order.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -18,6 +21,32 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     """``[length, kv_heads, head_dim]`` of one sequence, read through its block table."""
     num_blocks = -(-length // cache.shape[1])
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+# Decode's gathered K/V go into buffers each thread keeps (below) up to this size; larger gathers
+# (long contexts at large batches) are allocated per call rather than held for good.
+WORKSPACE_MAX_BYTES = 64 << 20
+_workspace = threading.local()
+
+
+def _gather_blocks(cache: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """``cache.index_select(0, flat)``, written into a buffer this thread reuses. A fresh
+    multi-megabyte tensor per layer and step is handed back to the OS by malloc when freed and
+    page-faulted in again on the next call: with the shared 2-CPU box loaded, a batch-16 step of
+    smollm2-135m took 2x as long that way (the same CPU time when quiet; docs/model.md, "Batch
+    16"). The result is valid until this thread's next gather under the same ``name``; callers
+    consume it at once."""
+    shape = (flat.numel(), *cache.shape[1:])
+    numel = math.prod(shape)
+    if numel * cache.element_size() > WORKSPACE_MAX_BYTES:
+        return cache.index_select(0, flat)
+    key = (name, cache.dtype, cache.device)
+    buf = _workspace.__dict__.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):   # a normal tensor: writable inside and outside inference mode
+            buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        _workspace.__dict__[key] = buf
+    return torch.index_select(cache, 0, flat, out=buf[:numel].view(shape))
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,8 +112,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     bs = k_cache.shape[1]
     # index_select, not cache[block_tables]: the same gather at a fraction of advanced indexing's cost on CPU.
     flat = block_tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(batch, max_blocks * bs, *k_cache.shape[2:])  # [batch, ctx, kvh, hd]
-    v = v_cache.index_select(0, flat).view(batch, max_blocks * bs, *v_cache.shape[2:])
+    k = _gather_blocks(k_cache, flat, "k").view(batch, max_blocks * bs, *k_cache.shape[2:])  # [batch, ctx, kvh, hd]
+    v = _gather_blocks(v_cache, flat, "v").view(batch, max_blocks * bs, *v_cache.shape[2:])
     lens = context_lens.tolist() if not context_lens.is_cuda else None   # no device sync on GPUs
     if lens and min(lens) == max(lens):
         # Equal lengths (always so at batch 1): cut the padding off instead of masking it, which

@@ -85,15 +85,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return (x.float() * cos[:, None, :] + swapped.float() * signed_sin[:, None, :]).type_as(x)
 
 
-SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the weight-major product
+SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the few-rows paths
+PACK_ROWS = 16     # the row count oneDNN chooses a packed weight's blocked layout for (any count runs)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``. For a few rows on CPU (batched decode) it is computed as
-    ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams the weight
-    once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16 rows here
-    (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 CPU weight, for :func:`linear`'s few-row products, or
+    ``None`` where there is none (another device or dtype, a torch without oneDNN): the plain
+    paths serve. At 16 rows on weights streamed from memory its kernel ran smollm2-135m's matmuls
+    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "Batch 16"); the copy costs the
+    weight's bytes again."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    except (AttributeError, RuntimeError):   # this torch lacks the op: the plain paths serve
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. For a few rows on CPU (batched decode) it runs on ``packed``
+    (:func:`pack_weight`) when given, else as ``(weight @ x.T).T``: MKL's kernel for a tall weight
+    times a few columns streams the weight once, where its few-rows ``x @ weight.T`` kernel
+    measured 1.2-1.5x slower at 4-16 rows here (docs/model.md, "Decode step"). One row and
+    prefill-sized inputs keep ``F.linear``."""
     if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         out = torch.mm(weight, x.t()).t().contiguous()
         return out.add_(bias) if bias is not None else out
     return F.linear(x, weight, bias)
@@ -125,15 +144,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None   # set by fuse_()
+        self.packs: dict[str, torch.Tensor] = {}   # set by pack_()
 
     def fuse_(self) -> None:
         """Read q, k and v with one matmul (one pass over the input, one call instead of three)."""
         if self.qkv is None:
             self.qkv = fuse_linears(self.wq, self.wk, self.wv)
 
+    def pack_(self, on: bool = True) -> None:
+        """oneDNN copies of the fused q/k/v and the output weights (``on=False`` drops them)."""
+        weights = {"qkv": self.qkv[0], "wo": self.wo.weight} if on and self.qkv is not None else {}
+        self.packs = {name: p for name, w in weights.items() if (p := pack_weight(w)) is not None}
+
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
-            return linear(x, *self.qkv)
+            return linear(x, *self.qkv, packed=self.packs.get("qkv"))
         return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -149,7 +174,7 @@ class Attention(nn.Module):
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-        return linear(out.reshape(n, -1).to(x.dtype), self.wo.weight)
+        return linear(out.reshape(n, -1).to(x.dtype), self.wo.weight, packed=self.packs.get("wo"))
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -168,17 +193,24 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
         self.gate_up: torch.Tensor | None = None   # set by fuse_()
+        self.packs: dict[str, torch.Tensor] = {}   # set by pack_()
 
     def fuse_(self) -> None:
         """Gate and up projections in one matmul."""
         if self.gate_up is None:
             self.gate_up = fuse_linears(self.w1, self.w3)[0]
 
+    def pack_(self, on: bool = True) -> None:
+        """oneDNN copies of the fused gate/up and the down weights (``on=False`` drops them)."""
+        weights = {"gate_up": self.gate_up, "w2": self.w2.weight} if on and self.gate_up is not None else {}
+        self.packs = {name: p for name, w in weights.items() if (p := pack_weight(w)) is not None}
+
     def forward(self, x):
         if self.gate_up is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gate, up = linear(x, self.gate_up).split(self.w1.out_features, dim=-1)
-        return linear(F.silu(gate, inplace=True).mul_(up), self.w2.weight)   # in place: no new [n, ffn] tensors
+        gate, up = linear(x, self.gate_up, packed=self.packs.get("gate_up")).split(self.w1.out_features, dim=-1)
+        # in place: no new [n, ffn] tensors
+        return linear(F.silu(gate, inplace=True).mul_(up), self.w2.weight, packed=self.packs.get("w2"))
 
 
 class Block(nn.Module):
@@ -213,6 +245,7 @@ class Transformer(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output_pack: torch.Tensor | None = None   # set by pack_()
 
     def fuse_(self) -> "Transformer":
         """Fuse each layer's q/k/v and gate/up weights (in place, no extra memory). Call it last:
@@ -221,6 +254,22 @@ class Transformer(nn.Module):
             block.attention.fuse_()
             block.feed_forward.fuse_()
         return self
+
+    def pack_(self, on: bool = True) -> "Transformer":
+        """Give the fused weights and the output head oneDNN packed copies for few-row products
+        (batched decode on a CPU in float32; elsewhere nothing changes). They double the weights'
+        memory, so only a decode instance takes them. Call it after ``fuse_`` and after the last
+        write to a weight: a packed copy does not follow later writes. ``on=False`` drops them."""
+        for block in self.layers.values():
+            block.attention.pack_(on)
+            block.feed_forward.pack_(on)
+        if self.is_last:
+            self.output_pack = pack_weight(self.output.weight) if on else None
+        return self
+
+    @property
+    def packed(self) -> bool:
+        return any(block.attention.packs for block in self.layers.values())
 
     @property
     def layer_ids(self) -> range:
@@ -238,7 +287,7 @@ class Transformer(nn.Module):
         return self.layers[str(layer)](h, rope[0], rope[1], meta, k_cache, v_cache)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm(h), self.output.weight).float()
+        return linear(self.norm(h), self.output.weight, packed=self.output_pack).float()
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         h = self.embed(token_ids)
