@@ -374,6 +374,33 @@ async def live_replay(rns: argparse.Namespace, headers: dict[str, str]) -> tuple
     return window, requests, records, {"model": model, "max_context": max_context, "notes": notes}
 
 
+def warm_up(api: str, num: int, timeout_s: float = 120.0) -> None:
+    """``num`` short completions, one after another, before the replay (and before the metrics it
+    is measured by): a freshly started instance's first forwards and steps run cold (in one run
+    the first 211-token prefill took 2.6 s against the model's 0.8), which is start-up, not the
+    steady state the simulator prices. Each prompt differs from its first block on, so neither
+    these nor the trace's prompts reuse each other's blocks."""
+    import urllib.request
+    model = served_model(api) if num > 0 else None
+    for i in range(num):
+        body = {"model": model, "max_tokens": 8, "stream": False,
+                "prompt": f"Warm-up {i}, not part of the trace. " + "The quick brown fox jumps over the lazy dog. " * 20}
+        req = urllib.request.Request(api.rstrip("/") + "/v1/completions", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                resp.read()
+        except OSError as exc:
+            raise RuntimeError(f"warm-up request {i} failed: {exc}") from None
+
+
+def served_model(api: str) -> str | None:
+    import urllib.request
+    with urllib.request.urlopen(api.rstrip("/") + "/v1/models", timeout=10) as resp:
+        data = orjson.loads(resp.read()).get("data") or [{}]
+    return data[0].get("id")
+
+
 def export_profile(api: str, token: str | None, path: Path) -> dict:
     """``mooncake sim export-costs`` in-process: the file it writes, and that file's dict."""
     from mooncake_lite.sim.cli import export_costs_main
@@ -447,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-batch-tokens", type=int, default=512,
                    help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
                         "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="short completions sent (and not measured) before the replay, so it meets warm instances")
     p.add_argument("--tokenizer", default="auto")
     p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -502,6 +531,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     status = conductor_config(api, ns.token)
     decodes = decode_urls(status)
+    warm_up(api, ns.warmup)
     before = scrape_all(api, decodes)
     t0 = time.perf_counter()
     window, requests, records, served = asyncio.run(

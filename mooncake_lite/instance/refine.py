@@ -323,24 +323,40 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
     prefill on its host was computing through most of the gap (``forwards``: their
     ``(start, end)`` on the same clock): how many on each side, their mean gap, the quantiles
     of gap / model on each side (``idle_ratios``, ``busy_ratios``), and ``slowdown`` = the mean
-    ratio beside a prefill over the mean ratio without (None below ``MIN_SPLIT_GAPS`` a side).
+    ratio beside a prefill over the mean ratio without, shape by shape (:func:`_matched_slowdown`).
     ``step_share`` = the steps' own seconds over the gaps' (the rest is between steps).
     None without gaps."""
     gaps = step_gaps(steps)
     busy_at = merge_intervals(forwards)
-    sides: dict[str, list[tuple[float, float]]] = {"idle": [], "busy": []}
+    sides: dict[str, list[tuple[float, float, tuple[int, int]]]] = {"idle": [], "busy": []}
     for a, b, batch, context, _, longest in gaps:
         predicted = padded_step(model, batch, context, longest) if padded else model.predict(batch, context)
         if predicted > 0:
             side = "busy" if covered_share(a, b, busy_at) >= BUSY_SHARE else "idle"
-            sides[side].append((b - a, (b - a) / predicted))
+            sides[side].append((b - a, (b - a) / predicted, DecodeRefiner._bucket(batch, longest)))
     if not gaps or not (sides["idle"] or sides["busy"]):
         return None
     out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps)}
     for name, vals in sides.items():
         out[f"gaps_{name}"] = len(vals)
-        out[f"gap_mean_{name}_s"] = float(np.mean([g for g, _ in vals])) if vals else None
-        out[f"{name}_ratios"] = [float(v) for v in np.quantile([r for _, r in vals], quantiles)] if vals else None
-    means = {name: float(np.mean([r for _, r in vals])) for name, vals in sides.items() if len(vals) >= MIN_SPLIT_GAPS}
-    out["slowdown"] = means["busy"] / means["idle"] if len(means) == 2 and means["idle"] > 0 else None
+        out[f"gap_mean_{name}_s"] = float(np.mean([v[0] for v in vals])) if vals else None
+        out[f"{name}_ratios"] = [float(q) for q in np.quantile([v[1] for v in vals], quantiles)] if vals else None
+    out["slowdown"] = _matched_slowdown(sides["busy"], sides["idle"])
     return out
+
+
+def _matched_slowdown(busy: list, idle: list) -> float | None:
+    """Mean ratio beside a prefill over the mean ratio alone, compared shape by shape (batch
+    and longest context, by power of two) and averaged over the busy gaps: while a prefill runs
+    the batches are larger and hold the long prompts, so comparing all busy gaps with all idle
+    ones would charge co-location with what the model gets wrong about those shapes. None below
+    ``MIN_SPLIT_GAPS`` matched gaps on either side."""
+    by_shape: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for side, vals in ((0, busy), (1, idle)):
+        for _, ratio, shape in vals:
+            by_shape.setdefault(shape, ([], []))[side].append(ratio)
+    matched = [(len(b), float(np.mean(b)) / float(np.mean(i))) for b, i in by_shape.values() if b and i]
+    if sum(n for n, _ in matched) < MIN_SPLIT_GAPS or \
+            sum(len(i) for b, i in by_shape.values() if b and i) < MIN_SPLIT_GAPS:
+        return None
+    return sum(n * r for n, r in matched) / sum(n for n, _ in matched)

@@ -70,3 +70,18 @@ def test_a_padded_step_prices_the_padding_at_the_context_cost():
         steps[i] = (steps[i - 1][0] + steps[i - 1][1], *steps[i][1:])
     assert colocation_split(steps, [], model, padded=True)["idle_ratios"] == pytest.approx([1.0] * 10)
     assert colocation_split(steps, [], model)["idle_ratios"][0] > 1.5
+
+
+def test_the_slowdown_compares_like_shapes():
+    """While a prefill runs the batch is larger; a model that underestimates large batches must
+    not pass for co-location: busy and idle gaps are compared shape by shape."""
+    steps, t = [], 0.0
+    for i in range(120):
+        busy = 0.5 <= t < 1.5
+        batch = 8 if (busy or i % 2) else 1             # large batches both ways, more of them while busy
+        dur = MODEL.predict(batch, 40) * (2.0 if batch == 8 else 1.0)   # the model gets batch 8 wrong
+        steps.append((t, dur, batch, 40, int(i == 0), 20))
+        t += dur
+    split = colocation_split(steps, [(0.5, 1.5)], MODEL)
+    assert split["gap_mean_busy_s"] > 1.3 * split["gap_mean_idle_s"]     # the plain means would say 2x
+    assert split["slowdown"] == pytest.approx(1.0)

@@ -155,3 +155,38 @@ def test_ablations_take_out_one_modelled_effect_at_a_time(tmp_path):
     assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"}
     assert out["without_padded_context"] == dataclasses.replace(full, decode_padded_context=False)
     assert out["without_any"] == hw
+
+
+def test_warm_up_sends_distinct_short_completions_before_the_replay():
+    import http.server
+    import threading
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._answer({"data": [{"id": "m"}]})
+
+        def do_POST(self):
+            seen.append((self.path, orjson.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self._answer({"choices": [{"text": "x"}]})
+
+        def _answer(self, body):
+            data = orjson.dumps(body)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        fidelity.warm_up(f"http://127.0.0.1:{server.server_port}", 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [p for p, _ in seen] == ["/v1/completions"] * 2
+    assert all(b["model"] == "m" and b["max_tokens"] == 8 for _, b in seen)
+    assert seen[0][1]["prompt"][:12] != seen[1][1]["prompt"][:12]      # no block shared between them
