@@ -209,6 +209,9 @@ def make_executor() -> ThreadPoolExecutor:
 def build_engine(cfg: Config) -> DecodeEngine:
     """The model, its paged cache and the batcher the flags describe (profiled unless --no-profile)."""
     runner = build_runner(cfg)
+    # Batched steps run their matmuls on oneDNN-packed weights (CPU float32 only; a second copy
+    # of the weights; docs/model.md, "Batch 16"), profiled below as they will run.
+    runner.model.pack_()
     cost = None
     if cfg.profile:
         try:
