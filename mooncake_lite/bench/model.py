@@ -5,7 +5,10 @@ prefill approaches) and a large tensor copy (GB/s, the memory roof that small-ba
 since every step reads all weights). Each figure is reported as a fraction of its roof, using
 the model's useful FLOPs per token (matmuls plus causal attention) and its weight bytes.
 Decode runs on a cache whose context holds placeholder KV: step cost depends on context length,
-not on its values, so no prefill is needed per batch size. ``--json`` prints one JSON object.
+not on its values, so no prefill is needed per batch size. Decode runs as a decode instance
+does, on oneDNN-packed weights where there are some (CPU float32; ``--no-pack``: the plain
+path); beside each batch's step, the same step's matmuls alone at that many rows (the floor
+under the step) and its time as a multiple of the batch-1 step. ``--json`` prints one JSON object.
 
 ``--models`` takes any model spec: a preset (seeded dummy weights), a named packaged checkpoint
 (``smollm2-135m``), a GGUF file or an HF checkpoint directory. The default list puts the real
@@ -35,6 +38,7 @@ from kernels.device import sync
 from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.llama import Transformer, linear
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, NAMED_MODELS, resolve
 from mooncake_lite.model.weights import build_model, model_args
@@ -57,6 +61,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dtype", default="float32",
                     help="comma-separated model dtypes, each measured in the same run (e.g. float32,bfloat16)")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="decode on the plain weights, not the oneDNN-packed copies a decode instance uses")
     ap.add_argument("--profile", action="store_true",
                     help="also break a batch-1 decode step down by operator kind (torch.profiler)")
     ap.add_argument("--device", default="cpu", help="torch device to measure on (cpu, cuda, cuda:1)")
@@ -206,8 +212,30 @@ def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, 
     return times
 
 
+def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float:
+    """Best seconds of one decode step's matmuls alone at ``rows`` rows: every layer's q/k/v,
+    output, gate/up and down products and the head, in the step's order, on the weights (and
+    packed copies) the step uses, so each weight streams from memory as it does there. The floor
+    under the step, to which attention and the small ops add."""
+    a = model.args
+    param = next(model.parameters())
+    x, attn, ffn = (torch.randn(rows, width, device=param.device, dtype=param.dtype)
+                    for width in (a.dim, a.num_heads * a.head_dim, a.ffn_dim))
+
+    def step() -> None:
+        for block in model.layers.values():
+            att, mlp = block.attention, block.feed_forward
+            linear(x, *att.qkv, packed=att.packs.get("qkv"))
+            linear(attn, att.wo.weight, packed=att.packs.get("wo"))
+            linear(x, mlp.gate_up, packed=mlp.packs.get("gate_up"))
+            linear(ffn, mlp.w2.weight, packed=mlp.packs.get("w2"))
+        if model.is_last:
+            linear(x, model.output.weight, packed=model.output_pack)
+    return _best_of(step, repeats, param.device)
+
+
 # Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
-OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear")),
             ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax")),
             ("kv write", ("aten::index_copy", "aten::index_put", "aten::_index_put")),
             ("kv gather", ("aten::index_select", "aten::index")))
@@ -266,16 +294,23 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
     if gpu is not None:
         out["prefill"] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9)
     wbytes = weight_bytes(margs, runner.dtype)
+    model.pack_(not getattr(args, "no_pack", False))   # as a decode instance runs (prefill does not pack)
+    out["decode_packed"] = model.packed
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
         step_s, best_s = statistics.median(times), min(times)
         gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
+        matmul_s = bench_matmuls(model, batch)
+        matmul_gflops = 2 * batch * (layer_matmul_params(margs) + margs.dim * margs.vocab_size) / matmul_s / 1e9
         out["decode"][str(batch)] = {
             "step_ms": step_s * 1e3, "step_ms_best": best_s * 1e3, "tokens_per_s": batch / step_s,
             "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops,
             "weight_gbps_best": wbytes / best_s / 1e9,
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / peak_gbps,
+            "matmuls_ms_best": matmul_s * 1e3, "matmuls_fraction_of_matmul_peak": matmul_gflops / peak_gflops,
         }
+        if batch != 1 and "1" in out["decode"]:   # median steps, as a multiple of the batch-1 step
+            out["decode"][str(batch)]["step_over_batch1"] = step_s * 1e3 / out["decode"]["1"]["step_ms"]
         if gpu is not None:
             out["decode"][str(batch)] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9, wbytes / best_s)
     if args.profile:
@@ -330,7 +365,8 @@ def render(res: dict) -> str:
         p = r["prefill"]
         src = r["source"]
         lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params in {r['dtype']}; {src['description']}; "
-                     f"loaded in {src['load_s']:.2f} s)")
+                     f"loaded in {src['load_s']:.2f} s; decode on {'packed' if r.get('decode_packed') else 'plain'} "
+                     f"weights)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
                      f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
         if "mfu" in p:
@@ -340,6 +376,9 @@ def render(res: dict) -> str:
                          f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
                          f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+            ratio = f"; step = {d['step_over_batch1']:.2f}x batch 1's" if "step_over_batch1" in d else ""
+            lines.append(f"      its matmuls alone {d['matmuls_ms_best']:7.2f} ms "
+                         f"({100 * d['matmuls_fraction_of_matmul_peak']:5.1f}% of matmul peak){ratio}")
             if "mfu" in d:
                 lines.append(gpu_roofs.render_decode(d))
         if "decode_profile" in r:

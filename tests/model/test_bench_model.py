@@ -67,6 +67,13 @@ def test_json_output(capsys):
     assert tiny["prefill"]["tokens"] == 16 and tiny["prefill"]["tokens_per_s"] > 0
     assert set(tiny["decode"]) == {"1", "2"}
     assert all(0 < d["fraction_of_matmul_peak"] and d["step_ms"] > 0 for d in tiny["decode"].values())
+    # Decode as a decode instance runs it (packed weights where oneDNN is), its matmuls timed alone
+    # beside each step, and the batch-2 step as a multiple of the batch-1 step.
+    assert tiny["decode_packed"] == torch.backends.mkldnn.is_available()
+    two = tiny["decode"]["2"]
+    assert 0 < two["matmuls_ms_best"] and 0 < two["matmuls_fraction_of_matmul_peak"]
+    assert two["step_over_batch1"] == pytest.approx(two["step_ms"] / tiny["decode"]["1"]["step_ms"])
+    assert "step_over_batch1" not in tiny["decode"]["1"]
     assert tiny["source"]["kind"] == "preset" and tiny["source"]["weights"].startswith("dummy")
     assert tiny["source"]["load_s"] >= tiny["source"]["build_s"] > 0 and res["notes"] == []
 
