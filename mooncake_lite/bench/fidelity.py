@@ -564,7 +564,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
                               "decode_max_context_tokens": profile.get("decode_max_context_tokens"),
                               "decode_step_ratios": profile.get("decode_step_ratios"),
                               "decode_colocated_slowdown": profile.get("decode_colocated_slowdown"),
-                              "decode_padded_context": profile.get("decode_padded_context"),
+                              "decode_padding_s_per_token": profile.get("decode_padding_s_per_token"),
                               "colocation": profile.get("colocation")})
     report["per_request"] = per_request(records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
@@ -583,12 +583,12 @@ def ablations(hw) -> dict:
     out = {}
     if hw.decode_step_ratios:
         out["without_step_spread"] = replace(hw, decode_step_ratios=())
-    if hw.decode_padded_context:
-        out["without_padded_context"] = replace(hw, decode_padded_context=False)
+    if hw.decode_padding_s_per_token:
+        out["without_padded_context"] = replace(hw, decode_padding_s_per_token=0.0)
     if hw.decode_colocated_slowdown != 1.0:
         out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
     if len(out) > 1:
-        out["without_any"] = replace(hw, decode_step_ratios=(), decode_padded_context=False,
+        out["without_any"] = replace(hw, decode_step_ratios=(), decode_padding_s_per_token=0.0,
                                      decode_colocated_slowdown=1.0)
     return out
 
@@ -629,7 +629,7 @@ def _text(report: Mapping) -> str:
                      f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
                      f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
     lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
-                 f"decode_padded_context {bool(cm.get('decode_padded_context'))}")
+                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}")
     for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"):
         rows = report.get(f"sim_{name}")
         if rows:

@@ -24,10 +24,10 @@ sees; the heartbeat's deciles time the step only) and ``decode_colocated_slowdow
 beside a prefill over the mean gap alone (per unit of the model's step), which the simulator
 applies to a decode's steps while a prefill computes (``sim/costs.Hardware``); ``colocation``
 has every decode's figures. A decode with no prefill on its host reports no slowdown (1.0).
-``decode_padded_context``: every decode's attention runs a batch's sequences to the longest
-one's context (the torch reference kernel: CPU), so the simulator prices the padding's tokens
-at the model's per-token cost (``instance/refine.padded_step``), and the ratios above are over
-that step.
+``decode_padding_s_per_token``: where every decode's attention runs a batch's sequences to the
+longest one's context (the torch reference kernel: CPU), the seconds a padding token adds to a
+step, fitted to its gaps (``instance/refine.padding_cost``; the median over the decodes); the
+simulator adds them to its steps, and the ratios above are over that step.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def cluster_profile(membership: Membership, defaults: CostModels,
     ratios = [r for i in decodes if (r := _gap_ratios(splits.get(i.instance_id)) or _step_ratios(i))]
     if decodes and len(ratios) == len(decodes) and len({len(r) for r in ratios}) == 1:
         profile["decode_step_ratios"] = [median(col) for col in zip(*ratios)]
-    answered = [timelines[i.instance_id] for i in decodes if i.instance_id in timelines]
-    if answered and len(answered) == len(decodes) and all(t.get("padded_attention") for t in answered):
-        profile["decode_padded_context"] = True   # a step costs batch × the longest context
+    padding = [s["padding_s_per_token"] for s in splits.values() if s.get("padding_s_per_token")]
+    if padding:   # a step costs batch × the longest context, the padding at this much a token
+        profile["decode_padding_s_per_token"] = median(padding)
     slowdowns = [s["slowdown"] for s in splits.values() if s.get("slowdown")]
     if slowdowns:   # the decodes that share a host with a prefill and ran steps both ways
         profile["decode_colocated_slowdown"] = median(slowdowns)

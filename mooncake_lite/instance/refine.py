@@ -309,17 +309,30 @@ def step_gaps(steps: Sequence[Sequence[float]]) -> list[tuple[float, float, int,
     return out
 
 
-def padded_step(model: DecodeCostModel, batch: int, context: int, longest: int) -> float:
+def padded_step(model: DecodeCostModel, batch: int, context: int, longest: int, per_token: float) -> float:
     """A step's time when attention runs every sequence to the batch's longest context (the
-    CPU's reference kernel): the model's, with the padding's tokens at its per-token cost."""
-    return model.predict(batch, context) + model.c2 * max(0, batch * longest - context)
+    CPU's reference kernel): the model's, plus ``per_token`` seconds for each padding token."""
+    return model.predict(batch, context) + per_token * max(0, batch * longest - context)
+
+
+def padding_cost(gaps: Sequence[tuple], model: DecodeCostModel) -> float | None:
+    """Seconds per padding token (batch × longest − context) that best explain what the gaps
+    of padded batches take beyond the model (least squares through 0, at least 0): measured
+    rather than the model's per-context-token cost, which a padded token does not cost (the
+    padding is gathered and masked, not attended). None below ``MIN_SPLIT_GAPS`` padded gaps."""
+    rows = [(batch * longest - context, (b - a) - model.predict(batch, context))
+            for a, b, batch, context, _, longest in gaps if batch * longest > context]
+    if len(rows) < MIN_SPLIT_GAPS:
+        return None
+    return max(0.0, sum(p * r for p, r in rows) / sum(p * p for p, _ in rows))
 
 
 def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequence[float]],
                      model: DecodeCostModel, padded: bool = False,
                      quantiles: Sequence[float] = RATIO_QUANTILES) -> dict | None:
-    """A decode's token gaps over its model's step (:func:`step_gaps`; ``padded``: the step of
-    :func:`padded_step`, as the simulator then runs it), split by whether a
+    """A decode's token gaps over its model's step (:func:`step_gaps`; ``padded``: over
+    :func:`padded_step` at the measured ``padding_s_per_token`` (:func:`padding_cost`), as the
+    simulator then runs it), split by whether a
     prefill on its host was computing through most of the gap (``forwards``: their
     ``(start, end)`` on the same clock): how many on each side, their mean gap, the quantiles
     of gap / model on each side (``idle_ratios``, ``busy_ratios``), and ``slowdown`` = the mean
@@ -328,15 +341,17 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
     None without gaps."""
     gaps = step_gaps(steps)
     busy_at = merge_intervals(forwards)
+    per_token = (padding_cost(gaps, model) or 0.0) if padded else 0.0
     sides: dict[str, list[tuple[float, float, tuple[int, int]]]] = {"idle": [], "busy": []}
     for a, b, batch, context, _, longest in gaps:
-        predicted = padded_step(model, batch, context, longest) if padded else model.predict(batch, context)
+        predicted = padded_step(model, batch, context, longest, per_token)
         if predicted > 0:
             side = "busy" if covered_share(a, b, busy_at) >= BUSY_SHARE else "idle"
             sides[side].append((b - a, (b - a) / predicted, DecodeRefiner._bucket(batch, longest)))
     if not gaps or not (sides["idle"] or sides["busy"]):
         return None
-    out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps)}
+    out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps),
+                 "padding_s_per_token": per_token}
     for name, vals in sides.items():
         out[f"gaps_{name}"] = len(vals)
         out[f"gap_mean_{name}_s"] = float(np.mean([v[0] for v in vals])) if vals else None

@@ -37,11 +37,11 @@ class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
     __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
-                 "stalled", "step_ratios", "_step_scale", "_spread_mean", "padded")
+                 "stalled", "step_ratios", "_step_scale", "_spread_mean", "padding")
 
-    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padded: bool = False) -> None:
+    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padding: float = 0.0) -> None:
         self.model = model
-        self.padded = padded      # attention runs every request to the longest context (Hardware)
+        self.padding = padding    # s per padding token: attention runs all to the longest context (Hardware)
         spread = len(set(step_ratios)) > 1      # a flat spread only scales the steps
         self.step_ratios = np.asarray(step_ratios, dtype=np.float64) if spread else None
         self._spread_mean = float(np.mean(step_ratios)) if step_ratios else 1.0
@@ -72,8 +72,9 @@ class Batch:
         self.context_tokens += req.input_length + 1
 
     def step_time(self) -> float:
-        if self.padded and self.running:
-            return padded_step(self.model, len(self.running), self.context_tokens, self._longest()) * self._step_scale
+        if self.padding and self.running:
+            return padded_step(self.model, len(self.running), self.context_tokens, self._longest(),
+                               self.padding) * self._step_scale
         return self.model.predict(len(self.running), self.context_tokens) * self._step_scale
 
     def _longest(self) -> int:

@@ -53,7 +53,7 @@ class MooncakeSim(TraceDriver):
                                      cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens)
                          for i in range(cfg.num_prefill)]
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
-        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padded_context),
+        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
                                    self.events, cfg.decode_max_batch,
                                    hw.decode_max_context_tokens, self._finish)
                         for i in range(cfg.num_decode)]

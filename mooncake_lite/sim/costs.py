@@ -63,10 +63,11 @@ class Hardware:
     # nodes do not interfere (the paper's). Else the simulated cluster is that one box: every
     # decode's steps take this much longer while any prefill computes (sim/cluster.py).
     decode_colocated_slowdown: float = 1.0
-    # The decode's attention runs every sequence of a batch to the longest one's context (the
-    # torch reference kernel a CPU decode runs: kernels/attention.py): a step then costs the
-    # padding's tokens too, at the model's per-token cost (instance/refine.padded_step).
-    decode_padded_context: bool = False
+    # Seconds a padding token adds to a decode step: a CPU decode's attention (the torch
+    # reference kernel, kernels/attention.py) runs every sequence of a batch to the longest
+    # one's context, batch × longest − context tokens more (instance/refine.padded_step;
+    # measured by the live export). 0: attention as long as the contexts (a GPU's kernel).
+    decode_padding_s_per_token: float = 0.0
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
@@ -109,7 +110,8 @@ class Hardware:
                 **({"decode_step_ratios": list(self.decode_step_ratios)} if self.decode_step_ratios else {}),
                 **({"decode_colocated_slowdown": self.decode_colocated_slowdown}
                    if self.decode_colocated_slowdown != 1.0 else {}),
-                **({"decode_padded_context": True} if self.decode_padded_context else {})}
+                **({"decode_padding_s_per_token": self.decode_padding_s_per_token}
+                   if self.decode_padding_s_per_token else {})}
 
 
 def _flops(n: float) -> float:
@@ -164,7 +166,7 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "dram_bytes_per_node": 1e12, "block_size": 512,
          "decode_step_ratios": [0.9, .., 1.6],    # a step's spread around the decode model
          "decode_colocated_slowdown": 1.8,        # steps beside a computing prefill (one box)
-         "decode_padded_context": true}           # attention runs a batch to its longest context
+         "decode_padding_s_per_token": 2e-6}      # attention runs a batch to its longest context
     """
     try:
         data = orjson.loads(Path(path).read_bytes())
@@ -183,15 +185,12 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
                        ("ssd_load_bytes_per_s", data.get("ssd_load_bytes_per_s")),
                        ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
                        ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
-                       ("decode_colocated_slowdown", data.get("decode_colocated_slowdown"))):
+                       ("decode_colocated_slowdown", data.get("decode_colocated_slowdown")),
+                       ("decode_padding_s_per_token", data.get("decode_padding_s_per_token"))):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
-            changes[key] = float(value) if key.endswith(("_per_s", "_slowdown")) else int(value)
-    if "decode_padded_context" in data:
-        if not isinstance(data["decode_padded_context"], bool):
-            raise ValueError(f"cost profile {path}: decode_padded_context must be true or false")
-        changes["decode_padded_context"] = data["decode_padded_context"]
+            changes[key] = float(value) if key.endswith(("_per_s", "_slowdown", "_per_token")) else int(value)
     if "decode_step_ratios" in data:
         changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
     return replace(hw, **changes)

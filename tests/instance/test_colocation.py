@@ -59,17 +59,22 @@ def test_too_few_gaps_beside_a_forward_say_nothing():
     assert colocation_split(timeline()[:1], [], MODEL) is None              # one step: no gap
 
 
-def test_a_padded_step_prices_the_padding_at_the_context_cost():
+def test_the_padding_cost_is_measured_from_padded_batches():
     model = DecodeCostModel(c0=0.01, c1=0.001, c2=1e-5)
-    assert padded_step(model, 1, 500, 500) == model.predict(1, 500)         # one sequence: no padding
-    # three sequences run to the longest (2,000): 6,000 token-steps of attention, not 2,400
-    assert padded_step(model, 3, 2400, 2000) == pytest.approx(model.predict(3, 2400) + 3600e-5)
-    # gaps that took the padded time are at ratio 1 over it, at more over the plain model
-    steps = [(0.1 * i, padded_step(model, 3, 2400, 2000), 3, 2400, int(i == 0), 2000) for i in range(30)]
-    for i in range(1, 30):
-        steps[i] = (steps[i - 1][0] + steps[i - 1][1], *steps[i][1:])
-    assert colocation_split(steps, [], model, padded=True)["idle_ratios"] == pytest.approx([1.0] * 10)
-    assert colocation_split(steps, [], model)["idle_ratios"][0] > 1.5
+    assert padded_step(model, 1, 500, 500, 4e-6) == model.predict(1, 500)    # one sequence: no padding
+    # three sequences run to the longest (2,000): 3,600 padding tokens at 4 us
+    assert padded_step(model, 3, 2400, 2000, 4e-6) == pytest.approx(model.predict(3, 2400) + 3600 * 4e-6)
+    steps, t = [], 0.0
+    for i in range(40):
+        batch, context, longest = (3, 2400, 2000) if i % 2 else (2, 800, 400)   # padding 3,600 and 0
+        dur = padded_step(model, batch, context, longest, 4e-6)
+        steps.append((t, dur, batch, context, int(i == 0), longest))
+        t += dur
+    split = colocation_split(steps, [], model, padded=True)
+    assert split["padding_s_per_token"] == pytest.approx(4e-6)
+    assert split["idle_ratios"] == pytest.approx([1.0] * 10)               # over the padded step
+    assert colocation_split(steps, [], model)["padding_s_per_token"] == 0.0  # a decode that does not pad
+    assert colocation_split(steps, [], model)["idle_ratios"][-1] > 1.3
 
 
 def test_the_slowdown_compares_like_shapes():

@@ -54,10 +54,11 @@ def test_the_profile_carries_the_slowdown_and_the_padding(tmp_path):
     path.write_text('{"prefill": {"c1": 0.001}}')
     assert load_profile(path).decode_colocated_slowdown == 1.0
     assert "decode_colocated_slowdown" not in load_profile(path).to_dict()
-    path.write_text('{"prefill": {"c1": 0.001}, "decode_padded_context": true}')
-    assert load_profile(path).decode_padded_context and load_profile(path).to_dict()["decode_padded_context"]
-    path.write_text('{"prefill": {"c1": 0.001}, "decode_padded_context": 1}')
-    with pytest.raises(ValueError, match="decode_padded_context"):
+    path.write_text('{"prefill": {"c1": 0.001}, "decode_padding_s_per_token": 2e-6}')
+    assert load_profile(path).decode_padding_s_per_token == 2e-6
+    assert load_profile(path).to_dict()["decode_padding_s_per_token"] == 2e-6
+    path.write_text('{"prefill": {"c1": 0.001}, "decode_padding_s_per_token": -1}')
+    with pytest.raises(ValueError, match="decode_padding_s_per_token"):
         load_profile(path)
     path.write_text('{"prefill": {"c1": 0.001}, "decode_colocated_slowdown": 0}')
     with pytest.raises(ValueError, match="decode_colocated_slowdown"):
@@ -65,12 +66,10 @@ def test_the_profile_carries_the_slowdown_and_the_padding(tmp_path):
 
 
 def test_a_padded_batch_pays_for_its_longest_context():
-    """``decode_padded_context`` (a CPU decode's attention): a step costs batch × the longest
-    context at the model's per-token cost, not the contexts' sum; one request alone, or equal
-    lengths, pay the same either way."""
-    from mooncake_lite.scheduler import DecodeCostModel
-    hw = toy_hardware(step_s=0.01, decode=DecodeCostModel(c0=0.01, c2=1e-5))
-    padded = dataclasses.replace(hw, decode_padded_context=True)
+    """``decode_padding_s_per_token`` (a CPU decode's attention): a step costs batch × the longest
+    context − the contexts' sum padding tokens more; one request alone pays nothing more."""
+    hw = toy_hardware(step_s=0.01)
+    padded = dataclasses.replace(hw, decode_padding_s_per_token=1e-5)
     alone = [req(0, 0.0, 2000, 11)]
     assert run(padded, alone)[0].finish == pytest.approx(run(hw, alone)[0].finish)
     # a 101-token context decodes beside a 2,001-token one: each step pays the 1,900 tokens the
