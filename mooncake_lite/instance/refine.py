@@ -315,13 +315,15 @@ def padded_step(model: DecodeCostModel, batch: int, context: int, longest: int, 
     return model.predict(batch, context) + per_token * max(0, batch * longest - context)
 
 
-def padding_cost(gaps: Sequence[tuple], model: DecodeCostModel) -> float | None:
+def padding_cost(gaps: Sequence[tuple], busy: Sequence[bool], model: DecodeCostModel,
+                 slowdown: float) -> float | None:
     """Seconds per padding token (batch × longest − context) that best explain what the gaps
-    of padded batches take beyond the model (least squares through 0, at least 0): measured
-    rather than the model's per-context-token cost, which a padded token does not cost (the
-    padding is gathered and masked, not attended). None below ``MIN_SPLIT_GAPS`` padded gaps."""
-    rows = [(batch * longest - context, (b - a) - model.predict(batch, context))
-            for a, b, batch, context, _, longest in gaps if batch * longest > context]
+    of padded batches take beyond the model, once a gap beside a prefill is divided by the
+    ``slowdown`` measured on unpadded ones (least squares through 0, at least 0): measured
+    rather than the model's per-context-token cost, which a padded token does not cost (it is
+    gathered and masked, not attended). None below ``MIN_SPLIT_GAPS`` padded gaps."""
+    rows = [(g[2] * g[5] - g[3], (g[1] - g[0]) / (slowdown if beside else 1.0) - model.predict(g[2], g[3]))
+            for g, beside in zip(gaps, busy) if g[2] * g[5] > g[3]]
     if len(rows) < MIN_SPLIT_GAPS:
         return None
     return max(0.0, sum(p * r for p, r in rows) / sum(p * p for p, _ in rows))
@@ -330,33 +332,32 @@ def padding_cost(gaps: Sequence[tuple], model: DecodeCostModel) -> float | None:
 def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequence[float]],
                      model: DecodeCostModel, padded: bool = False,
                      quantiles: Sequence[float] = RATIO_QUANTILES) -> dict | None:
-    """A decode's token gaps over its model's step (:func:`step_gaps`; ``padded``: over
-    :func:`padded_step` at the measured ``padding_s_per_token`` (:func:`padding_cost`), as the
-    simulator then runs it), split by whether a
-    prefill on its host was computing through most of the gap (``forwards``: their
-    ``(start, end)`` on the same clock): how many on each side, their mean gap, the quantiles
-    of gap / model on each side (``idle_ratios``, ``busy_ratios``), and ``slowdown`` = the mean
-    ratio beside a prefill over the mean ratio without, shape by shape (:func:`_matched_slowdown`).
-    ``step_share`` = the steps' own seconds over the gaps' (the rest is between steps).
-    None without gaps."""
-    gaps = step_gaps(steps)
-    busy_at = merge_intervals(forwards)
-    per_token = (padding_cost(gaps, model) or 0.0) if padded else 0.0
-    sides: dict[str, list[tuple[float, float, tuple[int, int]]]] = {"idle": [], "busy": []}
-    for a, b, batch, context, _, longest in gaps:
-        predicted = padded_step(model, batch, context, longest, per_token)
-        if predicted > 0:
-            side = "busy" if covered_share(a, b, busy_at) >= BUSY_SHARE else "idle"
-            sides[side].append((b - a, (b - a) / predicted, DecodeRefiner._bucket(batch, longest)))
-    if not gaps or not (sides["idle"] or sides["busy"]):
+    """A decode's token gaps (:func:`step_gaps`) split by whether a prefill on its host was
+    computing through most of the gap (``forwards``: their ``(start, end)`` on the same clock):
+    how many on each side and their mean gap; ``slowdown``, the mean gap / model beside a
+    prefill over the mean alone, shape by shape (:func:`_matched_slowdown`), from the gaps of
+    unpadded batches when ``padded`` (the decode runs a batch to its longest context); then
+    ``padding_s_per_token`` (:func:`padding_cost`, 0 unless ``padded``), and the quantiles of
+    gap / :func:`padded_step` on each side (``idle_ratios``, ``busy_ratios``) — the step the
+    simulator runs. ``step_share`` = the steps' own seconds over the gaps' (the rest is between
+    steps). None without gaps."""
+    gaps = [g for g in step_gaps(steps) if model.predict(g[2], g[3]) > 0]
+    if not gaps:
         return None
+    busy_at = merge_intervals(forwards)
+    busy = [covered_share(g[0], g[1], busy_at) >= BUSY_SHARE for g in gaps]
+    plain = [((g[1] - g[0]) / model.predict(g[2], g[3]), DecodeRefiner._bucket(g[2], g[5]), beside)
+             for g, beside in zip(gaps, busy) if not padded or g[2] * g[5] <= g[3]]
+    slowdown = _matched_slowdown([r[:2] for r in plain if r[2]], [r[:2] for r in plain if not r[2]])
+    per_token = (padding_cost(gaps, busy, model, slowdown or 1.0) or 0.0) if padded else 0.0
     out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps),
-                 "padding_s_per_token": per_token}
-    for name, vals in sides.items():
+                 "padding_s_per_token": per_token, "slowdown": slowdown}
+    for name, side in (("busy", True), ("idle", False)):
+        vals = [(g[1] - g[0], (g[1] - g[0]) / padded_step(model, g[2], g[3], g[5], per_token))
+                for g, beside in zip(gaps, busy) if beside == side]
         out[f"gaps_{name}"] = len(vals)
         out[f"gap_mean_{name}_s"] = float(np.mean([v[0] for v in vals])) if vals else None
         out[f"{name}_ratios"] = [float(q) for q in np.quantile([v[1] for v in vals], quantiles)] if vals else None
-    out["slowdown"] = _matched_slowdown(sides["busy"], sides["idle"])
     return out
 
 
@@ -368,7 +369,7 @@ def _matched_slowdown(busy: list, idle: list) -> float | None:
     ``MIN_SPLIT_GAPS`` matched gaps on either side."""
     by_shape: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
     for side, vals in ((0, busy), (1, idle)):
-        for _, ratio, shape in vals:
+        for ratio, shape in vals:
             by_shape.setdefault(shape, ([], []))[side].append(ratio)
     matched = [(len(b), float(np.mean(b)) / float(np.mean(i))) for b, i in by_shape.values() if b and i]
     if sum(n for n, _ in matched) < MIN_SPLIT_GAPS or \
