@@ -90,3 +90,20 @@ def test_the_slowdown_compares_like_shapes():
     split = colocation_split(steps, [(0.5, 1.5)], MODEL)
     assert split["gap_mean_busy_s"] > 1.3 * split["gap_mean_idle_s"]     # the plain means would say 2x
     assert split["slowdown"] == pytest.approx(1.0)
+
+
+def test_padding_and_co_location_are_told_apart():
+    """Padded batches run mostly beside a prefill (the long prompt arrives with one): the
+    slowdown comes from unpadded gaps, and the padding is fitted with it divided out."""
+    model = DecodeCostModel(c0=0.01, c1=0.001, c2=1e-6)
+    steps, t = [], 0.0
+    for i in range(160):
+        beside = 1.0 <= t < 3.0
+        batch, context, longest = (3, 2400, 2000) if i % 2 else (1, 300, 300)
+        dur = padded_step(model, batch, context, longest, 4e-6) * (2.0 if beside else 1.0)
+        steps.append((t, dur, batch, context, int(i == 0), longest))
+        t += dur
+    split = colocation_split(steps, [(1.0, 3.0)], model, padded=True)
+    assert split["slowdown"] == pytest.approx(2.0, rel=0.05)
+    assert split["padding_s_per_token"] == pytest.approx(4e-6, rel=0.05)
+    assert split["idle_ratios"] == pytest.approx([1.0] * 10, rel=0.05)
