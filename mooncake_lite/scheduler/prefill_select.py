@@ -92,6 +92,11 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     of the loop (scheduler/wide.py: the same choice)."""
     if not prefills:
         return None
+    if wide is not None and cfg.strategy == "kvcache-centric" and not wide[0].packing:
+        hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
+        if hit is not None:     # the row's queue time is the array's double, as in the list below
+            i, local, fetch = hit
+            return _option(req, prefills[i], float(wide[1][i]), local, match, fetch, cfg, costs)
     if queues is None:
         queues = queues_at((cache or FROM_SCRATCH).backlogs(prefills, costs), now)
     queue_times = queues.queue_s
@@ -105,11 +110,6 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     if cfg.strategy != "kvcache-centric":
         return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times,
                                         queues.backlogs if packing else None)
-    if wide is not None and not packing:
-        hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
-        if hit is not None:
-            i, local, fetch = hit
-            return _option(req, prefills[i], queue_times[i], local, match, fetch, cfg, costs)
     return _choose_kvcache(req, prefills, queue_times, queues.backlogs if packing else None, match, cfg, costs)
 
 

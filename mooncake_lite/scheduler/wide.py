@@ -28,7 +28,7 @@ import numpy as np
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import Backlog, QueuesAt
+from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
@@ -41,10 +41,43 @@ _FEW_MODELS = 8
 
 
 def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
-    """Positions whose entry is another object (None: the two differ in length)."""
+    """Positions whose entry is another object (None: the two differ in length). A
+    ``view.Snapshot`` taken right after ``old`` says which itself (the simulator's snapshots);
+    any other pair is compared entry by entry (the live conductor's)."""
+    if new is old:
+        return []
+    if getattr(new, "previous", None) is old:
+        return new.changed
     if len(new) != len(old):
         return None
     return list(compress(count(), map(is_not, new, old)))
+
+
+class RowQueues:
+    """:class:`~mooncake_lite.scheduler.estimate.QueuesAt` of a table's rows at one ``now``, its
+    two lists made from the arrays only when read: a wide decision on the kvcache-centric path
+    reads only the chosen row's queue time (from the array), and building 2 × 128 floats on
+    every request cost more than the choice itself."""
+
+    __slots__ = ("backlogs", "_done", "_queue", "_done_s", "_queue_s")
+
+    def __init__(self, backlogs: list[Backlog], done: np.ndarray, queue: np.ndarray) -> None:
+        self.backlogs = backlogs
+        self._done, self._queue = done, queue
+        self._done_s: list[float] | None = None
+        self._queue_s: list[float] | None = None
+
+    @property
+    def done_s(self) -> list[float]:
+        if self._done_s is None:
+            self._done_s = self._done.tolist()
+        return self._done_s
+
+    @property
+    def queue_s(self) -> list[float]:
+        if self._queue_s is None:
+            self._queue_s = self._queue.tolist()
+        return self._queue_s
 
 
 class PrefillTable:
@@ -67,6 +100,7 @@ class PrefillTable:
         self.models: list[PrefillCostModel] = []
         self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
         self.multi: set[int] = set()
+        self.packing: set[int] = set()   # rows whose instance packs its queue (prefill batching)
         self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
         self.row_of: dict[Hashable, int] | None = {}     # store id -> its row, when each has one
         self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
@@ -104,6 +138,10 @@ class PrefillTable:
         self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
         started = b.started
         self.multi.discard(i)
+        if b.pack_tokens:
+            self.packing.add(i)
+        else:
+            self.packing.discard(i)
         if len(started) == 1:
             self.head_d[i], self.head_s[i] = started[0]
         else:
@@ -136,7 +174,7 @@ class PrefillTable:
         self._run_rows[id(stores)] = (stores, rows)    # the list is kept alive: its id stays its own
         return rows
 
-    def queues_at(self, now: float) -> tuple[QueuesAt, np.ndarray]:
+    def queues_at(self, now: float) -> tuple[RowQueues, np.ndarray]:
         """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
         as an array. A started job counts as done for its elapsed time, never more than its
         duration; an empty queue has no started job and a total of 0."""
@@ -149,7 +187,7 @@ class PrefillTable:
                 if elapsed > 0.0:
                     d += duration if elapsed > duration else elapsed
             done[i], queue[i] = d, b.cumulative_s[-1] - d
-        return QueuesAt(list(self.backlogs), done.tolist(), queue.tolist()), queue
+        return RowQueues(list(self.backlogs), done, queue), queue
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
         """Each row's model's prediction for one prompt: a Python call per distinct model when

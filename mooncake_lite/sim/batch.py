@@ -25,7 +25,7 @@ import numpy as np
 
 from mooncake_lite.instance.refine import padded_step
 from mooncake_lite.scheduler.costs import DecodeCostModel
-from mooncake_lite.sim.request import _COUNT, Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
+from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
 
 
 
@@ -112,7 +112,8 @@ class Batch:
             fold = fold_gaps if self.stalled else fold_steady_gaps
             spread = self.step_ratios is not None     # then the wait is added to the drawn first step
             gaps = fold(self.log, req.join_log - self._log_base, end, 0.0 if spread else req.wait_extra)
-            req.num_gaps = sum(map(_COUNT, gaps))
+            # the log since its join counts every step since then (a stall counts none)
+            req.num_gaps = self.steps_done - req.join_step
             if spread:
                 self._replay_spread(req, gaps)
             else:

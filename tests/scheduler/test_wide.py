@@ -58,7 +58,9 @@ def test_decisions_by_the_arrays_equal_the_loops_through_any_history(seed, ops, 
             assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
             if cluster.prefills:
                 table = cached.cache.prefill_table(cluster.prefills, COSTS)
-                assert table.queues_at(now)[0] == queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now)
+                rows = table.queues_at(now)[0]      # its lists made when read
+                assert (rows.backlogs, rows.done_s, rows.queue_s) == \
+                    tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
 
 PREFILL_MODELS = [None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6, c3=1e-5)]
