@@ -63,6 +63,7 @@ class StoreClient:
         frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or DEFAULT_TIMEOUT_S,
                                            label=label)
         client = cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
+        frames.op_name = _op_name
         if shm:
             try:
                 client.shm = await asyncio.wait_for(attach(frames), timeout or DEFAULT_TIMEOUT_S)
@@ -73,6 +74,15 @@ class StoreClient:
                 await client.close()
                 raise
         return client
+
+    @property
+    def timeout(self) -> float | None:
+        """Every request's deadline (None: none), kept as the connection's request_timeout."""
+        return self.frames.request_timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.frames.request_timeout = seconds
 
     @property
     def transport(self) -> str:
@@ -86,14 +96,9 @@ class StoreClient:
         return await self._send(op, meta, payload, sink)
 
     async def _send(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview], sink) -> Frame:
-        if not self.timeout:
-            return await self.frames.request(op, meta, payload, sink=sink)
-        try:   # a timeout scope, not wait_for: no task in between, the frame goes out before we yield
-            async with asyncio.timeout(self.timeout):
-                return await self.frames.request(op, meta, payload, sink=sink)
-        except TimeoutError as exc:
-            raise exc if isinstance(exc, NoAnswer) else NoAnswer(self.frames.label, op.name.lower(),
-                                                                 self.timeout) from None
+        # The deadline is the connection's request_timeout (set at connect): NoAnswer names the
+        # store (the connection's label) and the op; the frame goes out before we yield.
+        return await self.frames.request(op, meta, payload, sink=sink)
 
     async def _traced(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview],
                       send: Callable[[], Awaitable[Frame]]) -> Frame:
@@ -320,6 +325,14 @@ class StoreClient:
                 result.append((view, layer_counts[i]))
                 offset += size
         return result
+
+
+def _op_name(op: int) -> str:
+    """How a NoAnswer names a store op ("store 10.0.0.3:7002 get_layers: no answer in 10 s")."""
+    try:
+        return Op(op).name.lower()
+    except ValueError:
+        return f"op {op}"
 
 
 def _layer_range(extra: dict[str, Any]) -> tuple[int, int] | None:

@@ -77,6 +77,7 @@ class StoreHandler(FrameHandler):
 
     # ---- receiving puts in place ---------------------------------------------------------------
     def payload_sink(self, conn: FrameConnection, header: Header, meta: dict[str, Any]):
+        self._end_reads(conn, meta)   # before this put reserves: the slots they pin may be needed
         if header.op != Op.PUT or "staged" in meta:
             self._check_refusable(header, 0, f"op {header.op} takes no payload")
             meta[_ERROR] = ("bad_request", f"op {header.op} takes no payload")
@@ -129,22 +130,30 @@ class StoreHandler(FrameHandler):
             self.store.cancel(ticket)
 
     # ---- dispatch ----------------------------------------------------------------------------
+    def _end_reads(self, conn: FrameConnection, meta: dict[str, Any]) -> None:
+        """Same-node clients hand back their finished read leases with their next request
+        (``reads_done``): end them before the request itself is handled."""
+        if "reads_done" in meta:
+            self.shm.end_reads(conn, meta.pop("reads_done"))
+
     def frame_received(self, conn: FrameConnection, frame: Frame) -> None:
         meta = frame.meta
+        self._end_reads(conn, meta)
         if _ERROR in meta:
             reply_error(conn, frame, *meta[_ERROR])
             return
+        op = frame.header.op
         try:
-            if frame.op == Op.PUT and "staged" in meta:
+            if op == Op.GET or op == Op.GET_LAYERS:   # first: the latency-bound op
+                self._get(conn, frame)
+            elif op == Op.PUT and "staged" in meta:
                 self.shm.staged_put(conn, frame)   # answers it
-            elif frame.op == Op.PUT:
+            elif op == Op.PUT:
                 if _TICKET not in meta and keys_from_meta(meta):
                     raise MetaError("a put of blocks needs a payload")
                 num_new = self._commit(meta[_TICKET]) if _TICKET in meta else 0
                 conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
-            elif frame.op in (Op.GET, Op.GET_LAYERS):
-                self._get(conn, frame)
-            elif frame.op == Op.MATCH:
+            elif op == Op.MATCH:
                 if meta.get("lease_s") is None:
                     self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(meta))})
                 else:
@@ -153,26 +162,26 @@ class StoreHandler(FrameHandler):
                         raise MetaError(f"'lease_s' must be a positive number, got {lease_s!r}")
                     self._spawn(conn, frame, self._match_and_pin(conn, frame, keys_from_meta(meta),
                                                                  min(float(lease_s), self.lease_ttl)))
-            elif frame.op == Op.RELEASE:
+            elif op == Op.RELEASE:
                 lease = conn.state.get("leases", {}).pop(int_from_meta(meta, "lease_id"), None)
                 if lease is not None:
                     self.store.unpin(lease)
                 self._reply(conn, frame, {"released": lease is not None})
-            elif frame.op == Op.EXISTS:
+            elif op == Op.EXISTS:
                 self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
-            elif frame.op == Op.DELETE:
+            elif op == Op.DELETE:
                 self._spawn(conn, frame, self._delete(conn, frame, keys_from_meta(meta)))
-            elif frame.op in (Op.SHM_ATTACH, Op.SHM_READY, Op.READ_DONE):
+            elif op in (Op.SHM_ATTACH, Op.SHM_READY, Op.READ_DONE):
                 self.shm.handle(conn, frame)
-            elif frame.op in (Op.PIN, Op.UNPIN):
-                self._reply(conn, frame, self._pin(frame.op, meta))
-            elif frame.op == Op.REPLICATE:
+            elif op in (Op.PIN, Op.UNPIN):
+                self._reply(conn, frame, self._pin(op, meta))
+            elif op == Op.REPLICATE:
                 peer = parse_peer(meta.get("peer"))
                 first_pos = int_from_meta(meta, "first_pos", 0)
                 self._spawn(conn, frame, self._replicate(conn, frame, keys_from_meta(meta), peer, first_pos,
                                                          _deadline(meta)))
             else:
-                reply_error(conn, frame, "unknown_op", f"unknown op {frame.op}")
+                reply_error(conn, frame, "unknown_op", f"unknown op {op}")
         except (MetaError, BadRequest) as exc:
             reply_error(conn, frame, "bad_request", str(exc))
         except StoreFull as exc:

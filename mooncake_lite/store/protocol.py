@@ -28,7 +28,9 @@ same owner replaces its keys and expiry); holds are journaled beside the SSD fil
 Same-node fast path (docs/store.md): a GET/GET_LAYERS with ``shm: true`` is answered with
 ``spans`` ([offset, slot, generation] per block in the shared slab, under the read lease
 ``read``) instead of payload; a PUT with ``staged`` (one offset per key in the connection's
-staging area) carries no payload.
+staging area) carries no payload. Any request of a same-node client may carry ``reads_done``
+(read lease ids it has finished with, as READ_DONE's ``reads``): the store ends those leases
+before handling the request.
 
 A PUT with ``first_layer`` carries one layer slice per key: layers ``[first_layer, first_layer +
 num_layers)`` of blocks of ``block_layers`` layers (a CPP stage's). The store assembles them

@@ -110,6 +110,11 @@ class ShmPath:
         # staged puts not answered yet (see ``put``).
         self._copying: list[tuple[int, int]] = []
         self._unanswered = 0
+        # Read leases we are done with, not yet told to the store: they ride on our next
+        # request ("reads_done"), or go alone (READ_DONE) once the loop comes round with none.
+        self._reads_done: list[int] = []
+        self._done_soon: asyncio.Handle | None = None
+        frames.piggyback = self._take_reads_done
         self.is_closed = False
         # Unmap as soon as the connection is gone: a mapping keeps a dead store's whole slab
         # allocated, and the owner of a lost client may never call close().
@@ -148,14 +153,32 @@ class ShmPath:
             self._finished(frame.meta.get("read"))
 
     def _finished(self, read_id: Any) -> None:
-        """End the read lease now, one-way: the store handles it before any later frame of ours,
-        so a get leaves nothing pinned behind it, as over TCP (a put right after it may need
-        the slot)."""
-        if isinstance(read_id, int):
-            try:
-                self.frames.conn.send(Op.READ_DONE, 0, {"reads": [read_id]})
-            except ConnectionError:
-                pass   # the lease ends with the connection anyway
+        """End the read lease without a frame of its own on the get's path: the store learns it
+        with our next request (before handling that request, so a put right after a get finds
+        the slot unpinned, as over TCP) or, if none goes out first, from a one-way READ_DONE
+        sent as soon as the event loop comes round. Either way a get leaves nothing pinned
+        behind it, and back-to-back gets cost one frame each way."""
+        if not isinstance(read_id, int):
+            return
+        self._reads_done.append(read_id)
+        if self._done_soon is None:
+            self._done_soon = asyncio.get_running_loop().call_soon(self._send_reads_done)
+
+    def _take_reads_done(self) -> dict[str, Any] | None:
+        if not self._reads_done:
+            return None
+        done, self._reads_done = self._reads_done, []
+        return {"reads_done": done}
+
+    def _send_reads_done(self) -> None:
+        self._done_soon = None
+        done = self._take_reads_done()
+        if done is None or self.is_closed:
+            return
+        try:
+            self.frames.conn.send(Op.READ_DONE, 0, {"reads": done["reads_done"]})
+        except ConnectionError:
+            pass   # the leases end with the connection anyway
 
     def remember(self, lease_id: int, keys: Sequence[bytes], spans: Any, lease_s: float) -> None:
         """Blocks a MATCH pinned for us, readable without asking the store until released (or

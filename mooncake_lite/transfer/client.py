@@ -105,6 +105,10 @@ class FrameClient:
         self.hello: dict[str, Any] = {}   # the server's HELLO reply (e.g. a store's canonical id)
         self.label = conn.name            # how errors name the peer, e.g. "store 10.0.0.3:7002"
         self.request_timeout: float | None = None   # the deadline of a request given none
+        # Called as each request goes out; what it returns is added to the request's meta
+        # (the same-node fast path hands the store its finished read leases this way).
+        self.piggyback: Callable[[], dict[str, Any] | None] | None = None
+        self.op_name: Callable[[int], str] = lambda op: f"op {op}"   # how NoAnswer names an op
 
     @classmethod
     async def connect(cls, host: str, port: int, *, token: str | None = None, name: str = "client",
@@ -141,30 +145,48 @@ class FrameClient:
         timeout = self.request_timeout if timeout is None else timeout
         if not timeout:
             return await self._request(op, meta, payload, sink)
+        if not self.conn.must_drain:
+            # Room to send: the deadline is a timer on the reply's future, not a timeout scope
+            # (which costs a task-cancelling context on every small request: tens of µs here).
+            return await self._request(op, meta, payload, sink, timeout, what)
         try:   # no task in between: the frame is sent before this first yields, as without a deadline
             async with asyncio.timeout(timeout):
                 return await self._request(op, meta, payload, sink)
         except TimeoutError:
-            raise NoAnswer(self.label, what or f"op {op}", timeout) from None
+            raise NoAnswer(self.label, what or self.op_name(op), timeout) from None
 
     async def _request(self, op: int, meta: dict[str, Any] | None, payload: Sequence[Buffer],
-                       sink: ReplySink | None) -> Frame:
+                       sink: ReplySink | None, timeout: float | None = None, what: str | None = None) -> Frame:
         await self.conn.drain()
+        if self.piggyback is not None:
+            extra = self.piggyback()
+            if extra:
+                meta = {**meta, **extra} if meta else extra
         request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._handler.pending[request_id] = _Pending(future, sink)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        pending = self._handler.pending[request_id] = _Pending(future, sink)
         try:
             self.conn.send(op, request_id, meta, payload)
         except BaseException:
             self._handler.pending.pop(request_id, None)
             raise
+        timer = None if timeout is None else loop.call_later(timeout, self._no_answer, pending, op, what, timeout)
         try:
             return await future
-        except asyncio.CancelledError:
-            pending = self._handler.pending.get(request_id)
-            if pending is not None:
-                pending.sink = None  # the caller's buffers are no longer ours to write into
+        except (asyncio.CancelledError, NoAnswer):
+            pending.sink = None  # the caller's buffers are no longer ours to write into
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _no_answer(self, pending: _Pending, op: int, what: str | None, seconds: float) -> None:
+        """A request's deadline passed: its caller gets NoAnswer; a late reply is dropped (its
+        pending entry stays until then, so the reply is still read off the connection)."""
+        pending.sink = None
+        if not pending.future.done():
+            pending.future.set_exception(NoAnswer(self.label, what or self.op_name(op), seconds))
 
     @property
     def is_closed(self) -> bool:

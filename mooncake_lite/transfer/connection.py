@@ -428,6 +428,11 @@ class FrameConnection(asyncio.BufferedProtocol):
         else:
             self._flush_callbacks.append(callback)
 
+    @property
+    def must_drain(self) -> bool:
+        """``drain`` would wait (our writes are paused) or fail (closing)."""
+        return self._paused or self.transport is None or self.transport.is_closing()
+
     async def drain(self) -> None:
         """Wait until the write buffer is empty (flow control for senders)."""
         if self.transport is not None and self.transport.is_closing():
