@@ -340,7 +340,8 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
     ``padding_s_per_token`` (:func:`padding_cost`, 0 unless ``padded``), and the quantiles of
     gap / :func:`padded_step` on each side (``idle_ratios``, ``busy_ratios``) — the step the
     simulator runs. ``step_share`` = the steps' own seconds over the gaps' (the rest is between
-    steps). None without gaps."""
+    steps); each side's ratios are :func:`bin_means`, ``len(quantiles)`` of them. None without
+    gaps."""
     gaps = [g for g in step_gaps(steps) if model.predict(g[2], g[3]) > 0]
     if not gaps:
         return None
@@ -357,8 +358,17 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
                 for g, beside in zip(gaps, busy) if beside == side]
         out[f"gaps_{name}"] = len(vals)
         out[f"gap_mean_{name}_s"] = float(np.mean([v[0] for v in vals])) if vals else None
-        out[f"{name}_ratios"] = [float(q) for q in np.quantile([v[1] for v in vals], quantiles)] if vals else None
+        out[f"{name}_ratios"] = bin_means([v[1] for v in vals], len(quantiles)) if vals else None
     return out
+
+
+def bin_means(values: Sequence[float], bins: int) -> list[float]:
+    """``values`` sorted and cut into ``bins`` equal-mass bins, each bin's mean, ascending: a
+    draw of one at random has the values' mean, and the top bin keeps its spikes' weight — a
+    quantile at the bin's middle drops them (a step stalled 1.1 s by KV writes, one in 170,
+    is all but gone from a q95 of 1.26, yet it is what the slowest gaps of a request's TBT are)."""
+    cut = np.array_split(np.sort(np.asarray(values, dtype=np.float64)), min(bins, len(values)))
+    return [float(part.mean()) for part in cut]
 
 
 def _matched_slowdown(busy: list, idle: list) -> float | None:
