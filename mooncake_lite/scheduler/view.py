@@ -94,7 +94,7 @@ class StateTuple:
     def states(self) -> Snapshot:
         if self._stale:
             states, views = self._states, self._views
-            changed = sorted(self._stale)     # a stale view builds a new state object
+            changed = list(self._stale)       # a stale view builds a new state object
             for i in changed:
                 states[i] = views[i].state()
             self._stale.clear()

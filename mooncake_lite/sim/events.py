@@ -32,6 +32,8 @@ class EventQueue:
     def run(self, until: float | None = None, on_step: Callable[[float], None] | None = None) -> None:
         heap = self._heap
         pop = heapq.heappop
+        if until is None and on_step is None:
+            return self._run_all()
         while heap and not self.stopped:
             if until is not None and heap[0][0] > until:
                 break
@@ -41,6 +43,19 @@ class EventQueue:
             handler(time, payload)
             if on_step is not None:
                 on_step(time)
+
+    def _run_all(self) -> None:
+        """:meth:`run` with no limit and no callback (a whole simulation: millions of events),
+        the event count kept in a local and stored once at the end."""
+        heap, pop, n = self._heap, heapq.heappop, self.num_events
+        try:
+            while heap and not self.stopped:
+                time, _, handler, payload = pop(heap)
+                self.now = time
+                n += 1
+                handler(time, payload)
+        finally:
+            self.num_events = n
 
     def stop(self) -> None:
         """End ``run()`` after the current event (used to abandon hopeless capacity probes)."""
