@@ -13,35 +13,59 @@ BS = 8
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-def decode_run(model, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prefill logits, a batch-1 step, a ``batch``-row step with unequal lengths) on a fresh cache."""
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These small products at two OpenMP threads on a shared box spin for seconds (docs/model.md,
+    "Threads on a shared box"); one thread runs them in milliseconds and computes the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prefilled(model, batch: int):
+    """A runner whose cache holds ``batch`` prompts of unequal lengths (the masked attention path),
+    each over SKINNY_ROWS tokens (prefill's own path); their tables, lengths and last logits."""
     runner = ModelRunner(model, num_blocks=7 * batch, block_size=BS)
     tables = [list(range(7 * i, 7 * i + 7)) for i in range(batch)]
-    # Prompts over SKINNY_ROWS tokens (prefill's own path), of unequal lengths (masked attention).
     lens = [SKINNY_ROWS + 1 + (5 * i) % 17 for i in range(batch)]
-    first = torch.stack([runner.prefill([(7 * i + j) % 256 for j in range(n)], t)
-                         for i, (t, n) in enumerate(zip(tables, lens))])
+    first = [runner.prefill(prompt(i, n), t) for i, (t, n) in enumerate(zip(tables, lens))]
+    return runner, tables, lens, first
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(7 * i + j) % 256 for j in range(n)]
+
+
+def steps(runner, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-row step, then a step of every sequence, at the same positions on every call (each
+    rewrites the same cache slots from the same prefilled context)."""
     one = runner.decode([9], tables[:1], [lens[0]])
-    many = runner.decode([5 + i for i in range(batch)], tables, [n + (i == 0) for i, n in enumerate(lens)])
-    return first, one, many
+    many = runner.decode([5 + i for i in range(len(tables))], tables, [n + (i == 0) for i, n in enumerate(lens)])
+    return one, many
 
 
 @needs_onednn
 @pytest.mark.parametrize("batch", [3, 16])
 def test_packed_decode_computes_what_the_plain_path_does(batch):
     model = build_model("tiny", seed=4)
-    plain = decode_run(model, batch)
+    runner, tables, lens, first = prefilled(model, batch)
+    plain = steps(runner, tables, lens)
     assert not model.packed
-    packed = decode_run(model.pack_(), batch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        packed = steps(runner, tables, lens) if model.pack_() else None
     assert model.packed and model.output_pack is not None
+    ran = [e.key for e in prof.key_averages()]
+    assert "mkldnn::_linear_pointwise" in ran   # the packed weights did run
     # Prefill (many rows) and one-row steps do not take the packed weights: the same bits.
-    assert torch.equal(plain[0], packed[0]) and torch.equal(plain[1], packed[1])
+    assert torch.equal(runner.prefill(prompt(0, lens[0]), tables[0]), first[0])
+    assert torch.equal(plain[0], packed[0])
     # Few-row steps do: another kernel, the same products up to summation order.
-    torch.testing.assert_close(packed[2], plain[2], atol=1e-4, rtol=1e-4)
-    assert torch.equal(packed[2].argmax(-1), plain[2].argmax(-1))
+    torch.testing.assert_close(packed[1], plain[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(packed[1].argmax(-1), plain[1].argmax(-1))
     model.pack_(False)
     assert not model.packed and model.output_pack is None
-    assert torch.equal(decode_run(model, batch)[2], plain[2])   # dropped: the plain path again
+    assert torch.equal(steps(runner, tables, lens)[1], plain[1])   # dropped: the plain path again
 
 
 @needs_onednn
