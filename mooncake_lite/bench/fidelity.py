@@ -565,6 +565,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
                               "decode_step_ratios": profile.get("decode_step_ratios"),
                               "decode_colocated_slowdown": profile.get("decode_colocated_slowdown"),
                               "decode_padding_s_per_token": profile.get("decode_padding_s_per_token"),
+                              "decode_kv_write_s_per_token": profile.get("decode_kv_write_s_per_token"),
                               "colocation": profile.get("colocation")})
     report["per_request"] = per_request(records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
@@ -579,7 +580,7 @@ def run(ns: argparse.Namespace, api: str) -> dict:
 
 def ablations(hw) -> dict:
     """The exported hardware without each one-box effect it models (only those it has), and
-    without all three: the simulator as it ran before they were measured."""
+    without all of them: the simulator as it ran before they were measured."""
     out = {}
     if hw.decode_step_ratios:
         out["without_step_spread"] = replace(hw, decode_step_ratios=())
@@ -587,9 +588,11 @@ def ablations(hw) -> dict:
         out["without_padded_context"] = replace(hw, decode_padding_s_per_token=0.0)
     if hw.decode_colocated_slowdown != 1.0:
         out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
+    if hw.decode_kv_write_s_per_token:
+        out["without_kv_writes"] = replace(hw, decode_kv_write_s_per_token=0.0)
     if len(out) > 1:
         out["without_any"] = replace(hw, decode_step_ratios=(), decode_padding_s_per_token=0.0,
-                                     decode_colocated_slowdown=1.0)
+                                     decode_colocated_slowdown=1.0, decode_kv_write_s_per_token=0.0)
     return out
 
 
@@ -629,8 +632,10 @@ def _text(report: Mapping) -> str:
                      f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
                      f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
     lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
-                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}")
-    for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"):
+                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
+                 f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
+    for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_kv_writes",
+                 "without_any"):
         rows = report.get(f"sim_{name}")
         if rows:
             lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(

@@ -28,6 +28,9 @@ has every decode's figures. A decode with no prefill on its host reports no slow
 longest one's context (the torch reference kernel: CPU), the seconds a padding token adds to a
 step, fitted to its gaps (``instance/refine.padding_cost``; the median over the decodes); the
 simulator adds them to its steps, and the ratios above are over that step.
+``decode_kv_write_s_per_token``: what writing a received prompt's KV costs the decode's model
+thread per prompt token (its joins in ``kv_intake``), which the simulator charges at the join;
+the gaps above are taken without those writes.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ def cluster_profile(membership: Membership, defaults: CostModels,
     padding = [s["padding_s_per_token"] for s in splits.values() if s.get("padding_s_per_token")]
     if padding:   # a step costs batch × the longest context, the padding at this much a token
         profile["decode_padding_s_per_token"] = median(padding)
+    writes = [s["kv_write_s_per_token"] for s in splits.values() if s.get("kv_write_s_per_token")]
+    if writes:    # received KV written in the decode's model thread, between its steps
+        profile["decode_kv_write_s_per_token"] = median(writes)
     slowdowns = [s["slowdown"] for s in splits.values() if s.get("slowdown")]
     if slowdowns:   # the decodes that share a host with a prefill and ran steps both ways
         profile["decode_colocated_slowdown"] = median(slowdowns)
@@ -122,7 +128,7 @@ def colocation(decodes: list[Instance], prefills: list[Instance], timelines: Map
         forwards = [f for p in prefills if (t := timelines.get(p.instance_id)) and t.get("host") == mine.get("host")
                     for f in t.get("forwards", ())]
         split = colocation_split(mine["steps"], forwards, d.costs.decode or defaults.decode,
-                                 padded=bool(mine.get("padded_attention")))
+                                 padded=bool(mine.get("padded_attention")), intake=mine.get("kv_intake") or ())
         if split is not None:
             out[d.instance_id] = split
     return out

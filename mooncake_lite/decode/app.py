@@ -140,9 +140,11 @@ async def load(request: web.Request) -> web.Response:
 
 async def timeline(request: web.Request) -> web.Response:
     """The newest steps on this host's monotonic clock (``DecodeEngine.timeline``), for the
-    conductor's cost export to set beside the forwards of the prefills on the same host."""
+    conductor's cost export to set beside the forwards of the prefills on the same host, and
+    the newest joins with the seconds their KV writes took (``DecodeEngine.intake``)."""
     engine = request.app[ENGINE]
     return web.json_response({"host": host_identity(), "clock": "monotonic", "steps": list(engine.timeline),
+                              "kv_intake": list(engine.intake),
                               "padded_attention": pads_decode_attention(engine.runner.device)})
 
 

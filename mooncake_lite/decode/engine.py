@@ -56,6 +56,7 @@ class PendingKV:
     senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
     num_writes: int = 0            # layer frames received but not yet written into the cache
     drained: asyncio.Future | None = None   # END arrived with writes outstanding: set when they are done
+    write_s: float = 0.0           # seconds its KV writes took in the model thread (timeline)
     admission_span: Any = None     # decode.admission: reserved → joined the batch (tracing on)
     receive_span: Any = None       # decode.kv_receive: a child of prefill's kv_stream span (frame meta "tp")
 
@@ -101,6 +102,9 @@ class DecodeEngine:
         # GET /v1/timeline, for the cost export's split of steps beside a prefill on this host
         # from those without (instance/refine.py).
         self.timeline: deque[tuple[float, float, int, int, int, int]] = deque(maxlen=TIMELINE_LEN)
+        # Each joined request's (join time, prompt tokens, seconds its KV writes took in the
+        # model thread): what receiving a prompt costs the steps around it (GET /v1/timeline).
+        self.intake: deque[tuple[float, int, float]] = deque(maxlen=TIMELINE_LEN)
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest, span: Any = None) -> asyncio.Queue:
@@ -190,16 +194,21 @@ class DecodeEngine:
         write.add_done_callback(lambda f, p=pending: self._written(p, f))
         return write
 
-    def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """In the executor, between steps: scatter a frame's K/V into the paged cache."""
+    def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> float:
+        """In the executor, between steps: scatter a frame's K/V into the paged cache; the
+        seconds it took (the model thread's, which the steps wait for)."""
+        t0 = time.perf_counter()
         cache = self.runner.cache
         on_device = self.copier.use(self.copier.to_device(kv))
         scatter_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device), on_device)
+        return time.perf_counter() - t0
 
     def _written(self, pending: PendingKV, write: asyncio.Future) -> None:
         """A frame's write finished: the sequence joins once it was the last one outstanding."""
         pending.num_writes -= 1
         failed = write.cancelled() or write.exception() is not None
+        if not failed:
+            pending.write_s += write.result() or 0.0
         current = self.pending.get(pending.transfer_id) is pending   # else aborted or timed out meanwhile
         if current and failed:
             error = "cancelled" if write.cancelled() else repr(write.exception())
@@ -275,6 +284,7 @@ class DecodeEngine:
                    f"KV did not arrive within {t:g}s ({pending.progress()}); prefill dead or slow")
 
     def _join(self, pending: PendingKV) -> None:
+        self.intake.append((time.monotonic(), pending.seq.prompt_len, pending.write_s))
         del self.pending[pending.transfer_id]
         self._transfer_of.pop(pending.request_id, None)
         if pending.timer is not None:

@@ -329,9 +329,39 @@ def padding_cost(gaps: Sequence[tuple], busy: Sequence[bool], model: DecodeCostM
     return max(0.0, sum(p * r for p, r in rows) / sum(p * p for p, _ in rows))
 
 
+def kv_write_cost(intake: Sequence[Sequence[float]]) -> float | None:
+    """Seconds a decode's model thread spends writing one received prompt token's KV (all
+    layers), over its joins ``(time, prompt tokens, write seconds)``; None below 5 joins."""
+    if len(intake) < 5 or not sum(n for _, n, _ in intake):
+        return None
+    return sum(s for _, _, s in intake) / sum(n for _, n, _ in intake)
+
+
+def _without_writes(gaps: list[tuple], intake: Sequence[Sequence[float]], model: DecodeCostModel) -> list[tuple]:
+    """``gaps`` with each join's KV write seconds taken out of the gaps they delayed: the
+    writes run in the model thread between steps up to the join, so from the gap the join
+    falls in backwards, each gap giving at most what it took beyond the model's step (the
+    simulator charges the writes at the join: ``Hardware.decode_kv_write_s_per_token``)."""
+    ends = [g[1] for g in gaps]
+    out = [list(g) for g in gaps]
+    for t, _, seconds in intake:
+        first = bisect_right(ends, t)            # the gap the join falls in, if it is in one
+        if first == len(out) or out[first][0] > t:
+            continue                             # joined while the decode waited: no step delayed
+        left, k = seconds, first
+        while left > 0 and k >= max(0, first - 5):
+            g = out[k]
+            take = min(left, max(0.0, (g[1] - g[0]) - model.predict(g[2], g[3])))
+            g[0] += take
+            left -= take
+            k -= 1
+    return [tuple(g) for g in out]
+
+
 def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequence[float]],
                      model: DecodeCostModel, padded: bool = False,
-                     quantiles: Sequence[float] = RATIO_QUANTILES) -> dict | None:
+                     quantiles: Sequence[float] = RATIO_QUANTILES,
+                     intake: Sequence[Sequence[float]] = ()) -> dict | None:
     """A decode's token gaps (:func:`step_gaps`) split by whether a prefill on its host was
     computing through most of the gap (``forwards``: their ``(start, end)`` on the same clock):
     how many on each side and their mean gap; ``slowdown``, the mean gap / model beside a
@@ -340,11 +370,15 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
     ``padding_s_per_token`` (:func:`padding_cost`, 0 unless ``padded``), and the quantiles of
     gap / :func:`padded_step` on each side (``idle_ratios``, ``busy_ratios``) — the step the
     simulator runs. ``step_share`` = the steps' own seconds over the gaps' (the rest is between
-    steps); each side's ratios are :func:`bin_means`, ``len(quantiles)`` of them. None without
-    gaps."""
+    steps); each side's ratios are :func:`bin_means`, ``len(quantiles)`` of them. With the
+    decode's joins (``intake``): ``kv_write_s_per_token`` (:func:`kv_write_cost`), and the
+    gaps are taken without those writes (:func:`_without_writes`). None without gaps."""
     gaps = [g for g in step_gaps(steps) if model.predict(g[2], g[3]) > 0]
     if not gaps:
         return None
+    write_cost = kv_write_cost(intake)
+    if write_cost is not None:
+        gaps = _without_writes(gaps, intake, model)
     busy_at = merge_intervals(forwards)
     busy = [covered_share(g[0], g[1], busy_at) >= BUSY_SHARE for g in gaps]
     plain = [((g[1] - g[0]) / model.predict(g[2], g[3]), DecodeRefiner._bucket(g[2], g[5]), beside)
@@ -352,7 +386,7 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
     slowdown = _matched_slowdown([r[:2] for r in plain if r[2]], [r[:2] for r in plain if not r[2]])
     per_token = (padding_cost(gaps, busy, model, slowdown or 1.0) or 0.0) if padded else 0.0
     out: dict = {"step_share": sum(g[4] for g in gaps) / sum(g[1] - g[0] for g in gaps),
-                 "padding_s_per_token": per_token, "slowdown": slowdown}
+                 "padding_s_per_token": per_token, "slowdown": slowdown, "kv_write_s_per_token": write_cost}
     for name, side in (("busy", True), ("idle", False)):
         vals = [(g[1] - g[0], (g[1] - g[0]) / padded_step(model, g[2], g[3], g[5], per_token))
                 for g, beside in zip(gaps, busy) if beside == side]

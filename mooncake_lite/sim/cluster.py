@@ -55,7 +55,7 @@ class MooncakeSim(TraceDriver):
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
                                    self.events, cfg.decode_max_batch,
-                                   hw.decode_max_context_tokens, self._finish)
+                                   hw.decode_max_context_tokens, self._finish, hw.decode_kv_write_s_per_token)
                         for i in range(cfg.num_decode)]
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         # a snapshot rebuilds only the entries of the instances whose view changed

@@ -68,6 +68,9 @@ class Hardware:
     # one's context, batch × longest − context tokens more (instance/refine.padded_step;
     # measured by the live export). 0: attention as long as the contexts (a GPU's kernel).
     decode_padding_s_per_token: float = 0.0
+    # Seconds per prompt token the decode's model thread spends writing a received prompt's KV
+    # into its cache (between steps, so its batch waits): charged when the request joins.
+    decode_kv_write_s_per_token: float = 0.0
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
@@ -111,7 +114,9 @@ class Hardware:
                 **({"decode_colocated_slowdown": self.decode_colocated_slowdown}
                    if self.decode_colocated_slowdown != 1.0 else {}),
                 **({"decode_padding_s_per_token": self.decode_padding_s_per_token}
-                   if self.decode_padding_s_per_token else {})}
+                   if self.decode_padding_s_per_token else {}),
+                **({"decode_kv_write_s_per_token": self.decode_kv_write_s_per_token}
+                   if self.decode_kv_write_s_per_token else {})}
 
 
 def _flops(n: float) -> float:
@@ -186,7 +191,8 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
                        ("decode_max_context_tokens", data.get("decode_max_context_tokens")),
                        ("dram_bytes_per_node", data.get("dram_bytes_per_node")),
                        ("decode_colocated_slowdown", data.get("decode_colocated_slowdown")),
-                       ("decode_padding_s_per_token", data.get("decode_padding_s_per_token"))):
+                       ("decode_padding_s_per_token", data.get("decode_padding_s_per_token")),
+                       ("decode_kv_write_s_per_token", data.get("decode_kv_write_s_per_token"))):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")

@@ -130,8 +130,10 @@ class DecodeNode:
     """One decode instance: KV arrivals wait for the next step boundary, then join the batch."""
 
     def __init__(self, instance_id: str, batch: Batch, events: EventQueue, max_batch: int | None,
-                 max_context_tokens: int | None, on_finish: Callable[[float, SimRequest], None]) -> None:
+                 max_context_tokens: int | None, on_finish: Callable[[float, SimRequest], None],
+                 kv_write_s_per_token: float = 0.0) -> None:
         self.instance_id = instance_id
+        self.kv_write_s_per_token = kv_write_s_per_token   # Hardware.decode_kv_write_s_per_token
         self.batch = batch
         self.events = events
         self.max_batch = max_batch
@@ -238,6 +240,10 @@ class DecodeNode:
                 self.release(req)
                 req.finish = now
                 self.on_finish(now, req)
+        if self.pending and self.kv_write_s_per_token:   # the joiners' KV is written first (live: model thread)
+            wait = self.kv_write_s_per_token * sum(r.input_length for r in self.pending)
+            b.stall(wait)
+            now += wait
         for req in self.pending:
             b.add(req, now)
             view.enter_group(req.rid)

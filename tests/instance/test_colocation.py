@@ -107,3 +107,18 @@ def test_padding_and_co_location_are_told_apart():
     assert split["slowdown"] == pytest.approx(2.0, rel=0.05)
     assert split["padding_s_per_token"] == pytest.approx(4e-6, rel=0.05)
     assert split["idle_ratios"] == pytest.approx([1.0] * 10, rel=0.05)
+
+
+def test_kv_writes_come_out_of_the_gaps_they_delayed():
+    from mooncake_lite.instance.refine import kv_write_cost
+    steps = timeline(busy=(0, 0))                       # 10 ms steps back to back
+    delayed = [list(s) for s in steps]
+    for i in range(10, 100, 10):                         # a join every 10 steps, its 50 ms of writes
+        for s in delayed[i:]:                            # ... delay step i and everything after it
+            s[0] += 0.05
+    joins = [(delayed[i][0] - 0.001, 500, 0.05) for i in range(10, 100, 10)]
+    assert kv_write_cost(joins) == pytest.approx(1e-4) and kv_write_cost(joins[:4]) is None
+    assert colocation_split(delayed, [], MODEL)["idle_ratios"][-1] == pytest.approx(6.0)   # 60 ms gaps
+    split = colocation_split(delayed, [], MODEL, intake=joins)
+    assert split["kv_write_s_per_token"] == pytest.approx(1e-4)
+    assert split["idle_ratios"] == pytest.approx([1.0] * 10)

@@ -33,6 +33,9 @@ async def test_forwards_and_steps_on_one_clock(aiohttp_client):
         assert steps[0][0] >= forwards[2][1] and steps[5][0] >= forwards[3][1]
         assert [s[4] for s in steps] == [1, 0, 0, 0, 0, 1, 0, 0]
         assert [(s[2], s[3], s[5]) for s in steps[:2]] == [(1, 40, 40), (1, 41, 41)]   # batch, context, longest
+        intake = list(c.decode.intake)                   # (join time, prompt tokens, write seconds)
+        assert [n for _, n, _ in intake] == [39, 10] and all(w > 0 for _, _, w in intake)
+        assert forwards[2][1] <= intake[0][0] <= steps[0][0]
         split = colocation_split(steps, forwards, DecodeCostModel(c0=0.001))
         assert split["gaps_idle"] + split["gaps_busy"] == 6            # no gap across a wait
 

@@ -57,6 +57,8 @@ def test_the_profile_carries_the_slowdown_and_the_padding(tmp_path):
     path.write_text('{"prefill": {"c1": 0.001}, "decode_padding_s_per_token": 2e-6}')
     assert load_profile(path).decode_padding_s_per_token == 2e-6
     assert load_profile(path).to_dict()["decode_padding_s_per_token"] == 2e-6
+    path.write_text('{"prefill": {"c1": 0.001}, "decode_kv_write_s_per_token": 3e-5}')
+    assert load_profile(path).to_dict()["decode_kv_write_s_per_token"] == 3e-5
     path.write_text('{"prefill": {"c1": 0.001}, "decode_padding_s_per_token": -1}')
     with pytest.raises(ValueError, match="decode_padding_s_per_token"):
         load_profile(path)
@@ -78,3 +80,17 @@ def test_a_padded_batch_pays_for_its_longest_context():
     plain, slow = run(hw, pair), run(padded, pair)
     assert slow[1].mean_gap - plain[1].mean_gap == pytest.approx(1900e-5, rel=0.1)
     assert slow[1].tbt > plain[1].tbt + 0.015
+
+
+def test_received_kv_is_written_before_the_request_joins_and_the_batch_waits():
+    """``decode_kv_write_s_per_token``: a CPU decode writes a received prompt's KV in its model
+    thread, between steps: the joiner and every running request wait that long once."""
+    hw = toy_hardware(prefill_per_token=1e-3, step_s=0.01)
+    writes = dataclasses.replace(hw, decode_kv_write_s_per_token=1e-4)
+    trace = [req(0, 0.0, 100, 101), req(1, 0.1, 500, 3)]  # 1 prefilled 0.1-0.6 s, joins mid-way through 0's steps
+    plain, slow = run(hw, trace), run(writes, trace)
+    assert slow[0].ttft == plain[0].ttft and slow[1].ttft == plain[1].ttft
+    # 0 waits 10 ms for its own 100 tokens' KV, then 50 ms for 1's 500 beside its steps
+    assert slow[0].finish == pytest.approx(plain[0].finish + 0.01 + 0.05)
+    assert slow[0].tbt == pytest.approx((0.06 + 0.02 + 8 * 0.01) / 10) and plain[0].tbt == pytest.approx(0.01)
+    assert slow[1].finish == pytest.approx(plain[1].finish + 0.05)

@@ -150,9 +150,10 @@ def test_ablations_take_out_one_modelled_effect_at_a_time(tmp_path):
     hw = load_profile(tmp_path / "p.json")
     assert fidelity.ablations(hw) == {}
     full = dataclasses.replace(hw, decode_step_ratios=(0.9, 1.3), decode_padding_s_per_token=2e-6,
-                               decode_colocated_slowdown=1.4)
+                               decode_colocated_slowdown=1.4, decode_kv_write_s_per_token=1e-5)
     out = fidelity.ablations(full)
-    assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_any"}
+    assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown",
+                        "without_kv_writes", "without_any"}
     assert out["without_padded_context"] == dataclasses.replace(full, decode_padding_s_per_token=0.0)
     assert out["without_any"] == hw
 
