@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 
 import orjson
@@ -120,9 +121,23 @@ def process_cpu(pid: int) -> float:
 
 # ---- the store under test ------------------------------------------------------------------------
 def start_store(size: int, dram: int, staging: int) -> RoleProcess:
-    return RoleProcess.start("store", "--port", "0", "--data-port", "0", "--dram", str(dram),
-                             "--slot-bytes", str(size), "--shm-staging", str(staging), "--log-level", "warning",
-                             timeout=None, on_line=to_stderr)
+    store = RoleProcess.start("store", "--port", "0", "--data-port", "0", "--dram", str(dram),
+                              "--slot-bytes", str(size), "--shm-staging", str(staging), "--log-level", "warning",
+                              timeout=None, on_line=to_stderr)
+    wait_resident(store.addresses["http"])
+    return store
+
+
+def wait_resident(http: str, limit_s: float = 300.0) -> None:
+    """Until every slab page is faulted in (a big slab is populated in the background after
+    start): what a long-running store's puts see, not its first minute's page faults."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://{http}/health", timeout=10) as resp:
+            if orjson.loads(resp.read()).get("dram_resident", True):
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the store's slab was not resident after {limit_s:g} s")
 
 
 async def measure_store(address: str, server_pid: int, size: int, args: argparse.Namespace,

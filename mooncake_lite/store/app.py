@@ -177,6 +177,8 @@ async def health(request: web.Request) -> web.Response:
                               "dram_free_slots": store.slab.num_free, "dram_slots": store.slab.num_slots,
                               "slot_bytes": store.slab.slot_bytes, "eviction": dp.cfg.eviction,
                               "ssd": store.ssd is not None,
+                              # every slab page faulted in (a big slab is, in the background)
+                              "dram_resident": store.slab.is_populated,
                               # cached contexts' blocks, held against eviction (PIN)
                               "held_blocks": len(store.holds), "holds": len(store.holds.entries())})
 
