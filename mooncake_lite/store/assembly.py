@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from mooncake_lite.store.protocol import int_from_meta
 from mooncake_lite.store.records import BadRequest, StoreFull, discard_view
 from mooncake_lite.store.slab import Slab
 
@@ -115,6 +116,13 @@ class Assembler:
     @property
     def num_partial(self) -> int:
         return len(self.partials)
+
+    def reserve_put(self, meta: dict[str, Any], keys: Sequence[bytes], sizes: Sequence[int], num_layers: int,
+                    first_pos: int, now: float) -> SliceTicket:
+        """``reserve`` for a slice put, its layer range read from the frame's meta
+        (``first_layer``, ``block_layers``): the one step socket and staged slice puts share."""
+        return self.reserve(keys, sizes, int_from_meta(meta, "first_layer"), num_layers,
+                            int_from_meta(meta, "block_layers", minimum=1), first_pos, now)
 
     def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], first_layer: int, num_layers: int,
                 block_layers: int, first_pos: int, now: float) -> SliceTicket:

@@ -95,9 +95,7 @@ class StoreHandler(FrameHandler):
             num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
             first_pos = int_from_meta(meta, "first_pos", 0)
             if "first_layer" in meta:   # a layer slice: held apart until its block is whole
-                ticket = self.store.assembly.reserve(
-                    keys, sizes, int_from_meta(meta, "first_layer"), num_layers,
-                    int_from_meta(meta, "block_layers", minimum=1), first_pos, self.clock())
+                ticket = self.store.assembly.reserve_put(meta, keys, sizes, num_layers, first_pos, self.clock())
                 meta[_TICKET] = ticket
                 return self.store.assembly.views(ticket, self._scratch)
             ticket = self.store.reserve(keys, sizes, num_layers, first_pos)

@@ -177,8 +177,7 @@ class ShmService:
         """A CPP stage's layer slices, staged: the same assembly as over the socket (each slice
         copied to its layers' place in the block's slot; a no-op slice is not copied at all)."""
         assembly = self.store.assembly
-        ticket = assembly.reserve(keys, sizes, int_from_meta(meta, "first_layer"), num_layers,
-                                  int_from_meta(meta, "block_layers", minimum=1), first_pos, self.clock())
+        ticket = assembly.reserve_put(meta, keys, sizes, num_layers, first_pos, self.clock())
         for partial, offset, size in zip(ticket.partials, offsets, sizes):
             if partial is not None:
                 at = ticket.first_layer * partial.layer_bytes

@@ -64,7 +64,8 @@ class Populator:
 
     def __init__(self, owner: object, view: memoryview, what: str = "DRAM slab",
                  sync_bytes: int = SYNC_POPULATE_BYTES) -> None:
-        self.done = threading.Event()
+        self.done = threading.Event()   # set when nothing more will be faulted in
+        self.resident = False           # every page was (False too where madvise cannot)
         self.seconds: float | None = None
         self.what = what
         self._owner, self._start, self._nbytes = owner, address(view), view.nbytes
@@ -85,6 +86,8 @@ class Populator:
                     log.info("cannot prefault the %s (madvise: %s); its pages fault in as first written",
                              self.what, os.strerror(ctypes.get_errno()))
                     break
+        else:
+            self.resident = True
         self.seconds = time.perf_counter() - began
         log.debug("%s resident: %.0f MiB in %.2f s", self.what, self._nbytes / (1 << 20), self.seconds)
         self._owner = None

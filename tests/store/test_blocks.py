@@ -44,6 +44,28 @@ def test_slab_slots_views_and_errors():
         Slab(50, 100, pin=False)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_big_slab_is_faulted_in_in_the_background(monkeypatch, shared):
+    """Past SYNC_POPULATE_BYTES the slab is populated by a thread after the constructor returns;
+    once it says so, writing every slot faults (almost) no page in any more."""
+    import resource
+
+    from mooncake_lite.store import slab as slab_module
+    from mooncake_lite.transfer import shm
+    if shared and not shm.is_supported():
+        pytest.skip("no memfd here")
+    monkeypatch.setattr(slab_module, "SYNC_POPULATE_BYTES", 0)
+    slab = Slab(32 << 20, 1 << 20, pin=False, shared=shared)
+    assert slab._populator.done.wait(60) and slab.is_populated
+    if not slab._populator.resident:
+        pytest.skip("MADV_POPULATE_WRITE is not available here")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for slot in range(slab.num_slots):
+        slab.view(slot)[:] = bytes(slab.slot_bytes)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < (32 << 20) // 4096 // 8, f"{faults} page faults writing a populated slab"
+
+
 def test_put_is_invisible_until_commit_and_cancel_frees():
     store = BlockStore(Slab(4 * 64, 64, pin=False), make_policy("lru"))
     ticket = store.reserve(K[:2], [64, 10], 1)

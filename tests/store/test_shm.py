@@ -84,6 +84,39 @@ async def test_shm_selected_bytes_equal_and_tcp_agrees(store):
         await slow.close()
 
 
+async def test_a_get_hands_its_read_lease_back_with_the_next_request(store):
+    """No frame of its own on a get's path: the read lease's end rides on the next request
+    (``reads_done``), or goes alone (READ_DONE) once the loop comes round with none; the store
+    ends them all."""
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    sent: list[tuple[int, dict]] = []
+    send = client.frames.conn.send
+
+    def recorded(op, request_id, meta=None, payload=(), flags=0):
+        sent.append((op, dict(meta or {})))
+        return send(op, request_id, meta, payload, flags)
+    try:
+        keys = chain(3, seed=21)
+        await client.put(keys, [block(k, 5000) for k in keys])
+        client.frames.conn.send = recorded   # type: ignore[method-assign]
+        for key in keys:   # back to back: each get's request carries the lease of the one before
+            assert bytes((await client.get([key]))[0]) == block(key, 5000)
+        assert [op for op, _ in sent] == [Op.GET] * 3
+        assert "reads_done" not in sent[0][1]
+        first, second = sent[1][1]["reads_done"], sent[2][1]["reads_done"]
+        assert len(first) == 1 and len(second) == 1 and first != second
+        await asyncio.sleep(0)   # the loop comes round: the last get's lease goes alone
+        assert [op for op, _ in sent[3:]] == [Op.READ_DONE]
+        assert len(sent[3][1]["reads"]) == 1 and sent[3][1]["reads"] not in (first, second)
+        for _ in range(100):
+            if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+    finally:
+        await client.close()
+
+
 async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
     address = store.addresses["data"]
     off = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "1MiB", "--slot-bytes", "256KiB",
