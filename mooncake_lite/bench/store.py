@@ -234,7 +234,9 @@ async def measure_store(address: str, server_pid: int, size: int, args: argparse
 def bench_size(size: int, args: argparse.Namespace) -> dict:
     """Rounds alternate raw limits and store figures, so load changes hit both alike."""
     import uvloop
+    from mooncake_lite.bench import store_floor
     raw: dict[str, list[float]] = {"memcpy": [], "socket": [], "socket_cpu": [], "socket_arena": []}
+    floors: list[dict[str, float]] = []
     rounds: list[dict] = []
     dram = max(args.dram, 64 * size)
     store = start_store(size, dram, staging=2 * max(1, args.in_flight) * max(args.batch_bytes, size))
@@ -246,9 +248,12 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
             raw["socket_cpu"].append(cpu)
             raw["socket_arena"].append(socket_gbps(size, args.bytes_per_run, min(dram, 512 << 20))[0])
             rounds.append(uvloop.run(measure_store(store.addresses["data"], store.pid, size, args, dram // size)))
+            floors.append(store_floor.measure(store.addresses["data"]))
     finally:
         store.stop(30)
-    return summarize(size, raw, rounds)
+    out = summarize(size, raw, rounds)
+    out["round_trip_us"] = {name: statistics.median(f[name] for f in floors) for name in floors[0]}
+    return out
 
 
 def main(argv: Sequence[str]) -> int:
@@ -362,6 +367,11 @@ def render(report: dict) -> str:
                      f"{r['socket_gbps']:.2f} GB/s ({r['socket_cpu_s_per_gb']:.2f} CPU s/GB), into a slab-sized arena "
                      f"{r['socket_arena_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
                      f"{c['in_flight']} in flight")
+        if "round_trip_us" in r:
+            f = r["round_trip_us"]
+            lines.append(f"  round trip p50 (the floor of a single request): uvloop echo {f['unix_echo']:.0f} us "
+                         f"(Unix socket), {f['tcp_echo']:.0f} us (TCP); a store request with no work "
+                         f"{f['store_request']:.0f} us")
         lines.append(f"  {'op':<16} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'x socket':>9} {'x arena':>8} "
                      f"{'x memcpy':>8} {'x tcp':>6} {'CPU s/GB':>9} {'Mooncake':>11} {'x Mooncake':>10}  goals")
         for op in (o for o in OPS + SHM_OPS if o in r):

@@ -28,3 +28,6 @@ def test_bench_store_json_smoke():
         assert fig[op]["gbps"] > 0 and fig[op]["vs_tcp"] > 0 and "2x_tcp" in fig[op]["goals_met"]
     assert fig["put_alone"]["gbps"] > 0 and fig["put_alone"]["goals_met"] == {}
     assert "64KiB_get_50us" in fig["shm_leased_get"]["goals_met"]
+    # The round-trip floor beside the single gets: echoes between two event loops, a no-work request.
+    assert set(fig["round_trip_us"]) == {"unix_echo", "tcp_echo", "store_request"}
+    assert all(v > 0 for v in fig["round_trip_us"].values())
