@@ -255,7 +255,8 @@ class DecodeView(_Shown):
             return False
         shown = self._incoming_shown
         if shown is not None:
-            self._incoming_shown = tuple(r for r in shown if r is not record)
+            i = _position(shown, record)
+            self._incoming_shown = shown[:i] + shown[i + 1:] if i is not None else shown
         self._stale()
         return True
 
