@@ -324,6 +324,7 @@ class DecodeTable:
         # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
         # any, the clamp at 0 changes nothing and is skipped
         self.may_clamp: set[int] = set()
+        self.full: set[int] = set()     # rows whose batch has no room
 
     def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
@@ -343,7 +344,11 @@ class DecodeTable:
                 self.may_clamp.discard(i)
             else:
                 self.may_clamp.add(i)
-            self.batch_room[i] = d.max_batch_size is None or batch < d.max_batch_size
+            self.batch_room[i] = room = d.max_batch_size is None or batch < d.max_batch_size
+            if room:
+                self.full.discard(i)
+            else:
+                self.full.add(i)
             self.context_room[i] = _INF if d.max_context_tokens is None else d.max_context_tokens - context
         self.decodes = decodes
 
@@ -355,8 +360,11 @@ class DecodeTable:
         tbt = self.base + self.c2 * (self.context + req.num_tokens)
         if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
             tbt = np.where(tbt > 0.0, tbt, 0.0)
-        room = self.batch_room & (req.num_tokens + req.max_output_tokens <= self.context_room)
-        keyed = np.where(room, tbt, _INF)
+        need = req.num_tokens + req.max_output_tokens
+        if not self.full and need <= self.context_room.min():
+            keyed = tbt                # every row has room (the usual case): nothing to mask
+        else:
+            keyed = np.where(self.batch_room & (need <= self.context_room), tbt, _INF)
         i = int(keyed.argmin())
         if not keyed[i] < _INF:
             return None
