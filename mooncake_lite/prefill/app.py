@@ -37,6 +37,7 @@ from mooncake_lite.prefill.pipeline import NextStage
 from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
 from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore, PrefixStore
+from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
@@ -214,6 +215,12 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[Stage
         except ValueError as exc:
             log.warning("startup profiling skipped: %s", exc)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
+    if cfg.borrow_threads:   # the decodes' idle CPUs, lent by `mooncake up` (prefill/threads.py)
+        import torch
+        borrower = ThreadBorrower(torch.get_num_threads(), cfg.borrow_threads)
+        executor = BorrowingExecutor(borrower, thread_name_prefix="prefill-model")
+        log.info("torch threads %d, up to %d more while %d CPUs of this machine are idle", borrower.own,
+                 cfg.borrow_threads, cfg.borrow_threads)
     stage = StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back)
     if cost is not None:   # refined from every chunk this instance runs
         stage.refiner = prefill_refiner(cost)

@@ -23,6 +23,9 @@ class Config(ModelRoleConfig):
     prefill_batch_tokens: int = option(512, "prefill batching: pack queued prompts into one forward while their "
                                        "uncached tokens together fit this many (and each fits a chunk); 0: "
                                        "one prompt at a time. A CPP group never packs")
+    borrow_threads: int = option(0, "run on up to this many torch threads more than --threads while the rest of "
+                                 "the machine leaves that many CPUs idle (read between pieces of model work; "
+                                 "`mooncake up` lends a prefill the decodes' CPUs this way); 0: never")
     store: str | None = option(None, "store data address HOST:PORT (default: a private in-process store)")
     local_store_blocks: int = option(4096, "blocks the private in-process store keeps when --store is not given")
     write_back: bool = option(True, "write new full blocks to the store")
@@ -49,6 +52,7 @@ class Config(ModelRoleConfig):
         super().__post_init__()
         require(self.prefill_chunk > 0, f"--prefill-chunk must be positive, got {self.prefill_chunk}")
         require(self.prefill_batch_tokens >= 0, f"--prefill-batch-tokens must be >= 0, got {self.prefill_batch_tokens}")
+        require(self.borrow_threads >= 0, f"--borrow-threads must be >= 0, got {self.borrow_threads}")
         require(self.local_store_blocks > 0, "--local-store-blocks must be positive")
         require(self.pipeline_group >= 1, f"--pipeline-group must be >= 1, got {self.pipeline_group}")
         require(0 <= self.pipeline_stage < self.pipeline_group,
