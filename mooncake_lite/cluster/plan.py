@@ -15,10 +15,11 @@ size and dtype, worked out by ``up.py``) must fit a slot, or every write-back is
 stores get ``--slot-bytes`` (rounded up to 64 KiB) and a ``--dram`` of at least 64 such slots,
 unless the user set those options (flags, config file or environment) themselves.
 
-On one box the roles share the machine (``UpOptions.share``, see :func:`core_shares` and
-:func:`memory_shares`): each prefill and decode instance gets its own slice of the CPUs as torch
-intra-op threads (and, with ``--pin``, as its affinity), since instances that each ask for every
-core spin against each other; and a fraction of the memory available at start, after every instance's weights, is split
+On one box the roles share the machine (``UpOptions.share``, see :func:`core_shares`,
+:func:`lent_cpus` and :func:`memory_shares`): each prefill and decode instance gets its own slice
+of the CPUs as torch intra-op threads (and, with ``--pin``, as its affinity), since instances that
+each ask for every core spin against each other; unpinned, a prefill may also borrow the decodes'
+CPUs while the machine leaves them idle (``--borrow-threads``); and a fraction of the memory available at start, after every instance's weights, is split
 into the instances' KV caches and the stores' DRAM, so the default cluster can hold the load the
 machine can. Anything the user set (``--threads``, ``--cpus``, ``--kv-memory``, ``--num-blocks``,
 ``--dram``) wins.
@@ -45,7 +46,7 @@ STORE_SSD_QUEUE = 256 << 20             # the store's default --ssd-queue (must 
 MAX_SLOT_BYTES = 1 << 30                # the store's largest --slot-bytes
 # Options the store sizing reads (prefill) or sets (store); see UpOptions.preset.
 SIZING_OPTIONS = ("block_size", "dtype", "slot_bytes", "dram", "ssd_queue", "threads", "cpus", "kv_memory",
-                  "num_blocks", "kv_compression")
+                  "num_blocks", "kv_compression", "borrow_threads")
 INSTANCE_KV_MEMORY = 256 << 20          # ModelRoleConfig.kv_memory's default: the floor of a KV share
 PROCESS_OVERHEAD = 512 << 20            # Python, torch, tokenizer and buffers of one instance, beside weights
 DEFAULT_MEMORY_FRACTION = 0.25          # of MemAvailable: the box is shared with the OS and other work
@@ -250,6 +251,20 @@ def core_shares(cpus: Sequence[int], num_prefill: int, num_decode: int) -> dict[
     return shares
 
 
+def lent_cpus(cpus: Sequence[int], num_prefill: int, num_decode: int) -> dict[str, int]:
+    """How many of the decodes' CPUs each prefill may borrow while they are idle (its
+    ``--borrow-threads``): all of them, split among the prefills. Prefill is bursty and
+    compute-bound, decode steady but idle between bursts, so a prefill runs on the decode's
+    cores too whenever the machine leaves them idle (``prefill/threads.py`` watches). With fewer
+    CPUs than instances, none (every instance already shares)."""
+    if len(cpus) < num_prefill + num_decode:
+        return {f"prefill-{i}": 0 for i in range(num_prefill)}
+    shares = core_shares(cpus, num_prefill, num_decode)
+    lent = sum(len(shares[f"decode-{i}"]) for i in range(num_decode))
+    base, spare = divmod(lent, num_prefill)
+    return {f"prefill-{i}": base + (1 if i < spare else 0) for i in range(num_prefill)}
+
+
 def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_stores: int) -> MemoryShares:
     """KV memory per instance and DRAM per store from ``memory_fraction`` of the available memory,
     less each instance's weights and process overhead. No share is below the role's own default
@@ -273,7 +288,7 @@ def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_st
 
 
 def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[str, str]]:
-    """``--threads``/``--cpus``/``--kv-memory`` for instance ``name`` from ``opts.share``, leaving out
+    """``--threads``/``--cpus``/``--borrow-threads``/``--kv-memory`` for instance ``name`` from ``opts.share``, leaving out
     whatever the user set for the role (a user's ``--num-blocks`` also rules out ``--kv-memory``)."""
     share = opts.share
     if share is None:
@@ -288,6 +303,9 @@ def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[st
         flags.append(("--threads", str(len(cpus))))
         if share.pin:
             flags.append(("--cpus", ",".join(map(str, cpus))))
+        elif role_setting(opts, role, "borrow_threads") is None:   # unpinned: the decodes' idle CPUs too
+            if lent := lent_cpus(share.cpus, opts.num_prefill, opts.num_decode).get(name, 0):
+                flags.append(("--borrow-threads", str(lent)))
     if not (user["kv_memory"] or user["num_blocks"]):
         mem = memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores)
         flags.append(("--kv-memory", str(mem.prefill_kv if role == "prefill" else mem.decode_kv)))

@@ -12,7 +12,7 @@ import pytest
 from mooncake_lite.cluster import plan
 from mooncake_lite.cluster.machine import available_memory, usable_cpus, with_machine_share
 from mooncake_lite.cluster.plan import (MachineShare, UpOptions, core_shares, instance_specs, memory_shares,
-                                        store_specs)
+                                        lent_cpus, store_specs)
 from mooncake_lite.cluster.registration import with_role_support
 from mooncake_lite.common.config import load_config
 from mooncake_lite.common.launch import LAUNCHER
@@ -43,6 +43,18 @@ def test_core_shares_are_disjoint_and_cover_the_machine(cpus, prefill, decode):
         assert sorted(used) == sorted(cpus)                          # every CPU once
     else:
         assert set(used) == set(cpus) and all(len(s) == 1 for s in shares.values())
+
+
+@pytest.mark.parametrize("ncpu, prefill, decode, want", [
+    (2, 1, 1, {"prefill-0": 1}),                          # the decode's CPU, while it leaves it idle
+    (8, 1, 1, {"prefill-0": 4}),
+    (5, 2, 1, {"prefill-0": 1, "prefill-1": 0}),          # one decode CPU: lent to one prefill
+    (6, 1, 2, {"prefill-0": 4}),
+    (1, 1, 1, {"prefill-0": 0}),                          # fewer CPUs than instances: nothing to lend
+    (2, 2, 2, {"prefill-0": 0, "prefill-1": 0}),
+])
+def test_prefills_may_borrow_the_decodes_cpus(ncpu, prefill, decode, want):
+    assert lent_cpus(range(ncpu), prefill, decode) == want
 
 
 def smollm(available=32 * GiB, fraction=0.25, **kw):
@@ -92,7 +104,8 @@ def planned(share=None, **kw):
 
 def flags_of(spec):
     argv = spec.argv
-    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--threads", "--cpus", "--kv-memory")}
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1])
+            if a in ("--threads", "--cpus", "--kv-memory", "--borrow-threads")}
 
 
 def test_instances_get_their_share_as_flags_the_roles_accept():
@@ -101,9 +114,13 @@ def test_instances_get_their_share_as_flags_the_roles_accept():
     o = planned()
     prefill, decode = instance_specs(o, "http://c", ["h:1"])
     m = memory_shares(o.share, 1, 1, 1)
-    assert flags_of(prefill) == {"--threads": "1", "--kv-memory": str(m.prefill_kv)}     # not pinned
+    # not pinned: a thread each, and the prefill may borrow the decode's CPU while it is idle
+    assert flags_of(prefill) == {"--threads": "1", "--borrow-threads": "1", "--kv-memory": str(m.prefill_kv)}
     assert flags_of(decode) == {"--threads": "1", "--kv-memory": str(m.decode_kv)}
-    prefill, decode = instance_specs(planned(share=smollm(pin=True)), "http://c", ["h:1"])  # --pin
+    cfg = load_config(PrefillConfig, [a for pair in flags_of(prefill).items() for a in pair], prog="t",
+                      section="prefill", env={})
+    assert (cfg.threads, cfg.borrow_threads) == (1, 1)
+    prefill, decode = instance_specs(planned(share=smollm(pin=True)), "http://c", ["h:1"])  # --pin: no borrowing
     assert flags_of(prefill)["--cpus"] == "0" and flags_of(decode)["--cpus"] == "1"
     for spec, config, role in ((prefill, PrefillConfig, "prefill"), (decode, DecodeConfig, "decode")):
         argv = [a for pair in flags_of(spec).items() for a in pair]
@@ -119,6 +136,8 @@ def test_what_the_user_set_wins():
     unpinned = planned(share=smollm(threads=3, pin=True))           # `mooncake up --threads 3`: unpinned
     assert all(flags_of(s).get("--threads") == "3" and "--cpus" not in s.argv
                for s in instance_specs(unpinned, "http://c", ["h:1"]))
+    kept = planned(role_args={"prefill": ("--borrow-threads", "0")})   # the user's borrowing, not ours
+    assert instance_specs(kept, "http://c", ["h:1"])[0].argv.count("--borrow-threads") == 1
     # a custom launcher's roles may not take tuning flags: they get none
     custom = UpOptions(launcher=("py", "fake.py"), model="smollm2-135m", share=smollm())
     assert not any(flags_of(s) for s in instance_specs(custom, "http://c", ["h:1"]))
