@@ -81,10 +81,14 @@ class BlockIndex:
         """Record that ``store_id`` now holds ``keys`` (idempotent)."""
         bit = 1 << self._slot(store_id)
         masks, shared = self._masks, self._sharing()
+        alone = shared.setdefault(bit, bit)     # the mask of a key no other store holds
         added = 0
         for key in keys:
             m = masks.get(key, 0)
-            if not m & bit:
+            if not m:                  # new to the index (half of a fresh prompt's keys)
+                masks[key] = alone
+                added += 1
+            elif not m & bit:
                 m |= bit
                 masks[key] = shared.setdefault(m, m)
                 added += 1
