@@ -91,13 +91,10 @@ class StoreClient:
 
     async def _request(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview] = (),
                        sink=None) -> Frame:
+        # The deadline is the connection's request_timeout (``timeout``): NoAnswer names the store
+        # (the connection's label) and the op; the frame goes out before we yield.
         if tracing.is_enabled():
-            return await self._traced(op, meta, payload, lambda: self._send(op, meta, payload, sink))
-        return await self._send(op, meta, payload, sink)
-
-    async def _send(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview], sink) -> Frame:
-        # The deadline is the connection's request_timeout (set at connect): NoAnswer names the
-        # store (the connection's label) and the op; the frame goes out before we yield.
+            return await self._traced(op, meta, payload, lambda: self.frames.request(op, meta, payload, sink=sink))
         return await self.frames.request(op, meta, payload, sink=sink)
 
     async def _traced(self, op: Op, meta: dict[str, Any], payload: Sequence[memoryview],
@@ -272,6 +269,8 @@ class StoreClient:
             tracing.end_span(span, transport="shm", stale=local is None)
             if local is not None:
                 return local   # type: ignore[return-value]
+        if len(keys) <= self.max_batch_keys:   # one batch (a single get: no splitting on its path)
+            return await self._read_batch(op, keys, outs, extra)
         batches = self._split(len(keys))
         parts = await _all(self._read_batch(op, keys[a:b], outs[a:b] if outs else None, extra)
                            for a, b in batches)

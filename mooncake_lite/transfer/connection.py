@@ -304,7 +304,11 @@ class FrameConnection(asyncio.BufferedProtocol):
         header = self._header
         assert header is not None
         self._remaining = header.payload_len
-        targets = self.handler.payload_sink(self, header, meta) if header.payload_len else []
+        if not header.payload_len:   # most requests and replies: nothing to place
+            self._meta, self._targets = meta, []
+            self._deliver()
+            return
+        targets = self.handler.payload_sink(self, header, meta)
         if targets is None:
             # Only now, with the length checked against the limits and by the handler, is
             # memory allocated for it (and charged to the budget until the frame is delivered).
@@ -316,8 +320,6 @@ class FrameConnection(asyncio.BufferedProtocol):
                              f"{header.payload_len}-byte payload")
         self._targets = [t for t in targets if t.nbytes]
         self._ti = self._toff = 0
-        if header.payload_len == 0:
-            self._deliver()
 
     def _copy_into_targets(self, data: memoryview) -> None:
         pos = 0

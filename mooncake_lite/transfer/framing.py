@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -75,8 +75,8 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be positive or None, got {value}")
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A frame's fixed part, decoded (a tuple: built once per frame received, on the hot path)."""
     op: int
     flags: int
     request_id: int
