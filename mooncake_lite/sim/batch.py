@@ -105,12 +105,12 @@ class Batch:
         done: list[SimRequest] = []
         heap = self._heap
         end = len(self.log)
+        fold = fold_gaps if self.stalled else fold_steady_gaps
+        spread = self.step_ratios is not None     # then the wait is added to the drawn first step
         while heap and heap[0][0] <= self.steps_done:
             last, _, req = heapq.heappop(heap)
             del self.running[req.rid]
             self.context_tokens -= req.input_length + 1 + last - req.join_step   # prompt + every token
-            fold = fold_gaps if self.stalled else fold_steady_gaps
-            spread = self.step_ratios is not None     # then the wait is added to the drawn first step
             gaps = fold(self.log, req.join_log - self._log_base, end, 0.0 if spread else req.wait_extra)
             # the log since its join counts every step since then (a stall counts none)
             req.num_gaps = self.steps_done - req.join_step

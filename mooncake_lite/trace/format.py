@@ -48,40 +48,28 @@ class TraceRequest:
 
 def _parse_line(raw: bytes, path: object, lineno: int, block_size: int,
                 strict_blocks: bool) -> tuple[float, int, int, tuple]:
-    where = _Where(path, lineno)      # formatted only into an error's message
+    """One line's fields, checked. ``path:lineno`` is formatted only into an error's message
+    (a million-line trace is read per line)."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc})") from None
+        raise TraceError(f"{path}:{lineno}: not JSON ({exc})") from None
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise TraceError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
     try:
         ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
     except KeyError as exc:
-        raise TraceError(f"{where}: missing field {exc.args[0]!r}") from None
+        raise TraceError(f"{path}:{lineno}: missing field {exc.args[0]!r}") from None
     if not isinstance(ts, (int, float)) or ts < 0:
-        raise TraceError(f"{where}: timestamp must be a non-negative number of ms, got {ts!r}")
+        raise TraceError(f"{path}:{lineno}: timestamp must be a non-negative number of ms, got {ts!r}")
     if not isinstance(n_in, int) or n_in < 1 or not isinstance(n_out, int) or n_out < 1:
-        raise TraceError(f"{where}: input_length and output_length must be positive integers")
+        raise TraceError(f"{path}:{lineno}: input_length and output_length must be positive integers")
     if not isinstance(ids, list) or not all(map(isinstance, ids, repeat(int))):
-        raise TraceError(f"{where}: hash_ids must be a list of integers")
+        raise TraceError(f"{path}:{lineno}: hash_ids must be a list of integers")
     if strict_blocks and len(ids) != math.ceil(n_in / block_size):
-        raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} tokens; expected "
+        raise TraceError(f"{path}:{lineno}: {len(ids)} hash_ids for {n_in} tokens; expected "
                          f"ceil({n_in}/{block_size}) = {math.ceil(n_in / block_size)}")
     return float(ts), n_in, n_out, tuple(ids)
-
-
-class _Where:
-    """``path:lineno`` for an error message, built only if one is raised (a million-line trace
-    is read per line)."""
-
-    __slots__ = ("path", "lineno")
-
-    def __init__(self, path: object, lineno: int) -> None:
-        self.path, self.lineno = path, lineno
-
-    def __format__(self, spec: str) -> str:
-        return format(f"{self.path}:{self.lineno}", spec)
 
 
 def read_trace(path: str | Path, *, speed: float = 1.0, limit: int | None = None,
