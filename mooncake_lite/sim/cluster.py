@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
-                                     decode_admits, prefill_queue_time)
+                                     decode_admits)
 from mooncake_lite.sim.batch import Batch
 from mooncake_lite.sim.config import SimConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
@@ -23,6 +23,7 @@ from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.view import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
@@ -231,7 +232,8 @@ class MooncakeSim(TraceDriver):
         with everything the decodes hold (running and reserved: what their own check judges);
         cumulative rejections by stage; plus raw counts."""
         sc = self.cfg.scheduler
-        queue = [prefill_queue_time(p.state(), self.costs, now) for p in self.prefills]
+        # prefill_queue_time of each, through the scheduler's cache (the same values: tested)
+        queue = queues_at(self.scheduler.cache.backlogs(self._states[0].states(), self.costs), now).queue_s
         tbts = [d.batch.step_time() for d in self.decodes]
         held = [d.held_step_time() for d in self.decodes]
         return {"prefill_load": sum(queue) / len(queue) / sc.ttft_slo_s,
