@@ -63,12 +63,12 @@ class Populator:
     mapping's owner so it is not unmapped before the thread is done."""
 
     def __init__(self, owner: object, view: memoryview, what: str = "DRAM slab",
-                 sync_bytes: int = SYNC_POPULATE_BYTES) -> None:
+                 sync_bytes: int = SYNC_POPULATE_BYTES, chunk: int = POPULATE_CHUNK) -> None:
         self.done = threading.Event()   # set when nothing more will be faulted in
         self.resident = False           # every page was (False too where madvise cannot)
         self.seconds: float | None = None
         self.what = what
-        self._owner, self._start, self._nbytes = owner, address(view), view.nbytes
+        self._owner, self._start, self._nbytes, self._chunk = owner, address(view), view.nbytes, chunk
         self._lock = threading.Lock()   # held per chunk: ``stop`` waits for the one under way
         self._stopped = False
         if self._nbytes <= sync_bytes:
@@ -78,11 +78,11 @@ class Populator:
 
     def _run(self) -> None:
         began = time.perf_counter()
-        for offset in range(0, self._nbytes, POPULATE_CHUNK):
+        for offset in range(0, self._nbytes, self._chunk):
             with self._lock:
                 if self._stopped:
                     break
-                if not populate_write(self._start + offset, min(POPULATE_CHUNK, self._nbytes - offset)):
+                if not populate_write(self._start + offset, min(self._chunk, self._nbytes - offset)):
                     log.info("cannot prefault the %s (madvise: %s); its pages fault in as first written",
                              self.what, os.strerror(ctypes.get_errno()))
                     break
@@ -94,7 +94,7 @@ class Populator:
         self.done.set()
 
     def stop(self) -> None:
-        """No more chunks (call before unmapping the memory early)."""
+        """No more chunks (call before unmapping the memory early; waits for the chunk under way)."""
         with self._lock:
             self._stopped = True
 
