@@ -6,8 +6,10 @@ the same node that can open and verify it (``transfer/shm.py``) then:
 * **gets** with ``shm: true``: the store pins the blocks under a *read lease* and answers with
   where they are (``spans``: slab offset, slot, slot generation) instead of sending them; the
   client copies them out of its read-only mapping, checks the generations, and ends the lease
-  with a one-way READ_DONE (handled before any later frame of that client). The store hands out offsets only for blocks it has leased to that
-  connection; the mapping itself cannot stop a client from reading other slots (see docs).
+  with its next request (``reads_done``, ended before that request is handled) or a one-way
+  READ_DONE once its event loop comes round. The store hands out offsets only for blocks it has
+  leased to that connection; the mapping itself cannot stop a client from reading other slots
+  (see docs).
 * **puts** through a per-connection *staging area* (SHM_ATTACH: a fresh memfd only this
   connection's client is given; SHM_READY: the store closes its descriptor so nobody else can
   open it): the client copies blocks into it and sends PUT with ``staged`` offsets and no
