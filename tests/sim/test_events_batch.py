@@ -8,9 +8,10 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.request import fold_gaps, slowest_share_mean
 
 
-def test_events_run_in_time_order_fifo_on_ties():
+@pytest.mark.parametrize("checked", [False, True])
+def test_events_run_in_time_order_fifo_on_ties(checked):
     q = EventQueue()
-    seen = []
+    seen, steps = [], []
 
     def h(t, tag):
         seen.append((t, tag))
@@ -21,9 +22,13 @@ def test_events_run_in_time_order_fifo_on_ties():
     q.push(2.0, h, "b")
     q.push(1.0, h, "a")
     q.push(2.0, h, "b2")
-    q.run()
+    if checked:       # the loop with a callback (and a limit), vs the one run to the end
+        q.run(until=10.0, on_step=steps.append)
+    else:
+        q.run()
     assert seen == [(1.0, "a"), (1.0, "a-same-time"), (2.0, "b"), (2.0, "b2"), (2.0, "c")]
     assert q.num_events == 5 and q.now == 2.0
+    assert steps == ([1.0, 1.0, 2.0, 2.0, 2.0] if checked else [])
     with pytest.raises(ValueError, match="past"):
         q.push(1.5, h, "late")
 

@@ -99,6 +99,18 @@ def test_a_streamed_run_reads_as_it_goes_keeps_nothing_and_summarizes_as_the_kep
     assert len(res.timeline) == len(kept.timeline)       # sampled to the same end
 
 
+def test_a_run_collects_garbage_less_often_and_restores_the_thresholds():
+    import gc
+    from mooncake_lite.sim import driver
+    saved = gc.get_threshold()
+    seen = []
+    sim = _sim()
+    sim.recorder.sink = lambda r: seen.append(gc.get_threshold()[0])
+    sim.run(list(iter_synthesize(SynthConfig(num_requests=20, rate_per_s=6, seed=2))))
+    assert seen and set(seen) == {driver.GC_YOUNG_THRESHOLD}
+    assert gc.get_threshold() == saved
+
+
 def test_the_sketch_quantiles_are_within_its_relative_error():
     rng = random.Random(11)
     values = [rng.lognormvariate(0, 2) for _ in range(20000)] + [0.0] * 50
