@@ -137,7 +137,7 @@ class PrefillView(_Shown):
     def start(self, request_id: str, now: float) -> None:
         """The job started executing at ``now``."""
         job = self._jobs[request_id]
-        if job.started_at != now:     # (the constructor, not dataclasses.replace: per request, 4× faster)
+        if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
             started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now)
             self._jobs[request_id] = started
             queue = self._queue
