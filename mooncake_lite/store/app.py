@@ -112,6 +112,7 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     hello["slot_bytes"] = store.slab.slot_bytes
     hello["kv_compression"] = cfg.kv_compression   # one block encoding per cluster (prefills check)
     if dp.handler.shm.is_enabled:   # same-node clients map the slab instead of using the socket
+        await dp.handler.shm.start()
         hello["shm"] = dp.handler.shm.offer()
     session = aiohttp.ClientSession()
     loop = asyncio.get_running_loop()
@@ -133,6 +134,7 @@ async def _drain(dp: DataPlane, server: asyncio.Server, replicator: Replicator, 
     assert handler is not None
     deadline = time.monotonic() + cfg.drain_timeout
     server.close()
+    handler.shm.close()
     # Let frames already arriving finish (a put cut in half would be lost) and their work end.
     while time.monotonic() < deadline and (handler.tasks or not all(c.is_idle for c in handler.connections)):
         await asyncio.sleep(0.01)

@@ -48,6 +48,10 @@ class BlockStore:
     def __contains__(self, key: object) -> bool:
         return key in self._dram or (self.ssd is not None and key in self.ssd)
 
+    @property
+    def dram_keys(self):   # a live view: ``key in`` it counts no hit or miss
+        return self._dram.keys()
+
     def keys(self) -> set[bytes]:
         return set(self._dram) | (self.ssd.keys() if self.ssd is not None else set())
 

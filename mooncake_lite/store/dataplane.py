@@ -169,7 +169,7 @@ class StoreHandler(FrameHandler):
                 self._reply(conn, frame, {"exists": self.store.exists(keys_from_meta(meta))})
             elif op == Op.DELETE:
                 self._spawn(conn, frame, self._delete(conn, frame, keys_from_meta(meta)))
-            elif op in (Op.SHM_ATTACH, Op.SHM_READY, Op.READ_DONE):
+            elif op in (Op.SHM_ATTACH, Op.SHM_READY, Op.READ_DONE, Op.FAST_ATTACH):
                 self.shm.handle(conn, frame)
             elif op in (Op.PIN, Op.UNPIN):
                 self._reply(conn, frame, self._pin(op, meta))

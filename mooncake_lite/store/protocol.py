@@ -19,6 +19,7 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 | SHM_ATTACH | - | - | a staging area's offer (pid, fd, size, nonce, host) | - |
 | SHM_READY | - | - | ok | - |
 | READ_DONE | reads (read lease ids) | - | (no reply: one-way, request id 0) | - |
+| FAST_ATTACH | - | - | socket (an abstract Unix socket's name), secret (hex) | - |
 | PIN | keys, pin (owner id), expires_at (unix s) | - | num_held (of keys, held in any tier) | - |
 | UNPIN | pin | - | released (bool) | - |
 
@@ -69,6 +70,7 @@ class Op(IntEnum):
     SHM_ATTACH = 9
     SHM_READY = 10
     READ_DONE = 11
+    FAST_ATTACH = 12   # the same-node single-get channel (store/fastget.py)
     PIN = 16       # context holds (conductor/contexts.py)
     UNPIN = 17
 

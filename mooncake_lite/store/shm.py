@@ -26,6 +26,7 @@ import logging
 from typing import Any
 
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore
+from mooncake_lite.store.fastget import FastGets
 from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
 from mooncake_lite.transfer.connection import FrameConnection
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
@@ -41,6 +42,21 @@ class ShmService:
         self.lease_ttl = lease_ttl
         self.clock = clock
         self._next_read_id = 0
+        self.fast = FastGets(self)   # single gets on their own channel (started with the data plane)
+        self._fast_started = False
+
+    async def start(self) -> None:
+        """Open the single-get channel (where the slab is shared); a failure leaves it off."""
+        if not self.is_enabled:
+            return
+        try:
+            await self.fast.start()
+            self._fast_started = True
+        except OSError as exc:
+            log.info("no fast get channel: %s", exc)
+
+    def close(self) -> None:
+        self.fast.close()
 
     @property
     def is_enabled(self) -> bool:
@@ -52,7 +68,7 @@ class ShmService:
         if slab.region is None:
             return None
         return slab.region.offer(gens_offset=PAGE, num_slots=slab.num_slots, slab_offset=slab.slab_offset,
-                                 staging=self.staging_bytes)
+                                 staging=self.staging_bytes, fast=self._fast_started)
 
     # ---- control ops -------------------------------------------------------------------------
     def handle(self, conn: FrameConnection, frame: Frame) -> None:
@@ -60,6 +76,10 @@ class ShmService:
             self.end_reads(conn, frame.meta.get("reads"))
         elif frame.op == Op.SHM_ATTACH:
             conn.send(frame.op, frame.request_id, self._attach(conn), flags=FLAG_REPLY)
+        elif frame.op == Op.FAST_ATTACH:
+            if not self._fast_started:
+                raise MetaError("this store has no fast get channel")
+            conn.send(frame.op, frame.request_id, self.fast.grant(conn), flags=FLAG_REPLY)
         elif frame.op == Op.SHM_READY:
             staging: Region | None = conn.state.get("staging")
             if staging is None:
@@ -88,6 +108,7 @@ class ShmService:
         return region.offer()
 
     def connection_lost(self, conn: FrameConnection) -> None:
+        self.fast.connection_lost(conn)
         for lease in conn.state.pop("reads", {}).values():
             self.store.unpin(lease)
         staging = conn.state.pop("staging", None)
@@ -114,7 +135,7 @@ class ShmService:
             block_layers.append(layer_count)
             spans.append(span)
         meta = {"sizes": sizes, "num_layers": block_layers, "spans": spans,
-                "read": self._read_lease(conn, pinned) if pinned else None}
+                "read": self.read_lease(conn, pinned) if pinned else None}
         conn.send(frame.op, frame.request_id, meta, raw, flags=FLAG_REPLY)
         self.store.stats.bytes_out += sum(s for s in sizes if s)
 
@@ -122,7 +143,7 @@ class ShmService:
         slab = self.store.slab
         return [slab.slab_offset + slab_offset, block.slot, slab.gens[block.slot]]
 
-    def _read_lease(self, conn: FrameConnection, blocks: list[Block]) -> int:
+    def read_lease(self, conn: FrameConnection, blocks: list[Block]) -> int:
         # No on_expire: a lease that runs out lets the slot be reused, which bumps its
         # generation, so a client still copying sees that and refetches; nothing to abort.
         self._next_read_id += 1

@@ -13,13 +13,16 @@ once its lease ran out) is detected and fetched again over the socket, never ret
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from mooncake_lite.store.fastget import REPLY, REQUEST, SECRET_BYTES
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Populator
-from mooncake_lite.transfer.client import FrameClient, RemoteError
+from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
 from mooncake_lite.transfer.framing import Frame
 from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer, copy, open_offer
 
@@ -100,11 +103,47 @@ class Staging:
                 waiter.set_result(None)
 
 
+class FastChannel(asyncio.Protocol):
+    """The client end of the store's single-get channel (``store/fastget.py``): replies of fixed
+    layout matched to their request ids."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, asyncio.Future] = {}
+        self.transport: asyncio.Transport | None = None
+        self.ids = itertools.count(1)
+        self._buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data
+        end = len(buf) - len(buf) % REPLY.size
+        for at in range(0, end, REPLY.size):
+            reply = REPLY.unpack_from(buf, at)
+            future = self.pending.pop(reply[0], None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+        self._buf = buf[end:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(ConnectionError("fast get channel lost"))
+        self.pending.clear()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 class ShmPath:
     def __init__(self, frames: FrameClient, slab: SharedSlab, staging: Staging | None = None) -> None:
         self.frames = frames
         self.slab = slab
         self.staging = staging
+        self.fast: FastChannel | None = None   # single gets, when the store offers the channel
         # key -> (lease id, offset, size, num_layers, slot, generation) of blocks a MATCH pinned,
         # newest lease last: several leases may cover one key (requests sharing a prefix), and
         # the key stays readable here until the last of them is forgotten.
@@ -168,6 +207,36 @@ class ShmPath:
         self._reads_done.append(read_id)
         if self._done_soon is None:
             self._done_soon = asyncio.get_running_loop().call_soon(self._send_reads_done)
+
+    async def fast_get(self, key: bytes, out: memoryview | None, timeout: float | None
+                       ) -> tuple[memoryview, int] | None:
+        """One block through the single-get channel; None: ask the framed way (not in the
+        store's DRAM, the channel is gone, or the slot changed while we copied)."""
+        fast = self.fast
+        if fast is None or fast.transport is None or fast.transport.is_closing() or self.is_closed:
+            return None
+        loop = asyncio.get_running_loop()
+        request_id = next(fast.ids)
+        future = fast.pending[request_id] = loop.create_future()
+        # A lease we are done with rides on this request (the rest go as they would anyway).
+        done = self._reads_done.pop() if self._reads_done else 0
+        fast.transport.write(REQUEST.pack(request_id, done, key))
+        timer = loop.call_later(timeout, _expire, future, self.frames.label, timeout) if timeout else None
+        try:
+            _, read_id, offset, size, num_layers, slot, gen = await future
+        finally:
+            fast.pending.pop(request_id, None)
+            if timer is not None:
+                timer.cancel()
+        if not size:
+            return None
+        target = _target(None if out is None else [out], 0, size)
+        try:
+            self.slab.copy(offset, size, target)
+            current = self.slab.is_current(slot, gen)
+        finally:
+            self._finished(read_id)
+        return (target, num_layers) if current else None
 
     def _take_reads_done(self) -> dict[str, Any] | None:
         if not self._reads_done:
@@ -308,10 +377,17 @@ class ShmPath:
         if self.is_closed:
             return
         self.is_closed = True
+        if self.fast is not None:
+            self.fast.close()
         self.slab.close()
         if self.staging is not None:
             self.staging.populator.stop()
             self.staging.mapping.close()
+
+
+def _expire(future: asyncio.Future, peer: str, seconds: float) -> None:
+    if not future.done():
+        future.set_exception(NoAnswer(peer, "get", seconds))
 
 
 def _target(outs: Sequence[memoryview | None] | None, i: int, size: int) -> memoryview:
@@ -347,4 +423,30 @@ async def attach(frames: FrameClient) -> ShmPath | None:
                 path.staging.populator.stop()
                 path.staging.mapping.close()
             path.staging = None
+    if offer.get("fast") is True:
+        path.fast = await _open_fast(frames)
     return path
+
+
+async def _open_fast(frames: FrameClient) -> FastChannel | None:
+    """The store's single-get channel: its name and our secret come on the authenticated
+    connection; the secret is the first thing we send on the channel."""
+    try:
+        reply = await frames.request(Op.FAST_ATTACH, {})
+        name, secret = str(reply.meta["socket"]), bytes.fromhex(reply.meta["secret"])
+        if len(secret) != SECRET_BYTES:
+            raise ValueError("a secret of the wrong size")
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)   # libuv's pipes take no abstract names
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, "\0" + name)
+            _, channel = await loop.create_unix_connection(FastChannel, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+    except (RemoteError, OSError, KeyError, TypeError, ValueError) as exc:
+        log.info("store %s: single gets go framed (%s)", frames.conn.name, exc)
+        return None
+    channel.transport.write(secret)   # type: ignore[union-attr]
+    return channel

@@ -96,11 +96,12 @@ async def test_a_get_hands_its_read_lease_back_with_the_next_request(store):
         sent.append((op, dict(meta or {})))
         return send(op, request_id, meta, payload, flags)
     try:
-        keys = chain(3, seed=21)
+        keys = chain(6, seed=21)
         await client.put(keys, [block(k, 5000) for k in keys])
         client.frames.conn.send = recorded   # type: ignore[method-assign]
-        for key in keys:   # back to back: each get's request carries the lease of the one before
-            assert bytes((await client.get([key]))[0]) == block(key, 5000)
+        for pair in (keys[0:2], keys[2:4], keys[4:6]):   # back to back (two keys: framed gets)
+            got = await client.get(pair)
+            assert [bytes(g) for g in got] == [block(k, 5000) for k in pair]
         assert [op for op, _ in sent] == [Op.GET] * 3
         assert "reads_done" not in sent[0][1]
         first, second = sent[1][1]["reads_done"], sent[2][1]["reads_done"]
@@ -115,6 +116,53 @@ async def test_a_get_hands_its_read_lease_back_with_the_next_request(store):
         assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
     finally:
         await client.close()
+
+
+async def test_single_gets_take_the_fast_channel(store):
+    """A one-key get goes on the single-get channel (no framed GET), into ``out`` when given;
+    a key not in DRAM asks the framed way; the channel admits only the secret handed over the
+    authenticated connection; every read lease ends."""
+    import socket
+
+    from mooncake_lite.store.fastget import REPLY, REQUEST
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    sent: list[int] = []
+    send = client.frames.conn.send
+
+    def recorded(op, request_id, meta=None, payload=(), flags=0):
+        sent.append(op)
+        return send(op, request_id, meta, payload, flags)
+    try:
+        assert client.shm.fast is not None
+        keys = chain(3, seed=31)
+        await client.put(keys, [block(k, 7000) for k in keys])
+        client.frames.conn.send = recorded   # type: ignore[method-assign]
+        for key in keys:
+            assert bytes((await client.get([key]))[0]) == block(key, 7000)
+        out = bytearray(8192)
+        got = await client.get([keys[1]], out=[out])
+        assert got[0].obj is out and bytes(out[:7000]) == block(keys[1], 7000)
+        assert Op.GET not in sent
+        assert await client.get(chain(1, seed=32)) == [None] and sent.count(Op.GET) == 1
+        # The channel: our secret admits a raw socket, any other is closed at once.
+        grant = (await client.frames.request(Op.FAST_ATTACH, {})).meta
+        for secret, answered in ((bytes.fromhex(grant["secret"]), True), (b"\x00" * 16, False)):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.settimeout(5)
+                raw.connect("\0" + grant["socket"])
+                raw.sendall(secret + REQUEST.pack(7, 0, keys[0]) + REQUEST.pack(0, 0, bytes(16)))
+                reply = raw.recv(REPLY.size)
+                assert (len(reply) == REPLY.size and REPLY.unpack(reply)[0] == 7 and REPLY.unpack(reply)[3] == 7000) \
+                    if answered else reply == b""
+        # The raw socket's lease ended with nothing (it never handed it back): it ends with the
+        # data connection, closed below; every lease of the client's own gets is back already.
+    finally:
+        await client.close()
+    for _ in range(100):
+        if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
 
 
 async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
