@@ -48,9 +48,14 @@ class BlockStore:
     def __contains__(self, key: object) -> bool:
         return key in self._dram or (self.ssd is not None and key in self.ssd)
 
-    @property
-    def dram_keys(self):   # a live view: ``key in`` it counts no hit or miss
-        return self._dram.keys()
+    def touch_dram(self, key: bytes) -> Block | None:
+        """The key's DRAM block, touched and counted as a hit; None (counting nothing) when not
+        in DRAM: the caller then asks the way that counts misses and reads the SSD tier."""
+        block = self._dram.get(key)
+        if block is not None:
+            self.policy.touch(key)
+            self.stats.hits_dram += 1
+        return block
 
     def keys(self) -> set[bytes]:
         return set(self._dram) | (self.ssd.keys() if self.ssd is not None else set())

@@ -27,7 +27,6 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Any
 
-from mooncake_lite.store.blocks import Block
 from mooncake_lite.transfer.connection import FrameConnection
 
 if TYPE_CHECKING:
@@ -124,15 +123,16 @@ class _Channel(asyncio.Protocol):
     def _answer(self, request_id: int, done: int, key: bytes) -> bytes:
         conn, shm = self.conn, self.gets.shm
         assert conn is not None
-        if done:
-            shm.end_reads(conn, [done])
+        store = shm.store
+        if done:   # the lease of the client's previous get (a read lease of its data connection)
+            lease = conn.state.get("reads", {}).pop(done, None)
+            if lease is not None:
+                store.unpin(lease)
         if not request_id:
             return b""
-        store = shm.store
-        if key not in store.dram_keys:   # not here in DRAM: the client asks the framed way
+        block = store.touch_dram(key)
+        if block is None:   # not here in DRAM: the client asks the framed way
             return REPLY.pack(request_id, 0, 0, 0, 0, 0, 0)
-        block = store.lookup_dram([key])[0][0]
-        assert isinstance(block, Block)
         offset, size = store.span(block)
         read_id = shm.read_lease(conn, [block])
         store.stats.bytes_out += size
