@@ -520,7 +520,10 @@ def start_cluster(ns: argparse.Namespace):
     args += ["--conductor-args", " ".join(conductor)]
     if ns.token:
         args += ["--cluster-token", ns.token]
-    return Cluster(args, ready_timeout=ns.ready_timeout)
+    # Every role's log (mooncake up's stderr) beside the results: what the cluster did, for a
+    # run read back later (its defaults move: a prefill borrows idle decode CPUs since a5d488c).
+    Path(ns.output_dir).mkdir(parents=True, exist_ok=True)
+    return Cluster(args, ready_timeout=ns.ready_timeout, log_path=str(Path(ns.output_dir) / "up.log"))
 
 
 def run(ns: argparse.Namespace, api: str) -> dict:
