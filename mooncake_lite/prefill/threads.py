@@ -8,6 +8,8 @@ decode step (and beside any other work on a shared box) with a thread that strag
 slow thread holds up a whole parallel matmul. So the prefill borrows instead: before each piece
 of model work it looks at how much CPU everything else on the machine used over the last tenth
 of a second (``/proc/stat`` less its own CPU time) and takes an extra thread per CPU left idle.
+``/proc/stat`` counts the whole machine: in a container given fewer CPUs than the host, work on
+the others reads as busy, so the prefill borrows less, never more.
 """
 
 from __future__ import annotations
