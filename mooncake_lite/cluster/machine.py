@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout
+from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout, role_setting
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -28,6 +28,13 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def packs_decode_weights(opts: UpOptions, dtype: str) -> bool:
+    """Whether the decodes keep a second, oneDNN-packed copy of their weights for batched steps
+    (``Transformer.pack_``: float32 on a CPU; docs/model.md, "Batch 16")."""
+    device = role_setting(opts, "decode", "device")
+    return dtype == "float32" and (device is None or str(device) == "cpu")
+
+
 def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
                        threads: int | None = None, pin: bool = False) -> UpOptions:
     """``opts`` with this machine's CPUs and available memory and the served model's weight and KV
@@ -39,7 +46,8 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
     try:
         args = model_args(opts.model)
         _, dtype = kv_layout(opts)
-        facts = {"weight_bytes": args.num_params() * dtype_bytes(dtype),
+        weights = args.num_params() * dtype_bytes(dtype)
+        facts = {"weight_bytes": weights, "decode_pack_bytes": weights if packs_decode_weights(opts, dtype) else 0,
                  "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}
     except (ValueError, OSError, KeyError):
         pass

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from mooncake_lite.cluster import plan
+from mooncake_lite.cluster import machine, plan
 from mooncake_lite.cluster.machine import available_memory, usable_cpus, with_machine_share
 from mooncake_lite.cluster.plan import (MachineShare, UpOptions, core_shares, instance_specs, memory_shares,
                                         lent_cpus, store_specs)
@@ -77,6 +77,20 @@ def test_memory_shares_split_what_is_left_after_weights():
     assert more.decode_kv > m.decode_kv and more.store_dram > m.store_dram
     two = memory_shares(share, 1, 2, 2)                              # divided among instances
     assert two.decode_kv < m.decode_kv and two.store_dram < m.store_dram
+
+
+def test_a_decodes_packed_weights_come_out_of_the_budget():
+    share = smollm()                                   # no share at a floor or a cap
+    packed = dataclasses.replace(share, decode_pack_bytes=share.weight_bytes)
+    plain, two_copies = memory_shares(share, 1, 1, 1), memory_shares(packed, 1, 1, 1)
+    assert two_copies.decode_kv < plain.decode_kv
+    lost = (plain.prefill_kv + plain.decode_kv + plain.store_dram) - (
+        two_copies.prefill_kv + two_copies.decode_kv + two_copies.store_dram)
+    assert abs(lost - share.weight_bytes) < 1024      # one copy, taken from the shares it was split among
+    opts = UpOptions(launcher=LAUNCHER, model="smollm2-135m")
+    assert machine.packs_decode_weights(opts, "float32") and not machine.packs_decode_weights(opts, "bfloat16")
+    on_gpu = dataclasses.replace(opts, role_args={"decode": ("--device", "cuda")})
+    assert not machine.packs_decode_weights(on_gpu, "float32")
 
 
 def test_memory_shares_never_fall_below_the_roles_defaults_and_small_models_are_capped():
