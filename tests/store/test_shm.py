@@ -49,6 +49,14 @@ def no_socket_bytes(client: StoreClient) -> None:
     client.frames.request = checked   # type: ignore[method-assign]
 
 
+async def leases_all_ended(store) -> None:
+    """Wait (2 s at most) for the store to end every lease, then check it did."""
+    for _ in range(100):
+        if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+
 async def test_shm_selected_bytes_equal_and_tcp_agrees(store):
     address = store.addresses["data"]
     fast = await StoreClient.connect(address, token=TOKEN)
@@ -74,11 +82,7 @@ async def test_shm_selected_bytes_equal_and_tcp_agrees(store):
         with pytest.raises(RemoteError, match="outside"):
             await fast.get_layers(layered, 7, 2)
         # The read leases of those gets were all handed back (one-way READ_DONE).
-        for _ in range(100):
-            if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+        await leases_all_ended(store)
     finally:
         await fast.close()
         await slow.close()
@@ -109,11 +113,7 @@ async def test_a_get_hands_its_read_lease_back_with_the_next_request(store):
         await asyncio.sleep(0)   # the loop comes round: the last get's lease goes alone
         assert [op for op, _ in sent[3:]] == [Op.READ_DONE]
         assert len(sent[3][1]["reads"]) == 1 and sent[3][1]["reads"] not in (first, second)
-        for _ in range(100):
-            if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+        await leases_all_ended(store)
     finally:
         await client.close()
 
@@ -158,11 +158,7 @@ async def test_single_gets_take_the_fast_channel(store):
         # data connection, closed below; every lease of the client's own gets is back already.
     finally:
         await client.close()
-    for _ in range(100):
-        if metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert metric("http://" + store.addresses["http"], "mooncake_store_leases") == 0
+    await leases_all_ended(store)
 
 
 async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
