@@ -15,6 +15,11 @@ reply, so a 64 KiB get costs about what two event loops cost at the least.
   the connection) and answers ``REPLY``: where the block is, its generation and the lease. A
   block not in DRAM is answered ``size = 0`` and the client asks the framed way (which reads
   the SSD tier). A request with id 0 is a lease hand-back only: no reply.
+* Anyone on the node can connect to an abstract socket, so what a stranger can hold is bounded:
+  a connection must show a secret within ``ADMIT_TIMEOUT_S``; a data connection holds at most
+  ``MAX_GRANTS`` secrets (asking again retires its oldest); and a channel stops reading while its
+  replies are not being read (transport flow control), so a client that never reads cannot grow
+  the store's write buffer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 16
+ADMIT_TIMEOUT_S = 5.0     # to show a secret after connecting
+MAX_GRANTS = 4            # secrets live at once per data connection (one per channel a client opens)
 REQUEST = struct.Struct("<II16s")        # request id, read lease done with (0: none), key
 REPLY = struct.Struct("<IIqQIIQ")         # request id, read lease, slab offset, size, num_layers, slot, generation
 
@@ -69,8 +76,11 @@ class FastGets:
         if self._server is None:
             raise RuntimeError("no fast get channel here")
         secret = secrets.token_bytes(SECRET_BYTES)
+        granted: list[bytes] = conn.state.setdefault("fast_secrets", [])
+        while len(granted) >= MAX_GRANTS:   # an admitted channel keeps its connection; only the secret goes
+            self._grants.pop(granted.pop(0), None)
         self._grants[secret] = conn
-        conn.state.setdefault("fast_secrets", []).append(secret)
+        granted.append(secret)
         return {"socket": self.name[1:], "secret": secret.hex()}
 
     def admit(self, secret: bytes) -> FrameConnection | None:
@@ -95,6 +105,19 @@ class _Channel(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport   # type: ignore[assignment]
+        self._admit_timer = asyncio.get_running_loop().call_later(ADMIT_TIMEOUT_S, self._not_admitted)
+
+    def _not_admitted(self) -> None:
+        if self.conn is None:
+            log.warning("fast get channel closed: no secret within %.0f s", ADMIT_TIMEOUT_S)
+            self.transport.abort()   # type: ignore[union-attr]
+
+    # Flow control: stop reading requests while the client is not reading our replies.
+    def pause_writing(self) -> None:
+        self.transport.pause_reading()   # type: ignore[union-attr]
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()   # type: ignore[union-attr]
 
     def close(self) -> None:
         if self.transport is not None:
@@ -107,6 +130,7 @@ class _Channel(asyncio.Protocol):
                 self._buf = buf
                 return
             self.conn = self.gets.admit(buf[:SECRET_BYTES])
+            self._admit_timer.cancel()
             if self.conn is None:
                 log.warning("fast get channel refused: unknown secret")
                 self.transport.abort()   # type: ignore[union-attr]
@@ -140,6 +164,7 @@ class _Channel(asyncio.Protocol):
                           block.slot, store.slab.gens[block.slot])
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._admit_timer.cancel()
         if self.conn is not None:
             channels = self.conn.state.get("fast_channels", [])
             if self in channels:
