@@ -18,7 +18,7 @@ time from them (``sim/batch.py``). Guarded by the cluster token like the other i
 Co-location (one box, issue #20 item 4): the export asks every live instance for its recent work
 (``GET /v1/timeline``: a decode's steps, a prefill's forwards, on its host's monotonic clock) and
 splits each decode's token gaps by whether a prefill on the same host was computing through them
-(``instance/refine.colocation_split``). Where that split exists, ``decode_step_ratios`` are the
+(``instance/colocation.colocation_split``). Where that split exists, ``decode_step_ratios`` are the
 spread of the gaps run alone (gap = step + the loop's work between steps, what a client's TBT
 sees; the heartbeat's deciles time the step only) and ``decode_colocated_slowdown`` the mean gap
 beside a prefill over the mean gap alone (per unit of the model's step), which the simulator
@@ -26,7 +26,7 @@ applies to a decode's steps while a prefill computes (``sim/costs.Hardware``); `
 has every decode's figures. A decode with no prefill on its host reports no slowdown (1.0).
 ``decode_padding_s_per_token``: where every decode's attention runs a batch's sequences to the
 longest one's context (the torch reference kernel: CPU), the seconds a padding token adds to a
-step, fitted to its gaps (``instance/refine.padding_cost``; the median over the decodes); the
+step, fitted to its gaps (``instance/colocation.padding_cost``; the median over the decodes); the
 simulator adds them to its steps, and the ratios above are over that step.
 ``decode_kv_write_s_per_token``: what writing a received prompt's KV costs the decode's model
 thread per prompt token (its joins in ``kv_intake``), which the simulator charges at the join;
@@ -46,7 +46,8 @@ from aiohttp import web
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.membership import Instance, Membership
-from mooncake_lite.instance.refine import STEP_RATIO_PREFIX, colocation_split
+from mooncake_lite.instance.colocation import colocation_split
+from mooncake_lite.instance.refine import STEP_RATIO_PREFIX
 from mooncake_lite.scheduler import CostModels
 
 TIMELINE_TIMEOUT_S = 5.0

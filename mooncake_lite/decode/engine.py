@@ -27,7 +27,8 @@ from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
-from mooncake_lite.instance.refine import STEP_RATIO_KEYS, TIMELINE_LEN, DecodeRefiner
+from mooncake_lite.instance.colocation import TIMELINE_LEN
+from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 

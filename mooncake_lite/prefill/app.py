@@ -136,7 +136,7 @@ async def load(request: web.Request) -> web.Response:
 async def timeline(request: web.Request) -> web.Response:
     """The newest forwards on this host's monotonic clock (``StageEngine.timeline``): when this
     prefill computed, for the conductor's cost export to split the steps of a decode on the
-    same host by (``instance/refine.colocation_split``)."""
+    same host by (``instance/colocation.colocation_split``)."""
     return web.json_response({"host": host_identity(), "clock": "monotonic",
                               "forwards": list(request.app[SERVICE].stage.timeline)})
 

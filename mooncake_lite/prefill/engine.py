@@ -36,7 +36,8 @@ from kernels import gather_tokens, pack_blocks, unpack_blocks
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
-from mooncake_lite.instance.refine import TIMELINE_LEN, PrefillRefiner
+from mooncake_lite.instance.colocation import TIMELINE_LEN
+from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
@@ -107,7 +108,7 @@ class StageEngine:
         self.refiner: PrefillRefiner | None = None
         # The newest forwards (a chunk, or a packed forward) as (start, end) on the host's
         # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
-        # host run beside a forward from those run alone (instance/refine.colocation_split).
+        # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
 
     @property

@@ -23,7 +23,7 @@ from operator import mul
 
 import numpy as np
 
-from mooncake_lite.instance.refine import padded_step
+from mooncake_lite.instance.colocation import padded_step
 from mooncake_lite.scheduler.costs import DecodeCostModel
 from mooncake_lite.sim.request import Segment, SimRequest, fold_gaps, fold_steady_gaps, slowest_share_mean
 

@@ -65,7 +65,7 @@ class Hardware:
     decode_colocated_slowdown: float = 1.0
     # Seconds a padding token adds to a decode step: a CPU decode's attention (the torch
     # reference kernel, kernels/attention.py) runs every sequence of a batch to the longest
-    # one's context, batch × longest − context tokens more (instance/refine.padded_step;
+    # one's context, batch × longest − context tokens more (instance/colocation.padded_step;
     # measured by the live export). 0: attention as long as the contexts (a GPU's kernel).
     decode_padding_s_per_token: float = 0.0
     # Seconds per prompt token the decode's model thread spends writing a received prompt's KV

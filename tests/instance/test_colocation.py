@@ -1,12 +1,12 @@
 """The co-location split (issue #20 item 4): a decode's token gaps, from its step timeline, split
 by whether a prefill on its host was computing through them, and each side's spread over the
-decode's model (``instance/refine.colocation_split``)."""
+decode's model (``instance/colocation.colocation_split``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mooncake_lite.instance.refine import (colocation_split, covered_share, merge_intervals, padded_step,
+from mooncake_lite.instance.colocation import (colocation_split, covered_share, merge_intervals, padded_step,
                                            step_gaps)
 from mooncake_lite.scheduler import DecodeCostModel
 
@@ -110,7 +110,7 @@ def test_padding_and_co_location_are_told_apart():
 
 
 def test_kv_writes_come_out_of_the_gaps_they_delayed():
-    from mooncake_lite.instance.refine import kv_write_cost
+    from mooncake_lite.instance.colocation import kv_write_cost
     steps = timeline(busy=(0, 0))                       # 10 ms steps back to back
     delayed = [list(s) for s in steps]
     for i in range(10, 100, 10):                         # a join every 10 steps, its 50 ms of writes

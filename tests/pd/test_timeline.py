@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from mooncake_lite.decode.app import timeline as decode_timeline
-from mooncake_lite.instance.refine import colocation_split
+from mooncake_lite.instance.colocation import colocation_split
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.app import SERVICE, timeline as prefill_timeline
 from mooncake_lite.scheduler.costs import DecodeCostModel
