@@ -52,8 +52,9 @@ def _libc() -> ctypes.CDLL | None:
 
 def populate_write(start: int, nbytes: int) -> bool:
     """Fault ``[start, start + nbytes)`` of one of our writable mappings in, writable, without
-    writing it (a CDLL call: the GIL is released meanwhile). False where the kernel or libc
-    cannot (then the caller populates another way)."""
+    writing it (a CDLL call: the GIL is released meanwhile). False where the kernel (< 5.14) or
+    libc cannot: the pages then fault in as first written (no fallback writes them: the store
+    may already be serving from them)."""
     libc = _libc()
     return libc is not None and libc.madvise(start, nbytes, MADV_POPULATE_WRITE) == 0
 
