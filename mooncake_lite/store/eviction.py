@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 Key = Hashable
 PinCheck = Callable[[Key], bool]
+_INF = float("inf")
 
 POLICY_NAMES = ("lru", "lfu", "length-aware")
 
@@ -257,19 +258,43 @@ class BlockCache:
         in the chain) is then the first key whenever the dict holds more keys than the ``pos``
         handled, and otherwise only if that key is not one of them."""
         order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
-        move, capacity = order.move_to_end, self.capacity_blocks
+        capacity = self.capacity_blocks
+        if capacity is None or capacity > len(keys):
+            return self._add_short_chain_lru(order, keys)
+        move = order.move_to_end
         evicted: list[Key] = []
         inserted: list[Key] = []
         for pos, key in enumerate(keys):
             if key in order:
                 move(key)
                 continue
-            if capacity is not None and len(order) >= capacity:
+            if len(order) >= capacity:
                 victim = next(iter(order), None)
                 if victim is None or (len(order) <= pos and victim in set(keys[:pos])):
                     return ChainAdded(evicted, pos, inserted)
                 del order[victim]
                 evicted.append(victim)
+            order[key] = None
+            inserted.append(key)
+        return ChainAdded(evicted, len(keys), inserted)
+
+    def _add_short_chain_lru(self, order: OrderedDict[Key, None], keys: Sequence[Key]) -> ChainAdded:
+        """:meth:`_add_chain_lru` of a chain shorter than the capacity (a store's usual case): a
+        full dict then always holds more keys than the chain's handled ones, so the victim is
+        simply the first key, and the insert never stops early."""
+        move = order.move_to_end
+        evicted: list[Key] = []
+        inserted: list[Key] = []
+        free = _INF if self.capacity_blocks is None else self.capacity_blocks - len(order)
+        pop = order.popitem
+        for key in keys:
+            if key in order:
+                move(key)
+                continue
+            if free > 0:
+                free -= 1
+            else:
+                evicted.append(pop(last=False)[0])
             order[key] = None
             inserted.append(key)
         return ChainAdded(evicted, len(keys), inserted)
