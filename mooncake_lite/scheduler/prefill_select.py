@@ -19,6 +19,7 @@ from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
 from mooncake_lite.scheduler.estimate import Backlog, QueuesAt, prefill_model, queues_at
 from mooncake_lite.scheduler.packing import joins_tail, own_seconds
+from mooncake_lite.scheduler.queue_order import overtake_allowance, priced
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.wide import PrefillTable, choose_prefill_row
 
@@ -56,20 +57,27 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
     if fetch and match.best_len > local:
         transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
         prefix = match.best_len * cfg.block_size
-        queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog)
+        queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog, p)
         return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
                              match.best_len, local, match.best_store_id, route or "transfer")
-    queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog)
+    queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog, p)
     route = route or ("local-hit" if local else "balance")
     return PrefillChoice(p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route)
 
 
 def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
-            backlog: Backlog | None) -> tuple[float, float]:
+            backlog: Backlog | None, p: PrefillInstanceState | None = None) -> tuple[float, float]:
     """(queue, execution) of the request queued last: on an instance that packs, when it joins
     the last waiting pack its queue is the forwards before that pack and its execution that
     pack's forward with its own token terms added (scheduler/packing.py); else the whole
-    queue, then its own prefill."""
+    queue, then its own prefill. On an instance serving shortest first (``p.overtakes``) it
+    lands where scheduler/queue_order.py puts it: the forwards before its own, plus the most
+    the later arrivals allowed to pass it may add."""
+    if p is not None and p.overtakes > 0 and backlog is not None:
+        done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
+        start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
+        wait = start - done if start > done else 0.0
+        return wait + overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens), own
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
         if joins_tail(backlog.tail_tokens, n, backlog.pack_tokens):
@@ -100,7 +108,7 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
     if queues is None:
         queues = queues_at((cache or FROM_SCRATCH).backlogs(prefills, costs), now)
     queue_times = queues.queue_s
-    packing = any(map(_PACK_TOKENS, queues.backlogs))
+    packing = any(map(_PACK_TOKENS, queues.backlogs)) or any(map(_OVERTAKES, prefills))
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
@@ -140,7 +148,10 @@ def _choose_kvcache(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, 
         else:
             key, prefix, fetch = queue_s, local * block_size, False
         own = model.predict(num_tokens, prefix)
-        if backlog is not None:
+        if backlog is not None and p.overtakes:      # shortest first: where it lands (_packed)
+            wait, own = _packed(req, model, queue_s, prefix, backlog, p)
+            key += wait - queue_s
+        elif backlog is not None:
             tail = backlog.tail_tokens
             if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
                 own = own - model.c0 if own > model.c0 else 0.0
@@ -168,7 +179,7 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
         if backlogs is None:
             key = queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
         else:
-            key = sum(_packed(req, p.cost or costs.prefill, queue_s, local * cached_tokens, backlogs[i]))
+            key = sum(_packed(req, p.cost or costs.prefill, queue_s, local * cached_tokens, backlogs[i], p))
         if key < best_key:
             best, best_key = (p, queue_s, local, i), key
     if best is None:
@@ -180,3 +191,4 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
 
 
 _PACK_TOKENS = attrgetter("pack_tokens")
+_OVERTAKES = attrgetter("overtakes")

@@ -40,13 +40,15 @@ class QueuedPrefill:
     ``started_at`` is set for the job(s) executing now (remaining time = predicted − elapsed).
     Where its KV goes afterwards is said once, on the decode side
     (:attr:`DecodeInstanceState.incoming`, same ``request_id``); the scheduler reads this queue
-    for *when* that request's prefill ends.
+    for *when* that request's prefill ends. ``passed``: how many later arrivals were queued ahead
+    of it (shortest-first order, :mod:`~mooncake_lite.scheduler.queue_order`).
     """
 
     request_id: str
     num_tokens: int
     num_prefix_tokens: int = 0
     started_at: float | None = None
+    passed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,8 @@ class PrefillInstanceState:
     """A prefill instance: its local store (where its prefix hits come from), queued work,
     measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported.
     ``pack_tokens``: the uncached tokens one forward of it packs (prefill batching, priced by
-    :mod:`mooncake_lite.scheduler.packing`; 0: one job a forward)."""
+    :mod:`mooncake_lite.scheduler.packing`; 0: one job a forward). ``overtakes``: the bound of its
+    shortest-first queue order (:mod:`mooncake_lite.scheduler.queue_order`; 0: FIFO)."""
 
     instance_id: str
     store_id: Hashable
@@ -62,6 +65,7 @@ class PrefillInstanceState:
     bandwidth_bytes_per_s: float | None = None
     cost: PrefillCostModel | None = None
     pack_tokens: int = 0
+    overtakes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,24 +110,25 @@ class PrefillView(_Shown):
     starts (the conductor: when the one before it ends; the simulator: when it really does)."""
 
     def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
-                 cost: PrefillCostModel | None = None, pack_tokens: int = 0) -> None:
+                 cost: PrefillCostModel | None = None, pack_tokens: int = 0, overtakes: int = 0) -> None:
         self.instance_id = instance_id
-        self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens)
+        self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
         self._jobs: dict[str, QueuedPrefill] = {}            # execution order
         self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
         self._state: PrefillInstanceState | None = None
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
-                     cost: PrefillCostModel | None, pack_tokens: int = 0) -> None:
+                     cost: PrefillCostModel | None, pack_tokens: int = 0, overtakes: int = 0) -> None:
         """What the instance reports about itself (registration, heartbeats)."""
-        if (store_id, bandwidth_bytes_per_s, cost, pack_tokens) != self._about:
-            self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens)
+        if (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes) != self._about:
+            self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
             self._stale()
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
-            started_at: float | None = None) -> None:
-        """Queue a job behind the others (or replace the job of that id where it stands)."""
-        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at)
+            started_at: float | None = None, passed: int = 0) -> None:
+        """Queue a job behind the others (or replace the job of that id where it stands);
+        ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``)."""
+        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed)
         replaced = self._jobs.get(request_id)
         self._jobs[request_id] = job
         if self._queue is not None:
@@ -164,8 +165,9 @@ class PrefillView(_Shown):
         if self._state is None:
             if self._queue is None:
                 self._queue = tuple(self._jobs.values())
-            store_id, bandwidth, cost, pack_tokens = self._about
-            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost, pack_tokens)
+            store_id, bandwidth, cost, pack_tokens, overtakes = self._about
+            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost, pack_tokens,
+                                               overtakes)
         return self._state
 
 

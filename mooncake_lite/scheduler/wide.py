@@ -138,7 +138,7 @@ class PrefillTable:
         self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
         started = b.started
         self.multi.discard(i)
-        if b.pack_tokens:
+        if b.pack_tokens or p.overtakes:     # shortest-first order: priced where it lands, in the loop
             self.packing.add(i)
         else:
             self.packing.discard(i)

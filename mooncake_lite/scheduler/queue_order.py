@@ -1,0 +1,127 @@
+"""The order a prefill instance serves its queue in: FIFO, or shortest uncached prompt first
+with a bound on overtakes. One rule for the instance (``prefill/service.py``), the conductor's
+view of its queue (``conductor/membership.py``), the queue's pricing (``scheduler/prefill_select``)
+and the simulator (``sim/nodes.py``). Pure, no IO.
+
+The rule: a new job lands in the waiting part of the queue (behind the started jobs) by passing,
+from the tail, each job whose uncached tokens are *strictly more* than its own and that has been
+passed fewer than ``bound`` times; it stops at the first job it may not pass, and every job it
+passed counts one overtake more. The waiting jobs are then served head first, in that order, and
+packing (``costs.pack_sizes``) cuts its packs from the queue in that order. ``bound`` 0 never
+passes anyone: FIFO exactly.
+
+Why a count of overtakes and not a time slack: the queue is then a plain list whose order is
+fixed at each arrival (later arrivals only ever insert; nobody is re-sorted at serve time), so
+whoever knows the arrivals and their uncached tokens (the conductor does: it dispatched them)
+rebuilds the instance's order exactly, with no clock; and what a job can still lose is known
+when it arrives: at most ``bound`` later arrivals, each shorter than it, so at most ``bound``
+times its own prefill (:func:`overtake_allowance`), which the TTFT SLO admission adds to its
+price. A time slack would make the order depend on when the server looks, which the conductor
+only knows to within a network delay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.state import QueuedPrefill
+
+FIFO = "fifo"
+SHORTEST = "shortest"
+ORDERS = (FIFO, SHORTEST)
+# Overtakes a job allows in shortest-first order (--queue-overtakes): a burst of 4-8 prompts
+# reorders fully, and a long prompt's price grows by at most 4 times its own prefill.
+DEFAULT_OVERTAKES = 4
+
+
+def landing(uncached: Sequence[int], passed: Sequence[int], first_waiting: int, new_uncached: int,
+            bound: int) -> int:
+    """Where a new job with ``new_uncached`` tokens to compute lands in a queue whose jobs (in
+    serving order) have these uncached tokens and overtake counts, the first ``first_waiting``
+    of them started (module doc); ``len(uncached)`` is the tail."""
+    i = len(uncached)
+    if bound <= 0:
+        return i
+    while i > first_waiting and uncached[i - 1] > new_uncached and passed[i - 1] < bound:
+        i -= 1
+    return i
+
+
+def job_uncached(job: QueuedPrefill) -> int:
+    return uncached_tokens(job.num_tokens, job.num_prefix_tokens)
+
+
+def queue_landing(queue: Sequence[QueuedPrefill], new_uncached: int, bound: int) -> int:
+    """:func:`landing` in a scheduler state's queue (started jobs first)."""
+    started = 0
+    while started < len(queue) and queue[started].started_at is not None:
+        started += 1
+    return landing([job_uncached(j) for j in queue], [j.passed for j in queue], started, new_uncached, bound)
+
+
+def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens: int, bound: int,
+           num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
+    """A new job in an instance's queue (execution order, started jobs first): (the seconds of
+    the forwards before its own, from the queue's start, started ones counted whole; its own
+    forward's seconds), with the packs cut in the new order (``pack_tokens`` > 0: the running
+    jobs are one forward, the waiting ones cut by ``pack_sizes``; else one job a forward, as
+    ``packing.packed_queue`` prices them). Overtakes after it are not in it:
+    :func:`overtake_allowance`."""
+    new = QueuedPrefill("", num_tokens, prefix_tokens)
+    at = queue_landing(queue, job_uncached(new), bound)
+    jobs = (*queue[:at], new, *queue[at:])
+    own = [model.predict(j.num_tokens, j.num_prefix_tokens) for j in jobs]
+    if pack_tokens > 0:
+        running = 0
+        while running < len(jobs) and jobs[running].started_at is not None:
+            running += 1
+        sizes = ([running] if running else []) + pack_sizes([job_uncached(j) for j in jobs[running:]], pack_tokens)
+    else:
+        sizes = [1] * len(jobs)
+    start, i = 0.0, 0
+    for size in sizes:
+        seconds = packed_seconds(own[i:i + size], model.c0)
+        if i <= at < i + size:
+            return start, seconds
+        start += seconds
+        i += size
+    raise AssertionError("the new job is in no pack")   # unreachable: the sizes cover every job
+
+
+def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, prefix_tokens: int) -> float:
+    """The most the later arrivals may still delay a new job: ``bound`` of them, each with fewer
+    uncached tokens, so each no longer alone than the job itself (the cost model grows with the
+    tokens computed). 0 in FIFO order, and for a job nobody can be shorter than (1 token)."""
+    if bound <= 0 or uncached_tokens(num_tokens, prefix_tokens) <= 1:
+        return 0.0
+    return bound * model.predict(num_tokens, prefix_tokens)
+
+
+def bound_of(order: str, overtakes: int) -> int:
+    """The overtake bound an instance serving in ``order`` registers (0: FIFO)."""
+    if order not in ORDERS:
+        raise ValueError(f"queue order must be one of {ORDERS}, got {order!r}")
+    return overtakes if order == SHORTEST else 0
+
+
+def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, bound: int,
+            started_at: float | None = None) -> tuple[str, ...]:
+    """Queue a job on a :class:`~mooncake_lite.scheduler.view.PrefillView` where the rule lands
+    it (the jobs it passes shown again behind it, one overtake more each); returns the request
+    ids of the view's queue in the new order, or () where it simply went last (FIFO, or it
+    passed nobody). The view's queue is the conductor's and the simulator's record of order."""
+    if bound <= 0 or started_at is not None:
+        view.add(request_id, num_tokens, num_prefix_tokens, started_at)
+        return ()
+    queue = view.state().queue
+    at = queue_landing(queue, uncached_tokens(num_tokens, num_prefix_tokens), bound)
+    behind = queue[at:]
+    for job in behind:
+        view.remove(job.request_id)
+    view.add(request_id, num_tokens, num_prefix_tokens)
+    for job in behind:
+        view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at, job.passed + 1)
+    if not behind:
+        return ()
+    return tuple(job.request_id for job in view.state().queue)

@@ -1,0 +1,116 @@
+"""Shortest-first prefill queue order (scheduler/queue_order.py): the rule's bound, FIFO at bound
+0, a new request's price equal to where the rule lands it on the view the conductor keeps, and
+the scheduler's TTFT carrying the overtakes the bound allows."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
+                                     PrefillCostModel, PrefillInstanceState, QueuedPrefill, ScheduleRequest,
+                                     Scheduler, SchedulerConfig)
+from mooncake_lite.scheduler.estimate import backlog_of
+from mooncake_lite.scheduler.queue_order import (bound_of, enqueue, landing, overtake_allowance, priced,
+                                                 queue_landing)
+from mooncake_lite.scheduler.view import PrefillView
+
+MODEL = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-7, c3=1e-5)
+COSTS = CostModels(MODEL, DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
+
+# a history: each step either a new job of that many tokens arrives, or (None) the head is served
+HISTORY = st.lists(st.one_of(st.integers(1, 600), st.none()), max_size=30)
+
+
+def _replay(history, bound: int) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """The order jobs are served in under the rule (a server taking the head whenever told),
+    with each job's arrival number and its uncached tokens."""
+    view, arrival, tokens, served = PrefillView("p", "s"), {}, {}, []
+    for step in history:
+        if step is None:
+            queue = view.state().queue
+            if queue:
+                served.append(queue[0].request_id)
+                view.remove(queue[0].request_id)
+            continue
+        rid = f"r{len(arrival)}"
+        arrival[rid], tokens[rid] = len(arrival), step
+        enqueue(view, rid, step, 0, bound)
+    served += [j.request_id for j in view.state().queue]
+    return served, arrival, tokens
+
+
+@settings(max_examples=80, deadline=None)
+@given(HISTORY, st.integers(0, 5))
+def test_no_job_is_passed_more_than_the_bound_and_only_by_shorter_later_jobs(history, bound):
+    served, arrival, tokens = _replay(history, bound)
+    position = {rid: i for i, rid in enumerate(served)}
+    for rid in served:
+        overtakers = [o for o in served if arrival[o] > arrival[rid] and position[o] < position[rid]]
+        assert len(overtakers) <= bound
+        assert all(tokens[o] < tokens[rid] for o in overtakers)
+
+
+@settings(max_examples=40, deadline=None)
+@given(HISTORY)
+def test_bound_zero_is_fifo(history):
+    served, arrival, _ = _replay(history, 0)
+    assert served == sorted(served, key=arrival.__getitem__)
+
+
+def test_a_burst_is_served_shortest_first_within_the_bound():
+    served, _, _ = _replay([500, 400, 300, 200, 100], 4)
+    assert served == ["r4", "r3", "r2", "r1", "r0"]
+    # bound 2: r0 has been passed twice when r3 comes, so r3 and r4 (which passes r3) stay behind it
+    served, _, _ = _replay([500, 400, 300, 200, 100], 2)
+    assert served == ["r2", "r1", "r0", "r4", "r3"]
+    assert landing([500, 400], [2, 2], 0, 100, 2) == 2 and landing([500, 400], [2, 1], 0, 100, 2) == 1
+
+
+def test_started_jobs_are_never_passed_nor_equal_ones():
+    queue = (QueuedPrefill("a", 500, 0, 0.0), QueuedPrefill("b", 300), QueuedPrefill("c", 300))
+    assert queue_landing(queue, 100, 4) == 1
+    assert queue_landing(queue, 300, 4) == 3      # ties keep arrival order
+    assert queue_landing(queue, 100, 0) == 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3)), max_size=8), st.integers(1, 600),
+       st.integers(0, 3), st.booleans(), st.sampled_from([0, 256, 512]))
+def test_a_new_requests_price_is_its_finish_where_the_rule_lands_it(jobs, n, bound, started, pack):
+    """priced() before the arrival == the finish time the queue's own pricing gives the job once
+    the rule has queued it (no later arrival): the conductor prices what the instance will do."""
+    view = PrefillView("p", "s", pack_tokens=pack, overtakes=bound)
+    for i, (tokens, _) in enumerate(jobs):
+        enqueue(view, f"j{i}", tokens, 0, bound, 0.0 if started and i == 0 else None)
+    before = view.state()
+    start, own = priced(before.queue, MODEL, pack, bound, n, 0)
+    enqueue(view, "new", n, 0, bound)
+    after = view.state()
+    finish = backlog_of(after, MODEL).cumulative_s[[j.request_id for j in after.queue].index("new")]
+    assert start + own == pytest.approx(finish)
+
+
+def test_the_scheduler_prices_a_long_request_with_the_overtakes_its_bound_allows():
+    queue = (QueuedPrefill("a", 400, 0, 0.0), QueuedPrefill("b", 300))
+    cfg = SchedulerConfig(block_size=16)
+    decode = DecodeInstanceState("d")
+
+    def ttft(num_tokens: int, overtakes: int):
+        state = ClusterState((PrefillInstanceState("p", "s", queue, overtakes=overtakes),), (decode,))
+        req = ScheduleRequest("x", (), num_tokens, 8)
+        return Scheduler(cfg, COSTS, BlockIndex()).schedule(req, state, now=0.0).predicted_queue_s
+
+    fifo = MODEL.predict(400) + MODEL.predict(300)
+    assert ttft(100, 0) == pytest.approx(fifo)
+    # shortest first: the short one passes b, and allows 4 shorter ones after it
+    assert ttft(100, 4) == pytest.approx(MODEL.predict(400) + 4 * MODEL.predict(100))
+    # a long one lands last and is priced with 4 overtakes of at most its own size
+    assert ttft(500, 4) == pytest.approx(fifo + overtake_allowance(MODEL, 4, 500, 0))
+    assert overtake_allowance(MODEL, 4, 500, 0) == pytest.approx(4 * MODEL.predict(500))
+
+
+def test_bound_of_an_order():
+    assert bound_of("fifo", 4) == 0 and bound_of("shortest", 4) == 4
+    with pytest.raises(ValueError):
+        bound_of("longest", 1)
