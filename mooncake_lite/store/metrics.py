@@ -43,6 +43,8 @@ class StoreCollector:
                        value=ssd.num_dropped if ssd else 0)
         yield _counter("leases_expired", "leases that expired (their connection was closed)",
                        value=stats.leases_expired)
+        yield _counter("read_leases_dropped", "same-node read leases ended early: their connection held "
+                       "more than 1024 (it was not handing them back)", value=stats.read_leases_dropped)
         yield _gauge_value("leases", "active leases (blocks being sent)", store.num_leases)
         yield from _assembly(store)
         for name, value in self.extra().items():

@@ -54,6 +54,7 @@ class StoreStats:
     bytes_out: int = 0
     full_errors: int = 0
     leases_expired: int = 0
+    read_leases_dropped: int = 0  # same-node read leases ended because a connection held too many
 
 
 def discard_view(scratch: memoryview, size: int) -> memoryview:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mooncake_lite.store.blocks import BadRequest, Block, BlockStore
+from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease
 from mooncake_lite.store.fastget import FastGets
 from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
 from mooncake_lite.transfer.connection import FrameConnection
@@ -33,6 +33,7 @@ from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
 from mooncake_lite.transfer.shm import PAGE, Region, ShmError
 
 log = logging.getLogger(__name__)
+MAX_READ_LEASES = 1024   # per data connection (see ``ShmService._drop_oldest_read``)
 
 
 class ShmService:
@@ -147,8 +148,26 @@ class ShmService:
         # No on_expire: a lease that runs out lets the slot be reused, which bumps its
         # generation, so a client still copying sees that and refetches; nothing to abort.
         self._next_read_id += 1
-        conn.state.setdefault("reads", {})[self._next_read_id] = self.store.pin(blocks, self.clock() + self.lease_ttl)
+        reads: dict[int, Lease] = conn.state.setdefault("reads", {})
+        reads[self._next_read_id] = self.store.pin(blocks, self.clock() + self.lease_ttl)
+        if len(reads) > MAX_READ_LEASES:
+            self._drop_oldest_read(conn, reads)
         return self._next_read_id
+
+    def _drop_oldest_read(self, conn: FrameConnection, reads: dict[int, Lease]) -> None:
+        """A connection holds at most MAX_READ_LEASES read leases (its client hands each back
+        with its next request, so a well-behaved one holds about as many as it has gets in
+        flight): past that the oldest ends here. Safe for the client as an expiry is: a slot
+        reused while it still copies bumps the generation, so it refetches, never reads torn
+        bytes. Without this, a client that never hands leases back would grow this dict (and,
+        until they expire, pin blocks) for as long as its connection lives."""
+        oldest = next(iter(reads))
+        self.store.unpin(reads.pop(oldest))
+        self.store.stats.read_leases_dropped += 1
+        if not conn.state.get("reads_dropped"):
+            conn.state["reads_dropped"] = True
+            log.warning("connection %s holds more than %d read leases (not handing them back): "
+                        "ending its oldest ones", getattr(conn, "name", "?"), MAX_READ_LEASES)
 
     def match_spans(self, blocks: list[Block]) -> list[list[int]]:
         """Where the blocks a MATCH pinned are (the client may read them without asking again

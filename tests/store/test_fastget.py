@@ -5,6 +5,8 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
+import pytest
+
 from mooncake_lite.store import fastget
 from mooncake_lite.store.fastget import FastGets
 
@@ -42,3 +44,63 @@ async def test_a_data_connection_holds_at_most_max_grants_secrets():
         assert not gets._grants
     finally:
         gets.close()
+
+
+# ---- read leases a client never hands back are bounded per connection ------------------------
+class _Transport:
+    def __init__(self):
+        self.written = []
+
+    def write(self, data):
+        self.written.append(data)
+
+    def is_closing(self):
+        return False
+
+
+def _channel_on_a_store(monkeypatch, bound: int):
+    """A store's channel, in process: an 8-slot shared slab with 3 blocks, one admitted channel."""
+    import time
+
+    from mooncake_lite.store import shm as shm_service
+    from mooncake_lite.store.blocks import BlockStore
+    from mooncake_lite.store.eviction import make_policy
+    from mooncake_lite.store.slab import Slab
+    monkeypatch.setattr(shm_service, "MAX_READ_LEASES", bound)
+    store = BlockStore(Slab(8 << 12, 1 << 12, pin=False, shared=True), make_policy("lru"))
+    keys = [bytes([i]) * 16 for i in range(3)]
+    store.commit(store.reserve(keys, [1000] * 3, 1))
+    service = shm_service.ShmService(store, staging_bytes=0, lease_ttl=60, clock=time.monotonic)
+    channel = fastget._Channel(service.fast)
+    channel.conn, channel.transport = data_connection(), _Transport()
+    return store, channel, keys
+
+
+async def test_read_leases_never_handed_back_are_bounded(monkeypatch):
+    """A client asking gets and never handing a lease back holds at most MAX_READ_LEASES of
+    them: the oldest end (their blocks unpinned, counted), the newest stay valid."""
+    store, channel, keys = _channel_on_a_store(monkeypatch, bound=4)
+    replies = []
+    for request_id in range(1, 11):
+        channel.data_received(fastget.REQUEST.pack(request_id, 0, keys[request_id % 3]))
+        replies.append(fastget.REPLY.unpack(channel.transport.written[-1]))
+    reads = channel.conn.state["reads"]
+    lease_ids = [r[1] for r in replies]
+    assert list(reads) == lease_ids[-4:]                          # the newest four, in order
+    assert store.num_leases == 4 and store.stats.read_leases_dropped == 6
+    assert sum(store._dram[k].pins for k in keys) == 4            # the dropped ones unpinned
+    # The newest lease is still good: handing it back (on a hand-back-only request) ends it.
+    channel.data_received(fastget.REQUEST.pack(0, lease_ids[-1], bytes(16)))
+    assert store.num_leases == 3 and lease_ids[-1] not in reads
+    # A dropped lease handed back late is ignored, not an error (and not a second unpin).
+    channel.data_received(fastget.REQUEST.pack(0, lease_ids[0], bytes(16)))
+    assert store.num_leases == 3 and sum(store._dram[k].pins for k in keys) == 3
+
+
+async def test_a_well_behaved_client_never_meets_the_bound(monkeypatch):
+    store, channel, keys = _channel_on_a_store(monkeypatch, bound=2)
+    done = 0
+    for request_id in range(1, 50):   # each get hands back the one before, as the client does
+        channel.data_received(fastget.REQUEST.pack(request_id, done, keys[request_id % 3]))
+        done = fastget.REPLY.unpack(channel.transport.written[-1])[1]
+    assert store.num_leases == 1 and store.stats.read_leases_dropped == 0
