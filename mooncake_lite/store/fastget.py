@@ -124,6 +124,11 @@ class _Channel(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn is not None and not self._buf and len(data) == REQUEST.size:   # one request: most calls
+            reply = self._answer(*REQUEST.unpack(data))
+            if reply and not self.transport.is_closing():   # type: ignore[union-attr]
+                self.transport.write(reply)   # type: ignore[union-attr]
+            return
         buf = self._buf + data
         if self.conn is None:
             if len(buf) < SECRET_BYTES:
@@ -146,10 +151,9 @@ class _Channel(asyncio.Protocol):
 
     def _answer(self, request_id: int, done: int, key: bytes) -> bytes:
         conn, shm = self.conn, self.gets.shm
-        assert conn is not None
         store = shm.store
         if done:   # the lease of the client's previous get (a read lease of its data connection)
-            lease = conn.state.get("reads", {}).pop(done, None)
+            lease = conn.state.get("reads", {}).pop(done, None)   # type: ignore[union-attr]
             if lease is not None:
                 store.unpin(lease)
         if not request_id:
@@ -157,11 +161,12 @@ class _Channel(asyncio.Protocol):
         block = store.touch_dram(key)
         if block is None:   # not here in DRAM: the client asks the framed way
             return REPLY.pack(request_id, 0, 0, 0, 0, 0, 0)
-        offset, size = store.span(block)
-        read_id = shm.read_lease(conn, [block])
+        slab = store.slab
+        size = block.size   # a whole block: its span is its slot's first ``size`` bytes
+        read_id = shm.read_lease(conn, [block])   # type: ignore[arg-type]
         store.stats.bytes_out += size
-        return REPLY.pack(request_id, read_id, store.slab.slab_offset + offset, size, block.num_layers,
-                          block.slot, store.slab.gens[block.slot])
+        return REPLY.pack(request_id, read_id, slab.slab_offset + slab.offset_of(block.slot), size,
+                          block.num_layers, block.slot, slab.gens[block.slot])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._admit_timer.cancel()

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer,
 log = logging.getLogger(__name__)
 Request = Callable[[Op, dict[str, Any]], Awaitable[Frame]]
 ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)
+# How long a single get may block its event loop waiting for the store's answer before it waits
+# the asynchronous way: ~10x an answer's usual time here, so only a busy store makes it wait so.
+SYNC_WAIT_S = 0.001
 
 
 class SharedSlab:
@@ -103,39 +107,94 @@ class Staging:
                 waiter.set_result(None)
 
 
-class FastChannel(asyncio.Protocol):
-    """The client end of the store's single-get channel (``store/fastget.py``): replies of fixed
-    layout matched to their request ids."""
+class FastChannel:
+    """The client end of the store's single-get channel (``store/fastget.py``), on a plain
+    socket: a get's round trip is made from the caller's thread with blocking calls, not through
+    the event loop. An event loop hop on each side is most of what a 64 KiB get costs (the
+    copy is a few µs); waiting here for the store's answer saves the client's: no future, no
+    timer, no wake-up of the loop. The loop is blocked at most ``SYNC_WAIT_S`` per get: an
+    answer not in by then (a busy store) is awaited the asynchronous way, and while one is,
+    other single gets go framed. Replies carry their request's id: one that comes after its
+    request gave up is skipped and its read lease handed back."""
 
-    def __init__(self) -> None:
-        self.pending: dict[int, asyncio.Future] = {}
-        self.transport: asyncio.Transport | None = None
-        self.ids = itertools.count(1)
-        self._buf = b""
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.ids = itertools.count()
+        self.busy = False        # a request's answer is being awaited asynchronously
+        self.is_closed = False
+        self._reply = memoryview(bytearray(REPLY.size))
+        self._got = 0            # bytes of the reply being read (kept across a timeout)
+        # Blocking, with the wait bounded by the kernel (SO_RCVTIMEO): one recv per answer, where
+        # Python's own socket timeout costs a failed recv and a poll first.
+        sock.setblocking(True)
+        wait = struct.pack("ll", 0, int(SYNC_WAIT_S * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)   # a request that cannot go: lost
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport   # type: ignore[assignment]
+    @property
+    def usable(self) -> bool:
+        return not (self.busy or self.is_closed)
 
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf + data
-        end = len(buf) - len(buf) % REPLY.size
-        for at in range(0, end, REPLY.size):
-            reply = REPLY.unpack_from(buf, at)
-            future = self.pending.pop(reply[0], None)
-            if future is not None and not future.done():
-                future.set_result(reply)
-        self._buf = buf[end:]
+    async def ask(self, key: bytes, done: int, timeout: float | None, stray: list[int], peer: str
+                  ) -> tuple[int, int, int, int, int, int] | None:
+        """(read lease, offset, size, num_layers, slot, generation); None when the channel is
+        gone. Read leases of late replies to earlier requests are added to ``stray``. Raises
+        ``NoAnswer`` after ``timeout`` s (the channel stays: its late reply is skipped)."""
+        request_id = next(self.ids) % 0xFFFFFFFF + 1   # u32 on the wire, never 0 (a hand-back)
+        try:
+            self.sock.send(REQUEST.pack(request_id, done, key))
+            while True:
+                reply = self._read_now()
+                if reply is None:
+                    try:
+                        reply = await self._read_later(timeout)
+                    except TimeoutError:
+                        raise NoAnswer(peer, "get", timeout or 0.0) from None
+                if reply[0] == request_id:
+                    return reply[1:]
+                if reply[1]:
+                    stray.append(reply[1])
+        except NoAnswer:
+            raise
+        except (OSError, ValueError):   # the socket died or was closed under us
+            self.close()
+            return None
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(ConnectionError("fast get channel lost"))
-        self.pending.clear()
+    def _read_now(self) -> tuple | None:
+        """A whole reply within ``SYNC_WAIT_S``, else None (the part read is kept)."""
+        while self._got < REPLY.size:
+            try:
+                n = self.sock.recv_into(self._reply[self._got:])
+            except BlockingIOError:   # SO_RCVTIMEO ran out
+                return None
+            if not n:
+                raise ConnectionError("fast get channel closed")
+            self._got += n
+        self._got = 0
+        return REPLY.unpack(self._reply)
+
+    async def _read_later(self, timeout: float | None) -> tuple:
+        loop = asyncio.get_running_loop()
+        self.busy = True
+        self.sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout):
+                while self._got < REPLY.size:
+                    n = await loop.sock_recv_into(self.sock, self._reply[self._got:])
+                    if not n:
+                        raise ConnectionError("fast get channel closed")
+                    self._got += n
+        finally:
+            self.busy = False
+            if not self.is_closed:
+                self.sock.setblocking(True)
+        self._got = 0
+        return REPLY.unpack(self._reply)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        if not self.is_closed:
+            self.is_closed = True
+            self.sock.close()
 
 
 class ShmPath:
@@ -211,23 +270,23 @@ class ShmPath:
     async def fast_get(self, key: bytes, out: memoryview | None, timeout: float | None
                        ) -> tuple[memoryview, int] | None:
         """One block through the single-get channel; None: ask the framed way (not in the
-        store's DRAM, the channel is gone, or the slot changed while we copied)."""
+        store's DRAM, the channel is gone or busy, or the slot changed while we copied)."""
         fast = self.fast
-        if fast is None or fast.transport is None or fast.transport.is_closing() or self.is_closed:
+        if fast is None or not fast.usable or self.is_closed:
             return None
-        loop = asyncio.get_running_loop()
-        request_id = next(fast.ids)
-        future = fast.pending[request_id] = loop.create_future()
         # A lease we are done with rides on this request (the rest go as they would anyway).
         done = self._reads_done.pop() if self._reads_done else 0
-        fast.transport.write(REQUEST.pack(request_id, done, key))
-        timer = loop.call_later(timeout, _expire, future, self.frames.label, timeout) if timeout else None
+        stray: list[int] = []
         try:
-            _, read_id, offset, size, num_layers, slot, gen = await future
+            reply = await fast.ask(key, done, timeout, stray, self.frames.label)
         finally:
-            fast.pending.pop(request_id, None)
-            if timer is not None:
-                timer.cancel()
+            for read_id in stray:
+                self._finished(read_id)
+        if reply is None:
+            if done:
+                self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
+            return None
+        read_id, offset, size, num_layers, slot, gen = reply
         if not size:
             return None
         target = _target(None if out is None else [out], 0, size)
@@ -385,11 +444,6 @@ class ShmPath:
             self.staging.mapping.close()
 
 
-def _expire(future: asyncio.Future, peer: str, seconds: float) -> None:
-    if not future.done():
-        future.set_exception(NoAnswer(peer, "get", seconds))
-
-
 def _target(outs: Sequence[memoryview | None] | None, i: int, size: int) -> memoryview:
     out = outs[i] if outs is not None else None
     return out[:size] if out is not None and out.nbytes >= size else aligned_buffer(size)
@@ -436,17 +490,16 @@ async def _open_fast(frames: FrameClient) -> FastChannel | None:
         name, secret = str(reply.meta["socket"]), bytes.fromhex(reply.meta["secret"])
         if len(secret) != SECRET_BYTES:
             raise ValueError("a secret of the wrong size")
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)   # libuv's pipes take no abstract names
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
-            await loop.sock_connect(sock, "\0" + name)
-            _, channel = await loop.create_unix_connection(FastChannel, sock=sock)
+            await asyncio.get_running_loop().sock_connect(sock, "\0" + name)
+            sock.setblocking(True)
+            sock.sendall(secret)   # a few bytes into an empty socket buffer: never blocks
         except BaseException:
             sock.close()
             raise
     except (RemoteError, OSError, KeyError, TypeError, ValueError) as exc:
         log.info("store %s: single gets go framed (%s)", frames.conn.name, exc)
         return None
-    channel.transport.write(secret)   # type: ignore[union-attr]
-    return channel
+    return FastChannel(sock)

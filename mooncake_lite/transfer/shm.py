@@ -184,6 +184,6 @@ def aligned_buffer(nbytes: int, to: int = 64) -> memoryview:
     """Fresh writable memory starting on a ``to``-byte boundary (see ``copy``), not zeroed first:
     it is about to be overwritten, and zeroing is a pass over memory as costly as the copy
     (a fresh 16 MiB result: 2.7 GB/s with ``np.empty``, 1.5 with ``bytearray`` here)."""
-    raw = np.empty(nbytes + to, dtype=np.uint8)
-    start = -raw.ctypes.data % to
-    return memoryview(raw[start:start + nbytes])
+    raw = memoryview(np.empty(nbytes + to, dtype=np.uint8))
+    start = -address(raw) % to   # (``ndarray.ctypes`` costs 1.5 µs, a third of a 64 KiB get's copy)
+    return raw[start:start + nbytes]

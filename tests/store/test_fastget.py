@@ -1,5 +1,7 @@
 """The single-get channel bounds what a stranger on the node can hold (store/fastget.py): a
-connection that shows no secret is closed, and a data connection's secrets are capped."""
+connection that shows no secret is closed, a data connection's secrets and read leases are
+capped. Its client end (store/shm_client.py) waits for an answer without the event loop, and on
+the loop only for a slow one; late replies are skipped and their leases handed back."""
 
 import asyncio
 import socket
@@ -104,3 +106,52 @@ async def test_a_well_behaved_client_never_meets_the_bound(monkeypatch):
         channel.data_received(fastget.REQUEST.pack(request_id, done, keys[request_id % 3]))
         done = fastget.REPLY.unpack(channel.transport.written[-1])[1]
     assert store.num_leases == 1 and store.stats.read_leases_dropped == 0
+
+
+# ---- the client's channel: a synchronous round trip, the loop only for a slow answer -----------
+def _client_channel():
+    from mooncake_lite.store.shm_client import FastChannel
+    mine, store_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    store_end.settimeout(5)
+    return FastChannel(mine), store_end
+
+
+def _reply(request_id: int, lease: int, size: int = 100) -> bytes:
+    return fastget.REPLY.pack(request_id, lease, 4096, size, 1, 0, 7)
+
+
+async def test_client_channel_skips_late_replies_and_hands_their_leases_back():
+    from mooncake_lite.transfer.client import NoAnswer
+    channel, store_end = _client_channel()
+    try:
+        store_end.sendall(_reply(1, 11))   # in before we ask: answered without the loop
+        stray: list[int] = []
+        assert await channel.ask(b"k" * 16, 0, 5, stray, "store") == (11, 4096, 100, 1, 0, 7)
+        assert fastget.REQUEST.unpack(store_end.recv(fastget.REQUEST.size)) == (1, 0, b"k" * 16)
+        with pytest.raises(NoAnswer):      # nobody answers request 2 in time
+            await channel.ask(b"k" * 16, 11, 0.05, stray, "store")
+        assert channel.usable              # the channel is kept: request 2's answer comes late
+        store_end.sendall(_reply(2, 12) + _reply(3, 13))
+        assert await channel.ask(b"k" * 16, 0, 5, stray, "store") == (13, 4096, 100, 1, 0, 7)
+        assert stray == [12]               # the late reply's lease, for the caller to hand back
+    finally:
+        channel.close()
+        store_end.close()
+
+
+async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_closed_store():
+    from mooncake_lite.store import shm_client
+    channel, store_end = _client_channel()
+    try:
+        loop = asyncio.get_running_loop()
+        asking = asyncio.ensure_future(channel.ask(b"k" * 16, 0, 5, [], "store"))
+        await asyncio.sleep(shm_client.SYNC_WAIT_S * 20)
+        assert not asking.done() and not channel.usable   # waiting on the loop: others go framed
+        await loop.run_in_executor(None, store_end.sendall, _reply(1, 21)[:10])   # in two pieces
+        await asyncio.sleep(0.01)
+        store_end.sendall(_reply(1, 21)[10:])
+        assert await asyncio.wait_for(asking, 5) == (21, 4096, 100, 1, 0, 7) and channel.usable
+        store_end.close()
+        assert await channel.ask(b"k" * 16, 0, 5, [], "store") is None and channel.is_closed
+    finally:
+        channel.close()
