@@ -110,6 +110,9 @@ class Register:
     # Prefill batching: uncached tokens one forward packs (--prefill-batch-tokens capped at the
     # chunk; 0: one prompt at a time, and what an instance that does not say means).
     pack_tokens: int = 0
+    # Queue order: at most this many later, shorter prompts are served before any queued one
+    # (shortest first, scheduler/queue_order.py); 0: FIFO, and what an instance that does not say means.
+    queue_overtakes: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 from mooncake_lite.scheduler.costs import uncached_tokens
 from mooncake_lite.scheduler.packing import first_pack
+from mooncake_lite.scheduler.queue_order import enqueue
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -186,7 +187,8 @@ class Membership:
             # No store: a unique id no block event names, so nothing counts as cached there.
             store_id = reg.store if reg.store else f"(no store):{reg.instance_id}"
             bandwidth = costs.bandwidth_bytes_per_s or load.get("bandwidth_bytes_per_s") or None
-            inst.view.set_instance(store_id, bandwidth, costs.prefill, max(reg.pack_tokens, 0))
+            inst.view.set_instance(store_id, bandwidth, costs.prefill, max(reg.pack_tokens, 0),
+                                   max(reg.queue_overtakes, 0))
         else:
             # Register.max_context of a decode instance is its KV capacity in tokens.
             max_context = _int_or_none(load.get("max_context_tokens")) or _int_or_none(reg.max_context)
@@ -316,8 +318,16 @@ class Membership:
         inst = self.instances[instance_id]
         if not inst.prefill_jobs:
             job.started_at = now
-        inst.prefill_jobs[job.request_id] = job
-        inst.view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
+        jobs = inst.prefill_jobs
+        jobs[job.request_id] = job
+        # Where the instance's queue order puts it (scheduler/queue_order.py; FIFO: last), with
+        # the same uncached tokens the instance orders by (the prefix_keys dispatch sends it).
+        order = enqueue(inst.view, job.request_id, job.num_tokens, job.num_prefix_tokens,
+                        max(inst.reg.queue_overtakes, 0), job.started_at)
+        if order:       # it passed some: the head is still the one the instance serves next
+            reordered = {rid: jobs[rid] for rid in order}
+            jobs.clear()
+            jobs.update(reordered)
         self._touch(inst)
         decode = self.instances.get(job.decode_id)
         if decode is not None:
@@ -337,7 +347,7 @@ class Membership:
         inst.view.remove(request_id)
         head = next(iter(inst.prefill_jobs.values()), None)
         if head is not None and head.started_at is None:
-            head.started_at = now  # FIFO: the next job starts when this one ends
+            head.started_at = now  # the next in the queue order starts when this one ends
             inst.view.start(head.request_id, now)
         if head is not None and inst.reg.pack_tokens > 0:
             self._start_pack(inst, now)

@@ -147,7 +147,8 @@ def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
     service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                              hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
                              downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive,
-                             batch_tokens=cfg.prefill_batch_tokens, block_bytes=stored_block_bytes(cfg))
+                             batch_tokens=cfg.prefill_batch_tokens, block_bytes=stored_block_bytes(cfg),
+                             overtakes=cfg.overtake_bound)
     return make_app(service, cfg.cluster_token)
 
 
@@ -306,4 +307,4 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
                     cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group,
-                    pack_tokens=service.pack_limit)
+                    pack_tokens=service.pack_limit, queue_overtakes=service.overtakes)

@@ -9,6 +9,7 @@ from mooncake_lite.common.config import ConfigError, option, require
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES, ORDERS, bound_of
 
 DESCRIPTION = ("Prefill instance: loads the cached prefix KV layer by layer from its store, computes the "
                "new tokens in chunks, streams each layer's KV to the decode instance as soon as it is "
@@ -23,6 +24,11 @@ class Config(ModelRoleConfig):
     prefill_batch_tokens: int = option(512, "prefill batching: pack queued prompts into one forward while their "
                                        "uncached tokens together fit this many (and each fits a chunk); 0: "
                                        "one prompt at a time. A CPP group never packs")
+    queue_order: str = option("fifo", "the order queued prompts are served in: fifo, or shortest (fewest tokens "
+                              "to compute first; a prompt lets at most --queue-overtakes later ones pass it). "
+                              "`mooncake up` starts its prefills with shortest")
+    queue_overtakes: int = option(DEFAULT_OVERTAKES, "with --queue-order shortest: how many later, shorter "
+                                  "prompts may be served before any one prompt")
     borrow_threads: int = option(0, "run on up to this many torch threads more than --threads while the rest of "
                                  "the machine leaves that many CPUs idle (read between pieces of model work; "
                                  "`mooncake up` lends a prefill the decodes' CPUs this way); 0: never")
@@ -52,6 +58,8 @@ class Config(ModelRoleConfig):
         super().__post_init__()
         require(self.prefill_chunk > 0, f"--prefill-chunk must be positive, got {self.prefill_chunk}")
         require(self.prefill_batch_tokens >= 0, f"--prefill-batch-tokens must be >= 0, got {self.prefill_batch_tokens}")
+        require(self.queue_order in ORDERS, f"--queue-order must be one of {', '.join(ORDERS)}, got {self.queue_order!r}")
+        require(self.queue_overtakes >= 0, f"--queue-overtakes must be >= 0, got {self.queue_overtakes}")
         require(self.borrow_threads >= 0, f"--borrow-threads must be >= 0, got {self.borrow_threads}")
         require(self.local_store_blocks > 0, "--local-store-blocks must be positive")
         require(self.pipeline_group >= 1, f"--pipeline-group must be >= 1, got {self.pipeline_group}")
@@ -78,6 +86,11 @@ class Config(ModelRoleConfig):
             first, end = parse_layers(self.layers)
             require(0 <= first < end <= num_layers,
                     f"--layers {self.layers}: not a layer range of the model's {num_layers} layers")
+
+    @property
+    def overtake_bound(self) -> int:
+        """The queue order's bound the service serves by and registers (0: FIFO)."""
+        return bound_of(self.queue_order, self.queue_overtakes)
 
     @property
     def stage_addresses(self) -> list[str]:

@@ -6,11 +6,13 @@
         stage 0 runs its layers (streaming their KV to decode) and hands the activations on
     the last stage samples the first token from the last position and ends the KV stream
 
-Requests run one at a time per group (FIFO), the way the conductor's queue-time estimate
-assumes; within a request, chunks overlap across the stages of a CPP group. With prefill batching
+Requests run one at a time per group, in the queue order the instance registers
+(``--queue-order``: FIFO, or shortest uncached prompt first with at most ``--queue-overtakes``
+later arrivals passing any one request: ``scheduler/queue_order.py``, the rule the conductor's
+queue-time estimate follows); within a request, chunks overlap across the stages of a CPP group. With prefill batching
 (``batch_tokens`` > 0, a single instance), the request at the head of the queue takes the ones
 queued behind it along, in order, while their uncached tokens together fit in ``batch_tokens``
-(each within one chunk): one packed forward serves them all (``StageEngine.run_packed``), each
+(each within one chunk), in the queue's order: one packed forward serves them all (``StageEngine.run_packed``), each
 with its own KV stream, store write-back and result. The cut is ``scheduler.costs.pack_sizes``;
 the instance registers its budget (``pack_limit`` as ``Register.pack_tokens``) and the
 conductor prices its queue by the same rule (``scheduler/packing.py``).
@@ -19,6 +21,7 @@ conductor prices its queue by the same rule (``scheduler/packing.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -32,7 +35,8 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
-from mooncake_lite.scheduler.costs import pack_sizes, packed_durations
+from mooncake_lite.scheduler.costs import pack_sizes, packed_durations, uncached_tokens
+from mooncake_lite.scheduler.queue_order import landing
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
@@ -43,7 +47,7 @@ class PrefillRejected(ValueError):
     """The request is malformed or cannot fit; answered 400 (never retried as is)."""
 
 
-@dataclass
+@dataclass(eq=False)    # a job is itself: the waiting list finds it by identity
 class QueuedJob:
     request_id: str
     num_tokens: int
@@ -60,12 +64,18 @@ class QueuedJob:
     # for decode's running step): the HTTP answer goes out then (prefill/app.py).
     on_first: Callable[[PrefillResult], object] | None = None
     arrived_at: float = 0.0
+    # Queue order: the uncached tokens it is ordered by (the prompt less the prefix the
+    # conductor expects to be cached, ``prefix_keys``: the figure the conductor orders its view
+    # with), the later arrivals that passed it, and the future its turn is given through.
+    expected_uncached: int = 0
+    passed: int = 0
+    turn: asyncio.Future | None = None
 
 
 class PrefillService:
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
                  chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0,
-                 batch_tokens: int = 0, block_bytes: int = 0):
+                 batch_tokens: int = 0, block_bytes: int = 0, overtakes: int = 0):
         self.stage = stage
         self.block_bytes = block_bytes # one whole block as the store keeps it: prices a migration
         self.links = links
@@ -79,7 +89,12 @@ class PrefillService:
         # a CPP group runs one request at a time).
         self.batch_tokens = batch_tokens if downstream is None else 0
         self.queue: dict[str, QueuedJob] = {}
-        self._lock = asyncio.Lock()
+        # The queue order's bound (0: FIFO); the jobs waiting for their turn, in serving order,
+        # and whether one holds the instance now.
+        self.overtakes = overtakes
+        self._waiting: list[QueuedJob] = []
+        self._busy = False
+        self._lock = _Hold(self)       # hold the instance as a request does (tests queue bursts behind it)
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0
@@ -144,9 +159,10 @@ class PrefillService:
         keys = self.check(req)
         if req.request_id in self.queue:
             raise PrefillRejected(f"request {req.request_id!r} is already queued here")
+        expected = uncached_tokens(len(req.token_ids), len(req.prefix_keys) * self.block_size)
         job = QueuedJob(req.request_id, len(req.token_ids), 0, req=req, keys=keys,
                         result=asyncio.get_running_loop().create_future(), on_first=on_first,
-                        arrived_at=time.perf_counter())
+                        arrived_at=time.perf_counter(), expected_uncached=expected)
         job.result.add_done_callback(_retrieved)
         self.queue[req.request_id] = job
         # Decode hears nothing of this request until its first KV frame: keep it from timing the
@@ -155,7 +171,7 @@ class PrefillService:
         job.stop_keepalive = keepalive.cancel
         queued = tracing.start_span("prefill.queue", num_queued=len(self.queue) - 1)
         try:
-            async with self._lock:
+            async with self._turn(job):
                 tracing.end_span(queued)
                 if job.result.done():    # served in the pack of a request queued before it
                     result = job.result.result()
@@ -175,6 +191,57 @@ class PrefillService:
             keepalive.cancel()
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
+
+    # --- queue order ---------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _turn(self, job: QueuedJob):
+        """Wait until ``job`` is first in the queue order and the instance is free, then hold it.
+        The job lands where ``scheduler.queue_order.landing`` puts it (with ``overtakes`` 0, last:
+        the FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
+        waiting = self._waiting
+        first = 0
+        while first < len(waiting) and (waiting[first].started_at is not None or waiting[first].result.done()):
+            first += 1
+        at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
+                     job.expected_uncached, self.overtakes)
+        for other in waiting[at:]:
+            other.passed += 1
+        waiting.insert(at, job)
+        job.turn = asyncio.get_running_loop().create_future()
+        self._grant()
+        try:
+            await job.turn
+        except BaseException:
+            if any(j is job for j in waiting):
+                waiting.remove(job)
+            elif not job.turn.cancelled():     # given its turn, then cancelled before taking it
+                self._release()
+            raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def hold(self) -> None:
+        """Take the instance as a request would, behind every queued one and passed by none
+        (nothing is shorter than 0 tokens); :meth:`_release` gives it back."""
+        loop = asyncio.get_running_loop()
+        holder = QueuedJob("", 0, 0, result=loop.create_future(), turn=loop.create_future())
+        self._waiting.append(holder)
+        self._grant()
+        await holder.turn
+
+    def _release(self) -> None:
+        self._busy = False
+        self._grant()
+
+    def _grant(self) -> None:
+        """The instance is free: give the first job still waiting its turn."""
+        while not self._busy and self._waiting:
+            job = self._waiting.pop(0)
+            if not job.turn.done():            # else cancelled while waiting: it removes nothing more
+                self._busy = True
+                job.turn.set_result(None)
 
     # --- prefill batching -----------------------------------------------------------------------
     async def _serve(self, lead: QueuedJob) -> PrefillResult:
@@ -205,8 +272,9 @@ class PrefillService:
         return outcomes[0]
 
     async def _pack(self, lead: QueuedJob) -> list[QueuedJob]:
-        """The lead and, in queue order, the requests after it while their uncached tokens fit
-        in ``batch_tokens`` together and each in one chunk (the first that does not ends the pack)."""
+        """The lead and, in queue order (the serving order), the requests after it while their
+        uncached tokens fit in ``batch_tokens`` together and each in one chunk (the first that does
+        not ends the pack)."""
         limit = self.pack_limit
         uncached = [await self._uncached(lead)]
         pack = [lead]
@@ -214,7 +282,7 @@ class PrefillService:
         free = self.stage.runner.allocator.num_free - blocks_needed(lead.num_tokens, self.block_size)
         if uncached[0] > limit:
             return pack
-        for job in list(self.queue.values()):
+        for job in list(self._waiting):
             if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
                 continue
             uncached.append(await self._uncached(job))
@@ -410,7 +478,9 @@ class PrefillService:
         queued_s = 0.0
         if self.cost is not None:
             now = time.perf_counter()
-            jobs = [j for j in self.queue.values() if not j.result.done()]   # served ones are only leaving
+            # served ones are only leaving; the running ones first, then the waiting in their order
+            jobs = [j for j in self.queue.values() if j.started_at is not None and not j.result.done()]
+            jobs += [j for j in self._waiting if j.started_at is None and not j.result.done()]
             durations = packed_durations(self.cost, [(j.num_tokens, j.num_prefix_tokens) for j in jobs],
                                          self.pack_limit)
             for job, t in zip(jobs, durations):
@@ -420,6 +490,13 @@ class PrefillService:
         return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
                 "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
                 "free_blocks": float(self.stage.runner.allocator.num_free)}
+
+
+class _Hold:
+    """``acquire``/``release`` of the instance, the names of the asyncio.Lock that was its FIFO."""
+
+    def __init__(self, service: PrefillService) -> None:
+        self.acquire, self.release = service.hold, service._release
 
 
 def _annotate(result: PrefillResult, job: QueuedJob) -> PrefillResult:

@@ -1,0 +1,69 @@
+"""The conductor follows a prefill instance's registered queue order (scheduler/queue_order.py):
+its view of the queue is the instance's serving order, the next job started is the one the
+instance serves next, and a new request is priced where it lands plus the overtakes allowed."""
+
+import orjson
+import pytest
+
+from mooncake_lite.common.protocol import Register, dumps, loads
+from mooncake_lite.conductor.membership import Membership, PrefillJob
+from mooncake_lite.scheduler import (BlockIndex, CostModels, DecodeCostModel, PrefillCostModel, ScheduleRequest,
+                                     Scheduler, SchedulerConfig)
+
+MODEL = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-7, c3=1e-5)
+
+
+def _reg(iid: str, overtakes: int, pack_tokens: int = 0) -> Register:
+    return Register(role="prefill", instance_id=iid, http=f"h-{iid}:1", data=None, store="s:1", model="tiny",
+                    block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=4000,
+                    cost=MODEL.to_dict(), pack_tokens=pack_tokens, queue_overtakes=overtakes)
+
+
+def _order(m):
+    return [j.request_id for j in m.snapshot().prefills[0].queue]
+
+
+@pytest.mark.parametrize("overtakes, order", [(0, ["r0", "r1", "r2", "r3", "r4"]),
+                                              (4, ["r0", "r4", "r3", "r2", "r1"])])
+def test_the_view_is_the_instances_serving_order_and_the_next_started_its_head(overtakes, order):
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m.register(_reg("p", overtakes), now=0)
+    assert m.snapshot().prefills[0].overtakes == overtakes
+    for i, n in enumerate([500, 400, 300, 200, 100]):       # r0 starts at once: it is never passed
+        m.add_prefill("p", PrefillJob(f"r{i}", n, 0, "d"), now=0.0)
+    assert _order(m) == order
+    m.prefill_done("p", "r0", now=1.0)
+    queue = m.snapshot().prefills[0].queue
+    assert queue[0].request_id == order[1] and queue[0].started_at == 1.0
+    assert [j.started_at for j in queue[1:]] == [None] * 3
+    # a cached prefix counts: 1000 tokens of which 960 cached is shorter than every one waiting
+    m.add_prefill("p", PrefillJob("cached", 1000, 960, "d"), now=1.5)
+    assert _order(m)[1] == ("cached" if overtakes else order[2])
+
+
+def test_a_new_request_is_priced_where_it_lands_with_the_overtakes_it_allows():
+    costs = CostModels(MODEL, DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
+    decisions = {}
+    for overtakes in (0, 4):
+        m = Membership("tiny", 16, 0, dead_after_s=5)
+        m.register(_reg("p", overtakes), now=0)
+        m.register(Register(role="decode", instance_id="d", http="h-d:1", data="h-d:2", store="s:1", model="tiny",
+                            block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=100000), now=0)
+        for i, n in enumerate([500, 400, 300]):
+            m.add_prefill("p", PrefillJob(f"r{i}", n, 0, "d"), now=0.0)
+        sched = Scheduler(SchedulerConfig(block_size=16), costs, BlockIndex())
+        decisions[overtakes] = {n: sched.schedule(ScheduleRequest("x", (), n, 8), m.snapshot(), now=0.0)
+                                for n in (100, 600)}
+    ahead = MODEL.predict(500)      # r0 runs; a 100-token request passes r1 and r2
+    assert decisions[0][100].predicted_queue_s == pytest.approx(ahead + MODEL.predict(400) + MODEL.predict(300))
+    assert decisions[4][100].predicted_queue_s == pytest.approx(ahead + 4 * MODEL.predict(100))
+    # a long one waits for all of them, and for the 4 shorter ones that may still pass it
+    assert decisions[4][600].predicted_queue_s == pytest.approx(
+        decisions[0][600].predicted_queue_s + 4 * MODEL.predict(600))
+
+
+def test_the_bound_crosses_the_wire_and_an_instance_that_does_not_send_it_is_fifo():
+    assert loads(Register, dumps(_reg("p", 3))).queue_overtakes == 3
+    old = orjson.loads(dumps(_reg("p", 0)))
+    del old["queue_overtakes"]                  # an instance from before the field
+    assert loads(Register, orjson.dumps(old)).queue_overtakes == 0

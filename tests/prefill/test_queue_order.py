@@ -1,0 +1,97 @@
+"""The prefill instance serves its queue in the registered order (scheduler/queue_order.py):
+FIFO, or shortest uncached prompt first within the overtake bound, packs cut in that order."""
+
+import asyncio
+
+import pytest
+import torch
+
+from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.weights import build_model
+from tests.pd.harness import cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=3)
+
+
+def tokens_of(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
+    """Queue prompts of ``lengths`` (r0 first) while the instance is held; the order the
+    instance's forwards took them in (a pack as one tuple) and each request's outcome."""
+    c.prefill.overtakes, c.prefill.batch_tokens = overtakes, batch_tokens
+    forwards = []
+    run, run_pack = c.prefill._run, c.prefill._run_pack
+
+    async def one(job):
+        forwards.append((job.request_id,))
+        return await run(job)
+
+    async def packed(pack):
+        forwards.append(tuple(j.request_id for j in pack))
+        return await run_pack(pack)
+
+    c.prefill._run, c.prefill._run_pack = one, packed
+    prompts = [tokens_of(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
+    await c.prefill._lock.acquire()
+    tasks = []
+    for i, p in enumerate(prompts):      # one at a time: the arrival order is the index
+        tasks.append(asyncio.ensure_future(c.request(f"r{i}", p, 2)))
+        while len(c.prefill.queue) <= i:
+            await asyncio.sleep(0.001)
+    c.prefill._lock.release()
+    results = await asyncio.gather(*tasks)
+    for p, (tokens, _, err) in zip(prompts, results):
+        assert err is None and tokens == reference_greedy(c.prefill.stage.runner.model, p, 2)
+    return forwards
+
+
+async def test_fifo_and_shortest_first_within_the_bound(model):
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        assert await served_order(c, [40, 30, 20, 10, 5], 0) == [("r0",), ("r1",), ("r2",), ("r3",), ("r4",)]
+        assert await served_order(c, [40, 30, 20, 10, 5], 4, seed=1) == [("r4",), ("r3",), ("r2",), ("r1",), ("r0",)]
+        # bound 2: r0 passed twice stops r3, which r4 then passes (scheduler/queue_order.py's example)
+        assert await served_order(c, [40, 30, 20, 10, 5], 2, seed=2) == [("r2",), ("r1",), ("r0",), ("r4",), ("r3",)]
+        # packs are cut from the queue in the new order: the three short ones together
+        assert await served_order(c, [40, 30, 9, 7, 5], 4, batch_tokens=24, seed=3) == [("r4", "r3", "r2"), ("r1",), ("r0",)]
+        assert c.prefill.queue == {} and c.prefill._waiting == [] and not c.prefill._busy
+
+
+async def test_a_request_cancelled_while_queued_or_given_its_turn_frees_the_instance(model):
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.overtakes = 4
+        for given_its_turn in (False, True):
+            await c.prefill._lock.acquire()
+            waiter = asyncio.ensure_future(c.request(f"gone{given_its_turn}", tokens_of(9, 1), 2, kv_timeout_s=5.0))
+            while not c.prefill.queue:
+                await asyncio.sleep(0.001)
+            if given_its_turn:
+                c.prefill._lock.release()      # its turn is given; cancelled before it takes it
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            assert c.prefill._waiting == [] and c.prefill.queue == {}
+            if not given_its_turn:
+                c.prefill._lock.release()
+            assert not c.prefill._busy
+            tokens, _, err = await c.request(f"next{given_its_turn}", tokens_of(9, 2), 2)
+            assert err is None and not c.prefill._busy
+
+
+def test_the_instance_registers_its_bound_and_bad_flags_are_refused():
+    from mooncake_lite.common.config import ConfigError
+    from mooncake_lite.prefill.config import Config
+    assert (Config().queue_order, Config().overtake_bound) == ("fifo", 0)
+    assert Config(queue_order="shortest").overtake_bound == Config().queue_overtakes > 0
+    assert Config(queue_order="shortest", queue_overtakes=2).overtake_bound == 2
+    with pytest.raises(ConfigError):
+        Config(queue_order="longest")
+    with pytest.raises(ConfigError):
+        Config(queue_overtakes=-1)
