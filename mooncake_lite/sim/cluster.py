@@ -51,7 +51,8 @@ class MooncakeSim(TraceDriver):
         group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
         ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
         self.prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
-                                     cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens)
+                                     cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens,
+                                     cfg.prefill_queue_overtakes)
                          for i in range(cfg.num_prefill)]
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),

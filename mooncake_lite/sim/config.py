@@ -44,6 +44,10 @@ class SimConfig:
     # Prefill batching, as the role's --prefill-batch-tokens (capped at prefill_chunk): a single-node
     # prefill instance packs queued prompts by scheduler.costs.pack_sizes; 0: one prompt at a time.
     prefill_batch_tokens: int = 0
+    # The prefill queue's order, as the role's --queue-order shortest --queue-overtakes K: shortest
+    # uncached prompt first, at most K later arrivals passing any one (scheduler/queue_order.py);
+    # 0: FIFO, which the paper presets keep.
+    prefill_queue_overtakes: int = 0
     hardware: str = "llama2-70b-a800"
     eviction: str = "lru"
     store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
@@ -67,6 +71,8 @@ class SimConfig:
             raise ValueError("cpp_group_size and prefill_chunk must be >= 1")
         if self.prefill_batch_tokens < 0:
             raise ValueError("prefill_batch_tokens must be >= 0")
+        if self.prefill_queue_overtakes < 0:
+            raise ValueError("prefill_queue_overtakes must be >= 0")
         if self.eviction not in POLICY_NAMES:
             raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
         if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:

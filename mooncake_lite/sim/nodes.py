@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from mooncake_lite.scheduler.admission import tbt_refusal
 from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.scheduler.queue_order import enqueue
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
 from mooncake_lite.scheduler.view import DecodeView, PrefillView
 from mooncake_lite.sim.batch import Batch
@@ -61,7 +62,7 @@ class PrefillNode:
     """One prefill instance (a CPP group of nodes) with its node store and inbound link."""
 
     def __init__(self, instance_id: str, cache: NodeStore, hw: Hardware, group_size: int, chunk: int,
-                 cost: PrefillCostModel | None, batch_tokens: int = 0) -> None:
+                 cost: PrefillCostModel | None, batch_tokens: int = 0, overtakes: int = 0) -> None:
         self.instance_id = instance_id
         self.store_id = instance_id
         self.cache = cache
@@ -77,7 +78,8 @@ class PrefillNode:
         self.packed: list[SimRequest] = []      # prefill batching: the others in current's forward
         self.link_free_at = 0.0
         self.busy_s = 0.0
-        self.view = PrefillView(instance_id, self.store_id, None, cost, self.pack_tokens)
+        self.overtakes = overtakes     # the queue order's bound (0: FIFO), registered with the view too
+        self.view = PrefillView(instance_id, self.store_id, None, cost, self.pack_tokens, overtakes)
 
     def fetch(self, now: float, num_bytes: int) -> float:
         """Reserve the inbound link for a KV fetch; returns when it completes (FIFO link)."""
@@ -93,9 +95,14 @@ class PrefillNode:
         return self.view.state()
 
     def enqueue(self, req: SimRequest) -> None:
-        """Dispatched here, behind the others, with the prefix the decision planned to reuse."""
+        """Dispatched here, with the prefix the decision planned to reuse: behind the others, or
+        where the queue order lands it (scheduler/queue_order.py, ordered by that prefix as the
+        live instance orders by the prefix the conductor names)."""
         self.waiting.append(req)
-        self.view.add(req.rid, req.input_length, req.planned_prefix_tokens)
+        order = enqueue(self.view, req.rid, req.input_length, req.planned_prefix_tokens, self.overtakes)
+        if order:
+            waiting = {r.rid: r for r in self.waiting}
+            self.waiting = deque(waiting[rid] for rid in order if rid in waiting)
 
     def begin(self, now: float) -> SimRequest:
         """The head of the FIFO starts."""

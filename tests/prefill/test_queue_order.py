@@ -95,3 +95,23 @@ def test_the_instance_registers_its_bound_and_bad_flags_are_refused():
         Config(queue_order="longest")
     with pytest.raises(ConfigError):
         Config(queue_overtakes=-1)
+
+
+def test_the_simulator_orders_its_prefill_queue_by_the_same_rule():
+    """A burst on one simulated prefill instance (1 ms a token): the first starts alone, the
+    four behind it go shortest first with the bound, in arrival order at 0 (the default)."""
+    from mooncake_lite.scheduler import SchedulerConfig
+    from mooncake_lite.sim.cluster import MooncakeSim
+    from mooncake_lite.sim.config import SimConfig
+    from tests.sim.helpers import req, toy_hardware
+
+    trace = [req(i, 0.0, n, 2) for i, n in enumerate([500, 400, 300, 200, 100])]
+
+    def ttfts(**order):
+        cfg = SimConfig(num_prefill=1, num_decode=1, scheduler=SchedulerConfig(admission="none"), **order)
+        return [r.ttft for r in MooncakeSim(cfg, hardware=toy_hardware()).run(trace).requests]
+
+    assert ttfts() == pytest.approx([0.5, 0.9, 1.2, 1.4, 1.5])
+    assert ttfts(prefill_queue_overtakes=4) == pytest.approx([0.5, 1.5, 1.1, 0.8, 0.6])
+    # bound 2: r1, passed by r2 and r3, stops r4 (r0 had started: never passed)
+    assert ttfts(prefill_queue_overtakes=2) == pytest.approx([0.5, 1.4, 1.0, 0.7, 1.5])
