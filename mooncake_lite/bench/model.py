@@ -294,7 +294,8 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
     if gpu is not None:
         out["prefill"] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9)
     wbytes = weight_bytes(margs, runner.dtype)
-    model.pack_(not getattr(args, "no_pack", False))   # as a decode instance runs (prefill does not pack)
+    if not getattr(args, "no_pack", False):
+        model.pack_()   # as a decode instance runs, after prefill (which packed weights slow)
     out["decode_packed"] = model.packed
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)

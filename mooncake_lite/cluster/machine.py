@@ -29,8 +29,8 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
 
 
 def packs_decode_weights(opts: UpOptions, dtype: str) -> bool:
-    """Whether the decodes keep a second, oneDNN-packed copy of their weights for batched steps
-    (``Transformer.pack_``: float32 on a CPU; docs/model.md, "Batch 16")."""
+    """Whether the decodes run on oneDNN-packed weights (``Transformer.pack_``: float32 on a CPU;
+    docs/model.md, "Batch 16"), which hold ``ModelArgs.packed_extra_bytes`` beyond the weights."""
     device = role_setting(opts, "decode", "device")
     return dtype == "float32" and (device is None or str(device) == "cpu")
 
@@ -47,7 +47,8 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         args = model_args(opts.model)
         _, dtype = kv_layout(opts)
         weights = args.num_params() * dtype_bytes(dtype)
-        facts = {"weight_bytes": weights, "decode_pack_bytes": weights if packs_decode_weights(opts, dtype) else 0,
+        packed = args.packed_extra_bytes(dtype) if packs_decode_weights(opts, dtype) else 0
+        facts = {"weight_bytes": weights, "decode_pack_bytes": packed,
                  "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}
     except (ValueError, OSError, KeyError):
         pass

@@ -76,6 +76,12 @@ class ModelArgs:
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + emb + self.dim
 
+    def packed_extra_bytes(self, dtype: "torch.dtype | str") -> int:
+        """What a packed model (``Transformer.pack_``: a CPU decode in float32) holds beyond its
+        weights: each packed copy replaces its plain weight, except a head tied to the embedding,
+        whose matrix stays for the embedding beside the head's packed copy."""
+        return self.vocab_size * self.dim * dtype_bytes(dtype) if self.tie_embeddings else 0
+
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
         if name not in PRESETS:

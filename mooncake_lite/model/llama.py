@@ -93,8 +93,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a float32 CPU weight, for :func:`linear`'s few-row products, or
     ``None`` where there is none (another device or dtype, a torch without oneDNN): the plain
     paths serve. At 16 rows on weights streamed from memory its kernel ran smollm2-135m's matmuls
-    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "Batch 16"); the copy costs the
-    weight's bytes again."""
+    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "Batch 16"), and one row as fast
+    as ``F.linear``, so the packed copy replaces the plain weight (``Transformer.pack_``)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -105,17 +105,24 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``. For a few rows on CPU (batched decode) it runs on ``packed``
-    (:func:`pack_weight`) when given, else as ``(weight @ x.T).T``: MKL's kernel for a tall weight
-    times a few columns streams the weight once, where its few-rows ``x @ weight.T`` kernel
-    measured 1.2-1.5x slower at 4-16 rows here (docs/model.md, "Decode step"). One row and
-    prefill-sized inputs keep ``F.linear``."""
+    """``x @ weight.T + bias``. On ``packed`` (:func:`pack_weight`) when given, at any row count:
+    a packed model holds no plain weight any more (``Transformer.pack_``). Otherwise, for a few rows
+    on CPU, as ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams
+    the weight once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16
+    rows here (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         out = torch.mm(weight, x.t()).t().contiguous()
         return out.add_(bias) if bias is not None else out
     return F.linear(x, weight, bias)
+
+
+def unheld(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``weight``'s shape and dtype that holds no memory (the ``meta`` device):
+    what a plain weight becomes once its packed copy serves every product. Shapes, names and
+    weight counts stay; reading its values fails loudly instead of computing on stale bytes."""
+    return nn.Parameter(weight.detach().to("meta"), requires_grad=False)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -151,10 +158,17 @@ class Attention(nn.Module):
         if self.qkv is None:
             self.qkv = fuse_linears(self.wq, self.wk, self.wv)
 
-    def pack_(self, on: bool = True) -> None:
-        """oneDNN copies of the fused q/k/v and the output weights (``on=False`` drops them)."""
-        weights = {"qkv": self.qkv[0], "wo": self.wo.weight} if on and self.qkv is not None else {}
-        self.packs = {name: p for name, w in weights.items() if (p := pack_weight(w)) is not None}
+    def pack_(self) -> None:
+        """oneDNN copies replace the fused q/k/v and the output weights (each where it packs)."""
+        if self.qkv is None:
+            return
+        if (qkv := pack_weight(self.qkv[0])) is not None:
+            self.packs["qkv"] = qkv
+            self.qkv = (self.qkv[0].to("meta"), self.qkv[1])   # the bias stays: it is added as is
+            for lin in (self.wq, self.wk, self.wv):
+                lin.weight = unheld(lin.weight)
+        if (wo := pack_weight(self.wo.weight)) is not None:
+            self.packs["wo"], self.wo.weight = wo, unheld(self.wo.weight)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is not None:
@@ -200,10 +214,15 @@ class FeedForward(nn.Module):
         if self.gate_up is None:
             self.gate_up = fuse_linears(self.w1, self.w3)[0]
 
-    def pack_(self, on: bool = True) -> None:
-        """oneDNN copies of the fused gate/up and the down weights (``on=False`` drops them)."""
-        weights = {"gate_up": self.gate_up, "w2": self.w2.weight} if on and self.gate_up is not None else {}
-        self.packs = {name: p for name, w in weights.items() if (p := pack_weight(w)) is not None}
+    def pack_(self) -> None:
+        """oneDNN copies replace the fused gate/up and the down weights (each where it packs)."""
+        if self.gate_up is None:
+            return
+        if (gate_up := pack_weight(self.gate_up)) is not None:
+            self.packs["gate_up"], self.gate_up = gate_up, self.gate_up.to("meta")   # a tensor, not a parameter
+            self.w1.weight, self.w3.weight = unheld(self.w1.weight), unheld(self.w3.weight)
+        if (w2 := pack_weight(self.w2.weight)) is not None:
+            self.packs["w2"], self.w2.weight = w2, unheld(self.w2.weight)
 
     def forward(self, x):
         if self.gate_up is None:
@@ -255,16 +274,21 @@ class Transformer(nn.Module):
             block.feed_forward.fuse_()
         return self
 
-    def pack_(self, on: bool = True) -> "Transformer":
-        """Give the fused weights and the output head oneDNN packed copies for few-row products
-        (batched decode on a CPU in float32; elsewhere nothing changes). They double the weights'
-        memory, so only a decode instance takes them. Call it after ``fuse_`` and after the last
-        write to a weight: a packed copy does not follow later writes. ``on=False`` drops them."""
+    def pack_(self) -> "Transformer":
+        """Replace the fused weights and the output head by oneDNN packed copies (on a CPU in
+        float32; elsewhere nothing changes), which every product then runs on: decode steps of any
+        batch, one row included, are as fast or faster (docs/model.md, "Batch 16"); prefill-sized
+        products are 1.2x slower, so only a decode instance packs. The plain weights are released
+        (their parameters keep shape and dtype on the ``meta`` device), one layer at a time, so the
+        process never holds two copies; a tied head's matrix stays, as the embedding. One-way: call
+        it after ``fuse_`` and after the last write to a weight, and move the model no more."""
         for block in self.layers.values():
-            block.attention.pack_(on)
-            block.feed_forward.pack_(on)
-        if self.is_last:
-            self.output_pack = pack_weight(self.output.weight) if on else None
+            block.attention.pack_()
+            block.feed_forward.pack_()
+        if self.is_last and self.output_pack is None:
+            self.output_pack = pack_weight(self.output.weight)
+            if self.output_pack is not None:   # a tied embedding keeps its own reference
+                self.output.weight = unheld(self.output.weight)
         return self
 
     @property

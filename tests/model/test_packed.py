@@ -1,5 +1,7 @@
-"""Batched decode's fast paths on CPU: oneDNN-packed weights for few-row matmuls (``pack_``) and
+"""Decode's fast paths on CPU: oneDNN-packed weights in place of the plain ones (``pack_``) and
 the per-thread buffers decode attention gathers K/V into. Both must compute what the plain paths do."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -48,35 +50,55 @@ def steps(runner, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
 @needs_onednn
 @pytest.mark.parametrize("batch", [3, 16])
 def test_packed_decode_computes_what_the_plain_path_does(batch):
-    model = build_model("tiny", seed=4)
+    plain_model, model = build_model("tiny", seed=4), build_model("tiny", seed=4)
     runner, tables, lens, first = prefilled(model, batch)
-    plain = steps(runner, tables, lens)
+    plain = steps(prefilled(plain_model, batch)[0], tables, lens)
     assert not model.packed
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         packed = steps(runner, tables, lens) if model.pack_() else None
     assert model.packed and model.output_pack is not None
-    ran = [e.key for e in prof.key_averages()]
-    assert "mkldnn::_linear_pointwise" in ran   # the packed weights did run
-    # Prefill (many rows) and one-row steps do not take the packed weights: the same bits.
-    assert torch.equal(runner.prefill(prompt(0, lens[0]), tables[0]), first[0])
-    assert torch.equal(plain[0], packed[0])
-    # Few-row steps do: another kernel, the same products up to summation order.
-    torch.testing.assert_close(packed[1], plain[1], atol=1e-4, rtol=1e-4)
-    assert torch.equal(packed[1].argmax(-1), plain[1].argmax(-1))
-    model.pack_(False)
-    assert not model.packed and model.output_pack is None
-    assert torch.equal(steps(runner, tables, lens)[1], plain[1])   # dropped: the plain path again
+    ran = {e.key: e.count for e in prof.key_averages()}
+    # Every product of both steps ran on the packed weights, the one-row step's too: per layer
+    # q/k/v, output, gate/up and down, then the head.
+    assert ran.get("mkldnn::_linear_pointwise") == 2 * (4 * len(model.layers) + 1)
+    assert not {"aten::mm", "aten::addmm", "aten::linear"} & set(ran)
+    # Another kernel, the same products up to summation order: the same greedy tokens.
+    for got, want in zip(packed, plain):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # Prefill-sized products run packed too (a decode never prefills; this one still can).
+    again = runner.prefill(prompt(0, lens[0]), tables[0])
+    torch.testing.assert_close(again, first[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(again.argmax(-1), first[0].argmax(-1))
 
 
 @needs_onednn
-def test_packing_keeps_parameters_and_skips_what_onednn_does_not_pack():
+def test_packing_releases_the_plain_weights_but_not_the_tied_embedding():
     model = build_model("tiny", seed=4)
-    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    model.output.weight = model.tok_embeddings.weight   # tied, as smollm2-135m's head
+    shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+    embedding = model.tok_embeddings.weight.clone()
     model.pack_()
-    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params   # no parameter replaced
     assert set(model.layers["0"].attention.packs) == {"qkv", "wo"}
     assert set(model.layers["0"].feed_forward.packs) == {"gate_up", "w2"}
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert {n: (p.shape, p.dtype) for n, p in after.items()} == shapes   # names, shapes, counts kept
+    released = {n for n, p in after.items() if p.is_meta}
+    assert released == {n for n in shapes if n.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight",
+                                                         "w1.weight", "w2.weight", "w3.weight"))} | {"output.weight"}
+    att, mlp = model.layers["0"].attention, model.layers["0"].feed_forward
+    assert att.qkv[0].is_meta and mlp.gate_up.is_meta      # the fused plain copies too
+    assert torch.equal(model.tok_embeddings.weight, embedding)   # the embedding stays, untouched
+    packs = dict(att.packs)
+    assert model.pack_().layers["0"].attention.packs == packs   # a second call changes nothing
     assert not build_model("tiny", dtype=torch.bfloat16).pack_().packed   # float32 only
+
+
+def test_a_packed_model_holds_beyond_its_weights_only_a_tied_heads_copy():
+    args = build_model("tiny").args
+    assert args.packed_extra_bytes("float32") == 0
+    tied = dataclasses.replace(args, tie_embeddings=True)
+    assert tied.packed_extra_bytes("float32") == tied.vocab_size * tied.dim * 4
 
 
 def test_decode_attention_gathers_into_reused_buffers_without_changing_results(monkeypatch):
