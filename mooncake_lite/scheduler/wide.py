@@ -325,6 +325,9 @@ class DecodeTable:
         # any, the clamp at 0 changes nothing and is skipped
         self.may_clamp: set[int] = set()
         self.full: set[int] = set()     # rows whose batch has no room
+        # at most the smallest context room (lowered as rows are written, made exact again only
+        # when a request needs more): a request within it fits every row without a min over them
+        self.room_floor = _INF
 
     def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
@@ -349,7 +352,11 @@ class DecodeTable:
                 self.full.discard(i)
             else:
                 self.full.add(i)
-            self.context_room[i] = _INF if d.max_context_tokens is None else d.max_context_tokens - context
+            if d.max_context_tokens is not None:
+                self.context_room[i] = room = d.max_context_tokens - context
+                self.room_floor = room if room < self.room_floor else self.room_floor
+            else:
+                self.context_room[i] = _INF
         self.decodes = decodes
 
     def choose_now(self, req: ScheduleRequest) -> tuple[int, float] | None:
@@ -361,7 +368,9 @@ class DecodeTable:
         if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
             tbt = np.where(tbt > 0.0, tbt, 0.0)
         need = req.num_tokens + req.max_output_tokens
-        if not self.full and need <= self.context_room.min():
+        if need > self.room_floor:
+            self.room_floor = float(self.context_room.min())
+        if not self.full and need <= self.room_floor:
             keyed = tbt                # every row has room (the usual case): nothing to mask
         else:
             keyed = np.where(self.batch_room & (need <= self.context_room), tbt, _INF)
