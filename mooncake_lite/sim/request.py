@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import NamedTuple
 
-from mooncake_lite.common.tbt import paper_tbt_of_runs
+from mooncake_lite.common.tbt import paper_tbt_of_runs, slowest_count
 from mooncake_lite.trace.format import TraceRequest
 
 Segment = tuple[float, int]   # (gap seconds, number of gaps); count 0 marks a stall (see fold_gaps)
 _COUNT = itemgetter(1)
+_GAP = itemgetter(0)
 
 
 class OracleError(AssertionError):
@@ -161,13 +163,37 @@ def fold_steady_gaps(log: list[Segment], start: int, end: int, wait_extra: float
 
 def slowest_share_mean(segments: list[Segment], total: int | None = None) -> float | None:
     """FAST'25 TBT of a request's folded gaps (``common/tbt.py``, the live definition).
-    ``total``: their number, if the caller has it."""
-    return paper_tbt_of_runs(segments, sum(map(_COUNT, segments)) if total is None else total)
+    ``total``: their number, if the caller has it.
+
+    The same float as :func:`paper_tbt_of_runs`, faster (it runs once per finished request, on
+    ~30 segments): the segments are sorted by gap alone (float keys compare faster than tuples).
+    That order differs from the definition's (gap, then count, descending) only between equal
+    gaps, so where a gap it reads equals the one before or the next one, the definition decides."""
+    num_gaps = sum(map(_COUNT, segments)) if total is None else total
+    if num_gaps == 0:
+        return None
+    want = left = slowest_count(num_gaps)
+    acc = 0.0
+    ordered = sorted(segments, key=_GAP, reverse=True)
+    last = None
+    for i, (gap, count) in enumerate(ordered):
+        if gap == last:
+            return paper_tbt_of_runs(segments, num_gaps)
+        last = gap
+        take = count if count < left else left
+        acc += gap * take
+        left -= take
+        if left == 0:
+            if i + 1 < len(ordered) and ordered[i + 1][0] == gap:
+                return paper_tbt_of_runs(segments, num_gaps)
+            break
+    return acc / want
 
 
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    """What one request ended as. Times in seconds from the trace start."""
+class RequestResult(NamedTuple):
+    """What one request ended as. Times in seconds from the trace start. (Immutable; a
+    NamedTuple rather than a frozen dataclass, as ``scheduler.Decision``: one is built per
+    request, and a frozen dataclass sets its 14 fields one ``object.__setattr__`` at a time.)"""
 
     request_id: int
     arrival: float
