@@ -10,31 +10,18 @@ HBM bandwidth.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from kernels.device import GPUPeaks, gpu_peaks, sync
-
-
-def _best_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+from kernels.device import GPUPeaks, gpu_peaks
+from kernels.timing import best_seconds
 
 
 def link_gbps(device: torch.device, num_bytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
     """Pinned host → device and device → host copy bandwidth (GB/s, one direction each)."""
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    h2d = _best_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeats)
-    d2h = _best_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeats)
+    h2d = best_seconds(lambda: dev.copy_(host, non_blocking=True), device, repeats, warmup=1)
+    d2h = best_seconds(lambda: host.copy_(dev, non_blocking=True), device, repeats, warmup=1)
     return {"h2d_pinned_gbps": num_bytes / h2d / 1e9, "d2h_pinned_gbps": num_bytes / d2h / 1e9}
 
 

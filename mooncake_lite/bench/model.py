@@ -34,7 +34,7 @@ import orjson
 import torch
 from tqdm import tqdm
 
-from kernels.device import sync
+from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -92,35 +92,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # --- machine limits -------------------------------------------------------------------------------
-def _best_of(fn: Callable[[], None], repeats: int, device: torch.device | str = "cpu") -> float:
-    fn()  # warm-up: first call pays allocation and thread start-up
-    times = []
-    for _ in range(repeats):
-        sync(device)   # CUDA: time the kernels, not their launches
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def matmul_gflops(n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats, device) / 1e9
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), device, repeats, warmup=1) / 1e9
 
 
 def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Read + write bandwidth of one large copy (bytes moved counted both ways)."""
     src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * num_bytes / _best_of(lambda: dst.copy_(src), repeats, device) / 1e9
+    return 2 * num_bytes / best_seconds(lambda: dst.copy_(src), device, repeats, warmup=1) / 1e9
 
 
 def read_gbps(num_bytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bandwidth of one large read (a sum): what a decode step's weight reads could reach, since
     they write almost nothing. Shown beside the copy roof, which the goals are stated against."""
     src = torch.ones(num_bytes // 4, device=device)
-    return num_bytes / _best_of(lambda: src.sum(), repeats, device) / 1e9
+    return num_bytes / best_seconds(lambda: src.sum(), device, repeats, warmup=1) / 1e9
 
 
 # --- what each model is -------------------------------------------------------------------------------
@@ -180,35 +168,23 @@ def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
 
 # --- measurements -----------------------------------------------------------------------------------
 def bench_prefill(runner: ModelRunner, prompt_len: int, repeats: int, bar: tqdm) -> list[float]:
-    """Seconds of each timed whole-prompt prefill."""
+    """Seconds of each timed whole-prompt prefill (after one warm-up)."""
     tokens = [(7 * i) % runner.args.vocab_size for i in range(prompt_len)]
     table = list(range(blocks_needed(prompt_len, runner.block_size)))
-    times = []
-    for i in range(repeats + 1):
-        sync(runner.device)
-        t0 = time.perf_counter()
-        runner.prefill(tokens, table, 0)
-        sync(runner.device)
-        if i:  # the first run is a warm-up
-            times.append(time.perf_counter() - t0)
-        bar.update(1)
+    times = run_times(lambda: runner.prefill(tokens, table, 0), runner.device, repeats, warmup=1)
+    bar.update(repeats + 1)
     return times
 
 
 def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, bar: tqdm) -> list[float]:
-    """Seconds of each timed decode step for ``batch`` sequences of ``context_len`` cached tokens."""
+    """Seconds of each timed decode step for ``batch`` sequences of ``context_len`` cached tokens
+    (after one warm-up step; each step one position further)."""
     per_seq = blocks_needed(context_len + steps + 1, runner.block_size)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    tokens = [11] * batch
-    times = []
-    for step in range(steps + 1):
-        sync(runner.device)
-        t0 = time.perf_counter()
-        runner.decode(tokens, tables, [context_len + step] * batch)
-        sync(runner.device)
-        if step:
-            times.append(time.perf_counter() - t0)
-        bar.update(1)
+    positions = iter(range(context_len, context_len + steps + 1))
+    times = run_times(lambda: runner.decode([11] * batch, tables, [next(positions)] * batch), runner.device,
+                      steps, warmup=1)
+    bar.update(steps + 1)
     return times
 
 
@@ -231,7 +207,7 @@ def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float:
             linear(ffn, mlp.w2.weight, packed=mlp.packs.get("w2"))
         if model.is_last:
             linear(x, model.output.weight, packed=model.output_pack)
-    return _best_of(step, repeats, param.device)
+    return best_seconds(step, param.device, repeats, warmup=1)
 
 
 # Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
@@ -247,14 +223,14 @@ def profile_decode(runner: ModelRunner, context_len: int, steps: int = 4) -> dic
     from torch.profiler import ProfilerActivity, profile
     per_seq = blocks_needed(context_len + steps + 2, runner.block_size)
     table = [list(range(per_seq))]
-    runner.decode([11], table, [context_len])   # warm-up outside the profile
-    sync(runner.device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
+
+    def run_steps() -> None:
         for step in range(steps):
             runner.decode([11], table, [context_len + 1 + step])
-        sync(runner.device)
-        wall = time.perf_counter() - t0
+
+    runner.decode([11], table, [context_len])   # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = timed(run_steps, runner.device)
     kinds = {kind: 0.0 for kind, _ in OP_KINDS} | {"other ops": 0.0}
     for event in prof.key_averages():
         kind = next((k for k, prefixes in OP_KINDS if event.key.startswith(prefixes)), "other ops")

@@ -10,12 +10,11 @@ chunks and steps it really runs, and its heartbeats carry the result.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
-from kernels.device import sync
+from kernels.timing import best_seconds
 from mooncake_lite.instance.refine import DecodeRefiner, PrefillRefiner, nonneg_fit
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
@@ -42,14 +41,8 @@ def time_prefill(runner: ModelRunner, num_new: int, num_prefix: int, chunk: int 
         toks = _tokens(total, runner.args.vocab_size)
         if num_prefix:
             runner.prefill(toks[:num_prefix], table, 0, chunk)
-        best = float("inf")
-        for _ in range(repeats):
-            sync(runner.device)   # on CUDA the clock must bracket the kernels, not their launches
-            t0 = time.perf_counter()
-            runner.prefill(toks[num_prefix:], table, num_prefix, chunk)
-            sync(runner.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_seconds(lambda: runner.prefill(toks[num_prefix:], table, num_prefix, chunk),
+                            runner.device, repeats)
     finally:
         runner.allocator.free(table)
 
@@ -60,14 +53,7 @@ def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int = 3)
     tables = [runner.allocator.allocate(per_seq) for _ in range(batch)]
     try:
         tokens, positions = [1] * batch, [context - 1] * batch
-        best = float("inf")
-        for _ in range(repeats):
-            sync(runner.device)
-            t0 = time.perf_counter()
-            runner.decode(tokens, tables, positions)
-            sync(runner.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_seconds(lambda: runner.decode(tokens, tables, positions), runner.device, repeats)
     finally:
         for t in tables:
             runner.allocator.free(t)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kernels import timing
 from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.bench import model as bench_model
 from mooncake_lite.instance import profile
@@ -24,10 +25,10 @@ def runner():
     return ModelRunner(build_model("tiny"), num_blocks=32, block_size=BS)
 
 
-def record(monkeypatch, module, runner) -> list:
-    """Log syncs (in ``module``) and the runner's model calls, in order."""
+def record(monkeypatch, runner) -> list:
+    """Log syncs (the one timer's, ``kernels/timing.py``) and the runner's model calls, in order."""
     calls = []
-    monkeypatch.setattr(module, "sync", lambda device: calls.append(("sync", str(device))))
+    monkeypatch.setattr(timing, "sync", lambda device: calls.append(("sync", str(device))))
     for name in ("prefill", "decode"):
         real = getattr(runner, name)
         monkeypatch.setattr(runner, name, lambda *a, _r=real, _n=name, **k: (calls.append((_n,)), _r(*a, **k))[1])
@@ -41,7 +42,7 @@ def bracketed(calls: list, op: str) -> bool:
 
 
 def test_self_profile_timers_sync(monkeypatch, runner):
-    calls = record(monkeypatch, profile, runner)
+    calls = record(monkeypatch, runner)
     profile.time_prefill(runner, 16, 8, repeats=2)
     profile.time_decode(runner, 2, 16, repeats=2)
     timed = calls[1:]   # the first prefill (the cached prefix) is not timed
@@ -50,10 +51,14 @@ def test_self_profile_timers_sync(monkeypatch, runner):
 
 
 def test_bench_model_timers_sync(monkeypatch, runner):
-    calls = record(monkeypatch, bench_model, runner)
-    bench_model.bench_prefill(runner, 16, 2, type("Bar", (), {"update": lambda self, n: None})())
-    bench_model.bench_decode(runner, 2, 16, 2, type("Bar", (), {"update": lambda self, n: None})())
-    assert bracketed(calls, "prefill") and bracketed(calls, "decode")
+    calls = record(monkeypatch, runner)
+    bar = type("Bar", (), {"update": lambda self, n: None})()
+    assert len(bench_model.bench_prefill(runner, 16, 2, bar)) == 2
+    assert calls[0] == ("prefill",) and bracketed(calls[1:], "prefill")   # a warm-up, untimed, first
+    del calls[:]
+    assert len(bench_model.bench_decode(runner, 2, 16, 2, bar)) == 2
+    assert calls[0] == ("decode",)
+    assert bracketed(calls[1:], "decode")
 
 
 def test_prefill_chunk_time_includes_a_sync(monkeypatch, runner):
