@@ -147,6 +147,11 @@ class StoreClient:
                 raise ValueError("a slice put (first_layer) needs block_layers, the whole block's layer count")
             extra = {"first_layer": first_layer, "block_layers": block_layers}
         views = [as_bytes_view(b) for b in blocks]
+        shm = self.shm
+        if len(keys) == 1 and not extra and shm is not None and shm.fast is not None and not tracing.is_enabled():
+            num_new = await shm.fast_put(keys[0], views[0], num_layers, first_pos, self.timeout)   # same node
+            if num_new is not None:
+                return num_new
         batches = self._split(len(keys), [v.nbytes for v in views], self._put_batch_bytes())
         replies = await _all(self._put_batch({"keys": keys_to_hex(keys[a:b]), "sizes": [v.nbytes for v in views[a:b]],
                                               "num_layers": num_layers, "first_pos": first_pos + a, **extra},

@@ -1,20 +1,27 @@
-"""Single-block gets for same-node clients on a channel built for latency (store side).
+"""Single-block gets and puts for same-node clients on a channel built for latency (store side).
 
 A framed get that asks the store costs ~170 µs here, ~100 µs of it the frame layer and the
 store's generic dispatch (docs/store.md §3); this channel answers one key with one fixed-layout
-reply, so a 64 KiB get costs about what two event loops cost at the least.
+reply, so a 64 KiB get costs about what two processes' wake-ups cost at the least.
 
 * The store listens on one Unix socket in the abstract namespace (nothing in any filesystem;
   reachable from its own network namespace only). A same-node client asks FAST_ATTACH on its
   authenticated data connection and gets the socket's name and a fresh 16-byte secret; it
   connects and sends the secret first. Anything else (a wrong secret, a connection of a data
   connection that closed) is closed at once, so the cluster token still gates every read.
-* A request is ``REQUEST``: request id, the read lease the client is done with (0: none) and the
-  key. The store ends that lease, looks the key up in DRAM and, if it is there, pins it under a
-  read lease of the data connection (ended like any other: ``reads_done``, READ_DONE, or with
-  the connection) and answers ``REPLY``: where the block is, its generation and the lease. A
-  block not in DRAM is answered ``size = 0`` and the client asks the framed way (which reads
-  the SSD tier). A request with id 0 is a lease hand-back only: no reply.
+* A request is ``REQUEST``: op, request id, the read lease the client is done with (0: none) and
+  the key. The store ends that lease first. ``GET`` looks the key up in DRAM and, if it is there,
+  pins it under a read lease of the data connection (ended like any other: ``reads_done``,
+  READ_DONE, or with the connection) and answers ``REPLY``: where the block is, its generation
+  and the lease. A block not in DRAM is answered ``size = 0`` and the client asks the framed way
+  (which reads the SSD tier). A GET with id 0 is a lease hand-back only: no reply.
+* ``PUT`` is followed by ``PUT_BODY``: where the block is in the data connection's staging area
+  (``store/shm.py``), its size, layer count and chain position. The store checks the range
+  against the staging area, reserves a slot, copies the block in and commits it, all before it
+  answers (so the client may reuse the range at once): ``REPLY`` with lease 0, offset 0 (or
+  ``REFUSED``: no staging area, a range outside it, a bad size, the store full; the client then
+  puts the framed way, which says why) and ``size`` = 1 if the key was new, else 0.
+* Anything else (an unknown op) closes the channel with a WARNING; the store carries on.
 * Anyone on the node can connect to an abstract socket, so what a stranger can hold is bounded:
   a connection must show a secret within ``ADMIT_TIMEOUT_S``; a data connection holds at most
   ``MAX_GRANTS`` secrets (asking again retires its oldest); and a channel stops reading while its
@@ -42,8 +49,12 @@ log = logging.getLogger(__name__)
 SECRET_BYTES = 16
 ADMIT_TIMEOUT_S = 5.0     # to show a secret after connecting
 MAX_GRANTS = 4            # secrets live at once per data connection (one per channel a client opens)
-REQUEST = struct.Struct("<II16s")        # request id, read lease done with (0: none), key
+GET, PUT = 1, 2
+REQUEST = struct.Struct("<B3xII16s")     # op, request id, read lease done with (0: none), key
+PUT_BODY = struct.Struct("<QQII")        # after a PUT: staged offset, size, num_layers, first_pos
 REPLY = struct.Struct("<IIqQIIQ")         # request id, read lease, slab offset, size, num_layers, slot, generation
+REFUSED = -1                              # a PUT's reply offset when it was not taken
+_PUT_SIZE = REQUEST.size + PUT_BODY.size
 
 
 class FastGets:
@@ -124,8 +135,8 @@ class _Channel(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self.conn is not None and not self._buf and len(data) == REQUEST.size:   # one request: most calls
-            reply = self._answer(*REQUEST.unpack(data))
+        if self.conn is not None and not self._buf and len(data) == REQUEST.size and data[0] == GET:
+            reply = self._get(*REQUEST.unpack(data)[1:])   # one get: most calls
             if reply and not self.transport.is_closing():   # type: ignore[union-attr]
                 self.transport.write(reply)   # type: ignore[union-attr]
             return
@@ -142,31 +153,55 @@ class _Channel(asyncio.Protocol):
                 return
             self.conn.state.setdefault("fast_channels", []).append(self)
             buf = buf[SECRET_BYTES:]
-        end = len(buf) - len(buf) % REQUEST.size
-        replies = [self._answer(*REQUEST.unpack_from(buf, at)) for at in range(0, end, REQUEST.size)]
-        self._buf = buf[end:]
+        replies, at = [], 0
+        while len(buf) - at >= REQUEST.size:
+            op, request_id, done, key = REQUEST.unpack_from(buf, at)
+            if op == GET:
+                replies.append(self._get(request_id, done, key))
+                at += REQUEST.size
+            elif op == PUT:
+                if len(buf) - at < _PUT_SIZE:
+                    break
+                replies.append(self._put(request_id, done, key, *PUT_BODY.unpack_from(buf, at + REQUEST.size)))
+                at += _PUT_SIZE
+            else:
+                log.warning("fast get channel closed: unknown op %d", op)
+                self.transport.abort()   # type: ignore[union-attr]
+                return
+        self._buf = buf[at:]
         replies = [r for r in replies if r]
         if replies and not self.transport.is_closing():   # type: ignore[union-attr]
             self.transport.write(b"".join(replies))   # type: ignore[union-attr]
 
-    def _answer(self, request_id: int, done: int, key: bytes) -> bytes:
-        conn, shm = self.conn, self.gets.shm
-        store = shm.store
-        if done:   # the lease of the client's previous get (a read lease of its data connection)
-            lease = conn.state.get("reads", {}).pop(done, None)   # type: ignore[union-attr]
-            if lease is not None:
-                store.unpin(lease)
+    def _end_read(self, done: int) -> None:
+        """The lease of the client's previous get (a read lease of its data connection)."""
+        lease = self.conn.state.get("reads", {}).pop(done, None)   # type: ignore[union-attr]
+        if lease is not None:
+            self.gets.shm.store.unpin(lease)
+
+    def _get(self, request_id: int, done: int, key: bytes) -> bytes:
+        if done:
+            self._end_read(done)
         if not request_id:
             return b""
+        shm = self.gets.shm
+        store = shm.store
         block = store.touch_dram(key)
         if block is None:   # not here in DRAM: the client asks the framed way
             return REPLY.pack(request_id, 0, 0, 0, 0, 0, 0)
         slab = store.slab
         size = block.size   # a whole block: its span is its slot's first ``size`` bytes
-        read_id = shm.read_lease(conn, [block])   # type: ignore[arg-type]
+        read_id = shm.read_lease(self.conn, [block])   # type: ignore[arg-type]
         store.stats.bytes_out += size
         return REPLY.pack(request_id, read_id, slab.slab_offset + slab.offset_of(block.slot), size,
                           block.num_layers, block.slot, slab.gens[block.slot])
+
+    def _put(self, request_id: int, done: int, key: bytes, offset: int, size: int, num_layers: int,
+             first_pos: int) -> bytes:
+        if done:   # before reserving: the slot it pins may be needed (as a framed put does)
+            self._end_read(done)
+        num_new = self.gets.shm.fast_put(self.conn, key, offset, size, num_layers, first_pos)   # type: ignore[arg-type]
+        return REPLY.pack(request_id, 0, REFUSED if num_new is None else 0, num_new or 0, 0, 0, 0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._admit_timer.cancel()

@@ -4,6 +4,7 @@ capped. Its client end (store/shm_client.py) waits for an answer without the eve
 the loop only for a slow one; late replies are skipped and their leases handed back."""
 
 import asyncio
+import functools
 import socket
 from types import SimpleNamespace
 
@@ -52,6 +53,10 @@ async def test_a_data_connection_holds_at_most_max_grants_secrets():
 class _Transport:
     def __init__(self):
         self.written = []
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
 
     def write(self, data):
         self.written.append(data)
@@ -84,7 +89,7 @@ async def test_read_leases_never_handed_back_are_bounded(monkeypatch):
     store, channel, keys = _channel_on_a_store(monkeypatch, bound=4)
     replies = []
     for request_id in range(1, 11):
-        channel.data_received(fastget.REQUEST.pack(request_id, 0, keys[request_id % 3]))
+        channel.data_received(fastget.REQUEST.pack(fastget.GET, request_id, 0, keys[request_id % 3]))
         replies.append(fastget.REPLY.unpack(channel.transport.written[-1]))
     reads = channel.conn.state["reads"]
     lease_ids = [r[1] for r in replies]
@@ -92,10 +97,10 @@ async def test_read_leases_never_handed_back_are_bounded(monkeypatch):
     assert store.num_leases == 4 and store.stats.read_leases_dropped == 6
     assert sum(store._dram[k].pins for k in keys) == 4            # the dropped ones unpinned
     # The newest lease is still good: handing it back (on a hand-back-only request) ends it.
-    channel.data_received(fastget.REQUEST.pack(0, lease_ids[-1], bytes(16)))
+    channel.data_received(fastget.REQUEST.pack(fastget.GET, 0, lease_ids[-1], bytes(16)))
     assert store.num_leases == 3 and lease_ids[-1] not in reads
     # A dropped lease handed back late is ignored, not an error (and not a second unpin).
-    channel.data_received(fastget.REQUEST.pack(0, lease_ids[0], bytes(16)))
+    channel.data_received(fastget.REQUEST.pack(fastget.GET, 0, lease_ids[0], bytes(16)))
     assert store.num_leases == 3 and sum(store._dram[k].pins for k in keys) == 3
 
 
@@ -103,9 +108,39 @@ async def test_a_well_behaved_client_never_meets_the_bound(monkeypatch):
     store, channel, keys = _channel_on_a_store(monkeypatch, bound=2)
     done = 0
     for request_id in range(1, 50):   # each get hands back the one before, as the client does
-        channel.data_received(fastget.REQUEST.pack(request_id, done, keys[request_id % 3]))
+        channel.data_received(fastget.REQUEST.pack(fastget.GET, request_id, done, keys[request_id % 3]))
         done = fastget.REPLY.unpack(channel.transport.written[-1])[1]
     assert store.num_leases == 1 and store.stats.read_leases_dropped == 0
+
+
+async def test_a_staged_put_on_the_channel_is_checked_copied_and_committed(monkeypatch):
+    """PUT names a range of the connection's staging area: the block is in the store when the
+    answer comes; a range outside the area, or no area at all, is refused (the client then puts
+    the framed way) and takes no slot; an unknown op closes the channel, not the store."""
+    from mooncake_lite.transfer.shm import Region
+    store, channel, _ = _channel_on_a_store(monkeypatch, bound=4)
+
+    def put(request_id, key, offset, size):
+        channel.data_received(fastget.REQUEST.pack(fastget.PUT, request_id, 0, key)
+                              + fastget.PUT_BODY.pack(offset, size, 2, 5))
+        return fastget.REPLY.unpack(channel.transport.written[-1])
+    assert put(1, b"n" * 16, 0, 1000)[2:4] == (fastget.REFUSED, 0)    # no staging area yet
+    staging = channel.conn.state["staging"] = Region(8192, populate=False)
+    try:
+        data = bytes(range(256)) * 4
+        staging.view[64:64 + 1024] = data
+        free = store.slab.num_free
+        assert put(2, b"n" * 16, 64, 1024)[:4] == (2, 0, 0, 1)        # new
+        block = store._dram[b"n" * 16]
+        assert bytes(store.view(block)) == data and (block.num_layers, block.chain_pos) == (2, 5)
+        assert put(3, b"n" * 16, 64, 1024)[2:4] == (0, 0)              # there already
+        for offset, size in ((8192 - 100, 1024), (0, 0), (0, 5000), (0, 1001)):  # outside; empty; > a slot; 2 layers?
+            assert put(4, b"m" * 16, offset, size)[2:4] == (fastget.REFUSED, 0)
+        assert store.slab.num_free == free - 1 and b"m" * 16 not in store._dram
+        channel.data_received(b"\x07" + bytes(fastget.REQUEST.size - 1))
+        assert channel.transport.aborted and bytes(store.view(block)) == data
+    finally:
+        staging.close()
 
 
 # ---- the client's channel: a synchronous round trip, the loop only for a slow answer -----------
@@ -125,15 +160,16 @@ async def test_client_channel_skips_late_replies_and_hands_their_leases_back():
     channel, store_end = _client_channel()
     try:
         store_end.sendall(_reply(1, 11))   # in before we ask: answered without the loop
-        stray: list[int] = []
-        assert await channel.ask(b"k" * 16, 0, 5, stray, "store") == (11, 4096, 100, 1, 0, 7)
-        assert fastget.REQUEST.unpack(store_end.recv(fastget.REQUEST.size)) == (1, 0, b"k" * 16)
+        stray: list[tuple] = []
+        ask = functools.partial(channel.ask, fastget.GET, b"k" * 16, peer="store", on_late=stray.append)
+        assert await ask(0, 5) == (11, 4096, 100, 1, 0, 7)
+        assert fastget.REQUEST.unpack(store_end.recv(fastget.REQUEST.size)) == (fastget.GET, 1, 0, b"k" * 16)
         with pytest.raises(NoAnswer):      # nobody answers request 2 in time
-            await channel.ask(b"k" * 16, 11, 0.05, stray, "store")
+            await ask(11, 0.05)
         assert channel.usable              # the channel is kept: request 2's answer comes late
         store_end.sendall(_reply(2, 12) + _reply(3, 13))
-        assert await channel.ask(b"k" * 16, 0, 5, stray, "store") == (13, 4096, 100, 1, 0, 7)
-        assert stray == [12]               # the late reply's lease, for the caller to hand back
+        assert await ask(0, 5) == (13, 4096, 100, 1, 0, 7)
+        assert stray == [(12, 4096, 100, 1, 0, 7)]   # the late reply, for the caller (its lease handed back)
     finally:
         channel.close()
         store_end.close()
@@ -144,7 +180,7 @@ async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_
     channel, store_end = _client_channel()
     try:
         loop = asyncio.get_running_loop()
-        asking = asyncio.ensure_future(channel.ask(b"k" * 16, 0, 5, [], "store"))
+        asking = asyncio.ensure_future(channel.ask(fastget.GET, b"k" * 16, 0, 5, "store"))
         await asyncio.sleep(shm_client.SYNC_WAIT_S * 20)
         assert not asking.done() and not channel.usable   # waiting on the loop: others go framed
         await loop.run_in_executor(None, store_end.sendall, _reply(1, 21)[:10])   # in two pieces
@@ -152,6 +188,6 @@ async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_
         store_end.sendall(_reply(1, 21)[10:])
         assert await asyncio.wait_for(asking, 5) == (21, 4096, 100, 1, 0, 7) and channel.usable
         store_end.close()
-        assert await channel.ask(b"k" * 16, 0, 5, [], "store") is None and channel.is_closed
+        assert await channel.ask(fastget.GET, b"k" * 16, 0, 5, "store") is None and channel.is_closed
     finally:
         channel.close()

@@ -124,7 +124,7 @@ async def test_single_gets_take_the_fast_channel(store):
     authenticated connection; every read lease ends."""
     import socket
 
-    from mooncake_lite.store.fastget import REPLY, REQUEST
+    from mooncake_lite.store.fastget import GET, REPLY, REQUEST
     client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
     sent: list[int] = []
     send = client.frames.conn.send
@@ -144,13 +144,19 @@ async def test_single_gets_take_the_fast_channel(store):
         assert got[0].obj is out and bytes(out[:7000]) == block(keys[1], 7000)
         assert Op.GET not in sent
         assert await client.get(chain(1, seed=32)) == [None] and sent.count(Op.GET) == 1
+        # A one-block put goes on the channel too (staged; no framed PUT), and is in the store.
+        single = chain(1, seed=33)
+        assert await client.put(single, [block(single[0], 9000)]) == 1
+        assert await client.put(single, [block(single[0], 9000)]) == 0
+        assert Op.PUT not in sent and await client.exists(single) == [True]
+        assert [bytes(g) for g in await client.get(single + keys[:1])] == [block(single[0], 9000), block(keys[0], 7000)]
         # The channel: our secret admits a raw socket, any other is closed at once.
         grant = (await client.frames.request(Op.FAST_ATTACH, {})).meta
         for secret, answered in ((bytes.fromhex(grant["secret"]), True), (b"\x00" * 16, False)):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
                 raw.settimeout(5)
                 raw.connect("\0" + grant["socket"])
-                raw.sendall(secret + REQUEST.pack(7, 0, keys[0]) + REQUEST.pack(0, 0, bytes(16)))
+                raw.sendall(secret + REQUEST.pack(GET, 7, 0, keys[0]) + REQUEST.pack(GET, 0, 0, bytes(16)))
                 reply = raw.recv(REPLY.size)
                 assert (len(reply) == REPLY.size and REPLY.unpack(reply)[0] == 7 and REPLY.unpack(reply)[3] == 7000) \
                     if answered else reply == b""
