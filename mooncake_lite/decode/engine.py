@@ -197,11 +197,14 @@ class DecodeEngine:
 
     def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> float:
         """In the executor, between steps: scatter a frame's K/V into the paged cache; the
-        seconds it took (the model thread's, which the steps wait for)."""
+        seconds it took (the model thread's, which the steps wait for). On CUDA the slot indices
+        travel like the K/V: through a pinned staging buffer, copied without a host wait (a
+        pageable ``.to()`` would stall this thread); on the CPU both pass through."""
         t0 = time.perf_counter()
         cache = self.runner.cache
         on_device = self.copier.use(self.copier.to_device(kv))
-        scatter_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device), on_device)
+        slots_on_device = self.copier.use(self.copier.to_device(slots))
+        scatter_tokens(cache.kv, cache.local_layer(layer), slots_on_device, on_device)
         return time.perf_counter() - t0
 
     def _written(self, pending: PendingKV, write: asyncio.Future) -> None:
