@@ -163,14 +163,17 @@ class BlockIndex:
         runs: list[tuple[int, list[Hashable]]] = []
         alive = -1  # all slots
         depth = 0
+        last = None   # the mask of the key before: alive is within it, so the same mask drops no store
         for key in keys:
             m = masks.get(key, 0)
-            still = alive & m
-            if still != alive:
-                self._record(alive & ~still, depth, lengths, runs)
-                alive = still
-                if not alive:
-                    break
+            if m is not last:      # one shared object per distinct mask (_sharing): a C identity test
+                last = m
+                still = alive & m
+                if still != alive:
+                    self._record(alive & ~still, depth, lengths, runs)
+                    alive = still
+                    if not alive:
+                        break
             depth += 1
         if alive:
             self._record(alive, depth, lengths, runs)
