@@ -34,7 +34,7 @@ KV_TARGET_BYTES = 40_000_000      # a default prompt's KV: tens of MB, ~0.3 s at
 
 def link_prompt_len(name: str) -> int:
     """Tokens whose float32 KV is about KV_TARGET_BYTES (whole blocks), within the model's context."""
-    from mooncake_lite.bench.pd import BLOCK
+    from mooncake_lite.bench.pd_roles import BLOCK
     from mooncake_lite.model.weights import model_args
     args = model_args(name)
     n = math.ceil(KV_TARGET_BYTES / args.kv_bytes_per_token("float32") / BLOCK) * BLOCK
@@ -46,7 +46,7 @@ def pd_main(a) -> int:
     links = refused("mooncake bench pd", a.link)
     if links is None:
         return 2
-    from mooncake_lite.bench.pd import DEFAULT_MODEL
+    from mooncake_lite.model.source import DEFAULT_MODEL
     models = [DEFAULT_MODEL] if a.default_models else a.models   # the real default model alone
     try:
         res = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "links": [str(x) for x in links],
@@ -64,7 +64,7 @@ def pd_main(a) -> int:
 
 def run_pd(name: str, n: int, links: Sequence[Link], a) -> dict:
     """A decode on node2, the prefill worker on node1; the worker measures and re-shapes."""
-    from mooncake_lite.bench.pd import BLOCK
+    from mooncake_lite.bench.pd_roles import BLOCK
     with Nodes.create(2, links[0]) as nodes:
         prefill_node, decode_node = nodes[0], nodes[1]
         decode = nodes.start(decode_node, "decode", [
@@ -99,7 +99,8 @@ async def pd_worker(spec: dict) -> dict:
     import aiohttp
     import torch
 
-    from mooncake_lite.bench.pd import BLOCK, NullSender, ThenSendSender, announce, prefill_once
+    from mooncake_lite.bench.pd_overlap import NullSender, ThenSendSender, prefill_once
+    from mooncake_lite.bench.pd_roles import BLOCK, announce
     from mooncake_lite.model.runner import ModelRunner
     from mooncake_lite.model.weights import build_model
     from mooncake_lite.prefill.engine import StageEngine

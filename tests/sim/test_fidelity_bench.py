@@ -10,7 +10,7 @@ import math
 import orjson
 import pytest
 
-from mooncake_lite.bench import fidelity
+from mooncake_lite.bench import fidelity, fidelity_gaps, fidelity_live, fidelity_report, fidelity_sim
 from mooncake_lite.bench.replay.metrics import RequestRecord
 from mooncake_lite.bench.replay.workload import SynthRequest
 from mooncake_lite.sim.costs import load_profile
@@ -18,39 +18,39 @@ from mooncake_lite.trace.format import TraceRequest
 
 
 def test_rel_error_is_signed_and_refuses_a_zero_or_missing_reference():
-    assert fidelity.rel_error(110.0, 100.0) == pytest.approx(0.10)
-    assert fidelity.rel_error(85.0, 100.0) == pytest.approx(-0.15)
-    assert fidelity.rel_error(3.0, 0.0) is None
-    assert fidelity.rel_error(None, 1.0) is None and fidelity.rel_error(1.0, None) is None
-    assert fidelity.rel_error(float("nan"), 1.0) is None
+    assert fidelity_report.rel_error(110.0, 100.0) == pytest.approx(0.10)
+    assert fidelity_report.rel_error(85.0, 100.0) == pytest.approx(-0.15)
+    assert fidelity_report.rel_error(3.0, 0.0) is None
+    assert fidelity_report.rel_error(None, 1.0) is None and fidelity_report.rel_error(1.0, None) is None
+    assert fidelity_report.rel_error(float("nan"), 1.0) is None
 
 
 def test_dist_interpolates_like_numpy():
-    d = fidelity.dist([4.0, 1.0, 3.0, 2.0])
+    d = fidelity_report.dist([4.0, 1.0, 3.0, 2.0])
     assert d == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7)}
-    assert fidelity.dist([]) == {"mean": None, "p50": None, "p90": None}
+    assert fidelity_report.dist([]) == {"mean": None, "p50": None, "p90": None}
 
 
 def test_rejection_agreement_counts_the_symmetric_difference():
-    agree = fidelity.rejection_agreement(frozenset({1, 2, 3}), frozenset({2, 3, 4, 5}), 20)
+    agree = fidelity_report.rejection_agreement(frozenset({1, 2, 3}), frozenset({2, 3, 4, 5}), 20)
     assert (agree["both"], agree["live_only"], agree["sim_only"]) == (2, 1, 2)
     assert agree["differ_share"] == pytest.approx(3 / 20)
 
 
 def _side(ttft, tbt, rejected=()):
-    return fidelity.Side(ttft=tuple(ttft), tbt=tuple(tbt), completed=len(ttft), rejected=frozenset(rejected),
+    return fidelity_report.Side(ttft=tuple(ttft), tbt=tuple(tbt), completed=len(ttft), rejected=frozenset(rejected),
                          failed=0, prefix_hit_tokens=100, prompt_tokens=1000)
 
 
 def test_compare_judges_the_goals():
     live = _side([1.0, 1.0], [0.1, 0.1], rejected={7})
-    close = fidelity.compare(live, _side([1.1, 1.1], [0.09, 0.09], rejected={7}), 20)
+    close = fidelity_report.compare(live, _side([1.1, 1.1], [0.09, 0.09], rejected={7}), 20)
     assert close["rows"]["ttft_mean_s"]["rel_error"] == pytest.approx(0.10)
     assert close["rows"]["tbt_mean_s"]["rel_error"] == pytest.approx(-0.10)
     assert close["goals"] == {"mean_ttft_within_15%": True, "mean_tbt_within_15%": True,
                               "same_rejections_within_10%": True}
     # as many rejections, but other requests: 3 of 10 differ
-    far = fidelity.compare(live, _side([2.0, 2.0], [0.1, 0.1], rejected={1, 2}), 10)
+    far = fidelity_report.compare(live, _side([2.0, 2.0], [0.1, 0.1], rejected={1, 2}), 10)
     assert far["rows"]["rejected"]["rel_error"] == pytest.approx(1.0)
     assert far["goals"]["mean_ttft_within_15%"] is False
     assert far["goals"]["same_rejections_within_10%"] is False
@@ -80,7 +80,7 @@ def _slice():
 
 def test_sim_trace_takes_the_servers_counts_and_cuts_hash_ids_to_the_scaled_prompt():
     window, requests, records = _slice()
-    trace = fidelity.sim_trace(window, requests, records, 16)
+    trace = fidelity_sim.sim_trace(window, requests, records, 16)
     assert [t.input_length for t in trace] == [r.num_prompt_tokens + 1 for r in requests]  # 3: same BOS offset
     assert [t.output_length for t in trace] == [8] * 5
     assert [t.hash_ids for t in trace] == [w.hash_ids for w in window]   # 16·k tokens: k blocks
@@ -91,31 +91,31 @@ def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
     window, requests, records = _slice()
     (tmp_path / "costs.json").write_bytes(orjson.dumps(PROFILE))
     hw = load_profile(tmp_path / "costs.json")
-    trace = fidelity.sim_trace(window, requests, records, 16)
-    slos = fidelity.converted_slos([t.input_length for t in trace], hw, 10.0, 5.0)
+    trace = fidelity_sim.sim_trace(window, requests, records, 16)
+    slos = fidelity_sim.converted_slos([t.input_length for t in trace], hw, 10.0, 5.0)
     lengths = sorted(t.input_length for t in trace)
     assert slos["ttft_slo_s"] == pytest.approx(10.0 * hw.prefill.predict(lengths[2]))
-    res = fidelity.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
+    res = fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
                             ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=16)
-    packed = fidelity.sim_side(fidelity.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
+    packed = fidelity_sim.sim_side(fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="predictive",
                                                  ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"],
                                                  block=16, batch_tokens=512))   # the live prefill's packing
     assert packed.completed + len(packed.rejected) == 5
-    live, sim = fidelity.live_side(records), fidelity.sim_side(res)
+    live, sim = fidelity_live.live_side(records), fidelity_sim.sim_side(res)
     assert live.rejected == {3} and live.completed == 4 and live.prefix_hit_tokens == 48
     assert sim.completed + len(sim.rejected) == 5
     assert sim.prefix_hit_tokens > 0        # the shared system-prompt block is reused in the sim too
-    report = fidelity.compare(live, sim, 5)
+    report = fidelity_report.compare(live, sim, 5)
     for row in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "tbt_mean_s", "tbt_p50_s", "tbt_p90_s"):
         assert report["rows"][row]["live"] is not None and report["rows"][row]["sim"] is not None
     assert report["rows"]["tbt_mean_s"]["live"] == pytest.approx(0.03)
-    text = fidelity.format_report(report)
+    text = fidelity_report.format_report(report)
     assert "live" in text.splitlines()[0] and "sim" in text.splitlines()[0]
     assert "ttft_mean (ms)" in text and "same requests rejected" in text
     rows = fidelity.per_request(records, res)
     assert [r["id"] for r in rows] == [0, 1, 2, 3, 4] and rows[3]["live_status"] == 429
     assert rows[0]["live_ttft"] == pytest.approx(0.2) and rows[0]["sim_status"] in ("completed", "rejected")
-    fidelity.cdf_plot(tmp_path / "cdf.png", live, sim, "test")
+    fidelity_report.cdf_plot(tmp_path / "cdf.png", live, sim, "test")
     assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert all(math.isfinite(v) for v in live.ttft + sim.ttft)
 
@@ -123,7 +123,7 @@ def test_a_report_on_five_requests_has_both_columns_and_a_plot(tmp_path):
 def test_gaps_are_split_by_whether_a_prefill_was_in_progress():
     a = RequestRecord(0, 0.0, 0.0, (1.0, 1.1, 1.2, 1.3), 10, 4, 200)
     b = RequestRecord(1, 1.0, 1.0, (1.25, 1.5), 10, 2, 200)      # b's prefill: 1.0 .. 1.25
-    out = fidelity.gaps_by_prefill_activity([a, b])
+    out = fidelity_gaps.gaps_by_prefill_activity([a, b])
     assert (out["gaps_during_prefill"], out["gaps_prefill_idle"]) == (3, 1)
     assert out["gap_mean_during_prefill_s"] == pytest.approx(0.1)
     assert out["gap_ratio_during_vs_idle"] == pytest.approx(0.1 / 0.25)
@@ -133,25 +133,25 @@ def test_first_tokens_landing_together_are_counted():
     a = RequestRecord(0, 0.0, 0.0, (1.00, 1.001, 1.3), 10, 3, 200)   # packed with b; tokens 1 and 2 together
     b = RequestRecord(1, 0.0, 0.0, (1.02, 1.4), 10, 2, 200)          # packed with a
     c = RequestRecord(2, 0.0, 0.0, (2.0, 2.3), 10, 2, 200)
-    out = fidelity.first_token_shapes([a, b, c])
+    out = fidelity_gaps.first_token_shapes([a, b, c])
     assert (out["first_tokens_packed"], out["first_two_tokens_together"], out["requests_with_two_tokens"]) == (2, 1, 3)
 
 
 def test_the_finish_chunk_is_no_token_gap():
     # 3 tokens, then the chunk that carries only the finish reason, right after the last token
     r = RequestRecord(0, 0.0, 0.0, (1.0, 1.1, 1.3, 1.3), 10, 3, 200)
-    assert fidelity.token_gaps(r) == pytest.approx([0.1, 0.2])
-    assert fidelity.live_side([r]).tbt == pytest.approx((0.2,))
+    assert fidelity_live.token_gaps(r) == pytest.approx([0.1, 0.2])
+    assert fidelity_live.live_side([r]).tbt == pytest.approx((0.2,))
 
 
 def test_ablations_take_out_one_modelled_effect_at_a_time(tmp_path):
     import dataclasses
     (tmp_path / "p.json").write_bytes(orjson.dumps({"prefill": {"c1": 1e-3}}))
     hw = load_profile(tmp_path / "p.json")
-    assert fidelity.ablations(hw) == {}
+    assert fidelity_sim.ablations(hw) == {}
     full = dataclasses.replace(hw, decode_step_ratios=(0.9, 1.3), decode_padding_s_per_token=2e-6,
                                decode_colocated_slowdown=1.4, decode_kv_write_s_per_token=1e-5)
-    out = fidelity.ablations(full)
+    out = fidelity_sim.ablations(full)
     assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown",
                         "without_kv_writes", "without_any"}
     assert out["without_padded_context"] == dataclasses.replace(full, decode_padding_s_per_token=0.0)
@@ -184,7 +184,7 @@ def test_warm_up_sends_distinct_short_completions_before_the_replay():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        fidelity.warm_up(f"http://127.0.0.1:{server.server_port}", 2)
+        fidelity_live.warm_up(f"http://127.0.0.1:{server.server_port}", 2)
     finally:
         server.shutdown()
         server.server_close()

@@ -1,0 +1,153 @@
+"""``bench fidelity``'s comparison and its report (pure but for the plot file): the live and
+simulated runs' figures side by side with the simulator's relative error, whether the same
+requests were rejected, the goals (issue #20), the terminal text and the CDF plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GOAL_MEAN_ERROR = 0.15        # mean TTFT and mean TBT within 15% ...
+GOAL_REJECTION_SHARE = 0.10   # ... and the same requests rejected within ±10% of the slice
+
+
+def rel_error(sim: float | None, live: float | None) -> float | None:
+    """(sim − live) / live; None when either is missing or live is 0 (no scale to judge by)."""
+    if sim is None or live is None or live == 0 or not (math.isfinite(sim) and math.isfinite(live)):
+        return None
+    return (sim - live) / abs(live)
+
+
+def dist(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90 (linear interpolation, as ``bench replay``); None for an empty list."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None}
+    p50, p90 = np.percentile(values, [50, 90])
+    return {"mean": sum(values) / len(values), "p50": float(p50), "p90": float(p90)}
+
+
+def rejection_agreement(live: frozenset[int], sim: frozenset[int], num_requests: int) -> dict[str, float | int]:
+    """How far the two runs' rejected *sets* differ: requests rejected by one side only, as a
+    share of the slice (the goal: ≤ 10%)."""
+    differ = len(live ^ sim)
+    return {"live": len(live), "sim": len(sim), "both": len(live & sim), "live_only": len(live - sim),
+            "sim_only": len(sim - live), "differ_share": differ / num_requests if num_requests else 0.0}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One run's figures (seconds; ``rejected`` holds request ids)."""
+    ttft: tuple[float, ...]
+    tbt: tuple[float, ...]
+    completed: int
+    rejected: frozenset[int]
+    failed: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+
+
+def compare(live: Side, sim: Side, num_requests: int) -> dict:
+    """The side-by-side rows (metric → live, sim, relative error) and the goal verdicts."""
+    rows: dict[str, dict[str, float | None]] = {}
+    for name in ("ttft", "tbt"):
+        a, b = dist(getattr(live, name)), dist(getattr(sim, name))
+        for stat in ("mean", "p50", "p90"):
+            rows[f"{name}_{stat}_s"] = {"live": a[stat], "sim": b[stat], "rel_error": rel_error(b[stat], a[stat])}
+    for name in ("completed", "prefix_hit_tokens"):
+        x, y = getattr(live, name), getattr(sim, name)
+        rows[name] = {"live": x, "sim": y, "rel_error": rel_error(y, x)}
+    rows["rejected"] = {"live": len(live.rejected), "sim": len(sim.rejected),
+                        "rel_error": rel_error(len(sim.rejected), len(live.rejected))}
+    agree = rejection_agreement(live.rejected, sim.rejected, num_requests)
+    goals = {f"mean_{n}_within_15%": _within(rows[f"{n}_mean_s"]["rel_error"], GOAL_MEAN_ERROR)
+             for n in ("ttft", "tbt")}
+    goals["same_rejections_within_10%"] = agree["differ_share"] <= GOAL_REJECTION_SHARE
+    return {"rows": rows, "rejections": agree, "goals": goals}
+
+
+def _within(err: float | None, bound: float) -> bool | None:
+    return None if err is None else abs(err) <= bound
+
+
+def format_report(report: Mapping) -> str:
+    """The terminal table of :func:`compare`'s dict plus the run's notes."""
+    lines = [f"{'':<20}{'live':>12}{'sim':>12}{'sim error':>11}"]
+    for name, row in report["rows"].items():
+        ms = name.endswith("_s")
+        label = name.removesuffix("_s") + (" (ms)" if ms else "")
+        err = "—" if row["rel_error"] is None else f"{row['rel_error']:+.1%}"
+        lines.append(f"{label:<20}{_fmt(row['live'], ms):>12}{_fmt(row['sim'], ms):>12}{err:>11}")
+    agree = report["rejections"]
+    lines.append(f"same requests rejected: {agree['both']} both, {agree['live_only']} live only, "
+                 f"{agree['sim_only']} sim only ({agree['differ_share']:.1%} of the slice differ)")
+    lines.append("goals: " + ", ".join(f"{k} {'—' if v is None else ('yes' if v else 'NO')}"
+                                       for k, v in report["goals"].items()))
+    return "\n".join(lines)
+
+
+def _fmt(value: float | int | None, ms: bool) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1e3:,.1f}" if ms else f"{value:,}"
+
+
+def report_text(report: Mapping) -> str:
+    s = report["slos"]
+    lines = [format_report(report),
+             f"SLOs given the simulator: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms "
+             f"({s['how']})",
+             f"sim rejected by: {report['simrejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
+             "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None)]
+    cm = report["cost_model"]
+    if cm.get("decode_step_ratios"):
+        lines.append("decode gap / model, exported deciles: " + " ".join(f"{r:.2f}" for r in cm["decode_step_ratios"]))
+    for d, split in (cm.get("colocation") or {}).items():
+        lines.append(f"{d}: {split['gaps_busy']} gaps beside a prefill forward, mean "
+                     f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
+                     f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
+    lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
+                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
+                 f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
+    for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_kv_writes",
+                 "without_any"):
+        rows = report.get(f"sim_{name}")
+        if rows:
+            lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(
+                f"{k.removesuffix('_s')} {row['rel_error']:+.1%}" for k, row in rows.items()
+                if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
+    lines.append(f"wrote {report['plot']}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}"
+
+
+def cdf_plot(path: Path, live: Side, sim: Side, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, name in zip(axes, ("ttft", "tbt")):
+        for label, side, style in (("live", live, "-"), ("sim", sim, "--")):
+            xs = sorted(v * 1e3 for v in getattr(side, name))
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post",
+                        label=f"{label} (n={len(xs)})")
+        ax.set_xlabel(f"{name.upper()} (ms)")
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
