@@ -331,6 +331,12 @@ def store_specs(opts: UpOptions, conductor_url: str) -> list[ChildSpec]:
     return specs
 
 
+# The prefill queue order `mooncake up` starts its prefills with (the role's own default stays
+# fifo): a one-box cluster's prefill is what a burst waits for, and serving its shorter prompts
+# first halves the replay's median TTFT (docs/operations.md §1, the queue order).
+UP_QUEUE_ORDER = "shortest"
+
+
 def instance_specs(opts: UpOptions, conductor_url: str, store_data: Sequence[str]) -> list[ChildSpec]:
     """Prefill and decode instances; instance i of each role uses store ``i % num_stores``."""
     if not store_data:
@@ -346,6 +352,8 @@ def instance_specs(opts: UpOptions, conductor_url: str, store_data: Sequence[str
             _wire(opts, role, argv, "--model", opts.model)
             for flag, value in instance_share_flags(opts, role, f"{role}-{i}"):
                 _tune(opts, role, argv, flag, value)
+            if role == "prefill" and role_setting(opts, role, "queue_order") is None:
+                _tune(opts, role, argv, "--queue-order", UP_QUEUE_ORDER)
             specs.append(ChildSpec(f"{role}-{i}", role, _finish(argv, opts, role), secret_env(opts, role)))
     return specs
 

@@ -194,3 +194,12 @@ def test_the_slot_table_in_the_example_config_is_right():
         for dtype, (block, slot) in zip(("float32", "bfloat16"), (cells[:2], cells[2:])):
             want = args.kv_block_bytes(64, dtype)
             assert parse_size(block.replace(" ", "")) == want and parse_size(slot) == slot_bytes_for(want), name
+
+
+def test_up_starts_prefills_shortest_first_unless_told_otherwise():
+    fields = {"prefill": frozenset({"queue_order"}), "decode": frozenset()}
+    prefill, decode = instance_specs(UpOptions(launcher=LAUNCH, role_fields=fields), "http://c", ["h:1"])
+    assert prefill.argv[-2:] == ("--queue-order", "shortest") and "--queue-order" not in decode.argv
+    told = UpOptions(launcher=LAUNCH, role_fields=fields, role_args={"prefill": ("--queue-order", "fifo")})
+    prefill, _ = instance_specs(told, "http://c", ["h:1"])
+    assert prefill.argv.count("--queue-order") == 1 and prefill.argv[-1] == "fifo"
