@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import orjson
 import torch
@@ -38,7 +38,8 @@ from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
-from mooncake_lite.model.llama import Transformer, linear
+from mooncake_lite.model.linear import linear
+from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, NAMED_MODELS, resolve
 from mooncake_lite.model.weights import build_model, model_args

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels.attention as attention
-from mooncake_lite.model.llama import SKINNY_ROWS
+from mooncake_lite.model.linear import SKINNY_ROWS
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 

@@ -1,0 +1,71 @@
+"""The decoder's matrix products and the weight surgery behind them.
+
+:func:`linear` is every projection's product: on a weight's oneDNN-packed copy where it has one
+(a decode instance's model, ``Transformer.pack_``), else plain, with a few-row path for batched
+decode on CPU. :func:`fuse_linears` puts several projections' weights in one tensor (one product
+instead of several), :func:`pack_weight` makes a packed copy, and :func:`unheld` is what a plain
+weight becomes once its packed copy serves every product (docs/model.md, "Decode step" and
+"Batch 16").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the few-rows paths
+PACK_ROWS = 16     # the row count oneDNN chooses a packed weight's blocked layout for (any count runs)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 CPU weight, for :func:`linear`'s products, or
+    ``None`` where there is none (another device or dtype, a torch without oneDNN): the plain
+    paths serve. At 16 rows on weights streamed from memory its kernel ran smollm2-135m's matmuls
+    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "Batch 16"), and one row as fast
+    as ``F.linear``, so the packed copy replaces the plain weight (``Transformer.pack_``)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    except (AttributeError, RuntimeError):   # this torch lacks the op: the plain paths serve
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. On ``packed`` (:func:`pack_weight`) when given, at any row count:
+    a packed model holds no plain weight any more (``Transformer.pack_``). Otherwise, for a few rows
+    on CPU, as ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams
+    the weight once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16
+    rows here (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out.add_(bias) if bias is not None else out
+    return F.linear(x, weight, bias)
+
+
+def unheld(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``weight``'s shape and dtype that holds no memory (the ``meta`` device):
+    what a plain weight becomes once its packed copy serves every product. Shapes, names and
+    weight counts stay; reading its values fails loudly instead of computing on stale bytes."""
+    return nn.Parameter(weight.detach().to("meta"), requires_grad=False)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' output rows in order; each linear's parameters
+    become views of it, so checkpoints, state dicts and weight counts see no change and nothing is
+    held twice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    row = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if has_bias:
+            lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
