@@ -33,6 +33,9 @@ ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buf
 # How long a single get may block its event loop waiting for the store's answer before it waits
 # the asynchronous way: ~10x an answer's usual time here, so only a busy store makes it wait so.
 SYNC_WAIT_S = 0.001
+# A single-block request not answered in this long (a store that busy, or a channel that lost its
+# way) gives the channel up: that request and all later ones go framed, which answer regardless.
+GIVE_UP_S = 2.0
 
 
 class SharedSlab:
@@ -140,17 +143,24 @@ class FastChannel:
     async def ask(self, op: int, key: bytes, done: int, timeout: float | None, peer: str, body: bytes = b"",
                   on_late: Callable[[tuple], None] | None = None) -> tuple[int, int, int, int, int, int] | None:
         """The reply's (read lease, offset, size, num_layers, slot, generation); None when the
-        channel is gone. Raises ``NoAnswer`` after ``timeout`` s; the channel stays, and
-        ``on_late`` gets that reply's fields when it comes (as it does if the caller is cancelled)."""
+        channel is gone (or given up: no answer in ``GIVE_UP_S``, when ``timeout`` is longer).
+        Raises ``NoAnswer`` after a shorter ``timeout``; the channel stays, and ``on_late`` gets
+        that reply's fields when it comes (as it does if the caller is cancelled)."""
         request_id = next(self.ids) % 0xFFFFFFFF + 1   # u32 on the wire, never 0 (a hand-back)
         try:
             self.sock.send(REQUEST.pack(op, request_id, done, key) + body)
             while True:
                 reply = self._read_now()
                 if reply is None:
+                    give_up = timeout is None or timeout > GIVE_UP_S
                     try:
-                        reply = await self._read_later(timeout, peer)
-                    except (NoAnswer, asyncio.CancelledError):
+                        reply = await self._read_later(GIVE_UP_S if give_up else timeout, peer)
+                    except (NoAnswer, asyncio.CancelledError) as exc:
+                        if give_up and isinstance(exc, NoAnswer):
+                            log.warning("%s: no answer on the single-block channel in %.0f s: "
+                                        "using framed requests from now on", peer, GIVE_UP_S)
+                            self.close()
+                            return None
                         if on_late is not None:
                             self._late[request_id] = on_late
                         raise

@@ -191,3 +191,17 @@ async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_
         assert await channel.ask(fastget.GET, b"k" * 16, 0, 5, "store") is None and channel.is_closed
     finally:
         channel.close()
+
+
+async def test_client_channel_gives_up_on_a_store_that_never_answers(monkeypatch):
+    """With a timeout longer than GIVE_UP_S, a request left unanswered that long closes the
+    channel and returns None: the caller goes framed, and so does every later request."""
+    from mooncake_lite.store import shm_client
+    monkeypatch.setattr(shm_client, "GIVE_UP_S", 0.05)
+    channel, store_end = _client_channel()
+    try:
+        assert await channel.ask(fastget.GET, b"k" * 16, 0, 30, "store") is None
+        assert channel.is_closed and not channel.usable
+    finally:
+        channel.close()
+        store_end.close()
