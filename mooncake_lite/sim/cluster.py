@@ -179,7 +179,8 @@ class MooncakeSim(TraceDriver):
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
-        for req in [p.end(), *p.end_packed()]:
+        landed = None   # a request whose KV is at its decode now, and nothing else due before it
+        for req in [p.end(), *p.end_packed()] if p.packed else (p.end(),):
             self._store(p, req.keys)
             req.first_token = now
             if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
@@ -190,10 +191,17 @@ class MooncakeSim(TraceDriver):
             else:
                 kv_bytes = req.input_length * self.hw.kv_bytes_per_token
                 arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
-                self.events.push(arrival, self._kv_arrived, req)
+                # the stream overlapped the prefill (the usual case): its arrival is the next
+                # event, handled below without the heap (one event a request fewer to push and pop)
+                if landed is None and arrival == now and self.events.is_next(now):
+                    landed = req
+                else:
+                    self.events.push(arrival, self._kv_arrived, req)
         self._start_prefill(now, p)
         if self.slowdown != 1.0:
             self._colocate(now)
+        if landed is not None:
+            self.events.run_next(self._kv_arrived, landed)
 
     def _colocate(self, now: float) -> None:
         """A one-box cluster: every decode's steps take ``slowdown`` × their time while any

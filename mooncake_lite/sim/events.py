@@ -46,8 +46,8 @@ class EventQueue:
 
     def _run_all(self) -> None:
         """:meth:`run` with no limit and no callback (a whole simulation: millions of events),
-        the event count kept in a local and stored once at the end."""
-        heap, pop, n = self._heap, heapq.heappop, self.num_events
+        the count of events popped kept in a local and added once at the end."""
+        heap, pop, n = self._heap, heapq.heappop, 0
         try:
             while heap and not self.stopped:
                 time, _, handler, payload = pop(heap)
@@ -55,7 +55,22 @@ class EventQueue:
                 n += 1
                 handler(time, payload)
         finally:
-            self.num_events = n
+            self.num_events += n
+
+    def is_next(self, time: float) -> bool:
+        """Whether an event pushed now for ``time`` would run right after the current handler:
+        nothing else is due by then (events at the same time run in the order pushed)."""
+        return not self._heap or self._heap[0][0] > time
+
+    def run_next(self, handler: Handler, payload: Any = None) -> None:
+        """Run, at the end of the current handler, the event it would have pushed for ``now``
+        after checking :meth:`is_next` (nothing pushed since can run before it: it would come
+        later at the same time), without the heap; as :meth:`push` once the queue is stopped."""
+        if self.stopped:
+            self.push(self.now, handler, payload)
+            return
+        self.num_events += 1
+        handler(self.now, payload)
 
     def stop(self) -> None:
         """End ``run()`` after the current event (used to abandon hopeless capacity probes)."""

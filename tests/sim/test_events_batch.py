@@ -33,6 +33,38 @@ def test_events_run_in_time_order_fifo_on_ties(checked):
         q.push(1.5, h, "late")
 
 
+@pytest.mark.parametrize("stop", [False, True])
+def test_an_event_run_next_is_handled_as_if_pushed_for_now(stop):
+    """``run_next`` (checked by ``is_next``) against ``push``: the same events, in the same order,
+    counted the same; once the queue is stopped the event stays queued, as a pushed one would."""
+    def trace(inline: bool) -> tuple[list, int, int]:
+        q, seen = EventQueue(), []
+
+        def h(t, tag):
+            seen.append((t, tag))
+            if tag == "a":
+                q.push(t, h, "a-same-time")
+                assert not q.is_next(t)              # due now too: 'landed' queues behind it
+                q.push(t, h, "landed")
+            if tag == "b":
+                next_ = inline and q.is_next(t)
+                if not next_:
+                    q.push(t, h, "landed-b")
+                q.push(t + 0.5, h, "later")          # pushed after: still after landed-b
+                if stop:
+                    q.stop()
+                if next_:
+                    q.run_next(h, "landed-b")
+
+        q.push(1.0, h, "a")
+        q.push(2.0, h, "b")
+        q.run()
+        return seen, q.num_events, len(q)
+
+    assert trace(True) == trace(False)
+    assert trace(True)[0][-1] == ((2.0, "b") if stop else (2.5, "later"))
+
+
 def test_slowest_share_mean():
     assert slowest_share_mean([]) is None
     assert slowest_share_mean([(0.01, 9), (1.0, 1)]) == pytest.approx(1.0)        # 10 gaps -> slowest 1
