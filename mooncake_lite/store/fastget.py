@@ -17,10 +17,12 @@ reply, so a 64 KiB get costs about what two processes' wake-ups cost at the leas
   (which reads the SSD tier). A GET with id 0 is a lease hand-back only: no reply.
 * ``PUT`` is followed by ``PUT_BODY``: where the block is in the data connection's staging area
   (``store/shm.py``), its size, layer count and chain position. The store checks the range
-  against the staging area, reserves a slot, copies the block in and commits it, all before it
-  answers (so the client may reuse the range at once): ``REPLY`` with lease 0, offset 0 (or
-  ``REFUSED``: no staging area, a range outside it, a bad size, the store full; the client then
-  puts the framed way, which says why) and ``size`` = 1 if the key was new, else 0.
+  against the staging area, reserves a slot, copies the block in and commits it. ``REPLY`` has
+  lease 0, ``size`` = 1 if the key was new (else 0) and offset 0: sent after the copy, the
+  client may reuse the range at once; ``COPYING`` (blocks of ``ANSWER_FIRST_BYTES`` and up):
+  sent before the copy, in the same callback, so the range is free once any later reply on the
+  channel arrives; ``REFUSED``: not taken (no staging area, a range outside it, a bad size, the
+  store full), and the client puts the framed way, which says why.
 * Anything else (an unknown op) closes the channel with a WARNING; the store carries on.
 * Anyone on the node can connect to an abstract socket, so what a stranger can hold is bounded:
   a connection must show a secret within ``ADMIT_TIMEOUT_S``; a data connection holds at most
@@ -54,6 +56,8 @@ REQUEST = struct.Struct("<B3xII16s")     # op, request id, read lease done with 
 PUT_BODY = struct.Struct("<QQII")        # after a PUT: staged offset, size, num_layers, first_pos
 REPLY = struct.Struct("<IIqQIIQ")         # request id, read lease, slab offset, size, num_layers, slot, generation
 REFUSED = -1                              # a PUT's reply offset when it was not taken
+COPYING = 1                               # ... when answered before its copy (ANSWER_FIRST_BYTES and up)
+ANSWER_FIRST_BYTES = 256 << 10            # smaller blocks are copied first (a few µs), then answered
 _PUT_SIZE = REQUEST.size + PUT_BODY.size
 
 
@@ -200,8 +204,22 @@ class _Channel(asyncio.Protocol):
              first_pos: int) -> bytes:
         if done:   # before reserving: the slot it pins may be needed (as a framed put does)
             self._end_read(done)
-        num_new = self.gets.shm.fast_put(self.conn, key, offset, size, num_layers, first_pos)   # type: ignore[arg-type]
-        return REPLY.pack(request_id, 0, REFUSED if num_new is None else 0, num_new or 0, 0, 0, 0)
+        shm, conn = self.gets.shm, self.conn
+        ticket = shm.fast_reserve(conn, key, offset, size, num_layers, first_pos)   # type: ignore[arg-type]
+        if ticket is None:
+            return REPLY.pack(request_id, 0, REFUSED, 0, 0, 0, 0)
+        if size < ANSWER_FIRST_BYTES:
+            num_new = shm.fast_commit(conn, ticket, offset)   # type: ignore[arg-type]
+            return REPLY.pack(request_id, 0, 0, num_new, 0, 0, 0)
+        # A big block: answered before the copy, as a framed staged put is, so the client copies
+        # its next block in while we copy this one out. Nothing runs between the answer and the
+        # commit; the client frees the range at its next reply on this channel, which is
+        # written after this callback, so after the copy.
+        num_new = shm.store.num_new(ticket)
+        if not self.transport.is_closing():   # type: ignore[union-attr]
+            self.transport.write(REPLY.pack(request_id, 0, COPYING, num_new, 0, 0, 0))   # type: ignore[union-attr]
+        shm.fast_commit(conn, ticket, offset)   # type: ignore[arg-type]
+        return b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._admit_timer.cancel()

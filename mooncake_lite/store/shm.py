@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, StoreFull
+from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
 from mooncake_lite.store.fastget import FastGets
 from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
 from mooncake_lite.transfer.connection import FrameConnection
@@ -214,22 +214,24 @@ class ShmService:
                 self.store.slab.view(slot, size)[:] = staging.view[offset:offset + size]
         self.store.commit(ticket)
 
-    def fast_put(self, conn: FrameConnection, key: bytes, offset: int, size: int, num_layers: int,
-                 first_pos: int) -> int | None:
-        """One staged block from the single-get channel (``store/fastget.py``), copied and
-        committed before the answer: 1 if new, 0 if the key was there; None if not taken (no
-        staging area, a range outside it, a size or layer count the store refuses, the store
-        full): the client puts it the framed way, which answers why."""
+    def fast_reserve(self, conn: FrameConnection, key: bytes, offset: int, size: int, num_layers: int,
+                     first_pos: int) -> PutTicket | None:
+        """A slot for one staged block from the single-block channel (``store/fastget.py``);
+        None if not taken (no staging area, a range outside it, a size or layer count the store
+        refuses, the store full): the client puts it the framed way, which answers why."""
         staging: Region | None = conn.state.get("staging")
         if staging is None or size <= 0 or num_layers < 1 or offset + size > staging.size:
             return None
         try:
-            ticket = self.store.reserve([key], [size], num_layers, first_pos)
+            return self.store.reserve([key], [size], num_layers, first_pos)
         except (BadRequest, StoreFull):
             return None
-        slot = ticket.slots[0]
+
+    def fast_commit(self, conn: FrameConnection, ticket: PutTicket, offset: int) -> int:
+        """Copy the reserved block in from the staging area and commit it: 1 if new, else 0."""
+        slot, size = ticket.slots[0], ticket.sizes[0]
         if slot is not None:
-            self.store.slab.view(slot, size)[:] = staging.view[offset:offset + size]
+            self.store.slab.view(slot, size)[:] = conn.state["staging"].view[offset:offset + size]
         return self.store.commit(ticket)
 
     def _staged_slices(self, meta: dict[str, Any], keys: list[bytes], sizes: list[int], offsets: list[int],

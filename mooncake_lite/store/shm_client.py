@@ -20,7 +20,7 @@ import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mooncake_lite.store.fastget import GET, PUT, PUT_BODY, REFUSED, REPLY, REQUEST, SECRET_BYTES
+from mooncake_lite.store.fastget import COPYING, GET, PUT, PUT_BODY, REFUSED, REPLY, REQUEST, SECRET_BYTES
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Populator
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
@@ -230,6 +230,9 @@ class ShmPath:
         # staged puts not answered yet (see ``put``).
         self._copying: list[tuple[int, int]] = []
         self._unanswered = 0
+        # Ranges of single-block puts the store answered before copying (``COPYING``): free once
+        # a later reply on the single-block channel (or a framed answer asked after it) arrives.
+        self._fast_copying: list[tuple[int, int]] = []
         # Read leases we are done with, not yet told to the store: they ride on our next
         # request ("reads_done"), or go alone (READ_DONE) once the loop comes round with none.
         self._reads_done: list[int] = []
@@ -291,7 +294,7 @@ class ShmPath:
         fast = self.fast
         if fast is None or not fast.usable or self.is_closed:
             return None
-        reply = await self._ask_fast(fast, GET, key, timeout, lambda late: late[0] and self._finished(late[0]))
+        reply = await self._ask_fast(fast, GET, key, timeout, self._late_get)
         if reply is None:
             return None
         read_id, offset, size, num_layers, slot, gen = reply
@@ -309,33 +312,61 @@ class ShmPath:
                         on_late: Callable[[tuple], None], body: bytes = b"") -> tuple | None:
         # A lease we are done with rides on this request (the rest go as they would anyway).
         done = self._reads_done.pop() if self._reads_done else 0
-        reply = await fast.ask(op, key, done, timeout, self.frames.label, body, on_late)
-        if reply is None and done:
-            self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
+        # The channel's replies come in the order the store wrote them, so this request's reply
+        # comes after the copies of every put answered ``COPYING`` before it.
+        owed, self._fast_copying = self._fast_copying, []
+        try:
+            reply = await fast.ask(op, key, done, timeout, self.frames.label, body, on_late)
+        except BaseException:
+            self._fast_copying[:0] = owed
+            raise
+        if reply is None:
+            self._fast_copying[:0] = owed   # the framed ``_flush`` frees them
+            if done:
+                self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
+            return None
+        for start, need in owed:
+            self.staging.free(start, need)   # type: ignore[union-attr]
         return reply
 
     async def fast_put(self, key: bytes, block: memoryview, num_layers: int, first_pos: int,
                        timeout: float | None) -> int | None:
-        """One block through the staging area and the single-get channel (the store copies it
-        in and commits it before answering, so the range is free again at once): 1 if new, 0
-        if not; None: put it the framed way (no room in the staging area right now, the channel
-        busy or gone, or the store did not take it, and the framed put says why)."""
+        """One block through the staging area and the single-block channel: 1 if new, 0 if
+        not; None: put it the framed way (no room in the staging area right now, the channel
+        busy or gone, or the store did not take it, and the framed put says why). A big block
+        is answered before the store copies it out (``COPYING``), so its range stays taken
+        until the next reply on the channel; the next put is copied in meanwhile."""
         fast, staging = self.fast, self.staging
         if fast is None or staging is None or not fast.usable or self.is_closed:
             return None
         need = align(block.nbytes, ALIGN)
         start = staging._take(need)
+        if start is None and self._fast_copying:   # room the store is done with: one reply frees it
+            got = await self._ask_fast(fast, GET, bytes(16), timeout, self._late_get)
+            if got is not None and got[0]:
+                self._finished(got[0])
+            start = staging._take(need) if fast.usable else None
         if start is None:
             return None
         copy(staging.mapping.view[start:start + block.nbytes], block)
         body = PUT_BODY.pack(start, block.nbytes, num_layers, first_pos)
         # A request that timed out or was cancelled is still read by the store: its range is
-        # free only once its late answer says the copy is over.
-        reply = await self._ask_fast(fast, PUT, key, timeout, lambda late: staging.free(start, need), body)
+        # free only once its late answer (and, if that says COPYING, the one after) is in.
+        reply = await self._ask_fast(fast, PUT, key, timeout, lambda late: self._put_answered(late, start, need), body)
         if reply is None:
             return None   # the channel is gone, maybe after the store read the request: the range stays taken
-        staging.free(start, need)
+        self._put_answered(reply, start, need)
         return None if reply[1] == REFUSED else reply[2]
+
+    def _put_answered(self, reply: tuple, start: int, need: int) -> None:
+        if reply[1] == COPYING:
+            self._fast_copying.append((start, need))
+        else:
+            self.staging.free(start, need)   # type: ignore[union-attr]
+
+    def _late_get(self, reply: tuple) -> None:
+        if reply[0]:
+            self._finished(reply[0])
 
     def _take_reads_done(self) -> dict[str, Any] | None:
         if not self._reads_done:
@@ -461,15 +492,18 @@ class ShmPath:
 
     async def _flush(self) -> bool:
         """No room, and no staged put in flight whose answer would free some: ask the store
-        anything (an empty EXISTS) — its answer comes after the copies it owed us."""
-        if not self._copying or self._unanswered or self.is_closed:
+        anything (an empty EXISTS) — its answer comes after the copies it owed us (those of
+        single-block puts answered COPYING too: their answers came before we asked)."""
+        owed = [] if self._unanswered else list(self._copying)
+        fast_owed = list(self._fast_copying)
+        if not (owed or fast_owed) or self.is_closed:
             return False
-        owed = list(self._copying)
         await self.frames.request(Op.EXISTS, {"keys": []})
-        for entry in owed:
-            if entry in self._copying:
-                self._copying.remove(entry)
-                self.staging.free(*entry)   # type: ignore[union-attr]
+        for pending, entries in ((self._copying, owed), (self._fast_copying, fast_owed)):
+            for entry in entries:
+                if entry in pending:
+                    pending.remove(entry)
+                    self.staging.free(*entry)   # type: ignore[union-attr]
         return True
 
     def close(self) -> None:

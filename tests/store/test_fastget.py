@@ -137,6 +137,14 @@ async def test_a_staged_put_on_the_channel_is_checked_copied_and_committed(monke
         for offset, size in ((8192 - 100, 1024), (0, 0), (0, 5000), (0, 1001)):  # outside; empty; > a slot; 2 layers?
             assert put(4, b"m" * 16, offset, size)[2:4] == (fastget.REFUSED, 0)
         assert store.slab.num_free == free - 1 and b"m" * 16 not in store._dram
+        # A big block is answered before its copy (COPYING), in the same callback as the commit.
+        monkeypatch.setattr(fastget, "ANSWER_FIRST_BYTES", 1024)
+        seen = []
+        write = channel.transport.write
+        channel.transport.write = lambda d: (seen.append(b"b" * 16 in store._dram), write(d))
+        staging.view[2048:2048 + 1024] = data[::-1]
+        assert put(5, b"b" * 16, 2048, 1024)[:4] == (5, 0, fastget.COPYING, 1) and seen == [False]
+        assert bytes(store.view(store._dram[b"b" * 16])) == data[::-1]
         channel.data_received(b"\x07" + bytes(fastget.REQUEST.size - 1))
         assert channel.transport.aborted and bytes(store.view(block)) == data
     finally:

@@ -150,6 +150,13 @@ async def test_single_gets_take_the_fast_channel(store):
         assert await client.put(single, [block(single[0], 9000)]) == 0
         assert Op.PUT not in sent and await client.exists(single) == [True]
         assert [bytes(g) for g in await client.get(single + keys[:1])] == [block(single[0], 9000), block(keys[0], 7000)]
+        # A big one (a whole slot here) is answered before the store copies it: its staged range
+        # stays taken until the next reply on the channel, the next put's.
+        big = chain(2, seed=34)
+        assert await client.put(big[:1], [block(big[0], SLOT)]) == 1 and len(client.shm._fast_copying) == 1
+        assert await client.put(big[1:], [block(big[1], 5000)]) == 1 and not client.shm._fast_copying
+        assert Op.PUT not in sent
+        assert [bytes(g) for g in await client.get(big)] == [block(big[0], SLOT), block(big[1], 5000)]
         # The channel: our secret admits a raw socket, any other is closed at once.
         grant = (await client.frames.request(Op.FAST_ATTACH, {})).meta
         for secret, answered in ((bytes.fromhex(grant["secret"]), True), (b"\x00" * 16, False)):
