@@ -146,7 +146,8 @@ class DecodeNode:
         self.max_batch = max_batch
         self.max_context_tokens = max_context_tokens
         self.on_finish = on_finish
-        self.pending: list[SimRequest] = []
+        self.pending: list[SimRequest] = []          # KV arrived, joining at the next step boundary
+        self.pending_tokens = 0                      # their contexts (prompt + first token each)
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
         self.committed_tokens = 0                    # their prompts' tokens
         self.held: set[str] = set()                  # requests holding a KV reservation here
@@ -181,7 +182,7 @@ class DecodeNode:
         """(sequences, context tokens) of everything here: running, waiting for the next step
         boundary, or dispatched here with KV still to come."""
         held = len(self.batch) + len(self.pending) + len(self.committed)
-        return held, self.batch.context_tokens + sum(r.input_length + 1 for r in self.pending) + self.committed_tokens
+        return held, self.batch.context_tokens + self.pending_tokens + self.committed_tokens
 
     def held_step_time(self) -> float:
         """The step time with everything held here decoding (what the reservation check judges)."""
@@ -213,6 +214,7 @@ class DecodeNode:
     def arrive(self, now: float, req: SimRequest) -> None:
         """KV fully received: join at the next step boundary (now, if idle)."""
         self.pending.append(req)
+        self.pending_tokens += req.input_length + 1
         self.view.join(req.rid, req.input_length + 1, now, req.expected_output)
         if self.seg_steps == 0:
             self._boundary(now, self.version)
@@ -255,6 +257,7 @@ class DecodeNode:
             b.add(req, now)
             view.enter_group(req.rid)
         self.pending = []
+        self.pending_tokens = 0
         if not b.running:
             self.seg_steps = 0
             return
