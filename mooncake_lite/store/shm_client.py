@@ -104,6 +104,10 @@ class Staging:
             else:
                 merged.append((s, n))
         self._free = merged
+        self.wake()
+
+    def wake(self) -> None:
+        """Let every ``alloc`` waiting try again (room was freed, or can now be flushed free)."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -318,16 +322,21 @@ class ShmPath:
         try:
             reply = await fast.ask(op, key, done, timeout, self.frames.label, body, on_late)
         except BaseException:
-            self._fast_copying[:0] = owed
+            self._owed_back(owed)
             raise
         if reply is None:
-            self._fast_copying[:0] = owed   # the framed ``_flush`` frees them
+            self._owed_back(owed)   # the framed ``_flush`` frees them
             if done:
                 self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
             return None
         for start, need in owed:
             self.staging.free(start, need)   # type: ignore[union-attr]
         return reply
+
+    def _owed_back(self, owed: list[tuple[int, int]]) -> None:
+        if owed:
+            self._fast_copying[:0] = owed
+            self.staging.wake()   # type: ignore[union-attr]   # flushable again (see ``_answered``)
 
     async def fast_put(self, key: bytes, block: memoryview, num_layers: int, first_pos: int,
                        timeout: float | None) -> int | None:
@@ -361,6 +370,7 @@ class ShmPath:
     def _put_answered(self, reply: tuple, start: int, need: int) -> None:
         if reply[1] == COPYING:
             self._fast_copying.append((start, need))
+            self.staging.wake()   # type: ignore[union-attr]   # flushable now (see ``_answered``)
         else:
             self.staging.free(start, need)   # type: ignore[union-attr]
 
@@ -482,6 +492,9 @@ class ShmPath:
         self._release_copying()
         if not reply.cancelled() and reply.exception() is None and reply.result().meta.get("copying") is True:
             self._copying.append((start, need))
+            # A put waiting for room may have found this one in flight (nothing to flush then):
+            # now the range can be flushed free, so it must look again, or it waits for ever.
+            staging.wake()
         else:
             staging.free(start, need)
 

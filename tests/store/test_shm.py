@@ -370,3 +370,38 @@ async def test_a_staged_range_is_reused_only_after_the_store_copied_it(store):
         assert [bytes(g) for g in await client.get(keys)] == data
     finally:
         await client.close()
+
+
+async def test_a_put_waiting_for_room_wakes_when_the_one_in_flight_answers_copying():
+    """A put that finds no room while the only other staged put is in flight (nothing to flush
+    yet) must look again when that one is answered ``copying``: its range can be flushed free
+    then (an empty EXISTS), and without that wake-up the waiting put waited for ever."""
+    import mmap
+    from types import SimpleNamespace
+
+    from mooncake_lite.transfer.framing import Frame
+    loop = asyncio.get_running_loop()
+    answer_first = asyncio.Event()
+    sent: list[Op] = []
+
+    async def request(op, meta=None, payload=(), sink=None):
+        sent.append(op)
+        if op == Op.PUT and len(sent) == 1:
+            await answer_first.wait()
+        return Frame(None, {"num_new": 1, "copying": True} if op == Op.PUT else {}, [])
+    area = mmap.mmap(-1, 4 << 16)
+    mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
+    frames = SimpleNamespace(request=request, label="store", piggyback=None,
+                             conn=SimpleNamespace(closed=loop.create_future(), name="store"))
+    path = shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
+    try:
+        first = asyncio.ensure_future(path.put({"keys": ["00" * 16]}, [memoryview(bytes(2 << 16))], None))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(path.put({"keys": ["01" * 16]}, [memoryview(bytes(3 << 16))], None))
+        await asyncio.sleep(0.01)
+        assert not second.done() and sent == [Op.PUT]   # no room, nothing to flush: waiting
+        answer_first.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        assert sent == [Op.PUT, Op.EXISTS, Op.PUT]
+    finally:
+        path.staging.populator.stop()
