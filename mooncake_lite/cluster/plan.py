@@ -66,7 +66,7 @@ class MachineShare:
     available_memory: int                 # bytes available at start (MemAvailable)
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     weight_bytes: int | None = None       # one instance's model weights in its dtype (None: unknown)
-    decode_pack_bytes: int = 0            # a decode's second, oneDNN-packed copy of them (CPU float32)
+    decode_pack_bytes: int = 0            # what a decode holds beyond them once packed (CPU float32: its tied head's packed copy)
     kv_token_bytes: int | None = None     # KV bytes of one token, every layer (None: unknown)
     max_seq_len: int | None = None        # the model's longest sequence
     threads: int | None = None            # `mooncake up --threads`: this many per instance, not pinned
