@@ -82,12 +82,6 @@ class BlockIndex:
         bit = 1 << self._slot(store_id)
         masks, shared = self._masks, self._sharing()
         alone = shared.setdefault(bit, bit)     # the mask of a key no other store holds
-        if isinstance(keys, (list, tuple)) and masks.keys().isdisjoint(keys):
-            # all new to the index (a fresh prompt's tail, as the simulator tells it): at once
-            fresh = dict.fromkeys(keys, alone)
-            masks.update(fresh)
-            self._counts[store_id] += len(fresh)
-            return
         added = 0
         for key in keys:
             m = masks.get(key, 0)

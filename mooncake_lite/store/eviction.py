@@ -281,28 +281,13 @@ class BlockCache:
     def _add_short_chain_lru(self, order: OrderedDict[Key, None], keys: Sequence[Key]) -> ChainAdded:
         """:meth:`_add_chain_lru` of a chain shorter than the capacity (a store's usual case): a
         full dict then always holds more keys than the chain's handled ones, so the victim is
-        simply the first key, and the insert never stops early. A chain whose keys past its
-        cached prefix are all new (a prompt's fresh tail) is inserted at once: the victims are
-        then the dict's first keys, as many as the tail needs beyond the free room."""
+        simply the first key, and the insert never stops early."""
         move = order.move_to_end
-        held = 0
-        for key in keys:
-            if key not in order:
-                break
-            move(key)
-            held += 1
-        free = _INF if self.capacity_blocks is None else self.capacity_blocks - len(order)
-        tail = keys[held:]
-        fresh = dict.fromkeys(tail)
-        if len(fresh) == len(tail) and order.keys().isdisjoint(fresh):   # new, none twice
-            pop = order.popitem
-            evicted = [pop(last=False)[0] for _ in range(len(tail) - free)] if len(tail) > free else []
-            order.update(fresh)
-            return ChainAdded(evicted, len(keys), list(tail))
         evicted: list[Key] = []
         inserted: list[Key] = []
+        free = _INF if self.capacity_blocks is None else self.capacity_blocks - len(order)
         pop = order.popitem
-        for key in tail:
+        for key in keys:
             if key in order:
                 move(key)
                 continue
