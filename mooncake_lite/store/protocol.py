@@ -70,7 +70,7 @@ class Op(IntEnum):
     SHM_ATTACH = 9
     SHM_READY = 10
     READ_DONE = 11
-    FAST_ATTACH = 12   # the same-node single-get channel (store/fastget.py)
+    FAST_ATTACH = 12   # the same-node single-block channel: one-key gets and puts (store/fastget.py)
     PIN = 16       # context holds (conductor/contexts.py)
     UNPIN = 17
 
