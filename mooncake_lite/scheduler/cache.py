@@ -127,7 +127,11 @@ class EstimateCache:
         if running is d.running and incoming is d.incoming:
             return load
         if running is not d.running:
-            context = sum(map(CONTEXT_TOKENS, d.running))
+            new = d.running
+            if running is not None and len(new) == len(running) + 1 and new[:-1] == running:
+                context += new[-1].context_tokens     # one joined (a view appends joins)
+            else:
+                context = sum(map(CONTEXT_TOKENS, new))
         load = (len(d.running) + len(d.incoming), context + sum(map(CONTEXT_TOKENS, d.incoming)))
         self._loads[d.instance_id] = (d.running, context, d.incoming, load)
         return load

@@ -321,6 +321,9 @@ class DecodeTable:
         self.batch, self.context = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         self.base, self.c2, self.context_room = np.zeros(n), np.zeros(n), np.zeros(n)
         self.batch_room = np.zeros(n, dtype=bool)
+        # c2 and batch_room as last written, as Python values: most writes change neither
+        self._row_c2: list[float | None] = [None] * n
+        self._row_room: list[bool | None] = [None] * n
         # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
         # any, the clamp at 0 changes nothing and is skipped
         self.may_clamp: set[int] = set()
@@ -342,16 +345,21 @@ class DecodeTable:
             batch, context = load(d)
             model = d.cost or default
             self.batch[i], self.context[i] = batch, context
-            self.base[i], self.c2[i] = base, c2 = model.c0 + model.c1 * (batch + 1), model.c2
+            self.base[i] = base = model.c0 + model.c1 * (batch + 1)
+            c2 = model.c2
+            if self._row_c2[i] != c2:      # the row's model changed (rare): else c2 is written
+                self._row_c2[i] = self.c2[i] = c2
             if base > 0.0 and c2 >= 0.0 and context >= 0:
                 self.may_clamp.discard(i)
             else:
                 self.may_clamp.add(i)
-            self.batch_room[i] = room = d.max_batch_size is None or batch < d.max_batch_size
-            if room:
-                self.full.discard(i)
-            else:
-                self.full.add(i)
+            room = d.max_batch_size is None or batch < d.max_batch_size
+            if room is not self._row_room[i]:
+                self._row_room[i] = self.batch_room[i] = room
+                if room:
+                    self.full.discard(i)
+                else:
+                    self.full.add(i)
             if d.max_context_tokens is not None:
                 self.context_room[i] = room = d.max_context_tokens - context
                 self.room_floor = room if room < self.room_floor else self.room_floor
