@@ -30,8 +30,9 @@ from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer,
 log = logging.getLogger(__name__)
 Request = Callable[[Op, dict[str, Any]], Awaitable[Frame]]
 ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)
-# How long a single get may block its event loop waiting for the store's answer before it waits
-# the asynchronous way: ~10x an answer's usual time here, so only a busy store makes it wait so.
+# How long a single-block request may block its event loop waiting for the store's answer before
+# it waits the asynchronous way (the kernel rounds it up to a timer tick): 20x or more an answer's
+# usual 45-140 µs here, so only a busy store makes a request wait so long.
 SYNC_WAIT_S = 0.001
 # A single-block request not answered in this long (a store that busy, or a channel that lost its
 # way) gives the channel up: that request and all later ones go framed, which answer regardless.
