@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 SECRET_BYTES = 16
 ADMIT_TIMEOUT_S = 5.0     # to show a secret after connecting
 MAX_GRANTS = 4            # secrets live at once per data connection (one per channel a client opens)
+# The offer's ``fast`` entry: the layout below. A store or client of another layout (the first
+# one offered ``fast: true``, with 24-byte requests) never uses the other's channel: gets and
+# puts between them go framed.
+VERSION = 2
 GET, PUT = 1, 2
 REQUEST = struct.Struct("<B3xII16s")     # op, request id, read lease done with (0: none), key
 PUT_BODY = struct.Struct("<QQII")        # after a PUT: staged offset, size, num_layers, first_pos

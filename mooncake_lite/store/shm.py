@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
-from mooncake_lite.store.fastget import FastGets
+from mooncake_lite.store.fastget import VERSION, FastGets
 from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
 from mooncake_lite.transfer.connection import FrameConnection
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
@@ -69,7 +69,7 @@ class ShmService:
         if slab.region is None:
             return None
         return slab.region.offer(gens_offset=PAGE, num_slots=slab.num_slots, slab_offset=slab.slab_offset,
-                                 staging=self.staging_bytes, fast=self._fast_started)
+                                 staging=self.staging_bytes, fast=VERSION if self._fast_started else False)
 
     # ---- control ops -------------------------------------------------------------------------
     def handle(self, conn: FrameConnection, frame: Frame) -> None:

@@ -20,7 +20,8 @@ import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mooncake_lite.store.fastget import COPYING, GET, PUT, PUT_BODY, REFUSED, REPLY, REQUEST, SECRET_BYTES
+from mooncake_lite.store.fastget import (COPYING, GET, PUT, PUT_BODY, REFUSED, REPLY, REQUEST, SECRET_BYTES,
+                                          VERSION)
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Populator
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
@@ -565,7 +566,7 @@ async def attach(frames: FrameClient) -> ShmPath | None:
                 path.staging.populator.stop()
                 path.staging.mapping.close()
             path.staging = None
-    if offer.get("fast") is True:
+    if offer.get("fast") == VERSION and offer.get("fast") is not True:   # this layout only (True == 1)
         path.fast = await _open_fast(frames)
     return path
 

@@ -191,7 +191,9 @@ async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
             return await shm_client.attach(frames)
         finally:
             await frames.close()
-    assert await offer_with() is not None   # the untouched offer is usable here
+    assert (await offer_with()).fast is not None   # the untouched offer is usable here
+    for other_layout in (True, 3):   # a store whose single-block channel speaks another layout
+        assert (await offer_with(fast=other_layout)).fast is None
     assert await offer_with(nonce="00" * 16) is None   # not the memory the store announced
     assert await offer_with(fd=10_000) is None          # cannot be opened
     assert await offer_with(pid=(1 << 22) + 1) is None  # no such process
