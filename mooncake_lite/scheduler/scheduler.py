@@ -86,7 +86,7 @@ def _wide_decode(req: ScheduleRequest, cluster: ClusterState, config: SchedulerC
     if hit is None:
         return None
     i, tbt = hit
-    return DecodeChoice(decodes[i], tbt, int(table.batch[i]) + 1, int(table.context[i]) + req.num_tokens)
+    return DecodeChoice(decodes[i], tbt, table.batch[i] + 1, table.context_list[i] + req.num_tokens)
 
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,

@@ -36,6 +36,7 @@ from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceSt
 WIDE_MIN_INSTANCES = 48
 
 _INF = float("inf")
+_NO_HEAD = (0.0, _INF)      # a queue with no started job (or several: costed in Python)
 # Up to this many distinct prefill cost models, each predicts once per decision in Python.
 _FEW_MODELS = 8
 
@@ -51,6 +52,15 @@ def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
     if len(new) != len(old):
         return None
     return list(compress(count(), map(is_not, new, old)))
+
+
+def _same_ids(new: Sequence, old: Sequence, rows: Sequence[int]) -> bool:
+    """Whether each of ``rows`` is the same instance in both (a loop: a generator per decision
+    costs more than the two rows it usually checks)."""
+    for i in rows:
+        if new[i].instance_id != old[i].instance_id:
+            return False
+    return True
 
 
 class RowQueues:
@@ -97,6 +107,9 @@ class PrefillTable:
         self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
         self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
+        # each row's (head duration, start) and bandwidth as last written: most rewrites change neither
+        self._row_head: list[tuple[float, float] | None] = [None] * n
+        self._row_bw: list[float | None] = [None] * n
         self.models: list[PrefillCostModel] = []
         self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
         self.multi: set[int] = set()
@@ -114,7 +127,7 @@ class PrefillTable:
         (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
         rows = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
         old, moved = self.prefills, False
-        if rows is None or any(prefills[i].instance_id != old[i].instance_id for i in rows) \
+        if rows is None or not _same_ids(prefills, old, rows) \
                 or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
             self._resize(len(prefills))
             rows, moved, self.costs = range(len(prefills)), True, costs
@@ -142,12 +155,12 @@ class PrefillTable:
             self.packing.add(i)
         else:
             self.packing.discard(i)
-        if len(started) == 1:
-            self.head_d[i], self.head_s[i] = started[0]
-        else:
-            self.head_d[i], self.head_s[i] = 0.0, _INF
-            if started:
-                self.multi.add(i)
+        head = started[0] if len(started) == 1 else _NO_HEAD
+        if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
+            self._row_head[i] = head
+            self.head_d[i], self.head_s[i] = head
+        if len(started) > 1:
+            self.multi.add(i)
         if self._row_model[i] is not model:     # else its model's position and coefficients stand
             self._row_model[i] = model
             pos = self._model_pos.get(id(model))
@@ -156,11 +169,13 @@ class PrefillTable:
                 self.models.append(model)
             self.model_of[i] = pos
             self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
-        self.bw[i] = bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
-        if bw == costs.bandwidth_bytes_per_s:
-            self.odd_bw.discard(i)
-        else:
-            self.odd_bw.add(i)
+        bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+        if bw != self._row_bw[i]:
+            self._row_bw[i] = self.bw[i] = bw
+            if bw == costs.bandwidth_bytes_per_s:
+                self.odd_bw.discard(i)
+            else:
+                self.odd_bw.add(i)
 
     def run_rows(self, stores: list[Hashable]) -> np.ndarray:
         """The rows of ``stores`` (a list from a PrefixMatch's ``runs``), found once per list."""
@@ -318,8 +333,13 @@ class DecodeTable:
         self._resize(0)
 
     def _resize(self, n: int) -> None:
-        self.batch, self.context = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        self.base, self.c2, self.context_room = np.zeros(n), np.zeros(n), np.zeros(n)
+        # batch, a copy of context and the context room are Python lists: read for the chosen
+        # row, or only when a request may not fit (an array's item costs more to write)
+        self.batch: list[int] = [0] * n
+        self.context = np.zeros(n, dtype=np.int64)
+        self.context_list: list[int] = [0] * n
+        self.base, self.c2 = np.zeros(n), np.zeros(n)
+        self.context_room: list[float] = [0.0] * n
         self.batch_room = np.zeros(n, dtype=bool)
         # c2 and batch_room as last written, as Python values: most writes change neither
         self._row_c2: list[float | None] = [None] * n
@@ -344,7 +364,7 @@ class DecodeTable:
             d = decodes[i]
             batch, context = load(d)
             model = d.cost or default
-            self.batch[i], self.context[i] = batch, context
+            self.batch[i], self.context[i], self.context_list[i] = batch, context, context
             self.base[i] = base = model.c0 + model.c1 * (batch + 1)
             c2 = model.c2
             if self._row_c2[i] != c2:      # the row's model changed (rare): else c2 is written
@@ -377,12 +397,13 @@ class DecodeTable:
             tbt = np.where(tbt > 0.0, tbt, 0.0)
         need = req.num_tokens + req.max_output_tokens
         if need > self.room_floor:
-            self.room_floor = float(self.context_room.min())
+            self.room_floor = min(self.context_room)
         if not self.full and need <= self.room_floor:
             keyed = tbt                # every row has room (the usual case): nothing to mask
         else:
-            keyed = np.where(self.batch_room & (need <= self.context_room), tbt, _INF)
+            keyed = np.where(self.batch_room & (need <= np.array(self.context_room, dtype=np.float64)), tbt, _INF)
         i = int(keyed.argmin())
-        if not keyed[i] < _INF:
+        best = float(keyed[i])
+        if not best < _INF:
             return None
-        return i, float(tbt[i])
+        return i, best if keyed is tbt else float(tbt[i])
