@@ -193,7 +193,9 @@ class PrefillTable:
         """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
         as an array. A started job counts as done for its elapsed time, never more than its
         duration; an empty queue has no started job and a total of 0."""
-        done = np.minimum(np.maximum(now - self.head_s, 0.0), self.head_d)
+        done = now - self.head_s          # then clamped in place: no temporaries (the same values)
+        np.maximum(done, 0.0, out=done)
+        np.minimum(done, self.head_d, out=done)
         queue = self.total - done
         for i in self.multi:
             b, d = self.backlogs[i], 0.0
@@ -244,7 +246,7 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
             with_local = queue[rows] + _predict_rows(table.coef[:, rows], num_tokens, local * block_size)
             key[rows] = np.where(fetch, with_fetch, with_local)
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
-    if not key[i] < _INF:            # all infinite, or a NaN the loop would have skipped
+    if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
     local_i = match.lengths.get(table.prefills[i].store_id, 0)
     return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
@@ -271,10 +273,12 @@ def _one_model_keys(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray
         if not rows.size:
             continue
         if local < best_len and best_len / local >= threshold:
-            held = latency_s + (best_len - local) * block_bytes / bw + queue[rows]
+            held = queue[rows]        # a copy; the scalar added to it in place (a + q is q + a)
+            held += latency_s + (best_len - local) * block_bytes / bw
             held += fetched
         else:
-            held = queue[rows] + predict(num_tokens, local * block_size)
+            held = queue[rows]
+            held += predict(num_tokens, local * block_size)
         key[rows] = held
     return key
 
@@ -392,7 +396,8 @@ class DecodeTable:
         ``req`` added), or None when the loop must decide (no row with room, or only infinite
         TBTs, where the loop's first-eligible rule applies). ``context + need <= max_context``
         is asked as ``need <= max_context - context``: integers, exact either way."""
-        tbt = self.base + self.c2 * (self.context + req.num_tokens)
+        tbt = self.c2 * (self.context + req.num_tokens)
+        tbt += self.base                  # in place: base + x is x + base
         if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
             tbt = np.where(tbt > 0.0, tbt, 0.0)
         need = req.num_tokens + req.max_output_tokens
