@@ -65,7 +65,8 @@ class EventQueue:
     def run_next(self, handler: Handler, payload: Any = None) -> None:
         """Run, at the end of the current handler, the event it would have pushed for ``now``
         after checking :meth:`is_next` (nothing pushed since can run before it: it would come
-        later at the same time), without the heap; as :meth:`push` once the queue is stopped."""
+        later at the same time), without the heap; as :meth:`push` once the queue is stopped.
+        Counted in ``num_events``; a ``run(on_step=...)`` callback is not called for it."""
         if self.stopped:
             self.push(self.now, handler, payload)
             return
