@@ -142,10 +142,12 @@ class Flight:
             failure = await self._reserve_decode()
         except BaseException:
             self._is_decode_done = self._is_prefill_done = True  # nothing to abort
+            self._withdraw_prefill()
             self._release()
             raise
         if failure is not None:
             self._is_prefill_done = True     # prefill never heard of this attempt
+            self._withdraw_prefill()
         else:
             loop = asyncio.get_running_loop()
             self._tasks.append(loop.create_task(self._read_decode(self._queue)))
@@ -408,6 +410,11 @@ class Flight:
             reader.cancel()
         if not self._is_decode_done:
             await post_abort(self.svc, decode, upstream_id)
+
+    def _withdraw_prefill(self) -> None:
+        """The prefill never heard of this attempt: its queue entry goes, and the overtakes it
+        took in the conductor's view of that queue are given back (the instance counted none)."""
+        self.svc.membership.withdraw_prefill(self.prefill.instance_id, self.upstream_id, _now())
 
     def _release(self) -> None:
         ids = tuple(i.instance_id for i in (self.prefill, self.decode) if i is not None)

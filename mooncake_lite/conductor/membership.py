@@ -38,7 +38,7 @@ from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 from mooncake_lite.scheduler.costs import uncached_tokens
 from mooncake_lite.scheduler.packing import first_pack
-from mooncake_lite.scheduler.queue_order import enqueue
+from mooncake_lite.scheduler.queue_order import enqueue, withdraw
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -63,6 +63,7 @@ class PrefillJob:
     decode_id: str
     started_at: float | None = None
     max_output_tokens: int | None = None
+    passed_ids: tuple[str, ...] = ()     # the jobs it overtook (queue order), for withdraw_prefill
 
 
 @dataclass
@@ -325,6 +326,7 @@ class Membership:
         order = enqueue(inst.view, job.request_id, job.num_tokens, job.num_prefix_tokens,
                         max(inst.reg.queue_overtakes, 0), job.started_at)
         if order:       # it passed some: the head is still the one the instance serves next
+            job.passed_ids = order[order.index(job.request_id) + 1:]
             reordered = {rid: jobs[rid] for rid in order}
             jobs.clear()
             jobs.update(reordered)
@@ -335,6 +337,15 @@ class Membership:
             # the context it brings: prompt + first token, as add_decode will record
             decode.view.commit(job.request_id, job.num_tokens + 1, job.max_output_tokens)
             self._touch(decode)
+
+    def withdraw_prefill(self, instance_id: str, request_id: str, now: float) -> None:
+        """The job added by :meth:`add_prefill` never reached the instance (its decode
+        reservation failed): the overtakes it took are given back, then it is done."""
+        inst = self.instances.get(instance_id)
+        job = inst.prefill_jobs.get(request_id) if inst is not None else None
+        if job is not None and job.passed_ids:
+            withdraw(inst.view, request_id, job.passed_ids)
+        self.prefill_done(instance_id, request_id, now)
 
     def prefill_done(self, instance_id: str, request_id: str, now: float) -> None:
         inst = self.instances.get(instance_id)

@@ -129,3 +129,14 @@ def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, boun
     if not behind:
         return ()
     return tuple(job.request_id for job in view.state().queue)
+
+
+def withdraw(view, request_id: str, passed_ids: Sequence[str]) -> None:
+    """Take back a job the instance never heard of (its decode reservation failed): remove it
+    from the view and give the overtake it took back to each job it passed (``passed_ids``:
+    the ids behind it in :func:`enqueue`'s answer) that still waits, so a request the instance
+    never saw does not use up its neighbours' allowance (nor twice, if it is dispatched again)."""
+    view.remove(request_id)
+    for job in view.state().queue:
+        if job.request_id in passed_ids and job.started_at is None and job.passed > 0:
+            view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, None, job.passed - 1)

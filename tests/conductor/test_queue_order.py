@@ -67,3 +67,37 @@ def test_the_bound_crosses_the_wire_and_an_instance_that_does_not_send_it_is_fif
     old = orjson.loads(dumps(_reg("p", 0)))
     del old["queue_overtakes"]                  # an instance from before the field
     assert loads(Register, orjson.dumps(old)).queue_overtakes == 0
+
+
+async def test_a_request_the_decode_refused_gives_back_the_overtakes_it_took(make_cluster):
+    """The conductor queues a job on its prefill's view before decode reserves room; if decode
+    refuses, the prefill never heard of it, so the jobs it passed must not keep its overtake."""
+    import asyncio
+
+    import openai
+
+    from tests.conductor import fakes
+    from tests.conductor.test_api import client
+
+    cluster = await make_cluster(prefill=0, decode=1)
+    p0 = await cluster.add("prefill", "p0", store="s0:1", register=False)
+    status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
+    assert status == 200, body
+    p0.behaviour.hang = True                     # r0 runs for ever; the long one waits behind it
+    c = client(cluster)
+    view = cluster.svc.membership.instances["p0"].view
+    pending = [asyncio.create_task(c.completions.create(model="tiny", prompt="long " * n, max_tokens=2))
+               for n in (40, 60)]
+    async with asyncio.timeout(5):
+        while len(p0.requests) < 1 or len(view.state().queue) < 2:
+            await asyncio.sleep(0.01)
+    cluster.instances["d0"].behaviour.refuse = True
+    for _ in range(2):                           # short ones that would pass the waiting long one
+        with pytest.raises(openai.RateLimitError):
+            await c.completions.create(model="tiny", prompt="short", max_tokens=2)
+    waiting = view.state().queue[1]
+    assert waiting.started_at is None and waiting.passed == 0
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await c.close()
