@@ -139,7 +139,18 @@ class PrefillService:
         if known:
             self._aborted.add(request_id)
             self.stage.abort(request_id, "aborted by the conductor")
+            self._drop_waiting(self.queue[request_id])
         return known
+
+    def _drop_waiting(self, job: QueuedJob) -> None:
+        """An aborted job that still waits for its turn (not started, in no pack) leaves the
+        waiting list now, as it leaves the conductor's view: it no longer counts in ``load()``,
+        nor holds back or is passed by later arrivals. Its turn raises PrefillAborted."""
+        if job.started_at is not None or job.result.done() or job.turn is None or job.turn.done():
+            return
+        if any(j is job for j in self._waiting):
+            self._waiting.remove(job)
+            job.turn.set_exception(PrefillAborted("aborted while queued (by the conductor, or decode dropped it)"))
 
     async def prefill(self, req: PrefillRequest,
                       on_first: Callable[[PrefillResult], object] | None = None) -> PrefillResult:
@@ -199,9 +210,11 @@ class PrefillService:
         The job lands where ``scheduler.queue_order.landing`` puts it (with ``overtakes`` 0, last:
         the FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
         waiting = self._waiting
+        # Behind every started one (pack members a leader chose, even past a job it skipped).
         first = 0
-        while first < len(waiting) and (waiting[first].started_at is not None or waiting[first].result.done()):
-            first += 1
+        for i, other in enumerate(waiting):
+            if other.started_at is not None or other.result.done():
+                first = i + 1
         at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
                      job.expected_uncached, self.overtakes)
         for other in waiting[at:]:
@@ -209,18 +222,23 @@ class PrefillService:
         waiting.insert(at, job)
         job.turn = asyncio.get_running_loop().create_future()
         self._grant()
-        try:
-            await job.turn
-        except BaseException:
-            if any(j is job for j in waiting):
-                waiting.remove(job)
-            elif not job.turn.cancelled():     # given its turn, then cancelled before taking it
-                self._release()
-            raise
+        await self._await_turn(job)
         try:
             yield
         finally:
             self._release()
+
+    async def _await_turn(self, job: QueuedJob) -> None:
+        """Wait for ``job``'s turn; if that ends otherwise, it leaves the waiting list, and gives the
+        instance back if it had been given it (an abort, :meth:`_drop_waiting`, gave it nothing)."""
+        try:
+            await job.turn
+        except BaseException:
+            if any(j is job for j in self._waiting):
+                self._waiting.remove(job)
+            elif job.turn.done() and not job.turn.cancelled() and job.turn.exception() is None:
+                self._release()                # given its turn, then cancelled before taking it
+            raise
 
     async def hold(self) -> None:
         """Take the instance as a request would, behind every queued one and passed by none
@@ -229,7 +247,7 @@ class PrefillService:
         holder = QueuedJob("", 0, 0, result=loop.create_future(), turn=loop.create_future())
         self._waiting.append(holder)
         self._grant()
-        await holder.turn
+        await self._await_turn(holder)     # a cancelled hold leaves the list
 
     def _release(self) -> None:
         self._busy = False
@@ -282,14 +300,23 @@ class PrefillService:
         free = self.stage.runner.allocator.num_free - blocks_needed(lead.num_tokens, self.block_size)
         if uncached[0] > limit:
             return pack
-        for job in list(self._waiting):
-            if job is lead or job.started_at is not None or job.result.done() or job.request_id in self._aborted:
-                continue
-            uncached.append(await self._uncached(job))
-            free -= blocks_needed(job.num_tokens, self.block_size)
-            if pack_sizes(uncached, limit)[0] < len(uncached) or free < 0 or job.request_id not in self.queue:
-                break     # scheduler.costs.packed_durations prices a queue by the same cut
-            pack.append(job)
+        try:
+            for job in list(self._waiting):
+                if (job is lead or job.req is None or job.started_at is not None or job.result.done()
+                        or job.turn.done() or job.request_id in self._aborted):
+                    continue      # req None: a hold() placeholder; turn done: it left the list
+                uncached.append(await self._uncached(job))
+                free -= blocks_needed(job.num_tokens, self.block_size)
+                if pack_sizes(uncached, limit)[0] < len(uncached) or free < 0 or job.request_id not in self.queue:
+                    break     # scheduler.costs.packed_durations prices a queue by the same cut
+                # Started as soon as chosen: arrivals during the next await (a store match) land
+                # behind it, as they will be served (and as the conductor's view has it).
+                job.started_at = time.perf_counter()
+                pack.append(job)
+        except BaseException:
+            for job in pack[1:]:
+                job.started_at = None          # the leader never served them: they wait on
+            raise
         return pack
 
     @property
@@ -480,7 +507,7 @@ class PrefillService:
             now = time.perf_counter()
             # served ones are only leaving; the running ones first, then the waiting in their order
             jobs = [j for j in self.queue.values() if j.started_at is not None and not j.result.done()]
-            jobs += [j for j in self._waiting if j.started_at is None and not j.result.done()]
+            jobs += [j for j in self._waiting if j.started_at is None and not j.result.done() and j.req is not None]
             durations = packed_durations(self.cost, [(j.num_tokens, j.num_prefix_tokens) for j in jobs],
                                          self.pack_limit)
             for job, t in zip(jobs, durations):

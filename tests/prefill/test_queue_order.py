@@ -115,3 +115,79 @@ def test_the_simulator_orders_its_prefill_queue_by_the_same_rule():
     assert ttfts(prefill_queue_overtakes=4) == pytest.approx([0.5, 1.5, 1.1, 0.8, 0.6])
     # bound 2: r1, passed by r2 and r3, stops r4 (r0 had started: never passed)
     assert ttfts(prefill_queue_overtakes=2) == pytest.approx([0.5, 1.4, 1.0, 0.7, 1.5])
+
+
+async def _queued(c, rid, n, seed):
+    """Start request ``rid`` (``n`` tokens) and wait until it is in the instance's queue."""
+    task = asyncio.ensure_future(c.request(rid, tokens_of(n, seed), 2, kv_timeout_s=5.0))
+    while rid not in c.prefill.queue:
+        await asyncio.sleep(0.001)
+    return task
+
+
+async def test_an_aborted_waiting_request_leaves_the_queue_at_once(model):
+    """As it leaves the conductor's view: not counted in load() nor passed by later arrivals."""
+    from mooncake_lite.prefill.engine import PrefillAborted
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.overtakes = 4
+        await c.prefill._lock.acquire()
+        long, short = await _queued(c, "long", 40, 1), await _queued(c, "short", 9, 2)
+        assert [j.request_id for j in c.prefill._waiting] == ["short", "long"]
+        assert c.prefill.abort("long")
+        assert [j.request_id for j in c.prefill._waiting] == ["short"]
+        with pytest.raises(PrefillAborted):
+            await asyncio.wait_for(long, 5)             # woken now, while the instance is still held
+        c.prefill.stage.abort("long", "test")
+        c.decode.abort("long")
+        assert c.prefill.load()["num_queued"] == 1.0 and "long" not in c.prefill.queue
+        c.prefill._lock.release()
+        tokens, _, err = await short
+        assert err is None and not c.prefill._busy and c.prefill._waiting == []
+
+
+async def test_arrivals_during_a_packs_store_matches_land_behind_its_members(model):
+    """A leader choosing its pack awaits each member's store match; whoever arrives meanwhile
+    lands behind the members already chosen (they are served now), passing none of them."""
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.overtakes, c.prefill.batch_tokens = 4, 40
+        uncached, seen, late = c.prefill._uncached, [], []
+
+        async def match_with_an_arrival(job):
+            if job.request_id == "m2" and not late:      # r0 leads, m1 is chosen; m2 is being matched
+                late.append(await _queued(c, "late", 5, 9))
+                seen.append([(j.request_id, j.passed) for j in c.prefill._waiting])
+            return await uncached(job)
+
+        c.prefill._uncached = match_with_an_arrival
+        await c.prefill._lock.acquire()
+        tasks = [await _queued(c, rid, 9, i) for i, rid in enumerate(["r0", "m1", "m2"])]
+        c.prefill._lock.release()
+        for tokens, _, err in await asyncio.gather(*tasks, *late):
+            assert err is None
+        assert seen[0][0] == ("m1", 0)           # without: ("late", 0), m1 passed once
+        assert not c.prefill._busy and c.prefill._waiting == []
+
+
+async def test_a_packing_leader_skips_a_held_placeholder_and_a_cancelled_hold_leaves(model):
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.batch_tokens = 40
+        await c.prefill._lock.acquire()
+        r0 = await _queued(c, "r0", 9, 1)
+        holder = asyncio.ensure_future(c.prefill._lock.acquire())    # waits behind r0
+        await asyncio.sleep(0)
+        r1 = await _queued(c, "r1", 9, 2)
+        c.prefill._lock.release()
+        tokens, _, err = await asyncio.wait_for(r0, 30)
+        assert err is None                      # without: r0 fails matching the placeholder
+        await asyncio.wait_for(holder, 30)      # r1 was in r0's pack, but returns at its turn
+        c.prefill._lock.release()
+        tokens, _, err = await asyncio.wait_for(r1, 30)
+        assert err is None and c.prefill.totals["packed_requests_total"] == 2
+        await c.prefill._lock.acquire()
+        gone = asyncio.ensure_future(c.prefill._lock.acquire())
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert c.prefill._waiting == []         # without: the placeholder stays for ever
+        c.prefill._lock.release()
+        assert not c.prefill._busy
