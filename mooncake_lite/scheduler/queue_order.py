@@ -13,11 +13,15 @@ passes anyone: FIFO exactly.
 Why a count of overtakes and not a time slack: the queue is then a plain list whose order is
 fixed at each arrival (later arrivals only ever insert; nobody is re-sorted at serve time), so
 whoever knows the arrivals and their uncached tokens (the conductor does: it dispatched them)
-rebuilds the instance's order exactly, with no clock; and what a job can still lose is known
-when it arrives: at most ``bound`` later arrivals, each shorter than it, so at most ``bound``
-times its own prefill (:func:`overtake_allowance`), which the TTFT SLO admission adds to its
-price. A time slack would make the order depend on when the server looks, which the conductor
-only knows to within a network delay.
+rebuilds the instance's order with no clock. Up to two windows: concurrent requests may reach
+the instance in another order than they were dispatched in, and the conductor starts the next
+job at the first-token answer while the instance holds its turn until the KV stream ends. What
+a job can still lose to overtakes is known when it arrives: at most ``bound`` later arrivals,
+each shorter than it, so about ``bound`` times its own prefill (:func:`overtake_allowance`),
+which the TTFT SLO admission adds to its price. With packing on that is no bound: later longer
+arrivals that pass nobody still join the job's pack, cut when its leader starts, and an
+overtaker can push it out of its pack (docs/prefill_decode.md §2b). A time slack would make the
+order depend on when the server looks, which the conductor only knows to within a network delay.
 """
 
 from __future__ import annotations
