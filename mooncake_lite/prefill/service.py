@@ -21,12 +21,10 @@ conductor prices its queue by the same rule (``scheduler/packing.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
@@ -35,8 +33,8 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.prefill.turns import QueuedJob, TurnTaking, _Hold
 from mooncake_lite.scheduler.costs import pack_sizes, packed_durations, uncached_tokens
-from mooncake_lite.scheduler.queue_order import landing
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
@@ -47,32 +45,9 @@ class PrefillRejected(ValueError):
     """The request is malformed or cannot fit; answered 400 (never retried as is)."""
 
 
-@dataclass(eq=False)    # a job is itself: the waiting list finds it by identity
-class QueuedJob:
-    request_id: str
-    num_tokens: int
-    num_prefix_tokens: int
-    started_at: float | None = None
-    # For prefill batching: what a pack's leader needs to serve this request along with its own.
-    req: PrefillRequest | None = None
-    keys: list[bytes] | None = None
-    hit: int | None = None                      # leading blocks found in the store, once matched
-    stop_keepalive: Callable[[], object] | None = None
-    result: asyncio.Future | None = None        # set by the leader that served it in its pack
-    migrated: tuple[float, float] | None = None # its hot-spot migration: (bytes copied, seconds)
-    # Told the result once the first token is sampled, before decode answers END (which waits
-    # for decode's running step): the HTTP answer goes out then (prefill/app.py).
-    on_first: Callable[[PrefillResult], object] | None = None
-    arrived_at: float = 0.0
-    # Queue order: the uncached tokens it is ordered by (the prompt less the prefix the
-    # conductor expects to be cached, ``prefix_keys``: the figure the conductor orders its view
-    # with), the later arrivals that passed it, and the future its turn is given through.
-    expected_uncached: int = 0
-    passed: int = 0
-    turn: asyncio.Future | None = None
+class PrefillService(TurnTaking):
+    """Serves each request in its turn (``turns.py``: whose turn it is), packed when it can."""
 
-
-class PrefillService:
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
                  chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0,
                  batch_tokens: int = 0, block_bytes: int = 0, overtakes: int = 0):
@@ -142,16 +117,6 @@ class PrefillService:
             self._drop_waiting(self.queue[request_id])
         return known
 
-    def _drop_waiting(self, job: QueuedJob) -> None:
-        """An aborted job that still waits for its turn (not started, in no pack) leaves the
-        waiting list now, as it leaves the conductor's view: it no longer counts in ``load()``,
-        nor holds back or is passed by later arrivals. Its turn raises PrefillAborted."""
-        if job.started_at is not None or job.result.done() or job.turn is None or job.turn.done():
-            return
-        if any(j is job for j in self._waiting):
-            self._waiting.remove(job)
-            job.turn.set_exception(PrefillAborted("aborted while queued (by the conductor, or decode dropped it)"))
-
     async def prefill(self, req: PrefillRequest,
                       on_first: Callable[[PrefillResult], object] | None = None) -> PrefillResult:
         """The result once the KV stream has ended; ``on_first`` is given it as soon as the first
@@ -202,64 +167,6 @@ class PrefillService:
             keepalive.cancel()
             self.queue.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
-
-    # --- queue order ---------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _turn(self, job: QueuedJob):
-        """Wait until ``job`` is first in the queue order and the instance is free, then hold it.
-        The job lands where ``scheduler.queue_order.landing`` puts it (with ``overtakes`` 0, last:
-        the FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
-        waiting = self._waiting
-        # Behind every started one (pack members a leader chose, even past a job it skipped).
-        first = 0
-        for i, other in enumerate(waiting):
-            if other.started_at is not None or other.result.done():
-                first = i + 1
-        at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
-                     job.expected_uncached, self.overtakes)
-        for other in waiting[at:]:
-            other.passed += 1
-        waiting.insert(at, job)
-        job.turn = asyncio.get_running_loop().create_future()
-        self._grant()
-        await self._await_turn(job)
-        try:
-            yield
-        finally:
-            self._release()
-
-    async def _await_turn(self, job: QueuedJob) -> None:
-        """Wait for ``job``'s turn; if that ends otherwise, it leaves the waiting list, and gives the
-        instance back if it had been given it (an abort, :meth:`_drop_waiting`, gave it nothing)."""
-        try:
-            await job.turn
-        except BaseException:
-            if any(j is job for j in self._waiting):
-                self._waiting.remove(job)
-            elif job.turn.done() and not job.turn.cancelled() and job.turn.exception() is None:
-                self._release()                # given its turn, then cancelled before taking it
-            raise
-
-    async def hold(self) -> None:
-        """Take the instance as a request would, behind every queued one and passed by none
-        (nothing is shorter than 0 tokens); :meth:`_release` gives it back."""
-        loop = asyncio.get_running_loop()
-        holder = QueuedJob("", 0, 0, result=loop.create_future(), turn=loop.create_future())
-        self._waiting.append(holder)
-        self._grant()
-        await self._await_turn(holder)     # a cancelled hold leaves the list
-
-    def _release(self) -> None:
-        self._busy = False
-        self._grant()
-
-    def _grant(self) -> None:
-        """The instance is free: give the first job still waiting its turn."""
-        while not self._busy and self._waiting:
-            job = self._waiting.pop(0)
-            if not job.turn.done():            # else cancelled while waiting: it removes nothing more
-                self._busy = True
-                job.turn.set_result(None)
 
     # --- prefill batching -----------------------------------------------------------------------
     async def _serve(self, lead: QueuedJob) -> PrefillResult:
@@ -517,13 +424,6 @@ class PrefillService:
         return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
                 "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
                 "free_blocks": float(self.stage.runner.allocator.num_free)}
-
-
-class _Hold:
-    """``acquire``/``release`` of the instance, the names of the asyncio.Lock that was its FIFO."""
-
-    def __init__(self, service: PrefillService) -> None:
-        self.acquire, self.release = service.hold, service._release
 
 
 def _annotate(result: PrefillResult, job: QueuedJob) -> PrefillResult:

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
-from mooncake_lite.prefill.service import PrefillService, QueuedJob
+from mooncake_lite.prefill.service import PrefillService
+from mooncake_lite.prefill.turns import QueuedJob
 from tests.conductor import fakes
 from tests.conductor.test_api import TOK, client
 
