@@ -7,6 +7,8 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest, Sampling
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine
@@ -19,6 +21,11 @@ from mooncake_lite.prefill.store_io import MemoryStore
 from mooncake_lite.prefill.pipeline import NextStage, StageServer
 from mooncake_lite.transfer.client import FrameClient
 from mooncake_lite.transfer.server import server_address, start_server
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from a fixed seed (the tiny model's 256-token vocabulary)."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.transfer.client import FrameClient, RemoteError
 from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
-from tests.pd.harness import cluster
+from tests.pd.harness import cluster, prompt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,10 +21,6 @@ BS = 8
 @pytest.fixture(scope="module")
 def model():
     return build_model("tiny", seed=3)
-
-
-def prompt(n, seed):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def assert_clean(c):

@@ -4,11 +4,10 @@ FIFO, or shortest uncached prompt first within the overtake bound, packs cut in 
 import asyncio
 
 import pytest
-import torch
 
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
-from tests.pd.harness import cluster
+from tests.pd.harness import cluster, prompt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,10 +17,6 @@ BS = 8
 @pytest.fixture(scope="module")
 def model():
     return build_model("tiny", seed=3)
-
-
-def tokens_of(n, seed):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
@@ -40,7 +35,7 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
         return await run_pack(pack)
 
     c.prefill._run, c.prefill._run_pack = one, packed
-    prompts = [tokens_of(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
+    prompts = [prompt(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
     await c.prefill._lock.acquire()
     tasks = []
     for i, p in enumerate(prompts):      # one at a time: the arrival order is the index
@@ -70,7 +65,7 @@ async def test_a_request_cancelled_while_queued_or_given_its_turn_frees_the_inst
         c.prefill.overtakes = 4
         for given_its_turn in (False, True):
             await c.prefill._lock.acquire()
-            waiter = asyncio.ensure_future(c.request(f"gone{given_its_turn}", tokens_of(9, 1), 2, kv_timeout_s=5.0))
+            waiter = asyncio.ensure_future(c.request(f"gone{given_its_turn}", prompt(9, 1), 2, kv_timeout_s=5.0))
             while not c.prefill.queue:
                 await asyncio.sleep(0.001)
             if given_its_turn:
@@ -81,7 +76,7 @@ async def test_a_request_cancelled_while_queued_or_given_its_turn_frees_the_inst
             if not given_its_turn:
                 c.prefill._lock.release()
             assert not c.prefill._busy
-            tokens, _, err = await c.request(f"next{given_its_turn}", tokens_of(9, 2), 2)
+            tokens, _, err = await c.request(f"next{given_its_turn}", prompt(9, 2), 2)
             assert err is None and not c.prefill._busy
 
 
@@ -119,7 +114,7 @@ def test_the_simulator_orders_its_prefill_queue_by_the_same_rule():
 
 async def _queued(c, rid, n, seed):
     """Start request ``rid`` (``n`` tokens) and wait until it is in the instance's queue."""
-    task = asyncio.ensure_future(c.request(rid, tokens_of(n, seed), 2, kv_timeout_s=5.0))
+    task = asyncio.ensure_future(c.request(rid, prompt(n, seed), 2, kv_timeout_s=5.0))
     while rid not in c.prefill.queue:
         await asyncio.sleep(0.001)
     return task
