@@ -33,7 +33,7 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
-from mooncake_lite.prefill.turns import QueuedJob, TurnTaking, _Hold
+from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import pack_sizes, packed_durations, uncached_tokens
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
@@ -69,7 +69,6 @@ class PrefillService(TurnTaking):
         self.overtakes = overtakes
         self._waiting: list[QueuedJob] = []
         self._busy = False
-        self._lock = _Hold(self)       # hold the instance as a request does (tests queue bursts behind it)
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0

@@ -99,12 +99,17 @@ class TurnTaking:
 
     async def hold(self) -> None:
         """Take the instance as a request would, behind every queued one and passed by none
-        (nothing is shorter than 0 tokens); :meth:`_release` gives it back."""
+        (nothing is shorter than 0 tokens); :meth:`unhold` gives it back. Tests queue bursts
+        behind a hold."""
         loop = asyncio.get_running_loop()
         holder = QueuedJob("", 0, 0, result=loop.create_future(), turn=loop.create_future())
         self._waiting.append(holder)
         self._grant()
         await self._await_turn(holder)     # a cancelled hold leaves the list
+
+    def unhold(self) -> None:
+        """Give back the instance :meth:`hold` took."""
+        self._release()
 
     def _release(self) -> None:
         self._busy = False
@@ -118,9 +123,3 @@ class TurnTaking:
                 self._busy = True
                 job.turn.set_result(None)
 
-
-class _Hold:
-    """``acquire``/``release`` of the instance, the names of the asyncio.Lock that was its FIFO."""
-
-    def __init__(self, service: TurnTaking) -> None:
-        self.acquire, self.release = service.hold, service._release

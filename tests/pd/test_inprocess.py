@@ -216,12 +216,12 @@ async def test_a_decode_refusing_keepalives_for_another_reason_keeps_the_queued_
     async with cluster(model, block_size=BS) as c:
         c.prefill.keepalive_s = 0.05
         c.decode.kv_alive = old_decode
-        await c.prefill._lock.acquire()
+        await c.prefill.hold()
         toks = prompt(12, 72)
         waiting = asyncio.ensure_future(c.request("queued", toks, 4))
         await asyncio.sleep(0.3)                     # several keepalives refused meanwhile
         assert "queued" not in c.prefill._aborted
-        c.prefill._lock.release()
+        c.prefill.unhold()
         tokens, reason, err = await waiting
         assert err is None and tokens == reference_greedy(model, toks, 4)
         assert_clean(c)
@@ -276,7 +276,7 @@ async def test_a_request_decode_drops_before_its_first_kv_frame_is_not_computed(
 async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped(model):
     async with cluster(model, block_size=BS) as c:
         c.prefill.keepalive_s = 0.1
-        await c.prefill._lock.acquire()              # the prefill is busy with something else
+        await c.prefill.hold()              # the prefill is busy with something else
         toks = prompt(12, 70)
         waiting = asyncio.ensure_future(c.request("queued", toks, 4, kv_timeout_s=0.8))
         dropped_events = c.decode.add_request(GenerateRequest("gone", "t-gone", 9, Sampling(max_tokens=2)))
@@ -289,7 +289,7 @@ async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped
             await asyncio.sleep(0.1)
             assert not waiting.done()
         assert dropped.done()                        # the keepalive learned that decode dropped it: out at once
-        c.prefill._lock.release()
+        c.prefill.unhold()
         tokens, reason, err = await waiting
         assert err is None and tokens == reference_greedy(model, toks, 4)
         with pytest.raises(PrefillAborted, match="while queued"):

@@ -36,13 +36,13 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
 
     c.prefill._run, c.prefill._run_pack = one, packed
     prompts = [prompt(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
-    await c.prefill._lock.acquire()
+    await c.prefill.hold()
     tasks = []
     for i, p in enumerate(prompts):      # one at a time: the arrival order is the index
         tasks.append(asyncio.ensure_future(c.request(f"r{i}", p, 2)))
         while len(c.prefill.queue) <= i:
             await asyncio.sleep(0.001)
-    c.prefill._lock.release()
+    c.prefill.unhold()
     results = await asyncio.gather(*tasks)
     for p, (tokens, _, err) in zip(prompts, results):
         assert err is None and tokens == reference_greedy(c.prefill.stage.runner.model, p, 2)
@@ -64,17 +64,17 @@ async def test_a_request_cancelled_while_queued_or_given_its_turn_frees_the_inst
     async with cluster(model, block_size=BS, chunk=64) as c:
         c.prefill.overtakes = 4
         for given_its_turn in (False, True):
-            await c.prefill._lock.acquire()
+            await c.prefill.hold()
             waiter = asyncio.ensure_future(c.request(f"gone{given_its_turn}", prompt(9, 1), 2, kv_timeout_s=5.0))
             while not c.prefill.queue:
                 await asyncio.sleep(0.001)
             if given_its_turn:
-                c.prefill._lock.release()      # its turn is given; cancelled before it takes it
+                c.prefill.unhold()      # its turn is given; cancelled before it takes it
             waiter.cancel()
             await asyncio.gather(waiter, return_exceptions=True)
             assert c.prefill._waiting == [] and c.prefill.queue == {}
             if not given_its_turn:
-                c.prefill._lock.release()
+                c.prefill.unhold()
             assert not c.prefill._busy
             tokens, _, err = await c.request(f"next{given_its_turn}", prompt(9, 2), 2)
             assert err is None and not c.prefill._busy
@@ -125,7 +125,7 @@ async def test_an_aborted_waiting_request_leaves_the_queue_at_once(model):
     from mooncake_lite.prefill.engine import PrefillAborted
     async with cluster(model, block_size=BS, chunk=64) as c:
         c.prefill.overtakes = 4
-        await c.prefill._lock.acquire()
+        await c.prefill.hold()
         long, short = await _queued(c, "long", 40, 1), await _queued(c, "short", 9, 2)
         assert [j.request_id for j in c.prefill._waiting] == ["short", "long"]
         assert c.prefill.abort("long")
@@ -135,7 +135,7 @@ async def test_an_aborted_waiting_request_leaves_the_queue_at_once(model):
         c.prefill.stage.abort("long", "test")
         c.decode.abort("long")
         assert c.prefill.load()["num_queued"] == 1.0 and "long" not in c.prefill.queue
-        c.prefill._lock.release()
+        c.prefill.unhold()
         tokens, _, err = await short
         assert err is None and not c.prefill._busy and c.prefill._waiting == []
 
@@ -154,9 +154,9 @@ async def test_arrivals_during_a_packs_store_matches_land_behind_its_members(mod
             return await uncached(job)
 
         c.prefill._uncached = match_with_an_arrival
-        await c.prefill._lock.acquire()
+        await c.prefill.hold()
         tasks = [await _queued(c, rid, 9, i) for i, rid in enumerate(["r0", "m1", "m2"])]
-        c.prefill._lock.release()
+        c.prefill.unhold()
         for tokens, _, err in await asyncio.gather(*tasks, *late):
             assert err is None
         assert seen[0][0] == ("m1", 0)           # without: ("late", 0), m1 passed once
@@ -166,23 +166,23 @@ async def test_arrivals_during_a_packs_store_matches_land_behind_its_members(mod
 async def test_a_packing_leader_skips_a_held_placeholder_and_a_cancelled_hold_leaves(model):
     async with cluster(model, block_size=BS, chunk=64) as c:
         c.prefill.batch_tokens = 40
-        await c.prefill._lock.acquire()
+        await c.prefill.hold()
         r0 = await _queued(c, "r0", 9, 1)
-        holder = asyncio.ensure_future(c.prefill._lock.acquire())    # waits behind r0
+        holder = asyncio.ensure_future(c.prefill.hold())    # waits behind r0
         await asyncio.sleep(0)
         r1 = await _queued(c, "r1", 9, 2)
-        c.prefill._lock.release()
+        c.prefill.unhold()
         tokens, _, err = await asyncio.wait_for(r0, 30)
         assert err is None                      # without: r0 fails matching the placeholder
         await asyncio.wait_for(holder, 30)      # r1 was in r0's pack, but returns at its turn
-        c.prefill._lock.release()
+        c.prefill.unhold()
         tokens, _, err = await asyncio.wait_for(r1, 30)
         assert err is None and c.prefill.totals["packed_requests_total"] == 2
-        await c.prefill._lock.acquire()
-        gone = asyncio.ensure_future(c.prefill._lock.acquire())
+        await c.prefill.hold()
+        gone = asyncio.ensure_future(c.prefill.hold())
         await asyncio.sleep(0)
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
         assert c.prefill._waiting == []         # without: the placeholder stays for ever
-        c.prefill._lock.release()
+        c.prefill.unhold()
         assert not c.prefill._busy
