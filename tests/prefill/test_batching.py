@@ -97,11 +97,11 @@ def assert_clean(c):
 async def queued_burst(c, prompts, max_tokens, **gather):
     """Send every prompt while the instance is held, so the whole burst is queued before its
     first pack is cut; the requests' outcomes in prompt order."""
-    await c.prefill._lock.acquire()
+    await c.prefill.hold()
     tasks = [asyncio.ensure_future(c.request(f"r{i}", p, max_tokens)) for i, p in enumerate(prompts)]
     while len(c.prefill.queue) < len(prompts):
         await asyncio.sleep(0.001)
-    c.prefill._lock.release()
+    c.prefill.unhold()
     return await asyncio.gather(*tasks, **gather)
 
 
