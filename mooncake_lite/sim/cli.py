@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
+from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.colocated import ColocatedSim
 from mooncake_lite.sim.config import ColocatedConfig, SimConfig
@@ -37,6 +38,10 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-batch-tokens", type=int, default=0,
                     help="prefill batching as the live role's flag: pack queued prompts up to this many "
                          "uncached tokens a forward (capped at --chunk; 0: one prompt at a time, the paper's)")
+    ap.add_argument("--prefill-queue-overtakes", type=int, default=0, metavar="K",
+                    help="the prefill queue's order, as the live role's --queue-order shortest --queue-overtakes "
+                         "K: shortest uncached prompt first, at most K later arrivals passing any one "
+                         f"(0: FIFO, the paper's; `mooncake up` serves shortest first with K={DEFAULT_OVERTAKES})")
     ap.add_argument("--cost-model", default="llama2-70b-a800",
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
                          "or `mooncake sim export-costs`")
@@ -101,7 +106,8 @@ def run_main(argv: list[str]) -> int:
                         scheduler=sched,
                         local_ttft_check=args.local_ttft_check, seed=args.seed,
                         max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
-                        decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens)
+                        decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens,
+                        prefill_queue_overtakes=args.prefill_queue_overtakes)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")

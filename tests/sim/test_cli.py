@@ -104,3 +104,34 @@ def test_sim_max_tokens_policy_predictor_and_decode_check_flags(tmp_path, capsys
     assert s["completed"] + s["rejected"] == 120
     assert main([*base, "--max-tokens-policy", "cap:0"]) == 2
     assert "max-tokens policy must be" in capsys.readouterr().err
+
+
+def test_sim_prefill_queue_overtakes_flag_orders_the_queue(tmp_path, capsys, monkeypatch):
+    """A burst on one prefill instance: the flag reaches SimConfig, and with K > 0 the shorter
+    prompts behind the first (which starts alone) go first (scheduler/queue_order.py)."""
+    from mooncake_lite.sim import runner
+    from tests.sim.helpers import req
+    path = tmp_path / "burst.jsonl"
+    write_trace([req(i, 0.0, n, 2) for i, n in enumerate([2500, 2000, 1500, 1000, 500])], path)
+    runs = []
+    real = runner.run_with_progress
+
+    def keep(*args, **kw):      # the run's per-request TTFTs, which the JSON summary does not list
+        runs.append(real(*args, **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(runner, "run_with_progress", keep)
+
+    def ttfts(*flags):
+        assert main([str(path), "--prefill", "1", "--decode", "1", "--admission", "none", "--json",
+                     "--no-progress", *flags]) == 0
+        capsys.readouterr()
+        return runs[-1].config["prefill_queue_overtakes"], [r.ttft for r in runs[-1].requests]
+
+    k, fifo = ttfts()
+    assert k == 0 and fifo == sorted(fifo)                # served in arrival order
+    k, shortest = ttfts("--prefill-queue-overtakes", "4")
+    assert k == 4 and shortest[0] == fifo[0]             # the first had started: never passed
+    assert shortest[1:] == sorted(shortest[1:], reverse=True)
+    assert main([str(path), "--prefill-queue-overtakes", "-1"]) == 2
+    assert "prefill_queue_overtakes must be >= 0" in capsys.readouterr().err
