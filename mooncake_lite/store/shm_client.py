@@ -13,31 +13,20 @@ once its lease ran out) is detected and fetched again over the socket, never ret
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import socket
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from mooncake_lite.store.fastget import (COPYING, GET, PUT, PUT_BODY, REFUSED, REPLY, REQUEST, SECRET_BYTES,
-                                          VERSION)
+from mooncake_lite.store.fastget import VERSION
+from mooncake_lite.store.fastget_client import ALIGN, FastChannel, FastPath, open_fast, target_for
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Populator
-from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
+from mooncake_lite.transfer.client import FrameClient, RemoteError
 from mooncake_lite.transfer.framing import Frame
 from mooncake_lite.transfer.shm import Mapping, ShmError, align, aligned_buffer, copy, open_offer
 
 log = logging.getLogger(__name__)
 Request = Callable[[Op, dict[str, Any]], Awaitable[Frame]]
-ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)
-# How long a single-block request may block its event loop waiting for the store's answer before
-# it waits the asynchronous way (the kernel rounds it up to a timer tick): 20x or more an answer's
-# usual 45-140 µs here, so only a busy store makes a request wait so long.
-SYNC_WAIT_S = 0.001
-# A single-block request not answered in this long (a store that busy, or a channel that lost its
-# way) gives the channel up: that request and all later ones go framed, which answer regardless.
-GIVE_UP_S = 2.0
 
 
 class SharedSlab:
@@ -116,111 +105,10 @@ class Staging:
                 waiter.set_result(None)
 
 
-class FastChannel:
-    """The client end of the store's single-block channel (``store/fastget.py``), on a plain
-    socket: a round trip is made from the caller's thread with blocking calls, not through the
-    event loop. An event loop hop on each side is most of what a 64 KiB get costs (the copy is
-    a few µs); waiting here for the store's answer saves the client's: no future, no timer, no
-    wake-up of the loop (a 64 KiB get 82-85 -> 44-51 µs p50 here). The loop is blocked at most
-    ``SYNC_WAIT_S`` (rounded up to a kernel tick) per request: an answer not in by then (a busy
-    store) is awaited the asynchronous way, and while one is, other single gets and puts go
-    framed. Replies carry their request's id: one that comes after its request gave up is
-    skipped and handed to that request's ``on_late`` (a get's lease back, a put's range free)."""
+class ShmPath(FastPath):
+    """A same-node client's path to one store: its slab, its staging area, its single-block
+    channel (``FastPath``: ``store/fastget_client.py``) and the leases it holds."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.ids = itertools.count()
-        self.busy = False        # a request's answer is being awaited asynchronously
-        self.is_closed = False
-        self._reply = memoryview(bytearray(REPLY.size))
-        self._got = 0            # bytes of the reply being read (kept across a timeout)
-        self._late: dict[int, Callable[[tuple], None]] = {}   # request id -> what its late reply is for
-        # Blocking, with the wait bounded by the kernel (SO_RCVTIMEO): one recv per answer, where
-        # Python's own socket timeout costs a failed recv and a poll first.
-        sock.setblocking(True)
-        wait = struct.pack("ll", 0, int(SYNC_WAIT_S * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wait)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)   # a request that cannot go: lost
-
-    @property
-    def usable(self) -> bool:
-        return not (self.busy or self.is_closed)
-
-    async def ask(self, op: int, key: bytes, done: int, timeout: float | None, peer: str, body: bytes = b"",
-                  on_late: Callable[[tuple], None] | None = None) -> tuple[int, int, int, int, int, int] | None:
-        """The reply's (read lease, offset, size, num_layers, slot, generation); None when the
-        channel is gone (or given up: no answer in ``GIVE_UP_S``, when ``timeout`` is longer).
-        Raises ``NoAnswer`` after a shorter ``timeout``; the channel stays, and ``on_late`` gets
-        that reply's fields when it comes (as it does if the caller is cancelled)."""
-        request_id = next(self.ids) % 0xFFFFFFFF + 1   # u32 on the wire, never 0 (a hand-back)
-        try:
-            self.sock.send(REQUEST.pack(op, request_id, done, key) + body)
-            while True:
-                reply = self._read_now()
-                if reply is None:
-                    give_up = timeout is None or timeout > GIVE_UP_S
-                    try:
-                        reply = await self._read_later(GIVE_UP_S if give_up else timeout, peer)
-                    except (NoAnswer, asyncio.CancelledError) as exc:
-                        if give_up and isinstance(exc, NoAnswer):
-                            log.warning("%s: no answer on the single-block channel in %.0f s: "
-                                        "using framed requests from now on", peer, GIVE_UP_S)
-                            self.close()
-                            return None
-                        if on_late is not None:
-                            self._late[request_id] = on_late
-                        raise
-                if reply[0] == request_id:
-                    return reply[1:]
-                late = self._late.pop(reply[0], None)
-                if late is not None:
-                    late(reply[1:])
-        except NoAnswer:
-            raise
-        except (OSError, ValueError):   # the socket died or was closed under us
-            self.close()
-            return None
-
-    def _read_now(self) -> tuple | None:
-        """A whole reply within ``SYNC_WAIT_S``, else None (the part read is kept)."""
-        while self._got < REPLY.size:
-            try:
-                n = self.sock.recv_into(self._reply[self._got:])
-            except BlockingIOError:   # SO_RCVTIMEO ran out
-                return None
-            if not n:
-                raise ConnectionError("fast get channel closed")
-            self._got += n
-        self._got = 0
-        return REPLY.unpack(self._reply)
-
-    async def _read_later(self, timeout: float | None, peer: str) -> tuple:
-        loop = asyncio.get_running_loop()
-        self.busy = True
-        self.sock.setblocking(False)
-        try:
-            async with asyncio.timeout(timeout):
-                while self._got < REPLY.size:
-                    n = await loop.sock_recv_into(self.sock, self._reply[self._got:])
-                    if not n:
-                        raise ConnectionError("fast get channel closed")
-                    self._got += n
-        except TimeoutError:
-            raise NoAnswer(peer, "fast request", timeout or 0.0) from None
-        finally:
-            self.busy = False
-            if not self.is_closed:
-                self.sock.setblocking(True)
-        self._got = 0
-        return REPLY.unpack(self._reply)
-
-    def close(self) -> None:
-        if not self.is_closed:
-            self.is_closed = True
-            self.sock.close()
-
-
-class ShmPath:
     def __init__(self, frames: FrameClient, slab: SharedSlab, staging: Staging | None = None) -> None:
         self.frames = frames
         self.slab = slab
@@ -268,7 +156,7 @@ class ShmPath:
                 if not size:
                     result.append(None)
                     continue
-                target = _target(outs, i, size)
+                target = target_for(outs, i, size)
                 if span is None:   # bytes the store could not keep in DRAM came on the socket
                     target[:] = raw[raw_offset:raw_offset + size]
                     raw_offset += size
@@ -293,92 +181,6 @@ class ShmPath:
         if self._done_soon is None:
             self._done_soon = asyncio.get_running_loop().call_soon(self._send_reads_done)
 
-    async def fast_get(self, key: bytes, out: memoryview | None, timeout: float | None
-                       ) -> tuple[memoryview, int] | None:
-        """One block through the single-get channel; None: ask the framed way (not in the
-        store's DRAM, the channel is gone or busy, or the slot changed while we copied)."""
-        fast = self.fast
-        if fast is None or not fast.usable or self.is_closed:
-            return None
-        reply = await self._ask_fast(fast, GET, key, timeout, self._late_get)
-        if reply is None:
-            return None
-        read_id, offset, size, num_layers, slot, gen = reply
-        if not size:
-            return None
-        target = _target(None if out is None else [out], 0, size)
-        try:
-            self.slab.copy(offset, size, target)
-            current = self.slab.is_current(slot, gen)
-        finally:
-            self._finished(read_id)
-        return (target, num_layers) if current else None
-
-    async def _ask_fast(self, fast: FastChannel, op: int, key: bytes, timeout: float | None,
-                        on_late: Callable[[tuple], None], body: bytes = b"") -> tuple | None:
-        # A lease we are done with rides on this request (the rest go as they would anyway).
-        done = self._reads_done.pop() if self._reads_done else 0
-        # The channel's replies come in the order the store wrote them, so this request's reply
-        # comes after the copies of every put answered ``COPYING`` before it.
-        owed, self._fast_copying = self._fast_copying, []
-        try:
-            reply = await fast.ask(op, key, done, timeout, self.frames.label, body, on_late)
-        except BaseException:
-            self._owed_back(owed)
-            raise
-        if reply is None:
-            self._owed_back(owed)   # the framed ``_flush`` frees them
-            if done:
-                self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
-            return None
-        for start, need in owed:
-            self.staging.free(start, need)   # type: ignore[union-attr]
-        return reply
-
-    def _owed_back(self, owed: list[tuple[int, int]]) -> None:
-        if owed:
-            self._fast_copying[:0] = owed
-            self.staging.wake()   # type: ignore[union-attr]   # flushable again (see ``_answered``)
-
-    async def fast_put(self, key: bytes, block: memoryview, num_layers: int, first_pos: int,
-                       timeout: float | None) -> int | None:
-        """One block through the staging area and the single-block channel: 1 if new, 0 if
-        not; None: put it the framed way (no room in the staging area right now, the channel
-        busy or gone, or the store did not take it, and the framed put says why). A big block
-        is answered before the store copies it out (``COPYING``), so its range stays taken
-        until the next reply on the channel; the next put is copied in meanwhile."""
-        fast, staging = self.fast, self.staging
-        if fast is None or staging is None or not fast.usable or self.is_closed:
-            return None
-        need = align(block.nbytes, ALIGN)
-        start = staging._take(need)
-        if start is None and self._fast_copying:   # room the store is done with: one reply frees it
-            got = await self._ask_fast(fast, GET, bytes(16), timeout, self._late_get)
-            if got is not None and got[0]:
-                self._finished(got[0])
-            start = staging._take(need) if fast.usable else None
-        if start is None:
-            return None
-        copy(staging.mapping.view[start:start + block.nbytes], block)
-        body = PUT_BODY.pack(start, block.nbytes, num_layers, first_pos)
-        # A request that timed out or was cancelled is still read by the store: its range is
-        # free only once its late answer (and, if that says COPYING, the one after) is in.
-        reply = await self._ask_fast(fast, PUT, key, timeout, lambda late: self._put_answered(late, start, need), body)
-        if reply is None:
-            return None   # the channel is gone, maybe after the store read the request: the range stays taken
-        self._put_answered(reply, start, need)
-        return None if reply[1] == REFUSED else reply[2]
-
-    def _put_answered(self, reply: tuple, start: int, need: int) -> None:
-        if reply[1] == COPYING:
-            self._fast_copying.append((start, need))
-            self.staging.wake()   # type: ignore[union-attr]   # flushable now (see ``_answered``)
-        else:
-            self.staging.free(start, need)   # type: ignore[union-attr]
-
-    def _late_get(self, reply: tuple) -> None:
-        if reply[0]:
-            self._finished(reply[0])
 
     def _take_reads_done(self) -> dict[str, Any] | None:
         if not self._reads_done:
@@ -453,7 +255,7 @@ class ShmPath:
             if arena is not None:
                 target, pos = arena[pos:pos + size], pos + align(size, ALIGN)
             else:
-                target = _target(outs, i, size)
+                target = target_for(outs, i, size)
             self.slab.copy(offset, size, target)
             result.append((target, num_layers))
         return result if all(self.slab.is_current(e[4], e[5]) for e in entries) else None   # type: ignore[index]
@@ -533,11 +335,6 @@ class ShmPath:
             self.staging.mapping.close()
 
 
-def _target(outs: Sequence[memoryview | None] | None, i: int, size: int) -> memoryview:
-    out = outs[i] if outs is not None else None
-    return out[:size] if out is not None and out.nbytes >= size else aligned_buffer(size)
-
-
 async def attach(frames: FrameClient) -> ShmPath | None:
     """The fast path to the store behind ``frames`` if it offered one we can use, else None."""
     offer = frames.hello.get("shm")
@@ -567,28 +364,5 @@ async def attach(frames: FrameClient) -> ShmPath | None:
                 path.staging.mapping.close()
             path.staging = None
     if offer.get("fast") == VERSION and offer.get("fast") is not True:   # this layout only (True == 1)
-        path.fast = await _open_fast(frames)
+        path.fast = await open_fast(frames)
     return path
-
-
-async def _open_fast(frames: FrameClient) -> FastChannel | None:
-    """The store's single-get channel: its name and our secret come on the authenticated
-    connection; the secret is the first thing we send on the channel."""
-    try:
-        reply = await frames.request(Op.FAST_ATTACH, {})
-        name, secret = str(reply.meta["socket"]), bytes.fromhex(reply.meta["secret"])
-        if len(secret) != SECRET_BYTES:
-            raise ValueError("a secret of the wrong size")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, "\0" + name)
-            sock.setblocking(True)
-            sock.sendall(secret)   # a few bytes into an empty socket buffer: never blocks
-        except BaseException:
-            sock.close()
-            raise
-    except (RemoteError, OSError, KeyError, TypeError, ValueError) as exc:
-        log.info("store %s: single gets go framed (%s)", frames.conn.name, exc)
-        return None
-    return FastChannel(sock)

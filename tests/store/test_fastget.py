@@ -1,6 +1,6 @@
 """The single-get channel bounds what a stranger on the node can hold (store/fastget.py): a
 connection that shows no secret is closed, a data connection's secrets and read leases are
-capped. Its client end (store/shm_client.py) waits for an answer without the event loop, and on
+capped. Its client end (store/fastget_client.py) waits for an answer without the event loop, and on
 the loop only for a slow one; late replies are skipped and their leases handed back."""
 
 import asyncio
@@ -153,7 +153,7 @@ async def test_a_staged_put_on_the_channel_is_checked_copied_and_committed(monke
 
 # ---- the client's channel: a synchronous round trip, the loop only for a slow answer -----------
 def _client_channel():
-    from mooncake_lite.store.shm_client import FastChannel
+    from mooncake_lite.store.fastget_client import FastChannel
     mine, store_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     store_end.settimeout(5)
     return FastChannel(mine), store_end
@@ -184,12 +184,12 @@ async def test_client_channel_skips_late_replies_and_hands_their_leases_back():
 
 
 async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_closed_store():
-    from mooncake_lite.store import shm_client
+    from mooncake_lite.store import fastget_client
     channel, store_end = _client_channel()
     try:
         loop = asyncio.get_running_loop()
         asking = asyncio.ensure_future(channel.ask(fastget.GET, b"k" * 16, 0, 5, "store"))
-        await asyncio.sleep(shm_client.SYNC_WAIT_S * 20)
+        await asyncio.sleep(fastget_client.SYNC_WAIT_S * 20)
         assert not asking.done() and not channel.usable   # waiting on the loop: others go framed
         await loop.run_in_executor(None, store_end.sendall, _reply(1, 21)[:10])   # in two pieces
         await asyncio.sleep(0.01)
@@ -204,8 +204,8 @@ async def test_client_channel_waits_on_the_loop_for_a_slow_answer_and_notices_a_
 async def test_client_channel_gives_up_on_a_store_that_never_answers(monkeypatch):
     """With a timeout longer than GIVE_UP_S, a request left unanswered that long closes the
     channel and returns None: the caller goes framed, and so does every later request."""
-    from mooncake_lite.store import shm_client
-    monkeypatch.setattr(shm_client, "GIVE_UP_S", 0.05)
+    from mooncake_lite.store import fastget_client
+    monkeypatch.setattr(fastget_client, "GIVE_UP_S", 0.05)
     channel, store_end = _client_channel()
     try:
         assert await channel.ask(fastget.GET, b"k" * 16, 0, 30, "store") is None
