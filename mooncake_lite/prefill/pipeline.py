@@ -34,7 +34,7 @@ import torch
 from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
-from mooncake_lite.prefill.service import sampling_params
+from mooncake_lite.prefill.results import sampling_params
 from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
