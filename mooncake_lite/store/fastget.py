@@ -24,6 +24,10 @@ reply, so a 64 KiB get costs about what two processes' wake-ups cost at the leas
   channel arrives; ``REFUSED``: not taken (no staging area, a range outside it, a bad size, the
   store full), and the client puts the framed way, which says why.
 * Anything else (an unknown op) closes the channel with a WARNING; the store carries on.
+* A client that gives its channel up (no answer in its ``GIVE_UP_S``) asks FAST_ATTACH with
+  ``retire`` on its data connection: the store closes that connection's channels and answers
+  ``retired``, after which no request sent on them is handled any more, so the staging ranges
+  they named are the client's to reuse.
 * Anyone on the node can connect to an abstract socket, so what a stranger can hold is bounded:
   a connection must show a secret within ``ADMIT_TIMEOUT_S``; a data connection holds at most
   ``MAX_GRANTS`` secrets (asking again retires its oldest); and a channel stops reading while its
@@ -114,6 +118,16 @@ class FastGets:
         for channel in conn.state.pop("fast_channels", []):
             channel.close()
 
+    def retire(self, conn: FrameConnection) -> None:
+        """Close a data connection's channels and forget its secrets (FAST_ATTACH with
+        ``retire``: its client gave the channel up). Each request is handled whole in the
+        callback that reads it, so once this returns none is half-handled and none is read
+        any more (what the client sent that was not read yet is dropped unread)."""
+        for secret in conn.state.pop("fast_secrets", []):
+            self._grants.pop(secret, None)
+        for channel in conn.state.pop("fast_channels", []):
+            channel.abort()
+
 
 class _Channel(asyncio.Protocol):
     def __init__(self, gets: FastGets) -> None:
@@ -141,6 +155,10 @@ class _Channel(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.conn is not None and not self._buf and len(data) == REQUEST.size and data[0] == GET:

@@ -69,9 +69,10 @@ class FastChannel:
     async def ask(self, op: int, key: bytes, done: int, timeout: float | None, peer: str, body: bytes = b"",
                   on_late: Callable[[tuple], None] | None = None) -> tuple[int, int, int, int, int, int] | None:
         """The reply's (read lease, offset, size, num_layers, slot, generation); None when the
-        channel is gone (or given up: no answer in ``GIVE_UP_S``, when ``timeout`` is longer).
-        Raises ``NoAnswer`` after a shorter ``timeout``; the channel stays, and ``on_late`` gets
-        that reply's fields when it comes (as it does if the caller is cancelled)."""
+        channel is gone (or given up: no answer in ``GIVE_UP_S``, when ``timeout`` is longer;
+        ``on_late`` is then kept for ``settle``). Raises ``NoAnswer`` after a shorter
+        ``timeout``; the channel stays, and ``on_late`` gets that reply's fields when it comes
+        (as it does if the caller is cancelled)."""
         request_id = next(self.ids) % 0xFFFFFFFF + 1   # u32 on the wire, never 0 (a hand-back)
         try:
             self.sock.send(REQUEST.pack(op, request_id, done, key) + body)
@@ -85,8 +86,7 @@ class FastChannel:
                         if give_up and isinstance(exc, NoAnswer):
                             log.warning("%s: no answer on the single-block channel in %.0f s: "
                                         "using framed requests from now on", peer, GIVE_UP_S)
-                            self.close()
-                            return None
+                            return self._lost(request_id, on_late)
                         if on_late is not None:
                             self._late[request_id] = on_late
                         raise
@@ -98,8 +98,22 @@ class FastChannel:
         except NoAnswer:
             raise
         except (OSError, ValueError):   # the socket died or was closed under us
-            self.close()
-            return None
+            return self._lost(request_id, on_late)
+
+    def _lost(self, request_id: int, on_late: Callable[[tuple], None] | None) -> None:
+        """Close the channel; the store may still have read the request (or be about to), so
+        what it holds is let go only by ``settle``."""
+        if on_late is not None:
+            self._late[request_id] = on_late
+        self.close()
+
+    def settle(self) -> None:
+        """The store has retired this channel (FAST_ATTACH ``retire`` answered): no request
+        sent on it is being handled or will be, so none will be answered either. Each one
+        still owed gets a reply of zeros (no lease, not ``COPYING``): what it held is free."""
+        late, self._late = self._late, {}
+        for on_late in late.values():
+            on_late((0, 0, 0, 0, 0, 0))
 
     def _read_now(self) -> tuple | None:
         """A whole reply within ``SYNC_WAIT_S``, else None (the part read is kept)."""
@@ -192,10 +206,30 @@ class FastPath:
             self._owed_back(owed)   # the framed ``_flush`` frees them
             if done:
                 self._finished(done)   # maybe not delivered: READ_DONE says it again (harmless)
+            await self._retire(fast, timeout)
             return None
         for start, need in owed:
             self.staging.free(start, need)   # type: ignore[union-attr]
         return reply
+
+    async def _retire(self, fast: FastChannel, timeout: float | None) -> None:
+        """The channel is gone with requests the store may still read (a put's staged range
+        among them): ask the store, framed, to stop reading this connection's channels. Its
+        answer comes after whatever it read was handled, so those ranges are free then. With
+        no such answer (an older store, no answer in ``timeout``) they stay taken until the
+        connection closes: a store that read the request later would copy whatever we had
+        put there since."""
+        if not fast._late or self.is_closed:
+            return
+        try:
+            request = self.frames.request(Op.FAST_ATTACH, {"retire": True})
+            reply = await (asyncio.wait_for(request, timeout) if timeout else request)
+        except (RemoteError, TimeoutError, ConnectionError) as exc:
+            log.info("%s: single-block channel not retired (%s): its staged ranges stay taken",
+                     self.frames.label, exc)
+            return
+        if reply.meta.get("retired") is True:
+            fast.settle()
 
     def _owed_back(self, owed: list[tuple[int, int]]) -> None:
         if owed:
@@ -227,7 +261,7 @@ class FastPath:
         # free only once its late answer (and, if that says COPYING, the one after) is in.
         reply = await self._ask_fast(fast, PUT, key, timeout, lambda late: self._put_answered(late, start, need), body)
         if reply is None:
-            return None   # the channel is gone, maybe after the store read the request: the range stays taken
+            return None   # the channel is gone: the range is freed once the store retired it (``_retire``)
         self._put_answered(reply, start, need)
         return None if reply[1] == REFUSED else reply[2]
 

@@ -77,6 +77,12 @@ class ShmService:
             self.end_reads(conn, frame.meta.get("reads"))
         elif frame.op == Op.SHM_ATTACH:
             conn.send(frame.op, frame.request_id, self._attach(conn), flags=FLAG_REPLY)
+        elif frame.op == Op.FAST_ATTACH and frame.meta.get("retire") is True:
+            # A client that gave its channel up: nothing more is read from that connection's
+            # channels, and this answer goes after whatever was read was handled (one event
+            # loop), so every staging range a request on them named is the client's again.
+            self.fast.retire(conn)
+            conn.send(frame.op, frame.request_id, {"retired": True}, flags=FLAG_REPLY)
         elif frame.op == Op.FAST_ATTACH:
             if not self._fast_started:
                 raise MetaError("this store has no fast get channel")

@@ -174,6 +174,36 @@ async def test_single_gets_take_the_fast_channel(store):
     await leases_all_ended(store)
 
 
+async def test_a_given_up_single_put_frees_its_staged_range(store, monkeypatch):
+    """A one-block put left unanswered for GIVE_UP_S (the store stopped) gives the channel up
+    and goes framed. The store may still read that request later, so its staged range is let
+    go only once the store has retired the channel (FAST_ATTACH ``retire``); before, it stayed
+    taken until the connection closed. Reusing it afterwards corrupts nothing."""
+    import signal
+
+    from mooncake_lite.store import fastget_client
+    monkeypatch.setattr(fastget_client, "GIVE_UP_S", 0.05)
+    client = await StoreClient.connect(store.addresses["data"], token=TOKEN)
+    pid = store.proc.pid
+    keys = chain(3, seed=35)
+    try:
+        shm_path, staging = client.shm, client.shm.staging
+        assert shm_path.fast is not None
+        os.kill(pid, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(0.3, os.kill, pid, signal.SIGCONT)
+        assert await asyncio.wait_for(client.put(keys[:1], [block(keys[0], 5000)]), 10) in (0, 1)
+        assert shm_path.fast.is_closed and not shm_path.fast._late
+        held = staging.size - sum(n for _, n in staging._free)
+        # Nothing held but what a later answer frees (the framed put's range, answered COPYING).
+        assert held == sum(n for _, n in shm_path._copying + shm_path._fast_copying)
+        for key in keys[1:]:   # framed now, through the same staging ranges
+            assert await client.put([key], [block(key, 5000)]) == 1
+        assert [bytes(g) for g in await client.get(keys)] == [block(k, 5000) for k in keys]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await client.close()
+
+
 async def test_tcp_fallback_when_shm_is_refused(store, role_procs, monkeypatch):
     address = store.addresses["data"]
     off = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "1MiB", "--slot-bytes", "256KiB",
