@@ -13,6 +13,7 @@ once its lease ran out) is detected and fetched again over the socket, never ret
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -55,16 +56,18 @@ class SharedSlab:
 
 
 class Staging:
-    """This connection's staging area, handed out first-fit to the puts in flight."""
+    """This connection's staging area, handed out first-fit to the puts in flight. Only its
+    first ``window`` bytes are used (all of it when None)."""
 
-    def __init__(self, mapping: Mapping) -> None:
+    def __init__(self, mapping: Mapping, window: int | None = None) -> None:
         self.mapping = mapping
-        self.size = mapping.size
+        self.size = mapping.size if window is None else max(1, min(window, mapping.size))
         # Its pages, faulted in by a background thread: a first write into a page costs a page
         # fault (0.2 GB/s here against 5-7 into resident pages), which the first puts would pay.
         # Small chunks: closing the connection waits for the one under way, on the event loop.
-        self.populator = Populator(mapping.map, mapping.view, "staging area", sync_bytes=0, chunk=2 << 20)
-        self._free: list[tuple[int, int]] = [(0, mapping.size)]   # (start, length), sorted
+        self.populator = Populator(mapping.map, mapping.view[:self.size], "staging area", sync_bytes=0,
+                                   chunk=2 << 20)
+        self._free: list[tuple[int, int]] = [(0, self.size)]   # (start, length), sorted
         self._waiters: list[asyncio.Future] = []
 
     async def alloc(self, nbytes: int, unblock: Callable[[], Awaitable[bool]] | None = None) -> int:
@@ -335,6 +338,29 @@ class ShmPath(FastPath):
             self.staging.mapping.close()
 
 
+def staging_window(slot_bytes: Any) -> int:
+    """How much of a staging area to use: about the last-level cache, so that what a put copies
+    in is still in the cache when the store copies it out (first fit reuses the same ranges).
+    Spread over a bigger area, both copies miss: batched puts of 1 MiB blocks through a 128 MiB
+    area 2.4-2.8 GB/s and 0.39-0.42 CPU s/GB, through 8-32 MiB 3.1-3.7 GB/s and 0.24-0.33 (32 MiB
+    of L3 here). Room for two of the store's largest blocks at least."""
+    slot = slot_bytes if isinstance(slot_bytes, int) and not isinstance(slot_bytes, bool) else 0
+    return max(last_level_cache_bytes(), 2 * slot)
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache of this machine (Linux sysfs), else ``default``."""
+    sizes = []
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(index) as fh:
+                text = fh.read().strip()
+            sizes.append(int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=default)
+
+
 async def attach(frames: FrameClient) -> ShmPath | None:
     """The fast path to the store behind ``frames`` if it offered one we can use, else None."""
     offer = frames.hello.get("shm")
@@ -355,7 +381,7 @@ async def attach(frames: FrameClient) -> ShmPath | None:
         try:
             reply = await frames.request(Op.SHM_ATTACH, {})
             staging = open_offer(reply.meta, writable=True)
-            path.staging = Staging(staging)
+            path.staging = Staging(staging, staging_window(frames.hello.get("slot_bytes")))
             await frames.request(Op.SHM_READY, {})
         except (ShmError, RemoteError) as exc:
             log.info("store %s: puts use TCP (%s)", frames.conn.name, exc)

@@ -437,3 +437,23 @@ async def test_a_put_waiting_for_room_wakes_when_the_one_in_flight_answers_copyi
         assert sent == [Op.PUT, Op.EXISTS, Op.PUT]
     finally:
         path.staging.populator.stop()
+
+
+def test_puts_are_staged_in_a_cache_sized_window():
+    """A staging area is used only up to about the last-level cache (what a put copies in is
+    still cached when the store copies it out), never less than two of the store's largest
+    blocks; an area smaller than that is used whole."""
+    import mmap
+    from types import SimpleNamespace
+    area = mmap.mmap(-1, 8 << 20)
+    mapping = SimpleNamespace(map=area, view=memoryview(area), size=8 << 20, close=lambda: None)
+    staging, whole = shm_client.Staging(mapping, window=2 << 20), shm_client.Staging(mapping, window=64 << 20)
+    try:
+        assert staging.size == 2 << 20 and staging._take(2 << 20) == 0 and staging._take(64) is None
+        assert whole.size == 8 << 20
+    finally:
+        staging.populator.stop()
+        whole.populator.stop()
+    cache = shm_client.last_level_cache_bytes()
+    assert cache >= 1 << 20
+    assert shm_client.staging_window(None) == cache and shm_client.staging_window(cache) == 2 * cache
