@@ -22,10 +22,12 @@ class BlockEvent:
     keys: tuple[Hashable, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefixMatch:
     """Result of :meth:`BlockIndex.match`: the best store and every store's prefix length
-    (in blocks; stores holding no leading block are absent from ``lengths``)."""
+    (in blocks; stores holding no leading block are absent from ``lengths``). Read-only by
+    contract (one is built per request: a frozen dataclass would set each field through
+    ``object.__setattr__``)."""
 
     best_len: int
     best_store_id: Hashable | None

@@ -1,7 +1,12 @@
 """What the scheduler is told: the request and a snapshot of every live instance.
 
-Plain frozen values. The live conductor and the simulator build the instance states with the
-same class (:mod:`mooncake_lite.scheduler.view`); tests build them by hand. Times are seconds on
+Plain values, read-only by contract: the estimate cache keys what it derives on a state's
+identity (the same object means the same values), so nothing changes a record once built —
+a change is a new record. They are not ``frozen`` dataclasses because a frozen one sets each
+field through ``object.__setattr__`` (three times the cost of a plain slot write), and the
+simulator builds ~10 of them per request; they stay hashable by their fields. The live
+conductor and the simulator build the instance states with the same class
+(:mod:`mooncake_lite.scheduler.view`); tests build them by hand. Times are seconds on
 the caller's clock; the scheduler only ever compares them with the ``now`` it is given. What
 the scheduler derives from a state (predicted queue times, leave times) is not kept on it: see
 :mod:`mooncake_lite.scheduler.cache`.
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ScheduleRequest:
     """One request to place. ``block_keys`` are the chained keys of its *full* prompt blocks
     (16-byte ``bytes`` live, ints in the simulator); ``num_tokens`` is the whole prompt length."""
@@ -33,7 +38,7 @@ class ScheduleRequest:
                              f"got {self.max_output_tokens}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class QueuedPrefill:
     """Prefill work already assigned to an instance, in execution order.
 
@@ -51,7 +56,7 @@ class QueuedPrefill:
     passed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class PrefillInstanceState:
     """A prefill instance: its local store (where its prefix hits come from), queued work,
     measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported.
@@ -68,7 +73,7 @@ class PrefillInstanceState:
     overtakes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DecodingRequest:
     """A request in a decode instance's continuous batch (its KV has arrived).
 
@@ -83,7 +88,7 @@ class DecodingRequest:
     max_output_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class IncomingRequest:
     """A request the caller has committed to a decode instance whose KV has not arrived yet
     (its prefill is queued or running, or its KV is still in transit). It will be in that
@@ -100,7 +105,7 @@ class IncomingRequest:
     max_output_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DecodeInstanceState:
     """A decode instance: its running batch (KV arrived) and the requests committed to it whose
     KV is still to come (``incoming``, from the caller's record of what it dispatched).
@@ -121,7 +126,7 @@ class DecodeInstanceState:
     tbt_s: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ClusterState:
     """Snapshot of the live instances at decision time (dead ones already left out)."""
 
