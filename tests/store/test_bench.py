@@ -18,6 +18,7 @@ def test_bench_store_json_smoke():
     report = orjson.loads(res.stdout)
     fig = report["sizes"]["65536"]
     assert fig["memcpy_gbps"] > 0 and fig["socket_gbps"] > 0
+    assert fig["memcpy_cold_read_gbps"] > 0 and fig["memcpy_cold_write_gbps"] > 0   # as the slab is copied
     for op in ("put", "get", "batched_put", "batched_get"):
         assert fig[op]["gbps"] > 0 and fig[op]["p99_ms"] >= fig[op]["p50_ms"] > 0
         assert fig[op]["mooncake_gbps"] == report["reference_mooncake_gbps"][op]["65536"]
@@ -26,6 +27,7 @@ def test_bench_store_json_smoke():
     # The same-node fast path, beside TCP in the same run, with its goals (issue 17).
     for op in ("shm_put", "shm_put_alone", "shm_get", "shm_batched_put", "shm_batched_get", "shm_leased_get"):
         assert fig[op]["gbps"] > 0 and fig[op]["vs_tcp"] > 0 and "2x_tcp" in fig[op]["goals_met"]
+        assert fig[op]["vs_memcpy_cold"] > 0
     assert fig["put_alone"]["gbps"] > 0 and fig["put_alone"]["goals_met"] == {}
     assert "64KiB_get_50us" in fig["shm_leased_get"]["goals_met"]
     # The round-trip floor beside the single gets: echoes between two event loops, a no-work request.
