@@ -104,6 +104,23 @@ async def test_read_leases_never_handed_back_are_bounded(monkeypatch):
     assert store.num_leases == 3 and sum(store._dram[k].pins for k in keys) == 3
 
 
+async def test_retire_aborts_a_connections_channels_and_forgets_its_secrets(monkeypatch):
+    """FAST_ATTACH with ``retire`` (its client gave the channel up): the data connection's
+    channels are aborted (nothing they still carry is read), its secrets admit no one, and the
+    answer says ``retired``: the client may reuse the staging ranges it named there."""
+    from mooncake_lite.store.protocol import Op
+    _, channel, _ = _channel_on_a_store(monkeypatch, bound=4)
+    conn, gets = channel.conn, channel.gets
+    secret = b"s" * fastget.SECRET_BYTES
+    gets._grants[secret] = conn
+    conn.state.update(fast_secrets=[secret], fast_channels=[channel])
+    sent = []
+    conn.send = lambda op, request_id, meta=None, payload=(), flags=0: sent.append((op, request_id, meta))
+    gets.shm.handle(conn, SimpleNamespace(op=Op.FAST_ATTACH, request_id=9, meta={"retire": True}))
+    assert channel.transport.aborted and gets.admit(secret) is None and not gets._grants
+    assert sent == [(Op.FAST_ATTACH, 9, {"retired": True})]
+
+
 async def test_a_well_behaved_client_never_meets_the_bound(monkeypatch):
     store, channel, keys = _channel_on_a_store(monkeypatch, bound=2)
     done = 0
