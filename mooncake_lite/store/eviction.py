@@ -203,6 +203,15 @@ class BlockCache:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
+        if type(self.policy) is LRUPolicy:     # on the ordered dict itself: no two calls per key
+            order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
+            move, num_hits = order.move_to_end, 0
+            for key in keys:
+                if key not in order:
+                    break
+                move(key)
+                num_hits += 1
+            return num_hits
         num_hits = 0
         for key in keys:
             if key not in self.policy:

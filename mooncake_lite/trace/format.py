@@ -27,9 +27,11 @@ class TraceError(ValueError):
     """A trace line that is not a valid Mooncake request (message names file and line)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TraceRequest:
-    """One request of a trace. ``request_id`` is the 0-based line order after sorting by time."""
+    """One request of a trace. ``request_id`` is the 0-based line order after sorting by time.
+    Read-only by contract, not ``frozen``: a frozen dataclass sets each field through
+    ``object.__setattr__``, and a simulation builds one per line of a million-line trace."""
     request_id: int
     timestamp_ms: float
     input_length: int
