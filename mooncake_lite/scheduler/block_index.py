@@ -9,7 +9,7 @@ keys (ANDing masks) and never scans the index: O(len(keys) + num_stores).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -22,23 +22,55 @@ class BlockEvent:
     keys: tuple[Hashable, ...]
 
 
-@dataclass(slots=True)
 class PrefixMatch:
     """Result of :meth:`BlockIndex.match`: the best store and every store's prefix length
     (in blocks; stores holding no leading block are absent from ``lengths``). Read-only by
-    contract (one is built per request: a frozen dataclass would set each field through
-    ``object.__setattr__``)."""
+    contract.
 
-    best_len: int
-    best_store_id: Hashable | None
-    lengths: dict[Hashable, int]
-    # ``lengths`` grouped: (length, the stores with that length), one entry per run of the walk.
-    # Each list is the index's own (shared by every match with the same holders, never changed),
-    # so a caller may key what it derives from a list's stores on the list's identity.
-    runs: tuple[tuple[int, list[Hashable]], ...] = field(default=(), compare=False, repr=False)
+    ``runs`` is ``lengths`` grouped: (length, the stores with that length), one entry per run
+    of the walk, each store in one run. Each list is the index's own (shared by every match
+    with the same holders, never changed), so a caller may key what it derives from a list's
+    stores on the list's identity. A match the index made builds ``lengths`` from its runs only
+    when it is read: a hot prefix is on ~70 stores, and a wide decision reads one length
+    (:meth:`length_at`, from the runs), so the dict would cost more than the rest of the match.
+    """
+
+    __slots__ = ("best_len", "best_store_id", "runs", "_lengths")
+
+    def __init__(self, best_len: int, best_store_id: Hashable | None, lengths: dict[Hashable, int] | None = None,
+                 runs: tuple[tuple[int, list[Hashable]], ...] = ()) -> None:
+        self.best_len = best_len
+        self.best_store_id = best_store_id
+        self.runs = runs
+        self._lengths = lengths      # None: built from the runs when read
+
+    @property
+    def lengths(self) -> dict[Hashable, int]:
+        lengths = self._lengths
+        if lengths is None:
+            lengths = self._lengths = {}
+            for depth, stores in self.runs:
+                lengths.update(dict.fromkeys(stores, depth))
+        return lengths
 
     def length_at(self, store_id: Hashable) -> int:
-        return self.lengths.get(store_id, 0)
+        if self._lengths is None:
+            for depth, stores in self.runs:   # each store is in one run at most
+                if store_id in stores:
+                    return depth
+            return 0
+        return self._lengths.get(store_id, 0)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PrefixMatch):
+            return NotImplemented
+        return (self.best_len, self.best_store_id, self.lengths) == (other.best_len, other.best_store_id,
+                                                                     other.lengths)
+
+    __hash__ = None      # type: ignore[assignment]   # it holds a dict
+
+    def __repr__(self) -> str:
+        return f"PrefixMatch(best_len={self.best_len!r}, best_store_id={self.best_store_id!r}, lengths={self.lengths!r})"
 
 
 class BlockIndex:
@@ -161,7 +193,6 @@ class BlockIndex:
         """FindBestPrefixMatch: per-store leading-run lengths and the best (ties: the store
         registered first, i.e. lowest slot, so the answer is deterministic)."""
         masks = self._masks
-        lengths: dict[Hashable, int] = {}
         runs: list[tuple[int, list[Hashable]]] = []
         alive = -1  # all slots
         depth = 0
@@ -172,20 +203,19 @@ class BlockIndex:
                 last = m
                 still = alive & m
                 if still != alive:
-                    self._record(alive & ~still, depth, lengths, runs)
+                    self._record(alive & ~still, depth, runs)
                     alive = still
                     if not alive:
                         break
             depth += 1
         if alive:
-            self._record(alive, depth, lengths, runs)
+            self._record(alive, depth, runs)
         # The runs come longest last, each store in exactly one, each run's stores lowest slot
         # first: the best is the last run's first store (longest; ties to the lowest slot).
         best_len, stores = runs[-1] if runs else (0, (None,))
-        return PrefixMatch(best_len, stores[0], lengths, tuple(runs))
+        return PrefixMatch(best_len, stores[0], None, tuple(runs))
 
-    def _record(self, mask: int, depth: int, lengths: dict[Hashable, int],
-                runs: list[tuple[int, list[Hashable]]]) -> None:
+    def _record(self, mask: int, depth: int, runs: list[tuple[int, list[Hashable]]]) -> None:
         # depth 0 is the only time ``mask`` can still hold the all-slots sentinel (-1).
         if depth == 0:
             return
@@ -200,7 +230,6 @@ class BlockIndex:
                 self._stores_of.clear()
             self._stores_of[mask] = stores
         runs.append((depth, stores))
-        lengths.update(dict.fromkeys(stores, depth))
 
     def prefix_len(self, keys: Sequence[Hashable], store_id: Hashable) -> int:
         """Leading keys of ``keys`` held by one store."""

@@ -248,7 +248,7 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
-    local_i = match.lengths.get(table.prefills[i].store_id, 0)
+    local_i = match.length_at(table.prefills[i].store_id)
     return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
 
 
