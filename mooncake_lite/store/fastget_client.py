@@ -66,6 +66,11 @@ class FastChannel:
     def usable(self) -> bool:
         return not (self.busy or self.is_closed)
 
+    @property
+    def owes(self) -> bool:
+        """Some request sent on the channel has had no reply yet (its ``on_late`` is kept)."""
+        return bool(self._late)
+
     async def ask(self, op: int, key: bytes, done: int, timeout: float | None, peer: str, body: bytes = b"",
                   on_late: Callable[[tuple], None] | None = None) -> tuple[int, int, int, int, int, int] | None:
         """The reply's (read lease, offset, size, num_layers, slot, generation); None when the
@@ -219,7 +224,7 @@ class FastPath:
         no such answer (an older store, no answer in ``timeout``) they stay taken until the
         connection closes: a store that read the request later would copy whatever we had
         put there since."""
-        if not fast._late or self.is_closed:
+        if not fast.owes or self.is_closed:
             return
         try:
             request = self.frames.request(Op.FAST_ATTACH, {"retire": True})
