@@ -134,12 +134,13 @@ class BlockIndex:
         if slot is None:
             return
         bit = 1 << slot
+        keep = ~bit
         masks, shared = self._masks, self._sharing()
         removed = 0
         for key in keys:
             m = masks.get(key, 0)
             if m & bit:
-                m &= ~bit
+                m &= keep
                 if m:
                     masks[key] = shared.setdefault(m, m)
                 else:

@@ -64,8 +64,9 @@ class _Shown:
 
     def _stale(self) -> None:
         self._state = None
-        if self._watch is not None:
-            self._watch[0].add(self._watch[1])
+        watch = self._watch
+        if watch is not None:
+            watch[0].add(watch[1])
 
 
 class Snapshot(tuple):
@@ -408,7 +409,8 @@ class DecodeView(_Shown):
             self._context_lag -= job.context_tokens - job.shown.context_tokens
 
     def _check_lag(self) -> bool:
-        if not self._is_context_stale and self._context_lag > context_lag_bound(self._shown_context):
+        bound = self._shown_context >> 6       # context_lag_bound, written out (twice a request)
+        if not self._is_context_stale and self._context_lag > (bound if bound > MAX_CONTEXT_LAG else MAX_CONTEXT_LAG):
             self._is_context_stale = True
             self._stale()
             return True

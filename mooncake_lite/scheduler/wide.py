@@ -150,17 +150,19 @@ class PrefillTable:
         b = self.backlogs[i] = backlog(p, model)
         self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
         started = b.started
-        self.multi.discard(i)
+        num_started = len(started)
+        if num_started > 1:
+            self.multi.add(i)
+        elif self.multi:                     # (the sets are empty on most clusters: no call)
+            self.multi.discard(i)
         if b.pack_tokens or p.overtakes:     # shortest-first order: priced where it lands, in the loop
             self.packing.add(i)
-        else:
+        elif self.packing:
             self.packing.discard(i)
-        head = started[0] if len(started) == 1 else _NO_HEAD
+        head = started[0] if num_started == 1 else _NO_HEAD
         if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
             self._row_head[i] = head
             self.head_d[i], self.head_s[i] = head
-        if len(started) > 1:
-            self.multi.add(i)
         if self._row_model[i] is not model:     # else its model's position and coefficients stand
             self._row_model[i] = model
             pos = self._model_pos.get(id(model))
@@ -373,10 +375,10 @@ class DecodeTable:
             c2 = model.c2
             if self._row_c2[i] != c2:      # the row's model changed (rare): else c2 is written
                 self._row_c2[i] = self.c2[i] = c2
-            if base > 0.0 and c2 >= 0.0 and context >= 0:
-                self.may_clamp.discard(i)
-            else:
+            if not (base > 0.0 and c2 >= 0.0 and context >= 0):
                 self.may_clamp.add(i)
+            elif self.may_clamp:
+                self.may_clamp.discard(i)
             room = d.max_batch_size is None or batch < d.max_batch_size
             if room is not self._row_room[i]:
                 self._row_room[i] = self.batch_room[i] = room

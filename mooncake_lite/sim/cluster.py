@@ -130,7 +130,7 @@ class MooncakeSim(TraceDriver):
             return
         req = p.waiting[0]
         if req.ready_at > now:  # FIFO: the head waits for its KV fetch
-            self.events.push(req.ready_at, self._wake_prefill, p)
+            self.events.push(req.ready_at, self._start_prefill, p)
             return
         p.begin(now)
         if self.slowdown != 1.0:
@@ -171,9 +171,6 @@ class MooncakeSim(TraceDriver):
             alone.append(self._prefill_seconds(p, nxt))
             uncached.append(n)
         return packed_seconds(alone, self.hw.prefill.c0)
-
-    def _wake_prefill(self, now: float, p: PrefillNode) -> None:
-        self._start_prefill(now, p)
 
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)

@@ -234,13 +234,13 @@ class DecodeNode:
         if cut < self.seg_steps:
             self.seg_steps = cut
             self.version += 1
-            self.events.push(self.seg_start + cut * self.seg_gap, self._boundary_event, self.version)
-
-    def _boundary_event(self, now: float, version: int) -> None:
-        if version == self.version:
-            self._boundary(now, version)
+            self.events.push(self.seg_start + cut * self.seg_gap, self._boundary, self.version)
 
     def _boundary(self, now: float, version: int) -> None:
+        """A step boundary (an event, or a join while idle): a boundary of an older ``version``
+        was cut short by a later one and does nothing."""
+        if version != self.version:
+            return
         b, view = self.batch, self.view
         if self.seg_steps:
             view.progress_group(self.seg_steps)     # the batch's members: the view's step group
@@ -264,4 +264,4 @@ class DecodeNode:
         self.seg_start, self.seg_gap = now, max(b.step_time(), 1e-9)
         self.seg_steps = b.steps_to_next_finish()
         self.version += 1
-        self.events.push(now + self.seg_steps * self.seg_gap, self._boundary_event, self.version)
+        self.events.push(now + self.seg_steps * self.seg_gap, self._boundary, self.version)
