@@ -67,15 +67,24 @@ class RowQueues:
     """:class:`~mooncake_lite.scheduler.estimate.QueuesAt` of a table's rows at one ``now``, its
     two lists made from the arrays only when read: a wide decision on the kvcache-centric path
     reads only the chosen row's queue time (from the array), and building 2 × 128 floats on
-    every request cost more than the choice itself."""
+    every request cost more than the choice itself. The backlogs too are copied from the
+    table's list only when read: it holds within the decision that made this (the table's rows
+    are rewritten only at the next decision's start)."""
 
-    __slots__ = ("backlogs", "_done", "_queue", "_done_s", "_queue_s")
+    __slots__ = ("_rows", "_backlogs", "_done", "_queue", "_done_s", "_queue_s")
 
     def __init__(self, backlogs: list[Backlog], done: np.ndarray, queue: np.ndarray) -> None:
-        self.backlogs = backlogs
+        self._rows = backlogs
+        self._backlogs: list[Backlog] | None = None
         self._done, self._queue = done, queue
         self._done_s: list[float] | None = None
         self._queue_s: list[float] | None = None
+
+    @property
+    def backlogs(self) -> list[Backlog]:
+        if self._backlogs is None:
+            self._backlogs = list(self._rows)
+        return self._backlogs
 
     @property
     def done_s(self) -> list[float]:
@@ -206,7 +215,7 @@ class PrefillTable:
                 if elapsed > 0.0:
                     d += duration if elapsed > duration else elapsed
             done[i], queue[i] = d, b.cumulative_s[-1] - d
-        return RowQueues(list(self.backlogs), done, queue), queue
+        return RowQueues(self.backlogs, done, queue), queue
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
         """Each row's model's prediction for one prompt: a Python call per distinct model when
