@@ -164,8 +164,11 @@ class RemoteStore:
             log.debug("store %s: releasing lease %d failed (%s); it ends at its expiry", self.address,
                       lease_id, exc)
 
-    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
-        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers))
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
+                         out: Sequence[memoryview] | None = None) -> list[memoryview]:
+        """With ``out``, each block's slice is copied from the slab (same node) or received
+        from the socket (TCP) straight into its buffer: no fresh memory, no second copy."""
+        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out))
         missing = [k.hex() for k, v in zip(keys, views) if v is None]
         if missing:
             raise KeyError(f"{len(missing)} block(s) missing from store {self.address}, first {missing[0]}")

@@ -29,8 +29,12 @@ class PrefixStore(Protocol):
     async def match(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` whose blocks (all layers) are stored."""
 
-    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
+                         out: Sequence[memoryview] | None = None) -> list[memoryview]:
         """One byte view per key: layers ``first_layer..first_layer+num_layers-1`` of its block.
+        With ``out`` (one buffer per key, each exactly that size) the bytes are written into
+        ``out[i]`` and the views are of it: the stage passes its load buffer's blocks, so they
+        are read where it unpacks them from (a view elsewhere is copied in, never wrong).
         Raises KeyError if a block is gone (ConnectionError/OSError if the store is): the stage
         then recomputes the prefix."""
 
@@ -64,10 +68,12 @@ class MemoryStore:
             n += 1
         return n
 
-    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
+                         out: Sequence[memoryview] | None = None) -> list[memoryview]:
         lo = (first_layer - self.first_layer) * self.layer_bytes
         hi = lo + num_layers * self.layer_bytes
-        return [memoryview(self._blocks[key])[lo:hi] for key in keys]
+        views = [memoryview(self._blocks[key])[lo:hi] for key in keys]
+        return views if out is None else _copied_into(views, out)
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
@@ -109,9 +115,12 @@ class CompressedStore:
     async def match(self, keys: Sequence[bytes]) -> int:
         return await self.inner.match(keys)
 
-    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int) -> list[memoryview]:
+    async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
+                         out: Sequence[memoryview] | None = None) -> list[memoryview]:
+        # The encoded bytes are not what ``out`` is for: they are decoded, then copied into it.
         views = await self.inner.get_layers(keys, first_layer, num_layers)
-        return await asyncio.to_thread(self._decode, views, num_layers)
+        decoded = await asyncio.to_thread(self._decode, views, num_layers)
+        return decoded if out is None else _copied_into(decoded, out)
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
@@ -133,3 +142,18 @@ class CompressedStore:
         packed = torch.stack([torch.frombuffer(bytearray(v), dtype=self.dtype) for v in values]).view(shape)
         encoded = encode_layers(packed, self.codec).reshape(len(values), -1)
         return [memoryview(row.numpy()).cast("B") for row in encoded]
+
+
+def _copied_into(views: Sequence[memoryview], out: Sequence[memoryview]) -> list[memoryview]:
+    """``get_layers``'s ``out`` for a store whose bytes are elsewhere: copied into the caller's
+    buffers (views of another size are handed back as they are; the caller refuses them)."""
+    if len(out) != len(views):
+        raise ValueError(f"{len(views)} keys but {len(out)} output buffers")
+    result = []
+    for view, target in zip(views, out):
+        if view.nbytes != target.nbytes:
+            result.append(view)
+            continue
+        target[:] = view
+        result.append(target)
+    return result

@@ -30,10 +30,10 @@ class DyingStore(MemoryStore):
     def __bool__(self) -> bool:      # an empty one still counts as given (the harness's ``store or ...``)
         return True
 
-    async def get_layers(self, keys, first_layer, num_layers):
+    async def get_layers(self, keys, first_layer, num_layers, out=None):
         if self.dies_at_layer is not None and first_layer >= self.dies_at_layer:
             raise self.error
-        return await super().get_layers(keys, first_layer, num_layers)
+        return await super().get_layers(keys, first_layer, num_layers, out=out)
 
 
 @pytest.fixture(scope="module")

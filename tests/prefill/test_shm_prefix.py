@@ -117,7 +117,7 @@ async def test_a_lease_ended_midway_falls_back_and_the_tokens_are_the_reference(
     loads_from_slab = remote.get_layers
     recycled_now = asyncio.Event()   # layer 3's load (launched while 2's waits) reads after it too
 
-    async def sabotaged(keys, first_layer, num_layers):
+    async def sabotaged(keys, first_layer, num_layers, out=None):
         if first_layer > 2:
             await recycled_now.wait()
         if first_layer == 2 and not sabotaged.done:
@@ -134,7 +134,7 @@ async def test_a_lease_ended_midway_falls_back_and_the_tokens_are_the_reference(
             else:
                 await other.put(list(keys), held, num_layers=model.args.num_layers)
             recycled_now.set()
-        return await loads_from_slab(keys, first_layer, num_layers)
+        return await loads_from_slab(keys, first_layer, num_layers, out=out)
     sabotaged.done = False
     try:
         async with cluster(model, block_size=BS, chunk=16, store=remote) as c:

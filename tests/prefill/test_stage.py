@@ -72,9 +72,9 @@ async def test_next_layer_load_is_launched_before_this_layer_computes(model):
     events = []
     real_get, real_layer = store.get_layers, stage._layer
 
-    async def get_layers(keys, first, num):
+    async def get_layers(keys, first, num, out=None):
         events.append(("load", first))
-        return await real_get(keys, first, num)
+        return await real_get(keys, first, num, out=out)
 
     def layer(piece, i):
         events.append(("compute", i))
