@@ -49,6 +49,13 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
     """Place one request. ``rng`` is required (and only used) by strategy ``random``. ``cache``
     keeps what is derived per instance between decisions (None: everything from scratch; the
     decision is the same either way)."""
+    return _schedule(req, cluster, index, config, costs, now, rng, cache)
+
+
+def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, config: SchedulerConfig,
+              costs: CostModels, now: float, rng: random.Random | None, cache: Estimates | None) -> Decision:
+    """:func:`schedule` by position (Scheduler.schedule's call, once per request: binding seven
+    keywords costs more than the call)."""
     match = index.match(req.block_keys)
     # every prefill's backlog at now: read by both choices; as arrays on a wide cluster
     wide = None
@@ -117,5 +124,4 @@ class Scheduler:
         self.cache = cache if cache is not None else EstimateCache()
 
     def schedule(self, req: ScheduleRequest, cluster: ClusterState, now: float) -> Decision:
-        return schedule(req, cluster, index=self.index, config=self.config, costs=self.costs,
-                        now=now, rng=self.rng, cache=self.cache)
+        return _schedule(req, cluster, self.index, self.config, self.costs, now, self.rng, self.cache)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from heapq import heappush
 from typing import Any
 
 Handler = Callable[[float, Any], None]
@@ -26,8 +27,8 @@ class EventQueue:
     def push(self, time: float, handler: Handler, payload: Any = None) -> None:
         if time < self.now:
             raise ValueError(f"event at {time} is in the past (now {self.now})")
-        self._seq += 1
-        heapq.heappush(self._heap, (time, self._seq, handler, payload))
+        self._seq = seq = self._seq + 1
+        heappush(self._heap, (time, seq, handler, payload))
 
     def run(self, until: float | None = None, on_step: Callable[[float], None] | None = None) -> None:
         heap = self._heap
