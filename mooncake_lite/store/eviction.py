@@ -234,6 +234,9 @@ class BlockCache:
         them were not before. A simulator reports exactly these to its index without walking the
         chain again."""
         if is_pinned is None and type(self.policy) is LRUPolicy:
+            capacity = self.capacity_blocks
+            if capacity is None or capacity > len(keys):     # (one call less per simulated prefill)
+                return self._add_short_chain_lru(self.policy._order, keys)   # type: ignore[attr-defined]
             return self._add_chain_lru(keys)
         evicted: list[Key] = []
         inserted: list[Key] = []
