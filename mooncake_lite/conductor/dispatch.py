@@ -219,8 +219,11 @@ class Flight(UpstreamWorkers):
                     return
             else:
                 self._raise(item)
+            # Counted before it is handed out: the consumer may stop on it (a stop string) and
+            # never resume us, and usage must still count every token the answer used.
+            is_last = self._count(token)
             yield token
-            if self._count(token):
+            if is_last:
                 return
 
     def _on_first(self, result: PrefillResult) -> None:
