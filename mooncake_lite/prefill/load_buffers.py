@@ -14,6 +14,7 @@ event loop and given back from the model thread once the cache holds its bytes.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -23,19 +24,19 @@ import torch
 class LoadBuffer:
     """One buffer on loan: ``packed`` is the load's destination, ``block_views`` its blocks."""
 
-    __slots__ = ("base", "packed", "block_views")
+    __slots__ = ("base", "packed", "block_views", "block_bytes")
 
     def __init__(self, base: torch.Tensor, num_blocks: int, block_shape: tuple[int, ...]):
         self.base = base
         self.packed = base[:num_blocks * _numel(block_shape)].view(num_blocks, *block_shape)
         raw = memoryview(self.packed.view(torch.uint8).numpy()).cast("B")
-        size = raw.nbytes // max(num_blocks, 1)
+        self.block_bytes = size = raw.nbytes // max(num_blocks, 1)
         self.block_views = [raw[i * size:(i + 1) * size] for i in range(num_blocks)]
 
     def holds(self, i: int, view: memoryview) -> bool:
         """``view`` is block i's place in this buffer (the store wrote it there), not a copy."""
-        own = self.block_views[i]
-        return view.nbytes == own.nbytes and _address(view) == _address(own)
+        return view.nbytes == self.block_bytes and \
+            _address(view) == self.packed.data_ptr() + i * self.block_bytes
 
 
 class LoadBuffers:
@@ -77,7 +78,8 @@ def fill(buf: LoadBuffer, views: list[memoryview]) -> None:
     if len(views) != len(buf.block_views):
         raise ValueError(f"{len(views)} blocks loaded for {len(buf.block_views)} asked")
     for i, view in enumerate(views):
-        view = memoryview(view).cast("B")
+        if not (isinstance(view, memoryview) and view.format == "B"):
+            view = memoryview(view).cast("B")
         if not buf.holds(i, view):
             own = buf.block_views[i]
             if view.nbytes != own.nbytes:
@@ -97,5 +99,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _address(view: memoryview) -> int:
-    # A zero-copy array over the view's memory; its data pointer is the view's first byte.
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+    """The view's first byte in memory. ctypes takes 0.6 us (a writable view, as the client's
+    are); a read-only one goes through numpy (2 us). Per block of every layer load, so it counts."""
+    if view.readonly:
+        return np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
