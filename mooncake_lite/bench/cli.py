@@ -21,6 +21,7 @@ BENCHES = {
     "sim-scale": "the simulator on a million-request trace at 128P+128D: wall time, peak memory",
     "fidelity": "one trace slice live and simulated with the cluster's own cost model: errors, CDFs",
     "chaos": "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, recovery, leaks",
+    "prefix-load": "a prefill's prefix load from a store (shm or TCP): every layer, no compute",
     "kv-compression": "int8/fp8 KV blocks: token agreement, logit error, bytes, store capacity, sim hit rate/TTFT",
 }
 PACKAGES = {"replay"}

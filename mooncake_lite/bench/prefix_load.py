@@ -1,9 +1,9 @@
 """Time a prefill's prefix load from a store role: every layer of an N-token prefix, no compute.
 
-Not a test (pytest collects ``test_*.py`` only); run by hand, old and new code interleaved:
+Run old and new code interleaved to compare:
 
-    .venv/bin/python tests/prefill/bench_prefix_load.py --tokens 2048 --transport shm
-    .venv/bin/python tests/prefill/bench_prefix_load.py --tokens 2048 --transport tcp
+    mooncake bench prefix-load --tokens 2048 --transport shm
+    mooncake bench prefix-load --tokens 2048 --transport tcp
 
 It starts a store on 127.0.0.1, puts the prefix's blocks (random bytes of the model's block
 size), then per round: MATCH (on the store's node it pins the prefix), ``begin`` the request and
@@ -20,6 +20,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -83,22 +84,20 @@ async def bench(args, store: RoleProcess) -> dict:
             "cpu_best_ms": round(min(cpu) * 1e3, 2), "cpu_median_ms": round(statistics.median(cpu) * 1e3, 2)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mooncake bench prefix-load", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON object")
+    args = p.parse_args(argv)
     store = RoleProcess.start("store", "--host", "127.0.0.1", "--port", "0", "--data-port", "0",
                               "--dram", "512MiB", "--slot-bytes", "8MiB")
     try:
         print(json.dumps(asyncio.run(bench(args, store))))
     finally:
         store.stop()
-
-
-if __name__ == "__main__":
-    main()
+    return 0
