@@ -11,11 +11,12 @@ the flight aborts the request on prefill and decode.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
@@ -30,7 +31,14 @@ from mooncake_lite.conductor.text import TextStream
 from mooncake_lite.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 * 2**20
+MAX_BODY_BYTES = 64 * 2**20   # what the HTTP parser reads at most; each model's own limit is lower
+# A request body's room, from the model's context (max_body_bytes): a text character takes at most
+# 6 bytes in JSON (a \u escape), a token id with its comma and spacing 16; then the other fields.
+JSON_BYTES_PER_TEXT_BYTE = 6
+JSON_BYTES_PER_TOKEN_ID = 16
+OTHER_FIELDS_BYTES = 2**20
+FALLBACK_TOKEN_BYTES = 256    # bytes per token assumed for a tokenizer with no bound of its own
+OFF_LOOP_BYTES = 4096         # bodies over this many bytes are parsed (tokenized) in a thread
 OUTCOMES = {400: "bad_request", 429: "rejected", 503: "unavailable"}
 
 
@@ -44,6 +52,21 @@ class ApiState:
     created: int
     # Rewrites a body naming a cached context (conductor/contexts.py) before it is parsed.
     rewrite_body: Callable[[web.Request, object, str], object] | None = None
+    body_limit: int = field(init=False)   # the largest (decoded) body a request can need; 413 past it
+
+    def __post_init__(self) -> None:
+        self.body_limit = max_body_bytes(self.max_context, self.tokenizer)
+
+
+def max_body_bytes(max_context: int, tokenizer: Tokenizer) -> int:
+    """The largest request body, once decoded, that a request fitting the model's context can
+    need: a prompt of at most context × the longest token's bytes of text, each written in at most
+    6 bytes of JSON, or a context of token ids; plus the other fields. A bigger body can only be
+    refused, so it is, before its text is decoded, parsed or tokenized (a gzip bomb of 25 MiB
+    took the conductor's event loop for 36 s)."""
+    per_token = getattr(tokenizer, "max_token_bytes", None) or FALLBACK_TOKEN_BYTES
+    prompt = max_context * max(per_token * JSON_BYTES_PER_TEXT_BYTE, JSON_BYTES_PER_TOKEN_ID)
+    return min(MAX_BODY_BYTES, prompt + OTHER_FIELDS_BYTES)
 
 
 API: web.AppKey[ApiState] = web.AppKey("api", ApiState)
@@ -92,29 +115,48 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> object:
-    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-        raise _too_large()
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large() from None
-    except web.RequestPayloadError as exc:   # broken chunked framing
-        raise ApiError(400, f"the request body could not be read ({short(' '.join(str(exc).split()), 200)})",
-                       code="invalid_body") from None
+    return (await _read_json(request))[0]
+
+
+async def _read_json(request: web.Request) -> tuple[object, int]:
+    """The body as JSON, and its size once decoded; 413 past the model's ``body_limit``."""
+    limit = request.app[API].body_limit
+    raw = await _read_body(request, limit)
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding in ("gzip", "deflate"):
         # Compressed bodies are decoded here, not by aiohttp (auto_decompress is off, app.py), so
         # the decoded size is capped exactly and a zip bomb is a 413, off the event loop.
-        raw = await asyncio.to_thread(decode_body, raw, encoding, MAX_BODY_BYTES)
+        raw = await asyncio.to_thread(decode_body, raw, encoding, limit)
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw), len(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
-def _too_large() -> ApiError:
-    return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes (after decoding "
-                         f"its Content-Encoding)", code="request_too_large")
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The raw body, refused (413) once past ``limit``: at once when its length says so, or as
+    soon as a chunked body's bytes do."""
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    try:
+        if request.content_length is not None:
+            return await request.read()
+        raw = bytearray()
+        async for chunk in request.content.iter_any():
+            raw += chunk
+            if len(raw) > limit:
+                raise _too_large(limit)
+        return bytes(raw)
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(limit) from None
+    except web.RequestPayloadError as exc:   # broken chunked framing
+        raise ApiError(400, f"the request body could not be read ({short(' '.join(str(exc).split()), 200)})",
+                       code="invalid_body") from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes (after decoding its Content-Encoding), "
+                         f"more than any request that fits this model's context needs", code="request_too_large")
 
 
 def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -132,7 +174,7 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
             raise ApiError(400, f"the request body is not valid {encoding} data, as its Content-Encoding "
                                 f"says ({exc})", code="invalid_body") from None
         if len(out) > limit or d.unconsumed_tail:
-            raise _too_large()
+            raise _too_large(limit)
         if not d.eof:
             raise ApiError(400, f"the request body's {encoding} data is truncated", code="invalid_body")
         rest = d.unused_data   # gzip: the next member; deflate: one stream only
@@ -147,11 +189,14 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     endpoint = "chat" if kind == "chat" else "completions"
     arrival = time.perf_counter()
     try:
-        body = await _json_body(request)
+        body, size = await _read_json(request)
         if st.rewrite_body is not None:
             body = st.rewrite_body(request, body, kind)
-        req = parse_request(body, kind, served=st.served, tokenizer=st.tokenizer,
-                            vocab_size=st.vocab_size, max_context=st.max_context)
+        parse = functools.partial(parse_request, body, kind, served=st.served, tokenizer=st.tokenizer,
+                                  vocab_size=st.vocab_size, max_context=st.max_context)
+        # A long prompt takes the tokenizer a while (~2 ms per KiB): in a thread, so the event loop
+        # keeps answering heartbeats, /health and the tokens of the requests in flight meanwhile.
+        req = await asyncio.to_thread(parse) if size > OFF_LOOP_BYTES else parse()
     except ApiError as exc:
         mx.requests.labels(endpoint, "bad_request").inc()
         return exc.response()

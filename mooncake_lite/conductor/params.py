@@ -16,7 +16,7 @@ from typing import Any
 from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.model.chat import ChatTemplateError
-from mooncake_lite.model.tokenizer import Tokenizer
+from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256          # chat has no default in the spec; capped by the context
@@ -43,17 +43,42 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
-def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer) -> tuple[int, ...]:
+def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int) -> tuple[int, ...]:
     """The conversation in the checkpoint's own chat format. The rendered template already holds
     every special token the model expects (BOS included), so encoding adds none."""
     template = tokenizer.chat_template
     if template is None:
-        return tuple(tokenizer.encode(chat_prompt(messages)))
+        return _encode(tokenizer, chat_prompt(messages), max_context)
     try:
         text = template.render(messages, add_generation_prompt=True)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return _encode(tokenizer, text, max_context, add_special_tokens=False)
+
+
+def _encode(tokenizer: Tokenizer, text: str, max_context: int, add_special_tokens: bool = True) -> tuple[int, ...]:
+    check_text_fits(tokenizer, text, max_context)
+    return tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def check_text_fits(tokenizer: Tokenizer, text: str, max_context: int) -> None:
+    """Refuse, without tokenizing it, a prompt text that cannot fit the context. No token stands
+    for more than ``tokenizer.max_token_bytes`` bytes of text, so text over (context − 1) × that
+    is at least a context of tokens, with no room left for one of the answer. Tokenizing it first
+    would cost time and memory in proportion to its length (50 MiB: a minute and GBs)."""
+    per_token = getattr(tokenizer, "max_token_bytes", None)
+    if per_token is None:   # a tokenizer that may drop text: no byte count bounds its tokens
+        return
+    limit = (max_context - 1) * per_token
+    if 4 * len(text) <= limit:   # at most 4 bytes a character: fits, whatever it is
+        return
+    measure = getattr(tokenizer, "text_bytes", utf8_len)
+    num_bytes = measure(text)
+    if num_bytes > limit:
+        raise bad_request(f"This model's maximum context length is {max_context} tokens. However, your prompt "
+                          f"is {num_bytes} bytes of text, more than {max_context - 1} tokens can hold (no "
+                          f"token of this model stands for more than {per_token} bytes). Please reduce the "
+                          f"length of the prompt.", "prompt")
 
 
 def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: Tokenizer,
@@ -66,9 +91,9 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     if kind == "chat":
-        prompt_ids = _chat_ids(_messages(body), tokenizer)
+        prompt_ids = _chat_ids(_messages(body), tokenizer, max_context)
     else:
-        prompt_ids = _prompt_ids(body, tokenizer, vocab_size)
+        prompt_ids = _prompt_ids(body, tokenizer, vocab_size, max_context)
     if not prompt_ids:
         raise bad_request("the prompt is empty", "prompt")
     _check_n(body)
@@ -137,14 +162,14 @@ def _content(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
+def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> tuple[int, ...]:
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tuple(tokenizer.encode(prompt))
+        return _encode(tokenizer, prompt, max_context)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:

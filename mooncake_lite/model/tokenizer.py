@@ -9,6 +9,7 @@ token strings it refers to. Sources: a GGUF file's metadata, or an HF directory'
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Protocol
@@ -21,8 +22,19 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     chat_template: ChatTemplate | None
 
+    # The most bytes of (normalized) text one token can stand for; None when the tokenizer can
+    # drop text and so no byte count bounds its tokens. A server refuses, before tokenizing it, a
+    # prompt with more than context × this many bytes (text_bytes): it cannot fit.
+    max_token_bytes: int | None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
+    def text_bytes(self, text: str) -> int: ...
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (a lone surrogate counted as the 3 bytes it would take)."""
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 class ByteTokenizer:
@@ -32,6 +44,9 @@ class ByteTokenizer:
     eos_token_id = 257
     eos_token_ids = (257,)
     chat_template = None
+    max_token_bytes = 1     # one byte, one token
+
+    text_bytes = staticmethod(utf8_len)
 
     def __init__(self, vocab_size: int = 320):
         if vocab_size < 258:
@@ -62,13 +77,72 @@ class HFTokenizer:
         return cls(_Tok.from_file(path), () if eos_token_id is None else (eos_token_id,))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode holds the GIL throughout, encode_batch lets go of it: a long text tokenized in a
+        # worker thread then leaves the caller's event loop running meanwhile.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        return max_token_bytes(self._tok)
+
+    def text_bytes(self, text: str) -> int:
+        """Bytes of ``text`` as the tokenizer's model sees it: after its normalizer, which may
+        shrink it (NFC composes characters)."""
+        norm = self._tok.normalizer
+        return utf8_len(norm.normalize_str(text) if norm is not None else text)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+GIL_FREE_CHARS = 4096   # texts this long are encoded with the GIL released
+# Pre-tokenizers that keep every byte of the text (Split and Punctuation unless "Removed").
+_KEEPS_TEXT = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"})
+
+
+def max_token_bytes(tok: Any) -> int | None:
+    """The most bytes of normalized text one token of ``tok`` (a ``tokenizers.Tokenizer``) can
+    stand for: its vocabulary's longest token, in the bytes it spells. None when the pipeline can
+    drop text, so that no byte count bounds the tokens: a model other than BPE (WordPiece's unknown
+    word), a BPE fusing unknown characters into one token, a pre-tokenizer removing text, an added
+    token swallowing the whitespace beside it."""
+    spec = json.loads(tok.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and model.get("unk_token") is not None
+                                      and not model.get("byte_fallback")):
+        return None
+    kinds = _pre_tokenizer_kinds(spec.get("pre_tokenizer"))
+    added = tok.get_added_tokens_decoder().values()
+    if kinds is None or any(a.lstrip or a.rstrip for a in added):
+        return None
+    # A byte-level token spells each byte it stands for as one character. Any other spells its
+    # text in at least as many bytes: sentencepiece's "▁" takes 3 for a space, "<0x0A>" 6 for 1.
+    spelled = len if "ByteLevel" in kinds else utf8_len
+    widths = [spelled(t) for t in tok.get_vocab(with_added_tokens=False)]
+    widths += [utf8_len(a.content) for a in added]   # matched in the text as they are written
+    return max(widths, default=None)
+
+
+def _pre_tokenizer_kinds(spec: dict | None) -> set[str] | None:
+    """The pre-tokenizers' types, or None if one of them may remove text."""
+    if spec is None:
+        return set()
+    if spec.get("type") == "Sequence":
+        kinds: set[str] = set()
+        for part in spec.get("pretokenizers", []):
+            got = _pre_tokenizer_kinds(part)
+            if got is None:
+                return None
+            kinds |= got
+        return kinds
+    if spec.get("type") not in _KEEPS_TEXT or str(spec.get("behavior", "")).lower() == "removed":
+        return None
+    return {spec["type"]}
 
 
 def load_tokenizer(model: str, vocab_size: int, eos_token_id: int | None = None) -> Tokenizer:
