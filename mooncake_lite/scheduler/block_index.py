@@ -66,8 +66,7 @@ class PrefixMatch:
             return NotImplemented
         return (self.best_len, self.best_store_id, self.lengths) == (other.best_len, other.best_store_id,
                                                                      other.lengths)
-
-    __hash__ = None      # type: ignore[assignment]   # it holds a dict
+    # (defining __eq__ leaves it unhashable, as the dataclass was: it holds a dict)
 
     def __repr__(self) -> str:
         return f"PrefixMatch(best_len={self.best_len!r}, best_store_id={self.best_store_id!r}, lengths={self.lengths!r})"

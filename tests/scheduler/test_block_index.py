@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.scheduler import BlockEvent, BlockIndex
+from mooncake_lite.scheduler import BlockEvent, BlockIndex, PrefixMatch
 
 
 def test_match_reports_each_stores_leading_run_and_the_best():
@@ -105,7 +105,10 @@ def _check_match(idx: BlockIndex, model: dict, request_keys: list) -> None:
         if n:
             expected[store] = n
     m = idx.match(request_keys)
+    # before its lengths are read a match answers length_at from its runs; the same after
+    assert {s: m.length_at(s) for s in model} == {s: expected.get(s, 0) for s in model}
     assert m.lengths == expected
+    assert m == PrefixMatch(m.best_len, m.best_store_id, dict(expected)) and "lengths=" in repr(m)
     assert m.best_len == max(expected.values(), default=0)
     longest = [s for s, n in expected.items() if n == m.best_len]     # ties: the lowest slot
     assert m.best_store_id == (min(longest, key=idx._slots.__getitem__) if longest else None)
