@@ -3,7 +3,7 @@
 A prefill instance with a packing budget (``--prefill-batch-tokens``, capped at its chunk: the
 ``pack_tokens`` it registers) serves the head of its queue together with the jobs queued behind
 it while their uncached tokens fit in the budget (:func:`~mooncake_lite.scheduler.costs.pack_sizes`,
-the rule ``prefill/service.py`` forms its packs with), in one forward that pays the cost model's
+the rule ``prefill/packs.py`` forms its packs with), in one forward that pays the cost model's
 fixed ``c0`` once (:func:`~mooncake_lite.scheduler.costs.packed_seconds`). Here the same rule
 gives the conductor's queue estimate:
 
