@@ -102,10 +102,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 log.debug("finished: %s%s", event.finish_reason, f" ({event.error})" if event.error else "")
                 break
         await resp.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):
+    except (ConnectionResetError, asyncio.CancelledError) as exc:
+        # The conductor closed the stream (a stop string it saw, its client gone, its shutdown):
+        # normal, so a reset ends the handler quietly (raised on, aiohttp logs an ERROR traceback).
         if not finished:
             log.info("client of request %s disconnected; aborting it", req.request_id)
-        raise
+        if isinstance(exc, asyncio.CancelledError):
+            raise
     finally:
         if not finished:
             engine.abort(req.request_id)

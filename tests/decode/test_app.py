@@ -1,10 +1,14 @@
 """The decode HTTP API in process: admission refusals, bad input, abort, NDJSON events."""
 
+import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import orjson
 import pytest
 
+from mooncake_lite.common.service import bound_port, start_site
 from mooncake_lite.decode.app import DecodeAppSettings, make_app
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine
@@ -64,3 +68,28 @@ async def test_bad_requests_get_400(aiohttp_client, engine, body, fragment):
     resp = await client.post("/v1/generate", data=body)
     assert resp.status == 400 and fragment in (await resp.json())["error"]
     assert engine.runner.allocator.num_free == 16
+
+
+
+async def test_a_disconnect_ends_the_stream_quietly(engine, caplog):
+    """The conductor closing a token stream (stop string, its client gone, its shutdown) is
+    normal: decode aborts the request, logs one INFO line and no ERROR traceback. Served as in
+    production (``start_site``: a disconnect does not cancel the handler, as aiohttp's test
+    server would)."""
+    runner, site = await start_site(make_app(engine, DecodeAppSettings(disconnect_poll_s=0.02)), "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"http://127.0.0.1:{bound_port(site)}/v1/generate", data=gen("a"))
+            assert resp.status == 200 and "a" in engine.requests   # its KV never comes: it waits
+            caplog.set_level(logging.INFO)
+            resp.close()                                          # the conductor goes away
+            for _ in range(500):                                  # the poll notices; the handler ends
+                if "a" not in engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)   # room for aiohttp to log what the handler raised, if anything
+    finally:
+        await runner.cleanup()
+    assert "client of request a disconnected; aborting it" in caplog.text
+    assert "a" not in engine.requests and engine.runner.allocator.num_free == 16
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
