@@ -138,7 +138,8 @@ class Membership:
         old = self.instances.get(reg.instance_id)
         if old is not None and (old.reg.http != reg.http or old.role != reg.role):
             # Same id, new process or address: whatever ran on the old one is gone.
-            self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}", "replaced")
+            self._kill(old, f"{reg.role} instance {reg.instance_id} re-registered at {reg.http}", "replaced",
+                       f"{reg.role} instance {reg.instance_id} restarted")
         same_address = old is not None and old.reg.http == reg.http and old.role == reg.role
         inst = Instance(reg, costs, now, old.view if same_address else self._new_view(reg, costs))
         if same_address:
@@ -251,11 +252,14 @@ class Membership:
         dead = [i for i in self.instances.values()
                 if i.is_alive and now - i.last_seen > self.dead_after_s]
         for inst in dead:
-            self._kill(inst, f"{inst.role} instance {inst.instance_id} stopped heartbeating "
-                             f"(silent for {now - inst.last_seen:.1f}s)", "silent")
+            name = f"{inst.role} instance {inst.instance_id}"
+            self._kill(inst, f"{name} stopped heartbeating (silent for {now - inst.last_seen:.1f}s)", "silent",
+                       f"{name} stopped heartbeating and was taken out of service")
         return dead
 
-    def _kill(self, inst: Instance, reason: str, cause: str) -> None:
+    def _kill(self, inst: Instance, reason: str, cause: str, told: str) -> None:
+        """Mark ``inst`` dead: the log gives ``reason`` (the detail), its requests in flight are
+        ``told`` (one plain sentence per kind of death, what their clients read)."""
         log.warning("%s; failing its %d request(s) in flight", reason, len(inst.watchers))
         self.events[inst.role, f"dead-{cause}"] += 1
         inst.is_alive = False
@@ -268,7 +272,7 @@ class Membership:
         self._positions = None
         self._touch(inst)
         for notify in watchers.values():
-            notify(reason)
+            notify(told)
 
     # ---- failures seen by dispatch ---------------------------------------------------------
     def connection_failed(self, instance_id: str, reason: str) -> str | None:
@@ -281,8 +285,9 @@ class Membership:
         self.events[inst.role, "connection-failure"] += 1
         inst.num_failures += 1
         if inst.num_failures >= self.max_failures:
-            self._kill(inst, f"{inst.role} instance {inst.instance_id}: {inst.num_failures} connections "
-                             f"in a row refused or broken (last: {reason})", "failures")
+            name = f"{inst.role} instance {inst.instance_id}"
+            self._kill(inst, f"{name}: {inst.num_failures} connections in a row refused or broken (last: {reason})",
+                       "failures", f"{name} stopped answering and was taken out of service")
             return "dead"
         if inst.num_failures > 1:
             return None

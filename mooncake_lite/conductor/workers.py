@@ -12,6 +12,7 @@ None (reserved), a :class:`Failure` to retry elsewhere, or the client's 429.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:   # dispatch imports this module; the types only
     from mooncake_lite.conductor.membership import Instance
     from mooncake_lite.conductor.params import ApiRequest
     from mooncake_lite.scheduler import Decision
+
+log = logging.getLogger(__name__)
 
 
 class UpstreamWorkers:
@@ -64,7 +67,7 @@ class UpstreamWorkers:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._is_decode_done = True
             tracing.end_span(span, f"unreachable: {exc!r}")
-            return self._failed(d, exc, f"decode instance {d.instance_id} is unreachable: {exc!r}",
+            return self._failed(d, exc, f"decode instance {d.instance_id} could not be reached ({how(exc)})",
                                 "decode-unreachable")
         self.svc.membership.trust(d.instance_id, "it answered")
         if resp.status == 200:
@@ -80,14 +83,23 @@ class UpstreamWorkers:
         return Failure(f"decode instance {d.instance_id} answered {resp.status}: {detail}", d.instance_id,
                        "decode-error", retry=resp.status >= 500)
 
-    def _failed(self, inst: Instance, exc: BaseException, message: str, reason: str) -> Failure:
-        """A call to ``inst`` raised ``exc``: a refused or broken connection makes it suspect at
-        once (the scheduler stops choosing it); a timeout is not retried."""
-        if is_connection_failure(exc):
+    def _failed(self, inst: Instance, exc: BaseException, message: str, reason: str,
+                queue: asyncio.Queue | None = None) -> Failure:
+        """A call to ``inst`` raised ``exc``: the client's ``message`` says what happened in plain
+        words, the log has ``exc`` too. A refused or broken connection makes it suspect at once (the
+        scheduler stops choosing it); a timeout is not retried. With ``queue``, the failure goes
+        there before the instance's state changes, so a death this causes reaches the request
+        after its own failure (one wording per event, not one per connection counted)."""
+        log.warning("%s: %r", message, exc)
+        is_broken = is_connection_failure(exc)
+        failure = Failure(message, inst.instance_id, reason) if is_broken else \
+            Failure(message, inst.instance_id, reason.replace("unreachable", "error"),
+                    retry=not isinstance(exc, asyncio.TimeoutError))
+        if queue is not None:
+            queue.put_nowait(("fail", failure))
+        if is_broken:
             self.svc.membership.connection_failed(inst.instance_id, message)
-            return Failure(message, inst.instance_id, reason)
-        return Failure(message, inst.instance_id, reason.replace("unreachable", "error"),
-                       retry=not isinstance(exc, asyncio.TimeoutError))
+        return failure
 
     async def _read_decode(self, queue: asyncio.Queue) -> None:
         resp, d, span = self._decode_resp, self.decode, self._decode_span   # this attempt's
@@ -103,15 +115,17 @@ class UpstreamWorkers:
                     self._is_decode_done = True
                     queue.put_nowait(("end", ev.finish_reason, ev.error))
                     return
-            message = f"decode instance {did} closed its token stream early"
-            self.svc.membership.connection_failed(did, message)
+            message = f"decode instance {did} closed its token stream early; the request was not completed"
+            log.warning("%s", message)
             queue.put_nowait(("fail", Failure(message, did, "decode-unreachable")))
+            self.svc.membership.connection_failed(did, message)
         except ProtocolError as exc:
-            queue.put_nowait(("fail", Failure(f"decode instance {did} sent a bad token line: {exc}", did,
-                                              "decode-error")))
+            message = f"decode instance {did} sent a malformed token line; the request was not completed"
+            log.warning("%s: %s", message, exc)
+            queue.put_nowait(("fail", Failure(message, did, "decode-error")))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            queue.put_nowait(("fail", self._failed(d, exc, f"decode instance {did} stream broke: {exc!r}",
-                                                   "decode-unreachable")))
+            self._failed(d, exc, f"decode instance {did} failed mid-stream ({how(exc)}); the request was "
+                                 "not completed", "decode-unreachable", queue)
         finally:
             resp.release()
             tracing.end_span(span, None if self._is_decode_done else "token stream ended early")
@@ -137,8 +151,7 @@ class UpstreamWorkers:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self._is_prefill_done = is_connection_failure(exc)   # nothing left there to abort
-            queue.put_nowait(("fail", self._failed(p, exc, f"prefill instance {pid} failed: {exc!r}",
-                                                   "prefill-unreachable")))
+            self._failed(p, exc, f"prefill instance {pid} failed ({how(exc)})", "prefill-unreachable", queue)
             return
         self.svc.membership.trust(pid, "it answered")
         if resp.status == 429:
@@ -151,7 +164,8 @@ class UpstreamWorkers:
             try:
                 queue.put_nowait(("first", parse_prefill_result(body)))
             except ProtocolError as exc:
-                queue.put_nowait(("fail", Failure(f"prefill instance {pid} sent a bad result: {exc}", pid,
+                log.warning("prefill instance %s sent a malformed result: %s", pid, exc)
+                queue.put_nowait(("fail", Failure(f"prefill instance {pid} sent a malformed result", pid,
                                                   "prefill-error")))
 
     def _death_watch(self, instance_id: str) -> Callable[[str], None]:
@@ -166,3 +180,16 @@ class UpstreamWorkers:
         if span is not None:
             headers.update(tracing.headers(span))
         return headers
+
+
+def how(exc: BaseException) -> str:
+    """A failed call's exception in a few plain words, for the client (the log keeps the exception)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "no connection in time"
+    if isinstance(exc, asyncio.TimeoutError):     # aiohttp's read timeouts are TimeoutErrors too
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection refused" if isinstance(exc.os_error, ConnectionRefusedError) else "no connection"
+    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)):
+        return "connection lost"
+    return "malformed HTTP answer"

@@ -99,7 +99,7 @@ async def test_a_lone_refused_prefill_is_probed_then_dead_after_consecutive_fail
     await _kill(cluster.instances["p0"])
     m = cluster.svc.membership
     status, _, body = await _complete(cluster, "a")
-    assert status == 502 and "prefill instance p0 failed" in body["error"]["message"]
+    assert status == 502 and body["error"]["message"].startswith("prefill instance p0 failed (connection refused)")
     assert m.instances["p0"].is_suspect and m.instances["p0"].is_alive
     status, _, body = await _complete(cluster, "b")    # the only prefill: probed, and fails again
     assert status == 502
@@ -137,6 +137,26 @@ async def test_after_tokens_streamed_a_failure_ends_the_stream_without_retry(mak
     assert "".join(got) == TOK.decode(expected_tokens(TOK.encode("abc"), 3))
     assert not d1.requests and "retries_total{" not in await _metrics(cluster)
     assert cluster.svc.membership.instances["d0"].is_suspect      # its stream broke
+    await c.close()
+
+
+async def test_a_broken_stream_is_told_in_one_plain_sentence_with_the_detail_logged(make_cluster, caplog):
+    """The client reads what happened, not aiohttp's exception repr (that goes to the log); and
+    when its own broken stream is the failure that takes the decode out of service, it still reads
+    that its stream broke, as any other stream that broke there does."""
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=60.0, dead_after_failures=1)
+    cluster.instances["d0"].behaviour.break_after = 2
+    c = client(cluster)
+    stream = await c.completions.create(model="tiny", prompt="abc", max_tokens=10, stream=True)
+    with pytest.raises(openai.APIError) as info:
+        async for _ in stream:
+            pass
+    told = "decode instance d0 failed mid-stream (connection lost); the request was not completed"
+    assert info.value.message == told
+    assert not cluster.svc.membership.instances["d0"].is_alive      # 1 failure in a row: dead
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(told + ": Client") for m in logged), logged   # the exception, logged
+    assert any("1 connections in a row refused or broken" in m for m in logged), logged
     await c.close()
 
 
@@ -210,4 +230,5 @@ def test_a_prefill_dying_after_its_result_does_not_fail_the_request_it_handed_to
     assert m.connection_failed("p0", "refused") == "dead"
     assert failed == []
     assert m.connection_failed("d0", "refused") == "dead"
-    assert len(failed) == 1                  # the decode still watches it
+    # the decode still watches it; told in a plain sentence (the "last: ..." detail is the log's)
+    assert failed == ["decode instance d0 stopped answering and was taken out of service"]
