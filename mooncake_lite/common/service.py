@@ -40,6 +40,11 @@ HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 30.0
 MAX_ERROR_CHARS = 200   # a parser's message quotes the client's bytes: echo only so much
 
+# An app's own drain, if it has one: awaited on SIGINT/SIGTERM with the drain's bound in seconds,
+# while the app still listens (its peers' heartbeats still arrive); it refuses new work and
+# returns once its work in flight is over. Then the listener closes (``drain``, ``serve_app``).
+DRAIN: web.AppKey[Callable[[float], Awaitable[None]]] = web.AppKey("drain")
+
 
 def announce_ready(role: str, **addresses: str) -> None:
     sys.stdout.write(orjson.dumps({"event": "ready", "role": role, **addresses}).decode() + "\n")
@@ -129,7 +134,7 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
                     shutdown_timeout: float = 10.0,
                     on_ready: Callable[[dict[str, str]], None] | None = None,
                     advertise_host: str | None = None, notify_ready: bool = True) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM, then stop accepting and drain for ``shutdown_timeout``.
+    """Serve ``app`` until SIGINT/SIGTERM, then drain for ``shutdown_timeout`` (:func:`drain`).
     ``on_ready(addresses)`` runs once the real ports are known (e.g. to register with the
     conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port.
     Under systemd (``common/sdnotify.py``) the watchdog pings from this loop throughout,
@@ -154,11 +159,21 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
         await stop.wait()
         sdnotify.notify("STOPPING=1", f"STATUS={role} draining")
         log.info("%s draining", role)
+        await drain(app, shutdown_timeout)
     finally:
         await runner.cleanup()
         if watchdog is not None:
             watchdog.cancel()
         log.info("%s stopped", role)
+
+
+async def drain(app: web.Application, timeout: float) -> None:
+    """The part of a drain that runs before the listener closes: the app's :data:`DRAIN`, if it
+    has one. The rest is aiohttp's (``runner.cleanup``): the listener closes, handlers still
+    running get ``timeout`` seconds, then the app's cleanup runs."""
+    hook = app.get(DRAIN)
+    if hook is not None:
+        await hook(timeout)
 
 
 def run(main: Callable[[], Awaitable[None]]) -> int:

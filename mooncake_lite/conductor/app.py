@@ -1,5 +1,6 @@
 """The conductor's aiohttp app: public API + internal endpoints on one port, shared state
-under an AppKey, one ClientSession and the dead-instance reaper in ``cleanup_ctx``."""
+under an AppKey, one ClientSession and the dead-instance reaper in ``cleanup_ctx``, and its
+drain on SIGTERM (``drain.py``: still listening, so heartbeats keep arriving)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.service import DRAIN
 from mooncake_lite.conductor import api, contexts, cost_export, hot_replication, internal, status
 from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
 from mooncake_lite.conductor.dispatch import Services
+from mooncake_lite.conductor.drain import Drain
 from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middleware
 from mooncake_lite.conductor.membership import Membership
 from mooncake_lite.model.source import model_id
@@ -46,10 +49,13 @@ def make_app(cfg: Config) -> web.Application:
     membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
     # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
     gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
+    drain = Drain(membership)
     app = web.Application(
         # json_errors first (outermost): every error aiohttp itself raises answers OpenAI-style JSON.
+        # The drain counts the public requests in flight (and refuses new ones once draining).
         middlewares=[json_errors_middleware,
                      tenant_middleware(gate, prefixes=("/v1/",)),
+                     drain.middleware(),
                      cluster_token_middleware(cfg.cluster_token, prefixes=("/internal/",))],
         # A client that disconnects cancels its handler, which aborts the request upstream. The
         # parser's header limits are above the middleware's, so an oversized header gets its JSON 431;
@@ -65,6 +71,7 @@ def make_app(cfg: Config) -> web.Application:
                      kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
+    app[DRAIN] = drain.run    # common/service.serve_app runs it on SIGTERM, before the listener closes
     _hot_replication(app, cfg)
     api.add_routes(app)
     contexts.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)

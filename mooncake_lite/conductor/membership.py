@@ -87,7 +87,8 @@ class Instance:
     decode_jobs: dict[str, DecodeJob] = field(default_factory=dict)
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
     incoming_jobs: dict[str, PrefillJob] = field(default_factory=dict)
-    watchers: dict[str, Callable[[str], None]] = field(default_factory=dict)
+    # request id -> on_death(reason[, retry]): ends that request's attempt (Membership.watch)
+    watchers: dict[str, Callable[..., None]] = field(default_factory=dict)
     # Refused or broken connections in a row (reset by an answer or a heartbeat); > 0: suspect.
     num_failures: int = 0
 
@@ -315,8 +316,20 @@ class Membership:
         return inst if inst is not None and inst.is_alive else None
 
     # ---- in-flight bookkeeping ------------------------------------------------------------
-    def watch(self, instance_id: str, request_id: str, on_death: Callable[[str], None]) -> None:
+    def watch(self, instance_id: str, request_id: str, on_death: Callable[..., None]) -> None:
+        """``on_death(reason)`` when the instance is declared dead (the request may be retried
+        elsewhere); ``on_death(reason, False)`` when :meth:`end_requests` ends it (not retried)."""
         self.instances[instance_id].watchers[request_id] = on_death
+
+    def end_requests(self, reason: str) -> int:
+        """End every request in flight now, not to be retried, telling its client ``reason``
+        (the conductor's drain ran out); the instances stay as they are. Returns how many."""
+        watchers: dict[str, Callable[..., None]] = {}
+        for inst in self.instances.values():
+            watchers.update(inst.watchers)   # keyed by request: a request watching two is told once
+        for on_death in watchers.values():
+            on_death(reason, False)
+        return len(watchers)
 
     def add_prefill(self, instance_id: str, job: PrefillJob, now: float) -> None:
         """Queue ``job`` on its prefill instance and record it as incoming on its decode

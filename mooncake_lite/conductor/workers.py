@@ -168,11 +168,16 @@ class UpstreamWorkers:
                 queue.put_nowait(("fail", Failure(f"prefill instance {pid} sent a malformed result", pid,
                                                   "prefill-error")))
 
-    def _death_watch(self, instance_id: str) -> Callable[[str], None]:
-        """What the membership calls when ``instance_id`` is declared dead: a failure of this
-        attempt (on this attempt's queue, so it cannot reach a later one)."""
+    def _death_watch(self, instance_id: str) -> Callable[..., None]:
+        """What the membership calls when ``instance_id`` is declared dead, or when the conductor's
+        drain ends the request (``retry`` False): a failure of this attempt (on this attempt's
+        queue, so it cannot reach a later one)."""
         queue = self._queue
-        return lambda reason: queue.put_nowait(("fail", Failure(reason, instance_id, "instance-dead")))
+
+        def on_death(reason: str, retry: bool = True) -> None:
+            queue.put_nowait(("fail", Failure(reason, instance_id, "instance-dead" if retry else "shutdown",
+                                              retry=retry)))
+        return on_death
 
     def _headers(self, span=None) -> dict[str, str]:
         """The JSON and cluster-token headers, and ``span``'s ``traceparent`` (tracing on)."""

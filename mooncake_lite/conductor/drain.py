@@ -1,0 +1,77 @@
+"""The conductor's graceful stop (SIGTERM, Ctrl-C): the requests in flight finish, nothing new starts.
+
+``common/service.serve_app`` awaits :meth:`Drain.run` before it closes the listener, so during
+the drain the conductor still takes heartbeats, block events and ``/health``: the instances its
+requests run on stay alive in its eyes. (Closing the listener first made every heartbeat fail,
+and after ``--dead-after`` the conductor's own reaper declared the healthy decode dead and failed
+every stream with "stopped heartbeating"; a drain could never outlast ``--dead-after``.) Keeping
+the door open, rather than pausing the reaper, keeps a real death during the drain detected, and
+lets a new request be told why it is refused: a 503 on the public API (``/v1/``). A request still
+running when the drain's bound is up ends with an error that names the shutdown, not a cut
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from mooncake_lite.conductor.errors import unavailable
+from mooncake_lite.conductor.membership import Membership
+
+log = logging.getLogger(__name__)
+PUBLIC_PREFIX = "/v1/"
+END_GRACE_S = 1.0    # for requests ended at the bound to write their error and return
+
+
+class Drain:
+    """Counts the public requests in flight (:meth:`middleware`) and drains them (:meth:`run`)."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.is_draining = False
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def middleware(self):
+        @web.middleware
+        async def drain_middleware(request: web.Request, handler) -> web.StreamResponse:
+            if not request.path.startswith(PUBLIC_PREFIX):
+                return await handler(request)
+            if self.is_draining:
+                resp = unavailable("the conductor is shutting down and takes no new requests; retry shortly").response()
+                resp.force_close()
+                return resp
+            self._active += 1
+            self._idle.clear()
+            try:
+                return await handler(request)   # a stream's handler returns once it is written
+            finally:
+                self._active -= 1
+                if not self._active:
+                    self._idle.set()
+        return drain_middleware
+
+    async def run(self, bound: float) -> None:
+        """Refuse new requests; wait up to ``bound`` seconds for those in flight, then end the
+        rest with an error naming the shutdown and give them :data:`END_GRACE_S` to say so."""
+        self.is_draining = True
+        if self._active:
+            log.info("draining: waiting up to %gs for %d request(s) in flight", bound, self._active)
+        if await self._until_idle(bound):
+            return
+        told = self.membership.end_requests(
+            f"the conductor shut down before the request completed (its drain of {bound:g}s ran out)")
+        log.warning("drain of %gs over: ending %d request(s) still running (%d placed on instances)",
+                    bound, self._active, told)
+        await self._until_idle(END_GRACE_S)
+
+    async def _until_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
