@@ -40,10 +40,14 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
             svc.on_placed(decision, keys, now)
         log.debug("%s: %s", request_id, decision.reason)
         return decision, keys
-    log.info("%s %s", request_id, decision.reason)
     cause = decision.reject_cause
     if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
-        raise unavailable(f"no live {cause.split('-')[1]} instance is registered; retry later")
+        # Log what the client is told: the scheduler's "no decode instance with room" reads as
+        # a full cluster, when in fact none is registered.
+        message = f"no live {cause.split('-')[1]} instance is registered; retry later"
+        log.info("%s rejected: %s", request_id, message)
+        raise unavailable(message)
+    log.info("%s %s", request_id, decision.reason)
     if cause == "no-decode":
         _check_fits_some_decode(svc, req)
     svc.metrics.rejections.labels(cause).inc()

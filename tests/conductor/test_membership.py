@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import openai
 import pytest
@@ -132,7 +133,8 @@ async def test_silent_instance_is_marked_dead_and_gets_no_work(make_cluster):
     await c.close()
 
 
-async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster):
+async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster, caplog):
+    caplog.set_level(logging.INFO)
     cluster = await make_cluster(prefill=1, decode=1, dead_after=1.0)
     p0, d0 = cluster.instances["p0"], cluster.instances["d0"]
     d0.behaviour.hang = True     # decode never sends a token...
@@ -149,6 +151,9 @@ async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster)
     with pytest.raises(openai.APIStatusError) as info:
         await c.completions.create(model="tiny", prompt="abc", max_tokens=5)
     assert info.value.status_code == 503 and "no live decode instance" in info.value.message
+    # the conductor's log says what the client was told, not "no decode instance with room"
+    said = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert said and all("no live decode instance" in m for m in said), said
     assert p0.aborts == []   # prefill had already answered: nothing to abort there
     await c.close()
 
