@@ -409,7 +409,8 @@ def _shm_goals(op: str, size: int, entry: dict, out: dict) -> dict[str, bool]:
     goals = {"2x_tcp": entry["vs_tcp"] >= 2.0}
     if size >= 1 << 20 and op != "shm_leased_get":
         goals["50pct_memcpy"] = entry["vs_memcpy"] >= 0.5
-        goals["50pct_cold_memcpy"] = entry["vs_memcpy_cold"] >= 0.5
+    # vs_memcpy_cold (the "x cold" column) is a reference only: the goal is the
+    # cache-hot single-thread memcpy, and the cold copy, slower by construction, is no goal.
     if size == 64 << 10 and op in ("shm_get", "shm_leased_get"):
         goals["64KiB_get_50us"] = entry["p50_ms"] <= 0.05
     return goals
