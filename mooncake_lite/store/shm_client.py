@@ -70,15 +70,31 @@ class Staging:
         self._free: list[tuple[int, int]] = [(0, self.size)]   # (start, length), sorted
         self._waiters: list[asyncio.Future] = []
 
-    async def alloc(self, nbytes: int, unblock: Callable[[], Awaitable[bool]] | None = None) -> int:
+    async def alloc(self, nbytes: int, unblock: Callable[[], Awaitable[bool]] | None = None,
+                    pending: Callable[[], bool] | None = None, timeout: float | None = None) -> int | None:
         """A range of ``nbytes``; waits for one to be freed (``unblock``: tried first, true when
-        it freed something)."""
+        it freed something). None, at once, when ``pending()`` says nothing in flight could free
+        room, or after ``timeout`` seconds of waiting: a range that stays taken (a channel the
+        store never retired) must not hold a put for ever."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while (start := self._take(nbytes)) is None:
             if unblock is not None and await unblock():
                 continue
-            waiter = asyncio.get_running_loop().create_future()
+            if pending is not None and not pending():
+                return None
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return None
+            waiter = loop.create_future()
             self._waiters.append(waiter)
-            await waiter
+            if left is None:
+                await waiter
+                continue
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                return None
         return start
 
     def _take(self, nbytes: int) -> int | None:
@@ -127,6 +143,7 @@ class ShmPath(FastPath):
         # staged puts not answered yet (see ``put``).
         self._copying: list[tuple[int, int]] = []
         self._unanswered = 0
+        self._told_no_room = False   # logged once: a staged put went framed for want of room
         # Ranges of single-block puts the store answered before copying (``COPYING``): free once
         # a later reply on the single-block channel (or a framed answer asked after it) arrives.
         self._fast_copying: list[tuple[int, int]] = []
@@ -268,11 +285,19 @@ class ShmPath(FastPath):
         return self.staging is not None and sum(align(n, ALIGN) for n in sizes) <= self.staging.size
 
     async def put(self, meta: dict[str, Any], views: Sequence[memoryview], timeout: float | None) -> Frame:
-        """One put batch through the staging area (``fits`` must be true)."""
+        """One put batch through the staging area (``fits`` must be true); framed, with its
+        bytes on the socket, when no room comes (see ``Staging.alloc``)."""
         staging = self.staging
         assert staging is not None
         need = sum(align(v.nbytes, ALIGN) for v in views)
-        start = await staging.alloc(need, self._flush)
+        start = await staging.alloc(need, self._flush, self._may_free, timeout)
+        if start is None:
+            if not self._told_no_room:
+                self._told_no_room = True
+                log.info("%s: no room in the staging area that any put in flight would free "
+                         "(a range stays taken): putting %d bytes over the socket",
+                         self.frames.label, need)
+            return await self.frames.request(Op.PUT, meta, views)
         if self.is_closed:
             staging.free(start, need)
             raise ConnectionError(f"connection {self.frames.conn.name} lost")
@@ -309,6 +334,14 @@ class ShmPath(FastPath):
         copied, self._copying = self._copying, []
         for start, need in copied:
             self.staging.free(start, need)   # type: ignore[union-attr]
+
+    def _may_free(self) -> bool:
+        """Whether something of ours in flight could still free staging room: a staged put not
+        answered, ranges the store may still be copying (a flush frees them), or a single-block
+        request awaiting its reply (it frees its range when answered)."""
+        fast = self.fast
+        return bool(self._unanswered or self._copying or self._fast_copying
+                    or (fast is not None and fast.busy and not fast.is_closed))
 
     async def _flush(self) -> bool:
         """No room, and no staged put in flight whose answer would free some: ask the store

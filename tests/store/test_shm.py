@@ -439,6 +439,46 @@ async def test_a_put_waiting_for_room_wakes_when_the_one_in_flight_answers_copyi
         path.staging.populator.stop()
 
 
+async def test_a_put_finding_no_room_that_could_come_goes_on_the_socket():
+    """A range that stays taken (a channel the store never retired: an older store, a late
+    retire) can leave no contiguous room for a half-window batch. A put finding none, with
+    nothing of its client in flight that could free some, goes framed with its bytes on the
+    socket at once; one waiting on something in flight that frees nothing goes framed when its
+    timeout runs out. Before, both waited for ever, the put's timeout ignored."""
+    import mmap
+    from types import SimpleNamespace
+
+    from mooncake_lite.transfer.framing import Frame
+    loop = asyncio.get_running_loop()
+    sent: list[tuple[Op, bool, int]] = []   # (op, staged, payload bytes)
+
+    async def request(op, meta=None, payload=(), sink=None):
+        sent.append((op, "staged" in (meta or {}), sum(v.nbytes for v in payload)))
+        return Frame(None, {"num_new": 1}, [])
+    area = mmap.mmap(-1, 4 << 16)
+    mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
+    frames = SimpleNamespace(request=request, label="store", piggyback=None,
+                             conn=SimpleNamespace(closed=loop.create_future(), name="store"))
+    path = shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
+    try:
+        path.staging._free = [(0, 3 << 15), (5 << 15, 3 << 15)]   # [96, 160) KiB stays taken
+        data = memoryview(bytes(2 << 16))
+        assert path.fits([data.nbytes])
+        reply = await asyncio.wait_for(path.put({"keys": ["00" * 16]}, [data], None), 2)
+        assert reply.meta["num_new"] == 1 and sent == [(Op.PUT, False, 2 << 16)]
+        # A single-block request in flight (it could free room) that frees none: the put's
+        # timeout bounds the wait.
+        path.fast = SimpleNamespace(busy=True, is_closed=False, close=lambda: None)
+        reply = await asyncio.wait_for(path.put({"keys": ["01" * 16]}, [data], 0.1), 2)
+        assert sent == [(Op.PUT, False, 2 << 16)] * 2
+        # Room for it: staged as before.
+        path.fast = None
+        await asyncio.wait_for(path.put({"keys": ["02" * 16]}, [memoryview(bytes(3 << 15))], None), 2)
+        assert sent[-1] == (Op.PUT, True, 0)
+    finally:
+        path.staging.populator.stop()
+
+
 def test_puts_are_staged_in_a_cache_sized_window():
     """A staging area is used only up to about the last-level cache (what a put copies in is
     still cached when the store copies it out), never less than two of the store's largest
