@@ -61,15 +61,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 # ---- raw machine limits --------------------------------------------------------------------------
+MEMCPY_PASSES = 5
+
+
 def memcpy_gbps(size: int, total: int) -> float:
     src = bytearray(os.urandom(4096)) * (size // 4096) + os.urandom(size % 4096)
     dst_view, src_view = memoryview(bytearray(size)), memoryview(src)
-    count = max(16, total // size)
+    count = max(4, total // size // MEMCPY_PASSES)
     dst_view[:] = src_view
-    start = time.perf_counter()
-    for _ in range(count):
-        dst_view[:] = src_view  # one memcpy of the whole block
-    return count * size / (time.perf_counter() - start) / 1e9
+    best = 0.0
+    for _ in range(MEMCPY_PASSES):   # warm-up above, then best of N passes: the machine's limit,
+        start = time.perf_counter()   # not a pass another process happened to slow down
+        for _ in range(count):
+            dst_view[:] = src_view  # one memcpy of the whole block
+        best = max(best, count * size / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def memcpy_cold_gbps(size: int, total: int, arena_bytes: int, sources: int) -> tuple[float, float]:
@@ -359,8 +365,18 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def memcpy_reference(raw: dict[str, list[float]]) -> dict:
+    """The cache-hot memcpy the 50% goal is judged against: the best round (each round already
+    best of MEMCPY_PASSES passes), so a round another process slowed cannot lower the bar. A round
+    whose cache-hot memcpy measured below its cold read was plainly disturbed: it is listed in
+    ``invalid_rounds`` (and the table says so), whatever it measured."""
+    hot, cold = raw["memcpy"], raw["memcpy_cold_read"]
+    return {"memcpy_gbps": max(hot), "memcpy_median_gbps": statistics.median(hot), "memcpy_runs": hot,
+            "invalid_rounds": [i for i, (h, c) in enumerate(zip(hot, cold)) if h < c]}
+
+
 def summarize(size: int, raw: dict[str, list[float]], rounds: list[dict]) -> dict:
-    out: dict = {"memcpy_gbps": statistics.median(raw["memcpy"]), "memcpy_runs": raw["memcpy"],
+    out: dict = {**memcpy_reference(raw),
                  "memcpy_cold_read_gbps": statistics.median(raw["memcpy_cold_read"]),
                  "memcpy_cold_write_gbps": statistics.median(raw["memcpy_cold_write"]),
                  "socket_gbps": statistics.median(raw["socket"]), "socket_runs": raw["socket"],
@@ -403,11 +419,11 @@ def summarize(size: int, raw: dict[str, list[float]], rounds: list[dict]) -> dic
 
 
 def _shm_goals(op: str, size: int, entry: dict, out: dict) -> dict[str, bool]:
-    """Issue 17: >= 50% of memcpy at >= 1 MiB, a 64 KiB get in <= 50 us, >= 2x TCP everywhere."""
+    """Issue 17: >= 50% of the best cache-hot memcpy at >= 1 MiB, a 64 KiB get in <= 50 us, >= 2x TCP everywhere."""
     tcp = out["get" if op == "shm_leased_get" else op.removeprefix("shm_")]
     entry["vs_tcp"] = entry["gbps"] / tcp["gbps"]
     goals = {"2x_tcp": entry["vs_tcp"] >= 2.0}
-    if size >= 1 << 20 and op != "shm_leased_get":
+    if size >= 1 << 20:   # leased gets too (no round trip, but the issue's "get"), on their own row
         goals["50pct_memcpy"] = entry["vs_memcpy"] >= 0.5
     # vs_memcpy_cold (the "x cold" column) is a reference only: the issue's goal is the
     # cache-hot single-thread memcpy, and the cold copy, slower by construction, is no goal.
@@ -422,12 +438,16 @@ def render(report: dict) -> str:
              f"median of {report['repeat']} runs, GB/s = 1e9 B/s"]
     for size, r in report["sizes"].items():
         c = r["config"]
-        lines.append(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s (cold: out of the "
+        lines.append(f"\n{format_size(int(size))} blocks: memcpy {r['memcpy_gbps']:.2f} GB/s (best round; median "
+                     f"{r['memcpy_median_gbps']:.2f}; cold: out of the "
                      f"get's blocks {r['memcpy_cold_read_gbps']:.2f}, into a slab-sized arena "
                      f"{r['memcpy_cold_write_gbps']:.2f}), blocking socket "
                      f"{r['socket_gbps']:.2f} GB/s ({r['socket_cpu_s_per_gb']:.2f} CPU s/GB), into a slab-sized arena "
                      f"{r['socket_arena_gbps']:.2f} GB/s; batched = {c['blocks_per_request']} blocks/request, "
                      f"{c['in_flight']} in flight")
+        if r.get("invalid_rounds"):
+            lines.append(f"  INVALID rounds {r['invalid_rounds']}: cache-hot memcpy below the cold read "
+                         f"(a disturbed reference; the goals are judged against the best round)")
         if "round_trip_us" in r:
             f = r["round_trip_us"]
             lines.append(f"  round trip p50 (the floor of a single request): uvloop echo {f['unix_echo']:.0f} us "
