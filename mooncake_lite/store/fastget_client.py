@@ -220,21 +220,23 @@ class FastPath:
     async def _retire(self, fast: FastChannel, timeout: float | None) -> None:
         """The channel is gone with requests the store may still read (a put's staged range
         among them): ask the store, framed, to stop reading this connection's channels. Its
-        answer comes after whatever it read was handled, so those ranges are free then. With
-        no such answer (an older store, no answer in ``timeout``) they stay taken until the
-        connection closes: a store that read the request later would copy whatever we had
-        put there since."""
+        answer comes after whatever it read was handled, so those ranges are free then, even
+        when it comes after ``timeout`` (the request is shielded and a callback settles: the
+        store retires the channel whether or not we still wait). With no such answer (an older
+        store, which answers with an ordinary grant) they stay taken until the connection
+        closes: a store that read the request later would copy whatever we had put there since."""
         if not fast.owes or self.is_closed:
             return
+        label = self.frames.label
+        request = asyncio.ensure_future(self.frames.request(Op.FAST_ATTACH, {"retire": True}))
+        request.add_done_callback(lambda f: retire_answered(label, fast, f))
         try:
-            request = self.frames.request(Op.FAST_ATTACH, {"retire": True})
-            reply = await (asyncio.wait_for(request, timeout) if timeout else request)
-        except (RemoteError, TimeoutError, ConnectionError) as exc:
-            log.info("%s: single-block channel not retired (%s): its staged ranges stay taken",
-                     self.frames.label, exc)
-            return
-        if reply.meta.get("retired") is True:
-            fast.settle()
+            await (asyncio.wait_for(asyncio.shield(request), timeout) if timeout else asyncio.shield(request))
+        except TimeoutError:
+            log.info("%s: single-block channel's retire not answered in %ss: its staged ranges stay "
+                     "taken until the answer comes", label, timeout)
+        except (RemoteError, ConnectionError):
+            pass   # retire_answered says so
 
     def _owed_back(self, owed: list[tuple[int, int]]) -> None:
         if owed:
@@ -310,3 +312,24 @@ async def open_fast(frames: FrameClient) -> FastChannel | None:
         log.info("store %s: single gets go framed (%s)", frames.conn.name, exc)
         return None
     return FastChannel(sock)
+
+
+_told_old_store = False
+
+
+def retire_answered(label: str, fast: FastChannel, request: asyncio.Future) -> None:
+    """The answer to a FAST_ATTACH ``retire``, whenever it comes: ``retired`` settles the
+    channel (its staged ranges are free); an ordinary grant is an older store that does not
+    know retire (its ranges stay taken: said once, as a warning)."""
+    global _told_old_store
+    if request.cancelled():
+        return
+    exc = request.exception()
+    if exc is not None:
+        log.info("%s: single-block channel not retired (%s): its staged ranges stay taken", label, exc)
+    elif request.result().meta.get("retired") is True:
+        fast.settle()
+    elif not _told_old_store:
+        _told_old_store = True
+        log.warning("%s: the store did not retire its single-block channel (an older store answered "
+                    "with a grant): staged ranges it was given stay taken until the connection closes", label)

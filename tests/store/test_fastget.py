@@ -230,3 +230,33 @@ async def test_client_channel_gives_up_on_a_store_that_never_answers(monkeypatch
     finally:
         channel.close()
         store_end.close()
+
+
+async def test_a_retire_answered_late_still_frees_the_channels_ranges(caplog, monkeypatch):
+    """The store retires the channel even when its answer comes after the client stopped
+    waiting: that late ``retired`` must settle the channel (free its staged ranges), or they
+    stay taken for the connection's life. An older store's grant is said once, as a warning."""
+    from mooncake_lite.store import fastget_client
+    from mooncake_lite.store.fastget_client import FastPath
+    monkeypatch.setattr(fastget_client, "_told_old_store", False)
+    answer = asyncio.get_running_loop().create_future()
+    settled = asyncio.Event()
+
+    async def request(op, meta):
+        return await answer
+
+    owner = SimpleNamespace(frames=SimpleNamespace(request=request, label="store x"), is_closed=False)
+    fast = SimpleNamespace(owes=True, settle=settled.set)
+    await FastPath._retire(owner, fast, 0.01)   # gives up waiting
+    assert not settled.is_set()
+    answer.set_result(SimpleNamespace(meta={"retired": True}))
+    await asyncio.wait_for(settled.wait(), 10)
+
+    grant = asyncio.get_running_loop().create_future()
+    grant.set_result(SimpleNamespace(meta={"secret": "00"}))
+    owner.frames.request = lambda op, meta: grant
+    other = SimpleNamespace(owes=True, settle=lambda: pytest.fail("an ordinary grant settled the channel"))
+    with caplog.at_level("WARNING", logger="mooncake_lite.store.fastget_client"):
+        await FastPath._retire(owner, other, 1.0)
+        await asyncio.sleep(0)
+    assert "older store" in caplog.text
