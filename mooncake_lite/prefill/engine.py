@@ -301,7 +301,11 @@ class StageEngine:
 
     async def _load(self, keys: list[bytes], layer: int) -> tuple[LoadBuffer, list[memoryview]]:
         """One layer of the prefix blocks, read by the store straight into a reused buffer
-        (``load_buffers.py``) where it can; ``_unpack_layer`` copies in any view it could not."""
+        (``load_buffers.py``) where it can; ``_unpack_layer`` copies in any view it could not.
+        Never give ``buf`` back unless the load completed: a failed or cancelled load (``_fall_back``)
+        must drop it, because a cancelled TCP read may still be filling it (the connection keeps
+        copying a payload whose header arrived into the sink's views), and a reused buffer would
+        take those stale bytes into another request's prefix KV. Dropping it is not a leak."""
         buf = self.load_buffers.take(len(keys))
         return buf, await self.store.get_layers(keys, layer, 1, out=buf.block_views)
 

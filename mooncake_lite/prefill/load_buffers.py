@@ -62,7 +62,10 @@ class LoadBuffers:
         return LoadBuffer(base, num_blocks, self.block_shape)
 
     def give(self, buf: LoadBuffer) -> None:
-        """Back for reuse: nothing may read ``buf`` any more (the cache has its bytes)."""
+        """Back for reuse: nothing may read ``buf`` any more (the cache has its bytes). Only a
+        buffer whose load completed: never one of a failed or cancelled load, which a cancelled
+        TCP read may still be writing into (handing it out again would corrupt another request's
+        prefix KV); such a buffer is dropped, and freed once nothing holds it."""
         base = buf.base
         blocks = base.numel() // _numel(self.block_shape)
         with self._lock:
