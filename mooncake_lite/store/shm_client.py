@@ -55,6 +55,9 @@ class SharedSlab:
         self.mapping.close()
 
 
+RECHECK_S = 0.1   # a put waiting for staging room looks again at least this often
+
+
 class Staging:
     """This connection's staging area, handed out first-fit to the puts in flight. Only its
     first ``window`` bytes are used (all of it when None)."""
@@ -88,13 +91,12 @@ class Staging:
                 return None
             waiter = loop.create_future()
             self._waiters.append(waiter)
-            if left is None:
-                await waiter
-                continue
+            # Looked at again now and then: what was in flight may end freeing nothing (a
+            # single get), and nothing wakes us then.
             try:
-                await asyncio.wait_for(waiter, left)
+                await asyncio.wait_for(waiter, RECHECK_S if left is None else min(left, RECHECK_S))
             except TimeoutError:
-                return None
+                pass
         return start
 
     def _take(self, nbytes: int) -> int | None:

@@ -471,6 +471,10 @@ async def test_a_put_finding_no_room_that_could_come_goes_on_the_socket():
         path.fast = SimpleNamespace(busy=True, is_closed=False, close=lambda: None)
         reply = await asyncio.wait_for(path.put({"keys": ["01" * 16]}, [data], 0.1), 2)
         assert sent == [(Op.PUT, False, 2 << 16)] * 2
+        # With no timeout, once that request ends having freed nothing: framed too.
+        loop.call_later(0.05, setattr, path.fast, "busy", False)
+        await asyncio.wait_for(path.put({"keys": ["01" * 16]}, [data], None), 2)
+        assert sent == [(Op.PUT, False, 2 << 16)] * 3
         # Room for it: staged as before.
         path.fast = None
         await asyncio.wait_for(path.put({"keys": ["02" * 16]}, [memoryview(bytes(3 << 15))], None), 2)
