@@ -23,6 +23,7 @@ stores still hold their blocks until the expiry, so prefix matches keep working)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -33,13 +34,13 @@ from typing import Any
 from aiohttp import web
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.conductor.api import API, ApiState, _json_body
+from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES, ApiState, _json_body, _read_json
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.context_book import Context, ContextBook
 from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, store_unpin
 from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
 from mooncake_lite.conductor.kv_sink import KVSink
-from mooncake_lite.conductor.params import chat_prompt, parse_request
+from mooncake_lite.conductor.params import _encode, chat_prompt, parse_request
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
 
@@ -95,12 +96,36 @@ def use_context(request: web.Request, body: Any, kind: str) -> Any:
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):   # no BOS in the middle: the context already starts with it
-        prompt = request.app[API].tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, str):   # tokenized by the parser, in its thread for a long body
+        return _TextAfterContext(body, ctx.prompt_ids, prompt, request.app[API])
     if not isinstance(prompt, list):
         raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
     body["prompt"] = [*ctx.prompt_ids, *prompt]
     return body
+
+
+class _TextAfterContext(dict):
+    """A completion body whose text prompt follows a context's tokens. The rewrite runs on the
+    event loop (api.py), so the text is not tokenized there: its "prompt" becomes the context's ids
+    and the text's tokens when the parser reads it, which it does in a thread for a body over
+    ``OFF_LOOP_BYTES``, as for any prompt. A text that cannot fit the context is refused untokenized
+    (``check_text_fits``, the main path's bound); it is encoded without a second BOS."""
+
+    def __init__(self, body: dict, prefix: tuple[int, ...], text: str, st: ApiState):
+        super().__init__(body)
+        self._prefix, self._text, self._st = prefix, text, st
+        self._ids: list[int] | None = None
+
+    def __getitem__(self, key: Any) -> Any:
+        if key != "prompt":
+            return super().__getitem__(key)
+        if self._ids is None:
+            st = self._st
+            self._ids = [*self._prefix, *_encode(st.tokenizer, self._text, st.max_context, add_special_tokens=False)]
+        return self._ids
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
@@ -108,8 +133,10 @@ async def create(request: web.Request) -> web.Response:
     st, cs = request.app[API], request.app[CONTEXTS]
     tenant = tenant_of(request)
     try:
-        body = await _json_body(request)
-        kind, ids, messages = _context_ids(st, body)
+        body, size = await _read_json(request)
+        parse = functools.partial(_context_ids, st, body)
+        # tokenized in a thread when long, as a completion's prompt is (api.py)
+        kind, ids, messages = await asyncio.to_thread(parse) if size > OFF_LOOP_BYTES else parse()
         ttl, name = _ttl(body, cs.cfg), _name(body)
         keys = prefix_hash(ids, st.svc.block_size, st.svc.hash_seed)
         if not keys:
@@ -223,11 +250,11 @@ def _context_ids(st: ApiState, body: Any) -> tuple[str, tuple[int, ...], tuple[d
         raise bad_request("a context's messages must have string contents", "messages")
     template = st.tokenizer.chat_template
     if template is None:
-        ids = st.tokenizer.encode(chat_prompt(list(messages)).removesuffix("<|assistant|>\n"))
+        ids = _encode(st.tokenizer, chat_prompt(list(messages)).removesuffix("<|assistant|>\n"), st.max_context)
     else:
-        ids = st.tokenizer.encode(template.render(list(messages), add_generation_prompt=False),
-                                  add_special_tokens=False)
-    return "messages", tuple(ids), messages
+        ids = _encode(st.tokenizer, template.render(list(messages), add_generation_prompt=False),
+                      st.max_context, add_special_tokens=False)
+    return "messages", ids, messages
 
 
 def _only(body: dict, *names: str) -> dict:

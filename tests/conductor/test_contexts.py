@@ -242,3 +242,74 @@ async def test_the_kv_sink_takes_every_stages_frames_and_ends_on_the_first_token
         for stage in stages:
             await stage.close()
         await sink.stop()
+
+
+def _prompt_context(cluster, ids: tuple[int, ...] = tuple(range(10, 22))) -> None:
+    from mooncake_lite.common.hashing import prefix_hash
+    from mooncake_lite.conductor.contexts import CONTEXTS
+    cluster.app[CONTEXTS].book.contexts["ctx-x"] = Context("ctx-x", "default", "prompt", "tiny", ids, (),
+                                                           tuple(prefix_hash(ids, 4, 0)), "store0:1", 0,
+                                                           time.time() + 60, cached_tokens=len(ids))
+
+
+@pytest.mark.parametrize("prompt", ["x" * 200_000, ["x" * 4096]])
+async def test_a_text_too_long_after_a_context_is_refused_untokenized(make_cluster, prompt):
+    """The prompt of a request naming a context has the main path's bound: text that cannot fit
+    the context is the context-length 400 before the tokenizer sees it."""
+    from mooncake_lite.conductor.api import API
+    from tests.conductor.test_prompt_bounds import CountingTokenizer
+
+    cluster = await make_cluster()
+    _prompt_context(cluster)
+    tok = cluster.app[API].tokenizer = CountingTokenizer()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "context_id": "ctx-x"}
+    async with cluster.session.post(cluster.url + "/v1/completions", json=body) as resp:
+        out = await resp.json()
+        assert resp.status == 400 and "maximum context length is 4096" in out["error"]["message"], out
+    assert out["error"]["param"] == "prompt" and all(n < 4096 for n in tok.encoded), tok.encoded
+    assert all(not inst.requests for inst in cluster.instances.values())
+    # a short text after the context is still tokenized (without a second BOS) and served
+    body["prompt"] = "hi"
+    async with cluster.session.post(cluster.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200 and (await resp.json())["usage"]["prompt_tokens"] == 12 + 2
+    assert tok.encoded[-1] == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/contexts"])
+async def test_a_long_text_is_tokenized_off_the_event_loop(make_cluster, path):
+    """A long body naming a context, or creating one, is tokenized in a thread: /health answers
+    meanwhile (on the event loop, the gate would hold it 5 s and the test would see that)."""
+    from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES
+    from tests.conductor.test_prompt_bounds import GatedTokenizer
+
+    cluster = await make_cluster()
+    _prompt_context(cluster)
+    tok = cluster.app[API].tokenizer = GatedTokenizer()
+    body = {"model": "tiny", "prompt": "x" * 3000, "max_tokens": 2, "user": "u" * OFF_LOOP_BYTES}
+    # a completion naming the context is served; a creation is refused on its ttl, after tokenizing
+    body.update({"context_id": "ctx-x"} if path == "/v1/completions" else {"ttl": -1})
+    pending = asyncio.create_task(cluster.session.post(cluster.url + path, json=body))
+    assert await asyncio.to_thread(tok.inside.wait, 10)
+    async with cluster.session.get(cluster.url + "/health") as resp:
+        assert resp.status == 200
+    tok.release.set()
+    async with await pending as resp:
+        out = await resp.json()
+        assert resp.status == 200 if path == "/v1/completions" else out["error"]["param"] == "ttl", out
+    assert not tok.waited_out
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x" * 200_000},
+                                  {"messages": [{"role": "user", "content": "x" * 200_000}]}])
+async def test_a_context_too_long_to_fit_is_refused_untokenized(make_cluster, body):
+    """Creating a context whose text cannot fit the model's context is the context-length 400
+    before the tokenizer sees the text (the main path's bound)."""
+    from mooncake_lite.conductor.api import API
+    from tests.conductor.test_prompt_bounds import CountingTokenizer
+
+    cluster = await make_cluster()
+    tok = cluster.app[API].tokenizer = CountingTokenizer()
+    async with cluster.session.post(cluster.url + "/v1/contexts", json={"model": "tiny", **body}) as resp:
+        out = await resp.json()
+        assert resp.status == 400 and "maximum context length is 4096" in out["error"]["message"], out
+    assert all(n < 4096 for n in tok.encoded), tok.encoded
