@@ -40,7 +40,7 @@ from mooncake_lite.conductor.context_book import Context, ContextBook
 from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, store_unpin
 from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
 from mooncake_lite.conductor.kv_sink import KVSink
-from mooncake_lite.conductor.params import _encode, chat_prompt, parse_request
+from mooncake_lite.conductor.params import TextAfterIds, _encode, chat_prompt, parse_request
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
 
@@ -97,35 +97,12 @@ def use_context(request: web.Request, body: Any, kind: str) -> Any:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):   # tokenized by the parser, in its thread for a long body
-        return _TextAfterContext(body, ctx.prompt_ids, prompt, request.app[API])
+        body["prompt"] = TextAfterIds(ctx.prompt_ids, prompt)
+        return body
     if not isinstance(prompt, list):
         raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
     body["prompt"] = [*ctx.prompt_ids, *prompt]
     return body
-
-
-class _TextAfterContext(dict):
-    """A completion body whose text prompt follows a context's tokens. The rewrite runs on the
-    event loop (api.py), so the text is not tokenized there: its "prompt" becomes the context's ids
-    and the text's tokens when the parser reads it, which it does in a thread for a body over
-    ``OFF_LOOP_BYTES``, as for any prompt. A text that cannot fit the context is refused untokenized
-    (``check_text_fits``, the main path's bound); it is encoded without a second BOS."""
-
-    def __init__(self, body: dict, prefix: tuple[int, ...], text: str, st: ApiState):
-        super().__init__(body)
-        self._prefix, self._text, self._st = prefix, text, st
-        self._ids: list[int] | None = None
-
-    def __getitem__(self, key: Any) -> Any:
-        if key != "prompt":
-            return super().__getitem__(key)
-        if self._ids is None:
-            st = self._st
-            self._ids = [*self._prefix, *_encode(st.tokenizer, self._text, st.max_context, add_special_tokens=False)]
-        return self._ids
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key in self else default
 
 
 # ---- endpoints -----------------------------------------------------------------------------------

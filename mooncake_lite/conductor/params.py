@@ -35,6 +35,16 @@ class ApiRequest:
     return_token_ids: bool = False
 
 
+@dataclass(frozen=True)
+class TextAfterIds:
+    """A completion's text prompt that follows token ids already fixed (a context's, see
+    ``conductor/contexts.py``): the rewrite that puts it in the body runs on the event loop and
+    must not tokenize, so the parser does, under the same bound and in the same thread as any
+    text prompt, and without a second BOS."""
+    prefix: tuple[int, ...]
+    text: str
+
+
 def chat_prompt(messages: list[dict[str, str]]) -> str:
     """The fallback chat template, for checkpoints without one of their own (the byte-level
     presets): one ``<|role|>`` header line per message, its content on the next line(s), then
@@ -170,6 +180,8 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, max_context: 
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return _encode(tokenizer, prompt, max_context)
+    if isinstance(prompt, TextAfterIds):
+        return (*prompt.prefix, *_encode(tokenizer, prompt.text, max_context, add_special_tokens=False))
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
