@@ -408,9 +408,6 @@ async def test_a_put_waiting_for_room_wakes_when_the_one_in_flight_answers_copyi
     """A put that finds no room while the only other staged put is in flight (nothing to flush
     yet) must look again when that one is answered ``copying``: its range can be flushed free
     then (an empty EXISTS), and without that wake-up the waiting put waited for ever."""
-    import mmap
-    from types import SimpleNamespace
-
     from mooncake_lite.transfer.framing import Frame
     loop = asyncio.get_running_loop()
     answer_first = asyncio.Event()
@@ -421,11 +418,7 @@ async def test_a_put_waiting_for_room_wakes_when_the_one_in_flight_answers_copyi
         if op == Op.PUT and len(sent) == 1:
             await answer_first.wait()
         return Frame(None, {"num_new": 1, "copying": True} if op == Op.PUT else {}, [])
-    area = mmap.mmap(-1, 4 << 16)
-    mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
-    frames = SimpleNamespace(request=request, label="store", piggyback=None,
-                             conn=SimpleNamespace(closed=loop.create_future(), name="store"))
-    path = shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
+    path = _path_over_fake_frames(request, loop)
     try:
         first = asyncio.ensure_future(path.put({"keys": ["00" * 16]}, [memoryview(bytes(2 << 16))], None))
         await asyncio.sleep(0.01)
@@ -445,7 +438,6 @@ async def test_a_put_finding_no_room_that_could_come_goes_on_the_socket():
     nothing of its client in flight that could free some, goes framed with its bytes on the
     socket at once; one waiting on something in flight that frees nothing goes framed when its
     timeout runs out. Before, both waited for ever, the put's timeout ignored."""
-    import mmap
     from types import SimpleNamespace
 
     from mooncake_lite.transfer.framing import Frame
@@ -455,11 +447,7 @@ async def test_a_put_finding_no_room_that_could_come_goes_on_the_socket():
     async def request(op, meta=None, payload=(), sink=None):
         sent.append((op, "staged" in (meta or {}), sum(v.nbytes for v in payload)))
         return Frame(None, {"num_new": 1}, [])
-    area = mmap.mmap(-1, 4 << 16)
-    mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
-    frames = SimpleNamespace(request=request, label="store", piggyback=None,
-                             conn=SimpleNamespace(closed=loop.create_future(), name="store"))
-    path = shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
+    path = _path_over_fake_frames(request, loop)
     try:
         path.staging._free = [(0, 3 << 15), (5 << 15, 3 << 15)]   # [96, 160) KiB stays taken
         data = memoryview(bytes(2 << 16))
@@ -501,3 +489,15 @@ def test_puts_are_staged_in_a_cache_sized_window():
     cache = shm_client.last_level_cache_bytes()
     assert cache >= 1 << 20
     assert shm_client.staging_window(None) == cache and shm_client.staging_window(cache) == 2 * cache
+
+
+def _path_over_fake_frames(request, loop) -> shm_client.ShmPath:
+    """A same-node client path whose control frames go to ``request`` (a fake store), over a
+    256 KiB private staging area."""
+    import mmap
+    from types import SimpleNamespace
+    area = mmap.mmap(-1, 4 << 16)
+    mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
+    frames = SimpleNamespace(request=request, label="store", piggyback=None,
+                             conn=SimpleNamespace(closed=loop.create_future(), name="store"))
+    return shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
