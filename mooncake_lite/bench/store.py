@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from kernels.timing import best_seconds
 from mooncake_lite.common.launch import RoleProcess, to_stderr
 from mooncake_lite.common.units import format_size, parse_size
 from mooncake_lite.transfer.shm import aligned_buffer, copy
@@ -68,14 +69,12 @@ def memcpy_gbps(size: int, total: int) -> float:
     src = bytearray(os.urandom(4096)) * (size // 4096) + os.urandom(size % 4096)
     dst_view, src_view = memoryview(bytearray(size)), memoryview(src)
     count = max(4, total // size // MEMCPY_PASSES)
-    dst_view[:] = src_view
-    best = 0.0
-    for _ in range(MEMCPY_PASSES):   # warm-up above, then best of N passes: the machine's limit,
-        start = time.perf_counter()   # not a pass another process happened to slow down
+
+    def one_pass() -> None:
         for _ in range(count):
             dst_view[:] = src_view  # one memcpy of the whole block
-        best = max(best, count * size / (time.perf_counter() - start) / 1e9)
-    return best
+    # best of N passes (kernels/timing.py): the machine's limit, not a pass another process slowed
+    return count * size / best_seconds(one_pass, None, MEMCPY_PASSES, warmup=1) / 1e9
 
 
 def memcpy_cold_gbps(size: int, total: int, arena_bytes: int, sources: int) -> tuple[float, float]:

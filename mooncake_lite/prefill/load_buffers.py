@@ -15,6 +15,7 @@ event loop and given back from the model thread once the cache holds its bytes.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 
 import numpy as np
@@ -28,7 +29,7 @@ class LoadBuffer:
 
     def __init__(self, base: torch.Tensor, num_blocks: int, block_shape: tuple[int, ...]):
         self.base = base
-        self.packed = base[:num_blocks * _numel(block_shape)].view(num_blocks, *block_shape)
+        self.packed = base[:num_blocks * math.prod(block_shape)].view(num_blocks, *block_shape)
         raw = memoryview(self.packed.view(torch.uint8).numpy()).cast("B")
         self.block_bytes = size = raw.nbytes // max(num_blocks, 1)
         self.block_views = [raw[i * size:(i + 1) * size] for i in range(num_blocks)]
@@ -55,9 +56,9 @@ class LoadBuffers:
             idle = self._idle.get(blocks)
             base = idle.pop() if idle else None
             if base is not None:
-                self._idle_bytes -= _nbytes(base)
+                self._idle_bytes -= base.nbytes
         if base is None:
-            base = torch.empty(blocks * _numel(self.block_shape), dtype=self.dtype)
+            base = torch.empty(blocks * math.prod(self.block_shape), dtype=self.dtype)
             self.num_allocated += 1
         return LoadBuffer(base, num_blocks, self.block_shape)
 
@@ -67,11 +68,11 @@ class LoadBuffers:
         TCP read may still be writing into (handing it out again would corrupt another request's
         prefix KV); such a buffer is dropped, and freed once nothing holds it."""
         base = buf.base
-        blocks = base.numel() // _numel(self.block_shape)
+        blocks = base.numel() // math.prod(self.block_shape)
         with self._lock:
-            if self._idle_bytes + _nbytes(base) <= self.max_idle_bytes:
+            if self._idle_bytes + base.nbytes <= self.max_idle_bytes:
                 self._idle.setdefault(blocks, []).append(base)
-                self._idle_bytes += _nbytes(base)
+                self._idle_bytes += base.nbytes
 
 
 def fill(buf: LoadBuffer, views: list[memoryview]) -> None:
@@ -88,17 +89,6 @@ def fill(buf: LoadBuffer, views: list[memoryview]) -> None:
             if view.nbytes != own.nbytes:
                 raise ValueError(f"a loaded block layer of {view.nbytes} bytes, expected {own.nbytes}")
             own[:] = view
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _address(view: memoryview) -> int:
