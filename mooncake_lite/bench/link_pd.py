@@ -107,7 +107,7 @@ async def pd_worker(spec: dict) -> dict:
     from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
     from mooncake_lite.prefill.store_io import MemoryStore
 
-    from mooncake_lite.bench.store import process_cpu
+    from mooncake_lite.bench.store_limits import process_cpu
 
     class TimedThenSend(ThenSendSender):
         """Compute, then send; with the CPU seconds each end spends on the tail, the stream alone."""
