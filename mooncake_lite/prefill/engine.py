@@ -2,10 +2,8 @@
 
 For each request (a :class:`StageJob`) the stage:
 
-* loads the cached prefix KV from its store **layer by layer** — layer i+1's load is launched
-  before layer i waits for its own and computes, so loading hides behind compute; a load that
-  fails (the store died, a block vanished) falls back to recomputing the prefix, as vLLM's
-  ``kv_load_failure_policy=recompute`` does, instead of failing the request;
+* loads the cached prefix KV from its store **layer by layer**, hidden behind compute, and
+  recomputes it if a load fails (``prefix_load.py``, mixed in);
 * computes only the uncached tokens, one chunk at a time (:meth:`StageEngine.run_chunk`);
 * after each layer, queues that layer's KV (prefix tokens with the first chunk, then each
   chunk's new tokens) on the stream to decode, so sending overlaps the next layer's compute;
@@ -22,17 +20,14 @@ the tensors through).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kernels import gather_tokens, pack_blocks, unpack_blocks
+from kernels import gather_tokens, pack_blocks
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
@@ -40,66 +35,17 @@ from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
+from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame
 from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
-from mooncake_lite.prefill.load_buffers import LoadBuffer, LoadBuffers, fill
+from mooncake_lite.prefill.load_buffers import LoadBuffers
+from mooncake_lite.prefill.prefix_load import PrefixLoading
 from mooncake_lite.prefill.store_io import PrefixStore
 from mooncake_lite.prefill.writeback import WritebackStats
-from mooncake_lite.transfer.client import RemoteError
 
-log = logging.getLogger(__name__)
-# What a failed prefix load raises: a block gone (KeyError), the store gone or refusing.
-PREFIX_LOAD_ERRORS = (KeyError, ConnectionError, OSError, asyncio.TimeoutError, RemoteError)
-RECOMPUTE_CHUNK_TOKENS = 512    # a recomputed prefix runs in passes of at most this many tokens
+__all__ = ["PrefillAborted", "StageEngine", "StageJob"]   # the first and last from prefill/job.py
 
 
-def _send(sender: KVSender, layer: int, start: int, kv: Staged) -> None:
-    """Queue one layer frame: a pass-through copy (CPU) as the tensor it is, a copy still in
-    flight from the device as such (the sender waits for it off the loop)."""
-    sender.send_layer(layer, start, kv.tensor if kv.is_plain else kv)
-
-
-def _prefix_frame(packed: torch.Tensor) -> torch.Tensor:
-    """The KV frame of a loaded prefix, ``[2][tokens][kv_heads][head_dim]``, from its blocks
-    ``[blocks][1][2][block_size][kv_heads][head_dim]``: the prefix is whole blocks in order, so
-    this is their K halves then their V halves, one strided copy (4x faster here than gathering
-    every token back out of the cache, and the same bytes). Always a copy: the load buffer is
-    reused while the frame may still wait to be sent."""
-    blocks, _, _, block_size, kv_heads, head_dim = packed.shape
-    frame = torch.empty((2, blocks * block_size, kv_heads, head_dim), dtype=packed.dtype)
-    frame.view(2, blocks, block_size, kv_heads, head_dim).copy_(packed[:, 0].transpose(0, 1))
-    return frame
-
-
-class PrefillAborted(RuntimeError):
-    """The request was aborted or its KV stream broke; the message says why."""
-
-
-@dataclass
-class StageJob:
-    request_id: str
-    token_ids: tuple[int, ...]
-    keys: list[bytes]                  # keys of the prompt's full blocks
-    num_prefix_blocks: int
-    block_ids: list[int]
-    sender: KVSender
-    loads: dict[int, asyncio.Task] = field(default_factory=dict)
-    prefix_done: bool = False
-    num_stored_blocks: int = 0         # full blocks already handed to the store (incl. the prefix)
-    num_prefix_tokens: int = 0
-    abort_reason: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    # Set when a prefix load failed: passes recomputing the prefix, one layer at a time.
-    recompute: list[LayerwisePass] | None = None
-    load_span: Any = None              # prefill.prefix_load, open until the prefix is in (tracing on)
-    prefix_handed_back: bool = False   # the store was told its loads are over (prefix_loaded)
-
-    @property
-    def is_prefix_recomputed(self) -> bool:
-        """The prefix was computed after all (its load failed): nothing was really reused."""
-        return self.recompute is not None
-
-
-class StageEngine:
+class StageEngine(PrefixLoading):
     def __init__(self, runner: ModelRunner, store: PrefixStore | None, executor: Executor,
                  write_back: bool = True, copier: Copier | None = None):
         self.runner = runner
@@ -196,7 +142,7 @@ class StageEngine:
             if not job.prefix_done:
                 await self._load_prefix_layer(job, layer)
             kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
-            _send(job.sender, layer, start, kv)
+            send_frame(job.sender, layer, start, kv)
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
@@ -229,7 +175,7 @@ class StageEngine:
             kvs = await loop.run_in_executor(self.executor, self._packed_layer, piece, layer)
             for i, ((job, start, _), kv) in enumerate(zip(parts, kvs)):
                 if errors[i] is None:
-                    _send(job.sender, layer, start, kv)
+                    send_frame(job.sender, layer, start, kv)
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         self._busy(seconds)
@@ -258,23 +204,6 @@ class StageEngine:
         sync(self.runner.device)   # the chunk's time (refiner, timings) is its compute, not its launch
         return out
 
-    def _prefix_in(self, job: StageJob) -> None:
-        job.prefix_done = True
-        self._loads_over(job)
-        if job.load_span is not None:
-            tracing.end_span(job.load_span, load_wait_s=job.timings.get("load_wait_s", 0.0),
-                             recomputed=job.is_prefix_recomputed)
-
-    def _loads_over(self, job: StageJob) -> None:
-        """Tell the store once that this job reads its prefix no more: a store on this node
-        pinned it at match time (``RemoteStore.prefix_loaded``) and can let it go now."""
-        if job.prefix_handed_back:
-            return
-        job.prefix_handed_back = True
-        loaded = getattr(self.store, "prefix_loaded", None)
-        if loaded is not None and job.num_prefix_blocks:
-            loaded(job.keys[:job.num_prefix_blocks])
-
     def _error_of(self, job: StageJob) -> str | None:
         return job.abort_reason or job.sender.error
 
@@ -291,100 +220,6 @@ class StageEngine:
             raise PrefillAborted(job.abort_reason)
         if job.sender.error is not None:
             raise PrefillAborted(job.sender.error)
-
-    # --- prefix loading ------------------------------------------------------------------------
-    def _launch_load(self, job: StageJob, layer: int) -> None:
-        if layer < self.end_layer and layer not in job.loads:
-            keys = job.keys[:job.num_prefix_blocks]
-            with tracing.activate(job.load_span):   # the store op's span goes under the prefix load
-                job.loads[layer] = asyncio.ensure_future(self._load(keys, layer))
-
-    async def _load(self, keys: list[bytes], layer: int) -> tuple[LoadBuffer, list[memoryview]]:
-        """One layer of the prefix blocks, read by the store straight into a reused buffer
-        (``load_buffers.py``) where it can; ``_unpack_layer`` copies in any view it could not.
-        Never give ``buf`` back unless the load completed: a failed or cancelled load (``_fall_back``)
-        must drop it, because a cancelled TCP read may still be filling it (the connection keeps
-        copying a payload whose header arrived into the sink's views), and a reused buffer would
-        take those stale bytes into another request's prefix KV. Dropping it is not a leak."""
-        buf = self.load_buffers.take(len(keys))
-        return buf, await self.store.get_layers(keys, layer, 1, out=buf.block_views)
-
-    async def _load_prefix_layer(self, job: StageJob, layer: int) -> None:
-        """Wait for this layer's prefix bytes (launching the next layer's load first), write them
-        into the paged cache and stream them to decode; once a load has failed, recompute them."""
-        loop = asyncio.get_running_loop()
-        if job.recompute is None:
-            self._launch_load(job, layer + 1)
-            t0 = time.perf_counter()
-            try:
-                buf, views = await job.loads.pop(layer)
-            except PREFIX_LOAD_ERRORS as exc:
-                await self._fall_back(job, layer, exc)
-            else:
-                job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
-                kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, buf, views)
-                _send(job.sender, layer, 0, kv)
-                return
-        kv = await loop.run_in_executor(self.executor, self._recompute_layer, job, layer)
-        _send(job.sender, layer, 0, kv)
-
-    async def _fall_back(self, job: StageJob, layer: int, exc: BaseException) -> None:
-        """Loading the prefix failed at ``layer``: recompute it instead of failing the request.
-        The layers before went to decode as loaded (decode takes each layer's tokens once, so
-        they are not sent again); recompute passes over the prefix tokens catch up to ``layer``
-        and from there run along with the chunk, one layer at a time. Only a stage that starts
-        at the embeddings can (a later CPP stage has no activations for the prefix)."""
-        for task in job.loads.values():
-            task.cancel()
-        job.loads.clear()
-        if self.first_layer != 0:
-            raise PrefillAborted(f"the prefix KV could not be loaded from the store ({exc!r}), and this "
-                                 f"pipeline stage (layers {self.first_layer}..) cannot recompute it") from None
-        self.num_prefix_fallbacks += 1
-        self.num_prefix_tokens_recomputed += job.num_prefix_tokens
-        tracing.add_event(job.load_span, "recompute", layer=layer, error=repr(exc))
-        log.warning("request %s: loading its %d-token prefix failed at layer %d (%r); recomputing it",
-                    job.request_id, job.num_prefix_tokens, layer, exc)
-        job.num_stored_blocks = 0     # its blocks may be gone from the store: write them back
-        job.recompute = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._catch_up, job, layer)
-
-    def _catch_up(self, job: StageJob, layer: int) -> list[LayerwisePass]:
-        n, step = job.num_prefix_tokens, RECOMPUTE_CHUNK_TOKENS
-        passes = [LayerwisePass(self.runner, job.block_ids, s, token_ids=job.token_ids[s:min(n, s + step)])
-                  for s in range(0, n, step)]
-        for done in range(self.first_layer, layer):
-            for piece in passes:      # in order: each attends to the KV the ones before wrote
-                piece.run_layer(done)
-        return passes
-
-    def _recompute_layer(self, job: StageJob, layer: int) -> Staged:
-        for piece in job.recompute:
-            piece.run_layer(layer)
-        slots = torch.cat([piece.slots for piece in job.recompute])
-        return self.copier.to_host(gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots))
-
-    def fallback_figures(self) -> dict[str, float]:
-        """For /metrics: prefix loads that failed and were recomputed, and the tokens recomputed."""
-        return {"prefix_load_fallbacks_total": self.num_prefix_fallbacks,
-                "prefix_tokens_recomputed_total": self.num_prefix_tokens_recomputed}
-
-    def _unpack_layer(self, job: StageJob, layer: int, buf: LoadBuffer, views: list[memoryview]) -> Staged:
-        cache = self.runner.cache
-        fill(buf, views)
-        ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
-        # Host to device on the copy stream; the unpack kernel is queued after it, no host wait.
-        on_device = self.copier.use(self.copier.to_device(buf.packed))
-        unpack_blocks(cache.kv, ids.to(cache.kv.device), on_device, cache.local_layer(layer))
-        if cache.kv.device.type == "cpu":
-            kv = Staged(_prefix_frame(buf.packed))
-        else:   # on the device: gathered there, copied out on the copy stream
-            slots = torch.arange(job.num_prefix_tokens)
-            slots = ids[slots // self.runner.block_size] * self.runner.block_size + slots % self.runner.block_size
-            kv = self.copier.to_host(gather_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device)))
-        # The cache and the frame (on CUDA, the pinned copy to_device took) have the bytes now.
-        self.load_buffers.give(buf)
-        return kv
 
     # --- write-back ----------------------------------------------------------------------------
     def _store_full_blocks(self, job: StageJob, num_done_tokens: int) -> None:
