@@ -23,14 +23,14 @@ import aiohttp
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import PrefillResult
-from mooncake_lite.conductor.errors import ApiError, rejected, upstream_failed
+from mooncake_lite.conductor.errors import ApiError, rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
 from mooncake_lite.conductor.metrics import ConductorMetrics
 from mooncake_lite.conductor.outputs import OutputHistory
 from mooncake_lite.conductor.params import ApiRequest
 from mooncake_lite.conductor.placement import place
 from mooncake_lite.conductor.tenants import TenantGate
-from mooncake_lite.conductor.upstream import Failure, post_abort
+from mooncake_lite.conductor.upstream import SHUTDOWN, Failure, post_abort
 from mooncake_lite.conductor.workers import UpstreamWorkers
 from mooncake_lite.scheduler import Decision, Scheduler
 from mooncake_lite.scheduler.links import observe_migration
@@ -155,11 +155,12 @@ class Flight(UpstreamWorkers):
 
     async def _retry(self, failure: Failure) -> Failure | None:
         """Tear the failed attempt down and start another without the instances that failed;
-        raises the failure as a 502 when no retry is left or no other instance can take it."""
+        raises the failure as a 502 (503: the conductor's shutdown) when no retry is left or no other
+        instance can take it."""
         self._end_attempt()
         self._excluded.add(failure.instance_id)
         if not failure.retry or self.num_retries >= self.svc.max_retries:
-            raise upstream_failed(failure.message)
+            raise _client_error(failure)
         self.num_retries += 1
         self._new_attempt(f"{self.request_id}-retry{self.num_retries}")
         try:
@@ -265,7 +266,7 @@ class Flight(UpstreamWorkers):
         if item[0] == "refused":
             self.svc.metrics.rejections.labels("prefill-refused").inc()
             raise rejected(item[1], 1)
-        raise upstream_failed(item[1].message)
+        raise _client_error(item[1])
 
     # ---- close ---------------------------------------------------------------------------
     async def close(self, *, abort: bool) -> None:
@@ -316,6 +317,15 @@ class Flight(UpstreamWorkers):
         if not inst.is_alive:
             return
         self.svc.spawn(post_abort(self.svc, inst, self.upstream_id))
+
+
+def _client_error(failure: Failure) -> ApiError:
+    """What the client is told of a failure that ends its request: the conductor's own shutdown
+    (its drain ran out) is a 503 to retry, a failure upstream a 502 (the instance's fault)."""
+    if failure.reason == SHUTDOWN:
+        return shutting_down(failure.message)
+    return upstream_failed(failure.message)
+
 
 def decision_attributes(d: Decision) -> dict[str, Any]:
     """A schedule span's attributes: what Algorithm 1 chose, why, and what it predicted."""

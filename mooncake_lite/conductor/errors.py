@@ -67,6 +67,13 @@ def unavailable(message: str) -> ApiError:
                     headers={"Retry-After": "1"})
 
 
+def shutting_down(message: str) -> ApiError:
+    """503: the conductor itself is stopping (its drain); not the instances' fault, so not a 502.
+    ``Retry-After``: a restarted or another conductor can take the request."""
+    return ApiError(503, message, err_type="server_error", code="conductor_shutting_down",
+                    headers={"Retry-After": "1"})
+
+
 def upstream_failed(message: str) -> ApiError:
     """502: a prefill or decode instance failed or died while serving the request."""
     return ApiError(502, message, err_type="server_error", code="upstream_error")
@@ -140,4 +147,4 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
 
 
 __all__ = ["ApiError", "bad_request", "json_errors_middleware", "openai_error", "rejected", "short",
-           "unavailable", "upstream_failed"]
+           "shutting_down", "unavailable", "upstream_failed"]

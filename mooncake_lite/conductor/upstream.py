@@ -22,6 +22,7 @@ if TYPE_CHECKING:   # dispatch imports this module; the type only
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
+SHUTDOWN = "shutdown"   # Failure.reason of a request the conductor's drain ended (a 503, not a 502)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, ProtocolError, dumps, error_text,
                                            parse_prefill_result, parse_token_event)
 from mooncake_lite.conductor.errors import rejected
-from mooncake_lite.conductor.upstream import Failure, is_connection_failure
+from mooncake_lite.conductor.upstream import SHUTDOWN, Failure, is_connection_failure
 
 if TYPE_CHECKING:   # dispatch imports this module; the types only
     from mooncake_lite.conductor.dispatch import Services
@@ -175,7 +175,7 @@ class UpstreamWorkers:
         queue = self._queue
 
         def on_death(reason: str, retry: bool = True) -> None:
-            queue.put_nowait(("fail", Failure(reason, instance_id, "instance-dead" if retry else "shutdown",
+            queue.put_nowait(("fail", Failure(reason, instance_id, "instance-dead" if retry else SHUTDOWN,
                                               retry=retry)))
         return on_death
 
