@@ -40,10 +40,11 @@ HEADER_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 30.0
 MAX_ERROR_CHARS = 200   # a parser's message quotes the client's bytes: echo only so much
 
-# An app's own drain, if it has one: awaited on SIGINT/SIGTERM with the drain's bound in seconds,
-# while the app still listens (its peers' heartbeats still arrive); it refuses new work and
-# returns once its work in flight is over. Then the listener closes (``drain``, ``serve_app``).
-DRAIN: web.AppKey[Callable[[float], Awaitable[None]]] = web.AppKey("drain")
+# An app's own drain, if it has one: awaited on SIGINT/SIGTERM with the drain's bound in seconds
+# and a ``hurry`` event, while the app still listens (its peers' heartbeats still arrive); it
+# refuses new work and returns once its work in flight is over, or soon after ``hurry`` is set (a
+# second stop signal: end the work in flight now). Then the listener closes (``drain``, ``serve_app``).
+DRAIN: web.AppKey[Callable[[float, asyncio.Event], Awaitable[None]]] = web.AppKey("drain")
 
 
 def announce_ready(role: str, **addresses: str) -> None:
@@ -139,13 +140,14 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     conductor); the addresses name ``advertise_host`` (default: ``host``) and the bound port.
     Under systemd (``common/sdnotify.py``) the watchdog pings from this loop throughout,
     ``READY=1`` follows the ready line unless ``notify_ready`` is False (the caller sends it
-    once it can really serve, e.g. registered), and ``STOPPING=1`` starts the drain."""
+    once it can really serve, e.g. registered), and ``STOPPING=1`` starts the drain. A second
+    SIGINT/SIGTERM during the drain cuts it short (the app's :data:`DRAIN` is told to hurry)."""
     watchdog = sdnotify.start_watchdog()
     runner, site = await start_site(app, host, port, shutdown_timeout=shutdown_timeout)
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_stop_signal, role, stop, hurry)
     addresses = {"http": f"{advertise_host or host}:{bound_port(site)}"}
     if extra_addresses:
         addresses.update(extra_addresses())
@@ -159,21 +161,33 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
         await stop.wait()
         sdnotify.notify("STOPPING=1", f"STATUS={role} draining")
         log.info("%s draining", role)
-        await drain(app, shutdown_timeout)
+        await drain(app, shutdown_timeout, hurry)
     finally:
         await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         if watchdog is not None:
             watchdog.cancel()
         log.info("%s stopped", role)
 
 
-async def drain(app: web.Application, timeout: float) -> None:
+def _on_stop_signal(role: str, stop: asyncio.Event, hurry: asyncio.Event) -> None:
+    """The first SIGINT/SIGTERM starts the drain; the next one (an impatient Ctrl-C, a
+    supervisor's second SIGTERM) tells it to hurry. Later ones change nothing more."""
+    if not stop.is_set():
+        stop.set()
+    elif not hurry.is_set():
+        log.warning("%s: a second stop signal: cutting the drain short", role)
+        hurry.set()
+
+
+async def drain(app: web.Application, timeout: float, hurry: asyncio.Event | None = None) -> None:
     """The part of a drain that runs before the listener closes: the app's :data:`DRAIN`, if it
-    has one. The rest is aiohttp's (``runner.cleanup``): the listener closes, handlers still
-    running get ``timeout`` seconds, then the app's cleanup runs."""
+    has one, cut short once ``hurry`` is set. The rest is aiohttp's (``runner.cleanup``): the
+    listener closes, handlers still running get ``timeout`` seconds, then the app's cleanup runs."""
     hook = app.get(DRAIN)
     if hook is not None:
-        await hook(timeout)
+        await hook(timeout, hurry if hurry is not None else asyncio.Event())
 
 
 def run(main: Callable[[], Awaitable[None]]) -> int:

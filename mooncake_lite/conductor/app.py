@@ -71,7 +71,7 @@ def make_app(cfg: Config) -> web.Application:
                      kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
         max_context=args.max_seq_len, created=int(time.time()))
-    app[DRAIN] = drain.run    # common/service.serve_app runs it on SIGTERM, before the listener closes
+    app[DRAIN] = drain.run    # serve_app runs it on SIGTERM before the listener closes; a 2nd signal hurries it
     _hot_replication(app, cfg)
     api.add_routes(app)
     contexts.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)

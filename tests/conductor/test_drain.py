@@ -1,7 +1,8 @@
 """The conductor's drain on SIGTERM (conductor/drain.py), in process and served as in production
 (``start_site``, then ``service.drain`` and ``runner.cleanup``, the steps ``serve_app`` takes on
-the signal): streams in flight finish while heartbeats still arrive, new requests get a 503, and
-a stream that outlasts the drain ends with an error naming the shutdown."""
+the signal): streams in flight finish while heartbeats still arrive, new requests and ``/health``
+get a 503, and a request that outlasts the drain (or is still running when a second signal cuts
+it short) ends with an error naming the shutdown: a 503, not an upstream 502."""
 
 from __future__ import annotations
 
@@ -85,16 +86,33 @@ async def _new_request(session, url: str) -> tuple[int, dict]:
         return r.status, await r.json()
 
 
+async def _health(session, url: str) -> tuple[int, dict]:
+    async with session.get(url + "/health") as r:
+        return r.status, await r.json()
+
+
+async def _placed(app, instance_id: str = "d0") -> None:
+    """Until a request is placed on ``instance_id`` (the membership watches it there)."""
+    while not app[API].svc.membership.instances[instance_id].watchers:
+        await asyncio.sleep(0.01)
+
+
 async def test_streams_in_flight_finish_during_the_drain_and_new_requests_get_503(conductor):
     """dead_after 0.5 s, a stream of ~1.2 s after the drain starts: closing the listener first
-    made the heartbeats fail, and the reaper then failed the stream with "stopped heartbeating"."""
+    made the heartbeats fail, and the reaper then failed the stream with "stopped heartbeating".
+    ``/health`` says 503 draining meanwhile (out of rotation), the heartbeats are still taken."""
     url, app, runner, session, d0 = await conductor(dead_after=0.5)
     d0.behaviour.token_delay_s = 0.05
+    assert (await _health(session, url))[1]["status"] == "ok"
     rest = await _stream(session, url, max_tokens=25)
     drain = asyncio.create_task(service.drain(app, 30.0))
     await asyncio.sleep(0)
     status, body = await _new_request(session, url)
     assert status == 503 and "shutting down" in body["error"]["message"], body
+    assert body["error"]["code"] == "conductor_shutting_down"
+    status, body = await _health(session, url)
+    assert status == 503 and body["status"] == "draining" and body["ready"] is False, body
+    assert body["in_flight"] == 1
     assert (await fakes.heartbeat(session, url, d0))[0] == 200     # still listening for them
     events, done = await rest()
     assert done and [e for e in events if "error" in e] == []
@@ -117,6 +135,43 @@ async def test_a_stream_outlasting_the_drain_ends_with_an_error_naming_the_shutd
     membership = app[API].svc.membership
     assert membership.instances["d0"].is_alive          # nothing blamed on the decode
     assert not membership.instances["d0"].watchers       # the request is over there too
+    await runner.cleanup()
+
+
+async def test_a_non_streamed_request_outlasting_the_drain_gets_a_503_naming_the_shutdown(conductor):
+    """The conductor's own stop is not the decode's failure: a 503 to retry, not a 502 upstream_error."""
+    url, app, runner, session, d0 = await conductor(dead_after=60.0)
+    d0.behaviour.token_delay_s = 0.05
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 1000, "temperature": 0}
+    answer = asyncio.create_task(session.post(url + "/v1/completions", json=body))
+    await asyncio.wait_for(_placed(app), 10)
+    await service.drain(app, 0.2)
+    async with await answer as resp:
+        status, retry_after, error = resp.status, resp.headers.get("Retry-After"), (await resp.json())["error"]
+    assert status == 503 and retry_after == "1", error
+    assert error["code"] == "conductor_shutting_down" and error["type"] == "server_error"
+    assert error["message"] == "the conductor shut down before the request completed (its drain of 0.2s ran out)"
+    assert app[API].svc.membership.instances["d0"].is_alive
+    await runner.cleanup()
+
+
+async def test_hurrying_the_drain_ends_the_requests_in_flight_at_once(conductor):
+    """What a second SIGTERM/Ctrl-C does (``service.serve_app`` sets ``hurry``): the drain's
+    30 s bound is not waited out; the stream ends with the shutdown's error event."""
+    url, app, runner, session, d0 = await conductor(dead_after=60.0)
+    d0.behaviour.token_delay_s = 0.05
+    rest = await _stream(session, url, max_tokens=1000)
+    hurry = asyncio.Event()
+    drain = asyncio.create_task(service.drain(app, 30.0, hurry))
+    await asyncio.sleep(0.1)
+    assert not drain.done()                       # waiting for the stream
+    hurry.set()
+    await asyncio.wait_for(drain, 10)
+    events, done = await rest()
+    errors = [e["error"]["message"] for e in events if "error" in e]
+    assert done and errors == ["the conductor shut down before the request completed "
+                               "(its drain was cut short by a second stop signal)"]
+    assert app[API].svc.membership.instances["d0"].is_alive
     await runner.cleanup()
 
 
