@@ -23,6 +23,10 @@ from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, 
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 CONTEXT_TOKENS = attrgetter("context_tokens")
+# A NamedTuple's own constructor is a Python-level function (collections.namedtuple builds it
+# with eval); tuple.__new__ with every field, in order, makes the same tuple without that frame
+# (~0.4 µs, ~7 records a simulated request).
+_new = tuple.__new__
 _REQUEST_ID = attrgetter("request_id")
 
 
@@ -72,8 +76,8 @@ def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, dura
         if job.started_at is None:
             break
         started.append((duration, job.started_at))
-    return Backlog(queue, model, durations, list(accumulate(durations)), tuple(started),
-                   tuple(map(_REQUEST_ID, queue)))
+    return _new(Backlog, (queue, model, durations, list(accumulate(durations)), tuple(started),
+                          tuple(map(_REQUEST_ID, queue)), 0, NO_TAIL, 0.0))
 
 
 class QueuesAt(NamedTuple):

@@ -24,6 +24,9 @@ from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.wide import PrefillTable, choose_prefill_row
 
 
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
+
+
 class PrefillChoice(NamedTuple):
     """One costed option: run the prefill on ``instance`` reusing ``reused_blocks`` blocks, of
     which ``local_blocks`` are already in its store and the rest come from ``source_store_id``."""
@@ -58,11 +61,11 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
         transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
         prefix = match.best_len * cfg.block_size
         queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog, p)
-        return PrefillChoice(p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
-                             match.best_len, local, match.best_store_id, route or "transfer")
+        return _new(PrefillChoice, (p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
+                                    match.best_len, local, match.best_store_id, route or "transfer"))
     queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog, p)
     route = route or ("local-hit" if local else "balance")
-    return PrefillChoice(p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route)
+    return _new(PrefillChoice, (p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route))
 
 
 def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,

@@ -21,6 +21,9 @@ from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
 
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
+
+
 def _route_reason(req: ScheduleRequest, c: PrefillChoice) -> str:
     n = len(req.block_keys)
     pid = c.instance.instance_id
@@ -93,16 +96,17 @@ def _wide_decode(req: ScheduleRequest, cluster: ClusterState, config: SchedulerC
     if hit is None:
         return None
     i, tbt = hit
-    return DecodeChoice(decodes[i], tbt, table.batch[i] + 1, table.context_list[i] + req.num_tokens)
+    return _new(DecodeChoice, (decodes[i], tbt, table.batch[i] + 1, table.context_list[i] + req.num_tokens))
 
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
               reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched).
-    Every field by position, in Decision's order (binding 13 keywords costs more, per request)."""
-    return Decision(accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
-                    p.route, reject_cause, p.ttft_s, None if d is None else d.tbt_s, p.queue_s, p.prefill_s,
-                    p.transfer_s, p.reused_blocks, p.local_blocks, p.source_store_id, migration)
+    Every field by position, in Decision's order (binding 13 keywords costs more, per request),
+    through tuple.__new__: without the NamedTuple constructor's Python frame."""
+    return _new(Decision, (accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
+                           p.route, reject_cause, p.ttft_s, None if d is None else d.tbt_s, p.queue_s, p.prefill_s,
+                           p.transfer_s, p.reused_blocks, p.local_blocks, p.source_store_id, migration))
 
 
 class Scheduler:

@@ -212,7 +212,7 @@ class RequestResult(NamedTuple):
 
     @classmethod
     def of(cls, r: SimRequest) -> RequestResult:
-        return cls(r.request_id, r.arrival, r.input_length, r.output_length, r.status or "lost",
-                   r.reject_stage, r.reject_cause, r.prefill_id, r.decode_id, r.reused_tokens,
-                   None if r.first_token is None or r.status != "completed" else r.first_token - r.arrival,
-                   r.tbt, r.mean_gap, r.finish)
+        return tuple.__new__(cls, (r.request_id, r.arrival, r.input_length, r.output_length, r.status or "lost",
+                                 r.reject_stage, r.reject_cause, r.prefill_id, r.decode_id, r.reused_tokens,
+                                 None if r.first_token is None or r.status != "completed" else r.first_token - r.arrival,
+                                 r.tbt, r.mean_gap, r.finish))   # all 14 fields: without the NamedTuple's Python frame

@@ -309,7 +309,7 @@ class BlockCache:
                 evicted.append(pop(last=False)[0])
             order[key] = None
             inserted.append(key)
-        return ChainAdded(evicted, len(keys), inserted)
+        return tuple.__new__(ChainAdded, (evicted, len(keys), inserted))   # without the NamedTuple's Python frame
 
     def leading(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` are cached; touches nothing."""
