@@ -147,7 +147,7 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, _on_stop_signal, role, stop, hurry)
+        loop.add_signal_handler(sig, _on_stop_signal, role, stop, hurry, DRAIN in app)
     addresses = {"http": f"{advertise_host or host}:{bound_port(site)}"}
     if extra_addresses:
         addresses.update(extra_addresses())
@@ -171,14 +171,17 @@ async def serve_app(app: web.Application, host: str, port: int, *, role: str,
         log.info("%s stopped", role)
 
 
-def _on_stop_signal(role: str, stop: asyncio.Event, hurry: asyncio.Event) -> None:
+def _on_stop_signal(role: str, stop: asyncio.Event, hurry: asyncio.Event, has_drain: bool) -> None:
     """The first SIGINT/SIGTERM starts the drain; the next one (an impatient Ctrl-C, a
-    supervisor's second SIGTERM) tells it to hurry. Later ones change nothing more."""
+    supervisor's second SIGTERM) tells the app's :data:`DRAIN` to hurry. Later ones change nothing."""
     if not stop.is_set():
         stop.set()
     elif not hurry.is_set():
-        log.warning("%s: a second stop signal: cutting the drain short", role)
         hurry.set()
+        if has_drain:
+            log.warning("%s: a second stop signal: cutting the drain short", role)
+        else:   # its stop is aiohttp's cleanup (and the app's own), bounded as it is
+            log.warning("%s: a second stop signal: already stopping", role)
 
 
 async def drain(app: web.Application, timeout: float, hurry: asyncio.Event | None = None) -> None:
