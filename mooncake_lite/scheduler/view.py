@@ -266,7 +266,8 @@ class DecodeView(_Shown):
     def join(self, request_id: str, context_tokens: int, joined_at: float,
              max_output_tokens: int | None = None) -> None:
         """Its KV arrived: it runs in the batch from ``joined_at`` (and is no longer incoming)."""
-        self.uncommit(request_id)
+        if request_id in self._incoming:   # (the simulator uncommits first: no call per request)
+            self.uncommit(request_id)
         old = self._jobs.get(request_id)
         if old is not None:
             self._unshow(old)
@@ -332,17 +333,26 @@ class DecodeView(_Shown):
 
     def leave(self, request_id: str) -> bool:
         """It ended (finished, failed, aborted), running or incoming; False if it was neither."""
-        was_incoming = self.uncommit(request_id)
+        was_incoming = request_id in self._incoming and self.uncommit(request_id)
         job = self._jobs.pop(request_id, None)
         if job is None:
             return was_incoming
-        self._unshow(job)
-        self._leave_group(job)
+        shown = job.shown
+        if shown is not None:          # _unshow, _settle and _leave_group written out (once a request)
+            mark = job.mark
+            if mark is not None:
+                job.context_tokens += self._group_tokens - mark
+                job.mark = None
+                self._group_shown -= 1
+            self._shown_context -= shown.context_tokens
+            self._context_lag -= job.context_tokens - shown.context_tokens
+        elif job.mark is not None:
+            job.mark = None
         self._check_lag()              # a smaller batch allows less lag
         running = self._running
         if running is not None:
             # a shown batch holds each job's own record once: cut it out by position
-            i = _position(running, job.shown)
+            i = _position(running, shown)
             self._running = running[:i] + running[i + 1:] if i is not None else \
                 tuple(r for r in running if r.request_id != request_id)
         self._stale()

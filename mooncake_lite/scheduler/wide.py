@@ -359,6 +359,9 @@ class DecodeTable:
         # c2 and batch_room as last written, as Python values: most writes change neither
         self._row_c2: list[float | None] = [None] * n
         self._row_room: list[bool | None] = [None] * n
+        # what each row was last written from: a request joining its batch (its KV arrived)
+        # moves it from incoming to running, a new state with the same load, so nothing to write
+        self._row_from: list[tuple | None] = [None] * n
         # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
         # any, the clamp at 0 changes nothing and is skipped
         self.may_clamp: set[int] = set()
@@ -379,6 +382,10 @@ class DecodeTable:
             d = decodes[i]
             batch, context = load(d)
             model = d.cost or default
+            written = (batch, context, model, d.max_batch_size, d.max_context_tokens)
+            if written == self._row_from[i]:
+                continue
+            self._row_from[i] = written
             self.batch[i], self.context[i], self.context_list[i] = batch, context, context
             self.base[i] = base = model.c0 + model.c1 * (batch + 1)
             c2 = model.c2
