@@ -142,3 +142,10 @@ def test_a_full_sync_replaces_what_the_index_believed_and_marks_the_store_synced
     assert idx.match([2, 9]).lengths == {"a": 2} and idx.match([1]).lengths == {}
     idx.drop_store("a")                          # forgotten: a later inventory is needed again
     assert not idx.is_synced("a")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=(1 << 300) - 1))
+def test_a_masks_slots_are_its_set_bits_lowest_first(mask):
+    from mooncake_lite.scheduler.block_index import _slots_of
+    assert _slots_of(mask) == [i for i in range(mask.bit_length()) if mask >> i & 1]
