@@ -2,7 +2,10 @@
 
 The supervisor owns every child (an :class:`AsyncRoleProcess`) it started; :meth:`Supervisor.stop_all` is safe to call
 at any point (half-started cluster, after a crash, mid-restart, twice) and returns only when every
-child has exited, escalating to SIGKILL after ``stop_timeout``.
+child has exited, escalating to SIGKILL after ``stop_timeout``. The children run in their own
+sessions (a terminal's Ctrl-C reaches only us), so an impatient operator's further stop signals
+are passed on by :meth:`Supervisor.escalate`: the second cuts the stopping children's drains
+short, the third kills every child left.
 
 While serving, :meth:`Supervisor.watch` either restarts a child that died (with a
 :class:`RestartPolicy`: bounded, doubling backoff) on the ports its first run bound, so its peers
@@ -46,6 +49,22 @@ class RestartPolicy:
         return min(self.max_delay_s, self.first_delay_s * 2.0 ** min(num_recent_restarts, 32))
 
 
+def exit_reason(rc: int | None) -> str:
+    """A child's exit in words: a signal by name, and a clean exit while serving said to be a stop
+    (a role serves until SIGINT/SIGTERM, so code 0 means someone stopped it, not a crash)."""
+    if rc is None:
+        return "is still running"
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"exited with code {rc} (killed by {name})"
+    if rc == 0:
+        return "exited with code 0 (stopped cleanly: a SIGTERM or SIGINT sent to it, not to mooncake up)"
+    return f"exited with code {rc}"
+
+
 def pinned(argv: Sequence[str], addresses: Mapping[str, str]) -> tuple[str, ...]:
     """``argv`` with each port flag set to the port its run bound (``--port 0`` picked a free one)."""
     out = list(argv)
@@ -71,7 +90,9 @@ class Supervisor:
         self.restarts: Counter[str] = Counter()        # restarts per child name, for status lines
         self._ready_at: dict[str, float] = {}
         self._starting: set[asyncio.Task] = set()      # restarts stop_all must let finish first
+        self._stopping: list[AsyncRoleProcess] = []    # the group stop_all is stopping now
         self.is_stopping = False
+        self.num_escalations = 0                       # stop signals after the first (escalate)
 
     async def start_group(self, specs: Sequence[ChildSpec], ready_timeout: float) -> list[AsyncRoleProcess]:
         """Start ``specs`` together and wait for all their ready lines (RoleFailed otherwise)."""
@@ -100,7 +121,7 @@ class Supervisor:
         return [c for c in self.children.values() if c.returncode is not None]
 
     def failure_of(self, child: AsyncRoleProcess) -> RoleFailed:
-        return RoleFailed(child.name, f"exited with code {child.returncode}", child.tail)
+        return RoleFailed(child.name, exit_reason(child.returncode), child.tail)
 
     async def watch(self, ready_timeout: float) -> None:
         """While serving: restart each child that dies (with a restart policy) or raise
@@ -131,7 +152,7 @@ class Supervisor:
                 num_recent = 0
             delay = self.restart.delay(num_recent)
             num_recent += 1
-            self.on_event(f"{name} exited with code {rc} after {uptime:.1f}s serving; "
+            self.on_event(f"{name} {exit_reason(rc)} after {uptime:.1f}s serving; "
                           f"restart {self.restarts[name] + 1} in {delay:g}s")
             await asyncio.sleep(delay)
             if self.is_stopping:
@@ -165,7 +186,11 @@ class Supervisor:
         await asyncio.gather(*self._starting, return_exceptions=True)
         codes: dict[str, int] = {}
         for group in stop_order(list(self.children)):
-            children = [self.children[n] for n in group]
+            children = self._stopping = [self.children[n] for n in group]
+            self.on_event(f"stopping {_names(children)}")
+            if self.num_escalations:   # hurried already: both stop signals at once (they do not merge)
+                for child in children:
+                    child.send(signal.SIGINT)
             results = await asyncio.gather(*(c.stop(self.stop_timeout) for c in children),
                                            return_exceptions=True)
             for child, rc in zip(children, results):
@@ -174,4 +199,27 @@ class Supervisor:
                     child.send(signal.SIGKILL)  # SIGKILL as a last resort; never leave it running
                     rc = await child.proc.wait() if child.proc else -9
                 codes[child.name] = rc
+        self._stopping = []
         return codes
+
+    def escalate(self) -> None:
+        """A stop signal after the first (an impatient Ctrl-C). The second sends the children
+        stopping now a second SIGTERM, which cuts their drains short (``common/service.serve_app``),
+        and those still to stop get SIGINT with their SIGTERM (two signals, as one would merge);
+        the third and later SIGKILL every child still running. ``stop_all`` still reaps them all."""
+        self.num_escalations += 1
+        alive = [c for c in self.children.values() if c.returncode is None]
+        if self.num_escalations == 1:
+            stopping = [c for c in self._stopping if c.returncode is None]
+            for child in stopping:
+                child.send(signal.SIGTERM)
+            self.on_event(f"a second stop signal: SIGTERM again to {_names(stopping) or 'no child yet'} "
+                          "(a drain ends now), the rest get two at once; a third signal kills every process")
+            return
+        for child in alive:
+            child.send(signal.SIGKILL)
+        self.on_event(f"another stop signal: SIGKILL to {_names(alive) or 'no child (all exited)'}")
+
+
+def _names(children: Sequence[AsyncRoleProcess]) -> str:
+    return ", ".join(c.name for c in children)

@@ -9,7 +9,8 @@ rejoins; the rest keep serving (``--no-restart``: its death stops the cluster, a
 Start order and flags come from :mod:`mooncake_lite.cluster.plan`; process handling from
 :mod:`mooncake_lite.cluster.supervisor`. Children's logs are relayed on stderr prefixed with
 their name (``[prefill-0] ...``); stdout carries the banner (API URL, curl example) and the
-smoke result. Exit code: 0 after a clean Ctrl-C/SIGTERM or a passing smoke test; 1 when a
+smoke result. A second Ctrl-C/SIGTERM cuts the stopping children's drains short, a third kills
+every child left. Exit code: 0 after a clean Ctrl-C/SIGTERM or a passing smoke test; 1 when a
 child fails to start, or dies without ``--restart`` (its last log lines are printed); 2 for bad flags.
 """
 
@@ -156,7 +157,7 @@ def banner(api_url: str, model: str, sup: Supervisor, api_key: str | None) -> st
               f"  curl -s {api_url}/v1/chat/completions -H 'content-type: application/json'{auth} \\",
               f"       -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}]}}'", "",
-              "Ctrl-C stops every process." + (" A child that dies is restarted." if sup.restart else "")]
+              "Ctrl-C stops every process (a second Ctrl-C cuts the drain short)." + (" A child that dies is restarted." if sup.restart else "")]
     return "\n".join(lines)
 
 
@@ -211,7 +212,7 @@ async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_stop_signal, stop, sup)
     rc = 0
     try:
         rc = await _run(opts, ns, sup, stop)
@@ -229,6 +230,15 @@ async def serve(opts: UpOptions, ns: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return rc
+
+
+def _on_stop_signal(stop: asyncio.Event, sup: Supervisor) -> None:
+    """The first SIGINT/SIGTERM stops the cluster in order; later ones are passed on to the
+    children (their own sessions keep a terminal's Ctrl-C from them): ``Supervisor.escalate``."""
+    if not stop.is_set():
+        stop.set()
+    else:
+        sup.escalate()
 
 
 async def _until_stopped(coro, stop: asyncio.Event):

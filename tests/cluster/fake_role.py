@@ -5,8 +5,9 @@ conductor (sending the cluster token from MOONCAKE_CLUSTER_TOKEN, as the real ro
 and the conductor answers ``/v1/completions`` (streamed or not) and ``/v1/chat/completions``
 (streamed) with fixed text. Misbehaviour on
 demand, for the supervisor tests: ``FAKE_FAIL=ROLE`` exits with an error before ready,
-``FAKE_STUBBORN=ROLE`` ignores SIGTERM, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving,
-``FAKE_REJECT=N`` answers the first N completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start.
+``FAKE_STUBBORN=ROLE`` ignores SIGTERM and SIGINT, ``FAKE_CRASH_AFTER=ROLE:SECONDS`` dies while serving,
+``FAKE_REJECT=N`` answers the first N completions with 429, ``FAKE_SLOW=ROLE`` takes a minute to start,
+``FAKE_DRAIN=ROLE`` drains for a minute unless a second stop signal hurries it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aiohttp import web
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from mooncake_lite.common.auth import api_key_middleware, cluster_headers, cluster_token_middleware  # noqa: E402
-from mooncake_lite.common.service import announce_ready, serve_app  # noqa: E402
+from mooncake_lite.common.service import DRAIN, announce_ready, serve_app  # noqa: E402
 
 ANSWER = "fake answer"
 MEMBERS = web.AppKey("members", list)
@@ -105,6 +106,16 @@ async def completions(request):
     return resp
 
 
+async def long_drain(bound: float, hurry: asyncio.Event) -> None:
+    """A drain that outlasts any test (its bound ignored): only a second stop signal ends it."""
+    print("fake drain: waiting for a second stop signal", file=sys.stderr, flush=True)
+    try:
+        await asyncio.wait_for(hurry.wait(), 60)
+        print("fake drain: cut short", file=sys.stderr, flush=True)
+    except asyncio.TimeoutError:
+        print("fake drain: ran its minute out", file=sys.stderr, flush=True)
+
+
 async def serve(args) -> None:
     token = os.environ.get("MOONCAKE_CLUSTER_TOKEN")
     mws = [cluster_token_middleware(token, prefixes=("/internal/",))]
@@ -115,6 +126,8 @@ async def serve(args) -> None:
     app[MEMBERS] = []
     app[REJECTED] = []
     app.router.add_get("/health", health)
+    if os.environ.get("FAKE_DRAIN") == args.role:
+        app[DRAIN] = long_drain
     if args.role == "conductor":
         app.router.add_post("/internal/v1/register", register)
         app.router.add_get("/v1/models", models)
@@ -148,6 +161,7 @@ def main() -> int:
         time.sleep(60)
     if os.environ.get("FAKE_STUBBORN") == args.role:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         announce_ready(args.role, http=f"{args.host}:1", data=f"{args.host}:1")
         while True:
             time.sleep(1)

@@ -69,6 +69,19 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> st
     raise AssertionError(f"never saw {needle!r} on stdout; got:\n{''.join(seen)}")
 
 
+def read_err_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
+    """Read stderr lines until one contains ``needle`` (or the process ends / time runs out)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"never saw {needle!r} on stderr; got:\n{''.join(seen)[-3000:]}")
+
+
 def wait_until(cond, what: str, timeout: float = 30.0):
     """Poll ``cond`` until it returns something truthy (returned), or fail naming ``what``."""
     deadline = time.monotonic() + timeout

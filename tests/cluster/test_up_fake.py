@@ -3,7 +3,8 @@
 import signal
 import subprocess
 
-from tests.cluster.helpers import marker, processes_with, read_until, start_up, up_command, wait_gone
+from tests.cluster.helpers import (marker, processes_with, read_err_until, read_until, start_up, up_command,
+                                   wait_gone)
 
 
 def finish(proc, timeout=60):
@@ -35,6 +36,28 @@ def test_sigterm_stops_everything_in_order_even_a_stubborn_child():
     assert rc == 0, err
     assert "sending SIGKILL" in err  # the store ignored SIGTERM and was killed
     assert "store-0" in banner and wait_gone(tag) == []
+
+
+def test_a_second_signal_cuts_the_drain_short_and_a_third_kills_what_is_left():
+    # The children run in their own sessions: only the supervisor can pass an impatient Ctrl-C on.
+    # The conductor drains until hurried, the store ignores SIGTERM and SIGINT; the stop bound
+    # (60 s) is never what ends them.
+    tag = marker()
+    proc = start_up("--model", tag, "--stop-timeout", "60", env={"FAKE_DRAIN": "conductor", "FAKE_STUBBORN": "store"})
+    try:
+        read_until(proc, "Ctrl-C stops every process")
+        proc.send_signal(signal.SIGTERM)
+        read_err_until(proc, "fake drain: waiting", timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        log = read_err_until(proc, "stopping store-0", timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        rc, _, err = finish(proc, timeout=30)
+    finally:
+        proc.kill()
+    assert "SIGTERM again to conductor" in log and "fake drain: cut short" in log
+    assert rc == 0 and "SIGKILL to store-0" in err, err
+    assert "conductor=0" in err and "store-0=-9" in err    # drained (cut short), then killed
+    assert wait_gone(tag) == []
 
 
 def test_child_failing_at_start_stops_the_rest_and_shows_its_log():

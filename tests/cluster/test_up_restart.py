@@ -13,11 +13,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from mooncake_lite.cluster.supervisor import RestartPolicy, pinned
+from mooncake_lite.cluster.supervisor import RestartPolicy, exit_reason, pinned
 from mooncake_lite.common.membership import keep_membership
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.common.service import bound_port
-from tests.cluster.helpers import marker, processes_with, read_until, start_up, wait_gone
+from tests.cluster.helpers import marker, processes_with, read_err_until, read_until, start_up, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,20 +37,15 @@ def test_a_restart_gets_the_ports_its_first_run_bound():
     assert pinned(("x", "--port", "0"), {"http": "h:7"}) == ("x", "--port", "7")
 
 
+def test_an_exit_is_told_in_words():
+    # a conductor SIGTERMed by hand drains and exits 0: restarted, but the log says it was stopped
+    assert "stopped cleanly: a SIGTERM or SIGINT sent to it" in exit_reason(0)
+    assert exit_reason(-15) == "exited with code -15 (killed by SIGTERM)"
+    assert exit_reason(5) == "exited with code 5"
+
+
 def pids_by_name(banner: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)", banner, re.M)}
-
-
-def read_err_until(proc, needle: str, timeout: float = 60.0) -> str:
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return "".join(seen)
-    raise AssertionError(f"never saw {needle!r} on stderr; got:\n{''.join(seen)[-3000:]}")
 
 
 def get_json(url: str, body: dict | None = None) -> dict:
@@ -78,7 +73,7 @@ def test_killed_decode_and_conductor_come_back_on_their_ports_and_serve():
 
         os.kill(pids["conductor"], signal.SIGKILL)
         log = read_err_until(proc, "conductor is back")
-        assert "conductor exited with code -9" in log and "restart 1 in 0.5s" in log
+        assert "conductor exited with code -9 (killed by SIGKILL)" in log and "restart 1 in 0.5s" in log
         done = get_json(api + "/v1/completions", {"model": tag, "prompt": "x"})  # same URL as before
         assert done["choices"][0]["text"] == "fake answer"
         assert len(processes_with(tag)) == 4   # conductor, store, prefill, decode: nothing doubled
