@@ -138,7 +138,7 @@ class Flight(UpstreamWorkers):
             self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
             self.decode.instance_id, max_output_tokens=self.expected_output), now)
         try:
-            failure = await self._reserve_decode()
+            failure = await self._reserve_unless_ended()
         except BaseException:
             self._is_decode_done = self._is_prefill_done = True  # nothing to abort
             self._withdraw_prefill()
@@ -152,6 +152,27 @@ class Flight(UpstreamWorkers):
             self._tasks.append(loop.create_task(self._read_decode(self._queue)))
             self._tasks.append(loop.create_task(self._run_prefill(self._queue)))
         return failure
+
+    async def _reserve_unless_ended(self) -> Failure | None:
+        """:meth:`_reserve_decode`, unless a watcher ends the attempt first (its instance declared
+        dead, or the drain ending every request): before the workers start only a watcher puts
+        anything on the attempt's queue, and its failure must not wait for a decode slow to answer
+        (the drain's end would miss the request, left to aiohttp's shutdown: a closed connection).
+        The reservation is then cancelled; the decode, told nothing yet, is aborted by the caller."""
+        reserve = asyncio.ensure_future(self._reserve_decode())
+        ended = asyncio.ensure_future(self._queue.get())
+        try:
+            await asyncio.wait((reserve, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()       # a cancelled get leaves its item on the queue
+            if not reserve.done():
+                reserve.cancel()
+                await asyncio.gather(reserve, return_exceptions=True)
+        if reserve.cancelled():
+            return ended.result()[1]           # ("fail", Failure)
+        if ended.done() and not ended.cancelled():
+            self._queue.put_nowait(ended.result())   # both at once: the relay meets it as usual
+        return reserve.result()
 
     async def _retry(self, failure: Failure) -> Failure | None:
         """Tear the failed attempt down and start another without the instances that failed;

@@ -27,15 +27,16 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 async def conductor(aiohttp_server):
     """``url, app, runner, session, decode = await conductor(dead_after=...)``: a conductor with
-    one fake prefill and one fake decode that heartbeat every 50 ms for as long as it listens."""
+    one fake prefill and one fake decode (``decode_cls``) that heartbeat every 50 ms for as long
+    as it listens."""
     started: list = []
 
-    async def _start(**overrides):
+    async def _start(decode_cls=FakeInstance, **overrides):
         app = make_app(Config(**{"model": "tiny", "block_size": 4, "admission": "none", **overrides}))
         runner, site = await service.start_site(app, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{service.bound_port(site)}"
         session = aiohttp.ClientSession()
-        instances = [FakeInstance("prefill", "p0", store="store0:1"), FakeInstance("decode", "d0")]
+        instances = [FakeInstance("prefill", "p0", store="store0:1"), decode_cls("decode", "d0")]
         for inst in instances:
             inst.server = await aiohttp_server(inst.make_app())
             assert (await fakes.register(session, url, inst))[0] == 200
@@ -172,6 +173,35 @@ async def test_hurrying_the_drain_ends_the_requests_in_flight_at_once(conductor)
     assert done and errors == ["the conductor shut down before the request completed "
                                "(its drain was cut short by a second stop signal)"]
     assert app[API].svc.membership.instances["d0"].is_alive
+    await runner.cleanup()
+
+
+class SlowToReserve(FakeInstance):
+    """A decode that takes the request but never answers ``/v1/generate`` (a loop stalled)."""
+
+    async def generate(self, request):
+        self.requests.append(await request.read())
+        await asyncio.Event().wait()
+
+
+async def test_a_request_still_waiting_for_its_decode_reservation_is_ended_by_the_drain(conductor):
+    """The drain's end reaches a request before its workers start: it was waiting for the decode's
+    answer, not reading the queue its watcher puts the shutdown on, so it fell to aiohttp's
+    shutdown (a closed connection). Now a 503, and the decode told to drop what it took."""
+    url, app, runner, session, d0 = await conductor(SlowToReserve, dead_after=60.0)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 5, "temperature": 0}
+    answer = asyncio.create_task(session.post(url + "/v1/completions", json=body))
+    while not d0.requests:
+        await asyncio.sleep(0.01)
+    await service.drain(app, 0.2)
+    async with await asyncio.wait_for(answer, 10) as resp:
+        status, error = resp.status, (await resp.json())["error"]
+    assert status == 503 and error["code"] == "conductor_shutting_down", error
+    assert error["message"] == "the conductor shut down before the request completed (its drain of 0.2s ran out)"
+    while not d0.aborts:    # the reservation it may hold is dropped (a background abort)
+        await asyncio.sleep(0.01)
+    assert d0.aborts == [orjson.loads(d0.requests[0])["request_id"]]
+    assert not app[API].svc.membership.instances["d0"].watchers
     await runner.cleanup()
 
 
