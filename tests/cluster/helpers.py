@@ -55,31 +55,27 @@ def start_up(*args: str, env: dict | None = None, fake: bool = True) -> subproce
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
-def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
-    """Read stdout lines until one contains ``needle`` (or the process ends / time runs out)."""
-    seen = []
-    deadline = time.monotonic() + timeout
+def _read_lines_until(stream, name: str, needle: str, timeout: float) -> str:
+    """Read lines of ``stream`` until one contains ``needle`` (or the stream ends / time runs out)."""
+    seen, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = stream.readline()
         if not line:
             break
         seen.append(line)
         if needle in line:
             return "".join(seen)
-    raise AssertionError(f"never saw {needle!r} on stdout; got:\n{''.join(seen)}")
+    raise AssertionError(f"never saw {needle!r} on {name}; got:\n{''.join(seen)[-3000:]}")
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
+    """Read stdout lines until one contains ``needle``: what was read, up to that line."""
+    return _read_lines_until(proc.stdout, "stdout", needle, timeout)
 
 
 def read_err_until(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
-    """Read stderr lines until one contains ``needle`` (or the process ends / time runs out)."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return "".join(seen)
-    raise AssertionError(f"never saw {needle!r} on stderr; got:\n{''.join(seen)[-3000:]}")
+    """Read stderr lines until one contains ``needle``: what was read, up to that line."""
+    return _read_lines_until(proc.stderr, "stderr", needle, timeout)
 
 
 def wait_until(cond, what: str, timeout: float = 30.0):
