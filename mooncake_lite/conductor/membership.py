@@ -121,6 +121,9 @@ class Membership:
         # dead-replaced, connection-failure.
         self.events: Counter[tuple[str, str]] = Counter()
         self.kv_bytes_per_token: int | None = None
+        # Set by end_requests (the drain ran out): a request placed after it (its body was still
+        # arriving, or being parsed) is ended as it is watched, instead of running past the drain.
+        self.ended_reason: str | None = None
         self._cluster: ClusterState | None = None     # the last snapshot
         # Where each live instance sits in _cluster's tuples (None: the set of live instances
         # changed, rebuild the tuples) and the instances touched since: a snapshot replaces
@@ -318,12 +321,17 @@ class Membership:
     # ---- in-flight bookkeeping ------------------------------------------------------------
     def watch(self, instance_id: str, request_id: str, on_death: Callable[..., None]) -> None:
         """``on_death(reason)`` when the instance is declared dead (the request may be retried
-        elsewhere); ``on_death(reason, False)`` when :meth:`end_requests` ends it (not retried)."""
+        elsewhere); ``on_death(reason, False)`` when :meth:`end_requests` ends it (not retried),
+        at once if that already happened."""
         self.instances[instance_id].watchers[request_id] = on_death
+        if self.ended_reason is not None:
+            on_death(self.ended_reason, False)
 
     def end_requests(self, reason: str) -> int:
         """End every request in flight now, not to be retried, telling its client ``reason``
-        (the conductor's drain ran out); the instances stay as they are. Returns how many."""
+        (the conductor's drain ran out), and any watched from now on; the instances stay as they
+        are. Returns how many were in flight."""
+        self.ended_reason = reason
         watchers: dict[str, Callable[..., None]] = {}
         for inst in self.instances.values():
             watchers.update(inst.watchers)   # keyed by request: a request watching two is told once

@@ -218,3 +218,6 @@ def test_ending_requests_tells_each_once_not_to_retry_and_kills_no_instance():
     assert m.end_requests("shutting down") == 2
     assert sorted(told) == [("shutting down", False)] * 2
     assert all(i.is_alive for i in m.instances.values())
+    # a request placed after the drain ran out (its body was still arriving) is ended as it is watched
+    m.watch("p0", "r3", lambda *args: told.append(("r3", *args)))
+    assert told[-1] == ("r3", "shutting down", False)
