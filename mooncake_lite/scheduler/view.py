@@ -337,22 +337,13 @@ class DecodeView(_Shown):
         job = self._jobs.pop(request_id, None)
         if job is None:
             return was_incoming
-        shown = job.shown
-        if shown is not None:          # _unshow, _settle and _leave_group written out (once a request)
-            mark = job.mark
-            if mark is not None:
-                job.context_tokens += self._group_tokens - mark
-                job.mark = None
-                self._group_shown -= 1
-            self._shown_context -= shown.context_tokens
-            self._context_lag -= job.context_tokens - shown.context_tokens
-        elif job.mark is not None:
-            job.mark = None
+        self._unshow(job)
+        self._leave_group(job)
         self._check_lag()              # a smaller batch allows less lag
         running = self._running
         if running is not None:
             # a shown batch holds each job's own record once: cut it out by position
-            i = _position(running, shown)
+            i = _position(running, job.shown)
             self._running = running[:i] + running[i + 1:] if i is not None else \
                 tuple(r for r in running if r.request_id != request_id)
         self._stale()
