@@ -64,7 +64,9 @@ class Batch:
         tokens (its first token came from prefill): the model's own stop, planned here."""
         req.join_step = self.steps_done
         req.join_log = self._log_base + len(self.log)
-        req.wait_extra = now - req.first_token
+        first = req.first_token
+        assert first is not None   # a request joins a batch after its prefill
+        req.wait_extra = now - first
         req.join_time = now
         self.running[req.rid] = req
         self._seq += 1
@@ -127,9 +129,11 @@ class Batch:
     def _replay_spread(self, req: SimRequest, gaps: list[Segment]) -> None:
         """``req``'s TBT and mean gap with each step's time drawn from the measured spread (module
         doc); ``gaps`` are its steps' (time, count) without the wait before its first."""
+        ratios = self.step_ratios
+        assert ratios is not None   # only called with a spread
         times = np.repeat([g for g, _ in gaps], [c for _, c in gaps])
         rng = np.random.default_rng(zlib.crc32(str(req.rid).encode()))
-        times = times * (self.step_ratios[rng.integers(len(self.step_ratios), size=len(times))] / self._spread_mean)
+        times = times * (ratios[rng.integers(len(ratios), size=len(times))] / self._spread_mean)
         times[0] += req.wait_extra
         steps = [(t, 1) for t in times.tolist()]
         req.tbt = slowest_share_mean(steps, total=len(steps))

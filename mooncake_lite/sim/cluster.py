@@ -12,7 +12,7 @@ The conductor knows ``max_tokens`` and a predicted output length, never the true
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
                                      decode_admits)
@@ -54,12 +54,19 @@ class MooncakeSim(TraceDriver):
                                      cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens,
                                      cfg.prefill_queue_overtakes)
                          for i in range(cfg.num_prefill)]
-        self.prefill_by_id = {p.instance_id: p for p in self.prefills}
+        # keyed as the scheduler names stores (a Decision's ``transfer_source`` is any Hashable)
+        self.prefill_by_id: dict[Hashable, PrefillNode] = {p.instance_id: p for p in self.prefills}
         self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
                                    self.events, cfg.decode_max_batch,
                                    hw.decode_max_context_tokens, self._finish, hw.decode_kv_write_s_per_token)
                         for i in range(cfg.num_decode)]
-        self.decode_by_id = {d.instance_id: d for d in self.decodes}
+        self.decode_by_id: dict[Hashable, DecodeNode] = {d.instance_id: d for d in self.decodes}
+        # SimConfig refuses relative SLOs, so these are floats (typed so: a compiled build trusts it)
+        ttft_slo, tbt_slo = cfg.scheduler.ttft_slo_s, cfg.scheduler.tbt_slo_s
+        if ttft_slo is None or tbt_slo is None:
+            raise ValueError("the simulator takes absolute SLOs (scheduler.ttft_slo_s and tbt_slo_s)")
+        self.ttft_slo_s: float = ttft_slo
+        self.tbt_slo_s: float = tbt_slo
         # a snapshot rebuilds only the entries of the instances whose view changed
         self._states = (StateTuple(p.view for p in self.prefills), StateTuple(d.view for d in self.decodes))
         self.recorder = Recorder(self, cfg.sample_interval_s)
@@ -72,7 +79,7 @@ class MooncakeSim(TraceDriver):
         self.slowdown = hw.decode_colocated_slowdown
         self._prefilling = False
 
-    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
+    def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         res = super().run(trace, progress)
         res.extra["output_prediction"] = self.accuracy.to_dict()
         return res
@@ -94,12 +101,12 @@ class MooncakeSim(TraceDriver):
             return self._reject(now, req, "conductor", decision.reject_cause)
         d = self.decode_by_id[decision.decode_id]
         if self.cfg.decode_check == "reserve":   # the live conductor reserves decode before prefill
-            cause = d.refusal(req, self.cfg.scheduler.tbt_slo_s)
+            cause = d.refusal(req, self.tbt_slo_s)
             if cause is not None:
                 return self._reject(now, req, "decode", cause)
             d.hold(req)
-        slo = self.cfg.scheduler.ttft_slo_s
-        if self.cfg.local_ttft_check and decision.predicted_ttft_s is not None and decision.predicted_ttft_s > slo:
+        if (self.cfg.local_ttft_check and decision.predicted_ttft_s is not None
+                and decision.predicted_ttft_s > self.ttft_slo_s):
             d.release(req)
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
@@ -181,13 +188,16 @@ class MooncakeSim(TraceDriver):
             self._store(p, req.keys)
             req.first_token = now
             if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
-                self.decode_by_id[req.decode_id].uncommit(req)
-                self.decode_by_id[req.decode_id].release(req)
+                d = self.decode_by_id[req.decode_id]
+                d.uncommit(req)
+                d.release(req)
                 req.finish = now
                 self._finish(now, req)
             else:
                 kv_bytes = req.input_length * self.hw.kv_bytes_per_token
-                arrival = max(now, req.prefill_start + kv_bytes / self.hw.network_bytes_per_s)
+                start = req.prefill_start
+                assert start is not None   # set by p.begin (a compiled build relies on the narrowing)
+                arrival = max(now, start + kv_bytes / self.hw.network_bytes_per_s)
                 # the stream overlapped the prefill (the usual case): its arrival is the next
                 # event, handled below without the heap (one event a request fewer to push and pop)
                 if landed is None and arrival == now and self.events.is_next(now):
@@ -215,7 +225,7 @@ class MooncakeSim(TraceDriver):
         d.uncommit(req)
         if self.cfg.decode_check == "arrival":
             sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
-            if not decode_admits(d.state(), sreq, self.costs, self.cfg.scheduler.tbt_slo_s):
+            if not decode_admits(d.state(), sreq, self.costs, self.tbt_slo_s):
                 return self._reject(now, req, "decode", "tbt")
             d.hold(req)
         d.arrive(now, req)
@@ -237,15 +247,15 @@ class MooncakeSim(TraceDriver):
         TTFT SLO; decode = mean step time (TBT) over the TBT SLO; ``decode_held_load`` = the same
         with everything the decodes hold (running and reserved: what their own check judges);
         cumulative rejections by stage; plus raw counts."""
-        sc = self.cfg.scheduler
+        ttft_slo, tbt_slo = self.ttft_slo_s, self.tbt_slo_s
         # prefill_queue_time of each, through the scheduler's cache (the same values: tested)
         queue = queues_at(self.scheduler.cache.backlogs(self._states[0].states(), self.costs), now).queue_s
         tbts = [d.batch.step_time() for d in self.decodes]
         held = [d.held_step_time() for d in self.decodes]
-        return {"prefill_load": sum(queue) / len(queue) / sc.ttft_slo_s,
-                "decode_load": sum(tbts) / len(tbts) / sc.tbt_slo_s,
-                "decode_load_max": max(tbts) / sc.tbt_slo_s,
-                "decode_held_load": sum(held) / len(held) / sc.tbt_slo_s,
+        return {"prefill_load": sum(queue) / len(queue) / ttft_slo,
+                "decode_load": sum(tbts) / len(tbts) / tbt_slo,
+                "decode_load_max": max(tbts) / tbt_slo,
+                "decode_held_load": sum(held) / len(held) / tbt_slo,
                 "refused_conductor": float(self.refused["conductor"]),
                 "refused_decode": float(self.refused["decode"]),
                 "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) + len(p.packed)

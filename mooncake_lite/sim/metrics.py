@@ -80,7 +80,8 @@ class QuantileSketch:
         self._gamma = (1.0 + relative_error) / (1.0 - relative_error)
         self._log_gamma = math.log(self._gamma)
         self._counts: Counter[int | None] = Counter()   # bucket -> count (None: values <= 0)
-        self.count, self.total, self.max = 0, 0.0, None
+        self.count, self.total = 0, 0.0
+        self.max: float | None = None
 
     def add(self, value: float) -> None:
         self._counts[math.ceil(math.log(value) / self._log_gamma) if value > 0.0 else None] += 1
@@ -90,19 +91,20 @@ class QuantileSketch:
 
     def quantile(self, q: float) -> float | None:
         """Nearest rank, as :func:`quantile`: the bucket holding that rank, at its midpoint."""
-        if not self.count:
+        top = self.max
+        if not self.count or top is None:
             return None
         rank = min(self.count, max(1, math.ceil(q * self.count)))
         if rank == self.count:
-            return self.max
+            return top
         seen = self._counts.get(None, 0)
         if seen >= rank:
             return 0.0
         for bucket in sorted(k for k in self._counts if k is not None):
             seen += self._counts[bucket]
             if seen >= rank:   # the bucket (gamma^(b-1), gamma^b]: its midpoint errs < relative_error
-                return min(2.0 * self._gamma ** bucket / (self._gamma + 1.0), self.max)
-        return self.max
+                return min(2.0 * self._gamma ** bucket / (self._gamma + 1.0), top)
+        return top
 
     def summary(self) -> dict[str, float | None]:
         """What :func:`summarize` reports of a distribution."""

@@ -122,6 +122,7 @@ class PrefillNode:
     def end(self) -> SimRequest:
         """The running prefill is done."""
         req, self.current = self.current, None
+        assert req is not None   # called for a running prefill only
         self.view.remove(req.rid)
         return req
 

@@ -35,11 +35,11 @@ class Recorder:
         self.results: dict[int, RequestResult] = {}
         self.timeline: list[dict[str, float]] = []
         self.counters = {"arrived": 0, "completed": 0, "rejected": 0, "migrations": 0, "migrated_blocks": 0}
-        self._total = 0
+        self._total: int | None = 0
         self._progress: Callable[[int], None] | None = None
         self._sampling = False
         self.miss_check: Callable[[SimRequest], bool] | None = None
-        self.miss_budget: int | None = None
+        self.miss_budget = 0   # read only with miss_check set
         self._misses = 0
         self.aborted = False
         self.cpu_s = 0.0
@@ -84,7 +84,9 @@ class Recorder:
             self.sink(result)
             end = result.finish or result.arrival
             self._last_end = end if end > self._last_end else self._last_end
-        self.counters[req.status] += 1
+        status = req.status
+        assert status is not None   # the request has ended
+        self.counters[status] += 1
         self.num_ended = n = self.num_ended + 1
         if self.miss_check is not None and self.miss_check(req):
             self._misses += 1
@@ -103,7 +105,7 @@ class Recorder:
 
     def result(self, cfg: Any, hw: Any, wall_s: float, num_events: int, system: str = "mooncake") -> SimResult:
         from dataclasses import asdict, is_dataclass
-        config = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+        config = asdict(cfg) if is_dataclass(cfg) and not isinstance(cfg, type) else dict(cfg)
         config["hardware_model"] = hw.to_dict()
         reqs = [self.results[k] for k in sorted(self.results)]
         end = max((r.finish or r.arrival for r in reqs), default=self._last_end)
