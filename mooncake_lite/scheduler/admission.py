@@ -18,7 +18,8 @@ from typing import NamedTuple
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import (QueuesAt, decode_has_room, decode_tbt, late_prefills, loads_at,
+from mooncake_lite.scheduler.decision import RejectCause
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, late_prefills, loads_at,
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
@@ -35,7 +36,7 @@ class DecodeChoice(NamedTuple):
 
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
                   costs: CostModels, now: float, ttft_s: float, rng: random.Random | None,
-                  queues: QueuesAt | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
+                  queues: Queues | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
     """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
     adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
     eligible one. None when no instance has room. ``queues`` (the backlogs of
@@ -67,7 +68,7 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
-           queues: QueuesAt | None, cache: Estimates | None) -> list[tuple[int, int]]:
+           queues: Queues | None, cache: Estimates | None) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) before adding the request: the load
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
     decodes, estimates = cluster.decodes, cache or FROM_SCRATCH
@@ -116,7 +117,7 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 
 
 def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
-                  d: DecodeChoice) -> tuple[str, str] | None:
+                  d: DecodeChoice) -> tuple[RejectCause, str] | None:
     """(cause, reason) if admission rejects, else None. ``none`` never rejects on SLOs.
 
     A relative SLO (``cfg.ttft_slo_s``/``tbt_slo_s`` None) is the factor × what the chosen

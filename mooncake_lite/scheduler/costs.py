@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
@@ -27,11 +29,12 @@ class _Coefficients:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        # every subclass is a dataclass (this base has no fields of its own)
+        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items()}
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cast("type[DataclassInstance]", cls))]
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown coefficient(s) {unknown}; expected {names}")

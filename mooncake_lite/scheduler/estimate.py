@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from math import inf
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.packing import NO_TAIL, packed_queue
@@ -90,6 +90,20 @@ class QueuesAt(NamedTuple):
     queue_s: list[float]
 
 
+class Queues(Protocol):
+    """What a decision reads of every prefill's backlog at ``now``: a :class:`QueuesAt`, or the
+    wide table's ``wide.RowQueues`` (the same lists, made from its arrays when read)."""
+
+    @property
+    def backlogs(self) -> list[Backlog]: ...
+
+    @property
+    def done_s(self) -> list[float]: ...
+
+    @property
+    def queue_s(self) -> list[float]: ...
+
+
 def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
     """A started job counts as done for its elapsed time, never more than its duration."""
     done_s, queue_s = [], []
@@ -110,7 +124,7 @@ def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -
     return queues_at([backlog_of(p, prefill_model(p, costs))], now).queue_s[0]
 
 
-def late_prefills(queues: QueuesAt, now: float, t: float) -> set[str]:
+def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
     """Request ids of queued prefills predicted (``queues``: at ``now``) to finish *after*
     ``t``. Every other request committed to a decode instance (``incoming``) has joined its
     batch by ``t`` — step 1 of the §3 prediction; one in no queue has already finished prefill."""
@@ -180,6 +194,7 @@ def leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt_s: float 
     conservative guess)."""
     if uniform_decode_s is not None:
         return r.joined_at + uniform_decode_s
+    assert tbt_s is not None, "pricing_tbt is a float without a uniform t_d"
     return inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt_s
 
 
@@ -189,6 +204,7 @@ def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
     if uniform_decode_s is not None:     # leave_time, written out: this runs over whole batches
         ends = [r.joined_at + uniform_decode_s for r in running]
     else:
+        assert tbt is not None, "pricing_tbt is a float without a uniform t_d"
         ends = [inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt for r in running]
     order = sorted(range(len(ends)), key=ends.__getitem__)
     ends.sort()

@@ -53,7 +53,9 @@ class _Recent:
     __slots__ = ("size", "order", "sorted")
 
     def __init__(self, size: int) -> None:
-        self.size, self.order, self.sorted = size, deque(), []
+        self.size = size
+        self.order: deque[int] = deque()
+        self.sorted: list[int] = []
 
     def add(self, value: int) -> None:
         if len(self.order) == self.size:

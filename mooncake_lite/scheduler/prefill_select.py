@@ -17,7 +17,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import Backlog, QueuesAt, prefill_model, queues_at
+from mooncake_lite.scheduler.estimate import Backlog, Queues, prefill_model, queues_at
 from mooncake_lite.scheduler.packing import joins_tail, own_seconds
 from mooncake_lite.scheduler.queue_order import overtake_allowance, priced
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
@@ -92,7 +92,7 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
 
 def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
                    match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
-                   rng: random.Random | None, queues: QueuesAt | None = None,
+                   rng: random.Random | None, queues: Queues | None = None,
                    cache: Estimates | None = None,
                    wide: tuple[PrefillTable, np.ndarray] | None = None) -> PrefillChoice | None:
     """The prefill option the configured strategy picks (None when there is no instance).
@@ -188,7 +188,7 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
     if best is None:
         return None
     p, queue_s, local, i = best
-    route = "balance" if cfg.strategy == "load-balance" else None
+    route: Route | None = "balance" if cfg.strategy == "load-balance" else None
     return _option(req, p, queue_s, local, match, False, cfg, costs, route=route,
                    backlog=None if backlogs is None else backlogs[i])
 

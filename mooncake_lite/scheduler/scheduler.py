@@ -16,7 +16,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
-from mooncake_lite.scheduler.estimate import queues_at
+from mooncake_lite.scheduler.estimate import Queues, queues_at
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -62,6 +62,7 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
     match = index.match(req.block_keys)
     # every prefill's backlog at now: read by both choices; as arrays on a wide cluster
     wide = None
+    queues: Queues
     if isinstance(cache, EstimateCache) and len(cluster.prefills) >= _wide.WIDE_MIN_INSTANCES:
         table = cache.prefill_table(cluster.prefills, costs)
         queues, queue_array = table.queues_at(now)

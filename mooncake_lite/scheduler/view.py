@@ -370,11 +370,13 @@ class DecodeView(_Shown):
             self._show_batch(refresh)
             if self._context_lag > context_lag_bound(self._shown_context):
                 self._show_batch(True)     # e.g. lag carried over a re-registration
+        running = self._running
+        assert running is not None, "a batch not shown is shown afresh above"
         if self._incoming_shown is None:
             self._incoming_shown = tuple(self._incoming.values())
         max_batch, max_context = self._limits
-        return DecodeInstanceState(self.instance_id, self._running, max_batch, max_context, self._cost,
-                                   self._incoming_shown, self._shown_tbt(afresh))
+        return DecodeInstanceState(self.instance_id, running, max_batch, max_context, self._cost,
+                                   self._incoming_shown, self._shown_tbt(running, afresh))
 
     def _show_batch(self, refresh: bool) -> None:
         jobs = self._jobs.values()
@@ -389,17 +391,17 @@ class DecodeView(_Shown):
         self._shown_context = sum(map(CONTEXT_TOKENS, self._running))
         self._context_lag = sum(job.context_tokens for job in jobs) - self._shown_context
 
-    def _shown_tbt(self, afresh: bool) -> float | None:
+    def _shown_tbt(self, running: tuple[DecodingRequest, ...], afresh: bool) -> float | None:
         """The batch's predicted TBT when shown afresh or once it drifted past MAX_TBT_DRIFT;
         else the one shown before. None without a cost model (the scheduler then uses the
         cluster default's prediction for the batch as it is)."""
         if self._cost is None:
             return None
-        if afresh or self._tbt_s is None or self._tbt_of is not self._running:
-            tbt = self._cost.predict(len(self._running), self._shown_context)
+        if afresh or self._tbt_s is None or self._tbt_of is not running:
+            tbt = self._cost.predict(len(running), self._shown_context)
             if afresh or self._tbt_s is None or abs(tbt - self._tbt_s) > self._tbt_s * MAX_TBT_DRIFT:
                 self._tbt_s = tbt
-            self._tbt_of = self._running
+            self._tbt_of = running
         return self._tbt_s
 
     def _unshow(self, job: _Running) -> None:

@@ -30,6 +30,7 @@ from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
+from mooncake_lite.scheduler.view import Snapshot
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
 # at 48 the arrays do; tests set it to 1).
@@ -37,6 +38,9 @@ WIDE_MIN_INSTANCES = 48
 
 _INF = float("inf")
 _NO_HEAD = (0.0, _INF)      # a queue with no started job (or several: costed in Python)
+# What a row holds between a resize and its write (update writes every row right after a
+# resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
+_UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
 # Up to this many distinct prefill cost models, each predicts once per decision in Python.
 _FEW_MODELS = 8
 
@@ -47,7 +51,7 @@ def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
     any other pair is compared entry by entry (the live conductor's)."""
     if new is old:
         return []
-    if getattr(new, "previous", None) is old:
+    if isinstance(new, Snapshot) and new.previous is old:
         return new.changed
     if len(new) != len(old):
         return None
@@ -111,7 +115,7 @@ class PrefillTable:
         self._resize(0)
 
     def _resize(self, n: int) -> None:
-        self.backlogs: list[Backlog | None] = [None] * n
+        self.backlogs: list[Backlog] = [_UNWRITTEN] * n
         self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
         self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
@@ -134,7 +138,7 @@ class PrefillTable:
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
         """Rewrite the rows of the instances whose state changed since the last call
         (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
-        rows = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
+        rows: Sequence[int] | None = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
         old, moved = self.prefills, False
         if rows is None or not _same_ids(prefills, old, rows) \
                 or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
@@ -318,13 +322,15 @@ def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarr
         local = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
         known = rows >= 0
         return (rows, local) if known.all() else (rows[known], local[known])
-    rows, lengths, positions = [], [], table.positions
+    held: list[int] = []
+    blocks: list[int] = []
+    positions = table.positions
     for store_id, length in match.lengths.items():
         at = positions.get(store_id)
         if at is not None:
-            rows.extend(at)
-            lengths.extend([length] * len(at))
-    return np.array(rows, dtype=np.intp), np.array(lengths, dtype=np.int64)
+            held.extend(at)
+            blocks.extend([length] * len(at))
+    return np.array(held, dtype=np.intp), np.array(blocks, dtype=np.int64)
 
 
 def _predict_rows(coef: np.ndarray, num_tokens: int, prefix: np.ndarray) -> np.ndarray:
@@ -374,7 +380,7 @@ class DecodeTable:
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
         """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
         through the cache)."""
-        rows = None if default is not self.default else _changed_rows(decodes, self.decodes)
+        rows: Sequence[int] | None = None if default is not self.default else _changed_rows(decodes, self.decodes)
         if rows is None:
             self._resize(len(decodes))
             rows, self.default = range(len(decodes)), default
@@ -403,8 +409,8 @@ class DecodeTable:
                 else:
                     self.full.add(i)
             if d.max_context_tokens is not None:
-                self.context_room[i] = room = d.max_context_tokens - context
-                self.room_floor = room if room < self.room_floor else self.room_floor
+                self.context_room[i] = left = d.max_context_tokens - context
+                self.room_floor = left if left < self.room_floor else self.room_floor
             else:
                 self.context_room[i] = _INF
         self.decodes = decodes
