@@ -119,8 +119,8 @@ def test_tokens_through_the_conductor_equal_the_reference(cluster):
 def test_a_burst_beyond_the_ttft_slo_gets_429s_and_the_rest_stays_exact(cluster):
     url, conductor, _, _ = cluster
     tok = ByteTokenizer(320)
+    model = build_model("tiny", seed=0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    prompts = [f"request {i:02d}: " + "the moon is made of cheese and KV cache. " * 5 for i in range(16)]
 
     def one(prompt: str):
         try:
@@ -131,16 +131,25 @@ def test_a_burst_beyond_the_ttft_slo_gets_429s_and_the_rest_stays_exact(cluster)
         except openai.RateLimitError as exc:
             return "429", (exc.message, exc.response.headers.get("Retry-After"))
 
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, prompts))
-    ok = [(p, r) for p, (kind, r) in zip(prompts, results) if kind == "ok"]
-    rejected = [r for kind, r in results if kind == "429"]
-    assert ok and rejected, results
-    for message, retry_after in rejected:
-        assert "predicted TTFT" in message and int(retry_after) >= 1
-    model = build_model("tiny", seed=0)
-    for prompt, token_ids in ok:
-        assert token_ids == reference_greedy(model, tok.encode(prompt), 4)
+    # On a loaded machine 16 threads may send their requests so far apart that the prefill keeps
+    # up with them and none is rejected: a burst that did not pile up is sent again (new prompts,
+    # so no prefix hit shortens them), at most three times; each burst is checked in full.
+    seen: set[str] = set()
+    for burst in range(3):
+        prompts = [f"burst {burst} request {i:02d}: " + "the moon is made of cheese and KV cache. " * 5
+                   for i in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, prompts))
+        seen.update(kind for kind, _ in results)
+        for prompt, (kind, result) in zip(prompts, results):
+            if kind == "ok":
+                assert result == reference_greedy(model, tok.encode(prompt), 4)
+            else:
+                message, retry_after = result
+                assert "predicted TTFT" in message and int(retry_after) >= 1
+        if seen == {"ok", "429"}:
+            break
+    assert seen == {"ok", "429"}, results
     client.close()
 
 
