@@ -77,6 +77,9 @@ class Snapshot(tuple):
 
     previous: tuple | None = None
     changed: list[int] = []
+    # the views the states are of, in order: what a view keeps at its events besides its state
+    # (DecodeView.load) is read from it directly by the wide tables
+    views: list[PrefillView | DecodeView] = []
 
 
 class StateTuple:
@@ -91,6 +94,7 @@ class StateTuple:
             view._watch = (self._stale, i)
         self._states = [view.state() for view in self._views]
         self._tuple = Snapshot(self._states)
+        self._tuple.views = self._views
 
     def states(self) -> Snapshot:
         if self._stale:
@@ -102,7 +106,7 @@ class StateTuple:
             previous = self._tuple
             previous.previous = None          # one link only: older snapshots can be freed
             self._tuple = snapshot = Snapshot(states)
-            snapshot.previous, snapshot.changed = previous, changed
+            snapshot.previous, snapshot.changed, snapshot.views = previous, changed, views
         return self._tuple
 
 
@@ -221,6 +225,10 @@ class DecodeView(_Shown):
         self._running: tuple[DecodingRequest, ...] | None = None   # None: show the batch afresh
         self._incoming_shown: tuple[IncomingRequest, ...] | None = None
         self._shown_context = 0        # the shown batch's total context
+        self._incoming_context = 0     # the incoming requests' total context
+        # the state last built and its load now (running + incoming: batch, context), kept from
+        # the totals above: what the wide decode table reads instead of summing the tuples again
+        self.load: tuple[DecodeInstanceState | None, int, int] = (None, 0, 0)
         self._context_lag = 0          # tokens generated beyond it
         self._is_context_stale = False   # the lag passed the bound: refresh at the next state
         self._tbt_s: float | None = None
@@ -247,6 +255,7 @@ class DecodeView(_Shown):
         record = IncomingRequest(request_id, context_tokens, max_output_tokens)
         replaced = self._incoming.get(request_id)
         self._incoming[request_id] = record
+        self._incoming_context += context_tokens if replaced is None else context_tokens - replaced.context_tokens
         if self._incoming_shown is not None:
             self._incoming_shown = (*self._incoming_shown, record) if replaced is None else None
         self._stale()
@@ -256,6 +265,7 @@ class DecodeView(_Shown):
         record = self._incoming.pop(request_id, None)
         if record is None:
             return False
+        self._incoming_context -= record.context_tokens
         shown = self._incoming_shown
         if shown is not None:
             i = _position(shown, record)
@@ -353,14 +363,15 @@ class DecodeView(_Shown):
         """Nothing runs or comes here any more (the instance died)."""
         self._jobs.clear()
         self._incoming.clear()
-        self._shown_context = self._context_lag = self._group_shown = 0
+        self._shown_context = self._context_lag = self._group_shown = self._incoming_context = 0
         self._is_context_stale = False
         self._running = self._incoming_shown = None
         self._stale()
 
     def state(self) -> DecodeInstanceState:
         if self._state is None:
-            self._state = self._build()
+            self._state = state = self._build()
+            self.load = (state, len(state.running) + len(state.incoming), self._shown_context + self._incoming_context)
         return self._state
 
     def _build(self) -> DecodeInstanceState:

@@ -30,7 +30,7 @@ from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
-from mooncake_lite.scheduler.view import Snapshot
+from mooncake_lite.scheduler.view import DecodeView, PrefillView, Snapshot
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
 # at 48 the arrays do; tests set it to 1).
@@ -38,6 +38,7 @@ WIDE_MIN_INSTANCES = 48
 
 _INF = float("inf")
 _NO_HEAD = (0.0, _INF)      # a queue with no started job (or several: costed in Python)
+_NO_VIEWS: list[PrefillView | DecodeView] = []
 # What a row holds between a resize and its write (update writes every row right after a
 # resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
 _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
@@ -379,14 +380,20 @@ class DecodeTable:
     def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
         """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
-        through the cache)."""
+        through the cache; a snapshot's own view's load, kept at its events, where it is of
+        this very state)."""
         rows: Sequence[int] | None = None if default is not self.default else _changed_rows(decodes, self.decodes)
         if rows is None:
             self._resize(len(decodes))
             rows, self.default = range(len(decodes)), default
+        views = decodes.views if isinstance(decodes, Snapshot) else _NO_VIEWS
         for i in rows:
             d = decodes[i]
-            batch, context = load(d)
+            view = views[i] if views else None
+            if isinstance(view, DecodeView) and view.load[0] is d:
+                _, batch, context = view.load
+            else:
+                batch, context = load(d)
             model = d.cost or default
             written = (batch, context, model, d.max_batch_size, d.max_context_tokens)
             if written == self._row_from[i]:

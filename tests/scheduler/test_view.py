@@ -115,3 +115,44 @@ def test_progress_of_a_whole_batch_is_progress_of_each():
     for steps in (5, 5, 20):
         assert whole.progress_each(rids, steps) == any([each.progress(r, steps) for r in rids])
         assert whole.state() == each.state()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_decode_views_load_kept_at_its_events_is_its_states_load_now(seed):
+    """What the wide decode table reads from a snapshot's view instead of the estimate cache:
+    the load now of the very state last built, kept from running totals through every event."""
+    rng, v = random.Random(seed), DecodeView("d", COST, 8, 10**6)
+    ids = [f"r{i}" for i in range(12)]
+    members: list[str] = []
+    for step in range(800):
+        op = rng.choice(["commit", "commit", "uncommit", "join", "join", "progress", "step", "enter", "leave",
+                         "leave", "limits", "cost"] + (["clear"] if step % 211 == 210 else []))
+        rid, n = rng.choice(ids), rng.randint(1, 3000)
+        if op == "commit":            # a new one, or the same id again (replaced where it stands)
+            v.commit(rid, n, rng.choice([None, 40]))
+        elif op == "uncommit":
+            v.uncommit(rid)
+        elif op == "join":            # committed or not, running already or not
+            v.join(rid, n, float(step), 40)
+            members = [m for m in members if m != rid]
+        elif op == "progress":
+            v.progress(rid, rng.randint(1, 50))
+        elif op == "enter" and rid in v._jobs and rid not in members:
+            v.enter_group(rid)
+            members.append(rid)
+        elif op == "step":
+            v.progress_group(rng.randint(1, 30))
+        elif op == "leave":
+            v.leave(rid)
+            members = [m for m in members if m != rid]
+        elif op == "limits":
+            v.set_limits(rng.choice([None, 8]), 10**6)
+        elif op == "cost":
+            v.set_cost(rng.choice([None, COST]))
+        elif op == "clear":
+            v.clear()
+            members = []
+        if rng.random() < 0.5:
+            s = v.state()
+            assert v.load == (s, len(s.running) + len(s.incoming),
+                              sum(r.context_tokens for r in s.running) + sum(r.context_tokens for r in s.incoming))
