@@ -45,6 +45,8 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--progress-every", type=int, default=50_000, metavar="N",
                     help="print CPU seconds and resident memory to stderr every N ended requests (0: never)")
     ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
+    ap.add_argument("--compiled", action="store_true",
+                    help="the simulator's hot modules compiled with mypyc (mooncake sim --compiled; docs/sim.md)")
     return ap.parse_args(list(argv))
 
 
@@ -95,7 +97,14 @@ def simulate(path: str, args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str]) -> int:
     args = _args(argv)
-    figures: dict = {}
+    if args.compiled:
+        from mooncake_lite.sim.compiled import CompiledBuildError, use_compiled
+        try:
+            use_compiled(["bench", "sim-scale", *argv])   # re-executes on the build, or checks it
+        except CompiledBuildError as exc:
+            sys.stderr.write(f"mooncake bench sim-scale: error: {exc}\n")
+            return 2
+    figures: dict = {"compiled": args.compiled}
     with tempfile.TemporaryDirectory(prefix="sim-scale-") as tmp:
         path = args.trace
         if path is None:

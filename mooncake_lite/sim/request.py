@@ -14,15 +14,12 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from mooncake_lite.common.tbt import paper_tbt_of_runs, slowest_count
+from mooncake_lite.sim.oracle import OracleError   # re-exported: raised here, caught by tests
 from mooncake_lite.trace.format import TraceRequest
 
 Segment = tuple[float, int]   # (gap seconds, number of gaps); count 0 marks a stall (see fold_gaps)
 _COUNT = itemgetter(1)
 _GAP = itemgetter(0)
-
-
-class OracleError(AssertionError):
-    """Something read a request's true output length before the request ended."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol
 
 Key = Hashable
 PinCheck = Callable[[Key], bool]
@@ -28,9 +28,9 @@ _INF = float("inf")
 POLICY_NAMES = ("lru", "lfu", "length-aware")
 
 
-@runtime_checkable
 class EvictionPolicy(Protocol):
-    """Bookkeeping of which key to evict next. Never evicts on its own; the owner asks."""
+    """Bookkeeping of which key to evict next. Never evicts on its own; the owner asks. (Not
+    ``runtime_checkable``: nothing checks it at run time, and mypyc refuses the decorator.)"""
 
     def insert(self, key: Key, chain_pos: int) -> None: ...
     def touch(self, key: Key) -> None: ...
