@@ -63,6 +63,46 @@ def test_decisions_by_the_arrays_equal_the_loops_through_any_history(seed, ops, 
                     tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
 
+class _SnapshotWorld(World):
+    """The same histories, the decisions taken on the views' own snapshots (``StateTuple``, as
+    the simulator takes them) while every instance is live: the wide tables then read the rows
+    the views kept at their events (a decode's load, a prefill's total and started head)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self.tuples = (StateTuple(self.prefills.values()), StateTuple(self.decodes.values()))
+
+    def cluster(self) -> ClusterState:
+        if len(self.live) < len(self.prefills) + len(self.decodes):
+            return super().cluster()
+        return ClusterState(self.tuples[0].states(), self.tuples[1].states())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32), st.lists(st.sampled_from(OPS + ["decide"] * 3), min_size=30, max_size=150),
+       st.sampled_from(["none", "early", "predictive"]))
+def test_decisions_on_the_views_snapshots_equal_those_from_scratch(seed, ops, admission):
+    rng = random.Random(seed)
+    world, idx = _SnapshotWorld(rng), _index(rng)
+    config = SchedulerConfig(admission=admission, block_size=BS, ttft_slo_s=5.0, tbt_slo_s=0.05)
+    cached = Scheduler(config, COSTS, idx)
+    scratch = Scheduler(config, COSTS, idx, cache=FromScratch())
+    with _Wide(1):
+        for op in ops + ["decide"]:
+            world.step(op)
+            if op != "decide":
+                continue
+            cluster, blocks = world.cluster(), rng.randint(1, 12)
+            req = ScheduleRequest(f"x{world.n}", tuple(range(blocks)), blocks * BS + rng.randrange(BS),
+                                  rng.randint(1, 400))
+            now = world.now
+            assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
+            if cluster.prefills:
+                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)[0]
+                assert (rows.backlogs, rows.done_s, rows.queue_s) == \
+                    tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
+
+
 PREFILL_MODELS = [None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6, c3=1e-5)]
 
 
