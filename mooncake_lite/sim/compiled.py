@@ -200,7 +200,11 @@ def use_compiled(cli_argv: list[str], log=sys.stderr) -> None:
         log.write(f"mooncake: running compiled ({len(MODULES)} modules) from {package_root()}\n")
         log.flush()
         return
-    build = ensure_built()
+    try:
+        build = ensure_built()
+    except OSError as exc:   # the cache not writable, the disk full, ...
+        raise CompiledBuildError(f"the compiled build failed in {cache_dir()} ({exc}); "
+                                 "MOONCAKE_CACHE names another place") from exc
     env = dict(os.environ)
     env[ENV_RUN] = str(build)
     env["PYTHONPATH"] = os.pathsep.join([str(build), *filter(None, [env.get("PYTHONPATH")])])

@@ -131,3 +131,14 @@ def test_compiled_run_decides_as_the_pure_one(variant):
     assert comp[0].startswith(str(build))
     assert int(pure[1]) == 2000 and int(pure[2]) == 2000
     assert comp[1:] == pure[1:]
+
+
+@needs_mypy
+def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MOONCAKE_CACHE", str(blocker))    # a file where the cache's directory goes
+    monkeypatch.delenv(compiled.ENV_RUN, raising=False)
+    monkeypatch.setattr(compiled, "_check_compiler", lambda: None)
+    with pytest.raises(compiled.CompiledBuildError, match="MOONCAKE_CACHE"):
+        compiled.use_compiled(["sim", "run", "x"])
