@@ -203,8 +203,9 @@ class BlockCache:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
-        if type(self.policy) is LRUPolicy:     # on the ordered dict itself: no two calls per key
-            order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
+        policy = self.policy
+        if type(policy) is LRUPolicy:     # on the ordered dict itself: no two calls per key
+            order = policy._order
             move, num_hits = order.move_to_end, 0
             for key in keys:
                 if key not in order:
@@ -233,11 +234,12 @@ class BlockCache:
         ``num_held`` keys are now cached (all of them unless it stopped early), ``inserted`` of
         them were not before. A simulator reports exactly these to its index without walking the
         chain again."""
-        if is_pinned is None and type(self.policy) is LRUPolicy:
+        policy = self.policy
+        if is_pinned is None and type(policy) is LRUPolicy:
             capacity = self.capacity_blocks
             if capacity is None or capacity > len(keys):     # (one call less per simulated prefill)
-                return self._add_short_chain_lru(self.policy._order, keys)   # type: ignore[attr-defined]
-            return self._add_chain_lru(keys)
+                return self._add_short_chain_lru(policy._order, keys)
+            return self._add_chain_lru(policy._order, keys)
         evicted: list[Key] = []
         inserted: list[Key] = []
         chain: set[Key] = set()
@@ -262,14 +264,13 @@ class BlockCache:
             chain.add(key)
         return ChainAdded(evicted, len(keys), inserted)
 
-    def _add_chain_lru(self, keys: Sequence[Key]) -> ChainAdded:
+    def _add_chain_lru(self, order: OrderedDict[Key, None], keys: Sequence[Key]) -> ChainAdded:
         """:meth:`add_chain` under LRU with nothing pinned, on the policy's ordered dict itself
         (this runs per simulated prefill, per block: no method call per key). The same result:
         the chain's keys handled so far were each moved or added to the end, and nothing else
         moves, so they are the dict's last entries; the general path's victim (the first key not
         in the chain) is then the first key whenever the dict holds more keys than the ``pos``
         handled, and otherwise only if that key is not one of them."""
-        order: OrderedDict[Key, None] = self.policy._order   # type: ignore[attr-defined]
         capacity = self.capacity_blocks
         if capacity is None or capacity > len(keys):
             return self._add_short_chain_lru(order, keys)
@@ -313,7 +314,8 @@ class BlockCache:
 
     def leading(self, keys: Sequence[Key]) -> int:
         """How many leading keys of ``keys`` are cached; touches nothing."""
-        members = self.policy._order if type(self.policy) is LRUPolicy else self.policy  # type: ignore[attr-defined]
+        policy = self.policy
+        members: OrderedDict[Key, None] | EvictionPolicy = policy._order if type(policy) is LRUPolicy else policy
         n = 0
         for key in keys:
             if key not in members:
