@@ -66,6 +66,8 @@ MYPY_FLAGS = ("--follow-imports=silent", "--ignore-missing-imports")
 # Set in the re-executed process: the build directory it must run from.
 ENV_RUN = "MOONCAKE_COMPILED_DIR"
 READY = "BUILD-OK"
+# Builds kept in the cache (the newest; each ~6 MB): every edit of the package is a new key.
+KEEP_BUILDS = 4
 # The re-executed command: -P keeps the current directory off sys.path (run from a checkout, it
 # would import that tree's pure modules before the build's).
 _REEXEC = "import sys; from mooncake_lite.cli import main; sys.exit(main())"
@@ -171,7 +173,17 @@ def ensure_built(src_root: Path | None = None, log=sys.stderr) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         log.write(f"mooncake: compiled build ready in {time.perf_counter() - t0:.0f} s\n")
         log.flush()
+        _prune(base, keep=KEEP_BUILDS)
     return target
+
+
+def _prune(base: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest finished builds (a process still running from an older
+    one keeps what it has loaded: the files are only unlinked)."""
+    builds = sorted((p for p in base.iterdir() if (p / READY).exists()), key=lambda p: (p / READY).stat().st_mtime)
+    for old in builds[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+        (base / f"{old.name}.lock").unlink(missing_ok=True)
 
 
 def check_running(build: Path) -> list[str]:

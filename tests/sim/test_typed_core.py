@@ -150,3 +150,14 @@ def test_unwritable_cache_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(compiled, "_check_compiler", lambda: None)
     with pytest.raises(compiled.CompiledBuildError, match="MOONCAKE_CACHE"):
         compiled.use_compiled(["sim", "run", "x"])
+
+
+def test_old_builds_are_pruned(tmp_path):
+    for i in range(6):
+        build = tmp_path / f"k{i}"
+        build.mkdir()
+        (build / compiled.READY).write_text("")
+        os.utime(build / compiled.READY, (1000 + i, 1000 + i))
+    (tmp_path / "k5.tmp-1").mkdir()                    # a build under way is not touched
+    compiled._prune(tmp_path, keep=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k2", "k3", "k4", "k5", "k5.tmp-1"]
