@@ -112,7 +112,13 @@ class StateTuple:
 
 class PrefillView(_Shown):
     """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
-    starts (the conductor: when the one before it ends; the simulator: when it really does)."""
+    starts (the conductor: when the one before it ends; the simulator: when it really does).
+
+    Once a reader names the model it prices the queue with (:meth:`price_with`: the wide
+    prefill table, with the cluster default for an instance without a model of its own), the
+    view prices its jobs as they come, one job a forward: each job's predicted duration, and
+    their running sum in execution order. Each state it builds is then published with its total
+    and started head (``row``), so a snapshot's changed row costs no re-derivation."""
 
     def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
                  cost: PrefillCostModel | None = None, pack_tokens: int = 0, overtakes: int = 0) -> None:
@@ -121,13 +127,40 @@ class PrefillView(_Shown):
         self._jobs: dict[str, QueuedPrefill] = {}            # execution order
         self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
         self._state: PrefillInstanceState | None = None
+        self._default: PrefillCostModel | None = None   # the model a reader prices with, without one of its own
+        self._model: PrefillCostModel | None = None     # what the jobs are priced with (None: not priced)
+        self._durations: dict[str, float] = {}
+        self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
+        self.row: tuple[PrefillInstanceState, PrefillCostModel, float, tuple[float, float] | None] | None = None
+        self._reprice()
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
                      cost: PrefillCostModel | None, pack_tokens: int = 0, overtakes: int = 0) -> None:
         """What the instance reports about itself (registration, heartbeats)."""
         if (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes) != self._about:
             self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+            self._reprice()
             self._stale()
+
+    def price_with(self, default: PrefillCostModel) -> None:
+        """Price the queue with the instance's own model, else ``default``, from now on; the
+        state shown keeps its place, its ``row`` made again."""
+        if default is not self._default:
+            self._default = default
+            self._reprice()
+            state = self._state
+            self.row = self._row(state) if state is not None and self._model is not None else None
+
+    def _reprice(self) -> None:
+        """The model the jobs are priced with, after the instance's own or the default changed:
+        one job a forward only (a packing instance's queue is priced by the estimate cache)."""
+        _, _, cost, pack_tokens, _ = self._about
+        model = (cost or self._default) if pack_tokens == 0 else None
+        if model is not self._model:
+            self._model = model
+            self._durations = {} if model is None else \
+                {rid: model.predict(job.num_tokens, job.num_prefix_tokens) for rid, job in self._jobs.items()}
+            self._total = None
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
             started_at: float | None = None, passed: int = 0) -> None:
@@ -138,6 +171,12 @@ class PrefillView(_Shown):
         self._jobs[request_id] = job
         if self._queue is not None:
             self._queue = (*self._queue, job) if replaced is None else None
+        model = self._model
+        if model is not None:
+            self._durations[request_id] = duration = model.predict(num_tokens, num_prefix_tokens)
+            total = self._total    # as itertools.accumulate adds: the first job's, then last + next
+            self._total = None if replaced is not None or total is None else \
+                (total + duration if len(self._jobs) > 1 else duration)
         self._stale()
 
     def start(self, request_id: str, now: float) -> None:
@@ -158,12 +197,17 @@ class PrefillView(_Shown):
         queue = self._queue
         if queue is not None:
             self._queue = queue[1:] if queue[0] is job else tuple(q for q in queue if q is not job)
+        if self._model is not None:
+            del self._durations[request_id]
+            self._total = None     # the sum from the new head: added up again at the next state
         self._stale()
         return True
 
     def clear(self) -> None:
         self._jobs.clear()
         self._queue = ()
+        self._durations.clear()
+        self._total = 0.0
         self._stale()
 
     def state(self) -> PrefillInstanceState:
@@ -171,9 +215,33 @@ class PrefillView(_Shown):
             if self._queue is None:
                 self._queue = tuple(self._jobs.values())
             store_id, bandwidth, cost, pack_tokens, overtakes = self._about
-            self._state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost, pack_tokens,
-                                               overtakes)
+            self._state = state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost,
+                                                       pack_tokens, overtakes)
+            self.row = self._row(state) if self._model is not None else None
         return self._state
+
+    def _row(self, state: PrefillInstanceState) -> tuple[PrefillInstanceState, PrefillCostModel, float,
+                                                          tuple[float, float] | None] | None:
+        """What the wide prefill table writes for ``state``: (state, the model its jobs are
+        priced with, their total predicted work, the started head's (duration, start) or None);
+        None with more than one job started (the table then derives the backlog)."""
+        queue, durations, model = state.queue, self._durations, self._model
+        assert model is not None, "called only while the jobs are priced"
+        total = self._total
+        if total is None:          # itertools.accumulate's order: the first job's, then + each next
+            total = 0.0
+            for i, job in enumerate(queue):
+                total = total + durations[job.request_id] if i else durations[job.request_id]
+            self._total = total
+        if not queue:
+            return (state, model, total, None)
+        head = queue[0]
+        started_at = head.started_at
+        if started_at is None:
+            return (state, model, total, None)
+        if len(queue) > 1 and queue[1].started_at is not None:
+            return None
+        return (state, model, total, (durations[head.request_id], started_at))
 
 
 def _position(records: tuple, record: object) -> int | None:

@@ -73,13 +73,14 @@ class RowQueues:
     two lists made from the arrays only when read: a wide decision on the kvcache-centric path
     reads only the chosen row's queue time (from the array), and building 2 × 128 floats on
     every request cost more than the choice itself. The backlogs too are copied from the
-    table's list only when read: it holds within the decision that made this (the table's rows
-    are rewritten only at the next decision's start)."""
+    table only when read (and those of rows written from a view's own row derived then): it
+    holds within the decision that made this (the table's rows are rewritten only at the next
+    decision's start)."""
 
-    __slots__ = ("_rows", "_backlogs", "_done", "_queue", "_done_s", "_queue_s")
+    __slots__ = ("_table", "_backlogs", "_done", "_queue", "_done_s", "_queue_s")
 
-    def __init__(self, backlogs: list[Backlog], done: np.ndarray, queue: np.ndarray) -> None:
-        self._rows = backlogs
+    def __init__(self, table: PrefillTable, done: np.ndarray, queue: np.ndarray) -> None:
+        self._table = table
         self._backlogs: list[Backlog] | None = None
         self._done, self._queue = done, queue
         self._done_s: list[float] | None = None
@@ -88,7 +89,7 @@ class RowQueues:
     @property
     def backlogs(self) -> list[Backlog]:
         if self._backlogs is None:
-            self._backlogs = list(self._rows)
+            self._backlogs = list(self._table.row_backlogs())
         return self._backlogs
 
     @property
@@ -108,15 +109,19 @@ class PrefillTable:
     """Per prefill instance: its backlog's total predicted work, its started head job
     (duration, start; start +inf when none has started), its fetch bandwidth and which of the
     distinct cost models it has. Instances with more than one started job (rare) are costed
-    in Python."""
+    in Python. A snapshot's row whose view priced its own queue (``PrefillView.row``: its
+    total and started head, kept as jobs came and went) is written from that, its backlog
+    derived only if a decision reads it (:meth:`row_backlogs`)."""
 
     def __init__(self) -> None:
         self.prefills: tuple[PrefillInstanceState, ...] = ()   # what the rows were written from
         self.costs: CostModels | None = None
+        self._backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog] | None = None
         self._resize(0)
 
     def _resize(self, n: int) -> None:
         self.backlogs: list[Backlog] = [_UNWRITTEN] * n
+        self._unbuilt: set[int] = set()    # rows written from a view's row: backlog not derived yet
         self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
         self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
@@ -145,10 +150,13 @@ class PrefillTable:
                 or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
             self._resize(len(prefills))
             rows, moved, self.costs = range(len(prefills)), True, costs
+        self._backlog = backlog
+        views = prefills.views if isinstance(prefills, Snapshot) else _NO_VIEWS
         for i in rows:
             p = prefills[i]
             moved = moved or old[i].store_id != p.store_id
-            self._write(i, p, costs, backlog)
+            view = views[i] if views else None
+            self._write(i, p, costs, backlog, view if isinstance(view, PrefillView) else None)
         if moved:
             self._run_rows = {}
             self.positions = {}
@@ -159,21 +167,39 @@ class PrefillTable:
         self.prefills = prefills
 
     def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
-               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog], view: PrefillView | None) -> None:
         model = p.cost or costs.prefill
-        b = self.backlogs[i] = backlog(p, model)
-        self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
-        started = b.started
-        num_started = len(started)
-        if num_started > 1:
-            self.multi.add(i)
-        elif self.multi:                     # (the sets are empty on most clusters: no call)
-            self.multi.discard(i)
-        if b.pack_tokens or p.overtakes:     # shortest-first order: priced where it lands, in the loop
+        head: tuple[float, float]
+        row = None
+        if view is not None:
+            row = view.row
+            if row is None or row[1] is not model:
+                view.price_with(costs.prefill)    # (once: it then prices its jobs as they come)
+                row = view.row
+        if row is not None and row[0] is p and row[1] is model:   # its view priced this very state
+            _, _, self.total[i], started_head = row
+            self._unbuilt.add(i)
+            if self.multi:
+                self.multi.discard(i)
+            pack = p.overtakes               # (a view prices only one job a forward)
+            head = _NO_HEAD if started_head is None else started_head
+        else:
+            b = self.backlogs[i] = backlog(p, model)
+            if self._unbuilt:
+                self._unbuilt.discard(i)
+            self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
+            started = b.started
+            num_started = len(started)
+            if num_started > 1:
+                self.multi.add(i)
+            elif self.multi:                     # (the sets are empty on most clusters: no call)
+                self.multi.discard(i)
+            pack = b.pack_tokens or p.overtakes
+            head = started[0] if num_started == 1 else _NO_HEAD
+        if pack:     # packed, or shortest-first order: priced where it lands, in the loop
             self.packing.add(i)
         elif self.packing:
             self.packing.discard(i)
-        head = started[0] if num_started == 1 else _NO_HEAD
         if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
             self._row_head[i] = head
             self.head_d[i], self.head_s[i] = head
@@ -192,6 +218,18 @@ class PrefillTable:
                 self.odd_bw.discard(i)
             else:
                 self.odd_bw.add(i)
+
+    def row_backlogs(self) -> list[Backlog]:
+        """Every row's backlog, those of rows written from a view's row derived now (through the
+        estimate cache, as the other rows were)."""
+        if self._unbuilt:
+            costs, backlog, prefills = self.costs, self._backlog, self.prefills
+            assert costs is not None and backlog is not None, "rows are written before they are read"
+            for i in self._unbuilt:
+                p = prefills[i]
+                self.backlogs[i] = backlog(p, p.cost or costs.prefill)
+            self._unbuilt.clear()
+        return self.backlogs
 
     def run_rows(self, stores: list[Hashable]) -> np.ndarray:
         """The rows of ``stores`` (a list from a PrefixMatch's ``runs``), found once per list."""
@@ -220,7 +258,7 @@ class PrefillTable:
                 if elapsed > 0.0:
                     d += duration if elapsed > duration else elapsed
             done[i], queue[i] = d, b.cumulative_s[-1] - d
-        return RowQueues(self.backlogs, done, queue), queue
+        return RowQueues(self, done, queue), queue
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
         """Each row's model's prediction for one prompt: a Python call per distinct model when

@@ -156,3 +156,53 @@ def test_a_decode_views_load_kept_at_its_events_is_its_states_load_now(seed):
             s = v.state()
             assert v.load == (s, len(s.running) + len(s.incoming),
                               sum(r.context_tokens for r in s.running) + sum(r.context_tokens for r in s.incoming))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prefill_views_priced_row_is_its_states_backlog(seed):
+    """What the wide prefill table writes from a snapshot's view instead of deriving the
+    backlog: the total predicted work and started head of the very state last built, priced
+    with the instance's own model or the reader's default as jobs came and went."""
+    from mooncake_lite.scheduler import PrefillCostModel
+    from mooncake_lite.scheduler.estimate import backlog_of
+    from mooncake_lite.scheduler.queue_order import enqueue
+    rng = random.Random(seed)
+    models = [None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6, c3=1e-5)]
+    default = PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7)
+    v = PrefillView("p", "s", None, rng.choice(models))
+    ids, now, priced = [f"r{i}" for i in range(10)], 0.0, False
+    for step in range(600):
+        now += rng.uniform(0, 1)
+        op = rng.choice(["add", "add", "add", "start", "start", "remove", "remove", "ordered", "instance",
+                         "default"] + (["clear"] if step % 97 == 96 else []))
+        jobs = list(v._jobs)
+        if op == "add":                # a new id, or one queued already (replaced where it stands)
+            v.add(rng.choice(ids), rng.randint(1, 4000), rng.randint(0, 3000), rng.choice([None, None, now]))
+        elif op == "ordered":          # shortest-first order: the jobs it passes removed and added again
+            rid = rng.choice(ids)
+            if rid not in v._jobs:
+                enqueue(v, rid, rng.randint(1, 4000), rng.randint(0, 3000), 2)
+        elif op == "start" and jobs:   # mostly the head; sometimes two have started (a pack)
+            v.start(jobs[0] if rng.random() < 0.8 else rng.choice(jobs), now)
+        elif op == "remove" and jobs:  # mostly the head; an abort anywhere
+            v.remove(jobs[0] if rng.random() < 0.7 else rng.choice(jobs))
+        elif op == "instance":
+            v.set_instance("s", None, rng.choice(models), rng.choice([0, 0, 0, 512]), rng.choice([0, 0, 2]))
+        elif op == "default":
+            v.price_with(default)
+            priced = True
+        elif op == "clear":
+            v.clear()
+        if rng.random() < 0.5:
+            s = v.state()
+            model = s.cost or default
+            if s.pack_tokens or s.cost is None and not priced:   # packed, or no model named yet
+                assert v.row is None
+                continue
+            b = backlog_of(s, model)
+            if len(b.started) > 1:
+                assert v.row is None
+            else:
+                assert v.row == (s, model, b.cumulative_s[-1] if b.cumulative_s else 0.0,
+                                 b.started[0] if b.started else None)
+                assert v.row[0] is s and v.row[1] is model
