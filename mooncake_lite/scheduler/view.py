@@ -27,9 +27,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from itertools import compress, count, repeat
 from operator import is_
+from typing import Generic, TypeVar
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import CONTEXT_TOKENS
+from mooncake_lite.scheduler.snapshot import Snapshot
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
                                            PrefillInstanceState, QueuedPrefill)
 
@@ -55,11 +57,16 @@ def context_lag_bound(shown_context_tokens: int) -> int:
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
 
 
-class _Shown:
+# The state a view builds. A type parameter, not a union narrowed in each view: the compiled
+# build (mypyc) wants one declared type for an attribute across a class and its subclasses.
+S = TypeVar("S", PrefillInstanceState, DecodeInstanceState)
+
+
+class _Shown(Generic[S]):
     """What both views share: the state last built (None: build it at the next ``state()``)
     and the :class:`StateTuple` row to mark when it goes stale."""
 
-    _state: PrefillInstanceState | DecodeInstanceState | None = None
+    _state: S | None = None
     _watch: tuple[set[int], int] | None = None
 
     def _stale(self) -> None:
@@ -67,19 +74,6 @@ class _Shown:
         watch = self._watch
         if watch is not None:
             watch[0].add(watch[1])
-
-
-class Snapshot(tuple):
-    """A tuple of states that knows which positions hold another object than the snapshot
-    before it (``previous``; one link only, so older snapshots are freed): a reader that kept the
-    previous snapshot rewrites what it derived from just those rows instead of comparing every
-    entry (``wide._changed_rows``)."""
-
-    previous: tuple | None = None
-    changed: list[int] = []
-    # the views the states are of, in order: what a view keeps at its events besides its state
-    # (DecodeView.load) is read from it directly by the wide tables
-    views: list[PrefillView | DecodeView] = []
 
 
 class StateTuple:
@@ -110,7 +104,7 @@ class StateTuple:
         return self._tuple
 
 
-class PrefillView(_Shown):
+class PrefillView(_Shown[PrefillInstanceState]):
     """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
     starts (the conductor: when the one before it ends; the simulator: when it really does).
 
@@ -126,7 +120,7 @@ class PrefillView(_Shown):
         self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
         self._jobs: dict[str, QueuedPrefill] = {}            # execution order
         self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
-        self._state: PrefillInstanceState | None = None
+        self._state = None
         self._default: PrefillCostModel | None = None   # the model a reader prices with, without one of its own
         self._model: PrefillCostModel | None = None     # what the jobs are priced with (None: not priced)
         self._durations: dict[str, float] = {}
@@ -274,7 +268,7 @@ class _Running:
         return shown
 
 
-class DecodeView(_Shown):
+class DecodeView(_Shown[DecodeInstanceState]):
     """A decode instance's running batch and incoming requests as the scheduler sees them.
 
     A request is ``commit``-ted when it is dispatched here (incoming: KV to come), ``join``-s
@@ -301,7 +295,7 @@ class DecodeView(_Shown):
         self._is_context_stale = False   # the lag passed the bound: refresh at the next state
         self._tbt_s: float | None = None
         self._tbt_of: tuple | None = None   # the batch _tbt_s was last checked against
-        self._state: DecodeInstanceState | None = None
+        self._state = None
         # The step group (a simulated engine's batch, whose members all step together): tokens
         # each member generated since the group began, and how many members are shown.
         self._group_tokens = 0

@@ -30,7 +30,8 @@ from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
-from mooncake_lite.scheduler.view import DecodeView, PrefillView, Snapshot
+from mooncake_lite.scheduler.snapshot import Snapshot
+from mooncake_lite.scheduler.view import DecodeView, PrefillView
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
 # at 48 the arrays do; tests set it to 1).
