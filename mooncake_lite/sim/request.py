@@ -9,6 +9,7 @@ prediction (``expected_output``). ``output_length`` itself raises until the requ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
@@ -172,7 +173,7 @@ def slowest_share_mean(segments: list[Segment], total: int | None = None) -> flo
     want = left = slowest_count(num_gaps)
     acc = 0.0
     ordered = sorted(segments, key=_GAP, reverse=True)
-    last = None
+    last = math.nan   # equal to no gap, as None was: a float, so compiled code compares natively
     for i, (gap, count) in enumerate(ordered):
         if gap == last:
             return paper_tbt_of_runs(segments, num_gaps)

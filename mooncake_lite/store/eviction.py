@@ -23,7 +23,6 @@ from typing import NamedTuple, Protocol
 
 Key = Hashable
 PinCheck = Callable[[Key], bool]
-_INF = float("inf")
 
 POLICY_NAMES = ("lru", "lfu", "length-aware")
 
@@ -298,7 +297,9 @@ class BlockCache:
         move = order.move_to_end
         evicted: list[Key] = []
         inserted: list[Key] = []
-        free = _INF if self.capacity_blocks is None else self.capacity_blocks - len(order)
+        # an int either way (unbounded: the chain's length, never used up), so that compiled
+        # code counts it down natively rather than through a float/int generic subtract
+        free = len(keys) if self.capacity_blocks is None else self.capacity_blocks - len(order)
         pop = order.popitem
         for key in keys:
             if key in order:
