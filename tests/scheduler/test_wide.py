@@ -12,7 +12,7 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
-                                     DecodeView, DecodingRequest, EstimateCache, FromScratch, IncomingRequest,
+                                     DecodeView, DecodingRequest, FromScratch, IncomingRequest,
                                      PrefillCostModel, PrefillInstanceState, PrefillView, QueuedPrefill,
                                      ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler import wide
@@ -41,9 +41,16 @@ class _Wide:
        st.sampled_from([(None, None), (5.0, 0.05)]))
 def test_decisions_by_the_arrays_equal_the_loops_through_any_history(seed, ops, admission, strategy, slos):
     rng = random.Random(seed)
-    world, idx = World(rng), _index(rng)
     config = SchedulerConfig(strategy=strategy, admission=admission, block_size=BS,
                              ttft_slo_s=slos[0], tbt_slo_s=slos[1])
+    _decide_cached_and_from_scratch(rng, World(rng), config, ops)
+
+
+def _decide_cached_and_from_scratch(rng: random.Random, world: World, config: SchedulerConfig, ops) -> None:
+    """Play ``ops`` on ``world``; at each "decide" (and at the end) the cached scheduler (wide
+    arrays at any width) decides as one from scratch, and its prefill table's rows are the queues
+    computed from scratch."""
+    idx = _index(rng)
     cached = Scheduler(config, COSTS, idx)
     scratch = Scheduler(config, COSTS, idx, cache=FromScratch())
     with _Wide(1):
@@ -57,8 +64,7 @@ def test_decisions_by_the_arrays_equal_the_loops_through_any_history(seed, ops, 
             now = world.now
             assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
             if cluster.prefills:
-                table = cached.cache.prefill_table(cluster.prefills, COSTS)
-                rows = table.queues_at(now)[0]      # its lists made when read
+                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)[0]  # lists made when read
                 assert (rows.backlogs, rows.done_s, rows.queue_s) == \
                     tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
@@ -83,24 +89,8 @@ class _SnapshotWorld(World):
        st.sampled_from(["none", "early", "predictive"]))
 def test_decisions_on_the_views_snapshots_equal_those_from_scratch(seed, ops, admission):
     rng = random.Random(seed)
-    world, idx = _SnapshotWorld(rng), _index(rng)
     config = SchedulerConfig(admission=admission, block_size=BS, ttft_slo_s=5.0, tbt_slo_s=0.05)
-    cached = Scheduler(config, COSTS, idx)
-    scratch = Scheduler(config, COSTS, idx, cache=FromScratch())
-    with _Wide(1):
-        for op in ops + ["decide"]:
-            world.step(op)
-            if op != "decide":
-                continue
-            cluster, blocks = world.cluster(), rng.randint(1, 12)
-            req = ScheduleRequest(f"x{world.n}", tuple(range(blocks)), blocks * BS + rng.randrange(BS),
-                                  rng.randint(1, 400))
-            now = world.now
-            assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
-            if cluster.prefills:
-                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)[0]
-                assert (rows.backlogs, rows.done_s, rows.queue_s) == \
-                    tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
+    _decide_cached_and_from_scratch(rng, _SnapshotWorld(rng), config, ops)
 
 
 PREFILL_MODELS = [None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6, c3=1e-5)]
