@@ -98,11 +98,9 @@ def simulate(path: str, args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str]) -> int:
     args = _args(argv)
     if args.compiled:
-        from mooncake_lite.sim.compiled import CompiledBuildError, use_compiled
-        try:
-            use_compiled(["bench", "sim-scale", *argv])   # re-executes on the build, or checks it
-        except CompiledBuildError as exc:
-            sys.stderr.write(f"mooncake bench sim-scale: error: {exc}\n")
+        from mooncake_lite.sim.compiled import run_on_build
+        # re-executes on the build (or, in the re-executed process, checks that it runs there)
+        if not run_on_build("mooncake bench sim-scale", ["bench", "sim-scale", *argv]):
             return 2
     figures: dict = {"compiled": args.compiled}
     with tempfile.TemporaryDirectory(prefix="sim-scale-") as tmp:

@@ -93,13 +93,10 @@ def _run_parser() -> argparse.ArgumentParser:
 def run_main(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
     if args.compiled:
-        from mooncake_lite.sim.compiled import CompiledBuildError, use_compiled
-        try:
-            if args.tenants:   # TenantSim would be an interpreted subclass of the compiled MooncakeSim
-                raise CompiledBuildError("--compiled does not run --tenants (run it without --compiled)")
-            use_compiled(["sim", "run", *argv])   # re-executes on the build, or checks that this is it
-        except CompiledBuildError as exc:
-            sys.stderr.write(f"mooncake sim: error: {exc}\n")
+        from mooncake_lite.sim.compiled import run_on_build
+        # TenantSim would be an interpreted subclass of the compiled MooncakeSim
+        refusal = "--compiled does not run --tenants (run it without --compiled)" if args.tenants else None
+        if not run_on_build("mooncake sim", ["sim", "run", *argv], refusal):   # re-executes on the build
             return 2
     from mooncake_lite.sim import plots
     from mooncake_lite.sim.runner import run_with_progress

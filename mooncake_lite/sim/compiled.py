@@ -224,3 +224,17 @@ def use_compiled(cli_argv: list[str], log=sys.stderr) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-P", "-c", _REEXEC, *cli_argv], env)
+
+
+def run_on_build(prog: str, cli_argv: list[str], refusal: str | None = None) -> bool:
+    """What a command given ``--compiled`` calls first: :func:`use_compiled` (does not return
+    until it runs on the build); False, with ``<prog>: error: ...`` on stderr, where the
+    build cannot be made or used, or where ``refusal`` says why this command cannot run compiled."""
+    try:
+        if refusal is not None:
+            raise CompiledBuildError(refusal)
+        use_compiled(cli_argv)
+    except CompiledBuildError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return False
+    return True
