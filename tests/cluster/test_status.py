@@ -117,7 +117,9 @@ def test_status_json_and_once_show_instances_stores_and_recent_requests(cluster)
            "the store's usage")
     # and a heartbeat from after the request: one sent while decode still held its KV (written,
     # not yet joined to the batch) would show batch 0 with KV in use
-    wait_until(lambda: all(i.get("kv_used") in (None, 0.0) for i in _status(url)["instances"]), "an idle decode")
+    # (the decode's kv_used is None until its first heartbeat with a load: wait for 0.0 itself)
+    wait_until(lambda: all(i.get("kv_used") == 0.0 if i.get("role") == "decode" else i.get("kv_used") in (None, 0.0)
+                           for i in _status(url)["instances"]), "an idle decode")
     out = _status_cli(url, "--json")
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
