@@ -28,10 +28,14 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def packs_decode_weights(opts: UpOptions, dtype: str) -> bool:
-    """Whether the decodes run on oneDNN-packed weights (``Transformer.pack_``: float32 on a CPU;
-    docs/model.md, "Batch 16"), which hold ``ModelArgs.packed_extra_bytes`` beyond the weights."""
-    device = role_setting(opts, "decode", "device")
+def packs_weights(opts: UpOptions, role: str, dtype: str) -> bool:
+    """Whether ``role``'s instances may run on oneDNN-packed weights (``Transformer.pack_``: float32
+    on a CPU; docs/model.md, "Batch 16"), which hold ``ModelArgs.packed_extra_bytes`` beyond the
+    weights: a decode always, a prefill unless ``--pack-weights off`` (with ``auto`` it packs only
+    where that measures faster, which ``mooncake up`` cannot know ahead: counted, to be safe)."""
+    device = role_setting(opts, role, "device")
+    if role == "prefill" and str(role_setting(opts, role, "pack_weights") or "auto") == "off":
+        return False
     return dtype == "float32" and (device is None or str(device) == "cpu")
 
 
@@ -47,8 +51,10 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         args = model_args(opts.model)
         _, dtype = kv_layout(opts)
         weights = args.num_params() * dtype_bytes(dtype)
-        packed = args.packed_extra_bytes(dtype) if packs_decode_weights(opts, dtype) else 0
-        facts = {"weight_bytes": weights, "decode_pack_bytes": packed,
+        extra = args.packed_extra_bytes(dtype)
+        facts = {"weight_bytes": weights,
+                 "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
+                 "prefill_pack_bytes": extra if packs_weights(opts, "prefill", dtype) else 0,
                  "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}
     except (ValueError, OSError, KeyError):
         pass

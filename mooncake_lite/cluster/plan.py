@@ -67,6 +67,7 @@ class MachineShare:
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     weight_bytes: int | None = None       # one instance's model weights in its dtype (None: unknown)
     decode_pack_bytes: int = 0            # what a decode holds beyond them once packed (CPU float32: its tied head's packed copy)
+    prefill_pack_bytes: int = 0           # the same for a prefill (packed where it measures faster: --pack-weights)
     kv_token_bytes: int | None = None     # KV bytes of one token, every layer (None: unknown)
     max_seq_len: int | None = None        # the model's longest sequence
     threads: int | None = None            # `mooncake up --threads`: this many per instance, not pinned
@@ -268,13 +269,14 @@ def lent_cpus(cpus: Sequence[int], num_prefill: int, num_decode: int) -> dict[st
 
 def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_stores: int) -> MemoryShares:
     """KV memory per instance and DRAM per store from ``memory_fraction`` of the available memory,
-    less each instance's weights (a decode's twice where it packs them) and process overhead. No share is below the role's own default
+    less each instance's weights (with a tied head's packed copy where it packs them) and process overhead. No share is below the role's own default
     (the cluster never gets less than it did before sizing); a prefill's is capped at what
     ``PREFILL_SEQUENCES`` full-length prompts need when the model's shape is known, and what that
     cap frees goes to decode (itself capped at ``DECODE_SEQUENCES``, the stores at ``STORE_SEQUENCES``)."""
     instances = num_prefill + num_decode
     budget = int(share.available_memory * share.memory_fraction)
-    budget -= instances * ((share.weight_bytes or 0) + PROCESS_OVERHEAD) + num_decode * share.decode_pack_bytes
+    budget -= (instances * ((share.weight_bytes or 0) + PROCESS_OVERHEAD) + num_decode * share.decode_pack_bytes
+               + num_prefill * share.prefill_pack_bytes)
     budget = max(budget, 0)
     seq = share.max_seq_len * share.kv_token_bytes if share.kv_token_bytes and share.max_seq_len else None
 

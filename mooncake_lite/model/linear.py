@@ -10,12 +10,20 @@ weight becomes once its packed copy serves every product (docs/model.md, "Decode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.timing import best_seconds
+
 SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the few-rows paths
 PACK_ROWS = 16     # the row count oneDNN chooses a packed weight's blocked layout for (any count runs)
+# Packing where it measures at least this much faster (``Transformer.pack_if_faster_``): below it
+# the two paths are within what one start-up measurement on a busy machine can tell apart.
+PACK_GAIN = 1.1
+PACK_PROBE_ROWS = 256    # the rows a prefill's --pack-weights auto measures at (at most its chunk)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -30,6 +38,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
     except (AttributeError, RuntimeError):   # this torch lacks the op: the plain paths serve
         return None
+
+
+def packing_speedup(weights: Sequence[torch.Tensor], rows: int, repeats: int = 3) -> float | None:
+    """How many times faster the products of ``rows`` rows with each of ``weights`` run on their
+    oneDNN-packed copies than on the plain weights, measured here and now (the best of
+    ``repeats`` runs of each); None where nothing packs. The answer is the CPU's, not ours: at
+    256 rows the packed products ran 1.2x slower than MKL's sgemm on an AVX2 EPYC and 2x faster
+    on an AVX-512 one (docs/model.md, "Prefill on packed weights"), so a prefill asks at start-up."""
+    packs = [pack_weight(w) for w in weights]
+    if not weights or any(p is None for p in packs):
+        return None
+    inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+
+    def plain() -> None:
+        for x, w in zip(inputs, weights):
+            linear(x, w)
+
+    def packed() -> None:
+        for x, w, p in zip(inputs, weights, packs):
+            linear(x, w, packed=p)
+    device = weights[0].device
+    return best_seconds(plain, device, repeats, warmup=1) / best_seconds(packed, device, repeats, warmup=1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -17,7 +17,7 @@ from torch import nn
 from kernels import paged_decode_attention, paged_prefill_attention
 from mooncake_lite.model.args import ModelArgs, RopeScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
-from mooncake_lite.model.linear import fuse_linears, linear, pack_weight, unheld
+from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld
 
 
 @dataclass
@@ -222,7 +222,8 @@ class Transformer(nn.Module):
         """Replace the fused weights and the output head by oneDNN packed copies (on a CPU in
         float32; elsewhere nothing changes), which every product then runs on: decode steps of any
         batch, one row included, are as fast or faster (docs/model.md, "Batch 16"); prefill-sized
-        products are 1.2x slower, so only a decode instance packs. The plain weights are released
+        products are faster on some CPUs and slower on others, so a prefill instance packs only
+        where :meth:`packing_speedup` says it pays (``--pack-weights``). The plain weights are released
         (their parameters keep shape and dtype on the ``meta`` device), one layer at a time, so the
         process never holds two copies; a tied head's matrix stays, as the embedding. One-way: call
         it after ``fuse_`` and after the last write to a weight, and move the model no more."""
@@ -234,6 +235,24 @@ class Transformer(nn.Module):
             if self.output_pack is not None:   # a tied embedding keeps its own reference
                 self.output.weight = unheld(self.output.weight)
         return self
+
+    def packing_speedup(self, rows: int) -> float | None:
+        """:func:`packing_speedup` of products of ``rows`` rows with the first layer's weights (the
+        fused q/k/v, output, gate/up and down: every layer's shapes); None where nothing packs
+        or once packed. Call it after ``fuse_`` and before ``pack_``."""
+        block = next(iter(self.layers.values()), None)
+        if block is None or block.attention.qkv is None or block.feed_forward.gate_up is None or self.packed:
+            return None
+        return packing_speedup([block.attention.qkv[0], block.attention.wo.weight, block.feed_forward.gate_up,
+                                block.feed_forward.w2.weight], rows)
+
+    def pack_if_faster_(self, rows: int) -> float | None:
+        """:meth:`pack_` where :meth:`packing_speedup` at ``rows`` rows is at least ``PACK_GAIN``
+        (a prefill's ``--pack-weights auto``); returns that speedup (None where nothing packs)."""
+        gain = self.packing_speedup(rows)
+        if gain is not None and gain >= PACK_GAIN:
+            self.pack_()
+        return gain
 
     @property
     def packed(self) -> bool:

@@ -29,6 +29,8 @@ from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, PrefillR
 from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.model.linear import PACK_PROBE_ROWS
+from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
@@ -204,12 +206,33 @@ def stored_block_bytes(cfg: Config) -> int:
     return args.num_layers * encoded_layer_bytes(cfg.block_size, args.num_kv_heads, args.head_dim)
 
 
+def pack_weights(model: Transformer, mode: str, chunk: int) -> None:
+    """``--pack-weights``: pack the model's weights (``Transformer.pack_``) on, off, or ``auto``:
+    where they measure at least ``PACK_GAIN`` times faster on this CPU (docs/model.md, "Prefill on
+    packed weights"); the log says what it chose and why."""
+    if mode == "off":
+        return
+    if mode == "on":
+        model.pack_()
+        if not model.packed:
+            log.info("prefill weights: plain (--pack-weights on, but nothing packs for this device and dtype)")
+        return
+    rows = min(chunk, PACK_PROBE_ROWS)
+    gain = model.pack_if_faster_(rows)
+    if gain is None:
+        log.info("prefill weights: plain (nothing packs for this device and dtype)")
+    else:
+        log.info("prefill weights: %s (packed products measured %.2fx the plain ones' speed at %d rows on "
+                 "this CPU)", "oneDNN-packed" if model.packed else "plain", gain, rows)
+
+
 def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
     """The stage engine of ``layer_range`` (model slice, paged cache, store) and, for a lone
     instance unless --no-profile, the cost model its start-up timings fit."""
     runner = build_runner(cfg, layer_range)
+    pack_weights(runner.model, cfg.pack_weights, cfg.prefill_chunk)
     cost = None
-    if cfg.profile and cfg.pipeline_group == 1:
+    if cfg.profile and cfg.pipeline_group == 1:   # profiled as it will run: packed or not
         try:
             cost, samples = profile_prefill(runner)
             log.info("prefill cost model %s from %d timings", cost.to_dict(), len(samples))

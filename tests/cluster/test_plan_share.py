@@ -87,10 +87,16 @@ def test_a_decodes_packed_weights_come_out_of_the_budget():
     lost = (plain.prefill_kv + plain.decode_kv + plain.store_dram) - (
         two_copies.prefill_kv + two_copies.decode_kv + two_copies.store_dram)
     assert abs(lost - share.weight_bytes) < 1024      # one copy, taken from the shares it was split among
+    both = dataclasses.replace(packed, prefill_pack_bytes=share.weight_bytes)
+    assert sum(dataclasses.astuple(memory_shares(both, 1, 1, 1))) < sum(dataclasses.astuple(two_copies))
     opts = UpOptions(launcher=LAUNCHER, model="smollm2-135m")
-    assert machine.packs_decode_weights(opts, "float32") and not machine.packs_decode_weights(opts, "bfloat16")
-    on_gpu = dataclasses.replace(opts, role_args={"decode": ("--device", "cuda")})
-    assert not machine.packs_decode_weights(on_gpu, "float32")
+    for role in ("decode", "prefill"):
+        assert machine.packs_weights(opts, role, "float32") and not machine.packs_weights(opts, role, "bfloat16")
+        on_gpu = dataclasses.replace(opts, role_args={role: ("--device", "cuda")})
+        assert not machine.packs_weights(on_gpu, role, "float32")
+    plain_prefill = dataclasses.replace(opts, role_args={"prefill": ("--pack-weights", "off")})
+    assert not machine.packs_weights(plain_prefill, "prefill", "float32")
+    assert machine.packs_weights(plain_prefill, "decode", "float32")
 
 
 def test_memory_shares_never_fall_below_the_roles_defaults_and_small_models_are_capped():

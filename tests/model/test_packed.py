@@ -116,3 +116,28 @@ def test_decode_attention_gathers_into_reused_buffers_without_changing_results(m
     held = attention._workspace.__dict__[("k", torch.float32, k_cache.device)]
     again = attention._gather_blocks(k_cache, torch.tensor([1, 0]), "k")
     assert again.data_ptr() == held.data_ptr() and torch.equal(again, k_cache[[1, 0]])
+
+
+@needs_onednn
+def test_packing_speedup_is_measured_on_the_plain_weights_and_only_where_they_pack():
+    model = build_model("tiny", seed=4)
+    gain = model.packing_speedup(32)
+    assert gain is not None and gain > 0          # a ratio of two timings, whichever way it goes here
+    assert build_model("tiny", dtype=torch.bfloat16).packing_speedup(32) is None   # float32 only
+    model.pack_()
+    assert model.packing_speedup(32) is None      # nothing plain left to compare
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode, gain, packs", [("off", 9.0, False), ("on", 0.5, True),
+                                               ("auto", 1.5, True), ("auto", 1.05, False), ("auto", None, False)])
+def test_prefill_packs_its_weights_as_the_flag_and_the_measurement_say(monkeypatch, mode, gain, packs):
+    from mooncake_lite.model.linear import PACK_GAIN
+    from mooncake_lite.prefill import app
+    model = build_model("tiny", seed=4)
+    asked = []
+    monkeypatch.setattr(type(model), "packing_speedup", lambda self, rows: asked.append(rows) or gain)
+    app.pack_weights(model, mode, chunk=64)
+    assert model.packed == packs
+    assert asked == ([64] if mode == "auto" else [])    # measured at the chunk (below the probe's rows)
+    assert 1.05 < PACK_GAIN < 1.5
