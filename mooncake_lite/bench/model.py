@@ -1,12 +1,13 @@
 """``mooncake bench model``: prefill tokens/s and decode step time on this machine, next to its limits.
 
-Step times are medians; the best run is what is compared with the limits. The limits are measured in the same run: a large float32 matmul (GFLOP/s, the compute roof that
-prefill approaches) and a large tensor copy (GB/s, the memory roof that small-batch decode hits,
+Step times are medians; the best run is what is compared with the limits. The limits are measured in the same run: a large float32 matmul (GFLOP/s, the
+faster of MKL's and oneDNN's kernels: the compute roof that prefill approaches) and a large tensor copy (GB/s, the memory roof that small-batch decode hits,
 since every step reads all weights). Each figure is reported as a fraction of its roof, using
 the model's useful FLOPs per token (matmuls plus causal attention) and its weight bytes.
 Decode runs on a cache whose context holds placeholder KV: step cost depends on context length,
-not on its values, so no prefill is needed per batch size. Decode runs as a decode instance
-does, on oneDNN-packed weights where there are some (CPU float32; ``--no-pack``: the plain
+not on its values, so no prefill is needed per batch size. Prefill runs as a prefill instance
+does (``--pack-weights auto``): on oneDNN-packed weights where they measure faster on this CPU.
+Decode runs as a decode instance does, on oneDNN-packed weights where there are some (CPU float32; ``--no-pack``: the plain
 path); beside each batch's step, the same step's matmuls alone at that many rows (the floor
 under the step) and its time as a multiple of the batch-1 step. ``--json`` prints one JSON object.
 
@@ -38,7 +39,7 @@ from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench import gpu_roofs
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
-from mooncake_lite.model.linear import linear
+from mooncake_lite.model.linear import PACK_PROBE_ROWS, linear, pack_weight
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, NAMED_MODELS, resolve
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32",
                     help="comma-separated model dtypes, each measured in the same run (e.g. float32,bfloat16)")
     ap.add_argument("--no-pack", action="store_true",
-                    help="decode on the plain weights, not the oneDNN-packed copies a decode instance uses")
+                    help="prefill and decode on the plain weights, not the oneDNN-packed copies the instances use")
     ap.add_argument("--profile", action="store_true",
                     help="also break a batch-1 decode step down by operator kind (torch.profiler)")
     ap.add_argument("--device", default="cpu", help="torch device to measure on (cpu, cuda, cuda:1)")
@@ -94,8 +95,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 # --- machine limits -------------------------------------------------------------------------------
 def matmul_gflops(n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """The faster of the two float32 kernels the model runs on, on one large product: torch's
+    ``mm`` (MKL's sgemm on x86) and oneDNN's on a packed weight where there is one. On an AVX-512
+    EPYC oneDNN ran twice MKL's rate, so a roof of ``mm`` alone was passed by the model itself."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), device, repeats, warmup=1) / 1e9
+    best = best_seconds(lambda: torch.mm(a, b), device, repeats, warmup=1)
+    packed = pack_weight(b.t().contiguous())    # a @ b == linear(a, b.T)
+    if packed is not None:
+        best = min(best, best_seconds(lambda: linear(a, b, packed=packed), device, repeats, warmup=1))
+    return 2 * n**3 / best / 1e9
 
 
 def copy_gbps(num_bytes: int = 256 << 20, repeats: int = 5, device: torch.device | str = "cpu") -> float:
@@ -255,6 +263,8 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
     runner = ModelRunner(model, num_blocks=per_seq * max(args.batch_sizes), block_size=BLOCK_SIZE)
     # Median is the typical figure; the best run is compared with the roofs (themselves best-of),
     # since on a shared machine both are otherwise dominated by whoever else holds the cores.
+    # prefill as a prefill instance runs it (``--pack-weights auto``): packed where that is faster here
+    gain = None if getattr(args, "no_pack", False) else model.pack_if_faster_(min(args.prompt_len, PACK_PROBE_ROWS))
     times = bench_prefill(runner, args.prompt_len, args.repeats, bar)
     best_s = min(times)
     gflops = prefill_flops(margs, args.prompt_len) / best_s / 1e9
@@ -265,14 +275,15 @@ def bench_one(name: str, args: argparse.Namespace, peak_gflops: float, peak_gbps
         "prefill": {"tokens": args.prompt_len, "seconds": statistics.median(times), "seconds_best": best_s,
                     "tokens_per_s": args.prompt_len / statistics.median(times),
                     "tokens_per_s_best": args.prompt_len / best_s,
-                    "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops},
+                    "gflops_best": gflops, "fraction_of_matmul_peak": gflops / peak_gflops,
+                    "packed": model.packed, "packing_speedup": gain},
         "decode": {},
     }
     if gpu is not None:
         out["prefill"] |= gpu_roofs.fractions(gpu, dtype, gflops * 1e9)
     wbytes = weight_bytes(margs, runner.dtype)
     if not getattr(args, "no_pack", False):
-        model.pack_()   # as a decode instance runs, after prefill (which packed weights slow)
+        model.pack_()   # as a decode instance runs (a no-op where prefill packed already)
     out["decode_packed"] = model.packed
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
@@ -330,6 +341,14 @@ def run(args: argparse.Namespace) -> dict:
             "models": models, "notes": notes}
 
 
+def _packing(p: dict) -> str:
+    """How prefill ran: on packed or plain weights, and the speedup the choice was made on."""
+    gain = p.get("packing_speedup")
+    if gain is None:
+        return ""
+    return f"; {'packed' if p.get('packed') else 'plain'} weights (packed measured {gain:.2f}x)"
+
+
 def render(res: dict) -> str:
     m = res["machine"]
     s = res["settings"]
@@ -346,7 +365,8 @@ def render(res: dict) -> str:
                      f"loaded in {src['load_s']:.2f} s; decode on {'packed' if r.get('decode_packed') else 'plain'} "
                      f"weights)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
-                     f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak")
+                     f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak"
+                     + _packing(p))
         if "mfu" in p:
             lines.append(gpu_roofs.render_prefill(p))
         for batch, d in r["decode"].items():
