@@ -49,19 +49,24 @@ class ModelArgs:
     qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
     name: str = "custom"
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    # A head width other than dim / num_heads (Qwen3: 128-wide heads on a 1024-wide model); None: that.
+    head_size: int | None = None
+    qk_norm: bool = False   # Qwen3: q and k RMS-normalised per head before RoPE
 
     def __post_init__(self) -> None:
         for f in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"model {f} must be positive, got {getattr(self, f)}")
-        if self.dim % self.num_heads:
+        if self.head_size is None and self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.head_size is not None and (self.head_size <= 0 or self.head_size % 2):
+            raise ValueError(f"head_dim must be positive and even (RoPE rotates pairs), got {self.head_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        return self.head_size if self.head_size is not None else self.dim // self.num_heads
 
     def kv_bytes_per_token(self, dtype: "torch.dtype | str") -> int:
         """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
@@ -71,7 +76,9 @@ class ModelArgs:
         return block_size * self.kv_bytes_per_token(dtype)
 
     def num_params(self) -> int:
-        attn = self.dim * self.dim * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
+        q_width = self.num_heads * self.head_dim
+        attn = self.dim * q_width * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
+        attn += 2 * self.head_dim if self.qk_norm else 0
         per_layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + emb + self.dim
@@ -90,9 +97,12 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelArgs":
-        """Read a LLaMA/Qwen2-style ``config.json``."""
+        """Read a LLaMA/Qwen2/Qwen3-style ``config.json``."""
         try:
             num_heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim")
+            if head_dim is not None and head_dim * num_heads == cfg["hidden_size"]:
+                head_dim = None   # the usual width, written out
             return cls(dim=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
                        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
                        ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
@@ -101,7 +111,8 @@ class ModelArgs:
                        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name,
-                       rope_scaling=rope_scaling_from_config(cfg))
+                       rope_scaling=rope_scaling_from_config(cfg), head_size=head_dim,
+                       qk_norm=cfg.get("model_type") == "qwen3")
         except KeyError as exc:
             raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
 

@@ -14,7 +14,7 @@ from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
 from mooncake_lite.model.gguf_file import args_from_meta, read_meta
 from mooncake_lite.model.source import resolve
 
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def read_args(ckpt_dir: str) -> ModelArgs:
@@ -34,10 +34,6 @@ def read_args(ckpt_dir: str) -> ModelArgs:
         args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
     except TypeError as exc:  # e.g. "hidden_size": "768"
         raise CheckpointError(f"{path}: a size has the wrong type ({exc})") from None
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != args.head_dim:
-        raise CheckpointError(f"{path}: head_dim {head_dim} != hidden_size/num_attention_heads "
-                              f"{args.head_dim}; this model needs them equal")
     return args
 
 
@@ -52,7 +48,7 @@ def _check_supported(cfg: dict, path: str) -> None:
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias")
     if model_type != "qwen2" and cfg.get("attention_bias"):
-        problems.append("attention_bias (LLaMA puts a bias on o_proj too)")
+        problems.append(f"attention_bias ({'Qwen3' if model_type == 'qwen3' else 'LLaMA'} puts a bias on o_proj too)")
     rope_key, rope = rope_params(cfg)
     if rope_type(rope) not in ROPE_TYPES:
         problems.append(f"{rope_key}.rope_type {rope_type(rope)!r} (supported: {', '.join(ROPE_TYPES)})")

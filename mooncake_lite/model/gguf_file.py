@@ -13,7 +13,7 @@ from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_read import TensorInfo, read_header
 
 # Architectures whose GGUF tensors map onto our LLaMA-family decoder.
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:
             raise CheckpointError(f"{meta.path}: GGUF metadata lacks {arch}.{k}")
         return value
     dim, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = dim // num_heads if num_heads else 0
+    usual = dim // num_heads if num_heads else 0
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or usual)   # Qwen3's heads are wider
     _check_gguf_features(meta, arch, head_dim)
     try:
         return ModelArgs(dim=dim, num_layers=int(key("block_count")), num_heads=num_heads,
@@ -73,7 +74,9 @@ def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:
                          rope_theta=float(key("rope.freq_base", 10000.0)),
                          norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
                          tie_embeddings="output.weight" not in meta.tensors,
-                         qkv_bias="blk.0.attn_q.bias" in meta.tensors, name=name)
+                         qkv_bias="blk.0.attn_q.bias" in meta.tensors, name=name,
+                         head_size=None if head_dim == usual else head_dim,
+                         qk_norm="blk.0.attn_q_norm.weight" in meta.tensors)
     except ValueError as exc:
         raise CheckpointError(f"{meta.path}: {exc}") from None
 
@@ -83,10 +86,12 @@ def _check_gguf_features(meta: GGUFMeta, arch: str, head_dim: int) -> None:
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         problems.append(f"{arch}.rope.dimension_count {rope_dims} (partial rotary; head_dim is {head_dim})")
-    for k in ("attention.key_length", "attention.value_length"):
-        value = meta.get(f"{arch}.{k}")
-        if value is not None and int(value) != head_dim:
-            problems.append(f"{arch}.{k} {value} (must equal embedding_length/head_count = {head_dim})")
+    value = meta.get(f"{arch}.attention.value_length")
+    if value is not None and int(value) != head_dim:
+        problems.append(f"{arch}.attention.value_length {value} (must equal the key length, {head_dim})")
+    if arch != "qwen3" and head_dim * int(meta.get(f"{arch}.attention.head_count") or 0) != \
+            int(meta.get(f"{arch}.embedding_length") or 0):
+        problems.append(f"{arch}.attention.key_length {head_dim} (must equal embedding_length/head_count)")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         problems.append(f"{arch}.rope.scaling.type {scaling!r}")

@@ -24,6 +24,7 @@ _LAYER_NAMES = {
     "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
     "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
     "feed_forward.w2": "ffn_down", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm",
+    "attention.q_norm": "attn_q_norm", "attention.k_norm": "attn_k_norm",   # Qwen3
 }
 _TOP_NAMES = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
               "output.weight": "output.weight"}
@@ -35,7 +36,7 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
     """The model (or the pipeline stage ``layer_range`` of it) with the file's weights."""
     meta = read_meta(path)
     args = args_from_meta(meta, name)
-    # llama.cpp reorders q/k rows for LLaMA only; Qwen2 files keep the checkpoint's order.
+    # llama.cpp reorders q/k rows for LLaMA only; Qwen2/Qwen3 files keep the checkpoint's order.
     permuted = meta.arch == "llama"
     with torch.device("meta"):
         model = Transformer(args, layer_range)

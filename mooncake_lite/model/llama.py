@@ -94,6 +94,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3: every q and k head RMS-normalised over its width before RoPE (one weight each)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None   # set by fuse_()
         self.packs: dict[str, torch.Tensor] = {}   # set by pack_()
 
@@ -122,7 +125,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self._project(x).view(n, heads + 2 * kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)   # q and k rotated together
+        qk = qkv[:, :heads + kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = apply_rope(qk, cos, sin)   # q and k rotated together
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))

@@ -1,4 +1,4 @@
-"""Loading a local Hugging Face LLaMA/Qwen2-style checkpoint directory.
+"""Loading a local Hugging Face LLaMA/Qwen2/Qwen3-style checkpoint directory.
 
 The directory holds ``config.json`` and ``*.safetensors`` (one file, or shards listed by
 ``model.safetensors.index.json``). The model is built on the ``meta`` device and the tensors are
@@ -27,6 +27,8 @@ _LAYER_NAMES = {
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",   # Qwen3
+    "attention.k_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",

@@ -59,6 +59,23 @@ def save_qwen2(path: Path, *, seed: int = 0, max_shard_size: str = "40KB"):
     return model
 
 
+def save_qwen3(path: Path, *, seed: int = 0):
+    """A ``Qwen3ForCausalLM``: heads wider than hidden_size / num_attention_heads (as in every
+    Qwen3: 16 x 128 on a 1024-wide model), q/k RMS-normalised per head, no biases, tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                      rope_theta=30000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).eval()
+    _decisive_init(model, seed)
+    model.tie_weights()
+    model.save_pretrained(path)
+    return model
+
+
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation from the Hugging Face model's own ``generate``."""
     with torch.no_grad():

@@ -95,7 +95,7 @@ def test_unexpected_tensor_is_not_silently_dropped(ckpt):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type 'yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 16}, "head_dim 16"),
+    ({"head_dim": 15}, "head_dim must be positive and even"),
     ({"num_key_value_heads": 4}, "not divisible by num_kv_heads"),
     ({"num_hidden_layers": -1}, "num_layers must be positive"),
     ({"hidden_size": "48"}, "wrong type"),

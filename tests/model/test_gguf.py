@@ -150,3 +150,57 @@ def test_a_corrupt_gguf_file_is_refused_clearly(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(CheckpointError, match="not a readable GGUF file"):
         model_args(str(bad))
+
+
+def _write_qwen3_gguf(path, hf) -> None:
+    """The weights of a transformers Qwen3 model as a float32 GGUF file, named and laid out as
+    llama.cpp's converter writes a qwen3 file (no q/k row reordering for this architecture)."""
+    from gguf import GGUFWriter
+    cfg = hf.config
+    w = GGUFWriter(str(path), "qwen3")
+    w.add_uint32("qwen3.embedding_length", cfg.hidden_size)
+    w.add_uint32("qwen3.block_count", cfg.num_hidden_layers)
+    w.add_uint32("qwen3.attention.head_count", cfg.num_attention_heads)
+    w.add_uint32("qwen3.attention.head_count_kv", cfg.num_key_value_heads)
+    w.add_uint32("qwen3.attention.key_length", cfg.head_dim)
+    w.add_uint32("qwen3.attention.value_length", cfg.head_dim)
+    w.add_uint32("qwen3.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32("qwen3.context_length", cfg.max_position_embeddings)
+    w.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
+                  else cfg.rope_theta)
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32("qwen3.vocab_size", cfg.vocab_size)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue                                   # tied: the file has no output.weight
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers":
+            gname = f"blk.{parts[1]}.{names['.'.join(parts[2:])]}.weight"
+        else:
+            gname = f"{names[parts[0]]}.weight"
+        w.add_tensor(gname, p.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3_gguf_file_loads_and_matches_transformers(tmp_path):
+    from mooncake_lite.model.gguf_loader import load_gguf
+    from mooncake_lite.model.generate import full_recompute_logits
+    from tests.model.hf_fixtures import VOCAB, hf_logits, save_qwen3
+    hf = save_qwen3(tmp_path / "hf", seed=5)
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_qwen3_gguf(path, hf)
+    args = model_args(str(path))
+    assert (args.head_dim, args.num_heads, args.dim) == (16, 4, 32) and args.qk_norm and args.tie_embeddings
+    ours = load_gguf(str(path), "tiny-qwen3")
+    toks = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = hf_logits(hf, toks)
+    assert ref.abs().max() > 1.0
+    torch.testing.assert_close(full_recompute_logits(ours, toks, 8), ref, atol=1e-4, rtol=1e-4)

@@ -11,7 +11,7 @@ from mooncake_lite.model.loader import load_checkpoint, read_args
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.weights import build_model, model_args
-from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2
+from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2, save_qwen3
 
 # float32 on both sides; the only differences are summation order in matmuls/attention, and the
 # logits are O(1-10), so 1e-4 absolute (plus 1e-4 relative) is ~1000x below a real mapping error.
@@ -31,11 +31,17 @@ def qwen2(tmp_path_factory):
     return path, save_qwen2(path, seed=2)
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    return path, save_qwen3(path, seed=3)
+
+
 def prompt(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen2"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
 def test_logits_match_hf_forward(which, request):
     path, hf = request.getfixturevalue(which)
     ours = load_checkpoint(str(path))
@@ -45,7 +51,7 @@ def test_logits_match_hf_forward(which, request):
     torch.testing.assert_close(full_recompute_logits(ours, toks, BS), ref, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen2"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("n, chunk", [(1, None), (BS, 3), (2 * BS + 3, BS)])
 def test_paged_greedy_matches_hf_generate(which, n, chunk, request):
     path, hf = request.getfixturevalue(which)
@@ -63,6 +69,17 @@ def test_read_args_from_config(llama, qwen2):
     assert q.qkv_bias and q.tie_embeddings and q.rope_theta == 20000.0 and q.norm_eps == 1e-6
 
 
+def test_qwen3_shape_wide_heads_and_qk_norm(qwen3):
+    path, hf = qwen3
+    a = read_args(str(path))
+    assert (a.dim, a.num_heads, a.head_dim, a.num_kv_heads) == (32, 4, 16, 2) and a.qk_norm and not a.qkv_bias
+    assert a.num_params() == sum(p.numel() for p in hf.parameters())     # tied: the embedding counted once
+    assert a.kv_bytes_per_token("float32") == 2 * 2 * 2 * 16 * 4          # layers x kv heads x the wide head
+    ours = load_checkpoint(str(path))
+    hf_norm = dict(hf.named_parameters())["model.layers.1.self_attn.k_norm.weight"]
+    torch.testing.assert_close(ours.layers["1"].attention.k_norm.weight, hf_norm, atol=0, rtol=0)
+
+
 def test_qwen2_checkpoint_is_sharded_and_tied(qwen2):
     path, _ = qwen2
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -73,7 +90,7 @@ def test_qwen2_checkpoint_is_sharded_and_tied(qwen2):
     assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # read once, shared
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen2"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
 def test_pipeline_stages_load_only_their_layers(which, request):
     path, hf = request.getfixturevalue(which)
     num_layers = read_args(str(path)).num_layers
