@@ -295,3 +295,22 @@ async def test_queued_prefill_keeps_decode_waiting_and_drops_what_decode_dropped
         with pytest.raises(PrefillAborted, match="while queued"):
             await dropped
         assert_clean(c)
+
+
+async def test_a_qwen3_with_wide_heads_and_qk_norm_streams_exact_tokens(tmp_path):
+    """Qwen3's heads are wider than hidden / heads: the KV frames, the paged caches and the prefix
+    store are sized by the head, and the disaggregated tokens equal the monolithic ones and
+    transformers' own greedy run on the same weights."""
+    from tests.model.hf_fixtures import VOCAB, hf_greedy, save_qwen3
+    hf = save_qwen3(tmp_path, seed=7)
+    model = build_model(str(tmp_path))
+    assert model.args.head_dim * model.args.num_heads != model.args.dim and model.args.qk_norm
+    shared = [t % VOCAB for t in prompt(2 * BS, 21)]
+    prompts = [shared + [5, 6, 7], shared + [9, 10]]
+    async with cluster(model, block_size=BS, chunk=5) as c:
+        for i, toks in enumerate(prompts):
+            got, reason, err = await c.request(f"q{i}", toks, 6)
+            assert (reason, err) == ("length", None)
+            assert got == reference_greedy(model, toks, 6) == hf_greedy(hf, toks, 6)
+            await c.prefill.stage.drain_puts()
+        assert_clean(c)
