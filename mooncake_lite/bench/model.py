@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench import gpu_roofs
+from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.linear import PACK_PROBE_ROWS, linear, pack_weight
@@ -334,7 +335,8 @@ def run(args: argparse.Namespace) -> dict:
                     models[key] = bench_one(name, args, peak, bandwidth, bar, header_s[name], dtype, gpu)
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": bandwidth,
-                        "read_gbps": read, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+                        "read_gbps": read, "cpu_count": os.cpu_count(), "cpu": cpu_description(),
+                        "load_average_1m": os.getloadavg()[0],
                         "device": str(args.device), "gpu": gpu},
             "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
                          "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": args.dtype},
@@ -354,7 +356,7 @@ def render(res: dict) -> str:
     s = res["settings"]
     lines = [f"machine ({m.get('device', 'cpu')}): {m['threads']} threads, float32 matmul "
              f"{m['matmul_gflops']:.1f} GFLOP/s, copy {m['copy_gbps']:.1f} GB/s, read {m['read_gbps']:.1f} GB/s "
-             f"(load average {m['load_average_1m']:.1f} on {m['cpu_count']} CPUs)",
+             f"(load average {m['load_average_1m']:.1f}; {m.get('cpu') or str(m['cpu_count']) + ' CPUs'})",
              f"prefill {s['prompt_len']} tokens; decode with {s['context_len']} cached tokens per sequence"]
     if m.get("gpu"):
         lines.append(gpu_roofs.render_machine(m["gpu"]))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.scheduler import SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.config import SimConfig
@@ -91,7 +92,7 @@ def simulate(path: str, args: argparse.Namespace) -> dict:
             "requests_per_wall_s": round(n / res.wall_s) if res.wall_s else None,
             "requests_per_cpu_s": round(n / res.extra["cpu_s"]) if res.extra["cpu_s"] else None,
             "peak_rss_mb_before_run": round(rss_before), "peak_rss_mb": round(_peak_rss_mb()),
-            "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count(),
+            "load_average_1m": round(os.getloadavg()[0], 2), "num_cpus": os.cpu_count(), "cpu": cpu_description(),
             "target_s": TARGET_S, "summary": summary}
 
 
@@ -116,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     s = figures["summary"]
     print(f"sim-scale: {figures['num_requests']:,} requests on {args.prefill}P+{args.decode}D ({args.cost_model}, "
-          f"admission {args.admission}); load average {figures['load_average_1m']} on {figures['num_cpus']} CPUs")
+          f"admission {args.admission}); load average {figures['load_average_1m']} on {figures['cpu']}")
     print(f"  simulation: {figures['wall_s']} s wall, {figures['cpu_s']} s CPU — "
           f"{figures['requests_per_wall_s']:,} requests per wall-second "
           f"({figures['wall_s'] / TARGET_S * 1e6 / max(figures['num_requests'], 1):.2f}× the time a million "
