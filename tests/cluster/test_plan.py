@@ -203,3 +203,16 @@ def test_up_starts_prefills_shortest_first_unless_told_otherwise():
     told = UpOptions(launcher=LAUNCH, role_fields=fields, role_args={"prefill": ("--queue-order", "fifo")})
     prefill, _ = instance_specs(told, "http://c", ["h:1"])
     assert prefill.argv.count("--queue-order") == 1 and prefill.argv[-1] == "fifo"
+
+
+def test_up_dtype_goes_to_the_prefills_and_decodes_and_their_own_flag_wins():
+    from mooncake_lite.cluster.plan import kv_layout, role_setting
+    from mooncake_lite.cluster.up import build_parser, options_from
+    o = options_from(build_parser().parse_args(["--dtype", "bfloat16", "--decode-args", "--max-batch-size 4"]))
+    assert role_setting(o, "prefill", "dtype") == role_setting(o, "decode", "dtype") == "bfloat16"
+    assert role_setting(o, "store", "dtype") is None and role_setting(o, "conductor", "dtype") is None
+    assert kv_layout(o)[1] == "bfloat16"              # the stores are sized for bfloat16 blocks
+    mine = options_from(build_parser().parse_args(["--dtype", "bfloat16", "--prefill-args", "--dtype float32"]))
+    assert role_setting(mine, "prefill", "dtype") == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "int3"])
