@@ -53,14 +53,15 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
-def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int) -> tuple[int, ...]:
+def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int,
+              template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
     """The conversation in the checkpoint's own chat format. The rendered template already holds
     every special token the model expects (BOS included), so encoding adds none."""
     template = tokenizer.chat_template
     if template is None:
         return _encode(tokenizer, chat_prompt(messages), max_context)
     try:
-        text = template.render(messages, add_generation_prompt=True)
+        text = template.render(messages, add_generation_prompt=True, extra=template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     return _encode(tokenizer, text, max_context, add_special_tokens=False)
@@ -101,7 +102,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     if kind == "chat":
-        prompt_ids = _chat_ids(_messages(body), tokenizer, max_context)
+        prompt_ids = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
     else:
         prompt_ids = _prompt_ids(body, tokenizer, vocab_size, max_context)
     if not prompt_ids:
@@ -155,6 +156,28 @@ def _messages(body: dict) -> list[dict[str, str]]:
                               "messages")
         out.append({"role": m["role"], "content": _content(m.get("content"), i)})
     return out
+
+
+# Names a request's chat_template_kwargs may not set: the template's inputs the server decides.
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt"})
+
+
+def _template_kwargs(body: dict, tokenizer: Tokenizer) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (as vLLM and SGLang take it): more variables for the model's chat
+    template, e.g. ``{"enable_thinking": false}`` for Qwen3. Names must be identifiers and may not
+    replace the messages, the generation prompt or the checkpoint's special tokens."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    template = tokenizer.chat_template
+    specials = set(template.special_tokens) if template is not None else set()
+    for name in kwargs:
+        if not name.isidentifier() or name in TEMPLATE_RESERVED or name in specials:
+            raise bad_request(f"chat_template_kwargs may not set '{short(name)}': a template variable the "
+                              f"server sets, or not a name", "chat_template_kwargs")
+    return kwargs
 
 
 def _content(content: Any, i: int) -> str:

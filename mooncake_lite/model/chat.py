@@ -26,11 +26,14 @@ class ChatTemplate:
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._template = _environment().from_string(source)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """``extra``: more variables for the template (a request's ``chat_template_kwargs``, such
+        as Qwen3's ``enable_thinking``); they cannot replace the messages or a special token."""
         from jinja2 import TemplateError
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            return self._template.render(**(extra or {}), messages=messages,
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except ChatTemplateError:
             raise
         except TemplateError as exc:
