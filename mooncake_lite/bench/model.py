@@ -156,18 +156,20 @@ def usable_models(models: Sequence[str], *, drop_missing: bool) -> tuple[dict[st
 
 # --- model cost -------------------------------------------------------------------------------------
 def layer_matmul_params(a: ModelArgs) -> int:
-    kv = a.num_kv_heads * a.head_dim
-    return a.num_layers * (2 * a.dim * a.dim + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim   # q is wider than dim in Qwen3
+    return a.num_layers * (2 * a.dim * q + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
 
 
 def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
     """Useful FLOPs of a prefill from position 0; the head runs on the last position only."""
-    attention = 4 * a.num_layers * a.dim * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
+    q = a.num_heads * a.head_dim
+    attention = 4 * a.num_layers * q * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
     return 2 * layer_matmul_params(a) * num_tokens + attention + 2 * a.dim * a.vocab_size
 
 
 def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
-    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * a.dim * context_len
+    q = a.num_heads * a.head_dim
+    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * q * context_len
     return batch * per_token
 
 

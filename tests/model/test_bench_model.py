@@ -1,5 +1,6 @@
 """``mooncake bench model``: its FLOP accounting is right and it prints one JSON object."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mooncake_lite.bench import model as bench_model
 from mooncake_lite.bench.model import decode_flops, describe_model, main, parse_args, prefill_flops, weight_bytes
+from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.linear import PACK_GAIN
+from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import ModelNotInstalledError
 from mooncake_lite.model.weights import build_model
@@ -17,9 +20,14 @@ from tests.real_model import SMOLLM, needs_smollm
 BS = 8
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return ModelRunner(build_model("tiny"), num_blocks=32, block_size=BS)
+@pytest.fixture(scope="module", params=["tiny", "wide-heads"])
+def runner(request):
+    """The tiny preset, and the same with Qwen3's heads: wider than dim / heads, q/k normalised."""
+    if request.param == "tiny":
+        return ModelRunner(build_model("tiny"), num_blocks=32, block_size=BS)
+    tiny = ModelArgs.from_name("tiny")
+    args = dataclasses.replace(tiny, head_size=2 * tiny.head_dim, qk_norm=True)
+    return ModelRunner(Transformer(args).fuse_().eval(), num_blocks=32, block_size=BS)
 
 
 def matmul_flops_counted(fn) -> int:
@@ -32,7 +40,7 @@ def matmul_flops_counted(fn) -> int:
 
 
 def attention_flops(a, num_queries, keys_seen):
-    return 4 * a.num_layers * a.dim * num_queries * keys_seen  # QK^T and PV, 2 FLOPs per MAC
+    return 4 * a.num_layers * a.num_heads * a.head_dim * num_queries * keys_seen  # QK^T and PV, 2 FLOPs per MAC
 
 
 def test_decode_flops_match_torch_flop_counter(runner):
