@@ -209,21 +209,20 @@ def stored_block_bytes(cfg: Config) -> int:
 def pack_weights(model: Transformer, mode: str, chunk: int) -> None:
     """``--pack-weights``: pack the model's weights (``Transformer.pack_``) on, off, or ``auto``:
     where they measure at least ``PACK_GAIN`` times faster on this CPU (docs/model.md, "Prefill on
-    packed weights"); the log says what it chose and why."""
-    if mode == "off":
-        return
+    packed weights"). Every stage of a CPP group decides for its own slice. The log says what it
+    chose and why."""
+    gain, rows = None, min(chunk, PACK_PROBE_ROWS)
     if mode == "on":
         model.pack_()
-        if not model.packed:
-            log.info("prefill weights: plain (--pack-weights on, but nothing packs for this device and dtype)")
-        return
-    rows = min(chunk, PACK_PROBE_ROWS)
-    gain = model.pack_if_faster_(rows)
-    if gain is None:
-        log.info("prefill weights: plain (nothing packs for this device and dtype)")
+    elif mode == "auto":
+        gain = model.pack_if_faster_(rows)
+    if gain is not None:
+        why = f"packed products measured {gain:.2f}x the plain ones' speed at {rows} rows on this CPU"
+    elif mode != "off" and not model.packed:
+        why = f"--pack-weights {mode}, but nothing packs for this device and dtype"
     else:
-        log.info("prefill weights: %s (packed products measured %.2fx the plain ones' speed at %d rows on "
-                 "this CPU)", "oneDNN-packed" if model.packed else "plain", gain, rows)
+        why = f"--pack-weights {mode}"
+    log.info("prefill weights: %s (%s)", "oneDNN-packed" if model.packed else "plain", why)
 
 
 def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
