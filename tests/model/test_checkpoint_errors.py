@@ -106,6 +106,13 @@ def test_unsupported_or_invalid_config(ckpt, changes, message):
         read_args(str(ckpt))
 
 
+def test_a_head_dim_the_weights_do_not_have_fails_at_load_naming_the_tensor(ckpt):
+    edit_config(ckpt, head_dim=16)          # a valid shape on its own: wider heads than the weights'
+    assert read_args(str(ckpt)).head_dim == 16
+    with pytest.raises(CheckpointError, match=r"q_proj.weight' has shape \(48, 48\), config.json implies \(96, 48\)"):
+        load_checkpoint(str(ckpt))
+
+
 def test_sharded_checkpoint_missing_shard(tmp_path):
     save_qwen2(tmp_path)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

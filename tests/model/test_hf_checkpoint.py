@@ -37,11 +37,17 @@ def qwen3(tmp_path_factory):
     return path, save_qwen3(path, seed=3)
 
 
+@pytest.fixture(scope="module")
+def qwen3_usual_width(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3u")
+    return path, save_qwen3(path, seed=4, head_dim=8)
+
+
 def prompt(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3", "qwen3_usual_width"])
 def test_logits_match_hf_forward(which, request):
     path, hf = request.getfixturevalue(which)
     ours = load_checkpoint(str(path))
