@@ -1,8 +1,7 @@
 """The one line naming the CPU a benchmark ran on (``bench/host.py``)."""
 
-import os
-
 from mooncake_lite.bench.host import cpu_description
+from mooncake_lite.cluster.machine import usable_cpus
 
 ZEN5 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -19,11 +18,11 @@ model name\t: something else
 def test_a_cpu_is_named_by_its_first_processor(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text(ZEN5)
-    assert cpu_description(str(info)) == f"AMD EPYC (family 26, model 2), AVX-512 with BF16, {os.cpu_count()} CPUs"
+    assert cpu_description(str(info)) == f"AMD EPYC (family 26, model 2), AVX-512 with BF16, {len(usable_cpus())} CPUs"
     info.write_text("model name\t: Old Xeon\nflags\t\t: sse2 avx2\n")
-    assert cpu_description(str(info)) == f"Old Xeon, AVX2, {os.cpu_count()} CPUs"
+    assert cpu_description(str(info)) == f"Old Xeon, AVX2, {len(usable_cpus())} CPUs"
 
 
 def test_no_cpuinfo_still_names_something(tmp_path):
     text = cpu_description(str(tmp_path / "missing"))
-    assert text.endswith(f"{os.cpu_count()} CPUs") and len(text) > len(" CPUs") + 3
+    assert text.endswith(f"{len(usable_cpus())} CPUs") and len(text) > len(" CPUs") + 3

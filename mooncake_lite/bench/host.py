@@ -8,8 +8,9 @@ says which CPU made them, so a reader compares runs on one machine only.
 
 from __future__ import annotations
 
-import os
 import platform
+
+from mooncake_lite.cluster.machine import usable_cpus
 
 
 def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -32,5 +33,6 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
     parts = [name + (f" ({', '.join(ident).replace('cpu family', 'family')})" if ident else "")]
     if vector:
         parts.append(vector + (" with BF16" if "avx512_bf16" in flags or "amx_bf16" in flags else ""))
-    parts.append(f"{os.cpu_count()} CPUs")
+    parts.append(f"{len(usable_cpus())} CPUs")
     return ", ".join(parts)
+
