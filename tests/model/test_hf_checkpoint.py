@@ -19,28 +19,37 @@ ATOL = RTOL = 1e-4
 BS = 8
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    return path, save_llama(path, seed=1)
+# Each checkpoint written once per module: (its directory, the transformers model it came from).
+CHECKPOINTS = {"llama": (save_llama, {"seed": 1}), "qwen2": (save_qwen2, {"seed": 2}),
+               "qwen3": (save_qwen3, {"seed": 3}), "qwen3_usual_width": (save_qwen3, {"seed": 4, "head_dim": 8})}
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2")
-    return path, save_qwen2(path, seed=2)
+def saved(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            save, kw = CHECKPOINTS[name]
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, save(path, **kw))
+        return cache[name]
+    return get
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3")
-    return path, save_qwen3(path, seed=3)
+def llama(saved):
+    return saved("llama")
 
 
 @pytest.fixture(scope="module")
-def qwen3_usual_width(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3u")
-    return path, save_qwen3(path, seed=4, head_dim=8)
+def qwen2(saved):
+    return saved("qwen2")
+
+
+@pytest.fixture(scope="module")
+def qwen3(saved):
+    return saved("qwen3")
 
 
 def prompt(n, seed):
@@ -48,8 +57,8 @@ def prompt(n, seed):
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3", "qwen3_usual_width"])
-def test_logits_match_hf_forward(which, request):
-    path, hf = request.getfixturevalue(which)
+def test_logits_match_hf_forward(which, saved):
+    path, hf = saved(which)
     ours = load_checkpoint(str(path))
     toks = prompt(2 * BS + 5, 3)
     ref = hf_logits(hf, toks)
@@ -59,8 +68,8 @@ def test_logits_match_hf_forward(which, request):
 
 @pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("n, chunk", [(1, None), (BS, 3), (2 * BS + 3, BS)])
-def test_paged_greedy_matches_hf_generate(which, n, chunk, request):
-    path, hf = request.getfixturevalue(which)
+def test_paged_greedy_matches_hf_generate(which, n, chunk, saved):
+    path, hf = saved(which)
     ours = build_model(str(path))  # the path every role takes for a directory
     toks = prompt(n, 10 + n)
     runner = ModelRunner(ours, num_blocks=16, block_size=BS)
@@ -97,8 +106,8 @@ def test_qwen2_checkpoint_is_sharded_and_tied(qwen2):
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
-def test_pipeline_stages_load_only_their_layers(which, request):
-    path, hf = request.getfixturevalue(which)
+def test_pipeline_stages_load_only_their_layers(which, saved):
+    path, hf = saved(which)
     num_layers = read_args(str(path)).num_layers
     cut = (num_layers + 1) // 2
     s0 = load_checkpoint(str(path), layer_range=(0, cut))
