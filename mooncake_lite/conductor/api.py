@@ -26,6 +26,7 @@ from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.dispatch import Flight, Services
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.params import ApiRequest, parse_request
+from mooncake_lite.conductor.reasoning import ThinkSplitter, split_whole
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.conductor.text import TextStream
 from mooncake_lite.model.tokenizer import Tokenizer
@@ -52,6 +53,7 @@ class ApiState:
     created: int
     # Rewrites a body naming a cached context (conductor/contexts.py) before it is parsed.
     rewrite_body: Callable[[web.Request, object, str], object] | None = None
+    reasoning: bool = False        # --reasoning-parser think: chat answers' reasoning apart (reasoning.py)
     body_limit: int = field(init=False)   # the largest (decoded) body a request can need; 413 past it
 
     def __post_init__(self) -> None:
@@ -252,6 +254,7 @@ class _Run:
                  tenant: str = "default") -> None:
         self.st, self.req, self.flight, self.arrival, self.tenant = st, req, flight, arrival, tenant
         self.text = TextStream(st.tokenizer, req.stop)
+        self.thinking = ThinkSplitter(req.opens_reasoning) if st.reasoning and req.kind == "chat" else None
         self.created = int(time.time())
         self.outcome = "ok"
         self.is_text_stopped = False
@@ -309,8 +312,11 @@ class _Run:
         base = {"id": self.flight.request_id, "created": self.created, "model": self.req.model,
                 "usage": self._usage()}
         if self.req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            if self.thinking is not None:
+                reasoning, message["content"] = split_whole(text, self.req.opens_reasoning)
+                message["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             body = {**base, "object": "chat.completion", "choices": [choice]}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -331,15 +337,13 @@ class _Run:
         if self.req.kind == "chat":
             pending.append(_sse(self._chunk({"role": "assistant", "content": ""}, None)))
         try:
-            if first:
-                pending.append(_sse(self._chunk(first, None)))
+            pending += self._delta_chunks(first)
             # Token 1 goes out now, not with the next delta: that waits for decode's first step.
             if pending and not self.flight.has_pending:
                 await resp.write(b"".join(pending))
                 pending.clear()
             async for delta in deltas:
-                if delta:
-                    pending.append(_sse(self._chunk(delta, None)))
+                pending += self._delta_chunks(delta)
                 if pending and not self.flight.has_pending:
                     await resp.write(b"".join(pending))
                     pending.clear()
@@ -347,6 +351,8 @@ class _Run:
             self.outcome = "upstream_error"
             await resp.write_eof(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
             return resp
+        if self.thinking is not None:   # what it held back as a possible tag, now known
+            pending += self._delta_chunks(None)
         self._finish_metrics()
         pending.append(_sse(self._chunk(None, self.flight.finish_reason)))
         if self.req.include_usage:
@@ -354,6 +360,15 @@ class _Run:
         # The tail, [DONE] and the end of the chunked body in one write (one syscall).
         await resp.write_eof(b"".join(pending) + b"data: [DONE]\n\n")
         return resp
+
+    def _delta_chunks(self, delta: str | None) -> list[bytes]:
+        """The SSE chunks of one text delta: one of content, or with --reasoning-parser think
+        up to two (reasoning, then content); ``None``: the splitter's held-back end."""
+        if self.thinking is None:
+            return [_sse(self._chunk(delta, None))] if delta else []
+        reasoning, content = self.thinking.flush() if delta is None else self.thinking.feed(delta)
+        out = [_sse(self._chunk({"reasoning_content": reasoning}, None))] if reasoning else []
+        return out + ([_sse(self._chunk(content, None))] if content else [])
 
     def _chunk(self, delta: str | dict | None, finish_reason: str | None) -> dict:
         if self.req.kind == "chat":

@@ -70,7 +70,7 @@ def make_app(cfg: Config) -> web.Application:
                      cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
                      kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
         tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
-        max_context=args.max_seq_len, created=int(time.time()))
+        max_context=args.max_seq_len, created=int(time.time()), reasoning=cfg.reasoning_parser == "think")
     app[DRAIN] = drain.run    # serve_app runs it on SIGTERM before the listener closes; a 2nd signal hurries it
     _hot_replication(app, cfg)
     api.add_routes(app)

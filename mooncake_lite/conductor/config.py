@@ -79,6 +79,10 @@ class Config(RoleConfig):
                                      parse=parse_duration)
     kv_timeout: float = option(30.0, "how long decode waits for a request's KV to arrive", parse=parse_duration)
     seed: int = option(0, "seed of the random strategy")
+    reasoning_parser: str = option("none", "think: a chat answer's reasoning between <think> and </think> (Qwen3, "
+                                   "DeepSeek-R1 distills) goes to message.reasoning_content / "
+                                   "delta.reasoning_content, the rest to content; none: all of it is content",
+                                   choices=("none", "think"))
     context_quota: int = option(1 << 20, "most tokens of cached contexts (POST /v1/contexts) one tenant may "
                                 "hold pinned in the stores at once")
     context_ttl: float = option(3600.0, "a cached context's lifetime when its creator names none",

@@ -15,6 +15,7 @@ from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.conductor.errors import ApiError, bad_request, short
+from mooncake_lite.conductor.reasoning import opens_reasoning
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 
@@ -33,6 +34,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
+    opens_reasoning: bool = False  # the rendered chat prompt ends in "<think>" (conductor/reasoning.py)
 
 
 @dataclass(frozen=True)
@@ -54,17 +56,18 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
 
 
 def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int,
-              template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
-    """The conversation in the checkpoint's own chat format. The rendered template already holds
-    every special token the model expects (BOS included), so encoding adds none."""
+              template_kwargs: dict[str, Any] | None = None) -> tuple[tuple[int, ...], bool]:
+    """The conversation in the checkpoint's own chat format, and whether that format opened a
+    reasoning block for the answer (``reasoning.opens_reasoning``). The rendered template already
+    holds every special token the model expects (BOS included), so encoding adds none."""
     template = tokenizer.chat_template
     if template is None:
-        return _encode(tokenizer, chat_prompt(messages), max_context)
+        return _encode(tokenizer, chat_prompt(messages), max_context), False
     try:
         text = template.render(messages, add_generation_prompt=True, extra=template_kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    return _encode(tokenizer, text, max_context, add_special_tokens=False)
+    return _encode(tokenizer, text, max_context, add_special_tokens=False), opens_reasoning(text)
 
 
 def _encode(tokenizer: Tokenizer, text: str, max_context: int, add_special_tokens: bool = True) -> tuple[int, ...]:
@@ -101,8 +104,9 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
         raise bad_request("'model' is required and must be a string", "model")
     if model not in served:
         raise _unknown_model(model, served[0])
+    opened = False
     if kind == "chat":
-        prompt_ids = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
+        prompt_ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
     else:
         prompt_ids = _prompt_ids(body, tokenizer, vocab_size, max_context)
     if not prompt_ids:
@@ -135,7 +139,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
-    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids)
+    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened)
 
 
 def _unknown_model(model: str, served: str) -> ApiError:
