@@ -63,7 +63,8 @@ def args_from_meta(meta: GGUFMeta, name: str) -> ModelArgs:
         return value
     dim, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
     usual = dim // num_heads if num_heads else 0
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or usual)   # Qwen3's heads are wider
+    # heads wider than embedding_length / head_count: every small Qwen3, Mistral-NeMo
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or usual)
     _check_gguf_features(meta, arch, head_dim)
     try:
         return ModelArgs(dim=dim, num_layers=int(key("block_count")), num_heads=num_heads,
@@ -89,9 +90,6 @@ def _check_gguf_features(meta: GGUFMeta, arch: str, head_dim: int) -> None:
     value = meta.get(f"{arch}.attention.value_length")
     if value is not None and int(value) != head_dim:
         problems.append(f"{arch}.attention.value_length {value} (must equal the key length, {head_dim})")
-    if arch != "qwen3" and head_dim * int(meta.get(f"{arch}.attention.head_count") or 0) != \
-            int(meta.get(f"{arch}.embedding_length") or 0):
-        problems.append(f"{arch}.attention.key_length {head_dim} (must equal embedding_length/head_count)")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         problems.append(f"{arch}.rope.scaling.type {scaling!r}")

@@ -152,54 +152,59 @@ def test_a_corrupt_gguf_file_is_refused_clearly(tmp_path):
         model_args(str(bad))
 
 
-def _write_qwen3_gguf(path, hf) -> None:
-    """The weights of a transformers Qwen3 model as a float32 GGUF file, named and laid out as
-    llama.cpp's converter writes a qwen3 file (no q/k row reordering for this architecture)."""
+def _write_gguf(path, hf, arch: str) -> None:
+    """The weights of a transformers LLaMA or Qwen3 model as a float32 GGUF file, named and laid
+    out as llama.cpp's converter writes one: for ``llama`` the q/k rows of each head reordered
+    for interleaved-pair rotary embeddings (the loader undoes it), for ``qwen3`` as they are."""
     from gguf import GGUFWriter
     cfg = hf.config
-    w = GGUFWriter(str(path), "qwen3")
-    w.add_uint32("qwen3.embedding_length", cfg.hidden_size)
-    w.add_uint32("qwen3.block_count", cfg.num_hidden_layers)
-    w.add_uint32("qwen3.attention.head_count", cfg.num_attention_heads)
-    w.add_uint32("qwen3.attention.head_count_kv", cfg.num_key_value_heads)
-    w.add_uint32("qwen3.attention.key_length", cfg.head_dim)
-    w.add_uint32("qwen3.attention.value_length", cfg.head_dim)
-    w.add_uint32("qwen3.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32("qwen3.context_length", cfg.max_position_embeddings)
-    w.add_float32("qwen3.rope.freq_base", cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
-                  else cfg.rope_theta)
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_uint32("qwen3.vocab_size", cfg.vocab_size)
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
+    w = GGUFWriter(str(path), arch)
+    for key, value in (("embedding_length", cfg.hidden_size), ("block_count", cfg.num_hidden_layers),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("feed_forward_length", cfg.intermediate_size),
+                       ("context_length", cfg.max_position_embeddings), ("vocab_size", cfg.vocab_size)):
+        w.add_uint32(f"{arch}.{key}", value)
+    rope = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    w.add_float32(f"{arch}.rope.freq_base", rope)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     for name, p in hf.state_dict().items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue                                   # tied: the file has no output.weight
         parts = name.removeprefix("model.").removesuffix(".weight").split(".")
-        if parts[0] == "layers":
-            gname = f"blk.{parts[1]}.{names['.'.join(parts[2:])]}.weight"
-        else:
-            gname = f"{names[parts[0]]}.weight"
-        w.add_tensor(gname, p.detach().float().numpy())
+        local = ".".join(parts[2:]) if parts[0] == "layers" else parts[0]
+        gname = f"blk.{parts[1]}.{names[local]}.weight" if parts[0] == "layers" else f"{names[local]}.weight"
+        values = p.detach().float().numpy()
+        if arch == "llama" and local in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = cfg.num_attention_heads if local == "self_attn.q_proj" else cfg.num_key_value_heads
+            values = values.reshape(heads, 2, values.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(values.shape)
+        w.add_tensor(gname, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_a_qwen3_gguf_file_loads_and_matches_transformers(tmp_path):
-    from mooncake_lite.model.gguf_loader import load_gguf
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_wide_head_gguf_files_load_and_match_transformers(tmp_path, arch):
+    """Heads wider than embedding_length / head_count (the key length says so): a Qwen3 (q/k norm,
+    tied head) and a LLaMA with its own head_dim (as Mistral-NeMo; q/k rows permuted)."""
     from mooncake_lite.model.generate import full_recompute_logits
-    from tests.model.hf_fixtures import VOCAB, hf_logits, save_qwen3
-    hf = save_qwen3(tmp_path / "hf", seed=5)
-    path = tmp_path / "tiny-qwen3.gguf"
-    _write_qwen3_gguf(path, hf)
+    from mooncake_lite.model.gguf_loader import load_gguf
+    from tests.model.hf_fixtures import VOCAB, hf_logits, save_llama, save_qwen3
+    hf = save_qwen3(tmp_path / "hf", seed=5) if arch == "qwen3" else \
+        save_llama(tmp_path / "hf", seed=5, num_layers=2, head_dim=16)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, hf, arch)
     args = model_args(str(path))
-    assert (args.head_dim, args.num_heads, args.dim) == (16, 4, 32) and args.qk_norm and args.tie_embeddings
-    ours = load_gguf(str(path), "tiny-qwen3")
+    assert args.head_dim == 16 and args.head_dim * args.num_heads != args.dim
+    assert args.qk_norm == (arch == "qwen3") and args.tie_embeddings == (arch == "qwen3")
+    ours = load_gguf(str(path), f"tiny-{arch}")
     toks = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(6)).tolist()
     ref = hf_logits(hf, toks)
     assert ref.abs().max() > 1.0
