@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,6 +57,27 @@ def start_up(*args: str, env: dict | None = None, fake: bool = True) -> subproce
     return subprocess.Popen(up_command(*args, fake=fake), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+@contextlib.contextmanager
+def real_cluster(*args: str, ready_timeout: float = 400.0):
+    """``mooncake up`` on real roles with ``args`` (``--hash-seed``, set here, tags every child's
+    command line): yields the OpenAI base URL once the cluster is ready; on exit Ctrl-C, and
+    every child must be gone."""
+    tag = str(random.randrange(10**8, 10**9))
+    proc = start_up("--hash-seed", tag, *args, fake=False)
+    threading.Thread(target=lambda: list(proc.stderr), daemon=True).start()   # never block on logs
+    try:
+        banner = read_until(proc, "Ctrl-C stops every process", timeout=ready_timeout)
+        yield re.search(r"OpenAI-compatible API: (http://\S+/v1)", banner).group(1)
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert wait_gone(tag) == []
 
 
 def _read_lines_until(stream, name: str, needle: str, timeout: float) -> str:

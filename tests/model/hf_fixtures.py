@@ -59,16 +59,18 @@ def save_qwen2(path: Path, *, seed: int = 0, max_shard_size: str = "40KB"):
     return model
 
 
-def save_qwen3(path: Path, *, seed: int = 0, head_dim: int = 16):
+def save_qwen3(path: Path, *, seed: int = 0, head_dim: int = 16, **overrides):
     """A ``Qwen3ForCausalLM``: q/k RMS-normalised per head, no biases, tied embeddings; by default
     heads wider than hidden_size / num_attention_heads (as Qwen3-0.6B's 16 x 128 on a 1024-wide
-    model; 8B's and 14B's are the usual width: ``head_dim=8`` here)."""
+    model; 8B's and 14B's are the usual width: ``head_dim=8`` here); ``overrides`` may replace any
+    config value."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=head_dim, vocab_size=VOCAB, max_position_embeddings=256,
-                      rope_theta=30000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    shape = dict(hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=head_dim, vocab_size=VOCAB, max_position_embeddings=256,
+                 rope_theta=30000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen3Config(**(shape | overrides))
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
     _decisive_init(model, seed)

@@ -4,15 +4,12 @@ the same GGUF token for token, and a second chat turn reuses the first turn's KV
 
 from __future__ import annotations
 
-import random
-import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster.helpers import read_until, start_up, wait_gone
+from tests.cluster.helpers import real_cluster
 from tests.real_model import SMOLLM, hf_chat_ids, hf_greedy, hf_tokenizer, needs_smollm
 
 openai = pytest.importorskip("openai")
@@ -56,22 +53,8 @@ DOCUMENT = (
 @pytest.fixture(scope="module")
 def api():
     """``mooncake up`` exactly as a user runs it: default model, block size and admission."""
-    tag = str(random.randrange(10**8, 10**9))   # on every child's command line: finds leftovers
-    proc = start_up("--hash-seed", tag, fake=False)
-    errors: list[str] = []
-    drain = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)   # never block on logs
-    drain.start()
-    try:
-        banner = read_until(proc, "Ctrl-C stops every process", timeout=400)
-        yield re.search(r"OpenAI-compatible API: (http://\S+/v1)", banner).group(1)
-    finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert wait_gone(tag) == []
+    with real_cluster() as url:
+        yield url
 
 
 def _chat(client, messages: list[dict], max_tokens: int = MAX_TOKENS):
