@@ -162,23 +162,20 @@ def _messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-# Names a request's chat_template_kwargs may not set: the template's inputs the server decides.
-TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt"})
-
-
 def _template_kwargs(body: dict, tokenizer: Tokenizer) -> dict[str, Any] | None:
     """``chat_template_kwargs`` (as vLLM and SGLang take it): more variables for the model's chat
     template, e.g. ``{"enable_thinking": false}`` for Qwen3. Names must be identifiers and may not
-    replace the messages, the generation prompt or the checkpoint's special tokens."""
+    be one the server sets (``ChatTemplate.reserved``: the messages, the generation prompt, the
+    special tokens, the template's functions)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return None
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     template = tokenizer.chat_template
-    specials = set(template.special_tokens) if template is not None else set()
+    reserved = template.reserved() if template is not None else frozenset()
     for name in kwargs:
-        if not name.isidentifier() or name in TEMPLATE_RESERVED or name in specials:
+        if not name.isidentifier() or name in reserved:
             raise bad_request(f"chat_template_kwargs may not set '{short(name)}': a template variable the "
                               f"server sets, or not a name", "chat_template_kwargs")
     return kwargs

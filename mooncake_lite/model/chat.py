@@ -16,6 +16,11 @@ from datetime import datetime
 from typing import Any
 
 
+# The special-token variables templates are written against (HF's names).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+                       "unknown_token", "padding_token")
+
+
 class ChatTemplateError(ValueError):
     """The template refused the conversation (its ``raise_exception``) or failed to render."""
 
@@ -29,15 +34,25 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                extra: dict[str, Any] | None = None) -> str:
         """``extra``: more variables for the template (a request's ``chat_template_kwargs``, such
-        as Qwen3's ``enable_thinking``); they cannot replace the messages or a special token."""
+        as Qwen3's ``enable_thinking``); the caller keeps them off :meth:`reserved` names, and
+        the messages, the generation prompt and the special tokens win over them regardless."""
         from jinja2 import TemplateError
+        variables = {**(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     **self.special_tokens}
         try:
-            return self._template.render(**(extra or {}), messages=messages,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            return self._template.render(variables)   # one dict: no name can clash with render's own
         except ChatTemplateError:
             raise
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # a template fed values it did not expect fails in Python's terms too: still a bad request
             raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
+
+    def reserved(self) -> frozenset[str]:
+        """Names a request's variables may not set: what the server passes, the special tokens
+        (whether or not this checkpoint has each) and the environment's functions (``namespace``,
+        ``raise_exception``: a template calling one would fail on a client's value)."""
+        return frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKEN_NAMES, *self.special_tokens,
+                          *_environment().globals})
 
 
 def _raise_exception(message: str) -> None:

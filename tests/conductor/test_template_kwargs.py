@@ -38,8 +38,20 @@ def test_template_kwargs_reach_the_template():
 
 
 @pytest.mark.parametrize("kwargs", [{"messages": []}, {"add_generation_prompt": False}, {"bos_token": "X"},
+                                    {"eos_token": "X"},             # a special token this checkpoint lacks
+                                    {"namespace": 1}, {"raise_exception": 1}, {"range": 1},   # its functions
                                     {"not a name": 1}, ["enable_thinking"], "enable_thinking=false"])
 def test_what_the_server_sets_or_not_an_object_is_refused(kwargs):
     with pytest.raises(ApiError) as err:
         rendered(chat_template_kwargs=kwargs)
     assert err.value.status == 400 and err.value.param == "chat_template_kwargs"
+
+
+def test_a_name_render_itself_takes_or_a_value_the_template_fails_on_is_not_a_500():
+    assert rendered(chat_template_kwargs={"self": 1}) == rendered()     # passed as data, never as an argument
+    failing = TemplatedTokenizer.chat_template.__class__("{{ messages | length + enable_thinking }}", {})
+    tok = type("T", (ByteTokenizer,), {"chat_template": failing})(320)
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": "x"}}
+    with pytest.raises(ApiError) as err:                                 # int + str inside the template
+        parse_request(body, "chat", served=("m",), tokenizer=tok, vocab_size=320, max_context=512)
+    assert err.value.status == 400 and "chat template failed" in err.value.message
