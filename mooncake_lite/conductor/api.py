@@ -313,9 +313,9 @@ class _Run:
                 "usage": self._usage()}
         if self.req.kind == "chat":
             message = {"role": "assistant", "content": text}
-            if self.thinking is not None:
-                reasoning, message["content"] = split_whole(text, self.req.opens_reasoning)
-                message["reasoning_content"] = reasoning
+            if self.thinking is not None:   # as vLLM: null for a part the answer does not have
+                reasoning, content = split_whole(text, self.req.opens_reasoning)
+                message["content"], message["reasoning_content"] = content or None, reasoning
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             body = {**base, "object": "chat.completion", "choices": [choice]}
         else:
@@ -349,6 +349,8 @@ class _Run:
                     pending.clear()
         except ApiError as exc:
             self.outcome = "upstream_error"
+            if self.thinking is not None:   # what it held back goes out before the error
+                pending += self._delta_chunks(None)
             await resp.write_eof(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
             return resp
         if self.thinking is not None:   # what it held back as a possible tag, now known

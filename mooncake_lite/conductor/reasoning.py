@@ -36,19 +36,22 @@ class ThinkSplitter:
     """``feed(delta) -> (reasoning, content)`` deltas; ``flush()`` the same at the end."""
 
     def __init__(self, opened: bool = False) -> None:
-        self.state = "reasoning" if opened else "start"   # start: the first non-blank text decides
+        self.opened = opened              # the prompt opened the block: the answer starts inside it
+        self.state = "start"              # the first non-blank text decides
         self.held = ""                    # text that may still turn out to be (part of) a tag
-        self._after_tag = opened          # newlines right after a tag belong to neither part
+        self._after_tag = False           # newlines right after a tag belong to neither part
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.held += delta
         reasoning, content = "", ""
         if self.state == "start":
             begun = self.held.lstrip()
-            if begun.startswith(OPEN):
+            if begun.startswith(OPEN):    # the model's own tag (an R1 distill may repeat the prompt's)
                 self.held, self.state, self._after_tag = begun[len(OPEN):], "reasoning", True
             elif OPEN.startswith(begun):
                 return "", ""             # blank so far, or a beginning of "<think>"
+            elif self.opened:
+                self.state, self._after_tag = "reasoning", True
             else:
                 self.state = "content"    # no reasoning in this answer
         if self.state == "reasoning":
@@ -65,9 +68,11 @@ class ThinkSplitter:
         return reasoning, content
 
     def flush(self) -> tuple[str, str]:
-        """The end of the output: held text is what it is (an unfinished reasoning stays reasoning)."""
+        """The end of the output: held text is what it is (an unfinished reasoning stays reasoning,
+        as vLLM's R1 parser has it; its Qwen3 parser would call it content)."""
         held, self.held = self.held, ""
-        return (held, "") if self.state == "reasoning" else ("", held)
+        inside = self.state == "reasoning" or (self.state == "start" and self.opened)
+        return (held, "") if inside else ("", held)
 
     def _skip_newlines(self) -> None:
         if self._after_tag:

@@ -22,22 +22,34 @@ ANSWERS = {   # output -> (reasoning, content), the output starting as the model
 }
 
 
-@pytest.mark.parametrize("output", ANSWERS)
-def test_whole_and_streamed_in_any_cut_agree(output):
-    assert split_whole(output) == ANSWERS[output]
+# The prompt already opened the block (an R1-distill template): the answer starts inside it.
+OPENED = {
+    "Let me see.\n</think>\n\n42": ("Let me see.\n", "42"),
+    "<think>\nhm\n</think>\n\nok": ("hm\n", "ok"),               # the model repeats the prompt's tag
+    "no closing tag": ("no closing tag", ""),
+    "\n\n</think>\n\nA": (None, "A"),
+}
+
+
+def _streamed(output: str, size: int, opened: bool) -> tuple[str | None, str]:
+    splitter, reasoning, content = ThinkSplitter(opened), "", ""
+    for i in range(0, len(output), size):
+        r, c = splitter.feed(output[i:i + size])
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.flush()
+    return (reasoning + r) or None, content + c
+
+
+@pytest.mark.parametrize("output, opened", [(o, False) for o in ANSWERS] + [(o, True) for o in OPENED])
+def test_whole_and_streamed_in_any_cut_agree(output, opened):
+    want = (OPENED if opened else ANSWERS)[output]
+    assert split_whole(output, opened) == want
     for size in range(1, len(output) + 1):        # every delta size: tags cut at every point
-        splitter, reasoning, content = ThinkSplitter(), "", ""
-        for i in range(0, len(output), size):
-            r, c = splitter.feed(output[i:i + size])
-            reasoning, content = reasoning + r, content + c
-        r, c = splitter.flush()
-        assert ((reasoning + r) or None, content + c) == ANSWERS[output], size
+        assert _streamed(output, size, opened) == want, size
 
 
-def test_a_template_that_opens_the_block_starts_the_answer_inside_it():
+def test_a_template_that_opens_the_block_is_recognised():
     assert opens_reasoning("<|Assistant|><think>\n") and not opens_reasoning("<|assistant|>\n")
-    assert split_whole("Let me see.\n</think>\n\n42", opened=True) == ("Let me see.\n", "42")
-    assert split_whole("no closing tag", opened=True) == ("no closing tag", "")
 
 
 TOK = ByteTokenizer(320)
@@ -66,6 +78,9 @@ async def test_the_api_sends_reasoning_apart_whole_and_streamed(make_cluster, sc
     out = await c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=scripted)
     message = out.choices[0].message.model_dump()
     assert (message["reasoning_content"], message["content"]) == ("hmm\n", "ok")
+    inside = len(TOK.encode("<think>\nh"))                     # cut by max_tokens inside the block
+    cut = await c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=inside)
+    assert (cut.choices[0].message.model_dump()["reasoning_content"], cut.choices[0].message.content) == ("h", None)
     assert out.usage.completion_tokens == scripted            # every token counted, tags included
     stream = await c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=scripted, stream=True)
     reasoning, content = "", ""
