@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -66,9 +67,13 @@ def real_cluster(*args: str, ready_timeout: float = 400.0):
     every child must be gone."""
     tag = str(random.randrange(10**8, 10**9))
     proc = start_up("--hash-seed", tag, *args, fake=False)
-    threading.Thread(target=lambda: list(proc.stderr), daemon=True).start()   # never block on logs
+    logs: collections.deque[str] = collections.deque(maxlen=40)   # the roles' last words, for a failed start
+    threading.Thread(target=lambda: logs.extend(proc.stderr), daemon=True).start()   # never block on logs
     try:
-        banner = read_until(proc, "Ctrl-C stops every process", timeout=ready_timeout)
+        try:
+            banner = read_until(proc, "Ctrl-C stops every process", timeout=ready_timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nlast lines of its stderr:\n{''.join(logs)}") from None
         yield re.search(r"OpenAI-compatible API: (http://\S+/v1)", banner).group(1)
     finally:
         proc.send_signal(2)
