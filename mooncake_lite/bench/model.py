@@ -156,20 +156,18 @@ def usable_models(models: Sequence[str], *, drop_missing: bool) -> tuple[dict[st
 
 # --- model cost -------------------------------------------------------------------------------------
 def layer_matmul_params(a: ModelArgs) -> int:
-    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim   # q is wider than dim in Qwen3
-    return a.num_layers * (2 * a.dim * q + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    kv = a.num_kv_heads * a.head_dim
+    return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
 
 
 def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
     """Useful FLOPs of a prefill from position 0; the head runs on the last position only."""
-    q = a.num_heads * a.head_dim
-    attention = 4 * a.num_layers * q * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
+    attention = 4 * a.num_layers * a.q_width * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
     return 2 * layer_matmul_params(a) * num_tokens + attention + 2 * a.dim * a.vocab_size
 
 
 def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
-    q = a.num_heads * a.head_dim
-    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * q * context_len
+    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * a.q_width * context_len
     return batch * per_token
 
 
@@ -208,7 +206,7 @@ def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float:
     a = model.args
     param = next(model.parameters())
     x, attn, ffn = (torch.randn(rows, width, device=param.device, dtype=param.dtype)
-                    for width in (a.dim, a.num_heads * a.head_dim, a.ffn_dim))
+                    for width in (a.dim, a.q_width, a.ffn_dim))
 
     def step() -> None:
         for block in model.layers.values():

@@ -28,10 +28,10 @@ COST_KEYS = ("prefill", "decode", "bandwidth_bytes_per_s")
 def default_costs(args: ModelArgs, kv_bytes_per_token: int, flops_per_s: float = 50e9,
                   bandwidth_bytes_per_s: float = 2e9, overhead_s: float = 0.005) -> CostModels:
     """Shape-derived defaults: linear cost 2·params FLOPs per token, attention
-    4·layers·heads·head_dim FLOPs per (query, key) pair, a fixed per-call overhead. ``bandwidth_bytes_per_s``
+    4·layers·q_width FLOPs per (query, key) pair, a fixed per-call overhead. ``bandwidth_bytes_per_s``
     is only the prior: each store pair's measured speed replaces it (``links``, fed by dispatch)."""
     per_token = 2.0 * args.num_params() / flops_per_s
-    per_pair = 4.0 * args.num_layers * args.num_heads * args.head_dim / flops_per_s   # q width: dim but in Qwen3
+    per_pair = 4.0 * args.num_layers * args.q_width / flops_per_s
     prefill = PrefillCostModel(c0=overhead_s, c1=per_token, c2=per_pair, c3=0.0)
     # A decode step reads the weights once per step, then pays per sequence and per cached token.
     decode = DecodeCostModel(c0=overhead_s + per_token, c1=per_token, c2=per_pair)

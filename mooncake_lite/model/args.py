@@ -68,6 +68,11 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.dim // self.num_heads
 
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention output): ``dim``, but wider in a Qwen3."""
+        return self.num_heads * self.head_dim
+
     def kv_bytes_per_token(self, dtype: "torch.dtype | str") -> int:
         """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
@@ -76,8 +81,7 @@ class ModelArgs:
         return block_size * self.kv_bytes_per_token(dtype)
 
     def num_params(self) -> int:
-        q_width = self.num_heads * self.head_dim
-        attn = self.dim * q_width * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
+        attn = self.dim * self.q_width * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
         attn += 2 * self.head_dim if self.qk_norm else 0
         per_layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
