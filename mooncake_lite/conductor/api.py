@@ -349,12 +349,10 @@ class _Run:
                     pending.clear()
         except ApiError as exc:
             self.outcome = "upstream_error"
-            if self.thinking is not None:   # what it held back goes out before the error
-                pending += self._delta_chunks(None)
+            pending += self._delta_chunks(None)   # what the reasoning split held back goes out first
             await resp.write_eof(b"".join(pending) + _sse(exc.body()) + b"data: [DONE]\n\n")
             return resp
-        if self.thinking is not None:   # what it held back as a possible tag, now known
-            pending += self._delta_chunks(None)
+        pending += self._delta_chunks(None)   # what the reasoning split held back as a possible tag
         self._finish_metrics()
         pending.append(_sse(self._chunk(None, self.flight.finish_reason)))
         if self.req.include_usage:
