@@ -49,7 +49,7 @@ def test_what_the_server_sets_or_not_an_object_is_refused(kwargs):
 
 def test_a_name_render_itself_takes_or_a_value_the_template_fails_on_is_not_a_500():
     assert rendered(chat_template_kwargs={"self": 1}) == rendered()     # passed as data, never as an argument
-    failing = TemplatedTokenizer.chat_template.__class__("{{ messages | length + enable_thinking }}", {})
+    failing = ChatTemplate("{{ messages | length + enable_thinking }}", {})
     tok = type("T", (ByteTokenizer,), {"chat_template": failing})(320)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": "x"}}
     with pytest.raises(ApiError) as err:                                 # int + str inside the template
