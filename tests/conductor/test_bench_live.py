@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake_lite.bench import conductor_live
+from mooncake_lite.bench.conductor import live as conductor_live
 from mooncake_lite.common.protocol import Register, dumps
 
 

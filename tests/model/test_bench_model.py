@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mooncake_lite.bench import model as bench_model
-from mooncake_lite.bench.model import decode_flops, describe_model, main, parse_args, prefill_flops, weight_bytes
+from mooncake_lite.bench.model import cli as bench_model
+from mooncake_lite.bench.model.cli import decode_flops, describe_model, main, parse_args, prefill_flops, weight_bytes
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.linear import PACK_GAIN
 from mooncake_lite.model.llama import Transformer

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels import timing
-from mooncake_lite.bench import gpu_roofs
-from mooncake_lite.bench import model as bench_model
+from mooncake_lite.bench.model import gpu_roofs
+from mooncake_lite.bench.model import cli as bench_model
 from mooncake_lite.instance import profile
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
@@ -122,7 +122,7 @@ def test_bench_model_on_cuda_prints_roofs(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_bench_pd_device_cuda_refused_without_a_gpu(capsys):
-    from mooncake_lite.bench import pd
+    from mooncake_lite.bench.pd import cli as pd
     with pytest.raises(SystemExit):
         pd.parse_args(["--device", "cuda"])
     assert "no CUDA device" in capsys.readouterr().err

@@ -7,7 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from mooncake_lite.bench import pd, store
+from mooncake_lite.bench.pd import cli as pd
+from mooncake_lite.bench.store import cli as store
 from mooncake_lite.cluster import netns
 from tests.netns.conftest import needs_netns
 

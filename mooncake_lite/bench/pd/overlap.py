@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import torch
 
-from mooncake_lite.bench.pd_roles import BLOCK, announce
+from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.model.runner import ModelRunner

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from mooncake_lite.bench.link import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker, share,
+from mooncake_lite.bench.link.measure import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker, share,
                                       sink_on, socket_stream)
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes

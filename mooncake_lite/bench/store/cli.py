@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from mooncake_lite.bench.store_limits import (memcpy_cold_gbps, memcpy_gbps, process_cpu, socket_gbps,
+from mooncake_lite.bench.store.limits import (memcpy_cold_gbps, memcpy_gbps, process_cpu, socket_gbps,
                                               socket_sender)
 from mooncake_lite.common.launch import RoleProcess, to_stderr
 from mooncake_lite.common.units import format_size, parse_size
@@ -180,7 +180,7 @@ def working_blocks(num_slots: int) -> int:
 def bench_size(size: int, args: argparse.Namespace) -> dict:
     """Rounds alternate raw limits and store figures, so load changes hit both alike."""
     import uvloop
-    from mooncake_lite.bench import store_floor
+    from mooncake_lite.bench.store import floor as store_floor
     raw: dict[str, list[float]] = {"memcpy": [], "memcpy_cold_read": [], "memcpy_cold_write": [], "socket": [],
                                    "socket_cpu": [], "socket_arena": []}
     floors: list[dict[str, float]] = []
@@ -216,7 +216,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write("mooncake bench store: --repeat must be >= 1 and sizes >= 64 bytes\n")
         return 2
     if args.link:
-        from mooncake_lite.bench import link_store
+        from mooncake_lite.bench.link import store as link_store
         return link_store.store_main(sizes, args)
     report = measure(sizes, args)
     if args.json:

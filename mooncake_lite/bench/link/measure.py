@@ -1,7 +1,8 @@
 """Benchmarks across a shaped link (issue #16 item 7): ``mooncake bench store --link RATE`` and
 ``mooncake bench pd --link RATE``, each between two nodes on this box (``cluster/netns.py``):
 what both share, the measuring (link share, the qdisc's own byte counts), the workers' entry
-point and a plain-socket peer; the two benchmarks are ``link_store.py`` and ``link_pd.py``.
+point's parent side; the two benchmarks are ``store.py`` and ``pd.py``, the entry point run inside a
+node ``worker.py``.
 
 Both put the role under test on one node and its peer's code in a worker process (on uvloop, as
 the roles run) on another, so every byte crosses the nodes' veth links shaped to RATE (a ``tbf``
@@ -29,7 +30,7 @@ import orjson
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link
 
-WORKER = (sys.executable, "-m", "mooncake_lite.bench.link")
+WORKER = (sys.executable, "-m", "mooncake_lite.bench.link.worker")  # worker.py, run inside a node
 PAYLOAD_PER_FRAME = 1448 / 1514    # TCP payload / Ethernet frame at MTU 1500 with timestamps
 HIDDEN_GOAL, SHARE_GOAL = 0.8, 0.9
 SINK_PORT = 9100
@@ -84,7 +85,7 @@ class Wire:
         return row
 
 
-# ---- workers: run inside a node, print one JSON object ------------------------------------------
+# ---- the parent's side of the workers (worker.py runs inside a node, prints one JSON object) ----
 def run_worker(node: netns.Node, kind: str, spec: dict, timeout: float) -> dict:
     """``kind`` (store-client / pd) inside ``node``; its JSON answer (its stderr relayed)."""
     proc = subprocess.run(node.argv([*WORKER, kind, orjson.dumps(spec).decode()]), capture_output=True,
@@ -93,20 +94,6 @@ def run_worker(node: netns.Node, kind: str, spec: dict, timeout: float) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"bench worker {kind} on {node.name} exited with code {proc.returncode}")
     return orjson.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def socket_sink(host: str, port: int) -> int:
-    """Accept connections forever; read each to EOF, answer the byte count (8 bytes LE)."""
-    buf = memoryview(bytearray(1 << 20))
-    with socket.create_server((host, port)) as server:
-        print("listening", flush=True)
-        while True:
-            conn, _ = server.accept()
-            with conn:
-                n = 0
-                while got := conn.recv_into(buf):
-                    n += got
-                conn.sendall(n.to_bytes(8, "little"))
 
 
 def socket_stream(host: str, port: int, size: int, count: int, wire: list) -> dict:
@@ -143,23 +130,3 @@ def refused(prog: str, texts: Sequence[str]) -> list[Link] | None:
         sys.stderr.write(f"{prog}: {reason}\n")
         return None
     return parse_links(texts)
-
-
-def main(argv: Sequence[str]) -> int:
-    """Worker entry points, run inside a node: ``sink HOST PORT``, ``store-client JSON``, ``pd JSON``."""
-    kind, *rest = argv
-    if kind == "sink":
-        return socket_sink(rest[0], int(rest[1]))
-    spec = orjson.loads(rest[0])
-    import uvloop    # the roles' event loop (common/service.py): per-frame costs as the prefill has them
-    if kind == "store-client":
-        from mooncake_lite.bench.link_store import store_client as work
-    else:
-        from mooncake_lite.bench.link_pd import pd_worker as work
-    out = uvloop.run(work(spec))
-    sys.stdout.write(orjson.dumps(out).decode() + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

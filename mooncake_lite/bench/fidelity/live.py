@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from mooncake_lite.bench.fidelity_report import Side
+from mooncake_lite.bench.fidelity.report import Side
 
 
 
@@ -41,7 +41,7 @@ def server_tokens(record) -> int:
 
 
 def start_cluster(ns: argparse.Namespace):
-    from mooncake_lite.bench.chaos import Cluster
+    from mooncake_lite.bench.chaos.cli import Cluster
     args = ["--model", ns.model, "--prefill", str(ns.prefill), "--decode", str(ns.decode),
             "--block-size", str(ns.block_tokens)]
     conductor = ["--admission", ns.admission, "--ttft-slo-factor", str(ns.ttft_slo_factor),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.timing import timed
-from mooncake_lite.bench.pd_roles import BLOCK, announce
+from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.instance.profile import profile_prefill

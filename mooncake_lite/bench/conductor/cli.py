@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import orjson
 
-from mooncake_lite.bench import conductor_live, conductor_steady
+from mooncake_lite.bench.conductor import live as conductor_live
+from mooncake_lite.bench.conductor import steady as conductor_steady
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel,
                                      DecodeInstanceState, DecodingRequest, FromScratch, IncomingRequest,
                                      PrefillCostModel, PrefillInstanceState, QueuedPrefill,

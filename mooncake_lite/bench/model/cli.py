@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.timing import best_seconds, run_times, timed
-from mooncake_lite.bench import gpu_roofs
+from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.model.args import DTYPES, ModelArgs
 from mooncake_lite.model.kv_cache import blocks_needed

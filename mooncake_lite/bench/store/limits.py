@@ -87,7 +87,7 @@ def socket_gbps(size: int, total: int, arena_bytes: int = 0) -> tuple[float, flo
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        sender = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store", "--socket-sender",
+        sender = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store.cli", "--socket-sender",
                                    f"127.0.0.1:{port}", str(size), str(count)])
         conn, _ = listener.accept()
     num_bufs = max(1, arena_bytes // size)

@@ -9,8 +9,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from mooncake_lite.bench.fidelity_live import server_tokens
-from mooncake_lite.bench.fidelity_report import Side
+from mooncake_lite.bench.fidelity.live import server_tokens
+from mooncake_lite.bench.fidelity.report import Side
 from mooncake_lite.trace.format import TraceRequest
 
 

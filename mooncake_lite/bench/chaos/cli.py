@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import orjson
 
-from mooncake_lite.bench.chaos_load import Load, phase_figures
+from mooncake_lite.bench.chaos.load import Load, phase_figures
 from mooncake_lite.cluster.health import missing_instances
 from mooncake_lite.model.source import DEFAULT_MODEL
 

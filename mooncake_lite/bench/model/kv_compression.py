@@ -52,7 +52,7 @@ QUESTIONS = (
     "How many days are in a leap year?", "What is the main idea above?", "Continue the text above.",
     "Name one word from the text above.", "Is the text above code or prose?",
 )
-TRACE = Path(__file__).resolve().parents[3] / "shared/traces/conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[4] / "shared/traces/conversation_trace.jsonl"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

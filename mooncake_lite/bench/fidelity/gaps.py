@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from mooncake_lite.bench.fidelity_live import server_tokens, token_gaps
-from mooncake_lite.bench.fidelity_report import Side, rel_error
+from mooncake_lite.bench.fidelity.live import server_tokens, token_gaps
+from mooncake_lite.bench.fidelity.report import Side, rel_error
 
 
 

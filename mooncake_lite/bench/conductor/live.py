@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
                                   "--admission", "none", "--log-level", "warning")
     instances = None
     try:
-        instances = RoleProcess.launch([sys.executable, "-m", "mooncake_lite.bench.conductor_live",
+        instances = RoleProcess.launch([sys.executable, "-m", "mooncake_lite.bench.conductor.live",
                                         "serve-instances", conductor.url()], name="bench instances")
         return asyncio.run(_measure(args, conductor.url(), instances.addresses["http"]))
     finally:
@@ -208,5 +208,5 @@ if __name__ == "__main__":
         except ImportError:
             asyncio.run(_serve_instances(sys.argv[2]))
     else:
-        sys.stderr.write("usage: python -m mooncake_lite.bench.conductor_live serve-instances CONDUCTOR_URL\n")
+        sys.stderr.write("usage: python -m mooncake_lite.bench.conductor.live serve-instances CONDUCTOR_URL\n")
         sys.exit(2)

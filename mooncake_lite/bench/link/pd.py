@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from mooncake_lite.bench.link import (HIDDEN_GOAL, PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused,
+from mooncake_lite.bench.link.measure import (HIDDEN_GOAL, PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused,
                                       run_worker, share, sink_on, socket_stream)
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes
@@ -34,7 +34,7 @@ KV_TARGET_BYTES = 40_000_000      # a default prompt's KV: tens of MB, ~0.3 s at
 
 def link_prompt_len(name: str) -> int:
     """Tokens whose float32 KV is about KV_TARGET_BYTES (whole blocks), within the model's context."""
-    from mooncake_lite.bench.pd_roles import BLOCK
+    from mooncake_lite.bench.pd.roles import BLOCK
     from mooncake_lite.model.weights import model_args
     args = model_args(name)
     n = math.ceil(KV_TARGET_BYTES / args.kv_bytes_per_token("float32") / BLOCK) * BLOCK
@@ -64,7 +64,7 @@ def pd_main(a) -> int:
 
 def run_pd(name: str, n: int, links: Sequence[Link], a) -> dict:
     """A decode on node2, the prefill worker on node1; the worker measures and re-shapes."""
-    from mooncake_lite.bench.pd_roles import BLOCK
+    from mooncake_lite.bench.pd.roles import BLOCK
     with Nodes.create(2, links[0]) as nodes:
         prefill_node, decode_node = nodes[0], nodes[1]
         decode = nodes.start(decode_node, "decode", [
@@ -99,15 +99,15 @@ async def pd_worker(spec: dict) -> dict:
     import aiohttp
     import torch
 
-    from mooncake_lite.bench.pd_overlap import NullSender, ThenSendSender, prefill_once
-    from mooncake_lite.bench.pd_roles import BLOCK, announce
+    from mooncake_lite.bench.pd.overlap import NullSender, ThenSendSender, prefill_once
+    from mooncake_lite.bench.pd.roles import BLOCK, announce
     from mooncake_lite.model.runner import ModelRunner
     from mooncake_lite.model.weights import build_model
     from mooncake_lite.prefill.engine import StageEngine
     from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
     from mooncake_lite.prefill.store_io import MemoryStore
 
-    from mooncake_lite.bench.store_limits import process_cpu
+    from mooncake_lite.bench.store.limits import process_cpu
 
     class TimedThenSend(ThenSendSender):
         """Compute, then send; with the CPU seconds each end spends on the tail, the stream alone."""

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import torch
 
-from mooncake_lite.bench.pd_roles import BLOCK, announce, start_role
+from mooncake_lite.bench.pd.roles import BLOCK, announce, start_role
 from mooncake_lite.common.launch import RoleProcess
 
 

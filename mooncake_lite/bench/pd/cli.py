@@ -40,11 +40,11 @@ from collections.abc import Sequence
 import orjson
 import torch
 
-from mooncake_lite.bench.model import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
-from mooncake_lite.bench.pd_burst import bench_burst
-from mooncake_lite.bench.pd_cpp import bench_cpp
-from mooncake_lite.bench.pd_overlap import bench_overlap_and_prefix
-from mooncake_lite.bench.pd_roles import BLOCK, start_role
+from mooncake_lite.bench.model.cli import copy_gbps, describe_model, matmul_gflops, usable_models, weight_bytes
+from mooncake_lite.bench.pd.burst import bench_burst
+from mooncake_lite.bench.pd.cpp import bench_cpp
+from mooncake_lite.bench.pd.overlap import bench_overlap_and_prefix
+from mooncake_lite.bench.pd.roles import BLOCK, start_role
 from mooncake_lite.instance.profile import profile_decode, profile_prefill, time_decode
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, resolve
@@ -225,7 +225,7 @@ def render(res: dict) -> str:
 def main(argv: Sequence[str]) -> int:
     a = parse_args(argv)
     if a.link:
-        from mooncake_lite.bench import link_pd
+        from mooncake_lite.bench.link import pd as link_pd
         return link_pd.pd_main(a)
     try:
         res = run(a)

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import orjson
 
-from mooncake_lite.bench.fidelity_gaps import measured_gaps
-from mooncake_lite.bench.fidelity_live import (conductor_config, decode_urls, export_profile, live_replay, live_side,
+from mooncake_lite.bench.fidelity.gaps import measured_gaps
+from mooncake_lite.bench.fidelity.live import (conductor_config, decode_urls, export_profile, live_replay, live_side,
                                                replay_namespace, scrape_all, start_cluster, timelines, token_gaps,
                                                warm_up)
-from mooncake_lite.bench.fidelity_report import cdf_plot, compare, report_text
-from mooncake_lite.bench.fidelity_sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
+from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
+from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"

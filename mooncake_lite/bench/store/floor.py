@@ -7,7 +7,7 @@ loopback TCP, and a store request that does no work (EXISTS of no key: the frami
 store's dispatch and both loops, nothing else). p50 in µs. A single get that asks the store
 costs at least the store request; the echo says what the loops and the kernel alone cost.
 
-    python -m mooncake_lite.bench.store_floor SOCKET_PATH   # the echo peer (prints its TCP port)
+    python -m mooncake_lite.bench.store.floor SOCKET_PATH   # the echo peer (prints its TCP port)
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def measure(store_address: str, count: int = COUNT) -> dict[str, float]:
     import uvloop
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "echo.sock")
-        peer = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store_floor", path],
+        peer = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store.floor", path],
                                 stdout=subprocess.PIPE, text=True)
         try:
             port = int(peer.stdout.readline())   # type: ignore[union-attr]
