@@ -1,4 +1,4 @@
-"""``mooncake bench store --link`` and ``bench pd --link`` (bench/link_store.py, bench/link_pd.py, issue #16 item 7): small
+"""``mooncake bench store --link`` and ``bench pd --link`` (bench/link/store.py, bench/link/pd.py, issue #16 item 7): small
 runs over a slow link whose reports must be sane — every byte asked for moved, across the shaped
 link (no faster than its rate allows), shares within (0, 1.05] — and clear refusals."""
 

@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import orjson
 
 from mooncake_lite.bench.chaos.load import Load, phase_figures
+from mooncake_lite.bench.harness import UpCluster
 from mooncake_lite.cluster.health import missing_instances
 from mooncake_lite.model.source import DEFAULT_MODEL
 
@@ -49,86 +47,13 @@ LEAK_GAUGES = ("mooncake_prefill_free_blocks", "mooncake_prefill_num_queued", "m
                "mooncake_store_leases", "mooncake_conductor_requests_in_flight")
 
 
-class Cluster:
-    """A ``mooncake up`` subprocess: its banner (API URL, children), and its ``[up]`` events."""
-
-    def __init__(self, up_args: list[str], *, ready_timeout: float, log_path: str | None = None):
-        cmd = [sys.executable, "-m", "mooncake_lite", "up", "--port", "0", "--no-color", "--restart",
-               "--ready-timeout", str(ready_timeout), *up_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.events: list[tuple[float, str]] = []      # (monotonic time, "[up] ..." line)
-        self.tail: deque[str] = deque(maxlen=60)
-        self._lock = threading.Lock()
-        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115 - closed in stop()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        self.api, self.children = self._read_banner(ready_timeout)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            line = line.rstrip("\n")
-            with self._lock:
-                if self._log is not None and not self._log.closed:
-                    self._log.write(line + "\n")
-                self.tail.append(line)
-                if line.startswith("[up] "):
-                    self.events.append((time.monotonic(), line))
-
-    def _read_banner(self, timeout: float) -> tuple[str, dict[str, dict]]:
-        lines, deadline = [], time.monotonic() + timeout
-        for line in self.proc.stdout:
-            lines.append(line)
-            if "Ctrl-C stops every process" in line or time.monotonic() > deadline:
-                break
-        text = "".join(lines)
-        api = re.search(r"OpenAI-compatible API: (http://\S+)/v1", text)
-        if api is None:
-            self.stop()
-            raise RuntimeError("mooncake up did not start; last lines:\n" + "\n".join(self.tail))
-        children = {m.group(1): {"pid": int(m.group(2)), **dict(kv.split("=", 1) for kv in m.group(3).split())}
-                    for m in re.finditer(r"^\s+(\S+)\s+pid (\d+)\s+(.*)$", text, re.M)}
-        return api.group(1), children
-
-    def pid_of(self, name: str) -> int:
-        """The child's current pid (a restart's, once one happened)."""
-        pid = self.children[name]["pid"]
-        with self._lock:
-            for _, line in self.events:
-                m = re.match(rf"\[up\] {re.escape(name)} is back: pid (\d+)", line)
-                pid = int(m.group(1)) if m else pid
-        return pid
-
-    def wait_event(self, needle: str, since: float, timeout: float) -> float | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                hit = next((t for t, line in self.events if t >= since and needle in line), None)
-            if hit is not None:
-                return hit
-            time.sleep(0.05)
-        return None
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-        finally:
-            time.sleep(0.5)           # the reader's last lines
-            with self._lock:
-                if self._log is not None:
-                    self._log.close()
-
-
 def get_json(url: str, timeout: float = 5.0):
     import urllib.request
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return orjson.loads(resp.read())
 
 
-def gauges(cluster: Cluster) -> dict[str, float]:
+def gauges(cluster: UpCluster) -> dict[str, float]:
     """Every leak gauge of every child, keyed ``child.gauge`` (children not answering are skipped)."""
     import urllib.request
     found: dict[str, float] = {}
@@ -145,7 +70,7 @@ def gauges(cluster: Cluster) -> dict[str, float]:
     return found
 
 
-def leaks(cluster: Cluster, idle: dict[str, float], quiet_s: float) -> dict[str, float]:
+def leaks(cluster: UpCluster, idle: dict[str, float], quiet_s: float) -> dict[str, float]:
     """Gauges still off their idle value after up to ``quiet_s`` (aborts and frees are async)."""
     deadline = time.monotonic() + quiet_s
     while True:
@@ -156,7 +81,7 @@ def leaks(cluster: Cluster, idle: dict[str, float], quiet_s: float) -> dict[str,
         time.sleep(0.25)
 
 
-def wait_whole(cluster: Cluster, want: dict[str, int], timeout: float) -> float | None:
+def wait_whole(cluster: UpCluster, want: dict[str, int], timeout: float) -> float | None:
     """Monotonic time at which the conductor counts ``want`` live instances again (None: never)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -188,7 +113,7 @@ class KillReport:
     errors: list[str] = field(default_factory=list)
 
 
-def kill_one(cluster: Cluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
+def kill_one(cluster: UpCluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
     """One kill under load, measured from an idle reading before to one after."""
     settled = len(load.probes)
     load.resume()
@@ -216,7 +141,7 @@ def run(a: argparse.Namespace) -> dict:
     up_args = ["--model", a.model, "--prefill", str(a.prefill), "--decode", str(a.decode),
                "--stores", str(a.stores), *shlex.split(a.up_args)]
     commit = _commit()                   # what the cluster runs: the tree as it starts
-    cluster = Cluster(up_args, ready_timeout=a.ready_timeout_s, log_path=a.up_log)
+    cluster = UpCluster(up_args, ready_timeout=a.ready_timeout_s, log_path=a.up_log)
     want = {"prefill": a.prefill, "decode": a.decode}
     try:
         model = get_json(cluster.api + "/v1/models")["data"][0]["id"]

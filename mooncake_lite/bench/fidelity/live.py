@@ -41,7 +41,7 @@ def server_tokens(record) -> int:
 
 
 def start_cluster(ns: argparse.Namespace):
-    from mooncake_lite.bench.chaos.cli import Cluster
+    from mooncake_lite.bench.harness import UpCluster
     args = ["--model", ns.model, "--prefill", str(ns.prefill), "--decode", str(ns.decode),
             "--block-size", str(ns.block_tokens)]
     conductor = ["--admission", ns.admission, "--ttft-slo-factor", str(ns.ttft_slo_factor),
@@ -54,7 +54,7 @@ def start_cluster(ns: argparse.Namespace):
     # Every role's log (mooncake up's stderr) beside the results: what the cluster did, for a
     # run read back later (its defaults move: a prefill borrows idle decode CPUs since a5d488c).
     Path(ns.output_dir).mkdir(parents=True, exist_ok=True)
-    return Cluster(args, ready_timeout=ns.ready_timeout, log_path=str(Path(ns.output_dir) / "up.log"))
+    return UpCluster(args, ready_timeout=ns.ready_timeout, log_path=str(Path(ns.output_dir) / "up.log"))
 
 
 def warm_up(api: str, num: int, timeout_s: float = 120.0) -> None:

@@ -4,7 +4,6 @@ attention as run (varlen) against a padded batch."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.timing import timed
+from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
@@ -67,37 +67,22 @@ def predicted_burst_ttfts(cost: PrefillCostModel, n: int, length: int, pack_toke
     return out
 
 
-async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RoleProcess) -> dict:
+async def bench_burst(runner: ModelRunner, a: Options, decode: RoleProcess) -> dict:
     """(e): the same bursts with prefill batching and without, interleaved; best run of each.
     Beside them, the conductor's predicted TTFTs for each mode from the start-up profile a
     prefill role reports (``profile_prefill``' default shapes), the batched instance's queue
     priced packed (its ``pack_tokens``) and as one prompt at a time (a conductor told nothing)."""
     cost, _ = profile_prefill(runner)
-    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
-    stage = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
-                        write_back=False)
-    links = DecodeLinks(None)
-    modes = {}
-    for mode, budget in (("batched", a.burst_tokens), ("unbatched", 0)):
-        # chunk = the budget, so a pack may hold it all (the role's defaults: both 512)
-        modes[mode] = PrefillService(stage, links, block_size=BLOCK, hash_seed=0,
-                                     chunk_size=max(a.burst_tokens, a.burst_len), batch_tokens=budget)
-    runs = {m: [] for m in modes}
-    for rep in range(a.repeats + 1):        # the first round warms up
-        for mode, service in modes.items():
-            ttfts = await burst_ttfts(service, decode, mode, a.burst, a.burst_len, runner.args.vocab_size, rep)
-            if rep:
-                runs[mode].append(ttfts)
-    await links.close()
+    runs, batched = await run_bursts(runner, a, decode)
     out = {"prompts": a.burst, "prompt_len": a.burst_len, "batch_tokens": a.burst_tokens,
-           "packed_forwards": modes["batched"].totals["packed_forwards_total"]}
+           "packed_forwards": batched.totals["packed_forwards_total"]}
     for mode, rs in runs.items():
         out[f"mean_ttft_{mode}_s"] = min(sum(r) / len(r) for r in rs)
         out[f"last_ttft_{mode}_s"] = min(max(r) for r in rs)
         out[f"first_ttft_{mode}_s"] = min(min(r) for r in rs)
     out["mean_ratio"] = out["mean_ttft_batched_s"] / out["mean_ttft_unbatched_s"]
     out["last_ratio"] = out["last_ttft_batched_s"] / out["last_ttft_unbatched_s"]
-    for mode, limit in (("batched", modes["batched"].pack_limit), ("unbatched", 0)):
+    for mode, limit in (("batched", batched.pack_limit), ("unbatched", 0)):
         predicted = predicted_burst_ttfts(cost, a.burst, a.burst_len, limit)
         out[f"predicted_mean_ttft_{mode}_s"] = sum(predicted) / len(predicted)
         out[f"predicted_last_ttft_{mode}_s"] = predicted[-1]
@@ -108,6 +93,29 @@ async def bench_burst(runner: ModelRunner, a: argparse.Namespace, decode: RolePr
     out["attention_equal"] = attention_varlen_vs_padded(runner, [a.burst_len] * a.burst, 5 * a.repeats)
     out["attention_spread"] = attention_varlen_vs_padded(runner, spread, 5 * a.repeats)
     return out
+
+
+async def run_bursts(runner: ModelRunner, a: Options, decode: RoleProcess) -> tuple[dict[str, list[list[float]]],
+                                                                                      PrefillService]:
+    """Each measured burst's TTFTs by mode (``batched``, ``unbatched``), ``--repeats`` rounds after
+    a warm-up round, and the batched service (its counters and pack limit)."""
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    stage = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
+                        write_back=False)
+    links = DecodeLinks(None)
+    modes = {}
+    for mode, budget in (("batched", a.burst_tokens), ("unbatched", 0)):
+        # chunk = the budget, so a pack may hold it all (the role's defaults: both 512)
+        modes[mode] = PrefillService(stage, links, block_size=BLOCK, hash_seed=0,
+                                     chunk_size=max(a.burst_tokens, a.burst_len), batch_tokens=budget)
+    runs: dict[str, list[list[float]]] = {m: [] for m in modes}
+    for rep in range(a.repeats + 1):        # the first round warms up
+        for mode, service in modes.items():
+            ttfts = await burst_ttfts(service, decode, mode, a.burst, a.burst_len, runner.args.vocab_size, rep)
+            if rep:
+                runs[mode].append(ttfts)
+    await links.close()
+    return runs, modes["batched"]
 
 
 def attention_varlen_vs_padded(runner: ModelRunner, lengths: list[int], repeats: int) -> dict:

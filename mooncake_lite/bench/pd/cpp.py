@@ -3,14 +3,15 @@ threads, both real processes driven over HTTP."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 
 import aiohttp
 import torch
 
-from mooncake_lite.bench.pd.roles import BLOCK, announce, start_role
+from mooncake_lite.bench.harness import LOCAL, role
+from mooncake_lite.bench.options import Options
+from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.launch import RoleProcess
 
 
@@ -35,17 +36,14 @@ async def cpp_ttft(prefill: RoleProcess, decode: RoleProcess, n: int, vocab: int
     return min(times[1:])   # the first run warms up
 
 
-def bench_cpp(name: str, a: argparse.Namespace, decode: RoleProcess, n: int, vocab: int) -> dict:
+def bench_cpp(name: str, a: Options, decode: RoleProcess, n: int, vocab: int) -> dict:
     common = ("--model", name, "--block-size", str(BLOCK), "--no-profile", "--device", a.device,
               "--prefill-chunk", str(a.chunk), "--num-blocks", str(n // BLOCK + 2))
     out = {}
     for label, extra in (("one_instance", ("--threads", str(a.threads))),
                          ("cpp_2_stages", ("--threads", str(max(1, a.threads // 2)), "--pipeline-group", "2"))):
-        prefill = start_role("prefill", *common, *extra)
-        try:
+        with role("prefill", *common, *extra, *LOCAL) as prefill:
             out[f"ttft_{label}_s"] = asyncio.run(cpp_ttft(prefill, decode, n, vocab, a.repeats))
-        finally:
-            prefill.stop()
     out["speedup"] = out["ttft_one_instance_s"] / out["ttft_cpp_2_stages_s"]
     out["prompt_len"] = n
     return out

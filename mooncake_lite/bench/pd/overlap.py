@@ -5,13 +5,13 @@ prompt with growing cached prefixes. The senders and the one-prefill timing serv
 
 from __future__ import annotations
 
-import argparse
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import torch
 
+from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
@@ -73,7 +73,41 @@ async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int
         await stage.release(job)
 
 
-async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: RoleProcess) -> dict:
+class PrefillRig:
+    """One model's prefill path (the stage engine on an in-memory store) with its KV going to a
+    live decode process: the prompt, and one prefill of it in any of the three modes."""
+
+    def __init__(self, name: str, model, a, decode: RoleProcess, session: aiohttp.ClientSession):
+        n = a.prompt_lens[name]
+        decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
+        burst_blocks = a.burst * -(-a.burst_len // BLOCK)   # (e): a pack holds its members' blocks at once
+        self.runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks, burst_blocks),
+                                  block_size=BLOCK)
+        self.layer_bytes = self.runner.cache.kv[0].numel() // self.runner.cache.num_blocks * self.runner.cache.kv.element_size()
+        self.store = MemoryStore((0, model.args.num_layers), self.layer_bytes)
+        self.stage = StageEngine(self.runner, self.store, ThreadPoolExecutor(1), write_back=False)
+        self.links = DecodeLinks(None)
+        self.tokens = torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        self.name, self.chunk, self.decode, self.session = name, a.chunk, decode, session
+        self._ids = iter(range(10**9))
+
+    async def run(self, mode: str, hit: int = 0) -> dict[str, float]:
+        """One prefill: ``compute_only`` (KV dropped), ``then_send`` or ``streaming`` (the role's path)."""
+        if mode == "compute_only":
+            return await prefill_once(self.stage, NullSender(), self.tokens, self.chunk, hit)
+        tid = f"{self.name}-{mode}-{next(self._ids)}"
+        resp = await announce(self.session, self.decode, tid, len(self.tokens))
+        client = await self.links.get(self.decode.addresses["data"])
+        sender = (ThenSendSender if mode == "then_send" else KVSender)(client, tid)
+        try:
+            return await prefill_once(self.stage, sender, self.tokens, self.chunk, hit)
+        finally:
+            await resp.read()
+            resp.release()
+
+
+async def bench_overlap_and_prefix(name: str, a: Options, decode: RoleProcess) -> dict:
+    """(a) and (b) for one model; also hands back its runner (for (d), (e) and the cost models)."""
     n = a.prompt_lens[name]
     t0 = time.perf_counter()
     model = build_model(name, device=a.device)
@@ -82,63 +116,51 @@ async def bench_overlap_and_prefix(name: str, a: argparse.Namespace, decode: Rol
     if longest > model.args.max_seq_len:
         raise ValueError(f"{name}: a {longest}-token prompt exceeds max_seq_len {model.args.max_seq_len}; "
                          f"pass a smaller --prompt-len or --cpp-prompt-factor")
-    decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
-    burst_blocks = a.burst * -(-a.burst_len // BLOCK)   # (e): a pack holds its members' blocks at once
-    runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks, burst_blocks), block_size=BLOCK)
-    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
-    store = MemoryStore((0, model.args.num_layers), layer_bytes)
-    stage = StageEngine(runner, store, ThreadPoolExecutor(1), write_back=False)
-    links = DecodeLinks(None)
-    tokens = torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    ids = iter(range(10**9))
     async with aiohttp.ClientSession() as session:
-        async def run(mode: str, hit: int = 0) -> dict[str, float]:
-            if mode == "compute_only":
-                return await prefill_once(stage, NullSender(), tokens, a.chunk, hit)
-            tid = f"{name}-{mode}-{next(ids)}"
-            resp = await announce(session, decode, tid, n)
-            client = await links.get(decode.addresses["data"])
-            sender = (ThenSendSender if mode == "then_send" else KVSender)(client, tid)
-            try:
-                return await prefill_once(stage, sender, tokens, a.chunk, hit)
-            finally:
-                await resp.read()
-                resp.release()
+        rig = PrefillRig(name, model, a, decode, session)
+        overlap = await measure_overlap(rig, a.repeats)
+        prefix = await measure_prefix(rig, a.repeats)
+    await rig.links.close()
+    return {"overlap": overlap, "prefix": prefix, "runner": rig.runner, "build_s": build_s}
 
-        await run("streaming")  # warm-up
-        runs = {m: [] for m in ("compute_only", "then_send", "streaming")}
-        for _ in range(a.repeats):
-            for mode in runs:   # interleaved, so load drifts hit every mode alike
-                runs[mode].append(await run(mode))
-        # best of: other load on the machine only adds time
-        best = {m: {k: min(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-        transfer, exposed = best["then_send"]["tail_s"], best["streaming"]["tail_s"]
-        kv_bytes = n * model.args.kv_bytes_per_token(runner.dtype)
-        overlap = {**{f"ttft_{m}_s": b["ttft_s"] for m, b in best.items()},
-                   **{f"compute_{m}_s": b["compute_s"] for m, b in best.items()},
-                   "kv_bytes": kv_bytes, "transfer_s": transfer, "exposed_transfer_s": exposed,
-                   "stream_gbps": kv_bytes / transfer / 1e9,
-                   "hidden_share": 1.0 - exposed / transfer,
-                   # whole-TTFT view: also charges streaming for the receiver's CPU use, which on
-                   # one machine competes with prefill compute (on separate nodes it does not)
-                   "ttft_hidden_share": _ttft_share(best, transfer),
-                   "compute_slowdown_streaming": best["streaming"]["compute_s"] / best["compute_only"]["compute_s"]}
 
-        # (b) cache the prompt's blocks, then prefill with growing cached prefixes
-        full = len(tokens) // BLOCK
-        packed = torch.randn(full, model.args.num_layers, layer_bytes // runner.cache.kv.element_size())
-        await store.put_layers(prefix_hash(tokens, BLOCK), [memoryview(p.numpy()).cast("B") for p in packed],
-                               0, model.args.num_layers)
-        prefix = []
-        for share in (0.0, 0.25, 0.5, 0.75):
-            hit = min(int(n * share) // BLOCK, (n - 1) // BLOCK)
-            times = [(await run("streaming", hit))["ttft_s"] for _ in range(a.repeats)]
-            prefix.append({"cached_tokens": hit * BLOCK, "computed_share": 1 - hit * BLOCK / n,
-                           "ttft_s": min(times)})
-        for row in prefix:
-            row["ttft_share"] = row["ttft_s"] / prefix[0]["ttft_s"]
-    await links.close()
-    return {"overlap": overlap, "prefix": prefix, "runner": runner, "build_s": build_s}
+async def measure_overlap(rig: PrefillRig, repeats: int) -> dict:
+    """(a): the three modes interleaved ``repeats`` times (after a warm-up), best of each."""
+    await rig.run("streaming")  # warm-up
+    runs = {m: [] for m in ("compute_only", "then_send", "streaming")}
+    for _ in range(repeats):
+        for mode in runs:   # interleaved, so load drifts hit every mode alike
+            runs[mode].append(await rig.run(mode))
+    # best of: other load on the machine only adds time
+    best = {m: {k: min(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    transfer, exposed = best["then_send"]["tail_s"], best["streaming"]["tail_s"]
+    kv_bytes = len(rig.tokens) * rig.runner.args.kv_bytes_per_token(rig.runner.dtype)
+    return {**{f"ttft_{m}_s": b["ttft_s"] for m, b in best.items()},
+            **{f"compute_{m}_s": b["compute_s"] for m, b in best.items()},
+            "kv_bytes": kv_bytes, "transfer_s": transfer, "exposed_transfer_s": exposed,
+            "stream_gbps": kv_bytes / transfer / 1e9,
+            "hidden_share": 1.0 - exposed / transfer,
+            # whole-TTFT view: also charges streaming for the receiver's CPU use, which on
+            # one machine competes with prefill compute (on separate nodes it does not)
+            "ttft_hidden_share": _ttft_share(best, transfer),
+            "compute_slowdown_streaming": best["streaming"]["compute_s"] / best["compute_only"]["compute_s"]}
+
+
+async def measure_prefix(rig: PrefillRig, repeats: int) -> list[dict]:
+    """(b): cache the prompt's blocks, then prefill with growing cached prefixes."""
+    tokens, n, num_layers = rig.tokens, len(rig.tokens), rig.runner.args.num_layers
+    full = n // BLOCK
+    packed = torch.randn(full, num_layers, rig.layer_bytes // rig.runner.cache.kv.element_size())
+    await rig.store.put_layers(prefix_hash(tokens, BLOCK), [memoryview(p.numpy()).cast("B") for p in packed],
+                               0, num_layers)
+    prefix = []
+    for share in (0.0, 0.25, 0.5, 0.75):
+        hit = min(int(n * share) // BLOCK, (n - 1) // BLOCK)
+        times = [(await rig.run("streaming", hit))["ttft_s"] for _ in range(repeats)]
+        prefix.append({"cached_tokens": hit * BLOCK, "computed_share": 1 - hit * BLOCK / n, "ttft_s": min(times)})
+    for row in prefix:
+        row["ttft_share"] = row["ttft_s"] / prefix[0]["ttft_s"]
+    return prefix
 
 
 def _ttft_share(best: dict, transfer: float) -> float | None:

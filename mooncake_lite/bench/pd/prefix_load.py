@@ -15,9 +15,7 @@ on a shared box the CPU time is the steadier figure), and the best round per lay
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,6 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from mooncake_lite.bench.harness import LOCAL, role
+from mooncake_lite.bench.options import build_parser, flag, freeze
+from mooncake_lite.bench.pd.overlap import NullSender
+from mooncake_lite.bench.report import emit
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.model.runner import ModelRunner
@@ -32,16 +34,6 @@ from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.store.client import StoreClient
-
-
-class DropSender:
-    error = None
-
-    def send_layer(self, layer, start, kv) -> None:
-        pass
-
-    async def abort(self, reason) -> None:
-        pass
 
 
 async def bench(args, store: RoleProcess) -> dict:
@@ -67,7 +59,7 @@ async def bench(args, store: RoleProcess) -> dict:
         hit = await remote.match(keys)
         assert hit == len(keys), hit
         t0, c0 = time.perf_counter(), time.process_time()
-        job = stage.begin(f"r{r}", tokens, keys, hit, DropSender())
+        job = stage.begin(f"r{r}", tokens, keys, hit, NullSender())
         try:
             for layer in range(a.num_layers):
                 await stage._load_prefix_layer(job, layer)
@@ -84,20 +76,21 @@ async def bench(args, store: RoleProcess) -> dict:
             "cpu_best_ms": round(min(cpu) * 1e3, 2), "cpu_median_ms": round(statistics.median(cpu) * 1e3, 2)}
 
 
+FLAGS = (
+    flag("--model", default="smollm2-135m"),
+    flag("--tokens", type=int, default=2048),
+    flag("--block-size", type=int, default=64),
+    flag("--transport", choices=("shm", "tcp"), default="shm"),
+    flag("--rounds", type=int, default=15),
+    flag("--threads", type=int, default=1),
+    flag("--json", action="store_true", help="accepted for uniformity: the output is always one JSON object"),
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mooncake bench prefix-load", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON object")
-    args = p.parse_args(argv)
-    store = RoleProcess.start("store", "--host", "127.0.0.1", "--port", "0", "--data-port", "0",
-                              "--dram", "512MiB", "--slot-bytes", "8MiB")
-    try:
-        print(json.dumps(asyncio.run(bench(args, store))))
-    finally:
-        store.stop()
+    args = freeze(build_parser("mooncake bench prefix-load", __doc__.splitlines()[0], FLAGS).parse_args(argv),
+                  "PrefixLoadOptions")
+    with role("store", *LOCAL, "--data-port", "0", "--dram", "512MiB", "--slot-bytes", "8MiB",
+              timeout=120.0) as store:
+        emit(asyncio.run(bench(args, store)), render=str, as_json=True)
     return 0

@@ -1,5 +1,5 @@
-"""What ``bench pd``'s parts share: the KV block size they run at, starting a role process, and
-reserving a request on the decode before its prefill runs (``bench pd --link`` too)."""
+"""What ``bench pd``'s parts share: the KV block size they run at, and reserving a request on the
+decode before its prefill runs (``bench pd --link`` too)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ import aiohttp
 from mooncake_lite.common.launch import RoleProcess
 
 BLOCK = 64
-
-
-def start_role(role: str, *args: str) -> RoleProcess:
-    """A role process on 127.0.0.1 (however long its model takes to load)."""
-    return RoleProcess.start(role, *args, "--host", "127.0.0.1", "--port", "0", timeout=None)
 
 
 async def announce(session: aiohttp.ClientSession, decode: RoleProcess, tid: str, prompt_len: int) -> aiohttp.ClientResponse:

@@ -87,7 +87,7 @@ def socket_gbps(size: int, total: int, arena_bytes: int = 0) -> tuple[float, flo
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        sender = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store.cli", "--socket-sender",
+        sender = subprocess.Popen([sys.executable, "-m", "mooncake_lite.bench.store.limits",
                                    f"127.0.0.1:{port}", str(size), str(count)])
         conn, _ = listener.accept()
     num_bufs = max(1, arena_bytes // size)
@@ -117,3 +117,7 @@ def process_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":   # the sending end of socket_gbps: HOST:PORT SIZE COUNT
+    sys.exit(socket_sender(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
