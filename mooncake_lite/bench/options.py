@@ -25,9 +25,14 @@ def flag(*names: str, **kwargs: Any) -> Flag:
 def build_parser(prog: str, description: str | None, flags: Sequence[Flag], **kwargs: Any) -> argparse.ArgumentParser:
     """An ``ArgumentParser`` with the table's flags, in its order (the order ``--help`` lists)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    add_flags(parser, flags)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flags: Sequence[Flag]) -> None:
+    """The table's flags on ``parser`` or on one of its argument groups."""
     for names, options in flags:
         parser.add_argument(*names, **options)
-    return parser
 
 
 def freeze(ns: argparse.Namespace, name: str, **derived: Any) -> Any:

@@ -23,5 +23,5 @@ async def test_live_bench_measures_both_paths(make_cluster, aiohttp_server):
     for key in ("ttft_conductor_median_ms", "e2e_direct_median_ms", "e2e_added_median_ms",
                 "e2e_added_median_vs_target"):
         assert isinstance(f[key], float)
-    conductor_live.show(f)
+    conductor_live.render(f)
 

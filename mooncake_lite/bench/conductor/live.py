@@ -16,7 +16,6 @@ sides. Target: added latency ≤ 2 ms median. Figures are ms; ``*_vs_target`` = 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -27,7 +26,8 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from mooncake_lite.common.launch import RoleProcess
+from mooncake_lite.bench.harness import command, role
+from mooncake_lite.bench.options import Options, flag
 from mooncake_lite.common.protocol import (GenerateRequest, Heartbeat, PrefillRequest, PrefillResult, Register,
                                            Sampling, TokenEvent, dumps, loads)
 from mooncake_lite.common.service import announce_ready
@@ -37,11 +37,11 @@ BLOCK_SIZE = 16
 PROMPT = "The conductor places each request by where its KV cache lives. " * 4
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("live")
-    g.add_argument("--live-requests", type=int, default=300, help="requests per side (conductor / direct)")
-    g.add_argument("--live-max-tokens", type=int, default=16, help="tokens per request")
-    g.add_argument("--live-warmup", type=int, default=30, help="untimed requests per side first")
+FLAGS = (
+    flag("--live-requests", type=int, default=300, help="requests per side (conductor / direct)"),
+    flag("--live-max-tokens", type=int, default=16, help="tokens per request"),
+    flag("--live-warmup", type=int, default=30, help="untimed requests per side first"),
+)
 
 
 # ---- the zero-work instances (run in their own process) -----------------------------------
@@ -133,7 +133,7 @@ async def _direct(s: aiohttp.ClientSession, instances: str, token_ids: tuple[int
     return ttft, time.perf_counter() - t0
 
 
-async def _measure(args: argparse.Namespace, url: str, instances: str) -> dict:
+async def _measure(args: Options, url: str, instances: str) -> dict:
     from mooncake_lite.model.tokenizer import ByteTokenizer
     token_ids = tuple(ByteTokenizer(320).encode(PROMPT))
     n, k = args.live_requests, args.live_max_tokens
@@ -172,32 +172,24 @@ def _figures(via: list, direct: list, n: int, k: int, prompt_len: int) -> dict:
     return f
 
 
-def run(args: argparse.Namespace) -> dict:
-    conductor = RoleProcess.start("conductor", "--port", "0", "--model", "tiny", "--block-size", str(BLOCK_SIZE),
-                                  "--admission", "none", "--log-level", "warning")
-    instances = None
-    try:
-        instances = RoleProcess.launch([sys.executable, "-m", "mooncake_lite.bench.conductor.live",
-                                        "serve-instances", conductor.url()], name="bench instances")
+def run(args: Options) -> dict:
+    with role("conductor", "--port", "0", "--model", "tiny", "--block-size", str(BLOCK_SIZE), "--admission", "none",
+              "--log-level", "warning", timeout=120.0, stop_timeout=10) as conductor, \
+            command([sys.executable, "-m", "mooncake_lite.bench.conductor.live", "serve-instances", conductor.url()],
+                    name="bench instances", stop_timeout=10) as instances:
         return asyncio.run(_measure(args, conductor.url(), instances.addresses["http"]))
-    finally:
-        if instances is not None:
-            instances.stop(10)
-        conductor.stop(10)
 
 
-def show(f: dict) -> None:
-    print(f"live: conductor's added latency, {f['requests']} streamed requests of {f['prompt_tokens']} prompt "
-          f"+ {f['max_tokens']} output tokens vs the same calls made directly (zero-work instances; load "
-          f"average {f['load_average_1m']} on {f['num_cpus']} CPUs)")
+def render(f: dict) -> str:
+    lines = [f"live: conductor's added latency, {f['requests']} streamed requests of {f['prompt_tokens']} prompt "
+             f"+ {f['max_tokens']} output tokens vs the same calls made directly (zero-work instances; load "
+             f"average {f['load_average_1m']} on {f['num_cpus']} CPUs)"]
     for name in ("ttft", "e2e"):
-        print(f"  {name:<4} through conductor {f[name + '_conductor_median_ms']:7.3f} ms   direct "
-              f"{f[name + '_direct_median_ms']:7.3f} ms   added median {f[name + '_added_median_ms']:6.3f} ms "
-              f"({f[name + '_added_median_vs_target']:.2f}× the {TARGET_MS:g} ms target)   "
-              f"added p90 {f[name + '_added_p90_ms']:6.3f} ms")
-
-
-PART = (add_arguments, run, show)
+        lines.append(f"  {name:<4} through conductor {f[name + '_conductor_median_ms']:7.3f} ms   direct "
+                     f"{f[name + '_direct_median_ms']:7.3f} ms   added median {f[name + '_added_median_ms']:6.3f} ms "
+                     f"({f[name + '_added_median_vs_target']:.2f}× the {TARGET_MS:g} ms target)   "
+                     f"added p90 {f[name + '_added_p90_ms']:6.3f} ms")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
