@@ -37,6 +37,8 @@ import orjson
 
 from mooncake_lite.bench.chaos.load import Load, phase_figures
 from mooncake_lite.bench.harness import UpCluster
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
+from mooncake_lite.bench.report import emit
 from mooncake_lite.cluster.health import missing_instances
 from mooncake_lite.model.source import DEFAULT_MODEL
 
@@ -94,8 +96,10 @@ def wait_whole(cluster: UpCluster, want: dict[str, int], timeout: float) -> floa
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class KillReport:
+    """What one kill did (``load.phase_figures``' counts and times), whether the victim rejoined,
+    and the gauges it left off their idle value."""
     victim: str
     requests: int = 0
     ok: int = 0
@@ -113,7 +117,7 @@ class KillReport:
     errors: list[str] = field(default_factory=list)
 
 
-def kill_one(cluster: UpCluster, load: Load, victim: str, a: argparse.Namespace, want: dict[str, int]) -> KillReport:
+def kill_one(cluster: UpCluster, load: Load, victim: str, a: Options, want: dict[str, int]) -> KillReport:
     """One kill under load, measured from an idle reading before to one after."""
     settled = len(load.probes)
     load.resume()
@@ -129,15 +133,13 @@ def kill_one(cluster: UpCluster, load: Load, victim: str, a: argparse.Namespace,
     until = max(t0 + a.window_s, (whole or 0.0) + a.after_s)  # and requests get served after the rejoin
     time.sleep(max(0.0, until - time.monotonic()))
     load.pause()
-    report = KillReport(victim, leaked=leaks(cluster, idle, a.quiet_s))
-    report.rejoined_s = None if whole is None else round(max(whole, back) - t0, 2)
+    leaked = leaks(cluster, idle, a.quiet_s)
     figures = phase_figures(load.outcomes[first:], load.probes[first_probe:], t0, load.probes[settled:first_probe])
-    for key, value in figures.items():
-        setattr(report, key, value)
-    return report
+    return KillReport(victim, leaked=leaked, rejoined_s=None if whole is None else round(max(whole, back) - t0, 2),
+                      **figures)
 
 
-def run(a: argparse.Namespace) -> dict:
+def run(a: Options) -> dict:
     up_args = ["--model", a.model, "--prefill", str(a.prefill), "--decode", str(a.decode),
                "--stores", str(a.stores), *shlex.split(a.up_args)]
     commit = _commit()                   # what the cluster runs: the tree as it starts
@@ -183,35 +185,38 @@ def _s(value: float | None, missing: str = "never") -> str:
     return missing if value is None else f"{value:.2f}"
 
 
-def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mooncake bench chaos", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--prefill", type=int, default=2)
-    p.add_argument("--decode", type=int, default=2)
-    p.add_argument("--stores", type=int, default=1)
-    p.add_argument("--up-args", default="", help="more flags for mooncake up, one quoted string")
-    p.add_argument("--victims", default="prefill-0,decode-0,store-0", help="children to kill, in turn")
-    p.add_argument("--concurrency", type=int, default=4, help="requests streaming at once")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--probe-every-s", type=float, default=0.5, help="a one-token request this often")
-    p.add_argument("--settle-s", type=float, default=5.0, help="load before each kill's idle reading")
-    p.add_argument("--lead-s", type=float, default=1.5, help="load before the kill lands")
-    p.add_argument("--window-s", type=float, default=15.0, help="load after the kill (at least)")
-    p.add_argument("--after-s", type=float, default=3.0, help="load after the victim rejoined (at least)")
-    p.add_argument("--hang-s", type=float, default=30.0, help="a request silent this long is hung")
-    p.add_argument("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle")
-    p.add_argument("--rejoin-timeout-s", type=float, default=180.0)
-    p.add_argument("--ready-timeout-s", type=float, default=600.0)
-    p.add_argument("--up-log", default=None, metavar="FILE", help="write mooncake up's log (every role's) here")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(list(argv))
+FLAGS = (
+    flag("--model", default=DEFAULT_MODEL),
+    flag("--prefill", type=int, default=2),
+    flag("--decode", type=int, default=2),
+    flag("--stores", type=int, default=1),
+    flag("--up-args", default="", help="more flags for mooncake up, one quoted string"),
+    flag("--victims", default="prefill-0,decode-0,store-0", help="children to kill, in turn"),
+    flag("--concurrency", type=int, default=4, help="requests streaming at once"),
+    flag("--max-tokens", type=int, default=32),
+    flag("--probe-every-s", type=float, default=0.5, help="a one-token request this often"),
+    flag("--settle-s", type=float, default=5.0, help="load before each kill's idle reading"),
+    flag("--lead-s", type=float, default=1.5, help="load before the kill lands"),
+    flag("--window-s", type=float, default=15.0, help="load after the kill (at least)"),
+    flag("--after-s", type=float, default=3.0, help="load after the victim rejoined (at least)"),
+    flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
+    flag("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle"),
+    flag("--rejoin-timeout-s", type=float, default=180.0),
+    flag("--ready-timeout-s", type=float, default=600.0),
+    flag("--up-log", default=None, metavar="FILE", help="write mooncake up's log (every role's) here"),
+    flag("--json", action="store_true"),
+)
+
+
+def parse_args(argv) -> Options:
+    parser = build_parser("mooncake bench chaos", __doc__.split("\n\n")[0], FLAGS,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return freeze(parser.parse_args(list(argv)), "ChaosOptions")
 
 
 def main(argv) -> int:
     a = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the cluster we started is stopped, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res = run(a)
-    print(orjson.dumps(res).decode() if a.json else render(res))
+    emit(run(a), render, as_json=a.json)
     return 0

@@ -29,62 +29,65 @@ the same absolute SLOs (passed to the conductor this command starts).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import orjson
 
+from mooncake_lite.bench import options
 from mooncake_lite.bench.fidelity.gaps import measured_gaps
-from mooncake_lite.bench.fidelity.live import (conductor_config, decode_urls, export_profile, live_replay, live_side,
-                                               replay_namespace, scrape_all, start_cluster, timelines, token_gaps,
-                                               warm_up)
+from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster, token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
 from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
+from mooncake_lite.bench.options import Options, flag, freeze
+from mooncake_lite.bench.report import emit
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mooncake bench fidelity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=DEFAULT_TRACE)
+FLAGS = (
+    flag("--trace", default=DEFAULT_TRACE),
     # 30 requests at 0.03x: about 63% of one prefill instance on a 2-core box shared with other work
-    p.add_argument("-n", "--num-requests", type=int, default=30, help="the first N requests of the trace")
-    p.add_argument("--speed", type=float, default=0.03, help="replay speed (0.03: 3%% of the recorded rate)")
-    p.add_argument("--block-tokens", type=int, default=16,
-                   help="tokens per 512-token trace block, and the cluster's KV block size")
-    p.add_argument("--output-scale", type=float, default=1.0, help="output length scale")
-    p.add_argument("--max-output-tokens", type=int, default=32, help="output cap")
-    p.add_argument("--conductor", default=None, help="a running cluster's conductor URL (default: start one)")
-    p.add_argument("--token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"), help="its cluster token")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model of the cluster this command starts")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--admission", default="predictive", help="the conductor's admission (its default)")
-    p.add_argument("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides")
-    p.add_argument("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides")
-    p.add_argument("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO")
-    p.add_argument("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO")
-    p.add_argument("--prefill-batch-tokens", type=int, default=512,
+    flag("-n", "--num-requests", type=int, default=30, help="the first N requests of the trace"),
+    flag("--speed", type=float, default=0.03, help="replay speed (0.03: 3%% of the recorded rate)"),
+    flag("--block-tokens", type=int, default=16,
+                   help="tokens per 512-token trace block, and the cluster's KV block size"),
+    flag("--output-scale", type=float, default=1.0, help="output length scale"),
+    flag("--max-output-tokens", type=int, default=32, help="output cap"),
+    flag("--conductor", default=None, help="a running cluster's conductor URL (default: start one)"),
+    flag("--token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"), help="its cluster token"),
+    flag("--model", default=DEFAULT_MODEL, help="model of the cluster this command starts"),
+    flag("--prefill", type=int, default=1),
+    flag("--decode", type=int, default=1),
+    flag("--admission", default="predictive", help="the conductor's admission (its default)"),
+    flag("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides"),
+    flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
+    flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),
+    flag("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO"),
+    flag("--prefill-batch-tokens", type=int, default=512,
                    help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
-                        "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="short completions sent (and not measured) before the replay, so it meets warm instances")
-    p.add_argument("--tokenizer", default="auto")
-    p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text")
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)")
-    p.add_argument("--output-dir", default="fidelity-results")
-    p.add_argument("--json", action="store_true")
-    return p
+                        "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)"),
+    flag("--warmup", type=int, default=2,
+                   help="short completions sent (and not measured) before the replay, so it meets warm instances"),
+    flag("--tokenizer", default="auto"),
+    flag("--prompt-mode", choices=("text", "tokens"), default="text"),
+    flag("--ready-timeout", type=float, default=300.0),
+    flag("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)"),
+    flag("--output-dir", default="fidelity-results"),
+    flag("--json", action="store_true"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return options.build_parser("mooncake bench fidelity", __doc__.split("\n\n")[0], FLAGS)
 
 
 def main(argv: Sequence[str]) -> int:
-    ns = build_parser().parse_args(list(argv))
+    ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
     if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1:
         sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive\n")
         return 2
@@ -100,66 +103,52 @@ def main(argv: Sequence[str]) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-    if ns.json:
-        print(orjson.dumps(report, option=orjson.OPT_NON_STR_KEYS).decode())
-    else:
-        print(report["text"])
+    emit(report, lambda r: r["text"], as_json=ns.json)
     return 0
 
 
-def run(ns: argparse.Namespace, api: str) -> dict:
+def run(ns: Options, api: str) -> dict:
     """Replay, export, simulate, compare: the report dict (``text``: the table)."""
-    from mooncake_lite.common.auth import cluster_headers
     from mooncake_lite.sim.costs import load_profile
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    status = conductor_config(api, ns.token)
-    decodes = decode_urls(status)
-    warm_up(api, ns.warmup)
-    before = scrape_all(api, decodes)
-    t0 = time.perf_counter()
-    window, requests, records, served = asyncio.run(
-        live_replay(replay_namespace(ns, api, str(out)), cluster_headers(None)))
-    live_s = time.perf_counter() - t0
-    after = scrape_all(api, decodes)
-    profile = export_profile(api, ns.token, out / "costs.json")
-    (out / "timelines.json").write_bytes(orjson.dumps(timelines(status, ns.token)))
+    lr = replay_live(ns, api, out)
     hw = load_profile(out / "costs.json")
-    trace = sim_trace(window, requests, records, ns.block_tokens)
+    trace = sim_trace(lr.window, lr.requests, lr.records, ns.block_tokens)
     if ns.ttft_slo and ns.tbt_slo:
         slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
     else:
         slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
-    res = simulate(trace, hw, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
-                   ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                   batch_tokens=ns.prefill_batch_tokens)
-    live, sim = live_side(records), sim_side(res)
-    report = compare(live, sim, len(records))
+
+    def simulated(costs):
+        return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
+                        ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
+                        batch_tokens=ns.prefill_batch_tokens)
+    res = simulated(hw)
+    live, sim = live_side(lr.records), sim_side(res)
+    report = compare(live, sim, len(lr.records))
     for name, other in ablations(hw).items():   # the same slice without one modelled effect: what it moves
-        res_other = simulate(trace, other, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
-                             ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                             batch_tokens=ns.prefill_batch_tokens)
-        report[f"sim_{name}"] = compare(live, sim_side(res_other), len(records))["rows"]
-    report.update(slos=slos, gaps=measured_gaps(live, records, before, after, hw),
-                  config={k: v for k, v in vars(ns).items() if k != "token"}, served=served,
-                  live_wall_s=live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
+        report[f"sim_{name}"] = compare(live, sim_side(simulated(other)), len(lr.records))["rows"]
+    report.update(slos=slos, gaps=measured_gaps(live, lr.records, lr.before, lr.after, hw),
+                  config={k: v for k, v in asdict(ns).items() if k != "token"}, served=lr.served,
+                  live_wall_s=lr.live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
-                  cost_model={"prefill": profile.get("prefill"), "decode": profile.get("decode"),
-                              "decode_max_context_tokens": profile.get("decode_max_context_tokens"),
-                              "decode_step_ratios": profile.get("decode_step_ratios"),
-                              "decode_colocated_slowdown": profile.get("decode_colocated_slowdown"),
-                              "decode_padding_s_per_token": profile.get("decode_padding_s_per_token"),
-                              "decode_kv_write_s_per_token": profile.get("decode_kv_write_s_per_token"),
-                              "colocation": profile.get("colocation")})
-    report["per_request"] = per_request(records, res)
+                  cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
+                              **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
+    report["per_request"] = per_request(lr.records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
-    cdf_plot(plot, live, sim, f"{served['model']} · first {len(records)} requests · {ns.prefill}P+{ns.decode}D · "
+    cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · {ns.prefill}P+{ns.decode}D · "
                               f"{ns.speed:g}x · live vs sim (exported cost model)")
     report["plot"] = str(plot)
     report["text"] = report_text(report)
     (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
                                                      option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return report
+
+
+# what the exported cost model adds to its prefill and decode fits (one-box effects), reported as is
+PROFILE_KEYS = ("decode_max_context_tokens", "decode_step_ratios", "decode_colocated_slowdown",
+                "decode_padding_s_per_token", "decode_kv_write_s_per_token", "colocation")
 
 
 def per_request(records: Sequence, res) -> list[dict]:

@@ -4,14 +4,15 @@ model and the instances' timelines, and the figures of the replayed requests."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
 from mooncake_lite.bench.fidelity.report import Side
-
+from mooncake_lite.bench.harness import UpCluster
+from mooncake_lite.bench.options import Options
 
 
 def live_side(records: Sequence) -> Side:
@@ -40,8 +41,7 @@ def server_tokens(record) -> int:
     return record.server_prompt_tokens if record.server_prompt_tokens is not None else record.prompt_tokens
 
 
-def start_cluster(ns: argparse.Namespace):
-    from mooncake_lite.bench.harness import UpCluster
+def start_cluster(ns: Options) -> UpCluster:
     args = ["--model", ns.model, "--prefill", str(ns.prefill), "--decode", str(ns.decode),
             "--block-size", str(ns.block_tokens)]
     conductor = ["--admission", ns.admission, "--ttft-slo-factor", str(ns.ttft_slo_factor),
@@ -84,16 +84,17 @@ def served_model(api: str) -> str | None:
     return data[0].get("id")
 
 
-def replay_namespace(ns: argparse.Namespace, api: str, out_dir: str) -> argparse.Namespace:
-    from mooncake_lite.bench.replay.cli import build_parser
+def replay_options(ns: Options, api: str, out_dir: str) -> Options:
+    """``bench replay``'s options for this slice, as its own parser makes them."""
+    from mooncake_lite.bench.replay.cli import parse_args
     argv = ["--trace", ns.trace, "--base-url", api, "--max-requests", str(ns.num_requests),
             "--speed", str(ns.speed), "--block-tokens", str(ns.block_tokens), "--output-scale",
             str(ns.output_scale), "--max-output-tokens", str(ns.max_output_tokens), "--no-progress",
             "--output-dir", out_dir, "--tokenizer", ns.tokenizer, "--prompt-mode", ns.prompt_mode]
-    return build_parser().parse_args(argv)
+    return parse_args(argv)
 
 
-async def live_replay(rns: argparse.Namespace, headers: dict[str, str]) -> tuple[list, list, list, dict]:
+async def live_replay(rns: Options, headers: dict[str, str]) -> tuple[list, list, list, dict]:
     """(trace window, synthesized requests, records, the served model's context) — the replay's
     own pieces, so the prompts are exactly what ``bench replay`` would send."""
     import aiohttp
@@ -181,3 +182,39 @@ def timelines(status: Mapping, token: str | None) -> dict[str, dict]:
         except (OSError, ValueError):
             continue
     return out
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """The live side of a fidelity run: the trace window replayed, its prompts and records, the
+    served model, the decodes' and conductor's metrics before and after, the replay's wall time
+    and the exported cost-model file's dict."""
+    window: list
+    requests: list
+    records: list
+    served: dict
+    before: dict
+    after: dict
+    live_s: float
+    profile: dict
+
+
+def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
+    """Warm up, replay the slice between two metric scrapes, export the cost models (``costs.json``)
+    and every instance's timeline (``timelines.json``) under ``out``."""
+    import asyncio
+    import time
+
+    from mooncake_lite.common.auth import cluster_headers
+    status = conductor_config(api, ns.token)
+    decodes = decode_urls(status)
+    warm_up(api, ns.warmup)
+    before = scrape_all(api, decodes)
+    t0 = time.perf_counter()
+    window, requests, records, served = asyncio.run(
+        live_replay(replay_options(ns, api, str(out)), cluster_headers(None)))
+    live_s = time.perf_counter() - t0
+    after = scrape_all(api, decodes)
+    profile = export_profile(api, ns.token, out / "costs.json")
+    (out / "timelines.json").write_bytes(orjson.dumps(timelines(status, ns.token)))
+    return LiveRun(window, requests, records, served, before, after, live_s, profile)
