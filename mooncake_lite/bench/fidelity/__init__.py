@@ -1,2 +1,3 @@
-"""``mooncake bench fidelity``: ``cli.py`` (flags, run), ``live.py`` (the live side on a started
-cluster), ``sim.py`` (the simulated side), ``gaps.py`` (token gaps), ``report.py`` (errors, CDFs, text)."""
+"""``mooncake bench fidelity``: ``cli.py`` (flags, run: live, simulate, compare), ``live.py`` (the
+cluster, the replay and what is scraped and exported around it), ``sim.py`` (the same slice
+simulated), ``gaps.py`` (the measured modelling gaps), ``report.py`` (errors, CDFs, the table)."""

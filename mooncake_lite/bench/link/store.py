@@ -1,4 +1,4 @@
-"""``mooncake bench store --link RATE`` (issue #16 item 7; the shared measuring in ``link.py``).
+"""``mooncake bench store --link RATE`` (issue #16 item 7; the shared measuring in ``measure.py``).
 
 store: a store on node1, the client on node2: batched puts then batched gets of ``--link-bytes``
 per op, and a plain blocking-socket stream of the same bytes (the link's ceiling for one TCP
@@ -15,10 +15,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-import orjson
-
-from mooncake_lite.bench.link.measure import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker, share,
-                                      sink_on, socket_stream)
+from mooncake_lite.bench.link.measure import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker,
+                                              share, sink_on, socket_stream)
+from mooncake_lite.bench.options import Options
+from mooncake_lite.bench.report import emit
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes
 from mooncake_lite.common.launch import LAUNCHER, to_stderr
@@ -69,7 +69,7 @@ async def store_client(spec: dict) -> dict:
 STORE_OPS = ("socket", "put", "get")
 
 
-def store_main(sizes: Sequence[int], args) -> int:
+def store_main(sizes: Sequence[int], args: Options) -> int:
     """``mooncake bench store --link RATE [--link RATE ...]``."""
     links = refused("mooncake bench store", args.link)
     if links is None:
@@ -79,11 +79,11 @@ def store_main(sizes: Sequence[int], args) -> int:
     except NetnsError as exc:
         sys.stderr.write(f"mooncake bench store: {exc}\n")
         return 2
-    print(orjson.dumps(report).decode() if args.json else render_store(report))
+    emit(report, render_store, as_json=args.json)
     return 0
 
 
-def run_store(sizes: Sequence[int], links: Sequence[Link], args) -> dict:
+def run_store(sizes: Sequence[int], links: Sequence[Link], args: Options) -> dict:
     """Per size: a store on node1; per repeat, the client on node2 at each rate, then on node1."""
     report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "repeat": args.repeat,
               "links": [str(link) for link in links], "bytes_per_op": args.link_bytes, "sizes": {}}
@@ -102,7 +102,7 @@ def run_store(sizes: Sequence[int], links: Sequence[Link], args) -> dict:
     return report
 
 
-def _store_size(nodes: Nodes, size: int, links: Sequence[Link], paths: dict, args) -> dict:
+def _store_size(nodes: Nodes, size: int, links: Sequence[Link], paths: dict, args: Options) -> dict:
     server, client = nodes[0], nodes[1]
     count = max(1, args.link_bytes // size)
     dram = max(256 << 20, 32 * size)

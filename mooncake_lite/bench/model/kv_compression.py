@@ -15,16 +15,15 @@ token share and TTFT, at the preset's DRAM and at a DRAM small enough that capac
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
-
 from kernels.kv_codec import codec_for, encoded_layer_bytes, fp8_supported
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
+from mooncake_lite.bench.report import emit
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_codec import compressed_prefix_run
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -55,19 +54,23 @@ QUESTIONS = (
 TRACE = Path(__file__).resolve().parents[4] / "shared/traces/conversation_trace.jsonl"
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mooncake bench kv-compression", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and KV dtype")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=16, help="generated tokens per prompt")
-    p.add_argument("--prompts", type=int, default=len(QUESTIONS), help=f"first N prompts (at most {len(QUESTIONS)})")
-    p.add_argument("--codecs", default="int8,fp8" if fp8_supported() else "int8")
-    p.add_argument("--dram", default="1GiB", help="store DRAM for the capacity figure")
-    p.add_argument("--trace", default=str(TRACE), help="trace for the simulator figures ('' to skip them)")
-    p.add_argument("--sim-limit", type=int, default=3000, help="first N trace requests simulated")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(list(argv))
+FLAGS = (
+    flag("--model", default=DEFAULT_MODEL),
+    flag("--dtype", default="float32", choices=sorted(DTYPES), help="model and KV dtype"),
+    flag("--block-size", type=int, default=16),
+    flag("--max-tokens", type=int, default=16, help="generated tokens per prompt"),
+    flag("--prompts", type=int, default=len(QUESTIONS), help=f"first N prompts (at most {len(QUESTIONS)})"),
+    flag("--codecs", default="int8,fp8" if fp8_supported() else "int8"),
+    flag("--dram", default="1GiB", help="store DRAM for the capacity figure"),
+    flag("--trace", default=str(TRACE), help="trace for the simulator figures ('' to skip them)"),
+    flag("--sim-limit", type=int, default=3000, help="first N trace requests simulated"),
+    flag("--json", action="store_true"),
+)
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    parser = build_parser("mooncake bench kv-compression", __doc__.split("\n\n")[0], FLAGS)
+    return freeze(parser.parse_args(list(argv)), "KvCompressionOptions")
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -108,7 +111,7 @@ def summary(rows: list[dict]) -> dict:
             "logit_max_err_over_logit_std": max(r["max_rel"] for r in rows)}
 
 
-def block_figures(args, model_args, dtype_bytes: int, mean_prefix_tokens: float, dram: int) -> dict:
+def block_figures(args: Options, model_args, dtype_bytes: int, mean_prefix_tokens: float, dram: int) -> dict:
     plain = model_args.num_layers * 2 * args.block_size * model_args.num_kv_heads * model_args.head_dim * dtype_bytes
     coded = model_args.num_layers * encoded_layer_bytes(args.block_size, model_args.num_kv_heads, model_args.head_dim)
     per_request = mean_prefix_tokens / args.block_size
@@ -167,10 +170,7 @@ def main(argv: Sequence[str]) -> int:
            "blocks_bfloat16": block_figures(args, model.args, 2, mean_prefix, parse_size(args.dram))}
     if args.trace:
         out["sim"] = sim_figures(args.trace, args.sim_limit, codecs)
-    if args.json:
-        print(orjson.dumps(out).decode())
-        return 0
-    print(report(out))
+    emit(out, report, as_json=args.json)
     return 0
 
 

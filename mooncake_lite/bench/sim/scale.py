@@ -10,7 +10,6 @@ the process's peak resident memory — which should not grow with N (compare two
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import sys
@@ -18,9 +17,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-import orjson
-
 from mooncake_lite.bench.host import cpu_description
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
+from mooncake_lite.bench.report import emit
 from mooncake_lite.scheduler import SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.config import SimConfig
@@ -32,23 +31,22 @@ from mooncake_lite.trace.synth import SynthConfig, iter_synthesize
 TARGET_S = 120.0          # issue #20: a million requests on 128P+128D within two minutes
 
 
-def _args(argv: Sequence[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="mooncake bench sim-scale", description=__doc__.split("\n\n")[0])
-    ap.add_argument("-n", "--num-requests", type=int, default=1_000_000)
-    ap.add_argument("--rate", type=float, default=80.0, help="Poisson arrivals per second")
-    ap.add_argument("--trace", default=None, help="simulate this trace (in time order) instead of a synthetic one")
-    ap.add_argument("--prefill", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=128)
-    ap.add_argument("--cost-model", default="llama2-70b-a800")
-    ap.add_argument("--admission", default="early", choices=("none", "early", "predictive"))
-    ap.add_argument("--ttft-slo", type=float, default=30.0)
-    ap.add_argument("--tbt-slo", type=float, default=0.1)
-    ap.add_argument("--progress-every", type=int, default=50_000, metavar="N",
-                    help="print CPU seconds and resident memory to stderr every N ended requests (0: never)")
-    ap.add_argument("--json", action="store_true", help="print all figures as one JSON object")
-    ap.add_argument("--compiled", action="store_true",
-                    help="the simulator's hot modules compiled with mypyc (mooncake sim --compiled; docs/sim.md)")
-    return ap.parse_args(list(argv))
+FLAGS = (
+    flag("-n", "--num-requests", type=int, default=1_000_000),
+    flag("--rate", type=float, default=80.0, help="Poisson arrivals per second"),
+    flag("--trace", default=None, help="simulate this trace (in time order) instead of a synthetic one"),
+    flag("--prefill", type=int, default=128),
+    flag("--decode", type=int, default=128),
+    flag("--cost-model", default="llama2-70b-a800"),
+    flag("--admission", default="early", choices=("none", "early", "predictive")),
+    flag("--ttft-slo", type=float, default=30.0),
+    flag("--tbt-slo", type=float, default=0.1),
+    flag("--progress-every", type=int, default=50_000, metavar="N",
+         help="print CPU seconds and resident memory to stderr every N ended requests (0: never)"),
+    flag("--json", action="store_true", help="print all figures as one JSON object"),
+    flag("--compiled", action="store_true",
+         help="the simulator's hot modules compiled with mypyc (mooncake sim --compiled; docs/sim.md)"),
+)
 
 
 def _peak_rss_mb() -> float:
@@ -74,7 +72,7 @@ def _progress_every(step: int):
     return progress
 
 
-def simulate(path: str, args: argparse.Namespace) -> dict:
+def simulate(path: str, args: Options) -> dict:
     """Simulate the trace at ``path`` streaming; the run's figures."""
     hw = get_hardware(args.cost_model)
     sched = SchedulerConfig(admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
@@ -97,7 +95,8 @@ def simulate(path: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = _args(argv)
+    args = freeze(build_parser("mooncake bench sim-scale", __doc__.split("\n\n")[0], FLAGS).parse_args(list(argv)),
+                  "SimScaleOptions")
     if args.compiled:
         from mooncake_lite.sim.compiled import run_on_build
         # re-executes on the build (or, in the re-executed process, checks that it runs there)
@@ -112,20 +111,21 @@ def main(argv: Sequence[str]) -> int:
             write_trace(iter_synthesize(SynthConfig(num_requests=args.num_requests, rate_per_s=args.rate)), path)
             figures["synth_s"] = round(time.perf_counter() - t0, 1)
         figures.update(simulate(path, args))
-    if args.json:
-        sys.stdout.write(orjson.dumps(figures).decode() + "\n")
-        return 0
-    s = figures["summary"]
-    print(f"sim-scale: {figures['num_requests']:,} requests on {args.prefill}P+{args.decode}D ({args.cost_model}, "
-          f"admission {args.admission}); load average {figures['load_average_1m']} on {figures['cpu']}")
-    print(f"  simulation: {figures['wall_s']} s wall, {figures['cpu_s']} s CPU — "
-          f"{figures['requests_per_wall_s']:,} requests per wall-second "
-          f"({figures['wall_s'] / TARGET_S * 1e6 / max(figures['num_requests'], 1):.2f}× the time a million "
-          f"would have in {TARGET_S:.0f} s)")
-    print(f"  peak RSS {figures['peak_rss_mb']} MB (before the run: {figures['peak_rss_mb_before_run']} MB)"
-          + (f"; trace written in {figures['synth_s']} s" if "synth_s" in figures else ""))
-    ttft, tbt = s["ttft_s"], s["tbt_s"]
-    print(f"  completed {s['completed']:,}, rejected {s['rejected']:,}; TTFT mean {ttft['mean'] or 0:.2f} s "
-          f"p90 {ttft['p90'] or 0:.2f} s; TBT mean {(tbt['mean'] or 0) * 1e3:.1f} ms p90 {(tbt['p90'] or 0) * 1e3:.1f} ms; "
-          f"SLO attainment {s['slo_attainment']:.1%}; reused {s['reused_token_share']:.1%} of input tokens")
+    emit(figures, lambda f: render(f, args), as_json=args.json)
     return 0
+
+
+def render(figures: dict, args: Options) -> str:
+    s, ttft, tbt = figures["summary"], figures["summary"]["ttft_s"], figures["summary"]["tbt_s"]
+    return "\n".join([
+        f"sim-scale: {figures['num_requests']:,} requests on {args.prefill}P+{args.decode}D ({args.cost_model}, "
+        f"admission {args.admission}); load average {figures['load_average_1m']} on {figures['cpu']}",
+        f"  simulation: {figures['wall_s']} s wall, {figures['cpu_s']} s CPU — "
+        f"{figures['requests_per_wall_s']:,} requests per wall-second "
+        f"({figures['wall_s'] / TARGET_S * 1e6 / max(figures['num_requests'], 1):.2f}× the time a million "
+        f"would have in {TARGET_S:.0f} s)",
+        f"  peak RSS {figures['peak_rss_mb']} MB (before the run: {figures['peak_rss_mb_before_run']} MB)"
+        + (f"; trace written in {figures['synth_s']} s" if "synth_s" in figures else ""),
+        f"  completed {s['completed']:,}, rejected {s['rejected']:,}; TTFT mean {ttft['mean'] or 0:.2f} s "
+        f"p90 {ttft['p90'] or 0:.2f} s; TBT mean {(tbt['mean'] or 0) * 1e3:.1f} ms p90 {(tbt['p90'] or 0) * 1e3:.1f} ms; "
+        f"SLO attainment {s['slo_attainment']:.1%}; reused {s['reused_token_share']:.1%} of input tokens"])
