@@ -137,8 +137,8 @@ def run(ns: Options, api: str) -> dict:
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
     report["per_request"] = per_request(lr.records, res)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
-    cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · {ns.prefill}P+{ns.decode}D · "
-                              f"{ns.speed:g}x · live vs sim (exported cost model)")
+    cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · "
+                              f"{ns.prefill}P+{ns.decode}D · {ns.speed:g}x · live vs sim (exported cost model)")
     report["plot"] = str(plot)
     report["text"] = report_text(report)
     (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},

@@ -180,7 +180,8 @@ def _timed_then_send(decode_pid: int) -> type:
             try:
                 await super().end(*args)
             finally:
-                self.cpu = {"sender_cpu_s": time.process_time() - mine, "receiver_cpu_s": process_cpu(decode_pid) - theirs}
+                self.cpu = {"sender_cpu_s": time.process_time() - mine,
+                            "receiver_cpu_s": process_cpu(decode_pid) - theirs}
     return TimedThenSend
 
 

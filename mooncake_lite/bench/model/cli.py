@@ -38,7 +38,7 @@ from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.model.measure import BLOCK_SIZE, Roofs, bench_one
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops, read_gbps
 from mooncake_lite.bench.model.sources import model_list, usable_models
-from mooncake_lite.bench.options import build_parser, flag, freeze
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -64,7 +64,7 @@ FLAGS = (
 )
 
 
-def parse_args(argv: Sequence[str]):
+def parse_args(argv: Sequence[str]) -> Options:
     """The flags as one frozen value: ``device`` a torch device, ``batch_sizes``, ``dtypes`` and
     ``models`` lists, ``default_models`` whether the list is the default one."""
     ap = build_parser("mooncake bench model", __doc__, FLAGS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,7 +92,7 @@ def parse_args(argv: Sequence[str]):
                   default_models=is_default)
 
 
-def run(args) -> dict:
+def run(args: Options) -> dict:
     header_s, notes = usable_models(args.models, drop_missing=args.default_models)
     args = replace(args, models=list(header_s))
     if args.threads:

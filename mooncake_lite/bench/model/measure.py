@@ -14,6 +14,7 @@ from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.model.flops import decode_flops, layer_matmul_params, prefill_flops, weight_bytes
 from mooncake_lite.bench.model.sources import describe_model
+from mooncake_lite.bench.options import Options
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.linear import PACK_PROBE_ROWS, linear
@@ -106,7 +107,7 @@ class Roofs:
     gpu: dict | None = None
 
 
-def bench_one(name: str, args, roofs: Roofs, bar: tqdm, header_s: float = 0.0, dtype: str = "float32") -> dict:
+def bench_one(name: str, args: Options, roofs: Roofs, bar: tqdm, header_s: float = 0.0, dtype: str = "float32") -> dict:
     """One model in one dtype: built as the instances build it, then its prefill, its decode steps
     at each batch size and (``--profile``) a profiled batch-1 step."""
     source = describe_model(name)
@@ -130,7 +131,8 @@ def bench_one(name: str, args, roofs: Roofs, bar: tqdm, header_s: float = 0.0, d
     return out
 
 
-def measure_prefill(model: Transformer, runner: ModelRunner, args, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
+def measure_prefill(model: Transformer, runner: ModelRunner, args: Options, roofs: Roofs, bar: tqdm,
+                    dtype: str) -> dict:
     """Prefill as a prefill instance runs it (``--pack-weights auto``: packed where that is faster
     here). The median is the typical figure; the best run is compared with the roofs (themselves
     best-of), since on a shared machine both are otherwise dominated by whoever holds the cores."""
@@ -147,7 +149,7 @@ def measure_prefill(model: Transformer, runner: ModelRunner, args, roofs: Roofs,
     return out
 
 
-def measure_decode(model: Transformer, runner: ModelRunner, args, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
+def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
     """Each batch size's decode step against both roofs, beside its matmuls alone at that many rows."""
     margs, out = model.args, {}
     wbytes = weight_bytes(margs, runner.dtype)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Sequence
-
 from dataclasses import replace
 
 import orjson
@@ -45,12 +44,12 @@ from mooncake_lite.bench.harness import LOCAL, role
 from mooncake_lite.bench.model.flops import weight_bytes
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops
 from mooncake_lite.bench.model.sources import describe_model, model_list, usable_models
-from mooncake_lite.bench.options import build_parser, flag, freeze
-from mooncake_lite.bench.report import run_and_emit
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.pd.burst import bench_burst
 from mooncake_lite.bench.pd.cpp import bench_cpp
 from mooncake_lite.bench.pd.overlap import bench_overlap_and_prefix
 from mooncake_lite.bench.pd.roles import BLOCK
+from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.instance.profile import profile_decode, profile_prefill, time_decode
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL, resolve
@@ -78,7 +77,8 @@ FLAGS = (
     flag("--batch-sizes", default="1,2,4,8,16,32", help="decode batch sizes"),
     flag("--context-len", type=int, default=256, help="cached tokens per decoding sequence"),
     flag("--threads", type=int, default=2, help="total torch threads (CPP: split across stages)"),
-    flag("--device", default="cpu", help="torch device of the model here and in every role process (cpu, cuda, cuda:1)"),
+    flag("--device", default="cpu",
+         help="torch device of the model here and in every role process (cpu, cuda, cuda:1)"),
     flag("--burst", type=int, default=16, help="(e) prompts arriving at once (0: skip)"),
     flag("--burst-len", type=int, default=100, help="(e) tokens per burst prompt"),
     flag("--burst-tokens", type=int, default=512,
@@ -92,7 +92,7 @@ FLAGS = (
 )
 
 
-def parse_args(argv: Sequence[str]):
+def parse_args(argv: Sequence[str]) -> Options:
     """The flags as one frozen value, with ``models``, ``batch_sizes``, ``prompt_lens`` and
     ``cpp_lens`` (per model) derived from them."""
     ap = build_parser("mooncake bench pd", __doc__, FLAGS, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,7 +128,7 @@ def _prompt_lens(value: str | None, models: Sequence[str]) -> dict[str, int]:
     return {m: lens.get(m, OTHER_PROMPT_LEN) for m in models}
 
 
-def bench_decode(runner: ModelRunner, a, peak_gbps: float) -> list[dict]:
+def bench_decode(runner: ModelRunner, a: Options, peak_gbps: float) -> list[dict]:
     floor = weight_bytes(runner.args, runner.dtype) / (peak_gbps * 1e9)
     rows = []
     for batch in a.batch_sizes:
@@ -139,7 +139,7 @@ def bench_decode(runner: ModelRunner, a, peak_gbps: float) -> list[dict]:
     return rows
 
 
-def run(a) -> dict:
+def run(a: Options) -> dict:
     header_s, notes = usable_models(a.models, drop_missing=a.default_models)
     a = replace(a, models=list(header_s))
     # (a), (b), (d) run here while a decode process receives: half the threads each, so torch's
@@ -243,7 +243,7 @@ def main(argv: Sequence[str]) -> int:
                         errors=(ValueError, FileNotFoundError))
 
 
-def run_and_profile(a) -> dict:
+def run_and_profile(a: Options) -> dict:
     """:func:`run`, then (``--profile FILE``) the first model's fitted cost models written to FILE."""
     res = run(a)
     if a.profile:

@@ -77,13 +77,14 @@ class PrefillRig:
     """One model's prefill path (the stage engine on an in-memory store) with its KV going to a
     live decode process: the prompt, and one prefill of it in any of the three modes."""
 
-    def __init__(self, name: str, model, a, decode: RoleProcess, session: aiohttp.ClientSession):
+    def __init__(self, name: str, model, a: Options, decode: RoleProcess, session: aiohttp.ClientSession):
         n = a.prompt_lens[name]
         decode_blocks = max(a.batch_sizes) * -(-a.context_len // BLOCK)
         burst_blocks = a.burst * -(-a.burst_len // BLOCK)   # (e): a pack holds its members' blocks at once
         self.runner = ModelRunner(model, num_blocks=max(2 * (n // BLOCK + 2), decode_blocks, burst_blocks),
                                   block_size=BLOCK)
-        self.layer_bytes = self.runner.cache.kv[0].numel() // self.runner.cache.num_blocks * self.runner.cache.kv.element_size()
+        cache = self.runner.cache
+        self.layer_bytes = cache.kv[0].numel() // cache.num_blocks * cache.kv.element_size()
         self.store = MemoryStore((0, model.args.num_layers), self.layer_bytes)
         self.stage = StageEngine(self.runner, self.store, ThreadPoolExecutor(1), write_back=False)
         self.links = DecodeLinks(None)
