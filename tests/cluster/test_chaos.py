@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("openai")
 
-from mooncake_lite.bench.chaos import parse_args, run  # noqa: E402
+from mooncake_lite.bench.chaos.cli import parse_args, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ def test_a_killed_prefill_heals_without_hangs_or_leaks():
 
 
 def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_failed_probe():
-    from mooncake_lite.bench.chaos_load import Outcome, phase_figures
+    from mooncake_lite.bench.chaos.load import Outcome, phase_figures
     t0 = 100.0
     load = [Outcome(99.0, 101.0, 99.5, "failed_streaming", "stream broke"),      # streaming at the kill
             Outcome(100.2, 100.3, None, "failed_before_tokens", "502"),

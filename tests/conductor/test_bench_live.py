@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake_lite.bench import conductor_live
+from mooncake_lite.bench.conductor import live as conductor_live
 from mooncake_lite.common.protocol import Register, dumps
 
 
@@ -23,5 +23,5 @@ async def test_live_bench_measures_both_paths(make_cluster, aiohttp_server):
     for key in ("ttft_conductor_median_ms", "e2e_direct_median_ms", "e2e_added_median_ms",
                 "e2e_added_median_vs_target"):
         assert isinstance(f[key], float)
-    conductor_live.show(f)
+    conductor_live.render(f)
 

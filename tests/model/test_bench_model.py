@@ -7,8 +7,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mooncake_lite.bench import model as bench_model
-from mooncake_lite.bench.model import decode_flops, describe_model, main, parse_args, prefill_flops, weight_bytes
+from mooncake_lite.bench.model import cli as bench_model
+from mooncake_lite.bench.model import roofs, sources
+from mooncake_lite.bench.model.cli import main, parse_args
+from mooncake_lite.bench.model.flops import decode_flops, prefill_flops, weight_bytes
+from mooncake_lite.bench.model.sources import describe_model
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.linear import PACK_GAIN
 from mooncake_lite.model.llama import Transformer
@@ -99,8 +102,8 @@ def test_the_matmul_roof_is_the_faster_of_the_two_kernels(monkeypatch):
     def best(fn, device, repeats, warmup=0):
         ran.append(fn)
         return 1.0 if len(ran) == 1 else 0.5      # the second kernel timed twice as fast
-    monkeypatch.setattr(bench_model, "best_seconds", best)
-    gflops = bench_model.matmul_gflops(n=64)
+    monkeypatch.setattr(roofs, "best_seconds", best)
+    gflops = roofs.matmul_gflops(n=64)
     expected = 2 * 64**3 / 1e9
     assert gflops == pytest.approx(expected * (2 if torch.backends.mkldnn.is_available() else 1))
     assert len(ran) == (2 if torch.backends.mkldnn.is_available() else 1)
@@ -129,17 +132,17 @@ def test_describe_a_real_checkpoint():
 
 
 def test_a_missing_real_model_is_skipped_from_the_defaults_only(monkeypatch):
-    real = bench_model.model_args
+    real = sources.model_args
 
     def fake(name):
         if name == SMOLLM:
             raise ModelNotInstalledError("not installed: pip install ...")
         return real(name)
-    monkeypatch.setattr(bench_model, "model_args", fake)
-    keep, notes = bench_model.usable_models(["tiny", SMOLLM], drop_missing=True)
+    monkeypatch.setattr(sources, "model_args", fake)
+    keep, notes = sources.usable_models(["tiny", SMOLLM], drop_missing=True)
     assert list(keep) == ["tiny"] and SMOLLM in notes[0] and "pip install" in notes[0]
     with pytest.raises(ModelNotInstalledError):
-        bench_model.usable_models(["tiny", SMOLLM], drop_missing=False)
+        sources.usable_models(["tiny", SMOLLM], drop_missing=False)
 
 
 def test_dtypes_in_one_run_and_the_decode_profile(capsys, monkeypatch):
@@ -156,7 +159,7 @@ def test_dtypes_in_one_run_and_the_decode_profile(capsys, monkeypatch):
     for r, size in ((f32, 4), (bf16, 2)):
         d = r["decode"]["1"]
         assert abs(d["weight_gbps_best"] * d["step_ms_best"] / 1e3 * 1e9
-                   - weight_bytes(bench_model.model_args("tiny"), getattr(torch, r["dtype"]))) < 1e3
+                   - weight_bytes(sources.model_args("tiny"), getattr(torch, r["dtype"]))) < 1e3
         kinds = r["decode_profile"]["ms_per_step"]
         assert set(kinds) >= {"matmul", "attention", "kv gather", "kv write", "other ops", "outside ops"}
         assert kinds["matmul"] > 0 and kinds["attention"] > 0 and kinds["kv write"] > 0

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kernels import timing
-from mooncake_lite.bench import gpu_roofs
-from mooncake_lite.bench import model as bench_model
+from mooncake_lite.bench.model import gpu_roofs
+from mooncake_lite.bench.model import cli as bench_model
+from mooncake_lite.bench.model import measure as bench_measure
 from mooncake_lite.instance import profile
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
@@ -53,10 +54,10 @@ def test_self_profile_timers_sync(monkeypatch, runner):
 def test_bench_model_timers_sync(monkeypatch, runner):
     calls = record(monkeypatch, runner)
     bar = type("Bar", (), {"update": lambda self, n: None})()
-    assert len(bench_model.bench_prefill(runner, 16, 2, bar)) == 2
+    assert len(bench_measure.bench_prefill(runner, 16, 2, bar)) == 2
     assert calls[0] == ("prefill",) and bracketed(calls[1:], "prefill")   # a warm-up, untimed, first
     del calls[:]
-    assert len(bench_model.bench_decode(runner, 2, 16, 2, bar)) == 2
+    assert len(bench_measure.bench_decode(runner, 2, 16, 2, bar)) == 2
     assert calls[0] == ("decode",)
     assert bracketed(calls[1:], "decode")
 
@@ -122,7 +123,7 @@ def test_bench_model_on_cuda_prints_roofs(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_bench_pd_device_cuda_refused_without_a_gpu(capsys):
-    from mooncake_lite.bench import pd
+    from mooncake_lite.bench.pd import cli as pd
     with pytest.raises(SystemExit):
         pd.parse_args(["--device", "cuda"])
     assert "no CUDA device" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``mooncake bench store --link`` and ``bench pd --link`` (bench/link_store.py, bench/link_pd.py, issue #16 item 7): small
+"""``mooncake bench store --link`` and ``bench pd --link`` (bench/link/store.py, bench/link/pd.py, issue #16 item 7): small
 runs over a slow link whose reports must be sane — every byte asked for moved, across the shaped
 link (no faster than its rate allows), shares within (0, 1.05] — and clear refusals."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from mooncake_lite.bench import pd, store
+from mooncake_lite.bench.pd import cli as pd
+from mooncake_lite.bench.store import cli as store
 from mooncake_lite.cluster import netns
 from tests.netns.conftest import needs_netns
 

@@ -6,7 +6,7 @@ import sys
 import orjson
 import pytest
 
-from mooncake_lite.bench.pd import main, parse_args, profile_dict
+from mooncake_lite.bench.pd.cli import main, parse_args, profile_dict
 from mooncake_lite.sim.costs import load_profile
 from tests.conftest import REPO
 from tests.real_model import SMOLLM

@@ -124,7 +124,7 @@ def test_the_simulator_keeps_twice_the_blocks_in_equal_dram_and_loads_them_faste
 def test_the_bench_reports_agreement_bytes_and_capacity(capsys):
     import orjson
 
-    from mooncake_lite.bench.kv_compression import main
+    from mooncake_lite.bench.model.kv_compression import main
     assert main(["--model", "tiny", "--prompts", "2", "--max-tokens", "2", "--codecs", "int8", "--trace", "",
                  "--dram", "1MiB", "--json"]) == 0
     out = orjson.loads(capsys.readouterr().out)

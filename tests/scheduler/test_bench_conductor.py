@@ -4,7 +4,7 @@
 import orjson
 import pytest
 
-from mooncake_lite.bench import conductor
+from mooncake_lite.bench.conductor import cli as conductor
 
 
 def test_json_has_every_figure(capsys):

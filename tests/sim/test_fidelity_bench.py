@@ -10,7 +10,11 @@ import math
 import orjson
 import pytest
 
-from mooncake_lite.bench import fidelity, fidelity_gaps, fidelity_live, fidelity_report, fidelity_sim
+from mooncake_lite.bench.fidelity import cli as fidelity
+from mooncake_lite.bench.fidelity import gaps as fidelity_gaps
+from mooncake_lite.bench.fidelity import live as fidelity_live
+from mooncake_lite.bench.fidelity import report as fidelity_report
+from mooncake_lite.bench.fidelity import sim as fidelity_sim
 from mooncake_lite.bench.replay.metrics import RequestRecord
 from mooncake_lite.bench.replay.workload import SynthRequest
 from mooncake_lite.sim.costs import load_profile

@@ -74,7 +74,7 @@ def test_a_cpp_group_never_packs():
 def test_bench_pd_predicts_a_burst_as_the_simulated_conductor_does():
     """``mooncake bench pd`` (e) reports the conductor's predictions for its live burst by the same
     scheduler: on the toy instance they are the simulated conductor's, packed and not."""
-    from mooncake_lite.bench.pd_burst import predicted_burst_ttfts
+    from mooncake_lite.bench.pd.burst import predicted_burst_ttfts
     for budget in (512, 0):
         _, predicted = _predicted(budget)
         assert predicted_burst_ttfts(HW.prefill, 12, 100, budget) == pytest.approx(predicted)

@@ -140,7 +140,7 @@ def test_decode_logs_are_trimmed_without_changing_any_result(monkeypatch):
 
 
 def test_bench_sim_scale_streams_a_synthetic_trace_and_reports_its_run(capsys, tmp_path):
-    from mooncake_lite.bench import sim_scale
+    from mooncake_lite.bench.sim import scale as sim_scale
     assert sim_scale.main(["-n", "150", "--prefill", "3", "--decode", "2", "--rate", "2", "--json",
                            "--progress-every", "100"]) == 0
     captured = capsys.readouterr()

@@ -38,7 +38,7 @@ def test_bench_store_json_smoke():
 def test_shm_goals_are_the_issues_only():
     """The cold-memcpy ratio is a reference beside the goals, never one of them (issue 17 sets
     50% of the cache-hot memcpy): a path at 40% hot / 80% cold misses, with no cold "ok"."""
-    from mooncake_lite.bench.store import _shm_goals
+    from mooncake_lite.bench.store.summary import _shm_goals
     entry = {"gbps": 4.0, "vs_memcpy": 0.4, "vs_memcpy_cold": 0.8, "p50_ms": 1.0}
     goals = _shm_goals("shm_get", 1 << 20, entry, {"get": {"gbps": 1.0}})
     assert goals == {"2x_tcp": True, "50pct_memcpy": False}
@@ -47,7 +47,7 @@ def test_shm_goals_are_the_issues_only():
 def test_memcpy_reference_is_the_best_round_and_flags_a_disturbed_one():
     """The 50% goal is judged against the best cache-hot memcpy of the session, not the median a
     slowed round drags down; a round whose hot memcpy fell below its cold read is marked invalid."""
-    from mooncake_lite.bench.store import _shm_goals, memcpy_reference
+    from mooncake_lite.bench.store.summary import _shm_goals, memcpy_reference
     ref = memcpy_reference({"memcpy": [20.0, 8.0, 19.0], "memcpy_cold_read": [10.0, 12.0, 9.0]})
     assert ref["memcpy_gbps"] == 20.0 and ref["memcpy_median_gbps"] == 19.0
     assert ref["invalid_rounds"] == [1]

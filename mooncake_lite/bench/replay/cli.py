@@ -21,67 +21,74 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
-
+from mooncake_lite.bench import options
+from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.replay.metrics import RequestRecord, parse_slos
 from mooncake_lite.bench.replay.report import format_table, per_request, plot_cdfs, write_result
 from mooncake_lite.bench.replay.run import run
+from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.sim.request import MaxTokensPolicy
 from mooncake_lite.trace.format import TraceError
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mooncake bench replay", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
-    p.add_argument("--endpoint", default="/v1/completions")
-    p.add_argument("--model", default=None, help="model name to send (default: first of GET /v1/models)")
-    p.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY or $MOONCAKE_API_KEY)")
-    p.add_argument("--speed", type=float, default=1.0, help="replay this many times faster than the trace")
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--duration", type=parse_duration, default=None,
-                   help="replay only requests arriving within this much replay time (e.g. 60s, 5min)")
-    p.add_argument("--scale", default="1.0",
+FLAGS = (
+    flag("--trace", required=True, help="Mooncake-format JSONL trace"),
+    flag("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)"),
+    flag("--endpoint", default="/v1/completions"),
+    flag("--model", default=None, help="model name to send (default: first of GET /v1/models)"),
+    flag("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY or $MOONCAKE_API_KEY)"),
+    flag("--speed", type=float, default=1.0, help="replay this many times faster than the trace"),
+    flag("--max-requests", type=int, default=None, help="replay only the first N requests"),
+    flag("--duration", type=parse_duration, default=None,
+                   help="replay only requests arriving within this much replay time (e.g. 60s, 5min)"),
+    flag("--scale", default="1.0",
                    help="length scale (0.05: a 512-token trace block becomes 26 tokens) or 'auto' "
-                        "to fit the longest selected request into 90%% of the context")
-    p.add_argument("--block-tokens", type=int, default=None,
+                        "to fit the longest selected request into 90%% of the context"),
+    flag("--block-tokens", type=int, default=None,
                    help="tokens per trace block (overrides --scale: scale = N/512); make it a multiple of "
-                        "the server's KV block size so shared trace blocks are whole cache blocks")
-    p.add_argument("--output-scale", type=float, default=None, help="output length scale (default: --scale)")
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--max-tokens-policy", default="output", type=MaxTokensPolicy.parse, metavar="output|cap:N",
+                        "the server's KV block size so shared trace blocks are whole cache blocks"),
+    flag("--output-scale", type=float, default=None, help="output length scale (default: --scale)"),
+    flag("--max-output-tokens", type=int, default=None),
+    flag("--max-tokens-policy", default="output", type=MaxTokensPolicy.parse, metavar="output|cap:N",
                    help="what to send as max_tokens: the trace's output length (the server learns every "
                         "output length in advance), or a fixed cap N as chat clients send (the client stops "
-                        "reading at the trace's output); `mooncake sim --max-tokens-policy` models the same")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="prompt + output budget (default: max_model_len from /v1/models, if given)")
-    p.add_argument("--tokenizer", default="auto", metavar="MODEL_SPEC|auto|bytes",
+                        "reading at the trace's output); `mooncake sim --max-tokens-policy` models the same"),
+    flag("--max-context", type=int, default=None,
+                   help="prompt + output budget (default: max_model_len from /v1/models, if given)"),
+    flag("--tokenizer", default="auto", metavar="MODEL_SPEC|auto|bytes",
                    help="count prompt lengths in this model's tokenizer (a named model such as smollm2-135m, "
                         "a .gguf file or an HF checkpoint dir); auto (default): the model the server names, "
-                        "if it resolves here; bytes: one printable ASCII byte per token (exact for presets)")
-    p.add_argument("--prompt-mode", choices=("text", "tokens"), default="text",
+                        "if it resolves here; bytes: one printable ASCII byte per token (exact for presets)"),
+    flag("--prompt-mode", choices=("text", "tokens"), default="text",
                    help="text: words of the tokenizer (or printable ASCII bytes without one); "
-                        "tokens: send token id lists (exact for any model that accepts them)")
-    p.add_argument("--vocab-size", type=int, default=32000,
-                   help="tokens mode without a tokenizer: draw ids below this")
-    p.add_argument("--min-token-id", type=int, default=0,
-                   help="tokens mode without a tokenizer: draw ids from here (skip specials)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-hash-id block contents")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send vLLM's ignore_eos (for servers that reject unknown fields)")
-    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
-                   help="SLOs for goodput, e.g. ttft:2000 tpot:100 (metrics: ttft, tpot, e2el)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--request-timeout", type=parse_duration, default=600.0)
-    p.add_argument("--output-dir", default="replay-results", help="where result.json and cdf.png go")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    return p
+                        "tokens: send token id lists (exact for any model that accepts them)"),
+    flag("--vocab-size", type=int, default=32000,
+                   help="tokens mode without a tokenizer: draw ids below this"),
+    flag("--min-token-id", type=int, default=0,
+                   help="tokens mode without a tokenizer: draw ids from here (skip specials)"),
+    flag("--seed", type=int, default=0, help="seed of the per-hash-id block contents"),
+    flag("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send vLLM's ignore_eos (for servers that reject unknown fields)"),
+    flag("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:2000 tpot:100 (metrics: ttft, tpot, e2el)"),
+    flag("--max-concurrency", type=int, default=None, help="cap on requests in flight"),
+    flag("--request-timeout", type=parse_duration, default=600.0),
+    flag("--output-dir", default="replay-results", help="where result.json and cdf.png go"),
+    flag("--no-plot", action="store_true"),
+    flag("--no-progress", action="store_true", help="no progress bar"),
+    flag("--json", action="store_true", help="print the summary as one JSON object"),
+)
 
 
-def validate(ns: argparse.Namespace) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    return options.build_parser("mooncake bench replay", __doc__.split("\n\n")[0], FLAGS)
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    return freeze(build_parser().parse_args(list(argv)), "ReplayOptions")
+
+
+def validate(ns: Options) -> None:
     if ns.speed <= 0:
         raise ValueError("--speed must be positive")
     if ns.max_requests is not None and ns.max_requests < 1:
@@ -100,7 +107,7 @@ def validate(ns: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    ns = build_parser().parse_args(list(argv))
+    ns = parse_args(argv)
     try:
         validate(ns)
         parse_slos(ns.goodput)
@@ -112,11 +119,11 @@ def main(argv: Sequence[str]) -> int:
         sys.stderr.write("mooncake bench replay: interrupted; no results written\n")
         return 130
     summary["files"] = save(summary, summary.pop("_records"), ns)
-    sys.stdout.write(render(summary, as_json=ns.json))
+    emit(summary, render, as_json=ns.json)
     return 0 if summary["metrics"]["completed"] > 0 else 1
 
 
-def save(summary: dict, records: Sequence[RequestRecord], ns: argparse.Namespace) -> dict[str, str]:
+def save(summary: dict, records: Sequence[RequestRecord], ns: Options) -> dict[str, str]:
     """Write ``result.json`` (and ``cdf.png``) under ``--output-dir``; the paths written, by kind."""
     out = Path(ns.output_dir)
     series = per_request(records)
@@ -127,7 +134,5 @@ def save(summary: dict, records: Sequence[RequestRecord], ns: argparse.Namespace
     return files
 
 
-def render(summary: dict, *, as_json: bool) -> str:
-    if as_json:
-        return orjson.dumps(summary).decode() + "\n"
-    return format_table(summary) + "\n" + "".join(f"wrote {p}\n" for p in summary["files"].values())
+def render(summary: dict) -> str:
+    return format_table(summary) + "".join(f"\nwrote {p}" for p in summary["files"].values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -48,51 +49,68 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                      scheduled_s: float, clock: Clock = time.perf_counter) -> RequestRecord:
     """Send one streamed completion; never raises for server or network trouble (it is recorded)."""
     send = clock()
-    chunks: list[float] = []
+    stream = Stream(req.stop_after)
     base = dict(request_id=req.request_id, scheduled_s=scheduled_s, send_s=send,
                 prompt_tokens=req.num_prompt_tokens, num_prompt_blocks=req.num_full_blocks)
-    usage_out = usage_in = cached = reused = None
+    reused = None
     try:
         async with session.post(url, json=body) as resp:
             reused_hdr = resp.headers.get("X-Mooncake-Reused-Blocks")
             reused = int(reused_hdr) if reused_hdr and reused_hdr.isdigit() else None
             if resp.status != 200:
                 return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
-            error, done = None, False
             async for raw in resp.content:
                 line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
+                if line.startswith(b"data:") and stream.take(line[5:].strip(), clock):
                     break
-                now = clock()
-                data = orjson.loads(payload)
-                if data.get("error"):
-                    error = _error_text(payload.decode())
-                    continue
-                if data.get("choices"):
-                    chunks.append(now)
-                    if req.stop_after is not None and len(chunks) >= req.stop_after:
-                        # the trace's answer is complete: a client that sent a max_tokens cap
-                        # stops reading here (closing the stream ends the request upstream)
-                        usage_out, done = len(chunks), True
-                        break
-                usage = data.get("usage")
-                if isinstance(usage, dict):
-                    usage_out = _count(usage, "completion_tokens", usage_out)
-                    usage_in = _count(usage, "prompt_tokens", usage_in)
-                    details = usage.get("prompt_tokens_details")
-                    cached = _count(details, "cached_tokens", cached) if isinstance(details, dict) else cached
-            if error is None and not done:
-                error = "stream ended without data: [DONE]"
-            return RequestRecord(**base, chunk_s=tuple(chunks), output_tokens=usage_out, status=resp.status,
-                                 error=error, cached_tokens=cached, server_prompt_tokens=usage_in,
-                                 reused_blocks=reused)
+            if stream.error is None and not stream.done:
+                stream.error = "stream ended without data: [DONE]"
+            return RequestRecord(**base, chunk_s=tuple(stream.chunks), output_tokens=stream.output_tokens,
+                                 status=resp.status, error=stream.error, cached_tokens=stream.cached_tokens,
+                                 server_prompt_tokens=stream.prompt_tokens, reused_blocks=reused)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
-        return RequestRecord(**base, chunk_s=tuple(chunks), error=f"{type(exc).__name__}: {exc}"[:300],
+        return RequestRecord(**base, chunk_s=tuple(stream.chunks), error=f"{type(exc).__name__}: {exc}"[:300],
                              reused_blocks=reused)
+
+
+@dataclass
+class Stream:
+    """What one SSE stream has told so far: when each content chunk came, the usage counts the
+    server reported, an error event, and whether it ended (``[DONE]``, or the trace's answer
+    complete under a ``max_tokens`` cap)."""
+    stop_after: int | None
+    chunks: list[float] = field(default_factory=list)
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    error: str | None = None
+    done: bool = False
+
+    def take(self, payload: bytes, clock: Clock) -> bool:
+        """One ``data:`` payload; True when the client stops reading."""
+        if payload == b"[DONE]":
+            self.done = True
+            return True
+        now = clock()
+        data = orjson.loads(payload)
+        if data.get("error"):
+            self.error = _error_text(payload.decode())
+            return False
+        if data.get("choices"):
+            self.chunks.append(now)
+            if self.stop_after is not None and len(self.chunks) >= self.stop_after:
+                # the trace's answer is complete: a client that sent a max_tokens cap
+                # stops reading here (closing the stream ends the request upstream)
+                self.output_tokens, self.done = len(self.chunks), True
+                return True
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            self.output_tokens = _count(usage, "completion_tokens", self.output_tokens)
+            self.prompt_tokens = _count(usage, "prompt_tokens", self.prompt_tokens)
+            details = usage.get("prompt_tokens_details")
+            self.cached_tokens = _count(details, "cached_tokens", self.cached_tokens) if isinstance(details, dict) \
+                else self.cached_tokens
+        return False
 
 
 async def served_model_info(session: aiohttp.ClientSession, base_url: str) -> tuple[str | None, int | None]:

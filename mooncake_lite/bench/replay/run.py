@@ -3,13 +3,13 @@ and the figures (``run(ns)`` returns them as one dict; ``cli.py`` renders it).""
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Sequence
 
 import aiohttp
 
+from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.replay.client import cache_hit_rate, scrape_metrics, served_model_info
 from mooncake_lite.bench.replay.metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, parse_slos,
                                                 prefix_hit_request_share)
@@ -57,7 +57,7 @@ def resolve_tokenizer(choice: str, model: str) -> tuple[TextTokenizer | None, st
     return tok, spec, None
 
 
-def read_window(ns: argparse.Namespace) -> list[TraceRequest]:
+def read_window(ns: Options) -> list[TraceRequest]:
     """The requests of the trace that ``--max-requests`` / ``--duration`` select."""
     trace = read_trace(ns.trace, speed=ns.speed)
     count = select_window([r.arrival_s for r in trace], max_requests=ns.max_requests, duration_s=ns.duration)
@@ -66,7 +66,7 @@ def read_window(ns: argparse.Namespace) -> list[TraceRequest]:
     return trace[:count]
 
 
-def length_scale(ns: argparse.Namespace, window: Sequence[TraceRequest], max_context: int | None) -> float:
+def length_scale(ns: Options, window: Sequence[TraceRequest], max_context: int | None) -> float:
     """Tokens per trace token: ``--block-tokens``, ``--scale auto`` (fit the context) or ``--scale``."""
     if ns.block_tokens is not None:
         return ns.block_tokens / TRACE_BLOCK_SIZE
@@ -77,7 +77,7 @@ def length_scale(ns: argparse.Namespace, window: Sequence[TraceRequest], max_con
     return float(ns.scale)
 
 
-def build_requests(ns: argparse.Namespace, window: Sequence[TraceRequest], pcfg: PromptConfig, model: str,
+def build_requests(ns: Options, window: Sequence[TraceRequest], pcfg: PromptConfig, model: str,
                    notes: list[str]) -> tuple[list[SynthRequest], str]:
     """The prompts of ``window`` and what their lengths are counted in; caveats go to ``notes``."""
     tokenizer, counted_in, note = resolve_tokenizer(ns.tokenizer, model)
@@ -94,13 +94,12 @@ def build_requests(ns: argparse.Namespace, window: Sequence[TraceRequest], pcfg:
     return requests, counted_in
 
 
-async def run(ns: argparse.Namespace) -> dict:
+async def run(ns: Options) -> dict:
     """Replay the window against the server; the summary (config, metrics, cache, notes) plus the
     per-request records under ``_records``."""
     window = read_window(ns)
     base = ns.base_url.rstrip("/")
-    key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("MOONCAKE_API_KEY")
-    headers = api_key_headers(key)
+    headers = api_key_headers(ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("MOONCAKE_API_KEY"))
     notes: list[str] = []
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as session:
         served, served_ctx = await served_model_info(session, base)

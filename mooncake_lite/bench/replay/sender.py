@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from tqdm import tqdm
@@ -40,7 +40,6 @@ async def replay(requests: Sequence[SynthRequest], url: str, model: str, *, head
         return [], 0.0
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, unit="req", desc="replay")
-    t_first = requests[0].arrival_s
     timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=30)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
 
@@ -59,18 +58,29 @@ async def replay(requests: Sequence[SynthRequest], url: str, model: str, *, head
         return record
 
     start = clock()
-    tasks: list[asyncio.Task] = []
     try:
         async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
-            for req in requests:
-                scheduled = start + (req.arrival_s - t_first)
-                delay = scheduled - clock()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(req, scheduled)))
-            records = await asyncio.gather(*tasks)
+            records = await send_open_loop(requests, one, start, clock)
+    finally:
+        bar.close()
+    return records, clock() - start
+
+
+async def send_open_loop(requests: Sequence[SynthRequest], send: Callable[[SynthRequest, float], Awaitable],
+                         start: float, clock: Clock) -> list:
+    """``send(req, scheduled)`` for each request at its arrival time after ``start`` (relative to
+    the first's), never waiting for the ones before; their results in order. Those still running
+    when this is cancelled or fails are cancelled with it."""
+    t_first = requests[0].arrival_s
+    tasks: list[asyncio.Task] = []
+    try:
+        for req in requests:
+            scheduled = start + (req.arrival_s - t_first)
+            delay = scheduled - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(req, scheduled)))
+        return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
-        bar.close()
-    return list(records), clock() - start

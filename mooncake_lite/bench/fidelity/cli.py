@@ -1,0 +1,167 @@
+"""``mooncake bench fidelity``: one trace slice, replayed live and simulated, side by side.
+
+    mooncake bench fidelity --ttft-slo 45 --tbt-slo 1.33   # smollm2-135m, 1P+1D, 30 requests at 0.03x
+    mooncake bench fidelity --conductor http://127.0.0.1:8000 --block-tokens 64   # a running cluster
+
+1. Starts ``mooncake up`` (``--model``, ``--prefill``/``--decode``, ``--block-size`` = the trace
+   block's tokens, so one trace block is one KV block) unless ``--conductor`` names a running one.
+2. Replays the first ``-n`` requests of ``--trace`` through ``bench replay``'s own pieces
+   (lengths scaled ``--block-tokens``/512, outputs scaled by ``--output-scale`` and capped at
+   ``--max-output-tokens``, ``max_tokens`` = the output, ``ignore_eos``), at ``--speed``.
+3. Exports the cluster's own cost models as ``mooncake sim export-costs`` does (in-process; the
+   models as refined by the replay's own chunks and steps).
+4. Simulates the same slice — the prompts' lengths as the server counted them, the same outputs,
+   arrivals, instance counts, block size and admission — with that cost model.
+5. Prints TTFT and TBT (the paper's: mean of each request's slowest 10% of gaps) mean/p50/p90,
+   rejections (and whether the *same* requests were rejected), prefix-hit tokens, each with the
+   simulator's relative error, plus the measured modelling gaps (``gaps``), the export's split of
+   the decode's gaps beside a prefill forward from those without (``cost_model.colocation``),
+   and the same slice simulated without each one-box effect the profile models (``ablations``);
+   writes a CDF plot, and the instances' step and forward timelines (``timelines.json``).
+
+SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
+5× one step alone, by the chosen instance's own profile); the simulator's are absolute. Without
+``--ttft-slo``/``--tbt-slo`` the simulator gets the median over the slice of the per-request
+limits the exported model gives (``scheduler.admission.slo_limits``); with them, both sides use
+the same absolute SLOs (passed to the conductor this command starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import orjson
+
+from mooncake_lite.bench import options
+from mooncake_lite.bench.fidelity.gaps import measured_gaps
+from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster, token_gaps
+from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
+from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
+from mooncake_lite.bench.options import Options, flag, freeze
+from mooncake_lite.bench.report import emit
+from mooncake_lite.model.source import DEFAULT_MODEL
+
+DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+
+
+FLAGS = (
+    flag("--trace", default=DEFAULT_TRACE),
+    # 30 requests at 0.03x: about 63% of one prefill instance on a 2-core box shared with other work
+    flag("-n", "--num-requests", type=int, default=30, help="the first N requests of the trace"),
+    flag("--speed", type=float, default=0.03, help="replay speed (0.03: 3%% of the recorded rate)"),
+    flag("--block-tokens", type=int, default=16,
+                   help="tokens per 512-token trace block, and the cluster's KV block size"),
+    flag("--output-scale", type=float, default=1.0, help="output length scale"),
+    flag("--max-output-tokens", type=int, default=32, help="output cap"),
+    flag("--conductor", default=None, help="a running cluster's conductor URL (default: start one)"),
+    flag("--token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"), help="its cluster token"),
+    flag("--model", default=DEFAULT_MODEL, help="model of the cluster this command starts"),
+    flag("--prefill", type=int, default=1),
+    flag("--decode", type=int, default=1),
+    flag("--admission", default="predictive", help="the conductor's admission (its default)"),
+    flag("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides"),
+    flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
+    flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),
+    flag("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO"),
+    flag("--prefill-batch-tokens", type=int, default=512,
+                   help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
+                        "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)"),
+    flag("--warmup", type=int, default=2,
+                   help="short completions sent (and not measured) before the replay, so it meets warm instances"),
+    flag("--tokenizer", default="auto"),
+    flag("--prompt-mode", choices=("text", "tokens"), default="text"),
+    flag("--ready-timeout", type=float, default=300.0),
+    flag("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)"),
+    flag("--output-dir", default="fidelity-results"),
+    flag("--json", action="store_true"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return options.build_parser("mooncake bench fidelity", __doc__.split("\n\n")[0], FLAGS)
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
+    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1:
+        sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive\n")
+        return 2
+    cluster = None
+    try:
+        if ns.conductor is None:
+            cluster = start_cluster(ns)
+        api = ns.conductor or cluster.api
+        report = run(ns, api.removesuffix("/v1"))
+    except (ValueError, OSError, RuntimeError) as exc:
+        sys.stderr.write(f"mooncake bench fidelity: error: {exc}\n")
+        return 2
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    emit(report, lambda r: r["text"], as_json=ns.json)
+    return 0
+
+
+def run(ns: Options, api: str) -> dict:
+    """Replay, export, simulate, compare: the report dict (``text``: the table)."""
+    from mooncake_lite.sim.costs import load_profile
+    out = Path(ns.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lr = replay_live(ns, api, out)
+    hw = load_profile(out / "costs.json")
+    trace = sim_trace(lr.window, lr.requests, lr.records, ns.block_tokens)
+    if ns.ttft_slo and ns.tbt_slo:
+        slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
+    else:
+        slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
+
+    def simulated(costs):
+        return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
+                        ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
+                        batch_tokens=ns.prefill_batch_tokens)
+    res = simulated(hw)
+    live, sim = live_side(lr.records), sim_side(res)
+    report = compare(live, sim, len(lr.records))
+    for name, other in ablations(hw).items():   # the same slice without one modelled effect: what it moves
+        report[f"sim_{name}"] = compare(live, sim_side(simulated(other)), len(lr.records))["rows"]
+    report.update(slos=slos, gaps=measured_gaps(live, lr.records, lr.before, lr.after, hw),
+                  config={k: v for k, v in asdict(ns).items() if k != "token"}, served=lr.served,
+                  live_wall_s=lr.live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
+                  prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
+                  cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
+                              **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
+    report["per_request"] = per_request(lr.records, res)
+    plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
+    cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · "
+                              f"{ns.prefill}P+{ns.decode}D · {ns.speed:g}x · live vs sim (exported cost model)")
+    report["plot"] = str(plot)
+    report["text"] = report_text(report)
+    (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
+                                                     option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    return report
+
+
+# what the exported cost model adds to its prefill and decode fits (one-box effects), reported as is
+PROFILE_KEYS = ("decode_max_context_tokens", "decode_step_ratios", "decode_colocated_slowdown",
+                "decode_padding_s_per_token", "decode_kv_write_s_per_token", "colocation")
+
+
+def per_request(records: Sequence, res) -> list[dict]:
+    """Each request's outcome on both sides (TTFT/TBT seconds, or its rejection), by id."""
+    from mooncake_lite.bench.replay.metrics import ttft
+    from mooncake_lite.common.tbt import paper_tbt
+    sims = {r.request_id: r for r in res.requests}
+    rows = []
+    for rec in records:
+        s = sims.get(rec.request_id)
+        rows.append({"id": rec.request_id, "live_ttft": ttft(rec) if rec.is_ok else None,
+                     "live_tbt": paper_tbt(token_gaps(rec)) if rec.is_ok else None, "live_status": rec.status,
+                     "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
+                     "sim_status": s.status if s else None, "input": s.input_length if s else None,
+                     "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
+    return rows

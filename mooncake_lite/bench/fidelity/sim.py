@@ -1,0 +1,91 @@
+"""``bench fidelity``'s simulated side: the replayed slice as the simulator sees it, the SLOs it
+gets for the conductor's relative ones, the run with the cluster's exported cost model, and the
+ablations (the same slice without each one-box effect that model has)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+
+from mooncake_lite.bench.fidelity.live import server_tokens
+from mooncake_lite.bench.fidelity.report import Side
+from mooncake_lite.trace.format import TraceRequest
+
+
+
+def converted_slos(prompt_tokens: Sequence[int], hw, ttft_factor: float, tbt_factor: float) -> dict:
+    """The absolute SLOs the simulator gets for the conductor's relative ones: each request's
+    limits by the exported model (factor × its prefill alone; factor × one step alone with its
+    prompt as context), and their median over the slice (with the range, for the report)."""
+    ttft = [ttft_factor * hw.prefill.predict(n) for n in prompt_tokens]
+    tbt = [tbt_factor * hw.decode.predict(1, n) for n in prompt_tokens]
+    return {"ttft_slo_s": statistics.median(ttft), "tbt_slo_s": statistics.median(tbt),
+            "ttft_range_s": [min(ttft), max(ttft)], "tbt_range_s": [min(tbt), max(tbt)],
+            "how": f"median over the slice of {ttft_factor:g}x prefill alone / {tbt_factor:g}x one step alone "
+                   f"(exported model)"}
+
+
+def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Sequence, block: int) -> list[TraceRequest]:
+    """The slice as the simulator sees it: the server's prompt length (its tokenizer adds BOS;
+    a request it never counted — rejected — gets the client's count plus the same offset), the
+    output the client asked for and read, the trace's hash ids cut to the scaled length (one
+    trace block = ``block`` tokens), the replay's arrival times (ms, relative to the first)."""
+    offsets = [r.server_prompt_tokens - r.prompt_tokens for r in records if r.server_prompt_tokens is not None]
+    offset = int(statistics.median(offsets)) if offsets else 0
+    by_id = {r.request_id: r for r in records}
+    t0 = requests[0].arrival_s if requests else 0.0
+    out = []
+    for tr, req in zip(window, requests):
+        rec = by_id.get(req.request_id)
+        n_in = server_tokens(rec) if rec is not None and rec.server_prompt_tokens is not None \
+            else req.num_prompt_tokens + offset
+        n_out = req.stop_after if req.stop_after is not None else req.max_tokens
+        ids = tuple(tr.hash_ids[: max(1, math.ceil(n_in / block))])
+        out.append(TraceRequest(tr.request_id, (req.arrival_s - t0) * 1e3, n_in, max(1, n_out), ids))
+    return out
+
+
+def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
+             tbt_slo_s: float, block: int, batch_tokens: int = 0):
+    from mooncake_lite.scheduler import SchedulerConfig
+    from mooncake_lite.sim.cluster import MooncakeSim
+    from mooncake_lite.sim.config import SimConfig
+    sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
+    cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
+                    max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens)
+    return MooncakeSim(cfg, replace(hw, block_size=block)).run(trace)
+
+
+def sim_side(result) -> Side:
+    done = [r for r in result.requests if r.status == "completed"]
+    return Side(ttft=tuple(r.ttft for r in done if r.ttft is not None),
+                tbt=tuple(r.tbt for r in done if r.tbt is not None), completed=len(done),
+                rejected=frozenset(r.request_id for r in result.requests if r.status == "rejected"),
+                failed=sum(r.status not in ("completed", "rejected") for r in result.requests),
+                prefix_hit_tokens=sum(r.reused_tokens for r in done),
+                prompt_tokens=sum(r.input_length for r in done))
+
+
+def ablations(hw) -> dict:
+    """The exported hardware without each one-box effect it models (only those it has), and
+    without all of them: the simulator as it ran before they were measured."""
+    out = {}
+    if hw.decode_step_ratios:
+        out["without_step_spread"] = replace(hw, decode_step_ratios=())
+    if hw.decode_padding_s_per_token:
+        out["without_padded_context"] = replace(hw, decode_padding_s_per_token=0.0)
+    if hw.decode_colocated_slowdown != 1.0:
+        out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
+    if hw.decode_kv_write_s_per_token:
+        out["without_kv_writes"] = replace(hw, decode_kv_write_s_per_token=0.0)
+    if len(out) > 1:
+        out["without_any"] = replace(hw, decode_step_ratios=(), decode_padding_s_per_token=0.0,
+                                     decode_colocated_slowdown=1.0, decode_kv_write_s_per_token=0.0)
+    return out
+
+
+def rejected_by(res) -> dict[str, int]:
+    from collections import Counter
+    return dict(Counter(f"{r.reject_stage}:{r.reject_cause}" for r in res.requests if r.status == "rejected"))

@@ -1,0 +1,29 @@
+"""A model's useful work: FLOPs of a prefill and of a decode step (matmuls plus causal attention),
+and the weight bytes a decode step reads; the figures are stated against these."""
+
+from __future__ import annotations
+
+import torch
+
+from mooncake_lite.model.args import ModelArgs
+
+
+def layer_matmul_params(a: ModelArgs) -> int:
+    kv = a.num_kv_heads * a.head_dim
+    return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+
+
+def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
+    """Useful FLOPs of a prefill from position 0; the head runs on the last position only."""
+    attention = 4 * a.num_layers * a.q_width * num_tokens * (num_tokens + 1) / 2  # QK^T and PV, causal
+    return 2 * layer_matmul_params(a) * num_tokens + attention + 2 * a.dim * a.vocab_size
+
+
+def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
+    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * a.q_width * context_len
+    return batch * per_token
+
+
+def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row)."""
+    return (layer_matmul_params(a) + a.dim * a.vocab_size) * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,35 @@
+"""How every benchmark hands back its result: one JSON object (``--json``) or its text, on stdout.
+
+A command's runner returns a plain dict; its ``render`` turns that dict into text. The JSON is
+orjson's (integer keys, as ``bench store`` has, become strings), one object on one line, so a
+script reads any benchmark the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import orjson
+
+Render = Callable[[dict], str]
+
+
+def emit(result: dict, render: Render, *, as_json: bool) -> None:
+    """Print ``result`` as one JSON line, or as ``render(result)``."""
+    text = orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS).decode() if as_json else render(result)
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def run_and_emit(prog: str, run: Callable[[], dict], render: Render, *, as_json: bool,
+                 errors: tuple[type[Exception], ...] = (ValueError, OSError)) -> int:
+    """``run()`` then :func:`emit`; one of ``errors`` (a missing model, a bad trace, a refused
+    connection) is said on stderr as ``PROG: error: ...`` with exit code 2."""
+    try:
+        result = run()
+    except errors as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    emit(result, render, as_json=as_json)
+    return 0
