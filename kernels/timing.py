@@ -2,8 +2,8 @@
 
 CUDA runs kernels asynchronously, so a clock read right after a launch measures the launch: each
 timed run sits between two :func:`kernels.device.sync` calls (a no-op off CUDA). Self-profiling
-(``instance/profile.py``) and the benchmarks (``bench/model.py``, ``bench/gpu_roofs.py``, the memcpy reference of ``bench/store.py``) all
-time through :func:`run_times` or :func:`best_seconds`; on a shared machine the best run is the
+(``instance/profile.py``) and the benchmarks (``bench/model/measure.py``,
+``bench/model/gpu_roofs.py``, the memcpy reference of ``bench/store/summary.py``) all time through :func:`run_times` or :func:`best_seconds`; on a shared machine the best run is the
 one least disturbed by others, so that is what is compared with roofs and fitted.
 """
 
