@@ -18,7 +18,7 @@ from dataclasses import replace
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import Heartbeat, Register, dumps
+from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, dumps
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ async def register(session: aiohttp.ClientSession, conductor: str, msg: Register
         waited += retry_s
 
 
-async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict[str, float]],
+async def keep_membership(conductor: str, msg: Register, load: Callable[[], InstanceLoad],
                           interval_s: float, token: str | None,
                           on_refused: Callable[[str], None],
                           on_registered: Callable[[], None] | None = None,
@@ -70,7 +70,7 @@ async def keep_membership(conductor: str, msg: Register, load: Callable[[], dict
             while True:
                 await asyncio.sleep(interval_s)
                 current = cost() if cost is not None else None
-                beat = Heartbeat(msg.instance_id, {k: float(v) for k, v in load().items()}, current)
+                beat = Heartbeat(msg.instance_id, InstanceLoad(**{k: float(v) for k, v in load().reported().items()}), current)
                 try:
                     async with session.post(hb_url, data=dumps(beat), headers=headers) as resp:
                         if resp.status == 404:

@@ -137,7 +137,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def load(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({**engine.load(), "num_steps": engine.num_steps,
+    return web.json_response({**engine.load().reported(), "num_steps": engine.num_steps,
                               "pending_transfers": len(engine.pending), **request.app[STATS]})
 
 
@@ -164,7 +164,7 @@ def pads_decode_attention(device) -> bool:
 
 def figures(app: web.Application) -> dict[str, float]:
     engine = app[ENGINE]
-    return {**engine.load(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
+    return {**engine.load().reported(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
             "pending_transfers": len(engine.pending),
             "rejected_total": app[STATS]["rejected"]}
 

@@ -122,7 +122,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 def figures(service: PrefillService) -> dict[str, float]:
-    return {**service.load(), **service.totals, "requests_done_total": service.num_done,
+    return {**service.load().reported(), **service.totals, "requests_done_total": service.num_done,
             "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored,
             **service.stage.writebacks.figures(), **service.stage.fallback_figures()}
 
@@ -130,7 +130,7 @@ def figures(service: PrefillService) -> dict[str, float]:
 async def load(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     # cost: the model it predicts its queue with and registered (a CPP group's: timed through its stages)
-    return web.json_response({**service.load(), "num_done": service.num_done, "num_failed": service.num_failed,
+    return web.json_response({**service.load().reported(), "num_done": service.num_done, "num_failed": service.num_failed,
                               "blocks_stored": service.stage.num_blocks_stored,
                               "cost": service.cost.to_dict() if service.cost is not None else None})
 
