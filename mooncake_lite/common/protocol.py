@@ -115,34 +115,37 @@ class Register:
     queue_overtakes: int = 0
 
 
+Figure = float | None   # a figure of a load: None when the instance does not report it
+
+
 @dataclass(frozen=True)
 class InstanceLoad:
     """What a heartbeat says of an instance's load now. Each role fills its own fields; one it
     does not report is None, and left out on the wire."""
     # prefill: seconds of queued work by its cost model, queued requests and their tokens
-    queued_s: float | None = None
-    num_queued: float | None = None
-    queued_tokens: float | None = None
-    free_blocks: float | None = None      # both roles: free blocks of the paged KV cache
+    queued_s: Figure = None
+    num_queued: Figure = None
+    queued_tokens: Figure = None
+    free_blocks: Figure = None      # both roles: free blocks of the paged KV cache
     # decode: its batch, the requests waiting for KV, their context, and what it can hold
-    num_running: float | None = None
-    num_waiting: float | None = None
-    context_tokens: float | None = None
-    max_context_tokens: float | None = None
-    max_batch_size: float | None = None
-    predicted_tbt_s: float | None = None
-    bandwidth_bytes_per_s: float | None = None   # measured inbound KV rate, where measured
+    num_running: Figure = None
+    num_waiting: Figure = None
+    context_tokens: Figure = None
+    max_context_tokens: Figure = None
+    max_batch_size: Figure = None
+    predicted_tbt_s: Figure = None
+    bandwidth_bytes_per_s: Figure = None   # measured inbound KV rate, where measured
     # decode: the spread of its step times around its cost model, as deciles (instance/refine.py)
-    step_ratio_q05: float | None = None
-    step_ratio_q15: float | None = None
-    step_ratio_q25: float | None = None
-    step_ratio_q35: float | None = None
-    step_ratio_q45: float | None = None
-    step_ratio_q55: float | None = None
-    step_ratio_q65: float | None = None
-    step_ratio_q75: float | None = None
-    step_ratio_q85: float | None = None
-    step_ratio_q95: float | None = None
+    step_ratio_q05: Figure = None
+    step_ratio_q15: Figure = None
+    step_ratio_q25: Figure = None
+    step_ratio_q35: Figure = None
+    step_ratio_q45: Figure = None
+    step_ratio_q55: Figure = None
+    step_ratio_q65: Figure = None
+    step_ratio_q75: Figure = None
+    step_ratio_q85: Figure = None
+    step_ratio_q95: Figure = None
 
     def reported(self) -> dict[str, float]:
         """The fields the instance reported, by name (its wire form)."""
