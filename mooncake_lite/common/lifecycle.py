@@ -8,9 +8,9 @@ A role's ``main`` builds its app and awaits :func:`serve_role` (run on uvloop by
 2. an instance with a conductor (``Membership``) registers once its addresses are known, then
    heartbeats its load and cost model; systemd hears ``READY=1`` only once it is registered
    (the conductor can send it work). Without a conductor ``READY=1`` follows the ready line;
-3. on SIGTERM/SIGINT the app drains (its ``service.DRAIN`` hook while it still listens, then
-   aiohttp's bounded wait for the handlers still running) and its ``cleanup_ctx`` stops what it
-   started; the heartbeats go on until that is over, so the conductor does not take the
+3. on SIGTERM/SIGINT the app drains (its ``service.DRAIN`` hook where it has one, while it
+   still listens; then aiohttp's bounded wait for the handlers still running) and its
+   ``cleanup_ctx`` stops what it started (the instances end their last requests there); the heartbeats go on until that is over, so the conductor does not take the
    instance for dead while its last requests end.
 
 Anything that must stop the process on purpose (the conductor refused it, a peer it cannot serve
