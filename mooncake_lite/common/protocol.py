@@ -115,10 +115,52 @@ class Register:
     queue_overtakes: int = 0
 
 
+Figure = float | None   # a figure of a load: None when the instance does not report it
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What a heartbeat says of an instance's load now. Each role fills its own fields; one it
+    does not report is None, and left out on the wire."""
+    # prefill: seconds of queued work by its cost model, queued requests and their tokens
+    queued_s: Figure = None
+    num_queued: Figure = None
+    queued_tokens: Figure = None
+    free_blocks: Figure = None      # both roles: free blocks of the paged KV cache
+    # decode: its batch, the requests waiting for KV, their context, and what it can hold
+    num_running: Figure = None
+    num_waiting: Figure = None
+    context_tokens: Figure = None
+    max_context_tokens: Figure = None
+    max_batch_size: Figure = None
+    predicted_tbt_s: Figure = None
+    bandwidth_bytes_per_s: Figure = None   # measured inbound KV rate, where measured
+    # decode: the spread of its step times around its cost model, as deciles (instance/refine.py)
+    step_ratio_q05: Figure = None
+    step_ratio_q15: Figure = None
+    step_ratio_q25: Figure = None
+    step_ratio_q35: Figure = None
+    step_ratio_q45: Figure = None
+    step_ratio_q55: Figure = None
+    step_ratio_q65: Figure = None
+    step_ratio_q75: Figure = None
+    step_ratio_q85: Figure = None
+    step_ratio_q95: Figure = None
+
+    def reported(self) -> dict[str, float]:
+        """The fields the instance reported, by name (its wire form)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    @property
+    def step_ratios(self) -> tuple[float, ...]:
+        """The reported step-time deciles, in quantile order (empty: none reported)."""
+        return tuple(v for k, v in self.__dict__.items() if k.startswith("step_ratio_q") and v is not None)
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     instance_id: str
-    load: dict[str, float] = field(default_factory=dict)  # e.g. queued_s, num_running, context_tokens, free_blocks
+    load: InstanceLoad = field(default_factory=InstanceLoad)
     # The instance's current cost model, refined from the work it ran (``Register.cost``'s
     # format); None or absent: unchanged since the last report.
     cost: dict[str, Any] | None = None
@@ -138,7 +180,13 @@ class BlockEvents:
 
 
 def dumps(msg: Any) -> bytes:
+    if isinstance(msg, Heartbeat):   # its load leaves out what the instance does not report
+        return orjson.dumps(msg, default=_sparse_load, option=orjson.OPT_PASSTHROUGH_DATACLASS)
     return orjson.dumps(msg)  # orjson serialises dataclasses natively (no asdict copy)
+
+
+def _sparse_load(obj: Any) -> dict[str, Any]:
+    return obj.reported() if isinstance(obj, InstanceLoad) else obj.__dict__   # the Heartbeat itself
 
 
 @functools.cache

@@ -193,11 +193,12 @@ async def drain(app: web.Application, timeout: float, hurry: asyncio.Event | Non
         await hook(timeout, hurry if hurry is not None else asyncio.Event())
 
 
-def run(main: Callable[[], Awaitable[None]]) -> int:
-    """Run a coroutine on uvloop (asyncio's default loop if uvloop is missing)."""
+def run(main: Callable[[], Awaitable[int | None]]) -> int:
+    """Run a coroutine on uvloop (asyncio's default loop if uvloop is missing); the exit status
+    it returns (None: 0)."""
     try:
         import uvloop
-        uvloop.run(main())
+        status = uvloop.run(main())
     except ImportError:
-        asyncio.run(main())
-    return 0
+        status = asyncio.run(main())
+    return status or 0

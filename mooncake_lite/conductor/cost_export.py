@@ -47,7 +47,6 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.membership import Instance, Membership
 from mooncake_lite.instance.colocation import colocation_split
-from mooncake_lite.instance.refine import STEP_RATIO_PREFIX
 from mooncake_lite.scheduler import CostModels
 
 TIMELINE_TIMEOUT_S = 5.0
@@ -142,8 +141,7 @@ def _gap_ratios(split: Mapping | None) -> list[float]:
 
 def _step_ratios(inst: Instance) -> list[float]:
     """The decode's reported step-time spread, its quantiles in order (empty: none reported)."""
-    keys = sorted(k for k in inst.load if k.startswith(STEP_RATIO_PREFIX))
-    return [float(inst.load[k]) for k in keys]
+    return list(inst.load.step_ratios)
 
 
 def _median_model(models: list, default: dict[str, float]) -> dict[str, float]:
@@ -155,7 +153,7 @@ def _median_model(models: list, default: dict[str, float]) -> dict[str, float]:
 
 def _bandwidth(inst: Instance) -> float | None:
     """What the instance measured of its inbound KV rate (reported in its costs or its load)."""
-    return inst.costs.bandwidth_bytes_per_s or inst.load.get("bandwidth_bytes_per_s") or None
+    return inst.costs.bandwidth_bytes_per_s or inst.load.bandwidth_bytes_per_s or None
 
 
 def _instance(inst: Instance, defaults: CostModels) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
-from mooncake_lite.common.protocol import Heartbeat, Register
+from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
 from mooncake_lite.conductor.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
@@ -82,7 +82,7 @@ class Instance:
     # The scheduler's view of this instance (its queue, or its batch and incoming requests).
     view: PrefillView | DecodeView
     is_alive: bool = True
-    load: dict[str, float] = field(default_factory=dict)
+    load: InstanceLoad = field(default_factory=InstanceLoad)
     prefill_jobs: dict[str, PrefillJob] = field(default_factory=dict)   # dispatch order
     decode_jobs: dict[str, DecodeJob] = field(default_factory=dict)
     # Decode side: dispatched here, KV not arrived yet (the scheduler counts them as coming).
@@ -192,13 +192,13 @@ class Membership:
         if reg.role == "prefill":
             # No store: a unique id no block event names, so nothing counts as cached there.
             store_id = reg.store if reg.store else f"(no store):{reg.instance_id}"
-            bandwidth = costs.bandwidth_bytes_per_s or load.get("bandwidth_bytes_per_s") or None
+            bandwidth = costs.bandwidth_bytes_per_s or load.bandwidth_bytes_per_s or None
             inst.view.set_instance(store_id, bandwidth, costs.prefill, max(reg.pack_tokens, 0),
                                    max(reg.queue_overtakes, 0))
         else:
             # Register.max_context of a decode instance is its KV capacity in tokens.
-            max_context = _int_or_none(load.get("max_context_tokens")) or _int_or_none(reg.max_context)
-            inst.view.set_limits(_int_or_none(load.get("max_batch_size")), max_context)
+            max_context = _int_or_none(load.max_context_tokens) or _int_or_none(reg.max_context)
+            inst.view.set_limits(_int_or_none(load.max_batch_size), max_context)
 
     @staticmethod
     def _costs(reg: Register) -> InstanceCosts:
@@ -222,8 +222,8 @@ class Membership:
             self._positions = None
             self._touch(inst)
         inst.last_seen = now
-        old, inst.load = inst.load, dict(hb.load)
-        if any(old.get(k) != inst.load.get(k) for k in STATE_LOAD_KEYS):
+        old, inst.load = inst.load, hb.load
+        if any(getattr(old, k) != getattr(inst.load, k) for k in STATE_LOAD_KEYS):
             self._describe(inst)
             self._touch(inst)
         return inst

@@ -98,7 +98,7 @@ def describe(inst: Instance, now: float, block_size: int) -> dict:
     out = {"instance_id": inst.instance_id, "role": inst.role, "http": inst.reg.http,
            "node": inst.reg.http.rsplit(":", 1)[0], "store": inst.reg.store,
            "health": "alive" if inst.is_alive else "dead", "last_seen_s": round(max(0.0, now - inst.last_seen), 3),
-           "pipeline_stages": inst.reg.pipeline_stages, "kv_used": kv_used(inst, block_size), "load": load}
+           "pipeline_stages": inst.reg.pipeline_stages, "kv_used": kv_used(inst, block_size), "load": load.reported()}
     if inst.role == "prefill":
         out["queue"] = len(inst.prefill_jobs)
         cost = inst.costs.prefill
@@ -113,8 +113,8 @@ def describe(inst: Instance, now: float, block_size: int) -> dict:
 
 def kv_used(inst: Instance, block_size: int) -> float | None:
     """Fraction of the instance's paged KV cache in use, from its last heartbeat (None before one)."""
-    free = inst.load.get("free_blocks")
-    capacity_tokens = inst.load.get("max_context_tokens") or inst.reg.max_context
+    free = inst.load.free_blocks
+    capacity_tokens = inst.load.max_context_tokens or inst.reg.max_context
     if free is None or not capacity_tokens:
         return None
     return min(1.0, max(0.0, 1.0 - free * block_size / capacity_tokens))

@@ -17,19 +17,20 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from mooncake_lite.common import tracing
-from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
-from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, ProtocolError, Register, TokenEvent, loads
+from mooncake_lite.common.protocol import GenerateRequest, ProtocolError, Register, TokenEvent, loads
 from mooncake_lite.decode.batcher import AdmissionError, DecodeBatcher
 from mooncake_lite.decode.config import Config
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
+from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.transfer.server import server_address
@@ -38,8 +39,22 @@ from mooncake_lite.transfer.shm import host_identity
 log = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", DecodeEngine)
-RUNTIME = web.AppKey("runtime", dict)   # filled at startup: {"data": "host:port"}
-STATS = web.AppKey("stats", dict)
+
+
+@dataclass
+class DataPort:
+    """The KV data socket's address peers dial ("host:port"), once the app's startup opened it."""
+    address: str | None = None
+
+
+@dataclass
+class Refusals:
+    """Requests the local admission check refused (429), for /v1/load and /metrics."""
+    count: int = 0
+
+
+DATA = web.AppKey("data", DataPort)
+REFUSALS = web.AppKey("refusals", Refusals)
 
 
 @dataclass(frozen=True)
@@ -60,11 +75,8 @@ class DecodeAppSettings:
 SETTINGS = web.AppKey("settings", DecodeAppSettings)
 
 
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
+    """Admit the request here (or answer 429/400 at once), then stream its tokens."""
     engine = request.app[ENGINE]
     span = None     # decode.request: a child of the conductor's span (traceparent header; tracing on)
     try:
@@ -76,7 +88,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                   transfer_id=req.transfer_id, prompt_tokens=req.prompt_len)
         events = engine.add_request(req, span)
     except AdmissionError as exc:
-        request.app[STATS]["rejected"] += 1
+        request.app[REFUSALS].count += 1
         log.info("refused request %s: %s", getattr(req, "request_id", "?"), exc)
         tracing.end_span(span, f"refused: {exc}")
         return error(429, str(exc))
@@ -84,6 +96,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         tracing.end_span(span, str(exc))
         return error(400, str(exc))
     log.debug("admitted: %d prompt token(s), KV to come as transfer %s", req.prompt_len, req.transfer_id)
+    return await _stream(request, req, events, span)
+
+
+async def _stream(request: web.Request, req: GenerateRequest, events: asyncio.Queue[TokenEvent],
+                  span: Any) -> web.StreamResponse:
+    """An admitted request's NDJSON token stream, until it finishes; the caller gone aborts it."""
+    engine = request.app[ENGINE]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     finished = False
     try:
@@ -121,24 +140,10 @@ def _event_dict(event: TokenEvent) -> dict:
                               ("error", event.error)) if v is not None}
 
 
-async def abort(request: web.Request) -> web.Response:
-    try:
-        msg = loads(AbortRequest, await request.read())
-    except ProtocolError as exc:
-        return error(400, str(exc))
-    set_request_id(msg.request_id)
-    log.debug("abort asked")
-    return web.json_response({"aborted": request.app[ENGINE].abort(msg.request_id)})
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
 async def load(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.json_response({**engine.load(), "num_steps": engine.num_steps,
-                              "pending_transfers": len(engine.pending), **request.app[STATS]})
+    return web.json_response({**engine.load().reported(), "num_steps": engine.num_steps,
+                              "pending_transfers": len(engine.pending), "rejected": request.app[REFUSALS].count})
 
 
 async def timeline(request: web.Request) -> web.Response:
@@ -164,23 +169,20 @@ def pads_decode_attention(device) -> bool:
 
 def figures(app: web.Application) -> dict[str, float]:
     engine = app[ENGINE]
-    return {**engine.load(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
+    return {**engine.load().reported(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
             "pending_transfers": len(engine.pending),
-            "rejected_total": app[STATS]["rejected"]}
+            "rejected_total": app[REFUSALS].count}
 
 
 def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Application:
     """The decode app around a ready engine; the step loop and the KV data socket live in
     ``cleanup_ctx`` (started with the app, stopped on shutdown)."""
-    app = web.Application(middlewares=[cluster_token_middleware(settings.cluster_token)],
-                          client_max_size=64 << 20)
+    app = instance_app(engine.abort, settings.cluster_token, client_max_size=64 << 20)
     app[ENGINE] = engine
     app[SETTINGS] = settings
-    app[STATS] = {"rejected": 0}
-    app[RUNTIME] = {}
+    app[REFUSALS] = Refusals()
+    app[DATA] = DataPort()
     app.router.add_post("/v1/generate", generate)
-    app.router.add_post("/v1/abort", abort)
-    app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
     app.router.add_get("/v1/timeline", timeline)
     add_metrics_route(app, "decode", lambda: figures(app), engine.runner.device)
@@ -194,7 +196,7 @@ async def _background(app: web.Application):
                                    handshake_timeout=settings.data_handshake_timeout,
                                    stall_timeout=settings.data_stall_timeout, idle_timeout=settings.data_idle_timeout,
                                    max_inflight_bytes=settings.data_inflight)
-    app[RUNTIME]["data"] = server_address(server, settings.advertise_host)
+    app[DATA].address = server_address(server, settings.advertise_host)
     loop_task = asyncio.create_task(engine.run(), name="decode-steps")
     yield
     loop_task.cancel()

@@ -25,7 +25,7 @@ import torch
 from kernels import scatter_tokens
 from kernels.copies import Copier
 from mooncake_lite.common import tracing
-from mooncake_lite.common.protocol import GenerateRequest, TokenEvent
+from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
@@ -368,18 +368,14 @@ class DecodeEngine:
         return [greedy[i] if s is None or s.params.is_greedy else sample(logits[i], s.params, s.generator)
                 for i, s in enumerate(samplers)]
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> InstanceLoad:
         b = self.batcher
-        load = {"num_running": b.num_running, "num_waiting": b.num_waiting,
-                "context_tokens": b.context_tokens, "free_blocks": b.allocator.num_free,
-                "max_context_tokens": b.allocator.num_blocks * b.block_size,
-                "predicted_tbt_s": b.predicted_tbt() or 0.0}
-        if b.max_batch_size is not None:
-            load["max_batch_size"] = b.max_batch_size
         ratios = self.refiner.ratio_quantiles() if self.refiner is not None else None
-        if ratios is not None:   # how steps spread around the model (instance/refine.py)
-            load.update(zip(STEP_RATIO_KEYS, ratios))
-        return load
+        # how steps spread around the model (instance/refine.py), once there are enough of them
+        spread = dict(zip(STEP_RATIO_KEYS, ratios)) if ratios is not None else {}
+        return InstanceLoad(num_running=b.num_running, num_waiting=b.num_waiting, context_tokens=b.context_tokens,
+                            free_blocks=b.allocator.num_free, max_context_tokens=b.allocator.num_blocks * b.block_size,
+                            predicted_tbt_s=b.predicted_tbt() or 0.0, max_batch_size=b.max_batch_size, **spread)
 
 
 def _end_steps(state: RequestState, reason: str, error: str | None) -> None:

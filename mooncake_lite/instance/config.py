@@ -9,6 +9,7 @@ import torch
 
 from kernels.kv_codec import CODEC_NAMES, fp8_supported
 from mooncake_lite.common.config import option, require
+from mooncake_lite.common.membership import Conductor
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES
@@ -71,6 +72,12 @@ class ModelRoleConfig(RoleConfig):
             model_args(self.model)
         except (ValueError, OSError) as exc:
             require(False, f"--model: {exc}")
+
+    def joins(self) -> Conductor | None:
+        """The conductor this instance registers with and heartbeats to (None: it serves alone)."""
+        if self.conductor is None:
+            return None
+        return Conductor(self.conductor, self.cluster_token, self.heartbeat_interval)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -51,7 +51,7 @@ REPORT_TOLERANCE = 0.10  # a new model is reported once it moves some prediction
 RATIO_QUANTILES = tuple((2 * i + 1) / 20 for i in range(10))
 MIN_RATIO_SAMPLES = 20   # fewer samples say little about a tail
 RATIO_WINDOW = 512       # the newest samples, every one once, that the spread is read from
-# Their names in a decode's load (heartbeats; the conductor's cost export reads them back).
+# Their names in a decode's load (``InstanceLoad``'s step_ratio_q* fields, in this order).
 STEP_RATIO_PREFIX = "step_ratio_q"
 STEP_RATIO_KEYS = tuple(f"{STEP_RATIO_PREFIX}{round(q * 100):02d}" for q in RATIO_QUANTILES)
 

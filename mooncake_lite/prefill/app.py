@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from kernels.kv_codec import codec_for, encoded_layer_bytes
-from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.lifecycle import EXIT
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
-from mooncake_lite.common.protocol import AbortRequest, PrefillRequest, PrefillResult, ProtocolError, Register, loads
+from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, ProtocolError, Register, loads
+from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
@@ -48,12 +49,8 @@ from mooncake_lite.transfer.shm import host_identity
 log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("service", PrefillService)
-EXTRA_CLEANUP = web.AppKey("extra_cleanup", list)
-ENDING = web.AppKey("ending", set)   # prefills answered at their first token, still ending their stream
-
-
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+# prefills answered at their first token, still ending their stream
+ENDING: web.AppKey[set[asyncio.Task[PrefillResult]]] = web.AppKey("ending")
 
 
 async def prefill(request: web.Request) -> web.Response:
@@ -84,7 +81,8 @@ async def prefill(request: web.Request) -> web.Response:
     return web.json_response(dataclasses.asdict(result))
 
 
-async def _first_result(service: PrefillService, req: PrefillRequest, ending: set) -> PrefillResult:
+async def _first_result(service: PrefillService, req: PrefillRequest,
+                        ending: set[asyncio.Task[PrefillResult]]) -> PrefillResult:
     """The result as soon as the first token is known; the prefill goes on to end the stream
     (held in ``ending`` until it has). Neither the conductor leaving nor an early answer cancels
     it (decode waits for this KV)."""
@@ -107,22 +105,8 @@ def _late_failure(request_id: str, task: asyncio.Task) -> None:
                     request_id, task.exception())
 
 
-async def abort(request: web.Request) -> web.Response:
-    try:
-        msg = loads(AbortRequest, await request.read())
-    except ProtocolError as exc:
-        return error(400, str(exc))
-    set_request_id(msg.request_id)
-    log.debug("abort asked")
-    return web.json_response({"aborted": request.app[SERVICE].abort(msg.request_id)})
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
 def figures(service: PrefillService) -> dict[str, float]:
-    return {**service.load(), **service.totals, "requests_done_total": service.num_done,
+    return {**service.load().reported(), **service.totals, "requests_done_total": service.num_done,
             "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored,
             **service.stage.writebacks.figures(), **service.stage.fallback_figures()}
 
@@ -130,7 +114,8 @@ def figures(service: PrefillService) -> dict[str, float]:
 async def load(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     # cost: the model it predicts its queue with and registered (a CPP group's: timed through its stages)
-    return web.json_response({**service.load(), "num_done": service.num_done, "num_failed": service.num_failed,
+    return web.json_response({**service.load().reported(), "num_done": service.num_done,
+                              "num_failed": service.num_failed,
                               "blocks_stored": service.stage.num_blocks_stored,
                               "cost": service.cost.to_dict() if service.cost is not None else None})
 
@@ -155,13 +140,10 @@ def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
 
 
 def make_app(service: PrefillService, cluster_token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[cluster_token_middleware(cluster_token)], client_max_size=256 << 20)
+    app = instance_app(service.abort, cluster_token, client_max_size=256 << 20)
     app[SERVICE] = service
-    app[EXTRA_CLEANUP] = []
     app[ENDING] = set()
     app.router.add_post("/v1/prefill", prefill)
-    app.router.add_post("/v1/abort", abort)
-    app.router.add_get("/health", health)
     app.router.add_get("/v1/load", load)
     app.router.add_get("/v1/timeline", timeline)
     add_metrics_route(app, "prefill", lambda: figures(service), service.stage.runner.device,
@@ -171,8 +153,12 @@ def make_app(service: PrefillService, cluster_token: str | None = None) -> web.A
 
 
 async def _lifetime(app: web.Application):
-    yield
     service = app[SERVICE]
+    downstream = service.downstream   # a CPP group's next stage: without it the group cannot prefill
+    watcher = None if downstream is None else asyncio.ensure_future(app[EXIT].fail_when_done(
+        downstream.client.conn.closed, "the link to CPP stage 1 is gone; this group cannot prefill any more; "
+        "exiting", log))
+    yield
     if app[ENDING]:   # streams answered at their first token: let them end before the links close
         await asyncio.wait(set(app[ENDING]), timeout=service.links.request_timeout)
     await service.stage.drain_puts()
@@ -180,8 +166,9 @@ async def _lifetime(app: web.Application):
     close_store = getattr(service.stage.store, "close", None)
     if close_store is not None:
         await close_store()
-    for fn in app[EXTRA_CLEANUP]:
-        await fn()
+    if watcher is not None:   # shutting down closes the link on purpose
+        watcher.cancel()
+        await downstream.close()
 
 
 def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
+from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult
 from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
@@ -287,7 +287,7 @@ class PrefillService(TurnTaking, Packing):
         copied = int(result.get("num_copied", 0)) * self.block_bytes
         return (float(copied), seconds) if copied else None
 
-    def load(self) -> dict[str, float]:
+    def load(self) -> InstanceLoad:
         queued_s = 0.0
         if self.cost is not None:
             now = time.perf_counter()
@@ -300,9 +300,9 @@ class PrefillService(TurnTaking, Packing):
                 if job.started_at is not None:
                     t = max(0.0, t - (now - job.started_at))
                 queued_s += t
-        return {"queued_s": queued_s, "num_queued": float(len(self.queue)),
-                "queued_tokens": float(sum(j.num_tokens for j in self.queue.values())),
-                "free_blocks": float(self.stage.runner.allocator.num_free)}
+        return InstanceLoad(queued_s=queued_s, num_queued=float(len(self.queue)),
+                            queued_tokens=float(sum(j.num_tokens for j in self.queue.values())),
+                            free_blocks=float(self.stage.runner.allocator.num_free))
 
 
 def _retrieved(future: asyncio.Future) -> None:

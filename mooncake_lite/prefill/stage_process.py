@@ -20,14 +20,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
+from functools import partial
 
 import torch
 from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
 from mooncake_lite.common.launch import RoleProcess, role_argv, to_stderr
+from mooncake_lite.common.lifecycle import EXIT, ExitStatus, Listener, serve_role
 from mooncake_lite.common.service import run as run_loop
-from mooncake_lite.common.service import serve_app
 from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
@@ -222,45 +223,55 @@ def run_stage(cfg: Config) -> int:
     pack_weights(runner.model, cfg.pack_weights, cfg.prefill_chunk)   # as the head does for its slice
     stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),
                         write_back=cfg.write_back)
-    state = {"exit": 0}
-
-    async def main() -> None:
-        # As a head does: a store whose slots or encoding do not fit ours would refuse or misread.
-        try:
-            known_as = await store_id(cfg, stage.store, check=True)
-        except StoreUnfit:
-            await stage.store.close()
-            raise
-        watchers = [asyncio.ensure_future(_watch_head(cfg.head_pid, cfg.pipeline_stage))] if spawned else []
-        # A stage started apart may come up before its next one: dial until the deadline.
-        next_stage = (await NextStage.connect(cfg.next_stage, cfg.cluster_token, cfg.stage_connect_timeout)
-                      if cfg.next_stage else None)
-        if next_stage is not None:
-            watchers.append(asyncio.ensure_future(_watch_next(next_stage, cfg.pipeline_stage, state)))
-        links = DecodeLinks(cfg.cluster_token)
-        me = identity(cfg, cfg.next_stage, known_as)
-        server = await start_server(StageServer(stage, links, next_stage, me), cfg.host, cfg.data_port,
-                                    token=cfg.cluster_token, name="stage")
-        app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **me}))
-        try:
-            await serve_app(app, cfg.host, cfg.port, role="prefill-stage", advertise_host=cfg.advertise_host,
-                            extra_addresses=lambda: {"stage": server_address(server, cfg.advertise_host)})
-        finally:
-            for watcher in watchers:   # shutting down closes the links on purpose
-                watcher.cancel()
-            server.close()
-            await stage.drain_puts()
-            await links.close()
-            if next_stage is not None:
-                await next_stage.close()
-
     try:
-        run_loop(main)
+        return run_loop(lambda: _serve_stage(cfg, stage))
     except StoreUnfit as exc:
         sys.stderr.write(f"mooncake --role prefill: error: {exc}\n")
         return 2
-    return state["exit"]
+
+
+async def _serve_stage(cfg: Config, stage: StageEngine) -> int:
+    """Check the store, dial the next stage, then serve the stage socket (the exit status)."""
+    # As a head does: a store whose slots or encoding do not fit ours would refuse or misread.
+    try:
+        known_as = await store_id(cfg, stage.store, check=True)
+    except StoreUnfit:
+        await stage.store.close()
+        raise
+    spawned = cfg.head_pid is not None   # a stage its head started watches it (and exits with it)
+    watchers = [asyncio.ensure_future(_watch_head(cfg.head_pid, cfg.pipeline_stage))] if spawned else []
+    # A stage started apart may come up before its next one: dial until the deadline.
+    next_stage = (await NextStage.connect(cfg.next_stage, cfg.cluster_token, cfg.stage_connect_timeout)
+                  if cfg.next_stage else None)
+    links = DecodeLinks(cfg.cluster_token)
+    me = identity(cfg, cfg.next_stage, known_as)
+    server = await start_server(StageServer(stage, links, next_stage, me), cfg.host, cfg.data_port,
+                                token=cfg.cluster_token, name="stage")
+    app = web.Application()
+    app[EXIT] = ExitStatus()
+    app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **me}))
+    app.cleanup_ctx.append(partial(_stage_lifetime, cfg.pipeline_stage, stage, server, links, next_stage, watchers))
+    return await serve_role(app, Listener("prefill-stage", cfg.host, cfg.port, cfg.advertise_host),
+                            extra_addresses=lambda: {"stage": server_address(server, cfg.advertise_host)})
+
+
+async def _stage_lifetime(k: int, stage: StageEngine, server: asyncio.Server, links: DecodeLinks,
+                          next_stage: NextStage | None, watchers: list[asyncio.Future], app: web.Application):
+    """A stage's sockets and links, closed once it stops. Without its next stage this one cannot
+    serve: it exits non-zero so a supervisor restarts it (it dials again; its head, losing this
+    link in turn, does the same)."""
+    if next_stage is not None:
+        watchers.append(asyncio.ensure_future(app[EXIT].fail_when_done(
+            next_stage.client.conn.closed, f"the link to CPP stage {k + 1} ({next_stage.address}) is gone; "
+            f"stage {k} exits", log)))
+    yield
+    for watcher in watchers:   # shutting down closes the links on purpose
+        watcher.cancel()
+    server.close()
+    await stage.drain_puts()
+    await links.close()
+    if next_stage is not None:
+        await next_stage.close()
 
 
 async def _watch_head(head_pid: int, stage: int) -> None:
@@ -268,13 +279,4 @@ async def _watch_head(head_pid: int, stage: int) -> None:
     while os.getppid() == head_pid:
         await asyncio.sleep(1.0)
     log.warning("group head %d is gone; stage %d exits", head_pid, stage)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-async def _watch_next(next_stage: NextStage, stage: int, state: dict) -> None:
-    """Without its next stage this one cannot serve: exit non-zero so a supervisor restarts it
-    (it dials again; its head, losing this link in turn, does the same)."""
-    await asyncio.shield(next_stage.client.conn.closed)
-    log.error("the link to CPP stage %d (%s) is gone; stage %d exits", stage + 1, next_stage.address, stage)
-    state["exit"] = 1
     os.kill(os.getpid(), signal.SIGTERM)

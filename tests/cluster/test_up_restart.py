@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from mooncake_lite.cluster.supervisor import RestartPolicy, exit_reason, pinned
-from mooncake_lite.common.membership import keep_membership
-from mooncake_lite.common.protocol import Register
+from mooncake_lite.common.membership import Conductor, keep_membership
+from mooncake_lite.common.protocol import InstanceLoad, Register
 from mooncake_lite.common.service import bound_port
 from tests.cluster.helpers import marker, processes_with, read_err_until, read_until, start_up, wait_gone
 
@@ -130,8 +130,8 @@ async def test_an_instance_registers_again_with_a_conductor_restarted_on_its_por
     first, second = [], []
     runner, port = await conductor(0, first)
     msg = Register("decode", "decode@x:1", "x:1", None, None, "tiny", 16, 0, 64, 128)
-    task = asyncio.create_task(keep_membership(f"http://127.0.0.1:{port}", msg, lambda: {}, 0.05, None,
-                                               on_refused=lambda text: None))
+    conductor_at = Conductor(f"http://127.0.0.1:{port}", None, heartbeat_interval_s=0.05)
+    task = asyncio.create_task(keep_membership(conductor_at, msg, InstanceLoad, lambda: None))
     try:
         await until(lambda: first == ["decode@x:1"])
         await runner.cleanup()                   # killed: heartbeats are refused for a while

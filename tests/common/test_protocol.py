@@ -1,7 +1,7 @@
 import pytest
 
-from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, ProtocolError, Sampling, dumps,
-                                            loads)
+from mooncake_lite.common.protocol import (GenerateRequest, Heartbeat, InstanceLoad, PrefillRequest, ProtocolError,
+                                            Sampling, dumps, loads)
 
 
 def test_round_trip_nested():
@@ -35,3 +35,16 @@ def test_every_item_of_a_list_field_is_checked(ids, needle):
         loads(PrefillRequest, raw)
     ok = loads(PrefillRequest, raw.replace(ids, "[1, 2, 3]"))
     assert ok.token_ids == (1, 2, 3) and type(ok.token_ids) is tuple
+
+
+def test_a_heartbeat_load_is_strict_and_leaves_out_what_is_not_reported():
+    beat = Heartbeat("d0", InstanceLoad(num_running=2.0, free_blocks=10.0), None)
+    assert dumps(beat) == b'{"instance_id":"d0","load":{"free_blocks":10.0,"num_running":2.0},"cost":null}'
+    assert loads(Heartbeat, dumps(beat)) == beat
+    assert loads(Heartbeat, b'{"instance_id": "d0", "load": {"num_running": 2}}').load.num_running == 2.0
+    for load, why in (('{"num_runing": 2}', "unknown field"), ('{"num_running": "2"}', "expected float"),
+                      ('[1]', "expected a JSON object")):
+        with pytest.raises(ProtocolError, match=why):
+            loads(Heartbeat, '{"instance_id": "d0", "load": %s}' % load)
+    with pytest.raises(ProtocolError, match="missing field 'instance_id'"):
+        loads(Heartbeat, '{"load": {}}')

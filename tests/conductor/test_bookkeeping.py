@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mooncake_lite.common.protocol import Heartbeat, Register
+from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
 from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, EstimateCache, PrefillCostModel,
                                      context_lag_bound)
@@ -105,7 +105,7 @@ def _exact(m: Membership):
             prefills.append((inst.instance_id, [(j.request_id, j.num_tokens, j.num_prefix_tokens, j.started_at)
                                                 for j in inst.prefill_jobs.values()]))
         else:
-            decodes.append((inst.instance_id, inst.load.get("max_batch_size"),
+            decodes.append((inst.instance_id, inst.load.max_batch_size,
                             [(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
                              for j in inst.decode_jobs.values()],
                             [(j.request_id, j.num_tokens + 1) for j in inst.incoming_jobs.values()]))
@@ -173,7 +173,7 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
             m.release(job.request_id, (iid, getattr(job, "decode_id", iid)), now)
         elif op < 0.9:
             iid = rng.choice(ids["prefill"] + ids["decode"])
-            m.heartbeat(Heartbeat(iid, {"max_batch_size": float(rng.choice([8, 16]))}), now)
+            m.heartbeat(Heartbeat(iid, InstanceLoad(max_batch_size=float(rng.choice([8, 16])))), now)
         else:
             for iid in ids["prefill"] + ids["decode"]:
                 if rng.random() < 0.8:
@@ -204,9 +204,9 @@ def test_only_changed_instances_get_new_states():
     third = m.snapshot()
     assert third.prefills[0] is after.prefills[0] and third.decodes[0] is after.decodes[0]
     assert third.prefills[1] is not after.prefills[1] and third.decodes[1] is not after.decodes[1]
-    m.heartbeat(Heartbeat("d0", {"queued_s": 1.0}), now=3)    # a load field no state shows
+    m.heartbeat(Heartbeat("d0", InstanceLoad(queued_s=1.0)), now=3)    # a load field no state shows
     assert m.snapshot() is third
-    m.heartbeat(Heartbeat("d0", {"max_batch_size": 4.0}), now=3)
+    m.heartbeat(Heartbeat("d0", InstanceLoad(max_batch_size=4.0)), now=3)
     assert m.snapshot().decodes[0].max_batch_size == 4
 
 
@@ -239,5 +239,5 @@ def test_fitting_leaves_out_prefills_too_small_for_the_prompt_as_registrations_c
     snap = m.snapshot()
     assert ids(m.fitting(snap, 60)) == ["small"] and ids(m.fitting(snap, 50)) == ["small", "large"]
     m.reap(now=10)                                                  # all silent: nothing fits
-    m.heartbeat(Heartbeat("small", {}), now=10)                     # ... until one comes back
+    m.heartbeat(Heartbeat("small", InstanceLoad()), now=10)                     # ... until one comes back
     assert ids(m.fitting(m.snapshot(), 100)) == ["small"]

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake_lite.common.protocol import InstanceLoad
 from mooncake_lite.instance.profile import decode_refiner, prefill_refiner
-from mooncake_lite.instance.refine import MIN_SAMPLES, WINDOW, DecodeRefiner, PrefillRefiner
+from mooncake_lite.instance.refine import MIN_SAMPLES, RATIO_QUANTILES, STEP_RATIO_KEYS, WINDOW, DecodeRefiner, PrefillRefiner
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
 TRUE_DECODE = DecodeCostModel(c0=0.004, c1=0.0005, c2=2e-6)
@@ -128,3 +129,8 @@ def test_any_timings_give_a_usable_model_or_the_prior(timings, prior):
         assert all(math.isfinite(c) and c >= 0 for c in coef) and any(coef)
         # reports what the wire accepts
         assert DecodeCostModel.from_dict(model.to_dict()) == model
+
+
+def test_the_step_ratio_names_are_the_heartbeat_loads_fields_in_quantile_order():
+    spread = InstanceLoad(**dict(zip(STEP_RATIO_KEYS, range(len(STEP_RATIO_KEYS)))))
+    assert spread.step_ratios == tuple(range(len(RATIO_QUANTILES)))

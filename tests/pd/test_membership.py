@@ -60,7 +60,7 @@ async def test_register_heartbeat_and_exit_on_refusal():
         PrefillCostModel.from_dict(reg.cost)                          # startup profile in the scheduler's format
         assert set(reg.cost) == {"c0", "c1", "c2", "c3"} and any(v > 0 for v in reg.cost.values())
         beat = seen["heartbeat"][0]
-        assert beat.instance_id == reg.instance_id and {"queued_s", "num_queued", "free_blocks"} <= set(beat.load)
+        assert beat.instance_id == reg.instance_id and {"queued_s", "num_queued", "free_blocks"} <= set(beat.load.reported())
     finally:
         for p in procs:
             p.stop()

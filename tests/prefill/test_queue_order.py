@@ -134,7 +134,7 @@ async def test_an_aborted_waiting_request_leaves_the_queue_at_once(model):
             await asyncio.wait_for(long, 5)             # woken now, while the instance is still held
         c.prefill.stage.abort("long", "test")
         c.decode.abort("long")
-        assert c.prefill.load()["num_queued"] == 1.0 and "long" not in c.prefill.queue
+        assert c.prefill.load().num_queued == 1.0 and "long" not in c.prefill.queue
         c.prefill.unhold()
         tokens, _, err = await short
         assert err is None and not c.prefill._busy and c.prefill._waiting == []

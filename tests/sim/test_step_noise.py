@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from mooncake_lite.common.protocol import InstanceLoad
 from mooncake_lite.conductor.cost_export import _step_ratios
 from mooncake_lite.instance.refine import RATIO_QUANTILES, STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.scheduler import DecodeCostModel, SchedulerConfig
@@ -72,7 +73,7 @@ def test_refiner_reports_the_spread_of_steps_around_its_model():
 
 def test_the_export_and_the_profile_carry_the_spread(tmp_path):
     class Inst:
-        load = {**dict(zip(reversed(STEP_RATIO_KEYS), reversed(SPIKY))), "num_running": 3.0}
+        load = InstanceLoad(**dict(zip(reversed(STEP_RATIO_KEYS), reversed(SPIKY))), num_running=3.0)
     assert _step_ratios(Inst) == list(SPIKY)                   # in quantile order, other keys left out
     path = tmp_path / "p.json"
     path.write_text('{"prefill": {"c1": 0.001}, "decode_step_ratios": [0.9, 1.0, 3.0]}')
