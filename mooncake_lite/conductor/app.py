@@ -15,16 +15,18 @@ from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.service import DRAIN
-from mooncake_lite.conductor import api, contexts, cost_export, hot_replication, internal, status
-from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
+from mooncake_lite.conductor.api import routes as api
+from mooncake_lite.conductor.cluster import cost_export, hot_replication, internal, status
+from mooncake_lite.conductor.contexts import routes as contexts
+from mooncake_lite.conductor.api.routes import API, MAX_BODY_BYTES, ApiState
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.costs import default_costs
-from mooncake_lite.conductor.dispatch import Services
-from mooncake_lite.conductor.drain import Drain
-from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middleware
+from mooncake_lite.conductor.flight.flight import Services
+from mooncake_lite.conductor.flight.drain import Drain
+from mooncake_lite.conductor.api.errors import PARSER_FIELD_BYTES, json_errors_middleware
 from mooncake_lite.conductor.membership import Membership
 from mooncake_lite.model.source import model_id
-from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.tenants import TenantGate, tenant_middleware
 from mooncake_lite.model.tokenizer import load_tokenizer
 from mooncake_lite.model.checkpoint_config import model_args

@@ -26,7 +26,7 @@ import time
 
 from aiohttp import web
 
-from mooncake_lite.conductor.errors import ApiError
+from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest, SchedulerConfig
 from mooncake_lite.scheduler.scheduler import schedule as schedule_with
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT, Refusal, TenantLedger, Tenants, TenantSpec

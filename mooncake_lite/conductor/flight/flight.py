@@ -23,15 +23,15 @@ import aiohttp
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import PrefillResult
-from mooncake_lite.conductor.errors import ApiError, rejected, shutting_down, upstream_failed
+from mooncake_lite.conductor.api.errors import ApiError, rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.membership import DecodeJob, Instance, Membership, PrefillJob
-from mooncake_lite.conductor.metrics import ConductorMetrics
-from mooncake_lite.conductor.outputs import OutputHistory
-from mooncake_lite.conductor.params import ApiRequest
-from mooncake_lite.conductor.placement import place
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
+from mooncake_lite.conductor.flight.output_lengths import OutputHistory
+from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.flight.placement import place
 from mooncake_lite.conductor.tenants import TenantGate
-from mooncake_lite.conductor.upstream import SHUTDOWN, Failure, post_abort
-from mooncake_lite.conductor.workers import UpstreamWorkers
+from mooncake_lite.conductor.flight.upstream import SHUTDOWN, Failure, post_abort
+from mooncake_lite.conductor.flight.workers import UpstreamWorkers
 from mooncake_lite.scheduler import Decision, Scheduler
 from mooncake_lite.scheduler.links import observe_migration
 

@@ -23,12 +23,12 @@ from aiohttp import web
 
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.tbt import paper_tbt
-from mooncake_lite.conductor.dispatch import Flight, Services
-from mooncake_lite.conductor.errors import ApiError, bad_request, short
-from mooncake_lite.conductor.params import ApiRequest, parse_request
-from mooncake_lite.conductor.reasoning import ThinkSplitter, split_whole
+from mooncake_lite.conductor.flight.flight import Flight, Services
+from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
+from mooncake_lite.conductor.api.params import ApiRequest, parse_request
+from mooncake_lite.conductor.api.reasoning import ThinkSplitter, split_whole
 from mooncake_lite.conductor.tenants import TENANT
-from mooncake_lite.conductor.text import TextStream
+from mooncake_lite.conductor.api.text import TextStream
 from mooncake_lite.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -17,12 +17,12 @@ import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import PrefillRequest, Sampling, dumps, error_text
-from mooncake_lite.conductor.dispatch import Services
-from mooncake_lite.conductor.errors import ApiError, rejected, unavailable, upstream_failed
-from mooncake_lite.conductor.kv_sink import KVSink
+from mooncake_lite.conductor.flight.flight import Services
+from mooncake_lite.conductor.api.errors import ApiError, rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.contexts.kv_sink import KVSink
 from mooncake_lite.conductor.membership import PrefillJob
-from mooncake_lite.conductor.params import ApiRequest
-from mooncake_lite.conductor.placement import place
+from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.flight.placement import place
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.client import FrameClient, RemoteError, split_address
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.conductor import tenants
-from mooncake_lite.conductor.errors import bad_request, rejected, unavailable
-from mooncake_lite.conductor.params import ApiRequest
+from mooncake_lite.conductor.api.errors import bad_request, rejected, unavailable
+from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
 
 if TYPE_CHECKING:
-    from mooncake_lite.conductor.dispatch import Services
+    from mooncake_lite.conductor.flight.flight import Services
 
 log = logging.getLogger(__name__)
 

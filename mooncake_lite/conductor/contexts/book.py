@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_lite.conductor.errors import ApiError, short
+from mooncake_lite.conductor.api.errors import ApiError, short
 
 MAX_TOMBSTONES = 10_000   # expired ids remembered, so using one says "expired", not "unknown"
 

@@ -34,13 +34,13 @@ from typing import Any
 from aiohttp import web
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES, ApiState, _json_body, _read_json
+from mooncake_lite.conductor.api.routes import API, OFF_LOOP_BYTES, ApiState, _json_body, _read_json
 from mooncake_lite.conductor.config import Config
-from mooncake_lite.conductor.context_book import Context, ContextBook
-from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, store_unpin
-from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
-from mooncake_lite.conductor.kv_sink import KVSink
-from mooncake_lite.conductor.params import TextAfterIds, _encode, chat_prompt, parse_request
+from mooncake_lite.conductor.contexts.book import Context, ContextBook
+from mooncake_lite.conductor.contexts.upstream import prefill_only, store_pin, store_unpin
+from mooncake_lite.conductor.api.errors import ApiError, bad_request, short, unavailable
+from mooncake_lite.conductor.contexts.kv_sink import KVSink
+from mooncake_lite.conductor.api.params import TextAfterIds, _encode, chat_prompt, parse_request
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
 

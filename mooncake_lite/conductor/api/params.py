@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
-from mooncake_lite.conductor.errors import ApiError, bad_request, short
-from mooncake_lite.conductor.reasoning import opens_reasoning
+from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
+from mooncake_lite.conductor.api.reasoning import opens_reasoning
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 

@@ -17,7 +17,7 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import AbortRequest, dumps
 
 if TYPE_CHECKING:   # dispatch imports this module; the type only
-    from mooncake_lite.conductor.dispatch import Services
+    from mooncake_lite.conductor.flight.flight import Services
     from mooncake_lite.conductor.membership import Instance
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,13 @@ from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, ProtocolError, dumps, error_text,
                                            parse_prefill_result, parse_token_event)
-from mooncake_lite.conductor.errors import rejected
-from mooncake_lite.conductor.upstream import SHUTDOWN, Failure, is_connection_failure
+from mooncake_lite.conductor.api.errors import rejected
+from mooncake_lite.conductor.flight.upstream import SHUTDOWN, Failure, is_connection_failure
 
 if TYPE_CHECKING:   # dispatch imports this module; the types only
-    from mooncake_lite.conductor.dispatch import Services
+    from mooncake_lite.conductor.flight.flight import Services
     from mooncake_lite.conductor.membership import Instance
-    from mooncake_lite.conductor.params import ApiRequest
+    from mooncake_lite.conductor.api.params import ApiRequest
     from mooncake_lite.scheduler import Decision
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import Metric
 
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.api.routes import API
 from mooncake_lite.conductor.membership import Instance
-from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 
 WINDOW_S = 60.0        # "recent": the last minute
 SAMPLE_EVERY_S = 5.0

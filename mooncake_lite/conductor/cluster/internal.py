@@ -16,10 +16,10 @@ from aiohttp import web
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
-from mooncake_lite.conductor import status
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.cluster import status
+from mooncake_lite.conductor.api.routes import API
 from mooncake_lite.conductor.costs import InstanceCosts
-from mooncake_lite.conductor.errors import ApiError
+from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.conductor.membership import RegistrationError
 from mooncake_lite.scheduler import BlockEvent
 from mooncake_lite.scheduler.admission import unmeetable_slos

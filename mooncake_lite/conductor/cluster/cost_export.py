@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.api.routes import API
 from mooncake_lite.conductor.membership import Instance, Membership
 from mooncake_lite.instance.colocation import colocation_split
 from mooncake_lite.instance.refine import STEP_RATIO_PREFIX
