@@ -256,7 +256,7 @@ def _prompt_context(cluster, ids: tuple[int, ...] = tuple(range(10, 22))) -> Non
 async def test_a_text_too_long_after_a_context_is_refused_untokenized(make_cluster, prompt):
     """The prompt of a request naming a context has the main path's bound: text that cannot fit
     the context is the context-length 400 before the tokenizer sees it."""
-    from mooncake_lite.conductor.api.routes import API
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import CountingTokenizer
 
     cluster = await make_cluster()
@@ -279,7 +279,8 @@ async def test_a_text_too_long_after_a_context_is_refused_untokenized(make_clust
 async def test_a_long_text_is_tokenized_off_the_event_loop(make_cluster, path):
     """A long body naming a context, or creating one, is tokenized in a thread: /health answers
     meanwhile (on the event loop, the gate would hold it 5 s and the test would see that)."""
-    from mooncake_lite.conductor.api.routes import API, OFF_LOOP_BYTES
+    from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import GatedTokenizer
 
     cluster = await make_cluster()
@@ -304,7 +305,7 @@ async def test_a_long_text_is_tokenized_off_the_event_loop(make_cluster, path):
 async def test_a_context_too_long_to_fit_is_refused_untokenized(make_cluster, body):
     """Creating a context whose text cannot fit the model's context is the context-length 400
     before the tokenizer sees the text (the main path's bound)."""
-    from mooncake_lite.conductor.api.routes import API
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import CountingTokenizer
 
     cluster = await make_cluster()

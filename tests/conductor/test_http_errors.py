@@ -179,7 +179,7 @@ async def test_tiny_sampling_values_are_served(make_cluster, field):
 
 
 def test_decode_body_formats_and_limits():
-    from mooncake_lite.conductor.api.routes import decode_body
+    from mooncake_lite.conductor.api.body import decode_body
     from mooncake_lite.conductor.api.errors import ApiError
     data = b'{"a": "' + b"x" * 1000 + b'"}'
     assert decode_body(gzip.compress(data), "gzip", 10_000) == data

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from mooncake_lite.conductor.flight.flight import Services
+from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler.decision import Decision
 from mooncake_lite.scheduler.hot import HotTracker, Plan, Replication
 from mooncake_lite.store.client import StoreClient

@@ -16,11 +16,11 @@ from aiohttp import web
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
-from mooncake_lite.conductor.cluster import status
-from mooncake_lite.conductor.api.routes import API
-from mooncake_lite.conductor.costs import InstanceCosts
 from mooncake_lite.conductor.api.errors import ApiError
+from mooncake_lite.conductor.cluster import status
+from mooncake_lite.conductor.costs import InstanceCosts
 from mooncake_lite.conductor.membership import RegistrationError
+from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.scheduler import BlockEvent
 from mooncake_lite.scheduler.admission import unmeetable_slos
 
@@ -44,7 +44,7 @@ def _bad(message: str) -> web.Response:
 
 
 async def register(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     try:
         reg = loads(Register, await request.read())
         inst = svc.membership.register(reg, asyncio.get_running_loop().time())
@@ -67,7 +67,7 @@ def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: Instanc
     """Say loudly, once per instance and profile, when an absolute SLO is beyond what the
     instance's own profile predicts for the smallest request alone: admission would reject
     every such request, and nothing else would tell the operator why."""
-    cfg, warned = app[API].svc.scheduler.config, app[SLO_WARNED]
+    cfg, warned = app[SERVICES].scheduler.config, app[SLO_WARNED]
     for miss in unmeetable_slos(cfg, costs.prefill, costs.decode):
         key = (instance_id, miss.metric, costs.prefill if miss.metric == "ttft" else costs.decode)
         if key in warned:
@@ -80,7 +80,7 @@ def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: Instanc
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     try:
         hb = loads(Heartbeat, await request.read())
         inst = svc.membership.heartbeat(hb, asyncio.get_running_loop().time())
@@ -96,7 +96,7 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 async def block_events(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     index = svc.scheduler.index
     try:
         ev = loads(BlockEvents, await request.read())
@@ -128,7 +128,7 @@ async def block_events(request: web.Request) -> web.Response:
 def drop_silent_stores(app: web.Application, now: float) -> None:
     """Drop from the block index every store silent for ``--dead-after`` (killed, cut off):
     its blocks must stop attracting requests. Called by the app's reaper."""
-    svc = app[API].svc
+    svc = app[SERVICES]
     for store_id in svc.membership.stores.silent(now):
         dropped = svc.scheduler.index.drop_store(store_id)
         log.warning("store %s: nothing heard for more than %.1fs (no block events, no keepalive); dropped "

@@ -17,12 +17,12 @@ import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import PrefillRequest, Sampling, dumps, error_text
-from mooncake_lite.conductor.flight.flight import Services
-from mooncake_lite.conductor.api.errors import ApiError, rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.api.errors import ApiError, Rejected, unavailable, upstream_failed
 from mooncake_lite.conductor.contexts.kv_sink import KVSink
 from mooncake_lite.conductor.membership import PrefillJob
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.placement import place
+from mooncake_lite.conductor.services import Services
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.client import FrameClient, RemoteError, split_address
 
@@ -30,10 +30,12 @@ PIN_WAIT_S = 10.0
 END_WAIT_S = 5.0
 
 
-async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest, keys: list[bytes]) -> str:
-    """Prefill ``req`` once with no decode; returns the data address of the store it wrote to."""
+async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest, keys: list[bytes],
+                       tenant: str) -> str:
+    """Prefill ``tenant``'s ``req`` once with no decode; returns the data address of the store it
+    wrote to."""
     loop = asyncio.get_running_loop()
-    d, _ = place(svc, job_id, req, loop.time())
+    d, _ = place(svc, job_id, req, loop.time(), tenant=tenant)
     inst = svc.membership.get(d.prefill_id)
     if inst is None or not inst.reg.store:
         raise unavailable(f"prefill instance {d.prefill_id} has no store to keep a context in")
@@ -53,7 +55,8 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
                                     timeout=aiohttp.ClientTimeout(total=svc.upstream_timeout_s, connect=10)) as resp:
             body = await resp.read()
         if resp.status == 429:
-            raise rejected(f"prefill instance {inst.instance_id} refused the context: {error_text(body)}", 1)
+            raise Rejected(f"prefill instance {inst.instance_id} refused the context: {error_text(body)}", 1,
+                           "upstream-refused")
         if resp.status != 200:
             raise upstream_failed(f"prefill instance {inst.instance_id} answered {resp.status}: {error_text(body)}")
         await asyncio.wait_for(ended, END_WAIT_S)   # its END frame comes before its answer
