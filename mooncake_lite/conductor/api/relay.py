@@ -45,7 +45,7 @@ class Relay:
         flight, mx = self.flight, self.st.svc.metrics
         set_request_id(flight.request_id)   # every log line from here on names the request
         mx.in_flight.inc()
-        mx.tenant_in_flight.labels(self.tenant).inc()
+        mx.tenant.in_flight.labels(self.tenant).inc()
         outcome = "aborted"   # stays so if the client disconnects (the handler is cancelled)
         try:
             await flight.start()
@@ -55,16 +55,16 @@ class Relay:
         except ApiError as exc:
             outcome = OUTCOMES.get(exc.status, "upstream_error")
             if isinstance(exc, Rejected):
-                mx.tenant_rejections.labels(self.tenant, exc.cause).inc()
+                mx.tenant.rejections.labels(self.tenant, exc.cause).inc()
             return exc.response()
         except ConnectionResetError:
             # The client left while we were writing; the finally clause aborts upstream.
             return web.Response(status=499)
         finally:
             mx.in_flight.dec()
-            mx.tenant_in_flight.labels(self.tenant).dec()
+            mx.tenant.in_flight.labels(self.tenant).dec()
             mx.requests.labels(endpoint, outcome).inc()
-            mx.tenant_requests.labels(self.tenant, outcome).inc()
+            mx.tenant.requests.labels(self.tenant, outcome).inc()
             log.debug("%s %s after %.3fs: %d token(s)", endpoint, outcome, time.perf_counter() - self.arrival,
                       flight.num_tokens)
             await flight.close(abort=outcome != "ok" or self.is_text_stopped)
@@ -84,7 +84,7 @@ class Relay:
         now, mx = time.perf_counter(), self.st.svc.metrics
         if self._last is None:
             mx.ttft.observe(now - self.arrival)
-            mx.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
+            mx.tenant.ttft.labels(self.tenant).observe(now - self.arrival)
         else:
             self._gaps.append(now - self._last)
             mx.itl.observe(now - self._last)

@@ -82,8 +82,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             gate.admit(tenant)   # its concurrency and rate limits (429); in flight until gate.end
     except Rejected as exc:
         mx.requests.labels(endpoint, "rejected").inc()
-        mx.tenant_requests.labels(tenant, "rejected").inc()
-        mx.tenant_rejections.labels(tenant, exc.cause).inc()
+        mx.tenant.requests.labels(tenant, "rejected").inc()
+        mx.tenant.rejections.labels(tenant, exc.cause).inc()
         return exc.response()
     try:
         return await Relay(st, req, Flight(st.svc, req, tenant), arrival, tenant).serve(request, endpoint)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -25,6 +27,8 @@ from mooncake_lite.scheduler import BlockEvent
 from mooncake_lite.scheduler.admission import unmeetable_slos
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")   # a membership message (Register, Heartbeat)
+R = TypeVar("R")
 
 # (instance id, metric, cost model) already warned about: an instance that registers again
 # with the same profile (a conductor restart, a 404 heartbeat) is not warned about twice.
@@ -43,17 +47,31 @@ def _bad(message: str) -> web.Response:
     return ApiError(400, message, code="bad_message").response()
 
 
+async def _apply(request: web.Request, cls: type[M], apply: Callable[[M, float], R], *,
+                 log_refusal: bool) -> tuple[M, R]:
+    """The body decoded as a ``cls``, and what ``apply(message, now)`` (the membership) made of it.
+    Raises the answer when the message is malformed (400) or the membership refuses it (400; 409:
+    an instance of another cluster); nothing was applied then. ``log_refusal``: the membership's
+    refusal is logged too (a registration's, which the operator must see; a heartbeat's would
+    repeat every beat)."""
+    try:
+        msg = loads(cls, await request.read())
+        return msg, apply(msg, asyncio.get_running_loop().time())
+    except ProtocolError as exc:
+        raise ApiError(400, str(exc), code="bad_message") from None
+    except RegistrationError as exc:
+        if log_refusal:
+            log.warning("%s", exc.message)
+        code = "cluster_mismatch" if exc.status == 409 else "bad_message"
+        raise ApiError(exc.status, exc.message, code=code) from None
+
+
 async def register(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     try:
-        reg = loads(Register, await request.read())
-        inst = svc.membership.register(reg, asyncio.get_running_loop().time())
-    except ProtocolError as exc:
-        return _bad(str(exc))
-    except RegistrationError as exc:
-        log.warning("%s", exc.message)
-        code = "cluster_mismatch" if exc.status == 409 else "bad_message"
-        return ApiError(exc.status, exc.message, code=code).response()
+        _, inst = await _apply(request, Register, svc.membership.register, log_refusal=True)
+    except ApiError as exc:
+        return exc.response()
     kv = svc.membership.kv_bytes_per_token
     if kv is not None and svc.scheduler.costs.kv_bytes_per_token != kv:
         svc.scheduler.costs = dataclasses.replace(svc.scheduler.costs, kv_bytes_per_token=kv)
@@ -82,15 +100,11 @@ def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: Instanc
 async def heartbeat(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     try:
-        hb = loads(Heartbeat, await request.read())
-        inst = svc.membership.heartbeat(hb, asyncio.get_running_loop().time())
-    except ProtocolError as exc:
-        return _bad(str(exc))
-    except RegistrationError as exc:     # a malformed cost model: nothing was applied
-        return _bad(exc.message)
-    if inst is None:
-        return ApiError(404, f"unknown instance {hb.instance_id!r}: register again",
-                        code="unknown_instance").response()
+        hb, inst = await _apply(request, Heartbeat, svc.membership.heartbeat, log_refusal=False)
+        if inst is None:
+            raise ApiError(404, f"unknown instance {hb.instance_id!r}: register again", code="unknown_instance")
+    except ApiError as exc:
+        return exc.response()
     svc.membership.trust(hb.instance_id, "it heartbeated")
     return web.json_response({"ok": True})
 

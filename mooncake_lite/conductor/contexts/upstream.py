@@ -16,12 +16,12 @@ import uuid
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import PrefillRequest, Sampling, dumps, error_text
+from mooncake_lite.common.protocol import Sampling, dumps, error_text
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, unavailable, upstream_failed
 from mooncake_lite.conductor.contexts.kv_sink import KVSink
 from mooncake_lite.conductor.membership import PrefillJob
 from mooncake_lite.conductor.api.params import ApiRequest
-from mooncake_lite.conductor.flight.placement import place
+from mooncake_lite.conductor.flight.placement import place, prefill_request
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.client import FrameClient, RemoteError, split_address
@@ -43,11 +43,7 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
     ended = sink.expect(transfer_id)
     svc.membership.add_prefill(inst.instance_id, PrefillJob(job_id, len(req.prompt_ids),
                                                             d.reused_prefix_blocks * svc.block_size, ""), loop.time())
-    m = d.migration
-    msg = PrefillRequest(job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1),
-                         prefix_keys=tuple(k.hex() for k in keys[:d.reused_prefix_blocks]),
-                         migrate_from=str(m.source_store_id) if m else None,
-                         migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
+    msg = prefill_request(d, keys, job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1))
     try:
         async with svc.session.post(f"http://{inst.reg.http}/v1/prefill", data=dumps(msg),
                                     headers={"Content-Type": "application/json",

@@ -21,12 +21,13 @@ import aiohttp
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, PrefillResult, ProtocolError, dumps,
-                                           error_text, parse_prefill_result, parse_token_event)
+from mooncake_lite.common.protocol import (GenerateRequest, PrefillResult, ProtocolError, dumps, error_text,
+                                           parse_prefill_result, parse_token_event)
 from mooncake_lite.conductor.api.errors import Rejected
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.events import (SHUTDOWN, Event, Failed, Finished, FirstToken, PrefillRefused,
                                                    Token)
+from mooncake_lite.conductor.flight.placement import prefill_request
 from mooncake_lite.conductor.flight.upstream import how, is_connection_failure, post_abort
 from mooncake_lite.conductor.membership import DecodeJob, Instance, PrefillJob
 from mooncake_lite.conductor.services import Services
@@ -191,13 +192,9 @@ class Attempt:
             await self._post_prefill(span)
 
     async def _post_prefill(self, span) -> None:
-        p, dec, m = self.prefill, self.decision, self.decision.migration
-        msg = PrefillRequest(self.upstream_id, self.transfer_id, self.req.prompt_ids, self.decode.reg.data,
-                             self.req.sampling,
-                             prefix_keys=tuple(k.hex() for k in self.block_keys[:dec.reused_prefix_blocks]),
-                             migrate_from=str(m.source_store_id) if m else None,
-                             migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
-        pid = p.instance_id
+        p, pid = self.prefill, self.prefill.instance_id
+        msg = prefill_request(self.decision, self.block_keys, self.upstream_id, self.transfer_id,
+                              self.req.prompt_ids, self.decode.reg.data, self.req.sampling)
         try:
             async with self.svc.session.post(
                     f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(span),

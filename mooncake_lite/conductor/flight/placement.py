@@ -9,6 +9,7 @@ import time
 from collections.abc import Collection
 
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.conductor import tenants
 from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailable
 from mooncake_lite.conductor.api.params import ApiRequest
@@ -57,6 +58,17 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     wait = decision.predicted_queue_s if cause == "ttft" else 1.0
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
                    min(60, max(1, math.ceil(wait))), cause)
+
+
+def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: str, transfer_id: str,
+                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling) -> PrefillRequest:
+    """The prefill call ``decision`` asks for: reuse its prefix blocks, and pull the migrated ones
+    from their store first; the KV goes to ``kv_dest`` (decode's data address, or a sink)."""
+    m = decision.migration
+    return PrefillRequest(upstream_id, transfer_id, prompt_ids, kv_dest, sampling,
+                          prefix_keys=tuple(k.hex() for k in block_keys[:decision.reused_prefix_blocks]),
+                          migrate_from=str(m.source_store_id) if m else None,
+                          migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:
