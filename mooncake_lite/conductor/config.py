@@ -89,7 +89,7 @@ class Config(RoleConfig):
                                 parse=parse_duration)
     context_max_ttl: float = option(7 * 86400.0, "the longest lifetime a cached context may be given (at "
                                     "creation or by extending it)", parse=parse_duration)
-    # Hot blocks copied ahead of need (conductor/hot_replication.py, scheduler/hot.py)
+    # Hot blocks copied ahead of need (conductor/cluster/hot_replication.py, scheduler/hot.py)
     hot_replication_share: float = option(0.1, "share of each store link's time spent copying hot prefix blocks, "
                                           "in the background, to the live prefill nodes' stores that lack them "
                                           "(0: off)")

@@ -1,4 +1,4 @@
-"""The conductor's cached contexts (``contexts.py``): one record per context, and the book of
+"""The conductor's cached contexts (``routes.py``): one record per context, and the book of
 them by id with the tenant checks, the quota count and the ids of expired ones. No IO."""
 
 from __future__ import annotations
