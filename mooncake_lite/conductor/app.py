@@ -1,6 +1,7 @@
-"""The conductor's aiohttp app: public API + internal endpoints on one port, shared state
-under an AppKey, one ClientSession and the dead-instance reaper in ``cleanup_ctx``, and its
-drain on SIGTERM (``drain.py``: still listening, so heartbeats keep arriving)."""
+"""The conductor's aiohttp app: public API + internal endpoints on one port, the shared
+:class:`Services` under an AppKey, one ClientSession and the dead-instance reaper in
+``cleanup_ctx``, and its drain on SIGTERM (``flight/drain.py``: still listening, so heartbeats
+keep arriving)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,24 @@ from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_token_middleware
 from mooncake_lite.common.service import DRAIN
-from mooncake_lite.conductor import api, contexts, cost_export, hot_replication, internal, status
-from mooncake_lite.conductor.api import API, MAX_BODY_BYTES, ApiState
+from mooncake_lite.conductor.api import routes as api_routes
+from mooncake_lite.conductor.api.body import MAX_BODY_BYTES
+from mooncake_lite.conductor.api.errors import PARSER_FIELD_BYTES, json_errors_middleware
+from mooncake_lite.conductor.api.state import API, ApiState
+from mooncake_lite.conductor.cluster import cost_export, hot_replication, internal, status
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
+from mooncake_lite.conductor.contexts import routes as context_routes
 from mooncake_lite.conductor.costs import default_costs
-from mooncake_lite.conductor.dispatch import Services
-from mooncake_lite.conductor.drain import Drain
-from mooncake_lite.conductor.errors import PARSER_FIELD_BYTES, json_errors_middleware
+from mooncake_lite.conductor.flight.drain import Drain
 from mooncake_lite.conductor.membership import Membership
-from mooncake_lite.model.source import model_id
-from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.services import SERVICES, Services
 from mooncake_lite.conductor.tenants import TenantGate, tenant_middleware
-from mooncake_lite.model.tokenizer import load_tokenizer
+from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.checkpoint_config import model_args
-from mooncake_lite.scheduler import Scheduler, SchedulerConfig
+from mooncake_lite.model.source import model_id
+from mooncake_lite.model.tokenizer import load_tokenizer
+from mooncake_lite.scheduler import Scheduler
 from mooncake_lite.scheduler.hot import HotConfig, HotTracker
 
 log = logging.getLogger(__name__)
@@ -39,42 +44,29 @@ def make_app(cfg: Config) -> web.Application:
     """Build the conductor. Raises ValueError for an unknown model."""
     args = model_args(cfg.model)
     tokenizer = load_tokenizer(cfg.model, args.vocab_size)
-    sched_cfg = SchedulerConfig(strategy=cfg.strategy, admission=cfg.admission, ttft_slo_s=cfg.ttft_slo,
-                                tbt_slo_s=cfg.tbt_slo, ttft_slo_factor=cfg.ttft_slo_factor,
-                                tbt_slo_factor=cfg.tbt_slo_factor,
-                                kvcache_balancing_threshold=cfg.kvcache_balancing_threshold,
-                                block_size=cfg.block_size, uniform_decode_s=cfg.uniform_decode)
-    kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
-    scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
-    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
-    # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
-    gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
-    drain = Drain(membership)
+    svc = make_services(cfg, args)
+    drain = Drain(svc.membership)
     app = web.Application(
         # json_errors first (outermost): every error aiohttp itself raises answers OpenAI-style JSON.
         # The drain counts the public requests in flight (and refuses new ones once draining).
         middlewares=[json_errors_middleware,
-                     tenant_middleware(gate, prefixes=("/v1/",)),
+                     tenant_middleware(svc.tenants, prefixes=("/v1/",)),
                      drain.middleware(),
                      cluster_token_middleware(cfg.cluster_token, prefixes=("/internal/",))],
         # A client that disconnects cancels its handler, which aborts the request upstream. The
         # parser's header limits are above the middleware's, so an oversized header gets its JSON 431;
-        # compressed bodies are decoded by api.py (size-capped), not by the parser.
+        # compressed bodies are decoded by api/body.py (size-capped), not by the parser.
         handler_args={"handler_cancellation": True, "max_field_size": PARSER_FIELD_BYTES,
                       "max_line_size": PARSER_FIELD_BYTES, "auto_decompress": False},
         client_max_size=MAX_BODY_BYTES)
-    served = tuple(dict.fromkeys((model_id(cfg.model), cfg.model)))
-    app[API] = ApiState(
-        svc=Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
-                     metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
-                     cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
-                     kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate),
-        tokenizer=tokenizer, served=served, vocab_size=args.vocab_size,
-        max_context=args.max_seq_len, created=int(time.time()), reasoning=cfg.reasoning_parser == "think")
+    app[SERVICES] = svc
+    app[API] = ApiState(svc, tokenizer, served=tuple(dict.fromkeys((model_id(cfg.model), cfg.model))),
+                        vocab_size=args.vocab_size, max_context=args.max_seq_len, created=int(time.time()),
+                        reasoning=cfg.reasoning_parser == "think")
     app[DRAIN] = drain.run    # serve_app runs it on SIGTERM before the listener closes; a 2nd signal hurries it
     _hot_replication(app, cfg)
-    api.add_routes(app)
-    contexts.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)
+    api_routes.add_routes(app)
+    context_routes.add_routes(app, cfg)   # /v1/contexts: cached contexts (issue #18)
     internal.add_routes(app)
     status.add_routes(app)   # GET /internal/v1/status, for `mooncake status`
     app.router.add_get("/internal/v1/cost_model", cost_export.cost_model)   # `mooncake sim export-costs`
@@ -83,11 +75,27 @@ def make_app(cfg: Config) -> web.Application:
     return app
 
 
+def make_services(cfg: Config, args: ModelArgs) -> Services:
+    """What the conductor holds, for a model of ``args``: the scheduler (with default cost models
+    until instances register their own), the membership, the tenants and the metrics. Its HTTP
+    session opens with the app (:func:`_client_session`)."""
+    sched_cfg = cfg.scheduler_config()
+    kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
+    scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
+    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
+    # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
+    gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
+    return Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
+                    metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
+                    cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
+                    kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate)
+
+
 def _hot_replication(app: web.Application, cfg: Config) -> None:
     """Hot blocks copied ahead of need, in the background (off with --hot-replication-share 0)."""
     if cfg.hot_replication_share <= 0:
         return
-    svc = app[API].svc
+    svc = app[SERVICES]
     tracker = HotTracker(HotConfig(threshold=cfg.hot_threshold, window_s=cfg.hot_window,
                                    share=cfg.hot_replication_share, period_s=cfg.hot_replication_period))
     hot = app[hot_replication.HOT] = hot_replication.HotReplication(svc, tracker)
@@ -96,7 +104,7 @@ def _hot_replication(app: web.Application, cfg: Config) -> None:
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    svc = app[API].svc
+    svc = app[SERVICES]
     # No connection cap: every streaming request holds one connection to its decode instance.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     svc.session = aiohttp.ClientSession(connector=connector)
@@ -108,7 +116,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
 
 async def _reaper(app: web.Application) -> AsyncIterator[None]:
     """Marks silent instances dead, and drops silent stores, a few times per ``dead_after`` period."""
-    membership = app[API].svc.membership
+    membership = app[SERVICES].membership
     period = min(1.0, membership.dead_after_s / 4)
 
     async def loop() -> None:

@@ -10,7 +10,7 @@ from mooncake_lite.common.config import ConfigError, option, require
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
-from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES
+from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
 from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
 
 DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membership and the global "
@@ -89,7 +89,7 @@ class Config(RoleConfig):
                                 parse=parse_duration)
     context_max_ttl: float = option(7 * 86400.0, "the longest lifetime a cached context may be given (at "
                                     "creation or by extending it)", parse=parse_duration)
-    # Hot blocks copied ahead of need (conductor/hot_replication.py, scheduler/hot.py)
+    # Hot blocks copied ahead of need (conductor/cluster/hot_replication.py, scheduler/hot.py)
     hot_replication_share: float = option(0.1, "share of each store link's time spent copying hot prefix blocks, "
                                           "in the background, to the live prefill nodes' stores that lack them "
                                           "(0: off)")
@@ -128,3 +128,11 @@ class Config(RoleConfig):
                 f"--hot-replication-period must be positive, got {self.hot_replication_period}")
         require(0 < self.context_ttl <= self.context_max_ttl,
                 f"--context-ttl must be in (0, --context-max-ttl], got {self.context_ttl}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings from these flags (each tenant's SLOs are applied over them)."""
+        return SchedulerConfig(strategy=self.strategy, admission=self.admission, ttft_slo_s=self.ttft_slo,
+                               tbt_slo_s=self.tbt_slo, ttft_slo_factor=self.ttft_slo_factor,
+                               tbt_slo_factor=self.tbt_slo_factor,
+                               kvcache_balancing_threshold=self.kvcache_balancing_threshold,
+                               block_size=self.block_size, uniform_decode_s=self.uniform_decode)

@@ -33,7 +33,7 @@ from itertools import islice
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
-from mooncake_lite.conductor.store_watch import StoreWatch
+from mooncake_lite.conductor.cluster.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import ClusterState, DecodeView, PrefillView
 from mooncake_lite.scheduler.costs import uncached_tokens

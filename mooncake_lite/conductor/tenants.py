@@ -5,11 +5,11 @@ holds their live state and turns refusals into 429s).
 * :func:`tenant_middleware` replaces the single ``--api-key`` check on ``/v1/``: a known key (a
   tenant's, or ``--api-key``, tenant ``default``) or, without one, the ``anonymous`` tenant if
   configured; anything else is a 401. The tenant's name is kept on the request
-  (``request[TENANT]``) and in a context variable for the code that schedules it.
+  (``request[TENANT]``); the handlers pass it on as a value (to the flight, to placement).
 * :meth:`TenantGate.admit` (completions and chat): concurrency and rate limits, 429 +
   ``Retry-After`` naming the limit; an admitted request counts as in flight until
   :meth:`TenantGate.end`.
-* :func:`schedule` (``placement.place``): the scheduler under the tenant's own SLOs, then the
+* :func:`schedule` (``flight/placement.place``): the scheduler under the tenant's own SLOs, then the
   priority rule on its accepted decision.
 
 No tenants configured: every request is tenant ``default``, with no limits and the
@@ -18,7 +18,6 @@ conductor's SLOs, so the per-tenant metrics still read.
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import logging
 import math
@@ -26,7 +25,7 @@ import time
 
 from aiohttp import web
 
-from mooncake_lite.conductor.errors import ApiError
+from mooncake_lite.conductor.api.errors import ApiError, Rejected
 from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest, SchedulerConfig
 from mooncake_lite.scheduler.scheduler import schedule as schedule_with
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT, Refusal, TenantLedger, Tenants, TenantSpec
@@ -36,9 +35,6 @@ TENANT: web.RequestKey[str] = web.RequestKey("tenant", str)   # request[TENANT]:
 EXEMPT = ("/health", "/metrics")
 _CODES = {"rate": "rate_limit_exceeded", "concurrency": "concurrency_limit_exceeded",
           "priority": "priority_shed"}
-# The tenant of the request this task serves: set by the middleware, read by placement (the
-# handler, its Flight and every retry run in the middleware's task).
-_current: contextvars.ContextVar[str] = contextvars.ContextVar("mooncake_tenant", default=DEFAULT_TENANT)
 
 
 def _digest(key: str) -> bytes:
@@ -73,26 +69,18 @@ class TenantGate:
         self.ledger.end(name)
 
 
-def refused(r: Refusal) -> ApiError:
-    """A tenant limit's 429: OpenAI's rate-limit shape, the code naming the limit."""
-    err = ApiError(429, r.message, err_type="rate_limit_error", code=_CODES[r.limit],
-                   headers={"Retry-After": str(max(1, math.ceil(r.retry_after_s)))})
-    err.cause = r.limit   # type: ignore[attr-defined]  # the rejections metric's reason
-    return err
-
-
-def current() -> str:
-    """The tenant of the request being served (``default`` outside one)."""
-    return _current.get()
+def refused(r: Refusal) -> Rejected:
+    """A tenant limit's 429: OpenAI's rate-limit shape, the code and the cause naming the limit."""
+    return Rejected(r.message, max(1, math.ceil(r.retry_after_s)), r.limit, code=_CODES[r.limit])
 
 
 def schedule(gate: TenantGate | None, scheduler: Scheduler, req: ScheduleRequest, cluster: ClusterState,
-             now: float) -> Decision:
-    """The scheduler's decision for the current tenant's request, under its SLOs; an accepted
+             now: float, *, tenant: str) -> Decision:
+    """The scheduler's decision for ``tenant``'s request, under its SLOs; an accepted
     one the priority rule refuses comes back rejected with cause ``priority``."""
     if gate is None:
         return scheduler.schedule(req, cluster, now)
-    spec = gate.tenants.get(current())
+    spec = gate.tenants.get(tenant)
     cfg = gate.configs[spec.name]
     if cfg is scheduler.config:
         decision = scheduler.schedule(req, cluster, now)
@@ -127,7 +115,6 @@ def tenant_middleware(gate: TenantGate, *, prefixes: tuple[str, ...] = ("/v1/",)
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
         request[TENANT] = spec.name
-        _current.set(spec.name)
         return await handler(request)
 
     return resolve_tenant

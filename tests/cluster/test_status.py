@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_lite.conductor.status import quantiles
+from mooncake_lite.conductor.cluster.status import quantiles
 from tests.conftest import REPO
 from tests.cluster.helpers import wait_until
 

@@ -39,7 +39,7 @@ def test_off_every_helper_is_a_no_op():
 
 
 def test_off_the_roles_do_not_import_opentelemetry():
-    code = ("import sys; import mooncake_lite.cli, mooncake_lite.common.service, mooncake_lite.conductor.dispatch, "
+    code = ("import sys; import mooncake_lite.cli, mooncake_lite.common.service, mooncake_lite.conductor.flight.flight, "
             "mooncake_lite.store.client; print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -24,7 +24,7 @@ class Cluster:
 
     @property
     def svc(self):
-        from mooncake_lite.conductor.api import API
+        from mooncake_lite.conductor.api.state import API
         return self.app[API].svc
 
     async def add(self, role: str, instance_id: str, *, register: bool = True, **kw) -> FakeInstance:

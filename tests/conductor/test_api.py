@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mooncake_lite.conductor.params import chat_prompt
+from mooncake_lite.conductor.api.params import chat_prompt
 from mooncake_lite.model.tokenizer import ByteTokenizer
 from tests.conductor.fakes import expected_tokens
 

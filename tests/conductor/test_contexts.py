@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from mooncake_lite.conductor.context_book import Context, ContextBook
-from mooncake_lite.conductor.errors import ApiError
+from mooncake_lite.conductor.contexts.book import Context, ContextBook
+from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.store.client import StoreClient
@@ -185,7 +185,7 @@ async def test_a_request_naming_a_context_goes_where_its_blocks_are(make_cluster
     holds the context's blocks serves a request naming it (a local hit on every block). Another
     tenant (another API key) neither sees nor uses it."""
     from mooncake_lite.common.hashing import prefix_hash
-    from mooncake_lite.conductor.contexts import CONTEXTS
+    from mooncake_lite.conductor.contexts.routes import CONTEXTS
     from mooncake_lite.scheduler.tenants import parse_tenants
     from tests.conductor import fakes
 
@@ -218,7 +218,7 @@ async def test_the_kv_sink_takes_every_stages_frames_and_ends_on_the_first_token
     """A prefill-only job's KV goes to the conductor's sink: each CPP stage streams its own layers
     and ends with an END; the transfer completes on the END carrying the first token. Frames of
     a transfer nobody expects are refused, as decode refuses them."""
-    from mooncake_lite.conductor.kv_sink import KVSink
+    from mooncake_lite.conductor.contexts.kv_sink import KVSink
     from mooncake_lite.transfer.client import FrameClient, RemoteError
     from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
 
@@ -246,7 +246,7 @@ async def test_the_kv_sink_takes_every_stages_frames_and_ends_on_the_first_token
 
 def _prompt_context(cluster, ids: tuple[int, ...] = tuple(range(10, 22))) -> None:
     from mooncake_lite.common.hashing import prefix_hash
-    from mooncake_lite.conductor.contexts import CONTEXTS
+    from mooncake_lite.conductor.contexts.routes import CONTEXTS
     cluster.app[CONTEXTS].book.contexts["ctx-x"] = Context("ctx-x", "default", "prompt", "tiny", ids, (),
                                                            tuple(prefix_hash(ids, 4, 0)), "store0:1", 0,
                                                            time.time() + 60, cached_tokens=len(ids))
@@ -256,7 +256,7 @@ def _prompt_context(cluster, ids: tuple[int, ...] = tuple(range(10, 22))) -> Non
 async def test_a_text_too_long_after_a_context_is_refused_untokenized(make_cluster, prompt):
     """The prompt of a request naming a context has the main path's bound: text that cannot fit
     the context is the context-length 400 before the tokenizer sees it."""
-    from mooncake_lite.conductor.api import API
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import CountingTokenizer
 
     cluster = await make_cluster()
@@ -279,7 +279,8 @@ async def test_a_text_too_long_after_a_context_is_refused_untokenized(make_clust
 async def test_a_long_text_is_tokenized_off_the_event_loop(make_cluster, path):
     """A long body naming a context, or creating one, is tokenized in a thread: /health answers
     meanwhile (on the event loop, the gate would hold it 5 s and the test would see that)."""
-    from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES
+    from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import GatedTokenizer
 
     cluster = await make_cluster()
@@ -304,7 +305,7 @@ async def test_a_long_text_is_tokenized_off_the_event_loop(make_cluster, path):
 async def test_a_context_too_long_to_fit_is_refused_untokenized(make_cluster, body):
     """Creating a context whose text cannot fit the model's context is the context-length 400
     before the tokenizer sees the text (the main path's bound)."""
-    from mooncake_lite.conductor.api import API
+    from mooncake_lite.conductor.api.state import API
     from tests.conductor.test_prompt_bounds import CountingTokenizer
 
     cluster = await make_cluster()

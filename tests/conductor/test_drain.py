@@ -14,7 +14,7 @@ import pytest
 
 from mooncake_lite.common import service
 from mooncake_lite.common.protocol import Register
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.api.state import API
 from mooncake_lite.conductor.app import make_app
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.membership import Membership

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.conductor.hot_replication import HOT as HOT_REPLICATION
+from mooncake_lite.conductor.cluster.hot_replication import HOT as HOT_REPLICATION
 from mooncake_lite.store.app import DATA
 from mooncake_lite.store.app import make_app as store_app
 from mooncake_lite.store.client import StoreClient
@@ -104,7 +104,7 @@ async def test_a_hot_prefix_is_copied_to_the_other_prefill_before_it_is_needed(m
 
 async def test_a_target_store_that_cannot_be_reached_is_counted_and_logged_once(make_cluster, aiohttp_server,
                                                                                 caplog):
-    caplog.set_level(logging.WARNING, "mooncake_lite.conductor.hot_replication")
+    caplog.set_level(logging.WARNING, "mooncake_lite.conductor.cluster.hot_replication")
     cluster, a, b, _, _ = await _cluster_with_prefix(make_cluster, aiohttp_server, 0.1, "127.0.0.1:1")
     c = client(cluster)
     for _ in range(HOT["hot_threshold"]):

@@ -179,8 +179,8 @@ async def test_tiny_sampling_values_are_served(make_cluster, field):
 
 
 def test_decode_body_formats_and_limits():
-    from mooncake_lite.conductor.api import decode_body
-    from mooncake_lite.conductor.errors import ApiError
+    from mooncake_lite.conductor.api.body import decode_body
+    from mooncake_lite.conductor.api.errors import ApiError
     data = b'{"a": "' + b"x" * 1000 + b'"}'
     assert decode_body(gzip.compress(data), "gzip", 10_000) == data
     assert decode_body(gzip.compress(data[:10]) + gzip.compress(data[10:]), "gzip", 10_000) == data  # 2 members

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mooncake_lite.conductor.outputs import OutputHistory
+from mooncake_lite.conductor.flight.output_lengths import OutputHistory
 from tests.conductor.test_api import client
 
 

@@ -11,7 +11,8 @@ import threading
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES
+from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES
+from mooncake_lite.conductor.api.state import API
 from mooncake_lite.model.tokenizer import GIL_FREE_CHARS, ByteTokenizer, HFTokenizer
 
 CONTEXT = 4096   # tiny's; its byte tokenizer: one byte one token, plus BOS

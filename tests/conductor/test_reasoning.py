@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mooncake_lite.conductor.params import chat_prompt
-from mooncake_lite.conductor.reasoning import ThinkSplitter, opens_reasoning, split_whole
+from mooncake_lite.conductor.api.params import chat_prompt
+from mooncake_lite.conductor.api.reasoning import ThinkSplitter, opens_reasoning, split_whole
 from mooncake_lite.model.tokenizer import ByteTokenizer
 from tests.conductor import fakes
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_lite.conductor.errors import ApiError
-from mooncake_lite.conductor.params import parse_request
+from mooncake_lite.conductor.api.errors import ApiError
+from mooncake_lite.conductor.api.params import parse_request
 from mooncake_lite.model.chat import ChatTemplate
 from mooncake_lite.model.tokenizer import ByteTokenizer
 

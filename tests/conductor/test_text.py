@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from mooncake_lite.conductor.text import TextStream
+from mooncake_lite.conductor.api.text import TextStream
 from mooncake_lite.model.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(320)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mooncake_lite.common.protocol import InstanceLoad
-from mooncake_lite.conductor.cost_export import _step_ratios
+from mooncake_lite.conductor.cluster.cost_export import _step_ratios
 from mooncake_lite.instance.refine import RATIO_QUANTILES, STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.scheduler import DecodeCostModel, SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim

@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.api.state import API
 from mooncake_lite.conductor.app import make_app
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.prefill.remote_store import RemoteStore

@@ -11,20 +11,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
-from mooncake_lite.conductor import status
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.api.errors import ApiError
+from mooncake_lite.conductor.cluster import status
 from mooncake_lite.conductor.costs import InstanceCosts
-from mooncake_lite.conductor.errors import ApiError
 from mooncake_lite.conductor.membership import RegistrationError
+from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.scheduler import BlockEvent
 from mooncake_lite.scheduler.admission import unmeetable_slos
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")   # a membership message (Register, Heartbeat)
+R = TypeVar("R")
 
 # (instance id, metric, cost model) already warned about: an instance that registers again
 # with the same profile (a conductor restart, a 404 heartbeat) is not warned about twice.
@@ -43,17 +47,31 @@ def _bad(message: str) -> web.Response:
     return ApiError(400, message, code="bad_message").response()
 
 
-async def register(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+async def _apply(request: web.Request, cls: type[M], apply: Callable[[M, float], R], *,
+                 log_refusal: bool) -> tuple[M, R]:
+    """The body decoded as a ``cls``, and what ``apply(message, now)`` (the membership) made of it.
+    Raises the answer when the message is malformed (400) or the membership refuses it (400; 409:
+    an instance of another cluster); nothing was applied then. ``log_refusal``: the membership's
+    refusal is logged too (a registration's, which the operator must see; a heartbeat's would
+    repeat every beat)."""
     try:
-        reg = loads(Register, await request.read())
-        inst = svc.membership.register(reg, asyncio.get_running_loop().time())
+        msg = loads(cls, await request.read())
+        return msg, apply(msg, asyncio.get_running_loop().time())
     except ProtocolError as exc:
-        return _bad(str(exc))
+        raise ApiError(400, str(exc), code="bad_message") from None
     except RegistrationError as exc:
-        log.warning("%s", exc.message)
+        if log_refusal:
+            log.warning("%s", exc.message)
         code = "cluster_mismatch" if exc.status == 409 else "bad_message"
-        return ApiError(exc.status, exc.message, code=code).response()
+        raise ApiError(exc.status, exc.message, code=code) from None
+
+
+async def register(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    try:
+        _, inst = await _apply(request, Register, svc.membership.register, log_refusal=True)
+    except ApiError as exc:
+        return exc.response()
     kv = svc.membership.kv_bytes_per_token
     if kv is not None and svc.scheduler.costs.kv_bytes_per_token != kv:
         svc.scheduler.costs = dataclasses.replace(svc.scheduler.costs, kv_bytes_per_token=kv)
@@ -67,7 +85,7 @@ def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: Instanc
     """Say loudly, once per instance and profile, when an absolute SLO is beyond what the
     instance's own profile predicts for the smallest request alone: admission would reject
     every such request, and nothing else would tell the operator why."""
-    cfg, warned = app[API].svc.scheduler.config, app[SLO_WARNED]
+    cfg, warned = app[SERVICES].scheduler.config, app[SLO_WARNED]
     for miss in unmeetable_slos(cfg, costs.prefill, costs.decode):
         key = (instance_id, miss.metric, costs.prefill if miss.metric == "ttft" else costs.decode)
         if key in warned:
@@ -80,23 +98,19 @@ def _warn_unmeetable_slos(app: web.Application, instance_id: str, costs: Instanc
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     try:
-        hb = loads(Heartbeat, await request.read())
-        inst = svc.membership.heartbeat(hb, asyncio.get_running_loop().time())
-    except ProtocolError as exc:
-        return _bad(str(exc))
-    except RegistrationError as exc:     # a malformed cost model: nothing was applied
-        return _bad(exc.message)
-    if inst is None:
-        return ApiError(404, f"unknown instance {hb.instance_id!r}: register again",
-                        code="unknown_instance").response()
+        hb, inst = await _apply(request, Heartbeat, svc.membership.heartbeat, log_refusal=False)
+        if inst is None:
+            raise ApiError(404, f"unknown instance {hb.instance_id!r}: register again", code="unknown_instance")
+    except ApiError as exc:
+        return exc.response()
     svc.membership.trust(hb.instance_id, "it heartbeated")
     return web.json_response({"ok": True})
 
 
 async def block_events(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     index = svc.scheduler.index
     try:
         ev = loads(BlockEvents, await request.read())
@@ -128,7 +142,7 @@ async def block_events(request: web.Request) -> web.Response:
 def drop_silent_stores(app: web.Application, now: float) -> None:
     """Drop from the block index every store silent for ``--dead-after`` (killed, cut off):
     its blocks must stop attracting requests. Called by the app's reaper."""
-    svc = app[API].svc
+    svc = app[SERVICES]
     for store_id in svc.membership.stores.silent(now):
         dropped = svc.scheduler.index.drop_store(store_id)
         log.warning("store %s: nothing heard for more than %.1fs (no block events, no keepalive); dropped "

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
-from mooncake_lite.conductor.errors import ApiError, bad_request, short
-from mooncake_lite.conductor.reasoning import opens_reasoning
+from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
+from mooncake_lite.conductor.api.reasoning import opens_reasoning
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 
@@ -34,13 +34,13 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
-    opens_reasoning: bool = False  # the rendered chat prompt ends in "<think>" (conductor/reasoning.py)
+    opens_reasoning: bool = False  # the rendered chat prompt ends in "<think>" (api/reasoning.py)
 
 
 @dataclass(frozen=True)
 class TextAfterIds:
     """A completion's text prompt that follows token ids already fixed (a context's, see
-    ``conductor/contexts.py``): the rewrite that puts it in the body runs on the event loop and
+    ``conductor/contexts/``): the rewrite that puts it in the body runs on the event loop and
     must not tokenize, so the parser does, under the same bound and in the same thread as any
     text prompt, and without a second BOS."""
     prefix: tuple[int, ...]
@@ -121,6 +121,15 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     sampling = Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                         top_p=_top_p(body), seed=_seed(body),
                         stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size))
+    stream, include_usage = _stream(body)
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
+    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """``stream``, and ``stream_options.include_usage``; null stands for false in both."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -136,10 +145,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
         include_usage = False
     if not isinstance(include_usage, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
-    return_ids = body.get("return_token_ids", False)
-    if not isinstance(return_ids, bool):
-        raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
-    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened)
+    return stream, include_usage
 
 
 def _unknown_model(model: str, served: str) -> ApiError:

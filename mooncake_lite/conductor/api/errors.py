@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 MAX_HEADER_FIELD_BYTES = 8190
 MAX_HEADER_BYTES = 16 * 1024
 PARSER_FIELD_BYTES = 32 * 1024
-# Public API bodies may come gzip- or deflate-compressed (api.py decodes them, capping the decoded
+# Public API bodies may come gzip- or deflate-compressed (api/body.py decodes them, capping the decoded
 # size: a zip bomb is a 413); any other Content-Encoding, or one on another path, is a 415.
 BODY_ENCODINGS = frozenset({"gzip", "deflate"})
 DECODING_PREFIX = "/v1/"
@@ -55,10 +55,17 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def rejected(message: str, retry_after_s: int) -> ApiError:
-    """429: the cluster cannot meet the SLOs for this request now (or decode refused it)."""
-    return ApiError(429, message, err_type="rate_limit_error", code="rate_limit_exceeded",
-                    headers={"Retry-After": str(retry_after_s)})
+class Rejected(ApiError):
+    """429, OpenAI's rate-limit shape: the request is refused for now, to be retried after
+    ``Retry-After`` seconds. ``cause`` is why, as the per-tenant rejections metric names it: a
+    tenant's limit (``rate``, ``concurrency``, ``priority``), the SLOs (``ttft``, ``tbt``), no
+    decode room (``no-decode``), or an instance that refused it (``upstream-refused``)."""
+
+    def __init__(self, message: str, retry_after_s: int, cause: str, *,
+                 code: str = "rate_limit_exceeded") -> None:
+        super().__init__(429, message, err_type="rate_limit_error", code=code,
+                         headers={"Retry-After": str(retry_after_s)})
+        self.cause = cause
 
 
 def unavailable(message: str) -> ApiError:
@@ -146,5 +153,5 @@ async def json_errors_middleware(request: web.Request, handler: Handler) -> web.
                         code="invalid_body").response()
 
 
-__all__ = ["ApiError", "bad_request", "json_errors_middleware", "openai_error", "rejected", "short",
+__all__ = ["ApiError", "Rejected", "bad_request", "json_errors_middleware", "openai_error", "short",
            "shutting_down", "unavailable", "upstream_failed"]

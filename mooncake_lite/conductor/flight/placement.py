@@ -7,28 +7,28 @@ import logging
 import math
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.conductor import tenants
-from mooncake_lite.conductor.errors import bad_request, rejected, unavailable
-from mooncake_lite.conductor.params import ApiRequest
+from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailable
+from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
-
-if TYPE_CHECKING:
-    from mooncake_lite.conductor.dispatch import Services
 
 log = logging.getLogger(__name__)
 
 
-def place(svc: Services, request_id: str, req: ApiRequest, now: float,
+def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant: str,
           exclude: Collection[str] = ()) -> tuple[Decision, list[bytes]]:
-    """An accepted decision and the prompt's block keys, on none of the ``exclude`` instances
-    (a retry's failed ones); raises ApiError otherwise."""
+    """An accepted decision for ``tenant``'s request and the prompt's block keys, on none of the
+    ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected,
+    its cause the scheduler's)."""
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
     sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
     t0 = time.perf_counter()
-    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now)
+    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now,
+                                tenant=tenant)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -54,13 +54,21 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
     if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
     if cause == "no-decode":
-        err = rejected("every decode instance is full; retry later", 1)
-    else:
-        wait = decision.predicted_queue_s if cause == "ttft" else 1.0
-        err = rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                       min(60, max(1, math.ceil(wait))))
-    err.cause = cause   # type: ignore[attr-defined]  # the per-tenant rejections' reason
-    raise err
+        raise Rejected("every decode instance is full; retry later", 1, cause)
+    wait = decision.predicted_queue_s if cause == "ttft" else 1.0
+    raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
+                   min(60, max(1, math.ceil(wait))), cause)
+
+
+def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: str, transfer_id: str,
+                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling) -> PrefillRequest:
+    """The prefill call ``decision`` asks for: reuse its prefix blocks, and pull the migrated ones
+    from their store first; the KV goes to ``kv_dest`` (decode's data address, or a sink)."""
+    m = decision.migration
+    return PrefillRequest(upstream_id, transfer_id, prompt_ids, kv_dest, sampling,
+                          prefix_keys=tuple(k.hex() for k in block_keys[:decision.reused_prefix_blocks]),
+                          migrate_from=str(m.source_store_id) if m else None,
+                          migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:

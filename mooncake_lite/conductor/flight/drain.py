@@ -20,7 +20,7 @@ import logging
 
 from aiohttp import web
 
-from mooncake_lite.conductor.errors import shutting_down
+from mooncake_lite.conductor.api.errors import shutting_down
 from mooncake_lite.conductor.membership import Membership
 
 log = logging.getLogger(__name__)

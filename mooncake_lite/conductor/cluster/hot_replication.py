@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from mooncake_lite.conductor.dispatch import Services
+from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler.decision import Decision
 from mooncake_lite.scheduler.hot import HotTracker, Plan, Replication
 from mooncake_lite.store.client import StoreClient
@@ -48,7 +48,7 @@ class HotReplication:
                                  block_bytes=costs.kv_bytes_per_token * svc.block_size,
                                  prior_bytes_per_s=costs.bandwidth_bytes_per_s, links=costs.links,
                                  busy=self.in_flight)
-        svc.metrics.hot_blocks.set(plan.num_hot)
+        svc.metrics.cluster.hot_blocks.set(plan.num_hot)
         by_target: dict[str, list[Replication]] = {}
         for rep in plan.replications:
             by_target.setdefault(str(rep.target), []).append(rep)
@@ -74,8 +74,8 @@ class HotReplication:
             self._failed(source, target, exc)
             return False
         seconds, num_bytes = loop.time() - start, reply.get("num_bytes", 0)
-        self.svc.metrics.hot_replications.labels("ok").inc()
-        self.svc.metrics.hot_replicated_bytes.inc(num_bytes)
+        self.svc.metrics.cluster.hot_replications.labels("ok").inc()
+        self.svc.metrics.cluster.hot_replicated_bytes.inc(num_bytes)
         if self.svc.scheduler.costs.links is not None:
             self.svc.scheduler.costs.links.observe(rep.source, rep.target, num_bytes, seconds)
         if (source, target) in self.failing:
@@ -86,7 +86,7 @@ class HotReplication:
         return True
 
     def _failed(self, source: str, target: str, exc: BaseException) -> None:
-        self.svc.metrics.hot_replications.labels("failed").inc()
+        self.svc.metrics.cluster.hot_replications.labels("failed").inc()
         client = self.clients.get(target)
         if client is not None and client.is_closed:
             del self.clients[target]          # dial afresh next time

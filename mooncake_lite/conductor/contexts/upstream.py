@@ -16,13 +16,13 @@ import uuid
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import PrefillRequest, Sampling, dumps, error_text
-from mooncake_lite.conductor.dispatch import Services
-from mooncake_lite.conductor.errors import ApiError, rejected, unavailable, upstream_failed
-from mooncake_lite.conductor.kv_sink import KVSink
+from mooncake_lite.common.protocol import Sampling, dumps, error_text
+from mooncake_lite.conductor.api.errors import ApiError, Rejected, unavailable, upstream_failed
+from mooncake_lite.conductor.contexts.kv_sink import KVSink
 from mooncake_lite.conductor.membership import PrefillJob
-from mooncake_lite.conductor.params import ApiRequest
-from mooncake_lite.conductor.placement import place
+from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.flight.placement import place, prefill_request
+from mooncake_lite.conductor.services import Services
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.client import FrameClient, RemoteError, split_address
 
@@ -30,10 +30,12 @@ PIN_WAIT_S = 10.0
 END_WAIT_S = 5.0
 
 
-async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest, keys: list[bytes]) -> str:
-    """Prefill ``req`` once with no decode; returns the data address of the store it wrote to."""
+async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest, keys: list[bytes],
+                       tenant: str) -> str:
+    """Prefill ``tenant``'s ``req`` once with no decode; returns the data address of the store it
+    wrote to."""
     loop = asyncio.get_running_loop()
-    d, _ = place(svc, job_id, req, loop.time())
+    d, _ = place(svc, job_id, req, loop.time(), tenant=tenant)
     inst = svc.membership.get(d.prefill_id)
     if inst is None or not inst.reg.store:
         raise unavailable(f"prefill instance {d.prefill_id} has no store to keep a context in")
@@ -41,11 +43,7 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
     ended = sink.expect(transfer_id)
     svc.membership.add_prefill(inst.instance_id, PrefillJob(job_id, len(req.prompt_ids),
                                                             d.reused_prefix_blocks * svc.block_size, ""), loop.time())
-    m = d.migration
-    msg = PrefillRequest(job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1),
-                         prefix_keys=tuple(k.hex() for k in keys[:d.reused_prefix_blocks]),
-                         migrate_from=str(m.source_store_id) if m else None,
-                         migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
+    msg = prefill_request(d, keys, job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1))
     try:
         async with svc.session.post(f"http://{inst.reg.http}/v1/prefill", data=dumps(msg),
                                     headers={"Content-Type": "application/json",
@@ -53,7 +51,8 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
                                     timeout=aiohttp.ClientTimeout(total=svc.upstream_timeout_s, connect=10)) as resp:
             body = await resp.read()
         if resp.status == 429:
-            raise rejected(f"prefill instance {inst.instance_id} refused the context: {error_text(body)}", 1)
+            raise Rejected(f"prefill instance {inst.instance_id} refused the context: {error_text(body)}", 1,
+                           "upstream-refused")
         if resp.status != 200:
             raise upstream_failed(f"prefill instance {inst.instance_id} answered {resp.status}: {error_text(body)}")
         await asyncio.wait_for(ended, END_WAIT_S)   # its END frame comes before its answer

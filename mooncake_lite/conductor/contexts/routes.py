@@ -34,13 +34,14 @@ from typing import Any
 from aiohttp import web
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.conductor.api import API, OFF_LOOP_BYTES, ApiState, _json_body, _read_json
+from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES, read_json
 from mooncake_lite.conductor.config import Config
-from mooncake_lite.conductor.context_book import Context, ContextBook
-from mooncake_lite.conductor.context_prefill import prefill_only, store_pin, store_unpin
-from mooncake_lite.conductor.errors import ApiError, bad_request, short, unavailable
-from mooncake_lite.conductor.kv_sink import KVSink
-from mooncake_lite.conductor.params import TextAfterIds, _encode, chat_prompt, parse_request
+from mooncake_lite.conductor.contexts.book import Context, ContextBook
+from mooncake_lite.conductor.contexts.upstream import prefill_only, store_pin, store_unpin
+from mooncake_lite.conductor.api.errors import ApiError, bad_request, short, unavailable
+from mooncake_lite.conductor.contexts.kv_sink import KVSink
+from mooncake_lite.conductor.api.params import TextAfterIds, _encode, chat_prompt, parse_request
+from mooncake_lite.conductor.api.state import API, ApiState
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
 
@@ -110,9 +111,9 @@ async def create(request: web.Request) -> web.Response:
     st, cs = request.app[API], request.app[CONTEXTS]
     tenant = tenant_of(request)
     try:
-        body, size = await _read_json(request)
+        body, size = await read_json(request, st.body_limit)
         parse = functools.partial(_context_ids, st, body)
-        # tokenized in a thread when long, as a completion's prompt is (api.py)
+        # tokenized in a thread when long, as a completion's prompt is (api/routes.py)
         kind, ids, messages = await asyncio.to_thread(parse) if size > OFF_LOOP_BYTES else parse()
         ttl, name = _ttl(body, cs.cfg), _name(body)
         keys = prefix_hash(ids, st.svc.block_size, st.svc.hash_seed)
@@ -150,7 +151,7 @@ async def _make(st: ApiState, cs: ContextState, ctx: Context, ttl: float) -> Con
                         served=st.served, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
                         max_context=st.max_context)
     ctx.model = req.model
-    ctx.store = await prefill_only(st.svc, cs.sink, ctx.context_id, req, list(ctx.keys))
+    ctx.store = await prefill_only(st.svc, cs.sink, ctx.context_id, req, list(ctx.keys), ctx.tenant)
     ctx.expires_at = time.time() + ttl
     num_held = await store_pin(st.svc, ctx.store, ctx.context_id, ctx.keys, ctx.expires_at)
     if num_held < len(ctx.keys):
@@ -178,7 +179,7 @@ async def extend(request: web.Request) -> web.Response:
     st, cs = request.app[API], request.app[CONTEXTS]
     try:
         ctx = _lookup(request)
-        body = await _json_body(request)
+        body, _ = await read_json(request, st.body_limit)
         if not isinstance(body, dict) or "ttl" not in body:
             raise bad_request("'ttl' (seconds from now) is required", "ttl")
         expires_at = time.time() + _ttl(body, cs.cfg)

@@ -44,8 +44,8 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.conductor.api import API
 from mooncake_lite.conductor.membership import Instance, Membership
+from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.instance.colocation import colocation_split
 from mooncake_lite.scheduler import CostModels
 
@@ -53,7 +53,7 @@ TIMELINE_TIMEOUT_S = 5.0
 
 
 async def cost_model(request: web.Request) -> web.Response:
-    svc = request.app[API].svc
+    svc = request.app[SERVICES]
     timelines = await fetch_timelines(svc.session, svc.membership, svc.cluster_token)
     return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs, timelines))
 

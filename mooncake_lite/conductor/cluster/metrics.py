@@ -1,6 +1,6 @@
 """Prometheus metrics of the conductor (``mooncake_conductor_*``), one registry per app so
-several conductors (tests) never share counters. Gauges describing the cluster are refreshed
-from the membership table at scrape time."""
+several conductors (tests) never share counters: the requests it serves, the same per tenant,
+and the cluster (gauges refreshed from the membership table at scrape time, hot-block copies)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from mooncake_lite.conductor.membership import Membership
 from mooncake_lite.scheduler.links import LinkSpeeds
 
+PREFIX = "mooncake_conductor_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
 
 
 class ConductorMetrics:
+    """The requests the conductor serves; :attr:`tenant`: the same per tenant; :attr:`cluster`:
+    the cluster it schedules on."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        p = "mooncake_conductor_"
+        p = PREFIX
         self.requests = Counter(p + "requests", "API requests by endpoint and outcome "
                                 "(ok, rejected, bad_request, unavailable, upstream_error, aborted)",
                                 ["endpoint", "outcome"], registry=r)
@@ -44,6 +48,40 @@ class ConductorMetrics:
                                   buckets=DECISION_BUCKETS, registry=r)
         self.output_tokens = Counter(p + "output_tokens", "tokens sent to clients", registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "requests being served", registry=r)
+        self.retries = Counter(p + "retries", "requests sent again to other instances after a failure "
+                               "before their first token, by reason (prefill-unreachable, prefill-error, "
+                               "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
+        self.tenant = TenantMetrics(r)
+        self.cluster = ClusterMetrics(r)
+
+    def render(self, membership: Membership, num_indexed_blocks: int, links: LinkSpeeds | None = None) -> bytes:
+        self.cluster.refresh(membership, num_indexed_blocks, links)
+        return generate_latest(self.registry)
+
+
+class TenantMetrics:
+    """Per tenant (docs/conductor.md, Tenants): ``default`` when no tenants are configured."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        p = PREFIX
+        self.requests = Counter(p + "tenant_requests", "API requests by tenant and outcome (as requests)",
+                                ["tenant", "outcome"], registry=r)
+        self.rejections = Counter(p + "tenant_rejections", "429s by tenant and reason (rate, concurrency, "
+                                  "priority, ttft, tbt, no-decode, upstream-refused)", ["tenant", "reason"],
+                                  registry=r)
+        self.ttft = Histogram(p + "tenant_ttft_seconds", "time from request arrival to the first token, "
+                              "by tenant", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge(p + "tenant_requests_in_flight", "requests being served, by tenant",
+                               ["tenant"], registry=r)
+
+
+class ClusterMetrics:
+    """The cluster as the membership table describes it (refreshed at scrape time, :meth:`refresh`),
+    the store links' measured speeds, and the hot blocks copied ahead of need
+    (``cluster/hot_replication.py``)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        p = PREFIX
         self.instances = Gauge(p + "instances", "instances by role and state", ["role", "state"], registry=r)
         self.prefill_queue = Gauge(p + "prefill_queue", "requests dispatched and not yet prefilled, "
                                    "per prefill instance", ["instance"], registry=r)
@@ -51,24 +89,10 @@ class ConductorMetrics:
                                     ["instance"], registry=r)
         self.indexed_blocks = Gauge(p + "indexed_blocks", "block keys in the global index (all stores)",
                                     registry=r)
-        self.retries = Counter(p + "retries", "requests sent again to other instances after a failure "
-                               "before their first token, by reason (prefill-unreachable, prefill-error, "
-                               "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
         self.stores = Gauge(p + "stores", "stores heard from within --dead-after", registry=r)
-        # per tenant (docs/conductor.md, Tenants): "default" when no tenants are configured
-        self.tenant_requests = Counter(p + "tenant_requests", "API requests by tenant and outcome (as requests)",
-                                       ["tenant", "outcome"], registry=r)
-        self.tenant_rejections = Counter(p + "tenant_rejections", "429s by tenant and reason (rate, concurrency, "
-                                         "priority, ttft, tbt, no-decode, upstream-refused)", ["tenant", "reason"],
-                                         registry=r)
-        self.tenant_ttft = Histogram(p + "tenant_ttft_seconds", "time from request arrival to the first token, "
-                                     "by tenant", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tenant_in_flight = Gauge(p + "tenant_requests_in_flight", "requests being served, by tenant",
-                                      ["tenant"], registry=r)
         self.link_speed = Gauge(p + "link_bytes_per_second", "measured KV transfer speed per store pair "
                                 "(EWMA of hot-spot migrations; absent before the first: the prior applies)",
                                 ["source", "dest"], registry=r)
-        # hot blocks copied ahead of need (conductor/hot_replication.py)
         self.hot_blocks = Gauge(p + "hot_blocks", "prefix blocks reused by at least --hot-threshold requests "
                                 "within --hot-window, at the last plan", registry=r)
         self.hot_replications = Counter(p + "hot_replications", "background replications of hot blocks asked "
@@ -78,7 +102,7 @@ class ConductorMetrics:
         self._membership: Membership | None = None
         r.register(_MembershipEvents(lambda: self._membership))
 
-    def render(self, membership: Membership, num_indexed_blocks: int, links: LinkSpeeds | None = None) -> bytes:
+    def refresh(self, membership: Membership, num_indexed_blocks: int, links: LinkSpeeds | None) -> None:
         self._membership = membership
         self.instances.clear()
         self.prefill_queue.clear()
@@ -94,7 +118,6 @@ class ConductorMetrics:
         self.stores.set(membership.stores.num_live())
         for source, dest, speed in links.items() if links is not None else ():
             self.link_speed.labels(str(source), str(dest)).set(speed)
-        return generate_latest(self.registry)
 
 
 class _MembershipEvents:

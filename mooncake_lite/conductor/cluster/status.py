@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import Metric
 
-from mooncake_lite.conductor.api import API
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.membership import Instance
-from mooncake_lite.conductor.metrics import ConductorMetrics
+from mooncake_lite.conductor.services import SERVICES
 
 WINDOW_S = 60.0        # "recent": the last minute
 SAMPLE_EVERY_S = 5.0
@@ -60,7 +60,7 @@ def add_routes(app: web.Application) -> None:
 
 
 async def _sampler(app: web.Application) -> AsyncIterator[None]:
-    recent, metrics = app[RECENT], app[API].svc.metrics
+    recent, metrics = app[RECENT], app[SERVICES].metrics
 
     async def loop() -> None:
         while True:
@@ -76,7 +76,7 @@ async def _sampler(app: web.Application) -> AsyncIterator[None]:
 
 async def status(request: web.Request) -> web.Response:
     app = request.app
-    svc = app[API].svc
+    svc = app[SERVICES]
     now = asyncio.get_running_loop().time()
     index = svc.scheduler.index
     stores = []

@@ -1,40 +1,21 @@
-"""How a call from the conductor to an instance fails, and telling an instance to drop a request.
-
-Split from ``dispatch.py``, which runs one request: these pieces only classify and report what
-went wrong upstream (a refused connection marks the instance suspect; a slow answer does not).
-"""
+"""How a call from the conductor to an instance fails, and telling an instance to drop a request:
+these pieces only classify and report what went wrong upstream (a refused connection marks the
+instance suspect; a slow answer does not)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import AbortRequest, dumps
-
-if TYPE_CHECKING:   # dispatch imports this module; the type only
-    from mooncake_lite.conductor.dispatch import Services
-    from mooncake_lite.conductor.membership import Instance
+from mooncake_lite.conductor.membership import Instance
+from mooncake_lite.conductor.services import Services
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
-SHUTDOWN = "shutdown"   # Failure.reason of a request the conductor's drain ended (a 503, not a 502)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why an attempt failed upstream. ``instance_id``: the instance to leave out of a retry;
-    ``reason``: the retries_total label; ``retry``: whether it may be retried elsewhere (a
-    timeout is not: the request has waited long enough)."""
-
-    message: str
-    instance_id: str
-    reason: str
-    retry: bool = True
 
 
 async def post_abort(svc: Services, inst: Instance, request_id: str) -> None:
@@ -59,3 +40,16 @@ def is_connection_failure(exc: BaseException) -> bool:
     if isinstance(exc, asyncio.TimeoutError):
         return False
     return isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError))
+
+
+def how(exc: BaseException) -> str:
+    """A failed call's exception in a few plain words, for the client (the log keeps the exception)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "no connection in time"
+    if isinstance(exc, asyncio.TimeoutError):     # aiohttp's read timeouts are TimeoutErrors too
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection refused" if isinstance(exc.os_error, ConnectionRefusedError) else "no connection"
+    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)):
+        return "connection lost"
+    return "malformed HTTP answer"

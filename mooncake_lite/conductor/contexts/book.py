@@ -1,4 +1,4 @@
-"""The conductor's cached contexts (``contexts.py``): one record per context, and the book of
+"""The conductor's cached contexts (``routes.py``): one record per context, and the book of
 them by id with the tenant checks, the quota count and the ids of expired ones. No IO."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_lite.conductor.errors import ApiError, short
+from mooncake_lite.conductor.api.errors import ApiError, short
 
 MAX_TOMBSTONES = 10_000   # expired ids remembered, so using one says "expired", not "unknown"
 

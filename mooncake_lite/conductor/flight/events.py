@@ -1,0 +1,59 @@
+"""What an attempt's upstream calls tell its flight, one event each, on the attempt's queue.
+
+The prefill call ends with :class:`FirstToken`, :class:`PrefillRefused` or :class:`Failed`; the
+decode stream sends a :class:`Token` per token from the second on, then :class:`Finished` (or
+:class:`Failed` when it breaks); an instance declared dead, or the conductor's drain, puts a
+:class:`Failed` there too. The flight's relay matches them by type (``flight.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncake_lite.common.protocol import PrefillResult
+
+SHUTDOWN = "shutdown"   # Failed.reason of a request the conductor's drain ended (a 503, not a 502)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill's answer: the first token, and what it reused and computed."""
+
+    result: PrefillResult
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token from the decode stream."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Decode's end line: ``finish_reason`` and, when it gave up, why."""
+
+    finish_reason: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class PrefillRefused:
+    """The prefill instance answered 429 (its queue is full): the client's 429."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Why an attempt failed upstream. ``instance_id``: the instance to leave out of a retry;
+    ``reason``: the retries_total label; ``retry``: whether it may be retried elsewhere (a
+    timeout is not: the request has waited long enough)."""
+
+    message: str
+    instance_id: str
+    reason: str
+    retry: bool = True
+
+
+Event = FirstToken | Token | Finished | PrefillRefused | Failed

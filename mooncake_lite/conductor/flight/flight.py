@@ -1,0 +1,216 @@
+"""Running one request through the cluster: place it, run an attempt, relay its tokens, retry it
+elsewhere when it fails before its first token, close it.
+
+A :class:`Flight` owns its attempts (``attempt.py``: one placement, one decode reservation, one
+prefill, and their calls to the instances). It reads the current attempt's events (``events.py``)
+in one loop, matching them by type, so the relay is a plain ``await queue.get()`` whatever order
+they arrive in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mooncake_lite.common import tracing
+from mooncake_lite.common.protocol import PrefillResult
+from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
+from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.flight.attempt import Attempt
+from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed, Finished, FirstToken, PrefillRefused, Token
+from mooncake_lite.conductor.flight.placement import place
+from mooncake_lite.conductor.services import Services
+from mooncake_lite.scheduler import Decision
+
+log = logging.getLogger(__name__)
+
+
+class Flight:
+    """One request in flight, for tenant ``tenant``. ``await start()`` (raises ApiError:
+    400/429/502/503), then iterate :meth:`tokens`, then always ``await close()``.
+
+    A request is dispatched in *attempts* (:class:`Attempt`). An attempt that fails before the
+    first token reached the client is torn down and the request placed again (at most
+    ``Services.max_retries`` times) without the instances that failed it; each attempt has its
+    own upstream request id and transfer id, so nothing from a torn-down attempt can reach the
+    next one. Once a token is out, a failure ends the request."""
+
+    def __init__(self, svc: Services, req: ApiRequest, tenant: str, request_id: str | None = None) -> None:
+        self.svc = svc
+        self.req = req
+        self.tenant = tenant
+        self.request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
+        self.attempt: Attempt | None = None   # the current one (None until the first is placed)
+        self.num_retries = 0
+        self._excluded: set[str] = set()     # instances a failed attempt ran on
+        self.prefill_result: PrefillResult | None = None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+        self.expected_output = req.sampling.max_tokens
+        self._is_closed = False
+        # The request's trace (None when tracing is off): a child of the client's traceparent if it sent one.
+        self.span = tracing.start_span("conductor.request", kind="server", request_id=self.request_id,
+                                       prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
+
+    @property
+    def decision(self) -> Decision | None:
+        """The current attempt's placement."""
+        return self.attempt.decision if self.attempt is not None else None
+
+    # ---- start ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        failed = await self._start_attempt(self.request_id)
+        while failed is not None:
+            failed = await self._retry(failed)
+
+    async def _start_attempt(self, upstream_id: str) -> Failed | None:
+        """Place the request and start an attempt there; a Failed if its decode failed."""
+        span = tracing.start_span("conductor.schedule", self.span, attempt=self.num_retries + 1,
+                                  excluded=sorted(self._excluded) or None)
+        try:
+            d, keys = place(self.svc, upstream_id, self.req, _now(), tenant=self.tenant, exclude=self._excluded)
+        except ApiError as exc:
+            tracing.end_span(span, exc.message, status=exc.status)
+            raise
+        if span is not None:
+            tracing.end_span(span, **decision_attributes(d))
+        # predictive admission sizes this request's decode time with its predicted output
+        self.expected_output = self.svc.outputs.expected(keys, len(self.req.prompt_ids),
+                                                         self.req.sampling.max_tokens)
+        self.attempt = Attempt(self.svc, self.req, upstream_id, d, keys, self.span)
+        return await self.attempt.start(self.expected_output)
+
+    async def _retry(self, failed: Failed) -> Failed | None:
+        """Tear the failed attempt down and start another without the instances that failed;
+        raises the failure as a 502 (503: the conductor's shutdown) when no retry is left or no other
+        instance can take it."""
+        self.attempt.end()
+        self._excluded.add(failed.instance_id)
+        if not failed.retry or self.num_retries >= self.svc.max_retries:
+            raise _client_error(failed)
+        self.num_retries += 1
+        try:
+            next_failed = await self._start_attempt(f"{self.request_id}-retry{self.num_retries}")
+        except Rejected:
+            raise
+        except ApiError as exc:
+            raise upstream_failed(f"{failed.message}; not retried: {exc.message}") from None
+        log.info("%s: %s; retried on %s + %s (attempt %d)", self.request_id, failed.message,
+                 self.attempt.decision.prefill_id, self.attempt.decision.decode_id, self.num_retries + 1)
+        self.svc.metrics.retries.labels(failed.reason).inc()
+        return next_failed
+
+    # ---- relay ---------------------------------------------------------------------------
+    @property
+    def has_pending(self) -> bool:
+        """More upstream events are already waiting (the relay can batch its writes)."""
+        return self.attempt is not None and not self.attempt.events.empty()
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """Token ids in order: the first (from prefill), then decode's. Ends with
+        ``finish_reason`` set; raises ApiError if anything upstream fails or refuses. A failure
+        before the first token is retried on other instances (:meth:`_retry`)."""
+        early: deque[Token | Finished] = deque()   # decode events that raced ahead of the prefill result
+        while True:
+            if self.prefill_result is not None and early:
+                event = early.popleft()
+            else:
+                event = await self.attempt.events.get()
+            match event:
+                case Failed() if self.num_tokens == 0:
+                    early.clear()           # the failed attempt's; the next one starts afresh
+                    failed: Failed | None = event
+                    while failed is not None:
+                        failed = await self._retry(failed)
+                    continue
+                case FirstToken(result=result):
+                    self._on_first(result)
+                    token = result.first_token
+                case Token() | Finished() if self.prefill_result is None:
+                    early.append(event)
+                    continue
+                case Token(token=token):
+                    self.attempt.decode_progress()
+                case Finished():
+                    self._finish(event)     # decode's end line: finish_reason is set
+                    return
+                case PrefillRefused(message=message):
+                    self.svc.metrics.rejections.labels("prefill-refused").inc()
+                    raise Rejected(message, 1, "upstream-refused")
+                case Failed():
+                    raise _client_error(event)
+            # Counted before it is handed out: the consumer may stop on it (a stop string) and
+            # never resume us, and usage must still count every token the answer used.
+            is_last = self._count(token)
+            yield token
+            if is_last:
+                return
+
+    def _on_first(self, result: PrefillResult) -> None:
+        self.prefill_result = result
+        self.attempt.prefill_finished(result, self.expected_output)
+        tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
+                          computed_tokens=result.num_computed_tokens)
+
+    def _finish(self, end: Finished) -> None:
+        if end.error is not None or end.finish_reason not in ("stop", "length"):
+            raise upstream_failed(f"decode instance {self.attempt.decode.instance_id} ended the request "
+                                  f"({end.finish_reason}): {end.error or 'no reason given'}")
+        self.finish_reason = end.finish_reason
+
+    def _count(self, token: int) -> bool:
+        """Count one relayed token; True when the request is complete on our side too (the
+        conductor enforces max_tokens and stop ids itself rather than trust every instance)."""
+        self.num_tokens += 1
+        s = self.req.sampling
+        if token in s.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_tokens >= s.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    # ---- close ---------------------------------------------------------------------------
+    async def close(self, *, abort: bool) -> None:
+        """Release bookkeeping. ``abort``: the client left, something failed or a stop string
+        ended the text — tell every instance still working on the request to drop it and free
+        its KV. Otherwise the request completed (:meth:`Attempt.close` waits a moment for
+        decode's end line)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        tracing.end_span(self.span, "aborted" if abort and self.finish_reason is None else None,
+                         output_tokens=self.num_tokens, finish_reason=self.finish_reason,
+                         retries=self.num_retries)
+        if self.attempt is None:
+            return
+        if self.num_tokens:   # the output length the client took (ended, or it stopped reading)
+            self.svc.outputs.finished(self.attempt.block_keys, len(self.req.prompt_ids), self.num_tokens,
+                                      self.expected_output)
+        self.attempt.close(abort=abort)
+
+
+def _client_error(failed: Failed) -> ApiError:
+    """What the client is told of a failure that ends its request: the conductor's own shutdown
+    (its drain ran out) is a 503 to retry, a failure upstream a 502 (the instance's fault)."""
+    if failed.reason == SHUTDOWN:
+        return shutting_down(failed.message)
+    return upstream_failed(failed.message)
+
+
+def decision_attributes(d: Decision) -> dict[str, Any]:
+    """A schedule span's attributes: what Algorithm 1 chose, why, and what it predicted."""
+    m = d.migration
+    return {"prefill": d.prefill_id, "decode": d.decode_id, "route": d.route, "reason": d.reason,
+            "predicted_ttft_s": d.predicted_ttft_s, "predicted_tbt_s": d.predicted_tbt_s,
+            "predicted_queue_s": d.predicted_queue_s, "predicted_prefill_s": d.predicted_prefill_s,
+            "predicted_transfer_s": d.predicted_transfer_s, "reused_prefix_blocks": d.reused_prefix_blocks,
+            "local_prefix_blocks": d.local_prefix_blocks,
+            "migrated_blocks": len(m.keys) if m is not None else None}
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
