@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mooncake_lite.transfer.budget import InflightBudget, OverBudget
 from mooncake_lite.transfer.framing import (HEADER_BYTES, Buffer, Frame, FrameError, Header, Limits,
                                             decode_header, decode_meta, encode_frame)
+from mooncake_lite.transfer.tcp import tune_socket
 
 log = logging.getLogger(__name__)
 
@@ -35,51 +36,6 @@ STAGING_BYTES = 256 << 10
 HELLO_STAGING_BYTES = 8 << 10  # a server connection's staging buffer until its handshake passes
 DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received in place
 BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
-
-
-# Congestion control for data connections, first one the kernel lets us pick. BBR (this machine's
-# default) paces every burst; on request/reply traffic over loopback or a datacenter link that
-# pacing, restarted after each idle gap, roughly halved 1 MiB round trips (blocking sockets:
-# 1.4-1.8 GB/s with bbr vs 2.8-3.0 with reno) and put multi-ms stalls in the tail.
-CONGESTION_CONTROLS = (b"cubic", b"reno")
-
-
-def tune_socket(sock: socket.socket | None) -> None:
-    """Per-connection TCP options for bulk request/reply traffic (best effort, never fails)."""
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # uvloop sets it too; be explicit
-    except OSError:
-        pass
-    for name in CONGESTION_CONTROLS:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
-            break
-        except (OSError, AttributeError):
-            continue
-
-
-class OverBudget(FrameError):
-    """A frame's receive memory would take the server over its in-flight budget."""
-
-
-class InflightBudget:
-    """Receive memory held by frames still arriving, shared by all connections of one server."""
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, nbytes: int, what: str) -> None:
-        if self.used + nbytes > self.limit:
-            raise OverBudget(f"a {nbytes}-byte {what} would bring receive buffers to "
-                             f"{self.used + nbytes} bytes, over the in-flight budget of {self.limit}")
-        self.used += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.used -= nbytes
 
 
 class FrameHandler:
@@ -244,9 +200,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._remaining -= nbytes
         if self._meta_buf is not None:
             if self._remaining == 0:
-                meta_buf, self._meta_buf = self._meta_buf, None
-                self._release()
-                self._begin_payload(decode_meta(meta_buf))
+                self._end_big_meta()
             return
         self._toff += nbytes
         self._skip_full_targets()
@@ -277,9 +231,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                     self._remaining -= take
                     if self._remaining:
                         return
-                    meta_buf, self._meta_buf = self._meta_buf, None
-                    self._release()
-                    self._begin_payload(decode_meta(meta_buf))
+                    self._end_big_meta()
                 continue
             if self._meta is None:
                 need = self._header.meta_len
@@ -299,6 +251,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self._remaining:
                 return
             self._deliver()
+
+    def _end_big_meta(self) -> None:
+        """A meta too big for the staging buffer has all arrived (in its own buffer)."""
+        meta_buf, self._meta_buf = self._meta_buf, None
+        self._release()
+        self._begin_payload(decode_meta(meta_buf))  # type: ignore[arg-type]
 
     def _begin_payload(self, meta: dict[str, Any]) -> None:
         header = self._header
