@@ -1,4 +1,4 @@
-"""The receive memory a server's connections may hold for frames still arriving."""
+"""The receive memory a server's connections may hold for frames still arriving, and each one's share."""
 
 from __future__ import annotations
 
@@ -25,3 +25,22 @@ class InflightBudget:
 
     def give(self, nbytes: int) -> None:
         self.used -= nbytes
+
+
+class BudgetShare:
+    """What one connection holds of its server's budget: the frame it is receiving."""
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: InflightBudget | None) -> None:
+        self.budget = budget   # None: fresh receive memory is not accounted (clients)
+        self.held = 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        if self.budget is not None and nbytes:
+            self.budget.take(nbytes, what)
+            self.held += nbytes
+
+    def release(self) -> None:
+        if self.held and self.budget is not None:
+            self.budget.give(self.held)
+        self.held = 0
