@@ -90,3 +90,9 @@ def test_the_script_reports_and_exits_0(tmp_path, capsys):
     _tree(tmp_path, {"mooncake_lite/__init__.py": "", "docs/a.md": "x\n"})
     assert am.main(["--root", str(tmp_path), "--json"]) == 0
     assert '"doc_lines": 1' in capsys.readouterr().out
+
+
+def test_a_stretch_of_one_shape_is_one_place_and_no_pair_with_itself(tmp_path):
+    enum = "class Op:\n" + "".join(f"    NAME{i} = {i}\n" for i in range(20))
+    _tree(tmp_path, {"pkg/ops.py": enum})
+    assert am.same_shape_pairs(am.source_files(tmp_path / "pkg"), tmp_path) == []
