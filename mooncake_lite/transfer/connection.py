@@ -280,7 +280,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._share.release()
         self.handler.frame_received(self, frame)
 
-    # ---- bounds: budget, handshake, timeouts ------------------------------------------------
+    # ---- bounds: handshake, timeouts (the budget: ``BudgetShare``) ---------------------------
     def authenticate(self) -> None:
         """The peer's HELLO was accepted: full limits and a full-size staging buffer from now on."""
         if self.authenticated:
