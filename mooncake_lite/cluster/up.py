@@ -54,6 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the conductor's public API port (0: pick a free one)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the public API")
     p.add_argument("--cluster-token", default=None, help="shared secret for every internal connection")
+    _add_role_options(p)
+    _add_sizing_options(p)
+    p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="restart a child that dies while serving, with backoff (default: on, off under --smoke)")
+    p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
+    p.add_argument("--smoke-max-tokens", type=int, default=48)
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
+    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds of drain before SIGKILL")
+    p.add_argument("--launcher", default=None,
+                   help="command that runs a role (default: this Python with -m mooncake_lite)")
+    p.add_argument("--no-color", action="store_true", help="plain log prefixes")
+    return p
+
+
+def _add_role_options(p: argparse.ArgumentParser) -> None:
+    """What ``up`` passes on to every role (or to every process of one role)."""
     p.add_argument("--config", default=None, metavar="FILE", help="TOML file passed to every role")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (passed to every role)")
     p.add_argument("--hash-seed", type=int, default=None, help="block hash seed (passed to every role)")
@@ -66,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ROLES:
         p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",
                        help=f"extra flags for every {role} process, one quoted string")
+
+
+def _add_sizing_options(p: argparse.ArgumentParser) -> None:
+    """How the roles share this machine's memory and cores."""
     p.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                    help="share of the memory available at start for the instances' KV caches and the stores' "
                         "DRAM, after every instance's weights (docs/operations.md)")
@@ -77,17 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a box shared with other work a pinned process cannot move off a busy core")
     p.add_argument("--no-share", action="store_true",
                    help="size nothing from this machine: every role takes its own defaults and all cores")
-    p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
-    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
-                   help="restart a child that dies while serving, with backoff (default: on, off under --smoke)")
-    p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
-    p.add_argument("--smoke-max-tokens", type=int, default=48)
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
-    p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds of drain before SIGKILL")
-    p.add_argument("--launcher", default=None,
-                   help="command that runs a role (default: this Python with -m mooncake_lite)")
-    p.add_argument("--no-color", action="store_true", help="plain log prefixes")
-    return p
 
 
 def options_from(ns: argparse.Namespace) -> UpOptions:

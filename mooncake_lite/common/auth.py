@@ -79,24 +79,15 @@ def api_key_middleware(key: str | None, *, exempt: Sequence[str] = DEFAULT_EXEMP
     """Require ``Authorization: Bearer KEY`` on guarded paths; 401 (OpenAI-style JSON) otherwise."""
     if key is not None and not key:
         raise ValueError("an API key must not be empty (use None for no key)")
-    exempt, prefixes = tuple(exempt), tuple(prefixes) if prefixes is not None else None
 
-    @web.middleware
-    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if key is None or not _is_guarded(request.path, exempt, prefixes):
-            return await handler(request)
-        presented = _bearer(request)
-        if token_matches(key, presented):
-            return await handler(request)
-        log.warning("refused %s %s from %s: %s API key", request.method, request.path, request.remote,
-                    "missing" if presented is None else "wrong")
+    def refusal(presented: str | None) -> web.Response:
         message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'."
                    if presented is None else "Incorrect API key provided.")
         resp = openai_error(401, message, err_type="invalid_request_error", code="invalid_api_key")
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
 
-    return check_api_key
+    return _secret_middleware(key, "API key", _bearer, refusal, exempt, prefixes)
 
 
 def cluster_token_middleware(token: str | None, *, exempt: Sequence[str] = DEFAULT_EXEMPT,
@@ -104,18 +95,31 @@ def cluster_token_middleware(token: str | None, *, exempt: Sequence[str] = DEFAU
     """Require the ``X-Mooncake-Token`` header on guarded paths; 403 (JSON error) otherwise."""
     if token is not None and not token:
         raise ValueError("a cluster token must not be empty (use None for no token)")
-    exempt, prefixes = tuple(exempt), tuple(prefixes) if prefixes is not None else None
 
-    @web.middleware
-    async def check_cluster_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is None or not _is_guarded(request.path, exempt, prefixes):
-            return await handler(request)
-        presented = request.headers.get(TOKEN_HEADER)
-        if token_matches(token, presented):
-            return await handler(request)
-        log.warning("refused %s %s from %s: %s cluster token", request.method, request.path, request.remote,
-                    "missing" if presented is None else "wrong")
+    def refusal(presented: str | None) -> web.Response:
         return openai_error(403, f"this endpoint needs the cluster token in the {TOKEN_HEADER} header",
                             err_type="permission_error", code="invalid_cluster_token")
 
-    return check_cluster_token
+    return _secret_middleware(token, "cluster token", lambda request: request.headers.get(TOKEN_HEADER),
+                              refusal, exempt, prefixes)
+
+
+def _secret_middleware(secret: str | None, what: str, presented_by: Callable[[web.Request], str | None],
+                       refusal: Callable[[str | None], web.Response], exempt: Sequence[str],
+                       prefixes: Sequence[str] | None) -> Middleware:
+    """Pass a request on a guarded path only if ``presented_by(request)`` matches ``secret``
+    (None: nothing is guarded); else log it and answer ``refusal(what was presented)``."""
+    exempt, prefixes = tuple(exempt), tuple(prefixes) if prefixes is not None else None
+
+    @web.middleware
+    async def check_secret(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if secret is None or not _is_guarded(request.path, exempt, prefixes):
+            return await handler(request)
+        presented = presented_by(request)
+        if token_matches(secret, presented):
+            return await handler(request)
+        log.warning("refused %s %s from %s: %s %s", request.method, request.path, request.remote,
+                    "missing" if presented is None else "wrong", what)
+        return refusal(presented)
+
+    return check_secret

@@ -350,17 +350,21 @@ class DecodeEngine:
             self.timeline.append((m0, time.monotonic() - m0, len(plan), sum(p + 1 for p in plan.positions), waited,
                                   max(plan.positions) + 1))
             waited = 0
-            for out in self.batcher.commit(plan, tokens):
-                state = self.requests.get(out.request_id)
-                if state is None:
-                    continue
-                state.events.put_nowait(TokenEvent(token=out.token))
-                if state.steps_span is not None:
-                    state.num_steps += 1
-                    state.batch_total += len(plan)
-                if out.finish_reason is not None:
-                    self._finish(out.request_id, out.finish_reason)
+            self._deliver(plan, tokens)
             await asyncio.sleep(0)  # let KV frames and HTTP writes in between steps
+
+    def _deliver(self, plan: StepPlan, tokens: list[int]) -> None:
+        """Commit a step's tokens to the batch and hand each to its request's stream."""
+        for out in self.batcher.commit(plan, tokens):
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            state.events.put_nowait(TokenEvent(token=out.token))
+            if state.steps_span is not None:
+                state.num_steps += 1
+                state.batch_total += len(plan)
+            if out.finish_reason is not None:
+                self._finish(out.request_id, out.finish_reason)
 
     def _compute(self, plan: StepPlan, samplers: list[RequestState | None]) -> list[int]:
         logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)

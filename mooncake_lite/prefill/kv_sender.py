@@ -20,6 +20,7 @@ from kernels.copies import Staged
 from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
+from mooncake_lite.transfer.peers import PeerClients
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +37,20 @@ class DecodeLinks:
         self.token = token
         self.timeout = connect_timeout_s
         self.request_timeout = request_timeout_s   # decode answers each frame on arrival: far below this
-        self._clients: dict[str, FrameClient] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._links: PeerClients[str, FrameClient] = PeerClients(self._connect)
 
     async def get(self, address: str) -> FrameClient:
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
-            client = self._clients.get(address)
-            if client is None or client.is_closed:
-                host, port = split_address(address)
-                client = await FrameClient.connect(host, port, token=self.token, name="prefill",
-                                                   timeout=self.timeout, label=f"decode {address}")
-                client.request_timeout = self.request_timeout
-                self._clients[address] = client
-            return client
+        return await self._links.get(address)
+
+    async def _connect(self, address: str) -> FrameClient:
+        host, port = split_address(address)
+        client = await FrameClient.connect(host, port, token=self.token, name="prefill",
+                                           timeout=self.timeout, label=f"decode {address}")
+        client.request_timeout = self.request_timeout
+        return client
 
     async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
+        await self._links.close()
 
 
 class KVSender:

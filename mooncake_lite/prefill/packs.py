@@ -102,17 +102,7 @@ class Packing:
         """One packed forward for every request of ``pack``; each one's outcome, in order."""
         t0 = time.perf_counter()
         outcomes: list[PrefillResult | BaseException | None] = [None] * len(pack)
-        live = []       # (index, job, sender, stream) of the requests that began
-        for i, queued in enumerate(pack):
-            try:
-                job, sender, stream = await self._begin(queued.req, queued.keys, queued.hit)
-            except Exception as exc:       # a full cache, decode unreachable: this request only
-                outcomes[i] = exc
-                continue
-            queued.stop_keepalive()
-            if queued.request_id in self._aborted:
-                self.stage.abort(queued.request_id, "aborted before its first KV frame")
-            live.append((i, job, sender, stream))
+        live = await self._begin_pack(pack, outcomes)
         errors: dict[int, str | None] = {i: "the packed prefill failed" for i, *_ in live}
         try:
             if live:
@@ -140,6 +130,22 @@ class Packing:
             if errors[i] is None:
                 outcomes[i] = self._result(pack[i].req, job, sender, pack[i].num_prefix_tokens, outcomes[i], t0)
         return outcomes
+
+    async def _begin_pack(self, pack: list[QueuedJob], outcomes: list) -> list[tuple]:
+        """Begin each member's job and KV stream: (index, job, sender, stream) of those that
+        began; one that cannot (a full cache, decode unreachable) fails alone, in ``outcomes``."""
+        live = []
+        for i, queued in enumerate(pack):
+            try:
+                job, sender, stream = await self._begin(queued.req, queued.keys, queued.hit)
+            except Exception as exc:
+                outcomes[i] = exc
+                continue
+            queued.stop_keepalive()
+            if queued.request_id in self._aborted:
+                self.stage.abort(queued.request_id, "aborted before its first KV frame")
+            live.append((i, job, sender, stream))
+        return live
 
     async def _end_stream(self, job, first: int | None, error: str | None):
         """(first token, None) once its KV stream ended well, else (PrefillAborted, reason)."""

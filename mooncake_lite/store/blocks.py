@@ -12,6 +12,7 @@ journaled beside the SSD files and restored at start. Events: ``on_stored(key)``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from mooncake_lite.store.assembly import Assembler
@@ -70,12 +71,7 @@ class BlockStore:
 
     def match(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` held in any tier."""
-        num = 0
-        for key in keys:
-            if key not in self:
-                break
-            num += 1
-        return num
+        return sum(1 for _ in itertools.takewhile(self.__contains__, keys))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [key in self for key in keys]
@@ -107,7 +103,7 @@ class BlockStore:
                 ticket.slots.append(None)
                 continue
             seen.add(key)
-            slot = self._alloc_slot()
+            slot = self.alloc_slot()
             if slot is None:
                 self.cancel(ticket)
                 self.stats.full_errors += 1
@@ -160,21 +156,18 @@ class BlockStore:
         ticket.slots = []
 
     def alloc_slot(self) -> int | None:
-        """A free slot, evicting if need be; None when every block is pinned (the assembler's
-        partial blocks take their slots this way, outside any put ticket)."""
-        return self._alloc_slot()
+        """A free slot, evicting if need be; None when every block is pinned (puts, and the
+        assembler's partial blocks outside any put ticket, take their slots this way)."""
+        slot = self.slab.alloc()
+        while slot is None and self._evict_one():
+            slot = self.slab.alloc()
+        return slot
 
     def adopt(self, key: bytes, slot: int, size: int, num_layers: int, chain_pos: int) -> None:
         """Make a slot filled outside a put (a block assembled from slices) visible, as a commit does."""
         self._add_block(key, Block(slot, size, num_layers, chain_pos))
         self.stats.blocks_put += 1
         self.on_stored(key)
-
-    def _alloc_slot(self) -> int | None:
-        slot = self.slab.alloc()
-        while slot is None and self._evict_one():
-            slot = self.slab.alloc()
-        return slot
 
     def _evict_one(self) -> bool:
         key = self.policy.victim(self._is_pinned)
@@ -183,12 +176,16 @@ class BlockStore:
         self.policy.remove(key)
         block = self._dram.pop(key)
         self.stats.evictions_dram += 1
-        kept = self.ssd is not None and (key in self.ssd or self.ssd.enqueue(
-            key, bytes(self.slab.view(block.slot, block.size)), block.num_layers, block.chain_pos))
+        kept = self.ssd is not None and (key in self.ssd or self._write_back(key, block))
         self.slab.free(block.slot)
         if not kept:
             self.on_evicted(key)
         return True
+
+    def _write_back(self, key: bytes, block: Block) -> bool:
+        """Queue a copy of the block for the SSD tier (False: its queue is full)."""
+        return self.ssd.enqueue(key, bytes(self.slab.view(block.slot, block.size)),  # type: ignore[union-attr]
+                                block.num_layers, block.chain_pos)
 
     def _is_pinned(self, key: bytes) -> bool:
         return self._dram[key].pins > 0
@@ -204,16 +201,13 @@ class BlockStore:
         found: list[Block | None] = []
         on_ssd: list[int] = []
         for i, key in enumerate(keys):
-            block = self._dram.get(key)
-            if block is not None:
-                self.policy.touch(key)
-                self.stats.hits_dram += 1
-            elif self.ssd is not None and key in self.ssd:
+            block = self.touch_dram(key)
+            if block is None:
                 self.stats.misses_dram += 1
-                on_ssd.append(i)
-            else:
-                self.stats.misses_dram += 1
-                self.stats.misses += 1
+                if self.ssd is not None and key in self.ssd:
+                    on_ssd.append(i)
+                else:
+                    self.stats.misses += 1
             found.append(block)
         return found, on_ssd
 
@@ -230,7 +224,7 @@ class BlockStore:
             return None
         self.stats.hits_ssd += 1
         data, num_layers, chain_pos = item
-        slot = self._alloc_slot()
+        slot = self.alloc_slot()
         if slot is None:
             return data
         self.slab.view(slot, len(data))[:] = data
@@ -269,9 +263,7 @@ class BlockStore:
     def extend(self, lease: Lease, blocks: Sequence[Block]) -> None:
         """Pin more blocks under an active lease."""
         for block in blocks:
-            if block.pins == 0 and block.is_live:
-                self._num_pinned += 1
-            block.pins += 1
+            self._pin_block(block)
         lease.blocks.extend(blocks)
 
     def unpin(self, lease: Lease) -> None:
@@ -306,8 +298,7 @@ class BlockStore:
         num = 0
         is_held = False
         for key in keys:
-            held = self.holds.is_pinned(key)
-            if held:
+            if held := self.holds.is_pinned(key):
                 self.holds.forget_key(key)
                 is_held = True
             block = self._dram.pop(key, None)
@@ -343,8 +334,7 @@ class BlockStore:
         for key in present:
             block = self._dram.get(key)
             if self.ssd is not None and block is not None and key not in self.ssd:
-                self.ssd.enqueue(key, bytes(self.slab.view(block.slot, block.size)), block.num_layers,
-                                 block.chain_pos)
+                self._write_back(key, block)
         if self.holds.get(owner) != before:   # a repeated PIN (waiting for a write-back) changes nothing
             self._journal()
         return len(present)

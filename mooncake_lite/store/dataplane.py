@@ -147,19 +147,9 @@ class StoreHandler(FrameHandler):
             elif op == Op.PUT and "staged" in meta:
                 self.shm.staged_put(conn, frame)   # answers it
             elif op == Op.PUT:
-                if _TICKET not in meta and keys_from_meta(meta):
-                    raise MetaError("a put of blocks needs a payload")
-                num_new = self._commit(meta[_TICKET]) if _TICKET in meta else 0
-                conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
+                self._put(conn, frame)
             elif op == Op.MATCH:
-                if meta.get("lease_s") is None:
-                    self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(meta))})
-                else:
-                    lease_s = meta["lease_s"]
-                    if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
-                        raise MetaError(f"'lease_s' must be a positive number, got {lease_s!r}")
-                    self._spawn(conn, frame, self._match_and_pin(conn, frame, keys_from_meta(meta),
-                                                                 min(float(lease_s), self.lease_ttl)))
+                self._match(conn, frame)
             elif op == Op.RELEASE:
                 lease = conn.state.get("leases", {}).pop(int_from_meta(meta, "lease_id"), None)
                 if lease is not None:
@@ -185,11 +175,28 @@ class StoreHandler(FrameHandler):
         except StoreFull as exc:
             reply_error(conn, frame, "full", str(exc))
 
-    def _commit(self, ticket: PutTicket | SliceTicket) -> int:
+    def _put(self, conn: FrameConnection, frame: Frame) -> None:
+        """A framed put whose payload has landed where ``payload_sink`` reserved: commit it."""
+        ticket: PutTicket | SliceTicket | None = frame.meta.get(_TICKET)
+        if ticket is None and keys_from_meta(frame.meta):
+            raise MetaError("a put of blocks needs a payload")
         if isinstance(ticket, SliceTicket):
             self.store.stats.bytes_in += sum(ticket.sizes)
-            return self.store.assembly.commit(ticket)
-        return self.store.commit(ticket)
+            num_new = self.store.assembly.commit(ticket)
+        else:
+            num_new = 0 if ticket is None else self.store.commit(ticket)
+        self._reply(conn, frame, {"num_new": num_new})
+
+    def _match(self, conn: FrameConnection, frame: Frame) -> None:
+        """How long a prefix of the keys the store holds; with ``lease_s``, pinned that long too."""
+        lease_s = frame.meta.get("lease_s")
+        if lease_s is None:
+            self._reply(conn, frame, {"num_matched": self.store.match(keys_from_meta(frame.meta))})
+            return
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
+            raise MetaError(f"'lease_s' must be a positive number, got {lease_s!r}")
+        self._spawn(conn, frame, self._match_and_pin(conn, frame, keys_from_meta(frame.meta),
+                                                     min(float(lease_s), self.lease_ttl)))
 
     def _reply(self, conn: FrameConnection, frame: Frame, meta: dict[str, Any]) -> None:
         conn.send(frame.op, frame.request_id, meta, flags=FLAG_REPLY)

@@ -43,12 +43,12 @@ import logging
 import secrets
 import socket
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mooncake_lite.transfer.connection import FrameConnection
 
 if TYPE_CHECKING:
-    from mooncake_lite.store.shm import ShmService
+    from mooncake_lite.store.blocks import Block, BlockStore, PutTicket
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,24 @@ ANSWER_FIRST_BYTES = 256 << 10            # smaller blocks are copied first (a f
 _PUT_SIZE = REQUEST.size + PUT_BODY.size
 
 
+class StoreSide(Protocol):
+    """What a channel asks of the store's same-node service (``ShmService``, ``store/shm.py``,
+    which builds ``FastGets`` and so is not imported here)."""
+
+    store: BlockStore
+
+    def read_lease(self, conn: FrameConnection, blocks: list[Block]) -> int: ...
+
+    def fast_reserve(self, conn: FrameConnection, key: bytes, offset: int, size: int, num_layers: int,
+                     first_pos: int) -> PutTicket | None: ...
+
+    def fast_commit(self, conn: FrameConnection, ticket: PutTicket, offset: int) -> int: ...
+
+
 class FastGets:
     """The store's listening socket and the secrets handed out, each tied to a data connection."""
 
-    def __init__(self, shm: ShmService) -> None:
+    def __init__(self, shm: StoreSide) -> None:
         self.shm = shm
         self.name = f"\0mooncake-fastget-{secrets.token_hex(8)}"
         self._grants: dict[bytes, FrameConnection] = {}

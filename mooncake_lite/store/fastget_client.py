@@ -23,7 +23,7 @@ from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
 from mooncake_lite.transfer.shm import align, aligned_buffer, copy
 
 if TYPE_CHECKING:
-    from mooncake_lite.store.shm_client import SharedSlab, Staging
+    from mooncake_lite.store.shm_areas import SharedSlab, Staging
 
 log = logging.getLogger(__name__)
 ALIGN = 64   # staged blocks start on cache lines (copies between misaligned buffers are slow)

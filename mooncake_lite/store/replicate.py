@@ -10,6 +10,7 @@ import logging
 
 from mooncake_lite.store.blocks import BlockStore
 from mooncake_lite.store.client import StoreClient
+from mooncake_lite.transfer.peers import PeerClients
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ class Replicator:
         self.store = store
         self.token = token
         self.self_address = self_address
-        self._clients: dict[tuple[str, int], StoreClient] = {}
+        self._peers: PeerClients[tuple[str, int], StoreClient] = PeerClients(self._connect)
 
     async def __call__(self, keys: list[bytes], peer: tuple[str, int], first_pos: int = 0) -> dict[str, int]:
         if f"{peer[0]}:{peer[1]}" == self.self_address:
@@ -27,7 +28,7 @@ class Replicator:
         wanted = [(i, k) for i, k in enumerate(keys) if k not in self.store]
         num_copied = num_missing = num_bytes = 0
         if wanted:
-            client = await self._client(peer)
+            client = await self._peers.get(peer)
             blocks = await client.get_blocks([k for _, k in wanted])
             for (i, key), item in zip(wanted, blocks):
                 if item is None:
@@ -51,14 +52,8 @@ class Replicator:
             raise
         return self.store.commit(ticket)
 
-    async def _client(self, peer: tuple[str, int]) -> StoreClient:
-        client = self._clients.get(peer)
-        if client is None or client.is_closed:
-            client = await StoreClient.connect(f"{peer[0]}:{peer[1]}", token=self.token, name="store-replicator")
-            self._clients[peer] = client
-        return client
+    async def _connect(self, peer: tuple[str, int]) -> StoreClient:
+        return await StoreClient.connect(f"{peer[0]}:{peer[1]}", token=self.token, name="store-replicator")
 
     async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
+        await self._peers.close()

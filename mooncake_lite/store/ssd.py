@@ -18,15 +18,13 @@ directories, links) is skipped with a log line, never fatal. The checksum is ver
 read, and a block that fails it (or any header check) is deleted, counted and reported as a
 miss, never served.
 
-Context holds (``BlockStore.hold``) are journaled in ``<ssd-dir>/pins.json`` (rewritten whole,
-atomically, at each change: a few entries), so pinned blocks stay pinned across a restart; the
-tier never evicts a held block to make room.
+Context holds (``BlockStore.hold``) are journaled beside the files (``store/pin_journal.py``), so
+pinned blocks stay pinned across a restart; the tier never evicts a held block to make room.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import stat
@@ -39,6 +37,7 @@ import aiofiles
 import aiofiles.os
 
 from mooncake_lite.store.eviction import LRUPolicy
+from mooncake_lite.store.pin_journal import PIN_JOURNAL, PinJournal
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,6 @@ FILE_VERSION = 2          # 2: the CRC covers the header too (1: the data only; 
 FILE_HEADER = struct.Struct("<4sHHI16sQI")
 CRC_OFFSET = FILE_HEADER.size - 4   # the header bytes before the CRC, all covered by it
 KEY_BYTES = 16
-PIN_JOURNAL = "pins.json"
 _HEX = frozenset("0123456789abcdef")   # key.hex() is lowercase
 
 
@@ -363,48 +361,3 @@ class SsdTier:
             pass
         except OSError as exc:   # e.g. a directory in its place: leave it, never fail the caller
             log.warning("SSD tier: could not delete %s: %s", path, exc)
-
-
-class PinJournal:
-    """The store's context holds as one small JSON file: ``{"version": 1, "pins": {owner:
-    {"expires_at": unix seconds, "keys": [hex, ...]}}}``, replaced atomically on each save."""
-
-    VERSION = 1
-
-    def __init__(self, path: Path, *, fsync: bool = True) -> None:
-        self.path = path
-        self.fsync = fsync
-
-    def save(self, entries: dict[str, tuple[frozenset[bytes], float]]) -> None:
-        pins = {owner: {"expires_at": expires_at, "keys": sorted(k.hex() for k in keys)}
-                for owner, (keys, expires_at) in entries.items()}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as fh:
-                json.dump({"version": self.VERSION, "pins": pins}, fh)
-                fh.flush()
-                if self.fsync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except OSError as exc:   # the holds still apply in memory; only a restart would lose them
-            log.error("could not write the pin journal %s: %s", self.path, exc)
-
-    def load(self) -> dict[str, tuple[list[bytes], float]]:
-        """owner -> (keys, expires_at); an absent file is empty, a bad one is logged and ignored."""
-        try:
-            raw = self.path.read_text()
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            log.warning("pin journal %s unreadable (%s); no holds restored", self.path, exc)
-            return {}
-        try:
-            doc = json.loads(raw)
-            if doc.get("version") != self.VERSION:
-                raise ValueError(f"version {doc.get('version')!r}")
-            return {str(owner): ([bytes.fromhex(k) for k in entry["keys"]], float(entry["expires_at"]))
-                    for owner, entry in doc["pins"].items()}
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("pin journal %s is invalid (%s); no holds restored", self.path, exc)
-            return {}

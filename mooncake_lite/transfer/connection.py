@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mooncake_lite.transfer.budget import BudgetShare, InflightBudget, OverBudget
 from mooncake_lite.transfer.framing import (HEADER_BYTES, Buffer, Frame, FrameError, Header, Limits,
                                             decode_header, decode_meta, encode_frame)
+from mooncake_lite.transfer.landing import Landing
+from mooncake_lite.transfer.tcp import tune_socket
 
 log = logging.getLogger(__name__)
 
@@ -35,51 +37,6 @@ STAGING_BYTES = 256 << 10
 HELLO_STAGING_BYTES = 8 << 10  # a server connection's staging buffer until its handshake passes
 DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received in place
 BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
-
-
-# Congestion control for data connections, first one the kernel lets us pick. BBR (this machine's
-# default) paces every burst; on request/reply traffic over loopback or a datacenter link that
-# pacing, restarted after each idle gap, roughly halved 1 MiB round trips (blocking sockets:
-# 1.4-1.8 GB/s with bbr vs 2.8-3.0 with reno) and put multi-ms stalls in the tail.
-CONGESTION_CONTROLS = (b"cubic", b"reno")
-
-
-def tune_socket(sock: socket.socket | None) -> None:
-    """Per-connection TCP options for bulk request/reply traffic (best effort, never fails)."""
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # uvloop sets it too; be explicit
-    except OSError:
-        pass
-    for name in CONGESTION_CONTROLS:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
-            break
-        except (OSError, AttributeError):
-            continue
-
-
-class OverBudget(FrameError):
-    """A frame's receive memory would take the server over its in-flight budget."""
-
-
-class InflightBudget:
-    """Receive memory held by frames still arriving, shared by all connections of one server."""
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, nbytes: int, what: str) -> None:
-        if self.used + nbytes > self.limit:
-            raise OverBudget(f"a {nbytes}-byte {what} would bring receive buffers to "
-                             f"{self.used + nbytes} bytes, over the in-flight budget of {self.limit}")
-        self.used += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.used -= nbytes
 
 
 class FrameHandler:
@@ -117,8 +74,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         # False until the handler accepts the peer's HELLO (``authenticate``): until then a
         # header may announce only a small meta and no payload.
         self.authenticated = authenticated
-        self.budget = budget  # None: fresh receive memory is not accounted (clients)
-        self._held = 0  # bytes charged to the budget for the frame being received
+        self._share = BudgetShare(budget)  # what the frame being received holds of it
         self._loop = asyncio.get_running_loop()
         self._now = self._loop.time
         self.transport: asyncio.Transport | None = None
@@ -134,9 +90,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._header: Header | None = None
         self._meta: dict[str, Any] | None = None
         self._meta_buf: bytearray | None = None  # only for metas too big for the staging buffer
-        self._targets: list[memoryview] = []
-        self._ti = 0
-        self._toff = 0
+        self._landing: Landing | None = None  # where the payload being received goes
         self._remaining = 0
         self._is_bulk = False  # the last frame was large: read header and meta exactly
         self._paused = False
@@ -165,17 +119,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._safe(self.handler.frame_aborted, self, self._header, self._meta)
         self._header = self._meta = None
         self._meta_buf = None
-        self._targets = []
-        self._release()
+        self._landing = None
+        self._share.release()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._paused = False
-        self._run_flush_callbacks()
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_exception(ConnectionError(f"connection {self.name} lost"))
-        self._drain_waiters.clear()
+        self._writes_flow(ConnectionError(f"connection {self.name} lost"))
         self._safe(self.handler.connection_lost, self, exc)
         if not self.closed.done():
             self.closed.set_result(None)
@@ -186,13 +135,18 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.transport.pause_reading()  # back-pressure: no new requests while replies queue
 
     def resume_writing(self) -> None:
-        self._paused = False
         if self.is_server and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+        self._writes_flow(None)
+
+    def _writes_flow(self, lost: Exception | None) -> None:
+        """Nothing of ours waits in user space any more (all sent, or the connection ``lost``):
+        run the flush callbacks and wake every ``drain``."""
+        self._paused = False
         self._run_flush_callbacks()
         for waiter in self._drain_waiters:
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(None) if lost is None else waiter.set_exception(lost)
         self._drain_waiters.clear()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -200,7 +154,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self._meta_buf is not None:
                 return memoryview(self._meta_buf)[len(self._meta_buf) - self._remaining:]
             if self._meta is not None and self._remaining >= DIRECT_MIN_BYTES:
-                return self._targets[self._ti][self._toff:]
+                return self._landing.rest_of_view()  # type: ignore[union-attr]
         if self._start == self._end:
             self._start = self._end = 0
             if self._is_bulk:
@@ -244,19 +198,11 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._remaining -= nbytes
         if self._meta_buf is not None:
             if self._remaining == 0:
-                meta_buf, self._meta_buf = self._meta_buf, None
-                self._release()
-                self._begin_payload(decode_meta(meta_buf))
+                self._end_big_meta()
             return
-        self._toff += nbytes
-        self._skip_full_targets()
+        self._landing.received(nbytes)  # type: ignore[union-attr]
         if self._remaining == 0:
             self._deliver()
-
-    def _skip_full_targets(self) -> None:
-        while self._ti < len(self._targets) and self._toff >= self._targets[self._ti].nbytes:
-            self._toff -= self._targets[self._ti].nbytes
-            self._ti += 1
 
     def _process(self) -> None:
         while self.transport is not None and not self.transport.is_closing():
@@ -269,7 +215,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                 self._start += HEADER_BYTES
                 self._remaining = self._header.meta_len
                 if self._header.meta_len > self._cap // 2:
-                    self._charge(self._header.meta_len, "meta")
+                    self._share.charge(self._header.meta_len, "meta")
                     self._meta_buf = bytearray(self._header.meta_len)
                     take = min(avail - HEADER_BYTES, self._remaining)
                     self._meta_buf[:take] = self._sview[self._start:self._start + take]
@@ -277,9 +223,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                     self._remaining -= take
                     if self._remaining:
                         return
-                    meta_buf, self._meta_buf = self._meta_buf, None
-                    self._release()
-                    self._begin_payload(decode_meta(meta_buf))
+                    self._end_big_meta()
                 continue
             if self._meta is None:
                 need = self._header.meta_len
@@ -293,66 +237,50 @@ class FrameConnection(asyncio.BufferedProtocol):
                 continue
             take = min(avail, self._remaining)
             if take:
-                self._copy_into_targets(self._sview[self._start:self._start + take])
+                self._landing.fill(self._sview[self._start:self._start + take])  # type: ignore[union-attr]
                 self._start += take
                 self._remaining -= take
             if self._remaining:
                 return
             self._deliver()
 
+    def _end_big_meta(self) -> None:
+        """A meta too big for the staging buffer has all arrived (in its own buffer)."""
+        meta_buf, self._meta_buf = self._meta_buf, None
+        self._share.release()
+        self._begin_payload(decode_meta(meta_buf))  # type: ignore[arg-type]
+
     def _begin_payload(self, meta: dict[str, Any]) -> None:
         header = self._header
         assert header is not None
         self._remaining = header.payload_len
         if not header.payload_len:   # most requests and replies: nothing to place
-            self._meta, self._targets = meta, []
+            self._meta, self._landing = meta, Landing([])
             self._deliver()
             return
         targets = self.handler.payload_sink(self, header, meta)
         if targets is None:
             # Only now, with the length checked against the limits and by the handler, is
             # memory allocated for it (and charged to the budget until the frame is delivered).
-            self._charge(header.payload_len, "payload")
+            self._share.charge(header.payload_len, "payload")
             targets = [memoryview(bytearray(header.payload_len))]
         self._meta = meta  # from here on, a dying connection reports frame_aborted
         if sum(t.nbytes for t in targets) != header.payload_len:
             raise FrameError(f"payload sink gave {sum(t.nbytes for t in targets)} bytes for a "
                              f"{header.payload_len}-byte payload")
-        self._targets = [t for t in targets if t.nbytes]
-        self._ti = self._toff = 0
-
-    def _copy_into_targets(self, data: memoryview) -> None:
-        pos = 0
-        n = data.nbytes
-        while pos < n:
-            target = self._targets[self._ti]
-            take = min(n - pos, target.nbytes - self._toff)
-            target[self._toff:self._toff + take] = data[pos:pos + take]
-            pos += take
-            self._toff += take
-            self._skip_full_targets()
+        self._landing = Landing(targets)
 
     def _deliver(self) -> None:
-        frame = Frame(self._header, self._meta, self._targets)  # type: ignore[arg-type]
+        frame = Frame(self._header, self._meta, self._landing.views)  # type: ignore[arg-type,union-attr]
         self._is_bulk = frame.header.payload_len >= BULK_BYTES
         self._header = self._meta = None
-        self._targets = []
+        self._landing = None
         self._frame_start = self._last_recv
-        if self._held:
-            self._release()
+        if self._share.held:
+            self._share.release()
         self.handler.frame_received(self, frame)
 
-    # ---- bounds: budget, handshake, timeouts ------------------------------------------------
-    def _charge(self, nbytes: int, what: str) -> None:
-        if self.budget is not None and nbytes:
-            self.budget.take(nbytes, what)
-            self._held += nbytes
-
-    def _release(self) -> None:
-        if self._held and self.budget is not None:
-            self.budget.give(self._held)
-        self._held = 0
-
+    # ---- bounds: handshake, timeouts (the budget: ``BudgetShare``) ---------------------------
     def authenticate(self) -> None:
         """The peer's HELLO was accepted: full limits and a full-size staging buffer from now on."""
         if self.authenticated:

@@ -15,7 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mooncake_lite.transfer.connection import FrameConnection, FrameHandler, InflightBudget
+from mooncake_lite.transfer.budget import InflightBudget
+from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_ERROR, FLAG_REPLY, OP_HELLO, Frame, FrameError, Header, Limits
 
 log = logging.getLogger(__name__)

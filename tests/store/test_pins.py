@@ -14,7 +14,8 @@ from mooncake_lite.store.client import StoreClient
 from mooncake_lite.store.eviction import PinTable, make_policy
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.store.slab import Slab
-from mooncake_lite.store.ssd import PIN_JOURNAL, SsdTier
+from mooncake_lite.store.pin_journal import PIN_JOURNAL
+from mooncake_lite.store.ssd import SsdTier
 from tests.store.helpers import block, chain, http_get
 from tests.store.test_blocks import K, put
 

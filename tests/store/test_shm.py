@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from mooncake_lite.store import shm_client
+from mooncake_lite.store import shm_areas, shm_client
 from mooncake_lite.store.client import RemoteError, StoreClient
 from mooncake_lite.store.protocol import Op, keys_to_hex
 from mooncake_lite.transfer import shm
@@ -479,16 +479,16 @@ def test_puts_are_staged_in_a_cache_sized_window():
     from types import SimpleNamespace
     area = mmap.mmap(-1, 8 << 20)
     mapping = SimpleNamespace(map=area, view=memoryview(area), size=8 << 20, close=lambda: None)
-    staging, whole = shm_client.Staging(mapping, window=2 << 20), shm_client.Staging(mapping, window=64 << 20)
+    staging, whole = shm_areas.Staging(mapping, window=2 << 20), shm_areas.Staging(mapping, window=64 << 20)
     try:
         assert staging.size == 2 << 20 and staging._take(2 << 20) == 0 and staging._take(64) is None
         assert whole.size == 8 << 20
     finally:
         staging.populator.stop()
         whole.populator.stop()
-    cache = shm_client.last_level_cache_bytes()
+    cache = shm_areas.last_level_cache_bytes()
     assert cache >= 1 << 20
-    assert shm_client.staging_window(None) == cache and shm_client.staging_window(cache) == 2 * cache
+    assert shm_areas.staging_window(None) == cache and shm_areas.staging_window(cache) == 2 * cache
 
 
 def _path_over_fake_frames(request, loop) -> shm_client.ShmPath:
@@ -500,4 +500,4 @@ def _path_over_fake_frames(request, loop) -> shm_client.ShmPath:
     mapping = SimpleNamespace(map=area, view=memoryview(area), size=4 << 16, close=lambda: None)
     frames = SimpleNamespace(request=request, label="store", piggyback=None,
                              conn=SimpleNamespace(closed=loop.create_future(), name="store"))
-    return shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_client.Staging(mapping))
+    return shm_client.ShmPath(frames, SimpleNamespace(close=lambda: None), shm_areas.Staging(mapping))

@@ -10,7 +10,8 @@ import struct
 import pytest
 
 from mooncake_lite.transfer.client import FrameClient, RemoteError
-from mooncake_lite.transfer.connection import CONGESTION_CONTROLS, FrameHandler
+from mooncake_lite.transfer.connection import FrameHandler
+from mooncake_lite.transfer.tcp import CONGESTION_CONTROLS
 from mooncake_lite.transfer.framing import (FLAG_REPLY, HEADER, MAGIC, VERSION, Frame, FrameError, Limits,
                                             decode_header, encode_frame)
 from mooncake_lite.transfer.server import server_address, start_server
@@ -240,7 +241,7 @@ async def test_data_connections_use_an_unpaced_congestion_control():
 def test_tune_socket_turns_off_nagle():
     # On a plain socket (asyncio's transports set TCP_NODELAY themselves, so a connection
     # made through them could not tell whether tune_socket did).
-    from mooncake_lite.transfer.connection import tune_socket
+    from mooncake_lite.transfer.tcp import tune_socket
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         assert not sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         tune_socket(sock)
