@@ -28,7 +28,8 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float,
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
     sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
     t0 = time.perf_counter()
-    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now)
+    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now,
+                                tenants.current())
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
