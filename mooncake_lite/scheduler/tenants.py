@@ -284,7 +284,7 @@ class TenantLedger:
                                           f"(max_concurrency {spec.max_concurrency}); retry when one ends", 1.0)
         bucket = self.buckets.get(spec.name)
         wait = bucket.take(now) if bucket is not None else 0.0
-        if wait > 0:
+        if bucket is not None and wait > 0:
             return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({spec.rate:g} requests/s, "
                                    f"burst {bucket.size:g}); retry in {wait:.2f}s", wait)
         self.in_flight[spec.name] = n + 1
@@ -310,6 +310,7 @@ class TenantLedger:
     def shed(self, spec: TenantSpec, decision: Decision, req: ScheduleRequest, cluster: ClusterState,
              cfg: SchedulerConfig, costs: CostModels, now: float) -> Refusal | None:
         """The priority rule on a decision the scheduler accepted under ``cfg`` (the tenant's)."""
+        assert decision.predicted_ttft_s is not None, "an accepted decision predicts its TTFT"
         load = ttft_load(cfg, req, costs, cluster, decision.prefill_id, decision.predicted_ttft_s)
         return self.priority_refusal(spec, load, now)
 
