@@ -9,8 +9,8 @@ holds their live state and turns refusals into 429s).
 * :meth:`TenantGate.admit` (completions and chat): concurrency and rate limits, 429 +
   ``Retry-After`` naming the limit; an admitted request counts as in flight until
   :meth:`TenantGate.end`.
-* :func:`schedule` (``flight/placement.place``): the scheduler under the tenant's own SLOs, then the
-  priority rule on its accepted decision.
+* :func:`schedule` (``flight/placement.place``): the scheduler's decision for the tenant's request,
+  under its own SLOs and priority (``Scheduler.schedule`` with its :class:`Tenant`).
 
 No tenants configured: every request is tenant ``default``, with no limits and the
 conductor's SLOs, so the per-tenant metrics still read.
@@ -27,8 +27,7 @@ from aiohttp import web
 
 from mooncake_lite.conductor.api.errors import ApiError, Rejected
 from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest, SchedulerConfig
-from mooncake_lite.scheduler.scheduler import schedule as schedule_with
-from mooncake_lite.scheduler.tenants import DEFAULT_TENANT, Refusal, TenantLedger, Tenants, TenantSpec
+from mooncake_lite.scheduler.tenants import DEFAULT_TENANT, Refusal, Tenant, TenantLedger, Tenants, TenantSpec
 
 log = logging.getLogger(__name__)
 TENANT: web.RequestKey[str] = web.RequestKey("tenant", str)   # request[TENANT]: the caller's tenant name
@@ -76,24 +75,12 @@ def refused(r: Refusal) -> Rejected:
 
 def schedule(gate: TenantGate | None, scheduler: Scheduler, req: ScheduleRequest, cluster: ClusterState,
              now: float, *, tenant: str) -> Decision:
-    """The scheduler's decision for ``tenant``'s request, under its SLOs; an accepted
-    one the priority rule refuses comes back rejected with cause ``priority``."""
+    """The scheduler's decision for a request of ``tenant``, under its SLOs and priority (an
+    accepted one the priority rule refuses comes back rejected with cause ``priority``)."""
     if gate is None:
         return scheduler.schedule(req, cluster, now)
     spec = gate.tenants.get(tenant)
-    cfg = gate.configs[spec.name]
-    if cfg is scheduler.config:
-        decision = scheduler.schedule(req, cluster, now)
-    else:
-        decision = schedule_with(req, cluster, index=scheduler.index, config=cfg, costs=scheduler.costs,
-                                 now=now, rng=scheduler.rng, cache=scheduler.cache)
-    if not decision.accepted:
-        return decision
-    r = gate.ledger.shed(spec, decision, req, cluster, cfg, scheduler.costs, time.monotonic())
-    if r is None:
-        return decision
-    return decision._replace(accepted=False, reason=f"rejected: {r.message}", reject_cause="priority",
-                             migration=None)
+    return scheduler.schedule(req, cluster, now, Tenant(spec, gate.configs[spec.name], gate.ledger))
 
 
 def tenant_middleware(gate: TenantGate, *, prefixes: tuple[str, ...] = ("/v1/",)):

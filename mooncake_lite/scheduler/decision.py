@@ -10,8 +10,9 @@ from typing import Literal, NamedTuple
 # from another store ("transfer"), nothing reusable so the least loaded won ("balance"), or the
 # random strategy drew it ("random").
 Route = Literal["local-hit", "transfer", "balance", "random"]
-# Why a request was refused: predicted TTFT or TBT over the SLO, or no eligible instance.
-RejectCause = Literal["ttft", "tbt", "no-prefill", "no-decode"]
+# Why a request was refused: predicted TTFT or TBT over the SLO, no eligible instance, or its
+# tenant's priority class shed at this load (scheduler/tenants.py).
+RejectCause = Literal["ttft", "tbt", "no-prefill", "no-decode", "priority"]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The conductor's decision: Algorithm 1 (REFERENCE.md §2) plus overload admission (§3).
+"""The conductor's decision: Algorithm 1 (REFERENCE.md §2) plus overload admission (§3), then,
+for a tenant's request, its priority class (``tenants.py``).
 
 Pure: no IO, no clock. The live conductor and the simulator both build a :class:`ClusterState`
 snapshot, call :meth:`Scheduler.schedule` with their ``now``, and execute the returned
@@ -8,6 +9,7 @@ snapshot, call :meth:`Scheduler.schedule` with their ``now``, and execute the re
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from mooncake_lite.scheduler import wide as _wide
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
@@ -20,6 +22,8 @@ from mooncake_lite.scheduler.estimate import Queues, queues_at
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
+if TYPE_CHECKING:
+    from mooncake_lite.scheduler.tenants import Tenant
 
 _new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
@@ -128,5 +132,11 @@ class Scheduler:
         self.rng = rng if rng is not None else random.Random(0)
         self.cache = cache if cache is not None else EstimateCache()
 
-    def schedule(self, req: ScheduleRequest, cluster: ClusterState, now: float) -> Decision:
-        return _schedule(req, cluster, self.index, self.config, self.costs, now, self.rng, self.cache)
+    def schedule(self, req: ScheduleRequest, cluster: ClusterState, now: float,
+                 tenant: Tenant | None = None) -> Decision:
+        """With a ``tenant``: decided under its SLOs, and an accepted decision judged by the
+        priority rule (``scheduler/tenants.py``), rejected with cause ``priority`` when shed."""
+        if tenant is None:
+            return _schedule(req, cluster, self.index, self.config, self.costs, now, self.rng, self.cache)
+        decision = _schedule(req, cluster, self.index, tenant.config, self.costs, now, self.rng, self.cache)
+        return tenant.shed(decision, req, cluster, self.costs, now) if decision.accepted else decision

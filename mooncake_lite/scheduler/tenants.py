@@ -9,7 +9,8 @@ limit. A request is admitted in four steps, each refusal a 429 naming its limit:
 1. ``concurrency``: fewer than ``max_concurrency`` of the tenant's requests in flight;
 2. ``rate``: the tenant's bucket has a token (the refusal says when it will);
 3. the scheduler's own decision, judged against the tenant's SLOs (:meth:`TenantSpec.scheduler_config`);
-4. ``priority``: the accepted decision's *load*, its predicted TTFT over the tenant's TTFT SLO
+4. ``priority``, inside the scheduler too (``Scheduler.schedule(..., tenant)`` with a :class:`Tenant`,
+   the cause a ``RejectCause``): the accepted decision's *load*, its predicted TTFT over the tenant's TTFT SLO
    (how long it holds the chosen prefill: what a request arriving behind it waits), is compared
    with the tenant's ``shed_at`` (by class: high 1.0, normal 0.25, low 0.05) — but only while the
    tenant holds more than its weighted fair share (weights by class: high 16, normal 4, low 1) of
@@ -257,8 +258,9 @@ class TokenBucket:
 
 class TenantLedger:
     """Each tenant's requests in flight, token bucket and last arrival. The owner calls
-    :meth:`admit` on arrival, :meth:`shed` on the scheduler's accepted decision, and :meth:`end`
-    once for every request :meth:`admit` let in, when it ends (refused later included)."""
+    :meth:`admit` on arrival and :meth:`end` once for every request :meth:`admit` let in, when it
+    ends (refused later included); the scheduler calls :meth:`shed` on its accepted decision
+    (through the request's :class:`Tenant`)."""
 
     def __init__(self, tenants: Tenants, active_window_s: float = ACTIVE_WINDOW_S,
                  starve_after_s: float = STARVE_AFTER_S) -> None:
@@ -282,7 +284,7 @@ class TenantLedger:
                                           f"(max_concurrency {spec.max_concurrency}); retry when one ends", 1.0)
         bucket = self.buckets.get(spec.name)
         wait = bucket.take(now) if bucket is not None else 0.0
-        if wait > 0:
+        if bucket is not None and wait > 0:
             return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({spec.rate:g} requests/s, "
                                    f"burst {bucket.size:g}); retry in {wait:.2f}s", wait)
         self.in_flight[spec.name] = n + 1
@@ -308,6 +310,7 @@ class TenantLedger:
     def shed(self, spec: TenantSpec, decision: Decision, req: ScheduleRequest, cluster: ClusterState,
              cfg: SchedulerConfig, costs: CostModels, now: float) -> Refusal | None:
         """The priority rule on a decision the scheduler accepted under ``cfg`` (the tenant's)."""
+        assert decision.predicted_ttft_s is not None, "an accepted decision predicts its TTFT"
         load = ttft_load(cfg, req, costs, cluster, decision.prefill_id, decision.predicted_ttft_s)
         return self.priority_refusal(spec, load, now)
 
@@ -332,3 +335,24 @@ class TenantLedger:
             self.in_flight[name] = n
         else:
             self.in_flight.pop(name, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A request's tenant as :meth:`Scheduler.schedule <mooncake_lite.scheduler.Scheduler.schedule>`
+    judges it: its spec, the scheduler config under its SLOs (:meth:`TenantSpec.scheduler_config`)
+    and the ledger of every tenant's requests (live state: the caller owns it and keeps it across
+    requests). The owner builds one per tenant and passes it with each of its requests."""
+
+    spec: TenantSpec
+    config: SchedulerConfig
+    ledger: TenantLedger
+
+    def shed(self, decision: Decision, req: ScheduleRequest, cluster: ClusterState, costs: CostModels,
+             now: float) -> Decision:
+        """An accepted ``decision``, or it rejected with cause ``priority`` when the rule sheds it."""
+        refusal = self.ledger.shed(self.spec, decision, req, cluster, self.config, costs, now)
+        if refusal is None:
+            return decision
+        return decision._replace(accepted=False, reason=f"rejected: {refusal.message}", reject_cause="priority",
+                                 migration=None)

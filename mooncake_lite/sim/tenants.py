@@ -1,6 +1,7 @@
 """Tenants in the simulator (issue #18 item 3): each trace request is given a tenant, and the
 simulated conductor applies the live one's rules (``scheduler/tenants.py``): concurrency and
-rate limits, the scheduler under the tenant's SLOs, priority shedding over the fair share.
+rate limits, then the scheduler under the tenant's SLOs and priority (``Scheduler.schedule`` with
+the request's :class:`~mooncake_lite.scheduler.tenants.Tenant`, as the live conductor calls it).
 
 ``mooncake sim TRACE --tenants FILE`` reads ``[tenants.NAME]`` tables as the conductor does, plus
 one simulator key per tenant, ``share``: the fraction of the trace's requests that are that
@@ -18,8 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from mooncake_lite.scheduler import Decision, ScheduleRequest
-from mooncake_lite.scheduler.scheduler import schedule
-from mooncake_lite.scheduler.tenants import TenantLedger, Tenants, parse_tenants
+from mooncake_lite.scheduler.tenants import Tenant, TenantLedger, Tenants, parse_tenants
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.metrics import quantile
 from mooncake_lite.sim.recorder import SimResult
@@ -76,29 +76,18 @@ class TenantSim(MooncakeSim):
         super().__init__(cfg, hardware)
         self.mix = mix
         self.ledger = TenantLedger(mix.tenants)
-        self.configs = {s.name: s.scheduler_config(cfg.scheduler) for s in mix.tenants.specs}
+        self.tenants = {s.name: Tenant(s, s.scheduler_config(cfg.scheduler), self.ledger) for s in mix.tenants.specs}
         self.tenant_of: dict[int, str] = {}
         self._admitted: set[int] = set()
 
     def _decide(self, now: float, req: SimRequest, sreq: ScheduleRequest) -> Decision:
-        spec = self.mix.tenants.get(self.mix.of(req.request_id))
-        self.tenant_of[req.request_id] = spec.name
-        refusal = self.ledger.admit(spec, now)
+        tenant = self.tenants[self.mix.of(req.request_id)]
+        self.tenant_of[req.request_id] = tenant.spec.name
+        refusal = self.ledger.admit(tenant.spec, now)
         if refusal is not None:
             return Decision(False, refusal.message, reject_cause=refusal.limit)   # type: ignore[arg-type]
         self._admitted.add(req.request_id)
-        s, cfg, cluster = self.scheduler, self.configs[spec.name], self.cluster_state()
-        if cfg is s.config:
-            decision = s.schedule(sreq, cluster, now)
-        else:
-            decision = schedule(sreq, cluster, index=s.index, config=cfg, costs=s.costs, now=now, rng=s.rng,
-                                cache=s.cache)
-        if not decision.accepted:
-            return decision
-        refusal = self.ledger.shed(spec, decision, sreq, cluster, cfg, s.costs, now)
-        if refusal is None:
-            return decision
-        return decision._replace(accepted=False, reason=refusal.message, reject_cause="priority", migration=None)
+        return self.scheduler.schedule(sreq, self.cluster_state(), now, tenant)
 
     def _left(self, req: SimRequest) -> None:
         if req.request_id in self._admitted:

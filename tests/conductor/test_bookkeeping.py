@@ -95,26 +95,77 @@ def test_model_ids_compare_checkpoint_directories_by_name():
 
 
 # ---- cached scheduler states ---------------------------------------------------------------
-def _exact(m: Membership):
-    """The snapshot rebuilt from the tables, independently of Membership's cache."""
+class Tables:
+    """The jobs as this test dispatched them (FIFO queues, true decode contexts), kept apart
+    from Membership — whose jobs are its instances' views — to check what it shows against."""
+
+    def __init__(self, m: Membership) -> None:
+        self.m = m
+        self.queues: dict[str, dict[str, list]] = {}     # prefill -> request -> [tokens, prefix, started_at, decode]
+        self.running: dict[str, dict[str, list]] = {}    # decode -> request -> [context, joined_at, max_output]
+        self.incoming: dict[str, dict[str, int]] = {}    # decode -> request -> context its KV brings
+
+    def add_prefill(self, pid: str, job: PrefillJob, now: float) -> None:
+        self.m.add_prefill(pid, job, now)
+        queue = self.queues.setdefault(pid, {})
+        queue[job.request_id] = [job.num_tokens, job.num_prefix_tokens, None if queue else now, job.decode_id]
+        self.incoming.setdefault(job.decode_id, {})[job.request_id] = job.num_tokens + 1
+
+    def prefill_done(self, pid: str, rid: str, now: float) -> None:
+        self.m.prefill_done(pid, rid, now)
+        self._dequeue(pid, rid, now)
+
+    def _dequeue(self, pid: str, rid: str, now: float) -> None:
+        queue = self.queues.get(pid, {})
+        if queue.pop(rid, None) is not None and queue:
+            head = next(iter(queue.values()))
+            head[2] = now if head[2] is None else head[2]     # the next starts as this one ends
+
+    def add_decode(self, did: str, job: DecodeJob) -> None:
+        self.m.add_decode(did, job)
+        if self.m.get(did):
+            self.incoming.get(did, {}).pop(job.request_id, None)
+            self.running.setdefault(did, {})[job.request_id] = [job.context_tokens, job.joined_at,
+                                                                 job.max_output_tokens]
+
+    def progress(self, did: str, rid: str) -> None:
+        self.m.decode_progress(did, rid)
+        if rid in self.running.get(did, {}):
+            self.running[did][rid][0] += 1
+
+    def release(self, rid: str, ids: tuple[str, ...], now: float) -> None:
+        self.m.release(rid, ids, now)
+        for iid in ids:
+            self.running.get(iid, {}).pop(rid, None)
+            self.incoming.get(iid, {}).pop(rid, None)
+            self._dequeue(iid, rid, now)
+
+    def reap(self, now: float) -> None:
+        for inst in self.m.reap(now):       # a dead instance's jobs are gone
+            for table in (self.queues, self.running, self.incoming):
+                table.pop(inst.instance_id, None)
+
+
+def _exact(t: Tables):
+    """The snapshot as the test's own tables say it must be."""
     prefills, decodes = [], []
-    for inst in m.instances.values():
+    for inst in t.m.instances.values():
         if not inst.is_alive:
             continue
+        iid = inst.instance_id
         if inst.role == "prefill":
-            prefills.append((inst.instance_id, [(j.request_id, j.num_tokens, j.num_prefix_tokens, j.started_at)
-                                                for j in inst.prefill_jobs.values()]))
+            prefills.append((iid, [(rid, n, prefix, started) for rid, (n, prefix, started, _)
+                                   in t.queues.get(iid, {}).items()]))
         else:
-            decodes.append((inst.instance_id, inst.load.max_batch_size,
-                            [(j.request_id, j.context_tokens, j.joined_at, j.max_output_tokens)
-                             for j in inst.decode_jobs.values()],
-                            [(j.request_id, j.num_tokens + 1) for j in inst.incoming_jobs.values()]))
+            decodes.append((iid, inst.load.max_batch_size,
+                            [(rid, *job) for rid, job in t.running.get(iid, {}).items()],
+                            list(t.incoming.get(iid, {}).items())))
     return prefills, decodes
 
 
-def _check_against_exact(m: Membership, cache: EstimateCache | None = None) -> None:
-    snap = m.snapshot()
-    prefills, decodes = _exact(m)
+def _check_against_exact(t: Tables, cache: EstimateCache | None = None) -> None:
+    snap = t.m.snapshot()
+    prefills, decodes = _exact(t)
     assert [(p.instance_id, [(q.request_id, q.num_tokens, q.num_prefix_tokens, q.started_at) for q in p.queue])
             for p in snap.prefills] == prefills
     assert [d.instance_id for d in snap.decodes] == [d[0] for d in decodes]
@@ -144,6 +195,7 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
     contexts behind by at most context_lag_bound in total)."""
     rng = random.Random(seed)
     m, cache = Membership("tiny", 16, 0, dead_after_s=5), EstimateCache()
+    t = Tables(m)
     ids = {"prefill": ["p0", "p1", "p2"], "decode": ["d0", "d1", "d2"]}
     for role, names in ids.items():
         for iid in names:
@@ -153,24 +205,26 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
         now += rng.uniform(0, 0.5)
         op = rng.random()
         live = {r: [i for i in names if m.get(i)] for r, names in ids.items()}
-        queued = [(i.instance_id, j) for i in m.alive("prefill") for j in i.prefill_jobs.values()]
-        running = [(i.instance_id, j) for i in m.alive("decode") for j in i.decode_jobs.values()]
+        queued = [(i.instance_id, rid, job[0], job[3]) for i in m.alive("prefill")
+                  for rid, job in t.queues.get(i.instance_id, {}).items()]
+        running = [(i.instance_id, rid, None, i.instance_id) for i in m.alive("decode")
+                   for rid in t.running.get(i.instance_id, {})]
         if op < 0.25 and live["prefill"] and live["decode"]:
             n += 1
             # prompts short and long: the lag bound is absolute for some, relative for others
             prompt = rng.choice([1, 9, 90]) * rng.randint(1, 500)
-            m.add_prefill(rng.choice(live["prefill"]), PrefillJob(f"r{n}", prompt, 0, rng.choice(live["decode"])), now)
+            t.add_prefill(rng.choice(live["prefill"]), PrefillJob(f"r{n}", prompt, 0, rng.choice(live["decode"])), now)
         elif op < 0.4 and queued:
-            pid, job = rng.choice(queued)
-            m.prefill_done(pid, job.request_id, now)
-            m.add_decode(job.decode_id, DecodeJob(job.request_id, job.num_tokens + 1, now, 64))
+            pid, rid, num_tokens, did = rng.choice(queued)
+            t.prefill_done(pid, rid, now)
+            t.add_decode(did, DecodeJob(rid, num_tokens + 1, now, 64))
         elif op < 0.7 and running:
-            did, job = rng.choice(running)
+            did, rid, _, _ = rng.choice(running)
             for _ in range(rng.randint(1, 120)):
-                m.decode_progress(did, job.request_id)
+                t.progress(did, rid)
         elif op < 0.8 and (queued or running):
-            iid, job = rng.choice(queued + running)
-            m.release(job.request_id, (iid, getattr(job, "decode_id", iid)), now)
+            iid, rid, _, did = rng.choice(queued + running)
+            t.release(rid, (iid, did), now)
         elif op < 0.9:
             iid = rng.choice(ids["prefill"] + ids["decode"])
             m.heartbeat(Heartbeat(iid, InstanceLoad(max_batch_size=float(rng.choice([8, 16])))), now)
@@ -178,10 +232,10 @@ def test_cached_states_always_match_the_tables_within_the_context_lag(seed):
             for iid in ids["prefill"] + ids["decode"]:
                 if rng.random() < 0.8:
                     m.heartbeat(Heartbeat(iid, m.instances[iid].load), now)
-            m.reap(now + 5.01 if rng.random() < 0.3 else now)
+            t.reap(now + 5.01 if rng.random() < 0.3 else now)
         if rng.random() < 0.5:
-            _check_against_exact(m, cache)
-    _check_against_exact(m, cache)
+            _check_against_exact(t, cache)
+    _check_against_exact(t, cache)
 
 
 def test_only_changed_instances_get_new_states():
@@ -214,15 +268,16 @@ def test_a_re_registered_decode_keeps_its_batch_within_the_lag_bound():
     """Re-registering at the same address keeps the jobs (and their shown records) but starts a
     new Instance: its lag is recounted at the next snapshot and must still be bounded."""
     m = Membership("tiny", 16, 0, dead_after_s=5)
+    t = Tables(m)
     m.register(_reg("decode", "d"), now=0)
-    m.add_decode("d", DecodeJob("a", 100, 0.0, 64))
+    t.add_decode("d", DecodeJob("a", 100, 0.0, 64))
     m.snapshot()
     for _ in range(30):                              # within the bound of 32
-        m.decode_progress("d", "a")
+        t.progress("d", "a")
     m.register(_reg("decode", "d"), now=1)
     for _ in range(30):                              # 60 behind the shown record in all
-        m.decode_progress("d", "a")
-    _check_against_exact(m)
+        t.progress("d", "a")
+    _check_against_exact(t)
     assert m.snapshot().decodes[0].running[0].context_tokens == 160
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from mooncake_lite.common.config import ConfigError
 from mooncake_lite.scheduler import Scheduler
-from mooncake_lite.scheduler.tenants import (DEFAULT_TENANT, TenantLedger, Tenants, TenantSpec, TokenBucket,
+from mooncake_lite.scheduler.tenants import (DEFAULT_TENANT, Tenant, TenantLedger, Tenants, TenantSpec, TokenBucket,
                                              default_shed_at, default_weight, parse_tenants)
 from tests.scheduler.clusters import COSTS, cfg, cluster, decode, prefill, queued, request
 
@@ -175,3 +175,21 @@ def test_shed_reads_the_decisions_load_against_the_tenants_own_slo():
     # relative SLO: 10x this prompt alone (0.1 s) = 1 s, same load
     rel = TenantSpec("lo", priority=0, ttft_slo_factor=10.0, tbt_slo_s=10.0)
     assert "0.40" in led.shed(rel, d, req, clus, rel.scheduler_config(cfg()), COSTS, 0.0).message
+
+
+def test_the_scheduler_sheds_a_tenants_request_itself():
+    # as above: lo holds 2 of 3 requests in flight, its decision's load 0.4 of its 1 s SLO
+    clus = cluster([prefill("p0", queue=queued(300))], [decode("d0")])
+    req = request(10)
+    lo, other = TenantSpec("lo", priority=0, ttft_slo_s=1.0, tbt_slo_s=10.0), TenantSpec("other", priority=2)
+    led = TenantLedger(Tenants((lo, other)))
+    for spec in (other, lo, lo):
+        led.admit(spec, 0.0)
+    sched = Scheduler(cfg(), COSTS)
+    plain = sched.schedule(req, clus, 0.0)
+    shed = sched.schedule(req, clus, 0.0, Tenant(lo, lo.scheduler_config(cfg()), led))
+    assert plain.accepted and not shed.accepted and shed.reject_cause == "priority"
+    assert shed.reason.startswith("rejected: ") and "0.40" in shed.reason and shed.migration is None
+    assert (shed.prefill_id, shed.decode_id) == (plain.prefill_id, plain.decode_id)
+    # high priority is never shed: the decision without a tenant, under the same config
+    assert sched.schedule(req, clus, 0.0, Tenant(other, other.scheduler_config(cfg()), led)) == plain

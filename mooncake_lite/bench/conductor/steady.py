@@ -46,34 +46,49 @@ def _register(m: Membership, role: str, iid: str, store: str | None, block_size:
 
 
 def build_membership(cluster: ClusterState, block_size: int) -> Membership:
-    """A Membership holding exactly the jobs of the synthetic ``cluster``."""
+    """A Membership with the instances of the synthetic ``cluster`` registered (its jobs:
+    :class:`SteadyConductor`)."""
     m = Membership(MODEL, block_size, 0, dead_after_s=1e9)
     for p in cluster.prefills:
         _register(m, "prefill", p.instance_id, str(p.store_id), block_size, p.cost)
     for d in cluster.decodes:
         _register(m, "decode", d.instance_id, None, block_size, d.cost)
-    bound_for = {r.request_id: d.instance_id for d in cluster.decodes for r in d.incoming}
-    for p in cluster.prefills:
-        for q in p.queue:
-            m.add_prefill(p.instance_id, PrefillJob(q.request_id, q.num_tokens, q.num_prefix_tokens,
-                                                    bound_for[q.request_id], max_output_tokens=256), 0.0)
-    for d in cluster.decodes:
-        for r in d.running:
-            m.add_decode(d.instance_id, DecodeJob(r.request_id, r.context_tokens, r.joined_at,
-                                                  r.max_output_tokens or 512))
     return m
 
 
 class SteadyConductor:
-    """Drives a Membership through decisions and the churn between them (see module doc)."""
+    """Drives a Membership through decisions and the churn between them (see module doc),
+    starting with exactly the jobs of the synthetic ``cluster``. It keeps the jobs its instances
+    hold itself, as they would: Membership's jobs are its views', and reading them between
+    decisions would build the states the next timed snapshot builds."""
 
-    def __init__(self, m: Membership, sched: Scheduler, tokens_per_decision: int, seed: int) -> None:
+    def __init__(self, m: Membership, sched: Scheduler, tokens_per_decision: int, seed: int,
+                 cluster: ClusterState) -> None:
         self.m, self.sched, self.tokens = m, sched, tokens_per_decision
         self.rng = random.Random(seed)
         self.now = 0.0
         self.count = 0
         self.prefill_ids = [i.instance_id for i in m.alive("prefill")]
         self.decode_ids = [i.instance_id for i in m.alive("decode")]
+        self.queued: dict[str, dict[str, PrefillJob]] = {i: {} for i in self.prefill_ids}   # FIFO
+        self.running: dict[str, dict[str, None]] = {i: {} for i in self.decode_ids}
+        bound_for = {r.request_id: d.instance_id for d in cluster.decodes for r in d.incoming}
+        for p in cluster.prefills:
+            for q in p.queue:
+                self._dispatch(p.instance_id, PrefillJob(q.request_id, q.num_tokens, q.num_prefix_tokens,
+                                                         bound_for[q.request_id], max_output_tokens=256))
+        for d in cluster.decodes:
+            for r in d.running:
+                self._join(d.instance_id, DecodeJob(r.request_id, r.context_tokens, r.joined_at,
+                                                    r.max_output_tokens or 512))
+
+    def _dispatch(self, pid: str, job: PrefillJob) -> None:
+        self.m.add_prefill(pid, job, self.now)
+        self.queued[pid][job.request_id] = job
+
+    def _join(self, did: str, job: DecodeJob) -> None:
+        self.m.add_decode(did, job)
+        self.running[did][job.request_id] = None
 
     def decide(self, req: ScheduleRequest):
         # As conductor/placement.py: the snapshot, less prefills too small for the prompt.
@@ -83,33 +98,32 @@ class SteadyConductor:
         self.count += 1
         pid = decision.prefill_id if decision.accepted else self.rng.choice(self.prefill_ids)
         did = decision.decode_id if decision.accepted else self.rng.choice(self.decode_ids)
-        self.m.add_prefill(pid, PrefillJob(f"{req.request_id}#{self.count}", req.num_tokens,
-                                           decision.reused_prefix_blocks * self.m.block_size, did,
-                                           max_output_tokens=req.max_output_tokens), self.now)
+        self._dispatch(pid, PrefillJob(f"{req.request_id}#{self.count}", req.num_tokens,
+                                       decision.reused_prefix_blocks * self.m.block_size, did,
+                                       max_output_tokens=req.max_output_tokens))
         self.now += ARRIVAL_INTERVAL_S
         self._finish_one_prefill()
         self._finish_one_decode()
         self._generate()
 
     def _finish_one_prefill(self) -> None:
-        busy = [i for i in self.m.alive("prefill") if i.prefill_jobs]
-        inst = self.rng.choice(busy)
-        job = next(iter(inst.prefill_jobs.values()))
-        self.m.prefill_done(inst.instance_id, job.request_id, self.now)
-        self.m.add_decode(job.decode_id, DecodeJob(job.request_id, job.num_tokens + 1, self.now,
-                                                   job.max_output_tokens or 256))
+        pid = self.rng.choice([i for i in self.prefill_ids if self.queued[i]])
+        job = self.queued[pid].pop(next(iter(self.queued[pid])))
+        self.m.prefill_done(pid, job.request_id, self.now)
+        self._join(job.decode_id, DecodeJob(job.request_id, job.num_tokens + 1, self.now,
+                                            job.max_output_tokens or 256))
 
     def _finish_one_decode(self) -> None:
-        busy = [i for i in self.m.alive("decode") if i.decode_jobs]
-        inst = self.rng.choice(busy)
-        rid = self.rng.choice(list(inst.decode_jobs))
-        self.m.release(rid, (inst.instance_id,), self.now)
+        did = self.rng.choice([i for i in self.decode_ids if self.running[i]])
+        rid = self.rng.choice(list(self.running[did]))
+        del self.running[did][rid]
+        self.m.release(rid, (did,), self.now)
 
     def _generate(self) -> None:
-        for inst in self.m.alive("decode"):
+        for did in self.decode_ids:
             steps = self.rng.randint(0, 2 * self.tokens)
-            for rid in list(inst.decode_jobs):
-                self.m.decode_progress(inst.instance_id, rid, steps)
+            for rid in list(self.running[did]):
+                self.m.decode_progress(did, rid, steps)
 
 
 def time_each(iterations: int, timed: Callable[[int], Any],
@@ -135,6 +149,6 @@ def time_steady_decisions(cluster: ClusterState, sched: Scheduler, requests: lis
                           iterations: int, tokens_per_decision: int, block_size: int,
                           seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(wall µs, thread-CPU µs) per decision, snapshot included."""
-    driver = SteadyConductor(build_membership(cluster, block_size), sched, tokens_per_decision, seed)
+    driver = SteadyConductor(build_membership(cluster, block_size), sched, tokens_per_decision, seed, cluster)
     return time_each(iterations, lambda i: driver.decide(requests[i % len(requests)]),
                      after=lambda i, decision: driver.after(requests[i % len(requests)], decision))
