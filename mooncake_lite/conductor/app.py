@@ -26,7 +26,7 @@ from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.contexts import routes as context_routes
 from mooncake_lite.conductor.costs import default_costs
 from mooncake_lite.conductor.flight.drain import Drain
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.services import SERVICES, Services
 from mooncake_lite.conductor.tenants import TenantGate, tenant_middleware
 from mooncake_lite.model.args import ModelArgs

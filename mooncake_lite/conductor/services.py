@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.output_lengths import OutputHistory
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.tenants import TenantGate
 from mooncake_lite.scheduler import Decision, Scheduler
 

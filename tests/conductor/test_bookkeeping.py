@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
-from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob, model_id
+from mooncake_lite.conductor.cluster.membership import DecodeJob, Membership, PrefillJob, model_id
 from mooncake_lite.scheduler import (MAX_CONTEXT_LAG, CostModels, DecodeCostModel, EstimateCache, PrefillCostModel,
                                      context_lag_bound)
 from mooncake_lite.scheduler.estimate import loads_at, running_load

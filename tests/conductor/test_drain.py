@@ -17,7 +17,7 @@ from mooncake_lite.common.protocol import Register
 from mooncake_lite.conductor.api.state import API
 from mooncake_lite.conductor.app import make_app
 from mooncake_lite.conductor.config import Config
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 from tests.conductor import fakes
 from tests.conductor.fakes import FakeInstance
 

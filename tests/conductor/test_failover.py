@@ -11,7 +11,7 @@ import pytest
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import Register
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 from tests.conductor import fakes
 from tests.conductor.fakes import expected_tokens
 from tests.conductor.test_api import TOK, client

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from mooncake_lite.common.protocol import Heartbeat
-from mooncake_lite.conductor.membership import DecodeJob, PrefillJob
+from mooncake_lite.conductor.cluster.membership import DecodeJob, PrefillJob
 from mooncake_lite.scheduler import FromScratch, ScheduleRequest
 from mooncake_lite.scheduler.scheduler import schedule
 from tests.conductor import fakes

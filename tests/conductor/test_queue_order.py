@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from mooncake_lite.common.protocol import Register, dumps, loads
-from mooncake_lite.conductor.membership import Membership, PrefillJob
+from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
 from mooncake_lite.scheduler import (BlockIndex, CostModels, DecodeCostModel, PrefillCostModel, ScheduleRequest,
                                      Scheduler, SchedulerConfig)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mooncake_lite.common.protocol import Register
-from mooncake_lite.conductor.membership import Membership, PrefillJob
+from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
                                      FromScratch, PrefillCostModel, PrefillInstanceState, QueuedPrefill,
                                      ScheduleRequest, Scheduler, SchedulerConfig, prefill_queue_time)

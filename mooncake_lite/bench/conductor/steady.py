@@ -2,7 +2,7 @@
 way the live conductor makes them, on its own bookkeeping in a steady state.
 
 The synthetic cluster of :func:`mooncake_lite.bench.conductor.build_cluster` is loaded into a
-real :class:`~mooncake_lite.conductor.membership.Membership` (registered instances, queued
+real :class:`~mooncake_lite.conductor.cluster.membership.Membership` (registered instances, queued
 prefill jobs, running decode jobs). Each iteration then does what the conductor does around one
 request, and only the first step is timed — the same span the conductor's
 ``decision_seconds`` histogram measures:
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_lite.common.protocol import Register
-from mooncake_lite.conductor.membership import DecodeJob, Membership, PrefillJob
+from mooncake_lite.conductor.cluster.membership import DecodeJob, Membership, PrefillJob
 from mooncake_lite.scheduler import (ClusterState, DecodeCostModel, PrefillCostModel, ScheduleRequest,
                                      Scheduler)
 

@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.conductor.membership import Instance, Membership
+from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.instance.colocation import colocation_split
 from mooncake_lite.scheduler import CostModels

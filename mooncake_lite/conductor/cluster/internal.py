@@ -21,7 +21,7 @@ from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError,
 from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.conductor.cluster import status
 from mooncake_lite.conductor.costs import InstanceCosts
-from mooncake_lite.conductor.membership import RegistrationError
+from mooncake_lite.conductor.cluster.membership import RegistrationError
 from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.scheduler import BlockEvent
 from mooncake_lite.scheduler.admission import unmeetable_slos

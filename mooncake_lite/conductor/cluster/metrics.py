@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.scheduler.links import LinkSpeeds
 
 PREFIX = "mooncake_conductor_"

@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import Metric
 
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
-from mooncake_lite.conductor.membership import Instance
+from mooncake_lite.conductor.cluster.membership import Instance
 from mooncake_lite.conductor.services import SERVICES
 
 WINDOW_S = 60.0        # "recent": the last minute

@@ -19,7 +19,7 @@ from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import Sampling, dumps, error_text
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, unavailable, upstream_failed
 from mooncake_lite.conductor.contexts.kv_sink import KVSink
-from mooncake_lite.conductor.membership import PrefillJob
+from mooncake_lite.conductor.cluster.membership import PrefillJob
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.placement import place, prefill_request
 from mooncake_lite.conductor.services import Services

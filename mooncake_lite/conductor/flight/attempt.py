@@ -29,7 +29,7 @@ from mooncake_lite.conductor.flight.events import (SHUTDOWN, Event, Failed, Fini
                                                    Token)
 from mooncake_lite.conductor.flight.placement import prefill_request
 from mooncake_lite.conductor.flight.upstream import how, is_connection_failure, post_abort
-from mooncake_lite.conductor.membership import DecodeJob, Instance, PrefillJob
+from mooncake_lite.conductor.cluster.membership import DecodeJob, Instance, PrefillJob
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 from mooncake_lite.scheduler.links import observe_migration

@@ -21,7 +21,7 @@ import logging
 from aiohttp import web
 
 from mooncake_lite.conductor.api.errors import shutting_down
-from mooncake_lite.conductor.membership import Membership
+from mooncake_lite.conductor.cluster.membership import Membership
 
 log = logging.getLogger(__name__)
 PUBLIC_PREFIX = "/v1/"

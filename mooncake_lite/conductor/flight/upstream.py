@@ -11,7 +11,7 @@ import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.protocol import AbortRequest, dumps
-from mooncake_lite.conductor.membership import Instance
+from mooncake_lite.conductor.cluster.membership import Instance
 from mooncake_lite.conductor.services import Services
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
-from mooncake_lite.conductor import registration
+from mooncake_lite.conductor.cluster import registration
 from mooncake_lite.conductor.costs import InstanceCosts
-from mooncake_lite.conductor.registration import STATE_LOAD_KEYS, RegistrationError
+from mooncake_lite.conductor.cluster.registration import STATE_LOAD_KEYS, RegistrationError
 from mooncake_lite.conductor.cluster.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import (ClusterState, DecodeView, DecodingRequest, IncomingRequest, PrefillView,
