@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 
 import orjson
 
+from mooncake_lite.common.cost_report import CostReport, FlatCost
+
 M = TypeVar("M")
 
 
@@ -105,7 +107,8 @@ class Register:
     hash_seed: int
     kv_bytes_per_token: int
     max_context: int
-    cost: dict[str, Any] = field(default_factory=dict)   # fitted cost coefficients (scheduler costs)
+    # Its self-fitted cost models (an older instance's flat form: FlatCost, read with ``role``).
+    cost: CostReport | FlatCost = field(default_factory=CostReport)
     pipeline_stages: int = 1
     # Prefill batching: uncached tokens one forward packs (--prefill-batch-tokens capped at the
     # chunk; 0: one prompt at a time, and what an instance that does not say means).
@@ -161,9 +164,9 @@ class InstanceLoad:
 class Heartbeat:
     instance_id: str
     load: InstanceLoad = field(default_factory=InstanceLoad)
-    # The instance's current cost model, refined from the work it ran (``Register.cost``'s
-    # format); None or absent: unchanged since the last report.
-    cost: dict[str, Any] | None = None
+    # The instance's current cost models, refined from the work it ran (FlatCost: an older
+    # instance's, read with its registered role); None or absent: unchanged since the last report.
+    cost: CostReport | FlatCost | None = None
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,13 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value)
+        decode = getattr(hint, "from_wire", None)   # a part with its own decoding (CostReport)
+        if decode is None:
+            return from_dict(hint, value)
+        try:
+            return decode(value, where)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
     if origin is tuple:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list")

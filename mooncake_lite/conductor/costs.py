@@ -1,28 +1,20 @@
-"""Cost models the conductor starts with, and the ones instances report when they register.
+"""Cost models the conductor starts with, and the ones instances report of themselves.
 
-Until an instance reports its own self-profiled coefficients (``Register.cost``), the scheduler
-predicts with rough defaults derived from the model's shape and an assumed compute rate. They
-only need to rank instances sensibly; SLO admission is as good as the reported profiles.
-
-``Register.cost`` takes one of two forms. Flat: the instance's own model as
-``PrefillCostModel.to_dict()`` (prefill) or ``DecodeCostModel.to_dict()`` (decode) — what the
-roles send. Nested (every part optional)::
-
-    {"prefill": {"c0": .., "c1": .., "c2": .., "c3": ..},   # PrefillCostModel, seconds
-     "decode":  {"c0": .., "c1": .., "c2": ..},             # DecodeCostModel, seconds per step
-     "bandwidth_bytes_per_s": 2.5e9}                        # measured inbound KV fetch rate
+Until an instance reports its own self-profiled coefficients (``Register.cost``, refined by each
+``Heartbeat.cost``: a :class:`~mooncake_lite.common.cost_report.CostReport`, checked when the
+message was decoded), the scheduler predicts with rough defaults derived from the model's shape
+and an assumed compute rate. They only need to rank instances sensibly; SLO admission is as good
+as the reported profiles.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from mooncake_lite.common.cost_report import CostReport, FlatCost
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.scheduler import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.links import LinkSpeeds
-
-COST_KEYS = ("prefill", "decode", "bandwidth_bytes_per_s")
 
 
 def default_costs(args: ModelArgs, kv_bytes_per_token: int, flops_per_s: float = 50e9,
@@ -48,27 +40,11 @@ class InstanceCosts:
     bandwidth_bytes_per_s: float | None = None
 
 
-def parse_instance_costs(cost: dict[str, Any], role: str) -> InstanceCosts:
-    """Validate ``Register.cost``; a bad dict raises ValueError naming the problem."""
-    if cost and all(k.startswith("c") and k[1:].isdigit() for k in cost):   # the flat form
-        cost = {role: cost}
-    unknown = sorted(set(cost) - set(COST_KEYS))
-    if unknown:
-        raise ValueError(f"cost: unknown key(s) {unknown}; expected some of {list(COST_KEYS)}")
-    prefill = decode = None
-    if cost.get("prefill") is not None:
-        prefill = PrefillCostModel.from_dict(_mapping(cost["prefill"], "cost.prefill"))
-    if cost.get("decode") is not None:
-        decode = DecodeCostModel.from_dict(_mapping(cost["decode"], "cost.decode"))
-    bandwidth = cost.get("bandwidth_bytes_per_s")
-    if bandwidth is not None:
-        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or bandwidth <= 0:
-            raise ValueError(f"cost.bandwidth_bytes_per_s must be a positive number, got {bandwidth!r}")
-        bandwidth = float(bandwidth)
-    return InstanceCosts(prefill, decode, bandwidth)
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{where} must be an object of coefficients")
-    return value
+def instance_costs(report: CostReport | FlatCost, role: str) -> InstanceCosts:
+    """The scheduler's models of what an instance reports; a flat report (an older instance's)
+    is read as ``role``'s, and ValueError says when it does not fit that role."""
+    if isinstance(report, FlatCost):
+        report = report.for_role(role)
+    prefill = None if report.prefill is None else PrefillCostModel(**vars(report.prefill))
+    decode = None if report.decode is None else DecodeCostModel(**vars(report.decode))
+    return InstanceCosts(prefill, decode, report.bandwidth_bytes_per_s)

@@ -42,6 +42,7 @@ from statistics import median
 
 import numpy as np
 
+from mooncake_lite.common.cost_report import CostReport, DecodeCost, PrefillCost
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 
 WINDOW = 32              # samples a bucket keeps (the newest)
@@ -56,6 +57,16 @@ STEP_RATIO_PREFIX = "step_ratio_q"
 STEP_RATIO_KEYS = tuple(f"{STEP_RATIO_PREFIX}{round(q * 100):02d}" for q in RATIO_QUANTILES)
 
 Model = PrefillCostModel | DecodeCostModel
+
+
+def cost_report(model: Model | None) -> CostReport | None:
+    """What an instance says of its ``model`` (``Register.cost``, ``Heartbeat.cost``): the
+    nested form, under its role (None: it has none)."""
+    if model is None:
+        return None
+    if isinstance(model, PrefillCostModel):
+        return CostReport(prefill=PrefillCost(**model.to_dict()))
+    return CostReport(decode=DecodeCost(**model.to_dict()))
 
 
 def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:

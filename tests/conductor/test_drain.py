@@ -210,7 +210,7 @@ def test_ending_requests_tells_each_once_not_to_retry_and_kills_no_instance():
     for role, iid in (("prefill", "p0"), ("decode", "d0")):
         m.register(Register(role=role, instance_id=iid, http=f"{iid}:1", data=f"{iid}:2" if role == "decode" else None,
                             store=None, model="tiny", block_size=16, hash_seed=0, kv_bytes_per_token=64,
-                            max_context=4096, cost={}), 0.0)
+                            max_context=4096), 0.0)
     told: list[tuple] = []
     for iid in ("p0", "d0"):
         m.watch(iid, "r1", lambda *args: told.append(args))

@@ -198,7 +198,7 @@ async def test_a_silent_store_leaves_the_index_and_resyncs_when_back(make_cluste
 def _reg(role: str, iid: str) -> Register:
     return Register(role=role, instance_id=iid, http=f"{iid}:1", data=f"{iid}:2" if role == "decode" else None,
                     store=None, model="tiny", block_size=16, hash_seed=0, kv_bytes_per_token=64,
-                    max_context=4096, cost={})
+                    max_context=4096)
 
 
 def test_suspects_leave_the_snapshot_unless_their_role_has_no_trusted_instance():

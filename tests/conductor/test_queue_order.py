@@ -7,6 +7,7 @@ import pytest
 
 from mooncake_lite.common.protocol import Register, dumps, loads
 from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
+from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.scheduler import (BlockIndex, CostModels, DecodeCostModel, PrefillCostModel, ScheduleRequest,
                                      Scheduler, SchedulerConfig)
 
@@ -16,7 +17,7 @@ MODEL = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-7, c3=1e-5)
 def _reg(iid: str, overtakes: int, pack_tokens: int = 0) -> Register:
     return Register(role="prefill", instance_id=iid, http=f"h-{iid}:1", data=None, store="s:1", model="tiny",
                     block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=4000,
-                    cost=MODEL.to_dict(), pack_tokens=pack_tokens, queue_overtakes=overtakes)
+                    cost=cost_report(MODEL), pack_tokens=pack_tokens, queue_overtakes=overtakes)
 
 
 def _order(m):

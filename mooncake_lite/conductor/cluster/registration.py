@@ -3,14 +3,15 @@ cluster and told to its scheduler view (``scheduler/view.py``).
 
 A registration is refused (:class:`RegistrationError`) for a role the conductor does not know, a
 decode instance without a data address, or a model, block size, hash seed or KV size per token
-other than the cluster's. Its cost report, and each heartbeat's, is parsed strictly; a
+other than the cluster's. Its cost report, and each heartbeat's, was checked when the message
+was decoded; a flat one (an older instance's) is read with the registered role here, and a
 heartbeat's report replaces only the models it carries. Pure: no IO, no clock.
 """
 
 from __future__ import annotations
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
-from mooncake_lite.conductor.costs import InstanceCosts, parse_instance_costs
+from mooncake_lite.conductor.costs import InstanceCosts, instance_costs
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import DecodeView, PrefillView
 
@@ -51,19 +52,19 @@ def check(reg: Register, model: str, block_size: int, hash_seed: int, kv_bytes_p
 
 
 def registered_costs(reg: Register) -> InstanceCosts:
-    """The cost models a registration reports (400 when malformed)."""
+    """The cost models a registration reports (400 when a flat one does not fit its role)."""
     try:
-        return parse_instance_costs(reg.cost, reg.role)
+        return instance_costs(reg.cost, reg.role)
     except ValueError as exc:
         raise RegistrationError(400, f"{reg.role} instance {reg.instance_id}: {exc}") from None
 
 
 def heartbeat_costs(reg: Register, costs: InstanceCosts, hb: Heartbeat) -> InstanceCosts:
     """An instance's ``costs`` with what its heartbeat reports in place of what it replaces."""
-    if not hb.cost:
+    if hb.cost is None:
         return costs
     try:
-        new = parse_instance_costs(hb.cost, reg.role)
+        new = instance_costs(hb.cost, reg.role)
     except ValueError as exc:
         raise RegistrationError(400, f"{reg.role} instance {reg.instance_id} heartbeat: {exc}") from None
     return InstanceCosts(new.prefill or costs.prefill, new.decode or costs.decode,
