@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from mooncake_lite.common import sdnotify
+from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.membership import Conductor, RegistrationRefused, keep_membership
 from mooncake_lite.common.membership import log as membership_log
 from mooncake_lite.common.protocol import InstanceLoad, Register
@@ -81,7 +82,7 @@ class Membership:
     conductor: Conductor
     registration: Callable[[dict[str, str]], Register]
     load: Callable[[], InstanceLoad]
-    cost: Callable[[], dict[str, Any] | None]
+    cost: Callable[[], CostReport | None]   # its current cost models, for each heartbeat
 
 
 async def serve_role(app: web.Application, listener: Listener, membership: Membership | None = None,

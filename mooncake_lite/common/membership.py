@@ -13,11 +13,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import aiohttp
 
 from mooncake_lite.common.auth import cluster_headers
+from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, dumps
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ async def register(session: aiohttp.ClientSession, conductor: Conductor, msg: Re
 
 
 async def keep_membership(conductor: Conductor, msg: Register, load: Callable[[], InstanceLoad],
-                          cost: Callable[[], dict[str, Any] | None],
+                          cost: Callable[[], CostReport | None],
                           on_registered: Callable[[], object] = lambda: None) -> None:
     """Register, then heartbeat forever (run as a background task); ``on_registered`` runs
     once, after the first registration (the instance can be sent work from then on). ``cost``
@@ -82,7 +82,7 @@ async def keep_membership(conductor: Conductor, msg: Register, load: Callable[[]
                                         headers=headers) as resp:
                     if resp.status == 404:
                         log.warning("conductor forgot this instance; registering again")
-                        await register(session, conductor, replace(msg, cost=current) if current else msg)
+                        await register(session, conductor, replace(msg, cost=current) if current is not None else msg)
                     elif resp.status == 409:
                         raise RegistrationRefused(f"conductor refused heartbeat: {(await resp.text())[:300]}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # a timeout must not end the loop

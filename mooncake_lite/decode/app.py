@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common import tracing
+from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import GenerateRequest, ProtocolError, Register, TokenEvent, loads
@@ -32,6 +33,7 @@ from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
 from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
+from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.transfer.server import server_address
 from mooncake_lite.transfer.shm import host_identity
@@ -239,14 +241,14 @@ def build_engine(cfg: Config) -> DecodeEngine:
     return DecodeEngine(runner, batcher, make_executor(), refiner=refiner)
 
 
-def reported_cost(engine: DecodeEngine) -> dict[str, float] | None:
+def reported_cost(engine: DecodeEngine) -> CostReport | None:
     """The cost model this instance's heartbeats carry: the start-up one as refined since from
     the steps it ran (None without one: --no-profile). The local TBT check uses it too, so a
     pessimistic start-up profile stops refusing requests here as well."""
     if engine.refiner is None:
         return None
     engine.batcher.cost = engine.refiner.current()
-    return engine.batcher.cost.to_dict() if engine.batcher.cost is not None else None
+    return cost_report(engine.batcher.cost)
 
 
 def registration(cfg: Config, engine: DecodeEngine, addresses: dict[str, str]) -> Register:
@@ -257,4 +259,4 @@ def registration(cfg: Config, engine: DecodeEngine, addresses: dict[str, str]) -
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(engine.runner.dtype),
                     max_context=engine.runner.allocator.num_blocks * engine.runner.block_size,
-                    cost=engine.batcher.cost.to_dict() if engine.batcher.cost else {})
+                    cost=cost_report(engine.batcher.cost) or CostReport())

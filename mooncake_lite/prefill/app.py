@@ -22,12 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from kernels.kv_codec import codec_for, encoded_layer_bytes
+from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.lifecycle import EXIT
 from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, ProtocolError, Register, loads
 from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
+from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.linear import PACK_PROBE_ROWS
@@ -237,7 +239,7 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[Stage
     return stage, cost
 
 
-def reported_cost(service: PrefillService) -> dict[str, float] | None:
+def reported_cost(service: PrefillService) -> CostReport | None:
     """The cost model this instance's heartbeats carry: the start-up one as refined since from
     the chunks it ran (None without one: --no-profile; and a CPP group, whose start-up group
     profile is registered and kept as is: its head sees only its own slice's chunk times). The
@@ -246,7 +248,7 @@ def reported_cost(service: PrefillService) -> dict[str, float] | None:
     if refiner is None:
         return None
     service.cost = refiner.current()
-    return service.cost.to_dict() if service.cost is not None else None
+    return cost_report(service.cost)
 
 
 class StoreUnfit(RuntimeError):
@@ -315,5 +317,5 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
-                    cost=service.cost.to_dict() if service.cost else {}, pipeline_stages=cfg.pipeline_group,
+                    cost=cost_report(service.cost) or CostReport(), pipeline_stages=cfg.pipeline_group,
                     pack_tokens=service.pack_limit, queue_overtakes=service.overtakes)

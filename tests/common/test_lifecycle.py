@@ -11,12 +11,14 @@ import signal
 import pytest
 from aiohttp import web
 
+from mooncake_lite.common.cost_report import CostReport, DecodeCost
 from mooncake_lite.common.lifecycle import EXIT, Listener, Membership, serve_role
 from mooncake_lite.common.membership import Conductor
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, loads
 from mooncake_lite.common.service import bound_port
 
 pytestmark = pytest.mark.timeout(30)
+COST = CostReport(decode=DecodeCost(c0=0.5))
 
 
 async def _conductor(seen: dict[str, list], refuse: bool = False) -> tuple[web.AppRunner, str]:
@@ -42,7 +44,7 @@ def _membership(url: str) -> Membership:
     def registration(addresses: dict[str, str]) -> Register:
         return Register("decode", f"decode@{addresses['http']}", addresses["http"], None, None, "tiny", 16, 0, 64, 128)
     return Membership(Conductor(url, None, heartbeat_interval_s=0.02), registration,
-                      lambda: InstanceLoad(num_running=3), lambda: {"c0": 0.5})
+                      lambda: InstanceLoad(num_running=3), lambda: COST)
 
 
 async def _until(condition) -> None:
@@ -71,8 +73,7 @@ async def test_an_instance_registers_then_heartbeats_until_its_cleanup_is_over()
         reg = seen["register"][0]
         assert reg.instance_id == f"decode@{reg.http}" and reg.http.startswith("127.0.0.1:")
         beat = seen["heartbeat"][0]
-        assert (beat.instance_id, beat.load, beat.cost) == (reg.instance_id, InstanceLoad(num_running=3.0),
-                                                            {"c0": 0.5})
+        assert (beat.instance_id, beat.load, beat.cost) == (reg.instance_id, InstanceLoad(num_running=3.0), COST)
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(task, 10) == 0
         assert beats_at_cleanup and app[EXIT].code == 0

@@ -13,6 +13,7 @@ from mooncake_lite.decode.app import reported_cost as decode_cost
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.instance.profile import decode_refiner, prefill_refiner
+from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.app import reported_cost as prefill_cost
@@ -37,7 +38,7 @@ async def test_decode_steps_heal_the_profile_and_the_local_tbt_check(model):
     runner = ModelRunner(model, num_blocks=32, block_size=8)
     batcher = DecodeBatcher(runner.allocator, 8, cost=BAD_DECODE, tbt_slo_s=1.0)
     engine = DecodeEngine(runner, batcher, ThreadPoolExecutor(1), refiner=decode_refiner(BAD_DECODE))
-    assert decode_cost(engine) == BAD_DECODE.to_dict()
+    assert decode_cost(engine) == cost_report(BAD_DECODE)
     assert "exceeds the TBT SLO" in batcher.check_admit(8, 4)     # refused, on an idle instance
     batcher.tbt_slo_s = None          # let two requests in to run steps (what an SLO-less decode does)
     for rid in ("a", "b"):
@@ -52,7 +53,7 @@ async def test_decode_steps_heal_the_profile_and_the_local_tbt_check(model):
         steps.cancel()
     assert engine.refiner.num_samples == engine.num_steps == 23
     healed = decode_cost(engine)
-    assert healed != BAD_DECODE.to_dict() and DecodeCostModel.from_dict(healed) == batcher.cost
+    assert healed != cost_report(BAD_DECODE) and healed == cost_report(batcher.cost)
     assert batcher.cost.predict(2, 80) < BAD_DECODE.predict(2, 80) / 20
     assert batcher.check_admit(8, 4) is None                       # the local check admits again
 
@@ -61,10 +62,10 @@ async def test_prefill_chunks_heal_the_profile_the_heartbeats_carry(model):
     stage = StageEngine(ModelRunner(model, num_blocks=16, block_size=8), None, ThreadPoolExecutor(1))
     stage.refiner = prefill_refiner(BAD_PREFILL)
     service = PrefillService(stage, None, block_size=8, hash_seed=0, chunk_size=16, cost=BAD_PREFILL)
-    assert prefill_cost(service) == BAD_PREFILL.to_dict()
+    assert prefill_cost(service) == cost_report(BAD_PREFILL)
     for seed in range(6):             # chunks (16 on 0), (16 on 16), (8 on 32), 6 of each
         await run_prompt(stage, tokens_of(40, seed), chunk=16)
     assert stage.refiner.num_samples == 18
     healed = prefill_cost(service)
-    assert PrefillCostModel.from_dict(healed) == service.cost
+    assert healed == cost_report(service.cost)
     assert service.cost.predict(40) < BAD_PREFILL.predict(40) / 20

@@ -57,8 +57,8 @@ async def test_register_heartbeat_and_exit_on_refusal():
         reg = next(m for m in seen["register"] if m.role == "prefill")
         assert reg.http == prefill.addresses["http"] and reg.block_size == 16 and reg.model == "tiny"
         assert reg.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4          # tiny: 4 layers, 2 kv heads, dim 16, fp32
-        PrefillCostModel.from_dict(reg.cost)                          # startup profile in the scheduler's format
-        assert set(reg.cost) == {"c0", "c1", "c2", "c3"} and any(v > 0 for v in reg.cost.values())
+        model = PrefillCostModel(**vars(reg.cost.prefill))            # startup profile in the scheduler's terms
+        assert reg.cost.decode is None and any(v > 0 for v in model.to_dict().values())
         beat = seen["heartbeat"][0]
         assert beat.instance_id == reg.instance_id and {"queued_s", "num_queued", "free_blocks"} <= set(beat.load.reported())
     finally:

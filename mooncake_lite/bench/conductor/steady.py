@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.protocol import Register
 from mooncake_lite.conductor.cluster.membership import DecodeJob, Membership, PrefillJob
+from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.scheduler import (ClusterState, DecodeCostModel, PrefillCostModel, ScheduleRequest,
                                      Scheduler)
 
@@ -42,7 +44,7 @@ def _register(m: Membership, role: str, iid: str, store: str | None, block_size:
     m.register(Register(role=role, instance_id=iid, http=f"127.0.0.1:{len(m.instances) + 1}",
                         data="127.0.0.1:0" if role == "decode" else None, store=store, model=MODEL,
                         block_size=block_size, hash_seed=0, kv_bytes_per_token=1,
-                        max_context=1 << 40, cost=cost.to_dict() if cost else {}), now=0.0)
+                        max_context=1 << 40, cost=cost_report(cost) or CostReport()), now=0.0)
 
 
 def build_membership(cluster: ClusterState, block_size: int) -> Membership:
