@@ -1,7 +1,7 @@
 """What an instance reports of its own speed: ``Register.cost`` and ``Heartbeat.cost``.
 
 The coefficients are the scheduler's cost models (``scheduler/costs.py``), fitted by the instance
-from its own timings; the conductor turns them into those models (``conductor/costs.py``). On
+from its own timings; the conductor turns them into those models (``conductor/cluster/costs.py``). On
 the wire a :class:`CostReport` is the nested form, every part optional (null or absent: not
 reported)::
 

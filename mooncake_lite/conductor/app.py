@@ -24,7 +24,7 @@ from mooncake_lite.conductor.cluster import cost_export, hot_replication, intern
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.contexts import routes as context_routes
-from mooncake_lite.conductor.costs import default_costs
+from mooncake_lite.conductor.cluster.costs import default_costs
 from mooncake_lite.conductor.flight.drain import Drain
 from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.services import SERVICES, Services

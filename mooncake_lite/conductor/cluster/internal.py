@@ -20,7 +20,7 @@ from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
 from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.conductor.cluster import status
-from mooncake_lite.conductor.costs import InstanceCosts
+from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import RegistrationError
 from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.scheduler import BlockEvent

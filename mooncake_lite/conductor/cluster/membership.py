@@ -32,7 +32,7 @@ from itertools import islice
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.cluster import registration
-from mooncake_lite.conductor.costs import InstanceCosts
+from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.registration import STATE_LOAD_KEYS, RegistrationError
 from mooncake_lite.conductor.cluster.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id

@@ -11,7 +11,7 @@ heartbeat's report replaces only the models it carries. Pure: no IO, no clock.
 from __future__ import annotations
 
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
-from mooncake_lite.conductor.costs import InstanceCosts, instance_costs
+from mooncake_lite.conductor.cluster.costs import InstanceCosts, instance_costs
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import DecodeView, PrefillView
 
