@@ -96,3 +96,15 @@ def test_a_stretch_of_one_shape_is_one_place_and_no_pair_with_itself(tmp_path):
     enum = "class Op:\n" + "".join(f"    NAME{i} = {i}\n" for i in range(20))
     _tree(tmp_path, {"pkg/ops.py": enum})
     assert am.same_shape_pairs(am.source_files(tmp_path / "pkg"), tmp_path) == []
+
+
+def test_docstrings_and_literal_data_make_no_pair_but_code_with_fstrings_does(tmp_path):
+    doc = '"""A module.\n\nIt says\nwhat it does\nover seven\nlines of prose.\n"""\n'
+    names = "NAMES = (\n" + "".join(f'    "mod.name{i}",\n' for i in range(8)) + ")\n"
+    fn_doc = 'def f():\n    """One\n    two\n    three\n    four\n    five\n    six."""\n    return 1\n'
+    _tree(tmp_path, {"pkg/a.py": doc + names + fn_doc, "pkg/b.py": doc + names + fn_doc})
+    assert am.same_shape_pairs(am.source_files(tmp_path / "pkg"), tmp_path) == []
+    report = "def r(s):\n    return (\n" + "".join(f'        f"v{i} {{s.x{i}}}"\n' for i in range(7)) + "    )\n"
+    _tree(tmp_path, {"pkg/c.py": report, "pkg/d.py": report.replace("def r(s)", "def q(s)")})
+    pairs = am.same_shape_pairs(am.source_files(tmp_path / "pkg"), tmp_path)
+    assert [(p.a, p.b) for p in pairs] == [("pkg/c.py:1-9", "pkg/d.py:1-9")]

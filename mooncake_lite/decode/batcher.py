@@ -18,7 +18,7 @@ break the SLO or the KV memory cannot hold the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from mooncake_lite.model.kv_cache import BlockAllocator, blocks_needed
 from mooncake_lite.scheduler.admission import tbt_refusal
@@ -66,20 +66,19 @@ class TokenOut:
     finish_reason: str | None
 
 
+@dataclass(eq=False)
 class DecodeBatcher:
-    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_batch_size: int | None = None,
-                 cost: DecodeCostModel | None = None, tbt_slo_s: float | None = None,
-                 tbt_slo_factor: float | None = None):
-        self.allocator = allocator
-        self.block_size = block_size
-        self.max_batch_size = max_batch_size
-        self.cost = cost
-        # The local TBT check: absolute (tbt_slo_s) if set, else relative (tbt_slo_factor × one
-        # step of the request alone, by this instance's cost model), else off.
-        self.tbt_slo_s = tbt_slo_s
-        self.tbt_slo_factor = tbt_slo_factor
-        self.seqs: dict[str, DecodeSequence] = {}
-        self._in_flight: set[str] = set()
+    allocator: BlockAllocator
+    block_size: int
+    _: KW_ONLY
+    max_batch_size: int | None = None
+    cost: DecodeCostModel | None = None   # replaced as the instance refines its model
+    # The local TBT check: absolute (tbt_slo_s) if set, else relative (tbt_slo_factor × one
+    # step of the request alone, by this instance's cost model), else off.
+    tbt_slo_s: float | None = None
+    tbt_slo_factor: float | None = None
+    seqs: dict[str, DecodeSequence] = field(default_factory=dict, init=False, repr=False)
+    _in_flight: set[str] = field(default_factory=set, init=False, repr=False)
 
     # --- admission -------------------------------------------------------------------------------
     def predicted_tbt(self, extra_seqs: int = 0, extra_context: int = 0) -> float | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
 from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, RemoteError, StoreClient
@@ -50,19 +50,19 @@ class _Lease:
     ends_at: float           # loop time
 
 
+@dataclass(eq=False)
 class RemoteStore:
-    def __init__(self, address: str, token: str | None, num_layers: int, layer_bytes: int,
-                 timeout: float = DEFAULT_TIMEOUT_S, lease_s: float = PREFIX_LEASE_S):
-        self.address = address
-        self.timeout = timeout
-        self.token = token
-        self.num_layers = num_layers
-        self.layer_bytes = layer_bytes
-        self.lease_s = lease_s
-        self._client: StoreClient | None = None
-        self._lock = asyncio.Lock()
-        self._leases: dict[bytes, list[_Lease]] = {}   # first key of a pinned prefix -> its leases
-        self._releases: set[asyncio.Task] = set()
+    address: str
+    token: str | None
+    num_layers: int
+    layer_bytes: int
+    timeout: float = DEFAULT_TIMEOUT_S
+    lease_s: float = PREFIX_LEASE_S
+    _client: StoreClient | None = field(default=None, init=False, repr=False)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    # first key of a pinned prefix -> its leases
+    _leases: dict[bytes, list[_Lease]] = field(default_factory=dict, init=False, repr=False)
+    _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     async def client(self) -> StoreClient:
         async with self._lock:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mooncake_lite.common import tracing
@@ -40,15 +41,15 @@ T = TypeVar("T")
 _TRACED_REPLY = ("num_new", "num_matched", "num_deleted")   # reply figures a store op's span shows
 
 
+@dataclass(eq=False)
 class StoreClient:
-    def __init__(self, frames: FrameClient, address: str, max_batch_bytes: int, max_batch_keys: int,
-                 timeout: float | None = None) -> None:
-        self.frames = frames
-        self.address = address
-        self.max_batch_bytes = max_batch_bytes
-        self.max_batch_keys = max_batch_keys
-        self.timeout = timeout
-        self.shm: ShmPath | None = None   # the same-node fast path, when the store and we can use it
+    """A connection to one store; ``connect`` makes one. Its request deadline is the
+    connection's (``timeout``)."""
+    frames: FrameClient
+    address: str
+    max_batch_bytes: int
+    max_batch_keys: int
+    shm: ShmPath | None = None   # the same-node fast path, when the store and we can use it
 
     @classmethod
     async def connect(cls, address: str, *, token: str | None = None, name: str = "store-client",
@@ -62,7 +63,8 @@ class StoreClient:
         label = f"store {address}"
         frames = await FrameClient.connect(host, port, token=token, name=name, timeout=timeout or DEFAULT_TIMEOUT_S,
                                            label=label)
-        client = cls(frames, address, max_batch_bytes, max_batch_keys, timeout)
+        client = cls(frames, address, max_batch_bytes, max_batch_keys)
+        client.timeout = timeout
         frames.op_name = _op_name
         if shm:
             try:
