@@ -146,14 +146,15 @@ def _choose_kvcache(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, 
         # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
         if local < best_len and (not local or best_len / local >= threshold):
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            key = latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
+            transfer_s = latency_s + (best_len - local) * block_bytes / bandwidth
+            key = transfer_s + queue_s
             prefix, fetch = best_len * block_size, True
         else:
-            key, prefix, fetch = queue_s, local * block_size, False
+            transfer_s, key, prefix, fetch = 0.0, queue_s, local * block_size, False
         own = model.predict(num_tokens, prefix)
         if backlog is not None and p.overtakes:      # shortest first: where it lands (_packed)
             wait, own = _packed(req, model, queue_s, prefix, backlog, p)
-            key += wait - queue_s
+            key = transfer_s + wait if fetch else wait    # the sum _option reports as its TTFT
         elif backlog is not None:
             tail = backlog.tail_tokens
             if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
