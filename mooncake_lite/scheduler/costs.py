@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
+# One model's coefficient and token counts, or numpy rows of them (scheduler/wide.py).
+Coefficient = TypeVar("Coefficient", float, np.ndarray)
+Tokens = TypeVar("Tokens", int, np.ndarray)
 
 
 class _Coefficients:
@@ -82,8 +85,7 @@ class PrefillCostModel(_Coefficients):
         p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
         if p < 0:
             p = 0
-        n = num_tokens - p
-        t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
+        t = prefill_seconds(self.c0, self.c1, self.c2, self.c3, num_tokens - p, p)
         return t if t > 0.0 else 0.0
 
     @classmethod
@@ -95,6 +97,14 @@ class PrefillCostModel(_Coefficients):
             rows.append([1.0, n, n * (prefix + n), prefix])
             ys.append(seconds)
         return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
+
+
+def prefill_seconds(c0: Coefficient, c1: Coefficient, c2: Coefficient, c3: Coefficient, new_tokens: Tokens,
+                    prefix_tokens: Tokens) -> Coefficient:
+    """The prefill formula, once (:class:`PrefillCostModel`; the clamps are its callers'): for one
+    model's coefficients and counts, or numpy rows of them (scheduler/wide.py) — the same
+    IEEE-754 operations in the same order either way."""
+    return c0 + c1 * new_tokens + c2 * new_tokens * (prefix_tokens + new_tokens) + c3 * prefix_tokens
 
 
 def pack_sizes(uncached_tokens: Sequence[int], limit: int) -> list[int]:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import random
 
-from mooncake_lite.scheduler import wide as _wide
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
-from mooncake_lite.scheduler.estimate import Queues, queues_at
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -58,23 +56,15 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
 def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, config: SchedulerConfig,
               costs: CostModels, now: float, rng: random.Random | None, cache: Estimates | None) -> Decision:
     """:func:`schedule` by position (Scheduler.schedule's call, once per request: binding seven
-    keywords costs more than the call)."""
+    keywords costs more than the call): estimates, then each choice by its rule
+    (scheduler/rules.py), then admission."""
+    estimates = cache or FROM_SCRATCH
     match = index.match(req.block_keys)
-    # every prefill's backlog at now: read by both choices; as arrays on a wide cluster
-    wide = None
-    queues: Queues
-    if isinstance(cache, EstimateCache) and len(cluster.prefills) >= _wide.WIDE_MIN_INSTANCES:
-        table = cache.prefill_table(cluster.prefills, costs)
-        queues, queue_array = table.queues_at(now)
-        wide = (table, queue_array)
-    else:
-        queues = queues_at((cache or FROM_SCRATCH).backlogs(cluster.prefills, costs), now)
-    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache, wide)
+    queues = estimates.prefill_queues(cluster.prefills, costs, now)   # read by both choices
+    p = choose_prefill(req, cluster.prefills, match, config, costs, queues, rng)
     if p is None:
         return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
-    d = _wide_decode(req, cluster, config, costs, cache)
-    if d is None:
-        d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, cache)
+    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
     violation = slo_violation(config, req, costs, p, d)
@@ -82,22 +72,6 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
         return _decision(False, violation[1], p, d, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
     return _decision(True, reason, p, d, migration=_migration(req, p))
-
-
-def _wide_decode(req: ScheduleRequest, cluster: ClusterState, config: SchedulerConfig, costs: CostModels,
-                 cache: Estimates | None) -> DecodeChoice | None:
-    """``choose_decode`` on the loads now, over the estimate cache's rows, on a wide cluster
-    (None: not wide, another strategy or admission, or a case the loop must decide)."""
-    decodes = cluster.decodes
-    if not isinstance(cache, EstimateCache) or len(decodes) < _wide.WIDE_MIN_INSTANCES \
-            or config.strategy == "random" or config.admission == "predictive":
-        return None
-    table = cache.decode_table(decodes, costs)
-    hit = table.choose_now(req)
-    if hit is None:
-        return None
-    i, tbt = hit
-    return _new(DecodeChoice, (decodes[i], tbt, table.batch[i] + 1, table.context_list[i] + req.num_tokens))
 
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,

@@ -19,15 +19,17 @@ cost, and the loops run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from itertools import compress, count, repeat
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from itertools import compress, count
 from operator import is_not
+from typing import NamedTuple
 
 import numpy as np
 
+from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel, prefill_seconds
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.snapshot import Snapshot
@@ -69,43 +71,6 @@ def _same_ids(new: Sequence, old: Sequence, rows: Sequence[int]) -> bool:
     return True
 
 
-class RowQueues:
-    """:class:`~mooncake_lite.scheduler.estimate.QueuesAt` of a table's rows at one ``now``, its
-    two lists made from the arrays only when read: a wide decision on the kvcache-centric path
-    reads only the chosen row's queue time (from the array), and building 2 × 128 floats on
-    every request cost more than the choice itself. The backlogs too are copied from the
-    table only when read (and those of rows written from a view's own row derived then): it
-    holds within the decision that made this (the table's rows are rewritten only at the next
-    decision's start)."""
-
-    __slots__ = ("_table", "_backlogs", "_done", "_queue", "_done_s", "_queue_s")
-
-    def __init__(self, table: PrefillTable, done: np.ndarray, queue: np.ndarray) -> None:
-        self._table = table
-        self._backlogs: list[Backlog] | None = None
-        self._done, self._queue = done, queue
-        self._done_s: list[float] | None = None
-        self._queue_s: list[float] | None = None
-
-    @property
-    def backlogs(self) -> list[Backlog]:
-        if self._backlogs is None:
-            self._backlogs = list(self._table.row_backlogs())
-        return self._backlogs
-
-    @property
-    def done_s(self) -> list[float]:
-        if self._done_s is None:
-            self._done_s = self._done.tolist()
-        return self._done_s
-
-    @property
-    def queue_s(self) -> list[float]:
-        if self._queue_s is None:
-            self._queue_s = self._queue.tolist()
-        return self._queue_s
-
-
 class PrefillTable:
     """Per prefill instance: its backlog's total predicted work, its started head job
     (duration, start; start +inf when none has started), its fetch bandwidth and which of the
@@ -115,7 +80,7 @@ class PrefillTable:
     derived only if a decision reads it (:meth:`row_backlogs`)."""
 
     def __init__(self) -> None:
-        self.prefills: tuple[PrefillInstanceState, ...] = ()   # what the rows were written from
+        self.prefills: Sequence[PrefillInstanceState] = ()   # what the rows were written from
         self.costs: CostModels | None = None
         self._backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog] | None = None
         self._resize(0)
@@ -141,7 +106,7 @@ class PrefillTable:
         # holders are the same list on every request for it (block_index.PrefixMatch.runs)
         self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
 
-    def update(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
+    def update(self, prefills: Sequence[PrefillInstanceState], costs: CostModels,
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
         """Rewrite the rows of the instances whose state changed since the last call
         (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
@@ -244,9 +209,8 @@ class PrefillTable:
         self._run_rows[id(stores)] = (stores, rows)    # the list is kept alive: its id stays its own
         return rows
 
-    def queues_at(self, now: float) -> tuple[RowQueues, np.ndarray]:
-        """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
-        as an array. A started job counts as done for its elapsed time, never more than its
+    def queues_at(self, now: float) -> RowQueues:
+        """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows. A started job counts as done for its elapsed time, never more than its
         duration; an empty queue has no started job and a total of 0."""
         done = now - self.head_s          # then clamped in place: no temporaries (the same values)
         np.maximum(done, 0.0, out=done)
@@ -259,83 +223,113 @@ class PrefillTable:
                 if elapsed > 0.0:
                     d += duration if elapsed > duration else elapsed
             done[i], queue[i] = d, b.cumulative_s[-1] - d
-        return RowQueues(self, done, queue), queue
+        return RowQueues(self, done, queue)
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
         """Each row's model's prediction for one prompt: a Python call per distinct model when
-        there are few (instances of the same hardware share one), else
-        :meth:`PrefillCostModel.predict`'s expression over the coefficient rows."""
+        there are few (instances of the same hardware share one), else the model's formula over
+        the coefficient rows (:func:`predict_rows`)."""
         if len(self.models) <= _FEW_MODELS:
             return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
-        p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
-        p = p if p > 0 else 0
-        n = num_tokens - p
-        c0, c1, c2, c3 = self.coef
-        t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
-        return np.where(t > 0.0, t, 0.0)
+        return predict_rows(self.coef, num_tokens, num_prefix_tokens)
+
+
+def predict_rows(coef: np.ndarray, num_tokens: int, prefix: int | np.ndarray) -> np.ndarray:
+    """:meth:`PrefillCostModel.predict` per row (``coef`` its c0..c3 rows, ``prefix`` the cached
+    tokens, one count or one per row): its clamps as array operations around the same formula
+    (``costs.prefill_seconds``), so the same doubles."""
+    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
+    t = prefill_seconds(coef[0], coef[1], coef[2], coef[3], num_tokens - p, p)
+    return np.where(t > 0.0, t, 0.0)
+
+
+class RowQueues:
+    """:class:`~mooncake_lite.scheduler.estimate.QueuesAt` of a table's rows at one ``now``, its
+    two lists made from the arrays only when read: a wide decision on the kvcache-centric path
+    reads only the chosen row's queue time (from the array), and building 2 × 128 floats on
+    every request cost more than the choice itself. The backlogs too are copied from the
+    table only when read (and those of rows written from a view's own row derived then): it
+    holds within the decision that made this (the table's rows are rewritten only at the next
+    decision's start)."""
+
+    __slots__ = ("_table", "_backlogs", "_done", "_queue", "_done_s", "_queue_s")
+
+    def __init__(self, table: PrefillTable, done: np.ndarray, queue: np.ndarray) -> None:
+        self._table = table
+        self._backlogs: list[Backlog] | None = None
+        self._done, self._queue = done, queue
+        self._done_s: list[float] | None = None
+        self._queue_s: list[float] | None = None
+
+    @property
+    def backlogs(self) -> list[Backlog]:
+        if self._backlogs is None:
+            self._backlogs = list(self._table.row_backlogs())
+        return self._backlogs
+
+    @property
+    def done_s(self) -> list[float]:
+        if self._done_s is None:
+            self._done_s = self._done.tolist()
+        return self._done_s
+
+    @property
+    def queue_s(self) -> list[float]:
+        if self._queue_s is None:
+            self._queue_s = self._queue.tolist()
+        return self._queue_s
+
+    @property
+    def packing(self) -> bool:
+        return bool(self._table.packing)
+
+    def queue_at(self, i: int) -> float:
+        return float(self._queue[i])
+
+    def kvcache_row(self, req: ScheduleRequest, match: PrefixMatch, cfg: SchedulerConfig,
+                    costs: CostModels) -> tuple[int, int, bool] | None:
+        """Algorithm 1 over the rows (:func:`choose_prefill_row`)."""
+        return choose_prefill_row(req, self._table, self._queue, match, cfg, costs)
 
 
 def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray,
                        match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> tuple[int, int, bool] | None:
-    """The kvcache-centric loop of ``choose_prefill`` over the rows: (row, its local prefix
+    """Algorithm 1 over the rows, by its rules (scheduler/rules.py): (row, its local prefix
     blocks, whether it fetches the best prefix), or None when no key is below infinity (the
-    loop then decides). Every row is first costed as holding none of the prefix (fetch it all,
-    or compute it all when nothing is cached), then the rows whose store holds some of it
-    (a hot prefix may be on most stores) are costed again with their local prefix."""
+    loop then decides). Every row is first keyed as holding none of the prefix (fetch it all,
+    or compute it all when nothing is cached), then the rows whose store holds some of it are
+    keyed again, a run of stores with the same length at a time (one branch of the rule each;
+    a hot prefix may be on most stores). When every row has the same model and the default
+    bandwidth (the usual cluster) the terms the same for all rows are one Python float each
+    (the double the arrays would hold)."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
-    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
-    if len(table.models) == 1 and not table.odd_bw and (match.runs or not match.lengths) \
-            and not (costs.links is not None and costs.links.from_source(match.best_store_id)):
-        key = _one_model_keys(req, table, queue, match, cfg, costs)
-    elif not best_len:
-        key = queue + table.predict(num_tokens, 0)
+    latency_s, block_bytes, key_of = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token, rules.prefill_cost_key
+    one_model = len(table.models) == 1 and not table.odd_bw \
+        and not (costs.links is not None and costs.links.from_source(match.best_store_id))
+    predict: Callable[[int, int], float | np.ndarray] = table.models[0].predict if one_model else table.predict
+    if not best_len:
+        key = key_of(0.0, queue, predict(num_tokens, 0))
     else:
-        fetched = table.predict(num_tokens, best_len * block_size)
-        bw = _measured_bw(table, costs, match.best_store_id)
-        key = latency_s + best_len * block_bytes / bw + queue + fetched
-        rows, local = _held(table, match)
-        if rows.size:
-            fetch = (local < best_len) & (best_len / local >= cfg.kvcache_balancing_threshold)
-            with_fetch = (latency_s + (best_len - local) * block_bytes / bw[rows] + queue[rows]
-                          + fetched[rows])
-            with_local = queue[rows] + _predict_rows(table.coef[:, rows], num_tokens, local * block_size)
-            key[rows] = np.where(fetch, with_fetch, with_local)
+        fetched = predict(num_tokens, best_len * block_size)
+        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if one_model \
+            else _measured_bw(table, costs, match.best_store_id)
+        key = key_of(latency_s + best_len * block_bytes / bw, queue, fetched)
+        for local, rows in _held_runs(table, match):
+            if rules.fetches_best_prefix(local, best_len, cfg.kvcache_balancing_threshold):
+                transfer = latency_s + (best_len - local) * block_bytes / _at(bw, rows)
+                key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
+            else:
+                key[rows] = key_of(0.0, queue[rows], _at(predict(num_tokens, local * block_size), rows))
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
     local_i = match.length_at(table.prefills[i].store_id)
-    return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
+    return i, local_i, rules.fetches_best_prefix(local_i, best_len, cfg.kvcache_balancing_threshold)
 
 
-def _one_model_keys(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray, match: PrefixMatch,
-                    cfg: SchedulerConfig, costs: CostModels) -> np.ndarray:
-    """The keys of :func:`choose_prefill_row` when every row has the same model and the default
-    bandwidth (the usual cluster): each term that is the same for all rows is one Python float
-    (the same double the arrays would hold), and the holders of the prefix are costed a run at a
-    time (the stores of one run all hold the same length), their rows found once per run's list.
-    The same operations in the same order as the general expressions, so the same keys."""
-    best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
-    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
-    predict, bw = table.models[0].predict, costs.bandwidth_bytes_per_s
-    if not best_len:
-        return queue + predict(num_tokens, 0)
-    fetched = predict(num_tokens, best_len * block_size)
-    key = latency_s + best_len * block_bytes / bw + queue
-    key += fetched
-    threshold = cfg.kvcache_balancing_threshold
-    for local, stores in match.runs:
-        rows = table.run_rows(stores)
-        if not rows.size:
-            continue
-        if local < best_len and best_len / local >= threshold:
-            held = queue[rows]        # a copy; the scalar added to it in place (a + q is q + a)
-            held += latency_s + (best_len - local) * block_bytes / bw
-            held += fetched
-        else:
-            held = queue[rows]
-            held += predict(num_tokens, local * block_size)
-        key[rows] = held
-    return key
+def _at(value: float | np.ndarray, rows: np.ndarray) -> float | np.ndarray:
+    """A per-row value's ``rows``; one for every row (a float) as it is."""
+    return value[rows] if isinstance(value, np.ndarray) else value
 
 
 def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np.ndarray:
@@ -353,34 +347,23 @@ def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np
     return bw
 
 
-def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarray]:
-    """The rows whose store holds a leading part of the prefix, and how many blocks each (one
-    C-level pass when every store has one row, the usual case: a hot prefix is on most)."""
-    lengths = match.lengths
-    if table.row_of is not None:
-        rows = np.fromiter(map(table.row_of.get, lengths, repeat(-1)), dtype=np.intp, count=len(lengths))
-        local = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
-        known = rows >= 0
-        return (rows, local) if known.all() else (rows[known], local[known])
-    held: list[int] = []
-    blocks: list[int] = []
+def _held_runs(table: PrefillTable, match: PrefixMatch) -> Iterator[tuple[int, np.ndarray]]:
+    """(blocks held, the rows of the stores holding that many) for each length of the prefix
+    some store holds: the match's runs (their rows found once per run's list), or its lengths
+    grouped (a match made without runs)."""
+    if match.runs or not match.lengths:
+        for local, stores in match.runs:
+            rows = table.run_rows(stores)
+            if rows.size:
+                yield local, rows
+        return
+    by_length: dict[int, list[int]] = {}
     positions = table.positions
     for store_id, length in match.lengths.items():
-        at = positions.get(store_id)
-        if at is not None:
-            held.extend(at)
-            blocks.extend([length] * len(at))
-    return np.array(held, dtype=np.intp), np.array(blocks, dtype=np.int64)
-
-
-def _predict_rows(coef: np.ndarray, num_tokens: int, prefix: np.ndarray) -> np.ndarray:
-    """PrefillCostModel.predict per row (``coef`` its c0..c3 rows, ``prefix`` its cached
-    tokens), the same operations in the same order."""
-    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
-    n = num_tokens - p
-    c0, c1, c2, c3 = coef
-    t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
-    return np.where(t > 0.0, t, 0.0)
+        by_length.setdefault(length, []).extend(positions.get(store_id, ()))
+    for local, held in by_length.items():
+        if held:
+            yield local, np.array(held, dtype=np.intp)
 
 
 class DecodeTable:
@@ -389,7 +372,7 @@ class DecodeTable:
     whether its batch has room, and its context room (+inf where unlimited)."""
 
     def __init__(self) -> None:
-        self.decodes: tuple[DecodeInstanceState, ...] = ()
+        self.decodes: Sequence[DecodeInstanceState] = ()
         self.default: DecodeCostModel | None = None
         self._resize(0)
 
@@ -416,7 +399,7 @@ class DecodeTable:
         # when a request needs more): a request within it fits every row without a min over them
         self.room_floor = _INF
 
-    def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
+    def update(self, decodes: Sequence[DecodeInstanceState], default: DecodeCostModel,
                load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
         """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
         through the cache; a snapshot's own view's load, kept at its events, where it is of
@@ -447,7 +430,7 @@ class DecodeTable:
                 self.may_clamp.add(i)
             elif self.may_clamp:
                 self.may_clamp.discard(i)
-            room = d.max_batch_size is None or batch < d.max_batch_size
+            room = rules.decode_has_room(d.max_batch_size, None, batch, context, 0)
             if room is not self._row_room[i]:
                 self._row_room[i] = self.batch_room[i] = room
                 if room:
@@ -461,24 +444,34 @@ class DecodeTable:
                 self.context_room[i] = _INF
         self.decodes = decodes
 
-    def choose_now(self, req: ScheduleRequest) -> tuple[int, float] | None:
-        """The decode loop of ``choose_decode`` on the loads now: (row, its predicted TBT with
-        ``req`` added), or None when the loop must decide (no row with room, or only infinite
-        TBTs, where the loop's first-eligible rule applies). ``context + need <= max_context``
-        is asked as ``need <= max_context - context``: integers, exact either way."""
+    def choose_now(self, req: ScheduleRequest) -> DecodeRow | None:
+        """The decode pick (scheduler/rules.py: the smallest TBT of the rows with room) on the
+        loads now, or None when the loop must decide (no row with room, or only infinite TBTs,
+        where the loop's first-eligible rule applies). The TBT is ``DecodeCostModel.predict`` with the request
+        added, its request-free part (``base``) kept per row; the room is
+        :func:`rules.decode_has_room` with ``context + need <= max_context`` asked as
+        ``need <= max_context - context`` (integers: exact either way)."""
         tbt = self.c2 * (self.context + req.num_tokens)
         tbt += self.base                  # in place: base + x is x + base
         if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
             tbt = np.where(tbt > 0.0, tbt, 0.0)
+        key = tbt
         need = req.num_tokens + req.max_output_tokens
         if need > self.room_floor:
             self.room_floor = min(self.context_room)
-        if not self.full and need <= self.room_floor:
-            keyed = tbt                # every row has room (the usual case): nothing to mask
-        else:
-            keyed = np.where(self.batch_room & (need <= np.array(self.context_room, dtype=np.float64)), tbt, _INF)
-        i = int(keyed.argmin())
-        best = float(keyed[i])
-        if not best < _INF:
+        if self.full or need > self.room_floor:     # else every row has room (the usual case)
+            key = np.where(self.batch_room & (need <= np.array(self.context_room, dtype=np.float64)), key, _INF)
+        i = int(key.argmin())
+        if not float(key[i]) < _INF:
             return None
-        return i, best if keyed is tbt else float(tbt[i])
+        return DecodeRow(i, float(tbt[i]), self.batch[i] + 1, self.context_list[i] + req.num_tokens)
+
+
+class DecodeRow(NamedTuple):
+    """The decode pick over a table's rows: the row, its predicted TBT with the request added,
+    and its batch size and context tokens including the request."""
+
+    row: int
+    tbt_s: float
+    batch_size: int
+    context_tokens: int

@@ -45,6 +45,7 @@ MODULES = (
     "mooncake_lite.scheduler.block_index",
     "mooncake_lite.scheduler.scheduler",
     "mooncake_lite.scheduler.prefill_select",
+    "mooncake_lite.scheduler.rules",
     "mooncake_lite.scheduler.admission",
     "mooncake_lite.scheduler.state",
     "mooncake_lite.scheduler.queue_order",

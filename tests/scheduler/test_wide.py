@@ -64,7 +64,7 @@ def _decide_cached_and_from_scratch(rng: random.Random, world: World, config: Sc
             now = world.now
             assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
             if cluster.prefills:
-                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)[0]  # lists made when read
+                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)  # lists made when read
                 assert (rows.backlogs, rows.done_s, rows.queue_s) == \
                     tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
