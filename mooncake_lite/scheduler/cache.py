@@ -35,7 +35,8 @@ from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProf
                                               pricing_tbt, queues_at)
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill,
                                            ScheduleRequest)
-from mooncake_lite.scheduler.wide import DecodeRow, DecodeTable, PrefillTable
+from mooncake_lite.scheduler.wide import PrefillTable
+from mooncake_lite.scheduler.wide_decode import DecodeRow, DecodeTable
 
 # Beyond this many requests leaving a batch between two of its states, sorting its leave
 # profile afresh costs about what finding and removing them would.

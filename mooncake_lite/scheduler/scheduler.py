@@ -19,9 +19,6 @@ from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
 
-_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
-
-
 def _route_reason(req: ScheduleRequest, c: PrefillChoice) -> str:
     n = len(req.block_keys)
     pid = c.instance.instance_id
@@ -63,7 +60,7 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
     queues = estimates.prefill_queues(cluster.prefills, costs, now)   # read by both choices
     p = choose_prefill(req, cluster.prefills, match, config, costs, queues, rng)
     if p is None:
-        return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
+        return Decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
@@ -76,12 +73,14 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
               reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
-    """The plan made of both choices (on rejection: the best candidates found, never dispatched).
-    Every field by position, in Decision's order (binding 13 keywords costs more, per request),
-    through tuple.__new__: without the NamedTuple constructor's Python frame."""
-    return _new(Decision, (accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
-                           p.route, reject_cause, p.ttft_s, None if d is None else d.tbt_s, p.queue_s, p.prefill_s,
-                           p.transfer_s, p.reused_blocks, p.local_blocks, p.source_store_id, migration))
+    """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
+    return Decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
+                    decode_id=None if d is None else d.instance.instance_id, route=p.route,
+                    reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
+                    predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
+                    predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
+                    reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
+                    transfer_source=p.source_store_id, migration=migration)
 
 
 class Scheduler:

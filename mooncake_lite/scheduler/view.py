@@ -27,8 +27,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from itertools import compress, count, repeat
 from operator import is_
-from types import FunctionType
-from typing import Final, Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.estimate import CONTEXT_TOKENS
@@ -56,6 +55,40 @@ def context_lag_bound(shown_context_tokens: int) -> int:
     """Tokens a decode batch whose state shows ``shown_context_tokens`` in total may have
     generated (summed over its running requests) beyond what the state shows."""
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
+
+
+class Reported(NamedTuple):
+    """What a prefill instance reports about itself (registration, heartbeats)."""
+
+    store_id: Hashable
+    bandwidth_bytes_per_s: float | None
+    cost: PrefillCostModel | None
+    pack_tokens: int
+    overtakes: int
+
+
+class PricedRow(NamedTuple):
+    """What the wide prefill table writes for ``state`` (``PrefillView.row``): the model its
+    jobs are priced with, their total predicted work and the started head's (duration, start),
+    None when no job has started."""
+
+    state: PrefillInstanceState
+    model: PrefillCostModel
+    total_s: float
+    started_head: tuple[float, float] | None
+
+
+class ShownLoad(NamedTuple):
+    """A decode state and its load now (``DecodeView.load``: running + incoming), kept from the
+    view's totals: what the wide decode table reads instead of summing the tuples again."""
+
+    state: DecodeInstanceState | None
+    batch_size: int
+    context_tokens: int
+
+
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
+_NO_LOAD = ShownLoad(None, 0, 0)
 
 
 # The state a view builds. A type parameter, not a union narrowed in each view: the compiled
@@ -118,7 +151,7 @@ class PrefillView(_Shown[PrefillInstanceState]):
     def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
                  cost: PrefillCostModel | None = None, pack_tokens: int = 0, overtakes: int = 0) -> None:
         self.instance_id = instance_id
-        self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+        self._about = Reported(store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
         self._jobs: dict[str, QueuedPrefill] = {}            # execution order
         self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
         self._state = None
@@ -126,14 +159,15 @@ class PrefillView(_Shown[PrefillInstanceState]):
         self._model: PrefillCostModel | None = None     # what the jobs are priced with (None: not priced)
         self._durations: dict[str, float] = {}
         self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
-        self.row: tuple[PrefillInstanceState, PrefillCostModel, float, tuple[float, float] | None] | None = None
+        self.row: PricedRow | None = None
         self._reprice()
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
                      cost: PrefillCostModel | None, pack_tokens: int = 0, overtakes: int = 0) -> None:
         """What the instance reports about itself (registration, heartbeats)."""
-        if (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes) != self._about:
-            self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+        about = Reported(store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+        if about != self._about:
+            self._about = about
             self._reprice()
             self._stale()
 
@@ -149,8 +183,8 @@ class PrefillView(_Shown[PrefillInstanceState]):
     def _reprice(self) -> None:
         """The model the jobs are priced with, after the instance's own or the default changed:
         one job a forward only (a packing instance's queue is priced by the estimate cache)."""
-        _, _, cost, pack_tokens, _ = self._about
-        model = (cost or self._default) if pack_tokens == 0 else None
+        about = self._about
+        model = (about.cost or self._default) if about.pack_tokens == 0 else None
         if model is not self._model:
             self._model = model
             self._durations = {} if model is None else \
@@ -209,17 +243,16 @@ class PrefillView(_Shown[PrefillInstanceState]):
         if self._state is None:
             if self._queue is None:
                 self._queue = tuple(self._jobs.values())
-            store_id, bandwidth, cost, pack_tokens, overtakes = self._about
-            self._state = state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost,
-                                                       pack_tokens, overtakes)
+            about = self._about
+            self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
+                                                       about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
+                                                       about.overtakes)
             self.row = self._row(state) if self._model is not None else None
         return self._state
 
-    def _row(self, state: PrefillInstanceState) -> tuple[PrefillInstanceState, PrefillCostModel, float,
-                                                          tuple[float, float] | None] | None:
-        """What the wide prefill table writes for ``state``: (state, the model its jobs are
-        priced with, their total predicted work, the started head's (duration, start) or None);
-        None with more than one job started (the table then derives the backlog)."""
+    def _row(self, state: PrefillInstanceState) -> PricedRow | None:
+        """What the wide prefill table writes for ``state``; None with more than one job started
+        (the table then derives the backlog)."""
         queue, durations, model = state.queue, self._durations, self._model
         assert model is not None, "called only while the jobs are priced"
         total = self._total
@@ -228,33 +261,20 @@ class PrefillView(_Shown[PrefillInstanceState]):
             for i, job in enumerate(queue):
                 total = total + durations[job.request_id] if i else durations[job.request_id]
             self._total = total
-        if not queue:
-            return (state, model, total, None)
+        if not queue or queue[0].started_at is None:
+            return _new(PricedRow, (state, model, total, None))
         head = queue[0]
-        started_at = head.started_at
-        if started_at is None:
-            return (state, model, total, None)
         if len(queue) > 1 and queue[1].started_at is not None:
             return None
-        return (state, model, total, (durations[head.request_id], started_at))
+        return _new(PricedRow, (state, model, total, (durations[head.request_id], head.started_at)))
 
 
 def _position(records: tuple, record: object) -> int | None:
     """Where ``record`` itself (not an equal one) stands in ``records``; None if nowhere."""
     if record is not None:
-        if _COMPILED:       # a native loop: one pointer compare an item, no iterator objects
-            for i in range(len(records)):
-                if records[i] is record:
-                    return i
-        else:               # interpreted, the C-level chain beats a Python loop
-            for i in compress(count(), map(is_, records, repeat(record))):
-                return i
+        for i in compress(count(), map(is_, records, repeat(record))):   # C-level: no Python loop
+            return i
     return None
-
-
-# True where mypyc compiled this module (its functions are then not Python functions): the
-# plain loops that compiled code runs faster than the itertools chains the interpreter needs
-_COMPILED: Final = not isinstance(_position, FunctionType)
 
 
 class _Running:
@@ -299,9 +319,7 @@ class DecodeView(_Shown[DecodeInstanceState]):
         self._incoming_shown: tuple[IncomingRequest, ...] | None = None
         self._shown_context = 0        # the shown batch's total context
         self._incoming_context = 0     # the incoming requests' total context
-        # the state last built and its load now (running + incoming: batch, context), kept from
-        # the totals above: what the wide decode table reads instead of summing the tuples again
-        self.load: tuple[DecodeInstanceState | None, int, int] = (None, 0, 0)
+        self.load = _NO_LOAD     # the state last built and its load now, from the totals above
         self._context_lag = 0          # tokens generated beyond it
         self._is_context_stale = False   # the lag passed the bound: refresh at the next state
         self._tbt_s: float | None = None
@@ -444,7 +462,8 @@ class DecodeView(_Shown[DecodeInstanceState]):
     def state(self) -> DecodeInstanceState:
         if self._state is None:
             self._state = state = self._build()
-            self.load = (state, len(state.running) + len(state.incoming), self._shown_context + self._incoming_context)
+            self.load = _new(ShownLoad, (state, len(state.running) + len(state.incoming),
+                                         self._shown_context + self._incoming_context))
         return self._state
 
     def _build(self) -> DecodeInstanceState:

@@ -22,16 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import compress, count
 from operator import is_not
-from typing import NamedTuple
 
 import numpy as np
 
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel, prefill_seconds
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds
 from mooncake_lite.scheduler.estimate import Backlog
-from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
+from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.snapshot import Snapshot
 from mooncake_lite.scheduler.view import DecodeView, PrefillView
 
@@ -49,7 +48,7 @@ _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
 _FEW_MODELS = 8
 
 
-def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
+def changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
     """Positions whose entry is another object (None: the two differ in length). A
     ``view.Snapshot`` taken right after ``old`` says which itself (the simulator's snapshots);
     any other pair is compared entry by entry (the live conductor's)."""
@@ -100,7 +99,6 @@ class PrefillTable:
         self.multi: set[int] = set()
         self.packing: set[int] = set()   # rows whose instance packs its queue (prefill batching)
         self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
-        self.row_of: dict[Hashable, int] | None = {}     # store id -> its row, when each has one
         self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
         # id(list of stores of a PrefixMatch run) -> (that list, its stores' rows): a hot prefix's
         # holders are the same list on every request for it (block_index.PrefixMatch.runs)
@@ -110,7 +108,7 @@ class PrefillTable:
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
         """Rewrite the rows of the instances whose state changed since the last call
         (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
-        rows: Sequence[int] | None = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
+        rows: Sequence[int] | None = None if costs is not self.costs else changed_rows(prefills, self.prefills)
         old, moved = self.prefills, False
         if rows is None or not _same_ids(prefills, old, rows) \
                 or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
@@ -128,40 +126,12 @@ class PrefillTable:
             self.positions = {}
             for i, p in enumerate(prefills):
                 self.positions.setdefault(p.store_id, []).append(i)
-            one_each = all(len(rows) == 1 for rows in self.positions.values())
-            self.row_of = {store: rows[0] for store, rows in self.positions.items()} if one_each else None
         self.prefills = prefills
 
     def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
                backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog], view: PrefillView | None) -> None:
         model = p.cost or costs.prefill
-        head: tuple[float, float]
-        row = None
-        if view is not None:
-            row = view.row
-            if row is None or row[1] is not model:
-                view.price_with(costs.prefill)    # (once: it then prices its jobs as they come)
-                row = view.row
-        if row is not None and row[0] is p and row[1] is model:   # its view priced this very state
-            _, _, self.total[i], started_head = row
-            self._unbuilt.add(i)
-            if self.multi:
-                self.multi.discard(i)
-            pack = p.overtakes               # (a view prices only one job a forward)
-            head = _NO_HEAD if started_head is None else started_head
-        else:
-            b = self.backlogs[i] = backlog(p, model)
-            if self._unbuilt:
-                self._unbuilt.discard(i)
-            self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
-            started = b.started
-            num_started = len(started)
-            if num_started > 1:
-                self.multi.add(i)
-            elif self.multi:                     # (the sets are empty on most clusters: no call)
-                self.multi.discard(i)
-            pack = b.pack_tokens or p.overtakes
-            head = started[0] if num_started == 1 else _NO_HEAD
+        pack, head = self._write_work(i, p, model, costs, backlog, view)
         if pack:     # packed, or shortest-first order: priced where it lands, in the loop
             self.packing.add(i)
         elif self.packing:
@@ -184,6 +154,37 @@ class PrefillTable:
                 self.odd_bw.discard(i)
             else:
                 self.odd_bw.add(i)
+
+    def _write_work(self, i: int, p: PrefillInstanceState, model: PrefillCostModel, costs: CostModels,
+                    backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog],
+                    view: PrefillView | None) -> tuple[int, tuple[float, float]]:
+        """Row i's queued work (its total, and whether more than one job started): from its view's
+        own pricing of this very state, else from its backlog. Returns (whether the instance
+        packs or serves shortest first, its started head's (duration, start))."""
+        row = None
+        if view is not None:
+            row = view.row
+            if row is None or row.model is not model:
+                view.price_with(costs.prefill)    # (once: it then prices its jobs as they come)
+                row = view.row
+        if row is not None and row.state is p and row.model is model:   # its view priced this very state
+            self.total[i] = row.total_s
+            self._unbuilt.add(i)
+            if self.multi:
+                self.multi.discard(i)
+            # (a view prices only one job a forward)
+            return p.overtakes, _NO_HEAD if row.started_head is None else row.started_head
+        b = self.backlogs[i] = backlog(p, model)
+        if self._unbuilt:
+            self._unbuilt.discard(i)
+        self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
+        started = b.started
+        num_started = len(started)
+        if num_started > 1:
+            self.multi.add(i)
+        elif self.multi:                     # (the sets are empty on most clusters: no call)
+            self.multi.discard(i)
+        return b.pack_tokens or p.overtakes, started[0] if num_started == 1 else _NO_HEAD
 
     def row_backlogs(self) -> list[Backlog]:
         """Every row's backlog, those of rows written from a view's row derived now (through the
@@ -364,114 +365,3 @@ def _held_runs(table: PrefillTable, match: PrefixMatch) -> Iterator[tuple[int, n
     for local, held in by_length.items():
         if held:
             yield local, np.array(held, dtype=np.intp)
-
-
-class DecodeTable:
-    """Per decode instance: the parts of its predicted TBT with one more request that do not
-    depend on the request (``c0 + c1·(batch + 1)``), its context and context coefficient,
-    whether its batch has room, and its context room (+inf where unlimited)."""
-
-    def __init__(self) -> None:
-        self.decodes: Sequence[DecodeInstanceState] = ()
-        self.default: DecodeCostModel | None = None
-        self._resize(0)
-
-    def _resize(self, n: int) -> None:
-        # batch, a copy of context and the context room are Python lists: read for the chosen
-        # row, or only when a request may not fit (an array's item costs more to write)
-        self.batch: list[int] = [0] * n
-        self.context = np.zeros(n, dtype=np.int64)
-        self.context_list: list[int] = [0] * n
-        self.base, self.c2 = np.zeros(n), np.zeros(n)
-        self.context_room: list[float] = [0.0] * n
-        self.batch_room = np.zeros(n, dtype=bool)
-        # c2 and batch_room as last written, as Python values: most writes change neither
-        self._row_c2: list[float | None] = [None] * n
-        self._row_room: list[bool | None] = [None] * n
-        # what each row was last written from: a request joining its batch (its KV arrived)
-        # moves it from incoming to running, a new state with the same load, so nothing to write
-        self._row_from: list[tuple | None] = [None] * n
-        # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
-        # any, the clamp at 0 changes nothing and is skipped
-        self.may_clamp: set[int] = set()
-        self.full: set[int] = set()     # rows whose batch has no room
-        # at most the smallest context room (lowered as rows are written, made exact again only
-        # when a request needs more): a request within it fits every row without a min over them
-        self.room_floor = _INF
-
-    def update(self, decodes: Sequence[DecodeInstanceState], default: DecodeCostModel,
-               load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
-        """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
-        through the cache; a snapshot's own view's load, kept at its events, where it is of
-        this very state)."""
-        rows: Sequence[int] | None = None if default is not self.default else _changed_rows(decodes, self.decodes)
-        if rows is None:
-            self._resize(len(decodes))
-            rows, self.default = range(len(decodes)), default
-        views = decodes.views if isinstance(decodes, Snapshot) else _NO_VIEWS
-        for i in rows:
-            d = decodes[i]
-            view = views[i] if views else None
-            if isinstance(view, DecodeView) and view.load[0] is d:
-                _, batch, context = view.load
-            else:
-                batch, context = load(d)
-            model = d.cost or default
-            written = (batch, context, model, d.max_batch_size, d.max_context_tokens)
-            if written == self._row_from[i]:
-                continue
-            self._row_from[i] = written
-            self.batch[i], self.context[i], self.context_list[i] = batch, context, context
-            self.base[i] = base = model.c0 + model.c1 * (batch + 1)
-            c2 = model.c2
-            if self._row_c2[i] != c2:      # the row's model changed (rare): else c2 is written
-                self._row_c2[i] = self.c2[i] = c2
-            if not (base > 0.0 and c2 >= 0.0 and context >= 0):
-                self.may_clamp.add(i)
-            elif self.may_clamp:
-                self.may_clamp.discard(i)
-            room = rules.decode_has_room(d.max_batch_size, None, batch, context, 0)
-            if room is not self._row_room[i]:
-                self._row_room[i] = self.batch_room[i] = room
-                if room:
-                    self.full.discard(i)
-                else:
-                    self.full.add(i)
-            if d.max_context_tokens is not None:
-                self.context_room[i] = left = d.max_context_tokens - context
-                self.room_floor = left if left < self.room_floor else self.room_floor
-            else:
-                self.context_room[i] = _INF
-        self.decodes = decodes
-
-    def choose_now(self, req: ScheduleRequest) -> DecodeRow | None:
-        """The decode pick (scheduler/rules.py: the smallest TBT of the rows with room) on the
-        loads now, or None when the loop must decide (no row with room, or only infinite TBTs,
-        where the loop's first-eligible rule applies). The TBT is ``DecodeCostModel.predict`` with the request
-        added, its request-free part (``base``) kept per row; the room is
-        :func:`rules.decode_has_room` with ``context + need <= max_context`` asked as
-        ``need <= max_context - context`` (integers: exact either way)."""
-        tbt = self.c2 * (self.context + req.num_tokens)
-        tbt += self.base                  # in place: base + x is x + base
-        if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
-            tbt = np.where(tbt > 0.0, tbt, 0.0)
-        key = tbt
-        need = req.num_tokens + req.max_output_tokens
-        if need > self.room_floor:
-            self.room_floor = min(self.context_room)
-        if self.full or need > self.room_floor:     # else every row has room (the usual case)
-            key = np.where(self.batch_room & (need <= np.array(self.context_room, dtype=np.float64)), key, _INF)
-        i = int(key.argmin())
-        if not float(key[i]) < _INF:
-            return None
-        return DecodeRow(i, float(tbt[i]), self.batch[i] + 1, self.context_list[i] + req.num_tokens)
-
-
-class DecodeRow(NamedTuple):
-    """The decode pick over a table's rows: the row, its predicted TBT with the request added,
-    and its batch size and context tokens including the request."""
-
-    row: int
-    tbt_s: float
-    batch_size: int
-    context_tokens: int

@@ -38,6 +38,7 @@ MODULES = (
     "mooncake_lite.trace.format",
     "mooncake_lite.store.eviction",
     "mooncake_lite.scheduler.wide",
+    "mooncake_lite.scheduler.wide_decode",
     "mooncake_lite.scheduler.view",
     "mooncake_lite.scheduler.cache",
     "mooncake_lite.scheduler.estimate",

@@ -175,5 +175,5 @@ def test_state_tuple_rebuilds_only_what_changed_and_equals_every_state():
             # what the tables read: the rows the snapshot names are exactly those an identity
             # scan finds, and a snapshot links only to the one before it
             scanned = [j for j, (old, new) in enumerate(zip(before, after)) if old is not new]
-            assert sorted(wide._changed_rows(after, before)) == scanned
+            assert sorted(wide.changed_rows(after, before)) == scanned
             assert after is before or (after.previous is before and before.previous is None)
