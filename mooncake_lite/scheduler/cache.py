@@ -33,6 +33,7 @@ from mooncake_lite.scheduler import wide
 from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProfile, Queues, backlog_from, backlog_of,
                                               decode_load_now, durations_of, leave_profile_of, leave_time,
                                               pricing_tbt, queues_at)
+from mooncake_lite.scheduler.snapshot import StateTuple
 from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill,
                                            ScheduleRequest)
 from mooncake_lite.scheduler.wide import PrefillTable
@@ -62,6 +63,9 @@ class Estimates(Protocol):
     def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
                        uniform_decode_s: float | None) -> list[LeaveProfile]: ...
 
+    def follow(self, prefills: StateTuple, decodes: StateTuple) -> None:
+        """Snapshots to read what changed from (snapshot.py), where the estimates keep rows."""
+
 
 class FromScratch:
     """Every value derived anew, on every call."""
@@ -84,6 +88,10 @@ class FromScratch:
         return list(map(decode_load_now, decodes))
 
     @staticmethod
+    def follow(prefills: StateTuple, decodes: StateTuple) -> None:
+        return None     # nothing kept between decisions
+
+    @staticmethod
     def leave_profiles(decodes: Sequence[DecodeInstanceState], costs: CostModels,
                        uniform_decode_s: float | None) -> list[LeaveProfile]:
         return [leave_profile_of(d, d.cost or costs.decode, uniform_decode_s) for d in decodes]
@@ -103,6 +111,12 @@ class EstimateCache:
         self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
         self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
         self._prefill_table, self._decode_table = PrefillTable(), DecodeTable()
+        self._followed: tuple[StateTuple, StateTuple] | None = None
+
+    def follow(self, prefills: StateTuple, decodes: StateTuple) -> None:
+        """Read what changed between decisions from these state tuples' snapshots (the
+        simulator's) when a decision's states are theirs, instead of comparing every entry."""
+        self._followed = (prefills, decodes)
 
     def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]:
         kept, out, default = self._backlogs, [], costs.prefill
@@ -171,12 +185,14 @@ class EstimateCache:
 
     def prefill_table(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> PrefillTable:
         """The rows of ``prefills`` (their backlogs kept as :meth:`backlogs` keeps them)."""
-        self._prefill_table.update(prefills, costs, self._backlog)
+        snapshot = self._followed[0].last if self._followed is not None else None
+        self._prefill_table.update(prefills, costs, self._backlog, snapshot)
         return self._prefill_table
 
     def decode_table(self, decodes: Sequence[DecodeInstanceState], costs: CostModels) -> DecodeTable:
         """The rows of ``decodes`` with their loads now (kept as :meth:`loads_now` keeps them)."""
-        self._decode_table.update(decodes, costs.decode, self._load)
+        snapshot = self._followed[1].last if self._followed is not None else None
+        self._decode_table.update(decodes, costs.decode, self._load, snapshot)
         return self._decode_table
 
     def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,

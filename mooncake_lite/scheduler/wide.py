@@ -31,8 +31,8 @@ from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
-from mooncake_lite.scheduler.snapshot import Snapshot
-from mooncake_lite.scheduler.view import DecodeView, PrefillView
+from mooncake_lite.scheduler.snapshot import Shown, Snapshot
+from mooncake_lite.scheduler.prefill_view import PrefillView
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
 # at 48 the arrays do; tests set it to 1).
@@ -40,7 +40,7 @@ WIDE_MIN_INSTANCES = 48
 
 _INF = float("inf")
 _NO_HEAD = (0.0, _INF)      # a queue with no started job (or several: costed in Python)
-_NO_VIEWS: list[PrefillView | DecodeView] = []
+_NO_VIEWS: list[Shown] = []
 # What a row holds between a resize and its write (update writes every row right after a
 # resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
 _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
@@ -48,14 +48,14 @@ _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
 _FEW_MODELS = 8
 
 
-def changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
-    """Positions whose entry is another object (None: the two differ in length). A
-    ``view.Snapshot`` taken right after ``old`` says which itself (the simulator's snapshots);
-    any other pair is compared entry by entry (the live conductor's)."""
+def changed_rows(new: Sequence, old: Sequence, snapshot: Snapshot | None = None) -> list[int] | None:
+    """Positions whose entry is another object (None: the two differ in length). The
+    ``snapshot`` of ``new`` taken right after ``old`` says which itself (the simulator's
+    snapshots); any other pair is compared entry by entry (the live conductor's)."""
     if new is old:
         return []
-    if isinstance(new, Snapshot) and new.previous is old:
-        return new.changed
+    if snapshot is not None and snapshot.states is new and snapshot.previous is old:
+        return snapshot.changed
     if len(new) != len(old):
         return None
     return list(compress(count(), map(is_not, new, old)))
@@ -105,17 +105,20 @@ class PrefillTable:
         self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
 
     def update(self, prefills: Sequence[PrefillInstanceState], costs: CostModels,
-               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog],
+               snapshot: Snapshot | None = None) -> None:
         """Rewrite the rows of the instances whose state changed since the last call
-        (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
-        rows: Sequence[int] | None = None if costs is not self.costs else changed_rows(prefills, self.prefills)
+        (``backlog(p, model)`` derives one instance's backlog, through the cache; ``snapshot``:
+        the one ``prefills`` may be the states of, naming the rows that changed and the views)."""
+        rows: Sequence[int] | None = None if costs is not self.costs \
+            else changed_rows(prefills, self.prefills, snapshot)
         old, moved = self.prefills, False
         if rows is None or not _same_ids(prefills, old, rows) \
                 or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
             self._resize(len(prefills))
             rows, moved, self.costs = range(len(prefills)), True, costs
         self._backlog = backlog
-        views = prefills.views if isinstance(prefills, Snapshot) else _NO_VIEWS
+        views = snapshot.views if snapshot is not None and snapshot.states is prefills else _NO_VIEWS
         for i in rows:
             p = prefills[i]
             moved = moved or old[i].store_id != p.store_id

@@ -11,13 +11,13 @@ import numpy as np
 
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.costs import DecodeCostModel
-from mooncake_lite.scheduler.snapshot import Snapshot
+from mooncake_lite.scheduler.snapshot import Shown, Snapshot
 from mooncake_lite.scheduler.state import DecodeInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.view import DecodeView
 from mooncake_lite.scheduler.wide import changed_rows
 
 _INF = float("inf")
-_NO_VIEWS: list[DecodeView] = []
+_NO_VIEWS: list[Shown] = []
 
 
 class DecodeTable:
@@ -54,15 +54,16 @@ class DecodeTable:
         self.room_floor = _INF
 
     def update(self, decodes: Sequence[DecodeInstanceState], default: DecodeCostModel,
-               load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
+               load: Callable[[DecodeInstanceState], tuple[int, int]], snapshot: Snapshot | None = None) -> None:
         """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
         through the cache; a snapshot's own view's load, kept at its events, where it is of
-        this very state)."""
-        rows: Sequence[int] | None = None if default is not self.default else changed_rows(decodes, self.decodes)
+        this very state; ``snapshot``: the one ``decodes`` may be the states of)."""
+        rows: Sequence[int] | None = None if default is not self.default \
+            else changed_rows(decodes, self.decodes, snapshot)
         if rows is None:
             self._resize(len(decodes))
             rows, self.default = range(len(decodes)), default
-        views = decodes.views if isinstance(decodes, Snapshot) else _NO_VIEWS
+        views = snapshot.views if snapshot is not None and snapshot.states is decodes else _NO_VIEWS
         for i in rows:
             d = decodes[i]
             view = views[i] if views else None

@@ -25,7 +25,7 @@ from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
-from mooncake_lite.scheduler.view import StateTuple
+from mooncake_lite.scheduler.snapshot import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
@@ -69,6 +69,7 @@ class MooncakeSim(TraceDriver):
         self.tbt_slo_s: float = tbt_slo
         # a snapshot rebuilds only the entries of the instances whose view changed
         self._states = (StateTuple(p.view for p in self.prefills), StateTuple(d.view for d in self.decodes))
+        self.scheduler.cache.follow(*self._states)
         self.recorder = Recorder(self, cfg.sample_interval_s)
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
         self.max_tokens_policy = MaxTokensPolicy.parse(cfg.max_tokens_policy)

@@ -17,7 +17,7 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, Decod
                                      ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler import wide
 from mooncake_lite.scheduler.estimate import queues_at
-from mooncake_lite.scheduler.view import StateTuple
+from mooncake_lite.scheduler.snapshot import StateTuple
 
 from tests.scheduler.test_estimate_cache import BS, COSTS, OPS, World, _index
 
@@ -176,4 +176,6 @@ def test_state_tuple_rebuilds_only_what_changed_and_equals_every_state():
             # scan finds, and a snapshot links only to the one before it
             scanned = [j for j, (old, new) in enumerate(zip(before, after)) if old is not new]
             assert sorted(wide.changed_rows(after, before)) == scanned
-            assert after is before or (after.previous is before and before.previous is None)
+        for st, before, after in ((pt, before_p, after_p), (dt, before_d, after_d)):
+            assert after is before or st.last.previous is before
+            assert sorted(wide.changed_rows(after, before, st.last)) == sorted(wide.changed_rows(after, before))
