@@ -134,27 +134,32 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     request's size is an argument of both, so there is nothing to precompute per instance."""
     if cfg.admission == "none":
         return None
+    alone: float | None = None
     limit = cfg.ttft_slo_s
     if limit is None:
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
-        if p.ttft_s > limit:
-            return "ttft", (f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s "
-                            f"({cfg.ttft_slo_factor:g}x the {alone:.3g}s of this prompt alone on "
-                            f"{p.instance.instance_id})")
-    elif p.ttft_s > limit:
-        return "ttft", f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s"
+    if p.ttft_s > limit:
+        return "ttft", _refusal("TTFT", p.ttft_s, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
+                                p.instance.instance_id)
+    alone = None
     limit = cfg.tbt_slo_s
     if limit is None:
         alone = (d.instance.cost or costs.decode).predict(1, req.num_tokens)
         limit = cfg.tbt_slo_factor * alone
-        if d.tbt_s > limit:
-            return "tbt", (f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s "
-                           f"({cfg.tbt_slo_factor:g}x the {alone:.3g}s step of this request alone on "
-                           f"{d.instance.instance_id})")
-    elif d.tbt_s > limit:
-        return "tbt", f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s"
+    if d.tbt_s > limit:
+        return "tbt", _refusal("TBT", d.tbt_s, limit, cfg.tbt_slo_factor, alone, " step", "this request alone",
+                               d.instance.instance_id)
     return None
+
+
+def _refusal(metric: str, predicted_s: float, limit_s: float, factor: float, alone_s: float | None, unit: str,
+             what: str, instance_id: str) -> str:
+    """Why admission refused: the predicted time over the limit (a relative one: of what alone)."""
+    why = f"rejected: predicted {metric} {predicted_s:.3g}s > SLO {limit_s:.3g}s"
+    if alone_s is None:
+        return why
+    return f"{why} ({factor:g}x the {alone_s:.3g}s{unit} of {what} on {instance_id})"
 
 
 def slo_limits(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill: PrefillCostModel | None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
 
@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
-# One model's coefficient and token counts, or numpy rows of them (scheduler/wide.py).
-Coefficient = TypeVar("Coefficient", float, np.ndarray)
-Tokens = TypeVar("Tokens", int, np.ndarray)
 
 
 class _Coefficients:
@@ -99,8 +96,17 @@ class PrefillCostModel(_Coefficients):
         return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
 
 
-def prefill_seconds(c0: Coefficient, c1: Coefficient, c2: Coefficient, c3: Coefficient, new_tokens: Tokens,
-                    prefix_tokens: Tokens) -> Coefficient:
+@overload
+def prefill_seconds(c0: float, c1: float, c2: float, c3: float, new_tokens: int, prefix_tokens: int) -> float: ...
+
+
+@overload     # numpy rows (scheduler/wide.py)
+def prefill_seconds(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray, new_tokens: int | np.ndarray,
+                    prefix_tokens: int | np.ndarray) -> np.ndarray: ...
+
+
+def prefill_seconds(c0: float | np.ndarray, c1: float | np.ndarray, c2: float | np.ndarray, c3: float | np.ndarray,
+                    new_tokens: int | np.ndarray, prefix_tokens: int | np.ndarray) -> float | np.ndarray:
     """The prefill formula, once (:class:`PrefillCostModel`; the clamps are its callers'): for one
     model's coefficients and counts, or numpy rows of them (scheduler/wide.py) — the same
     IEEE-754 operations in the same order either way."""
