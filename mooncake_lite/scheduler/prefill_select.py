@@ -97,12 +97,13 @@ def choose_prefill(req: ScheduleRequest, prefills: Sequence[PrefillInstanceState
     (``wide.RowQueues.kvcache_row``: the same rules, the same choice)."""
     if not prefills:
         return None
-    packing = queues.packing or any(map(_OVERTAKES, prefills))
-    if cfg.strategy == "kvcache-centric" and not packing:
+    packs = queues.packing      # (rows: an instance packs or serves shortest first)
+    if cfg.strategy == "kvcache-centric" and not packs:
         hit = queues.kvcache_row(req, match, cfg, costs)
         if hit is not None:     # the row's queue time is the array's double, as in the list below
             i, local, fetch = hit
             return _option(req, prefills[i], queues.queue_at(i), local, match, fetch, cfg, costs)
+    packing = packs or any(map(_OVERTAKES, prefills))
     queue_times = queues.queue_s
     backlogs = queues.backlogs if packing else None
     if cfg.strategy == "random":

@@ -12,7 +12,7 @@ entry (``wide.changed_rows``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
 
@@ -38,15 +38,18 @@ class Shown(Generic[S]):
             watch[0].add(watch[1])
 
 
-class Snapshot(NamedTuple):
+class Snapshot:
     """The states of a :class:`StateTuple`'s views at one time (``states``: what a
     ``ClusterState`` holds), the views, and the rows whose state is another object than in
-    ``previous`` (the states of the snapshot before; None for the first)."""
+    ``previous`` (the states of the snapshot before; None for the first). Not changed once made."""
 
-    states: tuple
-    views: list[Shown]
-    previous: tuple | None
-    changed: list[int]
+    __slots__ = ("states", "views", "previous", "changed")
+
+    def __init__(self, states: tuple, views: list[Shown], previous: tuple | None, changed: list[int]) -> None:
+        self.states = states
+        self.views = views
+        self.previous = previous
+        self.changed = changed
 
 
 class StateTuple(Generic[S]):

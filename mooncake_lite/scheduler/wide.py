@@ -285,6 +285,8 @@ class RowQueues:
 
     @property
     def packing(self) -> bool:
+        """Whether an instance packs its queue or serves it shortest first (either is priced
+        where the request lands, by the loop)."""
         return bool(self._table.packing)
 
     def queue_at(self, i: int) -> float:

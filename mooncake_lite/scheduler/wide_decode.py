@@ -17,6 +17,7 @@ from mooncake_lite.scheduler.view import DecodeView
 from mooncake_lite.scheduler.wide import changed_rows
 
 _INF = float("inf")
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 _NO_VIEWS: list[Shown] = []
 
 
@@ -123,7 +124,7 @@ class DecodeTable:
         i = int(key.argmin())
         if not float(key[i]) < _INF:
             return None
-        return DecodeRow(i, float(tbt[i]), self.batch[i] + 1, self.context_list[i] + req.num_tokens)
+        return _new(DecodeRow, (i, float(tbt[i]), self.batch[i] + 1, self.context_list[i] + req.num_tokens))
 
 
 class DecodeRow(NamedTuple):
