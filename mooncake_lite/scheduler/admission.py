@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
@@ -23,6 +24,8 @@ from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tb
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
+
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
 
 class DecodeChoice(NamedTuple):
@@ -37,13 +40,19 @@ class DecodeChoice(NamedTuple):
 def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerConfig,
                   costs: CostModels, now: float, ttft_s: float, rng: random.Random | None,
                   queues: Queues | None = None, cache: Estimates | None = None) -> DecodeChoice | None:
-    """SelectDecodingInstance: the eligible instance with the smallest predicted TBT after
-    adding ``req`` (ties: earliest in ``cluster.decodes``); with strategy ``random`` a random
-    eligible one. None when no instance has room. ``queues`` (the backlogs of
-    ``cluster.prefills`` at ``now``) saves recomputing them when the caller has them; ``cache``
-    (None: from scratch) keeps what is derived per instance between decisions."""
+    """SelectDecodingInstance: of the instances with room (:func:`rules.decode_has_room`), the
+    smallest predicted TBT after adding ``req`` (ties: earliest in ``cluster.decodes``); with
+    strategy ``random`` a random eligible one. None when no instance has room. ``queues`` (the
+    backlogs of ``cluster.prefills`` at ``now``) saves recomputing them when the caller has
+    them; ``cache`` (None: from scratch) keeps what is derived per instance between decisions,
+    and on a wide cluster picks over its rows (the same rule, the same choice)."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
-    loads = _loads(cluster, cfg, costs, now, ttft_s, queues, cache)
+    estimates = cache or FROM_SCRATCH
+    if cfg.strategy != "random" and cfg.admission != "predictive":
+        row = estimates.decode_rows_now(decodes, costs, req)
+        if row is not None:
+            return _new(DecodeChoice, (decodes[row.row], row.tbt_s, row.batch_size, row.context_tokens))
+    loads = _loads(cluster, cfg, costs, now, ttft_s, queues, estimates)
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
@@ -54,24 +63,22 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
     best, best_tbt, need, default = None, float("inf"), num_tokens + max_output, costs.decode
-    # One pass, one cost call per instance (decode_has_room and decode_tbt written out): this
-    # runs per decode instance per request.
-    for d, (batch, context) in zip(decodes, loads):
-        if (d.max_batch_size is None or batch < d.max_batch_size) and \
-                (d.max_context_tokens is None or context + need <= d.max_context_tokens):
+    has_room = rules.decode_has_room
+    for d, (batch, context) in zip(decodes, loads):     # one cost call per instance with room
+        if has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
             tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
             if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
                 best, best_tbt, best_load = d, tbt, (batch, context)
     if best is None:
         return None
-    return DecodeChoice(best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens)
+    return _new(DecodeChoice, (best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens))
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
-           queues: Queues | None, cache: Estimates | None) -> list[tuple[int, int]]:
+           queues: Queues | None, estimates: Estimates) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) before adding the request: the load
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
-    decodes, estimates = cluster.decodes, cache or FROM_SCRATCH
+    decodes = cluster.decodes
     if cfg.admission == "predictive":
         t = now + ttft_s
         late = set()
@@ -127,27 +134,32 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     request's size is an argument of both, so there is nothing to precompute per instance."""
     if cfg.admission == "none":
         return None
+    alone: float | None = None
     limit = cfg.ttft_slo_s
     if limit is None:
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
-        if p.ttft_s > limit:
-            return "ttft", (f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s "
-                            f"({cfg.ttft_slo_factor:g}x the {alone:.3g}s of this prompt alone on "
-                            f"{p.instance.instance_id})")
-    elif p.ttft_s > limit:
-        return "ttft", f"rejected: predicted TTFT {p.ttft_s:.3g}s > SLO {limit:.3g}s"
+    if p.ttft_s > limit:
+        return "ttft", _refusal("TTFT", p.ttft_s, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
+                                p.instance.instance_id)
+    alone = None
     limit = cfg.tbt_slo_s
     if limit is None:
         alone = (d.instance.cost or costs.decode).predict(1, req.num_tokens)
         limit = cfg.tbt_slo_factor * alone
-        if d.tbt_s > limit:
-            return "tbt", (f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s "
-                           f"({cfg.tbt_slo_factor:g}x the {alone:.3g}s step of this request alone on "
-                           f"{d.instance.instance_id})")
-    elif d.tbt_s > limit:
-        return "tbt", f"rejected: predicted TBT {d.tbt_s:.3g}s > SLO {limit:.3g}s"
+    if d.tbt_s > limit:
+        return "tbt", _refusal("TBT", d.tbt_s, limit, cfg.tbt_slo_factor, alone, " step", "this request alone",
+                               d.instance.instance_id)
     return None
+
+
+def _refusal(metric: str, predicted_s: float, limit_s: float, factor: float, alone_s: float | None, unit: str,
+             what: str, instance_id: str) -> str:
+    """Why admission refused: the predicted time over the limit (a relative one: of what alone)."""
+    why = f"rejected: predicted {metric} {predicted_s:.3g}s > SLO {limit_s:.3g}s"
+    if alone_s is None:
+        return why
+    return f"{why} ({factor:g}x the {alone_s:.3g}s{unit} of {what} on {instance_id})"
 
 
 def slo_limits(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill: PrefillCostModel | None,

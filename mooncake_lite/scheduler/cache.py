@@ -29,11 +29,15 @@ from operator import is_not
 from typing import Protocol
 
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProfile, backlog_from, backlog_of,
+from mooncake_lite.scheduler import wide
+from mooncake_lite.scheduler.estimate import (CONTEXT_TOKENS, Backlog, LeaveProfile, Queues, backlog_from, backlog_of,
                                               decode_load_now, durations_of, leave_profile_of, leave_time,
-                                              pricing_tbt)
-from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
-from mooncake_lite.scheduler.wide import DecodeTable, PrefillTable
+                                              pricing_tbt, queues_at)
+from mooncake_lite.scheduler.snapshot import StateTuple
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill,
+                                           ScheduleRequest)
+from mooncake_lite.scheduler.wide import PrefillTable
+from mooncake_lite.scheduler.wide_decode import DecodeRow, DecodeTable
 
 # Beyond this many requests leaving a batch between two of its states, sorting its leave
 # profile afresh costs about what finding and removing them would.
@@ -46,10 +50,21 @@ class Estimates(Protocol):
 
     def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]: ...
 
+    def prefill_queues(self, prefills: Sequence[PrefillInstanceState], costs: CostModels, now: float) -> Queues:
+        """Every prefill's backlog at ``now`` (read by both choices)."""
+
+    def decode_rows_now(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                        req: ScheduleRequest) -> DecodeRow | None:
+        """The decode pick on the loads now over rows of arrays (a wide cluster), or None: the
+        per-instance loop decides."""
+
     def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]: ...
 
     def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
                        uniform_decode_s: float | None) -> list[LeaveProfile]: ...
+
+    def follow(self, prefills: StateTuple, decodes: StateTuple) -> None:
+        """Snapshots to read what changed from (snapshot.py), where the estimates keep rows."""
 
 
 class FromScratch:
@@ -60,8 +75,21 @@ class FromScratch:
         return [backlog_of(p, p.cost or costs.prefill) for p in prefills]
 
     @staticmethod
+    def prefill_queues(prefills: Sequence[PrefillInstanceState], costs: CostModels, now: float) -> Queues:
+        return queues_at(FromScratch.backlogs(prefills, costs), now)
+
+    @staticmethod
+    def decode_rows_now(decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                        req: ScheduleRequest) -> DecodeRow | None:
+        return None
+
+    @staticmethod
     def loads_now(decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:
         return list(map(decode_load_now, decodes))
+
+    @staticmethod
+    def follow(prefills: StateTuple, decodes: StateTuple) -> None:
+        return None     # nothing kept between decisions
 
     @staticmethod
     def leave_profiles(decodes: Sequence[DecodeInstanceState], costs: CostModels,
@@ -83,6 +111,12 @@ class EstimateCache:
         self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
         self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
         self._prefill_table, self._decode_table = PrefillTable(), DecodeTable()
+        self._followed: tuple[StateTuple, StateTuple] | None = None
+
+    def follow(self, prefills: StateTuple, decodes: StateTuple) -> None:
+        """Read what changed between decisions from these state tuples' snapshots (the
+        simulator's) when a decision's states are theirs, instead of comparing every entry."""
+        self._followed = (prefills, decodes)
 
     def backlogs(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> list[Backlog]:
         kept, out, default = self._backlogs, [], costs.prefill
@@ -137,14 +171,28 @@ class EstimateCache:
         return load
 
     # ---- wide clusters: the same values as rows of arrays (scheduler/wide.py) ------------------
-    def prefill_table(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels) -> PrefillTable:
+    def prefill_queues(self, prefills: Sequence[PrefillInstanceState], costs: CostModels, now: float) -> Queues:
+        """As rows of arrays from :data:`wide.WIDE_MIN_INSTANCES` instances on, else as lists."""
+        if len(prefills) >= wide.WIDE_MIN_INSTANCES:
+            return self.prefill_table(prefills, costs).queues_at(now)
+        return queues_at(self.backlogs(prefills, costs), now)
+
+    def decode_rows_now(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
+                        req: ScheduleRequest) -> DecodeRow | None:
+        if len(decodes) < wide.WIDE_MIN_INSTANCES:
+            return None
+        return self.decode_table(decodes, costs).choose_now(req)
+
+    def prefill_table(self, prefills: Sequence[PrefillInstanceState], costs: CostModels) -> PrefillTable:
         """The rows of ``prefills`` (their backlogs kept as :meth:`backlogs` keeps them)."""
-        self._prefill_table.update(prefills, costs, self._backlog)
+        snapshot = self._followed[0].last if self._followed is not None else None
+        self._prefill_table.update(prefills, costs, self._backlog, snapshot)
         return self._prefill_table
 
-    def decode_table(self, decodes: tuple[DecodeInstanceState, ...], costs: CostModels) -> DecodeTable:
+    def decode_table(self, decodes: Sequence[DecodeInstanceState], costs: CostModels) -> DecodeTable:
         """The rows of ``decodes`` with their loads now (kept as :meth:`loads_now` keeps them)."""
-        self._decode_table.update(decodes, costs.decode, self._load)
+        snapshot = self._followed[1].last if self._followed is not None else None
+        self._decode_table.update(decodes, costs.decode, self._load, snapshot)
         return self._decode_table
 
     def leave_profiles(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
 
@@ -82,8 +82,7 @@ class PrefillCostModel(_Coefficients):
         p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
         if p < 0:
             p = 0
-        n = num_tokens - p
-        t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
+        t = prefill_seconds(self.c0, self.c1, self.c2, self.c3, num_tokens - p, p)
         return t if t > 0.0 else 0.0
 
     @classmethod
@@ -95,6 +94,23 @@ class PrefillCostModel(_Coefficients):
             rows.append([1.0, n, n * (prefix + n), prefix])
             ys.append(seconds)
         return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
+
+
+@overload
+def prefill_seconds(c0: float, c1: float, c2: float, c3: float, new_tokens: int, prefix_tokens: int) -> float: ...
+
+
+@overload     # numpy rows (scheduler/wide.py)
+def prefill_seconds(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray, new_tokens: int | np.ndarray,
+                    prefix_tokens: int | np.ndarray) -> np.ndarray: ...
+
+
+def prefill_seconds(c0: float | np.ndarray, c1: float | np.ndarray, c2: float | np.ndarray, c3: float | np.ndarray,
+                    new_tokens: int | np.ndarray, prefix_tokens: int | np.ndarray) -> float | np.ndarray:
+    """The prefill formula, once (:class:`PrefillCostModel`; the clamps are its callers'): for one
+    model's coefficients and counts, or numpy rows of them (scheduler/wide.py) — the same
+    IEEE-754 operations in the same order either way."""
+    return c0 + c1 * new_tokens + c2 * new_tokens * (prefix_tokens + new_tokens) + c3 * prefix_tokens
 
 
 def pack_sizes(uncached_tokens: Sequence[int], limit: int) -> list[int]:

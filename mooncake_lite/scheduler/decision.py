@@ -27,9 +27,10 @@ class Migration:
 
 
 class Decision(NamedTuple):
-    """The scheduler's answer for one request (immutable; a NamedTuple rather than a frozen
-    dataclass because one is built per request and a frozen dataclass sets its 17 fields one
-    ``object.__setattr__`` call at a time — a few µs of every decision).
+    """The scheduler's answer for one request, built by keyword (immutable; a NamedTuple rather
+    than a frozen dataclass because one is built per request and a frozen dataclass sets its 15
+    fields one ``object.__setattr__`` call at a time: measured, 6.0 µs against 2.2 µs here on a
+    loaded 2-vCPU box; 0.35 µs by position through ``tuple.__new__``, which the keywords cost).
 
     On rejection ``accepted`` is False, ``reject_cause`` says why, and ``prefill_id``/``decode_id``
     still name the best candidates found (for logs and statistics) — never dispatch them.

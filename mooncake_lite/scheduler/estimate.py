@@ -17,9 +17,13 @@ from math import inf
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
+from mooncake_lite.scheduler import rules
+from mooncake_lite.scheduler.block_index import PrefixMatch
+from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.packing import NO_TAIL, packed_queue
-from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill,
+                                           ScheduleRequest)
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 CONTEXT_TOKENS = attrgetter("context_tokens")
@@ -28,6 +32,7 @@ CONTEXT_TOKENS = attrgetter("context_tokens")
 # (~0.4 µs, ~7 records a simulated request).
 _new = tuple.__new__
 _REQUEST_ID = attrgetter("request_id")
+_PACK_TOKENS = attrgetter("pack_tokens")
 
 
 def prefill_model(p: PrefillInstanceState, costs: CostModels) -> PrefillCostModel:
@@ -89,10 +94,22 @@ class QueuesAt(NamedTuple):
     done_s: list[float]
     queue_s: list[float]
 
+    @property
+    def packing(self) -> bool:
+        return any(map(_PACK_TOKENS, self.backlogs))
+
+    def queue_at(self, i: int) -> float:
+        return self.queue_s[i]
+
+    def kvcache_row(self, req: ScheduleRequest, match: PrefixMatch, cfg: SchedulerConfig,
+                    costs: CostModels) -> tuple[int, int, bool] | None:
+        return None     # no rows: the loop decides
+
 
 class Queues(Protocol):
     """What a decision reads of every prefill's backlog at ``now``: a :class:`QueuesAt`, or the
-    wide table's ``wide.RowQueues`` (the same lists, made from its arrays when read)."""
+    wide table's ``wide.RowQueues`` (the same lists, made from its arrays when read, and
+    Algorithm 1 over its rows)."""
 
     @property
     def backlogs(self) -> list[Backlog]: ...
@@ -102,6 +119,18 @@ class Queues(Protocol):
 
     @property
     def queue_s(self) -> list[float]: ...
+
+    @property
+    def packing(self) -> bool:
+        """Whether an instance packs its queue (prefill batching)."""
+
+    def queue_at(self, i: int) -> float:
+        """Instance i's queue time."""
+
+    def kvcache_row(self, req: ScheduleRequest, match: PrefixMatch, cfg: SchedulerConfig,
+                    costs: CostModels) -> tuple[int, int, bool] | None:
+        """Algorithm 1's choice over rows (instance, its local blocks, whether it fetches), or
+        None: the per-instance loop decides."""
 
 
 def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
@@ -141,13 +170,10 @@ def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
 # ---- decode load now -----------------------------------------------------------------------
 def decode_has_room(d: DecodeInstanceState, num_tokens: int, max_output_tokens: int,
                     batch_size: int, context_tokens: int) -> bool:
-    """Capacity check for adding one request to a batch of the given size/context."""
-    if d.max_batch_size is not None and batch_size + 1 > d.max_batch_size:
-        return False
-    if d.max_context_tokens is not None and \
-            context_tokens + num_tokens + max_output_tokens > d.max_context_tokens:
-        return False
-    return True
+    """Capacity check for adding one request to a batch of the given size/context (the
+    decode pick's rule: :func:`rules.decode_has_room`)."""
+    return rules.decode_has_room(d.max_batch_size, d.max_context_tokens, batch_size, context_tokens,
+                                 num_tokens + max_output_tokens)
 
 
 def decode_tbt(d: DecodeInstanceState, costs: CostModels, batch_size: int, context_tokens: int) -> float:

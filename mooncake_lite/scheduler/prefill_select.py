@@ -5,23 +5,20 @@ local prefix or with the best global prefix fetched to it."""
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
 
+from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
-import numpy as np
-
-from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, kv_transfer_time
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, kv_transfer_time
 from mooncake_lite.scheduler.decision import Route
-from mooncake_lite.scheduler.estimate import Backlog, Queues, prefill_model, queues_at
+from mooncake_lite.scheduler.estimate import Backlog, Queues, prefill_model
 from mooncake_lite.scheduler.packing import joins_tail, own_seconds
 from mooncake_lite.scheduler.queue_order import overtake_allowance, priced
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
-from mooncake_lite.scheduler.wide import PrefillTable, choose_prefill_row
 
 
 _new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
@@ -61,11 +58,11 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
         transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
         prefix = match.best_len * cfg.block_size
         queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog, p)
-        return _new(PrefillChoice, (p, transfer_s + queue_s + prefill_s, queue_s, prefill_s, transfer_s,
-                                    match.best_len, local, match.best_store_id, route or "transfer"))
+        return _new(PrefillChoice, (p, rules.prefill_cost_key(transfer_s, queue_s, prefill_s), queue_s, prefill_s,
+                                    transfer_s, match.best_len, local, match.best_store_id, route or "transfer"))
     queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog, p)
-    route = route or ("local-hit" if local else "balance")
-    return _new(PrefillChoice, (p, queue_s + prefill_s, queue_s, prefill_s, 0.0, local, local, None, route))
+    return _new(PrefillChoice, (p, rules.prefill_cost_key(0.0, queue_s, prefill_s), queue_s, prefill_s, 0.0,
+                                local, local, None, route or ("local-hit" if local else "balance")))
 
 
 def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
@@ -90,28 +87,25 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     return queue_s, model.predict(req.num_tokens, prefix_tokens)
 
 
-def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
-                   match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels, now: float,
-                   rng: random.Random | None, queues: Queues | None = None,
-                   cache: Estimates | None = None,
-                   wide: tuple[PrefillTable, np.ndarray] | None = None) -> PrefillChoice | None:
-    """The prefill option the configured strategy picks (None when there is no instance).
-    Ties go to the earlier instance in ``prefills``, so results are deterministic. ``queues``
-    (the backlogs of ``prefills`` at ``now``) saves recomputing them; ``cache`` (None: from
-    scratch) keeps each queue's predicted work between decisions. ``wide`` (the estimate cache's
-    table of ``prefills`` and their queue times as an array) picks by the table's rows instead
-    of the loop (scheduler/wide.py: the same choice)."""
+def choose_prefill(req: ScheduleRequest, prefills: Sequence[PrefillInstanceState], match: PrefixMatch,
+                   cfg: SchedulerConfig, costs: CostModels, queues: Queues,
+                   rng: random.Random | None = None) -> PrefillChoice | None:
+    """The prefill option the configured strategy picks (None when there is no instance), from
+    ``queues``, the backlogs of ``prefills`` at the decision's time (an estimate cache's
+    ``prefill_queues``). Ties go to the earlier instance in ``prefills``, so results are
+    deterministic. On a wide cluster the queues' rows cost Algorithm 1 as arrays
+    (``wide.RowQueues.kvcache_row``: the same rules, the same choice)."""
     if not prefills:
         return None
-    if wide is not None and cfg.strategy == "kvcache-centric" and not wide[0].packing:
-        hit = choose_prefill_row(req, wide[0], wide[1], match, cfg, costs)
+    packs = queues.packing      # (rows: an instance packs or serves shortest first)
+    if cfg.strategy == "kvcache-centric" and not packs:
+        hit = queues.kvcache_row(req, match, cfg, costs)
         if hit is not None:     # the row's queue time is the array's double, as in the list below
             i, local, fetch = hit
-            return _option(req, prefills[i], float(wide[1][i]), local, match, fetch, cfg, costs)
-    if queues is None:
-        queues = queues_at((cache or FROM_SCRATCH).backlogs(prefills, costs), now)
+            return _option(req, prefills[i], queues.queue_at(i), local, match, fetch, cfg, costs)
+    packing = packs or any(map(_OVERTAKES, prefills))
     queue_times = queues.queue_s
-    packing = any(map(_PACK_TOKENS, queues.backlogs)) or any(map(_OVERTAKES, prefills))
+    backlogs = queues.backlogs if packing else None
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
@@ -119,70 +113,81 @@ def choose_prefill(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, .
         return _option(req, prefills[i], queue_times[i], match.length_at(prefills[i].store_id),
                        match, False, cfg, costs, route="random", backlog=queues.backlogs[i])
     if cfg.strategy != "kvcache-centric":
-        return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times,
-                                        queues.backlogs if packing else None)
-    return _choose_kvcache(req, prefills, queue_times, queues.backlogs if packing else None, match, cfg, costs)
+        return _choose_without_transfer(req, prefills, match, cfg, costs, queue_times, backlogs)
+    return _choose_kvcache(req, prefills, queue_times, backlogs, match, cfg, costs)
 
 
-def _choose_kvcache(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...], queue_times: list[float],
+def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceState], queue_times: list[float],
                     backlogs: list[Backlog] | None, match: PrefixMatch, cfg: SchedulerConfig,
                     costs: CostModels) -> PrefillChoice | None:
-    """Algorithm 1's loop: each instance keyed by its queue, the transfer of the best prefix (if
-    it fetches) and its own execution. ``backlogs`` (when an instance packs): its own execution
-    priced packed with its queue (less ``c0`` when the request joins its last waiting pack; the
-    queue time plus that is the same sum as :func:`_packed`)."""
+    """Algorithm 1's loop: each instance's estimates (its transfer of the best prefix if
+    :func:`rules.fetches_best_prefix`, its queue, its own execution), keyed by
+    :func:`rules.prefill_cost_key`. ``backlogs`` (when an instance packs): its queue and
+    execution where the request lands (:func:`_packed_estimate`)."""
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
     latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
-    best, best_key, default_model = None, float("inf"), costs.prefill
+    best, best_key, default_model = -1, float("inf"), costs.prefill
     measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
-    # This loop runs per instance per request: one cost-model call each, the transfer time
-    # (_transfer_s) and the packed pricing (joins_tail, own_seconds) written out.
-    for p, queue_s, backlog in zip(prefills, queue_times, backlogs or repeat(None)):
+    fetches, cost_key = rules.fetches_best_prefix, rules.prefill_cost_key
+    fetch_unheld = fetches(0, best_len, threshold)     # the rule's branch where no prefix is held (most)
+    last_model, last_prefix, last_own = None, -1, 0.0
+    for i, (p, queue_s, backlog) in enumerate(zip(prefills, queue_times, backlogs or repeat(None))):
         local = lengths.get(p.store_id, 0)
-        model = p.cost or default_model
-        # Algorithm 1's branch, negated: ``best_len / prefix_len < threshold`` keeps the local
-        # prefix; no local prefix at all makes the ratio infinite (fetch, if anything is cached).
-        if local < best_len and (not local or best_len / local >= threshold):
+        if fetches(local, best_len, threshold) if local else fetch_unheld:
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            key = latency_s + (best_len - local) * block_bytes / bandwidth + queue_s
-            prefix, fetch = best_len * block_size, True
+            transfer_s, prefix = latency_s + (best_len - local) * block_bytes / bandwidth, best_len * block_size
         else:
-            key, prefix, fetch = queue_s, local * block_size, False
-        own = model.predict(num_tokens, prefix)
-        if backlog is not None and p.overtakes:      # shortest first: where it lands (_packed)
-            wait, own = _packed(req, model, queue_s, prefix, backlog, p)
-            key += wait - queue_s
-        elif backlog is not None:
-            tail = backlog.tail_tokens
-            if tail >= 0 and tail + num_tokens - (prefix if prefix < num_tokens else num_tokens - 1) <= backlog.pack_tokens:
-                own = own - model.c0 if own > model.c0 else 0.0
-        key += own
+            transfer_s, prefix = 0.0, local * block_size
+        model = p.cost or default_model
+        if model is not last_model or prefix != last_prefix:     # (instances share models: one call each)
+            last_model, last_prefix, last_own = model, prefix, model.predict(num_tokens, prefix)
+        own = last_own
+        if backlog is not None:
+            queue_s, own = _packed_estimate(req, model, queue_s, prefix, own, backlog, p)
+        key = cost_key(transfer_s, queue_s, own)
         if key < best_key:
-            best, best_key = (p, queue_s, local, fetch, backlog), key
-    if best is None:
+            best, best_key = i, key
+    if best < 0:
         return None
-    p, queue_s, local, fetch, backlog = best
-    return _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
+    p = prefills[best]
+    local = lengths.get(p.store_id, 0)
+    return _option(req, p, queue_times[best], local, match, fetches(local, best_len, threshold), cfg, costs,
+                   backlog=None if backlogs is None else backlogs[best])
 
 
-def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstanceState, ...],
+def _packed_estimate(req: ScheduleRequest, model: PrefillCostModel, queue_s: float, prefix_tokens: int,
+                     own_s: float, backlog: Backlog, p: PrefillInstanceState) -> tuple[float, float]:
+    """(queue, execution) of the request on an instance that packs or serves shortest first, as
+    Algorithm 1's loop costs it: where it lands in a shortest-first queue (:func:`_packed`); its
+    execution less ``c0`` when it joins the last waiting pack (its queue then holds that pack)."""
+    if p.overtakes:
+        return _packed(req, model, queue_s, prefix_tokens, backlog, p)
+    uncached = req.num_tokens - (prefix_tokens if prefix_tokens < req.num_tokens else req.num_tokens - 1)
+    if joins_tail(backlog.tail_tokens, uncached, backlog.pack_tokens):
+        own_s = own_s - model.c0
+        return queue_s, own_s if own_s > 0.0 else 0.0
+    return queue_s, own_s
+
+
+def _choose_without_transfer(req: ScheduleRequest, prefills: Sequence[PrefillInstanceState],
                              match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels,
                              queue_times: list[float], backlogs: list[Backlog] | None = None
                              ) -> PrefillChoice | None:
     """``load-balance`` (cache-blind: queue + full recompute; the engine still reuses what it
-    has) and ``cache-aware`` (queue + execution given the local prefix). ``backlogs`` (when an
-    instance packs) price the request packed with each queue."""
+    has) and ``cache-aware`` (queue + execution given the local prefix), keyed as Algorithm 1 with
+    no transfer. ``backlogs`` (when an instance packs) price the request packed with each queue."""
     lengths, num_tokens = match.lengths, req.num_tokens
     cached_tokens = 0 if cfg.strategy == "load-balance" else cfg.block_size
     best, best_key = None, float("inf")
     for i, (p, queue_s) in enumerate(zip(prefills, queue_times)):
         local = lengths.get(p.store_id, 0)
+        model = p.cost or costs.prefill
         if backlogs is None:
-            key = queue_s + (p.cost or costs.prefill).predict(num_tokens, local * cached_tokens)
+            key = rules.prefill_cost_key(0.0, queue_s, model.predict(num_tokens, local * cached_tokens))
         else:
-            key = sum(_packed(req, p.cost or costs.prefill, queue_s, local * cached_tokens, backlogs[i], p))
+            key = rules.prefill_cost_key(0.0, *_packed(req, model, queue_s, local * cached_tokens, backlogs[i], p))
         if key < best_key:
             best, best_key = (p, queue_s, local, i), key
     if best is None:
@@ -193,5 +198,4 @@ def _choose_without_transfer(req: ScheduleRequest, prefills: tuple[PrefillInstan
                    backlog=None if backlogs is None else backlogs[i])
 
 
-_PACK_TOKENS = attrgetter("pack_tokens")
 _OVERTAKES = attrgetter("overtakes")

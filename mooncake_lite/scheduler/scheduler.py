@@ -11,22 +11,17 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from mooncake_lite.scheduler import wide as _wide
 from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
-from mooncake_lite.scheduler.estimate import Queues, queues_at
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
 if TYPE_CHECKING:
     from mooncake_lite.scheduler.tenants import Tenant
-
-_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
-
 
 def _route_reason(req: ScheduleRequest, c: PrefillChoice) -> str:
     n = len(req.block_keys)
@@ -62,23 +57,15 @@ def schedule(req: ScheduleRequest, cluster: ClusterState, *, index: BlockIndex,
 def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, config: SchedulerConfig,
               costs: CostModels, now: float, rng: random.Random | None, cache: Estimates | None) -> Decision:
     """:func:`schedule` by position (Scheduler.schedule's call, once per request: binding seven
-    keywords costs more than the call)."""
+    keywords costs more than the call): estimates, then each choice by its rule
+    (scheduler/rules.py), then admission."""
+    estimates = cache or FROM_SCRATCH
     match = index.match(req.block_keys)
-    # every prefill's backlog at now: read by both choices; as arrays on a wide cluster
-    wide = None
-    queues: Queues
-    if isinstance(cache, EstimateCache) and len(cluster.prefills) >= _wide.WIDE_MIN_INSTANCES:
-        table = cache.prefill_table(cluster.prefills, costs)
-        queues, queue_array = table.queues_at(now)
-        wide = (table, queue_array)
-    else:
-        queues = queues_at((cache or FROM_SCRATCH).backlogs(cluster.prefills, costs), now)
-    p = choose_prefill(req, cluster.prefills, match, config, costs, now, rng, queues, cache, wide)
+    queues = estimates.prefill_queues(cluster.prefills, costs, now)   # read by both choices
+    p = choose_prefill(req, cluster.prefills, match, config, costs, queues, rng)
     if p is None:
-        return Decision(False, "rejected: no live prefill instance", reject_cause="no-prefill")
-    d = _wide_decode(req, cluster, config, costs, cache)
-    if d is None:
-        d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, cache)
+        return Decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
+    d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
     violation = slo_violation(config, req, costs, p, d)
@@ -88,30 +75,16 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
     return _decision(True, reason, p, d, migration=_migration(req, p))
 
 
-def _wide_decode(req: ScheduleRequest, cluster: ClusterState, config: SchedulerConfig, costs: CostModels,
-                 cache: Estimates | None) -> DecodeChoice | None:
-    """``choose_decode`` on the loads now, over the estimate cache's rows, on a wide cluster
-    (None: not wide, another strategy or admission, or a case the loop must decide)."""
-    decodes = cluster.decodes
-    if not isinstance(cache, EstimateCache) or len(decodes) < _wide.WIDE_MIN_INSTANCES \
-            or config.strategy == "random" or config.admission == "predictive":
-        return None
-    table = cache.decode_table(decodes, costs)
-    hit = table.choose_now(req)
-    if hit is None:
-        return None
-    i, tbt = hit
-    return _new(DecodeChoice, (decodes[i], tbt, table.batch[i] + 1, table.context_list[i] + req.num_tokens))
-
-
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
               reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
-    """The plan made of both choices (on rejection: the best candidates found, never dispatched).
-    Every field by position, in Decision's order (binding 13 keywords costs more, per request),
-    through tuple.__new__: without the NamedTuple constructor's Python frame."""
-    return _new(Decision, (accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
-                           p.route, reject_cause, p.ttft_s, None if d is None else d.tbt_s, p.queue_s, p.prefill_s,
-                           p.transfer_s, p.reused_blocks, p.local_blocks, p.source_store_id, migration))
+    """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
+    return Decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
+                    decode_id=None if d is None else d.instance.instance_id, route=p.route,
+                    reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
+                    predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
+                    predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
+                    reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
+                    transfer_source=p.source_store_id, migration=migration)
 
 
 class Scheduler:

@@ -1,4 +1,5 @@
-"""The scheduler's view of one prefill or decode instance, kept current at its owner's events.
+"""The scheduler's view of one decode (here) or prefill (``prefill_view.py``, re-exported)
+instance, kept current at its owner's events.
 
 The live conductor (``conductor/membership.py``) and the simulator (``sim/nodes.py``) both say
 what happened to an instance — a job queued, started or finished; a request committed to a
@@ -24,17 +25,16 @@ No IO and no clock: times are arguments.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from itertools import compress, count, repeat
 from operator import is_
-from types import FunctionType
-from typing import Final, Generic, TypeVar
+from typing import NamedTuple
 
-from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.costs import DecodeCostModel
 from mooncake_lite.scheduler.estimate import CONTEXT_TOKENS
-from mooncake_lite.scheduler.snapshot import Snapshot
-from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest,
-                                           PrefillInstanceState, QueuedPrefill)
+from mooncake_lite.scheduler.prefill_view import PrefillView   # (re-exported: the views' one import)
+from mooncake_lite.scheduler.snapshot import Shown
+from mooncake_lite.scheduler.state import DecodeInstanceState, DecodingRequest, IncomingRequest
 
 # How many tokens a decode batch's running requests may have generated, in total, beyond the
 # contexts its state shows: at least MAX_CONTEXT_LAG, and up to 1/64 of the batch's shown
@@ -58,203 +58,27 @@ def context_lag_bound(shown_context_tokens: int) -> int:
     return max(MAX_CONTEXT_LAG, shown_context_tokens >> 6)
 
 
-# The state a view builds. A type parameter, not a union narrowed in each view: the compiled
-# build (mypyc) wants one declared type for an attribute across a class and its subclasses.
-S = TypeVar("S", PrefillInstanceState, DecodeInstanceState)
+class ShownLoad(NamedTuple):
+    """A decode state and its load now (``DecodeView.load``: running + incoming), kept from the
+    view's totals: what the wide decode table reads instead of summing the tuples again."""
+
+    state: DecodeInstanceState | None
+    batch_size: int
+    context_tokens: int
 
 
-class _Shown(Generic[S]):
-    """What both views share: the state last built (None: build it at the next ``state()``)
-    and the :class:`StateTuple` row to mark when it goes stale."""
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
+_NO_LOAD = ShownLoad(None, 0, 0)
 
-    _state: S | None = None
-    _watch: tuple[set[int], int] | None = None
-
-    def _stale(self) -> None:
-        self._state = None
-        watch = self._watch
-        if watch is not None:
-            watch[0].add(watch[1])
-
-
-class StateTuple:
-    """The states of a fixed list of views as one tuple, rebuilt only at the views that went
-    stale since the last call (each view tells it): a snapshot of N instances of which k changed
-    costs O(k) Python calls and one tuple copy, not N calls. A view belongs to one StateTuple."""
-
-    def __init__(self, views: Iterable[PrefillView | DecodeView]) -> None:
-        self._views = list(views)
-        self._stale: set[int] = set()
-        for i, view in enumerate(self._views):
-            view._watch = (self._stale, i)
-        self._states = [view.state() for view in self._views]
-        self._tuple = Snapshot(self._states)
-        self._tuple.views = self._views
-
-    def states(self) -> Snapshot:
-        if self._stale:
-            states, views = self._states, self._views
-            changed = list(self._stale)       # a stale view builds a new state object
-            for i in changed:
-                states[i] = views[i].state()
-            self._stale.clear()
-            previous = self._tuple
-            previous.previous = None          # one link only: older snapshots can be freed
-            self._tuple = snapshot = Snapshot(states)
-            snapshot.previous, snapshot.changed, snapshot.views = previous, changed, views
-        return self._tuple
-
-
-class PrefillView(_Shown[PrefillInstanceState]):
-    """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
-    starts (the conductor: when the one before it ends; the simulator: when it really does).
-
-    Once a reader names the model it prices the queue with (:meth:`price_with`: the wide
-    prefill table, with the cluster default for an instance without a model of its own), the
-    view prices its jobs as they come, one job a forward: each job's predicted duration, and
-    their running sum in execution order. Each state it builds is then published with its total
-    and started head (``row``), so a snapshot's changed row costs no re-derivation."""
-
-    def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
-                 cost: PrefillCostModel | None = None, pack_tokens: int = 0, overtakes: int = 0) -> None:
-        self.instance_id = instance_id
-        self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
-        self._jobs: dict[str, QueuedPrefill] = {}            # execution order
-        self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
-        self._state = None
-        self._default: PrefillCostModel | None = None   # the model a reader prices with, without one of its own
-        self._model: PrefillCostModel | None = None     # what the jobs are priced with (None: not priced)
-        self._durations: dict[str, float] = {}
-        self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
-        self.row: tuple[PrefillInstanceState, PrefillCostModel, float, tuple[float, float] | None] | None = None
-        self._reprice()
-
-    def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
-                     cost: PrefillCostModel | None, pack_tokens: int = 0, overtakes: int = 0) -> None:
-        """What the instance reports about itself (registration, heartbeats)."""
-        if (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes) != self._about:
-            self._about = (store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
-            self._reprice()
-            self._stale()
-
-    def price_with(self, default: PrefillCostModel) -> None:
-        """Price the queue with the instance's own model, else ``default``, from now on; the
-        state shown keeps its place, its ``row`` made again."""
-        if default is not self._default:
-            self._default = default
-            self._reprice()
-            state = self._state
-            self.row = self._row(state) if state is not None and self._model is not None else None
-
-    def _reprice(self) -> None:
-        """The model the jobs are priced with, after the instance's own or the default changed:
-        one job a forward only (a packing instance's queue is priced by the estimate cache)."""
-        _, _, cost, pack_tokens, _ = self._about
-        model = (cost or self._default) if pack_tokens == 0 else None
-        if model is not self._model:
-            self._model = model
-            self._durations = {} if model is None else \
-                {rid: model.predict(job.num_tokens, job.num_prefix_tokens) for rid, job in self._jobs.items()}
-            self._total = None
-
-    def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
-            started_at: float | None = None, passed: int = 0) -> None:
-        """Queue a job behind the others (or replace the job of that id where it stands);
-        ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``)."""
-        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed)
-        replaced = self._jobs.get(request_id)
-        self._jobs[request_id] = job
-        if self._queue is not None:
-            self._queue = (*self._queue, job) if replaced is None else None
-        model = self._model
-        if model is not None:
-            self._durations[request_id] = duration = model.predict(num_tokens, num_prefix_tokens)
-            total = self._total    # as itertools.accumulate adds: the first job's, then last + next
-            self._total = None if replaced is not None or total is None else \
-                (total + duration if len(self._jobs) > 1 else duration)
-        self._stale()
-
-    def start(self, request_id: str, now: float) -> None:
-        """The job started executing at ``now``."""
-        job = self._jobs[request_id]
-        if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
-            started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now)
-            self._jobs[request_id] = started
-            queue = self._queue
-            self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
-            self._stale()
-
-    def remove(self, request_id: str) -> bool:
-        """The job ended (or was aborted): False if there was none of that id."""
-        job = self._jobs.pop(request_id, None)
-        if job is None:
-            return False
-        queue = self._queue
-        if queue is not None:
-            self._queue = queue[1:] if queue[0] is job else tuple(q for q in queue if q is not job)
-        if self._model is not None:
-            del self._durations[request_id]
-            self._total = None     # the sum from the new head: added up again at the next state
-        self._stale()
-        return True
-
-    def clear(self) -> None:
-        self._jobs.clear()
-        self._queue = ()
-        self._durations.clear()
-        self._total = 0.0
-        self._stale()
-
-    def state(self) -> PrefillInstanceState:
-        if self._state is None:
-            if self._queue is None:
-                self._queue = tuple(self._jobs.values())
-            store_id, bandwidth, cost, pack_tokens, overtakes = self._about
-            self._state = state = PrefillInstanceState(self.instance_id, store_id, self._queue, bandwidth, cost,
-                                                       pack_tokens, overtakes)
-            self.row = self._row(state) if self._model is not None else None
-        return self._state
-
-    def _row(self, state: PrefillInstanceState) -> tuple[PrefillInstanceState, PrefillCostModel, float,
-                                                          tuple[float, float] | None] | None:
-        """What the wide prefill table writes for ``state``: (state, the model its jobs are
-        priced with, their total predicted work, the started head's (duration, start) or None);
-        None with more than one job started (the table then derives the backlog)."""
-        queue, durations, model = state.queue, self._durations, self._model
-        assert model is not None, "called only while the jobs are priced"
-        total = self._total
-        if total is None:          # itertools.accumulate's order: the first job's, then + each next
-            total = 0.0
-            for i, job in enumerate(queue):
-                total = total + durations[job.request_id] if i else durations[job.request_id]
-            self._total = total
-        if not queue:
-            return (state, model, total, None)
-        head = queue[0]
-        started_at = head.started_at
-        if started_at is None:
-            return (state, model, total, None)
-        if len(queue) > 1 and queue[1].started_at is not None:
-            return None
-        return (state, model, total, (durations[head.request_id], started_at))
+__all__ = ["MAX_CONTEXT_LAG", "MAX_TBT_DRIFT", "DecodeView", "PrefillView", "ShownLoad", "context_lag_bound"]
 
 
 def _position(records: tuple, record: object) -> int | None:
     """Where ``record`` itself (not an equal one) stands in ``records``; None if nowhere."""
     if record is not None:
-        if _COMPILED:       # a native loop: one pointer compare an item, no iterator objects
-            for i in range(len(records)):
-                if records[i] is record:
-                    return i
-        else:               # interpreted, the C-level chain beats a Python loop
-            for i in compress(count(), map(is_, records, repeat(record))):
-                return i
+        for i in compress(count(), map(is_, records, repeat(record))):   # C-level: no Python loop
+            return i
     return None
-
-
-# True where mypyc compiled this module (its functions are then not Python functions): the
-# plain loops that compiled code runs faster than the itertools chains the interpreter needs
-_COMPILED: Final = not isinstance(_position, FunctionType)
 
 
 class _Running:
@@ -279,7 +103,7 @@ class _Running:
         return shown
 
 
-class DecodeView(_Shown[DecodeInstanceState]):
+class DecodeView(Shown[DecodeInstanceState]):
     """A decode instance's running batch and incoming requests as the scheduler sees them.
 
     A request is ``commit``-ted when it is dispatched here (incoming: KV to come), ``join``-s
@@ -299,9 +123,7 @@ class DecodeView(_Shown[DecodeInstanceState]):
         self._incoming_shown: tuple[IncomingRequest, ...] | None = None
         self._shown_context = 0        # the shown batch's total context
         self._incoming_context = 0     # the incoming requests' total context
-        # the state last built and its load now (running + incoming: batch, context), kept from
-        # the totals above: what the wide decode table reads instead of summing the tuples again
-        self.load: tuple[DecodeInstanceState | None, int, int] = (None, 0, 0)
+        self.load = _NO_LOAD     # the state last built and its load now, from the totals above
         self._context_lag = 0          # tokens generated beyond it
         self._is_context_stale = False   # the lag passed the bound: refresh at the next state
         self._tbt_s: float | None = None
@@ -444,7 +266,8 @@ class DecodeView(_Shown[DecodeInstanceState]):
     def state(self) -> DecodeInstanceState:
         if self._state is None:
             self._state = state = self._build()
-            self.load = (state, len(state.running) + len(state.incoming), self._shown_context + self._incoming_context)
+            self.load = _new(ShownLoad, (state, len(state.running) + len(state.incoming),
+                                         self._shown_context + self._incoming_context))
         return self._state
 
     def _build(self) -> DecodeInstanceState:

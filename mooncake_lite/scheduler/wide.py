@@ -19,19 +19,20 @@ cost, and the loops run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from itertools import compress, count, repeat
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from itertools import compress, count
 from operator import is_not
 
 import numpy as np
 
+from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds
 from mooncake_lite.scheduler.estimate import Backlog
-from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState, ScheduleRequest
-from mooncake_lite.scheduler.snapshot import Snapshot
-from mooncake_lite.scheduler.view import DecodeView, PrefillView
+from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
+from mooncake_lite.scheduler.snapshot import Shown, Snapshot
+from mooncake_lite.scheduler.prefill_view import PrefillView
 
 # Instances of one role from which a decision uses the arrays (measured: at 16 the loops win,
 # at 48 the arrays do; tests set it to 1).
@@ -39,7 +40,7 @@ WIDE_MIN_INSTANCES = 48
 
 _INF = float("inf")
 _NO_HEAD = (0.0, _INF)      # a queue with no started job (or several: costed in Python)
-_NO_VIEWS: list[PrefillView | DecodeView] = []
+_NO_VIEWS: list[Shown] = []
 # What a row holds between a resize and its write (update writes every row right after a
 # resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
 _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
@@ -47,14 +48,14 @@ _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
 _FEW_MODELS = 8
 
 
-def _changed_rows(new: Sequence, old: Sequence) -> list[int] | None:
-    """Positions whose entry is another object (None: the two differ in length). A
-    ``view.Snapshot`` taken right after ``old`` says which itself (the simulator's snapshots);
-    any other pair is compared entry by entry (the live conductor's)."""
+def changed_rows(new: Sequence, old: Sequence, snapshot: Snapshot | None = None) -> list[int] | None:
+    """Positions whose entry is another object (None: the two differ in length). The
+    ``snapshot`` of ``new`` taken right after ``old`` says which itself (the simulator's
+    snapshots); any other pair is compared entry by entry (the live conductor's)."""
     if new is old:
         return []
-    if isinstance(new, Snapshot) and new.previous is old:
-        return new.changed
+    if snapshot is not None and snapshot.states is new and snapshot.previous is old:
+        return snapshot.changed
     if len(new) != len(old):
         return None
     return list(compress(count(), map(is_not, new, old)))
@@ -67,6 +68,183 @@ def _same_ids(new: Sequence, old: Sequence, rows: Sequence[int]) -> bool:
         if new[i].instance_id != old[i].instance_id:
             return False
     return True
+
+
+class PrefillTable:
+    """Per prefill instance: its backlog's total predicted work, its started head job
+    (duration, start; start +inf when none has started), its fetch bandwidth and which of the
+    distinct cost models it has. Instances with more than one started job (rare) are costed
+    in Python. A snapshot's row whose view priced its own queue (``PrefillView.row``: its
+    total and started head, kept as jobs came and went) is written from that, its backlog
+    derived only if a decision reads it (:meth:`row_backlogs`)."""
+
+    def __init__(self) -> None:
+        self.prefills: Sequence[PrefillInstanceState] = ()   # what the rows were written from
+        self.costs: CostModels | None = None
+        self._backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog] | None = None
+        self._resize(0)
+
+    def _resize(self, n: int) -> None:
+        self.backlogs: list[Backlog] = [_UNWRITTEN] * n
+        self._unbuilt: set[int] = set()    # rows written from a view's row: backlog not derived yet
+        self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
+        self.coef = np.zeros((4, n))                   # each row's model's c0..c3
+        self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
+        self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
+        # each row's (head duration, start) and bandwidth as last written: most rewrites change neither
+        self._row_head: list[tuple[float, float] | None] = [None] * n
+        self._row_bw: list[float | None] = [None] * n
+        self.models: list[PrefillCostModel] = []
+        self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
+        self.multi: set[int] = set()
+        self.packing: set[int] = set()   # rows whose instance packs its queue (prefill batching)
+        self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
+        self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
+        # id(list of stores of a PrefixMatch run) -> (that list, its stores' rows): a hot prefix's
+        # holders are the same list on every request for it (block_index.PrefixMatch.runs)
+        self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
+
+    def update(self, prefills: Sequence[PrefillInstanceState], costs: CostModels,
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog],
+               snapshot: Snapshot | None = None) -> None:
+        """Rewrite the rows of the instances whose state changed since the last call
+        (``backlog(p, model)`` derives one instance's backlog, through the cache; ``snapshot``:
+        the one ``prefills`` may be the states of, naming the rows that changed and the views)."""
+        rows: Sequence[int] | None = None if costs is not self.costs \
+            else changed_rows(prefills, self.prefills, snapshot)
+        old, moved = self.prefills, False
+        if rows is None or not _same_ids(prefills, old, rows) \
+                or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
+            self._resize(len(prefills))
+            rows, moved, self.costs = range(len(prefills)), True, costs
+        self._backlog = backlog
+        views = snapshot.views if snapshot is not None and snapshot.states is prefills else _NO_VIEWS
+        for i in rows:
+            p = prefills[i]
+            moved = moved or old[i].store_id != p.store_id
+            view = views[i] if views else None
+            self._write(i, p, costs, backlog, view if isinstance(view, PrefillView) else None)
+        if moved:
+            self._run_rows = {}
+            self.positions = {}
+            for i, p in enumerate(prefills):
+                self.positions.setdefault(p.store_id, []).append(i)
+        self.prefills = prefills
+
+    def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
+               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog], view: PrefillView | None) -> None:
+        model = p.cost or costs.prefill
+        pack, head = self._write_work(i, p, model, costs, backlog, view)
+        if pack:     # packed, or shortest-first order: priced where it lands, in the loop
+            self.packing.add(i)
+        elif self.packing:
+            self.packing.discard(i)
+        if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
+            self._row_head[i] = head
+            self.head_d[i], self.head_s[i] = head
+        if self._row_model[i] is not model:     # else its model's position and coefficients stand
+            self._row_model[i] = model
+            pos = self._model_pos.get(id(model))
+            if pos is None or self.models[pos] is not model:
+                pos = self._model_pos[id(model)] = len(self.models)
+                self.models.append(model)
+            self.model_of[i] = pos
+            self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
+        bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
+        if bw != self._row_bw[i]:
+            self._row_bw[i] = self.bw[i] = bw
+            if bw == costs.bandwidth_bytes_per_s:
+                self.odd_bw.discard(i)
+            else:
+                self.odd_bw.add(i)
+
+    def _write_work(self, i: int, p: PrefillInstanceState, model: PrefillCostModel, costs: CostModels,
+                    backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog],
+                    view: PrefillView | None) -> tuple[int, tuple[float, float]]:
+        """Row i's queued work (its total, and whether more than one job started): from its view's
+        own pricing of this very state, else from its backlog. Returns (whether the instance
+        packs or serves shortest first, its started head's (duration, start))."""
+        row = None
+        if view is not None:
+            row = view.row
+            if row is None or row.model is not model:
+                view.price_with(costs.prefill)    # (once: it then prices its jobs as they come)
+                row = view.row
+        if row is not None and row.state is p and row.model is model:   # its view priced this very state
+            self.total[i] = row.total_s
+            self._unbuilt.add(i)
+            if self.multi:
+                self.multi.discard(i)
+            # (a view prices only one job a forward)
+            return p.overtakes, _NO_HEAD if row.started_head is None else row.started_head
+        b = self.backlogs[i] = backlog(p, model)
+        if self._unbuilt:
+            self._unbuilt.discard(i)
+        self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
+        started = b.started
+        num_started = len(started)
+        if num_started > 1:
+            self.multi.add(i)
+        elif self.multi:                     # (the sets are empty on most clusters: no call)
+            self.multi.discard(i)
+        return b.pack_tokens or p.overtakes, started[0] if num_started == 1 else _NO_HEAD
+
+    def row_backlogs(self) -> list[Backlog]:
+        """Every row's backlog, those of rows written from a view's row derived now (through the
+        estimate cache, as the other rows were)."""
+        if self._unbuilt:
+            costs, backlog, prefills = self.costs, self._backlog, self.prefills
+            assert costs is not None and backlog is not None, "rows are written before they are read"
+            for i in self._unbuilt:
+                p = prefills[i]
+                self.backlogs[i] = backlog(p, p.cost or costs.prefill)
+            self._unbuilt.clear()
+        return self.backlogs
+
+    def run_rows(self, stores: list[Hashable]) -> np.ndarray:
+        """The rows of ``stores`` (a list from a PrefixMatch's ``runs``), found once per list."""
+        kept = self._run_rows.get(id(stores))
+        if kept is not None:
+            return kept[1]
+        if len(self._run_rows) >= 1 << 12:
+            self._run_rows.clear()
+        positions = self.positions
+        rows = np.array([row for store in stores for row in positions.get(store, ())], dtype=np.intp)
+        self._run_rows[id(stores)] = (stores, rows)    # the list is kept alive: its id stays its own
+        return rows
+
+    def queues_at(self, now: float) -> RowQueues:
+        """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows. A started job counts as done for its elapsed time, never more than its
+        duration; an empty queue has no started job and a total of 0."""
+        done = now - self.head_s          # then clamped in place: no temporaries (the same values)
+        np.maximum(done, 0.0, out=done)
+        np.minimum(done, self.head_d, out=done)
+        queue = self.total - done
+        for i in self.multi:
+            b, d = self.backlogs[i], 0.0
+            for duration, started_at in b.started:
+                elapsed = now - started_at
+                if elapsed > 0.0:
+                    d += duration if elapsed > duration else elapsed
+            done[i], queue[i] = d, b.cumulative_s[-1] - d
+        return RowQueues(self, done, queue)
+
+    def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
+        """Each row's model's prediction for one prompt: a Python call per distinct model when
+        there are few (instances of the same hardware share one), else the model's formula over
+        the coefficient rows (:func:`predict_rows`)."""
+        if len(self.models) <= _FEW_MODELS:
+            return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
+        return predict_rows(self.coef, num_tokens, num_prefix_tokens)
+
+
+def predict_rows(coef: np.ndarray, num_tokens: int, prefix: int | np.ndarray) -> np.ndarray:
+    """:meth:`PrefillCostModel.predict` per row (``coef`` its c0..c3 rows, ``prefix`` the cached
+    tokens, one count or one per row): its clamps as array operations around the same formula
+    (``costs.prefill_seconds``), so the same doubles."""
+    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
+    t = prefill_seconds(coef[0], coef[1], coef[2], coef[3], num_tokens - p, p)
+    return np.where(t > 0.0, t, 0.0)
 
 
 class RowQueues:
@@ -105,237 +283,59 @@ class RowQueues:
             self._queue_s = self._queue.tolist()
         return self._queue_s
 
+    @property
+    def packing(self) -> bool:
+        """Whether an instance packs its queue or serves it shortest first (either is priced
+        where the request lands, by the loop)."""
+        return bool(self._table.packing)
 
-class PrefillTable:
-    """Per prefill instance: its backlog's total predicted work, its started head job
-    (duration, start; start +inf when none has started), its fetch bandwidth and which of the
-    distinct cost models it has. Instances with more than one started job (rare) are costed
-    in Python. A snapshot's row whose view priced its own queue (``PrefillView.row``: its
-    total and started head, kept as jobs came and went) is written from that, its backlog
-    derived only if a decision reads it (:meth:`row_backlogs`)."""
+    def queue_at(self, i: int) -> float:
+        return float(self._queue[i])
 
-    def __init__(self) -> None:
-        self.prefills: tuple[PrefillInstanceState, ...] = ()   # what the rows were written from
-        self.costs: CostModels | None = None
-        self._backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog] | None = None
-        self._resize(0)
-
-    def _resize(self, n: int) -> None:
-        self.backlogs: list[Backlog] = [_UNWRITTEN] * n
-        self._unbuilt: set[int] = set()    # rows written from a view's row: backlog not derived yet
-        self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
-        self.coef = np.zeros((4, n))                   # each row's model's c0..c3
-        self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
-        self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
-        # each row's (head duration, start) and bandwidth as last written: most rewrites change neither
-        self._row_head: list[tuple[float, float] | None] = [None] * n
-        self._row_bw: list[float | None] = [None] * n
-        self.models: list[PrefillCostModel] = []
-        self._model_pos: dict[int, int] = {}           # id(model) -> position in self.models
-        self.multi: set[int] = set()
-        self.packing: set[int] = set()   # rows whose instance packs its queue (prefill batching)
-        self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
-        self.row_of: dict[Hashable, int] | None = {}     # store id -> its row, when each has one
-        self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
-        # id(list of stores of a PrefixMatch run) -> (that list, its stores' rows): a hot prefix's
-        # holders are the same list on every request for it (block_index.PrefixMatch.runs)
-        self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
-
-    def update(self, prefills: tuple[PrefillInstanceState, ...], costs: CostModels,
-               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog]) -> None:
-        """Rewrite the rows of the instances whose state changed since the last call
-        (``backlog(p, model)`` derives one instance's backlog, through the cache)."""
-        rows: Sequence[int] | None = None if costs is not self.costs else _changed_rows(prefills, self.prefills)
-        old, moved = self.prefills, False
-        if rows is None or not _same_ids(prefills, old, rows) \
-                or len(self.models) > 2 * len(prefills) + 8:     # models nobody uses any more
-            self._resize(len(prefills))
-            rows, moved, self.costs = range(len(prefills)), True, costs
-        self._backlog = backlog
-        views = prefills.views if isinstance(prefills, Snapshot) else _NO_VIEWS
-        for i in rows:
-            p = prefills[i]
-            moved = moved or old[i].store_id != p.store_id
-            view = views[i] if views else None
-            self._write(i, p, costs, backlog, view if isinstance(view, PrefillView) else None)
-        if moved:
-            self._run_rows = {}
-            self.positions = {}
-            for i, p in enumerate(prefills):
-                self.positions.setdefault(p.store_id, []).append(i)
-            one_each = all(len(rows) == 1 for rows in self.positions.values())
-            self.row_of = {store: rows[0] for store, rows in self.positions.items()} if one_each else None
-        self.prefills = prefills
-
-    def _write(self, i: int, p: PrefillInstanceState, costs: CostModels,
-               backlog: Callable[[PrefillInstanceState, PrefillCostModel], Backlog], view: PrefillView | None) -> None:
-        model = p.cost or costs.prefill
-        head: tuple[float, float]
-        row = None
-        if view is not None:
-            row = view.row
-            if row is None or row[1] is not model:
-                view.price_with(costs.prefill)    # (once: it then prices its jobs as they come)
-                row = view.row
-        if row is not None and row[0] is p and row[1] is model:   # its view priced this very state
-            _, _, self.total[i], started_head = row
-            self._unbuilt.add(i)
-            if self.multi:
-                self.multi.discard(i)
-            pack = p.overtakes               # (a view prices only one job a forward)
-            head = _NO_HEAD if started_head is None else started_head
-        else:
-            b = self.backlogs[i] = backlog(p, model)
-            if self._unbuilt:
-                self._unbuilt.discard(i)
-            self.total[i] = b.cumulative_s[-1] if b.cumulative_s else 0.0
-            started = b.started
-            num_started = len(started)
-            if num_started > 1:
-                self.multi.add(i)
-            elif self.multi:                     # (the sets are empty on most clusters: no call)
-                self.multi.discard(i)
-            pack = b.pack_tokens or p.overtakes
-            head = started[0] if num_started == 1 else _NO_HEAD
-        if pack:     # packed, or shortest-first order: priced where it lands, in the loop
-            self.packing.add(i)
-        elif self.packing:
-            self.packing.discard(i)
-        if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
-            self._row_head[i] = head
-            self.head_d[i], self.head_s[i] = head
-        if self._row_model[i] is not model:     # else its model's position and coefficients stand
-            self._row_model[i] = model
-            pos = self._model_pos.get(id(model))
-            if pos is None or self.models[pos] is not model:
-                pos = self._model_pos[id(model)] = len(self.models)
-                self.models.append(model)
-            self.model_of[i] = pos
-            self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
-        bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
-        if bw != self._row_bw[i]:
-            self._row_bw[i] = self.bw[i] = bw
-            if bw == costs.bandwidth_bytes_per_s:
-                self.odd_bw.discard(i)
-            else:
-                self.odd_bw.add(i)
-
-    def row_backlogs(self) -> list[Backlog]:
-        """Every row's backlog, those of rows written from a view's row derived now (through the
-        estimate cache, as the other rows were)."""
-        if self._unbuilt:
-            costs, backlog, prefills = self.costs, self._backlog, self.prefills
-            assert costs is not None and backlog is not None, "rows are written before they are read"
-            for i in self._unbuilt:
-                p = prefills[i]
-                self.backlogs[i] = backlog(p, p.cost or costs.prefill)
-            self._unbuilt.clear()
-        return self.backlogs
-
-    def run_rows(self, stores: list[Hashable]) -> np.ndarray:
-        """The rows of ``stores`` (a list from a PrefixMatch's ``runs``), found once per list."""
-        kept = self._run_rows.get(id(stores))
-        if kept is not None:
-            return kept[1]
-        if len(self._run_rows) >= 1 << 12:
-            self._run_rows.clear()
-        positions = self.positions
-        rows = np.array([row for store in stores for row in positions.get(store, ())], dtype=np.intp)
-        self._run_rows[id(stores)] = (stores, rows)    # the list is kept alive: its id stays its own
-        return rows
-
-    def queues_at(self, now: float) -> tuple[RowQueues, np.ndarray]:
-        """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows, and the queue times
-        as an array. A started job counts as done for its elapsed time, never more than its
-        duration; an empty queue has no started job and a total of 0."""
-        done = now - self.head_s          # then clamped in place: no temporaries (the same values)
-        np.maximum(done, 0.0, out=done)
-        np.minimum(done, self.head_d, out=done)
-        queue = self.total - done
-        for i in self.multi:
-            b, d = self.backlogs[i], 0.0
-            for duration, started_at in b.started:
-                elapsed = now - started_at
-                if elapsed > 0.0:
-                    d += duration if elapsed > duration else elapsed
-            done[i], queue[i] = d, b.cumulative_s[-1] - d
-        return RowQueues(self, done, queue), queue
-
-    def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
-        """Each row's model's prediction for one prompt: a Python call per distinct model when
-        there are few (instances of the same hardware share one), else
-        :meth:`PrefillCostModel.predict`'s expression over the coefficient rows."""
-        if len(self.models) <= _FEW_MODELS:
-            return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
-        p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
-        p = p if p > 0 else 0
-        n = num_tokens - p
-        c0, c1, c2, c3 = self.coef
-        t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
-        return np.where(t > 0.0, t, 0.0)
+    def kvcache_row(self, req: ScheduleRequest, match: PrefixMatch, cfg: SchedulerConfig,
+                    costs: CostModels) -> tuple[int, int, bool] | None:
+        """Algorithm 1 over the rows (:func:`choose_prefill_row`)."""
+        return choose_prefill_row(req, self._table, self._queue, match, cfg, costs)
 
 
 def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray,
                        match: PrefixMatch, cfg: SchedulerConfig, costs: CostModels) -> tuple[int, int, bool] | None:
-    """The kvcache-centric loop of ``choose_prefill`` over the rows: (row, its local prefix
+    """Algorithm 1 over the rows, by its rules (scheduler/rules.py): (row, its local prefix
     blocks, whether it fetches the best prefix), or None when no key is below infinity (the
-    loop then decides). Every row is first costed as holding none of the prefix (fetch it all,
-    or compute it all when nothing is cached), then the rows whose store holds some of it
-    (a hot prefix may be on most stores) are costed again with their local prefix."""
+    loop then decides). Every row is first keyed as holding none of the prefix (fetch it all,
+    or compute it all when nothing is cached), then the rows whose store holds some of it are
+    keyed again, a run of stores with the same length at a time (one branch of the rule each;
+    a hot prefix may be on most stores). When every row has the same model and the default
+    bandwidth (the usual cluster) the terms the same for all rows are one Python float each
+    (the double the arrays would hold)."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
-    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
-    if len(table.models) == 1 and not table.odd_bw and (match.runs or not match.lengths) \
-            and not (costs.links is not None and costs.links.from_source(match.best_store_id)):
-        key = _one_model_keys(req, table, queue, match, cfg, costs)
-    elif not best_len:
-        key = queue + table.predict(num_tokens, 0)
+    latency_s, block_bytes, key_of = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token, rules.prefill_cost_key
+    one_model = len(table.models) == 1 and not table.odd_bw \
+        and not (costs.links is not None and costs.links.from_source(match.best_store_id))
+    predict: Callable[[int, int], float | np.ndarray] = table.models[0].predict if one_model else table.predict
+    if not best_len:
+        key = key_of(0.0, queue, predict(num_tokens, 0))
     else:
-        fetched = table.predict(num_tokens, best_len * block_size)
-        bw = _measured_bw(table, costs, match.best_store_id)
-        key = latency_s + best_len * block_bytes / bw + queue + fetched
-        rows, local = _held(table, match)
-        if rows.size:
-            fetch = (local < best_len) & (best_len / local >= cfg.kvcache_balancing_threshold)
-            with_fetch = (latency_s + (best_len - local) * block_bytes / bw[rows] + queue[rows]
-                          + fetched[rows])
-            with_local = queue[rows] + _predict_rows(table.coef[:, rows], num_tokens, local * block_size)
-            key[rows] = np.where(fetch, with_fetch, with_local)
+        fetched = predict(num_tokens, best_len * block_size)
+        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if one_model \
+            else _measured_bw(table, costs, match.best_store_id)
+        key = key_of(latency_s + best_len * block_bytes / bw, queue, fetched)
+        for local, rows in _held_runs(table, match):
+            if rules.fetches_best_prefix(local, best_len, cfg.kvcache_balancing_threshold):
+                transfer = latency_s + (best_len - local) * block_bytes / _at(bw, rows)
+                key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
+            else:
+                key[rows] = key_of(0.0, queue[rows], _at(predict(num_tokens, local * block_size), rows))
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
     local_i = match.length_at(table.prefills[i].store_id)
-    return i, local_i, local_i < best_len and (not local_i or best_len / local_i >= cfg.kvcache_balancing_threshold)
+    return i, local_i, rules.fetches_best_prefix(local_i, best_len, cfg.kvcache_balancing_threshold)
 
 
-def _one_model_keys(req: ScheduleRequest, table: PrefillTable, queue: np.ndarray, match: PrefixMatch,
-                    cfg: SchedulerConfig, costs: CostModels) -> np.ndarray:
-    """The keys of :func:`choose_prefill_row` when every row has the same model and the default
-    bandwidth (the usual cluster): each term that is the same for all rows is one Python float
-    (the same double the arrays would hold), and the holders of the prefix are costed a run at a
-    time (the stores of one run all hold the same length), their rows found once per run's list.
-    The same operations in the same order as the general expressions, so the same keys."""
-    best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
-    latency_s, block_bytes = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token
-    predict, bw = table.models[0].predict, costs.bandwidth_bytes_per_s
-    if not best_len:
-        return queue + predict(num_tokens, 0)
-    fetched = predict(num_tokens, best_len * block_size)
-    key = latency_s + best_len * block_bytes / bw + queue
-    key += fetched
-    threshold = cfg.kvcache_balancing_threshold
-    for local, stores in match.runs:
-        rows = table.run_rows(stores)
-        if not rows.size:
-            continue
-        if local < best_len and best_len / local >= threshold:
-            held = queue[rows]        # a copy; the scalar added to it in place (a + q is q + a)
-            held += latency_s + (best_len - local) * block_bytes / bw
-            held += fetched
-        else:
-            held = queue[rows]
-            held += predict(num_tokens, local * block_size)
-        key[rows] = held
-    return key
+def _at(value: float | np.ndarray, rows: np.ndarray) -> float | np.ndarray:
+    """A per-row value's ``rows``; one for every row (a float) as it is."""
+    return value[rows] if isinstance(value, np.ndarray) else value
 
 
 def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np.ndarray:
@@ -353,132 +353,20 @@ def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np
     return bw
 
 
-def _held(table: PrefillTable, match: PrefixMatch) -> tuple[np.ndarray, np.ndarray]:
-    """The rows whose store holds a leading part of the prefix, and how many blocks each (one
-    C-level pass when every store has one row, the usual case: a hot prefix is on most)."""
-    lengths = match.lengths
-    if table.row_of is not None:
-        rows = np.fromiter(map(table.row_of.get, lengths, repeat(-1)), dtype=np.intp, count=len(lengths))
-        local = np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))
-        known = rows >= 0
-        return (rows, local) if known.all() else (rows[known], local[known])
-    held: list[int] = []
-    blocks: list[int] = []
+def _held_runs(table: PrefillTable, match: PrefixMatch) -> Iterator[tuple[int, np.ndarray]]:
+    """(blocks held, the rows of the stores holding that many) for each length of the prefix
+    some store holds: the match's runs (their rows found once per run's list), or its lengths
+    grouped (a match made without runs)."""
+    if match.runs or not match.lengths:
+        for local, stores in match.runs:
+            rows = table.run_rows(stores)
+            if rows.size:
+                yield local, rows
+        return
+    by_length: dict[int, list[int]] = {}
     positions = table.positions
     for store_id, length in match.lengths.items():
-        at = positions.get(store_id)
-        if at is not None:
-            held.extend(at)
-            blocks.extend([length] * len(at))
-    return np.array(held, dtype=np.intp), np.array(blocks, dtype=np.int64)
-
-
-def _predict_rows(coef: np.ndarray, num_tokens: int, prefix: np.ndarray) -> np.ndarray:
-    """PrefillCostModel.predict per row (``coef`` its c0..c3 rows, ``prefix`` its cached
-    tokens), the same operations in the same order."""
-    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
-    n = num_tokens - p
-    c0, c1, c2, c3 = coef
-    t = c0 + c1 * n + c2 * n * (p + n) + c3 * p
-    return np.where(t > 0.0, t, 0.0)
-
-
-class DecodeTable:
-    """Per decode instance: the parts of its predicted TBT with one more request that do not
-    depend on the request (``c0 + c1·(batch + 1)``), its context and context coefficient,
-    whether its batch has room, and its context room (+inf where unlimited)."""
-
-    def __init__(self) -> None:
-        self.decodes: tuple[DecodeInstanceState, ...] = ()
-        self.default: DecodeCostModel | None = None
-        self._resize(0)
-
-    def _resize(self, n: int) -> None:
-        # batch, a copy of context and the context room are Python lists: read for the chosen
-        # row, or only when a request may not fit (an array's item costs more to write)
-        self.batch: list[int] = [0] * n
-        self.context = np.zeros(n, dtype=np.int64)
-        self.context_list: list[int] = [0] * n
-        self.base, self.c2 = np.zeros(n), np.zeros(n)
-        self.context_room: list[float] = [0.0] * n
-        self.batch_room = np.zeros(n, dtype=bool)
-        # c2 and batch_room as last written, as Python values: most writes change neither
-        self._row_c2: list[float | None] = [None] * n
-        self._row_room: list[bool | None] = [None] * n
-        # what each row was last written from: a request joining its batch (its KV arrived)
-        # moves it from incoming to running, a new state with the same load, so nothing to write
-        self._row_from: list[tuple | None] = [None] * n
-        # rows whose TBT may come out <= 0 (base <= 0, c2 < 0 or a negative context): without
-        # any, the clamp at 0 changes nothing and is skipped
-        self.may_clamp: set[int] = set()
-        self.full: set[int] = set()     # rows whose batch has no room
-        # at most the smallest context room (lowered as rows are written, made exact again only
-        # when a request needs more): a request within it fits every row without a min over them
-        self.room_floor = _INF
-
-    def update(self, decodes: tuple[DecodeInstanceState, ...], default: DecodeCostModel,
-               load: Callable[[DecodeInstanceState], tuple[int, int]]) -> None:
-        """Rewrite the rows of the instances whose state changed (``load(d)``: its load now,
-        through the cache; a snapshot's own view's load, kept at its events, where it is of
-        this very state)."""
-        rows: Sequence[int] | None = None if default is not self.default else _changed_rows(decodes, self.decodes)
-        if rows is None:
-            self._resize(len(decodes))
-            rows, self.default = range(len(decodes)), default
-        views = decodes.views if isinstance(decodes, Snapshot) else _NO_VIEWS
-        for i in rows:
-            d = decodes[i]
-            view = views[i] if views else None
-            if isinstance(view, DecodeView) and view.load[0] is d:
-                _, batch, context = view.load
-            else:
-                batch, context = load(d)
-            model = d.cost or default
-            written = (batch, context, model, d.max_batch_size, d.max_context_tokens)
-            if written == self._row_from[i]:
-                continue
-            self._row_from[i] = written
-            self.batch[i], self.context[i], self.context_list[i] = batch, context, context
-            self.base[i] = base = model.c0 + model.c1 * (batch + 1)
-            c2 = model.c2
-            if self._row_c2[i] != c2:      # the row's model changed (rare): else c2 is written
-                self._row_c2[i] = self.c2[i] = c2
-            if not (base > 0.0 and c2 >= 0.0 and context >= 0):
-                self.may_clamp.add(i)
-            elif self.may_clamp:
-                self.may_clamp.discard(i)
-            room = d.max_batch_size is None or batch < d.max_batch_size
-            if room is not self._row_room[i]:
-                self._row_room[i] = self.batch_room[i] = room
-                if room:
-                    self.full.discard(i)
-                else:
-                    self.full.add(i)
-            if d.max_context_tokens is not None:
-                self.context_room[i] = left = d.max_context_tokens - context
-                self.room_floor = left if left < self.room_floor else self.room_floor
-            else:
-                self.context_room[i] = _INF
-        self.decodes = decodes
-
-    def choose_now(self, req: ScheduleRequest) -> tuple[int, float] | None:
-        """The decode loop of ``choose_decode`` on the loads now: (row, its predicted TBT with
-        ``req`` added), or None when the loop must decide (no row with room, or only infinite
-        TBTs, where the loop's first-eligible rule applies). ``context + need <= max_context``
-        is asked as ``need <= max_context - context``: integers, exact either way."""
-        tbt = self.c2 * (self.context + req.num_tokens)
-        tbt += self.base                  # in place: base + x is x + base
-        if self.may_clamp or req.num_tokens < 0:   # else each TBT is base > 0 plus c2 >= 0 times a count >= 0
-            tbt = np.where(tbt > 0.0, tbt, 0.0)
-        need = req.num_tokens + req.max_output_tokens
-        if need > self.room_floor:
-            self.room_floor = min(self.context_room)
-        if not self.full and need <= self.room_floor:
-            keyed = tbt                # every row has room (the usual case): nothing to mask
-        else:
-            keyed = np.where(self.batch_room & (need <= np.array(self.context_room, dtype=np.float64)), tbt, _INF)
-        i = int(keyed.argmin())
-        best = float(keyed[i])
-        if not best < _INF:
-            return None
-        return i, best if keyed is tbt else float(tbt[i])
+        by_length.setdefault(length, []).extend(positions.get(store_id, ()))
+    for local, held in by_length.items():
+        if held:
+            yield local, np.array(held, dtype=np.intp)

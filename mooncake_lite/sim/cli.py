@@ -17,10 +17,11 @@ from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.colocated import ColocatedSim
 from mooncake_lite.sim.config import ColocatedConfig, SimConfig
-from mooncake_lite.sim.costs import PRESETS, get_hardware
+from mooncake_lite.sim.costs import PRESETS, Hardware, get_hardware
 from mooncake_lite.sim.metrics import format_summary, summarize
 from mooncake_lite.store.eviction import POLICY_NAMES
-from mooncake_lite.trace.format import TraceError, read_trace
+from mooncake_lite.sim.recorder import SimResult
+from mooncake_lite.trace.format import TraceError, TraceRequest, read_trace
 
 SUBCOMMANDS = ("run", "reproduce", "hitrate", "export-costs")
 
@@ -30,6 +31,14 @@ def _run_parser() -> argparse.ArgumentParser:
         "Simulate a Mooncake cluster on a trace with the conductor's own scheduler. "
         "Other subcommands: `mooncake sim reproduce --help`, `mooncake sim hitrate --help`, "
         "`mooncake sim export-costs --help`."))
+    _cluster_options(ap)
+    _policy_options(ap)
+    _run_options(ap)
+    return ap
+
+
+def _cluster_options(ap: argparse.ArgumentParser) -> None:
+    """The trace and the simulated cluster: shape, queues, hardware, stores, network."""
     ap.add_argument("trace", help="Mooncake JSONL trace")
     ap.add_argument("--prefill", type=int, default=8, help="prefill instances")
     ap.add_argument("--decode", type=int, default=8, help="decode instances")
@@ -53,6 +62,10 @@ def _run_parser() -> argparse.ArgumentParser:
                          "same DRAM, smaller prefix loads and fetches")
     ap.add_argument("--network-gbps", type=float, default=None,
                     help="effective network bandwidth between nodes (default: the cost model's)")
+
+
+def _policy_options(ap: argparse.ArgumentParser) -> None:
+    """The conductor's scheduling policy and the SLOs it admits by."""
     ap.add_argument("--strategy", choices=STRATEGIES, default="kvcache-centric")
     ap.add_argument("--admission", choices=ADMISSIONS, default="early")
     ap.add_argument("--local-ttft-check", action="store_true",
@@ -68,6 +81,10 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-check", choices=("reserve", "arrival"), default="reserve",
                     help="the decode's own TBT check: at reservation, before prefill (as live), or when the KV "
                          "arrives (the paper's; a refusal wastes the prefill)")
+
+
+def _run_options(ap: argparse.ArgumentParser) -> None:
+    """How the trace is replayed and what the run writes."""
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed factor")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--baseline", action="store_true",
@@ -87,7 +104,6 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compiled", action="store_true",
                     help="run the simulator's hot modules compiled with mypyc (built once into a cache; needs "
                          "mypy and a C compiler: pip install 'mooncake-lite[compiled]'); the same decisions, faster")
-    return ap
 
 
 def run_main(argv: list[str]) -> int:
@@ -98,25 +114,8 @@ def run_main(argv: list[str]) -> int:
         refusal = "--compiled does not run --tenants (run it without --compiled)" if args.tenants else None
         if not run_on_build("mooncake sim", ["sim", "run", *argv], refusal):   # re-executes on the build
             return 2
-    from mooncake_lite.sim import plots
-    from mooncake_lite.sim.runner import run_with_progress
     try:
-        hw = get_hardware(args.cost_model).with_kv_compression(args.kv_compression)
-        if args.network_gbps is not None:
-            if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
-                raise ValueError(f"--network-gbps must be a positive number, got {args.network_gbps}")
-            hw = replace(hw, network_bytes_per_s=args.network_gbps * 1e9 / 8)
-        sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
-                                tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
-                                block_size=hw.block_size)
-        cfg = SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
-                        prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
-                        store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
-                        scheduler=sched,
-                        local_ttft_check=args.local_ttft_check, seed=args.seed,
-                        max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
-                        decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens,
-                        prefill_queue_overtakes=args.prefill_queue_overtakes)
+        hw, cfg = _run_config(args)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")
@@ -124,23 +123,13 @@ def run_main(argv: list[str]) -> int:
     if not trace:
         sys.stderr.write("mooncake sim: error: the trace is empty\n")
         return 2
-    show = not args.no_progress and not args.json
-    tenant_table = None
-    if args.tenants:   # issue #18: tenants, priorities and a flood's cost to the others
-        from mooncake_lite.sim.tenants import tenant_runs
-        try:
-            runs, tenant_table = tenant_runs(cfg, hw, trace, args.tenants, args.tenants_without, args.seed, show)
-        except (ValueError, OSError) as exc:
-            sys.stderr.write(f"mooncake sim: error: --tenants: {exc}\n")
-            return 2
-    else:
-        runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
-    if args.baseline:
-        base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
-                               eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                               chunked_prefill_tokens=args.baseline_chunk, seed=args.seed)
-        runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
-                                                                     "colocated", show)
+    try:
+        runs, tenant_table = _simulate(args, cfg, hw, trace)
+    except (ValueError, OSError) as exc:
+        if not args.tenants:
+            raise
+        sys.stderr.write(f"mooncake sim: error: --tenants: {exc}\n")    # its file, its tenants
+        return 2
     summaries = []
     for label, res in runs.items():
         s = summarize(res, args.ttft_slo, args.tbt_slo)
@@ -149,17 +138,69 @@ def run_main(argv: list[str]) -> int:
             s["tenants"] = res.extra["tenants"]
         summaries.append(s)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        plots.cdf_plot(runs, out / "cdf.png", args.ttft_slo, args.tbt_slo)
-        plots.load_plot(runs, out / "load.png")
-        (out / "results.json").write_bytes(orjson.dumps(
-            {"summaries": summaries, "config": runs[next(iter(runs))].config},
-            option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        _write_out(Path(args.out), runs, summaries, args)
     if args.json:
         print(orjson.dumps(summaries if len(summaries) > 1 else summaries[0], option=orjson.OPT_NON_STR_KEYS).decode())
         return 0
-    print(format_summary(summaries, f"{len(trace):,} requests, {args.speed:g}x, TTFT SLO {args.ttft_slo:g}s, "
+    _print_summaries(summaries, len(trace), args, tenant_table)
+    return 0
+
+
+def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
+    """The hardware and the simulated cluster the options ask for (ValueError naming a bad one)."""
+    hw = get_hardware(args.cost_model).with_kv_compression(args.kv_compression)
+    if args.network_gbps is not None:
+        if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
+            raise ValueError(f"--network-gbps must be a positive number, got {args.network_gbps}")
+        hw = replace(hw, network_bytes_per_s=args.network_gbps * 1e9 / 8)
+    sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
+                            tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
+                            block_size=hw.block_size)
+    return hw, SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
+                         prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
+                         store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
+                         scheduler=sched,
+                         local_ttft_check=args.local_ttft_check, seed=args.seed,
+                         max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
+                         decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens,
+                         prefill_queue_overtakes=args.prefill_queue_overtakes)
+
+
+def _simulate(args: argparse.Namespace, cfg: SimConfig, hw: Hardware, trace: list[TraceRequest]
+              ) -> tuple[dict[str, SimResult], str | None]:
+    """Each run the options ask for, by label (Mooncake, or one per tenant mix; the colocated
+    baseline), and the tenants' table when there are tenants."""
+    from mooncake_lite.sim.runner import run_with_progress
+    show = not args.no_progress and not args.json
+    tenant_table = None
+    if args.tenants:   # issue #18: tenants, priorities and a flood's cost to the others
+        from mooncake_lite.sim.tenants import tenant_runs
+        runs, tenant_table = tenant_runs(cfg, hw, trace, args.tenants, args.tenants_without, args.seed, show)
+    else:
+        runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
+    if args.baseline:
+        base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
+                               eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                               chunked_prefill_tokens=args.baseline_chunk, seed=args.seed)
+        runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
+                                                                     "colocated", show)
+    return runs, tenant_table
+
+
+def _write_out(out: Path, runs: dict[str, SimResult], summaries: list[dict], args: argparse.Namespace) -> None:
+    """--out: results.json and the plots."""
+    from mooncake_lite.sim import plots
+    out.mkdir(parents=True, exist_ok=True)
+    plots.cdf_plot(runs, out / "cdf.png", args.ttft_slo, args.tbt_slo)
+    plots.load_plot(runs, out / "load.png")
+    (out / "results.json").write_bytes(orjson.dumps(
+        {"summaries": summaries, "config": runs[next(iter(runs))].config},
+        option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def _print_summaries(summaries: list[dict], num_requests: int, args: argparse.Namespace,
+                     tenant_table: str | None) -> None:
+    print(format_summary(summaries, f"{num_requests:,} requests, {args.speed:g}x, TTFT SLO {args.ttft_slo:g}s, "
                                     f"TBT SLO {args.tbt_slo * 1e3:g}ms"))
     for s in summaries:
         print(f"{s['label']}: rejected {s['rejected_by'] or 'none'}; reused {s['reused_token_share']:.1%} of input "
@@ -169,7 +210,6 @@ def run_main(argv: list[str]) -> int:
         print(tenant_table)
     if args.out:
         print(f"wrote {Path(args.out) / 'results.json'}, cdf.png, load.png")
-    return 0
 
 
 def hitrate_main(argv: list[str]) -> int:

@@ -25,7 +25,7 @@ from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
-from mooncake_lite.scheduler.view import StateTuple
+from mooncake_lite.scheduler.snapshot import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
@@ -45,21 +45,9 @@ class MooncakeSim(TraceDriver):
                                 bandwidth_bytes_per_s=hw.network_bytes_per_s)
         self.scheduler = scheduler or Scheduler(cfg.scheduler, self.costs, rng=random.Random(cfg.seed))
         self.events = EventQueue()
-        capacity = cfg.store_blocks_per_node
-        if capacity is None:
-            capacity = hw.dram_blocks() * cfg.cpp_group_size
-        group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
-        ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
-        self.prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
-                                     cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens,
-                                     cfg.prefill_queue_overtakes)
-                         for i in range(cfg.num_prefill)]
+        self.prefills, self.decodes = self._nodes()
         # keyed as the scheduler names stores (a Decision's ``transfer_source`` is any Hashable)
         self.prefill_by_id: dict[Hashable, PrefillNode] = {p.instance_id: p for p in self.prefills}
-        self.decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
-                                   self.events, cfg.decode_max_batch,
-                                   hw.decode_max_context_tokens, self._finish, hw.decode_kv_write_s_per_token)
-                        for i in range(cfg.num_decode)]
         self.decode_by_id: dict[Hashable, DecodeNode] = {d.instance_id: d for d in self.decodes}
         # SimConfig refuses relative SLOs, so these are floats (typed so: a compiled build trusts it)
         ttft_slo, tbt_slo = cfg.scheduler.ttft_slo_s, cfg.scheduler.tbt_slo_s
@@ -69,6 +57,7 @@ class MooncakeSim(TraceDriver):
         self.tbt_slo_s: float = tbt_slo
         # a snapshot rebuilds only the entries of the instances whose view changed
         self._states = (StateTuple(p.view for p in self.prefills), StateTuple(d.view for d in self.decodes))
+        self.scheduler.cache.follow(*self._states)
         self.recorder = Recorder(self, cfg.sample_interval_s)
         self.decisions: list[Decision] | None = None   # set to [] to keep every decision (tests)
         self.max_tokens_policy = MaxTokensPolicy.parse(cfg.max_tokens_policy)
@@ -78,6 +67,23 @@ class MooncakeSim(TraceDriver):
         # One box (Hardware.decode_colocated_slowdown != 1): decodes slow while any prefill computes.
         self.slowdown = hw.decode_colocated_slowdown
         self._prefilling = False
+
+    def _nodes(self) -> tuple[list[PrefillNode], list[DecodeNode]]:
+        """The prefill instances (CPP groups, each with its node store) and the decode nodes."""
+        cfg, hw = self.cfg, self.hw
+        capacity = cfg.store_blocks_per_node
+        if capacity is None:
+            capacity = hw.dram_blocks() * cfg.cpp_group_size
+        group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
+        ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
+        prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
+                                cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens, cfg.prefill_queue_overtakes)
+                    for i in range(cfg.num_prefill)]
+        decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
+                              self.events, cfg.decode_max_batch,
+                              hw.decode_max_context_tokens, self._finish, hw.decode_kv_write_s_per_token)
+                   for i in range(cfg.num_decode)]
+        return prefills, decodes
 
     def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         res = super().run(trace, progress)

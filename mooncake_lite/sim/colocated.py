@@ -172,8 +172,8 @@ class ColocatedSim(TraceDriver):
     def _arrive(self, now: float, req: SimRequest) -> None:
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
         states = tuple(c.state() for c in self.instances)
-        choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, now, self.rng,
-                                cache=self.estimates)
+        queues = self.estimates.prefill_queues(states, self.costs, now)
+        choice = choose_prefill(sreq, states, self.index.match(req.keys), self.sched_cfg, self.costs, queues, self.rng)
         req.prefill_id = req.decode_id = choice.instance.instance_id
         req.planned_prefix_tokens = min(choice.local_blocks * self.block_size, req.input_length - 1)
         self.by_id[req.prefill_id].enqueue(now, req)

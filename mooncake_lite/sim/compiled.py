@@ -31,20 +31,23 @@ from pathlib import Path
 # decode batches, the event loop, the trace reader). The one list: the build and the guard test
 # read it. Left out on purpose: sim/driver.py (ColocatedSim, an interpreted subclass, derives
 # from it); sim/tenants.py (TenantSim subclasses MooncakeSim: ``--tenants`` is refused);
-# sim/oracle.py (a builtin exception's subclass); scheduler/snapshot.py (``Snapshot(tuple)``,
-# a builtin's subclass, moved out of scheduler/view.py so that the views compile).
+# sim/oracle.py (a builtin exception's subclass).
 MODULES = (
     "mooncake_lite.common.tbt",
     "mooncake_lite.trace.format",
     "mooncake_lite.store.eviction",
     "mooncake_lite.scheduler.wide",
+    "mooncake_lite.scheduler.wide_decode",
     "mooncake_lite.scheduler.view",
+    "mooncake_lite.scheduler.prefill_view",
+    "mooncake_lite.scheduler.snapshot",
     "mooncake_lite.scheduler.cache",
     "mooncake_lite.scheduler.estimate",
     "mooncake_lite.scheduler.costs",
     "mooncake_lite.scheduler.block_index",
     "mooncake_lite.scheduler.scheduler",
     "mooncake_lite.scheduler.prefill_select",
+    "mooncake_lite.scheduler.rules",
     "mooncake_lite.scheduler.admission",
     "mooncake_lite.scheduler.state",
     "mooncake_lite.scheduler.queue_order",

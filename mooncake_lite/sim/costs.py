@@ -184,7 +184,16 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
                                "prefill": PrefillCostModel.from_dict(data["prefill"])}
     if isinstance(data.get("decode"), dict):
         changes["decode"] = DecodeCostModel.from_dict(data["decode"])
+    changes.update(_positive_numbers(path, data))
+    if "decode_step_ratios" in data:
+        changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
+    return replace(hw, **changes)
+
+
+def _positive_numbers(path: str | Path, data: dict[str, Any]) -> dict[str, float | int]:
+    """A profile's optional numeric fields, by Hardware field (each a positive number)."""
     bw = data.get("network_bytes_per_s", data.get("bandwidth_bytes_per_s"))
+    changes: dict[str, float | int] = {}
     for key, value in (("network_bytes_per_s", bw), ("kv_bytes_per_token", data.get("kv_bytes_per_token")),
                        ("local_load_bytes_per_s", data.get("local_load_bytes_per_s")),
                        ("ssd_load_bytes_per_s", data.get("ssd_load_bytes_per_s")),
@@ -197,9 +206,7 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"cost profile {path}: {key} must be a positive number, got {value!r}")
             changes[key] = float(value) if key.endswith(("_per_s", "_slowdown", "_per_token")) else int(value)
-    if "decode_step_ratios" in data:
-        changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
-    return replace(hw, **changes)
+    return changes
 
 
 def _step_ratios(path: str | Path, value: Any) -> tuple[float, ...]:

@@ -186,6 +186,15 @@ def capacity(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int,
             row[f"{name}_gain"] = m.speed / b.speed - 1 if b.speed > 0 else None
         row["gain"] = row["colocated_gain"]
         rows.append(row)
+    values = {paper.capacity_label(r["tbt_slo_s"]): (r["gain"] or 0.0) * 100 for r in rows}
+    ref = {paper.capacity_label(t): g * 100 for t, g in paper.CAPACITY_GAIN.items()}
+    return {"rows": rows, "table": _capacity_table(rows, target, chunk_tokens), "plots": [
+        plots.bar_plot(values, out / "capacity_gain.png", "capacity gain over colocated vLLM-v0 (%)", ref,
+                       "Effective request capacity gain")]}
+
+
+def _capacity_table(rows: list[dict[str, Any]], target: float, chunk_tokens: int | None) -> str:
+    """The capacity rows as the printed table."""
     lines = [f"Effective request capacity - TTFT<=30s and TBT<=X for {target:.0%} of requests "
              f"(Mooncake 8P+8D vs 16 colocated nodes)",
              f"{'TBT SLO':<10}{'Mooncake':>11}{'vLLM-v0':>11}{'gain':>9}{'paper gain':>12}"
@@ -200,11 +209,7 @@ def capacity(trace: Sequence[TraceRequest], out: Path, tick: Tick, seed: int,
         if chunk_tokens:
             line += f"{r['colocated-chunked_rps']:>7.2f} r/s{pct(r['colocated-chunked_gain']):>9}"
         lines.append(line)
-    values = {paper.capacity_label(r["tbt_slo_s"]): (r["gain"] or 0.0) * 100 for r in rows}
-    ref = {paper.capacity_label(t): g * 100 for t, g in paper.CAPACITY_GAIN.items()}
-    return {"rows": rows, "table": "\n".join(lines), "plots": [
-        plots.bar_plot(values, out / "capacity_gain.png", "capacity gain over colocated vLLM-v0 (%)", ref,
-                       "Effective request capacity gain")]}
+    return "\n".join(lines)
 
 
 def _rate(trace: Sequence[TraceRequest]) -> float:

@@ -112,7 +112,8 @@ def test_prefill_choice_matches_the_choice_costed_option_by_option(scenario, mod
     prefills = tuple(replace(p, cost=m) for p, m in zip(clus.prefills, models))
     config = cfg(strategy=strategy, kvcache_balancing_threshold=threshold)
     costs = replace(COSTS, transfer_latency_s=latency)
-    choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, costs, 0.0, None)
+    queues = FromScratch.prefill_queues(prefills, costs, 0.0)
+    choice = choose_prefill(req, prefills, idx.match(req.block_keys), config, costs, queues)
     assert (choice.instance.instance_id, choice.ttft_s) == _reference_choice(req, prefills, idx, config, costs)
 
 

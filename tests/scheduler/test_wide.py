@@ -17,7 +17,7 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, Decod
                                      ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler import wide
 from mooncake_lite.scheduler.estimate import queues_at
-from mooncake_lite.scheduler.view import StateTuple
+from mooncake_lite.scheduler.snapshot import StateTuple
 
 from tests.scheduler.test_estimate_cache import BS, COSTS, OPS, World, _index
 
@@ -64,7 +64,7 @@ def _decide_cached_and_from_scratch(rng: random.Random, world: World, config: Sc
             now = world.now
             assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
             if cluster.prefills:
-                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)[0]  # lists made when read
+                rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)  # lists made when read
                 assert (rows.backlogs, rows.done_s, rows.queue_s) == \
                     tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
@@ -175,5 +175,7 @@ def test_state_tuple_rebuilds_only_what_changed_and_equals_every_state():
             # what the tables read: the rows the snapshot names are exactly those an identity
             # scan finds, and a snapshot links only to the one before it
             scanned = [j for j, (old, new) in enumerate(zip(before, after)) if old is not new]
-            assert sorted(wide._changed_rows(after, before)) == scanned
-            assert after is before or (after.previous is before and before.previous is None)
+            assert sorted(wide.changed_rows(after, before)) == scanned
+        for st, before, after in ((pt, before_p, after_p), (dt, before_d, after_d)):
+            assert after is before or st.last.previous is before
+            assert sorted(wide.changed_rows(after, before, st.last)) == sorted(wide.changed_rows(after, before))

@@ -1,0 +1,167 @@
+"""The scheduler's view of one prefill instance, kept current at its owner's events (the live
+conductor's ``conductor/membership.py`` and the simulator's ``sim/nodes.py``): its FIFO queue as
+the frozen state the scheduler reads, built once and handed out again until something it shows
+changes (scheduler/view.py says the same of decode instances). No IO and no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.scheduler.snapshot import Shown
+from mooncake_lite.scheduler.state import PrefillInstanceState, QueuedPrefill
+
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
+
+
+class Reported(NamedTuple):
+    """What a prefill instance reports about itself (registration, heartbeats)."""
+
+    store_id: Hashable
+    bandwidth_bytes_per_s: float | None
+    cost: PrefillCostModel | None
+    pack_tokens: int
+    overtakes: int
+
+
+class PricedRow(NamedTuple):
+    """What the wide prefill table writes for ``state`` (``PrefillView.row``): the model its
+    jobs are priced with, their total predicted work and the started head's (duration, start),
+    None when no job has started."""
+
+    state: PrefillInstanceState
+    model: PrefillCostModel
+    total_s: float
+    started_head: tuple[float, float] | None
+
+
+class PrefillView(Shown[PrefillInstanceState]):
+    """A prefill instance's FIFO queue as the scheduler sees it. The owner says when a job
+    starts (the conductor: when the one before it ends; the simulator: when it really does).
+
+    Once a reader names the model it prices the queue with (:meth:`price_with`: the wide
+    prefill table, with the cluster default for an instance without a model of its own), the
+    view prices its jobs as they come, one job a forward: each job's predicted duration, and
+    their running sum in execution order. Each state it builds is then published with its total
+    and started head (``row``), so a snapshot's changed row costs no re-derivation."""
+
+    def __init__(self, instance_id: str, store_id: Hashable, bandwidth_bytes_per_s: float | None = None,
+                 cost: PrefillCostModel | None = None, pack_tokens: int = 0, overtakes: int = 0) -> None:
+        self.instance_id = instance_id
+        self._about = Reported(store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+        self._jobs: dict[str, QueuedPrefill] = {}            # execution order
+        self._queue: tuple[QueuedPrefill, ...] | None = ()   # _jobs as shown (None: show afresh)
+        self._state = None
+        self._default: PrefillCostModel | None = None   # the model a reader prices with, without one of its own
+        self._model: PrefillCostModel | None = None     # what the jobs are priced with (None: not priced)
+        self._durations: dict[str, float] = {}
+        self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
+        self.row: PricedRow | None = None
+        self._reprice()
+
+    def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
+                     cost: PrefillCostModel | None, pack_tokens: int = 0, overtakes: int = 0) -> None:
+        """What the instance reports about itself (registration, heartbeats)."""
+        about = Reported(store_id, bandwidth_bytes_per_s, cost, pack_tokens, overtakes)
+        if about != self._about:
+            self._about = about
+            self._reprice()
+            self._stale()
+
+    def price_with(self, default: PrefillCostModel) -> None:
+        """Price the queue with the instance's own model, else ``default``, from now on; the
+        state shown keeps its place, its ``row`` made again."""
+        if default is not self._default:
+            self._default = default
+            self._reprice()
+            state = self._state
+            self.row = self._row(state) if state is not None and self._model is not None else None
+
+    def _reprice(self) -> None:
+        """The model the jobs are priced with, after the instance's own or the default changed:
+        one job a forward only (a packing instance's queue is priced by the estimate cache)."""
+        about = self._about
+        model = (about.cost or self._default) if about.pack_tokens == 0 else None
+        if model is not self._model:
+            self._model = model
+            self._durations = {} if model is None else \
+                {rid: model.predict(job.num_tokens, job.num_prefix_tokens) for rid, job in self._jobs.items()}
+            self._total = None
+
+    def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
+            started_at: float | None = None, passed: int = 0) -> None:
+        """Queue a job behind the others (or replace the job of that id where it stands);
+        ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``)."""
+        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed)
+        replaced = self._jobs.get(request_id)
+        self._jobs[request_id] = job
+        if self._queue is not None:
+            self._queue = (*self._queue, job) if replaced is None else None
+        model = self._model
+        if model is not None:
+            self._durations[request_id] = duration = model.predict(num_tokens, num_prefix_tokens)
+            total = self._total    # as itertools.accumulate adds: the first job's, then last + next
+            self._total = None if replaced is not None or total is None else \
+                (total + duration if len(self._jobs) > 1 else duration)
+        self._stale()
+
+    def start(self, request_id: str, now: float) -> None:
+        """The job started executing at ``now``."""
+        job = self._jobs[request_id]
+        if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
+            started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now)
+            self._jobs[request_id] = started
+            queue = self._queue
+            self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
+            self._stale()
+
+    def remove(self, request_id: str) -> bool:
+        """The job ended (or was aborted): False if there was none of that id."""
+        job = self._jobs.pop(request_id, None)
+        if job is None:
+            return False
+        queue = self._queue
+        if queue is not None:
+            self._queue = queue[1:] if queue[0] is job else tuple(q for q in queue if q is not job)
+        if self._model is not None:
+            del self._durations[request_id]
+            self._total = None     # the sum from the new head: added up again at the next state
+        self._stale()
+        return True
+
+    def clear(self) -> None:
+        self._jobs.clear()
+        self._queue = ()
+        self._durations.clear()
+        self._total = 0.0
+        self._stale()
+
+    def state(self) -> PrefillInstanceState:
+        if self._state is None:
+            if self._queue is None:
+                self._queue = tuple(self._jobs.values())
+            about = self._about
+            self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
+                                                       about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
+                                                       about.overtakes)
+            self.row = self._row(state) if self._model is not None else None
+        return self._state
+
+    def _row(self, state: PrefillInstanceState) -> PricedRow | None:
+        """What the wide prefill table writes for ``state``; None with more than one job started
+        (the table then derives the backlog)."""
+        queue, durations, model = state.queue, self._durations, self._model
+        assert model is not None, "called only while the jobs are priced"
+        total = self._total
+        if total is None:          # itertools.accumulate's order: the first job's, then + each next
+            total = 0.0
+            for i, job in enumerate(queue):
+                total = total + durations[job.request_id] if i else durations[job.request_id]
+            self._total = total
+        if not queue or queue[0].started_at is None:
+            return _new(PricedRow, (state, model, total, None))
+        head = queue[0]
+        if len(queue) > 1 and queue[1].started_at is not None:
+            return None
+        return _new(PricedRow, (state, model, total, (durations[head.request_id], head.started_at)))
