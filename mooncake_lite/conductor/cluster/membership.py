@@ -15,7 +15,7 @@ queue in the instance's order, the decode batch and the requests whose KV is sti
 (``incoming`` from dispatch until the first token, so a burst is spread instead of herding onto
 one instance). The event handlers here tell the view what happened; it builds a new state only
 when something the state shows changed (within the bounds ``scheduler/view.py`` states), and a
-snapshot is made as the simulator makes its own, by a :class:`~mooncake_lite.scheduler.view.StateTuple`
+snapshot is made as the simulator makes its own, by a :class:`~mooncake_lite.scheduler.snapshot.StateTuple`
 per role over the live instances' views: an unchanged instance keeps its state object, so the
 scheduler's estimate cache hits.
 
@@ -41,7 +41,7 @@ from mooncake_lite.scheduler import (ClusterState, DecodeView, DecodingRequest, 
 from mooncake_lite.scheduler.costs import uncached_tokens
 from mooncake_lite.scheduler.packing import first_pack
 from mooncake_lite.scheduler.queue_order import enqueue, withdraw
-from mooncake_lite.scheduler.view import StateTuple
+from mooncake_lite.scheduler.snapshot import StateTuple
 
 __all__ = ["DecodeJob", "Instance", "Membership", "PrefillJob", "RegistrationError", "model_id"]
 log = logging.getLogger(__name__)
