@@ -1,5 +1,5 @@
 """TBT as the Mooncake paper (FAST'25) defines it: per request, the mean of the slowest 10% of
-its token gaps (REFERENCE.md, metric conventions).
+its token gaps (docs/paper.md §7).
 
 One definition for every place that computes it — the live conductor's histogram, the replay
 client's report and the simulator — so a simulated TBT and a live one average the same gaps:

@@ -1,4 +1,4 @@
-"""Decode selection by predicted TBT and the SLO admission check (REFERENCE.md §2 steps 3–4, §3).
+"""Decode selection by predicted TBT and the SLO admission check (docs/paper.md §2 steps 3–4, §3).
 
 ``none`` and ``early`` read every decode instance's committed load *now* (running batch plus the
 requests already dispatched there whose KV has not arrived, plus the new request);

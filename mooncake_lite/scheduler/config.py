@@ -22,13 +22,13 @@ class SchedulerConfig:
         ``random``          seeded random prefill and decode instance (local cache still reused);
         ``load-balance``    prefill with the smallest queue + cache-blind execution time;
         ``cache-aware``     prefill with the smallest queue + execution given its *local* prefix;
-        ``kvcache-centric`` Algorithm 1 (REFERENCE.md §2): may fetch the best prefix from another
+        ``kvcache-centric`` Algorithm 1 (docs/paper.md §2): may fetch the best prefix from another
                             store and asks the caller to replicate it (hot-spot migration).
     admission:
         ``none``        never reject here (the decode instance may still refuse after prefill);
         ``early``       reject at arrival if TTFT > SLO or the decode TBT *now* > SLO;
         ``predictive``  reject if TTFT > SLO or the decode TBT predicted for the moment this
-                        request would finish prefill > SLO (REFERENCE.md §3).
+                        request would finish prefill > SLO (docs/paper.md §3).
     kvcache_balancing_threshold:
         ratio ``best_len / p.prefix_len`` at or above which instance ``p`` is costed with the
         best global prefix fetched to it (Algorithm 1 line "if best_len / p.prefix_len < t").
@@ -38,7 +38,7 @@ class SchedulerConfig:
     ttft_slo_s, tbt_slo_s, ttft_slo_factor, tbt_slo_factor:
         the SLOs admission checks, per metric either **absolute** (``ttft_slo_s``/``tbt_slo_s``
         in seconds: FAST'25's TTFT ≤ 30 s, TBT ≤ 100–300 ms) or, when that is ``None``,
-        **relative** to the request's own latency without interference (REFERENCE.md §4,
+        **relative** to the request's own latency without interference (docs/paper.md §4,
         arXiv: TTFT ≤ 10×, TBT ≤ 5×): TTFT ≤ ``ttft_slo_factor`` × the chosen prefill
         instance's predicted execution of the whole prompt alone (no queue, no cached prefix),
         TBT ≤ ``tbt_slo_factor`` × the chosen decode instance's predicted step for this request

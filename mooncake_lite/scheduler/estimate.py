@@ -1,5 +1,5 @@
 """Estimators built on the cost models: queue time, prefill finish times, decode load now and at
-a future time (the prediction of REFERENCE.md §3).
+a future time (the prediction of docs/paper.md §3).
 
 Each ``*_of`` function is a definition: it derives one thing from one instance state, from
 scratch, independent of ``now``. A decision gets them for every instance of a role at once

@@ -1,5 +1,5 @@
 """Prefill instance selection per strategy; ``kvcache-centric`` is Algorithm 1 lines 1–16
-(REFERENCE.md §2): the smallest predicted TTFT over all instances, each costed either with its
+(docs/paper.md §2): the smallest predicted TTFT over all instances, each costed either with its
 local prefix or with the best global prefix fetched to it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The scheduler's choice rules, each written once: change a rule here and every path follows.
 
-Algorithm 1 (REFERENCE.md §2) costs each prefill instance with the prefix it would run with —
+Algorithm 1 (docs/paper.md §2) costs each prefill instance with the prefix it would run with —
 its own, or the best one in the cluster fetched to it (:func:`fetches_best_prefix`) — and picks
 the smallest cost key (:func:`prefill_cost_key`, its predicted TTFT); the decode pick takes, of
 the instances with room (:func:`decode_has_room`), the smallest predicted TBT with the request

@@ -1,4 +1,4 @@
-"""The conductor's decision: Algorithm 1 (REFERENCE.md §2) plus overload admission (§3), then,
+"""The conductor's decision: Algorithm 1 (docs/paper.md §2) plus overload admission (§3), then,
 for a tenant's request, its priority class (``tenants.py``).
 
 Pure: no IO, no clock. The live conductor and the simulator both build a :class:`ClusterState`

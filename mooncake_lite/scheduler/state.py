@@ -92,7 +92,7 @@ class DecodingRequest:
 class IncomingRequest:
     """A request the caller has committed to a decode instance whose KV has not arrived yet
     (its prefill is queued or running, or its KV is still in transit). It will be in that
-    instance's batch, so decode selection and admission count it (REFERENCE.md §3).
+    instance's batch, so decode selection and admission count it (docs/paper.md §3).
 
     When it joins is not stored here: the scheduler predicts its prefill end from the prefill
     queue holding the same ``request_id`` (one source of truth, nothing counted twice); one in

@@ -4,7 +4,7 @@ The simulator's "truth" uses the scheduler's own coefficient classes
 (:class:`~mooncake_lite.scheduler.costs.PrefillCostModel`, ``DecodeCostModel``), so with
 ``noise=0`` the conductor predicts exactly what the simulated hardware then does.
 
-``llama2-70b-a800`` (the paper's dummy model on 8×A800 nodes, REFERENCE.md §5):
+``llama2-70b-a800`` (the paper's dummy model on 8×A800 nodes, docs/paper.md §5):
   * prefill: the FAST'25 FLOPs model ``l·(a·n²·d + b·n·d²)`` (a=4, b=22, l=80, d=8192) divided
     by one effective throughput, plus a fixed overhead, both fitted (relative least squares)
     to the measured TP8 batch-1 times 512→94 ms, 2k→274 ms, 8k→1,544 ms. The fit is within
@@ -31,7 +31,7 @@ import orjson
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel, kv_bytes_per_token
 
-# FAST'25 FLOPs model constants for LLaMA2-70B (REFERENCE.md §5).
+# FAST'25 FLOPs model constants for LLaMA2-70B (docs/paper.md §5).
 LAYERS, HIDDEN, ATTN_A, MLP_B = 80, 8192, 4, 22
 MEASURED_PREFILL_S = {512: 0.094, 2048: 0.274, 8192: 1.544}  # 8×A100 TP8, batch 1
 
@@ -82,7 +82,7 @@ class Hardware:
 
     def prefill_seconds(self, num_tokens: int, num_prefix_tokens: int) -> float:
         """True prefill time: compute, with the local prefix load hidden by layer-wise overlap
-        unless it is the longer of the two (REFERENCE.md §1)."""
+        unless it is the longer of the two (docs/paper.md §1)."""
         compute = self.prefill.predict(num_tokens, num_prefix_tokens)
         return max(compute, self.prefix_load_seconds(num_prefix_tokens))
 

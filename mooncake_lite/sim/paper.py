@@ -1,4 +1,4 @@
-"""The paper's published figures the reproductions are printed next to (REFERENCE.md §3–4)."""
+"""The paper's published figures the reproductions are printed next to (docs/paper.md §3–4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Summary figures of a trace (REFERENCE.md §6): size, lengths, arrival rate and reuse."""
+"""Summary figures of a trace (docs/paper.md §6): size, lengths, arrival rate and reuse."""
 
 from __future__ import annotations
 

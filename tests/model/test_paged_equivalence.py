@@ -102,7 +102,7 @@ def test_large_presets_on_meta_device():
     meta = build_meta(args)
     assert sum(p.numel() for p in meta.parameters()) == args.num_params()
     assert 68e9 < args.num_params() < 70e9
-    assert args.kv_bytes_per_token(torch.float16) == 327_680  # REFERENCE.md §5
+    assert args.kv_bytes_per_token(torch.float16) == 327_680  # docs/paper.md §5
 
 
 def test_bad_model_config_is_clear():

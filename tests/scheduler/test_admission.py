@@ -1,4 +1,4 @@
-"""Early vs prediction-based admission (REFERENCE.md §3) on hand-built states."""
+"""Early vs prediction-based admission (docs/paper.md §3) on hand-built states."""
 
 import pytest
 

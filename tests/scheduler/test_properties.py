@@ -76,7 +76,7 @@ def test_decision_invariants(scenario, admission):
 
 def _reference_choice(req, prefills, idx, config, costs):
     """The prefill choice spelled out per instance with the plain helpers (Algorithm 1 lines
-    1–16, REFERENCE.md §2, for ``kvcache-centric``): (instance id, predicted TTFT) of the first
+    1–16, docs/paper.md §2, for ``kvcache-centric``): (instance id, predicted TTFT) of the first
     instance with the smallest ranking key (the TTFT, but cache-blind for ``load-balance``)."""
     best_len = idx.match(req.block_keys).best_len
     options = []

@@ -1,4 +1,4 @@
-"""The seesaw of REFERENCE.md §3: with early rejection the decode load read *now* lags the
+"""The seesaw of docs/paper.md §3: with early rejection the decode load read *now* lags the
 prefill pipeline, so prefill and decode load swing in anti-phase; prediction-based admission
 reads the decode load at the moment the request would reach it and keeps decode steady.
 

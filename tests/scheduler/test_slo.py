@@ -1,4 +1,4 @@
-"""Relative SLOs (REFERENCE.md §4, arXiv: TTFT ≤ 10×, TBT ≤ 5× the latency without
+"""Relative SLOs (docs/paper.md §4, arXiv: TTFT ≤ 10×, TBT ≤ 5× the latency without
 interference, by each instance's own cost model) vs absolute ones, and the check that an
 absolute SLO is out of an instance's reach even idle."""
 
