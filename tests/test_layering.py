@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.fakes import write_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ("mooncake_lite", "kernels")
 
@@ -179,15 +181,8 @@ def test_no_import_cycle_between_modules():
 
 # ---- the checks themselves catch what they should ---------------------------------------------
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
 def test_an_upward_or_sideways_import_is_caught_even_inside_a_function(tmp_path):
-    _write(tmp_path, {
+    write_tree(tmp_path, {
         "mooncake_lite/__init__.py": "",
         "mooncake_lite/store/__init__.py": "",
         "mooncake_lite/store/app.py": "def f():\n    from mooncake_lite.prefill.app import g\n",
@@ -209,7 +204,7 @@ def test_a_package_without_a_layer_is_caught():
 
 
 def test_a_cycle_at_import_time_is_caught_and_a_deferred_or_type_only_import_is_not(tmp_path):
-    _write(tmp_path, {
+    write_tree(tmp_path, {
         "mooncake_lite/__init__.py": "",
         "mooncake_lite/prefill/__init__.py": "",
         "mooncake_lite/prefill/a.py": "from mooncake_lite.prefill.b import x\n",

@@ -14,30 +14,11 @@ from aiohttp import web
 from mooncake_lite.common.cost_report import CostReport, DecodeCost
 from mooncake_lite.common.lifecycle import EXIT, Listener, Membership, serve_role
 from mooncake_lite.common.membership import Conductor
-from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, loads
-from mooncake_lite.common.service import bound_port
+from mooncake_lite.common.protocol import InstanceLoad, Register
+from tests.fakes import fake_conductor
 
 pytestmark = pytest.mark.timeout(30)
 COST = CostReport(decode=DecodeCost(c0=0.5))
-
-
-async def _conductor(seen: dict[str, list], refuse: bool = False) -> tuple[web.AppRunner, str]:
-    async def register(request: web.Request) -> web.Response:
-        seen["register"].append(loads(Register, await request.read()))
-        return web.json_response({"error": "model mismatch"} if refuse else {}, status=409 if refuse else 200)
-
-    async def heartbeat(request: web.Request) -> web.Response:
-        seen["heartbeat"].append(loads(Heartbeat, await request.read()))
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/internal/v1/register", register)
-    app.router.add_post("/internal/v1/heartbeat", heartbeat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{bound_port(site)}"
 
 
 def _membership(url: str) -> Membership:
@@ -56,8 +37,7 @@ async def _until(condition) -> None:
 
 
 async def test_an_instance_registers_then_heartbeats_until_its_cleanup_is_over():
-    seen: dict[str, list] = {"register": [], "heartbeat": []}
-    conductor, url = await _conductor(seen)
+    conductor, url, seen = await fake_conductor()
     beats_at_cleanup: list[int] = []
 
     async def lifetime(app: web.Application):
@@ -83,8 +63,7 @@ async def test_an_instance_registers_then_heartbeats_until_its_cleanup_is_over()
 
 
 async def test_a_refused_instance_stops_with_exit_status_1():
-    seen: dict[str, list] = {"register": [], "heartbeat": []}
-    conductor, url = await _conductor(seen, refuse=True)
+    conductor, url, seen = await fake_conductor(refuse_roles={"decode"})
     try:
         status = await asyncio.wait_for(serve_role(web.Application(), Listener("decode", "127.0.0.1", 0),
                                                    _membership(url)), 10)

@@ -4,38 +4,12 @@ import asyncio
 import time
 
 import pytest
-from aiohttp import web
 
-from mooncake_lite.common.protocol import Heartbeat, Register, loads
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from tests.conftest import start_role
+from tests.fakes import fake_conductor
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def fake_conductor(refuse_roles: set[str]):
-    seen: dict[str, list] = {"register": [], "heartbeat": []}
-
-    async def register(request):
-        msg = loads(Register, await request.read())
-        seen["register"].append(msg)
-        if msg.role in refuse_roles:
-            return web.json_response({"error": "model mismatch: cluster runs small"}, status=409)
-        return web.json_response({"ok": True})
-
-    async def heartbeat(request):
-        seen["heartbeat"].append(loads(Heartbeat, await request.read()))
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/internal/v1/register", register)
-    app.router.add_post("/internal/v1/heartbeat", heartbeat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}", seen
 
 
 async def test_register_heartbeat_and_exit_on_refusal():
