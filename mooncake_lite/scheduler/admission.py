@@ -62,16 +62,18 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
             return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
-    need, default = num_tokens + max_output, costs.decode
-    tbts = [(d.cost or default).predict(batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)]
-    # The room rule asked from the smallest TBT up (a stable sort: ties keep the earlier
-    # instance), so mostly once per decision rather than once per instance.
+    best, best_tbt, need, default = None, float("inf"), num_tokens + max_output, costs.decode
     has_room = rules.decode_has_room
-    for i in sorted(range(len(tbts)), key=tbts.__getitem__):
-        d, (batch, context) = decodes[i], loads[i]
-        if has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
-            return _new(DecodeChoice, (d, tbts[i], batch + 1, context + num_tokens))
-    return None
+    for d, (batch, context) in zip(decodes, loads):
+        tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
+        # the room rule asked only of an instance that would be the best so far (strict: ties
+        # keep the earlier instance), so a few times per decision rather than once per instance
+        if (tbt < best_tbt or best is None) and has_room(d.max_batch_size, d.max_context_tokens, batch, context,
+                                                        need):
+            best, best_tbt, best_load = d, tbt, (batch, context)
+    if best is None:
+        return None
+    return _new(DecodeChoice, (best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens))
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
