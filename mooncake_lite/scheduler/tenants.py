@@ -354,5 +354,5 @@ class Tenant:
         refusal = self.ledger.shed(self.spec, decision, req, cluster, self.config, costs, now)
         if refusal is None:
             return decision
-        return replace(decision, accepted=False, reason=f"rejected: {refusal.message}", reject_cause="priority",
-                       migration=None)
+        return decision._replace(accepted=False, reason=f"rejected: {refusal.message}", reject_cause="priority",
+                                 migration=None)
