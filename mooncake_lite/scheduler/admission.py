@@ -45,7 +45,8 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     strategy ``random`` a random eligible one. None when no instance has room. ``queues`` (the
     backlogs of ``cluster.prefills`` at ``now``) saves recomputing them when the caller has
     them; ``cache`` (None: from scratch) keeps what is derived per instance between decisions,
-    and on a wide cluster picks over its rows (the same rule, the same choice)."""
+    and on a wide cluster picks over its rows (the same rule, the same choice). The room rule is
+    asked until one has room, then only where the TBT beats the best (one not asked cannot win)."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
     estimates = cache or FROM_SCRATCH
     if cfg.strategy != "random" and cfg.admission != "predictive":
@@ -64,11 +65,15 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
     best, best_tbt, need, default = None, float("inf"), num_tokens + max_output, costs.decode
     has_room = rules.decode_has_room
-    for d, (batch, context) in zip(decodes, loads):     # one cost call per instance with room
-        if has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
-            tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
-            if tbt < best_tbt or best is None:  # strict: ties keep the earlier instance
-                best, best_tbt, best_load = d, tbt, (batch, context)
+    for d, (batch, context) in zip(decodes, loads):
+        if best is None:
+            if has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
+                best, best_tbt, best_load = d, (d.cost or default).predict(batch + 1, context + num_tokens), \
+                    (batch, context)
+            continue
+        tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
+        if tbt < best_tbt and has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
+            best, best_tbt, best_load = d, tbt, (batch, context)
     if best is None:
         return None
     return _new(DecodeChoice, (best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens))

@@ -56,13 +56,22 @@ def _option(req: ScheduleRequest, p: PrefillInstanceState, queue_s: float, local
     model = prefill_model(p, costs)
     if fetch and match.best_len > local:
         transfer_s = _transfer_s(p, match.best_len - local, match.best_store_id, cfg, costs)
-        prefix = match.best_len * cfg.block_size
-        queue_s, prefill_s = _packed(req, model, queue_s, prefix, backlog, p)
-        return _new(PrefillChoice, (p, rules.prefill_cost_key(transfer_s, queue_s, prefill_s), queue_s, prefill_s,
-                                    transfer_s, match.best_len, local, match.best_store_id, route or "transfer"))
+        queue_s, prefill_s = _packed(req, model, queue_s, match.best_len * cfg.block_size, backlog, p)
+        return _choice(p, rules.prefill_cost_key(transfer_s, queue_s, prefill_s), transfer_s, queue_s, prefill_s,
+                       local, match, True, route)
     queue_s, prefill_s = _packed(req, model, queue_s, local * cfg.block_size, backlog, p)
-    return _new(PrefillChoice, (p, rules.prefill_cost_key(0.0, queue_s, prefill_s), queue_s, prefill_s, 0.0,
-                                local, local, None, route or ("local-hit" if local else "balance")))
+    return _choice(p, rules.prefill_cost_key(0.0, queue_s, prefill_s), 0.0, queue_s, prefill_s, local, match, False,
+                   route)
+
+
+def _choice(p: PrefillInstanceState, key: float, transfer_s: float, queue_s: float, prefill_s: float, local: int,
+            match: PrefixMatch, fetch: bool, route: Route | None) -> PrefillChoice:
+    """The option of ``p`` keyed ``key`` from its estimates, fetching blocks [local, best_len) or not."""
+    if fetch:
+        return _new(PrefillChoice, (p, key, queue_s, prefill_s, transfer_s, match.best_len, local,
+                                    match.best_store_id, route or "transfer"))
+    return _new(PrefillChoice, (p, key, queue_s, prefill_s, transfer_s, local, local, None,
+                                route or ("local-hit" if local else "balance")))
 
 
 def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
@@ -135,7 +144,8 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
     last_model, last_prefix, last_own = None, -1, 0.0
     for i, (p, queue_s, backlog) in enumerate(zip(prefills, queue_times, backlogs or repeat(None))):
         local = lengths.get(p.store_id, 0)
-        if fetches(local, best_len, threshold) if local else fetch_unheld:
+        fetch = fetches(local, best_len, threshold) if local else fetch_unheld
+        if fetch:
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
             transfer_s, prefix = latency_s + (best_len - local) * block_bytes / bandwidth, best_len * block_size
         else:
@@ -148,13 +158,13 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
             queue_s, own = _packed_estimate(req, model, queue_s, prefix, own, backlog, p)
         key = cost_key(transfer_s, queue_s, own)
         if key < best_key:
-            best, best_key = i, key
+            best, best_key, figures = i, key, (transfer_s, queue_s, own, local, fetch)
     if best < 0:
         return None
-    p = prefills[best]
-    local = lengths.get(p.store_id, 0)
-    return _option(req, p, queue_times[best], local, match, fetches(local, best_len, threshold), cfg, costs,
-                   backlog=None if backlogs is None else backlogs[best])
+    p, (transfer_s, queue_s, own, local, fetch) = prefills[best], figures
+    if backlogs is None:      # the loop's estimates are the option's (_option would derive them again)
+        return _choice(p, best_key, transfer_s, queue_s, own, local, match, fetch, None)
+    return _option(req, p, queue_times[best], local, match, fetch, cfg, costs, backlog=backlogs[best])
 
 
 def _packed_estimate(req: ScheduleRequest, model: PrefillCostModel, queue_s: float, prefix_tokens: int,
