@@ -39,6 +39,9 @@ DIRECT_MIN_BYTES = 64 << 10  # payload remainders at least this big are received
 BULK_BYTES = 1 << 20  # after a frame this big, header and meta are read exactly (no read-ahead)
 
 
+# The landing of every payload-less frame (most requests and replies): no views, never filled.
+_NOTHING_LANDS = Landing([])
+
 class FrameHandler:
     """Callbacks of a connection. Subclass and override what you need."""
 
@@ -255,7 +258,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         assert header is not None
         self._remaining = header.payload_len
         if not header.payload_len:   # most requests and replies: nothing to place
-            self._meta, self._landing = meta, Landing([])
+            self._meta, self._landing = meta, _NOTHING_LANDS
             self._deliver()
             return
         targets = self.handler.payload_sink(self, header, meta)

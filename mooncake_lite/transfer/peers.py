@@ -28,7 +28,13 @@ class PeerClients(Generic[P, C]):
         self._locks: dict[P, asyncio.Lock] = {}
 
     async def get(self, peer: P) -> C:
-        async with self._locks.setdefault(peer, asyncio.Lock()):
+        client = self._clients.get(peer)
+        if client is not None and not client.is_closed:   # the common case: no lock to take
+            return client
+        lock = self._locks.get(peer)
+        if lock is None:
+            lock = self._locks[peer] = asyncio.Lock()
+        async with lock:
             client = self._clients.get(peer)
             if client is None or client.is_closed:
                 client = self._clients[peer] = await self._connect(peer)
@@ -38,3 +44,4 @@ class PeerClients(Generic[P, C]):
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
+        self._locks.clear()
