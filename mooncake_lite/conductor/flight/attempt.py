@@ -67,7 +67,7 @@ class Attempt:
         (the attempt is then over). ``expected_output``: the predicted output length that
         predictive admission sizes the request's decode time with."""
         svc, d = self.svc, self.decision
-        now = _now()
+        now = loop_now()
         for inst in (self.prefill, self.decode):
             svc.membership.watch(inst.instance_id, self.upstream_id, self._death_watch(inst.instance_id))
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
@@ -240,7 +240,7 @@ class Attempt:
         if mig is not None and links is not None:   # the prefill timed the migration: the link's speed
             observe_migration(links, mig.source_store_id, mig.target_store_id, result.timings)
         self.is_prefill_done = True
-        now, m = _now(), self.svc.membership
+        now, m = loop_now(), self.svc.membership
         m.prefill_done(self.prefill.instance_id, self.upstream_id, now)
         m.add_decode(self.decode.instance_id, DecodeJob(self.upstream_id, len(self.req.prompt_ids) + 1, now,
                                                         expected_output))
@@ -290,15 +290,16 @@ class Attempt:
     def _withdraw_prefill(self) -> None:
         """The prefill never heard of this attempt: its queue entry goes, and the overtakes it
         took in the conductor's view of that queue are given back (the instance counted none)."""
-        self.svc.membership.withdraw_prefill(self.prefill.instance_id, self.upstream_id, _now())
+        self.svc.membership.withdraw_prefill(self.prefill.instance_id, self.upstream_id, loop_now())
 
     def _release(self) -> None:
-        self.svc.membership.release(self.upstream_id, (self.prefill.instance_id, self.decode.instance_id), _now())
+        self.svc.membership.release(self.upstream_id, (self.prefill.instance_id, self.decode.instance_id), loop_now())
 
     def _abort(self, inst: Instance) -> None:
         if inst.is_alive:
             self.svc.spawn(post_abort(self.svc, inst, self.upstream_id))
 
 
-def _now() -> float:
+def loop_now() -> float:
+    """The event loop's clock: what membership's and the flight's times are read on."""
     return asyncio.get_running_loop().time()

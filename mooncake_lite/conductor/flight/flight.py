@@ -9,7 +9,6 @@ they arrive in.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections import deque
@@ -20,7 +19,7 @@ from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import PrefillResult
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
-from mooncake_lite.conductor.flight.attempt import Attempt
+from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed, Finished, FirstToken, PrefillRefused, Token
 from mooncake_lite.conductor.flight.placement import place
 from mooncake_lite.conductor.services import Services
@@ -72,7 +71,7 @@ class Flight:
         span = tracing.start_span("conductor.schedule", self.span, attempt=self.num_retries + 1,
                                   excluded=sorted(self._excluded) or None)
         try:
-            d, keys = place(self.svc, upstream_id, self.req, _now(), tenant=self.tenant, exclude=self._excluded)
+            d, keys = place(self.svc, upstream_id, self.req, loop_now(), tenant=self.tenant, exclude=self._excluded)
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             raise
@@ -211,6 +210,3 @@ def decision_attributes(d: Decision) -> dict[str, Any]:
             "local_prefix_blocks": d.local_prefix_blocks,
             "migrated_blocks": len(m.keys) if m is not None else None}
 
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()
