@@ -85,5 +85,7 @@ async def keep_membership(conductor: Conductor, msg: Register, load: Callable[[]
                         await register(session, conductor, replace(msg, cost=current) if current is not None else msg)
                     elif resp.status == 409:
                         raise RegistrationRefused(f"conductor refused heartbeat: {(await resp.text())[:300]}")
+                    elif resp.status >= 400:   # e.g. a field this conductor does not know: say so, keep beating
+                        log.warning("conductor answered a heartbeat with %d: %s", resp.status, (await resp.text())[:300])
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # a timeout must not end the loop
                 log.warning("heartbeat to %s failed: %r", conductor.url, exc)
