@@ -11,9 +11,11 @@ from mooncake_lite.common.protocol import Heartbeat, Register, loads
 from mooncake_lite.common.service import bound_port
 
 
-async def fake_conductor(refuse_roles: set[str] = frozenset()) -> tuple[web.AppRunner, str, dict[str, list]]:
+async def fake_conductor(refuse_roles: set[str] = frozenset(), heartbeat_status: int = 200
+                         ) -> tuple[web.AppRunner, str, dict[str, list]]:
     """A conductor on 127.0.0.1 that keeps every decoded registration and heartbeat in
-    ``seen`` and answers a registration of a role in ``refuse_roles`` with a 409."""
+    ``seen``, answers a registration of a role in ``refuse_roles`` with a 409, and every
+    heartbeat with ``heartbeat_status``."""
     seen: dict[str, list] = {"register": [], "heartbeat": []}
 
     async def register(request: web.Request) -> web.Response:
@@ -25,6 +27,8 @@ async def fake_conductor(refuse_roles: set[str] = frozenset()) -> tuple[web.AppR
 
     async def heartbeat(request: web.Request) -> web.Response:
         seen["heartbeat"].append(loads(Heartbeat, await request.read()))
+        if heartbeat_status != 200:
+            return web.json_response({"error": "unknown field(s) ['new_figure']"}, status=heartbeat_status)
         return web.json_response({"ok": True})
 
     app = web.Application()

@@ -70,3 +70,15 @@ async def test_a_refused_instance_stops_with_exit_status_1():
         assert status == 1 and len(seen["register"]) == 1 and seen["heartbeat"] == []
     finally:
         await conductor.cleanup()
+
+
+async def test_a_heartbeat_the_conductor_refuses_otherwise_is_logged_and_beating_goes_on(caplog):
+    conductor, url, seen = await fake_conductor(heartbeat_status=400)
+    task = asyncio.create_task(serve_role(web.Application(), Listener("decode", "127.0.0.1", 0), _membership(url)))
+    try:
+        await _until(lambda: len(seen["heartbeat"]) >= 2)        # still beating after the first 400
+        assert any("answered a heartbeat with 400" in r.getMessage() and "new_figure" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        task.cancel()
+        await conductor.cleanup()
