@@ -202,13 +202,31 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+@overload
+def transfer_seconds(num_bytes: int, bandwidth_bytes_per_s: float, latency_s: float) -> float: ...
+
+
+@overload     # numpy rows (scheduler/wide.py)
+def transfer_seconds(num_bytes: int | np.ndarray, bandwidth_bytes_per_s: float | np.ndarray,
+                     latency_s: float) -> float | np.ndarray: ...
+
+
+def transfer_seconds(num_bytes: int | np.ndarray, bandwidth_bytes_per_s: float | np.ndarray,
+                     latency_s: float) -> float | np.ndarray:
+    """The KV transfer formula, once: a fixed latency plus the bytes at the link's bandwidth, for
+    one fetch or numpy rows of them (scheduler/wide.py) — the same IEEE-754 operations in the
+    same order either way. Callers pass a positive byte count (a fetch of nothing is no fetch)."""
+    return latency_s + num_bytes / bandwidth_bytes_per_s
+
+
 def kv_transfer_time(num_bytes: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> float:
-    """Seconds to move ``num_bytes`` at a measured bandwidth (0 bytes cost nothing)."""
+    """:func:`transfer_seconds` checked: seconds to move ``num_bytes`` at a measured bandwidth
+    (0 bytes cost nothing; a bandwidth that is not positive is an error)."""
     if num_bytes <= 0:
         return 0.0
     if bandwidth_bytes_per_s <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
-    return latency_s + num_bytes / bandwidth_bytes_per_s
+    return transfer_seconds(num_bytes, bandwidth_bytes_per_s, latency_s)
 
 
 @dataclass(frozen=True)

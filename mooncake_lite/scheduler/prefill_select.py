@@ -13,7 +13,7 @@ from typing import NamedTuple
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, kv_transfer_time
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, kv_transfer_time, transfer_seconds
 from mooncake_lite.scheduler.decision import Route
 from mooncake_lite.scheduler.estimate import Backlog, Queues, prefill_model
 from mooncake_lite.scheduler.packing import joins_tail, own_seconds
@@ -41,7 +41,7 @@ class PrefillChoice(NamedTuple):
 
 def _transfer_s(p: PrefillInstanceState, num_blocks: int, source: Hashable, cfg: SchedulerConfig,
                 costs: CostModels) -> float:
-    nbytes = num_blocks * cfg.block_size * costs.kv_bytes_per_token
+    nbytes = num_blocks * (cfg.block_size * costs.kv_bytes_per_token)   # a block's bytes, as the loops take them
     measured = costs.links.bandwidth(source, p.store_id) if costs.links is not None else None
     bandwidth = measured or p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
     return kv_transfer_time(nbytes, bandwidth, costs.transfer_latency_s)
@@ -136,7 +136,7 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
     lengths, best_len, block_size = match.lengths, match.best_len, cfg.block_size
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
-    latency_s, default_bandwidth = costs.transfer_latency_s, costs.bandwidth_bytes_per_s
+    latency_s, default_bandwidth, transfer = costs.transfer_latency_s, costs.bandwidth_bytes_per_s, transfer_seconds
     best, best_key, default_model = -1, float("inf"), costs.prefill
     measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     fetches, cost_key = rules.fetches_best_prefix, rules.prefill_cost_key
@@ -147,7 +147,7 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
         fetch = fetches(local, best_len, threshold) if local else fetch_unheld
         if fetch:
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            transfer_s, prefix = latency_s + (best_len - local) * block_bytes / bandwidth, best_len * block_size
+            transfer_s, prefix = transfer((best_len - local) * block_bytes, bandwidth, latency_s), best_len * block_size
         else:
             transfer_s, prefix = 0.0, local * block_size
         model = p.cost or default_model

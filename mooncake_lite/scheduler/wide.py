@@ -28,7 +28,7 @@ import numpy as np
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds, transfer_seconds
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.snapshot import Shown, Snapshot
@@ -319,10 +319,10 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
         fetched = predict(num_tokens, best_len * block_size)
         bw: float | np.ndarray = costs.bandwidth_bytes_per_s if one_model \
             else _measured_bw(table, costs, match.best_store_id)
-        key = key_of(latency_s + best_len * block_bytes / bw, queue, fetched)
+        key = key_of(transfer_seconds(best_len * block_bytes, bw, latency_s), queue, fetched)
         for local, rows in _held_runs(table, match):
             if rules.fetches_best_prefix(local, best_len, cfg.kvcache_balancing_threshold):
-                transfer = latency_s + (best_len - local) * block_bytes / _at(bw, rows)
+                transfer = transfer_seconds((best_len - local) * block_bytes, _at(bw, rows), latency_s)
                 key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
             else:
                 key[rows] = key_of(0.0, queue[rows], _at(predict(num_tokens, local * block_size), rows))
