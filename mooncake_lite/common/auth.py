@@ -62,7 +62,8 @@ def _is_guarded(path: str, exempt: Sequence[str], prefixes: Sequence[str] | None
     return prefixes is None or any(path.startswith(p) for p in prefixes)
 
 
-def _bearer(request: web.Request) -> str | None:
+def bearer_key(request: web.Request) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header; None when there is none."""
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
@@ -87,7 +88,7 @@ def api_key_middleware(key: str | None, *, exempt: Sequence[str] = DEFAULT_EXEMP
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
 
-    return _secret_middleware(key, "API key", _bearer, refusal, exempt, prefixes)
+    return _secret_middleware(key, "API key", bearer_key, refusal, exempt, prefixes)
 
 
 def cluster_token_middleware(token: str | None, *, exempt: Sequence[str] = DEFAULT_EXEMPT,

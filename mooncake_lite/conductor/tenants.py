@@ -25,6 +25,7 @@ import time
 
 from aiohttp import web
 
+from mooncake_lite.common.auth import bearer_key
 from mooncake_lite.conductor.api.errors import ApiError, Rejected
 from mooncake_lite.scheduler import ClusterState, Decision, Scheduler, ScheduleRequest, SchedulerConfig
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT, Refusal, Tenant, TenantLedger, Tenants, TenantSpec
@@ -91,7 +92,7 @@ def tenant_middleware(gate: TenantGate, *, prefixes: tuple[str, ...] = ("/v1/",)
     async def resolve_tenant(request: web.Request, handler) -> web.StreamResponse:
         if request.path in EXEMPT or not request.path.startswith(prefixes):
             return await handler(request)
-        presented = _bearer(request)
+        presented = bearer_key(request)
         spec = gate.by_key(None) if gate.is_open else gate.by_key(presented)
         if spec is None:
             log.warning("refused %s %s from %s: %s API key", request.method, request.path, request.remote,
@@ -105,8 +106,3 @@ def tenant_middleware(gate: TenantGate, *, prefixes: tuple[str, ...] = ("/v1/",)
         return await handler(request)
 
     return resolve_tenant
-
-
-def _bearer(request: web.Request) -> str | None:
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
