@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from mooncake_lite.bench.link.measure import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker,
                                               share, sink_on, socket_stream)
 from mooncake_lite.bench.options import Options
-from mooncake_lite.bench.report import emit
+from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes
 from mooncake_lite.common.launch import LAUNCHER, to_stderr
@@ -74,13 +74,8 @@ def store_main(sizes: Sequence[int], args: Options) -> int:
     links = refused("mooncake bench store", args.link)
     if links is None:
         return 2
-    try:
-        report = run_store(sizes, links, args)
-    except NetnsError as exc:
-        sys.stderr.write(f"mooncake bench store: {exc}\n")
-        return 2
-    emit(report, render_store, as_json=args.json)
-    return 0
+    return run_and_emit("mooncake bench store", lambda: run_store(sizes, links, args), render_store,
+                        as_json=args.json, errors=(NetnsError,))
 
 
 def run_store(sizes: Sequence[int], links: Sequence[Link], args: Options) -> dict:
