@@ -140,14 +140,19 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
     best, best_key, default_model = -1, float("inf"), costs.prefill
     measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     fetches, cost_key = rules.fetches_best_prefix, rules.prefill_cost_key
-    fetch_unheld = fetches(0, best_len, threshold)     # the rule's branch where no prefix is held (most)
+    # Most instances hold none of the prefix: the rule's branch and the transfer at the default
+    # bandwidth for them are found once.
+    fetch_unheld = fetches(0, best_len, threshold)
+    transfer_unheld = transfer(best_len * block_bytes, default_bandwidth, latency_s) if fetch_unheld else 0.0
     last_model, last_prefix, last_own = None, -1, 0.0
     for i, (p, queue_s, backlog) in enumerate(zip(prefills, queue_times, backlogs or repeat(None))):
         local = lengths.get(p.store_id, 0)
         fetch = fetches(local, best_len, threshold) if local else fetch_unheld
         if fetch:
             bandwidth = measured.get(p.store_id) or p.bandwidth_bytes_per_s or default_bandwidth
-            transfer_s, prefix = transfer((best_len - local) * block_bytes, bandwidth, latency_s), best_len * block_size
+            transfer_s = transfer_unheld if not local and bandwidth == default_bandwidth else \
+                transfer((best_len - local) * block_bytes, bandwidth, latency_s)
+            prefix = best_len * block_size
         else:
             transfer_s, prefix = 0.0, local * block_size
         model = p.cost or default_model
