@@ -23,8 +23,11 @@ def _decisive_init(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            else:   # fan-in is the last dimension (2-D [out, in], and 3-D stacked experts [e, out, in])
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek's: non-zero, so picking != weighing
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_llama(path: Path, *, seed: int = 0, num_layers: int = 3, **overrides):
@@ -75,6 +78,48 @@ def save_qwen3(path: Path, *, seed: int = 0, head_dim: int = 16, **overrides):
     model = Qwen3ForCausalLM(cfg).eval()
     _decisive_init(model, seed)
     model.tie_weights()
+    model.save_pretrained(path)
+    return model
+
+
+def save_qwen3_moe(path: Path, *, seed: int = 0, **overrides):
+    """A ``Qwen3MoeForCausalLM``: 8 experts, top 3, normalised top-k weights, a dense layer from
+    ``mlp_only_layers`` (1) and one from ``decoder_sparse_step`` (3: (3 + 1) % 2); Qwen3 attention."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=56, moe_intermediate_size=24, num_experts=8,
+                 num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=2,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=VOCAB, max_position_embeddings=256, rope_theta=30000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen3MoeConfig(**(shape | overrides))
+    return _save(Qwen3MoeForCausalLM(cfg), path, seed)
+
+
+def save_deepseek_v3(path: Path, *, seed: int = 0, **overrides):
+    """A ``DeepseekV3ForCausalLM`` with the hard parts: MLA with a q low-rank projection (``q_lora_rank``
+    null: one plain projection), interleaved rope, YaRN with mscale != mscale_all_dim; 8 experts in
+    4 groups of which 2 compete, top 3, a non-zero correction bias, sigmoid scores, a shared expert,
+    routed_scaling_factor, one first dense layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=56, moe_intermediate_size=16, n_routed_experts=8,
+                 num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                 norm_topk_prob=True, first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                 v_head_dim=10, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                                  "mscale": 0.9, "mscale_all_dim": 0.7},
+                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = DeepseekV3Config(**(shape | overrides))
+    return _save(DeepseekV3ForCausalLM(cfg), path, seed)
+
+
+def _save(model, path: Path, seed: int):
+    torch.manual_seed(seed)
+    model = model.eval()
+    _decisive_init(model, seed)
     model.save_pretrained(path)
     return model
 
