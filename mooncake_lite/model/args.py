@@ -71,6 +71,9 @@ class ModelArgs:
             raise ValueError(f"head_dim must be positive and even (RoPE rotates pairs), got {self.head_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.mla is not None and (self.num_kv_heads, 2 * self.head_dim) != (1, self.mla.latent_width):
+            raise ValueError(f"an MLA model caches one row of {self.mla.latent_width} values: num_kv_heads must be 1 "
+                             f"and head_size {self.mla.latent_width // 2}, got {self.num_kv_heads}, {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -78,8 +81,9 @@ class ModelArgs:
 
     @property
     def q_width(self) -> int:
-        """Width of the queries (and of the attention output): ``dim``, but wider in a Qwen3."""
-        return self.num_heads * self.head_dim
+        """Width of the queries (and of the attention output): ``dim``, but wider in a Qwen3; MLA's
+        queries are ``qk_nope_head_dim + qk_rope_head_dim`` wide per head."""
+        return self.num_heads * (self.mla.qk_head_dim if self.mla is not None else self.head_dim)
 
     @property
     def rope_dim(self) -> int:
@@ -231,6 +235,33 @@ PRESETS: dict[str, ModelArgs] = {
                             vocab_size=32000, max_seq_len=4096, name="llama2-70b"),
     "llama3-8b": ModelArgs(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                            vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, name="llama3-8b"),
+    # "tiny" with 8 routed experts (top 2) on layers 1-3, layer 0 dense: Qwen3-MoE's routing in miniature.
+    "tiny-moe": ModelArgs(dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=320,
+                          max_seq_len=4096, name="tiny-moe", qk_norm=True,
+                          moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=64, norm_topk_prob=True,
+                                      dense_layers=(0,))),
+    # DeepSeek-V3's parts in miniature: MLA (q low-rank, 32 + 16 latent) and grouped sigmoid routing.
+    "tiny-mla": ModelArgs(dim=64, num_layers=4, num_heads=4, num_kv_heads=1, ffn_dim=172, vocab_size=320,
+                          max_seq_len=4096, name="tiny-mla", head_size=24,
+                          moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=32, norm_topk_prob=True, dense_layers=(0,),
+                                      num_shared_experts=1, scoring="sigmoid", num_groups=4, topk_groups=2,
+                                      routed_scaling=2.5),
+                          mla=MLAArgs(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                      v_head_dim=16)),
+    # Published shapes (config.json of Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3), for sizing.
+    "qwen3-30b-a3b": ModelArgs(dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, ffn_dim=6144, vocab_size=151936,
+                               max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, name="qwen3-30b-a3b", head_size=128,
+                               qk_norm=True, moe=MoEArgs(num_experts=128, top_k=8, expert_ffn_dim=768,
+                                                         norm_topk_prob=True)),
+    "deepseek-v3": ModelArgs(dim=7168, num_layers=61, num_heads=128, num_kv_heads=1, ffn_dim=18432, vocab_size=129280,
+                             max_seq_len=163840, norm_eps=1e-6, name="deepseek-v3", head_size=288,
+                             rope_scaling=YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                                                      mscale_all_dim=1.0),
+                             moe=MoEArgs(num_experts=256, top_k=8, expert_ffn_dim=2048, norm_topk_prob=True,
+                                         dense_layers=(0, 1, 2), num_shared_experts=1, scoring="sigmoid",
+                                         num_groups=8, topk_groups=4, routed_scaling=2.5),
+                             mla=MLAArgs(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                                         qk_rope_head_dim=64, v_head_dim=128)),
 }
 
 

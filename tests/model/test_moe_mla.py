@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from mooncake_lite.model.family_args import moe_from_config
-from mooncake_lite.model.generate import full_recompute_logits, generate
+from mooncake_lite.bench.model.flops import layer_matmul_params
+from mooncake_lite.model.args import PRESETS
+from mooncake_lite.model.generate import full_recompute_logits, generate, reference_greedy
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.loader import load_checkpoint, read_args
 from mooncake_lite.model.moe import MoE
@@ -143,3 +145,22 @@ def test_correction_bias_chooses_but_does_not_weigh_and_groups_limit(saved):
         router.e_score_correction_bias.zero_()
     _, ids_plain = router(x)
     assert not torch.equal(ids_biased.sort(-1).values, ids_plain.sort(-1).values)
+
+
+def test_published_shapes_count_as_published():
+    """DeepSeek-V3: 671B parameters, 37B active, 70,272 B of bf16 KV per token (61 x 576 x 2);
+    Qwen3-30B-A3B: 30.5B, 3.3B active (their model cards)."""
+    v3, qwen = PRESETS["deepseek-v3"], PRESETS["qwen3-30b-a3b"]
+    assert 670.5e9 < v3.num_params() < 671.5e9 and 37e9 < v3.active_params() < 38e9
+    assert v3.kv_bytes_per_token("bfloat16") == 61 * 576 * 2 and v3.kv_block_bytes(64, "bfloat16") == 64 * 70272
+    assert 30.4e9 < qwen.num_params() < 30.6e9 and 3.3e9 < qwen.active_params() < 3.4e9
+    assert qwen.kv_bytes_per_token("bfloat16") == 2 * 48 * 4 * 128 * 2
+    assert layer_matmul_params(v3) + v3.dim * v3.vocab_size < v3.active_params()   # FLOPs from the active weights
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-mla"])
+def test_presets_decode_as_they_recompute(name):
+    model = build_model(name)
+    toks = list(range(5, 30))
+    runner = ModelRunner(model, num_blocks=16, block_size=BS)
+    assert generate(runner, toks, SamplingParams(max_tokens=6), 7) == reference_greedy(model, toks, 6)

@@ -9,8 +9,19 @@ from mooncake_lite.model.args import ModelArgs
 
 
 def layer_matmul_params(a: ModelArgs) -> int:
-    kv = a.num_kv_heads * a.head_dim
-    return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    """Matmul weights one token runs through in the layers: with experts, only the ``top_k``
+    routed ones it is sent to (and the router and shared experts): ``active_params`` less the
+    embeddings and the vectors (norm weights, DeepSeek's correction bias)."""
+    if a.moe is None and a.mla is None:
+        kv = a.num_kv_heads * a.head_dim
+        return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    per_layer = 2 * a.dim + (2 * a.head_dim if a.qk_norm else 0)
+    if a.mla is not None:
+        per_layer += a.mla.kv_lora_rank + (a.mla.q_lora_rank or 0)
+    vectors = a.num_layers * per_layer + a.dim
+    if a.moe is not None and a.moe.has_correction_bias:
+        vectors += a.moe.num_experts * sum(a.moe.is_sparse(i) for i in range(a.num_layers))
+    return a.active_params() - a.vocab_size * a.dim * (1 if a.tie_embeddings else 2) - vectors
 
 
 def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
