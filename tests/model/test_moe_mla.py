@@ -164,3 +164,25 @@ def test_presets_decode_as_they_recompute(name):
     toks = list(range(5, 30))
     runner = ModelRunner(model, num_blocks=16, block_size=BS)
     assert generate(runner, toks, SamplingParams(max_tokens=6), 7) == reference_greedy(model, toks, 6)
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe", "deepseek_v3"])
+def test_packed_prefill_of_two_sequences_matches_hf(which, saved):
+    """Several prompts in one forward (experts see both sequences' rows; MLA attends per sequence)."""
+    path, hf = saved(which)
+    runner = ModelRunner(load_checkpoint(str(path)), num_blocks=8, block_size=BS)
+    a, b = prompt(11, 7), prompt(2 * BS + 2, 8)
+    got = runner.prefill_packed([([0, 1], 0, a), ([2, 3, 4], 0, b)])
+    torch.testing.assert_close(got[0], hf_logits(hf, a)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got[1], hf_logits(hf, b)[-1], atol=ATOL, rtol=RTOL)
+
+
+def test_batched_decode_of_unequal_contexts_matches_hf(saved):
+    path, hf = saved("deepseek_v3")
+    runner = ModelRunner(load_checkpoint(str(path)), num_blocks=8, block_size=BS)
+    a, b, tables = prompt(5, 9), prompt(2 * BS + 2, 10), [[0], [1, 2, 3]]
+    runner.prefill(a, tables[0])
+    runner.prefill(b, tables[1])
+    got = runner.decode([7, 9], tables, [len(a), len(b)])
+    torch.testing.assert_close(got[0], hf_logits(hf, a + [7])[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got[1], hf_logits(hf, b + [9])[-1], atol=ATOL, rtol=RTOL)
