@@ -66,6 +66,7 @@ class MoE(nn.Module):
         self.shared_experts = (FeedForward(dataclasses.replace(args, ffn_dim=m.expert_ffn_dim * m.num_shared_experts))
                                if m.num_shared_experts else None)
         self.gate_up = None   # no single fused weight: Transformer.packing_speedup measures none here
+        self.num_touched = 0  # experts the last call ran (their union over its tokens), for bench model
 
     def _mlps(self) -> list[FeedForward]:
         return [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
@@ -90,6 +91,7 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)   # (token, choice) pairs grouped by expert
         rows = order // k
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()   # one device sync per layer
+        self.num_touched = sum(1 for count in counts if count)
         xs = x.index_select(0, rows)
         ys = torch.empty_like(xs)
         start = 0

@@ -3,8 +3,11 @@ its KV and routing figures."""
 
 import json
 
-from mooncake_lite.bench.model.flops import decode_flops, layer_matmul_params
+import torch
+
+from mooncake_lite.bench.model.flops import decode_flops, layer_matmul_params, weight_bytes
 from mooncake_lite.bench.model.moe import main as bench_moe
+from mooncake_lite.model.moe import MoE
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from tests.model.test_bench_model import attention_flops, matmul_flops_counted
@@ -37,3 +40,17 @@ def test_mla_moe_matmul_params_are_the_2d_weights_a_token_runs_through():
     layer_2d = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers."))
     idle = (m.num_experts - m.top_k) * 3 * a.dim * m.expert_ffn_dim * sum(map(m.is_sparse, range(a.num_layers)))
     assert layer_matmul_params(a) == layer_2d - idle
+
+
+def test_decode_weight_bytes_count_the_union_of_experts_a_batch_touched():
+    runner = ModelRunner(build_model("tiny-moe"), num_blocks=16, block_size=8)
+    a, m = runner.args, runner.args.moe
+    sparse = [b.feed_forward for b in runner.model.layers.values() if isinstance(b.feed_forward, MoE)]
+    runner.decode([5], [[0]], [0])
+    assert sum(f.num_touched for f in sparse) == m.top_k * len(sparse)     # one token: its top-k
+    assert weight_bytes(a, torch.float32, m.top_k * len(sparse)) == weight_bytes(a, torch.float32)
+    runner.decode(list(range(16)), [[i] for i in range(16)], [0] * 16)
+    touched = sum(f.num_touched for f in sparse)
+    assert m.top_k * len(sparse) < touched <= m.num_experts * len(sparse)
+    extra = (touched - m.top_k * len(sparse)) * 3 * a.dim * m.expert_ffn_dim * 4
+    assert weight_bytes(a, torch.float32, touched) == weight_bytes(a, torch.float32) + extra

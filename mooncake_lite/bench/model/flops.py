@@ -35,6 +35,13 @@ def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
     return batch * per_token
 
 
-def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
-    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row)."""
-    return (layer_matmul_params(a) + a.dim * a.vocab_size) * torch.empty((), dtype=dtype).element_size()
+def weight_bytes(a: ModelArgs, dtype: torch.dtype, touched_experts: int | None = None) -> int:
+    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row).
+    With experts, those the step ran: ``touched_experts`` summed over the layers (the union over
+    its tokens, ``MoE.num_touched``), else one token's top-k per sparse layer."""
+    params = layer_matmul_params(a) + a.dim * a.vocab_size
+    if a.moe is not None and touched_experts is not None:
+        m = a.moe
+        active = m.top_k * sum(m.is_sparse(i) for i in range(a.num_layers))
+        params += (touched_experts - active) * 3 * a.dim * m.expert_ffn_dim
+    return params * torch.empty((), dtype=dtype).element_size()

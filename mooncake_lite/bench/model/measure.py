@@ -19,6 +19,7 @@ from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.linear import PACK_PROBE_ROWS, linear
 from mooncake_lite.model.llama import Transformer
+from mooncake_lite.model.moe import MoE
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 
@@ -155,9 +156,10 @@ def measure_prefill(model: Transformer, runner: ModelRunner, args: Options, roof
 def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
     """Each batch size's decode step against both roofs, beside its matmuls alone at that many rows."""
     margs, out = model.args, {}
-    wbytes = weight_bytes(margs, runner.dtype)
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
+        touched = sum(b.feed_forward.num_touched for b in model.layers.values() if isinstance(b.feed_forward, MoE))
+        wbytes = weight_bytes(margs, runner.dtype, touched if margs.moe is not None else None)
         step_s, best_s = statistics.median(times), min(times)
         gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
         matmul_s = bench_matmuls(model, batch)
