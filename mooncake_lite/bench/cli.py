@@ -29,6 +29,8 @@ BENCHES = {
     "chaos": ("chaos.cli", "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, "
                            "recovery, leaks"),
     "prefix-load": ("pd.prefix_load", "a prefill's prefix load from a store (shm or TCP): every layer, no compute"),
+    "moe": ("model.moe", "MLA's KV bytes and transfer time vs dense attention; MoE routing vs a dense MLP of the "
+                         "active width"),
     "kv-compression": ("model.kv_compression", "int8/fp8 KV blocks: token agreement, logit error, bytes, store "
                                                "capacity, sim hit rate/TTFT"),
 }

@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mooncake_lite.model.family_args import MLAArgs, MoEArgs, YarnScaling, mla_from_config, moe_from_config, \
+    yarn_from_params
+
 if TYPE_CHECKING:
     import torch
 
@@ -14,6 +17,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 ROPE_TYPES = ("default", "llama3")
+MLA_ROPE_TYPES = ("default", "yarn")   # what the DeepSeek family's checkpoints use
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,14 @@ class ModelArgs:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
     name: str = "custom"
-    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    rope_scaling: RopeScaling | YarnScaling | None = None  # None: plain RoPE
     # A head width other than dim / num_heads (Qwen3: 128-wide heads on a 1024-wide model); None: that.
+    # num_kv_heads x head_dim is also what each token caches per layer in each of the K and V planes:
+    # an MLA model has one such "head" half its latent wide (``from_hf_config``).
     head_size: int | None = None
     qk_norm: bool = False   # Qwen3: q and k RMS-normalised per head before RoPE
+    moe: MoEArgs | None = None   # routed experts on the sparse layers
+    mla: MLAArgs | None = None   # multi-head latent attention (DeepSeek-V3)
 
     def __post_init__(self) -> None:
         for f in ("dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -59,10 +67,13 @@ class ModelArgs:
                 raise ValueError(f"model {f} must be positive, got {getattr(self, f)}")
         if self.head_size is None and self.dim % self.num_heads:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
-        if self.head_size is not None and (self.head_size <= 0 or self.head_size % 2):
+        if self.head_size is not None and (self.head_size <= 0 or (self.head_size % 2 and self.mla is None)):
             raise ValueError(f"head_dim must be positive and even (RoPE rotates pairs), got {self.head_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.mla is not None and (self.num_kv_heads, 2 * self.head_dim) != (1, self.mla.latent_width):
+            raise ValueError(f"an MLA model caches one row of {self.mla.latent_width} values: num_kv_heads must be 1 "
+                             f"and head_size {self.mla.latent_width // 2}, got {self.num_kv_heads}, {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -70,22 +81,47 @@ class ModelArgs:
 
     @property
     def q_width(self) -> int:
-        """Width of the queries (and of the attention output): ``dim``, but wider in a Qwen3."""
-        return self.num_heads * self.head_dim
+        """Width of the queries (and of the attention output): ``dim``, but wider in a Qwen3; MLA's
+        queries are ``qk_nope_head_dim + qk_rope_head_dim`` wide per head."""
+        return self.num_heads * (self.mla.qk_head_dim if self.mla is not None else self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the head, or MLA's decoupled rope part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def kv_bytes_per_token(self, dtype: "torch.dtype | str") -> int:
-        """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes."""
+        """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes; for MLA the
+        latent and rope key, layers × (kv_lora_rank + qk_rope_head_dim) × dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
     def kv_block_bytes(self, block_size: int, dtype: "torch.dtype | str") -> int:
         return block_size * self.kv_bytes_per_token(dtype)
 
     def num_params(self) -> int:
-        attn = self.dim * self.q_width * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
-        attn += 2 * self.head_dim if self.qk_norm else 0
-        per_layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        """Every weight (what memory holds)."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """Weights one token runs through (what its FLOPs scale with): with experts, only its
+        ``top_k`` routed ones and the shared; equal to :meth:`num_params` for a dense model."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
+        if self.mla is None:
+            attn = self.dim * self.q_width * 2 + self.dim * self.num_kv_heads * self.head_dim * 2
+            attn += 2 * self.head_dim if self.qk_norm else 0
+        else:
+            attn = mla_params(self.mla, self.dim, self.num_heads)
+        mlps = [3 * self.dim * self.ffn_dim] * self.num_layers
+        if self.moe is not None:
+            m = self.moe
+            experts = m.top_k if active else m.num_experts
+            sparse = (3 * self.dim * m.expert_ffn_dim * (experts + m.num_shared_experts)
+                      + self.dim * m.num_experts + (m.num_experts if m.has_correction_bias else 0))
+            mlps = [sparse if m.is_sparse(i) else mlp for i, mlp in enumerate(mlps)]
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + emb + self.dim
+        return self.num_layers * (attn + 2 * self.dim) + sum(mlps) + emb + self.dim
 
     def packed_extra_bytes(self, dtype: "torch.dtype | str") -> int:
         """What a packed model (``Transformer.pack_``: a CPU decode in float32) holds beyond its
@@ -101,14 +137,17 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "hf") -> "ModelArgs":
-        """Read a LLaMA/Qwen2/Qwen3-style ``config.json``."""
+        """Read a LLaMA/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V3-style ``config.json``."""
         try:
             num_heads = cfg["num_attention_heads"]
-            head_dim = cfg.get("head_dim")
-            if head_dim is not None and head_dim * num_heads == cfg["hidden_size"]:
+            head_dim, kv_heads = cfg.get("head_dim"), cfg.get("num_key_value_heads") or num_heads
+            mla = mla_from_config(cfg)
+            if mla is not None:   # the cache row: the latent over the K and V planes of one "head"
+                head_dim, kv_heads = mla.latent_width // 2, 1
+            elif head_dim is not None and head_dim * num_heads == cfg["hidden_size"]:
                 head_dim = None   # the usual width, written out
             return cls(dim=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
-                       num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+                       num_kv_heads=kv_heads,
                        ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                        max_seq_len=cfg.get("max_position_embeddings", 4096),
                        rope_theta=_rope_theta(cfg),
@@ -116,7 +155,8 @@ class ModelArgs:
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")), name=name,
                        rope_scaling=rope_scaling_from_config(cfg), head_size=head_dim,
-                       qk_norm=cfg.get("model_type") == "qwen3")
+                       qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+                       moe=moe_from_config(cfg, cfg["num_hidden_layers"]), mla=mla)
         except KeyError as exc:
             raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
 
@@ -149,6 +189,8 @@ def rope_scaling_from_config(cfg: dict[str, Any]) -> RopeScaling | None:
     kind = rope_type(params)
     if kind == "default":
         return None
+    if kind == "yarn":
+        return yarn_from_params(key, params, cfg.get("max_position_embeddings", 4096))
     if kind != "llama3":
         raise ValueError(f"{key}.rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     values = {}
@@ -160,6 +202,13 @@ def rope_scaling_from_config(cfg: dict[str, Any]) -> RopeScaling | None:
             raise ValueError(f"{key}.{f.name} {value!r} is not a number")
         values[f.name] = value
     return RopeScaling(**values)
+
+
+def mla_params(m: MLAArgs, dim: int, num_heads: int) -> int:
+    q_out = num_heads * m.qk_head_dim
+    q = dim * q_out if m.q_lora_rank is None else dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * q_out
+    kv = dim * m.latent_width + m.kv_lora_rank + m.kv_lora_rank * num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + num_heads * m.v_head_dim * dim
 
 
 def dtype_bytes(dtype: "torch.dtype | str") -> int:
@@ -186,6 +235,33 @@ PRESETS: dict[str, ModelArgs] = {
                             vocab_size=32000, max_seq_len=4096, name="llama2-70b"),
     "llama3-8b": ModelArgs(dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=14336,
                            vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, name="llama3-8b"),
+    # "tiny" with 8 routed experts (top 2) on layers 1-3, layer 0 dense: Qwen3-MoE's routing in miniature.
+    "tiny-moe": ModelArgs(dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=320,
+                          max_seq_len=4096, name="tiny-moe", qk_norm=True,
+                          moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=64, norm_topk_prob=True,
+                                      dense_layers=(0,))),
+    # DeepSeek-V3's parts in miniature: MLA (q low-rank, 32 + 16 latent) and grouped sigmoid routing.
+    "tiny-mla": ModelArgs(dim=64, num_layers=4, num_heads=4, num_kv_heads=1, ffn_dim=172, vocab_size=320,
+                          max_seq_len=4096, name="tiny-mla", head_size=24,
+                          moe=MoEArgs(num_experts=8, top_k=2, expert_ffn_dim=32, norm_topk_prob=True, dense_layers=(0,),
+                                      num_shared_experts=1, scoring="sigmoid", num_groups=4, topk_groups=2,
+                                      routed_scaling=2.5),
+                          mla=MLAArgs(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                      v_head_dim=16)),
+    # Published shapes (config.json of Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3), for sizing.
+    "qwen3-30b-a3b": ModelArgs(dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, ffn_dim=6144, vocab_size=151936,
+                               max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, name="qwen3-30b-a3b", head_size=128,
+                               qk_norm=True, moe=MoEArgs(num_experts=128, top_k=8, expert_ffn_dim=768,
+                                                         norm_topk_prob=True)),
+    "deepseek-v3": ModelArgs(dim=7168, num_layers=61, num_heads=128, num_kv_heads=1, ffn_dim=18432, vocab_size=129280,
+                             max_seq_len=163840, norm_eps=1e-6, name="deepseek-v3", head_size=288,
+                             rope_scaling=YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                                                      mscale_all_dim=1.0),
+                             moe=MoEArgs(num_experts=256, top_k=8, expert_ffn_dim=2048, norm_topk_prob=True,
+                                         dense_layers=(0, 1, 2), num_shared_experts=1, scoring="sigmoid",
+                                         num_groups=8, topk_groups=4, routed_scaling=2.5),
+                             mla=MLAArgs(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                                         qk_rope_head_dim=64, v_head_dim=128)),
 }
 
 

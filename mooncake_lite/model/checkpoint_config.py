@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 
-from mooncake_lite.model.args import ROPE_TYPES, ModelArgs, rope_params, rope_scaling_from_config, rope_type
+from mooncake_lite.model.args import MLA_ROPE_TYPES, ROPE_TYPES, ModelArgs, rope_params, rope_scaling_from_config, \
+    rope_type
 from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
 from mooncake_lite.model.gguf_file import args_from_meta, read_meta
 from mooncake_lite.model.source import resolve
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")   # Kimi-K2 and Moonlight are DeepSeek-V3 underneath
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", *DEEPSEEK_TYPES)
 
 
 def read_args(ckpt_dir: str) -> ModelArgs:
@@ -34,6 +36,8 @@ def read_args(ckpt_dir: str) -> ModelArgs:
         args = ModelArgs.from_hf_config(cfg, name=os.path.basename(os.path.normpath(ckpt_dir)) or "hf")
     except TypeError as exc:  # e.g. "hidden_size": "768"
         raise CheckpointError(f"{path}: a size has the wrong type ({exc})") from None
+    except ValueError as exc:   # a value out of range, or a routing rule this code lacks: it names the field
+        raise CheckpointError(f"{path}: {exc}") from None
     return args
 
 
@@ -48,10 +52,16 @@ def _check_supported(cfg: dict, path: str) -> None:
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias")
     if model_type != "qwen2" and cfg.get("attention_bias"):
-        problems.append(f"attention_bias ({'Qwen3' if model_type == 'qwen3' else 'LLaMA'} puts a bias on o_proj too)")
+        problems.append(f"attention_bias ({'LLaMA' if model_type in ('llama', 'mistral') else model_type} "
+                        "puts a bias on o_proj too)")
+    if cfg.get("quantization_config"):   # e.g. DeepSeek-V3's and Kimi-K2's published fp8 block-scaled weights
+        quant = cfg["quantization_config"]
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        problems.append(f"quantization_config (quant_method {method!r}; only unquantized weights load)")
     rope_key, rope = rope_params(cfg)
-    if rope_type(rope) not in ROPE_TYPES:
-        problems.append(f"{rope_key}.rope_type {rope_type(rope)!r} (supported: {', '.join(ROPE_TYPES)})")
+    rope_types = MLA_ROPE_TYPES if model_type in DEEPSEEK_TYPES else ROPE_TYPES
+    if rope_type(rope) not in rope_types:
+        problems.append(f"{rope_key}.rope_type {rope_type(rope)!r} (supported: {', '.join(rope_types)})")
     if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
         problems.append("sliding-window attention")
     if problems:

@@ -8,6 +8,7 @@ prefill and chunked pipeline parallelism need. A model may hold only a slice of 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention
-from mooncake_lite.model.args import ModelArgs, RopeScaling
+from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld
+from mooncake_lite.model.yarn import yarn_inv_freq
 
 
 @dataclass
@@ -53,16 +55,20 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: RopeScaling | YarnScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    if isinstance(scaling, YarnScaling):
+        inv_freq = yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    elif scaling is not None:
         inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)  # half-rotation layout, as in HF LLaMA checkpoints
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if isinstance(scaling, YarnScaling):   # YaRN scales cos and sin alike
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     # The sign of the rotation's first half is folded into sin once per pass (not per layer):
     # x*cos + cat(-x2, x1)*sin == x*cos + cat(x2, x1)*signed_sin, bit for bit.
-    return emb.cos(), torch.cat([-sin[:, :head_dim // 2], sin[:, head_dim // 2:]], dim=-1)
+    return cos, torch.cat([-sin[:, :head_dim // 2], sin[:, head_dim // 2:]], dim=-1)
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -183,12 +189,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, attention: nn.Module | None = None, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = attention or Attention(args)   # another kind for MLA (mla.py), experts (moe.py)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward or FeedForward(args)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         # Residuals added into the fresh sublayer outputs (a + b == b + a exactly): no new tensors.
@@ -200,7 +206,8 @@ class Transformer(nn.Module):
     """Layers ``[first_layer, end_layer)`` of the model; embedding only on the first stage,
     final norm and output head only on the last."""
 
-    def __init__(self, args: ModelArgs, layer_range: tuple[int, int] | None = None):
+    def __init__(self, args: ModelArgs, layer_range: tuple[int, int] | None = None,
+                 make_block: Callable[[ModelArgs, int], nn.Module] | None = None):
         super().__init__()
         self.args = args
         self.first_layer, self.end_layer = layer_range or (0, args.num_layers)
@@ -210,7 +217,9 @@ class Transformer(nn.Module):
         self.is_last = self.end_layer == args.num_layers
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
         # ModuleDict keyed by the global layer number, so stage slices keep checkpoint names.
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(self.first_layer, self.end_layer)})
+        # ``make_block(args, layer)``: a family whose layers differ (family.py); plain blocks otherwise.
+        make_block = make_block or (lambda a, _: Block(a))
+        self.layers = nn.ModuleDict({str(i): make_block(args, i) for i in range(self.first_layer, self.end_layer)})
         if self.is_last:
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -269,7 +278,7 @@ class Transformer(nn.Module):
         return range(self.first_layer, self.end_layer)
 
     def rope(self, positions: torch.Tensor):
-        return rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        return rope_cos_sin(positions, self.args.rope_dim, self.args.rope_theta, self.args.rope_scaling)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(token_ids)

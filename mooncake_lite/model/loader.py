@@ -18,25 +18,21 @@ import torch
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.checkpoint_config import read_args
 from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
+from mooncake_lite.model.family import build_transformer
 from mooncake_lite.model.llama import Transformer
 
 
-# Our parameter name (after ``layers.{i}.``) -> the Hugging Face one (after ``model.layers.{i}.``).
-_LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "attention.q_norm": "self_attn.q_norm",   # Qwen3
-    "attention.k_norm": "self_attn.k_norm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+# Parts of our parameter names (after ``layers.{i}.``) that Hugging Face names otherwise (after
+# ``model.layers.{i}.``); the rest are spelled alike (q_norm, experts.{e}, gate, shared_experts,
+# and MLA's projections, which mla.py names as the checkpoints do).
+_LAYER_PARTS = {
+    "attention": "self_attn", "feed_forward": "mlp",
+    "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+    "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"tok_embeddings.weight": "embed_tokens.weight", "norm.weight": "norm.weight"}
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 # Buffers some older checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,7 +43,7 @@ def load_checkpoint(ckpt_dir: str, device: str | torch.device = "cpu", dtype: to
     """The model (or the pipeline stage ``layer_range`` of it) with the checkpoint's weights."""
     args = read_args(ckpt_dir)
     with torch.device("meta"):
-        model = Transformer(args, layer_range)
+        model = build_transformer(args, layer_range)
     index = _tensor_index(ckpt_dir)
     prefix = "model." if any(k.startswith("model.") for k in index) else ""
     wanted = {name: _hf_name(name, args, index, prefix) for name in model.state_dict()}
@@ -65,9 +61,10 @@ def _hf_name(name: str, args: ModelArgs, index: dict[str, str], prefix: str) -> 
     if name in _TOP_NAMES:
         return prefix + _TOP_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None:
         raise CheckpointError(f"no checkpoint name known for parameter {name!r}")
-    return f"{prefix}layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    parts = [_LAYER_PARTS.get(part, part) for part in m.group(2).split(".")]
+    return f"{prefix}layers.{m.group(1)}.{'.'.join(parts)}"
 
 
 def _tensor_index(ckpt_dir: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import torch
 
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.checkpoint_config import model_args  # also imported from here by callers
+from mooncake_lite.model.family import build_transformer
 from mooncake_lite.model.llama import Transformer
 
 
@@ -53,7 +54,7 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
         from mooncake_lite.model.gguf_loader import load_gguf
         net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
     else:
-        net = Transformer(model_args(model), layer_range)
+        net = build_transformer(model_args(model), layer_range)
         init_dummy_weights(net, seed)
         net = net.to(device=device, dtype=dtype).eval()
     return net.fuse_()   # last: fused q/k/v and gate/up weights (see Transformer.fuse_)
@@ -62,4 +63,4 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
 def build_meta(args: ModelArgs) -> Transformer:
     """The model on the ``meta`` device: sizes without allocating (for llama2-70b sizing)."""
     with torch.device("meta"):
-        return Transformer(args)
+        return build_transformer(args)

@@ -23,8 +23,11 @@ def _decisive_init(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            else:   # fan-in is the last dimension (2-D [out, in], and 3-D stacked experts [e, out, in])
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek's: non-zero, so picking != weighing
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_llama(path: Path, *, seed: int = 0, num_layers: int = 3, **overrides):
@@ -79,10 +82,78 @@ def save_qwen3(path: Path, *, seed: int = 0, head_dim: int = 16, **overrides):
     return model
 
 
+def save_qwen3_moe(path: Path, *, seed: int = 0, **overrides):
+    """A ``Qwen3MoeForCausalLM``: 8 experts, top 3, normalised top-k weights, layer 2 dense
+    (``mlp_only_layers``); Qwen3 attention."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=56, moe_intermediate_size=24, num_experts=8,
+                 num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[2], decoder_sparse_step=1,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=VOCAB, max_position_embeddings=256, rope_theta=30000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = Qwen3MoeConfig(**(shape | overrides))
+    return _save(Qwen3MoeForCausalLM(cfg), path, seed)
+
+
+def save_deepseek_v3(path: Path, *, seed: int = 0, **overrides):
+    """A ``DeepseekV3ForCausalLM`` with the hard parts: MLA with a q low-rank projection (``q_lora_rank``
+    null: one plain projection), interleaved rope, YaRN with mscale != mscale_all_dim; 8 experts in
+    4 groups of which 2 compete, top 3, a non-zero correction bias, sigmoid scores, a shared expert,
+    routed_scaling_factor, one first dense layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=56, moe_intermediate_size=16, n_routed_experts=8,
+                 num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                 norm_topk_prob=True, first_k_dense_replace=1, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                 v_head_dim=10, vocab_size=VOCAB, max_position_embeddings=512, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                                  "mscale": 0.9, "mscale_all_dim": 0.7},
+                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = DeepseekV3Config(**(shape | overrides))
+    return _save(DeepseekV3ForCausalLM(cfg), path, seed)
+
+
+def _save(model, path: Path, seed: int):
+    torch.manual_seed(seed)
+    model = model.eval()
+    _decisive_init(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_chat_tokenizer(path: Path, corpus: list[str], vocab_size: int) -> int:
+    """A byte-level BPE tokenizer trained on ``corpus`` with a ChatML-style template, beside a
+    checkpoint, as ``mooncake up --model DIR`` reads it; returns the end-of-turn token's id."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus * 4, trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return tok.token_to_id("<|im_end|>")
+
+
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation from the Hugging Face model's own ``generate``."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        # An explicit mask: else generate() masks every prompt token equal to pad_token_id (0 is a
+        # chat tokenizer's first special token, e.g. <|im_start|>) and answers another prompt.
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 

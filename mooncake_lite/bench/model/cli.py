@@ -144,7 +144,8 @@ def render(res: dict) -> str:
     for name, r in res["models"].items():
         p = r["prefill"]
         src = r["source"]
-        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params in {r['dtype']}; {src['description']}; "
+        active = f", {r['active_params'] / 1e6:.1f}M active" if r["active_params"] != r["params"] else ""
+        lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params{active} in {r['dtype']}; {src['description']}; "
                      f"loaded in {src['load_s']:.2f} s; decode on {'packed' if r.get('decode_packed') else 'plain'} "
                      f"weights)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
@@ -158,8 +159,9 @@ def render(res: dict) -> str:
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
                          f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
             ratio = f"; step = {d['step_over_batch1']:.2f}x batch 1's" if "step_over_batch1" in d else ""
-            lines.append(f"      its matmuls alone {d['matmuls_ms_best']:7.2f} ms "
-                         f"({100 * d['matmuls_fraction_of_matmul_peak']:5.1f}% of matmul peak){ratio}")
+            if d["matmuls_ms_best"] is not None:
+                lines.append(f"      its matmuls alone {d['matmuls_ms_best']:7.2f} ms "
+                             f"({100 * d['matmuls_fraction_of_matmul_peak']:5.1f}% of matmul peak){ratio}")
             if "mfu" in d:
                 lines.append(gpu_roofs.render_decode(d))
         if "decode_profile" in r:

@@ -9,8 +9,19 @@ from mooncake_lite.model.args import ModelArgs
 
 
 def layer_matmul_params(a: ModelArgs) -> int:
-    kv = a.num_kv_heads * a.head_dim
-    return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    """Matmul weights one token runs through in the layers: with experts, only the ``top_k``
+    routed ones it is sent to (and the router and shared experts): ``active_params`` less the
+    embeddings and the vectors (norm weights, DeepSeek's correction bias)."""
+    if a.moe is None and a.mla is None:
+        kv = a.num_kv_heads * a.head_dim
+        return a.num_layers * (2 * a.dim * a.q_width + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)
+    per_layer = 2 * a.dim + (2 * a.head_dim if a.qk_norm else 0)
+    if a.mla is not None:
+        per_layer += a.mla.kv_lora_rank + (a.mla.q_lora_rank or 0)
+    vectors = a.num_layers * per_layer + a.dim
+    if a.moe is not None and a.moe.has_correction_bias:
+        vectors += a.moe.num_experts * sum(a.moe.is_sparse(i) for i in range(a.num_layers))
+    return a.active_params() - a.vocab_size * a.dim * (1 if a.tie_embeddings else 2) - vectors
 
 
 def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
@@ -24,6 +35,13 @@ def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
     return batch * per_token
 
 
-def weight_bytes(a: ModelArgs, dtype: torch.dtype) -> int:
-    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row)."""
-    return (layer_matmul_params(a) + a.dim * a.vocab_size) * torch.empty((), dtype=dtype).element_size()
+def weight_bytes(a: ModelArgs, dtype: torch.dtype, touched_experts: int | None = None) -> int:
+    """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row).
+    With experts, those the step ran: ``touched_experts`` summed over the layers (the union over
+    its tokens, ``MoE.num_touched``), else one token's top-k per sparse layer."""
+    params = layer_matmul_params(a) + a.dim * a.vocab_size
+    if a.moe is not None and touched_experts is not None:
+        m = a.moe
+        active = m.top_k * sum(m.is_sparse(i) for i in range(a.num_layers))
+        params += (touched_experts - active) * 3 * a.dim * m.expert_ffn_dim
+    return params * torch.empty((), dtype=dtype).element_size()

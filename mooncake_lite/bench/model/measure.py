@@ -19,6 +19,7 @@ from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.linear import PACK_PROBE_ROWS, linear
 from mooncake_lite.model.llama import Transformer
+from mooncake_lite.model.moe import MoE
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 
@@ -46,12 +47,15 @@ def bench_decode(runner: ModelRunner, batch: int, context_len: int, steps: int, 
     return times
 
 
-def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float:
+def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float | None:
     """Best seconds of one decode step's matmuls alone at ``rows`` rows: every layer's q/k/v,
     output, gate/up and down products and the head, in the step's order, on the weights (and
     packed copies) the step uses, so each weight streams from memory as it does there. The floor
-    under the step, to which attention and the small ops add."""
+    under the step, to which attention and the small ops add. None for a model with experts or
+    MLA: which weights a step reads depends on its routing."""
     a = model.args
+    if a.moe is not None or a.mla is not None:
+        return None
     param = next(model.parameters())
     x, attn, ffn = (torch.randn(rows, width, device=param.device, dtype=param.dtype)
                     for width in (a.dim, a.q_width, a.ffn_dim))
@@ -120,7 +124,7 @@ def bench_one(name: str, args: Options, roofs: Roofs, bar: tqdm, header_s: float
         raise ValueError(f"{name}: lengths exceed max_seq_len {margs.max_seq_len}")
     per_seq = blocks_needed(max(args.prompt_len, args.context_len + args.decode_steps + 1), BLOCK_SIZE)
     runner = ModelRunner(model, num_blocks=per_seq * max(args.batch_sizes), block_size=BLOCK_SIZE)
-    out = {"source": source, "dtype": dtype, "params": margs.num_params(),
+    out = {"source": source, "dtype": dtype, "params": margs.num_params(), "active_params": margs.active_params(),
            "prefill": measure_prefill(model, runner, args, roofs, bar, dtype), "decode": {}}
     if not args.no_pack:
         model.pack_()   # as a decode instance runs (a no-op where prefill packed already)
@@ -152,19 +156,22 @@ def measure_prefill(model: Transformer, runner: ModelRunner, args: Options, roof
 def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
     """Each batch size's decode step against both roofs, beside its matmuls alone at that many rows."""
     margs, out = model.args, {}
-    wbytes = weight_bytes(margs, runner.dtype)
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
+        touched = sum(b.feed_forward.num_touched for b in model.layers.values() if isinstance(b.feed_forward, MoE))
+        wbytes = weight_bytes(margs, runner.dtype, touched if margs.moe is not None else None)
         step_s, best_s = statistics.median(times), min(times)
         gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
         matmul_s = bench_matmuls(model, batch)
-        matmul_gflops = 2 * batch * (layer_matmul_params(margs) + margs.dim * margs.vocab_size) / matmul_s / 1e9
+        matmul_gflops = (None if matmul_s is None else
+                         2 * batch * (layer_matmul_params(margs) + margs.dim * margs.vocab_size) / matmul_s / 1e9)
         out[str(batch)] = {
             "step_ms": step_s * 1e3, "step_ms_best": best_s * 1e3, "tokens_per_s": batch / step_s,
             "gflops_best": gflops, "fraction_of_matmul_peak": gflops / roofs.matmul_gflops,
             "weight_gbps_best": wbytes / best_s / 1e9,
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / roofs.copy_gbps,
-            "matmuls_ms_best": matmul_s * 1e3, "matmuls_fraction_of_matmul_peak": matmul_gflops / roofs.matmul_gflops,
+            "matmuls_ms_best": matmul_s and matmul_s * 1e3,
+            "matmuls_fraction_of_matmul_peak": matmul_gflops and matmul_gflops / roofs.matmul_gflops,
         }
         if batch != 1 and "1" in out:   # median steps, as a multiple of the batch-1 step
             out[str(batch)]["step_over_batch1"] = step_s * 1e3 / out["1"]["step_ms"]

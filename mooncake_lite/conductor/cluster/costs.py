@@ -19,10 +19,11 @@ from mooncake_lite.scheduler.links import LinkSpeeds
 
 def default_costs(args: ModelArgs, kv_bytes_per_token: int, flops_per_s: float = 50e9,
                   bandwidth_bytes_per_s: float = 2e9, overhead_s: float = 0.005) -> CostModels:
-    """Shape-derived defaults: linear cost 2·params FLOPs per token, attention
+    """Shape-derived defaults: linear cost 2·active params FLOPs per token (a token runs through
+    its top-k experts only), attention
     4·layers·q_width FLOPs per (query, key) pair, a fixed per-call overhead. ``bandwidth_bytes_per_s``
     is only the prior: each store pair's measured speed replaces it (``links``, fed by dispatch)."""
-    per_token = 2.0 * args.num_params() / flops_per_s
+    per_token = 2.0 * args.active_params() / flops_per_s
     per_pair = 4.0 * args.num_layers * args.q_width / flops_per_s
     prefill = PrefillCostModel(c0=overhead_s, c1=per_token, c2=per_pair, c3=0.0)
     # A decode step reads the weights once per step, then pays per sequence and per cached token.
