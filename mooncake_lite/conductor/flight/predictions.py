@@ -132,7 +132,7 @@ class PredictionBook:
             self.metrics.prediction_ratio.labels(iid, metric).observe(ratio)
             if metric in ("ttft", "tbt"):
                 self.recent.append((now, metric, ratio))
-        log.info("%s %s", check.request_id, check.describe())
+        log.info("%s", check.describe())   # tagged with the request's id by the relay's log context
         self._correct_prefill(check)
         self._correct_decode(check)
         for iid in (check.prefill_id, check.decode_id):
