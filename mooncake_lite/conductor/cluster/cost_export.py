@@ -85,15 +85,13 @@ async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership
 
 def cluster_profile(membership: Membership, defaults: CostModels,
                     timelines: Mapping[str, Mapping] | None = None,
-                    corrected: Callable[[Instance], InstanceCosts] | None = None,
+                    corrected: Callable[[Instance], InstanceCosts] = lambda inst: inst.costs,
                     corrections: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The profile dict (module doc) of the live instances (``timelines``: their
-    ``/v1/timeline`` answers by instance id, for the co-location split; ``corrected``: an
-    instance's models as the online correction has them, ``corrections`` its factors)."""
+    """The profile dict (module doc) of the live instances (``timelines``: their ``/v1/timeline``
+    answers by id, for the co-location split; ``corrected``: an instance's models as corrected)."""
     prefills, decodes = membership.alive("prefill"), membership.alive("decode")
-    shown = corrected or (lambda inst: inst.costs)
-    prefill_models = [shown(i).prefill or defaults.prefill for i in prefills]
-    decode_models = [shown(i).decode or defaults.decode for i in decodes]
+    prefill_models = [corrected(i).prefill or defaults.prefill for i in prefills]
+    decode_models = [corrected(i).decode or defaults.decode for i in decodes]
     bandwidths = [b for i in prefills if (b := _bandwidth(i)) is not None] \
         or [speed for _, _, speed in (defaults.links.items() if defaults.links is not None else ())]
     profile: dict[str, Any] = {
@@ -104,10 +102,9 @@ def cluster_profile(membership: Membership, defaults: CostModels,
         "block_size": membership.block_size,
         "network_bytes_per_s": median(bandwidths) if bandwidths else defaults.bandwidth_bytes_per_s,
         "network_bytes_per_s_measured": bool(bandwidths),
-        "instances": [_instance(i, defaults, shown(i)) for i in (*prefills, *decodes)],
+        "instances": [_instance(i, defaults, corrected(i)) for i in (*prefills, *decodes)],
+        "corrections": dict(corrections or {}),   # each instance's factors, by id
     }
-    if corrections:
-        profile["corrections"] = dict(corrections)
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
     splits = colocation(decodes, prefills, timelines or {}, defaults)

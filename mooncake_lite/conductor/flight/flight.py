@@ -142,10 +142,7 @@ class Flight:
                     early.append(event)
                     continue
                 case Token(token=token):
-                    self.attempt.decode_progress()
-                    now = loop_now()
-                    self._gaps.append(now - self._last_token_at)
-                    self._last_token_at = now
+                    self._on_token()
                 case Finished():
                     self._finish(event)     # decode's end line: finish_reason is set
                     return
@@ -171,6 +168,13 @@ class Flight:
         self._decode_busy = self.svc.predictions.busy_beside(self.attempt.decode.instance_id)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
+
+    def _on_token(self) -> None:
+        """A token from decode: its request's progress there, and the gap since the last one."""
+        self.attempt.decode_progress()
+        now = loop_now()
+        self._gaps.append(now - self._last_token_at)
+        self._last_token_at = now
 
     def _finish(self, end: Finished) -> None:
         if end.error is not None or end.finish_reason not in ("stop", "length"):
