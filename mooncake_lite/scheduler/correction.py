@@ -77,10 +77,10 @@ def ratio_refusal(predicted_s: float, measured_s: float, cfg: CorrectionConfig) 
     for name, v in (("predicted", predicted_s), ("measured", measured_s)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             return f"{name} seconds must be a finite number >= 0, got {v!r}"
-    if predicted_s > 0 and measured_s > 0 and not 1.0 / cfg.max_ratio <= measured_s / predicted_s <= cfg.max_ratio:
-        return f"ratio {measured_s / predicted_s:.3g} outside [1/{cfg.max_ratio:g}, {cfg.max_ratio:g}]"
     if predicted_s < cfg.min_seconds or measured_s < cfg.min_seconds:
-        return TOO_SHORT
+        return TOO_SHORT    # (a queue a packing prefill skipped, a fully cached prefix: nothing to time)
+    if not 1.0 / cfg.max_ratio <= measured_s / predicted_s <= cfg.max_ratio:
+        return f"ratio {measured_s / predicted_s:.3g} outside [1/{cfg.max_ratio:g}, {cfg.max_ratio:g}]"
     return None
 
 

@@ -41,7 +41,7 @@ def test_the_correction_cannot_run_away():
 
 @pytest.mark.parametrize("predicted, measured", [
     (0.1, float("nan")), (float("nan"), 0.1), (0.1, float("inf")), (0.1, -0.5), (-0.1, 0.1),
-    (0.1, 0.1 * CFG.max_ratio * 1.01), (0.1, 0.1 / CFG.max_ratio / 1.01), (0.1, "slow"), (0.1, True),
+    (0.1, 0.1 * CFG.max_ratio * 1.01), (1.0, 1.0 / CFG.max_ratio / 1.01), (0.1, "slow"), (0.1, True),
 ])
 def test_a_broken_measurement_is_refused_and_moves_nothing(predicted, measured):
     c = Corrections()
@@ -55,6 +55,7 @@ def test_a_broken_measurement_is_refused_and_moves_nothing(predicted, measured):
 def test_too_short_to_time_is_skipped_not_refused():
     c = Corrections()
     assert ratio_refusal(1e-5, 1e-3, CFG) == TOO_SHORT and ratio_refusal(0.0, 0.0, CFG) == TOO_SHORT
+    assert ratio_refusal(8.0, 1e-5, CFG) == TOO_SHORT    # a queue a packing prefill skipped: not broken
     assert c.observe("p0", "compute", 1e-5, 1e-3) == TOO_SHORT
     assert c.num_refused == 0 and c.get("p0").factors == {}
 
