@@ -18,6 +18,8 @@ from mooncake_lite.scheduler.correction import scaled
 from tests.conductor.test_api import client
 from tests.conductor.test_dispatch import _wait_for
 
+SLOW_BOX = 30.0   # --dead-after: a loaded machine must not reap the fakes mid-test
+
 
 async def _complete(cluster, n: int, max_tokens: int = 4) -> list[dict[str, str]]:
     """``n`` completions one after another; their response headers."""
@@ -31,7 +33,7 @@ async def _complete(cluster, n: int, max_tokens: int = 4) -> list[dict[str, str]
 
 
 async def test_each_request_is_checked_in_metrics_status_and_headers(make_cluster):
-    cluster = await make_cluster()
+    cluster = await make_cluster(dead_after=SLOW_BOX)
     p0 = cluster.instances["p0"]
     p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.05}
     cluster.instances["d0"].behaviour.token_delay_s = 0.01
@@ -53,31 +55,32 @@ async def test_each_request_is_checked_in_metrics_status_and_headers(make_cluste
 
 
 async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_cluster):
-    cluster = await make_cluster()
+    cluster = await make_cluster(dead_after=SLOW_BOX)
     svc = cluster.svc
     before = svc.membership.snapshot().prefills[0].cost      # the cluster default: p0 reported none
     cluster.instances["p0"].behaviour.timings = {"compute_s": 0.2}   # far slower than predicted
     await _complete(cluster, 8)
-    scale = svc.predictions.corrections.prefill_scale("p0")
-    assert scale > 2.0
+    scale = svc.predictions.shown_scale("p0")
+    assert scale > 2.0 and scale == pytest.approx(svc.predictions.corrections.prefill_scale("p0"), rel=1 / 30)
     shown = svc.membership.snapshot().prefills[0].cost
     assert shown == scaled(before or svc.scheduler.costs.prefill, scale)
     # and the export for the simulator carries the corrected model and the factors
     async with cluster.session.get(cluster.url + "/internal/v1/cost_model") as r:
         profile = await r.json()
     assert profile["corrections"]["p0"]["factors"]["compute"] > 2.0
-    assert profile["prefill"]["c1"] == pytest.approx(shown.c1, rel=1e-6)
+    exported = scaled(before or svc.scheduler.costs.prefill, svc.predictions.corrections.compute_scale("p0"))
+    assert profile["prefill"]["c1"] == pytest.approx(exported.c1, rel=1e-6)   # no queue term: the sim queues
     assert [i["corrected"] for i in profile["instances"] if i["instance_id"] == "p0"] == [True]
 
 
 async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_cluster, caplog):
-    cluster = await make_cluster()
+    cluster = await make_cluster(dead_after=SLOW_BOX)
     cluster.instances["p0"].behaviour.timings = {"queue_s": -5.0, "compute_s": 1e9}
     caplog.set_level(logging.WARNING, "mooncake_lite.conductor.flight.predictions")
     await _complete(cluster, 2)
     corr = cluster.svc.predictions.corrections.get("p0")
     assert "queue" not in corr.factors and "compute" not in corr.factors
-    assert cluster.svc.predictions.corrections.prefill_scale("p0") == 1.0
+    assert cluster.svc.predictions.corrections.prefill_scale("p0") == 1.0 == cluster.svc.predictions.shown_scale("p0")
     assert "compute measurement refused by the online correction" in caplog.text
     async with cluster.session.get(cluster.url + "/metrics") as r:
         text = await r.text()
@@ -88,7 +91,7 @@ async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_clu
 @pytest.mark.parametrize("cost", ['{"prefill": {"c0": 1e9}}', '{"prefill": {"c1": -1}}',
                                   '{"bandwidth_bytes_per_s": 1e-9}', '{"c0": 1e300}'])
 async def test_a_hostile_cost_report_is_refused_logged_and_moves_nothing(make_cluster, caplog, cost):
-    cluster = await make_cluster()
+    cluster = await make_cluster(dead_after=SLOW_BOX)
     caplog.set_level(logging.WARNING, "mooncake_lite.common.cost_report")
     before = cluster.svc.membership.instances["p0"].costs
     body = b'{"instance_id": "p0", "cost": %s}' % cost.encode()
@@ -100,7 +103,7 @@ async def test_a_hostile_cost_report_is_refused_logged_and_moves_nothing(make_cl
 
 
 async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_cluster):
-    cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=4.5)
+    cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=4.5, dead_after=SLOW_BOX)
     p0 = await cluster.add("prefill", "p0", store="s0:1", cost={"prefill": {"c0": 1.0, "c1": 0.01}})
     p0.behaviour.hang = True          # short prefills of a predicted second each pile up
     c = client(cluster)

@@ -31,6 +31,9 @@ from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, scaled
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
 MAX_RECENT = 4096      # checks kept for that window at most (a burst cannot grow it without end)
+# A scale is shown the scheduler anew only once it moved this much (in log, ~3%): a new model
+# makes the scheduler derive that instance's estimates afresh, so noise must not at every request.
+SHOW_TOLERANCE = 1 / 32
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,16 @@ class PredictionBook:
         self.membership, self.metrics, self.defaults = membership, metrics, defaults
         self.corrections = corrections or Corrections()
         self.recent: deque[tuple[float, str, float]] = deque(maxlen=MAX_RECENT)   # (time, metric, ratio)
+        self._shown: dict[str, float] = {}    # instance id -> the scale its shown model has
         membership.shown_costs = self.shown_costs
 
     def predicted(self, d: Decision) -> Prediction:
-        c = self.corrections
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
-                          d.predicted_transfer_s, c.prefill_scale(d.prefill_id), c.decode_scale(d.decode_id))
+                          d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id))
+
+    def shown_scale(self, instance_id: str) -> float:
+        """The scale of the model the scheduler prices ``instance_id`` with now."""
+        return self._shown.get(instance_id, 1.0)
 
     def busy_beside(self, instance_id: str) -> bool:
         """Whether an instance of the other role on the same node is working now: a decode with
@@ -137,7 +144,9 @@ class PredictionBook:
         self._correct_decode(check)
         for iid in (check.prefill_id, check.decode_id):
             inst = self.membership.get(iid)
-            if inst is not None:
+            scale = self._scale(iid, inst.role) if inst is not None else 1.0
+            if inst is not None and abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
+                self._shown[iid] = scale
                 self.membership.show_costs(inst)
         self._export_gauges(check.prefill_id, check.decode_id)
 
@@ -174,19 +183,17 @@ class PredictionBook:
             corr = c.get(iid)
             for term, f in corr.factors.items():
                 self.metrics.correction.labels(iid, term).set(f.value)
-            inst = self.membership.instances.get(iid)
-            if inst is not None:
-                scale = c.prefill_scale(iid) if inst.role == "prefill" else c.decode_scale(iid)
-                self.metrics.correction.labels(iid, "scale").set(scale)
+            self.metrics.correction.labels(iid, "scale").set(self.shown_scale(iid))
+
+    def _scale(self, instance_id: str, role: str) -> float:
+        c = self.corrections
+        return c.prefill_scale(instance_id) if role == "prefill" else c.decode_scale(instance_id)
 
     # ---- what the scheduler is shown -------------------------------------------------------
     def shown_costs(self, inst: Instance) -> InstanceCosts:
         """``inst``'s own costs (the cluster default where it reported none), its role's model
-        multiplied by its correction scale; its own object while the scale is 1."""
-        c = self.corrections
-        if inst.role == "prefill":
-            return self._scaled(inst, c.prefill_scale(inst.instance_id))
-        return self._scaled(inst, c.decode_scale(inst.instance_id))
+        multiplied by its correction scale as last shown; its own object while that is 1."""
+        return self._scaled(inst, self.shown_scale(inst.instance_id))
 
     def simulated_costs(self, inst: Instance) -> InstanceCosts:
         """What ``sim export-costs`` exports: :meth:`shown_costs` without the queue term (the
@@ -219,9 +226,8 @@ class PredictionBook:
 
     def export(self) -> dict[str, Mapping[str, Any]]:
         """Every corrected instance's factors, by instance id (``sim export-costs``, status)."""
-        c, insts = self.corrections, self.membership.instances
-        return {iid: {"scale": c.prefill_scale(iid) if iid in insts and insts[iid].role == "prefill"
-                      else c.decode_scale(iid),
+        c = self.corrections
+        return {iid: {"scale": self.shown_scale(iid),
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4)}
