@@ -4,9 +4,9 @@ writes it), so the simulator can be calibrated from the cluster it is meant to p
 
 Each live instance's current model is the one it registered with, as refined since by its
 heartbeats (``instance/refine.py``) and corrected online by what its requests measured
-(``scheduler/correction.py``: the compute terms, not the queue's, which the simulator models
-itself; ``corrections`` lists every instance's factors); one the instance never reported is the
-conductor's default.
+(``scheduler/correction.py``: a prefill's compute terms, not its queue's, which the simulator
+models itself, nor a decode's, see ``PredictionBook.simulated_costs``; ``corrections`` lists every
+instance's factors); one the instance never reported is the conductor's default.
 The simulator models identical instances, so the file holds the coefficient-wise median over
 the live instances of each role (a median of models with non-negative coefficients is one too),
 and lists every instance's own model under ``instances`` for a reader to check the spread.

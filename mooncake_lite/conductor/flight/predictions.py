@@ -196,12 +196,15 @@ class PredictionBook:
         return self._scaled(inst, self.shown_scale(inst.instance_id))
 
     def simulated_costs(self, inst: Instance) -> InstanceCosts:
-        """What ``sim export-costs`` exports: :meth:`shown_costs` without the queue term (the
-        simulator queues by itself)."""
-        c = self.corrections
+        """What ``sim export-costs`` exports: a prefill's model with its compute terms corrected
+        (measured against its own prefill's prediction: a forward's speed), not its queue's (the
+        simulator queues by itself); a decode's as it reports it. The decode's correction is
+        learned against the TBT admission predicted for the load it foresaw, so it also holds
+        that load's error; the simulator draws its steps from the measured step spread instead
+        (``decode_step_ratios``). Measured: exporting it put the simulated TBT at -51% of live."""
         if inst.role == "prefill":
-            return self._scaled(inst, c.compute_scale(inst.instance_id))
-        return self._scaled(inst, c.decode_scale(inst.instance_id))
+            return self._scaled(inst, self.corrections.compute_scale(inst.instance_id))
+        return inst.costs
 
     def _scaled(self, inst: Instance, scale: float) -> InstanceCosts:
         costs = inst.costs
