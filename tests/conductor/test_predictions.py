@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 
 import openai
@@ -114,9 +113,10 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
     with pytest.raises(openai.RateLimitError) as info:   # ~3 s of queue + its own ~3.5 s
         await c.completions.create(model="tiny", prompt="x" * 250, max_tokens=2)
     predicted = float(re.search(r"predicted TTFT (\S+)s", info.value.message).group(1))
-    # 2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of it)
-    assert math.ceil(predicted - 4.5 - 0.01) == 2
-    assert info.value.response.headers["Retry-After"] == "2"
+    # ~2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of
+    # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
+    retry = int(info.value.response.headers["Retry-After"])
+    assert -0.01 <= retry - (predicted - 4.5) < 1.01 and retry <= 3
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
