@@ -7,7 +7,8 @@
 Reads ``GET /internal/v1/status`` (``conductor/status.py``; it needs the cluster token when one
 is set: ``--cluster-token`` or ``$MOONCAKE_CLUSTER_TOKEN``) and draws instances (role, node,
 queue or batch, KV use, profiled speed, health), stores (DRAM/SSD use, hit rate) and the last
-minute of traffic (TTFT/TBT quantiles, rejections by cause, requests and tokens per second).
+minute of traffic (TTFT/TBT quantiles, rejections by cause, requests and tokens per second, and
+how far admission's predicted TTFT and TBT were from the measured ones: median and p90 error).
 The live view redraws on the terminal's alternate screen with plain ANSI codes; exit code 1
 when the conductor cannot be read (the live view keeps retrying and says so).
 """
@@ -82,6 +83,21 @@ def _quantiles(q: dict) -> str:
     return f"p50 {_secs(q['p50'])}  p90 {_secs(q['p90'])}  p99 {_secs(q['p99'])}  (n={q['count']:.0f})"
 
 
+def _prediction_lines(p: dict | None) -> list[str]:
+    """The last minute's prediction error (|measured / predicted - 1|) and its direction."""
+    if not p:
+        return []
+    out = []
+    for metric in ("ttft", "tbt"):
+        e = p.get(metric) or {}
+        if not e.get("count"):
+            out.append(f"  {metric.upper()} error   no checked requests")
+            continue
+        out.append(f"  {metric.upper()} error   median {_pct(e['median_error'])}  p90 {_pct(e['p90_error'])}"
+                   f"  measured/predicted x{e['median_ratio']:.2f}  (n={e['count']})")
+    return out
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
@@ -124,6 +140,7 @@ def render(status: dict, conductor: str) -> list[str]:
              "  rejections  " + (", ".join(f"{k} {v:.0f}" for k, v in sorted(r["rejections"].items())) or "none"),
              f"  TTFT        {_quantiles(r['ttft_s'])}",
              f"  TBT         {_quantiles(r['tbt_s'])}",
+             *_prediction_lines(status.get("predictions")),
              "", "INSTANCES"]
     rows = [_instance_row(i) for i in status["instances"]]
     lines += _table(["role", "id", "node", "work", "KV used", "speed", "health"], rows) if rows else ["  none registered"]

@@ -14,16 +14,27 @@ conductor still accepts that form, decoded as a :class:`FlatCost` and read with 
 instance registered (:meth:`FlatCost.for_role`). Both are checked when the message is decoded:
 an unknown key or coefficient, a coefficient that is not a finite number >= 0, a bandwidth that
 is not a finite positive number, or a part that is not an object is refused, naming the field.
+So is an absurd one (issue #36): a coefficient over ``MAX_COEFFICIENT_S`` (an hour per call, per
+token or per token pair is no measurement of any machine: a unit or a sign bit gone wrong) or a
+bandwidth outside ``[MIN_BANDWIDTH, MAX_BANDWIDTH]``. A refused report never reaches a model: the
+whole message is refused (400), and the refusal is logged once per distinct reason (a heartbeat
+repeats it every beat).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 REPORT_KEYS = ("prefill", "decode", "bandwidth_bytes_per_s")
+MAX_COEFFICIENT_S = 3600.0        # seconds per call / token / token pair: beyond, absurd
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e15   # bytes/s: beyond either, absurd
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()         # refusals already logged (bounded: _MAX_LOGGED)
+_MAX_LOGGED = 1024
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,15 @@ class CostReport:
     @classmethod
     def from_wire(cls, data: Any, where: str) -> CostReport | FlatCost:
         """The report of decoded JSON ``data`` (either form); ValueError names what is wrong,
-        from ``where`` (the field it came in, e.g. ``Register.cost``)."""
+        from ``where`` (the field it came in, e.g. ``Register.cost``), and is logged."""
+        try:
+            return cls._decode(data, where)
+        except ValueError as exc:
+            _log_refusal(str(exc))
+            raise
+
+    @classmethod
+    def _decode(cls, data: Any, where: str) -> CostReport | FlatCost:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: expected an object")
         if data and all(k.startswith("c") and k[1:].isdigit() for k in data):
@@ -67,6 +86,9 @@ class CostReport:
         bandwidth = data.get("bandwidth_bytes_per_s")
         if bandwidth is not None and not (_is_number(bandwidth) and 0 < bandwidth < math.inf):
             raise ValueError(f"{where}.bandwidth_bytes_per_s: must be a finite positive number, got {bandwidth!r}")
+        if bandwidth is not None and not MIN_BANDWIDTH <= bandwidth <= MAX_BANDWIDTH:
+            raise ValueError(f"{where}.bandwidth_bytes_per_s: {bandwidth!r} bytes/s is absurd (outside "
+                             f"[{MIN_BANDWIDTH:g}, {MAX_BANDWIDTH:g}])")
         return cls(_part(PrefillCost, data.get("prefill"), f"{where}.prefill"),
                    _part(DecodeCost, data.get("decode"), f"{where}.decode"),
                    None if bandwidth is None else float(bandwidth))
@@ -110,7 +132,17 @@ def _coefficients(cls: type, data: dict[str, Any], where: str) -> dict[str, floa
     for name, v in data.items():
         if not (_is_number(v) and 0 <= v < math.inf):
             raise ValueError(f"{where}.{name}: must be a finite number >= 0, got {v!r}")
+        if v > MAX_COEFFICIENT_S:
+            raise ValueError(f"{where}.{name}: {v!r} s is absurd (over {MAX_COEFFICIENT_S:g} s)")
     return {name: float(v) for name, v in data.items()}
+
+
+def _log_refusal(message: str) -> None:
+    if message in _LOGGED:
+        return
+    if len(_LOGGED) < _MAX_LOGGED:
+        _LOGGED.add(message)
+    log.warning("cost report refused, the instance's model is unchanged: %s", message)
 
 
 def _names(cls: type) -> list[str]:

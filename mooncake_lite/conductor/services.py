@@ -17,6 +17,7 @@ from aiohttp import web
 
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.output_lengths import OutputHistory
+from mooncake_lite.conductor.flight.predictions import PredictionBook
 from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.tenants import TenantGate
 from mooncake_lite.scheduler import Decision, Scheduler
@@ -42,6 +43,11 @@ class Services:
     tenants: TenantGate | None = None   # per-tenant limits, SLOs and priorities (conductor/tenants.py)
     # told each accepted placement (decision, block keys, now): hot-block heat (cluster/hot_replication.py)
     on_placed: Callable[[Decision, list[bytes], float], None] | None = None
+    # every prediction checked, and the online correction it feeds (conductor/flight/predictions.py)
+    predictions: PredictionBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.predictions = PredictionBook(self.membership, self.metrics, lambda: self.scheduler.costs)
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

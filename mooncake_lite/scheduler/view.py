@@ -139,6 +139,11 @@ class DecodeView(Shown[DecodeInstanceState]):
             self._limits = (max_batch_size, max_context_tokens)
             self._stale()
 
+    @property
+    def cost(self) -> DecodeCostModel | None:
+        """The model its states carry (what :meth:`set_cost` was last told)."""
+        return self._cost
+
     def set_cost(self, cost: DecodeCostModel | None) -> None:
         """A (re-)registration's cost model: the batch is shown afresh and its TBT re-read."""
         self._cost = cost

@@ -46,6 +46,10 @@ def test_the_flat_form_of_older_instances_is_read_with_the_role():
     ('{"bandwidth_bytes_per_s": 0}', "Heartbeat.cost.bandwidth_bytes_per_s: must be a finite positive number"),
     ('{"bandwidth_bytes_per_s": "fast"}', "Heartbeat.cost.bandwidth_bytes_per_s: must be a finite positive"),
     ("[1]", "Heartbeat.cost: expected an object"),
+    ('{"decode": {"c0": 1e9}}', "Heartbeat.cost.decode.c0: 1000000000.0 s is absurd"),   # issue #36
+    ('{"c2": 3601}', "Heartbeat.cost.c2: 3601 s is absurd"),
+    ('{"bandwidth_bytes_per_s": 1e-3}', "Heartbeat.cost.bandwidth_bytes_per_s: 0.001 bytes/s is absurd"),
+    ('{"bandwidth_bytes_per_s": 1e18}', "bytes/s is absurd"),
 ])
 def test_a_malformed_report_is_refused_naming_the_field(cost, needle):
     with pytest.raises(ProtocolError, match=needle):

@@ -56,6 +56,7 @@ class Behaviour:
     token_delay_s: float = 0.0           # decode: pause between tokens
     break_after: int | None = None       # decode: drop the connection after N tokens
     result_delay_s: float = 0.0          # prefill: answer this long after the "KV" went to decode
+    timings: dict = field(default_factory=dict)   # prefill: the timings its result reports
 
 
 @dataclass
@@ -107,7 +108,8 @@ class FakeInstance:
         if b.result_delay_s:
             await asyncio.sleep(b.result_delay_s)
         return web.Response(body=dumps(PrefillResult(req.request_id, first, len(req.prefix_keys) * 4,
-                                                     len(req.token_ids) - len(req.prefix_keys) * 4)),
+                                                     len(req.token_ids) - len(req.prefix_keys) * 4,
+                                                     dict(b.timings))),
                             content_type="application/json")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -25,3 +25,10 @@ def test_cache_hit_rate_is_a_delta_over_the_run():
     assert value is None and "no full prompt block" in why
     value, why = cache_hit_rate({}, {"other_total": 1.0})
     assert value is None and "has no" in why
+
+
+def test_a_predicted_time_header_is_read_only_when_it_is_a_finite_number():
+    from mooncake_lite.bench.replay.client import _seconds
+    assert _seconds("0.125000") == 0.125 and _seconds(None) is None
+    for bad in ("", "fast", "nan", "inf", "-1"):
+        assert _seconds(bad) is None

@@ -90,3 +90,21 @@ def test_cached_token_hit_rate_uses_the_servers_counts():
     assert got["cached_token_hit_rate"] == 192 / 401 and got["cached_tokens"] == 192
     assert got["requests_reporting_cached_tokens"] == 3 and got["requests_with_cached_tokens"] == 2 / 3
     assert cached_token_hit_rate([rec(0, None, 10)])["cached_token_hit_rate"] is None
+
+
+def test_prediction_errors_compare_the_servers_predictions_with_what_the_client_measured():
+    from dataclasses import replace
+
+    from mooncake_lite.bench.replay.metrics import prediction_errors
+    from mooncake_lite.bench.replay.report import prediction_lines
+    # A: TTFT 0.10 measured, 0.05 predicted (x2); TBT (gaps .05 .10 .05: slowest .10) against 0.08
+    # B: TTFT 0.20 against 0.25 (x0.8), no TBT predicted; C rejected, E failed: not counted
+    records = [replace(A, predicted_ttft_s=0.05, predicted_tbt_s=0.08), replace(B, predicted_ttft_s=0.25),
+               replace(C, predicted_ttft_s=1.0), D, E]
+    p = prediction_errors(records)
+    assert p["ttft"]["count"] == 2 and p["ttft"]["median_ratio"] == pytest.approx(1.4)
+    assert p["ttft"]["median_error"] == pytest.approx(0.6)        # |2 - 1| and |0.8 - 1|, their median
+    assert p["tbt"] == {"count": 1, "median_error": pytest.approx(0.25), "p90_error": pytest.approx(0.25),
+                        "median_ratio": pytest.approx(1.25)}
+    assert any("TTFT measured/predicted, median (n=2)" in line for line in prediction_lines(p))
+    assert prediction_errors([D])["ttft"]["count"] == 0 and prediction_lines(prediction_errors([D])) == []

@@ -109,6 +109,7 @@ def main(argv: Sequence[str]) -> int:
 
 def run(ns: Options, api: str) -> dict:
     """Replay, export, simulate, compare: the report dict (``text``: the table)."""
+    from mooncake_lite.bench.replay.metrics import prediction_errors
     from mooncake_lite.sim.costs import load_profile
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +133,7 @@ def run(ns: Options, api: str) -> dict:
     report.update(slos=slos, gaps=measured_gaps(live, lr.records, lr.before, lr.after, hw),
                   config={k: v for k, v in asdict(ns).items() if k != "token"}, served=lr.served,
                   live_wall_s=lr.live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
+                  predictions=prediction_errors(lr.records),   # the live conductor's own, per request
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
                   cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})

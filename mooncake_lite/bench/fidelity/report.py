@@ -119,6 +119,8 @@ def report_text(report: Mapping) -> str:
             lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(
                 f"{k.removesuffix('_s')} {row['rel_error']:+.1%}" for k, row in rows.items()
                 if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
+    from mooncake_lite.bench.replay.report import prediction_lines
+    lines += prediction_lines(report.get("predictions") or {})
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ The clock is injectable so tests can record a stream on a fake clock.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -39,6 +40,15 @@ def _error_text(raw: str) -> str:
     return raw[:300]
 
 
+def _seconds(header: str | None) -> float | None:
+    """A predicted time from a response header; None when absent or not a finite number >= 0."""
+    try:
+        value = float(header) if header else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
 def _count(obj: dict, key: str, default: int | None) -> int | None:
     """A token count from a usage object (a non-integer is ignored, not trusted)."""
     value = obj.get(key)
@@ -57,6 +67,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
         async with session.post(url, json=body) as resp:
             reused_hdr = resp.headers.get("X-Mooncake-Reused-Blocks")
             reused = int(reused_hdr) if reused_hdr and reused_hdr.isdigit() else None
+            base.update(predicted_ttft_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TTFT")),
+                        predicted_tbt_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TBT")))
             if resp.status != 200:
                 return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
             async for raw in resp.content:

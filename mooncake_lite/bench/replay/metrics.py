@@ -41,6 +41,8 @@ class RequestRecord:
     cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens, if reported
     server_prompt_tokens: int | None = None  # usage.prompt_tokens, if reported (the server's count)
     reused_blocks: int | None = None    # X-Mooncake-Reused-Blocks, if reported
+    predicted_ttft_s: float | None = None  # X-Mooncake-Predicted-TTFT: what admission predicted
+    predicted_tbt_s: float | None = None   # X-Mooncake-Predicted-TBT
     num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
     extra: Mapping[str, object] = field(default_factory=dict)
 
@@ -159,3 +161,21 @@ def cached_token_hit_rate(records: Sequence[RequestRecord]) -> dict[str, float |
             "cached_tokens": cached, "cached_of_prompt_tokens": prompt,
             "requests_reporting_cached_tokens": len(told),
             "requests_with_cached_tokens": (sum(r.cached_tokens > 0 for r in told) / len(told)) if told else None}
+
+
+def prediction_errors(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | int | None]]:
+    """How far the server's predictions (``X-Mooncake-Predicted-*``, made at admission) were from
+    what this client measured, per metric over the finished requests that carried one: how many,
+    the median and p90 of |measured / predicted − 1|, and the median ratio (> 1: the server was
+    optimistic). The client's TTFT also holds the HTTP and tokenizing the prediction does not."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name, measure, predicted in (("ttft", ttft, lambda r: r.predicted_ttft_s),
+                                     ("tbt", lambda r: paper_tbt(itls(r)), lambda r: r.predicted_tbt_s)):
+        ratios = [m / p for r in records if r.is_ok and (p := predicted(r)) and (m := measure(r)) is not None]
+        if not ratios:
+            out[name] = {"count": 0, "median_error": None, "p90_error": None, "median_ratio": None}
+            continue
+        errors = [abs(x - 1.0) for x in ratios]
+        out[name] = {"count": len(ratios), "median_error": float(np.percentile(errors, 50)),
+                     "p90_error": float(np.percentile(errors, 90)), "median_ratio": float(np.median(ratios))}
+    return out

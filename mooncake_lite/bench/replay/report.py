@@ -78,6 +78,22 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def prediction_lines(predictions: Mapping) -> list[str]:
+    """The server's admission predictions against this client's measurements (``prediction_errors``)."""
+    lines = []
+    for name in ("ttft", "tbt"):
+        p = predictions.get(name) or {}
+        if not p.get("count"):
+            continue
+        if not lines:
+            lines.append(f"{'-' * 16}Predictions (server's, at admission){'-' * 9}")
+        label = f"{name.upper()} |measured/predicted - 1| median / p90:"
+        lines.append(f"{label:<48}{_fmt(p['median_error']):>6} / {_fmt(p['p90_error'])}")
+        label = f"{name.upper()} measured/predicted, median (n={p['count']}):"
+        lines.append(f"{label:<48}{_fmt(p['median_ratio']):>12}")
+    return lines
+
+
 def format_table(summary: Mapping) -> str:
     m = summary["metrics"]
     rows = [("Successful requests", m["completed"]), ("Rejected (429)", m["num_rejected_429"]),
@@ -106,6 +122,7 @@ def format_table(summary: Mapping) -> str:
         share = _fmt(cache["requests_with_prefix_hit"])
         lines.append(f"{'Requests reusing a cached prefix (headers):':<48}{share:>12}")
     lines.append(f"{'Ideal (infinite cache) block reuse of slice:':<48}{_fmt(cache.get('ideal_block_hit_rate')):>12}")
+    lines += prediction_lines(summary.get("predictions") or {})
     for note in summary.get("notes", []):
         lines.append(f"note: {note}")
     lines.append("=" * 61)

@@ -12,7 +12,7 @@ import aiohttp
 from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.replay.client import cache_hit_rate, scrape_metrics, served_model_info
 from mooncake_lite.bench.replay.metrics import (RequestRecord, cached_token_hit_rate, compute_metrics, parse_slos,
-                                                prefix_hit_request_share)
+                                                prediction_errors, prefix_hit_request_share)
 from mooncake_lite.bench.replay.sender import replay, select_window
 from mooncake_lite.bench.replay.workload import PromptConfig, PromptSynth, SynthRequest, TextTokenizer, auto_scale
 from mooncake_lite.common.auth import api_key_headers
@@ -131,6 +131,7 @@ async def run(ns: Options) -> dict:
                    "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, "started_at_unix": started_at},
         "metrics": metrics,
         "cache": cache,
+        "predictions": prediction_errors(records),
         "notes": notes,
         "_records": records,
     }

@@ -110,7 +110,7 @@ class Relay:
         f, d = self.flight, self.flight.decision
         return {"X-Request-Id": f.request_id, "X-Mooncake-Prefill": d.prefill_id,
                 "X-Mooncake-Decode": d.decode_id, "X-Mooncake-Route": d.route,
-                "X-Mooncake-Reused-Blocks": str(d.reused_prefix_blocks)}
+                "X-Mooncake-Reused-Blocks": str(d.reused_prefix_blocks), **f.prediction_headers()}
 
     # ---- non-streaming ---------------------------------------------------------------------
     async def collect(self) -> web.Response:

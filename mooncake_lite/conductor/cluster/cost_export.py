@@ -3,7 +3,10 @@
 writes it), so the simulator can be calibrated from the cluster it is meant to predict.
 
 Each live instance's current model is the one it registered with, as refined since by its
-heartbeats (``instance/refine.py``); one the instance never reported is the conductor's default.
+heartbeats (``instance/refine.py``) and corrected online by what its requests measured
+(``scheduler/correction.py``: a prefill's compute terms, not its queue's, which the simulator
+models itself, nor a decode's, see ``PredictionBook.simulated_costs``; ``corrections`` lists every
+instance's factors); one the instance never reported is the conductor's default.
 The simulator models identical instances, so the file holds the coefficient-wise median over
 the live instances of each role (a median of models with non-negative coefficients is one too),
 and lists every instance's own model under ``instances`` for a reader to check the spread.
@@ -36,7 +39,7 @@ the gaps above are taken without those writes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from statistics import median
 from typing import Any
 
@@ -44,6 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.common.auth import cluster_headers
+from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.instance.colocation import colocation_split
@@ -55,7 +59,9 @@ TIMELINE_TIMEOUT_S = 5.0
 async def cost_model(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     timelines = await fetch_timelines(svc.session, svc.membership, svc.cluster_token)
-    return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs, timelines))
+    book = svc.predictions
+    return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs, timelines,
+                                             corrected=book.simulated_costs, corrections=book.export()))
 
 
 async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership,
@@ -78,12 +84,14 @@ async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership
 
 
 def cluster_profile(membership: Membership, defaults: CostModels,
-                    timelines: Mapping[str, Mapping] | None = None) -> dict[str, Any]:
-    """The profile dict (module doc) of the live instances (``timelines``: their
-    ``/v1/timeline`` answers by instance id, for the co-location split)."""
+                    timelines: Mapping[str, Mapping] | None = None,
+                    corrected: Callable[[Instance], InstanceCosts] = lambda inst: inst.costs,
+                    corrections: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The profile dict (module doc) of the live instances (``timelines``: their ``/v1/timeline``
+    answers by id, for the co-location split; ``corrected``: an instance's models as corrected)."""
     prefills, decodes = membership.alive("prefill"), membership.alive("decode")
-    prefill_models = [i.costs.prefill or defaults.prefill for i in prefills]
-    decode_models = [i.costs.decode or defaults.decode for i in decodes]
+    prefill_models = [corrected(i).prefill or defaults.prefill for i in prefills]
+    decode_models = [corrected(i).decode or defaults.decode for i in decodes]
     bandwidths = [b for i in prefills if (b := _bandwidth(i)) is not None] \
         or [speed for _, _, speed in (defaults.links.items() if defaults.links is not None else ())]
     profile: dict[str, Any] = {
@@ -94,7 +102,8 @@ def cluster_profile(membership: Membership, defaults: CostModels,
         "block_size": membership.block_size,
         "network_bytes_per_s": median(bandwidths) if bandwidths else defaults.bandwidth_bytes_per_s,
         "network_bytes_per_s_measured": bool(bandwidths),
-        "instances": [_instance(i, defaults) for i in (*prefills, *decodes)],
+        "instances": [_instance(i, defaults, corrected(i)) for i in (*prefills, *decodes)],
+        "corrections": dict(corrections or {}),   # each instance's factors, by id
     }
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
@@ -156,8 +165,10 @@ def _bandwidth(inst: Instance) -> float | None:
     return inst.costs.bandwidth_bytes_per_s or inst.load.bandwidth_bytes_per_s or None
 
 
-def _instance(inst: Instance, defaults: CostModels) -> dict[str, Any]:
-    own = inst.costs.prefill if inst.role == "prefill" else inst.costs.decode
-    model = own or (defaults.prefill if inst.role == "prefill" else defaults.decode)
+def _instance(inst: Instance, defaults: CostModels, shown: InstanceCosts) -> dict[str, Any]:
+    is_prefill = inst.role == "prefill"
+    own = inst.costs.prefill if is_prefill else inst.costs.decode
+    base = own or (defaults.prefill if is_prefill else defaults.decode)
+    model = (shown.prefill if is_prefill else shown.decode) or base
     return {"instance_id": inst.instance_id, "role": inst.role, "cost": model.to_dict(),
-            "reported": own is not None}
+            "reported": own is not None, "corrected": model != base}

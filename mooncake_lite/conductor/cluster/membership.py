@@ -136,6 +136,9 @@ class Membership:
         # The smallest KV capacity among the scheduled prefill instances: a prompt within it
         # fits them all (the common case), so fitting() need not look them up one by one.
         self._smallest_prefill: int = 0
+        # The costs the scheduler prices an instance with: its own, unless the online correction
+        # (conductor/flight/predictions.py) sets this; re-shown by :meth:`show_costs`.
+        self.shown_costs: Callable[[Instance], InstanceCosts] = lambda inst: inst.costs
 
     # ---- membership messages --------------------------------------------------------------
     def register(self, reg: Register, now: float) -> Instance:
@@ -155,8 +158,8 @@ class Membership:
                 inst.view.set_cost(costs.decode)
         else:
             inst = Instance(reg, costs, now, registration.new_view(reg, costs))
-        registration.describe(inst.view, reg, inst.load, costs)
         self.instances[reg.instance_id] = inst
+        self.show_costs(inst)
         self._states = None
         if self.kv_bytes_per_token is None:
             self.kv_bytes_per_token = reg.kv_bytes_per_token
@@ -179,7 +182,7 @@ class Membership:
         inst.last_seen = now
         old, inst.load = inst.load, hb.load
         if any(getattr(old, k) != getattr(inst.load, k) for k in STATE_LOAD_KEYS):
-            registration.describe(inst.view, inst.reg, inst.load, inst.costs)
+            registration.describe(inst.view, inst.reg, inst.load, self.shown_costs(inst))
         return inst
 
     def _set_costs(self, inst: Instance, costs: InstanceCosts) -> None:
@@ -188,8 +191,14 @@ class Membership:
         (a decode batch is shown afresh and its TBT re-read from the new model)."""
         log.info("%s %s reports a refined cost model: %s", inst.role, inst.instance_id,
                  (costs.prefill if inst.role == "prefill" else costs.decode))
-        old, inst.costs = inst.costs, costs
-        if isinstance(inst.view, DecodeView) and costs.decode != old.decode:
+        inst.costs = costs
+        self.show_costs(inst)
+
+    def show_costs(self, inst: Instance) -> None:
+        """Tell the instance's view the costs it is priced with (``shown_costs``): its own, as
+        corrected; a decode's batch is shown afresh only when its model changed."""
+        costs = self.shown_costs(inst)
+        if isinstance(inst.view, DecodeView) and costs.decode != inst.view.cost:
             inst.view.set_cost(costs.decode)
         registration.describe(inst.view, inst.reg, inst.load, costs)
 

@@ -15,6 +15,8 @@ from mooncake_lite.scheduler.links import LinkSpeeds
 PREFIX = "mooncake_conductor_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+# measured / predicted: 1 is a perfect prediction; the buckets are about 10% apart near 1
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.87, 0.93, 1.0, 1.07, 1.15, 1.25, 1.5, 2, 4, 10)
 
 
 class ConductorMetrics:
@@ -51,6 +53,17 @@ class ConductorMetrics:
         self.retries = Counter(p + "retries", "requests sent again to other instances after a failure "
                                "before their first token, by reason (prefill-unreachable, prefill-error, "
                                "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
+        self.prediction_ratio = Histogram(p + "prediction_ratio", "measured over predicted, per request, by "
+                                          "instance and metric (ttft, tbt, gap: the mean token gap against "
+                                          "the predicted TBT, and TTFT's parts queue, compute, transfer: "
+                                          "the predictions made at admission)", ["instance", "metric"],
+                                          buckets=RATIO_BUCKETS, registry=r)
+        self.prediction_refused = Counter(p + "prediction_refused", "measurements refused by the online "
+                                          "correction (not finite, negative, or beyond its ratio bound), by "
+                                          "instance and term", ["instance", "term"], registry=r)
+        self.correction = Gauge(p + "cost_correction", "the online correction's factor per instance and term "
+                                "(scale: the one the scheduler's model is multiplied by)", ["instance", "term"],
+                                registry=r)
         self.tenant = TenantMetrics(r)
         self.cluster = ClusterMetrics(r)
 

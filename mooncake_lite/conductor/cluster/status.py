@@ -3,7 +3,9 @@
 Instances from the membership table (role, node, queue or batch, KV use from their last
 heartbeat, speed by its current cost model, health); stores from the block index and the usage each one sends
 with its block events (DRAM/SSD use, hit counts); and the last ``WINDOW_S`` seconds of traffic:
-TTFT/TBT quantiles, rejections by cause, requests and tokens per second. The recent figures are
+TTFT/TBT quantiles, rejections by cause, requests and tokens per second; and how far the
+predictions admission made were from what was measured (the last minute's median and p90 error
+of TTFT and TBT) with each instance's online correction. The recent figures are
 differences of the conductor's own Prometheus counters and histograms (``metrics.py``) between
 now and a snapshot taken up to ``WINDOW_S`` ago by a sampler in ``cleanup_ctx`` — the same
 numbers a Grafana panel over ``rate(...[1m])`` shows, at no cost on the request path.
@@ -88,7 +90,9 @@ async def status(request: web.Request) -> web.Response:
             "instances": [describe(inst, now, svc.block_size)
                           for inst in sorted(svc.membership.instances.values(), key=lambda i: (i.role, i.instance_id))],
             "stores": stores,
-            "requests": recent_figures(app[RECENT], svc.metrics, time.monotonic())}
+            "requests": recent_figures(app[RECENT], svc.metrics, time.monotonic()),
+            # each prediction checked (conductor/flight/predictions.py): the last minute's errors
+            "predictions": {**svc.predictions.recent_errors(now), "corrections": svc.predictions.export()}}
     return web.json_response(body)
 
 

@@ -17,11 +17,13 @@ from typing import Any
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import PrefillResult
+from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed, Finished, FirstToken, PrefillRefused, Token
 from mooncake_lite.conductor.flight.placement import place
+from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 
@@ -51,6 +53,12 @@ class Flight:
         self.num_tokens = 0
         self.expected_output = req.sampling.max_tokens
         self._is_closed = False
+        # Checking the prediction (predictions.py): the placed attempt's, on the loop's clock.
+        self.prediction: Prediction | None = None
+        self._placed_at = self._last_token_at = 0.0
+        self._measured_ttft_s: float | None = None
+        self._gaps: list[float] = []
+        self._decode_busy = self._prefill_busy = False
         # The request's trace (None when tracing is off): a child of the client's traceparent if it sent one.
         self.span = tracing.start_span("conductor.request", kind="server", request_id=self.request_id,
                                        prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
@@ -77,6 +85,7 @@ class Flight:
             raise
         if span is not None:
             tracing.end_span(span, **decision_attributes(d))
+        self.prediction, self._placed_at = self.svc.predictions.predicted(d), loop_now()
         # predictive admission sizes this request's decode time with its predicted output
         self.expected_output = self.svc.outputs.expected(keys, len(self.req.prompt_ids),
                                                          self.req.sampling.max_tokens)
@@ -133,7 +142,7 @@ class Flight:
                     early.append(event)
                     continue
                 case Token(token=token):
-                    self.attempt.decode_progress()
+                    self._on_token()
                 case Finished():
                     self._finish(event)     # decode's end line: finish_reason is set
                     return
@@ -150,10 +159,22 @@ class Flight:
                 return
 
     def _on_first(self, result: PrefillResult) -> None:
+        self._last_token_at = now = loop_now()
+        self._measured_ttft_s = now - self._placed_at
+        self._prefill_busy = self.svc.predictions.busy_beside(self.attempt.prefill.instance_id)
         self.prefill_result = result
         self.attempt.prefill_finished(result, self.expected_output)
+        # (once this request's own prefill job has left its queue)
+        self._decode_busy = self.svc.predictions.busy_beside(self.attempt.decode.instance_id)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
+
+    def _on_token(self) -> None:
+        """A token from decode: its request's progress there, and the gap since the last one."""
+        self.attempt.decode_progress()
+        now = loop_now()
+        self._gaps.append(now - self._last_token_at)
+        self._last_token_at = now
 
     def _finish(self, end: Finished) -> None:
         if end.error is not None or end.finish_reason not in ("stop", "length"):
@@ -181,15 +202,44 @@ class Flight:
         if self._is_closed:
             return
         self._is_closed = True
+        check = self._check() if not abort and self.finish_reason is not None else None
+        if check is not None:
+            self.svc.predictions.settle(check, loop_now())
         tracing.end_span(self.span, "aborted" if abort and self.finish_reason is None else None,
                          output_tokens=self.num_tokens, finish_reason=self.finish_reason,
-                         retries=self.num_retries)
+                         retries=self.num_retries, **(check.attributes() if check is not None else {}))
         if self.attempt is None:
             return
         if self.num_tokens:   # the output length the client took (ended, or it stopped reading)
             self.svc.outputs.finished(self.attempt.block_keys, len(self.req.prompt_ids), self.num_tokens,
                                       self.expected_output)
         self.attempt.close(abort=abort)
+
+
+    def _check(self) -> Check | None:
+        """The completed request's prediction against what was measured (None: no first token)."""
+        result, d = self.prefill_result, self.decision
+        if result is None or self._measured_ttft_s is None or self.prediction is None:
+            return None
+        t = result.timings
+        compute = t.get("compute_s")
+        if compute is not None and t.get("load_wait_s") is not None:
+            compute += t["load_wait_s"]   # the model's prefill time includes loading the prefix
+        decode_busy = self._decode_busy or self.svc.predictions.busy_beside(d.decode_id)
+        return Check(self.request_id, d.prefill_id, d.decode_id, self.prediction, self._measured_ttft_s,
+                     paper_tbt(self._gaps), sum(self._gaps) / len(self._gaps) if self._gaps else None,
+                     t.get("queue_s"), compute, t.get("migrate_s"),
+                     prefill_busy=self._prefill_busy, decode_busy=decode_busy)
+
+    def prediction_headers(self) -> dict[str, str]:
+        """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them."""
+        p = self.prediction
+        if p is None:
+            return {}
+        out = {"X-Mooncake-Predicted-TTFT": f"{p.ttft_s:.6f}"}
+        if p.tbt_s is not None:
+            out["X-Mooncake-Predicted-TBT"] = f"{p.tbt_s:.6f}"
+        return out
 
 
 def _client_error(failed: Failed) -> ApiError:

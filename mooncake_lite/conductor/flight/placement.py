@@ -15,6 +15,7 @@ from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailabl
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
+from mooncake_lite.scheduler.admission import slo_limits
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,27 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
     if cause == "no-decode":
         raise Rejected("every decode instance is full; retry later", 1, cause)
-    wait = decision.predicted_queue_s if cause == "ttft" else 1.0
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                   min(60, max(1, math.ceil(wait))), cause)
+                   min(60, max(1, math.ceil(retry_after_s(svc, decision, sreq, now)))), cause)
+
+
+def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now: float) -> float:
+    """When a request refused on its predicted TTFT or TBT is predicted to fit, by the same
+    (corrected) predictions: a TTFT over its limit by x seconds fits once x seconds of the queue
+    ahead have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
+    leave (joined + max_tokens × its TBT)."""
+    if decision.reject_cause == "ttft":
+        prefill = svc.membership.get(decision.prefill_id)
+        model = prefill.view.state().cost if prefill is not None else None
+        limit = slo_limits(svc.scheduler.config, sreq.num_tokens, svc.scheduler.costs, model, None)[0]
+        return min((decision.predicted_ttft_s or 0.0) - limit, decision.predicted_queue_s)
+    decode = svc.membership.get(decision.decode_id or "")
+    if decode is None:
+        return 1.0
+    state = decode.view.state()
+    tbt = state.tbt_s or decision.predicted_tbt_s or 0.0
+    leaves = [r.joined_at + r.max_output_tokens * tbt for r in state.running if r.max_output_tokens is not None]
+    return min(leaves) - now if leaves else 1.0
 
 
 def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: str, transfer_id: str,

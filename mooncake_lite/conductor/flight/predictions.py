@@ -1,0 +1,255 @@
+"""Every prediction checked against what happened, and the models corrected by it (issue #36).
+
+At admission a request's decision carries the TTFT and TBT the scheduler predicted, and their
+parts (queue, own prefill, transfer); :class:`Prediction` keeps them with the correction scales
+its instances' models had then. When the request completes its flight measures TTFT (placement
+to first token, on the loop's clock), its TBT (``common/tbt.paper_tbt`` of its token gaps) and
+takes the prefill's own timings (queue wait, compute with prefix loads, migration): a
+:class:`Check`. The :class:`PredictionBook` (one per conductor) puts each check in the
+``mooncake_conductor_prediction_ratio`` histogram by instance and metric, in the last minute's
+window that ``mooncake status`` reads, and feeds the online correction
+(``scheduler/correction.py``), whose scaled models it then shows the scheduler through the
+membership (``Membership.shown_costs``). Corrections are this conductor's own: several conductors
+each learn from the requests they place; nothing is shared between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mooncake_lite.conductor.cluster.costs import InstanceCosts
+from mooncake_lite.conductor.cluster.membership import Instance, Membership
+from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
+from mooncake_lite.scheduler import CostModels, Decision
+from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, scaled
+
+log = logging.getLogger(__name__)
+WINDOW_S = 60.0        # `mooncake status`: the last minute
+MAX_RECENT = 4096      # checks kept for that window at most (a burst cannot grow it without end)
+# A scale is shown the scheduler anew only once it moved this much (in log, ~3%): a new model
+# makes the scheduler derive that instance's estimates afresh, so noise must not at every request.
+SHOW_TOLERANCE = 1 / 32
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What admission predicted for one placement (seconds), with the correction scales its
+    prefill and decode models had (1: uncorrected)."""
+
+    ttft_s: float
+    tbt_s: float | None
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One completed request: its prediction and what was measured (None: not measured)."""
+
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    predicted: Prediction
+    ttft_s: float
+    tbt_s: float | None           # the paper's: the mean of its slowest 10% of token gaps
+    mean_gap_s: float | None      # the mean token gap: what the decode model predicts (a step)
+    queue_s: float | None         # the prefill's own report (PrefillResult.timings)
+    compute_s: float | None
+    transfer_s: float | None
+    prefill_busy: bool = False    # a decode on the prefill's node was running requests
+    decode_busy: bool = False     # a prefill on the decode's node had work queued
+
+    def pairs(self) -> dict[str, tuple[float, float | None]]:
+        """(predicted, measured) by metric."""
+        p = self.predicted
+        return {"ttft": (p.ttft_s, self.ttft_s), "tbt": (p.tbt_s or 0.0, self.tbt_s),
+                "gap": (p.tbt_s or 0.0, self.mean_gap_s),
+                "queue": (p.queue_s, self.queue_s), "compute": (p.prefill_s, self.compute_s),
+                "transfer": (p.transfer_s, self.transfer_s)}
+
+    def ratios(self) -> dict[str, float]:
+        """measured / predicted by metric, where both are positive finite numbers."""
+        return {m: measured / predicted for m, (predicted, measured) in self.pairs().items()
+                if _positive(predicted) and _positive(measured)}
+
+    def attributes(self) -> dict[str, Any]:
+        """The request span's attributes: each prediction, its measurement and their ratio."""
+        out: dict[str, Any] = {}
+        ratios = self.ratios()
+        for metric, (predicted, measured) in self.pairs().items():
+            out[f"predicted_{metric}_s"] = predicted
+            out[f"measured_{metric}_s"] = measured
+            out[f"{metric}_ratio"] = ratios.get(metric)
+        return out
+
+    def describe(self) -> str:
+        """The log line's text."""
+        def one(name: str) -> str:
+            predicted, measured = self.pairs()[name]
+            ratio = self.ratios().get(name)
+            return (f"{name} {predicted:.3g}s→{measured:.3g}s (x{ratio:.2f})" if ratio is not None
+                    else f"{name} {predicted:.3g}s→{measured}")
+        return ("predicted→measured: " + ", ".join(one(m) for m in ("ttft", "queue", "compute", "transfer", "tbt",
+                                                                    "gap"))
+                + f" on {self.prefill_id}+{self.decode_id}")
+
+
+class PredictionBook:
+    """The conductor's checks and corrections (module doc). One per app; not thread-safe."""
+
+    def __init__(self, membership: Membership, metrics: ConductorMetrics,
+                 defaults: Callable[[], CostModels], corrections: Corrections | None = None) -> None:
+        self.membership, self.metrics, self.defaults = membership, metrics, defaults
+        self.corrections = corrections or Corrections()
+        self.recent: deque[tuple[float, str, float]] = deque(maxlen=MAX_RECENT)   # (time, metric, ratio)
+        self._shown: dict[str, float] = {}    # instance id -> the scale its shown model has
+        membership.shown_costs = self.shown_costs
+
+    def predicted(self, d: Decision) -> Prediction:
+        return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
+                          d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id))
+
+    def shown_scale(self, instance_id: str) -> float:
+        """The scale of the model the scheduler prices ``instance_id`` with now."""
+        return self._shown.get(instance_id, 1.0)
+
+    def busy_beside(self, instance_id: str) -> bool:
+        """Whether an instance of the other role on the same node is working now: a decode with
+        requests running (beside a prefill), a prefill with work queued (beside a decode)."""
+        inst = self.membership.get(instance_id)
+        if inst is None:
+            return False
+        node = _node(inst)
+        return any(_node(o) == node and (o.decode_jobs if o.role == "decode" else o.prefill_jobs)
+                   for o in self.membership.alive() if o.role != inst.role)
+
+    # ---- a completed request -------------------------------------------------------------------
+    def settle(self, check: Check, now: float) -> None:
+        """Record ``check`` (histogram, window, log) and correct both instances' models by it."""
+        for metric, ratio in check.ratios().items():
+            iid = check.decode_id if metric in ("tbt", "gap") else check.prefill_id
+            self.metrics.prediction_ratio.labels(iid, metric).observe(ratio)
+            if metric in ("ttft", "tbt"):
+                self.recent.append((now, metric, ratio))
+        log.info("%s", check.describe())   # tagged with the request's id by the relay's log context
+        self._correct_prefill(check)
+        self._correct_decode(check)
+        for iid in (check.prefill_id, check.decode_id):
+            inst = self.membership.get(iid)
+            scale = self._scale(iid, inst.role) if inst is not None else 1.0
+            if inst is not None and abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
+                self._shown[iid] = scale
+                self.membership.show_costs(inst)
+        self._export_gauges(check.prefill_id, check.decode_id)
+
+    def _correct_prefill(self, check: Check) -> None:
+        p, c, iid = check.predicted, self.corrections, check.prefill_id
+        s = p.prefill_scale
+        term = "interference" if check.prefill_busy else "compute"
+        self._observe(iid, term, p.prefill_s / s, check.compute_s)
+        self._observe(iid, "queue", p.queue_s / s, check.queue_s)
+        self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
+        share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
+        c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
+
+    def _correct_decode(self, check: Check) -> None:
+        p, iid = check.predicted, check.decode_id
+        if p.tbt_s is None:
+            return
+        term = "decode_interference" if check.decode_busy else "decode"
+        self._observe(iid, term, p.tbt_s / p.decode_scale, check.mean_gap_s)
+        self.corrections.note_shares(iid, busy=check.decode_busy)
+
+    def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None) -> None:
+        if measured_s is None:
+            return
+        why = self.corrections.observe(instance_id, term, predicted_s, measured_s)
+        if why is not None and why != TOO_SHORT:
+            self.metrics.prediction_refused.labels(instance_id, term).inc()
+            log.warning("%s: %s measurement refused by the online correction (%s); its model is unchanged",
+                        instance_id, term, why)
+
+    def _export_gauges(self, *instance_ids: str) -> None:
+        c = self.corrections
+        for iid in instance_ids:
+            corr = c.get(iid)
+            for term, f in corr.factors.items():
+                self.metrics.correction.labels(iid, term).set(f.value)
+            self.metrics.correction.labels(iid, "scale").set(self.shown_scale(iid))
+
+    def _scale(self, instance_id: str, role: str) -> float:
+        c = self.corrections
+        return c.prefill_scale(instance_id) if role == "prefill" else c.decode_scale(instance_id)
+
+    # ---- what the scheduler is shown -------------------------------------------------------
+    def shown_costs(self, inst: Instance) -> InstanceCosts:
+        """``inst``'s own costs (the cluster default where it reported none), its role's model
+        multiplied by its correction scale as last shown; its own object while that is 1."""
+        return self._scaled(inst, self.shown_scale(inst.instance_id))
+
+    def simulated_costs(self, inst: Instance) -> InstanceCosts:
+        """What ``sim export-costs`` exports: a prefill's model with its compute terms corrected
+        (measured against its own prefill's prediction: a forward's speed), not its queue's (the
+        simulator queues by itself); a decode's as it reports it. The decode's correction is
+        learned against the TBT admission predicted for the load it foresaw, so it also holds
+        that load's error; the simulator draws its steps from the measured step spread instead
+        (``decode_step_ratios``). Measured: exporting it put the simulated TBT at -51% of live."""
+        if inst.role == "prefill":
+            return self._scaled(inst, self.corrections.compute_scale(inst.instance_id))
+        return inst.costs
+
+    def _scaled(self, inst: Instance, scale: float) -> InstanceCosts:
+        costs = inst.costs
+        if scale == 1.0:
+            return costs
+        if inst.role == "prefill":
+            return replace(costs, prefill=scaled(costs.prefill or self.defaults().prefill, scale))
+        return replace(costs, decode=scaled(costs.decode or self.defaults().decode, scale))
+
+    # ---- the last minute (`mooncake status`) ------------------------------------------------------
+    def recent_errors(self, now: float, window_s: float = WINDOW_S) -> dict[str, dict[str, float | int | None]]:
+        """Per metric (ttft, tbt) over the last ``window_s``: how many checks, the median and p90 of
+        the relative error |measured/predicted − 1|, and the median ratio (its sign: > 1, the
+        predictions were optimistic)."""
+        out: dict[str, dict[str, float | int | None]] = {}
+        for metric in ("ttft", "tbt"):
+            ratios = [r for t, m, r in self.recent if m == metric and now - t <= window_s]
+            errors = sorted(abs(r - 1.0) for r in ratios)
+            out[metric] = {"count": len(ratios), "median_error": _quantile(errors, 0.5),
+                           "p90_error": _quantile(errors, 0.9), "median_ratio": _quantile(sorted(ratios), 0.5)}
+        return out
+
+    def export(self) -> dict[str, Mapping[str, Any]]:
+        """Every corrected instance's factors, by instance id (``sim export-costs``, status)."""
+        c = self.corrections
+        return {iid: {"scale": self.shown_scale(iid),
+                      "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
+                      "observed": {t: f.num_observed for t, f in corr.factors.items()},
+                      "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4)}
+                for iid, corr in c.items()}
+
+
+def _node(inst: Instance) -> str:
+    return inst.reg.http.rsplit(":", 1)[0]
+
+
+def _positive(x: float | None) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    if not sorted_values:
+        return None
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)

@@ -1,0 +1,189 @@
+"""Online correction of the cost models from measured residuals (issue #36), per instance and per term.
+
+An instance's cost model is a profile fitted once (and refined by the instance from its own
+forwards); what a request really meets also holds what no profile sees: the queue as it really
+drains, other processes on the machine, a CPU limit set after start-up, the roles sharing cores.
+Each finished request gives, per term, a *ratio*: what was measured over what the **uncorrected**
+model predicted. Terms (``TERMS``): ``queue`` (the wait in the prefill's queue, over what the
+corrected compute speed explains: per-job work a forward's profile misses), ``compute`` (its
+own prefill, no decode computing on its node), ``interference`` (its prefill beside a busy decode,
+over ``compute``), ``transfer`` (a prefix fetched between stores: shown, not applied here, since
+the scheduler corrects each store pair's speed itself, ``links.py``), ``decode`` (the request's mean
+token gap, no prefill computing on the decode's node: what the decode model predicts, a step)
+and ``decode_interference`` (the reverse).
+
+The update rule, one for every term (:func:`step`): a moving average of ``log(ratio)`` with
+weight ``alpha``, its change per observation bounded by ``max_step`` and the factor kept within
+``[1/max_factor, max_factor]``. Working in logs makes a factor of 2 and of 1/2 equally far from 1
+and a product of terms a sum. The bounds make it safe to feed: one absurd measurement moves a
+factor by at most ``max_step`` (about 16%), so it cannot run away, and a ratio outside
+``[1/max_ratio, max_ratio]``, or not a finite positive number, is refused and moves nothing.
+None of these constants describes a machine: they say how fast to believe new evidence.
+
+What the scheduler is given (:meth:`Corrections.prefill_scale`, :meth:`Corrections.decode_scale`)
+is one factor per model, its coefficients all multiplied by it, so every rule that prices with the
+model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change:
+``compute · interference^b · queue^w``, where ``b`` is the moving share of requests that ran
+beside a busy neighbour and ``w`` the moving share of the predicted TTFT that was queue. An
+instance never observed has factor 1 exactly: nothing changes until corrections are fed.
+Pure: no IO, no clock; the live conductor feeds it (``conductor/flight/predictions.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference")
+TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """The update rule's constants (module doc)."""
+
+    alpha: float = 0.25          # weight of one observation in the moving average of log(ratio)
+    max_step: float = 0.15       # largest change of a log factor per observation (x1.16)
+    max_factor: float = 16.0     # factors stay within [1/16, 16]
+    max_ratio: float = 1000.0    # a measured/predicted beyond this is a broken report, not a slowdown
+    min_seconds: float = 1e-4    # predictions or measurements shorter than this are timer noise
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"CorrectionConfig.alpha must be in (0, 1], got {self.alpha}")
+        if not self.max_step > 0.0:
+            raise ValueError(f"CorrectionConfig.max_step must be > 0, got {self.max_step}")
+        if not 1.0 < self.max_factor <= self.max_ratio:
+            raise ValueError("CorrectionConfig: need 1 < max_factor <= max_ratio, got "
+                             f"{self.max_factor} and {self.max_ratio}")
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One term's correction: ``log`` of the factor, and how many observations moved it."""
+
+    log: float = 0.0
+    num_observed: int = 0
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log)
+
+
+def ratio_refusal(predicted_s: float, measured_s: float, cfg: CorrectionConfig) -> str | None:
+    """Why an observation is refused (None: it may be used). A NaN, an infinity, a negative or a
+    ratio beyond ``max_ratio`` says the report is broken, and a broken report must not move a model."""
+    for name, v in (("predicted", predicted_s), ("measured", measured_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return f"{name} seconds must be a finite number >= 0, got {v!r}"
+    if predicted_s < cfg.min_seconds or measured_s < cfg.min_seconds:
+        return TOO_SHORT    # (a queue a packing prefill skipped, a fully cached prefix: nothing to time)
+    if not 1.0 / cfg.max_ratio <= measured_s / predicted_s <= cfg.max_ratio:
+        return f"ratio {measured_s / predicted_s:.3g} outside [1/{cfg.max_ratio:g}, {cfg.max_ratio:g}]"
+    return None
+
+
+def step(f: Factor, ratio: float, cfg: CorrectionConfig) -> Factor:
+    """``f`` moved toward ``ratio`` by the bounded moving average (module doc); ``ratio`` must have
+    passed :func:`ratio_refusal`."""
+    bound = math.log(cfg.max_factor)
+    target = min(bound, max(-bound, math.log(ratio)))
+    delta = cfg.alpha * (target - f.log)
+    delta = min(cfg.max_step, max(-cfg.max_step, delta))
+    return Factor(min(bound, max(-bound, f.log + delta)), f.num_observed + 1)
+
+
+@dataclass(frozen=True)
+class InstanceCorrection:
+    """One instance's factors by term, and the moving shares the combined scale weighs them by."""
+
+    factors: Mapping[str, Factor] = field(default_factory=dict)
+    busy_share: float = 0.0       # of its observations, those beside a busy neighbour
+    queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
+
+    def factor(self, term: str) -> float:
+        f = self.factors.get(term)
+        return 1.0 if f is None else f.value
+
+    def log_of(self, term: str) -> float:
+        f = self.factors.get(term)
+        return 0.0 if f is None else f.log
+
+
+class Corrections:
+    """Every instance's :class:`InstanceCorrection`, by instance id. One owner; not thread-safe."""
+
+    def __init__(self, cfg: CorrectionConfig | None = None) -> None:
+        self.cfg = cfg or CorrectionConfig()
+        self._by_instance: dict[str, InstanceCorrection] = {}
+        self.num_refused = 0
+
+    def get(self, instance_id: str) -> InstanceCorrection:
+        return self._by_instance.get(instance_id) or InstanceCorrection()
+
+    def items(self) -> Iterator[tuple[str, InstanceCorrection]]:
+        return iter(sorted(self._by_instance.items()))
+
+    def forget(self, instance_id: str) -> None:
+        self._by_instance.pop(instance_id, None)
+
+    def observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float) -> str | None:
+        """Move ``instance_id``'s ``term`` by one observation of the uncorrected prediction and the
+        measurement; returns why it was refused (None: applied)."""
+        if term not in TERMS:
+            raise ValueError(f"unknown correction term {term!r}; expected one of {TERMS}")
+        why = ratio_refusal(predicted_s, measured_s, self.cfg)
+        if why is not None:
+            self.num_refused += why != TOO_SHORT
+            return why
+        cur = self.get(instance_id)
+        if term in ("interference", "decode_interference"):   # over the same role's factor alone
+            measured_s /= cur.factor("compute" if term == "interference" else "decode")
+        elif term == "queue":      # the queue drains at the corrected compute speed; beyond it, this
+            measured_s /= math.exp(self._compute_log(cur))
+        new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg)
+        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
+        return None
+
+    def note_shares(self, instance_id: str, *, busy: bool | None = None, queue_share: float | None = None) -> None:
+        """Move the moving shares: whether this observation ran beside a busy neighbour, and what
+        share of its predicted TTFT was queue (a number in [0, 1])."""
+        cur, a = self.get(instance_id), self.cfg.alpha
+        busy_share = cur.busy_share if busy is None else cur.busy_share + a * (float(busy) - cur.busy_share)
+        share = cur.queue_share
+        if queue_share is not None and 0.0 <= queue_share <= 1.0:
+            share += a * (queue_share - share)
+        self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
+
+    def prefill_scale(self, instance_id: str) -> float:
+        """The factor a prefill instance's model is multiplied by (module doc)."""
+        c = self.get(instance_id)
+        return self._clamped(self._compute_log(c) + c.queue_share * c.log_of("queue"))
+
+    def compute_scale(self, instance_id: str) -> float:
+        """:meth:`prefill_scale` without the queue: what a forward takes (the simulator, which
+        queues by itself, is exported this one)."""
+        return self._clamped(self._compute_log(self.get(instance_id)))
+
+    @staticmethod
+    def _compute_log(c: InstanceCorrection) -> float:
+        return c.log_of("compute") + c.busy_share * c.log_of("interference")
+
+    def decode_scale(self, instance_id: str) -> float:
+        """The factor a decode instance's model is multiplied by."""
+        c = self.get(instance_id)
+        return self._clamped(c.log_of("decode") + c.busy_share * c.log_of("decode_interference"))
+
+    def _clamped(self, log: float) -> float:
+        bound = math.log(self.cfg.max_factor)
+        return math.exp(min(bound, max(-bound, log)))
+
+
+def scaled(model, factor: float):
+    """A cost model (prefill or decode) with every coefficient multiplied by ``factor``: each of
+    its predictions is multiplied by it (the formulas are linear in the coefficients). The same
+    object when ``factor`` is 1, so an uncorrected instance's state is the one it had."""
+    if factor == 1.0 or model is None:
+        return model
+    return type(model)(**{k: v * factor for k, v in model.to_dict().items()})

@@ -1,0 +1,134 @@
+"""Every prediction checked (issue #36): each completed request's predicted TTFT and TBT against
+the measured ones in /metrics, `mooncake status`, the response's headers and the trace span; the
+online correction moving the model the scheduler prices with; broken measurements and cost
+reports refused without moving it; Retry-After from the predictions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import openai
+import pytest
+
+from mooncake_lite.conductor.flight.predictions import Check, Prediction
+from mooncake_lite.scheduler.correction import scaled
+from tests.conductor.test_api import client
+from tests.conductor.test_dispatch import _wait_for
+
+SLOW_BOX = 30.0   # --dead-after: a loaded machine must not reap the fakes mid-test
+
+
+async def _complete(cluster, n: int, max_tokens: int = 4) -> list[dict[str, str]]:
+    """``n`` completions one after another; their response headers."""
+    c, headers = client(cluster), []
+    for i in range(n):
+        raw = await c.completions.with_raw_response.create(model="tiny", prompt=f"prompt number {i}",
+                                                           max_tokens=max_tokens)
+        headers.append(dict(raw.headers))
+    await c.close()
+    return headers
+
+
+async def test_each_request_is_checked_in_metrics_status_and_headers(make_cluster):
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    p0 = cluster.instances["p0"]
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.05}
+    cluster.instances["d0"].behaviour.token_delay_s = 0.01
+    headers = await _complete(cluster, 6)
+    for h in headers:
+        assert float(h["x-mooncake-predicted-ttft"]) > 0 and float(h["x-mooncake-predicted-tbt"]) > 0
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        text = await r.text()
+    for instance, metric in (("p0", "ttft"), ("p0", "compute"), ("d0", "tbt"), ("d0", "gap")):
+        count = re.search(r'mooncake_conductor_prediction_ratio_count\{instance="%s",metric="%s"\} (\S+)'
+                          % (instance, metric), text)
+        assert count is not None and float(count.group(1)) == 6, (instance, metric)
+    async with cluster.session.get(cluster.url + "/internal/v1/status") as r:
+        predictions = (await r.json())["predictions"]
+    assert predictions["ttft"]["count"] == 6 and predictions["tbt"]["count"] == 6
+    assert predictions["ttft"]["median_error"] >= 0 and predictions["ttft"]["p90_error"] >= \
+        predictions["ttft"]["median_error"]
+    assert predictions["corrections"]["p0"]["observed"]["compute"] == 6
+
+
+async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_cluster):
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    svc = cluster.svc
+    before = svc.membership.snapshot().prefills[0].cost      # the cluster default: p0 reported none
+    cluster.instances["p0"].behaviour.timings = {"compute_s": 0.2}   # far slower than predicted
+    await _complete(cluster, 8)
+    scale = svc.predictions.shown_scale("p0")
+    assert scale > 2.0 and scale == pytest.approx(svc.predictions.corrections.prefill_scale("p0"), rel=1 / 30)
+    shown = svc.membership.snapshot().prefills[0].cost
+    assert shown == scaled(before or svc.scheduler.costs.prefill, scale)
+    # and the export for the simulator carries the corrected model and the factors
+    async with cluster.session.get(cluster.url + "/internal/v1/cost_model") as r:
+        profile = await r.json()
+    assert profile["corrections"]["p0"]["factors"]["compute"] > 2.0
+    exported = scaled(before or svc.scheduler.costs.prefill, svc.predictions.corrections.compute_scale("p0"))
+    assert profile["prefill"]["c1"] == pytest.approx(exported.c1, rel=1e-6)   # no queue term: the sim queues
+    assert [i["corrected"] for i in profile["instances"] if i["instance_id"] == "p0"] == [True]
+
+
+async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_cluster, caplog):
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    cluster.instances["p0"].behaviour.timings = {"queue_s": -5.0, "compute_s": 1e9}
+    caplog.set_level(logging.WARNING, "mooncake_lite.conductor.flight.predictions")
+    await _complete(cluster, 2)
+    corr = cluster.svc.predictions.corrections.get("p0")
+    assert "queue" not in corr.factors and "compute" not in corr.factors
+    assert cluster.svc.predictions.corrections.prefill_scale("p0") == 1.0 == cluster.svc.predictions.shown_scale("p0")
+    assert "compute measurement refused by the online correction" in caplog.text
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        text = await r.text()
+    assert 'mooncake_conductor_prediction_refused_total{instance="p0",term="compute"} 2.0' in text
+    assert 'mooncake_conductor_prediction_refused_total{instance="p0",term="queue"} 2.0' in text
+
+
+@pytest.mark.parametrize("cost", ['{"prefill": {"c0": 1e9}}', '{"prefill": {"c1": -1}}',
+                                  '{"bandwidth_bytes_per_s": 1e-9}', '{"c0": 1e300}'])
+async def test_a_hostile_cost_report_is_refused_logged_and_moves_nothing(make_cluster, caplog, cost):
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    caplog.set_level(logging.WARNING, "mooncake_lite.common.cost_report")
+    before = cluster.svc.membership.instances["p0"].costs
+    body = b'{"instance_id": "p0", "cost": %s}' % cost.encode()
+    async with cluster.session.post(cluster.url + "/internal/v1/heartbeat", data=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and "Heartbeat.cost" in (await r.json())["error"]["message"]
+    assert cluster.svc.membership.instances["p0"].costs is before
+    assert "cost report refused" in caplog.text
+
+
+async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_cluster):
+    cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=4.5, dead_after=SLOW_BOX)
+    p0 = await cluster.add("prefill", "p0", store="s0:1", cost={"prefill": {"c0": 1.0, "c1": 0.01}})
+    p0.behaviour.hang = True          # short prefills of a predicted second each pile up
+    c = client(cluster)
+    pending = []
+    for i in range(3):   # admitted: predicted TTFT within the SLO
+        pending.append(asyncio.create_task(c.completions.create(model="tiny", prompt=f"q{i}", max_tokens=2)))
+        await _wait_for(lambda: len(p0.requests) == len(pending))
+    with pytest.raises(openai.RateLimitError) as info:   # ~3 s of queue + its own ~3.5 s
+        await c.completions.create(model="tiny", prompt="x" * 250, max_tokens=2)
+    predicted = float(re.search(r"predicted TTFT (\S+)s", info.value.message).group(1))
+    # ~2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of
+    # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
+    retry = int(info.value.response.headers["Retry-After"])
+    assert -0.01 <= retry - (predicted - 4.5) < 1.01 and retry <= 3
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await c.close()
+
+
+def test_a_check_says_what_it_compared():
+    p = Prediction(ttft_s=0.5, tbt_s=0.02, queue_s=0.3, prefill_s=0.2, transfer_s=0.0)
+    check = Check("r1", "p0", "d0", p, ttft_s=1.0, tbt_s=0.04, mean_gap_s=0.03, queue_s=0.6, compute_s=0.3,
+                  transfer_s=None)
+    assert check.ratios() == pytest.approx({"ttft": 2.0, "tbt": 2.0, "gap": 1.5, "queue": 2.0, "compute": 1.5})
+    attrs = check.attributes()
+    assert attrs["predicted_ttft_s"] == 0.5 and attrs["measured_ttft_s"] == 1.0 and attrs["ttft_ratio"] == 2.0
+    assert attrs["transfer_ratio"] is None
+    assert "ttft 0.5s→1s (x2.00)" in check.describe()
