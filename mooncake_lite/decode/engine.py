@@ -27,13 +27,13 @@ from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
+from mooncake_lite.decode.requests import MAX_CHOICES, RequestState
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.model.sampling import SequenceSampler, params_from_wire
+from mooncake_lite.model.sampling import SequenceSampler, params_from_wire, sample_rows
 
 log = logging.getLogger(__name__)
-MAX_CHOICES = 128   # n a request may ask for (the conductor refuses more)
 
 
 class KVError(ValueError):
@@ -70,17 +70,6 @@ class PendingKV:
     def progress(self) -> str:
         done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
         return f"{done} of {len(self.layer_tokens)} layers complete"
-
-
-@dataclass
-class RequestState:
-    samplers: list[SequenceSampler]    # one per choice
-    events: asyncio.Queue
-    num_open: int = 1              # choices not finished yet
-    span: Any = None               # decode.request (tracing on): the parent of this request's spans
-    steps_span: Any = None         # decode.steps: joined → finished, one span for all its steps
-    num_steps: int = 0             # counted only while traced
-    batch_total: int = 0           # the sum of the batch sizes of those steps
 
 
 class DecodeEngine:
@@ -153,7 +142,7 @@ class DecodeEngine:
         self.batcher.abort(request_id)
         if state is None:
             return False
-        _end_steps(state, reason, error)
+        state.end_steps(reason, error)
         state.events.put_nowait(TokenEvent(finish_reason=reason, error=error))
         return True
 
@@ -335,7 +324,7 @@ class DecodeEngine:
             state.num_open -= 1
             if state.num_open == 0:
                 del self.requests[request_id]
-                _end_steps(state, reason, None)
+                state.end_steps(reason, None)
             state.events.put_nowait(TokenEvent(finish_reason=reason, index=index))
 
     # --- the step loop -------------------------------------------------------------------------
@@ -350,7 +339,8 @@ class DecodeEngine:
                 await self._wake.wait()
                 waited = 1
                 continue
-            samplers = [_sampler(self.requests.get(rid), i) for rid, i in zip(plan.request_ids, plan.indices)]
+            samplers = [RequestState.sampler_of(self.requests.get(rid), i)
+                        for rid, i in zip(plan.request_ids, plan.indices)]
             t0, m0 = loop.time(), time.monotonic()
             try:
                 tokens = await loop.run_in_executor(self.executor, self._compute, plan, samplers)
@@ -391,19 +381,8 @@ class DecodeEngine:
                 self._finish(out.request_id, out.finish_reason, out.index)
 
     def _compute(self, plan: StepPlan, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
-        """The step, and each sequence's token (a plain greedy one from one batched argmax) with
-        its log-probabilities when asked for."""
         logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for i, s in enumerate(samplers):
-            if s is None or s.is_plain:
-                out.append((greedy[i], None))
-                if s is not None:
-                    s.observe(greedy[i])
-            else:
-                out.append(s.next(logits[i]))
-        return out
+        return sample_rows(logits, samplers)
 
     def load(self) -> InstanceLoad:
         b = self.batcher
@@ -413,14 +392,3 @@ class DecodeEngine:
         return InstanceLoad(num_running=b.num_running, num_waiting=b.num_waiting, context_tokens=b.context_tokens,
                             free_blocks=b.allocator.num_free, max_context_tokens=b.allocator.num_blocks * b.block_size,
                             predicted_tbt_s=b.predicted_tbt() or 0.0, max_batch_size=b.max_batch_size, **spread)
-
-
-def _sampler(state: RequestState | None, index: int) -> SequenceSampler | None:
-    return state.samplers[index] if state is not None else None
-
-
-def _end_steps(state: RequestState, reason: str, error: str | None) -> None:
-    """End a traced request's decode.steps span: how many steps, at what mean batch size."""
-    if state.steps_span is not None:
-        tracing.end_span(state.steps_span, error, num_steps=state.num_steps, finish_reason=reason,
-                         mean_batch_size=state.batch_total / state.num_steps if state.num_steps else None)

@@ -217,6 +217,21 @@ class SequenceSampler:
         self.observe(first_token)
 
 
+def sample_rows(logits: torch.Tensor, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
+    """A batch step's token for each ``[batch, vocab]`` row (and its logprobs when asked for):
+    one batched argmax serves the plain greedy rows (and those of no sampler: a request gone)."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out: list[tuple[int, TokenLogprob | None]] = []
+    for i, sampler in enumerate(samplers):
+        if sampler is None or sampler.is_plain:
+            out.append((greedy[i], None))
+            if sampler is not None:
+                sampler.observe(greedy[i])
+        else:
+            out.append(sampler.next(logits[i]))
+    return out
+
+
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Each prompt position's log-probability of the token after it: ``logits`` ``[n, vocab]``
     (position i's), ``next_ids`` ``[n]`` (the prompt's token at i + 1)."""

@@ -73,8 +73,8 @@ class Choice:
         return None if self.top_k is None else self._format(self.entries)
 
     def take_logprobs(self) -> dict | None:
-        """Those not streamed yet (None when not asked for)."""
-        if self.top_k is None:
+        """Those not streamed yet (None when not asked for, or none is new)."""
+        if self.top_k is None or self.num_sent == len(self.entries):
             return None
         fresh, self.num_sent = self.entries[self.num_sent:], len(self.entries)
         return self._format(fresh)
@@ -102,7 +102,8 @@ class Choice:
         return top
 
     def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        text_of = getattr(self.tokenizer, "token_text", None)   # special tokens named too (HF tokenizers)
+        return text_of(token) if text_of is not None else self.tokenizer.decode([token])
 
 
 def _chat_item(text: str, logprob: float) -> dict:

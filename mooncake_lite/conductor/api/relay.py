@@ -127,7 +127,9 @@ class Relay:
         tasks = [asyncio.ensure_future(pump(p, f)) for p, f in enumerate(self.flights)]
         self._queue = queue
         try:
-            while not all(f.is_done for f in self.flights):
+            # A flight is done once its last token is counted, which is when it is queued (no await
+            # between): its tokens still in the queue go out first.
+            while not (queue.empty() and all(f.is_done for f in self.flights)):
                 p, item = await queue.get()
                 if isinstance(item, Exception):
                     raise item

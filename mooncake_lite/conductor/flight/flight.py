@@ -125,10 +125,9 @@ class Flight:
         self.finish_reasons[index] = self.finish_reasons[index] or "stop"
 
     async def tokens(self) -> AsyncIterator[Token]:
-        """Each choice's tokens in order (:class:`Token`: choice index, id, logprobs): token 1
-        of every choice (from prefill), then decode's. Ends once every choice has its
-        ``finish_reasons`` entry; raises ApiError if anything upstream fails or refuses. A failure
-        before the first token is retried on other instances (:meth:`_retry`)."""
+        """Each choice's tokens in order (:class:`Token`): every choice's token 1 (prefill's), then
+        decode's. Ends once every choice has its ``finish_reasons`` entry; raises ApiError if anything
+        upstream fails or refuses. A failure before the first token is retried (:meth:`_retry`)."""
         early: deque[Token | Finished] = deque()   # decode events that raced ahead of the prefill result
         while True:
             if self.prefill_result is not None and early:
@@ -143,8 +142,7 @@ class Flight:
                         failed = await self._retry(failed)
                     continue
                 case FirstToken(result=result):
-                    self._on_first(result)
-                    tokens = [Token(t, i, lp) for i, (t, lp) in enumerate(_firsts(result))]
+                    tokens = self._on_first(result)
                 case Token() | Finished() if self.prefill_result is None:
                     early.append(event)
                     continue
@@ -162,18 +160,18 @@ class Flight:
             for token in tokens:
                 if self.finish_reasons[token.index] is not None:
                     continue   # a choice the conductor already ended (max_tokens, stop id or string)
-                # Counted before it is handed out: the consumer may stop on it (a stop string) and
-                # never resume us, and usage must still count every token the answer used.
-                self._count(token)
+                self._count(token)   # before it is handed out: the consumer may stop on it, never resuming us
                 yield token
             if self.is_done:
                 return
 
-    def _on_first(self, result: PrefillResult) -> None:
+    def _on_first(self, result: PrefillResult) -> list[Token]:
+        """The prefill's answer: every choice's token 1."""
         self.prefill_result = result
         self.attempt.prefill_finished(result, self.expected_output)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
+        return [Token(t, i, lp) for i, (t, lp) in enumerate(_firsts(result))]
 
     def _finish(self, end: Finished) -> None:
         if end.error is not None or end.finish_reason not in ("stop", "length") \
