@@ -77,9 +77,9 @@ class StepPlan:
 class TokenOut:
     """A token produced for choice ``index`` of a request; ``finish_reason`` set on its last one."""
     request_id: str
+    index: int
     token: int
     finish_reason: str | None
-    index: int = 0
 
 
 @dataclass(eq=False)
@@ -215,7 +215,7 @@ class DecodeBatcher:
                 continue
             seq.output_ids.append(token)
             reason = self._finish_reason(seq)
-            out.append(TokenOut(seq.request_id, token, reason, seq.index))
+            out.append(TokenOut(seq.request_id, seq.index, token, reason))
             if reason is not None:
                 self._release(seq)
         self._in_flight = set()
