@@ -161,20 +161,20 @@ def _ours(client, prompt: list[int], max_tokens: int, **extra) -> list[int]:
 def test_penalties_and_min_tokens_generate_as_transformers(client):
     from transformers import LogitsProcessorList
     prompt = hf_tokenizer().encode("List the days of the week: Monday, Tuesday,")
-    assert _ours(client, prompt, 20, repetition_penalty=1.3) == _hf_generate(prompt, 20, repetition_penalty=1.3)
+    assert _ours(client, prompt, 12, repetition_penalty=1.3) == _hf_generate(prompt, 12, repetition_penalty=1.3)
     penalties = LogitsProcessorList([_OpenAIPenalties(len(prompt), 0.6, 0.9)])
-    assert _ours(client, prompt, 20, presence_penalty=0.6, frequency_penalty=0.9) == \
-        _hf_generate(prompt, 20, logits_processor=penalties)
+    assert _ours(client, prompt, 12, presence_penalty=0.6, frequency_penalty=0.9) == \
+        _hf_generate(prompt, 12, logits_processor=penalties)
     short = hf_tokenizer().apply_chat_template([{"role": "user", "content": "Say OK."}], add_generation_prompt=True)
     short = list(short["input_ids"] if hasattr(short, "keys") else short)
     end = hf_tokenizer().convert_tokens_to_ids("<|im_end|>")
-    plain = _ours(client, short, 40)
+    plain = _ours(client, short, 30)
     assert plain[-1] == end and len(plain) < 30                      # it would stop early ...
-    least = len(plain) + 5
-    forced = _ours(client, short, 40, min_tokens=least)
+    least = len(plain) + 3
+    forced = _ours(client, short, least + 3, min_tokens=least)
     assert len(forced) >= least and end not in forced[:least]       # ... min_tokens keeps it going
     stops = sorted({end, hf_tokenizer().eos_token_id})
-    assert forced == _hf_generate(short, 40, min_new_tokens=least, eos_token_id=stops)[:len(forced)]
+    assert forced == _hf_generate(short, least + 3, min_new_tokens=least, eos_token_id=stops)[:len(forced)]
 
 
 def test_logit_bias_forces_a_token(client):
