@@ -39,11 +39,30 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
+    """How a request's tokens are chosen (``model/sampling.py`` says what each field does)."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1                            # choices from one prefill; choice i draws from seed + i
+    logprobs: int | None = None           # None: none; k: the token's and the k likeliest
+    prompt_logprobs: int | None = None    # the same for every prompt position after the first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
+    penalty_ids: tuple[int, ...] = ()     # the prompt's distinct ids, when repetition_penalty != 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the raw logits, and the ``top_ids`` likeliest ids' (best first)."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,11 +78,15 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class TokenEvent:
     """Decode -> conductor, one NDJSON line per event. ``token`` events start at the *second*
-    generated token (the first comes from prefill); the last line has ``finish_reason``
-    ("stop", "length", "abort", "error") and ``error`` when it failed."""
+    generated token (the first comes from prefill); ``index`` is the choice (``Sampling.n``) it
+    belongs to, ``logprob`` set when asked for. Each choice's last line has ``finish_reason``
+    ("stop", "length", "abort", "error") and ``error`` when it failed; an abort or error ends
+    every choice at once (one line, ``index`` 0)."""
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +111,9 @@ class PrefillResult:
     num_prefix_tokens: int                # tokens whose KV was loaded instead of computed
     num_computed_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    first_tokens: tuple[int, ...] = ()    # n > 1: every choice's token 1 (first_token is choice 0's)
+    first_logprobs: tuple[TokenLogprob, ...] = ()    # asked for: one per choice
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # asked for: prompt positions 1.. (of the tokens there)
 
 
 @dataclass(frozen=True)
@@ -233,7 +259,7 @@ def loads(cls: type[M], raw: bytes | str) -> M:
 # and refuses exactly what ``loads`` does (tests/common/test_protocol_fast_paths.py), handing
 # anything unusual to ``from_dict`` so the error names the bad field.
 
-_TOKEN_EVENT_FIELDS = frozenset(("token", "finish_reason", "error"))
+_TOKEN_EVENT_FIELDS = frozenset(("token", "finish_reason", "error", "index", "logprob"))
 _RESULT_INTS = ("first_token", "num_prefix_tokens", "num_computed_tokens")
 
 
@@ -246,10 +272,26 @@ def parse_token_event(line: bytes) -> TokenEvent:
     if not isinstance(data, dict) or not data.keys() <= _TOKEN_EVENT_FIELDS:
         return from_dict(TokenEvent, data)
     token, reason, error = data.get("token"), data.get("finish_reason"), data.get("error")
+    index, logprob = data.get("index", 0), data.get("logprob")
     if (token is not None and (type(token) is not int)) or (reason is not None and type(reason) is not str) \
-            or (error is not None and type(error) is not str):
+            or (error is not None and type(error) is not str) or type(index) is not int:
         return from_dict(TokenEvent, data)
-    return TokenEvent(token, reason, error)
+    if logprob is not None:
+        logprob = _fast_logprob(logprob)
+        if logprob is None:
+            return from_dict(TokenEvent, data)
+    return TokenEvent(token, reason, error, index, logprob)
+
+
+def _fast_logprob(data: object) -> TokenLogprob | None:
+    """A TokenLogprob when ``data`` is exactly one (numbers where floats go); None: let from_dict say."""
+    if not isinstance(data, dict) or not data.keys() <= {"logprob", "top_ids", "top_logprobs"}:
+        return None
+    value, ids, values = data.get("logprob"), data.get("top_ids", []), data.get("top_logprobs", [])
+    if type(value) not in (float, int) or type(ids) is not list or type(values) is not list \
+            or not set(map(type, ids)) <= {int} or not set(map(type, values)) <= {float, int}:
+        return None
+    return TokenLogprob(float(value), tuple(ids), tuple(map(float, values)))
 
 
 def parse_prefill_result(body: bytes) -> PrefillResult:

@@ -106,7 +106,7 @@ async def _stream(request: web.Request, req: GenerateRequest, events: asyncio.Qu
     """An admitted request's NDJSON token stream, until it finishes; the caller gone aborts it."""
     engine = request.app[ENGINE]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    finished = False
+    finished, num_open = False, req.sampling.n
     try:
         await resp.prepare(request)
         while True:
@@ -118,6 +118,8 @@ async def _stream(request: web.Request, req: GenerateRequest, events: asyncio.Qu
                 continue
             await resp.write(orjson.dumps(_event_dict(event)) + b"\n")
             if event.finish_reason is not None:
+                num_open -= 1   # each choice ends with a line of its own; an abort or error ends all
+            if num_open == 0 or event.finish_reason in ("abort", "error"):
                 finished = True
                 tracing.end_span(span, event.error, finish_reason=event.finish_reason)
                 log.debug("finished: %s%s", event.finish_reason, f" ({event.error})" if event.error else "")
@@ -139,7 +141,8 @@ async def _stream(request: web.Request, req: GenerateRequest, events: asyncio.Qu
 
 def _event_dict(event: TokenEvent) -> dict:
     return {k: v for k, v in (("token", event.token), ("finish_reason", event.finish_reason),
-                              ("error", event.error)) if v is not None}
+                              ("error", event.error), ("index", event.index or None),
+                              ("logprob", event.logprob)) if v is not None}
 
 
 async def load(request: web.Request) -> web.Response:

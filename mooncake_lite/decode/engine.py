@@ -25,12 +25,13 @@ import torch
 from kernels import scatter_tokens
 from kernels.copies import Copier
 from mooncake_lite.common import tracing
-from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent
+from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
+from mooncake_lite.decode.requests import MAX_CHOICES, RequestState
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
+from mooncake_lite.model.sampling import SequenceSampler, params_from_wire, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class PendingKV:
     transfer_id: str
     seq: DecodeSequence
     layer_tokens: list[int]
-    first_token: int | None = None
+    first_tokens: list[int] | None = None   # every choice's token 1, from the END frame
     timeout_s: float = 30.0
     timer: asyncio.TimerHandle | None = None
     last_progress: float = 0.0
@@ -63,23 +64,12 @@ class PendingKV:
 
     def is_complete(self) -> bool:
         """Every layer's tokens received and written, and the first token known."""
-        return (self.first_token is not None and self.num_writes == 0
+        return (self.first_tokens is not None and self.num_writes == 0
                 and all(n == self.seq.prompt_len for n in self.layer_tokens))
 
     def progress(self) -> str:
         done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
         return f"{done} of {len(self.layer_tokens)} layers complete"
-
-
-@dataclass
-class RequestState:
-    params: SamplingParams
-    generator: torch.Generator | None
-    events: asyncio.Queue
-    span: Any = None               # decode.request (tracing on): the parent of this request's spans
-    steps_span: Any = None         # decode.steps: joined → finished, one span for all its steps
-    num_steps: int = 0             # counted only while traced
-    batch_total: int = 0           # the sum of the batch sizes of those steps
 
 
 class DecodeEngine:
@@ -116,13 +106,14 @@ class DecodeEngine:
         if req.transfer_id in self.pending:
             raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
         s = req.sampling
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
+        params = params_from_wire(s)
+        if not 1 <= s.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {s.n}")
         admission = None if span is None else tracing.start_span(
             "decode.admission", span, prompt_tokens=req.prompt_len, max_tokens=s.max_tokens,
             num_running=self.batcher.num_running)
         try:
-            seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids)
+            seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids, s.n)
         except Exception as exc:
             tracing.end_span(admission, f"refused: {exc}")
             raise
@@ -132,10 +123,8 @@ class DecodeEngine:
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
-        generator = make_generator(params, self.runner.device)
-        if generator is not None:   # prefill drew the first token: continue where it left off
-            skip_draw(generator, self.runner.args.vocab_size)
-        state = RequestState(params, generator, asyncio.Queue(), span=span)
+        samplers = [SequenceSampler(params, i, self.runner.device) for i in range(s.n)]
+        state = RequestState(samplers, asyncio.Queue(), num_open=s.n, span=span)
         self.requests[req.request_id] = state
         return state.events
 
@@ -153,7 +142,7 @@ class DecodeEngine:
         self.batcher.abort(request_id)
         if state is None:
             return False
-        _end_steps(state, reason, error)
+        state.end_steps(reason, error)
         state.events.put_nowait(TokenEvent(finish_reason=reason, error=error))
         return True
 
@@ -227,16 +216,21 @@ class DecodeEngine:
                 pending.drained.set_exception(KVError("aborted", f"transfer {pending.transfer_id} ended "
                                                                  "before its KV was written"))
 
-    def kv_end(self, conn_id: int, tid: str, first_token: int | None) -> asyncio.Future | None:
-        """The sender is done. Returns None when that is all, or a future done once the frames
+    def kv_end(self, conn_id: int, tid: str, first_token: int | list[int] | None) -> asyncio.Future | None:
+        """The sender is done (the last stage's END carries token 1, a list of one per choice
+        for n > 1). Returns None when that is all, or a future done once the frames
         it sent are written (the receiver answers END then, so an answered END means the KV is
         in the cache and, if complete, the sequence has joined the batch)."""
         pending = self._pending(tid)
         pending.senders.discard(conn_id)
         if first_token is not None:
-            if not 0 <= first_token < self.runner.args.vocab_size:
-                raise KVError("bad_token", f"first token {first_token} outside the vocabulary")
-            pending.first_token = first_token
+            tokens = first_token if isinstance(first_token, list) else [first_token]
+            state = self.requests.get(pending.request_id)
+            if state is not None and len(tokens) != len(state.samplers):
+                raise KVError("bad_token", f"{len(tokens)} first tokens for {len(state.samplers)} choices")
+            if not all(0 <= t < self.runner.args.vocab_size for t in tokens):
+                raise KVError("bad_token", f"first token(s) {tokens} outside the vocabulary")
+            pending.first_tokens = tokens
         if pending.num_writes:
             if pending.drained is None or pending.drained.done():
                 pending.drained = asyncio.get_running_loop().create_future()
@@ -293,13 +287,26 @@ class DecodeEngine:
         self._transfer_of.pop(pending.request_id, None)
         if pending.timer is not None:
             pending.timer.cancel()
-        reason = self.batcher.join(pending.request_id, pending.first_token)
+        reasons, copies = self.batcher.join_all(pending.request_id, pending.first_tokens)
+        if copies:   # in the model thread, before any step of these choices
+            asyncio.get_running_loop().run_in_executor(self.executor, self._copy_blocks, copies)
+        state = self.requests.get(pending.request_id)
+        for sampler, token in zip(state.samplers if state else (), pending.first_tokens):
+            sampler.continue_after_first(token, self.runner.args.vocab_size)
+        joined = any(r is None for r in reasons)
         if pending.admission_span is not None:
-            self._trace_join(pending, reason)
-        if reason is not None:
-            self._finish(pending.request_id, reason)
-        else:
+            self._trace_join(pending, None if joined else reasons[0])
+        for index, reason in enumerate(reasons):
+            if reason is not None:
+                self._finish(pending.request_id, reason, index)
+        if joined:
             self._wake.set()
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of the prompt's partial last block, one per further choice (n > 1)."""
+        src, dst = (torch.as_tensor(ids, device=self.runner.device) for ids in zip(*copies))
+        kv = self.runner.cache.kv
+        kv[:, :, dst] = kv[:, :, src]
 
     def _trace_join(self, pending: PendingKV, reason: str | None) -> None:
         """The KV is in and the sequence joined the batch (or ended at once, ``reason``)."""
@@ -310,11 +317,15 @@ class DecodeEngine:
         if state is not None and reason is None:
             state.steps_span = tracing.start_span("decode.steps", state.span)
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        state = self.requests.pop(request_id, None)
+    def _finish(self, request_id: str, reason: str, index: int = 0) -> None:
+        """Choice ``index`` ended; the request ends with the last of its choices."""
+        state = self.requests.get(request_id)
         if state is not None:
-            _end_steps(state, reason, None)
-            state.events.put_nowait(TokenEvent(finish_reason=reason))
+            state.num_open -= 1
+            if state.num_open == 0:
+                del self.requests[request_id]
+                state.end_steps(reason, None)
+            state.events.put_nowait(TokenEvent(finish_reason=reason, index=index))
 
     # --- the step loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -328,14 +339,15 @@ class DecodeEngine:
                 await self._wake.wait()
                 waited = 1
                 continue
-            samplers = [self.requests.get(rid) for rid in plan.request_ids]
+            samplers = [RequestState.sampler_of(self.requests.get(rid), i)
+                        for rid, i in zip(plan.request_ids, plan.indices)]
             t0, m0 = loop.time(), time.monotonic()
             try:
                 tokens = await loop.run_in_executor(self.executor, self._compute, plan, samplers)
             except Exception as exc:  # a model failure fails this batch, never the server
                 log.exception("decode step failed")
                 self.batcher.commit(plan, [0] * len(plan))
-                for rid in plan.request_ids:
+                for rid in set(plan.request_ids):
                     self.abort(rid, "error", f"decode step failed: {exc}")
                 continue
             if self.on_step is not None or self.refiner is not None:
@@ -353,24 +365,24 @@ class DecodeEngine:
             self._deliver(plan, tokens)
             await asyncio.sleep(0)  # let KV frames and HTTP writes in between steps
 
-    def _deliver(self, plan: StepPlan, tokens: list[int]) -> None:
+    def _deliver(self, plan: StepPlan, sampled: list[tuple[int, TokenLogprob | None]]) -> None:
         """Commit a step's tokens to the batch and hand each to its request's stream."""
-        for out in self.batcher.commit(plan, tokens):
+        logprobs = {key: lp for key, (_, lp) in zip(plan.keys, sampled)}
+        for out in self.batcher.commit(plan, [t for t, _ in sampled]):
             state = self.requests.get(out.request_id)
             if state is None:
                 continue
-            state.events.put_nowait(TokenEvent(token=out.token))
+            key = out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
+            state.events.put_nowait(TokenEvent(token=out.token, index=out.index, logprob=logprobs[key]))
             if state.steps_span is not None:
                 state.num_steps += 1
                 state.batch_total += len(plan)
             if out.finish_reason is not None:
-                self._finish(out.request_id, out.finish_reason)
+                self._finish(out.request_id, out.finish_reason, out.index)
 
-    def _compute(self, plan: StepPlan, samplers: list[RequestState | None]) -> list[int]:
+    def _compute(self, plan: StepPlan, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
         logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        return [greedy[i] if s is None or s.params.is_greedy else sample(logits[i], s.params, s.generator)
-                for i, s in enumerate(samplers)]
+        return sample_rows(logits, samplers)
 
     def load(self) -> InstanceLoad:
         b = self.batcher
@@ -380,10 +392,3 @@ class DecodeEngine:
         return InstanceLoad(num_running=b.num_running, num_waiting=b.num_waiting, context_tokens=b.context_tokens,
                             free_blocks=b.allocator.num_free, max_context_tokens=b.allocator.num_blocks * b.block_size,
                             predicted_tbt_s=b.predicted_tbt() or 0.0, max_batch_size=b.max_batch_size, **spread)
-
-
-def _end_steps(state: RequestState, reason: str, error: str | None) -> None:
-    """End a traced request's decode.steps span: how many steps, at what mean batch size."""
-    if state.steps_span is not None:
-        tracing.end_span(state.steps_span, error, num_steps=state.num_steps, finish_reason=reason,
-                         mean_batch_size=state.batch_total / state.num_steps if state.num_steps else None)

@@ -112,9 +112,10 @@ class KVReceiver(FrameHandler):
                 done = self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv,
                                             _traceparent(meta))
             elif frame.op == OP_KV_END:
-                token = meta.get("first_token")
-                if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
-                    raise KVError("bad_meta", f"first_token must be an integer or null, got {token!r}")
+                token = meta.get("first_token")   # a list of them for a request of n > 1 choices
+                if token is not None and not _is_int(token) and not (
+                        isinstance(token, list) and token and all(map(_is_int, token))):
+                    raise KVError("bad_meta", f"first_token must be an integer, a list of them or null, got {token!r}")
                 conn.state["tids"].discard(tid)
                 done = self.engine.kv_end(id(conn), tid, token)
             elif frame.op == OP_KV_ALIVE:
@@ -163,3 +164,7 @@ async def start_kv_server(engine: DecodeEngine, host: str, port: int, token: str
                     handshake_timeout=handshake_timeout, stall_timeout=stall_timeout, idle_timeout=idle_timeout,
                     max_inflight_bytes=max(max_inflight_bytes, receiver.max_payload_bytes()))
     return await start_server(receiver, host, port, token=token, limits=limits, name="prefill")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

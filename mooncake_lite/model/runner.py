@@ -145,12 +145,13 @@ class LayerwisePass:
         return self.meta.slot_mapping
 
     @torch.no_grad()
-    def output(self) -> torch.Tensor:
+    def output(self, all_positions: bool = False) -> torch.Tensor:
+        """``all_positions``: every position's logits ``[n, vocab]`` (a prompt's log-probabilities)."""
         model = self.runner.model
         if self.next_layer != model.end_layer:
             raise RuntimeError(f"output() before the last layer ran (next is {self.next_layer})")
         if model.is_last:
-            return model.head(self.h[-1:])[0]
+            return model.head(self.h) if all_positions else model.head(self.h[-1:])[0]
         return self.h
 
 

@@ -1,4 +1,16 @@
-"""Next-token selection: greedy, or temperature + top-p with a seeded generator.
+"""Next-token selection: the raw log-probabilities, the logits processors, then greedy or
+temperature + top-p with a seeded generator.
+
+One step of one sequence (:meth:`SequenceSampler.next`), in vLLM's order:
+
+1. log-probabilities of the raw logits (log-softmax in float32, before anything below: what the
+   API's ``logprobs`` report, as vLLM's default ``raw_logprobs``);
+2. ``logit_bias``, then ``min_tokens`` (stop ids masked while fewer tokens were generated);
+3. penalties: ``repetition_penalty`` over prompt and output tokens (``transformers``' rule: a
+   positive logit divided by it, a negative one multiplied), then OpenAI's
+   ``frequency_penalty × count + presence_penalty × (count > 0)`` subtracted, over output tokens;
+4. the sequence's :class:`LogitsMask` if it has one (a grammar: disallowed ids to −inf);
+5. greedy, or temperature and top-p drawn from the sequence's own generator.
 
 Numerically safe for every value the API accepts (issue #15): a temperature below
 :data:`GREEDY_BELOW` is greedy (dividing logits by less overflows float32), the softmax is taken
@@ -8,12 +20,18 @@ and top-p always keeps the top token, however small ``top_p`` is.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from mooncake_lite.common.protocol import Sampling, TokenLogprob
+
 GREEDY_BELOW = 1e-5   # temperatures under this are greedy (vLLM's cut-off too)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (the API refuses more)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_NO_LOGPROB = -9999.0  # what -inf is reported as (JSON has no infinity; vLLM's value too)
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,13 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None        # top alternatives reported per token (0: the token's alone)
+    penalty_ids: tuple[int, ...] = ()  # the prompt's ids the repetition penalty counts
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,22 +56,62 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def is_plain(self) -> bool:
+        """Greedy with nothing to process or report: a batched argmax is this sequence's token."""
+        return self.is_greedy and self.logprobs is None and not self.processes
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
+    @property
+    def processes(self) -> bool:
+        """Whether any logits processor of step 2 or 3 applies."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
+
+
+def params_from_wire(s: Sampling) -> SamplingParams:
+    """The SamplingParams a wire ``Sampling`` asks for; ValueError when a value is out of range."""
+    if len(s.logit_bias_ids) != len(s.logit_bias_values):
+        raise ValueError("logit_bias_ids and logit_bias_values must have the same length")
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max(1, s.max_tokens),
+                          stop_token_ids=tuple(s.stop_token_ids), presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                          min_tokens=s.min_tokens, logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+                          logprobs=s.logprobs, penalty_ids=s.penalty_ids)
+
+
+class LogitsMask(Protocol):
+    """A per-sequence constraint (a grammar's): ``apply`` sets the ids it does not allow next to
+    −inf in a ``[vocab]`` float32 row, in place; ``advance`` is told the token chosen."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+    def advance(self, token: int) -> None: ...
+
+
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu",
+                   index: int = 0) -> torch.Generator | None:
+    """Choice ``index``'s generator: seeded ``seed + index``, so the n choices of one request
+    draw apart and a ``seed`` reproduces all of them."""
     if params.is_greedy:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+    gen.manual_seed(params.seed + index if params.seed is not None else torch.seed())
     return gen
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from a ``[vocab]`` logits row."""
+    """One token id from a ``[vocab]`` logits row (already processed)."""
     if params.is_greedy:
         return int(torch.argmax(logits))
     # A broken row (nan, ±inf) still gives a finite one; shifted so the top entry is exactly 0.
@@ -68,3 +133,112 @@ def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     vocabulary entry) — for a decode instance continuing a seeded request whose first token
     the prefill instance drew from a generator seeded alike."""
     torch.multinomial(torch.ones(vocab_size, device=generator.device), 1, generator=generator)
+
+
+def process(logits: torch.Tensor, params: SamplingParams, counts: Counter[int], num_generated: int) -> torch.Tensor:
+    """Steps 2 and 3 of the module docstring on a float32 ``[vocab]`` row, in place; ``counts``:
+    how often each id was generated so far, ``num_generated`` how many tokens that was."""
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        logits[list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    if num_generated < params.min_tokens and params.stop_token_ids:
+        logits[list(params.stop_token_ids)] = -torch.inf
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*params.penalty_ids, *counts}), dtype=torch.long, device=logits.device)
+        if len(seen):
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and counts:
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[ids] -= params.frequency_penalty * n + params.presence_penalty
+    return logits
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The chosen ``token``'s log-probability and the ``k`` likeliest ids', from a log-softmax row."""
+    value = float(logprobs[token])
+    if k == 0:
+        return TokenLogprob(_finite(value))
+    top = torch.topk(logprobs, k)
+    return TokenLogprob(_finite(value), tuple(top.indices.tolist()), tuple(map(_finite, top.values.tolist())))
+
+
+def _finite(value: float) -> float:
+    return value if value > _NO_LOGPROB else _NO_LOGPROB
+
+
+class SequenceSampler:
+    """One sequence's sampling state: its parameters, its own generator (``seed + index``),
+    the counts of what it generated (for the penalties and ``min_tokens``), and an optional
+    :attr:`mask`, the hook a grammar plugs in (applied after the log-probabilities are taken,
+    after the penalties, before the draw; told every token through ``advance``)."""
+
+    def __init__(self, params: SamplingParams, index: int = 0, device: str | torch.device = "cpu",
+                 mask: LogitsMask | None = None) -> None:
+        self.params = params
+        self.index = index
+        self.generator = make_generator(params, device, index)
+        self.counts: Counter[int] = Counter()
+        self.num_generated = 0
+        self.mask = mask
+
+    @property
+    def is_plain(self) -> bool:
+        """A batched argmax gives this sequence's next token (see :meth:`observe`)."""
+        return self.params.is_plain and self.mask is None
+
+    def next(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token from a ``[vocab]`` row of raw logits, and its log-probabilities when
+        asked for; the token is observed."""
+        x = logits.float()
+        logprobs = torch.log_softmax(x, dim=-1) if self.params.logprobs is not None else None
+        if self.params.processes or self.mask is not None:
+            x = process(x.clone(), self.params, self.counts, self.num_generated)
+            if self.mask is not None:
+                self.mask.apply(x)
+        token = sample(x, self.params, self.generator)
+        self.observe(token)
+        return token, None if logprobs is None else token_logprob(logprobs, token, self.params.logprobs)
+
+    def observe(self, token: int) -> None:
+        """``token`` was generated for this sequence (by this sampler, a batched argmax, or the
+        prefill instance for token 1)."""
+        self.counts[token] += 1
+        self.num_generated += 1
+        if self.mask is not None:
+            self.mask.advance(token)
+
+    def continue_after_first(self, first_token: int, vocab_size: int) -> None:
+        """On the decode instance: token 1 was drawn by the prefill, from a generator seeded
+        alike; advance past that draw and count the token."""
+        if self.generator is not None:
+            skip_draw(self.generator, vocab_size)
+        self.observe(first_token)
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
+    """A batch step's token for each ``[batch, vocab]`` row (and its logprobs when asked for):
+    one batched argmax serves the plain greedy rows (and those of no sampler: a request gone)."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out: list[tuple[int, TokenLogprob | None]] = []
+    for i, sampler in enumerate(samplers):
+        if sampler is None or sampler.is_plain:
+            out.append((greedy[i], None))
+            if sampler is not None:
+                sampler.observe(greedy[i])
+        else:
+            out.append(sampler.next(logits[i]))
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """Each prompt position's log-probability of the token after it: ``logits`` ``[n, vocab]``
+    (position i's), ``next_ids`` ``[n]`` (the prompt's token at i + 1)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, next_ids.view(-1, 1).to(logprobs.device))[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(_finite(v)) for v in chosen]
+    top = torch.topk(logprobs, k, dim=-1)
+    return [TokenLogprob(_finite(v), tuple(ids), tuple(map(_finite, vals)))
+            for v, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]

@@ -96,6 +96,10 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, a special one's too (what logprobs name a token by, as vLLM)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -110,7 +110,7 @@ class StageEngine(PrefixLoading):
         job.abort_reason = job.abort_reason or reason
         return True
 
-    async def finish(self, job: StageJob, first_token: int | None) -> None:
+    async def finish(self, job: StageJob, first_token: int | list[int] | None) -> None:
         """Send END to decode once every frame is answered; raises PrefillAborted on failure."""
         try:
             await job.sender.end(self.first_layer, self.end_layer, first_token)
@@ -131,9 +131,10 @@ class StageEngine(PrefixLoading):
 
     # --- compute -------------------------------------------------------------------------------
     async def run_chunk(self, job: StageJob, start: int, *, token_ids: Sequence[int] | None = None,
-                        hidden: torch.Tensor | None = None) -> torch.Tensor:
+                        hidden: torch.Tensor | None = None, all_positions: bool = False) -> torch.Tensor:
         """Run this stage's layers over tokens ``start..start+n-1``; stream each layer's KV as soon
-        as it is computed. Returns the last position's logits (last stage) or the hidden states."""
+        as it is computed. Returns the last position's logits (last stage; every position's with
+        ``all_positions``) or the hidden states."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         piece = await loop.run_in_executor(self.executor, self._new_pass, job, start, token_ids, hidden)
@@ -144,7 +145,7 @@ class StageEngine(PrefixLoading):
             kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
             send_frame(job.sender, layer, start, kv)
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
-        out = await loop.run_in_executor(self.executor, self._output, piece)
+        out = await loop.run_in_executor(self.executor, self._output, piece, all_positions)
         seconds = time.perf_counter() - t0
         self._busy(seconds)
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
@@ -199,8 +200,8 @@ class StageEngine(PrefixLoading):
         kv = gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots)
         return [self.copier.to_host(kv[:, off:off + n]) for off, n, _ in piece.segments]
 
-    def _output(self, piece: LayerwisePass) -> torch.Tensor:
-        out = piece.output()
+    def _output(self, piece: LayerwisePass, all_positions: bool = False) -> torch.Tensor:
+        out = piece.output(all_positions) if all_positions else piece.output()
         sync(self.runner.device)   # the chunk's time (refiner, timings) is its compute, not its launch
         return out
 

@@ -84,8 +84,9 @@ class KVSender:
         # might not be, so the buffer is dropped, never reused.
         staged.release()
 
-    async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
-        """Wait for every frame's answer, then send END (with the first token from the last stage).
+    async def end(self, first_layer: int, end_layer: int, first_token: int | list[int] | None) -> None:
+        """Wait for every frame's answer, then send END (with the first token from the last stage;
+        a list of them, one per choice, for a request of n > 1 choices).
         Raises ConnectionError with the reason if the stream failed."""
         await self.flush()
         if self.error is None:

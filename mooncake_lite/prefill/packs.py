@@ -15,9 +15,8 @@ import time
 
 from mooncake_lite.common.protocol import PrefillResult
 from mooncake_lite.model.kv_cache import blocks_needed
-from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted
-from mooncake_lite.prefill.results import request_params, tell_first
+from mooncake_lite.prefill.results import Firsts, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob
 from mooncake_lite.scheduler.costs import pack_sizes
 
@@ -35,7 +34,9 @@ class Packing:
 
     async def _serve(self, lead: QueuedJob) -> PrefillResult:
         """Serve the head of the queue, packed with the requests queued behind it that fit."""
-        pack = await self._pack(lead) if self.batch_tokens > 0 else [lead]
+        # A prompt's log-probabilities need every position's logits: a pass of its own.
+        packs = self.batch_tokens > 0 and lead.req.sampling.prompt_logprobs is None
+        pack = await self._pack(lead) if packs else [lead]
         if len(pack) == 1:
             return await self._run(lead)
         now = time.perf_counter()
@@ -74,7 +75,8 @@ class Packing:
         try:
             for job in list(self._waiting):
                 if (job is lead or job.req is None or job.started_at is not None or job.result.done()
-                        or job.turn.done() or job.request_id in self._aborted):
+                        or job.turn.done() or job.request_id in self._aborted
+                        or job.req.sampling.prompt_logprobs is not None):
                     continue      # req None: a hold() placeholder; turn done: it left the list
                 uncached.append(await self._uncached(job))
                 free -= blocks_needed(job.num_tokens, self.block_size)
@@ -113,8 +115,7 @@ class Packing:
                 for row, ((i, job, sender, _), error) in enumerate(zip(live, failed)):
                     if error is None:   # every member's token 1 out before any END is answered
                         req = pack[i].req
-                        firsts[i] = sample(out[row], request_params(req),
-                                           make_generator(request_params(req), out.device))
+                        firsts[i] = sample_firsts(out[row], req.sampling)
                         tell_first(pack[i], self._result(req, job, sender, pack[i].num_prefix_tokens,
                                                          firsts[i], t0, count=False))
                 for row, ((i, job, _, _), error) in enumerate(zip(live, failed)):
@@ -147,11 +148,11 @@ class Packing:
             live.append((i, job, sender, stream))
         return live
 
-    async def _end_stream(self, job, first: int | None, error: str | None):
+    async def _end_stream(self, job, first: Firsts | None, error: str | None):
         """(first token, None) once its KV stream ended well, else (PrefillAborted, reason)."""
         if error is None:
             try:
-                await self.stage.finish(job, first)
+                await self.stage.finish(job, first.wire)
                 return first, None
             except PrefillAborted as exc:
                 error = str(exc)

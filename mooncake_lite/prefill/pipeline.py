@@ -8,7 +8,8 @@ framing, and every stage talks to the next the same way (the processes: ``stage_
     OP_STAGE_CHUNK {rid, start, n} + payload   the previous stage's activations [n][dim] (raw bytes);
                                                answered on receipt, so the sender computes its next
                                                chunk while this stage computes this one
-    OP_STAGE_END   {rid}                       -> {"first_token"} once every chunk went through all stages
+    OP_STAGE_END   {rid}                       -> {"first_tokens", "first_logprobs"} once every chunk
+                                                  went through all stages
     OP_STAGE_ABORT {rid, reason}               -> ok (forwarded down the group)
     OP_STAGE_INFO  {}                          -> {"stages": [what each stage is, this one first]}
     OP_STAGE_FLUSH {rid}                       -> ok once every chunk sent so far went through all stages
@@ -24,6 +25,7 @@ from its store, streams its own layers' KV to decode, and writes its layer slice
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -31,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncake_lite.model.sampling import make_generator, sample
+from mooncake_lite.common.protocol import Sampling, TokenLogprob, from_dict
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
-from mooncake_lite.prefill.results import sampling_params
+from mooncake_lite.prefill.results import Firsts, sample_firsts
 from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
@@ -105,8 +107,10 @@ class NextStage:
         await self.client.request(OP_STAGE_CHUNK, {"rid": rid, "start": start, "n": hidden.shape[0]},
                                   [tensor_bytes(hidden)])
 
-    async def end(self, rid: str) -> int:
-        return int((await self.client.request(OP_STAGE_END, {"rid": rid})).meta["first_token"])
+    async def end(self, rid: str) -> Firsts:
+        meta = (await self.client.request(OP_STAGE_END, {"rid": rid})).meta
+        return Firsts(tuple(map(int, meta["first_tokens"])),
+                      tuple(TokenLogprob(**lp) for lp in meta.get("first_logprobs", ())))
 
     async def abort(self, rid: str, reason: str) -> None:
         try:
@@ -260,13 +264,13 @@ class StageServer(FrameHandler):
             work.chunks.put_nowait(None)
             await work.worker
             if self.next is None:
-                params = sampling_params(work.sampling)
-                first = sample(work.logits, params, make_generator(params, work.logits.device))
-                await self.stage.finish(work.job, first)
+                first = sample_firsts(work.logits, from_dict(Sampling, work.sampling))
+                await self.stage.finish(work.job, first.wire)
             else:
                 await self.stage.finish(work.job, None)
                 first = await self.next.end(rid)
-            return {"first_token": int(first)}
+            return {"first_tokens": list(first.tokens),
+                    "first_logprobs": [dataclasses.asdict(lp) for lp in first.logprobs]}
         except BaseException as exc:
             error = str(exc) or type(exc).__name__
             if self.next is not None:

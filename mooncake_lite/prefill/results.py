@@ -5,11 +5,14 @@ is sampled, with the queue's part of its timings). Kept below both so neither im
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
-from mooncake_lite.model.sampling import SamplingParams
+from dataclasses import dataclass
+
+import torch
+
+from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, Sampling, TokenLogprob
+from mooncake_lite.model.sampling import SamplingParams, SequenceSampler, params_from_wire
 from mooncake_lite.prefill.turns import QueuedJob
 
 log = logging.getLogger(__name__)
@@ -34,11 +37,30 @@ def tell_first(job: QueuedJob, result: PrefillResult) -> None:
 
 
 def request_params(req: PrefillRequest) -> SamplingParams:
-    return sampling_params(dataclasses.asdict(req.sampling))
+    """The request's SamplingParams; ValueError if a value is out of range."""
+    return params_from_wire(req.sampling)
 
 
-def sampling_params(s: dict) -> SamplingParams:
-    """SamplingParams from the wire's Sampling fields (a dict); ValueError if out of range."""
-    return SamplingParams(temperature=float(s.get("temperature", 0.0)), top_p=float(s.get("top_p", 1.0)),
-                          seed=s.get("seed"), max_tokens=max(1, int(s.get("max_tokens", 1))),
-                          stop_token_ids=tuple(s.get("stop_token_ids", ())))
+@dataclass(frozen=True)
+class Firsts:
+    """Token 1 of each of a request's ``n`` choices, drawn from the prompt's last logits, and
+    their log-probabilities when asked for."""
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    @property
+    def wire(self) -> int | list[int]:
+        """What the KV stream's END frame carries: the token, or every choice's (n > 1)."""
+        return self.tokens[0] if len(self.tokens) == 1 else list(self.tokens)
+
+    def result_fields(self) -> dict:
+        """The PrefillResult fields they fill."""
+        return {"first_tokens": self.tokens if len(self.tokens) > 1 else (), "first_logprobs": self.logprobs}
+
+
+def sample_firsts(logits: torch.Tensor, sampling: Sampling) -> Firsts:
+    """Every choice's token 1 (choice i from its own generator, ``seed + i``), as decode continues
+    them (``SequenceSampler.continue_after_first``)."""
+    params = params_from_wire(sampling)
+    drawn = [SequenceSampler(params, i, logits.device).next(logits) for i in range(sampling.n)]
+    return Firsts(tuple(t for t, _ in drawn), tuple(lp for _, lp in drawn if lp is not None))

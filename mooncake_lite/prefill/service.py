@@ -22,14 +22,16 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult
-from mooncake_lite.model.sampling import make_generator, sample
+from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult, TokenLogprob
+from mooncake_lite.model.sampling import prompt_logprobs
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
 from mooncake_lite.prefill.packs import Packing
-from mooncake_lite.prefill.results import annotate, request_params, tell_first
+from mooncake_lite.prefill.results import Firsts, annotate, request_params, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
 from mooncake_lite.transfer.client import RemoteError, split_address
@@ -93,6 +95,8 @@ class PrefillService(TurnTaking, Packing):
             request_params(req)
         except ValueError as exc:
             raise PrefillRejected(f"sampling: {exc}") from None
+        if req.sampling.prompt_logprobs is not None and self.downstream is not None:
+            raise PrefillRejected("sampling: a CPP group does not compute prompt logprobs")
         try:
             split_address(req.decode_data)
         except ValueError as exc:
@@ -168,6 +172,8 @@ class PrefillService(TurnTaking, Packing):
     # --- one request -----------------------------------------------------------------------------
     async def _match(self, queued: QueuedJob) -> int:
         """Leading blocks of the prompt this instance (every stage) can load: asked once, kept."""
+        if queued.hit is None and queued.req.sampling.prompt_logprobs is not None:
+            queued.hit, queued.num_prefix_tokens = 0, 0   # every position's logits: nothing loaded
         if queued.hit is None:
             req, keys = queued.req, queued.keys
             cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed
@@ -197,8 +203,8 @@ class PrefillService(TurnTaking, Packing):
         await self.stage.release(job, error)
         tracing.end_span(stream, error, frames=sender.num_frames, bytes=sender.num_bytes)
 
-    def _result(self, req: PrefillRequest, job, sender: KVSender, prefix: int, first: int, t0: float,
-                count: bool = True) -> PrefillResult:
+    def _result(self, req: PrefillRequest, job, sender: KVSender, prefix: int, firsts: Firsts, t0: float,
+                count: bool = True, prompt_lps: tuple[TokenLogprob, ...] = ()) -> PrefillResult:
         """``count``: add it to the totals (once, when the stream has ended well)."""
         if job.is_prefix_recomputed:    # its load failed: computed after all, nothing reused
             prefix = 0
@@ -208,7 +214,8 @@ class PrefillService(TurnTaking, Packing):
             self.totals["kv_bytes_sent_total"] += sender.num_bytes
         timings = {"total_s": time.perf_counter() - t0, **job.timings,
                    "kv_frames": float(sender.num_frames), "kv_bytes": float(sender.num_bytes)}
-        return PrefillResult(req.request_id, int(first), prefix, len(req.token_ids) - prefix, timings)
+        return PrefillResult(req.request_id, firsts.tokens[0], prefix, len(req.token_ids) - prefix, timings,
+                             prompt_logprobs=prompt_lps, **firsts.result_fields())
 
     async def _run(self, queued: QueuedJob) -> PrefillResult:
         t0 = time.perf_counter()
@@ -221,23 +228,17 @@ class PrefillService(TurnTaking, Packing):
             if self.downstream is not None:
                 await self.downstream.begin(req.request_id, req.transfer_id, req.token_ids, req.decode_data,
                                             dataclasses.asdict(req.sampling), keys, hit)
-            out = None
             stop_keepalive()           # KV frames from here on tell decode the request is alive
             if req.request_id in self._aborted:
                 raise PrefillAborted("aborted before its first KV frame (by the conductor, or decode dropped it)")
-            for start in range(prefix, len(req.token_ids), self.chunk_size):
-                chunk = req.token_ids[start:start + self.chunk_size]
-                with tracing.span("prefill.chunk", start=start, tokens=len(chunk)):
-                    out = await self.stage.run_chunk(job, start, token_ids=chunk)
-                    if self.downstream is not None:
-                        await self.downstream.send_chunk(req.request_id, start, out)
+            out, prompt_lps = await self._chunks(req, job, prefix)
             if self.downstream is None:
-                first = sample(out, request_params(req), make_generator(request_params(req), out.device))
-                tell_first(queued, self._result(req, job, sender, prefix, first, t0, count=False))
-                await self.stage.finish(job, first)
+                firsts = sample_firsts(out, req.sampling)
+                tell_first(queued, self._result(req, job, sender, prefix, firsts, t0, False, prompt_lps))
+                await self.stage.finish(job, firsts.wire)
             else:
                 await self.stage.finish(job, None)
-                first = await self.downstream.end(req.request_id)
+                firsts = await self.downstream.end(req.request_id)
         except BaseException as exc:
             error = str(exc) or type(exc).__name__
             if self.downstream is not None:
@@ -245,7 +246,26 @@ class PrefillService(TurnTaking, Packing):
             raise
         finally:
             await self._end(job, sender, stream, error)
-        return self._result(req, job, sender, prefix, first, t0)
+        return self._result(req, job, sender, prefix, firsts, t0, prompt_lps=prompt_lps)
+
+    async def _chunks(self, req: PrefillRequest, job, prefix: int) -> tuple[torch.Tensor, tuple[TokenLogprob, ...]]:
+        """Compute the prompt past ``prefix`` chunk by chunk: the last position's logits (a CPP
+        head: the last chunk's activations), and the prompt's log-probabilities when asked for
+        (every position computed, none loaded: ``_match``)."""
+        k, n = req.sampling.prompt_logprobs, len(req.token_ids)
+        out, lps = None, []
+        for start in range(prefix, n, self.chunk_size):
+            chunk = req.token_ids[start:start + self.chunk_size]
+            with tracing.span("prefill.chunk", start=start, tokens=len(chunk)):
+                out = await self.stage.run_chunk(job, start, token_ids=chunk, all_positions=k is not None)
+                if self.downstream is not None:
+                    await self.downstream.send_chunk(req.request_id, start, out)
+            if k is not None:   # row i predicts the token at start + i + 1; the last row, token 1's
+                following = torch.as_tensor(req.token_ids[start + 1:start + 1 + len(chunk)])
+                lps += await asyncio.get_running_loop().run_in_executor(
+                    self.stage.executor, prompt_logprobs, out[:len(following)], following, k)
+                out = out[-1]
+        return out, tuple(lps)
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no

@@ -14,7 +14,16 @@ from mooncake_lite.common.protocol import (GenerateRequest, PrefillRequest, Pref
 LINES = [b'{"token": 5}', b'{"finish_reason": "stop"}', b'{"finish_reason": "error", "error": "boom"}',
          b'{"token": 7, "finish_reason": "length"}', b'{}', b'{"token": null}',
          b'{"token": "5"}', b'{"token": true}', b'{"token": 1.5}', b'{"finish_reason": 3}', b'{"extra": 1}',
-         b'[1]', b'{bad', b'"x"']
+         b'[1]', b'{bad', b'"x"',
+         # choices (n > 1) and log-probabilities (issue #32)
+         b'{"token": 5, "index": 2}', b'{"finish_reason": "stop", "index": 1}', b'{"token": 5, "index": true}',
+         b'{"token": 5, "index": "1"}', b'{"token": 5, "logprob": {"logprob": -0.5}}',
+         b'{"token": 5, "logprob": {"logprob": -1}}', b'{"token": 5, "logprob": null}',
+         b'{"token": 5, "logprob": {"logprob": -0.5, "top_ids": [5, 9], "top_logprobs": [-0.5, -2]}}',
+         b'{"token": 5, "logprob": {"logprob": true}}', b'{"token": 5, "logprob": {"logprob": "x"}}',
+         b'{"token": 5, "logprob": {"top_ids": [1]}}', b'{"token": 5, "logprob": {"logprob": 0, "x": 1}}',
+         b'{"token": 5, "logprob": {"logprob": 0, "top_ids": [1.5]}}',
+         b'{"token": 5, "logprob": {"logprob": 0, "top_logprobs": [false]}}', b'{"token": 5, "logprob": [1]}']
 RESULTS = [b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9}',
            b'{"request_id": "r", "first_token": 3, "num_prefix_tokens": 0, "num_computed_tokens": 9, '
            b'"timings": {"a": 1.5}}',

@@ -143,3 +143,45 @@ def test_no_leak_over_many_random_lifecycles():
     for rid in list(b.seqs):
         b.abort(rid)
     assert b.allocator.num_free == 64 and b.seqs == {}
+
+
+# --- n choices from one prefill (issue #32) ---------------------------------------------------
+
+def test_choices_share_the_prompts_full_blocks_and_copy_its_partial_one():
+    b = make()
+    seq = b.reserve("r", prompt_len=9, max_tokens=4, n=3)   # 13 tokens: 4 blocks, 2 of them full prompt blocks
+    assert b.allocator.num_free == 32 - (2 + 3 * 2)         # the full ones once, the rest per choice
+    tables = [b.seqs[k].block_ids for k in ("r", "r#1", "r#2")]
+    assert seq.block_ids is tables[0] and all(t[:2] == tables[0][:2] for t in tables)
+    assert len({t[2] for t in tables} | {t[3] for t in tables}) == 6   # the rest is each one's own
+    reasons, copies = b.join_all("r", [5, 6, 7])
+    assert reasons == [None, None, None]
+    assert copies == [(tables[0][2], tables[1][2]), (tables[0][2], tables[2][2])]   # the prompt's tail block
+    plan = b.plan()
+    assert plan.request_ids == ("r",) * 3 and plan.indices == (0, 1, 2) and plan.token_ids == (5, 6, 7)
+    assert plan.positions == (9, 9, 9)
+    outs = b.commit(plan, [1, 2, 3])
+    assert [(o.index, o.token) for o in outs] == [(0, 1), (1, 2), (2, 3)]
+    b.abort("r")
+    assert b.seqs == {} and b.allocator.num_free == 32
+
+
+def test_shared_blocks_return_with_the_last_choice_only():
+    b = make()
+    b.reserve("r", prompt_len=8, max_tokens=3, n=2, stop_token_ids=(99,))   # 2 full prompt blocks shared
+    assert b.allocator.num_free == 32 - (2 + 2 * 1)
+    reasons, copies = b.join_all("r", [99, 4])     # choice 0 stops at once; the prompt fills its blocks
+    assert reasons == ["stop", None] and copies == []
+    assert b.allocator.num_free == 32 - 3          # choice 0's own block back, the shared ones kept
+    plan = b.plan()
+    assert plan.keys == ("r#1",)
+    b.commit(plan, [5])
+    outs = b.commit(b.plan(), [6])
+    assert outs[-1].finish_reason == "length" and outs[-1].index == 1
+    assert b.seqs == {} and b.allocator.num_free == 32
+
+
+def test_admission_counts_every_choice():
+    b = make(num_blocks=8)
+    assert "KV cache" in b.check_admit(8, 8, n=4) or "blocks" in b.check_admit(8, 8, n=4)   # 2 + 4 * 2 = 10 > 8
+    assert b.check_admit(8, 8, n=3) is None                                                 # 2 + 3 * 2 = 8

@@ -1,19 +1,23 @@
 """Parsing and validating OpenAI request bodies into one :class:`ApiRequest`.
 
 Every problem becomes a 400 with a message naming the field, before any instance is touched.
-Supported: ``/v1/completions`` (prompt as a string, a list with one string, or token ids) and
+Supported: ``/v1/completions`` (prompt as a string, token ids, or a batch: a list of either) and
 ``/v1/chat/completions`` (messages rendered with :func:`chat_prompt`); ``max_tokens``
-(``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n = 1``; vLLM's ``ignore_eos`` and ``stop_token_ids``, and
+(``max_completion_tokens`` for chat; 0 in completions: the prompt alone, for ``echo``),
+``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``;
+the sampling controls of ``controls.py`` (``n``, ``logprobs``, ``top_logprobs``, ``echo``, the
+penalties, ``min_tokens``, ``logit_bias``); vLLM's ``ignore_eos`` and ``stop_token_ids``, and
 ``return_token_ids`` (non-streaming: the choice carries ``token_ids``, the body ``prompt_token_ids``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.common.protocol import Sampling
+from mooncake_lite.conductor.api import controls
 from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.api.reasoning import opens_reasoning
 from mooncake_lite.model.chat import ChatTemplateError
@@ -22,6 +26,7 @@ from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256          # chat has no default in the spec; capped by the context
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_BATCH = 256                    # prompts in one /v1/completions request
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,23 @@ class ApiRequest:
     include_usage: bool
     return_token_ids: bool = False
     opens_reasoning: bool = False  # the rendered chat prompt ends in "<think>" (api/reasoning.py)
+    echo_text: str | None = None   # echo: the prompt's text, put before each choice's
+    is_prompt_only: bool = False   # max_tokens 0: one token is computed (the flight needs it), none returned
+    # A batch of prompts: the ones after this one, each (token ids, text to echo); :meth:`each` splits it.
+    more_prompts: tuple[tuple[tuple[int, ...], str | None], ...] = ()
+
+    def each(self) -> list[ApiRequest]:
+        """One request per prompt of a batch (this one alone when it is not a batch); the
+        repetition penalty counts each prompt's own ids."""
+        prompts = [(self.prompt_ids, self.echo_text), *self.more_prompts]
+        return [dataclasses.replace(self, prompt_ids=ids, echo_text=text, more_prompts=(),
+                                    sampling=_with_prompt(self.sampling, ids)) for ids, text in prompts]
+
+
+def _with_prompt(sampling: Sampling, prompt_ids: tuple[int, ...]) -> Sampling:
+    if sampling.repetition_penalty == 1.0:
+        return sampling
+    return dataclasses.replace(sampling, penalty_ids=tuple(sorted(set(prompt_ids))))
 
 
 @dataclass(frozen=True)
@@ -106,26 +128,42 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
         raise _unknown_model(model, served[0])
     opened = False
     if kind == "chat":
-        prompt_ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
+        ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
+        prompts = [(ids, None)]
     else:
-        prompt_ids = _prompt_ids(body, tokenizer, vocab_size, max_context)
-    if not prompt_ids:
-        raise bad_request("the prompt is empty", "prompt")
-    _check_n(body)
-    max_tokens = _max_tokens(body, kind, len(prompt_ids), max_context)
-    if len(prompt_ids) + max_tokens > max_context:
-        raise bad_request(f"This model's maximum context length is {max_context} tokens. However, you "
-                          f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
-                          f"prompt, {max_tokens} for the completion). Please reduce the length of the "
-                          f"prompt or the completion.", "max_tokens" if len(prompt_ids) < max_context else "prompt")
-    sampling = Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        prompts = _prompts(body, tokenizer, vocab_size, max_context)
+    _check_unsupported(body)
+    key, max_tokens = _max_tokens(body, kind, max(len(ids) for ids, _ in prompts), max_context)
+    for ids, _ in prompts:
+        _check_fits(ids, max(1, max_tokens), max_context, key)
+    fields = controls.sampling_fields(body, kind, vocab_size, max(1, max_tokens), prompts[0][0])
+    echo = controls.echo(body, kind)
+    sampling = Sampling(max_tokens=max(1, max_tokens), temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                         top_p=_top_p(body), seed=_seed(body),
-                        stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size))
+                        stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size),
+                        prompt_logprobs=fields["logprobs"] if echo else None, **fields)
     stream, include_usage = _stream(body)
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
-    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened)
+    texts = [(ids, _echo_text(text, ids, tokenizer) if echo else None) for ids, text in prompts]
+    return ApiRequest(kind, model, prompts[0][0], sampling, _stop(body), stream, include_usage, return_ids, opened,
+                      echo_text=texts[0][1], is_prompt_only=max_tokens == 0, more_prompts=tuple(texts[1:]))
+
+
+def _check_fits(prompt_ids: tuple[int, ...], max_tokens: int, max_context: int, key: str) -> None:
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", "prompt")
+    if len(prompt_ids) + max_tokens > max_context:
+        raise bad_request(f"This model's maximum context length is {max_context} tokens. However, you "
+                          f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
+                          f"prompt, {max_tokens} for the completion). Please reduce the length of the "
+                          f"prompt or the completion.", key if len(prompt_ids) < max_context else "prompt")
+
+
+def _echo_text(text: str | None, ids: tuple[int, ...], tokenizer: Tokenizer) -> str:
+    """What echo puts first: the prompt as sent, or its token ids decoded."""
+    return text if text is not None else tokenizer.decode(list(ids))
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -202,61 +240,56 @@ def _content(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> tuple[int, ...]:
+def _prompts(body: dict, tokenizer: Tokenizer, vocab_size: int,
+             max_context: int) -> list[tuple[tuple[int, ...], str | None]]:
+    """Each prompt's token ids, and its text when it came as text: one prompt, or a batch (a list
+    of strings or of token-id lists)."""
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise bad_request(f"a batch holds at most {MAX_BATCH} prompts, got {len(prompt)}", "prompt")
+        return [_prompt(p, tokenizer, vocab_size, max_context) for p in prompt]
+    return [_prompt(prompt, tokenizer, vocab_size, max_context)]
+
+
+def _prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> tuple[tuple[int, ...], str | None]:
     if isinstance(prompt, str):
-        return _encode(tokenizer, prompt, max_context)
+        return _encode(tokenizer, prompt, max_context), prompt
     if isinstance(prompt, TextAfterIds):
-        return (*prompt.prefix, *_encode(tokenizer, prompt.text, max_context, add_special_tokens=False))
+        return (*prompt.prefix, *_encode(tokenizer, prompt.text, max_context, add_special_tokens=False)), None
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
-        return tuple(prompt)
-    if isinstance(prompt, list):
-        raise bad_request("'prompt' must be a string, a list of token ids, or a batch of one; "
-                          "batched prompts are not supported", "prompt")
-    raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+        return tuple(prompt), None
+    raise bad_request("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
 
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-               "logit_bias", "tools", "functions", "response_format")
+UNSUPPORTED = ("suffix", "tools", "functions", "response_format")
 
 
-def _check_n(body: dict) -> None:
+def _check_unsupported(body: dict) -> None:
     """Refuse what would be silently wrong (asked for, not done) rather than ignore it."""
     for key in UNSUPPORTED:
         if body.get(key) not in (None, False, 0, 0.0, {}, []):
             raise bad_request(f"'{key}' is not supported by this server", key)
-    # Exactly the integer 1 (or absent): 1.0 and true compare equal to 1 in Python, not in the API.
-    n = body.get("n")
-    if n is not None and not _is_int(n, 1):
-        raise bad_request(f"only n = 1 is supported (an integer), got {short(n)}", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and not _is_int(best_of, 1):
-        raise bad_request(f"best_of is not supported (only the integer 1), got {short(best_of)}", "best_of")
 
 
-def _is_int(value: Any, expected: int) -> bool:
-    return type(value) is int and value == expected
-
-
-def _max_tokens(body: dict, kind: str, num_prompt: int, max_context: int) -> int:
-    key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+def _max_tokens(body: dict, kind: str, num_prompt: int, max_context: int) -> tuple[str, int]:
+    """The field that says how long the answer may be, and its value (0: a completion's prompt alone)."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(key)
     if value is None:
         default = DEFAULT_CHAT_TOKENS if kind == "chat" else DEFAULT_COMPLETION_TOKENS
-        return max(1, min(default, max_context - num_prompt))
+        return key, max(1, min(default, max_context - num_prompt))
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"'{key}' must be an integer", key)
-    if value <= 0:
-        raise bad_request(f"'{key}' must be at least 1, got {value}", key)
-    return value
+    least = 0 if kind == "completion" else 1
+    if value < least:
+        raise bad_request(f"'{key}' must be at least {least}, got {value}", key)
+    return key, value
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:

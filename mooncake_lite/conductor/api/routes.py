@@ -86,7 +86,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         mx.tenant.rejections.labels(tenant, exc.cause).inc()
         return exc.response()
     try:
-        return await Relay(st, req, Flight(st.svc, req, tenant), arrival, tenant).serve(request, endpoint)
+        reqs = req.each()   # one flight per prompt of a batch
+        flights = [Flight(st.svc, r, tenant) for r in reqs]
+        return await Relay(st, reqs, flights, arrival, tenant).serve(request, endpoint)
     finally:
         if gate is not None:
             gate.end(tenant)

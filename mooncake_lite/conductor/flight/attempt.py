@@ -160,17 +160,20 @@ class Attempt:
     # ---- the workers -----------------------------------------------------------------------
     async def _read_decode(self) -> None:
         resp, did = self._decode_resp, self.decode.instance_id
+        num_open = self.req.sampling.n   # each choice ends with a line; an abort or error ends all
         try:
             async for line in resp.content:
                 if not line.strip():
                     continue
                 ev = parse_token_event(line)
                 if ev.token is not None:
-                    self.events.put_nowait(Token(ev.token))
+                    self.events.put_nowait(Token(ev.token, ev.index, ev.logprob))
                 if ev.finish_reason is not None:
-                    self.is_decode_done = True
-                    self.events.put_nowait(Finished(ev.finish_reason, ev.error))
-                    return
+                    num_open -= 1
+                    self.events.put_nowait(Finished(ev.finish_reason, ev.error, ev.index))
+                    if num_open == 0 or ev.finish_reason not in ("stop", "length"):
+                        self.is_decode_done = True
+                        return
             message = f"decode instance {did} closed its token stream early; the request was not completed"
             log.warning("%s", message)
             self.events.put_nowait(Failed(message, did, "decode-unreachable"))

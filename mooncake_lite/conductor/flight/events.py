@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake_lite.common.protocol import PrefillResult
+from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
 
 SHUTDOWN = "shutdown"   # Failed.reason of a request the conductor's drain ended (a 503, not a 502)
 
@@ -24,17 +24,21 @@ class FirstToken:
 
 @dataclass(frozen=True)
 class Token:
-    """One token from the decode stream."""
+    """One token of choice ``index`` (from the decode stream; also what the flight hands its
+    relay, token 1 included), with its log-probabilities when asked for."""
 
     token: int
+    index: int = 0
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
 class Finished:
-    """Decode's end line: ``finish_reason`` and, when it gave up, why."""
+    """Decode's end line of choice ``index``: ``finish_reason`` and, when it gave up, why."""
 
     finish_reason: str
     error: str | None
+    index: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mooncake_lite.common import tracing
-from mooncake_lite.common.protocol import PrefillResult
+from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
 from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
@@ -49,8 +49,10 @@ class Flight:
         self.num_retries = 0
         self._excluded: set[str] = set()     # instances a failed attempt ran on
         self.prefill_result: PrefillResult | None = None
-        self.finish_reason: str | None = None
-        self.num_tokens = 0
+        # Each choice's end ("stop", "length"), None while it runs; its tokens so far.
+        self.finish_reasons: list[str | None] = [None] * req.sampling.n
+        self.choice_tokens = [0] * req.sampling.n
+        self.num_tokens = 0                  # every choice's together
         self.expected_output = req.sampling.max_tokens
         self._is_closed = False
         # Checking the prediction (predictions.py): the placed attempt's, on the loop's clock.
@@ -118,10 +120,23 @@ class Flight:
         """More upstream events are already waiting (the relay can batch its writes)."""
         return self.attempt is not None and not self.attempt.events.empty()
 
-    async def tokens(self) -> AsyncIterator[int]:
-        """Token ids in order: the first (from prefill), then decode's. Ends with
-        ``finish_reason`` set; raises ApiError if anything upstream fails or refuses. A failure
-        before the first token is retried on other instances (:meth:`_retry`)."""
+    @property
+    def finish_reason(self) -> str | None:
+        """Choice 0's end (a request of one choice: the request's)."""
+        return self.finish_reasons[0]
+
+    @property
+    def is_done(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+    def stop(self, index: int) -> None:
+        """Choice ``index`` ended on a stop string (the relay saw it): nothing more of it is relayed."""
+        self.finish_reasons[index] = self.finish_reasons[index] or "stop"
+
+    async def tokens(self) -> AsyncIterator[Token]:
+        """Each choice's tokens in order (:class:`Token`): every choice's token 1 (prefill's), then
+        decode's. Ends once every choice has its ``finish_reasons`` entry; raises ApiError if anything
+        upstream fails or refuses. A failure before the first token is retried (:meth:`_retry`)."""
         early: deque[Token | Finished] = deque()   # decode events that raced ahead of the prefill result
         while True:
             if self.prefill_result is not None and early:
@@ -136,29 +151,31 @@ class Flight:
                         failed = await self._retry(failed)
                     continue
                 case FirstToken(result=result):
-                    self._on_first(result)
-                    token = result.first_token
+                    tokens = self._on_first(result)
                 case Token() | Finished() if self.prefill_result is None:
                     early.append(event)
                     continue
-                case Token(token=token):
+                case Token():
                     self._on_token()
+                    tokens = [event]
                 case Finished():
-                    self._finish(event)     # decode's end line: finish_reason is set
-                    return
+                    self._finish(event)     # decode's end line of a choice: its finish reason is set
+                    tokens = []
                 case PrefillRefused(message=message):
                     self.svc.metrics.rejections.labels("prefill-refused").inc()
                     raise Rejected(message, 1, "upstream-refused")
                 case Failed():
                     raise _client_error(event)
-            # Counted before it is handed out: the consumer may stop on it (a stop string) and
-            # never resume us, and usage must still count every token the answer used.
-            is_last = self._count(token)
-            yield token
-            if is_last:
+            for token in tokens:
+                if self.finish_reasons[token.index] is not None:
+                    continue   # a choice the conductor already ended (max_tokens, stop id or string)
+                self._count(token)   # before it is handed out: the consumer may stop on it, never resuming us
+                yield token
+            if self.is_done:
                 return
 
-    def _on_first(self, result: PrefillResult) -> None:
+    def _on_first(self, result: PrefillResult) -> list[Token]:
+        """The prefill's answer: every choice's token 1."""
         self._last_token_at = now = loop_now()
         self._measured_ttft_s = now - self._placed_at
         self._prefill_busy = self.svc.predictions.busy_beside(self.attempt.prefill.instance_id)
@@ -168,6 +185,7 @@ class Flight:
         self._decode_busy = self.svc.predictions.busy_beside(self.attempt.decode.instance_id)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
+        return [Token(t, i, lp) for i, (t, lp) in enumerate(_firsts(result))]
 
     def _on_token(self) -> None:
         """A token from decode: its request's progress there, and the gap since the last one."""
@@ -177,21 +195,22 @@ class Flight:
         self._last_token_at = now
 
     def _finish(self, end: Finished) -> None:
-        if end.error is not None or end.finish_reason not in ("stop", "length"):
+        if end.error is not None or end.finish_reason not in ("stop", "length") \
+                or not 0 <= end.index < len(self.finish_reasons):
             raise upstream_failed(f"decode instance {self.attempt.decode.instance_id} ended the request "
                                   f"({end.finish_reason}): {end.error or 'no reason given'}")
-        self.finish_reason = end.finish_reason
+        self.finish_reasons[end.index] = self.finish_reasons[end.index] or end.finish_reason
 
-    def _count(self, token: int) -> bool:
-        """Count one relayed token; True when the request is complete on our side too (the
+    def _count(self, token: Token) -> None:
+        """Count one relayed token, and end its choice when it is complete on our side too (the
         conductor enforces max_tokens and stop ids itself rather than trust every instance)."""
         self.num_tokens += 1
+        self.choice_tokens[token.index] += 1
         s = self.req.sampling
-        if token in s.stop_token_ids:
-            self.finish_reason = "stop"
-        elif self.num_tokens >= s.max_tokens:
-            self.finish_reason = "length"
-        return self.finish_reason is not None
+        if token.token in s.stop_token_ids:
+            self.finish_reasons[token.index] = "stop"
+        elif self.choice_tokens[token.index] >= s.max_tokens:
+            self.finish_reasons[token.index] = "length"
 
     # ---- close ---------------------------------------------------------------------------
     async def close(self, *, abort: bool) -> None:
@@ -210,11 +229,10 @@ class Flight:
                          retries=self.num_retries, **(check.attributes() if check is not None else {}))
         if self.attempt is None:
             return
-        if self.num_tokens:   # the output length the client took (ended, or it stopped reading)
-            self.svc.outputs.finished(self.attempt.block_keys, len(self.req.prompt_ids), self.num_tokens,
+        if self.num_tokens:   # the output length the client took (ended, or it stopped reading): its longest choice's
+            self.svc.outputs.finished(self.attempt.block_keys, len(self.req.prompt_ids), max(self.choice_tokens),
                                       self.expected_output)
         self.attempt.close(abort=abort)
-
 
     def _check(self) -> Check | None:
         """The completed request's prediction against what was measured (None: no first token)."""
@@ -240,6 +258,13 @@ class Flight:
         if p.tbt_s is not None:
             out["X-Mooncake-Predicted-TBT"] = f"{p.tbt_s:.6f}"
         return out
+
+
+def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:
+    """Every choice's token 1 and its logprobs (when asked for), from the prefill's answer."""
+    tokens = result.first_tokens or (result.first_token,)
+    logprobs = result.first_logprobs or (None,) * len(tokens)
+    return list(zip(tokens, logprobs))
 
 
 def _client_error(failed: Failed) -> ApiError:
