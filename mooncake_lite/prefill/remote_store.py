@@ -97,6 +97,10 @@ class RemoteStore:
         value = (await self.client()).frames.hello.get("kv_compression")
         return value if isinstance(value, str) else None
 
+    async def kv_layout(self) -> object:
+        """The block layout version the store keeps (``transfer/kv_layout.py``); None from an older store."""
+        return (await self.client()).frames.hello.get("kvl")
+
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
             return await self._call(lambda c: self._match(c, keys))

@@ -99,6 +99,23 @@ class BlockLayout:
         """Bytes of a slice of ``num_layers`` layers of ``heads`` (what one rank's put carries per block)."""
         return num_layers * (self.num_heads if heads is None else heads.num_heads) * self.head_bytes
 
+    def cut(self, view: memoryview, first_layer: int, num_layers: int, heads: HeadRange,
+            out: memoryview | None = None) -> memoryview:
+        """Heads ``heads`` out of ``view``, the bytes of layers ``[first_layer, first_layer +
+        num_layers)`` of a block: that slice's bytes (in ``out`` when given), laid out as a put
+        of that head range carries them."""
+        if view.nbytes != num_layers * self.layer_bytes:
+            raise LayoutError(f"{view.nbytes} bytes are not {num_layers} layers of {self.layer_bytes}")
+        size = self.slice_bytes(num_layers, heads)
+        target = memoryview(bytearray(size)) if out is None else out[:size]
+        if target.nbytes != size:
+            raise LayoutError(f"an output of {target.nbytes} bytes cannot hold a {size}-byte head slice")
+        base, at = first_layer * self.layer_bytes, 0
+        for offset, length in self.spans(first_layer, num_layers, heads):
+            target[at:at + length] = view[offset - base:offset - base + length]
+            at += length
+        return target
+
     def check(self, first_layer: int, num_layers: int, heads: HeadRange) -> None:
         if first_layer < 0 or num_layers < 1 or first_layer + num_layers > self.num_layers:
             raise LayoutError(f"layers [{first_layer}, {first_layer + num_layers}) are outside a "
