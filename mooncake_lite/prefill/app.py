@@ -46,7 +46,7 @@ from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
-from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, BlockLayout
 from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,9 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     if cfg.store is None:
         store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
     else:
-        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes)
+        # Puts name the block layout; a TP rank's store also gets its heads (transfer/tp_heads.py).
+        layout = BlockLayout(model.args.num_layers, model.args.num_kv_heads, layer_bytes // model.args.num_kv_heads)
+        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes, layout=layout)
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 
 

@@ -128,3 +128,30 @@ async def test_a_layout_the_store_does_not_keep_is_refused_naming_it(store):
         assert bytes((await client.get(key))[0]) == bytes(range(96))
     finally:
         await client.close()
+
+
+async def test_prefill_store_adapters_of_tp_ranks_write_and_read_at_other_degrees(store):
+    """RemoteStore as a TP rank's (its layout and heads): two TP=2 ranks write back a block
+    through the int8 CompressedStore, a TP=3 rank loads its heads of one layer, decoded."""
+    from kernels.kv_codec import KVCodec, decode_heads
+    from mooncake_lite.prefill.remote_store import RemoteStore
+    from mooncake_lite.prefill.store_io import CompressedStore
+    layout, kv, key = _layout("int8"), _kv(4), _keys("adapter")[:1]
+    codec = KVCodec("int8")
+
+    def rank_store(tp: int, rank: int) -> tuple[CompressedStore, HeadRange]:
+        heads = rank_heads(HEADS, tp, rank)
+        inner = RemoteStore(store.addresses["data"], None, LAYERS, layout.slice_bytes(1, heads),
+                            layout=layout, heads=heads)
+        return CompressedStore(inner, codec, (BS, heads.num_heads, HD), torch.float32), heads
+
+    for rank in range(2):
+        writer, heads = rank_store(2, rank)
+        plain = kv[:, heads.start:heads.stop].contiguous()
+        await writer.put_layers(key, [memoryview(plain.view(torch.uint8).numpy())], 0, LAYERS)
+        await writer.inner.close()
+    reader, heads = rank_store(3, 1)
+    got = (await reader.get_layers(key, 1, 1))[0]
+    expected = decode_heads(encode_heads(kv[1:2], codec), (BS, HEADS, HD), codec, torch.float32)
+    assert bytes(got) == expected[:, heads.start:heads.stop].contiguous().view(torch.uint8).numpy().tobytes()
+    await reader.inner.close()
