@@ -84,7 +84,9 @@ class SliceTicket:
 
     @property
     def mask(self) -> int:
-        heads = self.heads or HeadRange(0, self.num_heads)
+        if self.heads is None or self.heads.num_heads == self.num_heads:   # whole layers: one run of bits
+            return ((1 << (self.num_layers * self.num_heads)) - 1) << (self.first_layer * self.num_heads)
+        heads = self.heads
         row = ((1 << heads.num_heads) - 1) << heads.start
         return sum(row << (layer * self.num_heads)
                    for layer in range(self.first_layer, self.first_layer + self.num_layers))
