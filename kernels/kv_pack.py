@@ -1,8 +1,9 @@
 """Moving KV between the paged cache and contiguous transfer buffers.
 
 Paged cache (one instance's layers): ``kv`` is ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
-Store block bytes (see docs/architecture.md): one block is ``[num_layers, 2, block_size, kv_heads, head_dim]``
-contiguous, so a layer range is one contiguous slice.
+Store block bytes, the cluster's one layout (``transfer/kv_layout.py``): one block is
+``[num_layers, kv_heads, 2, block_size, head_dim]`` contiguous, head-major, so a layer range is one
+contiguous slice and a head range one contiguous run per layer (a TP rank's share of a block).
 Token stream (prefill -> decode): one layer's new tokens are ``[2, num_tokens, kv_heads, head_dim]``.
 """
 
@@ -15,16 +16,24 @@ from kernels.dispatch import fast_module
 
 def pack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, first_layer: int = 0,
                     num_layers: int | None = None) -> torch.Tensor:
-    """``[len(block_ids), num_layers, 2, block_size, kvh, hd]`` contiguous copy of the given blocks."""
+    """``[len(block_ids), num_layers, kvh, 2, block_size, hd]`` contiguous copy of the given blocks."""
     last = kv.shape[0] if num_layers is None else first_layer + num_layers
-    return kv[first_layer:last, :, block_ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+    return kv[first_layer:last, :, block_ids].permute(2, 0, 4, 1, 3, 5).contiguous()
+
+
+def as_blocks(packed: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``packed`` ``[blocks, layers, ...]`` (block bytes in the cluster layout, whatever the
+    trailing dims say) as ``[blocks, layers, kvh, 2, block_size, hd]`` for the cache ``kv``."""
+    _, _, _, bs, kvh, hd = kv.shape
+    return packed.reshape(packed.shape[0], packed.shape[1], kvh, 2, bs, hd)
 
 
 def unpack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor,
                       first_layer: int = 0) -> None:
     """Inverse of :func:`pack_blocks_ref`: write packed blocks into the cache in place."""
     num_layers = packed.shape[1]
-    kv[first_layer:first_layer + num_layers, :, block_ids] = packed.permute(1, 2, 0, 3, 4, 5).to(kv.dtype)
+    blocks = as_blocks(packed, kv)
+    kv[first_layer:first_layer + num_layers, :, block_ids] = blocks.permute(1, 3, 0, 4, 2, 5).to(kv.dtype)
 
 
 def gather_tokens_ref(kv: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:

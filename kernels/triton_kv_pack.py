@@ -2,33 +2,42 @@
 
 Importing this module raises ImportError without Triton, which makes the callers use the torch
 reference. Each program copies one ``BLOCK``-element piece of one contiguous run: a whole
-(block, layer, K|V) chunk for pack/unpack, or one token's ``kv_heads*head_dim`` row for
-gather/scatter. All offsets are int64: a 70B-sized cache exceeds 2^31 elements.
+(block, layer, head, K|V) record of the head-major block for pack/unpack, or one token's
+``kv_heads*head_dim`` row for gather/scatter. All offsets are int64: a 70B-sized cache exceeds
+2^31 elements.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_pack import gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
+from kernels.kv_pack import as_blocks, gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _blocks_kernel(kv_ptr, packed_ptr, block_ids_ptr, first_layer, num_layers, num_blocks, chunk,
-                   IS_PACK: tl.constexpr, BLOCK: tl.constexpr):
+def _blocks_kernel(kv_ptr, packed_ptr, block_ids_ptr, first_layer, num_layers, num_blocks, num_heads, head_dim,
+                   chunk, IS_PACK: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: a piece of one (block, layer, head, K|V) record of the head-major block,
+    # ``[block_size][head_dim]`` contiguous there, one ``head_dim`` run per token in the cache.
     i = tl.program_id(0).to(tl.int64)            # position in block_ids
-    layer_kv = tl.program_id(1).to(tl.int64)     # layer * 2 + (0 for K, 1 for V), packed-relative
+    record = tl.program_id(1).to(tl.int64)       # (layer * num_heads + head) * 2 + (0 K, 1 V), packed-relative
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < chunk
     block = tl.load(block_ids_ptr + i).to(tl.int64)
-    layer = layer_kv // 2
-    which = layer_kv % 2
-    cache_off = (((first_layer + layer) * 2 + which) * num_blocks + block) * chunk + offs
-    packed_off = (i * num_layers * 2 + layer_kv) * chunk + offs
+    which = record % 2
+    head = (record // 2) % num_heads
+    layer = record // (2 * num_heads)
+    token = offs // head_dim
+    dim = offs % head_dim
+    cache_off = ((((first_layer + layer) * 2 + which) * num_blocks + block) * (chunk // head_dim) + token) \
+        * (num_heads * head_dim) + head * head_dim + dim
+    packed_off = (i * num_layers * num_heads * 2 + record) * chunk + offs
     if IS_PACK:
         x = tl.load(kv_ptr + cache_off, mask=mask)
         tl.store(packed_ptr + packed_off, x.to(packed_ptr.dtype.element_ty), mask=mask)
@@ -73,11 +82,12 @@ def pack_blocks_triton(kv: torch.Tensor, block_ids, first_layer: int = 0,
     if not (0 <= first_layer and num_layers > 0 and first_layer + num_layers <= total_layers):
         raise IndexError(f"layers [{first_layer}, {first_layer + num_layers}) outside cache of {total_layers}")
     ids = _ids_on(block_ids, kv.device, num_blocks, "block id")
-    out = torch.empty((ids.numel(), num_layers, 2, bs, kvh, hd), dtype=kv.dtype, device=kv.device)
-    chunk = bs * kvh * hd
+    out = torch.empty((ids.numel(), num_layers, kvh, 2, bs, hd), dtype=kv.dtype, device=kv.device)
+    chunk = bs * hd
     if ids.numel():
-        grid = (ids.numel(), num_layers * 2, triton.cdiv(chunk, _BLOCK))
-        _blocks_kernel[grid](kv, out, ids, first_layer, num_layers, num_blocks, chunk, IS_PACK=True, BLOCK=_BLOCK)
+        grid = (ids.numel(), num_layers * kvh * 2, triton.cdiv(chunk, _BLOCK))
+        _blocks_kernel[grid](kv, out, ids, first_layer, num_layers, num_blocks, kvh, hd, chunk,
+                             IS_PACK=True, BLOCK=_BLOCK)
     return out
 
 
@@ -87,17 +97,18 @@ def unpack_blocks_triton(kv: torch.Tensor, block_ids, packed: torch.Tensor, firs
     total_layers, _, num_blocks, bs, kvh, hd = kv.shape
     ids = _ids_on(block_ids, kv.device, num_blocks, "block id")
     num_layers = packed.shape[1]
-    if tuple(packed.shape) != (ids.numel(), num_layers, 2, bs, kvh, hd):
+    if packed.shape[0] != ids.numel() or math.prod(packed.shape[2:]) != kvh * 2 * bs * hd:
         raise ValueError(f"packed shape {tuple(packed.shape)} does not fit {ids.numel()} blocks of "
-                         f"[layers, 2, {bs}, {kvh}, {hd}]")
+                         f"[layers, {kvh}, 2, {bs}, {hd}]")
     if not (0 <= first_layer and first_layer + num_layers <= total_layers):
         raise IndexError(f"layers [{first_layer}, {first_layer + num_layers}) outside cache of {total_layers}")
     # Convert in torch (round-to-nearest like the reference); the kernel then only copies.
-    packed = packed.to(kv.dtype).contiguous()
-    chunk = bs * kvh * hd
+    packed = as_blocks(packed, kv).to(kv.dtype).contiguous()
+    chunk = bs * hd
     if ids.numel():
-        grid = (ids.numel(), num_layers * 2, triton.cdiv(chunk, _BLOCK))
-        _blocks_kernel[grid](kv, packed, ids, first_layer, num_layers, num_blocks, chunk, IS_PACK=False, BLOCK=_BLOCK)
+        grid = (ids.numel(), num_layers * kvh * 2, triton.cdiv(chunk, _BLOCK))
+        _blocks_kernel[grid](kv, packed, ids, first_layer, num_layers, num_blocks, kvh, hd, chunk,
+                             IS_PACK=False, BLOCK=_BLOCK)
 
 
 def gather_tokens_triton(kv: torch.Tensor, layer: int, slots) -> torch.Tensor:

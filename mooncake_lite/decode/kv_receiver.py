@@ -26,8 +26,9 @@ from mooncake_lite.common.tracing import META_KEY
 from mooncake_lite.decode.engine import DecodeEngine, KVError
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header, Limits
-from mooncake_lite.transfer.kv_stream import (OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, token_kv_bytes,
-                                              tensor_from_payload)
+from mooncake_lite.transfer.kv_layout import LayoutError
+from mooncake_lite.transfer.kv_stream import (OP_KV_ABORT, OP_KV_ALIVE, OP_KV_END, OP_KV_LAYER, frame_heads,
+                                              tensor_from_payload, token_kv_bytes)
 from mooncake_lite.transfer.server import reply_error, start_server
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,25 @@ class KVReceiver(FrameHandler):
             if n <= 0 or header.payload_len != n * self.token_bytes:
                 raise KVError("bad_payload", f"{header.payload_len} payload bytes for {n} tokens "
                                              f"(expected {max(n, 0) * self.token_bytes})")
+            self._check_heads(meta)
             self.engine.check_layer(_tid(meta), _int(meta, "layer"), _int(meta, "start"), n)
         except KVError as exc:
             meta[_REFUSED] = exc
             self.refused_bytes += header.payload_len
             return self._discard(header.payload_len)
         return None   # checked: fresh memory of exactly this size (charged to the in-flight budget)
+
+    def _check_heads(self, meta: dict[str, Any]) -> None:
+        """KVError unless the frame is of a layout version this decode reads and carries the KV
+        heads it holds. (A frame of a sub-range, from one rank of a TP prefill, needs the TP
+        wiring of issue 33 to be written at its heads' place: refused until then, never misplaced.)"""
+        try:
+            heads = frame_heads(meta, self.kv_heads)
+        except LayoutError as exc:
+            raise KVError("bad_layout", str(exc)) from None
+        if heads.num_heads != self.kv_heads:
+            raise KVError("bad_layout", f"a frame of KV heads [{heads.start}, {heads.stop}) but this decode "
+                                        f"holds all {self.kv_heads} and takes them in one frame per layer")
 
     def _discard(self, nbytes: int) -> list[memoryview]:
         size = self._scratch.nbytes

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 from kernels.kv_codec import KVCodec, round_trip
-from kernels.kv_pack import pack_blocks_ref, unpack_blocks_ref
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
@@ -38,8 +37,9 @@ def compressed_prefix_run(model: Transformer, prompt_ids: Sequence[int], num_pre
         runner.prefill(prompt_ids[:n], table, 0)
         if codec is not None:
             ids = torch.as_tensor(table[:num_prefix_blocks], dtype=torch.long, device=runner.cache.kv.device)
-            packed = pack_blocks_ref(runner.cache.kv, ids)
-            unpack_blocks_ref(runner.cache.kv, ids, round_trip(packed, codec))
+            # Per block, layer, K/V and head, as the store's codec quantizes (its byte order aside).
+            blocks = runner.cache.kv[:, :, ids].movedim(2, 0)     # [blocks, layers, 2, bs, kvh, hd]
+            runner.cache.kv[:, :, ids] = round_trip(blocks, codec).movedim(0, 2)
     logits = [runner.prefill(prompt_ids[n:], table, n)]
     tokens = [int(torch.argmax(logits[-1]))]
     while len(tokens) < max_tokens:

@@ -46,6 +46,7 @@ from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, BlockLayout
 from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,9 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     if cfg.store is None:
         store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
     else:
-        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes)
+        # Puts name the block layout; a TP rank's store also gets its heads (transfer/tp_heads.py).
+        layout = BlockLayout(model.args.num_layers, model.args.num_kv_heads, layer_bytes // model.args.num_kv_heads)
+        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes, layout=layout)
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 
 
@@ -275,9 +278,14 @@ class StoreEncodingMismatch(StoreUnfit):
     """The store keeps blocks encoded otherwise than this instance would write and read them."""
 
 
-def check_encoding(cfg: Config, encoding: str | None) -> None:
-    """Raise StoreEncodingMismatch unless the store's --kv-compression is this instance's: blocks of
-    another encoding would be misread (a store that does not say holds plain blocks)."""
+def check_encoding(cfg: Config, encoding: str | None, layout: object = LAYOUT_VERSION) -> None:
+    """Raise StoreEncodingMismatch unless the store's --kv-compression is this instance's and it
+    keeps blocks in this release's layout (``transfer/kv_layout.py``): blocks of another encoding
+    or layout would be misread (a store that does not say holds plain, token-major blocks)."""
+    if layout != LAYOUT_VERSION:
+        raise StoreEncodingMismatch(
+            f"store {cfg.store} keeps KV blocks in layout version {layout} but this instance reads and writes "
+            f"version {LAYOUT_VERSION} (head-major): run the store of this instance's release")
     if (encoding or "none") != cfg.kv_compression:
         raise StoreEncodingMismatch(
             f"store {cfg.store} keeps KV blocks as {encoding or 'none'} (--kv-compression) but this instance "
@@ -295,13 +303,15 @@ async def store_id(cfg: Config, store, timeout_s: float = 10.0, check: bool = Fa
         slot_bytes = await asyncio.wait_for(store.slot_bytes(), timeout_s) if check else None
         ask = getattr(store, "kv_compression", None)    # a store adapter that cannot tell: plain blocks
         encoding = await asyncio.wait_for(ask(), timeout_s) if check and ask is not None else None
+        ask = getattr(store, "kv_layout", None)         # likewise: one of this release
+        layout = await asyncio.wait_for(ask(), timeout_s) if check and ask is not None else LAYOUT_VERSION
     except (ConnectionError, OSError, asyncio.TimeoutError, RemoteError) as exc:
         then = ("registering it as given; if it advertises another address, the conductor will not see "
                 "this instance's cached blocks" if cfg.conductor else "going on")
         log.warning("store %s did not answer (%s): %s (its slot size is unchecked)", cfg.store, exc, then)
         return cfg.store
     if check:
-        check_encoding(cfg, encoding)     # first: block sizes compare only under one encoding
+        check_encoding(cfg, encoding, layout)     # first: block sizes compare only under one encoding
         check_slot(cfg, slot_bytes)
     if canonical and canonical != cfg.store:
         log.info("store %s calls itself %s: registering that (the id its block events carry)", cfg.store, canonical)

@@ -70,7 +70,7 @@ class StageEngine(PrefixLoading):
         # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
         args = runner.args
-        self.load_buffers = LoadBuffers((1, 2, runner.block_size, args.num_kv_heads, args.head_dim), runner.dtype)
+        self.load_buffers = LoadBuffers((1, args.num_kv_heads, 2, runner.block_size, args.head_dim), runner.dtype)
 
     @property
     def layer_ids(self) -> range:

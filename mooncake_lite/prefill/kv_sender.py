@@ -19,6 +19,7 @@ import torch
 from kernels.copies import Staged
 from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, split_address
+from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from mooncake_lite.transfer.peers import PeerClients
 
@@ -63,16 +64,17 @@ class KVSender:
         self.num_bytes = 0
         self._inflight: dict[asyncio.Task, Staged] = {}  # the payload memory outlives the send
 
-    def send_layer(self, layer: int, start: int, kv: torch.Tensor | Staged) -> None:
+    def send_layer(self, layer: int, start: int, kv: torch.Tensor | Staged, heads: HeadRange | None = None) -> None:
         """Queue K,V ``[2, n, kv_heads, head_dim]`` of ``layer`` for positions ``start..``: a host
         tensor, or a copy still in flight from the device (sent once it has landed; its staging
-        buffer is given back once decode has answered the frame)."""
+        buffer is given back once decode has answered the frame). ``heads``: the KV heads ``kv``
+        holds when not all the model's (a TP rank's share, ``transfer/tp_heads.py``)."""
         staged = kv if isinstance(kv, Staged) else Staged(kv)
         if self.error is not None:
             staged.release()
             return
         t = staged.tensor
-        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1]), self.traceparent)
+        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1], heads), self.traceparent)
         self.num_frames += 1
         self.num_bytes += t.nbytes
         self._track(self._send(meta, staged), keep=staged)

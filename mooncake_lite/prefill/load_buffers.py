@@ -1,7 +1,7 @@
 """Host buffers a prefix load reads each layer's block bytes straight into.
 
 A layer load of n prefix blocks asks the store for layer ``l`` of each block with ``out=``
-views of one ``[n, 1, 2, block_size, kv_heads, head_dim]`` tensor: the store client copies
+views of one ``[n, 1, kv_heads, 2, block_size, head_dim]`` tensor (the block layout): the store client copies
 (shared memory) or receives (TCP) each block's slice into its place, and that tensor is what
 ``unpack_blocks`` writes into the paged cache. Before, each slice landed in fresh memory, was
 copied again into a ``bytearray`` and once more by ``torch.stack``; with the buffer reused, its
@@ -42,7 +42,7 @@ class LoadBuffer:
 
 class LoadBuffers:
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, max_idle_bytes: int = 64 << 20):
-        self.block_shape = block_shape      # one layer of one block: (1, 2, block_size, kvh, hd)
+        self.block_shape = block_shape      # one layer of one block: (1, kvh, 2, block_size, hd)
         self.dtype = dtype
         self.max_idle_bytes = max_idle_bytes
         self._idle: dict[int, list[torch.Tensor]] = {}

@@ -12,7 +12,10 @@ the connection is then dropped, so the next op dials afresh.
 
 A stage that owns only some layers (a CPP stage) writes its layer slice of each new block; the
 store assembles the group's slices and shows a block only once all its layers are in
-(``store/assembly.py``). Each stage loads its own layer range of cached blocks.
+(``store/assembly.py``). Each stage loads its own layer range of cached blocks. Given the
+blocks' ``layout`` (``transfer/kv_layout.py``), puts name it; given ``heads`` too (a tensor-parallel
+rank's, ``transfer/tp_heads.py``), values are those heads of their layers, put as head slices and
+loaded as head ranges, whatever the TP degree the blocks were written at.
 
 On the store's node (the client's transport is "shm") ``match`` pins the matched prefix under a
 lease (``match_and_pin``), which also tells the client where the pinned blocks are in the mapped
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
 from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, RemoteError, StoreClient
+from mooncake_lite.transfer.kv_layout import BlockLayout, HeadRange
 
 log = logging.getLogger(__name__)
 # How long a matched prefix stays pinned at most: from the MATCH (the request may still queue)
@@ -58,6 +62,8 @@ class RemoteStore:
     layer_bytes: int
     timeout: float = DEFAULT_TIMEOUT_S
     lease_s: float = PREFIX_LEASE_S
+    layout: BlockLayout | None = None   # the whole blocks' (layer_bytes is of this rank's heads)
+    heads: HeadRange | None = None      # this rank's KV heads (None: all)
     _client: StoreClient | None = field(default=None, init=False, repr=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     # first key of a pinned prefix -> its leases
@@ -96,6 +102,10 @@ class RemoteStore:
         """How the store's blocks are encoded (its --kv-compression); None from an older store."""
         value = (await self.client()).frames.hello.get("kv_compression")
         return value if isinstance(value, str) else None
+
+    async def kv_layout(self) -> object:
+        """The block layout version the store keeps (``transfer/kv_layout.py``); None from an older store."""
+        return (await self.client()).frames.hello.get("kvl")
 
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
@@ -168,7 +178,8 @@ class RemoteStore:
                          out: Sequence[memoryview] | None = None) -> list[memoryview]:
         """With ``out``, each block's slice is copied from the slab (same node) or received
         from the socket (TCP) straight into its buffer: no fresh memory, no second copy."""
-        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out))
+        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out,
+                                                        layout=self.layout, heads=self.heads))
         missing = [k.hex() for k, v in zip(keys, views) if v is None]
         if missing:
             raise KeyError(f"{len(missing)} block(s) missing from store {self.address}, first {missing[0]}")
@@ -183,6 +194,8 @@ class RemoteStore:
         client = await self.client()
         slot = client.slot_bytes
         whole = max((v.nbytes for v in values), default=0) // num_layers * self.num_layers
+        if self.heads is not None and self.layout is not None:
+            whole = whole // self.heads.num_heads * self.layout.num_heads
         if slot is not None and whole > slot:
             # Refused before sending: the store would read and drop every byte of it.
             raise BlockTooLarge(f"block of {whole} bytes does not fit store {self.address}'s "
@@ -190,7 +203,8 @@ class RemoteStore:
         # A slice (first_layer given): the store holds it apart until the other stages' slices are in.
         sliced = first_layer if num_layers < self.num_layers else None
         await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
-                                         first_layer=sliced, block_layers=self.num_layers))
+                                         first_layer=sliced, block_layers=self.num_layers,
+                                         layout=self.layout, heads=self.heads))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""

@@ -5,8 +5,8 @@ bytes of one layer range of those blocks (``get_layers``, so loads go layer by l
 new full blocks (``put_layers``, its own layer range: a CPP stage only holds its slice). A store
 may also have ``prefix_loaded(keys)``, which the stage calls once a request's prefix loads are
 over: a store that pinned the matched prefix (``RemoteStore`` on the store's node) lets it go.
-Values follow the cluster's block layout ``[num_layers][2][block_size][kv_heads][head_dim]``,
-so a layer range is one contiguous byte slice of a block.
+Values follow the cluster's block layout ``[num_layers][kv_heads][2][block_size][head_dim]``
+(head-major, ``transfer/kv_layout.py``), so a layer range is one contiguous byte slice of a block.
 
 :class:`MemoryStore` is used when the instance runs without ``--store`` (each instance then
 reuses only its own prefixes) and in tests; :class:`RemoteStore` adapts the store role's client;
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.kv_codec import decode_layers, encode_layers
+from kernels.kv_codec import decode_heads, encode_heads
 
 
 class PrefixStore(Protocol):
@@ -133,14 +133,15 @@ class CompressedStore:
         out = []
         for view in views:
             raw = torch.frombuffer(bytearray(view), dtype=torch.uint8).view(num_layers, -1)
-            kv = decode_layers(raw, self.block_shape, self.codec, self.dtype)
+            kv = decode_heads(raw, self.block_shape, self.codec, self.dtype)
             out.append(memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B"))
         return out
 
     def _encode(self, values: Sequence[memoryview], num_layers: int) -> list[memoryview]:
-        shape = (len(values), num_layers, 2, *self.block_shape)
+        block_size, kv_heads, head_dim = self.block_shape
+        shape = (len(values), num_layers, kv_heads, 2, block_size, head_dim)
         packed = torch.stack([torch.frombuffer(bytearray(v), dtype=self.dtype) for v in values]).view(shape)
-        encoded = encode_layers(packed, self.codec).reshape(len(values), -1)
+        encoded = encode_heads(packed, self.codec).reshape(len(values), -1)
         return [memoryview(row.numpy()).cast("B") for row in encoded]
 
 

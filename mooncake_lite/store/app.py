@@ -30,6 +30,7 @@ from mooncake_lite.store.replicate import Replicator
 from mooncake_lite.store.slab import Slab, cuda_available
 from mooncake_lite.store.ssd import SsdTier
 from mooncake_lite.transfer.framing import Limits
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION
 from mooncake_lite.transfer.server import server_address, start_server
 from mooncake_lite.transfer.shm import is_supported as shm_supported
 
@@ -111,6 +112,7 @@ async def _data_plane(app: web.Application) -> AsyncIterator[None]:
     # The largest block a put may carry: a prefill checks its model's blocks fit before serving.
     hello["slot_bytes"] = store.slab.slot_bytes
     hello["kv_compression"] = cfg.kv_compression   # one block encoding per cluster (prefills check)
+    hello["kvl"] = LAYOUT_VERSION                  # and one block layout (it refuses puts of another)
     if dp.handler.shm.is_enabled:   # same-node clients map the slab instead of using the socket
         await dp.handler.shm.start()
         hello["shm"] = dp.handler.shm.offer()

@@ -31,6 +31,7 @@ from mooncake_lite.store.protocol import Op, keys_to_hex, parse_peer
 from mooncake_lite.store.shm_client import ShmPath, attach
 from mooncake_lite.transfer.client import FrameClient, NoAnswer, RemoteError
 from mooncake_lite.transfer.framing import Buffer, Frame, Header, as_bytes_view
+from mooncake_lite.transfer.kv_layout import META_KEY, BlockLayout, HeadRange
 
 __all__ = ["StoreClient", "RemoteError", "NoAnswer", "DEFAULT_TIMEOUT_S"]
 DEFAULT_TIMEOUT_S = 10.0   # far beyond any batch on a working link; a store silent this long is cut off
@@ -135,22 +136,34 @@ class StoreClient:
 
     # ---- writes ------------------------------------------------------------------------------
     async def put(self, keys: Sequence[bytes], blocks: Sequence[Buffer], num_layers: int = 1,
-                  first_pos: int = 0, *, first_layer: int | None = None, block_layers: int | None = None) -> int:
+                  first_pos: int = 0, *, first_layer: int | None = None, block_layers: int | None = None,
+                  layout: BlockLayout | None = None, heads: HeadRange | None = None) -> int:
         """Store ``blocks[i]`` under ``keys[i]``; ``first_pos`` is keys[0]'s position in its chain.
         Returns how many blocks were new. Each batch is atomic; blocks must stay unchanged until
         this returns. With ``first_layer``, each of ``blocks`` is only layers ``[first_layer,
         first_layer + num_layers)`` of a block of ``block_layers`` layers (a CPP stage's slice):
-        the store shows the block once all its layers are in, and the count is of those."""
+        the store shows the block once all its layers are in, and the count is of those.
+        ``layout`` names the blocks' layout (``transfer/kv_layout.py``); with ``heads`` too, each of
+        ``blocks`` is only those KV heads of its layers (a tensor-parallel rank's slice, laid out
+        as the block's heads are: per layer, the heads' records), assembled like layer slices."""
         if len(keys) != len(blocks):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {} if layout is None else {META_KEY: layout.to_meta()}
+        if heads is not None:
+            if layout is None:
+                raise ValueError("a head slice put (heads) needs the block's layout")
+            extra["heads"] = heads.to_meta()
+            if first_layer is None:
+                first_layer, block_layers = 0, layout.num_layers
         if first_layer is not None:
             if block_layers is None:
                 raise ValueError("a slice put (first_layer) needs block_layers, the whole block's layer count")
-            extra = {"first_layer": first_layer, "block_layers": block_layers}
+            extra.update(first_layer=first_layer, block_layers=block_layers)
         views = [as_bytes_view(b) for b in blocks]
         shm = self.shm
-        if len(keys) == 1 and not extra and shm is not None and shm.fast is not None and not tracing.is_enabled():
+        # The single-block channel carries no meta: only whole blocks (the store's HELLO named its layout).
+        if len(keys) == 1 and "first_layer" not in extra and shm is not None and shm.fast is not None \
+                and not tracing.is_enabled():
             num_new = await shm.fast_put(keys[0], views[0], num_layers, first_pos, self.timeout)   # same node
             if num_new is not None:
                 return num_new
@@ -215,10 +228,21 @@ class StoreClient:
         return await self._read(Op.GET, keys, None, {})
 
     async def get_layers(self, keys: Sequence[bytes], first_layer: int, num_layers: int,
-                         out: Sequence[Buffer | None] | None = None) -> list[memoryview | None]:
-        """Layers ``[first_layer, first_layer + num_layers)`` of each block (one contiguous slice)."""
-        items = await self._read(Op.GET_LAYERS, keys, out, {"first_layer": first_layer, "num_layers": num_layers})
-        return [item[0] if item else None for item in items]
+                         out: Sequence[Buffer | None] | None = None, *, layout: BlockLayout | None = None,
+                         heads: HeadRange | None = None) -> list[memoryview | None]:
+        """Layers ``[first_layer, first_layer + num_layers)`` of each block (one contiguous slice);
+        with ``heads`` (and the blocks' ``layout``), only those KV heads of them: what a reader at
+        another TP degree than the writers' holds. The store sends the layer range; the heads are
+        cut from it here (into ``out[i]`` when given)."""
+        if heads is None:
+            items = await self._read(Op.GET_LAYERS, keys, out, {"first_layer": first_layer, "num_layers": num_layers})
+            return [item[0] if item else None for item in items]
+        if layout is None:
+            raise ValueError("a head range read (heads) needs the blocks' layout")
+        whole = await self.get_layers(keys, first_layer, num_layers)
+        outs = [None] * len(keys) if out is None else [as_bytes_view(o) for o in out]
+        return [None if view is None else layout.cut(view, first_layer, num_layers, heads, target)
+                for view, target in zip(whole, outs)]
 
     async def match(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` the store holds."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from mooncake_lite.store.assembly import SliceTicket
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
-from mooncake_lite.store.protocol import (MetaError, Op, int_from_meta, keys_from_meta, parse_peer,
+from mooncake_lite.store.protocol import (MetaError, Op, check_layout, int_from_meta, keys_from_meta, parse_peer,
                                           sizes_from_meta)
 from mooncake_lite.store.shm import ShmService
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
@@ -94,7 +94,8 @@ class StoreHandler(FrameHandler):
                 raise MetaError(f"sizes add up to {sum(sizes)} but the payload has {header.payload_len} bytes")
             num_layers = int_from_meta(meta, "num_layers", 1, minimum=1)
             first_pos = int_from_meta(meta, "first_pos", 0)
-            if "first_layer" in meta:   # a layer slice: held apart until its block is whole
+            check_layout(meta)
+            if "first_layer" in meta:   # a layer or head slice: held apart until its block is whole
                 ticket = self.store.assembly.reserve_put(meta, keys, sizes, num_layers, first_pos, self.clock())
                 meta[_TICKET] = ticket
                 return self.store.assembly.views(ticket, self._scratch)

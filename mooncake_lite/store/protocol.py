@@ -8,7 +8,7 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 
 | op | request meta | request payload | reply meta | reply payload |
 |---|---|---|---|---|
-| PUT | keys, sizes, num_layers, first_pos, first_layer + block_layers (a slice) | the blocks | num_new | - |
+| PUT | keys, sizes, num_layers, first_pos, first_layer + block_layers (a slice), kvl (layout), heads | the blocks | num_new | - |
 | GET | keys | - | sizes (null = miss), num_layers (per key, null = miss) | found blocks |
 | GET_LAYERS | keys, first_layer, num_layers | - | sizes, num_layers (of the block) | layer slices |
 | MATCH | keys, lease_s (optional) | - | num_matched (longest prefix held in any tier), lease_id | - |
@@ -33,6 +33,11 @@ staging area) carries no payload. Any request of a same-node client may carry ``
 (read lease ids it has finished with, as READ_DONE's ``reads``): the store ends those leases
 before handling the request.
 
+``kvl`` names the blocks' layout (``transfer/kv_layout.py``: ``{"v", "heads", "rep"}``); a
+version the store does not keep is refused (``bad_request``), and the store's HELLO answer names
+the version it keeps (``kvl``), which a prefill checks at start. A slice PUT with ``heads``
+([start, stop), with ``kvl``) carries only those KV heads of its layers: a tensor-parallel rank's.
+
 A PUT with ``first_layer`` carries one layer slice per key: layers ``[first_layer, first_layer +
 num_layers)`` of blocks of ``block_layers`` layers (a CPP stage's). The store assembles them
 (``store/assembly.py``): a block becomes visible, and its block event goes out, only once every
@@ -56,6 +61,7 @@ from typing import Any
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.transfer.client import split_address
+from mooncake_lite.transfer.kv_layout import META_KEY, LayoutError, layout_from_meta
 
 
 class Op(IntEnum):
@@ -122,6 +128,17 @@ def sizes_from_meta(meta: dict[str, Any], count: int) -> list[int]:
             not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         raise MetaError(f"'sizes' must be {count} positive integers (one per key)")
     return sizes
+
+
+def check_layout(meta: dict[str, Any]) -> None:
+    """MetaError unless a put's ``kvl`` (its blocks' layout, ``transfer/kv_layout.py``), when it
+    names one, is a layout version this store keeps: bytes of another are refused, never kept to
+    be misread. A put without it is raw bytes (benchmarks, tests); the cluster's prefills name it."""
+    if META_KEY in meta:
+        try:
+            layout_from_meta(meta, 1, 1)
+        except LayoutError as exc:
+            raise MetaError(str(exc)) from None
 
 
 def parse_peer(peer: Any) -> tuple[str, int]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
 from mooncake_lite.store.fastget import VERSION, FastGets
-from mooncake_lite.store.protocol import MetaError, Op, int_from_meta, keys_from_meta, sizes_from_meta
+from mooncake_lite.store.protocol import MetaError, Op, check_layout, int_from_meta, keys_from_meta, sizes_from_meta
 from mooncake_lite.transfer.connection import FrameConnection
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
 from mooncake_lite.transfer.shm import PAGE, Region, ShmError
@@ -204,6 +204,7 @@ class ShmService:
                 raise MetaError(f"staged block [{offset!r}, +{size}) is outside the "
                                 f"{staging.size}-byte staging area")
         num_layers, first_pos = int_from_meta(meta, "num_layers", 1, minimum=1), int_from_meta(meta, "first_pos", 0)
+        check_layout(meta)
         if "first_layer" in meta:
             num_new = self._staged_slices(meta, keys, sizes, offsets, num_layers, first_pos, staging)
             conn.send(frame.op, frame.request_id, {"num_new": num_new}, flags=FLAG_REPLY)
@@ -246,9 +247,11 @@ class ShmService:
         copied to its layers' place in the block's slot; a no-op slice is not copied at all)."""
         assembly = self.store.assembly
         ticket = assembly.reserve_put(meta, keys, sizes, num_layers, first_pos, self.clock())
-        for partial, offset, size in zip(ticket.partials, offsets, sizes):
-            if partial is not None:
-                at = ticket.first_layer * partial.layer_bytes
-                self.store.slab.view(partial.slot, size, at)[:] = staging.view[offset:offset + size]
+        for partial, offset in zip(ticket.partials, offsets):
+            if partial is None:
+                continue
+            for at, length in ticket.spans(partial.layer_bytes):   # one run, or one per layer (heads)
+                self.store.slab.view(partial.slot, length, at)[:] = staging.view[offset:offset + length]
+                offset += length
         self.store.stats.bytes_in += sum(sizes)
         return assembly.commit(ticket)

@@ -5,9 +5,11 @@ File ``<ssd-dir>/<hex[:2]>/<hex>.blk`` (names come only from key bytes, never fr
     magic b"MCKS" | version u16 | chain_pos u16 | num_layers u32 | key 16s | length u64 | crc32 u32 | data
 
 (chain_pos, capped at 65535, lets a promoted block keep its length-aware eviction rank.) Format
-version 2: the CRC-32 covers the header's first 36 bytes (everything but the CRC itself) and then
-the data, so a changed header field is caught like a changed payload byte. Version 1 files (CRC
-of the data only) are not read: they count as invalid (logged, counted, deleted).
+version 3: the CRC-32 covers the header's first 36 bytes (everything but the CRC itself) and then
+the data, so a changed header field is caught like a changed payload byte, and the data is in the
+KV block layout version 1 (head-major, ``transfer/kv_layout.py``; a new layout version is a new
+file version). Version 1 files (CRC of the data only) and version 2 files (token-major blocks,
+which would be misread) are not read: they count as invalid (logged, counted, deleted).
 
 Writes go to ``.tmp`` and are renamed into place after (optional) fsync, so a crash leaves either
 the whole file or none; a block counts as "on SSD" only after the rename. On start the directory
@@ -42,7 +44,8 @@ from mooncake_lite.store.pin_journal import PIN_JOURNAL, PinJournal
 log = logging.getLogger(__name__)
 
 FILE_MAGIC = b"MCKS"
-FILE_VERSION = 2          # 2: the CRC covers the header too (1: the data only; no longer read)
+# 3: blocks in KV layout v1, head-major (2: token-major; 1: the CRC of the data only; neither read)
+FILE_VERSION = 3
 FILE_HEADER = struct.Struct("<4sHHI16sQI")
 CRC_OFFSET = FILE_HEADER.size - 4   # the header bytes before the CRC, all covered by it
 KEY_BYTES = 16

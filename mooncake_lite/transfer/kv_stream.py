@@ -5,8 +5,12 @@ A prefill instance (or each stage of a CPP group) opens one framed connection to
 instance's data socket (``Register.data``, the ``"data"`` address of its ready line) and sends,
 for one request tagged by ``transfer_id`` (``tid``):
 
-    OP_KV_LAYER  meta {"tid", "layer", "start", "n"}      payload K,V of one layer for tokens
-                 start..start+n-1: ``[2][n][kv_heads][head_dim]`` in the model dtype (raw bytes)
+    OP_KV_LAYER  meta {"tid", "layer", "start", "n", "kvl", "heads"?}   payload K,V of one layer
+                 for tokens start..start+n-1: ``[2][n][heads][head_dim]`` in the model dtype (raw
+                 bytes); ``kvl`` is the KV layout version (``transfer/kv_layout.py``; a receiver
+                 refuses another), ``heads`` [start, stop) the KV heads the frame carries (absent:
+                 all the model's): one TP rank's share, cut per decode rank by the transfer plan
+                 (``transfer/tp_heads.py``)
     OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null}
                  this sender has sent all its layers; the stage that owns the last layer carries
                  the first token sampled at the last prompt position
@@ -21,11 +25,17 @@ Every frame is answered (``{"ok": true}`` or an error frame); senders pipeline f
 the answers at the end, so a refused transfer (unknown tid, aborted, bad shape) stops the prefill.
 Prefix tokens loaded from the store travel the same way as computed ones: decode only needs the
 full KV of every prompt position, whatever produced it.
+
+A frame stays token-major (the paged cache's order), unlike a store block: it is one layer of one
+sender's heads, sent whole, and the single-rank path sends it without a reordering copy; a sender
+cuts a head sub-range for a decode rank with one strided copy (``kv[:, :, a:b]``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, META_KEY, HeadRange, check_version, heads_from_meta
 
 if TYPE_CHECKING:   # the op codes are read by the conductor's KV sink, which must not load torch
     import torch
@@ -36,8 +46,21 @@ OP_KV_ABORT = 22
 OP_KV_ALIVE = 23
 
 
-def layer_frame_meta(transfer_id: str, layer: int, start: int, num_tokens: int) -> dict:
-    return {"tid": transfer_id, "layer": layer, "start": start, "n": num_tokens}
+def layer_frame_meta(transfer_id: str, layer: int, start: int, num_tokens: int,
+                     heads: HeadRange | None = None) -> dict:
+    meta = {"tid": transfer_id, "layer": layer, "start": start, "n": num_tokens, META_KEY: LAYOUT_VERSION}
+    if heads is not None:
+        meta["heads"] = heads.to_meta()
+    return meta
+
+
+def frame_heads(meta: dict, num_kv_heads: int) -> HeadRange:
+    """The KV heads a layer frame carries, after checking its layout version (LayoutError: an
+    unknown version, a malformed range). A frame without ``kvl`` is from an older prefill, whose
+    frames carried every head in this same token-major order: read as all heads."""
+    if META_KEY in meta:
+        check_version(meta[META_KEY])
+    return heads_from_meta(meta, num_kv_heads)
 
 
 def token_kv_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

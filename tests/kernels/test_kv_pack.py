@@ -1,5 +1,7 @@
 """The torch references for moving KV between the paged cache, store blocks and token streams."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -19,14 +21,21 @@ def kv():
 def test_pack_layout_is_the_store_block_contract(kv):
     ids = [7, 2, 5]
     packed = pack_blocks(kv, torch.tensor(ids))
-    assert packed.shape == (3, LAYERS, 2, BS, KVH, HD) and packed.is_contiguous()
-    chunk = BS * KVH * HD
+    assert packed.shape == (3, LAYERS, KVH, 2, BS, HD) and packed.is_contiguous()
+    chunk = BS * HD
     for i, block in enumerate(ids):
         flat = packed[i].reshape(-1)  # the bytes one store value holds
-        for layer in range(LAYERS):
-            base = layer * 2 * chunk  # layer i is one contiguous slice: K then V
-            assert torch.equal(flat[base:base + chunk], kv[layer, 0, block].reshape(-1))
-            assert torch.equal(flat[base + chunk:base + 2 * chunk], kv[layer, 1, block].reshape(-1))
+        for layer, head in itertools.product(range(LAYERS), range(KVH)):
+            base = (layer * KVH + head) * 2 * chunk  # head-major: one head's K then V, per layer
+            assert torch.equal(flat[base:base + chunk], kv[layer, 0, block, :, head].reshape(-1))
+            assert torch.equal(flat[base + chunk:base + 2 * chunk], kv[layer, 1, block, :, head].reshape(-1))
+
+
+def test_unpack_reads_block_bytes_in_the_cluster_layout_whatever_their_shape(kv):
+    packed = pack_blocks(kv, torch.tensor([4, 1]))
+    dst = torch.zeros_like(kv)
+    unpack_blocks(dst, torch.tensor([2, 3]), packed.reshape(2, LAYERS, -1))
+    assert torch.equal(dst[:, :, [2, 3]], kv[:, :, [4, 1]])
 
 
 def test_block_bytes_match_model_args():
@@ -62,7 +71,7 @@ def test_unpack_converts_dtype(kv):
     dst = torch.zeros_like(kv)
     unpack_blocks(dst, torch.tensor([6]), packed)
     assert dst.dtype == torch.float32
-    assert torch.equal(dst[:, :, 6], packed[0].float())
+    assert torch.equal(dst[:, :, 6], packed[0].permute(0, 2, 3, 1, 4).float())
 
 
 def test_gather_scatter_tokens(kv):
@@ -85,8 +94,8 @@ def test_token_stream_agrees_with_block_packing(kv):
     table, num_tokens = [6, 1, 3], 10
     slots = slot_mapping(table, 0, num_tokens, BS)
     tokens = gather_tokens(kv, 2, slots)
-    blocks = pack_blocks(kv, torch.tensor(table))[:, 2]  # [3, 2, BS, KVH, HD]
-    as_tokens = blocks.permute(1, 0, 2, 3, 4).reshape(2, -1, KVH, HD)[:, :num_tokens]
+    blocks = pack_blocks(kv, torch.tensor(table))[:, 2]  # [3, KVH, 2, BS, HD]
+    as_tokens = blocks.permute(2, 0, 3, 1, 4).reshape(2, -1, KVH, HD)[:, :num_tokens]
     assert torch.equal(tokens, as_tokens)
 
 

@@ -143,9 +143,12 @@ async def test_compressed_store_keeps_encoded_blocks_and_loads_any_layer_range_d
     store = CompressedStore(inner, KVCodec("int8"), shape, torch.bfloat16)
     blocks = torch.randn(2, LAYERS, 2, *shape).to(torch.bfloat16)
     keys = [b"k0" * 8, b"k1" * 8]
-    await store.put_layers(keys, [memoryview(b.contiguous().view(torch.uint8).numpy()) for b in blocks], 0, LAYERS)
+    # Block bytes are head-major ([layers][kv_heads][2][bs][hd], transfer/kv_layout.py).
+    plain = blocks.movedim(-2, -4).contiguous()
+    await store.put_layers(keys, [memoryview(b.view(torch.uint8).numpy()) for b in plain], 0, LAYERS)
     assert len(inner) == 2 and await store.match(keys + [b"zz" * 8]) == 2
     assert len(inner._blocks[keys[0]]) == BLOCK                   # kept encoded
     views = await store.get_layers(keys, 1, 2)                          # layers 1..2, model dtype
-    got = torch.stack([torch.frombuffer(bytearray(v), dtype=torch.bfloat16).view(2, 2, *shape) for v in views])
+    got = torch.stack([torch.frombuffer(bytearray(v), dtype=torch.bfloat16).view(2, KV_HEADS, 2, BS, HEAD_DIM)
+                       .movedim(-4, -2) for v in views])
     assert torch.equal(got, round_trip(blocks, KVCodec("int8"))[:, 1:3])
