@@ -1,0 +1,83 @@
+"""A tensor-parallel group's collectives: gloo between CPU ranks, NCCL between GPU ranks.
+
+Every collective runs under the group's timeout (``init_process_group``'s, which gloo applies to
+each operation and NCCL's watchdog enforces): a rank that dies or hangs makes the others' next
+collective fail with an error instead of waiting forever, and the instance restarts whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where rank 0 of a group listens for the others (its TCP store), and the group's shape."""
+    host: str
+    port: int
+    size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"tensor-parallel size must be at least 1, got {self.size}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"collective timeout must be positive, got {self.timeout_s}")
+
+
+def backend_for(device: str | torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class TPComms:
+    """Rank ``rank`` of a joined group: the :class:`~mooncake_lite.model.llama.Collectives` a
+    sharded model uses, and the broadcasts its driver uses to hand every rank the same step."""
+
+    def __init__(self, address: GroupAddress, rank: int, device: str | torch.device = "cpu"):
+        self.size, self.rank = address.size, rank
+        self.timeout = datetime.timedelta(seconds=address.timeout_s)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend_for(device), init_method=f"tcp://{address.host}:{address.port}",
+                                rank=rank, world_size=address.size, timeout=self.timeout)
+        self.group = dist.group.WORLD
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.all_gather(logits), dim=-1)
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on each), in rank order, on every rank."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others pass None): a length, then the bytes."""
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64,
+                              device=self.device)
+        dist.broadcast(length, src=0, group=self.group)
+        n = int(length.item())
+        if n == 0:
+            return b""
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == 0
+               else torch.empty(n, dtype=torch.uint8, device=self.device))
+        dist.broadcast(buf, src=0, group=self.group)
+        return bytes(buf.cpu().numpy()) if self.rank else payload
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
