@@ -3,7 +3,6 @@ gloo on 127.0.0.1; each runs a job and leaves its result in a file the parent re
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, free_port
 
 
 def _rank_main(rank: int, address: GroupAddress, job: Callable[[TPComms, Any], Any], arg: Any, out: str) -> None:
