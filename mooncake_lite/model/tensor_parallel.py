@@ -124,13 +124,14 @@ def shard_tensor(name: str, full: torch.Tensor, layout: TPLayout) -> torch.Tenso
 
 
 def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
-                device: str | torch.device | None = None) -> Transformer:
+                device: str | torch.device | None = None, cls: type[Transformer] = Transformer) -> Transformer:
     """Rank ``layout.rank``'s model: the same layers as ``full`` holding their slices of its
     weights (copied, so ``full`` can be dropped), joined by ``comms``'s collectives; fused
-    as :func:`build_model`'s models are. A tied head stays a view of the rank's embedding."""
+    as :func:`build_model`'s models are. A tied head stays a view of the rank's embedding.
+    ``cls``: a subclass to build (a leading rank's, ``model/tp_step.py``)."""
     state = full.state_dict()
     with torch.device("meta"):
-        model = Transformer(layout.local_args(), (full.first_layer, full.end_layer), comms)
+        model = cls(layout.local_args(), (full.first_layer, full.end_layer), comms)
         if model.is_last and layout.vocab_parallel:
             model.output = nn.Linear(layout.args.dim, len(layout.vocab), bias=False)
     local: dict[str, torch.Tensor] = {}
@@ -144,7 +145,8 @@ def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
 
 def build_sharded_model(spec: str, layout: TPLayout, comms: Collectives | None, *,
                         device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                        layer_range: tuple[int, int] | None = None, seed: int = 0) -> Transformer:
+                        layer_range: tuple[int, int] | None = None, seed: int = 0,
+                        cls: type[Transformer] = Transformer) -> Transformer:
     """:func:`build_model`'s model for rank ``layout.rank`` (a preset, HF directory or GGUF file
     alike): the full weights are read on the CPU, this rank's slices copied to ``device``, and the
     full model dropped. Loading thus peaks at the full model in host memory, once per rank."""
@@ -152,4 +154,4 @@ def build_sharded_model(spec: str, layout: TPLayout, comms: Collectives | None, 
     full = build_model(spec, device="cpu", dtype=dtype, layer_range=layer_range, seed=seed)
     if full.args != layout.args:
         raise ValueError(f"tensor-parallel layout is for {layout.args}, the checkpoint is {full.args}")
-    return shard_model(full, layout, comms, device)
+    return shard_model(full, layout, comms, device, cls)
