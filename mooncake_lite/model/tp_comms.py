@@ -44,18 +44,25 @@ def backend_for(device: str | torch.device) -> str:
 
 
 class TPComms:
-    """Rank ``rank`` of a joined group: the :class:`~mooncake_lite.model.llama.Collectives` a
-    sharded model uses, and the broadcasts its driver uses to hand every rank the same step."""
+    """Rank ``rank`` of a group: the :class:`~mooncake_lite.model.llama.Collectives` a sharded
+    model uses, and the broadcasts its driver uses to hand every rank the same step. A model can
+    be built on it before :meth:`join` (each rank loads its weights, then they meet)."""
 
     def __init__(self, address: GroupAddress, rank: int, device: str | torch.device = "cpu"):
-        self.size, self.rank = address.size, rank
+        self.address, self.size, self.rank = address, address.size, rank
         self.timeout = datetime.timedelta(seconds=address.timeout_s)
         self.device = torch.device(device)
+        self.group = None
+
+    def join(self) -> "TPComms":
+        """Meet the other ranks (waiting at most the group's timeout for the last one)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend_for(device), init_method=f"tcp://{address.host}:{address.port}",
-                                rank=rank, world_size=address.size, timeout=self.timeout)
+        a = self.address
+        dist.init_process_group(backend_for(self.device), init_method=f"tcp://{a.host}:{a.port}",
+                                rank=self.rank, world_size=a.size, timeout=self.timeout)
         self.group = dist.group.WORLD
+        return self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -70,18 +77,18 @@ class TPComms:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
 
-    def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's ``payload`` on every rank (the others pass None): a length, then the bytes."""
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64,
-                              device=self.device)
-        dist.broadcast(length, src=0, group=self.group)
+    def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
+        """Rank ``src``'s ``payload`` on every rank (the others pass None): a length, then the bytes."""
+        mine = self.rank == src
+        length = torch.tensor([len(payload) if mine else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=src, group=self.group)
         n = int(length.item())
         if n == 0:
             return b""
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if self.rank == 0
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device) if mine
                else torch.empty(n, dtype=torch.uint8, device=self.device))
-        dist.broadcast(buf, src=0, group=self.group)
-        return bytes(buf.cpu().numpy()) if self.rank else payload
+        dist.broadcast(buf, src=src, group=self.group)
+        return payload if mine else bytes(buf.cpu().numpy())
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -68,6 +68,7 @@ class TPLeader:
         self._last_step = time.monotonic()
         self._ticker: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.on_broken: Callable[[str], None] | None = None   # the instance's: restart whole
 
     def step(self, header: dict, work: Callable[[], object]) -> object:
         """Broadcast ``header`` (with the passes forgotten since), then ``work()``: rank 0's share."""
@@ -88,6 +89,8 @@ class TPLeader:
     def break_(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
+            if self.on_broken is not None:
+                self.on_broken(reason)
 
     def pass_key(self, meta: AttentionMetadata) -> tuple[int, bool]:
         """(the pass's number, whether the followers have yet to hear of it)."""
@@ -119,7 +122,8 @@ class TPLeader:
             try:
                 self.step({"op": "stop"}, lambda: None)
             except TPBrokenError:
-                pass
+                return
+            self.broken = "the tensor-parallel group stopped"
 
 
 class LeaderTransformer(Transformer):

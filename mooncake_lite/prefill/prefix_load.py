@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from kernels import gather_tokens, unpack_blocks
 from kernels.copies import Staged
 from mooncake_lite.common import tracing
 from mooncake_lite.model.runner import LayerwisePass
@@ -132,7 +131,7 @@ class PrefixLoading:
         for piece in job.recompute:
             piece.run_layer(layer)
         slots = torch.cat([piece.slots for piece in job.recompute])
-        return self.copier.to_host(gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), slots))
+        return self.copier.to_host(self.runner.gather_kv(layer, slots))
 
     def fallback_figures(self) -> dict[str, float]:
         """For /metrics: prefix loads that failed and were recomputed, and the tokens recomputed."""
@@ -145,13 +144,13 @@ class PrefixLoading:
         ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
         # Host to device on the copy stream; the unpack kernel is queued after it, no host wait.
         on_device = self.copier.use(self.copier.to_device(buf.packed))
-        unpack_blocks(cache.kv, ids.to(cache.kv.device), on_device, cache.local_layer(layer))
+        self.runner.unpack_kv(layer, ids.to(cache.kv.device), on_device)
         if cache.kv.device.type == "cpu":
             kv = Staged(_prefix_frame(buf.packed))
         else:   # on the device: gathered there, copied out on the copy stream
             slots = torch.arange(job.num_prefix_tokens)
             slots = ids[slots // self.runner.block_size] * self.runner.block_size + slots % self.runner.block_size
-            kv = self.copier.to_host(gather_tokens(cache.kv, cache.local_layer(layer), slots.to(cache.kv.device)))
+            kv = self.copier.to_host(self.runner.gather_kv(layer, slots.to(cache.kv.device)))
         # The cache and the frame (on CUDA, the pinned copy to_device took) have the bytes now.
         self.load_buffers.give(buf)
         return kv

@@ -15,7 +15,7 @@ from mooncake_lite.model.tp_comms import GroupAddress, TPComms, free_port
 
 def _rank_main(rank: int, address: GroupAddress, job: Callable[[TPComms, Any], Any], arg: Any, out: str) -> None:
     torch.set_num_threads(1)   # N ranks share this machine's two cores
-    comms = TPComms(address, rank)
+    comms = TPComms(address, rank).join()
     try:
         torch.save(job(comms, arg), Path(out) / f"rank{rank}.pt")
     finally:

@@ -105,7 +105,7 @@ def _rank_main(rank: int, job: TPJob, port: int, out: str) -> None:
     if job.size == 1:
         result = _measure(job, build_model(job.spec, device=device, dtype=dtype), None)
     else:
-        comms = TPComms(GroupAddress("127.0.0.1", port, job.size), rank, device)
+        comms = TPComms(GroupAddress("127.0.0.1", port, job.size), rank, device).join()
         try:
             timed = TimedComms(comms)
             layout = TPLayout(model_args(job.spec), job.size, rank)
