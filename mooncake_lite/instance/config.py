@@ -54,8 +54,8 @@ class ModelRoleConfig(RoleConfig):
     heartbeat_interval: float = option(1.0, "seconds between heartbeats to the conductor", parse=parse_duration)
     profile: bool = option(True, "time a few model runs at startup and report the fitted cost model")
     tensor_parallel: int = option(1, "tensor-parallel ranks of this instance: N processes, rank 0 serving, each "
-                                  "holding 1/N of the heads and MLP (gloo on CPU, NCCL on CUDA); --kv-memory "
-                                  "and --num-blocks are per rank", aliases=("--tp",))
+                                  "holding 1/N of the heads and MLP (gloo on CPU, NCCL on CUDA); --kv-memory is "
+                                  "the instance's, split evenly among its ranks", aliases=("--tp",))
     tp_timeout: float = option(60.0, "seconds any tensor-parallel collective (and the ranks' start-up meeting) "
                                "may wait before the whole instance fails", parse=parse_duration)
     devices: tuple[int, ...] | None = option(None, "CUDA devices of the tensor-parallel ranks, one each, e.g. 0,1 "

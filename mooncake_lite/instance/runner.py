@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -43,7 +44,7 @@ def apply_cpu_share(cfg: ModelRoleConfig) -> tuple[int, tuple[int, ...] | None]:
 
 def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, threads: int) -> ModelRunner:
     """Rank 0's runner of a tensor-parallel instance, its followers started (instance/tp_ranks.py).
-    Each rank's cache holds its KV heads' share in --kv-memory."""
+    Each rank's cache holds its KV heads in 1/N of --kv-memory (a block's tokens on every rank)."""
     from mooncake_lite.instance.tp_ranks import start_group
     from mooncake_lite.model.tensor_parallel import TPLayout
     from mooncake_lite.model.weights import model_args
@@ -52,7 +53,8 @@ def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, thread
     threads = cfg.threads or max(1, threads // cfg.tensor_parallel)
     torch.set_num_threads(threads)
     first, end = layer_range or (0, local.num_layers)
-    num_blocks = blocks_for(cfg, end - first, local.num_kv_heads, local.head_dim)
+    per_rank = dataclasses.replace(cfg, kv_memory=max(1, cfg.kv_memory // cfg.tensor_parallel))
+    num_blocks = blocks_for(per_rank, end - first, local.num_kv_heads, local.head_dim)
     log.info("model %s at tensor-parallel %d: torch threads %d per rank; KV cache %d blocks of %d tokens per rank",
              cfg.model, cfg.tensor_parallel, threads, num_blocks, cfg.block_size)
     return start_group(cfg, layer_range, num_blocks, threads).runner

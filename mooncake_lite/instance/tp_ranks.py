@@ -32,7 +32,7 @@ from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.instance.handlers import UNHEALTHY
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms, free_port
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
 from mooncake_lite.model.tp_step import Follower, TPLeaderRunner, build_rank_runner
 from mooncake_lite.model.weights import model_args
 
@@ -105,10 +105,10 @@ def _follower_main(plan: RankPlan, rank: int, threads: int | None) -> None:
         os._exit(1)
     threading.Thread(target=orphaned, daemon=True).start()
     runner, comms, layout = plan.runner(rank)
-    try:
-        Follower(comms, runner, layout).run()
-    finally:
-        comms.close()
+    Follower(comms, runner, layout).run()
+    # Told to stop: exit now. Tearing the group down would wait on rank 0, which is joining us.
+    logging.shutdown()
+    os._exit(0)
 
 
 class TPGroup:
@@ -156,7 +156,8 @@ def start_group(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, num_b
                 threads: int) -> TPGroup:
     """Rank 0 of ``cfg``'s instance, its followers started, each rank on ``threads`` threads."""
     plan = RankPlan(cfg.model, cfg.dtype, cfg.seed, rank_devices(cfg), threads, layer_range, num_blocks,
-                    cfg.block_size, GroupAddress("127.0.0.1", free_port(), cfg.tensor_parallel, cfg.tp_timeout))
+                    cfg.block_size, GroupAddress("127.0.0.1", free_port(), cfg.tensor_parallel, cfg.tp_timeout,
+                                                 backend_for(rank_devices(cfg))))
     log.info("tensor-parallel group of %d ranks on %s", cfg.tensor_parallel, ",".join(plan.devices))
     return TPGroup(plan)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class GroupAddress:
     port: int
     size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    backend: str = "gloo"      # backend_for(the ranks' devices)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -39,8 +41,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def backend_for(device: str | torch.device) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+def backend_for(devices: Sequence[str | torch.device]) -> str:
+    """NCCL between ranks on CUDA devices of their own; gloo on CPUs, and between ranks that
+    share one GPU (NCCL refuses two ranks on one device: the one-GPU functional check)."""
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    distinct = len({d.index or 0 for d in cuda}) == len(devices)
+    return "nccl" if cuda and len(cuda) == len(devices) and distinct else "gloo"
 
 
 class TPComms:
@@ -59,7 +65,7 @@ class TPComms:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         a = self.address
-        dist.init_process_group(backend_for(self.device), init_method=f"tcp://{a.host}:{a.port}",
+        dist.init_process_group(a.backend, init_method=f"tcp://{a.host}:{a.port}",
                                 rank=self.rank, world_size=a.size, timeout=self.timeout)
         self.group = dist.group.WORLD
         return self

@@ -114,3 +114,18 @@ def test_a_degree_that_does_not_divide_the_model_is_refused_naming_the_shapes():
         check_divides(model_args("tiny"), 3)
     with pytest.raises(ValueError, match="rank 2 outside 0..1"):
         TPLayout(model_args("tiny"), 2, 2)
+
+
+def _cuda_job(comms, spec: str) -> list[dict]:
+    layout = TPLayout(model_args(spec), comms.size, comms.rank)
+    return [_outputs(build_sharded_model(spec, layout, comms, device=comms.device))]
+
+
+@pytest.mark.gpu
+def test_tp2_on_cuda_matches_tp1(tmp_path):
+    """One device per rank over NCCL where there are two GPUs; where there is one, the two ranks
+    share it through gloo (NCCL refuses two ranks on one device): the functional check."""
+    devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cuda:0", "cuda:0"]
+    ref = _outputs(build_model("tiny", device="cuda"))
+    ref["logits"] = ref["logits"].cpu()
+    _check(run_ranks(2, _cuda_job, "tiny", tmp_path, devices=devices), [ref])

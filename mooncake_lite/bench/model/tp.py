@@ -29,7 +29,7 @@ from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model, check_divides
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms, free_port
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
 from mooncake_lite.model.weights import build_model, model_args
 
 BLOCK_SIZE = 16
@@ -100,12 +100,15 @@ def _bare_all_reduce_ms(comms: TPComms, rows: int, dim: int, dtype: torch.dtype,
 
 def _rank_main(rank: int, job: TPJob, port: int, out: str) -> None:
     torch.set_num_threads(job.threads)
-    device = job.device if job.device == "cpu" else f"{job.device}:{rank}"
+    devices = [job.device if job.device == "cpu" else f"{job.device}:{r % torch.cuda.device_count()}"
+               for r in range(job.size)]
+    device = devices[rank]
     dtype = DTYPES[job.dtype]
     if job.size == 1:
         result = _measure(job, build_model(job.spec, device=device, dtype=dtype), None)
     else:
-        comms = TPComms(GroupAddress("127.0.0.1", port, job.size), rank, device).join()
+        address = GroupAddress("127.0.0.1", port, job.size, backend=backend_for(devices))
+        comms = TPComms(address, rank, device).join()
         try:
             timed = TimedComms(comms)
             layout = TPLayout(model_args(job.spec), job.size, rank)
