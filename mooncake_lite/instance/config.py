@@ -56,8 +56,8 @@ class ModelRoleConfig(RoleConfig):
     tensor_parallel: int = option(1, "tensor-parallel ranks of this instance: N processes, rank 0 serving, each "
                                   "holding 1/N of the heads and MLP (gloo on CPU, NCCL on CUDA); --kv-memory is "
                                   "the instance's, split evenly among its ranks", aliases=("--tp",))
-    tp_timeout: float = option(60.0, "seconds any tensor-parallel collective (and the ranks' start-up meeting) "
-                               "may wait before the whole instance fails", parse=parse_duration)
+    tp_timeout: float = option(60.0, "seconds any tensor-parallel collective may wait before the whole instance "
+                               "fails (the ranks' start-up meeting may take 300)", parse=parse_duration)
     devices: tuple[int, ...] | None = option(None, "CUDA devices of the tensor-parallel ranks, one each, e.g. 0,1 "
                                              "(default: every rank on --device)", parse=parse_cpus)
     kv_compression: str = option("none", "KV blocks in the store (DRAM, SSD, its wire) as 1-byte codes with "

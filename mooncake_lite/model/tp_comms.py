@@ -26,6 +26,9 @@ class GroupAddress:
     size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
     backend: str = "gloo"      # backend_for(the ranks' devices)
+    # How long the ranks may take to meet: each loads its weights first, a slow disk or a busy
+    # CPU taking longer than any one step should.
+    start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -65,9 +68,9 @@ class TPComms:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         a = self.address
-        dist.init_process_group(a.backend, init_method=f"tcp://{a.host}:{a.port}",
-                                rank=self.rank, world_size=a.size, timeout=self.timeout)
-        self.group = dist.group.WORLD
+        dist.init_process_group(a.backend, init_method=f"tcp://{a.host}:{a.port}", rank=self.rank,
+                                world_size=a.size, timeout=datetime.timedelta(seconds=a.start_timeout_s))
+        self.group = dist.new_group(list(range(a.size)), timeout=self.timeout)   # the steps' timeout
         return self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

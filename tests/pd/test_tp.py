@@ -46,21 +46,29 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
-async def test_a_killed_rank_fails_the_whole_instance_without_a_hang(role_procs, model):
-    decode, prefill = start_many(role_procs, ("decode", *COMMON, "--num-blocks", "128", "--tp", "2"),
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+async def test_a_dead_or_hung_rank_fails_the_whole_instance_without_a_hang(role_procs, model, sig):
+    """A rank that dies is seen at once (rank 0 watches its children); one that hangs, at the
+    first collective that waits past --tp-timeout."""
+    decode, prefill = start_many(role_procs, ("decode", *COMMON, "--num-blocks", "128", "--tp", "2",
+                                              "--tp-timeout", "5"),
                                  ("prefill", *COMMON, "--num-blocks", "64"))
     async with aiohttp.ClientSession() as session:
         runs = [asyncio.ensure_future(generate(session, prefill.url(), decode.url(), decode.addresses["data"],
                                                prompt(BS + i, i), 400)) for i in range(3)]
         await asyncio.sleep(3.0)   # under load: the three are decoding
         (follower,) = [p for p in _children(decode.proc.pid) if "spawn_main" in _cmdline(p)]
-        os.kill(follower, signal.SIGKILL)
+        os.kill(follower, sig)
         t0 = time.monotonic()
-        outs = await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
-        assert time.monotonic() - t0 < 30
-    for out in outs:
-        assert out.finish_reason == "error" and "tensor-parallel" in (out.error or "")
-    assert decode.proc.wait(timeout=60) == 1   # exits to be restarted whole, never one rank alone
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
+            assert time.monotonic() - t0 < 30
+            for out in outs:
+                assert out.finish_reason == "error" and "tensor-parallel" in (out.error or "")
+            assert decode.proc.wait(timeout=60) == 1   # exits to be restarted whole, never one rank alone
+        finally:
+            if os.path.exists(f"/proc/{follower}"):
+                os.kill(follower, signal.SIGKILL)
 
 
 def _cmdline(pid: int) -> str:
