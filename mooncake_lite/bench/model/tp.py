@@ -98,6 +98,18 @@ def _bare_all_reduce_ms(comms: TPComms, rows: int, dim: int, dtype: torch.dtype,
     return 1e3 * statistics.median(run_times(lambda: comms.all_reduce(x), device, 5, warmup=2))
 
 
+def _head_ms(model, device: str) -> dict:
+    """One decode row through the head as the ranks run it (its vocab rows, then the gather)
+    against a replicated head's whole product (the embedding's matrix: the same shape) and no
+    gather: why the head is split (docs/model.md, Tensor parallelism)."""
+    h = torch.randn(1, model.args.dim, dtype=model.tok_embeddings.weight.dtype, device=device)
+    whole = model.tok_embeddings.weight
+    split = statistics.median(run_times(lambda: model.head(h), device, 20, warmup=3))
+    replicated = statistics.median(run_times(lambda: torch.nn.functional.linear(model.norm(h), whole), device, 20,
+                                             warmup=3))
+    return {"vocab_parallel": 1e3 * split, "replicated": 1e3 * replicated}
+
+
 def _rank_main(rank: int, job: TPJob, port: int, out: str) -> None:
     torch.set_num_threads(job.threads)
     devices = [job.device if job.device == "cpu" else f"{job.device}:{r % torch.cuda.device_count()}"
@@ -113,7 +125,9 @@ def _rank_main(rank: int, job: TPJob, port: int, out: str) -> None:
             timed = TimedComms(comms)
             layout = TPLayout(model_args(job.spec), job.size, rank)
             with torch.inference_mode():
-                result = _measure(job, build_sharded_model(job.spec, layout, timed, device=device, dtype=dtype), timed)
+                model = build_sharded_model(job.spec, layout, timed, device=device, dtype=dtype)
+                result = _measure(job, model, timed)
+                result["head_ms"] = _head_ms(model, device) if layout.vocab_parallel else None
                 dim = layout.args.dim
                 result["bare_all_reduce_ms"] = {"decode_row": _bare_all_reduce_ms(comms, 1, dim, dtype, device),
                                                 "prefill": _bare_all_reduce_ms(comms, job.prompt_len, dim, dtype, device)}
@@ -142,7 +156,7 @@ def bench_tp(spec: str, size: int, *, threads: int | None, prompt_len: int, cont
     worst = {kind: max(ranks, key=lambda r: r[kind]["ms"])[kind] for kind in ("prefill", "decode")}
     return {"tp": size, "threads_per_rank": per_rank, "tp1": one, "tp1_rank_threads": narrow, f"tp{size}": worst,
             "speedup": {kind: one[kind]["ms"] / worst[kind]["ms"] for kind in ("prefill", "decode")},
-            "bare_all_reduce_ms": ranks[0]["bare_all_reduce_ms"], "ranks": ranks}
+            "bare_all_reduce_ms": ranks[0]["bare_all_reduce_ms"], "head_ms": ranks[0]["head_ms"], "ranks": ranks}
 
 
 def render_tp(name: str, r: dict) -> list[str]:
@@ -157,4 +171,7 @@ def render_tp(name: str, r: dict) -> list[str]:
     bare = r["bare_all_reduce_ms"]
     lines.append(f"  a bare all-reduce: one row {bare['decode_row']:.3f} ms, a prefill's activations "
                  f"{bare['prefill']:.3f} ms")
+    if r.get("head_ms"):
+        lines.append(f"  the head on one row: vocab-parallel + gather {r['head_ms']['vocab_parallel']:.3f} ms, "
+                     f"replicated {r['head_ms']['replicated']:.3f} ms")
     return lines
