@@ -78,6 +78,8 @@ def _add_role_options(p: argparse.ArgumentParser) -> None:
                    help="model and KV dtype of every prefill and decode (default: theirs, float32); on a CPU "
                         "with AVX512-BF16, bfloat16 prefills ~1.4x faster than float32 on packed weights and "
                         "decodes slower (docs/model.md)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel ranks of every prefill and decode instance (their --tensor-parallel)")
     p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-json", action="store_true", help="roles log one JSON object per line")
     for role in ROLES:
@@ -112,16 +114,17 @@ def options_from(ns: argparse.Namespace) -> UpOptions:
     return UpOptions(num_prefill=ns.prefill, num_decode=ns.decode, num_stores=ns.stores, model=ns.model,
                      host=ns.host, port=ns.port, api_key=ns.api_key or None,
                      cluster_token=ns.cluster_token or None, config=ns.config, common=tuple(common),
-                     role_args=_with_dtype({r: split_args(getattr(ns, f"{r}_args")) for r in ROLES}, ns.dtype),
+                     role_args=_with_instance_flags({r: split_args(getattr(ns, f"{r}_args")) for r in ROLES}, ns.dtype,
+                                           ns.tp),
                      launcher=launcher)
 
 
-def _with_dtype(role_args: dict[str, tuple[str, ...]], dtype: str | None) -> dict[str, tuple[str, ...]]:
-    """``--dtype`` first in the prefill's and the decode's flags (the KV they exchange is in it),
-    so that a ``--dtype`` of the user's own in ``--prefill-args``/``--decode-args`` still wins."""
-    if dtype is None:
-        return role_args
-    return {r: (("--dtype", dtype) + args if r in ("prefill", "decode") else args) for r, args in role_args.items()}
+def _with_instance_flags(role_args: dict[str, tuple[str, ...]], dtype: str | None,
+                tp: int | None = None) -> dict[str, tuple[str, ...]]:
+    """``--dtype`` (the KV they exchange is in it) and ``--tp`` first in the prefill's and the
+    decode's flags, so that one of the user's own in ``--prefill-args``/``--decode-args`` still wins."""
+    first = (("--dtype", dtype) if dtype is not None else ()) + (("--tensor-parallel", str(tp)) if tp else ())
+    return {r: (first + args if r in ("prefill", "decode") else args) for r, args in role_args.items()}
 
 
 def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> UpOptions:

@@ -26,10 +26,12 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
-           choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
+           choices: Sequence[str] | None = None, flag: str | None = None, aliases: Sequence[str] = ()) -> Any:
     """Declare a config field: its default, its ``--help`` text, and optionally a parser
-    for string values (``parse_size``), allowed choices, or a flag name override."""
-    meta = {"help": help, "parse": parse, "choices": tuple(choices) if choices else None, "flag": flag}
+    for string values (``parse_size``), allowed choices, a flag name override, or other
+    spellings of the flag (``--tp`` for ``--tensor-parallel``)."""
+    meta = {"help": help, "parse": parse, "choices": tuple(choices) if choices else None, "flag": flag,
+            "aliases": tuple(aliases)}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -105,7 +107,7 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = f.name.upper()
             if f.metadata.get("choices"):
                 kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag_name(f), **kwargs)
+        parser.add_argument(flag_name(f), *f.metadata.get("aliases", ()), **kwargs)
 
 
 def read_toml(path: str, sections: Sequence[str]) -> dict[str, Any]:

@@ -142,6 +142,9 @@ class Register:
     # Queue order: at most this many later, shorter prompts are served before any queued one
     # (shortest first, scheduler/queue_order.py); 0: FIFO, and what an instance that does not say means.
     queue_overtakes: int = 0
+    # Tensor-parallel ranks the instance runs on (--tensor-parallel; 1: one process, and what an
+    # instance that does not say means). Its cost model is measured at this degree.
+    tensor_parallel: int = 1
 
 
 Figure = float | None   # a figure of a load: None when the instance does not report it

@@ -32,6 +32,7 @@ from mooncake_lite.decode.config import Config
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
 from mooncake_lite.instance.handlers import error, instance_app
+from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
@@ -183,6 +184,7 @@ def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Applicati
     """The decode app around a ready engine; the step loop and the KV data socket live in
     ``cleanup_ctx`` (started with the app, stopped on shutdown)."""
     app = instance_app(engine.abort, settings.cluster_token, client_max_size=64 << 20)
+    watch_tensor_parallel(app, engine.runner)   # first: its group stops last
     app[ENGINE] = engine
     app[SETTINGS] = settings
     app[REFUSALS] = Refusals()
@@ -262,4 +264,4 @@ def registration(cfg: Config, engine: DecodeEngine, addresses: dict[str, str]) -
                     block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     kv_bytes_per_token=args.kv_bytes_per_token(engine.runner.dtype),
                     max_context=engine.runner.allocator.num_blocks * engine.runner.block_size,
-                    cost=cost_report(engine.batcher.cost) or CostReport())
+                    cost=cost_report(engine.batcher.cost) or CostReport(), tensor_parallel=cfg.tensor_parallel)

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from kernels import scatter_tokens
 from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
@@ -190,10 +189,9 @@ class DecodeEngine:
         travel like the K/V: through a pinned staging buffer, copied without a host wait (a
         pageable ``.to()`` would stall this thread); on the CPU both pass through."""
         t0 = time.perf_counter()
-        cache = self.runner.cache
         on_device = self.copier.use(self.copier.to_device(kv))
         slots_on_device = self.copier.use(self.copier.to_device(slots))
-        scatter_tokens(cache.kv, cache.local_layer(layer), slots_on_device, on_device)
+        self.runner.scatter_kv(layer, slots_on_device, on_device)
         return time.perf_counter() - t0
 
     def _written(self, pending: PendingKV, write: asyncio.Future) -> None:

@@ -15,6 +15,7 @@ from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.model.tensor_parallel import check_divides
 
 
 def optional_duration(value):
@@ -52,6 +53,13 @@ class ModelRoleConfig(RoleConfig):
     instance_id: str | None = option(None, "instance id (default: ROLE@HOST:PORT)")
     heartbeat_interval: float = option(1.0, "seconds between heartbeats to the conductor", parse=parse_duration)
     profile: bool = option(True, "time a few model runs at startup and report the fitted cost model")
+    tensor_parallel: int = option(1, "tensor-parallel ranks of this instance: N processes, rank 0 serving, each "
+                                  "holding 1/N of the heads and MLP (gloo on CPU, NCCL on CUDA); --kv-memory is "
+                                  "the instance's, split evenly among its ranks", aliases=("--tp",))
+    tp_timeout: float = option(60.0, "seconds any tensor-parallel collective may wait before the whole instance "
+                               "fails (the ranks' start-up meeting may take 300)", parse=parse_duration)
+    devices: tuple[int, ...] | None = option(None, "CUDA devices of the tensor-parallel ranks, one each, e.g. 0,1 "
+                                             "(default: every rank on --device)", parse=parse_cpus)
     kv_compression: str = option("none", "KV blocks in the store (DRAM, SSD, its wire) as 1-byte codes with "
                                  "per-head scales, dequantized on load: none, int8, fp8 (e4m3); must equal "
                                  "the store's --kv-compression", choices=CODEC_NAMES)
@@ -69,9 +77,21 @@ class ModelRoleConfig(RoleConfig):
         require(self.kv_compression != "fp8" or fp8_supported(),
                 "--kv-compression fp8: this torch build cannot cast torch.float8_e4m3fn (use int8)")
         try:
-            model_args(self.model)
+            args = model_args(self.model)
         except (ValueError, OSError) as exc:
             require(False, f"--model: {exc}")
+        self._check_tensor_parallel(args)
+
+    def _check_tensor_parallel(self, args) -> None:
+        require(self.tp_timeout > 0, "--tp-timeout must be positive")
+        try:
+            check_divides(args, self.tensor_parallel)
+        except ValueError as exc:
+            require(False, f"--tensor-parallel: {exc}")
+        if self.devices is not None:
+            require(self.device.startswith("cuda"), "--devices names CUDA devices: give --device cuda too")
+            require(len(self.devices) >= self.tensor_parallel,
+                    f"--devices lists {len(self.devices)} devices for {self.tensor_parallel} ranks")
 
     def joins(self) -> Conductor | None:
         """The conductor this instance registers with and heartbeats to (None: it serves alone)."""

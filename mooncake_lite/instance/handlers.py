@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # Ends one request on this instance by its id; True if it was here and running.
 ABORT: web.AppKey[Callable[[str], bool]] = web.AppKey("abort")
+# Why the instance cannot serve any more (a tensor-parallel rank died), or None; absent: healthy.
+UNHEALTHY: web.AppKey[Callable[[], str | None]] = web.AppKey("unhealthy")
 
 
 def error(status: int, message: str) -> web.Response:
@@ -49,4 +51,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    reason = request.app[UNHEALTHY]() if UNHEALTHY in request.app else None
+    if reason is not None:
+        return web.json_response({"status": "unhealthy", "error": reason}, status=503)
     return web.json_response({"status": "ok"})

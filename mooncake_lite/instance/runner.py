@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -41,9 +42,29 @@ def apply_cpu_share(cfg: ModelRoleConfig) -> tuple[int, tuple[int, ...] | None]:
     return torch.get_num_threads(), allowed
 
 
+def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, threads: int) -> ModelRunner:
+    """Rank 0's runner of a tensor-parallel instance, its followers started (instance/tp_ranks.py).
+    Each rank's cache holds its KV heads in 1/N of --kv-memory (a block's tokens on every rank)."""
+    from mooncake_lite.instance.tp_ranks import start_group
+    from mooncake_lite.model.tensor_parallel import TPLayout
+    from mooncake_lite.model.weights import model_args
+    local = TPLayout(model_args(cfg.model), cfg.tensor_parallel, 0).local_args()
+    # The ranks share this process's CPUs: --threads each, else an equal share of them.
+    threads = cfg.threads or max(1, threads // cfg.tensor_parallel)
+    torch.set_num_threads(threads)
+    first, end = layer_range or (0, local.num_layers)
+    per_rank = dataclasses.replace(cfg, kv_memory=max(1, cfg.kv_memory // cfg.tensor_parallel))
+    num_blocks = blocks_for(per_rank, end - first, local.num_kv_heads, local.head_dim)
+    log.info("model %s at tensor-parallel %d: torch threads %d per rank; KV cache %d blocks of %d tokens per rank",
+             cfg.model, cfg.tensor_parallel, threads, num_blocks, cfg.block_size)
+    return start_group(cfg, layer_range, num_blocks, threads).runner
+
+
 def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
     """The model (or a layer slice of it) and its paged cache, as the flags say."""
     threads, allowed = apply_cpu_share(cfg)
+    if cfg.tensor_parallel > 1:
+        return _tp_runner(cfg, layer_range, threads)
     model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
     args = model.args
     num_layers = model.end_layer - model.first_layer

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,16 @@ class AttentionMetadata:
     # A packed prefill (several sequences in one forward): (first token, num tokens, start_pos)
     # of each sequence's run of tokens, which attends only to its own sequence (block_tables[i]).
     segments: tuple[tuple[int, int, int], ...] | None = None
+
+
+class Collectives(Protocol):
+    """What a tensor-parallel rank's model asks of its group (``model/tp_comms.py``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a row-parallel product's partial sums)."""
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits from every rank's vocab slice (last dimension), on every rank."""
 
 
 class RMSNorm(nn.Module):
@@ -189,8 +200,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, attention: nn.Module | None = None, feed_forward: nn.Module | None = None):
+    def __init__(self, args: ModelArgs, attention: nn.Module | None = None, feed_forward: nn.Module | None = None,
+                 comms: Collectives | None = None):
         super().__init__()
+        # A tensor-parallel rank's o and down products are partial sums: added up across ranks
+        # before the residual (which every rank holds whole) joins them.
+        self.reduce = comms.all_reduce if comms is not None else _whole
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = attention or Attention(args)   # another kind for MLA (mla.py), experts (moe.py)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -198,18 +213,24 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         # Residuals added into the fresh sublayer outputs (a + b == b + a exactly): no new tensors.
-        h = self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache).add_(x)
-        return self.feed_forward(self.ffn_norm(h)).add_(h)
+        h = self.reduce(self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache)).add_(x)
+        return self.reduce(self.feed_forward(self.ffn_norm(h))).add_(h)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class Transformer(nn.Module):
     """Layers ``[first_layer, end_layer)`` of the model; embedding only on the first stage,
-    final norm and output head only on the last."""
+    final norm and output head only on the last. A tensor-parallel rank's model has its share's
+    shapes in ``args`` and its group in ``comms`` (built by ``model/tensor_parallel.py``)."""
 
     def __init__(self, args: ModelArgs, layer_range: tuple[int, int] | None = None,
-                 make_block: Callable[[ModelArgs, int], nn.Module] | None = None):
+                 make_block: Callable[[ModelArgs, int], nn.Module] | None = None, comms: Collectives | None = None):
         super().__init__()
         self.args = args
+        self.comms = comms
         self.first_layer, self.end_layer = layer_range or (0, args.num_layers)
         if not 0 <= self.first_layer < self.end_layer <= args.num_layers:
             raise ValueError(f"bad layer range {layer_range} for {args.num_layers} layers")
@@ -218,7 +239,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
         # ModuleDict keyed by the global layer number, so stage slices keep checkpoint names.
         # ``make_block(args, layer)``: a family whose layers differ (family.py); plain blocks otherwise.
-        make_block = make_block or (lambda a, _: Block(a))
+        make_block = make_block or (lambda a, _: Block(a, comms=comms))
         self.layers = nn.ModuleDict({str(i): make_block(args, i) for i in range(self.first_layer, self.end_layer)})
         if self.is_last:
             self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -289,7 +310,10 @@ class Transformer(nn.Module):
         return self.layers[str(layer)](h, rope[0], rope[1], meta, k_cache, v_cache)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm(h), self.output.weight, packed=self.output_pack).float()
+        logits = linear(self.norm(h), self.output.weight, packed=self.output_pack).float()
+        if self.comms is not None and self.output.out_features != self.args.vocab_size:
+            return self.comms.gather_vocab(logits)   # a vocab-parallel head's slice
+        return logits
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         h = self.embed(token_ids)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
 from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 
@@ -25,6 +26,23 @@ class ModelRunner:
         self.cache = PagedKVCache(model.args, num_blocks, block_size, dtype=self.dtype, device=self.device,
                                   layer_range=(model.first_layer, model.end_layer))
         self.allocator = BlockAllocator(num_blocks)
+
+    # --- KV in and out of the cache (a tensor-parallel leader's also moves its followers') --
+    def gather_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``[2, len(slots), kv_heads, head_dim]``: layer ``layer``'s K and V at flat slots."""
+        return gather_tokens(self.cache.kv, self.cache.local_layer(layer), slots)
+
+    def pack_kv(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[len(block_ids), layers, kv_heads, 2, block_size, head_dim]``: whole blocks, head-major."""
+        return pack_blocks(self.cache.kv, block_ids)
+
+    def unpack_kv(self, layer: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+        """Write :meth:`pack_kv`-shaped blocks into the cache from layer ``layer`` on."""
+        unpack_blocks(self.cache.kv, block_ids, packed, self.cache.local_layer(layer))
+
+    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Write :meth:`gather_kv`-shaped K and V into layer ``layer`` at flat slots."""
+        scatter_tokens(self.cache.kv, self.cache.local_layer(layer), slots, data)
 
     # --- metadata -------------------------------------------------------------------------------
     def prefill_meta(self, block_table: Sequence[int], start_pos: int, num_tokens: int) -> AttentionMetadata:

@@ -28,6 +28,7 @@ from mooncake_lite.common.logs import set_request_id
 from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, ProtocolError, Register, loads
 from mooncake_lite.instance.handlers import error, instance_app
+from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
@@ -144,6 +145,7 @@ def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
 
 def make_app(service: PrefillService, cluster_token: str | None = None) -> web.Application:
     app = instance_app(service.abort, cluster_token, client_max_size=256 << 20)
+    watch_tensor_parallel(app, service.stage.runner)   # first: its group stops last
     app[SERVICE] = service
     app[ENDING] = set()
     app.router.add_post("/v1/prefill", prefill)
@@ -176,17 +178,17 @@ async def _lifetime(app: web.Application):
 
 def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     """The store this stage reads prefixes from and writes back to: ``--store``, else a private one."""
-    model = runner.model
+    model, args = runner.model, runner.args   # the whole model's KV heads, at any tensor-parallel degree
     codec = codec_for(cfg.kv_compression)
-    block_shape = (runner.block_size, model.args.num_kv_heads, model.args.head_dim)
+    block_shape = (runner.block_size, args.num_kv_heads, args.head_dim)
     layer_bytes = (encoded_layer_bytes(*block_shape) if codec is not None else
-                   runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size())
+                   args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers)
     if cfg.store is None:
         store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
     else:
-        # Puts name the block layout; a TP rank's store also gets its heads (transfer/tp_heads.py).
-        layout = BlockLayout(model.args.num_layers, model.args.num_kv_heads, layer_bytes // model.args.num_kv_heads)
-        store = RemoteStore(cfg.store, cfg.cluster_token, model.args.num_layers, layer_bytes, layout=layout)
+        # Puts name the block layout: the whole model's heads, whatever this instance's TP degree.
+        layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads)
+        store = RemoteStore(cfg.store, cfg.cluster_token, args.num_layers, layer_bytes, layout=layout)
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 
 
@@ -328,4 +330,5 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     kv_bytes_per_token=args.kv_bytes_per_token(runner.dtype),
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
                     cost=cost_report(service.cost) or CostReport(), pipeline_stages=cfg.pipeline_group,
-                    pack_tokens=service.pack_limit, queue_overtakes=service.overtakes)
+                    pack_tokens=service.pack_limit, queue_overtakes=service.overtakes,
+                    tensor_parallel=cfg.tensor_parallel)

@@ -27,7 +27,6 @@ from concurrent.futures import Executor
 
 import torch
 
-from kernels import gather_tokens, pack_blocks
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
@@ -197,7 +196,7 @@ class StageEngine(PrefixLoading):
 
     def _packed_layer(self, piece: PackedPass, layer: int) -> list[Staged]:
         piece.run_layer(layer)
-        kv = gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer), piece.slots)
+        kv = self.runner.gather_kv(layer, piece.slots)
         return [self.copier.to_host(kv[:, off:off + n]) for off, n, _ in piece.segments]
 
     def _output(self, piece: LayerwisePass, all_positions: bool = False) -> torch.Tensor:
@@ -213,8 +212,7 @@ class StageEngine(PrefixLoading):
 
     def _layer(self, piece: LayerwisePass, layer: int) -> Staged:
         piece.run_layer(layer)
-        return self.copier.to_host(gather_tokens(self.runner.cache.kv, self.runner.cache.local_layer(layer),
-                                                 piece.slots))
+        return self.copier.to_host(self.runner.gather_kv(layer, piece.slots))
 
     def _check(self, job: StageJob) -> None:
         if job.abort_reason is not None:
@@ -233,7 +231,7 @@ class StageEngine(PrefixLoading):
         ids = torch.as_tensor(job.block_ids[first:full], dtype=torch.long, device=cache.kv.device)
         # A copy (the blocks may be freed right after); on CUDA packed on the compute stream, so
         # after the kernels that wrote the blocks, and copied out on the copy stream.
-        packed = self.copier.to_host(pack_blocks(cache.kv, ids))
+        packed = self.copier.to_host(self.runner.pack_kv(ids))
         task = asyncio.ensure_future(self._put(job.keys[first:full], packed, first))
         self._puts.add(task)
         task.add_done_callback(lambda t, n=full - first: self._put_done(t, n))

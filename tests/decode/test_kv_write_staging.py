@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kernels.copies import Copier
-from mooncake_lite.decode import engine as engine_module
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.model.runner import ModelRunner
@@ -44,7 +43,7 @@ def test_slot_indices_are_staged_and_copied_like_the_kv(monkeypatch):
     fake = IndexFakeBackend()
     engine = make_engine("cpu", Copier("cpu", backend=fake))
     scattered = []
-    monkeypatch.setattr(engine_module, "scatter_tokens", lambda kv, layer, slots, data: scattered.append(slots))
+    monkeypatch.setattr(engine.runner, "scatter_kv", lambda layer, slots, data: scattered.append(slots))
     slots = torch.tensor([17, 18, 19, 40, 41])
     try:
         engine._write_kv(1, slots, frame(engine, 5))

@@ -18,7 +18,7 @@ from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import ModelNotInstalledError
 from mooncake_lite.model.weights import build_model
-from tests.real_model import SMOLLM, needs_smollm
+from tests.real_model import SMOLLM, needs_smollm, smollm_path
 
 BS = 8
 
@@ -169,3 +169,28 @@ def test_bad_dtype(capsys):
     with pytest.raises(SystemExit):
         main(["--models", "tiny", "--dtype", "float64"])
     assert "--dtype takes" in capsys.readouterr().err
+
+
+def test_tp_compares_ranks_with_tp1_in_one_run(capsys):
+    """``--tp 2``: TP=1 and TP=2 figures side by side; the collectives' share is a fraction of
+    the step that TP=1 (no collectives) does not have; a model 2 does not divide is skipped."""
+    models = "tiny" + (f",{SMOLLM}" if smollm_path() else "")   # 9 heads: 2 does not divide them
+    rc = main(["--models", models, "--tp", "2", "--prompt-len", "16", "--context-len", "16",
+               "--decode-steps", "2", "--repeats", "1", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    tiny = res["tp_models"]["tiny"]
+    for kind in ("prefill", "decode"):
+        assert tiny["tp1"][kind]["collective_share"] == 0
+        assert 0 < tiny["tp2"][kind]["collective_share"] < 1
+        assert tiny["speedup"][kind] == pytest.approx(tiny["tp1"][kind]["ms"] / tiny["tp2"][kind]["ms"])
+    assert len(tiny["ranks"]) == 2 and tiny["bare_all_reduce_ms"]["decode_row"] > 0
+    if smollm_path():
+        assert SMOLLM not in res["tp_models"]
+        assert any(n.startswith(f"skipped {SMOLLM}: tensor-parallel degree 2 does not divide") for n in res["notes"])
+
+
+def test_tp_refuses_a_degree_below_two(capsys):
+    with pytest.raises(SystemExit):
+        main(["--models", "tiny", "--tp", "1"])
+    assert "--tp must be at least 2" in capsys.readouterr().err

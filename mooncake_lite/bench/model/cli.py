@@ -16,6 +16,10 @@ under the step) and its time as a multiple of the batch-1 step. ``--json`` print
 default model beside the presets (skipped with a note where its package is not installed);
 each model's entry says which kind it is and how long loading it took.
 
+``--tp N`` measures instead a decode step and a prefill split across N tensor-parallel rank
+processes beside the same at TP=1, and the collectives' share of each (``bench/model/tp.py``);
+models N does not divide are skipped with a note.
+
 ``--device cuda`` runs it all on the GPU (every timer synchronises the device), measures the
 roofs there, and prints the GPU's datasheet roofs beside the figures: MFU against its dense
 peak for the dtype, decode's weight reads against HBM bandwidth, and the pinned host link
@@ -38,10 +42,13 @@ from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.model.measure import BLOCK_SIZE, Roofs, bench_one
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops, read_gbps
 from mooncake_lite.bench.model.sources import model_list, usable_models
+from mooncake_lite.bench.model.tp import bench_tp, render_tp
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.model.tensor_parallel import check_divides
+from mooncake_lite.model.weights import model_args
 
 DEFAULT_MODELS = ("tiny", "small", DEFAULT_MODEL)
 FLAGS = (
@@ -59,6 +66,8 @@ FLAGS = (
          help="prefill and decode on the plain weights, not the oneDNN-packed copies the instances use"),
     flag("--profile", action="store_true",
          help="also break a batch-1 decode step down by operator kind (torch.profiler)"),
+    flag("--tp", type=int, default=None,
+         help="compare TP=1 with this many tensor-parallel ranks (gloo on CPU, NCCL on GPUs)"),
     flag("--device", default="cpu", help="torch device to measure on (cpu, cuda, cuda:1)"),
     flag("--json", action="store_true", help="print all figures as one JSON object"),
 )
@@ -86,6 +95,8 @@ def parse_args(argv: Sequence[str]) -> Options:
     for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
         if getattr(ns, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if ns.tp is not None and ns.tp < 2:
+        ap.error("--tp must be at least 2 (it is compared with TP=1)")
     if not models or min(batch_sizes) <= 0:
         ap.error("need at least one model and positive batch sizes")
     return freeze(ns, "ModelOptions", device=device, batch_sizes=batch_sizes, dtypes=dtypes, models=models,
@@ -95,6 +106,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 def run(args: Options) -> dict:
     header_s, notes = usable_models(args.models, drop_missing=args.default_models)
     args = replace(args, models=list(header_s))
+    if args.tp:
+        return run_tp(args, notes)
     if args.threads:
         torch.set_num_threads(args.threads)
     steps_per_model = args.repeats + 1 + len(args.batch_sizes) * (args.decode_steps + 1)
@@ -124,6 +137,33 @@ def run(args: Options) -> dict:
             "models": models, "notes": notes}
 
 
+def run_tp(args: Options, notes: list[str]) -> dict:
+    models = {}
+    for name in args.models:
+        try:
+            check_divides(model_args(name), args.tp)
+        except ValueError as exc:
+            notes.append(f"skipped {name}: {exc}")
+            continue
+        models[name] = bench_tp(name, args.tp, threads=args.threads, prompt_len=args.prompt_len,
+                                context_len=args.context_len, steps=args.decode_steps, repeats=args.repeats,
+                                dtype=args.dtypes[0], device=args.device.type, pack=not args.no_pack)
+    return {"machine": {"cpu_count": os.cpu_count(), "cpu": cpu_description(), "device": str(args.device),
+                        "load_average_1m": os.getloadavg()[0]},
+            "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len, "tp": args.tp,
+                         "dtype": args.dtypes[0]},
+            "tp_models": models, "notes": notes}
+
+
+def _render_tp(res: dict) -> str:
+    m, s = res["machine"], res["settings"]
+    lines = [f"machine ({m['device']}): {m.get('cpu') or m['cpu_count']}, load average {m['load_average_1m']:.1f}; "
+             f"prefill {s['prompt_len']} tokens, decode batch 1 at {s['context_len']} cached tokens, {s['dtype']}"]
+    for name, r in res["tp_models"].items():
+        lines += render_tp(name, r)
+    return "\n".join(lines + [f"note: {n}" for n in res.get("notes", [])])
+
+
 def _packing(p: dict) -> str:
     """How prefill ran: on packed or plain weights, and the speedup the choice was made on."""
     gain = p.get("packing_speedup")
@@ -133,6 +173,8 @@ def _packing(p: dict) -> str:
 
 
 def render(res: dict) -> str:
+    if "tp_models" in res:
+        return _render_tp(res)
     m = res["machine"]
     s = res["settings"]
     lines = [f"machine ({m.get('device', 'cpu')}): {m['threads']} threads, float32 matmul "

@@ -1,0 +1,157 @@
+"""Megatron-style tensor parallelism of the LLaMA-family decoder: which slice of each weight a
+rank holds, and the rank's model built from the full checkpoint.
+
+Per layer, q/k/v and gate/up are split by output rows (column-parallel: each rank computes its
+own heads and its own share of the MLP's width with no communication), o and down by input
+columns (row-parallel: each rank's product is a partial sum of the full output, added up by one
+all-reduce each, ``model/tp_comms.py``). Heads go to ranks in order; where there are fewer KV
+heads than ranks each rank holds the one KV head its query heads read (replicated on
+``size / num_kv_heads`` ranks). The embedding is replicated (a lookup costs nothing and needs no
+collective); the LM head is vocab-parallel where the vocabulary divides, each rank computing
+its rows' logits, gathered into full-vocab logits on every rank, so whatever samples sees the
+whole distribution (docs/model.md, Tensor parallelism, says what the head's split measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.llama import Collectives, Transformer
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Rank ``rank`` of ``size`` over a model of shape ``args`` (the full model's)."""
+    args: ModelArgs
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_divides(self.args, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside 0..{self.size - 1}")
+
+    @property
+    def heads(self) -> range:
+        per = self.args.num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    @property
+    def kv_heads(self) -> range:
+        """The KV heads this rank's query heads read: its share, or the one it replicates."""
+        kv, n = self.args.num_kv_heads, self.size
+        if kv >= n:
+            per = kv // n
+            return range(self.rank * per, (self.rank + 1) * per)
+        first = self.rank * kv // n
+        return range(first, first + 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """On how many ranks each KV head lives (1: split; more: replicated)."""
+        return max(1, self.size // self.args.num_kv_heads)
+
+    @property
+    def owns_kv(self) -> bool:
+        """Whether this rank is the one that stores and sends its KV heads (a replicated head is
+        sent once, by the first of the ranks holding it)."""
+        return self.rank % self.kv_replicas == 0
+
+    @property
+    def ffn(self) -> range:
+        per = self.args.ffn_dim // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.size > 1 and self.args.vocab_size % self.size == 0
+
+    @property
+    def vocab(self) -> range:
+        if not self.vocab_parallel:
+            return range(self.args.vocab_size)
+        per = self.args.vocab_size // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def local_args(self) -> ModelArgs:
+        """This rank's shapes: its heads, KV heads and MLP width; the head width stays, the
+        vocabulary stays whole (the embedding is replicated; the head's rows are cut apart)."""
+        a = self.args
+        return dataclasses.replace(a, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
+                                   ffn_dim=len(self.ffn), head_size=a.head_dim)
+
+
+def check_divides(args: ModelArgs, size: int) -> None:
+    """ValueError naming the shapes a tensor-parallel degree ``size`` cannot split."""
+    if size < 1:
+        raise ValueError(f"tensor-parallel degree must be at least 1, got {size}")
+    bad = [f"num_heads {args.num_heads}"] if args.num_heads % size else []
+    kv = args.num_kv_heads
+    if (kv % size if kv >= size else size % kv):
+        bad.append(f"num_kv_heads {kv} (split needs it a multiple of {size}, replication a divisor)")
+    if args.ffn_dim % size:
+        bad.append(f"ffn_dim {args.ffn_dim}")
+    if bad:
+        raise ValueError(f"tensor-parallel degree {size} does not divide model {args.name!r}: "
+                         + ", ".join(bad))
+
+
+def _rows(r: range, width: int = 1) -> slice:
+    return slice(r.start * width, r.stop * width)
+
+
+def shard_tensor(name: str, full: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    """Rank ``layout.rank``'s slice of the full model's parameter ``name``."""
+    hd = layout.args.head_dim
+    if ".attention.wq." in name:
+        return full[_rows(layout.heads, hd)]
+    if ".attention.wk." in name or ".attention.wv." in name:
+        return full[_rows(layout.kv_heads, hd)]
+    if name.endswith("attention.wo.weight"):
+        return full[:, _rows(layout.heads, hd)]
+    if ".feed_forward.w1." in name or ".feed_forward.w3." in name:
+        return full[_rows(layout.ffn)]
+    if name.endswith("feed_forward.w2.weight"):
+        return full[:, _rows(layout.ffn)]
+    if name == "output.weight":
+        return full[_rows(layout.vocab)]
+    return full   # norms (q/k norms are per head width, the same for every head), the embedding
+
+
+def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
+                device: str | torch.device | None = None, cls: type[Transformer] = Transformer) -> Transformer:
+    """Rank ``layout.rank``'s model: the same layers as ``full`` holding their slices of its
+    weights (copied, so ``full`` can be dropped), joined by ``comms``'s collectives; fused
+    as :func:`build_model`'s models are. A tied head stays a view of the rank's embedding.
+    ``cls``: a subclass to build (a leading rank's, ``model/tp_step.py``)."""
+    state = full.state_dict()
+    with torch.device("meta"):
+        model = cls(layout.local_args(), (full.first_layer, full.end_layer), comms)
+        if model.is_last and layout.vocab_parallel:
+            model.output = nn.Linear(layout.args.dim, len(layout.vocab), bias=False)
+    local: dict[str, torch.Tensor] = {}
+    for name in model.state_dict():
+        local[name] = shard_tensor(name, state[name], layout).to(device=device or state[name].device).clone()
+    if model.is_first and model.is_last and layout.args.tie_embeddings:
+        local["output.weight"] = local["tok_embeddings.weight"][_rows(layout.vocab)]
+    model.load_state_dict(local, assign=True, strict=True)
+    return model.eval().fuse_()
+
+
+def build_sharded_model(spec: str, layout: TPLayout, comms: Collectives | None, *,
+                        device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        layer_range: tuple[int, int] | None = None, seed: int = 0,
+                        cls: type[Transformer] = Transformer) -> Transformer:
+    """:func:`build_model`'s model for rank ``layout.rank`` (a preset, HF directory or GGUF file
+    alike): the full weights are read on the CPU, this rank's slices copied to ``device``, and the
+    full model dropped. Loading thus peaks at the full model in host memory, once per rank."""
+    from mooncake_lite.model.weights import build_model
+    full = build_model(spec, device="cpu", dtype=dtype, layer_range=layer_range, seed=seed)
+    if full.args != layout.args:
+        raise ValueError(f"tensor-parallel layout is for {layout.args}, the checkpoint is {full.args}")
+    return shard_model(full, layout, comms, device, cls)

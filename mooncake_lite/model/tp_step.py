@@ -1,0 +1,277 @@
+"""One tensor-parallel instance's steps: rank 0 leads, the other ranks follow.
+
+Rank 0 runs the instance (HTTP, scheduling, KV transfer) and drives its sharded model as any
+instance drives its model. Before each piece of work that involves the other ranks it broadcasts
+a step description (one orjson object: an op and its integers; tensors follow as raw broadcasts,
+no pickle) and then does its share; each follower (:func:`follow`) reads the description and
+does the same share, so every collective meets its peers. The ops are a layer of a pass (the
+pass's metadata and input hidden states go along on its first layer; after that every rank holds
+the same hidden states, which the all-reduces keep identical), the head, packing the weights, and
+moving KV in and out of the paged cache.
+
+KV leaves and enters the instance in today's whole-model layout (all KV heads of a token
+together): rank 0 gathers the ranks' heads to send or write a block and hands each rank its heads
+of a block it receives. That gather is the one place to replace once blocks and frames carry a
+per-head layout (issue #33 item 2): each rank then sends or writes its own heads' slice instead.
+A replicated KV head is taken from one rank only (:attr:`TPLayout.owns_kv`).
+
+An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
+idle leader from a dead one: a follower whose broadcast times out exits, and a collective that
+fails on the leader (a follower died or hung) breaks the group: :attr:`TPLeader.broken` says why,
+every later step raises it, and the instance (``instance/tp_ranks.py``) restarts whole.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from mooncake_lite.model.llama import AttentionMetadata, Transformer
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model
+from mooncake_lite.model.tp_comms import TPComms
+
+_META_INTS = ("positions", "slot_mapping", "block_tables", "context_lens")
+
+
+class TPBrokenError(RuntimeError):
+    """The tensor-parallel group can no longer step: a rank died, hung or failed."""
+
+
+def meta_to_json(meta: AttentionMetadata) -> dict:
+    out = {name: getattr(meta, name).tolist() for name in _META_INTS}
+    return out | {"is_prefill": meta.is_prefill, "start_pos": meta.start_pos, "segments": meta.segments}
+
+
+def meta_from_json(d: dict, device: torch.device) -> AttentionMetadata:
+    ints = {name: torch.as_tensor(d[name], dtype=torch.long, device=device) for name in _META_INTS}
+    segments = tuple(tuple(s) for s in d["segments"]) if d["segments"] is not None else None
+    return AttentionMetadata(is_prefill=d["is_prefill"], start_pos=d["start_pos"], segments=segments, **ints)
+
+
+class TPLeader:
+    """Rank 0's side: each step's description and share, one step at a time (a lock: the idle
+    ticker is a second thread), and the group's state."""
+
+    def __init__(self, comms: TPComms, layout: TPLayout):
+        self.comms, self.layout = comms, layout
+        self.broken: str | None = None
+        self._lock = threading.Lock()
+        self._next_pass = 0
+        self._dropped: list[int] = []
+        self._last_step = time.monotonic()
+        self._ticker: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.on_broken: Callable[[str], None] | None = None   # the instance's: restart whole
+
+    def step(self, header: dict, work: Callable[[], object]) -> object:
+        """Broadcast ``header`` (with the passes forgotten since), then ``work()``: rank 0's share."""
+        with self._lock:
+            if self.broken is not None:
+                raise TPBrokenError(self.broken)
+            header = header | {"drop": self._dropped}
+            self._dropped = []
+            try:
+                self.comms.broadcast_bytes(orjson.dumps(header))
+                return work()
+            except (RuntimeError, dist.DistBackendError) as exc:   # a peer died, hung past the timeout
+                self.break_(f"tensor-parallel step {header['op']!r} failed: {exc}")
+                raise TPBrokenError(self.broken) from exc
+            finally:
+                self._last_step = time.monotonic()
+
+    def break_(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            if self.on_broken is not None:
+                self.on_broken(reason)
+
+    def pass_key(self, meta: AttentionMetadata) -> tuple[int, bool]:
+        """(the pass's number, whether the followers have yet to hear of it)."""
+        key = getattr(meta, "tp_pass", None)
+        if key is not None:
+            return key, False
+        key, self._next_pass = self._next_pass, self._next_pass + 1
+        meta.tp_pass = key
+        weakref.finalize(meta, self._dropped.append, key)
+        return key, True
+
+    def start_ticker(self) -> None:
+        interval = self.comms.timeout.total_seconds() / 3
+
+        def tick() -> None:
+            while not self._stopping.wait(interval / 2):
+                if time.monotonic() - self._last_step >= interval and self.broken is None:
+                    try:
+                        self.step({"op": "tick"}, lambda: None)
+                    except TPBrokenError:
+                        return
+        self._ticker = threading.Thread(target=tick, name="tp-ticker", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        """Tell the followers to exit (where the group still works) and stop ticking."""
+        self._stopping.set()
+        if self.broken is None:
+            try:
+                self.step({"op": "stop"}, lambda: None)
+            except TPBrokenError:
+                return
+            self.broken = "the tensor-parallel group stopped"
+
+
+class LeaderTransformer(Transformer):
+    """Rank 0's sharded model: every layer, head and packing first tells the followers."""
+
+    leader: TPLeader
+
+    def layer_forward(self, layer, h, rope, meta, cache):
+        key, new = self.leader.pass_key(meta)
+        header = {"op": "layer", "layer": layer, "pass": key}
+        if new:
+            header |= {"meta": meta_to_json(meta), "rows": h.shape[0]}
+
+        def work():
+            if new:
+                dist.broadcast(h.contiguous(), src=0, group=self.leader.comms.group)
+            return super(LeaderTransformer, self).layer_forward(layer, h, rope, meta, cache)
+        return self.leader.step(header, work)
+
+    def head(self, h):
+        def work():
+            dist.broadcast(h.contiguous(), src=0, group=self.leader.comms.group)
+            return super(LeaderTransformer, self).head(h)
+        return self.leader.step({"op": "head", "rows": h.shape[0]}, work)
+
+    def pack_(self):
+        return self.leader.step({"op": "pack"}, super().pack_)
+
+
+def _owners(parts: list[torch.Tensor], layout: TPLayout, dim: int) -> torch.Tensor:
+    """The whole model's KV heads from every rank's: each replicated head taken once."""
+    return torch.cat([p for r, p in enumerate(parts) if r % layout.kv_replicas == 0], dim=dim)
+
+
+# The KV-heads axis of what moves: whole blocks (``pack_kv``: [blocks, layers, heads, 2, block_size,
+# head_dim], the store's head-major layout, transfer/kv_layout.py) and token frames (``gather_kv``:
+# [2, tokens, heads, head_dim]).
+PACKED_HEADS, FRAME_HEADS = 2, 2
+
+
+def _my_heads(full: torch.Tensor, layout: TPLayout, dim: int) -> torch.Tensor:
+    r = layout.kv_heads
+    return full.narrow(dim, r.start, len(r))
+
+
+class TPLeaderRunner(ModelRunner):
+    """Rank 0's runner: the whole model's shapes in ``args`` (what the instance registers and
+    sends), this rank's share in its cache; KV moves in and out through the followers too."""
+
+    def __init__(self, model: LeaderTransformer, layout: TPLayout, *, num_blocks: int, block_size: int):
+        super().__init__(model, num_blocks=num_blocks, block_size=block_size)
+        self.args, self.layout, self.leader = layout.args, layout, model.leader
+
+    def _gathered(self, header: dict, local: Callable[[], torch.Tensor], dim: int) -> torch.Tensor:
+        return self.leader.step(header, lambda: _owners(self.leader.comms.all_gather(local()), self.layout, dim))
+
+    def gather_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self._gathered({"op": "gather_kv", "layer": layer, "slots": slots.tolist()},
+                              lambda: super(TPLeaderRunner, self).gather_kv(layer, slots), FRAME_HEADS)
+
+    def pack_kv(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self._gathered({"op": "pack_kv", "ids": block_ids.tolist()},
+                              lambda: super(TPLeaderRunner, self).pack_kv(block_ids), PACKED_HEADS)
+
+    def _handed(self, header: dict, full: torch.Tensor, write: Callable[[torch.Tensor], None], dim: int) -> None:
+        full = full.to(self.dtype).contiguous()
+
+        def work() -> None:
+            dist.broadcast(full, src=0, group=self.leader.comms.group)
+            write(_my_heads(full, self.layout, dim))
+        self.leader.step(header | {"shape": list(full.shape)}, work)
+
+    def unpack_kv(self, layer: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+        self._handed({"op": "unpack_kv", "layer": layer, "ids": block_ids.tolist()}, packed,
+                     lambda mine: super(TPLeaderRunner, self).unpack_kv(layer, block_ids, mine), PACKED_HEADS)
+
+    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
+        self._handed({"op": "scatter_kv", "layer": layer, "slots": slots.tolist()}, data,
+                     lambda mine: super(TPLeaderRunner, self).scatter_kv(layer, slots, mine), FRAME_HEADS)
+
+
+class Follower:
+    """A rank > 0: does each step rank 0 describes, until ``stop`` (or the leader is gone)."""
+
+    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout):
+        self.comms, self.runner, self.layout = comms, runner, layout
+        self.model = runner.model
+        self.passes: dict[int, list] = {}   # pass number -> [metadata, rope, hidden states]
+
+    def _received(self, shape: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype or self.runner.dtype, device=self.runner.device)
+        dist.broadcast(t, src=0, group=self.comms.group)
+        return t
+
+    @torch.no_grad()
+    def run(self) -> None:
+        while True:
+            header = orjson.loads(self.comms.broadcast_bytes(None))
+            for key in header["drop"]:
+                self.passes.pop(key, None)
+            if header["op"] == "stop":
+                return
+            getattr(self, "_" + header["op"])(header)
+
+    def _tick(self, header: dict) -> None:
+        pass
+
+    def _layer(self, h: dict) -> None:
+        if "meta" in h:
+            meta = meta_from_json(h["meta"], self.runner.device)
+            hidden = self._received([h["rows"], self.layout.args.dim])
+            self.passes[h["pass"]] = [meta, self.model.rope(meta.positions), hidden]
+        p = self.passes[h["pass"]]
+        p[2] = self.model.layer_forward(h["layer"], p[2], p[1], p[0], self.runner.cache)
+
+    def _head(self, h: dict) -> None:
+        self.model.head(self._received([h["rows"], self.layout.args.dim]))
+
+    def _pack(self, h: dict) -> None:
+        self.model.pack_()
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.long, device=self.runner.device)
+
+    def _gather_kv(self, h: dict) -> None:
+        self.comms.all_gather(self.runner.gather_kv(h["layer"], self._ints(h["slots"])))
+
+    def _pack_kv(self, h: dict) -> None:
+        self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
+
+    def _unpack_kv(self, h: dict) -> None:
+        full = self._received(h["shape"])
+        self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), _my_heads(full, self.layout, PACKED_HEADS))
+
+    def _scatter_kv(self, h: dict) -> None:
+        full = self._received(h["shape"])
+        self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), _my_heads(full, self.layout, FRAME_HEADS))
+
+
+def build_rank_runner(spec: str, comms: TPComms, layout: TPLayout, *, num_blocks: int, block_size: int,
+                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      layer_range: tuple[int, int] | None = None, seed: int = 0) -> ModelRunner:
+    """This rank's runner: rank 0's leads (a :class:`TPLeaderRunner`), the others' are plain
+    runners a :class:`Follower` drives."""
+    lead = layout.rank == 0
+    model = build_sharded_model(spec, layout, comms, device=device, dtype=dtype, layer_range=layer_range,
+                                seed=seed, cls=LeaderTransformer if lead else Transformer)
+    if not lead:
+        return ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+    model.leader = TPLeader(comms, layout)
+    return TPLeaderRunner(model, layout, num_blocks=num_blocks, block_size=block_size)

@@ -1,0 +1,62 @@
+"""Rank 0 drives a sharded model as an instance drives any model; the other ranks follow its
+step descriptions. Tokens, logits and the KV that leaves or enters the cache (in the whole
+model's layout) equal TP=1's."""
+
+from __future__ import annotations
+
+import torch
+
+from mooncake_lite.model.generate import generate
+from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.model.sampling import SamplingParams
+from mooncake_lite.model.tensor_parallel import TPLayout
+from mooncake_lite.model.tp_step import Follower, build_rank_runner
+from mooncake_lite.model.weights import build_model, model_args
+from tests.model.tp_ranks import run_ranks
+
+BS = 8
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 60, 2, 1, 33, 8, 19]
+
+
+def _script(runner: ModelRunner) -> dict:
+    """What an instance does: a layer-wise prefill streaming each layer's KV, write-back of its
+    full blocks, greedy decode steps, and a prefix brought in from packed blocks and from frames."""
+    ids = torch.arange(4)
+    piece = LayerwisePass(runner, list(range(4)), 0, token_ids=PROMPT)
+    frames = []
+    for layer in runner.model.layer_ids:
+        piece.run_layer(layer)
+        frames.append(runner.gather_kv(layer, piece.slots))
+    first = int(piece.output().argmax())
+    blocks = runner.pack_kv(ids[:1])
+    tokens = generate(runner, PROMPT, SamplingParams(max_tokens=6), chunk_size=5)
+    runner.unpack_kv(0, ids[2:3], blocks)                 # a prefix block loaded elsewhere
+    runner.scatter_kv(1, torch.arange(40, 40 + len(PROMPT)), frames[1])   # a KV frame received
+    return {"first": first, "frames": frames, "blocks": blocks, "tokens": tokens,
+            "moved": (runner.pack_kv(ids[2:3]), runner.gather_kv(1, torch.arange(40, 40 + len(PROMPT))))}
+
+
+def _job(comms, spec: str):
+    layout = TPLayout(model_args(spec), comms.size, comms.rank)
+    runner = build_rank_runner(spec, comms, layout, num_blocks=16, block_size=BS)
+    if comms.rank:
+        Follower(comms, runner, layout).run()
+        return None
+    try:
+        return _script(runner)
+    finally:
+        runner.leader.stop()
+
+
+def _same(got, ref) -> None:
+    assert got["first"] == ref["first"] and got["tokens"] == ref["tokens"]
+    for a, b in zip(got["frames"] + [got["blocks"], *got["moved"]], ref["frames"] + [ref["blocks"], *ref["moved"]],
+                    strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_leader_and_followers_at_tp2_and_tp4_match_tp1(tmp_path):
+    ref = _script(ModelRunner(build_model("tiny"), num_blocks=16, block_size=BS))
+    _same(run_ranks(2, _job, "tiny", tmp_path)[0], ref)
+    _same(run_ranks(4, _job, "tiny", tmp_path)[0], ref)   # KV heads replicated: each sent once
