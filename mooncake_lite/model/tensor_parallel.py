@@ -131,7 +131,7 @@ def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
     ``cls``: a subclass to build (a leading rank's, ``model/tp_step.py``)."""
     state = full.state_dict()
     with torch.device("meta"):
-        model = cls(layout.local_args(), (full.first_layer, full.end_layer), comms)
+        model = cls(layout.local_args(), (full.first_layer, full.end_layer), comms=comms)
         if model.is_last and layout.vocab_parallel:
             model.output = nn.Linear(layout.args.dim, len(layout.vocab), bias=False)
     local: dict[str, torch.Tensor] = {}
