@@ -85,8 +85,11 @@ class RequestState:
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
                  on_step: Callable[[int, int, float], None] | None = None,
-                 refiner: DecodeRefiner | None = None, copier: Copier | None = None):
+                 refiner: DecodeRefiner | None = None, copier: Copier | None = None,
+                 decode_step: Callable[..., torch.Tensor] | None = None):
         self.runner = runner
+        # runner.decode's contract; on CUDA the CUDA graphs' replay (model/cuda_graphs.py)
+        self.decode_step = decode_step or runner.decode
         self.batcher = batcher
         self.executor = executor   # one thread: steps and KV writes, in order
         self.copier = copier or Copier(runner.device)
@@ -367,7 +370,7 @@ class DecodeEngine:
                 self._finish(out.request_id, out.finish_reason)
 
     def _compute(self, plan: StepPlan, samplers: list[RequestState | None]) -> list[int]:
-        logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
+        logits = self.decode_step(plan.token_ids, plan.block_tables, plan.positions)
         greedy = torch.argmax(logits, dim=-1).tolist()
         return [greedy[i] if s is None or s.params.is_greedy else sample(logits[i], s.params, s.generator)
                 for i, s in enumerate(samplers)]
