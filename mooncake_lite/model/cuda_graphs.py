@@ -184,10 +184,11 @@ class DecodeGraphs:
         fill_step(bucket.staged, bucket.layout, token_ids, block_tables, positions,
                   block_size=self.runner.block_size, pad_block=self.pad_block)
         bucket.inputs.copy_(bucket.host, non_blocking=True)
+        if self.runner.device.type == "cuda":
+            bucket.copied = torch.cuda.Event()
+            bucket.copied.record()
         self.num_bucketed += 1
         if bucket.graph is None:
             return self._forward(bucket)[:len(token_ids)]
-        bucket.copied = torch.cuda.Event()
-        bucket.copied.record()
         bucket.graph.replay()
         return bucket.logits[:len(token_ids)]
