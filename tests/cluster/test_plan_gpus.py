@@ -91,3 +91,12 @@ def test_up_flags():
 def test_kv_on_a_device_is_its_share_after_the_weights(mem, fraction, want):
     assert kv_bytes_on_device(mem, fraction) == want
     assert kv_bytes_on_device(mem, fraction, max_bytes=GiB) == min(want, GiB)
+
+
+def test_a_device_share_that_holds_no_block_is_refused_naming_the_flag():
+    from mooncake_lite.instance.runner import blocks_for
+    cfg = load_config(ModelRoleConfig, ["--device", "cuda:0", "--model", "tiny"], prog="t", section="decode", env={})
+    block = 2 * 4 * 2 * 16 * 2 * cfg.block_size          # tiny: 4 layers, 2 KV heads of 16, bfloat16
+    assert blocks_for(cfg, 4, 2, 16, kv_memory=10 * block + 1) == 10
+    with pytest.raises(ConfigError, match="--gpu-memory-fraction"):
+        blocks_for(cfg, 4, 2, 16, kv_memory=0)
