@@ -74,7 +74,7 @@ def commands(plan: KitPlan, out_dir: Path) -> dict[str, list[str]]:
                         "--dtype", plan.dtype, "--prompt-len", str(plan.prompt_len), *sizes, "--decode-steps", "5",
                         "--repeats", "2", "--json"],
         "decode-graphs": [py, "-m", "mooncake_lite.bench.gpucheck.graphs", "--models", ",".join(plan.models),
-                          "--device", plan.device, "--dtype", plan.dtype, *sizes],
+                          "--device", plan.device, "--dtype", plan.dtype, *sizes, "--repeats", str(plan.repeats)],
         "copies": [py, "-m", "mooncake_lite.bench.gpucheck.copies", "--device", plan.device,
                    "--block-bytes", str(block_bytes), "--num-blocks", "16" if plan.short else "64"],
         "bench-pd": [*mc, "bench", "pd", "--device", plan.device, "--models", plan.served, "--no-cpp", "--burst", "0",

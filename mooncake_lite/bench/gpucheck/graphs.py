@@ -29,7 +29,7 @@ BLOCK_SIZE = 64
 
 
 def measure(model: str, device: str, dtype: str, batch_sizes: Sequence[int], context_len: int,
-            repeats: int = 10) -> dict:
+            repeats: int = 10, warmup: int = 2) -> dict:
     net = build_model(model, device=device, dtype=DTYPES[dtype])
     per_seq = blocks_needed(context_len + 1, BLOCK_SIZE)
     runner = ModelRunner(net, num_blocks=per_seq * max(batch_sizes) + 1, block_size=BLOCK_SIZE)
@@ -40,8 +40,8 @@ def measure(model: str, device: str, dtype: str, batch_sizes: Sequence[int], con
     rows = {}
     for batch in batch_sizes:
         step = ([1] * batch, tables[:batch], [context_len] * batch)
-        eager = best_seconds(lambda: runner.decode(*step).argmax(-1).tolist(), device, repeats, warmup=2)
-        graph = best_seconds(lambda: graphs.decode(*step).argmax(-1).tolist(), device, repeats, warmup=2)
+        eager = best_seconds(lambda: runner.decode(*step).argmax(-1).tolist(), device, repeats, warmup=warmup)
+        graph = best_seconds(lambda: graphs.decode(*step).argmax(-1).tolist(), device, repeats, warmup=warmup)
         rows[str(batch)] = {"eager_ms": eager * 1e3, "graph_ms": graph * 1e3, "speedup": eager / graph,
                             "roof_ms": roof_ms, "graph_over_roof": graph * 1e3 / roof_ms if roof_ms else None}
     return {"model": model, "dtype": dtype, "context_len": context_len, "captured": runner.device.type == "cuda",
@@ -55,9 +55,11 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--context-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps per figure (the best is kept)")
     ns = ap.parse_args(list(argv))
     batches = [int(b) for b in ns.batch_sizes.split(",")]
-    out = {m: measure(m, ns.device, ns.dtype, batches, ns.context_len) for m in ns.models.split(",")}
+    out = {m: measure(m, ns.device, ns.dtype, batches, ns.context_len, ns.repeats, warmup=min(2, ns.repeats))
+           for m in ns.models.split(",")}
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
