@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE
+from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION, gpu_placement
 from mooncake_lite.common.launch import role_argv
 from mooncake_lite.instance.config import default_dtype
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -54,10 +55,6 @@ DEFAULT_MEMORY_FRACTION = 0.25          # of MemAvailable: the box is shared wit
 # context; the store's DRAM is the prefix cache (more is more reuse); prefill holds the prompts
 # in flight only.
 SHARE_DECODE, SHARE_STORE, SHARE_PREFILL = 0.45, 0.4, 0.15
-# Instances sharing one GPU split `--gpu-memory-fraction` of it in these proportions, for the same
-# reason (decode's KV holds whole contexts, prefill's the prompts in flight).
-GPU_WEIGHTS = {"prefill": 1, "decode": 3}
-DEFAULT_GPU_MEMORY_FRACTION = 0.9       # ModelRoleConfig.gpu_memory_fraction's default
 # Caps, in full-length (max_seq_len) sequences, past which a share is memory nobody can use at
 # once; they keep a small model (tests' `tiny`) from zeroing gigabytes at start.
 PREFILL_SEQUENCES, DECODE_SEQUENCES, STORE_SEQUENCES = 4, 64, 256
@@ -120,9 +117,8 @@ class UpOptions:
     preset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # The machine to divide among the roles (None: every role takes its own defaults, all cores).
     share: MachineShare | None = None
-    # CUDA devices the prefill and decode instances are dealt over (`--gpus`, `--device cuda`;
-    # None: they run where their own --device says, the CPU by default), and the share of each
-    # GPU they may hold together (split by GPU_WEIGHTS among the instances on it).
+    # CUDA devices the instances are dealt over (None: their own --device, the CPU by default) and
+    # the share of each GPU they hold together (cluster/gpus.py)
     gpus: tuple[int, ...] | None = None
     gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
 
@@ -212,8 +208,7 @@ def kv_layout(opts: UpOptions) -> tuple[int, str]:
     """(block size, dtype) of the KV blocks the prefill instances will write to the stores."""
     block_size = role_setting(opts, "prefill", "block_size")
     dtype = role_setting(opts, "prefill", "dtype")
-    if dtype in (None, "auto"):
-        dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu")
+    dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu") if dtype in (None, "auto") else dtype
     return int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE, str(dtype)
 
 
@@ -223,34 +218,15 @@ def on_gpu(opts: UpOptions, role: str) -> bool:
     return str(device).startswith("cuda") if device is not None else opts.gpus is not None
 
 
-def gpu_placement(opts: UpOptions) -> dict[str, tuple[int, float]]:
-    """Instance name → (CUDA device index, its --gpu-memory-fraction): prefills then decodes dealt
-    round-robin over ``opts.gpus`` (1P+1D on two GPUs: one each), and each GPU's
-    ``gpu_memory_fraction`` split among the instances on it by GPU_WEIGHTS. Empty without GPUs."""
-    if opts.gpus is None:
-        return {}
-    names = [("prefill", f"prefill-{i}") for i in range(opts.num_prefill)]
-    names += [("decode", f"decode-{i}") for i in range(opts.num_decode)]
-    gpu_of = {name: opts.gpus[k % len(opts.gpus)] for k, (_, name) in enumerate(names)}
-    weight_on: dict[int, int] = {}
-    for role, name in names:
-        weight_on[gpu_of[name]] = weight_on.get(gpu_of[name], 0) + GPU_WEIGHTS[role]
-    return {name: (gpu_of[name], opts.gpu_memory_fraction * GPU_WEIGHTS[role] / weight_on[gpu_of[name]])
-            for role, name in names}
-
-
 def gpu_flags(opts: UpOptions, role: str, name: str) -> list[tuple[str, str]]:
-    """``--device cuda:N`` and ``--gpu-memory-fraction`` for instance ``name`` from its placement,
-    leaving out what the user set for the role."""
-    placed = gpu_placement(opts).get(name)
+    """``--device cuda:N`` and ``--gpu-memory-fraction`` for instance ``name`` from its placement
+    (``cluster/gpus.py``), leaving out what the user set for the role."""
+    placed = gpu_placement(opts.gpus, opts.num_prefill, opts.num_decode, opts.gpu_memory_fraction).get(name) \
+        if opts.gpus is not None else None
     if placed is None:
         return []
-    flags = []
-    if role_setting(opts, role, "device") is None:
-        flags.append(("--device", f"cuda:{placed[0]}"))
-    if role_setting(opts, role, "gpu_memory_fraction") is None:
-        flags.append(("--gpu-memory-fraction", f"{placed[1]:.4f}"))
-    return flags
+    flags = [("--device", f"cuda:{placed[0]}"), ("--gpu-memory-fraction", f"{placed[1]:.4f}")]
+    return [(flag, value) for flag, value in flags if role_setting(opts, role, flag[2:].replace("-", "_")) is None]
 
 
 def slot_bytes_for(block_bytes: int) -> int:

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 import aiohttp
 
 from mooncake_lite.cluster.machine import with_machine_share
-from mooncake_lite.cluster.plan import (DEFAULT_GPU_MEMORY_FRACTION, DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
+from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION
+from mooncake_lite.cluster.plan import (DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
                                         conductor_spec, instance_specs, kv_layout, role_setting, slot_bytes_for,
                                         split_args,
                                         store_specs)

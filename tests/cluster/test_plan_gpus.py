@@ -3,9 +3,9 @@ CUDA defaults (bfloat16, KV sized from the device after the weights) hold withou
 
 import pytest
 
+from mooncake_lite.cluster.gpus import gpu_placement
 from mooncake_lite.cluster.machine import packs_weights
-from mooncake_lite.cluster.plan import (UpOptions, gpu_placement, instance_share_flags, instance_specs, kv_layout,
-                                        MachineShare)
+from mooncake_lite.cluster.plan import MachineShare, UpOptions, instance_share_flags, instance_specs, kv_layout
 from mooncake_lite.cluster.up import build_parser, gpu_list, options_from
 from mooncake_lite.common.config import ConfigError, load_config
 from mooncake_lite.instance.config import ModelRoleConfig
@@ -31,9 +31,9 @@ def test_one_prefill_one_decode_on_two_gpus_get_one_each():
 
 
 def test_instances_sharing_a_gpu_split_it_one_to_three():
-    placed = gpu_placement(opts(gpus=(0,), gpu_memory_fraction=0.8))
+    placed = gpu_placement((0,), 1, 1, 0.8)
     assert placed == {"prefill-0": (0, pytest.approx(0.2)), "decode-0": (0, pytest.approx(0.6))}
-    placed = gpu_placement(opts(num_prefill=2, num_decode=2, gpus=(3, 5)))
+    placed = gpu_placement((3, 5), 2, 2)
     assert {n: g for n, (g, _) in placed.items()} == {"prefill-0": 3, "prefill-1": 5, "decode-0": 3, "decode-1": 5}
     for gpu in (3, 5):   # the fractions on one GPU never add up past the asked share
         assert sum(f for g, f in placed.values() if g == gpu) == pytest.approx(0.9)
