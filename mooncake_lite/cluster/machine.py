@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout, role_setting
+from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout, on_gpu, role_setting
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -33,10 +33,9 @@ def packs_weights(opts: UpOptions, role: str, dtype: str) -> bool:
     on a CPU; docs/model.md, "Batch 16"), which hold ``ModelArgs.packed_extra_bytes`` beyond the
     weights: a decode always, a prefill unless ``--pack-weights off`` (with ``auto`` it packs only
     where that measures faster, which ``mooncake up`` cannot know ahead: counted, to be safe)."""
-    device = role_setting(opts, role, "device")
     if role == "prefill" and str(role_setting(opts, role, "pack_weights") or "auto") == "off":
         return False
-    return dtype == "float32" and (device is None or str(device) == "cpu")
+    return dtype == "float32" and not on_gpu(opts, role)
 
 
 def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
@@ -52,7 +51,8 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         _, dtype = kv_layout(opts)
         weights = args.num_params() * dtype_bytes(dtype)
         extra = args.packed_extra_bytes(dtype)
-        facts = {"weight_bytes": weights,
+        # weights on a GPU take none of the host's memory (the KV there is sized by the instance)
+        facts = {"weight_bytes": 0 if on_gpu(opts, "prefill") and on_gpu(opts, "decode") else weights,
                  "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
                  "prefill_pack_bytes": extra if packs_weights(opts, "prefill", dtype) else 0,
                  "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE
+from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION, gpu_placement
 from mooncake_lite.common.launch import role_argv
+from mooncake_lite.instance.config import default_dtype
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 ROLES = ("conductor", "store", "prefill", "decode")
 
-DEFAULT_DTYPE = "float32"               # ModelRoleConfig.dtype's default (a test keeps them equal)
 SLOT_ALIGN = 64 << 10                   # --slot-bytes is rounded up to this
 MIN_STORE_BLOCKS = 64                   # --dram holds at least this many slots...
 STORE_DRAM = 1 << 30                    # ...and at least the store's default --dram
@@ -116,6 +117,10 @@ class UpOptions:
     preset: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # The machine to divide among the roles (None: every role takes its own defaults, all cores).
     share: MachineShare | None = None
+    # CUDA devices the instances are dealt over (None: their own --device, the CPU by default) and
+    # the share of each GPU they hold together (cluster/gpus.py)
+    gpus: tuple[int, ...] | None = None
+    gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_stores"):
@@ -128,6 +133,10 @@ class UpOptions:
             raise ValueError(f"unknown role(s) in role_args: {sorted(unknown)}")
         if not self.launcher:
             raise ValueError("launcher must name the command that runs a role")
+        if self.gpus is not None and (not self.gpus or min(self.gpus) < 0 or len(set(self.gpus)) != len(self.gpus)):
+            raise ValueError(f"--gpus must list distinct device indices, got {self.gpus}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
 
 @dataclass(frozen=True)
@@ -199,8 +208,25 @@ def kv_layout(opts: UpOptions) -> tuple[int, str]:
     """(block size, dtype) of the KV blocks the prefill instances will write to the stores."""
     block_size = role_setting(opts, "prefill", "block_size")
     dtype = role_setting(opts, "prefill", "dtype")
-    return (int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE,
-            str(dtype) if dtype is not None else DEFAULT_DTYPE)
+    dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu") if dtype in (None, "auto") else dtype
+    return int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE, str(dtype)
+
+
+def on_gpu(opts: UpOptions, role: str) -> bool:
+    """Whether ``role``'s instances compute on CUDA: their own --device, else ``opts.gpus``."""
+    device = role_setting(opts, role, "device")
+    return str(device).startswith("cuda") if device is not None else opts.gpus is not None
+
+
+def gpu_flags(opts: UpOptions, role: str, name: str) -> list[tuple[str, str]]:
+    """``--device cuda:N`` and ``--gpu-memory-fraction`` for instance ``name`` from its placement
+    (``cluster/gpus.py``), leaving out what the user set for the role."""
+    placed = gpu_placement(opts.gpus, opts.num_prefill, opts.num_decode, opts.gpu_memory_fraction).get(name) \
+        if opts.gpus is not None else None
+    if placed is None:
+        return []
+    flags = [("--device", f"cuda:{placed[0]}"), ("--gpu-memory-fraction", f"{placed[1]:.4f}")]
+    return [(flag, value) for flag, value in flags if role_setting(opts, role, flag[2:].replace("-", "_")) is None]
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -309,7 +335,7 @@ def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[st
         elif role_setting(opts, role, "borrow_threads") is None:   # unpinned: the decodes' idle CPUs too
             if lent := lent_cpus(share.cpus, opts.num_prefill, opts.num_decode).get(name, 0):
                 flags.append(("--borrow-threads", str(lent)))
-    if not (user["kv_memory"] or user["num_blocks"]):
+    if not (user["kv_memory"] or user["num_blocks"] or on_gpu(opts, role)):   # on a GPU: its own share
         mem = memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores)
         flags.append(("--kv-memory", str(mem.prefill_kv if role == "prefill" else mem.decode_kv)))
     return flags
@@ -352,6 +378,8 @@ def instance_specs(opts: UpOptions, conductor_url: str, store_data: Sequence[str
             _wire(opts, role, argv, "--conductor", conductor_url)
             _wire(opts, role, argv, "--store", store_data[i % len(store_data)])
             _wire(opts, role, argv, "--model", opts.model)
+            for flag, value in gpu_flags(opts, role, f"{role}-{i}"):
+                _wire(opts, role, argv, flag, value)
             for flag, value in instance_share_flags(opts, role, f"{role}-{i}"):
                 _tune(opts, role, argv, flag, value)
             if role == "prefill" and role_setting(opts, role, "queue_order") is None:

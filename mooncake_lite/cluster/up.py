@@ -2,6 +2,7 @@
 
     mooncake up --prefill 1 --decode 1 --model tiny          # serve until Ctrl-C
     mooncake up --smoke                                      # serve one real request, then exit
+    mooncake up --device cuda --gpus 0,1                     # prefill on GPU 0, decode on GPU 1
 
 A child that dies while serving is restarted (bounded, doubling backoff) on the ports it had, and
 rejoins; the rest keep serving (``--no-restart``: its death stops the cluster, as under ``--smoke``).
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import aiohttp
 
 from mooncake_lite.cluster.machine import with_machine_share
+from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION
 from mooncake_lite.cluster.plan import (DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
                                         conductor_spec, instance_specs, kv_layout, role_setting, slot_bytes_for,
                                         split_args,
@@ -75,7 +77,8 @@ def _add_role_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (passed to every role)")
     p.add_argument("--hash-seed", type=int, default=None, help="block hash seed (passed to every role)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES),
-                   help="model and KV dtype of every prefill and decode (default: theirs, float32); on a CPU "
+                   help="model and KV dtype of every prefill and decode (default: theirs, bfloat16 on CUDA and "
+                        "float32 elsewhere); on a CPU "
                         "with AVX512-BF16, bfloat16 prefills ~1.4x faster than float32 on packed weights and "
                         "decodes slower (docs/model.md)")
     p.add_argument("--tp", type=int, default=None,
@@ -100,6 +103,14 @@ def _add_sizing_options(p: argparse.ArgumentParser) -> None:
                         "on a box shared with other work a pinned process cannot move off a busy core")
     p.add_argument("--no-share", action="store_true",
                    help="size nothing from this machine: every role takes its own defaults and all cores")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the prefill and decode instances compute; cuda deals them over --gpus")
+    p.add_argument("--gpus", default=None, metavar="0,1,...",
+                   help="CUDA devices to deal the instances over, prefills then decodes, round-robin (implies "
+                        "--device cuda; default there: every visible one)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=DEFAULT_GPU_MEMORY_FRACTION,
+                   help="share of each GPU its instances hold together (weights, KV, activations), split 1:3 "
+                        "between a prefill and a decode sharing it; each sizes its KV cache from its share")
 
 
 def options_from(ns: argparse.Namespace) -> UpOptions:
@@ -111,16 +122,33 @@ def options_from(ns: argparse.Namespace) -> UpOptions:
     if ns.log_json:
         common.append("--log-json")
     launcher = tuple(shlex.split(ns.launcher)) if ns.launcher else LAUNCHER
-    return UpOptions(num_prefill=ns.prefill, num_decode=ns.decode, num_stores=ns.stores, model=ns.model,
+    return UpOptions(gpus=gpu_list(ns.device, ns.gpus), gpu_memory_fraction=ns.gpu_memory_fraction,
+                     num_prefill=ns.prefill, num_decode=ns.decode, num_stores=ns.stores, model=ns.model,
                      host=ns.host, port=ns.port, api_key=ns.api_key or None,
                      cluster_token=ns.cluster_token or None, config=ns.config, common=tuple(common),
-                     role_args=_with_instance_flags({r: split_args(getattr(ns, f"{r}_args")) for r in ROLES}, ns.dtype,
-                                           ns.tp),
+                     role_args=_with_instance_flags({r: split_args(getattr(ns, f"{r}_args")) for r in ROLES},
+                                                      ns.dtype, ns.tp),
                      launcher=launcher)
 
 
+def gpu_list(device: str, gpus: str | None) -> tuple[int, ...] | None:
+    """``--gpus 0,1`` → (0, 1); ``--device cuda`` alone: every device CUDA sees here; None on the CPU."""
+    if gpus is not None:
+        try:
+            return tuple(int(g) for g in gpus.split(",") if g.strip())
+        except ValueError:
+            raise ValueError(f"--gpus must be comma-separated device indices, got {gpus!r}") from None
+    if device == "cpu":
+        return None
+    import torch
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.device_count() is 0)")
+    return tuple(range(count))
+
+
 def _with_instance_flags(role_args: dict[str, tuple[str, ...]], dtype: str | None,
-                tp: int | None = None) -> dict[str, tuple[str, ...]]:
+                         tp: int | None = None) -> dict[str, tuple[str, ...]]:
     """``--dtype`` (the KV they exchange is in it) and ``--tp`` first in the prefill's and the
     decode's flags, so that one of the user's own in ``--prefill-args``/``--decode-args`` still wins."""
     first = (("--dtype", dtype) if dtype is not None else ()) + (("--tensor-parallel", str(tp)) if tp else ())

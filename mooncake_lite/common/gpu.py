@@ -41,11 +41,15 @@ def nvml_devices(device: Any, env: Mapping[str, str] = os.environ) -> list[int |
 
 class GpuCollector:
     """Prometheus collector: ``mooncake_gpu_*`` gauges labelled by GPU (NVML index or UUID).
-    ``devices``: the NVML indices / UUIDs to export (see :func:`nvml_devices`); None = all."""
+    ``devices``: the NVML indices / UUIDs to export (see :func:`nvml_devices`); None = all.
+    ``pid``: also export what that process holds on each of them (an instance passes its own:
+    with several instances on one GPU, each one's share of it, ``--gpu-memory-fraction``)."""
 
-    def __init__(self, nvml: Any | None = None, devices: Sequence[int | str] | None = None) -> None:
+    def __init__(self, nvml: Any | None = None, devices: Sequence[int | str] | None = None,
+                 pid: int | None = None) -> None:
         self._nvml = nvml          # injectable for tests; real pynvml otherwise
         self._devices = devices
+        self._pid = pid
         self._ready: bool | None = None
         self._unsupported: set[tuple[str, str]] = set()
 
@@ -70,6 +74,8 @@ class GpuCollector:
         used = GaugeMetricFamily("mooncake_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
         total = GaugeMetricFamily("mooncake_gpu_memory_total_bytes", "GPU memory size", labels=["gpu"])
         power = GaugeMetricFamily("mooncake_gpu_power_watts", "GPU power draw", labels=["gpu"])
+        mine = GaugeMetricFamily("mooncake_gpu_process_memory_bytes", "GPU memory this process holds",
+                                 labels=["gpu"])
         try:
             devices = self._devices if self._devices is not None else range(nv.nvmlDeviceGetCount())
         except Exception as exc:  # a driver gone bad must not break /metrics
@@ -87,7 +93,10 @@ class GpuCollector:
             self._add((util,), label, lambda: (nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0,))
             self._add((used, total), label, lambda: _memory(nv.nvmlDeviceGetMemoryInfo(handle)))
             self._add((power,), label, lambda: (nv.nvmlDeviceGetPowerUsage(handle) / 1000.0,))
-        yield from (util, used, total, power)
+            if self._pid is not None:
+                self._add((mine,), label, lambda: (_held_by(nv.nvmlDeviceGetComputeRunningProcesses(handle),
+                                                            self._pid),))
+        yield from (util, used, total, power) + ((mine,) if self._pid is not None else ())
 
     def _add(self, families: tuple[GaugeMetricFamily, ...], label: list[str], read: Any) -> None:
         """One NVML query, ``read()``, feeding one value to each of ``families``."""
@@ -101,6 +110,12 @@ class GpuCollector:
             return
         for family, value in zip(families, values):
             family.add_metric(label, value)
+
+
+def _held_by(processes: Sequence[Any], pid: int) -> float:
+    """``pid``'s GPU memory among NVML's running compute processes (0 when it holds none yet, and
+    in a PID namespace where NVML reports the host's PIDs)."""
+    return float(sum(p.usedGpuMemory or 0 for p in processes if p.pid == pid))
 
 
 def _memory(info: Any) -> tuple[float, float]:

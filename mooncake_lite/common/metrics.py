@@ -8,6 +8,8 @@ collector reads them at scrape time, so the hot path pays nothing. Names are
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -39,7 +41,7 @@ def add_metrics_route(app: web.Application, role: str, read: Callable[[], dict[s
     registry.register(FiguresCollector(role, read))
     for collector in extra:
         registry.register(collector)
-    registry.register(GpuCollector(devices=nvml_devices(device)))
+    registry.register(GpuCollector(devices=nvml_devices(device), pid=os.getpid()))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

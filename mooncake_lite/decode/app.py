@@ -36,6 +36,7 @@ from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
+from mooncake_lite.model.cuda_graphs import DecodeGraphs, graph_buckets
 from mooncake_lite.transfer.server import server_address
 from mooncake_lite.transfer.shm import host_identity
 
@@ -226,6 +227,9 @@ def build_engine(cfg: Config) -> DecodeEngine:
     # Batched steps run their matmuls on oneDNN-packed weights (CPU float32 only; a second copy
     # of the weights; docs/model.md, "Batch 16"), profiled below as they will run.
     runner.model.pack_()
+    graphs = None
+    if cfg.cuda_graphs and runner.device.type == "cuda":   # before the batcher: it takes a pad block
+        graphs = DecodeGraphs(runner, graph_buckets(cfg.max_batch_size), capture=True)
     cost = None
     if cfg.profile:
         try:
@@ -243,7 +247,8 @@ def build_engine(cfg: Config) -> DecodeEngine:
                   "%.3g s: every request will be refused here; raise --tbt-slo or use --tbt-slo-factor",
                   cost.predict(1, 1), cfg.tbt_slo)
     refiner = decode_refiner(cost) if cost is not None else None   # refined from every step run
-    return DecodeEngine(runner, batcher, make_executor(), refiner=refiner)
+    return DecodeEngine(runner, batcher, make_executor(), refiner=refiner,
+                        decode_step=graphs.decode if graphs is not None else None)
 
 
 def reported_cost(engine: DecodeEngine) -> CostReport | None:

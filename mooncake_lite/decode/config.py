@@ -29,6 +29,8 @@ class Config(ModelRoleConfig, DataPortFlags):
                                           "one decode step of the request alone, as the conductor's default "
                                           "relative SLO does ('none': no TBT check)", parse=_optional_float)
     max_batch_size: int | None = option(None, "most sequences decoding at once")
+    cuda_graphs: bool = option(True, "on CUDA: replay each decode step from a CUDA graph captured per batch-size "
+                               "bucket, eager above the largest (model/cuda_graphs.py)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -74,8 +74,11 @@ class PendingKV:
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
                  on_step: Callable[[int, int, float], None] | None = None,
-                 refiner: DecodeRefiner | None = None, copier: Copier | None = None):
+                 refiner: DecodeRefiner | None = None, copier: Copier | None = None,
+                 decode_step: Callable[..., torch.Tensor] | None = None):
         self.runner = runner
+        # runner.decode's contract; on CUDA the CUDA graphs' replay (model/cuda_graphs.py)
+        self.decode_step = decode_step or runner.decode
         self.batcher = batcher
         self.executor = executor   # one thread: steps and KV writes, in order
         self.copier = copier or Copier(runner.device)
@@ -379,7 +382,7 @@ class DecodeEngine:
                 self._finish(out.request_id, out.finish_reason, out.index)
 
     def _compute(self, plan: StepPlan, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
-        logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
+        logits = self.decode_step(plan.token_ids, plan.block_tables, plan.positions)
         return sample_rows(logits, samplers)
 
     def load(self) -> InstanceLoad:

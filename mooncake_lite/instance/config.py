@@ -35,12 +35,22 @@ def parse_cpus(value) -> tuple[int, ...] | None:
     return tuple(sorted(cpus))
 
 
+def default_dtype(device: str) -> str:
+    """The serving dtype where none is asked for: bfloat16 on CUDA (tensor cores, half the bytes
+    per step), float32 elsewhere (a CPU without bf16 matmuls decodes faster in it: docs/model.md)."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 @dataclass(frozen=True)
 class ModelRoleConfig(RoleConfig):
     model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
                         "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
-    dtype: str = option("float32", "model and KV dtype", choices=sorted(DTYPES))
+    dtype: str = option("auto", "model and KV dtype ('auto': bfloat16 on CUDA, float32 elsewhere)",
+                        choices=sorted(DTYPES) + ["auto"])
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
+    gpu_memory_fraction: float = option(0.9, "on CUDA: share of the device's memory this instance may hold, "
+                                        "weights, KV cache and activations together; the KV cache is what is left "
+                                        "after the weights (--num-blocks overrides it; --kv-memory is the CPU's)")
     seed: int = option(0, "dummy-weight seed of presets; must be equal across the cluster")
     threads: int | None = option(None, "torch intra-op threads (default: torch's choice; `mooncake up` gives "
                                  "each instance its share of the cores)")
@@ -66,6 +76,10 @@ class ModelRoleConfig(RoleConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dtype == "auto":   # resolved once here: every reader sees a real dtype name
+            object.__setattr__(self, "dtype", default_dtype(self.device))
+        require(0 < self.gpu_memory_fraction <= 1,
+                f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         require(self.threads is None or self.threads > 0, f"--threads must be positive, got {self.threads}")
         require(self.cpus is None or (len(self.cpus) > 0 and min(self.cpus) >= 0), f"--cpus: bad list {self.cpus}")
         require(self.num_blocks is None or self.num_blocks > 0, f"--num-blocks must be positive, got {self.num_blocks}")

@@ -10,21 +10,40 @@ import torch
 
 from mooncake_lite.common.config import require
 from mooncake_lite.instance.config import ModelRoleConfig
+from mooncake_lite.instance.device_memory import MAX_DEVICE_SEQUENCES, kv_bytes_on_device, read_device_memory
 from mooncake_lite.model.args import dtype_bytes
+from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 
 log = logging.getLogger(__name__)
 
 
-def blocks_for(cfg: ModelRoleConfig, num_layers: int, kv_heads: int, head_dim: int) -> int:
+def blocks_for(cfg: ModelRoleConfig, num_layers: int, kv_heads: int, head_dim: int,
+               kv_memory: int | None = None) -> int:
+    """KV blocks: ``--num-blocks``, else as many as ``kv_memory`` holds (default ``--kv-memory``;
+    on CUDA the device's share after the weights, :func:`device_kv_memory`)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     block_bytes = 2 * num_layers * kv_heads * head_dim * dtype_bytes(cfg.torch_dtype) * cfg.block_size
-    num = cfg.kv_memory // block_bytes
-    require(num > 0, f"--kv-memory {cfg.kv_memory} B holds no {cfg.block_size}-token block "
+    memory = cfg.kv_memory if kv_memory is None else kv_memory
+    source = "--kv-memory" if kv_memory is None else f"{cfg.device}'s share (--gpu-memory-fraction)"
+    num = memory // block_bytes
+    require(num > 0, f"{source}: {memory} B holds no {cfg.block_size}-token block "
                      f"({block_bytes} B each); raise it or lower --block-size")
     return int(num)
+
+
+def device_kv_memory(cfg: ModelRoleConfig, model: Transformer) -> int | None:
+    """On CUDA, the KV bytes this instance's ``--gpu-memory-fraction`` leaves after its weights
+    (read now, once they are loaded); None on other devices (``--kv-memory`` applies)."""
+    if not str(cfg.device).startswith("cuda") or cfg.num_blocks is not None:
+        return None
+    args = model.args
+    layers = model.end_layer - model.first_layer
+    per_seq = args.max_seq_len * args.kv_bytes_per_token(cfg.torch_dtype) * layers // args.num_layers
+    return kv_bytes_on_device(read_device_memory(cfg.device), cfg.gpu_memory_fraction,
+                              max_bytes=MAX_DEVICE_SEQUENCES * per_seq)
 
 
 def apply_cpu_share(cfg: ModelRoleConfig) -> tuple[int, tuple[int, ...] | None]:
@@ -68,7 +87,7 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
     args = model.args
     num_layers = model.end_layer - model.first_layer
-    num_blocks = blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim)
+    num_blocks = blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim, device_kv_memory(cfg, model))
     # One line tests and operators can read: what this process actually got.
     log.info("model %s: torch threads %d on cpus %s; KV cache %d blocks of %d tokens", cfg.model, threads,
              ",".join(map(str, allowed)) if allowed else "any", num_blocks, cfg.block_size)

@@ -23,9 +23,12 @@ def _name_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
-    """Scaled so activations stay O(1) through the depth and logits are decisive (clear argmax)."""
+    """Scaled so activations stay O(1) through the depth and logits are decisive (clear argmax).
+    Drawn on the parameters' device: on CUDA from its generator (an 8B preset in a second, not the
+    CPU's minute), so a preset's weights are the same on every CUDA device and on every CPU, but
+    differ between the two (mix devices in one cluster with a checkpoint, not a preset)."""
     for name, param in model.named_parameters():
-        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        gen = torch.Generator(param.device).manual_seed(_name_seed(seed, name))
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
@@ -37,7 +40,7 @@ def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
             std = 1.0 / math.sqrt(param.shape[1])
             if name.endswith(("wo.weight", "w2.weight")):
                 std /= math.sqrt(2 * model.args.num_layers)
-        values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+        values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=param.device) * std
         param.copy_(values.to(param.dtype))
 
 
@@ -53,6 +56,12 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
     elif source.kind == "gguf":
         from mooncake_lite.model.gguf_loader import load_gguf
         net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
+    elif torch.device(device).type == "cuda":   # allocated and drawn on the device, in its dtype
+        with torch.device("meta"):
+            net = Transformer(model_args(model), layer_range)
+        net = net.to(dtype=dtype).to_empty(device=device)
+        init_dummy_weights(net, seed)
+        net = net.eval()
     else:
         net = build_transformer(model_args(model), layer_range)
         init_dummy_weights(net, seed)

@@ -156,13 +156,15 @@ def test_the_sizing_flags_are_ones_the_store_accepts_and_defaults_agree():
     import dataclasses
 
     from mooncake_lite.cluster import plan
+    from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION
     from mooncake_lite.common.config import load_config
     from mooncake_lite.instance.config import ModelRoleConfig
     from mooncake_lite.store.config import MAX_SLOT_BYTES, Config as StoreConfig
     defaults = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
     assert (plan.STORE_DRAM, plan.STORE_SSD_QUEUE, plan.MAX_SLOT_BYTES) == (
         defaults["dram"], defaults["ssd_queue"], MAX_SLOT_BYTES)
-    assert plan.DEFAULT_DTYPE == {f.name: f.default for f in dataclasses.fields(ModelRoleConfig)}["dtype"]
+    assert {f.name: f.default for f in dataclasses.fields(ModelRoleConfig)}["gpu_memory_fraction"] == \
+        DEFAULT_GPU_MEMORY_FRACTION
     o = sized(model="llama2-7b", common=("--block-size", "512"))
     argv = [a for pair in store_flags(o).items() for a in pair]
     cfg = load_config(StoreConfig, argv, prog="t", section="store", env={})

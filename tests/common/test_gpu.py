@@ -29,6 +29,10 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, h):
         return 250_000
 
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=7, usedGpuMemory=3 << 30), SimpleNamespace(pid=8 + h, usedGpuMemory=1 << 30),
+                SimpleNamespace(pid=7, usedGpuMemory=None)]   # None: NVML cannot tell (some drivers)
+
 
 class NoDriver:
     def nvmlInit(self):
@@ -46,6 +50,14 @@ def test_gpu_metrics_from_nvml():
     assert 'mooncake_gpu_utilization_ratio{gpu="1"} 0.51' in text
     assert 'mooncake_gpu_memory_used_bytes{gpu="0"} 1000.0' in text
     assert 'mooncake_gpu_power_watts{gpu="0"} 250.0' in text
+
+
+def test_an_instance_exports_what_its_process_holds():
+    text = scrape(GpuCollector(FakeNvml(), devices=[0, 1], pid=8))
+    assert 'mooncake_gpu_process_memory_bytes{gpu="0"} 1.073741824e+09' in text
+    assert 'mooncake_gpu_process_memory_bytes{gpu="1"} 0.0' in text
+    assert 'mooncake_gpu_process_memory_bytes{gpu="0"} 3.221225472e+09' in scrape(GpuCollector(FakeNvml(), pid=7))
+    assert "process_memory" not in scrape(GpuCollector(FakeNvml()))    # a store: no process of its own
 
 
 def test_no_driver_means_no_gpu_metrics_and_no_error():

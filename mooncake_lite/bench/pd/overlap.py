@@ -15,6 +15,8 @@ from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
+from mooncake_lite.instance.config import default_dtype
+from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
@@ -111,7 +113,8 @@ async def bench_overlap_and_prefix(name: str, a: Options, decode: RoleProcess) -
     """(a) and (b) for one model; also hands back its runner (for (d), (e) and the cost models)."""
     n = a.prompt_lens[name]
     t0 = time.perf_counter()
-    model = build_model(name, device=a.device)
+    # the roles' own default dtype on this device (bfloat16 on CUDA): the decode process it streams to uses it
+    model = build_model(name, device=a.device, dtype=DTYPES[default_dtype(a.device)])
     build_s = time.perf_counter() - t0
     longest = max(n, a.cpp_lens[name] if a.cpp else n)
     if longest > model.args.max_seq_len:
