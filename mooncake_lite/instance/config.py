@@ -39,6 +39,9 @@ class ModelRoleConfig(RoleConfig):
     model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
                         "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
     dtype: str = option("float32", "model and KV dtype", choices=sorted(DTYPES))
+    weights: str = option("quantized", "a GGUF's Q4_0/Q4_1/Q8_0 weights kept as its blocks and computed on "
+                          "(quantized; CPU float32) or dequantized at load (dequantize)",
+                          choices=("quantized", "dequantize"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
     seed: int = option(0, "dummy-weight seed of presets; must be equal across the cluster")
     threads: int | None = option(None, "torch intra-op threads (default: torch's choice; `mooncake up` gives "

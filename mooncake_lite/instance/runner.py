@@ -44,7 +44,8 @@ def apply_cpu_share(cfg: ModelRoleConfig) -> tuple[int, tuple[int, ...] | None]:
 def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
     """The model (or a layer slice of it) and its paged cache, as the flags say."""
     threads, allowed = apply_cpu_share(cfg)
-    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
+    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed,
+                        weights=cfg.weights)
     args = model.args
     num_layers = model.end_layer - model.first_layer
     num_blocks = blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim)

@@ -41,9 +41,10 @@ def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
 
 
 def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                layer_range: tuple[int, int] | None = None, seed: int = 0) -> Transformer:
+                layer_range: tuple[int, int] | None = None, seed: int = 0, weights: str = "quantized") -> Transformer:
     """``model`` is a preset name (dummy weights from ``seed``), a named packaged model, a GGUF
-    file or a checkpoint directory."""
+    file or a checkpoint directory. ``weights``: a GGUF's quantized tensors kept as its blocks
+    (``quantized``, where they compute: ``gguf_loader``) or ``dequantize``d at load."""
     from mooncake_lite.model.source import resolve
     source = resolve(model)
     if source.kind == "hf":
@@ -51,7 +52,8 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
         net = load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
     elif source.kind == "gguf":
         from mooncake_lite.model.gguf_loader import load_gguf
-        net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
+        net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range,
+                        weights=weights)
     else:
         net = Transformer(model_args(model), layer_range)
         init_dummy_weights(net, seed)
