@@ -3,7 +3,8 @@ stores it: each row of W is K/32 blocks of one scale ``d`` (float16), for Q4_1 a
 (float16), and 32 quants (4-bit pairs or int8).
 
 :func:`quant_linear` runs the C kernel (``quant_matmul.c``, built by ``quant_build``) on CPU
-float32 activations, else the torch reference :func:`quant_linear_ref`: the weight dequantized
+float32 activations (prefill-sized inputs: W dequantized tile by tile for ``F.linear``), else
+the torch reference :func:`quant_linear_ref`: the weight dequantized
 with gguf.quants' own operations (:func:`dequantize_ref`, equal to it bit for bit) and then one
 ``F.linear``. ``MOONCAKE_KERNELS=ref`` forces the reference.
 """
@@ -11,6 +12,7 @@ with gguf.quants' own operations (:func:`dequantize_ref`, equal to it bit for bi
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from kernels.quant_build import library
 # matmul: the copy costs about one pass over the float32 bytes, which a product of this many rows
 # amortises, while the block-by-block kernel's work grows with every row.
 DEQUANTIZE_ROWS = 32
+TILE_BYTES = 1 << 20   # a dequantized tile that stays in L2 while its product reads it
 BLOCK = 32                                    # values per block, in every type here
 Q4_0, Q4_1, Q8_0 = 2, 3, 8                    # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # d (+ m) and the quants
@@ -41,6 +44,35 @@ def dequantize_ref(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         return (d * (q.to(torch.int8) - 8).float()).reshape(rows, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).float()
     return (d * q.float() + m).reshape(rows, -1)
+
+
+def _tiled_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows (a prefill chunk): W dequantized a tile of rows at a time into a reused buffer
+    of about TILE_BYTES, each tile one ``F.linear`` while it is still in cache. A whole float32
+    copy per call cost a prefill as much again: its writes, and page faults on fresh memory."""
+    rows, k = blocks.shape[0], x.shape[1]
+    tile = max(16, TILE_BYTES // (4 * k) // 16 * 16)
+    buf = _scratch(tile * k)
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    for n0 in range(0, rows, tile):
+        n1 = min(rows, n0 + tile)
+        w = buf[:(n1 - n0) * k].view(n1 - n0, k)
+        if library().quant_dequantize(qtype, blocks[n0:n1].data_ptr(), n1 - n0, k, w.data_ptr(),
+                                      torch.get_num_threads()) != 0:
+            raise ValueError(f"quant_linear: type {qtype} with {k} values per row is not supported")
+        out[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return out
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least ``numel`` values, grown as needed, kept."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_local.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
 
 
 def dequantize(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
@@ -81,7 +113,7 @@ def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torc
     flat = x.reshape(-1, k).contiguous()
     rows = blocks.shape[0]
     if flat.shape[0] > DEQUANTIZE_ROWS:
-        return F.linear(x, dequantize(blocks, qtype, k), bias)
+        return _tiled_linear(flat, blocks, qtype, bias).reshape(*x.shape[:-1], rows)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
     sums = torch.empty(flat.shape[0] * (k // BLOCK), dtype=torch.float32)   # the kernel's scratch
     status = library().quant_matmul(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],

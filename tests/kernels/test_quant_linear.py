@@ -78,3 +78,14 @@ def test_ref_mode_and_other_dtypes_take_the_reference(monkeypatch):
     monkeypatch.setenv("MOONCAKE_KERNELS", "ref")
     x = torch.randn(2, 64)
     assert torch.equal(quant_linear(x, blocks, Q8_0), quant_linear_ref(x, blocks, Q8_0))
+
+
+@needs_kernel
+def test_prefill_sized_products_run_tile_by_tile(monkeypatch):
+    """More than DEQUANTIZE_ROWS rows: W dequantized 16 rows at a time here (a ragged last tile),
+    each tile's product with its slice of the bias."""
+    import kernels.quant_linear as ql
+    monkeypatch.setattr(ql, "TILE_BYTES", 4 * 128 * 16)
+    blocks, values = quantized(Q4_1, 67, 128)
+    x, bias = torch.randn(DEQUANTIZE_ROWS + 9, 128), torch.randn(67)
+    torch.testing.assert_close(quant_linear(x, blocks, Q4_1, bias), x @ values.t() + bias, atol=1e-4, rtol=1e-5)
