@@ -51,9 +51,14 @@ static inline float half(const uint8_t *p) {
 }
 
 /* An optimisation barrier: the product is rounded on its own, as gguf.quants computes it, and
- * not contracted with the following add into one fused multiply-add. */
+ * not contracted with the following add into one fused multiply-add. (A 64-byte vector fits one
+ * register only with AVX-512; elsewhere the barrier goes through memory.) */
 static inline v16f rounded(v16f v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     __asm__("" : "+v"(v));
+#else
+    __asm__("" : "+m"(v));
+#endif
     return v;
 }
 
