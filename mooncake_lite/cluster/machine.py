@@ -51,6 +51,9 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         _, dtype = kv_layout(opts)
         weights = args.num_params() * dtype_bytes(dtype)
         extra = args.packed_extra_bytes(dtype)
+        compact = _compact_weights(opts, dtype)   # issue #39: a GGUF's quantized weights kept compact
+        if compact is not None:
+            weights, extra = compact[0], 0 if compact[1] else extra
         # weights on a GPU take none of the host's memory (the KV there is sized by the instance)
         facts = {"weight_bytes": 0 if on_gpu(opts, "prefill") and on_gpu(opts, "decode") else weights,
                  "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
@@ -61,3 +64,17 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
     share = MachineShare(cpus=usable_cpus(), available_memory=available_memory(), memory_fraction=memory_fraction,
                          threads=threads, pin=pin, **facts)
     return dataclasses.replace(opts, share=share)
+
+
+def _compact_weights(opts: UpOptions, dtype: str) -> tuple[int, bool] | None:
+    """``gguf_file.compact_weight_bytes`` where every instance keeps a GGUF's quantized weights
+    compact (a CPU in float32, ``--weights quantized``), else None (weights in the dtype)."""
+    from mooncake_lite.model.gguf_file import compact_weight_bytes, read_meta
+    from mooncake_lite.model.source import resolve
+    source = resolve(opts.model)
+    roles = ("prefill", "decode")
+    if (source.kind != "gguf" or dtype != "float32"
+            or any(str(role_setting(opts, r, "weights") or "quantized") != "quantized" for r in roles)
+            or any(str(role_setting(opts, r, "device") or "cpu") != "cpu" for r in roles)):
+        return None
+    return compact_weight_bytes(read_meta(source.path), 4)

@@ -47,6 +47,9 @@ class ModelRoleConfig(RoleConfig):
                         "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
     dtype: str = option("auto", "model and KV dtype ('auto': bfloat16 on CUDA, float32 elsewhere)",
                         choices=sorted(DTYPES) + ["auto"])
+    weights: str = option("quantized", "a GGUF's Q4_0/Q4_1/Q8_0 weights kept as its blocks and computed on "
+                          "(quantized; CPU float32) or dequantized at load (dequantize)",
+                          choices=("quantized", "dequantize"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
     gpu_memory_fraction: float = option(0.9, "on CUDA: share of the device's memory this instance may hold, "
                                         "weights, KV cache and activations together; the KV cache is what is left "

@@ -84,7 +84,8 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     threads, allowed = apply_cpu_share(cfg)
     if cfg.tensor_parallel > 1:
         return _tp_runner(cfg, layer_range, threads)
-    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed)
+    model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed,
+                        weights=cfg.weights)
     args = model.args
     num_layers = model.end_layer - model.first_layer
     num_blocks = blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim, device_kv_memory(cfg, model))

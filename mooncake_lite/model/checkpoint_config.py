@@ -12,6 +12,7 @@ import os
 from mooncake_lite.model.args import MLA_ROPE_TYPES, ROPE_TYPES, ModelArgs, rope_params, rope_scaling_from_config, \
     rope_type
 from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
+from mooncake_lite.model.fp8_checkpoint import fp8_block
 from mooncake_lite.model.gguf_file import args_from_meta, read_meta
 from mooncake_lite.model.source import resolve
 
@@ -66,8 +67,9 @@ def _check_supported(cfg: dict, path: str) -> None:
         problems.append("sliding-window attention")
     if problems:
         raise CheckpointError(f"{path}: unsupported model features: {'; '.join(problems)}")
-    try:  # a supported rope type whose values are missing or malformed
+    try:  # a supported rope type whose values are missing or malformed; a quantization we cannot load
         rope_scaling_from_config(cfg)
+        fp8_block(cfg, path)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 

@@ -67,11 +67,13 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--weights", default="quantized", choices=("quantized", "dequantize"),
+                    help="a GGUF's quantized weights kept as its blocks, or dequantized at load")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     a = ap.parse_args(list(argv))
     try:
-        model = build_model(a.model, dtype=DTYPES[a.dtype], seed=a.seed)
+        model = build_model(a.model, dtype=DTYPES[a.dtype], seed=a.seed, weights=a.weights)
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed, max_tokens=a.max_tokens)
     except (ValueError, FileNotFoundError) as exc:
         sys.stderr.write(f"mooncake generate: error: {exc}\n")

@@ -99,3 +99,28 @@ def _check_gguf_features(meta: GGUFMeta, arch: str, head_dim: int) -> None:
         problems.append(f"{arch}.expert_count (mixture of experts)")
     if problems:
         raise CheckpointError(f"{meta.path}: unsupported model features: {'; '.join(problems)}")
+
+
+# GGML types (Q4_0, Q4_1, Q8_0) a CPU float32 model keeps as the file's blocks: model/quantized.py.
+COMPACT_TYPES = (2, 3, 8)
+
+
+def compact_weight_bytes(meta: GGUFMeta, dtype_bytes: int) -> tuple[int, bool]:
+    """(bytes the weights hold in memory when the compact types stay compact and the rest is
+    dequantized to ``dtype_bytes`` a value, whether the embedding is compact): what the memory
+    plan counts for ``--weights quantized``. A tied head then reads the embedding's blocks and
+    holds no packed copy. Upper bound on the compact share: a fused product whose parts differ
+    in type is dequantized whole (``gguf_loader.compact_names``)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    total = 0
+    for info in meta.tensors.values():
+        count = 1
+        for d in info.dims:
+            count *= d
+        if info.qtype in COMPACT_TYPES:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+            total += count // block * block_bytes
+        else:
+            total += count * dtype_bytes
+    embedding = meta.tensors.get("token_embd.weight")
+    return total, embedding is not None and embedding.qtype in COMPACT_TYPES

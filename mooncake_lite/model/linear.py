@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.timing import best_seconds
+from mooncake_lite.model.quantized import QuantizedWeight
 
 SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the few-rows paths
 PACK_ROWS = 16     # the row count oneDNN chooses a packed weight's blocked layout for (any count runs)
@@ -63,12 +64,15 @@ def packing_speedup(weights: Sequence[torch.Tensor], rows: int, repeats: int = 3
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``. On ``packed`` (:func:`pack_weight`) when given, at any row count:
-    a packed model holds no plain weight any more (``Transformer.pack_``). Otherwise, for a few rows
+           packed: torch.Tensor | QuantizedWeight | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. On ``packed`` when given, at any row count: a oneDNN-packed copy
+    (:func:`pack_weight`) or a GGUF file's own quantized blocks (``model/quantized.py``), either
+    of which replaces the plain weight (``Transformer.pack_``, ``gguf_loader``). Otherwise, for a few rows
     on CPU, as ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams
     the weight once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16
     rows here (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
+    if isinstance(packed, QuantizedWeight):
+        return packed.matmul(x, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if 1 < x.shape[0] <= SKINNY_ROWS and x.dim() == 2 and x.device.type == "cpu":

@@ -19,6 +19,7 @@ from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.checkpoint_config import read_args
 from mooncake_lite.model.errors import CheckpointError, CheckpointNotFoundError
 from mooncake_lite.model.family import build_transformer
+from mooncake_lite.model.fp8_checkpoint import Fp8Weights, fp8_weights
 from mooncake_lite.model.llama import Transformer
 
 
@@ -47,8 +48,9 @@ def load_checkpoint(ckpt_dir: str, device: str | torch.device = "cpu", dtype: to
     index = _tensor_index(ckpt_dir)
     prefix = "model." if any(k.startswith("model.") for k in index) else ""
     wanted = {name: _hf_name(name, args, index, prefix) for name in model.state_dict()}
-    _check_no_unexpected(index, prefix, wanted.values(), model)
-    state = _read_tensors(ckpt_dir, index, wanted, model.state_dict(), device, dtype)
+    fp8 = fp8_weights(ckpt_dir, index)   # issue #39: fp8 weights dequantized at load (fp8_checkpoint.py)
+    _check_no_unexpected(index, prefix, [*wanted.values(), *(fp8.scale_names if fp8 else ())], model)
+    state = _read_tensors(ckpt_dir, index, wanted, model.state_dict(), device, dtype, fp8)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
 
@@ -109,7 +111,7 @@ def _check_no_unexpected(index: dict[str, str], prefix: str, wanted: Iterable[st
 
 
 def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str], expected: dict[str, torch.Tensor],
-                  device: str | torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                  device: str | torch.device, dtype: torch.dtype, fp8: Fp8Weights | None = None) -> dict[str, torch.Tensor]:
     """Our name -> tensor on ``device`` in ``dtype``; a checkpoint tensor used twice (tied
     embeddings) is read and converted once, so both parameters share its memory."""
     from safetensors import safe_open
@@ -130,6 +132,7 @@ def _read_tensors(ckpt_dir: str, index: dict[str, str], wanted: dict[str, str], 
                     continue
                 try:
                     tensor = f.get_tensor(hf)
+                    tensor = fp8.convert(hf, tensor) if fp8 is not None else tensor
                 except Exception as exc:  # safetensors raises its own error types
                     raise CheckpointError(f"{file}: cannot read tensor {hf!r}: {exc}") from None
                 if tuple(tensor.shape) != tuple(expected[name].shape):

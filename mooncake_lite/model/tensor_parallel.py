@@ -151,7 +151,8 @@ def build_sharded_model(spec: str, layout: TPLayout, comms: Collectives | None, 
     alike): the full weights are read on the CPU, this rank's slices copied to ``device``, and the
     full model dropped. Loading thus peaks at the full model in host memory, once per rank."""
     from mooncake_lite.model.weights import build_model
-    full = build_model(spec, device="cpu", dtype=dtype, layer_range=layer_range, seed=seed)
+    # (float weights: a GGUF's quantized blocks are not cut into ranks' slices)
+    full = build_model(spec, device="cpu", dtype=dtype, layer_range=layer_range, seed=seed, weights="dequantize")
     if full.args != layout.args:
         raise ValueError(f"tensor-parallel layout is for {layout.args}, the checkpoint is {full.args}")
     return shard_model(full, layout, comms, device, cls)

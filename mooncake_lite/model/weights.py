@@ -45,9 +45,10 @@ def init_dummy_weights(model: Transformer, seed: int = 0) -> None:
 
 
 def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                layer_range: tuple[int, int] | None = None, seed: int = 0) -> Transformer:
+                layer_range: tuple[int, int] | None = None, seed: int = 0, weights: str = "quantized") -> Transformer:
     """``model`` is a preset name (dummy weights from ``seed``), a named packaged model, a GGUF
-    file or a checkpoint directory."""
+    file or a checkpoint directory. ``weights``: a GGUF's quantized tensors kept as its blocks
+    (``quantized``, where they compute: ``gguf_loader``) or ``dequantize``d at load."""
     from mooncake_lite.model.source import resolve
     source = resolve(model)
     if source.kind == "hf":
@@ -55,10 +56,11 @@ def build_model(model: str, *, device: str | torch.device = "cpu", dtype: torch.
         net = load_checkpoint(model, device=device, dtype=dtype, layer_range=layer_range)
     elif source.kind == "gguf":
         from mooncake_lite.model.gguf_loader import load_gguf
-        net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range)
+        net = load_gguf(source.path, source.served_name, device=device, dtype=dtype, layer_range=layer_range,
+                        weights=weights)
     elif torch.device(device).type == "cuda":   # allocated and drawn on the device, in its dtype
         with torch.device("meta"):
-            net = Transformer(model_args(model), layer_range)
+            net = build_transformer(model_args(model), layer_range)
         net = net.to(dtype=dtype).to_empty(device=device)
         init_dummy_weights(net, seed)
         net = net.eval()

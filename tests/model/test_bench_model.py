@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from kernels.quant_build import library
 from mooncake_lite.bench.model import cli as bench_model
 from mooncake_lite.bench.model import roofs, sources
 from mooncake_lite.bench.model.cli import main, parse_args
@@ -194,3 +195,36 @@ def test_tp_refuses_a_degree_below_two(capsys):
     with pytest.raises(SystemExit):
         main(["--models", "tiny", "--tp", "1"])
     assert "--tp must be at least 2" in capsys.readouterr().err
+
+
+def test_weights_modes_and_the_llamacpp_peer_in_the_report(capsys, monkeypatch, tmp_path):
+    """Both weight modes of a GGUF model side by side, bytes per weight, and the peer beside our
+    per-token times; a peer that cannot run is reported, not fatal."""
+    import sys
+    from mooncake_lite.bench.model.llamacpp_peer import measure_peer
+    with pytest.raises(SystemExit):
+        main(["--weights", "int3"])
+    assert "--weights takes quantized, dequantize" in capsys.readouterr().err
+    assert parse_args([]).weights == ["quantized", "dequantize"]
+    missing = measure_peer(sys.executable, "x.gguf", 1, 4, 2)   # this Python has no llama_cpp
+    assert "llama_cpp" in missing["error"]
+    res = {"peers": {"m": {"version": "0.3", "threads": 1, "context_len": 8, "token_ms": 20.0, "token_ms_best": 18.0},
+                     "n": missing},
+           "models": {"m quantized": {"decode": {"1": {"step_ms": 10.0}, "16": {"step_ms": 80.0}}}}}
+    text = "\n".join(bench_model._peer_lines(res))
+    assert "batch-1 decode 20.00 ms a token" in text and "batch   1:   10.00 ms a token =  2.00x" in text
+    assert "batch  16:    5.00 ms a token =  4.00x" in text and "llama.cpp on n: did not run" in text
+
+
+@needs_smollm
+@pytest.mark.skipif(library() is None, reason="no C compiler: nothing stays compact")
+def test_held_weight_bytes_are_the_compact_blocks():
+    from mooncake_lite.bench.model.flops import held_weight_bytes
+    from mooncake_lite.model.quantized import QuantizedWeight
+    model = build_model(SMOLLM)
+    parts = {id(p): p for b in model.layers.values() for p in (*b.attention.packs.values(),
+                                                                 *b.feed_forward.packs.values())}
+    parts[id(model.output_pack)] = model.output_pack
+    assert all(isinstance(p, QuantizedWeight) for p in parts.values())
+    assert held_weight_bytes(model) == sum(p.nbytes for p in parts.values())
+    assert held_weight_bytes(build_model("tiny")) == weight_bytes(ModelArgs.from_name("tiny"), torch.float32)

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.bench.model import gpu_roofs
+from mooncake_lite.bench.model.llamacpp_peer import measure_peer
 from mooncake_lite.bench.model.measure import BLOCK_SIZE, Roofs, bench_one
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops, read_gbps
 from mooncake_lite.bench.model.sources import model_list, usable_models
@@ -46,7 +47,8 @@ from mooncake_lite.bench.model.tp import bench_tp, render_tp
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.model.args import DTYPES
-from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.model.gguf_loader import WEIGHT_MODES
+from mooncake_lite.model.source import DEFAULT_MODEL, resolve
 from mooncake_lite.model.tensor_parallel import check_divides
 from mooncake_lite.model.weights import model_args
 
@@ -62,6 +64,12 @@ FLAGS = (
     flag("--threads", type=int, default=None, help="torch threads (default: torch's choice)"),
     flag("--dtype", default="float32",
          help="comma-separated model dtypes, each measured in the same run (e.g. float32,bfloat16)"),
+    flag("--weights", default="quantized,dequantize",
+         help="comma-separated: a GGUF's quantized weights kept as its blocks (quantized) and/or dequantized "
+              "at load (dequantize), each measured in the same run (other models run once)"),
+    flag("--llamacpp", default=None, metavar="PYTHON",
+         help="a Python with llama-cpp-python installed: llama.cpp's batch-1 decode on each GGUF model, "
+              "measured in the same run as the peer"),
     flag("--no-pack", action="store_true",
          help="prefill and decode on the plain weights, not the oneDNN-packed copies the instances use"),
     flag("--profile", action="store_true",
@@ -91,6 +99,9 @@ def parse_args(argv: Sequence[str]) -> Options:
     dtypes = [d for d in ns.dtype.split(",") if d]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         ap.error(f"--dtype takes {', '.join(sorted(DTYPES))}, got {ns.dtype!r}")
+    weights = [w for w in ns.weights.split(",") if w]
+    if not weights or any(w not in WEIGHT_MODES for w in weights):
+        ap.error(f"--weights takes {', '.join(WEIGHT_MODES)}, got {ns.weights!r}")
     models, is_default = model_list(ns.models, DEFAULT_MODELS)
     for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
         if getattr(ns, name) <= 0:
@@ -100,7 +111,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     if not models or min(batch_sizes) <= 0:
         ap.error("need at least one model and positive batch sizes")
     return freeze(ns, "ModelOptions", device=device, batch_sizes=batch_sizes, dtypes=dtypes, models=models,
-                  default_models=is_default)
+                  default_models=is_default, weights=weights)
 
 
 def run(args: Options) -> dict:
@@ -121,20 +132,27 @@ def run(args: Options) -> dict:
         read = read_gbps(device=args.device)
         roofs = Roofs(peak, bandwidth, gpu_roofs.gpu_machine(args.device) if args.device.type == "cuda" else None)
         bar.update(1)
-        models = {}
+        models, peers = {}, {}
         for name in args.models:
+            gguf = resolve(name).kind == "gguf"
             for dtype in args.dtypes:
-                bar.set_postfix_str(f"{name} {dtype}")
-                key = name if len(args.dtypes) == 1 else f"{name} {dtype}"
-                with torch.inference_mode():
-                    models[key] = bench_one(name, args, roofs, bar, header_s[name], dtype)
+                for weights in args.weights if gguf else args.weights[:1]:
+                    key = " ".join([name, *([dtype] if len(args.dtypes) > 1 else []),
+                                    *([weights] if gguf and len(args.weights) > 1 else [])])
+                    bar.set_postfix_str(key)
+                    with torch.inference_mode():
+                        models[key] = bench_one(name, args, roofs, bar, header_s[name], dtype, weights)
+            if gguf and args.llamacpp:
+                bar.set_postfix_str(f"{name} llama.cpp")
+                peers[name] = measure_peer(args.llamacpp, resolve(name).path, torch.get_num_threads(),
+                                           args.context_len, max(args.decode_steps, 16))
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": roofs.copy_gbps,
                         "read_gbps": read, "cpu_count": os.cpu_count(), "cpu": cpu_description(),
                         "load_average_1m": os.getloadavg()[0], "device": str(args.device), "gpu": roofs.gpu},
             "settings": {"prompt_len": args.prompt_len, "context_len": args.context_len,
                          "decode_steps": args.decode_steps, "block_size": BLOCK_SIZE, "dtype": args.dtype},
-            "models": models, "notes": notes}
+            "models": models, "peers": peers, "notes": notes}
 
 
 def run_tp(args: Options, notes: list[str]) -> dict:
@@ -187,9 +205,11 @@ def render(res: dict) -> str:
         p = r["prefill"]
         src = r["source"]
         active = f", {r['active_params'] / 1e6:.1f}M active" if r["active_params"] != r["params"] else ""
+        held = ("GGUF blocks kept" if r.get("weights") == "quantized" and r.get("bits_per_weight", 32) < 16
+                else "packed" if r.get("decode_packed") else "plain")
         lines.append(f"\n{name} ({r['params'] / 1e6:.1f}M params{active} in {r['dtype']}; {src['description']}; "
-                     f"loaded in {src['load_s']:.2f} s; decode on {'packed' if r.get('decode_packed') else 'plain'} "
-                     f"weights)")
+                     f"loaded in {src['load_s']:.2f} s; decode on {held} weights: {r['bits_per_weight']:.2f} bits "
+                     f"a weight, {r['weight_bytes'] / 1e6:.1f} MB read a step)")
         lines.append(f"  prefill: {p['tokens_per_s']:9.0f} tokens/s (best {p['tokens_per_s_best']:.0f})  "
                      f"best {p['gflops_best']:7.2f} GFLOP/s = {100 * p['fraction_of_matmul_peak']:5.1f}% of matmul peak"
                      + _packing(p))
@@ -210,8 +230,28 @@ def render(res: dict) -> str:
             prof = r["decode_profile"]
             parts = ", ".join(f"{k} {v:.1f}" for k, v in prof["ms_per_step"].items())
             lines.append(f"  decode batch 1 profiled ({prof['step_ms_profiled']:.1f} ms/step), ms per step: {parts}")
+    lines += _peer_lines(res)
     lines += [f"note: {n}" for n in res.get("notes", [])]
     return "\n".join(lines)
+
+
+def _peer_lines(res: dict) -> list[str]:
+    """llama.cpp on each GGUF file beside our batch-1 and batch-16 decode of the same file."""
+    lines = []
+    for name, peer in res.get("peers", {}).items():
+        if "error" in peer:
+            lines.append(f"\nllama.cpp on {name}: did not run ({peer['error']})")
+            continue
+        lines.append(f"\nllama.cpp {peer['version']} on {name} ({peer['threads']} threads, {peer['context_len']} "
+                     f"cached tokens): batch-1 decode {peer['token_ms']:.2f} ms a token (best {peer['token_ms_best']:.2f})")
+        for key, r in res["models"].items():
+            if key.split(" ")[0] != name:
+                continue
+            for batch, d in r["decode"].items():
+                per_token = d["step_ms"] / int(batch)
+                lines.append(f"  ours ({key}) batch {batch:>3}: {per_token:7.2f} ms a token = "
+                             f"{peer['token_ms'] / per_token:5.2f}x llama.cpp's token rate")
+    return lines
 
 
 def main(argv: Sequence[str]) -> int:

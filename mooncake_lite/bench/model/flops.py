@@ -31,17 +31,34 @@ def prefill_flops(a: ModelArgs, num_tokens: int) -> float:
 
 
 def decode_flops(a: ModelArgs, batch: int, context_len: int) -> float:
-    per_token = 2 * (layer_matmul_params(a) + a.dim * a.vocab_size) + 4 * a.num_layers * a.q_width * context_len
+    per_token = 2 * matmul_weights(a) + 4 * a.num_layers * a.q_width * context_len
     return batch * per_token
+
+
+def matmul_weights(a: ModelArgs) -> int:
+    """Weights a decode step's products multiply by: every layer's and the head's."""
+    return layer_matmul_params(a) + a.dim * a.vocab_size
 
 
 def weight_bytes(a: ModelArgs, dtype: torch.dtype, touched_experts: int | None = None) -> int:
     """Bytes a decode step must read: every matmul weight (the embedding lookup reads one row).
     With experts, those the step ran: ``touched_experts`` summed over the layers (the union over
     its tokens, ``MoE.num_touched``), else one token's top-k per sparse layer."""
-    params = layer_matmul_params(a) + a.dim * a.vocab_size
+    params = matmul_weights(a)
     if a.moe is not None and touched_experts is not None:
         m = a.moe
         active = m.top_k * sum(m.is_sparse(i) for i in range(a.num_layers))
         params += (touched_experts - active) * 3 * a.dim * m.expert_ffn_dim
     return params * torch.empty((), dtype=dtype).element_size()
+
+
+def held_weight_bytes(model) -> int:
+    """Bytes a decode step of ``model`` (a whole one) reads: :func:`weight_bytes` in its dtype,
+    less what each product kept as a GGUF's blocks saves (``model/quantized.py``; a tied head's
+    blocks, shared with the embedding, read once)."""
+    from mooncake_lite.model.quantized import QuantizedWeight
+    size = next(p for p in model.parameters() if p.device.type != "meta").element_size()
+    parts = [*(p for b in model.layers.values() for p in (*b.attention.packs.values(), *b.feed_forward.packs.values())),
+             model.output_pack]
+    compact = {id(p): p for p in parts if isinstance(p, QuantizedWeight)}.values()
+    return matmul_weights(model.args) * size - sum(p.shape[0] * p.shape[1] * size - p.nbytes for p in compact)

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench.model import gpu_roofs
-from mooncake_lite.bench.model.flops import decode_flops, layer_matmul_params, prefill_flops, weight_bytes
+from mooncake_lite.bench.model.flops import (decode_flops, held_weight_bytes, matmul_weights, weight_bytes,
+                                             prefill_flops)
 from mooncake_lite.bench.model.sources import describe_model
 from mooncake_lite.bench.options import Options
 from mooncake_lite.model.args import DTYPES
@@ -73,7 +74,7 @@ def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float | No
 
 
 # Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
-OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear")),
+OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear", "quant_linear")),
             ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax")),
             ("kv write", ("aten::index_copy", "aten::index_put", "aten::_index_put")),
             ("kv gather", ("aten::index_select", "aten::index")))
@@ -111,12 +112,14 @@ class Roofs:
     gpu: dict | None = None
 
 
-def bench_one(name: str, args: Options, roofs: Roofs, bar: tqdm, header_s: float = 0.0, dtype: str = "float32") -> dict:
-    """One model in one dtype: built as the instances build it, then its prefill, its decode steps
-    at each batch size and (``--profile``) a profiled batch-1 step."""
+def bench_one(name: str, args: Options, roofs: Roofs, bar: tqdm, header_s: float = 0.0, dtype: str = "float32",
+              weights: str = "quantized") -> dict:
+    """One model in one dtype (a GGUF's quantized weights kept or ``weights="dequantize"``d):
+    built as the instances build it, then its prefill, its decode steps at each batch size and
+    (``--profile``) a profiled batch-1 step."""
     source = describe_model(name)
     t0 = time.perf_counter()
-    model = build_model(name, dtype=DTYPES[dtype], device=args.device)
+    model = build_model(name, dtype=DTYPES[dtype], device=args.device, weights=weights)
     source["build_s"] = time.perf_counter() - t0
     source["load_s"] = header_s + source["build_s"]   # header/config, then the weights
     margs = model.args
@@ -124,7 +127,9 @@ def bench_one(name: str, args: Options, roofs: Roofs, bar: tqdm, header_s: float
         raise ValueError(f"{name}: lengths exceed max_seq_len {margs.max_seq_len}")
     per_seq = blocks_needed(max(args.prompt_len, args.context_len + args.decode_steps + 1), BLOCK_SIZE)
     runner = ModelRunner(model, num_blocks=per_seq * max(args.batch_sizes), block_size=BLOCK_SIZE)
+    held = held_weight_bytes(model)
     out = {"source": source, "dtype": dtype, "params": margs.num_params(), "active_params": margs.active_params(),
+           "weights": weights, "weight_bytes": held, "bits_per_weight": 8 * held / matmul_weights(margs),
            "prefill": measure_prefill(model, runner, args, roofs, bar, dtype), "decode": {}}
     if not args.no_pack:
         model.pack_()   # as a decode instance runs (a no-op where prefill packed already)
@@ -156,15 +161,15 @@ def measure_prefill(model: Transformer, runner: ModelRunner, args: Options, roof
 def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs: Roofs, bar: tqdm, dtype: str) -> dict:
     """Each batch size's decode step against both roofs, beside its matmuls alone at that many rows."""
     margs, out = model.args, {}
+    held = held_weight_bytes(model)   # what a step reads: compact blocks where the model kept them
     for batch in args.batch_sizes:
         times = bench_decode(runner, batch, args.context_len, args.decode_steps, bar)
         touched = sum(b.feed_forward.num_touched for b in model.layers.values() if isinstance(b.feed_forward, MoE))
-        wbytes = weight_bytes(margs, runner.dtype, touched if margs.moe is not None else None)
+        wbytes = weight_bytes(margs, runner.dtype, touched) if margs.moe is not None else held
         step_s, best_s = statistics.median(times), min(times)
         gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
         matmul_s = bench_matmuls(model, batch)
-        matmul_gflops = (None if matmul_s is None else
-                         2 * batch * (layer_matmul_params(margs) + margs.dim * margs.vocab_size) / matmul_s / 1e9)
+        matmul_gflops = None if matmul_s is None else 2 * batch * matmul_weights(margs) / matmul_s / 1e9
         out[str(batch)] = {
             "step_ms": step_s * 1e3, "step_ms_best": best_s * 1e3, "tokens_per_s": batch / step_s,
             "gflops_best": gflops, "fraction_of_matmul_peak": gflops / roofs.matmul_gflops,

@@ -18,8 +18,6 @@ def describe_model(spec: str) -> dict:
                 "description": f"preset {spec!r} with seeded dummy weights"}
     description = (NAMED_MODELS[spec].description if spec in NAMED_MODELS
                    else f"{'GGUF file' if source.kind == 'gguf' else 'HF checkpoint'} {source.served_name}")
-    if source.kind == "gguf":
-        description += " (dequantized, then cast to the dtype measured)"
     return {"kind": source.kind, "weights": "checkpoint", "path": source.path, "description": description}
 
 

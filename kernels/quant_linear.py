@@ -1,0 +1,125 @@
+"""``x @ Wᵀ`` for a weight kept in one of GGUF's block formats (Q4_0, Q4_1, Q8_0), as the file
+stores it: each row of W is K/32 blocks of one scale ``d`` (float16), for Q4_1 a minimum ``m``
+(float16), and 32 quants (4-bit pairs or int8).
+
+:func:`quant_linear` runs the C kernel (``quant_matmul.c``, built by ``quant_build``) on CPU
+float32 activations (prefill-sized inputs: W dequantized tile by tile for ``F.linear``), else
+the torch reference :func:`quant_linear_ref`: the weight dequantized
+with gguf.quants' own operations (:func:`dequantize_ref`, equal to it bit for bit) and then one
+``F.linear``. ``MOONCAKE_KERNELS=ref`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant_build import library
+
+# Above this many rows (a prefill chunk) the weight is dequantized into a float32 copy for one
+# matmul: the copy costs about one pass over the float32 bytes, which a product of this many rows
+# amortises, while the block-by-block kernel's work grows with every row.
+DEQUANTIZE_ROWS = 32
+TILE_BYTES = 1 << 20   # a dequantized tile that stays in L2 while its product reads it
+BLOCK = 32                                    # values per block, in every type here
+Q4_0, Q4_1, Q8_0 = 2, 3, 8                    # GGMLQuantizationType values
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # d (+ m) and the quants
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def dequantize_ref(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 [N, K] from ``blocks`` (uint8 [N, K/32 * block bytes]), with gguf.quants'
+    operations in its order: Q4_0 ``d * (q - 8)``, Q4_1 ``(d * q) + m``, Q8_0 ``q * d``."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()       # [N, blocks, 1]
+    if qtype == Q8_0:
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
+    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)   # byte j: element j (low nibble), j + 16 (high)
+    if qtype == Q4_0:
+        return (d * (q.to(torch.int8) - 8).float()).reshape(rows, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q.float() + m).reshape(rows, -1)
+
+
+def _tiled_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows (a prefill chunk): W dequantized a tile of rows at a time into a reused buffer
+    of about TILE_BYTES, each tile one ``F.linear`` while it is still in cache. A whole float32
+    copy per call cost a prefill as much again: its writes, and page faults on fresh memory."""
+    rows, k = blocks.shape[0], x.shape[1]
+    tile = max(16, TILE_BYTES // (4 * k) // 16 * 16)
+    buf = _scratch(tile * k)
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    for n0 in range(0, rows, tile):
+        n1 = min(rows, n0 + tile)
+        w = buf[:(n1 - n0) * k].view(n1 - n0, k)
+        if library().quant_dequantize(qtype, blocks[n0:n1].data_ptr(), n1 - n0, k, w.data_ptr(),
+                                      torch.get_num_threads()) != 0:
+            raise ValueError(f"quant_linear: type {qtype} with {k} values per row is not supported")
+        out[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return out
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least ``numel`` values, grown as needed, kept."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_local.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """:func:`dequantize_ref`'s values, by the C kernel where it runs (MOONCAKE_KERNELS aside)."""
+    lib = library() if os.environ.get("MOONCAKE_KERNELS") != "ref" else None
+    if lib is None:
+        return dequantize_ref(blocks, qtype)
+    out = torch.empty(blocks.shape[0], cols, dtype=torch.float32)
+    if lib.quant_dequantize(qtype, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr(),
+                            torch.get_num_threads()) != 0:
+        raise ValueError(f"dequantize: type {qtype} with {cols} values per row is not supported")
+    return out
+
+
+def quant_linear_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize_ref(blocks, qtype).to(x.dtype), bias)
+
+
+def kernel_runs(x: torch.Tensor) -> bool:
+    """Whether :func:`quant_linear` runs the C kernel for activations like ``x``."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and os.environ.get("MOONCAKE_KERNELS") != "ref"
+            and library() is not None)
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] @ Wᵀ (+ ``bias``) → [..., N], W being ``blocks`` of ``qtype``."""
+    if not kernel_runs(x):
+        return quant_linear_ref(x, blocks, qtype, bias)
+    if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
+        with torch.profiler.record_function("quant_linear"):
+            return _kernel_linear(x, blocks, qtype, bias)
+    return _kernel_linear(x, blocks, qtype, bias)
+
+
+def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    flat = x.reshape(-1, k).contiguous()
+    rows = blocks.shape[0]
+    if flat.shape[0] > DEQUANTIZE_ROWS:
+        return _tiled_linear(flat, blocks, qtype, bias).reshape(*x.shape[:-1], rows)
+    out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
+    sums = torch.empty(flat.shape[0] * (k // BLOCK), dtype=torch.float32)   # the kernel's scratch
+    status = library().quant_matmul(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],
+                                    out.data_ptr(), sums.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"quant_linear: type {qtype} with {k} values per row is not supported")
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*x.shape[:-1], rows)

@@ -1,0 +1,235 @@
+/* x @ W^T with W in GGUF block formats (Q4_0, Q4_1, Q8_0), read as the file stores them.
+ *
+ * Each output row of W is K/32 blocks; a block is dequantized in registers into 32 float32
+ * values equal to gguf.quants' (the same operations and roundings: Q4_1 is (q*d) + m, two
+ * roundings, never fused), then multiplied into the activations with fused multiply-adds. The
+ * torch reference is kernels/quant_linear.py:quant_linear_ref. Built by kernels/quant_build.py.
+ */
+#include <stdint.h>
+#include <string.h>
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+typedef __m512 v16f;
+static inline v16f vzero(void) { return _mm512_setzero_ps(); }
+static inline v16f vbroadcast(float f) { return _mm512_set1_ps(f); }
+static inline v16f load16(const float *p) { return _mm512_loadu_ps(p); }
+static inline float hsum(v16f v) { return _mm512_reduce_add_ps(v); }
+static inline v16f fmadd(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16f u8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline v16f i8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+typedef __m128i bytes16;
+static inline bytes16 load_bytes(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+static inline bytes16 low_nibbles(bytes16 q) { return _mm_and_si128(q, _mm_set1_epi8(15)); }
+static inline bytes16 high_nibbles(bytes16 q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)); }
+static inline bytes16 minus8(bytes16 q) { return _mm_sub_epi8(q, _mm_set1_epi8(8)); }
+#else   /* portable: GCC vector types, which the compiler lowers to what the CPU has */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
+typedef int8_t s16 __attribute__((vector_size(16)));
+static inline v16f vzero(void) { return (v16f){0}; }
+static inline v16f vbroadcast(float f) { return (v16f){0} + f; }
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+static inline float hsum(v16f v) { float s = 0.0f; for (int i = 0; i < 16; i++) s += v[i]; return s; }
+static inline v16f fmadd(v16f a, v16f b, v16f c) { return a * b + c; }
+static inline v16f u8_to_f(bytes16 v) { v16f f; for (int i = 0; i < 16; i++) f[i] = (float)v[i]; return f; }
+static inline v16f i8_to_f(bytes16 v) { v16f f; for (int i = 0; i < 16; i++) f[i] = (float)(int8_t)v[i]; return f; }
+static inline bytes16 load_bytes(const uint8_t *p) { bytes16 v; memcpy(&v, p, 16); return v; }
+static inline bytes16 low_nibbles(bytes16 q) { return q & 15; }
+static inline bytes16 high_nibbles(bytes16 q) { return q >> 4; }
+static inline bytes16 minus8(bytes16 q) { return (bytes16)((s16)q - 8); }
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGMLQuantizationType values */
+#define MAX_TILE 8
+
+static inline float half(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* An optimisation barrier: the product is rounded on its own, as gguf.quants computes it, and
+ * not contracted with the following add into one fused multiply-add. (A 64-byte vector fits one
+ * register only with AVX-512; elsewhere the barrier goes through memory.) */
+static inline v16f rounded(v16f v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __asm__("" : "+v"(v));
+#else
+    __asm__("" : "+m"(v));
+#endif
+    return v;
+}
+
+static inline v16f scale(v16f v, float d) { return v * d; }
+
+/* The block's 32 values as two vectors: elements 0..15 and 16..31. */
+static inline __attribute__((always_inline)) void dequant(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
+    float d = half(blk);
+    if (qtype == Q8_0) {
+        *lo = scale(i8_to_f(load_bytes(blk + 2)), d);
+        *hi = scale(i8_to_f(load_bytes(blk + 18)), d);
+        return;
+    }
+    /* byte j holds element j (low nibble) and element j+16 (high nibble) */
+    bytes16 q = load_bytes(blk + (qtype == Q4_1 ? 4 : 2));
+    if (qtype == Q4_0) {
+        *lo = scale(i8_to_f(minus8(low_nibbles(q))), d);
+        *hi = scale(i8_to_f(minus8(high_nibbles(q))), d);
+    } else {
+        float m = half(blk + 2);
+        *lo = rounded(scale(u8_to_f(low_nibbles(q)), d)) + m;
+        *hi = rounded(scale(u8_to_f(high_nibbles(q)), d)) + m;
+    }
+}
+
+/* The block's quants as floats (Q4_0's already less 8), unscaled: lo = elements 0..15. */
+static inline __attribute__((always_inline)) void block_quants(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
+    if (qtype == Q8_0) {
+        *lo = i8_to_f(load_bytes(blk + 2));
+        *hi = i8_to_f(load_bytes(blk + 18));
+        return;
+    }
+    bytes16 q = load_bytes(blk + (qtype == Q4_1 ? 4 : 2));
+    if (qtype == Q4_0) {
+        *lo = i8_to_f(minus8(low_nibbles(q)));
+        *hi = i8_to_f(minus8(high_nibbles(q)));
+    } else {
+        *lo = u8_to_f(low_nibbles(q));
+        *hi = u8_to_f(high_nibbles(q));
+    }
+}
+
+/* One x row against rows [n, n+rows) of W as sum_j d_j * (q_j . x_j) + m_j * sum(x_j): the scale
+ * and minimum multiply once per block instead of once per value, which at one row (no reuse of a
+ * dequantized block) is most of the work. ``xsum`` holds sum(x_j) of each block of this x row. */
+static inline __attribute__((always_inline)) void row_product(
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        const float *xsum, int64_t n, int rows, float *out) {
+    v16f acc[4];
+    float msum[4] = {0};
+    for (int r = 0; r < rows; r++) acc[r] = vzero();
+    for (int64_t j = 0; j < nblk; j++) {
+        v16f xl = load16(x + j * 32), xh = load16(x + j * 32 + 16);
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *blk = w + (n + r) * row_bytes + j * bsize;
+            v16f lo, hi;
+            block_quants(qtype, blk, &lo, &hi);
+            acc[r] = fmadd(fmadd(hi, xh, lo * xl), vbroadcast(half(blk)), acc[r]);
+            if (qtype == Q4_1) msum[r] += half(blk + 2) * xsum[j];
+        }
+    }
+    for (int r = 0; r < rows; r++) out[n + r] = hsum(acc[r]) + msum[r];
+}
+
+/* Rows [b0, b0+tile) of x against rows [n, n+rows) of W. Each (row, x row) pair has two
+ * accumulators (the block's halves), so at least 8 independent multiply-add chains run at once
+ * when tile * rows >= 4: one chain per block would wait on the FMA latency. */
+static inline __attribute__((always_inline)) void tile_product(
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        int64_t k, int64_t b0, int tile, int64_t n, int rows, float *out, int64_t n_out) {
+    v16f acc[4][MAX_TILE][2];
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < tile; b++) acc[r][b][0] = acc[r][b][1] = vzero();
+    for (int64_t j = 0; j < nblk; j++) {
+        for (int r = 0; r < rows; r++) {
+            v16f lo, hi;
+            dequant(qtype, w + (n + r) * row_bytes + j * bsize, &lo, &hi);
+            for (int b = 0; b < tile; b++) {
+                const float *xb = x + (b0 + b) * k + j * 32;
+                acc[r][b][0] = fmadd(lo, load16(xb), acc[r][b][0]);
+                acc[r][b][1] = fmadd(hi, load16(xb + 16), acc[r][b][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < tile; b++) out[(b0 + b) * n_out + n + r] = hsum(acc[r][b][0] + acc[r][b][1]);
+}
+
+#define PRODUCT(T, R) tile_product(qtype, w, row_bytes, nblk, bsize, x, k, b0, T, n, R, out, n_rows)
+
+/* x rows [b0, b0+tile) against W rows [n, n+4) (or fewer at the end): constant shapes, so each
+ * unrolls with its accumulators in registers. */
+static inline __attribute__((always_inline)) void group_product(
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        const float *xsum, int64_t k, int64_t b0, int64_t tile, int64_t n, int64_t rows, float *out,
+        int64_t n_rows) {
+    if (tile == 1) {
+        const float *xb = x + b0 * k, *sb = xsum + b0 * nblk;
+        if (rows == 4) row_product(qtype, w, row_bytes, nblk, bsize, xb, sb, n, 4, out + b0 * n_rows);
+        else for (int64_t r = 0; r < rows; r++)
+            row_product(qtype, w, row_bytes, nblk, bsize, xb, sb, n + r, 1, out + b0 * n_rows);
+        return;
+    }
+    if (rows == 4) {
+        switch (tile) {
+            case 2: PRODUCT(2, 4); return;
+            case 3: PRODUCT(3, 2); n += 2; PRODUCT(3, 2); return;
+            case 4: PRODUCT(4, 2); n += 2; PRODUCT(4, 2); return;
+            default: break;
+        }
+    }
+    for (int64_t r = 0; r < rows; r++, n++) {
+        switch (tile) {
+            case 2: PRODUCT(2, 1); break;
+            case 3: PRODUCT(3, 1); break;
+            case 4: PRODUCT(4, 1); break;
+            case 5: PRODUCT(5, 1); break;
+            case 6: PRODUCT(6, 1); break;
+            case 7: PRODUCT(7, 1); break;
+            default: PRODUCT(8, 1); break;
+        }
+    }
+}
+
+static int64_t block_bytes(int qtype) {
+    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+}
+
+/* out[B, N] = x[B, K] @ W[N, K]^T, W being N rows of K/32 blocks of ``qtype``. ``xsum`` is scratch
+ * for B * K/32 floats. Returns 0, or -1 for a type it does not know or K not a multiple of 32. */
+int quant_matmul(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, const float *x,
+                 int64_t batch, float *out, float *xsum, int threads) {
+    int64_t bsize = block_bytes(qtype);
+    if (bsize == 0 || k % 32) return -1;
+    int64_t nblk = k / 32, row_bytes = nblk * bsize, groups = (n_rows + 3) / 4;
+    for (int64_t i = 0; i < batch * nblk; i++) {
+        float s = 0.0f;
+        for (int e = 0; e < 32; e++) s += x[i * 32 + e];
+        xsum[i] = s;
+    }
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t n = g * 4, rows = n_rows - n < 4 ? n_rows - n : 4;
+        for (int64_t b0 = 0; b0 < batch; b0 += MAX_TILE) {
+            int64_t tile = batch - b0 < MAX_TILE ? batch - b0 : MAX_TILE;
+            switch (qtype) {   /* a constant type, so the block loop does not branch on it */
+                case Q4_0: group_product(Q4_0, w, row_bytes, nblk, 18, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+                case Q4_1: group_product(Q4_1, w, row_bytes, nblk, 20, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+                default: group_product(Q8_0, w, row_bytes, nblk, 34, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[N, K] = W dequantized: gguf.quants' values, for products with many rows (a prefill), which
+ * run faster as one float32 matmul on this copy than block by block. */
+int quant_dequantize(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, float *out, int threads) {
+    int64_t bsize = block_bytes(qtype);
+    if (bsize == 0 || k % 32) return -1;
+    int64_t nblk = k / 32, total = n_rows * nblk;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t i = 0; i < total; i++) {
+        v16f lo, hi;
+        switch (qtype) {
+            case Q4_0: dequant(Q4_0, w + i * bsize, &lo, &hi); break;
+            case Q4_1: dequant(Q4_1, w + i * bsize, &lo, &hi); break;
+            default: dequant(Q8_0, w + i * bsize, &lo, &hi); break;
+        }
+        memcpy(out + i * 32, &lo, 64);
+        memcpy(out + i * 32 + 16, &hi, 64);
+    }
+    return 0;
+}

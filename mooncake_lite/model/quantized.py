@@ -1,0 +1,75 @@
+"""Weights kept in a GGUF file's own quantization (Q4_0, Q4_1, Q8_0) instead of dequantized.
+
+A :class:`QuantizedWeight` holds a projection's rows as the file's blocks (4.5 to 8.5 bits a
+weight instead of 32) and computes with them (``kernels.quant_linear``); ``linear()`` runs it
+where a plain or oneDNN-packed weight would run, and the model's own ``nn.Linear`` weight is
+then a shape on the ``meta`` device, as after ``Transformer.pack_``. :class:`QuantizedEmbedding`
+looks rows up in the same blocks, so a head tied to the embedding reads one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.quant_linear import BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear
+
+
+class QuantizedWeight:
+    """``rows`` × ``cols`` values as ``blocks`` (uint8 [rows, cols / 32 * block bytes]) of one
+    GGML type; rows may be reordered and stacked without dequantizing."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, cols: int):
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"no compact form for GGML type {qtype}")
+        if cols % BLOCK or blocks.dtype != torch.uint8 or blocks.shape[1] != cols // BLOCK * BLOCK_BYTES[qtype]:
+            raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks do not hold {cols} "
+                             f"{TYPE_NAMES[qtype]} values per row")
+        self.blocks, self.qtype, self.cols = blocks, qtype, cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * BLOCK_BYTES[self.qtype] / BLOCK
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant_linear(x, self.blocks, self.qtype, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], equal to gguf.quants' values."""
+        return dequantize_ref(self.blocks, self.qtype)
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 values of rows ``ids`` (an embedding lookup), dequantizing only those."""
+        return dequantize_ref(self.blocks.index_select(0, ids.reshape(-1)), self.qtype).reshape(*ids.shape, self.cols)
+
+    @staticmethod
+    def stack(weights: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """One weight holding ``weights``' rows in order (fused projections); all of one type and width."""
+        first = weights[0]
+        if any(w.qtype != first.qtype or w.cols != first.cols for w in weights):
+            raise ValueError("stacked weights must share their type and width")
+        return QuantizedWeight(torch.cat([w.blocks for w in weights]), first.qtype, first.cols)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept as ``weight``'s blocks: a lookup dequantizes the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.quantized, self.dtype = weight, dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.quantized.take_rows(token_ids).to(self.dtype)

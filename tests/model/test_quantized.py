@@ -1,0 +1,115 @@
+"""A GGUF's quantized weights kept as its blocks (``--weights quantized``, the default): the real
+default model holds its Q4_1 layers and Q8_0 embedding/head compact, computes on values equal to
+the dequantized path's bit for bit, and answers the 20 chat prompts of the end-to-end test with
+the dequantized path's greedy tokens; ``--weights dequantize`` keeps today's float32 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant_build import library
+from mooncake_lite.model.gguf_file import compact_weight_bytes, read_meta
+from mooncake_lite.model.kv_cache import blocks_needed
+from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.tokenizer import load_tokenizer
+from mooncake_lite.model.weights import build_model
+from tests.real_model import SMOLLM, needs_smollm, smollm_path
+
+pytestmark = [needs_smollm, pytest.mark.skipif(library() is None, reason="no C compiler: nothing stays compact")]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # small products on a shared box (docs/model.md, "Threads on a shared box")
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    with torch.inference_mode():
+        return build_model(SMOLLM), build_model(SMOLLM, weights="dequantize")
+
+
+@pytest.fixture(scope="module")
+def float_packed():
+    """The dequantized model as a decode instance runs it: on oneDNN-packed weights where they exist."""
+    with torch.inference_mode():
+        return build_model(SMOLLM, weights="dequantize").pack_()
+
+
+def compact_parts(model) -> list[QuantizedWeight]:
+    parts = {id(p): p for b in model.layers.values() for p in [*b.attention.packs.values(), *b.feed_forward.packs.values()]}
+    parts[id(model.output_pack)] = model.output_pack
+    return list(parts.values())
+
+
+def test_the_default_model_keeps_its_blocks_and_the_plan_counts_them(models):
+    q, _ = models
+    parts = compact_parts(q)
+    assert all(isinstance(p, QuantizedWeight) for p in parts) and len(parts) == 4 * 30 + 1
+    assert {p.type_name for p in parts} == {"Q4_1", "Q8_0"} and q.output_pack.type_name == "Q8_0"
+    assert isinstance(q.tok_embeddings, QuantizedEmbedding) and q.tok_embeddings.quantized is q.output_pack
+    held = sum(p.nbytes for p in parts) + sum(p.numel() * p.element_size() for p in q.parameters()
+                                              if p.device.type != "meta")
+    assert held == compact_weight_bytes(read_meta(smollm_path()), 4)[0]   # what `mooncake up` plans with
+    assert held < 100e6 < 500e6 < sum(p.numel() * 4 for p in q.parameters())
+
+
+def test_compact_values_equal_the_dequantized_models(models):
+    """Fused and row-reordered (llama.cpp's q/k order undone) without changing a value."""
+    q, d = models
+    for layer in ("0", "17", "29"):
+        qa, da = q.layers[layer].attention, d.layers[layer].attention
+        qf, df = q.layers[layer].feed_forward, d.layers[layer].feed_forward
+        assert torch.equal(qa.packs["qkv"].dequantize(), da.qkv[0])
+        assert torch.equal(qa.packs["wo"].dequantize(), da.wo.weight)
+        assert torch.equal(qf.packs["gate_up"].dequantize(), df.gate_up)
+        assert torch.equal(qf.packs["w2"].dequantize(), df.w2.weight)
+    ids = torch.tensor([0, 5, 49151, 1234])
+    assert torch.equal(q.tok_embeddings(ids), d.tok_embeddings(ids))
+    assert torch.equal(q.output_pack.dequantize(), d.output.weight)
+
+
+def test_dequantize_keeps_the_float_model_and_it_still_packs(models, float_packed):
+    _, d = models
+    assert not d.packed and isinstance(d.tok_embeddings, torch.nn.Embedding)
+    assert float_packed.packed == torch.backends.mkldnn.is_available()
+    assert not any(isinstance(p, QuantizedWeight) for b in float_packed.layers.values() for p in b.attention.packs.values())
+
+
+def greedy_batch(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of every prompt, decoded together: one decode step for all of them, as a
+    decode instance batches its sequences (the block kernel's many-row path)."""
+    per_seq = blocks_needed(max(map(len, prompts)) + steps, runner.block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    out = [[int(runner.prefill(ids, table, 0).argmax())] for ids, table in zip(prompts, tables)]
+    for _ in range(steps - 1):
+        logits = runner.decode([t[-1] for t in out], tables, [len(p) + len(t) - 1 for p, t in zip(prompts, out)])
+        for tokens, row in zip(out, logits):
+            tokens.append(int(row.argmax()))
+    return out
+
+
+def until_stop(tokens: list[int], stops: tuple[int, ...]) -> list[int]:
+    ends = [i for i, t in enumerate(tokens) if t in stops]
+    return tokens[:ends[0] + 1] if ends else tokens
+
+
+def test_greedy_tokens_on_the_twenty_prompts_equal_the_dequantized_path(models, float_packed):
+    """The chat prompts of tests/pd/test_real_model.py, 24 tokens each (up to the end of the
+    turn), the compact model against the dequantized one as a decode instance runs it."""
+    from tests.pd.test_real_model import PROMPTS
+    tok = load_tokenizer(SMOLLM, models[0].args.vocab_size)
+    prompts = [tok.encode(tok.chat_template.render([{"role": "user", "content": text}], add_generation_prompt=True),
+                          add_special_tokens=False) for text in PROMPTS]
+    assert len(prompts) == 20
+    with torch.inference_mode():
+        ours, ref = (greedy_batch(ModelRunner(m, num_blocks=20 * 8, block_size=16), prompts, MAX_TOKENS)
+                     for m in (models[0], float_packed))
+    stops = tok.eos_token_ids
+    assert [until_stop(t, stops) for t in ours] == [until_stop(t, stops) for t in ref]
