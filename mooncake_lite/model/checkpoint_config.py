@@ -55,10 +55,6 @@ def _check_supported(cfg: dict, path: str) -> None:
     if model_type != "qwen2" and cfg.get("attention_bias"):
         problems.append(f"attention_bias ({'LLaMA' if model_type in ('llama', 'mistral') else model_type} "
                         "puts a bias on o_proj too)")
-    if cfg.get("quantization_config"):   # e.g. DeepSeek-V3's and Kimi-K2's published fp8 block-scaled weights
-        quant = cfg["quantization_config"]
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        problems.append(f"quantization_config (quant_method {method!r}; only unquantized weights load)")
     rope_key, rope = rope_params(cfg)
     rope_types = MLA_ROPE_TYPES if model_type in DEEPSEEK_TYPES else ROPE_TYPES
     if rope_type(rope) not in rope_types:
