@@ -44,6 +44,8 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # The grammar the output must match, as llguidance grammar text (model/grammar.py); None: free.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)

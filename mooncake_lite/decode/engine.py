@@ -29,6 +29,7 @@ from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEv
 from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
+from mooncake_lite.model.grammar import GrammarState, apply_masks
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams, make_generator, sample, skip_draw
 
@@ -76,6 +77,7 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     events: asyncio.Queue
+    grammar: GrammarState | None = None   # its structured output's grammar (model/grammar.py)
     span: Any = None               # decode.request (tracing on): the parent of this request's spans
     steps_span: Any = None         # decode.steps: joined → finished, one span for all its steps
     num_steps: int = 0             # counted only while traced
@@ -116,6 +118,7 @@ class DecodeEngine:
         if req.transfer_id in self.pending:
             raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
         s = req.sampling
+        grammar = self._grammar(s.grammar)   # before reserving: a grammar that fails costs nothing
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                 max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
         admission = None if span is None else tracing.start_span(
@@ -135,9 +138,16 @@ class DecodeEngine:
         generator = make_generator(params, self.runner.device)
         if generator is not None:   # prefill drew the first token: continue where it left off
             skip_draw(generator, self.runner.args.vocab_size)
-        state = RequestState(params, generator, asyncio.Queue(), span=span)
+        state = RequestState(params, generator, asyncio.Queue(), grammar, span=span)
         self.requests[req.request_id] = state
         return state.events
+
+    def _grammar(self, text: str | None) -> GrammarState | None:
+        if text is None:
+            return None
+        if self.runner.grammars is None:
+            raise ValueError("this instance was built without grammars; it cannot serve a structured output")
+        return self.runner.grammars.start(text)
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
         """Stop a request in any state and free its KV. False if it is not here (any more)."""
@@ -359,6 +369,9 @@ class DecodeEngine:
             state = self.requests.get(out.request_id)
             if state is None:
                 continue
+            if state.grammar is not None and state.grammar.error is not None:   # not a token it allows
+                self.abort(out.request_id, "error", state.grammar.error)
+                continue
             state.events.put_nowait(TokenEvent(token=out.token))
             if state.steps_span is not None:
                 state.num_steps += 1
@@ -368,6 +381,14 @@ class DecodeEngine:
 
     def _compute(self, plan: StepPlan, samplers: list[RequestState | None]) -> list[int]:
         logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
+        grammars = [None if s is None else s.grammar for s in samplers]
+        if any(g is not None for g in grammars):
+            # Each constrained sequence's grammar takes its input token (sampled last step, or by
+            # the prefill: token 1), then masks what may follow; the others' rows stay as they are.
+            for g, token in zip(grammars, plan.token_ids):
+                if g is not None:
+                    g.advance(token)
+            apply_masks(logits, grammars)
         greedy = torch.argmax(logits, dim=-1).tolist()
         return [greedy[i] if s is None or s.params.is_greedy else sample(logits[i], s.params, s.generator)
                 for i, s in enumerate(samplers)]

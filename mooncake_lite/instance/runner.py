@@ -10,6 +10,7 @@ import torch
 from mooncake_lite.common.config import require
 from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.model.args import dtype_bytes
+from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 
@@ -51,4 +52,5 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     # One line tests and operators can read: what this process actually got.
     log.info("model %s: torch threads %d on cpus %s; KV cache %d blocks of %d tokens", cfg.model, threads,
              ",".join(map(str, allowed)) if allowed else "any", num_blocks, cfg.block_size)
-    return ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size)
+    return ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size,
+                       grammars=Grammars(cfg.model, args.vocab_size))

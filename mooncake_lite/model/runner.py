@@ -11,14 +11,16 @@ from collections.abc import Sequence
 
 import torch
 
+from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int):
+    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int, grammars: Grammars | None = None):
         param = next(model.parameters())
         self.model = model
+        self.grammars = grammars   # requests' structured-output grammars (model/grammar.py)
         self.args = model.args
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size

@@ -17,7 +17,7 @@ from mooncake_lite.common.protocol import PrefillResult
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted
-from mooncake_lite.prefill.results import request_params, tell_first
+from mooncake_lite.prefill.results import first_logits, request_params, tell_first
 from mooncake_lite.prefill.turns import QueuedJob
 from mooncake_lite.scheduler.costs import pack_sizes
 
@@ -113,7 +113,8 @@ class Packing:
                 for row, ((i, job, sender, _), error) in enumerate(zip(live, failed)):
                     if error is None:   # every member's token 1 out before any END is answered
                         req = pack[i].req
-                        firsts[i] = sample(out[row], request_params(req),
+                        logits = first_logits(self.stage.runner, out[row], req.sampling.grammar)
+                        firsts[i] = sample(logits, request_params(req),
                                            make_generator(request_params(req), out.device))
                         tell_first(pack[i], self._result(req, job, sender, pack[i].num_prefix_tokens,
                                                          firsts[i], t0, count=False))

@@ -34,7 +34,7 @@ import torch
 from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
-from mooncake_lite.prefill.results import sampling_params
+from mooncake_lite.prefill.results import first_logits, sampling_params
 from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame
@@ -261,7 +261,8 @@ class StageServer(FrameHandler):
             await work.worker
             if self.next is None:
                 params = sampling_params(work.sampling)
-                first = sample(work.logits, params, make_generator(params, work.logits.device))
+                logits = first_logits(self.stage.runner, work.logits, work.sampling.get("grammar"))
+                first = sample(logits, params, make_generator(params, work.logits.device))
                 await self.stage.finish(work.job, first)
             else:
                 await self.stage.finish(work.job, None)

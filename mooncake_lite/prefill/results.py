@@ -1,5 +1,5 @@
 """What a prefill request's serving needs on either path, one request (``service.py``) or a pack
-(``packs.py``): its sampling parameters, and its result handed out (the first token as soon as it
+(``packs.py``): its sampling parameters and token 1's logits under its grammar, and its result handed out (the first token as soon as it
 is sampled, with the queue's part of its timings). Kept below both so neither imports the other.
 """
 
@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
+from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.prefill.turns import QueuedJob
 
@@ -35,6 +38,15 @@ def tell_first(job: QueuedJob, result: PrefillResult) -> None:
 
 def request_params(req: PrefillRequest) -> SamplingParams:
     return sampling_params(dataclasses.asdict(req.sampling))
+
+
+def first_logits(runner: ModelRunner, logits: torch.Tensor, grammar: str | None) -> torch.Tensor:
+    """Token 1's logits under the request's grammar, if it has one (``model/grammar.py``)."""
+    if grammar is None:
+        return logits
+    if runner.grammars is None:
+        raise ValueError("this instance was built without grammars; it cannot serve a structured output")
+    return runner.grammars.first_logits(logits, grammar)
 
 
 def sampling_params(s: dict) -> SamplingParams:

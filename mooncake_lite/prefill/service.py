@@ -29,7 +29,7 @@ from mooncake_lite.model.sampling import make_generator, sample
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
 from mooncake_lite.prefill.packs import Packing
-from mooncake_lite.prefill.results import annotate, request_params, tell_first
+from mooncake_lite.prefill.results import annotate, first_logits, request_params, tell_first
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
 from mooncake_lite.transfer.client import RemoteError, split_address
@@ -232,7 +232,8 @@ class PrefillService(TurnTaking, Packing):
                     if self.downstream is not None:
                         await self.downstream.send_chunk(req.request_id, start, out)
             if self.downstream is None:
-                first = sample(out, request_params(req), make_generator(request_params(req), out.device))
+                logits = first_logits(self.stage.runner, out, req.sampling.grammar)
+                first = sample(logits, request_params(req), make_generator(request_params(req), out.device))
                 tell_first(queued, self._result(req, job, sender, prefix, first, t0, count=False))
                 await self.stage.finish(job, first)
             else:

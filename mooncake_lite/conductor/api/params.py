@@ -16,6 +16,8 @@ from typing import Any
 from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.api.reasoning import opens_reasoning
+from mooncake_lite.conductor.api.structured import Constraint, output_rules
+from mooncake_lite.conductor.api.tools import ToolUse, message_fields, template_messages
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 
@@ -35,6 +37,8 @@ class ApiRequest:
     include_usage: bool
     return_token_ids: bool = False
     opens_reasoning: bool = False  # the rendered chat prompt ends in "<think>" (api/reasoning.py)
+    tools: ToolUse | None = None   # its tools and tool_choice (api/tools.py)
+    constraint: Constraint | None = None   # the grammar its answer must match (api/structured.py)
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,18 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
 
 
 def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int,
-              template_kwargs: dict[str, Any] | None = None) -> tuple[tuple[int, ...], bool]:
+              template_kwargs: dict[str, Any] | None = None, tools: ToolUse | None = None,
+              tool_parser: str = "hermes") -> tuple[tuple[int, ...], bool]:
     """The conversation in the checkpoint's own chat format, and whether that format opened a
     reasoning block for the answer (``reasoning.opens_reasoning``). The rendered template already
     holds every special token the model expects (BOS included), so encoding adds none."""
     template = tokenizer.chat_template
+    messages = template_messages(messages, tools, template.source if template else None, tool_parser)
     if template is None:
         return _encode(tokenizer, chat_prompt(messages), max_context), False
     try:
-        text = template.render(messages, add_generation_prompt=True, extra=template_kwargs)
+        text = template.render(messages, add_generation_prompt=True, extra=template_kwargs,
+                               tools=list(tools.specs) if tools else None)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     return _encode(tokenizer, text, max_context, add_special_tokens=False), opens_reasoning(text)
@@ -96,7 +103,7 @@ def check_text_fits(tokenizer: Tokenizer, text: str, max_context: int) -> None:
 
 
 def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: Tokenizer,
-                  vocab_size: int, max_context: int) -> ApiRequest:
+                  vocab_size: int, max_context: int, tool_parser: str = "hermes") -> ApiRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -105,8 +112,10 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     opened = False
+    tools, constraint = output_rules(body, kind, tool_parser)
     if kind == "chat":
-        prompt_ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
+        prompt_ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer),
+                                       tools, tool_parser)
     else:
         prompt_ids = _prompt_ids(body, tokenizer, vocab_size, max_context)
     if not prompt_ids:
@@ -120,12 +129,14 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
                           f"prompt or the completion.", "max_tokens" if len(prompt_ids) < max_context else "prompt")
     sampling = Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                         top_p=_top_p(body), seed=_seed(body),
-                        stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size))
+                        stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size),
+                        grammar=constraint.grammar if constraint is not None else None)
     stream, include_usage = _stream(body)
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
-    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened)
+    return ApiRequest(kind, model, prompt_ids, sampling, _stop(body), stream, include_usage, return_ids, opened,
+                      tools, constraint)
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -164,7 +175,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with 'role' one of {', '.join(CHAT_ROLES)}",
                               "messages")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        out.append(message_fields(m, i, _content(m.get("content"), i)))
     return out
 
 
@@ -224,7 +235,7 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int, max_context: 
 
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-               "logit_bias", "tools", "functions", "response_format")
+               "logit_bias", "functions")
 
 
 def _check_n(body: dict) -> None:

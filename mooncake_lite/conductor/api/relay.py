@@ -21,6 +21,7 @@ from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.api.reasoning import ThinkSplitter, split_whole
 from mooncake_lite.conductor.api.state import ApiState
 from mooncake_lite.conductor.api.text import TextStream
+from mooncake_lite.conductor.api.tool_parser import ToolCallStream, parse_whole
 from mooncake_lite.conductor.flight.flight import Flight
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class Relay:
         self.st, self.req, self.flight, self.arrival, self.tenant = st, req, flight, arrival, tenant
         self.text = TextStream(st.tokenizer, req.stop)
         self.thinking = ThinkSplitter(req.opens_reasoning) if st.reasoning and req.kind == "chat" else None
+        use = req.tools   # tool calls parsed out of the answer (tool_parser.py), unless tool_choice none
+        self.calls = ToolCallStream(use.parser) if use is not None and use.choice != "none" else None
         self.created = int(time.time())
         self.outcome = "ok"
         self.is_text_stopped = False
@@ -124,6 +127,11 @@ class Relay:
             if self.thinking is not None:   # as vLLM: null for a part the answer does not have
                 reasoning, content = split_whole(text, self.req.opens_reasoning)
                 message["content"], message["reasoning_content"] = content or None, reasoning
+            if self.calls is not None:
+                message["content"], calls = parse_whole(text, self.calls.parser)
+                if calls:
+                    message["tool_calls"] = [c.message() for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             body = {**base, "object": "chat.completion", "choices": [choice]}
         else:
@@ -162,7 +170,10 @@ class Relay:
             return resp
         pending += self._delta_chunks(None)   # what the reasoning split held back as a possible tag
         self._finish_metrics()
-        pending.append(_sse(self._chunk(None, self.flight.finish_reason)))
+        reason = self.flight.finish_reason
+        if self.calls is not None and self.calls.calls and reason == "stop":
+            reason = "tool_calls"
+        pending.append(_sse(self._chunk(None, reason)))
         if self.req.include_usage:
             pending.append(_sse(self._envelope([], usage=self._usage())))
         # The tail, [DONE] and the end of the chunked body in one write (one syscall).
@@ -172,6 +183,8 @@ class Relay:
     def _delta_chunks(self, delta: str | None) -> list[bytes]:
         """The SSE chunks of one text delta: one of content, or with --reasoning-parser think
         up to two (reasoning, then content); ``None``: the splitter's held-back end."""
+        if self.calls is not None:
+            return [_sse(self._chunk(d, None)) for d in (self.calls.finish() if delta is None else self.calls.feed(delta))]
         if self.thinking is None:
             return [_sse(self._chunk(delta, None))] if delta else []
         reasoning, content = self.thinking.flush() if delta is None else self.thinking.feed(delta)

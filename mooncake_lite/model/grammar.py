@@ -1,0 +1,176 @@
+"""Constrained decoding: the grammar a request's output must match, applied as a token mask.
+
+The grammar library is llguidance (issue #32): it has no dependencies (xgrammar pulls in triton
+and pydantic), bounds every compile and every mask step by fuel (``LIMITS``) instead of running
+until done, and drops the GIL while it works. A grammar travels between roles as llguidance's own
+grammar text (JSON, never pickle), built by the conductor (``conductor/api/structured.py``).
+
+State crosses the prefill/decode split without being sent: the prefill masks token 1 with a fresh
+matcher; the decode starts its own from the same text and advances it by each step's input token
+(the one sampled before), so its state is exactly the prefill's after token 1, then after each
+token it sampled itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CHECK_STEPS = 48         # masks a new grammar's check walks (see check)
+NUM_CACHED = 64          # compiled grammars kept per process (least recently used goes first)
+# Fuel for building the lexer and for one mask step: a hostile regex or schema fails (or ends)
+# fast instead of running long. llguidance's default initial fuel (1M) lets (a{1000}){1000} take
+# 5 s on this CPU; 100k takes it 0.2 s, and a 30-field schema with a 1,000-value enum 0.02 s.
+LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+          "max_lexer_states": 50_000, "max_grammar_size": 200_000}
+
+
+class GrammarError(ValueError):
+    """The grammar text does not compile (the library's message says why)."""
+
+
+def _limits():
+    import llguidance
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+@functools.lru_cache(maxsize=4)
+def ll_tokenizer(model: str, vocab_size: int):
+    """llguidance's view of ``model``'s tokenizer (~0.4 s to build: once per process)."""
+    import llguidance
+    from mooncake_lite.model.tokenizer import load_tokenizer
+    tok = load_tokenizer(model, vocab_size)
+    spec = getattr(tok, "tokenizer_json", None)
+    if spec is not None:
+        return llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(tok.eos_token_ids))
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tok, vocab_size)))
+
+
+class _ByteVocab:
+    """A byte-level preset's vocabulary as llguidance reads one: ids 0..255 are the bytes, BOS
+    and EOS special, higher (dummy) ids spell nothing."""
+
+    def __init__(self, tok: Any, vocab_size: int) -> None:
+        self.eos_token_id = tok.eos_token_id
+        self.bos_token_id = tok.bos_token_id
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"] + [b""] * (vocab_size - 258)
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def check(grammar: str, model: str, vocab_size: int, num_steps: int = CHECK_STEPS) -> str | None:
+    """Why ``grammar`` does not compile against ``model``'s vocabulary, or None if it does. The
+    lexer is built lazily, as masks are computed, so a hostile regex (``(a{1000}){1000}``, or
+    ``x{999}`` deep in a pattern) runs out of fuel only then: the check walks ``num_steps`` masks
+    down the grammar too, taking a random allowed token each step (seeded: the same verdict
+    every time). A grammar that still fails later ends its request with an error, not a stop."""
+    import random
+
+    import llguidance
+    import numpy
+    matcher = llguidance.LLMatcher(ll_tokenizer(model, vocab_size), grammar, log_level=0, limits=_limits())
+    rng = random.Random(0)
+    for _ in range(num_steps):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        bits = numpy.frombuffer(matcher.compute_bitmask(), dtype=numpy.uint8)
+        allowed = numpy.flatnonzero(numpy.unpackbits(bits, bitorder="little")[:vocab_size])
+        if matcher.is_error() or not len(allowed):
+            break
+        matcher.consume_token(int(allowed[rng.randrange(len(allowed))]))
+    return matcher.get_error() if matcher.is_error() else None
+
+
+class Grammars:
+    """One process's compiled grammars for one model: a bounded LRU of fresh matchers, copied
+    for each request (a deep copy is a fraction of a compile)."""
+
+    def __init__(self, model: str, vocab_size: int) -> None:
+        self.model, self.vocab_size = model, vocab_size
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()     # the decode's loop and model thread both start matchers
+
+    def start(self, grammar: str) -> GrammarState:
+        """A matcher at the grammar's start; GrammarError if the text does not compile."""
+        with self._lock:
+            matcher = self._cache.get(grammar)
+            if matcher is not None:
+                self._cache.move_to_end(grammar)
+        if matcher is None:
+            import llguidance
+            matcher = llguidance.LLMatcher(ll_tokenizer(self.model, self.vocab_size), grammar, log_level=0,
+                                           limits=_limits())
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+            with self._lock:
+                self._cache[grammar] = matcher
+                while len(self._cache) > NUM_CACHED:
+                    self._cache.popitem(last=False)
+        return GrammarState(matcher.deep_copy())
+
+    def first_logits(self, logits: torch.Tensor, grammar: str | None) -> torch.Tensor:
+        """Token 1's logits row (the prefill's), masked by a fresh matcher of ``grammar``."""
+        if grammar is None:
+            return logits
+        state = self.start(grammar)
+        masked = apply_masks(logits.unsqueeze(0), [state])[0]
+        if state.error is not None:
+            raise GrammarError(state.error)
+        return masked
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.error: str | None = None   # set once the grammar fails: its sequence must end, as an error
+
+    @property
+    def is_broken(self) -> bool:
+        return self.error is not None
+
+    def advance(self, token: int) -> None:
+        """The sequence took ``token`` (under the mask it is one the grammar allows)."""
+        if self.is_broken or self.matcher.is_stopped():
+            return
+        if not self.matcher.consume_token(token):
+            self._fail(f"it refused token {token}")
+
+    def _fail(self, what: str) -> None:
+        # A step past the fuel (a lexer blowing up deep into an answer) or a refused token: the
+        # batch goes on, and the caller ends this sequence with an error instead of a "stop".
+        self.error = f"the grammar failed: {what}: {self.matcher.get_error()}"
+        log.warning("%s", self.error)
+
+
+def apply_masks(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
+    """``logits`` ([batch, vocab]) with every token a row's grammar forbids at -inf (in place);
+    rows whose state is None are left as they are."""
+    rows = [i for i, s in enumerate(states) if s is not None and not s.is_broken]
+    if not rows:
+        return logits
+    import torch   # here, not above: the conductor's compile checker imports this module without it
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32
+    bits = torch.zeros((len(rows), words), dtype=torch.int32)
+    for k, i in enumerate(rows):
+        m = states[i].matcher
+        m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
+        if m.is_error():
+            states[i]._fail("computing its mask")
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
