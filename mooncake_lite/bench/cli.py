@@ -29,6 +29,8 @@ BENCHES = {
     "chaos": ("chaos.cli", "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, "
                            "recovery, leaks"),
     "prefix-load": ("pd.prefix_load", "a prefill's prefix load from a store (shm or TCP): every layer, no compute"),
+    "structured": ("model.structured", "constrained decoding: grammar work per token vs the decode step at "
+                                       "batch 1 and 16, a 20-field schema's compile"),
     "kv-compression": ("model.kv_compression", "int8/fp8 KV blocks: token agreement, logit error, bytes, store "
                                                "capacity, sim hit rate/TTFT"),
 }

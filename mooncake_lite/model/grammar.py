@@ -156,21 +156,28 @@ class GrammarState:
 
 def apply_masks(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
     """``logits`` ([batch, vocab]) with every token a row's grammar forbids at -inf (in place);
-    rows whose state is None are left as they are."""
+    rows whose state is None (or failed) are left as they are."""
     rows = [i for i, s in enumerate(states) if s is not None and not s.is_broken]
     if not rows:
         return logits
+    import numpy
     import torch   # here, not above: the conductor's compile checker imports this module without it
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
-    bits = torch.zeros((len(rows), words), dtype=torch.int32)
+    bits = numpy.zeros((len(rows), words), dtype=numpy.int32)
     for k, i in enumerate(rows):
         m = states[i].matcher
-        m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
+        m.unsafe_compute_mask_ptr(bits[k].ctypes.data, words * 4)
         if m.is_error():
             states[i]._fail("computing its mask")
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    # Bits to a [rows, vocab] boolean in numpy (a byte-wise unpack), written into the rows in
+    # place: on this CPU several times cheaper than torch's shift-and-mask over 32x the bits.
+    forbidden = numpy.unpackbits(bits.view(numpy.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        array = logits.numpy()
+        for k, i in enumerate(rows):
+            array[i][forbidden[k]] = -numpy.inf
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
     return logits

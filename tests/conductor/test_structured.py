@@ -61,6 +61,7 @@ def test_each_form_becomes_a_grammar_on_the_wire():
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_a_malformed_request_is_a_400_naming_its_field(extra, field):
     assert refused(**extra).param == field

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from typing import Any
 from mooncake_lite.conductor.api.errors import bad_request, short
 from mooncake_lite.conductor.api.tools import ToolUse, call_grammar, parse_tools
 
-COMPILE_TIMEOUT_S = 0.8           # a grammar not compiled by then is refused (400), its child killed
+COMPILE_TIMEOUT_S = 0.8           # CPU seconds: a grammar not compiled by then is refused (400), its child killed
+MAX_WAIT_S = 10.0                 # and the wall clock's bound, however busy the machine
 CHILD_MEMORY_BYTES = 4 << 30      # the checking child's address space
 STARTUP_TIMEOUT_S = 120.0         # the child's imports and vocabulary, on a loaded machine
 NUM_CHECKED = 1024                # grammars whose verdict is remembered
 JSON_OPTIONS = {"whitespace_flexible": False}
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Constraint:
 def output_rules(body: dict, kind: str, tool_parser: str) -> tuple[ToolUse | None, Constraint | None]:
     """A request's tools (chat only) and the grammar its answer must match: its structured output,
     or the tool call ``tool_choice`` ``required`` or a named function forces."""
+    for key in GUIDED:   # vLLM's older fields: refused, not ignored
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}' is not supported; use 'structured_outputs' or 'response_format'", key)
     if kind != "chat":
         for key in ("tools", "tool_choice"):
             if body.get(key) is not None:
@@ -181,11 +187,16 @@ class GrammarChecker:
     async def _compile(self, grammar: str) -> str:
         child = await self._started()
         child.stdin.write(json.dumps(grammar).encode() + b"\n")
-        try:
-            line = await asyncio.wait_for(child.stdout.readline(), COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            await self.close()
-            return f"it did not compile within {COMPILE_TIMEOUT_S:g} s (too complex)"
+        # The limit is the child's CPU time, not the wall clock: on a busy machine a benign
+        # grammar may wait its turn for a CPU, while a hostile one burns its budget and dies.
+        read, loop = asyncio.ensure_future(child.stdout.readline()), asyncio.get_running_loop()
+        budget, give_up = _cpu_seconds(child.pid) + COMPILE_TIMEOUT_S, loop.time() + MAX_WAIT_S
+        while not (await asyncio.wait({read}, timeout=COMPILE_TIMEOUT_S / 8))[0]:
+            if _cpu_seconds(child.pid) >= budget or loop.time() >= give_up:
+                read.cancel()
+                await self.close()
+                return f"it did not compile within {COMPILE_TIMEOUT_S:g} s (too complex)"
+        line = read.result()
         if not line:   # the child died: out of memory, most likely, on this grammar
             await self.close()
             return "compiling it ran out of memory"
@@ -196,3 +207,14 @@ class GrammarChecker:
         if child is not None and child.returncode is None:
             child.kill()
             await child.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (Linux ``/proc``; elsewhere 0, and the wall clock's
+    ``MAX_WAIT_S`` is the only limit)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
