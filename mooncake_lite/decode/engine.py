@@ -118,7 +118,8 @@ class DecodeEngine:
         if req.transfer_id in self.pending:
             raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
         s = req.sampling
-        grammar = self._grammar(s.grammar)   # before reserving: a grammar that fails costs nothing
+        # Before reserving: a grammar that fails (GrammarError, a ValueError: 400) costs nothing.
+        grammar = None if s.grammar is None else self.runner.grammars.start(s.grammar)
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                 max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids))
         admission = None if span is None else tracing.start_span(
@@ -141,13 +142,6 @@ class DecodeEngine:
         state = RequestState(params, generator, asyncio.Queue(), grammar, span=span)
         self.requests[req.request_id] = state
         return state.events
-
-    def _grammar(self, text: str | None) -> GrammarState | None:
-        if text is None:
-            return None
-        if self.runner.grammars is None:
-            raise ValueError("this instance was built without grammars; it cannot serve a structured output")
-        return self.runner.grammars.start(text)
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> bool:
         """Stop a request in any state and free its KV. False if it is not here (any more)."""
@@ -383,8 +377,7 @@ class DecodeEngine:
         logits = self.runner.decode(plan.token_ids, plan.block_tables, plan.positions)
         grammars = [None if s is None else s.grammar for s in samplers]
         if any(g is not None for g in grammars):
-            # Each constrained sequence's grammar takes its input token (sampled last step, or by
-            # the prefill: token 1), then masks what may follow; the others' rows stay as they are.
+            # Each grammar takes its row's input token (the last sampled; first, the prefill's).
             for g, token in zip(grammars, plan.token_ids):
                 if g is not None:
                     g.advance(token)
