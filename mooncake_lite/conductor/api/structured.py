@@ -147,8 +147,8 @@ class GrammarChecker:
     async def check(self, constraint: Constraint) -> None:
         """Returns when the grammar compiles; else a 400 naming the field."""
         error = await self.error_of(constraint.grammar)
-        if error:
-            raise bad_request(f"'{constraint.field}' cannot be used: {error}", constraint.field)
+        if error:   # the library's first line says why; the rest dumps its parser's state
+            raise bad_request(f"'{constraint.field}' cannot be used: {error.splitlines()[0]}", constraint.field)
 
     async def error_of(self, grammar: str) -> str:
         verdict = self._verdicts.get(grammar)
