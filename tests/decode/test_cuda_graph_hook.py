@@ -17,10 +17,10 @@ def test_the_engine_steps_through_the_bucketed_decode():
     tables = [tuple(runner.allocator.allocate(1)) for _ in range(3)]
     for table in tables:
         runner.prefill([5, 6, 7], list(table))
-    plan = StepPlan(("a", "b", "c"), (1, 2, 3), (3, 3, 3), tuple(tables))
+    plan = StepPlan(("a", "b", "c"), ("a", "b", "c"), (0, 0, 0), (1, 2, 3), (3, 3, 3), tuple(tables))
     with ThreadPoolExecutor(1) as pool:
         engine = DecodeEngine(runner, batcher, pool, decode_step=graphs.decode)
-        tokens = engine._compute(plan, [None, None, None])
+        tokens = [token for token, _ in engine._compute(plan, [None, None, None])]
     assert (graphs.num_bucketed, graphs.num_eager) == (1, 0)
     assert tokens == runner.decode([1, 2, 3], [list(t) for t in tables], [3, 3, 3]).argmax(-1).tolist()
     assert graphs.pad_block not in {b for t in tables for b in t}
