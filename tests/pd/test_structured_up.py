@@ -118,6 +118,23 @@ def test_a_named_call_streams_its_arguments_as_openai_does(api):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_each_of_n_choices_keeps_its_own_grammar_and_streams_its_own_call(api):
+    """n = 2 sampled choices, each with its own matcher (the samplers' mask) and tool-call parser:
+    each streams a valid call under its own index and finishes "tool_calls", with logprobs."""
+    c = client(api)
+    chunks = list(c.chat.completions.create(
+        model=SMOLLM, messages=[{"role": "user", "content": "Search for cats."}], tools=TOOLS, stream=True,
+        tool_choice={"type": "function", "function": {"name": "search"}}, max_tokens=60, n=2, temperature=1.0,
+        seed=5, logprobs=True, parallel_tool_calls=False))
+    for index in (0, 1):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == index]
+        parts = [d for ch in mine for d in (ch.delta.tool_calls or [])]
+        assert parts[0].function.name == "search"
+        jsonschema.validate(json.loads("".join(p.function.arguments or "" for p in parts)), PARAMS["search"])
+        assert mine[-1].finish_reason == "tool_calls"
+        assert all(lp.logprob <= 0 for ch in mine if ch.logprobs for lp in ch.logprobs.content)
+
+
 def test_vllm_structured_outputs_regex_and_choice(api):
     c = client(api)
     ask = dict(model=SMOLLM, messages=[{"role": "user", "content": "Pick one."}], max_tokens=12, temperature=0)
