@@ -31,6 +31,8 @@ BENCHES = {
     "prefix-load": ("pd.prefix_load", "a prefill's prefix load from a store (shm or TCP): every layer, no compute"),
     "moe": ("model.moe", "MLA's KV bytes and transfer time vs dense attention; MoE routing vs a dense MLP of the "
                          "active width"),
+    "structured": ("model.structured", "constrained decoding: grammar work per token vs the decode step at "
+                                       "batch 1 and 16, a 20-field schema's compile"),
     "kv-compression": ("model.kv_compression", "int8/fp8 KV blocks: token agreement, logit error, bytes, store "
                                                "capacity, sim hit rate/TTFT"),
 }

@@ -55,6 +55,8 @@ class Sampling:
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
     penalty_ids: tuple[int, ...] = ()     # the prompt's distinct ids, when repetition_penalty != 1
+    # The grammar the output must match, as llguidance grammar text (model/grammar.py); None: free.
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from mooncake_lite.conductor.api import routes as api_routes
 from mooncake_lite.conductor.api.body import MAX_BODY_BYTES
 from mooncake_lite.conductor.api.errors import PARSER_FIELD_BYTES, json_errors_middleware
 from mooncake_lite.conductor.api.state import API, ApiState
+from mooncake_lite.conductor.api.structured import GrammarChecker
 from mooncake_lite.conductor.cluster import cost_export, hot_replication, internal, status
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
@@ -62,7 +63,8 @@ def make_app(cfg: Config) -> web.Application:
     app[SERVICES] = svc
     app[API] = ApiState(svc, tokenizer, served=tuple(dict.fromkeys((model_id(cfg.model), cfg.model))),
                         vocab_size=args.vocab_size, max_context=args.max_seq_len, created=int(time.time()),
-                        reasoning=cfg.reasoning_parser == "think")
+                        reasoning=cfg.reasoning_parser == "think", tool_parser=cfg.tool_call_parser,
+                        grammars=GrammarChecker(cfg.model, args.vocab_size))
     app[DRAIN] = drain.run    # serve_app runs it on SIGTERM before the listener closes; a 2nd signal hurries it
     _hot_replication(app, cfg)
     api_routes.add_routes(app)

@@ -83,6 +83,10 @@ class Config(RoleConfig):
                                    "DeepSeek-R1 distills) goes to message.reasoning_content / "
                                    "delta.reasoning_content, the rest to content; none: all of it is content",
                                    choices=("none", "think"))
+    tool_call_parser: str = option("hermes", "the served model's tool-call format, which chat answers' tool "
+                                   "calls are parsed from and tool_choice required/named are forced in: "
+                                   "hermes (<tool_call> JSON: Hermes, Qwen) or llama3_json (Llama 3.1+)",
+                                   choices=("hermes", "llama3_json"))
     context_quota: int = option(1 << 20, "most tokens of cached contexts (POST /v1/contexts) one tenant may "
                                 "hold pinned in the stores at once")
     context_ttl: float = option(3600.0, "a cached context's lifetime when its creator names none",

@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,50 +24,16 @@ import torch
 from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
-from mooncake_lite.decode.batcher import DecodeBatcher, DecodeSequence, StepPlan
+from mooncake_lite.decode.batcher import DecodeBatcher, StepPlan
+from mooncake_lite.decode.pending import KVError, PendingKV
 from mooncake_lite.decode.requests import MAX_CHOICES, RequestState
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
+from mooncake_lite.model.grammar import choice_masks
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SequenceSampler, params_from_wire, sample_rows
 
 log = logging.getLogger(__name__)
-
-
-class KVError(ValueError):
-    """A KV frame cannot be accepted; ``code`` goes back to the sender in the error frame."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class PendingKV:
-    """A request whose KV is streaming in."""
-    request_id: str
-    transfer_id: str
-    seq: DecodeSequence
-    layer_tokens: list[int]
-    first_tokens: list[int] | None = None   # every choice's token 1, from the END frame
-    timeout_s: float = 30.0
-    timer: asyncio.TimerHandle | None = None
-    last_progress: float = 0.0
-    senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
-    num_writes: int = 0            # layer frames received but not yet written into the cache
-    drained: asyncio.Future | None = None   # END arrived with writes outstanding: set when they are done
-    write_s: float = 0.0           # seconds its KV writes took in the model thread (timeline)
-    admission_span: Any = None     # decode.admission: reserved → joined the batch (tracing on)
-    receive_span: Any = None       # decode.kv_receive: a child of prefill's kv_stream span (frame meta "tp")
-
-    def is_complete(self) -> bool:
-        """Every layer's tokens received and written, and the first token known."""
-        return (self.first_tokens is not None and self.num_writes == 0
-                and all(n == self.seq.prompt_len for n in self.layer_tokens))
-
-    def progress(self) -> str:
-        done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
-        return f"{done} of {len(self.layer_tokens)} layers complete"
 
 
 class DecodeEngine:
@@ -111,6 +76,8 @@ class DecodeEngine:
         params = params_from_wire(s)
         if not 1 <= s.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {s.n}")
+        # Before reserving: a grammar that fails (GrammarError, a ValueError: 400) costs nothing.
+        masks = choice_masks(self.runner.grammars, s.grammar, s.n)
         admission = None if span is None else tracing.start_span(
             "decode.admission", span, prompt_tokens=req.prompt_len, max_tokens=s.max_tokens,
             num_running=self.batcher.num_running)
@@ -125,7 +92,7 @@ class DecodeEngine:
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
-        samplers = [SequenceSampler(params, i, self.runner.device) for i in range(s.n)]
+        samplers = [SequenceSampler(params, i, self.runner.device, mask=mask) for i, mask in enumerate(masks)]
         state = RequestState(samplers, asyncio.Queue(), num_open=s.n, span=span)
         self.requests[req.request_id] = state
         return state.events
@@ -372,6 +339,10 @@ class DecodeEngine:
         for out in self.batcher.commit(plan, [t for t, _ in sampled]):
             state = self.requests.get(out.request_id)
             if state is None:
+                continue
+            error = state.grammar_error(out.index)
+            if error is not None:   # its grammar failed: the token is not one it allows
+                self.abort(out.request_id, "error", error)
                 continue
             key = out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
             state.events.put_nowait(TokenEvent(token=out.token, index=out.index, logprob=logprobs[key]))

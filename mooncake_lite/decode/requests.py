@@ -1,5 +1,6 @@
-"""What a decode instance keeps of each request it runs: a sampler per choice, the stream its
-token events go out on, how many of its choices are still open, and its trace."""
+"""What a decode instance keeps of each request it runs: a sampler per choice (with its grammar's
+matcher as the mask, if it has one), the stream its token events go out on, how many of its
+choices are still open, and its trace."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class RequestState:
     def sampler_of(state: RequestState | None, index: int) -> SequenceSampler | None:
         """Choice ``index``'s sampler; None for a request gone meanwhile (its row is computed, dropped)."""
         return state.samplers[index] if state is not None else None
+
+    def grammar_error(self, index: int) -> str | None:
+        """Why choice ``index``'s grammar failed (a step out of fuel, a refused token), if it did."""
+        return getattr(self.samplers[index].mask, "error", None)   # None too for no mask
 
     def end_steps(self, reason: str, error: str | None) -> None:
         """End a traced request's decode.steps span: how many steps, at what mean batch size."""

@@ -12,6 +12,7 @@ from mooncake_lite.common.config import require
 from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.instance.device_memory import MAX_DEVICE_SEQUENCES, kv_bytes_on_device, read_device_memory
 from mooncake_lite.model.args import dtype_bytes
+from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
@@ -76,7 +77,9 @@ def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, thread
     num_blocks = blocks_for(per_rank, end - first, local.num_kv_heads, local.head_dim)
     log.info("model %s at tensor-parallel %d: torch threads %d per rank; KV cache %d blocks of %d tokens per rank",
              cfg.model, cfg.tensor_parallel, threads, num_blocks, cfg.block_size)
-    return start_group(cfg, layer_range, num_blocks, threads).runner
+    runner = start_group(cfg, layer_range, num_blocks, threads).runner
+    runner.grammars = Grammars(cfg.model, model_args(cfg.model).vocab_size)   # the leader samples
+    return runner
 
 
 def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
@@ -92,4 +95,5 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     # One line tests and operators can read: what this process actually got.
     log.info("model %s: torch threads %d on cpus %s; KV cache %d blocks of %d tokens", cfg.model, threads,
              ",".join(map(str, allowed)) if allowed else "any", num_blocks, cfg.block_size)
-    return ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size)
+    return ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size,
+                       grammars=Grammars(cfg.model, args.vocab_size))

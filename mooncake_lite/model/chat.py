@@ -32,13 +32,18 @@ class ChatTemplate:
         self._template = _environment().from_string(source)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """``extra``: more variables for the template (a request's ``chat_template_kwargs``, such
         as Qwen3's ``enable_thinking``); the caller keeps them off :meth:`reserved` names, and
-        the messages, the generation prompt and the special tokens win over them regardless."""
+        the messages, the generation prompt and the special tokens win over them regardless.
+        ``tools``: the request's tools as OpenAI sends them (``{"type": "function", "function":
+        {...}}``), the template's ``tools`` as ``apply_chat_template(..., tools=...)`` passes them;
+        a template without a tools section ignores them."""
         from jinja2 import TemplateError
         variables = {**(extra or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
                      **self.special_tokens}
+        if tools:
+            variables["tools"] = tools
         try:
             return self._template.render(variables)   # one dict: no name can clash with render's own
         except ChatTemplateError:
@@ -51,7 +56,7 @@ class ChatTemplate:
         """Names a request's variables may not set: what the server passes, the special tokens
         (whether or not this checkpoint has each) and the environment's functions (``namespace``,
         ``raise_exception``: a template calling one would fail on a client's value)."""
-        return frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKEN_NAMES, *self.special_tokens,
+        return frozenset({"messages", "add_generation_prompt", "tools", *SPECIAL_TOKEN_NAMES, *self.special_tokens,
                           *_environment().globals})
 
 

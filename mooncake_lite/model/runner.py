@@ -12,14 +12,16 @@ from collections.abc import Sequence
 import torch
 
 from kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
+from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int):
+    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int, grammars: Grammars | None = None):
         param = next(model.parameters())
         self.model = model
+        self.grammars = grammars   # requests' structured-output grammars (model/grammar.py)
         self.args = model.args
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size

@@ -103,6 +103,11 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar library builds its vocabulary from)."""
+        return self._tok.to_str()
+
 
 GIL_FREE_CHARS = 4096   # texts this long are encoded with the GIL released
 # Pre-tokenizers that keep every byte of the text (Split and Punctuation unless "Removed").

@@ -264,7 +264,7 @@ class StageServer(FrameHandler):
             work.chunks.put_nowait(None)
             await work.worker
             if self.next is None:
-                first = sample_firsts(work.logits, from_dict(Sampling, work.sampling))
+                first = sample_firsts(work.logits, from_dict(Sampling, work.sampling), self.stage.runner.grammars)
                 await self.stage.finish(work.job, first.wire)
             else:
                 await self.stage.finish(work.job, None)

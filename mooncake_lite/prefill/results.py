@@ -1,6 +1,7 @@
 """What a prefill request's serving needs on either path, one request (``service.py``) or a pack
-(``packs.py``): its sampling parameters, and its result handed out (the first token as soon as it
-is sampled, with the queue's part of its timings). Kept below both so neither imports the other.
+(``packs.py``): its sampling parameters, each choice's token 1 (under its grammar), and its result
+handed out (the first token as soon as it is sampled, with the queue's part of its timings).
+Kept below both so neither imports the other.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, Sampling, TokenLogprob
+from mooncake_lite.model.grammar import GrammarError, Grammars, choice_masks
 from mooncake_lite.model.sampling import SamplingParams, SequenceSampler, params_from_wire
 from mooncake_lite.prefill.turns import QueuedJob
 
@@ -58,9 +60,14 @@ class Firsts:
         return {"first_tokens": self.tokens if len(self.tokens) > 1 else (), "first_logprobs": self.logprobs}
 
 
-def sample_firsts(logits: torch.Tensor, sampling: Sampling) -> Firsts:
-    """Every choice's token 1 (choice i from its own generator, ``seed + i``), as decode continues
-    them (``SequenceSampler.continue_after_first``)."""
+def sample_firsts(logits: torch.Tensor, sampling: Sampling, grammars: Grammars | None = None) -> Firsts:
+    """Every choice's token 1 (choice i from its own generator, ``seed + i``, under its own
+    matcher of the request's grammar), as decode continues them
+    (``SequenceSampler.continue_after_first``); GrammarError if the grammar fails."""
     params = params_from_wire(sampling)
-    drawn = [SequenceSampler(params, i, logits.device).next(logits) for i in range(sampling.n)]
+    drawn = []
+    for i, mask in enumerate(choice_masks(grammars, sampling.grammar, sampling.n)):
+        drawn.append(SequenceSampler(params, i, logits.device, mask=mask).next(logits))
+        if mask is not None and mask.error is not None:
+            raise GrammarError(mask.error)
     return Firsts(tuple(t for t, _ in drawn), tuple(lp for _, lp in drawn if lp is not None))

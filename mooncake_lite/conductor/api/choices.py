@@ -1,6 +1,6 @@
 """One choice of an answer as the relay builds it: its text (stop strings cut, ``TextStream``;
-reasoning apart with ``--reasoning-parser think``), its token ids, and its log-probabilities in
-the endpoint's format.
+reasoning apart with ``--reasoning-parser think``; tool calls parsed out with ``tools``,
+``tool_parser.py``), its token ids, and its log-probabilities in the endpoint's format.
 
 Formats (as OpenAI and vLLM write them; values are the raw model's, ``model/sampling.py``):
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from mooncake_lite.common.protocol import TokenLogprob
 from mooncake_lite.conductor.api.reasoning import ThinkSplitter, split_whole
 from mooncake_lite.conductor.api.text import TextStream
+from mooncake_lite.conductor.api.tool_parser import ToolCallStream, parse_whole
 from mooncake_lite.conductor.flight.events import Token
 from mooncake_lite.model.tokenizer import Tokenizer
 
@@ -27,10 +28,14 @@ class Choice:
     ``take_logprobs`` give its log-probabilities whole or as they come (streaming)."""
 
     def __init__(self, index: int, kind: str, tokenizer: Tokenizer, stop: tuple[str, ...], *,
-                 reasoning: bool, opened: bool, echo_text: str | None, top_k: int | None) -> None:
+                 reasoning: bool, opened: bool, echo_text: str | None, top_k: int | None,
+                 tool_parser: str | None = None) -> None:
         self.index, self.kind, self.tokenizer, self.top_k = index, kind, tokenizer, top_k
         self.text = TextStream(tokenizer, stop)
         self.thinking = ThinkSplitter(opened) if reasoning and kind == "chat" else None
+        # Tool calls parsed out of the answer (a request with tools, tool_choice not "none").
+        self.calls = ToolCallStream(tool_parser) if tool_parser is not None else None
+        self.has_calls = False               # the answer held complete calls: it finishes "tool_calls"
         self.opened = opened
         self.echo_text = echo_text
         self.entries: list[Entry] = []       # with echo and logprobs, the prompt's first
@@ -55,18 +60,35 @@ class Choice:
     def flush(self) -> str:
         return self.text.flush()
 
-    def split(self, delta: str | None) -> tuple[str, str]:
-        """A text delta as (reasoning, content); ``None``: what the reasoning split held back."""
+    def deltas(self, delta: str | None) -> list[str | dict]:
+        """A text delta as the stream's deltas: content text, or with --reasoning-parser think a
+        reasoning part first, or with tools content and ``tool_calls`` deltas; ``None``: what
+        the reasoning split or the call parser held back."""
+        if self.calls is not None:
+            out = self.calls.finish() if delta is None else self.calls.feed(delta)
+            self.has_calls = bool(self.calls.calls)
+            return out
         if self.thinking is None:
-            return "", delta or ""
-        return self.thinking.flush() if delta is None else self.thinking.feed(delta)
+            return [delta] if delta else []
+        reasoning, content = self.thinking.flush() if delta is None else self.thinking.feed(delta)
+        return ([{"reasoning_content": reasoning}] if reasoning else []) + ([content] if content else [])
 
     def message(self, text: str) -> dict:
         """The chat message of a whole answer."""
-        if self.thinking is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_whole(text, self.opened)   # as vLLM: null for a part the answer lacks
-        return {"role": "assistant", "content": content or None, "reasoning_content": reasoning}
+        out = {"role": "assistant", "content": text}
+        if self.thinking is not None:   # as vLLM: null for a part the answer lacks
+            reasoning, content = split_whole(text, self.opened)
+            out["content"], out["reasoning_content"] = content or None, reasoning
+        if self.calls is not None:
+            out["content"], calls = parse_whole(text, self.calls.parser)
+            if calls:
+                out["tool_calls"] = [c.message() for c in calls]
+                self.has_calls = True
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The flight's reason for this choice, as the client sees it: a "stop" after calls is "tool_calls"."""
+        return "tool_calls" if reason == "stop" and self.has_calls else reason
 
     def logprobs(self) -> dict | None:
         """All of its log-probabilities (None when not asked for)."""

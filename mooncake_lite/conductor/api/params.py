@@ -6,7 +6,8 @@ Supported: ``/v1/completions`` (prompt as a string, token ids, or a batch: a lis
 (``max_completion_tokens`` for chat; 0 in completions: the prompt alone, for ``echo``),
 ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``;
 the sampling controls of ``controls.py`` (``n``, ``logprobs``, ``top_logprobs``, ``echo``, the
-penalties, ``min_tokens``, ``logit_bias``); vLLM's ``ignore_eos`` and ``stop_token_ids``, and
+penalties, ``min_tokens``, ``logit_bias``); ``response_format``, vLLM's ``structured_outputs``,
+``tools`` and ``tool_choice`` (``structured.py``, ``tools.py``); vLLM's ``ignore_eos`` and ``stop_token_ids``, and
 ``return_token_ids`` (non-streaming: the choice carries ``token_ids``, the body ``prompt_token_ids``).
 """
 
@@ -20,6 +21,8 @@ from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.conductor.api import controls
 from mooncake_lite.conductor.api.errors import ApiError, bad_request, short
 from mooncake_lite.conductor.api.reasoning import opens_reasoning
+from mooncake_lite.conductor.api.structured import Constraint, output_rules
+from mooncake_lite.conductor.api.tools import ToolUse, message_fields, template_messages
 from mooncake_lite.model.chat import ChatTemplateError
 from mooncake_lite.model.tokenizer import Tokenizer, utf8_len
 
@@ -44,6 +47,8 @@ class ApiRequest:
     is_prompt_only: bool = False   # max_tokens 0: one token is computed (the flight needs it), none returned
     # A batch of prompts: the ones after this one, each (token ids, text to echo); :meth:`each` splits it.
     more_prompts: tuple[tuple[tuple[int, ...], str | None], ...] = ()
+    tools: ToolUse | None = None   # its tools and tool_choice (api/tools.py)
+    constraint: Constraint | None = None   # the grammar its answer must match (api/structured.py)
 
     def each(self) -> list[ApiRequest]:
         """One request per prompt of a batch (this one alone when it is not a batch); the
@@ -78,15 +83,18 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
 
 
 def _chat_ids(messages: list[dict[str, str]], tokenizer: Tokenizer, max_context: int,
-              template_kwargs: dict[str, Any] | None = None) -> tuple[tuple[int, ...], bool]:
+              template_kwargs: dict[str, Any] | None = None, tools: ToolUse | None = None,
+              tool_parser: str = "hermes") -> tuple[tuple[int, ...], bool]:
     """The conversation in the checkpoint's own chat format, and whether that format opened a
     reasoning block for the answer (``reasoning.opens_reasoning``). The rendered template already
     holds every special token the model expects (BOS included), so encoding adds none."""
     template = tokenizer.chat_template
+    messages = template_messages(messages, tools, template.source if template else None, tool_parser)
     if template is None:
         return _encode(tokenizer, chat_prompt(messages), max_context), False
     try:
-        text = template.render(messages, add_generation_prompt=True, extra=template_kwargs)
+        text = template.render(messages, add_generation_prompt=True, extra=template_kwargs,
+                               tools=list(tools.specs) if tools else None)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     return _encode(tokenizer, text, max_context, add_special_tokens=False), opens_reasoning(text)
@@ -118,7 +126,7 @@ def check_text_fits(tokenizer: Tokenizer, text: str, max_context: int) -> None:
 
 
 def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: Tokenizer,
-                  vocab_size: int, max_context: int) -> ApiRequest:
+                  vocab_size: int, max_context: int, tool_parser: str = "hermes") -> ApiRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -127,8 +135,10 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     opened = False
+    tools, constraint = output_rules(body, kind, tool_parser)
     if kind == "chat":
-        ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer))
+        ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer),
+                                tools, tool_parser)
         prompts = [(ids, None)]
     else:
         prompts = _prompts(body, tokenizer, vocab_size, max_context)
@@ -141,14 +151,16 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     sampling = Sampling(max_tokens=max(1, max_tokens), temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                         top_p=_top_p(body), seed=_seed(body),
                         stop_token_ids=_stop_token_ids(body, tokenizer, vocab_size),
-                        prompt_logprobs=fields["logprobs"] if echo else None, **fields)
+                        prompt_logprobs=fields["logprobs"] if echo else None,
+                        grammar=constraint.grammar if constraint is not None else None, **fields)
     stream, include_usage = _stream(body)
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise bad_request("'return_token_ids' must be a boolean", "return_token_ids")
     texts = [(ids, _echo_text(text, ids, tokenizer) if echo else None) for ids, text in prompts]
     return ApiRequest(kind, model, prompts[0][0], sampling, _stop(body), stream, include_usage, return_ids, opened,
-                      echo_text=texts[0][1], is_prompt_only=max_tokens == 0, more_prompts=tuple(texts[1:]))
+                      echo_text=texts[0][1], is_prompt_only=max_tokens == 0, more_prompts=tuple(texts[1:]),
+                      tools=tools, constraint=constraint)
 
 
 def _check_fits(prompt_ids: tuple[int, ...], max_tokens: int, max_context: int, key: str) -> None:
@@ -202,7 +214,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with 'role' one of {', '.join(CHAT_ROLES)}",
                               "messages")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        out.append(message_fields(m, i, _content(m.get("content"), i)))
     return out
 
 
@@ -267,7 +279,7 @@ def _prompt(prompt: Any, tokenizer: Tokenizer, vocab_size: int, max_context: int
     raise bad_request("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
 
 
-UNSUPPORTED = ("suffix", "tools", "functions", "response_format")
+UNSUPPORTED = ("suffix", "functions")
 
 
 def _check_unsupported(body: dict) -> None:

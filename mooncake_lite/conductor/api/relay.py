@@ -40,9 +40,12 @@ class Relay:
                  tenant: str) -> None:
         self.st, self.reqs, self.flights, self.arrival, self.tenant = st, reqs, flights, arrival, tenant
         self.req, self.flight = reqs[0], flights[0]   # what every prompt shares; the id the client sees
-        n = self.req.sampling.n
+        n, use = self.req.sampling.n, self.req.tools
+        # Each choice parses its own tool calls (tool_parser.py), unless tool_choice is "none".
+        parser = use.parser if use is not None and use.choice != "none" else None
         self.choices = [Choice(p * n + i, self.req.kind, st.tokenizer, r.stop, reasoning=st.reasoning,
-                               opened=r.opens_reasoning, echo_text=r.echo_text, top_k=r.sampling.logprobs)
+                               opened=r.opens_reasoning, echo_text=r.echo_text, top_k=r.sampling.logprobs,
+                               tool_parser=parser)
                         for p, r in enumerate(reqs) for i in range(n)]
         self.created = int(time.time())
         self.outcome = "ok"
@@ -163,7 +166,9 @@ class Relay:
     def _finish_reason(self, choice: Choice) -> str | None:
         n = self.req.sampling.n
         flight = self.flights[choice.index // n]
-        return "length" if self.reqs[choice.index // n].is_prompt_only else flight.finish_reasons[choice.index % n]
+        if self.reqs[choice.index // n].is_prompt_only:
+            return "length"
+        return choice.finish_reason(flight.finish_reasons[choice.index % n])
 
     def _usage(self) -> dict:
         n_prompt = sum(len(r.prompt_ids) for r in self.reqs)
@@ -193,11 +198,12 @@ class Relay:
         return web.json_response(body, headers=self._headers(), dumps=lambda o: orjson.dumps(o).decode())
 
     def _whole(self, choice: Choice, text: str) -> dict:
-        out = {"index": choice.index, "logprobs": choice.logprobs(), "finish_reason": self._finish_reason(choice)}
+        out: dict = {"index": choice.index, "logprobs": choice.logprobs()}
         if self.req.kind == "chat":
             out["message"] = choice.message(text)
         else:
             out["text"] = text
+        out["finish_reason"] = self._finish_reason(choice)   # after message: tool calls make it "tool_calls"
         if self.req.return_token_ids:
             out["token_ids"] = [] if self.reqs[choice.index // self.req.sampling.n].is_prompt_only \
                 else choice.text.token_ids
@@ -245,11 +251,9 @@ class Relay:
         return [_sse(self._chunk(choice, choice.echo_text, None))] if choice.echo_text else []
 
     def _delta_chunks(self, choice: Choice, delta: str | None) -> list[bytes]:
-        """The SSE chunks of one text delta: one of content, or with --reasoning-parser think
-        up to two (reasoning, then content); ``None``: the splitter's held-back end. Logprobs
-        not sent yet ride on the first."""
-        reasoning, content = choice.split(delta)
-        parts = ([{"reasoning_content": reasoning}] if reasoning else []) + ([content] if content else [])
+        """The SSE chunks of one text delta (``Choice.deltas``); ``None``: what was held back.
+        Logprobs not sent yet ride on the first."""
+        parts = choice.deltas(delta)
         if not parts and choice.top_k is not None and choice.num_sent < len(choice.entries):
             parts = [""]   # a token whose text is held back still has its logprobs
         return [_sse(self._chunk(choice, part, None)) for part in parts]

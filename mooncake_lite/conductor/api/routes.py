@@ -101,7 +101,10 @@ async def _parse(request: web.Request, st: ApiState, kind: str) -> ApiRequest:
     if st.rewrite_body is not None:
         body = st.rewrite_body(request, body, kind)
     parse = functools.partial(parse_request, body, kind, served=st.served, tokenizer=st.tokenizer,
-                              vocab_size=st.vocab_size, max_context=st.max_context)
+                              vocab_size=st.vocab_size, max_context=st.max_context, tool_parser=st.tool_parser)
     # A long prompt takes the tokenizer a while (~2 ms per KiB): in a thread, so the event loop
     # keeps answering heartbeats, /health and the tokens of the requests in flight meanwhile.
-    return await asyncio.to_thread(parse) if size > OFF_LOOP_BYTES else parse()
+    req = await asyncio.to_thread(parse) if size > OFF_LOOP_BYTES else parse()
+    if req.constraint is not None and st.grammars is not None:
+        await st.grammars.check(req.constraint)   # a new grammar compiles, bounded, in a child (400)
+    return req

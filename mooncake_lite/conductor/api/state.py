@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from mooncake_lite.conductor.api.body import max_body_bytes
+from mooncake_lite.conductor.api.structured import GrammarChecker
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.model.tokenizer import Tokenizer
 
@@ -23,6 +24,8 @@ class ApiState:
     # Rewrites a body naming a cached context (contexts/routes.py) before it is parsed.
     rewrite_body: Callable[[web.Request, object, str], object] | None = None
     reasoning: bool = False        # --reasoning-parser think: chat answers' reasoning apart (reasoning.py)
+    tool_parser: str = "hermes"    # --tool-call-parser: the served model's tool-call format (tools.py)
+    grammars: GrammarChecker | None = None   # compiles each new grammar once, bounded (structured.py)
     body_limit: int = field(init=False)   # the largest (decoded) body a request can need; 413 past it
 
     def __post_init__(self) -> None:

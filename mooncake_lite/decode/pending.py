@@ -1,0 +1,46 @@
+"""A request whose KV is streaming into a decode instance: what has arrived and been written,
+its choices' first tokens, its timer and trace; and the error a KV frame is refused with."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_lite.decode.batcher import DecodeSequence
+
+
+class KVError(ValueError):
+    """A KV frame cannot be accepted; ``code`` goes back to the sender in the error frame."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PendingKV:
+    """A request whose KV is streaming in."""
+    request_id: str
+    transfer_id: str
+    seq: DecodeSequence
+    layer_tokens: list[int]
+    first_tokens: list[int] | None = None   # every choice's token 1, from the END frame
+    timeout_s: float = 30.0
+    timer: asyncio.TimerHandle | None = None
+    last_progress: float = 0.0
+    senders: set[int] = field(default_factory=set)   # ids of connections that have not sent END
+    num_writes: int = 0            # layer frames received but not yet written into the cache
+    drained: asyncio.Future | None = None   # END arrived with writes outstanding: set when they are done
+    write_s: float = 0.0           # seconds its KV writes took in the model thread (timeline)
+    admission_span: Any = None     # decode.admission: reserved → joined the batch (tracing on)
+    receive_span: Any = None       # decode.kv_receive: a child of prefill's kv_stream span (frame meta "tp")
+
+    def is_complete(self) -> bool:
+        """Every layer's tokens received and written, and the first token known."""
+        return (self.first_tokens is not None and self.num_writes == 0
+                and all(n == self.seq.prompt_len for n in self.layer_tokens))
+
+    def progress(self) -> str:
+        done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
+        return f"{done} of {len(self.layer_tokens)} layers complete"
