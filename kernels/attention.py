@@ -33,8 +33,8 @@ def _gather_blocks(cache: torch.Tensor, flat: torch.Tensor, name: str) -> torch.
     """``cache.index_select(0, flat)``, written into a buffer this thread reuses. A fresh
     multi-megabyte tensor per layer and step is handed back to the OS by malloc when freed and
     page-faulted in again on the next call: with the shared 2-CPU box loaded, a batch-16 step of
-    smollm2-135m took 2x as long that way (the same CPU time when quiet; docs/model.md, "Batch
-    16"). The result is valid until this thread's next gather under the same ``name``; callers
+    smollm2-135m took 2x as long that way (the same CPU time when quiet; docs/model.md, "CPU
+    paths"). The result is valid until this thread's next gather under the same ``name``; callers
     consume it at once."""
     shape = (flat.numel(), *cache.shape[1:])
     numel = math.prod(shape)

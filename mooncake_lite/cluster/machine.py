@@ -30,7 +30,7 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
 
 def packs_weights(opts: UpOptions, role: str, dtype: str) -> bool:
     """Whether ``role``'s instances may run on oneDNN-packed weights (``Transformer.pack_``: float32
-    on a CPU; docs/model.md, "Batch 16"), which hold ``ModelArgs.packed_extra_bytes`` beyond the
+    on a CPU; docs/model.md, "CPU paths"), which hold ``ModelArgs.packed_extra_bytes`` beyond the
     weights: a decode always, a prefill unless ``--pack-weights off`` (with ``auto`` it packs only
     where that measures faster, which ``mooncake up`` cannot know ahead: counted, to be safe)."""
     if role == "prefill" and str(role_setting(opts, role, "pack_weights") or "auto") == "off":

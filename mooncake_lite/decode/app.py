@@ -225,7 +225,7 @@ def build_engine(cfg: Config) -> DecodeEngine:
     """The model, its paged cache and the batcher the flags describe (profiled unless --no-profile)."""
     runner = build_runner(cfg)
     # Batched steps run their matmuls on oneDNN-packed weights (CPU float32 only; a second copy
-    # of the weights; docs/model.md, "Batch 16"), profiled below as they will run.
+    # of the weights; docs/model.md, "CPU paths"), profiled below as they will run.
     runner.model.pack_()
     graphs = None
     if cfg.cuda_graphs and runner.device.type == "cuda":   # before the batcher: it takes a pad block

@@ -4,8 +4,8 @@
 (a decode instance's model, ``Transformer.pack_``), else plain, with a few-row path for batched
 decode on CPU. :func:`fuse_linears` puts several projections' weights in one tensor (one product
 instead of several), :func:`pack_weight` makes a packed copy, and :func:`unheld` is what a plain
-weight becomes once its packed copy serves every product (docs/model.md, "Decode step" and
-"Batch 16").
+weight becomes once its packed copy serves every product (docs/model.md,
+"CPU paths").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a float32 CPU weight, for :func:`linear`'s products, or
     ``None`` where there is none (another device or dtype, a torch without oneDNN): the plain
     paths serve. At 16 rows on weights streamed from memory its kernel ran smollm2-135m's matmuls
-    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "Batch 16"), and one row as fast
+    1.26x faster than MKL's sgemm (the head 1.5x; docs/model.md, "CPU paths"), and one row as fast
     as ``F.linear``, so the packed copy replaces the plain weight (``Transformer.pack_``)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
@@ -46,7 +46,7 @@ def packing_speedup(weights: Sequence[torch.Tensor], rows: int, repeats: int = 3
     oneDNN-packed copies than on the plain weights, measured here and now (the best of
     ``repeats`` runs of each); None where nothing packs. The answer is the CPU's, not ours: at
     256 rows the packed products ran 1.2x slower than MKL's sgemm on an AVX2 EPYC and 2x faster
-    on an AVX-512 one (docs/model.md, "Prefill on packed weights"), so a prefill asks at start-up."""
+    on an AVX-512 one (docs/model.md, "CPU paths"), so a prefill asks at start-up."""
     packs = [pack_weight(w) for w in weights]
     if not weights or any(p is None for p in packs):
         return None
@@ -70,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of which replaces the plain weight (``Transformer.pack_``, ``gguf_loader``). Otherwise, for a few rows
     on CPU, as ``(weight @ x.T).T``: MKL's kernel for a tall weight times a few columns streams
     the weight once, where its few-rows ``x @ weight.T`` kernel measured 1.2-1.5x slower at 4-16
-    rows here (docs/model.md, "Decode step"). One row and prefill-sized inputs keep ``F.linear``."""
+    rows here (docs/model.md, "CPU paths"). One row and prefill-sized inputs keep ``F.linear``."""
     if isinstance(packed, QuantizedWeight):
         return packed.matmul(x, bias)
     if packed is not None:

@@ -257,7 +257,7 @@ class Transformer(nn.Module):
     def pack_(self) -> "Transformer":
         """Replace the fused weights and the output head by oneDNN packed copies (on a CPU in
         float32; elsewhere nothing changes), which every product then runs on: decode steps of any
-        batch, one row included, are as fast or faster (docs/model.md, "Batch 16"); prefill-sized
+        batch, one row included, are as fast or faster (docs/model.md, "CPU paths"); prefill-sized
         products are faster on some CPUs and slower on others, so a prefill instance packs only
         where :meth:`packing_speedup` says it pays (``--pack-weights``). The plain weights are released
         (their parameters keep shape and dtype on the ``meta`` device), one layer at a time, so the

@@ -202,8 +202,8 @@ def stored_block_bytes(cfg: Config) -> int:
 
 def pack_weights(model: Transformer, mode: str, chunk: int) -> None:
     """``--pack-weights``: pack the model's weights (``Transformer.pack_``) on, off, or ``auto``:
-    where they measure at least ``PACK_GAIN`` times faster on this CPU (docs/model.md, "Prefill on
-    packed weights"). Every stage of a CPP group decides for its own slice. The log says what it
+    where they measure at least ``PACK_GAIN`` times faster on this CPU (docs/model.md, "CPU
+    paths"). Every stage of a CPP group decides for its own slice. The log says what it
     chose and why."""
     gain, rows = None, min(chunk, PACK_PROBE_ROWS)
     if mode == "on":
