@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -161,3 +162,34 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def edit_config(path: Path, **changes) -> None:
+    """Change keys of a saved checkpoint's config.json (the bad-input tests)."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(path: Path, fn) -> None:
+    """Let ``fn`` change a saved checkpoint's tensors in place (a dict name -> tensor)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def two_stage_output(first, second, token_ids: list[int], block_size: int) -> torch.Tensor:
+    """The last hidden output of a prompt run layer-wise through two pipeline stages' models."""
+    from mooncake_lite.model.kv_cache import blocks_needed
+    from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+    table = list(range(blocks_needed(len(token_ids), block_size)))
+    p0 = LayerwisePass(ModelRunner(first, num_blocks=len(table), block_size=block_size), table, 0,
+                       token_ids=token_ids)
+    for layer in first.layer_ids:
+        p0.run_layer(layer)
+    p1 = LayerwisePass(ModelRunner(second, num_blocks=len(table), block_size=block_size), table, 0,
+                       hidden=p0.output())
+    for layer in second.layer_ids:
+        p1.run_layer(layer)
+    return p1.output()

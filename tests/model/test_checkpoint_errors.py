@@ -4,12 +4,11 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from mooncake_lite.model.generate import main as generate_main
 from mooncake_lite.model.loader import CheckpointError, load_checkpoint, read_args
 from mooncake_lite.model.weights import build_model, model_args
-from tests.model.hf_fixtures import save_llama, save_qwen2
+from tests.model.hf_fixtures import edit_config, edit_tensors, save_llama, save_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +23,6 @@ def ckpt(pristine, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(pristine, dst)
     return dst
-
-
-def edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def edit_tensors(path, fn):
-    tensors = load_file(path / "model.safetensors")
-    fn(tensors)
-    save_file(tensors, path / "model.safetensors")
 
 
 def test_missing_config(ckpt):

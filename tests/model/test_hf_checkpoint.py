@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from mooncake_lite.model.generate import full_recompute_logits, generate
-from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.loader import load_checkpoint, read_args
-from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.weights import build_model, model_args
-from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2, save_qwen3
+from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2, save_qwen3, two_stage_output
 
 # float32 on both sides; the only differences are summation order in matmuls/attention, and the
 # logits are O(1-10), so 1e-4 absolute (plus 1e-4 relative) is ~1000x below a real mapping error.
@@ -120,14 +119,7 @@ def test_pipeline_stages_load_only_their_layers(which, saved):
     torch.testing.assert_close(s1.layers[str(cut)].attention.wq.weight, hf_q, atol=0, rtol=0)
 
     toks = prompt(2 * BS + 1, 4)
-    table = list(range(blocks_needed(len(toks), BS)))
-    p0 = LayerwisePass(ModelRunner(s0, num_blocks=len(table), block_size=BS), table, 0, token_ids=toks)
-    for layer in s0.layer_ids:
-        p0.run_layer(layer)
-    p1 = LayerwisePass(ModelRunner(s1, num_blocks=len(table), block_size=BS), table, 0, hidden=p0.output())
-    for layer in s1.layer_ids:
-        p1.run_layer(layer)
-    torch.testing.assert_close(p1.output(), hf_logits(hf, toks)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(two_stage_output(s0, s1, toks, BS), hf_logits(hf, toks)[-1], atol=ATOL, rtol=RTOL)
 
 
 def test_bfloat16_load_keeps_argmax(llama):

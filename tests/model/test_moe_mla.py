@@ -10,13 +10,12 @@ from mooncake_lite.model.family_args import moe_from_config
 from mooncake_lite.bench.model.flops import layer_matmul_params
 from mooncake_lite.model.args import PRESETS
 from mooncake_lite.model.generate import full_recompute_logits, generate, reference_greedy
-from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.loader import load_checkpoint, read_args
 from mooncake_lite.model.moe import MoE
-from mooncake_lite.model.runner import LayerwisePass, ModelRunner
+from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.weights import build_model
-from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_deepseek_v3, save_qwen3_moe
+from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_deepseek_v3, save_qwen3_moe, two_stage_output
 
 # float32 on both sides: only summation order differs (measured ≤ 1e-6 on logits of magnitude ~4).
 ATOL = RTOL = 1e-4
@@ -92,14 +91,7 @@ def test_pipeline_stages_split_moe_and_mla_layers(saved):
     path, hf = saved("deepseek_v3")
     s0, s1 = load_checkpoint(str(path), layer_range=(0, 2)), load_checkpoint(str(path), layer_range=(2, 3))
     toks = prompt(2 * BS + 1, 4)
-    table = list(range(blocks_needed(len(toks), BS)))
-    p0 = LayerwisePass(ModelRunner(s0, num_blocks=len(table), block_size=BS), table, 0, token_ids=toks)
-    for layer in s0.layer_ids:
-        p0.run_layer(layer)
-    p1 = LayerwisePass(ModelRunner(s1, num_blocks=len(table), block_size=BS), table, 0, hidden=p0.output())
-    for layer in s1.layer_ids:
-        p1.run_layer(layer)
-    torch.testing.assert_close(p1.output(), hf_logits(hf, toks)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(two_stage_output(s0, s1, toks, BS), hf_logits(hf, toks)[-1], atol=ATOL, rtol=RTOL)
 
 
 def test_absorbed_decode_equals_the_plain_expansion(saved):

@@ -5,12 +5,11 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_file import GGUFMeta, args_from_meta
 from mooncake_lite.model.loader import load_checkpoint, read_args
-from tests.model.hf_fixtures import save_deepseek_v3, save_qwen3_moe
+from tests.model.hf_fixtures import edit_config, edit_tensors, save_deepseek_v3, save_qwen3_moe
 
 SAVERS = {"deepseek_v3": save_deepseek_v3, "qwen3_moe": save_qwen3_moe}
 
@@ -31,18 +30,6 @@ def copy(pristine, tmp_path):
         shutil.copytree(pristine[name], dst)
         return dst
     return get
-
-
-def edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def edit_tensors(path, fn):
-    tensors = load_file(path / "model.safetensors")
-    fn(tensors)
-    save_file(tensors, path / "model.safetensors")
 
 
 @pytest.mark.parametrize("changes, message", [
