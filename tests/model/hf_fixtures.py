@@ -193,3 +193,17 @@ def two_stage_output(first, second, token_ids: list[int], block_size: int) -> to
     for layer in second.layer_ids:
         p1.run_layer(layer)
     return p1.output()
+
+
+def checkpoint_cache(tmp_path_factory, checkpoints: dict):
+    """``get(name)``: checkpoint ``name`` of ``checkpoints`` (name -> (save function, its keywords))
+    written once into a temporary directory: (its directory, the transformers model it came from)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            save, kw = checkpoints[name]
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, save(path, **kw))
+        return cache[name]
+    return get

@@ -10,7 +10,8 @@ from mooncake_lite.model.loader import load_checkpoint, read_args
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.weights import build_model, model_args
-from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_llama, save_qwen2, save_qwen3, two_stage_output
+from tests.model.hf_fixtures import (VOCAB, checkpoint_cache, hf_greedy, hf_logits, save_llama, save_qwen2, save_qwen3,
+                                     two_stage_output)
 
 # float32 on both sides; the only differences are summation order in matmuls/attention, and the
 # logits are O(1-10), so 1e-4 absolute (plus 1e-4 relative) is ~1000x below a real mapping error.
@@ -25,15 +26,7 @@ CHECKPOINTS = {"llama": (save_llama, {"seed": 1}), "qwen2": (save_qwen2, {"seed"
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            save, kw = CHECKPOINTS[name]
-            path = tmp_path_factory.mktemp(name)
-            cache[name] = (path, save(path, **kw))
-        return cache[name]
-    return get
+    return checkpoint_cache(tmp_path_factory, CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")

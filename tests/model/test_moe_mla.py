@@ -15,7 +15,8 @@ from mooncake_lite.model.moe import MoE
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.weights import build_model
-from tests.model.hf_fixtures import VOCAB, hf_greedy, hf_logits, save_deepseek_v3, save_qwen3_moe, two_stage_output
+from tests.model.hf_fixtures import (VOCAB, checkpoint_cache, hf_greedy, hf_logits, save_deepseek_v3, save_qwen3_moe,
+                                     two_stage_output)
 
 # float32 on both sides: only summation order differs (measured ≤ 1e-6 on logits of magnitude ~4).
 ATOL = RTOL = 1e-4
@@ -29,15 +30,7 @@ CHECKPOINTS = {"qwen3_moe": (save_qwen3_moe, {"seed": 1}),
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            save, kw = CHECKPOINTS[name]
-            path = tmp_path_factory.mktemp(name)
-            cache[name] = (path, save(path, **kw))
-        return cache[name]
-    return get
+    return checkpoint_cache(tmp_path_factory, CHECKPOINTS)
 
 
 def prompt(n, seed):
