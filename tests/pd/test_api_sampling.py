@@ -65,7 +65,10 @@ def test_chat_logprobs_equal_transformers_streamed_and_not(client):
         _check_top(entry.top_logprobs, row, 5)
     streamed = [e for chunk in client.chat.completions.create(**kw, stream=True)
                 for c in chunk.choices if c.logprobs is not None for e in c.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # The same tokens; the values within TOL, not bit-equal: the second request may reuse the first's
+    # prefix from the store and decode in another batch, which sums the same products in another order.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
