@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.llama import Collectives, Transformer
 
@@ -44,12 +45,7 @@ class TPLayout:
     @property
     def kv_heads(self) -> range:
         """The KV heads this rank's query heads read: its share, or the one it replicates."""
-        kv, n = self.args.num_kv_heads, self.size
-        if kv >= n:
-            per = kv // n
-            return range(self.rank * per, (self.rank + 1) * per)
-        first = self.rank * kv // n
-        return range(first, first + 1)
+        return kv_head_range(self.args.num_kv_heads, self.size, self.rank)
 
     @property
     def kv_replicas(self) -> int:
@@ -60,7 +56,7 @@ class TPLayout:
     def owns_kv(self) -> bool:
         """Whether this rank is the one that stores and sends its KV heads (a replicated head is
         sent once, by the first of the ranks holding it)."""
-        return self.rank % self.kv_replicas == 0
+        return writes_kv(self.args.num_kv_heads, self.size, self.rank)
 
     @property
     def ffn(self) -> range:

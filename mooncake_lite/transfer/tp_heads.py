@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.transfer.kv_layout import HeadRange, LayoutError
 
 
@@ -43,17 +44,16 @@ def rank_heads(num_kv_heads: int, tp: int, rank: int, *, is_replicated: bool = F
     check_split(num_kv_heads, tp)
     if not 0 <= rank < tp:
         raise LayoutError(f"rank {rank} outside a TP group of {tp}")
-    if tp <= num_kv_heads:
-        per = num_kv_heads // tp
-        return HeadRange(rank * per, (rank + 1) * per)
-    head = rank // (tp // num_kv_heads)
-    return HeadRange(head, head + 1)
+    heads = kv_head_range(num_kv_heads, tp, rank)
+    return HeadRange(heads.start, heads.stop)
 
 
 def writes_heads(num_kv_heads: int, tp: int, rank: int, *, is_replicated: bool = False) -> bool:
     """Whether ``rank`` writes its heads to the store: the first of the ranks holding them."""
-    heads = rank_heads(num_kv_heads, tp, rank, is_replicated=is_replicated)
-    return rank == 0 or rank_heads(num_kv_heads, tp, rank - 1, is_replicated=is_replicated) != heads
+    if is_replicated:
+        num_kv_heads = 1
+    check_split(num_kv_heads, tp)
+    return writes_kv(num_kv_heads, tp, rank)
 
 
 def plan_head_transfers(num_kv_heads: int, src_tp: int, dst_tp: int, *,
