@@ -130,7 +130,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content 
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_chat_tokenizer(path: Path, corpus: list[str], vocab_size: int) -> int:
+def save_chat_tokenizer(path: Path, corpus: list[str], vocab_size: int, specials: list[str] = CHAT_SPECIALS,
+                        template: str = CHAT_TEMPLATE) -> int:
     """A byte-level BPE tokenizer trained on ``corpus`` with a ChatML-style template, beside a
     checkpoint, as ``mooncake up --model DIR`` reads it; returns the end-of-turn token's id."""
     import json
@@ -139,12 +140,12 @@ def save_chat_tokenizer(path: Path, corpus: list[str], vocab_size: int) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus * 4, trainer)
     assert tok.get_vocab_size() <= vocab_size
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
     return tok.token_to_id("<|im_end|>")
 
 

@@ -6,12 +6,11 @@ prompt. The template's ``enable_thinking`` switch comes from the request's ``cha
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from tests.cluster.helpers import real_cluster
-from tests.model.hf_fixtures import hf_greedy, save_qwen3
+from tests.model.hf_fixtures import hf_greedy, save_chat_tokenizer, save_qwen3
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -29,17 +28,7 @@ CORPUS = ["What is the capital of France?", "The capital of France is Paris.", "
 
 
 def write_checkpoint(path) -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    assert tok.get_vocab_size() <= VOCAB
-    tok.save(str(path / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    eos = save_chat_tokenizer(path, CORPUS, VOCAB, SPECIALS, TEMPLATE)
     return save_qwen3(path, seed=11, vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=eos)
 
 
