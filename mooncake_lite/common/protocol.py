@@ -57,6 +57,10 @@ class Sampling:
     penalty_ids: tuple[int, ...] = ()     # the prompt's distinct ids, when repetition_penalty != 1
     # The grammar the output must match, as llguidance grammar text (model/grammar.py); None: free.
     grammar: str | None = None
+    # A continued request (a decode died mid-stream): the last ``num_generated`` prompt ids are this
+    # choice's output so far, already relayed to the client. Penalties, min/max_tokens, the grammar
+    # and the seeded generator's position count them as output, not as prompt.
+    num_generated: int = 0
 
 
 @dataclass(frozen=True)
