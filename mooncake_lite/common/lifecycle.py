@@ -86,15 +86,17 @@ class Membership:
 
 
 async def serve_role(app: web.Application, listener: Listener, membership: Membership | None = None,
-                     extra_addresses: Callable[[], dict[str, str]] | None = None) -> int:
+                     extra_addresses: Callable[[], dict[str, str]] | None = None,
+                     on_ready: Callable[[dict[str, str]], None] = lambda addresses: None) -> int:
     """Serve ``app`` until stopped (the steps above); the exit status (``app[EXIT]``, added here
-    when the app has none)."""
+    when the app has none). ``on_ready`` is told the addresses once the ports are bound."""
     status = app.setdefault(EXIT, ExitStatus())
     listening: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
     if membership is not None:   # first in: its cleanup runs last, after the rest of the app's
         app.cleanup_ctx.insert(0, partial(_membership, membership, listener.role, listening))
     await serve_app(app, listener.host, listener.port, role=listener.role, extra_addresses=extra_addresses,
-                    shutdown_timeout=listener.shutdown_timeout, on_ready=listening.set_result,
+                    shutdown_timeout=listener.shutdown_timeout,
+                    on_ready=lambda addresses: (listening.set_result(addresses), on_ready(addresses)),
                     advertise_host=listener.advertise_host, notify_ready=membership is None)
     return status.code
 
@@ -111,7 +113,7 @@ async def _membership(membership: Membership, role: str, listening: asyncio.Futu
 async def _join(membership: Membership, role: str, listening: asyncio.Future[dict[str, str]],
                 status: ExitStatus) -> None:
     addresses = await listening
-    conductor = membership.conductor.url
+    conductor = membership.conductor.url or membership.conductor.discovery
     msg = membership.registration(addresses)
     sdnotify.notify(f"STATUS={role} registering with {conductor}")
     try:

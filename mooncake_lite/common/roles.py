@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
+from mooncake_lite.common.etcd import parse_url
 from mooncake_lite.common.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 from mooncake_lite.common.units import parse_duration, parse_size
 
@@ -32,6 +33,8 @@ class RoleConfig:
     hash_seed: int = option(DEFAULT_HASH_SEED, "seed of the chained block hash (cluster-wide)")
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
     log_json: bool = option(False, "write logs as one JSON object per line")
+    discovery: str | None = option(None, "etcd://HOST:PORT: find the conductors (and, a conductor, the instances "
+                                   "and stores) in etcd, each process announcing itself there under a lease")
     otlp_endpoint: str | None = option(None, "export request traces (OpenTelemetry) to this OTLP/HTTP collector, "
                                        "e.g. http://127.0.0.1:4318 (spans go to its /v1/traces); unset: no tracing")
 
@@ -54,6 +57,11 @@ class RoleConfig:
         require(self.block_size > 0, f"--block-size must be positive, got {self.block_size}")
         require(self.hash_seed >= 0, f"--hash-seed must be non-negative, got {self.hash_seed}")
         require(bool(self.host), "--host must not be empty")
+        if self.discovery is not None:
+            try:
+                parse_url(self.discovery)
+            except ValueError as exc:
+                require(False, str(exc))
         require(self.otlp_endpoint is None or self.otlp_endpoint.startswith(("http://", "https://")),
                 f"--otlp-endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from mooncake_lite.conductor.api.body import MAX_BODY_BYTES
 from mooncake_lite.conductor.api.errors import PARSER_FIELD_BYTES, json_errors_middleware
 from mooncake_lite.conductor.api.state import API, ApiState
 from mooncake_lite.conductor.api.structured import GrammarChecker
-from mooncake_lite.conductor.cluster import cost_export, hot_replication, internal, status
+from mooncake_lite.conductor.cluster import cost_export, discovery, hot_replication, internal, status
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.conductor.contexts import routes as context_routes
@@ -74,6 +75,8 @@ def make_app(cfg: Config) -> web.Application:
     app.router.add_get("/internal/v1/cost_model", cost_export.cost_model)   # `mooncake sim export-costs`
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_reaper)
+    discovery.setup(app, cfg.discovery, cfg.rebuild_wait, {"model": model_id(cfg.model), "block_size": cfg.block_size,
+                                                           "hash_seed": cfg.hash_seed}, cfg.cluster_token)
     return app
 
 
@@ -84,7 +87,9 @@ def make_services(cfg: Config, args: ModelArgs) -> Services:
     sched_cfg = cfg.scheduler_config()
     kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
     scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
-    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures)
+    spread = cfg.tie_break == "random" or (cfg.tie_break == "auto" and cfg.discovery is not None)
+    membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures,
+                            tie_salt=os.urandom(16) if spread else None)
     # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
     gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
     return Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]

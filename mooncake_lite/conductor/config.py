@@ -103,9 +103,18 @@ class Config(RoleConfig):
                                parse=parse_duration)
     hot_replication_period: float = option(1.0, "how often hot blocks are planned and copied (each link's budget: "
                                            "share x its speed x this period)", parse=parse_duration)
+    rebuild_wait: float | None = option(None, "after a start, /health answers 503 until the view is rebuilt: with "
+                                        "--discovery until every instance and store listed in etcd has reported "
+                                        "(at most this long; default 10s), without it for this long (default 0)",
+                                        parse=parse_duration)
+    tie_break: str = option("auto", "order of instances whose estimates tie: order (registration order), random (a "
+                            "per-conductor random order, so conductors with the same view spread a burst); auto: "
+                            "random with --discovery", choices=("auto", "order", "random"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.rebuild_wait is None or self.rebuild_wait >= 0,
+                f"--rebuild-wait must be >= 0, got {self.rebuild_wait}")
         require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
         require(bool(self.model), "--model must not be empty")
         require(self.ttft_slo is None or self.ttft_slo > 0, f"--ttft-slo must be positive, got {self.ttft_slo}")

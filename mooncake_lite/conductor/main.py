@@ -11,6 +11,7 @@ import sys
 from mooncake_lite.common.lifecycle import Listener, serve_role
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.conductor.app import make_app
+from mooncake_lite.conductor.cluster import discovery
 from mooncake_lite.conductor.config import Config
 
 
@@ -20,4 +21,5 @@ def run(cfg: Config) -> int:
     except ValueError as exc:
         sys.stderr.write(f"mooncake --role conductor: error: {exc}\n")
         return 2
-    return run_loop(lambda: serve_role(app, Listener("conductor", cfg.host, cfg.port, cfg.advertise_host)))
+    return run_loop(lambda: serve_role(app, Listener("conductor", cfg.host, cfg.port, cfg.advertise_host),
+                                       on_ready=lambda addresses: discovery.note_address(app, addresses)))

@@ -9,12 +9,12 @@ import torch
 
 from kernels.kv_codec import CODEC_NAMES, fp8_supported
 from mooncake_lite.common.config import option, require
-from mooncake_lite.common.membership import Conductor
+from mooncake_lite.common.membership import Conductor, conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.checkpoint_config import model_args
-from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.model.source import DEFAULT_MODEL, model_id
 from mooncake_lite.model.tensor_parallel import check_divides
 
 
@@ -62,7 +62,8 @@ class ModelRoleConfig(RoleConfig):
     num_blocks: int | None = option(None, "KV cache blocks (overrides --kv-memory)")
     kv_memory: int = option(256 << 20, "KV cache memory when --num-blocks is not given", parse=parse_size)
     port: int = option(0, "HTTP port (0 = pick a free one)")
-    conductor: str | None = option(None, "conductor URL to register with, e.g. http://127.0.0.1:8000")
+    conductor: str | None = option(None, "conductor URL to register with, e.g. http://127.0.0.1:8000; several "
+                                   "conductors: their URLs separated by commas (each gets every report)")
     instance_id: str | None = option(None, "instance id (default: ROLE@HOST:PORT)")
     heartbeat_interval: float = option(1.0, "seconds between heartbeats to the conductor", parse=parse_duration)
     profile: bool = option(True, "time a few model runs at startup and report the fitted cost model")
@@ -89,8 +90,10 @@ class ModelRoleConfig(RoleConfig):
         require(self.kv_memory > 0, f"--kv-memory must be positive, got {self.kv_memory}")
         require(0 <= self.port < 65536, f"--port out of range: {self.port}")
         require(self.heartbeat_interval > 0, "--heartbeat-interval must be positive")
-        require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
-                f"--conductor must be an http(s) URL, got {self.conductor!r}")
+        try:
+            conductor_urls(self.conductor)
+        except ValueError as exc:
+            require(False, str(exc))
         require(self.kv_compression != "fp8" or fp8_supported(),
                 "--kv-compression fp8: this torch build cannot cast torch.float8_e4m3fn (use int8)")
         try:
@@ -111,10 +114,12 @@ class ModelRoleConfig(RoleConfig):
                     f"--devices lists {len(self.devices)} devices for {self.tensor_parallel} ranks")
 
     def joins(self) -> Conductor | None:
-        """The conductor this instance registers with and heartbeats to (None: it serves alone)."""
-        if self.conductor is None:
+        """The conductors this instance registers with and heartbeats to (None: it serves alone)."""
+        if self.conductor is None and self.discovery is None:
             return None
-        return Conductor(self.conductor, self.cluster_token, self.heartbeat_interval)
+        return Conductor(self.conductor or "", self.cluster_token, self.heartbeat_interval, self.discovery,
+                         (("model", model_id(self.model)), ("block_size", self.block_size),
+                          ("hash_seed", self.hash_seed)))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,7 +24,7 @@ from mooncake_lite.store.blocks import BlockStore
 from mooncake_lite.store.config import Config
 from mooncake_lite.store.dataplane import META_BYTES, StoreHandler
 from mooncake_lite.store.eviction import make_policy
-from mooncake_lite.store.events import BlockEventPublisher
+from mooncake_lite.store.event_fanout import BlockEventFanout
 from mooncake_lite.store.metrics import StoreCollector, make_registry, render
 from mooncake_lite.store.replicate import Replicator
 from mooncake_lite.store.slab import Slab, cuda_available
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class DataPlane:
     cfg: Config
     store: BlockStore
-    publisher: BlockEventPublisher
+    publisher: BlockEventFanout
     address: str = ""
     handler: StoreHandler | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -56,8 +56,7 @@ DATA = web.AppKey("data", DataPlane)
 def make_app(cfg: Config) -> web.Application:
     """Allocate the slab and re-index the SSD tier now (errors surface before serving)."""
     # Idle keepalive (to hear of a restarted conductor): a few seconds, sooner with fast events.
-    publisher = BlockEventPublisher(cfg.conductor, "", token=cfg.cluster_token, interval=cfg.event_interval,
-                                    keepalive=min(5.0, 20 * cfg.event_interval))
+    publisher = BlockEventFanout(cfg.joins(), interval=cfg.event_interval, keepalive=min(5.0, 20 * cfg.event_interval))
     ssd = None
     if cfg.ssd_dir:
         # A block larger than a DRAM slot could never be promoted: count it as bad at start-up.

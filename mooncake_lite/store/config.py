@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mooncake_lite.common.config import option, require
+from mooncake_lite.common.membership import Conductor, conductor_urls
 from mooncake_lite.common.roles import DataPortFlags, RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.store.eviction import POLICY_NAMES
@@ -39,7 +40,8 @@ class Config(RoleConfig, DataPortFlags):
                               "connection is closed", parse=parse_duration)
     transport: str = option("auto", "bulk transport: auto (RDMA if a device is found, else TCP), tcp, rdma",
                             choices=TRANSPORTS)
-    conductor: str | None = option(None, "conductor base URL (http://HOST:PORT) to send block events to")
+    conductor: str | None = option(None, "conductor base URL (http://HOST:PORT) to send block events to; several "
+                                   "conductors: their URLs separated by commas (each gets every event)")
     event_interval: float = option(0.2, "how often block events are sent", parse=parse_duration)
     max_frame: int = option(4 << 30, "largest frame payload accepted on the data port", parse=parse_size)
     data_inflight: int = option(256 << 20, "most memory all data connections together may hold for frames "
@@ -70,7 +72,17 @@ class Config(RoleConfig, DataPortFlags):
         require(self.event_interval > 0, f"--event-interval must be positive, got {self.event_interval}")
         require(self.max_frame >= self.slot_bytes, "--max-frame must be at least --slot-bytes")
         self.check_data_flags()
-        require(self.conductor is None or self.conductor.startswith(("http://", "https://")),
-                f"--conductor must be an http(s):// URL, got {self.conductor!r}")
+        try:
+            conductor_urls(self.conductor)
+        except ValueError as exc:
+            require(False, str(exc))
         require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         require(self.shm_staging >= 0, "--shm-staging must be >= 0")
+
+    def joins(self) -> Conductor | None:
+        """The conductors this store sends block events to (None: none), and what one found in
+        etcd must use to be ours."""
+        if self.conductor is None and self.discovery is None:
+            return None
+        return Conductor(self.conductor or "", self.cluster_token, discovery=self.discovery,
+                         expects=(("block_size", self.block_size), ("hash_seed", self.hash_seed)))

@@ -18,6 +18,7 @@ from mooncake_lite.conductor.api.errors import ApiError, Rejected
 from mooncake_lite.conductor.api.params import ApiRequest, parse_request
 from mooncake_lite.conductor.api.relay import Relay
 from mooncake_lite.conductor.api.state import API, ApiState
+from mooncake_lite.conductor.cluster import discovery
 from mooncake_lite.conductor.flight.flight import Flight
 from mooncake_lite.conductor.tenants import TENANT
 from mooncake_lite.scheduler.tenants import DEFAULT_TENANT
@@ -55,8 +56,11 @@ async def health(request: web.Request) -> web.Response:
                   "alive": i.is_alive} for i in m.instances.values()]
     index = request.app[API].svc.scheduler.index
     stores = [{"store": str(sid), "num_blocks": index.num_blocks(sid)} for sid in index.store_ids()]
-    return web.json_response({"status": "ok", "ready": ok, "prefill": num_prefill, "decode": num_decode,
-                              "instances": instances, "stores": stores})
+    # 503 until the view is rebuilt after a start (conductor/cluster/rebuild.py): out of a balancer's rotation
+    rebuilt = discovery.is_rebuilt(request.app)
+    return web.json_response({"status": "ok" if rebuilt else "rebuilding", "ready": ok, "prefill": num_prefill,
+                              "decode": num_decode, "instances": instances, "stores": stores},
+                             status=200 if rebuilt else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ No IO here and no clock: ``now`` is passed in (the app uses the event loop's mon
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -114,16 +115,16 @@ class Membership:
     """Owns the instance table. One owner (the conductor app); not thread-safe."""
 
     def __init__(self, model: str, block_size: int, hash_seed: int, dead_after_s: float,
-                 max_failures: int = 3) -> None:
+                 max_failures: int = 3, tie_salt: bytes | None = None) -> None:
         self.model_id = model_id(model)
+        self.tie_salt = tie_salt   # snapshot order (ties go to the first): docs/conductor.md, Several conductors
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.dead_after_s = dead_after_s
         self.max_failures = max_failures
         self.instances: dict[str, Instance] = {}
         self.stores = StoreWatch(dead_after_s)
-        # (role, event) -> count, for /metrics: suspect, cleared, dead-failures, dead-silent,
-        # dead-replaced, connection-failure.
+        # (role, event) -> count for /metrics: suspect, cleared, dead-{failures,silent,replaced}, connection-failure
         self.events: Counter[tuple[str, str]] = Counter()
         self.kv_bytes_per_token: int | None = None
         # Set by end_requests (the drain ran out): a request placed after it (its body was still
@@ -381,6 +382,8 @@ class Membership:
         trusted_roles = {i.role for i in self.instances.values() if i.is_alive and not i.is_suspect}
         scheduled = [i for i in self.instances.values()
                      if i.is_alive and not (i.is_suspect and i.role in trusted_roles)]
+        if self.tie_salt is not None:
+            scheduled.sort(key=lambda i: hashlib.blake2b(i.instance_id.encode(), key=self.tie_salt).digest())
         prefills = [i for i in scheduled if i.role == "prefill"]
         # Only a new set of scheduled instances changes which prefills are live (and their registrations).
         self._smallest_prefill = min((i.reg.max_context for i in prefills), default=0)

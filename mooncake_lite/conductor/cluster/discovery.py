@@ -1,0 +1,85 @@
+"""A conductor with ``--discovery etcd://HOST:PORT``: it announces itself, and follows who to expect.
+
+Its entry (``/mooncake/conductors/<url>``: URL, model id, block size, hash seed; signed, under a
+lease) is how instances and stores find it, and how they refuse one that serves another model,
+block size or hash seed. It reads the instances' and stores' entries to know when its view is
+complete after a start (``rebuild.py``); the instances and stores themselves dial it and report
+(registration, heartbeats, block events), so liveness stays what their heartbeats say. While etcd
+is away nothing changes: the conductor serves from the view it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from mooncake_lite.common import discovery
+from mooncake_lite.conductor.cluster.rebuild import Rebuild
+from mooncake_lite.conductor.services import SERVICES
+
+REBUILD = web.AppKey("rebuild", Rebuild)
+# The conductor's own URL, once its listener is bound (``note_address``).
+ADDRESS = web.AppKey("address", asyncio.Future)
+DEFAULT_DISCOVERY_WAIT_S = 10.0
+
+
+def setup(app: web.Application, discovery_url: str | None, rebuild_wait: float | None,
+          identity: dict[str, object], token: str | None) -> None:
+    """The view-rebuild gate for ``/health`` and, with discovery, the etcd tasks (``identity``:
+    what the conductor's entry says it serves)."""
+    wait = rebuild_wait if rebuild_wait is not None else (DEFAULT_DISCOVERY_WAIT_S if discovery_url else 0.0)
+    app[REBUILD] = Rebuild(0.0, wait)
+    app.on_startup.append(_start_clock)
+    if discovery_url:
+        app.cleanup_ctx.append(lambda app: _run(app, discovery_url, identity, token))
+
+
+async def _start_clock(app: web.Application) -> None:
+    app[REBUILD].started = asyncio.get_running_loop().time()
+
+
+def note_address(app: web.Application, addresses: dict[str, str]) -> None:
+    """Called once the listener is bound (the ready line's addresses): the URL to announce."""
+    fut = app.get(ADDRESS)
+    if fut is not None and not fut.done():
+        fut.set_result("http://" + addresses["http"])
+
+
+def is_rebuilt(app: web.Application) -> bool:
+    """For ``/health``: whether the view is complete (or the bounded wait over)."""
+    svc = app[SERVICES]
+    inst = svc.membership.instances
+    return app[REBUILD].complete(asyncio.get_running_loop().time(),
+                                 lambda iid: iid in inst and inst[iid].is_alive, svc.scheduler.index.is_synced)
+
+
+async def _run(app: web.Application, url: str, identity: dict[str, object], token: str | None) -> AsyncIterator[None]:
+    svc, rebuild = app[SERVICES], app[REBUILD]
+    app[ADDRESS] = address = asyncio.get_running_loop().create_future()
+    etcd = discovery.client(svc.session, url)
+    lists: dict[str, dict[str, dict]] = {discovery.INSTANCES: {}, discovery.STORES: {}}
+
+    def listed(prefix: str, entries: dict[str, dict]) -> None:
+        lists[prefix] = entries
+        if all(d.loaded.is_set() or d.prefix == prefix for d in directories):
+            stores = [str(e.get("address", name)) for name, e in lists[discovery.STORES].items()]
+            rebuild.expect(lists[discovery.INSTANCES], stores)
+
+    directories = [discovery.Directory(etcd, prefix, token, lambda entries, p=prefix: listed(p, entries))
+                   for prefix in lists]
+    tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in directories]
+    tasks.append(asyncio.create_task(_announce(etcd, address, identity, token), name="discovery announce"))
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], token: str | None) -> None:
+    url = await address
+    await discovery.announce(etcd, discovery.CONDUCTORS + url, {"url": url, **identity}, token)
