@@ -1,0 +1,220 @@
+"""Two conductors behind HAProxy, found through etcd: one shared cluster for every case (in order).
+
+etcd (its own, on free loopback ports), two conductors, one store, one prefill and one decode on
+the tiny preset, all with ``--discovery``; HAProxy in front (``/health`` every 200 ms, fall 2,
+retries with redispatch on connection failures and empty responses). The cases run in file
+order on the same processes: entries in etcd that are not ours are skipped; a conductor killed
+with SIGKILL under streaming load fails only the streams it was serving and no new request;
+etcd killed, serving goes on from the last view and discovery recovers when etcd is back; the
+killed conductor started again answers 503 until its view is rebuilt, then takes traffic.
+Timings are printed (``-s``), never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from mooncake_lite.common import discovery
+from tests.conftest import start_role
+from tests.ha.cluster import Etcd, HAProxy, free_port, wait_http
+
+pytestmark = pytest.mark.timeout(240)
+TOKEN = "ha-test-token"
+COMMON = ("--block-size", "16", "--cluster-token", TOKEN)
+MODEL = ("--model", "tiny", "--threads", "1", "--no-profile", "--heartbeat-interval", "0.2")
+
+
+@dataclass
+class HA:
+    etcd: Etcd
+    haproxy: HAProxy
+    ports: dict[str, int]
+    conductors: dict[str, object]
+    others: dict[str, object]
+
+    def start_conductor(self, name: str):
+        self.conductors[name] = start_role("conductor", "--model", "tiny", "--port", str(self.ports[name]),
+                                           "--discovery", f"etcd://127.0.0.1:{self.etcd.client}", "--dead-after", "3s",
+                                           "--rebuild-wait", "10s", "--admission", "none", *COMMON)
+        return self.conductors[name]
+
+
+@pytest.fixture(scope="module")
+def ha():
+    etcd = Etcd()
+    etcd.start()
+    disc = ("--discovery", f"etcd://127.0.0.1:{etcd.client}")
+    cluster = HA(etcd, None, {"c1": free_port(), "c2": free_port()}, {}, {})   # type: ignore[arg-type]
+    try:
+        data = f"127.0.0.1:{free_port()}"
+        roles = {"c1": lambda: cluster.start_conductor("c1"), "c2": lambda: cluster.start_conductor("c2"),
+                 "store": lambda: start_role("store", "--port", "0", "--data-port", data.rpartition(":")[2],
+                                             "--dram", "64MiB", "--event-interval", "0.05", *disc, *COMMON),
+                 "prefill": lambda: start_role("prefill", *MODEL, "--port", "0", "--store", data, *disc, *COMMON),
+                 "decode": lambda: start_role("decode", *MODEL, "--port", "0", *disc, *COMMON)}
+        with ThreadPoolExecutor(len(roles)) as pool:   # all at once: the prefill retries its store until it is up
+            started = {name: pool.submit(start) for name, start in roles.items()}
+            cluster.others.update({name: f.result() for name, f in started.items() if name not in cluster.ports})
+        cluster.haproxy = HAProxy(cluster.ports)
+        for name in ("c1", "c2"):
+            wait_http(f"http://127.0.0.1:{cluster.ports[name]}/health", f"conductor {name}", timeout=30)
+        yield cluster
+    finally:
+        for proc in [*cluster.others.values(), *cluster.conductors.values()]:
+            proc.proc.kill()   # nothing here tests a graceful stop (tests/conductor/test_drain.py does)
+            proc.proc.wait(10)
+        if cluster.haproxy is not None:
+            cluster.haproxy.close()
+        etcd.close()
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    ok: bool
+    conductor: str | None
+    error: str = ""
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
+    start, conductor = time.monotonic(), None
+    body = {"model": "tiny", "prompt": f"request {i} of the load", "max_tokens": 48, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            conductor = resp.headers.get("X-Conductor")
+            if resp.status != 200:
+                return Outcome(start, time.monotonic(), False, conductor, f"HTTP {resp.status} {await resp.text()}")
+            async for line in resp.content:
+                if line.startswith(b"data: [DONE]"):
+                    return Outcome(start, time.monotonic(), True, conductor)
+                if b'"error"' in line:
+                    return Outcome(start, time.monotonic(), False, conductor, line.decode()[:200])
+            return Outcome(start, time.monotonic(), False, conductor, "stream ended without [DONE]")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Outcome(start, time.monotonic(), False, conductor, repr(exc))
+
+
+async def run_load(url: str, seconds: float, event=None, streams: int = 4) -> list[Outcome]:
+    """``streams`` clients each streaming one completion after another for ``seconds``;
+    ``event`` (a coroutine function) runs meanwhile."""
+    out: list[Outcome] = []
+    stop_at = time.monotonic() + seconds
+
+    async def client(k: int, session: aiohttp.ClientSession) -> None:
+        i = 0
+        while time.monotonic() < stop_at:
+            out.append(await stream_once(session, url, k * 1000 + i))
+            i += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(client(k, session) for k in range(streams)), *([event()] if event else []))
+    return out
+
+
+def etcd_put(etcd: Etcd, key: str, value: bytes) -> None:
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode(),
+                       "value": base64.b64encode(value).decode()}).encode()
+    urllib.request.urlopen(urllib.request.Request(etcd.url + "/v3/kv/put", body), timeout=5).read()
+
+
+def until(cond, what: str, timeout: float = 20.0) -> float:
+    start = time.monotonic()
+    while not cond():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_both_conductors_serve_through_haproxy(ha):
+    until(lambda: set(ha.haproxy.status().values()) == {"UP"}, "both conductors UP in haproxy")
+    out = asyncio.run(run_load(ha.haproxy.url, 2.0))
+    assert out and all(o.ok for o in out), [o.error for o in out if not o.ok]
+    assert {o.conductor for o in out} == {"c1", "c2"}
+    for c in ha.conductors.values():
+        assert "view rebuilt" in c.logs()
+
+
+def test_entries_not_ours_are_skipped_and_a_foreign_conductor_refused(ha):
+    etcd_put(ha.etcd, discovery.CONDUCTORS + "junk", b"\x00not json")
+    etcd_put(ha.etcd, discovery.INSTANCES + "forged", discovery.sign("another-token", discovery.INSTANCES + "forged",
+                                                                     {"instance_id": "forged"}))
+    foreign = "http://127.0.0.1:9"
+    etcd_put(ha.etcd, discovery.CONDUCTORS + foreign, discovery.sign(
+        TOKEN, discovery.CONDUCTORS + foreign, {"url": foreign, "model": "small", "block_size": 16, "hash_seed": 0}))
+    prefill, c2 = ha.others["prefill"], ha.conductors["c2"]
+    until(lambda: f"refusing conductor {foreign} found in etcd: mismatched model 'small'" in prefill.logs(),
+          "the prefill refusing the conductor of another model")
+    until(lambda: "skipped the entry /mooncake/conductors/junk" in prefill.logs(), "junk skipped by the prefill")
+    until(lambda: "skipped the entry /mooncake/instances/forged in etcd: bad signature" in c2.logs(),
+          "a forged instance entry skipped by the conductor")
+    assert all(p.proc.poll() is None for p in [*ha.others.values(), *ha.conductors.values()])
+
+
+def test_kill_a_conductor_under_streaming_load(ha):
+    moved: dict[str, float] = {}
+
+    async def kill_c1() -> None:
+        await asyncio.sleep(1.5)
+        moved["kill"] = time.monotonic()
+        ha.conductors["c1"].proc.kill()
+        loop = asyncio.get_running_loop()
+        while ha.haproxy.status().get("c1") == "UP":
+            await loop.run_in_executor(None, time.sleep, 0.02)
+        moved["down"] = time.monotonic()
+
+    out = asyncio.run(run_load(ha.haproxy.url, 5.0, kill_c1))
+    kill = moved["kill"]
+    in_flight_on_dead = [o for o in out if o.start < kill and o.conductor == "c1" and o.end >= kill]
+    failed = [o for o in out if not o.ok]
+    failed_new = [o for o in failed if o.start >= kill]
+    print(f"\nconductor kill: {len(out)} streams, {len(failed)} failed ({len(in_flight_on_dead)} were in flight on the "
+          f"killed conductor), {len(failed_new)} new requests failed; haproxy marked it down "
+          f"{moved['down'] - kill:.2f}s after the kill")
+    assert not failed_new, [o.error for o in failed_new]
+    assert all(o in in_flight_on_dead for o in failed), [(o.conductor, o.error) for o in failed]
+    assert any(o.ok and o.start >= kill for o in out)
+
+
+def test_kill_etcd_serving_goes_on_and_discovery_recovers(ha):
+    ha.etcd.kill()
+    out = asyncio.run(run_load(ha.haproxy.url, 2.0))
+    assert out and all(o.ok for o in out), [o.error for o in out if not o.ok]
+    c2 = ha.conductors["c2"]
+    ha.etcd.start()
+    took = until(lambda: "read again from etcd" in c2.logs(), "the conductor reading etcd again", timeout=20)
+    out = asyncio.run(run_load(ha.haproxy.url, 1.0))
+    assert out and all(o.ok for o in out), [o.error for o in out if not o.ok]
+    print(f"\netcd kill: {len(out)} requests after its return, all served; the conductor read etcd again "
+          f"{took:.2f}s after its restart")
+
+
+def test_restarted_conductor_rebuilds_its_view_then_takes_traffic(ha):
+    start = time.monotonic()
+    c1 = ha.start_conductor("c1")
+    ready_s = time.monotonic() - start
+    health = f"http://127.0.0.1:{ha.ports['c1']}/health"
+    try:
+        urllib.request.urlopen(health, timeout=2)
+        first = 200
+    except urllib.error.HTTPError as exc:
+        first = exc.code
+        assert json.loads(exc.read())["status"] == "rebuilding"
+    until(lambda: "view rebuilt" in c1.logs(), "c1's view rebuilt", timeout=15)
+    assert "listed in etcd reported" in c1.logs(), c1.logs()[-2000:]
+    until(lambda: ha.haproxy.status().get("c1") == "UP", "c1 back in haproxy")
+    out = asyncio.run(run_load(ha.haproxy.url, 1.5))
+    assert out and all(o.ok for o in out), [o.error for o in out if not o.ok]
+    assert "c1" in {o.conductor for o in out}
+    line = next(x for x in c1.logs().splitlines() if "view rebuilt" in x)
+    print(f"\nrestart: ready line {ready_s:.2f}s after the start, first /health {first}; {line.partition('rebuild: ')[2]}")
