@@ -107,9 +107,10 @@ class Config(RoleConfig):
                                         "--discovery until every instance and store listed in etcd has reported "
                                         "(at most this long; default 10s), without it for this long (default 0)",
                                         parse=parse_duration)
-    tie_break: str = option("auto", "order of instances whose estimates tie: order (registration order), random (a "
-                            "per-conductor random order, so conductors with the same view spread a burst); auto: "
-                            "random with --discovery", choices=("auto", "order", "random"))
+    shared_instances: str = option("auto", "whether other conductors send work to these instances too (several "
+                                    "conductors): on, each conductor counts their work from the instances' heartbeats "
+                                    "and breaks ties in its own random order; auto: on with --discovery",
+                                    choices=("auto", "on", "off"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -19,7 +19,7 @@ from aiohttp import web
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.protocol import BlockEvents, Heartbeat, ProtocolError, Register, loads
 from mooncake_lite.conductor.api.errors import ApiError
-from mooncake_lite.conductor.cluster import status
+from mooncake_lite.conductor.cluster import others, status
 from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import RegistrationError
 from mooncake_lite.conductor.services import SERVICES
@@ -106,6 +106,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     except ApiError as exc:
         return exc.response()
     svc.membership.trust(hb.instance_id, "it heartbeated")
+    if svc.membership.tie_salt is not None:   # other conductors share the instance: show their work
+        others.show(inst, asyncio.get_running_loop().time())
     return web.json_response({"ok": True})
 
 
