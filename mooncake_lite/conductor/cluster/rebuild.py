@@ -48,7 +48,8 @@ class Rebuild:
                             f"({len(self.expected_stores)}) listed in etcd reported")
         elif now - self.started >= self.wait_s:
             left = self.missing(registered, synced)
-            self._done(now, f"the {self.wait_s:g}s wait is over" + (f"; still missing {', '.join(left)}" if left else ""))
+            self._done(now, f"the {self.wait_s:g}s wait is over"
+                       + (f"; still missing {', '.join(left)}" if left else ""))
         return self.done_at is not None
 
     def _done(self, now: float, how: str) -> None:
