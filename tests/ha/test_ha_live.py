@@ -5,8 +5,10 @@ the tiny preset, all with ``--discovery``; HAProxy in front (``/health`` every 2
 retries with redispatch on connection failures and empty responses). The cases run in file
 order on the same processes: entries in etcd that are not ours are skipped; a conductor killed
 with SIGKILL under streaming load fails only the streams it was serving and no new request;
-etcd killed, serving goes on from the last view and discovery recovers when etcd is back; the
-killed conductor started again answers 503 until its view is rebuilt, then takes traffic.
+etcd killed, serving goes on from the last view (new cached contexts refused, naming etcd) and
+discovery recovers when etcd is back; a cached context made on one conductor is used, extended
+and deleted on the other; the killed conductor started again answers 503 until its view is
+rebuilt, then takes traffic.
 Timings are printed (``-s``), never asserted.
 """
 
@@ -16,6 +18,7 @@ import asyncio
 import base64
 import json
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -161,6 +164,33 @@ def test_entries_not_ours_are_skipped_and_a_foreign_conductor_refused(ha):
     assert all(p.proc.poll() is None for p in [*ha.others.values(), *ha.conductors.values()])
 
 
+def call(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_cached_context_made_on_one_conductor_is_used_and_deleted_on_the_other(ha):
+    c1, c2 = (f"http://127.0.0.1:{ha.ports[c]}" for c in ("c1", "c2"))
+    doc = "A document every request of this test starts with, long enough for two blocks."
+    status, ctx = call(c1 + "/v1/contexts", "POST", {"model": "tiny", "prompt": doc, "ttl": 60})
+    assert status == 200 and ctx["cached_tokens"] >= 32, ctx
+    until(lambda: call(f"{c2}/v1/contexts/{ctx['id']}")[0] == 200, "the context known to c2")
+    status, out = call(c2 + "/v1/completions", "POST", {"model": "tiny", "prompt": " and then", "max_tokens": 4,
+                                                         "context_id": ctx["id"]})
+    assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] >= ctx["cached_tokens"], out
+    status, out = call(f"{c2}/v1/contexts/{ctx['id']}", "PATCH", {"ttl": 120})
+    assert status == 200 and out["expires_at"] > ctx["expires_at"]
+    until(lambda: call(f"{c1}/v1/contexts/{ctx['id']}")[1].get("expires_at") == out["expires_at"],
+          "the extension known to c1")
+    assert call(f"{c2}/v1/contexts/{ctx['id']}", "DELETE")[0] == 200
+    until(lambda: call(f"{c1}/v1/contexts/{ctx['id']}")[0] == 404, "the deletion known to c1")
+
+
 def test_kill_a_conductor_under_streaming_load(ha):
     moved: dict[str, float] = {}
 
@@ -192,6 +222,8 @@ def test_kill_etcd_serving_goes_on_and_discovery_recovers(ha):
     ha.etcd.kill()
     out = asyncio.run(run_load(ha.haproxy.url, 2.0))
     assert out and all(o.ok for o in out), [o.error for o in out if not o.ok]
+    status, body = call(ha.haproxy.url + "/v1/contexts", "POST", {"model": "tiny", "prompt": "x" * 40})
+    assert status == 503 and "etcd is unreachable" in body["error"]["message"], body
     start = time.monotonic()
     ha.etcd.start()
     until(lambda: c2.logs().count(again) > before, "the conductor reading etcd again", timeout=20)

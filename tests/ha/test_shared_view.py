@@ -68,3 +68,18 @@ def test_conductors_order_equal_instances_each_their_own_way():
     for i in (3, 1, 2, 0):
         m.register(reg("prefill", f"p{i}"), 0.0)
     assert [p.instance_id for p in m.snapshot().prefills] == ["p3", "p1", "p2", "p0"]
+
+
+def test_contexts_follow_etcd_and_a_malformed_entry_is_skipped():
+    from mooncake_lite.conductor.contexts.book import Context, ContextBook
+    from mooncake_lite.conductor.contexts.shared import SharedContexts, to_entry
+
+    book = ContextBook()
+    shared = SharedContexts(None, "tok", book)   # follow() reads no etcd
+    ctx = Context("ctx-1", "default", "prompt", "tiny", (1, 2, 3, 4), (), (b"\x01" * 16,), "s:1", 5, 4e9,
+                  cached_tokens=4)
+    shared.follow({"ctx-1": to_entry(ctx), "ctx-bad": {"context_id": "ctx-bad", "keys": ["zz"]}})
+    assert set(book.contexts) == {"ctx-1"} and book.contexts["ctx-1"].keys == ctx.keys
+    book.contexts["ctx-local"] = ctx   # made here, its entry not read back yet: kept
+    shared.follow({})                  # ctx-1 deleted on another conductor
+    assert set(book.contexts) == {"ctx-local"} and "ctx-1" not in book.expired

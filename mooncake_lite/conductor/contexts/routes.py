@@ -17,7 +17,8 @@ reused. A request whose prompt merely starts with a context's reuses it the same
 
 Contexts belong to the caller's tenant (its API key names it, ``conductor/tenants.py``): each
 tenant sees and uses only its own, and holds at most ``--context-quota`` tokens of them. Contexts live in the conductor's memory (a restarted conductor forgets them; the
-stores still hold their blocks until the expiry, so prefix matches keep working).
+stores still hold their blocks until the expiry, so prefix matches keep working); with
+``--discovery`` they are shared by every conductor through etcd (``shared.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
+from mooncake_lite.common import discovery
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES, read_json
 from mooncake_lite.conductor.config import Config
@@ -40,6 +43,7 @@ from mooncake_lite.conductor.contexts.book import Context, ContextBook
 from mooncake_lite.conductor.contexts.upstream import prefill_only, store_pin, store_unpin
 from mooncake_lite.conductor.api.errors import ApiError, bad_request, short, unavailable
 from mooncake_lite.conductor.contexts.kv_sink import KVSink
+from mooncake_lite.conductor.contexts.shared import SharedContexts
 from mooncake_lite.conductor.api.params import TextAfterIds, _encode, chat_prompt, parse_request
 from mooncake_lite.conductor.api.state import API, ApiState
 from mooncake_lite.conductor.tenants import TENANT
@@ -54,6 +58,7 @@ class ContextState:
     cfg: Config
     book: ContextBook = field(default_factory=ContextBook)
     sink: KVSink = field(default_factory=KVSink)
+    shared: SharedContexts | None = None   # with --discovery: the book shared through etcd (shared.py)
 
 
 CONTEXTS: web.AppKey[ContextState] = web.AppKey("contexts", ContextState)
@@ -122,6 +127,8 @@ async def create(request: web.Request) -> web.Response:
                               f"this one has {len(ids)}", "prompt" if kind == "prompt" else "messages")
         cached = len(keys) * st.svc.block_size
         _check_quota(cs, tenant, cached)
+        if cs.shared is not None:
+            cs.shared.check_reachable()
         cs.book.reserve(tenant, cached)
         try:
             ctx = await _make(st, cs, Context(f"ctx-{uuid.uuid4().hex}", tenant, kind, body["model"], ids,
@@ -159,6 +166,12 @@ async def _make(st: ApiState, cs: ContextState, ctx: Context, ttl: float) -> Con
         raise unavailable(f"only {num_held} of the context's {len(ctx.keys)} blocks reached store {ctx.store} "
                           f"(is it full of held blocks?); try again")
     ctx.cached_tokens = num_held * st.svc.block_size
+    if cs.shared is not None:
+        try:
+            await cs.shared.publish(ctx)
+        except ApiError:
+            await store_unpin(st.svc, ctx.store, ctx.context_id)
+            raise
     return ctx
 
 
@@ -184,9 +197,11 @@ async def extend(request: web.Request) -> web.Response:
             raise bad_request("'ttl' (seconds from now) is required", "ttl")
         expires_at = time.time() + _ttl(body, cs.cfg)
         num_held = await store_pin(st.svc, ctx.store, ctx.context_id, ctx.keys, expires_at, wait_s=0)
+        ctx.expires_at, ctx.cached_tokens = expires_at, num_held * st.svc.block_size
+        if cs.shared is not None:
+            await cs.shared.publish(ctx)
     except ApiError as exc:
         return exc.response()
-    ctx.expires_at, ctx.cached_tokens = expires_at, num_held * st.svc.block_size
     return web.json_response(ctx.public())
 
 
@@ -198,6 +213,8 @@ async def delete(request: web.Request) -> web.Response:
         return exc.response()
     del cs.book.contexts[ctx.context_id]
     await store_unpin(st.svc, ctx.store, ctx.context_id)
+    if cs.shared is not None:
+        await cs.shared.withdraw(ctx.context_id)
     return web.json_response({"id": ctx.context_id, "object": "context.deleted", "deleted": True})
 
 
@@ -257,6 +274,11 @@ def _name(body: dict) -> str | None:
 async def _sink_and_sweeper(app: web.Application) -> AsyncIterator[None]:
     cs = app[CONTEXTS]
     await cs.sink.start(cs.cfg.host, cs.cfg.advertise_host, cs.cfg.cluster_token)
+    follow = session = None
+    if cs.cfg.discovery:   # its own session: the app's opens after this cleanup context
+        session = aiohttp.ClientSession()
+        cs.shared = SharedContexts(discovery.client(session, cs.cfg.discovery), cs.cfg.cluster_token, cs.book)
+        follow = asyncio.get_running_loop().create_task(cs.shared.directory.run())
 
     async def sweep() -> None:
         while True:
@@ -267,4 +289,7 @@ async def _sink_and_sweeper(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.get_running_loop().create_task(sweep())
     yield
     task.cancel()
+    if follow is not None:
+        follow.cancel()
+        await session.close()
     await cs.sink.stop()
