@@ -139,6 +139,8 @@ class Directory:
             body = verify(self.token, key, value)
         except ValueError as exc:
             if (key, value) not in self._refused:
+                if len(self._refused) > 1024:   # bounded: entries written in a loop do not grow it
+                    self._refused.clear()
                 self._refused.add((key, value))
                 log.error("discovery: skipped the entry %s in etcd: %s", key, exc)
             return self.entries.pop(name, None) is not None

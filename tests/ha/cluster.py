@@ -92,7 +92,7 @@ frontend api
     default_backend conductors
 backend conductors
     balance roundrobin
-    option httpchk GET /health
+    option httpchk GET /health?ready
     http-check expect status 200
     default-server inter 200ms fall 2 rise 2
 {servers}

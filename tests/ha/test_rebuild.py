@@ -27,3 +27,18 @@ def test_the_wait_is_bounded_and_says_what_is_missing():
     assert r.complete(2.0, {"p0"}.__contains__, lambda s: True) and "still missing gone" in r.how
     static = Rebuild(started=0.0, wait_s=0.0)     # no discovery, no wait: complete at once
     assert static.complete(0.0, lambda i: False, lambda s: False)
+
+
+async def test_health_for_a_balancer(aiohttp_client):
+    """``/health?ready`` is 503 while the conductor cannot serve (no prefill or decode); plain
+    ``/health`` stays 200 then; both are 503 ``rebuilding`` during ``--rebuild-wait``."""
+    from mooncake_lite.conductor.app import make_app
+    from mooncake_lite.conductor.config import Config
+
+    client = await aiohttp_client(make_app(Config(model="tiny", block_size=4)))
+    assert (await client.get("/health")).status == 200
+    resp = await client.get("/health?ready")
+    assert resp.status == 503 and (await resp.json())["ready"] is False
+    client = await aiohttp_client(make_app(Config(model="tiny", block_size=4, rebuild_wait=60.0)))
+    resp = await client.get("/health")
+    assert resp.status == 503 and (await resp.json())["status"] == "rebuilding"

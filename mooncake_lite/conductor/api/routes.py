@@ -56,11 +56,13 @@ async def health(request: web.Request) -> web.Response:
                   "alive": i.is_alive} for i in m.instances.values()]
     index = request.app[API].svc.scheduler.index
     stores = [{"store": str(sid), "num_blocks": index.num_blocks(sid)} for sid in index.store_ids()]
-    # 503 until the view is rebuilt after a start (conductor/cluster/rebuild.py): out of a balancer's rotation
+    # 503 until the view is rebuilt after a start (conductor/cluster/rebuild.py), and with ?ready
+    # (a balancer's check) while it cannot serve, e.g. cut off from its instances: out of rotation
     rebuilt = discovery.is_rebuilt(request.app)
+    serving = rebuilt and (ok or "ready" not in request.query)
     return web.json_response({"status": "ok" if rebuilt else "rebuilding", "ready": ok, "prefill": num_prefill,
                               "decode": num_decode, "instances": instances, "stores": stores},
-                             status=200 if rebuilt else 503)
+                             status=200 if serving else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
