@@ -35,8 +35,8 @@ def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_faile
     t0 = 100.0
     load = [Outcome(99.0, 101.0, 99.5, "failed_streaming", "stream broke", 0.4),  # streaming at the kill
             Outcome(100.2, 100.3, None, "failed_before_tokens", "502"),
-            Outcome(100.1, 104.0, 103.0, "ok", longest_gap_s=5.0),    # its gap came before the kill's seam
-            Outcome(99.0, 104.0, 99.2, "ok", longest_gap_s=2.5),      # continued across the kill
+            Outcome(100.1, 104.0, 103.0, "ok", longest_gap_s=5.0),    # sent after the kill
+            Outcome(99.0, 104.0, 101.2, "ok", longest_gap_s=2.5),     # in flight at the kill: its seam
             Outcome(101.0, 131.0, None, "hung", "ReadTimeout")]
     probes = [Outcome(100.0, 100.1, None, "failed_before_tokens", "503"),
               Outcome(100.4, 101.2, 101.2, "ok"),       # started before the last failed probe
@@ -47,14 +47,14 @@ def test_phase_figures_count_each_fate_and_time_the_recovery_from_the_last_faile
     fig = phase_figures(load, probes, t0, baseline)
     assert (fig["requests"], fig["ok"], fig["failed_streaming"], fig["failed_before_tokens"], fig["hung"]) == \
         (5, 2, 1, 1, 1)
-    assert fig["longest_gap_s"] == 2.5        # of the streams already streaming at t0 only
+    assert fig["longest_gap_s"] == 2.5        # of the streams in flight at t0 only
     assert (fig["probes"], fig["probes_failed"], fig["service_restored_s"]) == (5, 2, 1.5)
     assert fig["ttft_p50_before_s"] == 0.3 and fig["ttft_p50_after_s"] == 0.5
     assert fig["errors"] == ["502", "503", "ReadTimeout", "stream broke"]
     # a probe that never succeeds after the last failure: service was not restored
     fig = phase_figures(load, probes[:3], t0, [])
     assert fig["service_restored_s"] is None and fig["ttft_p50_before_s"] is None
-    assert phase_figures(load[1:3], [], t0, [])["longest_gap_s"] is None   # none was streaming at t0
+    assert phase_figures(load[1:3], [], t0, [])["longest_gap_s"] is None   # none was in flight at t0
 
 
 def test_continuations_are_summed_over_their_causes_and_absent_is_zero():

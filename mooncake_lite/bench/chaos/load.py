@@ -166,8 +166,9 @@ def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, bas
     (``baseline``: the probes of the settled load before). ``service_restored_s``: to the first
     token of the first probe sent after the last probe that did not succeed; the probes' TTFT
     medians before and after say how much of that is the cluster's ordinary TTFT.
-    ``longest_gap_s``: the longest gap between two chunks of a stream that was streaming at
-    ``t0`` (what a client saw across the failure: a continuation's seam, or a hang that healed)."""
+    ``longest_gap_s``: the longest gap between two chunks of a stream in flight at ``t0`` (what
+    a client saw across the failure: a continuation's seam, or a hang that healed; token 1 may
+    come after ``t0``, from the prefill, and the rest from a stopped decode or its successor)."""
     counts = {kind: sum(o.kind == kind for o in outcomes)
               for kind in ("ok", "hung", "failed_streaming", "failed_before_tokens", "rejected_429")}
     bad = [o for o in probes if o.kind != "ok" and o.end >= t0]
@@ -175,7 +176,7 @@ def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, bas
     after = [o.first_token for o in probes if o.kind == "ok" and o.start >= since and o.first_token]
     restored = round(min(after) - t0, 2) if after else None
     errors = sorted({o.error for o in [*outcomes, *probes] if o.kind != "ok" and o.error})[:5]
-    across = [o.longest_gap_s for o in outcomes if o.first_token is not None and o.first_token <= t0 < o.end]
+    across = [o.longest_gap_s for o in outcomes if o.start <= t0 < o.end]
     return {"requests": len(outcomes), **counts, "longest_gap_s": max(across, default=None), "probes": len(probes),
             "probes_failed": sum(o.kind != "ok" for o in probes), "service_restored_s": restored,
             "ttft_p50_before_s": _ttft_p50(baseline),
