@@ -59,7 +59,12 @@ class Sampling:
     grammar: str | None = None
     # A continued request (a decode died mid-stream): the last ``num_generated`` prompt ids are this
     # choice's output so far, already relayed to the client. Penalties, min/max_tokens, the grammar
-    # and the seeded generator's position count them as output, not as prompt.
+    # and the seeded generator's position count them as output, not as prompt. ``max_tokens`` and
+    # ``min_tokens`` stay the ORIGINAL request's (they count these ids; the decode reserves room for
+    # max_tokens - num_generated more), so 0 <= num_generated < max_tokens and < the prompt's length;
+    # ``penalty_ids`` may be the original prompt's or the whole new prompt's (output ids count anyway).
+    # A choice i > 0 of an n > 1 request is continued alone as n = 1 with seed + i (draws come from
+    # (seed + index, position)). The prefill's END frame hands the ids to the decode (kv_stream.py).
     num_generated: int = 0
 
 

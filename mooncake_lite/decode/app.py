@@ -31,12 +31,14 @@ from mooncake_lite.decode.batcher import AdmissionError, DecodeBatcher
 from mooncake_lite.decode.config import Config
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.decode.kv_receiver import start_kv_server
+from mooncake_lite.decode.writeback import GeneratedBlocks, StorePuts
 from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.cuda_graphs import DecodeGraphs, graph_buckets
+from mooncake_lite.transfer.kv_layout import BlockLayout
 from mooncake_lite.transfer.server import server_address
 from mooncake_lite.transfer.shm import host_identity
 
@@ -178,7 +180,7 @@ def figures(app: web.Application) -> dict[str, float]:
     engine = app[ENGINE]
     return {**engine.load().reported(), "steps_total": engine.num_steps, "step_seconds_total": engine.step_seconds,
             "pending_transfers": len(engine.pending),
-            "rejected_total": app[REFUSALS].count}
+            "rejected_total": app[REFUSALS].count, **(engine.writeback.figures() if engine.writeback else {})}
 
 
 def make_app(engine: DecodeEngine, settings: DecodeAppSettings) -> web.Application:
@@ -215,6 +217,9 @@ async def _background(app: web.Application):
         await loop_task
     except asyncio.CancelledError:
         pass
+    if engine.writeback is not None:
+        await engine.writeback.drain()
+        await engine.writeback.puts.close()
 
 
 def make_executor() -> ThreadPoolExecutor:
@@ -247,8 +252,25 @@ def build_engine(cfg: Config) -> DecodeEngine:
                   "%.3g s: every request will be refused here; raise --tbt-slo or use --tbt-slo-factor",
                   cost.predict(1, 1), cfg.tbt_slo)
     refiner = decode_refiner(cost) if cost is not None else None   # refined from every step run
-    return DecodeEngine(runner, batcher, make_executor(), refiner=refiner,
-                        decode_step=graphs.decode if graphs is not None else None)
+    executor = make_executor()
+    return DecodeEngine(runner, batcher, executor, refiner=refiner,
+                        decode_step=graphs.decode if graphs is not None else None,
+                        writeback=generated_blocks(cfg, runner, executor))
+
+
+def generated_blocks(cfg: Config, runner, executor) -> GeneratedBlocks | None:
+    """The write-back of generated blocks to ``--store`` (none without one; none either under
+    --kv-compression, whose encoded blocks only the prefill writes yet)."""
+    if cfg.store is None:
+        return None
+    if cfg.kv_compression != "none":
+        log.warning("--kv-compression %s: generated blocks are not written back to the store (not supported yet)",
+                    cfg.kv_compression)
+        return None
+    args = runner.args
+    layer_bytes = args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers
+    layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads)
+    return GeneratedBlocks(runner, executor, StorePuts(cfg.store, cfg.cluster_token, layout), cfg.hash_seed)
 
 
 def reported_cost(engine: DecodeEngine) -> CostReport | None:

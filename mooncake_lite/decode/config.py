@@ -29,6 +29,8 @@ class Config(ModelRoleConfig, DataPortFlags):
                                           "one decode step of the request alone, as the conductor's default "
                                           "relative SLO does ('none': no TBT check)", parse=_optional_float)
     max_batch_size: int | None = option(None, "most sequences decoding at once")
+    store: str | None = option(None, "store data address HOST:PORT this instance writes its generated tokens' full "
+                               "blocks to, so a continued request and the next chat turn reuse them (none: not written)")
     cuda_graphs: bool = option(True, "on CUDA: replay each decode step from a CUDA graph captured per batch-size "
                                "bucket, eager above the largest (model/cuda_graphs.py)")
 
@@ -38,4 +40,5 @@ class Config(ModelRoleConfig, DataPortFlags):
         require(self.tbt_slo is None or self.tbt_slo > 0, "--tbt-slo must be positive")
         require(self.tbt_slo_factor is None or self.tbt_slo_factor >= 1, "--tbt-slo-factor must be >= 1")
         require(self.max_batch_size is None or self.max_batch_size > 0, "--max-batch-size must be positive")
+        require(self.store is None or ":" in self.store, f"--store must be HOST:PORT, got {self.store!r}")
         self.check_data_flags()

@@ -25,8 +25,9 @@ from kernels.copies import Copier
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
 from mooncake_lite.decode.batcher import DecodeBatcher, StepPlan
-from mooncake_lite.decode.pending import KVError, PendingKV
+from mooncake_lite.decode.pending import KVError, PendingKV, ResumePoint
 from mooncake_lite.decode.requests import MAX_CHOICES, RequestState
+from mooncake_lite.decode.writeback import GeneratedBlocks
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import STEP_RATIO_KEYS, DecodeRefiner
 from mooncake_lite.model.grammar import choice_masks
@@ -40,7 +41,8 @@ class DecodeEngine:
     def __init__(self, runner: ModelRunner, batcher: DecodeBatcher, executor: Executor,
                  on_step: Callable[[int, int, float], None] | None = None,
                  refiner: DecodeRefiner | None = None, copier: Copier | None = None,
-                 decode_step: Callable[..., torch.Tensor] | None = None):
+                 decode_step: Callable[..., torch.Tensor] | None = None,
+                 writeback: GeneratedBlocks | None = None):
         self.runner = runner
         # runner.decode's contract; on CUDA the CUDA graphs' replay (model/cuda_graphs.py)
         self.decode_step = decode_step or runner.decode
@@ -49,6 +51,7 @@ class DecodeEngine:
         self.copier = copier or Copier(runner.device)
         self.on_step = on_step  # (batch, context_tokens, seconds) for metrics/profiling
         self.refiner = refiner  # told every step's timing: the cost model is refined from them
+        self.writeback = writeback   # generated tokens' full blocks to the store (--store), or None
         self.pending: dict[str, PendingKV] = {}            # transfer_id -> pending
         self.requests: dict[str, RequestState] = {}        # request_id -> live request
         self._transfer_of: dict[str, str] = {}             # request_id -> transfer_id while pending
@@ -74,6 +77,8 @@ class DecodeEngine:
             raise ValueError(f"transfer id {req.transfer_id!r} is already in use")
         s = req.sampling
         params = params_from_wire(s)
+        if s.num_generated >= req.prompt_len:
+            raise ValueError(f"num_generated ({s.num_generated}) must be less than prompt_len ({req.prompt_len})")
         if not 1 <= s.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {s.n}")
         # Before reserving: a grammar that fails (GrammarError, a ValueError: 400) costs nothing.
@@ -82,13 +87,16 @@ class DecodeEngine:
             "decode.admission", span, prompt_tokens=req.prompt_len, max_tokens=s.max_tokens,
             num_running=self.batcher.num_running)
         try:
-            seq = self.batcher.reserve(req.request_id, req.prompt_len, s.max_tokens, params.stop_token_ids, s.n)
+            # max_tokens counts a continued request's output so far: room for the rest only
+            seq = self.batcher.reserve(req.request_id, req.prompt_len, params.max_tokens - s.num_generated,
+                                       params.stop_token_ids, s.n)
         except Exception as exc:
             tracing.end_span(admission, f"refused: {exc}")
             raise
         loop = asyncio.get_running_loop()
         pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers,
-                            timeout_s=req.kv_timeout_s, last_progress=loop.time(), admission_span=admission)
+                            timeout_s=req.kv_timeout_s, last_progress=loop.time(), admission_span=admission,
+                            num_output=s.num_generated)
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
         self.pending[req.transfer_id] = pending
         self._transfer_of[req.request_id] = req.transfer_id
@@ -184,21 +192,26 @@ class DecodeEngine:
                 pending.drained.set_exception(KVError("aborted", f"transfer {pending.transfer_id} ended "
                                                                  "before its KV was written"))
 
-    def kv_end(self, conn_id: int, tid: str, first_token: int | list[int] | None) -> asyncio.Future | None:
+    def kv_end(self, conn_id: int, tid: str, first_token: int | list[int] | None,
+               resume: ResumePoint | None = None) -> asyncio.Future | None:
         """The sender is done (the last stage's END carries token 1, a list of one per choice
-        for n > 1). Returns None when that is all, or a future done once the frames
+        for n > 1, and ``resume``, what the request continues from). Returns None when that is all, or a future done once the frames
         it sent are written (the receiver answers END then, so an answered END means the KV is
         in the cache and, if complete, the sequence has joined the batch)."""
         pending = self._pending(tid)
         pending.senders.discard(conn_id)
         if first_token is not None:
             tokens = first_token if isinstance(first_token, list) else [first_token]
+            resume = resume or ResumePoint()
             state = self.requests.get(pending.request_id)
             if state is not None and len(tokens) != len(state.samplers):
                 raise KVError("bad_token", f"{len(tokens)} first tokens for {len(state.samplers)} choices")
-            if not all(0 <= t < self.runner.args.vocab_size for t in tokens):
-                raise KVError("bad_token", f"first token(s) {tokens} outside the vocabulary")
-            pending.first_tokens = tokens
+            if not all(0 <= t < self.runner.args.vocab_size for t in (*tokens, *resume.output, *(resume.tail or ()))):
+                raise KVError("bad_token", f"first token(s) {tokens} or the resumed ids outside the vocabulary")
+            if len(resume.output) != pending.num_output:
+                raise KVError("bad_token", f"{len(resume.output)} output ids resumed; the request continues "
+                                           f"after {pending.num_output} (num_generated)")
+            pending.first_tokens, pending.resume = tokens, resume
         if pending.num_writes:
             if pending.drained is None or pending.drained.done():
                 pending.drained = asyncio.get_running_loop().create_future()
@@ -260,8 +273,11 @@ class DecodeEngine:
             asyncio.get_running_loop().run_in_executor(self.executor, self._copy_blocks, copies)
         state = self.requests.get(pending.request_id)
         for sampler, token in zip(state.samplers if state else (), pending.first_tokens):
-            sampler.continue_after_first(token, self.runner.args.vocab_size)
+            sampler.resume((*pending.resume.output, token))   # a continuation's output, then token 1
         joined = any(r is None for r in reasons)
+        if self.writeback is not None:
+            self.writeback.start([f"{pending.request_id}#{i}" if i else pending.request_id
+                                  for i, r in enumerate(reasons) if r is None], pending.resume)
         if pending.admission_span is not None:
             self._trace_join(pending, None if joined else reasons[0])
         for index, reason in enumerate(reasons):
@@ -330,6 +346,8 @@ class DecodeEngine:
             self.timeline.append((m0, time.monotonic() - m0, len(plan), sum(p + 1 for p in plan.positions), waited,
                                   max(plan.positions) + 1))
             waited = 0
+            if self.writeback is not None:   # before the commit, which frees finished sequences' blocks
+                self.writeback.stepped(plan, self.batcher.seqs)
             self._deliver(plan, tokens)
             await asyncio.sleep(0)  # let KV frames and HTTP writes in between steps
 

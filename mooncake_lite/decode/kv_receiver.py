@@ -22,8 +22,10 @@ import asyncio
 import logging
 from typing import Any
 
+from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.common.tracing import META_KEY
 from mooncake_lite.decode.engine import DecodeEngine, KVError
+from mooncake_lite.decode.pending import ResumePoint
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Header, Limits
 from mooncake_lite.transfer.kv_layout import LayoutError
@@ -51,6 +53,22 @@ def _tid(meta: dict[str, Any]) -> str:
     if not isinstance(tid, str) or not tid:
         raise KVError("bad_meta", "frame meta 'tid' must be a non-empty string")
     return tid
+
+
+def _resume(meta: dict) -> ResumePoint:
+    """An END frame's resume point (``decode/pending.ResumePoint``); KVError naming a bad field."""
+    output, key, tail = meta.get("output", []), meta.get("key"), meta.get("tail")
+    if not isinstance(output, list) or not all(map(_is_int, output)):
+        raise KVError("bad_meta", f"output must be a list of token ids, got {output!r}")
+    if tail is not None and (not isinstance(tail, list) or not all(map(_is_int, tail))):
+        raise KVError("bad_meta", f"tail must be a list of token ids or null, got {tail!r}")
+    try:
+        chain = None if key is None else bytes.fromhex(key)
+    except (TypeError, ValueError):
+        chain = b""
+    if chain is not None and len(chain) != KEY_BYTES:
+        raise KVError("bad_meta", f"key must be a {KEY_BYTES}-byte hex block key or null, got {key!r}")
+    return ResumePoint(tuple(output), chain, None if tail is None else tuple(tail))
 
 
 def _traceparent(meta: dict[str, Any]) -> str | None:
@@ -131,7 +149,7 @@ class KVReceiver(FrameHandler):
                         isinstance(token, list) and token and all(map(_is_int, token))):
                     raise KVError("bad_meta", f"first_token must be an integer, a list of them or null, got {token!r}")
                 conn.state["tids"].discard(tid)
-                done = self.engine.kv_end(id(conn), tid, token)
+                done = self.engine.kv_end(id(conn), tid, token, None if token is None else _resume(meta))
             elif frame.op == OP_KV_ALIVE:
                 done = None
                 self.engine.kv_alive(tid)

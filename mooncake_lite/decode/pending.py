@@ -10,6 +10,18 @@ from typing import Any
 from mooncake_lite.decode.batcher import DecodeSequence
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """What the END frame with token 1 says the request continues from (the prefill's
+    ``StageEngine.resume_point``): a continued request's ``output`` so far, which its samplers
+    resume over, and the prompt's chain, ``key`` (its last full block's; None: none) and ``tail``
+    (the ids after that block), from which generated blocks are keyed for write-back. ``tail``
+    None: the sender did not say (a prefill older than #37), so nothing is written back."""
+    output: tuple[int, ...] = ()
+    key: bytes | None = None
+    tail: tuple[int, ...] | None = None
+
+
 class KVError(ValueError):
     """A KV frame cannot be accepted; ``code`` goes back to the sender in the error frame."""
 
@@ -26,6 +38,8 @@ class PendingKV:
     seq: DecodeSequence
     layer_tokens: list[int]
     first_tokens: list[int] | None = None   # every choice's token 1, from the END frame
+    num_output: int = 0            # a continued request's output so far (Sampling.num_generated)
+    resume: ResumePoint = ResumePoint()     # from the END frame, with the first tokens
     timeout_s: float = 30.0
     timer: asyncio.TimerHandle | None = None
     last_progress: float = 0.0

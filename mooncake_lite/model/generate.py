@@ -16,7 +16,7 @@ from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import DEFAULT_MODEL
-from mooncake_lite.model.sampling import SamplingParams, make_generator, sample
+from mooncake_lite.model.sampling import SamplingParams, SequenceSampler
 
 
 def generate(runner: ModelRunner, prompt_ids: Sequence[int], params: SamplingParams,
@@ -24,14 +24,14 @@ def generate(runner: ModelRunner, prompt_ids: Sequence[int], params: SamplingPar
     """Paged prefill (optionally chunked) then one decode step per token."""
     total = len(prompt_ids) + params.max_tokens
     table = runner.allocator.allocate(blocks_needed(total, runner.block_size))
-    gen = make_generator(params, runner.device)
+    sampler = SequenceSampler(params, 0, runner.device)
     try:
         logits = runner.prefill(prompt_ids, table, 0, chunk_size)
-        out = [sample(logits, params, gen)]
+        out = [sampler.next(logits)[0]]
         while len(out) < params.max_tokens and out[-1] not in params.stop_token_ids:
             pos = len(prompt_ids) + len(out) - 1
             logits = runner.decode([out[-1]], [table], [pos])[0]
-            out.append(sample(logits, params, gen))
+            out.append(sampler.next(logits)[0])
         return out
     finally:
         runner.allocator.free(table)

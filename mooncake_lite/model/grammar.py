@@ -9,7 +9,8 @@ Each choice's matcher is the mask of its ``SequenceSampler`` (``model/sampling.p
 the raw log-probabilities and the penalties, before the draw, and told each token chosen. State
 crosses the prefill/decode split without being sent: the prefill draws token 1 under a fresh
 matcher per choice; the decode starts its own from the same text and advances it by token 1
-(``continue_after_first``), then by each token it draws itself.
+(``SequenceSampler.resume``), then by each token it draws itself. A continued request's matchers
+(prefill and decode alike) are first advanced over the output it already sent.
 """
 
 from __future__ import annotations

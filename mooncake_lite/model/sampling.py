@@ -12,6 +12,18 @@ One step of one sequence (:meth:`SequenceSampler.next`), in vLLM's order:
 4. the sequence's :class:`LogitsMask` if it has one (a grammar: disallowed ids to −inf);
 5. greedy, or temperature and top-p drawn from the sequence's own generator.
 
+With a ``seed``, the draw at output position ``p`` of choice ``i`` comes from a generator seeded
+:func:`draw_seed` ``(seed + i, p)``, not from one stream advanced per draw: a draw depends only on
+where it is in the output, so token 1 drawn by the prefill, the decode's tokens after it, and a
+continuation that resumes at position ``k`` (issue #37) all draw what one uninterrupted run would.
+
+A continued request (``Sampling.num_generated`` = k > 0: its prompt ends with the choice's first k
+output tokens, already sent) counts those k tokens as output, through :meth:`SequenceSampler.resume`:
+for the penalties (``frequency``/``presence`` count them; ``repetition_penalty`` takes prompt and
+output ids alike, so they count once either way), for ``min_tokens``, for its grammar (advanced over
+them) and for the draw's position. ``max_tokens`` and ``min_tokens`` are the request's originals,
+counting the k tokens (the decode reserves room for ``max_tokens - k`` more).
+
 Numerically safe for every value the API accepts (issue #15): a temperature below
 :data:`GREEDY_BELOW` is greedy (dividing logits by less overflows float32), the softmax is taken
 of logits shifted so their top entry is exactly 0 (its sum is then at least 1: never inf or nan),
@@ -21,6 +33,7 @@ and top-p always keeps the top token, however small ``top_p`` is.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,6 +96,8 @@ def params_from_wire(s: Sampling) -> SamplingParams:
     """The SamplingParams a wire ``Sampling`` asks for; ValueError when a value is out of range."""
     if len(s.logit_bias_ids) != len(s.logit_bias_values):
         raise ValueError("logit_bias_ids and logit_bias_values must have the same length")
+    if not 0 <= s.num_generated < max(1, s.max_tokens):
+        raise ValueError(f"num_generated must be in [0, max_tokens = {s.max_tokens}), got {s.num_generated}")
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max(1, s.max_tokens),
                           stop_token_ids=tuple(s.stop_token_ids), presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
@@ -99,15 +114,41 @@ class LogitsMask(Protocol):
     def advance(self, token: int) -> None: ...
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu",
-                   index: int = 0) -> torch.Generator | None:
-    """Choice ``index``'s generator: seeded ``seed + index``, so the n choices of one request
-    draw apart and a ``seed`` reproduces all of them."""
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit values whose outputs look independent."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def draw_seed(stream: int, position: int) -> int:
+    """The seed of the draw at output ``position`` of a choice whose stream is ``stream`` (its
+    ``seed + index``): both mixed, so neighbouring streams and positions seed unrelated draws."""
+    return _mix64((_mix64(stream & _M64) + position * 0x9E3779B97F4A7C15) & _M64)
+
+
+class Draws:
+    """One choice's random draws: the one at output position ``p`` from the generator reseeded
+    ``draw_seed(stream, p)`` (``manual_seed`` of a 64-bit value: no state carried between draws)."""
+
+    def __init__(self, stream: int, device: str | torch.device = "cpu") -> None:
+        self.stream = stream
+        self.generator = torch.Generator(device=device)
+
+    def at(self, position: int) -> torch.Generator:
+        self.generator.manual_seed(draw_seed(self.stream, position))
+        return self.generator
+
+
+def make_draws(params: SamplingParams, device: str | torch.device = "cpu", index: int = 0) -> Draws | None:
+    """Choice ``index``'s draws: stream ``seed + index``, so the n choices of one request draw
+    apart and a ``seed`` reproduces all of them (without a seed, a random stream); None if greedy."""
     if params.is_greedy:
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed + index if params.seed is not None else torch.seed())
-    return gen
+    return Draws(params.seed + index if params.seed is not None else torch.seed(), device)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
@@ -125,14 +166,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
-    """Advance ``generator`` exactly as one :func:`sample` call over ``vocab_size`` logits does
-    (with or without top-p: each is one multinomial draw, which consumes one random number per
-    vocabulary entry) — for a decode instance continuing a seeded request whose first token
-    the prefill instance drew from a generator seeded alike."""
-    torch.multinomial(torch.ones(vocab_size, device=generator.device), 1, generator=generator)
 
 
 def process(logits: torch.Tensor, params: SamplingParams, counts: Counter[int], num_generated: int) -> torch.Tensor:
@@ -169,8 +202,9 @@ def _finite(value: float) -> float:
 
 
 class SequenceSampler:
-    """One sequence's sampling state: its parameters, its own generator (``seed + index``),
-    the counts of what it generated (for the penalties and ``min_tokens``), and an optional
+    """One sequence's sampling state: its parameters, its own draws (stream ``seed + index``),
+    the counts of what it generated (for the penalties, ``min_tokens`` and the draw's position),
+    and an optional
     :attr:`mask`, the hook a grammar plugs in (applied after the log-probabilities are taken,
     after the penalties, before the draw; told every token through ``advance``)."""
 
@@ -178,7 +212,7 @@ class SequenceSampler:
                  mask: LogitsMask | None = None) -> None:
         self.params = params
         self.index = index
-        self.generator = make_generator(params, device, index)
+        self.draws = make_draws(params, device, index)
         self.counts: Counter[int] = Counter()
         self.num_generated = 0
         self.mask = mask
@@ -197,7 +231,7 @@ class SequenceSampler:
             x = process(x.clone(), self.params, self.counts, self.num_generated)
             if self.mask is not None:
                 self.mask.apply(x)
-        token = sample(x, self.params, self.generator)
+        token = sample(x, self.params, None if self.draws is None else self.draws.at(self.num_generated))
         self.observe(token)
         return token, None if logprobs is None else token_logprob(logprobs, token, self.params.logprobs)
 
@@ -209,12 +243,12 @@ class SequenceSampler:
         if self.mask is not None:
             self.mask.advance(token)
 
-    def continue_after_first(self, first_token: int, vocab_size: int) -> None:
-        """On the decode instance: token 1 was drawn by the prefill, from a generator seeded
-        alike; advance past that draw and count the token."""
-        if self.generator is not None:
-            skip_draw(self.generator, vocab_size)
-        self.observe(first_token)
+    def resume(self, tokens: Sequence[int]) -> None:
+        """``tokens`` were generated for this sequence elsewhere, in order: a continued request's
+        output so far, the prefill's token 1 on the decode. Each is observed as if drawn here
+        (counted, its grammar advanced), so the next draw is at the position after them."""
+        for token in tokens:
+            self.observe(token)
 
 
 def sample_rows(logits: torch.Tensor, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from mooncake_lite.prefill.load_buffers import LoadBuffers
 from mooncake_lite.prefill.prefix_load import PrefixLoading
 from mooncake_lite.prefill.store_io import PrefixStore
 from mooncake_lite.prefill.writeback import WritebackStats
+
+if TYPE_CHECKING:
+    from mooncake_lite.prefill.results import Firsts
 
 __all__ = ["PrefillAborted", "StageEngine", "StageJob"]   # the first and last from prefill/job.py
 
@@ -109,12 +113,25 @@ class StageEngine(PrefixLoading):
         job.abort_reason = job.abort_reason or reason
         return True
 
-    async def finish(self, job: StageJob, first_token: int | list[int] | None) -> None:
-        """Send END to decode once every frame is answered; raises PrefillAborted on failure."""
+    async def finish(self, job: StageJob, firsts: Firsts | None) -> None:
+        """Send END to decode once every frame is answered (the last stage's carries ``firsts``
+        and what the decode resumes from, :meth:`resume_point`); raises PrefillAborted on failure."""
         try:
-            await job.sender.end(self.first_layer, self.end_layer, first_token)
+            if firsts is None:
+                await job.sender.end(self.first_layer, self.end_layer, None)
+            else:
+                await job.sender.end(self.first_layer, self.end_layer, firsts.wire, self.resume_point(job, firsts.output))
         except ConnectionError as exc:
             raise PrefillAborted(str(exc)) from None
+
+    def resume_point(self, job: StageJob, output: Sequence[int]) -> dict:
+        """What the decode continues the request from, beside token 1: ``output``, a continued
+        request's output so far (its samplers resume over it), and the prompt's chain, ``key`` (its
+        last full block's, hex; None for none) and ``tail`` (the ids after that block), from which
+        the decode keys the blocks its generated tokens fill as a prefill of prompt + output would."""
+        full = len(job.keys) * self.runner.block_size
+        return {"output": list(output), "key": job.keys[-1].hex() if job.keys else None,
+                "tail": list(job.token_ids[full:])}
 
     async def release(self, job: StageJob, error: str | None = None) -> None:
         """Free the job (always call, success or not); on error tell decode to drop the transfer."""

@@ -86,14 +86,16 @@ class KVSender:
         # might not be, so the buffer is dropped, never reused.
         staged.release()
 
-    async def end(self, first_layer: int, end_layer: int, first_token: int | list[int] | None) -> None:
+    async def end(self, first_layer: int, end_layer: int, first_token: int | list[int] | None,
+                  resume: dict | None = None) -> None:
         """Wait for every frame's answer, then send END (with the first token from the last stage;
-        a list of them, one per choice, for a request of n > 1 choices).
+        a list of them, one per choice, for a request of n > 1 choices; and with it ``resume``,
+        what the decode continues from: ``StageEngine.resume_point``).
         Raises ConnectionError with the reason if the stream failed."""
         await self.flush()
         if self.error is None:
             meta = add_to_meta({"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
-                                "first_token": first_token}, self.traceparent)
+                                "first_token": first_token, **(resume or {})}, self.traceparent)
             try:
                 await self.client.request(OP_KV_END, meta, what="kv_end")
             except NoAnswer as exc:

@@ -115,7 +115,7 @@ class Packing:
                 for row, ((i, job, sender, _), error) in enumerate(zip(live, failed)):
                     if error is None:   # every member's token 1 out before any END is answered
                         req = pack[i].req
-                        firsts[i] = sample_firsts(out[row], req.sampling, self.stage.runner.grammars)
+                        firsts[i] = sample_firsts(out[row], req.sampling, req.token_ids, self.stage.runner.grammars)
                         tell_first(pack[i], self._result(req, job, sender, pack[i].num_prefix_tokens,
                                                          firsts[i], t0, count=False))
                 for row, ((i, job, _, _), error) in enumerate(zip(live, failed)):
@@ -152,7 +152,7 @@ class Packing:
         """(first token, None) once its KV stream ended well, else (PrefillAborted, reason)."""
         if error is None:
             try:
-                await self.stage.finish(job, first.wire)
+                await self.stage.finish(job, first)
                 return first, None
             except PrefillAborted as exc:
                 error = str(exc)

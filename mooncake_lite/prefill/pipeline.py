@@ -130,7 +130,7 @@ class NullSender:
     def send_layer(self, layer: int, start: int, kv) -> None:
         pass
 
-    async def end(self, first_layer: int, end_layer: int, first_token: int | None) -> None:
+    async def end(self, first_layer: int, end_layer: int, first_token: int | None, resume: dict | None = None) -> None:
         pass
 
     async def flush(self) -> None:
@@ -264,8 +264,9 @@ class StageServer(FrameHandler):
             work.chunks.put_nowait(None)
             await work.worker
             if self.next is None:
-                first = sample_firsts(work.logits, from_dict(Sampling, work.sampling), self.stage.runner.grammars)
-                await self.stage.finish(work.job, first.wire)
+                first = sample_firsts(work.logits, from_dict(Sampling, work.sampling), work.job.token_ids,
+                                      self.stage.runner.grammars)
+                await self.stage.finish(work.job, first)
             else:
                 await self.stage.finish(work.job, None)
                 first = await self.next.end(rid)

@@ -7,7 +7,7 @@ Kept below both so neither imports the other.
 from __future__ import annotations
 
 import logging
-
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,16 +39,22 @@ def tell_first(job: QueuedJob, result: PrefillResult) -> None:
 
 
 def request_params(req: PrefillRequest) -> SamplingParams:
-    """The request's SamplingParams; ValueError if a value is out of range."""
+    """The request's SamplingParams; ValueError if a value is out of range (a continuation's
+    output so far must leave at least one prompt token before it)."""
+    if req.sampling.num_generated >= len(req.token_ids):
+        raise ValueError(f"num_generated ({req.sampling.num_generated}) must be less than the prompt's "
+                         f"{len(req.token_ids)} tokens")
     return params_from_wire(req.sampling)
 
 
 @dataclass(frozen=True)
 class Firsts:
     """Token 1 of each of a request's ``n`` choices, drawn from the prompt's last logits, and
-    their log-probabilities when asked for."""
+    their log-probabilities when asked for. ``output``: a continued request's output so far (the
+    prompt's last ``num_generated`` ids), which the decode's samplers resume from too."""
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    output: tuple[int, ...] = ()
 
     @property
     def wire(self) -> int | list[int]:
@@ -60,14 +66,21 @@ class Firsts:
         return {"first_tokens": self.tokens if len(self.tokens) > 1 else (), "first_logprobs": self.logprobs}
 
 
-def sample_firsts(logits: torch.Tensor, sampling: Sampling, grammars: Grammars | None = None) -> Firsts:
-    """Every choice's token 1 (choice i from its own generator, ``seed + i``, under its own
-    matcher of the request's grammar), as decode continues them
-    (``SequenceSampler.continue_after_first``); GrammarError if the grammar fails."""
+def sample_firsts(logits: torch.Tensor, sampling: Sampling, token_ids: Sequence[int],
+                  grammars: Grammars | None = None) -> Firsts:
+    """Every choice's next token after the prompt ``token_ids`` (choice i drawing from stream
+    ``seed + i``, under its own matcher of the request's grammar): token 1, or for a continued
+    request token k + 1, its samplers first resumed over the k tokens the prompt ends with. The
+    decode resumes its samplers alike (``SequenceSampler.resume``); GrammarError if the grammar fails."""
     params = params_from_wire(sampling)
+    k = sampling.num_generated
+    output = tuple(token_ids[len(token_ids) - k:]) if k else ()
     drawn = []
     for i, mask in enumerate(choice_masks(grammars, sampling.grammar, sampling.n)):
-        drawn.append(SequenceSampler(params, i, logits.device, mask=mask).next(logits))
+        sampler = SequenceSampler(params, i, logits.device, mask=mask)
+        sampler.resume(output)
+        if mask is None or mask.error is None:
+            drawn.append(sampler.next(logits))
         if mask is not None and mask.error is not None:
             raise GrammarError(mask.error)
-    return Firsts(tuple(t for t, _ in drawn), tuple(lp for _, lp in drawn if lp is not None))
+    return Firsts(tuple(t for t, _ in drawn), tuple(lp for _, lp in drawn if lp is not None), output)

@@ -233,9 +233,9 @@ class PrefillService(TurnTaking, Packing):
                 raise PrefillAborted("aborted before its first KV frame (by the conductor, or decode dropped it)")
             out, prompt_lps = await self._chunks(req, job, prefix)
             if self.downstream is None:
-                firsts = sample_firsts(out, req.sampling, self.stage.runner.grammars)
+                firsts = sample_firsts(out, req.sampling, req.token_ids, self.stage.runner.grammars)
                 tell_first(queued, self._result(req, job, sender, prefix, firsts, t0, False, prompt_lps))
-                await self.stage.finish(job, firsts.wire)
+                await self.stage.finish(job, firsts)
             else:
                 await self.stage.finish(job, None)
                 firsts = await self.downstream.end(req.request_id)

@@ -11,9 +11,14 @@ for one request tagged by ``transfer_id`` (``tid``):
                  refuses another), ``heads`` [start, stop) the KV heads the frame carries (absent:
                  all the model's): one TP rank's share, cut per decode rank by the transfer plan
                  (``transfer/tp_heads.py``)
-    OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null}
+    OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null,
+                       "output"?, "key"?, "tail"?}
                  this sender has sent all its layers; the stage that owns the last layer carries
-                 the first token sampled at the last prompt position
+                 the first token sampled at the last prompt position, and with it what the decode
+                 resumes from: ``output`` (a continued request's output so far, the prompt's last
+                 ``Sampling.num_generated`` ids), ``key`` (hex of the prompt's last full block's
+                 key, or null) and ``tail`` (the prompt's ids after that block), from which the
+                 decode keys the blocks its tokens fill (``decode/writeback.py``)
     OP_KV_ABORT  meta {"tid", "reason"}                   the prefill gave up; decode fails the request
     OP_KV_ALIVE  meta {"tid"}                             the request waits in the prefill queue: it
                  counts as progress for decode's inactivity timeout (``kv_timeout_s``)

@@ -110,7 +110,8 @@ def test_a_grammar_that_does_not_compile_is_an_error_not_a_crash():
     assert check(llguidance.LLMatcher.grammar_from_regex("(a|b"), "tiny", VOCAB)
     assert check(json_grammar(SCHEMA), "tiny", VOCAB) is None
     with pytest.raises(GrammarError):   # token 1 (the prefill's) under a grammar that fails
-        sample_firsts(torch.zeros(VOCAB), Sampling(grammar=llguidance.LLMatcher.grammar_from_regex("(a|b")), grammars)
+        sample_firsts(torch.zeros(VOCAB), Sampling(grammar=llguidance.LLMatcher.grammar_from_regex("(a|b")), [1],
+                      grammars)
 
 
 def test_a_failed_grammar_marks_its_sequence_failed_and_stops_masking_it():
@@ -134,13 +135,13 @@ def test_the_grammar_is_each_choices_sampler_mask_and_logprobs_stay_raw():
     logits[ord("z")] = 50.0
     sampling = Sampling(grammar=llguidance.LLMatcher.grammar_from_regex("[ab]{4}"), n=3, temperature=1.0,
                         seed=7, logprobs=1)
-    firsts = sample_firsts(logits, sampling, grammars)
+    firsts = sample_firsts(logits, sampling, [1, 2], grammars)
     assert set(firsts.tokens) <= {ord("a"), ord("b")} and len(firsts.logprobs) == 3
     raw = torch.log_softmax(logits, -1)
     for token, lp in zip(firsts.tokens, firsts.logprobs):
         assert lp.logprob == pytest.approx(float(raw[token]), abs=1e-5) and lp.top_ids == (ord("z"),)
     sampler = SequenceSampler(params_from_wire(sampling), 0, mask=grammars.start(sampling.grammar))
-    sampler.continue_after_first(firsts.tokens[0], VOCAB)
+    sampler.resume(firsts.tokens[:1])
     drawn = [sampler.next(logits.clone())[0] for _ in range(3)]
     assert set(drawn) <= {ord("a"), ord("b")}   # four letters in all, then only the end is allowed
     assert sampler.next(logits.clone())[0] not in (ord("a"), ord("b"), ord("z"))

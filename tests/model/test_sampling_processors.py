@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from mooncake_lite.model.sampling import (SamplingParams, SequenceSampler, make_generator, process, prompt_logprobs,
+from mooncake_lite.model.sampling import (SamplingParams, SequenceSampler, make_draws, process, prompt_logprobs,
                                           sample, token_logprob)
 
 transformers = pytest.importorskip("transformers")
@@ -95,8 +95,8 @@ def test_choices_draw_from_seed_plus_index():
     rows = [_logits(s) for s in range(10)]
     for index in range(3):
         sampler = SequenceSampler(params, index)
-        alone = make_generator(SamplingParams(temperature=1.0, seed=100 + index))
-        assert [sampler.next(r)[0] for r in rows] == [sample(r, params, alone) for r in rows]
+        alone = make_draws(SamplingParams(temperature=1.0, seed=100 + index))
+        assert [sampler.next(r)[0] for r in rows] == [sample(r, params, alone.at(p)) for p, r in enumerate(rows)]
 
 
 class _OnlyEven:

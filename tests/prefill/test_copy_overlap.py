@@ -14,6 +14,7 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import KVSender
+from mooncake_lite.prefill.results import Firsts
 from mooncake_lite.prefill.store_io import MemoryStore
 from mooncake_lite.transfer.kv_stream import OP_KV_LAYER
 from tests.kernels.fake_stream import FakeBackend
@@ -62,7 +63,7 @@ async def test_layers_compute_while_their_copies_are_in_flight(model):
     tokens = torch.randint(0, 256, (2 * BS + 5,), generator=torch.Generator().manual_seed(3)).tolist()
     plain, plain_store = make_stage(model)
     job, plain_client, plain_first = await compute(plain, tokens, chunk=BS)
-    await plain.finish(job, plain_first)
+    await plain.finish(job, Firsts((plain_first,)))
     await plain.release(job)
     await plain.drain_puts()
 
@@ -76,7 +77,7 @@ async def test_layers_compute_while_their_copies_are_in_flight(model):
         assert client.frames == [] and len(backend.queue) == 3 * num_layers + 2   # + 2 write-backs
         assert round_ == 1 or len(store) == 0
         backend.run()
-        await stage.finish(job, first)
+        await stage.finish(job, Firsts((first,)))
         await stage.release(job)
         await stage.drain_puts()
         assert client.frames == plain_client.frames   # same frames, same bytes, same order

@@ -11,6 +11,7 @@ from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
+from mooncake_lite.prefill.results import Firsts
 from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.stage_process import layer_slices
 from mooncake_lite.prefill.stage_process import stage_argv
@@ -32,8 +33,9 @@ class RecordingSender:
     def send_layer(self, layer, start, kv):
         self.frames.append((layer, start, kv.clone()))
 
-    async def end(self, first_layer, end_layer, first_token):
+    async def end(self, first_layer, end_layer, first_token, resume=None):
         self.ended = (first_layer, end_layer, first_token)
+        self.resume = resume
 
     async def abort(self, reason):
         self.aborted = reason
@@ -51,7 +53,7 @@ async def run_prompt(stage, tokens, chunk, hit=0, sender=None):
         out = None
         for start in range(hit * BS, len(tokens), chunk):
             out = await stage.run_chunk(job, start, token_ids=tokens[start:start + chunk])
-        await stage.finish(job, int(torch.argmax(out)))
+        await stage.finish(job, Firsts((int(torch.argmax(out)),)))
     finally:
         await stage.release(job)
     return sender

@@ -1,15 +1,16 @@
-"""``mooncake bench chaos``: kill -9 prefill, decode and store in turn under a steady streaming load.
+"""``mooncake bench chaos``: kill -9 and SIGSTOP prefill, decode and store in turn under a steady streaming load.
 
     mooncake bench chaos                                  # smollm2-135m, 2 prefill, 2 decode, 1 store
-    mooncake bench chaos --victims decode-0 --json
+    mooncake bench chaos --victims decode-0 --signals stop --json
 
 It starts ``mooncake up`` (restarts on), keeps ``--concurrency`` chat completions streaming through
 the official ``openai`` client plus a one-token probe every ``--probe-every-s``, and for each
-victim in turn: lets the load settle, drains it and reads every role's leak gauges
-(``/metrics``), kills the victim with SIGKILL mid-load, keeps the load going until the victim is
-back and the conductor counts every instance again, drains, and reads the gauges once more (the
-load runs ``--window-s`` after the kill and ``--after-s`` after the rejoin, whichever ends
-later). For each kill it reports
+victim and each of ``--signals`` in turn: lets the load settle, drains it and reads every role's
+leak gauges (``/metrics``), then mid-load either kills the victim with SIGKILL (``kill``: the
+supervisor restarts it) or stops it with SIGSTOP (``stop``: a hang; SIGCONT once ``--window-s``
+has passed), keeps the load going until the victim is back and the conductor counts every
+instance again, drains, and reads the gauges once more (the load runs ``--window-s`` after the
+signal and ``--after-s`` after the rejoin, whichever ends later). For each it reports
 
 * requests **hung** (no byte for ``--hang-s``; goal 0),
 * requests **failed**, split into those whose tokens were already streaming (the only ones that
@@ -19,6 +20,10 @@ later). For each kill it reports
   the last failed probe (goal ≤ 3 s where a live replacement exists), beside the probes' median
   TTFT before and after the kill (what a busy machine adds), and **rejoined**: to the victim
   being back and registered,
+* **continued**: streams the conductor continued on another decode (the increase of
+  ``mooncake_conductor_continuations_total``, every cause; 0 where the conductor has none), and the
+  **longest gap** between two chunks of a stream in flight at the signal (issue #37's goals: ≤ 2 s
+  after a kill, ≤ the heartbeat timeout + 2 s after a hang),
 * **leaked**: leak gauges that did not return to their idle value within ``--quiet-s`` (goal none).
 """
 
@@ -83,6 +88,29 @@ def leaks(cluster: UpCluster, idle: dict[str, float], quiet_s: float) -> dict[st
         time.sleep(0.25)
 
 
+CONTINUATIONS = "mooncake_conductor_continuations_total"   # the conductor's, labelled by cause (#37)
+
+
+def counter_total(text: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples over all its labels in ``/metrics`` text (0 if absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        metric, _, value = line.rpartition(" ")
+        if metric == name or metric.startswith(name + "{"):
+            total += float(value)
+    return total
+
+
+def continuations(cluster: UpCluster) -> float:
+    """Streams the conductor has continued so far (0 when it does not say)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(cluster.api + "/metrics", timeout=5) as resp:
+            return counter_total(resp.read().decode(), CONTINUATIONS)
+    except OSError:
+        return 0.0
+
+
 def wait_whole(cluster: UpCluster, want: dict[str, int], timeout: float) -> float | None:
     """Monotonic time at which the conductor counts ``want`` live instances again (None: never)."""
     deadline = time.monotonic() + timeout
@@ -98,15 +126,18 @@ def wait_whole(cluster: UpCluster, want: dict[str, int], timeout: float) -> floa
 
 @dataclass(frozen=True)
 class KillReport:
-    """What one kill did (``load.phase_figures``' counts and times), whether the victim rejoined,
-    and the gauges it left off their idle value."""
+    """What one kill or stop did (``load.phase_figures``' counts and times), the streams
+    continued, whether the victim rejoined, and the gauges it left off their idle value."""
     victim: str
+    signal: str = "kill"           # kill (SIGKILL) | stop (SIGSTOP, SIGCONT after --window-s)
     requests: int = 0
     ok: int = 0
     hung: int = 0
     failed_streaming: int = 0
     failed_before_tokens: int = 0
     rejected_429: int = 0
+    continued: int = 0
+    longest_gap_s: float | None = None
     probes: int = 0
     probes_failed: int = 0
     service_restored_s: float | None = None
@@ -117,26 +148,38 @@ class KillReport:
     errors: list[str] = field(default_factory=list)
 
 
-def kill_one(cluster: UpCluster, load: Load, victim: str, a: Options, want: dict[str, int]) -> KillReport:
-    """One kill under load, measured from an idle reading before to one after."""
+def kill_one(cluster: UpCluster, load: Load, victim: str, a: Options, want: dict[str, int],
+             how: str = "kill") -> KillReport:
+    """One kill (``how`` "kill") or hang ("stop") under load, measured from an idle reading before
+    to one after."""
     settled = len(load.probes)
     load.resume()
     time.sleep(a.settle_s)
     load.pause()                             # drained: the gauges show the idle cluster
     idle, first, first_probe = gauges(cluster), len(load.outcomes), len(load.probes)
+    continued = continuations(cluster)
     load.resume()
-    time.sleep(a.lead_s)                     # requests are streaming when the kill lands
+    time.sleep(a.lead_s)                     # requests are streaming when the signal lands
     t0 = time.monotonic()
-    os.kill(cluster.pid_of(victim), signal.SIGKILL)
-    back = cluster.wait_event(f"{victim} is back", t0, a.rejoin_timeout_s)
+    pid = cluster.pid_of(victim)
+    if how == "kill":
+        os.kill(pid, signal.SIGKILL)
+        back = cluster.wait_event(f"{victim} is back", t0, a.rejoin_timeout_s)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(a.window_s)           # the hang, as long as the measurement window
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        back = time.monotonic()
     whole = wait_whole(cluster, want, a.rejoin_timeout_s) if back is not None else None
     until = max(t0 + a.window_s, (whole or 0.0) + a.after_s)  # and requests get served after the rejoin
     time.sleep(max(0.0, until - time.monotonic()))
     load.pause()
     leaked = leaks(cluster, idle, a.quiet_s)
     figures = phase_figures(load.outcomes[first:], load.probes[first_probe:], t0, load.probes[settled:first_probe])
-    return KillReport(victim, leaked=leaked, rejoined_s=None if whole is None else round(max(whole, back) - t0, 2),
-                      **figures)
+    return KillReport(victim, how, leaked=leaked, rejoined_s=None if whole is None else round(max(whole, back) - t0, 2),
+                      continued=int(continuations(cluster) - continued), **figures)
 
 
 def run(a: Options) -> dict:
@@ -149,7 +192,8 @@ def run(a: Options) -> dict:
         model = get_json(cluster.api + "/v1/models")["data"][0]["id"]
         with Load(cluster.api + "/v1", model, concurrency=a.concurrency, max_tokens=a.max_tokens,
                   hang_s=a.hang_s, probe_every_s=a.probe_every_s) as load:
-            reports = [kill_one(cluster, load, victim, a, want) for victim in a.victims.split(",")]
+            reports = [kill_one(cluster, load, victim, a, want, how)
+                       for victim in a.victims.split(",") for how in a.signals.split(",")]
     finally:
         rc = cluster.stop()
     return {"model": a.model, "commit": commit, "cluster": {"prefill": a.prefill, "decode": a.decode,
@@ -168,13 +212,15 @@ def _commit() -> str | None:
 def render(res: dict) -> str:
     lines = [f"chaos: {res['model']}, {res['cluster']}, {res['load']['concurrency']} streams of "
              f"{res['load']['max_tokens']} tokens, commit {res['commit']}", "",
-             f"{'victim':<11}{'requests':>9}{'hung':>6}{'failed streaming':>18}{'failed before 1st':>19}"
-             f"{'429':>5}{'probes failed':>15}{'restored s':>12}{'rejoined s':>12}{'probe TTFT p50 before/after':>29}"
+             f"{'victim':<11}{'signal':>7}{'requests':>9}{'hung':>6}{'failed streaming':>18}{'failed before 1st':>19}"
+             f"{'429':>5}{'continued':>10}{'longest gap s':>15}"
+             f"{'probes failed':>15}{'restored s':>12}{'rejoined s':>12}{'probe TTFT p50 before/after':>29}"
              "  leaked"]
     for k in res["kills"]:
         ttft = f"{_s(k['ttft_p50_before_s'], '-')}/{_s(k['ttft_p50_after_s'], '-')}"
-        lines.append(f"{k['victim']:<11}{k['requests']:>9}{k['hung']:>6}{k['failed_streaming']:>18}"
-                     f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}"
+        lines.append(f"{k['victim']:<11}{k['signal']:>7}{k['requests']:>9}{k['hung']:>6}{k['failed_streaming']:>18}"
+                     f"{k['failed_before_tokens']:>19}{k['rejected_429']:>5}{k['continued']:>10}"
+                     f"{_s(k['longest_gap_s'], '-'):>15}"
                      f"{str(k['probes_failed']) + '/' + str(k['probes']):>15}{_s(k['service_restored_s']):>12}"
                      f"{_s(k['rejoined_s']):>12}{ttft:>29}  {k['leaked'] or 'none'}")
         lines += [f"    {e}" for e in k["errors"][:3]]
@@ -191,13 +237,15 @@ FLAGS = (
     flag("--decode", type=int, default=2),
     flag("--stores", type=int, default=1),
     flag("--up-args", default="", help="more flags for mooncake up, one quoted string"),
-    flag("--victims", default="prefill-0,decode-0,store-0", help="children to kill, in turn"),
+    flag("--victims", default="prefill-0,decode-0,store-0", help="children to kill or stop, in turn"),
+    flag("--signals", default="kill,stop", help="what each victim gets, in turn: kill (SIGKILL), "
+         "stop (SIGSTOP, then SIGCONT after --window-s)"),
     flag("--concurrency", type=int, default=4, help="requests streaming at once"),
     flag("--max-tokens", type=int, default=32),
     flag("--probe-every-s", type=float, default=0.5, help="a one-token request this often"),
     flag("--settle-s", type=float, default=5.0, help="load before each kill's idle reading"),
     flag("--lead-s", type=float, default=1.5, help="load before the kill lands"),
-    flag("--window-s", type=float, default=15.0, help="load after the kill (at least)"),
+    flag("--window-s", type=float, default=15.0, help="load after the signal (at least); a stop lasts this long"),
     flag("--after-s", type=float, default=3.0, help="load after the victim rejoined (at least)"),
     flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
     flag("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle"),
@@ -211,7 +259,11 @@ FLAGS = (
 def parse_args(argv) -> Options:
     parser = build_parser("mooncake bench chaos", __doc__.split("\n\n")[0], FLAGS,
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    return freeze(parser.parse_args(list(argv)), "ChaosOptions")
+    a = parser.parse_args(list(argv))
+    unknown = set(a.signals.split(",")) - {"kill", "stop"}
+    if unknown:
+        parser.error(f"--signals takes kill and stop, comma-separated; got {', '.join(sorted(unknown))}")
+    return freeze(a, "ChaosOptions")
 
 
 def main(argv) -> int:

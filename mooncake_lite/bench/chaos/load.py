@@ -3,7 +3,8 @@ official ``openai`` client, each request's fate recorded.
 
 A request ends ``ok`` (a finish reason arrived), ``failed_streaming`` (it failed after content had
 reached the client), ``failed_before_tokens``, ``rejected_429`` or ``hung`` (no byte for
-``hang_s``). The load can be paused, which waits until nothing is in flight, so the cluster's
+``hang_s``); each also keeps the longest gap the client saw between two content chunks (a
+continued stream's seam shows there: issue #37). The load can be paused, which waits until nothing is in flight, so the cluster's
 gauges can be read idle.
 """
 
@@ -33,6 +34,7 @@ class Outcome:
     first_token: float | None    # first content chunk
     kind: str                    # ok | failed_streaming | failed_before_tokens | rejected_429 | hung
     error: str = ""
+    longest_gap_s: float = 0.0   # between two content chunks
 
 
 class Load:
@@ -109,7 +111,7 @@ class Load:
 
     def _one(self, index: int, num: int, max_tokens: int) -> Outcome:
         import openai
-        start, first, finish = time.monotonic(), None, None
+        start, chunks, finish = time.monotonic(), _Chunks(), None
         question = QUESTIONS[(index + num) % len(QUESTIONS)]
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"#{index}-{num}: {question}"}]
         try:
@@ -118,16 +120,34 @@ class Load:
             with stream:
                 for chunk in stream:
                     for choice in chunk.choices:
-                        if first is None and choice.delta.content:
-                            first = time.monotonic()
+                        if choice.delta.content:
+                            chunks.came(time.monotonic())
                         finish = choice.finish_reason or finish
         except openai.RateLimitError as exc:
-            return Outcome(start, time.monotonic(), first, "rejected_429", _text(exc))
+            return chunks.outcome(start, "rejected_429", _text(exc))
         except Exception as exc:  # noqa: BLE001 - the HTTP library's own errors escape a stream too
-            return Outcome(start, time.monotonic(), first, _failure(exc, first), _text(exc))
+            return chunks.outcome(start, _failure(exc, chunks.first), _text(exc))
         if finish is None:
-            return Outcome(start, time.monotonic(), first, _failure(None, first), "stream ended without a finish reason")
-        return Outcome(start, time.monotonic(), first, "ok")
+            return chunks.outcome(start, _failure(None, chunks.first), "stream ended without a finish reason")
+        return chunks.outcome(start, "ok")
+
+
+class _Chunks:
+    """When a stream's content chunks came: the first, the last, the longest gap between two."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.longest_gap_s = 0.0
+
+    def came(self, now: float) -> None:
+        if self.last is not None:
+            self.longest_gap_s = max(self.longest_gap_s, now - self.last)
+        self.first = self.first if self.first is not None else now
+        self.last = now
+
+    def outcome(self, start: float, kind: str, error: str = "") -> Outcome:
+        return Outcome(start, time.monotonic(), self.first, kind, error, round(self.longest_gap_s, 3))
 
 
 def _failure(exc: BaseException | None, first_token: float | None) -> str:
@@ -145,7 +165,10 @@ def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, bas
     """What one kill (at ``t0``) did to the load's ``outcomes`` and to the ``probes`` around it
     (``baseline``: the probes of the settled load before). ``service_restored_s``: to the first
     token of the first probe sent after the last probe that did not succeed; the probes' TTFT
-    medians before and after say how much of that is the cluster's ordinary TTFT."""
+    medians before and after say how much of that is the cluster's ordinary TTFT.
+    ``longest_gap_s``: the longest gap between two chunks of a stream in flight at ``t0`` (what
+    a client saw across the failure: a continuation's seam, or a hang that healed; token 1 may
+    come after ``t0``, from the prefill, and the rest from a stopped decode or its successor)."""
     counts = {kind: sum(o.kind == kind for o in outcomes)
               for kind in ("ok", "hung", "failed_streaming", "failed_before_tokens", "rejected_429")}
     bad = [o for o in probes if o.kind != "ok" and o.end >= t0]
@@ -153,7 +176,8 @@ def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, bas
     after = [o.first_token for o in probes if o.kind == "ok" and o.start >= since and o.first_token]
     restored = round(min(after) - t0, 2) if after else None
     errors = sorted({o.error for o in [*outcomes, *probes] if o.kind != "ok" and o.error})[:5]
-    return {"requests": len(outcomes), **counts, "probes": len(probes),
+    across = [o.longest_gap_s for o in outcomes if o.start <= t0 < o.end]
+    return {"requests": len(outcomes), **counts, "longest_gap_s": max(across, default=None), "probes": len(probes),
             "probes_failed": sum(o.kind != "ok" for o in probes), "service_restored_s": restored,
             "ttft_p50_before_s": _ttft_p50(baseline),
             "ttft_p50_after_s": _ttft_p50([o for o in probes if o.start >= t0]), "errors": errors}
