@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Collection
+from dataclasses import replace
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
@@ -14,22 +15,30 @@ from mooncake_lite.conductor import tenants
 from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailable
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.services import Services
-from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
+from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest, schedule
 from mooncake_lite.scheduler.admission import slo_limits
 
 log = logging.getLogger(__name__)
 
 
 def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant: str,
-          exclude: Collection[str] = ()) -> tuple[Decision, list[bytes]]:
+          exclude: Collection[str] = (), is_continuation: bool = False) -> tuple[Decision, list[bytes]]:
     """An accepted decision for ``tenant``'s request and the prompt's block keys, on none of the
     ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected,
-    its cause the scheduler's)."""
+    its cause the scheduler's). ``is_continuation``: a request whose decode failed mid-stream
+    (``flight/continuation.py``); its client is already reading the answer, so neither SLO
+    admission nor the tenant's priority rule refuses it, only the lack of a decode with room."""
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
-    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
+    remaining = req.sampling.max_tokens - req.sampling.num_generated
+    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), remaining)
     t0 = time.perf_counter()
-    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now,
-                                tenant=tenant)
+    snap = _snapshot(svc, req, exclude)
+    if is_continuation:
+        s = svc.scheduler
+        decision = schedule(sreq, snap, index=s.index, config=replace(s.config, admission="none"),
+                            costs=s.costs, now=now, rng=s.rng, cache=s.cache)
+    else:
+        decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, snap, now, tenant=tenant)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -106,7 +115,7 @@ def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> Clust
 
 def _check_fits_some_decode(svc: Services, req: ApiRequest) -> None:
     """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
-    need = len(req.prompt_ids) + req.sampling.max_tokens
+    need = len(req.prompt_ids) + req.sampling.max_tokens - req.sampling.num_generated
     largest = max(i.reg.max_context for i in svc.membership.alive("decode"))
     if need > largest:
         raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
