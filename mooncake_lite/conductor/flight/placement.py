@@ -58,6 +58,8 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         log.info("%s rejected: %s", request_id, message)
         raise unavailable(message)
     log.info("%s %s", request_id, decision.reason)
+    if cause == "no-decode" and all(i.instance_id in exclude for i in svc.membership.alive("decode")):
+        raise unavailable("no live decode instance other than the one that failed; retry later")
     if cause == "no-decode":
         _check_fits_some_decode(svc, req)
     svc.metrics.rejections.labels(cause).inc()
