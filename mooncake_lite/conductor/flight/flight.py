@@ -81,8 +81,8 @@ class Flight:
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
         failed = await self._start_attempt(self.request_id)
-        while failed is not None:
-            failed = await self._retry(failed)
+        if failed is not None:
+            await self._retry(failed)
 
     async def _start_attempt(self, upstream_id: str, cont: ApiRequest | None = None) -> Failed | None:
         """Place the request (``cont``: its continuation) and start an attempt there; a Failed if
@@ -108,10 +108,10 @@ class Flight:
         self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span)
         return await self.attempt.start(expected)
 
-    async def _retry(self, failed: Failed) -> Failed | None:
-        """Tear the failed attempt down and start another without the instances that failed;
-        raises the failure as a 502 (503: the conductor's shutdown) when no retry is left or no other
-        instance can take it."""
+    async def _retry(self, failed: Failed) -> None:
+        """Tear the failed attempt down and start another without the instances that failed (again
+        while those fail at once); raises the failure as a 502 (503: the conductor's shutdown) when
+        no retry is left or no other instance can take it."""
         self.attempt.end()
         self._excluded.add(failed.instance_id)
         if not failed.retry or self.num_retries >= self.svc.max_retries:
@@ -126,7 +126,8 @@ class Flight:
         log.info("%s: %s; retried on %s + %s (attempt %d)", self.request_id, failed.message,
                  self.attempt.decision.prefill_id, self.attempt.decision.decode_id, self.num_retries + 1)
         self.svc.metrics.retries.labels(failed.reason).inc()
-        return next_failed
+        if next_failed is not None:
+            await self._retry(next_failed)
 
     async def _continue(self, failed: Failed) -> None:
         """The decode failed after tokens went out: fence the failed attempt off and place the request
@@ -205,9 +206,7 @@ class Flight:
             match event:
                 case Failed() if self.num_tokens == 0:
                     early.clear()           # the failed attempt's; the next one starts afresh
-                    failed: Failed | None = event
-                    while failed is not None:
-                        failed = await self._retry(failed)
+                    await self._retry(event)
                     continue
                 case FirstToken(result=result):
                     tokens = self._on_first(result) if self.num_continuations == 0 else self._on_resumed(result)
@@ -217,11 +216,9 @@ class Flight:
                 case Token():
                     self._on_token()
                     tokens = [event]
-                case Finished(finish_reason="abort", error=error):   # the decode gave up (its drain, say)
-                    early.clear()
-                    did = self.attempt.decode.instance_id
-                    await self._continue(Failed(f"decode instance {did} aborted the request mid-stream "
-                                                f"({error or 'no reason given'})", did, "decode-abort"))
+                case Failed() | Finished(finish_reason="abort"):   # (an abort: the decode gave up, in its drain say)
+                    early.clear()           # the failed attempt's: the continuation makes them again
+                    await self._continue(event if isinstance(event, Failed) else self._aborted(event))
                     continue
                 case Finished():
                     self._finish(event)     # decode's end line of a choice: its finish reason is set
@@ -229,10 +226,6 @@ class Flight:
                 case PrefillRefused(message=message):
                     self.svc.metrics.rejections.labels("prefill-refused").inc()
                     raise Rejected(message, 1, "upstream-refused")
-                case Failed():
-                    early.clear()           # the failed attempt's: the continuation makes them again
-                    await self._continue(event)
-                    continue
             for token in tokens:
                 if self.finish_reasons[token.index] is not None:
                     continue   # a choice the conductor already ended (max_tokens, stop id or string)
@@ -272,6 +265,12 @@ class Flight:
         now = loop_now()
         self._gaps.append(now - self._last_token_at)
         self._last_token_at = now
+
+    def _aborted(self, end: Finished) -> Failed:
+        """Decode's abort line, not asked for by the conductor (which stops reading when it aborts)."""
+        did = self.attempt.decode.instance_id
+        return Failed(f"decode instance {did} aborted the request mid-stream ({end.error or 'no reason given'})",
+                      did, "decode-abort")
 
     def _finish(self, end: Finished) -> None:
         if end.error is not None or end.finish_reason not in ("stop", "length") \

@@ -24,21 +24,15 @@ log = logging.getLogger(__name__)
 def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant: str,
           exclude: Collection[str] = (), is_continuation: bool = False) -> tuple[Decision, list[bytes]]:
     """An accepted decision for ``tenant``'s request and the prompt's block keys, on none of the
-    ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected,
-    its cause the scheduler's). ``is_continuation``: a request whose decode failed mid-stream
-    (``flight/continuation.py``); its client is already reading the answer, so neither SLO
-    admission nor the tenant's priority rule refuses it, only the lack of a decode with room."""
-    keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
-    remaining = req.sampling.max_tokens - req.sampling.num_generated
-    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), remaining)
+    ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected, its
+    cause the scheduler's). A continuation's client is reading already: only a lack of room refuses it."""
+    keys, n_out = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed), req.sampling.max_tokens
+    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), n_out - req.sampling.num_generated)
     t0 = time.perf_counter()
-    snap = _snapshot(svc, req, exclude)
-    if is_continuation:
-        s = svc.scheduler
-        decision = schedule(sreq, snap, index=s.index, config=replace(s.config, admission="none"),
-                            costs=s.costs, now=now, rng=s.rng, cache=s.cache)
-    else:
-        decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, snap, now, tenant=tenant)
+    snap, s = _snapshot(svc, req, exclude), svc.scheduler
+    decision = schedule(sreq, snap, index=s.index, config=replace(s.config, admission="none"), costs=s.costs,
+                        now=now, rng=s.rng, cache=s.cache) if is_continuation else \
+        tenants.schedule(svc.tenants, s, sreq, snap, now, tenant=tenant)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -58,10 +52,8 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         log.info("%s rejected: %s", request_id, message)
         raise unavailable(message)
     log.info("%s %s", request_id, decision.reason)
-    if cause == "no-decode" and all(i.instance_id in exclude for i in svc.membership.alive("decode")):
-        raise unavailable("no live decode instance other than the one that failed; retry later")
     if cause == "no-decode":
-        _check_fits_some_decode(svc, req)
+        _check_fits_some_decode(svc, req, exclude)
     svc.metrics.rejections.labels(cause).inc()
     if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
@@ -115,8 +107,11 @@ def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> Clust
     return fits
 
 
-def _check_fits_some_decode(svc: Services, req: ApiRequest) -> None:
-    """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
+def _check_fits_some_decode(svc: Services, req: ApiRequest, exclude: Collection[str]) -> None:
+    """A request larger than every decode instance's KV capacity can never run: 400, not 429;
+    one whose every live decode failed it (``exclude``) is a 503."""
+    if all(i.instance_id in exclude for i in svc.membership.alive("decode")):
+        raise unavailable("no live decode instance other than the one that failed; retry later")
     need = len(req.prompt_ids) + req.sampling.max_tokens - req.sampling.num_generated
     largest = max(i.reg.max_context for i in svc.membership.alive("decode"))
     if need > largest:
