@@ -10,7 +10,10 @@ import asyncio
 import openai
 import pytest
 
-from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest
+from mooncake_lite.common.config import ConfigError
+from mooncake_lite.common.protocol import AbortRequest, GenerateRequest, PrefillRequest
+from mooncake_lite.conductor.config import Config
+from tests.conductor import fakes
 from tests.conductor.fakes import expected_tokens
 from tests.conductor.test_api import TOK, client
 from tests.conductor.test_dispatch import _wait_for
@@ -169,3 +172,28 @@ async def test_a_client_leaving_during_a_continuation_frees_every_instance(make_
     assert d1.aborts[0].endswith("-cont1")
     await _wait_for(lambda: _idle(cluster))
     assert "mooncake_conductor_requests_in_flight 0.0" in await _metrics(cluster)
+
+
+async def test_a_decode_aborting_the_request_itself_is_continued(make_cluster):
+    """A decode that drops the request on its own (its drain aborts what it runs) sends an abort line."""
+    cluster = await make_cluster(prefill=1, decode=1)
+    await cluster.add("decode", "d1", cost=SLOW_DECODE)
+    d0 = cluster.instances["d0"]
+    d0.behaviour.token_delay_s = 0.05
+    c = client(cluster)
+    stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stream=True)
+    text = []
+    async for chunk in stream:
+        text.append(chunk.choices[0].text)
+        if len(text) == 3:
+            status, _ = await fakes.post(cluster.session, f"http://{d0.http}/v1/abort", AbortRequest(chunk.id))
+            assert status == 200
+    await c.close()
+    assert "".join(text) == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert 'continuations_total{cause="decode-abort",outcome="continued"} 1.0' in await _metrics(cluster)
+
+
+def test_the_migration_limit_is_checked():
+    assert Config(migration_limit=0).migration_limit == 0
+    with pytest.raises(ConfigError, match="--migration-limit must be >= 0"):
+        Config(migration_limit=-1)
