@@ -100,7 +100,7 @@ def _prediction_lines(p: dict | None) -> list[str]:
 
 def _continuation_lines(records: list[dict], most: int = 5) -> list[str]:
     """The newest continuations (a decode failed mid-stream): when, which request, why, and where it went on."""
-    lines = [f"  continued   {len(records)} recent" if records else "  continued   none"]
+    lines = [f"  continuations {len(records)} recent" if records else "  continuations none"]
     for c in records[-most:]:
         where = f"-> {c['to_prefill']} + {c['to_decode']}" if c["outcome"] == "continued" else f"({c['detail']})"
         lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(c['at']))}  {c['request_id']}  {c['cause']} on "

@@ -179,7 +179,7 @@ async def test_a_decode_aborting_the_request_itself_is_continued(make_cluster):
     cluster = await make_cluster(prefill=1, decode=1)
     await cluster.add("decode", "d1", cost=SLOW_DECODE)
     d0 = cluster.instances["d0"]
-    d0.behaviour.token_delay_s = 0.05
+    d0.behaviour.pause_after = 2          # holds the request until it has been told to abort it
     c = client(cluster)
     stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stream=True)
     text = []
@@ -188,6 +188,7 @@ async def test_a_decode_aborting_the_request_itself_is_continued(make_cluster):
         if len(text) == 3:
             status, _ = await fakes.post(cluster.session, f"http://{d0.http}/v1/abort", AbortRequest(chunk.id))
             assert status == 200
+            d0.behaviour.resume.set()
     await c.close()
     assert "".join(text) == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
     assert 'continuations_total{cause="decode-abort",outcome="continued"} 1.0' in await _metrics(cluster)
