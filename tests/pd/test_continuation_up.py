@@ -20,7 +20,7 @@ from tests.real_model import SMOLLM, needs_smollm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), needs_smollm]
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 KILL_AFTER = 4          # content chunks the client has read when its decode is stopped or killed
 DEAD_AFTER_S = 2        # the conductor's --dead-after: how soon a hung decode is declared dead
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon who learns to bake bread."}]
