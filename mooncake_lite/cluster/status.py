@@ -98,6 +98,16 @@ def _prediction_lines(p: dict | None) -> list[str]:
     return out
 
 
+def _continuation_lines(records: list[dict], most: int = 5) -> list[str]:
+    """The newest continuations (a decode failed mid-stream): when, which request, why, and where it went on."""
+    lines = [f"  continuations {len(records)} recent" if records else "  continuations none"]
+    for c in records[-most:]:
+        where = f"-> {c['to_prefill']} + {c['to_decode']}" if c["outcome"] == "continued" else f"({c['detail']})"
+        lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(c['at']))}  {c['request_id']}  {c['cause']} on "
+                     f"{c['from_decode']} after {c['num_tokens']} tok: {c['outcome']} {where}")
+    return lines
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
@@ -141,6 +151,7 @@ def render(status: dict, conductor: str) -> list[str]:
              f"  TTFT        {_quantiles(r['ttft_s'])}",
              f"  TBT         {_quantiles(r['tbt_s'])}",
              *_prediction_lines(status.get("predictions")),
+             *_continuation_lines(status.get("continuations") or []),
              "", "INSTANCES"]
     rows = [_instance_row(i) for i in status["instances"]]
     lines += _table(["role", "id", "node", "work", "KV used", "speed", "health"], rows) if rows else ["  none registered"]

@@ -95,7 +95,8 @@ def make_services(cfg: Config, args: ModelArgs) -> Services:
     return Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
                     metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
-                    kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate)
+                    kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate,
+                    migration_limit=cfg.migration_limit)
 
 
 def _hot_replication(app: web.Application, cfg: Config) -> None:

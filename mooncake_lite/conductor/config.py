@@ -75,6 +75,11 @@ class Config(RoleConfig):
                                       "(the first makes it suspect: not scheduled while others are trusted)")
     dispatch_retries: int = option(2, "times a request that fails before its first token is sent again to "
                                    "other instances (0: never)")
+    # 2: a request survives its decode failing and, while it is continued, the next one too; a
+    # request that itself crashes decodes (a poison input) takes at most three down (docs/operations.md).
+    migration_limit: int = option(2, "times a request whose decode fails mid-stream is continued on another "
+                                  "decode (prompt + the tokens already sent); then the client gets the error "
+                                  "(0: never)")
     upstream_timeout: float = option(300.0, "longest wait for a prefill result or a decode token",
                                      parse=parse_duration)
     kv_timeout: float = option(30.0, "how long decode waits for a request's KV to arrive", parse=parse_duration)
@@ -131,6 +136,7 @@ class Config(RoleConfig):
         require(self.dead_after_failures >= 1,
                 f"--dead-after-failures must be at least 1, got {self.dead_after_failures}")
         require(self.dispatch_retries >= 0, f"--dispatch-retries must be >= 0, got {self.dispatch_retries}")
+        require(self.migration_limit >= 0, f"--migration-limit must be >= 0, got {self.migration_limit}")
         require(self.upstream_timeout > 0, f"--upstream-timeout must be positive, got {self.upstream_timeout}")
         require(self.kv_timeout > 0, f"--kv-timeout must be positive, got {self.kv_timeout}")
         require(self.context_quota >= 0, f"--context-quota must be >= 0, got {self.context_quota}")

@@ -8,6 +8,7 @@ public API and the flights, the contexts, the internal endpoints and the backgro
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from mooncake_lite.conductor.flight.predictions import PredictionBook
 from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.tenants import TenantGate
 from mooncake_lite.scheduler import Decision, Scheduler
+
+RECENT_CONTINUATIONS = 20
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Services:
     upstream_timeout_s: float = 300.0
     kv_timeout_s: float = 30.0
     max_retries: int = 2          # re-dispatches of a request that failed before its first token
+    migration_limit: int = 2      # continuations of a request whose decode failed mid-stream
     background: set[asyncio.Task] = field(default_factory=set)
     outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
     tenants: TenantGate | None = None   # per-tenant limits, SLOs and priorities (conductor/tenants.py)
@@ -45,6 +49,8 @@ class Services:
     on_placed: Callable[[Decision, list[bytes], float], None] | None = None
     # every prediction checked, and the online correction it feeds (conductor/flight/predictions.py)
     predictions: PredictionBook = field(init=False)
+    # the last continuations (flight/continuation.py), newest last, for ``mooncake status``
+    continuations: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTINUATIONS))
 
     def __post_init__(self) -> None:
         self.predictions = PredictionBook(self.membership, self.metrics, lambda: self.scheduler.costs)

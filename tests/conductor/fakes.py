@@ -55,6 +55,8 @@ class Behaviour:
     hang: bool = False                   # never answer (prefill) / never send tokens (decode)
     token_delay_s: float = 0.0           # decode: pause between tokens
     break_after: int | None = None       # decode: drop the connection after N tokens
+    pause_after: int | None = None       # decode: stop sending after N tokens (a hang) until ``resume`` is set
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
     result_delay_s: float = 0.0          # prefill: answer this long after the "KV" went to decode
     timings: dict = field(default_factory=dict)   # prefill: the timings its result reports
 
@@ -138,6 +140,8 @@ class FakeInstance:
                 if b.break_after is not None and n - 1 >= b.break_after:
                     request.transport.close()
                     return resp
+                if b.pause_after is not None and n - 1 == b.pause_after:
+                    await b.resume.wait()
                 tok = fake_next(seq)
                 seq.append(tok)
                 n += 1

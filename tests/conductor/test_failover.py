@@ -124,7 +124,8 @@ async def test_a_heartbeat_clears_suspicion(make_cluster):
 
 
 async def test_after_tokens_streamed_a_failure_ends_the_stream_without_retry(make_cluster):
-    cluster = await make_cluster(prefill=1, decode=1)
+    """With continuations off (--migration-limit 0; tests/conductor/test_continuation.py has them on)."""
+    cluster = await make_cluster(prefill=1, decode=1, migration_limit=0)
     d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
     cluster.instances["d0"].behaviour.break_after = 2
     c = client(cluster)
@@ -144,7 +145,7 @@ async def test_a_broken_stream_is_told_in_one_plain_sentence_with_the_detail_log
     """The client reads what happened, not aiohttp's exception repr (that goes to the log); and
     when its own broken stream is the failure that takes the decode out of service, it still reads
     that its stream broke, as any other stream that broke there does."""
-    cluster = await make_cluster(prefill=1, decode=1, dead_after=60.0, dead_after_failures=1)
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=60.0, dead_after_failures=1, migration_limit=0)
     cluster.instances["d0"].behaviour.break_after = 2
     c = client(cluster)
     stream = await c.completions.create(model="tiny", prompt="abc", max_tokens=10, stream=True)

@@ -53,6 +53,10 @@ class ConductorMetrics:
         self.retries = Counter(p + "retries", "requests sent again to other instances after a failure "
                                "before their first token, by reason (prefill-unreachable, prefill-error, "
                                "decode-unreachable, decode-error, instance-dead)", ["reason"], registry=r)
+        self.continuations = Counter(p + "continuations", "requests whose decode failed mid-stream, by cause "
+                                     "(decode-unreachable, decode-error, decode-abort, instance-dead, ...) and "
+                                     "outcome (continued; limit, refused, unsupported: the client got the error)",
+                                     ["cause", "outcome"], registry=r)
         self.prediction_ratio = Histogram(p + "prediction_ratio", "measured over predicted, per request, by "
                                           "instance and metric (ttft, tbt, gap: the mean token gap against "
                                           "the predicted TBT, and TTFT's parts queue, compute, transfer: "

@@ -92,7 +92,9 @@ async def status(request: web.Request) -> web.Response:
             "stores": stores,
             "requests": recent_figures(app[RECENT], svc.metrics, time.monotonic()),
             # each prediction checked (conductor/flight/predictions.py): the last minute's errors
-            "predictions": {**svc.predictions.recent_errors(now), "corrections": svc.predictions.export()}}
+            "predictions": {**svc.predictions.recent_errors(now), "corrections": svc.predictions.export()},
+            # requests whose decode failed mid-stream, newest last (conductor/flight/continuation.py)
+            "continuations": list(svc.continuations)}
     return web.json_response(body)
 
 

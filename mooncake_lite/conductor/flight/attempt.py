@@ -60,6 +60,7 @@ class Attempt:
         self.is_prefill_done = False
         self.is_decode_done = False
         self._decode_span = None           # conductor → decode, open while decode streams tokens
+        self.expected_output = req.sampling.max_tokens   # what start() is told (predictive admission)
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self, expected_output: int) -> Failed | None:
@@ -67,6 +68,7 @@ class Attempt:
         (the attempt is then over). ``expected_output``: the predicted output length that
         predictive admission sizes the request's decode time with."""
         svc, d = self.svc, self.decision
+        self.expected_output = expected_output
         now = loop_now()
         for inst in (self.prefill, self.decode):
             svc.membership.watch(inst.instance_id, self.upstream_id, self._death_watch(inst.instance_id))
@@ -236,7 +238,7 @@ class Attempt:
         return headers
 
     # ---- what the flight tells it ---------------------------------------------------------------
-    def prefill_finished(self, result: PrefillResult, expected_output: int) -> None:
+    def prefill_finished(self, result: PrefillResult) -> None:
         """The first token is here: the prefill is done, its migration timed, and the request
         joins its decode's batch in the membership."""
         mig, links = self.decision.migration, self.svc.scheduler.costs.links
@@ -246,21 +248,23 @@ class Attempt:
         now, m = loop_now(), self.svc.membership
         m.prefill_done(self.prefill.instance_id, self.upstream_id, now)
         m.add_decode(self.decode.instance_id, DecodeJob(self.upstream_id, len(self.req.prompt_ids) + 1, now,
-                                                        expected_output))
+                                                        self.expected_output))
 
     def decode_progress(self) -> None:
         self.svc.membership.decode_progress(self.decode.instance_id, self.upstream_id)
 
     # ---- end -------------------------------------------------------------------------------
-    def end(self) -> None:
-        """Tear the attempt down for a retry: stop its workers, abort what still runs upstream, forget it."""
+    def end(self, *, fence: bool = False) -> None:
+        """Tear the attempt down for a retry: stop its workers, abort what still runs upstream,
+        forget it. ``fence`` (a continuation replaces it): decode is told to abort even when
+        declared dead, since a hung one may resume; its late tokens go to a queue no one reads."""
         for task in self._tasks:
             task.cancel()
         tracing.end_span(self._decode_span, "attempt torn down")
         if not self.is_prefill_done:
             self._abort(self.prefill)
         if not self.is_decode_done:
-            self._abort(self.decode)
+            self._abort(self.decode, force=fence)
         self.is_prefill_done = self.is_decode_done = True
         self._release()
 
@@ -298,8 +302,8 @@ class Attempt:
     def _release(self) -> None:
         self.svc.membership.release(self.upstream_id, (self.prefill.instance_id, self.decode.instance_id), loop_now())
 
-    def _abort(self, inst: Instance) -> None:
-        if inst.is_alive:
+    def _abort(self, inst: Instance, *, force: bool = False) -> None:
+        if inst.is_alive or force:
             self.svc.spawn(post_abort(self.svc, inst, self.upstream_id))
 
 

@@ -21,6 +21,7 @@ from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
+from mooncake_lite.conductor.flight.continuation import Continuation, continued_request, is_continuable
 from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed, Finished, FirstToken, PrefillRefused, Token
 from mooncake_lite.conductor.flight.placement import place
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
@@ -38,7 +39,10 @@ class Flight:
     first token reached the client is torn down and the request placed again (at most
     ``Services.max_retries`` times) without the instances that failed it; each attempt has its
     own upstream request id and transfer id, so nothing from a torn-down attempt can reach the
-    next one. Once a token is out, a failure ends the request."""
+    next one. Once a token is out, a failure of its decode is *continued* (``continuation.py``):
+    the request is placed again as prompt + the tokens already relayed, at most
+    ``Services.migration_limit`` times, and its tokens go on from the new attempt; the relay
+    above never sees the seam."""
 
     def __init__(self, svc: Services, req: ApiRequest, tenant: str, request_id: str | None = None) -> None:
         self.svc = svc
@@ -47,11 +51,15 @@ class Flight:
         self.request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         self.attempt: Attempt | None = None   # the current one (None until the first is placed)
         self.num_retries = 0
+        self.num_continuations = 0
+        self.block_keys: list[bytes] = []    # the prompt's (a continuation's attempt has longer ones)
+        self._has_first = False              # the current attempt's first token (prefill's) is in
         self._excluded: set[str] = set()     # instances a failed attempt ran on
         self.prefill_result: PrefillResult | None = None
         # Each choice's end ("stop", "length"), None while it runs; its tokens so far.
         self.finish_reasons: list[str | None] = [None] * req.sampling.n
         self.choice_tokens = [0] * req.sampling.n
+        self.relayed: list[list[int]] = [[] for _ in range(req.sampling.n)]   # each choice's tokens handed out
         self.num_tokens = 0                  # every choice's together
         self.expected_output = req.sampling.max_tokens
         self._is_closed = False
@@ -73,31 +81,37 @@ class Flight:
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
         failed = await self._start_attempt(self.request_id)
-        while failed is not None:
-            failed = await self._retry(failed)
+        if failed is not None:
+            await self._retry(failed)
 
-    async def _start_attempt(self, upstream_id: str) -> Failed | None:
-        """Place the request and start an attempt there; a Failed if its decode failed."""
+    async def _start_attempt(self, upstream_id: str, cont: ApiRequest | None = None) -> Failed | None:
+        """Place the request (``cont``: its continuation) and start an attempt there; a Failed if
+        its decode failed."""
+        req = cont or self.req
         span = tracing.start_span("conductor.schedule", self.span, attempt=self.num_retries + 1,
-                                  excluded=sorted(self._excluded) or None)
+                                  continuation=self.num_continuations or None, excluded=sorted(self._excluded) or None)
         try:
-            d, keys = place(self.svc, upstream_id, self.req, loop_now(), tenant=self.tenant, exclude=self._excluded)
+            d, keys = place(self.svc, upstream_id, req, loop_now(), tenant=self.tenant, exclude=self._excluded,
+                            is_continuation=cont is not None)
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             raise
         if span is not None:
             tracing.end_span(span, **decision_attributes(d))
-        self.prediction, self._placed_at = self.svc.predictions.predicted(d), loop_now()
-        # predictive admission sizes this request's decode time with its predicted output
-        self.expected_output = self.svc.outputs.expected(keys, len(self.req.prompt_ids),
-                                                         self.req.sampling.max_tokens)
-        self.attempt = Attempt(self.svc, self.req, upstream_id, d, keys, self.span)
-        return await self.attempt.start(self.expected_output)
+        if cont is None:
+            self.prediction, self._placed_at = self.svc.predictions.predicted(d), loop_now()
+            # predictive admission sizes this request's decode time with its predicted output
+            self.expected_output = self.svc.outputs.expected(keys, len(req.prompt_ids), req.sampling.max_tokens)
+            self.block_keys = keys
+        expected = max(1, self.expected_output - req.sampling.num_generated)   # what is left of it
+        self._has_first = False
+        self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span)
+        return await self.attempt.start(expected)
 
-    async def _retry(self, failed: Failed) -> Failed | None:
-        """Tear the failed attempt down and start another without the instances that failed;
-        raises the failure as a 502 (503: the conductor's shutdown) when no retry is left or no other
-        instance can take it."""
+    async def _retry(self, failed: Failed) -> None:
+        """Tear the failed attempt down and start another without the instances that failed (again
+        while those fail at once); raises the failure as a 502 (503: the conductor's shutdown) when
+        no retry is left or no other instance can take it."""
         self.attempt.end()
         self._excluded.add(failed.instance_id)
         if not failed.retry or self.num_retries >= self.svc.max_retries:
@@ -112,7 +126,53 @@ class Flight:
         log.info("%s: %s; retried on %s + %s (attempt %d)", self.request_id, failed.message,
                  self.attempt.decision.prefill_id, self.attempt.decision.decode_id, self.num_retries + 1)
         self.svc.metrics.retries.labels(failed.reason).inc()
-        return next_failed
+        if next_failed is not None:
+            await self._retry(next_failed)
+
+    async def _continue(self, failed: Failed) -> None:
+        """The decode failed after tokens went out: fence the failed attempt off and place the request
+        again as prompt + the tokens already relayed (``continuation.py``), without the instance
+        that failed; raises the failure as the client's error when it may not be continued (the
+        conductor's shutdown, n > 1, ``--migration-limit`` reached, or no instance can take it)."""
+        self.attempt.end(fence=True)   # its late tokens, if it comes back, reach no one
+        self._excluded.add(failed.instance_id)
+        number, limit = self.num_continuations + 1, self.svc.migration_limit
+        if not is_continuable(failed):
+            raise _client_error(failed)
+        outcome, why = ("unsupported", "it has n > 1 choices") if self.req.sampling.n > 1 else \
+            ("limit", f"--migration-limit {limit} reached") if number > limit else (None, None)
+        if outcome is not None:
+            self._note(failed, number, outcome, why)
+            raise upstream_failed(failed.message if limit == 0 else f"{failed.message}; not continued: {why}")
+        self.num_continuations = number
+        span = tracing.start_span("conductor.continuation", self.span, cause=failed.reason, number=number,
+                                  from_decode=failed.instance_id, relayed_tokens=self.num_tokens)
+        try:
+            next_failed = await self._start_attempt(f"{self.request_id}-cont{number}",
+                                                    continued_request(self.req, self.relayed[0], 0))
+        except ApiError as exc:
+            tracing.end_span(span, exc.message, status=exc.status)
+            self._note(failed, number, "refused", exc.message)
+            raise upstream_failed(f"{failed.message}; it could not be continued: {exc.message}") from None
+        d = self.attempt.decision
+        tracing.end_span(span, prefill=d.prefill_id, decode=d.decode_id)
+        self._note(failed, number, "continued")
+        if next_failed is not None:   # the new decode failed at once: that is a failure to continue too
+            await self._continue(next_failed)
+
+    def _note(self, failed: Failed, number: int, outcome: str, detail: str | None = None) -> None:
+        """A continuation's log line (with its cause), counter and record for ``mooncake status``."""
+        d = self.attempt.decision if outcome == "continued" else None
+        record = Continuation(self.request_id, failed.reason, failed.instance_id, self.num_tokens, number, outcome,
+                              d and d.prefill_id, d and d.decode_id, detail)
+        self.svc.metrics.continuations.labels(failed.reason, outcome).inc()
+        self.svc.continuations.append(record.as_json())
+        if d is not None:
+            log.warning("%s: %s; continued on %s + %s after %d token(s) (continuation %d of at most %d)",
+                        self.request_id, failed.message, d.prefill_id, d.decode_id, self.num_tokens, number,
+                        self.svc.migration_limit)
+        else:
+            log.warning("%s: %s; not continued (%s): %s", self.request_id, failed.message, outcome, detail)
 
     # ---- relay ---------------------------------------------------------------------------
     @property
@@ -139,33 +199,33 @@ class Flight:
         upstream fails or refuses. A failure before the first token is retried (:meth:`_retry`)."""
         early: deque[Token | Finished] = deque()   # decode events that raced ahead of the prefill result
         while True:
-            if self.prefill_result is not None and early:
+            if self._has_first and early:
                 event = early.popleft()
             else:
                 event = await self.attempt.events.get()
             match event:
                 case Failed() if self.num_tokens == 0:
                     early.clear()           # the failed attempt's; the next one starts afresh
-                    failed: Failed | None = event
-                    while failed is not None:
-                        failed = await self._retry(failed)
+                    await self._retry(event)
                     continue
                 case FirstToken(result=result):
-                    tokens = self._on_first(result)
-                case Token() | Finished() if self.prefill_result is None:
+                    tokens = self._on_first(result) if self.num_continuations == 0 else self._on_resumed(result)
+                case Token() | Finished() if not self._has_first:
                     early.append(event)
                     continue
                 case Token():
                     self._on_token()
                     tokens = [event]
+                case Failed() | Finished(finish_reason="abort"):   # (an abort: the decode gave up, in its drain say)
+                    early.clear()           # the failed attempt's: the continuation makes them again
+                    await self._continue(event if isinstance(event, Failed) else self._aborted(event))
+                    continue
                 case Finished():
                     self._finish(event)     # decode's end line of a choice: its finish reason is set
                     tokens = []
                 case PrefillRefused(message=message):
                     self.svc.metrics.rejections.labels("prefill-refused").inc()
                     raise Rejected(message, 1, "upstream-refused")
-                case Failed():
-                    raise _client_error(event)
             for token in tokens:
                 if self.finish_reasons[token.index] is not None:
                     continue   # a choice the conductor already ended (max_tokens, stop id or string)
@@ -180,12 +240,24 @@ class Flight:
         self._measured_ttft_s = now - self._placed_at
         self._prefill_busy = self.svc.predictions.busy_beside(self.attempt.prefill.instance_id)
         self.prefill_result = result
-        self.attempt.prefill_finished(result, self.expected_output)
+        self._has_first = True
+        self.attempt.prefill_finished(result)
         # (once this request's own prefill job has left its queue)
         self._decode_busy = self.svc.predictions.busy_beside(self.attempt.decode.instance_id)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
         return [Token(t, i, lp) for i, (t, lp) in enumerate(_firsts(result))]
+
+    def _on_resumed(self, result: PrefillResult) -> list[Token]:
+        """A continuation's prefill answered: its token is the next one of the choice it continues
+        (the request's own ``prefill_result``, its usage and echo, stay the first attempt's)."""
+        self._has_first = True
+        self.attempt.prefill_finished(result)
+        self._on_token()    # the gap since the last token relayed: the seam, as the client saw it
+        tracing.add_event(self.span, "continued_token", prefix_tokens=result.num_prefix_tokens,
+                          computed_tokens=result.num_computed_tokens)
+        token, logprob = _firsts(result)[0]
+        return [Token(token, 0, logprob)]
 
     def _on_token(self) -> None:
         """A token from decode: its request's progress there, and the gap since the last one."""
@@ -193,6 +265,12 @@ class Flight:
         now = loop_now()
         self._gaps.append(now - self._last_token_at)
         self._last_token_at = now
+
+    def _aborted(self, end: Finished) -> Failed:
+        """Decode's abort line, not asked for by the conductor (which stops reading when it aborts)."""
+        did = self.attempt.decode.instance_id
+        return Failed(f"decode instance {did} aborted the request mid-stream ({end.error or 'no reason given'})",
+                      did, "decode-abort")
 
     def _finish(self, end: Finished) -> None:
         if end.error is not None or end.finish_reason not in ("stop", "length") \
@@ -206,6 +284,7 @@ class Flight:
         conductor enforces max_tokens and stop ids itself rather than trust every instance)."""
         self.num_tokens += 1
         self.choice_tokens[token.index] += 1
+        self.relayed[token.index].append(token.token)
         s = self.req.sampling
         if token.token in s.stop_token_ids:
             self.finish_reasons[token.index] = "stop"
@@ -226,19 +305,19 @@ class Flight:
             self.svc.predictions.settle(check, loop_now())
         tracing.end_span(self.span, "aborted" if abort and self.finish_reason is None else None,
                          output_tokens=self.num_tokens, finish_reason=self.finish_reason,
-                         retries=self.num_retries, **(check.attributes() if check is not None else {}))
+                         retries=self.num_retries, continuations=self.num_continuations, **(check.attributes() if check is not None else {}))
         if self.attempt is None:
             return
         if self.num_tokens:   # the output length the client took (ended, or it stopped reading): its longest choice's
-            self.svc.outputs.finished(self.attempt.block_keys, len(self.req.prompt_ids), max(self.choice_tokens),
+            self.svc.outputs.finished(self.block_keys, len(self.req.prompt_ids), max(self.choice_tokens),
                                       self.expected_output)
         self.attempt.close(abort=abort)
 
     def _check(self) -> Check | None:
         """The completed request's prediction against what was measured (None: no first token)."""
         result, d = self.prefill_result, self.decision
-        if result is None or self._measured_ttft_s is None or self.prediction is None:
-            return None
+        if result is None or self._measured_ttft_s is None or self.prediction is None or self.num_continuations:
+            return None     # (a continued request's gaps and instances are not what was predicted)
         t = result.timings
         compute = t.get("compute_s")
         if compute is not None and t.get("load_wait_s") is not None:

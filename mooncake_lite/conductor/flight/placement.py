@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Collection
+from dataclasses import replace
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
@@ -14,22 +15,24 @@ from mooncake_lite.conductor import tenants
 from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailable
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.services import Services
-from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest
+from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest, schedule
 from mooncake_lite.scheduler.admission import slo_limits
 
 log = logging.getLogger(__name__)
 
 
 def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant: str,
-          exclude: Collection[str] = ()) -> tuple[Decision, list[bytes]]:
+          exclude: Collection[str] = (), is_continuation: bool = False) -> tuple[Decision, list[bytes]]:
     """An accepted decision for ``tenant``'s request and the prompt's block keys, on none of the
-    ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected,
-    its cause the scheduler's)."""
-    keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
-    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), req.sampling.max_tokens)
+    ``exclude`` instances (a retry's failed ones); raises ApiError otherwise (a 429: Rejected, its
+    cause the scheduler's). A continuation's client is reading already: only a lack of room refuses it."""
+    keys, n_out = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed), req.sampling.max_tokens
+    sreq = ScheduleRequest(request_id, tuple(keys), len(req.prompt_ids), n_out - req.sampling.num_generated)
     t0 = time.perf_counter()
-    decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now,
-                                tenant=tenant)
+    snap, s = _snapshot(svc, req, exclude), svc.scheduler
+    decision = schedule(sreq, snap, index=s.index, config=replace(s.config, admission="none"), costs=s.costs,
+                        now=now, rng=s.rng, cache=s.cache) if is_continuation else \
+        tenants.schedule(svc.tenants, s, sreq, snap, now, tenant=tenant)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
         svc.metrics.routes.labels(decision.route).inc()
@@ -50,7 +53,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         raise unavailable(message)
     log.info("%s %s", request_id, decision.reason)
     if cause == "no-decode":
-        _check_fits_some_decode(svc, req)
+        _check_fits_some_decode(svc, req, exclude)
     svc.metrics.rejections.labels(cause).inc()
     if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
@@ -104,9 +107,12 @@ def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> Clust
     return fits
 
 
-def _check_fits_some_decode(svc: Services, req: ApiRequest) -> None:
-    """A request larger than every decode instance's KV capacity can never run: 400, not 429."""
-    need = len(req.prompt_ids) + req.sampling.max_tokens
+def _check_fits_some_decode(svc: Services, req: ApiRequest, exclude: Collection[str]) -> None:
+    """A request larger than every decode instance's KV capacity can never run: 400, not 429;
+    one whose every live decode failed it (``exclude``) is a 503."""
+    if all(i.instance_id in exclude for i in svc.membership.alive("decode")):
+        raise unavailable("no live decode instance other than the one that failed; retry later")
+    need = len(req.prompt_ids) + req.sampling.max_tokens - req.sampling.num_generated
     largest = max(i.reg.max_context for i in svc.membership.alive("decode"))
     if need > largest:
         raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
