@@ -32,6 +32,10 @@ def test_bench_moe_json(capsys):
     assert kv["gqa-8"]["transfer_s"] / kv["deepseek-v3 (mla)"]["transfer_s"] == kv["gqa-8"]["over_mla"]
     assert set(res["routing"]["steps"]) == {"1", "2"}
     assert all(s["moe_step_ms"] > 0 and s["dense_step_ms"] > 0 for s in res["routing"]["steps"].values())
+    # one token's 8 experts over 8 ranks: split, each rank reads 1/8 of all 8 (one expert's worth);
+    # placed, the busiest rank reads at least one whole, and more when two land on it
+    one = res["placement"]["deepseek-v3"]["batches"]["1"]
+    assert one["split_experts"] == 1.0 and one["placed_experts"] > 1.5 and one["weight_bytes"] == one["placed_experts"]
 
 
 def test_mla_moe_matmul_params_are_the_2d_weights_a_token_runs_through():
