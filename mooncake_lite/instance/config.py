@@ -100,6 +100,12 @@ class ModelRoleConfig(RoleConfig):
             args = model_args(self.model)
         except (ValueError, OSError) as exc:
             require(False, f"--model: {exc}")
+        # MLA's second cache plane holds the latent's tail and the rope key, whose ranges are unrelated
+        # (the latent is RMS-normalised, the rope key is not): the codec's one scale per plane would tie
+        # them (docs/model.md, Mixture of experts and MLA).
+        require(args.mla is None or self.kv_compression == "none",
+                f"--kv-compression {self.kv_compression} is refused for an MLA model ({self.model}): the "
+                "latent's rope key would share a scale with latent values; use --kv-compression none")
         self._check_tensor_parallel(args)
 
     def _check_tensor_parallel(self, args) -> None:

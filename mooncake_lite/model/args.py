@@ -90,6 +90,12 @@ class ModelArgs:
         """Width RoPE rotates: the head, or MLA's decoupled rope part."""
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
+    @property
+    def kv_replicated(self) -> bool:
+        """Whether the cached KV cannot be split by head (MLA's latent): every tensor-parallel rank
+        holds all of it and one writes it, the "replicated" layout of ``transfer/kv_layout.py``."""
+        return self.mla is not None
+
     def kv_bytes_per_token(self, dtype: "torch.dtype | str") -> int:
         """K and V for every layer: 2 × layers × kv_heads × head_dim × dtype bytes; for MLA the
         latent and rope key, layers × (kv_lora_rank + qk_rope_head_dim) × dtype bytes."""
@@ -117,7 +123,7 @@ class ModelArgs:
         if self.moe is not None:
             m = self.moe
             experts = m.top_k if active else m.num_experts
-            sparse = (3 * self.dim * m.expert_ffn_dim * (experts + m.num_shared_experts)
+            sparse = (3 * self.dim * (m.expert_ffn_dim * experts + m.shared_width)
                       + self.dim * m.num_experts + (m.num_experts if m.has_correction_bias else 0))
             mlps = [sparse if m.is_sparse(i) else mlp for i, mlp in enumerate(mlps)]
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -248,6 +254,16 @@ PRESETS: dict[str, ModelArgs] = {
                                       routed_scaling=2.5),
                           mla=MLAArgs(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16,
                                       v_head_dim=16)),
+    # DeepSeek-V3's per-token KV at 1024 wide and 4 deep, for ``bench pd`` on a CPU: its latent (512 +
+    # 64), heads (128 + 64 keys, 128 values), q low-rank; 16 experts in 4 groups. Its twin below is
+    # the same model with GQA-8 attention of 128-wide heads (bench moe's ``dense_peers``): 3.56x the KV.
+    "v3-mini": ModelArgs(dim=1024, num_layers=4, num_heads=8, num_kv_heads=1, ffn_dim=2816, vocab_size=320,
+                         max_seq_len=4096, norm_eps=1e-6, name="v3-mini", head_size=288,
+                         moe=MoEArgs(num_experts=16, top_k=2, expert_ffn_dim=256, norm_topk_prob=True,
+                                     dense_layers=(0,), num_shared_experts=1, scoring="sigmoid", num_groups=4,
+                                     topk_groups=2, routed_scaling=2.5),
+                         mla=MLAArgs(kv_lora_rank=512, q_lora_rank=384, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                     v_head_dim=128)),
     # Published shapes (config.json of Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3), for sizing.
     "qwen3-30b-a3b": ModelArgs(dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, ffn_dim=6144, vocab_size=151936,
                                max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, name="qwen3-30b-a3b", head_size=128,
@@ -263,6 +279,10 @@ PRESETS: dict[str, ModelArgs] = {
                              mla=MLAArgs(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
                                          qk_rope_head_dim=64, v_head_dim=128)),
 }
+
+
+PRESETS["v3-mini-gqa"] = dataclasses.replace(PRESETS["v3-mini"], num_kv_heads=8, head_size=128, mla=None,
+                                             name="v3-mini-gqa")
 
 
 def with_overrides(args: ModelArgs, **changes: Any) -> ModelArgs:

@@ -31,6 +31,9 @@ class MoEArgs:
     num_groups: int = 1                   # experts in groups; only ``topk_groups`` best groups compete
     topk_groups: int = 1
     routed_scaling: float = 1.0           # multiplies the routed experts' weights (not the shared)
+    # A tensor-parallel rank's share (model/tensor_parallel.py); the whole model's are the defaults.
+    held_experts: tuple[int, int] | None = None   # the routed experts [first, end) it computes; None: all
+    shared_ffn_dim: int | None = None             # its slice of the shared experts; None: all of them
 
     def __post_init__(self) -> None:
         for f in ("num_experts", "top_k", "expert_ffn_dim", "num_groups", "topk_groups"):
@@ -45,6 +48,16 @@ class MoEArgs:
                              f"{self.num_experts} experts")
         if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
             raise ValueError("n_group: a group's score is its best two experts', so groups need two or more")
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the one MLP the shared experts make (0: none)."""
+        return self.shared_ffn_dim if self.shared_ffn_dim is not None else self.expert_ffn_dim * self.num_shared_experts
+
+    @property
+    def expert_ids(self) -> range:
+        """The routed experts this model (or rank) computes: all, or a rank's placed share."""
+        return range(*self.held_experts) if self.held_experts is not None else range(self.num_experts)
 
     @property
     def has_correction_bias(self) -> bool:

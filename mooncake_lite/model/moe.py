@@ -55,21 +55,28 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Router, routed experts and (DeepSeek) always-on shared experts; each expert is a
-    :class:`FeedForward` ``expert_ffn_dim`` wide, so it fuses and packs like the dense MLP."""
+    :class:`FeedForward` ``expert_ffn_dim`` wide, so it fuses and packs like the dense MLP.
+
+    A tensor-parallel rank holds a share (``model/tensor_parallel.py``): a slice of every expert's
+    width, or whole experts (``MoEArgs.held_experts``), and a slice of the shared experts. Either
+    way the router is whole, every rank routes every token alike (their hidden states are equal),
+    and the rank's output is a partial sum that the block's one all-reduce completes."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         m = args.moe
         self.gate = Router(args)
         expert = dataclasses.replace(args, ffn_dim=m.expert_ffn_dim)
-        self.experts = nn.ModuleList(FeedForward(expert) for _ in range(m.num_experts))
-        self.shared_experts = (FeedForward(dataclasses.replace(args, ffn_dim=m.expert_ffn_dim * m.num_shared_experts))
-                               if m.num_shared_experts else None)
+        # Keyed by the global expert id, so a rank's placed share keeps the checkpoint's names.
+        self.experts = nn.ModuleDict({str(e): FeedForward(expert) for e in m.expert_ids})
+        self.first_expert = m.expert_ids.start
+        self.shared_experts = (FeedForward(dataclasses.replace(args, ffn_dim=m.shared_width))
+                               if m.shared_width else None)
         self.gate_up = None   # no single fused weight: Transformer.packing_speedup measures none here
         self.num_touched = 0  # experts the last call ran (their union over its tokens), for bench model
 
     def _mlps(self) -> list[FeedForward]:
-        return [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
+        return [*self.experts.values(), *([self.shared_experts] if self.shared_experts is not None else [])]
 
     def fuse_(self) -> None:
         for mlp in self._mlps():
@@ -85,17 +92,22 @@ class MoE(nn.Module):
         return out.add_(self.shared_experts(x)) if self.shared_experts is not None else out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's experts of weight × expert(token), the rows grouped per expert."""
+        """Sum over each token's experts (those this module holds) of weight × expert(token), the
+        rows grouped per expert."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)   # (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate.moe.num_experts).tolist()   # one device sync per layer
+        # The held experts are consecutive ids, so their pairs are one run of ``order``.
+        first, held = self.first_expert, counts[self.first_expert:self.first_expert + len(self.experts)]
+        start = sum(counts[:first])
+        order = order[start:start + sum(held)]
+        self.num_touched = sum(1 for count in held if count)
         rows = order // k
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()   # one device sync per layer
-        self.num_touched = sum(1 for count in counts if count)
         xs = x.index_select(0, rows)
         ys = torch.empty_like(xs)
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for expert, count in zip(self.experts.values(), held):
             if count:
                 ys[start:start + count] = expert(xs[start:start + count])
                 start += count

@@ -10,6 +10,15 @@ heads than ranks each rank holds the one KV head its query heads read (replicate
 collective); the LM head is vocab-parallel where the vocabulary divides, each rank computing
 its rows' logits, gathered into full-vocab logits on every rank, so whatever samples sees the
 whole distribution (docs/model.md, Tensor parallelism, says what the head's split measured).
+
+Experts (``model/moe.py``) are split one of two ways, each ending in the block's one all-reduce:
+by width (the default: every expert's gate/up by rows and down by columns, as the dense MLP) or
+placed whole (``expert_parallel``: rank r computes experts ``[r*E/N, (r+1)*E/N)`` for the tokens
+routed to them; every rank holds every token, so no all-to-all is needed). The router is
+replicated and the shared experts split by width either way. MLA (``model/mla.py``) splits its
+heads: the per-head q, kv up-projection and o weights; its latent projection is replicated, so
+every rank computes and caches the whole latent (one KV "head", held by every rank and written
+by rank 0: ``common/tp_split.py``, the "replicated" layout of ``transfer/kv_layout.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from torch import nn
 
 from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.args import ModelArgs
+from mooncake_lite.model.family import make_block
 from mooncake_lite.model.llama import Collectives, Transformer
 
 
@@ -31,16 +41,16 @@ class TPLayout:
     args: ModelArgs
     size: int
     rank: int
+    expert_parallel: bool = False   # whole experts placed per rank, not each expert split by width
 
     def __post_init__(self) -> None:
-        check_divides(self.args, self.size)
+        check_divides(self.args, self.size, self.expert_parallel)
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside 0..{self.size - 1}")
 
     @property
     def heads(self) -> range:
-        per = self.args.num_heads // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self._share(self.args.num_heads)
 
     @property
     def kv_heads(self) -> range:
@@ -60,8 +70,26 @@ class TPLayout:
 
     @property
     def ffn(self) -> range:
-        per = self.args.ffn_dim // self.size
+        return self._share(self.args.ffn_dim)
+
+    def _share(self, total: int) -> range:
+        per = total // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+    @property
+    def experts(self) -> range:
+        """The routed experts this rank computes: all (split by width) or its placed share."""
+        return self._share(self.args.moe.num_experts) if self.expert_parallel else range(self.args.moe.num_experts)
+
+    @property
+    def expert_ffn(self) -> range:
+        """Its slice of each expert it computes: a share of the width, or all of it (placed)."""
+        width = self.args.moe.expert_ffn_dim
+        return range(width) if self.expert_parallel else self._share(width)
+
+    @property
+    def shared_ffn(self) -> range:
+        return self._share(self.args.moe.shared_width)
 
     @property
     def vocab_parallel(self) -> bool:
@@ -78,12 +106,16 @@ class TPLayout:
         """This rank's shapes: its heads, KV heads and MLP width; the head width stays, the
         vocabulary stays whole (the embedding is replicated; the head's rows are cut apart)."""
         a = self.args
+        moe = None if a.moe is None else dataclasses.replace(
+            a.moe, expert_ffn_dim=len(self.expert_ffn), held_experts=(self.experts.start, self.experts.stop),
+            shared_ffn_dim=len(self.shared_ffn))
         return dataclasses.replace(a, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
-                                   ffn_dim=len(self.ffn), head_size=a.head_dim)
+                                   ffn_dim=len(self.ffn), head_size=a.head_dim, moe=moe)
 
 
-def check_divides(args: ModelArgs, size: int) -> None:
-    """ValueError naming the shapes a tensor-parallel degree ``size`` cannot split."""
+def check_divides(args: ModelArgs, size: int, expert_parallel: bool = False) -> None:
+    """ValueError naming the shapes a tensor-parallel degree ``size`` cannot split (experts by
+    width, or placed whole with ``expert_parallel``)."""
     if size < 1:
         raise ValueError(f"tensor-parallel degree must be at least 1, got {size}")
     bad = [f"num_heads {args.num_heads}"] if args.num_heads % size else []
@@ -92,6 +124,13 @@ def check_divides(args: ModelArgs, size: int) -> None:
         bad.append(f"num_kv_heads {kv} (split needs it a multiple of {size}, replication a divisor)")
     if args.ffn_dim % size:
         bad.append(f"ffn_dim {args.ffn_dim}")
+    if (m := args.moe) is not None:
+        if expert_parallel and m.num_experts % size:
+            bad.append(f"num_experts {m.num_experts} (placed whole per rank)")
+        if not expert_parallel and m.expert_ffn_dim % size:
+            bad.append(f"expert_ffn_dim {m.expert_ffn_dim} (each expert split by width)")
+        if m.shared_width % size:
+            bad.append(f"shared experts' width {m.shared_width}")
     if bad:
         raise ValueError(f"tensor-parallel degree {size} does not divide model {args.name!r}: "
                          + ", ".join(bad))
@@ -104,6 +143,11 @@ def _rows(r: range, width: int = 1) -> slice:
 def shard_tensor(name: str, full: torch.Tensor, layout: TPLayout) -> torch.Tensor:
     """Rank ``layout.rank``'s slice of the full model's parameter ``name``."""
     hd = layout.args.head_dim
+    if ".feed_forward.experts." in name or ".feed_forward.shared_experts." in name:
+        width = layout.shared_ffn if ".shared_experts." in name else layout.expert_ffn
+        return full[:, _rows(width)] if name.endswith(".w2.weight") else full[_rows(width)]
+    if ".attention." in name and layout.args.mla is not None:
+        return _mla_tensor(name, full, layout)
     if ".attention.wq." in name:
         return full[_rows(layout.heads, hd)]
     if ".attention.wk." in name or ".attention.wv." in name:
@@ -119,6 +163,18 @@ def shard_tensor(name: str, full: torch.Tensor, layout: TPLayout) -> torch.Tenso
     return full   # norms (q/k norms are per head width, the same for every head), the embedding
 
 
+def _mla_tensor(name: str, full: torch.Tensor, layout: TPLayout) -> torch.Tensor:
+    """MLA's per-head weights split by heads; the latent's projection and norms replicated."""
+    m = layout.args.mla
+    if ".q_proj." in name or ".q_b_proj." in name:
+        return full[_rows(layout.heads, m.qk_head_dim)]
+    if ".kv_b_proj." in name:
+        return full[_rows(layout.heads, m.qk_nope_head_dim + m.v_head_dim)]
+    if ".o_proj." in name:
+        return full[:, _rows(layout.heads, m.v_head_dim)]
+    return full   # q_a_proj, kv_a_proj_with_mqa and their norms: every rank computes the whole latent
+
+
 def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
                 device: str | torch.device | None = None, cls: type[Transformer] = Transformer) -> Transformer:
     """Rank ``layout.rank``'s model: the same layers as ``full`` holding their slices of its
@@ -127,7 +183,8 @@ def shard_model(full: Transformer, layout: TPLayout, comms: Collectives | None,
     ``cls``: a subclass to build (a leading rank's, ``model/tp_step.py``)."""
     state = full.state_dict()
     with torch.device("meta"):
-        model = cls(layout.local_args(), (full.first_layer, full.end_layer), comms=comms)
+        model = cls(layout.local_args(), (full.first_layer, full.end_layer),
+                    lambda args, layer: make_block(args, layer, comms), comms=comms)
         if model.is_last and layout.vocab_parallel:
             model.output = nn.Linear(layout.args.dim, len(layout.vocab), bias=False)
     local: dict[str, torch.Tensor] = {}

@@ -187,7 +187,7 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
         store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
     else:
         # Puts name the block layout: the whole model's heads, whatever this instance's TP degree.
-        layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads)
+        layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads, args.kv_replicated)
         store = RemoteStore(cfg.store, cfg.cluster_token, args.num_layers, layer_bytes, layout=layout)
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 

@@ -32,6 +32,10 @@ def test_bench_moe_json(capsys):
     assert kv["gqa-8"]["transfer_s"] / kv["deepseek-v3 (mla)"]["transfer_s"] == kv["gqa-8"]["over_mla"]
     assert set(res["routing"]["steps"]) == {"1", "2"}
     assert all(s["moe_step_ms"] > 0 and s["dense_step_ms"] > 0 for s in res["routing"]["steps"].values())
+    # one token's 8 experts over 8 ranks: split, each rank reads 1/8 of all 8 (one expert's worth);
+    # placed, the busiest rank reads at least one whole, and more when two land on it
+    one = res["placement"]["deepseek-v3"]["batches"]["1"]
+    assert one["split_experts"] == 1.0 and one["placed_experts"] > 1.5 and one["weight_bytes"] == one["placed_experts"]
 
 
 def test_mla_moe_matmul_params_are_the_2d_weights_a_token_runs_through():
@@ -54,3 +58,13 @@ def test_decode_weight_bytes_count_the_union_of_experts_a_batch_touched():
     assert m.top_k * len(sparse) < touched <= m.num_experts * len(sparse)
     extra = (touched - m.top_k * len(sparse)) * 3 * a.dim * m.expert_ffn_dim * 4
     assert weight_bytes(a, torch.float32, touched) == weight_bytes(a, torch.float32) + extra
+
+
+def test_the_v3_mini_twin_differs_only_in_its_attention():
+    """``bench pd``'s MLA/GQA pair: the same model but for the KV it caches (3.56x, as at V3's width)."""
+    import dataclasses
+
+    from mooncake_lite.model.args import PRESETS
+    mla, gqa = PRESETS["v3-mini"], PRESETS["v3-mini-gqa"]
+    assert dataclasses.replace(gqa, num_kv_heads=1, head_size=288, mla=mla.mla, name=mla.name) == mla
+    assert gqa.kv_bytes_per_token("bfloat16") * 576 == mla.kv_bytes_per_token("bfloat16") * 2 * 8 * 128

@@ -107,7 +107,7 @@ def test_grouped_experts_equal_a_per_token_reference(saved):
     moe: MoE = model.layers["2"].feed_forward
     x = torch.randn(9, model.args.dim, generator=torch.Generator().manual_seed(1))
     weights, ids = moe.gate(x)
-    want = torch.stack([sum(w * moe.experts[int(e)](x[t:t + 1])[0] for w, e in zip(weights[t], ids[t]))
+    want = torch.stack([sum(w * moe.experts[str(int(e))](x[t:t + 1])[0] for w, e in zip(weights[t], ids[t]))
                         for t in range(x.shape[0])])
     torch.testing.assert_close(moe.routed(x, weights, ids), want, atol=1e-5, rtol=1e-5)
 

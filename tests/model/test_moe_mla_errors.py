@@ -113,3 +113,13 @@ def test_gguf_of_these_architectures_is_refused_naming_it(arch):
     meta = GGUFMeta("x.gguf", {"general.architecture": arch, f"{arch}.expert_count": 8}, ("a",) * 10, (), (), {})
     with pytest.raises(CheckpointError, match=f"GGUF architecture '{arch}' is not supported"):
         args_from_meta(meta, "x")
+
+
+def test_kv_compression_of_an_mla_cache_is_refused_naming_the_flag():
+    """The codec scales each cache plane once; MLA's second plane mixes latent values and the rope
+    key (docs/model.md, Mixture of experts and MLA), so an MLA instance refuses it at start."""
+    from mooncake_lite.common.config import ConfigError
+    from mooncake_lite.prefill.config import Config
+    with pytest.raises(ConfigError, match=r"--kv-compression int8 is refused for an MLA model \(tiny-mla\)"):
+        Config(model="tiny-mla", kv_compression="int8")
+    assert Config(model="tiny-moe", kv_compression="int8").kv_compression == "int8"   # experts alone: fine

@@ -13,6 +13,15 @@ the same model with every sparse layer's experts replaced by one dense MLP of th
 timed in process CPU seconds on ``--threads`` threads (1: the step's own work, which a machine
 shared with other jobs leaves measurable where wall time does not); the ratios of the medians and
 of the best steps are the figures.
+
+Expert placement at tensor parallelism (computed, no timing): for the published shapes at
+``--tp`` ranks, the busiest rank's share of a sparse layer's expert work when each expert is split
+by width over the ranks (every rank runs every touched expert, 1/N of each: perfectly even) and
+when whole experts are placed per rank (expert parallelism: a rank runs only its experts, so the
+step waits for the rank the batch's tokens chose most). Tokens pick ``top_k`` distinct experts
+uniformly at random (``--trials`` batches per size, seeded); real routers are skewed, which only
+makes placement's busiest rank busier. Weight bytes (the decode roof) follow the touched experts;
+rows × width (the compute roof) follow the (token, expert) pairs.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ FLAGS = (
     flag("--prompt-len", type=int, default=8192, help="prompt whose KV transfer time is estimated"),
     flag("--gbps", type=float, default=25.0, help="transfer bandwidth, GB/s (25: a 200 Gb/s RDMA NIC)"),
     flag("--kv-dtype", default="bfloat16", help="KV element type for the byte figures"),
+    flag("--tp", type=int, default=8, help="tensor-parallel ranks for the expert-placement figures"),
+    flag("--trials", type=int, default=200, help="random batches per size for the expert-placement figures"),
     flag("--json", action="store_true", help="print all figures as one JSON object"),
 )
 
@@ -71,6 +82,33 @@ def kv_figures(args: Options) -> dict:
     base = out["deepseek-v3 (mla)"]["bytes_per_token"]
     for fig in out.values():
         fig["over_mla"] = fig["bytes_per_token"] / base
+    return out
+
+
+def placement(args: Options) -> dict:
+    """Per published MoE shape and batch size: the busiest rank's touched experts and (token,
+    expert) pairs, experts split by width against placed whole, as means over random batches."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name in ("deepseek-v3", "qwen3-30b-a3b"):
+        m, n = PRESETS[name].moe, args.tp
+        if m.num_experts % n:
+            continue
+        per_rank = m.num_experts // n
+        rows = {}
+        for batch in args.batch_sizes:
+            ratios = {"split_experts": [], "placed_experts": [], "weight_bytes": [], "rows": []}
+            for _ in range(args.trials):
+                ids = torch.rand(batch, m.num_experts, generator=gen).topk(m.top_k, dim=-1).indices.flatten()
+                pairs = torch.bincount(ids // per_rank, minlength=n)                  # per rank
+                touched = torch.bincount(ids.unique() // per_rank, minlength=n)
+                union = int(touched.sum())
+                ratios["split_experts"].append(union / n)   # 1/N of each touched expert's weights
+                ratios["placed_experts"].append(int(touched.max()))
+                ratios["weight_bytes"].append(int(touched.max()) * n / union)
+                ratios["rows"].append(int(pairs.max()) * n / len(ids))
+            rows[str(batch)] = {k: statistics.mean(v) for k, v in ratios.items()}
+        out[name] = {"tp": n, "experts": m.num_experts, "top_k": m.top_k, "batches": rows}
     return out
 
 
@@ -113,6 +151,8 @@ def _built(a: ModelArgs):
 def parse_args(argv: Sequence[str]) -> Options:
     ap = build_parser("mooncake bench moe", __doc__, FLAGS)
     ns = ap.parse_args(list(argv))
+    if ns.tp < 1 or ns.trials < 1:
+        ap.error(f"--tp and --trials must be at least 1, got {ns.tp} and {ns.trials}")
     if ns.model not in PRESETS or PRESETS[ns.model].moe is None:
         ap.error(f"--model must be an MoE preset ({', '.join(k for k, v in PRESETS.items() if v.moe)}), got {ns.model!r}")
     try:
@@ -125,7 +165,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 
 def run(args: Options) -> dict:
     return {"kv": kv_figures(args), "block_size": args.block_size, "prompt_len": args.prompt_len,
-            "gbps": args.gbps, "kv_dtype": args.kv_dtype, "routing": routing_overhead(args)}
+            "gbps": args.gbps, "kv_dtype": args.kv_dtype, "routing": routing_overhead(args),
+            "placement": placement(args)}
 
 
 def render(res: dict) -> str:
@@ -141,6 +182,12 @@ def render(res: dict) -> str:
         lines.append(f"  batch {batch:>3}: median moe {s['moe_step_ms']:8.2f} ms  dense {s['dense_step_ms']:8.2f} ms  "
                      f"= {s['moe_over_dense']:.2f}x;  best {s['moe_step_ms_best']:8.2f} / {s['dense_step_ms_best']:8.2f} ms "
                      f"= {s['moe_over_dense_best']:.2f}x")
+    for name, p in res["placement"].items():
+        lines.append(f"experts at TP={p['tp']}, {name} ({p['experts']} experts, top {p['top_k']}; uniform routing): "
+                     "the busiest rank's share, placed whole / split by width")
+        for batch, b in p["batches"].items():
+            lines.append(f"  batch {batch:>4}: experts read {b['placed_experts']:6.2f} whole vs {b['split_experts']:6.2f} "
+                         f"expert-equivalents = {b['weight_bytes']:.2f}x the weight bytes; {b['rows']:.2f}x the rows")
     return "\n".join(lines)
 
 

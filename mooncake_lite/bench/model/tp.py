@@ -9,6 +9,10 @@ at every operator's barrier where N processes do not). A collective's time count
 from the call to its return on the rank timing it, so it includes waiting for the slowest rank
 (skew), not only moving bytes; the bare all-reduce of one decode row and of a prefill's
 activations, timed alone, is its floor.
+
+A model with experts runs TP=N twice: each expert split by width over the ranks (what an
+instance does) and whole experts placed per rank (expert parallelism), each with the expert
+calls its busiest rank made in the last decode step and the prefill.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class TPJob:
     dtype: str
     device: str
     pack: bool
+    expert_parallel: bool = False
 
 
 class TimedComms:
@@ -89,8 +94,15 @@ def _measure(job: TPJob, model, timed: TimedComms | None) -> dict:
     if job.pack:
         model.pack_()   # as a decode instance runs (CPU float32; elsewhere nothing changes)
     positions = iter(range(job.context_len, job.context_len + job.steps + 1))
+    prefill["expert_calls"] = _expert_calls(model)   # the last of the timed prefills
     decode = _timed_share(lambda: runner.decode([11], [table], [next(positions)]), timed, job.device, job.steps)
+    decode["expert_calls"] = _expert_calls(model)
     return {"prefill": prefill, "decode": decode}
+
+
+def _expert_calls(model) -> int:
+    """Expert MLPs this rank ran in its last pass, over all layers (``MoE.num_touched``)."""
+    return sum(getattr(b.feed_forward, "num_touched", 0) for b in model.layers.values())
 
 
 def _bare_all_reduce_ms(comms: TPComms, rows: int, dim: int, dtype: torch.dtype, device: str) -> float:
@@ -123,7 +135,7 @@ def _rank_main(rank: int, job: TPJob, port: int, out: str) -> None:
         comms = TPComms(address, rank, device).join()
         try:
             timed = TimedComms(comms)
-            layout = TPLayout(model_args(job.spec), job.size, rank)
+            layout = TPLayout(model_args(job.spec), job.size, rank, job.expert_parallel)
             with torch.inference_mode():
                 model = build_sharded_model(job.spec, layout, timed, device=device, dtype=dtype)
                 result = _measure(job, model, timed)
@@ -153,10 +165,23 @@ def bench_tp(spec: str, size: int, *, threads: int | None, prompt_len: int, cont
     one = run_degree(base)[0]
     narrow = run_degree(TPJob(**(asdict(base) | {"threads": per_rank})))[0]
     ranks = run_degree(TPJob(**(asdict(base) | {"size": size, "threads": per_rank})))
-    worst = {kind: max(ranks, key=lambda r: r[kind]["ms"])[kind] for kind in ("prefill", "decode")}
-    return {"tp": size, "threads_per_rank": per_rank, "tp1": one, "tp1_rank_threads": narrow, f"tp{size}": worst,
-            "speedup": {kind: one[kind]["ms"] / worst[kind]["ms"] for kind in ("prefill", "decode")},
-            "bare_all_reduce_ms": ranks[0]["bare_all_reduce_ms"], "head_ms": ranks[0]["head_ms"], "ranks": ranks}
+    worst = _slowest(ranks)
+    out = {"tp": size, "threads_per_rank": per_rank, "tp1": one, "tp1_rank_threads": narrow, f"tp{size}": worst,
+           "speedup": {kind: one[kind]["ms"] / worst[kind]["ms"] for kind in ("prefill", "decode")},
+           "bare_all_reduce_ms": ranks[0]["bare_all_reduce_ms"], "head_ms": ranks[0]["head_ms"], "ranks": ranks}
+    if model_args(spec).moe is not None and model_args(spec).moe.num_experts % size == 0:
+        placed = run_degree(TPJob(**(asdict(base) | {"size": size, "threads": per_rank, "expert_parallel": True})))
+        out["placed"] = _slowest(placed)
+    return out
+
+
+def _slowest(ranks: list[dict]) -> dict:
+    """Per kind, the slowest rank's figures, with the most expert calls any rank made."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        out[kind] = max(ranks, key=lambda r: r[kind]["ms"])[kind] | {
+            "expert_calls": max(r[kind]["expert_calls"] for r in ranks)}
+    return out
 
 
 def render_tp(name: str, r: dict) -> list[str]:
@@ -168,6 +193,13 @@ def render_tp(name: str, r: dict) -> list[str]:
         lines.append(f"  {kind:7}: TP=1 {one['ms']:8.2f} ms  TP={n} {many['ms']:8.2f} ms  "
                      f"({r['speedup'][kind]:.2f}x)  collectives {100 * many['collective_share']:5.1f}% of the step; "
                      f"TP=1 on {r['threads_per_rank']} threads {r['tp1_rank_threads'][kind]['ms']:8.2f} ms")
+    if "placed" in r:
+        split, placed = r[f"tp{n}"], r["placed"]
+        for kind in ("prefill", "decode"):
+            lines.append(f"  experts at TP={n}, {kind}: split by width {split[kind]['ms']:8.2f} ms "
+                         f"({split[kind]['expert_calls']} expert calls on the busiest rank), placed whole "
+                         f"{placed[kind]['ms']:8.2f} ms ({placed[kind]['expert_calls']} calls): "
+                         f"{placed[kind]['ms'] / split[kind]['ms']:.2f}x")
     bare = r["bare_all_reduce_ms"]
     lines.append(f"  a bare all-reduce: one row {bare['decode_row']:.3f} ms, a prefill's activations "
                  f"{bare['prefill']:.3f} ms")
