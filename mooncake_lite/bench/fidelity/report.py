@@ -121,6 +121,9 @@ def report_text(report: Mapping) -> str:
                 if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
     from mooncake_lite.bench.replay.report import prediction_lines
     lines += prediction_lines(report.get("predictions") or {})
+    if report.get("admission"):
+        from mooncake_lite.bench.fidelity.admission import admission_lines
+        lines += admission_lines(report["admission"])
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
 
