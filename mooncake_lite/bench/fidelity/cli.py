@@ -78,6 +78,9 @@ FLAGS = (
     flag("--ready-timeout", type=float, default=300.0),
     flag("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)"),
     flag("--output-dir", default="fidelity-results"),
+    flag("--held-out", type=int, default=0,
+         help="also compare on the last K requests alone, simulated with the cost models exported just "
+              "before they were sent: corrections not learned from them"),
     flag("--no-admission-outcomes", dest="admission_outcomes", action="store_false",
          help="skip judging admission by outcomes (one simulation per refused request)"),
     flag("--json", action="store_true"),
@@ -140,6 +143,8 @@ def run(ns: Options, api: str) -> dict:
                   cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
     report["per_request"] = per_request(lr.records, res)
+    if ns.held_out:
+        report["held_out"] = held_out(ns, lr, trace, simulated, out)
     if ns.admission_outcomes:
         report["admission"] = admission_outcomes(ns, trace, lr.records, hw, slos)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
@@ -150,6 +155,26 @@ def run(ns: Options, api: str) -> dict:
     (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
                                                      option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return report
+
+
+def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
+    """The last ``--held-out`` requests compared alone, the whole slice simulated with the models
+    exported before they were sent (``costs_learned.json``): fidelity on requests the online
+    correction did not learn from. None when the export was not taken (a slice too short)."""
+    from types import SimpleNamespace
+
+    from mooncake_lite.sim.costs import load_profile
+    path = out / "costs_learned.json"
+    if not path.is_file():
+        return None
+    learned = load_profile(path)
+    ids = {t.request_id for t in trace[-ns.held_out:]}
+    res = simulated(learned)
+    kept = SimpleNamespace(requests=[r for r in res.requests if r.request_id in ids])
+    records = [r for r in lr.records if r.request_id in ids]
+    cmp = compare(live_side(records), sim_side(kept), len(records))
+    cmp["corrections"] = orjson.loads(path.read_bytes()).get("corrections")
+    return cmp
 
 
 def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
