@@ -48,10 +48,9 @@ class Prediction:
     transfer_s: float
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
-    # log of how far each instance's own model had moved by itself (refines) since it was first
-    # corrected: an observation is converted to the model current when it is settled
-    prefill_base: float = 0.0
-    decode_base: float = 0.0
+    # (prefill, decode): log of how far each instance's own model had moved by itself (refines)
+    # since first seen; an observation is converted to the model current when it is settled
+    bases: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class PredictionBook:
     def predicted(self, d: Decision) -> Prediction:
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
-                          self._base_log(d.prefill_id), self._base_log(d.decode_id))
+                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)))
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
@@ -200,7 +199,7 @@ class PredictionBook:
         forward, the queue from its wait over how fast that forward ran (``speed``)."""
         p, c, iid = check.predicted, self.corrections, check.prefill_id
         # the uncorrected prediction, on the instance's own model as it is now (it may have refined since)
-        s = p.prefill_scale * math.exp(p.prefill_base - self._base_log(iid))
+        s = p.prefill_scale * math.exp(p.bases[0] - self._base_log(iid))
         term = "interference" if check.prefill_busy else "compute"
         own = p.prefill_s / s
         self._observe(iid, term, own, check.compute_s)
@@ -215,7 +214,7 @@ class PredictionBook:
         if p.tbt_s is None:
             return
         term = "decode_interference" if check.decode_busy else "decode"
-        s = p.decode_scale * math.exp(p.decode_base - self._base_log(iid))
+        s = p.decode_scale * math.exp(p.bases[1] - self._base_log(iid))
         self._observe(iid, term, p.tbt_s / s, check.mean_gap_s)
         self.corrections.note_shares(iid, busy=check.decode_busy)
 
