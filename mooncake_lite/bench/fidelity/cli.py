@@ -64,6 +64,8 @@ FLAGS = (
     flag("--prefill", type=int, default=1),
     flag("--decode", type=int, default=1),
     flag("--admission", default="predictive", help="the conductor's admission (its default)"),
+    flag("--prefill-args", default="", help="extra flags for the prefills this command starts, e.g. "
+                                             "'--queue-order fifo' (mooncake up --prefill-args)"),
     flag("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides"),
     flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
     flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),

@@ -50,6 +50,7 @@ def start_cluster(ns: Options) -> UpCluster:
     conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
     conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
     args += ["--conductor-args", " ".join(conductor)]
+    args += ["--prefill-args", ns.prefill_args] if getattr(ns, "prefill_args", "") else []
     if ns.token:
         args += ["--cluster-token", ns.token]
     # Every role's log (mooncake up's stderr) beside the results: what the cluster did, for a
