@@ -50,6 +50,7 @@ def test_the_counterfactual_is_simulated_per_refused_request(hw):
             **{i: Outcome("rejected") for i in (3, 4, 5, 6, 7, 9)}}
     out = admission.judge(trace, live, limits, sim)
     assert (out["admitted_met"]["met"], out["admitted_met"]["of"]) == (3, 4)
+    assert out["admitted_missed_by"] == {"ttft": 1, "tbt": 0}      # 2: 5x alone against 3.5x
     # 9 arrives to an idle cluster: it would have met its SLO. 3 would be 4th in the burst's queue
     # (~4 prefills: over 3.5); 4..7 later still
     assert out["refused_would_meet_ids"] == [9]

@@ -57,6 +57,13 @@ def met(ttft_s: float | None, tbt_s: float | None, limits: tuple[float, float]) 
     return ttft_s is not None and ttft_s <= limits[0] and (tbt_s is None or tbt_s <= limits[1])
 
 
+def missed_by(outcomes: Sequence[tuple[Outcome, tuple[float, float]]]) -> dict[str, int]:
+    """Of served requests that missed, how many by TTFT and by TBT (one may miss both)."""
+    ttft = sum(o.ttft_s is not None and o.ttft_s > lim[0] for o, lim in outcomes)
+    tbt = sum(o.tbt_s is not None and o.tbt_s > lim[1] for o, lim in outcomes)
+    return {"ttft": ttft, "tbt": tbt}
+
+
 def share(k: int, n: int, goal: float, at_least: bool) -> dict:
     """A share with its interval and whether the goal holds (at_least: share ≥ goal, else ≤)."""
     value = k / n if n else None
@@ -81,7 +88,10 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
         o = simulate(with_it).get(t.request_id, Outcome("failed"))
         if o.status == "ok" and met(o.ttft_s, o.tbt_s, limits(t)):
             would.append(t.request_id)
+    served = [(live[t.request_id], limits(t)) for t in admitted]
+    simulated = [(o, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok"]
     return {"admitted_met": share(admitted_met, len(admitted), GOAL_ADMITTED_MET, True),
+            "admitted_missed_by": missed_by(served), "sim_admitted_missed_by": missed_by(simulated),
             "refused_would_meet": share(len(would), len(refused), GOAL_REFUSED_MET, False),
             "sim_admitted_met": share(sim_met, len(admitted), GOAL_ADMITTED_MET, True),
             "refused_would_meet_ids": would}
@@ -98,9 +108,11 @@ def admission_lines(a: Mapping) -> list[str]:
         return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
                 f"goal {sign} {s['goal']:.0%}: {verdict})")
     return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
-            "  " + one("admitted that met their SLO (live)", a["admitted_met"]),
+            "  " + one("admitted that met their SLO (live)", a["admitted_met"])
+            + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
             "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
-            "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])]
+            "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
+            + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
 
 
 def outcomes_of(records: Sequence) -> dict[int, Outcome]:
