@@ -128,9 +128,14 @@ class Corrections:
     def forget(self, instance_id: str) -> None:
         self._by_instance.pop(instance_id, None)
 
-    def observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float) -> str | None:
+    def observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float,
+                speed: float | None = None) -> str | None:
         """Move ``instance_id``'s ``term`` by one observation of the uncorrected prediction and the
-        measurement; returns why it was refused (None: applied)."""
+        measurement; returns why it was refused (None: applied). ``speed``, for ``queue``: how much
+        slower than the uncorrected model the forwards ran just then (the same request's own
+        compute ratio), so the queue's factor holds only what the forwards' speed does not explain.
+        Without it the corrected compute speed stands in, which lags a change of load: the queue
+        factor then takes the change up too, and both terms overshoot once compute catches up."""
         if term not in TERMS:
             raise ValueError(f"unknown correction term {term!r}; expected one of {TERMS}")
         why = ratio_refusal(predicted_s, measured_s, self.cfg)
@@ -140,11 +145,25 @@ class Corrections:
         cur = self.get(instance_id)
         if term in ("interference", "decode_interference"):   # over the same role's factor alone
             measured_s /= cur.factor("compute" if term == "interference" else "decode")
-        elif term == "queue":      # the queue drains at the corrected compute speed; beyond it, this
-            measured_s /= math.exp(self._compute_log(cur))
+        elif term == "queue":      # the queue drains at the forwards' speed; beyond it, this
+            usable = speed is not None and ratio_refusal(1.0, speed, self.cfg) is None
+            measured_s /= speed if usable else math.exp(self._compute_log(cur))
         new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
         return None
+
+    def rebase(self, instance_id: str, term: str, log_shift: float) -> None:
+        """The model ``term`` corrects moved by ``exp(log_shift)`` by itself (an instance refines
+        its own profile from its forwards and steps, ``instance/refine.py``): the factor moves the
+        other way, so model × factor is what it was and the slowdown both saw is counted once.
+        Observations made against the old model must be converted by the caller."""
+        cur = self.get(instance_id)
+        f = cur.factors.get(term)
+        if f is None or not math.isfinite(log_shift):
+            return
+        bound = math.log(self.cfg.max_factor)
+        moved = Factor(min(bound, max(-bound, f.log - log_shift)), f.num_observed)
+        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: moved})
 
     def note_shares(self, instance_id: str, *, busy: bool | None = None, queue_share: float | None = None) -> None:
         """Move the moving shares: whether this observation ran beside a busy neighbour, and what

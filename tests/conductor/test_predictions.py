@@ -132,3 +132,43 @@ def test_a_check_says_what_it_compared():
     assert attrs["predicted_ttft_s"] == 0.5 and attrs["measured_ttft_s"] == 1.0 and attrs["ttft_ratio"] == 2.0
     assert attrs["transfer_ratio"] is None
     assert "ttft 0.5s→1s (x2.00)" in check.describe()
+
+
+async def test_the_ttft_side_corrects_at_the_first_token_not_after_the_decode(make_cluster):
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    cluster.instances["p0"].behaviour.timings = {"queue_s": 0.0, "compute_s": 0.2}
+    cluster.instances["d0"].behaviour.token_delay_s = 0.05
+    c, book = client(cluster), cluster.svc.predictions
+    stream = await c.completions.create(model="tiny", prompt="a prompt", max_tokens=40, stream=True)
+    await stream.__anext__()                     # token 1 in, 39 still to come
+    assert book.corrections.get("p0").factors["compute"].num_observed == 1
+    assert "decode" not in book.corrections.get("d0").factors
+    async for _ in stream:
+        pass
+    await c.close()
+    await _wait_for(lambda: "decode" in book.corrections.get("d0").factors)
+    # settled once: the TTFT side at token 1, the TBT side at the end
+    assert book.corrections.get("p0").factors["compute"].num_observed == 1
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        text = await r.text()
+    assert 'mooncake_conductor_prediction_ratio_count{instance="p0",metric="ttft"} 1.0' in text
+    assert 'mooncake_conductor_prediction_ratio_count{instance="d0",metric="tbt"} 1.0' in text
+
+
+async def test_a_refined_profile_is_not_counted_twice(make_cluster):
+    """The instance refines its own model to the slowdown the correction has learned too: the
+    factor moves back by as much, so the model the scheduler prices with stays where it was."""
+    cluster = await make_cluster(prefill=0, dead_after=SLOW_BOX)
+    p1 = await cluster.add("prefill", "p1", store="s1:1", cost={"prefill": {"c0": 0.01, "c1": 1e-4}})
+    p1.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.2}
+    await _complete(cluster, 10)
+    book = cluster.svc.predictions
+    before_scale, before = book.shown_scale("p1"), cluster.svc.membership.snapshot().prefills[0].cost
+    assert before_scale > 2.0
+    body = b'{"instance_id": "p1", "cost": {"prefill": {"c0": 0.02, "c1": 2e-4}}}'   # twice as slow
+    async with cluster.session.post(cluster.url + "/internal/v1/heartbeat", data=body,
+                                    headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200
+    assert book.shown_scale("p1") == pytest.approx(before_scale / 2, rel=1e-6)
+    after = cluster.svc.membership.snapshot().prefills[0].cost
+    assert after.predict(500) == pytest.approx(before.predict(500), rel=1e-6)

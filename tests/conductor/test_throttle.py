@@ -46,6 +46,10 @@ class CpuLimit:
         self.dir = self.root / f"mooncake-test-{os.getpid()}"
         self.dir.mkdir(exist_ok=True)
         if self.v2:
+            # v2 gives a child the cpu controller only once its parent enables it for children
+            control = self.root / "cgroup.subtree_control"
+            if "cpu" not in control.read_text().split():
+                control.write_text("+cpu")
             (self.dir / "cpu.max").write_text(f"{QUOTA_US} {PERIOD_US}")
         else:
             (self.dir / "cpu.cfs_period_us").write_text(str(PERIOD_US))

@@ -105,6 +105,10 @@ def test_prediction_errors_compare_the_servers_predictions_with_what_the_client_
     assert p["ttft"]["count"] == 2 and p["ttft"]["median_ratio"] == pytest.approx(1.4)
     assert p["ttft"]["median_error"] == pytest.approx(0.6)        # |2 - 1| and |0.8 - 1|, their median
     assert p["tbt"] == {"count": 1, "median_error": pytest.approx(0.25), "p90_error": pytest.approx(0.25),
-                        "median_ratio": pytest.approx(1.25)}
+                        "median_ratio": pytest.approx(1.25), "first": 1, "first_median_error": pytest.approx(0.25),
+                        "by_tens": [0.25]}
+    # the first N in the order sent: A was sent first (its error 1.0), B second (0.2)
+    assert prediction_errors(records, first=1)["ttft"]["first_median_error"] == pytest.approx(
+        1.0 if A.send_s <= B.send_s else 0.2)
     assert any("TTFT measured/predicted, median (n=2)" in line for line in prediction_lines(p))
     assert prediction_errors([D])["ttft"]["count"] == 0 and prediction_lines(prediction_errors([D])) == []

@@ -101,3 +101,35 @@ def test_after_a_change_of_machine_the_median_ttft_error_is_within_15_percent_in
         c.note_shares("p0", busy=False, queue_share=queue / (queue + own))
     assert statistics.median(errors[:5]) > 0.5        # it started wrong ...
     assert statistics.median(errors[40:]) <= 0.15     # ... and holds within 50 requests
+
+
+def test_the_queue_is_judged_against_the_forwards_speed_of_the_same_request():
+    """The load changes 4x at once while the queue's own error (a packing prefill serving more than
+    the conductor's picture of its queue) stays 0.5: judged against the request's own compute ratio
+    the queue factor holds 0.5 through the change; against the lagging compute factor it swings up
+    with the change, and the queue's term overshoots once compute has caught up."""
+    with_speed, lagging = Corrections(), Corrections()
+    peak = {"with": 0.0, "lag": 0.0}
+    for i in range(70):
+        slow = 1.0 if i < 30 else 4.0          # 30 requests to learn the queue's 0.5, then the change
+        for c, speed, key in ((with_speed, slow, "with"), (lagging, None, "lag")):
+            c.observe("p0", "compute", 1.0, slow)
+            c.observe("p0", "queue", 2.0, 2.0 * 0.5 * slow, speed)
+            if i >= 30:
+                peak[key] = max(peak[key], c.get("p0").factor("queue"))
+    assert with_speed.get("p0").factor("queue") == pytest.approx(0.5, rel=1e-3)
+    assert peak["with"] <= 0.5 * 1.01          # never above its own error
+    assert peak["lag"] > 1.5 * 0.5             # the lagging reference took the load change up
+
+
+def test_a_rebase_keeps_model_times_factor_and_counts_the_slowdown_once():
+    c = Corrections()
+    for _ in range(50):
+        c.observe("p0", "compute", 1.0, 3.0)
+    assert c.prefill_scale("p0") == pytest.approx(3.0, rel=1e-3)
+    c.rebase("p0", "compute", math.log(2.0))   # the instance's own model now says 2x by itself
+    assert c.prefill_scale("p0") == pytest.approx(1.5, rel=1e-3)
+    assert c.get("p0").factors["compute"].num_observed == 50
+    c.rebase("p0", "compute", float("nan"))    # a broken shift moves nothing
+    c.rebase("p1", "compute", 1.0)             # nor one of an instance never corrected
+    assert c.prefill_scale("p0") == pytest.approx(1.5, rel=1e-3) and c.get("p1").factors == {}

@@ -195,3 +195,27 @@ def test_warm_up_sends_distinct_short_completions_before_the_replay():
     assert [p for p, _ in seen] == ["/v1/completions"] * 2
     assert all(b["model"] == "m" and b["max_tokens"] == 8 for _, b in seen)
     assert seen[0][1]["prompt"][:12] != seen[1][1]["prompt"][:12]      # no block shared between them
+
+
+def test_held_out_compares_the_last_requests_on_the_models_exported_before_them(tmp_path):
+    from types import SimpleNamespace
+    window, requests, records = _slice()
+    trace = fidelity_sim.sim_trace(window, requests, records, 16)
+    ns = SimpleNamespace(held_out=2)
+    lr = SimpleNamespace(records=records)
+    seen = []
+
+    def simulated(hw):
+        seen.append(hw)
+        return fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="none", ttft_slo_s=60.0,
+                                     tbt_slo_s=1.0, block=16)
+    assert fidelity.held_out(ns, lr, trace, simulated, tmp_path) is None    # no export taken: nothing
+    slow = {**PROFILE, "prefill": {k: 3 * v for k, v in PROFILE["prefill"].items()},
+            "corrections": {"p0": {"scale": 3.0}}}
+    (tmp_path / "costs_learned.json").write_bytes(orjson.dumps(slow))
+    h = fidelity.held_out(ns, lr, trace, simulated, tmp_path)
+    assert seen[-1].prefill.c1 == pytest.approx(3 * PROFILE["prefill"]["c1"])   # the learned export
+    # requests 3 (a 429 live) and 4 alone; the simulator admitted both
+    assert (h["rows"]["completed"]["live"], h["rows"]["rejected"]["live"]) == (1, 1)
+    assert (h["rows"]["completed"]["sim"], h["rows"]["rejected"]["sim"]) == (2, 0)
+    assert h["rejections"]["live_only"] == 1 and h["corrections"] == {"p0": {"scale": 3.0}}

@@ -64,6 +64,8 @@ FLAGS = (
     flag("--prefill", type=int, default=1),
     flag("--decode", type=int, default=1),
     flag("--admission", default="predictive", help="the conductor's admission (its default)"),
+    flag("--prefill-args", default="", help="extra flags for the prefills this command starts, e.g. "
+                                             "'--queue-order fifo' (mooncake up --prefill-args)"),
     flag("--ttft-slo", type=float, default=None, help="absolute TTFT SLO, seconds, on both sides"),
     flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
     flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),
@@ -78,6 +80,11 @@ FLAGS = (
     flag("--ready-timeout", type=float, default=300.0),
     flag("--plot", default=None, help="CDF plot path (default: OUT_DIR/fidelity_cdf.png)"),
     flag("--output-dir", default="fidelity-results"),
+    flag("--held-out", type=int, default=0,
+         help="also compare on the last K requests alone, simulated with the cost models exported just "
+              "before they were sent: corrections not learned from them"),
+    flag("--no-admission-outcomes", dest="admission_outcomes", action="store_false",
+         help="skip judging admission by outcomes (one simulation per refused request)"),
     flag("--json", action="store_true"),
 )
 
@@ -138,6 +145,10 @@ def run(ns: Options, api: str) -> dict:
                   cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
     report["per_request"] = per_request(lr.records, res)
+    if ns.held_out:
+        report["held_out"] = held_out(ns, lr, trace, simulated, out)
+    if ns.admission_outcomes:
+        report["admission"] = admission_outcomes(ns, trace, lr.records, hw, slos)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
     cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · "
                               f"{ns.prefill}P+{ns.decode}D · {ns.speed:g}x · live vs sim (exported cost model)")
@@ -146,6 +157,40 @@ def run(ns: Options, api: str) -> dict:
     (out / "fidelity.json").write_bytes(orjson.dumps({k: v for k, v in report.items() if k != "text"},
                                                      option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     return report
+
+
+def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
+    """The last ``--held-out`` requests compared alone, the whole slice simulated with the models
+    exported before they were sent (``costs_learned.json``): fidelity on requests the online
+    correction did not learn from. None when the export was not taken (a slice too short)."""
+    from types import SimpleNamespace
+
+    from mooncake_lite.sim.costs import load_profile
+    path = out / "costs_learned.json"
+    if not path.is_file():
+        return None
+    learned = load_profile(path)
+    ids = {t.request_id for t in trace[-ns.held_out:]}
+    res = simulated(learned)
+    kept = SimpleNamespace(requests=[r for r in res.requests if r.request_id in ids])
+    records = [r for r in lr.records if r.request_id in ids]
+    cmp = compare(live_side(records), sim_side(kept), len(records))
+    cmp["corrections"] = orjson.loads(path.read_bytes()).get("corrections")
+    return cmp
+
+
+def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
+    """Admission judged by its outcomes (``admission.py``): the live admitted requests' share that
+    met their SLO, the refused ones' that would have by the simulator's counterfactual."""
+    from mooncake_lite.bench.fidelity import admission
+    absolute = (ns.ttft_slo, ns.tbt_slo) if ns.ttft_slo and ns.tbt_slo else None
+    limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
+    sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
+                                  batch_tokens=ns.prefill_batch_tokens)
+    out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
+    out["slos"] = "absolute, as given" if absolute else \
+        f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"
+    return out
 
 
 # what the exported cost model adds to its prefill and decode fits (one-box effects), reported as is
@@ -165,5 +210,6 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "live_tbt": paper_tbt(token_gaps(rec)) if rec.is_ok else None, "live_status": rec.status,
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
+                     "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows

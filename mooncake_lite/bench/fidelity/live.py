@@ -4,6 +4,7 @@ model and the instances' timelines, and the figures of the replayed requests."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ def start_cluster(ns: Options) -> UpCluster:
     conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
     conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
     args += ["--conductor-args", " ".join(conductor)]
+    args += ["--prefill-args", ns.prefill_args] if getattr(ns, "prefill_args", "") else []
     if ns.token:
         args += ["--cluster-token", ns.token]
     # Every role's log (mooncake up's stderr) beside the results: what the cluster did, for a
@@ -94,9 +96,10 @@ def replay_options(ns: Options, api: str, out_dir: str) -> Options:
     return parse_args(argv)
 
 
-async def live_replay(rns: Options, headers: dict[str, str]) -> tuple[list, list, list, dict]:
+async def live_replay(rns: Options, headers: dict[str, str], learned=None, held_out: int = 0) -> tuple[list, list, list, dict]:
     """(trace window, synthesized requests, records, the served model's context) — the replay's
-    own pieces, so the prompts are exactly what ``bench replay`` would send."""
+    own pieces, so the prompts are exactly what ``bench replay`` would send. ``learned``: called
+    (in a thread) just before the first of the last ``held_out`` requests is sent."""
     import aiohttp
 
     from mooncake_lite.bench.replay.client import served_model_info
@@ -114,8 +117,19 @@ async def live_replay(rns: Options, headers: dict[str, str]) -> tuple[list, list
                         seed=rns.seed)
     notes: list[str] = []
     requests, _ = build_requests(rns, window, pcfg, model, notes)
+    loop, pending = asyncio.get_running_loop(), []
+    if learned is not None and 0 < held_out < len(requests):
+        at = requests[-held_out].arrival_s - requests[0].arrival_s
+        loop.call_later(max(0.0, at - LEARN_LEAD_S), lambda: pending.append(loop.run_in_executor(None, learned)))
     records, _ = await replay(requests, base + rns.endpoint, model, headers=headers, progress=False)
+    for fut in pending:
+        await fut
     return window, requests, records, {"model": model, "max_context": max_context, "notes": notes}
+
+
+# the held-out slice's export is taken this long before its first request is sent (the export
+# reads every instance's timeline: it must be done before any held-out request is placed)
+LEARN_LEAD_S = 0.5
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -200,9 +214,9 @@ class LiveRun:
 
 
 def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
-    """Warm up, replay the slice between two metric scrapes, export the cost models (``costs.json``)
+    """Warm up, replay the slice between two metric scrapes, export the cost models (``costs.json``;
+    with ``--held-out K`` also ``costs_learned.json``, taken before the last K requests were sent)
     and every instance's timeline (``timelines.json``) under ``out``."""
-    import asyncio
     import time
 
     from mooncake_lite.common.auth import cluster_headers
@@ -211,8 +225,10 @@ def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
     warm_up(api, ns.warmup)
     before = scrape_all(api, decodes)
     t0 = time.perf_counter()
+    held_out = getattr(ns, "held_out", 0)
     window, requests, records, served = asyncio.run(
-        live_replay(replay_options(ns, api, str(out)), cluster_headers(None)))
+        live_replay(replay_options(ns, api, str(out)), cluster_headers(None),
+                    lambda: export_profile(api, ns.token, out / "costs_learned.json"), held_out))
     live_s = time.perf_counter() - t0
     after = scrape_all(api, decodes)
     profile = export_profile(api, ns.token, out / "costs.json")

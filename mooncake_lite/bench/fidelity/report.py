@@ -121,8 +121,22 @@ def report_text(report: Mapping) -> str:
                 if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
     from mooncake_lite.bench.replay.report import prediction_lines
     lines += prediction_lines(report.get("predictions") or {})
+    if report.get("held_out"):
+        h = report["held_out"]
+        lines.append(f"held out (the last {ns_of(h)} requests, simulated with the models exported before they "
+                     "were sent):")
+        lines += ["  " + line for line in format_report(h).splitlines()]
+    if report.get("admission"):
+        from mooncake_lite.bench.fidelity.admission import admission_lines
+        lines += admission_lines(report["admission"])
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
+
+
+def ns_of(compared: Mapping) -> int:
+    """How many requests a :func:`compare` dict is over."""
+    r = compared["rows"]
+    return int((r["completed"]["live"] or 0) + (r["rejected"]["live"] or 0))
 
 
 def _ms(seconds: float | None) -> str:

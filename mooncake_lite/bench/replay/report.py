@@ -91,6 +91,10 @@ def prediction_lines(predictions: Mapping) -> list[str]:
         lines.append(f"{label:<48}{_fmt(p['median_error']):>6} / {_fmt(p['p90_error'])}")
         label = f"{name.upper()} measured/predicted, median (n={p['count']}):"
         lines.append(f"{label:<48}{_fmt(p['median_ratio']):>12}")
+        if p.get("first_median_error") is not None:
+            label = f"{name.upper()} median error, first {p['first']} sent:"
+            lines.append(f"{label:<48}{_fmt(p['first_median_error']):>12}")
+            lines.append(f"{name.upper()} median error by ten sent: " + " ".join(f"{e:.2f}" for e in p["by_tens"]))
     return lines
 
 

@@ -244,6 +244,8 @@ class Flight:
         self.attempt.prefill_finished(result)
         # (once this request's own prefill job has left its queue)
         self._decode_busy = self.svc.predictions.busy_beside(self.attempt.decode.instance_id)
+        if (check := self._check()) is not None:   # the TTFT side corrects now, not after the decode
+            self.svc.predictions.settle_first(check, now)
         tracing.add_event(self.span, "first_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
         return [Token(t, i, lp) for i, (t, lp) in enumerate(_firsts(result))]

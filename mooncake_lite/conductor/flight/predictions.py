@@ -48,6 +48,9 @@ class Prediction:
     transfer_s: float
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    # (prefill, decode): log of how far each instance's own model had moved by itself (refines)
+    # since first seen; an observation is converted to the model current when it is settled
+    bases: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,20 @@ class PredictionBook:
         self.corrections = corrections or Corrections()
         self.recent: deque[tuple[float, str, float]] = deque(maxlen=MAX_RECENT)   # (time, metric, ratio)
         self._shown: dict[str, float] = {}    # instance id -> the scale its shown model has
+        # instance id -> (its own model last seen, log of its moves since): see :meth:`_rebased`
+        self._base: dict[str, tuple[Any, float]] = {}
+        # requests whose TTFT side was settled at token 1 (insertion-ordered: one aborted after its
+        # first token never settles, so the oldest are dropped past MAX_RECENT)
+        self._first_settled: dict[str, None] = {}
         membership.shown_costs = self.shown_costs
 
     def predicted(self, d: Decision) -> Prediction:
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
-                          d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id))
+                          d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
+                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)))
+
+    def _base_log(self, instance_id: str | None) -> float:
+        return self._base[instance_id][1] if instance_id in self._base else 0.0
 
     def shown_scale(self, instance_id: str) -> float:
         """The scale of the model the scheduler prices ``instance_id`` with now."""
@@ -132,30 +144,67 @@ class PredictionBook:
                    for o in self.membership.alive() if o.role != inst.role)
 
     # ---- a completed request -------------------------------------------------------------------
+    def settle_first(self, check: Check, now: float) -> None:
+        """The TTFT side of ``check`` as soon as the first token is in (its decode still to come):
+        the prefill's terms corrected by it at once. Settled at the request's end instead, a
+        correction would reach the scheduler a whole decode later — a burst admitted meanwhile is
+        priced on the old speed (measured: the median TTFT error of the first 50 requests)."""
+        if check.request_id in self._first_settled:
+            return
+        self._first_settled[check.request_id] = None
+        if len(self._first_settled) > MAX_RECENT:
+            del self._first_settled[next(iter(self._first_settled))]
+        self._record(check, ("ttft", "queue", "compute", "transfer"), now)
+        self._correct_prefill(check)
+        self._reshow(check.prefill_id)
+        self._export_gauges(check.prefill_id)
+
     def settle(self, check: Check, now: float) -> None:
-        """Record ``check`` (histogram, window, log) and correct both instances' models by it."""
-        for metric, ratio in check.ratios().items():
+        """Record ``check`` (histogram, window, log) and correct both instances' models by it; the
+        TTFT side only if :meth:`settle_first` did not."""
+        if check.request_id in self._first_settled:
+            del self._first_settled[check.request_id]
+        else:
+            self._record(check, ("ttft", "queue", "compute", "transfer"), now)
+            self._correct_prefill(check)
+        self._record(check, ("tbt", "gap"), now)
+        log.info("%s", check.describe())   # tagged with the request's id by the relay's log context
+        self._correct_decode(check)
+        for iid in (check.prefill_id, check.decode_id):
+            self._reshow(iid)
+        self._export_gauges(check.prefill_id, check.decode_id)
+
+    def _record(self, check: Check, metrics: tuple[str, ...], now: float) -> None:
+        ratios = check.ratios()
+        for metric in metrics:
+            if (ratio := ratios.get(metric)) is None:
+                continue
             iid = check.decode_id if metric in ("tbt", "gap") else check.prefill_id
             self.metrics.prediction_ratio.labels(iid, metric).observe(ratio)
             if metric in ("ttft", "tbt"):
                 self.recent.append((now, metric, ratio))
-        log.info("%s", check.describe())   # tagged with the request's id by the relay's log context
-        self._correct_prefill(check)
-        self._correct_decode(check)
-        for iid in (check.prefill_id, check.decode_id):
-            inst = self.membership.get(iid)
-            scale = self._scale(iid, inst.role) if inst is not None else 1.0
-            if inst is not None and abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
-                self._shown[iid] = scale
-                self.membership.show_costs(inst)
-        self._export_gauges(check.prefill_id, check.decode_id)
+
+    def _reshow(self, iid: str) -> None:
+        """Show the scheduler ``iid``'s model anew once its scale moved past the tolerance."""
+        inst = self.membership.get(iid)
+        if inst is None:
+            return
+        scale = self._scale(iid, inst.role)
+        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
+            self._shown[iid] = scale
+            self.membership.show_costs(inst)
 
     def _correct_prefill(self, check: Check) -> None:
+        """Each term from its own measured residual: compute (or interference) from the request's
+        forward, the queue from its wait over how fast that forward ran (``speed``)."""
         p, c, iid = check.predicted, self.corrections, check.prefill_id
-        s = p.prefill_scale
+        # the uncorrected prediction, on the instance's own model as it is now (it may have refined since)
+        s = p.prefill_scale * math.exp(p.bases[0] - self._base_log(iid))
         term = "interference" if check.prefill_busy else "compute"
-        self._observe(iid, term, p.prefill_s / s, check.compute_s)
-        self._observe(iid, "queue", p.queue_s / s, check.queue_s)
+        own = p.prefill_s / s
+        self._observe(iid, term, own, check.compute_s)
+        speed = check.compute_s / own if _positive(check.compute_s) and own > 0 else None
+        self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
@@ -165,13 +214,15 @@ class PredictionBook:
         if p.tbt_s is None:
             return
         term = "decode_interference" if check.decode_busy else "decode"
-        self._observe(iid, term, p.tbt_s / p.decode_scale, check.mean_gap_s)
+        s = p.decode_scale * math.exp(p.bases[1] - self._base_log(iid))
+        self._observe(iid, term, p.tbt_s / s, check.mean_gap_s)
         self.corrections.note_shares(iid, busy=check.decode_busy)
 
-    def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None) -> None:
+    def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None,
+                 speed: float | None = None) -> None:
         if measured_s is None:
             return
-        why = self.corrections.observe(instance_id, term, predicted_s, measured_s)
+        why = self.corrections.observe(instance_id, term, predicted_s, measured_s, speed)
         if why is not None and why != TOO_SHORT:
             self.metrics.prediction_refused.labels(instance_id, term).inc()
             log.warning("%s: %s measurement refused by the online correction (%s); its model is unchanged",
@@ -193,7 +244,26 @@ class PredictionBook:
     def shown_costs(self, inst: Instance) -> InstanceCosts:
         """``inst``'s own costs (the cluster default where it reported none), its role's model
         multiplied by its correction scale as last shown; its own object while that is 1."""
+        self._rebased(inst)
         return self._scaled(inst, self.shown_scale(inst.instance_id))
+
+    def _rebased(self, inst: Instance) -> None:
+        """When ``inst``'s own model moved by itself since last seen (the instance refined its
+        profile from the slowdown the correction had learned too), its factor moves back by as
+        much (``Corrections.rebase``) and the shown scale with it: model × factor is unchanged,
+        and the slowdown counted once. The move is the mean log ratio of the two models'
+        predictions over a spread of shapes (prompts of 64–4096 tokens; batches of 1–32)."""
+        iid, role = inst.instance_id, inst.role
+        own = inst.costs.prefill if role == "prefill" else inst.costs.decode
+        seen = self._base.get(iid)
+        if seen is None or own is None or seen[0] is None or own == seen[0]:
+            self._base[iid] = (own, seen[1] if seen else 0.0)
+            return
+        shift = _log_shift(seen[0], own, role)
+        self._base[iid] = (own, seen[1] + shift)
+        self.corrections.rebase(iid, "compute" if role == "prefill" else "decode", shift)
+        if iid in self._shown:
+            self._shown[iid] = self._scale(iid, role)
 
     def simulated_costs(self, inst: Instance) -> InstanceCosts:
         """What ``sim export-costs`` exports: a prefill's model with its compute terms corrected
@@ -235,6 +305,14 @@ class PredictionBook:
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4)}
                 for iid, corr in c.items()}
+
+
+def _log_shift(old, new, role: str) -> float:
+    """Mean log(new / old) of two models' predictions over a spread of shapes (0: none usable)."""
+    pairs = ([(old.predict(n), new.predict(n)) for n in (64, 256, 1024, 4096)] if role == "prefill" else
+             [(old.predict(b, b * c), new.predict(b, b * c)) for b in (1, 4, 32) for c in (256, 2048)])
+    logs = [math.log(b / a) for a, b in pairs if _positive(a) and _positive(b)]
+    return sum(logs) / len(logs) if logs else 0.0
 
 
 def _node(inst: Instance) -> str:

@@ -1,0 +1,144 @@
+"""Admission judged by its outcomes (issue #36 item 3): of the requests the live conductor
+admitted, the share that met their SLO (measured by the client); of those it refused, the share
+that *would* have met it — the simulator's counterfactual: the slice with exactly the requests
+live admitted, plus that one, on the cluster's exported cost model, with nothing refused.
+
+Each share comes with a Wilson score interval (95%): a slice of a few hundred requests refuses a
+few dozen, and a share of 3 in 20 says little without one.
+
+The SLO a request is judged by is the one the conductor applied, as well as the client can
+know it: absolute SLOs where given, else the relative ones by the exported model (TTFT ≤ factor ×
+the whole prompt's prefill alone, TBT ≤ factor × one step alone with the prompt as context; that
+model's compute terms are corrected online, ``PredictionBook.simulated_costs``). The client's
+TTFT also holds HTTP, which admission never predicts: an admitted request near its limit may
+miss by that.
+
+Biases of the counterfactual, said with the figures: the simulator is the conductor's own code
+on the exported models, so a request it predicts well it also simulates well — the fidelity
+table above it says how far the simulator is from live on the same slice; ``sim_admitted_met``
+(the admitted requests' share meeting the SLO *in the simulator*, without the refused one) next
+to the live share shows that bias in this very run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from mooncake_lite.trace.format import TraceRequest
+
+GOAL_ADMITTED_MET = 0.95     # of the admitted, at least this share meets its SLO
+GOAL_REFUSED_MET = 0.10      # of the refused, at most this share would have
+Z_95 = 1.959964
+
+
+def wilson(k: int, n: int, z: float = Z_95) -> tuple[float, float] | None:
+    """The Wilson score interval of a share of ``k`` in ``n`` (None for n = 0)."""
+    if n <= 0:
+        return None
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as the client saw it: ``status`` ok / rejected / failed, its TTFT and TBT."""
+
+    status: str
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+def met(ttft_s: float | None, tbt_s: float | None, limits: tuple[float, float]) -> bool:
+    """Whether a served request met both SLOs (a request with one token has no TBT to miss)."""
+    return ttft_s is not None and ttft_s <= limits[0] and (tbt_s is None or tbt_s <= limits[1])
+
+
+def missed_by(outcomes: Sequence[tuple[Outcome, tuple[float, float]]]) -> dict[str, int]:
+    """Of served requests that missed, how many by TTFT and by TBT (one may miss both)."""
+    ttft = sum(o.ttft_s is not None and o.ttft_s > lim[0] for o, lim in outcomes)
+    tbt = sum(o.tbt_s is not None and o.tbt_s > lim[1] for o, lim in outcomes)
+    return {"ttft": ttft, "tbt": tbt}
+
+
+def share(k: int, n: int, goal: float, at_least: bool) -> dict:
+    """A share with its interval and whether the goal holds (at_least: share ≥ goal, else ≤)."""
+    value = k / n if n else None
+    ok = None if value is None else (value >= goal if at_least else value <= goal)
+    return {"met": k, "of": n, "share": value, "ci95": wilson(k, n), "goal": goal, "goal_met": ok}
+
+
+def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
+          limits: Callable[[TraceRequest], tuple[float, float]],
+          simulate: Callable[[list[TraceRequest]], Mapping[int, Outcome]]) -> dict:
+    """The two shares (module doc). ``simulate(requests)`` runs the simulator on exactly those
+    requests, admitting all, and returns each one's outcome by id."""
+    by_id = {t.request_id: t for t in trace}
+    admitted = [t for t in trace if live.get(t.request_id, Outcome("failed")).status == "ok"]
+    refused = [t for t in trace if live.get(t.request_id, Outcome("failed")).status == "rejected"]
+    admitted_met = sum(met(live[t.request_id].ttft_s, live[t.request_id].tbt_s, limits(t)) for t in admitted)
+    baseline = simulate(admitted) if admitted else {}
+    sim_met = sum(met(o.ttft_s, o.tbt_s, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok")
+    would: list[int] = []
+    for t in refused:
+        with_it = sorted([*admitted, t], key=lambda r: (r.timestamp_ms, r.request_id))
+        o = simulate(with_it).get(t.request_id, Outcome("failed"))
+        if o.status == "ok" and met(o.ttft_s, o.tbt_s, limits(t)):
+            would.append(t.request_id)
+    served = [(live[t.request_id], limits(t)) for t in admitted]
+    simulated = [(o, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok"]
+    return {"admitted_met": share(admitted_met, len(admitted), GOAL_ADMITTED_MET, True),
+            "admitted_missed_by": missed_by(served), "sim_admitted_missed_by": missed_by(simulated),
+            "refused_would_meet": share(len(would), len(refused), GOAL_REFUSED_MET, False),
+            "sim_admitted_met": share(sim_met, len(admitted), GOAL_ADMITTED_MET, True),
+            "refused_would_meet_ids": would}
+
+
+def admission_lines(a: Mapping) -> list[str]:
+    """The report's lines for :func:`judge`'s dict."""
+    def one(label: str, s: Mapping) -> str:
+        if not s["of"]:
+            return f"{label}: none"
+        lo, hi = s["ci95"]
+        verdict = "yes" if s["goal_met"] else "NO"
+        sign = "≥" if label.startswith("admitted") else "≤"
+        return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
+                f"goal {sign} {s['goal']:.0%}: {verdict})")
+    return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
+            "  " + one("admitted that met their SLO (live)", a["admitted_met"])
+            + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
+            "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
+            "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
+            + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
+
+
+def outcomes_of(records: Sequence) -> dict[int, Outcome]:
+    """The client's records as outcomes, by request id (TBT: the paper's, of its token gaps)."""
+    from mooncake_lite.bench.fidelity.live import token_gaps
+    from mooncake_lite.bench.replay.metrics import ttft
+    from mooncake_lite.common.tbt import paper_tbt
+    return {r.request_id: (Outcome("ok", ttft(r), paper_tbt(token_gaps(r))) if r.is_ok else
+                           Outcome("rejected") if r.is_rejected else Outcome("failed")) for r in records}
+
+
+def slo_limits(hw, absolute: tuple[float, float] | None, factors: tuple[float, float]):
+    """Each request's (TTFT, TBT) limits: the absolute SLOs, else the relative ones by ``hw``'s
+    models (module doc)."""
+    if absolute is not None:
+        return lambda t: absolute
+    return lambda t: (factors[0] * hw.prefill.predict(t.input_length), factors[1] * hw.decode.predict(1, t.input_length))
+
+
+def admitting_all(hw, **sim_kw) -> Callable[[list[TraceRequest]], dict[int, Outcome]]:
+    """The counterfactual simulator: the given requests on ``hw``, nothing refused for an SLO
+    (admission ``none``, the decode's own check with no TBT limit: only capacity can refuse)."""
+    from mooncake_lite.bench.fidelity.sim import simulate
+
+    def run(requests: list[TraceRequest]) -> dict[int, Outcome]:
+        res = simulate(requests, hw, admission="none", ttft_slo_s=math.inf, tbt_slo_s=math.inf, **sim_kw)
+        return {r.request_id: Outcome("ok", r.ttft, r.tbt) if r.status == "completed" else Outcome(r.status or "lost")
+                for r in res.requests}
+    return run

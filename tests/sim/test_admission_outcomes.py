@@ -1,0 +1,73 @@
+"""Admission judged by its outcomes (``bench/fidelity/admission.py``, issue #36 item 3) on a small
+synthetic slice: the Wilson interval, the live share of admitted requests that met their SLO, and
+the simulator's counterfactual for each refused one — computed, not assumed: a refused request
+that the idle cluster serves well within its SLO counts as one that would have met it, one behind
+a queue long enough does not."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from mooncake_lite.bench.fidelity import admission
+from mooncake_lite.bench.fidelity.admission import Outcome
+from mooncake_lite.sim.costs import load_profile
+from mooncake_lite.trace.format import TraceRequest
+from tests.sim.test_fidelity_bench import PROFILE
+
+
+def test_wilson_interval():
+    lo, hi = admission.wilson(19, 20)
+    assert lo == pytest.approx(0.7639, abs=1e-3) and hi == pytest.approx(0.9911, abs=1e-3)
+    assert admission.wilson(0, 10)[0] == 0.0 and admission.wilson(10, 10)[1] == pytest.approx(1.0)
+    assert admission.wilson(0, 0) is None
+
+
+@pytest.fixture
+def hw(tmp_path):
+    (tmp_path / "costs.json").write_bytes(orjson.dumps(PROFILE))
+    return load_profile(tmp_path / "costs.json")
+
+
+def _slice():
+    """Eight 4,096-token prompts at once (a burst: each prefill ~1 s on PROFILE), then two alone
+    much later; nothing shares a prefix."""
+    burst = [TraceRequest(i, 0.0, 4096, 8, tuple(range(1000 * i, 1000 * i + 256))) for i in range(8)]
+    late = [TraceRequest(8 + i, 60_000.0 + 30_000.0 * i, 4096, 8, tuple(range(20_000 + 1000 * i, 20_256 + 1000 * i)))
+            for i in range(2)]
+    return burst + late
+
+
+def test_the_counterfactual_is_simulated_per_refused_request(hw):
+    trace = _slice()
+    alone = hw.prefill.predict(4096)
+    limits = admission.slo_limits(hw, (3.5 * alone, 1.0), (10.0, 5.0))
+    sim = admission.admitting_all(hw, prefill=1, decode=1, block=16)
+    # live: the first three of the burst admitted (two met, one late), the rest refused; 8 admitted,
+    # 9 refused although it came alone
+    live = {0: Outcome("ok", 1.1 * alone, 0.05), 1: Outcome("ok", 2.2 * alone, 0.05),
+            2: Outcome("ok", 5.0 * alone, 0.05), 8: Outcome("ok", 1.2 * alone, 0.05),
+            **{i: Outcome("rejected") for i in (3, 4, 5, 6, 7, 9)}}
+    out = admission.judge(trace, live, limits, sim)
+    assert (out["admitted_met"]["met"], out["admitted_met"]["of"]) == (3, 4)
+    assert out["admitted_missed_by"] == {"ttft": 1, "tbt": 0}      # 2: 5x alone against 3.5x
+    # 9 arrives to an idle cluster: it would have met its SLO. 3 would be 4th in the burst's queue
+    # (~4 prefills: over 3.5); 4..7 later still
+    assert out["refused_would_meet_ids"] == [9]
+    r = out["refused_would_meet"]
+    assert (r["met"], r["of"]) == (1, 6) and r["share"] == pytest.approx(1 / 6)
+    assert r["goal_met"] is False and r["ci95"] == pytest.approx(admission.wilson(1, 6))
+    assert out["admitted_met"]["goal_met"] is False           # 75% < 95%
+    # the simulator's own view of the admitted four (the counterfactual's bias in this run)
+    assert out["sim_admitted_met"]["of"] == 4
+    text = "\n".join(admission.admission_lines({**out, "slos": "absolute"}))
+    assert "1/6 = 16.7%" in text and "3/4 = 75.0%" in text
+
+
+def test_a_looser_slo_flips_the_counterfactual(hw):
+    """The same refusals judged against a limit the whole burst fits in: every one would have met it."""
+    trace = _slice()
+    limits = admission.slo_limits(hw, (100.0, 1.0), (10.0, 5.0))
+    live = {i: Outcome("rejected") for i in range(10)}
+    out = admission.judge(trace, live, limits, admission.admitting_all(hw, prefill=1, decode=1, block=16))
+    assert out["refused_would_meet"]["share"] == 1.0 and out["admitted_met"]["of"] == 0
