@@ -1,6 +1,7 @@
 """Layer frames name their KV layout version and heads (transfer/kv_stream.py): decode reads the
-frames of this layout (and an older prefill's, which carried every head), and refuses a frame of
-an unknown version or of a head range it cannot place, before taking its payload."""
+frames of this layout (and an older prefill's, which carried every head), refuses a frame of an
+unknown version before taking its payload, and writes frames of head sub-ranges (one TP prefill
+rank's each) from any number of senders at their heads' place."""
 
 from __future__ import annotations
 
