@@ -58,7 +58,9 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         facts = {"weight_bytes": 0 if on_gpu(opts, "prefill") and on_gpu(opts, "decode") else weights,
                  "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
                  "prefill_pack_bytes": extra if packs_weights(opts, "prefill", dtype) else 0,
-                 "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len}
+                 "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len,
+                 # every TP rank's whole copy: the embedding (the norms are noise beside it)
+                 "replicated_weight_bytes": min(weights, args.vocab_size * args.dim * dtype_bytes(dtype))}
     except (ValueError, OSError, KeyError):
         pass
     share = MachineShare(cpus=usable_cpus(), available_memory=available_memory(), memory_fraction=memory_fraction,

@@ -67,6 +67,9 @@ class MachineShare:
     available_memory: int                 # bytes available at start (MemAvailable)
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     weight_bytes: int | None = None       # one instance's model weights in its dtype (None: unknown)
+    # of those, what every tensor-parallel rank holds whole (the embedding, the norms): a TP=N
+    # instance's ranks hold it N times and the rest once, split (model/tensor_parallel.py)
+    replicated_weight_bytes: int = 0
     decode_pack_bytes: int = 0            # what a decode holds beyond them once packed (CPU float32: its tied head's packed copy)
     prefill_pack_bytes: int = 0           # the same for a prefill (packed where it measures faster: --pack-weights)
     kv_token_bytes: int | None = None     # KV bytes of one token, every layer (None: unknown)
@@ -253,7 +256,7 @@ def store_sizing(opts: UpOptions) -> list[tuple[str, str]]:
             return flags          # the store will say what is wrong with it
     dram = STORE_DRAM
     if opts.share is not None:
-        dram = memory_shares(opts.share, opts.num_prefill, opts.num_decode, opts.num_stores).store_dram
+        dram = planned_memory(opts, opts.share).store_dram
     if role_setting(opts, "store", "dram") is None and max(MIN_STORE_BLOCKS * slot, dram) > STORE_DRAM:
         flags.append(("--dram", str(max(MIN_STORE_BLOCKS * slot, dram))))
     if role_setting(opts, "store", "ssd_queue") is None and slot > STORE_SSD_QUEUE:
@@ -293,16 +296,45 @@ def lent_cpus(cpus: Sequence[int], num_prefill: int, num_decode: int) -> dict[st
     return {f"prefill-{i}": base + (1 if i < spare else 0) for i in range(num_prefill)}
 
 
-def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_stores: int) -> MemoryShares:
+def role_tp(opts: UpOptions, role: str) -> int:
+    """The tensor-parallel degree of ``role``'s instances: the last ``--tensor-parallel``/``--tp``
+    of its flags (role args after the common ones), else the config file / environment, else 1."""
+    value = None
+    for i, arg in enumerate(argv := [*opts.common, *opts.role_args.get(role, ())]):
+        name, _, inline = arg.partition("=")
+        if name in ("--tensor-parallel", "--tp"):
+            value = inline if inline else (argv[i + 1] if i + 1 < len(argv) else None)
+    value = value if value is not None else opts.preset.get(role, {}).get("tensor_parallel")
+    try:
+        return max(1, int(value)) if value is not None else 1
+    except ValueError:
+        return 1   # the role itself refuses it, naming the flag
+
+
+def rank_weight_bytes(share: MachineShare, tp: int) -> int:
+    """What one rank of a TP=``tp`` instance holds of the weights: the replicated part whole,
+    the rest split ``tp`` ways."""
+    weights = share.weight_bytes or 0
+    if tp == 1:
+        return weights
+    replicated = min(share.replicated_weight_bytes, weights)
+    return replicated + -(-(weights - replicated) // tp)
+
+
+def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_stores: int, *,
+                  prefill_tp: int = 1, decode_tp: int = 1) -> MemoryShares:
     """KV memory per instance and DRAM per store from ``memory_fraction`` of the available memory,
-    less each instance's weights (with a tied head's packed copy where it packs them) and process overhead. No share is below the role's own default
+    less each instance's weights (with a tied head's packed copy where it packs them) and process
+    overhead, per rank for a tensor-parallel instance (each of its ``tp`` processes holds its share
+    of the weights and the replicated ones whole; its KV share is the instance's, split among its
+    ranks by the instance itself). No share is below the role's own default
     (the cluster never gets less than it did before sizing); a prefill's is capped at what
     ``PREFILL_SEQUENCES`` full-length prompts need when the model's shape is known, and what that
     cap frees goes to decode (itself capped at ``DECODE_SEQUENCES``, the stores at ``STORE_SEQUENCES``)."""
-    instances = num_prefill + num_decode
     budget = int(share.available_memory * share.memory_fraction)
-    budget -= (instances * ((share.weight_bytes or 0) + PROCESS_OVERHEAD) + num_decode * share.decode_pack_bytes
-               + num_prefill * share.prefill_pack_bytes)
+    budget -= (num_prefill * prefill_tp * (rank_weight_bytes(share, prefill_tp) + PROCESS_OVERHEAD)
+               + num_decode * decode_tp * (rank_weight_bytes(share, decode_tp) + PROCESS_OVERHEAD)
+               + num_decode * share.decode_pack_bytes + num_prefill * share.prefill_pack_bytes)
     budget = max(budget, 0)
     seq = share.max_seq_len * share.kv_token_bytes if share.kv_token_bytes and share.max_seq_len else None
 
@@ -316,6 +348,11 @@ def memory_shares(share: MachineShare, num_prefill: int, num_decode: int, num_st
                         store_dram=max(store, STORE_DRAM))
 
 
+def planned_memory(opts: UpOptions, share: MachineShare) -> MemoryShares:
+    return memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores,
+                         prefill_tp=role_tp(opts, "prefill"), decode_tp=role_tp(opts, "decode"))
+
+
 def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[str, str]]:
     """``--threads``/``--cpus``/``--borrow-threads``/``--kv-memory`` for instance ``name`` from ``opts.share``, leaving out
     whatever the user set for the role (a user's ``--num-blocks`` also rules out ``--kv-memory``)."""
@@ -324,19 +361,20 @@ def instance_share_flags(opts: UpOptions, role: str, name: str) -> list[tuple[st
         return []
     flags: list[tuple[str, str]] = []
     user = {n: role_setting(opts, role, n) is not None for n in ("threads", "cpus", "kv_memory", "num_blocks")}
+    tp = role_tp(opts, role)   # a TP instance's --threads are each rank's: its CPUs split among them
     if share.threads is not None:
         if not user["threads"]:
-            flags.append(("--threads", str(share.threads)))
+            flags.append(("--threads", str(max(1, share.threads // tp))))
     elif not (user["threads"] or user["cpus"]):
         cpus = core_shares(share.cpus, opts.num_prefill, opts.num_decode)[name]
-        flags.append(("--threads", str(len(cpus))))
+        flags.append(("--threads", str(max(1, len(cpus) // tp))))
         if share.pin:
             flags.append(("--cpus", ",".join(map(str, cpus))))
         elif role_setting(opts, role, "borrow_threads") is None:   # unpinned: the decodes' idle CPUs too
             if lent := lent_cpus(share.cpus, opts.num_prefill, opts.num_decode).get(name, 0):
                 flags.append(("--borrow-threads", str(lent)))
     if not (user["kv_memory"] or user["num_blocks"] or on_gpu(opts, role)):   # on a GPU: its own share
-        mem = memory_shares(share, opts.num_prefill, opts.num_decode, opts.num_stores)
+        mem = planned_memory(opts, share)
         flags.append(("--kv-memory", str(mem.prefill_kv if role == "prefill" else mem.decode_kv)))
     return flags
 

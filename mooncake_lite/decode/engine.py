@@ -94,7 +94,9 @@ class DecodeEngine:
             tracing.end_span(admission, f"refused: {exc}")
             raise
         loop = asyncio.get_running_loop()
-        pending = PendingKV(req.request_id, req.transfer_id, seq, [0] * self.runner.args.num_layers,
+        args = self.runner.args
+        cells = [[0] * args.num_kv_heads for _ in range(args.num_layers)]
+        pending = PendingKV(req.request_id, req.transfer_id, seq, cells,
                             timeout_s=req.kv_timeout_s, last_progress=loop.time(), admission_span=admission,
                             num_output=s.num_generated)
         pending.timer = loop.call_later(req.kv_timeout_s, self._kv_timeout, req.transfer_id)
@@ -124,10 +126,11 @@ class DecodeEngine:
         return True
 
     # --- KV intake (called by the receiver on the loop) ----------------------------------------
-    def check_layer(self, tid: str, layer: int, start: int, n: int) -> PendingKV:
-        """What a layer frame may carry: tokens ``start..start+n`` of a layer of a request this
-        instance reserved and still waits for. Raises KVError otherwise. The receiver calls it
-        when a frame's meta arrives, before any memory is allocated for its payload."""
+    def check_layer(self, tid: str, layer: int, start: int, n: int, heads: range | None = None) -> PendingKV:
+        """What a layer frame may carry: tokens ``start..start+n`` of KV heads ``heads`` (default:
+        all) of a layer of a request this instance reserved and still waits for. Raises KVError
+        otherwise. The receiver calls it when a frame's meta arrives, before any memory is
+        allocated for its payload."""
         pending = self._pending(tid)
         num_layers = len(pending.layer_tokens)
         if not 0 <= layer < num_layers:
@@ -135,17 +138,21 @@ class DecodeEngine:
         prompt_len = pending.seq.prompt_len
         if start < 0 or n <= 0 or start + n > prompt_len:
             raise KVError("bad_range", f"tokens {start}..{start + n} outside the prompt of {prompt_len}")
-        if pending.layer_tokens[layer] + n > prompt_len:
-            raise KVError("duplicate", f"layer {layer} of transfer {tid} got more than {prompt_len} tokens")
+        counts = pending.layer_tokens[layer]
+        for head in range(len(counts)) if heads is None else heads:
+            if counts[head] + n > prompt_len:
+                raise KVError("duplicate", f"KV head {head} of layer {layer} of transfer {tid} got more than "
+                                           f"{prompt_len} tokens")
         return pending
 
     def kv_layer(self, conn_id: int, tid: str, layer: int, start: int, n: int, kv: torch.Tensor,
-                 traceparent: str | None = None) -> asyncio.Future:
+                 traceparent: str | None = None, heads: range | None = None) -> asyncio.Future:
         """Queue one layer frame's KV for writing into the request's blocks (in the executor);
-        the future is done once it is written (the receiver answers the frame then).
-        ``traceparent`` (the frame meta's, when the prefill traces): the sender's span, parent of
-        this end's receive span."""
-        pending = self.check_layer(tid, layer, start, n)
+        the future is done once it is written (the receiver answers the frame then). ``heads``:
+        the KV heads ``kv`` holds when not all (one TP prefill rank's slice), written at their
+        place. ``traceparent`` (the frame meta's, when the prefill traces): the sender's span,
+        parent of this end's receive span."""
+        pending = self.check_layer(tid, layer, start, n, heads)
         pending.senders.add(conn_id)
         if traceparent is not None and pending.receive_span is None:
             pending.receive_span = tracing.start_span("decode.kv_receive", traceparent, kind="server",
@@ -153,15 +160,17 @@ class DecodeEngine:
         table = torch.as_tensor(pending.seq.block_ids, dtype=torch.long)
         pos = torch.arange(start, start + n)
         slots = table[pos // self.runner.block_size] * self.runner.block_size + pos % self.runner.block_size
-        pending.layer_tokens[layer] += n   # counted now: check_layer refuses a duplicate at once
+        counts = pending.layer_tokens[layer]
+        for head in range(len(counts)) if heads is None else heads:
+            counts[head] += n   # counted now: check_layer refuses a duplicate at once
         pending.num_writes += 1
         loop = asyncio.get_running_loop()
         pending.last_progress = loop.time()
-        write = loop.run_in_executor(self.executor, self._write_kv, layer, slots, kv)
+        write = loop.run_in_executor(self.executor, self._write_kv, layer, slots, kv, heads)
         write.add_done_callback(lambda f, p=pending: self._written(p, f))
         return write
 
-    def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> float:
+    def _write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, heads: range | None = None) -> float:
         """In the executor, between steps: scatter a frame's K/V into the paged cache; the
         seconds it took (the model thread's, which the steps wait for). On CUDA the slot indices
         travel like the K/V: through a pinned staging buffer, copied without a host wait (a
@@ -169,7 +178,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         on_device = self.copier.use(self.copier.to_device(kv))
         slots_on_device = self.copier.use(self.copier.to_device(slots))
-        self.runner.scatter_kv(layer, slots_on_device, on_device)
+        self.runner.scatter_kv(layer, slots_on_device, on_device, heads)
         return time.perf_counter() - t0
 
     def _written(self, pending: PendingKV, write: asyncio.Future) -> None:

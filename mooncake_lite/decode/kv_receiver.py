@@ -83,6 +83,7 @@ class KVReceiver(FrameHandler):
         args = engine.runner.args
         self.kv_heads, self.head_dim, self.dtype = args.num_kv_heads, args.head_dim, engine.runner.dtype
         self.token_bytes = token_kv_bytes(1, self.kv_heads, self.head_dim, self.dtype)
+        self.head_token_bytes = self.token_bytes // self.kv_heads   # one token of one KV head, K and V
         self.num_frames = 0
         self.refused_bytes = 0   # payload bytes of refused frames, read and dropped
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
@@ -97,28 +98,27 @@ class KVReceiver(FrameHandler):
             if header.op != OP_KV_LAYER:
                 raise KVError("bad_payload", f"operation {header.op} carries no payload")
             n = _int(meta, "n")
-            if n <= 0 or header.payload_len != n * self.token_bytes:
-                raise KVError("bad_payload", f"{header.payload_len} payload bytes for {n} tokens "
-                                             f"(expected {max(n, 0) * self.token_bytes})")
-            self._check_heads(meta)
-            self.engine.check_layer(_tid(meta), _int(meta, "layer"), _int(meta, "start"), n)
+            heads = self._check_heads(meta)
+            expected = max(n, 0) * len(heads) * self.head_token_bytes
+            if n <= 0 or header.payload_len != expected:
+                raise KVError("bad_payload", f"{header.payload_len} payload bytes for {n} tokens of "
+                                             f"{len(heads)} KV heads (expected {expected})")
+            self.engine.check_layer(_tid(meta), _int(meta, "layer"), _int(meta, "start"), n, heads)
         except KVError as exc:
             meta[_REFUSED] = exc
             self.refused_bytes += header.payload_len
             return self._discard(header.payload_len)
         return None   # checked: fresh memory of exactly this size (charged to the in-flight budget)
 
-    def _check_heads(self, meta: dict[str, Any]) -> None:
-        """KVError unless the frame is of a layout version this decode reads and carries the KV
-        heads it holds. (A frame of a sub-range, from one rank of a TP prefill, needs the TP
-        wiring of issue 33 to be written at its heads' place: refused until then, never misplaced.)"""
+    def _check_heads(self, meta: dict[str, Any]) -> range:
+        """The KV heads a frame carries (all of them, or one TP prefill rank's slice, written at
+        its place: ``transfer/tp_heads.py``); KVError unless the frame is of a layout version
+        this decode reads and its heads are of this model."""
         try:
             heads = frame_heads(meta, self.kv_heads)
         except LayoutError as exc:
             raise KVError("bad_layout", str(exc)) from None
-        if heads.num_heads != self.kv_heads:
-            raise KVError("bad_layout", f"a frame of KV heads [{heads.start}, {heads.stop}) but this decode "
-                                        f"holds all {self.kv_heads} and takes them in one frame per layer")
+        return range(heads.start, heads.stop)
 
     def _discard(self, nbytes: int) -> list[memoryview]:
         size = self._scratch.nbytes
@@ -134,15 +134,15 @@ class KVReceiver(FrameHandler):
                 raise meta[_REFUSED]
             tid = _tid(meta)
             if frame.op == OP_KV_LAYER:
-                n = _int(meta, "n")
-                expected = 2 * n * self.kv_heads * self.head_dim * self.dtype.itemsize
+                n, heads = _int(meta, "n"), self._check_heads(meta)
+                expected = n * len(heads) * self.head_token_bytes
                 got = sum(v.nbytes for v in frame.payload)
                 if n <= 0 or got != expected:
                     raise KVError("bad_payload", f"{got} payload bytes for {n} tokens (expected {expected})")
-                kv = tensor_from_payload(frame.payload, n, self.kv_heads, self.head_dim, self.dtype)
+                kv = tensor_from_payload(frame.payload, n, len(heads), self.head_dim, self.dtype)
                 conn.state["tids"].add(tid)
                 done = self.engine.kv_layer(id(conn), tid, _int(meta, "layer"), _int(meta, "start"), n, kv,
-                                            _traceparent(meta))
+                                            _traceparent(meta), None if len(heads) == self.kv_heads else heads)
             elif frame.op == OP_KV_END:
                 token = meta.get("first_token")   # a list of them for a request of n > 1 choices
                 if token is not None and not _is_int(token) and not (

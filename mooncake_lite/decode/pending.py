@@ -36,7 +36,9 @@ class PendingKV:
     request_id: str
     transfer_id: str
     seq: DecodeSequence
-    layer_tokens: list[int]
+    # tokens received per layer and KV head: frames may carry a head sub-range (one TP prefill
+    # rank's slice, transfer/tp_heads.py), so a layer is whole once every head has every token
+    layer_tokens: list[list[int]]
     first_tokens: list[int] | None = None   # every choice's token 1, from the END frame
     num_output: int = 0            # a continued request's output so far (Sampling.num_generated)
     resume: ResumePoint = ResumePoint()     # from the END frame, with the first tokens
@@ -52,9 +54,10 @@ class PendingKV:
 
     def is_complete(self) -> bool:
         """Every layer's tokens received and written, and the first token known."""
-        return (self.first_tokens is not None and self.num_writes == 0
-                and all(n == self.seq.prompt_len for n in self.layer_tokens))
+        return self.first_tokens is not None and self.num_writes == 0 and self._layers_done() == len(self.layer_tokens)
+
+    def _layers_done(self) -> int:
+        return sum(1 for heads in self.layer_tokens if all(n == self.seq.prompt_len for n in heads))
 
     def progress(self) -> str:
-        done = sum(1 for n in self.layer_tokens if n == self.seq.prompt_len)
-        return f"{done} of {len(self.layer_tokens)} layers complete"
+        return f"{self._layers_done()} of {len(self.layer_tokens)} layers complete"

@@ -42,9 +42,21 @@ class ModelRunner:
         """Write :meth:`pack_kv`-shaped blocks into the cache from layer ``layer`` on."""
         unpack_blocks(self.cache.kv, block_ids, packed, self.cache.local_layer(layer))
 
-    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
-        """Write :meth:`gather_kv`-shaped K and V into layer ``layer`` at flat slots."""
-        scatter_tokens(self.cache.kv, self.cache.local_layer(layer), slots, data)
+    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor, heads: range | None = None) -> None:
+        """Write :meth:`gather_kv`-shaped K and V into layer ``layer`` at flat slots; ``heads``:
+        the KV heads ``data`` holds when not all (a TP prefill rank's slice of a frame)."""
+        if heads is None:
+            scatter_tokens(self.cache.kv, self.cache.local_layer(layer), slots, data)
+            return
+        layer_kv = self.cache.kv[self.cache.local_layer(layer)].flatten(1, 2)   # [2, slots, kv_heads, head_dim]
+        layer_kv[:, slots, heads.start:heads.stop] = data.to(layer_kv.dtype)
+
+    @property
+    def kv_senders(self) -> tuple[range, ...] | None:
+        """The KV heads each rank that stores and sends them holds, in rank order (one range
+        per writing rank: ``common/tp_split.py``); None for a one-process instance (all heads
+        in one piece)."""
+        return None
 
     # --- metadata -------------------------------------------------------------------------------
     def prefill_meta(self, block_table: Sequence[int], start_pos: int, num_tokens: int) -> AttentionMetadata:

@@ -9,11 +9,12 @@ pass's metadata and input hidden states go along on its first layer; after that 
 the same hidden states, which the all-reduces keep identical), the head, packing the weights, and
 moving KV in and out of the paged cache.
 
-KV leaves and enters the instance in today's whole-model layout (all KV heads of a token
-together): rank 0 gathers the ranks' heads to send or write a block and hands each rank its heads
-of a block it receives. That gather is the one place to replace once blocks and frames carry a
-per-head layout (issue #33 item 2): each rank then sends or writes its own heads' slice instead.
-A replicated KV head is taken from one rank only (:attr:`TPLayout.owns_kv`).
+KV leaves and enters the instance through rank 0: it gathers the ranks' heads of a layer or of
+whole blocks (a replicated KV head from one rank only, :attr:`TPLayout.owns_kv`), which the
+prefill sends and writes as one head slice per sending rank (:attr:`TPLeaderRunner.kv_senders`,
+docs/store.md §2f), and hands each rank its part of what it receives: all heads, or a frame of a
+head sub-range (from one rank of a TP prefill), which only the ranks holding those heads write.
+Ranks sending and writing their slices from their own processes would replace the gather.
 
 An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
 idle leader from a dead one: a follower whose broadcast times out exits, and a collective that
@@ -32,6 +33,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model
@@ -164,9 +166,18 @@ def _owners(parts: list[torch.Tensor], layout: TPLayout, dim: int) -> torch.Tens
 PACKED_HEADS, FRAME_HEADS = 2, 2
 
 
-def _my_heads(full: torch.Tensor, layout: TPLayout, dim: int) -> torch.Tensor:
-    r = layout.kv_heads
-    return full.narrow(dim, r.start, len(r))
+def _my_heads(data: torch.Tensor, layout: TPLayout, dim: int,
+              heads: range | None = None) -> tuple[torch.Tensor, range | None] | None:
+    """This rank's part of ``data``, which holds the instance's KV heads ``heads`` (None: all),
+    and where that part goes among the rank's own heads (None: all of them); None when the rank
+    holds none of ``heads``."""
+    mine = layout.kv_heads
+    heads = range(layout.args.num_kv_heads) if heads is None else heads
+    lo, hi = max(mine.start, heads.start), min(mine.stop, heads.stop)
+    if lo >= hi:
+        return None
+    local = None if (lo, hi) == (mine.start, mine.stop) else range(lo - mine.start, hi - mine.start)
+    return data.narrow(dim, lo - heads.start, hi - lo), local
 
 
 class TPLeaderRunner(ModelRunner):
@@ -188,21 +199,34 @@ class TPLeaderRunner(ModelRunner):
         return self._gathered({"op": "pack_kv", "ids": block_ids.tolist()},
                               lambda: super(TPLeaderRunner, self).pack_kv(block_ids), PACKED_HEADS)
 
-    def _handed(self, header: dict, full: torch.Tensor, write: Callable[[torch.Tensor], None], dim: int) -> None:
-        full = full.to(self.dtype).contiguous()
+    @property
+    def kv_senders(self) -> tuple[range, ...]:
+        return tuple(kv_head_range(self.args.num_kv_heads, self.layout.size, r) for r in range(self.layout.size)
+                     if writes_kv(self.args.num_kv_heads, self.layout.size, r))
+
+    def _handed(self, header: dict, data: torch.Tensor, write: Callable[[torch.Tensor, range | None], None],
+                dim: int, heads: range | None = None) -> None:
+        """Broadcast ``data`` (the instance's KV heads ``heads``, default all); each rank writes
+        its part of it (none where it holds none of those heads)."""
+        data = data.to(self.dtype).contiguous()
+        if heads is not None:
+            header |= {"heads": [heads.start, heads.stop]}
 
         def work() -> None:
-            dist.broadcast(full, src=0, group=self.leader.comms.group)
-            write(_my_heads(full, self.layout, dim))
-        self.leader.step(header | {"shape": list(full.shape)}, work)
+            dist.broadcast(data, src=0, group=self.leader.comms.group)
+            part = _my_heads(data, self.layout, dim, heads)
+            if part is not None:
+                write(*part)
+        self.leader.step(header | {"shape": list(data.shape)}, work)
 
     def unpack_kv(self, layer: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
         self._handed({"op": "unpack_kv", "layer": layer, "ids": block_ids.tolist()}, packed,
-                     lambda mine: super(TPLeaderRunner, self).unpack_kv(layer, block_ids, mine), PACKED_HEADS)
+                     lambda mine, _: super(TPLeaderRunner, self).unpack_kv(layer, block_ids, mine), PACKED_HEADS)
 
-    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
+    def scatter_kv(self, layer: int, slots: torch.Tensor, data: torch.Tensor, heads: range | None = None) -> None:
         self._handed({"op": "scatter_kv", "layer": layer, "slots": slots.tolist()}, data,
-                     lambda mine: super(TPLeaderRunner, self).scatter_kv(layer, slots, mine), FRAME_HEADS)
+                     lambda mine, local: super(TPLeaderRunner, self).scatter_kv(layer, slots, mine, local),
+                     FRAME_HEADS, heads)
 
 
 class Follower:
@@ -255,12 +279,14 @@ class Follower:
         self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
 
     def _unpack_kv(self, h: dict) -> None:
-        full = self._received(h["shape"])
-        self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), _my_heads(full, self.layout, PACKED_HEADS))
+        mine, _ = _my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)
+        self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), mine)
 
     def _scatter_kv(self, h: dict) -> None:
-        full = self._received(h["shape"])
-        self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), _my_heads(full, self.layout, FRAME_HEADS))
+        data = self._received(h["shape"])
+        part = _my_heads(data, self.layout, FRAME_HEADS, range(*h["heads"]) if "heads" in h else None)
+        if part is not None:
+            self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), *part)
 
 
 def build_rank_runner(spec: str, comms: TPComms, layout: TPLayout, *, num_blocks: int, block_size: int,

@@ -47,7 +47,7 @@ from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
-from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, BlockLayout
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, BlockLayout, HeadRange
 from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     else:
         # Puts name the block layout: the whole model's heads, whatever this instance's TP degree.
         layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads, args.kv_replicated)
-        store = RemoteStore(cfg.store, cfg.cluster_token, args.num_layers, layer_bytes, layout=layout)
+        writers = runner.kv_senders
+        store = RemoteStore(cfg.store, cfg.cluster_token, args.num_layers, layer_bytes, layout=layout,
+                            writers=None if writers is None else tuple(HeadRange(r.start, r.stop) for r in writers))
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 
 

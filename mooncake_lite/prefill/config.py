@@ -60,8 +60,6 @@ class Config(ModelRoleConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.tensor_parallel == 1 or self.pipeline_group == 1,
-                "--tensor-parallel with --pipeline-group: a CPP group of tensor-parallel stages is not supported yet")
         require(self.prefill_chunk > 0, f"--prefill-chunk must be positive, got {self.prefill_chunk}")
         require(self.prefill_batch_tokens >= 0, f"--prefill-batch-tokens must be >= 0, got {self.prefill_batch_tokens}")
         require(self.queue_order in ORDERS, f"--queue-order must be one of {', '.join(ORDERS)}, got {self.queue_order!r}")

@@ -55,10 +55,15 @@ class DecodeLinks:
 
 
 class KVSender:
-    def __init__(self, client: FrameClient, transfer_id: str, traceparent: str | None = None):
+    def __init__(self, client: FrameClient, transfer_id: str, traceparent: str | None = None,
+                 senders: tuple[range, ...] | None = None):
         self.client = client
         self.transfer_id = transfer_id
         self.traceparent = traceparent   # the stream's span, in every frame's meta (tracing on)
+        # A tensor-parallel instance's ranks that send KV, by their heads (ModelRunner.kv_senders):
+        # each layer goes as one frame per rank, the shape a rank's own frame has (rank 0 cuts
+        # them from the gathered layer until the ranks send themselves, docs/store.md §2f).
+        self.senders = None if senders is None else tuple(HeadRange(r.start, r.stop) for r in senders)
         self.error: str | None = None
         self.num_frames = 0
         self.num_bytes = 0
@@ -74,14 +79,19 @@ class KVSender:
             staged.release()
             return
         t = staged.tensor
-        meta = add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1], heads), self.traceparent)
-        self.num_frames += 1
+        parts = [(heads, False)] if heads is not None or self.senders is None else [(h, True) for h in self.senders]
+        frames = [(add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1], h), self.traceparent),
+                   h if cut else None) for h, cut in parts]
+        self.num_frames += len(frames)
         self.num_bytes += t.nbytes
-        self._track(self._send(meta, staged), keep=staged)
+        self._track(self._send(frames, staged), keep=staged)
 
-    async def _send(self, meta: dict, staged: Staged) -> None:
+    async def _send(self, frames: list[tuple[dict, HeadRange | None]], staged: Staged) -> None:
+        """Send one layer as its frames (each cut to its heads where given), all answered."""
         await staged.ready()
-        await self.client.request(OP_KV_LAYER, meta, [tensor_bytes(staged.tensor)], what="kv_layer")
+        t = staged.tensor
+        await asyncio.gather(*(self.client.request(OP_KV_LAYER, meta, [tensor_bytes(
+            t if cut is None else t[:, :, cut.start:cut.stop])], what="kv_layer") for meta, cut in frames))
         # Answered: the bytes are out of every socket buffer. On failure or cancellation they
         # might not be, so the buffer is dropped, never reused.
         staged.release()

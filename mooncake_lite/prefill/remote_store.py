@@ -64,6 +64,10 @@ class RemoteStore:
     lease_s: float = PREFIX_LEASE_S
     layout: BlockLayout | None = None   # the whole blocks' (layer_bytes is of this rank's heads)
     heads: HeadRange | None = None      # this rank's KV heads (None: all)
+    # A tensor-parallel instance's writing ranks' heads: whole blocks go as one head-slice put per
+    # rank, the puts those ranks would make themselves (rank 0 cuts them until they do; the store
+    # assembles them, docs/store.md §2e-§2f). None: one put of all heads.
+    writers: tuple[HeadRange, ...] | None = None
     _client: StoreClient | None = field(default=None, init=False, repr=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     # first key of a pinned prefix -> its leases
@@ -202,9 +206,15 @@ class RemoteStore:
                                 f"{slot}-byte slots (--slot-bytes)")
         # A slice (first_layer given): the store holds it apart until the other stages' slices are in.
         sliced = first_layer if num_layers < self.num_layers else None
-        await self._call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
-                                         first_layer=sliced, block_layers=self.num_layers,
-                                         layout=self.layout, heads=self.heads))
+        if self.writers is None or self.heads is not None or self.layout is None:
+            puts = [(self.heads, values)]
+        else:
+            puts = [(h, [self.layout.cut(memoryview(v).cast("B"), first_layer, num_layers, h) for v in values])
+                    for h in self.writers]
+        for heads, part in puts:
+            await self._call(lambda c, h=heads, p=part: c.put(
+                keys, p, num_layers=num_layers, first_pos=first_pos, first_layer=sliced,
+                block_layers=self.num_layers, layout=self.layout, heads=h))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""

@@ -31,6 +31,7 @@ from mooncake_lite.common.lifecycle import EXIT, ExitStatus, Listener, serve_rol
 from mooncake_lite.common.service import run as run_loop
 from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill
 from mooncake_lite.instance.runner import build_runner
+from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import StoreUnfit, make_store, pack_weights, store_id
 from mooncake_lite.prefill.config import Config, layer_slices
@@ -250,6 +251,7 @@ async def _serve_stage(cfg: Config, stage: StageEngine) -> int:
     app = web.Application()
     app[EXIT] = ExitStatus()
     app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **me}))
+    watch_tensor_parallel(app, stage.runner)   # a TP stage: exits 1 once a rank is lost; its group stops last
     app.cleanup_ctx.append(partial(_stage_lifetime, cfg.pipeline_stage, stage, server, links, next_stage, watchers))
     return await serve_role(app, Listener("prefill-stage", cfg.host, cfg.port, cfg.advertise_host),
                             extra_addresses=lambda: {"stage": server_address(server, cfg.advertise_host)})

@@ -9,8 +9,8 @@ for one request tagged by ``transfer_id`` (``tid``):
                  for tokens start..start+n-1: ``[2][n][heads][head_dim]`` in the model dtype (raw
                  bytes); ``kvl`` is the KV layout version (``transfer/kv_layout.py``; a receiver
                  refuses another), ``heads`` [start, stop) the KV heads the frame carries (absent:
-                 all the model's): one TP rank's share, cut per decode rank by the transfer plan
-                 (``transfer/tp_heads.py``)
+                 all the model's): one TP prefill rank's share (``transfer/tp_heads.py``;
+                 docs/store.md §2f); a decode writes each at its heads' place
     OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null,
                        "output"?, "key"?, "tail"?}
                  this sender has sent all its layers; the stage that owns the last layer carries
@@ -33,7 +33,7 @@ full KV of every prompt position, whatever produced it.
 
 A frame stays token-major (the paged cache's order), unlike a store block: it is one layer of one
 sender's heads, sent whole, and the single-rank path sends it without a reordering copy; a sender
-cuts a head sub-range for a decode rank with one strided copy (``kv[:, :, a:b]``).
+cuts a rank's head sub-range from a gathered layer with one strided copy (``kv[:, :, a:b]``).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_slot_indices_are_staged_and_copied_like_the_kv(monkeypatch):
     fake = IndexFakeBackend()
     engine = make_engine("cpu", Copier("cpu", backend=fake))
     scattered = []
-    monkeypatch.setattr(engine.runner, "scatter_kv", lambda layer, slots, data: scattered.append(slots))
+    monkeypatch.setattr(engine.runner, "scatter_kv", lambda layer, slots, data, heads=None: scattered.append(slots))
     slots = torch.tensor([17, 18, 19, 40, 41])
     try:
         engine._write_kv(1, slots, frame(engine, 5))

@@ -32,6 +32,15 @@ def _script(runner: ModelRunner) -> dict:
     tokens = generate(runner, PROMPT, SamplingParams(max_tokens=6), chunk_size=5)
     runner.unpack_kv(0, ids[2:3], blocks)                 # a prefix block loaded elsewhere
     runner.scatter_kv(1, torch.arange(40, 40 + len(PROMPT)), frames[1])   # a KV frame received
+    # The prompt's KV received as head slices (one TP prefill rank's each, the second half of
+    # the heads first): every rank holding a head (replicas included) writes it, so a decode
+    # step over those blocks gives the same next token.
+    kvh, slots = runner.args.num_kv_heads, torch.arange(8 * BS, 8 * BS + len(PROMPT))
+    for layer in runner.model.layer_ids:
+        for heads in (range(kvh // 2, kvh), range(0, kvh // 2)):
+            runner.scatter_kv(layer, slots, frames[layer][:, :, heads.start:heads.stop].contiguous(), heads)
+    after = int(runner.decode([first], [[8, 9]], [len(PROMPT)]).argmax())
+    assert after == tokens[1]
     return {"first": first, "frames": frames, "blocks": blocks, "tokens": tokens,
             "moved": (runner.pack_kv(ids[2:3]), runner.gather_kv(1, torch.arange(40, 40 + len(PROMPT))))}
 
