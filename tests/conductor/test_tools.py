@@ -54,11 +54,14 @@ def test_bad_tools_are_a_400_naming_the_field(extra, field):
     assert err.value.status == 400 and err.value.param == field
 
 
-def test_tools_on_completions_are_refused():
+@pytest.mark.parametrize("extra", [{"tools": TOOLS}, {"tool_choice": "auto"}, {"parallel_tool_calls": False}])
+def test_tools_on_completions_are_refused_pointing_to_chat(extra):
     with pytest.raises(ApiError) as err:
-        parse_request({"model": "m", "prompt": "x", "tools": TOOLS}, "completion", served=("m",),
+        parse_request({"model": "m", "prompt": "x", **extra}, "completion", served=("m",),
                       tokenizer=ByteTokenizer(VOCAB), vocab_size=VOCAB, max_context=512)
-    assert err.value.param == "tools"
+    (field,) = extra
+    assert err.value.status == 400 and err.value.param == field
+    assert "/v1/completions" in err.value.message and "use /v1/chat/completions" in err.value.message
 
 
 def conversation() -> tuple[list[dict], list[dict]]:
