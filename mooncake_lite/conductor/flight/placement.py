@@ -29,7 +29,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     # Prompt logprobs need every position's logits: the prefill loads no cached prefix for them
     # (as vLLM), so none is priced, reused or migrated.
     reusable = tuple(keys) if req.sampling.prompt_logprobs is None else ()
-    sreq = ScheduleRequest(request_id, reusable, len(req.prompt_ids), req.sampling.max_tokens)
+    sreq = ScheduleRequest(request_id, reusable, len(req.prompt_ids), req.sampling.max_tokens, req.sampling.n)
     t0 = time.perf_counter()
     decision = tenants.schedule(svc.tenants, svc.scheduler, sreq, _snapshot(svc, req, exclude), now,
                                 tenant=tenant)
