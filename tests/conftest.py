@@ -24,12 +24,55 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _run_shared_cluster_tests_together(items)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- one default-model cluster for the session ---------------------------------------------------
+SHARED = "smollm_api"
+
+
+@pytest.fixture(scope="session")
+def smollm_api():
+    """The OpenAI base URL of ``mooncake up`` on the default model at its default settings, shared
+    by every test that asks (tests/real_model.SharedCluster): started at the first, stopped after
+    the last (``pytest_runtest_teardown`` below; at the session's end at the latest). Its tests
+    run one after another (never two at once), so each still sees the cluster to itself."""
+    from tests.real_model import SHARED_CLUSTER
+    try:
+        yield SHARED_CLUSTER.url()
+    finally:
+        SHARED_CLUSTER.stop()
+
+
+def _run_shared_cluster_tests_together(items: list) -> None:
+    """Move the tests that use the shared cluster next to the first of them (their own order
+    kept), so it is up for one stretch of the run, not through the unrelated tests between."""
+    users = [item for item in items if SHARED in getattr(item, "fixturenames", ())]
+    if not users:
+        return
+    first = items.index(users[0])
+    chosen = set(map(id, users))
+    rest = [item for item in items if id(item) not in chosen]
+    items[:] = rest[:first] + users + rest[first:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared cluster as soon as no test left in the run uses it: its processes and
+    their memory are not kept through the rest of the suite."""
+    if SHARED not in getattr(item, "fixturenames", ()):
+        return
+    from tests.real_model import SHARED_CLUSTER
+    items = item.session.items
+    later = items[items.index(item) + 1:]
+    if SHARED_CLUSTER.is_running and not any(SHARED in getattr(i, "fixturenames", ()) for i in later):
+        SHARED_CLUSTER.stop()
 
 
 def start_role(role: str, *args: str, timeout: float = 120.0, env: dict | None = None) -> RoleProcess:

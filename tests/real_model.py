@@ -4,6 +4,7 @@ session: the tokenizer takes ~10 s and the model ~25 s in transformers on this C
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -62,3 +63,42 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     return out[0, len(prompt_ids):].tolist()
+
+
+class SharedCluster:
+    """``mooncake up`` on the default model at its default settings, one for the whole session:
+    started by the first test that asks for it (the ``smollm_api`` fixture, ``tests/conftest.py``)
+    and stopped once the last test that uses it is done. A start that failed is not tried again:
+    each later test gets the same error at once, not another wait of minutes."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self._url: str | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._stack is not None
+
+    def url(self) -> str:
+        """The OpenAI base URL, starting the cluster first if it is not running."""
+        if self._error is not None:
+            raise AssertionError(f"the shared default-model cluster did not start: {self._error}")
+        if self._url is None:
+            from tests.cluster.helpers import real_cluster
+            stack = contextlib.ExitStack()
+            try:
+                self._url = stack.enter_context(real_cluster())
+            except BaseException as exc:
+                self._error = exc
+                raise
+            self._stack = stack
+        return self._url
+
+    def stop(self) -> None:
+        stack, self._stack, self._url = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+SHARED_CLUSTER = SharedCluster()

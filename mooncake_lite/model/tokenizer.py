@@ -93,8 +93,19 @@ class HFTokenizer:
         norm = self._tok.normalizer
         return utf8_len(norm.normalize_str(text) if norm is not None else text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: list[int], keep: frozenset[int] = frozenset()) -> str:
+        """The text of ``token_ids`` without the tokens flagged special, but for those in ``keep``
+        (a tool-call marker some checkpoints flag special, which the call parser must read)."""
+        if not keep:
+            return self._tok.decode(list(token_ids), skip_special_tokens=True)
+        special = self.special_ids
+        return self._tok.decode([t for t in token_ids if t in keep or t not in special], skip_special_tokens=False)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids decoding skips: added tokens flagged special (not every added token: Qwen's
+        ``<tool_call>`` and ``<think>`` are added but not special, and so are shown)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, a special one's too (what logprobs name a token by, as vLLM)."""

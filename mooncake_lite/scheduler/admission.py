@@ -48,35 +48,39 @@ def choose_decode(req: ScheduleRequest, cluster: ClusterState, cfg: SchedulerCon
     and on a wide cluster picks over its rows (the same rule, the same choice). The room rule is
     asked until one has room, then only where the TBT beats the best (one not asked cannot win)."""
     decodes, num_tokens, max_output = cluster.decodes, req.num_tokens, req.max_output_tokens
+    # n sequences (req.num_sequences) join: n more in the batch, each attending to the prompt;
+    # the KV they need is the prompt's, shared, and each one's output (its copy of the prompt's
+    # partial last block is left out). Room for n is room for one more past n - 1 others.
+    n = req.num_sequences
     estimates = cache or FROM_SCRATCH
-    if cfg.strategy != "random" and cfg.admission != "predictive":
+    if cfg.strategy != "random" and cfg.admission != "predictive" and n == 1:   # the rows price one
         row = estimates.decode_rows_now(decodes, costs, req)
         if row is not None:
             return _new(DecodeChoice, (decodes[row.row], row.tbt_s, row.batch_size, row.context_tokens))
     loads = _loads(cluster, cfg, costs, now, ttft_s, queues, estimates)
+    best, best_tbt, need, default = None, float("inf"), num_tokens + n * max_output, costs.decode
+    has_room, joined = rules.decode_has_room, n * num_tokens
     if cfg.strategy == "random":
         if rng is None:
             raise ValueError("strategy 'random' needs a seeded random.Random passed as rng")
-        eligible = [(d, batch + 1, context + num_tokens) for d, (batch, context) in zip(decodes, loads)
-                    if decode_has_room(d, num_tokens, max_output, batch, context)]
+        eligible = [(d, batch + n, context + joined) for d, (batch, context) in zip(decodes, loads)
+                    if has_room(d.max_batch_size, d.max_context_tokens, batch + n - 1, context, need)]
         if not eligible:
             return None
         d, batch, context = rng.choice(eligible)
         return DecodeChoice(d, decode_tbt(d, costs, batch, context), batch, context)
-    best, best_tbt, need, default = None, float("inf"), num_tokens + max_output, costs.decode
-    has_room = rules.decode_has_room
     for d, (batch, context) in zip(decodes, loads):
         if best is None:
-            if has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
-                best, best_tbt, best_load = d, (d.cost or default).predict(batch + 1, context + num_tokens), \
+            if has_room(d.max_batch_size, d.max_context_tokens, batch + n - 1, context, need):
+                best, best_tbt, best_load = d, (d.cost or default).predict(batch + n, context + joined), \
                     (batch, context)
             continue
-        tbt = (d.cost or default).predict(batch + 1, context + num_tokens)
-        if tbt < best_tbt and has_room(d.max_batch_size, d.max_context_tokens, batch, context, need):
+        tbt = (d.cost or default).predict(batch + n, context + joined)
+        if tbt < best_tbt and has_room(d.max_batch_size, d.max_context_tokens, batch + n - 1, context, need):
             best, best_tbt, best_load = d, tbt, (batch, context)
     if best is None:
         return None
-    return _new(DecodeChoice, (best, best_tbt, best_load[0] + 1, best_load[1] + num_tokens))
+    return _new(DecodeChoice, (best, best_tbt, best_load[0] + n, best_load[1] + joined))
 
 
 def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: float, ttft_s: float,
@@ -150,7 +154,7 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     alone = None
     limit = cfg.tbt_slo_s
     if limit is None:
-        alone = (d.instance.cost or costs.decode).predict(1, req.num_tokens)
+        alone = (d.instance.cost or costs.decode).predict(req.num_sequences, req.num_sequences * req.num_tokens)
         limit = cfg.tbt_slo_factor * alone
     if d.tbt_s > limit:
         return "tbt", _refusal("TBT", d.tbt_s, limit, cfg.tbt_slo_factor, alone, " step", "this request alone",

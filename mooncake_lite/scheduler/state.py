@@ -23,14 +23,19 @@ from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 @dataclass(slots=True, unsafe_hash=True)
 class ScheduleRequest:
     """One request to place. ``block_keys`` are the chained keys of its *full* prompt blocks
-    (16-byte ``bytes`` live, ints in the simulator); ``num_tokens`` is the whole prompt length."""
+    (16-byte ``bytes`` live, ints in the simulator); ``num_tokens`` is the whole prompt length.
+    ``num_sequences``: the sequences it decodes (OpenAI's ``n``): one prefill, then n sequences
+    in the decode batch, each attending to the whole prompt, whose KV they share."""
 
     request_id: str
     block_keys: tuple[Hashable, ...]
     num_tokens: int
     max_output_tokens: int
+    num_sequences: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_sequences <= 0:
+            raise ValueError(f"request {self.request_id}: num_sequences must be positive, got {self.num_sequences}")
         if self.num_tokens <= 0:
             raise ValueError(f"request {self.request_id}: num_tokens must be positive, got {self.num_tokens}")
         if self.max_output_tokens <= 0:

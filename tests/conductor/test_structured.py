@@ -67,6 +67,26 @@ def test_a_malformed_request_is_a_400_naming_its_field(extra, field):
     assert refused(**extra).param == field
 
 
+def test_strict_false_is_enforced_all_the_same():
+    """``strict`` false, true or absent: the same grammar, so an answer that stops matches the
+    schema whatever the flag (vLLM's rule); a schema OpenAI's strict mode would refuse (a
+    property not required) is taken, and its optional property may be left out."""
+    import llguidance
+
+    from mooncake_lite.model.grammar import ll_tokenizer
+    loose = {**SCHEMA, "properties": {**SCHEMA["properties"], "b": {"type": "string"}}}
+    grammars = {parse(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": loose, **flag}})
+                .sampling.grammar for flag in ({"strict": False}, {"strict": True}, {})}
+    assert len(grammars) == 1
+
+    def accepts(text: str) -> bool:   # the byte tokenizer: a token per byte
+        m = llguidance.LLMatcher(ll_tokenizer("tiny", VOCAB), grammars.copy().pop())
+        ids = list(text.encode())
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    assert accepts('{"a":1}') and accepts('{"a":1,"b":"x"}')
+    assert not accepts('{"b":"x"}') and not accepts('{"a":"1"}') and not accepts('{"a": 1}')   # compact, too
+
+
 @pytest.fixture
 def checker():
     c = GrammarChecker("tiny", VOCAB)

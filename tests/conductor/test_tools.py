@@ -54,11 +54,14 @@ def test_bad_tools_are_a_400_naming_the_field(extra, field):
     assert err.value.status == 400 and err.value.param == field
 
 
-def test_tools_on_completions_are_refused():
+@pytest.mark.parametrize("extra", [{"tools": TOOLS}, {"tool_choice": "auto"}, {"parallel_tool_calls": False}])
+def test_tools_on_completions_are_refused_pointing_to_chat(extra):
     with pytest.raises(ApiError) as err:
-        parse_request({"model": "m", "prompt": "x", "tools": TOOLS}, "completion", served=("m",),
+        parse_request({"model": "m", "prompt": "x", **extra}, "completion", served=("m",),
                       tokenizer=ByteTokenizer(VOCAB), vocab_size=VOCAB, max_context=512)
-    assert err.value.param == "tools"
+    (field,) = extra
+    assert err.value.status == 400 and err.value.param == field
+    assert "/v1/completions" in err.value.message and "use /v1/chat/completions" in err.value.message
 
 
 def conversation() -> tuple[list[dict], list[dict]]:
@@ -165,3 +168,39 @@ def test_text_without_calls_or_with_a_call_cut_short_is_content():
     assert parse_whole("Paris is sunny.", "llama3_json") == ("Paris is sunny.", [])
     cut = '<tool_call>\n{"name": "get_weather", "argum'
     assert parse_whole(cut, "hermes") == (cut, [])
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_call_marker_the_tokenizer_flags_special_still_reaches_the_parser(tmp_path, flagged):
+    """Hermes 2 Pro, and some conversions of Qwen's tokenizer, flag ``<tool_call>`` special, so a
+    plain decode (``skip_special_tokens``, as transformers and every OpenAI server show text)
+    drops it and the call would come back as content; Qwen2.5/3's own tokenizer.json adds it
+    unflagged, and the decode shows it. Either way the parser gets the marker, and a special
+    token that is no marker (the end of turn) stays out of the text."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from mooncake_lite.conductor.api.choices import Choice
+    from mooncake_lite.conductor.flight.events import Token
+    from mooncake_lite.model.tokenizer import HFTokenizer
+    from tests.model.hf_fixtures import CHAT_SPECIALS, save_chat_tokenizer
+    markers = ["<tool_call>", "</tool_call>"]
+    save_chat_tokenizer(tmp_path, [ANSWERS["hermes"], "the weather in Paris"], 400,
+                        specials=CHAT_SPECIALS + markers * flagged)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    if not flagged:   # Qwen's way: added, not special
+        hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
+        hf.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = tok.encode(ANSWERS["hermes"], add_special_tokens=False) + [tok.token_to_id("<|im_end|>")]
+    assert tok.token_to_id("<tool_call>") in ids
+    assert ("<tool_call>" in hf.decode(ids, skip_special_tokens=True)) is not flagged   # what plain decoding does
+    choice = Choice(0, "chat", tok, (), reasoning=False, opened=False, echo_text=None, top_k=None,
+                    tool_parser="hermes")
+    deltas = [d for t in ids for d in choice.deltas(choice.add(Token(t)))]
+    deltas += choice.deltas(choice.flush()) + choice.deltas(None)
+    streamed = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "id" in c]
+    message = choice.message(choice.text.output_text)
+    assert streamed == [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "search"]
+    assert message["content"] == "Let me look." and "<|im_end|>" not in choice.text.output_text
+    assert choice.finish_reason("stop") == "tool_calls"

@@ -2,17 +2,17 @@
 logprobs (chat and completions, streamed and not, echo with max_tokens 0 and 1) equal
 ``transformers``' log-softmax on the same GGUF within 1e-3; n choices from one prefill,
 reproducible with a seed; penalties, min_tokens and logit_bias as ``transformers`` generates
-with them; batched prompts. One cluster for the module."""
+with them; batched prompts. On the session's shared default-model cluster (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.request
 
 import pytest
 
-from tests.cluster.helpers import real_cluster
 from tests.real_model import SMOLLM, hf_model, hf_tokenizer, needs_smollm
 
 openai = pytest.importorskip("openai")
@@ -23,9 +23,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def api():
-    with real_cluster() as url:
-        yield url
+def api(smollm_api):
+    """``mooncake up`` exactly as a user runs it (default model, block size and admission), shared
+    with the session's other default-model tests (tests/conftest.py)."""
+    return smollm_api
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,16 @@ def _check_top(top: dict[str, float] | list, row: torch.Tensor, k: int) -> None:
     """The reported alternatives are the k likeliest under transformers, values within TOL."""
     values = sorted((t.logprob for t in top) if isinstance(top, list) else top.values(), reverse=True)[:k]
     assert values == pytest.approx(torch.topk(row, k).values.tolist(), abs=TOL)
+
+
+def _check_prompt_logprobs(lp, ids: list[int]) -> None:
+    """Completions logprobs over ``ids`` (echo: the prompt's first), each position as transformers."""
+    reference = _hf_logprobs(ids)
+    for pos in range(1, len(ids)):
+        row = reference[pos - 1]
+        assert lp.token_logprobs[pos] == pytest.approx(float(row[ids[pos]]), abs=TOL), pos
+        assert lp.tokens[pos] in lp.top_logprobs[pos] and len(lp.top_logprobs[pos]) >= 3
+        _check_top(lp.top_logprobs[pos], row, 3)
 
 
 def test_chat_logprobs_equal_transformers_streamed_and_not(client):
@@ -83,12 +94,22 @@ def test_completion_echo_scores_the_prompt_like_transformers(client, max_tokens)
     assert choice.text.startswith(hf_tokenizer().decode(prompt)) and resp.usage.completion_tokens == max_tokens
     ids = prompt + resp.to_dict()["choices"][0]["token_ids"]
     assert len(ids) == len(prompt) + max_tokens
-    reference = _hf_logprobs(ids)
-    for pos in range(1, len(ids)):
-        row = reference[pos - 1]
-        assert lp.token_logprobs[pos] == pytest.approx(float(row[ids[pos]]), abs=TOL), pos
-        assert lp.tokens[pos] in lp.top_logprobs[pos] and len(lp.top_logprobs[pos]) >= 3
-        _check_top(lp.top_logprobs[pos], row, 3)
+    _check_prompt_logprobs(lp, ids)
+
+
+def test_echo_scores_a_prompt_whose_prefix_is_in_the_store(client):
+    """The prompt's blocks are in the store (a plain request reuses them); echo with logprobs
+    reuses none (every position's logits are computed: vLLM's rule) and still equals transformers."""
+    prompt = hf_tokenizer().encode(" ".join(f"Item {i} is a {random.choice(['red', 'blue', 'green'])} box."
+                                            for i in range(24)))
+    assert len(prompt) > 2 * 64   # two full blocks of `mooncake up`'s 64
+    ask = dict(model=SMOLLM, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(**ask)
+    time.sleep(1.5)     # write-back is asynchronous; block events reach the conductor every 0.2 s
+    assert client.completions.create(**ask).usage.prompt_tokens_details.cached_tokens >= 64
+    resp = client.completions.create(**ask, echo=True, logprobs=3, extra_body={"return_token_ids": True})
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    _check_prompt_logprobs(resp.choices[0].logprobs, prompt + resp.to_dict()["choices"][0]["token_ids"])
 
 
 def test_batched_prompts_each_get_their_choices(client):

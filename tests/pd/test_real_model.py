@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster.helpers import real_cluster
 from tests.real_model import SMOLLM, hf_chat_ids, hf_greedy, hf_tokenizer, needs_smollm
 
 openai = pytest.importorskip("openai")
@@ -51,10 +50,10 @@ DOCUMENT = (
 
 
 @pytest.fixture(scope="module")
-def api():
-    """``mooncake up`` exactly as a user runs it: default model, block size and admission."""
-    with real_cluster() as url:
-        yield url
+def api(smollm_api):
+    """``mooncake up`` exactly as a user runs it (default model, block size and admission), shared
+    with the session's other default-model tests (tests/conftest.py)."""
+    return smollm_api
 
 
 def _chat(client, messages: list[dict], max_tokens: int = MAX_TOKENS):

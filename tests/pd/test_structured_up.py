@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster.helpers import real_cluster
 from tests.conductor.tool_templates import TOOLS
 from tests.real_model import SMOLLM, needs_smollm
 
@@ -35,9 +34,10 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def api():
-    with real_cluster() as url:
-        yield url
+def api(smollm_api):
+    """``mooncake up`` exactly as a user runs it (default model, block size and admission), shared
+    with the session's other default-model tests (tests/conftest.py)."""
+    return smollm_api
 
 
 def client(api: str):

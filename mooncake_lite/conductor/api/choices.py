@@ -17,6 +17,7 @@ from mooncake_lite.common.protocol import TokenLogprob
 from mooncake_lite.conductor.api.reasoning import ThinkSplitter, split_whole
 from mooncake_lite.conductor.api.text import TextStream
 from mooncake_lite.conductor.api.tool_parser import ToolCallStream, parse_whole
+from mooncake_lite.conductor.api.tools import special_markers
 from mooncake_lite.conductor.flight.events import Token
 from mooncake_lite.model.tokenizer import Tokenizer
 
@@ -31,7 +32,7 @@ class Choice:
                  reasoning: bool, opened: bool, echo_text: str | None, top_k: int | None,
                  tool_parser: str | None = None) -> None:
         self.index, self.kind, self.tokenizer, self.top_k = index, kind, tokenizer, top_k
-        self.text = TextStream(tokenizer, stop)
+        self.text = TextStream(tokenizer, stop, special_markers(tokenizer, tool_parser) if tool_parser else frozenset())
         self.thinking = ThinkSplitter(opened) if reasoning and kind == "chat" else None
         # Tool calls parsed out of the answer (a request with tools, tool_choice not "none").
         self.calls = ToolCallStream(tool_parser) if tool_parser is not None else None

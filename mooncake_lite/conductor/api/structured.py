@@ -41,10 +41,12 @@ def output_rules(body: dict, kind: str, tool_parser: str) -> tuple[ToolUse | Non
     for key in GUIDED:   # vLLM's older fields: refused, not ignored
         if body.get(key) is not None:
             raise bad_request(f"'{key}' is not supported; use 'structured_outputs' or 'response_format'", key)
-    if kind != "chat":
-        for key in ("tools", "tool_choice"):
+    if kind != "chat":   # refused, not ignored as vLLM does: the caller would think tools are offered
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
             if body.get(key) is not None:
-                raise bad_request(f"'{key}' is for /v1/chat/completions", key)
+                raise bad_request(f"'{key}' is not supported on /v1/completions: a raw prompt has no chat "
+                                  f"template to show tools to the model, and a completion no message to "
+                                  f"return tool_calls in; use /v1/chat/completions", key)
     tools = parse_tools(body, tool_parser) if kind == "chat" else None
     constraint = parse_structured(body)
     if tools is not None and tools.is_forced:
@@ -89,6 +91,9 @@ def _response_format(fmt: Any) -> Constraint | None:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise bad_request("'response_format.json_schema' must be an object with a 'name' and a 'schema'", field)
+    # ``strict`` is checked but changes nothing: the schema is enforced either way, as vLLM does.
+    # OpenAI's strict: false (its default) only tries to follow the schema, so an answer that
+    # matches it is one strict: false allows; and a server that can guarantee it should.
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request("'response_format.json_schema.strict' must be a boolean", field)

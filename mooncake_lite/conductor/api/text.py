@@ -10,12 +10,16 @@ the start of a stop string; when one appears, the text is cut before it and the 
 
 from __future__ import annotations
 
+import functools
+
 from mooncake_lite.model.tokenizer import Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        # Special tokens shown all the same (``HFTokenizer.decode``): a tool-call marker.
+        self._decode = functools.partial(tokenizer.decode, keep=keep) if keep else tokenizer.decode
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -49,7 +53,7 @@ class TextStream:
         # Ids before ``_start`` decode to ``_base`` for good. Of the rest, only a trailing
         # U+FFFD can still change (an incomplete character whose next bytes have not come);
         # everything before it is final, so ``text`` only ever grows.
-        tail = self.tokenizer.decode(self.token_ids[self._start:])
+        tail = self._decode(self.token_ids[self._start:])
         if force or not tail.endswith("\ufffd"):
             self._base += tail
             self._start = len(self.token_ids)

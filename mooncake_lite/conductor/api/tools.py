@@ -111,6 +111,19 @@ def call_grammar(use: ToolUse) -> str:
     return llguidance.LLMatcher.grammar_from_lark(f"start: call{more}\ncall: {call}")
 
 
+def special_markers(tokenizer: Any, parser: str) -> frozenset[int]:
+    """The ids of the parser's call markers that ``tokenizer`` flags special (``<tool_call>`` in
+    Hermes 2 Pro, or in a conversion of Qwen's that marks it a control token), which decoding
+    would drop: the answer's text keeps them so the parser reads the calls, as vLLM decodes with
+    ``skip_special_tokens`` off for a tool parser. Qwen2.5/3's own tokenizer.json adds
+    ``<tool_call>`` unflagged, so its text shows it anyway."""
+    fmt, specials = FORMATS[parser], getattr(tokenizer, "special_ids", frozenset())
+    to_id = getattr(tokenizer, "token_to_id", None)
+    if not specials or to_id is None:
+        return frozenset()
+    return frozenset(i for i in (to_id(m.strip()) for m in (fmt.start, fmt.end) if m.strip()) if i in specials)
+
+
 def template_messages(messages: list[dict], use: ToolUse | None, template_source: str | None,
                       parser: str) -> list[dict]:
     """The messages as the chat template gets them: an assistant's ``tool_calls`` arguments as
