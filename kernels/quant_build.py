@@ -26,7 +26,7 @@ import tempfile
 log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = tuple(os.path.join(HERE, name) for name in ("quant_matmul.c", "quant_matmul_i8.c"))
+SOURCES = tuple(os.path.join(HERE, name) for name in ("quant_matmul.c", "quant_matmul_i8.c", "decode_attention.c"))
 # -ffp-contract=fast: the products accumulate with fused multiply-adds; the dequantization keeps
 # gguf's own roundings through an explicit barrier in the source. OpenMP splits output rows.
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -99,4 +99,7 @@ def build(march: str) -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int]
     return lib

@@ -159,9 +159,11 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.
 
 
 def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
-    k = x.shape[-1]
-    flat = x.reshape(-1, k).contiguous()
-    rows = blocks.shape[0]
+    k, rows = x.shape[-1], blocks.shape[0]
+    if x.dim() == 2 and x.is_contiguous():   # a decode step's rows: no reshapes (each an operator call)
+        flat, whole = x, True
+    else:
+        flat, whole = x.reshape(-1, k).contiguous(), False
     if flat.shape[0] > DEQUANTIZE_ROWS:
         return _tiled_linear(flat, blocks, qtype, bias).reshape(*x.shape[:-1], rows)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
@@ -178,4 +180,4 @@ def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torc
         raise ValueError(f"quant_linear: type {qtype} with {k} values per row is not supported")
     if bias is not None:
         out.add_(bias)
-    return out.reshape(*x.shape[:-1], rows)
+    return out if whole else out.reshape(*x.shape[:-1], rows)

@@ -177,6 +177,9 @@ def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / roofs.copy_gbps,
             "matmuls_ms_best": matmul_s and matmul_s * 1e3,
             "matmuls_fraction_of_matmul_peak": matmul_gflops and matmul_gflops / roofs.matmul_gflops,
+            # issue #39 item 2: the work around the matmuls (norms, rotary, attention, residuals,
+            # the per-layer Python path) as a share of the step, best against best
+            "outside_matmuls_share": matmul_s and max(best_s - matmul_s, 0.0) / best_s,
         }
         if batch != 1 and "1" in out:   # median steps, as a multiple of the batch-1 step
             out[str(batch)]["step_over_batch1"] = step_s * 1e3 / out["1"]["step_ms"]
