@@ -1,7 +1,7 @@
 """Building and loading ``quant_matmul.c``, the CPU kernel for GGUF-quantized weights.
 
-The sources (``quant_matmul.c``, the float path; ``quant_matmul_i8.c``, int8 activations on
-VNNI) are compiled here, on the machine that runs them, with the system C compiler for this CPU
+The sources (``quant_matmul.c``, the float path; ``quant_matmul_i8.c``, integer activations on
+VNNI; ``decode_attention.c``, CPU decode attention read in place) are compiled here, on the machine that runs them, with the system C compiler for this CPU
 (``-march=native``: AVX-512 and VNNI where the CPU has them, AVX2 elsewhere; each source picks its
 code by the compiler's ISA macros, so what runs follows from that one CPU check), once per
 source, CPU, target and compiler, into
