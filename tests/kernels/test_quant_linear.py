@@ -109,9 +109,11 @@ def test_int8_activations_match_their_reference_within_the_rounding_bound(qtype,
     blocks, _ = quantized(qtype, 37, cols, seed=batch)
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(cols)) * 3
     x[-1, :32] = 0 if batch > 1 else x[-1, :32]   # an all-zero block: scale 0
-    bias = torch.randn(37)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(batch))
     out = quant_linear(x, blocks, qtype, bias)
-    torch.testing.assert_close(out, quant_linear_i8_ref(x, blocks, qtype) + bias, atol=1e-4, rtol=1e-5)
+    # float32 sums of per-block terms that cancel, against float64: 1e-4 was met but for one value
+    # in a thousand (1.1e-4); rounding to one int8 part instead of two moves products by ~0.1
+    torch.testing.assert_close(out, quant_linear_i8_ref(x, blocks, qtype) + bias, atol=5e-4, rtol=1e-4)
     exact = quant_linear_ref(x, blocks, qtype, bias)
     assert ((out - exact).abs() <= rounding_bound(x, blocks, qtype) + 1e-4).all()
     assert (out - exact).abs().max() > 0   # the int8 path did run
