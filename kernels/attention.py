@@ -7,6 +7,7 @@ a sequence's tokens live in the blocks listed by its block table, in order.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import torch
@@ -141,4 +142,35 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
     fast = fast_module("triton_attention", q, k_cache, v_cache)
     if fast is not None:
         return fast.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
+    if _c_kernel_runs(q, k_cache, v_cache, block_tables, context_lens):
+        if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
+            with torch.profiler.record_function("decode_attention"):
+                return paged_decode_attention_c(q, k_cache, v_cache, block_tables, context_lens)
+        return paged_decode_attention_c(q, k_cache, v_cache, block_tables, context_lens)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def _c_kernel_runs(q, k_cache, v_cache, block_tables, context_lens) -> bool:
+    from kernels.quant_build import library
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int64
+            and context_lens.dtype == torch.int64 and os.environ.get("MOONCAKE_KERNELS") != "ref"
+            and library() is not None)
+
+
+def paged_decode_attention_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_decode_attention_ref`'s result from ``decode_attention.c``: K/V read in place
+    through the block table (no gathered copy per layer), float32 on the CPU."""
+    from kernels.quant_build import library
+    q, tables, lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    batch, heads, dim = q.shape
+    out = torch.empty_like(q)
+    status = library().decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        batch, heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], k_cache.shape[0], dim ** -0.5,
+        torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"paged decode attention: context lengths {lens.tolist()} or block ids do not fit "
+                         f"a table of {tables.shape[1]} blocks of {k_cache.shape[1]} in a cache of {k_cache.shape[0]}")
+    return out

@@ -1,7 +1,10 @@
 """Building and loading ``quant_matmul.c``, the CPU kernel for GGUF-quantized weights.
 
-The source is compiled here, on the machine that runs it, with the system C compiler for this
-CPU (``-march=native``: AVX-512 where the CPU has it), once per source, CPU and compiler, into
+The sources (``quant_matmul.c``, the float path; ``quant_matmul_i8.c``, integer activations on
+VNNI; ``decode_attention.c``, CPU decode attention read in place; ``rms_norm.c``) are compiled here, on the machine that runs them, with the system C compiler for this CPU
+(``-march=native``: AVX-512 and VNNI where the CPU has them, AVX2 elsewhere; each source picks its
+code by the compiler's ISA macros, so what runs follows from that one CPU check), once per
+source, CPU, target and compiler, into
 ``$MOONCAKE_KERNEL_CACHE`` (default ``~/.cache/mooncake-lite/kernels``), and loaded with ctypes:
 ~1 s the first time, nothing after. Without a compiler nothing is built and :func:`library`
 answers None, so callers fall back to the torch reference (a model then dequantizes at load).
@@ -14,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -21,10 +25,15 @@ import tempfile
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_matmul.c")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = tuple(os.path.join(HERE, name) for name in ("quant_matmul.c", "quant_matmul_i8.c", "decode_attention.c",
+                                                        "rms_norm.c"))
 # -ffp-contract=fast: the products accumulate with fused multiply-adds; the dequantization keeps
 # gguf's own roundings through an explicit barrier in the source. OpenMP splits output rows.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+# The target CPU: native, or another (x86-64-v3: AVX2 without AVX-512 or VNNI) to build and test
+# the fallback paths on a machine that has more.
+MARCH_ENV = "MOONCAKE_KERNEL_MARCH"
 
 
 def _cpu_flags() -> str:
@@ -40,13 +49,13 @@ def _cache_dir() -> str:
                                                                    "mooncake-lite", "kernels")
 
 
-def _compile(compiler: str, target: str) -> None:
+def _compile(compiler: str, march: str, target: str) -> None:
     """Builds into a temporary file first: processes starting together may race to build it."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, f"-march={march}", *SOURCES, "-o", tmp], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:
@@ -54,20 +63,26 @@ def _compile(compiler: str, target: str) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (no C compiler, or it failed: the reason is logged once)."""
+    """The compiled kernel for this CPU (or ``$MOONCAKE_KERNEL_MARCH``), or None (no C compiler,
+    or it failed: the reason is logged once)."""
+    return build(os.environ.get(MARCH_ENV) or "native")
+
+
+@functools.cache
+def build(march: str) -> ctypes.CDLL | None:
+    """The kernels compiled for ``-march=march`` (cached on disk), or None where that fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler: GGUF-quantized weights are dequantized at load instead")
         return None
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + compiler.encode()
-                             + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
+    text = b"".join(pathlib.Path(source).read_bytes() for source in SOURCES)
+    key = hashlib.sha256(text + " ".join((*FLAGS, march)).encode() + compiler.encode()
+                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"quant_matmul-{key}.so")
     try:
         if not os.path.exists(target):
-            _compile(compiler, target)
+            _compile(compiler, march, target)
         lib = ctypes.CDLL(target)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
@@ -81,4 +96,14 @@ def library() -> ctypes.CDLL | None:
     fn = lib.quant_dequantize
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.quant_matmul_i8
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.rms_norm
+    fn.restype = None
+    fn.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    fn = lib.decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int]
     return lib

@@ -1,12 +1,17 @@
-"""``x @ Wᵀ`` for a weight kept in one of GGUF's block formats (Q4_0, Q4_1, Q8_0), as the file
-stores it: each row of W is K/32 blocks of one scale ``d`` (float16), for Q4_1 a minimum ``m``
-(float16), and 32 quants (4-bit pairs or int8).
+"""``x @ Wᵀ`` for a weight kept in one of GGUF's block formats (Q4_0, Q4_1, Q8_0): each row of W
+is K/32 blocks of one scale ``d`` (float16), for Q4_1 a minimum ``m`` (float16), and 32 quants
+(4-bit pairs or int8), the file's bytes regrouped within each row (:func:`to_planar`).
 
 :func:`quant_linear` runs the C kernel (``quant_matmul.c``, built by ``quant_build``) on CPU
 float32 activations (prefill-sized inputs: W dequantized tile by tile for ``F.linear``), else
 the torch reference :func:`quant_linear_ref`: the weight dequantized
 with gguf.quants' own operations (:func:`dequantize_ref`, equal to it bit for bit) and then one
 ``F.linear``. ``MOONCAKE_KERNELS=ref`` forces the reference.
+
+Few rows (a decode batch) multiply int8-quantized activations where the CPU has VNNI
+(``quant_matmul_i8.c``, as llama.cpp does; within the tolerance docs/model.md states), the float
+path elsewhere or with ``MOONCAKE_QUANT_ACTIVATIONS=float`` (products equal to the reference's
+values up to summation order).
 """
 
 from __future__ import annotations
@@ -28,21 +33,36 @@ BLOCK = 32                                    # values per block, in every type 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8                    # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # d (+ m) and the quants
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+ACTIVATIONS_ENV = "MOONCAKE_QUANT_ACTIVATIONS"   # int8 (default where the CPU has VNNI) or float
+NO_INT8_PATH = -2   # quant_matmul_i8's answer in a build without VNNI
 
 
-def dequantize_ref(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """float32 [N, K] from ``blocks`` (uint8 [N, K/32 * block bytes]), with gguf.quants'
-    operations in its order: Q4_0 ``d * (q - 8)``, Q4_1 ``(d * q) + m``, Q8_0 ``q * d``."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
-    d = b[..., 0:2].contiguous().view(torch.float16).float()       # [N, blocks, 1]
+def to_planar(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The kernels' layout of GGUF ``blocks`` (uint8 [N, K/32 * block bytes], as the file holds
+    them): the same bytes per row, regrouped as all the row's scales ``d``, then (Q4_1) all its
+    minimums ``m``, then all its quants, so one vector load reads several blocks' scales or quants
+    (``quant_matmul_i8.c``). Rows stay whole, so rows may still be moved, stacked and sliced."""
+    rows, size = blocks.shape[0], BLOCK_BYTES[qtype]
+    b = blocks.reshape(rows, -1, size)
+    head = 4 if qtype == Q4_1 else 2
+    parts = [b[..., 0:2]] + ([b[..., 2:4]] if qtype == Q4_1 else []) + [b[..., head:]]
+    return torch.cat([p.reshape(rows, -1) for p in parts], dim=1).contiguous()
+
+
+def dequantize_ref(planar: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 [N, K] from ``planar`` rows (:func:`to_planar`), with gguf.quants' operations in
+    its order: Q4_0 ``d * (q - 8)``, Q4_1 ``(d * q) + m``, Q8_0 ``q * d``."""
+    rows = planar.shape[0]
+    nblk = planar.shape[1] // BLOCK_BYTES[qtype]
+    d = planar[:, :2 * nblk].contiguous().view(torch.float16).float()[..., None]   # [N, blocks, 1]
+    head = (4 if qtype == Q4_1 else 2) * nblk
     if qtype == Q8_0:
-        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(rows, -1)
-    qs = b[..., 4:] if qtype == Q4_1 else b[..., 2:]
+        return (planar[:, head:].contiguous().view(torch.int8).reshape(rows, nblk, BLOCK).float() * d).reshape(rows, -1)
+    qs = planar[:, head:].reshape(rows, nblk, BLOCK // 2)
     q = torch.cat([qs & 15, qs >> 4], dim=-1)   # byte j: element j (low nibble), j + 16 (high)
     if qtype == Q4_0:
         return (d * (q.to(torch.int8) - 8).float()).reshape(rows, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    m = planar[:, 2 * nblk:head].contiguous().view(torch.float16).float()[..., None]
     return (d * q.float() + m).reshape(rows, -1)
 
 
@@ -87,6 +107,35 @@ def dequantize(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     return out
 
 
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [B, K] float32 as ``quant_matmul_i8.c`` holds it: per block of 32, ``q = round(x /
+    dx)`` with ``dx = max|x| / 127`` and the remainder's ``r = round((x - q*dx) * 256 / dx)``
+    (within ±127; round half to even). Returns (the values ``(256q + r) * dx / 256`` in float64,
+    each block's float32 sum of x)."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, 0)
+    q = torch.round(blocks * inv)
+    rest = (blocks.double() - q.double() * scale.double()).float()   # one rounding, as fmaf
+    r = torch.round(rest * (inv * 256)).clamp(-127, 127)
+    return ((256 * q.double() + r.double()) * (scale.double() / 256)).reshape(x.shape), blocks.sum(-1)
+
+
+def quant_linear_i8_ref(x: torch.Tensor, planar: torch.Tensor, qtype: int) -> torch.Tensor:
+    """What the integer-activation kernel computes, in float64: the rounded activations times the
+    weights with Q4_1's ``d*q + m`` taken as ``d*(q - 8)`` against them and ``m + 8d`` against
+    the exact block sums (``quant_matmul_i8.c``); equal to the kernel within float32 rounding."""
+    nblk = planar.shape[1] // BLOCK_BYTES[qtype]
+    rounded, sums = quantize_activations_ref(x.float())
+    w = dequantize_ref(planar, qtype).double()
+    if qtype != Q4_1:
+        return (rounded @ w.t()).float()
+    d = planar[:, :2 * nblk].contiguous().view(torch.float16).double()
+    m = planar[:, 2 * nblk:4 * nblk].contiguous().view(torch.float16).double()
+    centred = w - (m + 8 * d).repeat_interleave(BLOCK, dim=1)
+    return (rounded @ centred.t() + sums.double() @ (m + 8 * d).t()).float()
+
+
 def quant_linear_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_ref(blocks, qtype).to(x.dtype), bias)
@@ -99,7 +148,8 @@ def kernel_runs(x: torch.Tensor) -> bool:
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [..., K] @ Wᵀ (+ ``bias``) → [..., N], W being ``blocks`` of ``qtype``."""
+    """``x`` [..., K] @ Wᵀ (+ ``bias``) → [..., N], W being rows of ``qtype`` blocks, row-planar
+    (:func:`to_planar`)."""
     if not kernel_runs(x):
         return quant_linear_ref(x, blocks, qtype, bias)
     if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
@@ -109,17 +159,25 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.
 
 
 def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
-    k = x.shape[-1]
-    flat = x.reshape(-1, k).contiguous()
-    rows = blocks.shape[0]
+    k, rows = x.shape[-1], blocks.shape[0]
+    if x.dim() == 2 and x.is_contiguous():   # a decode step's rows: no reshapes (each an operator call)
+        flat, whole = x, True
+    else:
+        flat, whole = x.reshape(-1, k).contiguous(), False
     if flat.shape[0] > DEQUANTIZE_ROWS:
         return _tiled_linear(flat, blocks, qtype, bias).reshape(*x.shape[:-1], rows)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
-    sums = torch.empty(flat.shape[0] * (k // BLOCK), dtype=torch.float32)   # the kernel's scratch
-    status = library().quant_matmul(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],
-                                    out.data_ptr(), sums.data_ptr(), torch.get_num_threads())
+    lib, threads = library(), torch.get_num_threads()
+    status = NO_INT8_PATH
+    if os.environ.get(ACTIVATIONS_ENV, "int8") != "float":
+        status = lib.quant_matmul_i8(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],
+                                     out.data_ptr(), threads)
+    if status == NO_INT8_PATH:
+        sums = torch.empty(flat.shape[0] * (k // BLOCK), dtype=torch.float32)   # the kernel's scratch
+        status = lib.quant_matmul(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],
+                                  out.data_ptr(), sums.data_ptr(), threads)
     if status != 0:
         raise ValueError(f"quant_linear: type {qtype} with {k} values per row is not supported")
     if bias is not None:
         out.add_(bias)
-    return out.reshape(*x.shape[:-1], rows)
+    return out if whole else out.reshape(*x.shape[:-1], rows)

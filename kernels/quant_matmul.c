@@ -1,9 +1,12 @@
-/* x @ W^T with W in GGUF block formats (Q4_0, Q4_1, Q8_0), read as the file stores them.
+/* x @ W^T with W in GGUF block formats (Q4_0, Q4_1, Q8_0), each row held row-planar: the same
+ * bytes as the file's blocks, regrouped within the row as all its blocks' scales d (float16),
+ * then (Q4_1) all their minimums m (float16), then all their quants (16 bytes of nibble pairs, or
+ * 32 int8), so a vector load reads several blocks' scales or quants at once (quant_matmul_i8.c).
  *
- * Each output row of W is K/32 blocks; a block is dequantized in registers into 32 float32
- * values equal to gguf.quants' (the same operations and roundings: Q4_1 is (q*d) + m, two
- * roundings, never fused), then multiplied into the activations with fused multiply-adds. The
- * torch reference is kernels/quant_linear.py:quant_linear_ref. Built by kernels/quant_build.py.
+ * Each block is dequantized in registers into 32 float32 values equal to gguf.quants' (the same
+ * operations and roundings: Q4_1 is (q*d) + m, two roundings, never fused), then multiplied into
+ * the activations with fused multiply-adds. The torch reference is
+ * kernels/quant_linear.py:quant_linear_ref. Built by kernels/quant_build.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -64,34 +67,43 @@ static inline v16f rounded(v16f v) {
 
 static inline v16f scale(v16f v, float d) { return v * d; }
 
+/* Block j of a row-planar row of nblk blocks: its scale, minimum and quants. */
+static inline const uint8_t *scale_at(const uint8_t *row, int64_t j) { return row + 2 * j; }
+static inline const uint8_t *min_at(const uint8_t *row, int64_t nblk, int64_t j) { return row + 2 * nblk + 2 * j; }
+static inline const uint8_t *quants_at(int qtype, const uint8_t *row, int64_t nblk, int64_t j) {
+    return qtype == Q8_0 ? row + 2 * nblk + 32 * j : row + (qtype == Q4_1 ? 4 : 2) * nblk + 16 * j;
+}
+
 /* The block's 32 values as two vectors: elements 0..15 and 16..31. */
-static inline __attribute__((always_inline)) void dequant(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
-    float d = half(blk);
+static inline __attribute__((always_inline)) void dequant(int qtype, const uint8_t *row, int64_t nblk, int64_t j,
+                                                          v16f *lo, v16f *hi) {
+    float d = half(scale_at(row, j));
+    const uint8_t *qs = quants_at(qtype, row, nblk, j);
     if (qtype == Q8_0) {
-        *lo = scale(i8_to_f(load_bytes(blk + 2)), d);
-        *hi = scale(i8_to_f(load_bytes(blk + 18)), d);
+        *lo = scale(i8_to_f(load_bytes(qs)), d);
+        *hi = scale(i8_to_f(load_bytes(qs + 16)), d);
         return;
     }
     /* byte j holds element j (low nibble) and element j+16 (high nibble) */
-    bytes16 q = load_bytes(blk + (qtype == Q4_1 ? 4 : 2));
+    bytes16 q = load_bytes(qs);
     if (qtype == Q4_0) {
         *lo = scale(i8_to_f(minus8(low_nibbles(q))), d);
         *hi = scale(i8_to_f(minus8(high_nibbles(q))), d);
     } else {
-        float m = half(blk + 2);
+        float m = half(min_at(row, nblk, j));
         *lo = rounded(scale(u8_to_f(low_nibbles(q)), d)) + m;
         *hi = rounded(scale(u8_to_f(high_nibbles(q)), d)) + m;
     }
 }
 
 /* The block's quants as floats (Q4_0's already less 8), unscaled: lo = elements 0..15. */
-static inline __attribute__((always_inline)) void block_quants(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
+static inline __attribute__((always_inline)) void block_quants(int qtype, const uint8_t *qs, v16f *lo, v16f *hi) {
     if (qtype == Q8_0) {
-        *lo = i8_to_f(load_bytes(blk + 2));
-        *hi = i8_to_f(load_bytes(blk + 18));
+        *lo = i8_to_f(load_bytes(qs));
+        *hi = i8_to_f(load_bytes(qs + 16));
         return;
     }
-    bytes16 q = load_bytes(blk + (qtype == Q4_1 ? 4 : 2));
+    bytes16 q = load_bytes(qs);
     if (qtype == Q4_0) {
         *lo = i8_to_f(minus8(low_nibbles(q)));
         *hi = i8_to_f(minus8(high_nibbles(q)));
@@ -105,7 +117,7 @@ static inline __attribute__((always_inline)) void block_quants(int qtype, const 
  * and minimum multiply once per block instead of once per value, which at one row (no reuse of a
  * dequantized block) is most of the work. ``xsum`` holds sum(x_j) of each block of this x row. */
 static inline __attribute__((always_inline)) void row_product(
-        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, const float *x,
         const float *xsum, int64_t n, int rows, float *out) {
     v16f acc[4];
     float msum[4] = {0};
@@ -113,11 +125,11 @@ static inline __attribute__((always_inline)) void row_product(
     for (int64_t j = 0; j < nblk; j++) {
         v16f xl = load16(x + j * 32), xh = load16(x + j * 32 + 16);
         for (int r = 0; r < rows; r++) {
-            const uint8_t *blk = w + (n + r) * row_bytes + j * bsize;
+            const uint8_t *row = w + (n + r) * row_bytes;
             v16f lo, hi;
-            block_quants(qtype, blk, &lo, &hi);
-            acc[r] = fmadd(fmadd(hi, xh, lo * xl), vbroadcast(half(blk)), acc[r]);
-            if (qtype == Q4_1) msum[r] += half(blk + 2) * xsum[j];
+            block_quants(qtype, quants_at(qtype, row, nblk, j), &lo, &hi);
+            acc[r] = fmadd(fmadd(hi, xh, lo * xl), vbroadcast(half(scale_at(row, j))), acc[r]);
+            if (qtype == Q4_1) msum[r] += half(min_at(row, nblk, j)) * xsum[j];
         }
     }
     for (int r = 0; r < rows; r++) out[n + r] = hsum(acc[r]) + msum[r];
@@ -127,7 +139,7 @@ static inline __attribute__((always_inline)) void row_product(
  * accumulators (the block's halves), so at least 8 independent multiply-add chains run at once
  * when tile * rows >= 4: one chain per block would wait on the FMA latency. */
 static inline __attribute__((always_inline)) void tile_product(
-        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, const float *x,
         int64_t k, int64_t b0, int tile, int64_t n, int rows, float *out, int64_t n_out) {
     v16f acc[4][MAX_TILE][2];
     for (int r = 0; r < rows; r++)
@@ -135,7 +147,7 @@ static inline __attribute__((always_inline)) void tile_product(
     for (int64_t j = 0; j < nblk; j++) {
         for (int r = 0; r < rows; r++) {
             v16f lo, hi;
-            dequant(qtype, w + (n + r) * row_bytes + j * bsize, &lo, &hi);
+            dequant(qtype, w + (n + r) * row_bytes, nblk, j, &lo, &hi);
             for (int b = 0; b < tile; b++) {
                 const float *xb = x + (b0 + b) * k + j * 32;
                 acc[r][b][0] = fmadd(lo, load16(xb), acc[r][b][0]);
@@ -147,19 +159,19 @@ static inline __attribute__((always_inline)) void tile_product(
         for (int b = 0; b < tile; b++) out[(b0 + b) * n_out + n + r] = hsum(acc[r][b][0] + acc[r][b][1]);
 }
 
-#define PRODUCT(T, R) tile_product(qtype, w, row_bytes, nblk, bsize, x, k, b0, T, n, R, out, n_rows)
+#define PRODUCT(T, R) tile_product(qtype, w, row_bytes, nblk, x, k, b0, T, n, R, out, n_rows)
 
 /* x rows [b0, b0+tile) against W rows [n, n+4) (or fewer at the end): constant shapes, so each
  * unrolls with its accumulators in registers. */
 static inline __attribute__((always_inline)) void group_product(
-        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, int64_t bsize, const float *x,
+        int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, const float *x,
         const float *xsum, int64_t k, int64_t b0, int64_t tile, int64_t n, int64_t rows, float *out,
         int64_t n_rows) {
     if (tile == 1) {
         const float *xb = x + b0 * k, *sb = xsum + b0 * nblk;
-        if (rows == 4) row_product(qtype, w, row_bytes, nblk, bsize, xb, sb, n, 4, out + b0 * n_rows);
+        if (rows == 4) row_product(qtype, w, row_bytes, nblk, xb, sb, n, 4, out + b0 * n_rows);
         else for (int64_t r = 0; r < rows; r++)
-            row_product(qtype, w, row_bytes, nblk, bsize, xb, sb, n + r, 1, out + b0 * n_rows);
+            row_product(qtype, w, row_bytes, nblk, xb, sb, n + r, 1, out + b0 * n_rows);
         return;
     }
     if (rows == 4) {
@@ -205,9 +217,9 @@ int quant_matmul(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, const f
         for (int64_t b0 = 0; b0 < batch; b0 += MAX_TILE) {
             int64_t tile = batch - b0 < MAX_TILE ? batch - b0 : MAX_TILE;
             switch (qtype) {   /* a constant type, so the block loop does not branch on it */
-                case Q4_0: group_product(Q4_0, w, row_bytes, nblk, 18, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
-                case Q4_1: group_product(Q4_1, w, row_bytes, nblk, 20, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
-                default: group_product(Q8_0, w, row_bytes, nblk, 34, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+                case Q4_0: group_product(Q4_0, w, row_bytes, nblk, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+                case Q4_1: group_product(Q4_1, w, row_bytes, nblk, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
+                default: group_product(Q8_0, w, row_bytes, nblk, x, xsum, k, b0, tile, n, rows, out, n_rows); break;
             }
         }
     }
@@ -223,10 +235,11 @@ int quant_dequantize(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, flo
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < total; i++) {
         v16f lo, hi;
+        const uint8_t *row = w + i / nblk * nblk * bsize;
         switch (qtype) {
-            case Q4_0: dequant(Q4_0, w + i * bsize, &lo, &hi); break;
-            case Q4_1: dequant(Q4_1, w + i * bsize, &lo, &hi); break;
-            default: dequant(Q8_0, w + i * bsize, &lo, &hi); break;
+            case Q4_0: dequant(Q4_0, row, nblk, i % nblk, &lo, &hi); break;
+            case Q4_1: dequant(Q4_1, row, nblk, i % nblk, &lo, &hi); break;
+            default: dequant(Q8_0, row, nblk, i % nblk, &lo, &hi); break;
         }
         memcpy(out + i * 32, &lo, 64);
         memcpy(out + i * 32 + 16, &hi, 64);

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention
+from kernels.norm import rms_norm
 from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld
@@ -59,8 +60,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused op instead of six: per-op dispatch is a visible share of a small decode step.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # One C call (F.rms_norm: six operators): per-op dispatch is a visible share of a small decode step.
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()   # lower precisions normalise in float32 and round once, as HF does
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -95,12 +96,15 @@ def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [n, heads, head_dim] rotated by ``rope_cos_sin``'s (cos, signed sin) of its positions."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    """``x`` [n, heads, head_dim] rotated by ``rope_cos_sin``'s (cos, signed sin) of its positions,
+    given as [n, head_dim] or already as [n, 1, head_dim] (``Transformer.rope``: once per pass)."""
+    if cos.dim() == 2:
+        cos, signed_sin = cos[:, None, :], signed_sin[:, None, :]
+    # roll by half swaps the halves: one operator where slicing and cat took three
+    swapped = x.roll(x.shape[-1] // 2, -1)
     if x.dtype == torch.float32:
-        return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
-    return (x.float() * cos[:, None, :] + swapped.float() * signed_sin[:, None, :]).type_as(x)
+        return x * cos + swapped * signed_sin
+    return (x.float() * cos + swapped.float() * signed_sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -147,15 +151,18 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = apply_rope(qk, cos, sin)   # q and k rotated together
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if k.dtype != k_cache.dtype:   # a no-op .to() is still an operator call, twice a layer
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if meta.segments is not None:
             out = packed_prefill_attention(q, k_cache, v_cache, meta)
         elif meta.is_prefill:
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-        return linear(out.reshape(n, -1).to(x.dtype), self.wo.weight, packed=self.packs.get("wo"))
+        out = out.reshape(n, -1)
+        return linear(out if out.dtype == x.dtype else out.to(x.dtype), self.wo.weight, packed=self.packs.get("wo"))
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -299,7 +306,9 @@ class Transformer(nn.Module):
         return range(self.first_layer, self.end_layer)
 
     def rope(self, positions: torch.Tensor):
-        return rope_cos_sin(positions, self.args.rope_dim, self.args.rope_theta, self.args.rope_scaling)
+        """(cos, signed sin) as [n, 1, rope_dim]: shaped for ``apply_rope`` once per pass, not per layer."""
+        cos, sin = rope_cos_sin(positions, self.args.rope_dim, self.args.rope_theta, self.args.rope_scaling)
+        return cos[:, None, :], sin[:, None, :]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(token_ids)

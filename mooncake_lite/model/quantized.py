@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear
+from kernels.quant_linear import BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear, to_planar
 
 
 class QuantizedWeight:
-    """``rows`` × ``cols`` values as ``blocks`` (uint8 [rows, cols / 32 * block bytes]) of one
-    GGML type; rows may be reordered and stacked without dequantizing."""
+    """``rows`` × ``cols`` values given as a file's ``blocks`` (uint8 [rows, cols / 32 * block
+    bytes]) of one GGML type and held as the same bytes row-planar (``blocks``: each row's
+    scales, minimums, then quants; ``kernels.quant_linear.to_planar``), the kernels' layout;
+    rows may be reordered and stacked without dequantizing."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, cols: int):
         if qtype not in BLOCK_BYTES:
@@ -25,7 +27,13 @@ class QuantizedWeight:
         if cols % BLOCK or blocks.dtype != torch.uint8 or blocks.shape[1] != cols // BLOCK * BLOCK_BYTES[qtype]:
             raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks do not hold {cols} "
                              f"{TYPE_NAMES[qtype]} values per row")
-        self.blocks, self.qtype, self.cols = blocks, qtype, cols
+        self.blocks, self.qtype, self.cols = to_planar(blocks, qtype), qtype, cols
+
+    @classmethod
+    def _of_planar(cls, planar: torch.Tensor, qtype: int, cols: int) -> "QuantizedWeight":
+        weight = cls.__new__(cls)
+        weight.blocks, weight.qtype, weight.cols = planar, qtype, cols
+        return weight
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,7 +68,7 @@ class QuantizedWeight:
         first = weights[0]
         if any(w.qtype != first.qtype or w.cols != first.cols for w in weights):
             raise ValueError("stacked weights must share their type and width")
-        return QuantizedWeight(torch.cat([w.blocks for w in weights]), first.qtype, first.cols)
+        return QuantizedWeight._of_planar(torch.cat([w.blocks for w in weights]), first.qtype, first.cols)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -1,6 +1,9 @@
-"""The GGUF block kernel (``kernels/quant_matmul.c``) against its torch reference, and the
-reference against gguf.quants, the format's own implementation: dequantized values bit for bit,
-products within float32 rounding at every row count and tile shape the kernel specialises."""
+"""The GGUF block kernels against their torch references, and the references against gguf.quants,
+the format's own implementation: dequantized values bit for bit; the float path's products
+(``kernels/quant_matmul.c``) within float32 rounding at every row count and tile shape it
+specialises; the int8-activation path (``quant_matmul_i8.c``, where the CPU has VNNI) equal to its
+own reference within float32 rounding, within its stated bound of the float product, and the
+same for a row whatever its batch; and an AVX2-only build, which falls back to the float path."""
 
 from __future__ import annotations
 
@@ -8,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quant_build import library
-from kernels.quant_linear import (DEQUANTIZE_ROWS, Q4_0, Q4_1, Q8_0, dequantize, dequantize_ref, quant_linear,
-                                  quant_linear_ref)
+from kernels.quant_build import MARCH_ENV, build, library
+from kernels.quant_linear import (ACTIVATIONS_ENV, BLOCK, DEQUANTIZE_ROWS, NO_INT8_PATH, Q4_0, Q4_1, Q8_0, dequantize,
+                                  dequantize_ref, quant_linear, quant_linear_i8_ref, quant_linear_ref, to_planar)
 
 gguf_quants = pytest.importorskip("gguf.quants")
 needs_kernel = pytest.mark.skipif(library() is None, reason="no C compiler: the kernel did not build")
@@ -18,13 +21,28 @@ TYPES = [Q4_0, Q4_1, Q8_0]
 
 
 def quantized(qtype: int, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks as gguf.quants writes them, gguf.quants' dequantized float32 values)."""
+    """(blocks as gguf.quants writes them, row-planar, gguf.quants' dequantized float32 values)."""
     from gguf import GGMLQuantizationType
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, cols)) * 2 + rng.standard_normal((rows, 1))).astype(np.float32)
     raw = gguf_quants.quantize(w, GGMLQuantizationType(qtype))
     values = gguf_quants.dequantize(raw, GGMLQuantizationType(qtype)).astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(values)
+    return to_planar(torch.from_numpy(np.ascontiguousarray(raw)), qtype), torch.from_numpy(values)
+
+
+def has_int8_path() -> bool:
+    lib = library()
+    x, out = torch.zeros(1, 32), torch.empty(1, 1)
+    return lib is not None and lib.quant_matmul_i8(Q8_0, torch.zeros(1, 34, dtype=torch.uint8).data_ptr(), 1, 32,
+                                                   x.data_ptr(), 1, out.data_ptr(), 1) != NO_INT8_PATH
+
+
+needs_int8 = pytest.mark.skipif(not has_int8_path(), reason="no AVX-512 VNNI here: the float path serves")
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float")
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -33,9 +51,20 @@ def test_the_reference_dequantizes_to_gguf_values_exactly(qtype):
     assert torch.equal(dequantize_ref(blocks, qtype), values)
 
 
+def test_the_planar_layout_regroups_each_rows_bytes():
+    from gguf import GGMLQuantizationType
+    raw = torch.from_numpy(np.ascontiguousarray(gguf_quants.quantize(np.ones((2, 64), np.float32) * [[1], [2]],
+                                                                     GGMLQuantizationType.Q4_1)))
+    planar = to_planar(raw, Q4_1)
+    assert planar.shape == raw.shape
+    assert torch.equal(planar[0, :4], torch.cat([raw[0, 0:2], raw[0, 20:22]]))   # the two blocks' d
+    assert torch.equal(planar[1, 8:24], raw[1, 4:20])                          # block 0's quants
+    assert torch.equal(planar.sort(dim=1).values, raw.sort(dim=1).values)
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
-def test_the_kernel_computes_on_gguf_values_exactly(qtype):
+def test_the_kernel_computes_on_gguf_values_exactly(qtype, float_activations):
     """Its own dequantization (prefill's copy) equals gguf's; an identity input reads back the values
     its block-by-block product multiplies by, which equal gguf's too (no fused rounding)."""
     blocks, values = quantized(qtype, 45, 32)
@@ -49,12 +78,74 @@ def test_the_kernel_computes_on_gguf_values_exactly(qtype):
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 9, 16, 17, 33])
-def test_the_kernel_matches_the_reference(qtype, batch):
+def test_the_kernel_matches_the_reference(qtype, batch, float_activations):
     blocks, _ = quantized(qtype, 67, 128, seed=batch)   # 67 rows: groups of 4 and a ragged end
     x = torch.randn(batch, 128, generator=torch.Generator().manual_seed(batch))
     bias = torch.randn(67)
     torch.testing.assert_close(quant_linear(x, blocks, qtype, bias), quant_linear_ref(x, blocks, qtype, bias),
                                atol=1e-4, rtol=1e-5)
+
+
+def rounding_bound(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """How far rounding x to its two int8 parts per block can move each product: every x value
+    moves by at most half its block's finer step (max|x| / 127 / 256 / 2), against |w| (Q4_1's
+    centred d*(q - 8), which the kernel multiplies by the rounded x: its m + 8d meets the exact
+    block sums)."""
+    step = x.reshape(x.shape[0], -1, BLOCK).abs().amax(-1, keepdim=True) / 127 / 256 / 2
+    w = dequantize_ref(blocks, qtype)
+    if qtype == Q4_1:
+        nblk = blocks.shape[1] // 20
+        d = blocks[:, :2 * nblk].contiguous().view(torch.float16).float()
+        m = blocks[:, 2 * nblk:4 * nblk].contiguous().view(torch.float16).float()
+        w = w - (m + 8 * d).repeat_interleave(BLOCK, dim=1)
+    return step.expand(-1, -1, BLOCK).reshape(x.shape) @ w.abs().t()
+
+
+@needs_int8
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("batch", [1, 5, 32])
+@pytest.mark.parametrize("cols", [32, 160, 576])   # 1, 5, 18 blocks: ragged last groups of 4 and 2
+def test_int8_activations_match_their_reference_within_the_rounding_bound(qtype, batch, cols):
+    blocks, _ = quantized(qtype, 37, cols, seed=batch)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(cols)) * 3
+    x[-1, :32] = 0 if batch > 1 else x[-1, :32]   # an all-zero block: scale 0
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(batch))
+    out = quant_linear(x, blocks, qtype, bias)
+    # float32 sums of per-block terms that cancel, against float64: 1e-4 was met but for one value
+    # in a thousand (1.1e-4); rounding to one int8 part instead of two moves products by ~0.1
+    torch.testing.assert_close(out, quant_linear_i8_ref(x, blocks, qtype) + bias, atol=5e-4, rtol=1e-4)
+    exact = quant_linear_ref(x, blocks, qtype, bias)
+    assert ((out - exact).abs() <= rounding_bound(x, blocks, qtype) + 1e-4).all()
+    assert (out - exact).abs().max() > 0   # the int8 path did run
+
+
+@needs_int8
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_rows_do_not_depend_on_their_batch(qtype):
+    """Batched decode and one sequence alone must sample the same tokens."""
+    blocks, _ = quantized(qtype, 21, 160)
+    x = torch.randn(7, 160)
+    batched = quant_linear(x, blocks, qtype)
+    for i in range(7):
+        assert torch.equal(quant_linear(x[i:i + 1], blocks, qtype), batched[i:i + 1])
+    assert torch.equal(quant_linear(x[2:5], blocks, qtype), batched[2:5])
+
+
+@needs_kernel
+def test_an_avx2_build_has_no_int8_path_and_its_float_path_matches(monkeypatch):
+    """What an AVX2-only machine runs (the build picks its code by the target's ISA)."""
+    lib = build("x86-64-v3")
+    if lib is None:
+        pytest.skip("the compiler cannot target x86-64-v3 here")
+    blocks, _ = quantized(Q4_1, 19, 96)
+    x, out = torch.randn(3, 96), torch.empty(3, 19)
+    assert lib.quant_matmul_i8(Q4_1, blocks.data_ptr(), 19, 96, x.data_ptr(), 3, out.data_ptr(), 1) == NO_INT8_PATH
+    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
+    for qtype in TYPES:
+        blocks, values = quantized(qtype, 19, 96)
+        torch.testing.assert_close(quant_linear(x, blocks, qtype), quant_linear_ref(x, blocks, qtype),
+                                   atol=1e-4, rtol=1e-5)
+        assert torch.equal(dequantize(blocks, qtype, 96), values)
 
 
 @needs_kernel

@@ -85,6 +85,8 @@ def test_json_output(capsys):
     assert tiny["decode_packed"] == torch.backends.mkldnn.is_available()
     two = tiny["decode"]["2"]
     assert 0 < two["matmuls_ms_best"] and 0 < two["matmuls_fraction_of_matmul_peak"]
+    assert two["outside_matmuls_share"] == pytest.approx(
+        max(two["step_ms_best"] - two["matmuls_ms_best"], 0) / two["step_ms_best"])
     assert two["step_over_batch1"] == pytest.approx(two["step_ms"] / tiny["decode"]["1"]["step_ms"])
     assert "step_over_batch1" not in tiny["decode"]["1"]
     # prefill as a prefill instance runs it: packed where that measured >= PACK_GAIN faster here

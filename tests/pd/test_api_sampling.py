@@ -1,6 +1,6 @@
 """Issue #32 through ``mooncake up`` on the default model, with the official ``openai`` client:
 logprobs (chat and completions, streamed and not, echo with max_tokens 0 and 1) equal
-``transformers``' log-softmax on the same GGUF within 1e-3; n choices from one prefill,
+``transformers``' log-softmax on the same GGUF within TOL; n choices from one prefill,
 reproducible with a seed; penalties, min_tokens and logit_bias as ``transformers`` generates
 with them; batched prompts. On the session's shared default-model cluster (tests/conftest.py)."""
 
@@ -18,7 +18,9 @@ from tests.real_model import SMOLLM, hf_model, hf_tokenizer, needs_smollm
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), needs_smollm]
-TOL = 1e-3
+# The compact model's decode products hold activations as two int8 parts a block: logits move by
+# up to ~1.3e-3 (docs/model.md, "Quantized weights"), a log-probability by up to twice that.
+TOL = 3e-3
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

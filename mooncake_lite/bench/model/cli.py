@@ -223,7 +223,8 @@ def render(res: dict) -> str:
             ratio = f"; step = {d['step_over_batch1']:.2f}x batch 1's" if "step_over_batch1" in d else ""
             if d["matmuls_ms_best"] is not None:
                 lines.append(f"      its matmuls alone {d['matmuls_ms_best']:7.2f} ms "
-                             f"({100 * d['matmuls_fraction_of_matmul_peak']:5.1f}% of matmul peak){ratio}")
+                             f"({100 * d['matmuls_fraction_of_matmul_peak']:5.1f}% of matmul peak), the rest "
+                             f"{100 * d['outside_matmuls_share']:4.1f}% of the step{ratio}")
             if "mfu" in d:
                 lines.append(gpu_roofs.render_decode(d))
         if "decode_profile" in r:

@@ -75,7 +75,7 @@ def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float | No
 
 # Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
 OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear", "quant_linear")),
-            ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax")),
+            ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax", "decode_attention")),
             ("kv write", ("aten::index_copy", "aten::index_put", "aten::_index_put")),
             ("kv gather", ("aten::index_select", "aten::index")))
 
@@ -177,6 +177,9 @@ def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / roofs.copy_gbps,
             "matmuls_ms_best": matmul_s and matmul_s * 1e3,
             "matmuls_fraction_of_matmul_peak": matmul_gflops and matmul_gflops / roofs.matmul_gflops,
+            # issue #39 item 2: the work around the matmuls (norms, rotary, attention, residuals,
+            # the per-layer Python path) as a share of the step, best against best
+            "outside_matmuls_share": matmul_s and max(best_s - matmul_s, 0.0) / best_s,
         }
         if batch != 1 and "1" in out:   # median steps, as a multiple of the batch-1 step
             out[str(batch)]["step_over_batch1"] = step_s * 1e3 / out["1"]["step_ms"]

@@ -1,0 +1,167 @@
+/* x @ W^T with W in GGUF block formats (Q4_0, Q4_1, Q8_0) and x in integers per block of 32: the
+ * few-rows product (a decode batch) with VNNI integer dot products (32 multiply-adds an
+ * instruction), where quant_matmul.c's float path spends a conversion and a multiply-add per 16
+ * weights and runs bound by that work, not by memory.
+ *
+ * x's block j is held as two int8 parts: q = round(x / dx), dx = max|x| / 127, as llama.cpp's
+ * q8 activations, and the remainder's r = round((x - q*dx) * 256 / dx), so x ~ (256q + r) * dx/256
+ * (15 bits a value against the block's largest; one int8 part alone moved greedy tokens of the
+ * default model where its top two logits were within 0.03: its head's logits moved by 0.3). Then
+ *   Q4_0: sum_j d_j * dx_j/256 * (q4_j . (256q + r)_j - 8 * sum(256q + r)_j)  (q4 in 0..15 is q4 - 8)
+ *   Q4_1: the same + (m_j + 8*d_j) * sum(x_j)           (d*q4 + m taken as d*(q4 - 8) + (m + 8d))
+ *   Q8_0: sum_j d_j * dx_j/256 * ((q8_j ^ 0x80) . (256q + r)_j - 128 * sum(256q + r)_j)
+ * with u8 x s8 products (q8 ^ 0x80 is q8 + 128, unsigned). Centring Q4_1's weights on zero keeps
+ * x's rounding error from meeting all-positive d*q4. The integer parts are exact, so the only
+ * error is x's rounding (bounded: tests/kernels/test_quant_linear.py); every x row is computed by
+ * the same operations in the same order whatever the batch, so a sequence's tokens do not depend
+ * on what it is batched with.
+ *
+ * W is row-planar (quant_matmul.c): a 64-byte load reads four Q4 blocks' quants (two Q8_0), one
+ * 8-byte load their scales. Built only where the CPU has AVX-512 with VNNI; elsewhere
+ * quant_matmul_i8 answers -2 and the float path runs (kernels/quant_linear.py).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGMLQuantizationType values */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_I8 1
+
+/* One x row's quantized blocks for one step of the row loop: four blocks (Q4) or two (Q8_0), laid
+ * out as that step's 64-byte load of W's quants needs them. Q4: xa = the blocks' elements 0..15,
+ * xb = 16..31 (low and high nibbles); Q8_0: xa = the two blocks in order. bias: int32 lanes, the
+ * first of each block's lanes holding -offset * sum(xq) (Q4: 8, Q8_0: 128), where the
+ * integer dot products start. */
+typedef struct {
+    int8_t xa[64], xb[64], ra[64], rb[64];   /* x's quants (xa, xb) and its remainder's (ra, rb) */
+    int32_t bias[16];
+    float dx[4], xsum[4];   /* dx: the remainder's step, dx_j / 256 */
+    uint8_t pad[32];
+} xgroup;
+
+static inline int per_group(int qtype) { return qtype == Q8_0 ? 2 : 4; }
+
+static void quantize_row(int qtype, const float *x, int64_t nblk, xgroup *out) {
+    const int g = per_group(qtype), offset = qtype == Q8_0 ? 128 : 8;
+    memset(out, 0, (size_t)((nblk + g - 1) / g) * sizeof(xgroup));   /* a ragged last group: zeros */
+    for (int64_t j = 0; j < nblk; j++) {
+        const float *v = x + j * 32;
+        xgroup *o = out + j / g;
+        int b = (int)(j % g);
+        float amax = 0.0f, s = 0.0f;
+        for (int e = 0; e < 32; e++) { amax = fmaxf(amax, fabsf(v[e])); s += v[e]; }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;   /* of 256 * q + r: the offset's multiplier */
+        for (int e = 0; e < 32; e++) {
+            float q = nearbyintf(v[e] * id);
+            float r = nearbyintf(fmaf(-q, d, v[e]) * (id * 256.0f));   /* |x - q*d| <= d/2: r in [-128, 128] */
+            r = fminf(fmaxf(r, -127.0f), 127.0f);
+            sum += 256 * (int32_t)q + (int32_t)r;
+            int at = qtype == Q8_0 ? 32 * b + e : 16 * b + e % 16;
+            int8_t *qd = qtype == Q8_0 || e < 16 ? o->xa : o->xb, *rd = qtype == Q8_0 || e < 16 ? o->ra : o->rb;
+            qd[at] = (int8_t)q, rd[at] = (int8_t)r;
+        }
+        o->bias[(16 / g) * b] = -offset * sum;
+        o->dx[b] = d / 256.0f, o->xsum[b] = s;
+    }
+}
+
+/* One row-planar row of W (nblk blocks) against ``rx`` quantized x rows (xg, xg + stride, ...):
+ * W's quants are unpacked once for all of them, and each x row goes through the same operations
+ * in the same order whatever rx is, so its result does not depend on its batch. */
+static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *row, int64_t nblk,
+                                                          const xgroup *xg, int64_t stride, int rx, float *out,
+                                                          int64_t out_stride) {
+    const int g = per_group(qtype);
+    const uint16_t *ds = (const uint16_t *)row, *ms = ds + nblk;
+    const uint8_t *qs = row + (qtype == Q4_1 ? 4 : 2) * nblk;
+    /* each block's scale repeated over its lanes: 4 lanes a block (Q4) or 8 (Q8_0) */
+    const __m512i spread = qtype == Q8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                         : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    __m128 macc[4];
+    for (int r = 0; r < rx; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm_setzero_ps();
+    for (int64_t j = 0, grp = 0; j < nblk; j += g, grp++) {
+        int nb = nblk - j < g ? (int)(nblk - j) : g;
+        __mmask64 qmask = nb == g ? ~(__mmask64)0 : ((__mmask64)1 << (nb * (64 / g))) - 1;
+        __mmask8 smask = (__mmask8)((1u << nb) - 1);
+        __m512i q = _mm512_maskz_loadu_epi8(qmask, qs + j * (64 / g)), lo, hi;
+        if (qtype == Q8_0) lo = hi = _mm512_xor_si512(q, flip);
+        else lo = _mm512_and_si512(q, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);
+        __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ds + j)), m = _mm_setzero_ps();
+        if (qtype == Q4_1)   /* m + 8d, against sum(x) */
+            m = _mm_fmadd_ps(d, _mm_set1_ps(8.0f), _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ms + j)));
+        for (int r = 0; r < rx; r++) {
+            const xgroup *x = xg + r * stride + grp;
+            __m512i dq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(x->xa));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(x->bias), lo, _mm512_load_si512(x->ra));
+            if (qtype != Q8_0) {
+                dq = _mm512_dpbusd_epi32(dq, hi, _mm512_load_si512(x->xb));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(x->rb));
+            }
+            dot = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dot);   /* 256 * (w . q) + w . r */
+            __m128 s = _mm_mul_ps(d, _mm_load_ps(x->dx));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s)),
+                                     acc[r]);
+            if (qtype == Q4_1) macc[r] = _mm_fmadd_ps(m, _mm_load_ps(x->xsum), macc[r]);
+        }
+    }
+    for (int r = 0; r < rx; r++) {
+        __m128 t = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
+        out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+}
+
+/* Rows [n0, n1) of W against every x row, four x rows at a time: a row of W stays in L1 while
+ * the batch reads it. */
+static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint8_t *w, int64_t row_bytes,
+        int64_t nblk, const xgroup *xg, int64_t groups, int64_t batch, int64_t n0, int64_t n1, float *out,
+        int64_t n_rows) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        _mm_prefetch((const char *)row + 4 * row_bytes, _MM_HINT_T0);
+        int64_t b = 0;
+        for (; b + 4 <= batch; b += 4) row_dot(qtype, row, nblk, xg + b * groups, groups, 4, out + b * n_rows + n, n_rows);
+        switch (batch - b) {
+            case 3: row_dot(qtype, row, nblk, xg + b * groups, groups, 3, out + b * n_rows + n, n_rows); break;
+            case 2: row_dot(qtype, row, nblk, xg + b * groups, groups, 2, out + b * n_rows + n, n_rows); break;
+            case 1: row_dot(qtype, row, nblk, xg + b * groups, groups, 1, out + b * n_rows + n, n_rows); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+/* out[B, N] = x[B, K] @ W[N, K]^T with x quantized per block as above. Returns 0; -1 for a type
+ * it does not know or K not a multiple of 32; -2 where this build has no int8 path. */
+int quant_matmul_i8(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, const float *x, int64_t batch,
+                    float *out, int threads) {
+#ifdef HAVE_I8
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || k % 32) return -1;
+    int64_t nblk = k / 32, groups = (nblk + per_group(qtype) - 1) / per_group(qtype);
+    int64_t row_bytes = nblk * (qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34);
+    xgroup *xg = aligned_alloc(64, (size_t)(batch * groups) * sizeof(xgroup));
+    if (xg == NULL) return -1;
+    for (int64_t b = 0; b < batch; b++) quantize_row(qtype, x + b * k, nblk, xg + b * groups);
+    int64_t chunks = (n_rows + 15) / 16;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * 16, n1 = n0 + 16 < n_rows ? n0 + 16 : n_rows;
+        switch (qtype) {   /* a constant type, so the block loop does not branch on it */
+            case Q4_0: rows_dot(Q4_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
+            case Q4_1: rows_dot(Q4_1, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
+            default: rows_dot(Q8_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
+        }
+    }
+    free(xg);
+    return 0;
+#else
+    (void)qtype, (void)w, (void)n_rows, (void)k, (void)x, (void)batch, (void)out, (void)threads;
+    return -2;
+#endif
+}
