@@ -55,6 +55,6 @@ def test_bad_file_values_name_their_source(tmp_path):
     f.write_text('[store]\ndram = "lots"\n')
     with pytest.raises(ConfigError, match="config file"):
         load("store", ["--config", str(f)])
-    f.write_text("[decode]\nstore = \"h:1\"\n")               # decode has no store option
+    f.write_text("[decode]\nssd_dir = \"/tmp/x\"\n")            # decode has no SSD tier (a store option)
     with pytest.raises(ConfigError, match="unknown key"):
         load("decode", ["--config", str(f)])

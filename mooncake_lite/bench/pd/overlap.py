@@ -21,6 +21,7 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
+from mooncake_lite.prefill.results import Firsts
 from mooncake_lite.prefill.store_io import MemoryStore
 
 
@@ -33,7 +34,7 @@ class NullSender:
     def send_layer(self, layer, start, kv) -> None:
         pass
 
-    async def end(self, first_layer, end_layer, first_token) -> None:
+    async def end(self, first_layer, end_layer, first_token, resume=None) -> None:
         pass
 
     async def abort(self, reason) -> None:
@@ -50,10 +51,10 @@ class ThenSendSender(KVSender):
     def send_layer(self, layer, start, kv) -> None:
         self.held.append((layer, start, kv))
 
-    async def end(self, first_layer, end_layer, first_token) -> None:
+    async def end(self, first_layer, end_layer, first_token, resume=None) -> None:
         for layer, start, kv in self.held:
             super().send_layer(layer, start, kv)
-        await super().end(first_layer, end_layer, first_token)
+        await super().end(first_layer, end_layer, first_token, resume)
 
 
 async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int, hit: int) -> dict[str, float]:
@@ -68,7 +69,7 @@ async def prefill_once(stage: StageEngine, sender, tokens: list[int], chunk: int
         for start in range(hit * BLOCK, len(tokens), chunk):
             out = await stage.run_chunk(job, start, token_ids=tokens[start:start + chunk])
         t1 = time.perf_counter()
-        await stage.finish(job, int(torch.argmax(out)))
+        await stage.finish(job, Firsts((int(torch.argmax(out)),)))
         t2 = time.perf_counter()
         return {"ttft_s": t2 - t0, "compute_s": t1 - t0, "tail_s": t2 - t1}
     finally:
