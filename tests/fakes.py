@@ -34,11 +34,16 @@ async def fake_conductor(refuse_roles: set[str] = frozenset(), heartbeat_status:
     app = web.Application()
     app.router.add_post("/internal/v1/register", register)
     app.router.add_post("/internal/v1/heartbeat", heartbeat)
+    return (*await serve_on_loopback(app), seen)
+
+
+async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` served on a free 127.0.0.1 port: its runner (to clean up) and base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, f"http://127.0.0.1:{bound_port(site)}", seen
+    return runner, f"http://127.0.0.1:{bound_port(site)}"
 
 
 def write_tree(root: Path, files: dict[str, str]) -> None:

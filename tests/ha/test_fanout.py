@@ -16,7 +16,7 @@ from mooncake_lite.common import discovery
 from mooncake_lite.common.membership import Conductor, RegistrationRefused, conductor_urls, keep_membership
 from mooncake_lite.common.protocol import BlockEvents, InstanceLoad, Register, loads
 from mooncake_lite.store.event_fanout import BlockEventFanout
-from tests.fakes import fake_conductor
+from tests.fakes import fake_conductor, serve_on_loopback
 
 pytestmark = pytest.mark.timeout(60)
 MSG = Register("prefill", "p0", "127.0.0.1:1", None, None, "tiny", 16, 0, 64, 128)
@@ -87,11 +87,7 @@ async def block_event_sink() -> tuple[web.AppRunner, str, list[BlockEvents]]:
 
     app = web.Application()
     app.router.add_post("/internal/v1/block_events", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", got
+    return (*await serve_on_loopback(app), got)
 
 
 async def test_store_sends_every_event_to_every_conductor_past_a_dead_one():

@@ -12,19 +12,11 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model, check_divides
 from mooncake_lite.model.weights import build_model, model_args
 from mooncake_lite.transfer.tp_heads import rank_heads, writes_heads
-from tests.model.hf_fixtures import checkpoint_cache, save_deepseek_v3, save_qwen3_moe
+from tests.model.test_moe_mla import CHECKPOINTS, saved  # noqa: F401 (the checkpoints and their fixture)
 from tests.model.test_tensor_parallel import _check, _hf_refs, _outputs
 from tests.model.test_tp_step import BS as STEP_BS, _job as step_job, _same, _script
 from tests.model.tp_ranks import run_ranks
 
-CHECKPOINTS = {"qwen3_moe": (save_qwen3_moe, {"seed": 1}),
-               "deepseek_v3": (save_deepseek_v3, {"seed": 2}),
-               "deepseek_v3_plain_q": (save_deepseek_v3, {"seed": 3, "q_lora_rank": None, "rope_interleave": False})}
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    return checkpoint_cache(tmp_path_factory, CHECKPOINTS)
 
 
 def _job(comms, runs: list[tuple[str, bool]]) -> list[dict]:
