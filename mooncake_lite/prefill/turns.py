@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
-from mooncake_lite.prefill.engine import PrefillAborted
+from mooncake_lite.prefill.job import PrefillAborted
 from mooncake_lite.scheduler.queue_order import landing
 
 @dataclass(eq=False)    # a job is itself: the waiting list finds it by identity

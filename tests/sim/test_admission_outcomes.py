@@ -11,6 +11,7 @@ import pytest
 
 from mooncake_lite.bench.fidelity import admission
 from mooncake_lite.bench.fidelity.admission import Outcome
+from mooncake_lite.bench.fidelity.report import admission_lines
 from mooncake_lite.sim.costs import load_profile
 from mooncake_lite.trace.format import TraceRequest
 from tests.sim.test_fidelity_bench import PROFILE
@@ -60,7 +61,7 @@ def test_the_counterfactual_is_simulated_per_refused_request(hw):
     assert out["admitted_met"]["goal_met"] is False           # 75% < 95%
     # the simulator's own view of the admitted four (the counterfactual's bias in this run)
     assert out["sim_admitted_met"]["of"] == 4
-    text = "\n".join(admission.admission_lines({**out, "slos": "absolute"}))
+    text = "\n".join(admission_lines({**out, "slos": "absolute"}))
     assert "1/6 = 16.7%" in text and "3/4 = 75.0%" in text
 
 

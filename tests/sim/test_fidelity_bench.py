@@ -13,6 +13,7 @@ import pytest
 from mooncake_lite.bench.fidelity import cli as fidelity
 from mooncake_lite.bench.fidelity import gaps as fidelity_gaps
 from mooncake_lite.bench.fidelity import live as fidelity_live
+from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity import report as fidelity_report
 from mooncake_lite.bench.fidelity import sim as fidelity_sim
 from mooncake_lite.bench.replay.metrics import RequestRecord
@@ -144,7 +145,7 @@ def test_first_tokens_landing_together_are_counted():
 def test_the_finish_chunk_is_no_token_gap():
     # 3 tokens, then the chunk that carries only the finish reason, right after the last token
     r = RequestRecord(0, 0.0, 0.0, (1.0, 1.1, 1.3, 1.3), 10, 3, 200)
-    assert fidelity_live.token_gaps(r) == pytest.approx([0.1, 0.2])
+    assert token_gaps(r) == pytest.approx([0.1, 0.2])
     assert fidelity_live.live_side([r]).tbt == pytest.approx((0.2,))
 
 

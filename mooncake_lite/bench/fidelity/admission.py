@@ -97,28 +97,9 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
             "refused_would_meet_ids": would}
 
 
-def admission_lines(a: Mapping) -> list[str]:
-    """The report's lines for :func:`judge`'s dict."""
-    def one(label: str, s: Mapping) -> str:
-        if not s["of"]:
-            return f"{label}: none"
-        lo, hi = s["ci95"]
-        verdict = "yes" if s["goal_met"] else "NO"
-        sign = "≥" if label.startswith("admitted") else "≤"
-        return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
-                f"goal {sign} {s['goal']:.0%}: {verdict})")
-    return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
-            "  " + one("admitted that met their SLO (live)", a["admitted_met"])
-            + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
-            "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
-            "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
-            + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
-
-
 def outcomes_of(records: Sequence) -> dict[int, Outcome]:
     """The client's records as outcomes, by request id (TBT: the paper's, of its token gaps)."""
-    from mooncake_lite.bench.fidelity.live import token_gaps
-    from mooncake_lite.bench.replay.metrics import ttft
+    from mooncake_lite.bench.replay.metrics import token_gaps, ttft
     from mooncake_lite.common.tbt import paper_tbt
     return {r.request_id: (Outcome("ok", ttft(r), paper_tbt(token_gaps(r))) if r.is_ok else
                            Outcome("rejected") if r.is_rejected else Outcome("failed")) for r in records}

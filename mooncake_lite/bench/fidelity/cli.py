@@ -39,7 +39,8 @@ import orjson
 
 from mooncake_lite.bench import options
 from mooncake_lite.bench.fidelity.gaps import measured_gaps
-from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster, token_gaps
+from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster
+from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
 from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
 from mooncake_lite.bench.options import Options, flag, freeze

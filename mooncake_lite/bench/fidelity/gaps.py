@@ -8,7 +8,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from mooncake_lite.bench.fidelity.live import server_tokens, token_gaps
+from mooncake_lite.bench.fidelity.live import server_tokens
+from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import Side, rel_error
 
 

@@ -14,6 +14,7 @@ import orjson
 from mooncake_lite.bench.fidelity.report import Side
 from mooncake_lite.bench.harness import UpCluster
 from mooncake_lite.bench.options import Options
+from mooncake_lite.bench.replay.metrics import token_gaps
 
 
 def live_side(records: Sequence) -> Side:
@@ -26,16 +27,6 @@ def live_side(records: Sequence) -> Side:
                 failed=sum(not r.is_ok and not r.is_rejected for r in records),
                 prefix_hit_tokens=sum(r.cached_tokens or 0 for r in ok),
                 prompt_tokens=sum(server_tokens(r) for r in ok))
-
-
-def token_gaps(record) -> list[float]:
-    """The gaps between a request's tokens as the client got them. The stream's last chunk
-    carries only the finish reason, right after the last token: ``bench replay`` counts that
-    0 s gap too (``itls``), which the simulator has no twin of — 32 gaps for 31, a mean gap
-    3% low, and the slowest tenth of a different count whenever the real count ends in 9."""
-    from mooncake_lite.bench.replay.metrics import itls
-    gaps = itls(record)
-    return gaps[: record.output_tokens - 1] if record.output_tokens else gaps
 
 
 def server_tokens(record) -> int:

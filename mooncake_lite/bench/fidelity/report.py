@@ -127,10 +127,27 @@ def report_text(report: Mapping) -> str:
                      "were sent):")
         lines += ["  " + line for line in format_report(h).splitlines()]
     if report.get("admission"):
-        from mooncake_lite.bench.fidelity.admission import admission_lines
         lines += admission_lines(report["admission"])
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
+
+
+def admission_lines(a: Mapping) -> list[str]:
+    """The report's lines for ``bench/fidelity/admission.judge``'s dict."""
+    def one(label: str, s: Mapping) -> str:
+        if not s["of"]:
+            return f"{label}: none"
+        lo, hi = s["ci95"]
+        verdict = "yes" if s["goal_met"] else "NO"
+        sign = "≥" if label.startswith("admitted") else "≤"
+        return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
+                f"goal {sign} {s['goal']:.0%}: {verdict})")
+    return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
+            "  " + one("admitted that met their SLO (live)", a["admitted_met"])
+            + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
+            "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
+            "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
+            + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
 
 
 def ns_of(compared: Mapping) -> int:

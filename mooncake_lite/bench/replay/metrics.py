@@ -76,6 +76,15 @@ def itls(r: RequestRecord) -> list[float]:
     return [b - a for a, b in zip(r.chunk_s, r.chunk_s[1:])]
 
 
+def token_gaps(record: RequestRecord) -> list[float]:
+    """The gaps between a request's tokens as the client got them. The stream's last chunk
+    carries only the finish reason, right after the last token: ``itls`` counts that 0 s gap
+    too, which the simulator has no twin of — 32 gaps for 31, a mean gap
+    3% low, and the slowest tenth of a different count whenever the real count ends in 9."""
+    gaps = itls(record)
+    return gaps[: record.output_tokens - 1] if record.output_tokens else gaps
+
+
 def summarize_ms(values_s: Sequence[float], name: str) -> dict[str, float | None]:
     """``mean_/median_/std_/p90_/p99_{name}_ms``; None when there are no values."""
     keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"] + \
