@@ -1,12 +1,13 @@
 """What ``mooncake up`` reads about this machine and the served model to divide them among its
-roles (the division itself is pure: ``plan.core_shares`` / ``plan.memory_shares``)."""
+roles (the division itself is pure: ``shares.core_shares`` / ``shares.memory_shares``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 
-from mooncake_lite.cluster.plan import DEFAULT_MEMORY_FRACTION, MachineShare, UpOptions, kv_layout, on_gpu, role_setting
+from mooncake_lite.cluster.plan import UpOptions, kv_layout, on_gpu, role_setting
+from mooncake_lite.cluster.shares import DEFAULT_MEMORY_FRACTION, MachineShare
 
 
 def usable_cpus() -> tuple[int, ...]:

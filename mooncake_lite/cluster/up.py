@@ -29,11 +29,11 @@ import aiohttp
 
 from mooncake_lite.cluster.machine import with_machine_share
 from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION
-from mooncake_lite.cluster.plan import (DEFAULT_MEMORY_FRACTION, MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions,
-                                        conductor_spec, instance_specs, kv_layout, role_setting, slot_bytes_for,
-                                        split_args,
+from mooncake_lite.cluster.plan import (MAX_SLOT_BYTES, ROLES, SIZING_OPTIONS, UpOptions, conductor_spec,
+                                        instance_specs, kv_layout, role_setting, slot_bytes_for, split_args,
                                         store_specs)
 from mooncake_lite.cluster.registration import connectable, wait_registered, with_role_support
+from mooncake_lite.cluster.shares import DEFAULT_MEMORY_FRACTION
 from mooncake_lite.cluster.smoke import SMOKE_PROMPT, SmokeError, served_model, smoke_request
 from mooncake_lite.cluster.supervisor import RestartPolicy, Supervisor
 from mooncake_lite.common.auth import api_key_headers, cluster_headers

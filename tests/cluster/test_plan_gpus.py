@@ -5,7 +5,8 @@ import pytest
 
 from mooncake_lite.cluster.gpus import gpu_placement
 from mooncake_lite.cluster.machine import packs_weights
-from mooncake_lite.cluster.plan import MachineShare, UpOptions, instance_share_flags, instance_specs, kv_layout
+from mooncake_lite.cluster.plan import UpOptions, instance_share_flags, instance_specs, kv_layout
+from mooncake_lite.cluster.shares import MachineShare
 from mooncake_lite.cluster.up import build_parser, gpu_list, options_from
 from mooncake_lite.common.config import ConfigError, load_config
 from mooncake_lite.instance.config import ModelRoleConfig

@@ -1,5 +1,5 @@
 """``mooncake up`` divides one machine among its roles: CPU slices per instance, and KV / DRAM
-memory from a fraction of what is available (plan.core_shares, plan.memory_shares), and a real
+memory from a fraction of what is available (shares.core_shares, shares.memory_shares), and a real
 child runs with what it was given."""
 
 import dataclasses
@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from mooncake_lite.cluster import machine, plan
+from mooncake_lite.cluster import machine, shares
 from mooncake_lite.cluster.machine import available_memory, usable_cpus, with_machine_share
-from mooncake_lite.cluster.plan import (MachineShare, UpOptions, core_shares, instance_specs, memory_shares,
-                                        lent_cpus, store_specs)
+from mooncake_lite.cluster.plan import UpOptions, instance_specs, store_specs
+from mooncake_lite.cluster.shares import MachineShare, core_shares, lent_cpus, memory_shares
 from mooncake_lite.cluster.registration import with_role_support
 from mooncake_lite.common.config import load_config
 from mooncake_lite.common.launch import LAUNCHER
@@ -67,12 +67,12 @@ def smollm(available=32 * GiB, fraction=0.25, **kw):
 def test_memory_shares_split_what_is_left_after_weights():
     share = smollm()
     m = memory_shares(share, 1, 1, 1)
-    budget = int(32 * GiB * 0.25) - 2 * (share.weight_bytes + plan.PROCESS_OVERHEAD)
+    budget = int(32 * GiB * 0.25) - 2 * (share.weight_bytes + shares.PROCESS_OVERHEAD)
     assert m.prefill_kv + m.decode_kv + m.store_dram <= budget
-    assert m.decode_kv > m.store_dram > m.prefill_kv > plan.INSTANCE_KV_MEMORY
+    assert m.decode_kv > m.store_dram > m.prefill_kv > shares.INSTANCE_KV_MEMORY
     # the issue's load: decode's default 256 MiB held eleven 512-token blocks of this model
     per_block = model_args("smollm2-135m").kv_block_bytes(512, "float32")
-    assert plan.INSTANCE_KV_MEMORY // per_block == 11 and m.decode_kv // per_block >= 40
+    assert shares.INSTANCE_KV_MEMORY // per_block == 11 and m.decode_kv // per_block >= 40
     more = memory_shares(dataclasses.replace(share, memory_fraction=0.5), 1, 1, 1)
     assert more.decode_kv > m.decode_kv and more.store_dram > m.store_dram
     two = memory_shares(share, 1, 2, 2)                              # divided among instances
@@ -101,13 +101,13 @@ def test_a_decodes_packed_weights_come_out_of_the_budget():
 
 def test_memory_shares_never_fall_below_the_roles_defaults_and_small_models_are_capped():
     m = memory_shares(smollm(available=1 * GiB), 1, 1, 1)           # weights alone exceed the budget
-    assert (m.prefill_kv, m.decode_kv, m.store_dram) == (plan.INSTANCE_KV_MEMORY, plan.INSTANCE_KV_MEMORY,
-                                                          plan.STORE_DRAM)
+    assert (m.prefill_kv, m.decode_kv, m.store_dram) == (shares.INSTANCE_KV_MEMORY, shares.INSTANCE_KV_MEMORY,
+                                                          shares.STORE_DRAM)
     tiny = smollm(available=64 * GiB, tiny=True)                     # 1 KiB/token, 4096 tokens
     m = memory_shares(tiny, 1, 1, 1)
     seq = 4096 * 1024
-    assert m.prefill_kv == max(plan.PREFILL_SEQUENCES * seq, plan.INSTANCE_KV_MEMORY)
-    assert m.decode_kv == plan.DECODE_SEQUENCES * seq and m.store_dram == plan.STORE_SEQUENCES * seq
+    assert m.prefill_kv == max(shares.PREFILL_SEQUENCES * seq, shares.INSTANCE_KV_MEMORY)
+    assert m.decode_kv == shares.DECODE_SEQUENCES * seq and m.store_dram == shares.STORE_SEQUENCES * seq
     unknown = dataclasses.replace(tiny, kv_token_bytes=None)         # shape unknown: no caps
     assert memory_shares(unknown, 1, 1, 1).decode_kv > 5 * GiB
 

@@ -3,8 +3,8 @@ the memory plan counts each rank."""
 
 import dataclasses
 
-from mooncake_lite.cluster.plan import (PROCESS_OVERHEAD, MachineShare, instance_share_flags, memory_shares,
-                                        planned_memory, rank_weight_bytes, role_tp)
+from mooncake_lite.cluster.plan import instance_share_flags, planned_memory, role_tp
+from mooncake_lite.cluster.shares import PROCESS_OVERHEAD, MachineShare, memory_shares, rank_weight_bytes
 from mooncake_lite.cluster.up import build_parser, options_from
 
 
