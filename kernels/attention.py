@@ -13,7 +13,6 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.dispatch import fast_module
 
@@ -80,9 +79,17 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     groups = q.shape[0] // k.shape[0]
     if groups > 1 and q.is_cuda and not _flash_takes(q, k, v):
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-    bias = None if n == ctx else causal_lower_right(n, ctx)
+    bias = None if n == ctx else _lower_right(n, ctx)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias, is_causal=bias is None,
                                           enable_gqa=k.shape[0] != q.shape[0])[0]
+
+
+def _lower_right(n: int, ctx: int):
+    # Imported here, not at the top: torch.nn.attention pulls in torch._dynamo, sympy and
+    # inductor (about 1,100 modules, ~1.6 s of CPU), which every prefill and decode process would
+    # otherwise pay at start-up though only a prefix prefill through this path uses it.
+    from torch.nn.attention.bias import causal_lower_right
+    return causal_lower_right(n, ctx)
 
 
 def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

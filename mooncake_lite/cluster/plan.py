@@ -37,7 +37,7 @@ from mooncake_lite.cluster.gpus import DEFAULT_GPU_MEMORY_FRACTION, gpu_placemen
 from mooncake_lite.cluster.shares import (STORE_DRAM, MachineShare, MemoryShares, core_shares, lent_cpus,
                                           memory_shares)
 from mooncake_lite.common.launch import role_argv
-from mooncake_lite.instance.config import default_dtype
+from mooncake_lite.model.args import default_dtype
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 ROLES = ("conductor", "store", "prefill", "decode")

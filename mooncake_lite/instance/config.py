@@ -12,7 +12,7 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.membership import Conductor, conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
-from mooncake_lite.model.args import DTYPES
+from mooncake_lite.model.args import DTYPES, default_dtype
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.source import DEFAULT_MODEL, model_id
 from mooncake_lite.model.tensor_parallel import check_divides
@@ -33,12 +33,6 @@ def parse_cpus(value) -> tuple[int, ...] | None:
         first, _, last = part.strip().partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return tuple(sorted(cpus))
-
-
-def default_dtype(device: str) -> str:
-    """The serving dtype where none is asked for: bfloat16 on CUDA (tensor cores, half the bytes
-    per step), float32 elsewhere (a CPU without bf16 matmuls decodes faster in it: docs/model.md)."""
-    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,13 @@ def mla_params(m: MLAArgs, dim: int, num_heads: int) -> int:
     return q + kv + num_heads * m.v_head_dim * dim
 
 
+def default_dtype(device: str) -> str:
+    """The serving dtype where none is asked for: bfloat16 on CUDA (tensor cores, half the bytes
+    per step), float32 elsewhere (a CPU without bf16 matmuls decodes faster in it: docs/model.md).
+    Here, torch-free, because `mooncake up` plans the cluster with it and must not import torch."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def dtype_bytes(dtype: "torch.dtype | str") -> int:
     return DTYPE_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
 

@@ -88,13 +88,22 @@ def unheld(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(weight.detach().to("meta"), requires_grad=False)
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    # On the meta device (the loaders fuse before loading) torch.cat runs torch's Python reference,
+    # whose first call imports torch._dynamo and sympy, ~1.6 s of CPU in every instance's start-up;
+    # a meta result is only a shape.
+    if parts[0].is_meta:
+        return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts)
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the linears' output rows in order; each linear's parameters
     become views of it, so checkpoints, state dicts and weight counts see no change and nothing is
     held twice."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+    weight = _cat([lin.weight.detach() for lin in linears])
     has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    bias = _cat([lin.bias.detach() for lin in linears]) if has_bias else None
     row = 0
     for lin in linears:
         rows = lin.out_features

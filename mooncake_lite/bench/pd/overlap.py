@@ -15,8 +15,7 @@ from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.launch import RoleProcess
-from mooncake_lite.instance.config import default_dtype
-from mooncake_lite.model.args import DTYPES
+from mooncake_lite.model.args import DTYPES, default_dtype
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
