@@ -14,6 +14,7 @@ from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.model.kv_codec import model_codec
 from mooncake_lite.model.source import DEFAULT_MODEL, model_id
 from mooncake_lite.model.tensor_parallel import check_divides
 
@@ -100,12 +101,10 @@ class ModelRoleConfig(RoleConfig):
             args = model_args(self.model)
         except (ValueError, OSError) as exc:
             require(False, f"--model: {exc}")
-        # MLA's second cache plane holds the latent's tail and the rope key, whose ranges are unrelated
-        # (the latent is RMS-normalised, the rope key is not): the codec's one scale per plane would tie
-        # them (docs/model.md, Mixture of experts and MLA).
-        require(args.mla is None or self.kv_compression == "none",
-                f"--kv-compression {self.kv_compression} is refused for an MLA model ({self.model}): the "
-                "latent's rope key would share a scale with latent values; use --kv-compression none")
+        try:   # an MLA cache's rope key takes a scale of its own, where it fits (model/kv_codec.py)
+            model_codec(self.kv_compression, args)
+        except ValueError as exc:
+            require(False, f"--kv-compression {self.kv_compression} for {self.model}: {exc}")
         self._check_tensor_parallel(args)
 
     def _check_tensor_parallel(self, args) -> None:
