@@ -73,6 +73,9 @@ class ModelRoleConfig(RoleConfig):
                                   "the instance's, split evenly among its ranks", aliases=("--tp",))
     tp_timeout: float = option(60.0, "seconds any tensor-parallel collective may wait before the whole instance "
                                "fails (the ranks' start-up meeting may take 300)", parse=parse_duration)
+    moe_layout: str = option("split", "a mixture of experts at --tensor-parallel N: every expert split by width "
+                             "over the ranks (split), or whole experts placed per rank, E/N each (placed: expert "
+                             "parallelism); docs/model.md", choices=("split", "placed"))
     devices: tuple[int, ...] | None = option(None, "CUDA devices of the tensor-parallel ranks, one each, e.g. 0,1 "
                                              "(default: every rank on --device)", parse=parse_cpus)
     kv_compression: str = option("none", "KV blocks in the store (DRAM, SSD, its wire) as 1-byte codes with "
@@ -109,14 +112,20 @@ class ModelRoleConfig(RoleConfig):
 
     def _check_tensor_parallel(self, args) -> None:
         require(self.tp_timeout > 0, "--tp-timeout must be positive")
+        require(self.moe_layout in ("split", "placed"), f"--moe-layout must be split or placed, got {self.moe_layout!r}")
         try:
-            check_divides(args, self.tensor_parallel)
+            check_divides(args, self.tensor_parallel, self.expert_parallel)
         except ValueError as exc:
             require(False, f"--tensor-parallel: {exc}")
         if self.devices is not None:
             require(self.device.startswith("cuda"), "--devices names CUDA devices: give --device cuda too")
             require(len(self.devices) >= self.tensor_parallel,
                     f"--devices lists {len(self.devices)} devices for {self.tensor_parallel} ranks")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whole experts placed per tensor-parallel rank (``--moe-layout placed``)."""
+        return self.moe_layout == "placed"
 
     def joins(self) -> Conductor | None:
         """The conductors this instance registers with and heartbeats to (None: it serves alone)."""
