@@ -177,10 +177,15 @@ def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> 
         block_bytes = args.kv_block_bytes(block_size, dtype)
     except (ValueError, OSError, KeyError):
         return opts
-    if role_setting(opts, "prefill", "kv_compression") not in (None, "none"):
+    if (compression := role_setting(opts, "prefill", "kv_compression")) not in (None, "none"):
         # encoded blocks: 1-byte codes and per-head scales per layer, whatever the dtype
         from kernels.kv_codec import encoded_layer_bytes
-        block_bytes = args.num_layers * encoded_layer_bytes(block_size, args.num_kv_heads, args.head_dim)
+        from mooncake_lite.model.kv_codec import model_codec
+        try:
+            rope_dim = model_codec(compression, args).rope_dim
+        except ValueError:   # refused by the roles, naming it
+            return opts
+        block_bytes = args.num_layers * encoded_layer_bytes(block_size, args.num_kv_heads, args.head_dim, rope_dim)
     if slot_bytes_for(block_bytes) > MAX_SLOT_BYTES:
         raise ValueError(f"one {block_size}-token KV block of {opts.model} in {dtype} is {block_bytes} bytes, more "
                          f"than a store slot can hold ({MAX_SLOT_BYTES}): lower --block-size")

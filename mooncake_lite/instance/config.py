@@ -14,6 +14,7 @@ from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
 from mooncake_lite.model.args import DTYPES, default_dtype
 from mooncake_lite.model.checkpoint_config import model_args
+from mooncake_lite.model.kv_codec import model_codec
 from mooncake_lite.model.source import DEFAULT_MODEL, model_id
 from mooncake_lite.model.tensor_parallel import check_divides
 
@@ -66,6 +67,9 @@ class ModelRoleConfig(RoleConfig):
                                   "the instance's, split evenly among its ranks", aliases=("--tp",))
     tp_timeout: float = option(60.0, "seconds any tensor-parallel collective may wait before the whole instance "
                                "fails (the ranks' start-up meeting may take 300)", parse=parse_duration)
+    moe_layout: str = option("split", "a mixture of experts at --tensor-parallel N: every expert split by width "
+                             "over the ranks (split), or whole experts placed per rank, E/N each (placed: expert "
+                             "parallelism); docs/model.md", choices=("split", "placed"))
     devices: tuple[int, ...] | None = option(None, "CUDA devices of the tensor-parallel ranks, one each, e.g. 0,1 "
                                              "(default: every rank on --device)", parse=parse_cpus)
     kv_compression: str = option("none", "KV blocks in the store (DRAM, SSD, its wire) as 1-byte codes with "
@@ -94,24 +98,28 @@ class ModelRoleConfig(RoleConfig):
             args = model_args(self.model)
         except (ValueError, OSError) as exc:
             require(False, f"--model: {exc}")
-        # MLA's second cache plane holds the latent's tail and the rope key, whose ranges are unrelated
-        # (the latent is RMS-normalised, the rope key is not): the codec's one scale per plane would tie
-        # them (docs/model.md, Mixture of experts and MLA).
-        require(args.mla is None or self.kv_compression == "none",
-                f"--kv-compression {self.kv_compression} is refused for an MLA model ({self.model}): the "
-                "latent's rope key would share a scale with latent values; use --kv-compression none")
+        try:   # an MLA cache's rope key takes a scale of its own, where it fits (model/kv_codec.py)
+            model_codec(self.kv_compression, args)
+        except ValueError as exc:
+            require(False, f"--kv-compression {self.kv_compression} for {self.model}: {exc}")
         self._check_tensor_parallel(args)
 
     def _check_tensor_parallel(self, args) -> None:
         require(self.tp_timeout > 0, "--tp-timeout must be positive")
+        require(self.moe_layout in ("split", "placed"), f"--moe-layout must be split or placed, got {self.moe_layout!r}")
         try:
-            check_divides(args, self.tensor_parallel)
+            check_divides(args, self.tensor_parallel, self.expert_parallel)
         except ValueError as exc:
             require(False, f"--tensor-parallel: {exc}")
         if self.devices is not None:
             require(self.device.startswith("cuda"), "--devices names CUDA devices: give --device cuda too")
             require(len(self.devices) >= self.tensor_parallel,
                     f"--devices lists {len(self.devices)} devices for {self.tensor_parallel} ranks")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whole experts placed per tensor-parallel rank (``--moe-layout placed``)."""
+        return self.moe_layout == "placed"
 
     def joins(self) -> Conductor | None:
         """The conductors this instance registers with and heartbeats to (None: it serves alone)."""

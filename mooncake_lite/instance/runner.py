@@ -68,7 +68,7 @@ def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, thread
     from mooncake_lite.instance.tp_ranks import start_group
     from mooncake_lite.model.tensor_parallel import TPLayout
     from mooncake_lite.model.weights import model_args
-    local = TPLayout(model_args(cfg.model), cfg.tensor_parallel, 0).local_args()
+    local = TPLayout(model_args(cfg.model), cfg.tensor_parallel, 0, expert_parallel=cfg.expert_parallel).local_args()
     # The ranks share this process's CPUs: --threads each, else an equal share of them.
     threads = cfg.threads or max(1, threads // cfg.tensor_parallel)
     torch.set_num_threads(threads)

@@ -52,10 +52,11 @@ class RankPlan:
     num_blocks: int
     block_size: int
     address: GroupAddress
+    expert_parallel: bool = False      # --moe-layout placed
 
     def runner(self, rank: int) -> tuple[ModelRunner, TPComms, TPLayout]:
         from mooncake_lite.model.args import DTYPES
-        layout = TPLayout(model_args(self.model), self.address.size, rank)
+        layout = TPLayout(model_args(self.model), self.address.size, rank, expert_parallel=self.expert_parallel)
         comms = TPComms(self.address, rank, self.devices[rank])
         runner = build_rank_runner(self.model, comms, layout, num_blocks=self.num_blocks, block_size=self.block_size,
                                    device=self.devices[rank], dtype=DTYPES[self.dtype], layer_range=self.layer_range,
@@ -157,7 +158,7 @@ def start_group(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, num_b
     """Rank 0 of ``cfg``'s instance, its followers started, each rank on ``threads`` threads."""
     plan = RankPlan(cfg.model, cfg.dtype, cfg.seed, rank_devices(cfg), threads, layer_range, num_blocks,
                     cfg.block_size, GroupAddress("127.0.0.1", free_port(), cfg.tensor_parallel, cfg.tp_timeout,
-                                                 backend_for(rank_devices(cfg))))
+                                                 backend_for(rank_devices(cfg))), cfg.expert_parallel)
     log.info("tensor-parallel group of %d ranks on %s", cfg.tensor_parallel, ",".join(plan.devices))
     return TPGroup(plan)
 

@@ -3,19 +3,35 @@ prefix KV went through the store's codec (``kernels/kv_codec.py``) and everythin
 
 The prefix's full blocks are computed, quantized and dequantized in place (as a store round trip
 leaves them), then the rest of the prompt is prefilled on top and tokens are decoded greedily.
-With ``codec=None`` it is plain paged greedy generation, the uncompressed peer.
+With ``codec=None`` it is plain paged greedy generation, the uncompressed peer. :func:`model_codec`
+is the codec a model's cache takes (its rope key scaled on its own for MLA).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.kv_codec import KVCodec, round_trip
-from mooncake_lite.model.kv_cache import blocks_needed
-from mooncake_lite.model.llama import Transformer
-from mooncake_lite.model.runner import ModelRunner
+from kernels.kv_codec import KVCodec, codec_for, round_trip
+from mooncake_lite.model.args import ModelArgs
+
+if TYPE_CHECKING:   # the runner pulls in torch's compiler stack: not for the instance config's model_codec
+    from mooncake_lite.model.llama import Transformer
+
+
+def model_codec(name: str | None, args: ModelArgs) -> KVCodec | None:
+    """The codec ``--kv-compression name`` means for this model (None for "none"). An MLA cache row
+    is the latent then the rope key over the K and V planes (``model/mla.py``): the rope key, the
+    V plane's tail, gets a scale of its own. ValueError if it is wider than that plane."""
+    if args.mla is None or codec_for(name) is None:
+        return codec_for(name)
+    rope_dim = args.mla.qk_rope_head_dim
+    if rope_dim >= args.head_dim:
+        raise ValueError(f"the MLA rope key ({rope_dim} values) fills a whole cache plane ({args.head_dim}): "
+                         "the codec scales only the V plane's tail apart; use --kv-compression none")
+    return codec_for(name, rope_dim)
 
 
 @torch.no_grad()
@@ -27,6 +43,8 @@ def compressed_prefix_run(model: Transformer, prompt_ids: Sequence[int], num_pre
     forcing), those tokens are fed back instead of the argmax, so logits compare position by
     position with another run's. The prefix must leave at least one prompt token to compute (a
     prefill instance always computes the last one)."""
+    from mooncake_lite.model.kv_cache import blocks_needed
+    from mooncake_lite.model.runner import ModelRunner
     n = num_prefix_blocks * block_size
     if not 0 <= n < len(prompt_ids):
         raise ValueError(f"a {num_prefix_blocks}-block prefix leaves no token of a {len(prompt_ids)}-token prompt")

@@ -75,3 +75,48 @@ def test_zero_heads_and_sizes():
         KVCodec("int4")
     with pytest.raises(ValueError):
         decode_layers(torch.zeros(1, 10, dtype=torch.uint8), (4, 2, 8), KVCodec("int8"), torch.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1), rope_dim=st.integers(1, 7), rope_mag=st.floats(-3, 3))
+def test_an_mla_rope_key_gets_its_own_scale_and_error_bound(shape, seed, rope_dim, rope_mag):
+    """With ``rope_dim`` the V plane's tail (an MLA cache's rope key) is scaled apart from the
+    latent values before it: each part's int8 error is at most half a step of its own absmax."""
+    layers, bs, kvh, _ = shape
+    x = _block((layers, bs, kvh, 8), seed, 2)
+    x[:, 1, ..., -rope_dim:] *= 10.0 ** rope_mag
+    codec = KVCodec("int8", rope_dim)
+    codes, scale = quantize(x, codec)
+    assert scale.shape == (layers, 3, kvh) and codec.num_scales == 3
+    err = (dequantize(codes, scale, torch.float32, rope_dim) - x).abs()
+    for part in ((slice(None), 0), (slice(None), 1, Ellipsis, slice(None, -rope_dim)),
+                 (slice(None), 1, Ellipsis, slice(-rope_dim, None))):
+        step = x[part].abs().amax(dim=(-3, -1), keepdim=True) / 127     # per layer, part and head
+        assert bool((err[part] <= step / 2 * (1 + 1e-5) + 1e-30).all())
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_the_rope_scale_is_a_third_scale_per_head_in_a_sliceable_record(name):
+    codec = codec_for(name, 4)
+    layers, bs, kvh, hd = 3, 4, 1, 12
+    x = _block((layers, bs, kvh, hd), 5, 2)
+    raw = encode_layers(x[None], codec)[0]
+    assert raw.shape == (layers, encoded_layer_bytes(bs, kvh, hd, 4)) and raw.shape[1] == 2 * bs * hd + 3 * 4
+    full = decode_layers(raw, (bs, kvh, hd), codec, torch.float32)
+    assert torch.equal(full, round_trip(x, codec))
+    assert torch.equal(decode_layers(raw[2:], (bs, kvh, hd), codec, torch.float32)[0], full[2])
+    with pytest.raises(ValueError, match="3 scales per head"):      # bytes of the 2-scale format
+        decode_layers(encode_layers(x[None], codec_for(name))[0], (bs, kvh, hd), codec, torch.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize(x, KVCodec(name, hd))
+
+
+def test_a_large_rope_key_sharing_a_scale_would_round_the_latent_away():
+    """Why MLA gets the third scale: a rope key 100x the latent tail leaves the shared-scale codec
+    about one code for the latent; its own scale keeps the latent at int8's usual error."""
+    x = _block((2, 16, 1, 32), 3, 0)
+    x[:, 1, ..., -8:] *= 100.0
+    latent = (slice(None), 1, Ellipsis, slice(None, -8))
+    shared = (round_trip(x, KVCodec("int8")) - x)[latent].abs().max()
+    own = (round_trip(x, KVCodec("int8", 8)) - x)[latent].abs().max()
+    assert own * 30 < shared

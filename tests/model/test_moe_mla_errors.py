@@ -115,11 +115,13 @@ def test_gguf_of_these_architectures_is_refused_naming_it(arch):
         args_from_meta(meta, "x")
 
 
-def test_kv_compression_of_an_mla_cache_is_refused_naming_the_flag():
-    """The codec scales each cache plane once; MLA's second plane mixes latent values and the rope
-    key (docs/model.md, Mixture of experts and MLA), so an MLA instance refuses it at start."""
+def test_kv_compression_of_an_mla_cache_whose_rope_key_fills_a_plane_is_refused_naming_the_flag(copy):
+    """The codec scales the rope key as the V plane's tail (test_moe_mla_codec.py); a rope key
+    as wide as a plane (kv_lora_rank < qk_rope_head_dim) is refused at start, naming the flag."""
     from mooncake_lite.common.config import ConfigError
     from mooncake_lite.prefill.config import Config
-    with pytest.raises(ConfigError, match=r"--kv-compression int8 is refused for an MLA model \(tiny-mla\)"):
-        Config(model="tiny-mla", kv_compression="int8")
-    assert Config(model="tiny-moe", kv_compression="int8").kv_compression == "int8"   # experts alone: fine
+    path = copy("deepseek_v3")
+    edit_config(path, kv_lora_rank=6, qk_rope_head_dim=10)
+    with pytest.raises(ConfigError, match=r"--kv-compression int8 for .*: the MLA rope key \(10 values\)"):
+        Config(model=str(path), kv_compression="int8")
+    assert Config(model=str(path)).kv_compression == "none"

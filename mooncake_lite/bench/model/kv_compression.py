@@ -25,7 +25,7 @@ from kernels.kv_codec import codec_for, encoded_layer_bytes, fp8_supported
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.model.args import DTYPES
-from mooncake_lite.model.kv_codec import compressed_prefix_run
+from mooncake_lite.model.kv_codec import compressed_prefix_run, model_codec
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 CONTEXTS = (
@@ -90,7 +90,7 @@ def accuracy(model, ids: list[list[int]], bs: int, n: int, codecs: Sequence[str]
         plain, plain_logits = compressed_prefix_run(model, p, blocks, bs, None, n)
         spread = plain_logits.std(dim=-1, keepdim=True)
         for name in codecs:
-            codec = codec_for(name)
+            codec = model_codec(name, model.args)
             greedy, _ = compressed_prefix_run(model, p, blocks, bs, codec, n)
             forced, logits = compressed_prefix_run(model, p, blocks, bs, codec, n, forced=plain)
             err = (logits - plain_logits).abs()
@@ -113,7 +113,9 @@ def summary(rows: list[dict]) -> dict:
 
 def block_figures(args: Options, model_args, dtype_bytes: int, mean_prefix_tokens: float, dram: int) -> dict:
     plain = model_args.num_layers * 2 * args.block_size * model_args.num_kv_heads * model_args.head_dim * dtype_bytes
-    coded = model_args.num_layers * encoded_layer_bytes(args.block_size, model_args.num_kv_heads, model_args.head_dim)
+    rope_dim = model_codec("int8", model_args).rope_dim
+    coded = model_args.num_layers * encoded_layer_bytes(args.block_size, model_args.num_kv_heads,
+                                                        model_args.head_dim, rope_dim)
     per_request = mean_prefix_tokens / args.block_size
     return {"block_bytes": {"none": plain, "coded": coded}, "ratio": coded / plain,
             "prefix_bytes_per_request": {"none": per_request * plain, "coded": per_request * coded},
@@ -156,6 +158,7 @@ def main(argv: Sequence[str]) -> int:
         for c in codecs:
             codec_for(c)
         model = build_model(args.model, dtype=DTYPES[args.dtype])
+        model_codec("int8", model.args)
         tok = load_tokenizer(args.model, model.args.vocab_size)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake bench kv-compression: error: {exc}\n")
