@@ -77,8 +77,8 @@ async def _run(app: web.Application, url: str, identity: dict[str, object], toke
     directories = [discovery.Directory(etcd, prefix, token, lambda entries, p=prefix: listed(p, entries))
                    for prefix in lists]
     shares = app[limits.LIMITS]
-    directories.append(discovery.Directory(etcd, discovery.CONDUCTORS, token, shares.listed))
-    tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in directories]
+    conductors = discovery.Directory(etcd, discovery.CONDUCTORS, token, shares.listed)   # not one to wait for
+    tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in [*directories, conductors]]
     tasks.append(asyncio.create_task(_announce(etcd, address, identity, token, shares), name="discovery announce"))
     tasks.append(asyncio.create_task(limits.watch(shares, svc.session, token), name="tenant limits"))
     tasks.append(asyncio.create_task(_lead(app[leader.LEADER], etcd, address), name="leader election"))
