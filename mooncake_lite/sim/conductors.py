@@ -13,6 +13,7 @@ conductor is :class:`MooncakeSim` exactly. :func:`compare` runs one trace with 1
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -34,7 +35,7 @@ class ConductorsSim(MooncakeSim):
         self.turn, self.beat = 0, -1
         self.hidden: list[set[str]] = [set() for _ in range(conductors)]   # jobs each has not heard of yet
         rng = random.Random(seed)
-        self.orders = [rng.random() for _ in range(conductors)]           # each one's tie order (a salt)
+        self.orders = [rng.random() for _ in range(conductors)]   # each one's tie order (a salt; crc32: seeded runs repeat)
 
     def _decide(self, now: float, req: SimRequest, sreq: ScheduleRequest) -> Decision:
         k, self.turn = self.turn % self.conductors, self.turn + 1
@@ -60,8 +61,8 @@ class ConductorsSim(MooncakeSim):
         decodes = [replace(d, running=tuple(r for r in d.running if r.request_id not in hidden),
                            incoming=tuple(r for r in d.incoming if r.request_id not in hidden)) if hidden else d
                    for d in state.decodes]
-        return ClusterState(tuple(sorted(prefills, key=lambda p: hash((salt, p.instance_id)))),
-                            tuple(sorted(decodes, key=lambda d: hash((salt, d.instance_id)))))
+        return ClusterState(tuple(sorted(prefills, key=lambda p: zlib.crc32(f"{salt}{p.instance_id}".encode()))),
+                            tuple(sorted(decodes, key=lambda d: zlib.crc32(f"{salt}{d.instance_id}".encode()))))
 
 
 def compare(cfg: SimConfig, trace: Sequence[TraceRequest], counts: Sequence[int] = (1, 2, 3),

@@ -111,7 +111,7 @@ def goodput(cluster: Cluster, a: Options) -> dict[str, dict]:
             proxy = balanced(cluster, list(cluster.ports)[:n])
             try:
                 with Load(proxy.url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens,
-                          hang_s=a.hang_s, probe_every_s=3600.0) as load:
+                          hang_s=a.hang_s, probe_every_s=1.0) as load:   # probes apart, not counted
                     start = time.monotonic()
                     load.resume()
                     time.sleep(a.goodput_s)
