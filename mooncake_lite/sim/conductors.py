@@ -8,6 +8,8 @@ once: between two, those jobs are missing from its view; the live conductor show
 heartbeat as stand-in jobs, ``conductor/cluster/others.py``). Each conductor also lists the
 instances in its own random order, as the live ones break exact ties in a salted order. One
 conductor is :class:`MooncakeSim` exactly. :func:`compare` runs one trace with 1, 2 and 3.
+An interpreted subclass, like ``sim/tenants.py``'s: it runs on the interpreted simulator only
+(``sim/compiled.py`` leaves it out).
 """
 
 from __future__ import annotations
