@@ -62,19 +62,23 @@ def client(session: aiohttp.ClientSession, url: str) -> Etcd:
     return Etcd(session, parse_url(url))
 
 
-async def announce(etcd: Etcd, key: str, body: dict, token: str | None, ttl_s: int = LEASE_TTL_S) -> None:
+async def announce(etcd: Etcd, key: str, body: dict, token: str | None, ttl_s: int = LEASE_TTL_S,
+                   on_renewed: Callable[[float], None] = lambda sent_at: None) -> None:
     """Keep ``body`` under ``key`` for as long as this runs (a task; cancel it to leave): a lease
     of ``ttl_s`` renewed three times per TTL, granted again and the entry put again when etcd lost
     it (etcd restarted, or we were cut off longer than the TTL). Cancelled: the lease is revoked,
-    so readers see the entry go at once."""
+    so readers see the entry go at once. ``on_renewed(sent_at)`` follows each renewal etcd
+    answered, with the loop time it was sent at: etcd keeps the entry at least a TTL past it."""
     value, lease, delay = sign(token, key, body), None, 0.5
     try:
         while True:
             try:
+                sent_at = asyncio.get_running_loop().time()
                 if lease is None or not await etcd.keepalive(lease):
                     lease = await etcd.grant(ttl_s)
                     await etcd.put(key, value, lease)
                     log.info("discovery: %s announced in etcd (lease %x, %ds)", key, lease, ttl_s)
+                on_renewed(sent_at)
                 delay = 0.5
                 await asyncio.sleep(ttl_s / 3)
             except EtcdError as exc:

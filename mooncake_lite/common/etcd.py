@@ -97,6 +97,19 @@ class Etcd:
             body["lease"] = lease
         await self._call("/v3/kv/put", body)
 
+    async def create(self, key: str, value: bytes, lease: int) -> tuple[bool, bytes | None]:
+        """Put ``key`` under ``lease`` only if it does not exist (a transaction comparing its create
+        revision with 0): (True, None) when this call created it, else (False, its value)."""
+        k = _b64(key)
+        answer = await self._call("/v3/kv/txn", {
+            "compare": [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            "success": [{"request_put": {"key": k, "value": _b64(value), "lease": lease}}],
+            "failure": [{"request_range": {"key": k}}]})
+        if answer.get("succeeded"):
+            return True, None
+        kvs = [kv for r in answer.get("responses", ()) for kv in r.get("response_range", {}).get("kvs", ())]
+        return False, _unb64(kvs[0].get("value", "")) if kvs else None
+
     async def delete(self, key: str) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
 

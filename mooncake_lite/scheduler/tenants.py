@@ -256,6 +256,12 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
+def split(total: int, index: int, count: int) -> int:
+    """Share ``index`` of ``total`` split in whole parts among ``count``: the first ``total % count``
+    get one more, so the shares sum to ``total`` (a limit under ``count`` leaves some at 0)."""
+    return total // count + (1 if index < total % count else 0)
+
+
 class TenantLedger:
     """Each tenant's requests in flight, token bucket and last arrival. The owner calls
     :meth:`admit` on arrival and :meth:`end` once for every request :meth:`admit` let in, when it
@@ -272,6 +278,37 @@ class TenantLedger:
         self.last_passed: dict[str, float] = {}   # the priority rule last let one through (or first seen)
         self.buckets = {s.name: TokenBucket(s.rate, s.bucket_size, s.bucket_size)
                         for s in tenants.specs if s.rate is not None}
+        self.index, self.count = 0, 1       # this conductor among the live ones (:meth:`divide`)
+        self.cut_off: str | None = None     # why this conductor holds no share of the limits
+
+    def divide(self, index: int, count: int, cut_off: str | None = None) -> None:
+        """Several conductors: this one is ``index`` (0-based, in an order they all agree on) of
+        ``count`` live ones, and holds that share of each limit: concurrency split in whole
+        requests (:func:`split`, the shares sum to the limit), the rate divided by ``count`` with a
+        bucket of ``max(1, burst / count)``. ``cut_off`` (a reason): it holds no share at all (the
+        others may have counted it out), so its limited tenants are refused."""
+        self.index, self.count, self.cut_off = index, max(1, count), cut_off
+        for s in self.tenants.specs:
+            bucket = self.buckets.get(s.name)
+            if bucket is not None:
+                bucket.rate, bucket.size = s.rate / self.count, max(1.0, s.bucket_size / self.count)
+                bucket.tokens = min(bucket.tokens, bucket.size)
+
+    def _refused_by_share(self, spec: TenantSpec, n: int) -> Refusal | None:
+        if spec.max_concurrency is None and spec.rate is None:
+            return None
+        if self.cut_off is not None:
+            return Refusal("rate" if spec.max_concurrency is None else "concurrency",
+                           f"tenant {spec.name!r} has limits and this conductor holds no share of them: "
+                           f"{self.cut_off}; retry (another conductor may take it)", 1.0)
+        if spec.max_concurrency is None:
+            return None
+        limit = split(spec.max_concurrency, self.index, self.count)
+        if n < limit:
+            return None
+        among = f", {limit} of it on this one of {self.count} conductors" if self.count > 1 else ""
+        return Refusal("concurrency", f"tenant {spec.name!r} has {n} requests in flight here, its limit "
+                                      f"(max_concurrency {spec.max_concurrency}{among}); retry when one ends", 1.0)
 
     def admit(self, spec: TenantSpec, now: float) -> Refusal | None:
         """A request of ``spec`` arrives: concurrency, then rate (a token is taken only when both
@@ -279,16 +316,19 @@ class TenantLedger:
         self.last_arrival[spec.name] = now
         self.last_passed.setdefault(spec.name, now)
         n = self.in_flight.get(spec.name, 0)
-        if spec.max_concurrency is not None and n >= spec.max_concurrency:
-            return Refusal("concurrency", f"tenant {spec.name!r} has {n} requests in flight, its limit "
-                                          f"(max_concurrency {spec.max_concurrency}); retry when one ends", 1.0)
+        refusal = self._refused_by_share(spec, n)
+        if refusal is not None:
+            return refusal
         bucket = self.buckets.get(spec.name)
         wait = bucket.take(now) if bucket is not None else 0.0
         if bucket is not None and wait > 0:
-            return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({spec.rate:g} requests/s, "
-                                   f"burst {bucket.size:g}); retry in {wait:.2f}s", wait)
+            return Refusal("rate", f"tenant {spec.name!r} is over its rate limit ({bucket.rate:g} requests/s, "
+                                   f"burst {bucket.size:g}{self._where()}); retry in {wait:.2f}s", wait)
         self.in_flight[spec.name] = n + 1
         return None
+
+    def _where(self) -> str:
+        return f" on this one of {self.count} conductors" if self.count > 1 else ""
 
     def over_share(self, spec: TenantSpec, now: float) -> bool:
         """Whether ``spec`` (its request being judged admitted, so counted) holds more than its

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -32,6 +33,8 @@ from tests.ha.cluster import Etcd, HAProxy, free_port, wait_http
 
 pytestmark = pytest.mark.timeout(240)
 TOKEN = "ha-test-token"
+LIMIT = 3    # the limited tenant's max_concurrency; requests without a key are the open tenant's
+TENANTS = f'[tenants]\nanonymous = "open"\n[tenants.open]\n[tenants.lim]\napi_keys = ["lim-key"]\nmax_concurrency = {LIMIT}\n'
 COMMON = ("--block-size", "16", "--cluster-token", TOKEN)
 MODEL = ("--model", "tiny", "--threads", "1", "--no-profile", "--heartbeat-interval", "0.2")
 
@@ -43,9 +46,11 @@ class HA:
     ports: dict[str, int]
     conductors: dict[str, object]
     others: dict[str, object]
+    tenants: Path
 
     def start_conductor(self, name: str):
         self.conductors[name] = start_role("conductor", "--model", "tiny", "--port", str(self.ports[name]),
+                                           "--tenants", str(self.tenants),
                                            "--discovery", f"etcd://127.0.0.1:{self.etcd.client}", "--dead-after", "3s",
                                            "--rebuild-wait", "10s", "--admission", "none", *COMMON)
         return self.conductors[name]
@@ -56,7 +61,9 @@ def ha():
     etcd = Etcd()
     etcd.start()
     disc = ("--discovery", f"etcd://127.0.0.1:{etcd.client}")
-    cluster = HA(etcd, None, {"c1": free_port(), "c2": free_port()}, {}, {})   # type: ignore[arg-type]
+    tenants = Path(etcd.dir) / "tenants.toml"
+    tenants.write_text(TENANTS)
+    cluster = HA(etcd, None, {"c1": free_port(), "c2": free_port()}, {}, {}, tenants)   # type: ignore[arg-type]
     try:
         data = f"127.0.0.1:{free_port()}"
         roles = {"c1": lambda: cluster.start_conductor("c1"), "c2": lambda: cluster.start_conductor("c2"),
@@ -89,12 +96,13 @@ class Outcome:
     error: str = ""
 
 
-async def stream_once(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
+async def stream_once(session: aiohttp.ClientSession, url: str, i: int, key: str | None = None) -> Outcome:
     start, conductor = time.monotonic(), None
     body = {"model": "tiny", "prompt": f"request {i} of the load", "max_tokens": 48, "stream": True,
             "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
             conductor = resp.headers.get("X-Conductor")
             if resp.status != 200:
                 return Outcome(start, time.monotonic(), False, conductor, f"HTTP {resp.status} {await resp.text()}")
@@ -146,6 +154,23 @@ def test_both_conductors_serve_through_haproxy(ha):
     assert {o.conductor for o in out} == {"c1", "c2"}
     for c in ha.conductors.values():
         assert "view rebuilt" in c.logs()
+
+
+def test_a_tenants_concurrency_limit_is_divided_between_the_conductors(ha):
+    """Bursts of 2 x LIMIT streams of the limited tenant at once through HAProxy: the conductors
+    admit at most LIMIT together (shares 2 + 1), the rest get 429 naming the share."""
+    async def burst() -> list[Outcome]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return await asyncio.gather(*(stream_once(session, ha.haproxy.url, i, "lim-key") for i in range(2 * LIMIT)))
+
+    admitted = []
+    for _ in range(4):
+        out = asyncio.run(burst())
+        refused = [o for o in out if not o.ok]
+        assert all("HTTP 429" in o.error and "of 2 conductors" in o.error for o in refused), [o.error for o in refused]
+        admitted.append(len(out) - len(refused))
+    print(f"\ntenant limits: {admitted} of {2 * LIMIT} simultaneous streams admitted per burst, limit {LIMIT}")
+    assert max(admitted) <= LIMIT and min(admitted) >= 1
 
 
 def test_entries_not_ours_are_skipped_and_a_foreign_conductor_refused(ha):

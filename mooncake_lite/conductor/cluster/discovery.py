@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from mooncake_lite.common import discovery
+from mooncake_lite.conductor.cluster import leader, limits
 from mooncake_lite.conductor.cluster.rebuild import Rebuild
 from mooncake_lite.conductor.services import SERVICES
 
@@ -34,6 +35,11 @@ def setup(app: web.Application, discovery_url: str | None, rebuild_wait: float |
     app[REBUILD] = Rebuild(0.0, wait)
     app.on_startup.append(_start_clock)
     if discovery_url:
+        gate = app[SERVICES].tenants
+        assert gate is not None, "make_services always gives the conductor a tenant gate"
+        app[limits.LIMITS] = limits.Limits(gate.ledger, identity)
+        app[leader.LEADER] = leader.Leadership(token)
+        app.router.add_get("/internal/v1/etcd", limits.reaches_etcd)
         app.cleanup_ctx.append(lambda app: _run(app, discovery_url, identity, token))
 
 
@@ -70,8 +76,12 @@ async def _run(app: web.Application, url: str, identity: dict[str, object], toke
 
     directories = [discovery.Directory(etcd, prefix, token, lambda entries, p=prefix: listed(p, entries))
                    for prefix in lists]
-    tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in directories]
-    tasks.append(asyncio.create_task(_announce(etcd, address, identity, token), name="discovery announce"))
+    shares = app[limits.LIMITS]
+    conductors = discovery.Directory(etcd, discovery.CONDUCTORS, token, shares.listed)   # not one to wait for
+    tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in [*directories, conductors]]
+    tasks.append(asyncio.create_task(_announce(etcd, address, identity, token, shares), name="discovery announce"))
+    tasks.append(asyncio.create_task(limits.watch(shares, svc.session, token), name="tenant limits"))
+    tasks.append(asyncio.create_task(_lead(app[leader.LEADER], etcd, address), name="leader election"))
     yield
     for task in tasks:
         task.cancel()
@@ -80,6 +90,12 @@ async def _run(app: web.Application, url: str, identity: dict[str, object], toke
             await task
 
 
-async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], token: str | None) -> None:
+async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], token: str | None,
+                    shares: limits.Limits) -> None:
     url = await address
-    await discovery.announce(etcd, discovery.CONDUCTORS + url, {"url": url, **identity}, token)
+    shares.place(url)
+    await discovery.announce(etcd, discovery.CONDUCTORS + url, {"url": url, **identity}, token, on_renewed=shares.renewed)
+
+
+async def _lead(leadership: leader.Leadership, etcd, address: asyncio.Future) -> None:
+    await leadership.run(etcd, await address)

@@ -8,6 +8,9 @@ target store to pull its blocks from the planned source (the store REPLICATE op,
 next one, so no two copies to one store are ever in flight. A timed copy feeds the link-speed
 table Algorithm 1 prices transfers with (``scheduler/links.py``), as critical-path migrations do.
 Failures are counted each time and logged once per store pair until it works again.
+With several conductors (``--discovery``) only the one elected through etcd (``leader.py``)
+plans and copies; each still counts heat, but the leader's plan reads only the reuses of the
+requests it served itself (a balancer's even share: hot blocks stay hot in any share).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from mooncake_lite.conductor.cluster.leader import LEADER
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler.decision import Decision
 from mooncake_lite.scheduler.hot import HotTracker, Plan, Replication
@@ -121,10 +125,13 @@ async def run(app: web.Application) -> AsyncIterator[None]:
     flight and close the store connections."""
     hot = app[HOT]
     period = hot.tracker.config.period_s
+    leadership = app.get(LEADER)   # several conductors (--discovery): only the leader copies
 
     async def loop() -> None:
         while True:
             await asyncio.sleep(period)
+            if leadership is not None and not leadership.is_leader:
+                continue
             try:
                 hot.step(asyncio.get_running_loop().time())
             except Exception:    # a bug here must not end background replication for good

@@ -1,0 +1,245 @@
+"""``mooncake bench chaos --conductors N``: conductors behind HAProxy, one killed, then etcd, under load.
+
+    mooncake bench chaos --conductors 2                  # tiny preset: 1 prefill, 1 decode, 1 store
+    mooncake bench chaos --conductors 2 --runs 3 --json  # and goodput with 1, 2 and 3 conductors
+
+It starts etcd (its own, on loopback), the conductors with ``--discovery``, one store and the
+instances found through etcd, and HAProxy in front (``rig.py``), then, with the chaos load
+(``load.py``: ``--concurrency`` streams one after the other, plus a one-token probe every
+``--probe-every-s``) through HAProxy:
+
+* **goodput** (with ``--runs``): HAProxy in front of 1, 2, then 3 of the conductors (every
+  conductor has the whole view; only the balanced ones take requests), the load for
+  ``--goodput-s``: completed requests/s and their TTFT p50; the rounds interleave the three so
+  the machine's drift is shared, and each count gets its mean and spread (min-max);
+* **conductor kill**: SIGKILL to conductor c1 ``--lead-s`` into the load; over ``--window-s``:
+  streams in flight at the kill that failed, requests started after it that failed (goal 0),
+  the time until every new request succeeds (to the first token of the first probe sent after
+  the last one that failed) and when HAProxy's checks marked it down;
+* **etcd kill**: the same with etcd (the last step): serving goes on from the last view.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from mooncake_lite.bench.chaos import rig
+from mooncake_lite.bench.chaos.load import Load, Outcome, phase_figures
+from mooncake_lite.bench.options import Options, build_parser, flag, freeze
+from mooncake_lite.bench.report import emit
+from mooncake_lite.common.launch import RoleProcess
+
+TOKEN = "bench-chaos-ha"
+COMMON = ("--host", "127.0.0.1", "--cluster-token", TOKEN, "--block-size", "16")
+
+
+@dataclass
+class Cluster:
+    """etcd, the conductors by name (c1, c2, ...), their ports, the instances and the store."""
+    a: Options
+    etcd: rig.Etcd
+    ports: dict[str, int]
+    conductors: dict[str, RoleProcess] = field(default_factory=dict)
+    others: list[RoleProcess] = field(default_factory=list)
+
+    @property
+    def discovery(self) -> tuple[str, str]:
+        return "--discovery", f"etcd://127.0.0.1:{self.etcd.client}"
+
+    def start_conductor(self, name: str) -> RoleProcess:
+        self.conductors[name] = RoleProcess.start(
+            "conductor", *COMMON, "--model", self.a.model, "--port", str(self.ports[name]), *self.discovery,
+            "--dead-after", "3s", "--rebuild-wait", "10s", "--admission", "none", name=name,
+            timeout=self.a.ready_timeout_s)
+        return self.conductors[name]
+
+    def stop(self) -> None:
+        for proc in [*self.others, *self.conductors.values()]:
+            proc.stop()
+        self.etcd.close()
+
+
+def start(a: Options, num_conductors: int) -> Cluster:
+    etcd = rig.Etcd()
+    etcd.start()
+    cluster = Cluster(a, etcd, {f"c{i}": rig.free_port() for i in range(1, num_conductors + 1)})
+    data = str(rig.free_port())
+    model = ("--model", a.model, "--threads", "1", "--no-profile", "--heartbeat-interval", "0.2", "--port", "0",
+             *cluster.discovery)
+    starts = [lambda n=n: cluster.start_conductor(n) for n in cluster.ports]
+    wait = a.ready_timeout_s
+    starts.append(lambda: RoleProcess.start("store", *COMMON, "--port", "0", "--data-port", data, "--dram", "256MiB",
+                                            *cluster.discovery, timeout=wait))
+    starts += [lambda i=i: RoleProcess.start("prefill", *COMMON, *model, "--store", f"127.0.0.1:{data}",
+                                             name=f"prefill-{i}", timeout=wait) for i in range(a.prefill)]
+    starts += [lambda i=i: RoleProcess.start("decode", *COMMON, *model, name=f"decode-{i}", timeout=wait)
+               for i in range(a.decode)]
+    with ThreadPoolExecutor(len(starts)) as pool:   # at once: a prefill retries its store until it is up
+        futures = [pool.submit(s) for s in starts]
+    conductors = list(cluster.conductors.values())
+    cluster.others = [f.result() for f in futures if f.exception() is None and f.result() not in conductors]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        cluster.stop()
+        raise failed[0]
+    return cluster
+
+
+def balanced(cluster: Cluster, names: list[str]) -> rig.HAProxy:
+    """HAProxy in front of ``names``, once its checks have them all UP (their views rebuilt)."""
+    proxy = rig.HAProxy({n: cluster.ports[n] for n in names})
+    deadline = time.monotonic() + 60
+    while set(proxy.status().values()) != {"UP"}:
+        if time.monotonic() > deadline:
+            proxy.close()
+            raise TimeoutError(f"conductors {names} not all UP in HAProxy: {proxy.status()}")
+        time.sleep(0.1)
+    return proxy
+
+
+def goodput(cluster: Cluster, a: Options) -> dict[str, dict]:
+    """Completed requests/s and TTFT p50 with 1, 2 and 3 conductors balanced, ``--runs`` rounds."""
+    runs: dict[int, list[tuple[float, float | None]]] = {1: [], 2: [], 3: []}
+    for _ in range(a.runs):
+        for n in runs:
+            proxy = balanced(cluster, list(cluster.ports)[:n])
+            try:
+                with Load(proxy.url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                          hang_s=a.hang_s, probe_every_s=1.0) as load:   # probes apart, not counted
+                    start = time.monotonic()
+                    load.resume()
+                    time.sleep(a.goodput_s)
+                    load.pause()
+                    took = time.monotonic() - start
+            finally:
+                proxy.close()
+            ok = [o for o in load.outcomes if o.kind == "ok"]
+            ttfts = [o.first_token - o.start for o in ok if o.first_token]
+            runs[n].append((len(ok) / took, statistics.median(ttfts) if ttfts else None))
+    return {str(n): _spread(r) for n, r in runs.items()}
+
+
+def _spread(runs: list[tuple[float, float | None]]) -> dict:
+    rps, ttft = [r for r, _ in runs], [t for _, t in runs if t is not None]
+    return {"goodput_rps": [round(x, 3) for x in rps], "mean_rps": round(statistics.mean(rps), 3),
+            "ttft_p50_s": [round(x, 3) for x in ttft], "mean_ttft_s": round(statistics.mean(ttft), 3) if ttft else None}
+
+
+def kill(cluster: Cluster, a: Options, victim: str) -> dict:
+    """SIGKILL to ``victim`` (a conductor's name, or ``etcd``) under load through HAProxy."""
+    proxy = balanced(cluster, list(cluster.ports)[:a.conductors])
+    marked: dict[str, float] = {}
+    try:
+        with Load(proxy.url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens, hang_s=a.hang_s,
+                  probe_every_s=a.probe_every_s) as load:
+            load.resume()
+            time.sleep(a.lead_s)
+            baseline, t0 = len(load.probes), time.monotonic()
+            if victim == "etcd":
+                cluster.etcd.kill()
+            else:
+                cluster.conductors[victim].proc.kill()
+                threading.Thread(target=_watch_down, args=(proxy, victim, marked), daemon=True).start()
+            time.sleep(a.window_s)
+            load.pause()
+    finally:
+        proxy.close()
+    outcomes, probes = load.outcomes, load.probes
+    figures = phase_figures([o for o in outcomes if o.end >= t0], probes[baseline:], t0, probes[:baseline])
+    failed = [o for o in [*outcomes, *probes] if o.kind != "ok" and o.end >= t0]
+    return {"victim": victim, "in_flight_failed": sum(o.start < t0 for o in failed),
+            "new_failed": sum(o.start >= t0 for o in failed), "new_requests": _started_after(outcomes, probes, t0),
+            "all_new_succeed_s": figures["service_restored_s"], "haproxy_down_s": _since(marked.get("down"), t0),
+            "ttft_p50_before_s": figures["ttft_p50_before_s"], "ttft_p50_after_s": figures["ttft_p50_after_s"],
+            "errors": figures["errors"]}
+
+
+def _started_after(outcomes: list[Outcome], probes: list[Outcome], t0: float) -> int:
+    return sum(o.start >= t0 for o in [*outcomes, *probes])
+
+
+def _since(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 2)
+
+
+def _watch_down(proxy: rig.HAProxy, name: str, marked: dict[str, float]) -> None:
+    while proxy.status().get(name) == "UP":
+        time.sleep(0.02)
+    marked["down"] = time.monotonic()
+
+
+def say(text: str) -> None:
+    print(f"[chaos --conductors] {text}", file=sys.stderr, flush=True)
+
+
+def run(a: Options) -> dict:
+    say("starting etcd, the conductors, a store and the instances")
+    cluster = start(a, max(a.conductors, 3 if a.runs else 2))
+    try:
+        result: dict = {"model": a.model, "conductors": a.conductors, "prefill": a.prefill, "decode": a.decode,
+                        "load": {"concurrency": a.concurrency, "max_tokens": a.max_tokens}}
+        if a.runs:
+            say(f"goodput with 1, 2 and 3 conductors, {a.runs} round(s)")
+            result["goodput"] = goodput(cluster, a)
+        say("conductor c1 killed under load")
+        result["kills"] = [kill(cluster, a, "c1")]
+        cluster.start_conductor("c1")
+        say("etcd killed under load")
+        result["kills"].append(kill(cluster, a, "etcd"))   # last: nothing after needs it back
+    finally:
+        cluster.stop()
+    return result
+
+
+def render(res: dict) -> str:
+    lines = [f"chaos --conductors {res['conductors']}: {res['model']}, {res['prefill']} prefill, {res['decode']} decode, "
+             f"{res['load']['concurrency']} streams of {res['load']['max_tokens']} tokens through HAProxy", "",
+             f"{'killed':<8}{'in-flight failed':>17}{'new failed':>16}{'all new ok after s':>20}{'haproxy down s':>16}"
+             f"{'probe TTFT p50 before/after':>29}"]
+    for k in res["kills"]:
+        lines.append(f"{k['victim']:<8}{k['in_flight_failed']:>17}{str(k['new_failed']) + '/' + str(k['new_requests']):>16}"
+                     f"{_s(k['all_new_succeed_s']):>20}{_s(k['haproxy_down_s']):>16}"
+                     f"{_s(k['ttft_p50_before_s']) + '/' + _s(k['ttft_p50_after_s']):>29}")
+        lines += [f"    {e}" for e in k["errors"][:3]]
+    for n, g in res.get("goodput", {}).items():
+        lines.append(f"{n} conductor(s): goodput {g['mean_rps']:.2f} req/s (runs {g['goodput_rps']}), "
+                     f"TTFT p50 {_s(g['mean_ttft_s'])} s (runs {g['ttft_p50_s']})")
+    return "\n".join(lines)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+FLAGS = (
+    flag("--conductors", type=int, default=2, help="conductors behind HAProxy for the kills"),
+    flag("--model", default="tiny"),
+    flag("--prefill", type=int, default=1),
+    flag("--decode", type=int, default=1),
+    flag("--runs", type=int, default=0, help="goodput rounds with 1, 2 and 3 conductors (0: none)"),
+    flag("--goodput-s", type=float, default=15.0, help="load per goodput run"),
+    flag("--concurrency", type=int, default=4, help="requests streaming at once"),
+    flag("--max-tokens", type=int, default=32),
+    flag("--probe-every-s", type=float, default=0.25, help="a one-token request this often"),
+    flag("--lead-s", type=float, default=3.0, help="load before the kill lands"),
+    flag("--window-s", type=float, default=8.0, help="load after the kill"),
+    flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
+    flag("--ready-timeout-s", type=float, default=600.0, help="for each process to start (a loaded box is slow)"),
+    flag("--json", action="store_true"),
+)
+
+
+def main(argv) -> int:
+    parser = build_parser("mooncake bench chaos --conductors N", __doc__.split("\n\n")[0], FLAGS)
+    a = freeze(parser.parse_args(list(argv)), "ChaosHAOptions")
+    if a.conductors < 2:
+        parser.error(f"--conductors must be at least 2 (one is killed), got {a.conductors}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds: the processes started are stopped
+    emit(run(a), render, as_json=a.json)
+    return 0
