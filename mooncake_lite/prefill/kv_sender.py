@@ -24,7 +24,7 @@ from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
 from mooncake_lite.transfer.rank_streams import DecodeLinks, Route
 
-__all__ = ["DecodeLinks", "KVSender", "layer_kv", "route_of", "tensor_bytes"]
+__all__ = ["DecodeLinks", "KVSender", "layer_kv", "route_of", "routed", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,12 @@ class KVSender:
 def route_of(sender: object, start: int) -> dict | None:
     """``sender``'s route for tokens ``start..`` (a profiling or benchmark stream has none)."""
     return sender.route(start) if isinstance(sender, KVSender) else None
+
+
+def routed(routes: list[tuple[int, int, dict | None]]) -> tuple:
+    """The extra argument of a layer's compute: ``(routes,)`` where a rank sends its own heads
+    of any of them, else none (the call a one-process instance always made)."""
+    return (routes,) if any(route is not None for _, _, route in routes) else ()
 
 
 def layer_kv(runner: ModelRunner, layer: int, slots: torch.Tensor,

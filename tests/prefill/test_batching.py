@@ -224,10 +224,10 @@ async def test_a_member_aborted_midway_through_the_packed_forward_fails_alone(mo
         c.prefill.batch_tokens = 64
         loop, real_layer = asyncio.get_running_loop(), c.prefill.stage._packed_layer
 
-        def layer(piece, i, routes):
+        def layer(piece, i):
             if i == 1:     # while layer 1 computes, the conductor aborts r1 (prefill and decode)
                 loop.call_soon_threadsafe(lambda: (c.prefill.abort("r1"), c.decode.abort("r1")))
-            return real_layer(piece, i, routes)
+            return real_layer(piece, i)
 
         c.prefill.stage._packed_layer = layer
         results = await queued_burst(c, prompts, 3, return_exceptions=True)
