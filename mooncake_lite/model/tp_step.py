@@ -328,7 +328,9 @@ class Follower:
             self.streams.drop(h["tid"])
             error = None
         else:
-            error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"])
+            # within half the collective timeout rank 0 waits under, so a dead decode fails the stream
+            error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"],
+                                     self.comms.timeout.total_seconds() / 2)
         flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.runner.device)
         self.comms.all_gather(flag)
 

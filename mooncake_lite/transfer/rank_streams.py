@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -98,22 +99,26 @@ class RankStreams:
         client = await self.links.get(to)
         await client.request(op, meta, payload, what=what)
 
-    def end(self, tid: str, first_layer: int, end_layer: int) -> str | None:
+    def end(self, tid: str, first_layer: int, end_layer: int, within_s: float) -> str | None:
         """Wait for every frame of ``tid`` to be answered, then send this rank's END (no first
-        token: rank 0's END carries it). The first error, or None."""
+        token: rank 0's END carries it); all within ``within_s`` (below the group's collective
+        timeout, which rank 0 waits under: a decode that stopped answering fails this stream,
+        never the TP group). The first error, or None."""
         frames, to = self._frames.pop(tid, []), self._to.pop(tid, None)
         if to is None:
             return None   # nothing sent (every token of its requests was a loaded prefix)
-        deadline = self.request_timeout * 2
+        deadline = time.monotonic() + within_s
+        meta = {"tid": tid, "first_layer": first_layer, "end_layer": end_layer, "first_token": None}
         try:
             for f in frames:
-                f.result(timeout=deadline)
-            meta = {"tid": tid, "first_layer": first_layer, "end_layer": end_layer, "first_token": None}
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
             asyncio.run_coroutine_threadsafe(self._request(to, OP_KV_END, meta, [], "kv_end"),
-                                             self.loop).result(timeout=deadline)
+                                             self.loop).result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:   # refused, lost or unanswered: rank 0 fails the stream with it
+            for f in frames:
+                f.cancel()
             log.warning("transfer %s: this rank's KV stream failed: %r", tid, exc)
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}" if str(exc) else f"no answer from decode {to} in {within_s:g} s"
         return None
 
     def drop(self, tid: str) -> None:
