@@ -41,8 +41,8 @@ class KVSender:
         self.transfer_id = transfer_id
         self.traceparent = traceparent   # the stream's span, in every frame's meta (tracing on)
         # A tensor-parallel instance's ranks that send KV, by their heads (ModelRunner.kv_senders):
-        # each layer goes as one frame per rank, the shape a rank's own frame has (rank 0 cuts
-        # them from the gathered layer until the ranks send themselves, docs/store.md §2f).
+        # each layer goes as one frame per rank; a layer rank 0 holds whole (a loaded prefix, a
+        # recomputed one, or gathered with ranks_send off) is cut into those frames here.
         self.senders = None if senders is None else tuple(HeadRange(r.start, r.stop) for r in senders)
         # A TP instance whose ranks send their own heads of computed layers (docs/store.md §2f):
         # its leader runner (send_kv, end_kv) and the decode's data address; set by for_runner.
