@@ -28,6 +28,10 @@ BENCHES = {
     "fidelity": ("fidelity.cli", "one trace slice live and simulated with the cluster's own cost model: errors, CDFs"),
     "chaos": ("chaos.cli", "kill -9 prefill, decode and store in turn under streaming load: hangs, failures, "
                            "recovery, leaks"),
+    "store-slices": ("store.head_slices", "N store round trips per block: a TP instance's ranks writing and reading "
+                                          "their own KV heads, against one whole-block request"),
+    "tp-send": ("pd.tp_send", "a TP prefill's ranks sending their own KV heads vs rank 0 gathering them: time, "
+                              "bytes through rank 0"),
     "prefix-load": ("pd.prefix_load", "a prefill's prefix load from a store (shm or TCP): every layer, no compute"),
     "moe": ("model.moe", "MLA's KV bytes and transfer time vs dense attention; MoE routing vs a dense MLP of the "
                          "active width"),

@@ -7,15 +7,17 @@ Start: every rank loads its slices, the ranks meet (gloo or NCCL, waiting at mos
 shapes, the degree, its own shapes, a checksum of its replicated weights): any difference and
 every rank refuses to start, naming the shapes. Stop: rank 0 tells the followers to exit; its
 children are also ended with it (they are daemonic), and a follower whose parent is gone exits
-at once. Failure is whole-instance: a follower that exits makes rank 0's watchdog break the
-group, the instance reports unhealthy and exits 1 (``mooncake up`` restarts it whole), and
-every step from then on fails with the reason; a hung rank does the same through the
-collectives' timeout.
+at once. A prefill's follower sends its heads of each computed layer to the decode on data
+connections of its own (``transfer/rank_streams.py``). Failure is whole-instance: a follower
+that exits makes rank 0's watchdog break the group, the instance reports unhealthy and exits 1
+(``mooncake up`` restarts it whole), and every step from then on fails with the reason; a hung
+rank does the same through the collectives' timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -35,6 +37,7 @@ from mooncake_lite.model.tensor_parallel import TPLayout
 from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
 from mooncake_lite.model.tp_step import Follower, TPLeaderRunner, build_rank_runner
 from mooncake_lite.model.weights import model_args
+from mooncake_lite.transfer.rank_streams import RankStreams
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.2   # how often rank 0 looks at its followers, and a follower at its parent
@@ -53,6 +56,7 @@ class RankPlan:
     block_size: int
     address: GroupAddress
     expert_parallel: bool = False      # --moe-layout placed
+    token: str | None = None           # the cluster's: a prefill rank's own data connections
 
     def runner(self, rank: int) -> tuple[ModelRunner, TPComms, TPLayout]:
         from mooncake_lite.model.args import DTYPES
@@ -79,8 +83,14 @@ def describe(runner: ModelRunner, layout: TPLayout) -> dict:
     weights every rank holds whole (the norms; the embedding on the first stage)."""
     model = runner.model
     whole = [p for n, p in model.named_parameters() if "norm" in n or n.startswith("tok_embeddings")]
+    # A digest of the bytes, not a float sum: a sum's rounding depends on the threads summing it,
+    # and ranks on different thread counts (a benchmark's rank 0) differed in the last digit.
+    digest = hashlib.blake2b(digest_size=16)
+    for p in whole:
+        if p.device.type != "meta":
+            digest.update(p.detach().contiguous().cpu().view(torch.uint8).numpy().data)
     return {"model": asdict(layout.args), "tp": layout.size, "local": asdict(runner.model.args),
-            "checksum": float(sum(p.detach().double().sum() for p in whole if p.device.type != "meta"))}
+            "checksum": digest.hexdigest()}
 
 
 def check_same(comms: TPComms, runner: ModelRunner, layout: TPLayout) -> None:
@@ -106,7 +116,7 @@ def _follower_main(plan: RankPlan, rank: int, threads: int | None) -> None:
         os._exit(1)
     threading.Thread(target=orphaned, daemon=True).start()
     runner, comms, layout = plan.runner(rank)
-    Follower(comms, runner, layout).run()
+    Follower(comms, runner, layout, RankStreams(plan.token)).run()
     # Told to stop: exit now. Tearing the group down would wait on rank 0, which is joining us.
     logging.shutdown()
     os._exit(0)
@@ -158,7 +168,8 @@ def start_group(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, num_b
     """Rank 0 of ``cfg``'s instance, its followers started, each rank on ``threads`` threads."""
     plan = RankPlan(cfg.model, cfg.dtype, cfg.seed, rank_devices(cfg), threads, layer_range, num_blocks,
                     cfg.block_size, GroupAddress("127.0.0.1", free_port(), cfg.tensor_parallel, cfg.tp_timeout,
-                                                 backend_for(rank_devices(cfg))), cfg.expert_parallel)
+                                                 backend_for(rank_devices(cfg))), cfg.expert_parallel,
+                    cfg.cluster_token)
     log.info("tensor-parallel group of %d ranks on %s", cfg.tensor_parallel, ",".join(plan.devices))
     return TPGroup(plan)
 

@@ -9,12 +9,17 @@ pass's metadata and input hidden states go along on its first layer; after that 
 the same hidden states, which the all-reduces keep identical), the head, packing the weights, and
 moving KV in and out of the paged cache.
 
-KV leaves and enters the instance through rank 0: it gathers the ranks' heads of a layer or of
-whole blocks (a replicated KV head from one rank only, :attr:`TPLayout.owns_kv`), which the
-prefill sends and writes as one head slice per sending rank (:attr:`TPLeaderRunner.kv_senders`,
-docs/store.md §2f), and hands each rank its part of what it receives: all heads, or a frame of a
-head sub-range (from one rank of a TP prefill), which only the ranks holding those heads write.
-Ranks sending and writing their slices from their own processes would replace the gather.
+KV of a computed layer leaves a prefill from every rank that holds it (``send_kv``): each
+follower sends its heads' slice to the decode on its own data connections (the instance gives it
+``transfer/rank_streams.RankStreams``), rank 0 sends its own, and ``end_kv`` has every follower
+wait for its answers and send its END before rank 0's END, with the first token, completes the
+stream (docs/store.md §2f). Everything else still passes through rank 0: it gathers the ranks'
+heads of whole blocks to write to the store and of prefix or recomputed layers it sends (a
+replicated KV head from one rank only, :attr:`TPLayout.owns_kv`), which the prefill sends and
+writes as one head slice per sending rank (:attr:`TPLeaderRunner.kv_senders`), and hands each
+rank its part of what it receives: all heads, or a frame of a head sub-range (from one rank of a
+TP prefill), which only the ranks holding those heads write. :attr:`TPLeaderRunner.gathered_bytes`
+counts what came through rank 0.
 
 An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
 idle leader from a dead one: a follower whose broadcast times out exits, and a collective that
@@ -187,9 +192,38 @@ class TPLeaderRunner(ModelRunner):
     def __init__(self, model: LeaderTransformer, layout: TPLayout, *, num_blocks: int, block_size: int):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size)
         self.args, self.layout, self.leader = layout.args, layout, model.leader
+        # Bytes of the other ranks' KV rank 0 received through all_gather: of layers to send
+        # (gather_kv) and of whole blocks to write to the store (pack_kv)
+        self.gathered_bytes = {"gather_kv": 0, "pack_kv": 0}
+
+    # Whether the followers send their own heads of computed layers (send_kv), or rank 0 gathers
+    # them (gather_kv) as before: off only to measure what the gather cost (bench model --tp).
+    ranks_send = True
 
     def _gathered(self, header: dict, local: Callable[[], torch.Tensor], dim: int) -> torch.Tensor:
-        return self.leader.step(header, lambda: _owners(self.leader.comms.all_gather(local()), self.layout, dim))
+        def work() -> torch.Tensor:
+            parts = self.leader.comms.all_gather(local())
+            self.gathered_bytes[header["op"]] += sum(p.nbytes for p in parts[1:])
+            return _owners(parts, self.layout, dim)
+        return self.leader.step(header, work)
+
+    def send_kv(self, layer: int, slots: torch.Tensor, routes: list[tuple[int, int, dict]]) -> torch.Tensor:
+        """Rank 0's own heads of ``layer`` at ``slots``; every other rank that sends KV sends
+        its heads' part of each route ``(offset, n, route)`` (rows ``offset..offset+n`` of
+        ``slots``, ``transfer/rank_streams.Route``'s JSON) to its decode on its own connection."""
+        return self.leader.step({"op": "send_kv", "layer": layer, "slots": slots.tolist(), "routes": routes},
+                                lambda: super(TPLeaderRunner, self).gather_kv(layer, slots))
+
+    def end_kv(self, tid: str, first_layer: int, end_layer: int, abort: bool = False) -> list[str]:
+        """Every follower's stream of ``tid`` ended: its frames answered and its END sent (or,
+        with ``abort``, dropped). The failures, as "rank r: reason"."""
+        header = {"op": "end_kv", "tid": tid, "first_layer": first_layer, "end_layer": end_layer, "abort": abort}
+
+        def work() -> list[str]:
+            failed = self.leader.comms.all_gather(torch.zeros(1, dtype=torch.int64, device=self.device))
+            return [f"tensor-parallel rank {r} could not send its KV heads (its log says why)"
+                    for r, f in enumerate(failed) if int(f.item())]
+        return self.leader.step(header, work)
 
     def gather_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self._gathered({"op": "gather_kv", "layer": layer, "slots": slots.tolist()},
@@ -232,8 +266,11 @@ class TPLeaderRunner(ModelRunner):
 class Follower:
     """A rank > 0: does each step rank 0 describes, until ``stop`` (or the leader is gone)."""
 
-    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout):
+    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout, streams=None):
         self.comms, self.runner, self.layout = comms, runner, layout
+        # This rank's data connections (``transfer/rank_streams.RankStreams``: send, end, drop;
+        # given by the instance, as the model layer knows no network)
+        self.streams = streams
         self.model = runner.model
         self.passes: dict[int, list] = {}   # pass number -> [metadata, rope, hidden states]
 
@@ -277,6 +314,25 @@ class Follower:
 
     def _pack_kv(self, h: dict) -> None:
         self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
+
+    def _send_kv(self, h: dict) -> None:
+        kv = self.runner.gather_kv(h["layer"], self._ints(h["slots"]))
+        if not self.layout.owns_kv:   # a replicated head: its first holder sends it
+            return
+        kv, heads = kv.cpu(), self.layout.kv_heads
+        for offset, n, route in h["routes"]:
+            self.streams.send(route, h["layer"], kv[:, offset:offset + n].clone(), heads)
+
+    def _end_kv(self, h: dict) -> None:
+        if h["abort"]:
+            self.streams.drop(h["tid"])
+            error = None
+        else:
+            # within half the collective timeout rank 0 waits under, so a dead decode fails the stream
+            error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"],
+                                     self.comms.timeout.total_seconds() / 2)
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.runner.device)
+        self.comms.all_gather(flag)
 
     def _unpack_kv(self, h: dict) -> None:
         mine, _ = _my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)

@@ -36,7 +36,7 @@ from mooncake_lite.instance.refine import PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
 from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame
-from mooncake_lite.prefill.kv_sender import KVSender, tensor_bytes
+from mooncake_lite.prefill.kv_sender import KVSender, layer_kv, route_of, routed, tensor_bytes
 from mooncake_lite.prefill.load_buffers import LoadBuffers
 from mooncake_lite.prefill.prefix_load import PrefixLoading
 from mooncake_lite.prefill.store_io import PrefixStore
@@ -158,7 +158,8 @@ class StageEngine(PrefixLoading):
             self._check(job)
             if not job.prefix_done:
                 await self._load_prefix_layer(job, layer)
-            kv = await loop.run_in_executor(self.executor, self._layer, piece, layer)
+            routes = routed([(0, piece.num_tokens, route_of(job.sender, start))])
+            kv = await loop.run_in_executor(self.executor, self._layer, piece, layer, *routes)
             send_frame(job.sender, layer, start, kv)
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece, all_positions)
@@ -189,7 +190,9 @@ class StageEngine(PrefixLoading):
                         await self._load_prefix_layer(job, layer)
                     except PrefillAborted as exc:
                         errors[i] = str(exc)
-            kvs = await loop.run_in_executor(self.executor, self._packed_layer, piece, layer)
+            routes = routed([(off, n, route_of(job.sender, start) if errors[i] is None else None)
+                             for i, ((off, n, _), (job, start, _)) in enumerate(zip(piece.segments, parts))])
+            kvs = await loop.run_in_executor(self.executor, self._packed_layer, piece, layer, *routes)
             for i, ((job, start, _), kv) in enumerate(zip(parts, kvs)):
                 if errors[i] is None:
                     send_frame(job.sender, layer, start, kv)
@@ -211,9 +214,9 @@ class StageEngine(PrefixLoading):
         end = time.monotonic()
         self.timeline.append((end - seconds, end))
 
-    def _packed_layer(self, piece: PackedPass, layer: int) -> list[Staged]:
+    def _packed_layer(self, piece: PackedPass, layer: int, routes: list = ()) -> list[Staged]:
         piece.run_layer(layer)
-        kv = self.runner.gather_kv(layer, piece.slots)
+        kv = layer_kv(self.runner, layer, piece.slots, routes)
         return [self.copier.to_host(kv[:, off:off + n]) for off, n, _ in piece.segments]
 
     def _output(self, piece: LayerwisePass, all_positions: bool = False) -> torch.Tensor:
@@ -227,9 +230,9 @@ class StageEngine(PrefixLoading):
     def _new_pass(self, job: StageJob, start: int, token_ids, hidden) -> LayerwisePass:
         return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden)
 
-    def _layer(self, piece: LayerwisePass, layer: int) -> Staged:
+    def _layer(self, piece: LayerwisePass, layer: int, routes: list = ()) -> Staged:
         piece.run_layer(layer)
-        return self.copier.to_host(self.runner.gather_kv(layer, piece.slots))
+        return self.copier.to_host(layer_kv(self.runner, layer, piece.slots, routes))
 
     def _check(self, job: StageJob) -> None:
         if job.abort_reason is not None:

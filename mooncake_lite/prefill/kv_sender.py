@@ -18,10 +18,13 @@ import torch
 
 from kernels.copies import Staged
 from mooncake_lite.common.tracing import add_to_meta
-from mooncake_lite.transfer.client import FrameClient, NoAnswer, split_address
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.transfer.client import FrameClient, NoAnswer
 from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
-from mooncake_lite.transfer.peers import PeerClients
+from mooncake_lite.transfer.rank_streams import DecodeLinks, Route
+
+__all__ = ["DecodeLinks", "KVSender", "layer_kv", "route_of", "routed", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -31,29 +34,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-class DecodeLinks:
-    """One framed connection per decode data address, opened on first use and reopened if lost."""
-
-    def __init__(self, token: str | None, connect_timeout_s: float = 5.0, request_timeout_s: float = 10.0):
-        self.token = token
-        self.timeout = connect_timeout_s
-        self.request_timeout = request_timeout_s   # decode answers each frame on arrival: far below this
-        self._links: PeerClients[str, FrameClient] = PeerClients(self._connect)
-
-    async def get(self, address: str) -> FrameClient:
-        return await self._links.get(address)
-
-    async def _connect(self, address: str) -> FrameClient:
-        host, port = split_address(address)
-        client = await FrameClient.connect(host, port, token=self.token, name="prefill",
-                                           timeout=self.timeout, label=f"decode {address}")
-        client.request_timeout = self.request_timeout
-        return client
-
-    async def close(self) -> None:
-        await self._links.close()
-
-
 class KVSender:
     def __init__(self, client: FrameClient, transfer_id: str, traceparent: str | None = None,
                  senders: tuple[range, ...] | None = None):
@@ -61,13 +41,33 @@ class KVSender:
         self.transfer_id = transfer_id
         self.traceparent = traceparent   # the stream's span, in every frame's meta (tracing on)
         # A tensor-parallel instance's ranks that send KV, by their heads (ModelRunner.kv_senders):
-        # each layer goes as one frame per rank, the shape a rank's own frame has (rank 0 cuts
-        # them from the gathered layer until the ranks send themselves, docs/store.md §2f).
+        # each layer goes as one frame per rank; a layer rank 0 holds whole (a loaded prefix, a
+        # recomputed one, or gathered with ranks_send off) is cut into those frames here.
         self.senders = None if senders is None else tuple(HeadRange(r.start, r.stop) for r in senders)
+        # A TP instance whose ranks send their own heads of computed layers (docs/store.md §2f):
+        # its leader runner (send_kv, end_kv) and the decode's data address; set by for_runner.
+        self.ranks: ModelRunner | None = None
+        self.address: str | None = None
         self.error: str | None = None
         self.num_frames = 0
         self.num_bytes = 0
         self._inflight: dict[asyncio.Task, Staged] = {}  # the payload memory outlives the send
+
+    @classmethod
+    def for_runner(cls, client: FrameClient, transfer_id: str, runner: ModelRunner, address: str,
+                   traceparent: str | None = None) -> KVSender:
+        """The stream of ``runner``'s instance to the decode at ``address``: one frame per
+        sending rank of a TP instance, sent by each rank itself where the runner lets them."""
+        sender = cls(client, transfer_id, traceparent, runner.kv_senders)
+        if getattr(runner, "ranks_send", False):
+            sender.ranks, sender.address = runner, address
+        return sender
+
+    def route(self, start: int) -> dict | None:
+        """Where the other ranks send their heads of tokens ``start..`` (None: rank 0 sends all)."""
+        if self.ranks is None or self.error is not None:
+            return None
+        return Route(self.transfer_id, self.address, start, self.traceparent).to_json()
 
     def send_layer(self, layer: int, start: int, kv: torch.Tensor | Staged, heads: HeadRange | None = None) -> None:
         """Queue K,V ``[2, n, kv_heads, head_dim]`` of ``layer`` for positions ``start..``: a host
@@ -79,6 +79,8 @@ class KVSender:
             staged.release()
             return
         t = staged.tensor
+        if heads is None and self.ranks is not None and t.shape[2] < self.senders[-1].stop:
+            heads = self.senders[0]   # a computed layer: rank 0's own heads, the others send theirs
         parts = [(heads, False)] if heads is not None or self.senders is None else [(h, True) for h in self.senders]
         frames = [(add_to_meta(layer_frame_meta(self.transfer_id, layer, start, t.shape[1], h), self.traceparent),
                    h if cut else None) for h, cut in parts]
@@ -103,6 +105,10 @@ class KVSender:
         what the decode continues from: ``StageEngine.resume_point``).
         Raises ConnectionError with the reason if the stream failed."""
         await self.flush()
+        if self.error is None and self.ranks is not None:   # the others' ENDs first: rank 0's completes
+            failed = await asyncio.get_running_loop().run_in_executor(
+                None, self.ranks.end_kv, self.transfer_id, first_layer, end_layer)
+            self.error = "; ".join(failed) or None
         if self.error is None:
             meta = add_to_meta({"tid": self.transfer_id, "first_layer": first_layer, "end_layer": end_layer,
                                 "first_token": first_token, **(resume or {})}, self.traceparent)
@@ -124,6 +130,11 @@ class KVSender:
         """Tell decode to drop the transfer (best effort: decode may be gone already)."""
         for task in list(self._inflight):
             task.cancel()
+        if self.ranks is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.ranks.end_kv, self.transfer_id, 0, 0, True)
+            except Exception as exc:   # a broken group: the instance restarts whole anyway
+                log.debug("abort of transfer %s on the other ranks: %s", self.transfer_id, exc)
         try:
             await self.client.request(OP_KV_ABORT, {"tid": self.transfer_id, "reason": reason}, timeout=2.0,
                                       what="kv_abort")
@@ -145,3 +156,23 @@ class KVSender:
         if exc is not None and self.error is None:
             self.error = f"KV stream to decode failed: {exc}"
             log.warning("transfer %s: %s", self.transfer_id, self.error)
+
+
+def route_of(sender: object, start: int) -> dict | None:
+    """``sender``'s route for tokens ``start..`` (a profiling or benchmark stream has none)."""
+    return sender.route(start) if isinstance(sender, KVSender) else None
+
+
+def routed(routes: list[tuple[int, int, dict | None]]) -> tuple:
+    """The extra argument of a layer's compute: ``(routes,)`` where a rank sends its own heads
+    of any of them, else none (the call a one-process instance always made)."""
+    return (routes,) if any(route is not None for _, _, route in routes) else ()
+
+
+def layer_kv(runner: ModelRunner, layer: int, slots: torch.Tensor,
+             routes: list[tuple[int, int, dict | None]]) -> torch.Tensor:
+    """A computed layer's KV for the frames at ``slots``: with routes (rows ``offset, n`` of
+    ``slots`` and where they go), the other ranks send their heads themselves and this is rank
+    0's; else every head, gathered."""
+    routed = [(offset, n, route) for offset, n, route in routes if route is not None]
+    return runner.send_kv(layer, slots, routed) if routed else runner.gather_kv(layer, slots)

@@ -207,8 +207,8 @@ class StageServer(FrameHandler):
         m = frame.meta
         rid, keys = m["rid"], [bytes.fromhex(k) for k in m["keys"]]
         decode = m["decode_data"]
-        sender = NullSender() if decode is None else KVSender(await self.links.get(decode), m["tid"],
-                                                              senders=self.stage.runner.kv_senders)
+        sender = NullSender() if decode is None else KVSender.for_runner(await self.links.get(decode), m["tid"],
+                                                                         self.stage.runner, decode)
         job = self.stage.begin(rid, m["token_ids"], keys, int(m["num_prefix_blocks"]), sender)
         work = StageWork(job, m["sampling"], upstream)
         self.works[rid] = work

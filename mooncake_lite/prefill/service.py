@@ -191,8 +191,8 @@ class PrefillService(TurnTaking, Packing):
         # Its traceparent rides in the KV frames' meta: decode's receive span is its child.
         stream = tracing.start_span("prefill.kv_stream", kind="client", decode=req.decode_data,
                                     transfer_id=req.transfer_id)
-        sender = KVSender(client, req.transfer_id, traceparent=tracing.traceparent(stream),
-                          senders=self.stage.runner.kv_senders)
+        sender = KVSender.for_runner(client, req.transfer_id, self.stage.runner, req.decode_data,
+                                     traceparent=tracing.traceparent(stream))
         try:
             job = self.stage.begin(req.request_id, req.token_ids, keys, hit, sender)
         except MemoryError as exc:

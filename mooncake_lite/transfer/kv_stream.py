@@ -1,7 +1,8 @@
 """The prefill -> decode KV stream on the transfer framing: the op codes and frame layouts both
 ends share (prefill/kv_sender.py sends, decode/kv_receiver.py receives).
 
-A prefill instance (or each stage of a CPP group) opens one framed connection to the decode
+A prefill instance (each stage of a CPP group, each sending rank of a TP instance: its own
+heads, ``transfer/rank_streams.py``) opens one framed connection to the decode
 instance's data socket (``Register.data``, the ``"data"`` address of its ready line) and sends,
 for one request tagged by ``transfer_id`` (``tid``):
 
@@ -13,7 +14,8 @@ for one request tagged by ``transfer_id`` (``tid``):
                  docs/store.md §2f); a decode writes each at its heads' place
     OP_KV_END    meta {"tid", "first_layer", "end_layer", "first_token": int | null,
                        "output"?, "key"?, "tail"?}
-                 this sender has sent all its layers; the stage that owns the last layer carries
+                 this sender has sent all its layers (a TP follower rank's END, first: no
+                 token; then rank 0's); the stage that owns the last layer carries
                  the first token sampled at the last prompt position, and with it what the decode
                  resumes from: ``output`` (a continued request's output so far, the prompt's last
                  ``Sampling.num_generated`` ids), ``key`` (hex of the prompt's last full block's
