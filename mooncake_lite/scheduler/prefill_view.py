@@ -58,6 +58,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         self._durations: dict[str, float] = {}
         self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
         self.row: PricedRow | None = None
+        self.overtake_share = 1.0     # what the online correction learned (state.py; 1: the worst case)
         self._reprice()
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
@@ -67,6 +68,13 @@ class PrefillView(Shown[PrefillInstanceState]):
         if about != self._about:
             self._about = about
             self._reprice()
+            self._stale()
+
+    def set_overtake_share(self, share: float) -> None:
+        """The share of the overtake bound's worst case its jobs are predicted to meet (the
+        owner's online correction, ``scheduler/correction.py``)."""
+        if share != self.overtake_share:
+            self.overtake_share = share
             self._stale()
 
     def price_with(self, default: PrefillCostModel) -> None:
@@ -144,7 +152,7 @@ class PrefillView(Shown[PrefillInstanceState]):
             about = self._about
             self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
                                                        about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
-                                                       about.overtakes)
+                                                       about.overtakes, self.overtake_share)
             self.row = self._row(state) if self._model is not None else None
         return self._state
 

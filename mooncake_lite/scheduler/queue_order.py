@@ -95,15 +95,20 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
     raise AssertionError("the new job is in no pack")   # unreachable: the sizes cover every job
 
 
-def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, prefix_tokens: int) -> float:
-    """The most the later arrivals may still delay a new job: ``bound`` of them, each with fewer
-    uncached tokens, each counted at the job's own prefill (the cost model grows with the tokens
-    computed; a shorter job behind a long cached prefix may cost a little more, through its
-    attention over that prefix, and one packed beside it less). 0 in FIFO order, and for a job
-    nobody can be shorter than (1 token)."""
+def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, prefix_tokens: int,
+                       share: float = 1.0) -> float:
+    """What the later arrivals are predicted to add to a new job's wait: ``share`` of the most
+    they may, which is ``bound`` of them, each with fewer uncached tokens, each counted at the
+    job's own prefill (the cost model grows with the tokens computed; a shorter job behind a long
+    cached prefix may cost a little more, through its attention over that prefix, and one packed
+    beside it less). 0 in FIFO order, and for a job nobody can be shorter than (1 token).
+    ``share`` 1 is that worst case; the instance's ``overtake_share`` is the share its jobs met
+    lately (learned online, ``scheduler/correction.py``): most jobs are passed by fewer than
+    ``bound`` (a burst's shortest by none), and a pass by a job that joins the same pack costs
+    it only that job's tokens."""
     if bound <= 0 or uncached_tokens(num_tokens, prefix_tokens) <= 1:
         return 0.0
-    return bound * model.predict(num_tokens, prefix_tokens)
+    return share * bound * model.predict(num_tokens, prefix_tokens)
 
 
 def bound_of(order: str, overtakes: int) -> int:
