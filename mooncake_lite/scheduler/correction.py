@@ -49,6 +49,10 @@ from dataclasses import dataclass, field, replace
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference")
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
+# A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
+# share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
+# so noise must not at every request (the live conductor and the simulator alike).
+SHOW_TOLERANCE = 1 / 32
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,9 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
         done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
         wait = start - done if start > done else 0.0
-        return wait + overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share), own
+        allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
+                                       p.recent_uncached)
+        return wait + allowance, own
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
         if joins_tail(backlog.tail_tokens, n, backlog.pack_tokens):

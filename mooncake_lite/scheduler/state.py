@@ -71,7 +71,8 @@ class PrefillInstanceState:
     ``overtake_share``: the share of that bound's worst case a new job is predicted to meet, in
     [0, 1] (:func:`~mooncake_lite.scheduler.queue_order.overtake_allowance`): 1, the worst case,
     until the online correction learns what this instance's jobs really met
-    (:mod:`mooncake_lite.scheduler.correction`)."""
+    (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
+    the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job)."""
 
     instance_id: str
     store_id: Hashable
@@ -81,6 +82,7 @@ class PrefillInstanceState:
     pack_tokens: int = 0
     overtakes: int = 0
     overtake_share: float = 1.0
+    recent_uncached: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -26,16 +26,13 @@ from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, overtakes_used, scaled
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, scaled
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import overtake_allowance
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
 MAX_RECENT = 4096      # checks kept for that window at most (a burst cannot grow it without end)
-# A scale is shown the scheduler anew only once it moved this much (in log, ~3%): a new model
-# makes the scheduler derive that instance's estimates afresh, so noise must not at every request.
-SHOW_TOLERANCE = 1 / 32
 
 
 @dataclass(frozen=True)
@@ -143,7 +140,9 @@ class PredictionBook:
         if inst is None or num_tokens <= 0 or inst.reg.queue_overtakes <= 0 or not isinstance(inst.view, PrefillView):
             return 1.0, 0.0
         model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id))
-        return inst.view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens)
+        recent = inst.view.state().recent_uncached
+        return inst.view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens,
+                                                            1.0, recent)
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
