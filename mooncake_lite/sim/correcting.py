@@ -7,9 +7,9 @@ uncorrected model's), its queue and, on a shortest-first instance, the queue's o
 allowance (the worst case and the share it was priced with). At its first token the simulator
 knows its wait (ready to started) and its forward (started to first token): the compute factor
 and the overtake share move by the same :class:`~mooncake_lite.scheduler.correction.Corrections`
-as live, each residual fed once (the queue's to the share where there is an allowance, to the
-queue factor where not). The prefill's model is shown scaled by its compute factor only: the
-simulator queues by itself, and a whole-model scale would price the queue twice. Decodes are not
+as live, each residual fed once. The prefill's model is shown scaled by its compute factor only,
+and no ``queue`` factor is learned: the simulator's conductor sees its queue exactly (FIFO is
+then priced right); only what later arrivals will do is unknown, which the share learns. Decodes are not
 corrected here (their simulated steps are the model's own, with a measured spread: nothing to
 learn but noise). Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 """
@@ -54,13 +54,10 @@ class SimCorrecting:
         c.observe(iid, "compute", own, forward)
         speed = forward / own if own > 0 and forward > 0 else None
         if full > 0:
-            scale = self._shown.get(iid, 1.0)
-            shown_speed = None if speed is None else speed / scale   # measured over the model shown
+            shown_speed = None if speed is None else speed / self._shown.get(iid, 1.0)   # over the model shown
             used = overtakes_used(max(queue_s - overtake_s, 0.0), full, waited, shown_speed)
             if used is not None:
                 c.note_overtakes(iid, used)
-        else:
-            c.observe(iid, "queue", queue_s / self._shown.get(iid, 1.0), waited, speed)
         self._show(p)
 
     def _show(self, p: PrefillNode) -> None:
