@@ -26,7 +26,19 @@ model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows with
 ``compute · interference^b · queue^w``, where ``b`` is the moving share of requests that ran
 beside a busy neighbour and ``w`` the moving share of the predicted TTFT that was queue. An
 instance never observed has factor 1 exactly: nothing changes until corrections are fed.
-Pure: no IO, no clock; the live conductor feeds it (``conductor/flight/predictions.py``).
+
+The queue of an instance serving shortest first is priced with an allowance for the later, shorter
+arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own
+prefill, the worst case). Most jobs meet a share of it (the shortest of a burst none, a pass by a
+job packed into the same forward only that job's tokens), and how much is a matter of the traffic,
+not of a speed: no factor fits it, a share does. Each job says what share it met
+(:func:`overtakes_used`: its measured wait at its forward's speed, less the wait predicted before
+any overtake, over the allowance), and the instance's ``overtake_share`` (the scheduler's
+``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
+[0, 1] by construction (so a step is at most ``alpha``). On such an instance the queue's residual
+goes to the share, not to the ``queue`` factor: one rule for each residual, never both.
+Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
+(``sim/correcting.py``) feed it.
 """
 
 from __future__ import annotations
@@ -37,6 +49,10 @@ from dataclasses import dataclass, field, replace
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference")
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
+# A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
+# share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
+# so noise must not at every request (the live conductor and the simulator alike).
+SHOW_TOLERANCE = 1 / 32
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class InstanceCorrection:
     factors: Mapping[str, Factor] = field(default_factory=dict)
     busy_share: float = 0.0       # of its observations, those beside a busy neighbour
     queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
+    overtake_share: float = 1.0   # of the overtake allowance's worst case, the share jobs met
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
@@ -175,6 +192,21 @@ class Corrections:
             share += a * (queue_share - share)
         self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
 
+    def note_overtakes(self, instance_id: str, used: float) -> str | None:
+        """Move ``instance_id``'s overtake share toward ``used`` (one job's, :func:`overtakes_used`);
+        returns why it was refused (None: applied): a share is a number in [0, 1]."""
+        if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:
+            self.num_refused += 1
+            return f"overtake share must be a number in [0, 1], got {used!r}"
+        cur = self.get(instance_id)
+        share = cur.overtake_share + self.cfg.alpha * (used - cur.overtake_share)
+        self._by_instance[instance_id] = replace(cur, overtake_share=share)
+        return None
+
+    def overtake_share(self, instance_id: str) -> float:
+        """The share of the overtake allowance a new job on ``instance_id`` is priced with."""
+        return self.get(instance_id).overtake_share
+
     def prefill_scale(self, instance_id: str) -> float:
         """The factor a prefill instance's model is multiplied by (module doc)."""
         c = self.get(instance_id)
@@ -197,6 +229,22 @@ class Corrections:
     def _clamped(self, log: float) -> float:
         bound = math.log(self.cfg.max_factor)
         return math.exp(min(bound, max(-bound, log)))
+
+
+def overtakes_used(wait_s: float, allowance_s: float, measured_queue_s: float | None,
+                   speed: float | None) -> float | None:
+    """The share of its overtake allowance one job met (module doc), in [0, 1]: its measured
+    queue in the model's seconds (over ``speed``, how much slower than predicted its own forward
+    ran; 1 when unknown), less ``wait_s`` (the queue predicted before any overtake), over
+    ``allowance_s`` (the worst case, ``bound`` × its own prefill; both on the model it was priced
+    with). None when it had no allowance or a figure is not a finite number >= 0."""
+    figures = (wait_s, allowance_s, measured_queue_s)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+           for v in figures) or allowance_s <= 0:
+        return None
+    usable = isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0
+    queue = measured_queue_s / speed if usable else measured_queue_s
+    return min(1.0, max(0.0, (queue - wait_s) / allowance_s))
 
 
 def scaled(model, factor: float):

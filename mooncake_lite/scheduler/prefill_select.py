@@ -80,13 +80,15 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     the last waiting pack its queue is the forwards before that pack and its execution that
     pack's forward with its own token terms added (scheduler/packing.py); else the whole
     queue, then its own prefill. On an instance serving shortest first (``p.overtakes``) it
-    lands where scheduler/queue_order.py puts it: the forwards before its own, plus the most
-    the later arrivals allowed to pass it may add."""
+    lands where scheduler/queue_order.py puts it: the forwards before its own, plus what the
+    later arrivals allowed to pass it are predicted to add (the instance's share of the most)."""
     if p is not None and p.overtakes > 0 and backlog is not None:
         done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
         wait = start - done if start > done else 0.0
-        return wait + overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens), own
+        allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
+                                       p.recent_uncached)
+        return wait + allowance, own
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
         if joins_tail(backlog.tail_tokens, n, backlog.pack_tokens):

@@ -5,6 +5,7 @@ changes (scheduler/view.py says the same of decode instances). No IO and no cloc
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -12,6 +13,7 @@ from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.scheduler.snapshot import Shown
 from mooncake_lite.scheduler.state import PrefillInstanceState, QueuedPrefill
 
+RECENT_ARRIVALS = 64   # the arrivals a job's chance of being passed is judged on (state.recent_uncached)
 _new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
 
@@ -58,6 +60,10 @@ class PrefillView(Shown[PrefillInstanceState]):
         self._durations: dict[str, float] = {}
         self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
         self.row: PricedRow | None = None
+        self.overtake_share = 1.0     # what the online correction learned (state.py; 1: the worst case)
+        self._arrivals: deque[int] = deque(maxlen=RECENT_ARRIVALS)   # uncached tokens, as they came
+        self._recent: tuple[int, ...] | None = ()     # the state's recent_uncached (None: sort afresh)
+        self._learning = False                        # shown once a correction is: until then, the worst case
         self._reprice()
 
     def set_instance(self, store_id: Hashable, bandwidth_bytes_per_s: float | None,
@@ -67,6 +73,21 @@ class PrefillView(Shown[PrefillInstanceState]):
         if about != self._about:
             self._about = about
             self._reprice()
+            self._stale()
+
+    def set_overtake_share(self, share: float) -> None:
+        """The share of the overtake bound's worst case its jobs are predicted to meet (the
+        owner's online correction, ``scheduler/correction.py``); from now on the state shows the
+        recent arrivals' uncached tokens too."""
+        if share != self.overtake_share or not self._learning:
+            self.overtake_share, self._learning, self._recent = share, True, None
+            self._stale()
+
+    def note_arrival(self, uncached: int) -> None:
+        """A new job with ``uncached`` tokens to compute was queued (``queue_order.enqueue``)."""
+        self._arrivals.append(uncached)
+        if self._learning:
+            self._recent = None
             self._stale()
 
     def price_with(self, default: PrefillCostModel) -> None:
@@ -144,9 +165,16 @@ class PrefillView(Shown[PrefillInstanceState]):
             about = self._about
             self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
                                                        about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
-                                                       about.overtakes)
+                                                       about.overtakes, self.overtake_share, self._recent_uncached())
             self.row = self._row(state) if self._model is not None else None
         return self._state
+
+    def _recent_uncached(self) -> tuple[int, ...]:
+        if not self._learning:
+            return ()
+        if self._recent is None:
+            self._recent = tuple(sorted(self._arrivals))
+        return self._recent
 
     def _row(self, state: PrefillInstanceState) -> PricedRow | None:
         """What the wide prefill table writes for ``state``; None with more than one job started

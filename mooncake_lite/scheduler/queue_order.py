@@ -26,6 +26,7 @@ order depend on when the server looks, which the conductor only knows to within 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
@@ -95,15 +96,23 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
     raise AssertionError("the new job is in no pack")   # unreachable: the sizes cover every job
 
 
-def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, prefix_tokens: int) -> float:
-    """The most the later arrivals may still delay a new job: ``bound`` of them, each with fewer
-    uncached tokens, each counted at the job's own prefill (the cost model grows with the tokens
-    computed; a shorter job behind a long cached prefix may cost a little more, through its
-    attention over that prefix, and one packed beside it less). 0 in FIFO order, and for a job
-    nobody can be shorter than (1 token)."""
-    if bound <= 0 or uncached_tokens(num_tokens, prefix_tokens) <= 1:
+def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, prefix_tokens: int,
+                       share: float = 1.0, recent: Sequence[int] = ()) -> float:
+    """What the later arrivals are predicted to add to a new job's wait: the most they may is
+    ``bound`` of them, each with fewer uncached tokens, each counted at the job's own prefill
+    (the cost model grows with the tokens computed; a shorter job behind a long cached prefix may
+    cost a little more, through its attention over that prefix, and one packed beside it less).
+    0 in FIFO order, and for a job nobody can be shorter than (1 token). Learned online
+    (``scheduler/correction.py``), it is a share of that: ``recent`` (sorted uncached tokens of
+    the last jobs queued) says how likely a later arrival is shorter than this job (a burst's
+    shortest is passed by none, its longest by all it allows), and ``share`` how much of the rest
+    its jobs met lately (a pass by a job that joins the same pack costs only that job's tokens).
+    ``share`` 1 and no ``recent``: the worst case."""
+    n = uncached_tokens(num_tokens, prefix_tokens)
+    if bound <= 0 or n <= 1:
         return 0.0
-    return bound * model.predict(num_tokens, prefix_tokens)
+    rank = bisect_left(recent, n) / len(recent) if recent else 1.0
+    return share * rank * bound * model.predict(num_tokens, prefix_tokens)
 
 
 def bound_of(order: str, overtakes: int) -> int:
@@ -119,6 +128,8 @@ def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, boun
     it (the jobs it passes shown again behind it, one overtake more each); returns the request
     ids of the view's queue in the new order, or () where it simply went last (FIFO, or it
     passed nobody). The view's queue is the conductor's and the simulator's record of order."""
+    if bound > 0:
+        view.note_arrival(uncached_tokens(num_tokens, num_prefix_tokens))
     if bound <= 0 or started_at is not None:
         view.add(request_id, num_tokens, num_prefix_tokens, started_at)
         return ()

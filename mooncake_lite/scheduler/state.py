@@ -67,7 +67,12 @@ class PrefillInstanceState:
     measured inbound bandwidth for KV fetches, and its self-profiled cost model if reported.
     ``pack_tokens``: the uncached tokens one forward of it packs (prefill batching, priced by
     :mod:`mooncake_lite.scheduler.packing`; 0: one job a forward). ``overtakes``: the bound of its
-    shortest-first queue order (:mod:`mooncake_lite.scheduler.queue_order`; 0: FIFO)."""
+    shortest-first queue order (:mod:`mooncake_lite.scheduler.queue_order`; 0: FIFO).
+    ``overtake_share``: the share of that bound's worst case a new job is predicted to meet, in
+    [0, 1] (:func:`~mooncake_lite.scheduler.queue_order.overtake_allowance`): 1, the worst case,
+    until the online correction learns what this instance's jobs really met
+    (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
+    the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job)."""
 
     instance_id: str
     store_id: Hashable
@@ -76,6 +81,8 @@ class PrefillInstanceState:
     cost: PrefillCostModel | None = None
     pack_tokens: int = 0
     overtakes: int = 0
+    overtake_share: float = 1.0
+    recent_uncached: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -51,6 +51,9 @@ def _cluster_options(ap: argparse.ArgumentParser) -> None:
                     help="the prefill queue's order, as the live role's --queue-order shortest --queue-overtakes "
                          "K: shortest uncached prompt first, at most K later arrivals passing any one "
                          f"(0: FIFO, the paper's; `mooncake up` serves shortest first with K={DEFAULT_OVERTAKES})")
+    ap.add_argument("--correct", action="store_true",
+                    help="the live conductor's online correction, fed by the simulated requests: prefill "
+                         "compute factors and overtake shares (docs/scheduler.md, predictions checked)")
     ap.add_argument("--cost-model", default="llama2-70b-a800",
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
                          "or `mooncake sim export-costs`")
@@ -163,7 +166,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
                          local_ttft_check=args.local_ttft_check, seed=args.seed,
                          max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
                          decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens,
-                         prefill_queue_overtakes=args.prefill_queue_overtakes)
+                         prefill_queue_overtakes=args.prefill_queue_overtakes, correct=args.correct)
 
 
 def _simulate(args: argparse.Namespace, cfg: SimConfig, hw: Hardware, trace: list[TraceRequest]

@@ -27,6 +27,7 @@ from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.snapshot import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
+from mooncake_lite.sim.correcting import SimCorrecting
 from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
 from mooncake_lite.trace.format import TraceRequest
@@ -67,6 +68,8 @@ class MooncakeSim(TraceDriver):
         # One box (Hardware.decode_colocated_slowdown != 1): decodes slow while any prefill computes.
         self.slowdown = hw.decode_colocated_slowdown
         self._prefilling = False
+        # the conductor's online correction, as live (sim/correcting.py); None: off
+        self.correcting: SimCorrecting | None = SimCorrecting(self.costs) if cfg.correct else None
 
     def _nodes(self) -> tuple[list[PrefillNode], list[DecodeNode]]:
         """The prefill instances (CPP groups, each with its node store) and the decode nodes."""
@@ -129,6 +132,8 @@ class MooncakeSim(TraceDriver):
             req.fetched_blocks = decision.reused_prefix_blocks
             self.recorder.migrated(len(m.keys))
         d.commit(req)
+        if self.correcting is not None:
+            self.correcting.placed(req, decision, p)
         p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)
@@ -193,6 +198,8 @@ class MooncakeSim(TraceDriver):
         for req in [p.end(), *p.end_packed()] if p.packed else (p.end(),):
             self._store(p, req.keys)
             req.first_token = now
+            if self.correcting is not None:
+                self.correcting.first_token(req, p, now)
             if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
                 d = self.decode_by_id[req.decode_id]
                 d.uncommit(req)

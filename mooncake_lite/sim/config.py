@@ -48,6 +48,9 @@ class SimConfig:
     # uncached prompt first, at most K later arrivals passing any one (scheduler/queue_order.py);
     # 0: FIFO, which the paper presets keep.
     prefill_queue_overtakes: int = 0
+    # The live conductor's online correction (issue #36), fed by the simulated requests
+    # (sim/correcting.py): prefill compute factors and overtake shares. Off: the paper presets'.
+    correct: bool = False
     hardware: str = "llama2-70b-a800"
     eviction: str = "lru"
     store_blocks_per_node: int | None = None     # None = from the hardware's DRAM

@@ -14,6 +14,7 @@ import pytest
 
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.scheduler.correction import scaled
+from tests.conductor import fakes
 from tests.conductor.test_api import client
 from tests.conductor.test_dispatch import _wait_for
 
@@ -172,3 +173,24 @@ async def test_a_refined_profile_is_not_counted_twice(make_cluster):
     assert book.shown_scale("p1") == pytest.approx(before_scale / 2, rel=1e-6)
     after = cluster.svc.membership.snapshot().prefills[0].cost
     assert after.predict(500) == pytest.approx(before.predict(500), rel=1e-6)
+
+
+async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_meet(make_cluster):
+    """Its queue is priced with an allowance for later, shorter arrivals (4x its own prefill at
+    first); jobs that never wait teach the share down, and the queue factor stays untouched.
+    Prompts grow, so each is likely to be passed (shorter ones came before it)."""
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    p0 = cluster.instances["p0"]
+    status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
+    assert status == 200, body
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.05}
+    c = client(cluster)
+    for i in range(8):
+        await c.completions.create(model="tiny", prompt="word " * (4 + 6 * i), max_tokens=2)
+    await c.close()
+    book = cluster.svc.predictions
+    share = book.corrections.overtake_share("p0")
+    assert share < 0.2 and "queue" not in book.corrections.get("p0").factors
+    state = cluster.svc.membership.snapshot().prefills[0]
+    assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 8
+    assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)

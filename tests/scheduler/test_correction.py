@@ -133,3 +133,28 @@ def test_a_rebase_keeps_model_times_factor_and_counts_the_slowdown_once():
     c.rebase("p0", "compute", float("nan"))    # a broken shift moves nothing
     c.rebase("p1", "compute", 1.0)             # nor one of an instance never corrected
     assert c.prefill_scale("p0") == pytest.approx(1.5, rel=1e-3) and c.get("p1").factors == {}
+
+
+def test_the_share_of_overtakes_met_is_the_wait_beyond_the_predicted_one_over_the_allowance():
+    from mooncake_lite.scheduler.correction import overtakes_used
+    assert overtakes_used(2.0, 4.0, 2.0, 1.0) == 0.0            # waited what was ahead: no overtake
+    assert overtakes_used(2.0, 4.0, 4.0, 1.0) == pytest.approx(0.5)
+    assert overtakes_used(2.0, 4.0, 8.0, 2.0) == pytest.approx(0.5)   # its forward ran 2x slow: so did theirs
+    assert overtakes_used(2.0, 4.0, 0.0, 1.0) == 0.0            # a burst's head: packed at once
+    assert overtakes_used(2.0, 4.0, 60.0, 1.0) == 1.0           # never past the worst case
+    for bad in ((2.0, 0.0, 1.0, 1.0), (2.0, 4.0, None, 1.0), (2.0, 4.0, math.nan, 1.0), (-1.0, 4.0, 1.0, 1.0)):
+        assert overtakes_used(*bad) is None
+
+
+def test_the_overtake_share_moves_by_a_bounded_step_and_refuses_a_broken_one():
+    c = Corrections(CFG)
+    assert c.overtake_share("p") == 1.0                        # the worst case until fed
+    for bad in (math.nan, -0.1, 1.5, True):
+        assert c.note_overtakes("p", bad) is not None
+    assert c.overtake_share("p") == 1.0 and c.num_refused == 4
+    shares = [1.0]
+    for _ in range(30):
+        assert c.note_overtakes("p", 0.0) is None
+        shares.append(c.overtake_share("p"))
+    assert all(0.0 <= b <= a and a - b <= CFG.alpha + 1e-12 for a, b in zip(shares, shares[1:]))
+    assert shares[-1] < 0.01 and c.prefill_scale("p") == 1.0  # the share moves no speed

@@ -114,3 +114,39 @@ def test_bound_of_an_order():
     assert bound_of("fifo", 4) == 0 and bound_of("shortest", 4) == 4
     with pytest.raises(ValueError):
         bound_of("longest", 1)
+
+
+def test_the_overtake_share_scales_the_allowance_in_the_price_and_the_view_shows_it():
+    queue = (QueuedPrefill("a", 400, 0, 0.0), QueuedPrefill("b", 300))
+    view = PrefillView("p", "s", None, None, 0, 4)
+    for job in queue:
+        view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
+    worst = view.state()
+    view.set_overtake_share(0.25)
+    learned = view.state()
+    assert worst.overtake_share == 1.0 and learned.overtake_share == 0.25 and learned is not worst
+    req = ScheduleRequest("x", (), 500, 8)
+
+    def queue_s(state):
+        cluster = ClusterState((state,), (DecodeInstanceState("d"),))
+        scheduler = Scheduler(SchedulerConfig(block_size=16), COSTS, BlockIndex())
+        return scheduler.schedule(req, cluster, 0.0).predicted_queue_s
+
+    full = overtake_allowance(MODEL, 4, 500, 0)
+    assert overtake_allowance(MODEL, 4, 500, 0, 0.25) == pytest.approx(full / 4)
+    assert queue_s(worst) - queue_s(learned) == pytest.approx(0.75 * full)
+
+
+def test_once_learning_a_job_is_priced_by_how_likely_later_arrivals_are_shorter():
+    full = overtake_allowance(MODEL, 4, 500, 0)
+    recent = (100, 200, 300, 600)       # a quarter of the recent arrivals were longer than 500
+    assert overtake_allowance(MODEL, 4, 500, 0, 0.5, recent) == pytest.approx(0.5 * 0.75 * full)
+    assert overtake_allowance(MODEL, 4, 50, 0, 1.0, recent) == 0.0     # the shortest: nobody passes it
+    view = PrefillView("p", "s", None, None, 0, 4)
+    for i, n in enumerate(recent):
+        enqueue(view, f"r{i}", n, 0, 4)
+    assert view.state().recent_uncached == ()          # not learning: the worst case, as before
+    view.set_overtake_share(1.0)
+    assert view.state().recent_uncached == recent and view.state().overtake_share == 1.0
+    enqueue(view, "r4", 150, 0, 4)
+    assert view.state().recent_uncached == (100, 150, 200, 300, 600)

@@ -42,7 +42,8 @@ from mooncake_lite.bench.fidelity.gaps import measured_gaps
 from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster
 from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
-from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, rejected_by, sim_side, sim_trace, simulate
+from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, rejected_by, sim_side,
+                                            sim_trace, simulate)
 from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -129,10 +130,12 @@ def run(ns: Options, api: str) -> dict:
     else:
         slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
 
-    def simulated(costs):
+    overtakes = live_overtakes(getattr(ns, "prefill_args", ""))
+
+    def simulated(costs):   # queued as the live prefills queue, corrected as the live conductor corrects
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
                         ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                        batch_tokens=ns.prefill_batch_tokens)
+                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True)
     res = simulated(hw)
     live, sim = live_side(lr.records), sim_side(res)
     report = compare(live, sim, len(lr.records))
@@ -187,7 +190,8 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     absolute = (ns.ttft_slo, ns.tbt_slo) if ns.ttft_slo and ns.tbt_slo else None
     limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
     sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
-                                  batch_tokens=ns.prefill_batch_tokens)
+                                  batch_tokens=ns.prefill_batch_tokens,
+                                  overtakes=live_overtakes(getattr(ns, "prefill_args", "")))
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
     out["slos"] = "absolute, as given" if absolute else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"

@@ -48,14 +48,32 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
 
 
 def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
-             tbt_slo_s: float, block: int, batch_tokens: int = 0):
+             tbt_slo_s: float, block: int, batch_tokens: int = 0, overtakes: int = 0, correct: bool = False):
+    """The slice simulated; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
+    ``correct``: the live conductor's online correction, learned as the simulation runs."""
     from mooncake_lite.scheduler import SchedulerConfig
     from mooncake_lite.sim.cluster import MooncakeSim
     from mooncake_lite.sim.config import SimConfig
     sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
     cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
-                    max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens)
+                    max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens,
+                    prefill_queue_overtakes=overtakes, correct=correct)
     return MooncakeSim(cfg, replace(hw, block_size=block)).run(trace)
+
+
+def live_overtakes(prefill_args: str) -> int:
+    """The queue-order bound the prefills this bench starts serve by: `mooncake up`'s order
+    (shortest first, ``DEFAULT_OVERTAKES``) unless ``--prefill-args`` names another."""
+    import argparse
+    import shlex
+
+    from mooncake_lite.cluster.plan import UP_QUEUE_ORDER
+    from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES, bound_of
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--queue-order", default=UP_QUEUE_ORDER)
+    ap.add_argument("--queue-overtakes", type=int, default=DEFAULT_OVERTAKES)
+    known, _ = ap.parse_known_args(shlex.split(prefill_args or ""))
+    return bound_of(known.queue_order, known.queue_overtakes)
 
 
 def sim_side(result) -> Side:

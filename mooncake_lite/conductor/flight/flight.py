@@ -99,7 +99,8 @@ class Flight:
         if span is not None:
             tracing.end_span(span, **decision_attributes(d))
         if cont is None:
-            self.prediction, self._placed_at = self.svc.predictions.predicted(d), loop_now()
+            self.prediction, self._placed_at = self.svc.predictions.predicted(
+                d, len(req.prompt_ids), d.reused_prefix_blocks * self.svc.scheduler.config.block_size), loop_now()
             # predictive admission sizes this request's decode time with its predicted output
             self.expected_output = self.svc.outputs.expected(keys, len(req.prompt_ids), req.sampling.max_tokens)
             self.block_keys = keys

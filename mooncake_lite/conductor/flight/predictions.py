@@ -26,14 +26,13 @@ from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, scaled
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, scaled
+from mooncake_lite.scheduler.prefill_view import PrefillView
+from mooncake_lite.scheduler.queue_order import overtake_allowance
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
 MAX_RECENT = 4096      # checks kept for that window at most (a burst cannot grow it without end)
-# A scale is shown the scheduler anew only once it moved this much (in log, ~3%): a new model
-# makes the scheduler derive that instance's estimates afresh, so noise must not at every request.
-SHOW_TOLERANCE = 1 / 32
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,10 @@ class Prediction:
     # (prefill, decode): log of how far each instance's own model had moved by itself (refines)
     # since first seen; an observation is converted to the model current when it is settled
     bases: tuple[float, float] = (0.0, 0.0)
+    # of ``queue_s``, the allowance for later arrivals passing it (shortest first), at the share
+    # the instance was priced with; and that allowance's worst case (share 1; 0: none)
+    overtake_s: float = 0.0
+    overtake_full_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,25 @@ class PredictionBook:
         self._first_settled: dict[str, None] = {}
         membership.shown_costs = self.shown_costs
 
-    def predicted(self, d: Decision) -> Prediction:
+    def predicted(self, d: Decision, num_tokens: int = 0, prefix_tokens: int = 0) -> Prediction:
+        """``d``'s prediction; ``num_tokens`` (the prompt's) and ``prefix_tokens`` (the reused
+        prefix it was priced with) give the overtake allowance its queue holds (0: none known)."""
+        share, full = self._allowance(d.prefill_id, num_tokens, prefix_tokens)
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
-                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)))
+                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full)
+
+    def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
+        """(the overtake share ``prefill_id``'s view has, the worst-case overtake allowance the
+        scheduler priced a job of this prompt with there: ``queue_order.overtake_allowance`` at
+        share 1, on the model shown); the allowance 0 where there is none."""
+        inst = self.membership.get(prefill_id) if prefill_id else None
+        if inst is None or num_tokens <= 0 or inst.reg.queue_overtakes <= 0 or not isinstance(inst.view, PrefillView):
+            return 1.0, 0.0
+        model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id))
+        recent = inst.view.state().recent_uncached
+        return inst.view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens,
+                                                            1.0, recent)
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
@@ -193,6 +211,9 @@ class PredictionBook:
         if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
             self._shown[iid] = scale
             self.membership.show_costs(inst)
+        share = self.corrections.overtake_share(iid)
+        if isinstance(inst.view, PrefillView) and abs(share - inst.view.overtake_share) >= SHOW_TOLERANCE:
+            inst.view.set_overtake_share(share)
 
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
@@ -204,7 +225,14 @@ class PredictionBook:
         own = p.prefill_s / s
         self._observe(iid, term, own, check.compute_s)
         speed = check.compute_s / own if _positive(check.compute_s) and own > 0 else None
-        self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
+        if p.overtake_full_s > 0:     # shortest first: the queue's residual is the share of overtakes met
+            used = overtakes_used(max(p.queue_s - p.overtake_s, 0.0), p.overtake_full_s, check.queue_s,
+                                  check.compute_s / p.prefill_s if _positive(check.compute_s) and p.prefill_s > 0
+                                  else None)
+            if used is not None:
+                c.note_overtakes(iid, used)
+        else:
+            self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
@@ -303,7 +331,8 @@ class PredictionBook:
         return {iid: {"scale": self.shown_scale(iid),
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
-                      "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4)}
+                      "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
+                      "overtake_share": round(corr.overtake_share, 4)}
                 for iid, corr in c.items()}
 
 

@@ -1,0 +1,74 @@
+"""The simulator's online correction (issue #36): the live conductor's rule
+(``scheduler/correction.py``), fed by the simulated requests, shown to the simulated conductor's
+views as the live conductor shows it to its own (``conductor/flight/predictions.py``).
+
+Each request placed on a prefill leaves what was predicted for it: its own forward (the
+uncorrected model's), its queue and, on a shortest-first instance, the queue's overtake
+allowance (the worst case and the share it was priced with). At its first token the simulator
+knows its wait (ready to started) and its forward (started to first token): the compute factor
+and the overtake share move by the same :class:`~mooncake_lite.scheduler.correction.Corrections`
+as live, each residual fed once. The prefill's model is shown scaled by its compute factor only,
+and no ``queue`` factor is learned: the simulator's conductor sees its queue exactly (FIFO is
+then priced right); only what later arrivals will do is unknown, which the share learns. Decodes are not
+corrected here (their simulated steps are the model's own, with a measured spread: nothing to
+learn but noise). Off unless ``SimConfig.correct``: the recorded decision digests are without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mooncake_lite.scheduler import CostModels, Decision
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, overtakes_used, scaled
+from mooncake_lite.scheduler.queue_order import overtake_allowance
+from mooncake_lite.sim.nodes import PrefillNode
+from mooncake_lite.sim.request import SimRequest
+
+
+class SimCorrecting:
+    """What the simulated conductor predicted per request, and the corrections it learns."""
+
+    def __init__(self, costs: CostModels, corrections: Corrections | None = None) -> None:
+        self.costs = costs
+        self.corrections = corrections or Corrections()
+        # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst case)
+        self._predicted: dict[str, tuple[float, float, float, float]] = {}
+        self._shown: dict[str, float] = {}       # prefill id -> the compute scale its view's model has
+
+    def placed(self, req: SimRequest, d: Decision, p: PrefillNode) -> None:
+        """``req`` was placed on ``p`` by ``d`` (its prefix: ``req.planned_prefix_tokens``)."""
+        scale = self._shown.get(p.instance_id, 1.0)
+        own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
+        full = overtake_allowance(scaled(p.cost or self.costs.prefill, scale), p.overtakes, req.input_length,
+                                  req.planned_prefix_tokens, 1.0, p.view.state().recent_uncached)
+        self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full)
+
+    def first_token(self, req: SimRequest, p: PrefillNode, now: float) -> None:
+        """``req``'s prefill on ``p`` ended at ``now``: correct ``p`` by it, and show the result."""
+        predicted = self._predicted.pop(req.rid, None)
+        if predicted is None or req.prefill_start is None:
+            return
+        own, queue_s, overtake_s, full = predicted
+        waited, forward = req.prefill_start - req.ready_at, now - req.prefill_start
+        c, iid = self.corrections, p.instance_id
+        c.observe(iid, "compute", own, forward)
+        speed = forward / own if own > 0 and forward > 0 else None
+        if full > 0:
+            shown_speed = None if speed is None else speed / self._shown.get(iid, 1.0)   # over the model shown
+            used = overtakes_used(max(queue_s - overtake_s, 0.0), full, waited, shown_speed)
+            if used is not None:
+                c.note_overtakes(iid, used)
+        self._show(p)
+
+    def _show(self, p: PrefillNode) -> None:
+        """``p``'s view as the live conductor's shows it: the model × its compute scale, and the
+        overtake share, each once it moved by more than ``SHOW_TOLERANCE``."""
+        c, iid, view = self.corrections, p.instance_id, p.view
+        scale = c.compute_scale(iid)
+        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE:
+            self._shown[iid] = scale
+            view.set_instance(p.store_id, None, scaled(p.cost or self.costs.prefill, scale), p.pack_tokens,
+                              p.overtakes)
+        share = c.overtake_share(iid)
+        if abs(share - view.overtake_share) >= SHOW_TOLERANCE:
+            view.set_overtake_share(share)
