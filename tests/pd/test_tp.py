@@ -1,6 +1,7 @@
 """Tensor-parallel instances as real processes: a TP=2 prefill and a TP=2 decode give the
 monolithic greedy tokens, and either pairs with a TP=1 peer; a rank killed under load fails the
-whole instance at once (no hang, a clear error, exit 1 for the supervisor to restart it)."""
+whole instance at once (no hang, a clear error, exit 1 for the supervisor to restart it), and one
+of a CPP group's TP stages fails the whole group."""
 
 import asyncio
 import os
@@ -20,7 +21,7 @@ from tests.pd.test_e2e import BS, COMMON, check_prompts, prompt, start_many
 from tests.real_model import SMOLLM, needs_smollm
 
 pytestmark = pytest.mark.timeout(600)
-START_S, STOP_S = 400, 60   # TP groups' ranks, CPP groups' stages, on this shared 2-vCPU box
+START_S = 400   # TP groups' ranks, CPP groups' stages, on this shared 2-vCPU box
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,37 @@ async def test_tp2_prefill_and_decode_match_the_monolithic_tokens(role_procs, mo
         assert await _reused(session, model, prefill1, decode1, prompt(2 * BS, 15) + prompt(4, 17), 2 * BS)
         async with session.get(f"{decode.url()}/health") as resp:
             assert resp.status == 200
+        await _a_dead_rank_fails_the_cpp_group_whole(session, model, cpp, decode1)
     assert prefill.stop() == 0 and decode.stop() == 0   # the whole groups stop cleanly
-    assert cpp.stop(STOP_S) == 0   # its head, its stage, their four ranks
+
+
+async def _a_dead_rank_fails_the_cpp_group_whole(session, model, cpp, decode) -> None:
+    """On the cluster above (its CPP group of two TP=2 stages is five processes, and what is
+    tested is how they exit): stage 1's follower rank is killed under load; the requests end,
+    each with the reference tokens or its error, none hangs; stage 1 exits, and so does the head,
+    with 1, for its supervisor to restart the group whole."""
+    (stage1,) = [p for p in _children(cpp.proc.pid) if "--pipeline-stage" in _cmdline(p)]
+    (follower,) = [p for p in _children(stage1) if "spawn_main" in _cmdline(p)]
+    prompts = [prompt(12 * BS + i, 30 + i) for i in range(3)]
+    runs = [asyncio.ensure_future(generate(session, cpp.url(), decode.url(), decode.addresses["data"], p, 4))
+            for p in prompts]
+    await asyncio.sleep(0.5)   # under load: the three are prefilling
+    os.kill(follower, signal.SIGKILL)
+    t0 = time.monotonic()
+    outs = await asyncio.wait_for(asyncio.gather(*runs), timeout=60)   # none hangs
+    for p, o in zip(prompts, outs):
+        if o.error is None and o.prefill_status == 200:
+            assert o.tokens == reference_greedy(model, p, 4)   # done before the kill
+        else:
+            assert o.error or o.prefill.get("error")   # failed, with its reason
+    assert cpp.proc.wait(timeout=60) == 1   # the head: its group cannot prefill any more
+    assert time.monotonic() - t0 < 60
+    assert not os.path.exists(f"/proc/{stage1}") or _zombie(stage1)   # stage 1 exited, not alone alive
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1].startswith("Z")
 
 
 async def _reused(session, model, prefill, decode, toks: list[int], expect: int) -> int:
