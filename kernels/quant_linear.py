@@ -165,6 +165,14 @@ def quant_linear_fused(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, nor
     = (weight, eps), each part where given). Where the integer-activation kernel runs, one C call
     does all of it (the work around a layer's products, each a dispatched operator otherwise);
     elsewhere ``kernels.norm.rms_norm``, :func:`quant_linear` and an add."""
+    if torch.autograd._profiler_enabled():   # named in a profile, as quant_linear's products are
+        with torch.profiler.record_function("quant_linear"):
+            return _fused_linear(x, blocks, qtype, norm, residual)
+    return _fused_linear(x, blocks, qtype, norm, residual)
+
+
+def _fused_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, norm: tuple[torch.Tensor, float] | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
     if _int8_runs(x, blocks.shape[0], residual):
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
         status = library().quant_matmul_i8(
