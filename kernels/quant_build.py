@@ -1,7 +1,9 @@
 """Building and loading ``quant_matmul.c``, the CPU kernel for GGUF-quantized weights.
 
 The sources (``quant_matmul.c``, the float path; ``quant_matmul_i8.c``, integer activations on
-VNNI; ``decode_attention.c``, CPU decode attention read in place; ``rms_norm.c``) are compiled here, on the machine that runs them, with the system C compiler for this CPU
+VNNI; ``decode_attention.c``, CPU decode attention read in place; ``rms_norm.c``; ``rope_kv.c``,
+a decode step's rotary embedding and KV write) are compiled here, on the machine that runs them,
+with the system C compiler for this CPU
 (``-march=native``: AVX-512 and VNNI where the CPU has them, AVX2 elsewhere; each source picks its
 code by the compiler's ISA macros, so what runs follows from that one CPU check), once per
 source, CPU, target and compiler, into
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(HERE, name) for name in ("quant_matmul.c", "quant_matmul_i8.c", "decode_attention.c",
-                                                        "rms_norm.c"))
+                                                        "rms_norm.c", "rope_kv.c"))
 # -ffp-contract=fast: the products accumulate with fused multiply-adds; the dequantization keeps
 # gguf's own roundings through an explicit barrier in the source. OpenMP splits output rows.
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -98,8 +100,11 @@ def build(march: str) -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn = lib.quant_matmul_i8
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    fn = lib.rope_kv_write
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 5, ctypes.c_int64]
     fn = lib.rms_norm
     fn.restype = None
     fn.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]

@@ -22,6 +22,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kernels.norm import rms_norm
 from kernels.quant_build import library
 
 # Above this many rows (a prefill chunk) the weight is dequantized into a float32 copy for one
@@ -158,6 +159,41 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.
     return _kernel_linear(x, blocks, qtype, bias)
 
 
+def quant_linear_fused(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm: tuple[torch.Tensor, float] | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``rms_norm(x) @ Wᵀ + residual`` for a decode step's rows ``x`` [B, K] (the norm by ``norm``
+    = (weight, eps), each part where given). Where the integer-activation kernel runs, one C call
+    does all of it (the work around a layer's products, each a dispatched operator otherwise);
+    elsewhere ``kernels.norm.rms_norm``, :func:`quant_linear` and an add."""
+    if torch.autograd._profiler_enabled():   # named in a profile, as quant_linear's products are
+        with torch.profiler.record_function("quant_linear"):
+            return _fused_linear(x, blocks, qtype, norm, residual)
+    return _fused_linear(x, blocks, qtype, norm, residual)
+
+
+def _fused_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, norm: tuple[torch.Tensor, float] | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+    if _int8_runs(x, blocks.shape[0], residual):
+        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+        status = library().quant_matmul_i8(
+            qtype, blocks.data_ptr(), blocks.shape[0], x.shape[1], x.data_ptr(), x.stride(0), x.shape[0],
+            out.data_ptr(), torch.get_num_threads(), None if norm is None else norm[0].data_ptr(),
+            0.0 if norm is None else norm[1], None if residual is None else residual.data_ptr())
+        if status == 0:
+            return out
+    out = quant_linear(x if norm is None else rms_norm(x, *norm), blocks, qtype)
+    return out if residual is None else out.add_(residual)
+
+
+def _int8_runs(x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> bool:
+    """Whether :func:`quant_linear_fused` can hand ``x`` (rows of unit stride: a view's columns
+    too) to the integer-activation kernel as is."""
+    return (kernel_runs(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= DEQUANTIZE_ROWS
+            and os.environ.get(ACTIVATIONS_ENV, "int8") != "float"
+            and (residual is None or (residual.is_contiguous() and residual.shape == (x.shape[0], rows)
+                                      and residual.dtype == torch.float32)))
+
+
 def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None) -> torch.Tensor:
     k, rows = x.shape[-1], blocks.shape[0]
     if x.dim() == 2 and x.is_contiguous():   # a decode step's rows: no reshapes (each an operator call)
@@ -170,8 +206,8 @@ def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torc
     lib, threads = library(), torch.get_num_threads()
     status = NO_INT8_PATH
     if os.environ.get(ACTIVATIONS_ENV, "int8") != "float":
-        status = lib.quant_matmul_i8(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],
-                                     out.data_ptr(), threads)
+        status = lib.quant_matmul_i8(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), k, flat.shape[0],
+                                     out.data_ptr(), threads, None, 0.0, None)
     if status == NO_INT8_PATH:
         sums = torch.empty(flat.shape[0] * (k // BLOCK), dtype=torch.float32)   # the kernel's scratch
         status = lib.quant_matmul(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), flat.shape[0],

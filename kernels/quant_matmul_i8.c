@@ -17,8 +17,16 @@
  * on what it is batched with.
  *
  * W is row-planar (quant_matmul.c): a 64-byte load reads four Q4 blocks' quants (two Q8_0), one
- * 8-byte load their scales. Built only where the CPU has AVX-512 with VNNI; elsewhere
- * quant_matmul_i8 answers -2 and the float path runs (kernels/quant_linear.py).
+ * 8-byte load their scales.
+ *
+ * The work a decode layer does around its products rides along, each a dispatched operator in
+ * torch: x's row may first be RMS-normalised (norm_w: rms_norm.c's own row function), and a
+ * residual may be added to each output (out = x @ W^T + residual, the sum torch's add_ forms).
+ * (SwiGLU stays torch's: C's expf is not its exp, and an ulp moved the int8 rounding of x enough
+ * to move logits by 2e-3.)
+ *
+ * Built only where the CPU has AVX-512 with VNNI; elsewhere quant_matmul_i8 answers -2 and the
+ * float path runs (kernels/quant_linear.py).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +34,9 @@
 #include <math.h>
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGMLQuantizationType values */
+
+void rms_norm_row(const float *x, const float *w, float *out, int64_t dim, float eps);   /* rms_norm.c */
+
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -75,7 +86,7 @@ static void quantize_row(int qtype, const float *x, int64_t nblk, xgroup *out) {
  * in the same order whatever rx is, so its result does not depend on its batch. */
 static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *row, int64_t nblk,
                                                           const xgroup *xg, int64_t stride, int rx, float *out,
-                                                          int64_t out_stride) {
+                                                          const float *res, int64_t out_stride) {
     const int g = per_group(qtype);
     const uint16_t *ds = (const uint16_t *)row, *ms = ds + nblk;
     const uint8_t *qs = row + (qtype == Q4_1 ? 4 : 2) * nblk;
@@ -113,7 +124,8 @@ static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8
     }
     for (int r = 0; r < rx; r++) {
         __m128 t = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        out[r * out_stride] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        float sum = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        out[r * out_stride] = res != NULL ? sum + res[r * out_stride] : sum;
     }
 }
 
@@ -121,47 +133,61 @@ static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8
  * the batch reads it. */
 static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint8_t *w, int64_t row_bytes,
         int64_t nblk, const xgroup *xg, int64_t groups, int64_t batch, int64_t n0, int64_t n1, float *out,
-        int64_t n_rows) {
+        const float *res, int64_t n_rows) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
         _mm_prefetch((const char *)row + 4 * row_bytes, _MM_HINT_T0);
-        int64_t b = 0;
-        for (; b + 4 <= batch; b += 4) row_dot(qtype, row, nblk, xg + b * groups, groups, 4, out + b * n_rows + n, n_rows);
-        switch (batch - b) {
-            case 3: row_dot(qtype, row, nblk, xg + b * groups, groups, 3, out + b * n_rows + n, n_rows); break;
-            case 2: row_dot(qtype, row, nblk, xg + b * groups, groups, 2, out + b * n_rows + n, n_rows); break;
-            case 1: row_dot(qtype, row, nblk, xg + b * groups, groups, 1, out + b * n_rows + n, n_rows); break;
-            default: break;
+        for (int64_t b = 0; b < batch; b += 4) {
+            const xgroup *xb = xg + b * groups;
+            float *o = out + b * n_rows + n;
+            const float *r = res ? res + b * n_rows + n : NULL;
+            switch (batch - b) {   /* a constant row count, so the x-row loop unrolls */
+                case 1: row_dot(qtype, row, nblk, xb, groups, 1, o, r, n_rows); break;
+                case 2: row_dot(qtype, row, nblk, xb, groups, 2, o, r, n_rows); break;
+                case 3: row_dot(qtype, row, nblk, xb, groups, 3, o, r, n_rows); break;
+                default: row_dot(qtype, row, nblk, xb, groups, 4, o, r, n_rows); break;
+            }
         }
     }
 }
 #endif
 
-/* out[B, N] = x[B, K] @ W[N, K]^T with x quantized per block as above. Returns 0; -1 for a type
- * it does not know or K not a multiple of 32; -2 where this build has no int8 path. */
-int quant_matmul_i8(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, const float *x, int64_t batch,
-                    float *out, int threads) {
+/* out[B, N] = x[B, K] @ W[N, K]^T (+ residual[B, N]) with x quantized per block as above, x's rows
+ * x_stride values apart, each first RMS-normalised where norm_w (K weights) is given. Returns 0;
+ * -1 for a type it does not know or K not a multiple of 32; -2 where this build has no int8 path. */
+int quant_matmul_i8(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, const float *x, int64_t x_stride,
+                    int64_t batch, float *out, int threads, const float *norm_w, float eps, const float *residual) {
 #ifdef HAVE_I8
     if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || k % 32) return -1;
     int64_t nblk = k / 32, groups = (nblk + per_group(qtype) - 1) / per_group(qtype);
     int64_t row_bytes = nblk * (qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34);
     xgroup *xg = aligned_alloc(64, (size_t)(batch * groups) * sizeof(xgroup));
-    if (xg == NULL) return -1;
-    for (int64_t b = 0; b < batch; b++) quantize_row(qtype, x + b * k, nblk, xg + b * groups);
+    float *tmp = aligned_alloc(64, (size_t)(k + 15) / 16 * 64);
+    if (xg == NULL || tmp == NULL) { free(xg), free(tmp); return -1; }
+    for (int64_t b = 0; b < batch; b++) {
+        const float *row = x + b * x_stride;
+        if (norm_w != NULL) rms_norm_row(row, norm_w, tmp, k, eps);
+        quantize_row(qtype, norm_w != NULL ? tmp : row, nblk, xg + b * groups);
+    }
+    free(tmp);
     int64_t chunks = (n_rows + 15) / 16;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
         int64_t n0 = c * 16, n1 = n0 + 16 < n_rows ? n0 + 16 : n_rows;
         switch (qtype) {   /* a constant type, so the block loop does not branch on it */
-            case Q4_0: rows_dot(Q4_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
-            case Q4_1: rows_dot(Q4_1, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
-            default: rows_dot(Q8_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, n_rows); break;
+            case Q4_0: rows_dot(Q4_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, residual,
+                                      n_rows); break;
+            case Q4_1: rows_dot(Q4_1, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, residual,
+                                      n_rows); break;
+            default: rows_dot(Q8_0, w, row_bytes, nblk, xg, groups, batch, n0, n1, out, residual,
+                                      n_rows); break;
         }
     }
     free(xg);
     return 0;
 #else
-    (void)qtype, (void)w, (void)n_rows, (void)k, (void)x, (void)batch, (void)out, (void)threads;
+    (void)qtype, (void)w, (void)n_rows, (void)k, (void)x, (void)x_stride, (void)batch, (void)out, (void)threads;
+    (void)norm_w, (void)eps, (void)residual;
     return -2;
 #endif
 }

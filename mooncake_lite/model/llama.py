@@ -18,9 +18,11 @@ from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention
 from kernels.norm import rms_norm
+from kernels.rope_kv import rope_kv_write
 from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld
+from mooncake_lite.model.quantized import QuantizedWeight
 from mooncake_lite.model.yarn import yarn_inv_freq
 
 
@@ -144,8 +146,29 @@ class Attention(nn.Module):
         return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
-        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self._project(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        out = self.attend(self._project(x), cos, sin, meta, k_cache, v_cache)
+        return linear(out if out.dtype == x.dtype else out.to(x.dtype), self.wo.weight, packed=self.packs.get("wo"))
+
+    def attend(self, qkv: torch.Tensor, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        """The fused q/k/v product's rows [n, q + 2 kv widths] → the attention's [n, q width], K
+        and V written into the cache on the way."""
+        n, heads, kv_heads = qkv.shape[0], self.num_heads, self.num_kv_heads
+        qkv = qkv.view(n, heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is None and rope_kv_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads):
+            q = qkv[:, :heads]   # rotated in place, K and V written: one C call for what follows
+        else:
+            q = self._rope_and_write(qkv, cos, sin, meta, k_cache, v_cache)
+        if meta.segments is not None:
+            out = packed_prefill_attention(q, k_cache, v_cache, meta)
+        elif meta.is_prefill:
+            out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
+        else:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+        return out.reshape(n, -1)
+
+    def _rope_and_write(self, qkv: torch.Tensor, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        """``rope_kv_write``'s work in torch's operators (another dtype or device, q/k norms); returns q."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         qk = qkv[:, :heads + kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
@@ -155,14 +178,7 @@ class Attention(nn.Module):
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        if meta.segments is not None:
-            out = packed_prefill_attention(q, k_cache, v_cache, meta)
-        elif meta.is_prefill:
-            out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
-        else:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-        out = out.reshape(n, -1)
-        return linear(out if out.dtype == x.dtype else out.to(x.dtype), self.wo.weight, packed=self.packs.get("wo"))
+        return q
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -219,9 +235,33 @@ class Block(nn.Module):
         self.feed_forward = feed_forward or FeedForward(args)
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        if self.reduce is _whole and compact_layer(self.attention, self.feed_forward, x):
+            return self._compact_forward(x, cos, sin, meta, k_cache, v_cache)
         # Residuals added into the fresh sublayer outputs (a + b == b + a exactly): no new tensors.
         h = self.reduce(self.attention(self.attention_norm(x), cos, sin, meta, k_cache, v_cache)).add_(x)
         return self.reduce(self.feed_forward(self.ffn_norm(h))).add_(h)
+
+    def _compact_forward(self, x, cos, sin, meta, k_cache, v_cache):
+        """:meth:`forward` on GGUF blocks kept (``model/quantized.py``) in five C calls and a
+        few operators at decode: each norm folded into the product after it, each residual added
+        by the product before it, rotary and KV write in one call (``Attention.attend``); SwiGLU
+        stays torch's. The same values as :meth:`forward` (tests/model/test_quantized.py)."""
+        att, ffn = self.attention, self.feed_forward
+        qkv = att.packs["qkv"].fused(x, norm=(self.attention_norm.weight, self.attention_norm.eps))
+        h = att.packs["wo"].fused(att.attend(qkv, cos, sin, meta, k_cache, v_cache), residual=x)
+        gate_up = ffn.packs["gate_up"].fused(h, norm=(self.ffn_norm.weight, self.ffn_norm.eps))
+        gate, up = gate_up.split(ffn.w1.out_features, dim=-1)
+        return ffn.packs["w2"].fused(F.silu(gate, inplace=True).mul_(up), residual=h)
+
+
+def compact_layer(attention: nn.Module, feed_forward: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a layer's four products run on GGUF blocks kept, with nothing between them that
+    :meth:`Block._compact_forward` leaves out (a q/k/v bias), on float32 rows."""
+    packs, ffn_packs = getattr(attention, "packs", {}), getattr(feed_forward, "packs", {})
+    return (x.dim() == 2 and x.dtype == torch.float32 and isinstance(attention, Attention)
+            and isinstance(feed_forward, FeedForward) and attention.qkv is not None and attention.qkv[1] is None
+            and all(isinstance(p, QuantizedWeight) for p in (packs.get("qkv"), packs.get("wo"),
+                                                             ffn_packs.get("gate_up"), ffn_packs.get("w2"))))
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear, to_planar
+from kernels.quant_linear import (BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear, quant_linear_fused,
+                                  to_planar)
 
 
 class QuantizedWeight:
@@ -53,6 +54,12 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return quant_linear(x, self.blocks, self.qtype, bias)
+
+    def fused(self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``rms_norm(x) @ Wᵀ + residual`` (each where given), the norm and the sum folded into the
+        product (``kernels.quant_linear.quant_linear_fused``)."""
+        return quant_linear_fused(x, self.blocks, self.qtype, norm=norm, residual=residual)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], equal to gguf.quants' values."""

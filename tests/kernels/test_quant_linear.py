@@ -34,7 +34,8 @@ def has_int8_path() -> bool:
     lib = library()
     x, out = torch.zeros(1, 32), torch.empty(1, 1)
     return lib is not None and lib.quant_matmul_i8(Q8_0, torch.zeros(1, 34, dtype=torch.uint8).data_ptr(), 1, 32,
-                                                   x.data_ptr(), 1, out.data_ptr(), 1) != NO_INT8_PATH
+                                                   x.data_ptr(), 32, 1, out.data_ptr(), 1, None, 0.0, 0,
+                                                   None) != NO_INT8_PATH
 
 
 needs_int8 = pytest.mark.skipif(not has_int8_path(), reason="no AVX-512 VNNI here: the float path serves")
@@ -139,7 +140,8 @@ def test_an_avx2_build_has_no_int8_path_and_its_float_path_matches(monkeypatch):
         pytest.skip("the compiler cannot target x86-64-v3 here")
     blocks, _ = quantized(Q4_1, 19, 96)
     x, out = torch.randn(3, 96), torch.empty(3, 19)
-    assert lib.quant_matmul_i8(Q4_1, blocks.data_ptr(), 19, 96, x.data_ptr(), 3, out.data_ptr(), 1) == NO_INT8_PATH
+    assert lib.quant_matmul_i8(Q4_1, blocks.data_ptr(), 19, 96, x.data_ptr(), 96, 3, out.data_ptr(), 1, None, 0.0, 0,
+                               None) == NO_INT8_PATH
     monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
     for qtype in TYPES:
         blocks, values = quantized(qtype, 19, 96)
@@ -180,3 +182,25 @@ def test_prefill_sized_products_run_tile_by_tile(monkeypatch):
     blocks, values = quantized(Q4_1, 67, 128)
     x, bias = torch.randn(DEQUANTIZE_ROWS + 9, 128), torch.randn(67)
     torch.testing.assert_close(quant_linear(x, blocks, Q4_1, bias), x @ values.t() + bias, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [True, False])
+def test_a_norm_and_a_residual_folded_into_the_product_equal_them_apart(monkeypatch, int8):
+    """``quant_linear_fused``: one C call on the integer path (the norm by rms_norm.c's own row
+    function; a product may still differ in float32 rounding), torch's operators on the float
+    path; x may be a view's columns (a split's first half)."""
+    from kernels.norm import rms_norm
+    from kernels.quant_linear import quant_linear_fused
+    if not int8:
+        monkeypatch.setenv(ACTIVATIONS_ENV, "float")
+    elif not has_int8_path():
+        pytest.skip("no AVX-512 VNNI here")
+    blocks, _ = quantized(Q4_1, 40, 96)
+    x, res = torch.randn(5, 96) * 2, torch.randn(5, 40)
+    weight = torch.rand(96) + 0.5
+    torch.testing.assert_close(quant_linear_fused(x, blocks, Q4_1, norm=(weight, 1e-5)),
+                               quant_linear(rms_norm(x, weight, 1e-5), blocks, Q4_1), atol=1e-4, rtol=1e-5)
+    assert torch.equal(quant_linear_fused(x, blocks, Q4_1, residual=res), quant_linear(x, blocks, Q4_1) + res)
+    wide = torch.randn(5, 192)
+    assert torch.equal(quant_linear_fused(wide[:, :96], blocks, Q4_1), quant_linear(wide[:, :96].contiguous(), blocks, Q4_1))

@@ -113,3 +113,23 @@ def test_greedy_tokens_on_the_twenty_prompts_equal_the_dequantized_path(models, 
                      for m in (models[0], float_packed))
     stops = tok.eos_token_ids
     assert [until_stop(t, stops) for t in ours] == [until_stop(t, stops) for t in ref]
+
+
+def test_a_compact_layer_runs_in_c_calls_to_the_operator_paths_logits(models, monkeypatch):
+    """``Block._compact_forward`` (norms and residuals folded into the products, rotary and KV
+    write in one call) against the same layers through torch's operators: the same logits (C's
+    expf in place of torch's SiLU moved them by 2e-3, so SwiGLU stays torch's)."""
+    from mooncake_lite.model import llama
+    model = models[0]
+    assert all(llama.compact_layer(b.attention, b.feed_forward, torch.zeros(1, model.args.dim))
+               for b in model.layers.values())
+    prompt = [(7 * i) % 5000 + 10 for i in range(40)]
+
+    def logits() -> torch.Tensor:
+        runner = ModelRunner(model, num_blocks=8, block_size=16)
+        with torch.inference_mode():
+            runner.prefill(prompt, [0, 1, 2], 0)
+            return runner.decode([11, 12], [[0, 1, 2], [3, 4, 5]], [40, 0])
+    fused = logits()
+    monkeypatch.setattr(llama, "compact_layer", lambda *_: False)
+    assert torch.equal(fused, logits())
