@@ -16,6 +16,7 @@ values up to summation order).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -142,6 +143,28 @@ def quant_linear_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     return F.linear(x, dequantize_ref(blocks, qtype).to(x.dtype), bias)
 
 
+_activations_local = threading.local()
+
+
+@contextlib.contextmanager
+def float_activations(on: bool = True):
+    """Within (``on``): this thread's products keep float activations where int8 ones would run;
+    for a step whose log-probabilities are reported (issue #32: within 1e-3 of transformers,
+    which the int8 activations' ~1e-3 logit error breaks)."""
+    before = getattr(_activations_local, "float", False)
+    _activations_local.float = before or on
+    try:
+        yield
+    finally:
+        _activations_local.float = before
+
+
+def _int8_activations() -> bool:
+    """Whether products may quantize their activations to int8: not where the environment says
+    float, nor within :func:`float_activations` on this thread."""
+    return os.environ.get(ACTIVATIONS_ENV, "int8") != "float" and not getattr(_activations_local, "float", False)
+
+
 def kernel_runs(x: torch.Tensor) -> bool:
     """Whether :func:`quant_linear` runs the C kernel for activations like ``x``."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and os.environ.get("MOONCAKE_KERNELS") != "ref"
@@ -189,7 +212,7 @@ def _int8_runs(x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> boo
     """Whether :func:`quant_linear_fused` can hand ``x`` (rows of unit stride: a view's columns
     too) to the integer-activation kernel as is."""
     return (kernel_runs(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= DEQUANTIZE_ROWS
-            and os.environ.get(ACTIVATIONS_ENV, "int8") != "float"
+            and _int8_activations()
             and (residual is None or (residual.is_contiguous() and residual.shape == (x.shape[0], rows)
                                       and residual.dtype == torch.float32)))
 
@@ -205,7 +228,7 @@ def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torc
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
     lib, threads = library(), torch.get_num_threads()
     status = NO_INT8_PATH
-    if os.environ.get(ACTIVATIONS_ENV, "int8") != "float":
+    if _int8_activations():
         status = lib.quant_matmul_i8(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), k, flat.shape[0],
                                      out.data_ptr(), threads, None, 0.0, None)
     if status == NO_INT8_PATH:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kernels.copies import Copier
+from kernels.quant_linear import float_activations
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
 from mooncake_lite.decode.batcher import DecodeBatcher, StepPlan
@@ -380,7 +381,9 @@ class DecodeEngine:
                 self._finish(out.request_id, out.finish_reason, out.index)
 
     def _compute(self, plan: StepPlan, samplers: list[SequenceSampler | None]) -> list[tuple[int, TokenLogprob | None]]:
-        logits = self.decode_step(plan.token_ids, plan.block_tables, plan.positions)
+        # A step with a row reporting logprobs keeps float activations (kernels/quant_linear.py).
+        with float_activations(any(s is not None and s.params.logprobs is not None for s in samplers)):
+            logits = self.decode_step(plan.token_ids, plan.block_tables, plan.positions)
         return sample_rows(logits, samplers)
 
     def load(self) -> InstanceLoad:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
+from kernels.quant_linear import float_activations
 from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
@@ -145,14 +146,16 @@ class LayerwisePass:
     """
 
     def __init__(self, runner: ModelRunner, block_table: Sequence[int], start_pos: int, *,
-                 token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None):
+                 token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None, exact: bool = False):
+        """``exact``: float activations in every product where a compact (GGUF) model would round
+        them to int8 (``kernels.quant_linear.float_activations``): a request reporting logprobs."""
         model = runner.model
         if (token_ids is None) == (hidden is None):
             raise ValueError("pass exactly one of token_ids or hidden")
         num_tokens = len(token_ids) if token_ids is not None else hidden.shape[0]
         if num_tokens == 0:
             raise ValueError("prefill needs at least one token")
-        self.runner = runner
+        self.runner, self.exact = runner, exact
         self.start_pos = start_pos
         self.num_tokens = num_tokens
         self.meta = runner.prefill_meta(block_table, start_pos, num_tokens)
@@ -168,7 +171,8 @@ class LayerwisePass:
     def run_layer(self, layer: int) -> None:
         if layer != self.next_layer:
             raise ValueError(f"layers must run in order: expected {self.next_layer}, got {layer}")
-        self.h = self.runner.model.layer_forward(layer, self.h, self.rope, self.meta, self.runner.cache)
+        with float_activations(self.exact):
+            self.h = self.runner.model.layer_forward(layer, self.h, self.rope, self.meta, self.runner.cache)
         self.next_layer += 1
 
     @property
@@ -183,7 +187,8 @@ class LayerwisePass:
         if self.next_layer != model.end_layer:
             raise RuntimeError(f"output() before the last layer ran (next is {self.next_layer})")
         if model.is_last:
-            return model.head(self.h) if all_positions else model.head(self.h[-1:])[0]
+            with float_activations(self.exact):
+                return model.head(self.h) if all_positions else model.head(self.h[-1:])[0]
         return self.h
 
 
@@ -194,14 +199,15 @@ class PackedPass(LayerwisePass):
     sequence. :meth:`slots_of` gives a sequence's cache slots, :meth:`output` the last logits of
     each sequence ``[num_seqs, vocab]``."""
 
-    def __init__(self, runner: ModelRunner, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]):
-        """``seqs``: (block table, start_pos, token ids) per sequence."""
+    def __init__(self, runner: ModelRunner, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+                 exact: bool = False):
+        """``seqs``: (block table, start_pos, token ids) per sequence; ``exact``: as LayerwisePass."""
         model = runner.model
         if not seqs or any(len(toks) == 0 for _, _, toks in seqs):
             raise ValueError("a packed prefill needs at least one sequence, each with a token")
         if not model.is_first:
             raise ValueError("a packed prefill starts at the embeddings (no CPP stage > 0)")
-        self.runner = runner
+        self.runner, self.exact = runner, exact
         self.meta = runner.packed_prefill_meta([(t, start, len(toks)) for t, start, toks in seqs])
         self.start_pos = seqs[0][1]
         self.num_tokens = int(self.meta.positions.shape[0])
@@ -227,4 +233,5 @@ class PackedPass(LayerwisePass):
         if not model.is_last:
             return self.h
         last = torch.as_tensor([off + n - 1 for off, n, _ in self.meta.segments], device=self.h.device)
-        return model.head(self.h.index_select(0, last))
+        with float_activations(self.exact):
+            return model.head(self.h.index_select(0, last))

@@ -92,6 +92,12 @@ class SamplingParams:
                     or self.min_tokens or self.logit_bias)
 
 
+def reports_logprobs(s: Sampling) -> bool:
+    """Whether a request reports log-probabilities (its tokens' or its prompt's): its forwards
+    then keep float activations (``LayerwisePass(exact=True)``), its values being the checkpoint's."""
+    return s.logprobs is not None or s.prompt_logprobs is not None
+
+
 def params_from_wire(s: Sampling) -> SamplingParams:
     """The SamplingParams a wire ``Sampling`` asks for; ValueError when a value is out of range."""
     if len(s.logit_bias_ids) != len(s.logit_bias_values):
@@ -276,3 +282,12 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> lis
     top = torch.topk(logprobs, k, dim=-1)
     return [TokenLogprob(_finite(v), tuple(ids), tuple(map(_finite, vals)))
             for v, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
+def chunk_logprobs(rows: torch.Tensor, token_ids: Sequence[int], start: int,
+                   k: int) -> tuple[torch.Tensor, list[TokenLogprob]]:
+    """A prompt chunk's every-position logits ``rows`` (its first at ``start`` of ``token_ids``):
+    the last row (token 1's, on the last chunk) and each row's :func:`prompt_logprobs` of the
+    prompt's next token (the last chunk's last row has none: it predicts token 1)."""
+    following = torch.as_tensor(list(token_ids[start + 1:start + 1 + rows.shape[0]]), dtype=torch.long)
+    return rows[-1], prompt_logprobs(rows[:len(following)], following, k)

@@ -86,9 +86,10 @@ class StageEngine(PrefixLoading):
         return await self.store.match(keys)
 
     def begin(self, request_id: str, token_ids: Sequence[int], keys: list[bytes], num_prefix_blocks: int,
-              sender: KVSender) -> StageJob:
-        """Allocate the request's blocks and start loading the first layer of its prefix.
-        Raises MemoryError when the cache cannot hold the prompt now."""
+              sender: KVSender, exact: bool = False) -> StageJob:
+        """Allocate the request's blocks and start loading the first layer of its prefix (``exact``:
+        its passes keep float activations, ``LayerwisePass``). Raises MemoryError when the cache
+        cannot hold the prompt now."""
         if request_id in self.jobs:
             raise ValueError(f"request {request_id!r} is already being prefilled here")
         bs = self.runner.block_size
@@ -96,7 +97,7 @@ class StageEngine(PrefixLoading):
             raise ValueError("the prefix must leave at least one token to compute")
         block_ids = self.runner.allocator.allocate(blocks_needed(len(token_ids), bs))
         job = StageJob(request_id, tuple(token_ids), keys, num_prefix_blocks, block_ids, sender,
-                       num_stored_blocks=num_prefix_blocks, num_prefix_tokens=num_prefix_blocks * bs)
+                       num_stored_blocks=num_prefix_blocks, num_prefix_tokens=num_prefix_blocks * bs, exact=exact)
         self.jobs[request_id] = job
         if num_prefix_blocks:
             job.load_span = tracing.start_span("prefill.prefix_load", blocks=num_prefix_blocks,
@@ -180,7 +181,8 @@ class StageEngine(PrefixLoading):
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         seqs = [(job.block_ids, start, toks) for job, start, toks in parts]
-        piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs)
+        piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs,
+                                           any(job.exact for job, _, _ in parts))
         errors: list[str | None] = [None] * len(parts)
         for layer in self.layer_ids:
             for i, (job, _, _) in enumerate(parts):
@@ -228,7 +230,7 @@ class StageEngine(PrefixLoading):
         return job.abort_reason or job.sender.error
 
     def _new_pass(self, job: StageJob, start: int, token_ids, hidden) -> LayerwisePass:
-        return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden)
+        return LayerwisePass(self.runner, job.block_ids, start, token_ids=token_ids, hidden=hidden, exact=job.exact)
 
     def _layer(self, piece: LayerwisePass, layer: int, routes: list = ()) -> Staged:
         piece.run_layer(layer)

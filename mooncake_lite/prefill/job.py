@@ -43,6 +43,7 @@ class StageJob:
     recompute: list[LayerwisePass] | None = None
     load_span: Any = None              # prefill.prefix_load, open until the prefix is in (tracing on)
     prefix_handed_back: bool = False   # the store was told its loads are over (prefix_loaded)
+    exact: bool = False                # float activations: it reports logprobs (LayerwisePass)
 
     @property
     def is_prefix_recomputed(self) -> bool:

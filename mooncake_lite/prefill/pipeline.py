@@ -8,8 +8,9 @@ framing, and every stage talks to the next the same way (the processes: ``stage_
     OP_STAGE_CHUNK {rid, start, n} + payload   the previous stage's activations [n][dim] (raw bytes);
                                                answered on receipt, so the sender computes its next
                                                chunk while this stage computes this one
-    OP_STAGE_END   {rid}                       -> {"first_tokens", "first_logprobs"} once every chunk
-                                                  went through all stages
+    OP_STAGE_END   {rid}                       -> {"first_tokens", "first_logprobs", "prompt_logprobs"} once
+                                                  every chunk went through all stages (the last
+                                                  stage's: it holds the LM head)
     OP_STAGE_ABORT {rid, reason}               -> ok (forwarded down the group)
     OP_STAGE_INFO  {}                          -> {"stages": [what each stage is, this one first]}
     OP_STAGE_FLUSH {rid}                       -> ok once every chunk sent so far went through all stages
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncake_lite.common.protocol import Sampling, TokenLogprob, from_dict
+from mooncake_lite.model.sampling import chunk_logprobs, reports_logprobs
 from mooncake_lite.prefill.engine import StageEngine, StageJob
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender, tensor_bytes
 from mooncake_lite.prefill.results import Firsts, sample_firsts
@@ -107,10 +109,12 @@ class NextStage:
         await self.client.request(OP_STAGE_CHUNK, {"rid": rid, "start": start, "n": hidden.shape[0]},
                                   [tensor_bytes(hidden)])
 
-    async def end(self, rid: str) -> Firsts:
+    async def end(self, rid: str) -> tuple[Firsts, tuple[TokenLogprob, ...]]:
+        """Token 1 of each choice, and the prompt's logprobs when the request asked for them."""
         meta = (await self.client.request(OP_STAGE_END, {"rid": rid})).meta
-        return Firsts(tuple(map(int, meta["first_tokens"])),
-                      tuple(TokenLogprob(**lp) for lp in meta.get("first_logprobs", ())))
+        firsts = Firsts(tuple(map(int, meta["first_tokens"])),
+                        tuple(TokenLogprob(**lp) for lp in meta.get("first_logprobs", ())))
+        return firsts, tuple(TokenLogprob(**lp) for lp in meta.get("prompt_logprobs", ()))
 
     async def abort(self, rid: str, reason: str) -> None:
         try:
@@ -149,6 +153,7 @@ class StageWork:
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: asyncio.Task | None = None
     logits: torch.Tensor | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # the last stage's, when asked
 
 
 class StageServer(FrameHandler):
@@ -209,7 +214,8 @@ class StageServer(FrameHandler):
         decode = m["decode_data"]
         sender = NullSender() if decode is None else KVSender.for_runner(await self.links.get(decode), m["tid"],
                                                                          self.stage.runner, decode)
-        job = self.stage.begin(rid, m["token_ids"], keys, int(m["num_prefix_blocks"]), sender)
+        job = self.stage.begin(rid, m["token_ids"], keys, int(m["num_prefix_blocks"]), sender,
+                               reports_logprobs(from_dict(Sampling, m["sampling"])))
         work = StageWork(job, m["sampling"], upstream)
         self.works[rid] = work
         try:
@@ -251,9 +257,14 @@ class StageServer(FrameHandler):
                     item.set_exception(exc)
                 continue
             start, hidden = item
-            out = await self.stage.run_chunk(work.job, start, hidden=hidden)
+            k = work.sampling.get("prompt_logprobs") if self.next is None else None
+            out = await self.stage.run_chunk(work.job, start, hidden=hidden, all_positions=k is not None)
             if self.next is not None:
                 await self.next.send_chunk(rid, start, out)
+            elif k is not None:
+                work.logits, more = await asyncio.get_running_loop().run_in_executor(
+                    self.stage.executor, chunk_logprobs, out, work.job.token_ids, start, int(k))
+                work.prompt_logprobs += more
             else:
                 work.logits = out
 
@@ -268,11 +279,13 @@ class StageServer(FrameHandler):
                 first = sample_firsts(work.logits, from_dict(Sampling, work.sampling), work.job.token_ids,
                                       self.stage.runner.grammars)
                 await self.stage.finish(work.job, first)
+                prompt_lps = tuple(work.prompt_logprobs)
             else:
                 await self.stage.finish(work.job, None)
-                first = await self.next.end(rid)
+                first, prompt_lps = await self.next.end(rid)
             return {"first_tokens": list(first.tokens),
-                    "first_logprobs": [dataclasses.asdict(lp) for lp in first.logprobs]}
+                    "first_logprobs": [dataclasses.asdict(lp) for lp in first.logprobs],
+                    "prompt_logprobs": [dataclasses.asdict(lp) for lp in prompt_lps]}
         except BaseException as exc:
             error = str(exc) or type(exc).__name__
             if self.next is not None:

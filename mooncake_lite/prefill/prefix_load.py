@@ -120,8 +120,8 @@ class PrefixLoading:
 
     def _catch_up(self, job: StageJob, layer: int) -> list[LayerwisePass]:
         n, step = job.num_prefix_tokens, RECOMPUTE_CHUNK_TOKENS
-        passes = [LayerwisePass(self.runner, job.block_ids, s, token_ids=job.token_ids[s:min(n, s + step)])
-                  for s in range(0, n, step)]
+        passes = [LayerwisePass(self.runner, job.block_ids, s, token_ids=job.token_ids[s:min(n, s + step)],
+                                exact=job.exact) for s in range(0, n, step)]
         for done in range(self.first_layer, layer):
             for piece in passes:      # in order: each attends to the KV the ones before wrote
                 piece.run_layer(done)

@@ -27,7 +27,7 @@ import torch
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult, TokenLogprob
-from mooncake_lite.model.sampling import prompt_logprobs
+from mooncake_lite.model.sampling import chunk_logprobs, reports_logprobs
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
 from mooncake_lite.prefill.packs import Packing
@@ -95,8 +95,6 @@ class PrefillService(TurnTaking, Packing):
             request_params(req)
         except ValueError as exc:
             raise PrefillRejected(f"sampling: {exc}") from None
-        if req.sampling.prompt_logprobs is not None and self.downstream is not None:
-            raise PrefillRejected("sampling: a CPP group does not compute prompt logprobs")
         try:
             split_address(req.decode_data)
         except ValueError as exc:
@@ -194,7 +192,7 @@ class PrefillService(TurnTaking, Packing):
         sender = KVSender.for_runner(client, req.transfer_id, self.stage.runner, req.decode_data,
                                      traceparent=tracing.traceparent(stream))
         try:
-            job = self.stage.begin(req.request_id, req.token_ids, keys, hit, sender)
+            job = self.stage.begin(req.request_id, req.token_ids, keys, hit, sender, reports_logprobs(req.sampling))
         except MemoryError as exc:
             tracing.end_span(stream, str(exc))
             raise PrefillRejected(str(exc)) from None
@@ -239,7 +237,7 @@ class PrefillService(TurnTaking, Packing):
                 await self.stage.finish(job, firsts)
             else:
                 await self.stage.finish(job, None)
-                firsts = await self.downstream.end(req.request_id)
+                firsts, prompt_lps = await self.downstream.end(req.request_id)
         except BaseException as exc:
             error = str(exc) or type(exc).__name__
             if self.downstream is not None:
@@ -252,8 +250,9 @@ class PrefillService(TurnTaking, Packing):
     async def _chunks(self, req: PrefillRequest, job, prefix: int) -> tuple[torch.Tensor, tuple[TokenLogprob, ...]]:
         """Compute the prompt past ``prefix`` chunk by chunk: the last position's logits (a CPP
         head: the last chunk's activations), and the prompt's log-probabilities when asked for
-        (every position computed, none loaded: ``_match``)."""
-        k, n = req.sampling.prompt_logprobs, len(req.token_ids)
+        (every position computed, none loaded: ``_match``; a CPP group's last stage computes them)."""
+        n = len(req.token_ids)
+        k = req.sampling.prompt_logprobs if self.downstream is None else None
         out, lps = None, []
         for start in range(prefix, n, self.chunk_size):
             chunk = req.token_ids[start:start + self.chunk_size]
@@ -261,11 +260,10 @@ class PrefillService(TurnTaking, Packing):
                 out = await self.stage.run_chunk(job, start, token_ids=chunk, all_positions=k is not None)
                 if self.downstream is not None:
                     await self.downstream.send_chunk(req.request_id, start, out)
-            if k is not None:   # row i predicts the token at start + i + 1; the last row, token 1's
-                following = torch.as_tensor(req.token_ids[start + 1:start + 1 + len(chunk)])
-                lps += await asyncio.get_running_loop().run_in_executor(
-                    self.stage.executor, prompt_logprobs, out[:len(following)], following, k)
-                out = out[-1]
+            if k is not None:
+                out, more = await asyncio.get_running_loop().run_in_executor(
+                    self.stage.executor, chunk_logprobs, out, req.token_ids, start, k)
+                lps += more
         return out, tuple(lps)
 
     async def _keepalive(self, req: PrefillRequest) -> None:

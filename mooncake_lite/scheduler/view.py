@@ -20,6 +20,11 @@ every token:
   re-prices only that request, and the estimate cache edits its leave profile instead of
   sorting it again).
 
+A request with n sequences (OpenAI's ``n``: one prefill, then n sequences on the shared prompt
+KV) is n records, each a batch slot attending to the whole context, as admission priced it
+(``ScheduleRequest.num_sequences``): the first under its own id, choice i under
+:func:`sequence_id`, the id its tokens progress; it commits, joins and leaves as one.
+
 No IO and no clock: times are arguments.
 """
 
@@ -50,6 +55,11 @@ MAX_CONTEXT_LAG = 32
 # leaves every other member's t_d as it was — far inside the error of max_output_tokens as a
 # stand-in for the output length.
 MAX_TBT_DRIFT = 1 / 16
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The record of a request's choice ``index`` (its own id for choice 0; the decode's key too)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 def context_lag_bound(shown_context_tokens: int) -> int:
@@ -133,6 +143,15 @@ class DecodeView(Shown[DecodeInstanceState]):
         # each member generated since the group began, and how many members are shown.
         self._group_tokens = 0
         self._group_shown = 0
+        self._num_sequences: dict[str, int] = {}   # requests of n > 1 sequences: n
+
+    def _ids(self, request_id: str) -> Iterable[str]:
+        n = self._num_sequences.get(request_id)
+        return (request_id,) if n is None else [sequence_id(request_id, i) for i in range(n)]
+
+    def _set_sequences(self, request_id: str, num_sequences: int | None) -> None:
+        if num_sequences is not None and num_sequences > 1:
+            self._num_sequences[request_id] = num_sequences
 
     def set_limits(self, max_batch_size: int | None, max_context_tokens: int | None) -> None:
         if (max_batch_size, max_context_tokens) != self._limits:
@@ -150,8 +169,14 @@ class DecodeView(Shown[DecodeInstanceState]):
         self._running = self._incoming_shown = None
         self._stale()
 
-    def commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None = None) -> None:
-        """Dispatched here; its KV (``context_tokens`` of it) is still to come."""
+    def commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None = None,
+               num_sequences: int = 1) -> None:
+        """Dispatched here; its KV (``context_tokens`` of it) is still to come, for ``num_sequences``."""
+        self._set_sequences(request_id, num_sequences)
+        for sid in self._ids(request_id):
+            self._commit(sid, context_tokens, max_output_tokens)
+
+    def _commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None) -> None:
         record = IncomingRequest(request_id, context_tokens, max_output_tokens)
         replaced = self._incoming.get(request_id)
         self._incoming[request_id] = record
@@ -174,8 +199,14 @@ class DecodeView(Shown[DecodeInstanceState]):
         return True
 
     def join(self, request_id: str, context_tokens: int, joined_at: float,
-             max_output_tokens: int | None = None) -> None:
-        """Its KV arrived: it runs in the batch from ``joined_at`` (and is no longer incoming)."""
+             max_output_tokens: int | None = None, num_sequences: int | None = None) -> None:
+        """Its KV arrived: it runs in the batch from ``joined_at`` (and is no longer incoming);
+        ``num_sequences``: as committed when None."""
+        self._set_sequences(request_id, num_sequences)
+        for sid in self._ids(request_id):
+            self._join(sid, context_tokens, joined_at, max_output_tokens)
+
+    def _join(self, request_id: str, context_tokens: int, joined_at: float, max_output_tokens: int | None) -> None:
         if request_id in self._incoming:   # (the simulator uncommits first: no call per request)
             self.uncommit(request_id)
         old = self._jobs.get(request_id)
@@ -243,6 +274,11 @@ class DecodeView(Shown[DecodeInstanceState]):
 
     def leave(self, request_id: str) -> bool:
         """It ended (finished, failed, aborted), running or incoming; False if it was neither."""
+        ids = self._ids(request_id)
+        self._num_sequences.pop(request_id, None)
+        return any([self._leave(sid) for sid in ids])
+
+    def _leave(self, request_id: str) -> bool:
         was_incoming = request_id in self._incoming and self.uncommit(request_id)
         job = self._jobs.pop(request_id, None)
         if job is None:
@@ -263,6 +299,7 @@ class DecodeView(Shown[DecodeInstanceState]):
         """Nothing runs or comes here any more (the instance died)."""
         self._jobs.clear()
         self._incoming.clear()
+        self._num_sequences.clear()
         self._shown_context = self._context_lag = self._group_shown = self._incoming_context = 0
         self._is_context_stale = False
         self._running = self._incoming_shown = None

@@ -1,8 +1,7 @@
 """Prompt logprobs (``echo`` with ``logprobs``) at the conductor, with fake instances: such a
 request reuses no cached prefix even where the store holds one (every position's logits are
-needed; vLLM's rule), so none is priced, sent as ``prefix_keys`` or migrated; and it goes only to
-a prefill that is one process, never a CPP group (whose head refuses it): a 400 naming ``echo``
-when there is no other."""
+needed; vLLM's rule), so none is priced, sent as ``prefix_keys`` or migrated; a CPP group serves
+it like a whole prefill (its last stage computes them: tests/prefill/test_cpp_apart.py)."""
 
 from __future__ import annotations
 
@@ -22,34 +21,21 @@ async def _cpp_group(cluster, instance_id: str) -> None:
     assert status == 200, body
 
 
-async def test_echo_with_logprobs_reuses_no_prefix_and_skips_cpp_groups(make_cluster):
+@pytest.mark.parametrize("group", ["whole", "cpp"])
+async def test_echo_with_logprobs_reuses_no_prefix_on_any_prefill(make_cluster, group):
     cluster = await make_cluster(prefill=0, decode=1, strategy="cache-aware")
-    await _cpp_group(cluster, "cpp")
-    await cluster.add("prefill", "whole", store="whole-store:1")
+    if group == "cpp":
+        await _cpp_group(cluster, group)
+    else:
+        await cluster.add("prefill", group, store=f"{group}-store:1")
     keys = prefix_hash(TOK.encode(PROMPT), 4, 0)
-    for store in ("cpp-store:1", "whole-store:1"):   # both hold the prompt's first four blocks
-        await fakes.block_events(cluster.session, cluster.url, store, stored=keys[:4])
+    await fakes.block_events(cluster.session, cluster.url, f"{group}-store:1", stored=keys[:4])
     c = client(cluster)
     plain = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert plain.headers["X-Mooncake-Reused-Blocks"] == "4"          # an ordinary request reuses them
-    for _ in range(3):   # the CPP group also holds the prefix: never chosen for prompt logprobs
-        raw = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True,
-                                                           logprobs=1)
-        assert raw.headers["X-Mooncake-Prefill"] == "whole" and raw.headers["X-Mooncake-Reused-Blocks"] == "0"
-        sent = cluster.instances["whole"].requests[-1]
-        assert sent.sampling.prompt_logprobs == 1 and sent.prefix_keys == () and sent.migrate_from is None
-    assert len([r for r in cluster.instances["cpp"].requests if r.sampling.prompt_logprobs is not None]) == 0
-    await c.close()
-
-
-async def test_echo_with_logprobs_and_only_cpp_groups_is_a_400_naming_echo(make_cluster):
-    cluster = await make_cluster(prefill=0, decode=1)
-    await _cpp_group(cluster, "cpp")
-    c = client(cluster)
-    with pytest.raises(openai.BadRequestError) as err:
-        await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1)
-    assert err.value.body["param"] == "echo" and "CPP" in err.value.body["message"]
-    ok = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True)   # no logprobs: fine
-    assert ok.choices[0].text.startswith(PROMPT)
-    assert cluster.instances["cpp"].requests
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=1, echo=True,
+                                                       logprobs=1)
+    assert raw.headers["X-Mooncake-Prefill"] == group and raw.headers["X-Mooncake-Reused-Blocks"] == "0"
+    sent = cluster.instances[group].requests[-1]
+    assert sent.sampling.prompt_logprobs == 1 and sent.prefix_keys == () and sent.migrate_from is None
     await c.close()

@@ -170,33 +170,43 @@ def test_text_without_calls_or_with_a_call_cut_short_is_content():
     assert parse_whole(cut, "hermes") == (cut, [])
 
 
-@pytest.mark.parametrize("flagged", [True, False])
-def test_a_call_marker_the_tokenizer_flags_special_still_reaches_the_parser(tmp_path, flagged):
-    """Hermes 2 Pro, and some conversions of Qwen's tokenizer, flag ``<tool_call>`` special, so a
-    plain decode (``skip_special_tokens``, as transformers and every OpenAI server show text)
-    drops it and the call would come back as content; Qwen2.5/3's own tokenizer.json adds it
-    unflagged, and the decode shows it. Either way the parser gets the marker, and a special
-    token that is no marker (the end of turn) stays out of the text."""
+MARKERS = ["<tool_call>", "</tool_call>"]
+
+
+def marker_tokenizer(path, flagged: bool):
+    """A chat tokenizer holding Hermes' call markers as tokens: flagged special (Hermes 2 Pro, some
+    conversions of Qwen's) or added unflagged (Qwen2.5/3's own tokenizer.json); and its HF twin."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    from mooncake_lite.conductor.api.choices import Choice
-    from mooncake_lite.conductor.flight.events import Token
     from mooncake_lite.model.tokenizer import HFTokenizer
     from tests.model.hf_fixtures import CHAT_SPECIALS, save_chat_tokenizer
-    markers = ["<tool_call>", "</tool_call>"]
-    save_chat_tokenizer(tmp_path, [ANSWERS["hermes"], "the weather in Paris"], 400,
-                        specials=CHAT_SPECIALS + markers * flagged)
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
-    if not flagged:   # Qwen's way: added, not special
-        hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
-        hf.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
-    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    save_chat_tokenizer(path, [ANSWERS["hermes"], "the weather in Paris"], 400,
+                        specials=CHAT_SPECIALS + MARKERS * flagged)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    if not flagged:
+        hf.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
+        hf.backend_tokenizer.save(str(path / "tokenizer.json"))
+    return HFTokenizer.from_file(str(path / "tokenizer.json")), hf
+
+
+def hermes_choice(tok):
+    from mooncake_lite.conductor.api.choices import Choice
+    return Choice(0, "chat", tok, (), reasoning=False, opened=False, echo_text=None, top_k=None, tool_parser="hermes")
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_call_marker_the_tokenizer_flags_special_still_reaches_the_parser(tmp_path, flagged):
+    """A marker flagged special is dropped by a plain decode (``skip_special_tokens``, as
+    transformers and every OpenAI server show text), so the call would come back as content; an
+    unflagged one shows. Either way the parser gets the marker, and a special token that is no
+    marker (the end of turn) stays out of the text."""
+    from mooncake_lite.conductor.flight.events import Token
+    tok, hf = marker_tokenizer(tmp_path, flagged)
     ids = tok.encode(ANSWERS["hermes"], add_special_tokens=False) + [tok.token_to_id("<|im_end|>")]
     assert tok.token_to_id("<tool_call>") in ids
     assert ("<tool_call>" in hf.decode(ids, skip_special_tokens=True)) is not flagged   # what plain decoding does
-    choice = Choice(0, "chat", tok, (), reasoning=False, opened=False, echo_text=None, top_k=None,
-                    tool_parser="hermes")
+    choice = hermes_choice(tok)
     deltas = [d for t in ids for d in choice.deltas(choice.add(Token(t)))]
     deltas += choice.deltas(choice.flush()) + choice.deltas(None)
     streamed = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "id" in c]
@@ -204,3 +214,36 @@ def test_a_call_marker_the_tokenizer_flags_special_still_reaches_the_parser(tmp_
     assert streamed == [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "search"]
     assert message["content"] == "Let me look." and "<|im_end|>" not in choice.text.output_text
     assert choice.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_forced_call_writes_the_markers_as_the_tokenizers_tokens(tmp_path, flagged):
+    """``tool_choice: required`` on a tokenizer that holds ``<tool_call>`` as one token: the
+    grammar allows that token only, never the marker spelled in text pieces (``<``, ``tool``, ...),
+    which the model was not trained to write; the parser reads the call out of the answer."""
+    import llguidance
+
+    from mooncake_lite.conductor.flight.events import Token
+    from mooncake_lite.model.grammar import GrammarState
+    tok, _ = marker_tokenizer(tmp_path, flagged)
+    start, end, eot = (tok.token_to_id(t) for t in (*MARKERS, "<|im_end|>"))
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False}
+    req = parse_request(body, "chat", served=("m",), tokenizer=tok, vocab_size=400, max_context=4096)
+    grammar = req.sampling.grammar
+    assert f"<[{start}]>" in grammar and f"<[{end}]>" in grammar
+    ll = llguidance.LLTokenizer(tok.tokenizer_json, n_vocab=400, eos_token=[eot])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        state, ids = GrammarState(llguidance.LLMatcher(ll, grammar, log_level=0)), []
+        while not ids or ids[-1] != eot:
+            ids.append(int(torch.argmax(apply_masks(torch.randn(1, 400, generator=gen), [state])[0])))
+            state.advance(ids[-1])
+            assert len(ids) < 2000 and not state.is_broken
+        assert ids[0] == start and ids[-2] == end and ids.count(start) == ids.count(end) == 1
+        choice = hermes_choice(tok)
+        for t in ids:
+            choice.add(Token(t))
+        choice.flush()
+        (call,) = choice.message(choice.text.output_text)["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])

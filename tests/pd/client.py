@@ -23,10 +23,11 @@ class Outcome:
 
 async def generate(session: aiohttp.ClientSession, prefill_url: str, decode_url: str, decode_data: str,
                    token_ids: list[int], max_tokens: int, *, prefix_keys: tuple[str, ...] = (),
-                   kv_timeout_s: float = 30.0, request_id: str | None = None) -> Outcome:
-    """The conductor's job for one request: reserve on decode, prefill, collect all tokens."""
+                   kv_timeout_s: float = 30.0, request_id: str | None = None, sampling: dict | None = None) -> Outcome:
+    """The conductor's job for one request: reserve on decode, prefill, collect all tokens
+    (``sampling``: fields beside greedy and ``max_tokens``)."""
     rid = request_id or f"req-{next(_ids)}"
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0}
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, **(sampling or {})}
     gen = {"request_id": rid, "transfer_id": f"t-{rid}", "prompt_len": len(token_ids),
            "sampling": sampling, "kv_timeout_s": kv_timeout_s}
     resp = await session.post(f"{decode_url}/v1/generate", data=orjson.dumps(gen))

@@ -1,8 +1,9 @@
 """A CPP group whose stages are started apart, as separate ``mooncake`` processes on their own
 ports (as their own units on other nodes would be): the head dials them, retrying until they are
 up; tokens equal the monolithic reference; each stage writes its layer slice of new blocks and
-the store assembles them, so a second request with the same prefix loads them; the head has a cost
-model profiled through the whole group (the one it registers)."""
+the store assembles them, so a second request with the same prefix loads them; the prompt's
+logprobs come from the last stage; the head has a cost model profiled through the whole group
+(the one it registers)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from mooncake_lite.common.launch import RoleProcess, role_argv
-from mooncake_lite.model.generate import reference_greedy
+from mooncake_lite.model.generate import full_recompute_logits, reference_greedy
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.pipeline import NextStage, NullSender, StageServer, StageUnreachable
@@ -100,6 +101,16 @@ async def test_stages_started_apart_give_reference_tokens_and_assemble_blocks_in
         again = await generate(session, head.out.url("http"), decode.out.url("http"), data, again_toks, 5)
         assert again.prefill["num_prefix_tokens"] == 3 * BS        # loaded, each stage its own layers
         assert again.tokens == reference_greedy(model, again_toks, 5)
+        # Prompt logprobs (echo): the last stage holds the LM head and computes them, chunk by chunk.
+        scored = await generate(session, head.out.url("http"), decode.out.url("http"), data, again_toks, 1,
+                                sampling={"prompt_logprobs": 2})
+        assert scored.prefill["num_prefix_tokens"] == 0           # every position computed, none loaded
+        rows = torch.log_softmax(full_recompute_logits(model, again_toks).float(), dim=-1)
+        lps = scored.prefill["prompt_logprobs"]
+        assert len(lps) == len(again_toks) - 1
+        for i, lp in enumerate(lps):
+            assert lp["logprob"] == pytest.approx(float(rows[i, again_toks[i + 1]]), abs=1e-4)
+            assert lp["top_ids"] == rows[i].topk(2).indices.tolist()
         async with session.get(f"{head.out.url('http')}/v1/load") as resp:
             cost = (await resp.json())["cost"]
     # a model of its own (registered with the conductor as is), timed through the group: not none

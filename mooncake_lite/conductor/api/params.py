@@ -135,7 +135,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if model not in served:
         raise _unknown_model(model, served[0])
     opened = False
-    tools, constraint = output_rules(body, kind, tool_parser)
+    tools, constraint = output_rules(body, kind, tool_parser, tokenizer)
     if kind == "chat":
         ids, opened = _chat_ids(_messages(body), tokenizer, max_context, _template_kwargs(body, tokenizer),
                                 tools, tool_parser)

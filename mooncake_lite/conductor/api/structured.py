@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_lite.conductor.api.errors import bad_request, short
-from mooncake_lite.conductor.api.tools import ToolUse, call_grammar, parse_tools
+from mooncake_lite.conductor.api.tools import ToolUse, call_grammar, marker_ids, parse_tools
 
 COMPILE_TIMEOUT_S = 0.8           # CPU seconds: a grammar not compiled by then is refused (400), its child killed
 MAX_WAIT_S = 10.0                 # and the wall clock's bound, however busy the machine
@@ -35,9 +35,11 @@ class Constraint:
     field: str
 
 
-def output_rules(body: dict, kind: str, tool_parser: str) -> tuple[ToolUse | None, Constraint | None]:
+def output_rules(body: dict, kind: str, tool_parser: str,
+                 tokenizer: Any = None) -> tuple[ToolUse | None, Constraint | None]:
     """A request's tools (chat only) and the grammar its answer must match: its structured output,
-    or the tool call ``tool_choice`` ``required`` or a named function forces."""
+    or the tool call ``tool_choice`` ``required`` or a named function forces (its markers as
+    ``tokenizer``'s tokens where it has them)."""
     for key in GUIDED:   # vLLM's older fields: refused, not ignored
         if body.get(key) is not None:
             raise bad_request(f"'{key}' is not supported; use 'structured_outputs' or 'response_format'", key)
@@ -53,7 +55,7 @@ def output_rules(body: dict, kind: str, tool_parser: str) -> tuple[ToolUse | Non
         if constraint is not None:
             raise bad_request(f"'{constraint.field}' cannot be combined with a tool_choice that forces a call",
                               constraint.field)
-        constraint = Constraint(call_grammar(tools), "tool_choice")
+        constraint = Constraint(call_grammar(tools, marker_ids(tokenizer, tool_parser)), "tool_choice")
     return tools, constraint
 
 

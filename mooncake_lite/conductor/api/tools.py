@@ -95,20 +95,41 @@ def _choice(choice: Any, names: list[str]) -> str:
     return fn["name"]
 
 
-def call_grammar(use: ToolUse) -> str:
+def call_grammar(use: ToolUse, markers: dict[str, int] | None = None) -> str:
     """The llguidance grammar of the answer ``required`` or a named ``tool_choice`` allows: one
     call (several when parallel calls are allowed) in the parser's format, each an object whose
-    name is an allowed function and whose arguments match its parameters."""
+    name is an allowed function and whose arguments match its parameters. A call marker the
+    tokenizer holds as one token (``markers``, :func:`marker_ids`) is that token, by id: the model
+    writes the token it was trained on, never the marker spelled out in text pieces."""
     import llguidance
-    fmt = FORMATS[use.parser]
+    fmt, markers = FORMATS[use.parser], markers or {}
     wanted = [(n, p) for n, p in use.functions if use.choice in ("required", n)]
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, fmt.args_key: p},
                          "required": ["name", fmt.args_key], "additionalProperties": False} for n, p in wanted],
               "x-guidance": {"whitespace_flexible": False}}
-    parts = [json.dumps(fmt.start)] * bool(fmt.start) + [f"%json {json.dumps(schema)}"] + [json.dumps(fmt.end)] * bool(fmt.end)
-    call = " ".join(parts)
+    call = " ".join([*_lark_text(fmt.start, markers), f"%json {json.dumps(schema)}", *_lark_text(fmt.end, markers)])
     more = f" ({json.dumps(fmt.separator)} call)*" if use.parallel and use.choice == "required" else ""
     return llguidance.LLMatcher.grammar_from_lark(f"start: call{more}\ncall: {call}")
+
+
+def _lark_text(text: str, markers: dict[str, int]) -> list[str]:
+    """``text`` as lark items: each marker in it as its token (``<[id]>``), the rest quoted."""
+    for marker, token in markers.items():
+        if marker in text:
+            before, after = text.split(marker, 1)
+            return [*_lark_text(before, markers), f"<[{token}]>", *_lark_text(after, markers)]
+    return [json.dumps(text)] if text else []
+
+
+def marker_ids(tokenizer: Any, parser: str) -> dict[str, int]:
+    """The parser's call markers (``<tool_call>``, ``</tool_call>``) that ``tokenizer`` holds as
+    one token each, special or not (Hermes 2 Pro, Qwen2.5/3), with their ids."""
+    to_id = getattr(tokenizer, "token_to_id", None)
+    if to_id is None:
+        return {}
+    fmt = FORMATS[parser]
+    found = {m.strip(): to_id(m.strip()) for m in (fmt.start, fmt.end) if m.strip()}
+    return {m: i for m, i in found.items() if i is not None}
 
 
 def special_markers(tokenizer: Any, parser: str) -> frozenset[int]:
@@ -117,11 +138,8 @@ def special_markers(tokenizer: Any, parser: str) -> frozenset[int]:
     would drop: the answer's text keeps them so the parser reads the calls, as vLLM decodes with
     ``skip_special_tokens`` off for a tool parser. Qwen2.5/3's own tokenizer.json adds
     ``<tool_call>`` unflagged, so its text shows it anyway."""
-    fmt, specials = FORMATS[parser], getattr(tokenizer, "special_ids", frozenset())
-    to_id = getattr(tokenizer, "token_to_id", None)
-    if not specials or to_id is None:
-        return frozenset()
-    return frozenset(i for i in (to_id(m.strip()) for m in (fmt.start, fmt.end) if m.strip()) if i in specials)
+    specials = getattr(tokenizer, "special_ids", frozenset())
+    return frozenset(i for i in marker_ids(tokenizer, parser).values() if i in specials)
 
 
 def template_messages(messages: list[dict], use: ToolUse | None, template_source: str | None,

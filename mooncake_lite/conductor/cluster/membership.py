@@ -57,6 +57,7 @@ class PrefillJob:
     num_prefix_tokens: int
     decode_id: str
     max_output_tokens: int | None = None
+    num_sequences: int = 1             # OpenAI's n: the decode runs n sequences on its KV
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class DecodeJob:
     context_tokens: int
     joined_at: float
     max_output_tokens: int
+    num_sequences: int = 1
 
 
 @dataclass
@@ -304,7 +306,7 @@ class Membership:
         decode = self.instances.get(job.decode_id)
         if decode is not None and isinstance(decode.view, DecodeView):
             # the context it brings: prompt + first token, as add_decode will record
-            decode.view.commit(job.request_id, job.num_tokens + 1, job.max_output_tokens)
+            decode.view.commit(job.request_id, job.num_tokens + 1, job.max_output_tokens, job.num_sequences)
 
     def withdraw_prefill(self, instance_id: str, request_id: str, now: float) -> None:
         """The job added by :meth:`add_prefill` never reached the instance (its decode
@@ -343,9 +345,10 @@ class Membership:
     def add_decode(self, instance_id: str, job: DecodeJob) -> None:
         inst = self.get(instance_id)
         if inst is not None and isinstance(inst.view, DecodeView):
-            inst.view.join(job.request_id, job.context_tokens, job.joined_at, job.max_output_tokens)
+            inst.view.join(job.request_id, job.context_tokens, job.joined_at, job.max_output_tokens, job.num_sequences)
 
     def decode_progress(self, instance_id: str, request_id: str, num_new_tokens: int = 1) -> None:
+        """``request_id``: the sequence's (``scheduler.view.sequence_id``: a choice of n)."""
         inst = self.instances.get(instance_id)
         if inst is not None and isinstance(inst.view, DecodeView):
             inst.view.progress(request_id, num_new_tokens)

@@ -33,6 +33,7 @@ from mooncake_lite.conductor.cluster.membership import DecodeJob, Instance, Pref
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 from mooncake_lite.scheduler.links import observe_migration
+from mooncake_lite.scheduler.view import sequence_id
 
 log = logging.getLogger(__name__)
 DECODE_END_GRACE_S = 2.0
@@ -74,7 +75,7 @@ class Attempt:
             svc.membership.watch(inst.instance_id, self.upstream_id, self._death_watch(inst.instance_id))
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
-            self.decode.instance_id, max_output_tokens=expected_output), now)
+            self.decode.instance_id, max_output_tokens=expected_output, num_sequences=self.req.sampling.n), now)
         try:
             failed = await self._reserve_unless_ended()
         except BaseException:
@@ -248,10 +249,11 @@ class Attempt:
         now, m = loop_now(), self.svc.membership
         m.prefill_done(self.prefill.instance_id, self.upstream_id, now)
         m.add_decode(self.decode.instance_id, DecodeJob(self.upstream_id, len(self.req.prompt_ids) + 1, now,
-                                                        self.expected_output))
+                                                        self.expected_output, self.req.sampling.n))
 
-    def decode_progress(self) -> None:
-        self.svc.membership.decode_progress(self.decode.instance_id, self.upstream_id)
+    def decode_progress(self, index: int = 0) -> None:
+        """Choice ``index`` generated a token."""
+        self.svc.membership.decode_progress(self.decode.instance_id, sequence_id(self.upstream_id, index))
 
     # ---- end -------------------------------------------------------------------------------
     def end(self, *, fence: bool = False) -> None:

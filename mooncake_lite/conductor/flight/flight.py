@@ -215,7 +215,7 @@ class Flight:
                     early.append(event)
                     continue
                 case Token():
-                    self._on_token()
+                    self._on_token(event.index)
                     tokens = [event]
                 case Failed() | Finished(finish_reason="abort"):   # (an abort: the decode gave up, in its drain say)
                     early.clear()           # the failed attempt's: the continuation makes them again
@@ -262,9 +262,9 @@ class Flight:
         token, logprob = _firsts(result)[0]
         return [Token(token, 0, logprob)]
 
-    def _on_token(self) -> None:
-        """A token from decode: its request's progress there, and the gap since the last one."""
-        self.attempt.decode_progress()
+    def _on_token(self, index: int = 0) -> None:
+        """A token from decode (choice ``index``'s): its progress there, and the gap since the last one."""
+        self.attempt.decode_progress(index)
         now = loop_now()
         self._gaps.append(now - self._last_token_at)
         self._last_token_at = now

@@ -104,24 +104,11 @@ def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> Clust
     if exclude:
         snap = ClusterState(tuple(p for p in snap.prefills if p.instance_id not in exclude),
                             tuple(d for d in snap.decodes if d.instance_id not in exclude))
-    if req.sampling.prompt_logprobs is not None:
-        snap = _without_cpp_groups(svc, snap)
     fits = svc.membership.fitting(snap, n)
     if snap.prefills and not fits.prefills:
         largest = max(svc.membership.instances[p.instance_id].reg.max_context for p in snap.prefills)
         raise bad_request(f"the prompt has {n} tokens but the largest prefill instance holds {largest}", "prompt")
     return fits
-
-
-def _without_cpp_groups(svc: Services, snap: ClusterState) -> ClusterState:
-    """Prompt logprobs come from a prefill that is one process: a CPP group's last stage holds
-    the logits but sends only the first token back (its head refuses them). None left: a 400."""
-    whole = tuple(p for p in snap.prefills if svc.membership.instances[p.instance_id].reg.pipeline_stages == 1)
-    if snap.prefills and not whole:
-        raise bad_request("'echo' with 'logprobs' (the prompt's logprobs) needs a prefill instance that is not "
-                          "a CPP group (--pipeline-group 1), and this cluster has none; leave out echo or "
-                          "logprobs", "echo")
-    return ClusterState(whole, snap.decodes)
 
 
 def _check_fits_some_decode(svc: Services, req: ApiRequest, exclude: Collection[str]) -> None:
