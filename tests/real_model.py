@@ -65,6 +65,28 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_batch(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """:func:`hf_greedy` of every prompt in one left-padded, attention-masked ``generate``: on this
+    CPU 8x less work than one call per prompt (36 s of CPU against 282 s for the 20 chat prompts),
+    and the same tokens there. Padding can move a logit in its last bits, so a caller that sees a
+    served answer differ checks it against :func:`hf_greedy` of that prompt alone, the reference."""
+    import torch
+    model, pad = hf_model(), 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    answers = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:end])
+    return answers
+
+
 class SharedCluster:
     """``mooncake up`` on the default model at its default settings, one for the whole session:
     started by the first test that asks for it (the ``smollm_api`` fixture, ``tests/conftest.py``)
