@@ -115,17 +115,30 @@ async def test_a_continuation_no_instance_can_take_is_an_error_naming_why(make_c
     assert 'outcome="refused"} 1.0' in await _metrics(cluster)
 
 
-async def test_a_request_of_n_choices_is_not_continued_and_says_so(make_cluster):
+async def test_each_of_n_choices_is_continued_from_its_own_tokens_and_seed(make_cluster):
+    """n = 2 with a seed: every choice its own stream (seed + index). The choices go on one at a
+    time, each as prompt + its own tokens with its own seed, and each client text equals its
+    uninterrupted run's; usage counts every token once."""
     cluster = await make_cluster(prefill=1, decode=1)
     d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
     cluster.instances["d0"].behaviour.break_after = 2
     c = client(cluster)
-    stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, stream=True)
-    with pytest.raises(openai.APIError) as info:
-        async for _ in stream:
-            pass
+    stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, seed=7, stream=True,
+                                        stream_options={"include_usage": True})
+    texts, chunks = ["", ""], [chunk async for chunk in stream]
     await c.close()
-    assert "not continued: it has n > 1 choices" in info.value.message and not d1.requests
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    prompt = TOK.encode(PROMPT)
+    assert texts == [TOK.decode(expected_tokens(prompt, 10, stream=7 + i)) for i in range(2)]
+    assert texts[0] != texts[1] and chunks[-1].usage.completion_tokens == 20
+    gens = _requests(d1, GenerateRequest)                      # choice 0, then choice 1: n = 1, seed + index
+    assert [(g.sampling.n, g.sampling.seed, g.sampling.num_generated) for g in gens] == [(1, 7, 3), (1, 8, 3)]
+    pres = [r for r in _requests(cluster.instances["p0"], PrefillRequest) if "-cont1" in r.request_id]
+    assert [list(p.token_ids) for p in pres] == [prompt + expected_tokens(prompt, 3, stream=7 + i) for i in range(2)]
+    assert 'continuations_total{cause="decode-unreachable",outcome="continued"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
 
 
 async def test_a_hung_decode_is_continued_once_declared_dead_and_fenced_when_it_resumes(make_cluster):
