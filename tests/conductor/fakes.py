@@ -64,6 +64,8 @@ class Behaviour:
     break_after: int | None = None       # decode: drop the connection after N tokens
     pause_after: int | None = None       # decode: stop sending after N tokens (a hang) until ``resume`` is set
     resume: asyncio.Event = field(default_factory=asyncio.Event)
+    die_after_kv: bool = False           # prefill: send the "KV", then drop the connection before the result
+    die_before_kv: bool = False          # decode: reserve (200), then drop the connection before any KV
     result_delay_s: float = 0.0          # prefill: answer this long after the "KV" went to decode
     timings: dict = field(default_factory=dict)   # prefill: the timings its result reports
 
@@ -115,6 +117,9 @@ class FakeInstance:
         s = req.sampling
         firsts = tuple(_next_of(req.token_ids, (s.seed or 0) + i) for i in range(s.n))
         _wire(req.transfer_id).set_result((req.token_ids, firsts))
+        if b.die_after_kv:
+            request.transport.close()
+            return web.Response()
         if b.result_delay_s:
             await asyncio.sleep(b.result_delay_s)
         return web.Response(body=dumps(PrefillResult(req.request_id, firsts[0], len(req.prefix_keys) * 4,
@@ -134,6 +139,9 @@ class FakeInstance:
         await resp.prepare(request)
         aborted = self._active[req.request_id] = asyncio.Event()
         try:
+            if b.die_before_kv:
+                request.transport.close()
+                return resp
             prompt, firsts = await _wire(req.transfer_id)
             if b.hang:
                 await asyncio.Event().wait()

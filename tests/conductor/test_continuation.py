@@ -17,7 +17,7 @@ from tests.conductor import fakes
 from tests.conductor.fakes import expected_tokens
 from tests.conductor.test_api import TOK, client
 from tests.conductor.test_dispatch import _wait_for
-from tests.conductor.test_failover import SLOW_DECODE, _metrics
+from tests.conductor.test_failover import SLOW_DECODE, SLOW_PREFILL, _metrics
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "abc"
@@ -205,6 +205,39 @@ async def test_a_decode_aborting_the_request_itself_is_continued(make_cluster):
     await c.close()
     assert "".join(text) == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
     assert 'continuations_total{cause="decode-abort",outcome="continued"} 1.0' in await _metrics(cluster)
+
+
+async def test_a_prefill_dying_after_sending_the_kv_but_before_its_result_completes_elsewhere(make_cluster):
+    """Issue #37 item 5: the KV went to decode, the prefill's answer never came. The attempt is torn
+    down (its decode told to abort what it still runs) and the request runs again on the other prefill: a
+    completed response, each token once. (A KV stream cut midway frees the decode's pending
+    blocks: tests/pd/test_inprocess.py, test_stream_stopping_midway_...)"""
+    cluster = await make_cluster(prefill=1, decode=1)
+    p1 = await cluster.add("prefill", "p1", store="store1:1", cost=SLOW_PREFILL)
+    cluster.instances["p0"].behaviour.die_after_kv = True
+    d0 = cluster.instances["d0"]
+    chunks, text = await _stream(cluster)
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert chunks[-1].usage.completion_tokens == 10
+    first, second = _requests(d0, GenerateRequest)
+    assert [r.request_id for r in _requests(p1, PrefillRequest)] == [second.request_id]
+    assert first.request_id != second.request_id   # (the first, if its decode still ran it, was aborted)
+    assert 'retries_total{reason="prefill-unreachable"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
+
+
+async def test_a_decode_dying_between_its_reservation_and_the_kv_completes_elsewhere(make_cluster):
+    """Issue #37 item 5: decode answered the reservation, then its connection dropped before any KV
+    (so before any token): the request runs again on the other decode, a completed response.
+    (A prefill streaming to a decode that died gives up: test_inprocess.py, test_dead_decode_...)"""
+    cluster = await make_cluster(prefill=1, decode=1)
+    d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
+    cluster.instances["d0"].behaviour.die_before_kv = True
+    chunks, text = await _stream(cluster)
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert chunks[-1].usage.completion_tokens == 10 and len(_requests(d1, GenerateRequest)) == 1
+    assert 'retries_total{reason="decode-unreachable"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
 
 
 def test_the_migration_limit_is_checked():
