@@ -34,7 +34,7 @@ from mooncake_lite.common.hashing import block_key
 from mooncake_lite.decode.batcher import StepPlan
 from mooncake_lite.decode.pending import ResumePoint
 from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.store.client import StoreClient
+from mooncake_lite.store.link import StoreLink
 from mooncake_lite.transfer.framing import as_bytes_view
 from mooncake_lite.transfer.kv_layout import BlockLayout
 
@@ -52,28 +52,27 @@ class BlockPuts(Protocol):
 
 
 class StorePuts:
-    """:class:`BlockPuts` on the store role: one connection, opened on first use and again after
-    it broke; blocks named in this release's layout (whole model's heads). ``encoding``: this
-    decode's --kv-compression; a store that keeps blocks otherwise is written nothing (each put
-    fails naming both: counted, logged once) rather than sent blocks its readers would misread."""
+    """:class:`BlockPuts` on the store role, through a kept connection (``store/link.py``: a store
+    that stops answering is skipped until it answers again); blocks named in this release's
+    layout (whole model's heads). ``encoding``: this decode's --kv-compression; a store that keeps
+    blocks otherwise is written nothing (each put fails naming both: counted, logged once) rather
+    than sent blocks its readers would misread."""
 
     def __init__(self, address: str, token: str | None, layout: BlockLayout, encoding: str = "none") -> None:
-        self.address, self.token, self.layout, self.encoding = address, token, layout, encoding
-        self._client: StoreClient | None = None
+        self.address, self.layout, self.encoding = address, layout, encoding
+        self.link = StoreLink(address, token, "decode-writeback")
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
-        if self._client is None or self._client.is_closed:
-            self._client = await StoreClient.connect(self.address, token=self.token, name="decode-writeback")
-        kept = self._client.frames.hello.get("kv_compression")
+        kept = (await self.link.client()).frames.hello.get("kv_compression")
         if isinstance(kept, str) and kept != self.encoding:
             raise ValueError(f"store {self.address} keeps KV blocks as {kept} (--kv-compression) but this decode "
                              f"writes {self.encoding}: give every role of the cluster the same value")
-        await self._client.put(keys, values, num_layers=num_layers, first_pos=first_pos, layout=self.layout)
+        await self.link.call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
+                                             layout=self.layout))
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
+        await self.link.close()
 
 
 @dataclass

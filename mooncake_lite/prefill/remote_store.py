@@ -9,11 +9,9 @@ the store's slots (``--slot-bytes``, from its handshake) is refused here, before
 sent. Every op ends within ``timeout`` s (a store on a cut-off node answers nothing): NoAnswer,
 an OSError naming the store and the op, which the stage treats as a failed load (recompute);
 ``match``, tiny and on every request's way to its first token, within ``quick_timeout`` s. A
-store that did not answer (or could not be dialled) is *down*: the connection is dropped, and
-until a background probe gets the store's hello again every op fails at once with StoreDown
-(``match`` answers 0: recompute; puts are counted as failed), so a stopped store (SIGSTOP: the
-kernel accepts connections, nothing is answered) costs the requests in flight at that moment one
-deadline, not every request the whole hang.
+store that did not answer is then *down* (``store/link.py``): until a probe reaches it again
+every op fails at once (``match`` answers 0), so a stopped store costs the requests in flight
+at that moment one deadline, not every request the whole hang.
 
 A stage that owns only some layers (a CPP stage) writes its layer slice of each new block; the
 store assembles the group's slices and shows a block only once all its layers are in
@@ -42,18 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
-from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, RemoteError, StoreClient
+from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, RemoteError, StoreClient
+from mooncake_lite.store.link import StoreLink
 from mooncake_lite.transfer.kv_layout import BlockLayout, HeadRange
 
 log = logging.getLogger(__name__)
 QUICK_TIMEOUT_S = 2.0   # MATCH: a few hundred bytes each way; a store this slow is taken for down
-PROBE_EVERY_S = 0.5     # while down: how often the probe dials again
-
-
-class StoreDown(ConnectionError):
-    """The store did not answer lately and no probe has reached it since: fail fast (recompute)."""
-
-
 # How long a matched prefix stays pinned at most: from the MATCH (the request may still queue)
 # to the end of its layer loads. The store caps it by its --lease-ttl.
 PREFIX_LEASE_S = 10.0
@@ -81,67 +73,22 @@ class RemoteStore:
     # rank, the puts those ranks would make themselves (rank 0 cuts them until they do; the store
     # assembles them, docs/store.md §2e-§2f). None: one put of all heads.
     writers: tuple[HeadRange, ...] | None = None
-    _client: StoreClient | None = field(default=None, init=False, repr=False)
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    quick_timeout: float = QUICK_TIMEOUT_S
+    shm: bool = True                    # False: TCP even on the store's node (benchmarks, tests)
     # first key of a pinned prefix -> its leases
     _leases: dict[bytes, list[_Lease]] = field(default_factory=dict, init=False, repr=False)
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
-    quick_timeout: float = QUICK_TIMEOUT_S
-    _probe: asyncio.Task | None = field(default=None, init=False, repr=False)   # running while down
+    link: StoreLink = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.link = StoreLink(self.address, self.token, "prefill", self.timeout, self.shm)
 
     @property
     def is_down(self) -> bool:
-        return self._probe is not None
+        return self.link.is_down
 
     async def client(self) -> StoreClient:
-        if self.is_down:
-            raise StoreDown(f"store {self.address} is not answering (a probe is dialling it); not asked")
-        async with self._lock:
-            if self._client is None or self._client.is_closed:
-                try:
-                    self._client = await self._connect()
-                except OSError:
-                    self._set_down()
-                    raise
-            return self._client
-
-    async def _connect(self) -> StoreClient:
-        return await StoreClient.connect(self.address, token=self.token, name="prefill", timeout=self.timeout)
-
-    async def _call(self, op, deadline: float | None = None, what: str = "request"):
-        """``await op(client)`` within ``deadline`` (None: the connection's per-request ``timeout``);
-        a store that did not answer loses its connection (a cut link leaves it open but dead) and
-        is down until the probe reaches it."""
-        client = await self.client()
-        try:
-            return await (op(client) if deadline is None else asyncio.wait_for(op(client), deadline))
-        except asyncio.TimeoutError as exc:   # (NoAnswer is one)
-            client.frames.abort()
-            await client.close()
-            self._set_down()
-            if isinstance(exc, NoAnswer):
-                raise
-            raise NoAnswer(f"store {self.address}", what, deadline or 0) from None
-
-    def _set_down(self) -> None:
-        if self._probe is None:
-            log.warning("store %s is not answering: recomputing prefixes until it does", self.address)
-            self._probe = asyncio.ensure_future(self._dial_until_up())
-
-    async def _dial_until_up(self) -> None:
-        """The down store's probe: dial every PROBE_EVERY_S until its hello comes back, then the
-        connection it made is the one ops use."""
-        while True:
-            try:
-                client = await self._connect()
-                break
-            except OSError as exc:
-                log.debug("store %s still down: %s", self.address, exc)
-                await asyncio.sleep(PROBE_EVERY_S)
-        old, self._client, self._probe = self._client, client, None
-        if old is not None and not old.is_closed:
-            await old.close()
-        log.warning("store %s answers again", self.address)
+        return await self.link.client()
 
     async def store_id(self) -> str | None:
         """The id the store's block events carry (its advertised data address), which may be
@@ -164,7 +111,7 @@ class RemoteStore:
 
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
-            return await self._call(lambda c: self._match(c, keys), self.quick_timeout, "match")
+            return await self.link.call(lambda c: self._match(c, keys), self.quick_timeout, "match")
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.warning("store %s unreachable (%s); computing without prefix reuse", self.address, exc)
             return 0
@@ -233,7 +180,7 @@ class RemoteStore:
                          out: Sequence[memoryview] | None = None) -> list[memoryview]:
         """With ``out``, each block's slice is copied from the slab (same node) or received
         from the socket (TCP) straight into its buffer: no fresh memory, no second copy."""
-        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out,
+        views = await self.link.call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out,
                                                         layout=self.layout, heads=self.heads))
         missing = [k.hex() for k, v in zip(keys, views) if v is None]
         if missing:
@@ -263,19 +210,16 @@ class RemoteStore:
             puts = [(h, [self.layout.cut(memoryview(v).cast("B"), first_layer, num_layers, h) for v in values])
                     for h in self.writers]
         for heads, part in puts:
-            await self._call(lambda c, h=heads, p=part: c.put(
+            await self.link.call(lambda c, h=heads, p=part: c.put(
                 keys, p, num_layers=num_layers, first_pos=first_pos, first_layer=sliced,
                 block_layers=self.num_layers, layout=self.layout, heads=h))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""
-        return await self._call(lambda c: c.replicate(keys, peer))
+        return await self.link.call(lambda c: c.replicate(keys, peer))
 
     async def close(self) -> None:
         for task in list(self._releases):   # its leases end with the connection anyway
             task.cancel()
-        if self._probe is not None:
-            self._probe.cancel()
         self._leases.clear()
-        if self._client is not None:
-            await self._client.close()
+        await self.link.close()

@@ -13,7 +13,8 @@ import signal
 
 import pytest
 
-from mooncake_lite.prefill.remote_store import RemoteStore, StoreDown
+from mooncake_lite.prefill.remote_store import RemoteStore
+from mooncake_lite.store.link import StoreDown
 from mooncake_lite.store.client import NoAnswer
 from tests.conftest import start_role
 from tests.store.helpers import block, chain
