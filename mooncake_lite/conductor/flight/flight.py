@@ -9,7 +9,6 @@ they arrive in.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections import deque
@@ -107,7 +106,7 @@ class Flight:
             self.block_keys = keys
         expected = max(1, self.expected_output - req.sampling.num_generated)   # what is left of it
         self._has_first = False
-        self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span)
+        self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span, None if cont is None else self._choice)
         return await self.attempt.start(expected)
 
     async def _retry(self, failed: Failed) -> None:
@@ -226,8 +225,6 @@ class Flight:
                 event = early.popleft()
             else:
                 event = await self.attempt.events.get()
-            if self._choice is not None and isinstance(event, (Token, Finished)):
-                event = dataclasses.replace(event, index=self._choice)   # the attempt's one choice is this one
             match event:
                 case Failed() if self.num_tokens == 0:
                     early.clear()           # the failed attempt's; the next one starts afresh
