@@ -115,6 +115,30 @@ async def test_a_continuation_no_instance_can_take_is_an_error_naming_why(make_c
     assert 'outcome="refused"} 1.0' in await _metrics(cluster)
 
 
+async def test_a_continuation_waits_a_moment_for_a_decode_counted_dead_while_its_heartbeat_is_late(make_cluster):
+    """On a busy box the only other decode may be counted dead for a moment (a late heartbeat):
+    the continuation tries again for up to CONTINUE_WAIT_S instead of failing the stream."""
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=2.0)
+    d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
+    d1.is_heartbeating = False
+    await _wait_for(lambda: not cluster.svc.membership.instances["d1"].is_alive, timeout=20)
+    cluster.instances["d0"].behaviour.break_after = 2
+
+    async def heartbeat_again() -> None:
+        d0 = cluster.instances["d0"]
+        await _wait_for(lambda: _requests(d0, GenerateRequest), timeout=20)
+        await _wait_for(lambda: not d0._active, timeout=20)   # its stream broke: the continuation is polling
+        await asyncio.sleep(1.0)
+        d1.is_heartbeating = True
+
+    late = asyncio.ensure_future(heartbeat_again())
+    _, text = await _stream(cluster)
+    await late
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert len(_requests(d1, GenerateRequest)) == 1
+    assert 'continuations_total{cause="decode-unreachable",outcome="continued"} 1.0' in await _metrics(cluster)
+
+
 async def test_each_of_n_choices_is_continued_from_its_own_tokens_and_seed(make_cluster):
     """n = 2 with a seed: every choice its own stream (seed + index). The choices go on one at a
     time, each as prompt + its own tokens with its own seed, and each client text equals its

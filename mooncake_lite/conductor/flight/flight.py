@@ -9,6 +9,7 @@ they arrive in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import deque
@@ -29,6 +30,10 @@ from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 
 log = logging.getLogger(__name__)
+# A continuation that finds no instance to take it (503) tries again this long: on a busy box the
+# only other decode's heartbeat may be late, and it is counted dead until its next one.
+CONTINUE_WAIT_S = 5.0
+CONTINUE_POLL_S = 0.5
 
 
 class Flight:
@@ -149,7 +154,7 @@ class Flight:
         span = tracing.start_span("conductor.continuation", self.span, cause=failed.reason, number=number,
                                   from_decode=failed.instance_id, relayed_tokens=self.num_tokens)
         try:
-            next_failed = await self._start_choice()
+            next_failed = await self._start_choice_soon()
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             self._note(failed, number, "refused", exc.message)
@@ -170,6 +175,17 @@ class Flight:
         suffix = f"-c{i}" if self.req.sampling.n > 1 else ""
         return await self._start_attempt(f"{self.request_id}-cont{self.num_continuations}{suffix}",
                                          continued_request(self.req, self.relayed[i], i))
+
+    async def _start_choice_soon(self) -> Failed | None:
+        """:meth:`_start_choice`, polling up to CONTINUE_WAIT_S while no instance can take it (503)."""
+        give_up = loop_now() + CONTINUE_WAIT_S
+        while True:
+            try:
+                return await self._start_choice()
+            except ApiError as exc:
+                if exc.status != 503 or loop_now() >= give_up:
+                    raise
+            await asyncio.sleep(CONTINUE_POLL_S)
 
     async def _next_choice(self) -> None:
         """The continued choice is complete and another is not: its attempt ends (its decode is
