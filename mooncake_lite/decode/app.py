@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from kernels.kv_codec import codec_for, encoded_layer_bytes
 from mooncake_lite.common import tracing
 from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.logs import set_request_id
@@ -259,18 +260,16 @@ def build_engine(cfg: Config) -> DecodeEngine:
 
 
 def generated_blocks(cfg: Config, runner, executor) -> GeneratedBlocks | None:
-    """The write-back of generated blocks to ``--store`` (none without one; none either under
-    --kv-compression, whose encoded blocks only the prefill writes yet)."""
+    """The write-back of generated blocks to ``--store`` (none without one), encoded as the
+    prefill's under --kv-compression."""
     if cfg.store is None:
         return None
-    if cfg.kv_compression != "none":
-        log.warning("--kv-compression %s: generated blocks are not written back to the store (not supported yet)",
-                    cfg.kv_compression)
-        return None
-    args = runner.args
-    layer_bytes = args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers
+    args, codec = runner.args, codec_for(cfg.kv_compression)
+    layer_bytes = (encoded_layer_bytes(runner.block_size, args.num_kv_heads, args.head_dim) if codec is not None
+                   else args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers)
     layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads)
-    return GeneratedBlocks(runner, executor, StorePuts(cfg.store, cfg.cluster_token, layout), cfg.hash_seed)
+    return GeneratedBlocks(runner, executor, StorePuts(cfg.store, cfg.cluster_token, layout, cfg.kv_compression),
+                           cfg.hash_seed, codec=codec)
 
 
 def reported_cost(engine: DecodeEngine) -> CostReport | None:

@@ -12,7 +12,9 @@ Never in a step's way: after each step the engine says which sequences fed which
 the model thread (a copy: queued there before any later step or KV write, so before its blocks
 can be freed and reused) and put in the background. At most ``max_blocks`` are in flight; beyond
 that a block is dropped and counted, not queued (a slow store must not hold host memory hostage).
-Failures are counted and the first of each kind logged.
+Failures are counted and the first of each kind logged. Under ``--kv-compression`` the blocks are
+encoded as the prefill's writes are (``kernels/kv_codec.encode_heads``: the same bytes for the
+same KV), in a worker thread, not the model's.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from typing import Protocol
 import torch
 
 from kernels.copies import Copier, Staged
+from kernels.kv_codec import KVCodec, encode_heads
 from mooncake_lite.common.hashing import block_key
 from mooncake_lite.decode.batcher import StepPlan
 from mooncake_lite.decode.pending import ResumePoint
 from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.store.client import StoreClient
+from mooncake_lite.store.link import StoreLink
 from mooncake_lite.transfer.framing import as_bytes_view
 from mooncake_lite.transfer.kv_layout import BlockLayout
 
@@ -49,22 +52,27 @@ class BlockPuts(Protocol):
 
 
 class StorePuts:
-    """:class:`BlockPuts` on the store role: one connection, opened on first use and again after
-    it broke; blocks named in this release's layout (whole model's heads)."""
+    """:class:`BlockPuts` on the store role, through a kept connection (``store/link.py``: a store
+    that stops answering is skipped until it answers again); blocks named in this release's
+    layout (whole model's heads). ``encoding``: this decode's --kv-compression; a store that keeps
+    blocks otherwise is written nothing (each put fails naming both: counted, logged once) rather
+    than sent blocks its readers would misread."""
 
-    def __init__(self, address: str, token: str | None, layout: BlockLayout) -> None:
-        self.address, self.token, self.layout = address, token, layout
-        self._client: StoreClient | None = None
+    def __init__(self, address: str, token: str | None, layout: BlockLayout, encoding: str = "none") -> None:
+        self.address, self.layout, self.encoding = address, layout, encoding
+        self.link = StoreLink(address, token, "decode-writeback")
 
     async def put_layers(self, keys: Sequence[bytes], values: Sequence[memoryview], first_layer: int,
                          num_layers: int, first_pos: int = 0) -> None:
-        if self._client is None or self._client.is_closed:
-            self._client = await StoreClient.connect(self.address, token=self.token, name="decode-writeback")
-        await self._client.put(keys, values, num_layers=num_layers, first_pos=first_pos, layout=self.layout)
+        kept = (await self.link.client()).frames.hello.get("kv_compression")
+        if isinstance(kept, str) and kept != self.encoding:
+            raise ValueError(f"store {self.address} keeps KV blocks as {kept} (--kv-compression) but this decode "
+                             f"writes {self.encoding}: give every role of the cluster the same value")
+        await self.link.call(lambda c: c.put(keys, values, num_layers=num_layers, first_pos=first_pos,
+                                             layout=self.layout))
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
+        await self.link.close()
 
 
 @dataclass
@@ -76,8 +84,9 @@ class _Chain:
 
 class GeneratedBlocks:
     def __init__(self, runner: ModelRunner, executor: Executor, puts: BlockPuts, hash_seed: int,
-                 copier: Copier | None = None, max_blocks: int = MAX_BLOCKS) -> None:
+                 copier: Copier | None = None, max_blocks: int = MAX_BLOCKS, codec: KVCodec | None = None) -> None:
         self.runner, self.executor, self.puts, self.hash_seed = runner, executor, puts, hash_seed
+        self.codec = codec   # --kv-compression's (None: blocks go in the model's dtype)
         self.copier = copier or Copier(runner.device)
         self.max_blocks = max_blocks
         self.chains: dict[str, _Chain] = {}      # by sequence key (the batcher's)
@@ -137,7 +146,9 @@ class GeneratedBlocks:
             staged = await packed
             await staged.ready()
             num_layers = self.runner.args.num_layers
-            for (key, _, position), block in zip(full, staged.tensor):
+            blocks = staged.tensor if self.codec is None else await asyncio.to_thread(encode_heads, staged.tensor,
+                                                                                      self.codec)
+            for (key, _, position), block in zip(full, blocks):
                 try:
                     await self.puts.put_layers([key], [as_bytes_view(block.contiguous().view(torch.uint8).numpy())],
                                                0, num_layers, first_pos=position)

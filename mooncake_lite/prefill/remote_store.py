@@ -8,7 +8,10 @@ failures are counted and logged by the stage (``prefill/writeback.py``). A block
 the store's slots (``--slot-bytes``, from its handshake) is refused here, before its bytes are
 sent. Every op ends within ``timeout`` s (a store on a cut-off node answers nothing): NoAnswer,
 an OSError naming the store and the op, which the stage treats as a failed load (recompute);
-the connection is then dropped, so the next op dials afresh.
+``match``, tiny and on every request's way to its first token, within ``quick_timeout`` s. A
+store that did not answer is then *down* (``store/link.py``): until a probe reaches it again
+every op fails at once (``match`` answers 0), so a stopped store costs the requests in flight
+at that moment one deadline, not every request the whole hang.
 
 A stage that owns only some layers (a CPP stage) writes its layer slice of each new block; the
 store assembles the group's slices and shows a block only once all its layers are in
@@ -37,10 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mooncake_lite.prefill.writeback import BlockTooLarge
-from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, NoAnswer, RemoteError, StoreClient
+from mooncake_lite.store.client import DEFAULT_TIMEOUT_S, RemoteError, StoreClient
+from mooncake_lite.store.link import StoreLink
 from mooncake_lite.transfer.kv_layout import BlockLayout, HeadRange
 
 log = logging.getLogger(__name__)
+QUICK_TIMEOUT_S = 2.0   # MATCH: a few hundred bytes each way; a store this slow is taken for down
 # How long a matched prefix stays pinned at most: from the MATCH (the request may still queue)
 # to the end of its layer loads. The store caps it by its --lease-ttl.
 PREFIX_LEASE_S = 10.0
@@ -68,29 +73,22 @@ class RemoteStore:
     # rank, the puts those ranks would make themselves (rank 0 cuts them until they do; the store
     # assembles them, docs/store.md §2e-§2f). None: one put of all heads.
     writers: tuple[HeadRange, ...] | None = None
-    _client: StoreClient | None = field(default=None, init=False, repr=False)
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    quick_timeout: float = QUICK_TIMEOUT_S
+    shm: bool = True                    # False: TCP even on the store's node (benchmarks, tests)
     # first key of a pinned prefix -> its leases
     _leases: dict[bytes, list[_Lease]] = field(default_factory=dict, init=False, repr=False)
     _releases: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+    link: StoreLink = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.link = StoreLink(self.address, self.token, "prefill", self.timeout, self.shm)
+
+    @property
+    def is_down(self) -> bool:
+        return self.link.is_down
 
     async def client(self) -> StoreClient:
-        async with self._lock:
-            if self._client is None or self._client.is_closed:
-                self._client = await StoreClient.connect(self.address, token=self.token, name="prefill",
-                                                         timeout=self.timeout)
-            return self._client
-
-    async def _call(self, op):
-        """``await op(client)``; a store that did not answer loses its connection: a cut link
-        leaves it open but dead, and every later op would wait out its deadline on it again."""
-        client = await self.client()
-        try:
-            return await op(client)
-        except NoAnswer:
-            client.frames.abort()
-            await client.close()
-            raise
+        return await self.link.client()
 
     async def store_id(self) -> str | None:
         """The id the store's block events carry (its advertised data address), which may be
@@ -113,7 +111,7 @@ class RemoteStore:
 
     async def match(self, keys: Sequence[bytes]) -> int:
         try:
-            return await self._call(lambda c: self._match(c, keys))
+            return await self.link.call(lambda c: self._match(c, keys), self.quick_timeout, "match")
         except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.warning("store %s unreachable (%s); computing without prefix reuse", self.address, exc)
             return 0
@@ -182,7 +180,7 @@ class RemoteStore:
                          out: Sequence[memoryview] | None = None) -> list[memoryview]:
         """With ``out``, each block's slice is copied from the slab (same node) or received
         from the socket (TCP) straight into its buffer: no fresh memory, no second copy."""
-        views = await self._call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out,
+        views = await self.link.call(lambda c: c.get_layers(keys, first_layer, num_layers, out=out,
                                                         layout=self.layout, heads=self.heads))
         missing = [k.hex() for k, v in zip(keys, views) if v is None]
         if missing:
@@ -212,17 +210,16 @@ class RemoteStore:
             puts = [(h, [self.layout.cut(memoryview(v).cast("B"), first_layer, num_layers, h) for v in values])
                     for h in self.writers]
         for heads, part in puts:
-            await self._call(lambda c, h=heads, p=part: c.put(
+            await self.link.call(lambda c, h=heads, p=part: c.put(
                 keys, p, num_layers=num_layers, first_pos=first_pos, first_layer=sliced,
                 block_layers=self.num_layers, layout=self.layout, heads=h))
 
     async def replicate(self, keys: Sequence[bytes], peer: str) -> dict[str, int]:
         """Hot-spot migration: have our store pull ``keys`` from the store at ``peer``."""
-        return await self._call(lambda c: c.replicate(keys, peer))
+        return await self.link.call(lambda c: c.replicate(keys, peer))
 
     async def close(self) -> None:
         for task in list(self._releases):   # its leases end with the connection anyway
             task.cancel()
         self._leases.clear()
-        if self._client is not None:
-            await self._client.close()
+        await self.link.close()

@@ -3,7 +3,9 @@
 Requests run one at a time per group; a job lands in the waiting list where
 ``scheduler.queue_order.landing`` puts it (FIFO with ``overtakes`` 0, else shortest uncached
 prompt first, each passed by at most ``overtakes`` later arrivals), and the head is given its turn
-when the instance is free. Kept apart from ``service.py``, which serves a turn (a pack), so the
+when the instance is free. A continuation (a stream whose decode failed mid-answer:
+``Sampling.num_generated`` > 0) goes ahead of every new request, behind earlier continuations:
+its client is already waiting, mid-answer; no new request passes it (issue #37). Kept apart from ``service.py``, which serves a turn (a pack), so the
 order's bookkeeping (placeholders, aborts, cancelled turns) reads as one piece.
 """
 
@@ -42,6 +44,11 @@ class QueuedJob:
     passed: int = 0
     turn: asyncio.Future | None = None
 
+    @property
+    def is_continuation(self) -> bool:
+        """A stream continued after its decode failed: its client is mid-answer."""
+        return self.req is not None and self.req.sampling.num_generated > 0
+
 
 class TurnTaking:
     """The waiting list of a PrefillService (mixed in): it sets ``_waiting`` (jobs in serving
@@ -72,10 +79,15 @@ class TurnTaking:
         for i, other in enumerate(waiting):
             if other.started_at is not None or other.result.done():
                 first = i + 1
-        at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
-                     job.expected_uncached, self.overtakes)
-        for other in waiting[at:]:
-            other.passed += 1
+        while first < len(waiting) and waiting[first].is_continuation:   # (they wait at the head)
+            first += 1
+        if job.is_continuation:
+            at = first                         # ahead of new requests: a priority, not an overtake
+        else:
+            at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
+                         job.expected_uncached, self.overtakes)
+            for other in waiting[at:]:
+                other.passed += 1
         waiting.insert(at, job)
         job.turn = asyncio.get_running_loop().create_future()
         self._grant()

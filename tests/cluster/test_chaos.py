@@ -61,11 +61,13 @@ def test_continuations_are_summed_over_their_causes_and_absent_is_zero():
     from mooncake_lite.bench.chaos.cli import CONTINUATIONS, counter_total
     text = ("# HELP mooncake_conductor_continuations_total streams continued\n"
             "# TYPE mooncake_conductor_continuations_total counter\n"
-            'mooncake_conductor_continuations_total{cause="connection"} 2.0\n'
-            'mooncake_conductor_continuations_total{cause="heartbeat"} 1.0\n'
+            'mooncake_conductor_continuations_total{cause="connection",outcome="continued"} 2.0\n'
+            'mooncake_conductor_continuations_total{cause="heartbeat",outcome="continued"} 1.0\n'
+            'mooncake_conductor_continuations_total{cause="heartbeat",outcome="refused"} 4.0\n'
             "mooncake_conductor_continuations_total_created 1.7e9\n"
             "mooncake_conductor_requests_total 40.0\n")
-    assert counter_total(text, CONTINUATIONS) == 3.0
+    assert counter_total(text, CONTINUATIONS) == 7.0
+    assert counter_total(text, CONTINUATIONS, 'outcome="continued"') == 3.0   # what the bench reports
     assert counter_total("mooncake_conductor_requests_total 40.0\n", CONTINUATIONS) == 0.0
 
 

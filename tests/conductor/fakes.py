@@ -28,10 +28,17 @@ def fake_next(ids: list[int] | tuple[int, ...]) -> int:
     return 97 + sum(ids) % 26
 
 
-def expected_tokens(prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+def _next_of(ids: list[int] | tuple[int, ...], stream: int) -> int:
+    """The next token of a choice drawing from seed stream ``stream`` (seed + index, as sampling's);
+    stream 0 is ``fake_next`` itself (which tests replace)."""
+    return fake_next(ids) if stream == 0 else fake_next((*ids, stream))
+
+
+def expected_tokens(prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = (),
+                    stream: int = 0) -> list[int]:
     seq, out = list(prompt_ids), []
     while len(out) < max_tokens:
-        out.append(fake_next(seq))
+        out.append(_next_of(seq, stream))
         seq.append(out[-1])
         if out[-1] in stop_ids:
             break
@@ -57,6 +64,8 @@ class Behaviour:
     break_after: int | None = None       # decode: drop the connection after N tokens
     pause_after: int | None = None       # decode: stop sending after N tokens (a hang) until ``resume`` is set
     resume: asyncio.Event = field(default_factory=asyncio.Event)
+    die_after_kv: bool = False           # prefill: send the "KV", then drop the connection before the result
+    die_before_kv: bool = False          # decode: reserve (200), then drop the connection before any KV
     result_delay_s: float = 0.0          # prefill: answer this long after the "KV" went to decode
     timings: dict = field(default_factory=dict)   # prefill: the timings its result reports
 
@@ -105,13 +114,17 @@ class FakeInstance:
             return web.json_response({"error": {"message": "prefill exploded"}}, status=b.fail_status)
         if b.hang:
             await asyncio.Event().wait()
-        first = fake_next(req.token_ids)
-        _wire(req.transfer_id).set_result((req.token_ids, first))
+        s = req.sampling
+        firsts = tuple(_next_of(req.token_ids, (s.seed or 0) + i) for i in range(s.n))
+        _wire(req.transfer_id).set_result((req.token_ids, firsts))
+        if b.die_after_kv:
+            request.transport.close()
+            return web.Response()
         if b.result_delay_s:
             await asyncio.sleep(b.result_delay_s)
-        return web.Response(body=dumps(PrefillResult(req.request_id, first, len(req.prefix_keys) * 4,
+        return web.Response(body=dumps(PrefillResult(req.request_id, firsts[0], len(req.prefix_keys) * 4,
                                                      len(req.token_ids) - len(req.prefix_keys) * 4,
-                                                     dict(b.timings))),
+                                                     dict(b.timings), firsts if s.n > 1 else ())),
                             content_type="application/json")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -126,28 +139,35 @@ class FakeInstance:
         await resp.prepare(request)
         aborted = self._active[req.request_id] = asyncio.Event()
         try:
-            prompt, first = await _wire(req.transfer_id)
+            if b.die_before_kv:
+                request.transport.close()
+                return resp
+            prompt, firsts = await _wire(req.transfer_id)
             if b.hang:
                 await asyncio.Event().wait()
-            seq, n, s = [*prompt, first], 1, req.sampling
-            reason = "stop" if first in s.stop_token_ids else ("length" if n >= s.max_tokens else None)
-            while reason is None:
+            s = req.sampling
+            seqs, n = [[*prompt, first] for first in firsts], 1 + s.num_generated   # (one per choice)
+            ends = ["stop" if f in s.stop_token_ids else ("length" if n >= s.max_tokens else None) for f in firsts]
+            for i in [i for i, e in enumerate(ends) if e is not None]:
+                await resp.write(dumps(TokenEvent(finish_reason=ends[i], index=i)) + b"\n")
+            while None in ends:
                 if b.token_delay_s:
                     await asyncio.sleep(b.token_delay_s)
-                if aborted.is_set():
-                    reason = "abort"
+                if aborted.is_set():   # (one line ends every choice)
+                    await resp.write(dumps(TokenEvent(finish_reason="abort")) + b"\n")
                     break
-                if b.break_after is not None and n - 1 >= b.break_after:
+                if b.break_after is not None and n - 1 - s.num_generated >= b.break_after:
                     request.transport.close()
                     return resp
-                if b.pause_after is not None and n - 1 == b.pause_after:
+                if b.pause_after is not None and n - 1 - s.num_generated == b.pause_after:
                     await b.resume.wait()
-                tok = fake_next(seq)
-                seq.append(tok)
                 n += 1
-                await resp.write(dumps(TokenEvent(token=tok)) + b"\n")
-                reason = "stop" if tok in s.stop_token_ids else ("length" if n >= s.max_tokens else None)
-            await resp.write(dumps(TokenEvent(finish_reason=reason)) + b"\n")
+                for i in [i for i, e in enumerate(ends) if e is None]:
+                    seqs[i].append(tok := _next_of(seqs[i], (s.seed or 0) + i))
+                    await resp.write(dumps(TokenEvent(token=tok, index=i)) + b"\n")
+                    ends[i] = "stop" if tok in s.stop_token_ids else ("length" if n >= s.max_tokens else None)
+                    if ends[i] is not None:
+                        await resp.write(dumps(TokenEvent(finish_reason=ends[i], index=i)) + b"\n")
             await resp.write_eof()
         finally:
             self._active.pop(req.request_id, None)

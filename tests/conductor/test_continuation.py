@@ -17,7 +17,7 @@ from tests.conductor import fakes
 from tests.conductor.fakes import expected_tokens
 from tests.conductor.test_api import TOK, client
 from tests.conductor.test_dispatch import _wait_for
-from tests.conductor.test_failover import SLOW_DECODE, _metrics
+from tests.conductor.test_failover import SLOW_DECODE, SLOW_PREFILL, _metrics
 
 pytestmark = pytest.mark.timeout(60)
 PROMPT = "abc"
@@ -115,17 +115,54 @@ async def test_a_continuation_no_instance_can_take_is_an_error_naming_why(make_c
     assert 'outcome="refused"} 1.0' in await _metrics(cluster)
 
 
-async def test_a_request_of_n_choices_is_not_continued_and_says_so(make_cluster):
+async def test_a_continuation_waits_a_moment_for_a_decode_counted_dead_while_its_heartbeat_is_late(make_cluster):
+    """On a busy box the only other decode may be counted dead for a moment (a late heartbeat):
+    the continuation tries again for up to CONTINUE_WAIT_S instead of failing the stream."""
+    cluster = await make_cluster(prefill=1, decode=1, dead_after=2.0)
+    d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
+    d1.is_heartbeating = False
+    await _wait_for(lambda: not cluster.svc.membership.instances["d1"].is_alive, timeout=20)
+    cluster.instances["d0"].behaviour.break_after = 2
+
+    async def heartbeat_again() -> None:
+        d0 = cluster.instances["d0"]
+        await _wait_for(lambda: _requests(d0, GenerateRequest), timeout=20)
+        await _wait_for(lambda: not d0._active, timeout=20)   # its stream broke: the continuation is polling
+        await asyncio.sleep(1.0)
+        d1.is_heartbeating = True
+
+    late = asyncio.ensure_future(heartbeat_again())
+    _, text = await _stream(cluster)
+    await late
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert len(_requests(d1, GenerateRequest)) == 1
+    assert 'continuations_total{cause="decode-unreachable",outcome="continued"} 1.0' in await _metrics(cluster)
+
+
+async def test_each_of_n_choices_is_continued_from_its_own_tokens_and_seed(make_cluster):
+    """n = 2 with a seed: every choice its own stream (seed + index). The choices go on one at a
+    time, each as prompt + its own tokens with its own seed, and each client text equals its
+    uninterrupted run's; usage counts every token once."""
     cluster = await make_cluster(prefill=1, decode=1)
     d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
     cluster.instances["d0"].behaviour.break_after = 2
     c = client(cluster)
-    stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, stream=True)
-    with pytest.raises(openai.APIError) as info:
-        async for _ in stream:
-            pass
+    stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, seed=7, stream=True,
+                                        stream_options={"include_usage": True})
+    texts, chunks = ["", ""], [chunk async for chunk in stream]
     await c.close()
-    assert "not continued: it has n > 1 choices" in info.value.message and not d1.requests
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    prompt = TOK.encode(PROMPT)
+    assert texts == [TOK.decode(expected_tokens(prompt, 10, stream=7 + i)) for i in range(2)]
+    assert texts[0] != texts[1] and chunks[-1].usage.completion_tokens == 20
+    gens = _requests(d1, GenerateRequest)                      # choice 0, then choice 1: n = 1, seed + index
+    assert [(g.sampling.n, g.sampling.seed, g.sampling.num_generated) for g in gens] == [(1, 7, 3), (1, 8, 3)]
+    pres = [r for r in _requests(cluster.instances["p0"], PrefillRequest) if "-cont1" in r.request_id]
+    assert [list(p.token_ids) for p in pres] == [prompt + expected_tokens(prompt, 3, stream=7 + i) for i in range(2)]
+    assert 'continuations_total{cause="decode-unreachable",outcome="continued"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
 
 
 async def test_a_hung_decode_is_continued_once_declared_dead_and_fenced_when_it_resumes(make_cluster):
@@ -192,6 +229,39 @@ async def test_a_decode_aborting_the_request_itself_is_continued(make_cluster):
     await c.close()
     assert "".join(text) == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
     assert 'continuations_total{cause="decode-abort",outcome="continued"} 1.0' in await _metrics(cluster)
+
+
+async def test_a_prefill_dying_after_sending_the_kv_but_before_its_result_completes_elsewhere(make_cluster):
+    """Issue #37 item 5: the KV went to decode, the prefill's answer never came. The attempt is torn
+    down (its decode told to abort what it still runs) and the request runs again on the other prefill: a
+    completed response, each token once. (A KV stream cut midway frees the decode's pending
+    blocks: tests/pd/test_inprocess.py, test_stream_stopping_midway_...)"""
+    cluster = await make_cluster(prefill=1, decode=1)
+    p1 = await cluster.add("prefill", "p1", store="store1:1", cost=SLOW_PREFILL)
+    cluster.instances["p0"].behaviour.die_after_kv = True
+    d0 = cluster.instances["d0"]
+    chunks, text = await _stream(cluster)
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert chunks[-1].usage.completion_tokens == 10
+    first, second = _requests(d0, GenerateRequest)
+    assert [r.request_id for r in _requests(p1, PrefillRequest)] == [second.request_id]
+    assert first.request_id != second.request_id   # (the first, if its decode still ran it, was aborted)
+    assert 'retries_total{reason="prefill-unreachable"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
+
+
+async def test_a_decode_dying_between_its_reservation_and_the_kv_completes_elsewhere(make_cluster):
+    """Issue #37 item 5: decode answered the reservation, then its connection dropped before any KV
+    (so before any token): the request runs again on the other decode, a completed response.
+    (A prefill streaming to a decode that died gives up: test_inprocess.py, test_dead_decode_...)"""
+    cluster = await make_cluster(prefill=1, decode=1)
+    d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)
+    cluster.instances["d0"].behaviour.die_before_kv = True
+    chunks, text = await _stream(cluster)
+    assert text == TOK.decode(expected_tokens(TOK.encode(PROMPT), 10))
+    assert chunks[-1].usage.completion_tokens == 10 and len(_requests(d1, GenerateRequest)) == 1
+    assert 'retries_total{reason="decode-unreachable"} 1.0' in await _metrics(cluster)
+    await _wait_for(lambda: _idle(cluster))
 
 
 def test_the_migration_limit_is_checked():

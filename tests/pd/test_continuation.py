@@ -6,6 +6,7 @@ generated tokens' full blocks are in the store under the keys a prefill of promp
 import dataclasses
 
 import pytest
+import torch
 
 from mooncake_lite.common.protocol import Sampling
 from mooncake_lite.model.generate import generate
@@ -103,3 +104,30 @@ async def test_the_decode_writes_generated_blocks_under_the_keys_a_continuation_
         wb.max_blocks = 0                      # overloaded: blocks are dropped and counted, never queued
         _, _, err = await c.request("b", prompt(13, 18), n, sampling=Sampling(max_tokens=n))
         assert err is None and (wb.num_written, wb.num_dropped, wb.num_in_flight) == (5, 4, 0)
+
+
+async def test_under_kv_compression_the_written_back_blocks_are_encoded_as_the_prefills(model):
+    """--kv-compression int8: the decode encodes the blocks it writes back with the prefill's codec,
+    so the continuation loads them through the prefill's decoding like any prefix: 5 blocks
+    reused, and its token after the seam is the uninterrupted run's."""
+    from kernels.kv_codec import KVCodec, encoded_layer_bytes
+    from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest
+    from mooncake_lite.decode.writeback import GeneratedBlocks
+    from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore
+    a, codec = model.args, KVCodec("int8")
+    inner = MemoryStore((0, a.num_layers), encoded_layer_bytes(BS, a.num_kv_heads, a.head_dim))
+    store = CompressedStore(inner, codec, (BS, a.num_kv_heads, a.head_dim), torch.float32)
+    toks, n = prompt(13, 17), 30
+    async with cluster(model, block_size=BS, store=store) as c:
+        c.decode.writeback = GeneratedBlocks(c.decode.runner, c.decode.executor, inner, hash_seed=0, codec=codec)
+        whole, _, err = await c.request("a", toks, n, sampling=Sampling(max_tokens=n))
+        await c.decode.writeback.drain()
+        await c.prefill.stage.drain_puts()
+        assert err is None and len(inner) == 5 and c.decode.writeback.num_written == 4
+        s = Sampling(max_tokens=n, num_generated=n - 1)
+        ids = toks + whole[:-1]
+        events = c.decode.add_request(GenerateRequest("cont", "t-cont", len(ids), s))
+        res = await c.prefill.prefill(PrefillRequest("cont", "t-cont", tuple(ids), c.data, s))
+        while (await events.get()).finish_reason is None:
+            pass
+        assert res.num_prefix_tokens == 5 * BS and res.first_token == whole[-1]

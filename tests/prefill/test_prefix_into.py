@@ -18,7 +18,6 @@ from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.load_buffers import LoadBuffers
 from mooncake_lite.prefill.remote_store import RemoteStore
 from mooncake_lite.prefill.store_io import MemoryStore
-from mooncake_lite.store.client import StoreClient
 from mooncake_lite.transfer import shm
 from tests.conftest import start_role
 
@@ -48,9 +47,7 @@ def store(model):
 
 async def _remote(model, store, transport: str) -> RemoteStore:
     address = store.addresses["data"]
-    remote = RemoteStore(address, None, model.args.num_layers, _layer_bytes(model))
-    if transport == "tcp":   # the adapter dials with shm on: hand it a TCP-only connection
-        remote._client = await StoreClient.connect(address, name="prefill", shm=False)
+    remote = RemoteStore(address, None, model.args.num_layers, _layer_bytes(model), shm=transport != "tcp")
     assert (await remote.client()).transport == transport
     return remote
 

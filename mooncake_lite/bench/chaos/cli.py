@@ -21,7 +21,7 @@ signal and ``--after-s`` after the rejoin, whichever ends later). For each it re
   TTFT before and after the kill (what a busy machine adds), and **rejoined**: to the victim
   being back and registered,
 * **continued**: streams the conductor continued on another decode (the increase of
-  ``mooncake_conductor_continuations_total``, every cause; 0 where the conductor has none), and the
+  ``mooncake_conductor_continuations_total{outcome="continued"}``, every cause), and the
   **longest gap** between two chunks of a stream in flight at the signal (issue #37's goals: ≤ 2 s
   after a kill, ≤ the heartbeat timeout + 2 s after a hang),
 * **leaked**: leak gauges that did not return to their idle value within ``--quiet-s`` (goal none).
@@ -91,22 +91,24 @@ def leaks(cluster: UpCluster, idle: dict[str, float], quiet_s: float) -> dict[st
 CONTINUATIONS = "mooncake_conductor_continuations_total"   # the conductor's, labelled by cause (#37)
 
 
-def counter_total(text: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples over all its labels in ``/metrics`` text (0 if absent)."""
+def counter_total(text: str, name: str, label: str = "") -> float:
+    """The sum of a Prometheus counter's samples over all its labels in ``/metrics`` text (0 if
+    absent); ``label`` (``outcome="continued"``): only the samples that carry it."""
     total = 0.0
     for line in text.splitlines():
         metric, _, value = line.rpartition(" ")
-        if metric == name or metric.startswith(name + "{"):
+        if (metric == name or metric.startswith(name + "{")) and label in metric:
             total += float(value)
     return total
 
 
 def continuations(cluster: UpCluster) -> float:
-    """Streams the conductor has continued so far (0 when it does not say)."""
+    """Streams the conductor has continued so far (0 when it does not say); continuations it
+    refused or stopped at --migration-limit are the client's errors, counted as failures."""
     import urllib.request
     try:
         with urllib.request.urlopen(cluster.api + "/metrics", timeout=5) as resp:
-            return counter_total(resp.read().decode(), CONTINUATIONS)
+            return counter_total(resp.read().decode(), CONTINUATIONS, 'outcome="continued"')
     except OSError:
         return 0.0
 

@@ -33,7 +33,6 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.remote_store import RemoteStore
-from mooncake_lite.store.client import StoreClient
 
 
 async def bench(args, store: RoleProcess) -> dict:
@@ -44,9 +43,7 @@ async def bench(args, store: RoleProcess) -> dict:
     layer_bytes = 2 * bs * a.num_kv_heads * a.head_dim * 4
     runner = ModelRunner(model, num_blocks=2 * (args.tokens // bs + 1), block_size=bs)
     address = store.addresses["data"]
-    remote = RemoteStore(address, None, a.num_layers, layer_bytes)
-    if args.transport == "tcp":   # the adapter dials with shm on; give it a TCP-only connection
-        remote._client = await StoreClient.connect(address, name="prefill", shm=False)
+    remote = RemoteStore(address, None, a.num_layers, layer_bytes, shm=args.transport != "tcp")
     client = await remote.client()
     assert client.transport == args.transport, client.transport
     tokens = torch.randint(0, a.vocab_size, (args.tokens + 1,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -47,8 +47,9 @@ class Attempt:
     transfer id."""
 
     def __init__(self, svc: Services, req: ApiRequest, upstream_id: str, decision: Decision,
-                 block_keys: list[bytes], span: object) -> None:
+                 block_keys: list[bytes], span: object, choice: int | None = None) -> None:
         self.svc, self.req, self.span = svc, req, span   # span: the request's trace (None: tracing off)
+        self.choice = choice               # a continuation of choice ``choice`` alone: its events carry that index
         self.upstream_id = upstream_id     # what prefill, decode and the membership know it by
         self.transfer_id = uuid.uuid4().hex
         self.decision = decision
@@ -169,11 +170,12 @@ class Attempt:
                 if not line.strip():
                     continue
                 ev = parse_token_event(line)
+                index = ev.index if self.choice is None else self.choice
                 if ev.token is not None:
-                    self.events.put_nowait(Token(ev.token, ev.index, ev.logprob))
+                    self.events.put_nowait(Token(ev.token, index, ev.logprob))
                 if ev.finish_reason is not None:
                     num_open -= 1
-                    self.events.put_nowait(Finished(ev.finish_reason, ev.error, ev.index))
+                    self.events.put_nowait(Finished(ev.finish_reason, ev.error, index))
                     if num_open == 0 or ev.finish_reason not in ("stop", "length"):
                         self.is_decode_done = True
                         return

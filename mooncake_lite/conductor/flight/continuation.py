@@ -36,7 +36,7 @@ from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed
 class Continuation:
     """One decode failure of a request that had sent tokens, and what became of it: ``outcome``
     continued (on ``to_prefill`` + ``to_decode``), or the client got the error: limit (``--migration-limit``
-    reached), refused (no instance could take it: ``detail`` says why), unsupported (n > 1)."""
+    reached), refused (no instance could take it: ``detail`` says why)."""
 
     request_id: str
     cause: str            # the failure's reason (events.Failed.reason)

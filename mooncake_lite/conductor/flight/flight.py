@@ -9,6 +9,7 @@ they arrive in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import deque
@@ -29,6 +30,10 @@ from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 
 log = logging.getLogger(__name__)
+# A continuation that finds no instance to take it (503) tries again this long: on a busy box the
+# only other decode's heartbeat may be late, and it is counted dead until its next one.
+CONTINUE_WAIT_S = 5.0
+CONTINUE_POLL_S = 0.5
 
 
 class Flight:
@@ -52,6 +57,7 @@ class Flight:
         self.attempt: Attempt | None = None   # the current one (None until the first is placed)
         self.num_retries = 0
         self.num_continuations = 0
+        self._choice: int | None = None      # the choice a continuation's attempt runs (its index 0); None: all
         self.block_keys: list[bytes] = []    # the prompt's (a continuation's attempt has longer ones)
         self._has_first = False              # the current attempt's first token (prefill's) is in
         self._excluded: set[str] = set()     # instances a failed attempt ran on
@@ -106,7 +112,7 @@ class Flight:
             self.block_keys = keys
         expected = max(1, self.expected_output - req.sampling.num_generated)   # what is left of it
         self._has_first = False
-        self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span)
+        self.attempt = Attempt(self.svc, req, upstream_id, d, keys, self.span, None if cont is None else self._choice)
         return await self.attempt.start(expected)
 
     async def _retry(self, failed: Failed) -> None:
@@ -134,23 +140,22 @@ class Flight:
         """The decode failed after tokens went out: fence the failed attempt off and place the request
         again as prompt + the tokens already relayed (``continuation.py``), without the instance
         that failed; raises the failure as the client's error when it may not be continued (the
-        conductor's shutdown, n > 1, ``--migration-limit`` reached, or no instance can take it)."""
+        conductor's shutdown, ``--migration-limit`` reached, or no instance can take it). A request
+        of n > 1 choices goes on one unfinished choice at a time (:meth:`_start_choice`)."""
         self.attempt.end(fence=True)   # its late tokens, if it comes back, reach no one
         self._excluded.add(failed.instance_id)
         number, limit = self.num_continuations + 1, self.svc.migration_limit
         if not is_continuable(failed):
             raise _client_error(failed)
-        outcome, why = ("unsupported", "it has n > 1 choices") if self.req.sampling.n > 1 else \
-            ("limit", f"--migration-limit {limit} reached") if number > limit else (None, None)
-        if outcome is not None:
-            self._note(failed, number, outcome, why)
+        if number > limit:
+            why = f"--migration-limit {limit} reached"
+            self._note(failed, number, "limit", why)
             raise upstream_failed(failed.message if limit == 0 else f"{failed.message}; not continued: {why}")
         self.num_continuations = number
         span = tracing.start_span("conductor.continuation", self.span, cause=failed.reason, number=number,
                                   from_decode=failed.instance_id, relayed_tokens=self.num_tokens)
         try:
-            next_failed = await self._start_attempt(f"{self.request_id}-cont{number}",
-                                                    continued_request(self.req, self.relayed[0], 0))
+            next_failed = await self._start_choice_soon()
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             self._note(failed, number, "refused", exc.message)
@@ -160,6 +165,39 @@ class Flight:
         self._note(failed, number, "continued")
         if next_failed is not None:   # the new decode failed at once: that is a failure to continue too
             await self._continue(next_failed)
+
+    async def _start_choice(self) -> Failed | None:
+        """Start the continuation's attempt for the first choice not yet complete: that choice
+        alone (n = 1, its own seed stream ``seed + index``), as prompt + its own tokens relayed.
+        Choices go one at a time because each has its own prefix (a prefill takes one prompt);
+        :meth:`tokens` starts the next one when this one ends."""
+        i = self.finish_reasons.index(None)
+        self._choice = i
+        suffix = f"-c{i}" if self.req.sampling.n > 1 else ""
+        return await self._start_attempt(f"{self.request_id}-cont{self.num_continuations}{suffix}",
+                                         continued_request(self.req, self.relayed[i], i))
+
+    async def _start_choice_soon(self) -> Failed | None:
+        """:meth:`_start_choice`, polling up to CONTINUE_WAIT_S while no instance can take it (503)."""
+        give_up = loop_now() + CONTINUE_WAIT_S
+        while True:
+            try:
+                return await self._start_choice()
+            except ApiError as exc:
+                if exc.status != 503 or loop_now() >= give_up:
+                    raise
+            await asyncio.sleep(CONTINUE_POLL_S)
+
+    async def _next_choice(self) -> None:
+        """The continued choice is complete and another is not: its attempt ends (its decode is
+        done) and the next choice's starts, part of the same continuation."""
+        self.attempt.end()
+        try:
+            failed = await self._start_choice()
+        except ApiError as exc:
+            raise upstream_failed(f"choice {self._choice} could not be continued: {exc.message}") from None
+        if failed is not None:
+            await self._continue(failed)
 
     def _note(self, failed: Failed, number: int, outcome: str, detail: str | None = None) -> None:
         """A continuation's log line (with its cause), counter and record for ``mooncake status``."""
@@ -234,6 +272,9 @@ class Flight:
                 yield token
             if self.is_done:
                 return
+            if self._choice is not None and self.finish_reasons[self._choice] is not None:
+                early.clear()
+                await self._next_choice()
 
     def _on_first(self, result: PrefillResult) -> list[Token]:
         """The prefill's answer: every choice's token 1."""
@@ -260,7 +301,7 @@ class Flight:
         tracing.add_event(self.span, "continued_token", prefix_tokens=result.num_prefix_tokens,
                           computed_tokens=result.num_computed_tokens)
         token, logprob = _firsts(result)[0]
-        return [Token(token, 0, logprob)]
+        return [Token(token, self._choice, logprob)]
 
     def _on_token(self, index: int = 0) -> None:
         """A token from decode (choice ``index``'s): its progress there, and the gap since the last one."""
