@@ -170,8 +170,9 @@ class PrefillService(TurnTaking, Packing):
     # --- one request -----------------------------------------------------------------------------
     async def _match(self, queued: QueuedJob) -> int:
         """Leading blocks of the prompt this instance (every stage) can load: asked once, kept."""
-        if queued.hit is None and queued.req.sampling.prompt_logprobs is not None:
-            queued.hit, queued.num_prefix_tokens = 0, 0   # every position's logits: nothing loaded
+        if queued.hit is None and reports_logprobs(queued.req.sampling):
+            # every position's logits, or values computed from float activations only: nothing loaded
+            queued.hit, queued.num_prefix_tokens = 0, 0
         if queued.hit is None:
             req, keys = queued.req, queued.keys
             cap = (len(req.token_ids) - 1) // self.block_size   # the last token is always computed

@@ -39,3 +39,20 @@ async def test_echo_with_logprobs_reuses_no_prefix_on_any_prefill(make_cluster, 
     sent = cluster.instances[group].requests[-1]
     assert sent.sampling.prompt_logprobs == 1 and sent.prefix_keys == () and sent.migrate_from is None
     await c.close()
+
+
+async def test_a_request_for_its_own_logprobs_reuses_no_prefix_either(make_cluster):
+    """Cached blocks may come from int8-activation decode steps (a write-back); a request whose
+    logprobs are reported is computed from float activations throughout, so it loads none."""
+    cluster = await make_cluster(prefill=0, decode=1, strategy="cache-aware")
+    await cluster.add("prefill", "p", store="p-store:1")
+    keys = prefix_hash(TOK.encode(PROMPT), 4, 0)
+    await fakes.block_events(cluster.session, cluster.url, "p-store:1", stored=keys[:4])
+    c = client(cluster)
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1)
+    assert raw.headers["X-Mooncake-Reused-Blocks"] == "0"
+    sent = cluster.instances["p"].requests[-1]
+    assert sent.sampling.logprobs == 1 and sent.prefix_keys == () and sent.migrate_from is None
+    plain = await c.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert plain.headers["X-Mooncake-Reused-Blocks"] == "4"
+    await c.close()

@@ -28,8 +28,10 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     cause the scheduler's). A continuation's client is reading already: only a lack of room refuses it."""
     keys = prefix_hash(req.prompt_ids, svc.block_size, svc.hash_seed)
     # Prompt logprobs need every position's logits: the prefill loads no cached prefix for them
-    # (as vLLM), so none is priced, reused or migrated.
-    reusable = tuple(keys) if req.sampling.prompt_logprobs is None else ()
+    # (as vLLM), so none is priced, reused or migrated. Nor for a request's own logprobs: cached
+    # blocks may come from int8-activation steps (a decode's write-back), whose KV would move its
+    # values past the 1e-3 of transformers' that its float activations keep (docs/conductor.md).
+    reusable = tuple(keys) if req.sampling.prompt_logprobs is None and req.sampling.logprobs is None else ()
     sreq = ScheduleRequest(request_id, reusable, len(req.prompt_ids),
                            req.sampling.max_tokens - req.sampling.num_generated, req.sampling.n)
     t0 = time.perf_counter()
