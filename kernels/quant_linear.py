@@ -159,10 +159,15 @@ def float_activations(on: bool = True):
         _activations_local.float = before
 
 
+def float_activations_on() -> bool:
+    """Whether this thread is within :func:`float_activations` (a TP leader tells its followers)."""
+    return getattr(_activations_local, "float", False)
+
+
 def _int8_activations() -> bool:
     """Whether products may quantize their activations to int8: not where the environment says
     float, nor within :func:`float_activations` on this thread."""
-    return os.environ.get(ACTIVATIONS_ENV, "int8") != "float" and not getattr(_activations_local, "float", False)
+    return os.environ.get(ACTIVATIONS_ENV, "int8") != "float" and not float_activations_on()
 
 
 def kernel_runs(x: torch.Tensor) -> bool:

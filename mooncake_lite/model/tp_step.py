@@ -38,6 +38,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from kernels.quant_linear import float_activations, float_activations_on
 from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner
@@ -82,7 +83,9 @@ class TPLeader:
         with self._lock:
             if self.broken is not None:
                 raise TPBrokenError(self.broken)
-            header = header | {"drop": self._dropped}
+            # "exact": this step runs within float_activations (a request reporting logprobs):
+            # every rank's products must keep float activations, not rank 0's alone.
+            header = header | {"drop": self._dropped, "exact": float_activations_on()}
             self._dropped = []
             try:
                 self.comms.broadcast_bytes(orjson.dumps(header))
@@ -287,7 +290,8 @@ class Follower:
                 self.passes.pop(key, None)
             if header["op"] == "stop":
                 return
-            getattr(self, "_" + header["op"])(header)
+            with float_activations(header.get("exact", False)):
+                getattr(self, "_" + header["op"])(header)
 
     def _tick(self, header: dict) -> None:
         pass

@@ -4,13 +4,18 @@ model's layout) equal TP=1's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import orjson
 import torch
+
+from kernels.quant_linear import float_activations, float_activations_on
 
 from mooncake_lite.model.generate import generate
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.tensor_parallel import TPLayout
-from mooncake_lite.model.tp_step import Follower, build_rank_runner
+from mooncake_lite.model.tp_step import Follower, TPLeader, build_rank_runner
 from mooncake_lite.model.weights import build_model, model_args
 from tests.model.tp_ranks import run_ranks
 
@@ -69,3 +74,36 @@ def test_leader_and_followers_at_tp2_and_tp4_match_tp1(tmp_path):
     ref = _script(ModelRunner(build_model("tiny"), num_blocks=16, block_size=BS))
     _same(run_ranks(2, _job, "tiny", tmp_path)[0], ref)
     _same(run_ranks(4, _job, "tiny", tmp_path)[0], ref)   # KV heads replicated: each sent once
+
+
+class _Wire:
+    """Stands in for TPComms' header broadcast: rank 0 sends, a follower receives the same."""
+
+    def __init__(self, headers=()):
+        self.sent, self.queue = [], list(headers)
+
+    def broadcast_bytes(self, data):
+        if data is not None:
+            self.sent.append(orjson.loads(data))
+            return data
+        return orjson.dumps(self.queue.pop(0))
+
+
+def test_a_step_within_float_activations_runs_so_on_every_rank():
+    """A request reporting logprobs keeps float activations (kernels.quant_linear): rank 0 says
+    so in each step's header, and a follower runs that step within float_activations too."""
+    leader = TPLeader(_Wire(), None)
+    with float_activations():
+        leader.step({"op": "probe"}, lambda: None)
+    leader.step({"op": "probe"}, lambda: None)
+    assert [h["exact"] for h in leader.comms.sent] == [True, False]
+
+    seen = []
+
+    class Probe(Follower):
+        def _probe(self, header):
+            seen.append(float_activations_on())
+
+    runner = SimpleNamespace(model=None)
+    Probe(_Wire([*leader.comms.sent, {"op": "stop", "drop": []}]), runner, None).run()
+    assert seen == [True, False] and not float_activations_on()
