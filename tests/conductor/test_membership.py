@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import openai
 import pytest
@@ -131,6 +132,26 @@ async def test_silent_instance_is_marked_dead_and_gets_no_work(make_cluster):
     while not cluster.svc.membership.instances["d0"].is_alive:
         await asyncio.sleep(0.05)
     await c.close()
+
+
+async def test_a_held_up_conductor_does_not_take_every_instance_out_at_once(make_cluster, caplog):
+    """The conductor's own loop stalls (an overloaded box) past the silence bound: the heartbeats
+    sent meanwhile are unread, not missing, so no instance is declared dead; one truly silent
+    still is, a period later."""
+    cluster = await make_cluster(prefill=1, decode=2, dead_after=1.0)
+    await asyncio.sleep(0.5)
+    with caplog.at_level(logging.WARNING):
+        time.sleep(2.5)   # blocks this loop: conductor, fake instances and their heartbeats alike
+        await asyncio.sleep(1.0)
+    m = cluster.svc.membership
+    assert all(i.is_alive for i in m.instances.values()), [i.instance_id for i in m.instances.values()]
+    assert "the reaper ran" in caplog.text
+    cluster.instances["d0"].is_heartbeating = False
+    for _ in range(100):
+        if not m.instances["d0"].is_alive:
+            break
+        await asyncio.sleep(0.05)
+    assert not m.instances["d0"].is_alive and m.instances["d1"].is_alive
 
 
 async def test_request_in_flight_on_a_dying_instance_fails_cleanly(make_cluster, caplog):
