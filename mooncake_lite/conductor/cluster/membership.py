@@ -9,15 +9,13 @@ while another of its role is not), ``max_failures`` of them in a row mark it dea
 or a heartbeat clears it. Stores are watched too (``stores``: the silent ones, for the index to
 drop).
 
-Each instance's jobs are kept in one place, its scheduler view (``scheduler/view.py``, the
-class the simulator drives too): the conductor's own record of what it dispatched there — the
-queue in the instance's order, the decode batch and the requests whose KV is still coming
-(``incoming`` from dispatch until the first token, so a burst is spread instead of herding onto
-one instance). The event handlers here tell the view what happened; it builds a new state only
-when something the state shows changed (within the bounds ``scheduler/view.py`` states), and a
-snapshot is made as the simulator makes its own, by a :class:`~mooncake_lite.scheduler.snapshot.StateTuple`
-per role over the live instances' views: an unchanged instance keeps its state object, so the
-scheduler's estimate cache hits.
+Each instance's jobs are kept in one place, its scheduler view (``scheduler/view.py``, which
+the simulator drives too): what the conductor dispatched there — the queue in the instance's
+order, the decode batch, and the requests whose KV is still coming (``incoming`` until the first
+token, so a burst is spread instead of herding onto one instance). The handlers here tell the view
+what happened; it builds a new state only when what the state shows changed, and a snapshot is a
+:class:`~mooncake_lite.scheduler.snapshot.StateTuple` per role over the live views, as in the
+simulator: an unchanged instance keeps its state object, so the scheduler's estimate cache hits.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
+from mooncake_lite.conductor.api.errors import ApiError, shutting_down, upstream_failed
 
 SHUTDOWN = "shutdown"   # Failed.reason of a request the conductor's drain ended (a 503, not a 502)
 
@@ -61,3 +62,11 @@ class Failed:
 
 
 Event = FirstToken | Token | Finished | PrefillRefused | Failed
+
+
+def client_error(failed: Failed) -> ApiError:
+    """What the client is told of a failure that ends its request: the conductor's own shutdown
+    (its drain ran out) is a 503 to retry, a failure upstream a 502 (the instance's fault)."""
+    if failed.reason == SHUTDOWN:
+        return shutting_down(failed.message)
+    return upstream_failed(failed.message)

@@ -14,17 +14,16 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
 from mooncake_lite.common.tbt import paper_tbt
-from mooncake_lite.conductor.api.errors import ApiError, Rejected, shutting_down, upstream_failed
+from mooncake_lite.conductor.api.errors import ApiError, Rejected, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.continuation import Continuation, continued_request, is_continuable
-from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed, Finished, FirstToken, PrefillRefused, Token
-from mooncake_lite.conductor.flight.placement import place
+from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
+from mooncake_lite.conductor.flight.placement import decision_attributes, place
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
@@ -122,7 +121,7 @@ class Flight:
         self.attempt.end()
         self._excluded.add(failed.instance_id)
         if not failed.retry or self.num_retries >= self.svc.max_retries:
-            raise _client_error(failed)
+            raise client_error(failed)
         self.num_retries += 1
         try:
             next_failed = await self._start_attempt(f"{self.request_id}-retry{self.num_retries}")
@@ -146,7 +145,7 @@ class Flight:
         self._excluded.add(failed.instance_id)
         number, limit = self.num_continuations + 1, self.svc.migration_limit
         if not is_continuable(failed):
-            raise _client_error(failed)
+            raise client_error(failed)
         if number > limit:
             why = f"--migration-limit {limit} reached"
             self._note(failed, number, "limit", why)
@@ -388,23 +387,4 @@ def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:
     tokens = result.first_tokens or (result.first_token,)
     logprobs = result.first_logprobs or (None,) * len(tokens)
     return list(zip(tokens, logprobs))
-
-
-def _client_error(failed: Failed) -> ApiError:
-    """What the client is told of a failure that ends its request: the conductor's own shutdown
-    (its drain ran out) is a 503 to retry, a failure upstream a 502 (the instance's fault)."""
-    if failed.reason == SHUTDOWN:
-        return shutting_down(failed.message)
-    return upstream_failed(failed.message)
-
-
-def decision_attributes(d: Decision) -> dict[str, Any]:
-    """A schedule span's attributes: what Algorithm 1 chose, why, and what it predicted."""
-    m = d.migration
-    return {"prefill": d.prefill_id, "decode": d.decode_id, "route": d.route, "reason": d.reason,
-            "predicted_ttft_s": d.predicted_ttft_s, "predicted_tbt_s": d.predicted_tbt_s,
-            "predicted_queue_s": d.predicted_queue_s, "predicted_prefill_s": d.predicted_prefill_s,
-            "predicted_transfer_s": d.predicted_transfer_s, "reused_prefix_blocks": d.reused_prefix_blocks,
-            "local_prefix_blocks": d.local_prefix_blocks,
-            "migrated_blocks": len(m.keys) if m is not None else None}
 

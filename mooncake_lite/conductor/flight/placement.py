@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Collection
 from dataclasses import replace
+from typing import Any
 
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
@@ -127,3 +128,15 @@ def _check_fits_some_decode(svc: Services, req: ApiRequest, exclude: Collection[
         raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
                           f"largest decode instance holds {largest}; shorten the prompt or max_tokens",
                           "max_tokens")
+
+
+def decision_attributes(d: Decision) -> dict[str, Any]:
+    """A schedule span's attributes: what Algorithm 1 chose, why, and what it predicted."""
+    m = d.migration
+    return {"prefill": d.prefill_id, "decode": d.decode_id, "route": d.route, "reason": d.reason,
+            "predicted_ttft_s": d.predicted_ttft_s, "predicted_tbt_s": d.predicted_tbt_s,
+            "predicted_queue_s": d.predicted_queue_s, "predicted_prefill_s": d.predicted_prefill_s,
+            "predicted_transfer_s": d.predicted_transfer_s, "reused_prefix_blocks": d.reused_prefix_blocks,
+            "local_prefix_blocks": d.local_prefix_blocks,
+            "migrated_blocks": len(m.keys) if m is not None else None}
+
