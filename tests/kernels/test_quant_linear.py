@@ -197,10 +197,14 @@ def test_a_norm_and_a_residual_folded_into_the_product_equal_them_apart(monkeypa
     elif not has_int8_path():
         pytest.skip("no AVX-512 VNNI here")
     blocks, _ = quantized(Q4_1, 40, 96)
+    torch.manual_seed(0)
     x, res = torch.randn(5, 96) * 2, torch.randn(5, 40)
     weight = torch.rand(96) + 0.5
+    # On the integer path a normed value one float32 ulp apart can round to the next int8 code:
+    # one activation step (here ~3e-4 in the product; it failed 1e-4 on 6 of 200 outputs once)
+    atol = 1e-3 if int8 else 1e-4
     torch.testing.assert_close(quant_linear_fused(x, blocks, Q4_1, norm=(weight, 1e-5)),
-                               quant_linear(rms_norm(x, weight, 1e-5), blocks, Q4_1), atol=1e-4, rtol=1e-5)
+                               quant_linear(rms_norm(x, weight, 1e-5), blocks, Q4_1), atol=atol, rtol=1e-5)
     assert torch.equal(quant_linear_fused(x, blocks, Q4_1, residual=res), quant_linear(x, blocks, Q4_1) + res)
     wide = torch.randn(5, 192)
     assert torch.equal(quant_linear_fused(wide[:, :96], blocks, Q4_1), quant_linear(wide[:, :96].contiguous(), blocks, Q4_1))
