@@ -52,8 +52,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(model, *, block_size: int = 8, chunk: int = 16, decode_blocks: int = 256,
-                  prefill_blocks: int = 128, store: MemoryStore | None = None, stage_models=None):
-    """``stage_models``: layer slices of ``model`` for an in-process CPP group (stage 0 first)."""
+                  prefill_blocks: int = 128, store: MemoryStore | None = None, stage_models=None,
+                  prefill_runner: ModelRunner | None = None):
+    """``stage_models``: layer slices of ``model`` for an in-process CPP group (stage 0 first);
+    ``prefill_runner``: stage 0 computes on it (a TP leader's) instead of a runner of its own."""
     decode_runner = ModelRunner(model, num_blocks=decode_blocks, block_size=block_size)
     engine = DecodeEngine(decode_runner, DecodeBatcher(decode_runner.allocator, block_size),
                           ThreadPoolExecutor(1))
@@ -61,14 +63,14 @@ async def cluster(model, *, block_size: int = 8, chunk: int = 16, decode_blocks:
     step_task = asyncio.create_task(engine.run())
     links = DecodeLinks(None)
 
-    def make_stage(m):
-        runner = ModelRunner(m, num_blocks=prefill_blocks, block_size=block_size)
+    def make_stage(m, runner=None):
+        runner = runner or ModelRunner(m, num_blocks=prefill_blocks, block_size=block_size)
         layer_bytes = 2 * block_size * m.args.num_kv_heads * m.args.head_dim * runner.cache.kv.element_size()
         return StageEngine(runner, store or MemoryStore((m.first_layer, m.end_layer), layer_bytes),
                            ThreadPoolExecutor(1))
 
     stage_models = stage_models or [model]
-    stage = make_stage(stage_models[0])
+    stage = make_stage(stage_models[0], prefill_runner)
     downstream, servers, extra_stages = None, [], []
     for m in reversed(stage_models[1:]):     # last stage first, so each knows its next
         extra_stages.insert(0, StageServer(make_stage(m), links, downstream))

@@ -3,27 +3,16 @@ longer gathers the others' heads of computed layers, the decode receives each ra
 that rank's own connection and gives the reference tokens. (A CPP group of TP stages that loses
 a rank: tests/pd/test_tp.py, on the processes its cluster already runs.)"""
 
-import asyncio
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_lite.decode.batcher import DecodeBatcher
-from mooncake_lite.decode.engine import DecodeEngine
-from mooncake_lite.decode.kv_receiver import start_kv_server
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.generate import reference_greedy
-from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tp_comms import GroupAddress, free_port
 from mooncake_lite.model.weights import build_model
-from mooncake_lite.prefill.engine import StageEngine
-from mooncake_lite.prefill.kv_sender import DecodeLinks
-from mooncake_lite.prefill.service import PrefillService
-from mooncake_lite.prefill.store_io import MemoryStore
-from mooncake_lite.transfer.server import server_address
-from tests.pd.harness import Cluster, prompt
+from tests.pd.harness import cluster, prompt
 from tests.pd.test_e2e import BS
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,34 +35,18 @@ def tp2_group():
 
 @contextlib.asynccontextmanager
 async def tp_prefill(model, runner):
-    """The in-process TP=1 decode of ``tests/pd/harness.py``'s clusters, fed by a prefill on
-    ``runner`` (a TP leader's); the decode's KV intake spied on: (connection, heads) per frame."""
-    decode_runner = ModelRunner(model, num_blocks=128, block_size=BS)
-    engine = DecodeEngine(decode_runner, DecodeBatcher(decode_runner.allocator, BS), ThreadPoolExecutor(1))
-    frames: list[tuple[int, int, tuple[int, int] | None]] = []
-    kv_layer = engine.kv_layer
+    """``tests/pd/harness.py``'s cluster (a TP=1 decode), fed by a prefill on ``runner`` (a TP
+    leader's); the decode's KV intake spied on: (connection, layer, heads) per frame."""
+    async with cluster(model, block_size=BS, chunk=20, decode_blocks=128, prefill_runner=runner) as c:
+        frames: list[tuple[int, int, tuple[int, int] | None]] = []
+        kv_layer = c.decode.kv_layer
 
-    def spy(conn_id, tid, layer, start, n, kv, traceparent=None, heads=None):
-        frames.append((conn_id, layer, None if heads is None else (heads.start, heads.stop)))
-        return kv_layer(conn_id, tid, layer, start, n, kv, traceparent, heads)
-    engine.kv_layer = spy
-    server = await start_kv_server(engine, "127.0.0.1", 0, None)
-    step_task = asyncio.create_task(engine.run())
-    links = DecodeLinks(None)
-    layer_bytes = 2 * BS * model.args.num_kv_heads * model.args.head_dim * 4
-    stage = StageEngine(runner, MemoryStore((0, model.args.num_layers), layer_bytes), ThreadPoolExecutor(1))
-    service = PrefillService(stage, links, block_size=BS, hash_seed=0, chunk_size=20)
-    try:
-        c = Cluster(engine, service, server_address(server), server)
+        def spy(conn_id, tid, layer, start, n, kv, traceparent=None, heads=None):
+            frames.append((conn_id, layer, None if heads is None else (heads.start, heads.stop)))
+            return kv_layer(conn_id, tid, layer, start, n, kv, traceparent, heads)
+        c.decode.kv_layer = spy
         c.frames = frames
         yield c
-    finally:
-        step_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await step_task
-        await stage.drain_puts()
-        await links.close()
-        server.close()
 
 
 async def test_each_rank_sends_its_own_heads_and_rank_0_gathers_none(model, tp2_group):
