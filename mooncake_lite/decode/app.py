@@ -22,7 +22,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kernels.kv_codec import codec_for, encoded_layer_bytes
 from mooncake_lite.common import tracing
 from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.logs import set_request_id
@@ -39,6 +38,7 @@ from mooncake_lite.instance.profile import decode_refiner, profile_decode
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.cuda_graphs import DecodeGraphs, graph_buckets
+from mooncake_lite.model.kv_codec import model_codec, stored_layer_bytes
 from mooncake_lite.transfer.kv_layout import BlockLayout
 from mooncake_lite.transfer.server import server_address
 from mooncake_lite.transfer.shm import host_identity
@@ -264,9 +264,9 @@ def generated_blocks(cfg: Config, runner, executor) -> GeneratedBlocks | None:
     prefill's under --kv-compression."""
     if cfg.store is None:
         return None
-    args, codec = runner.args, codec_for(cfg.kv_compression)
-    layer_bytes = (encoded_layer_bytes(runner.block_size, args.num_kv_heads, args.head_dim) if codec is not None
-                   else args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers)
+    args = runner.args
+    codec = model_codec(cfg.kv_compression, args)     # as the prefill's: an MLA rope key scaled apart
+    layer_bytes = stored_layer_bytes(codec, args, runner.block_size, runner.dtype)
     layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads)
     return GeneratedBlocks(runner, executor, StorePuts(cfg.store, cfg.cluster_token, layout, cfg.kv_compression),
                            cfg.hash_seed, codec=codec)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.kv_codec import KVCodec, codec_for, round_trip
+from kernels.kv_codec import KVCodec, codec_for, encoded_layer_bytes, round_trip
 from mooncake_lite.model.args import ModelArgs
 
 if TYPE_CHECKING:   # the runner pulls in torch's compiler stack: not for the instance config's model_codec
@@ -32,6 +32,14 @@ def model_codec(name: str | None, args: ModelArgs) -> KVCodec | None:
         raise ValueError(f"the MLA rope key ({rope_dim} values) fills a whole cache plane ({args.head_dim}): "
                          "the codec scales only the V plane's tail apart; use --kv-compression none")
     return codec_for(name, rope_dim)
+
+
+def stored_layer_bytes(codec: KVCodec | None, args: ModelArgs, block_size: int, dtype: torch.dtype | str) -> int:
+    """Bytes of one layer of one KV block as the store keeps it (the whole model's heads): encoded by
+    ``codec`` (:func:`model_codec`'s), else in the model's dtype. Prefill and decode write the same."""
+    if codec is None:
+        return args.kv_block_bytes(block_size, dtype) // args.num_layers
+    return encoded_layer_bytes(block_size, args.num_kv_heads, args.head_dim, codec.rope_dim)
 
 
 @torch.no_grad()

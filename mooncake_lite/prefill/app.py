@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from kernels.kv_codec import encoded_layer_bytes
 from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.lifecycle import EXIT
 from mooncake_lite.common.logs import set_request_id
@@ -33,7 +32,7 @@ from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
-from mooncake_lite.model.kv_codec import model_codec
+from mooncake_lite.model.kv_codec import model_codec, stored_layer_bytes
 from mooncake_lite.model.linear import PACK_PROBE_ROWS
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
@@ -182,8 +181,7 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     model, args = runner.model, runner.args   # the whole model's KV heads, at any tensor-parallel degree
     codec = model_codec(cfg.kv_compression, args)
     block_shape = (runner.block_size, args.num_kv_heads, args.head_dim)
-    layer_bytes = (encoded_layer_bytes(*block_shape, codec.rope_dim) if codec is not None else
-                   args.kv_block_bytes(runner.block_size, runner.dtype) // args.num_layers)
+    layer_bytes = stored_layer_bytes(codec, args, runner.block_size, runner.dtype)
     if cfg.store is None:
         store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
     else:
@@ -198,10 +196,7 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
 def stored_block_bytes(cfg: Config) -> int:
     """Bytes of one whole KV block as the store keeps it: model dtype, or encoded (--kv-compression)."""
     args = model_args(cfg.model)
-    codec = model_codec(cfg.kv_compression, args)
-    if codec is None:
-        return args.kv_block_bytes(cfg.block_size, cfg.dtype)
-    return args.num_layers * encoded_layer_bytes(cfg.block_size, args.num_kv_heads, args.head_dim, codec.rope_dim)
+    return args.num_layers * stored_layer_bytes(model_codec(cfg.kv_compression, args), args, cfg.block_size, cfg.dtype)
 
 
 def pack_weights(model: Transformer, mode: str, chunk: int) -> None:

@@ -131,3 +131,22 @@ async def test_under_kv_compression_the_written_back_blocks_are_encoded_as_the_p
         while (await events.get()).finish_reason is None:
             pass
         assert res.num_prefix_tokens == 5 * BS and res.first_token == whole[-1]
+
+
+def test_an_mla_decode_writes_back_blocks_the_size_and_codec_of_its_prefills():
+    """Under --kv-compression an MLA cache's rope key has a scale of its own (model_codec): the
+    decode's write-back encodes with that codec and into the prefill's layer size, or its blocks
+    would not decode as the prefill's."""
+    from mooncake_lite.decode.app import generated_blocks
+    from mooncake_lite.decode.config import Config as DecodeConfig
+    from mooncake_lite.model.kv_codec import model_codec
+    from mooncake_lite.prefill.app import stored_block_bytes
+    from mooncake_lite.prefill.config import Config as PrefillConfig
+    mla = build_model("tiny-mla", seed=0)
+    runner = ModelRunner(mla, num_blocks=8, block_size=BS)
+    wb = generated_blocks(DecodeConfig(model="tiny-mla", store="127.0.0.1:1", kv_compression="int8",
+                                       block_size=BS), runner, None)
+    assert wb.codec == model_codec("int8", mla.args) and wb.codec.rope_dim > 0
+    layout = wb.puts.layout
+    assert layout.num_layers * layout.num_heads * layout.head_bytes == stored_block_bytes(
+        PrefillConfig(model="tiny-mla", kv_compression="int8", block_size=BS))
