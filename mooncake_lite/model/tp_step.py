@@ -325,7 +325,7 @@ class Follower:
             return
         kv, heads = kv.cpu(), self.layout.kv_heads
         for offset, n, route in h["routes"]:
-            self.streams.send(route, h["layer"], kv[:, offset:offset + n].clone(), heads)
+            self.streams.send(route, h["layer"], kv[:, offset:offset + n], heads)   # kv is this step's own
 
     def _end_kv(self, h: dict) -> None:
         if h["abort"]:

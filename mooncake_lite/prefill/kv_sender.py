@@ -22,16 +22,11 @@ from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.transfer.client import FrameClient, NoAnswer
 from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.kv_stream import OP_KV_ABORT, OP_KV_END, OP_KV_LAYER, layer_frame_meta
-from mooncake_lite.transfer.rank_streams import DecodeLinks, Route
+from mooncake_lite.transfer.rank_streams import DecodeLinks, Route, tensor_bytes
 
 __all__ = ["DecodeLinks", "KVSender", "layer_kv", "route_of", "routed", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class KVSender:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.transfer.client import FrameClient, split_address
 from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.kv_stream import OP_KV_END, OP_KV_LAYER, layer_frame_meta
@@ -70,6 +71,11 @@ class Route:
         return cls(d["tid"], d["to"], d["start"], d.get("tp"))
 
 
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
 class RankStreams:
     """A follower rank's KV streams, by transfer id; its own loop thread and connections."""
 
@@ -77,20 +83,16 @@ class RankStreams:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rank-streams", daemon=True).start()
         self.links = DecodeLinks(token, request_timeout_s=request_timeout_s, name="prefill-rank")
-        self.request_timeout = request_timeout_s
         self._frames: dict[str, list[concurrent.futures.Future]] = {}
         self._to: dict[str, str] = {}
-        self.num_bytes = 0
 
     def send(self, route_json: dict, layer: int, kv: torch.Tensor, heads: range) -> None:
         """Queue K,V ``[2, n, heads, head_dim]`` (host memory, this call's to keep) of ``layer``
         for the request ``route_json`` (a :class:`Route`'s, from the step header) names."""
         route = Route.from_json(route_json)
-        meta = layer_frame_meta(route.tid, layer, route.start, kv.shape[1], HeadRange(heads.start, heads.stop))
-        if route.traceparent is not None:
-            meta["tp"] = route.traceparent
-        payload = memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B")
-        self.num_bytes += payload.nbytes
+        meta = add_to_meta(layer_frame_meta(route.tid, layer, route.start, kv.shape[1],
+                                            HeadRange(heads.start, heads.stop)), route.traceparent)
+        payload = tensor_bytes(kv)
         self._to[route.tid] = route.to
         self._frames.setdefault(route.tid, []).append(asyncio.run_coroutine_threadsafe(
             self._request(route.to, OP_KV_LAYER, meta, [payload], "kv_layer"), self.loop))
