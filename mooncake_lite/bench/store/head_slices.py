@@ -29,11 +29,11 @@ from mooncake_lite.bench.harness import role
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.launch import to_stderr
-from mooncake_lite.common.tp_split import kv_head_range
 from mooncake_lite.common.units import format_size
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.store.client import StoreClient
-from mooncake_lite.transfer.kv_layout import BlockLayout, HeadRange
+from mooncake_lite.transfer.kv_layout import BlockLayout
+from mooncake_lite.transfer.tp_heads import rank_heads
 
 FLAGS = (
     flag("--model", default="small", help="whose KV block shape (a preset or checkpoint)"),
@@ -112,19 +112,14 @@ async def _timed(coro) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _heads(layout: BlockLayout, n: int, rank: int) -> HeadRange:
-    r = kv_head_range(layout.num_heads, n, rank)
-    return HeadRange(r.start, r.stop)
-
-
 async def _put(clients: list[StoreClient], keys: list[bytes], block: memoryview, layout: BlockLayout) -> None:
     n = len(clients)
     if n == 1:
         await clients[0].put(keys, [block] * len(keys), layout.num_layers, layout=layout)
         return
-    slices = [layout.cut(block, 0, layout.num_layers, _heads(layout, n, r)) for r in range(n)]
+    slices = [layout.cut(block, 0, layout.num_layers, rank_heads(layout.num_heads, n, r)) for r in range(n)]
     await asyncio.gather(*(c.put(keys, [slices[r]] * len(keys), layout.num_layers, layout=layout,
-                                 heads=_heads(layout, n, r)) for r, c in enumerate(clients)))
+                                 heads=rank_heads(layout.num_heads, n, r)) for r, c in enumerate(clients)))
 
 
 async def _get(clients: list[StoreClient], keys: list[bytes], layout: BlockLayout) -> None:
@@ -133,7 +128,7 @@ async def _get(clients: list[StoreClient], keys: list[bytes], layout: BlockLayou
         got = await clients[0].get_layers(keys, 0, layout.num_layers)
     else:
         parts = await asyncio.gather(*(c.get_layers(keys, 0, layout.num_layers, layout=layout,
-                                                    heads=_heads(layout, n, r)) for r, c in enumerate(clients)))
+                                                    heads=rank_heads(layout.num_heads, n, r)) for r, c in enumerate(clients)))
         got = [v for part in parts for v in part]
     if any(v is None for v in got):
         raise RuntimeError("a block just put was not found: the store is too small for the batch")

@@ -117,13 +117,11 @@ def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> Clust
 def _check_fits_some_decode(svc: Services, req: ApiRequest, exclude: Collection[str]) -> None:
     """A request larger than every decode instance's KV capacity can never run: 400, not 429;
     one whose every live decode failed it (``exclude``) is a 503."""
-    alive = svc.membership.alive("decode")
-    if not alive:
-        raise unavailable("no live decode instance is registered; retry later")
+    alive = svc.membership.alive("decode")   # never empty here: place() said so already
     if all(i.instance_id in exclude for i in alive):
         raise unavailable("no live decode instance other than the one that failed; retry later")
     need = len(req.prompt_ids) + req.sampling.max_tokens - req.sampling.num_generated
-    largest = max(i.reg.max_context for i in svc.membership.alive("decode"))
+    largest = max(i.reg.max_context for i in alive)
     if need > largest:
         raise bad_request(f"this request needs KV room for {need} tokens (prompt + max_tokens) but the "
                           f"largest decode instance holds {largest}; shorten the prompt or max_tokens",
