@@ -102,6 +102,10 @@ def build(march: str) -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    # Whether this build has the integer path (VNNI): asked once with a type no path takes, which
+    # answers -1 before reading anything where it exists and -2 where not, so no product calls a
+    # kernel that can only say no.
+    lib.has_int8 = fn(-1, None, 0, 0, None, 0, 0, None, 1, None, 0.0, None) != -2
     fn = lib.rope_kv_write
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, *[ctypes.c_void_p] * 5, ctypes.c_int64]

@@ -217,7 +217,7 @@ def _int8_runs(x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> boo
     """Whether :func:`quant_linear_fused` can hand ``x`` (rows of unit stride: a view's columns
     too) to the integer-activation kernel as is."""
     return (kernel_runs(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= DEQUANTIZE_ROWS
-            and _int8_activations()
+            and library().has_int8 and _int8_activations()
             and (residual is None or (residual.is_contiguous() and residual.shape == (x.shape[0], rows)
                                       and residual.dtype == torch.float32)))
 
@@ -233,7 +233,7 @@ def _kernel_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torc
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
     lib, threads = library(), torch.get_num_threads()
     status = NO_INT8_PATH
-    if _int8_activations():
+    if lib.has_int8 and _int8_activations():
         status = lib.quant_matmul_i8(qtype, blocks.data_ptr(), rows, k, flat.data_ptr(), k, flat.shape[0],
                                      out.data_ptr(), threads, None, 0.0, None)
     if status == NO_INT8_PATH:
