@@ -128,13 +128,15 @@ def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, boun
     it (the jobs it passes shown again behind it, one overtake more each); returns the request
     ids of the view's queue in the new order, or () where it simply went last (FIFO, or it
     passed nobody). The view's queue is the conductor's and the simulator's record of order."""
-    if bound > 0:
-        view.note_arrival(uncached_tokens(num_tokens, num_prefix_tokens))
+    uncached = uncached_tokens(num_tokens, num_prefix_tokens)
     if bound <= 0 or started_at is not None:
+        if bound > 0:
+            view.note_arrival(uncached)
         view.add(request_id, num_tokens, num_prefix_tokens, started_at)
         return ()
     queue = view.state().queue
-    at = queue_landing(queue, uncached_tokens(num_tokens, num_prefix_tokens), bound)
+    at = queue_landing(queue, uncached, bound)
+    view.note_arrival(uncached)   # after the state read: it makes the view's state stale
     behind = queue[at:]
     for job in behind:
         view.remove(job.request_id)
