@@ -29,6 +29,7 @@ every later step raises it, and the instance (``instance/tp_ranks.py``) restarts
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -43,8 +44,10 @@ from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model
+from mooncake_lite.model.tp_kv import FRAME_HEADS, PACKED_HEADS, my_heads, owners, prefix_slots
 from mooncake_lite.model.tp_comms import TPComms
 
+log = logging.getLogger(__name__)
 _META_INTS = ("positions", "slot_mapping", "block_tables", "context_lens")
 
 
@@ -163,31 +166,6 @@ class LeaderTransformer(Transformer):
         return self.leader.step({"op": "pack"}, super().pack_)
 
 
-def _owners(parts: list[torch.Tensor], layout: TPLayout, dim: int) -> torch.Tensor:
-    """The whole model's KV heads from every rank's: each replicated head taken once."""
-    return torch.cat([p for r, p in enumerate(parts) if r % layout.kv_replicas == 0], dim=dim)
-
-
-# The KV-heads axis of what moves: whole blocks (``pack_kv``: [blocks, layers, heads, 2, block_size,
-# head_dim], the store's head-major layout, transfer/kv_layout.py) and token frames (``gather_kv``:
-# [2, tokens, heads, head_dim]).
-PACKED_HEADS, FRAME_HEADS = 2, 2
-
-
-def _my_heads(data: torch.Tensor, layout: TPLayout, dim: int,
-              heads: range | None = None) -> tuple[torch.Tensor, range | None] | None:
-    """This rank's part of ``data``, which holds the instance's KV heads ``heads`` (None: all),
-    and where that part goes among the rank's own heads (None: all of them); None when the rank
-    holds none of ``heads``."""
-    mine = layout.kv_heads
-    heads = range(layout.args.num_kv_heads) if heads is None else heads
-    lo, hi = max(mine.start, heads.start), min(mine.stop, heads.stop)
-    if lo >= hi:
-        return None
-    local = None if (lo, hi) == (mine.start, mine.stop) else range(lo - mine.start, hi - mine.start)
-    return data.narrow(dim, lo - heads.start, hi - lo), local
-
-
 class TPLeaderRunner(ModelRunner):
     """Rank 0's runner: the whole model's shapes in ``args`` (what the instance registers and
     sends), this rank's share in its cache; KV moves in and out through the followers too."""
@@ -196,8 +174,9 @@ class TPLeaderRunner(ModelRunner):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size)
         self.args, self.layout, self.leader = layout.args, layout, model.leader
         # Bytes of the other ranks' KV rank 0 received through all_gather: of layers to send
-        # (gather_kv) and of whole blocks to write to the store (pack_kv)
-        self.gathered_bytes = {"gather_kv": 0, "pack_kv": 0}
+        # (gather_kv) and of whole blocks to write to the store (pack_kv); and of KV it broadcast
+        # for them to write (handed: a loaded prefix's, a received frame's; once per follower)
+        self.gathered_bytes = {"gather_kv": 0, "pack_kv": 0, "handed": 0}
 
     # Whether the followers send their own heads of computed layers (send_kv), or rank 0 gathers
     # them (gather_kv) as before: off only to measure what the gather cost (bench model --tp).
@@ -207,7 +186,7 @@ class TPLeaderRunner(ModelRunner):
         def work() -> torch.Tensor:
             parts = self.leader.comms.all_gather(local())
             self.gathered_bytes[header["op"]] += sum(p.nbytes for p in parts[1:])
-            return _owners(parts, self.layout, dim)
+            return owners(parts, self.layout, dim)
         return self.leader.step(header, work)
 
     def send_kv(self, layer: int, slots: torch.Tensor, routes: list[tuple[int, int, dict]]) -> torch.Tensor:
@@ -223,7 +202,7 @@ class TPLeaderRunner(ModelRunner):
         header = {"op": "end_kv", "tid": tid, "first_layer": first_layer, "end_layer": end_layer, "abort": abort}
 
         def work() -> list[str]:
-            failed = self.leader.comms.all_gather(torch.zeros(1, dtype=torch.int64, device=self.device))
+            failed = self.leader.comms.all_gather(_flag(False, self.device))
             return [f"tensor-parallel rank {r} could not send its KV heads (its log says why)"
                     for r, f in enumerate(failed) if int(f.item())]
         return self.leader.step(header, work)
@@ -235,6 +214,37 @@ class TPLeaderRunner(ModelRunner):
     def pack_kv(self, block_ids: torch.Tensor) -> torch.Tensor:
         return self._gathered({"op": "pack_kv", "ids": block_ids.tolist()},
                               lambda: super(TPLeaderRunner, self).pack_kv(block_ids), PACKED_HEADS)
+
+    # Whether each follower has a store of its own (instance/tp_ranks.RankPlan.rank_store): then
+    # it reads its heads of a prefix (load_kv) and writes its heads of new blocks (store_kv).
+    ranks_store = False
+
+    def load_kv(self, layer: int, block_ids: torch.Tensor, own: torch.Tensor, keys: list[bytes], fid: str,
+                next_layer: bool, routes: list[tuple[int, int, dict]]) -> None:
+        """A loaded prefix's ``layer`` of blocks ``block_ids`` (of store ``keys``): rank 0 writes
+        ``own``, its heads (a frame ``[2, tokens, heads, head_dim]``, or blocks as :meth:`pack_kv`'s);
+        every follower reads its heads of the layer from its store (``fid``: the load; with
+        ``next_layer`` it starts reading the next one) and writes them, then, once every rank has,
+        sends its share of them along ``routes``. KeyError naming the ranks that could not."""
+        header = {"op": "load_kv", "layer": layer, "ids": block_ids.tolist(), "keys": [k.hex() for k in keys],
+                  "fid": fid, "next": next_layer, "routes": routes}
+
+        def work() -> None:
+            if own.dim() == 4:   # a frame, else blocks
+                ModelRunner.scatter_kv(self, layer, prefix_slots(block_ids, self.block_size), own)
+            else:
+                ModelRunner.unpack_kv(self, layer, block_ids, own)
+            failed = [r for r, f in enumerate(self.leader.comms.all_gather(_flag(False, self.device))) if f.item()]
+            if failed:
+                raise KeyError(f"tensor-parallel rank(s) {failed} could not load their KV heads of layer "
+                               f"{layer} from the store (their logs say why)")
+        self.leader.step(header, work)
+
+    def store_kv(self, block_ids: torch.Tensor, keys: list[bytes], first_pos: int) -> torch.Tensor:
+        """Whole blocks to write back: every follower writes its heads of them to its store itself;
+        rank 0's heads are returned for its own put."""
+        header = {"op": "store_kv", "ids": block_ids.tolist(), "keys": [k.hex() for k in keys], "first_pos": first_pos}
+        return self.leader.step(header, lambda: ModelRunner.pack_kv(self, block_ids))
 
     @property
     def kv_senders(self) -> tuple[range, ...]:
@@ -251,7 +261,8 @@ class TPLeaderRunner(ModelRunner):
 
         def work() -> None:
             dist.broadcast(data, src=0, group=self.leader.comms.group)
-            part = _my_heads(data, self.layout, dim, heads)
+            self.gathered_bytes["handed"] += data.nbytes * (self.layout.size - 1)
+            part = my_heads(data, self.layout, dim, heads)
             if part is not None:
                 write(*part)
         self.leader.step(header | {"shape": list(data.shape)}, work)
@@ -269,11 +280,12 @@ class TPLeaderRunner(ModelRunner):
 class Follower:
     """A rank > 0: does each step rank 0 describes, until ``stop`` (or the leader is gone)."""
 
-    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout, streams=None):
+    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout, streams=None, store=None):
         self.comms, self.runner, self.layout = comms, runner, layout
-        # This rank's data connections (``transfer/rank_streams.RankStreams``: send, end, drop;
-        # given by the instance, as the model layer knows no network)
-        self.streams = streams
+        # This rank's data connections (``transfer/rank_streams.RankStreams``: send, end, drop)
+        # and store (``prefill/rank_store.RankStore``: fetch, loaded, put), given by the
+        # instance, as the model layer knows no network
+        self.streams, self.store = streams, store
         self.model = runner.model
         self.passes: dict[int, list] = {}   # pass number -> [metadata, rope, hidden states]
 
@@ -319,13 +331,33 @@ class Follower:
     def _pack_kv(self, h: dict) -> None:
         self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
 
-    def _send_kv(self, h: dict) -> None:
-        kv = self.runner.gather_kv(h["layer"], self._ints(h["slots"]))
+    def _send_kv(self, h: dict, slots: torch.Tensor | None = None) -> None:
+        kv = self.runner.gather_kv(h["layer"], self._ints(h["slots"]) if slots is None else slots)
         if not self.layout.owns_kv:   # a replicated head: its first holder sends it
             return
         kv, heads = kv.cpu(), self.layout.kv_heads
         for offset, n, route in h["routes"]:
             self.streams.send(route, h["layer"], kv[:, offset:offset + n], heads)   # kv is this step's own
+
+    def _load_kv(self, h: dict) -> None:
+        keys, ids, layer = [bytes.fromhex(k) for k in h["keys"]], self._ints(h["ids"]), h["layer"]
+        failed = True
+        try:
+            with self.store.loaded(h["fid"], keys, layer, self.comms.timeout.total_seconds() / 2) as packed:
+                if h["next"]:
+                    self.store.fetch(h["fid"], keys, layer + 1)
+                self.runner.unpack_kv(layer, ids, packed.to(self.runner.device))
+            failed = False
+        except Exception as exc:   # a block gone, the store gone: rank 0 recomputes the prefix
+            log.warning("loading this rank's KV heads of layer %d failed: %r", layer, exc)
+        flags = self.comms.all_gather(_flag(failed, self.runner.device))
+        if not any(f.item() for f in flags):   # sent only once every rank has it (else recomputed)
+            self._send_kv(h, prefix_slots(ids, self.runner.block_size))
+
+    def _store_kv(self, h: dict) -> None:
+        packed = self.runner.pack_kv(self._ints(h["ids"]))
+        if self.layout.owns_kv:   # a replicated head: its first holder writes it
+            self.store.put([bytes.fromhex(k) for k in h["keys"]], packed.cpu(), h["first_pos"])
 
     def _end_kv(self, h: dict) -> None:
         if h["abort"]:
@@ -335,18 +367,21 @@ class Follower:
             # within half the collective timeout rank 0 waits under, so a dead decode fails the stream
             error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"],
                                      self.comms.timeout.total_seconds() / 2)
-        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.runner.device)
-        self.comms.all_gather(flag)
+        self.comms.all_gather(_flag(error is not None, self.runner.device))
 
     def _unpack_kv(self, h: dict) -> None:
-        mine, _ = _my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)
+        mine, _ = my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)
         self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), mine)
 
     def _scatter_kv(self, h: dict) -> None:
         data = self._received(h["shape"])
-        part = _my_heads(data, self.layout, FRAME_HEADS, range(*h["heads"]) if "heads" in h else None)
+        part = my_heads(data, self.layout, FRAME_HEADS, range(*h["heads"]) if "heads" in h else None)
         if part is not None:
             self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), *part)
+
+
+def _flag(value: bool, device: torch.device) -> torch.Tensor:
+    return torch.tensor([int(value)], dtype=torch.int64, device=device)
 
 
 def build_rank_runner(spec: str, comms: TPComms, layout: TPLayout, *, num_blocks: int, block_size: int,
