@@ -8,7 +8,8 @@ shapes, the degree, its own shapes, a checksum of its replicated weights): any d
 every rank refuses to start, naming the shapes. Stop: rank 0 tells the followers to exit; its
 children are also ended with it (they are daemonic), and a follower whose parent is gone exits
 at once. A prefill's follower sends its heads of each computed layer to the decode on data
-connections of its own (``transfer/rank_streams.py``). Failure is whole-instance: a follower
+connections of its own (``transfer/rank_streams.py``) and, given a store (``RankPlan.rank_store``),
+reads and writes its heads there on a connection of its own (``prefill/rank_store.py``). Failure is whole-instance: a follower
 that exits makes rank 0's watchdog break the group, the instance reports unhealthy and exits 1
 (``mooncake up`` restarts it whole), and every step from then on fails with the reason; a hung
 rank does the same through the collectives' timeout.

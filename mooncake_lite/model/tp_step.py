@@ -13,13 +13,15 @@ KV of a computed layer leaves a prefill from every rank that holds it (``send_kv
 follower sends its heads' slice to the decode on its own data connections (the instance gives it
 ``transfer/rank_streams.RankStreams``), rank 0 sends its own, and ``end_kv`` has every follower
 wait for its answers and send its END before rank 0's END, with the first token, completes the
-stream (docs/store.md §2f). Everything else still passes through rank 0: it gathers the ranks'
-heads of whole blocks to write to the store and of prefix or recomputed layers it sends (a
-replicated KV head from one rank only, :attr:`TPLayout.owns_kv`), which the prefill sends and
-writes as one head slice per sending rank (:attr:`TPLeaderRunner.kv_senders`), and hands each
-rank its part of what it receives: all heads, or a frame of a head sub-range (from one rank of a
-TP prefill), which only the ranks holding those heads write. :attr:`TPLeaderRunner.gathered_bytes`
-counts what came through rank 0.
+stream (docs/store.md §2f). Where each follower has a store of its own
+(:attr:`TPLeaderRunner.ranks_store`), it also reads its heads of a cached prefix (``load_kv``,
+sending them on like computed ones once every rank has its own) and writes its heads of new
+blocks (``store_kv``). Otherwise rank 0 gathers the ranks' heads of whole blocks to write to the
+store (a replicated KV head from one rank only, :attr:`TPLayout.owns_kv`) as one head slice per
+writing rank (:attr:`TPLeaderRunner.kv_senders`), and hands each rank its part of a prefix it
+read; it always hands each rank its part of what it receives: all heads, or a frame of a head
+sub-range (from one rank of a TP prefill), which only the ranks holding those heads write.
+:attr:`TPLeaderRunner.gathered_bytes` counts what came through rank 0.
 
 An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
 idle leader from a dead one: a follower whose broadcast times out exits, and a collective that

@@ -19,6 +19,7 @@ from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.tp_comms import GroupAddress, free_port
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.rank_store import follower_stores, remote_prefix_store
+from mooncake_lite.store.client import StoreClient
 from tests.conftest import start_role
 from tests.pd.harness import cluster, prompt
 from tests.pd.test_e2e import BS
@@ -38,16 +39,24 @@ def store():
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def tp2(store):
-    """Rank 0 of a TP=2 "tiny" prefill in this process, rank 1 a spawned process with its own
-    connection to ``store``."""
-    plan = RankPlan("tiny", "float32", 0, ("cpu", "cpu"), 1, None, 64, BS,
-                    GroupAddress("127.0.0.1", free_port(), 2, 30.0, "gloo"),
-                    rank_store=follower_stores(store, None, None, 2))
-    group = TPGroup(plan)
+def _group(store: str, tp: int):
+    """Rank 0 of a TP=``tp`` "tiny" prefill in this process, the others spawned processes each
+    with its own connection to ``store``."""
+    group = TPGroup(RankPlan("tiny", "float32", 0, ("cpu",) * tp, 1, None, 64, BS,
+                             GroupAddress("127.0.0.1", free_port(), tp, 30.0, "gloo"),
+                             rank_store=follower_stores(store, None, None, tp)))
     yield group.runner
     group.stop()
+
+
+@pytest.fixture   # one group at a time: rank 0 is this process, which holds one process group
+def tp2(store):
+    yield from _group(store, 2)
+
+
+@pytest.fixture
+def tp4(store):
+    yield from _group(store, 4)   # the tiny model's 2 KV heads, each replicated on two ranks
 
 
 @contextlib.asynccontextmanager
@@ -96,11 +105,61 @@ async def test_each_rank_loads_and_writes_its_own_heads_at_any_degree(model, sto
         assert tp2.gathered_bytes == before
         await _reuses(two, model, "w2", prompt(2 * BS, 24) + prompt(3, 25), 0)   # TP=2 writes one
         assert tp2.gathered_bytes == before   # its blocks: each rank put its own head
+        await _a_follower_that_cannot_load_makes_rank_0_recompute(two, model, store, prompt(2 * BS, 24))
     async with prefill_on(model, store) as one:   # TP=1 reads what the two ranks wrote
-        keys = prefix_hash(prompt(2 * BS, 24), BS, 0)
-        for _ in range(100):   # rank 1's put is its own, in the background: whole once it lands
-            if await one.prefill.stage.match(keys) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await _whole(one, prompt(2 * BS, 24))
         await _reuses(one, model, "r1", prompt(2 * BS, 24) + prompt(6, 26), 2 * BS)
         assert one.read_bytes[0] == 2 * model.args.num_layers * model.args.num_kv_heads * layer_bytes
+
+
+async def test_replicated_heads_are_loaded_by_every_holder_and_written_once(model, store, tp4):
+    """TP=4 over 2 KV heads (each held by two ranks): a prefix written at TP=1 is reused, each
+    holder loading its head and the first of them sending it; one TP=4 wrote (its first holders,
+    once each) is reused at TP=1. Rank 0 reads its one head and hands out or gathers nothing."""
+    layer_bytes = 2 * BS * model.args.head_dim * 4
+    shared = prompt(2 * BS, 31)
+    async with prefill_on(model, store) as one:
+        await _reuses(one, model, "w1", shared + prompt(3, 32), 0)
+    async with prefill_on(model, store, tp4) as four:
+        before = dict(tp4.gathered_bytes)
+        await _reuses(four, model, "r4", shared + prompt(9, 33), 2 * BS)
+        assert four.read_bytes[0] == 2 * model.args.num_layers * layer_bytes
+        await _reuses(four, model, "w4", prompt(3 * BS, 34) + prompt(2, 35), 0)
+        assert tp4.gathered_bytes == before
+    async with prefill_on(model, store) as one:
+        await _whole(one, prompt(3 * BS, 34))
+        await _reuses(one, model, "r1", prompt(3 * BS, 34) + prompt(4, 36), 3 * BS)
+
+
+async def _a_follower_that_cannot_load_makes_rank_0_recompute(c, model, store: str, prefix: list[int]) -> None:
+    """The prefix's blocks deleted right after rank 0 matched them (on this node rank 0 still
+    reads them under its match's lease; rank 1, without one, finds them gone): the prefix is
+    recomputed, not failed, and the tokens are the reference's."""
+    await _whole(c, prefix)
+    stage, deleter = c.prefill.stage, await StoreClient.connect(store)
+    match = stage.store.match
+
+    async def then_delete(keys):
+        num = await match(keys)
+        await deleter.delete(keys)
+        return num
+    stage.store.match = then_delete
+    try:
+        toks = prefix + prompt(4, 27)
+        tokens, _, error = await c.request("gone", toks, 4)
+        assert error is None and tokens == reference_greedy(model, toks, 4)
+        assert stage.num_prefix_fallbacks == 1
+    finally:
+        stage.store.match = match
+        await deleter.close()
+    await _whole(c, prefix)   # written back again, by both ranks
+
+
+async def _whole(c, tokens: list[int]) -> None:
+    """Wait until the store holds every block of ``tokens`` whole: the followers' puts are their
+    own, in the background, and a block shows only once every head slice is in."""
+    keys = prefix_hash(tokens, BS, 0)
+    for _ in range(100):
+        if await c.prefill.stage.match(keys) == len(keys):
+            return
+        await asyncio.sleep(0.05)
