@@ -17,19 +17,15 @@ from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.tp_comms import GroupAddress, free_port
-from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.rank_store import follower_stores, remote_prefix_store
 from mooncake_lite.store.client import StoreClient
 from tests.conftest import start_role
 from tests.pd.harness import cluster, prompt
 from tests.pd.test_e2e import BS
 
+from tests.pd.test_tp_ranks_send import model  # noqa: F401  (the "tiny" model, a fixture)
+
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_model("tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
