@@ -2,9 +2,10 @@
 
 Rank 0 runs the instance (HTTP, scheduling, KV transfer) and drives its sharded model as any
 instance drives its model. Before each piece of work that involves the other ranks it broadcasts
-a step description (one orjson object: an op and its integers; tensors follow as raw broadcasts,
-no pickle) and then does its share; each follower (:func:`follow`) reads the description and
-does the same share, so every collective meets its peers. The ops are a layer of a pass (the
+a step description (one orjson object: an op and its integers; tensors follow as raw broadcasts
+or point-to-point sends, no pickle) and then does its share; each follower
+(``model/tp_follower.py``) reads the description and does the same share, so every collective
+meets its peers. The ops are a layer of a pass (the
 pass's metadata and input hidden states go along on its first layer; after that every rank holds
 the same hidden states, which the all-reduces keep identical), the head, packing the weights, and
 moving KV in and out of the paged cache.
@@ -19,8 +20,9 @@ sending them on like computed ones once every rank has its own) and writes its h
 blocks (``store_kv``). Otherwise rank 0 gathers the ranks' heads of whole blocks to write to the
 store (a replicated KV head from one rank only, :attr:`TPLayout.owns_kv`) as one head slice per
 writing rank (:attr:`TPLeaderRunner.kv_senders`), and hands each rank its part of a prefix it
-read; it always hands each rank its part of what it receives: all heads, or a frame of a head
-sub-range (from one rank of a TP prefill), which only the ranks holding those heads write.
+read; it always hands each rank its part of what it receives (all heads, or a frame of a head
+sub-range from one rank of a TP prefill): only its heads, sent to it alone, none to a rank
+holding none of them.
 :attr:`TPLeaderRunner.gathered_bytes` counts what came through rank 0.
 
 An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
@@ -31,7 +33,7 @@ every later step raises it, and the instance (``instance/tp_ranks.py``) restarts
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import threading
 import time
 import weakref
@@ -41,7 +43,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kernels.quant_linear import float_activations, float_activations_on
+from kernels.quant_linear import float_activations_on
 from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner
@@ -49,7 +51,6 @@ from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model
 from mooncake_lite.model.tp_kv import FRAME_HEADS, PACKED_HEADS, my_heads, owners, prefix_slots
 from mooncake_lite.model.tp_comms import TPComms
 
-log = logging.getLogger(__name__)
 _META_INTS = ("positions", "slot_mapping", "block_tables", "context_lens")
 
 
@@ -204,7 +205,7 @@ class TPLeaderRunner(ModelRunner):
         header = {"op": "end_kv", "tid": tid, "first_layer": first_layer, "end_layer": end_layer, "abort": abort}
 
         def work() -> list[str]:
-            failed = self.leader.comms.all_gather(_flag(False, self.device))
+            failed = self.leader.comms.all_gather(flag(False, self.device))
             return [f"tensor-parallel rank {r} could not send its KV heads (its log says why)"
                     for r, f in enumerate(failed) if int(f.item())]
         return self.leader.step(header, work)
@@ -236,7 +237,7 @@ class TPLeaderRunner(ModelRunner):
                 ModelRunner.scatter_kv(self, layer, prefix_slots(block_ids, self.block_size), own)
             else:
                 ModelRunner.unpack_kv(self, layer, block_ids, own)
-            failed = [r for r, f in enumerate(self.leader.comms.all_gather(_flag(False, self.device))) if f.item()]
+            failed = [r for r, f in enumerate(self.leader.comms.all_gather(flag(False, self.device))) if f.item()]
             if failed:
                 raise KeyError(f"tensor-parallel rank(s) {failed} could not load their KV heads of layer "
                                f"{layer} from the store (their logs say why)")
@@ -255,15 +256,18 @@ class TPLeaderRunner(ModelRunner):
 
     def _handed(self, header: dict, data: torch.Tensor, write: Callable[[torch.Tensor, range | None], None],
                 dim: int, heads: range | None = None) -> None:
-        """Broadcast ``data`` (the instance's KV heads ``heads``, default all); each rank writes
-        its part of it (none where it holds none of those heads)."""
+        """Hand each rank its part of ``data`` (the instance's KV heads ``heads``, default all),
+        point to point, and none to a rank holding none of those heads; each writes its part."""
         data = data.to(self.dtype).contiguous()
         if heads is not None:
             header |= {"heads": [heads.start, heads.stop]}
 
         def work() -> None:
-            dist.broadcast(data, src=0, group=self.leader.comms.group)
-            self.gathered_bytes["handed"] += data.nbytes * (self.layout.size - 1)
+            for r in range(1, self.layout.size):
+                theirs = my_heads(data, dataclasses.replace(self.layout, rank=r), dim, heads)
+                if theirs is not None:
+                    dist.send(theirs[0].contiguous(), dst=r, group=self.leader.comms.group)
+                    self.gathered_bytes["handed"] += theirs[0].nbytes
             part = my_heads(data, self.layout, dim, heads)
             if part is not None:
                 write(*part)
@@ -279,110 +283,8 @@ class TPLeaderRunner(ModelRunner):
                      FRAME_HEADS, heads)
 
 
-class Follower:
-    """A rank > 0: does each step rank 0 describes, until ``stop`` (or the leader is gone)."""
-
-    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout, streams=None, store=None):
-        self.comms, self.runner, self.layout = comms, runner, layout
-        # This rank's data connections (``transfer/rank_streams.RankStreams``: send, end, drop)
-        # and store (``prefill/rank_store.RankStore``: fetch, loaded, put), given by the
-        # instance, as the model layer knows no network
-        self.streams, self.store = streams, store
-        self.model = runner.model
-        self.passes: dict[int, list] = {}   # pass number -> [metadata, rope, hidden states]
-
-    def _received(self, shape: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype or self.runner.dtype, device=self.runner.device)
-        dist.broadcast(t, src=0, group=self.comms.group)
-        return t
-
-    @torch.no_grad()
-    def run(self) -> None:
-        while True:
-            header = orjson.loads(self.comms.broadcast_bytes(None))
-            for key in header["drop"]:
-                self.passes.pop(key, None)
-            if header["op"] == "stop":
-                return
-            with float_activations(header.get("exact", False)):
-                getattr(self, "_" + header["op"])(header)
-
-    def _tick(self, header: dict) -> None:
-        pass
-
-    def _layer(self, h: dict) -> None:
-        if "meta" in h:
-            meta = meta_from_json(h["meta"], self.runner.device)
-            hidden = self._received([h["rows"], self.layout.args.dim])
-            self.passes[h["pass"]] = [meta, self.model.rope(meta.positions), hidden]
-        p = self.passes[h["pass"]]
-        p[2] = self.model.layer_forward(h["layer"], p[2], p[1], p[0], self.runner.cache)
-
-    def _head(self, h: dict) -> None:
-        self.model.head(self._received([h["rows"], self.layout.args.dim]))
-
-    def _pack(self, h: dict) -> None:
-        self.model.pack_()
-
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long, device=self.runner.device)
-
-    def _gather_kv(self, h: dict) -> None:
-        self.comms.all_gather(self.runner.gather_kv(h["layer"], self._ints(h["slots"])))
-
-    def _pack_kv(self, h: dict) -> None:
-        self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
-
-    def _send_kv(self, h: dict, slots: torch.Tensor | None = None) -> None:
-        kv = self.runner.gather_kv(h["layer"], self._ints(h["slots"]) if slots is None else slots)
-        if not self.layout.owns_kv:   # a replicated head: its first holder sends it
-            return
-        kv, heads = kv.cpu(), self.layout.kv_heads
-        for offset, n, route in h["routes"]:
-            self.streams.send(route, h["layer"], kv[:, offset:offset + n], heads)   # kv is this step's own
-
-    def _load_kv(self, h: dict) -> None:
-        keys, ids, layer = [bytes.fromhex(k) for k in h["keys"]], self._ints(h["ids"]), h["layer"]
-        failed = True
-        try:
-            with self.store.loaded(h["fid"], keys, layer, self.comms.timeout.total_seconds() / 2) as packed:
-                if h["next"]:
-                    self.store.fetch(h["fid"], keys, layer + 1)
-                self.runner.unpack_kv(layer, ids, packed.to(self.runner.device))
-            failed = False
-        except Exception as exc:   # a block gone, the store gone: rank 0 recomputes the prefix
-            log.warning("loading this rank's KV heads of layer %d failed: %r", layer, exc)
-        flags = self.comms.all_gather(_flag(failed, self.runner.device))
-        if not any(f.item() for f in flags):   # sent only once every rank has it (else recomputed)
-            self._send_kv(h, prefix_slots(ids, self.runner.block_size))
-
-    def _store_kv(self, h: dict) -> None:
-        packed = self.runner.pack_kv(self._ints(h["ids"]))
-        if self.layout.owns_kv:   # a replicated head: its first holder writes it
-            self.store.put([bytes.fromhex(k) for k in h["keys"]], packed.cpu(), h["first_pos"])
-
-    def _end_kv(self, h: dict) -> None:
-        if h["abort"]:
-            self.streams.drop(h["tid"])
-            error = None
-        else:
-            # within half the collective timeout rank 0 waits under, so a dead decode fails the stream
-            error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"],
-                                     self.comms.timeout.total_seconds() / 2)
-        self.comms.all_gather(_flag(error is not None, self.runner.device))
-
-    def _unpack_kv(self, h: dict) -> None:
-        mine, _ = my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)
-        self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), mine)
-
-    def _scatter_kv(self, h: dict) -> None:
-        data = self._received(h["shape"])
-        part = my_heads(data, self.layout, FRAME_HEADS, range(*h["heads"]) if "heads" in h else None)
-        if part is not None:
-            self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), *part)
-
-
-def _flag(value: bool, device: torch.device) -> torch.Tensor:
+def flag(value: bool, device: torch.device) -> torch.Tensor:
+    """A rank's yes/no for an all-gather (whether its part of a step failed)."""
     return torch.tensor([int(value)], dtype=torch.int64, device=device)
 
 
