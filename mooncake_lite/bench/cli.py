@@ -32,6 +32,8 @@ BENCHES = {
                                           "their own KV heads, against one whole-block request"),
     "tp-send": ("pd.tp_send", "a TP prefill's ranks sending their own KV heads vs rank 0 gathering them: time, "
                               "bytes through rank 0"),
+    "tp-prefix": ("pd.tp_prefix", "a TP prefill's ranks loading and writing back their own KV heads vs rank 0 doing "
+                                  "all: time, bytes through rank 0"),
     "prefix-load": ("pd.prefix_load", "a prefill's prefix load from a store (shm or TCP): every layer, no compute"),
     "moe": ("model.moe", "MLA's KV bytes and transfer time vs dense attention; MoE routing vs a dense MLP of the "
                          "active width"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +63,8 @@ def apply_cpu_share(cfg: ModelRoleConfig) -> tuple[int, tuple[int, ...] | None]:
     return torch.get_num_threads(), allowed
 
 
-def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, threads: int) -> ModelRunner:
+def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, threads: int,
+               rank_store: Callable | None) -> ModelRunner:
     """Rank 0's runner of a tensor-parallel instance, its followers started (instance/tp_ranks.py).
     Each rank's cache holds its KV heads in 1/N of --kv-memory (a block's tokens on every rank)."""
     from mooncake_lite.instance.tp_ranks import start_group
@@ -77,16 +79,18 @@ def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, thread
     num_blocks = blocks_for(per_rank, end - first, local.num_kv_heads, local.head_dim)
     log.info("model %s at tensor-parallel %d: torch threads %d per rank; KV cache %d blocks of %d tokens per rank",
              cfg.model, cfg.tensor_parallel, threads, num_blocks, cfg.block_size)
-    runner = start_group(cfg, layer_range, num_blocks, threads).runner
+    runner = start_group(cfg, layer_range, num_blocks, threads, rank_store).runner
     runner.grammars = Grammars(cfg.model, model_args(cfg.model).vocab_size)   # the leader samples
     return runner
 
 
-def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None) -> ModelRunner:
-    """The model (or a layer slice of it) and its paged cache, as the flags say."""
+def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None,
+                 rank_store: Callable | None = None) -> ModelRunner:
+    """The model (or a layer slice of it) and its paged cache, as the flags say. ``rank_store``:
+    how a TP instance's followers open stores of their own (``instance/tp_ranks.RankPlan``)."""
     threads, allowed = apply_cpu_share(cfg)
     if cfg.tensor_parallel > 1:
-        return _tp_runner(cfg, layer_range, threads)
+        return _tp_runner(cfg, layer_range, threads, rank_store)
     model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed,
                         weights=cfg.weights)
     args = model.args

@@ -8,7 +8,8 @@ shapes, the degree, its own shapes, a checksum of its replicated weights): any d
 every rank refuses to start, naming the shapes. Stop: rank 0 tells the followers to exit; its
 children are also ended with it (they are daemonic), and a follower whose parent is gone exits
 at once. A prefill's follower sends its heads of each computed layer to the decode on data
-connections of its own (``transfer/rank_streams.py``). Failure is whole-instance: a follower
+connections of its own (``transfer/rank_streams.py``) and, given a store (``RankPlan.rank_store``),
+reads and writes its heads there on a connection of its own (``prefill/rank_store.py``). Failure is whole-instance: a follower
 that exits makes rank 0's watchdog break the group, the instance reports unhealthy and exits 1
 (``mooncake up`` restarts it whole), and every step from then on fails with the reason; a hung
 rank does the same through the collectives' timeout.
@@ -23,6 +24,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import orjson
@@ -35,7 +37,8 @@ from mooncake_lite.instance.handlers import UNHEALTHY
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout
 from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
-from mooncake_lite.model.tp_step import Follower, TPLeaderRunner, build_rank_runner
+from mooncake_lite.model.tp_follower import Follower
+from mooncake_lite.model.tp_step import TPLeaderRunner, build_rank_runner
 from mooncake_lite.model.weights import model_args
 from mooncake_lite.transfer.rank_streams import RankStreams
 
@@ -57,6 +60,10 @@ class RankPlan:
     address: GroupAddress
     expert_parallel: bool = False      # --moe-layout placed
     token: str | None = None           # the cluster's: a prefill rank's own data connections
+    # How a follower opens its own store (a prefill's, ``prefill/rank_store.follower_stores``:
+    # passed in, as this layer knows no store): called with the rank's runner and layout. None:
+    # rank 0 reads and writes every rank's heads.
+    rank_store: Callable[[ModelRunner, TPLayout], object] | None = None
 
     def runner(self, rank: int) -> tuple[ModelRunner, TPComms, TPLayout]:
         from mooncake_lite.model.args import DTYPES
@@ -116,7 +123,8 @@ def _follower_main(plan: RankPlan, rank: int, threads: int | None) -> None:
         os._exit(1)
     threading.Thread(target=orphaned, daemon=True).start()
     runner, comms, layout = plan.runner(rank)
-    Follower(comms, runner, layout, RankStreams(plan.token)).run()
+    store = None if plan.rank_store is None else plan.rank_store(runner, layout)
+    Follower(comms, runner, layout, RankStreams(plan.token), store).run()
     # Told to stop: exit now. Tearing the group down would wait on rank 0, which is joining us.
     logging.shutdown()
     os._exit(0)
@@ -138,6 +146,7 @@ class TPGroup:
             raise
         assert isinstance(self.runner, TPLeaderRunner)
         self.runner.tp_group = self
+        self.runner.ranks_store = plan.rank_store is not None
         self.leader = self.runner.leader
         self.leader.start_ticker()
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -164,12 +173,13 @@ class TPGroup:
 
 
 def start_group(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, num_blocks: int,
-                threads: int) -> TPGroup:
-    """Rank 0 of ``cfg``'s instance, its followers started, each rank on ``threads`` threads."""
+                threads: int, rank_store: Callable | None = None) -> TPGroup:
+    """Rank 0 of ``cfg``'s instance, its followers started, each rank on ``threads`` threads
+    (opening stores of their own with ``rank_store``, :attr:`RankPlan.rank_store`)."""
     plan = RankPlan(cfg.model, cfg.dtype, cfg.seed, rank_devices(cfg), threads, layer_range, num_blocks,
                     cfg.block_size, GroupAddress("127.0.0.1", free_port(), cfg.tensor_parallel, cfg.tp_timeout,
                                                  backend_for(rank_devices(cfg))), cfg.expert_parallel,
-                    cfg.cluster_token)
+                    cfg.cluster_token, rank_store)
     log.info("tensor-parallel group of %d ranks on %s", cfg.tensor_parallel, ",".join(plan.devices))
     return TPGroup(plan)
 

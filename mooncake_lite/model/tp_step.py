@@ -2,9 +2,10 @@
 
 Rank 0 runs the instance (HTTP, scheduling, KV transfer) and drives its sharded model as any
 instance drives its model. Before each piece of work that involves the other ranks it broadcasts
-a step description (one orjson object: an op and its integers; tensors follow as raw broadcasts,
-no pickle) and then does its share; each follower (:func:`follow`) reads the description and
-does the same share, so every collective meets its peers. The ops are a layer of a pass (the
+a step description (one orjson object: an op and its integers; tensors follow as raw broadcasts
+or point-to-point sends, no pickle) and then does its share; each follower
+(``model/tp_follower.py``) reads the description and does the same share, so every collective
+meets its peers. The ops are a layer of a pass (the
 pass's metadata and input hidden states go along on its first layer; after that every rank holds
 the same hidden states, which the all-reduces keep identical), the head, packing the weights, and
 moving KV in and out of the paged cache.
@@ -13,13 +14,16 @@ KV of a computed layer leaves a prefill from every rank that holds it (``send_kv
 follower sends its heads' slice to the decode on its own data connections (the instance gives it
 ``transfer/rank_streams.RankStreams``), rank 0 sends its own, and ``end_kv`` has every follower
 wait for its answers and send its END before rank 0's END, with the first token, completes the
-stream (docs/store.md §2f). Everything else still passes through rank 0: it gathers the ranks'
-heads of whole blocks to write to the store and of prefix or recomputed layers it sends (a
-replicated KV head from one rank only, :attr:`TPLayout.owns_kv`), which the prefill sends and
-writes as one head slice per sending rank (:attr:`TPLeaderRunner.kv_senders`), and hands each
-rank its part of what it receives: all heads, or a frame of a head sub-range (from one rank of a
-TP prefill), which only the ranks holding those heads write. :attr:`TPLeaderRunner.gathered_bytes`
-counts what came through rank 0.
+stream (docs/store.md §2f). Where each follower has a store of its own
+(:attr:`TPLeaderRunner.ranks_store`), it also reads its heads of a cached prefix (``load_kv``,
+sending them on like computed ones once every rank has its own) and writes its heads of new
+blocks (``store_kv``). Otherwise rank 0 gathers the ranks' heads of whole blocks to write to the
+store (a replicated KV head from one rank only, :attr:`TPLayout.owns_kv`) as one head slice per
+writing rank (:attr:`TPLeaderRunner.kv_senders`), and hands each rank its part of a prefix it
+read; it always hands each rank its part of what it receives (all heads, or a frame of a head
+sub-range from one rank of a TP prefill): only its heads, sent to it alone, none to a rank
+holding none of them.
+:attr:`TPLeaderRunner.gathered_bytes` counts what came through rank 0.
 
 An idle leader broadcasts a ``tick`` at a third of the group's timeout, so a follower tells an
 idle leader from a dead one: a follower whose broadcast times out exits, and a collective that
@@ -29,6 +33,7 @@ every later step raises it, and the instance (``instance/tp_ranks.py``) restarts
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -38,11 +43,12 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kernels.quant_linear import float_activations, float_activations_on
+from kernels.quant_linear import float_activations_on
 from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model
+from mooncake_lite.model.tp_kv import FRAME_HEADS, PACKED_HEADS, my_heads, owners, prefix_slots
 from mooncake_lite.model.tp_comms import TPComms
 
 _META_INTS = ("positions", "slot_mapping", "block_tables", "context_lens")
@@ -163,31 +169,6 @@ class LeaderTransformer(Transformer):
         return self.leader.step({"op": "pack"}, super().pack_)
 
 
-def _owners(parts: list[torch.Tensor], layout: TPLayout, dim: int) -> torch.Tensor:
-    """The whole model's KV heads from every rank's: each replicated head taken once."""
-    return torch.cat([p for r, p in enumerate(parts) if r % layout.kv_replicas == 0], dim=dim)
-
-
-# The KV-heads axis of what moves: whole blocks (``pack_kv``: [blocks, layers, heads, 2, block_size,
-# head_dim], the store's head-major layout, transfer/kv_layout.py) and token frames (``gather_kv``:
-# [2, tokens, heads, head_dim]).
-PACKED_HEADS, FRAME_HEADS = 2, 2
-
-
-def _my_heads(data: torch.Tensor, layout: TPLayout, dim: int,
-              heads: range | None = None) -> tuple[torch.Tensor, range | None] | None:
-    """This rank's part of ``data``, which holds the instance's KV heads ``heads`` (None: all),
-    and where that part goes among the rank's own heads (None: all of them); None when the rank
-    holds none of ``heads``."""
-    mine = layout.kv_heads
-    heads = range(layout.args.num_kv_heads) if heads is None else heads
-    lo, hi = max(mine.start, heads.start), min(mine.stop, heads.stop)
-    if lo >= hi:
-        return None
-    local = None if (lo, hi) == (mine.start, mine.stop) else range(lo - mine.start, hi - mine.start)
-    return data.narrow(dim, lo - heads.start, hi - lo), local
-
-
 class TPLeaderRunner(ModelRunner):
     """Rank 0's runner: the whole model's shapes in ``args`` (what the instance registers and
     sends), this rank's share in its cache; KV moves in and out through the followers too."""
@@ -196,8 +177,9 @@ class TPLeaderRunner(ModelRunner):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size)
         self.args, self.layout, self.leader = layout.args, layout, model.leader
         # Bytes of the other ranks' KV rank 0 received through all_gather: of layers to send
-        # (gather_kv) and of whole blocks to write to the store (pack_kv)
-        self.gathered_bytes = {"gather_kv": 0, "pack_kv": 0}
+        # (gather_kv) and of whole blocks to write to the store (pack_kv); and of KV it broadcast
+        # for them to write (handed: a loaded prefix's, a received frame's; once per follower)
+        self.gathered_bytes = {"gather_kv": 0, "pack_kv": 0, "handed": 0}
 
     # Whether the followers send their own heads of computed layers (send_kv), or rank 0 gathers
     # them (gather_kv) as before: off only to measure what the gather cost (bench model --tp).
@@ -207,7 +189,7 @@ class TPLeaderRunner(ModelRunner):
         def work() -> torch.Tensor:
             parts = self.leader.comms.all_gather(local())
             self.gathered_bytes[header["op"]] += sum(p.nbytes for p in parts[1:])
-            return _owners(parts, self.layout, dim)
+            return owners(parts, self.layout, dim)
         return self.leader.step(header, work)
 
     def send_kv(self, layer: int, slots: torch.Tensor, routes: list[tuple[int, int, dict]]) -> torch.Tensor:
@@ -223,7 +205,7 @@ class TPLeaderRunner(ModelRunner):
         header = {"op": "end_kv", "tid": tid, "first_layer": first_layer, "end_layer": end_layer, "abort": abort}
 
         def work() -> list[str]:
-            failed = self.leader.comms.all_gather(torch.zeros(1, dtype=torch.int64, device=self.device))
+            failed = self.leader.comms.all_gather(flag(False, self.device))
             return [f"tensor-parallel rank {r} could not send its KV heads (its log says why)"
                     for r, f in enumerate(failed) if int(f.item())]
         return self.leader.step(header, work)
@@ -236,6 +218,37 @@ class TPLeaderRunner(ModelRunner):
         return self._gathered({"op": "pack_kv", "ids": block_ids.tolist()},
                               lambda: super(TPLeaderRunner, self).pack_kv(block_ids), PACKED_HEADS)
 
+    # Whether each follower has a store of its own (instance/tp_ranks.RankPlan.rank_store): then
+    # it reads its heads of a prefix (load_kv) and writes its heads of new blocks (store_kv).
+    ranks_store = False
+
+    def load_kv(self, layer: int, block_ids: torch.Tensor, own: torch.Tensor, keys: list[bytes], fid: str,
+                next_layer: bool, routes: list[tuple[int, int, dict]]) -> None:
+        """A loaded prefix's ``layer`` of blocks ``block_ids`` (of store ``keys``): rank 0 writes
+        ``own``, its heads (a frame ``[2, tokens, heads, head_dim]``, or blocks as :meth:`pack_kv`'s);
+        every follower reads its heads of the layer from its store (``fid``: the load; with
+        ``next_layer`` it starts reading the next one) and writes them, then, once every rank has,
+        sends its share of them along ``routes``. KeyError naming the ranks that could not."""
+        header = {"op": "load_kv", "layer": layer, "ids": block_ids.tolist(), "keys": [k.hex() for k in keys],
+                  "fid": fid, "next": next_layer, "routes": routes}
+
+        def work() -> None:
+            if own.dim() == 4:   # a frame, else blocks
+                ModelRunner.scatter_kv(self, layer, prefix_slots(block_ids, self.block_size), own)
+            else:
+                ModelRunner.unpack_kv(self, layer, block_ids, own)
+            failed = [r for r, f in enumerate(self.leader.comms.all_gather(flag(False, self.device))) if f.item()]
+            if failed:
+                raise KeyError(f"tensor-parallel rank(s) {failed} could not load their KV heads of layer "
+                               f"{layer} from the store (their logs say why)")
+        self.leader.step(header, work)
+
+    def store_kv(self, block_ids: torch.Tensor, keys: list[bytes], first_pos: int) -> torch.Tensor:
+        """Whole blocks to write back: every follower writes its heads of them to its store itself;
+        rank 0's heads are returned for its own put."""
+        header = {"op": "store_kv", "ids": block_ids.tolist(), "keys": [k.hex() for k in keys], "first_pos": first_pos}
+        return self.leader.step(header, lambda: ModelRunner.pack_kv(self, block_ids))
+
     @property
     def kv_senders(self) -> tuple[range, ...]:
         return tuple(kv_head_range(self.args.num_kv_heads, self.layout.size, r) for r in range(self.layout.size)
@@ -243,15 +256,19 @@ class TPLeaderRunner(ModelRunner):
 
     def _handed(self, header: dict, data: torch.Tensor, write: Callable[[torch.Tensor, range | None], None],
                 dim: int, heads: range | None = None) -> None:
-        """Broadcast ``data`` (the instance's KV heads ``heads``, default all); each rank writes
-        its part of it (none where it holds none of those heads)."""
+        """Hand each rank its part of ``data`` (the instance's KV heads ``heads``, default all),
+        point to point, and none to a rank holding none of those heads; each writes its part."""
         data = data.to(self.dtype).contiguous()
         if heads is not None:
             header |= {"heads": [heads.start, heads.stop]}
 
         def work() -> None:
-            dist.broadcast(data, src=0, group=self.leader.comms.group)
-            part = _my_heads(data, self.layout, dim, heads)
+            for r in range(1, self.layout.size):
+                theirs = my_heads(data, dataclasses.replace(self.layout, rank=r), dim, heads)
+                if theirs is not None:
+                    dist.send(theirs[0].contiguous(), dst=r, group=self.leader.comms.group)
+                    self.gathered_bytes["handed"] += theirs[0].nbytes
+            part = my_heads(data, self.layout, dim, heads)
             if part is not None:
                 write(*part)
         self.leader.step(header | {"shape": list(data.shape)}, work)
@@ -266,87 +283,9 @@ class TPLeaderRunner(ModelRunner):
                      FRAME_HEADS, heads)
 
 
-class Follower:
-    """A rank > 0: does each step rank 0 describes, until ``stop`` (or the leader is gone)."""
-
-    def __init__(self, comms: TPComms, runner: ModelRunner, layout: TPLayout, streams=None):
-        self.comms, self.runner, self.layout = comms, runner, layout
-        # This rank's data connections (``transfer/rank_streams.RankStreams``: send, end, drop;
-        # given by the instance, as the model layer knows no network)
-        self.streams = streams
-        self.model = runner.model
-        self.passes: dict[int, list] = {}   # pass number -> [metadata, rope, hidden states]
-
-    def _received(self, shape: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype or self.runner.dtype, device=self.runner.device)
-        dist.broadcast(t, src=0, group=self.comms.group)
-        return t
-
-    @torch.no_grad()
-    def run(self) -> None:
-        while True:
-            header = orjson.loads(self.comms.broadcast_bytes(None))
-            for key in header["drop"]:
-                self.passes.pop(key, None)
-            if header["op"] == "stop":
-                return
-            with float_activations(header.get("exact", False)):
-                getattr(self, "_" + header["op"])(header)
-
-    def _tick(self, header: dict) -> None:
-        pass
-
-    def _layer(self, h: dict) -> None:
-        if "meta" in h:
-            meta = meta_from_json(h["meta"], self.runner.device)
-            hidden = self._received([h["rows"], self.layout.args.dim])
-            self.passes[h["pass"]] = [meta, self.model.rope(meta.positions), hidden]
-        p = self.passes[h["pass"]]
-        p[2] = self.model.layer_forward(h["layer"], p[2], p[1], p[0], self.runner.cache)
-
-    def _head(self, h: dict) -> None:
-        self.model.head(self._received([h["rows"], self.layout.args.dim]))
-
-    def _pack(self, h: dict) -> None:
-        self.model.pack_()
-
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.long, device=self.runner.device)
-
-    def _gather_kv(self, h: dict) -> None:
-        self.comms.all_gather(self.runner.gather_kv(h["layer"], self._ints(h["slots"])))
-
-    def _pack_kv(self, h: dict) -> None:
-        self.comms.all_gather(self.runner.pack_kv(self._ints(h["ids"])))
-
-    def _send_kv(self, h: dict) -> None:
-        kv = self.runner.gather_kv(h["layer"], self._ints(h["slots"]))
-        if not self.layout.owns_kv:   # a replicated head: its first holder sends it
-            return
-        kv, heads = kv.cpu(), self.layout.kv_heads
-        for offset, n, route in h["routes"]:
-            self.streams.send(route, h["layer"], kv[:, offset:offset + n], heads)   # kv is this step's own
-
-    def _end_kv(self, h: dict) -> None:
-        if h["abort"]:
-            self.streams.drop(h["tid"])
-            error = None
-        else:
-            # within half the collective timeout rank 0 waits under, so a dead decode fails the stream
-            error = self.streams.end(h["tid"], h["first_layer"], h["end_layer"],
-                                     self.comms.timeout.total_seconds() / 2)
-        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.runner.device)
-        self.comms.all_gather(flag)
-
-    def _unpack_kv(self, h: dict) -> None:
-        mine, _ = _my_heads(self._received(h["shape"]), self.layout, PACKED_HEADS)
-        self.runner.unpack_kv(h["layer"], self._ints(h["ids"]), mine)
-
-    def _scatter_kv(self, h: dict) -> None:
-        data = self._received(h["shape"])
-        part = _my_heads(data, self.layout, FRAME_HEADS, range(*h["heads"]) if "heads" in h else None)
-        if part is not None:
-            self.runner.scatter_kv(h["layer"], self._ints(h["slots"]), *part)
+def flag(value: bool, device: torch.device) -> torch.Tensor:
+    """A rank's yes/no for an all-gather (whether its part of a step failed)."""
+    return torch.tensor([int(value)], dtype=torch.int64, device=device)
 
 
 def build_rank_runner(spec: str, comms: TPComms, layout: TPLayout, *, num_blocks: int, block_size: int,

@@ -40,14 +40,14 @@ from mooncake_lite.prefill.config import Config
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
 from mooncake_lite.prefill.pipeline import NextStage
-from mooncake_lite.prefill.remote_store import RemoteStore
+from mooncake_lite.prefill.rank_store import follower_stores, remote_prefix_store
 from mooncake_lite.prefill.service import PrefillRejected, PrefillService
 from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore, PrefixStore
 from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.prefill.writeback import WritebackFailuresCollector
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.transfer.client import RemoteError
-from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION, BlockLayout, HeadRange
+from mooncake_lite.transfer.kv_layout import LAYOUT_VERSION
 from mooncake_lite.transfer.shm import host_identity
 
 log = logging.getLogger(__name__)
@@ -177,19 +177,18 @@ async def _lifetime(app: web.Application):
 
 
 def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
-    """The store this stage reads prefixes from and writes back to: ``--store``, else a private one."""
+    """The store this stage reads prefixes from and writes back to: ``--store``, else a private one.
+    A TP instance whose followers have stores of their own (``prefill/rank_store.py``) reads and
+    writes rank 0's heads here; one without writes one head slice per writing rank from rank 0."""
     model, args = runner.model, runner.args   # the whole model's KV heads, at any tensor-parallel degree
+    if cfg.store is not None:
+        own = runner.layout.kv_heads if getattr(runner, "ranks_store", False) else None
+        return remote_prefix_store(cfg.store, cfg.cluster_token, cfg.kv_compression, args, runner.block_size,
+                                   runner.dtype, own, None if own is not None else runner.kv_senders)
     codec = model_codec(cfg.kv_compression, args)
+    store = MemoryStore((model.first_layer, model.end_layer),
+                        stored_layer_bytes(codec, args, runner.block_size, runner.dtype), cfg.local_store_blocks)
     block_shape = (runner.block_size, args.num_kv_heads, args.head_dim)
-    layer_bytes = stored_layer_bytes(codec, args, runner.block_size, runner.dtype)
-    if cfg.store is None:
-        store = MemoryStore((model.first_layer, model.end_layer), layer_bytes, cfg.local_store_blocks)
-    else:
-        # Puts name the block layout: the whole model's heads, whatever this instance's TP degree.
-        layout = BlockLayout(args.num_layers, args.num_kv_heads, layer_bytes // args.num_kv_heads, args.kv_replicated)
-        writers = runner.kv_senders
-        store = RemoteStore(cfg.store, cfg.cluster_token, args.num_layers, layer_bytes, layout=layout,
-                            writers=None if writers is None else tuple(HeadRange(r.start, r.stop) for r in writers))
     return store if codec is None else CompressedStore(store, codec, block_shape, runner.dtype)
 
 
@@ -221,7 +220,8 @@ def pack_weights(model: Transformer, mode: str, chunk: int) -> None:
 def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
     """The stage engine of ``layer_range`` (model slice, paged cache, store) and, for a lone
     instance unless --no-profile, the cost model its start-up timings fit."""
-    runner = build_runner(cfg, layer_range)
+    runner = build_runner(cfg, layer_range, follower_stores(cfg.store, cfg.cluster_token, cfg.kv_compression,
+                                                            cfg.tensor_parallel))
     pack_weights(runner.model, cfg.pack_weights, cfg.prefill_chunk)
     cost = None
     if cfg.profile and cfg.pipeline_group == 1:   # profiled as it will run: packed or not

@@ -39,6 +39,7 @@ from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame
 from mooncake_lite.prefill.kv_sender import KVSender, layer_kv, route_of, routed, tensor_bytes
 from mooncake_lite.prefill.load_buffers import LoadBuffers
 from mooncake_lite.prefill.prefix_load import PrefixLoading
+from mooncake_lite.prefill.rank_store import blocks_to_store
 from mooncake_lite.prefill.store_io import PrefixStore
 from mooncake_lite.prefill.writeback import WritebackStats
 
@@ -72,8 +73,9 @@ class StageEngine(PrefixLoading):
         # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
         # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
-        args = runner.args
-        self.load_buffers = LoadBuffers((1, args.num_kv_heads, 2, runner.block_size, args.head_dim), runner.dtype)
+        args = runner.args   # a TP rank 0 whose ranks load their own heads loads its own (prefill/rank_store.py)
+        heads = runner.model.args.num_kv_heads if getattr(runner, "ranks_store", False) else args.num_kv_heads
+        self.load_buffers = LoadBuffers((1, heads, 2, runner.block_size, args.head_dim), runner.dtype)
 
     @property
     def layer_ids(self) -> range:
@@ -253,7 +255,7 @@ class StageEngine(PrefixLoading):
         ids = torch.as_tensor(job.block_ids[first:full], dtype=torch.long, device=cache.kv.device)
         # A copy (the blocks may be freed right after); on CUDA packed on the compute stream, so
         # after the kernels that wrote the blocks, and copied out on the copy stream.
-        packed = self.copier.to_host(self.runner.pack_kv(ids))
+        packed = self.copier.to_host(blocks_to_store(self.runner, ids, job.keys[first:full], first))
         task = asyncio.ensure_future(self._put(job.keys[first:full], packed, first))
         self._puts.add(task)
         task.add_done_callback(lambda t, n=full - first: self._put_done(t, n))

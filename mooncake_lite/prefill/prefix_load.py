@@ -20,6 +20,7 @@ from kernels.copies import Staged
 from mooncake_lite.common import tracing
 from mooncake_lite.model.runner import LayerwisePass
 from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame
+from mooncake_lite.prefill.kv_sender import layer_kv, route_of
 from mooncake_lite.prefill.load_buffers import LoadBuffer, fill
 from mooncake_lite.transfer.client import RemoteError
 
@@ -36,7 +37,7 @@ def _prefix_frame(packed: torch.Tensor) -> torch.Tensor:
     cache, and the same bytes). Always a copy: the load buffer is reused while the frame may still
     wait to be sent."""
     blocks, _, kv_heads, _, block_size, head_dim = packed.shape
-    frame = torch.empty((2, blocks * block_size, kv_heads, head_dim), dtype=packed.dtype)
+    frame = torch.empty((2, blocks * block_size, kv_heads, head_dim), dtype=packed.dtype, device=packed.device)
     frame.view(2, blocks, block_size, kv_heads, head_dim).copy_(packed[:, 0].permute(2, 0, 3, 1, 4))
     return frame
 
@@ -87,11 +88,12 @@ class PrefixLoading:
             t0 = time.perf_counter()
             try:
                 buf, views = await job.loads.pop(layer)
+                job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
+                # (at TP with stores per rank, a follower's failed read raises here: KeyError)
+                kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, buf, views)
             except PREFIX_LOAD_ERRORS as exc:
                 await self._fall_back(job, layer, exc)
             else:
-                job.timings["load_wait_s"] = job.timings.get("load_wait_s", 0.0) + time.perf_counter() - t0
-                kv = await loop.run_in_executor(self.executor, self._unpack_layer, job, layer, buf, views)
                 send_frame(job.sender, layer, 0, kv)
                 return
         kv = await loop.run_in_executor(self.executor, self._recompute_layer, job, layer)
@@ -131,18 +133,31 @@ class PrefixLoading:
         for piece in job.recompute:
             piece.run_layer(layer)
         slots = torch.cat([piece.slots for piece in job.recompute])
-        return self.copier.to_host(self.runner.gather_kv(layer, slots))
+        # as computed layers go: a TP instance's ranks send their own heads, rank 0 gathers none
+        return self.copier.to_host(layer_kv(self.runner, layer, slots, [(0, len(slots), route_of(job.sender, 0))]))
 
     def fallback_figures(self) -> dict[str, float]:
         """For /metrics: prefix loads that failed and were recomputed, and the tokens recomputed."""
         return {"prefix_load_fallbacks_total": self.num_prefix_fallbacks,
                 "prefix_tokens_recomputed_total": self.num_prefix_tokens_recomputed}
 
+    def _load_ranks(self, job: StageJob, layer: int, ids: torch.Tensor, packed: Staged) -> Staged:
+        """A TP instance whose followers have stores of their own: ``packed`` holds rank 0's heads,
+        which it writes; each follower reads and writes its own, and sends them along the
+        request's route (``TPLeaderRunner.load_kv``); what rank 0 sends is its heads' frame."""
+        frame = _prefix_frame(self.copier.use(packed))
+        route = route_of(job.sender, 0)
+        self.runner.load_kv(layer, ids, frame, job.keys[:job.num_prefix_blocks], job.request_id,
+                            layer + 1 < self.end_layer, [] if route is None else [(0, job.num_prefix_tokens, route)])
+        return self.copier.to_host(frame)
+
     def _unpack_layer(self, job: StageJob, layer: int, buf: LoadBuffer, views: list[memoryview]) -> Staged:
         cache = self.runner.cache
         fill(buf, views)
         ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
-        if cache.kv.device.type == "cpu":
+        if getattr(self.runner, "ranks_store", False):   # TP: each rank loads its own heads
+            kv = self._load_ranks(job, layer, ids.to(cache.kv.device), self.copier.to_device(buf.packed))
+        elif cache.kv.device.type == "cpu":
             # The frame is these blocks in the cache's own axis order: made from the head-major
             # buffer first, it is then the cache's contiguous source (one strided copy in all,
             # as fast as the token-major blocks were; a strided unpack took up to 1.6x longer).

@@ -34,6 +34,7 @@ from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import StoreUnfit, make_store, pack_weights, store_id
+from mooncake_lite.prefill.rank_store import follower_stores
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
@@ -220,7 +221,8 @@ def run_stage(cfg: Config) -> int:
         os.environ.pop("NOTIFY_SOCKET", None)
     if cfg.conductor:
         log.info("CPP stage %d does not register with %s: its group's head does", cfg.pipeline_stage, cfg.conductor)
-    runner = build_runner(cfg, cfg.layer_range)
+    runner = build_runner(cfg, cfg.layer_range, follower_stores(cfg.store, cfg.cluster_token, cfg.kv_compression,
+                                                                cfg.tensor_parallel))
     pack_weights(runner.model, cfg.pack_weights, cfg.prefill_chunk)   # as the head does for its slice
     stage = StageEngine(runner, make_store(cfg, runner), ThreadPoolExecutor(1, thread_name_prefix="stage"),
                         write_back=cfg.write_back)

@@ -232,13 +232,17 @@ class StoreClient:
                          heads: HeadRange | None = None) -> list[memoryview | None]:
         """Layers ``[first_layer, first_layer + num_layers)`` of each block (one contiguous slice);
         with ``heads`` (and the blocks' ``layout``), only those KV heads of them: what a reader at
-        another TP degree than the writers' holds. The store sends the layer range; the heads are
-        cut from it here (into ``out[i]`` when given)."""
-        if heads is None:
-            items = await self._read(Op.GET_LAYERS, keys, out, {"first_layer": first_layer, "num_layers": num_layers})
-            return [item[0] if item else None for item in items]
-        if layout is None:
+        another TP degree than the writers' holds. Over TCP the store sends only those heads (one run
+        per layer); through shared memory the heads are cut here from the layer range in the slab
+        (into ``out[i]`` when given)."""
+        extra: dict[str, Any] = {"first_layer": first_layer, "num_layers": num_layers}
+        if heads is not None and layout is None:
             raise ValueError("a head range read (heads) needs the blocks' layout")
+        if heads is not None and self.shm is None:
+            extra |= {"heads": heads.to_meta(), META_KEY: layout.to_meta()}
+        if heads is None or self.shm is None:
+            items = await self._read(Op.GET_LAYERS, keys, out, extra)
+            return [item[0] if item else None for item in items]
         whole = await self.get_layers(keys, first_layer, num_layers)
         outs = [None] * len(keys) if out is None else [as_bytes_view(o) for o in out]
         return [None if view is None else layout.cut(view, first_layer, num_layers, heads, target)

@@ -30,8 +30,8 @@ from typing import Any
 
 from mooncake_lite.store.assembly import SliceTicket
 from mooncake_lite.store.blocks import BadRequest, Block, BlockStore, Lease, PutTicket, StoreFull
-from mooncake_lite.store.protocol import (MetaError, Op, check_layout, int_from_meta, keys_from_meta, parse_peer,
-                                          sizes_from_meta)
+from mooncake_lite.store.protocol import (MetaError, Op, check_layout, head_spans, heads_from_read, int_from_meta,
+                                          keys_from_meta, parse_peer, sizes_from_meta)
 from mooncake_lite.store.shm import ShmService
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, FrameError, Header
@@ -229,6 +229,8 @@ class StoreHandler(FrameHandler):
         layers = None
         if frame.op == Op.GET_LAYERS:
             layers = (int_from_meta(frame.meta, "first_layer", 0), int_from_meta(frame.meta, "num_layers", 1, minimum=1))
+            if heads_from_read(frame.meta) is not None and frame.meta.get("shm") is True:
+                raise MetaError("a head range read goes on the socket: a same-node client cuts its heads itself")
         found, on_ssd = self.store.lookup_dram(keys)
         if on_ssd:
             # Pin the DRAM hits now: the task starts later, and puts in between may evict.
@@ -260,15 +262,18 @@ class StoreHandler(FrameHandler):
         views: list[memoryview] = []
         run: list[tuple[int, int]] = []  # slab spans of consecutive found blocks, merged when adjacent
         sizes, block_layers, pinned = [], [], []
+        read = heads_from_read(frame.meta) if layers else None   # a TP rank's heads of each layer
         for item in found:
             if item is None:
                 sizes.append(None)
                 block_layers.append(None)
             elif isinstance(item, Block):
-                span = self.store.span(item, *layers) if layers else self.store.span(item)
-                run.append(span)
+                spans = [self.store.span(item, *layers) if layers else self.store.span(item)] if read is None else \
+                    [(self.store.slab.offset_of(item.slot, offset), n)
+                     for offset, n in head_spans(item.size, item.num_layers, *layers, read)]
+                run += spans
                 pinned.append(item)
-                sizes.append(span[1])
+                sizes.append(sum(n for _, n in spans))
                 block_layers.append(item.num_layers)
             else:  # SSD bytes that could not be promoted (DRAM full of leased blocks)
                 if layers:

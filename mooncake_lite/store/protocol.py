@@ -10,7 +10,7 @@ FLAG_REPLY; errors are error frames ``{"error": code, "message": text}`` with co
 |---|---|---|---|---|
 | PUT | keys, sizes, num_layers, first_pos, first_layer + block_layers (a slice), kvl (layout), heads | the blocks | num_new | - |
 | GET | keys | - | sizes (null = miss), num_layers (per key, null = miss) | found blocks |
-| GET_LAYERS | keys, first_layer, num_layers | - | sizes, num_layers (of the block) | layer slices |
+| GET_LAYERS | keys, first_layer, num_layers, heads + kvl (optional) | - | sizes, num_layers (of the block) | layer slices (of those heads) |
 | MATCH | keys, lease_s (optional) | - | num_matched (longest prefix held in any tier), lease_id | - |
 | EXISTS | keys | - | exists (list of bool) | - |
 | DELETE | keys | - | num_deleted | - |
@@ -36,7 +36,9 @@ before handling the request.
 ``kvl`` names the blocks' layout (``transfer/kv_layout.py``: ``{"v", "heads", "rep"}``); a
 version the store does not keep is refused (``bad_request``), and the store's HELLO answer names
 the version it keeps (``kvl``), which a prefill checks at start. A slice PUT with ``heads``
-([start, stop), with ``kvl``) carries only those KV heads of its layers: a tensor-parallel rank's.
+([start, stop), with ``kvl``) carries only those KV heads of its layers: a tensor-parallel rank's;
+a GET_LAYERS with ``heads`` and ``kvl`` is answered with only those heads of each layer (one run
+per layer, back to back), so a rank reads its share, not the whole layer range.
 
 A PUT with ``first_layer`` carries one layer slice per key: layers ``[first_layer, first_layer +
 num_layers)`` of blocks of ``block_layers`` layers (a CPP stage's). The store assembles them
@@ -61,7 +63,7 @@ from typing import Any
 
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.transfer.client import split_address
-from mooncake_lite.transfer.kv_layout import META_KEY, LayoutError, layout_from_meta
+from mooncake_lite.transfer.kv_layout import META_KEY, BlockLayout, HeadRange, LayoutError, heads_from_meta, layout_from_meta
 
 
 class Op(IntEnum):
@@ -139,6 +141,34 @@ def check_layout(meta: dict[str, Any]) -> None:
             layout_from_meta(meta, 1, 1)
         except LayoutError as exc:
             raise MetaError(str(exc)) from None
+
+
+def heads_from_read(meta: dict[str, Any]) -> tuple[int, HeadRange] | None:
+    """A GET_LAYERS's head range and its blocks' head count (``heads`` with ``kvl``), or None for
+    every head. MetaError for a range without a layout, an unknown version, a range out of bounds."""
+    if "heads" not in meta:
+        return None
+    if META_KEY not in meta:
+        raise MetaError("a head range read ('heads') needs the blocks' layout ('kvl')")
+    try:
+        num_heads = layout_from_meta(meta, 1, 1).num_heads
+        return num_heads, heads_from_meta(meta, num_heads)
+    except LayoutError as exc:
+        raise MetaError(str(exc)) from None
+
+
+def head_spans(block_bytes: int, num_layers: int, first_layer: int, count: int,
+               read: tuple[int, HeadRange]) -> list[tuple[int, int]]:
+    """(offset in the block, nbytes) of a head range read of layers ``[first_layer, +count)``:
+    one run per layer. MetaError where the block's layers do not split into that many heads."""
+    num_heads, heads = read
+    layer_bytes = block_bytes // num_layers
+    if layer_bytes % num_heads:
+        raise MetaError(f"a {layer_bytes}-byte layer does not split into {num_heads} heads")
+    try:
+        return BlockLayout(num_layers, num_heads, layer_bytes // num_heads).spans(first_layer, count, heads)
+    except LayoutError as exc:
+        raise MetaError(str(exc)) from None
 
 
 def parse_peer(peer: Any) -> tuple[str, int]:

@@ -15,7 +15,8 @@ from mooncake_lite.model.generate import generate
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
 from mooncake_lite.model.sampling import SamplingParams
 from mooncake_lite.model.tensor_parallel import TPLayout
-from mooncake_lite.model.tp_step import Follower, TPLeader, build_rank_runner
+from mooncake_lite.model.tp_follower import Follower
+from mooncake_lite.model.tp_step import TPLeader, build_rank_runner
 from mooncake_lite.model.weights import build_model, model_args
 from tests.model.tp_ranks import run_ranks
 

@@ -155,3 +155,26 @@ async def test_prefill_store_adapters_of_tp_ranks_write_and_read_at_other_degree
     expected = decode_heads(encode_heads(kv[1:2], codec), (BS, HEADS, HD), codec, torch.float32)
     assert bytes(got) == expected[:, heads.start:heads.stop].contiguous().view(torch.uint8).numpy().tobytes()
     await reader.inner.close()
+
+
+async def test_a_head_range_read_brings_only_those_heads_over_the_socket(store):
+    """Over TCP the store sends a reader's heads of each layer, not the layer range the client
+    then cut (a TP=3 rank reads a third of the bytes); a range without the blocks' layout or
+    outside them is refused naming the field."""
+    layout, kv, key = _layout("float32"), _kv(5), _keys("reads")[:1]
+    client = await _client(store, "tcp")
+    try:
+        await client.put(key, [_bytes(kv, "float32")], num_layers=LAYERS, layout=layout)
+        heads = rank_heads(HEADS, 3, 2)
+        reply = await client.frames.request(Op.GET_LAYERS, {"keys": key[0].hex(), "first_layer": 1, "num_layers": 2,
+                                                            "heads": heads.to_meta(), "kvl": layout.to_meta()})
+        assert reply.meta["sizes"] == [layout.slice_bytes(2, heads)] == [2 * layout.layer_bytes // 3]
+        assert bytes(reply.payload[0]) == _bytes(kv[1:3, heads.start:heads.stop], "float32")
+        for meta, why in (({"heads": [0, 2]}, "needs the blocks' layout"),
+                          ({"heads": [4, 7], "kvl": layout.to_meta()}, "outside a block of 6 heads"),
+                          ({"heads": [0, 1], "kvl": {"v": 1, "heads": 5, "rep": False}}, "does not split into 5")):
+            with pytest.raises(RemoteError, match=why):
+                await client.frames.request(Op.GET_LAYERS, {"keys": key[0].hex(), "first_layer": 0,
+                                                            "num_layers": 1} | meta)
+    finally:
+        await client.close()

@@ -6,7 +6,7 @@ one prompt's KV to a live TP=1 decode process, alternately each way (``TPLeaderR
 on and off), after a warm-up of each: the time from the prefill's start to the decode's answer
 to END (the TTFT the prefill adds), and the bytes of the other ranks' KV that came through rank 0
 (``gathered_bytes``), per prefill. The prompt is computed whole (no prefix: nothing loaded, and
-no store write-back, which still gathers), so every frame is of a computed layer.
+no store write-back: ``bench tp-prefix`` measures those), so every frame is of a computed layer.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ heads unless ``--tp`` names them), in the same rounds, alternating so load chang
   client; the store assembles each block (``store/assembly.py``) and shows it once every slice
   is in. Timed until the last answer.
 * ``get``: ``get_layers`` of every layer, whole (N=1) or N head ranges at once, one per rank
-  client. The store sends the layer range and the client cuts the heads, so each rank's read
-  moves the whole block: N times the bytes.
+  client. The store sends each rank only its heads of every layer (one run per layer), so
+  the N reads move one block's bytes in all.
 
 Medians over ``--repeat`` rounds, and each figure against N=1's in the same round.
 """
@@ -79,7 +79,7 @@ def measure(args: Options, layout: BlockLayout, degrees: list[int]) -> dict:
                 ratio = [r[(batch, op, n)] / r[(batch, op, 1)] for r in rounds]
                 figures[f"{op} {batch} {n}"] = {"op": op, "blocks": batch, "tp": n, "ms": statistics.median(ms),
                                                 "vs_tp1": statistics.median(ratio), "requests_per_block": n,
-                                                "bytes_moved": batch * layout.block_bytes * (n if op == "get" else 1)}
+                                                "bytes_moved": batch * layout.block_bytes}
     return {"machine": {"cpus": os.cpu_count(), "load_avg_1m": load, "load_avg_1m_end": os.getloadavg()[0]},
             "model": args.model, "block_bytes": layout.block_bytes, "heads": layout.num_heads,
             "layers": layout.num_layers, "repeat": args.repeat, "figures": figures}
