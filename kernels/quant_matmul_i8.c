@@ -136,7 +136,10 @@ static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint
         const float *res, int64_t n_rows) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
-        _mm_prefetch((const char *)row + 4 * row_bytes, _MM_HINT_T0);
+        /* every line of the row 8 rows on: the hardware prefetcher alone kept a batch-1 step's
+         * products at ~5 GB/s from memory; this made them 1.3x faster (docs/results/2026-11-29-decode-layers.md) */
+        for (int64_t off = 0; off < row_bytes; off += 64)
+            _mm_prefetch((const char *)row + 8 * row_bytes + off, _MM_HINT_T0);
         for (int64_t b = 0; b < batch; b += 4) {
             const xgroup *xb = xg + b * groups;
             float *o = out + b * n_rows + n;
