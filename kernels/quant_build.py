@@ -39,7 +39,8 @@ FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 MARCH_ENV = "MOONCAKE_KERNEL_MARCH"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -81,7 +82,7 @@ def build(march: str) -> ctypes.CDLL | None:
         return None
     text = b"".join(pathlib.Path(source).read_bytes() for source in SOURCES)
     key = hashlib.sha256(text + " ".join((*FLAGS, march)).encode() + compiler.encode()
-                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
+                         + platform.machine().encode() + cpu_flags().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"quant_matmul-{key}.so")
     try:
         if not os.path.exists(target):
