@@ -314,13 +314,10 @@ class Transformer(nn.Module):
 
     def pack_(self) -> "Transformer":
         """Replace the fused weights and the output head by oneDNN packed copies (on a CPU in
-        float32; elsewhere nothing changes), which every product then runs on: decode steps of any
-        batch, one row included, are as fast or faster (docs/model.md, "CPU paths"); prefill-sized
-        products are faster on some CPUs and slower on others, so a prefill instance packs only
-        where :meth:`packing_speedup` says it pays (``--pack-weights``). The plain weights are released
-        (their parameters keep shape and dtype on the ``meta`` device), one layer at a time, so the
-        process never holds two copies; a tied head's matrix stays, as the embedding. One-way: call
-        it after ``fuse_`` and after the last write to a weight, and move the model no more."""
+        float32), which every product then runs on (docs/model.md, "CPU paths"; a prefill packs only
+        where :meth:`packing_speedup` says it pays). The plain weights are released one layer at a
+        time (their parameters keep shape and dtype on ``meta``); a tied head's matrix stays. One-way:
+        call it after ``fuse_`` and after the last write to a weight, and move the model no more."""
         for block in self.layers.values():
             block.attention.pack_()
             block.feed_forward.pack_()
@@ -386,9 +383,8 @@ class Transformer(nn.Module):
         return self.head(h)
 
     def _decode_in_c(self, h: torch.Tensor, rope, meta: AttentionMetadata, cache: PagedKVCache) -> bool:
-        """A decode step's layers in one C call (``kernels/decode_layers.c``: the loop over
-        ``Block._compact_forward``'s calls, SwiGLU with them) where every layer is compact, with
-        no q/k norms and no TP; ``h`` is changed in place. False: the per-layer path runs."""
+        """A decode step's layers in one C call (``kernels/decode_layers.c``) where every layer is
+        compact, without q/k norms or TP; ``h`` changes in place. False: the per-layer path runs."""
         if self.decode_plan is None or self.decode_plan[0] is not cache:   # once per cache
             blocks = [self.layers[str(i)] for i in self.layer_ids]
             parts = [LayerParts((b.attention.packs["qkv"], b.attention.packs["wo"], b.feed_forward.packs["gate_up"],
