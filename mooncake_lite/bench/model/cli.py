@@ -39,8 +39,7 @@ from tqdm import tqdm
 
 from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.bench.model import gpu_roofs
-from mooncake_lite.bench.model.llamacpp_peer import measure_peer
-from mooncake_lite.bench.model.peer_rounds import alternate_with_peer, render_rounds
+from mooncake_lite.bench.model.peer_rounds import peer_figures, render_rounds
 from mooncake_lite.bench.model.measure import BLOCK_SIZE, Roofs, bench_one
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops, read_gbps
 from mooncake_lite.bench.model.sources import model_list, usable_models
@@ -147,12 +146,8 @@ def run(args: Options) -> dict:
                         models[key] = bench_one(name, args, roofs, bar, header_s[name], dtype, weights)
             if gguf and args.llamacpp:
                 bar.set_postfix_str(f"{name} llama.cpp")
-                peers[name] = measure_peer(args.llamacpp, resolve(name).path, torch.get_num_threads(),
-                                           args.context_len, max(args.decode_steps, 16))
-                if args.peer_rounds > 1 and "error" not in peers[name]:
-                    peers[name]["rounds"] = alternate_with_peer(name, args.llamacpp, rounds=args.peer_rounds,
-                                                                context_len=args.context_len,
-                                                                steps=args.decode_steps, bar=bar)
+                peers[name] = peer_figures(name, args.llamacpp, rounds=args.peer_rounds,
+                                           context_len=args.context_len, steps=args.decode_steps, bar=bar)
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": roofs.copy_gbps,
                         "read_gbps": read, "cpu_count": os.cpu_count(), "cpu": cpu_description(),

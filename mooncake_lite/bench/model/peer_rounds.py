@@ -38,6 +38,16 @@ def alternate_with_peer(name: str, python: str, *, rounds: int, context_len: int
     return {"ours_ms": ours, "peer_ms": peer, "ratios": ratios, "ratio_median": statistics.median(ratios)}
 
 
+def peer_figures(name: str, python: str, *, rounds: int, context_len: int, steps: int, bar: tqdm) -> dict:
+    """llama.cpp's batch-1 decode on GGUF model ``name`` (``measure_peer``), with ``rounds`` > 1
+    also :func:`alternate_with_peer`'s rounds (under ``"rounds"``)."""
+    peer = measure_peer(python, resolve(name).path, torch.get_num_threads(), context_len, max(steps, 16))
+    if rounds > 1 and "error" not in peer:
+        peer["rounds"] = alternate_with_peer(name, python, rounds=rounds, context_len=context_len, steps=steps,
+                                             bar=bar)
+    return peer
+
+
 def render_rounds(name: str, r: dict) -> list[str]:
     if "error" in r:
         return [f"  alternating rounds on {name}: the peer did not run ({r['error']})"]
