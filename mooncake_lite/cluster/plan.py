@@ -170,7 +170,8 @@ def kv_layout(opts: UpOptions) -> tuple[int, str]:
     block_size = role_setting(opts, "prefill", "block_size")
     dtype = role_setting(opts, "prefill", "dtype")
     if dtype in (None, "auto"):   # as the prefill's own --dtype auto resolves it (model/args.py: dtype_choice)
-        dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu", role_setting(opts, "prefill", "model"))
+        model = role_setting(opts, "prefill", "model") or opts.model
+        dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu", model)
     return int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE, str(dtype)
 
 

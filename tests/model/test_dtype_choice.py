@@ -39,6 +39,15 @@ def test_a_bfloat16_checkpoint_is_served_in_it_where_the_cpu_computes_it(monkeyp
     assert dtype_choice("cpu", str(tmp_path))[0] == "float32"
 
 
+def test_mooncake_up_sizes_the_stores_for_the_dtype_its_prefills_will_choose(monkeypatch, tmp_path):
+    from mooncake_lite.cluster.plan import kv_layout
+    from mooncake_lite.cluster.up import build_parser, options_from
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(quant_build, "cpu_flags", lambda: NATIVE)
+    assert kv_layout(options_from(build_parser().parse_args(["--model", str(tmp_path)])))[1] == "bfloat16"
+    assert kv_layout(options_from(build_parser().parse_args([])))[1] == "float32"   # the default GGUF
+
+
 def test_a_gguf_and_a_preset_stay_float32_on_a_native_cpu(monkeypatch):
     monkeypatch.setattr(quant_build, "cpu_flags", lambda: NATIVE)
     assert dtype_choice("cpu", "smollm2-135m")[0] == dtype_choice("cpu", "tiny")[0] == "float32"
