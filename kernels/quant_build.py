@@ -2,7 +2,8 @@
 
 The sources (``quant_matmul.c``, the float path; ``quant_matmul_i8.c``, integer activations on
 VNNI; ``decode_attention.c``, CPU decode attention read in place; ``rms_norm.c``; ``rope_kv.c``,
-a decode step's rotary embedding and KV write) are compiled here, on the machine that runs them,
+a decode step's rotary embedding and KV write; ``decode_layers.c``, a decode step's layers in
+one call) are compiled here, on the machine that runs them,
 with the system C compiler for this CPU
 (``-march=native``: AVX-512 and VNNI where the CPU has them, AVX2 elsewhere; each source picks its
 code by the compiler's ISA macros, so what runs follows from that one CPU check), once per
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(HERE, name) for name in ("quant_matmul.c", "quant_matmul_i8.c", "decode_attention.c",
-                                                        "rms_norm.c", "rope_kv.c"))
+                                                        "rms_norm.c", "rope_kv.c", "decode_layers.c"))
 # -ffp-contract=fast: the products accumulate with fused multiply-adds; the dequantization keeps
 # gguf's own roundings through an explicit barrier in the source. OpenMP splits output rows.
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -38,7 +39,8 @@ FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 MARCH_ENV = "MOONCAKE_KERNEL_MARCH"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -80,7 +82,7 @@ def build(march: str) -> ctypes.CDLL | None:
         return None
     text = b"".join(pathlib.Path(source).read_bytes() for source in SOURCES)
     key = hashlib.sha256(text + " ".join((*FLAGS, march)).encode() + compiler.encode()
-                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
+                         + platform.machine().encode() + cpu_flags().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"quant_matmul-{key}.so")
     try:
         if not os.path.exists(target):
@@ -115,4 +117,8 @@ def build(march: str) -> ctypes.CDLL | None:
     fn = lib.decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int]
+    fn = lib.decode_layers
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   *[ctypes.c_void_p] * 5, ctypes.c_int]
     return lib

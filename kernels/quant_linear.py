@@ -213,11 +213,16 @@ def _fused_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, norm: tuple
     return out if residual is None else out.add_(residual)
 
 
+def int8_runs(x: torch.Tensor) -> bool:
+    """Whether products of activations like ``x`` run the integer-activation kernel (the C kernels
+    with VNNI, int8 activations allowed on this thread)."""
+    return kernel_runs(x) and library().has_int8 and _int8_activations()
+
+
 def _int8_runs(x: torch.Tensor, rows: int, residual: torch.Tensor | None) -> bool:
     """Whether :func:`quant_linear_fused` can hand ``x`` (rows of unit stride: a view's columns
     too) to the integer-activation kernel as is."""
-    return (kernel_runs(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= DEQUANTIZE_ROWS
-            and library().has_int8 and _int8_activations()
+    return (int8_runs(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= DEQUANTIZE_ROWS
             and (residual is None or (residual.is_contiguous() and residual.shape == (x.shape[0], rows)
                                       and residual.dtype == torch.float32)))
 

@@ -81,72 +81,91 @@ static void quantize_row(int qtype, const float *x, int64_t nblk, xgroup *out) {
     }
 }
 
-/* One row-planar row of W (nblk blocks) against ``rx`` quantized x rows (xg, xg + stride, ...):
- * W's quants are unpacked once for all of them, and each x row goes through the same operations
- * in the same order whatever rx is, so its result does not depend on its batch. */
-static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *row, int64_t nblk,
-                                                          const xgroup *xg, int64_t stride, int rx, float *out,
-                                                          const float *res, int64_t out_stride) {
+/* ``rw`` row-planar rows of W (nblk blocks each, row_bytes apart) against ``rx`` quantized x rows
+ * (xg, xg + stride, ...): each W row's quants are unpacked once for all x rows and each x group
+ * is loaded once for all W rows; every (W row, x row) pair goes through the same operations in
+ * the same order whatever rw and rx are, so a row's result does not depend on its batch. */
+static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *row, int64_t row_bytes, int rw,
+                                                          int64_t nblk, const xgroup *xg, int64_t stride, int rx,
+                                                          float *out, const float *res, int64_t out_stride) {
     const int g = per_group(qtype);
-    const uint16_t *ds = (const uint16_t *)row, *ms = ds + nblk;
-    const uint8_t *qs = row + (qtype == Q4_1 ? 4 : 2) * nblk;
+    const int64_t qoff = (qtype == Q4_1 ? 4 : 2) * nblk;
     /* each block's scale repeated over its lanes: 4 lanes a block (Q4) or 8 (Q8_0) */
     const __m512i spread = qtype == Q8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                          : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[4];
-    __m128 macc[4];
-    for (int r = 0; r < rx; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm_setzero_ps();
+    __m512 acc[2][4];
+    __m128 macc[2][4];
+    for (int w = 0; w < rw; w++)
+        for (int r = 0; r < rx; r++) acc[w][r] = _mm512_setzero_ps(), macc[w][r] = _mm_setzero_ps();
     for (int64_t j = 0, grp = 0; j < nblk; j += g, grp++) {
         int nb = nblk - j < g ? (int)(nblk - j) : g;
         __mmask64 qmask = nb == g ? ~(__mmask64)0 : ((__mmask64)1 << (nb * (64 / g))) - 1;
         __mmask8 smask = (__mmask8)((1u << nb) - 1);
-        __m512i q = _mm512_maskz_loadu_epi8(qmask, qs + j * (64 / g)), lo, hi;
-        if (qtype == Q8_0) lo = hi = _mm512_xor_si512(q, flip);
-        else lo = _mm512_and_si512(q, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);
-        __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ds + j)), m = _mm_setzero_ps();
-        if (qtype == Q4_1)   /* m + 8d, against sum(x) */
-            m = _mm_fmadd_ps(d, _mm_set1_ps(8.0f), _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ms + j)));
+        __m512i lo[2], hi[2];
+        __m128 d[2], m[2];
+        for (int w = 0; w < rw; w++) {
+            const uint8_t *wr = row + w * row_bytes;
+            const uint16_t *ds = (const uint16_t *)wr;
+            __m512i q = _mm512_maskz_loadu_epi8(qmask, wr + qoff + j * (64 / g));
+            if (qtype == Q8_0) lo[w] = hi[w] = _mm512_xor_si512(q, flip);
+            else lo[w] = _mm512_and_si512(q, nibble), hi[w] = _mm512_and_si512(_mm512_srli_epi16(q, 4), nibble);
+            d[w] = _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ds + j)), m[w] = _mm_setzero_ps();
+            if (qtype == Q4_1)   /* m + 8d, against sum(x) */
+                m[w] = _mm_fmadd_ps(d[w], _mm_set1_ps(8.0f), _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, ds + nblk + j)));
+        }
         for (int r = 0; r < rx; r++) {
             const xgroup *x = xg + r * stride + grp;
-            __m512i dq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(x->xa));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(x->bias), lo, _mm512_load_si512(x->ra));
-            if (qtype != Q8_0) {
-                dq = _mm512_dpbusd_epi32(dq, hi, _mm512_load_si512(x->xb));
-                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(x->rb));
+            const __m512i xa = _mm512_load_si512(x->xa), ra = _mm512_load_si512(x->ra), bias = _mm512_load_si512(x->bias);
+            const __m512i xb = qtype != Q8_0 ? _mm512_load_si512(x->xb) : xa, rb = qtype != Q8_0 ? _mm512_load_si512(x->rb) : ra;
+            const __m128 dx = _mm_load_ps(x->dx);
+            for (int w = 0; w < rw; w++) {
+                __m512i dq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[w], xa);
+                __m512i dot = _mm512_dpbusd_epi32(bias, lo[w], ra);
+                if (qtype != Q8_0) {
+                    dq = _mm512_dpbusd_epi32(dq, hi[w], xb);
+                    dot = _mm512_dpbusd_epi32(dot, hi[w], rb);
+                }
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dot);   /* 256 * (w . q) + w . r */
+                __m128 s = _mm_mul_ps(d[w], dx);
+                acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s)), acc[w][r]);
+                if (qtype == Q4_1) macc[w][r] = _mm_fmadd_ps(m[w], _mm_load_ps(x->xsum), macc[w][r]);
             }
-            dot = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dot);   /* 256 * (w . q) + w . r */
-            __m128 s = _mm_mul_ps(d, _mm_load_ps(x->dx));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s)),
-                                     acc[r]);
-            if (qtype == Q4_1) macc[r] = _mm_fmadd_ps(m, _mm_load_ps(x->xsum), macc[r]);
         }
     }
-    for (int r = 0; r < rx; r++) {
-        __m128 t = _mm_add_ps(macc[r], _mm_movehl_ps(macc[r], macc[r]));
-        float sum = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-        out[r * out_stride] = res != NULL ? sum + res[r * out_stride] : sum;
-    }
+    for (int w = 0; w < rw; w++)
+        for (int r = 0; r < rx; r++) {
+            __m128 t = _mm_add_ps(macc[w][r], _mm_movehl_ps(macc[w][r], macc[w][r]));
+            float sum = _mm512_reduce_add_ps(acc[w][r]) + _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+            out[r * out_stride + w] = res != NULL ? sum + res[r * out_stride + w] : sum;
+        }
 }
 
-/* Rows [n0, n1) of W against every x row, four x rows at a time: a row of W stays in L1 while
- * the batch reads it. */
+/* Rows [n0, n1) of W against every x row, two W rows and four x rows at a time: the W rows stay
+ * in L1 while the batch reads them. */
 static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint8_t *w, int64_t row_bytes,
         int64_t nblk, const xgroup *xg, int64_t groups, int64_t batch, int64_t n0, int64_t n1, float *out,
         const float *res, int64_t n_rows) {
-    for (int64_t n = n0; n < n1; n++) {
+    for (int64_t n = n0; n < n1; n += 2) {
         const uint8_t *row = w + n * row_bytes;
-        _mm_prefetch((const char *)row + 4 * row_bytes, _MM_HINT_T0);
+        const int rw = n + 1 < n1 ? 2 : 1;
+        /* every line of the rows 8 rows on: the hardware prefetcher alone kept a batch-1 step's
+         * products at ~5 GB/s from memory; this made them 1.36x faster (docs/results/2026-11-29-decode-layers.md) */
+        for (int64_t off = 0; off < rw * row_bytes; off += 64)
+            _mm_prefetch((const char *)row + 8 * row_bytes + off, _MM_HINT_T0);
         for (int64_t b = 0; b < batch; b += 4) {
             const xgroup *xb = xg + b * groups;
             float *o = out + b * n_rows + n;
             const float *r = res ? res + b * n_rows + n : NULL;
-            switch (batch - b) {   /* a constant row count, so the x-row loop unrolls */
-                case 1: row_dot(qtype, row, nblk, xb, groups, 1, o, r, n_rows); break;
-                case 2: row_dot(qtype, row, nblk, xb, groups, 2, o, r, n_rows); break;
-                case 3: row_dot(qtype, row, nblk, xb, groups, 3, o, r, n_rows); break;
-                default: row_dot(qtype, row, nblk, xb, groups, 4, o, r, n_rows); break;
-            }
+            /* constant row counts, so the loops over them unroll */
+            #define ROWS(RW) switch (batch - b) { \
+                case 1: row_dot(qtype, row, row_bytes, RW, nblk, xb, groups, 1, o, r, n_rows); break; \
+                case 2: row_dot(qtype, row, row_bytes, RW, nblk, xb, groups, 2, o, r, n_rows); break; \
+                case 3: row_dot(qtype, row, row_bytes, RW, nblk, xb, groups, 3, o, r, n_rows); break; \
+                default: row_dot(qtype, row, row_bytes, RW, nblk, xb, groups, 4, o, r, n_rows); break; }
+            if (rw == 2) { ROWS(2) } else { ROWS(1) }
+            #undef ROWS
         }
     }
 }

@@ -169,7 +169,9 @@ def kv_layout(opts: UpOptions) -> tuple[int, str]:
     """(block size, dtype) of the KV blocks the prefill instances will write to the stores."""
     block_size = role_setting(opts, "prefill", "block_size")
     dtype = role_setting(opts, "prefill", "dtype")
-    dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu") if dtype in (None, "auto") else dtype
+    if dtype in (None, "auto"):   # as the prefill's own --dtype auto resolves it (model/args.py: dtype_choice)
+        model = role_setting(opts, "prefill", "model") or opts.model
+        dtype = default_dtype("cuda" if on_gpu(opts, "prefill") else "cpu", model)
     return int(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE, str(dtype)
 
 

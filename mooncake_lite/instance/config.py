@@ -4,6 +4,7 @@ registering with the conductor. ``runner.py`` builds what they describe."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -12,7 +13,7 @@ from mooncake_lite.common.config import option, require
 from mooncake_lite.common.membership import Conductor, conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration, parse_size
-from mooncake_lite.model.args import DTYPES, default_dtype
+from mooncake_lite.model.args import DTYPES, dtype_choice
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.model.kv_codec import model_codec
 from mooncake_lite.model.source import DEFAULT_MODEL, model_id
@@ -38,9 +39,11 @@ def parse_cpus(value) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class ModelRoleConfig(RoleConfig):
+    dtype_reason: ClassVar[str] = "asked for"   # why the dtype: --dtype auto's choice sets its own
     model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
                         "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
-    dtype: str = option("auto", "model and KV dtype ('auto': bfloat16 on CUDA, float32 elsewhere)",
+    dtype: str = option("auto", "model and KV dtype ('auto': bfloat16 on CUDA, float32 elsewhere, said at start-up "
+                        "with why)",
                         choices=sorted(DTYPES) + ["auto"])
     weights: str = option("quantized", "a GGUF's Q4_0/Q4_1/Q8_0 weights kept as its blocks and computed on "
                           "(quantized; CPU float32) or dequantized at load (dequantize)",
@@ -79,7 +82,9 @@ class ModelRoleConfig(RoleConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dtype == "auto":   # resolved once here: every reader sees a real dtype name
-            object.__setattr__(self, "dtype", default_dtype(self.device))
+            dtype, why = dtype_choice(self.device, self.model)
+            object.__setattr__(self, "dtype", dtype)
+            object.__setattr__(self, "dtype_reason", f"--dtype auto: {why}")   # said at start-up
         require(0 < self.gpu_memory_fraction <= 1,
                 f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         require(self.threads is None or self.threads > 0, f"--threads must be positive, got {self.threads}")

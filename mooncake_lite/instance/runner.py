@@ -99,5 +99,6 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     # One line tests and operators can read: what this process actually got.
     log.info("model %s: torch threads %d on cpus %s; KV cache %d blocks of %d tokens", cfg.model, threads,
              ",".join(map(str, allowed)) if allowed else "any", num_blocks, cfg.block_size)
+    log.info("dtype %s (%s)", cfg.dtype, cfg.dtype_reason)
     return ModelRunner(model, num_blocks=num_blocks, block_size=cfg.block_size,
                        grammars=Grammars(cfg.model, args.vocab_size))

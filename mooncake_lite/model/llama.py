@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import paged_decode_attention, paged_prefill_attention
+from kernels.decode_layers import DecodePlan, LayerParts, decode_layers, plan_runs
 from kernels.norm import rms_norm
 from kernels.rope_kv import rope_kv_write
 from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
@@ -301,6 +302,7 @@ class Transformer(nn.Module):
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.output_pack: torch.Tensor | None = None   # set by pack_()
+        self.decode_plan: tuple[PagedKVCache, DecodePlan | None] | None = None   # set by _decode_in_c
 
     def fuse_(self) -> "Transformer":
         """Fuse each layer's q/k/v and gate/up weights (in place, no extra memory). Call it last:
@@ -312,13 +314,10 @@ class Transformer(nn.Module):
 
     def pack_(self) -> "Transformer":
         """Replace the fused weights and the output head by oneDNN packed copies (on a CPU in
-        float32; elsewhere nothing changes), which every product then runs on: decode steps of any
-        batch, one row included, are as fast or faster (docs/model.md, "CPU paths"); prefill-sized
-        products are faster on some CPUs and slower on others, so a prefill instance packs only
-        where :meth:`packing_speedup` says it pays (``--pack-weights``). The plain weights are released
-        (their parameters keep shape and dtype on the ``meta`` device), one layer at a time, so the
-        process never holds two copies; a tied head's matrix stays, as the embedding. One-way: call
-        it after ``fuse_`` and after the last write to a weight, and move the model no more."""
+        float32), which every product then runs on (docs/model.md, "CPU paths"; a prefill packs only
+        where :meth:`packing_speedup` says it pays). The plain weights are released one layer at a
+        time (their parameters keep shape and dtype on ``meta``); a tied head's matrix stays. One-way:
+        call it after ``fuse_`` and after the last write to a weight, and move the model no more."""
         for block in self.layers.values():
             block.attention.pack_()
             block.feed_forward.pack_()
@@ -368,6 +367,8 @@ class Transformer(nn.Module):
         return self.layers[str(layer)](h, rope[0], rope[1], meta, k_cache, v_cache)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.output_pack, QuantizedWeight):   # the norm folded into the product: one C call
+            return self.output_pack.fused(h, norm=(self.norm.weight, self.norm.eps))
         logits = linear(self.norm(h), self.output.weight, packed=self.output_pack).float()
         if self.comms is not None and self.output.out_features != self.args.vocab_size:
             return self.comms.gather_vocab(logits)   # a vocab-parallel head's slice
@@ -376,6 +377,24 @@ class Transformer(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         h = self.embed(token_ids)
         rope = self.rope(meta.positions)
-        for layer in self.layer_ids:
-            h = self.layer_forward(layer, h, rope, meta, cache)
+        if meta.is_prefill or not self._decode_in_c(h, rope, meta, cache):
+            for layer in self.layer_ids:
+                h = self.layer_forward(layer, h, rope, meta, cache)
         return self.head(h)
+
+    def _decode_in_c(self, h: torch.Tensor, rope, meta: AttentionMetadata, cache: PagedKVCache) -> bool:
+        """A decode step's layers in one C call (``kernels/decode_layers.c``) where every layer is
+        compact, without q/k norms or TP; ``h`` changes in place. False: the per-layer path runs."""
+        if self.decode_plan is None or self.decode_plan[0] is not cache:   # once per cache
+            blocks = [self.layers[str(i)] for i in self.layer_ids]
+            parts = [LayerParts((b.attention.packs["qkv"], b.attention.packs["wo"], b.feed_forward.packs["gate_up"],
+                                 b.feed_forward.packs["w2"]), b.attention_norm.weight, b.ffn_norm.weight,
+                                *cache.layer(i)) for i, b in zip(self.layer_ids, blocks)
+                     if self.comms is None and compact_layer(b.attention, b.feed_forward, h)
+                     and b.attention.q_norm is None]
+            fits = len(parts) == len(blocks) and plan_runs(parts)
+            self.decode_plan = (cache, DecodePlan(parts, heads=self.args.num_heads, eps=self.args.norm_eps)
+                                if fits else None)
+        plan = self.decode_plan[1]
+        return plan is not None and decode_layers(plan, h, *rope, meta.slot_mapping, meta.block_tables,
+                                                  meta.context_lens)

@@ -230,3 +230,34 @@ def test_held_weight_bytes_are_the_compact_blocks():
     assert all(isinstance(p, QuantizedWeight) for p in parts.values())
     assert held_weight_bytes(model) == sum(p.nbytes for p in parts.values())
     assert held_weight_bytes(build_model("tiny")) == weight_bytes(ModelArgs.from_name("tiny"), torch.float32)
+
+
+def test_peer_rounds_alternate_ours_and_the_peers_and_take_each_rounds_ratio(monkeypatch):
+    """``--peer-rounds``: our steps, then the peer, round after round; the ratio per round and its
+    median; a peer that cannot run ends the rounds with its error (tiny stands in for a GGUF)."""
+    from tqdm import tqdm
+
+    from mooncake_lite.bench.model import peer_rounds
+    calls = []
+
+    def peer(python, path, threads, context_len, steps):
+        calls.append(("peer", context_len))
+        return {"token_ms": 10.0 * len(calls)}
+    real_decode = peer_rounds.bench_decode
+
+    def ours(*args):
+        calls.append(("ours", args[2]))
+        return real_decode(*args)
+    monkeypatch.setattr(peer_rounds, "measure_peer", peer)
+    monkeypatch.setattr(peer_rounds, "bench_decode", ours)
+    with tqdm(disable=True) as bar:
+        r = peer_rounds.alternate_with_peer("tiny", "python", rounds=3, context_len=8, steps=2, bar=bar)
+    assert [c[0] for c in calls] == ["ours", "peer"] * 3 and {c[1] for c in calls} == {8}
+    assert len(r["ratios"]) == 3 and r["ratios"][2] == r["peer_ms"][2] / r["ours_ms"][2]
+    assert r["ratio_median"] == sorted(r["ratios"])[1]
+    text = "\n".join(peer_rounds.render_rounds("tiny", r))
+    assert "alternating 3 rounds" in text and f"median {r['ratio_median']:.2f}x" in text
+    monkeypatch.setattr(peer_rounds, "measure_peer", lambda *a: {"error": "no llama_cpp"})
+    with tqdm(disable=True) as bar:
+        failed = peer_rounds.alternate_with_peer("tiny", "python", rounds=3, context_len=8, steps=2, bar=bar)
+    assert failed == {"error": "no llama_cpp"} and "did not run" in peer_rounds.render_rounds("tiny", failed)[0]

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from mooncake_lite.bench.host import cpu_description
 from mooncake_lite.bench.model import gpu_roofs
-from mooncake_lite.bench.model.llamacpp_peer import measure_peer
+from mooncake_lite.bench.model.peer_rounds import peer_figures, render_rounds
 from mooncake_lite.bench.model.measure import BLOCK_SIZE, Roofs, bench_one
 from mooncake_lite.bench.model.roofs import copy_gbps, matmul_gflops, read_gbps
 from mooncake_lite.bench.model.sources import model_list, usable_models
@@ -70,6 +70,8 @@ FLAGS = (
     flag("--llamacpp", default=None, metavar="PYTHON",
          help="a Python with llama-cpp-python installed: llama.cpp's batch-1 decode on each GGUF model, "
               "measured in the same run as the peer"),
+    flag("--peer-rounds", type=int, default=1,
+         help="with --llamacpp: also N rounds alternating our batch-1 decode and llama.cpp's (same load)"),
     flag("--no-pack", action="store_true",
          help="prefill and decode on the plain weights, not the oneDNN-packed copies the instances use"),
     flag("--profile", action="store_true",
@@ -103,7 +105,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     if not weights or any(w not in WEIGHT_MODES for w in weights):
         ap.error(f"--weights takes {', '.join(WEIGHT_MODES)}, got {ns.weights!r}")
     models, is_default = model_list(ns.models, DEFAULT_MODELS)
-    for name in ("prompt_len", "context_len", "decode_steps", "repeats"):
+    for name in ("prompt_len", "context_len", "decode_steps", "repeats", "peer_rounds"):
         if getattr(ns, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if ns.tp is not None and ns.tp < 2:
@@ -144,8 +146,8 @@ def run(args: Options) -> dict:
                         models[key] = bench_one(name, args, roofs, bar, header_s[name], dtype, weights)
             if gguf and args.llamacpp:
                 bar.set_postfix_str(f"{name} llama.cpp")
-                peers[name] = measure_peer(args.llamacpp, resolve(name).path, torch.get_num_threads(),
-                                           args.context_len, max(args.decode_steps, 16))
+                peers[name] = peer_figures(name, args.llamacpp, rounds=args.peer_rounds,
+                                           context_len=args.context_len, steps=args.decode_steps, bar=bar)
     # Load average: on a shared machine, other work steals cycles from both roofs and model runs.
     return {"machine": {"threads": torch.get_num_threads(), "matmul_gflops": peak, "copy_gbps": roofs.copy_gbps,
                         "read_gbps": read, "cpu_count": os.cpu_count(), "cpu": cpu_description(),
@@ -252,6 +254,8 @@ def _peer_lines(res: dict) -> list[str]:
                 per_token = d["step_ms"] / int(batch)
                 lines.append(f"  ours ({key}) batch {batch:>3}: {per_token:7.2f} ms a token = "
                              f"{peer['token_ms'] / per_token:5.2f}x llama.cpp's token rate")
+        if "rounds" in peer:
+            lines += render_rounds(name, peer["rounds"])
     return lines
 
 

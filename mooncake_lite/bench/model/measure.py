@@ -74,7 +74,8 @@ def bench_matmuls(model: Transformer, rows: int, repeats: int = 3) -> float | No
 
 
 # Operator kinds of a decode step, by the aten names torch.profiler records (first match wins).
-OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear", "quant_linear")),
+OP_KINDS = (("layers in one C call", ("decode_layers",)),   # kernels/decode_layers.c: products, attention, all
+            ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear", "quant_linear")),
             ("attention", ("aten::_scaled_dot_product", "aten::softmax", "aten::_softmax", "decode_attention")),
             # rope_kv_write (kernels/rope_kv.c): the rotary embedding and the KV write in one call
             ("kv write", ("aten::index_copy", "aten::index_put", "aten::_index_put", "rope_kv_write")),
