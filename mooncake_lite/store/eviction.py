@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 Key = Hashable
@@ -39,6 +39,14 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
+def _first_unpinned(keys: Iterable[Key], is_pinned: PinCheck | None) -> Key | None:
+    """The first of ``keys`` (a policy's eviction order) that ``is_pinned`` does not hold."""
+    for key in keys:
+        if is_pinned is None or not is_pinned(key):
+            return key
+    return None
+
+
 class LRUPolicy:
     """O(1) insert/touch/remove/victim via one ordered dict (front = least recent)."""
 
@@ -56,10 +64,7 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
-        for key in self._order:
-            if is_pinned is None or not is_pinned(key):
-                return key
-        return None
+        return _first_unpinned(self._order, is_pinned)
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
@@ -118,11 +123,8 @@ class _BucketedPolicy:
         yield from rest
 
     def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
-        for rank in self._ranks_in_order():
-            for key in self._buckets[rank]:
-                if is_pinned is None or not is_pinned(key):
-                    return key
-        return None
+        in_order = (key for rank in self._ranks_in_order() for key in self._buckets[rank])
+        return _first_unpinned(in_order, is_pinned)
 
     def __contains__(self, key: object) -> bool:
         return key in self._rank
@@ -202,22 +204,9 @@ class BlockCache:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
-        policy = self.policy
-        if type(policy) is LRUPolicy:     # on the ordered dict itself: no two calls per key
-            order = policy._order
-            move, num_hits = order.move_to_end, 0
-            for key in keys:
-                if key not in order:
-                    break
-                move(key)
-                num_hits += 1
-            return num_hits
-        num_hits = 0
-        for key in keys:
-            if key not in self.policy:
-                break
+        num_hits = self.leading(keys)
+        for key in keys[:num_hits]:
             self.policy.touch(key)
-            num_hits += 1
         return num_hits
 
     def insert_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> list[Key]:
