@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 Key = Hashable
@@ -39,14 +39,6 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
-def _first_unpinned(keys: Iterable[Key], is_pinned: PinCheck | None) -> Key | None:
-    """The first of ``keys`` (a policy's eviction order) that ``is_pinned`` does not hold."""
-    for key in keys:
-        if is_pinned is None or not is_pinned(key):
-            return key
-    return None
-
-
 class LRUPolicy:
     """O(1) insert/touch/remove/victim via one ordered dict (front = least recent)."""
 
@@ -64,7 +56,10 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
-        return _first_unpinned(self._order, is_pinned)
+        for key in self._order:
+            if is_pinned is None or not is_pinned(key):
+                return key
+        return None
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
@@ -123,8 +118,11 @@ class _BucketedPolicy:
         yield from rest
 
     def victim(self, is_pinned: PinCheck | None = None) -> Key | None:
-        in_order = (key for rank in self._ranks_in_order() for key in self._buckets[rank])
-        return _first_unpinned(in_order, is_pinned)
+        for rank in self._ranks_in_order():
+            for key in self._buckets[rank]:
+                if is_pinned is None or not is_pinned(key):
+                    return key
+        return None
 
     def __contains__(self, key: object) -> bool:
         return key in self._rank
