@@ -103,3 +103,17 @@ def test_docstrings_and_literal_data_make_no_pair_but_code_with_fstrings_does(tm
     write_tree(tmp_path, {"pkg/c.py": report, "pkg/d.py": report.replace("def r(s)", "def q(s)")})
     pairs = am.same_shape_pairs(am.source_files(tmp_path / "pkg"), tmp_path)
     assert [(p.a, p.b) for p in pairs] == [("pkg/c.py:1-9", "pkg/d.py:1-9")]
+
+
+
+def test_field_declarations_and_self_x_equals_x_are_no_shape_and_end_a_run(tmp_path):
+    fields = "".join(f"    f{i}: int = 0\n" for i in range(8))
+    init = "    def __init__(self, a, b, c, d, e, f):\n" + "".join(f"        self.{n} = {n}\n" for n in "abcdef")
+    logic = "def g(self, x):\n    a = x + 1\n    b = a * 2\n    c = b - 3\n    self.x = x\n" \
+        "    d = c + 4\n    e = d * 5\n    return e\n"   # 4 lines, a declaration, 3 lines
+    write_tree(tmp_path, {f"pkg/{name}.py": f"@dataclass\nclass {name.upper()}:\n" + fields + init + logic
+                          for name in ("a", "b")})
+    paths = am.source_files(tmp_path / "pkg")
+    assert am.same_shape_pairs(paths, tmp_path) == []
+    pairs = am.same_shape_pairs(paths, tmp_path, declarations=True)   # the definition before
+    assert [(p.a, p.b, p.lines) for p in pairs] == [("pkg/a.py:1-25", "pkg/b.py:1-25", 25)]

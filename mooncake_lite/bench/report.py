@@ -7,12 +7,24 @@ script reads any benchmark the same way.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 import orjson
 
 Render = Callable[[dict], str]
+
+
+def machine(load_before: float) -> dict:
+    """A report's ``machine``: its CPUs and the 1-minute load average before (``load_before``, read
+    with ``os.getloadavg()[0]`` as the benchmark started) and now, at its end."""
+    return {"cpus": os.cpu_count(), "load_avg_1m": load_before, "load_avg_1m_end": os.getloadavg()[0]}
+
+
+def machine_text(m: dict) -> str:
+    """A report's ``machine`` as its text says it."""
+    return f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}"
 
 
 def emit(result: dict, render: Render, *, as_json: bool) -> None:

@@ -25,10 +25,11 @@ from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
+from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
 from mooncake_lite.scheduler.snapshot import StateTuple
 from mooncake_lite.sim.recorder import Recorder, SimResult
 from mooncake_lite.sim.correcting import SimCorrecting
-from mooncake_lite.sim.request import MaxTokensPolicy, PredictionAccuracy, SimRequest
+from mooncake_lite.sim.request import MaxTokensPolicy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
 from mooncake_lite.trace.format import TraceRequest
 

@@ -54,6 +54,7 @@ MODULES = (
     "mooncake_lite.scheduler.packing",
     "mooncake_lite.scheduler.decision",
     "mooncake_lite.scheduler.predict",
+    "mooncake_lite.scheduler.prediction_accuracy",
     "mooncake_lite.sim.cluster",
     "mooncake_lite.sim.nodes",
     "mooncake_lite.sim.batch",

@@ -107,25 +107,6 @@ class SimRequest:
         return self._output
 
 
-class PredictionAccuracy:
-    """How far the output length the conductor sized t_d with was from the true one, over the
-    completed requests: mean absolute error and how often it was an underestimate."""
-
-    __slots__ = ("num", "abs_error", "num_under")
-
-    def __init__(self) -> None:
-        self.num, self.abs_error, self.num_under = 0, 0, 0
-
-    def add(self, expected: int, true_output: int) -> None:
-        self.num += 1
-        self.abs_error += abs(expected - true_output)
-        self.num_under += expected < true_output
-
-    def to_dict(self) -> dict[str, float]:
-        n = max(self.num, 1)
-        return {"requests": self.num, "mae_tokens": self.abs_error / n, "underestimated": self.num_under / n}
-
-
 def fold_gaps(log: list[Segment], start: int, end: int, wait_extra: float) -> list[Segment]:
     """The gaps one request saw, from a batch's segment log entries ``[start, end)``.
 

@@ -202,22 +202,9 @@ class BlockCache:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
-        policy = self.policy
-        if type(policy) is LRUPolicy:     # on the ordered dict itself: no two calls per key
-            order = policy._order
-            move, num_hits = order.move_to_end, 0
-            for key in keys:
-                if key not in order:
-                    break
-                move(key)
-                num_hits += 1
-            return num_hits
-        num_hits = 0
-        for key in keys:
-            if key not in self.policy:
-                break
+        num_hits = self.leading(keys)
+        for key in keys[:num_hits]:
             self.policy.touch(key)
-            num_hits += 1
         return num_hits
 
     def insert_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> list[Key]:

@@ -76,3 +76,15 @@ def test_an_unknown_signal_is_refused_naming_the_flag(capsys):
         parse_args(["--signals", "kill,pause"])
     err = capsys.readouterr().err
     assert "--signals" in err and "pause" in err
+
+
+def test_a_kill_reports_row_is_flat_and_renders():
+    from mooncake_lite.bench.chaos.cli import KillReport, render
+    from mooncake_lite.bench.chaos.load import Outcome, phase_figures
+    fig = phase_figures([Outcome(99.0, 101.0, 99.5, "ok", longest_gap_s=0.7)], [], 100.0, [])
+    row = KillReport("decode-0", "stop", fig, continued=1, rejoined_s=2.5, leaked={}).to_dict()
+    assert (row["victim"], row["signal"], row["requests"], row["ok"], row["longest_gap_s"], row["continued"]) == \
+        ("decode-0", "stop", 1, 1, 0.7, 1)
+    text = render({"model": "tiny", "commit": None, "cluster": {}, "load": {"concurrency": 2, "max_tokens": 4},
+                   "kills": [row]})
+    assert text.splitlines()[-1].split()[:4] == ["decode-0", "stop", "1", "0"]   # victim, signal, requests, hung

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import orjson
 
@@ -128,26 +128,19 @@ def wait_whole(cluster: UpCluster, want: dict[str, int], timeout: float) -> floa
 
 @dataclass(frozen=True)
 class KillReport:
-    """What one kill or stop did (``load.phase_figures``' counts and times), the streams
-    continued, whether the victim rejoined, and the gauges it left off their idle value."""
+    """What one kill or stop did: ``load.phase_figures``' counts and times (named there, once),
+    the streams continued, whether the victim rejoined, and the gauges it left off their idle value."""
     victim: str
-    signal: str = "kill"           # kill (SIGKILL) | stop (SIGSTOP, SIGCONT after --window-s)
-    requests: int = 0
-    ok: int = 0
-    hung: int = 0
-    failed_streaming: int = 0
-    failed_before_tokens: int = 0
-    rejected_429: int = 0
-    continued: int = 0
-    longest_gap_s: float | None = None
-    probes: int = 0
-    probes_failed: int = 0
-    service_restored_s: float | None = None
-    ttft_p50_before_s: float | None = None
-    ttft_p50_after_s: float | None = None
-    rejoined_s: float | None = None
-    leaked: dict[str, float] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
+    signal: str                    # kill (SIGKILL) | stop (SIGSTOP, SIGCONT after --window-s)
+    figures: dict
+    continued: int
+    rejoined_s: float | None
+    leaked: dict[str, float]
+
+    def to_dict(self) -> dict:
+        """One row of the report, flat: the figures beside the kill's own fields."""
+        return {"victim": self.victim, "signal": self.signal, **self.figures, "continued": self.continued,
+                "rejoined_s": self.rejoined_s, "leaked": self.leaked}
 
 
 def kill_one(cluster: UpCluster, load: Load, victim: str, a: Options, want: dict[str, int],
@@ -180,8 +173,8 @@ def kill_one(cluster: UpCluster, load: Load, victim: str, a: Options, want: dict
     load.pause()
     leaked = leaks(cluster, idle, a.quiet_s)
     figures = phase_figures(load.outcomes[first:], load.probes[first_probe:], t0, load.probes[settled:first_probe])
-    return KillReport(victim, how, leaked=leaked, rejoined_s=None if whole is None else round(max(whole, back) - t0, 2),
-                      continued=int(continuations(cluster) - continued), **figures)
+    return KillReport(victim, how, figures, continued=int(continuations(cluster) - continued),
+                      rejoined_s=None if whole is None else round(max(whole, back) - t0, 2), leaked=leaked)
 
 
 def run(a: Options) -> dict:
@@ -200,7 +193,7 @@ def run(a: Options) -> dict:
         rc = cluster.stop()
     return {"model": a.model, "commit": commit, "cluster": {"prefill": a.prefill, "decode": a.decode,
             "stores": a.stores}, "load": {"concurrency": a.concurrency, "max_tokens": a.max_tokens},
-            "kills": [asdict(r) for r in reports], "up_exit_code": rc}
+            "kills": [r.to_dict() for r in reports], "up_exit_code": rc}
 
 
 def _commit() -> str | None:

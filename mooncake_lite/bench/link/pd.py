@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from mooncake_lite.bench.link.measure import (HIDDEN_GOAL, PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused,
                                               run_worker, share, sink_on, socket_stream)
 from mooncake_lite.bench.options import Options
-from mooncake_lite.bench.report import run_and_emit
+from mooncake_lite.bench.report import machine, machine_text, run_and_emit
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes
 from mooncake_lite.common.launch import LAUNCHER, to_stderr
@@ -51,12 +51,12 @@ def pd_main(a: Options) -> int:
 def measure_pd(links: Sequence[Link], a: Options) -> dict:
     from mooncake_lite.model.source import DEFAULT_MODEL
     models = [DEFAULT_MODEL] if a.default_models else a.models   # the real default model alone
-    res = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "links": [str(x) for x in links],
-           "repeats": a.repeats, "models": {}}
+    load = os.getloadavg()[0]
+    res: dict = {"links": [str(x) for x in links], "repeats": a.repeats, "models": {}}
     for name in models:
         n = link_prompt_len(name) if a.prompt_len is None else a.prompt_lens[name]
         res["models"][name] = run_pd(name, n, links, a)
-    res["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    res["machine"] = machine(load)
     return res
 
 
@@ -239,9 +239,8 @@ def link_figures(link: Link, then: list[dict], stream: list[dict], sock: list[di
 
 
 def render_pd(res: dict) -> str:
-    m = res["machine"]
     lines = [f"mooncake bench pd --link {' / '.join(res['links'])}: prefill on node1, decode on node2; "
-             f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}; best of "
+             f"{machine_text(res['machine'])}; best of "
              f"{res['repeats']} runs",
              "hidden = 1 - (end-to-end - compute alone) / transfer at the rate (goal >= 80%); stream share = "
              f"KV bytes / (rate x compute-then-send tail) (goal >= 90%, ceiling {PAYLOAD_PER_FRAME:.1%} at MTU 1500)"]

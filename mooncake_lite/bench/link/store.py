@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from mooncake_lite.bench.link.measure import (PAYLOAD_PER_FRAME, SHARE_GOAL, SINK_PORT, Wire, refused, run_worker,
                                               share, sink_on, socket_stream)
 from mooncake_lite.bench.options import Options
-from mooncake_lite.bench.report import run_and_emit
+from mooncake_lite.bench.report import machine, machine_text, run_and_emit
 from mooncake_lite.cluster import netns
 from mooncake_lite.cluster.netns import Link, NetnsError, Nodes
 from mooncake_lite.common.launch import LAUNCHER, to_stderr
@@ -80,8 +80,8 @@ def store_main(sizes: Sequence[int], args: Options) -> int:
 
 def run_store(sizes: Sequence[int], links: Sequence[Link], args: Options) -> dict:
     """Per size: a store on node1; per repeat, the client on node2 at each rate, then on node1."""
-    report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}, "repeat": args.repeat,
-              "links": [str(link) for link in links], "bytes_per_op": args.link_bytes, "sizes": {}}
+    load = os.getloadavg()[0]
+    report: dict = {"repeat": args.repeat, "links": [str(link) for link in links], "bytes_per_op": args.link_bytes, "sizes": {}}
     with Nodes.create(2, links[0]) as nodes:
         server, client = nodes[0], nodes[1]
         report["nodes"] = {"store": server.address, "client": client.address}
@@ -93,7 +93,7 @@ def run_store(sizes: Sequence[int], links: Sequence[Link], args: Options) -> dic
                 if not args.json:
                     print(f"measuring {format_size(size)} blocks ...", file=sys.stderr, flush=True)
                 report["sizes"][str(size)] = _store_size(nodes, size, links, paths, args)
-    report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    report["machine"] = machine(load)
     return report
 
 
@@ -151,10 +151,10 @@ def _summarize_store(size: int, count: int, links: Sequence[Link], runs: dict[st
 
 
 def render_store(report: dict) -> str:
-    m, n = report["machine"], report["nodes"]
+    n = report["nodes"]
     lines = [f"mooncake bench store --link: store on node1 ({n['store']}), client on node2 ({n['client']}) over "
              f"{' / '.join(report['links'])}; loopback = the same client on node1",
-             f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}; median of "
+             f"{machine_text(report['machine'])}; median of "
              f"{report['repeat']} runs of {format_size(report['bytes_per_op'])} per op; GB/s = 1e9 B/s",
              f"share = payload / (rate x time) (ceiling 1448/1514 = {PAYLOAD_PER_FRAME:.1%} at MTU 1500); "
              "wire = bytes the link's qdisc sent / (rate x time); "

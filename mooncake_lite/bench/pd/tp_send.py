@@ -24,7 +24,7 @@ from mooncake_lite.bench.harness import role
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.pd.overlap import prefill_once
 from mooncake_lite.bench.pd.roles import BLOCK, announce
-from mooncake_lite.bench.report import emit
+from mooncake_lite.bench.report import emit, machine, machine_text
 from mooncake_lite.common.launch import to_stderr
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.tp_comms import GroupAddress, free_port
@@ -56,7 +56,7 @@ def main(argv: Sequence[str]) -> int:
             runs = asyncio.run(_runs(group.runner, decode, a))
     finally:
         group.stop()
-    report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": load, "load_avg_1m_end": os.getloadavg()[0]},
+    report = {"machine": machine(load),
               "model": a.model, "tp": a.tp, "prompt_len": a.prompt_len, "repeats": a.repeats,
               "modes": {mode: {"ttft_ms": statistics.median(r["ms"] for r in rs),
                                "bytes_through_rank0": statistics.median(r["bytes"] for r in rs)}
@@ -93,11 +93,10 @@ async def _runs(runner, decode, a: Options) -> dict[str, list[dict]]:
 
 
 def render(r: dict) -> str:
-    m = r["machine"]
     send, gather = r["modes"]["ranks send"], r["modes"]["rank 0 gathers"]
     return "\n".join([
         f"mooncake bench tp-send: {r['model']} at TP={r['tp']}, {r['prompt_len']}-token prompt to a TP=1 decode, "
-        f"{m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, median of {r['repeats']}",
+        f"{machine_text(r['machine'])}, median of {r['repeats']}",
         *(f"  {mode:<15} prefill to END answered {f['ttft_ms']:9.1f} ms   other ranks' KV through rank 0 "
           f"{f['bytes_through_rank0'] / 2**20:8.2f} MiB" for mode, f in r["modes"].items()),
         f"  ranks send / rank 0 gathers: {send['ttft_ms'] / gather['ttft_ms']:.2f}x the time"])

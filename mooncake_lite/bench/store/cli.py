@@ -31,7 +31,7 @@ import orjson
 
 from mooncake_lite.bench.harness import role
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
-from mooncake_lite.bench.report import emit
+from mooncake_lite.bench.report import emit, machine, machine_text
 from mooncake_lite.bench.store.limits import memcpy_cold_gbps, memcpy_gbps, socket_gbps
 from mooncake_lite.bench.store.measure import measure_store, working_blocks
 from mooncake_lite.bench.store.summary import OPS, REFERENCE, SHM_OPS, summarize
@@ -124,20 +124,19 @@ def main(argv: Sequence[str]) -> int:
 
 def measure(sizes: Sequence[int], args: Options) -> dict:
     """Every figure of every block size, with the machine and the reference, as one dict."""
-    report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-              "repeat": args.repeat, "sizes": {}, "reference_mooncake_gbps": REFERENCE}
+    load = os.getloadavg()[0]
+    report: dict = {"repeat": args.repeat, "sizes": {}, "reference_mooncake_gbps": REFERENCE}
     for size in sizes:
         if not args.json:
             print(f"measuring {size} B blocks ...", file=sys.stderr, flush=True)
         report["sizes"][str(size)] = bench_size(size, args)
-    report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    report["machine"] = machine(load)
     return report
 
 
 
 def render(report: dict) -> str:
-    m = report["machine"]
-    lines = [f"mooncake bench store: {m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, "
+    lines = [f"mooncake bench store: {machine_text(report['machine'])}, "
              f"median of {report['repeat']} runs, GB/s = 1e9 B/s"]
     for size, r in report["sizes"].items():
         c = r["config"]

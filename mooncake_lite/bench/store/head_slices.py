@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from mooncake_lite.bench.harness import role
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
-from mooncake_lite.bench.report import emit
+from mooncake_lite.bench.report import emit, machine, machine_text
 from mooncake_lite.common.launch import to_stderr
 from mooncake_lite.common.units import format_size
 from mooncake_lite.model.checkpoint_config import model_args
@@ -80,7 +80,7 @@ def measure(args: Options, layout: BlockLayout, degrees: list[int]) -> dict:
                 figures[f"{op} {batch} {n}"] = {"op": op, "blocks": batch, "tp": n, "ms": statistics.median(ms),
                                                 "vs_tp1": statistics.median(ratio), "requests_per_block": n,
                                                 "bytes_moved": batch * layout.block_bytes}
-    return {"machine": {"cpus": os.cpu_count(), "load_avg_1m": load, "load_avg_1m_end": os.getloadavg()[0]},
+    return {"machine": machine(load),
             "model": args.model, "block_bytes": layout.block_bytes, "heads": layout.num_heads,
             "layers": layout.num_layers, "repeat": args.repeat, "figures": figures}
 
@@ -135,10 +135,9 @@ async def _get(clients: list[StoreClient], keys: list[bytes], layout: BlockLayou
 
 
 def render(report: dict) -> str:
-    m = report["machine"]
     lines = [f"mooncake bench store-slices: {report['model']} blocks of {format_size(report['block_bytes'])} "
-             f"({report['layers']} layers x {report['heads']} KV heads), loopback TCP, {m['cpus']} CPUs, "
-             f"load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, median of {report['repeat']} rounds",
+             f"({report['layers']} layers x {report['heads']} KV heads), loopback TCP, "
+             f"{machine_text(report['machine'])}, median of {report['repeat']} rounds",
              f"  {'op':<4} {'blocks':>6} {'TP':>3} {'ms':>9} {'x TP=1':>7} {'req/block':>9} {'bytes moved':>12}"]
     for f in report["figures"].values():
         lines.append(f"  {f['op']:<4} {f['blocks']:>6} {f['tp']:>3} {f['ms']:>9.3f} {f['vs_tp1']:>7.2f} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler.predict import OutputPredictor, PredictorConfig
+from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
 
 
 class OutputHistory:
@@ -20,9 +21,7 @@ class OutputHistory:
 
     def __init__(self, cfg: PredictorConfig | None = None) -> None:
         self.predictor = OutputPredictor(cfg)
-        self.num_finished = 0
-        self.abs_error = 0
-        self.num_under = 0
+        self.accuracy = PredictionAccuracy()
 
     def expected(self, block_keys: Sequence[bytes], prompt_len: int, max_tokens: int) -> int:
         """The output length to size this request's decode time with, in [1, max_tokens]."""
@@ -33,10 +32,7 @@ class OutputHistory:
         if num_tokens < 1:
             return
         self.predictor.observe(block_keys, prompt_len, num_tokens)
-        self.num_finished += 1
-        self.abs_error += abs(expected - num_tokens)
-        self.num_under += expected < num_tokens
+        self.accuracy.add(expected, num_tokens)
 
     def stats(self) -> dict[str, float]:
-        n = max(self.num_finished, 1)
-        return {"finished": self.num_finished, "mae_tokens": self.abs_error / n, "underestimated": self.num_under / n}
+        return self.accuracy.to_dict("finished")
