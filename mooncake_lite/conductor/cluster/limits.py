@@ -1,6 +1,7 @@
-"""Tenant limits with several conductors (``--discovery``): each conductor holds a share of them.
+"""Tenant limits with several conductors (``--discovery``, or ``--peers``): each holds a share of them.
 
-The choice: each limit is divided among the live conductors listed in etcd, not counted exactly
+The choice: each limit is divided among the live conductors listed in etcd (or, with a static
+``--peers`` list, those of it answering ``/health``: :func:`follow_peers`), not counted exactly
 through etcd. An exact count needs an etcd transaction at every admission and every end (two
 round trips to etcd's leader on each request's path), and leaves a choice between no limits and
 no service while etcd is away; a share costs nothing per request and holds from the last list
@@ -15,7 +16,9 @@ outage (no lease runs down while etcd is down, so nobody is counted out). Once e
 dropped its entry (its lease TTL after the last renewal it sent, less a margin), it asks the
 conductors it last knew (``GET /internal/v1/etcd``): if one of them reaches etcd, this is a
 partition, the others have (or soon will have) taken its share, and it holds none (its limited
-tenants' requests refused until it reaches etcd again); if none does, it keeps its share.
+tenants' requests refused until it reaches etcd again); if none does, it keeps its share. With
+``--peers`` there is no arbiter: conductors cut off from each other each count the others out and
+take the whole limit (a partition overshoots up to the number of conductors); use etcd where that matters.
 """
 
 from __future__ import annotations
@@ -86,6 +89,36 @@ class Limits:
             log.warning("tenant limits: %s; holding no share of the limits until etcd is reached again",
                         self.cut_off)
             self._divide()
+
+
+async def follow_peers(limits: Limits, session: aiohttp.ClientSession, peers: tuple[str, ...],
+                       address: asyncio.Future) -> None:
+    """Without etcd (``--peers``): the live conductors are those of the list answering ``/health``
+    at all (a 503 too: one rebuilding or draining still counts, so a conductor coming back never
+    holds a share the others have not made room for; while it drains, its share goes unused)."""
+    url = await address
+    others = tuple(p for p in peers if p != url)
+    if len(others) == len(peers):
+        log.warning("tenant limits: --peers does not list this conductor (%s) as the others reach it; "
+                    "the conductors' shares may overlap", url)
+    limits.place(url)
+    live: set[str] | None = None
+    while True:
+        answers = await asyncio.gather(*(_answers(session, peer) for peer in others))
+        now = {peer for peer, ok in zip(others, answers) if ok}
+        if now != live:
+            log.info("tenant limits: %d live conductor(s) of --peers besides this one: %s", len(now), sorted(now))
+            live = now
+            limits.listed({peer: limits.identity for peer in now})
+        await asyncio.sleep(PERIOD_S)
+
+
+async def _answers(session: aiohttp.ClientSession, peer: str) -> bool:
+    try:
+        async with session.get(peer + "/health", timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)):
+            return True
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
 
 
 async def _ask(session: aiohttp.ClientSession, token: str | None, peer: str) -> bool:
