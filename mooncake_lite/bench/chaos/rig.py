@@ -159,10 +159,11 @@ def interleaved(conductors: dict[str, int], runs: int, measure: Callable[[str, i
                 counts: tuple[int, ...] = (1, 2, 3)) -> dict[int, list[T]]:
     """``measure(url, round, n)`` through HAProxy in front of the first ``n`` conductors, for each
     ``n`` of ``counts`` in turn, ``runs`` rounds: the counts interleave, so the drift of a shared
-    machine falls on all of them alike."""
+    machine falls on all of them alike, and each round starts one later (1 2 3, 2 3 1, 3 1 2), so
+    no count always follows the same one."""
     out: dict[int, list[T]] = {n: [] for n in counts}
     for r in range(runs):
-        for n in counts:
+        for n in counts[r % len(counts):] + counts[:r % len(counts)]:
             proxy = balanced(dict(list(conductors.items())[:n]))
             try:
                 out[n].append(measure(proxy.url, r, n))
