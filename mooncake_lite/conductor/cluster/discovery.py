@@ -108,7 +108,8 @@ async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], 
                     shares: limits.Limits) -> None:
     url = await address
     shares.place(url)
-    await discovery.announce(etcd, discovery.CONDUCTORS + url, {"url": url, **identity}, token, on_renewed=shares.renewed)
+    entry = {"url": url, **identity, "tenants": limits.table_digest(shares.ledger.tenants)}
+    await discovery.announce(etcd, discovery.CONDUCTORS + url, entry, token, on_renewed=shares.renewed)
 
 
 async def _lead(leadership: leader.Leadership, etcd, address: asyncio.Future) -> None:
