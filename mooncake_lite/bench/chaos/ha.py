@@ -2,6 +2,8 @@
 
     mooncake bench chaos --conductors 2                  # tiny preset: 1 prefill, 1 decode, 1 store
     mooncake bench chaos --conductors 2 --runs 3 --json  # and goodput with 1, 2 and 3 conductors
+    mooncake bench chaos --conductors 2 --prefill 2 --decode 2 --runs 3 --replay TRACE --no-kills
+                                                         # that goodput on a trace replay, and simulated (ha_replay.py)
 
 It starts etcd (its own, on loopback), the conductors with ``--discovery``, one store and the
 instances found through etcd, and HAProxy in front (``rig.py``), then, with the chaos load
