@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mooncake_lite.common.config import ConfigError, option, require
+from mooncake_lite.common.membership import conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
@@ -112,13 +113,26 @@ class Config(RoleConfig):
                                         "--discovery until every instance and store listed in etcd has reported "
                                         "(at most this long; default 10s), without it for this long (default 0)",
                                         parse=parse_duration)
+    peers: str | None = option(None, "without --discovery: every conductor of the cluster (URL1,URL2,..., this one "
+                               "included, as the others reach it); each holds its share of the tenant limits, divided "
+                               "among those answering /health")
     shared_instances: str = option("auto", "whether other conductors send work to these instances too (several "
                                     "conductors): on, each conductor counts their work from the instances' heartbeats "
-                                    "and breaks ties in its own random order; auto: on with --discovery",
+                                    "and breaks ties in its own random order; auto: on with --discovery or --peers",
                                     choices=("auto", "on", "off"))
+
+    @property
+    def peer_urls(self) -> tuple[str, ...]:
+        return conductor_urls(self.peers)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.peers is None or self.discovery is None, "--peers and --discovery exclude each other (with "
+                "--discovery the conductors find each other in etcd)")
+        try:
+            conductor_urls(self.peers)
+        except ValueError:
+            require(False, f"--peers must be http(s) URLs separated by commas, got {self.peers!r}")
         require(self.rebuild_wait is None or self.rebuild_wait >= 0,
                 f"--rebuild-wait must be >= 0, got {self.rebuild_wait}")
         require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")

@@ -2,6 +2,8 @@
 
     mooncake bench chaos --conductors 2                  # tiny preset: 1 prefill, 1 decode, 1 store
     mooncake bench chaos --conductors 2 --runs 3 --json  # and goodput with 1, 2 and 3 conductors
+    mooncake bench chaos --conductors 2 --prefill 2 --decode 2 --runs 3 --replay TRACE --no-kills
+                                                         # that goodput on a trace replay, and simulated (ha_replay.py)
 
 It starts etcd (its own, on loopback), the conductors with ``--discovery``, one store and the
 instances found through etcd, and HAProxy in front (``rig.py``), then, with the chaos load
@@ -55,7 +57,8 @@ class Cluster:
     def start_conductor(self, name: str) -> RoleProcess:
         self.conductors[name] = RoleProcess.start(
             "conductor", *COMMON, "--model", self.a.model, "--port", str(self.ports[name]), *self.discovery,
-            "--dead-after", "3s", "--rebuild-wait", "10s", "--admission", "none", name=name,
+            "--dead-after", "3s", "--rebuild-wait", "10s", "--admission", "none",
+            "--ttft-slo-factor", str(self.a.ttft_slo_factor), "--tbt-slo-factor", str(self.a.tbt_slo_factor), name=name,
             timeout=self.a.ready_timeout_s)
         return self.conductors[name]
 
@@ -69,16 +72,18 @@ def start(a: Options, num_conductors: int) -> Cluster:
     etcd = rig.Etcd()
     etcd.start()
     cluster = Cluster(a, etcd, {f"c{i}": rig.free_port() for i in range(1, num_conductors + 1)})
-    data = str(rig.free_port())
-    model = ("--model", a.model, "--threads", "1", "--no-profile", "--heartbeat-interval", "0.2", "--port", "0",
+    data = [str(rig.free_port()) for _ in range(a.prefill)]   # a store per prefill: placement has a cache to choose by
+    profile = () if a.replay else ("--no-profile",)   # a replay's placement and simulator need the cost models
+    model = ("--model", a.model, "--threads", "1", *profile, "--heartbeat-interval", "0.2", "--port", "0",
              *cluster.discovery)
     starts = [lambda n=n: cluster.start_conductor(n) for n in cluster.ports]
     wait = a.ready_timeout_s
-    starts.append(lambda: RoleProcess.start("store", *COMMON, "--port", "0", "--data-port", data, "--dram", "256MiB",
-                                            *cluster.discovery, timeout=wait))
-    starts += [lambda i=i: RoleProcess.start("prefill", *COMMON, *model, "--store", f"127.0.0.1:{data}",
+    starts += [lambda d=d: RoleProcess.start("store", *COMMON, "--port", "0", "--data-port", d, "--dram", "256MiB",
+                                             *cluster.discovery, name=f"store-{d}", timeout=wait) for d in data]
+    starts += [lambda i=i: RoleProcess.start("prefill", *COMMON, *model, "--store", f"127.0.0.1:{data[i]}",
                                              name=f"prefill-{i}", timeout=wait) for i in range(a.prefill)]
-    starts += [lambda i=i: RoleProcess.start("decode", *COMMON, *model, name=f"decode-{i}", timeout=wait)
+    starts += [lambda i=i: RoleProcess.start("decode", *COMMON, *model, "--tbt-slo-factor", str(a.tbt_slo_factor),
+                                             name=f"decode-{i}", timeout=wait)
                for i in range(a.decode)]
     with ThreadPoolExecutor(len(starts)) as pool:   # at once: a prefill retries its store until it is up
         futures = [pool.submit(s) for s in starts]
@@ -91,49 +96,25 @@ def start(a: Options, num_conductors: int) -> Cluster:
     return cluster
 
 
-def balanced(cluster: Cluster, names: list[str]) -> rig.HAProxy:
-    """HAProxy in front of ``names``, once its checks have them all UP (their views rebuilt)."""
-    proxy = rig.HAProxy({n: cluster.ports[n] for n in names})
-    deadline = time.monotonic() + 60
-    while set(proxy.status().values()) != {"UP"}:
-        if time.monotonic() > deadline:
-            proxy.close()
-            raise TimeoutError(f"conductors {names} not all UP in HAProxy: {proxy.status()}")
-        time.sleep(0.1)
-    return proxy
-
-
 def goodput(cluster: Cluster, a: Options) -> dict[str, dict]:
-    """Completed requests/s and TTFT p50 with 1, 2 and 3 conductors balanced, ``--runs`` rounds."""
-    runs: dict[int, list[tuple[float, float | None]]] = {1: [], 2: [], 3: []}
-    for _ in range(a.runs):
-        for n in runs:
-            proxy = balanced(cluster, list(cluster.ports)[:n])
-            try:
-                with Load(proxy.url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens,
-                          hang_s=a.hang_s, probe_every_s=1.0) as load:   # probes apart, not counted
-                    start = time.monotonic()
-                    load.resume()
-                    time.sleep(a.goodput_s)
-                    load.pause()
-                    took = time.monotonic() - start
-            finally:
-                proxy.close()
-            ok = [o for o in load.outcomes if o.kind == "ok"]
-            ttfts = [o.first_token - o.start for o in ok if o.first_token]
-            runs[n].append((len(ok) / took, statistics.median(ttfts) if ttfts else None))
-    return {str(n): _spread(r) for n, r in runs.items()}
-
-
-def _spread(runs: list[tuple[float, float | None]]) -> dict:
-    rps, ttft = [r for r, _ in runs], [t for _, t in runs if t is not None]
-    return {"goodput_rps": [round(x, 3) for x in rps], "mean_rps": round(statistics.mean(rps), 3),
-            "ttft_p50_s": [round(x, 3) for x in ttft], "mean_ttft_s": round(statistics.mean(ttft), 3) if ttft else None}
+    """Completed requests/s and TTFT p50 of the chat load with 1, 2 and 3 conductors, ``--runs`` rounds."""
+    def measure(url: str, _round: int, _n: int) -> dict[str, float | None]:
+        with Load(url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                  hang_s=a.hang_s, probe_every_s=1.0) as load:   # probes apart, not counted
+            start = time.monotonic()
+            load.resume()
+            time.sleep(a.goodput_s)
+            load.pause()
+            took = time.monotonic() - start
+        ok = [o for o in load.outcomes if o.kind == "ok"]
+        ttfts = [o.first_token - o.start for o in ok if o.first_token]
+        return {"goodput_rps": len(ok) / took, "ttft_p50_s": statistics.median(ttfts) if ttfts else None}
+    return {str(n): rig.spread(r) for n, r in rig.interleaved(cluster.ports, a.runs, measure).items()}
 
 
 def kill(cluster: Cluster, a: Options, victim: str) -> dict:
     """SIGKILL to ``victim`` (a conductor's name, or ``etcd``) under load through HAProxy."""
-    proxy = balanced(cluster, list(cluster.ports)[:a.conductors])
+    proxy = rig.balanced(dict(list(cluster.ports.items())[:a.conductors]))
     marked: dict[str, float] = {}
     try:
         with Load(proxy.url + "/v1", a.model, concurrency=a.concurrency, max_tokens=a.max_tokens, hang_s=a.hang_s,
@@ -179,37 +160,47 @@ def say(text: str) -> None:
 
 
 def run(a: Options) -> dict:
-    say("starting etcd, the conductors, a store and the instances")
+    say("starting etcd, the conductors, the stores and the instances")
     cluster = start(a, max(a.conductors, 3 if a.runs else 2))
     try:
         result: dict = {"model": a.model, "conductors": a.conductors, "prefill": a.prefill, "decode": a.decode,
                         "load": {"concurrency": a.concurrency, "max_tokens": a.max_tokens}}
-        if a.runs:
+        if a.runs and a.replay:
+            from mooncake_lite.bench.chaos.ha_replay import replay_goodput
+            say(f"trace replay with 1, 2 and 3 conductors, {a.runs} round(s), then the simulator")
+            result["replay"] = replay_goodput(cluster.ports, a, TOKEN)
+        elif a.runs:
             say(f"goodput with 1, 2 and 3 conductors, {a.runs} round(s)")
             result["goodput"] = goodput(cluster, a)
-        say("conductor c1 killed under load")
-        result["kills"] = [kill(cluster, a, "c1")]
-        cluster.start_conductor("c1")
-        say("etcd killed under load")
-        result["kills"].append(kill(cluster, a, "etcd"))   # last: nothing after needs it back
+        if a.kills:
+            say("conductor c1 killed under load")
+            result["kills"] = [kill(cluster, a, "c1")]
+            cluster.start_conductor("c1")
+            say("etcd killed under load")
+            result["kills"].append(kill(cluster, a, "etcd"))   # last: nothing after needs it back
     finally:
         cluster.stop()
     return result
 
 
 def render(res: dict) -> str:
-    lines = [f"chaos --conductors {res['conductors']}: {res['model']}, {res['prefill']} prefill, {res['decode']} decode, "
-             f"{res['load']['concurrency']} streams of {res['load']['max_tokens']} tokens through HAProxy", "",
-             f"{'killed':<8}{'in-flight failed':>17}{'new failed':>16}{'all new ok after s':>20}{'haproxy down s':>16}"
-             f"{'probe TTFT p50 before/after':>29}"]
-    for k in res["kills"]:
+    lines = [f"chaos --conductors {res['conductors']}: {res['model']}, {res['prefill']} prefill, {res['decode']} decode"]
+    if "kills" in res or "goodput" in res:
+        lines += [f"chat load: {res['load']['concurrency']} streams of {res['load']['max_tokens']} tokens through HAProxy"]
+    if "kills" in res:
+        lines += ["", f"{'killed':<8}{'in-flight failed':>17}{'new failed':>16}{'all new ok after s':>20}"
+                      f"{'haproxy down s':>16}{'probe TTFT p50 before/after':>29}"]
+    for k in res.get("kills", []):
         lines.append(f"{k['victim']:<8}{k['in_flight_failed']:>17}{str(k['new_failed']) + '/' + str(k['new_requests']):>16}"
                      f"{_s(k['all_new_succeed_s']):>20}{_s(k['haproxy_down_s']):>16}"
                      f"{_s(k['ttft_p50_before_s']) + '/' + _s(k['ttft_p50_after_s']):>29}")
         lines += [f"    {e}" for e in k["errors"][:3]]
     for n, g in res.get("goodput", {}).items():
-        lines.append(f"{n} conductor(s): goodput {g['mean_rps']:.2f} req/s (runs {g['goodput_rps']}), "
-                     f"TTFT p50 {_s(g['mean_ttft_s'])} s (runs {g['ttft_p50_s']})")
+        lines.append(f"{n} conductor(s): goodput {_s(g['goodput_rps']['mean'])} req/s (runs {g['goodput_rps']['runs']}), "
+                     f"TTFT p50 {_s(g['ttft_p50_s']['mean'])} s (runs {g['ttft_p50_s']['runs']})")
+    if "replay" in res:
+        from mooncake_lite.bench.chaos.ha_replay import render_replay
+        lines += render_replay(res["replay"])
     return "\n".join(lines)
 
 
@@ -231,6 +222,17 @@ FLAGS = (
     flag("--window-s", type=float, default=8.0, help="load after the kill"),
     flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
     flag("--ready-timeout-s", type=float, default=600.0, help="for each process to start (a loaded box is slow)"),
+    flag("--replay", default=None, metavar="TRACE", help="with --runs: goodput on a replay of this trace's "
+         "first requests instead of the chat load, and the simulator on the same slice (ha_replay.py)"),
+    flag("--replay-requests", type=int, default=24, help="the slice: the trace's first N requests"),
+    flag("--replay-speed", type=float, default=0.06, help="the slice's speed (0.06: 6%% of the recorded rate)"),
+    flag("--ttft-slo-factor", type=float, default=10.0, help="the conductors' relative TTFT SLO "
+         "(decode refusals); a replay's, made absolute as bench fidelity does: this many times the median prefill alone"),
+    flag("--tbt-slo-factor", type=float, default=5.0, help="the same for TBT (the conductors' and the decodes' own "
+         "check): this many times one step alone"),
+    flag("--output-dir", default="chaos-ha-results", help="a replay's exported cost model (costs.json) and the "
+         "slice as the simulator ran it (sim_trace.jsonl)"),
+    flag("--no-kills", dest="kills", action="store_false", help="only the goodput runs"),
     flag("--json", action="store_true"),
 )
 

@@ -7,13 +7,17 @@ installs them where it runs as root); :class:`Missing` names the package otherwi
 from __future__ import annotations
 
 import shutil
+import statistics
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -137,3 +141,42 @@ class HAProxy:
         self.proc.kill()
         self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def balanced(conductors: dict[str, int]) -> HAProxy:
+    """HAProxy in front of ``conductors`` (name: port), once its checks have them all UP (views rebuilt)."""
+    proxy = HAProxy(conductors)
+    deadline = time.monotonic() + 60
+    while set(proxy.status().values()) != {"UP"}:
+        if time.monotonic() > deadline:
+            proxy.close()
+            raise TimeoutError(f"conductors {list(conductors)} not all UP in HAProxy: {proxy.status()}")
+        time.sleep(0.1)
+    return proxy
+
+
+def interleaved(conductors: dict[str, int], runs: int, measure: Callable[[str, int, int], T],
+                counts: tuple[int, ...] = (1, 2, 3)) -> dict[int, list[T]]:
+    """``measure(url, round, n)`` through HAProxy in front of the first ``n`` conductors, for each
+    ``n`` of ``counts`` in turn, ``runs`` rounds: the counts interleave, so the drift of a shared
+    machine falls on all of them alike, and each round starts one later (1 2 3, 2 3 1, 3 1 2), so
+    no count always follows the same one."""
+    out: dict[int, list[T]] = {n: [] for n in counts}
+    for r in range(runs):
+        for n in counts[r % len(counts):] + counts[:r % len(counts)]:
+            proxy = balanced(dict(list(conductors.items())[:n]))
+            try:
+                out[n].append(measure(proxy.url, r, n))
+            finally:
+                proxy.close()
+    return out
+
+
+def spread(runs: list[dict[str, float | None]]) -> dict[str, dict]:
+    """Each figure's runs, mean and spread (max - min) over the runs that have it."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = {"runs": [round(v, 4) for v in values], "mean": round(statistics.mean(values), 4) if values else None,
+                    "spread": round(max(values) - min(values), 4) if values else None}
+    return out

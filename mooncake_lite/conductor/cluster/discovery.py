@@ -28,16 +28,20 @@ DEFAULT_DISCOVERY_WAIT_S = 10.0
 
 
 def setup(app: web.Application, discovery_url: str | None, rebuild_wait: float | None,
-          identity: dict[str, object], token: str | None) -> None:
+          identity: dict[str, object], token: str | None, peers: tuple[str, ...] = ()) -> None:
     """The view-rebuild gate for ``/health`` and, with discovery, the etcd tasks (``identity``:
-    what the conductor's entry says it serves)."""
+    what the conductor's entry says it serves); with a static list of ``peers`` instead, the
+    task that divides the tenant limits among those of them answering ``/health``."""
     wait = rebuild_wait if rebuild_wait is not None else (DEFAULT_DISCOVERY_WAIT_S if discovery_url else 0.0)
     app[REBUILD] = Rebuild(0.0, wait)
     app.on_startup.append(_start_clock)
-    if discovery_url:
+    if discovery_url or peers:
         gate = app[SERVICES].tenants
         assert gate is not None, "make_services always gives the conductor a tenant gate"
         app[limits.LIMITS] = limits.Limits(gate.ledger, identity)
+    if peers and not discovery_url:
+        app.cleanup_ctx.append(lambda app: _follow(app, peers))
+    if discovery_url:
         app[leader.LEADER] = leader.Leadership(token)
         app.router.add_get("/internal/v1/etcd", limits.reaches_etcd)
         app.cleanup_ctx.append(lambda app: _run(app, discovery_url, identity, token))
@@ -90,11 +94,22 @@ async def _run(app: web.Application, url: str, identity: dict[str, object], toke
             await task
 
 
+async def _follow(app: web.Application, peers: tuple[str, ...]) -> AsyncIterator[None]:
+    app[ADDRESS] = address = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(limits.follow_peers(app[limits.LIMITS], app[SERVICES].session, peers, address),
+                               name="tenant limits among --peers")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], token: str | None,
                     shares: limits.Limits) -> None:
     url = await address
     shares.place(url)
-    await discovery.announce(etcd, discovery.CONDUCTORS + url, {"url": url, **identity}, token, on_renewed=shares.renewed)
+    entry = {"url": url, **identity, "tenants": limits.table_digest(shares.ledger.tenants)}
+    await discovery.announce(etcd, discovery.CONDUCTORS + url, entry, token, on_renewed=shares.renewed)
 
 
 async def _lead(leadership: leader.Leadership, etcd, address: asyncio.Future) -> None:

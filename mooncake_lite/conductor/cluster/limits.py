@@ -1,6 +1,7 @@
-"""Tenant limits with several conductors (``--discovery``): each conductor holds a share of them.
+"""Tenant limits with several conductors (``--discovery``, or ``--peers``): each holds a share of them.
 
-The choice: each limit is divided among the live conductors listed in etcd, not counted exactly
+The choice: each limit is divided among the live conductors listed in etcd (or, with a static
+``--peers`` list, those of it answering ``/health``: :func:`follow_peers`), not counted exactly
 through etcd. An exact count needs an etcd transaction at every admission and every end (two
 round trips to etcd's leader on each request's path), and leaves a choice between no limits and
 no service while etcd is away; a share costs nothing per request and holds from the last list
@@ -15,12 +16,15 @@ outage (no lease runs down while etcd is down, so nobody is counted out). Once e
 dropped its entry (its lease TTL after the last renewal it sent, less a margin), it asks the
 conductors it last knew (``GET /internal/v1/etcd``): if one of them reaches etcd, this is a
 partition, the others have (or soon will have) taken its share, and it holds none (its limited
-tenants' requests refused until it reaches etcd again); if none does, it keeps its share.
+tenants' requests refused until it reaches etcd again); if none does, it keeps its share. With
+``--peers`` there is no arbiter: conductors cut off from each other each count the others out and
+take the whole limit (a partition overshoots up to the number of conductors); use etcd where that matters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 
 import aiohttp
@@ -28,7 +32,7 @@ from aiohttp import web
 
 from mooncake_lite.common import discovery
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.scheduler.tenants import TenantLedger
+from mooncake_lite.scheduler.tenants import TenantLedger, Tenants
 
 log = logging.getLogger(__name__)
 MARGIN_S = 1.5        # gives the share up this long before etcd may drop our entry
@@ -46,12 +50,21 @@ class Limits:
         self.peers: list[str] = []
         self.renewed_at: float | None = None   # loop time the last renewal etcd answered was sent
         self.cut_off: str | None = None
+        self.warned: dict[str, str] = {}       # peer URL: the other tenant table it was warned of
 
     def listed(self, entries: dict[str, dict]) -> None:
         """The conductors' directory changed (keys are their URLs); only those serving what this
-        one serves count (the instances refuse the others)."""
+        one serves count (the instances refuse the others). One whose tenant table differs
+        (``tenants``: :func:`table_digest`) still counts, with a warning: the shares assume one table."""
         self.peers = sorted(u for u, body in entries.items() if u != self.url and
                             all(body.get(k) == v for k, v in self.identity.items()))
+        own = table_digest(self.ledger.tenants)
+        for url in self.peers:
+            theirs = entries[url].get("tenants")
+            if theirs not in (None, own) and self.warned.get(url) != theirs:
+                self.warned[url] = theirs
+                log.warning("tenant limits: conductor %s has another tenant table than this one (digest %s, "
+                            "ours %s): give every conductor the same tenants file", url, theirs, own)
         self._divide()
 
     def place(self, url: str) -> None:
@@ -88,6 +101,36 @@ class Limits:
             self._divide()
 
 
+async def follow_peers(limits: Limits, session: aiohttp.ClientSession, peers: tuple[str, ...],
+                       address: asyncio.Future) -> None:
+    """Without etcd (``--peers``): the live conductors are those of the list answering ``/health``
+    at all (a 503 too: one rebuilding or draining still counts, so a conductor coming back never
+    holds a share the others have not made room for; while it drains, its share goes unused)."""
+    url = await address
+    others = tuple(p for p in peers if p != url)
+    if len(others) == len(peers):
+        log.warning("tenant limits: --peers does not list this conductor (%s) as the others reach it; "
+                    "the conductors' shares may overlap", url)
+    limits.place(url)
+    live: set[str] | None = None
+    while True:
+        answers = await asyncio.gather(*(_answers(session, peer) for peer in others))
+        now = {peer for peer, ok in zip(others, answers) if ok}
+        if now != live:
+            log.info("tenant limits: %d live conductor(s) of --peers besides this one: %s", len(now), sorted(now))
+            live = now
+            limits.listed({peer: limits.identity for peer in now})
+        await asyncio.sleep(PERIOD_S)
+
+
+async def _answers(session: aiohttp.ClientSession, peer: str) -> bool:
+    try:
+        async with session.get(peer + "/health", timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)):
+            return True
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
 async def _ask(session: aiohttp.ClientSession, token: str | None, peer: str) -> bool:
     try:
         async with session.get(peer + "/internal/v1/etcd", headers=cluster_headers(token),
@@ -95,6 +138,13 @@ async def _ask(session: aiohttp.ClientSession, token: str | None, peer: str) -> 
             return resp.status == 200 and bool((await resp.json()).get("reaches_etcd"))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return False
+
+
+def table_digest(tenants: Tenants) -> str:
+    """A short digest of a tenant table, API keys included (hashed), for the conductors' etcd
+    entries: tenant definitions are each conductor's config, not shared through etcd."""
+    keys = "\0".join(sorted(k for spec in tenants.specs for k in spec.api_keys))
+    return hashlib.sha256(f"{tenants!r}\0{keys}".encode()).hexdigest()[:16]
 
 
 LIMITS = web.AppKey("limits", Limits)
