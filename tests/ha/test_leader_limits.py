@@ -25,14 +25,6 @@ TOKEN = "leader-test-token"
 TTL = 2
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    server = Etcd()
-    server.start()
-    yield server
-    server.close()
-
-
 async def _leaders(cands: list[leader.Leadership], seconds: float, samples: list[int]) -> None:
     for _ in range(int(seconds / 0.02)):
         samples.append(sum(c.is_leader for c in cands))

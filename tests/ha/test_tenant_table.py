@@ -33,14 +33,6 @@ A = parse_tenants({"gold": {"api_keys": ["key-a"], "max_concurrency": 4, "priori
 B = parse_tenants({"silver": {"api_keys": ["key-b"], "rate": 5.0, "priority": "low"}})
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    server = Etcd()
-    server.start()
-    yield server
-    server.close()
-
-
 async def _until(ok, what: str, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not ok():
