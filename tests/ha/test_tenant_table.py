@@ -24,6 +24,7 @@ from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.conductor.tenants import TenantGate, key_digest
 from mooncake_lite.conductor.tenants_push import main as push_main
 from mooncake_lite.conductor.tenants_push import push
+from mooncake_lite.scheduler import SchedulerConfig
 from mooncake_lite.scheduler.tenants import parse_tenants
 from tests.ha.cluster import Etcd, free_port
 
@@ -121,3 +122,29 @@ def test_tenants_push_needs_a_table_and_names_a_bad_url(tmp_path, capsys):
     path.write_text('[tenants.gold]\napi_keys = ["k"]\n')
     assert push_main(["push", "--discovery", "127.0.0.1:1", "--tenants", str(path)]) == 2
     assert "--discovery must be etcd://HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_last_table_stays_in_force_while_etcd_is_down_and_changes_apply_when_it_returns(etcd):
+    async def main() -> None:
+        runners, (gate,) = await _conductors(etcd, A)
+        try:
+            await _until(lambda: gate.tenants.get("gold").key_digests, "serving by etcd's table")
+            etcd.kill()
+            await asyncio.sleep(1.0)
+            assert _serves(gate, "key-a") == "gold" and gate.tenants.get("gold").max_concurrency == 4
+            etcd.start()
+            await push(etcd.url, B, TOKEN)
+            await _until(lambda: _serves(gate, "key-b") == "silver", "the push applied once etcd is back", 20.0)
+            assert _serves(gate, "key-a") is None
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_the_api_key_flag_stays_tenant_default_under_a_shared_table():
+    gate = TenantGate(A, SchedulerConfig(), api_key="ops-key")
+    gate.apply(parse_tenants(tenant_table.table_body(B)))          # as it comes back from etcd
+    assert _serves(gate, "ops-key") == "default" and _serves(gate, "key-b") == "silver"
+    assert _serves(gate, "key-a") is None and not gate.is_open
