@@ -25,6 +25,7 @@ TOOLS = {
     "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay, chaos, fidelity, sim-scale, kv-compression"),
     "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),
     "trace": ("mooncake_lite.trace.cli", "trace tools: stats, synth"),
+    "tenants": ("mooncake_lite.conductor.tenants_push", "tenants push: replace the tenant table shared in etcd"),
     "generate": ("mooncake_lite.model.generate", "run the model in one process (monolithic reference)"),
 }
 

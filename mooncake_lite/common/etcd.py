@@ -97,13 +97,14 @@ class Etcd:
             body["lease"] = lease
         await self._call("/v3/kv/put", body)
 
-    async def create(self, key: str, value: bytes, lease: int) -> tuple[bool, bytes | None]:
-        """Put ``key`` under ``lease`` only if it does not exist (a transaction comparing its create
-        revision with 0): (True, None) when this call created it, else (False, its value)."""
+    async def create(self, key: str, value: bytes, lease: int | None = None) -> tuple[bool, bytes | None]:
+        """Put ``key`` (under ``lease``, or for good) only if it does not exist (a transaction comparing
+        its create revision with 0): (True, None) when this call created it, else (False, its value)."""
         k = _b64(key)
+        put = {"key": k, "value": _b64(value), **({"lease": lease} if lease is not None else {})}
         answer = await self._call("/v3/kv/txn", {
             "compare": [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
-            "success": [{"request_put": {"key": k, "value": _b64(value), "lease": lease}}],
+            "success": [{"request_put": put}],
             "failure": [{"request_range": {"key": k}}]})
         if answer.get("succeeded"):
             return True, None

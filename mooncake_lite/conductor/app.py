@@ -91,7 +91,7 @@ def make_services(cfg: Config, args: ModelArgs) -> Services:
     membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures,
                             tie_salt=os.urandom(16) if spread else None)
     # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities
-    gate = TenantGate(cfg.tenants.with_key(cfg.api_key) if cfg.api_key else cfg.tenants, sched_cfg)
+    gate = TenantGate(cfg.tenants, sched_cfg, api_key=cfg.api_key)
     return Services(session=None, membership=membership, scheduler=scheduler,  # type: ignore[arg-type]
                     metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,

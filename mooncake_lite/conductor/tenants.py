@@ -37,26 +37,36 @@ _CODES = {"rate": "rate_limit_exceeded", "concurrency": "concurrency_limit_excee
           "priority": "priority_shed"}
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> str:
     # Keys are looked up by hash: a dict probe on the raw key could leak its prefix by timing.
-    return hashlib.sha256(key.encode()).digest()
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class TenantGate:
-    """The tenants, their SLO-specific scheduler configs and the ledger of their requests."""
+    """The tenants, their SLO-specific scheduler configs and the ledger of their requests.
+    ``api_key`` (``--api-key``) is one more key, tenant ``default``, whatever the table."""
 
-    def __init__(self, tenants: Tenants, base: SchedulerConfig) -> None:
-        default = TenantSpec(DEFAULT_TENANT)
-        self.tenants = tenants if tenants else Tenants((default,), anonymous=DEFAULT_TENANT)
+    def __init__(self, tenants: Tenants, base: SchedulerConfig, api_key: str | None = None) -> None:
+        self.base, self.api_key, self.own = base, api_key, tenants   # own: this conductor's --tenants
+        self.ledger = TenantLedger(Tenants())
+        self.apply(tenants)
+
+    def apply(self, tenants: Tenants) -> None:
+        """Serve by ``tenants`` from now on (at start, or when the table shared in etcd changes):
+        keys, SLOs and limits; the requests in flight keep counting by tenant name."""
+        if self.api_key and key_digest(self.api_key) not in {d for s in tenants.specs for d in s.key_digests}:
+            tenants = tenants.with_key(self.api_key)
+        self.tenants = tenants if tenants else Tenants((TenantSpec(DEFAULT_TENANT),), anonymous=DEFAULT_TENANT)
         self.is_open = not tenants   # no tenants configured: no key needed, one tenant
-        self.ledger = TenantLedger(self.tenants)
-        self.configs = {s.name: s.scheduler_config(base) for s in self.tenants.specs}
-        self._by_digest = {_digest(k): s for s in self.tenants.specs for k in s.api_keys}
+        self.ledger.retable(self.tenants)
+        self.configs = {s.name: s.scheduler_config(self.base) for s in self.tenants.specs}
+        # One lookup path: a key's digest, for keys given in clear (config) or as digests (etcd)
+        self._by_digest = {d: s for s in self.tenants.specs for d in (*s.key_digests, *map(key_digest, s.api_keys))}
 
     def by_key(self, key: str | None) -> TenantSpec | None:
         if key is None:
             return self.tenants.by_key(None)
-        return self._by_digest.get(_digest(key))
+        return self._by_digest.get(key_digest(key))
 
     def admit(self, name: str) -> None:
         """Let a request of tenant ``name`` in (it counts as in flight until :meth:`end`), or

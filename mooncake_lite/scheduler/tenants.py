@@ -2,25 +2,18 @@
 priority-aware admission rule. Pure: no IO, no clock (``now`` is passed in); the live conductor
 (``conductor/tenants.py``) and the simulator (``sim/tenants.py``) drive the same code.
 
-A tenant (an API key maps to one) has its own TTFT/TBT SLOs, a priority class, a weight, a
-request rate limit (token bucket: ``rate`` requests/s, ``burst`` at once) and a concurrency
-limit. A request is admitted in four steps, each refusal a 429 naming its limit:
-
-1. ``concurrency``: fewer than ``max_concurrency`` of the tenant's requests in flight;
-2. ``rate``: the tenant's bucket has a token (the refusal says when it will);
-3. the scheduler's own decision, judged against the tenant's SLOs (:meth:`TenantSpec.scheduler_config`);
-4. ``priority``, inside the scheduler too (``Scheduler.schedule(..., tenant)`` with a :class:`Tenant`,
-   the cause a ``RejectCause``): the accepted decision's *load*, its predicted TTFT over the tenant's TTFT SLO
-   (how long it holds the chosen prefill: what a request arriving behind it waits), is compared
-   with the tenant's ``shed_at`` (by class: high 1.0, normal 0.25, low 0.05) — but only while the
-   tenant holds more than its weighted fair share (weights by class: high 16, normal 4, low 1) of
-   the requests in flight among the tenants active lately. Under that share a tenant is judged by
-   its SLOs alone; over it, a tenant with nothing in flight gets a request through at least every
-   ``STARVE_AFTER_S`` (1 s).
-
-So as load rises the low class is refused first, then normal, and high only when its own SLO
-cannot be met; and a tenant never loses its fair share to another's flood, whatever the classes
-(a flooding tenant is over its share, so it is the one shed).
+A tenant (an API key maps to one) has its own TTFT/TBT SLOs, a priority class, a weight, a rate
+limit (token bucket: ``rate`` requests/s, ``burst`` at once) and a concurrency limit. A request is
+admitted in four steps, each refusal a 429 naming its limit: 1. ``concurrency`` (fewer than
+``max_concurrency`` in flight); 2. ``rate`` (a token in the bucket; the refusal says when);
+3. the scheduler's decision under the tenant's SLOs (:meth:`TenantSpec.scheduler_config`);
+4. ``priority``, in the scheduler (``Scheduler.schedule(..., tenant)``, a ``RejectCause``): the
+decision's *load* (predicted TTFT over the tenant's TTFT SLO: what a request behind it waits) is
+compared with the tenant's ``shed_at`` (high 1.0, normal 0.25, low 0.05), only while the tenant
+holds more than its weighted fair share (high 16, normal 4, low 1) of the requests in flight among
+the tenants active lately (one with nothing in flight still gets one through every
+``STARVE_AFTER_S``). So low is refused first, then normal, high only past its own SLO, and a
+flooding tenant (over its share) is the one shed.
 """
 
 from __future__ import annotations
@@ -44,8 +37,8 @@ DEFAULT_TENANT = "default"       # the tenant of every request when no tenants a
 ACTIVE_WINDOW_S = 10.0           # a tenant with an arrival this recent counts in the fair share
 STARVE_AFTER_S = 1.0             # a tenant the priority rule let nothing through for this long gets one
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # a Prometheus label value, readable in logs
-_KEYS = frozenset({"api_keys", "priority", "weight", "rate", "burst", "max_concurrency", "ttft_slo",
-                   "tbt_slo", "ttft_slo_factor", "tbt_slo_factor", "shed_at"})
+_KEYS = frozenset({"api_keys", "api_key_sha256", "priority", "weight", "rate", "burst", "max_concurrency",
+                   "ttft_slo", "tbt_slo", "ttft_slo_factor", "tbt_slo_factor", "shed_at"})
 
 
 def default_shed_at(priority: int) -> float:
@@ -77,11 +70,14 @@ class TenantSpec:
     ttft_slo_factor: float | None = None
     tbt_slo_factor: float | None = None
     shed_at: float | None = None         # None: default_shed_at(priority)
+    key_digests: tuple[str, ...] = field(default=(), repr=False)   # SHA-256 hex of more keys (etcd's table)
 
     def __post_init__(self) -> None:
         where = f"tenant {self.name!r}"
         require(bool(_NAME.match(self.name)), f"{where}: a name is 1-64 letters, digits, '_', '.' or '-'")
         require(all(isinstance(k, str) and k for k in self.api_keys), f"{where}: api_keys must be non-empty strings")
+        require(all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in self.key_digests),
+                f"{where}: api_key_sha256 must be SHA-256 digests (64 lowercase hex digits)")
         require(self.weight is None or self.weight > 0, f"{where}: weight must be positive, got {self.weight}")
         require(self.rate is None or (math.isfinite(self.rate) and self.rate > 0),
                 f"{where}: rate must be a positive number of requests/s, got {self.rate}")
@@ -112,8 +108,7 @@ class TenantSpec:
 
     @property
     def priority_name(self) -> str:
-        names = {v: k for k, v in PRIORITIES.items()}
-        return names.get(self.priority, str(self.priority))
+        return {v: k for k, v in PRIORITIES.items()}.get(self.priority, str(self.priority))
 
     def scheduler_config(self, base: SchedulerConfig) -> SchedulerConfig:
         """``base`` with this tenant's SLOs: an absolute SLO replaces the factor, a factor given
@@ -196,14 +191,14 @@ def _spec(name: str, body: Mapping[str, Any]) -> TenantSpec:
     unknown = sorted(set(body) - _KEYS)
     require(not unknown, f"tenants.{name}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
     try:
-        keys = body.get("api_keys", [])
-        require(isinstance(keys, list), f"tenants.{name}.api_keys must be a list of strings")
+        keys, digests = body.get("api_keys", []), body.get("api_key_sha256", [])
+        require(isinstance(keys, list) and isinstance(digests, list), f"tenants.{name}: api_keys, api_key_sha256 must be lists")
         return TenantSpec(
             name, tuple(keys), _priority(name, body.get("priority", "normal")),
             _opt(body, "weight", float), _opt(body, "rate", float), _opt(body, "burst", int),
             _opt(body, "max_concurrency", int), _opt(body, "ttft_slo", parse_duration),
             _opt(body, "tbt_slo", parse_duration), _opt(body, "ttft_slo_factor", float),
-            _opt(body, "tbt_slo_factor", float), _opt(body, "shed_at", float))
+            _opt(body, "tbt_slo_factor", float), _opt(body, "shed_at", float), tuple(digests))
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -276,10 +271,17 @@ class TenantLedger:
         self.in_flight: dict[str, int] = {}
         self.last_arrival: dict[str, float] = {}
         self.last_passed: dict[str, float] = {}   # the priority rule last let one through (or first seen)
-        self.buckets = {s.name: TokenBucket(s.rate, s.bucket_size, s.bucket_size)
-                        for s in tenants.specs if s.rate is not None}
+        self.buckets: dict[str, TokenBucket] = {}
         self.index, self.count = 0, 1       # this conductor among the live ones (:meth:`divide`)
         self.cut_off: str | None = None     # why this conductor holds no share of the limits
+        self.retable(tenants)
+
+    def retable(self, tenants: Tenants) -> None:
+        """Judge by ``tenants`` from now on (the shared table changed); counts and buckets carry over by name."""
+        self.tenants, old = tenants, self.buckets
+        self.buckets = {s.name: old.get(s.name) or TokenBucket(s.rate, s.bucket_size, s.bucket_size)
+                        for s in tenants.specs if s.rate is not None}
+        self.divide(self.index, self.count, self.cut_off)
 
     def divide(self, index: int, count: int, cut_off: str | None = None) -> None:
         """Several conductors: this one is ``index`` (0-based, in an order they all agree on) of

@@ -25,14 +25,6 @@ TOKEN = "leader-test-token"
 TTL = 2
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    server = Etcd()
-    server.start()
-    yield server
-    server.close()
-
-
 async def _leaders(cands: list[leader.Leadership], seconds: float, samples: list[int]) -> None:
     for _ in range(int(seconds / 0.02)):
         samples.append(sum(c.is_leader for c in cands))
@@ -154,17 +146,3 @@ def test_a_conductor_cut_off_from_etcd_gives_its_share_up_only_when_a_peer_reach
             await runner.cleanup()
 
     asyncio.run(main())
-
-
-def test_a_conductor_with_another_tenant_table_still_counts_and_is_warned_of_once(caplog):
-    me = limits.Limits(TenantLedger(Tenants((LIMITED,))), {"model": "tiny"})
-    ours = limits.table_digest(me.ledger.tenants)
-    other = limits.table_digest(Tenants((TenantSpec("limited", ("k",), max_concurrency=9),)))
-    assert other != ours and ours == limits.table_digest(Tenants((LIMITED,)))
-    assert limits.table_digest(Tenants((TenantSpec("limited", ("k2",), rate=4.0, burst=3, max_concurrency=3),))) != ours
-    me.place("http://a")
-    for _ in range(2):
-        me.listed({"http://b": {"model": "tiny", "tenants": other}, "http://c": {"model": "tiny", "tenants": ours}})
-    assert me.ledger.count == 3      # counted all the same: leaving it out would overshoot
-    warned = [r for r in caplog.records if "another tenant table" in r.getMessage()]
-    assert len(warned) == 1 and "http://b" in warned[0].getMessage()

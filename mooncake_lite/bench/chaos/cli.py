@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from mooncake_lite.bench.chaos.load import Load, phase_figures
+from mooncake_lite.bench.chaos.load import Load, load_flags, phase_figures
 from mooncake_lite.bench.harness import UpCluster
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
@@ -235,14 +235,9 @@ FLAGS = (
     flag("--victims", default="prefill-0,decode-0,store-0", help="children to kill or stop, in turn"),
     flag("--signals", default="kill,stop", help="what each victim gets, in turn: kill (SIGKILL), "
          "stop (SIGSTOP, then SIGCONT after --window-s)"),
-    flag("--concurrency", type=int, default=4, help="requests streaming at once"),
-    flag("--max-tokens", type=int, default=32),
-    flag("--probe-every-s", type=float, default=0.5, help="a one-token request this often"),
+    *load_flags(0.5, 1.5, 15.0, "load after the signal (at least); a stop lasts this long"),
     flag("--settle-s", type=float, default=5.0, help="load before each kill's idle reading"),
-    flag("--lead-s", type=float, default=1.5, help="load before the kill lands"),
-    flag("--window-s", type=float, default=15.0, help="load after the signal (at least); a stop lasts this long"),
     flag("--after-s", type=float, default=3.0, help="load after the victim rejoined (at least)"),
-    flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
     flag("--quiet-s", type=float, default=10.0, help="time for gauges to return to idle"),
     flag("--rejoin-timeout-s", type=float, default=180.0),
     flag("--ready-timeout-s", type=float, default=600.0),

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mooncake_lite.bench.chaos import rig
-from mooncake_lite.bench.chaos.load import Load, Outcome, phase_figures
+from mooncake_lite.bench.chaos.load import Load, Outcome, load_flags, phase_figures
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.launch import RoleProcess
@@ -215,12 +215,7 @@ FLAGS = (
     flag("--decode", type=int, default=1),
     flag("--runs", type=int, default=0, help="goodput rounds with 1, 2 and 3 conductors (0: none)"),
     flag("--goodput-s", type=float, default=15.0, help="load per goodput run"),
-    flag("--concurrency", type=int, default=4, help="requests streaming at once"),
-    flag("--max-tokens", type=int, default=32),
-    flag("--probe-every-s", type=float, default=0.25, help="a one-token request this often"),
-    flag("--lead-s", type=float, default=3.0, help="load before the kill lands"),
-    flag("--window-s", type=float, default=8.0, help="load after the kill"),
-    flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"),
+    *load_flags(0.25, 3.0, 8.0, "load after the kill"),
     flag("--ready-timeout-s", type=float, default=600.0, help="for each process to start (a loaded box is slow)"),
     flag("--replay", default=None, metavar="TRACE", help="with --runs: goodput on a replay of this trace's "
          "first requests instead of the chat load, and the simulator on the same slice (ha_replay.py)"),

@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from mooncake_lite.bench.options import Flag, flag
+
 # Shared by every request, so prompts share their first blocks: prefill loads them from the store,
 # which is what a store kill disturbs.
 SYSTEM = ("You are a concise assistant for a lunar observatory. Answer in one short sentence, use plain "
@@ -159,6 +161,16 @@ def _failure(exc: BaseException | None, first_token: float | None) -> str:
 
 def _text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def load_flags(probe_every_s: float, lead_s: float, window_s: float, window_help: str) -> tuple[Flag, ...]:
+    """The flags of the load :class:`Load` puts on, for each chaos bench (its own defaults)."""
+    return (flag("--concurrency", type=int, default=4, help="requests streaming at once"),
+            flag("--max-tokens", type=int, default=32),
+            flag("--probe-every-s", type=float, default=probe_every_s, help="a one-token request this often"),
+            flag("--lead-s", type=float, default=lead_s, help="load before the kill lands"),
+            flag("--window-s", type=float, default=window_s, help=window_help),
+            flag("--hang-s", type=float, default=30.0, help="a request silent this long is hung"))
 
 
 def phase_figures(outcomes: list[Outcome], probes: list[Outcome], t0: float, baseline: list[Outcome]) -> dict:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from mooncake_lite.common import discovery
-from mooncake_lite.conductor.cluster import leader, limits
+from mooncake_lite.conductor.cluster import leader, limits, tenant_table
 from mooncake_lite.conductor.cluster.rebuild import Rebuild
 from mooncake_lite.conductor.services import SERVICES
 
@@ -85,6 +85,7 @@ async def _run(app: web.Application, url: str, identity: dict[str, object], toke
     tasks = [asyncio.create_task(d.run(), name=f"discovery {d.prefix}") for d in [*directories, conductors]]
     tasks.append(asyncio.create_task(_announce(etcd, address, identity, token, shares), name="discovery announce"))
     tasks.append(asyncio.create_task(limits.watch(shares, svc.session, token), name="tenant limits"))
+    tasks.append(asyncio.create_task(tenant_table.run(svc.tenants, etcd, token), name="shared tenant table"))
     tasks.append(asyncio.create_task(_lead(app[leader.LEADER], etcd, address), name="leader election"))
     yield
     for task in tasks:
@@ -108,7 +109,7 @@ async def _announce(etcd, address: asyncio.Future, identity: dict[str, object], 
                     shares: limits.Limits) -> None:
     url = await address
     shares.place(url)
-    entry = {"url": url, **identity, "tenants": limits.table_digest(shares.ledger.tenants)}
+    entry = {"url": url, **identity}
     await discovery.announce(etcd, discovery.CONDUCTORS + url, entry, token, on_renewed=shares.renewed)
 
 

@@ -24,7 +24,6 @@ take the whole limit (a partition overshoots up to the number of conductors); us
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 
 import aiohttp
@@ -32,7 +31,7 @@ from aiohttp import web
 
 from mooncake_lite.common import discovery
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.scheduler.tenants import TenantLedger, Tenants
+from mooncake_lite.scheduler.tenants import TenantLedger
 
 log = logging.getLogger(__name__)
 MARGIN_S = 1.5        # gives the share up this long before etcd may drop our entry
@@ -50,21 +49,13 @@ class Limits:
         self.peers: list[str] = []
         self.renewed_at: float | None = None   # loop time the last renewal etcd answered was sent
         self.cut_off: str | None = None
-        self.warned: dict[str, str] = {}       # peer URL: the other tenant table it was warned of
 
     def listed(self, entries: dict[str, dict]) -> None:
         """The conductors' directory changed (keys are their URLs); only those serving what this
-        one serves count (the instances refuse the others). One whose tenant table differs
-        (``tenants``: :func:`table_digest`) still counts, with a warning: the shares assume one table."""
+        one serves count (the instances refuse the others). They all serve by one tenant table, the
+        one shared in etcd (``tenant_table.py``)."""
         self.peers = sorted(u for u, body in entries.items() if u != self.url and
                             all(body.get(k) == v for k, v in self.identity.items()))
-        own = table_digest(self.ledger.tenants)
-        for url in self.peers:
-            theirs = entries[url].get("tenants")
-            if theirs not in (None, own) and self.warned.get(url) != theirs:
-                self.warned[url] = theirs
-                log.warning("tenant limits: conductor %s has another tenant table than this one (digest %s, "
-                            "ours %s): give every conductor the same tenants file", url, theirs, own)
         self._divide()
 
     def place(self, url: str) -> None:
@@ -138,13 +129,6 @@ async def _ask(session: aiohttp.ClientSession, token: str | None, peer: str) -> 
             return resp.status == 200 and bool((await resp.json()).get("reaches_etcd"))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return False
-
-
-def table_digest(tenants: Tenants) -> str:
-    """A short digest of a tenant table, API keys included (hashed), for the conductors' etcd
-    entries: tenant definitions are each conductor's config, not shared through etcd."""
-    keys = "\0".join(sorted(k for spec in tenants.specs for k in spec.api_keys))
-    return hashlib.sha256(f"{tenants!r}\0{keys}".encode()).hexdigest()[:16]
 
 
 LIMITS = web.AppKey("limits", Limits)
