@@ -164,3 +164,20 @@ def test_queue_time_cache_follows_now_while_a_job_runs():
     assert prefill_queue_time(p, COSTS, 0.5) == pytest.approx(0.050)
     idle = prefill("p1", queued(30))
     assert prefill_queue_time(idle, COSTS, 0.0) == prefill_queue_time(idle, COSTS, 9.0) == pytest.approx(0.03)
+
+
+def test_admission_judges_the_prediction_times_the_instances_measured_spread():
+    # alone on p0: TTFT 0.1 s (100 tokens at 1 ms), TBT one step 0.02 s; limits 0.15 s and 0.1 s
+    d = run(cluster([prefill("p0")]), "predictive", ttft_slo_s=0.15)
+    assert d.accepted and d.bound_ttft_s == d.predicted_ttft_s == pytest.approx(0.1)
+    d = run(cluster([prefill("p0", ttft_spread=1.6)]), "predictive", ttft_slo_s=0.15)
+    assert not d.accepted and d.reject_cause == "ttft"
+    assert d.predicted_ttft_s == pytest.approx(0.1) and d.bound_ttft_s == pytest.approx(0.16)   # both kept
+    assert d.reason == "rejected: predicted TTFT 0.1s (x1.60 measured spread: 0.16s) > SLO 0.15s"
+    # a spread below 1 (the instance lands below its predictions) admits what the prediction alone refuses
+    assert not run(cluster([prefill("p0")]), "predictive", ttft_slo_s=0.09).accepted
+    assert run(cluster([prefill("p0", ttft_spread=0.8)]), "predictive", ttft_slo_s=0.09).accepted
+    # the TBT alike, on the decode's spread; admission "none" judges nothing
+    d = run(cluster([prefill("p0")], [decode("d0", tbt_spread=6.0)]), "predictive", ttft_slo_s=1.0)
+    assert not d.accepted and d.reject_cause == "tbt" and d.bound_tbt_s == pytest.approx(0.12)
+    assert run(cluster([prefill("p0", ttft_spread=9.0)], [decode("d0", tbt_spread=9.0)]), "none").accepted
