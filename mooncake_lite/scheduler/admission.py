@@ -133,13 +133,22 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
     return tbt_refusal(d.cost or costs.decode, batch, context, req.num_tokens, tbt_slo_s) is None
 
 
-def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
-    """The (TTFT, TBT) admission judges: each prediction × its instance's measured spread
+def bounds(req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
+           d: DecodeChoice | None) -> tuple[float, float | None]:
+    """The (TTFT, TBT) admission judges: what others add to the request's own time (its queue;
+    the TBT beyond its step alone at batch n) × its instance's measured spread
     (``PrefillInstanceState.ttft_spread``, ``DecodeInstanceState.tbt_spread``: an upper quantile
     of measured / predicted there, 1 until measured). The prediction is central (half the requests
     land above it), so judged alone it admits half of those near the limit to miss it (measured:
-    docs/results/2026-11-29-prediction-admission.md); the bound is what a request may meet."""
-    return p.ttft_s * p.instance.ttft_spread, None if d is None else d.tbt_s * d.instance.tbt_spread
+    docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
+    prediction: a spread on the whole would refuse every request on an idle instance once it
+    passes the SLO factor, and a request never admitted never measures the spread down again."""
+    ttft = p.ttft_s + p.queue_s * (p.instance.ttft_spread - 1.0)
+    if d is None:
+        return ttft, None
+    n = req.num_sequences
+    alone = (d.instance.cost or costs.decode).predict(n, n * req.num_tokens)
+    return ttft, alone + (d.tbt_s - alone) * d.instance.tbt_spread
 
 
 def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
@@ -159,7 +168,7 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     if limit is None:
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
-    ttft, tbt = bounds(p, d)
+    ttft, tbt = bounds(req, costs, p, d)
     if ttft > limit:
         return "ttft", _refusal("TTFT", p.ttft_s, ttft, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
                                 p.instance.instance_id)

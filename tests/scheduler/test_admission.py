@@ -166,18 +166,26 @@ def test_queue_time_cache_follows_now_while_a_job_runs():
     assert prefill_queue_time(idle, COSTS, 0.0) == prefill_queue_time(idle, COSTS, 9.0) == pytest.approx(0.03)
 
 
-def test_admission_judges_the_prediction_times_the_instances_measured_spread():
-    # alone on p0: TTFT 0.1 s (100 tokens at 1 ms), TBT one step 0.02 s; limits 0.15 s and 0.1 s
-    d = run(cluster([prefill("p0")]), "predictive", ttft_slo_s=0.15)
-    assert d.accepted and d.bound_ttft_s == d.predicted_ttft_s == pytest.approx(0.1)
-    d = run(cluster([prefill("p0", ttft_spread=1.6)]), "predictive", ttft_slo_s=0.15)
-    assert not d.accepted and d.reject_cause == "ttft"
-    assert d.predicted_ttft_s == pytest.approx(0.1) and d.bound_ttft_s == pytest.approx(0.16)   # both kept
-    assert d.reason == "rejected: predicted TTFT 0.1s (x1.60 measured spread: 0.16s) > SLO 0.15s"
-    # a spread below 1 (the instance lands below its predictions) admits what the prediction alone refuses
-    assert not run(cluster([prefill("p0")]), "predictive", ttft_slo_s=0.09).accepted
-    assert run(cluster([prefill("p0", ttft_spread=0.8)]), "predictive", ttft_slo_s=0.09).accepted
-    # the TBT alike, on the decode's spread; admission "none" judges nothing
-    d = run(cluster([prefill("p0")], [decode("d0", tbt_spread=6.0)]), "predictive", ttft_slo_s=1.0)
-    assert not d.accepted and d.reject_cause == "tbt" and d.bound_tbt_s == pytest.approx(0.12)
-    assert run(cluster([prefill("p0", ttft_spread=9.0)], [decode("d0", tbt_spread=9.0)]), "none").accepted
+def test_admission_judges_what_others_add_times_the_instances_measured_spread():
+    # p0: 50 tokens queued (0.05 s) then ours (0.1 s): TTFT 0.15 s; d0: 4 running, ours at batch 5
+    # steps 0.06 s, alone 0.02 s
+    jobs = queued(50)
+    d = run(cluster([prefill("p0", jobs, ttft_spread=1.6)]), "predictive", ttft_slo_s=0.2)
+    assert d.accepted and d.predicted_ttft_s == pytest.approx(0.15) and d.bound_ttft_s == pytest.approx(0.18)
+    d = run(cluster([prefill("p0", jobs, ttft_spread=2.2)]), "predictive", ttft_slo_s=0.2)
+    assert not d.accepted and d.reject_cause == "ttft" and d.bound_ttft_s == pytest.approx(0.21)
+    assert d.reason == "rejected: predicted TTFT 0.15s (x1.40 measured spread: 0.21s) > SLO 0.2s"
+    # a spread below 1 (the queue drains faster than predicted) admits what the prediction refuses
+    assert not run(cluster([prefill("p0", jobs)]), "predictive", ttft_slo_s=0.14).accepted
+    assert run(cluster([prefill("p0", jobs, ttft_spread=0.6)]), "predictive", ttft_slo_s=0.14).accepted
+    # the TBT beyond the step alone, on the decode's spread
+    d = run(cluster([prefill("p0")], [decode("d0", batch=4, tbt_spread=2.5)]), "predictive", ttft_slo_s=1.0)
+    assert not d.accepted and d.reject_cause == "tbt"
+    assert d.predicted_tbt_s == pytest.approx(0.06) and d.bound_tbt_s == pytest.approx(0.12)
+    assert run(cluster([prefill("p0")], [decode("d0", batch=4)]), "predictive", ttft_slo_s=1.0).accepted
+    # alone on idle instances a request is judged on its prediction whatever the spreads (never
+    # locked out: one never admitted never measures the spread down); "none" judges nothing
+    d = run(cluster([prefill("p0", ttft_spread=16.0)], [decode("d0", tbt_spread=16.0)]), "predictive",
+            ttft_slo_factor=1.0, tbt_slo_factor=1.0, ttft_slo_s=None, tbt_slo_s=None)
+    assert d.accepted and d.bound_ttft_s == d.predicted_ttft_s and d.bound_tbt_s == pytest.approx(d.predicted_tbt_s)
+    assert run(cluster([prefill("p0", jobs, ttft_spread=9.0)], [decode("d0", 4, tbt_spread=9.0)]), "none").accepted

@@ -73,15 +73,14 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
 def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now: float) -> float:
     """When a request refused on its predicted TTFT or TBT is predicted to fit, by the same
     (corrected) predictions: a TTFT bound (``admission.bounds``) over its limit by x seconds fits
-    once x seconds of the queue ahead, at the bound's spread, have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
+    once x seconds of the queue ahead, as the bound counts it, have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
     leave (joined + max_tokens × its TBT)."""
     if decision.reject_cause == "ttft":
         prefill = svc.membership.get(decision.prefill_id)
         model = prefill.view.state().cost if prefill is not None else None
         limit = slo_limits(svc.scheduler.config, sreq.num_tokens, svc.scheduler.costs, model, None)[0]
         bound = decision.bound_ttft_s or decision.predicted_ttft_s or 0.0
-        spread = bound / decision.predicted_ttft_s if decision.predicted_ttft_s else 1.0
-        return min(bound - limit, decision.predicted_queue_s * spread)
+        return min(bound - limit, bound - (decision.predicted_ttft_s or 0.0) + decision.predicted_queue_s)
     decode = svc.membership.get(decision.decode_id or "")
     if decode is None:
         return 1.0
