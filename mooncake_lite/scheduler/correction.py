@@ -44,8 +44,8 @@ median admits half the requests near the limit to miss it). So each instance als
 ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill,
 ``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
 is shown it (``PrefillInstanceState.ttft_spread``, ``DecodeInstanceState.tbt_spread``) and
-admission judges ``predicted × spread`` against the SLO (``scheduler/admission.py``), while the
-prediction shown and checked stays the central one. A window, not a moving quantile: it forgets
+admission judges what others add to a request's time × spread against the SLO
+(``admission.bounds``), while the prediction shown and checked stays the central one. A window, not a moving quantile: it forgets
 a machine that changed after ``spread_window`` requests, and a broken report is refused as above.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.

@@ -36,7 +36,8 @@ class Decision(NamedTuple):
     still name the best candidates found (for logs and statistics) — never dispatch them.
     Block counts are in blocks of ``SchedulerConfig.block_size``; times are predicted seconds:
     ``predicted_*`` the central predictions (shown, checked), ``bound_*`` what admission judged
-    (``admission.bounds``: × the instance's measured spread; the prediction until measured).
+    (``admission.bounds``: what others add × the instance's measured spread; the prediction
+    until measured).
     """
 
     accepted: bool

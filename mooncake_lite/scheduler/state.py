@@ -74,8 +74,8 @@ class PrefillInstanceState:
     (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
     the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
     ``ttft_spread``: how far above its predicted TTFT a request here may land (an upper quantile
-    of measured / predicted, ``Corrections.spread``; 1: not measured): admission refuses on
-    predicted × spread (``scheduler/admission.py``); the prediction itself stays central."""
+    of measured / predicted, ``Corrections.spread``; 1: not measured): admission judges the queue
+    × spread (``admission.bounds``); the prediction itself stays central."""
 
     instance_id: str
     store_id: Hashable
