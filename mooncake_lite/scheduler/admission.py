@@ -187,7 +187,7 @@ def _refusal(metric: str, predicted_s: float, bound_s: float, limit_s: float, fa
              unit: str, what: str, instance_id: str) -> str:
     """Why admission refused: the predicted time (its bound, where a spread was measured) over
     the limit (a relative one: of what alone)."""
-    spread = "" if bound_s == predicted_s else f" (x{bound_s / predicted_s:.2f} measured spread: {bound_s:.3g}s)"
+    spread = "" if bound_s == predicted_s else f" (bound by its measured spread {bound_s:.3g}s)"
     why = f"rejected: predicted {metric} {predicted_s:.3g}s{spread} > SLO {limit_s:.3g}s"
     if alone_s is None:
         return why
