@@ -143,9 +143,10 @@ def bounds(req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it
     passes the SLO factor, and a request never admitted never measures the spread down again."""
-    ttft = p.ttft_s + p.queue_s * (p.instance.ttft_spread - 1.0)
-    if d is None:
-        return ttft, None
+    spread = p.instance.ttft_spread
+    ttft = p.ttft_s if spread == 1.0 else p.ttft_s + p.queue_s * (spread - 1.0)
+    if d is None or d.instance.tbt_spread == 1.0:    # unmeasured: the prediction, exactly and at no cost
+        return ttft, None if d is None else d.tbt_s
     n = req.num_sequences
     alone = (d.instance.cost or costs.decode).predict(n, n * req.num_tokens)
     return ttft, alone + (d.tbt_s - alone) * d.instance.tbt_spread
