@@ -84,7 +84,8 @@ def _quantiles(q: dict) -> str:
 
 
 def _prediction_lines(p: dict | None) -> list[str]:
-    """The last minute's prediction error (|measured / predicted - 1|) and its direction."""
+    """The last minute's prediction error (|measured / predicted - 1|) and its direction, and the
+    spread admission multiplies each instance's predictions by."""
     if not p:
         return []
     out = []
@@ -95,6 +96,11 @@ def _prediction_lines(p: dict | None) -> list[str]:
             continue
         out.append(f"  {metric.upper()} error   median {_pct(e['median_error'])}  p90 {_pct(e['p90_error'])}"
                    f"  measured/predicted x{e['median_ratio']:.2f}  (n={e['count']})")
+    # admission judges prediction x spread (scheduler/admission.bounds): the margin each instance has
+    spreads = [f"{iid} {m.upper()} x{v:.2f}" for iid, c in sorted((p.get("corrections") or {}).items())
+               for m, v in sorted((c.get("spread") or {}).items())]
+    if spreads:
+        out.append("  admission spread  " + "  ".join(spreads))
     return out
 
 

@@ -37,6 +37,16 @@ any overtake, over the allowance), and the instance's ``overtake_share`` (the sc
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``). On such an instance the queue's residual
 goes to the share, not to the ``queue`` factor: one rule for each residual, never both.
+
+What all this learns is a central prediction: half the requests meet less, half more. Admission
+must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
+median admits half the requests near the limit to miss it). So each instance also keeps the
+ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill,
+``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
+is shown it (``PrefillInstanceState.ttft_spread``, ``DecodeInstanceState.tbt_spread``) and
+admission judges what others add to a request's time × spread against the SLO
+(``admission.bounds``), while the prediction shown and checked stays the central one. A window, not a moving quantile: it forgets
+a machine that changed after ``spread_window`` requests, and a broken report is refused as above.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
 """
@@ -46,6 +56,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+
+from mooncake_lite.scheduler.snapshot import Shown
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference")
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
@@ -64,6 +76,9 @@ class CorrectionConfig:
     max_factor: float = 16.0     # factors stay within [1/16, 16]
     max_ratio: float = 1000.0    # a measured/predicted beyond this is a broken report, not a slowdown
     min_seconds: float = 1e-4    # predictions or measurements shorter than this are timer noise
+    spread_quantile: float = 0.9  # admission's bound: this quantile of the recent ratios (module doc)
+    spread_window: int = 64      # the ratios it is taken over, per instance and metric
+    spread_min: int = 8          # fewer observed: no spread (1), the prediction alone
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -73,6 +88,11 @@ class CorrectionConfig:
         if not 1.0 < self.max_factor <= self.max_ratio:
             raise ValueError("CorrectionConfig: need 1 < max_factor <= max_ratio, got "
                              f"{self.max_factor} and {self.max_ratio}")
+        if not 0.5 <= self.spread_quantile < 1.0:
+            raise ValueError(f"CorrectionConfig.spread_quantile must be in [0.5, 1), got {self.spread_quantile}")
+        if not 1 <= self.spread_min <= self.spread_window:
+            raise ValueError("CorrectionConfig: need 1 <= spread_min <= spread_window, got "
+                             f"{self.spread_min} and {self.spread_window}")
 
 
 @dataclass(frozen=True)
@@ -118,6 +138,7 @@ class InstanceCorrection:
     busy_share: float = 0.0       # of its observations, those beside a busy neighbour
     queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
     overtake_share: float = 1.0   # of the overtake allowance's worst case, the share jobs met
+    ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
@@ -203,6 +224,26 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, overtake_share=share)
         return None
 
+    def note_ratio(self, instance_id: str, metric: str, shown_s: float, measured_s: float) -> str | None:
+        """One request's measured ``metric`` (``ttft``, ``tbt``) against the prediction it was shown
+        and admitted with, kept for :meth:`spread`; returns why it was refused (None: kept)."""
+        why = ratio_refusal(shown_s, measured_s, self.cfg)
+        if why is not None:
+            self.num_refused += why != TOO_SHORT
+            return why
+        cur = self.get(instance_id)
+        kept = (*cur.ratios.get(metric, ())[1 - self.cfg.spread_window:], measured_s / shown_s)
+        self._by_instance[instance_id] = replace(cur, ratios={**cur.ratios, metric: kept})
+        return None
+
+    def spread(self, instance_id: str, metric: str) -> float:
+        """What admission multiplies ``instance_id``'s predicted ``metric`` by (module doc): the
+        ``spread_quantile`` of its recent ratios, within the factors' bounds; 1 with too few."""
+        kept = sorted(self.get(instance_id).ratios.get(metric, ()))
+        if len(kept) < self.cfg.spread_min:
+            return 1.0
+        return self._clamped(math.log(quantile(kept, self.cfg.spread_quantile)))
+
     def overtake_share(self, instance_id: str) -> float:
         """The share of the overtake allowance a new job on ``instance_id`` is priced with."""
         return self.get(instance_id).overtake_share
@@ -245,6 +286,24 @@ def overtakes_used(wait_s: float, allowance_s: float, measured_queue_s: float | 
     usable = isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0
     queue = measured_queue_s / speed if usable else measured_queue_s
     return min(1.0, max(0.0, (queue - wait_s) / allowance_s))
+
+
+def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> None:
+    """``view`` (the instance's, live or simulated) shows its spread once it moved by more than
+    ``SHOW_TOLERANCE``: a new state makes the scheduler derive the instance's estimates afresh."""
+    spread = c.spread(instance_id, metric)
+    if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
+        view.set_spread(spread)
+
+
+def quantile(sorted_values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    if not sorted_values:
+        return None
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def scaled(model, factor: float):

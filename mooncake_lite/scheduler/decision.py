@@ -34,7 +34,10 @@ class Decision(NamedTuple):
 
     On rejection ``accepted`` is False, ``reject_cause`` says why, and ``prefill_id``/``decode_id``
     still name the best candidates found (for logs and statistics) — never dispatch them.
-    Block counts are in blocks of ``SchedulerConfig.block_size``; times are predicted seconds.
+    Block counts are in blocks of ``SchedulerConfig.block_size``; times are predicted seconds:
+    ``predicted_*`` the central predictions (shown, checked), ``bound_*`` what admission judged
+    (``admission.bounds``: what others add × the instance's measured spread; the prediction
+    until measured).
     """
 
     accepted: bool
@@ -52,3 +55,5 @@ class Decision(NamedTuple):
     local_prefix_blocks: int = 0       # of those, already in the chosen instance's store
     transfer_source: Hashable | None = None  # store the rest comes from, if any
     migration: Migration | None = None
+    bound_ttft_s: float | None = None
+    bound_tbt_s: float | None = None

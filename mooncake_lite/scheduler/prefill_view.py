@@ -165,7 +165,8 @@ class PrefillView(Shown[PrefillInstanceState]):
             about = self._about
             self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
                                                        about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
-                                                       about.overtakes, self.overtake_share, self._recent_uncached())
+                                                       about.overtakes, self.overtake_share, self._recent_uncached(),
+                                                       self.spread)
             self.row = self._row(state) if self._model is not None else None
         return self._state
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from mooncake_lite.scheduler.admission import DecodeChoice, choose_decode, slo_violation
+from mooncake_lite.scheduler.admission import DecodeChoice, bounds, choose_decode, slo_violation
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
@@ -67,24 +67,26 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
         return Decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
-        return _decision(False, "rejected: no decode instance with room", p, None, "no-decode")
+        return _decision(False, "rejected: no decode instance with room", req, costs, p, None, "no-decode")
     violation = slo_violation(config, req, costs, p, d)
     if violation is not None:
-        return _decision(False, violation[1], p, d, violation[0])
+        return _decision(False, violation[1], req, costs, p, d, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
-    return _decision(True, reason, p, d, migration=_migration(req, p))
+    return _decision(True, reason, req, costs, p, d, migration=_migration(req, p))
 
 
-def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
+def _decision(accepted: bool, reason: str, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
+              d: DecodeChoice | None,
               reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
+    ttft, tbt = bounds(req, costs, p, d)
     return Decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
                     decode_id=None if d is None else d.instance.instance_id, route=p.route,
                     reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
                     predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
                     predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
                     reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
-                    transfer_source=p.source_store_id, migration=migration)
+                    transfer_source=p.source_store_id, migration=migration, bound_ttft_s=ttft, bound_tbt_s=tbt)
 
 
 class Scheduler:

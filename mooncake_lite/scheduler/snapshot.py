@@ -27,9 +27,18 @@ class Shown(Generic[S]):
 
     _state: S | None = None
     _watch: tuple[set[int], int] | None = None
+    # admission's bound on the instance's prediction error (state.py's ttft_spread / tbt_spread)
+    spread: float = 1.0
 
     def state(self) -> S:
         raise NotImplementedError
+
+    def set_spread(self, spread: float) -> None:
+        """What the owner's online correction measured of this instance's prediction error
+        (``Corrections.spread``): its states show it from now on."""
+        if spread != self.spread:
+            self.spread = spread
+            self._stale()
 
     def _stale(self) -> None:
         self._state = None

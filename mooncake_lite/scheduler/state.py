@@ -72,7 +72,10 @@ class PrefillInstanceState:
     [0, 1] (:func:`~mooncake_lite.scheduler.queue_order.overtake_allowance`): 1, the worst case,
     until the online correction learns what this instance's jobs really met
     (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
-    the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job)."""
+    the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
+    ``ttft_spread``: how far above its predicted TTFT a request here may land (an upper quantile
+    of measured / predicted, ``Corrections.spread``; 1: not measured): admission judges the queue
+    × spread (``admission.bounds``); the prediction itself stays central."""
 
     instance_id: str
     store_id: Hashable
@@ -83,6 +86,7 @@ class PrefillInstanceState:
     overtakes: int = 0
     overtake_share: float = 1.0
     recent_uncached: tuple[int, ...] = ()
+    ttft_spread: float = 1.0
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -127,7 +131,9 @@ class DecodeInstanceState:
     ``tbt_s`` is the time between tokens the running requests' remaining decode is sized with
     when t_d is per request (t_d = max_output_tokens × tbt_s); None: the TBT the instance's
     cost model predicts for its running batch. The instance view keeps it while the batch's
-    predicted TBT stays within ``MAX_TBT_DRIFT`` of it (:mod:`mooncake_lite.scheduler.view`)."""
+    predicted TBT stays within ``MAX_TBT_DRIFT`` of it (:mod:`mooncake_lite.scheduler.view`).
+    ``tbt_spread``: the TBT's like :attr:`PrefillInstanceState.ttft_spread` (measured TBT, the
+    slowest 10% of gaps, over the predicted step)."""
 
     instance_id: str
     running: tuple[DecodingRequest, ...] = ()
@@ -136,6 +142,7 @@ class DecodeInstanceState:
     cost: DecodeCostModel | None = None
     incoming: tuple[IncomingRequest, ...] = ()
     tbt_s: float | None = None
+    tbt_spread: float = 1.0
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -325,7 +325,7 @@ class DecodeView(Shown[DecodeInstanceState]):
             self._incoming_shown = tuple(self._incoming.values())
         max_batch, max_context = self._limits
         return DecodeInstanceState(self.instance_id, running, max_batch, max_context, self._cost,
-                                   self._incoming_shown, self._shown_tbt(running, afresh))
+                                   self._incoming_shown, self._shown_tbt(running, afresh), self.spread)
 
     def _show_batch(self, refresh: bool) -> None:
         jobs = self._jobs.values()

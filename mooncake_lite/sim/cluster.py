@@ -246,6 +246,8 @@ class MooncakeSim(TraceDriver):
 
     def _finish(self, now: float, req: SimRequest) -> None:
         req.status = "completed"
+        if self.correcting is not None:
+            self.correcting.finished(req, self.decode_by_id[req.decode_id])
         self.accuracy.add(req.expected_output, req.output_length)
         if self.predictor is not None:   # the client has the whole answer now, and so does the conductor
             self.predictor.observe(req.keys, req.input_length, req.output_length)

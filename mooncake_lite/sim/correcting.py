@@ -11,7 +11,9 @@ as live, each residual fed once. The prefill's model is shown scaled by its comp
 and no ``queue`` factor is learned: the simulator's conductor sees its queue exactly (FIFO is
 then priced right); only what later arrivals will do is unknown, which the share learns. Decodes are not
 corrected here (their simulated steps are the model's own, with a measured spread: nothing to
-learn but noise). Off unless ``SimConfig.correct``: the recorded decision digests are without it.
+learn but noise). Both roles learn their spread, measured / predicted TTFT at the first token and
+TBT at the end (``Corrections.note_ratio``), shown to their views: admission's bound, as live.
+Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from __future__ import annotations
 import math
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, overtakes_used, scaled
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, overtakes_used, scaled, show_spread
 from mooncake_lite.scheduler.queue_order import overtake_allowance
-from mooncake_lite.sim.nodes import PrefillNode
+from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
 from mooncake_lite.sim.request import SimRequest
 
 
@@ -31,8 +33,10 @@ class SimCorrecting:
     def __init__(self, costs: CostModels, corrections: Corrections | None = None) -> None:
         self.costs = costs
         self.corrections = corrections or Corrections()
-        # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst case)
-        self._predicted: dict[str, tuple[float, float, float, float]] = {}
+        # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst
+        # case, TTFT predicted)
+        self._predicted: dict[str, tuple[float, float, float, float, float]] = {}
+        self._tbt: dict[str, float] = {}          # request id -> its predicted TBT (till it ends)
         self._shown: dict[str, float] = {}       # prefill id -> the compute scale its view's model has
 
     def placed(self, req: SimRequest, d: Decision, p: PrefillNode) -> None:
@@ -41,14 +45,17 @@ class SimCorrecting:
         own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
         full = overtake_allowance(scaled(p.cost or self.costs.prefill, scale), p.overtakes, req.input_length,
                                   req.planned_prefix_tokens, 1.0, p.view.state().recent_uncached)
-        self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full)
+        self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full,
+                                    d.predicted_ttft_s or 0.0)
+        if d.predicted_tbt_s is not None:
+            self._tbt[req.rid] = d.predicted_tbt_s
 
     def first_token(self, req: SimRequest, p: PrefillNode, now: float) -> None:
         """``req``'s prefill on ``p`` ended at ``now``: correct ``p`` by it, and show the result."""
         predicted = self._predicted.pop(req.rid, None)
         if predicted is None or req.prefill_start is None:
             return
-        own, queue_s, overtake_s, full = predicted
+        own, queue_s, overtake_s, full, ttft_s = predicted
         waited, forward = req.prefill_start - req.ready_at, now - req.prefill_start
         c, iid = self.corrections, p.instance_id
         c.observe(iid, "compute", own, forward)
@@ -58,7 +65,16 @@ class SimCorrecting:
             used = overtakes_used(max(queue_s - overtake_s, 0.0), full, waited, shown_speed)
             if used is not None:
                 c.note_overtakes(iid, used)
+        c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
         self._show(p)
+
+    def finished(self, req: SimRequest, d: DecodeNode) -> None:
+        """``req`` completed on ``d``: its TBT against the predicted one, ``d``'s spread shown."""
+        predicted = self._tbt.pop(req.rid, None)
+        if predicted is None or req.tbt is None:
+            return
+        self.corrections.note_ratio(d.instance_id, "tbt", predicted, req.tbt)
+        show_spread(self.corrections, d.instance_id, "tbt", d.view)
 
     def _show(self, p: PrefillNode) -> None:
         """``p``'s view as the live conductor's shows it: the model × its compute scale, and the
@@ -69,6 +85,8 @@ class SimCorrecting:
             self._shown[iid] = scale
             view.set_instance(p.store_id, None, scaled(p.cost or self.costs.prefill, scale), p.pack_tokens,
                               p.overtakes)
+        show_spread(c, iid, "ttft", view)
         share = c.overtake_share(iid)
         if abs(share - view.overtake_share) >= SHOW_TOLERANCE:
             view.set_overtake_share(share)
+

@@ -215,3 +215,14 @@ def test_quantiles_interpolate_like_prometheus():
     assert q["p50"] == pytest.approx(0.1 + 0.1 * (5 - 4) / 4)
     assert q["p99"] == 0.2        # in the +Inf bucket: the highest finite bound
     assert quantiles(((0.1, 0.0), (inf, 0.0)))["p50"] is None
+
+
+def test_the_prediction_lines_show_the_error_and_admissions_spread():
+    from mooncake_lite.cluster.status import _prediction_lines
+    lines = _prediction_lines({"ttft": {"count": 3, "median_error": 0.2, "p90_error": 0.5, "median_ratio": 1.1},
+                               "tbt": {"count": 0},
+                               "corrections": {"p0": {"spread": {"ttft": 1.62}}, "d0": {"spread": {"tbt": 2.1}},
+                                               "p1": {}}})
+    assert lines[1] == "  TBT error   no checked requests"
+    assert lines[2] == "  admission spread  d0 TBT x2.10  p0 TTFT x1.62"
+    assert "TTFT error   median" in lines[0] and "x1.10  (n=3)" in lines[0]

@@ -71,6 +71,14 @@ async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_clu
     exported = scaled(before or svc.scheduler.costs.prefill, svc.predictions.corrections.compute_scale("p0"))
     assert profile["prefill"]["c1"] == pytest.approx(exported.c1, rel=1e-6)   # no queue term: the sim queues
     assert [i["corrected"] for i in profile["instances"] if i["instance_id"] == "p0"] == [True]
+    # each measured TTFT over the one shown is kept (the fake reports its compute, it does not take
+    # it); their upper quantile is the spread admission's bound multiplies the queue by, and the
+    # scheduler's state and the export have it
+    ratios = svc.predictions.corrections.get("p0").ratios["ttft"]
+    spread = svc.predictions.corrections.spread("p0", "ttft")
+    assert len(ratios) >= 8 and min(ratios) * (1 - 1e-9) <= spread <= max(ratios) * (1 + 1e-9)
+    assert profile["corrections"]["p0"]["spread"]["ttft"] == pytest.approx(spread, rel=1e-3)
+    assert svc.membership.snapshot().prefills[0].ttft_spread == pytest.approx(spread, rel=1 / 30)
 
 
 async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_cluster, caplog):

@@ -158,3 +158,26 @@ def test_the_overtake_share_moves_by_a_bounded_step_and_refuses_a_broken_one():
         shares.append(c.overtake_share("p"))
     assert all(0.0 <= b <= a and a - b <= CFG.alpha + 1e-12 for a, b in zip(shares, shares[1:]))
     assert shares[-1] < 0.01 and c.prefill_scale("p") == 1.0  # the share moves no speed
+
+
+def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_broken_one():
+    c = Corrections()
+    for i in range(CFG.spread_min - 1):
+        c.note_ratio("p0", "ttft", 1.0, 3.0)
+    assert c.spread("p0", "ttft") == 1.0          # too few measured: the prediction alone
+    c.note_ratio("p0", "ttft", 1.0, 3.0)
+    assert c.spread("p0", "ttft") == pytest.approx(3.0)
+    for measured in (float("nan"), -1.0, float("inf"), 1e9):
+        assert c.note_ratio("p0", "ttft", 1.0, measured) is not None
+    assert c.spread("p0", "ttft") == pytest.approx(3.0) and c.num_refused == 4
+    # a window: ratios 0.5, 0.6, ... 1.4 over a whole window: its 0.9 quantile, the old ones forgotten
+    ratios = [0.5 + 0.1 * (i % 10) for i in range(CFG.spread_window)]
+    for r in ratios:
+        c.note_ratio("p0", "ttft", 2.0, 2.0 * r)
+    assert 1.3 <= c.spread("p0", "ttft") <= 1.4      # the 3.0s gone; 1.4 is the 0.1 above the quantile
+    assert len(c.get("p0").ratios["ttft"]) == CFG.spread_window
+    # per metric and instance; within the factors' bounds whatever the reports
+    assert c.spread("p0", "tbt") == c.spread("p1", "ttft") == 1.0
+    for _ in range(CFG.spread_window):
+        c.note_ratio("d0", "tbt", 0.01, 0.01 * CFG.max_ratio)
+    assert c.spread("d0", "tbt") == pytest.approx(CFG.max_factor)

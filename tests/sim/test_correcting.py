@@ -5,10 +5,13 @@ brings the prediction to what the queue does."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
+from mooncake_lite.bench.fidelity.admission import Outcome
 from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.scheduler.correction import CorrectionConfig
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.config import SimConfig
 from tests.sim.helpers import req, toy_hardware
@@ -43,3 +46,52 @@ def test_the_simulator_learns_the_overtake_share_and_predicts_closer():
     assert statistics.median(after[8:]) < 0.75 * statistics.median(before[8:])
     # the simulated hardware is the model: no compute factor worth showing
     assert abs(sim.correcting.corrections.compute_scale("P0") - 1.0) < 1 / 32
+
+
+def _admitting(spread: bool, slo_s: float = 4.0, correct: bool = True, quantile: float | None = None):
+    """The same bursts (24 of them) under predictive admission and an absolute TTFT SLO: each
+    request's outcome by id (``bench/fidelity/admission.Outcome``)."""
+    cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, correct=correct, hardware="toy",
+                    scheduler=SchedulerConfig(admission="predictive", ttft_slo_s=slo_s, tbt_slo_s=1e9))
+    sim = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3))
+    if correct and not spread:     # the rule before: admission judged the central prediction alone
+        sim.correcting.corrections.spread = lambda *_: 1.0
+    if quantile is not None:
+        sim.correcting.corrections.cfg = CorrectionConfig(spread_quantile=quantile)
+    res = sim.run(_bursts(24))
+    return sim, {r.request_id: Outcome("ok", r.ttft, r.tbt) if r.status == "completed" else Outcome("rejected")
+                 for r in res.requests}
+
+
+def test_admission_on_the_measured_spread_admits_fewer_that_then_miss():
+    """Admission judged on the learned (central) share admits requests near the limit that land
+    above it; on prediction × the measured spread it refuses most of them."""
+    def met(outcomes):
+        served = [o for o in outcomes.values() if o.status == "ok"]
+        return sum(o.ttft_s <= 4.0 for o in served) / len(served), len(served)
+    _, central = _admitting(False)
+    sim, bounded = _admitting(True)
+    spread = sim.correcting.corrections.spread("P0", "ttft")
+    assert 1.1 < spread < 2.0 and abs(math.log(sim.prefills[0].view.state().ttft_spread / spread)) < 1 / 32
+    (met_central, n_central), (met_bounded, n_bounded) = met(central), met(bounded)
+    assert n_bounded < n_central and met_bounded > met_central + 0.02
+    assert met_bounded >= 0.92
+
+
+if __name__ == "__main__":   # the admission table of docs/results/2026-11-29-prediction-admission.md
+    from mooncake_lite.bench.fidelity.admission import judge
+
+    def _all(requests):   # the counterfactual: exactly these requests, none refused (exact here)
+        cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, hardware="toy",
+                        scheduler=SchedulerConfig(admission="none", ttft_slo_s=math.inf, tbt_slo_s=math.inf))
+        res = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3)).run(requests)
+        return {r.request_id: Outcome("ok", r.ttft, r.tbt) for r in res.requests}
+
+    for slo in (4.0, 8.0):
+        for name, kw in (("worst case", dict(spread=False, correct=False)), ("share", dict(spread=False)),
+                         *((f"share + spread q{q:g}", dict(spread=True, quantile=q)) for q in (0.7, 0.8, 0.9, 0.95))):
+            j = judge(_bursts(24), _admitting(slo_s=slo, **kw)[1], lambda t: (slo, math.inf), _all)
+            a, r = j["admitted_met"], j["refused_would_meet"]
+            print(f"TTFT SLO {slo:g} s, {name}: admitted met {a['met']}/{a['of']} = {a['share']:.1%} "
+                  f"({a['ci95'][0]:.1%}-{a['ci95'][1]:.1%}); refused would have {r['met']}/{r['of']} = "
+                  f"{r['share']:.1%} ({r['ci95'][0]:.1%}-{r['ci95'][1]:.1%})")

@@ -72,14 +72,15 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
 
 def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now: float) -> float:
     """When a request refused on its predicted TTFT or TBT is predicted to fit, by the same
-    (corrected) predictions: a TTFT over its limit by x seconds fits once x seconds of the queue
-    ahead have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
+    (corrected) predictions: a TTFT bound (``admission.bounds``) over its limit by x seconds fits
+    once x seconds of the queue ahead, as the bound counts it, have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
     leave (joined + max_tokens × its TBT)."""
     if decision.reject_cause == "ttft":
         prefill = svc.membership.get(decision.prefill_id)
         model = prefill.view.state().cost if prefill is not None else None
         limit = slo_limits(svc.scheduler.config, sreq.num_tokens, svc.scheduler.costs, model, None)[0]
-        return min((decision.predicted_ttft_s or 0.0) - limit, decision.predicted_queue_s)
+        bound = decision.bound_ttft_s or decision.predicted_ttft_s or 0.0
+        return min(bound - limit, bound - (decision.predicted_ttft_s or 0.0) + decision.predicted_queue_s)
     decode = svc.membership.get(decision.decode_id or "")
     if decode is None:
         return 1.0

@@ -9,7 +9,8 @@ takes the prefill's own timings (queue wait, compute with prefix loads, migratio
 ``mooncake_conductor_prediction_ratio`` histogram by instance and metric, in the last minute's
 window that ``mooncake status`` reads, and feeds the online correction
 (``scheduler/correction.py``), whose scaled models it then shows the scheduler through the
-membership (``Membership.shown_costs``). Corrections are this conductor's own: several conductors
+membership (``Membership.shown_costs``), and each instance's measured spread (measured / shown
+TTFT or TBT, ``Corrections.spread``) through its view: what admission's bound is. Corrections are this conductor's own: several conductors
 each learn from the requests they place; nothing is shared between them.
 """
 
@@ -26,7 +27,8 @@ from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, scaled
+from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, quantile,
+                                                scaled, show_spread)
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import overtake_allowance
 
@@ -211,6 +213,7 @@ class PredictionBook:
         if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
             self._shown[iid] = scale
             self.membership.show_costs(inst)
+        show_spread(self.corrections, iid, "ttft" if inst.role == "prefill" else "tbt", inst.view)
         share = self.corrections.overtake_share(iid)
         if isinstance(inst.view, PrefillView) and abs(share - inst.view.overtake_share) >= SHOW_TOLERANCE:
             inst.view.set_overtake_share(share)
@@ -236,6 +239,7 @@ class PredictionBook:
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
+        self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
 
     def _correct_decode(self, check: Check) -> None:
         p, iid = check.predicted, check.decode_id
@@ -245,12 +249,17 @@ class PredictionBook:
         s = p.decode_scale * math.exp(p.bases[1] - self._base_log(iid))
         self._observe(iid, term, p.tbt_s / s, check.mean_gap_s)
         self.corrections.note_shares(iid, busy=check.decode_busy)
+        self._observe(iid, "tbt", p.tbt_s, check.tbt_s)
 
     def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None,
                  speed: float | None = None) -> None:
+        """``term``: a correction term, or ``ttft``/``tbt``: the shown prediction's ratio kept for
+        its spread (``Corrections.note_ratio``)."""
         if measured_s is None:
             return
-        why = self.corrections.observe(instance_id, term, predicted_s, measured_s, speed)
+        c = self.corrections
+        why = c.note_ratio(instance_id, term, predicted_s, measured_s) if term in ("ttft", "tbt") else \
+            c.observe(instance_id, term, predicted_s, measured_s, speed)
         if why is not None and why != TOO_SHORT:
             self.metrics.prediction_refused.labels(instance_id, term).inc()
             log.warning("%s: %s measurement refused by the online correction (%s); its model is unchanged",
@@ -263,6 +272,8 @@ class PredictionBook:
             for term, f in corr.factors.items():
                 self.metrics.correction.labels(iid, term).set(f.value)
             self.metrics.correction.labels(iid, "scale").set(self.shown_scale(iid))
+            for metric in corr.ratios:
+                self.metrics.correction.labels(iid, f"{metric}_spread").set(c.spread(iid, metric))
 
     def _scale(self, instance_id: str, role: str) -> float:
         c = self.corrections
@@ -321,8 +332,8 @@ class PredictionBook:
         for metric in ("ttft", "tbt"):
             ratios = [r for t, m, r in self.recent if m == metric and now - t <= window_s]
             errors = sorted(abs(r - 1.0) for r in ratios)
-            out[metric] = {"count": len(ratios), "median_error": _quantile(errors, 0.5),
-                           "p90_error": _quantile(errors, 0.9), "median_ratio": _quantile(sorted(ratios), 0.5)}
+            out[metric] = {"count": len(ratios), "median_error": quantile(errors, 0.5),
+                           "p90_error": quantile(errors, 0.9), "median_ratio": quantile(sorted(ratios), 0.5)}
         return out
 
     def export(self) -> dict[str, Mapping[str, Any]]:
@@ -332,7 +343,8 @@ class PredictionBook:
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
-                      "overtake_share": round(corr.overtake_share, 4)}
+                      "overtake_share": round(corr.overtake_share, 4),
+                      "spread": {m: round(c.spread(iid, m), 4) for m in corr.ratios}}
                 for iid, corr in c.items()}
 
 
@@ -350,13 +362,3 @@ def _node(inst: Instance) -> str:
 
 def _positive(x: float | None) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def _quantile(sorted_values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not sorted_values:
-        return None
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
