@@ -28,7 +28,7 @@ import numpy as np
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds, transfer_seconds
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, transfer_seconds
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.snapshot import Shown, Snapshot
@@ -44,8 +44,6 @@ _NO_VIEWS: list[Shown] = []
 # What a row holds between a resize and its write (update writes every row right after a
 # resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
 _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
-# Up to this many distinct prefill cost models, each predicts once per decision in Python.
-_FEW_MODELS = 8
 
 
 def changed_rows(new: Sequence, old: Sequence, snapshot: Snapshot | None = None) -> list[int] | None:
@@ -88,7 +86,6 @@ class PrefillTable:
         self.backlogs: list[Backlog] = [_UNWRITTEN] * n
         self._unbuilt: set[int] = set()    # rows written from a view's row: backlog not derived yet
         self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
-        self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
         self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
         # each row's (head duration, start) and bandwidth as last written: most rewrites change neither
@@ -142,14 +139,13 @@ class PrefillTable:
         if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
             self._row_head[i] = head
             self.head_d[i], self.head_s[i] = head
-        if self._row_model[i] is not model:     # else its model's position and coefficients stand
+        if self._row_model[i] is not model:     # else its model's position stands
             self._row_model[i] = model
             pos = self._model_pos.get(id(model))
             if pos is None or self.models[pos] is not model:
                 pos = self._model_pos[id(model)] = len(self.models)
                 self.models.append(model)
             self.model_of[i] = pos
-            self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
         bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
         if bw != self._row_bw[i]:
             self._row_bw[i] = self.bw[i] = bw
@@ -230,21 +226,10 @@ class PrefillTable:
         return RowQueues(self, done, queue)
 
     def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
-        """Each row's model's prediction for one prompt: a Python call per distinct model when
-        there are few (instances of the same hardware share one), else the model's formula over
-        the coefficient rows (:func:`predict_rows`)."""
-        if len(self.models) <= _FEW_MODELS:
-            return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
-        return predict_rows(self.coef, num_tokens, num_prefix_tokens)
-
-
-def predict_rows(coef: np.ndarray, num_tokens: int, prefix: int | np.ndarray) -> np.ndarray:
-    """:meth:`PrefillCostModel.predict` per row (``coef`` its c0..c3 rows, ``prefix`` the cached
-    tokens, one count or one per row): its clamps as array operations around the same formula
-    (``costs.prefill_seconds``), so the same doubles."""
-    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
-    t = prefill_seconds(coef[0], coef[1], coef[2], coef[3], num_tokens - p, p)
-    return np.where(t > 0.0, t, 0.0)
+        """Each row's model's prediction for one prompt: one call of the formula
+        (:meth:`PrefillCostModel.predict`) per distinct model (instances of the same hardware
+        share one), spread over the rows."""
+        return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
 
 
 class RowQueues:
