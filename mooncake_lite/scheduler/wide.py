@@ -19,7 +19,7 @@ cost, and the loops run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, count
 from operator import is_not
 
@@ -225,11 +225,14 @@ class PrefillTable:
             done[i], queue[i] = d, b.cumulative_s[-1] - d
         return RowQueues(self, done, queue)
 
-    def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
+    def predict(self, num_tokens: int, num_prefix_tokens: int) -> float | np.ndarray:
         """Each row's model's prediction for one prompt: one call of the formula
-        (:meth:`PrefillCostModel.predict`) per distinct model (instances of the same hardware
-        share one), spread over the rows."""
-        return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
+        (:meth:`PrefillCostModel.predict`) per distinct model, spread over the rows; one float
+        when every row has the same model (instances of the same hardware share one)."""
+        models = self.models
+        if len(models) == 1:
+            return models[0].predict(num_tokens, num_prefix_tokens)
+        return np.array([m.predict(num_tokens, num_prefix_tokens) for m in models])[self.model_of]
 
 
 class RowQueues:
@@ -290,19 +293,17 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
     loop then decides). Every row is first keyed as holding none of the prefix (fetch it all,
     or compute it all when nothing is cached), then the rows whose store holds some of it are
     keyed again, a run of stores with the same length at a time (one branch of the rule each;
-    a hot prefix may be on most stores). When every row has the same model and the default
-    bandwidth (the usual cluster) the terms the same for all rows are one Python float each
-    (the double the arrays would hold)."""
+    a hot prefix may be on most stores). A prediction the same for all rows (one model) and the
+    default bandwidth (none measured, none of an instance's own) are one Python float each (the
+    double the arrays would hold)."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
     latency_s, block_bytes, key_of = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token, rules.prefill_cost_key
-    one_model = len(table.models) == 1 and not table.odd_bw \
-        and not (costs.links is not None and costs.links.from_source(match.best_store_id))
-    predict: Callable[[int, int], float | np.ndarray] = table.models[0].predict if one_model else table.predict
     if not best_len:
-        key = key_of(0.0, queue, predict(num_tokens, 0))
+        key = key_of(0.0, queue, table.predict(num_tokens, 0))
     else:
-        fetched = predict(num_tokens, best_len * block_size)
-        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if one_model \
+        fetched = table.predict(num_tokens, best_len * block_size)
+        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if not table.odd_bw \
+            and not (costs.links is not None and costs.links.from_source(match.best_store_id)) \
             else _measured_bw(table, costs, match.best_store_id)
         key = key_of(transfer_seconds(best_len * block_bytes, bw, latency_s), queue, fetched)
         for local, rows in _held_runs(table, match):
@@ -310,7 +311,7 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
                 transfer = transfer_seconds((best_len - local) * block_bytes, _at(bw, rows), latency_s)
                 key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
             else:
-                key[rows] = key_of(0.0, queue[rows], _at(predict(num_tokens, local * block_size), rows))
+                key[rows] = key_of(0.0, queue[rows], _at(table.predict(num_tokens, local * block_size), rows))
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
@@ -338,20 +339,23 @@ def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np
     return bw
 
 
-def _held_runs(table: PrefillTable, match: PrefixMatch) -> Iterator[tuple[int, np.ndarray]]:
+def _held_runs(table: PrefillTable, match: PrefixMatch) -> list[tuple[int, np.ndarray]]:
     """(blocks held, the rows of the stores holding that many) for each length of the prefix
     some store holds: the match's runs (their rows found once per run's list), or its lengths
-    grouped (a match made without runs)."""
+    grouped (a match made without runs). A list, not a generator: compiled, a generator's
+    object and resumptions cost more than the few runs it yields."""
+    held_runs = []
     if match.runs or not match.lengths:
         for local, stores in match.runs:
             rows = table.run_rows(stores)
             if rows.size:
-                yield local, rows
-        return
+                held_runs.append((local, rows))
+        return held_runs
     by_length: dict[int, list[int]] = {}
     positions = table.positions
     for store_id, length in match.lengths.items():
         by_length.setdefault(length, []).extend(positions.get(store_id, ()))
     for local, held in by_length.items():
         if held:
-            yield local, np.array(held, dtype=np.intp)
+            held_runs.append((local, np.array(held, dtype=np.intp)))
+    return held_runs
