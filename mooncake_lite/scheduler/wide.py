@@ -225,14 +225,19 @@ class PrefillTable:
             done[i], queue[i] = d, b.cumulative_s[-1] - d
         return RowQueues(self, done, queue)
 
-    def predict(self, num_tokens: int, num_prefix_tokens: int) -> float | np.ndarray:
-        """Each row's model's prediction for one prompt: one call of the formula
-        (:meth:`PrefillCostModel.predict`) per distinct model, spread over the rows; one float
-        when every row has the same model (instances of the same hardware share one)."""
+    def predict(self, num_tokens: int, num_prefix_tokens: int, rows: np.ndarray | None = None) -> float | np.ndarray:
+        """Each row's model's prediction for one prompt (of ``rows`` only, when given): one call
+        of the formula (:meth:`PrefillCostModel.predict`) per distinct model, spread over the
+        rows; one float when every row has the same model (instances of the same hardware share
+        one). A cluster of per-instance models (live instances profile themselves) pays a call
+        per row: asked for a few held rows, only theirs."""
         models = self.models
         if len(models) == 1:
             return models[0].predict(num_tokens, num_prefix_tokens)
-        return np.array([m.predict(num_tokens, num_prefix_tokens) for m in models])[self.model_of]
+        if rows is not None and len(rows) < len(models):
+            return np.array([models[m].predict(num_tokens, num_prefix_tokens) for m in self.model_of[rows].tolist()])
+        predicted = np.array([m.predict(num_tokens, num_prefix_tokens) for m in models])[self.model_of]
+        return predicted if rows is None else predicted[rows]
 
 
 class RowQueues:
@@ -311,7 +316,7 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
                 transfer = transfer_seconds((best_len - local) * block_bytes, _at(bw, rows), latency_s)
                 key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
             else:
-                key[rows] = key_of(0.0, queue[rows], _at(table.predict(num_tokens, local * block_size), rows))
+                key[rows] = key_of(0.0, queue[rows], table.predict(num_tokens, local * block_size, rows))
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
