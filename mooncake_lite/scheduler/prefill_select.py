@@ -139,15 +139,15 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
     threshold, num_tokens = cfg.kvcache_balancing_threshold, req.num_tokens
     block_bytes = block_size * costs.kv_bytes_per_token
     latency_s, default_bandwidth, transfer = costs.transfer_latency_s, costs.bandwidth_bytes_per_s, transfer_seconds
-    best, best_key, default_model = -1, float("inf"), costs.prefill
+    best, best_key, default_model = None, float("inf"), costs.prefill
     measured = costs.links.from_source(match.best_store_id) if costs.links is not None else {}
     fetches, cost_key = rules.fetches_best_prefix, rules.prefill_cost_key
     # Most instances hold none of the prefix: the rule's branch and the transfer at the default
     # bandwidth for them are found once.
     fetch_unheld = fetches(0, best_len, threshold)
     transfer_unheld = transfer(best_len * block_bytes, default_bandwidth, latency_s) if fetch_unheld else 0.0
-    last_model, last_prefix, last_own = None, -1, 0.0
-    for i, (p, queue_s, backlog) in enumerate(zip(prefills, queue_times, backlogs or repeat(None))):
+    last_model, last_prefix, own = None, -1, 0.0
+    for p, queue_s, backlog in zip(prefills, queue_times, backlogs or repeat(None)):
         local = lengths.get(p.store_id, 0)
         fetch = fetches(local, best_len, threshold) if local else fetch_unheld
         if fetch:
@@ -159,19 +159,19 @@ def _choose_kvcache(req: ScheduleRequest, prefills: Sequence[PrefillInstanceStat
             transfer_s, prefix = 0.0, local * block_size
         model = p.cost or default_model
         if model is not last_model or prefix != last_prefix:     # (instances share models: one call each)
-            last_model, last_prefix, last_own = model, prefix, model.predict(num_tokens, prefix)
-        own = last_own
-        if backlog is not None:
-            queue_s, own = _packed_estimate(req, model, queue_s, prefix, own, backlog, p)
-        key = cost_key(transfer_s, queue_s, own)
+            last_model, last_prefix, own = model, prefix, model.predict(num_tokens, prefix)
+        if backlog is None:
+            key = cost_key(transfer_s, queue_s, own)
+        else:
+            key = cost_key(transfer_s, *_packed_estimate(req, model, queue_s, prefix, own, backlog, p))
         if key < best_key:
-            best, best_key, figures = i, key, (transfer_s, queue_s, own, local, fetch)
-    if best < 0:
+            best, best_key = (p, transfer_s, queue_s, own, local, fetch, backlog), key
+    if best is None:
         return None
-    p, (transfer_s, queue_s, own, local, fetch) = prefills[best], figures
-    if backlogs is None:      # the loop's estimates are the option's (_option would derive them again)
+    p, transfer_s, queue_s, own, local, fetch, backlog = best
+    if backlog is None:      # the loop's estimates are the option's (_option would derive them again)
         return _choice(p, best_key, transfer_s, queue_s, own, local, match, fetch, None)
-    return _option(req, p, queue_times[best], local, match, fetch, cfg, costs, backlog=backlogs[best])
+    return _option(req, p, queue_s, local, match, fetch, cfg, costs, backlog=backlog)
 
 
 def _packed_estimate(req: ScheduleRequest, model: PrefillCostModel, queue_s: float, prefix_tokens: int,

@@ -42,7 +42,9 @@ def prefill_cost_key(transfer_s: float | np.ndarray, queue_s: float | np.ndarray
     """Algorithm 1's cost key of one prefill instance: the predicted TTFT, its KV transfer (0
     when it keeps its local prefix), the queue ahead of the request and the request's own
     prefill, summed in this order (floats, or numpy rows of them)."""
-    return transfer_s + queue_s + prefill_s
+    key = transfer_s + queue_s
+    key += prefill_s        # (a fresh sum, so rows add in place: one array fewer a call)
+    return key
 
 
 def decode_has_room(max_batch_size: int | None, max_context_tokens: int | None, batch_size: int,

@@ -16,7 +16,7 @@ from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
-from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause
+from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause, make_decision
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
@@ -64,7 +64,7 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
     queues = estimates.prefill_queues(cluster.prefills, costs, now)   # read by both choices
     p = choose_prefill(req, cluster.prefills, match, config, costs, queues, rng)
     if p is None:
-        return Decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
+        return make_decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
         return _decision(False, "rejected: no decode instance with room", req, costs, p, None, "no-decode")
@@ -80,13 +80,14 @@ def _decision(accepted: bool, reason: str, req: ScheduleRequest, costs: CostMode
               reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
     ttft, tbt = bounds(req, costs, p, d)
-    return Decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
-                    decode_id=None if d is None else d.instance.instance_id, route=p.route,
-                    reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
-                    predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
-                    predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
-                    reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
-                    transfer_source=p.source_store_id, migration=migration, bound_ttft_s=ttft, bound_tbt_s=tbt)
+    return make_decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
+                         decode_id=None if d is None else d.instance.instance_id, route=p.route,
+                         reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
+                         predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
+                         predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
+                         reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
+                         transfer_source=p.source_store_id, migration=migration,
+                         bound_ttft_s=ttft, bound_tbt_s=tbt)
 
 
 class Scheduler:

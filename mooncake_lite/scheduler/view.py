@@ -31,8 +31,6 @@ No IO and no clock: times are arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import compress, count, repeat
-from operator import is_
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import DecodeCostModel
@@ -85,9 +83,13 @@ __all__ = ["MAX_CONTEXT_LAG", "MAX_TBT_DRIFT", "DecodeView", "PrefillView", "Sho
 
 def _position(records: tuple, record: object) -> int | None:
     """Where ``record`` itself (not an equal one) stands in ``records``; None if nowhere."""
+    # An index loop: compiled (mypyc), one pointer compare an item, where a C-level chain of
+    # iterators (compress, map, operator.is_) cost 11k instructions a simulated request more at
+    # 128P/128D (callgrind); interpreted, a little slower than the chain, on a request's leaving only.
     if record is not None:
-        for i in compress(count(), map(is_, records, repeat(record))):   # C-level: no Python loop
-            return i
+        for i in range(len(records)):
+            if records[i] is record:
+                return i
     return None
 
 

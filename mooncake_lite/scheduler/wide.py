@@ -19,7 +19,7 @@ cost, and the loops run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, count
 from operator import is_not
 
@@ -28,7 +28,7 @@ import numpy as np
 from mooncake_lite.scheduler import rules
 from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
-from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, prefill_seconds, transfer_seconds
+from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, transfer_seconds
 from mooncake_lite.scheduler.estimate import Backlog
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 from mooncake_lite.scheduler.snapshot import Shown, Snapshot
@@ -44,8 +44,6 @@ _NO_VIEWS: list[Shown] = []
 # What a row holds between a resize and its write (update writes every row right after a
 # resize, so no decision reads it): an empty queue, so the list is of Backlogs only.
 _UNWRITTEN = Backlog((), PrefillCostModel(), [], [], (), ())
-# Up to this many distinct prefill cost models, each predicts once per decision in Python.
-_FEW_MODELS = 8
 
 
 def changed_rows(new: Sequence, old: Sequence, snapshot: Snapshot | None = None) -> list[int] | None:
@@ -88,7 +86,6 @@ class PrefillTable:
         self.backlogs: list[Backlog] = [_UNWRITTEN] * n
         self._unbuilt: set[int] = set()    # rows written from a view's row: backlog not derived yet
         self.total, self.head_d, self.head_s, self.bw = (np.zeros(n) for _ in range(4))
-        self.coef = np.zeros((4, n))                   # each row's model's c0..c3
         self.model_of = np.zeros(n, dtype=np.intp)     # row -> position in self.models
         self._row_model: list[PrefillCostModel | None] = [None] * n   # the model each row was written with
         # each row's (head duration, start) and bandwidth as last written: most rewrites change neither
@@ -142,14 +139,13 @@ class PrefillTable:
         if head != self._row_head[i]:     # a queue's head runs on while jobs join behind it
             self._row_head[i] = head
             self.head_d[i], self.head_s[i] = head
-        if self._row_model[i] is not model:     # else its model's position and coefficients stand
+        if self._row_model[i] is not model:     # else its model's position stands
             self._row_model[i] = model
             pos = self._model_pos.get(id(model))
             if pos is None or self.models[pos] is not model:
                 pos = self._model_pos[id(model)] = len(self.models)
                 self.models.append(model)
             self.model_of[i] = pos
-            self.coef[:, i] = (model.c0, model.c1, model.c2, model.c3)
         bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
         if bw != self._row_bw[i]:
             self._row_bw[i] = self.bw[i] = bw
@@ -229,22 +225,19 @@ class PrefillTable:
             done[i], queue[i] = d, b.cumulative_s[-1] - d
         return RowQueues(self, done, queue)
 
-    def predict(self, num_tokens: int, num_prefix_tokens: int) -> np.ndarray:
-        """Each row's model's prediction for one prompt: a Python call per distinct model when
-        there are few (instances of the same hardware share one), else the model's formula over
-        the coefficient rows (:func:`predict_rows`)."""
-        if len(self.models) <= _FEW_MODELS:
-            return np.array([m.predict(num_tokens, num_prefix_tokens) for m in self.models])[self.model_of]
-        return predict_rows(self.coef, num_tokens, num_prefix_tokens)
-
-
-def predict_rows(coef: np.ndarray, num_tokens: int, prefix: int | np.ndarray) -> np.ndarray:
-    """:meth:`PrefillCostModel.predict` per row (``coef`` its c0..c3 rows, ``prefix`` the cached
-    tokens, one count or one per row): its clamps as array operations around the same formula
-    (``costs.prefill_seconds``), so the same doubles."""
-    p = np.maximum(np.where(prefix < num_tokens, prefix, num_tokens - 1), 0)
-    t = prefill_seconds(coef[0], coef[1], coef[2], coef[3], num_tokens - p, p)
-    return np.where(t > 0.0, t, 0.0)
+    def predict(self, num_tokens: int, num_prefix_tokens: int, rows: np.ndarray | None = None) -> float | np.ndarray:
+        """Each row's model's prediction for one prompt (of ``rows`` only, when given): one call
+        of the formula (:meth:`PrefillCostModel.predict`) per distinct model, spread over the
+        rows; one float when every row has the same model (instances of the same hardware share
+        one). A cluster of per-instance models (live instances profile themselves) pays a call
+        per row: asked for a few held rows, only theirs."""
+        models = self.models
+        if len(models) == 1:
+            return models[0].predict(num_tokens, num_prefix_tokens)
+        if rows is not None and len(rows) < len(models):
+            return np.array([models[m].predict(num_tokens, num_prefix_tokens) for m in self.model_of[rows].tolist()])
+        predicted = np.array([m.predict(num_tokens, num_prefix_tokens) for m in models])[self.model_of]
+        return predicted if rows is None else predicted[rows]
 
 
 class RowQueues:
@@ -305,19 +298,17 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
     loop then decides). Every row is first keyed as holding none of the prefix (fetch it all,
     or compute it all when nothing is cached), then the rows whose store holds some of it are
     keyed again, a run of stores with the same length at a time (one branch of the rule each;
-    a hot prefix may be on most stores). When every row has the same model and the default
-    bandwidth (the usual cluster) the terms the same for all rows are one Python float each
-    (the double the arrays would hold)."""
+    a hot prefix may be on most stores). A prediction the same for all rows (one model) and the
+    default bandwidth (none measured, none of an instance's own) are one Python float each (the
+    double the arrays would hold)."""
     best_len, block_size, num_tokens = match.best_len, cfg.block_size, req.num_tokens
     latency_s, block_bytes, key_of = costs.transfer_latency_s, block_size * costs.kv_bytes_per_token, rules.prefill_cost_key
-    one_model = len(table.models) == 1 and not table.odd_bw \
-        and not (costs.links is not None and costs.links.from_source(match.best_store_id))
-    predict: Callable[[int, int], float | np.ndarray] = table.models[0].predict if one_model else table.predict
     if not best_len:
-        key = key_of(0.0, queue, predict(num_tokens, 0))
+        key = key_of(0.0, queue, table.predict(num_tokens, 0))
     else:
-        fetched = predict(num_tokens, best_len * block_size)
-        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if one_model \
+        fetched = table.predict(num_tokens, best_len * block_size)
+        bw: float | np.ndarray = costs.bandwidth_bytes_per_s if not table.odd_bw \
+            and not (costs.links is not None and costs.links.from_source(match.best_store_id)) \
             else _measured_bw(table, costs, match.best_store_id)
         key = key_of(transfer_seconds(best_len * block_bytes, bw, latency_s), queue, fetched)
         for local, rows in _held_runs(table, match):
@@ -325,7 +316,7 @@ def choose_prefill_row(req: ScheduleRequest, table: PrefillTable, queue: np.ndar
                 transfer = transfer_seconds((best_len - local) * block_bytes, _at(bw, rows), latency_s)
                 key[rows] = key_of(transfer, queue[rows], _at(fetched, rows))
             else:
-                key[rows] = key_of(0.0, queue[rows], _at(predict(num_tokens, local * block_size), rows))
+                key[rows] = key_of(0.0, queue[rows], table.predict(num_tokens, local * block_size, rows))
     i = int(key.argmin())           # the method: np.argmin adds two Python frames per call
     if not float(key[i]) < _INF:     # all infinite, or a NaN the loop would have skipped
         return None
@@ -353,20 +344,23 @@ def _measured_bw(table: PrefillTable, costs: CostModels, source: Hashable) -> np
     return bw
 
 
-def _held_runs(table: PrefillTable, match: PrefixMatch) -> Iterator[tuple[int, np.ndarray]]:
+def _held_runs(table: PrefillTable, match: PrefixMatch) -> list[tuple[int, np.ndarray]]:
     """(blocks held, the rows of the stores holding that many) for each length of the prefix
     some store holds: the match's runs (their rows found once per run's list), or its lengths
-    grouped (a match made without runs)."""
+    grouped (a match made without runs). A list, not a generator: compiled, a generator's
+    object and resumptions cost more than the few runs it yields."""
+    held_runs = []
     if match.runs or not match.lengths:
         for local, stores in match.runs:
             rows = table.run_rows(stores)
             if rows.size:
-                yield local, rows
-        return
+                held_runs.append((local, rows))
+        return held_runs
     by_length: dict[int, list[int]] = {}
     positions = table.positions
     for store_id, length in match.lengths.items():
         by_length.setdefault(length, []).extend(positions.get(store_id, ()))
     for local, held in by_length.items():
         if held:
-            yield local, np.array(held, dtype=np.intp)
+            held_runs.append((local, np.array(held, dtype=np.intp)))
+    return held_runs
