@@ -133,8 +133,7 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
     return tbt_refusal(d.cost or costs.decode, batch, context, req.num_tokens, tbt_slo_s) is None
 
 
-def bounds(req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
-           d: DecodeChoice | None) -> tuple[float, float | None]:
+def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
     prefill's measured spread (``PrefillInstanceState.ttft_spread``: an upper quantile of measured
     / predicted there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
@@ -152,9 +151,9 @@ def bounds(req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
 
 
 def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
-                  d: DecodeChoice) -> tuple[RejectCause, str] | None:
+                  d: DecodeChoice, bound: tuple[float, float | None]) -> tuple[RejectCause, str] | None:
     """(cause, reason) if admission rejects, else None. ``none`` never rejects on SLOs. What is
-    judged is each prediction's bound (:func:`bounds`).
+    judged is each prediction's bound (``bound``: :func:`bounds`, which the decision also carries).
 
     A relative SLO (``cfg.ttft_slo_s``/``tbt_slo_s`` None) is the factor × what the chosen
     instance's own cost model predicts for this request alone on it: the whole prompt's
@@ -168,7 +167,7 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     if limit is None:
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
-    ttft, tbt = bounds(req, costs, p, d)
+    ttft, tbt = bound
     if ttft > limit:
         return "ttft", _refusal("TTFT", p.ttft_s, ttft, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
                                 p.instance.instance_id)

@@ -67,19 +67,20 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
         return make_decision(accepted=False, reason="rejected: no live prefill instance", reject_cause="no-prefill")
     d = choose_decode(req, cluster, config, costs, now, p.ttft_s, rng, queues, estimates)
     if d is None:
-        return _decision(False, "rejected: no decode instance with room", req, costs, p, None, "no-decode")
-    violation = slo_violation(config, req, costs, p, d)
+        return _decision(False, "rejected: no decode instance with room", p, None, bounds(p, None), "no-decode")
+    bound = bounds(p, d)   # judged by admission and carried by the decision: computed once
+    violation = slo_violation(config, req, costs, p, d, bound)
     if violation is not None:
-        return _decision(False, violation[1], req, costs, p, d, violation[0])
+        return _decision(False, violation[1], p, d, bound, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
-    return _decision(True, reason, req, costs, p, d, migration=_migration(req, p))
+    return _decision(True, reason, p, d, bound, migration=_migration(req, p))
 
 
-def _decision(accepted: bool, reason: str, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
-              d: DecodeChoice | None,
-              reject_cause: RejectCause | None = None, migration: Migration | None = None) -> Decision:
+def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
+              bound: tuple[float, float | None], reject_cause: RejectCause | None = None,
+              migration: Migration | None = None) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
-    ttft, tbt = bounds(req, costs, p, d)
+    ttft, tbt = bound
     return make_decision(accepted=accepted, reason=reason, prefill_id=p.instance.instance_id,
                          decode_id=None if d is None else d.instance.instance_id, route=p.route,
                          reject_cause=reject_cause, predicted_ttft_s=p.ttft_s,
