@@ -1,5 +1,6 @@
 """Tensor-parallel instances as real processes: a TP=2 prefill and a TP=2 decode give the
-monolithic greedy tokens, and either pairs with a TP=1 peer; a rank killed under load fails the
+monolithic greedy tokens, and either pairs with a TP=1 peer, as does a TP=4 decode (tiny's two
+KV heads replicated over four ranks); a rank killed under load fails the
 whole instance at once (no hang, a clear error, exit 1 for the supervisor to restart it), and one
 of a CPP group's TP stages fails the whole group."""
 
@@ -30,7 +31,8 @@ def model():
 
 
 async def test_tp2_prefill_and_decode_match_the_monolithic_tokens(role_procs, model):
-    """TP=2 ↔ TP=2, TP=2 → TP=1 and a CPP group of TP=2 stages give the reference tokens (a TP=2
+    """TP=2 ↔ TP=2, TP=2 → TP=1, TP=2 and TP=1 → TP=4 (each KV head on two decode ranks) and a CPP
+    group of TP=2 stages give the reference tokens (a TP=2
     prefill sends each rank's heads as a frame of their own); a prefix the TP=2 prefill wrote to
     the store as two rank slices is reused by a TP=1 prefill and by the CPP group, and one the
     TP=1 prefill wrote by the TP=2 prefill, one the CPP group wrote by the TP=1 prefill."""
@@ -40,9 +42,10 @@ async def test_tp2_prefill_and_decode_match_the_monolithic_tokens(role_procs, mo
              ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "20", "--tensor-parallel", "2", *on_store),
              ("prefill", *COMMON, "--num-blocks", "64", *on_store),
              ("prefill", *COMMON, "--num-blocks", "64", "--prefill-chunk", "8", "--pipeline-group", "2", "--tp", "2",
-              *on_store)]
-    with ThreadPoolExecutor(len(specs)) as pool:   # nine processes at once: the CPP group starts stage by stage
-        decode, decode1, prefill, prefill1, cpp = pool.map(lambda spec: role_procs(*spec, timeout=START_S), specs)
+              *on_store),
+             ("decode", *COMMON, "--num-blocks", "128", "--tp", "4")]
+    with ThreadPoolExecutor(len(specs)) as pool:   # 13 processes at once: the CPP group starts stage by stage
+        decode, decode1, prefill, prefill1, cpp, decode4 = pool.map(lambda spec: role_procs(*spec, timeout=START_S), specs)
     async with aiohttp.ClientSession() as session:
         # The shared prefix of check_prompts, written by the TP=2 prefill (write-back is asynchronous)
         await _reused(session, model, prefill, decode, prompt(3 * BS, 1) + prompt(4, 7), 0)
@@ -51,6 +54,9 @@ async def test_tp2_prefill_and_decode_match_the_monolithic_tokens(role_procs, mo
             out = await generate(session, prefill.url(), decode1.url(), decode1.addresses["data"], p, 5)
             assert out.error is None and out.tokens == reference_greedy(model, p, 5)
             assert out.prefill["num_prefix_tokens"] == (3 * BS if i == 0 else 0)   # a prefix written at TP=2
+        for p, source in ((prompt(13, 18), prefill), (prompt(3 * BS, 1) + prompt(7, 19), prefill1)):   # → TP=4
+            out = await generate(session, source.url(), decode4.url(), decode4.addresses["data"], p, 5)
+            assert out.error is None and out.tokens == reference_greedy(model, p, 5)
         # written at TP=2, read at TP=1 (feeding the TP=2 decode); then the other way round
         assert await _reused(session, model, prefill1, decode, prompt(3 * BS, 1) + prompt(6, 10), 3 * BS)
         await _reused(session, model, prefill1, decode1, prompt(2 * BS, 11) + prompt(3, 12), 0)
