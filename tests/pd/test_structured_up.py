@@ -70,14 +70,18 @@ def _decode_steps(api: str) -> list[list]:
 def test_a_constrained_and_a_free_sequence_share_decode_steps(api):
     c = client(api)
     messages = [{"role": "user", "content": "Tell me about Paris."}]
-    free = dict(model=SMOLLM, messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    # The free row is long and sent first, so it is still decoding when the shaped one arrives: a
+    # decode step of the default model is ~20 ms on one core, so 40 tokens could end before the
+    # shaped prompt's prefill (and its grammar) was done, and the two never shared a step.
+    free = dict(model=SMOLLM, messages=messages, max_tokens=160, temperature=0, extra_body={"ignore_eos": True})
     alone = c.chat.completions.create(**free).choices[0].message.content
     start = time.monotonic()   # the decode's timeline is on this host's monotonic clock
     with ThreadPoolExecutor(2) as pool:
+        together = pool.submit(c.chat.completions.create, **free)
+        time.sleep(0.2)
         shaped = pool.submit(c.chat.completions.create, model=SMOLLM, messages=messages, max_tokens=40,
                              temperature=0, response_format={"type": "json_schema",
                                                              "json_schema": {"name": "p", "schema": PERSON}})
-        together = pool.submit(c.chat.completions.create, **free)
         shaped, together = shaped.result(), together.result()
     steps = [step for step in _decode_steps(api) if step[0] >= start]   # (start, seconds, batch, ...)
     assert any(step[2] == 2 for step in steps)          # both in one batch, nothing else in flight
