@@ -27,7 +27,7 @@ from mooncake_lite.bench.harness import role
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.pd.overlap import prefill_once
 from mooncake_lite.bench.pd.roles import BLOCK, announce
-from mooncake_lite.bench.report import emit
+from mooncake_lite.bench.report import emit, machine, machine_text
 from mooncake_lite.common.launch import to_stderr
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.tp_comms import GroupAddress, free_port
@@ -67,7 +67,7 @@ def main(argv: Sequence[str]) -> int:
             runs = asyncio.run(_runs(group.runner, address, decode, a))
         finally:
             group.stop()
-    report = {"machine": {"cpus": os.cpu_count(), "load_avg_1m": load, "load_avg_1m_end": os.getloadavg()[0]},
+    report = {"machine": machine(load),
               "model": a.model, "tp": a.tp, "prefix_tokens": a.prefix_blocks * BLOCK, "tail": a.tail,
               "repeats": a.repeats,
               "modes": {mode: {k: statistics.median(r[k] for r in rs) for k in ("ttft_ms", *COUNTED)}
@@ -128,11 +128,11 @@ async def _runs(runner, address: str, decode, a: Options) -> dict[str, list[dict
 
 
 def render(r: dict) -> str:
-    m, mib = r["machine"], 2 ** 20
+    mib = 2 ** 20
     ranks, rank0 = (r["modes"][mode] for mode in MODES)
     return "\n".join([
         f"mooncake bench tp-prefix: {r['model']} at TP={r['tp']}, {r['prefix_tokens']} cached + {r['tail']} new "
-        f"tokens to a TP=1 decode, {m['cpus']} CPUs, load {m['load_avg_1m']:.2f} -> {m['load_avg_1m_end']:.2f}, "
+        f"tokens to a TP=1 decode, {machine_text(r['machine'])}, "
         f"median of {r['repeats']}",
         f"  {'':<21} {'to END ms':>10} {'store read':>11} {'written':>9} {'handed':>9} {'gathered':>9}  (MiB through rank 0)",
         *(f"  {mode:<21} {f['ttft_ms']:10.1f} {f['store_read'] / mib:11.2f} {f['store_written'] / mib:9.2f} "
