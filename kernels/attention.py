@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
+from kernels.device import traced
 from kernels.dispatch import fast_module
 
 
@@ -150,10 +151,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
     if fast is not None:
         return fast.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens)
     if _c_kernel_runs(q, k_cache, v_cache, block_tables, context_lens):
-        if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
-            with torch.profiler.record_function("decode_attention"):
-                return paged_decode_attention_c(q, k_cache, v_cache, block_tables, context_lens)
-        return paged_decode_attention_c(q, k_cache, v_cache, block_tables, context_lens)
+        return traced("decode_attention", paged_decode_attention_c, q, k_cache, v_cache, block_tables, context_lens)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens)
 
 

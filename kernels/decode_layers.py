@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.device import traced
 from kernels.quant_build import library
 from kernels.quant_linear import DEQUANTIZE_ROWS, int8_runs
 
@@ -88,11 +89,7 @@ def decode_layers(plan: DecodePlan, x: torch.Tensor, cos: torch.Tensor, signed_s
     args = (plan.table, len(plan.table), ctypes.byref(plan.shape), x.data_ptr(), batch, cos.data_ptr(),
             signed_sin.data_ptr(), slots.contiguous().data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
             torch.get_num_threads())
-    if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
-        with torch.profiler.record_function("decode_layers"):
-            status = library().decode_layers(*args)
-    else:
-        status = library().decode_layers(*args)
+    status = traced("decode_layers", library().decode_layers, *args)
     if status != 0:
         raise ValueError(f"decode_layers: slots {slots.tolist()}, context lengths {context_lens.tolist()} or "
                          f"block tables do not fit a cache of {plan.shape.num_blocks} blocks of {plan.shape.block_size}")

@@ -66,3 +66,12 @@ def peaks_for_name(name: str) -> GPUPeaks:
 def gpu_peaks(device: torch.device | str) -> GPUPeaks:
     """Peaks of the CUDA device ``device`` by its reported name (``torch.cuda.get_device_properties``)."""
     return peaks_for_name(torch.cuda.get_device_properties(torch.device(device)).name)
+
+
+def traced(name: str, fn, *args):
+    """``fn(*args)``, named ``name`` in a torch profile when one records: a C kernel called through
+    ctypes is otherwise no operator, and ``bench model --profile`` could not tell it apart."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norm import rms_norm
+from kernels.device import traced
 from kernels.quant_build import library
 
 # Above this many rows (a prefill chunk) the weight is dequantized into a float32 copy for one
@@ -181,10 +182,7 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.
     (:func:`to_planar`)."""
     if not kernel_runs(x):
         return quant_linear_ref(x, blocks, qtype, bias)
-    if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
-        with torch.profiler.record_function("quant_linear"):
-            return _kernel_linear(x, blocks, qtype, bias)
-    return _kernel_linear(x, blocks, qtype, bias)
+    return traced("quant_linear", _kernel_linear, x, blocks, qtype, bias)
 
 
 def quant_linear_fused(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, norm: tuple[torch.Tensor, float] | None = None,
@@ -193,10 +191,7 @@ def quant_linear_fused(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, nor
     = (weight, eps), each part where given). Where the integer-activation kernel runs, one C call
     does all of it (the work around a layer's products, each a dispatched operator otherwise);
     elsewhere ``kernels.norm.rms_norm``, :func:`quant_linear` and an add."""
-    if torch.autograd._profiler_enabled():   # named in a profile, as quant_linear's products are
-        with torch.profiler.record_function("quant_linear"):
-            return _fused_linear(x, blocks, qtype, norm, residual)
-    return _fused_linear(x, blocks, qtype, norm, residual)
+    return traced("quant_linear", _fused_linear, x, blocks, qtype, norm, residual)   # named as the products are
 
 
 def _fused_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, norm: tuple[torch.Tensor, float] | None,

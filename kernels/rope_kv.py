@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from kernels.device import traced
 from kernels.quant_build import library
 
 
@@ -29,11 +30,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
         return False
     args = (qkv.data_ptr(), n, heads, kv_heads, dim, cos.data_ptr(), signed_sin.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.contiguous().data_ptr(), k_cache.numel() // (kv_heads * dim))
-    if torch.autograd._profiler_enabled():   # named in a profile; a C call is otherwise no operator
-        with torch.profiler.record_function("rope_kv_write"):
-            status = lib.rope_kv_write(*args)
-    else:
-        status = lib.rope_kv_write(*args)
+    status = traced("rope_kv_write", lib.rope_kv_write, *args)
     if status != 0:
         raise ValueError(f"rope_kv_write: slots {slots.tolist()} outside a cache of "
                          f"{k_cache.numel() // (kv_heads * dim)}, or head width {dim} odd or over 1024")
