@@ -82,6 +82,8 @@ def decode_layers(plan: DecodePlan, x: torch.Tensor, cos: torch.Tensor, signed_s
     if not (os.environ.get(LAYERS_ENV, "c") == "c" and x.dim() == 2 and batch <= DEQUANTIZE_ROWS
             and int8_runs(x) and x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous()
             and cos.numel() == signed_sin.numel() == batch * plan.head_dim and slots.shape == (batch,)
+            and x.shape[1] == plan.shape.dim and cos.dtype == signed_sin.dtype == torch.float32
+            and block_tables.dim() == 2 and block_tables.shape[0] == batch and context_lens.shape == (batch,)
             and slots.dtype == block_tables.dtype == context_lens.dtype == torch.int64
             and block_tables.is_contiguous() and context_lens.is_contiguous()):
         return False

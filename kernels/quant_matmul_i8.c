@@ -152,8 +152,9 @@ static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint
         const int rw = n + 1 < n1 ? 2 : 1;
         /* every line of the rows 8 rows on: the hardware prefetcher alone kept a batch-1 step's
          * products at ~5 GB/s from memory; this made them 1.36x faster (docs/results/2026-11-29-decode-layers.md) */
-        for (int64_t off = 0; off < rw * row_bytes; off += 64)
-            _mm_prefetch((const char *)row + 8 * row_bytes + off, _MM_HINT_T0);
+        if (n + 8 + rw <= n_rows)   /* no pointer formed past W's end (undefined in C, even unread) */
+            for (int64_t off = 0; off < rw * row_bytes; off += 64)
+                _mm_prefetch((const char *)row + 8 * row_bytes + off, _MM_HINT_T0);
         for (int64_t b = 0; b < batch; b += 4) {
             const xgroup *xb = xg + b * groups;
             float *o = out + b * n_rows + n;
