@@ -176,6 +176,8 @@ class TPLeaderRunner(ModelRunner):
     def __init__(self, model: LeaderTransformer, layout: TPLayout, *, num_blocks: int, block_size: int):
         super().__init__(model, num_blocks=num_blocks, block_size=block_size)
         self.args, self.layout, self.leader = layout.args, layout, model.leader
+        # Every rank's layout, made once: _handed cuts each follower's heads with it every step
+        self.rank_layouts = tuple(dataclasses.replace(layout, rank=r) for r in range(layout.size))
         # Bytes of the other ranks' KV rank 0 received through all_gather: of layers to send
         # (gather_kv) and of whole blocks to write to the store (pack_kv); and of KV it broadcast
         # for them to write (handed: a loaded prefix's, a received frame's; once per follower)
@@ -225,7 +227,7 @@ class TPLeaderRunner(ModelRunner):
     def load_kv(self, layer: int, block_ids: torch.Tensor, own: torch.Tensor, keys: list[bytes], fid: str,
                 next_layer: bool, routes: list[tuple[int, int, dict]]) -> None:
         """A loaded prefix's ``layer`` of blocks ``block_ids`` (of store ``keys``): rank 0 writes
-        ``own``, its heads (a frame ``[2, tokens, heads, head_dim]``, or blocks as :meth:`pack_kv`'s);
+        ``own``, its heads (a frame ``[2, tokens, heads, head_dim]``);
         every follower reads its heads of the layer from its store (``fid``: the load; with
         ``next_layer`` it starts reading the next one) and writes them, then, once every rank has,
         sends its share of them along ``routes``. KeyError naming the ranks that could not."""
@@ -233,10 +235,7 @@ class TPLeaderRunner(ModelRunner):
                   "fid": fid, "next": next_layer, "routes": routes}
 
         def work() -> None:
-            if own.dim() == 4:   # a frame, else blocks
-                ModelRunner.scatter_kv(self, layer, prefix_slots(block_ids, self.block_size), own)
-            else:
-                ModelRunner.unpack_kv(self, layer, block_ids, own)
+            ModelRunner.scatter_kv(self, layer, prefix_slots(block_ids, self.block_size), own)
             failed = [r for r, f in enumerate(self.leader.comms.all_gather(flag(False, self.device))) if f.item()]
             if failed:
                 raise KeyError(f"tensor-parallel rank(s) {failed} could not load their KV heads of layer "
@@ -264,7 +263,7 @@ class TPLeaderRunner(ModelRunner):
 
         def work() -> None:
             for r in range(1, self.layout.size):
-                theirs = my_heads(data, dataclasses.replace(self.layout, rank=r), dim, heads)
+                theirs = my_heads(data, self.rank_layouts[r], dim, heads)
                 if theirs is not None:
                     dist.send(theirs[0].contiguous(), dst=r, group=self.leader.comms.group)
                     self.gathered_bytes["handed"] += theirs[0].nbytes

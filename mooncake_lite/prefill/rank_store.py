@@ -134,4 +134,3 @@ class RankStore:
             self.num_put_failures += 1
             log.warning("this rank's write-back of its KV heads failed (%d so far): %r", self.num_put_failures,
                         future.exception())
-

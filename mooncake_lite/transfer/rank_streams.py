@@ -71,10 +71,10 @@ class Route:
         return cls(d["tid"], d["to"], d["start"], d.get("tp"))
 
 
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, without copying (any dtype, bfloat16 included)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
 
 class RankStreams:
     """A follower rank's KV streams, by transfer id; its own loop thread and connections."""
