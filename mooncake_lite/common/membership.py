@@ -43,12 +43,13 @@ class RegistrationRefused(RuntimeError):
     pass
 
 
-def conductor_urls(value: str | None) -> tuple[str, ...]:
-    """``--conductor URL1,URL2,...`` as its URLs (each http(s)://); ValueError naming a bad one."""
+def conductor_urls(value: str | None, option: str = "--conductor") -> tuple[str, ...]:
+    """``--conductor URL1,URL2,...`` (or ``option``'s) as its URLs (each http(s)://); ValueError
+    naming the option and the bad one."""
     urls = tuple(u.strip().rstrip("/") for u in (value or "").split(",") if u.strip())
     for url in urls:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--conductor must be http(s) URLs separated by commas, got {url!r}")
+            raise ValueError(f"{option} must be http(s) URLs separated by commas, got {url!r}")
     return urls
 
 

@@ -87,7 +87,7 @@ def make_services(cfg: Config, args: ModelArgs) -> Services:
     sched_cfg = cfg.scheduler_config()
     kv_bytes = 2 * args.num_layers * args.num_kv_heads * args.head_dim * DEFAULT_DTYPE_BYTES
     scheduler = Scheduler(sched_cfg, default_costs(args, kv_bytes), rng=random.Random(cfg.seed))
-    spread = cfg.shared_instances == "on" or (cfg.shared_instances == "auto" and (cfg.discovery or cfg.peers) is not None)
+    spread = cfg.shared_instances == "on" or (cfg.shared_instances == "auto" and (cfg.discovery is not None or bool(cfg.peer_urls)))
     membership = Membership(cfg.model, cfg.block_size, cfg.hash_seed, cfg.dead_after, cfg.dead_after_failures,
                             tie_salt=os.urandom(16) if spread else None)
     # API keys name tenants (--api-key is one more, tenant "default"): limits, SLOs, priorities

@@ -123,16 +123,17 @@ class Config(RoleConfig):
 
     @property
     def peer_urls(self) -> tuple[str, ...]:
-        return conductor_urls(self.peers)
+        return conductor_urls(self.peers, "--peers")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.peers is None or self.discovery is None, "--peers and --discovery exclude each other (with "
                 "--discovery the conductors find each other in etcd)")
         try:
-            conductor_urls(self.peers)
-        except ValueError:
-            require(False, f"--peers must be http(s) URLs separated by commas, got {self.peers!r}")
+            peers = self.peer_urls
+        except ValueError as exc:   # conductor_urls': names the bad URL
+            raise ConfigError(str(exc)) from None
+        require(self.peers is None or bool(peers), "--peers must name at least one conductor URL")
         require(self.rebuild_wait is None or self.rebuild_wait >= 0,
                 f"--rebuild-wait must be >= 0, got {self.rebuild_wait}")
         require(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")

@@ -68,6 +68,8 @@ def test_static_peers_divide_the_limits_among_those_answering_health():
 
 @pytest.mark.parametrize("overrides, names", [
     ({"peers": "127.0.0.1:8000"}, "--peers must be http(s) URLs"),
+    ({"peers": "http://127.0.0.1:8000,ftp://x"}, "--peers must be http(s) URLs separated by commas, got 'ftp://x'"),
+    ({"peers": " , "}, "--peers must name at least one conductor URL"),
     ({"peers": "http://127.0.0.1:8000", "discovery": "etcd://127.0.0.1:2379"}, "--peers and --discovery"),
 ])
 def test_bad_peers_are_refused_naming_the_flag(overrides, names):
