@@ -43,7 +43,7 @@ must refuse on what a request may meet, not on what it meets usually (a refusal 
 median admits half the requests near the limit to miss it). So each instance also keeps the
 ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill,
 ``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
-is shown it (``PrefillInstanceState.ttft_spread``, ``DecodeInstanceState.tbt_spread``) and
+is shown the TTFT's (``PrefillInstanceState.ttft_spread``; the TBT's is measured, not judged) and
 admission judges what others add to a request's time × spread against the SLO
 (``admission.bounds``), while the prediction shown and checked stays the central one. A window, not a moving quantile: it forgets
 a machine that changed after ``spread_window`` requests, and a broken report is refused as above.

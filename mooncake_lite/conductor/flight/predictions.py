@@ -213,10 +213,14 @@ class PredictionBook:
         if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
             self._shown[iid] = scale
             self.membership.show_costs(inst)
-        show_spread(self.corrections, iid, "ttft" if inst.role == "prefill" else "tbt", inst.view)
-        share = self.corrections.overtake_share(iid)
-        if isinstance(inst.view, PrefillView) and abs(share - inst.view.overtake_share) >= SHOW_TOLERANCE:
-            inst.view.set_overtake_share(share)
+        if isinstance(inst.view, PrefillView):
+            # Only the TTFT's spread is shown: admission judges no TBT spread (admission.bounds),
+            # and showing a decode's would rebuild its state for nothing (/metrics and status
+            # read the TBT spread from the corrections)
+            show_spread(self.corrections, iid, "ttft", inst.view)
+            share = self.corrections.overtake_share(iid)
+            if abs(share - inst.view.overtake_share) >= SHOW_TOLERANCE:
+                inst.view.set_overtake_share(share)
 
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
