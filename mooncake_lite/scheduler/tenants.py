@@ -12,8 +12,7 @@ decision's *load* (predicted TTFT over the tenant's TTFT SLO: what a request beh
 compared with the tenant's ``shed_at`` (high 1.0, normal 0.25, low 0.05), only while the tenant
 holds more than its weighted fair share (high 16, normal 4, low 1) of the requests in flight among
 the tenants active lately (one with nothing in flight still gets one through every
-``STARVE_AFTER_S``). So low is refused first, then normal, high only past its own SLO, and a
-flooding tenant (over its share) is the one shed.
+``STARVE_AFTER_S``). So low is refused first, then normal, high only past its own SLO.
 """
 
 from __future__ import annotations
@@ -37,8 +36,9 @@ DEFAULT_TENANT = "default"       # the tenant of every request when no tenants a
 ACTIVE_WINDOW_S = 10.0           # a tenant with an arrival this recent counts in the fair share
 STARVE_AFTER_S = 1.0             # a tenant the priority rule let nothing through for this long gets one
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")   # a Prometheus label value, readable in logs
-_KEYS = frozenset({"api_keys", "api_key_sha256", "priority", "weight", "rate", "burst", "max_concurrency",
-                   "ttft_slo", "tbt_slo", "ttft_slo_factor", "tbt_slo_factor", "shed_at"})
+SPEC_FIELDS = {"weight": "weight", "rate": "rate", "burst": "burst", "max_concurrency": "max_concurrency", "shed_at": "shed_at",
+               "ttft_slo": "ttft_slo_s", "tbt_slo": "tbt_slo_s", "ttft_slo_factor": "ttft_slo_factor", "tbt_slo_factor": "tbt_slo_factor"}
+_KEYS = frozenset({"api_keys", "api_key_sha256", "priority", *SPEC_FIELDS})
 
 
 def default_shed_at(priority: int) -> float:

@@ -21,14 +21,11 @@ from mooncake_lite.common import discovery
 from mooncake_lite.common.config import ConfigError
 from mooncake_lite.common.etcd import Etcd, EtcdError
 from mooncake_lite.conductor.tenants import TenantGate, key_digest
-from mooncake_lite.scheduler.tenants import Tenants, TenantSpec, parse_tenants
+from mooncake_lite.scheduler.tenants import SPEC_FIELDS, Tenants, parse_tenants
 
 log = logging.getLogger(__name__)
 PREFIX = discovery.ROOT + "tenants/"
 KEY = PREFIX + "table"
-_FIELDS = {"weight": "weight", "rate": "rate", "burst": "burst", "max_concurrency": "max_concurrency",
-           "ttft_slo": "ttft_slo_s", "tbt_slo": "tbt_slo_s", "ttft_slo_factor": "ttft_slo_factor",
-           "tbt_slo_factor": "tbt_slo_factor", "shed_at": "shed_at"}
 
 
 def table_body(tenants: Tenants) -> dict:
@@ -36,7 +33,7 @@ def table_body(tenants: Tenants) -> dict:
     body: dict = {} if tenants.anonymous is None else {"anonymous": tenants.anonymous}
     for s in tenants.specs:
         spec: dict = {"priority": s.priority, "api_key_sha256": sorted({*s.key_digests, *map(key_digest, s.api_keys)})}
-        spec.update({k: getattr(s, f) for k, f in _FIELDS.items() if getattr(s, f) is not None})
+        spec.update({k: getattr(s, f) for k, f in SPEC_FIELDS.items() if getattr(s, f) is not None})
         body[s.name] = spec
     return body
 
