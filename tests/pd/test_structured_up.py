@@ -40,12 +40,16 @@ def api(smollm_api):
     return smollm_api
 
 
-def client(api: str):
-    return openai.OpenAI(base_url=api, api_key="none", max_retries=0, timeout=300)
+def client(api: str, retries: int = 0):
+    """``retries``: for a burst, as an eval harness sends it. The default admission may refuse
+    part of a burst with 429 + Retry-After where the box is slow or loaded (CI, 2026-11-29:
+    "predicted TTFT 0.981s (bound by its measured spread 2.99s) > SLO 2.89s" for the 8th of 8),
+    and the official client waits that long and sends it again; what is checked is the answers."""
+    return openai.OpenAI(base_url=api, api_key="none", max_retries=retries, timeout=300)
 
 
 def test_every_json_schema_answer_that_stops_validates(api):
-    c = client(api)
+    c = client(api, retries=8)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
     def one(i: int):
