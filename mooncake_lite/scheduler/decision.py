@@ -62,7 +62,7 @@ class Decision(NamedTuple):
 _new = tuple.__new__
 
 
-def make_decision(*, accepted: bool, reason: str, prefill_id: str | None = None, decode_id: str | None = None,
+def make_decision(accepted: bool, reason: str, prefill_id: str | None = None, decode_id: str | None = None,
                   route: Route | None = None, reject_cause: RejectCause | None = None,
                   predicted_ttft_s: float | None = None, predicted_tbt_s: float | None = None,
                   predicted_queue_s: float = 0.0, predicted_prefill_s: float = 0.0, predicted_transfer_s: float = 0.0,
