@@ -19,6 +19,12 @@ from mooncake_lite.model.llama import AttentionMetadata, Transformer
 
 
 class ModelRunner:
+    # Whether the ranks of a tensor-parallel instance each send their own heads of computed
+    # layers, and each read and write their own heads in a store (model/tp_step.TPLeaderRunner):
+    # a one-process instance has one "rank", rank 0, which does all of it itself.
+    ranks_send = False
+    ranks_store = False
+
     def __init__(self, model: Transformer, *, num_blocks: int, block_size: int, grammars: Grammars | None = None):
         param = next(model.parameters())
         self.model = model

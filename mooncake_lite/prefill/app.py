@@ -182,7 +182,7 @@ def make_store(cfg: Config, runner: ModelRunner) -> PrefixStore:
     writes rank 0's heads here; one without writes one head slice per writing rank from rank 0."""
     model, args = runner.model, runner.args   # the whole model's KV heads, at any tensor-parallel degree
     if cfg.store is not None:
-        own = runner.layout.kv_heads if getattr(runner, "ranks_store", False) else None
+        own = runner.layout.kv_heads if runner.ranks_store else None
         return remote_prefix_store(cfg.store, cfg.cluster_token, cfg.kv_compression, args, runner.block_size,
                                    runner.dtype, own, None if own is not None else runner.kv_senders)
     codec = model_codec(cfg.kv_compression, args)

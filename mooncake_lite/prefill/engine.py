@@ -74,7 +74,7 @@ class StageEngine(PrefixLoading):
         # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
         args = runner.args   # a TP rank 0 whose ranks load their own heads loads its own (prefill/rank_store.py)
-        heads = runner.model.args.num_kv_heads if getattr(runner, "ranks_store", False) else args.num_kv_heads
+        heads = runner.model.args.num_kv_heads if runner.ranks_store else args.num_kv_heads
         self.load_buffers = LoadBuffers((1, heads, 2, runner.block_size, args.head_dim), runner.dtype)
 
     @property

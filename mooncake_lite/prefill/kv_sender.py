@@ -54,7 +54,7 @@ class KVSender:
         """The stream of ``runner``'s instance to the decode at ``address``: one frame per
         sending rank of a TP instance, sent by each rank itself where the runner lets them."""
         sender = cls(client, transfer_id, traceparent, runner.kv_senders)
-        if getattr(runner, "ranks_send", False):
+        if runner.ranks_send:
             sender.ranks, sender.address = runner, address
         return sender
 

@@ -155,7 +155,7 @@ class PrefixLoading:
         cache = self.runner.cache
         fill(buf, views)
         ids = torch.as_tensor(job.block_ids[:job.num_prefix_blocks], dtype=torch.long)
-        if getattr(self.runner, "ranks_store", False):   # TP: each rank loads its own heads
+        if self.runner.ranks_store:   # TP: each rank loads its own heads
             kv = self._load_ranks(job, layer, ids.to(cache.kv.device), self.copier.to_device(buf.packed))
         elif cache.kv.device.type == "cpu":
             # The frame is these blocks in the cache's own axis order: made from the head-major

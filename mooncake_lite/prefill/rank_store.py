@@ -68,7 +68,7 @@ def blocks_to_store(runner: ModelRunner, block_ids: torch.Tensor, keys: Sequence
                     first_pos: int) -> torch.Tensor:
     """The blocks ``block_ids`` (of ``keys``) this process writes back: all heads, or a TP rank 0's
     own where its followers write theirs themselves (``TPLeaderRunner.store_kv``)."""
-    if getattr(runner, "ranks_store", False):
+    if runner.ranks_store:
         return runner.store_kv(block_ids, keys, first_pos)
     return runner.pack_kv(block_ids)
 
