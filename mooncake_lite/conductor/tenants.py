@@ -42,6 +42,12 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def spec_digests(spec: TenantSpec) -> frozenset[str]:
+    """Every digest a request's key may match for ``spec``: its table's (etcd), and those of the
+    keys it was given in clear (config)."""
+    return frozenset((*spec.key_digests, *map(key_digest, spec.api_keys)))
+
+
 class TenantGate:
     """The tenants, their SLO-specific scheduler configs and the ledger of their requests.
     ``api_key`` (``--api-key``) is one more key, tenant ``default``, whatever the table."""
@@ -54,14 +60,14 @@ class TenantGate:
     def apply(self, tenants: Tenants) -> None:
         """Serve by ``tenants`` from now on (at start, or when the table shared in etcd changes):
         keys, SLOs and limits; the requests in flight keep counting by tenant name."""
-        if self.api_key and key_digest(self.api_key) not in {d for s in tenants.specs for d in s.key_digests}:
+        if self.api_key and not any(key_digest(self.api_key) in spec_digests(s) for s in tenants.specs):
             tenants = tenants.with_key(self.api_key)
         self.tenants = tenants if tenants else Tenants((TenantSpec(DEFAULT_TENANT),), anonymous=DEFAULT_TENANT)
         self.is_open = not tenants   # no tenants configured: no key needed, one tenant
         self.ledger.retable(self.tenants)
         self.configs = {s.name: s.scheduler_config(self.base) for s in self.tenants.specs}
         # One lookup path: a key's digest, for keys given in clear (config) or as digests (etcd)
-        self._by_digest = {d: s for s in self.tenants.specs for d in (*s.key_digests, *map(key_digest, s.api_keys))}
+        self._by_digest = {d: s for s in self.tenants.specs for d in spec_digests(s)}
 
     def by_key(self, key: str | None) -> TenantSpec | None:
         if key is None:

@@ -20,7 +20,7 @@ import logging
 from mooncake_lite.common import discovery
 from mooncake_lite.common.config import ConfigError
 from mooncake_lite.common.etcd import Etcd, EtcdError
-from mooncake_lite.conductor.tenants import TenantGate, key_digest
+from mooncake_lite.conductor.tenants import TenantGate, spec_digests
 from mooncake_lite.scheduler.tenants import SPEC_FIELDS, Tenants, parse_tenants
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def table_body(tenants: Tenants) -> dict:
     """``tenants`` as the ``[tenants]`` table :func:`parse_tenants` reads, API keys as digests."""
     body: dict = {} if tenants.anonymous is None else {"anonymous": tenants.anonymous}
     for s in tenants.specs:
-        spec: dict = {"priority": s.priority, "api_key_sha256": sorted({*s.key_digests, *map(key_digest, s.api_keys)})}
+        spec: dict = {"priority": s.priority, "api_key_sha256": sorted(spec_digests(s))}
         spec.update({k: getattr(s, f) for k, f in SPEC_FIELDS.items() if getattr(s, f) is not None})
         body[s.name] = spec
     return body
