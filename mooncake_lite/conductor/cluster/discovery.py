@@ -39,12 +39,12 @@ def setup(app: web.Application, discovery_url: str | None, rebuild_wait: float |
         gate = app[SERVICES].tenants
         assert gate is not None, "make_services always gives the conductor a tenant gate"
         app[limits.LIMITS] = limits.Limits(gate.ledger, identity)
-    if peers and not discovery_url:
-        app.cleanup_ctx.append(lambda app: _follow(app, peers))
-    if discovery_url:
+    if discovery_url:    # etcd names the peers (and wins over a static list)
         app[leader.LEADER] = leader.Leadership(token)
         app.router.add_get("/internal/v1/etcd", limits.reaches_etcd)
         app.cleanup_ctx.append(lambda app: _run(app, discovery_url, identity, token))
+    elif peers:
+        app.cleanup_ctx.append(lambda app: _follow(app, peers))
 
 
 async def _start_clock(app: web.Application) -> None:
