@@ -203,8 +203,12 @@ class BlockCache:
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
         num_hits = self.leading(keys)
+        policy = self.policy
+        # LRU's touch is its ordered dict's move_to_end: bound once, not looked up per key through
+        # the policy (compiled, that lookup was ~1.5k instructions a simulated request)
+        touch = policy._order.move_to_end if type(policy) is LRUPolicy else policy.touch
         for key in keys[:num_hits]:
-            self.policy.touch(key)
+            touch(key)
         return num_hits
 
     def insert_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> list[Key]:
