@@ -97,6 +97,9 @@ async def test_models_health_metrics(make_cluster):
     c = client(cluster)
     models = await c.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert (await c.models.retrieve("tiny")).id == "tiny"   # GET /v1/models/{model}: it was a 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await c.models.retrieve("gpt-4")
     await c.completions.create(model="tiny", prompt="x", max_tokens=2)
     async with cluster.session.get(cluster.url + "/health") as r:
         health = await r.json()
