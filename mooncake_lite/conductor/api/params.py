@@ -214,6 +214,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with 'role' one of {', '.join(CHAT_ROLES)}",
                               "messages")
+        if m.get("content") is None and m["role"] != "assistant":
+            # OpenAI's 400: only an assistant's content may be absent (its tool calls say it all);
+            # a missing user message was a prompt with an empty turn, answered as if asked.
+            raise bad_request(f"messages[{i}].content is required in a {m['role']} message", "messages")
         out.append(message_fields(m, i, _content(m.get("content"), i)))
     return out
 
