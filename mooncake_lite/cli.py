@@ -22,7 +22,7 @@ TOOLS = {
     "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
     "status": ("mooncake_lite.cluster.status", "live view of a running cluster (--once, --json for scripts)"),
     "netns": ("mooncake_lite.cluster.netns_cli", "nodes on one box: network namespaces, shaped links (root)"),
-    "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay, chaos, fidelity, sim-scale, kv-compression"),
+    "bench": ("mooncake_lite.bench.cli", "benchmarks (mooncake bench lists every one): model, store, pd, replay, chaos, ..."),
     "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),
     "trace": ("mooncake_lite.trace.cli", "trace tools: stats, synth"),
     "tenants": ("mooncake_lite.conductor.tenants_push", "tenants push: replace the tenant table shared in etcd"),
