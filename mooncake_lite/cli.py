@@ -53,7 +53,12 @@ def run_role(role: str, argv: Sequence[str]) -> int:
         return 2
     setup_logging(role, cfg.log_level, cfg.log_json)
     tracing.setup(role, cfg.otlp_endpoint)
-    return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
+    from mooncake_lite.common.service import ListenError
+    try:
+        return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
+    except ListenError as exc:
+        sys.stderr.write(f"mooncake --role {role}: error: {exc}\n")
+        return 2
 
 
 def _split_role(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -121,8 +122,17 @@ async def start_site(app: web.Application, host: str, port: int, *, shutdown_tim
     await runner.setup()
     runner.server.__class__ = JsonErrorServer  # aiohttp offers no hook; the subclass adds no state
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:   # taken, or not this host's: one line for the user, not a traceback
+        await runner.cleanup()
+        raise ListenError(f"cannot listen on {host}:{port}: {os.strerror(exc.errno) if exc.errno else exc} "
+                          f"(--host, --port)") from None
     return runner, site
+
+
+class ListenError(Exception):
+    """A role's HTTP port cannot be bound (another process holds it); the CLI's exit 2."""
 
 
 def bound_port(site: web.TCPSite) -> int:
