@@ -68,7 +68,7 @@ async def health(request: web.Request) -> web.Response:
     instances = [{"instance_id": i.instance_id, "role": i.role, "http": i.reg.http, "store": i.reg.store,
                   "alive": i.is_alive} for i in m.instances.values()]
     index = request.app[API].svc.scheduler.index
-    stores = [{"store": str(sid), "num_blocks": index.num_blocks(sid)} for sid in index.store_ids()]
+    stores = [{"store": sid, "num_blocks": index.num_blocks(sid)} for sid in m.stores.known(index.store_ids())]
     # 503 until the view is rebuilt after a start (conductor/cluster/rebuild.py), and with ?ready
     # (a balancer's check) while it cannot serve, e.g. cut off from its instances: out of rotation
     rebuilt = discovery.is_rebuilt(request.app)
