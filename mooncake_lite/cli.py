@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mooncake_lite.common import tracing
-from mooncake_lite.common.config import ConfigError, load_config
+from mooncake_lite.common.config import ConfigError, ListenError, load_config
 from mooncake_lite.common.logs import setup_logging
 
 ROLES = ("conductor", "prefill", "decode", "store")   # packages mooncake_lite.<role>
@@ -53,7 +53,6 @@ def run_role(role: str, argv: Sequence[str]) -> int:
         return 2
     setup_logging(role, cfg.log_level, cfg.log_json)
     tracing.setup(role, cfg.otlp_endpoint)
-    from mooncake_lite.common.service import ListenError
     try:
         return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
     except ListenError as exc:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common import sdnotify, tracing
+from mooncake_lite.common.config import ListenError
 from mooncake_lite.common.logs import reset_request_id, set_request_id
 from mooncake_lite.common.auth import openai_error
 
@@ -126,13 +126,8 @@ async def start_site(app: web.Application, host: str, port: int, *, shutdown_tim
         await site.start()
     except OSError as exc:   # taken, or not this host's: one line for the user, not a traceback
         await runner.cleanup()
-        raise ListenError(f"cannot listen on {host}:{port}: {os.strerror(exc.errno) if exc.errno else exc} "
-                          f"(--host, --port)") from None
+        raise ListenError.of(exc, host, port, "--port") from None
     return runner, site
-
-
-class ListenError(Exception):
-    """A role's HTTP port cannot be bound (another process holds it); the CLI's exit 2."""
 
 
 def bound_port(site: web.TCPSite) -> int:

@@ -39,16 +39,18 @@ def test_a_conductor_may_bind_every_interface_and_others_may_with_an_advertised_
     assert cfg.peer_host == "10.0.0.7"
 
 
-def test_a_port_in_use_is_one_line_and_exit_2():
+@pytest.mark.parametrize("flag", ["--port", "--data-port"])
+def test_a_port_in_use_is_one_line_and_exit_2(flag):
     """A first user's `mooncake up` beside another server on 8000 met a 30-line traceback per role."""
     import socket
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "mooncake_lite", "--role", "store", "--port", str(port),
-                               "--data-port", "0", "--dram", "64MiB"], capture_output=True, text=True, timeout=90)
+        ports = {"--port": "0", "--data-port": "0", flag: str(port)}
+        proc = subprocess.run([sys.executable, "-m", "mooncake_lite", "--role", "store", *[x for kv in ports.items()
+                               for x in kv], "--dram", "64MiB"], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (f"mooncake --role store: error: cannot listen on 127.0.0.1:{port}: "
-                                                    f"Address already in use (--host, --port)")
+                                                    f"Address already in use (--host, {flag})")
