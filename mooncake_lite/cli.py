@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mooncake_lite.common import tracing
-from mooncake_lite.common.config import ConfigError, load_config
+from mooncake_lite.common.config import ConfigError, ListenError, load_config
 from mooncake_lite.common.logs import setup_logging
 
 ROLES = ("conductor", "prefill", "decode", "store")   # packages mooncake_lite.<role>
@@ -22,7 +22,7 @@ TOOLS = {
     "up": ("mooncake_lite.cluster.up", "start a one-machine cluster (conductor, store, prefill, decode)"),
     "status": ("mooncake_lite.cluster.status", "live view of a running cluster (--once, --json for scripts)"),
     "netns": ("mooncake_lite.cluster.netns_cli", "nodes on one box: network namespaces, shaped links (root)"),
-    "bench": ("mooncake_lite.bench.cli", "benchmarks: model, store, pd, conductor, replay, chaos, fidelity, sim-scale, kv-compression"),
+    "bench": ("mooncake_lite.bench.cli", "benchmarks (mooncake bench lists every one): model, store, pd, replay, chaos, ..."),
     "sim": ("mooncake_lite.sim.cli", "trace-driven cluster simulator and paper reproductions"),
     "trace": ("mooncake_lite.trace.cli", "trace tools: stats, synth"),
     "tenants": ("mooncake_lite.conductor.tenants_push", "tenants push: replace the tenant table shared in etcd"),
@@ -53,7 +53,11 @@ def run_role(role: str, argv: Sequence[str]) -> int:
         return 2
     setup_logging(role, cfg.log_level, cfg.log_json)
     tracing.setup(role, cfg.otlp_endpoint)
-    return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
+    try:
+        return int(importlib.import_module(f"mooncake_lite.{role}.main").run(cfg) or 0)
+    except ListenError as exc:
+        sys.stderr.write(f"mooncake --role {role}: error: {exc}\n")
+        return 2
 
 
 def _split_role(argv: list[str]) -> tuple[str | None, list[str]]:

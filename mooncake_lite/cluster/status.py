@@ -34,10 +34,11 @@ HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mooncake status", description="live view of a running cluster")
-    ap.add_argument("--conductor", default="http://127.0.0.1:8000", help="the conductor's URL")
+    ap.add_argument("--conductor", default="http://127.0.0.1:8000",
+                    help="the conductor's URL (default: %(default)s, mooncake up's; its --port P: port P)")
     ap.add_argument("--cluster-token", default=os.environ.get("MOONCAKE_CLUSTER_TOKEN"),
                     help="the cluster token (default: $MOONCAKE_CLUSTER_TOKEN)")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
     ap.add_argument("--json", action="store_true", help="print the status as JSON once and exit")
     return ap
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = fetch(args.conductor, args.cluster_token)
     except OSError as exc:
-        sys.stderr.write(f"mooncake status: error: cannot read the conductor: {exc}\n")
+        sys.stderr.write(f"mooncake status: error: cannot read the conductor at {args.conductor}: {exc} "
+                         f"(--conductor URL names another)\n")
         return 1
     if args.json:
         sys.stdout.write(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() + "\n")

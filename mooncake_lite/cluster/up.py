@@ -46,7 +46,7 @@ _COLORS = {"conductor": "35", "store": "36", "prefill": "33", "decode": "32", "u
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mooncake up", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_DefaultsHelp)
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     p.add_argument("--decode", type=int, default=1, help="number of decode instances")
     p.add_argument("--stores", type=int, default=1, help="number of stores (instance i uses store i %% N)")
@@ -61,14 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="ask one chat question, print the answer, shut down")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart a child that dies while serving, with backoff (default: on, off under --smoke)")
-    p.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
-    p.add_argument("--smoke-max-tokens", type=int, default=48)
+    p.add_argument("--smoke-prompt", default=SMOKE_PROMPT, help="--smoke's question")
+    p.add_argument("--smoke-max-tokens", type=int, default=48, help="--smoke's max_tokens")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for each start stage")
     p.add_argument("--stop-timeout", type=float, default=15.0, help="seconds of drain before SIGKILL")
     p.add_argument("--launcher", default=None,
                    help="command that runs a role (default: this Python with -m mooncake_lite)")
     p.add_argument("--no-color", action="store_true", help="plain log prefixes")
     return p
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """A default shown where it says something: not a None the help explains, nor a switch's False
+    (each was a "(default: None)" after the help's own "(default: ...)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_role_options(p: argparse.ArgumentParser) -> None:
@@ -83,7 +93,8 @@ def _add_role_options(p: argparse.ArgumentParser) -> None:
                         "decodes slower (docs/model.md)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel ranks of every prefill and decode instance (their --tensor-parallel)")
-    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                   help="every role's log level (default: theirs, info)")
     p.add_argument("--log-json", action="store_true", help="roles log one JSON object per line")
     for role in ROLES:
         p.add_argument(f"--{role}-args", default=None, metavar="'FLAGS'",

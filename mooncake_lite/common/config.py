@@ -25,6 +25,15 @@ class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
 
 
+class ListenError(Exception):
+    """A role's port cannot be bound (another process holds it): the CLI's one line and exit 2."""
+
+    @classmethod
+    def of(cls, exc: OSError, host: str, port: int, flag: str) -> ListenError:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        return cls(f"cannot listen on {host}:{port}: {reason} (--host, {flag})")
+
+
 def option(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
            choices: Sequence[str] | None = None, flag: str | None = None, aliases: Sequence[str] = ()) -> Any:
     """Declare a config field: its default, its ``--help`` text, and optionally a parser

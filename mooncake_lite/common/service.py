@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from mooncake_lite.common import sdnotify, tracing
+from mooncake_lite.common.config import ListenError
 from mooncake_lite.common.logs import reset_request_id, set_request_id
 from mooncake_lite.common.auth import openai_error
 
@@ -121,7 +122,11 @@ async def start_site(app: web.Application, host: str, port: int, *, shutdown_tim
     await runner.setup()
     runner.server.__class__ = JsonErrorServer  # aiohttp offers no hook; the subclass adds no state
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:   # taken, or not this host's: one line for the user, not a traceback
+        await runner.cleanup()
+        raise ListenError.of(exc, host, port, "--port") from None
     return runner, site
 
 

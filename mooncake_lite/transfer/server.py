@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from mooncake_lite.common.config import ListenError
 from mooncake_lite.transfer.budget import InflightBudget
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_ERROR, FLAG_REPLY, OP_HELLO, Frame, FrameError, Header, Limits
@@ -86,9 +87,12 @@ async def start_server(handler: FrameHandler, host: str, port: int, *, token: st
     gate = AuthGate(handler, token, hello)
     budget = InflightBudget(limits.max_inflight_bytes)
     loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        lambda: FrameConnection(gate, limits, name, is_server=True, authenticated=False, budget=budget),
-        host, port, reuse_address=True)
+    try:
+        return await loop.create_server(
+            lambda: FrameConnection(gate, limits, name, is_server=True, authenticated=False, budget=budget),
+            host, port, reuse_address=True)
+    except OSError as exc:
+        raise ListenError.of(exc, host, port, "--data-port") from None
 
 
 def server_address(server: asyncio.Server, advertise_host: str | None = None) -> str:

@@ -218,3 +218,14 @@ def test_up_dtype_goes_to_the_prefills_and_decodes_and_their_own_flag_wins():
     assert role_setting(mine, "prefill", "dtype") == "float32"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--dtype", "int3"])
+
+
+def test_up_help_names_every_option_and_no_empty_default():
+    """``mooncake up --help``: each option says what it is, and no "(default: None)" follows a help
+    that already tells its default (``--dtype``, ``--restart`` said both)."""
+    from mooncake_lite.cluster.up import build_parser
+    p = build_parser()
+    text = p.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert all(a.help for a in p._actions), [a.dest for a in p._actions if not a.help]
+    assert "(default: 8000)" in text   # a default that says something is still shown

@@ -37,3 +37,20 @@ def test_a_conductor_may_bind_every_interface_and_others_may_with_an_advertised_
     assert load_config(ConductorConfig, ["--host", "0.0.0.0"], prog="t", section="conductor").host == "0.0.0.0"
     cfg = load_config(StoreConfig, ["--host", "0.0.0.0", "--advertise-host", "10.0.0.7"], prog="t", section="store")
     assert cfg.peer_host == "10.0.0.7"
+
+
+@pytest.mark.parametrize("flag", ["--port", "--data-port"])
+def test_a_port_in_use_is_one_line_and_exit_2(flag):
+    """A first user's `mooncake up` beside another server on 8000 met a 30-line traceback per role."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {"--port": "0", "--data-port": "0", flag: str(port)}
+        proc = subprocess.run([sys.executable, "-m", "mooncake_lite", "--role", "store", *[x for kv in ports.items()
+                               for x in kv], "--dram", "64MiB"], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"mooncake --role store: error: cannot listen on 127.0.0.1:{port}: "
+                                                    f"Address already in use (--host, {flag})")

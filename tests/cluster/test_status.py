@@ -226,3 +226,10 @@ def test_the_prediction_lines_show_the_error_and_admissions_spread():
     assert lines[1] == "  TBT error   no checked requests"
     assert lines[2] == "  admission spread  d0 TBT x2.10  p0 TTFT x1.62"
     assert "TTFT error   median" in lines[0] and "x1.10  (n=3)" in lines[0]
+
+
+def test_an_unreachable_conductor_is_named_in_the_error(capsys):
+    from mooncake_lite.cluster.status import main
+    assert main(["--once", "--conductor", "http://127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read the conductor at http://127.0.0.1:1" in err and "--conductor" in err

@@ -7,7 +7,7 @@ import pytest
 
 from mooncake_lite.conductor.api.params import chat_prompt
 from mooncake_lite.model.tokenizer import ByteTokenizer
-from tests.conductor.fakes import expected_tokens
+from tests.conductor.fakes import block_events, expected_tokens
 
 TOK = ByteTokenizer(320)
 
@@ -97,10 +97,15 @@ async def test_models_health_metrics(make_cluster):
     c = client(cluster)
     models = await c.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert (await c.models.retrieve("tiny")).id == "tiny"   # GET /v1/models/{model}: it was a 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await c.models.retrieve("gpt-4")
     await c.completions.create(model="tiny", prompt="x", max_tokens=2)
+    await block_events(cluster.session, cluster.url, "store0:1", full=True)   # a live store, no block yet
     async with cluster.session.get(cluster.url + "/health") as r:
         health = await r.json()
     assert (health["status"], health["ready"], health["prefill"], health["decode"]) == ("ok", True, 1, 1)
+    assert health["stores"] == [{"store": "store0:1", "num_blocks": 0}]   # it was missing until it held one
     assert {(i["instance_id"], i["role"], i["alive"]) for i in health["instances"]} == \
         {("p0", "prefill", True), ("d0", "decode", True)}
     async with cluster.session.get(cluster.url + "/metrics") as r:

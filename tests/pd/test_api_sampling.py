@@ -77,8 +77,11 @@ def test_chat_logprobs_equal_transformers_streamed_and_not(client):
         assert entry.logprob == pytest.approx(float(row[token]), abs=TOL)
         assert len(entry.top_logprobs) == 5 and entry.bytes == list(entry.token.encode())
         _check_top(entry.top_logprobs, row, 5)
-    streamed = [e for chunk in client.chat.completions.create(**kw, stream=True)
-                for c in chunk.choices if c.logprobs is not None for e in c.logprobs.content]
+    chunks = [c for chunk in client.chat.completions.create(**kw, stream=True) for c in chunk.choices]
+    streamed = [e for c in chunks if c.logprobs is not None for e in c.logprobs.content]
+    # Each token's logprobs ride on its own text (token 1's were on the role chunk, before its text).
+    assert chunks[0].delta.role == "assistant" and chunks[0].logprobs is None
+    assert all("".join(e.token for e in c.logprobs.content) == c.delta.content for c in chunks if c.delta.content)
     # The same tokens; the values within TOL, not bit-equal: the second request may reuse the first's
     # prefix from the store and decode in another batch, which sums the same products in another order.
     assert [e.token for e in streamed] == [e.token for e in content]

@@ -43,6 +43,7 @@ class Choice:
         self.num_sent = 0                    # entries already streamed
         self.offset = 0                      # text offset of the next completions entry
         self.is_echoed = False               # the prompt's entries are in (or were not asked for)
+        self.num_echoed = 0                  # of the entries, the echoed prompt's (they lead)
 
     @property
     def is_stopped(self) -> bool:
@@ -51,6 +52,7 @@ class Choice:
     def echo_prompt(self, prompt_ids: tuple[int, ...], prompt_logprobs: tuple[TokenLogprob, ...]) -> None:
         """Echo with logprobs: the prompt's tokens lead the entries (the first has none)."""
         self.entries += [(prompt_ids[0], None), *zip(prompt_ids[1:], prompt_logprobs)]
+        self.num_echoed = len(prompt_ids)
 
     def add(self, token: Token) -> str:
         """One token: the text now safe to show (may be empty; a stop string ends the choice)."""
@@ -95,11 +97,12 @@ class Choice:
         """All of its log-probabilities (None when not asked for)."""
         return None if self.top_k is None else self._format(self.entries)
 
-    def take_logprobs(self) -> dict | None:
-        """Those not streamed yet (None when not asked for, or none is new)."""
-        if self.top_k is None or self.num_sent == len(self.entries):
+    def take_logprobs(self, upto: int | None = None) -> dict | None:
+        """Those not streamed yet, up to entry ``upto`` (None when not asked for, or none is new)."""
+        end = len(self.entries) if upto is None else min(upto, len(self.entries))
+        if self.top_k is None or self.num_sent >= end:
             return None
-        fresh, self.num_sent = self.entries[self.num_sent:], len(self.entries)
+        fresh, self.num_sent = self.entries[self.num_sent:end], end
         return self._format(fresh)
 
     def _format(self, entries: list[Entry]) -> dict:

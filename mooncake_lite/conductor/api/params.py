@@ -133,7 +133,7 @@ def parse_request(body: Any, kind: str, *, served: tuple[str, ...], tokenizer: T
     if not isinstance(model, str):
         raise bad_request("'model' is required and must be a string", "model")
     if model not in served:
-        raise _unknown_model(model, served[0])
+        raise unknown_model(model, served[0])
     opened = False
     tools, constraint = output_rules(body, kind, tool_parser, tokenizer)
     if kind == "chat":
@@ -198,10 +198,10 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _unknown_model(model: str, served: str) -> ApiError:
-    # OpenAI answers an unknown model with 404 model_not_found; the issue asks for 400, as vLLM
-    # does. Keep OpenAI's code so clients can still tell what happened.
-    return ApiError(400, f"The model '{short(model)}' does not exist. This server serves '{served}'.",
+def unknown_model(model: str, served: str, *, status: int = 400) -> ApiError:
+    # OpenAI answers an unknown model with 404 model_not_found; in a completion the issue asks for
+    # 400, as vLLM does (404 stays for GET /v1/models/{model}). OpenAI's code lets clients tell.
+    return ApiError(status, f"The model '{short(model)}' does not exist. This server serves '{served}'.",
                     code="model_not_found", param="model")
 
 
@@ -214,6 +214,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with 'role' one of {', '.join(CHAT_ROLES)}",
                               "messages")
+        if m.get("content") is None and m["role"] != "assistant":
+            # OpenAI's 400: only an assistant's content may be absent (its tool calls say it all);
+            # a missing user message was a prompt with an empty turn, answered as if asked.
+            raise bad_request(f"messages[{i}].content is required in a {m['role']} message", "messages")
         out.append(message_fields(m, i, _content(m.get("content"), i)))
     return out
 

@@ -242,13 +242,14 @@ class Relay:
         return resp
 
     def _opening(self, choice: Choice, opened: set[int]) -> list[bytes]:
-        """A choice's first chunk: the assistant's role (chat), or the echoed prompt (completions)."""
+        """A choice's first chunk: the assistant's role (chat), or the echoed prompt (completions),
+        with the echoed prompt's logprobs only: token 1's ride on its own text, as OpenAI sends them."""
         if choice.index in opened:
             return []
         opened.add(choice.index)
         if self.req.kind == "chat":
-            return [_sse(self._chunk(choice, {"role": "assistant", "content": ""}, None))]
-        return [_sse(self._chunk(choice, choice.echo_text, None))] if choice.echo_text else []
+            return [_sse(self._chunk(choice, {"role": "assistant", "content": ""}, None, upto=0))]
+        return [_sse(self._chunk(choice, choice.echo_text, None, upto=choice.num_echoed))] if choice.echo_text else []
 
     def _delta_chunks(self, choice: Choice, delta: str | None) -> list[bytes]:
         """The SSE chunks of one text delta (``Choice.deltas``); ``None``: what was held back.
@@ -258,8 +259,9 @@ class Relay:
             parts = [""]   # a token whose text is held back still has its logprobs
         return [_sse(self._chunk(choice, part, None)) for part in parts]
 
-    def _chunk(self, choice: Choice, delta: str | dict | None, finish_reason: str | None) -> dict:
-        out = {"index": choice.index, "logprobs": choice.take_logprobs(), "finish_reason": finish_reason}
+    def _chunk(self, choice: Choice, delta: str | dict | None, finish_reason: str | None, *,
+               upto: int | None = None) -> dict:
+        out = {"index": choice.index, "logprobs": choice.take_logprobs(upto), "finish_reason": finish_reason}
         if self.req.kind == "chat":
             out["delta"] = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
         else:

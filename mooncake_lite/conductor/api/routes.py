@@ -15,7 +15,7 @@ from aiohttp import web
 
 from mooncake_lite.conductor.api.body import OFF_LOOP_BYTES, read_json
 from mooncake_lite.conductor.api.errors import ApiError, Rejected
-from mooncake_lite.conductor.api.params import ApiRequest, parse_request
+from mooncake_lite.conductor.api.params import ApiRequest, parse_request, unknown_model
 from mooncake_lite.conductor.api.relay import Relay
 from mooncake_lite.conductor.api.state import API, ApiState
 from mooncake_lite.conductor.cluster import discovery
@@ -28,6 +28,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
@@ -42,9 +43,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[API]
-    data = [{"id": st.served[0], "object": "model", "created": st.created, "owned_by": "mooncake-lite",
-             "max_model_len": st.max_context}]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_card(st, st.served[0])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): any name requests may
+    use; another is OpenAI's 404 ``model_not_found``."""
+    st, name = request.app[API], request.match_info["model"]
+    if name not in st.served:
+        return unknown_model(name, st.served[0], status=404).response()
+    return web.json_response(_model_card(st, name))
+
+
+def _model_card(st: ApiState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": st.created, "owned_by": "mooncake-lite",
+            "max_model_len": st.max_context}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -55,7 +68,7 @@ async def health(request: web.Request) -> web.Response:
     instances = [{"instance_id": i.instance_id, "role": i.role, "http": i.reg.http, "store": i.reg.store,
                   "alive": i.is_alive} for i in m.instances.values()]
     index = request.app[API].svc.scheduler.index
-    stores = [{"store": str(sid), "num_blocks": index.num_blocks(sid)} for sid in index.store_ids()]
+    stores = [{"store": sid, "num_blocks": index.num_blocks(sid)} for sid in m.stores.known(index.store_ids())]
     # 503 until the view is rebuilt after a start (conductor/cluster/rebuild.py), and with ?ready
     # (a balancer's check) while it cannot serve, e.g. cut off from its instances: out of rotation
     rebuilt = discovery.is_rebuilt(request.app)

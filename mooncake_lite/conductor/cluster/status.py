@@ -82,9 +82,9 @@ async def status(request: web.Request) -> web.Response:
     now = asyncio.get_running_loop().time()
     index = svc.scheduler.index
     stores = []
-    for sid in sorted(index.store_ids(), key=str):
-        stores.append({"store": str(sid), "indexed_blocks": index.num_blocks(sid), "synced": index.is_synced(sid),
-                       **store_usage(app, str(sid), time.monotonic())})
+    for sid in svc.membership.stores.known(index.store_ids()):
+        stores.append({"store": sid, "indexed_blocks": index.num_blocks(sid), "synced": index.is_synced(sid),
+                       **store_usage(app, sid, time.monotonic())})
     body = {"model": svc.membership.model_id, "time": time.time(),
             "scheduler": {"strategy": svc.scheduler.config.strategy, "admission": svc.scheduler.config.admission},
             "instances": [describe(inst, now, svc.block_size)

@@ -11,6 +11,8 @@ No IO and no clock: ``now`` is passed in.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
+
 
 class StoreWatch:
     def __init__(self, dead_after_s: float) -> None:
@@ -38,3 +40,8 @@ class StoreWatch:
 
     def num_live(self) -> int:
         return len(self.last_heard)
+
+    def known(self, indexed: Iterable[Hashable]) -> list[str]:
+        """The stores to show (``/health``, ``mooncake status``): those heard from, and those the
+        block index holds blocks of. The index alone left out a live store until it held a block."""
+        return sorted({*self.last_heard, *map(str, indexed)})
