@@ -58,17 +58,25 @@ static inline __m512 sum16(__m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
 }
 
-/* scores[0..n) = scale * q . k_t for the n <= 16 tokens at rows (row offsets into keys; a short
- * tile repeats its first token in the unused lanes, whose sums are not stored). */
+/* scores[0..n) = scale * q . k_t for the n <= 16 tokens at rows (row offsets into keys). Each
+ * token's products go to the slot sum16 reads it from, in two chains of multiply-adds (one chain
+ * of four a token ran at its latency). */
 static void qk16(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
                  float *scores) {
     __m512 acc[16];
-    const float *k[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps(), k[j] = keys + rows[SUM_ORDER[j] < n ? SUM_ORDER[j] : 0];
-    for (int64_t c = 0; c < dim; c += 16) {
-        const __mmask16 m = first(dim - c);
-        const __m512 qc = _mm512_maskz_loadu_ps(m, q + c);
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, k[j] + c), acc[j]);
+    for (int64_t j = 0; j < 16; j++) {
+        const float *k = keys + rows[j < n ? j : 0];   /* a short tile's unused sums are not stored */
+        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();   /* two chains of multiply-adds */
+        int64_t c = 0;
+        for (; c + 32 <= dim; c += 32) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(k + c + 16), b);
+        }
+        for (; c < dim; c += 16) {
+            const __mmask16 m = first(dim - c);
+            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, k + c), a);
+        }
+        acc[SUM_ORDER[j]] = _mm512_add_ps(a, b);
     }
     _mm512_mask_storeu_ps(scores, first(n), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
 }
@@ -181,8 +189,9 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
             float *scores = malloc((size_t)(group * len + 1) * sizeof(float) + (size_t)len * sizeof(int64_t));
             if (scores == NULL) { status = -1; continue; }
             int64_t *rows = (int64_t *)(scores + group * len + (group * len) % 2);
-            for (int64_t t = 0; t < len; t++)
-                rows[t] = (block_tables[b * max_blocks + t / block_size] * block_size + t % block_size) * row;
+            for (int64_t i = 0, t = 0; t < len; i++)   /* block by block: no division per token */
+                for (int64_t o = 0; o < block_size && t < len; o++, t++)
+                    rows[t] = (block_tables[b * max_blocks + i] * block_size + o) * row;
             group_attention(q + (b * heads + g * group) * dim, k_cache + g * dim, v_cache + g * dim, rows, len,
                             group, dim, scale, scores, out + (b * heads + g * group) * dim);
             free(scores);
