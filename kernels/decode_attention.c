@@ -6,12 +6,165 @@
  *
  * Per (sequence, KV head): the scores of its query heads over the context (scale * q.k), a
  * softmax in float32 (max subtracted), then the probability-weighted sum of V, divided once by the
- * sum at the end.
+ * sum at the end. With AVX-512 sixteen tokens' scores come out of one transposing reduction and
+ * V is summed for up to four query heads from one read of each row (the portable loops below
+ * reduced each score on its own and re-read each head's output row per token: 4.5 ms of a 17.8 ms
+ * smollm2-135m step at 256 cached tokens; docs/results/2026-11-29-roof.md).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* e^x: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor polynomial, times 2^n (scalef);
+ * within 2 ulp of expf. Also decode_layers.c's SwiGLU's. */
+__m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    static const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* The lines of n rows of width values each (at rows into base), fetched toward L1 ahead of use:
+ * the K/V rows of one head are 1/kv_heads of each cache row, too scattered for the hardware
+ * prefetcher to run ahead (1.4x faster attention at 256 cached tokens, docs/results/2026-11-29-roof.md). */
+static inline void prefetch_rows(const float *base, const int64_t *rows, int64_t n, int64_t width) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < width; c += 16) _mm_prefetch((const char *)(base + rows[t] + c), _MM_HINT_T0);
+}
+
+/* Lane L of sum16's result is the sum of v[SUM_ORDER[L]] (its own inverse): the order its
+ * halving steps leave the sixteen sums in. */
+static const int SUM_ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+/* Sixteen vectors' horizontal sums in one vector: 15 adds and 30 shuffles, where one sum each
+ * took 4 adds and 4 shuffles in a dependent chain. */
+static inline __m512 sum16(__m512 *v) {
+    for (int i = 0; i < 8; i++)
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x88), _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[i], v[i + 2], 0x44), _mm512_shuffle_ps(v[i], v[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+/* scores[0..n) = scale * q . k_t for the n <= 16 tokens at rows (row offsets into keys). Each
+ * token's products go to the slot sum16 reads it from, in two chains of multiply-adds (one chain
+ * of four a token ran at its latency). */
+static void qk16(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
+                 float *scores) {
+    __m512 acc[16];
+    for (int64_t j = 0; j < 16; j++) {
+        const float *k = keys + rows[j < n ? j : 0];   /* a short tile's unused sums are not stored */
+        __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();   /* two chains of multiply-adds */
+        int64_t c = 0;
+        for (; c + 32 <= dim; c += 32) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(k + c + 16), b);
+        }
+        for (; c < dim; c += 16) {
+            const __mmask16 m = first(dim - c);
+            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + c), _mm512_maskz_loadu_ps(m, k + c), a);
+        }
+        acc[SUM_ORDER[j]] = _mm512_add_ps(a, b);
+    }
+    _mm512_mask_storeu_ps(scores, first(n), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* s[0..len) = exp(s - max s) in place; returns their sum. */
+static float softmax_exps(float *s, int64_t len) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, first(len - t), s + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = first(len - t);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* out[h][c .. c + 64) = sum_t p[h][t] * v_t[c ..] / sums[h] for hn <= 4 query heads, each V row
+ * read once for all of them (p: [hn][len], out and sums by head, dim values apart). */
+static void pv_tile(const float *p, int64_t len, int hn, const float *vals, const int64_t *rows, int64_t c,
+                    int64_t dim, const float *sums, float *out) {
+    __m512 acc[4][4];
+    __mmask16 m[4];
+    for (int j = 0; j < 4; j++) m[j] = c + 16 * j < dim ? first(dim - c - 16 * j) : 0;
+    for (int h = 0; h < 4; h++)
+        for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        __m512 v[4];
+        if (t + 8 < len) prefetch_rows(vals + c, rows + t + 8, 1, dim - c < 64 ? dim - c : 64);
+        for (int j = 0; j < 4; j++) v[j] = _mm512_maskz_loadu_ps(m[j], vals + rows[t] + c + 16 * j);
+        for (int h = 0; h < 4; h++)
+            if (h < hn) {
+                const __m512 w = _mm512_set1_ps(p[h * len + t]);
+                for (int j = 0; j < 4; j++) acc[h][j] = _mm512_fmadd_ps(w, v[j], acc[h][j]);
+            }
+    }
+    for (int h = 0; h < hn; h++)
+        for (int j = 0; j < 4; j++)
+            _mm512_mask_storeu_ps(out + h * dim + c + 16 * j, m[j], _mm512_div_ps(acc[h][j], _mm512_set1_ps(sums[h])));
+}
+
+/* One KV head's query group (group heads: q and out [group, dim]) over len tokens at rows: each
+ * tile of 16 keys scored against every head of the group while it is in L1. */
+static void group_attention(const float *q, const float *keys, const float *vals, const int64_t *rows, int64_t len,
+                            int64_t group, int64_t dim, float scale, float *scores, float *out) {
+    float sums[group];
+    for (int64_t t = 0; t < len; t += 16) {
+        const int64_t n = len - t < 16 ? len - t : 16, next = len - t - n < 16 ? len - t - n : 16;
+        if (next > 0) prefetch_rows(keys, rows + t + n, next, dim);   /* the next tile's keys */
+        else prefetch_rows(vals, rows, len < 8 ? len : 8, dim);        /* the first values pv_tile reads */
+        for (int64_t h = 0; h < group; h++) qk16(q + h * dim, keys, rows + t, n, dim, scale, scores + h * len + t);
+    }
+    for (int64_t h = 0; h < group; h++) sums[h] = softmax_exps(scores + h * len, len);
+    for (int64_t h = 0; h < group; h += 4)
+        for (int64_t c = 0; c < dim; c += 64)
+            pv_tile(scores + h * len, len, group - h < 4 ? (int)(group - h) : 4, vals, rows, c, dim, sums + h,
+                    out + h * dim);
+}
+#else
+/* The portable loops: each score a reduction of its own, each output row updated per token. */
+static void group_attention(const float *q, const float *keys, const float *vals, const int64_t *rows, int64_t len,
+                            int64_t group, int64_t dim, float scale, float *scores, float *out) {
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t h = 0; h < group; h++) {
+            float s = 0.0f;
+            #pragma omp simd reduction(+:s)
+            for (int64_t d = 0; d < dim; d++) s += q[h * dim + d] * keys[rows[t] + d];
+            scores[h * len + t] = s * scale;
+        }
+    float sums[group];
+    for (int64_t h = 0; h < group; h++) {
+        float *sc = scores + h * len, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sc[t]);
+        for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+        sums[h] = sum;
+        memset(out + h * dim, 0, (size_t)dim * sizeof(float));
+    }
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t h = 0; h < group; h++) {
+            const float p = scores[h * len + t];
+            #pragma omp simd
+            for (int64_t d = 0; d < dim; d++) out[h * dim + d] += p * vals[rows[t] + d];
+        }
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t d = 0; d < dim; d++) out[h * dim + d] /= sums[h];
+}
+#endif
 
 /* q, out: [batch, heads, dim]; k_cache, v_cache: [num_blocks, block_size, kv_heads, dim];
  * block_tables: [batch, max_blocks]; context_lens: [batch]. Returns 0, or -1 for bad shapes, a
@@ -32,39 +185,15 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t len = context_lens[b];
-            float *scores = malloc((size_t)(group * len) * sizeof(float));
+            /* the scores, then each token's row offset in the caches (the block table read once) */
+            float *scores = malloc((size_t)(group * len + 1) * sizeof(float) + (size_t)len * sizeof(int64_t));
             if (scores == NULL) { status = -1; continue; }
-            const float *qg = q + (b * heads + g * group) * dim;
-            float *og = out + (b * heads + g * group) * dim;
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = k_cache + (block_tables[b * max_blocks + t / block_size] * block_size
-                                            + t % block_size) * row + g * dim;
-                for (int64_t h = 0; h < group; h++) {
-                    float s = 0.0f;
-                    #pragma omp simd reduction(+:s)
-                    for (int64_t d = 0; d < dim; d++) s += qg[h * dim + d] * k[d];
-                    scores[h * len + t] = s * scale;
-                }
-            }
-            float sums[group];
-            for (int64_t h = 0; h < group; h++) {
-                float *sc = scores + h * len, mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sc[t]);
-                for (int64_t t = 0; t < len; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
-                sums[h] = sum;
-                memset(og + h * dim, 0, (size_t)dim * sizeof(float));
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = v_cache + (block_tables[b * max_blocks + t / block_size] * block_size
-                                            + t % block_size) * row + g * dim;
-                for (int64_t h = 0; h < group; h++) {
-                    const float p = scores[h * len + t];
-                    #pragma omp simd
-                    for (int64_t d = 0; d < dim; d++) og[h * dim + d] += p * v[d];
-                }
-            }
-            for (int64_t h = 0; h < group; h++)
-                for (int64_t d = 0; d < dim; d++) og[h * dim + d] /= sums[h];
+            int64_t *rows = (int64_t *)(scores + group * len + (group * len) % 2);
+            for (int64_t i = 0, t = 0; t < len; i++)   /* block by block: no division per token */
+                for (int64_t o = 0; o < block_size && t < len; o++, t++)
+                    rows[t] = (block_tables[b * max_blocks + i] * block_size + o) * row;
+            group_attention(q + (b * heads + g * group) * dim, k_cache + g * dim, v_cache + g * dim, rows, len,
+                            group, dim, scale, scores, out + (b * heads + g * group) * dim);
             free(scores);
         }
     }

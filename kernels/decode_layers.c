@@ -11,7 +11,7 @@
  * and three torch operators a layer (at batch 1 on smollm2-135m the Python, dispatch and
  * allocation between the calls was a tenth of the step).
  *
- * SwiGLU's exp is this file's own (exp512 below, within 2 ulp of expf): torch's SiLU uses another,
+ * SwiGLU's exp is our own (decode_attention.c's exp512, within 2 ulp of expf): torch's SiLU uses another,
  * so the logits differ from the layer-by-layer path by float rounding carried through the int8
  * rounding of the next product's input (the tolerance tests/kernels/test_decode_layers.py and
  * docs/model.md state). Built only with the integer path (AVX-512 VNNI); elsewhere -2. */
@@ -48,17 +48,7 @@ typedef struct {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
-/* e^x: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7 Taylor polynomial, times 2^n (scalef). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    static const float c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 8; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
+__m512 exp512(__m512 x);   /* decode_attention.c: within 2 ulp of expf */
 
 /* act[b] = silu(gate) * up for each row's gate | up halves of gu [batch, 2 * ffn]. */
 static void swiglu(const float *gu, float *act, int64_t batch, int64_t ffn) {

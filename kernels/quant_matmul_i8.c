@@ -56,28 +56,35 @@ typedef struct {
 
 static inline int per_group(int qtype) { return qtype == Q8_0 ? 2 : 4; }
 
+/* The scalar loop this replaced (fmaxf and fminf calls per value) was a tenth of a batch-1 step's
+ * C time on smollm2-135m; the vector one rounds the same way (round half to even, one fused
+ * multiply-add for the remainder), so q and r are unchanged and only x's float sum is added in
+ * another order. */
 static void quantize_row(int qtype, const float *x, int64_t nblk, xgroup *out) {
     const int g = per_group(qtype), offset = qtype == Q8_0 ? 128 : 8;
+    const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     memset(out, 0, (size_t)((nblk + g - 1) / g) * sizeof(xgroup));   /* a ragged last group: zeros */
     for (int64_t j = 0; j < nblk; j++) {
-        const float *v = x + j * 32;
+        const __m512 v[2] = {_mm512_loadu_ps(x + j * 32), _mm512_loadu_ps(x + j * 32 + 16)};
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         xgroup *o = out + j / g;
-        int b = (int)(j % g);
-        float amax = 0.0f, s = 0.0f;
-        for (int e = 0; e < 32; e++) { amax = fmaxf(amax, fabsf(v[e])); s += v[e]; }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;   /* of 256 * q + r: the offset's multiplier */
-        for (int e = 0; e < 32; e++) {
-            float q = nearbyintf(v[e] * id);
-            float r = nearbyintf(fmaf(-q, d, v[e]) * (id * 256.0f));   /* |x - q*d| <= d/2: r in [-128, 128] */
-            r = fminf(fmaxf(r, -127.0f), 127.0f);
-            sum += 256 * (int32_t)q + (int32_t)r;
-            int at = qtype == Q8_0 ? 32 * b + e : 16 * b + e % 16;
-            int8_t *qd = qtype == Q8_0 || e < 16 ? o->xa : o->xb, *rd = qtype == Q8_0 || e < 16 ? o->ra : o->rb;
-            qd[at] = (int8_t)q, rd[at] = (int8_t)r;
+        const int b = (int)(j % g);
+        __m512i sum = _mm512_setzero_si512();   /* of 256 * q + r: the offset's multiplier */
+        for (int h = 0; h < 2; h++) {
+            const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(id)), rounding);
+            __m512 r = _mm512_mul_ps(_mm512_fnmadd_ps(q, _mm512_set1_ps(d), v[h]), _mm512_set1_ps(id * 256.0f));
+            r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(r, rounding), _mm512_set1_ps(-127.0f)),
+                              _mm512_set1_ps(127.0f));   /* |x - q*d| <= d/2: r in [-128, 128] */
+            const __m512i qi = _mm512_cvtps_epi32(q), ri = _mm512_cvtps_epi32(r);
+            sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri));
+            const int at = qtype == Q8_0 ? 32 * b + 16 * h : 16 * b;   /* Q4: elements 16..31 in xb, rb */
+            int8_t *qd = qtype == Q8_0 || h == 0 ? o->xa : o->xb, *rd = qtype == Q8_0 || h == 0 ? o->ra : o->rb;
+            _mm_storeu_si128((__m128i *)(qd + at), _mm512_cvtepi32_epi8(qi));
+            _mm_storeu_si128((__m128i *)(rd + at), _mm512_cvtepi32_epi8(ri));
         }
-        o->bias[(16 / g) * b] = -offset * sum;
-        o->dx[b] = d / 256.0f, o->xsum[b] = s;
+        o->bias[(16 / g) * b] = -offset * _mm512_reduce_add_epi32(sum);
+        o->dx[b] = d / 256.0f, o->xsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     }
 }
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import (BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize_ref, quant_linear, quant_linear_fused,
-                                  to_planar)
+from kernels.quant_linear import (BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize, dequantize_ref, quant_linear,
+                                  quant_linear_fused, to_planar)
 
 
 class QuantizedWeight:
@@ -66,8 +66,10 @@ class QuantizedWeight:
         return dequantize_ref(self.blocks, self.qtype)
 
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 values of rows ``ids`` (an embedding lookup), dequantizing only those."""
-        return dequantize_ref(self.blocks.index_select(0, ids.reshape(-1)), self.qtype).reshape(*ids.shape, self.cols)
+        """float32 values of rows ``ids`` (an embedding lookup), dequantizing only those: gguf's values,
+        by the C kernel where it runs (a decode step's lookup was ten torch operators, 0.19 ms)."""
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        return dequantize(rows, self.qtype, self.cols).reshape(*ids.shape, self.cols)
 
     @staticmethod
     def stack(weights: list["QuantizedWeight"]) -> "QuantizedWeight":

@@ -163,6 +163,10 @@ def test_dtypes_in_one_run_and_the_decode_profile(capsys, monkeypatch):
         d = r["decode"]["1"]
         assert abs(d["weight_gbps_best"] * d["step_ms_best"] / 1e3 * 1e9
                    - weight_bytes(sources.model_args("tiny"), getattr(torch, r["dtype"]))) < 1e3
+        # the KV attended: every cached token's K and V in every layer, in the cache's dtype
+        assert d["kv_bytes_read"] == res["settings"]["context_len"] * sources.model_args("tiny").kv_bytes_per_token(
+            r["dtype"])
+        assert d["fraction_of_copy_bandwidth_with_kv"] > d["fraction_of_copy_bandwidth"]
         kinds = r["decode_profile"]["ms_per_step"]
         assert set(kinds) >= {"matmul", "attention", "kv gather", "kv write", "other ops", "outside ops"}
         assert kinds["matmul"] > 0 and kinds["attention"] > 0 and kinds["kv write"] > 0

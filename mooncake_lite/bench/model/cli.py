@@ -218,10 +218,11 @@ def render(res: dict) -> str:
         if "mfu" in p:
             lines.append(gpu_roofs.render_prefill(p))
         for batch, d in r["decode"].items():
+            kv = f"with the KV read, {d['kv_bytes_read'] / 1e6:.1f} MB: {100 * d['fraction_of_copy_bandwidth_with_kv']:.1f}%"
             lines.append(f"  decode batch {batch:>3}: step {d['step_ms']:8.2f} ms (best {d['step_ms_best']:7.2f})  "
                          f"{d['tokens_per_s']:8.1f} tokens/s  best: {100 * d['fraction_of_matmul_peak']:5.1f}% of "
                          f"matmul peak, weights {d['weight_gbps_best']:6.2f} GB/s = "
-                         f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy")
+                         f"{100 * d['fraction_of_copy_bandwidth']:5.1f}% of copy ({kv})")
             ratio = f"; step = {d['step_over_batch1']:.2f}x batch 1's" if "step_over_batch1" in d else ""
             if d["matmuls_ms_best"] is not None:
                 lines.append(f"      its matmuls alone {d['matmuls_ms_best']:7.2f} ms "

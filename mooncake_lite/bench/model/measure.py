@@ -169,6 +169,7 @@ def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs
         touched = sum(b.feed_forward.num_touched for b in model.layers.values() if isinstance(b.feed_forward, MoE))
         wbytes = weight_bytes(margs, runner.dtype, touched) if margs.moe is not None else held
         step_s, best_s = statistics.median(times), min(times)
+        kv_read = batch * args.context_len * margs.kv_bytes_per_token(runner.cache.kv.dtype)   # K and V attended
         gflops = decode_flops(margs, batch, args.context_len) / best_s / 1e9
         matmul_s = bench_matmuls(model, batch)
         matmul_gflops = None if matmul_s is None else 2 * batch * matmul_weights(margs) / matmul_s / 1e9
@@ -177,6 +178,8 @@ def measure_decode(model: Transformer, runner: ModelRunner, args: Options, roofs
             "gflops_best": gflops, "fraction_of_matmul_peak": gflops / roofs.matmul_gflops,
             "weight_gbps_best": wbytes / best_s / 1e9,
             "fraction_of_copy_bandwidth": wbytes / best_s / 1e9 / roofs.copy_gbps,
+            # the bytes a step reads that are not weights: the cached K and V its attention reads
+            "kv_bytes_read": kv_read, "fraction_of_copy_bandwidth_with_kv": (wbytes + kv_read) / best_s / 1e9 / roofs.copy_gbps,
             "matmuls_ms_best": matmul_s and matmul_s * 1e3,
             "matmuls_fraction_of_matmul_peak": matmul_gflops and matmul_gflops / roofs.matmul_gflops,
             # issue #39 item 2: the work around the matmuls (norms, rotary, attention, residuals,
