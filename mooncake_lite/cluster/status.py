@@ -81,6 +81,8 @@ def _secs(x: float | None) -> str:
 def _quantiles(q: dict) -> str:
     if not q or not q.get("count"):
         return "no samples"
+    if q.get("values"):   # a few: as measured
+        return f"n={q['count']:.0f}: " + "  ".join(_secs(v) for v in q["values"])
     return f"p50 {_secs(q['p50'])}  p90 {_secs(q['p90'])}  p99 {_secs(q['p99'])}  (n={q['count']:.0f})"
 
 

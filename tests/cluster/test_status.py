@@ -132,14 +132,16 @@ def test_status_json_and_once_show_instances_stores_and_recent_requests(cluster)
     assert store["store"] == cluster["store"].addresses["data"] and store["indexed_blocks"] > 0
     assert store["usage"]["dram_used_bytes"] > 0 and store["usage"]["dram_capacity_bytes"] == 64 << 20
     req = st["requests"]
-    assert req["outcomes"].get("ok", 0) >= 1 and req["ttft_s"]["count"] >= 1 and req["ttft_s"]["p50"] > 0
+    ttft = req["ttft_s"]   # a few requests: their values (test_a_few_samples_are_shown_as_measured_...)
+    assert req["outcomes"].get("ok", 0) >= 1 and 1 <= ttft["count"] < 10 and len(ttft["values"]) == ttft["count"]
+    assert all(v > 0 for v in ttft["values"]) and ttft["p50"] is None
     assert req["requests_per_s"] > 0 and req["tokens_per_s"] > 0
 
     once = _status_cli(url, "--once")
     assert once.returncode == 0, once.stderr
     assert "\x1b" not in once.stdout
     for text in ("REQUESTS", "INSTANCES", "STORES", roles["prefill"]["instance_id"],
-                 roles["decode"]["instance_id"], store["store"], "TTFT        p50"):
+                 roles["decode"]["instance_id"], store["store"], "TTFT        n="):
         assert text in once.stdout, once.stdout
     bad = _status_cli(url, "--once", token="wrong")
     assert bad.returncode == 1 and "403" in bad.stderr
@@ -215,6 +217,27 @@ def test_quantiles_interpolate_like_prometheus():
     assert q["p50"] == pytest.approx(0.1 + 0.1 * (5 - 4) / 4)
     assert q["p99"] == 0.2        # in the +Inf bucket: the highest finite bound
     assert quantiles(((0.1, 0.0), (inf, 0.0)))["p50"] is None
+
+
+def test_a_few_samples_are_shown_as_measured_not_as_quantiles():
+    """One request's TTFT of 0.412 s is one value, not p50 375ms p90 475ms p99 497ms read off its
+    bucket (0.25, 0.5]; from FEW_SAMPLES on, quantiles as before."""
+    from mooncake_lite.cluster.status import _quantiles
+    from mooncake_lite.conductor.cluster.metrics import FEW_SAMPLES, ConductorMetrics
+    from mooncake_lite.conductor.cluster.status import Recent, recent_figures
+    m = ConductorMetrics()
+    for v in (0.412, 0.03):
+        m.ttft.observe(v)
+    q = recent_figures(Recent(), m, time.monotonic())["ttft_s"]
+    assert q == {"p50": None, "p90": None, "p99": None, "count": 2.0, "values": [0.03, 0.412]}
+    assert _quantiles(q) == "n=2: 30.0ms  412.0ms"
+    for _ in range(FEW_SAMPLES - 2):
+        m.ttft.observe(0.2)
+    q = recent_figures(Recent(), m, time.monotonic())["ttft_s"]
+    assert "values" not in q and q["count"] == FEW_SAMPLES and 0.1 < q["p50"] <= 0.25
+    assert _quantiles(q).startswith("p50 ")
+    assert recent_figures(Recent(), m, time.monotonic())["tbt_s"] == {"p50": None, "p90": None, "p99": None,
+                                                                      "count": 0.0}
 
 
 def test_the_prediction_lines_show_the_error_and_admissions_spread():

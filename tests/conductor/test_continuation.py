@@ -100,7 +100,40 @@ async def test_continuations_are_bounded_by_the_migration_limit(make_cluster):
     await _wait_for(lambda: _idle(cluster))
 
 
+@pytest.mark.parametrize("same_address", [True, False])
+async def test_the_only_decode_restarted_takes_the_continuation(make_cluster, same_address):
+    """`mooncake up`'s one decode killed mid-stream: the stream pauses until its supervisor has it
+    back (a new registration, at the same address or another) and goes on there, token for token."""
+    cluster = await make_cluster(prefill=1, decode=1)
+    d0 = cluster.instances["d0"]
+    d0.behaviour.break_after = 2
+
+    async def restart() -> None:
+        await _wait_for(lambda: _requests(d0, GenerateRequest), timeout=20)
+        await _wait_for(lambda: not d0._active, timeout=20)   # its stream broke: the continuation waits
+        await asyncio.sleep(1.0)
+        if same_address:
+            d0.behaviour.break_after = None
+            assert (await fakes.register(cluster.session, cluster.url, d0))[0] == 200
+        else:
+            await cluster.add("decode", "d0")
+
+    back = asyncio.ensure_future(restart())
+    chunks, text = await _stream(cluster)
+    await back
+    want = expected_tokens(TOK.encode(PROMPT), 10)
+    assert text == TOK.decode(want) and chunks[-1].usage.completion_tokens == 10
+    (gen,) = [g for g in _requests(cluster.instances["d0"], GenerateRequest) if g.request_id.endswith("-cont1")]
+    assert gen.sampling.num_generated == 3 and gen.prompt_len == len(TOK.encode(PROMPT)) + 3
+    async with cluster.session.get(cluster.url + "/internal/v1/status") as r:
+        (record,) = (await r.json())["continuations"]
+    assert (record["from_decode"], record["to_decode"], record["outcome"]) == ("d0", "d0", "continued")
+    await _wait_for(lambda: _idle(cluster))
+
+
 async def test_a_continuation_no_instance_can_take_is_an_error_naming_why(make_cluster):
+    """The failed decode heartbeats on (the same registration, fenced off): no other decode and
+    no restart of it within max(CONTINUE_WAIT_S, --dead-after), then the client's error."""
     cluster = await make_cluster(prefill=1, decode=1)
     cluster.instances["d0"].behaviour.break_after = 2
     c = client(cluster)
@@ -110,7 +143,7 @@ async def test_a_continuation_no_instance_can_take_is_an_error_naming_why(make_c
             pass
     await c.close()
     assert "decode instance d0 failed mid-stream" in info.value.message
-    assert "it could not be continued: no live decode instance other than the one that failed" \
+    assert "it could not be continued within 5s: no live decode instance other than the one that failed" \
         in info.value.message
     assert 'outcome="refused"} 1.0' in await _metrics(cluster)
 

@@ -139,8 +139,10 @@ async def test_zip_bomb_is_413_json(make_cluster, encoding):
     ({"stop_token_ids": 0}, "stop_token_ids"),
     ({"stop_token_ids": {}}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"),
-    ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
-    ({"stream_options": ""}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"stream": True, "stream_options": ""}, "stream_options"),
+    ({"stream_options": {"include_usage": False}}, "stream_options"),   # without a stream, as OpenAI's
+    ({"stream": False, "stream_options": {}}, "stream_options"),
 ])
 async def test_almost_right_types_are_refused(make_cluster, extra, param):
     cluster = await make_cluster()
@@ -152,7 +154,8 @@ async def test_almost_right_types_are_refused(make_cluster, extra, param):
 
 
 @pytest.mark.parametrize("extra", [{"best_of": 1}, {"n": 1}, {"n": None}, {"stop_token_ids": None},
-                                   {"stop_token_ids": []}, {"stream_options": {"include_usage": False}}])
+                                   {"stop_token_ids": []}, {"stream_options": None},
+                                   {"stream": True, "stream_options": {"include_usage": False}}])
 async def test_right_types_still_accepted(make_cluster, extra):
     cluster = await make_cluster()
     async with cluster.session.post(cluster.url + "/v1/completions", json={**GOOD, **extra}) as r:

@@ -179,7 +179,8 @@ def _echo_text(text: str | None, ids: tuple[int, ...], tokenizer: Tokenizer) -> 
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
-    """``stream``, and ``stream_options.include_usage``; null stands for false in both."""
+    """``stream``, and ``stream_options.include_usage``; null stands for false in both. Stream
+    options without a stream are a 400, as OpenAI's and vLLM's (the client meant to stream)."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -188,6 +189,9 @@ def _stream(body: dict) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is None:
         options = {}
+    elif not stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          "stream_options")
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = options.get("include_usage", False)

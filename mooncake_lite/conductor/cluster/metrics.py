@@ -4,6 +4,7 @@ and the cluster (gauges refreshed from the membership table at scrape time, hot-
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +18,20 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
 # measured / predicted: 1 is a perfect prediction; the buckets are about 10% apart near 1
 RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.67, 0.8, 0.87, 0.93, 1.0, 1.07, 1.15, 1.25, 1.5, 2, 4, 10)
+FEW_SAMPLES = 10   # `mooncake status` shows fewer in its window as measured (conductor/cluster/status.py)
+
+
+class LatencyHistogram(Histogram):
+    """A histogram that also keeps its last FEW_SAMPLES observations: three quantiles read off the
+    buckets of one sample would be made up (its value is somewhere in one bucket)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.last: deque[float] = deque(maxlen=FEW_SAMPLES)
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        super().observe(amount, exemplar)
+        self.last.append(amount)
 
 
 class ConductorMetrics:
@@ -38,12 +53,12 @@ class ConductorMetrics:
         self.reused_blocks = Counter(p + "reused_prefix_blocks", "prompt blocks scheduled as prefix hits",
                                      registry=r)
         self.prompt_blocks = Counter(p + "prompt_blocks", "full prompt blocks scheduled", registry=r)
-        self.ttft = Histogram(p + "ttft_seconds", "time from request arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = LatencyHistogram(p + "ttft_seconds", "time from request arrival to the first token",
+                                     buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(p + "itl_seconds", "gap between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tbt = Histogram(p + "tbt_seconds", "per request: mean of the slowest 10%% of token gaps "
-                             "(the paper's TBT)", buckets=LATENCY_BUCKETS, registry=r)
+        self.tbt = LatencyHistogram(p + "tbt_seconds", "per request: mean of the slowest 10%% of token gaps "
+                                    "(the paper's TBT)", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_seconds", "request arrival to last token", buckets=LATENCY_BUCKETS,
                              registry=r)
         self.decision = Histogram(p + "decision_seconds", "time to snapshot the cluster and schedule",

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import Metric
 
-from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
+from mooncake_lite.conductor.cluster.metrics import FEW_SAMPLES, ConductorMetrics
 from mooncake_lite.conductor.cluster.membership import Instance
 from mooncake_lite.conductor.services import SERVICES
 
@@ -174,7 +174,8 @@ def recent_figures(recent: Recent, metrics: ConductorMetrics, now: float) -> dic
             "outcomes": {k: v for k, v in done.items() if v},
             "rejections": {k: v - old.rejections.get(k, 0.0) for k, v in cur.rejections.items()
                            if v - old.rejections.get(k, 0.0)},
-            "ttft_s": quantiles(_delta(cur.ttft, old.ttft)), "tbt_s": quantiles(_delta(cur.tbt, old.tbt))}
+            "ttft_s": quantiles(_delta(cur.ttft, old.ttft), metrics.ttft.last),
+            "tbt_s": quantiles(_delta(cur.tbt, old.tbt), metrics.tbt.last)}
 
 
 def _delta(cur: tuple, old: tuple) -> tuple[tuple[float, float], ...]:
@@ -182,14 +183,18 @@ def _delta(cur: tuple, old: tuple) -> tuple[tuple[float, float], ...]:
     return tuple((le, n - before.get(le, 0.0)) for le, n in cur)
 
 
-def quantiles(buckets: tuple[tuple[float, float], ...]) -> dict[str, float | None]:
+def quantiles(buckets: tuple[tuple[float, float], ...], last: Sequence[float] = ()) -> dict:
     """Prometheus' ``histogram_quantile``: linear within the bucket that holds the rank; the
-    highest finite bound when the rank falls in the +Inf bucket. None without observations."""
+    highest finite bound when the rank falls in the +Inf bucket. None without observations. Fewer
+    than FEW_SAMPLES: their ``values`` (sorted; the newest of ``last``, the histogram's latest) and
+    no quantiles, which interpolating within a bucket would make up."""
     total = buckets[-1][1] if buckets else 0.0
-    out: dict[str, float | None] = {}
-    for q in QUANTILES:
-        out[f"p{round(q * 100)}"] = _quantile(buckets, q * total) if total > 0 else None
+    few = 0 < total < FEW_SAMPLES and len(last) >= total
+    out: dict = {f"p{round(q * 100)}": _quantile(buckets, q * total) if total > 0 and not few else None
+                 for q in QUANTILES}
     out["count"] = total
+    if few:
+        out["values"] = sorted(list(last)[len(last) - round(total):])
     return out
 
 

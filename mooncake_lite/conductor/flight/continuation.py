@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.cluster.membership import Instance
 from mooncake_lite.conductor.flight.events import SHUTDOWN, Failed
 
 
@@ -68,3 +69,12 @@ def continued_request(req: ApiRequest, generated: Sequence[int], index: int) -> 
                                    num_generated=len(generated))
     return dataclasses.replace(req, prompt_ids=req.prompt_ids + tuple(generated), sampling=sampling,
                                echo_text=None, more_prompts=())
+
+
+def still_registered(failed_on: Iterable[Instance], current: Mapping[str, Instance]) -> set[str]:
+    """The ids of the instances a request's failed attempts ran on (``failed_on``) that are still
+    that registration in ``current`` (the membership's table): those it is not placed on again.
+    Every registration is a new Instance (``Membership.register``; a live process never registers
+    twice), so the only decode, restarted by its supervisor at the same address and id, may take
+    the request's continuation; a hung one that heartbeats again may not (it was fenced off)."""
+    return {i.instance_id for i in failed_on if current.get(i.instance_id) is i}

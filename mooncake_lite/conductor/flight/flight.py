@@ -20,8 +20,10 @@ from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
 from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, upstream_failed
 from mooncake_lite.conductor.api.params import ApiRequest
+from mooncake_lite.conductor.cluster.membership import Instance
 from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
-from mooncake_lite.conductor.flight.continuation import Continuation, continued_request, is_continuable
+from mooncake_lite.conductor.flight.continuation import (Continuation, continued_request, is_continuable,
+                                                         still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
 from mooncake_lite.conductor.flight.placement import decision_attributes, place
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
@@ -29,8 +31,8 @@ from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 
 log = logging.getLogger(__name__)
-# A continuation that finds no instance to take it (503) tries again this long: on a busy box the
-# only other decode's heartbeat may be late, and it is counted dead until its next one.
+# A continuation no instance can take (503) tries again for --dead-after, at least this long: the only
+# decode may be restarting (back in ~2 s), or the only other one's heartbeat late (counted dead till its next).
 CONTINUE_WAIT_S = 5.0
 CONTINUE_POLL_S = 0.5
 
@@ -59,7 +61,7 @@ class Flight:
         self._choice: int | None = None      # the choice a continuation's attempt runs (its index 0); None: all
         self.block_keys: list[bytes] = []    # the prompt's (a continuation's attempt has longer ones)
         self._has_first = False              # the current attempt's first token (prefill's) is in
-        self._excluded: set[str] = set()     # instances a failed attempt ran on
+        self._failed_on: list[Instance] = []  # the registrations failed attempts ran on (still_registered)
         self.prefill_result: PrefillResult | None = None
         # Each choice's end ("stop", "length"), None while it runs; its tokens so far.
         self.finish_reasons: list[str | None] = [None] * req.sampling.n
@@ -78,6 +80,11 @@ class Flight:
         self.span = tracing.start_span("conductor.request", kind="server", request_id=self.request_id,
                                        prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
 
+    def _instance(self, failed: Failed) -> Instance:
+        """The current attempt's instance that ``failed``."""
+        a = self.attempt
+        return a.decode if failed.instance_id == a.decode.instance_id else a.prefill
+
     @property
     def decision(self) -> Decision | None:
         """The current attempt's placement."""
@@ -92,11 +99,11 @@ class Flight:
     async def _start_attempt(self, upstream_id: str, cont: ApiRequest | None = None) -> Failed | None:
         """Place the request (``cont``: its continuation) and start an attempt there; a Failed if
         its decode failed."""
-        req = cont or self.req
+        req, excluded = cont or self.req, still_registered(self._failed_on, self.svc.membership.instances)
         span = tracing.start_span("conductor.schedule", self.span, attempt=self.num_retries + 1,
-                                  continuation=self.num_continuations or None, excluded=sorted(self._excluded) or None)
+                                  continuation=self.num_continuations or None, excluded=sorted(excluded) or None)
         try:
-            d, keys = place(self.svc, upstream_id, req, loop_now(), tenant=self.tenant, exclude=self._excluded,
+            d, keys = place(self.svc, upstream_id, req, loop_now(), tenant=self.tenant, exclude=excluded,
                             is_continuation=cont is not None)
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
@@ -119,7 +126,7 @@ class Flight:
         while those fail at once); raises the failure as a 502 (503: the conductor's shutdown) when
         no retry is left or no other instance can take it."""
         self.attempt.end()
-        self._excluded.add(failed.instance_id)
+        self._failed_on.append(self._instance(failed))
         if not failed.retry or self.num_retries >= self.svc.max_retries:
             raise client_error(failed)
         self.num_retries += 1
@@ -142,7 +149,7 @@ class Flight:
         conductor's shutdown, ``--migration-limit`` reached, or no instance can take it). A request
         of n > 1 choices goes on one unfinished choice at a time (:meth:`_start_choice`)."""
         self.attempt.end(fence=True)   # its late tokens, if it comes back, reach no one
-        self._excluded.add(failed.instance_id)
+        self._failed_on.append(self._instance(failed))
         number, limit = self.num_continuations + 1, self.svc.migration_limit
         if not is_continuable(failed):
             raise client_error(failed)
@@ -153,12 +160,14 @@ class Flight:
         self.num_continuations = number
         span = tracing.start_span("conductor.continuation", self.span, cause=failed.reason, number=number,
                                   from_decode=failed.instance_id, relayed_tokens=self.num_tokens)
+        wait_s = max(CONTINUE_WAIT_S, self.svc.membership.dead_after_s)
         try:
-            next_failed = await self._start_choice_soon()
+            next_failed = await self._start_choice_soon(wait_s)
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             self._note(failed, number, "refused", exc.message)
-            raise upstream_failed(f"{failed.message}; it could not be continued: {exc.message}") from None
+            within = f" within {wait_s:g}s" if exc.status == 503 else ""
+            raise upstream_failed(f"{failed.message}; it could not be continued{within}: {exc.message}") from None
         d = self.attempt.decision
         tracing.end_span(span, prefill=d.prefill_id, decode=d.decode_id)
         self._note(failed, number, "continued")
@@ -176,9 +185,9 @@ class Flight:
         return await self._start_attempt(f"{self.request_id}-cont{self.num_continuations}{suffix}",
                                          continued_request(self.req, self.relayed[i], i))
 
-    async def _start_choice_soon(self) -> Failed | None:
-        """:meth:`_start_choice`, polling up to CONTINUE_WAIT_S while no instance can take it (503)."""
-        give_up = loop_now() + CONTINUE_WAIT_S
+    async def _start_choice_soon(self, wait_s: float) -> Failed | None:
+        """:meth:`_start_choice`, polling up to ``wait_s`` while no instance can take it (503)."""
+        give_up = loop_now() + wait_s
         while True:
             try:
                 return await self._start_choice()

@@ -58,9 +58,9 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         message = f"no live {cause.split('-')[1]} instance is registered; retry later"
         log.info("%s rejected: %s", request_id, message)
         raise unavailable(message)
-    log.info("%s %s", request_id, decision.reason)
-    if cause == "no-decode":
+    if cause == "no-decode":   # (not logged: a continuation waiting for a decode polls this)
         _check_fits_some_decode(svc, req, exclude)
+    log.info("%s %s", request_id, decision.reason)
     svc.metrics.rejections.labels(cause).inc()
     if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
