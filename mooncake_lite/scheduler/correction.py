@@ -36,7 +36,11 @@ not of a speed: no factor fits it, a share does. Each job says what share it met
 any overtake, over the allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``). On such an instance the queue's residual
-goes to the share, not to the ``queue`` factor: one rule for each residual, never both.
+goes to the share, not to the ``queue`` factor: one rule for each residual, never both. With
+packing, later arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefill
+reports the forward that ran (its tokens and jobs), ``compute`` learns that forward's speed (a
+joined forward is no slowdown) and ``join_share`` (0 until fed) what the joiners added over the
+allowance's worst case, by the same moving average.
 
 What all this learns is a central prediction: half the requests meet less, half more. Admission
 must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
