@@ -203,9 +203,11 @@ class StageEngine(PrefixLoading):
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         self._busy(seconds)
+        forward = {"forward_tokens": float(sum(len(toks) for *_, toks in parts)), "forward_jobs": float(len(parts))}
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
             job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+            job.timings.update(forward)   # the forward that ran: the conductor's speed is of it, not of its forecast
             if errors[i] is None:
                 self._store_full_blocks(job, start + len(toks))
         if self.refiner is not None and len(parts) == 1:   # the refined model is of one prompt's pass

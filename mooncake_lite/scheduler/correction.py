@@ -36,7 +36,11 @@ not of a speed: no factor fits it, a share does. Each job says what share it met
 any overtake, over the allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``). On such an instance the queue's residual
-goes to the share, not to the ``queue`` factor: one rule for each residual, never both.
+goes to the share, not to the ``queue`` factor: one rule for each residual, never both. With
+packing, later arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefill
+reports the forward that ran (its tokens and jobs), ``compute`` learns that forward's speed (a
+joined forward is no slowdown) and ``join_share`` (0 until fed) what the joiners added over the
+allowance's worst case, by the same moving average.
 
 What all this learns is a central prediction: half the requests meet less, half more. Admission
 must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
@@ -138,6 +142,7 @@ class InstanceCorrection:
     busy_share: float = 0.0       # of its observations, those beside a busy neighbour
     queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
     overtake_share: float = 1.0   # of the overtake allowance's worst case, the share jobs met
+    join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
 
     def factor(self, term: str) -> float:
@@ -213,15 +218,16 @@ class Corrections:
             share += a * (queue_share - share)
         self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
 
-    def note_overtakes(self, instance_id: str, used: float) -> str | None:
-        """Move ``instance_id``'s overtake share toward ``used`` (one job's, :func:`overtakes_used`);
-        returns why it was refused (None: applied): a share is a number in [0, 1]."""
+    def note_overtakes(self, instance_id: str, used: float, share: str = "overtake_share") -> str | None:
+        """Move ``instance_id``'s overtake share (``share="join_share"``: its join share) toward
+        ``used`` (one job's, :func:`overtakes_used`); returns why it was refused (None: applied):
+        a share is a number in [0, 1]."""
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:
             self.num_refused += 1
-            return f"overtake share must be a number in [0, 1], got {used!r}"
+            return f"{share.replace('_', ' ')} must be a number in [0, 1], got {used!r}"
         cur = self.get(instance_id)
-        share = cur.overtake_share + self.cfg.alpha * (used - cur.overtake_share)
-        self._by_instance[instance_id] = replace(cur, overtake_share=share)
+        was = getattr(cur, share)
+        self._by_instance[instance_id] = replace(cur, **{share: was + self.cfg.alpha * (used - was)})
         return None
 
     def note_ratio(self, instance_id: str, metric: str, shown_s: float, measured_s: float) -> str | None:
@@ -247,6 +253,10 @@ class Corrections:
     def overtake_share(self, instance_id: str) -> float:
         """The share of the overtake allowance a new job on ``instance_id`` is priced with."""
         return self.get(instance_id).overtake_share
+
+    def join_share(self, instance_id: str) -> float:
+        """The share of the join allowance a new job on ``instance_id`` is priced with."""
+        return self.get(instance_id).join_share
 
     def prefill_scale(self, instance_id: str) -> float:
         """The factor a prefill instance's model is multiplied by (module doc)."""
@@ -294,6 +304,14 @@ def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> N
     spread = c.spread(instance_id, metric)
     if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
         view.set_spread(spread)
+
+
+def show_shares(c: Corrections, instance_id: str, view) -> None:
+    """``view`` (a ``PrefillView``, live or simulated) shows the overtake and join shares once
+    either moved by more than ``SHOW_TOLERANCE``: a new state derives the estimates afresh."""
+    share, join = c.overtake_share(instance_id), c.join_share(instance_id)
+    if abs(share - view.overtake_share) >= SHOW_TOLERANCE or abs(join - view.join_share) >= SHOW_TOLERANCE:
+        view.set_overtake_share(share, join)
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:

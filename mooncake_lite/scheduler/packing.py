@@ -89,3 +89,16 @@ def first_pack(uncached: Iterable[int], limit: int) -> int:
     forward takes: ``pack_sizes(uncached, limit)[0]`` (0 for no jobs), reading no further than
     the first job left out."""
     return next(iter_pack_sizes(uncached, limit), 0)
+
+
+def forward_seconds(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, forward_tokens: float,
+                    forward_jobs: float) -> float:
+    """The forward a job of ``num_tokens`` (``prefix_tokens`` cached) really ran in, as ``model``
+    prices it: the prefill reports the forward's computed tokens and jobs (``timings``), the
+    others taken as equal shares of the rest with no prefix. The job alone when it ran alone."""
+    own = model.predict(num_tokens, prefix_tokens)
+    others = int(forward_jobs) - 1
+    rest = forward_tokens - uncached_tokens(num_tokens, prefix_tokens)
+    if others < 1 or rest < others:
+        return own
+    return packed_seconds([own, *[model.predict(round(rest / others))] * others], model.c0)

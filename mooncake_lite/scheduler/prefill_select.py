@@ -17,7 +17,7 @@ from mooncake_lite.scheduler.costs import CostModels, PrefillCostModel, kv_trans
 from mooncake_lite.scheduler.decision import Route
 from mooncake_lite.scheduler.estimate import Backlog, Queues, prefill_model
 from mooncake_lite.scheduler.packing import joins_tail, own_seconds
-from mooncake_lite.scheduler.queue_order import overtake_allowance, priced
+from mooncake_lite.scheduler.queue_order import join_allowance, overtake_allowance, priced
 from mooncake_lite.scheduler.state import PrefillInstanceState, ScheduleRequest
 
 
@@ -81,13 +81,16 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     pack's forward with its own token terms added (scheduler/packing.py); else the whole
     queue, then its own prefill. On an instance serving shortest first (``p.overtakes``) it
     lands where scheduler/queue_order.py puts it: the forwards before its own, plus what the
-    later arrivals allowed to pass it are predicted to add (the instance's share of the most)."""
+    later arrivals allowed to pass it, or joining its forward, are predicted to add (the
+    instance's learned shares of the most)."""
     if p is not None and p.overtakes > 0 and backlog is not None:
         done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
         wait = start - done if start > done else 0.0
         allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
                                        p.recent_uncached)
+        if p.join_share:
+            allowance += join_allowance(model, backlog.pack_tokens, req.num_tokens, prefix_tokens, p.join_share)
         return wait + allowance, own
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)

@@ -61,6 +61,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         self._total: float | None = 0.0     # the durations' running sum (None: add them up again)
         self.row: PricedRow | None = None
         self.overtake_share = 1.0     # what the online correction learned (state.py; 1: the worst case)
+        self.join_share = 0.0         # likewise (0: the forward as the queue stands)
         self._arrivals: deque[int] = deque(maxlen=RECENT_ARRIVALS)   # uncached tokens, as they came
         self._recent: tuple[int, ...] | None = ()     # the state's recent_uncached (None: sort afresh)
         self._learning = False                        # shown once a correction is: until then, the worst case
@@ -75,12 +76,13 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._reprice()
             self._stale()
 
-    def set_overtake_share(self, share: float) -> None:
+    def set_overtake_share(self, share: float, join_share: float | None = None) -> None:
         """The share of the overtake bound's worst case its jobs are predicted to meet (the
-        owner's online correction, ``scheduler/correction.py``); from now on the state shows the
-        recent arrivals' uncached tokens too."""
-        if share != self.overtake_share or not self._learning:
-            self.overtake_share, self._learning, self._recent = share, True, None
+        owner's online correction, ``scheduler/correction.py``), and of the join allowance's
+        (None: unchanged); from now on the state shows the recent arrivals' uncached tokens too."""
+        join = self.join_share if join_share is None else join_share
+        if share != self.overtake_share or join != self.join_share or not self._learning:
+            self.overtake_share, self.join_share, self._learning, self._recent = share, join, True, None
             self._stale()
 
     def note_arrival(self, uncached: int) -> None:
@@ -166,7 +168,7 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
                                                        about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
                                                        about.overtakes, self.overtake_share, self._recent_uncached(),
-                                                       self.spread)
+                                                       self.spread, self.join_share)
             self.row = self._row(state) if self._model is not None else None
         return self._state
 

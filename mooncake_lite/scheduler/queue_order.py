@@ -115,6 +115,20 @@ def overtake_allowance(model: PrefillCostModel, bound: int, num_tokens: int, pre
     return share * rank * bound * model.predict(num_tokens, prefix_tokens)
 
 
+def join_allowance(model: PrefillCostModel, pack_tokens: int, num_tokens: int, prefix_tokens: int,
+                   share: float) -> float:
+    """What later arrivals are predicted to add to a new job's forward by joining it: until its
+    forward starts (the instance also takes along what reaches it while its head matches its
+    prefix, so even a job on an idle instance) they join while the pack has room, each adding its
+    own token terms. The most they may is the room left beside the job filled
+    (``predict(room) - c0``); ``share`` is how much of that its jobs met lately (learned online,
+    ``scheduler/correction.py``; 0 until then: the forward as the queue stands)."""
+    room = pack_tokens - uncached_tokens(num_tokens, prefix_tokens)
+    if share <= 0.0 or room <= 0:
+        return 0.0
+    return share * max(model.predict(room) - model.c0, 0.0)
+
+
 def bound_of(order: str, overtakes: int) -> int:
     """The overtake bound an instance serving in ``order`` registers (0: FIFO)."""
     if order not in ORDERS:

@@ -75,7 +75,9 @@ class PrefillInstanceState:
     the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
     ``ttft_spread``: how far above its predicted TTFT a request here may land (an upper quantile
     of measured / predicted, ``Corrections.spread``; 1: not measured): admission judges the queue
-    × spread (``admission.bounds``); the prediction itself stays central."""
+    × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
+    packing, the share of :func:`~mooncake_lite.scheduler.queue_order.join_allowance`'s worst case
+    (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned."""
 
     instance_id: str
     store_id: Hashable
@@ -87,6 +89,7 @@ class PrefillInstanceState:
     overtake_share: float = 1.0
     recent_uncached: tuple[int, ...] = ()
     ttft_spread: float = 1.0
+    join_share: float = 0.0
 
 
 @dataclass(slots=True, unsafe_hash=True)

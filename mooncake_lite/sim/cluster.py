@@ -196,11 +196,13 @@ class MooncakeSim(TraceDriver):
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
         landed = None   # a request whose KV is at its decode now, and nothing else due before it
-        for req in [p.end(), *p.end_packed()] if p.packed else (p.end(),):
+        forward = [p.end(), *p.end_packed()] if p.packed else [p.end()]
+        computed = (float(sum(uncached_tokens(r.input_length, r.reused_tokens) for r in forward)), float(len(forward)))
+        for req in forward:
             self._store(p, req.keys)
             req.first_token = now
             if self.correcting is not None:
-                self.correcting.first_token(req, p, now)
+                self.correcting.first_token(req, p, now, computed)
             if req.tokens_to_generate() <= 1:   # the model stopped at its first token: no decode
                 d = self.decode_by_id[req.decode_id]
                 d.uncommit(req)

@@ -21,8 +21,10 @@ from __future__ import annotations
 import math
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, overtakes_used, scaled, show_spread
-from mooncake_lite.scheduler.queue_order import overtake_allowance
+from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, overtakes_used, scaled, show_shares,
+                                                show_spread)
+from mooncake_lite.scheduler.packing import forward_seconds
+from mooncake_lite.scheduler.queue_order import join_allowance, overtake_allowance
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
 from mooncake_lite.sim.request import SimRequest
 
@@ -34,8 +36,8 @@ class SimCorrecting:
         self.costs = costs
         self.corrections = corrections or Corrections()
         # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst
-        # case, TTFT predicted)
-        self._predicted: dict[str, tuple[float, float, float, float, float]] = {}
+        # case, TTFT predicted, join allowance used, its worst case, the scale shown)
+        self._predicted: dict[str, tuple[float, ...]] = {}
         self._tbt: dict[str, float] = {}          # request id -> its predicted TBT (till it ends)
         self._shown: dict[str, float] = {}       # prefill id -> the compute scale its view's model has
 
@@ -43,28 +45,36 @@ class SimCorrecting:
         """``req`` was placed on ``p`` by ``d`` (its prefix: ``req.planned_prefix_tokens``)."""
         scale = self._shown.get(p.instance_id, 1.0)
         own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
-        full = overtake_allowance(scaled(p.cost or self.costs.prefill, scale), p.overtakes, req.input_length,
-                                  req.planned_prefix_tokens, 1.0, p.view.state().recent_uncached)
+        model, n, prefix = scaled(p.cost or self.costs.prefill, scale), req.input_length, req.planned_prefix_tokens
+        full = overtake_allowance(model, p.overtakes, n, prefix, 1.0, p.view.state().recent_uncached)
+        join = join_allowance(model, p.pack_tokens, n, prefix, 1.0) if p.overtakes > 0 else 0.0
         self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full,
-                                    d.predicted_ttft_s or 0.0)
+                                    d.predicted_ttft_s or 0.0, join * p.view.join_share, join, scale)
         if d.predicted_tbt_s is not None:
             self._tbt[req.rid] = d.predicted_tbt_s
 
-    def first_token(self, req: SimRequest, p: PrefillNode, now: float) -> None:
-        """``req``'s prefill on ``p`` ended at ``now``: correct ``p`` by it, and show the result."""
+    def first_token(self, req: SimRequest, p: PrefillNode, now: float,
+                    forward: tuple[float, float] = (0.0, 1.0)) -> None:
+        """``req``'s prefill on ``p`` ended at ``now``: correct ``p`` by it, and show the result.
+        ``forward``: the computed tokens and jobs of the forward it ran in (as the live prefill reports)."""
         predicted = self._predicted.pop(req.rid, None)
         if predicted is None or req.prefill_start is None:
             return
-        own, queue_s, overtake_s, full, ttft_s = predicted
-        waited, forward = req.prefill_start - req.ready_at, now - req.prefill_start
+        own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale = predicted
+        waited, took = req.prefill_start - req.ready_at, now - req.prefill_start
         c, iid = self.corrections, p.instance_id
-        c.observe(iid, "compute", own, forward)
-        speed = forward / own if own > 0 and forward > 0 else None
-        if full > 0:
-            shown_speed = None if speed is None else speed / self._shown.get(iid, 1.0)   # over the model shown
-            used = overtakes_used(max(queue_s - overtake_s, 0.0), full, waited, shown_speed)
+        ran = forward_seconds(p.cost or self.costs.prefill, req.input_length, req.reused_tokens, *forward) \
+            if forward[0] else own     # its speed on the forward that ran: joiners are no slowdown
+        c.observe(iid, "compute", ran, took)
+        speed = took / ran if ran > 0 and took > 0 else None
+        if full > 0 or join_full > 0:
+            shown_speed = None if speed is None else speed / scale   # over the model shown
+            used = overtakes_used(max(queue_s - overtake_s - join_s, 0.0), full, waited, shown_speed)
             if used is not None:
                 c.note_overtakes(iid, used)
+            used = overtakes_used(own * scale, join_full, ran * scale, None)
+            if used is not None:
+                c.note_overtakes(iid, used, "join_share")
         c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
         self._show(p)
 
@@ -86,7 +96,5 @@ class SimCorrecting:
             view.set_instance(p.store_id, None, scaled(p.cost or self.costs.prefill, scale), p.pack_tokens,
                               p.overtakes)
         show_spread(c, iid, "ttft", view)
-        share = c.overtake_share(iid)
-        if abs(share - view.overtake_share) >= SHOW_TOLERANCE:
-            view.set_overtake_share(share)
+        show_shares(c, iid, view)
 

@@ -14,6 +14,8 @@ import pytest
 
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.scheduler.correction import scaled
+from mooncake_lite.scheduler.packing import forward_seconds
+from mooncake_lite.scheduler.queue_order import join_allowance
 from tests.conductor import fakes
 from tests.conductor.test_api import client
 from tests.conductor.test_dispatch import _wait_for
@@ -202,3 +204,29 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 8
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)
+
+
+async def test_a_forward_joined_by_later_arrivals_is_no_slowdown_but_a_join_share(make_cluster):
+    """A packing prefill reports the forward each job ran in (8 jobs): its time is the job's
+    forward as run, not a slowdown of the one priced (the compute factor learns the speed of
+    the forward that ran: exactly 1 here), and what the joiners added goes to the join share,
+    which the next prediction's queue then holds (queue_order.join_allowance)."""
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    p0 = cluster.instances["p0"]
+    status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4, pack_tokens=512)
+    assert status == 200, body
+    model, c = cluster.svc.predictions.defaults().prefill, client(cluster)     # p0 reported none
+    n = 4 * 5        # the fakes' prompt tokens for "w w w ... " below (no cached prefix)
+    forward = forward_seconds(model, n, 0, 8.0 * n, 8.0)
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": forward, "forward_tokens": 8.0 * n, "forward_jobs": 8.0}
+    for _ in range(6):
+        await c.completions.create(model="tiny", prompt=[7] * n, max_tokens=2)
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt=[7] * n, max_tokens=2)
+    await c.close()
+    corr = cluster.svc.predictions.corrections
+    assert corr.get("p0").factor("compute") == pytest.approx(1.0, abs=1e-6)
+    used = (forward - model.predict(n)) / join_allowance(model, 512, n, 0, 1.0)   # 7 joiners of the room's worst case
+    assert corr.join_share("p0") == pytest.approx(used * (1 - 0.75 ** 7), rel=1e-6)    # 7 moves of alpha 0.25
+    state = cluster.svc.membership.snapshot().prefills[0]
+    assert state.join_share == pytest.approx(corr.join_share("p0"), abs=1 / 32)
+    assert float(raw.headers["x-mooncake-predicted-ttft"]) > model.predict(n) + 0.5 * (forward - model.predict(n))

@@ -48,6 +48,31 @@ def test_the_simulator_learns_the_overtake_share_and_predicts_closer():
     assert abs(sim.correcting.corrections.compute_scale("P0") - 1.0) < 1 / 32
 
 
+def test_a_packed_burst_teaches_the_join_share_not_a_slowdown():
+    """Bursts of 8 prompts of 40 tokens packed in forwards of 512 (a prompt arriving behind one
+    that waits joins its forward): the compute factor learns the forward that ran (the simulated
+    hardware is the model: 1), the join share what the joiners added, and past the first bursts
+    the predictions are closer than corrected without it."""
+    def run(join: bool):
+        cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, prefill_batch_tokens=512,
+                        correct=True, hardware="toy",
+                        scheduler=SchedulerConfig(admission="none", ttft_slo_s=1e9, tbt_slo_s=1e9))
+        sim = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3))
+        sim.decisions = []
+        if not join:
+            sim.correcting.corrections.join_share = lambda *_: 0.0
+        res = sim.run([req(b * 9 + i, b * 20.0 + (0.0 if i == 0 else 0.01), 40, 4) for b in range(12) for i in range(9)])
+        predicted = [d.predicted_ttft_s for d in sim.decisions]
+        done = sorted(res.requests, key=lambda r: r.request_id)
+        return sim, [abs(r.ttft / predicted[r.request_id] - 1) for r in done]
+    _, before = run(False)
+    sim, after = run(True)
+    c = sim.correcting.corrections
+    assert abs(c.compute_scale("P0") - 1.0) < 1 / 32 and c.join_share("P0") > 0.05
+    assert sim.prefills[0].view.state().join_share > 0.05
+    assert statistics.median(after[18:]) < statistics.median(before[18:])
+
+
 def _admitting(spread: bool, slo_s: float = 4.0, correct: bool = True, quantile: float | None = None):
     """The same bursts (24 of them) under predictive admission and an absolute TTFT SLO: each
     request's outcome by id (``bench/fidelity/admission.Outcome``)."""

@@ -378,7 +378,9 @@ class Flight:
         return Check(self.request_id, d.prefill_id, d.decode_id, self.prediction, self._measured_ttft_s,
                      paper_tbt(self._gaps), sum(self._gaps) / len(self._gaps) if self._gaps else None,
                      t.get("queue_s"), compute, t.get("migrate_s"),
-                     prefill_busy=self._prefill_busy, decode_busy=decode_busy)
+                     prefill_busy=self._prefill_busy, decode_busy=decode_busy,
+                     forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
+                              t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)))
 
     def prediction_headers(self) -> dict[str, str]:
         """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them."""

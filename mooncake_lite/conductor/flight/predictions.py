@@ -28,9 +28,10 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, quantile,
-                                                scaled, show_spread)
+                                                scaled, show_shares, show_spread)
+from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
-from mooncake_lite.scheduler.queue_order import overtake_allowance
+from mooncake_lite.scheduler.queue_order import join_allowance, overtake_allowance
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
@@ -56,6 +57,9 @@ class Prediction:
     # the instance was priced with; and that allowance's worst case (share 1; 0: none)
     overtake_s: float = 0.0
     overtake_full_s: float = 0.0
+    # likewise for later arrivals joining its forward (queue_order.join_allowance; packing)
+    join_s: float = 0.0
+    join_full_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Check:
     transfer_s: float | None
     prefill_busy: bool = False    # a decode on the prefill's node was running requests
     decode_busy: bool = False     # a prefill on the decode's node had work queued
+    # (prompt tokens, prefix tokens, the forward's computed tokens and jobs: the prefill's report;
+    # tokens 0: it ran alone, or did not say)
+    forward: tuple[int, int, float, float] | None = None
 
     def pairs(self) -> dict[str, tuple[float, float | None]]:
         """(predicted, measured) by metric."""
@@ -129,22 +136,25 @@ class PredictionBook:
     def predicted(self, d: Decision, num_tokens: int = 0, prefix_tokens: int = 0) -> Prediction:
         """``d``'s prediction; ``num_tokens`` (the prompt's) and ``prefix_tokens`` (the reused
         prefix it was priced with) give the overtake allowance its queue holds (0: none known)."""
-        share, full = self._allowance(d.prefill_id, num_tokens, prefix_tokens)
+        share, full, join, join_full = self._allowance(d.prefill_id, num_tokens, prefix_tokens)
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
-                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full)
+                          (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
+                          join * join_full, join_full)
 
-    def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int) -> tuple[float, float]:
+    def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int) -> tuple[float, ...]:
         """(the overtake share ``prefill_id``'s view has, the worst-case overtake allowance the
         scheduler priced a job of this prompt with there: ``queue_order.overtake_allowance`` at
-        share 1, on the model shown); the allowance 0 where there is none."""
+        share 1, on the model shown; the join share and ``join_allowance``'s worst case likewise);
+        the allowances 0 where there are none."""
         inst = self.membership.get(prefill_id) if prefill_id else None
         if inst is None or num_tokens <= 0 or inst.reg.queue_overtakes <= 0 or not isinstance(inst.view, PrefillView):
-            return 1.0, 0.0
+            return 1.0, 0.0, 0.0, 0.0
         model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id))
-        recent = inst.view.state().recent_uncached
-        return inst.view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens,
-                                                            1.0, recent)
+        view = inst.view
+        return (view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens,
+                                                        1.0, view.state().recent_uncached),
+                view.join_share, join_allowance(model, inst.reg.pack_tokens, num_tokens, prefix_tokens, 1.0))
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
@@ -218,9 +228,7 @@ class PredictionBook:
             # and showing a decode's would rebuild its state for nothing (/metrics and status
             # read the TBT spread from the corrections)
             show_spread(self.corrections, iid, "ttft", inst.view)
-            share = self.corrections.overtake_share(iid)
-            if abs(share - inst.view.overtake_share) >= SHOW_TOLERANCE:
-                inst.view.set_overtake_share(share)
+            show_shares(self.corrections, iid, inst.view)
 
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
@@ -230,20 +238,31 @@ class PredictionBook:
         s = p.prefill_scale * math.exp(p.bases[0] - self._base_log(iid))
         term = "interference" if check.prefill_busy else "compute"
         own = p.prefill_s / s
-        self._observe(iid, term, own, check.compute_s)
-        speed = check.compute_s / own if _positive(check.compute_s) and own > 0 else None
-        if p.overtake_full_s > 0:     # shortest first: the queue's residual is the share of overtakes met
-            used = overtakes_used(max(p.queue_s - p.overtake_s, 0.0), p.overtake_full_s, check.queue_s,
-                                  check.compute_s / p.prefill_s if _positive(check.compute_s) and p.prefill_s > 0
-                                  else None)
+        # its speed on the forward that ran: later arrivals that joined it are not a slowdown
+        ran = self._forward_s(iid, check.forward) or own
+        self._observe(iid, term, ran, check.compute_s)
+        speed = check.compute_s / ran if _positive(check.compute_s) and ran > 0 else None
+        if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
+            used = overtakes_used(max(p.queue_s - p.overtake_s - p.join_s, 0.0), p.overtake_full_s, check.queue_s,
+                                  None if speed is None else speed / s)
             if used is not None:
                 c.note_overtakes(iid, used)
+            used = overtakes_used(own * s, p.join_full_s, ran * s, None)
+            if used is not None:
+                c.note_overtakes(iid, used, "join_share")
         else:
             self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
+
+    def _forward_s(self, iid: str, forward: tuple[int, int, float, float] | None) -> float | None:
+        """The forward a request's prefill ran in, on its instance's own model (None: not reported)."""
+        inst = self.membership.get(iid)
+        if forward is None or not forward[2] or inst is None:
+            return None
+        return forward_seconds(inst.costs.prefill or self.defaults().prefill, *forward)
 
     def _correct_decode(self, check: Check) -> None:
         p, iid = check.predicted, check.decode_id
@@ -347,7 +366,7 @@ class PredictionBook:
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
-                      "overtake_share": round(corr.overtake_share, 4),
+                      "overtake_share": round(corr.overtake_share, 4), "join_share": round(corr.join_share, 4),
                       "spread": {m: round(c.spread(iid, m), 4) for m in corr.ratios}}
                 for iid, corr in c.items()}
 
