@@ -374,23 +374,19 @@ class Flight:
         compute = t.get("compute_s")
         if compute is not None and t.get("load_wait_s") is not None:
             compute += t["load_wait_s"]   # the model's prefill time includes loading the prefix
-        decode_busy = self._decode_busy or self.svc.predictions.busy_beside(d.decode_id)
         return Check(self.request_id, d.prefill_id, d.decode_id, self.prediction, self._measured_ttft_s,
                      paper_tbt(self._gaps), sum(self._gaps) / len(self._gaps) if self._gaps else None,
                      t.get("queue_s"), compute, t.get("migrate_s"),
-                     prefill_busy=self._prefill_busy, decode_busy=decode_busy,
+                     prefill_busy=self._prefill_busy,
+                     decode_busy=self._decode_busy or self.svc.predictions.busy_beside(d.decode_id),
                      forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)))
 
     def prediction_headers(self) -> dict[str, str]:
         """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them."""
         p = self.prediction
-        if p is None:
-            return {}
-        out = {"X-Mooncake-Predicted-TTFT": f"{p.ttft_s:.6f}"}
-        if p.tbt_s is not None:
-            out["X-Mooncake-Predicted-TBT"] = f"{p.tbt_s:.6f}"
-        return out
+        times = {} if p is None else {"TTFT": p.ttft_s, "TBT": p.tbt_s}
+        return {f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None}
 
 
 def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:
