@@ -136,7 +136,7 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
     prefill's measured spread (``PrefillInstanceState.ttft_spread``: an upper quantile of measured
-    / predicted queue there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
+    / predicted there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
     land above it), so judged alone it admits half of those near the limit to miss it (measured:
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it

@@ -45,8 +45,8 @@ allowance's worst case, by the same moving average.
 What all this learns is a central prediction: half the requests meet less, half more. Admission
 must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
 median admits half the requests near the limit to miss it). So each instance also keeps the
-ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill:
-its queue's, the part the bound multiplies; ``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
+ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill,
+``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
 is shown the TTFT's (``PrefillInstanceState.ttft_spread``; the TBT's is measured, not judged) and
 admission judges what others add to a request's time × spread against the SLO
 (``admission.bounds``), while the prediction shown and checked stays the central one. A window, not a moving quantile: it forgets

@@ -74,7 +74,7 @@ class PrefillInstanceState:
     (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
     the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
     ``ttft_spread``: how far above its predicted TTFT a request here may land (an upper quantile
-    of measured / predicted queue, ``Corrections.spread``; 1: not measured): admission judges the queue
+    of measured / predicted, ``Corrections.spread``; 1: not measured): admission judges the queue
     × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
     packing, the share of :func:`~mooncake_lite.scheduler.queue_order.join_allowance`'s worst case
     (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned."""

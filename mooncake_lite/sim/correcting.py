@@ -75,7 +75,7 @@ class SimCorrecting:
             used = overtakes_used(own * scale, join_full, ran * scale, None)
             if used is not None:
                 c.note_overtakes(iid, used, "join_share")
-        c.note_ratio(iid, "ttft", queue_s, waited)    # the spread is of the queue the bound multiplies
+        c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
         self._show(p)
 
     def finished(self, req: SimRequest, d: DecodeNode) -> None:

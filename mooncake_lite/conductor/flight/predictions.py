@@ -255,10 +255,7 @@ class PredictionBook:
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
-        # The TTFT bound's spread is of the queue it multiplies (admission.bounds): a whole TTFT's
-        # ratio also holds what no queue scales (HTTP hops, tokenizing), which on a short prompt is
-        # several times its forward (CI: spreads of 4-10 that refused requests into idle instances)
-        self._observe(iid, "ttft", p.queue_s, check.queue_s)
+        self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
 
     def _forward_s(self, iid: str, forward: tuple[int, int, float, float] | None) -> float | None:
         """The forward a request's prefill ran in, on its instance's own model (None: not reported)."""
