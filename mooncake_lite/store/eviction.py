@@ -202,14 +202,11 @@ class BlockCache:
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """Length of the longest cached prefix of ``keys``; touches each hit."""
-        num_hits = self.leading(keys)
         policy = self.policy
         # LRU's touch is its ordered dict's move_to_end: bound once, not looked up per key through
-        # the policy (compiled, that lookup was ~1.5k instructions a simulated request)
-        touch = policy._order.move_to_end if type(policy) is LRUPolicy else policy.touch
-        for key in keys[:num_hits]:
-            touch(key)
-        return num_hits
+        # the policy (compiled, that lookup was ~1.5k instructions a simulated request); touched as
+        # counted, in one pass
+        return self.leading(keys, policy._order.move_to_end if type(policy) is LRUPolicy else policy.touch)
 
     def insert_chain(self, keys: Sequence[Key], is_pinned: PinCheck | None = None) -> list[Key]:
         """Insert ``keys`` (chain_pos = index), touching ones already cached; returns evicted keys.
@@ -304,14 +301,16 @@ class BlockCache:
             inserted.append(key)
         return tuple.__new__(ChainAdded, (evicted, len(keys), inserted))   # without the NamedTuple's Python frame
 
-    def leading(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of ``keys`` are cached; touches nothing."""
+    def leading(self, keys: Sequence[Key], touch: Callable[[Key], object] | None = None) -> int:
+        """How many leading keys of ``keys`` are cached; ``touch`` (None: nothing) is called on each."""
         policy = self.policy
         members: OrderedDict[Key, None] | EvictionPolicy = policy._order if type(policy) is LRUPolicy else policy
         n = 0
         for key in keys:
             if key not in members:
                 break
+            if touch is not None:
+                touch(key)
             n += 1
         return n
 
