@@ -12,7 +12,8 @@ and no ``queue`` factor is learned: the simulator's conductor sees its queue exa
 then priced right); only what later arrivals will do is unknown, which the share learns. Decodes are not
 corrected here (their simulated steps are the model's own, with a measured spread: nothing to
 learn but noise). Both roles learn their spread, measured / predicted TTFT at the first token and
-TBT at the end (``Corrections.note_ratio``), shown to their views: admission's bound, as live.
+TBT at the end (``Corrections.note_ratio``); the TTFT's is shown to the prefill's view (admission's
+bound), the TBT's kept only, as live.
 Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 """
 
@@ -79,12 +80,13 @@ class SimCorrecting:
         self._show(p)
 
     def finished(self, req: SimRequest, d: DecodeNode) -> None:
-        """``req`` completed on ``d``: its TBT against the predicted one, ``d``'s spread shown."""
+        """``req`` completed on ``d``: its TBT against the predicted one, kept for the decode's
+        measured spread. Not shown to the scheduler, as live (``PredictionBook._reshow``):
+        admission does not judge it, and a new spread would rebuild ``d``'s state for nothing."""
         predicted = self._tbt.pop(req.rid, None)
         if predicted is None or req.tbt is None:
             return
         self.corrections.note_ratio(d.instance_id, "tbt", predicted, req.tbt)
-        show_spread(self.corrections, d.instance_id, "tbt", d.view)
 
     def _show(self, p: PrefillNode) -> None:
         """``p``'s view as the live conductor's shows it: the model × its compute scale, and the
