@@ -81,14 +81,15 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     pack's forward with its own token terms added (scheduler/packing.py); else the whole
     queue, then its own prefill. On an instance serving shortest first (``p.overtakes``) it
     lands where scheduler/queue_order.py puts it: the forwards before its own, plus what the
-    later arrivals allowed to pass it, or joining its forward, are predicted to add (the
-    instance's learned shares of the most)."""
+    later arrivals allowed to pass it (if it waits at all), or joining its forward, are predicted
+    to add (the instance's learned shares of the most)."""
     if p is not None and p.overtakes > 0 and backlog is not None:
         done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
         wait = start - done if start > done else 0.0
+        # a job that starts at once (wait 0) is passed by nobody: only a waiting one is priced for it
         allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
-                                       p.recent_uncached)
+                                       p.recent_uncached) if wait > 0.0 else 0.0
         if p.join_share:
             allowance += join_allowance(model, backlog.pack_tokens, req.num_tokens, prefix_tokens, p.join_share)
         return wait + allowance, own

@@ -129,6 +129,21 @@ def join_allowance(model: PrefillCostModel, pack_tokens: int, num_tokens: int, p
     return share * max(model.predict(room) - model.c0, 0.0)
 
 
+def worst_cases(model: PrefillCostModel, bound: int, pack_tokens: int, num_tokens: int, prefix_tokens: int,
+                recent: Sequence[int], queue_s: float, join_share: float) -> tuple[float, float]:
+    """The worst cases (share 1) of the (overtake, join) allowances a job of this prompt was
+    priced with, given the queue ``queue_s`` it was priced at and the join share then: what the
+    correction sets the job's measured wait against (``scheduler/correction.py``; the live
+    conductor and the simulator alike). A job priced with no queue but its join allowance
+    started at once: it was priced for no overtakes (``prefill_select._packed``), so it has none
+    to learn from. (0, 0) in FIFO order."""
+    if bound <= 0:
+        return 0.0, 0.0
+    join = join_allowance(model, pack_tokens, num_tokens, prefix_tokens, 1.0)
+    waited = queue_s > join_share * join * (1.0 + 1e-9) + 1e-12
+    return (overtake_allowance(model, bound, num_tokens, prefix_tokens, 1.0, recent) if waited else 0.0), join
+
+
 def bound_of(order: str, overtakes: int) -> int:
     """The overtake bound an instance serving in ``order`` registers (0: FIFO)."""
     if order not in ORDERS:

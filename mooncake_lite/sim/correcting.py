@@ -25,7 +25,7 @@ from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, overtakes_used, scaled, show_shares,
                                                 show_spread)
 from mooncake_lite.scheduler.packing import forward_seconds
-from mooncake_lite.scheduler.queue_order import join_allowance, overtake_allowance
+from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
 from mooncake_lite.sim.request import SimRequest
 
@@ -47,8 +47,8 @@ class SimCorrecting:
         scale = self._shown.get(p.instance_id, 1.0)
         own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
         model, n, prefix = scaled(p.cost or self.costs.prefill, scale), req.input_length, req.planned_prefix_tokens
-        full = overtake_allowance(model, p.overtakes, n, prefix, 1.0, p.view.state().recent_uncached)
-        join = join_allowance(model, p.pack_tokens, n, prefix, 1.0) if p.overtakes > 0 else 0.0
+        full, join = worst_cases(model, p.overtakes, p.pack_tokens, n, prefix, p.view.state().recent_uncached,
+                                 d.predicted_queue_s, p.view.join_share)
         self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full,
                                     d.predicted_ttft_s or 0.0, join * p.view.join_share, join, scale)
         if d.predicted_tbt_s is not None:

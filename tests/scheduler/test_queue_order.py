@@ -11,8 +11,8 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, Decod
                                      PrefillCostModel, PrefillInstanceState, QueuedPrefill, ScheduleRequest,
                                      Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler.estimate import backlog_of
-from mooncake_lite.scheduler.queue_order import (bound_of, enqueue, landing, overtake_allowance, priced,
-                                                 queue_landing)
+from mooncake_lite.scheduler.queue_order import (bound_of, enqueue, join_allowance, landing, overtake_allowance, priced,
+                                                 queue_landing, worst_cases)
 from mooncake_lite.scheduler.view import PrefillView
 
 MODEL = PrefillCostModel(c0=0.05, c1=1e-3, c2=1e-7, c3=1e-5)
@@ -108,6 +108,27 @@ def test_the_scheduler_prices_a_long_request_with_the_overtakes_its_bound_allows
     # a long one lands last and is priced with 4 overtakes of at most its own size
     assert ttft(500, 4) == pytest.approx(fifo + overtake_allowance(MODEL, 4, 500, 0))
     assert overtake_allowance(MODEL, 4, 500, 0) == pytest.approx(4 * MODEL.predict(500))
+
+
+def test_a_job_that_starts_at_once_is_priced_for_no_overtakes_and_learns_none():
+    """Nobody can pass a job an idle instance starts at once: its price holds no allowance, and
+    the worst cases the correction sets its wait against say so (queue_order.worst_cases); a job
+    that waits behind a running one is priced for them."""
+    cfg, decode = SchedulerConfig(block_size=16), DecodeInstanceState("d")
+
+    def queue_s(queue):
+        state = ClusterState((PrefillInstanceState("p", "s", queue, overtakes=4),), (decode,))
+        return Scheduler(cfg, COSTS, BlockIndex()).schedule(ScheduleRequest("x", (), 500, 8), state, 0.0) \
+            .predicted_queue_s
+    assert queue_s(()) == 0.0
+    running = (QueuedPrefill("a", 400, 0, 0.0),)
+    assert queue_s(running) == pytest.approx(MODEL.predict(400) + overtake_allowance(MODEL, 4, 500, 0))
+    full = overtake_allowance(MODEL, 4, 500, 0)
+    assert worst_cases(MODEL, 4, 0, 500, 0, (), 0.0, 0.0) == (0.0, 0.0)
+    assert worst_cases(MODEL, 4, 0, 500, 0, (), 1.0, 0.0) == (pytest.approx(full), 0.0)
+    assert worst_cases(MODEL, 0, 512, 500, 0, (), 1.0, 0.0) == (0.0, 0.0)      # FIFO: none
+    join = join_allowance(MODEL, 512, 100, 0, 1.0)
+    assert join > 0 and worst_cases(MODEL, 4, 512, 100, 0, (), 0.5 * join, 0.5) == (0.0, pytest.approx(join))
 
 
 def test_bound_of_an_order():

@@ -90,12 +90,14 @@ def _admitting(spread: bool, slo_s: float = 4.0, correct: bool = True, quantile:
 
 def test_admission_on_the_measured_spread_admits_fewer_that_then_miss():
     """Admission judged on the learned (central) share admits requests near the limit that land
-    above it; on prediction × the measured spread it refuses most of them."""
+    above it; on prediction × the measured spread it refuses most of them. (At a 4 s SLO the
+    central prediction now meets 94% by itself, since a job that starts at once is priced for no
+    overtakes; the looser SLO admits more requests whose price is mostly a guess at overtakes.)"""
     def met(outcomes):
         served = [o for o in outcomes.values() if o.status == "ok"]
-        return sum(o.ttft_s <= 4.0 for o in served) / len(served), len(served)
-    _, central = _admitting(False)
-    sim, bounded = _admitting(True)
+        return sum(o.ttft_s <= 6.0 for o in served) / len(served), len(served)
+    _, central = _admitting(False, slo_s=6.0)
+    sim, bounded = _admitting(True, slo_s=6.0)
     spread = sim.correcting.corrections.spread("P0", "ttft")
     assert 1.1 < spread < 2.0 and abs(math.log(sim.prefills[0].view.state().ttft_spread / spread)) < 1 / 32
     (met_central, n_central), (met_bounded, n_bounded) = met(central), met(bounded)

@@ -31,7 +31,7 @@ from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corre
                                                 scaled, show_shares, show_spread)
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
-from mooncake_lite.scheduler.queue_order import join_allowance, overtake_allowance
+from mooncake_lite.scheduler.queue_order import worst_cases
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
@@ -136,25 +136,26 @@ class PredictionBook:
     def predicted(self, d: Decision, num_tokens: int = 0, prefix_tokens: int = 0) -> Prediction:
         """``d``'s prediction; ``num_tokens`` (the prompt's) and ``prefix_tokens`` (the reused
         prefix it was priced with) give the overtake allowance its queue holds (0: none known)."""
-        share, full, join, join_full = self._allowance(d.prefill_id, num_tokens, prefix_tokens)
+        share, full, join, join_full = self._allowance(d.prefill_id, num_tokens, prefix_tokens, d.predicted_queue_s)
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
                           (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
                           join * join_full, join_full)
 
-    def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int) -> tuple[float, ...]:
+    def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int,
+                   queue_s: float) -> tuple[float, ...]:
         """(the overtake share ``prefill_id``'s view has, the worst-case overtake allowance the
-        scheduler priced a job of this prompt with there: ``queue_order.overtake_allowance`` at
-        share 1, on the model shown; the join share and ``join_allowance``'s worst case likewise);
-        the allowances 0 where there are none."""
+        scheduler priced a job of this prompt queued ``queue_s`` with there, on the model shown;
+        the join share and its worst case likewise: ``queue_order.worst_cases``); the allowances
+        0 where there are none."""
         inst = self.membership.get(prefill_id) if prefill_id else None
         if inst is None or num_tokens <= 0 or inst.reg.queue_overtakes <= 0 or not isinstance(inst.view, PrefillView):
             return 1.0, 0.0, 0.0, 0.0
         model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id))
         view = inst.view
-        return (view.overtake_share, overtake_allowance(model, inst.reg.queue_overtakes, num_tokens, prefix_tokens,
-                                                        1.0, view.state().recent_uncached),
-                view.join_share, join_allowance(model, inst.reg.pack_tokens, num_tokens, prefix_tokens, 1.0))
+        full, join = worst_cases(model, inst.reg.queue_overtakes, inst.reg.pack_tokens, num_tokens, prefix_tokens,
+                                 view.state().recent_uncached, queue_s, view.join_share)
+        return view.overtake_share, full, view.join_share, join
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
