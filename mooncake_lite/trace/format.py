@@ -13,6 +13,7 @@ prefix, exactly like the chained keys of :mod:`mooncake_lite.common.hashing`.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
@@ -124,6 +125,24 @@ def scale_time(requests: Sequence[TraceRequest], speed: float) -> list[TraceRequ
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     return [replace(r, timestamp_ms=r.timestamp_ms / speed) for r in requests]
+
+
+def spread_arrivals(requests: Sequence[TraceRequest], resolution_ms: float, seed: int = 0) -> list[TraceRequest]:
+    """The requests of a trace whose timestamps were rounded down to ``resolution_ms``, each moved
+    to a uniform random point of its interval (seeded), in the new time order and numbered in it.
+
+    The FAST'25 conversation trace's timestamps are multiples of about 3 s (0, 3000, 5999, 9000 ...):
+    replayed as recorded, the ten requests of a 3-second interval leave at the same instant, a
+    burst nobody sent. That is a real case too (an agent fanning out), and it is the one where
+    a prediction made at arrival can know least (which of the burst lands first is chance), so a
+    replay says which it ran: ``bench replay --arrival-spread``. ``resolution_ms`` 0: unchanged."""
+    if resolution_ms < 0 or resolution_ms != resolution_ms:
+        raise ValueError(f"the arrival spread must be a duration >= 0, got {resolution_ms!r}")
+    if resolution_ms == 0:
+        return list(requests)
+    rng = random.Random(seed)
+    moved = sorted(((r.timestamp_ms + rng.random() * resolution_ms, r) for r in requests), key=lambda p: p[0])
+    return [replace(r, request_id=i, timestamp_ms=t) for i, (t, r) in enumerate(moved)]
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> int:

@@ -5,10 +5,10 @@ import aiohttp
 import orjson
 import pytest
 
-from mooncake_lite.bench.replay.cli import main
+from mooncake_lite.bench.replay.cli import main, parse_args
 from mooncake_lite.bench.replay.client import request_body, stream_one
 from mooncake_lite.bench.replay.metrics import compute_metrics
-from mooncake_lite.bench.replay.run import resolve_tokenizer
+from mooncake_lite.bench.replay.run import read_window, resolve_tokenizer
 from mooncake_lite.bench.replay.workload import SynthRequest
 from tests.conftest import TRACE, needs_trace
 from tests.real_model import SMOLLM, needs_smollm
@@ -50,6 +50,18 @@ def test_replay_slice_reports_metrics_rejections_and_cache_hits(tmp_path, capsys
     result = orjson.loads((tmp_path / "result.json").read_bytes())
     assert result["metrics"] == m and len(result["per_request"]["ttfts"]) == 26
     assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_trace
+def test_arrival_spread_sends_a_rounded_timestamp_s_requests_across_its_interval():
+    """The conversation trace's first ten requests share timestamp 0 (its 3 s resolution): as
+    recorded they leave at one instant; spread, across the interval (3 s / speed), in time order."""
+    def window(*extra):
+        return read_window(parse_args(["--trace", str(TRACE), "--max-requests", "10", "--speed", "0.5", *extra]))
+    assert {r.arrival_s for r in window()} == {0.0}
+    spread = [r.arrival_s for r in window("--arrival-spread", "3s")]
+    assert spread == sorted(spread) and len(set(spread)) == 10 and 0.0 <= spread[0] and spread[-1] < 6.0
+    assert spread[-1] - spread[0] > 1.0 and [r.arrival_s for r in window("--arrival-spread", "3s")] == spread
 
 
 @needs_trace
@@ -123,6 +135,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert main(["--trace", str(TRACE), "--speed", "0"]) == 2
     assert main(["--trace", str(TRACE), "--scale", "big"]) == 2
     assert main(["--trace", str(TRACE), "--goodput", "ttft"]) == 2
+    assert main(["--trace", str(TRACE), "--arrival-spread=-3s"]) == 2
     # nothing listening: reported, not a traceback
     assert main(["--trace", str(TRACE), "--base-url", "http://127.0.0.1:9", "--max-requests", "1",
                  "--output-dir", str(tmp_path), "--no-progress"]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_lite.trace import TraceError, read_trace, scale_time, write_trace
+from mooncake_lite.trace.format import spread_arrivals
 from mooncake_lite.trace.cli import main
 from mooncake_lite.trace.stats import compute_stats
 from mooncake_lite.trace.synth import SynthConfig, synthesize
@@ -37,6 +38,25 @@ def test_speed_divides_timestamps(hand):
     assert [r.timestamp_ms for r in scale_time(read_trace(hand), 4)] == [0, 250, 500, 1000]
     with pytest.raises(ValueError):
         read_trace(hand, speed=0)
+
+
+def test_arrivals_spread_within_their_rounded_interval_in_time_order(hand):
+    """Four requests at 0, 1, 2 and 4 s, rounded to 1 s: each lands in [t, t + 1 s), the result is
+    in time order and numbered in it, seeded (the same seed, the same times), and 0 changes nothing."""
+    reqs = read_trace(hand)
+    spread = spread_arrivals(reqs, 1000.0, seed=3)
+    assert spread == spread_arrivals(reqs, 1000.0, seed=3) and spread != spread_arrivals(reqs, 1000.0, seed=4)
+    times = [r.timestamp_ms for r in spread]
+    assert times == sorted(times) and [r.request_id for r in spread] == [0, 1, 2, 3]
+    by_input = {r.input_length: r.timestamp_ms for r in spread}
+    for r in reqs:
+        assert r.timestamp_ms <= by_input[r.input_length] < r.timestamp_ms + 1000.0
+    # a burst (here two requests at 0 ms, 2 s wide) comes out in either order, never at one instant
+    burst = [r for r in reqs if r.timestamp_ms < 1500] * 1
+    assert len({r.timestamp_ms for r in spread_arrivals(burst, 2000.0, seed=1)}) == len(burst)
+    assert spread_arrivals(reqs, 0.0) == reqs
+    with pytest.raises(ValueError):
+        spread_arrivals(reqs, -1.0)
 
 
 def test_stats_known_answers(hand):

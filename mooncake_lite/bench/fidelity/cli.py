@@ -46,6 +46,7 @@ from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_ov
                                             sim_trace, simulate)
 from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
+from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
@@ -56,6 +57,8 @@ FLAGS = (
     # 30 requests at 0.03x: about 63% of one prefill instance on a 2-core box shared with other work
     flag("-n", "--num-requests", type=int, default=30, help="the first N requests of the trace"),
     flag("--speed", type=float, default=0.03, help="replay speed (0.03: 3%% of the recorded rate)"),
+    flag("--arrival-spread", type=parse_duration, default=0.0, metavar="DURATION",
+         help="as bench replay's: each request at a random point of its rounded timestamp's interval"),
     flag("--block-tokens", type=int, default=16,
                    help="tokens per 512-token trace block, and the cluster's KV block size"),
     flag("--output-scale", type=float, default=1.0, help="output length scale"),
@@ -97,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
-    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1:
-        sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive\n")
+    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1 or ns.arrival_spread < 0:
+        sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive, "
+                         "--arrival-spread >= 0\n")
         return 2
     cluster = None
     try:

@@ -83,7 +83,8 @@ def replay_options(ns: Options, api: str, out_dir: str) -> Options:
     argv = ["--trace", ns.trace, "--base-url", api, "--max-requests", str(ns.num_requests),
             "--speed", str(ns.speed), "--block-tokens", str(ns.block_tokens), "--output-scale",
             str(ns.output_scale), "--max-output-tokens", str(ns.max_output_tokens), "--no-progress",
-            "--output-dir", out_dir, "--tokenizer", ns.tokenizer, "--prompt-mode", ns.prompt_mode]
+            "--output-dir", out_dir, "--tokenizer", ns.tokenizer, "--prompt-mode", ns.prompt_mode,
+            "--arrival-spread", str(ns.arrival_spread)]
     return parse_args(argv)
 
 

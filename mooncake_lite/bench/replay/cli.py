@@ -38,6 +38,10 @@ FLAGS = (
     flag("--model", default=None, help="model name to send (default: first of GET /v1/models)"),
     flag("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY or $MOONCAKE_API_KEY)"),
     flag("--speed", type=float, default=1.0, help="replay this many times faster than the trace"),
+    flag("--arrival-spread", type=parse_duration, default=0.0, metavar="DURATION",
+         help="the trace's timestamps are rounded to this (3s for the Mooncake conversation trace): send "
+              "each request at a random point of its interval (seeded by --seed), not all at its start "
+              "(default 0: as recorded, a burst per timestamp)"),
     flag("--max-requests", type=int, default=None, help="replay only the first N requests"),
     flag("--duration", type=parse_duration, default=None,
                    help="replay only requests arriving within this much replay time (e.g. 60s, 5min)"),
@@ -91,6 +95,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 def validate(ns: Options) -> None:
     if ns.speed <= 0:
         raise ValueError("--speed must be positive")
+    if ns.arrival_spread < 0:
+        raise ValueError("--arrival-spread must be a duration >= 0")
     if ns.max_requests is not None and ns.max_requests < 1:
         raise ValueError("--max-requests must be at least 1")
     if ns.duration is not None and ns.duration <= 0:

@@ -16,7 +16,7 @@ from mooncake_lite.bench.replay.metrics import (RequestRecord, cached_token_hit_
 from mooncake_lite.bench.replay.sender import replay, select_window
 from mooncake_lite.bench.replay.workload import PromptConfig, PromptSynth, SynthRequest, TextTokenizer, auto_scale
 from mooncake_lite.common.auth import api_key_headers
-from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest, read_trace
+from mooncake_lite.trace.format import TRACE_BLOCK_SIZE, TraceRequest, read_trace, spread_arrivals
 from mooncake_lite.trace.stats import compute_stats
 
 
@@ -60,6 +60,8 @@ def resolve_tokenizer(choice: str, model: str) -> tuple[TextTokenizer | None, st
 def read_window(ns: Options) -> list[TraceRequest]:
     """The requests of the trace that ``--max-requests`` / ``--duration`` select."""
     trace = read_trace(ns.trace, speed=ns.speed)
+    if ns.arrival_spread:
+        trace = spread_arrivals(trace, ns.arrival_spread * 1e3 / ns.speed, ns.seed)
     count = select_window([r.arrival_s for r in trace], max_requests=ns.max_requests, duration_s=ns.duration)
     if not count:
         raise ValueError("the replay window holds no requests")
@@ -124,7 +126,7 @@ async def run(ns: Options) -> dict:
     cache["ideal_block_hit_rate"] = compute_stats(window).block_reuse_share
     return {
         "config": {"trace": str(ns.trace), "base_url": base, "endpoint": ns.endpoint, "model": model,
-                   "speed": ns.speed, "scale": scale, "block_tokens": pcfg.block_tokens,
+                   "speed": ns.speed, "arrival_spread_s": ns.arrival_spread, "scale": scale, "block_tokens": pcfg.block_tokens,
                    "max_context": max_context, "prompt_mode": ns.prompt_mode, "tokenizer": counted_in,
                    "ignore_eos": ns.ignore_eos, "max_tokens_policy": str(ns.max_tokens_policy),
                    "num_requests": len(requests), "max_concurrency": ns.max_concurrency,
