@@ -35,6 +35,7 @@ from mooncake_lite.store.protocol import (MetaError, Op, check_layout, head_span
 from mooncake_lite.store.shm import ShmService
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, FrameError, Header
+from mooncake_lite.transfer.kv_layout import HeadRange
 from mooncake_lite.transfer.server import reply_error
 
 log = logging.getLogger(__name__)
@@ -226,20 +227,21 @@ class StoreHandler(FrameHandler):
     # ---- gets --------------------------------------------------------------------------------
     def _get(self, conn: FrameConnection, frame: Frame) -> None:
         keys = keys_from_meta(frame.meta)
-        layers = None
+        layers, read = None, None   # read: a TP rank's heads of each layer, parsed once here
         if frame.op == Op.GET_LAYERS:
             layers = (int_from_meta(frame.meta, "first_layer", 0), int_from_meta(frame.meta, "num_layers", 1, minimum=1))
-            if heads_from_read(frame.meta) is not None and frame.meta.get("shm") is True:
+            read = heads_from_read(frame.meta)
+            if read is not None and frame.meta.get("shm") is True:
                 raise MetaError("a head range read goes on the socket: a same-node client cuts its heads itself")
         found, on_ssd = self.store.lookup_dram(keys)
         if on_ssd:
             # Pin the DRAM hits now: the task starts later, and puts in between may evict.
             lease = self.store.pin([b for b in found if b is not None], self.clock() + self.lease_ttl)
-            self._spawn(conn, frame, self._get_with_promotion(conn, frame, keys, found, on_ssd, layers, lease))
+            self._spawn(conn, frame, self._get_with_promotion(conn, frame, keys, found, on_ssd, layers, read, lease))
         else:
-            self._send_blocks(conn, frame, found, layers)
+            self._send_blocks(conn, frame, found, layers, read)
 
-    async def _get_with_promotion(self, conn, frame, keys, found, on_ssd, layers, lease: Lease) -> None:
+    async def _get_with_promotion(self, conn, frame, keys, found, on_ssd, layers, read, lease: Lease) -> None:
         # Each block is pinned as it is promoted, so later promotions (which may evict) cannot
         # take it away before it is sent.
         expires_at = lease.expires_at
@@ -253,16 +255,16 @@ class StoreHandler(FrameHandler):
             for lease in leases:
                 self.store.unpin(lease)
         if not conn.closed.done():
-            self._send_blocks(conn, frame, found, layers)
+            self._send_blocks(conn, frame, found, layers, read)
 
-    def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None) -> None:
+    def _send_blocks(self, conn: FrameConnection, frame: Frame, found: list, layers: tuple[int, int] | None,
+                     read: tuple[int, HeadRange] | None) -> None:
         if frame.meta.get("shm") is True and self.shm.is_enabled:
             self.shm.reply_spans(conn, frame, found, layers)
             return
         views: list[memoryview] = []
         run: list[tuple[int, int]] = []  # slab spans of consecutive found blocks, merged when adjacent
         sizes, block_layers, pinned = [], [], []
-        read = heads_from_read(frame.meta) if layers else None   # a TP rank's heads of each layer
         for item in found:
             if item is None:
                 sizes.append(None)

@@ -43,6 +43,18 @@ def _idle(cluster) -> bool:
                for i in cluster.svc.membership.instances.values())
 
 
+async def restart_d0(cluster, same_address: bool) -> None:
+    """The only decode, d0, back a second later as `mooncake up` restarts it: a new registration
+    at its address (behaving normally again), or a new instance at another."""
+    await asyncio.sleep(1.0)
+    if same_address:
+        d0 = cluster.instances["d0"]
+        d0.behaviour = fakes.Behaviour()
+        assert (await fakes.register(cluster.session, cluster.url, d0))[0] == 200
+    else:
+        await cluster.add("decode", "d0")
+
+
 async def test_a_broken_decode_stream_is_continued_on_another_decode(make_cluster):
     cluster = await make_cluster(prefill=1, decode=1)
     d1 = await cluster.add("decode", "d1", cost=SLOW_DECODE)   # the scheduler prefers d0
@@ -111,12 +123,7 @@ async def test_the_only_decode_restarted_takes_the_continuation(make_cluster, sa
     async def restart() -> None:
         await _wait_for(lambda: _requests(d0, GenerateRequest), timeout=20)
         await _wait_for(lambda: not d0._active, timeout=20)   # its stream broke: the continuation waits
-        await asyncio.sleep(1.0)
-        if same_address:
-            d0.behaviour.break_after = None
-            assert (await fakes.register(cluster.session, cluster.url, d0))[0] == 200
-        else:
-            await cluster.add("decode", "d0")
+        await restart_d0(cluster, same_address)
 
     back = asyncio.ensure_future(restart())
     chunks, text = await _stream(cluster)

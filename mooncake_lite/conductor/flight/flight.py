@@ -9,7 +9,7 @@ they arrive in.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import uuid
 from collections import deque
@@ -27,14 +27,11 @@ from mooncake_lite.conductor.flight.continuation import (Continuation, continued
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
 from mooncake_lite.conductor.flight.placement import decision_attributes, place
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
+from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision
 
 log = logging.getLogger(__name__)
-# A continuation no instance can take (503) tries again for --dead-after, at least this long: the only
-# decode may be restarting (back in ~2 s), or the only other one's heartbeat late (counted dead till its next).
-CONTINUE_WAIT_S = 5.0
-CONTINUE_POLL_S = 0.5
 
 
 class Flight:
@@ -124,14 +121,17 @@ class Flight:
     async def _retry(self, failed: Failed) -> None:
         """Tear the failed attempt down and start another without the instances that failed (again
         while those fail at once); raises the failure as a 502 (503: the conductor's shutdown) when
-        no retry is left or no other instance can take it."""
+        no retry is left or no other instance can take it. A decode's failure waits for one as a
+        continuation does (``wait.py``: the only decode may be restarting); a prefill's does not."""
         self.attempt.end()
-        self._failed_on.append(self._instance(failed))
+        self._failed_on.append(inst := self._instance(failed))
         if not failed.retry or self.num_retries >= self.svc.max_retries:
             raise client_error(failed)
         self.num_retries += 1
+        wait_s = wait_limit(self.svc.membership.dead_after_s) if inst.role == "decode" else 0.0
         try:
-            next_failed = await self._start_attempt(f"{self.request_id}-retry{self.num_retries}")
+            next_failed = await placed_within(
+                functools.partial(self._start_attempt, f"{self.request_id}-retry{self.num_retries}"), wait_s)
         except Rejected:
             raise
         except ApiError as exc:
@@ -160,9 +160,9 @@ class Flight:
         self.num_continuations = number
         span = tracing.start_span("conductor.continuation", self.span, cause=failed.reason, number=number,
                                   from_decode=failed.instance_id, relayed_tokens=self.num_tokens)
-        wait_s = max(CONTINUE_WAIT_S, self.svc.membership.dead_after_s)
+        wait_s = wait_limit(self.svc.membership.dead_after_s)
         try:
-            next_failed = await self._start_choice_soon(wait_s)
+            next_failed = await placed_within(self._start_choice, wait_s)
         except ApiError as exc:
             tracing.end_span(span, exc.message, status=exc.status)
             self._note(failed, number, "refused", exc.message)
@@ -184,17 +184,6 @@ class Flight:
         suffix = f"-c{i}" if self.req.sampling.n > 1 else ""
         return await self._start_attempt(f"{self.request_id}-cont{self.num_continuations}{suffix}",
                                          continued_request(self.req, self.relayed[i], i))
-
-    async def _start_choice_soon(self, wait_s: float) -> Failed | None:
-        """:meth:`_start_choice`, polling up to ``wait_s`` while no instance can take it (503)."""
-        give_up = loop_now() + wait_s
-        while True:
-            try:
-                return await self._start_choice()
-            except ApiError as exc:
-                if exc.status != 503 or loop_now() >= give_up:
-                    raise
-            await asyncio.sleep(CONTINUE_POLL_S)
 
     async def _next_choice(self) -> None:
         """The continued choice is complete and another is not: its attempt ends (its decode is
