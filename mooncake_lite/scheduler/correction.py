@@ -218,10 +218,27 @@ class Corrections:
             share += a * (queue_share - share)
         self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
 
-    def note_overtakes(self, instance_id: str, used: float, share: str = "overtake_share") -> str | None:
-        """Move ``instance_id``'s overtake share (``share="join_share"``: its join share) toward
-        ``used`` (one job's, :func:`overtakes_used`); returns why it was refused (None: applied):
-        a share is a number in [0, 1]."""
+    def note_overtakes(self, instance_id: str, used: float) -> str | None:
+        """Move ``instance_id``'s overtake share toward ``used`` (one job's, :func:`overtakes_used`);
+        returns why it was refused (None: applied): a share is a number in [0, 1]."""
+        return self._move_share(instance_id, "overtake_share", used)
+
+    def note_met(self, instance_id: str, *, wait_s: float, overtake_full_s: float, measured_queue_s: float | None,
+                 speed: float | None, own_s: float, join_full_s: float, ran_s: float) -> None:
+        """One shortest-first job's shares met (module doc), each on the model it was priced with:
+        of the overtake allowance's worst case ``overtake_full_s``, what its measured wait (at its
+        forward's ``speed`` over that model) added to ``wait_s``, the queue priced before any
+        overtake; of the join allowance's ``join_full_s``, what its forward as run (``ran_s``)
+        added to its own (``own_s``). A job with no allowance, or a figure that is no number,
+        moves nothing. The live conductor and the simulator both learn through this."""
+        used = overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)
+        if used is not None:
+            self._move_share(instance_id, "overtake_share", used)
+        used = overtakes_used(own_s, join_full_s, ran_s, None)
+        if used is not None:
+            self._move_share(instance_id, "join_share", used)
+
+    def _move_share(self, instance_id: str, share: str, used: float) -> str | None:
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:
             self.num_refused += 1
             return f"{share.replace('_', ' ')} must be a number in [0, 1], got {used!r}"

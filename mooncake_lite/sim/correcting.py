@@ -22,8 +22,7 @@ from __future__ import annotations
 import math
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, overtakes_used, scaled, show_shares,
-                                                show_spread)
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, scaled, show_shares, show_spread
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
@@ -68,14 +67,9 @@ class SimCorrecting:
             if forward[0] else own     # its speed on the forward that ran: joiners are no slowdown
         c.observe(iid, "compute", ran, took)
         speed = took / ran if ran > 0 and took > 0 else None
-        if full > 0 or join_full > 0:
-            shown_speed = None if speed is None else speed / scale   # over the model shown
-            used = overtakes_used(max(queue_s - overtake_s - join_s, 0.0), full, waited, shown_speed)
-            if used is not None:
-                c.note_overtakes(iid, used)
-            used = overtakes_used(own * scale, join_full, ran * scale, None)
-            if used is not None:
-                c.note_overtakes(iid, used, "join_share")
+        c.note_met(iid, wait_s=max(queue_s - overtake_s - join_s, 0.0), overtake_full_s=full, measured_queue_s=waited,
+                   speed=None if speed is None else speed / scale, own_s=own * scale, join_full_s=join_full,
+                   ran_s=ran * scale)     # (on the model shown)
         c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
         self._show(p)
 

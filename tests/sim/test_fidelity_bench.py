@@ -220,3 +220,28 @@ def test_held_out_compares_the_last_requests_on_the_models_exported_before_them(
     assert (h["rows"]["completed"]["live"], h["rows"]["rejected"]["live"]) == (1, 1)
     assert (h["rows"]["completed"]["sim"], h["rows"]["rejected"]["sim"]) == (2, 0)
     assert h["rejections"]["live_only"] == 1 and h["corrections"] == {"p0": {"scale": 3.0}}
+
+
+def test_the_simulator_s_own_prediction_error_is_none_in_fifo_order_and_some_shortest_first():
+    """The simulated conductor prices each request with the instance's model, and the simulated
+    forwards take exactly that: in FIFO order, one prompt a forward, the prediction at arrival is
+    the outcome (the queue ahead is all there is), so any error here is a rule that prices a queue
+    wrong. Shortest first, a burst's later, shorter arrivals pass the earlier ones, and with
+    packing later arrivals join a waiting job's forward: that error no prediction at arrival can
+    avoid, and ``simulated_predictions`` reports it beside the live one."""
+    from tests.sim.helpers import req, toy_hardware
+    rng = __import__("random").Random(5)
+    trace = [req(b * 8 + i, b * 20.0 + 0.001 * i, rng.randrange(100, 400), 4) for b in range(6) for i in range(8)]
+    hw = toy_hardware(prefill_per_token=1e-3)
+
+    def figures(overtakes: int, pack: int) -> dict:
+        decisions: list = []
+        res = fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="none", ttft_slo_s=math.inf,
+                                    tbt_slo_s=math.inf, block=16, batch_tokens=pack, overtakes=overtakes,
+                                    correct=True, decisions=decisions)
+        assert len(decisions) == len(trace)
+        return fidelity_sim.simulated_predictions(trace, res, decisions)["ttft"]
+    fifo, packed, shortest = figures(0, 0), figures(0, 512), figures(4, 512)
+    assert fifo["count"] == packed["count"] == shortest["count"] == 48
+    assert fifo["p90_error"] < 1e-6 and fifo["median_ratio"] == pytest.approx(1.0)
+    assert packed["p90_error"] > 0.05 and shortest["median_error"] > 0.05

@@ -43,7 +43,7 @@ from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_clus
 from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
 from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, rejected_by, sim_side,
-                                            sim_trace, simulate)
+                                            sim_trace, simulate, simulated_predictions)
 from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
@@ -136,11 +136,12 @@ def run(ns: Options, api: str) -> dict:
 
     overtakes = live_overtakes(getattr(ns, "prefill_args", ""))
 
-    def simulated(costs):   # queued as the live prefills queue, corrected as the live conductor corrects
+    def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
                         ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True)
-    res = simulated(hw)
+                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True, decisions=decisions)
+    decisions: list = []
+    res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)
     report = compare(live, sim, len(lr.records))
     for name, other in ablations(hw).items():   # the same slice without one modelled effect: what it moves
@@ -149,6 +150,7 @@ def run(ns: Options, api: str) -> dict:
                   config={k: v for k, v in asdict(ns).items() if k != "token"}, served=lr.served,
                   live_wall_s=lr.live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
                   predictions=prediction_errors(lr.records),   # the live conductor's own, per request
+                  sim_predictions=simulated_predictions(trace, res, decisions),
                   prompt_tokens={"live": live.prompt_tokens, "sim": sim.prompt_tokens},
                   cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})

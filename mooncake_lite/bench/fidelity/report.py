@@ -121,6 +121,10 @@ def report_text(report: Mapping) -> str:
                 if k.startswith(("ttft_mean", "tbt_")) and row["rel_error"] is not None))
     from mooncake_lite.bench.replay.report import prediction_lines
     lines += prediction_lines(report.get("predictions") or {})
+    sp = (report.get("sim_predictions") or {}).get("ttft") or {}
+    if sp.get("count"):
+        lines.append(f"TTFT prediction error in the simulator (queue order alone), median / first {sp['first']}: "
+                     f"{sp['median_error']:.3f} / {sp['first_median_error']:.3f}")
     if report.get("held_out"):
         h = report["held_out"]
         lines.append(f"held out (the last {ns_of(h)} requests, simulated with the models exported before they "

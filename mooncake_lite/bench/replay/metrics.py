@@ -174,24 +174,27 @@ def cached_token_hit_rate(records: Sequence[RequestRecord]) -> dict[str, float |
 
 def prediction_errors(records: Sequence[RequestRecord], first: int = 50) -> dict[str, dict[str, float | int | None]]:
     """How far the server's predictions (``X-Mooncake-Predicted-*``, made at admission) were from
-    what this client measured, per metric over the finished requests that carried one: how many,
-    the median and p90 of |measured / predicted − 1|, and the median ratio (> 1: the server was
-    optimistic); ``first_median_error``: the median error of the ``first`` of them in the order
-    they were sent (issue #36: the online correction must hold ≤ 15% within 50 requests of a
-    change), and ``by_tens``: the median error of each ten in that order (how it converged).
-    The client's TTFT also holds the HTTP and tokenizing the prediction does not."""
-    out: dict[str, dict] = {}
+    what this client measured, per metric over the finished requests that carried one
+    (:func:`error_figures`, in the order they were sent). The client's TTFT also holds the HTTP
+    and tokenizing the prediction does not."""
     in_order = sorted(records, key=lambda r: (r.send_s, r.request_id))
-    for name, measure, predicted in (("ttft", ttft, lambda r: r.predicted_ttft_s),
-                                     ("tbt", lambda r: paper_tbt(itls(r)), lambda r: r.predicted_tbt_s)):
-        ratios = [m / p for r in in_order if r.is_ok and (p := predicted(r)) and (m := measure(r)) is not None]
-        if not ratios:
-            out[name] = {"count": 0, "median_error": None, "p90_error": None, "median_ratio": None,
-                         "first_median_error": None, "by_tens": []}
-            continue
-        errors = [abs(x - 1.0) for x in ratios]
-        out[name] = {"count": len(ratios), "median_error": float(np.percentile(errors, 50)),
-                     "p90_error": float(np.percentile(errors, 90)), "median_ratio": float(np.median(ratios)),
-                     "first": min(first, len(errors)), "first_median_error": float(np.median(errors[:first])),
-                     "by_tens": [round(float(np.median(errors[i:i + 10])), 4) for i in range(0, len(errors), 10)]}
-    return out
+    return {name: error_figures([m / p for r in in_order if r.is_ok and (p := predicted(r)) and
+                                 (m := measure(r)) is not None], first)
+            for name, measure, predicted in (("ttft", ttft, lambda r: r.predicted_ttft_s),
+                                             ("tbt", lambda r: paper_tbt(itls(r)), lambda r: r.predicted_tbt_s))}
+
+
+def error_figures(ratios: Sequence[float], first: int = 50) -> dict[str, float | int | None]:
+    """Measured / predicted ``ratios``, in the order the requests were sent: how many, the median
+    and p90 of |ratio − 1|, the median ratio (> 1: the prediction was optimistic);
+    ``first_median_error``: the median error of the ``first`` of them (issue #36: the online
+    correction must hold ≤ 15% within 50 requests of a change), and ``by_tens``: the median error
+    of each ten (how it converged)."""
+    if not ratios:
+        return {"count": 0, "median_error": None, "p90_error": None, "median_ratio": None,
+                "first_median_error": None, "by_tens": []}
+    errors = [abs(x - 1.0) for x in ratios]
+    return {"count": len(ratios), "median_error": float(np.percentile(errors, 50)),
+            "p90_error": float(np.percentile(errors, 90)), "median_ratio": float(np.median(ratios)),
+            "first": min(first, len(errors)), "first_median_error": float(np.median(errors[:first])),
+            "by_tens": [round(float(np.median(errors[i:i + 10])), 4) for i in range(0, len(errors), 10)]}

@@ -27,8 +27,8 @@ from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, overtakes_used, quantile,
-                                                scaled, show_shares, show_spread)
+from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled,
+                                                show_shares, show_spread)
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
@@ -244,13 +244,9 @@ class PredictionBook:
         self._observe(iid, term, ran, check.compute_s)
         speed = check.compute_s / ran if _positive(check.compute_s) and ran > 0 else None
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
-            used = overtakes_used(max(p.queue_s - p.overtake_s - p.join_s, 0.0), p.overtake_full_s, check.queue_s,
-                                  None if speed is None else speed / s)
-            if used is not None:
-                c.note_overtakes(iid, used)
-            used = overtakes_used(own * s, p.join_full_s, ran * s, None)
-            if used is not None:
-                c.note_overtakes(iid, used, "join_share")
+            c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
+                       measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
+                       join_full_s=p.join_full_s, ran_s=ran * s)
         else:
             self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
