@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 
+from mooncake_lite.common.units import parse_duration
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
 from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES
 from mooncake_lite.sim.cluster import MooncakeSim
@@ -21,7 +22,7 @@ from mooncake_lite.sim.costs import PRESETS, Hardware, get_hardware
 from mooncake_lite.sim.metrics import format_summary, summarize
 from mooncake_lite.store.eviction import POLICY_NAMES
 from mooncake_lite.sim.recorder import SimResult
-from mooncake_lite.trace.format import TraceError, TraceRequest, read_trace
+from mooncake_lite.trace.format import TraceError, TraceRequest, read_trace, spread_arrivals
 
 SUBCOMMANDS = ("run", "reproduce", "hitrate", "export-costs")
 
@@ -90,6 +91,10 @@ def _run_options(ap: argparse.ArgumentParser) -> None:
     """How the trace is replayed and what the run writes."""
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed factor")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--arrival-spread", type=parse_duration, default=0.0, metavar="DURATION",
+                    help="the trace's timestamps are rounded to this (3s for the conversation trace): each "
+                         "request at a random point of its interval (seeded by --seed), as `bench replay "
+                         "--arrival-spread`; default 0: as recorded, a burst per timestamp")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the colocated vLLM-style baseline on the same number of nodes")
     ap.add_argument("--baseline-chunk", type=int, default=None,
@@ -120,6 +125,7 @@ def run_main(argv: list[str]) -> int:
     try:
         hw, cfg = _run_config(args)
         trace = read_trace(args.trace, speed=args.speed, limit=args.limit, block_size=hw.block_size)
+        trace = spread_arrivals(trace, args.arrival_spread * 1e3 / args.speed, args.seed)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"mooncake sim: error: {exc}\n")
         return 2
