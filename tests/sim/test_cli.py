@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 
 from mooncake_lite.sim.cli import main
@@ -49,7 +51,7 @@ def test_sim_spreads_a_rounded_trace_s_arrivals_as_the_replay_does(tmp_path, cap
     path = tmp_path / "burst.jsonl"
     reqs = synthesize(SynthConfig(num_requests=10, rate_per_s=1.0, input_lengths=(2048, 8192), output_lengths=(16,),
                                   seed=5))
-    write_trace([r.__class__(r.request_id, 0.0, r.input_length, r.output_length, r.hash_ids) for r in reqs], path)
+    write_trace([replace(r, timestamp_ms=0.0) for r in reqs], path)
     runs = []
     for extra in ([], ["--arrival-spread", "30s"]):
         assert main([str(path), "--admission", "none", "--json", "--no-progress", *extra]) == 0

@@ -59,9 +59,7 @@ def resolve_tokenizer(choice: str, model: str) -> tuple[TextTokenizer | None, st
 
 def read_window(ns: Options) -> list[TraceRequest]:
     """The requests of the trace that ``--max-requests`` / ``--duration`` select."""
-    trace = read_trace(ns.trace, speed=ns.speed)
-    if ns.arrival_spread:
-        trace = spread_arrivals(trace, ns.arrival_spread * 1e3 / ns.speed, ns.seed)
+    trace = spread_arrivals(read_trace(ns.trace, speed=ns.speed), ns.arrival_spread * 1e3 / ns.speed, ns.seed)
     count = select_window([r.arrival_s for r in trace], max_requests=ns.max_requests, duration_s=ns.duration)
     if not count:
         raise ValueError("the replay window holds no requests")
@@ -126,9 +124,9 @@ async def run(ns: Options) -> dict:
     cache["ideal_block_hit_rate"] = compute_stats(window).block_reuse_share
     return {
         "config": {"trace": str(ns.trace), "base_url": base, "endpoint": ns.endpoint, "model": model,
-                   "speed": ns.speed, "arrival_spread_s": ns.arrival_spread, "scale": scale, "block_tokens": pcfg.block_tokens,
-                   "max_context": max_context, "prompt_mode": ns.prompt_mode, "tokenizer": counted_in,
-                   "ignore_eos": ns.ignore_eos, "max_tokens_policy": str(ns.max_tokens_policy),
+                   "speed": ns.speed, "arrival_spread_s": ns.arrival_spread, "scale": scale,
+                   "block_tokens": pcfg.block_tokens, "max_context": max_context, "prompt_mode": ns.prompt_mode,
+                   "tokenizer": counted_in, "ignore_eos": ns.ignore_eos, "max_tokens_policy": str(ns.max_tokens_policy),
                    "num_requests": len(requests), "max_concurrency": ns.max_concurrency,
                    "goodput_slos_ms": {k: v * 1000 for k, v in slos.items()}, "started_at_unix": started_at},
         "metrics": metrics,
