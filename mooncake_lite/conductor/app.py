@@ -25,6 +25,7 @@ from mooncake_lite.conductor.api.structured import GrammarChecker
 from mooncake_lite.conductor.cluster import cost_export, discovery, hot_replication, internal, status
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
+from mooncake_lite.conductor.flight.arrivals import Arrivals
 from mooncake_lite.conductor.contexts import routes as context_routes
 from mooncake_lite.conductor.cluster.costs import default_costs
 from mooncake_lite.conductor.flight.drain import Drain
@@ -96,7 +97,7 @@ def make_services(cfg: Config, args: ModelArgs) -> Services:
                     metrics=ConductorMetrics(), block_size=cfg.block_size, hash_seed=cfg.hash_seed,
                     cluster_token=cfg.cluster_token, upstream_timeout_s=cfg.upstream_timeout,
                     kv_timeout_s=cfg.kv_timeout, max_retries=cfg.dispatch_retries, tenants=gate,
-                    migration_limit=cfg.migration_limit)
+                    migration_limit=cfg.migration_limit, arrivals=Arrivals(cfg.burst_window))
 
 
 def _hot_replication(app: web.Application, cfg: Config) -> None:

@@ -10,6 +10,7 @@ from mooncake_lite.common.config import ConfigError, option, require
 from mooncake_lite.common.membership import conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
+from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
 from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
@@ -62,6 +63,10 @@ class Config(RoleConfig):
     kvcache_balancing_threshold: float = option(
         1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
              "from another store (Algorithm 1)")
+    burst_window: float = option(DEFAULT_WINDOW_S, "a request arriving while every prefill has a job waits up to this long "
+                                 "for the rest of its burst, so all are placed shortest first, each priced "
+                                 "knowing the others (0: each as it comes; docs/scheduler.md)",
+                                 parse=parse_duration)
     uniform_decode: float | None = option(None, "assumed decode duration t_d per request for predictive "
                                           "admission (None: max_tokens x current TBT)",
                                           parse=_optional_duration)
@@ -144,6 +149,7 @@ class Config(RoleConfig):
         require(self.tbt_slo_factor >= 1, f"--tbt-slo-factor must be >= 1, got {self.tbt_slo_factor}")
         require(self.kvcache_balancing_threshold >= 1.0,
                 f"--kvcache-balancing-threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
+        require(0 <= self.burst_window <= 1, f"--burst-window must be between 0 and 1s, got {self.burst_window}")
         require(self.uniform_decode is None or self.uniform_decode > 0,
                 f"--uniform-decode must be positive, got {self.uniform_decode}")
         require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")

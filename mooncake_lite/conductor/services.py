@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
+from mooncake_lite.conductor.flight.arrivals import Arrivals
 from mooncake_lite.conductor.flight.output_lengths import OutputHistory
 from mooncake_lite.conductor.flight.predictions import PredictionBook
 from mooncake_lite.conductor.cluster.membership import Membership
@@ -45,6 +46,8 @@ class Services:
     background: set[asyncio.Task] = field(default_factory=set)
     outputs: OutputHistory = field(default_factory=OutputHistory)   # predicted output lengths
     tenants: TenantGate | None = None   # per-tenant limits, SLOs and priorities (conductor/tenants.py)
+    # a burst placed together, shortest first (flight/arrivals.py); Arrivals(0): each as it comes
+    arrivals: Arrivals = field(default_factory=lambda: Arrivals(0.0))
     # told each accepted placement (decision, block keys, now): hot-block heat (cluster/hot_replication.py)
     on_placed: Callable[[Decision, list[bytes], float], None] | None = None
     # every prediction checked, and the online correction it feeds (conductor/flight/predictions.py)

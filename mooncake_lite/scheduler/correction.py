@@ -35,7 +35,7 @@ not of a speed: no factor fits it, a share does. Each job says what share it met
 (:func:`overtakes_used`: its measured wait at its forward's speed, less the wait predicted before
 any overtake, over the allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
-[0, 1] by construction (so a step is at most ``alpha``). On such an instance the queue's residual
+[0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an instance the queue's residual
 goes to the share, not to the ``queue`` factor: one rule for each residual, never both. With
 packing, later arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefill
 reports the forward that ran (its tokens and jobs), ``compute`` learns that forward's speed (a
@@ -141,7 +141,7 @@ class InstanceCorrection:
     factors: Mapping[str, Factor] = field(default_factory=dict)
     busy_share: float = 0.0       # of its observations, those beside a busy neighbour
     queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
-    overtake_share: float = 1.0   # of the overtake allowance's worst case, the share jobs met
+    overtake_share: float = 0.0   # of the overtake allowance's worst case, the share jobs met (0: none learned)
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
 
@@ -321,6 +321,16 @@ def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> N
     spread = c.spread(instance_id, metric)
     if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
         view.set_spread(spread)
+
+
+def show_start(view) -> None:
+    """A prefill view (live or simulated) that this correction will feed shows its start, not the
+    worst case: no job measured, the overtake and join shares 0 (the queue as it stands), learned
+    from there. Started at the worst case (1), the simulator on a replayed trace refused up to
+    23% of requests that would have met their TTFT SLO, all before the share was learned
+    (docs/results/2026-11-30-burst-window.md)."""
+    start = InstanceCorrection()
+    view.set_overtake_share(start.overtake_share, start.join_share)
 
 
 def show_shares(c: Corrections, instance_id: str, view) -> None:

@@ -95,6 +95,9 @@ def _run_options(ap: argparse.ArgumentParser) -> None:
                     help="the trace's timestamps are rounded to this (3s for the conversation trace): each "
                          "request at a random point of its interval (seeded by --seed), as `bench replay "
                          "--arrival-spread`; default 0: as recorded, a burst per timestamp")
+    ap.add_argument("--burst-window", type=parse_duration, default=0.0, metavar="DURATION",
+                    help="requests arriving this close while every prefill is busy are placed together, "
+                         "shortest first, as the conductor's --burst-window (default 0: each as it comes)")
     ap.add_argument("--baseline", action="store_true",
                     help="also run the colocated vLLM-style baseline on the same number of nodes")
     ap.add_argument("--baseline-chunk", type=int, default=None,
@@ -172,7 +175,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
                          local_ttft_check=args.local_ttft_check, seed=args.seed,
                          max_tokens_policy=args.max_tokens_policy, predict_output=args.predict_output,
                          decode_check=args.decode_check, prefill_batch_tokens=args.prefill_batch_tokens,
-                         prefill_queue_overtakes=args.prefill_queue_overtakes, correct=args.correct)
+                         prefill_queue_overtakes=args.prefill_queue_overtakes, correct=args.correct,
+                         burst_window_s=args.burst_window)
 
 
 def _simulate(args: argparse.Namespace, cfg: SimConfig, hw: Hardware, trace: list[TraceRequest]

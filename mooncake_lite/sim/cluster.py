@@ -23,6 +23,8 @@ from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.correction import show_start
+from mooncake_lite.scheduler.arrivals import decision_order, holds, uncached_now
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
@@ -71,6 +73,11 @@ class MooncakeSim(TraceDriver):
         self._prefilling = False
         # the conductor's online correction, as live (sim/correcting.py); None: off
         self.correcting: SimCorrecting | None = SimCorrecting(self.costs) if cfg.correct else None
+        if cfg.correct:
+            for p in self.prefills:
+                show_start(p.view)
+        self._held: list[SimRequest] = []   # a burst waiting for its window to close (arrivals.py)
+        self.held_s: dict[int, float] = {}   # request id -> how long it was held (the client waited that too)
 
     def _nodes(self) -> tuple[list[PrefillNode], list[DecodeNode]]:
         """The prefill instances (CPP groups, each with its node store) and the decode nodes."""
@@ -92,6 +99,7 @@ class MooncakeSim(TraceDriver):
     def run(self, trace: Iterable[TraceRequest], progress: Callable[[int], None] | None = None) -> SimResult:
         res = super().run(trace, progress)
         res.extra["output_prediction"] = self.accuracy.to_dict()
+        res.extra["held_s"] = self.held_s
         return res
 
     # ---- conductor ---------------------------------------------------------------------------
@@ -100,6 +108,31 @@ class MooncakeSim(TraceDriver):
         return ClusterState(self._states[0].states(), self._states[1].states())
 
     def _arrive(self, now: float, req: SimRequest) -> None:
+        """Placed now, or held with the rest of its burst (``scheduler/arrivals.py``) till the
+        window that its burst's first member opened closes."""
+        window = self.cfg.burst_window_s
+        if self._held or (window > 0 and holds(self.cluster_state(), window)):
+            if not self._held:
+                self.events.push(now + window, self._release_burst)
+            self._held.append(req)
+            return
+        self._place(now, req)
+
+    def _release_burst(self, now: float, _: object) -> None:
+        burst, self._held = self._held, []
+        uncached = [uncached_now(self.scheduler.index, ScheduleRequest(r.rid, r.keys, r.input_length, 1),
+                                 self.block_size) for r in burst]
+        order, kept = decision_order(uncached), self.decisions
+        start = len(kept) if kept is not None else 0
+        for i in order:
+            self.held_s[burst[i].request_id] = now - burst[i].arrival
+            self._place(now, burst[i])
+        if kept is not None:   # kept in arrival order, as every other request's
+            decided = kept[start:]
+            for k, i in enumerate(order):
+                kept[start + i] = decided[k]
+
+    def _place(self, now: float, req: SimRequest) -> None:
         req.send_with(self.max_tokens_policy)
         if self.predictor is not None:
             req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)

@@ -51,6 +51,10 @@ class SimConfig:
     # The live conductor's online correction (issue #36), fed by the simulated requests
     # (sim/correcting.py): prefill compute factors and overtake shares. Off: the paper presets'.
     correct: bool = False
+    # A burst decided together, as the conductor's --burst-window: requests arriving within this
+    # many seconds of the first, while every prefill has a job, are placed shortest uncached
+    # first (scheduler/arrivals.py); 0: each at its arrival.
+    burst_window_s: float = 0.0
     hardware: str = "llama2-70b-a800"
     eviction: str = "lru"
     store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
@@ -76,6 +80,8 @@ class SimConfig:
             raise ValueError("prefill_batch_tokens must be >= 0")
         if self.prefill_queue_overtakes < 0:
             raise ValueError("prefill_queue_overtakes must be >= 0")
+        if not 0 <= self.burst_window_s < float("inf"):
+            raise ValueError(f"burst_window_s must be >= 0 seconds, got {self.burst_window_s}")
         if self.eviction not in POLICY_NAMES:
             raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
         if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:

@@ -186,11 +186,12 @@ async def test_a_refined_profile_is_not_counted_twice(make_cluster):
 
 
 async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_meet(make_cluster):
-    """A job that waits is priced with an allowance for later, shorter arrivals (4x its own
-    prefill at first); sent at once, the jobs behind the first wait and meet none (the instance
-    reports no queue), so they teach the share down, and the queue factor stays untouched. A job
-    sent alone starts at once: priced for no overtakes, it teaches nothing. Prompts grow, so each
-    is likely to be passed (shorter ones came before it)."""
+    """A job that waits is priced with a share of an allowance for later, shorter arrivals (at
+    most 4x its own prefill): 0 at first (the queue as it stands, ``correction.show_start``), and
+    learned from what the jobs meet. A job sent alone starts at once: priced for no overtakes, it
+    teaches nothing. Sent at once, the jobs behind the first wait, and the instance reports each
+    waited far longer than the queue ahead of it: they teach the share up, and the queue factor
+    stays untouched. Prompts grow, so each is likely to be passed (shorter ones came before it)."""
     cluster = await make_cluster(dead_after=SLOW_BOX)
     p0 = cluster.instances["p0"]
     status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
@@ -200,12 +201,14 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     book = cluster.svc.predictions
     for i in range(3):
         await c.completions.create(model="tiny", prompt="word " * (4 + 6 * i), max_tokens=2)
-    assert book.corrections.overtake_share("p0") == 1.0
+    assert book.corrections.overtake_share("p0") == 0.0
+    assert cluster.svc.membership.snapshot().prefills[0].overtake_share == 0.0
+    p0.behaviour.timings = {"queue_s": 5.0, "compute_s": 0.05}
     await asyncio.gather(*(c.completions.create(model="tiny", prompt="word " * (4 + 6 * i), max_tokens=2)
                            for i in range(8)))
     await c.close()
     share = book.corrections.overtake_share("p0")
-    assert share < 0.2 and "queue" not in book.corrections.get("p0").factors
+    assert share > 0.5 and "queue" not in book.corrections.get("p0").factors
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 11
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)

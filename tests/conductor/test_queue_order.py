@@ -43,24 +43,29 @@ def test_the_view_is_the_instances_serving_order_and_the_next_started_its_head(o
 
 
 def test_a_new_request_is_priced_where_it_lands_with_the_overtakes_it_allows():
+    """Priced where it lands, plus the learned share of the overtakes its bound allows: 0 at
+    first (``correction.show_start``: the queue as it stands); at share 1 a long request meets
+    the worst case, 4 shorter later arrivals, and a short one none (no recent arrival was shorter)."""
     costs = CostModels(MODEL, DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
     decisions = {}
-    for overtakes in (0, 4):
+    for overtakes, share in ((0, 0.0), (4, 0.0), (4, 1.0)):
         m = Membership("tiny", 16, 0, dead_after_s=5)
         m.register(_reg("p", overtakes), now=0)
         m.register(Register(role="decode", instance_id="d", http="h-d:1", data="h-d:2", store="s:1", model="tiny",
                             block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=100000), now=0)
         for i, n in enumerate([500, 400, 300]):
             m.add_prefill("p", PrefillJob(f"r{i}", n, 0, "d"), now=0.0)
+        m.get("p").view.set_overtake_share(share)
         sched = Scheduler(SchedulerConfig(block_size=16), costs, BlockIndex())
-        decisions[overtakes] = {n: sched.schedule(ScheduleRequest("x", (), n, 8), m.snapshot(), now=0.0)
-                                for n in (100, 600)}
+        decisions[overtakes, share] = {n: sched.schedule(ScheduleRequest("x", (), n, 8), m.snapshot(), now=0.0)
+                                       for n in (100, 600)}
     ahead = MODEL.predict(500)      # r0 runs; a 100-token request passes r1 and r2
-    assert decisions[0][100].predicted_queue_s == pytest.approx(ahead + MODEL.predict(400) + MODEL.predict(300))
-    assert decisions[4][100].predicted_queue_s == pytest.approx(ahead + 4 * MODEL.predict(100))
+    fifo, start, learned = decisions[0, 0.0], decisions[4, 0.0], decisions[4, 1.0]
+    assert fifo[100].predicted_queue_s == pytest.approx(ahead + MODEL.predict(400) + MODEL.predict(300))
+    assert start[100].predicted_queue_s == learned[100].predicted_queue_s == pytest.approx(ahead)
+    assert start[600].predicted_queue_s == pytest.approx(fifo[600].predicted_queue_s)
     # a long one waits for all of them, and for the 4 shorter ones that may still pass it
-    assert decisions[4][600].predicted_queue_s == pytest.approx(
-        decisions[0][600].predicted_queue_s + 4 * MODEL.predict(600))
+    assert learned[600].predicted_queue_s == pytest.approx(fifo[600].predicted_queue_s + 4 * MODEL.predict(600))
 
 
 def test_the_bound_crosses_the_wire_and_an_instance_that_does_not_send_it_is_fifo():

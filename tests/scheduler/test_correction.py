@@ -148,16 +148,19 @@ def test_the_share_of_overtakes_met_is_the_wait_beyond_the_predicted_one_over_th
 
 def test_the_overtake_share_moves_by_a_bounded_step_and_refuses_a_broken_one():
     c = Corrections(CFG)
-    assert c.overtake_share("p") == 1.0                        # the worst case until fed
+    assert c.overtake_share("p") == 0.0                        # the queue as it stands until fed (show_start)
     for bad in (math.nan, -0.1, 1.5, True):
         assert c.note_overtakes("p", bad) is not None
-    assert c.overtake_share("p") == 1.0 and c.num_refused == 4
-    shares = [1.0]
+    assert c.overtake_share("p") == 0.0 and c.num_refused == 4
+    shares = [0.0]
     for _ in range(30):
-        assert c.note_overtakes("p", 0.0) is None
+        assert c.note_overtakes("p", 1.0) is None              # every job met the worst case
         shares.append(c.overtake_share("p"))
-    assert all(0.0 <= b <= a and a - b <= CFG.alpha + 1e-12 for a, b in zip(shares, shares[1:]))
-    assert shares[-1] < 0.01 and c.prefill_scale("p") == 1.0  # the share moves no speed
+    assert all(0.0 <= a <= b <= 1.0 and b - a <= CFG.alpha + 1e-12 for a, b in zip(shares, shares[1:]))
+    assert shares[-1] > 0.99 and c.prefill_scale("p") == 1.0  # the share moves no speed
+    for _ in range(30):
+        c.note_overtakes("p", 0.0)
+    assert c.overtake_share("p") < 0.01                        # and back down, by the same steps
 
 
 def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_broken_one():

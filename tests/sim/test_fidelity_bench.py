@@ -245,3 +245,27 @@ def test_the_simulator_s_own_prediction_error_is_none_in_fifo_order_and_some_sho
     assert fifo["count"] == packed["count"] == shortest["count"] == 48
     assert fifo["p90_error"] < 1e-6 and fifo["median_ratio"] == pytest.approx(1.0)
     assert packed["p90_error"] > 0.05 and shortest["median_error"] > 0.05
+
+
+def test_a_burst_placed_together_is_priced_exactly_where_one_placed_as_it_comes_is_not():
+    """Shortest first, one prompt a forward: each burst (8 requests within 7 ms, 20 s apart) meets
+    an idle instance, whose first request starts at once; the rest are held for the burst window
+    and placed shortest first (``scheduler/arrivals.py``), so each knows everything that will run
+    before it, and the prediction at placement is the outcome. Placed as they come, later shorter
+    members pass earlier ones that were priced without them. The decisions stay in arrival order."""
+    from tests.sim.helpers import req, toy_hardware
+    rng = __import__("random").Random(5)
+    trace = [req(b * 8 + i, b * 20.0 + 0.001 * i, rng.randrange(100, 400), 4) for b in range(6) for i in range(8)]
+    hw = toy_hardware(prefill_per_token=1e-3)
+
+    def run(window: float) -> tuple[dict, list]:
+        decisions: list = []
+        res = fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="none", ttft_slo_s=math.inf,
+                                    tbt_slo_s=math.inf, block=16, overtakes=4, correct=True,
+                                    decisions=decisions, burst_window_s=window)
+        return fidelity_sim.simulated_predictions(trace, res, decisions)["ttft"], decisions
+    (apart, _), (together, decisions) = run(0.0), run(0.05)
+    assert apart["count"] == together["count"] == 48
+    assert apart["median_error"] > 0.05 and together["p90_error"] < 1e-6
+    # arrival order: a burst's first member started at once, queue 0; the others waited for it
+    assert [d.predicted_queue_s == 0 for d in decisions[:8]] == [True] + [False] * 7

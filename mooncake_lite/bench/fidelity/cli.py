@@ -48,6 +48,7 @@ from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 
@@ -59,6 +60,8 @@ FLAGS = (
     flag("--speed", type=float, default=0.03, help="replay speed (0.03: 3%% of the recorded rate)"),
     flag("--arrival-spread", type=parse_duration, default=0.0, metavar="DURATION",
          help="as bench replay's: each request at a random point of its rounded timestamp's interval"),
+    flag("--burst-window", type=parse_duration, default=DEFAULT_WINDOW_S, metavar="DURATION",
+         help="the conductor's --burst-window, on both sides (0: each request placed as it comes)"),
     flag("--block-tokens", type=int, default=16,
                    help="tokens per 512-token trace block, and the cluster's KV block size"),
     flag("--output-scale", type=float, default=1.0, help="output length scale"),
@@ -100,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
-    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1 or ns.arrival_spread < 0:
+    if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1 or ns.arrival_spread < 0 \
+            or not 0 <= ns.burst_window <= 1:
         sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive, "
-                         "--arrival-spread >= 0\n")
+                         "--arrival-spread >= 0, --burst-window between 0 and 1s\n")
         return 2
     cluster = None
     try:
@@ -139,7 +143,8 @@ def run(ns: Options, api: str) -> dict:
     def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
                         ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True, decisions=decisions)
+                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True, decisions=decisions,
+                        burst_window_s=ns.burst_window)
     decisions: list = []
     res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)
@@ -197,7 +202,8 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
     sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
                                   batch_tokens=ns.prefill_batch_tokens,
-                                  overtakes=live_overtakes(getattr(ns, "prefill_args", "")))
+                                  overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
+                                  burst_window_s=ns.burst_window)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
     out["slos"] = "absolute, as given" if absolute else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"

@@ -49,7 +49,7 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
 
 def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
              tbt_slo_s: float, block: int, batch_tokens: int = 0, overtakes: int = 0, correct: bool = False,
-             decisions: list | None = None):
+             decisions: list | None = None, burst_window_s: float = 0.0):
     """The slice simulated; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
     ``correct``: the live conductor's online correction, learned as the simulation runs;
     ``decisions``: a list the conductor's decisions are appended to, one per request in arrival order."""
@@ -59,7 +59,8 @@ def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, ad
     sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
     cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
                     max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens,
-                    prefill_queue_overtakes=overtakes, correct=correct)
+                    prefill_queue_overtakes=overtakes, correct=correct,
+                    burst_window_s=burst_window_s)
     sim = MooncakeSim(cfg, replace(hw, block_size=block))
     sim.decisions = decisions
     return sim.run(trace)
@@ -69,9 +70,12 @@ def simulated_predictions(trace: Sequence[TraceRequest], result, decisions: Sequ
     """The simulated conductor's own TTFT prediction error on the slice (``error_figures``, in
     arrival order). Its forwards take exactly what the model says, so what is left is what no
     prediction at arrival can know: later arrivals passing or joining a job (shortest first,
-    packing); FIFO leaves none. The live error is that plus the machine's."""
+    packing); FIFO leaves none. The live error is that plus the machine's. A request held for its
+    burst (``--burst-window``) is predicted, as the live client is shown, its wait plus the decision's."""
     from mooncake_lite.bench.replay.metrics import error_figures
-    predicted = {t.request_id: d.predicted_ttft_s for t, d in zip(trace, decisions)}
+    held = result.extra.get("held_s", {})
+    predicted = {t.request_id: d.predicted_ttft_s + held.get(t.request_id, 0.0) for t, d in zip(trace, decisions)
+                 if d.predicted_ttft_s is not None}
     by_id = {r.request_id: r for r in result.requests}
     ratios = [r.ttft / p for t in trace if (r := by_id.get(t.request_id)) is not None and r.status == "completed"
               and r.ttft is not None and (p := predicted.get(t.request_id))]

@@ -14,6 +14,7 @@ from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.cluster.costs import InstanceCosts, instance_costs
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import DecodeView, PrefillView
+from mooncake_lite.scheduler.correction import show_start
 
 ROLES = ("prefill", "decode")
 # Heartbeat load fields that appear in a scheduler state: a change rebuilds it.
@@ -73,7 +74,9 @@ def heartbeat_costs(reg: Register, costs: InstanceCosts, hb: Heartbeat) -> Insta
 
 def new_view(reg: Register, costs: InstanceCosts) -> PrefillView | DecodeView:
     if reg.role == "prefill":
-        return PrefillView(reg.instance_id, None)    # its store: describe
+        view = PrefillView(reg.instance_id, None)    # its store: describe
+        show_start(view)   # the live conductor always corrects its predictions (flight/predictions.py)
+        return view
     return DecodeView(reg.instance_id, costs.decode)
 
 

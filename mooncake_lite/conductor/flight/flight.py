@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from mooncake_lite.common import tracing
+from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillResult, TokenLogprob
 from mooncake_lite.common.tbt import paper_tbt
 from mooncake_lite.conductor.api.errors import ApiError, Rejected, upstream_failed
@@ -29,7 +30,8 @@ from mooncake_lite.conductor.flight.placement import decision_attributes, place
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
-from mooncake_lite.scheduler import Decision
+from mooncake_lite.scheduler import Decision, ScheduleRequest
+from mooncake_lite.scheduler.arrivals import uncached_now
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Flight:
         self._is_closed = False
         # Checking the prediction (predictions.py): the placed attempt's, on the loop's clock.
         self.prediction: Prediction | None = None
-        self._placed_at = self._last_token_at = 0.0
+        self._placed_at = self._last_token_at = self._held_s = 0.0
         self._measured_ttft_s: float | None = None
         self._gaps: list[float] = []
         self._decode_busy = self._prefill_busy = False
@@ -89,9 +91,19 @@ class Flight:
 
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
+        arrived = loop_now()
+        await self.svc.arrivals.turn(self.svc.membership.snapshot, self._uncached_now)
+        self._held_s = loop_now() - arrived   # placed with its burst (arrivals.py): the client waited that too
         failed = await self._start_attempt(self.request_id)
         if failed is not None:
             await self._retry(failed)
+
+    def _uncached_now(self) -> int:
+        """The prompt's tokens not cached on the store with its longest prefix: the key a burst is
+        placed by (``arrivals.py``)."""
+        svc, ids = self.svc, self.req.prompt_ids
+        sreq = ScheduleRequest(self.request_id, tuple(prefix_hash(ids, svc.block_size, svc.hash_seed)), len(ids), 1)
+        return uncached_now(svc.scheduler.index, sreq, svc.block_size)
 
     async def _start_attempt(self, upstream_id: str, cont: ApiRequest | None = None) -> Failed | None:
         """Place the request (``cont``: its continuation) and start an attempt there; a Failed if
@@ -372,9 +384,10 @@ class Flight:
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)))
 
     def prediction_headers(self) -> dict[str, str]:
-        """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them."""
+        """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them: the
+        TTFT from the request's arrival (its wait for its burst, if held, and the placement's)."""
         p = self.prediction
-        times = {} if p is None else {"TTFT": p.ttft_s, "TBT": p.tbt_s}
+        times = {} if p is None else {"TTFT": self._held_s + p.ttft_s, "TBT": p.tbt_s}
         return {f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None}
 
 

@@ -1,0 +1,65 @@
+"""The conductor's burst window (conductor/flight/arrivals.py over scheduler/arrivals.py): a
+burst that meets busy prefills is placed shortest first, whatever order it arrived in."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mooncake_lite.conductor.flight import flight as flight_module
+from mooncake_lite.conductor.flight.arrivals import Arrivals
+from mooncake_lite.scheduler import ClusterState, PrefillInstanceState, QueuedPrefill
+from tests.conductor import fakes
+from tests.conductor.test_api import client
+from tests.conductor.test_dispatch import _wait_for
+
+BUSY = ClusterState((PrefillInstanceState("p0", "s0", queue=(QueuedPrefill("r", 10, 0, started_at=0.0),),
+                                          overtakes=4),), ())
+IDLE = ClusterState((PrefillInstanceState("p0", "s0", overtakes=4),), ())
+
+
+async def test_a_held_burst_resumes_in_its_decision_order_and_skips_a_request_whose_client_left():
+    gate, resumed = Arrivals(0.05), []
+
+    async def request(key: int) -> None:
+        await gate.turn(lambda: BUSY, lambda: key)
+        resumed.append(key)          # what placement would do, before any await
+
+    tasks = [asyncio.create_task(request(k)) for k in (30, 10, 20, 5)]
+    await asyncio.sleep(0)
+    tasks[3].cancel()                # its client left while held
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert resumed == [10, 20, 30]
+    # an idle prefill: nobody is held (the request starts at once; nobody can pass it)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await gate.turn(lambda: IDLE, lambda: 1)
+    await Arrivals(0.0).turn(lambda: BUSY, lambda: 1)
+    assert loop.time() - t0 < 0.05
+
+
+async def test_a_burst_behind_a_busy_prefill_is_placed_shortest_first(make_cluster, monkeypatch):
+    """Sent longest first, 20 ms apart, within a 300 ms window: placed shortest first (without
+    the window, in the order they came: the later, shorter ones would pass the earlier ones'
+    prices). Needs the conductor's request path: the hold sits in Flight.start."""
+    placed: list[int] = []
+    place = flight_module.place
+
+    def recording(svc, request_id, req, now, **kw):
+        placed.append(len(req.prompt_ids))
+        return place(svc, request_id, req, now, **kw)
+    monkeypatch.setattr(flight_module, "place", recording)
+    cluster = await make_cluster(dead_after=30.0, burst_window=0.3)
+    p0 = cluster.instances["p0"]
+    status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
+    assert status == 200, body
+    p0.behaviour.result_delay_s = 0.4          # its first job holds it busy while the burst arrives
+    c = client(cluster)
+
+    async def send(words: int, after: float):
+        await asyncio.sleep(after)
+        return await c.completions.create(model="tiny", prompt="word " * words, max_tokens=2)
+    first = asyncio.create_task(send(3, 0.0))
+    await _wait_for(lambda: len(p0.requests) == 1)
+    await asyncio.gather(first, *(send(w, 0.02 * i) for i, w in enumerate((40, 20, 10))))
+    await c.close()
+    assert placed[1:] == sorted(placed[1:]) and placed[1] < placed[3]
