@@ -135,13 +135,13 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
-    prefill's measured spread (``PrefillInstanceState.ttft_spread``: an upper quantile of measured
-    / predicted there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
+    prefill's measured spread of it (``PrefillInstanceState.queue_spread``: an upper quantile of
+    measured / predicted waits there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
     land above it), so judged alone it admits half of those near the limit to miss it (measured:
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it
     passes the SLO factor, and a request never admitted never measures the spread down again."""
-    spread = p.instance.ttft_spread
+    spread = p.instance.queue_spread
     ttft = p.ttft_s if spread == 1.0 else p.ttft_s + p.queue_s * (spread - 1.0)
     # The TBT's spread is measured and shown (DecodeInstanceState.tbt_spread) but not judged here:
     # live, a bound on it refused mostly requests that would have met their SLO (47% and 60% of

@@ -45,11 +45,15 @@ allowance's worst case, by the same moving average.
 What all this learns is a central prediction: half the requests meet less, half more. Admission
 must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
 median admits half the requests near the limit to miss it). So each instance also keeps the
-ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` on a prefill,
-``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler
-is shown the TTFT's (``PrefillInstanceState.ttft_spread``; the TBT's is measured, not judged) and
-admission judges what others add to a request's time × spread against the SLO
-(``admission.bounds``), while the prediction shown and checked stays the central one. A window, not a moving quantile: it forgets
+ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` and ``wait``
+on a prefill, ``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``:
+the scheduler is shown the wait's (``PrefillInstanceState.queue_spread``; the TTFT's and the
+TBT's are measured and shown to people, not judged) and admission judges what others add to a
+request's time × spread against the SLO (``admission.bounds``), while the prediction shown and
+checked stays the central one. The spread is measured on what it multiplies: a job's wait
+(:meth:`Corrections.note_wait`), not its TTFT, whose own forward (a burst's later members joining
+it) is no part of the queue; judged on the TTFT's, admission refused 31-60% of requests that would
+have met their SLO in the simulator, on the wait's 0-4% (docs/results/2026-11-30-burst-window.md). A window, not a moving quantile: it forgets
 a machine that changed after ``spread_window`` requests, and a broken report is refused as above.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
@@ -258,6 +262,14 @@ class Corrections:
         kept = (*cur.ratios.get(metric, ())[1 - self.cfg.spread_window:], measured_s / shown_s)
         self._by_instance[instance_id] = replace(cur, ratios={**cur.ratios, metric: kept})
         return None
+
+    def note_wait(self, instance_id: str, queue_s: float, own_s: float, measured_s: float | None) -> str | None:
+        """A job's measured wait against the queue it was priced with (both on the model shown),
+        kept for the ``wait`` spread (module doc) only if it was priced to wait at least its own
+        forward: a shorter wait is mostly dispatch, and its ratio would say nothing of a queue."""
+        if measured_s is None or not queue_s >= own_s > 0:
+            return None
+        return self.note_ratio(instance_id, "wait", queue_s, measured_s)
 
     def spread(self, instance_id: str, metric: str) -> float:
         """What admission multiplies ``instance_id``'s predicted ``metric`` by (module doc): the

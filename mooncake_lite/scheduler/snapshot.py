@@ -27,7 +27,7 @@ class Shown(Generic[S]):
 
     _state: S | None = None
     _watch: tuple[set[int], int] | None = None
-    # admission's bound on the instance's prediction error (state.py's ttft_spread / tbt_spread)
+    # admission's bound on the instance's prediction error (state.py's queue_spread / tbt_spread)
     spread: float = 1.0
 
     def state(self) -> S:

@@ -70,12 +70,12 @@ class PrefillInstanceState:
     shortest-first queue order (:mod:`mooncake_lite.scheduler.queue_order`; 0: FIFO).
     ``overtake_share``: the share of that bound's worst case a new job is predicted to meet, in
     [0, 1] (:func:`~mooncake_lite.scheduler.queue_order.overtake_allowance`): 1, the worst case,
-    until the online correction learns what this instance's jobs really met
-    (:mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
+    unless the online correction learns what this instance's jobs really met (from 0:
+    :mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
     the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
-    ``ttft_spread``: how far above its predicted TTFT a request here may land (an upper quantile
-    of measured / predicted, ``Corrections.spread``; 1: not measured): admission judges the queue
-    × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
+    ``queue_spread``: how far above its predicted queue a request here may wait (an upper quantile
+    of measured / predicted wait, ``Corrections.spread`` of ``wait``; 1: not measured): admission
+    judges the queue × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
     packing, the share of :func:`~mooncake_lite.scheduler.queue_order.join_allowance`'s worst case
     (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned."""
 
@@ -88,7 +88,7 @@ class PrefillInstanceState:
     overtakes: int = 0
     overtake_share: float = 1.0
     recent_uncached: tuple[int, ...] = ()
-    ttft_spread: float = 1.0
+    queue_spread: float = 1.0
     join_share: float = 0.0
 
 
@@ -135,7 +135,7 @@ class DecodeInstanceState:
     when t_d is per request (t_d = max_output_tokens × tbt_s); None: the TBT the instance's
     cost model predicts for its running batch. The instance view keeps it while the batch's
     predicted TBT stays within ``MAX_TBT_DRIFT`` of it (:mod:`mooncake_lite.scheduler.view`).
-    ``tbt_spread``: the TBT's like :attr:`PrefillInstanceState.ttft_spread` (measured TBT, the
+    ``tbt_spread``: the TBT's like :attr:`PrefillInstanceState.queue_spread` (measured TBT, the
     slowest 10% of gaps, over the predicted step)."""
 
     instance_id: str

@@ -71,6 +71,7 @@ class SimCorrecting:
                    speed=None if speed is None else speed / scale, own_s=own * scale, join_full_s=join_full,
                    ran_s=ran * scale)     # (on the model shown)
         c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
+        c.note_wait(iid, queue_s, own * scale, waited)
         self._show(p)
 
     def finished(self, req: SimRequest, d: DecodeNode) -> None:
@@ -91,6 +92,6 @@ class SimCorrecting:
             self._shown[iid] = scale
             view.set_instance(p.store_id, None, scaled(p.cost or self.costs.prefill, scale), p.pack_tokens,
                               p.overtakes)
-        show_spread(c, iid, "ttft", view)
+        show_spread(c, iid, "wait", view)
         show_shares(c, iid, view)
 

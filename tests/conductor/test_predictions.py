@@ -74,13 +74,13 @@ async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_clu
     assert profile["prefill"]["c1"] == pytest.approx(exported.c1, rel=1e-6)   # no queue term: the sim queues
     assert [i["corrected"] for i in profile["instances"] if i["instance_id"] == "p0"] == [True]
     # each measured TTFT over the one shown is kept (the fake reports its compute, it does not take
-    # it); their upper quantile is the spread admission's bound multiplies the queue by, and the
-    # scheduler's state and the export have it
-    ratios = svc.predictions.corrections.get("p0").ratios["ttft"]
-    spread = svc.predictions.corrections.spread("p0", "ttft")
+    # it), and the export has their upper quantile; admission's bound multiplies the queue by the
+    # waits' (Corrections.note_wait), and requests sent one at a time waited for nothing
+    corr = svc.predictions.corrections
+    ratios, spread = corr.get("p0").ratios["ttft"], corr.spread("p0", "ttft")
     assert len(ratios) >= 8 and min(ratios) * (1 - 1e-9) <= spread <= max(ratios) * (1 + 1e-9)
     assert profile["corrections"]["p0"]["spread"]["ttft"] == pytest.approx(spread, rel=1e-3)
-    assert svc.membership.snapshot().prefills[0].ttft_spread == pytest.approx(spread, rel=1 / 30)
+    assert "wait" not in corr.get("p0").ratios and svc.membership.snapshot().prefills[0].queue_spread == 1.0
 
 
 async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_cluster, caplog):
@@ -211,6 +211,9 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     assert share > 0.5 and "queue" not in book.corrections.get("p0").factors
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 11
+    # the jobs that were priced to wait kept their waits, and admission's bound is their spread
+    waits = book.corrections.get("p0").ratios["wait"]
+    assert len(waits) >= 1 and state.queue_spread == pytest.approx(book.corrections.spread("p0", "wait"), rel=1 / 30)
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)
 
 

@@ -85,7 +85,7 @@ async def test_a_request_the_decode_refused_gives_back_the_overtakes_it_took(mak
     from tests.conductor import fakes
     from tests.conductor.test_api import client
 
-    cluster = await make_cluster(prefill=0, decode=1)
+    cluster = await make_cluster(prefill=0, decode=1, dead_after=30.0)   # a loaded box must not reap p0
     p0 = await cluster.add("prefill", "p0", store="s0:1", register=False)
     status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
     assert status == 200, body

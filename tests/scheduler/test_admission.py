@@ -170,21 +170,21 @@ def test_admission_judges_what_others_add_times_the_instances_measured_spread():
     # p0: 50 tokens queued (0.05 s) then ours (0.1 s): TTFT 0.15 s; d0: 4 running, ours at batch 5
     # steps 0.06 s, alone 0.02 s
     jobs = queued(50)
-    d = run(cluster([prefill("p0", jobs, ttft_spread=1.6)]), "predictive", ttft_slo_s=0.2)
+    d = run(cluster([prefill("p0", jobs, queue_spread=1.6)]), "predictive", ttft_slo_s=0.2)
     assert d.accepted and d.predicted_ttft_s == pytest.approx(0.15) and d.bound_ttft_s == pytest.approx(0.18)
-    d = run(cluster([prefill("p0", jobs, ttft_spread=2.2)]), "predictive", ttft_slo_s=0.2)
+    d = run(cluster([prefill("p0", jobs, queue_spread=2.2)]), "predictive", ttft_slo_s=0.2)
     assert not d.accepted and d.reject_cause == "ttft" and d.bound_ttft_s == pytest.approx(0.21)
     assert d.reason == "rejected: predicted TTFT 0.15s (bound by its measured spread 0.21s) > SLO 0.2s"
     # a spread below 1 (the queue drains faster than predicted) admits what the prediction refuses
     assert not run(cluster([prefill("p0", jobs)]), "predictive", ttft_slo_s=0.14).accepted
-    assert run(cluster([prefill("p0", jobs, ttft_spread=0.6)]), "predictive", ttft_slo_s=0.14).accepted
+    assert run(cluster([prefill("p0", jobs, queue_spread=0.6)]), "predictive", ttft_slo_s=0.14).accepted
     # the TBT's spread is measured but not judged (module doc of admission.bounds: measured, it refused
     # the wrong requests): the TBT bound is the prediction
     d = run(cluster([prefill("p0")], [decode("d0", batch=4, tbt_spread=2.5)]), "predictive", ttft_slo_s=1.0)
     assert d.accepted and d.predicted_tbt_s == pytest.approx(0.06) and d.bound_tbt_s == d.predicted_tbt_s
     # alone on idle instances a request is judged on its prediction whatever the spreads (never
     # locked out: one never admitted never measures the spread down); "none" judges nothing
-    d = run(cluster([prefill("p0", ttft_spread=16.0)], [decode("d0", tbt_spread=16.0)]), "predictive",
+    d = run(cluster([prefill("p0", queue_spread=16.0)], [decode("d0", tbt_spread=16.0)]), "predictive",
             ttft_slo_factor=1.0, tbt_slo_factor=1.0, ttft_slo_s=None, tbt_slo_s=None)
     assert d.accepted and d.bound_ttft_s == d.predicted_ttft_s and d.bound_tbt_s == pytest.approx(d.predicted_tbt_s)
-    assert run(cluster([prefill("p0", jobs, ttft_spread=9.0)], [decode("d0", 4, tbt_spread=9.0)]), "none").accepted
+    assert run(cluster([prefill("p0", jobs, queue_spread=9.0)], [decode("d0", 4, tbt_spread=9.0)]), "none").accepted

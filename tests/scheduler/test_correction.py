@@ -184,3 +184,13 @@ def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_brok
     for _ in range(CFG.spread_window):
         c.note_ratio("d0", "tbt", 0.01, 0.01 * CFG.max_ratio)
     assert c.spread("d0", "tbt") == pytest.approx(CFG.max_factor)
+
+
+def test_a_wait_is_kept_for_the_queue_s_spread_only_where_a_queue_was_priced():
+    c = Corrections(CFG)
+    assert c.note_wait("p", 0.1, 0.5, 3.0) is None and c.note_wait("p", 2.0, 0.5, None) is None
+    assert "wait" not in c.get("p").ratios                # priced to wait less than its own forward: dispatch
+    for _ in range(CFG.spread_min):
+        assert c.note_wait("p", 2.0, 0.5, 3.0) is None
+    assert c.spread("p", "wait") == pytest.approx(1.5) and c.spread("p", "ttft") == 1.0
+    assert c.note_wait("p", 2.0, 0.5, math.nan) is not None   # refused as any ratio

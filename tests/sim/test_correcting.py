@@ -98,8 +98,8 @@ def test_admission_on_the_measured_spread_admits_fewer_that_then_miss():
         return sum(o.ttft_s <= 6.0 for o in served) / len(served), len(served)
     _, central = _admitting(False, slo_s=6.0)
     sim, bounded = _admitting(True, slo_s=6.0)
-    spread = sim.correcting.corrections.spread("P0", "ttft")
-    assert 1.1 < spread < 2.0 and abs(math.log(sim.prefills[0].view.state().ttft_spread / spread)) < 1 / 32
+    spread = sim.correcting.corrections.spread("P0", "wait")
+    assert 1.1 < spread < 2.0 and abs(math.log(sim.prefills[0].view.state().queue_spread / spread)) < 1 / 32
     (met_central, n_central), (met_bounded, n_bounded) = met(central), met(bounded)
     assert n_bounded < n_central and met_bounded > met_central + 0.02
     assert met_bounded >= 0.92

@@ -225,10 +225,10 @@ class PredictionBook:
             self._shown[iid] = scale
             self.membership.show_costs(inst)
         if isinstance(inst.view, PrefillView):
-            # Only the TTFT's spread is shown: admission judges no TBT spread (admission.bounds),
-            # and showing a decode's would rebuild its state for nothing (/metrics and status
-            # read the TBT spread from the corrections)
-            show_spread(self.corrections, iid, "ttft", inst.view)
+            # Only the wait's spread is shown: admission judges it on the queue (admission.bounds);
+            # a decode's would rebuild its state for nothing (/metrics and status read the TTFT's
+            # and the TBT's from the corrections)
+            show_spread(self.corrections, iid, "wait", inst.view)
             show_shares(self.corrections, iid, inst.view)
 
     def _correct_prefill(self, check: Check) -> None:
@@ -253,6 +253,7 @@ class PredictionBook:
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
+        self._refused(iid, "wait", c.note_wait(iid, p.queue_s, p.prefill_s, check.queue_s))
 
     def _forward_s(self, iid: str, forward: tuple[int, int, float, float] | None) -> float | None:
         """The forward a request's prefill ran in, on its instance's own model (None: not reported)."""
@@ -280,6 +281,9 @@ class PredictionBook:
         c = self.corrections
         why = c.note_ratio(instance_id, term, predicted_s, measured_s) if term in ("ttft", "tbt") else \
             c.observe(instance_id, term, predicted_s, measured_s, speed)
+        self._refused(instance_id, term, why)
+
+    def _refused(self, instance_id: str, term: str, why: str | None) -> None:
         if why is not None and why != TOO_SHORT:
             self.metrics.prediction_refused.labels(instance_id, term).inc()
             log.warning("%s: %s measurement refused by the online correction (%s); its model is unchanged",
