@@ -7,7 +7,7 @@ Why: a prediction made at arrival cannot know later arrivals, and on a shortest-
 (``queue_order``) the later, shorter members of a burst pass the earlier ones. Ten requests sent
 at one instant (an agent fanning out, a trace whose timestamps are rounded) then leave the
 simulator, whose forwards take exactly the model's time, with a median TTFT prediction error
-of 16% on the queue order alone (docs/results/2026-11-30-burst-window.md). Decided shortest
+of 16% on the queue order alone (docs/results/2026-11-29-burst-window.md). Decided shortest
 first, no member of the burst passes one decided before it: their order is known when each is
 priced.
 

@@ -53,7 +53,7 @@ request's time × spread against the SLO (``admission.bounds``), while the predi
 checked stays the central one. The spread is measured on what it multiplies: a job's wait
 (:meth:`Corrections.note_wait`), not its TTFT, whose own forward (a burst's later members joining
 it) is no part of the queue; judged on the TTFT's, admission refused 31-60% of requests that would
-have met their SLO in the simulator, on the wait's 0-4% (docs/results/2026-11-30-burst-window.md). A window, not a moving quantile: it forgets
+have met their SLO in the simulator, on the wait's 0-4% (docs/results/2026-11-29-burst-window.md). A window, not a moving quantile: it forgets
 a machine that changed after ``spread_window`` requests, and a broken report is refused as above.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
@@ -340,7 +340,7 @@ def show_start(view) -> None:
     worst case: no job measured, the overtake and join shares 0 (the queue as it stands), learned
     from there. Started at the worst case (1), the simulator on a replayed trace refused up to
     23% of requests that would have met their TTFT SLO, all before the share was learned
-    (docs/results/2026-11-30-burst-window.md)."""
+    (docs/results/2026-11-29-burst-window.md)."""
     start = InstanceCorrection()
     view.set_overtake_share(start.overtake_share, start.join_share)
 
