@@ -23,8 +23,7 @@ from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
-from mooncake_lite.scheduler.correction import show_start
-from mooncake_lite.scheduler.arrivals import decision_order, holds, uncached_now
+from mooncake_lite.scheduler import arrivals
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
@@ -72,11 +71,13 @@ class MooncakeSim(TraceDriver):
         self.slowdown = hw.decode_colocated_slowdown
         self._prefilling = False
         # the conductor's online correction, as live (sim/correcting.py); None: off
-        self.correcting: SimCorrecting | None = SimCorrecting(self.costs) if cfg.correct else None
-        if cfg.correct:
-            for p in self.prefills:
-                show_start(p.view)
+        self.correcting: SimCorrecting | None = SimCorrecting(self.costs, self.prefills) \
+            if cfg.correct else None
         self._held: list[SimRequest] = []   # a burst waiting for its window to close (arrivals.py)
+        # read per request: native attributes (the config is a plain dataclass: a dict lookup each)
+        self._window: float = cfg.burst_window_s
+        self._reserve: bool = cfg.decode_check == "reserve"
+        self._local_ttft_check: bool = cfg.local_ttft_check
         self.held_s: dict[int, float] = {}   # request id -> how long it was held (the client waited that too)
 
     def _nodes(self) -> tuple[list[PrefillNode], list[DecodeNode]]:
@@ -107,32 +108,35 @@ class MooncakeSim(TraceDriver):
         """What the conductor sees of every instance (their views' states)."""
         return ClusterState(self._states[0].states(), self._states[1].states())
 
-    def _arrive(self, now: float, req: SimRequest) -> None:
-        """Placed now, or held with the rest of its burst (``scheduler/arrivals.py``) till the
-        window that its burst's first member opened closes."""
-        window = self.cfg.burst_window_s
-        if self._held or (window > 0 and holds(self.cluster_state(), window)):
-            if not self._held:
-                self.events.push(now + window, self._release_burst)
-            self._held.append(req)
-            return
-        self._place(now, req)
+    def _hold(self, now: float, req: SimRequest) -> bool:
+        """Whether ``req`` waits with the rest of its burst (``scheduler/arrivals.py``) till the
+        window its burst's first member opened closes."""
+        window = self._window
+        if not self._held and not arrivals.holds(self.cluster_state(), window):
+            return False
+        if not self._held:
+            self.events.push(now + window, self._release_burst)
+        self._held.append(req)
+        return True
 
     def _release_burst(self, now: float, _: object) -> None:
         burst, self._held = self._held, []
-        uncached = [uncached_now(self.scheduler.index, ScheduleRequest(r.rid, r.keys, r.input_length, 1),
+        uncached = [arrivals.uncached_now(self.scheduler.index, ScheduleRequest(r.rid, r.keys, r.input_length, 1),
                                  self.block_size) for r in burst]
-        order, kept = decision_order(uncached), self.decisions
+        order, kept = arrivals.decision_order(uncached), self.decisions
         start = len(kept) if kept is not None else 0
         for i in order:
             self.held_s[burst[i].request_id] = now - burst[i].arrival
-            self._place(now, burst[i])
+            self._arrive(now, burst[i], True)
         if kept is not None:   # kept in arrival order, as every other request's
             decided = kept[start:]
             for k, i in enumerate(order):
                 kept[start + i] = decided[k]
 
-    def _place(self, now: float, req: SimRequest) -> None:
+    def _arrive(self, now: float, req: SimRequest, released: bool = False) -> None:
+        """Placed now, or (with a burst window, unless its burst is being ``released``) held."""
+        if self._window > 0 and not released and self._hold(now, req):
+            return
         req.send_with(self.max_tokens_policy)
         if self.predictor is not None:
             req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)
@@ -143,12 +147,12 @@ class MooncakeSim(TraceDriver):
         if not decision.accepted:
             return self._reject(now, req, "conductor", decision.reject_cause)
         d = self.decode_by_id[decision.decode_id]
-        if self.cfg.decode_check == "reserve":   # the live conductor reserves decode before prefill
+        if self._reserve:   # the live conductor reserves decode before prefill
             cause = d.refusal(req, self.tbt_slo_s)
             if cause is not None:
                 return self._reject(now, req, "decode", cause)
             d.hold(req)
-        if (self.cfg.local_ttft_check and decision.predicted_ttft_s is not None
+        if (self._local_ttft_check and decision.predicted_ttft_s is not None
                 and decision.predicted_ttft_s > self.ttft_slo_s):
             d.release(req)
             return self._reject(now, req, "prefill", "ttft")
@@ -272,7 +276,7 @@ class MooncakeSim(TraceDriver):
     def _kv_arrived(self, now: float, req: SimRequest) -> None:
         d = self.decode_by_id[req.decode_id]
         d.uncommit(req)
-        if self.cfg.decode_check == "arrival":
+        if not self._reserve:   # decode_check "arrival"
             sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
             if not decode_admits(d.state(), sreq, self.costs, self.tbt_slo_s):
                 return self._reject(now, req, "decode", "tbt")

@@ -20,9 +20,11 @@ Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, scaled, show_shares, show_spread
+from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, scaled, show_shares, show_spread,
+                                                show_start)
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
@@ -32,9 +34,12 @@ from mooncake_lite.sim.request import SimRequest
 class SimCorrecting:
     """What the simulated conductor predicted per request, and the corrections it learns."""
 
-    def __init__(self, costs: CostModels, corrections: Corrections | None = None) -> None:
+    def __init__(self, costs: CostModels, prefills: Sequence[PrefillNode] = (),
+                 corrections: Corrections | None = None) -> None:
         self.costs = costs
         self.corrections = corrections or Corrections()
+        for p in prefills:   # their views show the correction's start, not the worst case
+            show_start(p.view)
         # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst
         # case, TTFT predicted, join allowance used, its worst case, the scale shown)
         self._predicted: dict[str, tuple[float, ...]] = {}
