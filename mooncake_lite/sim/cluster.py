@@ -134,8 +134,7 @@ class MooncakeSim(TraceDriver):
                 kept[start + i] = decided[k]
 
     def _arrive(self, now: float, req: SimRequest, released: bool = False) -> None:
-        """Placed now, or (with a burst window, unless its burst is being ``released``) held."""
-        if self._window > 0 and not released and self._hold(now, req):
+        if self._window > 0 and not released and self._hold(now, req):   # held for its burst
             return
         req.send_with(self.max_tokens_policy)
         if self.predictor is not None:
@@ -161,8 +160,7 @@ class MooncakeSim(TraceDriver):
         req.predicted_ttft = decision.predicted_ttft_s
         req.planned_prefix_tokens = min(decision.reused_prefix_blocks * self.block_size, req.input_length - 1)
         req.ready_at = now
-        if decision.migration is not None and decision.migration.keys:
-            m = decision.migration
+        if (m := decision.migration) is not None and m.keys:
             src = self.prefill_by_id.get(m.source_store_id)
             if src is not None:
                 src.cache.touch(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use

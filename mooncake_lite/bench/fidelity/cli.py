@@ -137,7 +137,6 @@ def run(ns: Options, api: str) -> dict:
         slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
     else:
         slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
-
     overtakes = live_overtakes(getattr(ns, "prefill_args", ""))
 
     def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
