@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,8 @@ def _roles():
     try:
         yield _start
     finally:
+        for rp in reversed(started):   # all told at once, so their drains and exits overlap
+            rp.send(signal.SIGTERM)
         for rp in reversed(started):
             rp.stop()
 
