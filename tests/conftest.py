@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -80,9 +82,8 @@ def start_role(role: str, *args: str, timeout: float = 120.0, env: dict | None =
     return RoleProcess.start(role, "--host", "127.0.0.1", *args, timeout=timeout, env=env, cwd=REPO)
 
 
-@pytest.fixture
-def role_procs():
-    """Start roles with ``role_procs(role, *args)``; all are stopped at teardown."""
+@contextlib.contextmanager
+def _roles():
     started: list[RoleProcess] = []
 
     def _start(role: str, *args: str, **kwargs) -> RoleProcess:
@@ -90,6 +91,24 @@ def role_procs():
         started.append(rp)
         return rp
 
-    yield _start
-    for rp in reversed(started):
-        rp.stop()
+    try:
+        yield _start
+    finally:
+        for rp in reversed(started):   # all told at once, so their drains and exits overlap
+            rp.send(signal.SIGTERM)
+        for rp in reversed(started):
+            rp.stop()
+
+
+@pytest.fixture
+def role_procs():
+    """Start roles with ``role_procs(role, *args)``; all are stopped at teardown."""
+    with _roles() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_role_procs():
+    """:func:`role_procs` for a cluster the tests of one module share: stopped after the last."""
+    with _roles() as start:
+        yield start

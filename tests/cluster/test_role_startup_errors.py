@@ -7,9 +7,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.mark.parametrize("args, message", [
+BAD_CONFIGURATIONS = [
     (["--role", "prefill", "--model", "nosuch"], "--model: unknown model preset 'nosuch'"),
     (["--role", "prefill", "--model", "/nonexistent/ckpt"], "checkpoint directory '/nonexistent/ckpt' does not exist"),
     (["--role", "prefill", "--model", "tiny", "--pipeline-group", "99"], "--pipeline-group 99 exceeds the model's 4 layers"),
@@ -21,11 +19,32 @@ pytestmark = pytest.mark.timeout(120)
     (["--role", "decode", "--model", "tiny", "--advertise-host", "0.0.0.0"], "--advertise-host must be an address"),
     (["--role", "store", "--host", "[::]"], "no address a peer can dial"),
     (["--role", "store", "--advertise-host", " 10.0.0.7"], "--advertise-host must be an address"),
-])
-def test_bad_role_configuration_exits_with_a_clear_error(args, message):
-    proc = subprocess.run([sys.executable, "-m", "mooncake_lite", *args], capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 2, proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+]
+
+
+@pytest.fixture(scope="module")
+def exits() -> dict[tuple[str, ...], tuple[int, str]]:
+    """Every bad configuration started at once, each its own process: most import torch before
+    they refuse (~3 s of CPU each), so one after another they were ~30 s of the suite on one
+    core; together they use both. Each case's exit status and stderr, by its arguments."""
+    procs = {tuple(args): subprocess.Popen([sys.executable, "-m", "mooncake_lite", *args], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True) for args, _ in BAD_CONFIGURATIONS}
+    exits = {}
+    try:
+        for args, proc in procs.items():
+            stderr = proc.communicate(timeout=90)[1]
+            exits[args] = (proc.returncode, stderr)
+        return exits
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
+@pytest.mark.parametrize("args, message", BAD_CONFIGURATIONS)
+def test_bad_role_configuration_exits_with_a_clear_error(exits, args, message):
+    returncode, stderr = exits[tuple(args)]
+    assert returncode == 2, stderr
+    last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"mooncake --role {args[1]}: error: ") and message in last
 
 

@@ -16,7 +16,7 @@ from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.tokenizer import ByteTokenizer
 from mooncake_lite.model.weights import build_model
 
-pytestmark = pytest.mark.slow   # each test starts a whole cluster of real processes
+pytestmark = pytest.mark.slow   # whole clusters of real processes
 
 BLOCK = "16"
 COMMON = ("--block-size", BLOCK, "--log-level", "warning")
@@ -40,22 +40,24 @@ def _wait_ready(url: str, timeout: float = 60.0) -> dict:
     raise AssertionError(f"cluster not ready: {body}")
 
 
-@pytest.fixture
-def cluster(role_procs):
+@pytest.fixture(scope="module")
+def cluster(module_role_procs):
+    """Shared by the tests below: the first leaves it as it found it (its abandoned stream's KV
+    freed, asserted), the burst's prompts share no block with the first's."""
     # Early admission with a TTFT SLO a few prefills long (the instances run --no-profile, so the
     # conductor predicts with its shape-derived defaults: ~7 ms for a 200-token tiny prompt).
-    conductor = role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "early",
-                           "--ttft-slo", "20ms", *COMMON)
+    conductor = module_role_procs("conductor", "--port", "0", "--model", "tiny", "--admission", "early",
+                                  "--ttft-slo", "20ms", *COMMON)
     url = conductor.url()
-    store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", "64MiB",
-                       "--conductor", url, "--event-interval", "0.05", *COMMON)
+    store = module_role_procs("store", "--port", "0", "--data-port", "0", "--dram", "64MiB",
+                              "--conductor", url, "--event-interval", "0.05", *COMMON)
     store_data = store.addresses["data"]
     # prefill and decode load the model in parallel (each start waits for its ready line)
     with ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(role_procs, "prefill", "--conductor", url, *STORE_ARGS(store_data),
+        started = [pool.submit(module_role_procs, "prefill", "--conductor", url, *STORE_ARGS(store_data),
                                "--model", "tiny", "--threads", "1", "--heartbeat-interval", "0.5",
                                "--no-profile", *COMMON),
-                   pool.submit(role_procs, "decode", "--conductor", url, "--data-port", "0", "--model", "tiny",
+                   pool.submit(module_role_procs, "decode", "--conductor", url, "--data-port", "0", "--model", "tiny",
                                "--threads", "1", "--heartbeat-interval", "0.5", "--no-profile", *COMMON)]
         prefill, decode = (f.result() for f in started)
     _wait_ready(url)

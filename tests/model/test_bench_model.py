@@ -1,6 +1,7 @@
 """``mooncake bench model``: its FLOP accounting is right and it prints one JSON object."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.source import ModelNotInstalledError
 from mooncake_lite.model.weights import build_model
+from tests.model import tp_ranks  # noqa: F401  (its forkserver preload)
 from tests.real_model import SMOLLM, needs_smollm, smollm_path
 
 BS = 8
@@ -178,9 +180,12 @@ def test_bad_dtype(capsys):
     assert "--dtype takes" in capsys.readouterr().err
 
 
-def test_tp_compares_ranks_with_tp1_in_one_run(capsys):
+def test_tp_compares_ranks_with_tp1_in_one_run(capsys, monkeypatch):
     """``--tp 2``: TP=1 and TP=2 figures side by side; the collectives' share is a fraction of
     the step that TP=1 (no collectives) does not have; a model 2 does not divide is skipped."""
+    # its ranks fork from the tests' forkserver (tests/model/tp_ranks.py), not spawned afresh
+    from mooncake_lite.bench.model import tp
+    monkeypatch.setattr(tp.mp, "spawn", functools.partial(tp.mp.start_processes, start_method="forkserver"))
     models = "tiny" + (f",{SMOLLM}" if smollm_path() else "")   # 9 heads: 2 does not divide them
     rc = main(["--models", models, "--tp", "2", "--prompt-len", "16", "--context-len", "16",
                "--decode-steps", "2", "--repeats", "1", "--json"])

@@ -18,7 +18,7 @@ import pytest
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.weights import build_model
 from tests.pd.client import generate
-from tests.pd.test_e2e import BS, COMMON, check_prompts, prompt, start_many
+from tests.pd.test_e2e import BS, COMMON, check_prompts, decode_load, prompt, start_many
 from tests.real_model import SMOLLM, needs_smollm
 
 pytestmark = pytest.mark.timeout(600)
@@ -136,7 +136,12 @@ async def test_a_dead_or_hung_rank_fails_the_whole_instance_without_a_hang(role_
     async with aiohttp.ClientSession() as session:
         runs = [asyncio.ensure_future(generate(session, prefill.url(), decode.url(), decode.addresses["data"],
                                                prompt(BS + i, i), 400)) for i in range(3)]
-        await asyncio.sleep(3.0)   # under load: the three are decoding
+        for _ in range(600):   # under load: the three are decoding (waited for, not a fixed 3 s)
+            if (await decode_load(session, decode))["num_running"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the three requests never decoded together")
         (follower,) = [p for p in _children(decode.proc.pid) if "spawn_main" in _cmdline(p)]
         os.kill(follower, sig)
         t0 = time.monotonic()
