@@ -25,9 +25,9 @@ from mooncake_lite.conductor.api.structured import GrammarChecker
 from mooncake_lite.conductor.cluster import cost_export, discovery, hot_replication, internal, status
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.config import Config
-from mooncake_lite.conductor.flight.arrivals import Arrivals
 from mooncake_lite.conductor.contexts import routes as context_routes
 from mooncake_lite.conductor.cluster.costs import default_costs
+from mooncake_lite.conductor.flight.arrivals import Arrivals
 from mooncake_lite.conductor.flight.drain import Drain
 from mooncake_lite.conductor.cluster.membership import Membership
 from mooncake_lite.conductor.services import SERVICES, Services

@@ -10,9 +10,9 @@ from mooncake_lite.common.config import ConfigError, option, require
 from mooncake_lite.common.membership import conductor_urls
 from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
-from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
+from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
 
 DESCRIPTION = ("Conductor: serves the OpenAI-compatible API, keeps cluster membership and the global "
@@ -63,9 +63,9 @@ class Config(RoleConfig):
     kvcache_balancing_threshold: float = option(
         1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
              "from another store (Algorithm 1)")
-    burst_window: float = option(DEFAULT_WINDOW_S, "a request arriving while every prefill has a job waits up to this long "
-                                 "for the rest of its burst, so all are placed shortest first, each priced "
-                                 "knowing the others (0: each as it comes; docs/scheduler.md)",
+    burst_window: float = option(DEFAULT_WINDOW_S, "a request arriving while every prefill has a job waits up to "
+                                 "this long for the rest of its burst, so all are placed shortest first, each "
+                                 "priced knowing the others (0: each as it comes; docs/scheduler.md)",
                                  parse=parse_duration)
     uniform_decode: float | None = option(None, "assumed decode duration t_d per request for predictive "
                                           "admission (None: max_tokens x current TBT)",

@@ -28,33 +28,34 @@ beside a busy neighbour and ``w`` the moving share of the predicted TTFT that wa
 instance never observed has factor 1 exactly: nothing changes until corrections are fed.
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
-arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own
-prefill, the worst case). Most jobs meet a share of it (the shortest of a burst none, a pass by a
-job packed into the same forward only that job's tokens), and how much is a matter of the traffic,
-not of a speed: no factor fits it, a share does. Each job says what share it met
-(:func:`overtakes_used`: its measured wait at its forward's speed, less the wait predicted before
-any overtake, over the allowance), and the instance's ``overtake_share`` (the scheduler's
+arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
+the worst case). Most jobs meet a share of it (the shortest of a burst none, a pass by a job packed
+into the same forward only that job's tokens), and how much is a matter of the traffic, not of a
+speed: no factor fits it, a share does. Each job says what share it met (:func:`overtakes_used`: its
+measured wait at its forward's speed, less the wait predicted before any overtake, over the
+allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
-[0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an instance the queue's residual
-goes to the share, not to the ``queue`` factor: one rule for each residual, never both. With
-packing, later arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefill
-reports the forward that ran (its tokens and jobs), ``compute`` learns that forward's speed (a
-joined forward is no slowdown) and ``join_share`` (0 until fed) what the joiners added over the
-allowance's worst case, by the same moving average.
+[0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an
+instance the queue's residual goes to the share, not to the ``queue`` factor: one rule for each
+residual, never both. With packing, later arrivals also *join* a job's forward
+(``queue_order.join_allowance``): the prefill reports the forward that ran (its tokens and jobs),
+``compute`` learns that forward's speed (a joined forward is no slowdown) and ``join_share`` (0
+until fed) what the joiners added over the allowance's worst case, by the same moving average.
 
-What all this learns is a central prediction: half the requests meet less, half more. Admission
-must refuse on what a request may meet, not on what it meets usually (a refusal priced on the
-median admits half the requests near the limit to miss it). So each instance also keeps the
-ratios measured / shown of its last ``spread_window`` requests, per metric (``ttft`` and ``wait``
-on a prefill, ``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``:
-the scheduler is shown the wait's (``PrefillInstanceState.queue_spread``; the TTFT's and the
-TBT's are measured and shown to people, not judged) and admission judges what others add to a
-request's time × spread against the SLO (``admission.bounds``), while the prediction shown and
-checked stays the central one. The spread is measured on what it multiplies: a job's wait
-(:meth:`Corrections.note_wait`), not its TTFT, whose own forward (a burst's later members joining
-it) is no part of the queue; judged on the TTFT's, admission refused 31-60% of requests that would
-have met their SLO in the simulator, on the wait's 0-4% (docs/results/2026-11-29-burst-window.md). A window, not a moving quantile: it forgets
-a machine that changed after ``spread_window`` requests, and a broken report is refused as above.
+What all this learns is a central prediction: half the requests meet less, half more. Admission must
+refuse on what a request may meet, not on what it meets usually (a refusal priced on the median
+admits half the requests near the limit to miss it). So each instance also keeps the ratios measured
+/ shown of its last ``spread_window`` requests, per metric (``ttft`` and ``wait`` on a prefill,
+``tbt`` on a decode), and :meth:`Corrections.spread` is their ``spread_quantile``: the scheduler is
+shown the wait's (``PrefillInstanceState.queue_spread``; the TTFT's and the TBT's are measured and
+shown to people, not judged) and admission judges what others add to a request's time × spread
+against the SLO (``admission.bounds``), while the prediction shown and checked stays the central
+one. The spread is measured on what it multiplies: a job's wait (:meth:`Corrections.note_wait`), not
+its TTFT, whose own forward (a burst's later members joining it) is no part of the queue; judged on
+the TTFT's, admission refused 31-60% of requests that would have met their SLO in the simulator, on
+the wait's 0-4% (docs/results/2026-11-29-burst-window.md). A window, not a moving quantile: it
+forgets a machine that changed after ``spread_window`` requests, and a broken report is refused as
+above.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
 """

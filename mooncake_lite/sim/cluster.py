@@ -122,7 +122,7 @@ class MooncakeSim(TraceDriver):
     def _release_burst(self, now: float, _: object) -> None:
         burst, self._held = self._held, []
         uncached = [arrivals.uncached_now(self.scheduler.index, ScheduleRequest(r.rid, r.keys, r.input_length, 1),
-                                 self.block_size) for r in burst]
+                                          self.block_size) for r in burst]
         order, kept = arrivals.decision_order(uncached), self.decisions
         start = len(kept) if kept is not None else 0
         for i in order:
