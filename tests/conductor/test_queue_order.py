@@ -92,12 +92,14 @@ async def test_a_request_the_decode_refused_gives_back_the_overtakes_it_took(mak
     p0.behaviour.hang = True                     # r0 runs for ever; the long one waits behind it
     c = client(cluster)
     view = cluster.svc.membership.instances["p0"].view
+    d0 = cluster.instances["d0"]
     pending = [asyncio.create_task(c.completions.create(model="tiny", prompt="long " * n, max_tokens=2))
                for n in (40, 60)]
     async with asyncio.timeout(5):
-        while len(p0.requests) < 1 or len(view.state().queue) < 2:
+        # both long ones queued and holding decode room before decode turns to refusing
+        while len(p0.requests) < 1 or len(view.state().queue) < 2 or len(d0.requests) < 2:
             await asyncio.sleep(0.01)
-    cluster.instances["d0"].behaviour.refuse = True
+    d0.behaviour.refuse = True
     for _ in range(2):                           # short ones that would pass the waiting long one
         with pytest.raises(openai.RateLimitError):
             await c.completions.create(model="tiny", prompt="short", max_tokens=2)
