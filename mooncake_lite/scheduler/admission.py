@@ -21,7 +21,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.decision import RejectCause
-from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, late_prefills, loads_at,
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at, prefill_ends,
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
@@ -90,13 +90,14 @@ def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: 
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
     decodes = cluster.decodes
     if cfg.admission == "predictive":
-        t = now + ttft_s
-        late = set()
+        ends: dict[str, float] = {}
         if any(d.incoming for d in decodes):
             if queues is None:
                 queues = queues_at(estimates.backlogs(cluster.prefills, costs), now)
-            late = late_prefills(queues, now, t)
-        return loads_at(decodes, estimates.leave_profiles(decodes, costs, cfg.uniform_decode_s), t, late)
+            ends = prefill_ends(queues, now)
+        uniform = cfg.uniform_decode_s
+        profiles = estimates.leave_profiles(decodes, costs, uniform)
+        return loads_at(decodes, profiles, now, now + ttft_s, ends, uniform, costs.decode)
     return estimates.loads_now(decodes)
 
 

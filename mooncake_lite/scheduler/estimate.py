@@ -5,7 +5,7 @@ Each ``*_of`` function is a definition: it derives one thing from one instance s
 scratch, independent of ``now``. A decision gets them for every instance of a role at once
 from an estimate cache (:mod:`mooncake_lite.scheduler.cache`), which reuses what it derived for
 an instance while that instance's state shows the same thing, and combines them with ``now``
-and ``t`` here (:func:`queues_at`, :func:`late_prefills`, :func:`loads_at`).
+and ``t`` here (:func:`queues_at`, :func:`prefill_ends`, :func:`loads_at`).
 """
 
 from __future__ import annotations
@@ -153,18 +153,16 @@ def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -
     return queues_at([backlog_of(p, prefill_model(p, costs))], now).queue_s[0]
 
 
-def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
-    """Request ids of queued prefills predicted (``queues``: at ``now``) to finish *after*
-    ``t``. Every other request committed to a decode instance (``incoming``) has joined its
-    batch by ``t`` — step 1 of the §3 prediction; one in no queue has already finished prefill."""
-    late: set[str] = set()
-    horizon = t - now
+def prefill_ends(queues: Queues, now: float) -> dict[str, float]:
+    """When each queued prefill is predicted (``queues``: at ``now``) to finish, by request id
+    (job i of instance k at ``now - done_s[k] + cumulative_s[i]``): when a request committed to a
+    decode instance (``incoming``) joins its batch — step 1 of the §3 prediction. One in no queue
+    has finished prefill and joins as soon as its KV lands, now."""
+    ends: dict[str, float] = {}
     for b, done in zip(queues.backlogs, queues.done_s):
-        cum = b.cumulative_s
-        first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
-        if first < len(cum):
-            late.update(b.request_ids[first:])
-    return late
+        start = now - done
+        ends.update(zip(b.request_ids, [start + c for c in b.cumulative_s]))
+    return ends
 
 
 # ---- decode load now -----------------------------------------------------------------------
@@ -215,13 +213,17 @@ def pricing_tbt(d: DecodeInstanceState, model: DecodeCostModel, uniform_decode_s
     return d.tbt_s if d.tbt_s is not None else model.predict(*running_load(d))
 
 
-def leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt_s: float | None) -> float:
-    """joined_at + t_d, t_d uniform or max_output_tokens × tbt_s (unknown: never leaves — the
-    conservative guess)."""
+def decode_span(max_output_tokens: int | None, uniform_decode_s: float | None, tbt_s: float | None) -> float:
+    """t_d: uniform, or max_output_tokens × tbt_s (unknown: never leaves — the conservative guess)."""
     if uniform_decode_s is not None:
-        return r.joined_at + uniform_decode_s
+        return uniform_decode_s
     assert tbt_s is not None, "pricing_tbt is a float without a uniform t_d"
-    return inf if r.max_output_tokens is None else r.joined_at + r.max_output_tokens * tbt_s
+    return inf if max_output_tokens is None else max_output_tokens * tbt_s
+
+
+def leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt_s: float | None) -> float:
+    """joined_at + t_d (:func:`decode_span`)."""
+    return r.joined_at + decode_span(r.max_output_tokens, uniform_decode_s, tbt_s)
 
 
 def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
@@ -238,28 +240,42 @@ def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
     return LeaveProfile(tbt, ends, members, list(accumulate(map(CONTEXT_TOKENS, members), initial=0)))
 
 
-def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile], t: float,
-             late: set[str]) -> list[tuple[int, int]]:
+def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile], now: float, t: float,
+             ends: dict[str, float], uniform_decode_s: float | None,
+             default: DecodeCostModel) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3), from
     its leave profile: running requests whose decode would have ended by ``t`` — joined_at +
-    t_d <= t — leave; the incoming requests whose prefill ends by ``t`` (not in ``late``, see
-    :func:`late_prefills`) join. One pass: this runs per decode instance per request."""
+    t_d <= t — leave; an incoming request is there at ``t`` if it joined by then (its prefill's
+    end in ``ends``, see :func:`prefill_ends`; in no queue: now) and has not left, its t_d sized
+    with the running batch's TBT, at least its own step alone (an idle decode's TBT is 0). Counting the
+    ones that joined *and left* before ``t`` — a burst's earlier members, prefilled one after
+    another, each decoded long before the last one's first token — put the predicted batch of a
+    burst's tenth member at ten where at most two ran: its TBT predicted ×3 too slow (measured,
+    docs/results/2026-11-29-decode-load.md). One pass: this runs per decode instance per request."""
     loads = []
     for d, profile in zip(decodes, profiles):
-        ends, prefix = profile.ends, profile.prefix
-        first = bisect_right(ends, t)               # running requests still decoding at t
-        batch, context = len(ends) - first, prefix[-1] - prefix[first]
+        profile_ends, prefix, tbt = profile.ends, profile.prefix, profile.tbt_s
+        first = bisect_right(profile_ends, t)       # running requests still decoding at t
+        batch, context = len(profile_ends) - first, prefix[-1] - prefix[first]
         for r in d.incoming:
-            if r.request_id not in late:
+            joins = ends.get(r.request_id, now)
+            if joins > t:
+                continue
+            step = tbt
+            if tbt is not None:          # t_d per request (None: uniform)
+                alone = (d.cost or default).predict(1, r.context_tokens)
+                step = alone if alone > tbt else tbt
+            if t < joins + decode_span(r.max_output_tokens, uniform_decode_s, step):
                 batch += 1
                 context += r.context_tokens
         loads.append((batch, context))
     return loads
 
 
-def decode_load_at(d: DecodeInstanceState, costs: CostModels, t: float, late: set[str],
+def decode_load_at(d: DecodeInstanceState, costs: CostModels, now: float, t: float, ends: dict[str, float],
                    uniform_decode_s: float | None) -> tuple[int, int]:
     """:func:`loads_at` for one instance, from scratch. With ``uniform_decode_s`` None, t_d is
     estimated per request as its max_output_tokens times the instance's TBT
     (:func:`pricing_tbt`; unknown max_output_tokens: assumed still decoding)."""
-    return loads_at((d,), [leave_profile_of(d, d.cost or costs.decode, uniform_decode_s)], t, late)[0]
+    profile = leave_profile_of(d, d.cost or costs.decode, uniform_decode_s)
+    return loads_at((d,), [profile], now, t, ends, uniform_decode_s, costs.decode)[0]

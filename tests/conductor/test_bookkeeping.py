@@ -179,13 +179,13 @@ def _check_against_exact(t: Tables, cache: EstimateCache | None = None) -> None:
         assert sum(lags) <= context_lag_bound(sum(r.context_tokens for r in d.running))
         # The scheduler's leave profile — through its estimate cache, edited by the joins and
         # leaves since the last snapshot — predicts exactly as the shown batch does (uniform t_d:
-        # no TBT drift; nothing late, so every incoming request has joined).
+        # no TBT drift; nothing queued, so every incoming request joins at the time asked).
         assert running_load(d) == (len(d.running), sum(r.context_tokens for r in d.running))
         profiles = (cache or EstimateCache()).leave_profiles((d,), COSTS, T_D)
         for t in (0.0, 20.0, 40.0, 80.0):
             staying = [r.context_tokens for r in d.running if r.joined_at + T_D > t]
             staying += [r.context_tokens for r in d.incoming]
-            assert loads_at((d,), profiles, t, set()) == [(len(staying), sum(staying))]
+            assert loads_at((d,), profiles, t, t, {}, T_D, COSTS.decode) == [(len(staying), sum(staying))]
 
 
 @pytest.mark.parametrize("seed", range(12))

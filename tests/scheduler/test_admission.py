@@ -1,5 +1,7 @@
 """Early vs prediction-based admission (docs/paper.md §3) on hand-built states."""
 
+from dataclasses import replace
+
 import pytest
 
 from mooncake_lite.scheduler import (BlockIndex, DecodeInstanceState, DecodingRequest,
@@ -152,8 +154,8 @@ def test_repeated_predictions_on_one_state_agree_with_the_first():
     d = DecodeInstanceState("d0", running=running, incoming=(IncomingRequest("x", 7),))
     for t in (0.0, 3.5, 5.0, 9.99, 12.0, 30.0, 12.0, 0.0):
         expected = [r.context_tokens for r in running if r.joined_at + 3.0 > t]
-        assert decode_load_at(d, COSTS, t, set(), 3.0) == (len(expected) + 1, sum(expected) + 7)
-        assert decode_load_at(d, COSTS, t, {"x"}, 3.0) == (len(expected), sum(expected))
+        assert decode_load_at(d, COSTS, t, t, {}, 3.0) == (len(expected) + 1, sum(expected) + 7)   # x joins now
+        assert decode_load_at(d, COSTS, t, t, {"x": t + 1.0}, 3.0) == (len(expected), sum(expected))   # still prefilling
 
 
 def test_queue_time_cache_follows_now_while_a_job_runs():
@@ -188,3 +190,21 @@ def test_admission_judges_what_others_add_times_the_instances_measured_spread():
             ttft_slo_factor=1.0, tbt_slo_factor=1.0, ttft_slo_s=None, tbt_slo_s=None)
     assert d.accepted and d.bound_ttft_s == d.predicted_ttft_s and d.bound_tbt_s == pytest.approx(d.predicted_tbt_s)
     assert run(cluster([prefill("p0", jobs, queue_spread=9.0)], [decode("d0", 4, tbt_spread=9.0)]), "none").accepted
+
+
+def test_an_incoming_request_counts_only_while_it_decodes():
+    """§3's load at t: an incoming request joins when its prefill is predicted to end and leaves
+    t_d later. A burst's earlier member, prefilled and decoded before t, is not in t's batch —
+    counting it put a burst's tenth member's predicted TBT at a batch of ten."""
+    from mooncake_lite.scheduler.estimate import decode_load_at
+    d = DecodeInstanceState("d0", incoming=(IncomingRequest("a", 50, max_output_tokens=10),
+                                            IncomingRequest("b", 70, max_output_tokens=10)),
+                            tbt_s=0.1)                # t_d = 10 × 0.1 s = 1 s
+    ends = {"a": 1.0, "b": 2.5}                       # a decodes over [1, 2), b over [2.5, 3.5)
+    expected = {0.5: (0, 0), 1.0: (1, 50), 1.9: (1, 50), 2.0: (0, 0), 2.6: (1, 70), 3.5: (0, 0)}
+    for t, load in expected.items():
+        assert decode_load_at(d, COSTS, 0.0, t, ends, None) == load, t
+    assert decode_load_at(d, COSTS, 0.0, 0.5, {}, None) == (2, 120)     # in no queue: both joined now
+    assert decode_load_at(d, COSTS, 0.0, 1.5, {}, 3.0) == (2, 120)      # a uniform t_d of 3 s
+    unknown = replace(d, incoming=(IncomingRequest("a", 50),))          # no max_tokens: never leaves
+    assert decode_load_at(unknown, COSTS, 0.0, 100.0, ends, None) == (1, 50)

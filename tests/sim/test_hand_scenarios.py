@@ -121,12 +121,28 @@ def test_ssd_tier_hit_is_slower_than_dram_but_beats_recompute():
 @pytest.mark.parametrize("admission", ["none", "early", "predictive"])
 def test_in_flight_requests_do_not_herd_onto_one_decode(admission):
     # All four arrive during the first prefill, before any KV reached a decode: the conductor
-    # counts the ones it already sent to a decode (incoming), so they alternate.
-    trace = [req(i, 0.1 * i, 1000, 50) for i in range(4)]
+    # counts the ones it already sent to a decode (incoming), so they alternate. Each prefill
+    # takes 1 s and each decode 500 × 11 ms, so under ``predictive`` too each decodes beside all
+    # the ones before it.
+    trace = [req(i, 0.1 * i, 1000, 500) for i in range(4)]
     cfg = SimConfig(num_prefill=1, num_decode=2, scheduler=SchedulerConfig(admission=admission))
     hw = toy_hardware(decode=DecodeCostModel(c0=0.01, c1=0.001))   # TBT grows with the batch
     r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
     assert [r[i].decode_id for i in range(4)] == ["D0", "D1", "D0", "D1"]
+
+
+def test_a_request_decoded_before_the_next_starts_is_not_in_its_batch():
+    # The same arrivals, 50 tokens each: a decode (0.55 s) ends before the next prefill (1 s)
+    # does. ``predictive`` sees both decodes empty at each one's first token and keeps the
+    # first (its tie); ``early`` counts every request sent and not yet arrived, and alternates.
+    trace = [req(i, 0.1 * i, 1000, 50) for i in range(4)]
+    hw = toy_hardware(decode=DecodeCostModel(c0=0.01, c1=0.001))
+    placed = {}
+    for admission in ("early", "predictive"):
+        cfg = SimConfig(num_prefill=1, num_decode=2, scheduler=SchedulerConfig(admission=admission))
+        r = by_id(MooncakeSim(cfg, hardware=hw).run(trace))
+        placed[admission] = [r[i].decode_id for i in range(4)]
+    assert placed == {"early": ["D0", "D1", "D0", "D1"], "predictive": ["D0"] * 4}
 
 
 def test_nothing_stays_incoming_after_the_run():
