@@ -9,8 +9,12 @@ corrected compute speed explains: per-job work a forward's profile misses), ``co
 own prefill, no decode computing on its node), ``interference`` (its prefill beside a busy decode,
 over ``compute``), ``transfer`` (a prefix fetched between stores: shown, not applied here, since
 the scheduler corrects each store pair's speed itself, ``links.py``), ``decode`` (the request's mean
-token gap, no prefill computing on the decode's node: what the decode model predicts, a step)
-and ``decode_interference`` (the reverse).
+token gap, no prefill computing on the decode's node: what the decode model predicts, a step),
+``decode_interference`` (the reverse) and ``tail`` (the request's TBT as the paper defines it, the
+mean of its slowest tenth of gaps, over its mean gap: both measured, no model's). ``tail`` scales
+no model: it turns the step foreseen into the TBT predicted (``DecodeInstanceState.tbt_tail``;
+admission still judges the step, ``scheduler._decision``). Without it the TBT shown was a step,
+which the TBT measured exceeded on nearly every request (docs/results/2026-11-29-decode-load.md).
 
 The update rule, one for every term (:func:`step`): a moving average of ``log(ratio)`` with
 weight ``alpha``, its change per observation bounded by ``max_step`` and the factor kept within
@@ -68,7 +72,7 @@ from dataclasses import dataclass, field, replace
 
 from mooncake_lite.scheduler.snapshot import Shown
 
-TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference")
+TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
 # share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
@@ -307,6 +311,11 @@ class Corrections:
         c = self.get(instance_id)
         return self._clamped(c.log_of("decode") + c.busy_share * c.log_of("decode_interference"))
 
+    def tail(self, instance_id: str) -> float:
+        """A decode's TBT (the paper's) over its mean gap: what its predicted step is multiplied by
+        to predict a TBT; 1 until observed."""
+        return self.get(instance_id).factor("tail")
+
     def _clamped(self, log: float) -> float:
         bound = math.log(self.cfg.max_factor)
         return math.exp(min(bound, max(-bound, log)))
@@ -334,6 +343,14 @@ def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> N
     spread = c.spread(instance_id, metric)
     if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
         view.set_spread(spread)
+
+
+def show_tail(c: Corrections, instance_id: str, view) -> None:
+    """``view`` (a ``DecodeView``, live or simulated) shows its tail once it moved by more than
+    ``SHOW_TOLERANCE``."""
+    tail = c.tail(instance_id)
+    if abs(math.log(tail / view.tail)) >= SHOW_TOLERANCE:
+        view.set_tail(tail)
 
 
 def show_start(view) -> None:

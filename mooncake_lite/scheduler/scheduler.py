@@ -81,12 +81,17 @@ def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | N
               migration: Migration | None = None) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
     ttft, tbt = bound
+    # The TBT predicted is the paper's (the slowest tenth of gaps): the step foreseen × the decode's
+    # learned tail. Admission judges the step (admission.bounds): judged with the tail, the
+    # simulator refused 5 more at the live default SLO, all of which would have met it
+    # (docs/results/2026-11-29-decode-load.md).
     # The first six by position: CPython compiles a call of more than 15 keywords into a dict built
     # and unpacked at every call (CALL_FUNCTION_EX; callgrind: +10.7k instructions, 2.3% of a live
     # decision, when Decision's 16th and 17th fields came; tests/scheduler/test_decision_build.py)
     return make_decision(accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
                          p.route, reject_cause, predicted_ttft_s=p.ttft_s,
-                         predicted_tbt_s=None if d is None else d.tbt_s, predicted_queue_s=p.queue_s,
+                         predicted_tbt_s=None if d is None else d.tbt_s * d.instance.tbt_tail,
+                         predicted_queue_s=p.queue_s,
                          predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
                          reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
                          transfer_source=p.source_store_id, migration=migration,

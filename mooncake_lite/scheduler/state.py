@@ -136,7 +136,8 @@ class DecodeInstanceState:
     cost model predicts for its running batch. The instance view keeps it while the batch's
     predicted TBT stays within ``MAX_TBT_DRIFT`` of it (:mod:`mooncake_lite.scheduler.view`).
     ``tbt_spread``: the TBT's like :attr:`PrefillInstanceState.queue_spread` (measured TBT, the
-    slowest 10% of gaps, over the predicted step)."""
+    slowest 10% of gaps, over the predicted step). ``tbt_tail``: its measured TBT over its mean
+    gap, learned (``Corrections.tail``); the TBT a decision predicts is the step × it."""
 
     instance_id: str
     running: tuple[DecodingRequest, ...] = ()
@@ -146,6 +147,7 @@ class DecodeInstanceState:
     incoming: tuple[IncomingRequest, ...] = ()
     tbt_s: float | None = None
     tbt_spread: float = 1.0
+    tbt_tail: float = 1.0
 
 
 @dataclass(slots=True, unsafe_hash=True)

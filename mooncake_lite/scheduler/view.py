@@ -146,6 +146,7 @@ class DecodeView(Shown[DecodeInstanceState]):
         self._group_tokens = 0
         self._group_shown = 0
         self._num_sequences: dict[str, int] = {}   # requests of n > 1 sequences: n
+        self.tail = 1.0          # the TBT's tail its states show (Corrections.tail)
 
     def _ids(self, request_id: str) -> Iterable[str]:
         n = self._num_sequences.get(request_id)
@@ -158,6 +159,12 @@ class DecodeView(Shown[DecodeInstanceState]):
     def set_limits(self, max_batch_size: int | None, max_context_tokens: int | None) -> None:
         if (max_batch_size, max_context_tokens) != self._limits:
             self._limits = (max_batch_size, max_context_tokens)
+            self._stale()
+
+    def set_tail(self, tail: float) -> None:
+        """What the owner's online correction learned of this decode's TBT over its mean gap."""
+        if tail != self.tail:
+            self.tail = tail
             self._stale()
 
     @property
@@ -327,7 +334,7 @@ class DecodeView(Shown[DecodeInstanceState]):
             self._incoming_shown = tuple(self._incoming.values())
         max_batch, max_context = self._limits
         return DecodeInstanceState(self.instance_id, running, max_batch, max_context, self._cost,
-                                   self._incoming_shown, self._shown_tbt(running, afresh), self.spread)
+                                   self._incoming_shown, self._shown_tbt(running, afresh), self.spread, self.tail)
 
     def _show_batch(self, refresh: bool) -> None:
         jobs = self._jobs.values()

@@ -169,7 +169,7 @@ class MooncakeSim(TraceDriver):
             self.recorder.migrated(len(m.keys))
         d.commit(req)
         if self.correcting is not None:
-            self.correcting.placed(req, decision, p)
+            self.correcting.placed(req, decision, p, d)
         p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)

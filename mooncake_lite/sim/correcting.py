@@ -9,11 +9,13 @@ knows its wait (ready to started) and its forward (started to first token): the 
 and the overtake share move by the same :class:`~mooncake_lite.scheduler.correction.Corrections`
 as live, each residual fed once. The prefill's model is shown scaled by its compute factor only,
 and no ``queue`` factor is learned: the simulator's conductor sees its queue exactly (FIFO is
-then priced right); only what later arrivals will do is unknown, which the share learns. Decodes are not
-corrected here (their simulated steps are the model's own, with a measured spread: nothing to
-learn but noise). Both roles learn their spread, measured / predicted TTFT at the first token and
-TBT at the end (``Corrections.note_ratio``); the TTFT's is shown to the prefill's view (admission's
-bound), the TBT's kept only, as live.
+then priced right); only what later arrivals will do is unknown, which the share learns. A decode
+is corrected as live, by the ``decode`` term (a request's mean gap over the step predicted: the
+step spread's mean, the KV writes and the batch mates that join mid-decode, none of which the
+batch foreseen at the first token holds; its steps beside a prefill are not told apart) and the
+``tail`` (its TBT over its mean gap). Both roles learn their spread, measured / predicted TTFT at
+the first token and TBT at the end (``Corrections.note_ratio``); the TTFT's is shown to the
+prefill's view (admission's bound), the TBT's kept only, as live.
 Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 """
 
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, scaled, show_shares, show_spread,
-                                                show_start)
+                                                show_start, show_tail)
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
@@ -43,11 +45,11 @@ class SimCorrecting:
         # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst
         # case, TTFT predicted, join allowance used, its worst case, the scale shown)
         self._predicted: dict[str, tuple[float, ...]] = {}
-        self._tbt: dict[str, float] = {}          # request id -> its predicted TBT (till it ends)
-        self._shown: dict[str, float] = {}       # prefill id -> the compute scale its view's model has
+        self._tbt: dict[str, tuple[float, float]] = {}   # request id -> its predicted TBT and step
+        self._shown: dict[str, float] = {}       # instance id -> the scale its view's model has
 
-    def placed(self, req: SimRequest, d: Decision, p: PrefillNode) -> None:
-        """``req`` was placed on ``p`` by ``d`` (its prefix: ``req.planned_prefix_tokens``)."""
+    def placed(self, req: SimRequest, d: Decision, p: PrefillNode, dn: DecodeNode) -> None:
+        """``req`` was placed on ``p`` and ``dn`` by ``d`` (its prefix: ``req.planned_prefix_tokens``)."""
         scale = self._shown.get(p.instance_id, 1.0)
         own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
         model, n, prefix = scaled(p.cost or self.costs.prefill, scale), req.input_length, req.planned_prefix_tokens
@@ -55,8 +57,9 @@ class SimCorrecting:
                                  d.predicted_queue_s, p.view.join_share)
         self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full,
                                     d.predicted_ttft_s or 0.0, join * p.view.join_share, join, scale)
-        if d.predicted_tbt_s is not None:
-            self._tbt[req.rid] = d.predicted_tbt_s
+        if d.predicted_tbt_s is not None:    # and the step it was made of, on the model uncorrected
+            shown = dn.view.tail * self._shown.get(dn.instance_id, 1.0)
+            self._tbt[req.rid] = (d.predicted_tbt_s, d.predicted_tbt_s / shown)
 
     def first_token(self, req: SimRequest, p: PrefillNode, now: float,
                     forward: tuple[float, float] = (0.0, 1.0)) -> None:
@@ -81,12 +84,23 @@ class SimCorrecting:
 
     def finished(self, req: SimRequest, d: DecodeNode) -> None:
         """``req`` completed on ``d``: its TBT against the predicted one, kept for the decode's
-        measured spread. Not shown to the scheduler, as live (``PredictionBook._reshow``):
-        admission does not judge it, and a new spread would rebuild ``d``'s state for nothing."""
+        measured spread (not shown to the scheduler, as live: admission does not judge it); its
+        mean gap against the step predicted, and its TBT over its mean gap, which move the
+        decode's model and tail as its view shows them."""
         predicted = self._tbt.pop(req.rid, None)
         if predicted is None or req.tbt is None:
             return
-        self.corrections.note_ratio(d.instance_id, "tbt", predicted, req.tbt)
+        c, iid, (tbt, step) = self.corrections, d.instance_id, predicted
+        c.note_ratio(iid, "tbt", tbt, req.tbt)
+        if req.mean_gap is None:
+            return
+        c.observe(iid, "decode", step, req.mean_gap)
+        c.observe(iid, "tail", req.mean_gap, req.tbt)    # its TBT over its mean gap
+        scale = c.decode_scale(iid)
+        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE:
+            self._shown[iid] = scale
+            d.view.set_cost(scaled(d.batch.model, scale))
+        show_tail(c, iid, d.view)
 
     def _show(self, p: PrefillNode) -> None:
         """``p``'s view as the live conductor's shows it: the model × its compute scale, and the

@@ -61,6 +61,8 @@ class Behaviour:
     fail_status: int | None = None       # answer this HTTP error
     hang: bool = False                   # never answer (prefill) / never send tokens (decode)
     token_delay_s: float = 0.0           # decode: pause between tokens
+    slow_token_every: int = 0            # decode: every Nth token pauses slow_token_delay_s more (0: none)
+    slow_token_delay_s: float = 0.0
     break_after: int | None = None       # decode: drop the connection after N tokens
     pause_after: int | None = None       # decode: stop sending after N tokens (a hang) until ``resume`` is set
     resume: asyncio.Event = field(default_factory=asyncio.Event)
@@ -153,6 +155,8 @@ class FakeInstance:
             while None in ends:
                 if b.token_delay_s:
                     await asyncio.sleep(b.token_delay_s)
+                if b.slow_token_every and n % b.slow_token_every == 0:
+                    await asyncio.sleep(b.slow_token_delay_s)
                 if aborted.is_set():   # (one line ends every choice)
                     await resp.write(dumps(TokenEvent(finish_reason="abort")) + b"\n")
                     break

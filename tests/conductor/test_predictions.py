@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 
 import openai
 import pytest
 
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
-from mooncake_lite.scheduler.correction import scaled
+from mooncake_lite.scheduler.correction import Corrections, scaled
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import join_allowance
 from tests.conductor import fakes
@@ -143,6 +144,39 @@ def test_a_check_says_what_it_compared():
     assert attrs["predicted_ttft_s"] == 0.5 and attrs["measured_ttft_s"] == 1.0 and attrs["ttft_ratio"] == 2.0
     assert attrs["transfer_ratio"] is None
     assert "ttft 0.5s→1s (x2.00)" in check.describe()
+    # a TBT predicted with a tail of 2 was made of a step of 0.01 s: the mean gap is compared to that
+    tailed = Check("r1", "p0", "d0", Prediction(0.5, 0.02, 0.3, 0.2, 0.0, decode_tail=2.0), ttft_s=1.0, tbt_s=0.04,
+                   mean_gap_s=0.03, queue_s=0.6, compute_s=0.3, transfer_s=None)
+    assert tailed.ratios()["gap"] == pytest.approx(3.0) and tailed.ratios()["tbt"] == pytest.approx(2.0)
+
+
+async def test_a_decode_learns_its_tail_and_the_tbt_predicted_carries_it(make_cluster):
+    """Every fourth token comes late (as beside a prefill's forward): the paper's TBT, the slowest
+    tenth of the gaps, is ~2.3x the mean gap. The decode's tail learns it, its state shows it, and
+    the TBT the next request is shown is the step foreseen × it, while the decode term (which
+    sizes every decode's time) learns the mean gap over the step, not over the step × the tail."""
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    d0 = cluster.instances["d0"].behaviour
+    d0.token_delay_s, d0.slow_token_every, d0.slow_token_delay_s = 0.005, 4, 0.02
+    await _complete(cluster, 8, max_tokens=21)
+    svc = cluster.svc
+    corr = svc.predictions.corrections
+    tail = corr.tail("d0")
+    assert tail > 1.5 and corr.get("d0").factors["tail"].num_observed == 8
+    state = svc.membership.snapshot().decodes[0]
+    assert abs(math.log(state.tbt_tail / tail)) < 1 / 32
+    headers = await _complete(cluster, 1, max_tokens=21)
+    shown = float(headers[0]["x-mooncake-predicted-tbt"])
+    step = (state.cost or svc.scheduler.costs.decode).predict(1, 1) * corr.decode_scale("d0")   # the least step
+    assert shown >= 0.99 * step * state.tbt_tail
+    # the decode term is learned against the step the TBT was made of: a mean gap equal to it moves
+    # nothing, though the TBT predicted (the step × a tail of 2) was twice the mean gap
+    fresh = Corrections()
+    svc.predictions.corrections = fresh
+    check = Check("r", "p0", "d0", Prediction(0.5, 0.04, 0.0, 0.5, 0.0, decode_tail=2.0), ttft_s=0.5, tbt_s=0.04,
+                  mean_gap_s=0.02, queue_s=None, compute_s=None, transfer_s=None)
+    svc.predictions.settle(check, 0.0)
+    assert fresh.get("d0").factors["decode"].log == 0.0 and fresh.tail("d0") > 1.0
 
 
 async def test_the_ttft_side_corrects_at_the_first_token_not_after_the_decode(make_cluster):

@@ -192,6 +192,20 @@ def test_admission_judges_what_others_add_times_the_instances_measured_spread():
     assert run(cluster([prefill("p0", jobs, queue_spread=9.0)], [decode("d0", 4, tbt_spread=9.0)]), "none").accepted
 
 
+def test_the_tbt_predicted_is_the_step_times_the_tail_and_admission_judges_the_step():
+    """A decode's tail (its TBT, the slowest tenth of gaps, over its mean gap: learned) turns the
+    step foreseen into the TBT predicted; admission judges the step (scheduler._decision's note:
+    judged with the tail, the simulator refused requests that would have met their SLO)."""
+    plain = run(cluster([prefill("p0")], [decode("d0", batch=4)]), "predictive", ttft_slo_s=1.0, tbt_slo_s=0.07)
+    tailed = run(cluster([prefill("p0")], [decode("d0", batch=4, tbt_tail=1.5)]), "predictive", ttft_slo_s=1.0,
+                 tbt_slo_s=0.07)
+    assert plain.accepted and tailed.accepted                 # a step of 0.06 s within 0.07 s either way
+    assert plain.predicted_tbt_s == pytest.approx(0.06) and tailed.predicted_tbt_s == pytest.approx(0.09)
+    assert tailed.bound_tbt_s == plain.bound_tbt_s == pytest.approx(0.06)
+    assert not run(cluster([prefill("p0")], [decode("d0", batch=4, tbt_tail=1.5)]), "predictive", ttft_slo_s=1.0,
+                   tbt_slo_s=0.05).accepted
+
+
 def test_an_incoming_request_counts_only_while_it_decodes():
     """§3's load at t: an incoming request joins when its prefill is predicted to end and leaves
     t_d later. A burst's earlier member, prefilled and decoded before t, is not in t's batch —

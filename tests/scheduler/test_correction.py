@@ -194,3 +194,15 @@ def test_a_wait_is_kept_for_the_queue_s_spread_only_where_a_queue_was_priced():
         assert c.note_wait("p", 2.0, 0.5, 3.0) is None
     assert c.spread("p", "wait") == pytest.approx(1.5) and c.spread("p", "ttft") == 1.0
     assert c.note_wait("p", 2.0, 0.5, math.nan) is not None   # refused as any ratio
+
+
+def test_a_decode_learns_its_tail_from_two_measurements_and_no_model():
+    """``tail``: a request's TBT (the slowest tenth of its gaps) over its mean gap, both measured;
+    it scales no model (the decode scale is the ``decode`` terms' alone) and refuses a broken pair."""
+    c = Corrections()
+    assert c.tail("d") == 1.0
+    for _ in range(40):
+        assert c.observe("d", "tail", 0.02, 0.03) is None
+    assert c.tail("d") == pytest.approx(1.5, rel=1e-3)
+    assert c.decode_scale("d") == 1.0
+    assert c.observe("d", "tail", 0.02, float("nan")) is not None and c.tail("d") == pytest.approx(1.5, rel=1e-3)

@@ -125,6 +125,10 @@ def report_text(report: Mapping) -> str:
     if sp.get("count"):
         lines.append(f"TTFT prediction error in the simulator (queue order alone), median / first {sp['first']}: "
                      f"{sp['median_error']:.3f} / {sp['first_median_error']:.3f}")
+    sp = (report.get("sim_predictions") or {}).get("tbt") or {}
+    if sp.get("count"):
+        lines.append(f"TBT prediction error in the simulator, median / first {sp['first']}: {sp['median_error']:.3f}"
+                     f" / {sp['first_median_error']:.3f} (median ratio {sp['median_ratio']:.2f})")
     if report.get("held_out"):
         h = report["held_out"]
         lines.append(f"held out (the last {ns_of(h)} requests, simulated with the models exported before they "

@@ -67,11 +67,13 @@ def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, ad
 
 
 def simulated_predictions(trace: Sequence[TraceRequest], result, decisions: Sequence) -> dict:
-    """The simulated conductor's own TTFT prediction error on the slice (``error_figures``, in
-    arrival order). Its forwards take exactly what the model says, so what is left is what no
+    """The simulated conductor's own TTFT and TBT prediction errors on the slice (``error_figures``,
+    in arrival order). Its forwards take exactly what the model says, so what is left is what no
     prediction at arrival can know: later arrivals passing or joining a job (shortest first,
     packing); FIFO leaves none. The live error is that plus the machine's. A request held for its
-    burst (``--burst-window``) is predicted, as the live client is shown, its wait plus the decision's."""
+    burst (``--burst-window``) is predicted, as the live client is shown, its wait plus the decision's.
+    Its TBT is the step for the batch foreseen at its first token × the tail learned (with ``correct``):
+    what is left is batch mates joining mid-decode and the step spread, as live."""
     from mooncake_lite.bench.replay.metrics import error_figures
     held = result.extra.get("held_s", {})
     predicted = {t.request_id: d.predicted_ttft_s + held.get(t.request_id, 0.0) for t, d in zip(trace, decisions)
@@ -79,7 +81,9 @@ def simulated_predictions(trace: Sequence[TraceRequest], result, decisions: Sequ
     by_id = {r.request_id: r for r in result.requests}
     ratios = [r.ttft / p for t in trace if (r := by_id.get(t.request_id)) is not None and r.status == "completed"
               and r.ttft is not None and (p := predicted.get(t.request_id))]
-    return {"ttft": error_figures(ratios)}
+    tbts = [r.tbt / d.predicted_tbt_s for t, d in zip(trace, decisions) if d.predicted_tbt_s
+            and (r := by_id.get(t.request_id)) is not None and r.status == "completed" and r.tbt]
+    return {"ttft": error_figures(ratios), "tbt": error_figures(tbts)}
 
 
 def live_overtakes(prefill_args: str) -> int:

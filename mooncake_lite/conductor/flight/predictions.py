@@ -28,10 +28,11 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled,
-                                                show_shares, show_spread)
+                                                show_shares, show_spread, show_tail)
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
+from mooncake_lite.scheduler.view import DecodeView
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
@@ -60,6 +61,12 @@ class Prediction:
     # likewise for later arrivals joining its forward (queue_order.join_allowance; packing)
     join_s: float = 0.0
     join_full_s: float = 0.0
+    decode_tail: float = 1.0   # ``tbt_s`` is the step × this (DecodeInstanceState.tbt_tail)
+
+    @property
+    def step_s(self) -> float:
+        """The decode step ``tbt_s`` was made of (0: no TBT predicted)."""
+        return (self.tbt_s or 0.0) / self.decode_tail
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ class Check:
         """(predicted, measured) by metric."""
         p = self.predicted
         return {"ttft": (p.ttft_s, self.ttft_s), "tbt": (p.tbt_s or 0.0, self.tbt_s),
-                "gap": (p.tbt_s or 0.0, self.mean_gap_s),
+                "gap": (p.step_s, self.mean_gap_s),
                 "queue": (p.queue_s, self.queue_s), "compute": (p.prefill_s, self.compute_s),
                 "transfer": (p.transfer_s, self.transfer_s)}
 
@@ -140,7 +147,7 @@ class PredictionBook:
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
                           (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
-                          join * join_full, join_full)
+                          join * join_full, join_full, self._tail(d.decode_id))
 
     def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int,
                    queue_s: float) -> tuple[float, ...]:
@@ -156,6 +163,11 @@ class PredictionBook:
         full, join = worst_cases(model, inst.reg.queue_overtakes, inst.reg.pack_tokens, num_tokens, prefix_tokens,
                                  view.state().recent_uncached, queue_s, view.join_share)
         return view.overtake_share, full, view.join_share, join
+
+    def _tail(self, decode_id: str | None) -> float:
+        """The tail ``decode_id``'s view shows (the decision's TBT is its step × it)."""
+        inst = self.membership.get(decode_id) if decode_id else None
+        return inst.view.tail if inst is not None and isinstance(inst.view, DecodeView) else 1.0
 
     def _base_log(self, instance_id: str | None) -> float:
         return self._base[instance_id][1] if instance_id in self._base else 0.0
@@ -230,6 +242,8 @@ class PredictionBook:
             # and the TBT's from the corrections)
             show_spread(self.corrections, iid, "wait", inst.view)
             show_shares(self.corrections, iid, inst.view)
+        elif isinstance(inst.view, DecodeView):
+            show_tail(self.corrections, iid, inst.view)
 
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
@@ -268,7 +282,9 @@ class PredictionBook:
             return
         term = "decode_interference" if check.decode_busy else "decode"
         s = p.decode_scale * math.exp(p.bases[1] - self._base_log(iid))
-        self._observe(iid, term, p.tbt_s / s, check.mean_gap_s)
+        self._observe(iid, term, p.step_s / s, check.mean_gap_s)
+        if check.mean_gap_s is not None:
+            self._observe(iid, "tail", check.mean_gap_s, check.tbt_s)
         self.corrections.note_shares(iid, busy=check.decode_busy)
         self._observe(iid, "tbt", p.tbt_s, check.tbt_s)
 
