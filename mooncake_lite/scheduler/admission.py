@@ -3,7 +3,7 @@
 ``none`` and ``early`` read every decode instance's committed load *now* (running batch plus the
 requests already dispatched there whose KV has not arrived, plus the new request);
 ``predictive`` reads the load predicted for ``t = now + predicted TTFT``: incoming requests whose
-prefill finishes by ``t`` join, running requests older than t_d at ``t`` leave.
+prefill finishes by ``t`` join (and leave t_d later), running requests older than t_d at ``t`` leave.
 
 The SLOs checked are absolute or relative to the request alone on the chosen instances
 (``SchedulerConfig``, :func:`slo_violation`), each against its bound (:func:`bounds`): the
@@ -137,7 +137,7 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
     prefill's measured spread of it (``PrefillInstanceState.queue_spread``: an upper quantile of
-    measured / predicted waits there, 1 until measured), and the TBT as predicted. The prediction is central (half the requests
+    measured / predicted waits there, 1 until measured), and the TBT step as predicted (without the tail). The prediction is central (half the requests
     land above it), so judged alone it admits half of those near the limit to miss it (measured:
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it

@@ -37,7 +37,7 @@ class Decision(NamedTuple):
     Block counts are in blocks of ``SchedulerConfig.block_size``; times are predicted seconds:
     ``predicted_*`` the central predictions (shown, checked), ``bound_*`` what admission judged
     (``admission.bounds``: what others add × the instance's measured spread; the prediction
-    until measured).
+    until measured; the TBT's: the step foreseen, while ``predicted_tbt_s`` is that × the decode's tail).
     """
 
     accepted: bool

@@ -258,7 +258,9 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
         first = bisect_right(profile_ends, t)       # running requests still decoding at t
         batch, context = len(profile_ends) - first, prefix[-1] - prefix[first]
         for r in d.incoming:
-            joins = ends.get(r.request_id, now)
+            joins = ends.get(r.request_id)
+            if joins is None:    # choice i > 0 of a request of n is queued under the request's id
+                joins = ends.get(r.request_id.partition("#")[0], now)
             if joins > t:
                 continue
             step = tbt
@@ -275,7 +277,7 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
 def decode_load_at(d: DecodeInstanceState, costs: CostModels, now: float, t: float, ends: dict[str, float],
                    uniform_decode_s: float | None) -> tuple[int, int]:
     """:func:`loads_at` for one instance, from scratch. With ``uniform_decode_s`` None, t_d is
-    estimated per request as its max_output_tokens times the instance's TBT
-    (:func:`pricing_tbt`; unknown max_output_tokens: assumed still decoding)."""
+    estimated per request as its max_output_tokens times the instance's TBT (:func:`pricing_tbt`;
+    an incoming one's at least its step alone; unknown max_output_tokens: assumed still decoding)."""
     profile = leave_profile_of(d, d.cost or costs.decode, uniform_decode_s)
     return loads_at((d,), [profile], now, t, ends, uniform_decode_s, costs.decode)[0]

@@ -136,7 +136,7 @@ class DecodeInstanceState:
     cost model predicts for its running batch. The instance view keeps it while the batch's
     predicted TBT stays within ``MAX_TBT_DRIFT`` of it (:mod:`mooncake_lite.scheduler.view`).
     ``tbt_spread``: the TBT's like :attr:`PrefillInstanceState.queue_spread` (measured TBT, the
-    slowest 10% of gaps, over the predicted step). ``tbt_tail``: its measured TBT over its mean
+    slowest 10% of gaps, over the TBT predicted). ``tbt_tail``: its measured TBT over its mean
     gap, learned (``Corrections.tail``); the TBT a decision predicts is the step × it."""
 
     instance_id: str

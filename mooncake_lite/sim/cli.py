@@ -54,7 +54,8 @@ def _cluster_options(ap: argparse.ArgumentParser) -> None:
                          f"(0: FIFO, the paper's; `mooncake up` serves shortest first with K={DEFAULT_OVERTAKES})")
     ap.add_argument("--correct", action="store_true",
                     help="the live conductor's online correction, fed by the simulated requests: prefill "
-                         "compute factors and overtake shares (docs/scheduler.md, predictions checked)")
+                         "compute factors and overtake shares, decode factors and tails (docs/scheduler.md, "
+                         "predictions checked)")
     ap.add_argument("--cost-model", default="llama2-70b-a800",
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
                          "or `mooncake sim export-costs`")

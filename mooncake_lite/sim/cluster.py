@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import replace
 
 from mooncake_lite.scheduler import (ClusterState, CostModels, Decision, Scheduler, ScheduleRequest,
                                      decode_admits)
@@ -276,7 +277,8 @@ class MooncakeSim(TraceDriver):
         d.uncommit(req)
         if not self._reserve:   # decode_check "arrival"
             sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
-            if not decode_admits(d.state(), sreq, self.costs, self.tbt_slo_s):
+            # on the decode's own model, as the live decode checks (its view's may be corrected)
+            if not decode_admits(replace(d.state(), cost=d.batch.model), sreq, self.costs, self.tbt_slo_s):
                 return self._reject(now, req, "decode", "tbt")
             d.hold(req)
         d.arrive(now, req)

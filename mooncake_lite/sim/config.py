@@ -49,7 +49,8 @@ class SimConfig:
     # 0: FIFO, which the paper presets keep.
     prefill_queue_overtakes: int = 0
     # The live conductor's online correction (issue #36), fed by the simulated requests
-    # (sim/correcting.py): prefill compute factors and overtake shares. Off: the paper presets'.
+    # (sim/correcting.py): prefill compute factors and overtake shares, decode factors and tails.
+    # Off: the paper presets'.
     correct: bool = False
     # A burst decided together, as the conductor's --burst-window: requests arriving within this
     # many seconds of the first, while every prefill has a job, are placed shortest uncached

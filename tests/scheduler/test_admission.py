@@ -40,8 +40,8 @@ def test_predictive_ignores_prefills_that_finish_later_or_go_elsewhere():
     assert d.accepted and d.decode_id == "d0" and d.predicted_tbt_s == pytest.approx(0.03)
 
 
-def test_incoming_whose_prefill_is_done_joins_by_any_time():
-    # In no prefill queue = prefill finished, KV in transit: predictive counts it at any t.
+def test_incoming_whose_prefill_is_done_joins_now():
+    # In no prefill queue = prefill finished, KV in transit: predictive counts it from now for t_d.
     clus = cluster([prefill("p0")], [decode("d0", batch=8, incoming=(IncomingRequest("x", 100),))])
     assert run(clus, "predictive", uniform_decode_s=100).reject_cause == "tbt"   # 8 + 1 + 1
     assert run(clus, "early").reject_cause == "tbt"
@@ -222,3 +222,7 @@ def test_an_incoming_request_counts_only_while_it_decodes():
     assert decode_load_at(d, COSTS, 0.0, 1.5, {}, 3.0) == (2, 120)      # a uniform t_d of 3 s
     unknown = replace(d, incoming=(IncomingRequest("a", 50),))          # no max_tokens: never leaves
     assert decode_load_at(unknown, COSTS, 0.0, 100.0, ends, None) == (1, 50)
+    # a request of n choices: choice 1 ("a#1") is queued under the request's id, so it joins with it
+    second = replace(d, incoming=(IncomingRequest("a#1", 50, max_output_tokens=10),))
+    assert decode_load_at(second, COSTS, 0.0, 0.5, ends, None) == (0, 0)
+    assert decode_load_at(second, COSTS, 0.0, 1.5, ends, None) == (1, 50)

@@ -107,25 +107,6 @@ def test_admission_on_the_measured_spread_admits_fewer_that_then_miss():
     assert met_bounded >= 0.92
 
 
-if __name__ == "__main__":   # the admission table of docs/results/2026-11-29-prediction-admission.md
-    from mooncake_lite.bench.fidelity.admission import judge
-
-    def _all(requests):   # the counterfactual: exactly these requests, none refused (exact here)
-        cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, hardware="toy",
-                        scheduler=SchedulerConfig(admission="none", ttft_slo_s=math.inf, tbt_slo_s=math.inf))
-        res = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3)).run(requests)
-        return {r.request_id: Outcome("ok", r.ttft, r.tbt) for r in res.requests}
-
-    for slo in (4.0, 8.0):
-        for name, kw in (("worst case", dict(spread=False, correct=False)), ("share", dict(spread=False)),
-                         *((f"share + spread q{q:g}", dict(spread=True, quantile=q)) for q in (0.7, 0.8, 0.9, 0.95))):
-            j = judge(_bursts(24), _admitting(slo_s=slo, **kw)[1], lambda t: (slo, math.inf), _all)
-            a, r = j["admitted_met"], j["refused_would_meet"]
-            print(f"TTFT SLO {slo:g} s, {name}: admitted met {a['met']}/{a['of']} = {a['share']:.1%} "
-                  f"({a['ci95'][0]:.1%}-{a['ci95'][1]:.1%}); refused would have {r['met']}/{r['of']} = "
-                  f"{r['share']:.1%} ({r['ci95'][0]:.1%}-{r['ci95'][1]:.1%})")
-
-
 def test_the_simulator_learns_a_decode_s_step_and_tail_and_predicts_its_tbt_closer():
     """A decode whose steps spread (a tenth of them 1.8x the model) and slow as batch mates join:
     the paper's TBT (its slowest tenth of gaps) lands above the step foreseen at the first token.
@@ -153,3 +134,22 @@ def test_the_simulator_learns_a_decode_s_step_and_tail_and_predicts_its_tbt_clos
     assert abs(corrected["median_ratio"] - 1) < 0.1 and corrected["median_error"] < 0.5 * plain["median_error"]
     c = sim.correcting.corrections
     assert c.tail("D0") > 1.3 and sim.decodes[0].view.state().tbt_tail == pytest.approx(c.tail("D0"), rel=1 / 30)
+
+
+if __name__ == "__main__":   # the admission table of docs/results/2026-11-29-prediction-admission.md
+    from mooncake_lite.bench.fidelity.admission import judge
+
+    def _all(requests):   # the counterfactual: exactly these requests, none refused (exact here)
+        cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, hardware="toy",
+                        scheduler=SchedulerConfig(admission="none", ttft_slo_s=math.inf, tbt_slo_s=math.inf))
+        res = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3)).run(requests)
+        return {r.request_id: Outcome("ok", r.ttft, r.tbt) for r in res.requests}
+
+    for slo in (4.0, 8.0):
+        for name, kw in (("worst case", dict(spread=False, correct=False)), ("share", dict(spread=False)),
+                         *((f"share + spread q{q:g}", dict(spread=True, quantile=q)) for q in (0.7, 0.8, 0.9, 0.95))):
+            j = judge(_bursts(24), _admitting(slo_s=slo, **kw)[1], lambda t: (slo, math.inf), _all)
+            a, r = j["admitted_met"], j["refused_would_meet"]
+            print(f"TTFT SLO {slo:g} s, {name}: admitted met {a['met']}/{a['of']} = {a['share']:.1%} "
+                  f"({a['ci95'][0]:.1%}-{a['ci95'][1]:.1%}); refused would have {r['met']}/{r['of']} = "
+                  f"{r['share']:.1%} ({r['ci95'][0]:.1%}-{r['ci95'][1]:.1%})")

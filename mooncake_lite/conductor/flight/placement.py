@@ -85,7 +85,7 @@ def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now:
     if decode is None:
         return 1.0
     state = decode.view.state()
-    tbt = state.tbt_s or decision.predicted_tbt_s or 0.0
+    tbt = state.tbt_s or decision.bound_tbt_s or 0.0     # a step (the TBT predicted holds the tail)
     leaves = [r.joined_at + r.max_output_tokens * tbt for r in state.running if r.max_output_tokens is not None]
     return min(leaves) - now if leaves else 1.0
 
