@@ -230,7 +230,7 @@ def _store_capacity(path: str | Path, data: dict[str, Any]) -> dict[str, int | s
             raise ValueError(f"cost profile {path}: store_block_tokens (else block_size) must be a positive "
                              f"whole number of tokens, got {tokens!r}")
         changes["store_block_tokens"] = tokens
-    if "eviction" in data:
+    if data.get("eviction") is not None:
         if data["eviction"] not in POLICY_NAMES:
             raise ValueError(f"cost profile {path}: eviction must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {data['eviction']!r}")
