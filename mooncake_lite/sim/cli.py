@@ -59,9 +59,12 @@ def _cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cost-model", default="llama2-70b-a800",
                     help=f"preset ({', '.join(PRESETS)}) or a profile JSON from `mooncake bench pd --profile` "
                          "or `mooncake sim export-costs`")
-    ap.add_argument("--eviction", choices=POLICY_NAMES, default="lru")
-    ap.add_argument("--store-blocks", type=int, default=None, help="blocks per node store (default: from DRAM)")
-    ap.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier blocks per node (0 = none)")
+    ap.add_argument("--eviction", choices=POLICY_NAMES, default=None,
+                    help="the store's policy (default: the cost model's live store's, else lru)")
+    ap.add_argument("--store-blocks", type=int, default=None,
+                    help="blocks per node store (default: the cost model's live store's, else from DRAM)")
+    ap.add_argument("--ssd-blocks", type=int, default=None,
+                    help="SSD tier blocks per node (0 = none; default: the cost model's live store's, else 0)")
     ap.add_argument("--kv-compression", choices=("none", "int8", "fp8"), default="none",
                     help="store blocks as 1-byte codes (the live --kv-compression): more blocks in the "
                          "same DRAM, smaller prefix loads and fetches")
@@ -194,7 +197,8 @@ def _simulate(args: argparse.Namespace, cfg: SimConfig, hw: Hardware, trace: lis
         runs = {f"mooncake {args.prefill * args.cpp}P+{args.decode}D": run_with_progress(MooncakeSim(cfg, hw), trace, "mooncake", show)}
     if args.baseline:
         base = ColocatedConfig(num_instances=args.prefill * args.cpp + args.decode, hardware=args.cost_model,
-                               eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                               eviction=args.eviction or hw.eviction or "lru",
+                               ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                chunked_prefill_tokens=args.baseline_chunk, seed=args.seed)
         runs[f"colocated {base.num_instances}x"] = run_with_progress(ColocatedSim(base, hw, hw.block_size), trace,
                                                                      "colocated", show)

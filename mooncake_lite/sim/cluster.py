@@ -85,11 +85,12 @@ class MooncakeSim(TraceDriver):
         """The prefill instances (CPP groups, each with its node store) and the decode nodes."""
         cfg, hw = self.cfg, self.hw
         capacity = cfg.store_blocks_per_node
-        if capacity is None:
+        if capacity is None:   # the hardware's: a live store's slots (its profile), else its DRAM
             capacity = hw.dram_blocks() * cfg.cpp_group_size
         group_cost = cpp_cost_model(hw, cfg.cpp_group_size, cfg.prefill_chunk)
-        ssd = cfg.ssd_blocks_per_node * cfg.cpp_group_size
-        prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, cfg.eviction), hw, cfg.cpp_group_size,
+        ssd = (hw.ssd_blocks() if cfg.ssd_blocks_per_node is None else cfg.ssd_blocks_per_node) * cfg.cpp_group_size
+        eviction = cfg.eviction or hw.eviction or "lru"
+        prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, eviction), hw, cfg.cpp_group_size,
                                 cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens, cfg.prefill_queue_overtakes)
                     for i in range(cfg.num_prefill)]
         decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),

@@ -57,9 +57,10 @@ class SimConfig:
     # first (scheduler/arrivals.py); 0: each at its arrival.
     burst_window_s: float = 0.0
     hardware: str = "llama2-70b-a800"
-    eviction: str = "lru"
-    store_blocks_per_node: int | None = None     # None = from the hardware's DRAM
-    ssd_blocks_per_node: int = 0                 # 0 = no SSD tier
+    # None: the hardware's (a live store's, from its profile), else lru, the DRAM's worth, no SSD tier
+    eviction: str | None = None
+    store_blocks_per_node: int | None = None
+    ssd_blocks_per_node: int | None = None       # 0 = no SSD tier
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     local_ttft_check: bool = False
     decode_max_batch: int | None = None
@@ -83,11 +84,11 @@ class SimConfig:
             raise ValueError("prefill_queue_overtakes must be >= 0")
         if not 0 <= self.burst_window_s < float("inf"):
             raise ValueError(f"burst_window_s must be >= 0 seconds, got {self.burst_window_s}")
-        if self.eviction not in POLICY_NAMES:
+        if self.eviction is not None and self.eviction not in POLICY_NAMES:
             raise ValueError(f"eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
         if self.store_blocks_per_node is not None and self.store_blocks_per_node < 0:
             raise ValueError("store_blocks_per_node must be >= 0")
-        if self.ssd_blocks_per_node < 0:
+        if self.ssd_blocks_per_node is not None and self.ssd_blocks_per_node < 0:
             raise ValueError("ssd_blocks_per_node must be >= 0")
         if self.sample_interval_s <= 0:
             raise ValueError("sample_interval_s must be positive")

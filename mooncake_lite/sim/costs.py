@@ -30,10 +30,15 @@ from typing import Any
 import orjson
 
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel, kv_bytes_per_token
+from mooncake_lite.store.eviction import POLICY_NAMES
 
 # FAST'25 FLOPs model constants for LLaMA2-70B (docs/paper.md §5).
 LAYERS, HIDDEN, ATTN_A, MLP_B = 80, 8192, 4, 22
 MEASURED_PREFILL_S = {512: 0.094, 2048: 0.274, 8192: 1.544}  # 8×A100 TP8, batch 1
+# A profile's store keys (Hardware fields, written by to_dict when set); a count past the bound
+# (~8 PB of 786 KB slots) is a corrupt file, not a store.
+STORE_KEYS = ("store_blocks_per_node", "ssd_blocks_per_node", "store_block_tokens", "eviction")
+MAX_STORE_BLOCKS = 10**10
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,28 @@ class Hardware:
     # Seconds per prompt token the decode's model thread spends writing a received prompt's KV
     # into its cache (between steps, so its batch waits): charged when the request joins.
     decode_kv_write_s_per_token: float = 0.0
+    # A live store's capacity (conductor/cost_export.py): DRAM slots and SSD blocks per node, each
+    # block of ``store_block_tokens`` tokens (None: ``block_size``), and its eviction policy. None:
+    # the store is sized from ``dram_bytes_per_node`` with no SSD tier, and evicts as configured.
+    store_blocks_per_node: int | None = None
+    ssd_blocks_per_node: int | None = None
+    store_block_tokens: int | None = None
+    eviction: str | None = None
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
         return int(self.kv_bytes_per_token * self.store_kv_factor * self.block_size)
 
     def dram_blocks(self) -> int:
-        """Blocks of ``block_size`` tokens one node's store can hold."""
+        """Blocks of ``block_size`` tokens one node's store can hold: as many tokens as a live
+        store's slots, where the profile has them, else its DRAM's worth."""
+        if self.store_blocks_per_node is not None:
+            return self.store_blocks_per_node * (self.store_block_tokens or self.block_size) // self.block_size
         return int(self.dram_bytes_per_node * self.dram_usable_fraction // self.block_bytes())
+
+    def ssd_blocks(self) -> int:
+        """Blocks of ``block_size`` tokens one node's SSD tier holds (0: none)."""
+        return (self.ssd_blocks_per_node or 0) * (self.store_block_tokens or self.block_size) // self.block_size
 
     def prefill_seconds(self, num_tokens: int, num_prefix_tokens: int) -> float:
         """True prefill time: compute, with the local prefix load hidden by layer-wise overlap
@@ -116,7 +135,8 @@ class Hardware:
                 **({"decode_padding_s_per_token": self.decode_padding_s_per_token}
                    if self.decode_padding_s_per_token else {}),
                 **({"decode_kv_write_s_per_token": self.decode_kv_write_s_per_token}
-                   if self.decode_kv_write_s_per_token else {})}
+                   if self.decode_kv_write_s_per_token else {}),
+                **{key: value for key in STORE_KEYS if (value := getattr(self, key)) is not None}}
 
 
 def _flops(n: float) -> float:
@@ -171,7 +191,9 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "dram_bytes_per_node": 1e12, "block_size": 512,
          "decode_step_ratios": [0.9, .., 1.6],    # a step's spread around the decode model
          "decode_colocated_slowdown": 1.8,        # steps beside a computing prefill (one box)
-         "decode_padding_s_per_token": 2e-6}      # attention runs a batch to its longest context
+         "decode_padding_s_per_token": 2e-6,      # attention runs a batch to its longest context
+         "store_blocks_per_node": 2465, "ssd_blocks_per_node": 0,   # a live store's slots, in
+         "eviction": "lru"}                        # blocks of store_block_tokens (or block_size)
     """
     try:
         data = orjson.loads(Path(path).read_bytes())
@@ -187,7 +209,33 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
     changes.update(_positive_numbers(path, data))
     if "decode_step_ratios" in data:
         changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
+    changes.update(_store_capacity(path, data))
     return replace(hw, **changes)
+
+
+def _store_capacity(path: str | Path, data: dict[str, Any]) -> dict[str, int | str]:
+    """A profile's store keys, by Hardware field: block counts are integers in [0, MAX_STORE_BLOCKS]
+    of ``store_block_tokens`` tokens (default the profile's ``block_size``), the policy a known one."""
+    changes: dict[str, int | str] = {}
+    for key in ("store_blocks_per_node", "ssd_blocks_per_node"):
+        value = data.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STORE_BLOCKS:
+                raise ValueError(f"cost profile {path}: {key} must be a whole number of blocks in "
+                                 f"[0, {MAX_STORE_BLOCKS}], got {value!r}")
+            changes[key] = value
+    tokens = data.get("store_block_tokens", data.get("block_size"))
+    if changes and tokens is not None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"cost profile {path}: store_block_tokens (else block_size) must be a positive "
+                             f"whole number of tokens, got {tokens!r}")
+        changes["store_block_tokens"] = tokens
+    if data.get("eviction") is not None:
+        if data["eviction"] not in POLICY_NAMES:
+            raise ValueError(f"cost profile {path}: eviction must be one of {', '.join(POLICY_NAMES)}, "
+                             f"got {data['eviction']!r}")
+        changes["eviction"] = data["eviction"]
+    return changes
 
 
 def _positive_numbers(path: str | Path, data: dict[str, Any]) -> dict[str, float | int]:

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from mooncake_lite.common.auth import cluster_token_middleware
+from mooncake_lite.common.protocol import StoreCapacity
 from mooncake_lite.store.blocks import BlockStore
 from mooncake_lite.store.config import Config
 from mooncake_lite.store.dataplane import META_BYTES, StoreHandler
@@ -55,14 +56,17 @@ DATA = web.AppKey("data", DataPlane)
 
 def make_app(cfg: Config) -> web.Application:
     """Allocate the slab and re-index the SSD tier now (errors surface before serving)."""
-    # Idle keepalive (to hear of a restarted conductor): a few seconds, sooner with fast events.
-    publisher = BlockEventFanout(cfg.joins(), interval=cfg.event_interval, keepalive=min(5.0, 20 * cfg.event_interval))
     ssd = None
     if cfg.ssd_dir:
         # A block larger than a DRAM slot could never be promoted: count it as bad at start-up.
         ssd = SsdTier(cfg.ssd_dir, cfg.ssd, fsync=cfg.ssd_fsync, max_pending_bytes=cfg.ssd_queue,
                       max_block_bytes=cfg.slot_bytes)
     slab = _make_slab(cfg)
+    # Reported with the block events, for the simulator's store (the conductor's cost export).
+    capacity = StoreCapacity(slab.num_slots, ssd.capacity_bytes // slab.slot_bytes if ssd else 0, cfg.eviction)
+    # Idle keepalive (to hear of a restarted conductor): a few seconds, sooner with fast events.
+    publisher = BlockEventFanout(cfg.joins(), interval=cfg.event_interval, keepalive=min(5.0, 20 * cfg.event_interval),
+                                 capacity=capacity)
     store = BlockStore(slab, make_policy(cfg.eviction), ssd, on_stored=publisher.stored, on_evicted=publisher.evicted)
     if ssd is not None:
         ssd.scan()

@@ -19,6 +19,7 @@ import aiohttp
 
 from mooncake_lite.common import discovery
 from mooncake_lite.common.membership import Conductor, follow_conductors
+from mooncake_lite.common.protocol import StoreCapacity
 from mooncake_lite.store.events import BlockEventPublisher
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 class BlockEventFanout:
     """The publisher interface of the store (record, full sync, run, flush), for every conductor."""
 
-    def __init__(self, conductor: Conductor | None, *, interval: float, keepalive: float) -> None:
+    def __init__(self, conductor: Conductor | None, *, interval: float, keepalive: float,
+                 capacity: StoreCapacity | None = None) -> None:
         self.conductor = conductor
-        self.interval, self.keepalive = interval, keepalive
+        self.interval, self.keepalive, self.capacity = interval, keepalive, capacity
         self.publishers: dict[str, BlockEventPublisher] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.inventory: Callable[[], Collection[bytes]] | None = None
@@ -42,7 +44,7 @@ class BlockEventFanout:
     def _add(self, url: str) -> BlockEventPublisher:
         token = self.conductor.token if self.conductor else None
         pub = BlockEventPublisher(url, self._address, token=token, interval=self.interval, keepalive=self.keepalive,
-                                  inventory=self.inventory)
+                                  inventory=self.inventory, capacity=self.capacity)
         pub.usage = lambda: self.usage() if self.usage else {}
         self.publishers[url] = pub
         if self._session is not None:

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import BlockEvents, dumps
+from mooncake_lite.common.protocol import BlockEvents, StoreCapacity, dumps
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ SYNC_CHUNK_KEYS = 65536   # keys per full-sync message (~2.3 MB of JSON)
 class BlockEventPublisher:
     def __init__(self, conductor_url: str | None, store_address: str, *, token: str | None = None,
                  interval: float = 0.2, max_pending: int = 1_000_000, timeout: float = 5.0,
-                 inventory: Callable[[], Collection[bytes]] | None = None, keepalive: float = 5.0) -> None:
+                 inventory: Callable[[], Collection[bytes]] | None = None, keepalive: float = 5.0,
+                 capacity: StoreCapacity | None = None) -> None:
         self.url = conductor_url.rstrip("/") + "/internal/v1/block_events" if conductor_url else None
         self.store_address = store_address
         self.headers = {"Content-Type": "application/json", **cluster_headers(token)}
@@ -56,6 +57,7 @@ class BlockEventPublisher:
         self.num_full_syncs = 0
         self._needs_full = inventory is not None
         self.usage: Callable[[], dict[str, float]] | None = None   # the store's figures, sent with each post
+        self.capacity = capacity   # sent with each post too (the conductor may restart)
 
     # ---- recording (called from the data path) ------------------------------------------------
     def stored(self, key: bytes) -> None:
@@ -131,8 +133,8 @@ class BlockEventPublisher:
         return True
 
     async def _post(self, session: aiohttp.ClientSession, msg: BlockEvents) -> bool:
-        if self.usage is not None:
-            msg = dataclasses.replace(msg, usage=self.usage())
+        if self.usage is not None or self.capacity is not None:
+            msg = dataclasses.replace(msg, usage=self.usage() if self.usage else msg.usage, capacity=self.capacity)
         try:
             async with session.post(self.url, data=dumps(msg), headers=self.headers,
                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:

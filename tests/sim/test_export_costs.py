@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import Heartbeat, Register, dumps
+from mooncake_lite.common.protocol import BlockEvents, Heartbeat, Register, StoreCapacity, dumps
 from mooncake_lite.conductor.app import make_app
 from mooncake_lite.conductor.config import Config
 from mooncake_lite.scheduler.costs import PrefillCostModel
@@ -54,6 +54,8 @@ async def test_export_from_a_live_conductor_loads_back_in_the_simulator(aiohttp_
         # p2's profile is refined by a heartbeat: the export has the current model, not the start-up one
         PREFILLS["p2"] = {"c0": 0.015, "c1": 2e-4, "c2": 2e-8, "c3": 0.0}
         await post("/internal/v1/heartbeat", Heartbeat("p2", {}, PREFILLS["p2"]))
+        # the prefills' store says what it holds: the simulated store holds as many tokens
+        await post("/internal/v1/block_events", BlockEvents("s:1", full=True, capacity=StoreCapacity(2465, 0, "lfu")))
 
     out = tmp_path / "costs.json"
     assert await export(url, out) == 2                  # the cluster token guards it
@@ -66,6 +68,8 @@ async def test_export_from_a_live_conductor_loads_back_in_the_simulator(aiohttp_
     assert hw.prefill == PrefillCostModel(c0=0.015, c1=2e-4, c2=2e-8, c3=0.0)
     assert hw.decode.to_dict() == pytest.approx({"c0": 0.005, "c1": 2e-4, "c2": 2e-7})   # two: their mean
     assert hw.kv_bytes_per_token == KV_BYTES and hw.decode_max_context_tokens == 5120
+    assert (hw.store_blocks_per_node, hw.ssd_blocks_per_node, hw.eviction) == (2465, 0, "lfu")
+    assert hw.dram_blocks() == 2465 * 4 // hw.block_size     # slots of the cluster's 4-token blocks
     data = orjson.loads(out.read_bytes())
     # no instance measures its link yet: the conductor's prior, and the file says so
     assert data["network_bytes_per_s_measured"] is False and hw.network_bytes_per_s == data["network_bytes_per_s"] > 0

@@ -7,6 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from mooncake_lite.common.protocol import StoreCapacity
 from mooncake_lite.store import events
 from mooncake_lite.store.events import BlockEventPublisher
 from tests.store.helpers import chain
@@ -54,7 +55,7 @@ async def test_first_post_is_a_chunked_full_sync_then_plain_events(conductor, mo
         pub.stored(new)
         assert await pub.flush(session)
         assert conductor.messages[-1] == {"store": "s:1", "stored": [new.hex()], "evicted": [], "full": False,
-                                           "usage": {}}
+                                           "usage": {}, "capacity": None}
     assert pub.num_full_syncs == 1
 
 
@@ -99,5 +100,19 @@ async def test_an_idle_store_still_hears_that_the_conductor_restarted(conductor)
         conductor.synced = False                    # restarted; the store has nothing new to say
         assert await pub.flush(session)
         assert conductor.messages[-1] == {"store": "s:1", "stored": [], "evicted": [], "full": False,
-                                           "usage": {}}
+                                           "usage": {}, "capacity": None}
         assert await pub.flush(session) and conductor.messages[-1]["full"]
+
+
+async def test_every_post_carries_the_store_capacity(conductor):
+    """For the simulator's store (the conductor's cost export): sync, events and keepalives alike,
+    so a restarted conductor learns it from whatever comes next."""
+    pub = BlockEventPublisher(conductor.url, "s:1", inventory=lambda: set(), keepalive=0.0,
+                              capacity=StoreCapacity(2465, 0, "lru"))
+    async with aiohttp.ClientSession() as session:
+        assert await pub.flush(session)              # the full sync
+        pub.stored(chain(1, seed=9)[0])
+        assert await pub.flush(session)              # an event
+        assert await pub.flush(session)              # a keepalive
+    assert [m["full"] for m in conductor.messages] == [True, False, False]
+    assert [m["capacity"] for m in conductor.messages] == [{"dram_slots": 2465, "ssd_blocks": 0, "eviction": "lru"}] * 3

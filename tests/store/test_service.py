@@ -149,6 +149,8 @@ async def test_block_events_reach_the_conductor(role_procs):
                 break
             await asyncio.sleep(0.05)
         assert conductor.batches[0]["full"] is True and conductor.batches[0]["stored"] == []
+        # its capacity too, for the simulator's store: 2 MiB of 1 MiB slots, no SSD tier
+        assert conductor.batches[0]["capacity"] == {"dram_slots": 2, "ssd_blocks": 0, "eviction": "lru"}
         for key, value in zip(keys, [b"a", b"b", b"c"]):  # 2 slots: the first block is evicted (no SSD)
             await client.put([key], [value])
         # Events are coalesced per key (latest wins), so the first block may only show as evicted.

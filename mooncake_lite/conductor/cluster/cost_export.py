@@ -34,6 +34,10 @@ simulator adds them to its steps, and the ratios above are over that step.
 ``decode_kv_write_s_per_token``: what writing a received prompt's KV costs the decode's model
 thread per prompt token (its joins in ``kv_intake``), which the simulator charges at the join;
 the gaps above are taken without those writes.
+``store_blocks_per_node`` (the median DRAM slots), ``ssd_blocks_per_node`` and ``eviction``: the
+capacity the stores the live prefills use report with their block events (``StoreCapacity``), in
+blocks of ``block_size`` tokens; left out unless every such store reported it and all evict alike,
+and the simulator then sizes its store from ``dram_bytes_per_node``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from aiohttp import web
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.conductor.cluster.costs import InstanceCosts
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
+from mooncake_lite.conductor.cluster.store_watch import StoreWatch
 from mooncake_lite.conductor.services import SERVICES
 from mooncake_lite.instance.colocation import colocation_split
 from mooncake_lite.scheduler import CostModels
@@ -105,6 +110,7 @@ def cluster_profile(membership: Membership, defaults: CostModels,
         "instances": [_instance(i, defaults, corrected(i)) for i in (*prefills, *decodes)],
         "corrections": dict(corrections or {}),   # each instance's factors, by id
     }
+    profile.update(store_capacity(prefills, membership.stores))
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
     splits = colocation(decodes, prefills, timelines or {}, defaults)
@@ -141,6 +147,16 @@ def colocation(decodes: list[Instance], prefills: list[Instance], timelines: Map
         if split is not None:
             out[d.instance_id] = split
     return out
+
+
+def store_capacity(prefills: list[Instance], watch: StoreWatch) -> dict[str, Any]:
+    """The profile's store keys (module doc) for the stores ``prefills`` use; {} when one of them
+    did not report its capacity or they evict differently."""
+    caps = [watch.capacity.get(s) for s in sorted({i.reg.store for i in prefills if i.reg.store})]
+    if not caps or None in caps or len({c.eviction for c in caps}) != 1:
+        return {}
+    return {"store_blocks_per_node": int(median(c.dram_slots for c in caps)),
+            "ssd_blocks_per_node": int(median(c.ssd_blocks for c in caps)), "eviction": caps[0].eviction}
 
 
 def _gap_ratios(split: Mapping | None) -> list[float]:

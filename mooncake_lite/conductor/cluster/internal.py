@@ -121,7 +121,7 @@ async def block_events(request: web.Request) -> web.Response:
     except ProtocolError as exc:
         return _bad(str(exc))
     status.note_store_usage(request.app, ev.store, ev.usage)   # for `mooncake status`
-    if svc.membership.stores.heard(ev.store, asyncio.get_running_loop().time()):
+    if svc.membership.stores.heard(ev.store, asyncio.get_running_loop().time(), ev.capacity):
         log.warning("store %s is back after being dropped as silent%s", ev.store,
                     "" if ev.full else "; asking it for a full sync")
     if ev.full:   # the store's whole inventory follows: forget what we believed it held

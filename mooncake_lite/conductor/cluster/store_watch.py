@@ -5,6 +5,7 @@ Every store posts its block events to the conductor, and an idle one an empty ke
 (killed, cut off, stopped). Its entries in the block index must then go, or requests keep being
 routed to blocks nobody can serve. A dropped store that posts again is asked for a full sync
 (the index no longer counts it as synced) and comes back with its real inventory.
+Each post may carry the store's capacity (``StoreCapacity``), kept by store id for the cost export.
 
 No IO and no clock: ``now`` is passed in.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
+from mooncake_lite.common.protocol import StoreCapacity
+
 
 class StoreWatch:
     def __init__(self, dead_after_s: float) -> None:
@@ -20,10 +23,13 @@ class StoreWatch:
         self.last_heard: dict[str, float] = {}
         self.dropped: set[str] = set()    # silent ones not heard from since
         self.num_dropped = 0
+        self.capacity: dict[str, StoreCapacity] = {}   # what each store last said it holds
 
-    def heard(self, store_id: str, now: float) -> bool:
+    def heard(self, store_id: str, now: float, capacity: StoreCapacity | None = None) -> bool:
         """The store posted; True when it had been dropped as silent (it is back)."""
         self.last_heard[store_id] = now
+        if capacity is not None:
+            self.capacity[store_id] = capacity
         if store_id in self.dropped:
             self.dropped.discard(store_id)
             return True
@@ -34,6 +40,7 @@ class StoreWatch:
         gone = [s for s, t in self.last_heard.items() if now - t > self.dead_after_s]
         for store_id in gone:
             del self.last_heard[store_id]
+            self.capacity.pop(store_id, None)   # its next post says it again
             self.dropped.add(store_id)
         self.num_dropped += len(gone)
         return gone
