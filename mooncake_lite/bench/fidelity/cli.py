@@ -20,10 +20,9 @@
    writes a CDF plot, and the instances' step and forward timelines (``timelines.json``).
 
 SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
-5× one step alone, by the chosen instance's own profile); the simulator's are absolute. Without
-``--ttft-slo``/``--tbt-slo`` the simulator gets the median over the slice of the per-request
-limits the exported model gives (``scheduler.admission.slo_limits``); with them, both sides use
-the same absolute SLOs (passed to the conductor this command starts).
+5× one step alone, by the chosen instance's own profile), and so are the simulated conductor's and
+decodes' (the same factors, each request by its own limit); the report shows their median over
+the slice for reading. ``--ttft-slo``/``--tbt-slo`` make that one absolute on both sides.
 """
 
 from __future__ import annotations
@@ -141,9 +140,9 @@ def run(ns: Options, api: str) -> dict:
 
     def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
-                        ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True, decisions=decisions,
-                        burst_window_s=ns.burst_window)
+                        ttft_slo_s=ns.ttft_slo or None, tbt_slo_s=ns.tbt_slo or None, block=ns.block_tokens,
+                        slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor), batch_tokens=ns.prefill_batch_tokens,
+                        overtakes=overtakes, correct=True, decisions=decisions, burst_window_s=ns.burst_window)
     decisions: list = []
     res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)

@@ -26,7 +26,8 @@ def live_side(records: Sequence) -> Side:
                 completed=len(ok), rejected=frozenset(r.request_id for r in records if r.is_rejected),
                 failed=sum(not r.is_ok and not r.is_rejected for r in records),
                 prefix_hit_tokens=sum(r.cached_tokens or 0 for r in ok),
-                prompt_tokens=sum(server_tokens(r) for r in ok))
+                prompt_tokens=sum(server_tokens(r) for r in ok),
+                hit_tokens={r.request_id: r.cached_tokens or 0 for r in ok})
 
 
 def server_tokens(record) -> int:
