@@ -24,7 +24,7 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler import arrivals
-from mooncake_lite.scheduler.admission import slo_limits
+from mooncake_lite.scheduler.admission import slo_limits as request_limits
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
@@ -300,7 +300,7 @@ class MooncakeSim(TraceDriver):
         (``scheduler/admission.slo_limits``): the absolute SLOs, or factor x alone by that prefill's
         cost model as the conductor sees it (None: the cluster's) and the decodes' model."""
         p = self.prefill_by_id[prefill_id].state().cost if prefill_id is not None and self.ttft_slo_s is None else None
-        return slo_limits(self.cfg.scheduler, num_tokens, self.costs, p, None)
+        return request_limits(self.cfg.scheduler, num_tokens, self.costs, p, None)
 
     def sample(self, now: float) -> dict[str, float]:
         """Load as the paper plots it (Fig. 9/10): prefill = mean predicted queue time over the

@@ -119,3 +119,17 @@ def test_mooncake_sim_takes_slo_factors_without_an_absolute_slo(tmp_path, capsys
     assert "TTFT SLO 10x prefill alone, TBT SLO 5x a step alone" in capsys.readouterr().out
     assert main([*base, "--ttft-slo-factor", "0.5"]) == 2 and "ttft_slo_factor" in capsys.readouterr().err
     assert main([*base, "--tbt-slo-factor", "5", "--baseline"]) == 2 and "absolute SLOs" in capsys.readouterr().err
+
+
+def test_the_live_decodes_check_by_the_conductors_slo(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from mooncake_lite.bench.fidelity import live as fidelity_live
+    monkeypatch.setattr(fidelity_live, "UpCluster", lambda args, **kw: args)
+    ns = SimpleNamespace(model="m", prefill=1, decode=1, block_tokens=16, admission="predictive", ttft_slo_factor=10.0,
+                         tbt_slo_factor=3.0, burst_window=0.02, ttft_slo=None, tbt_slo=None, prefill_args="",
+                         token=None, output_dir=str(tmp_path), ready_timeout=1.0)
+    args = fidelity_live.start_cluster(ns)
+    assert args[args.index("--decode-args") + 1] == "--tbt-slo-factor 3.0"
+    args = fidelity_live.start_cluster(SimpleNamespace(**{**vars(ns), "tbt_slo": 0.5}))
+    assert args[args.index("--decode-args") + 1] == "--tbt-slo-factor 3.0 --tbt-slo 0.5s"

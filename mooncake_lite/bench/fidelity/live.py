@@ -42,6 +42,9 @@ def start_cluster(ns: Options) -> UpCluster:
     conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
     conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
     args += ["--conductor-args", " ".join(conductor)]
+    # the decodes' own TBT check by the same SLO as the conductor's, as the simulated decodes judge
+    decode = ["--tbt-slo-factor", str(ns.tbt_slo_factor)] + (["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else [])
+    args += ["--decode-args", " ".join(decode)]
     args += ["--prefill-args", ns.prefill_args] if getattr(ns, "prefill_args", "") else []
     if ns.token:
         args += ["--cluster-token", ns.token]
