@@ -196,14 +196,14 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     """Admission judged by its outcomes (``admission.py``): the live admitted requests' share that
     met their SLO, the refused ones' that would have by the simulator's counterfactual."""
     from mooncake_lite.bench.fidelity import admission
-    absolute = (ns.ttft_slo, ns.tbt_slo) if ns.ttft_slo and ns.tbt_slo else None
+    absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
     limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
     sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
                                   batch_tokens=ns.prefill_batch_tokens,
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
-    out["slos"] = "absolute, as given" if absolute else \
+    out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"
     return out
 
