@@ -123,9 +123,6 @@ def _run_options(ap: argparse.ArgumentParser) -> None:
 
 def run_main(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
-    # an absolute SLO wins; a factor alone makes it relative (None); neither: the paper's defaults
-    args.ttft_slo = args.ttft_slo if args.ttft_slo is not None or args.ttft_slo_factor else 30.0
-    args.tbt_slo = args.tbt_slo if args.tbt_slo is not None or args.tbt_slo_factor else 0.1
     if args.compiled:
         from mooncake_lite.sim.compiled import run_on_build
         # TenantSim would be an interpreted subclass of the compiled MooncakeSim
@@ -166,7 +163,11 @@ def run_main(argv: list[str]) -> int:
 
 
 def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
-    """The hardware and the simulated cluster the options ask for (ValueError naming a bad one)."""
+    """The hardware and the simulated cluster the options ask for (ValueError naming a bad one);
+    sets ``args.ttft_slo/tbt_slo``: an absolute SLO wins, a factor alone makes it relative (None),
+    neither: the paper's defaults."""
+    args.ttft_slo = args.ttft_slo if args.ttft_slo is not None or args.ttft_slo_factor else 30.0
+    args.tbt_slo = args.tbt_slo if args.tbt_slo is not None or args.tbt_slo_factor else 0.1
     hw = get_hardware(args.cost_model).with_kv_compression(args.kv_compression)
     if args.network_gbps is not None:
         if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
