@@ -225,6 +225,7 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "live_tbt": paper_tbt(token_gaps(rec)) if rec.is_ok else None, "live_status": rec.status,
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
+                     "live_cached_tokens": rec.cached_tokens, "sim_reused_tokens": s.reused_tokens if s else None,
                      "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows
