@@ -122,16 +122,16 @@ def tbt_refusal(cost: DecodeCostModel, batch: int, context_tokens: int, num_toke
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,
-                  tbt_slo_s: float) -> bool:
+                  tbt_slo_s: float | None, tbt_slo_factor: float | None = None) -> bool:
     """The paper's local double check when the KV arrives: room left and TBT with ``req``
     added within the SLO, judged on the running batch only (``incoming`` is the conductor's
     forecast, not the instance's own state); a refusal here wastes the prefill already done.
     The simulator's ``decode_check="arrival"``; the live decode checks at reservation instead
-    (:func:`tbt_refusal`, before the prefill starts)."""
+    (:func:`tbt_refusal`, before the prefill starts); the SLO as :func:`tbt_refusal` takes it."""
     batch, context = running_load(d)
     if not decode_has_room(d, req.num_tokens, req.max_output_tokens, batch, context):
         return False
-    return tbt_refusal(d.cost or costs.decode, batch, context, req.num_tokens, tbt_slo_s) is None
+    return tbt_refusal(d.cost or costs.decode, batch, context, req.num_tokens, tbt_slo_s, tbt_slo_factor) is None
 
 
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:

@@ -78,8 +78,12 @@ def _policy_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--admission", choices=ADMISSIONS, default="early")
     ap.add_argument("--local-ttft-check", action="store_true",
                     help="with --admission none, prefill instances refuse requests predicted over the TTFT SLO")
-    ap.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
-    ap.add_argument("--tbt-slo", type=float, default=0.1, help="seconds")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (default 30, or relative by the factor)")
+    ap.add_argument("--tbt-slo", type=float, default=None, help="seconds (default 0.1, or relative by the factor)")
+    ap.add_argument("--ttft-slo-factor", type=float, default=None,
+                    help="without --ttft-slo: TTFT <= this many times the prompt's prefill alone (the conductor's)")
+    ap.add_argument("--tbt-slo-factor", type=float, default=None,
+                    help="without --tbt-slo: TBT <= this many times one step of the request alone (the conductor's)")
     ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
     ap.add_argument("--max-tokens-policy", default="output", metavar="output|cap:N",
                     help="what clients send as max_tokens: the true output length, or a fixed cap "
@@ -146,9 +150,9 @@ def run_main(argv: list[str]) -> int:
             raise
         sys.stderr.write(f"mooncake sim: error: --tenants: {exc}\n")    # its file, its tenants
         return 2
-    summaries = []
+    summaries, limits = [], MooncakeSim(cfg, hw).slo_limits   # per request where relative
     for label, res in runs.items():
-        s = summarize(res, args.ttft_slo, args.tbt_slo)
+        s = summarize(res, args.ttft_slo, args.tbt_slo, limits)
         s["label"] = label
         if "tenants" in res.extra:
             s["tenants"] = res.extra["tenants"]
@@ -163,15 +167,22 @@ def run_main(argv: list[str]) -> int:
 
 
 def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
-    """The hardware and the simulated cluster the options ask for (ValueError naming a bad one)."""
+    """The hardware and the simulated cluster the options ask for (ValueError naming a bad one);
+    sets ``args.ttft_slo/tbt_slo``: an absolute SLO wins, a factor alone makes it relative (None),
+    neither: the paper's defaults."""
+    args.ttft_slo = args.ttft_slo if args.ttft_slo is not None or args.ttft_slo_factor else 30.0
+    args.tbt_slo = args.tbt_slo if args.tbt_slo is not None or args.tbt_slo_factor else 0.1
     hw = get_hardware(args.cost_model).with_kv_compression(args.kv_compression)
     if args.network_gbps is not None:
         if not math.isfinite(args.network_gbps) or args.network_gbps <= 0:
             raise ValueError(f"--network-gbps must be a positive number, got {args.network_gbps}")
         hw = replace(hw, network_bytes_per_s=args.network_gbps * 1e9 / 8)
+    if args.baseline and (args.ttft_slo is None or args.tbt_slo is None):
+        raise ValueError("--baseline needs absolute SLOs (--ttft-slo and --tbt-slo), not factors")
+    factors = {k: v for k, v in (("ttft_slo_factor", args.ttft_slo_factor), ("tbt_slo_factor", args.tbt_slo_factor)) if v}
     sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
                             tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
-                            block_size=hw.block_size)
+                            block_size=hw.block_size, **factors)
     return hw, SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
                          prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
                          store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
@@ -218,8 +229,9 @@ def _write_out(out: Path, runs: dict[str, SimResult], summaries: list[dict], arg
 
 def _print_summaries(summaries: list[dict], num_requests: int, args: argparse.Namespace,
                      tenant_table: str | None) -> None:
-    print(format_summary(summaries, f"{num_requests:,} requests, {args.speed:g}x, TTFT SLO {args.ttft_slo:g}s, "
-                                    f"TBT SLO {args.tbt_slo * 1e3:g}ms"))
+    ttft = f"{args.ttft_slo:g}s" if args.ttft_slo is not None else f"{args.ttft_slo_factor:g}x prefill alone"
+    tbt = f"{args.tbt_slo * 1e3:g}ms" if args.tbt_slo is not None else f"{args.tbt_slo_factor:g}x a step alone"
+    print(format_summary(summaries, f"{num_requests:,} requests, {args.speed:g}x, TTFT SLO {ttft}, TBT SLO {tbt}"))
     for s in summaries:
         print(f"{s['label']}: rejected {s['rejected_by'] or 'none'}; reused {s['reused_token_share']:.1%} of input "
               f"tokens; goodput {s['goodput_rps']:.2f} req/s; {s['requests_per_wall_s']:,.0f} simulated req per "

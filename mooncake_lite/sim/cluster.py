@@ -25,6 +25,7 @@ from mooncake_lite.sim.events import EventQueue
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler import arrivals
+from mooncake_lite.scheduler.admission import slo_limits as request_limits
 from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
@@ -53,12 +54,11 @@ class MooncakeSim(TraceDriver):
         # keyed as the scheduler names stores (a Decision's ``transfer_source`` is any Hashable)
         self.prefill_by_id: dict[Hashable, PrefillNode] = {p.instance_id: p for p in self.prefills}
         self.decode_by_id: dict[Hashable, DecodeNode] = {d.instance_id: d for d in self.decodes}
-        # SimConfig refuses relative SLOs, so these are floats (typed so: a compiled build trusts it)
-        ttft_slo, tbt_slo = cfg.scheduler.ttft_slo_s, cfg.scheduler.tbt_slo_s
-        if ttft_slo is None or tbt_slo is None:
-            raise ValueError("the simulator takes absolute SLOs (scheduler.ttft_slo_s and tbt_slo_s)")
-        self.ttft_slo_s: float = ttft_slo
-        self.tbt_slo_s: float = tbt_slo
+        # None: relative, as the live conductor's defaults (factor x the request alone: slo_limits)
+        self.ttft_slo_s: float | None = cfg.scheduler.ttft_slo_s
+        self.tbt_slo_s: float | None = cfg.scheduler.tbt_slo_s
+        # the decode's own check takes the conductor's factor, as `mooncake up`'s decodes do by default
+        self.tbt_slo_factor: float | None = cfg.scheduler.tbt_slo_factor if self.tbt_slo_s is None else None
         # a snapshot rebuilds only the entries of the instances whose view changed
         self._states = (StateTuple(p.view for p in self.prefills), StateTuple(d.view for d in self.decodes))
         self.scheduler.cache.follow(*self._states)
@@ -149,12 +149,12 @@ class MooncakeSim(TraceDriver):
             return self._reject(now, req, "conductor", decision.reject_cause)
         d = self.decode_by_id[decision.decode_id]
         if self._reserve:   # the live conductor reserves decode before prefill
-            cause = d.refusal(req, self.tbt_slo_s)
+            cause = d.refusal(req, self.tbt_slo_s, self.tbt_slo_factor)
             if cause is not None:
                 return self._reject(now, req, "decode", cause)
             d.hold(req)
         if (self._local_ttft_check and decision.predicted_ttft_s is not None
-                and decision.predicted_ttft_s > self.ttft_slo_s):
+                and decision.predicted_ttft_s > self.slo_limits(req.input_length, decision.prefill_id)[0]):
             d.release(req)
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
@@ -279,7 +279,8 @@ class MooncakeSim(TraceDriver):
         if not self._reserve:   # decode_check "arrival"
             sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
             # on the decode's own model, as the live decode checks (its view's may be corrected)
-            if not decode_admits(replace(d.state(), cost=d.batch.model), sreq, self.costs, self.tbt_slo_s):
+            own = replace(d.state(), cost=d.batch.model)
+            if not decode_admits(own, sreq, self.costs, self.tbt_slo_s, self.tbt_slo_factor):
                 return self._reject(now, req, "decode", "tbt")
             d.hold(req)
         d.arrive(now, req)
@@ -298,16 +299,31 @@ class MooncakeSim(TraceDriver):
         self.refused[stage] = self.refused.get(stage, 0) + 1
         self.recorder.ended(req)
 
+    def slo_limits(self, num_tokens: int, prefill_id: Hashable | None = None) -> tuple[float, float]:
+        """The (TTFT, TBT) limits of a prompt of ``num_tokens`` as the conductor judges it
+        (``scheduler/admission.slo_limits``): the absolute SLOs, or factor x alone by that prefill's
+        cost model as the conductor sees it (None: the cluster's) and the decodes' model."""
+        p = self.prefill_by_id[prefill_id].state().cost if prefill_id is not None and self.ttft_slo_s is None else None
+        return request_limits(self.cfg.scheduler, num_tokens, self.costs, p, None)
+
     def sample(self, now: float) -> dict[str, float]:
         """Load as the paper plots it (Fig. 9/10): prefill = mean predicted queue time over the
         TTFT SLO; decode = mean step time (TBT) over the TBT SLO; ``decode_held_load`` = the same
         with everything the decodes hold (running and reserved: what their own check judges);
-        cumulative rejections by stage; plus raw counts."""
-        ttft_slo, tbt_slo = self.ttft_slo_s, self.tbt_slo_s
+        cumulative rejections by stage; plus raw counts. Relative SLOs: each instance's time over
+        the limit of the mean prompt it holds (:meth:`_held_limits`)."""
         # prefill_queue_time of each, through the scheduler's cache (the same values: tested)
         queue = queues_at(self.scheduler.cache.backlogs(self._states[0].states(), self.costs), now).queue_s
         tbts = [d.batch.step_time() for d in self.decodes]
         held = [d.held_step_time() for d in self.decodes]
+        if self.ttft_slo_s is None or self.tbt_slo_s is None:
+            ttfts, tbt_lims = self._held_limits()
+            queue = [q / lim for q, lim in zip(queue, ttfts)]
+            tbts = [t / lim for t, lim in zip(tbts, tbt_lims)]
+            held = [t / lim for t, lim in zip(held, tbt_lims)]
+            ttft_slo = tbt_slo = 1.0
+        else:
+            ttft_slo, tbt_slo = self.ttft_slo_s, self.tbt_slo_s
         return {"prefill_load": sum(queue) / len(queue) / ttft_slo,
                 "decode_load": sum(tbts) / len(tbts) / tbt_slo,
                 "decode_load_max": max(tbts) / tbt_slo,
@@ -317,6 +333,18 @@ class MooncakeSim(TraceDriver):
                 "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) + len(p.packed)
                                              for p in self.prefills)),
                 "decode_running": float(sum(len(d.batch) for d in self.decodes))}
+
+    def _held_limits(self) -> tuple[list[float], list[float]]:
+        """Each prefill's TTFT limit and each decode's TBT limit for the mean prompt it holds
+        (queued or prefilling; running, waiting to join or for its KV): what its load is judged
+        against under relative SLOs (an instance holding nothing has no load to judge)."""
+        def mean_prompt(reqs: list[SimRequest]) -> int:
+            return max(1, sum(r.input_length for r in reqs) // len(reqs)) if reqs else 1
+        ttft = [self.slo_limits(mean_prompt([*p.waiting, *p.packed, *([p.current] if p.current else [])]),
+                                p.instance_id)[0] for p in self.prefills]
+        tbt = [self.slo_limits(mean_prompt([*d.batch.running.values(), *d.pending, *d.committed.values()]))[1]
+               for d in self.decodes]
+        return ttft, tbt
 
     # ---- driver ------------------------------------------------------------------------------
 

@@ -72,8 +72,8 @@ def compare(cfg: SimConfig, trace: Sequence[TraceRequest], counts: Sequence[int]
     """TTFT and goodput of the same trace with each number of conductors."""
     out = {}
     for n in counts:
-        s = summarize(ConductorsSim(cfg, hardware, conductors=n, heartbeat_s=heartbeat_s).run(trace),
-                      cfg.scheduler.ttft_slo_s, cfg.scheduler.tbt_slo_s)
+        sim = ConductorsSim(cfg, hardware, conductors=n, heartbeat_s=heartbeat_s)
+        s = summarize(sim.run(trace), cfg.scheduler.ttft_slo_s, cfg.scheduler.tbt_slo_s, sim.slo_limits)
         out[str(n)] = {"ttft_p50_s": s["ttft_s"].get("p50"), "ttft_mean_s": s["ttft_s"].get("mean"),
                        "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
                        "rejected": s["rejected"]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_lite.sim.recorder import SimResult
@@ -37,13 +37,20 @@ def _dist(values: list[float]) -> dict[str, float | None]:
             "p90": quantile(values, 0.9), "p99": quantile(values, 0.99), "max": values[-1] if values else None}
 
 
-def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict[str, Any]:
-    """One flat-ish dict of the headline figures of a run."""
+def summarize(res: SimResult, ttft_slo_s: float | None, tbt_slo_s: float | None,
+              limits: Callable[[int], tuple[float, float]] | None = None) -> dict[str, Any]:
+    """One flat-ish dict of the headline figures of a run. Relative SLOs (None): each request is
+    judged by ``limits(its prompt tokens)`` (``MooncakeSim.slo_limits``)."""
     reqs = res.requests
     done = [r for r in reqs if r.status == "completed"]
     rejected = Counter(f"{r.reject_stage}:{r.reject_cause}" for r in reqs if r.status == "rejected")
     duration = max(res.duration_s, 1e-9)
-    good = sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in reqs)
+    if ttft_slo_s is None or tbt_slo_s is None:
+        if limits is None:
+            raise ValueError("relative SLOs need each request's limits (MooncakeSim.slo_limits)")
+        good = sum(meets_slo(r, *limits(r.input_length)) for r in reqs)
+    else:
+        good = sum(meets_slo(r, ttft_slo_s, tbt_slo_s) for r in reqs)
     input_tokens = sum(r.input_length for r in done)
     return {
         "system": res.system,

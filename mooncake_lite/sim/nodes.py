@@ -165,17 +165,18 @@ class DecodeNode:
     def state(self) -> DecodeInstanceState:
         return self.view.state()
 
-    def refusal(self, req: SimRequest, tbt_slo_s: float) -> str | None:
+    def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None) -> str | None:
         """The live decode's check at reservation (``decode/batcher.check_admit``): room for
         prompt + max_tokens beside every reservation held, then the shared TBT check on all it
-        holds — running, waiting for the next step, or waiting for KV. None: admitted."""
+        holds — running, waiting for the next step, or waiting for KV; against ``tbt_slo_s``, else
+        ``tbt_slo_factor`` x one step of the request alone (the live decode's default). None: admitted."""
         if self.max_context_tokens is not None and \
                 self.reserved_tokens + req.input_length + req.max_tokens > self.max_context_tokens:
             return "reserve-kv"
         held, context = self._held_load()
         if self.max_batch is not None and held >= self.max_batch:
             return "reserve-batch"
-        if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s) is not None:
+        if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s, tbt_slo_factor) is not None:
             return "reserve-tbt"
         return None
 

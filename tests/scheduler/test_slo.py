@@ -128,8 +128,8 @@ def test_unmeetable_absolute_slos_are_reported():
     assert unmeetable_slos(config("none", ttft_slo_s=0.05, tbt_slo_s=0.2), prefill_model, decode_model) == []
 
 
-def test_the_simulator_keeps_absolute_slos():
+def test_the_simulator_keeps_absolute_slos_and_takes_relative_ones():
     from mooncake_lite.sim.config import SimConfig
     assert SimConfig().scheduler.tbt_slo_s == 0.2            # the paper's, unchanged
-    with pytest.raises(ValueError, match="absolute SLOs"):
-        SimConfig(scheduler=SchedulerConfig(tbt_slo_s=None))
+    # relative, as the live conductor's defaults (tests/sim/test_relative_slos.py)
+    assert SimConfig(scheduler=SchedulerConfig(tbt_slo_s=None)).scheduler.tbt_slo_factor == 5.0

@@ -105,12 +105,12 @@ def outcomes_of(records: Sequence) -> dict[int, Outcome]:
                            Outcome("rejected") if r.is_rejected else Outcome("failed")) for r in records}
 
 
-def slo_limits(hw, absolute: tuple[float, float] | None, factors: tuple[float, float]):
-    """Each request's (TTFT, TBT) limits: the absolute SLOs, else the relative ones by ``hw``'s
-    models (module doc)."""
-    if absolute is not None:
-        return lambda t: absolute
-    return lambda t: (factors[0] * hw.prefill.predict(t.input_length), factors[1] * hw.decode.predict(1, t.input_length))
+def slo_limits(hw, absolute: tuple[float | None, float | None] | None, factors: tuple[float, float]):
+    """Each request's (TTFT, TBT) limits: each metric's absolute SLO, else (None) its relative one
+    by ``hw``'s models (module doc), as the conductor mixes them."""
+    ttft, tbt = absolute or (None, None)
+    return lambda t: (ttft if ttft is not None else factors[0] * hw.prefill.predict(t.input_length),
+                      tbt if tbt is not None else factors[1] * hw.decode.predict(1, t.input_length))
 
 
 def admitting_all(hw, **sim_kw) -> Callable[[list[TraceRequest]], dict[int, Outcome]]:

@@ -20,10 +20,9 @@
    writes a CDF plot, and the instances' step and forward timelines (``timelines.json``).
 
 SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
-5× one step alone, by the chosen instance's own profile); the simulator's are absolute. Without
-``--ttft-slo``/``--tbt-slo`` the simulator gets the median over the slice of the per-request
-limits the exported model gives (``scheduler.admission.slo_limits``); with them, both sides use
-the same absolute SLOs (passed to the conductor this command starts).
+5× one step alone, by the chosen instance's own profile), and so are the simulated conductor's and
+decodes' (the same factors, each request by its own limit); the report shows their median over
+the slice for reading. ``--ttft-slo``/``--tbt-slo`` make that one absolute on both sides.
 """
 
 from __future__ import annotations
@@ -141,9 +140,9 @@ def run(ns: Options, api: str) -> dict:
 
     def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
-                        ttft_slo_s=slos["ttft_slo_s"], tbt_slo_s=slos["tbt_slo_s"], block=ns.block_tokens,
-                        batch_tokens=ns.prefill_batch_tokens, overtakes=overtakes, correct=True, decisions=decisions,
-                        burst_window_s=ns.burst_window)
+                        ttft_slo_s=ns.ttft_slo or None, tbt_slo_s=ns.tbt_slo or None, block=ns.block_tokens,
+                        slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor), batch_tokens=ns.prefill_batch_tokens,
+                        overtakes=overtakes, correct=True, decisions=decisions, burst_window_s=ns.burst_window)
     decisions: list = []
     res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)
@@ -197,14 +196,14 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     """Admission judged by its outcomes (``admission.py``): the live admitted requests' share that
     met their SLO, the refused ones' that would have by the simulator's counterfactual."""
     from mooncake_lite.bench.fidelity import admission
-    absolute = (ns.ttft_slo, ns.tbt_slo) if ns.ttft_slo and ns.tbt_slo else None
+    absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
     limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
     sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
                                   batch_tokens=ns.prefill_batch_tokens,
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
-    out["slos"] = "absolute, as given" if absolute else \
+    out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"
     return out
 
@@ -226,6 +225,7 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "live_tbt": paper_tbt(token_gaps(rec)) if rec.is_ok else None, "live_status": rec.status,
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
+                     "live_cached_tokens": rec.cached_tokens, "sim_reused_tokens": s.reused_tokens if s else None,
                      "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows

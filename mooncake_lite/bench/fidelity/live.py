@@ -26,7 +26,8 @@ def live_side(records: Sequence) -> Side:
                 completed=len(ok), rejected=frozenset(r.request_id for r in records if r.is_rejected),
                 failed=sum(not r.is_ok and not r.is_rejected for r in records),
                 prefix_hit_tokens=sum(r.cached_tokens or 0 for r in ok),
-                prompt_tokens=sum(server_tokens(r) for r in ok))
+                prompt_tokens=sum(server_tokens(r) for r in ok),
+                hit_tokens={r.request_id: r.cached_tokens or 0 for r in ok})
 
 
 def server_tokens(record) -> int:
@@ -41,6 +42,9 @@ def start_cluster(ns: Options) -> UpCluster:
     conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
     conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
     args += ["--conductor-args", " ".join(conductor)]
+    # the decodes' own TBT check by the same SLO as the conductor's, as the simulated decodes judge
+    decode = ["--tbt-slo-factor", str(ns.tbt_slo_factor)] + (["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else [])
+    args += ["--decode-args", " ".join(decode)]
     args += ["--prefill-args", ns.prefill_args] if getattr(ns, "prefill_args", "") else []
     if ns.token:
         args += ["--cluster-token", ns.token]

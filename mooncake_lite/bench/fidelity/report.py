@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,9 @@ def rejection_agreement(live: frozenset[int], sim: frozenset[int], num_requests:
 
 @dataclass(frozen=True)
 class Side:
-    """One run's figures (seconds; ``rejected`` holds request ids)."""
+    """One run's figures (seconds; ``rejected`` holds request ids). ``prefix_hit_tokens`` sums
+    the side's own completed requests; ``hit_tokens`` has each one's by id, so :func:`compare`
+    can sum the requests both sides completed (the two refuse different ones)."""
     ttft: tuple[float, ...]
     tbt: tuple[float, ...]
     completed: int
@@ -48,6 +50,7 @@ class Side:
     failed: int
     prefix_hit_tokens: int
     prompt_tokens: int
+    hit_tokens: Mapping[int, int] = field(default_factory=dict)
 
 
 def compare(live: Side, sim: Side, num_requests: int) -> dict:
@@ -60,6 +63,9 @@ def compare(live: Side, sim: Side, num_requests: int) -> dict:
     for name in ("completed", "prefix_hit_tokens"):
         x, y = getattr(live, name), getattr(sim, name)
         rows[name] = {"live": x, "sim": y, "rel_error": rel_error(y, x)}
+    both = live.hit_tokens.keys() & sim.hit_tokens.keys()   # the same population on both sides
+    x, y = sum(live.hit_tokens[i] for i in both), sum(sim.hit_tokens[i] for i in both)
+    rows["prefix_hit_tokens_both"] = {"live": x, "sim": y, "rel_error": rel_error(y, x), "requests": len(both)}
     rows["rejected"] = {"live": len(live.rejected), "sim": len(sim.rejected),
                         "rel_error": rel_error(len(sim.rejected), len(live.rejected))}
     agree = rejection_agreement(live.rejected, sim.rejected, num_requests)
@@ -75,12 +81,12 @@ def _within(err: float | None, bound: float) -> bool | None:
 
 def format_report(report: Mapping) -> str:
     """The terminal table of :func:`compare`'s dict plus the run's notes."""
-    lines = [f"{'':<20}{'live':>12}{'sim':>12}{'sim error':>11}"]
+    lines = [f"{'':<24}{'live':>12}{'sim':>12}{'sim error':>11}"]
     for name, row in report["rows"].items():
         ms = name.endswith("_s")
         label = name.removesuffix("_s") + (" (ms)" if ms else "")
         err = "—" if row["rel_error"] is None else f"{row['rel_error']:+.1%}"
-        lines.append(f"{label:<20}{_fmt(row['live'], ms):>12}{_fmt(row['sim'], ms):>12}{err:>11}")
+        lines.append(f"{label:<24}{_fmt(row['live'], ms):>12}{_fmt(row['sim'], ms):>12}{err:>11}")
     agree = report["rejections"]
     lines.append(f"same requests rejected: {agree['both']} both, {agree['live_only']} live only, "
                  f"{agree['sim_only']} sim only ({agree['differ_share']:.1%} of the slice differ)")
@@ -98,8 +104,7 @@ def _fmt(value: float | int | None, ms: bool) -> str:
 def report_text(report: Mapping) -> str:
     s = report["slos"]
     lines = [format_report(report),
-             f"SLOs given the simulator: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms "
-             f"({s['how']})",
+             f"SLOs: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms ({s['how']})",
              f"sim rejected by: {report['simrejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
              "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None)]
     cm = report["cost_model"]

@@ -1,6 +1,6 @@
-"""``bench fidelity``'s simulated side: the replayed slice as the simulator sees it, the SLOs it
-gets for the conductor's relative ones, the run with the cluster's exported cost model, and the
-ablations (the same slice without each one-box effect that model has)."""
+"""``bench fidelity``'s simulated side: the replayed slice as the simulator sees it, the conductor's
+SLOs (relative ones as relative: each request's own limits), the run with the cluster's exported
+cost model, and the ablations (the same slice without each one-box effect that model has)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from mooncake_lite.trace.format import TraceRequest
 
 
 def converted_slos(prompt_tokens: Sequence[int], hw, ttft_factor: float, tbt_factor: float) -> dict:
-    """The absolute SLOs the simulator gets for the conductor's relative ones: each request's
-    limits by the exported model (factor × its prefill alone; factor × one step alone with its
-    prompt as context), and their median over the slice (with the range, for the report)."""
+    """What the conductor's relative SLOs come to on the slice, for people reading the report:
+    each request's limits by the exported model (factor × its prefill alone; factor × one step
+    alone with its prompt as context), their median and range. The simulated conductor judges
+    each request by its own limit, as live (:func:`simulate` with ``slo_factors``), not these."""
     ttft = [ttft_factor * hw.prefill.predict(n) for n in prompt_tokens]
     tbt = [tbt_factor * hw.decode.predict(1, n) for n in prompt_tokens]
     return {"ttft_slo_s": statistics.median(ttft), "tbt_slo_s": statistics.median(tbt),
             "ttft_range_s": [min(ttft), max(ttft)], "tbt_range_s": [min(tbt), max(tbt)],
-            "how": f"median over the slice of {ttft_factor:g}x prefill alone / {tbt_factor:g}x one step alone "
-                   f"(exported model)"}
+            "how": f"relative on both sides, {ttft_factor:g}x prefill alone / {tbt_factor:g}x one step alone per "
+                   f"request; shown: their median over the slice (exported model)"}
 
 
 def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Sequence, block: int) -> list[TraceRequest]:
@@ -47,16 +48,19 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
     return out
 
 
-def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str, ttft_slo_s: float,
-             tbt_slo_s: float, block: int, batch_tokens: int = 0, overtakes: int = 0, correct: bool = False,
-             decisions: list | None = None, burst_window_s: float = 0.0):
-    """The slice simulated; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
+def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str,
+             ttft_slo_s: float | None, tbt_slo_s: float | None, block: int, batch_tokens: int = 0,
+             overtakes: int = 0, correct: bool = False, decisions: list | None = None, burst_window_s: float = 0.0,
+             slo_factors: tuple[float, float] = (10.0, 5.0)):
+    """The slice simulated; an SLO None is relative by ``slo_factors`` (TTFT, TBT), as the live
+    conductor's and its decodes'; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
     ``correct``: the live conductor's online correction, learned as the simulation runs;
     ``decisions``: a list the conductor's decisions are appended to, one per request in arrival order."""
     from mooncake_lite.scheduler import SchedulerConfig
     from mooncake_lite.sim.cluster import MooncakeSim
     from mooncake_lite.sim.config import SimConfig
-    sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block)
+    sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block,
+                            ttft_slo_factor=slo_factors[0], tbt_slo_factor=slo_factors[1])
     cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
                     max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens,
                     prefill_queue_overtakes=overtakes, correct=correct,
@@ -108,7 +112,8 @@ def sim_side(result) -> Side:
                 rejected=frozenset(r.request_id for r in result.requests if r.status == "rejected"),
                 failed=sum(r.status not in ("completed", "rejected") for r in result.requests),
                 prefix_hit_tokens=sum(r.reused_tokens for r in done),
-                prompt_tokens=sum(r.input_length for r in done))
+                prompt_tokens=sum(r.input_length for r in done),
+                hit_tokens={r.request_id: r.reused_tokens for r in done})
 
 
 def ablations(hw) -> dict:
