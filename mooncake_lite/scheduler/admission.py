@@ -21,7 +21,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.decision import RejectCause
-from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at, prefill_ends,
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at,
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
@@ -90,14 +90,14 @@ def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: 
     now (``none``/``early``) or predicted for ``t = now + ttft_s`` (``predictive``)."""
     decodes = cluster.decodes
     if cfg.admission == "predictive":
-        ends: dict[str, float] = {}
         if any(d.incoming for d in decodes):
             if queues is None:
                 queues = queues_at(estimates.backlogs(cluster.prefills, costs), now)
-            ends = prefill_ends(queues, now)
+        else:
+            queues = None
         uniform = cfg.uniform_decode_s
         profiles = estimates.leave_profiles(decodes, costs, uniform)
-        return loads_at(decodes, profiles, now, now + ttft_s, ends, uniform, costs.decode)
+        return loads_at(decodes, profiles, now, now + ttft_s, queues, uniform, costs.decode)
     return estimates.loads_now(decodes)
 
 
@@ -137,8 +137,8 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
     prefill's measured spread of it (``PrefillInstanceState.queue_spread``: an upper quantile of
-    measured / predicted waits there, 1 until measured), and the TBT step as predicted (without the tail). The prediction is central (half the requests
-    land above it), so judged alone it admits half of those near the limit to miss it (measured:
+    measured / predicted waits there, 1 until measured), and the TBT step as predicted (without
+    the tail). The prediction is central (half the requests land above it), so judged alone it admits half of those near the limit to miss it (measured:
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it
     passes the SLO factor, and a request never admitted never measures the spread down again."""

@@ -5,7 +5,7 @@ Each ``*_of`` function is a definition: it derives one thing from one instance s
 scratch, independent of ``now``. A decision gets them for every instance of a role at once
 from an estimate cache (:mod:`mooncake_lite.scheduler.cache`), which reuses what it derived for
 an instance while that instance's state shows the same thing, and combines them with ``now``
-and ``t`` here (:func:`queues_at`, :func:`prefill_ends`, :func:`loads_at`).
+and ``t`` here (:func:`queues_at`, :func:`late_prefills`, :func:`loads_at`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from mooncake_lite.scheduler.block_index import PrefixMatch
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.packing import NO_TAIL, packed_queue
-from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, PrefillInstanceState, QueuedPrefill,
-                                           ScheduleRequest)
+from mooncake_lite.scheduler.state import (DecodeInstanceState, DecodingRequest, IncomingRequest, PrefillInstanceState,
+                                           QueuedPrefill, ScheduleRequest)
 
 # map() with attrgetter avoids a Python-level generator frame per item in these hot sums.
 CONTEXT_TOKENS = attrgetter("context_tokens")
@@ -32,6 +32,7 @@ CONTEXT_TOKENS = attrgetter("context_tokens")
 # (~0.4 µs, ~7 records a simulated request).
 _new = tuple.__new__
 _REQUEST_ID = attrgetter("request_id")
+_NO_IDS: set[str] = set()
 _PACK_TOKENS = attrgetter("pack_tokens")
 
 
@@ -153,11 +154,23 @@ def prefill_queue_time(p: PrefillInstanceState, costs: CostModels, now: float) -
     return queues_at([backlog_of(p, prefill_model(p, costs))], now).queue_s[0]
 
 
+def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
+    """Request ids of queued prefills predicted (``queues``: at ``now``) to finish *after* ``t``:
+    an incoming request (committed to a decode) not among them has joined its batch by ``t`` —
+    step 1 of the §3 prediction; one in no queue has already finished prefill."""
+    late: set[str] = set()
+    horizon = t - now
+    for b, done in zip(queues.backlogs, queues.done_s):
+        cum = b.cumulative_s
+        first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
+        if first < len(cum):
+            late.update(b.request_ids[first:])
+    return late
+
+
 def prefill_ends(queues: Queues, now: float) -> dict[str, float]:
-    """When each queued prefill is predicted (``queues``: at ``now``) to finish, by request id
-    (job i of instance k at ``now - done_s[k] + cumulative_s[i]``): when a request committed to a
-    decode instance (``incoming``) joins its batch — step 1 of the §3 prediction. One in no queue
-    has finished prefill and joins as soon as its KV lands, now."""
+    """When each queued prefill is predicted (``queues``: at ``now``) to finish, by request id (job
+    i of instance k at ``now - done_s[k] + cumulative_s[i]``): when its incoming request joins."""
     ends: dict[str, float] = {}
     for b, done in zip(queues.backlogs, queues.done_s):
         start = now - done
@@ -241,43 +254,79 @@ def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
 
 
 def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile], now: float, t: float,
-             ends: dict[str, float], uniform_decode_s: float | None,
+             queues: Queues | None, uniform_decode_s: float | None,
              default: DecodeCostModel) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3), from
     its leave profile: running requests whose decode would have ended by ``t`` — joined_at +
-    t_d <= t — leave; an incoming request is there at ``t`` if it joined by then (its prefill's
-    end in ``ends``, see :func:`prefill_ends`; in no queue: now) and has not left, its t_d sized
-    with the running batch's TBT, at least its own step alone (an idle decode's TBT is 0). Counting the
-    ones that joined *and left* before ``t`` — a burst's earlier members, prefilled one after
-    another, each decoded long before the last one's first token — put the predicted batch of a
-    burst's tenth member at ten where at most two ran: its TBT predicted ×3 too slow (measured,
-    docs/results/2026-11-29-decode-load.md). One pass: this runs per decode instance per request."""
-    loads = []
+    t_d <= t — leave; an incoming request is there at ``t`` if its prefill ends by then
+    (``queues``: the prefills' backlogs at ``now``; in no queue: ended) and its t_d has not run
+    out since (t_d sized with the running batch's TBT, at least its own step alone: an idle
+    decode's TBT is 0). Counting the ones that joined *and left* before ``t`` — a burst's earlier
+    members, prefilled one after another, each decoded long before the last one's first token —
+    put a burst's tenth member's batch at ten where at most two ran: its TBT predicted ×3 too slow
+    (docs/results/2026-11-29-decode-load.md). One pass, per decode instance per request; when its
+    requests join is looked up only on an instance where one may have a t_d shorter than ``t -
+    now`` (they join at ``now`` at the earliest; ``DecodeInstanceState.incoming_shortest``):
+    elsewhere the loop is the one before, the late left out (bin/decision-cost, issue #31's 5%).
+    There, choice i > 0 of a late request of n counts as joined (its record is ``rid#i``, the
+    queue's ``rid``): conservative, as before."""
+    late = _NO_IDS if queues is None else late_prefills(queues, now, t)
+    ends: dict[str, float] | None = None
+    ahead, loads = t - now, []
+    uniform = inf if uniform_decode_s is None else uniform_decode_s   # read only where tbt is None: uniform
     for d, profile in zip(decodes, profiles):
         profile_ends, prefix, tbt = profile.ends, profile.prefix, profile.tbt_s
         first = bisect_right(profile_ends, t)       # running requests still decoding at t
         batch, context = len(profile_ends) - first, prefix[-1] - prefix[first]
-        for r in d.incoming:
-            joins = ends.get(r.request_id)
-            if joins is None:    # choice i > 0 of a request of n is queued under the request's id
-                joins = ends.get(r.request_id.partition("#")[0], now)
-            if joins > t:
-                continue
-            step = tbt
-            if tbt is not None:          # t_d per request (None: uniform)
-                alone = (d.cost or default).predict(1, r.context_tokens)
-                step = alone if alone > tbt else tbt
-            if t < joins + decode_span(r.max_output_tokens, uniform_decode_s, step):
-                batch += 1
-                context += r.context_tokens
+        incoming = d.incoming
+        if incoming:
+            # the shortest t_d any of them has: longer than t - now, none has left by t
+            if (uniform if tbt is None else d.incoming_shortest * tbt) > ahead:
+                for r in incoming:
+                    if r.request_id not in late:
+                        batch += 1
+                        context += r.context_tokens
+            else:
+                if ends is None:
+                    ends = {} if queues is None else prefill_ends(queues, now)
+                joined, tokens = _still_decoding(incoming, d.cost or default, late, ends, now, t, tbt, uniform)
+                batch += joined
+                context += tokens
         loads.append((batch, context))
     return loads
 
 
-def decode_load_at(d: DecodeInstanceState, costs: CostModels, now: float, t: float, ends: dict[str, float],
+def _still_decoding(incoming: tuple[IncomingRequest, ...], model: DecodeCostModel, late: set[str],
+                    ends: dict[str, float], now: float, t: float, tbt: float | None,
+                    uniform: float) -> tuple[int, int]:
+    """(how many, their context tokens) of ``incoming`` that joined by ``t`` (their prefill's end in
+    ``ends``, else ``now``) and whose t_d (:func:`decode_span`; their step at least their own alone)
+    has not run out by then."""
+    joined = tokens = 0
+    for r in incoming:
+        rid = r.request_id
+        if rid not in ends and "#" in rid:      # choice i > 0 of a request of n: queued as the request
+            rid = rid.rpartition("#")[0]
+        if rid in late:
+            continue
+        out = r.max_output_tokens
+        if tbt is None:
+            span = uniform
+        elif out is None:
+            span = inf
+        else:
+            alone = model.predict(1, r.context_tokens)
+            span = out * (alone if alone > tbt else tbt)
+        if ends.get(rid, now) + span > t:
+            joined += 1
+            tokens += r.context_tokens
+    return joined, tokens
+
+
+def decode_load_at(d: DecodeInstanceState, costs: CostModels, now: float, t: float, queues: Queues | None,
                    uniform_decode_s: float | None) -> tuple[int, int]:
     """:func:`loads_at` for one instance, from scratch. With ``uniform_decode_s`` None, t_d is
     estimated per request as its max_output_tokens times the instance's TBT (:func:`pricing_tbt`;
     an incoming one's at least its step alone; unknown max_output_tokens: assumed still decoding)."""
     profile = leave_profile_of(d, d.cost or costs.decode, uniform_decode_s)
-    return loads_at((d,), [profile], now, t, ends, uniform_decode_s, costs.decode)[0]
+    return loads_at((d,), [profile], now, t, queues, uniform_decode_s, costs.decode)[0]

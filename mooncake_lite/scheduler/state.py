@@ -148,6 +148,9 @@ class DecodeInstanceState:
     tbt_s: float | None = None
     tbt_spread: float = 1.0
     tbt_tail: float = 1.0
+    # at most the fewest output tokens an incoming request may decode (0, the default: not known):
+    # the decode load at t looks up when they joined only where one may have left by t
+    incoming_shortest: float = 0.0
 
 
 @dataclass(slots=True, unsafe_hash=True)

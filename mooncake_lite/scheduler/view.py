@@ -31,6 +31,7 @@ No IO and no clock: times are arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from math import inf
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import DecodeCostModel
@@ -147,6 +148,9 @@ class DecodeView(Shown[DecodeInstanceState]):
         self._group_shown = 0
         self._num_sequences: dict[str, int] = {}   # requests of n > 1 sequences: n
         self.tail = 1.0          # the TBT's tail its states show (Corrections.tail)
+        # at most the fewest max_output_tokens incoming: lowered at a commit, never raised but
+        # when none is left (a bound kept low costs a look-up in the load at t, never a wrong load)
+        self._shortest = inf
 
     def _ids(self, request_id: str) -> Iterable[str]:
         n = self._num_sequences.get(request_id)
@@ -188,6 +192,8 @@ class DecodeView(Shown[DecodeInstanceState]):
     def _commit(self, request_id: str, context_tokens: int, max_output_tokens: int | None) -> None:
         record = IncomingRequest(request_id, context_tokens, max_output_tokens)
         replaced = self._incoming.get(request_id)
+        if max_output_tokens is not None and max_output_tokens < self._shortest:
+            self._shortest = float(max_output_tokens)
         self._incoming[request_id] = record
         self._incoming_context += context_tokens if replaced is None else context_tokens - replaced.context_tokens
         if self._incoming_shown is not None:
@@ -200,6 +206,8 @@ class DecodeView(Shown[DecodeInstanceState]):
         if record is None:
             return False
         self._incoming_context -= record.context_tokens
+        if not self._incoming:
+            self._shortest = inf
         shown = self._incoming_shown
         if shown is not None:
             i = _position(shown, record)
@@ -312,6 +320,7 @@ class DecodeView(Shown[DecodeInstanceState]):
         self._shown_context = self._context_lag = self._group_shown = self._incoming_context = 0
         self._is_context_stale = False
         self._running = self._incoming_shown = None
+        self._shortest = inf
         self._stale()
 
     def state(self) -> DecodeInstanceState:
@@ -334,7 +343,8 @@ class DecodeView(Shown[DecodeInstanceState]):
             self._incoming_shown = tuple(self._incoming.values())
         max_batch, max_context = self._limits
         return DecodeInstanceState(self.instance_id, running, max_batch, max_context, self._cost,
-                                   self._incoming_shown, self._shown_tbt(running, afresh), self.spread, self.tail)
+                                   self._incoming_shown, self._shown_tbt(running, afresh), self.spread, self.tail,
+                                   self._shortest)
 
     def _show_batch(self, refresh: bool) -> None:
         jobs = self._jobs.values()

@@ -185,7 +185,7 @@ def _check_against_exact(t: Tables, cache: EstimateCache | None = None) -> None:
         for t in (0.0, 20.0, 40.0, 80.0):
             staying = [r.context_tokens for r in d.running if r.joined_at + T_D > t]
             staying += [r.context_tokens for r in d.incoming]
-            assert loads_at((d,), profiles, t, t, {}, T_D, COSTS.decode) == [(len(staying), sum(staying))]
+            assert loads_at((d,), profiles, t, t, None, T_D, COSTS.decode) == [(len(staying), sum(staying))]
 
 
 @pytest.mark.parametrize("seed", range(12))

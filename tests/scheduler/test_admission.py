@@ -154,8 +154,9 @@ def test_repeated_predictions_on_one_state_agree_with_the_first():
     d = DecodeInstanceState("d0", running=running, incoming=(IncomingRequest("x", 7),))
     for t in (0.0, 3.5, 5.0, 9.99, 12.0, 30.0, 12.0, 0.0):
         expected = [r.context_tokens for r in running if r.joined_at + 3.0 > t]
-        assert decode_load_at(d, COSTS, t, t, {}, 3.0) == (len(expected) + 1, sum(expected) + 7)   # x joins now
-        assert decode_load_at(d, COSTS, t, t, {"x": t + 1.0}, 3.0) == (len(expected), sum(expected))   # still prefilling
+        assert decode_load_at(d, COSTS, t, t, None, 3.0) == (len(expected) + 1, sum(expected) + 7)   # x joins now
+        x_queued = _queues_at(t, x=1000)                    # x's prefill ends 1 s after t
+        assert decode_load_at(d, COSTS, t, t, x_queued, 3.0) == (len(expected), sum(expected))
 
 
 def test_queue_time_cache_follows_now_while_a_job_runs():
@@ -206,6 +207,14 @@ def test_the_tbt_predicted_is_the_step_times_the_tail_and_admission_judges_the_s
                    tbt_slo_s=0.05).accepted
 
 
+def _queues_at(now: float, **num_tokens: int):
+    """One FIFO prefill queue of unstarted jobs (1 ms per token, COSTS), as a decision reads it at ``now``."""
+    from mooncake_lite.scheduler.estimate import queues_at
+    from mooncake_lite.scheduler.cache import FromScratch
+    jobs = tuple(QueuedPrefill(rid, n) for rid, n in num_tokens.items())
+    return queues_at(FromScratch.backlogs([prefill("p0", jobs)], COSTS), now)
+
+
 def test_an_incoming_request_counts_only_while_it_decodes():
     """§3's load at t: an incoming request joins when its prefill is predicted to end and leaves
     t_d later. A burst's earlier member, prefilled and decoded before t, is not in t's batch —
@@ -214,15 +223,19 @@ def test_an_incoming_request_counts_only_while_it_decodes():
     d = DecodeInstanceState("d0", incoming=(IncomingRequest("a", 50, max_output_tokens=10),
                                             IncomingRequest("b", 70, max_output_tokens=10)),
                             tbt_s=0.1)                # t_d = 10 × 0.1 s = 1 s
-    ends = {"a": 1.0, "b": 2.5}                       # a decodes over [1, 2), b over [2.5, 3.5)
+    queues = _queues_at(0.0, a=1000, b=1500)          # a decodes over [1, 2), b over [2.5, 3.5)
     expected = {0.5: (0, 0), 1.0: (1, 50), 1.9: (1, 50), 2.0: (0, 0), 2.6: (1, 70), 3.5: (0, 0)}
     for t, load in expected.items():
-        assert decode_load_at(d, COSTS, 0.0, t, ends, None) == load, t
-    assert decode_load_at(d, COSTS, 0.0, 0.5, {}, None) == (2, 120)     # in no queue: both joined now
-    assert decode_load_at(d, COSTS, 0.0, 1.5, {}, 3.0) == (2, 120)      # a uniform t_d of 3 s
-    unknown = replace(d, incoming=(IncomingRequest("a", 50),))          # no max_tokens: never leaves
-    assert decode_load_at(unknown, COSTS, 0.0, 100.0, ends, None) == (1, 50)
+        assert decode_load_at(d, COSTS, 0.0, t, queues, None) == load, t
+    assert decode_load_at(d, COSTS, 0.0, 0.5, None, None) == (2, 120)     # in no queue: both joined now
+    assert decode_load_at(d, COSTS, 0.0, 1.5, None, 3.0) == (2, 120)      # a uniform t_d of 3 s
+    unknown = replace(d, incoming=(IncomingRequest("a", 50),))            # no max_tokens: never leaves
+    assert decode_load_at(unknown, COSTS, 0.0, 100.0, queues, None) == (1, 50)
     # a request of n choices: choice 1 ("a#1") is queued under the request's id, so it joins with it
     second = replace(d, incoming=(IncomingRequest("a#1", 50, max_output_tokens=10),))
-    assert decode_load_at(second, COSTS, 0.0, 0.5, ends, None) == (0, 0)
-    assert decode_load_at(second, COSTS, 0.0, 1.5, ends, None) == (1, 50)
+    assert decode_load_at(second, COSTS, 0.0, 0.5, queues, None) == (0, 0)
+    assert decode_load_at(second, COSTS, 0.0, 1.5, queues, None) == (1, 50)
+    # an idle decode (TBT 0): t_d is sized with the request's own step alone (COSTS: 0.02 s), 0.2 s
+    idle = replace(d, tbt_s=0.0)
+    assert decode_load_at(idle, COSTS, 0.0, 1.1, queues, None) == (1, 50)
+    assert decode_load_at(idle, COSTS, 0.0, 1.25, queues, None) == (0, 0)

@@ -10,7 +10,7 @@ from mooncake_lite.scheduler import (BlockIndex, ClusterState, DecodeCostModel, 
                                      prefill_queue_time, schedule)
 from mooncake_lite.scheduler.admission import choose_decode
 from mooncake_lite.scheduler.estimate import (decode_has_room, decode_load_at, decode_load_now, decode_tbt,
-                                              prefill_ends, queues_at)
+                                              queues_at)
 from mooncake_lite.scheduler.prefill_select import choose_prefill
 from tests.scheduler.clusters import BS, COSTS, cfg
 
@@ -131,8 +131,8 @@ def test_decode_choice_is_the_smallest_tbt_among_instances_with_room(scenario, l
     config = cfg(admission=admission, uniform_decode_s=10.0)
     choice = choose_decode(req, replace(clus, decodes=decodes), config, COSTS, 0.0, 0.5, None)
     if admission == "predictive":
-        ends = prefill_ends(queues_at(FromScratch.backlogs(clus.prefills, COSTS), 0.0), 0.0)
-        loads = [decode_load_at(d, COSTS, 0.0, 0.5, ends, 10.0) for d in decodes]
+        queues = queues_at(FromScratch.backlogs(clus.prefills, COSTS), 0.0)
+        loads = [decode_load_at(d, COSTS, 0.0, 0.5, queues, 10.0) for d in decodes]
     else:
         loads = [decode_load_now(d) for d in decodes]
     options = [(decode_tbt(d, COSTS, b + 1, c + req.num_tokens), i) for i, (d, (b, c)) in enumerate(zip(decodes, loads))

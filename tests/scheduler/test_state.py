@@ -23,7 +23,8 @@ def test_states_are_plain_slotted_dataclasses():
         {"instance_id": "d", "running": ({"request_id": "a", "context_tokens": 10, "joined_at": 1.5,
                                           "max_output_tokens": None},),
          "max_batch_size": None, "max_context_tokens": 100, "cost": None, "incoming": (), "tbt_s": None,
-         "tbt_spread": 1.0, "tbt_tail": 1.0},)}
+         "tbt_spread": 1.0, "tbt_tail": 1.0,
+         "incoming_shortest": 0.0},)}
     # hashable by value (equal records hash equal), and nothing but the fields can be set
     assert hash(d) == hash(DecodeInstanceState("d", (DecodingRequest("a", 10, 1.5),), max_context_tokens=100))
     with pytest.raises(AttributeError):
