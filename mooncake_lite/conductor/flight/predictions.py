@@ -1,17 +1,13 @@
 """Every prediction checked against what happened, and the models corrected by it (issue #36).
 
-At admission a request's decision carries the TTFT and TBT the scheduler predicted, and their
-parts (queue, own prefill, transfer); :class:`Prediction` keeps them with the correction scales
-its instances' models had then. When the request completes its flight measures TTFT (placement
-to first token, on the loop's clock), its TBT (``common/tbt.paper_tbt`` of its token gaps) and
-takes the prefill's own timings (queue wait, compute with prefix loads, migration): a
-:class:`Check`. The :class:`PredictionBook` (one per conductor) puts each check in the
-``mooncake_conductor_prediction_ratio`` histogram by instance and metric, in the last minute's
-window that ``mooncake status`` reads, and feeds the online correction
-(``scheduler/correction.py``), whose scaled models it then shows the scheduler through the
-membership (``Membership.shown_costs``), and each instance's measured spread (measured / shown
-TTFT or TBT, ``Corrections.spread``) through its view: what admission's bound is. Corrections are this conductor's own: several conductors
-each learn from the requests they place; nothing is shared between them.
+At admission a decision carries the TTFT and TBT the scheduler predicted and their parts (queue,
+own prefill, transfer); :class:`Prediction` keeps them with the correction scales its instances'
+models had then. At the end the flight measures TTFT (placement to first token), TBT
+(``common/tbt.paper_tbt`` of its gaps) and takes the prefill's own timings: a :class:`Check`. The
+:class:`PredictionBook` (one per conductor) puts each in the ``mooncake_conductor_prediction_ratio``
+histogram and ``mooncake status``'s last minute, and feeds the online correction
+(``scheduler/correction.py``), whose scaled models, spreads and tails it shows the scheduler
+(``Membership.shown_costs``, the views). Each conductor learns from the requests it places; nothing is shared.
 """
 
 from __future__ import annotations
