@@ -256,20 +256,15 @@ def leave_profile_of(d: DecodeInstanceState, model: DecodeCostModel,
 def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile], now: float, t: float,
              queues: Queues | None, uniform_decode_s: float | None,
              default: DecodeCostModel) -> list[tuple[int, int]]:
-    """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3), from
-    its leave profile: running requests whose decode would have ended by ``t`` — joined_at +
-    t_d <= t — leave; an incoming request is there at ``t`` if its prefill ends by then
-    (``queues``: the prefills' backlogs at ``now``; in no queue: ended) and its t_d has not run
-    out since (t_d sized with the running batch's TBT, at least its own step alone: an idle
-    decode's TBT is 0). Counting the ones that joined *and left* before ``t`` — a burst's earlier
-    members, prefilled one after another, each decoded long before the last one's first token —
-    put a burst's tenth member's batch at ten where at most two ran: its TBT predicted ×3 too slow
-    (docs/results/2026-11-29-decode-load.md). One pass, per decode instance per request; when its
-    requests join is looked up only on an instance where one may have a t_d shorter than ``t -
-    now`` (they join at ``now`` at the earliest; ``DecodeInstanceState.incoming_shortest``):
-    elsewhere the loop is the one before, the late left out (bin/decision-cost, issue #31's 5%).
-    There, choice i > 0 of a late request of n counts as joined (its record is ``rid#i``, the
-    queue's ``rid``): conservative, as before."""
+    """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3): running
+    requests with joined_at + t_d <= ``t`` leave; an incoming one is there if its prefill ends by
+    ``t`` (``queues``: the backlogs at ``now``; in no queue: ended) and its t_d (at least its own
+    step alone: an idle decode's TBT is 0) has not run out since. Counted for ever, a burst's tenth
+    member was priced at a batch of ten where two ran (docs/results/2026-11-29-decode-load.md).
+    Per decode per request: when they joined is looked up only where one may have a t_d shorter
+    than ``t - now`` (``DecodeInstanceState.incoming_shortest``); elsewhere only the late leave
+    out (bin/decision-cost, issue #31's 5%), choice i > 0 of a late request of n counted (its
+    record is ``rid#i``, the queue's ``rid``): conservative, as before."""
     late = _NO_IDS if queues is None else late_prefills(queues, now, t)
     ends: dict[str, float] | None = None
     ahead, loads = t - now, []
@@ -289,7 +284,8 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
             else:
                 if ends is None:
                     ends = {} if queues is None else prefill_ends(queues, now)
-                joined, tokens = _still_decoding(incoming, d.cost or default, late, ends, now, t, tbt, uniform)
+                joined, tokens = _still_decoding(incoming, d.cost or default, late, ends, now, t, tbt,
+                                                 uniform_decode_s)
                 batch += joined
                 context += tokens
         loads.append((batch, context))
@@ -298,7 +294,7 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
 
 def _still_decoding(incoming: tuple[IncomingRequest, ...], model: DecodeCostModel, late: set[str],
                     ends: dict[str, float], now: float, t: float, tbt: float | None,
-                    uniform: float) -> tuple[int, int]:
+                    uniform_decode_s: float | None) -> tuple[int, int]:
     """(how many, their context tokens) of ``incoming`` that joined by ``t`` (their prefill's end in
     ``ends``, else ``now``) and whose t_d (:func:`decode_span`; their step at least their own alone)
     has not run out by then."""
@@ -309,15 +305,11 @@ def _still_decoding(incoming: tuple[IncomingRequest, ...], model: DecodeCostMode
             rid = rid.rpartition("#")[0]
         if rid in late:
             continue
-        out = r.max_output_tokens
-        if tbt is None:
-            span = uniform
-        elif out is None:
-            span = inf
-        else:
+        step = tbt
+        if tbt is not None and r.max_output_tokens is not None:
             alone = model.predict(1, r.context_tokens)
-            span = out * (alone if alone > tbt else tbt)
-        if ends.get(rid, now) + span > t:
+            step = alone if alone > tbt else tbt
+        if ends.get(rid, now) + decode_span(r.max_output_tokens, uniform_decode_s, step) > t:
             joined += 1
             tokens += r.context_tokens
     return joined, tokens
