@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
-from mooncake_lite.conductor.flight.arrivals import Arrivals
+from mooncake_lite.conductor.flight.arrivals import Arrivals, reprice
 from mooncake_lite.conductor.flight.output_lengths import OutputHistory
 from mooncake_lite.conductor.flight.predictions import PredictionBook
 from mooncake_lite.conductor.cluster.membership import Membership
@@ -57,6 +57,8 @@ class Services:
 
     def __post_init__(self) -> None:
         self.predictions = PredictionBook(self.membership, self.metrics, lambda: self.scheduler.costs)
+        if self.arrivals.on_placed is None:   # a burst's forwards priced as it left them (arrivals.py)
+            self.arrivals.on_placed = lambda flights: reprice(flights, self.membership, lambda: self.scheduler.costs.prefill)
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

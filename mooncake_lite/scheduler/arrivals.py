@@ -19,11 +19,13 @@ the arrival order, which is priced exactly).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 from mooncake_lite.scheduler.block_index import BlockIndex
-from mooncake_lite.scheduler.costs import uncached_tokens
-from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
+from mooncake_lite.scheduler.costs import PrefillCostModel, uncached_tokens
+from mooncake_lite.scheduler.packing import packed_queue
+from mooncake_lite.scheduler.state import ClusterState, QueuedPrefill, ScheduleRequest
 
 # The live conductor's window (--burst-window): long enough for a burst sent at one instant to
 # reach it (the replay's ten requests arrive within 10 ms), short beside a CPU prefill's seconds.
@@ -47,3 +49,38 @@ def decision_order(uncached: Sequence[int]) -> list[int]:
     """The positions of a burst's requests (in arrival order) in the order they are decided:
     fewest uncached tokens first, ties in arrival order (the queue's own tie rule)."""
     return sorted(range(len(uncached)), key=uncached.__getitem__)
+
+
+def burst_shifts(placed: Sequence[tuple[str, str]],
+                 queue: Callable[[str], tuple[Sequence[QueuedPrefill], int, PrefillCostModel]]) -> dict[str, float]:
+    """What each member of a burst just placed adds to its predicted TTFT now that the whole burst
+    is: ``placed`` holds (request id, prefill id) in decision order; ``queue(prefill id)`` that
+    instance's queue now, its packing budget and the model its view shows. A member decided early
+    was priced with its pack as the queue stood (the queue now without the members decided after
+    it); the later members that joined its pack (``packing.joins_tail``) or re-cut it move its
+    end, by the model. Live, a pack of five of a burst's members was predicted 0.17–0.86 s and all
+    five had their first token at 1.22 s (docs/results/2026-11-30-zen5.md). {} without packing;
+    a member whose pack stands, or that is not waiting, is left out."""
+    by_prefill: dict[str, list[str]] = {}
+    for rid, pid in placed:
+        by_prefill.setdefault(pid, []).append(rid)
+    out: dict[str, float] = {}
+    for pid, members in by_prefill.items():
+        jobs, limit, model = queue(pid)
+        if len(members) < 2 or limit <= 0:
+            continue
+        now, later = _pack_ends(jobs, limit, model), set(members)
+        for rid in members:
+            later.discard(rid)
+            if rid in now and later:
+                shift = now[rid] - _pack_ends([j for j in jobs if j.request_id not in later], limit, model)[rid]
+                if shift:
+                    out[rid] = shift
+    return out
+
+
+def _pack_ends(jobs: Sequence[QueuedPrefill], limit: int, model: PrefillCostModel) -> dict[str, float]:
+    """Each waiting job's pack's end, from the running forward's start (``packed_queue``: the
+    first job of a pack carries its time, so the running sum at a job is its pack's end)."""
+    ends = accumulate(packed_queue(jobs, model, limit).durations_s)
+    return {job.request_id: end for job, end in zip(jobs, ends) if job.started_at is None}

@@ -80,6 +80,7 @@ class MooncakeSim(TraceDriver):
         self._reserve: bool = cfg.decode_check == "reserve"
         self._local_ttft_check: bool = cfg.local_ttft_check
         self.held_s: dict[int, float] = {}   # request id -> how long it was held (the client waited that too)
+        self.burst_shift_s: dict[int, float] = {}   # request id -> its TTFT's move once its burst was placed
 
     def _nodes(self) -> tuple[list[PrefillNode], list[DecodeNode]]:
         """The prefill instances (CPP groups, each with its node store) and the decode nodes."""
@@ -103,6 +104,7 @@ class MooncakeSim(TraceDriver):
         res = super().run(trace, progress)
         res.extra["output_prediction"] = self.accuracy.to_dict()
         res.extra["held_s"] = self.held_s
+        res.extra["burst_shift_s"] = self.burst_shift_s
         return res
 
     # ---- conductor ---------------------------------------------------------------------------
@@ -130,10 +132,30 @@ class MooncakeSim(TraceDriver):
         for i in order:
             self.held_s[burst[i].request_id] = now - burst[i].arrival
             self._arrive(now, burst[i], True)
+        self._reprice([burst[i] for i in order if burst[i].prefill_id is not None])
         if kept is not None:   # kept in arrival order, as every other request's
             decided = kept[start:]
             for k, i in enumerate(order):
                 kept[start + i] = decided[k]
+
+    def _reprice(self, placed: list[SimRequest]) -> None:
+        """A burst's members placed (decision order) with their forwards as the burst left them, as
+        live (``scheduler.arrivals.burst_shifts``, ``conductor/flight/arrivals.reprice``)."""
+        if len(placed) < 2:
+            return
+        by_id, default = self.prefill_by_id, self.costs.prefill
+
+        def queue(pid: str) -> tuple:
+            state = by_id[pid].view.state()
+            return state.queue, by_id[pid].pack_tokens, state.cost or default
+        shifts = arrivals.burst_shifts([(r.rid, r.prefill_id or "") for r in placed], queue)
+        for r in placed:
+            shift = shifts.get(r.rid)
+            if shift is not None:
+                self.burst_shift_s[r.request_id] = shift
+                r.predicted_ttft = (r.predicted_ttft or 0.0) + shift
+                if self.correcting is not None:
+                    self.correcting.shifted(r.rid, shift)
 
     def _arrive(self, now: float, req: SimRequest, released: bool = False) -> None:
         if self._window > 0 and not released and self._hold(now, req):   # held for its burst

@@ -61,6 +61,15 @@ class SimCorrecting:
             shown = dn.view.tail * self._shown.get(dn.instance_id, 1.0)
             self._tbt[req.rid] = (d.predicted_tbt_s, d.predicted_tbt_s / shown)
 
+    def shifted(self, rid: str, shift_s: float) -> None:
+        """``rid``'s forward moved by ``shift_s`` (shown seconds) once its burst was placed
+        (``SimCluster._reprice``): its own forward and TTFT predicted move with it, as live."""
+        predicted = self._predicted.get(rid)
+        if predicted is not None:
+            own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale = predicted
+            self._predicted[rid] = (max(own + shift_s / scale, 0.0), queue_s, overtake_s, full, ttft_s + shift_s,
+                                    join_s, join_full, scale)
+
     def first_token(self, req: SimRequest, p: PrefillNode, now: float,
                     forward: tuple[float, float] = (0.0, 1.0)) -> None:
         """``req``'s prefill on ``p`` ended at ``now``: correct ``p`` by it, and show the result.

@@ -4,9 +4,11 @@ tests/conductor/test_arrivals.py."""
 
 from __future__ import annotations
 
-from mooncake_lite.scheduler import (BlockEvent, BlockIndex, ClusterState, PrefillInstanceState, QueuedPrefill,
-                                     ScheduleRequest)
-from mooncake_lite.scheduler.arrivals import decision_order, holds, uncached_now
+import pytest
+
+from mooncake_lite.scheduler import (BlockEvent, BlockIndex, ClusterState, PrefillCostModel, PrefillInstanceState,
+                                     QueuedPrefill, ScheduleRequest)
+from mooncake_lite.scheduler.arrivals import burst_shifts, decision_order, holds, uncached_now
 
 JOB = (QueuedPrefill("running", 100, 0, started_at=0.0),)
 
@@ -36,3 +38,30 @@ def test_the_ordering_key_is_what_the_store_with_the_longest_prefix_leaves_to_co
     assert uncached_now(index, ScheduleRequest("r", ("a", "b", "c", "d"), 70, 1), 16) == 70 - 48
     assert uncached_now(index, ScheduleRequest("r", ("x",), 70, 1), 16) == 70
     assert uncached_now(index, ScheduleRequest("r", ("a", "b"), 32, 1), 16) == 1   # never less than the last token
+
+
+MODEL = PrefillCostModel(c0=0.0, c1=1e-3, c2=0.0, c3=0.0)    # 1 ms a token
+
+
+def _queue(*jobs: tuple[str, int], started: int = 1) -> tuple[QueuedPrefill, ...]:
+    return tuple(QueuedPrefill(rid, n, 0, started_at=0.0 if i < started else None) for i, (rid, n) in enumerate(jobs))
+
+
+def test_a_burst_s_members_in_one_pack_end_with_the_pack_its_later_members_joined():
+    """Decided shortest first, each member was priced with its pack as the queue stood (without
+    the members decided after it); the later ones joined its pack: it ends with that pack."""
+    q = _queue(("run", 400), ("a", 30), ("b", 50), ("c", 200), ("d", 300))   # packs: [a b c] [d] at 512
+    shifts = burst_shifts([("a", "p0"), ("b", "p0"), ("c", "p0"), ("d", "p0")], lambda pid: (q, 512, MODEL))
+    assert shifts == {"a": pytest.approx(0.25), "b": pytest.approx(0.2)}   # c priced [a b c]; d its own
+    assert burst_shifts([("a", "p0"), ("b", "p0")], lambda pid: (q, 0, MODEL)) == {}   # no packing
+
+
+def test_a_member_s_pack_can_end_sooner_and_members_on_other_prefills_are_apart():
+    # a joined the long job "old" queued before the burst; b, later, passed "old": a's pack is now [a b]
+    q = _queue(("run", 10), ("a", 30), ("b", 100), ("old", 450))
+    shifts = burst_shifts([("a", "p0"), ("b", "p0"), ("x", "p1")],
+                          lambda pid: (q, 512, MODEL) if pid == "p0" else (_queue(("x", 20), started=0), 512, MODEL))
+    assert shifts == {"a": pytest.approx(-0.35)}      # [a old] 480 ms -> [a b] 130 ms
+    # members already running (their forward started) are in no pack that can grow
+    running = _queue(("a", 30), ("b", 40), started=2)
+    assert burst_shifts([("a", "p0"), ("b", "p0")], lambda pid: (running, 512, MODEL)) == {}

@@ -75,13 +75,14 @@ def simulated_predictions(trace: Sequence[TraceRequest], result, decisions: Sequ
     in arrival order). Its forwards take exactly what the model says, so what is left is what no
     prediction at arrival can know: later arrivals passing or joining a job (shortest first,
     packing); FIFO leaves none. The live error is that plus the machine's. A request held for its
-    burst (``--burst-window``) is predicted, as the live client is shown, its wait plus the decision's.
+    burst (``--burst-window``) is predicted, as the live client is shown, its wait plus the decision's,
+    its forward as its burst left it (``burst_shift_s``).
     Its TBT is the step for the batch foreseen at its first token × the tail learned (with ``correct``):
     what is left is batch mates joining mid-decode and the step spread, as live."""
     from mooncake_lite.bench.replay.metrics import error_figures
-    held = result.extra.get("held_s", {})
-    predicted = {t.request_id: d.predicted_ttft_s + held.get(t.request_id, 0.0) for t, d in zip(trace, decisions)
-                 if d.predicted_ttft_s is not None}
+    held, shift = result.extra.get("held_s", {}), result.extra.get("burst_shift_s", {})
+    predicted = {t.request_id: d.predicted_ttft_s + held.get(t.request_id, 0.0) + shift.get(t.request_id, 0.0)
+                 for t, d in zip(trace, decisions) if d.predicted_ttft_s is not None}
     by_id = {r.request_id: r for r in result.requests}
     ratios = [r.ttft / p for t in trace if (r := by_id.get(t.request_id)) is not None and r.status == "completed"
               and r.ttft is not None and (p := predicted.get(t.request_id))]

@@ -92,7 +92,7 @@ class Flight:
     # ---- start ---------------------------------------------------------------------------
     async def start(self) -> None:
         arrived = loop_now()
-        await self.svc.arrivals.turn(self.svc.membership.snapshot, self._uncached_now)
+        await self.svc.arrivals.turn(self.svc.membership.snapshot, self._uncached_now, self)
         self._held_s = loop_now() - arrived   # placed with its burst (arrivals.py): the client waited that too
         failed = await self._start_attempt(self.request_id)
         if failed is not None:
