@@ -31,6 +31,8 @@ import orjson
 from mooncake_lite.common.cost_report import CostReport, FlatCost
 
 M = TypeVar("M")
+# The furthest ahead a decode takes a request's KV to be due (GenerateRequest.kv_in_s): an hour.
+MAX_KV_IN_S = 3600.0
 
 
 class ProtocolError(ValueError):
@@ -78,12 +80,18 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Conductor -> decode: reserve room for a request whose KV will arrive under ``transfer_id``."""
+    """Conductor -> decode: reserve room for a request whose KV will arrive under ``transfer_id``,
+    predicted in ``kv_in_s`` seconds (the decision's TTFT; None: unknown, judged as joining now)."""
     request_id: str
     transfer_id: str
     prompt_len: int
     sampling: Sampling
     kv_timeout_s: float = 30.0
+    kv_in_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_in_s is not None and not 0.0 <= self.kv_in_s <= MAX_KV_IN_S:   # NaN fails both
+            raise ValueError(f"kv_in_s must be within [0, {MAX_KV_IN_S:g}] seconds, got {self.kv_in_s}")
 
 
 @dataclass(frozen=True)

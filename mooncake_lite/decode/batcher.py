@@ -16,9 +16,9 @@ blocks once, shared by reference (freed with the last of them), and for each its
 the prompt's partial last block on; :meth:`join_all` says which blocks the engine must copy so
 each choice starts from the prompt's tail (copy-on-write of that one block, at join).
 
-Admission (:meth:`check_admit`) predicts the TBT the batch would have with the new request, from
-the scheduler's fitted :class:`DecodeCostModel`, and refuses with a readable reason when it would
-break the SLO or the KV memory cannot hold the request.
+Admission (:meth:`check_admit`) predicts the TBT the batch would have with the new request when its
+KV is due, from the scheduler's fitted :class:`DecodeCostModel`, and refuses with a readable reason
+when it would break the SLO or the KV memory cannot hold the request.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 
 from mooncake_lite.model.kv_cache import BlockAllocator, blocks_needed
-from mooncake_lite.scheduler.admission import tbt_refusal
+from mooncake_lite.scheduler.admission import Held, held_load_at, tbt_refusal
 from mooncake_lite.scheduler.costs import DecodeCostModel
 
 
@@ -46,6 +46,13 @@ class DecodeSequence:
     is_aborted: bool = False
     index: int = 0         # its choice (n > 1)
     num_shared: int = 0    # leading blocks shared with its siblings, freed by the last of them
+    join_at: float = 0.0   # when its KV is due (the caller's clock: reserved at + kv_in_s), until it runs
+
+    def held(self, now: float) -> Held:
+        """What the TBT check reads of it (``scheduler/admission.Held``): running, it decodes from
+        ``now`` for its tokens left (an aborted one leaves at its next step)."""
+        left = 0 if self.is_aborted else self.max_tokens - len(self.output_ids)
+        return now if self.is_running else self.join_at, left, self.context_len
 
     @property
     def key(self) -> str:
@@ -107,8 +114,10 @@ class DecodeBatcher:
         context = sum(s.context_len for s in self.seqs.values()) + extra_context
         return self.cost.predict(batch, context)
 
-    def check_admit(self, prompt_len: int, max_tokens: int, n: int = 1) -> str | None:
-        """None if a request of this size (``n`` choices) may join, else the reason it may not."""
+    def check_admit(self, prompt_len: int, max_tokens: int, n: int = 1, *, now: float = 0.0,
+                    kv_in_s: float | None = None) -> str | None:
+        """None if a request of this size (``n`` choices) may join, else the reason it may not.
+        ``kv_in_s``: seconds from ``now`` until its KV is due (None: unknown, as if now)."""
         if prompt_len <= 0 or max_tokens <= 0 or n <= 0:
             return f"prompt_len, max_tokens and n must be positive, got {prompt_len}, {max_tokens}, {n}"
         need = self.blocks_for(prompt_len, max_tokens, n)
@@ -121,10 +130,14 @@ class DecodeBatcher:
             return f"batch full: {len(self.seqs)} + {n} of max {self.max_batch_size} sequences"
         if self.cost is None:
             return None
-        # The simulator runs this same check (scheduler/admission.tbt_refusal) on what a decode
-        # holds: every reserved sequence, running or still waiting for its KV.
-        context = sum(s.context_len for s in self.seqs.values())
-        return tbt_refusal(self.cost, len(self.seqs), context, prompt_len, self.tbt_slo_s, self.tbt_slo_factor)
+        # Memory and the batch bound are for everything held; the step, for what still decodes
+        # when this request joins (the simulator's check too: scheduler/admission.held_load_at).
+        t = None if kv_in_s is None else now + kv_in_s
+        batch, context = held_load_at([s.held(now) for s in self.seqs.values()], self.cost, now, t)
+        reason = tbt_refusal(self.cost, batch, context, prompt_len, self.tbt_slo_s, self.tbt_slo_factor, n)
+        if reason is None or t is None:
+            return reason
+        return f"{reason} when its KV is due in {kv_in_s:.2f} s ({len(self.seqs)} sequences held)"
 
     def blocks_for(self, prompt_len: int, max_tokens: int, n: int = 1) -> int:
         """Blocks ``n`` choices take: the prompt's full blocks once, the rest each."""
@@ -132,13 +145,15 @@ class DecodeBatcher:
         return shared + n * (blocks_needed(prompt_len + max_tokens, self.block_size) - shared)
 
     def reserve(self, request_id: str, prompt_len: int, max_tokens: int,
-                stop_token_ids: tuple[int, ...] = (), n: int = 1) -> DecodeSequence:
+                stop_token_ids: tuple[int, ...] = (), n: int = 1, *, now: float = 0.0,
+                kv_in_s: float | None = None) -> DecodeSequence:
         """Hold blocks for the whole request (prompt + outputs: no preemption needed later), for
-        each of its ``n`` choices; returns choice 0's sequence, whose blocks the KV arrives in."""
+        each of its ``n`` choices; returns choice 0's sequence, whose blocks the KV arrives in.
+        ``now``, ``kv_in_s``: as :meth:`check_admit` takes them; its KV is due at their sum."""
         keys = [request_id, *(f"{request_id}#{i}" for i in range(1, n))]
         if any(k in self.seqs for k in keys):
             raise ValueError(f"request {request_id!r} is already on this decode instance")
-        reason = self.check_admit(prompt_len, max_tokens, n)
+        reason = self.check_admit(prompt_len, max_tokens, n, now=now, kv_in_s=kv_in_s)
         if reason is not None:
             raise AdmissionError(reason)
         shared = prompt_len // self.block_size if n > 1 else 0
@@ -147,7 +162,7 @@ class DecodeBatcher:
         for i, key in enumerate(keys):
             table = first if i == 0 else first[:shared] + self.allocator.allocate(own)
             self.seqs[key] = DecodeSequence(request_id, prompt_len, max_tokens, tuple(stop_token_ids), table,
-                                            index=i, num_shared=shared)
+                                            index=i, num_shared=shared, join_at=now + (kv_in_s or 0.0))
         if n > 1:
             self._groups[request_id] = keys
         return self.seqs[request_id]

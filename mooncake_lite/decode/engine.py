@@ -86,11 +86,11 @@ class DecodeEngine:
         masks = choice_masks(self.runner.grammars, s.grammar, s.n)
         admission = None if span is None else tracing.start_span(
             "decode.admission", span, prompt_tokens=req.prompt_len, max_tokens=s.max_tokens,
-            num_running=self.batcher.num_running)
+            num_running=self.batcher.num_running, kv_in_s=req.kv_in_s)
         try:
             # max_tokens counts a continued request's output so far: room for the rest only
             seq = self.batcher.reserve(req.request_id, req.prompt_len, params.max_tokens - s.num_generated,
-                                       params.stop_token_ids, s.n)
+                                       params.stop_token_ids, s.n, now=time.monotonic(), kv_in_s=req.kv_in_s)
         except Exception as exc:
             tracing.end_span(admission, f"refused: {exc}")
             raise

@@ -14,6 +14,7 @@ when an instance's own profile says it cannot meet an absolute SLO even when idl
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from mooncake_lite.scheduler import rules
@@ -21,7 +22,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.decision import RejectCause
-from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at,
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_span, decode_tbt, loads_at,
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
@@ -102,23 +103,55 @@ def _loads(cluster: ClusterState, cfg: SchedulerConfig, costs: CostModels, now: 
 
 
 def tbt_refusal(cost: DecodeCostModel, batch: int, context_tokens: int, num_tokens: int,
-                tbt_slo_s: float | None, tbt_slo_factor: float | None = None) -> str | None:
+                tbt_slo_s: float | None, tbt_slo_factor: float | None = None, n: int = 1) -> str | None:
     """The decode instance's own TBT double check, one code for the live decode
-    (``decode/batcher.py``, at reservation) and the simulator: None if one more sequence of
-    ``num_tokens`` context on an instance holding ``batch`` sequences of ``context_tokens``
-    keeps the predicted step within the SLO, else why not. The SLO is ``tbt_slo_s`` if set, else
-    ``tbt_slo_factor`` × one step of the request alone (the conductor's relative SLO), else
-    there is no check."""
+    (``decode/batcher.py``, at reservation) and the simulator: None if ``n`` more sequences of
+    ``num_tokens`` context each on an instance decoding ``batch`` sequences of ``context_tokens``
+    (:func:`held_load_at`) keep the predicted step within the SLO, else why not. The SLO is
+    ``tbt_slo_s`` if set, else ``tbt_slo_factor`` × one step of the request alone (its ``n``
+    sequences: the conductor's relative SLO, :func:`slo_violation`), else there is no check."""
     slo = tbt_slo_s
     if slo is None:
         if tbt_slo_factor is None:
             return None
-        slo = tbt_slo_factor * cost.predict(1, num_tokens)
-    tbt = cost.predict(batch + 1, context_tokens + num_tokens)
+        slo = tbt_slo_factor * cost.predict(n, n * num_tokens)
+    tbt = cost.predict(batch + n, context_tokens + n * num_tokens)
     if tbt <= slo:
         return None
     how = "" if tbt_slo_s is not None else f" ({tbt_slo_factor:g}x a step alone)"
-    return f"predicted TBT {tbt * 1e3:.2f} ms with batch {batch + 1} exceeds the TBT SLO {slo * 1e3:.2f} ms{how}"
+    return f"predicted TBT {tbt * 1e3:.2f} ms with batch {batch + n} exceeds the TBT SLO {slo * 1e3:.2f} ms{how}"
+
+
+# A sequence a decode holds, as its double check reads it: (when it decodes from: the KV's expected
+# arrival for one reserved, ``now`` for one running; its output tokens left; its context tokens).
+Held = tuple[float, int, int]
+
+
+def held_load_at(held: Sequence[Held], model: DecodeCostModel, now: float, t: float | None) -> tuple[int, int]:
+    """(sequences, context tokens) of ``held`` still decoding at ``t``, when a new request's KV is
+    due: each decodes from its join (``now`` once that has passed: a late KV joins as it lands)
+    for t_d = :func:`~estimate.decode_span` of its tokens left at the step of those joined by
+    ``now`` (:func:`~estimate.pricing_tbt`'s running batch), at least its own step alone — the
+    conductor's rule for an incoming request (``estimate.loads_at``). One joining after ``t`` is
+    not beside it then. Counted together, a burst's tenth reservation was judged at batch 10 where
+    its members, prefilled one after another, decode one or two at a time. ``t`` None: when it
+    joins is unknown, and everything held counts, as if all decoded together from now."""
+    if t is None:
+        return len(held), sum([tokens for _, _, tokens in held])
+    joined = [tokens for join_at, _, tokens in held if join_at <= now]
+    tbt = model.predict(len(joined), sum(joined))
+    batch = context = 0
+    for join_at, tokens_left, tokens in held:
+        start = join_at if join_at > now else now
+        if start > t:
+            continue
+        if start + decode_span(tokens_left, None, tbt) <= t:     # gone by t, unless slower alone
+            alone = model.predict(1, tokens)
+            if alone <= tbt or start + decode_span(tokens_left, None, alone) <= t:
+                continue
+        batch += 1
+        context += tokens
+    return batch, context
 
 
 def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModels,

@@ -170,11 +170,11 @@ class MooncakeSim(TraceDriver):
         if not decision.accepted:
             return self._reject(now, req, "conductor", decision.reject_cause)
         d = self.decode_by_id[decision.decode_id]
-        if self._reserve:   # the live conductor reserves decode before prefill
-            cause = d.refusal(req, self.tbt_slo_s, self.tbt_slo_factor)
-            if cause is not None:
+        if self._reserve:   # the live conductor reserves decode before prefill, telling it the TTFT foreseen
+            kv_in = decision.predicted_ttft_s
+            if (cause := d.refusal(req, self.tbt_slo_s, self.tbt_slo_factor, now, kv_in)) is not None:
                 return self._reject(now, req, "decode", cause)
-            d.hold(req)
+            d.hold(req, now if kv_in is None else now + kv_in)
         if (self._local_ttft_check and decision.predicted_ttft_s is not None
                 and decision.predicted_ttft_s > self._ttft_limit(req.input_length, decision.prefill_id)):
             d.release(req)
@@ -304,7 +304,7 @@ class MooncakeSim(TraceDriver):
             own = replace(d.state(), cost=d.batch.model)
             if not decode_admits(own, sreq, self.costs, self.tbt_slo_s, self.tbt_slo_factor):
                 return self._reject(now, req, "decode", "tbt")
-            d.hold(req)
+            d.hold(req, now)
         d.arrive(now, req)
 
     def _finish(self, now: float, req: SimRequest) -> None:

@@ -30,11 +30,11 @@ class SimConfig:
     has finished before (else max_tokens sizes t_d); the true output length only ends a request.
 
     decode_check:
-        ``reserve`` — as the live decode: at dispatch, before the prefill, on everything the
-        decode holds (running or waiting for KV), room for prompt + max_tokens and the TBT
-        (``scheduler/admission.tbt_refusal``); a refusal costs no prefill. ``arrival`` — the
-        paper's local scheduler: when the KV arrives, on the running batch; a refusal wastes
-        the prefill.
+        ``reserve`` — as the live decode: at dispatch, before the prefill, room for prompt +
+        max_tokens beside everything the decode holds and the TBT with what still decodes when
+        the KV is due (``scheduler/admission.held_load_at``); a refusal costs no prefill.
+        ``arrival`` — the paper's local scheduler: when the KV arrives, on the running batch; a
+        refusal wastes the prefill.
 
     The SLOs are the scheduler's: absolute (``scheduler.ttft_slo_s``/``tbt_slo_s``, the paper's
     tables) or, where None, relative as the live conductor's defaults (factor × the request alone

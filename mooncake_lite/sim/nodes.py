@@ -12,7 +12,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
-from mooncake_lite.scheduler.admission import tbt_refusal
+from mooncake_lite.scheduler.admission import Held, held_load_at, tbt_refusal
 from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.scheduler.queue_order import enqueue
 from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
@@ -151,7 +151,7 @@ class DecodeNode:
         self.pending_tokens = 0                      # their contexts (prompt + first token each)
         self.committed: dict[str, SimRequest] = {}   # dispatched here, KV not yet arrived
         self.committed_tokens = 0                    # their prompts' tokens
-        self.held: set[str] = set()                  # requests holding a KV reservation here
+        self.held: dict[str, float] = {}             # requests holding a KV reservation here: when their KV is due
         self.reserved_tokens = 0                     # prompt + max_tokens of each of them
         self.seg_start = 0.0
         self.seg_gap = 0.0
@@ -165,17 +165,21 @@ class DecodeNode:
     def state(self) -> DecodeInstanceState:
         return self.view.state()
 
-    def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None) -> str | None:
+    def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None,
+                now: float = 0.0, kv_in_s: float | None = None) -> str | None:
         """The live decode's check at reservation (``decode/batcher.check_admit``): room for
-        prompt + max_tokens beside every reservation held, then the shared TBT check on all it
-        holds — running, waiting for the next step, or waiting for KV; against ``tbt_slo_s``, else
-        ``tbt_slo_factor`` x one step of the request alone (the live decode's default). None: admitted."""
+        prompt + max_tokens beside every reservation held, then the shared TBT check on what still
+        decodes when its KV is due in ``kv_in_s`` (None: everything held: running, waiting for the
+        step boundary or for KV); against ``tbt_slo_s``, else ``tbt_slo_factor`` x one step of the
+        request alone (the live decode's default). None: admitted."""
         if self.max_context_tokens is not None and \
                 self.reserved_tokens + req.input_length + req.max_tokens > self.max_context_tokens:
             return "reserve-kv"
         held, context = self._held_load()
         if self.max_batch is not None and held >= self.max_batch:
             return "reserve-batch"
+        if kv_in_s is not None:
+            held, context = held_load_at(self._held_seqs(now), self.batch.model, now, now + kv_in_s)
         if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s, tbt_slo_factor) is not None:
             return "reserve-tbt"
         return None
@@ -186,19 +190,37 @@ class DecodeNode:
         held = len(self.batch) + len(self.pending) + len(self.committed)
         return held, self.batch.context_tokens + self.pending_tokens + self.committed_tokens
 
+    def _held_seqs(self, now: float) -> list[Held]:
+        """Everything here as the live decode's check reads it (``scheduler/admission.Held``), with
+        the contexts :meth:`_held_load` sums: running (steps run since the last boundary counted
+        off its tokens left) or about to, from ``now``; KV to come, from when it is due."""
+        steps, done = self._steps_done(now), self.batch.steps_done
+        seqs: list[Held] = [(now, r.max_tokens - 1 - (done - r.join_step) - steps,
+                             r.input_length + 1 + done - r.join_step) for r in self.batch.running.values()]
+        seqs += [(now, r.max_tokens - 1, r.input_length + 1) for r in self.pending]
+        due = self.held
+        seqs += [(due.get(rid, now), r.max_tokens, r.input_length) for rid, r in self.committed.items()]
+        return seqs
+
+    def _steps_done(self, now: float) -> int:
+        """Steps of the running segment done by ``now`` (0 when idle)."""
+        if not self.seg_steps:
+            return 0
+        return min(self.seg_steps, math.floor((now - self.seg_start) / self.seg_gap + 1e-9))
+
     def held_step_time(self) -> float:
-        """The step time with everything held here decoding (what the reservation check judges)."""
+        """The step time with everything held here decoding at once (the reservation check's bound)."""
         held, context = self._held_load()
         return self.batch.model.predict(held, context) if held else 0.0
 
-    def hold(self, req: SimRequest) -> None:
-        """Reserve KV room for the whole request (prompt + max_tokens), as the live decode does."""
-        self.held.add(req.rid)
+    def hold(self, req: SimRequest, kv_due: float) -> None:
+        """Reserve KV room for the whole request (prompt + max_tokens), as the live decode does;
+        its KV is due at ``kv_due`` (the decision's predicted first token)."""
+        self.held[req.rid] = kv_due
         self.reserved_tokens += req.input_length + req.max_tokens
 
     def release(self, req: SimRequest) -> None:
-        if req.rid in self.held:
-            self.held.discard(req.rid)
+        if self.held.pop(req.rid, None) is not None:
             self.reserved_tokens -= req.input_length + req.max_tokens
 
     def commit(self, req: SimRequest) -> None:
@@ -231,8 +253,7 @@ class DecodeNode:
 
     def _cut(self, now: float) -> None:
         """End the running segment at the first step boundary after ``now``."""
-        done = math.floor((now - self.seg_start) / self.seg_gap + 1e-9)
-        cut = min(done + 1, self.seg_steps)
+        cut = min(self._steps_done(now) + 1, self.seg_steps)
         if cut < self.seg_steps:
             self.seg_steps = cut
             self.version += 1

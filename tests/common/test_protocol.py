@@ -1,12 +1,24 @@
 import pytest
 
-from mooncake_lite.common.protocol import (GenerateRequest, Heartbeat, InstanceLoad, PrefillRequest, ProtocolError,
-                                            Sampling, dumps, loads)
+from mooncake_lite.common.protocol import (MAX_KV_IN_S, GenerateRequest, Heartbeat, InstanceLoad, PrefillRequest,
+                                            ProtocolError, Sampling, dumps, loads)
 
 
 def test_round_trip_nested():
     msg = PrefillRequest("r1", "t1", (1, 2, 3), "127.0.0.1:9", Sampling(max_tokens=4, seed=3), prefix_keys=("ab",))
     assert loads(PrefillRequest, dumps(msg)) == msg
+
+
+def test_a_generate_request_says_when_its_kv_is_due():
+    for kv_in_s in (None, 0.0, 2.5, MAX_KV_IN_S):
+        msg = GenerateRequest("r1", "t1", 3, Sampling(), 30.0, kv_in_s)
+        assert loads(GenerateRequest, dumps(msg)) == msg
+    old = loads(GenerateRequest, b'{"request_id": "r", "transfer_id": "t", "prompt_len": 3, "sampling": {}}')
+    assert old.kv_in_s is None                          # an older conductor's: joins now, as before
+    assert loads(GenerateRequest, dumps(old).replace(b'"kv_in_s":null', b'"kv_in_s":7')).kv_in_s == 7.0
+    for bad in (-1e-9, MAX_KV_IN_S * 2, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kv_in_s must be within"):
+            GenerateRequest("r1", "t1", 3, Sampling(), 30.0, bad)
 
 
 @pytest.mark.parametrize("raw, needle", [

@@ -42,6 +42,31 @@ async def test_overload_answers_429_with_retry_after(make_cluster):
     await c.close()
 
 
+async def test_the_decode_is_told_when_the_kv_is_due(make_cluster):
+    # the decision's predicted TTFT: 1 s of prefill for the first, its queue and 1 s for the second
+    cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=10)
+    p0 = await cluster.add("prefill", "p0", store="s0:1", cost={"prefill": {"c0": 1.0}})
+    p0.behaviour.hang = True
+    c = client(cluster)
+    pending = [asyncio.create_task(c.completions.create(model="tiny", prompt=f"q{i}", max_tokens=2))
+               for i in range(2)]
+    await _wait_for(lambda: len(p0.requests) == 2)
+    first, second = (r.kv_in_s for r in cluster.instances["d0"].requests)
+    assert 1.0 <= first < 1.5 and second - first == pytest.approx(1.0, abs=0.1)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await c.close()
+
+
+def test_what_the_decode_is_told_is_what_it_takes():
+    from mooncake_lite.common.protocol import MAX_KV_IN_S
+    from mooncake_lite.conductor.flight.attempt import kv_in
+    from mooncake_lite.scheduler import Decision
+    told = [kv_in(Decision(True, "", predicted_ttft_s=t)) for t in (None, float("nan"), -0.1, 2.5, 1e9)]
+    assert told == [None, None, 0.0, 2.5, MAX_KV_IN_S]
+
+
 async def test_tbt_slo_rejects_before_prefill(make_cluster):
     cluster = await make_cluster(prefill=1, decode=0, admission="predictive", tbt_slo=0.2)
     await cluster.add("decode", "d0", cost={"decode": {"c0": 0.5}})

@@ -27,9 +27,9 @@ def engine():
     return DecodeEngine(runner, batcher, ThreadPoolExecutor(1))
 
 
-def gen(rid, prompt_len=8, max_tokens=4, timeout=30):
+def gen(rid, prompt_len=8, max_tokens=4, timeout=30, **more):
     return orjson.dumps({"request_id": rid, "transfer_id": f"t-{rid}", "prompt_len": prompt_len,
-                         "sampling": {"max_tokens": max_tokens}, "kv_timeout_s": timeout})
+                         "sampling": {"max_tokens": max_tokens}, "kv_timeout_s": timeout, **more})
 
 
 async def test_refusals_have_reasons_and_abort_frees(aiohttp_client, engine):
@@ -55,6 +55,19 @@ async def test_refusals_have_reasons_and_abort_frees(aiohttp_client, engine):
     assert r3.status == 200
 
 
+async def test_a_reservation_whose_kv_comes_later_is_judged_then(aiohttp_client, engine):
+    # a and b (KV due now, 4 tokens at 25 ms) will have finished when c's KV is due in a minute
+    client = await aiohttp_client(make_app(engine, DecodeAppSettings()))
+    for rid in ("a", "b"):
+        assert (await client.post("/v1/generate", data=gen(rid))).status == 200
+    now = await client.post("/v1/generate", data=gen("c"))
+    assert now.status == 429 and "with batch 3" in (await now.json())["error"]
+    soon = await client.post("/v1/generate", data=gen("c", kv_in_s=0.01))
+    assert soon.status == 429 and "when its KV is due in 0.01 s" in (await soon.json())["error"]
+    later = await client.post("/v1/generate", data=gen("c", kv_in_s=60))
+    assert later.status == 200 and engine.batcher.seqs["c"].join_at > engine.batcher.seqs["a"].join_at + 59
+
+
 @pytest.mark.parametrize("body, fragment", [
     (b"not json", "invalid JSON"),
     (b'{"request_id": "x"}', "missing field"),
@@ -62,6 +75,13 @@ async def test_refusals_have_reasons_and_abort_frees(aiohttp_client, engine):
     (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 0, "sampling": {}}', "must be positive"),
     (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 3, "sampling": {}, "kv_timeout_s": 0}', "kv_timeout_s"),
     (b'{"request_id": "x", "transfer_id": "t", "prompt_len": 3, "sampling": {"temperature": -1}}', "temperature"),
+    (gen("x", kv_in_s=-0.5), "kv_in_s must be within [0, 3600] seconds, got -0.5"),
+    (gen("x", kv_in_s=1e300), "kv_in_s must be within"),
+    (gen("x", kv_in_s="soon"), "kv_in_s: expected float"),
+    (gen("x", kv_in_s=True), "kv_in_s: expected float"),
+    (gen("x", kv_in_s=[1]), "kv_in_s: expected float"),
+    (gen("x")[:-1] + b', "kv_in_s": NaN}', "invalid JSON"),
+    (gen("x")[:-1] + b', "kv_in_s": 1e999}', "invalid JSON"),
 ])
 async def test_bad_requests_get_400(aiohttp_client, engine, body, fragment):
     client = await aiohttp_client(make_app(engine, DecodeAppSettings()))

@@ -44,3 +44,24 @@ def test_absolute_slo_wins_and_no_slo_means_no_check():
     assert tbt_refusal(COST, 100, 10_000, 100, None, None) is None
     assert tbt_refusal(COST, 1, 100, 100, 0.5, 1.0) is None          # absolute 500 ms, factor ignored
     assert "exceeds the TBT SLO 5.00 ms" in tbt_refusal(COST, 1, 100, 100, 0.005, None)
+
+
+def test_a_reservation_is_judged_with_what_still_decodes_when_its_kv_is_due():
+    # Six running sequences of 8 tokens left (~23 ms a step: gone in 0.2 s) fill the SLO now; a
+    # request whose KV is due in 10 s joins an idle decode, and one due now is refused as before.
+    b = DecodeBatcher(BlockAllocator(10_000), 4, cost=COST, tbt_slo_factor=2.0)
+    for i in range(6):
+        b.reserve(f"r{i}", 100, 9, now=0.0)
+        b.join(f"r{i}", 1)
+    today = b.check_admit(100, 8, now=1.0)
+    assert today is not None and today == tbt_refusal(COST, 6, 6 * 101, 100, None, 2.0)
+    assert b.check_admit(100, 8, now=1.0, kv_in_s=10.0) is None
+    refused = b.check_admit(100, 8, now=1.0, kv_in_s=0.1)         # they are still decoding then
+    assert refused is not None and refused.startswith(today) and "due in 0.10 s (6 sequences held)" in refused
+    # reserved ahead, each counts from when its own KV is due: one due with it is beside it
+    b.reserve("x", 100, 8, now=1.0, kv_in_s=10.0)
+    assert b.seqs["x"].held(1.0) == (11.0, 8, 100)
+    due_with_x = DecodeBatcher(BlockAllocator(10_000), 4, cost=COST, tbt_slo_s=COST.predict(1, 100))
+    due_with_x.reserve("x", 100, 8, now=1.0, kv_in_s=10.0)
+    assert due_with_x.check_admit(100, 8, now=1.0, kv_in_s=20.0) is None
+    assert "with batch 2" in due_with_x.check_admit(100, 8, now=1.0, kv_in_s=10.05)

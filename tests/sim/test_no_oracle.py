@@ -105,7 +105,7 @@ def test_a_cap_stops_long_outputs_and_reserves_prompt_plus_cap():
     # 1000 + 1500 held for the first leaves no room for a second 2500 on a 3000-token decode,
     # however short either output really is (as the live decode's block reservation)
     assert d.refusal(second, 1.0) is None
-    d.hold(first)
+    d.hold(first, 0.0)
     assert d.refusal(second, 1.0) == "reserve-kv"
     d.release(first)
     assert d.refusal(second, 1.0) is None and d.reserved_tokens == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Callable
 
@@ -21,8 +22,8 @@ import aiohttp
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.auth import cluster_headers
-from mooncake_lite.common.protocol import (GenerateRequest, PrefillResult, ProtocolError, dumps, error_text,
-                                           parse_prefill_result, parse_token_event)
+from mooncake_lite.common.protocol import (MAX_KV_IN_S, GenerateRequest, PrefillResult, ProtocolError, dumps,
+                                           error_text, parse_prefill_result, parse_token_event)
 from mooncake_lite.conductor.api.errors import Rejected
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.events import (SHUTDOWN, Event, Failed, Finished, FirstToken, PrefillRefused,
@@ -117,7 +118,7 @@ class Attempt:
     async def _reserve_decode(self) -> Failed | None:
         d, s = self.decode, self.req.sampling
         msg = GenerateRequest(self.upstream_id, self.transfer_id, len(self.req.prompt_ids), s,
-                              self.svc.kv_timeout_s)
+                              self.svc.kv_timeout_s, kv_in(self.decision))
         self._decode_span = span = tracing.start_span("conductor.decode", self.span, kind="client",
                                                       instance=d.instance_id, upstream_id=self.upstream_id)
         try:
@@ -314,3 +315,12 @@ class Attempt:
 def loop_now() -> float:
     """The event loop's clock: what membership's and the flight's times are read on."""
     return asyncio.get_running_loop().time()
+
+
+def kv_in(decision: Decision) -> float | None:
+    """When the decision expects the request's KV at its decode, in seconds from now: its predicted
+    TTFT (the decode judges its TBT with what still decodes then), within what the decode takes."""
+    ttft = decision.predicted_ttft_s
+    if ttft is None or math.isnan(ttft):
+        return None
+    return min(max(ttft, 0.0), MAX_KV_IN_S)
