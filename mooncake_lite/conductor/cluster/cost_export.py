@@ -32,8 +32,8 @@ longest one's context (the torch reference kernel: CPU), the seconds a padding t
 step, fitted to its gaps (``instance/colocation.padding_cost``; the median over the decodes); the
 simulator adds them to its steps, and the ratios above are over that step.
 ``decode_kv_write_s_per_token``: what writing a received prompt's KV costs the decode's model
-thread per prompt token (its joins in ``kv_intake``), which the simulator charges at the join;
-the gaps above are taken without those writes.
+thread per prompt token (its joins in ``kv_intake``), which the simulator charges over the prefill
+that streams it; the gaps above are taken without those writes (spread over that forward's gaps).
 ``store_blocks_per_node`` (the median DRAM slots), ``ssd_blocks_per_node`` and ``eviction``: the
 capacity the stores the live prefills use report with their block events (``StoreCapacity``), in
 blocks of ``block_size`` tokens; left out unless every such store reported it and all evict alike,
