@@ -74,7 +74,7 @@ class Hardware:
     # measured by the live export). 0: attention as long as the contexts (a GPU's kernel).
     decode_padding_s_per_token: float = 0.0
     # Seconds per prompt token the decode's model thread spends writing a received prompt's KV
-    # into its cache (between steps, so its batch waits): charged when the request joins.
+    # into its cache, frame by frame as the prefill streams it: its steps stretch over that prefill.
     decode_kv_write_s_per_token: float = 0.0
     # A live store's capacity (conductor/cost_export.py): DRAM slots and SSD blocks per node, each
     # block of ``store_block_tokens`` tokens (None: ``block_size``), and its eviction policy. None:
