@@ -98,7 +98,8 @@ class MooncakeSim(TraceDriver):
         prefills = [PrefillNode(f"P{i}", NodeStore(capacity, ssd, eviction), hw, cfg.cpp_group_size,
                                 cfg.prefill_chunk, group_cost, cfg.prefill_batch_tokens, cfg.prefill_queue_overtakes)
                     for i in range(cfg.num_prefill)]
-        decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token),
+        decodes = [DecodeNode(f"D{i}", Batch(hw.decode, hw.decode_step_ratios, hw.decode_padding_s_per_token,
+                                              hw.decode_busy_step_ratios),
                               self.events, cfg.decode_max_batch,
                               hw.decode_max_context_tokens, self._finish)
                    for i in range(cfg.num_decode)]

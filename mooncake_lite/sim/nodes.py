@@ -242,7 +242,8 @@ class DecodeNode:
         self._stretch(now)
 
     def _stretch(self, now: float) -> None:
-        self.batch.scale(self.colocated * (1.0 + sum(self.writes.values())))
+        # a slowdown other than 1 is set only while a prefill computes (MooncakeSim._colocate)
+        self.batch.scale(self.colocated * (1.0 + sum(self.writes.values())), self.colocated != 1.0)
         if self.seg_steps:
             self._cut(now)
 

@@ -104,3 +104,17 @@ def test_received_kv_is_written_while_its_prefill_runs_not_at_the_join():
     assert heavy[0].ttft == plain[0].ttft and heavy[1].ttft == plain[1].ttft
     assert heavy[0].finish == pytest.approx(plain[0].finish + 0.05 + 0.5, abs=0.012)
     assert heavy[1].tbt == pytest.approx(plain[1].tbt + 0.25, abs=0.021)     # its first gap
+
+
+def test_steps_beside_a_prefill_draw_the_busy_spread_and_alone_the_idle_one():
+    spread = dataclasses.replace(toy_hardware(step_s=0.01), decode_step_ratios=(0.99, 1.01),
+                                 decode_colocated_slowdown=2.0)
+    # A decodes 0.1-0.16 s alone, then beside B's 1000-token prefill (0.15-1.15 s); B decodes alone after.
+    trace = [req(0, 0.0, 100, 41), req(1, 0.15, 1000, 21)]
+    idle = run(spread, trace)
+    busy = run(dataclasses.replace(spread, decode_busy_step_ratios=(0.5, 1.5)), trace)
+    assert idle[0].tbt == pytest.approx(0.02 * 1.01)          # the idle tail × the slowdown
+    assert busy[0].tbt == pytest.approx(0.02 * 1.5)           # the busy tail, over its mean 1.0
+    assert busy[0].mean_gap == pytest.approx(idle[0].mean_gap, rel=0.15)   # the slowdown keeps the level
+    assert busy[0].finish == idle[0].finish                   # only the replay draws differ
+    assert (busy[1].tbt, busy[1].mean_gap, busy[1].finish) == (idle[1].tbt, idle[1].mean_gap, idle[1].finish)

@@ -26,7 +26,8 @@ spread of the gaps run alone (gap = step + the loop's work between steps, what a
 sees; the heartbeat's deciles time the step only), ``decode_busy_step_ratios`` the spread of those
 beside one (where every decode has some), and ``decode_colocated_slowdown`` the mean gap beside a
 prefill over the mean gap alone (per unit of the model's step), which the simulator applies to a
-decode's steps while a prefill computes (``sim/costs.Hardware``); ``colocation`` has every decode's figures. A decode with no prefill on its host reports no slowdown.
+decode's steps while a prefill computes, their shape drawn from the busy spread (``sim/batch.py``);
+``colocation`` has every decode's figures. A decode with no prefill on its host reports no slowdown.
 ``decode_padding_s_per_token``: where every decode's attention runs a batch's sequences to the
 longest one's context (the torch reference kernel: CPU), the seconds a padding token adds to a
 step, fitted to its gaps (``instance/colocation.padding_cost``; the median over the decodes); the
