@@ -10,7 +10,7 @@ the prefills on its host, which the conductor's cost export does for the simulat
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,24 +99,35 @@ def kv_write_cost(intake: Sequence[Sequence[float]]) -> float | None:
     return sum(s for _, _, s in intake) / sum(n for _, n, _ in intake)
 
 
-def _without_writes(gaps: list[tuple], intake: Sequence[Sequence[float]], model: DecodeCostModel) -> list[tuple]:
-    """``gaps`` with each join's KV write seconds taken out of the gaps they delayed: the
-    writes run in the model thread between steps up to the join, so from the gap the join
-    falls in backwards, each gap giving at most what it took beyond the model's step (the
-    simulator charges the writes at the join: ``Hardware.decode_kv_write_s_per_token``)."""
-    ends = [g[1] for g in gaps]
+def write_spans(intake: Sequence[Sequence[float]],
+                forwards: Sequence[Sequence[float]]) -> list[tuple[float, float, float]]:
+    """Each join's KV writes as ``(from, to, seconds)``: its frames come as the prefill computes
+    each layer and are written as they come, so from the start of the forward whose end the join
+    follows (packed prompts share one) to the join; a prompt cut into chunks is counted in its
+    last. A join before any forward is left out."""
+    ordered = sorted((float(a), float(b)) for a, b in forwards)
+    ends = [b for _, b in ordered]
+    out = []
+    for join in intake:
+        t, k = float(join[0]), bisect_right(ends, float(join[0]))
+        if k and ordered[k - 1][0] < t:
+            out.append((ordered[k - 1][0], t, float(join[2])))
+    return out
+
+
+def _without_writes(gaps: list[tuple], spans: Sequence[tuple[float, float, float]],
+                    model: DecodeCostModel) -> list[tuple]:
+    """``gaps`` with each join's KV write seconds taken out of the gaps they were written in:
+    spread evenly in time over its span (:func:`write_spans`), a gap gives its overlap's share,
+    at most what it took beyond the model's step; what fell while the decode waited delayed no
+    step. Not where the join falls: most joins find the decode idle, their writes long done
+    (the simulator charges them over the prefill the same way: ``sim/cluster.py``)."""
+    starts, ends = [g[0] for g in gaps], [g[1] for g in gaps]
     out = [list(g) for g in gaps]
-    for t, _, seconds in intake:
-        first = bisect_right(ends, t)            # the gap the join falls in, if it is in one
-        if first == len(out) or out[first][0] > t:
-            continue                             # joined while the decode waited: no step delayed
-        left, k = seconds, first
-        while left > 0 and k >= max(0, first - 5):
-            g = out[k]
-            take = min(left, max(0.0, (g[1] - g[0]) - model.predict(g[2], g[3])))
-            g[0] += take
-            left -= take
-            k -= 1
+    for a, b, seconds in spans:
+        for k in range(bisect_right(ends, a), bisect_left(starts, b)):
+            g, overlap = out[k], min(ends[k], b) - max(starts[k], a)
+            g[0] += min(seconds * overlap / (b - a), max(0.0, (g[1] - g[0]) - model.predict(g[2], g[3])))
     return [tuple(g) for g in out]
 
 
@@ -140,7 +151,7 @@ def colocation_split(steps: Sequence[Sequence[float]], forwards: Sequence[Sequen
         return None
     write_cost = kv_write_cost(intake)
     if write_cost is not None:
-        gaps = _without_writes(gaps, intake, model)
+        gaps = _without_writes(gaps, write_spans(intake, forwards), model)
     busy_at = merge_intervals(forwards)
     busy = [covered_share(g[0], g[1], busy_at) >= BUSY_SHARE for g in gaps]
     plain = [((g[1] - g[0]) / model.predict(g[2], g[3]), DecodeRefiner._bucket(g[2], g[5]), beside)

@@ -12,6 +12,10 @@ With ``step_ratios`` (a live cluster's measured spread of step times around its 
 request's gaps are replayed step by step, each × one of the ratios drawn at random (seeded by
 the request id, so a run repeats) over their mean: the same time in total, with the tail that
 TBT — the slowest 10% of a request's gaps — measures live. Without them nothing changes.
+With ``busy_ratios`` too (``Hardware.decode_busy_step_ratios``: the spread of steps run beside a
+computing prefill) a step timed while one computed is drawn from those over their mean instead:
+the co-location slowdown (``scale``) keeps the level beside a prefill, the busy spread gives its
+shape, whose slow tail the idle one lacks. The log then keeps a flag per entry (``beside_log``).
 """
 
 from __future__ import annotations
@@ -35,15 +39,24 @@ class Batch:
     """The running requests of one decode engine and the log of its steps."""
 
     __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
-                 "stalled", "step_ratios", "_step_scale", "_spread_mean", "padding")
+                 "stalled", "step_ratios", "_step_scale", "_spread_mean", "padding", "busy_ratios", "_busy_mean",
+                 "beside_log", "_beside", "_seg_beside")
 
-    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padding: float = 0.0) -> None:
+    def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padding: float = 0.0,
+                 busy_ratios: tuple[float, ...] = ()) -> None:
         self.model = model
         self.padding = padding    # s per padding token: attention runs all to the longest context (Hardware)
         spread = len(set(step_ratios)) > 1      # a flat spread only scales the steps
         self.step_ratios = np.asarray(step_ratios, dtype=np.float64) if spread else None
         self._spread_mean = float(np.mean(step_ratios)) if step_ratios else 1.0
         self._step_scale = self._spread_mean     # × a co-location slowdown while it lasts (scale)
+        # drawn like the idle spread, so only beside one (a flat idle spread draws nothing)
+        self.busy_ratios = np.asarray(busy_ratios, dtype=np.float64) if busy_ratios and spread else None
+        self._busy_mean = float(np.mean(busy_ratios)) if busy_ratios else 1.0
+        # per log entry: timed while a prefill computed (only with busy_ratios; trimmed with the log)
+        self.beside_log: list[bool] | None = [] if self.busy_ratios is not None else None
+        self._beside = False        # a prefill computes now (scale)
+        self._seg_beside = False    # one did when the running segment was timed
         self.running: dict[str, SimRequest] = {}
         self._heap: list[tuple[int, int, SimRequest]] = []
         self._seq = 0
@@ -81,10 +94,14 @@ class Batch:
         """The longest running request's context now (prompt, its first token, one per step)."""
         return max(r.input_length + 1 + self.steps_done - r.join_step for r in self.running.values())
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float, beside: bool = False) -> None:
         """Steps timed from now on take ``factor`` × the spread's mean × the model's time (a
-        prefill computing on the same host: ``Hardware.decode_colocated_slowdown``)."""
+        prefill computing on the same host, ``beside``: ``Hardware.decode_colocated_slowdown``).
+        A running segment was timed before: it keeps its flag till it is logged (``advance``)."""
         self._step_scale = self._spread_mean * factor
+        self._beside = beside
+        if not self.running:
+            self._seg_beside = beside
 
     def steps_to_next_finish(self) -> int:
         return self._heap[0][0] - self.steps_done
@@ -94,12 +111,17 @@ class Batch:
         if self.running:
             self.log.append((seconds, 0))
             self.stalled = True
+            if self.beside_log is not None:
+                self.beside_log.append(False)    # no step: the flag is never read
 
     def advance(self, num_steps: int, gap: float) -> list[SimRequest]:
         """Run ``num_steps`` steps of ``gap`` seconds; return the requests that finished."""
         if num_steps <= 0:
             return []
         self.log.append((gap, num_steps))
+        if self.beside_log is not None:
+            self.beside_log.append(self._seg_beside)
+            self._seg_beside = self._beside      # the next segment is timed now
         self.steps_done += num_steps
         self.context_tokens += num_steps * len(self.running)
         done: list[SimRequest] = []
@@ -119,7 +141,7 @@ class Batch:
             # the log since its join counts every step since then (a stall counts none)
             req.num_gaps = self.steps_done - req.join_step
             if spread:
-                self._replay_spread(req, gaps)
+                self._replay_spread(req, gaps, req.join_log - self._log_base, end)
             else:
                 req.tbt = slowest_share_mean(gaps, total=req.num_gaps)
                 # the same floats summed in the same order as sum(starmap(mul, gaps)); a compiled
@@ -130,22 +152,37 @@ class Batch:
             self._trim_log()
         return done
 
-    def _replay_spread(self, req: SimRequest, gaps: list[Segment]) -> None:
+    def _replay_spread(self, req: SimRequest, gaps: list[Segment], start: int, end: int) -> None:
         """``req``'s TBT and mean gap with each step's time drawn from the measured spread (module
-        doc); ``gaps`` are its steps' (time, count) without the wait before its first."""
+        doc); ``gaps`` are its steps' (time, count) without the wait before its first, folded from
+        log entries ``[start, end)``."""
         ratios = self.step_ratios
         assert ratios is not None   # only called with a spread
         times = np.repeat([g for g, _ in gaps], [c for _, c in gaps])
         rng = np.random.default_rng(zlib.crc32(str(req.rid).encode()))
-        times = times * (ratios[rng.integers(len(ratios), size=len(times))] / self._spread_mean)
+        draws = ratios[rng.integers(len(ratios), size=len(times))] / self._spread_mean
+        if self.beside_log is not None:
+            draws = self._draw_beside(draws, rng, start, end)
+        times = times * draws
         times[0] += req.wait_extra
         steps = [(t, 1) for t in times.tolist()]
         req.tbt = slowest_share_mean(steps, total=len(steps))
         req.mean_gap = sum(t for t, _ in steps) / len(steps)
 
+    def _draw_beside(self, draws: np.ndarray, rng: np.random.Generator, start: int, end: int) -> np.ndarray:
+        """``draws`` with those of the steps timed beside a computing prefill drawn again from the
+        busy spread over its mean (module doc); the others, drawn first, as without it."""
+        busy, flags = self.busy_ratios, self.beside_log
+        assert busy is not None and flags is not None   # only called with a busy spread
+        # a fold keeps each entry's steps in order (a stall's seconds go to the next step)
+        beside = np.repeat(flags[start:end], [c for _, c in self.log[start:end]])
+        return np.where(beside, busy[rng.integers(len(busy), size=len(draws))] / self._busy_mean, draws)
+
     def _trim_log(self) -> None:
         oldest = min((r.join_log for r in self.running.values()), default=self._log_base + len(self.log))
         del self.log[:oldest - self._log_base]
+        if self.beside_log is not None:
+            del self.beside_log[:oldest - self._log_base]
         self._log_base = oldest
         self._trim_at = len(self.log) + LOG_TRIM_EVERY    # amortized: a scan per this many entries
 

@@ -68,13 +68,16 @@ class Hardware:
     # nodes do not interfere (the paper's). Else the simulated cluster is that one box: every
     # decode's steps take this much longer while any prefill computes (sim/cluster.py).
     decode_colocated_slowdown: float = 1.0
+    # The spread of steps run beside a computing prefill (as decode_step_ratios, which then spread
+    # only those run alone): a step timed while one computes draws its shape from it (sim/batch.py).
+    decode_busy_step_ratios: tuple[float, ...] = ()
     # Seconds a padding token adds to a decode step: a CPU decode's attention (the torch
     # reference kernel, kernels/attention.py) runs every sequence of a batch to the longest
     # one's context, batch × longest − context tokens more (instance/colocation.padded_step;
     # measured by the live export). 0: attention as long as the contexts (a GPU's kernel).
     decode_padding_s_per_token: float = 0.0
     # Seconds per prompt token the decode's model thread spends writing a received prompt's KV
-    # into its cache (between steps, so its batch waits): charged when the request joins.
+    # into its cache, frame by frame as the prefill streams it: its steps stretch over that prefill.
     decode_kv_write_s_per_token: float = 0.0
     # A live store's capacity (conductor/cost_export.py): DRAM slots and SSD blocks per node, each
     # block of ``store_block_tokens`` tokens (None: ``block_size``), and its eviction policy. None:
@@ -130,6 +133,8 @@ class Hardware:
                 "dram_usable_fraction": self.dram_usable_fraction, "block_size": self.block_size,
                 "ssd_load_bytes_per_s": self.ssd_load_bytes_per_s,
                 **({"decode_step_ratios": list(self.decode_step_ratios)} if self.decode_step_ratios else {}),
+                **({"decode_busy_step_ratios": list(self.decode_busy_step_ratios)}
+                   if self.decode_busy_step_ratios else {}),
                 **({"decode_colocated_slowdown": self.decode_colocated_slowdown}
                    if self.decode_colocated_slowdown != 1.0 else {}),
                 **({"decode_padding_s_per_token": self.decode_padding_s_per_token}
@@ -191,6 +196,7 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "dram_bytes_per_node": 1e12, "block_size": 512,
          "decode_step_ratios": [0.9, .., 1.6],    # a step's spread around the decode model
          "decode_colocated_slowdown": 1.8,        # steps beside a computing prefill (one box)
+         "decode_busy_step_ratios": [0.9, .., 1.9],   # and their spread
          "decode_padding_s_per_token": 2e-6,      # attention runs a batch to its longest context
          "store_blocks_per_node": 2465, "ssd_blocks_per_node": 0,   # a live store's slots, in
          "eviction": "lru"}                        # blocks of store_block_tokens (or block_size)
@@ -207,8 +213,9 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
     if isinstance(data.get("decode"), dict):
         changes["decode"] = DecodeCostModel.from_dict(data["decode"])
     changes.update(_positive_numbers(path, data))
-    if "decode_step_ratios" in data:
-        changes["decode_step_ratios"] = _step_ratios(path, data["decode_step_ratios"])
+    for key in ("decode_step_ratios", "decode_busy_step_ratios"):
+        if key in data:
+            changes[key] = _step_ratios(path, key, data[key])
     changes.update(_store_capacity(path, data))
     return replace(hw, **changes)
 
@@ -257,12 +264,12 @@ def _positive_numbers(path: str | Path, data: dict[str, Any]) -> dict[str, float
     return changes
 
 
-def _step_ratios(path: str | Path, value: Any) -> tuple[float, ...]:
-    """A profile's ``decode_step_ratios``: positive finite numbers in ascending order."""
+def _step_ratios(path: str | Path, key: str, value: Any) -> tuple[float, ...]:
+    """A profile's ``decode_step_ratios`` (or busy ones): positive finite numbers in ascending order."""
     ok = isinstance(value, list) and value and all(
         not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in value)
     if not ok or any(a > b for a, b in zip(value, value[1:])):
-        raise ValueError(f"cost profile {path}: decode_step_ratios must be a non-empty ascending list of "
+        raise ValueError(f"cost profile {path}: {key} must be a non-empty ascending list of "
                          f"positive numbers, got {value!r}")
     return tuple(float(v) for v in value)
 

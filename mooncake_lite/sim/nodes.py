@@ -138,10 +138,11 @@ class DecodeNode:
     """One decode instance: KV arrivals wait for the next step boundary, then join the batch."""
 
     def __init__(self, instance_id: str, batch: Batch, events: EventQueue, max_batch: int | None,
-                 max_context_tokens: int | None, on_finish: Callable[[float, SimRequest], None],
-                 kv_write_s_per_token: float = 0.0) -> None:
+                 max_context_tokens: int | None, on_finish: Callable[[float, SimRequest], None]) -> None:
         self.instance_id = instance_id
-        self.kv_write_s_per_token = kv_write_s_per_token   # Hardware.decode_kv_write_s_per_token
+        self.colocated = 1.0                         # the co-location slowdown now (rescale)
+        self.writes: dict[str, float] = {}           # prefill id -> the stretch its forward's KV writes add
+        self.write_wait = 0.0                        # KV writes a forward left for the next join (written)
         self.batch = batch
         self.events = events
         self.max_batch = max_batch
@@ -247,7 +248,24 @@ class DecodeNode:
 
     def rescale(self, now: float, factor: float) -> None:
         """Steps take ``factor`` × their time from the next step boundary on (``Batch.scale``)."""
-        self.batch.scale(factor)
+        self.colocated = factor
+        self._stretch(now)
+
+    def writing(self, now: float, prefill_id: str, stretch: float) -> None:
+        """A forward of ``prefill_id`` streams KV here, written in this model thread as it comes:
+        steps take ``1 + stretch`` × their time from the next step boundary (``sim/cluster.py``)."""
+        self.writes[prefill_id] = stretch
+        self._stretch(now)
+
+    def written(self, now: float, prefill_id: str, left: float) -> None:
+        """That forward is over, ``left`` seconds of its writes still to do: the next join waits."""
+        self.writes.pop(prefill_id, None)
+        self.write_wait += left
+        self._stretch(now)
+
+    def _stretch(self, now: float) -> None:
+        # a slowdown other than 1 is set only while a prefill computes (MooncakeSim._colocate)
+        self.batch.scale(self.colocated * (1.0 + sum(self.writes.values())), self.colocated != 1.0)
         if self.seg_steps:
             self._cut(now)
 
@@ -272,8 +290,8 @@ class DecodeNode:
                 self.release(req)
                 req.finish = now
                 self.on_finish(now, req)
-        if self.pending and self.kv_write_s_per_token:   # the joiners' KV is written first (live: model thread)
-            wait = self.kv_write_s_per_token * sum(r.input_length for r in self.pending)
+        if self.pending and self.write_wait:   # writes a forward could not hold: the join waits for them
+            wait, self.write_wait = self.write_wait, 0.0
             b.stall(wait)
             now += wait
         for req in self.pending:

@@ -109,16 +109,28 @@ def test_padding_and_co_location_are_told_apart():
     assert split["idle_ratios"] == pytest.approx([1.0] * 10, rel=0.05)
 
 
-def test_kv_writes_come_out_of_the_gaps_they_delayed():
+def test_kv_writes_come_out_of_the_gaps_of_the_forward_that_streamed_them():
+    """A prompt's KV frames come as its prefill computes each layer and are written between the
+    decode's steps as they come: a join's write seconds are spread over the forward whose end it
+    follows, so once they are taken out the gaps beside it are at the pure co-location slowdown
+    (1.5), and the gaps where the joins fall, after the forward, keep their own time."""
     from mooncake_lite.instance.colocation import kv_write_cost
-    steps = timeline(busy=(0, 0))                       # 10 ms steps back to back
-    delayed = [list(s) for s in steps]
-    for i in range(10, 100, 10):                         # a join every 10 steps, its 50 ms of writes
-        for s in delayed[i:]:                            # ... delay step i and everything after it
-            s[0] += 0.05
-    joins = [(delayed[i][0] - 0.001, 500, 0.05) for i in range(10, 100, 10)]
+    steps, forwards, t = [], [], 0.0
+    for i in range(400):                                 # 50 steps alone, then 30 beside a forward
+        beside = i % 80 >= 50
+        if i % 80 == 50:
+            start = t
+        dur = 0.015 / 0.9 if beside else 0.01            # 1.5x the model, stretched by the writes' 10%
+        steps.append((t, dur, 2, 40, int(i == 0)))
+        t += dur
+        if i % 80 == 79:
+            forwards.append((start, t))
+    joins = [(b + 0.001, 500, 0.05) for _, b in forwards]   # 50 ms of writes over each 0.5 s forward
+    assert colocation_split(steps, forwards, MODEL)["slowdown"] == pytest.approx(1.5 / 0.9)
+    split = colocation_split(steps, forwards, MODEL, intake=joins)
     assert kv_write_cost(joins) == pytest.approx(1e-4) and kv_write_cost(joins[:4]) is None
-    assert colocation_split(delayed, [], MODEL)["idle_ratios"][-1] == pytest.approx(6.0)   # 60 ms gaps
-    split = colocation_split(delayed, [], MODEL, intake=joins)
     assert split["kv_write_s_per_token"] == pytest.approx(1e-4)
+    # (the join 1 ms after the forward: its writes spread over 0.501 s, 0.2% of them after it)
+    assert split["slowdown"] == pytest.approx(1.5, rel=1e-3)
+    assert split["busy_ratios"] == pytest.approx([1.5] * 10, rel=1e-3)
     assert split["idle_ratios"] == pytest.approx([1.0] * 10)

@@ -82,15 +82,39 @@ def test_a_padded_batch_pays_for_its_longest_context():
     assert slow[1].tbt > plain[1].tbt + 0.015
 
 
-def test_received_kv_is_written_before_the_request_joins_and_the_batch_waits():
-    """``decode_kv_write_s_per_token``: a CPU decode writes a received prompt's KV in its model
-    thread, between steps: the joiner and every running request wait that long once."""
+def test_received_kv_is_written_while_its_prefill_runs_not_at_the_join():
+    """``decode_kv_write_s_per_token``: a CPU decode writes a prompt's KV in its model thread
+    frame by frame as the prefill streams it, so the steps beside that prefill stretch by the
+    writes' share of it: the same time lost, no one long gap at the join."""
     hw = toy_hardware(prefill_per_token=1e-3, step_s=0.01)
     writes = dataclasses.replace(hw, decode_kv_write_s_per_token=1e-4)
-    trace = [req(0, 0.0, 100, 101), req(1, 0.1, 500, 3)]  # 1 prefilled 0.1-0.6 s, joins mid-way through 0's steps
+    trace = [req(0, 0.0, 100, 101), req(1, 0.1, 500, 3)]  # 1 prefilled 0.1-0.6 s beside 0's steps
     plain, slow = run(hw, trace), run(writes, trace)
     assert slow[0].ttft == plain[0].ttft and slow[1].ttft == plain[1].ttft
-    # 0 waits 10 ms for its own 100 tokens' KV, then 50 ms for 1's 500 beside its steps
-    assert slow[0].finish == pytest.approx(plain[0].finish + 0.01 + 0.05)
-    assert slow[0].tbt == pytest.approx((0.06 + 0.02 + 8 * 0.01) / 10) and plain[0].tbt == pytest.approx(0.01)
-    assert slow[1].finish == pytest.approx(plain[1].finish + 0.05)
+    # 0's own 10 ms were written while the decode had nothing to run; 1's 50 ms cost 0's steps
+    assert slow[0].finish == pytest.approx(plain[0].finish + 0.05, abs=2e-3)
+    assert slow[0].tbt == pytest.approx(0.01 / 0.9)      # 10% of 0.5 s: each step x 1/0.9, none longer
+    assert slow[1].tbt == pytest.approx(plain[1].tbt, abs=2e-3)   # 1 joins at once, its KV written
+    # writes over half the forward (a prompt mostly cached, a short forward): the rest is written
+    # after it and the join waits for it; the time lost is still the writes'
+    trace = [req(0, 0.0, 100, 201), req(1, 0.3, 500, 3)]  # 1 prefilled 0.3-0.8 s with 0.5 s of writes
+    plain, heavy = run(hw, trace), run(dataclasses.replace(hw, decode_kv_write_s_per_token=1e-3), trace)
+    # 0's own 0.1 s: half while its 0.1 s prefill ran (nothing else to run), half before it joins;
+    # 1's 0.5 s: 0's steps take 2x over 1's prefill (0.25 s lost), then 0.25 s at 1's join
+    assert heavy[0].ttft == plain[0].ttft and heavy[1].ttft == plain[1].ttft
+    assert heavy[0].finish == pytest.approx(plain[0].finish + 0.05 + 0.5, abs=0.012)
+    assert heavy[1].tbt == pytest.approx(plain[1].tbt + 0.25, abs=0.021)     # its first gap
+
+
+def test_steps_beside_a_prefill_draw_the_busy_spread_and_alone_the_idle_one():
+    spread = dataclasses.replace(toy_hardware(step_s=0.01), decode_step_ratios=(0.99, 1.01),
+                                 decode_colocated_slowdown=2.0)
+    # A decodes 0.1-0.16 s alone, then beside B's 1000-token prefill (0.15-1.15 s); B decodes alone after.
+    trace = [req(0, 0.0, 100, 41), req(1, 0.15, 1000, 21)]
+    idle = run(spread, trace)
+    busy = run(dataclasses.replace(spread, decode_busy_step_ratios=(0.5, 1.5)), trace)
+    assert idle[0].tbt == pytest.approx(0.02 * 1.01)          # the idle tail × the slowdown
+    assert busy[0].tbt == pytest.approx(0.02 * 1.5)           # the busy tail, over its mean 1.0
+    assert busy[0].mean_gap == pytest.approx(idle[0].mean_gap, rel=0.15)   # the slowdown keeps the level
+    assert busy[0].finish == idle[0].finish                   # only the replay draws differ
+    assert (busy[1].tbt, busy[1].mean_gap, busy[1].finish) == (idle[1].tbt, idle[1].mean_gap, idle[1].finish)

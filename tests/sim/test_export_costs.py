@@ -114,4 +114,5 @@ async def test_the_export_splits_a_decodes_steps_by_the_prefill_beside_it(aiohtt
     assert profile["decode_colocated_slowdown"] == pytest.approx(3.0, rel=0.02)
     assert profile["decode_step_ratios"] == pytest.approx([1.0] * 10)          # the gaps alone
     split = profile["colocation"]["d0"]
+    assert profile["decode_busy_step_ratios"] == split["busy_ratios"] == pytest.approx([3.0] * 10, rel=0.05)
     assert split["gaps_busy"] == 25 and split["gaps_idle"] == 74

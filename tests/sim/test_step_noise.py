@@ -79,9 +79,13 @@ def test_the_export_and_the_profile_carry_the_spread(tmp_path):
     path.write_text('{"prefill": {"c1": 0.001}, "decode_step_ratios": [0.9, 1.0, 3.0]}')
     assert load_profile(path).decode_step_ratios == (0.9, 1.0, 3.0)
     assert load_profile(path).to_dict()["decode_step_ratios"] == [0.9, 1.0, 3.0]
-    path.write_text('{"prefill": {"c1": 0.001}, "decode_step_ratios": [1.0, 0.5]}')
-    with pytest.raises(ValueError, match="ascending"):
-        load_profile(path)
+    path.write_text('{"prefill": {"c1": 0.001}, "decode_busy_step_ratios": [0.9, 1.0, 3.0]}')
+    assert load_profile(path).to_dict()["decode_busy_step_ratios"] == [0.9, 1.0, 3.0]
+    assert "decode_busy_step_ratios" not in toy_hardware().to_dict()
+    for key in ("decode_step_ratios", "decode_busy_step_ratios"):
+        path.write_text(f'{{"prefill": {{"c1": 0.001}}, "{key}": [1.0, 0.5]}}')
+        with pytest.raises(ValueError, match=f"{key} must be .* ascending"):
+            load_profile(path)
 
 
 def test_each_step_counts_once_not_each_shape():

@@ -110,6 +110,8 @@ def report_text(report: Mapping) -> str:
     cm = report["cost_model"]
     if cm.get("decode_step_ratios"):
         lines.append("decode gap / model, exported deciles: " + " ".join(f"{r:.2f}" for r in cm["decode_step_ratios"]))
+    if cm.get("decode_busy_step_ratios"):
+        lines.append("  beside a prefill: " + " ".join(f"{r:.2f}" for r in cm["decode_busy_step_ratios"]))
     for d, split in (cm.get("colocation") or {}).items():
         lines.append(f"{d}: {split['gaps_busy']} gaps beside a prefill forward, mean "
                      f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"

@@ -122,7 +122,7 @@ def ablations(hw) -> dict:
     without all of them: the simulator as it ran before they were measured."""
     out = {}
     if hw.decode_step_ratios:
-        out["without_step_spread"] = replace(hw, decode_step_ratios=())
+        out["without_step_spread"] = replace(hw, decode_step_ratios=(), decode_busy_step_ratios=())
     if hw.decode_padding_s_per_token:
         out["without_padded_context"] = replace(hw, decode_padding_s_per_token=0.0)
     if hw.decode_colocated_slowdown != 1.0:
@@ -130,7 +130,8 @@ def ablations(hw) -> dict:
     if hw.decode_kv_write_s_per_token:
         out["without_kv_writes"] = replace(hw, decode_kv_write_s_per_token=0.0)
     if len(out) > 1:
-        out["without_any"] = replace(hw, decode_step_ratios=(), decode_padding_s_per_token=0.0,
+        out["without_any"] = replace(hw, decode_step_ratios=(), decode_busy_step_ratios=(),
+                                     decode_padding_s_per_token=0.0,
                                      decode_colocated_slowdown=1.0, decode_kv_write_s_per_token=0.0)
     return out
 

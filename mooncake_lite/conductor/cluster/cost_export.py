@@ -23,17 +23,18 @@ Co-location (one box, issue #20 item 4): the export asks every live instance for
 splits each decode's token gaps by whether a prefill on the same host was computing through them
 (``instance/colocation.colocation_split``). Where that split exists, ``decode_step_ratios`` are the
 spread of the gaps run alone (gap = step + the loop's work between steps, what a client's TBT
-sees; the heartbeat's deciles time the step only) and ``decode_colocated_slowdown`` the mean gap
-beside a prefill over the mean gap alone (per unit of the model's step), which the simulator
-applies to a decode's steps while a prefill computes (``sim/costs.Hardware``); ``colocation``
-has every decode's figures. A decode with no prefill on its host reports no slowdown (1.0).
+sees; the heartbeat's deciles time the step only), ``decode_busy_step_ratios`` the spread of those
+beside one (where every decode has some), and ``decode_colocated_slowdown`` the mean gap beside a
+prefill over the mean gap alone (per unit of the model's step), which the simulator applies to a
+decode's steps while a prefill computes, their shape drawn from the busy spread (``sim/batch.py``);
+``colocation`` has every decode's figures. A decode with no prefill on its host reports no slowdown.
 ``decode_padding_s_per_token``: where every decode's attention runs a batch's sequences to the
 longest one's context (the torch reference kernel: CPU), the seconds a padding token adds to a
 step, fitted to its gaps (``instance/colocation.padding_cost``; the median over the decodes); the
 simulator adds them to its steps, and the ratios above are over that step.
 ``decode_kv_write_s_per_token``: what writing a received prompt's KV costs the decode's model
-thread per prompt token (its joins in ``kv_intake``), which the simulator charges at the join;
-the gaps above are taken without those writes.
+thread per prompt token (its joins in ``kv_intake``), which the simulator charges over the prefill
+that streams it; the gaps above are taken without those writes (spread over that forward's gaps).
 ``store_blocks_per_node`` (the median DRAM slots), ``ssd_blocks_per_node`` and ``eviction``: the
 capacity the stores the live prefills use report with their block events (``StoreCapacity``), in
 blocks of ``block_size`` tokens; left out unless every such store reported it and all evict alike,
@@ -116,9 +117,7 @@ def cluster_profile(membership: Membership, defaults: CostModels,
     splits = colocation(decodes, prefills, timelines or {}, defaults)
     if splits:
         profile["colocation"] = splits
-    ratios = [r for i in decodes if (r := _gap_ratios(splits.get(i.instance_id)) or _step_ratios(i))]
-    if decodes and len(ratios) == len(decodes) and len({len(r) for r in ratios}) == 1:
-        profile["decode_step_ratios"] = [median(col) for col in zip(*ratios)]
+    profile.update(step_spreads(decodes, splits))
     padding = [s["padding_s_per_token"] for s in splits.values() if s.get("padding_s_per_token")]
     if padding:   # a step costs batch × the longest context, the padding at this much a token
         profile["decode_padding_s_per_token"] = median(padding)
@@ -159,9 +158,26 @@ def store_capacity(prefills: list[Instance], watch: StoreWatch) -> dict[str, Any
             "ssd_blocks_per_node": int(median(c.ssd_blocks for c in caps)), "eviction": caps[0].eviction}
 
 
-def _gap_ratios(split: Mapping | None) -> list[float]:
-    """The spread of a decode's gaps with no prefill computing beside it (empty: none)."""
-    return list(split.get("idle_ratios") or ()) if split else []
+def step_spreads(decodes: list[Instance], splits: Mapping[str, Mapping]) -> dict[str, list[float]]:
+    """``decode_step_ratios`` (each decode's gaps alone, else its heartbeat's spread) and
+    ``decode_busy_step_ratios`` (its gaps beside a prefill): each where every decode has one."""
+    spreads = {"decode_step_ratios": [_gap_ratios(splits.get(i.instance_id)) or _step_ratios(i) for i in decodes],
+               "decode_busy_step_ratios": [_gap_ratios(splits.get(i.instance_id), "busy") for i in decodes]}
+    return {key: spread for key, rows in spreads.items() if (spread := _median_spread(rows))}
+
+
+def _gap_ratios(split: Mapping | None, side: str = "idle") -> list[float]:
+    """The spread of a decode's gaps with no prefill computing beside it, or (``busy``) with one
+    (empty: none)."""
+    return list(split.get(f"{side}_ratios") or ()) if split else []
+
+
+def _median_spread(spreads: list[list[float]]) -> list[float]:
+    """The decodes' spreads' median quantile by quantile, where every decode has one and all
+    have as many quantiles (empty: else)."""
+    if not spreads or not all(spreads) or len({len(r) for r in spreads}) != 1:
+        return []
+    return [median(col) for col in zip(*spreads)]
 
 
 def _step_ratios(inst: Instance) -> list[float]:
