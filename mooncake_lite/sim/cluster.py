@@ -22,7 +22,7 @@ from mooncake_lite.sim.config import SimConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
-from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model
+from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model, write_charges
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler import arrivals
 from mooncake_lite.scheduler.admission import slo_limits as request_limits
@@ -35,10 +35,6 @@ from mooncake_lite.sim.correcting import SimCorrecting
 from mooncake_lite.sim.request import MaxTokensPolicy, SimRequest
 from mooncake_lite.sim.store import NodeStore, store_chain
 from mooncake_lite.trace.format import TraceRequest
-
-# At most this share of a decode's model thread goes to one forward's KV writes while it runs (a
-# prompt mostly cached streams its prefix in a short forward); the rest waits for the join.
-MAX_WRITE_SHARE = 0.5
 
 
 class MooncakeSim(TraceDriver):
@@ -75,7 +71,7 @@ class MooncakeSim(TraceDriver):
         # One box (Hardware.decode_colocated_slowdown != 1): decodes slow while any prefill computes.
         self.slowdown = hw.decode_colocated_slowdown
         self._prefilling = False
-        self._writes: dict[str, list[tuple[DecodeNode, float]]] = {}   # prefill id -> (decode, s left): _writing
+        self._writes: dict[str, list[tuple[DecodeNode, float]]] = {}   # prefill id -> (decode, s left): write_charges
         # the conductor's online correction, as live (sim/correcting.py); None: off
         self.correcting: SimCorrecting | None = SimCorrecting(self.costs, self.prefills) \
             if cfg.correct else None
@@ -225,7 +221,8 @@ class MooncakeSim(TraceDriver):
         if p.pack_tokens:
             duration = self._pack(now, p, req, duration)
         if self.hw.decode_kv_write_s_per_token and duration > 0:   # KV written in the decodes as it streams
-            self._writing(now, p, duration)
+            self._writes[p.instance_id] = write_charges(now, p, duration, self.decode_by_id,
+                                                        self.hw.decode_kv_write_s_per_token)
         p.busy_s += duration
         self.events.push(now + duration, self._prefill_done, p)
 
@@ -258,34 +255,13 @@ class MooncakeSim(TraceDriver):
             uncached.append(n)
         return packed_seconds(alone, self.hw.prefill.c0)
 
-    def _writing(self, now: float, p: PrefillNode, duration: float) -> None:
-        """The forward streams its prompts' KV layer by layer, each frame written in its decode's
-        model thread as it comes (``decode/engine.py``): over the forward a decode loses those
-        seconds, its steps stretched by 1 / (1 − their share of it); past ``MAX_WRITE_SHARE``
-        the rest is written after the forward, and the join waits for it (``DecodeNode.written``)."""
-        head = p.current
-        assert head is not None   # the forward just started
-        seconds: dict[str, float] = {}
-        per_token = self.hw.decode_kv_write_s_per_token
-        for req in (head, *p.packed):
-            decode_id = req.decode_id
-            assert decode_id is not None   # placed before it was queued
-            seconds[decode_id] = seconds.get(decode_id, 0.0) + per_token * req.input_length
-        charged: list[tuple[DecodeNode, float]] = []
-        for decode_id, total in seconds.items():
-            d = self.decode_by_id[decode_id]
-            share = min(total / duration, MAX_WRITE_SHARE)
-            d.writing(now, p.instance_id, share / (1.0 - share))
-            charged.append((d, max(0.0, total - MAX_WRITE_SHARE * duration)))
-        self._writes[p.instance_id] = charged
-
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)
 
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
         landed = None   # a request whose KV is at its decode now, and nothing else due before it
         if self.hw.decode_kv_write_s_per_token:
-            for d, left in self._writes.pop(p.instance_id, []):   # its KV writes are over (_writing)
+            for d, left in self._writes.pop(p.instance_id, []):   # its KV writes are over (write_charges)
                 d.written(now, p.instance_id, left)
         forward = [p.end(), *p.end_packed()] if p.packed else [p.end()]
         computed = (float(sum(uncached_tokens(r.input_length, r.reused_tokens) for r in forward)), float(len(forward)))

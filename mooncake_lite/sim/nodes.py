@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from mooncake_lite.scheduler.admission import Held, held_load_at, tbt_refusal
 from mooncake_lite.scheduler.costs import PrefillCostModel
@@ -306,3 +306,31 @@ class DecodeNode:
         self.seg_steps = b.steps_to_next_finish()
         self.version += 1
         self.events.push(now + self.seg_steps * self.seg_gap, self._boundary, self.version)
+
+
+# At most this share of a decode's model thread goes to one forward's KV writes while it runs (a
+# prompt mostly cached streams its prefix in a short forward); the rest waits for the join.
+MAX_WRITE_SHARE = 0.5
+
+
+def write_charges(now: float, p: PrefillNode, duration: float, decodes: Mapping[Hashable, DecodeNode],
+                  per_token: float) -> list[tuple[DecodeNode, float]]:
+    """The forward ``p`` just started streams its prompts' KV layer by layer, each frame written in
+    its decode's model thread as it comes (``decode/engine.py``): over the forward a decode loses
+    those seconds, its steps stretched by 1 / (1 − their share of it); past ``MAX_WRITE_SHARE``
+    the rest is written after the forward, and the join waits for it (``DecodeNode.written``).
+    Returns each decode charged and the seconds it has left to write when the forward ends."""
+    head = p.current
+    assert head is not None   # the forward just started
+    seconds: dict[str, float] = {}
+    for req in (head, *p.packed):
+        decode_id = req.decode_id
+        assert decode_id is not None   # placed before it was queued
+        seconds[decode_id] = seconds.get(decode_id, 0.0) + per_token * req.input_length
+    charged: list[tuple[DecodeNode, float]] = []
+    for decode_id, total in seconds.items():
+        d = decodes[decode_id]
+        share = min(total / duration, MAX_WRITE_SHARE)
+        d.writing(now, p.instance_id, share / (1.0 - share))
+        charged.append((d, max(0.0, total - MAX_WRITE_SHARE * duration)))
+    return charged
