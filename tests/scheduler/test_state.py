@@ -1,6 +1,7 @@
 """The scheduler's state records are plain slotted values, hashable by their fields."""
 
-from dataclasses import asdict, replace
+import inspect
+from dataclasses import MISSING, asdict, fields, replace
 
 import pytest
 
@@ -33,3 +34,14 @@ def test_states_are_plain_slotted_dataclasses():
         PrefillInstanceState("p")                               # store_id is required
     with pytest.raises(TypeError):
         PrefillInstanceState("p", "s", unknown=1)
+
+
+def test_decode_state_init_written_out_takes_the_fields():
+    # DecodeInstanceState's __init__ is written out (mypyc compiles it; state.py says why): it
+    # must take exactly the dataclass's fields, in order, with their defaults, and set each
+    params = list(inspect.signature(DecodeInstanceState.__init__).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params] == \
+        [(f.name, inspect.Parameter.empty if f.default is MISSING else f.default) for f in fields(DecodeInstanceState)]
+    values = {f.name: object() for f in fields(DecodeInstanceState)}
+    d = DecodeInstanceState(**values)
+    assert all(getattr(d, name) is value for name, value in values.items())
