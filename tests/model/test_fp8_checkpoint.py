@@ -77,12 +77,15 @@ def hf_dir(tmp_path_factory):
 def test_fp8_weights_load_as_their_dequantized_values(tmp_path, hf_dir, block):
     fp8_dir, ref_dir = write_fp8(hf_dir, tmp_path / "fp8", block)
     ours, ref = load_checkpoint(str(fp8_dir)), load_checkpoint(str(ref_dir))
-    layer = ours.layers["1"]
-    assert torch.equal(layer.feed_forward.w2.weight, ref.layers["1"].feed_forward.w2.weight)
-    assert torch.equal(layer.attention.wq.weight, ref.layers["1"].attention.wq.weight)
+    layer, theirs = ours.layers["1"], ref.state_dict()
+    assert all(torch.equal(t, theirs[name]) for name, t in ours.state_dict().items())   # every weight, bit for bit
     toks = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(4)).tolist()
     got, want = full_recompute_logits(ours, toks, 8), full_recompute_logits(ref, toks, 8)
-    assert torch.equal(got, want) and want.abs().max() > 1.0
+    # The same weights, not always the same last bits: the fp8 file's other tensors sit at offsets
+    # a float32 file's do not, and a CPU's kernels may sum differently by alignment (AMD Zen 5:
+    # 4.8e-7 of logits up to ~3), far below what fp8 itself moves (a weight by up to 0.1, below).
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5)
+    assert want.abs().max() > 1.0
     original = load_checkpoint(str(hf_dir))   # fp8 is close to the unquantized model, not equal
     assert 0 < (layer.feed_forward.w2.weight - original.layers["1"].feed_forward.w2.weight).abs().max() < 0.1
     assert load_checkpoint(str(fp8_dir), dtype=torch.bfloat16).layers["0"].attention.wo.weight.dtype == torch.bfloat16
