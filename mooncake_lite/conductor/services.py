@@ -58,7 +58,8 @@ class Services:
     def __post_init__(self) -> None:
         self.predictions = PredictionBook(self.membership, self.metrics, lambda: self.scheduler.costs)
         if self.arrivals.on_placed is None:   # a burst's forwards priced as it left them (arrivals.py)
-            self.arrivals.on_placed = lambda flights: reprice(flights, self.membership, lambda: self.scheduler.costs.prefill)
+            self.arrivals.on_placed = lambda flights: reprice(flights, self.membership,
+                                                              lambda: self.scheduler.costs.prefill)
 
     def spawn(self, coro: Any) -> None:
         """Fire-and-forget work (aborts) that must outlive a cancelled handler."""

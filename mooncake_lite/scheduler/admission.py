@@ -22,7 +22,7 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.decision import RejectCause
-from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_span, decode_tbt, loads_at,
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at, own_decode_span,
                                               queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
@@ -145,10 +145,8 @@ def held_load_at(held: Sequence[Held], model: DecodeCostModel, now: float, t: fl
         start = join_at if join_at > now else now
         if start > t:
             continue
-        if start + decode_span(tokens_left, None, tbt) <= t:     # gone by t, unless slower alone
-            alone = model.predict(1, tokens)
-            if alone <= tbt or start + decode_span(tokens_left, None, alone) <= t:
-                continue
+        if start + own_decode_span(model, tokens_left, tokens, None, tbt) <= t:     # gone by t
+            continue
         batch += 1
         context += tokens
     return batch, context

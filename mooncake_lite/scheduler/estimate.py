@@ -234,6 +234,17 @@ def decode_span(max_output_tokens: int | None, uniform_decode_s: float | None, t
     return inf if max_output_tokens is None else max_output_tokens * tbt_s
 
 
+def own_decode_span(model: DecodeCostModel, max_output_tokens: int | None, context_tokens: int,
+                    uniform_decode_s: float | None, tbt_s: float | None) -> float:
+    """One request's t_d (:func:`decode_span`) at the batch's step ``tbt_s``, at least its own step
+    alone (an idle decode's TBT is 0, yet each token takes a step)."""
+    step = tbt_s
+    if tbt_s is not None and max_output_tokens is not None:
+        alone = model.predict(1, context_tokens)
+        step = alone if alone > tbt_s else tbt_s
+    return decode_span(max_output_tokens, uniform_decode_s, step)
+
+
 def leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt_s: float | None) -> float:
     """joined_at + t_d (:func:`decode_span`)."""
     return r.joined_at + decode_span(r.max_output_tokens, uniform_decode_s, tbt_s)
@@ -305,11 +316,8 @@ def _still_decoding(incoming: tuple[IncomingRequest, ...], model: DecodeCostMode
             rid = rid.rpartition("#")[0]
         if rid in late:
             continue
-        step = tbt
-        if tbt is not None and r.max_output_tokens is not None:
-            alone = model.predict(1, r.context_tokens)
-            step = alone if alone > tbt else tbt
-        if ends.get(rid, now) + decode_span(r.max_output_tokens, uniform_decode_s, step) > t:
+        span = own_decode_span(model, r.max_output_tokens, r.context_tokens, uniform_decode_s, tbt)
+        if ends.get(rid, now) + span > t:
             joined += 1
             tokens += r.context_tokens
     return joined, tokens
