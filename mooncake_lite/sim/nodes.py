@@ -179,11 +179,18 @@ class DecodeNode:
         held, context = self._held_load()
         if self.max_batch is not None and held >= self.max_batch:
             return "reserve-batch"
+        model, n, exact = self.batch.model, req.input_length, kv_in_s is not None
+        # Everything held at once first: what still decodes when its KV is due is a part of it (no
+        # more sequences nor context, so no slower step where the model grows with both), counted
+        # only when that refuses — the simulator's per-request cost (issue #31).
+        if (not exact or (model.c1 >= 0.0 and model.c2 >= 0.0)) and \
+                tbt_refusal(model, held, context, n, tbt_slo_s, tbt_slo_factor) is None:
+            return None
         if kv_in_s is not None:
-            held, context = held_load_at(self._held_seqs(now), self.batch.model, now, now + kv_in_s)
-        if tbt_refusal(self.batch.model, held, context, req.input_length, tbt_slo_s, tbt_slo_factor) is not None:
-            return "reserve-tbt"
-        return None
+            held, context = held_load_at(self._held_seqs(now), model, now, now + kv_in_s)
+            if tbt_refusal(model, held, context, n, tbt_slo_s, tbt_slo_factor) is None:
+                return None
+        return "reserve-tbt"
 
     def _held_load(self) -> tuple[int, int]:
         """(sequences, context tokens) of everything here: running, waiting for the next step
