@@ -33,6 +33,7 @@ from mooncake_lite.common.cost_report import CostReport, FlatCost
 M = TypeVar("M")
 # The furthest ahead a decode takes a request's KV to be due (GenerateRequest.kv_in_s): an hour.
 MAX_KV_IN_S = 3600.0
+MAX_PACK_CAP = 1 << 24     # the largest PrefillRequest.pack_cap: more than any forward holds
 
 
 class ProtocolError(ValueError):
@@ -121,6 +122,11 @@ class PrefillRequest:
     prefix_keys: tuple[str, ...] = ()
     migrate_from: str | None = None
     migrate_keys: tuple[str, ...] = ()
+    pack_cap: int = 0     # its packed forward's most uncached tokens (its TTFT SLO's; 0: the budget's)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pack_cap <= MAX_PACK_CAP:
+            raise ValueError(f"pack_cap must be within [0, {MAX_PACK_CAP}] tokens, got {self.pack_cap}")
 
 
 @dataclass(frozen=True)
@@ -155,14 +161,11 @@ class Register:
     # Its self-fitted cost models (an older instance's flat form: FlatCost, read with ``role``).
     cost: CostReport | FlatCost = field(default_factory=CostReport)
     pipeline_stages: int = 1
-    # Prefill batching: uncached tokens one forward packs (--prefill-batch-tokens capped at the
-    # chunk; 0: one prompt at a time, and what an instance that does not say means).
+    # Prefill batching: uncached tokens a forward packs (--prefill-batch-tokens within the chunk; 0: none).
     pack_tokens: int = 0
-    # Queue order: at most this many later, shorter prompts are served before any queued one
-    # (shortest first, scheduler/queue_order.py); 0: FIFO, and what an instance that does not say means.
+    # Queue order: at most this many later, shorter prompts pass a queued one (queue_order.py; 0: FIFO).
     queue_overtakes: int = 0
-    # Tensor-parallel ranks the instance runs on (--tensor-parallel; 1: one process, and what an
-    # instance that does not say means). Its cost model is measured at this degree.
+    # Tensor-parallel ranks it runs on (--tensor-parallel; 1: one process); its cost model's degree.
     tensor_parallel: int = 1
 
 

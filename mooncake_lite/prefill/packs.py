@@ -1,6 +1,6 @@
 """Prefill batching: the request at the head of the queue takes the ones queued behind it along,
 in the queue's order, while their uncached tokens together fit in ``batch_tokens`` (each within
-one chunk): one packed forward (``StageEngine.run_packed``) serves them all, each with its own KV
+one chunk) and under each one's ``PrefillRequest.pack_cap`` (its TTFT SLO's): one packed forward (``StageEngine.run_packed``) serves them all, each with its own KV
 stream, store write-back and result. The cut is ``scheduler.costs.pack_sizes``; the instance
 registers its budget (``pack_limit`` as ``Register.pack_tokens``) and the conductor prices its
 queue by the same rule (``scheduler/packing.py``). Kept apart from ``service.py``, which serves
@@ -67,6 +67,7 @@ class Packing:
         not ends the pack)."""
         limit = self.pack_limit
         uncached = [await self._uncached(lead)]
+        caps = [lead.req.pack_cap]      # each member's cap lowers the pack's bound (its TTFT SLO)
         pack = [lead]
         # Every member's blocks are held at once: a pack never takes more than the cache has free.
         free = self.stage.runner.allocator.num_free - blocks_needed(lead.num_tokens, self.block_size)
@@ -79,8 +80,9 @@ class Packing:
                         or job.req.sampling.prompt_logprobs is not None):
                     continue      # req None: a hold() placeholder; turn done: it left the list
                 uncached.append(await self._uncached(job))
+                caps.append(job.req.pack_cap)
                 free -= blocks_needed(job.num_tokens, self.block_size)
-                if pack_sizes(uncached, limit)[0] < len(uncached) or free < 0 or job.request_id not in self.queue:
+                if pack_sizes(uncached, limit, caps)[0] < len(uncached) or free < 0 or job.request_id not in self.queue:
                     break     # scheduler.costs.packed_durations prices a queue by the same cut
                 # Started as soon as chosen: arrivals during the next await (a store match) land
                 # behind it, as they will be served (and as the conductor's view has it).

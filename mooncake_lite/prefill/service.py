@@ -315,7 +315,7 @@ class PrefillService(TurnTaking, Packing):
             jobs = [j for j in self.queue.values() if j.started_at is not None and not j.result.done()]
             jobs += [j for j in self._waiting if j.started_at is None and not j.result.done() and j.req is not None]
             durations = packed_durations(self.cost, [(j.num_tokens, j.num_prefix_tokens) for j in jobs],
-                                         self.pack_limit)
+                                         self.pack_limit, [j.req.pack_cap if j.req else 0 for j in jobs])
             for job, t in zip(jobs, durations):
                 if job.started_at is not None:
                     t = max(0.0, t - (now - job.started_at))

@@ -195,7 +195,7 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     if cfg.admission == "none":
         return None
     alone: float | None = None
-    limit = cfg.ttft_slo_s
+    limit = cfg.ttft_slo_s      # (ttft_limit's rule, written out: a call more per decision shows)
     if limit is None:
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
@@ -203,15 +203,23 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
     if ttft > limit:
         return "ttft", _refusal("TTFT", p.ttft_s, ttft, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
                                 p.instance.instance_id)
-    alone = None
-    limit = cfg.tbt_slo_s
-    if limit is None:
-        alone = (d.instance.cost or costs.decode).predict(req.num_sequences, req.num_sequences * req.num_tokens)
-        limit = cfg.tbt_slo_factor * alone
-    if tbt is not None and tbt > limit:
-        return "tbt", _refusal("TBT", d.tbt_s, tbt, limit, cfg.tbt_slo_factor, alone, " step", "this request alone",
+    step_alone: float | None = None
+    tbt_limit = cfg.tbt_slo_s
+    if tbt_limit is None:
+        step_alone = (d.instance.cost or costs.decode).predict(req.num_sequences, req.num_sequences * req.num_tokens)
+        tbt_limit = cfg.tbt_slo_factor * step_alone
+    if tbt is not None and tbt > tbt_limit:
+        return "tbt", _refusal("TBT", d.tbt_s, tbt, tbt_limit, cfg.tbt_slo_factor, step_alone, " step",
+                               "this request alone",
                                d.instance.instance_id)
     return None
+
+
+def ttft_limit(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill: PrefillCostModel | None) -> float:
+    """The TTFT limit :func:`slo_violation` judges a prompt of ``num_tokens`` by on an instance
+    with this cost model (None: the default): absolute, or the factor x the prompt alone."""
+    ttft = cfg.ttft_slo_s
+    return ttft if ttft is not None else cfg.ttft_slo_factor * (prefill or costs.prefill).predict(num_tokens)
 
 
 def _refusal(metric: str, predicted_s: float, bound_s: float, limit_s: float, factor: float, alone_s: float | None,
@@ -229,9 +237,7 @@ def slo_limits(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill
                decode: DecodeCostModel | None) -> tuple[float, float]:
     """The (TTFT, TBT) limits :func:`slo_violation` judges a prompt of ``num_tokens`` by on
     instances with these cost models (None: the defaults): absolute, or factor x alone."""
-    ttft = cfg.ttft_slo_s
-    if ttft is None:
-        ttft = cfg.ttft_slo_factor * (prefill or costs.prefill).predict(num_tokens)
+    ttft = ttft_limit(cfg, num_tokens, costs, prefill)
     tbt = cfg.tbt_slo_s
     if tbt is None:
         tbt = cfg.tbt_slo_factor * (decode or costs.decode).predict(1, num_tokens)

@@ -99,17 +99,24 @@ class PrefillCostModel(_Coefficients):
         return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
 
 
-def pack_sizes(uncached_tokens: Sequence[int], limit: int) -> list[int]:
-    """Prefill batching's rule: how a FIFO queue of prompts with these uncached token counts is
-    cut into packed forwards. From the head, prompts join the pack while their uncached tokens
-    together fit in ``limit``; the first that does not starts the next pack; a prompt over
-    ``limit`` is a pack of its own (it runs alone, chunked). ``limit`` <= 0: one prompt a pack."""
-    return list(iter_pack_sizes(uncached_tokens, limit))
+def pack_sizes(uncached_tokens: Sequence[int], limit: int, caps: Sequence[int] | None = None) -> list[int]:
+    """Prefill batching's rule: how a queue of prompts with these uncached token counts is cut
+    into packed forwards, in its order. From the head, prompts join the pack while their uncached
+    tokens together fit in the pack's bound; the first that does not starts the next pack; a
+    prompt over ``limit`` is a pack of its own (it runs alone, chunked). ``limit`` <= 0: one
+    prompt a pack. The bound is ``limit``, lowered by each member's cap (``caps``, one a prompt,
+    0: none): the most tokens a forward it is in may hold, so that the forward still ends within
+    its TTFT SLO (``scheduler.packing.slo_pack_cap``). A prompt joins only a pack it fits in
+    under its own cap too: a short prompt is never held past its SLO by the long ones behind it."""
+    return list(iter_pack_sizes(uncached_tokens, limit, caps))
 
 
-def iter_pack_sizes(uncached_tokens: Iterable[int], limit: int) -> Iterator[int]:
+def iter_pack_sizes(uncached_tokens: Iterable[int], limit: int, caps: Iterable[int] | None = None) -> Iterator[int]:
     """:func:`pack_sizes` one pack at a time: a pack's size comes out once the prompt after it
     has been read (or the queue ended), so taking the first reads no further than it needs."""
+    if caps is not None:
+        yield from _capped_pack_sizes(uncached_tokens, limit, caps)
+        return
     size = total = 0
     for n in uncached_tokens:
         if size and limit > 0 and total + n <= limit:
@@ -123,7 +130,25 @@ def iter_pack_sizes(uncached_tokens: Iterable[int], limit: int) -> Iterator[int]
         yield size
 
 
-def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], limit: int) -> list[float]:
+def _capped_pack_sizes(uncached_tokens: Iterable[int], limit: int, caps: Iterable[int]) -> Iterator[int]:
+    """:func:`iter_pack_sizes` with each prompt's cap lowering its pack's bound."""
+    size = total = bound = 0
+    for n, cap in zip(uncached_tokens, caps):
+        own = cap if 0 < cap < limit else limit
+        if size and limit > 0 and total + n <= (bound if bound < own else own):
+            size += 1
+            total += n
+            bound = bound if bound < own else own
+        else:
+            if size:
+                yield size
+            size, total, bound = 1, (n if n <= limit else limit + 1), own
+    if size:
+        yield size
+
+
+def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], limit: int,
+                     caps: Sequence[int] | None = None) -> list[float]:
     """Each job's predicted duration in a queue of ``(num_tokens, num_prefix_tokens)`` jobs run
     packed by :func:`pack_sizes` (the prefill instance's ``--prefill-batch-tokens``, capped at its
     chunk). One forward pays the fixed ``c0`` once and each job its own token terms, so a pack
@@ -136,7 +161,7 @@ def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], l
     own = [predict(n, p) for n, p in jobs]
     out: list[float] = []
     i = 0
-    for size in pack_sizes([uncached_tokens(n, p) for n, p in jobs], limit):
+    for size in pack_sizes([uncached_tokens(n, p) for n, p in jobs], limit, caps):
         out.extend([0.0] * (size - 1))
         out.append(packed_seconds(own[i:i + size], c0))
         i += size

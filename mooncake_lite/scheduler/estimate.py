@@ -59,6 +59,7 @@ class Backlog(NamedTuple):
     pack_tokens: int = 0
     tail_tokens: int = NO_TAIL
     tail_s: float = 0.0
+    tail_bound: int = 0
 
 
 def durations_of(queue: Sequence[QueuedPrefill], model: PrefillCostModel) -> list[float]:
@@ -71,7 +72,8 @@ def backlog_of(p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
     if p.pack_tokens > 0:
         packed = packed_queue(p.queue, model, p.pack_tokens)
         return backlog_from(p.queue, model, packed.durations_s)._replace(
-            pack_tokens=p.pack_tokens, tail_tokens=packed.tail_tokens, tail_s=packed.tail_s)
+            pack_tokens=p.pack_tokens, tail_tokens=packed.tail_tokens, tail_s=packed.tail_s,
+            tail_bound=packed.tail_bound)
     return backlog_from(p.queue, model, durations_of(p.queue, model))
 
 
@@ -83,7 +85,7 @@ def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, dura
             break
         started.append((duration, job.started_at))
     return _new(Backlog, (queue, model, durations, list(accumulate(durations)), tuple(started),
-                          tuple(map(_REQUEST_ID, queue)), 0, NO_TAIL, 0.0))
+                          tuple(map(_REQUEST_ID, queue)), 0, NO_TAIL, 0.0, 0))
 
 
 class QueuesAt(NamedTuple):

@@ -23,6 +23,7 @@ each job its own ``predict``: exactly the one-at-a-time estimate. Pure, no IO.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -35,11 +36,13 @@ NO_TAIL = -1     # no pack a new request could join (nothing waiting, or packing
 class PackedQueue(NamedTuple):
     """A queue priced packed: each job's share of the work (first of a pack carries it), and the
     last not-started pack's uncached tokens as ``pack_sizes`` counts them (``limit + 1`` for an
-    oversize job that takes nobody along; :data:`NO_TAIL` when there is none) and its seconds."""
+    oversize job that takes nobody along; :data:`NO_TAIL` when there is none), its seconds and
+    its bound (``limit`` lowered by its members' caps: what a new job may join it up to)."""
 
     durations_s: list[float]
     tail_tokens: int
     tail_s: float
+    tail_bound: int = 0
 
 
 def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit: int) -> PackedQueue:
@@ -56,22 +59,68 @@ def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit:
     if running:
         out.append(packed_seconds(own[:running], model.c0))
         out.extend([0.0] * (running - 1))
-    tail_tokens, tail_s, i = NO_TAIL, 0.0, running
+    tail_tokens, tail_s, i, last = NO_TAIL, 0.0, running, running
     waiting = [uncached_tokens(job.num_tokens, job.num_prefix_tokens) for job in queue[running:]]
-    for size in pack_sizes(waiting, limit):
+    caps = queue_caps(queue[running:])
+    for size in pack_sizes(waiting, limit, caps):
+        last = i
         tail_s = packed_seconds(own[i:i + size], model.c0)
         out.append(tail_s)
         out.extend([0.0] * (size - 1))
         tokens = sum(waiting[i - running:i - running + size])
         tail_tokens = tokens if tokens <= limit else limit + 1
         i += size
-    return PackedQueue(out, tail_tokens, tail_s)
+    bound = limit if caps is None else pack_bound(caps[last - running:], limit)
+    return PackedQueue(out, tail_tokens, tail_s, bound)
 
 
-def joins_tail(tail_tokens: int, new_uncached: int, limit: int) -> bool:
+def queue_caps(jobs: Sequence[QueuedPrefill]) -> list[int] | None:
+    """The jobs' pack caps for ``pack_sizes``; None when none has one (the plain rule, cheaper)."""
+    caps = [job.pack_cap for job in jobs]
+    return caps if any(caps) else None
+
+
+def pack_bound(caps: Sequence[int], limit: int) -> int:
+    """The most uncached tokens a pack of jobs with these caps may hold (``costs.pack_sizes``)."""
+    bound = limit
+    for cap in caps:
+        if 0 < cap < bound:
+            bound = cap
+    return bound
+
+
+def joins_tail(tail_tokens: int, new_uncached: int, bound: int) -> bool:
     """Whether a request with ``new_uncached`` tokens to compute, queued last, is taken along by
-    the last pack still waiting (``pack_sizes``: it fits beside that pack's tokens)."""
-    return tail_tokens >= 0 and tail_tokens + new_uncached <= limit
+    the last pack still waiting (``pack_sizes``: it fits beside that pack's tokens, within the
+    pack's ``bound``, ``PackedQueue.tail_bound``)."""
+    return tail_tokens >= 0 and tail_tokens + new_uncached <= bound
+
+
+def slo_pack_cap(model: PrefillCostModel, limit: int, forward_budget_s: float, num_tokens: int,
+                 prefix_tokens: int) -> int:
+    """The cap a request's decision sets on the packed forwards it may be in (``pack_sizes``):
+    the most uncached tokens for which its forward still ends within ``forward_budget_s`` (its
+    TTFT limit less what its decision puts before that forward). The others' tokens are priced as
+    one prompt of that many tokens with no prefix (``predict(x) - c0``), at least what prompts
+    summing to x cost alone; a member's long cached prefix adds what this leaves out. 0 (no cap)
+    when the budget holds a full forward of ``limit``; its own tokens when it holds nobody more."""
+    own = uncached_tokens(num_tokens, prefix_tokens)
+    if limit <= 0 or own >= limit:
+        return 0
+    rest = forward_budget_s - model.predict(num_tokens, prefix_tokens)
+    if not rest < math.inf:
+        return 0          # no TTFT SLO (infinite): no cap
+    if rest <= 0.0:
+        return own
+    c1, c2 = model.c1, model.c2
+    if c2 > 0.0:
+        x = (math.sqrt(c1 * c1 + 4.0 * c2 * rest) - c1) / (2.0 * c2)
+    elif c1 > 0.0:
+        x = rest / c1
+    else:
+        return 0          # tokens cost nothing: no forward is too long
+    cap = own + int(x)
+    return 0 if cap >= limit else cap
 
 
 def own_seconds(model: PrefillCostModel, num_tokens: int, num_prefix_tokens: int, joins: bool) -> float:
@@ -84,11 +133,11 @@ def own_seconds(model: PrefillCostModel, num_tokens: int, num_prefix_tokens: int
     return t
 
 
-def first_pack(uncached: Iterable[int], limit: int) -> int:
-    """How many jobs from the head of a queue with these uncached token counts the head's
-    forward takes: ``pack_sizes(uncached, limit)[0]`` (0 for no jobs), reading no further than
-    the first job left out."""
-    return next(iter_pack_sizes(uncached, limit), 0)
+def first_pack(uncached: Iterable[int], limit: int, caps: Iterable[int] | None = None) -> int:
+    """How many jobs from the head of a queue with these uncached token counts (and pack caps)
+    the head's forward takes: ``pack_sizes(uncached, limit, caps)[0]`` (0 for no jobs), reading
+    no further than the first job left out."""
+    return next(iter_pack_sizes(uncached, limit, caps), 0)
 
 
 def forward_seconds(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, forward_tokens: float,

@@ -95,7 +95,7 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
         return wait + allowance, own
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
-        if joins_tail(backlog.tail_tokens, n, backlog.pack_tokens):
+        if joins_tail(backlog.tail_tokens, n, backlog.tail_bound):
             ahead = queue_s - backlog.tail_s
             return ahead if ahead > 0.0 else 0.0, backlog.tail_s + own_seconds(model, req.num_tokens,
                                                                              prefix_tokens, True)
@@ -186,7 +186,7 @@ def _packed_estimate(req: ScheduleRequest, model: PrefillCostModel, queue_s: flo
     if p.overtakes:
         return _packed(req, model, queue_s, prefix_tokens, backlog, p)
     uncached = req.num_tokens - (prefix_tokens if prefix_tokens < req.num_tokens else req.num_tokens - 1)
-    if joins_tail(backlog.tail_tokens, uncached, backlog.pack_tokens):
+    if joins_tail(backlog.tail_tokens, uncached, backlog.tail_bound):
         own_s = own_s - model.c0
         return queue_s, own_s if own_s > 0.0 else 0.0
     return queue_s, own_s

@@ -113,10 +113,11 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._total = None
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
-            started_at: float | None = None, passed: int = 0) -> None:
+            started_at: float | None = None, passed: int = 0, pack_cap: int = 0) -> None:
         """Queue a job behind the others (or replace the job of that id where it stands);
-        ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``)."""
-        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed)
+        ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``);
+        ``pack_cap``: the cap its decision set on its pack (``QueuedPrefill``)."""
+        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed, pack_cap)
         replaced = self._jobs.get(request_id)
         self._jobs[request_id] = job
         if self._queue is not None:
@@ -133,7 +134,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         """The job started executing at ``now``."""
         job = self._jobs[request_id]
         if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
-            started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now)
+            started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now, 0, job.pack_cap)
             self._jobs[request_id] = started
             queue = self._queue
             self._queue = (started, *queue[1:]) if queue and queue[0] is job else None

@@ -30,6 +30,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.packing import queue_caps
 from mooncake_lite.scheduler.state import QueuedPrefill
 
 FIFO = "fifo"
@@ -83,7 +84,9 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
         running = 0
         while running < len(jobs) and jobs[running].started_at is not None:
             running += 1
-        sizes = ([running] if running else []) + pack_sizes([job_uncached(j) for j in jobs[running:]], pack_tokens)
+        waiting = jobs[running:]
+        sizes = ([running] if running else []) + pack_sizes([job_uncached(j) for j in waiting], pack_tokens,
+                                                             queue_caps(waiting))
     else:
         sizes = [1] * len(jobs)
     start, i = 0.0, 0
@@ -92,6 +95,25 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
         if i <= at < i + size:
             return start, seconds
         start += seconds
+        i += size
+    raise AssertionError("the new job is in no pack")   # unreachable: the sizes cover every job
+
+
+def landed_pack_tokens(queue: Sequence[QueuedPrefill], num_tokens: int, prefix_tokens: int, pack_tokens: int,
+                       bound: int) -> int:
+    """The uncached tokens of the pack a new job joins where it lands in ``queue`` (as
+    :func:`priced` cuts it: the job with no cap of its own): what its own cap must let it keep."""
+    new = QueuedPrefill("", num_tokens, prefix_tokens)
+    at = queue_landing(queue, job_uncached(new), bound)
+    running = 0
+    while running < len(queue) and queue[running].started_at is not None:
+        running += 1
+    waiting = (*queue[running:at], new, *queue[at:])
+    uncached = [job_uncached(j) for j in waiting]
+    i = 0
+    for size in pack_sizes(uncached, pack_tokens, queue_caps(waiting)):
+        if i + size > at - running:
+            return sum(uncached[i:i + size])
         i += size
     raise AssertionError("the new job is in no pack")   # unreachable: the sizes cover every job
 
@@ -152,7 +174,7 @@ def bound_of(order: str, overtakes: int) -> int:
 
 
 def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, bound: int,
-            started_at: float | None = None) -> tuple[str, ...]:
+            started_at: float | None = None, pack_cap: int = 0) -> tuple[str, ...]:
     """Queue a job on a :class:`~mooncake_lite.scheduler.view.PrefillView` where the rule lands
     it (the jobs it passes shown again behind it, one overtake more each); returns the request
     ids of the view's queue in the new order, or () where it simply went last (FIFO, or it
@@ -161,7 +183,7 @@ def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, boun
     if bound <= 0 or started_at is not None:
         if bound > 0:
             view.note_arrival(uncached)
-        view.add(request_id, num_tokens, num_prefix_tokens, started_at)
+        view.add(request_id, num_tokens, num_prefix_tokens, started_at, 0, pack_cap)
         return ()
     queue = view.state().queue
     at = queue_landing(queue, uncached, bound)
@@ -169,9 +191,9 @@ def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, boun
     behind = queue[at:]
     for job in behind:
         view.remove(job.request_id)
-    view.add(request_id, num_tokens, num_prefix_tokens)
+    view.add(request_id, num_tokens, num_prefix_tokens, None, 0, pack_cap)
     for job in behind:
-        view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at, job.passed + 1)
+        view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at, job.passed + 1, job.pack_cap)
     if not behind:
         return ()
     return tuple(job.request_id for job in view.state().queue)
@@ -185,4 +207,4 @@ def withdraw(view, request_id: str, passed_ids: Sequence[str]) -> None:
     view.remove(request_id)
     for job in view.state().queue:
         if job.request_id in passed_ids and job.started_at is None and job.passed > 0:
-            view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, None, job.passed - 1)
+            view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, None, job.passed - 1, job.pack_cap)

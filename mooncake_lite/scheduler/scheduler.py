@@ -11,17 +11,22 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from mooncake_lite.scheduler.admission import DecodeChoice, bounds, choose_decode, slo_violation
+from mooncake_lite.scheduler.admission import DecodeChoice, bounds, choose_decode, slo_violation, ttft_limit
 from mooncake_lite.scheduler.block_index import BlockIndex
 from mooncake_lite.scheduler.cache import FROM_SCRATCH, EstimateCache, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels
 from mooncake_lite.scheduler.decision import Decision, Migration, RejectCause, make_decision
+from mooncake_lite.scheduler.estimate import prefill_model
+from mooncake_lite.scheduler.packing import slo_pack_cap
 from mooncake_lite.scheduler.prefill_select import PrefillChoice, choose_prefill
+from mooncake_lite.scheduler.queue_order import landed_pack_tokens
 from mooncake_lite.scheduler.state import ClusterState, ScheduleRequest
 
 if TYPE_CHECKING:
     from mooncake_lite.scheduler.tenants import Tenant
+
+_new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
 def _route_reason(req: ScheduleRequest, c: PrefillChoice) -> str:
     n = len(req.block_keys)
@@ -73,29 +78,41 @@ def _schedule(req: ScheduleRequest, cluster: ClusterState, index: BlockIndex, co
     if violation is not None:
         return _decision(False, violation[1], p, d, bound, violation[0])
     reason = f"{_route_reason(req, p)}; decode {d.instance.instance_id} TBT {d.tbt_s:.3g}s"
-    return _decision(True, reason, p, d, bound, migration=_migration(req, p))
+    cap = _pack_cap(config, req, costs, p, bound[0]) if p.instance.pack_tokens > 0 else 0
+    return _decision(True, reason, p, d, bound, None, _migration(req, p), cap)
+
+
+def _pack_cap(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels, p: PrefillChoice,
+              bound_ttft_s: float) -> int:
+    """The cap an admitted request sets on the packs it may be in, on an instance that packs and
+    under an SLO (``packing.slo_pack_cap``): what its TTFT limit leaves its forward, after what
+    admission judged comes before that forward (its queue and transfer, by their bound). Without
+    it the requests queued after a short prompt join its forward until it holds the whole budget,
+    and the prompt misses its SLO (10x its own prefill) in a forward of the long ones it never saw.
+    Set under admission ``none`` too: it refuses nobody, it only says who may join whom."""
+    budget, model, prefix = p.instance.pack_tokens, prefill_model(p.instance, costs), p.reused_blocks * cfg.block_size
+    limit = ttft_limit(cfg, req.num_tokens, costs, model)
+    cap = slo_pack_cap(model, budget, limit - (bound_ttft_s - p.prefill_s), req.num_tokens, prefix)
+    if cap:   # never under the pack it was priced in: the cap must not make its prediction wrong
+        cap = max(cap, landed_pack_tokens(p.instance.queue, req.num_tokens, prefix, budget, p.instance.overtakes))
+    return cap if cap < budget else 0
 
 
 def _decision(accepted: bool, reason: str, p: PrefillChoice, d: DecodeChoice | None,
               bound: tuple[float, float | None], reject_cause: RejectCause | None = None,
-              migration: Migration | None = None) -> Decision:
+              migration: Migration | None = None, pack_cap: int = 0) -> Decision:
     """The plan made of both choices (on rejection: the best candidates found, never dispatched)."""
     ttft, tbt = bound
     # The TBT predicted is the paper's (the slowest tenth of gaps): the step foreseen × the decode's
     # learned tail. Admission judges the step (admission.bounds): judged with the tail, the
     # simulator refused 5 more at the live default SLO, all of which would have met it
     # (docs/results/2026-11-29-decode-load.md).
-    # The first six by position: CPython compiles a call of more than 15 keywords into a dict built
-    # and unpacked at every call (CALL_FUNCTION_EX; callgrind: +10.7k instructions, 2.3% of a live
-    # decision, when Decision's 16th and 17th fields came; tests/scheduler/test_decision_build.py)
-    return make_decision(accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
-                         p.route, reject_cause, predicted_ttft_s=p.ttft_s,
-                         predicted_tbt_s=None if d is None else d.tbt_s * d.instance.tbt_tail,
-                         predicted_queue_s=p.queue_s,
-                         predicted_prefill_s=p.prefill_s, predicted_transfer_s=p.transfer_s,
-                         reused_prefix_blocks=p.reused_blocks, local_prefix_blocks=p.local_blocks,
-                         transfer_source=p.source_store_id, migration=migration,
-                         bound_ttft_s=ttft, bound_tbt_s=tbt)
+    # Built as make_decision builds it, in Decision's field order, without its call: a frame and
+    # 12 keywords bound were ~1k instructions of a live decision (bin/decision-cost).
+    return _new(Decision, (accepted, reason, p.instance.instance_id, None if d is None else d.instance.instance_id,
+                           p.route, reject_cause, p.ttft_s, None if d is None else d.tbt_s * d.instance.tbt_tail,
+                           p.queue_s, p.prefill_s, p.transfer_s, p.reused_blocks, p.local_blocks, p.source_store_id,
+                           migration, ttft, tbt, pack_cap))
 
 
 class Scheduler:

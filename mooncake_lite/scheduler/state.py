@@ -51,7 +51,9 @@ class QueuedPrefill:
     Where its KV goes afterwards is said once, on the decode side
     (:attr:`DecodeInstanceState.incoming`, same ``request_id``); the scheduler reads this queue
     for *when* that request's prefill ends. ``passed``: how many later arrivals were queued ahead
-    of it (shortest-first order, :mod:`~mooncake_lite.scheduler.queue_order`).
+    of it (shortest-first order, :mod:`~mooncake_lite.scheduler.queue_order`). ``pack_cap``: the
+    most uncached tokens a packed forward holding it may have (0: the instance's budget alone;
+    ``costs.pack_sizes``, set by the decision: ``scheduler.packing.slo_pack_cap``).
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class QueuedPrefill:
     num_prefix_tokens: int = 0
     started_at: float | None = None
     passed: int = 0
+    pack_cap: int = 0
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -183,7 +183,7 @@ class MooncakeSim(TraceDriver):
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
         req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
-        req.predicted_ttft = decision.predicted_ttft_s
+        req.predicted_ttft, req.pack_cap = decision.predicted_ttft_s, decision.pack_cap
         req.planned_prefix_tokens = min(decision.reused_prefix_blocks * self.block_size, req.input_length - 1)
         req.ready_at = now
         if (m := decision.migration) is not None and m.keys:
@@ -237,10 +237,11 @@ class MooncakeSim(TraceDriver):
 
     def _pack(self, now: float, p: PrefillNode, head: SimRequest, head_s: float) -> float:
         """Prefill batching as the live instance does it (``scheduler.costs.pack_sizes``): the
-        ready requests behind the head join its forward while their uncached tokens fit; the
-        forward takes ``packed_seconds`` of their times alone (one fixed cost)."""
+        ready requests behind the head join its forward while their uncached tokens fit, under
+        every member's cap; the forward takes ``packed_seconds`` of their times alone."""
         limit = p.pack_tokens
         uncached = [uncached_tokens(head.input_length, head.reused_tokens)]
+        caps = [head.pack_cap]
         alone = [head_s]
         while p.waiting and p.waiting[0].ready_at <= now and uncached[0] <= limit:
             nxt = p.waiting[0]
@@ -248,7 +249,8 @@ class MooncakeSim(TraceDriver):
                 self._store(p, nxt.keys[: nxt.fetched_blocks])
             hits, _ = p.cache.prefix(nxt.keys)
             n = uncached_tokens(nxt.input_length, min(hits * self.block_size, nxt.input_length - 1))
-            if pack_sizes(uncached + [n], limit)[0] <= len(uncached):
+            caps.append(nxt.pack_cap)
+            if pack_sizes(uncached + [n], limit, caps)[0] <= len(uncached):
                 break
             p.begin_packed(now)
             alone.append(self._prefill_seconds(p, nxt))

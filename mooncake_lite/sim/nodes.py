@@ -99,7 +99,8 @@ class PrefillNode:
         where the queue order lands it (scheduler/queue_order.py, ordered by that prefix as the
         live instance orders by the prefix the conductor names)."""
         self.waiting.append(req)
-        order = enqueue(self.view, req.rid, req.input_length, req.planned_prefix_tokens, self.overtakes)
+        order = enqueue(self.view, req.rid, req.input_length, req.planned_prefix_tokens, self.overtakes,
+                        None, req.pack_cap)
         if order:
             waiting = {r.rid: r for r in self.waiting}
             self.waiting = deque(waiting[rid] for rid in order if rid in waiting)

@@ -1,7 +1,8 @@
+import orjson
 import pytest
 
-from mooncake_lite.common.protocol import (MAX_KV_IN_S, GenerateRequest, Heartbeat, InstanceLoad, PrefillRequest,
-                                            ProtocolError, Sampling, dumps, loads)
+from mooncake_lite.common.protocol import (MAX_KV_IN_S, MAX_PACK_CAP, GenerateRequest, Heartbeat, InstanceLoad,
+                                            PrefillRequest, ProtocolError, Sampling, dumps, loads)
 
 
 def test_round_trip_nested():
@@ -19,6 +20,17 @@ def test_a_generate_request_says_when_its_kv_is_due():
     for bad in (-1e-9, MAX_KV_IN_S * 2, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="kv_in_s must be within"):
             GenerateRequest("r1", "t1", 3, Sampling(), 30.0, bad)
+
+
+def test_a_prefill_request_carries_its_pack_cap_and_a_hostile_one_is_refused():
+    msg = PrefillRequest("r1", "t1", (1, 2), "127.0.0.1:9", Sampling(), pack_cap=300)
+    assert loads(PrefillRequest, dumps(msg)).pack_cap == 300
+    old = orjson.loads(dumps(msg))
+    del old["pack_cap"]                                 # an older conductor's: the budget alone, as before
+    assert loads(PrefillRequest, orjson.dumps(old)).pack_cap == 0
+    for bad in (b"-1", str(MAX_PACK_CAP + 1).encode(), b"1" + b"0" * 30, b"1.5", b'"300"', b"null", b"true"):
+        with pytest.raises(ProtocolError):
+            loads(PrefillRequest, orjson.dumps(old)[:-1] + b',"pack_cap":' + bad + b"}")
 
 
 @pytest.mark.parametrize("raw, needle", [

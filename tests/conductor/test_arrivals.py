@@ -11,6 +11,7 @@ from mooncake_lite.conductor.flight import flight as flight_module
 from mooncake_lite.conductor.flight.arrivals import Arrivals, reprice
 from mooncake_lite.conductor.flight.predictions import Prediction
 from mooncake_lite.scheduler import ClusterState, PrefillCostModel, PrefillInstanceState, QueuedPrefill
+from mooncake_lite.scheduler.packing import slo_pack_cap
 from tests.conductor import fakes
 from tests.conductor.test_api import client
 from tests.conductor.test_dispatch import _wait_for
@@ -94,3 +95,19 @@ def test_a_burst_s_members_are_repriced_with_the_pack_the_later_ones_joined():
     reprice(flights, SimpleNamespace(get=lambda pid: inst if pid == "p0" else None), lambda: model)
     assert [round(f.prediction.prefill_s, 6) for f in flights] == [0.28, 0.28, 0.28]
     assert [round(f.prediction.ttft_s, 6) for f in flights] == [1.25, 1.2, 1.0]
+
+
+async def test_the_prefill_is_told_the_cap_its_decision_set(make_cluster):
+    """A prompt whose TTFT SLO (10x its prefill alone, 1 ms a token here) cannot hold a full
+    512-token forward: the prefill request carries the cap ``slo_pack_cap`` gives it."""
+    cluster = await make_cluster(dead_after=30.0)
+    p0 = cluster.instances["p0"]
+    status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512,
+                                        cost={"c0": 0.0, "c1": 1e-3, "c2": 0.0, "c3": 0.0})
+    assert status == 200, body
+    c = client(cluster)
+    await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)
+    await c.close()
+    (sent,) = [r for r in p0.requests if hasattr(r, "pack_cap")]
+    n = len(sent.token_ids)
+    assert sent.pack_cap == slo_pack_cap(PrefillCostModel(c1=1e-3), 512, 10 * 1e-3 * n, n, 0) == 10 * n

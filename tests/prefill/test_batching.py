@@ -94,11 +94,13 @@ def assert_clean(c):
     assert c.prefill.stage.jobs == {} and c.prefill.queue == {}
 
 
-async def queued_burst(c, prompts, max_tokens, **gather):
+async def queued_burst(c, prompts, max_tokens, caps=None, **gather):
     """Send every prompt while the instance is held, so the whole burst is queued before its
     first pack is cut; the requests' outcomes in prompt order."""
     await c.prefill.hold()
-    tasks = [asyncio.ensure_future(c.request(f"r{i}", p, max_tokens)) for i, p in enumerate(prompts)]
+    caps = caps or [0] * len(prompts)
+    tasks = [asyncio.ensure_future(c.request(f"r{i}", p, max_tokens, pack_cap=cap))
+             for i, (p, cap) in enumerate(zip(prompts, caps))]
     while len(c.prefill.queue) < len(prompts):
         await asyncio.sleep(0.001)
     c.prefill.unhold()
@@ -187,6 +189,28 @@ async def test_the_instance_packs_a_queue_the_way_the_rule_cuts_it(model):
         for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2)):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert packs == pack_sizes([len(p) for p in prompts], 48) == [2, 1, 1, 2, 2]
+        await c.prefill.stage.drain_puts()
+        assert_clean(c)
+
+
+async def test_the_instance_keeps_each_members_cap_as_the_rule_does(model):
+    """Caps from the decisions (a short prompt's TTFT SLO): the same cut as ``pack_sizes`` with
+    them, every request still its reference tokens."""
+    lengths, caps = [5, 20, 20, 10, 10, 30], [0, 30, 0, 0, 25, 0]
+    prompts = [tokens_of(n, 140 + i) for i, n in enumerate(lengths)]
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        c.prefill.batch_tokens = 64
+        packs, real_pack = [], c.prefill._pack
+
+        async def record(lead):
+            pack = await real_pack(lead)
+            packs.append(len(pack))
+            return pack
+
+        c.prefill._pack = record
+        for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2, caps)):
+            assert err is None and tokens == reference_greedy(model, p, 2)
+        assert packs == pack_sizes(lengths, 64, caps) == [2, 2, 1, 1] != pack_sizes(lengths, 64)
         await c.prefill.stage.drain_puts()
         assert_clean(c)
 

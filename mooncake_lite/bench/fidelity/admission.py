@@ -113,13 +113,16 @@ def slo_limits(hw, absolute: tuple[float | None, float | None] | None, factors: 
                       tbt if tbt is not None else factors[1] * hw.decode.predict(1, t.input_length))
 
 
-def admitting_all(hw, **sim_kw) -> Callable[[list[TraceRequest]], dict[int, Outcome]]:
+def admitting_all(hw, ttft_slo_s: float | None = math.inf,
+                  **sim_kw) -> Callable[[list[TraceRequest]], dict[int, Outcome]]:
     """The counterfactual simulator: the given requests on ``hw``, nothing refused for an SLO
-    (admission ``none``, the decode's own check with no TBT limit: only capacity can refuse)."""
+    (admission ``none``, the decode's own check with no TBT limit: only capacity can refuse).
+    ``ttft_slo_s`` as the live conductor's (None: relative): it refuses nobody here, but it caps
+    the packed forwards a request may be in (``scheduler.packing.slo_pack_cap``), as live."""
     from mooncake_lite.bench.fidelity.sim import simulate
 
     def run(requests: list[TraceRequest]) -> dict[int, Outcome]:
-        res = simulate(requests, hw, admission="none", ttft_slo_s=math.inf, tbt_slo_s=math.inf, **sim_kw)
+        res = simulate(requests, hw, admission="none", ttft_slo_s=ttft_slo_s, tbt_slo_s=math.inf, **sim_kw)
         return {r.request_id: Outcome("ok", r.ttft, r.tbt) if r.status == "completed" else Outcome(r.status or "lost")
                 for r in res.requests}
     return run

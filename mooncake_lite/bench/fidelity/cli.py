@@ -198,7 +198,8 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     from mooncake_lite.bench.fidelity import admission
     absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
     limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
-    sim = admission.admitting_all(hw, prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
+    sim = admission.admitting_all(hw, absolute[0], slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor),
+                                  prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
                                   batch_tokens=ns.prefill_batch_tokens,
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)

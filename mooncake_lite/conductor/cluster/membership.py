@@ -37,9 +37,8 @@ from mooncake_lite.conductor.cluster.store_watch import StoreWatch
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import (ClusterState, DecodeView, DecodingRequest, IncomingRequest, PrefillView,
                                      QueuedPrefill)
-from mooncake_lite.scheduler.costs import uncached_tokens
-from mooncake_lite.scheduler.packing import first_pack
-from mooncake_lite.scheduler.queue_order import enqueue, withdraw
+from mooncake_lite.scheduler.packing import first_pack, queue_caps
+from mooncake_lite.scheduler.queue_order import enqueue, job_uncached, withdraw
 from mooncake_lite.scheduler.snapshot import StateTuple
 
 __all__ = ["DecodeJob", "Instance", "Membership", "PrefillJob", "RegistrationError", "model_id"]
@@ -56,6 +55,7 @@ class PrefillJob:
     decode_id: str
     max_output_tokens: int | None = None
     num_sequences: int = 1             # OpenAI's n: the decode runs n sequences on its KV
+    pack_cap: int = 0                  # its decision's cap on its packed forward (QueuedPrefill)
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class Membership:
         # the same uncached tokens the instance orders by (the prefix_keys dispatch sends it);
         # the head of an empty queue starts now.
         order = enqueue(view, job.request_id, job.num_tokens, job.num_prefix_tokens,
-                        max(inst.reg.queue_overtakes, 0), None if view.state().queue else now)
+                        max(inst.reg.queue_overtakes, 0), None if view.state().queue else now, job.pack_cap)
         if order:       # it passed some: the head is still the one the instance serves next
             inst.passed[job.request_id] = order[order.index(job.request_id) + 1:]
         decode = self.instances.get(job.decode_id)
@@ -335,7 +335,7 @@ class Membership:
         instance's rule, ``scheduler.packing.first_pack``) start with it. Re-run as members'
         results arrive one by one, so the forward after a pack is shown whole once its own
         head is."""
-        size = first_pack((uncached_tokens(j.num_tokens, j.num_prefix_tokens) for j in queue), pack_tokens)
+        size = first_pack(map(job_uncached, queue), pack_tokens, queue_caps(queue))
         for job in islice(queue, 1, size):
             if job.started_at is None:
                 view.start(job.request_id, now)

@@ -77,7 +77,8 @@ class Attempt:
             svc.membership.watch(inst.instance_id, self.upstream_id, self._death_watch(inst.instance_id))
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
-            self.decode.instance_id, max_output_tokens=expected_output, num_sequences=self.req.sampling.n), now)
+            self.decode.instance_id, max_output_tokens=expected_output, num_sequences=self.req.sampling.n,
+            pack_cap=d.pack_cap), now)
         try:
             failed = await self._reserve_unless_ended()
         except BaseException:

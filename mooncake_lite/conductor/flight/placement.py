@@ -98,7 +98,8 @@ def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: st
     return PrefillRequest(upstream_id, transfer_id, prompt_ids, kv_dest, sampling,
                           prefix_keys=tuple(k.hex() for k in block_keys[:decision.reused_prefix_blocks]),
                           migrate_from=str(m.source_store_id) if m else None,
-                          migrate_keys=tuple(k.hex() for k in m.keys) if m else ())
+                          migrate_keys=tuple(k.hex() for k in m.keys) if m else (),
+                          pack_cap=decision.pack_cap)
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:
