@@ -16,6 +16,10 @@ With ``busy_ratios`` too (``Hardware.decode_busy_step_ratios``: the spread of st
 computing prefill) a step timed while one computed is drawn from those over their mean instead:
 the co-location slowdown (``scale``) keeps the level beside a prefill, the busy spread gives its
 shape, whose slow tail the idle one lacks. The log then keeps a flag per entry (``beside_log``).
+With a delivery jitter (:meth:`Batch.deliver_with`: what the path from the decode to a client
+adds to or takes from a gap, as ``bench fidelity`` measures it) each gap after a request's first
+gets one drawn at random too (after the step draws, so those stay as they were): a token that
+reaches the client late makes its gap longer and the next shorter, and TBT reads the longer.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class Batch:
 
     __slots__ = ("model", "running", "_heap", "_seq", "steps_done", "context_tokens", "log", "_log_base", "_trim_at",
                  "stalled", "step_ratios", "_step_scale", "_spread_mean", "padding", "busy_ratios", "_busy_mean",
-                 "beside_log", "_beside", "_seg_beside")
+                 "beside_log", "_beside", "_seg_beside", "delivery")
 
     def __init__(self, model: DecodeCostModel, step_ratios: tuple[float, ...] = (), padding: float = 0.0,
                  busy_ratios: tuple[float, ...] = ()) -> None:
@@ -69,6 +73,12 @@ class Batch:
         self._log_base = 0
         self._trim_at = LOG_TRIM_EVERY
         self.stalled = False      # a stall was logged: requests' gaps are folded step by step
+        self.delivery: np.ndarray | None = None    # a gap's delivery jitter, seconds (deliver_with)
+
+    def deliver_with(self, jitter: tuple[float, ...]) -> None:
+        """Each gap after a request's first, as its client sees it, moves by one of ``jitter``
+        (seconds, equal-mass bins) drawn at random (module doc); empty: as the decode ends it."""
+        self.delivery = np.asarray(jitter, dtype=np.float64) if jitter else None
 
     def add(self, req: SimRequest, now: float) -> None:
         """Join at a step boundary ``now``; the request needs its true output length − 1 more
@@ -128,7 +138,8 @@ class Batch:
         heap = self._heap
         end = len(self.log)
         stalled = self.stalled
-        spread = self.step_ratios is not None     # then the wait is added to the drawn first step
+        # then the wait is added to the drawn first step
+        spread = self.step_ratios is not None or self.delivery is not None
         while heap and heap[0][0] <= self.steps_done:
             last, _, req = heapq.heappop(heap)
             del self.running[req.rid]
@@ -157,14 +168,17 @@ class Batch:
         doc); ``gaps`` are its steps' (time, count) without the wait before its first, folded from
         log entries ``[start, end)``."""
         ratios = self.step_ratios
-        assert ratios is not None   # only called with a spread
         times = np.repeat([g for g, _ in gaps], [c for _, c in gaps])
         rng = np.random.default_rng(zlib.crc32(str(req.rid).encode()))
-        draws = ratios[rng.integers(len(ratios), size=len(times))] / self._spread_mean
-        if self.beside_log is not None:
-            draws = self._draw_beside(draws, rng, start, end)
-        times = times * draws
+        if ratios is not None:
+            draws = ratios[rng.integers(len(ratios), size=len(times))] / self._spread_mean
+            if self.beside_log is not None:
+                draws = self._draw_beside(draws, rng, start, end)
+            times = times * draws
         times[0] += req.wait_extra
+        if self.delivery is not None:   # a client's gap is never negative
+            jitter = self.delivery[rng.integers(len(self.delivery), size=len(times) - 1)]
+            times[1:] = np.maximum(times[1:] + jitter, 0.0)
         steps = [(t, 1) for t in times.tolist()]
         req.tbt = slowest_share_mean(steps, total=len(steps))
         req.mean_gap = sum(t for t, _ in steps) / len(steps)

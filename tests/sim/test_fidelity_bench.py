@@ -203,10 +203,11 @@ def test_held_out_compares_the_last_requests_on_the_models_exported_before_them(
     window, requests, records = _slice()
     trace = fidelity_sim.sim_trace(window, requests, records, 16)
     ns = SimpleNamespace(held_out=2)
-    lr = SimpleNamespace(records=records)
+    lr = SimpleNamespace(records=records, timelines={})   # no decode timeline: no delivery jitter
     seen = []
 
-    def simulated(hw):
+    def simulated(hw, jitter=None):
+        assert jitter == ()
         seen.append(hw)
         return fidelity_sim.simulate(trace, hw, prefill=1, decode=1, admission="none", ttft_slo_s=60.0,
                                      tbt_slo_s=1.0, block=16)

@@ -17,7 +17,8 @@
    simulator's relative error, plus the measured modelling gaps (``gaps``), the export's split of
    the decode's gaps beside a prefill forward from those without (``cost_model.colocation``),
    and the same slice simulated without each one-box effect the profile models (``ablations``);
-   writes a CDF plot, and the instances' step and forward timelines (``timelines.json``).
+   writes a CDF plot, and the instances' step and forward timelines (``timelines.json``). The
+   simulated tokens reach the client with the delivery jitter measured live (``delivery.py``).
 
 SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
 5× one step alone, by the chosen instance's own profile), and so are the simulated conductor's and
@@ -28,6 +29,7 @@ the slice for reading. ``--ttft-slo``/``--tbt-slo`` make that one absolute on bo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -37,8 +39,9 @@ from pathlib import Path
 import orjson
 
 from mooncake_lite.bench import options
+from mooncake_lite.bench.fidelity.delivery import delivery_jitter
 from mooncake_lite.bench.fidelity.gaps import measured_gaps
-from mooncake_lite.bench.fidelity.live import live_side, replay_live, start_cluster
+from mooncake_lite.bench.fidelity.live import LEARN_LEAD_S, live_side, replay_live, start_cluster
 from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
 from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, rejected_by, sim_side,
@@ -136,19 +139,19 @@ def run(ns: Options, api: str) -> dict:
         slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
     else:
         slos = converted_slos([t.input_length for t in trace], hw, ns.ttft_slo_factor, ns.tbt_slo_factor)
-    overtakes = live_overtakes(getattr(ns, "prefill_args", ""))
+    overtakes, jitter = live_overtakes(getattr(ns, "prefill_args", "")), delivery_jitter(lr.records, lr.timelines)
 
-    def simulated(costs, decisions=None):   # queued as the live prefills queue, corrected as live
+    def simulated(costs, decisions=None, jitter=jitter):   # queued as the live prefills queue, corrected as live
         return simulate(trace, costs, prefill=ns.prefill, decode=ns.decode, admission=ns.admission,
                         ttft_slo_s=ns.ttft_slo or None, tbt_slo_s=ns.tbt_slo or None, block=ns.block_tokens,
                         slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor), batch_tokens=ns.prefill_batch_tokens,
-                        overtakes=overtakes, correct=True, decisions=decisions, burst_window_s=ns.burst_window)
+                        overtakes=overtakes, correct=True, decisions=decisions, burst_window_s=ns.burst_window,
+                        delivery_jitter=jitter)
     decisions: list = []
     res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)
     report = compare(live, sim, len(lr.records))
-    for name, other in ablations(hw).items():   # the same slice without one modelled effect: what it moves
-        report[f"sim_{name}"] = compare(live, sim_side(simulated(other)), len(lr.records))["rows"]
+    report.update(without_each(live, hw, simulated, jitter, len(lr.records)), delivery_jitter_s=list(jitter))
     report.update(slos=slos, gaps=measured_gaps(live, lr.records, lr.before, lr.after, hw),
                   config={k: v for k, v in asdict(ns).items() if k != "token"}, served=lr.served,
                   live_wall_s=lr.live_s, live_failed=live.failed, simrejected_by=rejected_by(res),
@@ -172,6 +175,15 @@ def run(ns: Options, api: str) -> dict:
     return report
 
 
+def without_each(live, hw, simulated, jitter: tuple[float, ...], n: int) -> dict:
+    """The same slice without each modelled effect (``sim.ablations``), and without the measured
+    delivery jitter when there is one: what each moves, as ``sim_without_*`` rows."""
+    others = {f"sim_{name}": (other, jitter) for name, other in ablations(hw).items()}
+    if jitter:
+        others["sim_without_delivery_jitter"] = (hw, ())
+    return {key: compare(live, sim_side(simulated(costs, jitter=j)), n)["rows"] for key, (costs, j) in others.items()}
+
+
 def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
     """The last ``--held-out`` requests compared alone, the whole slice simulated with the models
     exported before they were sent (``costs_learned.json``): fidelity on requests the online
@@ -184,9 +196,11 @@ def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
         return None
     learned = load_profile(path)
     ids = {t.request_id for t in trace[-ns.held_out:]}
-    res = simulated(learned)
-    kept = SimpleNamespace(requests=[r for r in res.requests if r.request_id in ids])
     records = [r for r in lr.records if r.request_id in ids]
+    # the jitter of the requests done when that export was taken (live.LEARN_LEAD_S before the first sent)
+    until = min((r.send_s for r in records), default=math.inf) - LEARN_LEAD_S
+    res = simulated(learned, jitter=delivery_jitter(lr.records, lr.timelines, until))
+    kept = SimpleNamespace(requests=[r for r in res.requests if r.request_id in ids])
     cmp = compare(live_side(records), sim_side(kept), len(records))
     cmp["corrections"] = orjson.loads(path.read_bytes()).get("corrections")
     return cmp

@@ -197,8 +197,8 @@ def timelines(status: Mapping, token: str | None) -> dict[str, dict]:
 @dataclass(frozen=True)
 class LiveRun:
     """The live side of a fidelity run: the trace window replayed, its prompts and records, the
-    served model, the decodes' and conductor's metrics before and after, the replay's wall time
-    and the exported cost-model file's dict."""
+    served model, the decodes' and conductor's metrics before and after, the replay's wall time,
+    the exported cost-model file's dict and every instance's timeline by URL."""
     window: list
     requests: list
     records: list
@@ -207,6 +207,7 @@ class LiveRun:
     after: dict
     live_s: float
     profile: dict
+    timelines: dict
 
 
 def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
@@ -228,5 +229,6 @@ def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
     live_s = time.perf_counter() - t0
     after = scrape_all(api, decodes)
     profile = export_profile(api, ns.token, out / "costs.json")
-    (out / "timelines.json").write_bytes(orjson.dumps(timelines(status, ns.token)))
-    return LiveRun(window, requests, records, served, before, after, live_s, profile)
+    lines = timelines(status, ns.token)
+    (out / "timelines.json").write_bytes(orjson.dumps(lines))
+    return LiveRun(window, requests, records, served, before, after, live_s, profile, lines)

@@ -101,6 +101,15 @@ def _fmt(value: float | int | None, ms: bool) -> str:
     return f"{value * 1e3:,.1f}" if ms else f"{value:,}"
 
 
+def jitter_lines(jitter: Sequence[float]) -> list[str]:
+    """The delivery jitter the simulated tokens were given (``delivery.py``: a client's gap less
+    the gap between the step ends of its tokens), if any was measured."""
+    if not jitter:
+        return []
+    return [f"delivery jitter (client gap − step-end gap), ms: {len(jitter)} equal-mass bins, lowest "
+            f"{jitter[0] * 1e3:.2f}, median {jitter[len(jitter) // 2] * 1e3:.2f}, highest {jitter[-1] * 1e3:.2f}"]
+
+
 def report_text(report: Mapping) -> str:
     s = report["slos"]
     lines = [format_report(report),
@@ -119,8 +128,9 @@ def report_text(report: Mapping) -> str:
     lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
                  f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
                  f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
+    lines += jitter_lines(report.get("delivery_jitter_s") or ())
     for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_kv_writes",
-                 "without_any"):
+                 "without_any", "without_delivery_jitter"):
         rows = report.get(f"sim_{name}")
         if rows:
             lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(

@@ -51,11 +51,12 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
 def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str,
              ttft_slo_s: float | None, tbt_slo_s: float | None, block: int, batch_tokens: int = 0,
              overtakes: int = 0, correct: bool = False, decisions: list | None = None, burst_window_s: float = 0.0,
-             slo_factors: tuple[float, float] = (10.0, 5.0)):
+             slo_factors: tuple[float, float] = (10.0, 5.0), delivery_jitter: tuple[float, ...] = ()):
     """The slice simulated; an SLO None is relative by ``slo_factors`` (TTFT, TBT), as the live
     conductor's and its decodes'; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
     ``correct``: the live conductor's online correction, learned as the simulation runs;
-    ``decisions``: a list the conductor's decisions are appended to, one per request in arrival order."""
+    ``decisions``: a list the conductor's decisions are appended to, one per request in arrival order;
+    ``delivery_jitter``: what the path to the client moves a gap by, measured (``delivery.py``)."""
     from mooncake_lite.scheduler import SchedulerConfig
     from mooncake_lite.sim.cluster import MooncakeSim
     from mooncake_lite.sim.config import SimConfig
@@ -67,6 +68,8 @@ def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, ad
                     burst_window_s=burst_window_s)
     sim = MooncakeSim(cfg, replace(hw, block_size=block))
     sim.decisions = decisions
+    for d in sim.decodes:   # the client's side of the box, not the decode's: the bench's to give
+        d.batch.deliver_with(delivery_jitter)
     return sim.run(trace)
 
 
@@ -129,7 +132,7 @@ def ablations(hw) -> dict:
         out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
     if hw.decode_kv_write_s_per_token:
         out["without_kv_writes"] = replace(hw, decode_kv_write_s_per_token=0.0)
-    if len(out) > 1:
+    if len(out) > 1:   # the delivery jitter is the bench's, not the model's: run without it (cli.py)
         out["without_any"] = replace(hw, decode_step_ratios=(), decode_busy_step_ratios=(),
                                      decode_padding_s_per_token=0.0,
                                      decode_colocated_slowdown=1.0, decode_kv_write_s_per_token=0.0)
