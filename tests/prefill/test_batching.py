@@ -174,18 +174,24 @@ def test_packed_durations_pay_the_fixed_cost_once_per_pack():
     assert sum(got) == pytest.approx(sum(alone) - 3 * model.c0)
 
 
+def recording_packs(c) -> list[int]:
+    """The sizes of the packs the instance forms from now on, as it forms them."""
+    packs, real_pack = [], c.prefill._pack
+
+    async def record(lead):
+        pack = await real_pack(lead)
+        packs.append(len(pack))
+        return pack
+
+    c.prefill._pack = record
+    return packs
+
+
 async def test_the_instance_packs_a_queue_the_way_the_rule_cuts_it(model):
     prompts = [tokens_of(n, 90 + i) for i, n in enumerate([20, 20, 30, 70, 5, 5, 40, 3])]
     async with cluster(model, block_size=BS, chunk=64) as c:
         c.prefill.batch_tokens = 48
-        packs, real_pack = [], c.prefill._pack
-
-        async def record(lead):
-            pack = await real_pack(lead)
-            packs.append(len(pack))
-            return pack
-
-        c.prefill._pack = record
+        packs = recording_packs(c)
         for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2)):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert packs == pack_sizes([len(p) for p in prompts], 48) == [2, 1, 1, 2, 2]
@@ -200,14 +206,7 @@ async def test_the_instance_keeps_each_members_cap_as_the_rule_does(model):
     prompts = [tokens_of(n, 140 + i) for i, n in enumerate(lengths)]
     async with cluster(model, block_size=BS, chunk=64) as c:
         c.prefill.batch_tokens = 64
-        packs, real_pack = [], c.prefill._pack
-
-        async def record(lead):
-            pack = await real_pack(lead)
-            packs.append(len(pack))
-            return pack
-
-        c.prefill._pack = record
+        packs = recording_packs(c)
         for p, (tokens, _, err) in zip(prompts, await queued_burst(c, prompts, 2, caps)):
             assert err is None and tokens == reference_greedy(model, p, 2)
         assert packs == pack_sizes(lengths, 64, caps) == [2, 2, 1, 1] != pack_sizes(lengths, 64)
