@@ -72,3 +72,18 @@ def test_a_looser_slo_flips_the_counterfactual(hw):
     live = {i: Outcome("rejected") for i in range(10)}
     out = admission.judge(trace, live, limits, admission.admitting_all(hw, prefill=1, decode=1, block=16))
     assert out["refused_would_meet"]["share"] == 1.0 and out["admitted_met"]["of"] == 0
+
+
+def test_a_refusal_that_would_have_met_only_within_the_simulators_bias_is_counted_apart():
+    """The counterfactual runs these prompts at half their live TTFT (the admitted ones' sim / live,
+    prompts within 2x the refused one's): by 1.0 s against a 1.5 s limit it would have met; over
+    that bias (2.0 s) it would not. A size class of fewer than 5 admitted shows no bias."""
+    trace = [TraceRequest(i, float(i), 100 + i, 4, ()) for i in range(8)]
+    live = {**{i: Outcome("ok", 2.0, 0.01) for i in range(7)}, 7: Outcome("rejected")}
+    sim = lambda requests: {t.request_id: Outcome("ok", 1.0, 0.01) for t in requests}   # noqa: E731
+    out = admission.judge(trace, live, lambda t: (1.5, 1.0), sim)
+    assert out["refused_would_meet_ids"] == [7] and out["refused_ttft_bias"] == [0.5]
+    assert out["refused_would_meet_bias_adjusted"]["met"] == 0
+    assert admission.size_bias(TraceRequest(9, 0.0, 1000, 4, ()), trace[:7], live, sim(trace)) is None
+    text = "\n".join(admission_lines({**out, "slos": "absolute"}))
+    assert "1/1 = 100.0%" in text and "0/1 = 0.0%" in text

@@ -83,18 +83,36 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
     baseline = simulate(admitted) if admitted else {}
     sim_met = sum(met(o.ttft_s, o.tbt_s, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok")
     would: list[int] = []
+    adjusted = 0
     for t in refused:
         with_it = sorted([*admitted, t], key=lambda r: (r.timestamp_ms, r.request_id))
         o = simulate(with_it).get(t.request_id, Outcome("failed"))
         if o.status == "ok" and met(o.ttft_s, o.tbt_s, limits(t)):
             would.append(t.request_id)
+            bias = size_bias(t, admitted, live, baseline)
+            adjusted += met(o.ttft_s / (bias or 1.0), o.tbt_s, limits(t))
     served = [(live[t.request_id], limits(t)) for t in admitted]
     simulated = [(o, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok"]
     return {"admitted_met": share(admitted_met, len(admitted), GOAL_ADMITTED_MET, True),
             "admitted_missed_by": missed_by(served), "sim_admitted_missed_by": missed_by(simulated),
             "refused_would_meet": share(len(would), len(refused), GOAL_REFUSED_MET, False),
             "sim_admitted_met": share(sim_met, len(admitted), GOAL_ADMITTED_MET, True),
-            "refused_would_meet_ids": would}
+            "refused_would_meet_ids": would,
+            "refused_would_meet_bias_adjusted": share(adjusted, len(refused), GOAL_REFUSED_MET, False),
+            "refused_ttft_bias": [size_bias(t, admitted, live, baseline) for t in refused]}
+
+
+def size_bias(t: TraceRequest, admitted: Sequence[TraceRequest], live: Mapping[int, Outcome],
+              simulated: Mapping[int, Outcome]) -> float | None:
+    """The counterfactual's TTFT bias for a request of ``t``'s size: the median simulated / live
+    TTFT of the admitted requests within 2x its prompt length (None under 5 of them). A refusal
+    that would have met by less than that bias may not have met live (issue #36: the comparison's
+    bias stated; run 4 on Zen 5: x0.70 for prompts under 80 tokens, x0.91 over all)."""
+    n = t.input_length
+    ratios = sorted(s.ttft_s / o.ttft_s for a in admitted if n / 2 <= a.input_length <= 2 * n
+                    and (o := live.get(a.request_id)) is not None and (s := simulated.get(a.request_id)) is not None
+                    and o.status == s.status == "ok" and o.ttft_s and s.ttft_s)
+    return ratios[len(ratios) // 2] if len(ratios) >= 5 else None
 
 
 def outcomes_of(records: Sequence) -> dict[int, Outcome]:

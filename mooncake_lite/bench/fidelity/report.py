@@ -167,10 +167,13 @@ def admission_lines(a: Mapping) -> list[str]:
         sign = "≥" if label.startswith("admitted") else "≤"
         return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
                 f"goal {sign} {s['goal']:.0%}: {verdict})")
+    adjusted = a.get("refused_would_meet_bias_adjusted")
     return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
             "  " + one("admitted that met their SLO (live)", a["admitted_met"])
             + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
             "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
+            *(["    the same with its TTFT over the simulator's bias at their size (sim / live TTFT, "
+               "within 2x their prompts): " + one("", adjusted)[2:]] if adjusted else []),
             "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
             + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
 
