@@ -130,19 +130,23 @@ def iter_pack_sizes(uncached_tokens: Iterable[int], limit: int, caps: Iterable[i
         yield size
 
 
+def capped(bound: int, cap: int) -> int:
+    """A pack's bound once a member with ``cap`` is in it (0: no cap; :func:`pack_sizes`)."""
+    return cap if 0 < cap < bound else bound
+
+
 def _capped_pack_sizes(uncached_tokens: Iterable[int], limit: int, caps: Iterable[int]) -> Iterator[int]:
     """:func:`iter_pack_sizes` with each prompt's cap lowering its pack's bound."""
     size = total = bound = 0
     for n, cap in zip(uncached_tokens, caps):
-        own = cap if 0 < cap < limit else limit
-        if size and limit > 0 and total + n <= (bound if bound < own else own):
+        if size and limit > 0 and total + n <= capped(bound, cap):
             size += 1
             total += n
-            bound = bound if bound < own else own
+            bound = capped(bound, cap)
         else:
             if size:
                 yield size
-            size, total, bound = 1, (n if n <= limit else limit + 1), own
+            size, total, bound = 1, (n if n <= limit else limit + 1), capped(limit, cap)
     if size:
         yield size
 

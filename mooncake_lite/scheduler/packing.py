@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from functools import reduce
 from typing import NamedTuple
 
-from mooncake_lite.scheduler.costs import PrefillCostModel, iter_pack_sizes, pack_sizes, packed_seconds, uncached_tokens
+from mooncake_lite.scheduler.costs import (PrefillCostModel, capped, iter_pack_sizes, pack_sizes, packed_seconds,
+                                           uncached_tokens)
 from mooncake_lite.scheduler.state import QueuedPrefill
 
 NO_TAIL = -1     # no pack a new request could join (nothing waiting, or packing off)
@@ -82,11 +84,7 @@ def queue_caps(jobs: Sequence[QueuedPrefill]) -> list[int] | None:
 
 def pack_bound(caps: Sequence[int], limit: int) -> int:
     """The most uncached tokens a pack of jobs with these caps may hold (``costs.pack_sizes``)."""
-    bound = limit
-    for cap in caps:
-        if 0 < cap < bound:
-            bound = cap
-    return bound
+    return reduce(capped, caps, limit)
 
 
 def joins_tail(tail_tokens: int, new_uncached: int, bound: int) -> bool:

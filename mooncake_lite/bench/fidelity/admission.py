@@ -84,12 +84,12 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
     sim_met = sum(met(o.ttft_s, o.tbt_s, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok")
     would: list[int] = []
     adjusted = 0
-    for t in refused:
+    biases = [size_bias(t, admitted, live, baseline) for t in refused]
+    for t, bias in zip(refused, biases):
         with_it = sorted([*admitted, t], key=lambda r: (r.timestamp_ms, r.request_id))
         o = simulate(with_it).get(t.request_id, Outcome("failed"))
         if o.status == "ok" and met(o.ttft_s, o.tbt_s, limits(t)):
             would.append(t.request_id)
-            bias = size_bias(t, admitted, live, baseline)
             adjusted += met(o.ttft_s / (bias or 1.0), o.tbt_s, limits(t))
     served = [(live[t.request_id], limits(t)) for t in admitted]
     simulated = [(o, limits(by_id[i])) for i, o in baseline.items() if o.status == "ok"]
@@ -99,7 +99,7 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
             "sim_admitted_met": share(sim_met, len(admitted), GOAL_ADMITTED_MET, True),
             "refused_would_meet_ids": would,
             "refused_would_meet_bias_adjusted": share(adjusted, len(refused), GOAL_REFUSED_MET, False),
-            "refused_ttft_bias": [size_bias(t, admitted, live, baseline) for t in refused]}
+            "refused_ttft_bias": biases}
 
 
 def size_bias(t: TraceRequest, admitted: Sequence[TraceRequest], live: Mapping[int, Outcome],
