@@ -8,6 +8,7 @@ import os
 
 from mooncake_lite.cluster.plan import UpOptions, kv_layout, on_gpu, role_setting
 from mooncake_lite.cluster.shares import DEFAULT_MEMORY_FRACTION, MachineShare
+from mooncake_lite.common.host import available_memory
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -15,18 +16,6 @@ def usable_cpus() -> tuple[int, ...]:
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
-
-
-def available_memory(meminfo: str = "/proc/meminfo") -> int:
-    """Bytes the kernel says new work can take without swapping (MemAvailable), else free pages."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def packs_weights(opts: UpOptions, role: str, dtype: str) -> bool:
@@ -53,12 +42,14 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         weights = args.num_params() * dtype_bytes(dtype)
         extra = args.packed_extra_bytes(dtype)
         compact = _compact_weights(opts, dtype)   # issue #39: a GGUF's quantized weights kept compact
+        dense = 0
         if compact is not None:
             weights, extra = compact[0], 0 if compact[1] else extra
+            dense = _prefill_dense_bytes(opts, args.num_params() * 4)
         # weights on a GPU take none of the host's memory (the KV there is sized by the instance)
         facts = {"weight_bytes": 0 if on_gpu(opts, "prefill") and on_gpu(opts, "decode") else weights,
                  "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
-                 "prefill_pack_bytes": extra if packs_weights(opts, "prefill", dtype) else 0,
+                 "prefill_pack_bytes": dense + (extra if packs_weights(opts, "prefill", dtype) else 0),
                  "kv_token_bytes": args.kv_bytes_per_token(dtype), "max_seq_len": args.max_seq_len,
                  # every TP rank's whole copy: the embedding (the norms are noise beside it)
                  "replicated_weight_bytes": min(weights, args.vocab_size * args.dim * dtype_bytes(dtype))}
@@ -71,13 +62,23 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
 
 def _compact_weights(opts: UpOptions, dtype: str) -> tuple[int, bool] | None:
     """``gguf_file.compact_weight_bytes`` where every instance keeps a GGUF's quantized weights
-    compact (a CPU in float32, ``--weights quantized``), else None (weights in the dtype)."""
+    compact (a CPU in float32, ``--weights`` not ``dequantize``), else None (weights in the dtype)."""
     from mooncake_lite.model.gguf_file import compact_weight_bytes, read_meta
     from mooncake_lite.model.source import resolve
     source = resolve(opts.model)
     roles = ("prefill", "decode")
     if (source.kind != "gguf" or dtype != "float32"
-            or any(str(role_setting(opts, r, "weights") or "quantized") != "quantized" for r in roles)
+            or any(str(role_setting(opts, r, "weights") or "auto") == "dequantize" for r in roles)
             or any(str(role_setting(opts, r, "device") or "cpu") != "cpu" for r in roles)):
         return None
     return compact_weight_bytes(read_meta(source.path), 4)
+
+
+def _prefill_dense_bytes(opts: UpOptions, dense: int) -> int:
+    """The float copy a prefill keeping its blocks holds beside them (``--weights hybrid``, or
+    ``auto`` where it fits: ``instance.config.weights_choice``, the rule the instance applies)."""
+    from mooncake_lite.instance.config import weights_choice
+    from mooncake_lite.prefill.config import Config
+    mode = str(role_setting(opts, "prefill", "weights") or "auto")
+    chosen, _ = weights_choice(mode, Config.AUTO_WEIGHTS, dense, available_memory())
+    return dense if chosen == "hybrid" else 0

@@ -20,6 +20,27 @@ from mooncake_lite.model.source import DEFAULT_MODEL, model_id
 from mooncake_lite.model.tensor_parallel import check_divides
 
 
+# --weights auto: what a role holds. A prefill's forwards are compute-bound and wide, where a
+# float copy's F.linear beats the blocks (docs/model.md, "CPU paths"); a decode's few rows are
+# bound by memory, where the blocks' bytes are the speed.
+HYBRID_MEMORY_SHARE = 8   # the float copy may take at most 1/8 of the memory available
+
+
+def weights_choice(mode: str, role_auto: str, dense_bytes: int, available: int) -> tuple[str, str]:
+    """(--weights as served, why) for ``mode``: ``auto`` is ``role_auto`` (the role's), hybrid only
+    where its float32 copy of ``dense_bytes`` fits 1/``HYBRID_MEMORY_SHARE`` of ``available``."""
+    if mode != "auto":
+        return mode, f"--weights {mode}"
+    if role_auto != "hybrid":
+        return role_auto, f"--weights auto: {role_auto} on this role"
+    mib = 1 << 20
+    if dense_bytes * HYBRID_MEMORY_SHARE <= available:
+        return "hybrid", (f"--weights auto on a prefill: a {dense_bytes // mib} MiB float copy for its wide products, "
+                          f"within 1/{HYBRID_MEMORY_SHARE} of the {available // mib} MiB available")
+    return "quantized", (f"--weights auto on a prefill: a {dense_bytes // mib} MiB float copy is over "
+                         f"1/{HYBRID_MEMORY_SHARE} of the {available // mib} MiB available")
+
+
 def optional_duration(value):
     return None if value in (None, "", "none") else parse_duration(value)
 
@@ -40,14 +61,17 @@ def parse_cpus(value) -> tuple[int, ...] | None:
 @dataclass(frozen=True)
 class ModelRoleConfig(RoleConfig):
     dtype_reason: ClassVar[str] = "asked for"   # why the dtype: --dtype auto's choice sets its own
+    AUTO_WEIGHTS: ClassVar[str] = "quantized"    # what --weights auto holds on this role
     model: str = option(DEFAULT_MODEL, "model: a named real model (smollm2-135m), a GGUF file, a Hugging "
                         "Face checkpoint directory, or a dummy-weight preset (tiny, small, llama2-7b, ...)")
     dtype: str = option("auto", "model and KV dtype ('auto': bfloat16 on CUDA, float32 elsewhere, said at start-up "
                         "with why)",
                         choices=sorted(DTYPES) + ["auto"])
-    weights: str = option("quantized", "a GGUF's Q4_0/Q4_1/Q8_0 weights kept as its blocks and computed on "
-                          "(quantized; CPU float32) or dequantized at load (dequantize)",
-                          choices=("quantized", "dequantize"))
+    weights: str = option("auto", "a GGUF's Q4_0/Q4_1/Q8_0 weights kept as its blocks and computed on "
+                          "(quantized; CPU float32), dequantized at load (dequantize), or both, the float copy "
+                          "for prefill-sized products (hybrid); auto: hybrid on a prefill where the copy takes "
+                          "at most 1/8 of the memory available, else quantized",
+                          choices=("auto", "quantized", "dequantize", "hybrid"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1)")
     gpu_memory_fraction: float = option(0.9, "on CUDA: share of the device's memory this instance may hold, "
                                         "weights, KV cache and activations together; the KV cache is what is left "

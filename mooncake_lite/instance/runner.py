@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 
 from mooncake_lite.common.config import require
-from mooncake_lite.instance.config import ModelRoleConfig
+from mooncake_lite.common.host import available_memory
+from mooncake_lite.instance.config import ModelRoleConfig, weights_choice
 from mooncake_lite.instance.device_memory import MAX_DEVICE_SEQUENCES, kv_bytes_on_device, read_device_memory
 from mooncake_lite.model.args import dtype_bytes
 from mooncake_lite.model.grammar import Grammars
@@ -84,6 +85,18 @@ def _tp_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None, thread
     return runner
 
 
+def served_weights(cfg: ModelRoleConfig) -> str:
+    """--weights as this instance serves a GGUF's (``instance.config.weights_choice``), said in the log."""
+    from mooncake_lite.model.source import resolve
+    from mooncake_lite.model.weights import model_args
+    if resolve(cfg.model).kind != "gguf":
+        return "dequantize"   # nothing quantized to keep
+    dense = model_args(cfg.model).num_params() * 4 if cfg.weights == "auto" else 0
+    mode, why = weights_choice(cfg.weights, cfg.AUTO_WEIGHTS, dense, available_memory() if dense else 0)
+    log.info("weights %s (%s)", mode, why)
+    return mode
+
+
 def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = None,
                  rank_store: Callable | None = None) -> ModelRunner:
     """The model (or a layer slice of it) and its paged cache, as the flags say. ``rank_store``:
@@ -92,7 +105,7 @@ def build_runner(cfg: ModelRoleConfig, layer_range: tuple[int, int] | None = Non
     if cfg.tensor_parallel > 1:
         return _tp_runner(cfg, layer_range, threads, rank_store)
     model = build_model(cfg.model, device=cfg.device, dtype=cfg.torch_dtype, layer_range=layer_range, seed=cfg.seed,
-                        weights=cfg.weights)
+                        weights=served_weights(cfg))
     args = model.args
     num_layers = model.end_layer - model.first_layer
     num_blocks = blocks_for(cfg, num_layers, args.num_kv_heads, args.head_dim, device_kv_memory(cfg, model))

@@ -7,8 +7,9 @@ as those blocks (``model/quantized.py``), on a CPU in float32 where the block ke
 quantizations such as K-quants, a projection whose fused parts differ in type, another dtype or
 device) is dequantized as with ``weights="dequantize"``: by ``gguf.quants`` (the format's
 reference implementation) to float32 and then cast, so the model computes in ``dtype`` exactly as
-it would from an unquantized checkpoint of the dequantized values. A pipeline stage reads only
-its own layers.
+it would from an unquantized checkpoint of the dequantized values. ``weights="hybrid"`` keeps the
+blocks and a float32 copy of each layer product beside them (``QuantizedWeight.keep_dense``: a
+prefill's wide products run on it). A pipeline stage reads only its own layers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mooncake_lite.model.gguf_read import TensorInfo
 from mooncake_lite.model.llama import Transformer
 from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight
 
-WEIGHT_MODES = ("quantized", "dequantize")
+WEIGHT_MODES = ("quantized", "dequantize", "hybrid")
 
 # Our parameter name (after ``layers.{i}.``) -> the GGUF one (after ``blk.{i}.``).
 _LAYER_NAMES = {
@@ -59,7 +60,8 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
     for ours, gguf_name in names.items():
         if gguf_name not in tensors:
             raise CheckpointError(f"{path}: lacks tensor {gguf_name!r} (for {ours})")
-    kept = compact_names(names, tensors) if weights == "quantized" and keeps_compact(device, dtype) else set()
+    compact = weights != "dequantize" and keeps_compact(device, dtype)
+    kept = compact_names(names, tensors) if compact else set()
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for ours, meta_tensor in expected.items():
@@ -77,7 +79,18 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
     model.load_state_dict(state, assign=True, strict=True)
     if kept:
         install_compact(model, {ours: loaded[names[ours]] for ours in kept}, dtype)
+        if weights == "hybrid":
+            _keep_dense(model)
     return model.eval()
+
+
+def _keep_dense(model: Transformer) -> None:
+    """Each layer product's float32 copy beside its blocks (the head, one row a prompt, keeps none)."""
+    for block in model.layers.values():
+        for packs in (getattr(block.attention, "packs", {}), getattr(block.feed_forward, "packs", {})):
+            for weight in packs.values():
+                if isinstance(weight, QuantizedWeight):
+                    weight.keep_dense()
 
 
 def keeps_compact(device: str | torch.device, dtype: torch.dtype) -> bool:

@@ -265,6 +265,12 @@ def compact_layer(attention: nn.Module, feed_forward: nn.Module, x: torch.Tensor
                                                              ffn_packs.get("gate_up"), ffn_packs.get("w2"))))
 
 
+def _dense_copies(block: nn.Module) -> list[QuantizedWeight]:
+    """A layer's products kept as blocks with a float copy (``QuantizedWeight.keep_dense``)."""
+    packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}   # MoE, MLA: none
+    return [w for w in packs.values() if isinstance(w, QuantizedWeight) and w.dense is not None]
+
+
 def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -321,6 +327,8 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             block.attention.pack_()
             block.feed_forward.pack_()
+            for weight in _dense_copies(block):   # a hybrid GGUF's float copies (model/quantized.py)
+                weight.pack_dense(pack_weight)
         if self.is_last and self.output_pack is None:
             self.output_pack = pack_weight(self.output.weight)
             if self.output_pack is not None:   # a tied embedding keeps its own reference
@@ -332,6 +340,9 @@ class Transformer(nn.Module):
         fused q/k/v, output, gate/up and down: every layer's shapes); None where nothing packs
         or once packed. Call it after ``fuse_`` and before ``pack_``."""
         block = next(iter(self.layers.values()), None)
+        dense = _dense_copies(block) if block is not None else []
+        if dense:   # a hybrid GGUF: its float copies, unless packed already
+            return None if any(w.dense_packed for w in dense) else packing_speedup([w.dense for w in dense], rows)
         if block is None or block.attention.qkv is None or block.feed_forward.gate_up is None or self.packed:
             return None
         return packing_speedup([block.attention.qkv[0], block.attention.wo.weight, block.feed_forward.gate_up,
@@ -347,7 +358,9 @@ class Transformer(nn.Module):
 
     @property
     def packed(self) -> bool:
-        return any(block.attention.packs for block in self.layers.values())
+        """Whether products run on oneDNN-packed copies (a GGUF's blocks alone are not packed)."""
+        return any(isinstance(p, torch.Tensor) or getattr(p, "dense_packed", False)
+                   for block in self.layers.values() for p in getattr(block.attention, "packs", {}).values())
 
     @property
     def layer_ids(self) -> range:

@@ -5,14 +5,24 @@ weight instead of 32) and computes with them (``kernels.quant_linear``); ``linea
 where a plain or oneDNN-packed weight would run, and the model's own ``nn.Linear`` weight is
 then a shape on the ``meta`` device, as after ``Transformer.pack_``. :class:`QuantizedEmbedding`
 looks rows up in the same blocks, so a head tied to the embedding reads one copy.
+
+``weights="hybrid"`` (a prefill's ``--weights auto``) also keeps a float32 copy of each layer
+product (:meth:`QuantizedWeight.keep_dense`): products of more than ``DEQUANTIZE_ROWS`` rows (a
+prefill chunk) run on it, plain or oneDNN-packed as ``--pack-weights`` decides, the values the
+blocks' tiled path gives without dequantizing every tile on every forward; fewer rows still run
+the block kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kernels.quant_linear import (BLOCK, BLOCK_BYTES, TYPE_NAMES, dequantize, dequantize_ref, quant_linear,
+from kernels.norm import rms_norm
+from kernels.quant_linear import (BLOCK, BLOCK_BYTES, DEQUANTIZE_ROWS, TYPE_NAMES, dequantize, dequantize_ref, quant_linear,
                                   quant_linear_fused, to_planar)
 
 
@@ -29,12 +39,34 @@ class QuantizedWeight:
             raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks do not hold {cols} "
                              f"{TYPE_NAMES[qtype]} values per row")
         self.blocks, self.qtype, self.cols = to_planar(blocks, qtype), qtype, cols
+        self.dense: torch.Tensor | None = None   # float32 values for wide products (keep_dense)
+        self.dense_packed = False                # ... as a oneDNN-packed copy (pack_dense)
 
     @classmethod
     def _of_planar(cls, planar: torch.Tensor, qtype: int, cols: int) -> "QuantizedWeight":
         weight = cls.__new__(cls)
         weight.blocks, weight.qtype, weight.cols = planar, qtype, cols
+        weight.dense, weight.dense_packed = None, False
         return weight
+
+    def keep_dense(self) -> None:
+        """Hold the float32 values too, for products of more than ``DEQUANTIZE_ROWS`` rows: a
+        prefill forward is compute-bound, and a dense ``F.linear`` measured 1.9-2.1x the tiled
+        blocks' speed at 35-512 rows (Zen 5, docs/model.md "CPU paths"), for 4-7x the bytes."""
+        self.dense = self.dequantize()
+
+    def pack_dense(self, pack: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Replace the float copy by ``pack``'s (``model.linear.pack_weight``) where it gives one."""
+        if self.dense is not None and not self.dense_packed and (packed := pack(self.dense)) is not None:
+            self.dense, self.dense_packed = packed, True
+
+    def _wide(self, x: torch.Tensor) -> bool:
+        return self.dense is not None and x.numel() > DEQUANTIZE_ROWS * self.cols
+
+    def _dense_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, bias, "none", [], "")
+        return F.linear(x, self.dense, bias)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,19 +78,24 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.blocks.numel() + (0 if self.dense is None else self.dense.numel() * 4)
 
     @property
     def bits_per_weight(self) -> float:
         return 8 * BLOCK_BYTES[self.qtype] / BLOCK
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._wide(x):
+            return self._dense_product(x, bias)
         return quant_linear(x, self.blocks, self.qtype, bias)
 
     def fused(self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """``rms_norm(x) @ Wᵀ + residual`` (each where given), the norm and the sum folded into the
         product (``kernels.quant_linear.quant_linear_fused``)."""
+        if self._wide(x):
+            out = self._dense_product(x if norm is None else rms_norm(x, *norm))
+            return out if residual is None else out.add_(residual)
         return quant_linear_fused(x, self.blocks, self.qtype, norm=norm, residual=residual)
 
     def dequantize(self) -> torch.Tensor:

@@ -20,6 +20,7 @@ DESCRIPTION = ("Prefill instance: loads the cached prefix KV layer by layer from
 @dataclass(frozen=True)
 class Config(ModelRoleConfig):
     ADVERTISES: ClassVar[bool] = True   # registers its HTTP address with the conductor
+    AUTO_WEIGHTS: ClassVar[str] = "hybrid"    # wide forwards: the blocks and a float copy (instance/config.py)
     prefill_chunk: int = option(512, "tokens per prefill chunk")
     prefill_batch_tokens: int = option(512, "prefill batching: pack queued prompts into one forward while their "
                                        "uncached tokens together fit this many (and each fits a chunk); 0: "

@@ -184,6 +184,9 @@ def test_machine_facts_are_read_from_this_machine(tmp_path):
     a = model_args("smollm2-135m")
     # its Q4_1/Q8_0 weights stay compact (issue #39): the blocks' bytes, no packed head beside them
     assert 90e6 < o.share.weight_bytes < 100e6 and o.share.decode_pack_bytes == 0 and o.share.memory_fraction == 0.3
+    assert o.share.prefill_pack_bytes == 4 * a.num_params()   # --weights auto: the prefill's float copy beside them
+    o = with_machine_share(UpOptions(launcher=LAUNCHER, model="smollm2-135m", role_args={"prefill": ("--weights", "quantized")}))
+    assert 90e6 < o.share.weight_bytes < 100e6 and o.share.prefill_pack_bytes == 0
     o = with_machine_share(UpOptions(launcher=LAUNCHER, model="smollm2-135m", common=("--weights", "dequantize")))
     assert o.share.weight_bytes == 4 * a.num_params() and o.share.decode_pack_bytes == a.packed_extra_bytes("float32")
     assert with_machine_share(UpOptions(launcher=LAUNCHER, model="no-such")).share.weight_bytes is None

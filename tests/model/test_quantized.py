@@ -155,3 +155,48 @@ def test_the_step_in_one_c_call_is_within_its_tolerance_of_the_per_layer_path(mo
     assert models[0].decode_plan[1] is not None   # the C loop ran
     assert (ours - ref).abs().max() <= TOLERANCE
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    with torch.inference_mode():
+        return build_model(SMOLLM, weights="hybrid")
+
+
+def test_hybrid_runs_wide_products_on_its_float_copy_and_few_rows_on_the_blocks(models, hybrid):
+    """``--weights hybrid`` (a prefill's auto): the blocks and, beside them, the dequantized
+    values; a prefill chunk's rows multiply the copy, a decode batch's still run the blocks."""
+    from mooncake_lite.model.linear import pack_weight
+    q, d = models
+    qkv, ref = hybrid.layers["3"].attention.packs["qkv"], q.layers["3"].attention.packs["qkv"]
+    assert torch.equal(qkv.dense, d.layers["3"].attention.qkv[0]) and qkv.nbytes == ref.nbytes + qkv.dense.numel() * 4
+    with torch.inference_mode():
+        few, wide = torch.randn(4, qkv.cols), torch.randn(64, qkv.cols)
+        assert torch.equal(qkv.matmul(few), ref.matmul(few))          # the block kernel, as served compact
+        assert torch.equal(qkv.matmul(wide), torch.nn.functional.linear(wide, qkv.dense))
+        plain = qkv.matmul(wide)
+        copy = QuantizedWeight._of_planar(qkv.blocks, qkv.qtype, qkv.cols)
+        copy.keep_dense()
+        copy.pack_dense(pack_weight)
+        assert copy.dense_packed == (pack_weight(qkv.dense) is not None)
+        torch.testing.assert_close(copy.matmul(wide), plain, rtol=1e-4, atol=1e-4)
+    assert hybrid.output_pack.dense is None   # the head multiplies one row a prompt: blocks only
+
+
+def test_hybrid_prefill_logits_match_the_dequantized_model(models, hybrid, float_packed):
+    """The prompts of the end-to-end test, prefilled (35-60 rows: the float copy's path) on the
+    hybrid model, packed as a prefill packs it, against the dequantized model: the same next token,
+    logits within float32 summation-order noise."""
+    from tests.pd.test_real_model import PROMPTS
+    tok = load_tokenizer(SMOLLM, models[0].args.vocab_size)
+    with torch.inference_mode():
+        packed = build_model(SMOLLM, weights="hybrid").pack_()
+        runners = [ModelRunner(m, num_blocks=16, block_size=16) for m in (hybrid, packed, float_packed)]
+        for text in PROMPTS[:6]:
+            ids = tok.encode(tok.chat_template.render([{"role": "user", "content": text}], add_generation_prompt=True),
+                             add_special_tokens=False)
+            assert len(ids) > 32
+            ours, ours_packed, ref = (r.prefill(ids, list(range(16)), 0) for r in runners)
+            for logits in (ours, ours_packed):
+                assert int(logits.argmax()) == int(ref.argmax())
+                torch.testing.assert_close(logits, ref, rtol=0, atol=2e-3)
