@@ -1,0 +1,66 @@
+"""A prompt longer than its prefill instance's chunk is priced as the sum of its chunks (issue #36,
+"predictions that hold"): the instance runs it chunk by chunk, each chunk one forward over the
+keys before it, and its refiner fits the model on those chunks. The closed form
+(``PrefillCostModel._chunked``) against the explicit sum; the common case exactly ``predict``;
+the chunk reaching the conductor from a registration (an older instance's none: one pass, a
+hostile one refused) and the simulator from its config."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from mooncake_lite.scheduler import PrefillCostModel
+from mooncake_lite.scheduler.correction import scaled
+
+MODEL = PrefillCostModel(c0=0.005, c1=2e-4, c2=1e-7, c3=1e-5)
+
+
+def chunk_by_chunk(model: PrefillCostModel, num_tokens: int, prefix: int, chunk: int) -> float:
+    """The instance's loop (prefill/service.py ``_chunks``), each chunk priced as its own forward."""
+    total, start = 0.0, min(prefix, num_tokens - 1)
+    while start < num_tokens:
+        end = min(start + chunk, num_tokens)
+        total += model.predict(end, start)
+        start = end
+    return total
+
+
+coefficient = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 40_000), st.integers(0, 40_000), st.integers(1, 5_000),
+       st.tuples(coefficient, coefficient, coefficient, coefficient))
+def test_the_closed_form_is_the_sum_of_the_chunks(num_tokens, prefix, chunk, scales):
+    model = PrefillCostModel(*(s * c for s, c in zip(scales, (0.01, 1e-4, 1e-8, 1e-6))))
+    got = model.with_chunk(chunk).predict(num_tokens, prefix)
+    assert got == pytest.approx(chunk_by_chunk(model, num_tokens, prefix, chunk), rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 20_000), st.integers(-5, 20_000), st.integers(1, 20_000))
+def test_a_prompt_within_its_chunk_is_priced_exactly_as_one_pass(num_tokens, prefix, chunk):
+    uncached = num_tokens - min(max(prefix, 0), num_tokens - 1)
+    if uncached <= chunk:
+        assert MODEL.with_chunk(chunk).predict(num_tokens, prefix) == MODEL.predict(num_tokens, prefix)
+
+
+def test_a_long_prompt_costs_about_half_the_attention_of_one_pass():
+    attention = PrefillCostModel(c2=1e-8)
+    one_pass, chunked = attention.predict(64_000), attention.with_chunk(512).predict(64_000)
+    assert 0.5 < chunked / one_pass < 0.51
+
+
+def test_the_chunk_never_travels_and_survives_a_correction():
+    chunked = MODEL.with_chunk(512)
+    assert chunked.to_dict() == MODEL.to_dict()                    # an older peer's from_dict reads it
+    assert PrefillCostModel.from_dict(chunked.to_dict()) == MODEL
+    with pytest.raises(ValueError, match="unknown coefficient"):
+        PrefillCostModel.from_dict({**MODEL.to_dict(), "chunk": 512})
+    assert MODEL.with_chunk(0) is MODEL and chunked.with_chunk(512) is chunked
+    assert chunked.with_chunk(0) == MODEL
+    assert scaled(chunked, 2.0).predict(4000) == pytest.approx(2.0 * chunked.predict(4000))
+    with pytest.raises(ValueError, match="negative"):
+        MODEL.with_chunk(-1)
+
