@@ -7,10 +7,15 @@ hostile one refused) and the simulator from its config."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mooncake_lite.scheduler import PrefillCostModel
+from mooncake_lite.common.cost_report import CostReport, PrefillCost
+from mooncake_lite.common.protocol import ProtocolError, Register, dumps, loads
+from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
+from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
+                                     FromScratch, PrefillCostModel, ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler.correction import scaled
 
 MODEL = PrefillCostModel(c0=0.005, c1=2e-4, c2=1e-7, c3=1e-5)
@@ -63,4 +68,45 @@ def test_the_chunk_never_travels_and_survives_a_correction():
     assert scaled(chunked, 2.0).predict(4000) == pytest.approx(2.0 * chunked.predict(4000))
     with pytest.raises(ValueError, match="negative"):
         MODEL.with_chunk(-1)
+
+
+def _reg(chunk: int | None) -> Register:
+    extra = {} if chunk is None else {"prefill_chunk": chunk}
+    return Register(role="prefill", instance_id="p", http="h-p:1", data=None, store="s:1", model="tiny",
+                    block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=100_000,
+                    cost=CostReport(prefill=PrefillCost(MODEL.c0, MODEL.c1, MODEL.c2, MODEL.c3)), **extra)
+
+
+def _priced_at_conductor(reg: Register, num_tokens: int) -> tuple[float, float]:
+    """(the decision's predicted prefill of a prompt, the queued job's price in the view's row)."""
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m.register(reg, now=0)
+    costs = CostModels(PrefillCostModel(c0=1.0), DecodeCostModel(c0=0.01), kv_bytes_per_token=64)
+    state = m.snapshot()
+    d = Scheduler(SchedulerConfig(block_size=16, admission="none"), costs, BlockIndex(), cache=FromScratch()).schedule(
+        ScheduleRequest("x", (), num_tokens, 8), ClusterState(state.prefills, (DecodeInstanceState("d"),)), 0.0)
+    m.add_prefill("p", PrefillJob("r", num_tokens, 0, "d"), now=0.0)
+    view = m.instances["p"].view
+    view.price_with(costs.prefill)
+    view.state()
+    return d.predicted_prefill_s, view.row.total_s
+
+
+def test_an_instance_registering_its_chunk_has_long_prompts_priced_chunk_by_chunk():
+    assert _priced_at_conductor(_reg(512), 4000) == pytest.approx((chunk_by_chunk(MODEL, 4000, 0, 512),) * 2)
+    assert _priced_at_conductor(_reg(512), 500) == (MODEL.predict(500),) * 2
+
+
+def test_an_older_instance_without_a_chunk_is_priced_in_one_pass():
+    assert _priced_at_conductor(_reg(None), 4000) == pytest.approx((MODEL.predict(4000),) * 2)
+    assert _priced_at_conductor(_reg(0), 4000) == pytest.approx((MODEL.predict(4000),) * 2)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 30, 512.5, "512", True, None])
+def test_a_hostile_chunk_is_refused_when_the_registration_is_decoded(bad):
+    raw = orjson.loads(dumps(_reg(512)))
+    assert loads(Register, orjson.dumps(raw)).prefill_chunk == 512
+    raw["prefill_chunk"] = bad
+    with pytest.raises(ProtocolError, match="prefill_chunk"):
+        loads(Register, orjson.dumps(raw))
 
