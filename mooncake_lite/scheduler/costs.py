@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
 
@@ -22,6 +22,10 @@ T = TypeVar("T", bound="_Coefficients")
 # A prefill model's chunk when it has none: no prompt is this long, so ``predict``'s one
 # comparison never takes the chunked branch (and it is a short int under mypyc, compared inline).
 UNCHUNKED = 1 << 61
+# Fields of a model that are not coefficients: they stay where the model was made and never
+# travel (an older peer's from_dict would refuse them as unknown). Not a class attribute: a
+# ClassVar on these dataclasses is read as a field once mypyc compiles them.
+LOCAL = frozenset({"chunk"})
 
 
 class _Coefficients:
@@ -30,17 +34,14 @@ class _Coefficients:
     # Slotted models keep their coefficients in the object itself: a decision reads one model
     # per instance, and a dict per model is three more cache lines each.
     __slots__ = ()
-    # Fields that are not coefficients: they stay where the model was made and never travel (an
-    # older peer's from_dict would refuse them as unknown).
-    LOCAL: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, float]:
         # every subclass is a dataclass (this base has no fields of its own)
-        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items() if k not in self.LOCAL}
+        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items() if k not in LOCAL}
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-        names = [f.name for f in fields(cast("type[DataclassInstance]", cls)) if f.name not in cls.LOCAL]
+        names = [f.name for f in fields(cast("type[DataclassInstance]", cls)) if f.name not in LOCAL]
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown coefficient(s) {unknown}; expected {names}")
@@ -81,7 +82,6 @@ class PrefillCostModel(_Coefficients):
     of its chunks (:meth:`_chunked`). A local field: it never travels in ``to_dict``.
     """
 
-    LOCAL: ClassVar[tuple[str, ...]] = ("chunk",)
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
