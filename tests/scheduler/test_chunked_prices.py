@@ -3,7 +3,7 @@
 keys before it, and its refiner fits the model on those chunks. The closed form
 (``PrefillCostModel._chunked``) against the explicit sum; the common case exactly ``predict``;
 the chunk reaching the conductor from a registration (an older instance's none: one pass, a
-hostile one refused) and the simulator from its config."""
+hostile one refused), the simulator from its config and the fidelity bench from the live flags."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from mooncake_lite.bench.fidelity.sim import live_profile
 from mooncake_lite.common.cost_report import CostReport, PrefillCost
 from mooncake_lite.common.protocol import ProtocolError, Register, dumps, loads
 from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
                                      FromScratch, PrefillCostModel, ScheduleRequest, Scheduler, SchedulerConfig)
 from mooncake_lite.scheduler.correction import scaled
+from mooncake_lite.sim.cluster import MooncakeSim
+from mooncake_lite.sim.config import SimConfig
+from tests.sim.helpers import req, toy_hardware
 
 MODEL = PrefillCostModel(c0=0.005, c1=2e-4, c2=1e-7, c3=1e-5)
 
@@ -110,3 +114,25 @@ def test_a_hostile_chunk_is_refused_when_the_registration_is_decoded(bad):
     with pytest.raises(ProtocolError, match="prefill_chunk"):
         loads(Register, orjson.dumps(raw))
 
+
+def test_the_simulator_runs_and_prices_a_long_prompt_chunk_by_chunk():
+    hw = toy_hardware(prefill=MODEL)
+    cfg = SimConfig(num_prefill=1, num_decode=1, prefill_chunk=512, prefill_chunked=True,
+                    scheduler=SchedulerConfig(admission="none"))
+    sim = MooncakeSim(cfg, hardware=hw)
+    sim.decisions = decisions = []
+    done = sim.run([req(0, 0.0, 4000, 2)]).requests[0]
+    chunked = chunk_by_chunk(MODEL, 4000, 0, 512)
+    assert decisions[0].predicted_prefill_s == pytest.approx(chunked)
+    assert done.ttft == pytest.approx(chunked)               # its prefill, run chunk by chunk too
+    one_pass = MooncakeSim(SimConfig(num_prefill=1, num_decode=1, prefill_chunk=512), hardware=hw)
+    one_pass.decisions = decisions = []
+    one_pass.run([req(0, 0.0, 4000, 2)])
+    assert decisions[0].predicted_prefill_s == pytest.approx(MODEL.predict(4000))
+
+
+def test_the_fidelity_bench_simulates_the_live_prefills_chunk(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_bytes(orjson.dumps({"prefill": MODEL.to_dict()}))
+    assert live_profile(path, "").prefill == MODEL.with_chunk(512)            # the role's default
+    assert live_profile(path, "--queue-order fifo --prefill-chunk 1024").prefill == MODEL.with_chunk(1024)
