@@ -33,7 +33,7 @@ from mooncake_lite.common.cost_report import CostReport, FlatCost
 M = TypeVar("M")
 # The furthest ahead a decode takes a request's KV to be due (GenerateRequest.kv_in_s): an hour.
 MAX_KV_IN_S = 3600.0
-MAX_PACK_CAP = 1 << 24     # the largest PrefillRequest.pack_cap: more than any forward holds
+MAX_PACK_CAP = 1 << 24     # the largest PrefillRequest.pack_cap, Register.prefill_chunk: more than a forward holds
 
 
 class ProtocolError(ValueError):
@@ -167,6 +167,13 @@ class Register:
     queue_overtakes: int = 0
     # Tensor-parallel ranks it runs on (--tensor-parallel; 1: one process); its cost model's degree.
     tensor_parallel: int = 1
+    # A prefill's --prefill-chunk: a longer prompt runs (and is priced) as the sum of its chunks; 0: not
+    # said (an older instance), priced as one pass.
+    prefill_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefill_chunk <= MAX_PACK_CAP:
+            raise ValueError(f"prefill_chunk must be within [0, {MAX_PACK_CAP}] tokens, got {self.prefill_chunk}")
 
 
 Figure = float | None   # a figure of a load: None when the instance does not report it

@@ -330,4 +330,4 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
                     cost=cost_report(service.cost) or CostReport(), pipeline_stages=cfg.pipeline_group,
                     pack_tokens=service.pack_limit, queue_overtakes=service.overtakes,
-                    tensor_parallel=cfg.tensor_parallel)
+                    tensor_parallel=cfg.tensor_parallel, prefill_chunk=cfg.prefill_chunk)

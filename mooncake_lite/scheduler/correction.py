@@ -383,8 +383,9 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
 
 def scaled(model, factor: float):
     """A cost model (prefill or decode) with every coefficient multiplied by ``factor``: each of
-    its predictions is multiplied by it (the formulas are linear in the coefficients). The same
-    object when ``factor`` is 1, so an uncorrected instance's state is the one it had."""
+    its predictions is multiplied by it (the formulas, a prefill's chunked sum too, are linear in
+    the coefficients), its chunk kept. The same object when ``factor`` is 1, so an uncorrected
+    instance's state is the one it had."""
     if factor == 1.0 or model is None:
         return model
-    return type(model)(**{k: v * factor for k, v in model.to_dict().items()})
+    return replace(model, **{k: v * factor for k, v in model.to_dict().items()})

@@ -8,7 +8,7 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
+# A prefill model's chunk when it has none: no prompt is this long, so ``predict``'s one
+# comparison never takes the chunked branch. One 30-bit digit: CPython's comparison of two such
+# ints stays specialized (1 << 61 took the generic path: 1,100 instructions more a live decision,
+# bin/decision-cost), and mypyc compares it inline as a short int.
+UNCHUNKED = (1 << 30) - 1
+# Fields of a model that are not coefficients: they stay where the model was made and never
+# travel (an older peer's from_dict would refuse them as unknown). Not a class attribute: a
+# ClassVar on these dataclasses is read as a field once mypyc compiles them.
+LOCAL = frozenset({"chunk"})
 
 
 class _Coefficients:
@@ -30,11 +39,11 @@ class _Coefficients:
 
     def to_dict(self) -> dict[str, float]:
         # every subclass is a dataclass (this base has no fields of its own)
-        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items()}
+        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items() if k not in LOCAL}
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
-        names = [f.name for f in fields(cast("type[DataclassInstance]", cls))]
+        names = [f.name for f in fields(cast("type[DataclassInstance]", cls)) if f.name not in LOCAL]
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown coefficient(s) {unknown}; expected {names}")
@@ -68,12 +77,18 @@ class PrefillCostModel(_Coefficients):
 
     c1 is the linear (MLP/projection) cost, c2 the attention cost of n queries over p + n keys,
     c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0).
+
+    ``chunk``: the tokens one forward of the instance computes (its ``--prefill-chunk``, known to
+    the conductor from its registration; :meth:`with_chunk`). A prompt with more uncached tokens
+    runs chunk by chunk, each chunk one forward over the keys before it, and is priced as the sum
+    of its chunks (:meth:`_chunked`). A local field: it never travels in ``to_dict``.
     """
 
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    chunk: int = UNCHUNKED
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached:
@@ -85,8 +100,33 @@ class PrefillCostModel(_Coefficients):
         if p < 0:
             p = 0
         n = num_tokens - p
+        if n > self.chunk:     # the one comparison the common case pays (UNCHUNKED: never taken)
+            return self._chunked(n, p)
         t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
         return t if t > 0.0 else 0.0
+
+    def _chunked(self, n: int, p: int) -> float:
+        """``n`` > ``chunk`` uncached tokens after ``p`` cached ones, run as k full chunks of C and a
+        remainder r (``n = k·C + r``, m = k + (r > 0) forwards), chunk i a forward of n_i new tokens
+        over p_i = p + (the earlier chunks' tokens): Σ_i [c0 + c1·n_i + c2·n_i·(p_i + n_i) + c3·p_i]
+        in O(1). Σ n_i·(p_i + n_i) = n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with
+        itself and its own chunk's later ones too), Σ n_i² = k·C² + r²; Σ p_i = m·p + C·k(k−1)/2
+        + k·C for the remainder. Exact in integers: n² + k·C² + r² is even."""
+        c = self.chunk
+        k, r = divmod(n, c)
+        m = k + 1 if r else k
+        pairs = n * p + (n * n + k * c * c + r * r) // 2
+        loads = m * p + c * (k * (k - 1) // 2) + (k * c if r else 0)
+        t = self.c0 * m + self.c1 * n + self.c2 * pairs + self.c3 * loads
+        return t if t > 0.0 else 0.0
+
+    def with_chunk(self, chunk: int) -> PrefillCostModel:
+        """This model for an instance that computes at most ``chunk`` tokens a forward (0: one
+        pass, however long the prompt: an instance that did not say its chunk)."""
+        if chunk < 0:    # the wire's bound is checked where the message is decoded (protocol.Register)
+            raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
+        chunk = chunk or UNCHUNKED
+        return self if chunk == self.chunk else replace(self, chunk=chunk)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
@@ -96,7 +136,8 @@ class PrefillCostModel(_Coefficients):
             n = num_tokens - prefix
             rows.append([1.0, n, n * (prefix + n), prefix])
             ys.append(seconds)
-        return cls(*_lstsq(rows, ys, 4, "PrefillCostModel.fit"))
+        c0, c1, c2, c3 = _lstsq(rows, ys, 4, "PrefillCostModel.fit")   # by name: a chunk follows them
+        return cls(c0, c1, c2, c3)
 
 
 def pack_sizes(uncached_tokens: Sequence[int], limit: int, caps: Sequence[int] | None = None) -> list[int]:

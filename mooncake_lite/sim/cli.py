@@ -45,6 +45,9 @@ def _cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode", type=int, default=8, help="decode instances")
     ap.add_argument("--cpp", type=int, default=1, help="nodes per prefill instance (CPP group size)")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens (CPP)")
+    ap.add_argument("--chunked", action="store_true",
+                    help="run and price a prompt over --chunk chunk by chunk, as the live prefill (a cost "
+                         "model fitted per chunk, as live-exported ones are); default: one pass")
     ap.add_argument("--prefill-batch-tokens", type=int, default=0,
                     help="prefill batching as the live role's flag: pack queued prompts up to this many "
                          "uncached tokens a forward (capped at --chunk; 0: one prompt at a time, the paper's)")
@@ -184,7 +187,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
                             tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
                             block_size=hw.block_size, **factors)
     return hw, SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
-                         prefill_chunk=args.chunk, hardware=args.cost_model, eviction=args.eviction,
+                         prefill_chunk=args.chunk, prefill_chunked=args.chunked, hardware=args.cost_model,
+                         eviction=args.eviction,
                          store_blocks_per_node=args.store_blocks, ssd_blocks_per_node=args.ssd_blocks,
                          scheduler=sched,
                          local_ttft_check=args.local_ttft_check, seed=args.seed,

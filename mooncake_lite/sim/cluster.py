@@ -44,7 +44,8 @@ class MooncakeSim(TraceDriver):
     def __init__(self, cfg: SimConfig, hardware: Hardware | None = None,
                  scheduler: Scheduler | None = None) -> None:
         self.cfg = cfg
-        self.hw = hw = hardware or get_hardware(cfg.hardware)
+        hw = hardware or get_hardware(cfg.hardware)
+        self.hw = hw = hw.with_prefill_chunk(cfg.prefill_chunk) if cfg.prefill_chunked else hw
         self.block_size = cfg.scheduler.block_size
         self.costs = CostModels(prefill=hw.prefill, decode=hw.decode, kv_bytes_per_token=hw.kv_bytes_per_token,
                                 bandwidth_bytes_per_s=hw.network_bytes_per_s)

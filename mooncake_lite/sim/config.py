@@ -45,6 +45,9 @@ class SimConfig:
     num_decode: int = 8
     cpp_group_size: int = 1
     prefill_chunk: int = 8192
+    # Prompts over prefill_chunk run, and are priced, chunk by chunk, as the live role's (a model
+    # fitted per chunk: Hardware.with_prefill_chunk); off: in one pass, as the paper presets' fits.
+    prefill_chunked: bool = False
     # Prefill batching, as the role's --prefill-batch-tokens (capped at prefill_chunk): a single-node
     # prefill instance packs queued prompts by scheduler.costs.pack_sizes; 0: one prompt at a time.
     prefill_batch_tokens: int = 0

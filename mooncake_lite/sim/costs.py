@@ -116,6 +116,13 @@ class Hardware:
         return ((num_prefix_tokens - from_ssd_tokens) * per_token / self.local_load_bytes_per_s
                 + from_ssd_tokens * per_token / self.ssd_load_bytes_per_s)
 
+    def with_prefill_chunk(self, chunk: int) -> Hardware:
+        """This hardware running a prompt of more than ``chunk`` uncached tokens chunk by chunk, as
+        the live prefill does (its --prefill-chunk), its prefill model fitted per chunk as the live
+        refiner fits it; every prefill time here and the scheduler's price of it then sum the chunks
+        (``PrefillCostModel.with_chunk``; 0: one pass, as the paper presets' whole-prompt fits)."""
+        return replace(self, prefill=self.prefill.with_chunk(chunk))
+
     def with_kv_compression(self, codec: str, dtype_bytes: int = 2, head_dim: int = 128) -> Hardware:
         """This hardware with store blocks encoded by ``codec`` (kernels/kv_codec.py: 1-byte codes
         plus a 4-byte scale per ``block_size`` x ``head_dim`` codes of each K/V head and layer)."""

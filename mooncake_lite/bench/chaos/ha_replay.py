@@ -28,12 +28,11 @@ from types import SimpleNamespace
 
 from mooncake_lite.bench.chaos import rig
 from mooncake_lite.bench.fidelity.live import export_profile, live_replay, replay_options, warm_up
-from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, live_overtakes, sim_trace
+from mooncake_lite.bench.fidelity.sim import ablations, converted_slos, live_overtakes, live_profile, sim_trace
 from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.replay.metrics import token_gaps, ttft
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.tbt import paper_tbt
-from mooncake_lite.sim.costs import load_profile
 from mooncake_lite.trace.format import write_trace
 
 BLOCK = 16                 # the rig's --block-size: one trace block is one KV block
@@ -50,7 +49,7 @@ def replay_goodput(ports: dict[str, int], a: Options, token: str) -> dict:
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     export_profile(first, token, out / "costs.json")
-    hw = load_profile(out / "costs.json")
+    hw = live_profile(out / "costs.json", "")   # its prefills: the role's default chunk
     window, requests, records = runs[1][0]
     trace = sim_trace(window, requests, records, BLOCK)
     write_trace(trace, out / "sim_trace.jsonl")

@@ -44,8 +44,8 @@ from mooncake_lite.bench.fidelity.gaps import measured_gaps
 from mooncake_lite.bench.fidelity.live import LEARN_LEAD_S, live_side, replay_live, start_cluster
 from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
-from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, rejected_by, sim_side,
-                                            sim_trace, simulate, simulated_predictions)
+from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, live_profile, rejected_by,
+                                            sim_side, sim_trace, simulate, simulated_predictions)
 from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
@@ -129,11 +129,10 @@ def main(argv: Sequence[str]) -> int:
 def run(ns: Options, api: str) -> dict:
     """Replay, export, simulate, compare: the report dict (``text``: the table)."""
     from mooncake_lite.bench.replay.metrics import prediction_errors
-    from mooncake_lite.sim.costs import load_profile
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     lr = replay_live(ns, api, out)
-    hw = load_profile(out / "costs.json")
+    hw = live_profile(out / "costs.json", getattr(ns, "prefill_args", ""))
     trace = sim_trace(lr.window, lr.requests, lr.records, ns.block_tokens)
     if ns.ttft_slo and ns.tbt_slo:
         slos = {"ttft_slo_s": ns.ttft_slo, "tbt_slo_s": ns.tbt_slo, "how": "absolute on both sides"}
@@ -190,11 +189,10 @@ def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
     correction did not learn from. None when the export was not taken (a slice too short)."""
     from types import SimpleNamespace
 
-    from mooncake_lite.sim.costs import load_profile
     path = out / "costs_learned.json"
     if not path.is_file():
         return None
-    learned = load_profile(path)
+    learned = live_profile(path, getattr(ns, "prefill_args", ""))
     ids = {t.request_id for t in trace[-ns.held_out:]}
     records = [r for r in lr.records if r.request_id in ids]
     # the jitter of the requests done when that export was taken (live.LEARN_LEAD_S before the first sent)

@@ -97,16 +97,31 @@ def simulated_predictions(trace: Sequence[TraceRequest], result, decisions: Sequ
 def live_overtakes(prefill_args: str) -> int:
     """The queue-order bound the prefills this bench starts serve by: `mooncake up`'s order
     (shortest first, ``DEFAULT_OVERTAKES``) unless ``--prefill-args`` names another."""
+    from mooncake_lite.scheduler.queue_order import bound_of
+    known = _live_prefill_flags(prefill_args)
+    return bound_of(known.queue_order, known.queue_overtakes)
+
+
+def live_profile(path, prefill_args: str):
+    """The hardware a live export (``sim export-costs``) describes, its prefill run as the live
+    prefills run it: a prompt over their chunk (the role's default ``--prefill-chunk`` unless
+    ``--prefill-args`` names another) chunk by chunk, as their refiners fit the model."""
+    from mooncake_lite.sim.costs import load_profile
+    return load_profile(path).with_prefill_chunk(_live_prefill_flags(prefill_args).prefill_chunk)
+
+
+def _live_prefill_flags(prefill_args: str):
     import argparse
     import shlex
 
     from mooncake_lite.cluster.plan import UP_QUEUE_ORDER
-    from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES, bound_of
+    from mooncake_lite.prefill.config import Config
+    from mooncake_lite.scheduler.queue_order import DEFAULT_OVERTAKES
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--queue-order", default=UP_QUEUE_ORDER)
     ap.add_argument("--queue-overtakes", type=int, default=DEFAULT_OVERTAKES)
-    known, _ = ap.parse_known_args(shlex.split(prefill_args or ""))
-    return bound_of(known.queue_order, known.queue_overtakes)
+    ap.add_argument("--prefill-chunk", type=int, default=Config.prefill_chunk)
+    return ap.parse_known_args(shlex.split(prefill_args or ""))[0]
 
 
 def sim_side(result) -> Side:

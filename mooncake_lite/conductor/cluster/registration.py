@@ -10,6 +10,9 @@ heartbeat's report replaces only the models it carries. Pure: no IO, no clock.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from mooncake_lite.common.cost_report import CostReport, FlatCost
 from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.cluster.costs import InstanceCosts, instance_costs
 from mooncake_lite.model.source import model_id
@@ -55,7 +58,7 @@ def check(reg: Register, model: str, block_size: int, hash_seed: int, kv_bytes_p
 def registered_costs(reg: Register) -> InstanceCosts:
     """The cost models a registration reports (400 when a flat one does not fit its role)."""
     try:
-        return instance_costs(reg.cost, reg.role)
+        return reported_costs(reg.cost, reg)
     except ValueError as exc:
         raise RegistrationError(400, f"{reg.role} instance {reg.instance_id}: {exc}") from None
 
@@ -65,11 +68,20 @@ def heartbeat_costs(reg: Register, costs: InstanceCosts, hb: Heartbeat) -> Insta
     if hb.cost is None:
         return costs
     try:
-        new = instance_costs(hb.cost, reg.role)
+        new = reported_costs(hb.cost, reg)
     except ValueError as exc:
         raise RegistrationError(400, f"{reg.role} instance {reg.instance_id} heartbeat: {exc}") from None
     return InstanceCosts(new.prefill or costs.prefill, new.decode or costs.decode,
                          new.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s)
+
+
+def reported_costs(report: CostReport | FlatCost, reg: Register) -> InstanceCosts:
+    """The models ``report`` gives an instance that registered ``reg``: a prefill's priced chunk
+    by chunk of its registered ``prefill_chunk`` (0, an older instance's: one pass, as before)."""
+    costs = instance_costs(report, reg.role)
+    if costs.prefill is None or not reg.prefill_chunk:
+        return costs
+    return replace(costs, prefill=costs.prefill.with_chunk(reg.prefill_chunk))
 
 
 def new_view(reg: Register, costs: InstanceCosts) -> PrefillView | DecodeView:
