@@ -258,6 +258,8 @@ class BlockEvents:
 def dumps(msg: Any) -> bytes:
     if isinstance(msg, Heartbeat):   # its load leaves out what the instance does not report
         return orjson.dumps(msg, default=_sparse_load, option=orjson.OPT_PASSTHROUGH_DATACLASS)
+    if isinstance(msg, PrefillRequest) and not msg.pack_cap:   # readable by a prefill from before caps
+        return orjson.dumps({k: v for k, v in msg.__dict__.items() if k != "pack_cap"})
     return orjson.dumps(msg)  # orjson serialises dataclasses natively (no asdict copy)
 
 

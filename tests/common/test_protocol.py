@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import orjson
 import pytest
 
@@ -28,6 +30,7 @@ def test_a_prefill_request_carries_its_pack_cap_and_a_hostile_one_is_refused():
     old = orjson.loads(dumps(msg))
     del old["pack_cap"]                                 # an older conductor's: the budget alone, as before
     assert loads(PrefillRequest, orjson.dumps(old)).pack_cap == 0
+    assert "pack_cap" not in orjson.loads(dumps(replace(msg, pack_cap=0)))   # what a prefill from before caps reads
     for bad in (b"-1", str(MAX_PACK_CAP + 1).encode(), b"1" + b"0" * 30, b"1.5", b'"300"', b"null", b"true"):
         with pytest.raises(ProtocolError):
             loads(PrefillRequest, orjson.dumps(old)[:-1] + b',"pack_cap":' + bad + b"}")

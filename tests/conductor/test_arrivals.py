@@ -99,15 +99,20 @@ def test_a_burst_s_members_are_repriced_with_the_pack_the_later_ones_joined():
 
 async def test_the_prefill_is_told_the_cap_its_decision_set(make_cluster):
     """A prompt whose TTFT SLO (10x its prefill alone, 1 ms a token here) cannot hold a full
-    512-token forward: the prefill request carries the cap ``slo_pack_cap`` gives it."""
+    512-token forward: the prefill request carries the cap ``slo_pack_cap`` gives it, to a prefill
+    that registered its chunk; one that did not (older than caps) gets no such field at all."""
     cluster = await make_cluster(dead_after=30.0)
     p0 = cluster.instances["p0"]
-    status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512,
-                                        cost={"c0": 0.0, "c1": 1e-3, "c2": 0.0, "c3": 0.0})
+    cost = {"c0": 0.0, "c1": 1e-3, "c2": 0.0, "c3": 0.0}
+    status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512, cost=cost, prefill_chunk=512)
     assert status == 200, body
     c = client(cluster)
     await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)
-    await c.close()
     (sent,) = [r for r in p0.requests if hasattr(r, "pack_cap")]
     n = len(sent.token_ids)
     assert sent.pack_cap == slo_pack_cap(PrefillCostModel(c1=1e-3), 512, 10 * 1e-3 * n, n, 0) == 10 * n
+    status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512, cost=cost)
+    assert status == 200, body
+    await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)
+    await c.close()
+    assert [r.pack_cap for r in p0.requests if hasattr(r, "pack_cap")] == [10 * n, 0]

@@ -21,7 +21,7 @@ from mooncake_lite.conductor.api.errors import ApiError, Rejected, unavailable, 
 from mooncake_lite.conductor.contexts.kv_sink import KVSink
 from mooncake_lite.conductor.cluster.membership import PrefillJob
 from mooncake_lite.conductor.api.params import ApiRequest
-from mooncake_lite.conductor.flight.placement import place, prefill_request
+from mooncake_lite.conductor.flight.placement import place, prefill_request, sent_cap
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.client import FrameClient, RemoteError, split_address
@@ -41,9 +41,11 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
         raise unavailable(f"prefill instance {d.prefill_id} has no store to keep a context in")
     transfer_id = uuid.uuid4().hex
     ended = sink.expect(transfer_id)
+    cap = sent_cap(d, inst.reg)
     svc.membership.add_prefill(inst.instance_id, PrefillJob(job_id, len(req.prompt_ids),
-                                                            d.reused_prefix_blocks * svc.block_size, ""), loop.time())
-    msg = prefill_request(d, keys, job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1))
+                                                            d.reused_prefix_blocks * svc.block_size, "",
+                                                            pack_cap=cap), loop.time())
+    msg = prefill_request(d, keys, job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1), cap)
     try:
         async with svc.session.post(f"http://{inst.reg.http}/v1/prefill", data=dumps(msg),
                                     headers={"Content-Type": "application/json",

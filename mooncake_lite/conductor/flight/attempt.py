@@ -28,7 +28,7 @@ from mooncake_lite.conductor.api.errors import Rejected
 from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.flight.events import (SHUTDOWN, Event, Failed, Finished, FirstToken, PrefillRefused,
                                                    Token)
-from mooncake_lite.conductor.flight.placement import prefill_request
+from mooncake_lite.conductor.flight.placement import prefill_request, sent_cap
 from mooncake_lite.conductor.flight.upstream import how, is_connection_failure, post_abort
 from mooncake_lite.conductor.cluster.membership import DecodeJob, Instance, PrefillJob
 from mooncake_lite.conductor.services import Services
@@ -78,7 +78,7 @@ class Attempt:
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
             self.decode.instance_id, max_output_tokens=expected_output, num_sequences=self.req.sampling.n,
-            pack_cap=d.pack_cap), now)
+            pack_cap=sent_cap(d, self.prefill.reg)), now)
         try:
             failed = await self._reserve_unless_ended()
         except BaseException:
@@ -204,7 +204,7 @@ class Attempt:
     async def _post_prefill(self, span) -> None:
         p, pid = self.prefill, self.prefill.instance_id
         msg = prefill_request(self.decision, self.block_keys, self.upstream_id, self.transfer_id,
-                              self.req.prompt_ids, self.decode.reg.data, self.req.sampling)
+                              self.req.prompt_ids, self.decode.reg.data, self.req.sampling, sent_cap(self.decision, p.reg))
         try:
             async with self.svc.session.post(
                     f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(span),

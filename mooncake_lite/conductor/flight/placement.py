@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.common.protocol import PrefillRequest, Sampling
+from mooncake_lite.common.protocol import PrefillRequest, Register, Sampling
 from mooncake_lite.conductor import tenants
 from mooncake_lite.conductor.api.errors import Rejected, bad_request, unavailable
 from mooncake_lite.conductor.api.params import ApiRequest
@@ -90,16 +90,24 @@ def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now:
     return min(leaves) - now if leaves else 1.0
 
 
+def sent_cap(decision: Decision, reg: Register) -> int:
+    """``decision.pack_cap`` for a prefill that registered its chunk (one of the release that
+    brought both), else 0, left off the wire: an older prefill would refuse the field, and the
+    conductor is upgraded first (docs/operations.md)."""
+    return decision.pack_cap if reg.prefill_chunk else 0
+
+
 def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: str, transfer_id: str,
-                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling) -> PrefillRequest:
+                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling, pack_cap: int) -> PrefillRequest:
     """The prefill call ``decision`` asks for: reuse its prefix blocks, and pull the migrated ones
-    from their store first; the KV goes to ``kv_dest`` (decode's data address, or a sink)."""
+    from their store first; the KV goes to ``kv_dest`` (decode's data address, or a sink);
+    ``pack_cap``: :func:`sent_cap`."""
     m = decision.migration
     return PrefillRequest(upstream_id, transfer_id, prompt_ids, kv_dest, sampling,
                           prefix_keys=tuple(k.hex() for k in block_keys[:decision.reused_prefix_blocks]),
                           migrate_from=str(m.source_store_id) if m else None,
                           migrate_keys=tuple(k.hex() for k in m.keys) if m else (),
-                          pack_cap=decision.pack_cap)
+                          pack_cap=pack_cap)
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:
