@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from mooncake_lite.conductor import services as services_module
 from mooncake_lite.conductor.flight import flight as flight_module
 from mooncake_lite.conductor.flight.arrivals import Arrivals, reprice
@@ -107,10 +109,11 @@ async def test_the_prefill_is_told_the_cap_its_decision_set(make_cluster):
     status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512, cost=cost, prefill_chunk=512)
     assert status == 200, body
     c = client(cluster)
-    await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)
+    raw = await c.completions.with_raw_response.create(model="tiny", prompt="word " * 3, max_tokens=2)
     (sent,) = [r for r in p0.requests if hasattr(r, "pack_cap")]
     n = len(sent.token_ids)
     assert sent.pack_cap == slo_pack_cap(PrefillCostModel(c1=1e-3), 512, 10 * 1e-3 * n, n, 0) == 10 * n
+    assert float(raw.headers["X-Mooncake-SLO-TTFT"]) == pytest.approx(10 * 1e-3 * n, abs=1e-6)   # the SLO applied
     status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512, cost=cost)
     assert status == 200, body
     await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)

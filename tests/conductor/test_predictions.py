@@ -129,6 +129,7 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
     # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
     retry = int(info.value.response.headers["Retry-After"])
     assert -0.01 <= retry - (predicted - 4.5) < 1.01 and retry <= 3
+    assert float(info.value.response.headers["X-Mooncake-SLO-TTFT"]) == 4.5   # what it was refused by
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

@@ -74,6 +74,21 @@ def test_a_looser_slo_flips_the_counterfactual(hw):
     assert out["refused_would_meet"]["share"] == 1.0 and out["admitted_met"]["of"] == 0
 
 
+def test_a_refusal_is_judged_by_the_slo_it_was_refused_by(hw):
+    """The conductor states the limits it applied (``X-Mooncake-SLO-*``): a refusal whose stated
+    limit is tight would not have met it, though the model's own limit (loose here) says it would;
+    a request that stated none falls back to the model's, each metric apart."""
+    from types import SimpleNamespace
+    trace = _slice()
+    loose = admission.slo_limits(hw, (100.0, 1.0), (10.0, 5.0))
+    records = [SimpleNamespace(request_id=i, slo_s=(1e-6, None)) for i in range(5)]
+    limits = admission.applied(records, loose)
+    assert limits(trace[0]) == (1e-6, 1.0) and limits(trace[7]) == loose(trace[7]) == (100.0, 1.0)
+    live = {i: Outcome("rejected") for i in range(10)}
+    out = admission.judge(trace, live, limits, admission.admitting_all(hw, prefill=1, decode=1, block=16))
+    assert out["refused_would_meet"]["met"] == 5 and out["refused_would_meet_ids"] == list(range(5, 10))
+
+
 def test_a_refusal_that_would_have_met_only_within_the_simulators_bias_is_counted_apart():
     """The counterfactual runs these prompts at half their live TTFT (the admitted ones' sim / live,
     prompts within 2x the refused one's): by 1.0 s against a 1.5 s limit it would have met; over

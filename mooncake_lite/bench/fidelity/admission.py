@@ -6,10 +6,12 @@ live admitted, plus that one, on the cluster's exported cost model, with nothing
 Each share comes with a Wilson score interval (95%): a slice of a few hundred requests refuses a
 few dozen, and a share of 3 in 20 says little without one.
 
-The SLO a request is judged by is the one the conductor applied, as well as the client can
-know it: absolute SLOs where given, else the relative ones by the exported model (TTFT ≤ factor ×
-the whole prompt's prefill alone, TBT ≤ factor × one step alone with the prompt as context; that
-model's compute terms are corrected online, ``PredictionBook.simulated_costs``). The client's
+The SLO a request is judged by is the one the conductor applied: its ``X-Mooncake-SLO-TTFT`` /
+``-TBT`` headers, on an answer and on a 429 alike (:func:`applied`). A relative SLO moves as the
+instances' models are refined, so the exported model's, which judged before those headers
+existed (TTFT ≤ factor × the whole prompt's prefill alone, TBT ≤ factor × one step alone), held a
+short prompt refused early in run 6 (Zen 5) to 2x the limit it was refused by; it remains the
+fallback for a conductor that sends none. The client's
 TTFT also holds HTTP, which admission never predicts: an admitted request near its limit may
 miss by that.
 
@@ -129,6 +131,21 @@ def slo_limits(hw, absolute: tuple[float | None, float | None] | None, factors: 
     ttft, tbt = absolute or (None, None)
     return lambda t: (ttft if ttft is not None else factors[0] * hw.prefill.predict(t.input_length),
                       tbt if tbt is not None else factors[1] * hw.decode.predict(1, t.input_length))
+
+
+def applied(records: Sequence, fallback: Callable[[TraceRequest], tuple[float, float]]
+            ) -> Callable[[TraceRequest], tuple[float, float]]:
+    """Each request's limits as the conductor stated them (its SLO headers, by request id), each
+    one it did not state by ``fallback`` (:func:`slo_limits`)."""
+    stated = {r.request_id: r.slo_s for r in records}
+
+    def limits(t: TraceRequest) -> tuple[float, float]:
+        ttft, tbt = stated.get(t.request_id, (None, None))
+        if ttft is not None and tbt is not None:
+            return ttft, tbt
+        by_model = fallback(t)
+        return (ttft if ttft is not None else by_model[0], tbt if tbt is not None else by_model[1])
+    return limits
 
 
 def admitting_all(hw, ttft_slo_s: float | None = math.inf,

@@ -209,15 +209,17 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
     met their SLO, the refused ones' that would have by the simulator's counterfactual."""
     from mooncake_lite.bench.fidelity import admission
     absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
-    limits = admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor))
+    limits = admission.applied(records, admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor)))
     sim = admission.admitting_all(hw, absolute[0], slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor),
                                   prefill=ns.prefill, decode=ns.decode, block=ns.block_tokens,
                                   batch_tokens=ns.prefill_batch_tokens,
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
+    stated = sum(r.slo_s[0] is not None for r in records)
     out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
-        f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone (exported model)"
+        f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone " \
+        f"(as the conductor applied them, {stated} of {len(records)} stated; else by the exported model)"
     return out
 
 
@@ -239,6 +241,6 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "sim_ttft": s.ttft if s else None, "sim_tbt": s.tbt if s else None,
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
                      "live_cached_tokens": rec.cached_tokens, "sim_reused_tokens": s.reused_tokens if s else None,
-                     "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s,
+                     "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s, "slo": rec.slo_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows

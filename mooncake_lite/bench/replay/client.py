@@ -68,7 +68,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
             reused_hdr = resp.headers.get("X-Mooncake-Reused-Blocks")
             reused = int(reused_hdr) if reused_hdr and reused_hdr.isdigit() else None
             base.update(predicted_ttft_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TTFT")),
-                        predicted_tbt_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TBT")))
+                        predicted_tbt_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TBT")),
+                        slo_s=(_seconds(resp.headers.get("X-Mooncake-SLO-TTFT")),
+                               _seconds(resp.headers.get("X-Mooncake-SLO-TBT"))))
             if resp.status != 200:
                 return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
             async for raw in resp.content:

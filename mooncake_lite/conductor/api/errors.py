@@ -5,7 +5,7 @@ gives what aiohttp answers on its own (404, 405, 413, an undecodable body) the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -62,9 +62,9 @@ class Rejected(ApiError):
     decode room (``no-decode``), or an instance that refused it (``upstream-refused``)."""
 
     def __init__(self, message: str, retry_after_s: int, cause: str, *,
-                 code: str = "rate_limit_exceeded") -> None:
+                 code: str = "rate_limit_exceeded", headers: Mapping[str, str] | None = None) -> None:
         super().__init__(429, message, err_type="rate_limit_error", code=code,
-                         headers={"Retry-After": str(retry_after_s)})
+                         headers={"Retry-After": str(retry_after_s), **(headers or {})})
         self.cause = cause
 
 

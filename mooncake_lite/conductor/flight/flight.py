@@ -26,7 +26,7 @@ from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.continuation import (Continuation, continued_request, is_continuable,
                                                          still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
-from mooncake_lite.conductor.flight.placement import decision_attributes, place
+from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, slo_headers
 from mooncake_lite.conductor.flight.predictions import Check, Prediction
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
@@ -71,6 +71,7 @@ class Flight:
         self._is_closed = False
         # Checking the prediction (predictions.py): the placed attempt's, on the loop's clock.
         self.prediction: Prediction | None = None
+        self.slos: tuple[float, float] | None = None   # the (TTFT, TBT) limits admission applied
         self._placed_at = self._last_token_at = self._held_s = 0.0
         self._measured_ttft_s: float | None = None
         self._gaps: list[float] = []
@@ -122,6 +123,7 @@ class Flight:
         if cont is None:
             self.prediction, self._placed_at = self.svc.predictions.predicted(
                 d, len(req.prompt_ids), d.reused_prefix_blocks * self.svc.scheduler.config.block_size), loop_now()
+            self.slos = applied_slos(self.svc, d, len(req.prompt_ids))
             # predictive admission sizes this request's decode time with its predicted output
             self.expected_output = self.svc.outputs.expected(keys, len(req.prompt_ids), req.sampling.max_tokens)
             self.block_keys = keys
@@ -388,7 +390,8 @@ class Flight:
         TTFT from the request's arrival (its wait for its burst, if held, and the placement's)."""
         p = self.prediction
         times = {} if p is None else {"TTFT": self._held_s + p.ttft_s, "TBT": p.tbt_s}
-        return {f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None}
+        shown = {f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None}
+        return shown if self.slos is None else {**shown, **slo_headers(self.slos)}
 
 
 def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:

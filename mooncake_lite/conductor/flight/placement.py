@@ -67,7 +67,23 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     if cause == "no-decode":
         raise Rejected("every decode instance is full; retry later", 1, cause)
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                   min(60, max(1, math.ceil(retry_after_s(svc, decision, sreq, now)))), cause)
+                   min(60, max(1, math.ceil(retry_after_s(svc, decision, sreq, now)))), cause,
+                   headers=slo_headers(applied_slos(svc, decision, sreq.num_tokens)))
+
+
+def applied_slos(svc: Services, decision: Decision, num_tokens: int) -> tuple[float, float]:
+    """The (TTFT, TBT) limits admission held a prompt of ``num_tokens`` to at ``decision``: by
+    the chosen instances' models as they stood (a relative SLO moves as they are refined)."""
+    prefill, decode = svc.membership.get(decision.prefill_id or ""), svc.membership.get(decision.decode_id or "")
+    return slo_limits(svc.scheduler.config, num_tokens, svc.scheduler.costs,
+                      prefill.view.state().cost if prefill is not None else None,
+                      decode.view.state().cost if decode is not None else None)
+
+
+def slo_headers(limits: tuple[float, float]) -> dict[str, str]:
+    """``X-Mooncake-SLO-TTFT`` / ``-TBT`` (seconds; none for an SLO that is off): what the
+    request was judged by, so a client (``bench fidelity``) judges its outcome by the same."""
+    return {f"X-Mooncake-SLO-{k}": f"{v:.6f}" for k, v in zip(("TTFT", "TBT"), limits) if math.isfinite(v)}
 
 
 def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now: float) -> float:
@@ -76,9 +92,7 @@ def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now:
     once x seconds of the queue ahead, as the bound counts it, have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
     leave (joined + max_tokens × its TBT)."""
     if decision.reject_cause == "ttft":
-        prefill = svc.membership.get(decision.prefill_id)
-        model = prefill.view.state().cost if prefill is not None else None
-        limit = slo_limits(svc.scheduler.config, sreq.num_tokens, svc.scheduler.costs, model, None)[0]
+        limit = applied_slos(svc, decision, sreq.num_tokens)[0]
         bound = decision.bound_ttft_s or decision.predicted_ttft_s or 0.0
         return min(bound - limit, bound - (decision.predicted_ttft_s or 0.0) + decision.predicted_queue_s)
     decode = svc.membership.get(decision.decode_id or "")
