@@ -179,3 +179,14 @@ def paged_decode_attention_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError(f"paged decode attention: context lengths {lens.tolist()} or block ids do not fit "
                          f"a table of {tables.shape[1]} blocks of {k_cache.shape[1]} in a cache of {k_cache.shape[0]}")
     return out
+
+
+def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             segments, block_tables: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a packed prefill: each sequence's queries (``segments``: offset in
+    ``q``, length, start position) over its own context only (variable lengths, no padding). The
+    projections around it run on all sequences' tokens at once, which is where packing pays;
+    attention is per sequence, as in a single prefill."""
+    outs = [paged_prefill_attention(q[off:off + n], k_cache, v_cache, block_tables[i], start)
+            for i, (off, n, start) in enumerate(segments)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

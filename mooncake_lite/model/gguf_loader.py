@@ -60,8 +60,7 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
     for ours, gguf_name in names.items():
         if gguf_name not in tensors:
             raise CheckpointError(f"{path}: lacks tensor {gguf_name!r} (for {ours})")
-    compact = weights != "dequantize" and keeps_compact(device, dtype)
-    kept = compact_names(names, tensors) if compact else set()
+    kept = compact_names(names, tensors) if weights != "dequantize" and keeps_compact(device, dtype) else set()
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor | QuantizedWeight] = {}
     for ours, meta_tensor in expected.items():
@@ -87,10 +86,10 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
 def _keep_dense(model: Transformer) -> None:
     """Each layer product's float32 copy beside its blocks (the head, one row a prompt, keeps none)."""
     for block in model.layers.values():
-        for packs in (getattr(block.attention, "packs", {}), getattr(block.feed_forward, "packs", {})):
-            for weight in packs.values():
-                if isinstance(weight, QuantizedWeight):
-                    weight.keep_dense()
+        packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}
+        for weight in packs.values():
+            if isinstance(weight, QuantizedWeight):
+                weight.keep_dense()
 
 
 def keeps_compact(device: str | torch.device, dtype: torch.dtype) -> bool:

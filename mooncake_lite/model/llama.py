@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import paged_decode_attention, paged_prefill_attention
+from kernels import packed_prefill_attention, paged_decode_attention, paged_prefill_attention
 from kernels.decode_layers import DecodePlan, LayerParts, decode_layers, plan_runs
 from kernels.norm import rms_norm
 from kernels.rope_kv import rope_kv_write
 from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld
-from mooncake_lite.model.quantized import QuantizedWeight
+from mooncake_lite.model.quantized import QuantizedWeight, dense_copies
 from mooncake_lite.model.yarn import yarn_inv_freq
 
 
@@ -160,7 +160,7 @@ class Attention(nn.Module):
         else:
             q = self._rope_and_write(qkv, cos, sin, meta, k_cache, v_cache)
         if meta.segments is not None:
-            out = packed_prefill_attention(q, k_cache, v_cache, meta)
+            out = packed_prefill_attention(q, k_cache, v_cache, meta.segments, meta.block_tables)
         elif meta.is_prefill:
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[0], meta.start_pos)
         else:
@@ -180,15 +180,6 @@ class Attention(nn.Module):
         k_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         return q
-
-
-def packed_prefill_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """Causal attention of a packed prefill: each sequence's queries over its own context only
-    (variable lengths, no padding). The projections around it run on all sequences' tokens at
-    once, which is where packing pays; attention is per sequence, as in a single prefill."""
-    outs = [paged_prefill_attention(q[off:off + n], k_cache, v_cache, meta.block_tables[i], start)
-            for i, (off, n, start) in enumerate(meta.segments)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class FeedForward(nn.Module):
@@ -265,12 +256,6 @@ def compact_layer(attention: nn.Module, feed_forward: nn.Module, x: torch.Tensor
                                                              ffn_packs.get("gate_up"), ffn_packs.get("w2"))))
 
 
-def _dense_copies(block: nn.Module) -> list[QuantizedWeight]:
-    """A layer's products kept as blocks with a float copy (``QuantizedWeight.keep_dense``)."""
-    packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}   # MoE, MLA: none
-    return [w for w in packs.values() if isinstance(w, QuantizedWeight) and w.dense is not None]
-
-
 def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -327,7 +312,7 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             block.attention.pack_()
             block.feed_forward.pack_()
-            for weight in _dense_copies(block):   # a hybrid GGUF's float copies (model/quantized.py)
+            for weight in dense_copies(block):   # a hybrid GGUF's float copies (model/quantized.py)
                 weight.pack_dense(pack_weight)
         if self.is_last and self.output_pack is None:
             self.output_pack = pack_weight(self.output.weight)
@@ -340,8 +325,7 @@ class Transformer(nn.Module):
         fused q/k/v, output, gate/up and down: every layer's shapes); None where nothing packs
         or once packed. Call it after ``fuse_`` and before ``pack_``."""
         block = next(iter(self.layers.values()), None)
-        dense = _dense_copies(block) if block is not None else []
-        if dense:   # a hybrid GGUF: its float copies, unless packed already
+        if block is not None and (dense := dense_copies(block)):   # a hybrid GGUF: its float copies
             return None if any(w.dense_packed for w in dense) else packing_speedup([w.dense for w in dense], rows)
         if block is None or block.attention.qkv is None or block.feed_forward.gate_up is None or self.packed:
             return None
@@ -358,8 +342,7 @@ class Transformer(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether products run on oneDNN-packed copies (a GGUF's blocks alone are not packed)."""
-        return any(isinstance(p, torch.Tensor) or getattr(p, "dense_packed", False)
+        return any(isinstance(p, torch.Tensor) or getattr(p, "dense_packed", False)   # blocks alone: not packed
                    for block in self.layers.values() for p in getattr(block.attention, "packs", {}).values())
 
     @property

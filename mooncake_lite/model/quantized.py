@@ -117,6 +117,12 @@ class QuantizedWeight:
         return QuantizedWeight._of_planar(torch.cat([w.blocks for w in weights]), first.qtype, first.cols)
 
 
+def dense_copies(block: nn.Module) -> list[QuantizedWeight]:
+    """A layer's products kept as blocks with a float copy (:meth:`QuantizedWeight.keep_dense`)."""
+    packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}   # MoE, MLA: none
+    return [w for w in packs.values() if isinstance(w, QuantizedWeight) and w.dense is not None]
+
+
 class QuantizedEmbedding(nn.Module):
     """An embedding table kept as ``weight``'s blocks: a lookup dequantizes the rows it reads."""
 

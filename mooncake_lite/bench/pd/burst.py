@@ -18,7 +18,7 @@ from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.instance.profile import profile_prefill
-from mooncake_lite.model.llama import packed_prefill_attention
+from kernels import packed_prefill_attention
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
@@ -134,7 +134,7 @@ def attention_varlen_vs_padded(runner: ModelRunner, lengths: list[int], repeats:
         mask = (pos[None, :] <= pos[:, None])[None] & (pos < lens[:, None])[:, None, :]
 
         def varlen():
-            return packed_prefill_attention(q, k_cache, v_cache, meta)
+            return packed_prefill_attention(q, k_cache, v_cache, meta.segments, meta.block_tables)
 
         def padded():
             qp = q.new_zeros(len(lengths), longest, args.num_heads, args.head_dim)

@@ -379,19 +379,17 @@ class Flight:
             compute += t["load_wait_s"]   # the model's prefill time includes loading the prefix
         return Check(self.request_id, d.prefill_id, d.decode_id, self.prediction, self._measured_ttft_s,
                      paper_tbt(self._gaps), sum(self._gaps) / len(self._gaps) if self._gaps else None,
-                     t.get("queue_s"), compute, t.get("migrate_s"),
-                     prefill_busy=self._prefill_busy,
+                     t.get("queue_s"), compute, t.get("migrate_s"), prefill_busy=self._prefill_busy,
                      decode_busy=self._decode_busy or self.svc.predictions.busy_beside(d.decode_id),
                      forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)))
 
     def prediction_headers(self) -> dict[str, str]:
-        """The placed attempt's predicted TTFT and TBT (seconds), for the client to check them: the
-        TTFT from the request's arrival (its wait for its burst, if held, and the placement's)."""
+        """The placed attempt's predicted TTFT (from arrival: a held burst's wait too), TBT, and SLOs (s)."""
         p = self.prediction
         times = {} if p is None else {"TTFT": self._held_s + p.ttft_s, "TBT": p.tbt_s}
-        shown = {f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None}
-        return shown if self.slos is None else {**shown, **slo_headers(self.slos)}
+        return {**{f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None},
+                **(slo_headers(self.slos) if self.slos else {})}
 
 
 def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:
