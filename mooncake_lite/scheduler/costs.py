@@ -8,7 +8,7 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
@@ -76,19 +76,14 @@ class PrefillCostModel(_Coefficients):
     ``t = c0 + c1·n + c2·n·(p + n) + c3·p``
 
     c1 is the linear (MLP/projection) cost, c2 the attention cost of n queries over p + n keys,
-    c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0).
-
-    ``chunk``: the tokens one forward of the instance computes (its ``--prefill-chunk``, known to
-    the conductor from its registration; :meth:`with_chunk`). A prompt with more uncached tokens
-    runs chunk by chunk, each chunk one forward over the keys before it, and is priced as the sum
-    of its chunks (:meth:`_chunked`). A local field: it never travels in ``to_dict``.
+    c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0). An instance that
+    said its chunk has a :class:`ChunkedPrefillCostModel` (:meth:`with_chunk`).
     """
 
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
-    chunk: int = UNCHUNKED
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached:
@@ -100,7 +95,49 @@ class PrefillCostModel(_Coefficients):
         if p < 0:
             p = 0
         n = num_tokens - p
-        if n > self.chunk:     # the one comparison the common case pays (UNCHUNKED: never taken)
+        t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
+        return t if t > 0.0 else 0.0
+
+    def with_chunk(self, chunk: int) -> PrefillCostModel:
+        """This model for an instance that computes at most ``chunk`` tokens a forward (0: one
+        pass, however long the prompt: an instance that did not say its chunk)."""
+        if chunk < 0:    # the wire's bound is checked where the message is decoded (protocol.Register)
+            raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
+        if not chunk:
+            return self if type(self) is PrefillCostModel else PrefillCostModel(self.c0, self.c1, self.c2, self.c3)
+        if isinstance(self, ChunkedPrefillCostModel) and self.chunk == chunk:
+            return self
+        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, chunk)
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
+        """Least-squares fit from ``(num_tokens, num_prefix_tokens, seconds)`` samples."""
+        rows, ys = [], []
+        for num_tokens, prefix, seconds in samples:
+            n = num_tokens - prefix
+            rows.append([1.0, n, n * (prefix + n), prefix])
+            ys.append(seconds)
+        c0, c1, c2, c3 = _lstsq(rows, ys, 4, "PrefillCostModel.fit")
+        return PrefillCostModel(c0, c1, c2, c3)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedPrefillCostModel(PrefillCostModel):
+    """The prefill formula on an instance that computes at most ``chunk`` tokens a forward (its
+    ``--prefill-chunk``, from its registration): a prompt with more uncached tokens runs chunk by
+    chunk, each one forward over the keys before it, and is priced as the sum of its chunks
+    (:meth:`_chunked`). A subclass, so an instance that said no chunk pays no comparison in the
+    hot :meth:`PrefillCostModel.predict`. ``chunk`` is local: it never travels in ``to_dict``."""
+
+    chunk: int = UNCHUNKED
+
+    def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
+        """:meth:`PrefillCostModel.predict`'s formula, inline for speed as there, or the chunks' sum."""
+        p = num_prefix_tokens if num_prefix_tokens < num_tokens else num_tokens - 1
+        if p < 0:
+            p = 0
+        n = num_tokens - p
+        if n > self.chunk:
             return self._chunked(n, p)
         t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
         return t if t > 0.0 else 0.0
@@ -119,25 +156,6 @@ class PrefillCostModel(_Coefficients):
         loads = m * p + c * (k * (k - 1) // 2) + (k * c if r else 0)
         t = self.c0 * m + self.c1 * n + self.c2 * pairs + self.c3 * loads
         return t if t > 0.0 else 0.0
-
-    def with_chunk(self, chunk: int) -> PrefillCostModel:
-        """This model for an instance that computes at most ``chunk`` tokens a forward (0: one
-        pass, however long the prompt: an instance that did not say its chunk)."""
-        if chunk < 0:    # the wire's bound is checked where the message is decoded (protocol.Register)
-            raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
-        chunk = chunk or UNCHUNKED
-        return self if chunk == self.chunk else replace(self, chunk=chunk)
-
-    @classmethod
-    def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
-        """Least-squares fit from ``(num_tokens, num_prefix_tokens, seconds)`` samples."""
-        rows, ys = [], []
-        for num_tokens, prefix, seconds in samples:
-            n = num_tokens - prefix
-            rows.append([1.0, n, n * (prefix + n), prefix])
-            ys.append(seconds)
-        c0, c1, c2, c3 = _lstsq(rows, ys, 4, "PrefillCostModel.fit")   # by name: a chunk follows them
-        return cls(c0, c1, c2, c3)
 
 
 def pack_sizes(uncached_tokens: Sequence[int], limit: int, caps: Sequence[int] | None = None) -> list[int]:
