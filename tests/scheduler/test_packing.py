@@ -212,3 +212,6 @@ def test_a_prefill_instance_registers_its_budget_capped_at_its_chunk():
         return registration(Config(), service, {"http": "127.0.0.1:1"}, None).pack_tokens
 
     assert [registered(48), registered(500), registered(0), registered(48, downstream=object())] == [48, 64, 0, 0]
+    # and its chunk, which long prompts are priced by (and which tells the conductor it reads pack caps)
+    service = PrefillService(stage, None, block_size=8, hash_seed=0, chunk_size=64, batch_tokens=48)
+    assert registration(Config(prefill_chunk=64), service, {"http": "127.0.0.1:1"}, None).prefill_chunk == 64
