@@ -89,8 +89,12 @@ def served_weights(cfg: ModelRoleConfig) -> str:
     """--weights as this instance serves a GGUF's (``instance.config.weights_choice``), said in the log."""
     from mooncake_lite.model.source import resolve
     from mooncake_lite.model.weights import model_args
+    from mooncake_lite.model.gguf_loader import keeps_compact
     if resolve(cfg.model).kind != "gguf":
         return "dequantize"   # nothing quantized to keep
+    if not keeps_compact(cfg.device, cfg.torch_dtype):
+        log.info("weights dequantize (a GGUF's blocks compute only on a CPU in float32, with the block kernel)")
+        return "dequantize"
     dense = model_args(cfg.model).num_params() * 4 if cfg.weights == "auto" else 0
     mode, why = weights_choice(cfg.weights, cfg.AUTO_WEIGHTS, dense, available_memory() if dense else 0)
     log.info("weights %s (%s)", mode, why)
