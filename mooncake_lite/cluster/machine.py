@@ -36,6 +36,7 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
     from mooncake_lite.model.args import dtype_bytes
     from mooncake_lite.model.checkpoint_config import model_args
     facts: dict[str, int] = {}
+    available = available_memory()   # read once: the plan and the prefill's weights choice see one figure
     try:
         args = model_args(opts.model)
         _, dtype = kv_layout(opts)
@@ -45,7 +46,7 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
         dense = 0
         if compact is not None:
             weights, extra = compact[0], 0 if compact[1] else extra
-            dense = _prefill_dense_bytes(opts, args.num_params() * 4)
+            dense = _prefill_dense_bytes(opts, args.num_params() * 4, available)
         # weights on a GPU take none of the host's memory (the KV there is sized by the instance)
         facts = {"weight_bytes": 0 if on_gpu(opts, "prefill") and on_gpu(opts, "decode") else weights,
                  "decode_pack_bytes": extra if packs_weights(opts, "decode", dtype) else 0,
@@ -55,7 +56,7 @@ def with_machine_share(opts: UpOptions, *, memory_fraction: float = DEFAULT_MEMO
                  "replicated_weight_bytes": min(weights, args.vocab_size * args.dim * dtype_bytes(dtype))}
     except (ValueError, OSError, KeyError):
         pass
-    share = MachineShare(cpus=usable_cpus(), available_memory=available_memory(), memory_fraction=memory_fraction,
+    share = MachineShare(cpus=usable_cpus(), available_memory=available, memory_fraction=memory_fraction,
                          threads=threads, pin=pin, **facts)
     return dataclasses.replace(opts, share=share)
 
@@ -74,11 +75,11 @@ def _compact_weights(opts: UpOptions, dtype: str) -> tuple[int, bool] | None:
     return compact_weight_bytes(read_meta(source.path), 4)
 
 
-def _prefill_dense_bytes(opts: UpOptions, dense: int) -> int:
+def _prefill_dense_bytes(opts: UpOptions, dense: int, available: int) -> int:
     """The float copy a prefill keeping its blocks holds beside them (``--weights hybrid``, or
     ``auto`` where it fits: ``instance.config.weights_choice``, the rule the instance applies)."""
     from mooncake_lite.instance.config import weights_choice
     from mooncake_lite.prefill.config import Config
     mode = str(role_setting(opts, "prefill", "weights") or "auto")
-    chosen, _ = weights_choice(mode, Config.AUTO_WEIGHTS, dense, available_memory())
+    chosen, _ = weights_choice(mode, Config.AUTO_WEIGHTS, dense, available)
     return dense if chosen == "hybrid" else 0

@@ -25,7 +25,7 @@ from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_file import args_from_meta, read_meta
 from mooncake_lite.model.gguf_read import TensorInfo
 from mooncake_lite.model.llama import Transformer
-from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight
+from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight, layer_blocks
 
 WEIGHT_MODES = ("quantized", "dequantize", "hybrid")
 
@@ -86,10 +86,8 @@ def load_gguf(path: str, name: str, device: str | torch.device = "cpu", dtype: t
 def _keep_dense(model: Transformer) -> None:
     """Each layer product's float32 copy beside its blocks (the head, one row a prompt, keeps none)."""
     for block in model.layers.values():
-        packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}
-        for weight in packs.values():
-            if isinstance(weight, QuantizedWeight):
-                weight.keep_dense()
+        for weight in layer_blocks(block):
+            weight.keep_dense()
 
 
 def keeps_compact(device: str | torch.device, dtype: torch.dtype) -> bool:

@@ -51,8 +51,8 @@ class QuantizedWeight:
 
     def keep_dense(self) -> None:
         """Hold the float32 values too, for products of more than ``DEQUANTIZE_ROWS`` rows: a
-        prefill forward is compute-bound, and a dense ``F.linear`` measured 1.9-2.1x the tiled
-        blocks' speed at 35-512 rows (Zen 5, docs/model.md "CPU paths"), for 4-7x the bytes."""
+        prefill forward is compute-bound, and on the copy smollm2's prefill ran 2.1-3.2x the tiled
+        blocks' speed at 35-512 tokens (Zen 5, docs/results/2026-11-30-zen5.md §10), for 4-7x the bytes."""
         self.dense = self.dequantize()
 
     def pack_dense(self, pack: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
@@ -117,10 +117,15 @@ class QuantizedWeight:
         return QuantizedWeight._of_planar(torch.cat([w.blocks for w in weights]), first.qtype, first.cols)
 
 
+def layer_blocks(block: nn.Module) -> list[QuantizedWeight]:
+    """A layer's products kept as GGUF blocks (its attention's and MLP's ``packs``; MoE, MLA: none)."""
+    packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}
+    return [w for w in packs.values() if isinstance(w, QuantizedWeight)]
+
+
 def dense_copies(block: nn.Module) -> list[QuantizedWeight]:
     """A layer's products kept as blocks with a float copy (:meth:`QuantizedWeight.keep_dense`)."""
-    packs = {**getattr(block.attention, "packs", {}), **getattr(block.feed_forward, "packs", {})}   # MoE, MLA: none
-    return [w for w in packs.values() if isinstance(w, QuantizedWeight) and w.dense is not None]
+    return [w for w in layer_blocks(block) if w.dense is not None]
 
 
 class QuantizedEmbedding(nn.Module):

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from mooncake_lite.scheduler.links import LinkSpeeds
 
 T = TypeVar("T", bound="_Coefficients")
-# A prefill model's chunk when it has none: no prompt is this long, so ``predict``'s one
-# comparison never takes the chunked branch. One 30-bit digit: CPython's comparison of two such
-# ints stays specialized (1 << 61 took the generic path: 1,100 instructions more a live decision,
-# bin/decision-cost), and mypyc compares it inline as a short int.
+# ChunkedPrefillCostModel's default chunk (``with_chunk`` always sets one): longer than any prompt.
+# One 30-bit digit, as every chunk is: CPython's comparison of two such ints stays specialized (1 << 61
+# took the generic path: 1,100 instructions more a live decision, bin/decision-cost), and mypyc
+# compares it inline as a short int.
 UNCHUNKED = (1 << 30) - 1
 # Fields of a model that are not coefficients: they stay where the model was made and never
 # travel (an older peer's from_dict would refuse them as unknown). Not a class attribute: a

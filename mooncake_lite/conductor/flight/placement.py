@@ -66,9 +66,10 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
     if cause == "no-decode":
         raise Rejected("every decode instance is full; retry later", 1, cause)
+    limits = applied_slos(svc, decision, sreq.num_tokens)
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
-                   min(60, max(1, math.ceil(retry_after_s(svc, decision, sreq, now)))), cause,
-                   headers=slo_headers(applied_slos(svc, decision, sreq.num_tokens)))
+                   min(60, max(1, math.ceil(retry_after_s(svc, decision, limits[0], now)))), cause,
+                   headers=slo_headers(limits))
 
 
 def applied_slos(svc: Services, decision: Decision, num_tokens: int) -> tuple[float, float]:
@@ -86,15 +87,14 @@ def slo_headers(limits: tuple[float, float]) -> dict[str, str]:
     return {f"X-Mooncake-SLO-{k}": f"{v:.6f}" for k, v in zip(("TTFT", "TBT"), limits) if math.isfinite(v)}
 
 
-def retry_after_s(svc: Services, decision: Decision, sreq: ScheduleRequest, now: float) -> float:
+def retry_after_s(svc: Services, decision: Decision, ttft_limit: float, now: float) -> float:
     """When a request refused on its predicted TTFT or TBT is predicted to fit, by the same
     (corrected) predictions: a TTFT bound (``admission.bounds``) over its limit by x seconds fits
     once x seconds of the queue ahead, as the bound counts it, have drained (at most all of it); a TBT, once the chosen decode's first running request is predicted to
     leave (joined + max_tokens × its TBT)."""
     if decision.reject_cause == "ttft":
-        limit = applied_slos(svc, decision, sreq.num_tokens)[0]
         bound = decision.bound_ttft_s or decision.predicted_ttft_s or 0.0
-        return min(bound - limit, bound - (decision.predicted_ttft_s or 0.0) + decision.predicted_queue_s)
+        return min(bound - ttft_limit, bound - (decision.predicted_ttft_s or 0.0) + decision.predicted_queue_s)
     decode = svc.membership.get(decision.decode_id or "")
     if decode is None:
         return 1.0
