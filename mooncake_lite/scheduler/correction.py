@@ -27,9 +27,14 @@ None of these constants describes a machine: they say how fast to believe new ev
 What the scheduler is given (:meth:`Corrections.prefill_scale`, :meth:`Corrections.decode_scale`)
 is one factor per model, its coefficients all multiplied by it, so every rule that prices with the
 model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change:
-``compute · interference^b · queue^w``, where ``b`` is the moving share of requests that ran
-beside a busy neighbour and ``w`` the moving share of the predicted TTFT that was queue. An
-instance never observed has factor 1 exactly: nothing changes until corrections are fed.
+``compute · interference^b · queue^w``, where ``w`` is the moving share of the predicted TTFT that
+was queue and ``b`` says whether the instance's next forwards run beside a busy neighbour. The
+live conductor knows that of a prefill (``PredictionBook.show_node_states``: a job queued on it,
+or a decode on its node with requests, is busy; b 1 or 0) and learns each term from the requests
+priced in its state; the simulator, and every decode, use the moving share of busy requests.
+Measured on a 2-CPU box, a prefill forward beside an idle decode ran 0.7x the model (it borrows
+the decode's CPU, ``prefill/threads.py``) and beside a busy one 1.3-1.45x: one factor for both
+was wrong by a third either way. An instance never observed has factor 1 exactly.
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
@@ -292,10 +297,12 @@ class Corrections:
         """The share of the join allowance a new job on ``instance_id`` is priced with."""
         return self.get(instance_id).join_share
 
-    def prefill_scale(self, instance_id: str) -> float:
-        """The factor a prefill instance's model is multiplied by (module doc)."""
+    def prefill_scale(self, instance_id: str, busy: bool | None = None) -> float:
+        """The factor a prefill instance's model is multiplied by (module doc); ``busy``: the
+        state of its node its next forwards are priced in (a neighbour at work: ``interference``
+        applies in full; idle: not at all), None: the moving share of the two."""
         c = self.get(instance_id)
-        return self._clamped(self._compute_log(c) + c.queue_share * c.log_of("queue"))
+        return self._clamped(self._compute_log(c, busy) + c.queue_share * c.log_of("queue"))
 
     def compute_scale(self, instance_id: str) -> float:
         """:meth:`prefill_scale` without the queue: what a forward takes (the simulator, which
@@ -303,8 +310,9 @@ class Corrections:
         return self._clamped(self._compute_log(self.get(instance_id)))
 
     @staticmethod
-    def _compute_log(c: InstanceCorrection) -> float:
-        return c.log_of("compute") + c.busy_share * c.log_of("interference")
+    def _compute_log(c: InstanceCorrection, busy: bool | None = None) -> float:
+        share = c.busy_share if busy is None else float(busy)
+        return c.log_of("compute") + share * c.log_of("interference")
 
     def decode_scale(self, instance_id: str) -> float:
         """The factor a decode instance's model is multiplied by."""

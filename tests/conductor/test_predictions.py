@@ -276,3 +276,40 @@ async def test_a_forward_joined_by_later_arrivals_is_no_slowdown_but_a_join_shar
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.join_share == pytest.approx(corr.join_share("p0"), abs=1 / 32)
     assert float(raw.headers["x-mooncake-predicted-ttft"]) > model.predict(n) + 0.5 * (forward - model.predict(n))
+
+
+async def test_a_prefill_is_priced_at_the_speed_of_its_nodes_state(make_cluster):
+    """A forward beside a busy decode runs slower than one alone (the decode holds the CPUs an
+    idle one lends, prefill/threads.py): the conductor prices a prefill in its node's state (a
+    decode on it with requests: busy), each state's term learns from the requests priced in it,
+    and the model shown switches back when the node is idle again."""
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    svc, book = cluster.svc, cluster.svc.predictions
+    p0, d0 = cluster.instances["p0"], cluster.instances["d0"]
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.1}
+    await _complete(cluster, 6)                        # one at a time: the node idle at each decision
+    corr = book.corrections.get("p0")
+    assert corr.factors["compute"].num_observed == 6 and "interference" not in corr.factors
+    idle_scale = book.shown_scale("p0")
+    # a long answer keeps d0 busy while three more requests are placed; their forwards take 3x
+    d0.behaviour.token_delay_s = 0.05
+    c = client(cluster)
+    stream = await c.completions.create(model="tiny", prompt="a long answer", max_tokens=60, stream=True)
+    await stream.__anext__()
+    d0.behaviour.token_delay_s = 0.0                   # (the stream above keeps its pace)
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.3}
+    await _wait_for(lambda: svc.membership.get("d0").decode_jobs)
+    await _complete(cluster, 3)
+    corr = book.corrections.get("p0")
+    assert corr.factors["interference"].num_observed == 3
+    assert corr.factors["compute"].num_observed == 7   # the long answer itself was placed with d0 idle
+    busy_scale = book.corrections.prefill_scale("p0", busy=True)
+    assert busy_scale > 1.5 * idle_scale
+    assert book.shown_scale("p0") == pytest.approx(busy_scale, rel=1 / 30)   # d0 still decoding
+    async for _ in stream:
+        pass
+    await c.close()
+    await _wait_for(lambda: not svc.membership.get("d0").decode_jobs)
+    book.show_node_states()                            # what the next decision does first
+    assert book.shown_scale("p0") == pytest.approx(book.corrections.prefill_scale("p0", busy=False), rel=1 / 30)
+    assert book.shown_scale("p0") < busy_scale / 1.5

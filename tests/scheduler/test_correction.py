@@ -80,6 +80,10 @@ def test_interference_is_learned_over_the_same_roles_factor_alone():
     assert corr.factor("interference") == pytest.approx(1.5, rel=1e-3)
     c.note_shares("p0", busy=True)
     assert 2.0 < c.prefill_scale("p0") < 3.0           # a moving share of busy: between the two
+    # where the node's state is known (the live conductor's prefills), each state's own speed
+    assert c.prefill_scale("p0", busy=False) == pytest.approx(2.0, rel=1e-3)
+    assert c.prefill_scale("p0", busy=True) == pytest.approx(3.0, rel=1e-3)
+    assert c.compute_scale("p0") == pytest.approx(c.prefill_scale("p0"), rel=1e-9)   # the simulator's: the share
 
 
 def test_after_a_change_of_machine_the_median_ttft_error_is_within_15_percent_in_50_requests():

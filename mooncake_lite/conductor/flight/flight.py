@@ -75,7 +75,7 @@ class Flight:
         self._placed_at = self._last_token_at = self._held_s = 0.0
         self._measured_ttft_s: float | None = None
         self._gaps: list[float] = []
-        self._decode_busy = self._prefill_busy = False
+        self._decode_busy = False
         # The request's trace (None when tracing is off): a child of the client's traceparent if it sent one.
         self.span = tracing.start_span("conductor.request", kind="server", request_id=self.request_id,
                                        prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens)
@@ -291,7 +291,6 @@ class Flight:
         """The prefill's answer: every choice's token 1."""
         self._last_token_at = now = loop_now()
         self._measured_ttft_s = now - self._placed_at
-        self._prefill_busy = self.svc.predictions.busy_beside(self.attempt.prefill.instance_id)
         self.prefill_result = result
         self._has_first = True
         self.attempt.prefill_finished(result)
@@ -379,7 +378,7 @@ class Flight:
             compute += t["load_wait_s"]   # the model's prefill time includes loading the prefix
         return Check(self.request_id, d.prefill_id, d.decode_id, self.prediction, self._measured_ttft_s,
                      paper_tbt(self._gaps), sum(self._gaps) / len(self._gaps) if self._gaps else None,
-                     t.get("queue_s"), compute, t.get("migrate_s"), prefill_busy=self._prefill_busy,
+                     t.get("queue_s"), compute, t.get("migrate_s"),
                      decode_busy=self._decode_busy or self.svc.predictions.busy_beside(d.decode_id),
                      forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)))

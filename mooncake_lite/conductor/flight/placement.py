@@ -36,6 +36,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     sreq = ScheduleRequest(request_id, reusable, len(req.prompt_ids),
                            req.sampling.max_tokens - req.sampling.num_generated, req.sampling.n)
     t0 = time.perf_counter()
+    svc.predictions.show_node_states()   # each prefill priced at the speed its node's state gives it
     snap, s = _snapshot(svc, req, exclude), svc.scheduler
     decision = schedule(sreq, snap, index=s.index, config=replace(s.config, admission="none"), costs=s.costs,
                         now=now, rng=s.rng, cache=s.cache) if is_continuation else \

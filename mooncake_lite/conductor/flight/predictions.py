@@ -58,6 +58,7 @@ class Prediction:
     join_s: float = 0.0
     join_full_s: float = 0.0
     decode_tail: float = 1.0   # ``tbt_s`` is the step × this (DecodeInstanceState.tbt_tail)
+    busy: bool = False         # its prefill was priced beside a busy neighbour (show_node_states)
 
     @property
     def step_s(self) -> float:
@@ -79,7 +80,6 @@ class Check:
     queue_s: float | None         # the prefill's own report (PrefillResult.timings)
     compute_s: float | None
     transfer_s: float | None
-    prefill_busy: bool = False    # a decode on the prefill's node was running requests
     decode_busy: bool = False     # a prefill on the decode's node had work queued
     # (prompt tokens, prefix tokens, the forward's computed tokens and jobs: the prefill's report;
     # tokens 0: it ran alone, or did not say)
@@ -129,6 +129,7 @@ class PredictionBook:
         self.corrections = corrections or Corrections()
         self.recent: deque[tuple[float, str, float]] = deque(maxlen=MAX_RECENT)   # (time, metric, ratio)
         self._shown: dict[str, float] = {}    # instance id -> the scale its shown model has
+        self._busy: dict[str, bool] = {}      # prefill id -> the node state its shown model is priced in
         # instance id -> (its own model last seen, log of its moves since): see :meth:`_rebased`
         self._base: dict[str, tuple[Any, float]] = {}
         # requests whose TTFT side was settled at token 1 (insertion-ordered: one aborted after its
@@ -143,7 +144,8 @@ class PredictionBook:
         return Prediction(d.predicted_ttft_s or 0.0, d.predicted_tbt_s, d.predicted_queue_s, d.predicted_prefill_s,
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
                           (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
-                          join * join_full, join_full, self._tail(d.decode_id))
+                          join * join_full, join_full, self._tail(d.decode_id),
+                          self._busy.get(d.prefill_id or "", False))
 
     def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int,
                    queue_s: float) -> tuple[float, ...]:
@@ -171,6 +173,22 @@ class PredictionBook:
     def shown_scale(self, instance_id: str) -> float:
         """The scale of the model the scheduler prices ``instance_id`` with now."""
         return self._shown.get(instance_id, 1.0)
+
+    def show_node_states(self) -> None:
+        """Before a decision: each prefill shown at its node's state's speed (``correction.py``). Busy:
+        a job is queued on it (the decodes of the jobs ahead will be running by the time a new job's
+        forward starts) or a decode on its node has requests, running or on their way; idle: neither,
+        so its next forward runs alone (with the CPUs a busy decode would hold, prefill/threads.py).
+        A flip re-prices its queue only where the two states' scales differ past the tolerance."""
+        alive = self.membership.alive()
+        busy_nodes = {_node(o) for o in alive if o.role == "decode" and (o.decode_jobs or o.incoming_jobs)}
+        for inst in alive:
+            if inst.role != "prefill":
+                continue
+            busy = bool(inst.prefill_jobs) or _node(inst) in busy_nodes
+            if self._busy.get(inst.instance_id, False) != busy:
+                self._busy[inst.instance_id] = busy
+                self._reshow_scale(inst)
 
     def busy_beside(self, instance_id: str) -> bool:
         """Whether an instance of the other role on the same node is working now: a decode with
@@ -228,10 +246,7 @@ class PredictionBook:
         inst = self.membership.get(iid)
         if inst is None:
             return
-        scale = self._scale(iid, inst.role)
-        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
-            self._shown[iid] = scale
-            self.membership.show_costs(inst)
+        self._reshow_scale(inst)
         if isinstance(inst.view, PrefillView):
             # Only the wait's spread is shown: admission judges it on the queue (admission.bounds);
             # a decode's would rebuild its state for nothing (/metrics and status read the TTFT's
@@ -241,13 +256,21 @@ class PredictionBook:
         elif isinstance(inst.view, DecodeView):
             show_tail(self.corrections, iid, inst.view)
 
+    def _reshow_scale(self, inst: Instance) -> None:
+        iid = inst.instance_id
+        scale = self._scale(iid, inst.role)
+        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
+            self._shown[iid] = scale
+            self.membership.show_costs(inst)
+
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
         forward, the queue from its wait over how fast that forward ran (``speed``)."""
         p, c, iid = check.predicted, self.corrections, check.prefill_id
         # the uncorrected prediction, on the instance's own model as it is now (it may have refined since)
         s = p.prefill_scale * math.exp(p.bases[0] - self._base_log(iid))
-        term = "interference" if check.prefill_busy else "compute"
+        # each state's term learns from the requests priced in it: what the prediction must be right for
+        term = "interference" if p.busy else "compute"
         own = p.prefill_s / s
         # its speed on the forward that ran: later arrivals that joined it are not a slowdown
         ran = self._forward_s(iid, check.forward) or own
@@ -261,7 +284,7 @@ class PredictionBook:
             self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
-        c.note_shares(iid, busy=check.prefill_busy, queue_share=share)
+        c.note_shares(iid, busy=p.busy, queue_share=share)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
         self._refused(iid, "wait", c.note_wait(iid, p.queue_s, p.prefill_s, check.queue_s))
 
@@ -313,7 +336,8 @@ class PredictionBook:
 
     def _scale(self, instance_id: str, role: str) -> float:
         c = self.corrections
-        return c.prefill_scale(instance_id) if role == "prefill" else c.decode_scale(instance_id)
+        return c.prefill_scale(instance_id, self._busy.get(instance_id, False)) if role == "prefill" \
+            else c.decode_scale(instance_id)
 
     # ---- what the scheduler is shown -------------------------------------------------------
     def shown_costs(self, inst: Instance) -> InstanceCosts:
