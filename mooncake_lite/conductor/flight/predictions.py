@@ -106,6 +106,7 @@ class Check:
             out[f"predicted_{metric}_s"] = predicted
             out[f"measured_{metric}_s"] = measured
             out[f"{metric}_ratio"] = ratios.get(metric)
+        out["prefill_node"] = _state(self.predicted.busy)
         return out
 
     def describe(self) -> str:
@@ -117,7 +118,7 @@ class Check:
                     else f"{name} {predicted:.3g}s→{measured}")
         return ("predicted→measured: " + ", ".join(one(m) for m in ("ttft", "queue", "compute", "transfer", "tbt",
                                                                     "gap"))
-                + f" on {self.prefill_id}+{self.decode_id}")
+                + f" on {self.prefill_id} ({_state(self.predicted.busy)})+{self.decode_id}")
 
 
 class PredictionBook:
@@ -414,6 +415,10 @@ def _log_shift(old, new, role: str) -> float:
              [(old.predict(b, b * c), new.predict(b, b * c)) for b in (1, 4, 32) for c in (256, 2048)])
     logs = [math.log(b / a) for a, b in pairs if _positive(a) and _positive(b)]
     return sum(logs) / len(logs) if logs else 0.0
+
+
+def _state(busy: bool) -> str:
+    return "busy" if busy else "idle"
 
 
 def _node(inst: Instance) -> str:
