@@ -68,9 +68,6 @@ class StageEngine(PrefixLoading):
         self.num_prefix_tokens_recomputed = 0
         # Told each chunk's (num_tokens, num_prefix_tokens, seconds): the instance's cost model
         # is refined from them (instance/refine.py); None on a CPP stage, which has no model.
-        # Only forwards run on the instance's own threads: with a borrowed one (an idle decode's
-        # CPU, prefill/threads.py) a forward of 512 rows took half as long and one of 36 no less
-        # (Zen 5, 2 CPUs), a shape of its own; the conductor learns that state's speed instead.
         self.refiner: PrefillRefiner | None = None
         # The newest forwards (a chunk, or a packed forward) as (start, end) on the host's
         # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
@@ -158,7 +155,7 @@ class StageEngine(PrefixLoading):
         as it is computed. Returns the last position's logits (last stage; every position's with
         ``all_positions``) or the hidden states."""
         loop = asyncio.get_running_loop()
-        t0, borrowed = time.perf_counter(), self._borrowed()
+        t0 = time.perf_counter()
         piece = await loop.run_in_executor(self.executor, self._new_pass, job, start, token_ids, hidden)
         for layer in self.layer_ids:
             self._check(job)
@@ -172,7 +169,7 @@ class StageEngine(PrefixLoading):
         seconds = time.perf_counter() - t0
         self._busy(seconds)
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
-        if self.refiner is not None and self._borrowed() == borrowed:
+        if self.refiner is not None:
             self.refiner.observe(start + piece.num_tokens, start, seconds)
         self._store_full_blocks(job, start + piece.num_tokens)
         return out
@@ -184,7 +181,7 @@ class StageEngine(PrefixLoading):
         served (its frames and loads; its rows are computed and dropped), the others go on.
         Returns each job's last-position logits and its error (None when it went through)."""
         loop = asyncio.get_running_loop()
-        t0, borrowed = time.perf_counter(), self._borrowed()
+        t0 = time.perf_counter()
         seqs = [(job.block_ids, start, toks) for job, start, toks in parts]
         piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs,
                                            any(job.exact for job, _, _ in parts))
@@ -213,15 +210,9 @@ class StageEngine(PrefixLoading):
             job.timings.update(forward)   # the forward that ran: the conductor's speed is of it, not of its forecast
             if errors[i] is None:
                 self._store_full_blocks(job, start + len(toks))
-        # the refined model is of one prompt's pass, on the instance's own threads
-        if self.refiner is not None and len(parts) == 1 and self._borrowed() == borrowed:
+        if self.refiner is not None and len(parts) == 1:   # the refined model is of one prompt's pass
             self.refiner.observe(parts[0][1] + len(parts[0][2]), parts[0][1], seconds)
         return out, errors
-
-    def _borrowed(self) -> int:
-        """Pieces of model work run so far with borrowed threads (0 without a borrower)."""
-        borrower = getattr(self.executor, "borrower", None)
-        return 0 if borrower is None else borrower.num_borrowed
 
     def _busy(self, seconds: float) -> None:
         """A forward of ``seconds`` just ended: its interval on the monotonic clock, the one the

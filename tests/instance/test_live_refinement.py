@@ -19,7 +19,6 @@ from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.app import reported_cost as prefill_cost
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.service import PrefillService
-from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 from tests.prefill.test_stage import run_prompt, tokens_of
 
@@ -70,25 +69,3 @@ async def test_prefill_chunks_heal_the_profile_the_heartbeats_carry(model):
     healed = prefill_cost(service)
     assert healed == cost_report(service.cost)
     assert service.cost.predict(40) < BAD_PREFILL.predict(40) / 20
-
-
-async def test_a_forward_run_on_a_borrowed_thread_refines_nothing(model):
-    """The model is of the instance's own threads; a forward that borrowed an idle decode's CPU
-    has a shape of its own (prefill/engine.py), which the conductor learns as that state's speed."""
-    lend, ticks = [True], iter(range(10**6))
-    others = {"busy": 0.0}                 # the machine's CPU seconds: 2 a tick while the others work
-
-    def busy():
-        others["busy"] += 0.0 if lend[0] else 2.0
-        return others["busy"]
-    borrower = ThreadBorrower(1, 1, num_cpus=2, busy=busy, own_cpu=lambda: 0.0, clock=lambda: next(ticks),
-                              apply=lambda n: None)
-    stage = StageEngine(ModelRunner(model, num_blocks=16, block_size=8), None, BorrowingExecutor(borrower))
-    stage.refiner = prefill_refiner(BAD_PREFILL)
-    await run_prompt(stage, tokens_of(40, 0), chunk=16)       # the machine idle: every piece borrows
-    assert borrower.num_borrowed > 0 and stage.refiner.num_samples == 0
-    lend[0] = False                                          # everything else busy: own threads only
-    borrower.pick()
-    assert borrower.pick() == 1
-    await run_prompt(stage, tokens_of(40, 1), chunk=16)
-    assert stage.refiner.num_samples == 3
