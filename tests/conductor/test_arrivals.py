@@ -11,7 +11,7 @@ import pytest
 from mooncake_lite.conductor import services as services_module
 from mooncake_lite.conductor.flight import flight as flight_module
 from mooncake_lite.conductor.flight.arrivals import Arrivals, reprice
-from mooncake_lite.conductor.flight.predictions import Prediction
+from mooncake_lite.conductor.flight.checks import Prediction
 from mooncake_lite.scheduler import ClusterState, PrefillCostModel, PrefillInstanceState, QueuedPrefill
 from mooncake_lite.scheduler.packing import slo_pack_cap
 from tests.conductor import fakes

@@ -13,7 +13,7 @@ import re
 import openai
 import pytest
 
-from mooncake_lite.conductor.flight.predictions import Check, Prediction
+from mooncake_lite.conductor.flight.checks import Check, Prediction
 from mooncake_lite.scheduler.correction import Corrections, scaled
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import join_allowance

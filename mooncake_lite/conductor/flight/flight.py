@@ -27,7 +27,7 @@ from mooncake_lite.conductor.flight.continuation import (Continuation, continued
                                                          still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
 from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, slo_headers
-from mooncake_lite.conductor.flight.predictions import Check, Prediction
+from mooncake_lite.conductor.flight.checks import Check, Prediction
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision, ScheduleRequest

@@ -1,7 +1,7 @@
 """Every prediction checked against what happened, and the models corrected by it (issue #36).
 
 At admission a decision carries the TTFT and TBT the scheduler predicted and their parts (queue,
-own prefill, transfer); :class:`Prediction` keeps them with the correction scales its instances'
+own prefill, transfer); :class:`Prediction` (``checks.py``) keeps them with the correction scales its instances'
 models had then. At the end the flight measures TTFT (placement to first token), TBT
 (``common/tbt.paper_tbt`` of its gaps) and takes the prefill's own timings: a :class:`Check`. The
 :class:`PredictionBook` (one per conductor) puts each in the ``mooncake_conductor_prediction_ratio``
@@ -16,10 +16,11 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from mooncake_lite.conductor.cluster.costs import InstanceCosts
+from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.scheduler import CostModels, Decision
@@ -33,92 +34,6 @@ from mooncake_lite.scheduler.view import DecodeView
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
 MAX_RECENT = 4096      # checks kept for that window at most (a burst cannot grow it without end)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What admission predicted for one placement (seconds), with the correction scales its
-    prefill and decode models had (1: uncorrected)."""
-
-    ttft_s: float
-    tbt_s: float | None
-    queue_s: float
-    prefill_s: float
-    transfer_s: float
-    prefill_scale: float = 1.0
-    decode_scale: float = 1.0
-    # (prefill, decode): log of how far each instance's own model had moved by itself (refines)
-    # since first seen; an observation is converted to the model current when it is settled
-    bases: tuple[float, float] = (0.0, 0.0)
-    # of ``queue_s``, the allowance for later arrivals passing it (shortest first), at the share
-    # the instance was priced with; and that allowance's worst case (share 1; 0: none)
-    overtake_s: float = 0.0
-    overtake_full_s: float = 0.0
-    # likewise for later arrivals joining its forward (queue_order.join_allowance; packing)
-    join_s: float = 0.0
-    join_full_s: float = 0.0
-    decode_tail: float = 1.0   # ``tbt_s`` is the step × this (DecodeInstanceState.tbt_tail)
-    busy: bool = False         # its prefill was priced beside a busy neighbour (show_node_states)
-
-    @property
-    def step_s(self) -> float:
-        """The decode step ``tbt_s`` was made of (0: no TBT predicted)."""
-        return (self.tbt_s or 0.0) / self.decode_tail
-
-
-@dataclass(frozen=True)
-class Check:
-    """One completed request: its prediction and what was measured (None: not measured)."""
-
-    request_id: str
-    prefill_id: str
-    decode_id: str
-    predicted: Prediction
-    ttft_s: float
-    tbt_s: float | None           # the paper's: the mean of its slowest 10% of token gaps
-    mean_gap_s: float | None      # the mean token gap: what the decode model predicts (a step)
-    queue_s: float | None         # the prefill's own report (PrefillResult.timings)
-    compute_s: float | None
-    transfer_s: float | None
-    decode_busy: bool = False     # a prefill on the decode's node had work queued
-    # (prompt tokens, prefix tokens, the forward's computed tokens and jobs: the prefill's report;
-    # tokens 0: it ran alone, or did not say)
-    forward: tuple[int, int, float, float] | None = None
-
-    def pairs(self) -> dict[str, tuple[float, float | None]]:
-        """(predicted, measured) by metric."""
-        p = self.predicted
-        return {"ttft": (p.ttft_s, self.ttft_s), "tbt": (p.tbt_s or 0.0, self.tbt_s),
-                "gap": (p.step_s, self.mean_gap_s),
-                "queue": (p.queue_s, self.queue_s), "compute": (p.prefill_s, self.compute_s),
-                "transfer": (p.transfer_s, self.transfer_s)}
-
-    def ratios(self) -> dict[str, float]:
-        """measured / predicted by metric, where both are positive finite numbers."""
-        return {m: measured / predicted for m, (predicted, measured) in self.pairs().items()
-                if _positive(predicted) and _positive(measured)}
-
-    def attributes(self) -> dict[str, Any]:
-        """The request span's attributes: each prediction, its measurement and their ratio."""
-        out: dict[str, Any] = {}
-        ratios = self.ratios()
-        for metric, (predicted, measured) in self.pairs().items():
-            out[f"predicted_{metric}_s"] = predicted
-            out[f"measured_{metric}_s"] = measured
-            out[f"{metric}_ratio"] = ratios.get(metric)
-        out["prefill_node"] = _state(self.predicted.busy)
-        return out
-
-    def describe(self) -> str:
-        """The log line's text."""
-        def one(name: str) -> str:
-            predicted, measured = self.pairs()[name]
-            ratio = self.ratios().get(name)
-            return (f"{name} {predicted:.3g}s→{measured:.3g}s (x{ratio:.2f})" if ratio is not None
-                    else f"{name} {predicted:.3g}s→{measured}")
-        return ("predicted→measured: " + ", ".join(one(m) for m in ("ttft", "queue", "compute", "transfer", "tbt",
-                                                                    "gap"))
-                + f" on {self.prefill_id} ({_state(self.predicted.busy)})+{self.decode_id}")
 
 
 class PredictionBook:
@@ -276,7 +191,7 @@ class PredictionBook:
         # its speed on the forward that ran: later arrivals that joined it are not a slowdown
         ran = self._forward_s(iid, check.forward) or own
         self._observe(iid, term, ran, check.compute_s)
-        speed = check.compute_s / ran if _positive(check.compute_s) and ran > 0 else None
+        speed = check.compute_s / ran if positive(check.compute_s) and ran > 0 else None
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
@@ -413,17 +328,9 @@ def _log_shift(old, new, role: str) -> float:
     """Mean log(new / old) of two models' predictions over a spread of shapes (0: none usable)."""
     pairs = ([(old.predict(n), new.predict(n)) for n in (64, 256, 1024, 4096)] if role == "prefill" else
              [(old.predict(b, b * c), new.predict(b, b * c)) for b in (1, 4, 32) for c in (256, 2048)])
-    logs = [math.log(b / a) for a, b in pairs if _positive(a) and _positive(b)]
+    logs = [math.log(b / a) for a, b in pairs if positive(a) and positive(b)]
     return sum(logs) / len(logs) if logs else 0.0
-
-
-def _state(busy: bool) -> str:
-    return "busy" if busy else "idle"
 
 
 def _node(inst: Instance) -> str:
     return inst.reg.http.rsplit(":", 1)[0]
-
-
-def _positive(x: float | None) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
