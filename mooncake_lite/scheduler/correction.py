@@ -32,9 +32,10 @@ was queue and ``b`` says whether the instance's next forwards run beside a busy 
 live conductor knows that of a prefill (``PredictionBook.show_node_states``: a job queued on it,
 or a decode on its node with requests, is busy; b 1 or 0) and learns each term from the requests
 priced in its state; the simulator, and every decode, use the moving share of busy requests.
-Measured on a 2-CPU box, a prefill forward beside an idle decode ran 0.7x the model (it borrows
-the decode's CPU, ``prefill/threads.py``) and beside a busy one 1.3-1.45x: one factor for both
-was wrong by a third either way. An instance never observed has factor 1 exactly.
+The two differ, either way: on a 2-CPU box a burst's first forward, the decode idle, ran 0.7x the
+shown model with the decode's CPU borrowed (``prefill/threads.py``) and the pack after it
+1.3-1.45x; replaying a trace's bursts, each burst's first forward (its intake running beside it)
+learned 1.47 and the rest 1.12. An instance never observed has factor 1 exactly.
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
