@@ -29,7 +29,7 @@ from mooncake_lite.common.config import flag_name
 from mooncake_lite.common.launch import RoleProcess, role_argv, to_stderr
 from mooncake_lite.common.lifecycle import EXIT, ExitStatus, Listener, serve_role
 from mooncake_lite.common.service import run as run_loop
-from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill
+from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill, fits
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.model.checkpoint_config import model_args
@@ -179,7 +179,9 @@ def check_group(cfg: Config, stages: list[dict], store: str | None = None) -> No
 async def profile_group(stage: StageEngine, downstream: NextStage,
                         points=QUICK_PREFILL, repeats: int = 2) -> tuple[PrefillCostModel, list]:
     """The group's cost model, fit like a lone instance's (``instance/profile.py``) from the time
-    a chunk of n new tokens on p cached ones takes through every stage, activations included."""
+    a chunk of n new tokens on p cached ones takes through every stage, activations included; a
+    shape this stage's cache cannot hold is left out."""
+    points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
     for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
         await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
     samples = []
