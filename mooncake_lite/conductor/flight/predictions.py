@@ -20,9 +20,9 @@ from dataclasses import replace
 from typing import Any
 
 from mooncake_lite.conductor.cluster.costs import InstanceCosts
-from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
+from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled,
                                                 show_shares, show_spread, show_tail)
@@ -106,15 +106,14 @@ class PredictionBook:
                 self._busy[inst.instance_id] = busy
                 self._reshow_scale(inst)
 
-    def busy_beside(self, instance_id: str) -> bool:
-        """Whether an instance of the other role on the same node is working now: a decode with
-        requests running (beside a prefill), a prefill with work queued (beside a decode)."""
-        inst = self.membership.get(instance_id)
+    def busy_beside(self, decode_id: str) -> bool:
+        """Whether a prefill on ``decode_id``'s node has work queued: the decode's steps then run
+        beside its forwards (a prefill's own state is :meth:`show_node_states`')."""
+        inst = self.membership.get(decode_id)
         if inst is None:
             return False
         node = _node(inst)
-        return any(_node(o) == node and (o.decode_jobs if o.role == "decode" else o.prefill_jobs)
-                   for o in self.membership.alive() if o.role != inst.role)
+        return any(o.role == "prefill" and o.prefill_jobs and _node(o) == node for o in self.membership.alive())
 
     # ---- a completed request -------------------------------------------------------------------
     def settle_first(self, check: Check, now: float) -> None:
