@@ -6,8 +6,8 @@ drains, other processes on the machine, a CPU limit set after start-up, the role
 Each finished request gives, per term, a *ratio*: what was measured over what the **uncorrected**
 model predicted. Terms (``TERMS``): ``queue`` (the wait in the prefill's queue, over what the
 corrected compute speed explains: per-job work a forward's profile misses), ``compute`` (its
-own prefill, no decode computing on its node), ``interference`` (its prefill beside a busy decode,
-over ``compute``), ``transfer`` (a prefix fetched between stores: shown, not applied here, since
+own prefill, no decode computing on its node), ``interference`` (its prefill beside a busy
+decode), ``transfer`` (a prefix fetched between stores: shown, not applied here, since
 the scheduler corrects each store pair's speed itself, ``links.py``), ``decode`` (the request's mean
 token gap, no prefill computing on the decode's node: what the decode model predicts, a step),
 ``decode_interference`` (the reverse) and ``tail`` (the request's TBT as the paper defines it, the
@@ -16,8 +16,8 @@ no model: it turns the step foreseen into the TBT predicted (``DecodeInstanceSta
 admission still judges the step, ``scheduler._decision``). Without it the TBT shown was a step,
 which the TBT measured exceeded on nearly every request (docs/results/2026-11-29-decode-load.md).
 
-The update rule, one for every term (:func:`step`): a moving average of ``log(ratio)`` with
-weight ``alpha``, its change per observation bounded by ``max_step`` and the factor kept within
+The update rule (:func:`step`; a prefill's states fit a line, below): a moving average of
+``log(ratio)``, weight ``alpha``, its change per observation within ``max_step``, the factor within
 ``[1/max_factor, max_factor]``. Working in logs makes a factor of 2 and of 1/2 equally far from 1
 and a product of terms a sum. The bounds make it safe to feed: one absurd measurement moves a
 factor by at most ``max_step`` (about 16%), so it cannot run away, and a ratio outside
@@ -27,22 +27,24 @@ None of these constants describes a machine: they say how fast to believe new ev
 What the scheduler is given (:meth:`Corrections.prefill_scale`, :meth:`Corrections.decode_scale`)
 is one factor per model, its coefficients all multiplied by it, so every rule that prices with the
 model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change:
-``compute · interference^b · queue^w``, where ``w`` is the moving share of the predicted TTFT that
-was queue and ``b`` says whether the instance's next forwards run beside a busy neighbour. The
-live conductor knows that of a prefill (``PredictionBook.show_node_states``: a job queued on it,
-or a decode on its node with requests, is busy; b 1 or 0) and learns each term from the requests
-priced in its state; the simulator, and every decode, use the moving share of busy requests.
-The two differ, either way: on a 2-CPU box a burst's first forward, the decode idle, ran 0.7x the
-shown model with the decode's CPU borrowed (``prefill/threads.py``) and the pack after it
-1.3-1.45x; replaying a trace's bursts, each burst's first forward (its intake running beside it)
-learned 1.47 and the rest 1.12. An instance never observed has factor 1 exactly.
+``state · queue^w`` for a prefill (``w``: the moving share of the predicted TTFT that was queue),
+``decode · decode_interference^b`` for a decode. A prefill's state is ``interference`` when its next
+forwards run beside a busy neighbour, else ``compute``: the live conductor knows which
+(``PredictionBook.show_node_states``: a job queued on it, or a decode on its node with requests,
+is busy) and learns each state from the requests priced in it; the simulator and every decode
+weigh the two by the moving share ``b`` of busy requests. They differ either way: on a 2-CPU box
+a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
+(``prefill/threads.py``) and the pack after it 1.3-1.45x. Each prefill state is a line, not a
+factor (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0``
+(:meth:`Corrections.prefill_offset`, :func:`scaled`); a state not yet observed borrows the
+other's. An instance never observed has factor 1 and offset 0 exactly.
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
 the worst case). Most jobs meet a share of it (the shortest of a burst none, a pass by a job packed
 into the same forward only that job's tokens), and how much is a matter of the traffic, not of a
-speed: no factor fits it, a share does. Each job says what share it met (:func:`overtakes_used`: its
-measured wait at its forward's speed, less the wait predicted before any overtake, over the
+speed: no factor fits it, a share does. Each job says what share it met (``shares.overtakes_used``:
+its measured wait at its forward's speed, less the wait predicted before any overtake, over the
 allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an
@@ -76,9 +78,11 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
-from mooncake_lite.scheduler.snapshot import Shown
+from mooncake_lite.scheduler.forward_fit import ForwardLine, moved_line
+from mooncake_lite.scheduler.shares import overtakes_used
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
+STATES = ("compute", "interference")   # a prefill's two node states, each corrected as a line (forward_fit.py)
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
 # share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
@@ -98,6 +102,8 @@ class CorrectionConfig:
     spread_quantile: float = 0.9  # admission's bound: this quantile of the recent ratios (module doc)
     spread_window: int = 64      # the ratios it is taken over, per instance and metric
     spread_min: int = 8          # fewer observed: no spread (1), the prediction alone
+    line_window: int = 24        # a prefill state's line is fitted to its last this many requests
+    line_min: int = 8            # ... once it has this many (forward_fit.py)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
@@ -112,6 +118,9 @@ class CorrectionConfig:
         if not 1 <= self.spread_min <= self.spread_window:
             raise ValueError("CorrectionConfig: need 1 <= spread_min <= spread_window, got "
                              f"{self.spread_min} and {self.spread_window}")
+        if not 2 <= self.line_min <= self.line_window:
+            raise ValueError("CorrectionConfig: need 2 <= line_min <= line_window, got "
+                             f"{self.line_min} and {self.line_window}")
 
 
 @dataclass(frozen=True)
@@ -159,10 +168,21 @@ class InstanceCorrection:
     overtake_share: float = 0.0   # of the overtake allowance's worst case, the share jobs met (0: none learned)
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
+    lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each prefill state's (STATES)
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
         return 1.0 if f is None else f.value
+
+    def offset(self, term: str) -> float:
+        line = self.lines.get(term)
+        return 0.0 if line is None else line.offset
+
+    def state_term(self, busy: bool) -> str:
+        """The term a prefill's forwards in this node state are corrected by: its own, or, until
+        that one has been observed, the other state's (the same forward, more or less crowded)."""
+        own, other = ("interference", "compute") if busy else ("compute", "interference")
+        return own if own in self.factors or other not in self.factors else other
 
     def log_of(self, term: str) -> float:
         f = self.factors.get(term)
@@ -190,10 +210,9 @@ class Corrections:
                 speed: float | None = None) -> str | None:
         """Move ``instance_id``'s ``term`` by one observation of the uncorrected prediction and the
         measurement; returns why it was refused (None: applied). ``speed``, for ``queue``: how much
-        slower than the uncorrected model the forwards ran just then (the same request's own
-        compute ratio), so the queue's factor holds only what the forwards' speed does not explain.
-        Without it the corrected compute speed stands in, which lags a change of load: the queue
-        factor then takes the change up too, and both terms overshoot once compute catches up."""
+        slower than the uncorrected model (its state's offset added) the same request's forward ran,
+        so the queue's factor holds only what the forwards' speed does not explain; without it the
+        corrected speed stands in, which lags a change of load, and both terms overshoot."""
         if term not in TERMS:
             raise ValueError(f"unknown correction term {term!r}; expected one of {TERMS}")
         why = ratio_refusal(predicted_s, measured_s, self.cfg)
@@ -201,8 +220,11 @@ class Corrections:
             self.num_refused += why != TOO_SHORT
             return why
         cur = self.get(instance_id)
-        if term in ("interference", "decode_interference"):   # over the same role's factor alone
-            measured_s /= cur.factor("compute" if term == "interference" else "decode")
+        if term in STATES:
+            self._observe_line(instance_id, cur, term, predicted_s, measured_s)
+            return None
+        if term == "decode_interference":   # over the decode's own factor alone
+            measured_s /= cur.factor("decode")
         elif term == "queue":      # the queue drains at the forwards' speed; beyond it, this
             usable = speed is not None and ratio_refusal(1.0, speed, self.cfg) is None
             measured_s /= speed if usable else math.exp(self._compute_log(cur))
@@ -210,18 +232,33 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
         return None
 
+    def _observe_line(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float) -> None:
+        """A prefill state's line (``forward_fit.py``) moved by one request's forward: ``x`` its
+        seconds on the instance's own model, ``y`` measured."""
+        cfg, was = self.cfg, cur.state_term(term == "interference")   # a state first seen starts from the
+        start = Factor(cur.log_of(was)) if term not in cur.factors else cur.factors[term]   # one it borrowed
+        line, scale = moved_line(cur.lines.get(term, ForwardLine(cur.offset(was))), x, y, cfg.line_window,
+                                 cfg.line_min, cfg.alpha)
+        new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
+        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
+                                                 lines={**cur.lines, term: line})
+
     def rebase(self, instance_id: str, term: str, log_shift: float) -> None:
         """The model ``term`` corrects moved by ``exp(log_shift)`` by itself (an instance refines
         its own profile from its forwards and steps, ``instance/refine.py``): the factor moves the
         other way, so model × factor is what it was and the slowdown both saw is counted once.
         Observations made against the old model must be converted by the caller."""
-        cur = self.get(instance_id)
-        f = cur.factors.get(term)
-        if f is None or not math.isfinite(log_shift):
+        if not math.isfinite(log_shift):
             return
         bound = math.log(self.cfg.max_factor)
-        moved = Factor(min(bound, max(-bound, f.log - log_shift)), f.num_observed)
-        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: moved})
+        for t in STATES if term in STATES else (term,):   # a prefill's model: both states' lines
+            cur = self.get(instance_id)
+            f = cur.factors.get(t)
+            if f is None:
+                continue
+            moved = Factor(min(bound, max(-bound, f.log - log_shift)), f.num_observed)
+            lines = {**cur.lines, t: cur.lines[t].rebased(math.exp(log_shift))} if t in cur.lines else cur.lines
+            self._by_instance[instance_id] = replace(cur, factors={**cur.factors, t: moved}, lines=lines)
 
     def note_shares(self, instance_id: str, *, busy: bool | None = None, queue_share: float | None = None) -> None:
         """Move the moving shares: whether this observation ran beside a busy neighbour, and what
@@ -234,7 +271,7 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
 
     def note_overtakes(self, instance_id: str, used: float) -> str | None:
-        """Move ``instance_id``'s overtake share toward ``used`` (one job's, :func:`overtakes_used`);
+        """Move ``instance_id``'s overtake share toward ``used`` (one job's, ``shares.overtakes_used``);
         returns why it was refused (None: applied): a share is a number in [0, 1]."""
         return self._move_share(instance_id, "overtake_share", used)
 
@@ -300,20 +337,25 @@ class Corrections:
 
     def prefill_scale(self, instance_id: str, busy: bool | None = None) -> float:
         """The factor a prefill instance's model is multiplied by (module doc); ``busy``: the
-        state of its node its next forwards are priced in (a neighbour at work: ``interference``
-        applies in full; idle: not at all), None: the moving share of the two."""
+        state of its node its next forwards are priced in (a neighbour at work: ``interference``;
+        idle: ``compute``), None: the two weighed by the moving share of busy requests."""
         c = self.get(instance_id)
         return self._clamped(self._compute_log(c, busy) + c.queue_share * c.log_of("queue"))
 
+    def prefill_offset(self, instance_id: str, busy: bool | None = None) -> float:
+        """The seconds a prefill instance's model adds to each forward before its scale
+        (``forward_fit.py``), in the state ``busy`` as :meth:`prefill_scale` takes it."""
+        c = self.get(instance_id)
+        return sum(w * c.offset(c.state_term(b)) for b, w in _state_weights(c, busy))
+
     def compute_scale(self, instance_id: str) -> float:
         """:meth:`prefill_scale` without the queue: what a forward takes (the simulator, which
-        queues by itself, is exported this one)."""
+        queues by itself, is exported this one and :meth:`prefill_offset`'s moving share)."""
         return self._clamped(self._compute_log(self.get(instance_id)))
 
     @staticmethod
     def _compute_log(c: InstanceCorrection, busy: bool | None = None) -> float:
-        share = c.busy_share if busy is None else float(busy)
-        return c.log_of("compute") + share * c.log_of("interference")
+        return sum(w * c.log_of(c.state_term(b)) for b, w in _state_weights(c, busy))
 
     def decode_scale(self, instance_id: str) -> float:
         """The factor a decode instance's model is multiplied by."""
@@ -330,54 +372,9 @@ class Corrections:
         return math.exp(min(bound, max(-bound, log)))
 
 
-def overtakes_used(wait_s: float, allowance_s: float, measured_queue_s: float | None,
-                   speed: float | None) -> float | None:
-    """The share of its overtake allowance one job met (module doc), in [0, 1]: its measured
-    queue in the model's seconds (over ``speed``, how much slower than predicted its own forward
-    ran; 1 when unknown), less ``wait_s`` (the queue predicted before any overtake), over
-    ``allowance_s`` (the worst case, ``bound`` × its own prefill; both on the model it was priced
-    with). None when it had no allowance or a figure is not a finite number >= 0."""
-    figures = (wait_s, allowance_s, measured_queue_s)
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-           for v in figures) or allowance_s <= 0:
-        return None
-    usable = isinstance(speed, (int, float)) and math.isfinite(speed) and speed > 0
-    queue = measured_queue_s / speed if usable else measured_queue_s
-    return min(1.0, max(0.0, (queue - wait_s) / allowance_s))
-
-
-def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> None:
-    """``view`` (the instance's, live or simulated) shows its spread once it moved by more than
-    ``SHOW_TOLERANCE``: a new state makes the scheduler derive the instance's estimates afresh."""
-    spread = c.spread(instance_id, metric)
-    if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
-        view.set_spread(spread)
-
-
-def show_tail(c: Corrections, instance_id: str, view) -> None:
-    """``view`` (a ``DecodeView``, live or simulated) shows its tail once it moved by more than
-    ``SHOW_TOLERANCE``."""
-    tail = c.tail(instance_id)
-    if abs(math.log(tail / view.tail)) >= SHOW_TOLERANCE:
-        view.set_tail(tail)
-
-
-def show_start(view) -> None:
-    """A prefill view (live or simulated) that this correction will feed shows its start, not the
-    worst case: no job measured, the overtake and join shares 0 (the queue as it stands), learned
-    from there. Started at the worst case (1), the simulator on a replayed trace refused up to
-    23% of requests that would have met their TTFT SLO, all before the share was learned
-    (docs/results/2026-11-29-burst-window.md)."""
-    start = InstanceCorrection()
-    view.set_overtake_share(start.overtake_share, start.join_share)
-
-
-def show_shares(c: Corrections, instance_id: str, view) -> None:
-    """``view`` (a ``PrefillView``, live or simulated) shows the overtake and join shares once
-    either moved by more than ``SHOW_TOLERANCE``: a new state derives the estimates afresh."""
-    share, join = c.overtake_share(instance_id), c.join_share(instance_id)
-    if abs(share - view.overtake_share) >= SHOW_TOLERANCE or abs(join - view.join_share) >= SHOW_TOLERANCE:
-        view.set_overtake_share(share, join)
+def _state_weights(c: InstanceCorrection, busy: bool | None) -> tuple[tuple[bool, float], ...]:
+    """(state, weight): the one given, or both by the moving share of busy requests."""
+    return ((busy, 1.0),) if busy is not None else ((False, 1.0 - c.busy_share), (True, c.busy_share))
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:
@@ -390,11 +387,14 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def scaled(model, factor: float):
-    """A cost model (prefill or decode) with every coefficient multiplied by ``factor``: each of
-    its predictions is multiplied by it (the formulas, a prefill's chunked sum too, are linear in
-    the coefficients), its chunk kept. The same object when ``factor`` is 1, so an uncorrected
-    instance's state is the one it had."""
-    if factor == 1.0 or model is None:
+def scaled(model, factor: float, offset: float = 0.0):
+    """A cost model (prefill or decode) with ``offset`` seconds added to its fixed cost ``c0`` (a
+    prefill state's line, ``forward_fit.py``) and every coefficient multiplied by ``factor``: each
+    of its forwards' predictions is ``factor × (x + offset)`` (the formulas, a prefill's chunked sum
+    too, are linear in the coefficients), its chunk kept. The same object when ``factor`` is 1 and
+    ``offset`` 0, so an uncorrected instance's state is the one it had."""
+    if (factor == 1.0 and offset == 0.0) or model is None:
         return model
-    return replace(model, **{k: v * factor for k, v in model.to_dict().items()})
+    coefs = model.to_dict()
+    coefs["c0"] += offset
+    return replace(model, **{k: v * factor for k, v in coefs.items()})

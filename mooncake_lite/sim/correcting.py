@@ -7,7 +7,7 @@ uncorrected model's), its queue and, on a shortest-first instance, the queue's o
 allowance (the worst case and the share it was priced with). At its first token the simulator
 knows its wait (ready to started) and its forward (started to first token): the compute factor
 and the overtake share move by the same :class:`~mooncake_lite.scheduler.correction.Corrections`
-as live, each residual fed once. The prefill's model is shown scaled by its compute factor only,
+as live, each residual fed once. The prefill's model is shown as its compute line only,
 and no ``queue`` factor is learned: the simulator's conductor sees its queue exactly (FIFO is
 then priced right); only what later arrivals will do is unknown, which the share learns. A decode
 is corrected as live, by the ``decode`` term (a request's mean gap over the step predicted: the
@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, Corrections, scaled, show_shares, show_spread,
-                                                show_start, show_tail)
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, scaled
+from mooncake_lite.scheduler.correction_shown import show_shares, show_spread, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
@@ -43,20 +43,22 @@ class SimCorrecting:
         for p in prefills:   # their views show the correction's start, not the worst case
             show_start(p.view)
         # request id -> (own forward uncorrected, queue predicted, overtake allowance used, its worst
-        # case, TTFT predicted, join allowance used, its worst case, the scale shown)
+        # case, TTFT predicted, join allowance used, its worst case, the scale and offset shown)
         self._predicted: dict[str, tuple[float, ...]] = {}
         self._tbt: dict[str, tuple[float, float]] = {}   # request id -> its predicted TBT and step
         self._shown: dict[str, float] = {}       # instance id -> the scale its view's model has
+        self._offset: dict[str, float] = {}      # prefill id -> the seconds it adds per forward
 
     def placed(self, req: SimRequest, d: Decision, p: PrefillNode, dn: DecodeNode) -> None:
         """``req`` was placed on ``p`` and ``dn`` by ``d`` (its prefix: ``req.planned_prefix_tokens``)."""
-        scale = self._shown.get(p.instance_id, 1.0)
-        own = d.predicted_prefill_s / scale     # its forward (its pack's), on the model uncorrected
-        model, n, prefix = scaled(p.cost or self.costs.prefill, scale), req.input_length, req.planned_prefix_tokens
+        scale, offset = self._shown.get(p.instance_id, 1.0), self._offset.get(p.instance_id, 0.0)
+        own = max(d.predicted_prefill_s / scale - offset, 0.0)   # its forward (its pack's), uncorrected
+        model, n, prefix = scaled(p.cost or self.costs.prefill, scale, offset), req.input_length, \
+            req.planned_prefix_tokens
         full, join = worst_cases(model, p.overtakes, p.pack_tokens, n, prefix, p.view.state().recent_uncached,
                                  d.predicted_queue_s, p.view.join_share)
         self._predicted[req.rid] = (own, d.predicted_queue_s, full * p.view.overtake_share, full,
-                                    d.predicted_ttft_s or 0.0, join * p.view.join_share, join, scale)
+                                    d.predicted_ttft_s or 0.0, join * p.view.join_share, join, scale, offset)
         if d.predicted_tbt_s is not None:    # and the step it was made of, on the model uncorrected
             shown = dn.view.tail * self._shown.get(dn.instance_id, 1.0)
             self._tbt[req.rid] = (d.predicted_tbt_s, d.predicted_tbt_s / shown)
@@ -66,9 +68,9 @@ class SimCorrecting:
         (``SimCluster._reprice``): its own forward and TTFT predicted move with it, as live."""
         predicted = self._predicted.get(rid)
         if predicted is not None:
-            own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale = predicted
+            own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale, offset = predicted
             self._predicted[rid] = (max(own + shift_s / scale, 0.0), queue_s, overtake_s, full, ttft_s + shift_s,
-                                    join_s, join_full, scale)
+                                    join_s, join_full, scale, offset)
 
     def first_token(self, req: SimRequest, p: PrefillNode, now: float,
                     forward: tuple[float, float] = (0.0, 1.0)) -> None:
@@ -77,13 +79,13 @@ class SimCorrecting:
         predicted = self._predicted.pop(req.rid, None)
         if predicted is None or req.prefill_start is None:
             return
-        own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale = predicted
+        own, queue_s, overtake_s, full, ttft_s, join_s, join_full, scale, offset = predicted
         waited, took = req.prefill_start - req.ready_at, now - req.prefill_start
         c, iid = self.corrections, p.instance_id
         ran = forward_seconds(p.cost or self.costs.prefill, req.input_length, req.reused_tokens, *forward) \
             if forward[0] else own     # its speed on the forward that ran: joiners are no slowdown
         c.observe(iid, "compute", ran, took)
-        speed = took / ran if ran > 0 and took > 0 else None
+        speed = took / (ran + offset) if ran > 0 and took > 0 else None
         c.note_met(iid, wait_s=max(queue_s - overtake_s - join_s, 0.0), overtake_full_s=full, measured_queue_s=waited,
                    speed=None if speed is None else speed / scale, own_s=own * scale, join_full_s=join_full,
                    ran_s=ran * scale)     # (on the model shown)
@@ -115,11 +117,12 @@ class SimCorrecting:
         """``p``'s view as the live conductor's shows it: the model × its compute scale, and the
         overtake share, each once it moved by more than ``SHOW_TOLERANCE``."""
         c, iid, view = self.corrections, p.instance_id, p.view
-        scale = c.compute_scale(iid)
-        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE:
-            self._shown[iid] = scale
-            view.set_instance(p.store_id, None, scaled(p.cost or self.costs.prefill, scale), p.pack_tokens,
-                              p.overtakes)
+        scale, offset, model = c.compute_scale(iid), c.prefill_offset(iid), p.cost or self.costs.prefill
+        was = self._offset.get(iid, 0.0)
+        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE or \
+                abs(offset - was) > SHOW_TOLERANCE * (model.c0 + was):
+            self._shown[iid], self._offset[iid] = scale, offset
+            view.set_instance(p.store_id, None, scaled(model, scale, offset), p.pack_tokens, p.overtakes)
         show_spread(c, iid, "wait", view)
         show_shares(c, iid, view)
 

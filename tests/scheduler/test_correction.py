@@ -70,20 +70,23 @@ def test_unfed_the_models_are_the_same_objects():
         DecodeCostModel(0.1, 0.2, 0.3).predict(4, 100) * 0.5)
 
 
-def test_interference_is_learned_over_the_same_roles_factor_alone():
+def test_each_node_state_learns_its_own_speed_and_one_never_seen_borrows_the_others():
     c = Corrections()
     for _ in range(200):
         c.observe("p0", "compute", 1.0, 2.0)           # alone: twice the profile
+    assert c.prefill_scale("p0", busy=True) == pytest.approx(2.0, rel=1e-3)   # busy never seen: alone's
+    for _ in range(200):
         c.observe("p0", "interference", 1.0, 3.0)      # beside a busy decode: three times
     corr = c.get("p0")
     assert corr.factor("compute") == pytest.approx(2.0, rel=1e-3)
-    assert corr.factor("interference") == pytest.approx(1.5, rel=1e-3)
+    assert corr.factor("interference") == pytest.approx(3.0, rel=1e-3)
     c.note_shares("p0", busy=True)
     assert 2.0 < c.prefill_scale("p0") < 3.0           # a moving share of busy: between the two
     # where the node's state is known (the live conductor's prefills), each state's own speed
     assert c.prefill_scale("p0", busy=False) == pytest.approx(2.0, rel=1e-3)
     assert c.prefill_scale("p0", busy=True) == pytest.approx(3.0, rel=1e-3)
     assert c.compute_scale("p0") == pytest.approx(c.prefill_scale("p0"), rel=1e-9)   # the simulator's: the share
+    assert c.prefill_offset("p0", busy=True) == c.prefill_offset("p0") == 0.0  # one shape of forward: no line
 
 
 def test_after_a_change_of_machine_the_median_ttft_error_is_within_15_percent_in_50_requests():
@@ -140,7 +143,7 @@ def test_a_rebase_keeps_model_times_factor_and_counts_the_slowdown_once():
 
 
 def test_the_share_of_overtakes_met_is_the_wait_beyond_the_predicted_one_over_the_allowance():
-    from mooncake_lite.scheduler.correction import overtakes_used
+    from mooncake_lite.scheduler.shares import overtakes_used
     assert overtakes_used(2.0, 4.0, 2.0, 1.0) == 0.0            # waited what was ahead: no overtake
     assert overtakes_used(2.0, 4.0, 4.0, 1.0) == pytest.approx(0.5)
     assert overtakes_used(2.0, 4.0, 8.0, 2.0) == pytest.approx(0.5)   # its forward ran 2x slow: so did theirs

@@ -17,7 +17,7 @@ from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register
 from mooncake_lite.conductor.cluster.costs import InstanceCosts, instance_costs
 from mooncake_lite.model.source import model_id
 from mooncake_lite.scheduler import DecodeView, PrefillView
-from mooncake_lite.scheduler.correction import show_start
+from mooncake_lite.scheduler.correction_shown import show_start
 
 ROLES = ("prefill", "decode")
 # Heartbeat load fields that appear in a scheduler state: a change rebuilds it.

@@ -33,6 +33,7 @@ class Prediction:
     join_full_s: float = 0.0
     decode_tail: float = 1.0   # ``tbt_s`` is the step × this (DecodeInstanceState.tbt_tail)
     busy: bool = False         # its prefill was priced beside a busy neighbour (show_node_states)
+    prefill_offset: float = 0.0   # seconds its state's line added to each forward (correction.py)
 
     @property
     def step_s(self) -> float:

@@ -24,8 +24,8 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import (SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled,
-                                                show_shares, show_spread, show_tail)
+from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled
+from mooncake_lite.scheduler.correction_shown import show_shares, show_spread, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
@@ -45,6 +45,7 @@ class PredictionBook:
         self.corrections = corrections or Corrections()
         self.recent: deque[tuple[float, str, float]] = deque(maxlen=MAX_RECENT)   # (time, metric, ratio)
         self._shown: dict[str, float] = {}    # instance id -> the scale its shown model has
+        self._offset: dict[str, float] = {}   # prefill id -> the seconds its shown model adds per forward
         self._busy: dict[str, bool] = {}      # prefill id -> the node state its shown model is priced in
         # instance id -> (its own model last seen, log of its moves since): see :meth:`_rebased`
         self._base: dict[str, tuple[Any, float]] = {}
@@ -61,7 +62,7 @@ class PredictionBook:
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
                           (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
                           join * join_full, join_full, self._tail(d.decode_id),
-                          self._busy.get(d.prefill_id or "", False))
+                          self._busy.get(d.prefill_id or "", False), self.shown_offset(d.prefill_id))
 
     def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int,
                    queue_s: float) -> tuple[float, ...]:
@@ -72,7 +73,8 @@ class PredictionBook:
         inst = self.membership.get(prefill_id) if prefill_id else None
         if inst is None or num_tokens <= 0 or inst.reg.queue_overtakes <= 0 or not isinstance(inst.view, PrefillView):
             return 1.0, 0.0, 0.0, 0.0
-        model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id))
+        model = scaled(inst.costs.prefill or self.defaults().prefill, self.shown_scale(inst.instance_id),
+                       self.shown_offset(inst.instance_id))
         view = inst.view
         full, join = worst_cases(model, inst.reg.queue_overtakes, inst.reg.pack_tokens, num_tokens, prefix_tokens,
                                  view.state().recent_uncached, queue_s, view.join_share)
@@ -89,6 +91,10 @@ class PredictionBook:
     def shown_scale(self, instance_id: str) -> float:
         """The scale of the model the scheduler prices ``instance_id`` with now."""
         return self._shown.get(instance_id, 1.0)
+
+    def shown_offset(self, instance_id: str | None) -> float:
+        """The seconds that model adds to each forward before its scale (a prefill's; 0 for a decode)."""
+        return self._offset.get(instance_id or "", 0.0)
 
     def show_node_states(self) -> None:
         """Before a decision: each prefill shown at its node's state's speed (``correction.py``). Busy:
@@ -173,24 +179,33 @@ class PredictionBook:
 
     def _reshow_scale(self, inst: Instance) -> None:
         iid = inst.instance_id
-        scale = self._scale(iid, inst.role)
-        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE:
-            self._shown[iid] = scale
+        scale, offset = self._scale(iid, inst.role), self._state_offset(inst)
+        c0 = (inst.costs.prefill or self.defaults().prefill).c0 if inst.role == "prefill" else 0.0
+        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE or \
+                abs(offset - self.shown_offset(iid)) > SHOW_TOLERANCE * (c0 + self.shown_offset(iid)):
+            self._shown[iid], self._offset[iid] = scale, offset
             self.membership.show_costs(inst)
+
+    def _state_offset(self, inst: Instance) -> float:
+        if inst.role != "prefill":
+            return 0.0
+        return self.corrections.prefill_offset(inst.instance_id, self._busy.get(inst.instance_id, False))
 
     def _correct_prefill(self, check: Check) -> None:
         """Each term from its own measured residual: compute (or interference) from the request's
         forward, the queue from its wait over how fast that forward ran (``speed``)."""
         p, c, iid = check.predicted, self.corrections, check.prefill_id
-        # the uncorrected prediction, on the instance's own model as it is now (it may have refined since)
-        s = p.prefill_scale * math.exp(p.bases[0] - self._base_log(iid))
+        # the uncorrected prediction, on the instance's own model as it is now (it may have refined
+        # since: its seconds, and so the offset, are exp(moved) what they were)
+        moved = self._base_log(iid) - p.bases[0]
+        s, offset = p.prefill_scale * math.exp(-moved), p.prefill_offset * math.exp(moved)
         # each state's term learns from the requests priced in it: what the prediction must be right for
         term = "interference" if p.busy else "compute"
-        own = p.prefill_s / s
+        own = max(p.prefill_s / s - offset, 0.0)
         # its speed on the forward that ran: later arrivals that joined it are not a slowdown
         ran = self._forward_s(iid, check.forward) or own
         self._observe(iid, term, ran, check.compute_s)
-        speed = check.compute_s / ran if positive(check.compute_s) and ran > 0 else None
+        speed = check.compute_s / (ran + offset) if positive(check.compute_s) and ran > 0 else None
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
@@ -246,6 +261,7 @@ class PredictionBook:
             for term, f in corr.factors.items():
                 self.metrics.correction.labels(iid, term).set(f.value)
             self.metrics.correction.labels(iid, "scale").set(self.shown_scale(iid))
+            self.metrics.correction.labels(iid, "offset_s").set(self.shown_offset(iid))
             for metric in corr.ratios:
                 self.metrics.correction.labels(iid, f"{metric}_spread").set(c.spread(iid, metric))
 
@@ -259,7 +275,7 @@ class PredictionBook:
         """``inst``'s own costs (the cluster default where it reported none), its role's model
         multiplied by its correction scale as last shown; its own object while that is 1."""
         self._rebased(inst)
-        return self._scaled(inst, self.shown_scale(inst.instance_id))
+        return self._scaled(inst, self.shown_scale(inst.instance_id), self.shown_offset(inst.instance_id))
 
     def _rebased(self, inst: Instance) -> None:
         """When ``inst``'s own model moved by itself since last seen (the instance refined its
@@ -278,6 +294,7 @@ class PredictionBook:
         self.corrections.rebase(iid, "compute" if role == "prefill" else "decode", shift)
         if iid in self._shown:
             self._shown[iid] = self._scale(iid, role)
+            self._offset[iid] = self._state_offset(inst)
 
     def simulated_costs(self, inst: Instance) -> InstanceCosts:
         """What ``sim export-costs`` exports: a prefill's model with its compute terms corrected
@@ -287,15 +304,16 @@ class PredictionBook:
         that load's error; the simulator draws its steps from the measured step spread instead
         (``decode_step_ratios``). Measured: exporting it put the simulated TBT at -51% of live."""
         if inst.role == "prefill":
-            return self._scaled(inst, self.corrections.compute_scale(inst.instance_id))
+            c = self.corrections
+            return self._scaled(inst, c.compute_scale(inst.instance_id), c.prefill_offset(inst.instance_id))
         return inst.costs
 
-    def _scaled(self, inst: Instance, scale: float) -> InstanceCosts:
+    def _scaled(self, inst: Instance, scale: float, offset: float = 0.0) -> InstanceCosts:
         costs = inst.costs
-        if scale == 1.0:
+        if scale == 1.0 and offset == 0.0:
             return costs
         if inst.role == "prefill":
-            return replace(costs, prefill=scaled(costs.prefill or self.defaults().prefill, scale))
+            return replace(costs, prefill=scaled(costs.prefill or self.defaults().prefill, scale, offset))
         return replace(costs, decode=scaled(costs.decode or self.defaults().decode, scale))
 
     # ---- the last minute (`mooncake status`) ------------------------------------------------------
@@ -314,7 +332,7 @@ class PredictionBook:
     def export(self) -> dict[str, Mapping[str, Any]]:
         """Every corrected instance's factors, by instance id (``sim export-costs``, status)."""
         c = self.corrections
-        return {iid: {"scale": self.shown_scale(iid),
+        return {iid: {"scale": self.shown_scale(iid), "offset_s": round(self.shown_offset(iid), 6),
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
