@@ -34,7 +34,7 @@ forwards run beside a busy neighbour, else ``compute``: the live conductor knows
 is busy) and learns each state from the requests priced in it; the simulator and every decode
 weigh the two by the moving share ``b`` of busy requests. They differ either way: on a 2-CPU box
 a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
-(``prefill/threads.py``) and the pack after it 1.3-1.45x. Each prefill state is a line, not a
+(``prefill/threads.py``) and the pack after it 1.3-1.45x. The idle state is a line, not a
 factor (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0``
 (:meth:`Corrections.prefill_offset`, :func:`scaled`); a state not yet observed borrows the
 other's. An instance never observed has factor 1 and offset 0 exactly.
@@ -82,7 +82,8 @@ from mooncake_lite.scheduler.forward_fit import ForwardLine, moved_line
 from mooncake_lite.scheduler.shares import overtakes_used
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
-STATES = ("compute", "interference")   # a prefill's two node states, each corrected as a line (forward_fit.py)
+STATES = ("compute", "interference")   # a prefill's two node states: idle, beside a busy neighbour
+LINED = ("compute",)    # the states corrected as a line, not one factor (forward_fit.py: why the idle one only)
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
 # share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
@@ -168,19 +169,18 @@ class InstanceCorrection:
     overtake_share: float = 0.0   # of the overtake allowance's worst case, the share jobs met (0: none learned)
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
-    lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each prefill state's (STATES)
+    lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each LINED state's
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
         return 1.0 if f is None else f.value
 
     def offset(self, term: str) -> float:
-        line = self.lines.get(term)
-        return 0.0 if line is None else line.offset
+        return self.lines[term].offset if term in self.lines else 0.0
 
     def state_term(self, busy: bool) -> str:
-        """The term a prefill's forwards in this node state are corrected by: its own, or, until
-        that one has been observed, the other state's (the same forward, more or less crowded)."""
+        """The term a prefill's forwards in this node state are corrected by: its own, or the other
+        state's until its own has been observed (the same forward, more or less crowded)."""
         own, other = ("interference", "compute") if busy else ("compute", "interference")
         return own if own in self.factors or other not in self.factors else other
 
@@ -221,7 +221,7 @@ class Corrections:
             return why
         cur = self.get(instance_id)
         if term in STATES:
-            self._observe_line(instance_id, cur, term, predicted_s, measured_s)
+            self._observe_state(instance_id, cur, term, predicted_s, measured_s)
             return None
         if term == "decode_interference":   # over the decode's own factor alone
             measured_s /= cur.factor("decode")
@@ -232,13 +232,15 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
         return None
 
-    def _observe_line(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float) -> None:
-        """A prefill state's line (``forward_fit.py``) moved by one request's forward: ``x`` its
-        seconds on the instance's own model, ``y`` measured."""
-        cfg, was = self.cfg, cur.state_term(term == "interference")   # a state first seen starts from the
-        start = Factor(cur.log_of(was)) if term not in cur.factors else cur.factors[term]   # one it borrowed
-        line, scale = moved_line(cur.lines.get(term, ForwardLine(cur.offset(was))), x, y, cfg.line_window,
-                                 cfg.line_min, cfg.alpha)
+    def _observe_state(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float) -> None:
+        """A prefill state moved by one forward (``x`` on the instance's own model, ``y`` measured): a LINED
+        state's line (``forward_fit.py``), another's factor; first seen, from the state it borrowed."""
+        cfg, was = self.cfg, cur.state_term(term == "interference")
+        start = cur.factors[term] if term in cur.factors else Factor(cur.log_of(was))
+        if term not in LINED:
+            self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: step(start, y / x, cfg)})
+            return
+        line, scale = moved_line(cur.lines.get(term, ForwardLine()), x, y, cfg.line_window, cfg.line_min, cfg.alpha)
         new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
                                                  lines={**cur.lines, term: line})
@@ -283,12 +285,10 @@ class Corrections:
         overtake; of the join allowance's ``join_full_s``, what its forward as run (``ran_s``)
         added to its own (``own_s``). A job with no allowance, or a figure that is no number,
         moves nothing. The live conductor and the simulator both learn through this."""
-        used = overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)
-        if used is not None:
-            self._move_share(instance_id, "overtake_share", used)
-        used = overtakes_used(own_s, join_full_s, ran_s, None)
-        if used is not None:
-            self._move_share(instance_id, "join_share", used)
+        for share, used in (("overtake_share", overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)),
+                            ("join_share", overtakes_used(own_s, join_full_s, ran_s, None))):
+            if used is not None:
+                self._move_share(instance_id, share, used)
 
     def _move_share(self, instance_id: str, share: str, used: float) -> str | None:
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:

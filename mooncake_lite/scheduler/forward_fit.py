@@ -1,24 +1,25 @@
-"""A prefill's forward as it is really served: ``scale · (x + offset)`` of what its model prices (issue #36).
+"""A prefill's forward on an idle node as it is really served: ``scale · (x + offset)`` (issue #36).
 
-One factor per node state corrected a prefill's speed, and it could not be right for a short
-forward and a long one at once. Replaying six live trace runs (Zen 5, docs/results/2026-11-30-zen5.md
-§16), a request whose forward was priced under 0.15 s took 1.6-1.9x it, over 1.2 s 0.76-0.88x, in
-every run and in both states: a served forward pays per-forward costs the profile never timed
-(its KV frames and executor hops, a burst's intake beside it, a pack's members), and a long one
-borrows an idle neighbour's CPU. So each state's correction is a line, ``measured = scale · (x +
-offset)`` (``x``: the forward's seconds on the instance's own model), fitted to that state's last
-``window`` requests by least squares in relative error (a 0.1 s forward counts as much as a 2 s
-one) with ``offset >= 0``. Shown as a model it is the same formula with ``c0`` raised by
-``offset`` and every coefficient multiplied by ``scale`` (``correction.scaled``), so every rule that
-prices with the model (the queue, packing, the SLOs) follows unchanged; a pack, which pays ``c0``
-once, pays the offset once.
+One factor corrected a prefill's speed, and it could not be right for a short forward and a long
+one at once. Replaying six live trace runs (Zen 5, docs/results/2026-11-30-zen5.md §16), a request
+priced under 0.15 s took 1.6-1.9x it and over 1.2 s 0.76-0.88x, in every run: a served forward
+pays per-forward costs the profile never timed (its KV frames and executor hops, the intake beside
+it), and a long one borrows an idle neighbour's CPU. So the idle state's correction is a line,
+``measured = scale · (x + offset)`` (``x``: the forward's seconds on the instance's own model),
+fitted to its last ``window`` requests by least squares in relative error (a 0.1 s forward counts
+as much as a 2 s one) with ``offset >= 0``. Shown as a model it is the same formula with ``c0``
+raised by ``offset`` and every coefficient multiplied by ``scale`` (``correction.scaled``), so
+every rule that prices with the model follows unchanged. The busy state keeps one factor: fitted
+live, its line came out flat (0.24 · (x + 2.2 s): the long jobs of a burst run last, when the decode
+has drained and lends its CPU), and priced every queued forward 0.5 s, the queue 1.5x too long
+(§16). An idle prefill has no queue: there the offset prices the request's own forward only.
 
 The fit is used only once it can tell the two apart: ``min_pairs`` requests whose forwards span at
 least ``MIN_SPREAD``x; before that the factor moves toward each request's own ratio on the
 current line, after it toward the fitted scale, by the moving average every factor moves by
 (``correction.step``: bounded by ``max_step`` in log). The offset moves by ``alpha`` × the window's
-median forward at most, and stays within ``[0, median measured / scale]`` (a fixed cost beyond a
-typical forward's whole time is no fixed cost).
+median forward at most, and its fixed part (``scale · offset``) stays within the window's fastest
+forward measured: a fixed cost longer than a whole forward is no fixed cost.
 Pure: no IO, no clock.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
 
-MIN_SPREAD = 2.0     # the longest forward of the window over the shortest, for the fit to be used
+MIN_SPREAD = 3.0     # the longest forward of the window over the shortest, for the fit to be used
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,22 @@ def moved_line(line: ForwardLine, x: float, y: float, window: int, min_pairs: in
     fitted = fit_line(pairs) if len(pairs) >= min_pairs else None
     if fitted is None:
         return ForwardLine(line.offset, pairs), None
-    scale, offset = fitted
-    offset = min(offset, median(m for _, m in pairs) / scale)
     bound = alpha * median(p for p, _ in pairs)
-    offset = line.offset + min(bound, max(-bound, offset - line.offset))
+    offset = capped(pairs, line.offset + min(bound, max(-bound, fitted[1] - line.offset)))
     return ForwardLine(offset, pairs), scale_at(pairs, offset)   # the best scale for the offset as moved
+
+
+def capped(pairs: Sequence[tuple[float, float]], offset: float) -> float:
+    """The largest offset up to ``offset`` whose fixed part, ``scale_at(offset) · offset``, is
+    within the fastest forward measured (bisection: the fixed part grows with the offset)."""
+    fastest = min(y for _, y in pairs)
+    if offset * scale_at(pairs, offset) <= fastest:
+        return offset
+    lo, hi = 0.0, offset
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * scale_at(pairs, mid) <= fastest else (lo, mid)
+    return lo
 
 
 def scale_at(pairs: Sequence[tuple[float, float]], offset: float) -> float:
