@@ -55,6 +55,7 @@ async def test_each_request_is_checked_in_metrics_status_and_headers(make_cluste
     assert predictions["ttft"]["median_error"] >= 0 and predictions["ttft"]["p90_error"] >= \
         predictions["ttft"]["median_error"]
     assert predictions["corrections"]["p0"]["observed"]["compute"] == 6
+    assert predictions["corrections"]["p0"]["offsets_s"] == {"compute": 0.0}   # one shape: no fixed cost told
 
 
 async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_cluster):

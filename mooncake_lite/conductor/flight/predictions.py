@@ -335,6 +335,7 @@ class PredictionBook:
         return {iid: {"scale": self.shown_scale(iid), "offset_s": round(self.shown_offset(iid), 6),
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
+                      "offsets_s": {t: round(line.offset, 6) for t, line in corr.lines.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
                       "overtake_share": round(corr.overtake_share, 4), "join_share": round(corr.join_share, 4),
                       "spread": {m: round(c.spread(iid, m), 4) for m in corr.ratios}}
