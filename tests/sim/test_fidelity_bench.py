@@ -270,3 +270,43 @@ def test_a_burst_placed_together_is_priced_exactly_where_one_placed_as_it_comes_
     assert apart["median_error"] > 0.05 and together["p90_error"] < 1e-6
     # arrival order: a burst's first member started at once, queue 0; the others waited for it
     assert [d.predicted_queue_s == 0 for d in decisions[:8]] == [True] + [False] * 7
+
+
+def _run_report(ttft_err, first50, ttft_rel, refused):
+    """The parts of one run's report the --runs summary reads."""
+    from mooncake_lite.bench.fidelity.admission import share
+    return {"predictions": {"ttft": {"median_error": ttft_err, "first_median_error": first50},
+                            "tbt": {"median_error": 0.3}},
+            "rows": {"ttft_mean_s": {"rel_error": ttft_rel}, "tbt_mean_s": {"rel_error": 0.1}},
+            "rejections": {"differ_share": 0.05},
+            "admission": {"admitted_met": share(190, 195, 0.95, True),
+                          "refused_would_meet": share(*refused, 0.10, False)}}
+
+
+def test_runs_give_each_figure_s_median_and_range_and_pool_the_admission_outcomes():
+    from mooncake_lite.bench.fidelity import runs
+    reports = [_run_report(0.172, 0.172, -0.036, (1, 5)), _run_report(0.260, 0.219, 0.172, (3, 7)),
+               _run_report(0.194, 0.153, 0.011, (0, 0))]
+    summary = runs.summarize(reports)
+    ttft = summary["figures"]["TTFT prediction error, median"]
+    assert (ttft["median"], ttft["min"], ttft["max"]) == (0.194, 0.172, 0.260) and ttft["goal_met"] is False
+    fid = summary["figures"]["fidelity: mean TTFT, sim vs live"]
+    assert fid["median"] == pytest.approx(0.011) and fid["goal_met"] is True      # judged by its size
+    refused = summary["pooled"]["refused that would have met it"]
+    assert (refused["met"], refused["of"]) == (4, 12)           # summed over the runs
+    one = reports[1]["admission"]["refused_would_meet"]["ci95"]
+    assert refused["ci95"][1] - refused["ci95"][0] < one[1] - one[0]   # narrower than one run's
+    assert summary["pooled"]["admitted that met their SLO"]["of"] == 3 * 195
+    # a run without a figure leaves it out; none at all says so
+    assert summary["pooled"]["  ... over the counterfactual's bias"]["of"] == 0
+    text = runs.summary_text(summary)
+    assert "over 3 runs" in text and "+19.4% [+17.2%, +26.0%]" in text and "4/12" in text and "none" in text
+    done = runs.repeated(2, lambda i: {**reports[i - 1], "text": f"report {i}"})
+    assert done["runs"] == 2 and "run 2:\nreport 2" in done["text"] and "over 2 runs" in done["text"]
+
+
+def test_runs_refuse_a_running_cluster_and_a_count_below_one(capsys):
+    from mooncake_lite.bench.fidelity import cli
+    assert cli.main(["--runs", "2", "--conductor", "http://127.0.0.1:9"]) == 2
+    assert cli.main(["--runs", "0"]) == 2
+    assert "--runs" in capsys.readouterr().err

@@ -20,6 +20,9 @@
    writes a CDF plot, and the instances' step and forward timelines (``timelines.json``). The
    simulated tokens reach the client with the delivery jitter measured live (``delivery.py``).
 
+``--runs K`` does all of it K times, each on a fresh cluster (``OUTPUT_DIR/run-I``), and adds each
+figure's median and range over the runs and the admission outcomes pooled (``runs.py``).
+
 SLOs: the live conductor's default SLOs are relative (TTFT ≤ 10× the prompt's prefill alone, TBT ≤
 5× one step alone, by the chosen instance's own profile), and so are the simulated conductor's and
 decodes' (the same factors, each request by its own limit); the report shows their median over
@@ -33,7 +36,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import orjson
@@ -44,6 +47,7 @@ from mooncake_lite.bench.fidelity.gaps import measured_gaps
 from mooncake_lite.bench.fidelity.live import LEARN_LEAD_S, live_side, replay_live, start_cluster
 from mooncake_lite.bench.replay.metrics import token_gaps
 from mooncake_lite.bench.fidelity.report import cdf_plot, compare, report_text
+from mooncake_lite.bench.fidelity.runs import repeated
 from mooncake_lite.bench.fidelity.sim import (ablations, converted_slos, live_overtakes, live_profile, rejected_by,
                                             sim_side, sim_trace, simulate, simulated_predictions)
 from mooncake_lite.bench.options import Options, flag, freeze
@@ -95,6 +99,9 @@ FLAGS = (
               "before they were sent: corrections not learned from them"),
     flag("--no-admission-outcomes", dest="admission_outcomes", action="store_false",
          help="skip judging admission by outcomes (one simulation per refused request)"),
+    flag("--runs", type=int, default=1, help="replay the slice this many times, each on a fresh cluster, and "
+         "give each figure's median and range and the admission outcomes pooled (runs.py); each run's "
+         "report in OUTPUT_DIR/run-I"),
     flag("--json", action="store_true"),
 )
 
@@ -106,24 +113,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
     if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1 or ns.arrival_spread < 0 \
-            or not 0 <= ns.burst_window <= 1:
-        sys.stderr.write("mooncake bench fidelity: error: -n, --speed and --block-tokens must be positive, "
-                         "--arrival-spread >= 0, --burst-window between 0 and 1s\n")
+            or not 0 <= ns.burst_window <= 1 or ns.runs < 1 or (ns.runs > 1 and ns.conductor):
+        sys.stderr.write("mooncake bench fidelity: error: -n, --speed, --block-tokens and --runs must be positive, "
+                         "--arrival-spread >= 0, --burst-window between 0 and 1s; --runs above 1 starts its "
+                         "own clusters (no --conductor)\n")
         return 2
+    try:
+        report = one_run(ns) if ns.runs == 1 else repeated(ns.runs, lambda i: one_run(
+            replace(ns, output_dir=str(Path(ns.output_dir) / f"run-{i}"), plot=None)))
+    except (ValueError, OSError, RuntimeError) as exc:
+        sys.stderr.write(f"mooncake bench fidelity: error: {exc}\n")
+        return 2
+    emit(report, lambda r: r["text"], as_json=ns.json)
+    return 0
+
+
+def one_run(ns: Options) -> dict:
+    """One replay and its report, on a cluster this starts (and stops) unless ``--conductor``."""
     cluster = None
     try:
         if ns.conductor is None:
             cluster = start_cluster(ns)
-        api = ns.conductor or cluster.api
-        report = run(ns, api.removesuffix("/v1"))
-    except (ValueError, OSError, RuntimeError) as exc:
-        sys.stderr.write(f"mooncake bench fidelity: error: {exc}\n")
-        return 2
+        return run(ns, (ns.conductor or cluster.api).removesuffix("/v1"))
     finally:
         if cluster is not None:
             cluster.stop()
-    emit(report, lambda r: r["text"], as_json=ns.json)
-    return 0
 
 
 def run(ns: Options, api: str) -> dict:
