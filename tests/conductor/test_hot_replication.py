@@ -96,6 +96,7 @@ async def test_a_hot_prefix_is_copied_to_the_other_prefill_before_it_is_needed(m
                                            "mooncake_conductor_hot_replicated_bytes_total": 0.0}
     # p0 goes away (suspect: its heartbeats stop, a connection to it failed); p1 serves the prefix
     cluster.instances["p0"].is_heartbeating = False
+    await asyncio.sleep(0.2)     # a heartbeat of p0's already on its way must land first: it would trust p0 again
     cluster.svc.membership.connection_failed("p0", "the test cut it off")
     assert await _ask(c) == ("p1", "local-hit" if share else "transfer")
     assert cluster.instances["p1"].requests[-1].migrate_from == (None if share else a)
