@@ -42,3 +42,11 @@ def show_shares(c: Corrections, instance_id: str, view) -> None:
     share, join = c.overtake_share(instance_id), c.join_share(instance_id)
     if abs(share - view.overtake_share) >= SHOW_TOLERANCE or abs(join - view.join_share) >= SHOW_TOLERANCE:
         view.set_overtake_share(share, join)
+
+
+def model_moved(scale: float, offset: float, shown_scale: float, shown_offset: float, c0: float) -> bool:
+    """Whether an instance's model is to be shown anew: its scale moved past ``SHOW_TOLERANCE`` in
+    log, or its offset (a prefill's line, ``forward_fit.py``; 0 elsewhere) by that share of the
+    fixed cost it adds to (``c0`` + the offset shown)."""
+    return abs(math.log(scale / shown_scale)) >= SHOW_TOLERANCE or \
+        abs(offset - shown_offset) > SHOW_TOLERANCE * (c0 + shown_offset)

@@ -21,12 +21,11 @@ Off unless ``SimConfig.correct``: the recorded decision digests are without it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, scaled
-from mooncake_lite.scheduler.correction_shown import show_shares, show_spread, show_start, show_tail
+from mooncake_lite.scheduler.correction import Corrections, scaled
+from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
@@ -108,19 +107,17 @@ class SimCorrecting:
         c.observe(iid, "decode", step, req.mean_gap)
         c.observe(iid, "tail", req.mean_gap, req.tbt)    # its TBT over its mean gap
         scale = c.decode_scale(iid)
-        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE:
+        if model_moved(scale, 0.0, self._shown.get(iid, 1.0), 0.0, 0.0):
             self._shown[iid] = scale
             d.view.set_cost(scaled(d.batch.model, scale))
         show_tail(c, iid, d.view)
 
     def _show(self, p: PrefillNode) -> None:
-        """``p``'s view as the live conductor's shows it: the model × its compute scale, and the
+        """``p``'s view as the live conductor's shows it: the model as its compute line, and the
         overtake share, each once it moved by more than ``SHOW_TOLERANCE``."""
         c, iid, view = self.corrections, p.instance_id, p.view
         scale, offset, model = c.compute_scale(iid), c.prefill_offset(iid), p.cost or self.costs.prefill
-        was = self._offset.get(iid, 0.0)
-        if abs(math.log(scale / self._shown.get(iid, 1.0))) >= SHOW_TOLERANCE or \
-                abs(offset - was) > SHOW_TOLERANCE * (model.c0 + was):
+        if model_moved(scale, offset, self._shown.get(iid, 1.0), self._offset.get(iid, 0.0), model.c0):
             self._shown[iid], self._offset[iid] = scale, offset
             view.set_instance(p.store_id, None, scaled(model, scale, offset), p.pack_tokens, p.overtakes)
         show_spread(c, iid, "wait", view)

@@ -24,8 +24,8 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, TOO_SHORT, Corrections, quantile, scaled
-from mooncake_lite.scheduler.correction_shown import show_shares, show_spread, show_tail
+from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, quantile, scaled
+from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
@@ -181,8 +181,7 @@ class PredictionBook:
         iid = inst.instance_id
         scale, offset = self._scale(iid, inst.role), self._state_offset(inst)
         c0 = (inst.costs.prefill or self.defaults().prefill).c0 if inst.role == "prefill" else 0.0
-        if abs(math.log(scale / self.shown_scale(iid))) >= SHOW_TOLERANCE or \
-                abs(offset - self.shown_offset(iid)) > SHOW_TOLERANCE * (c0 + self.shown_offset(iid)):
+        if model_moved(scale, offset, self.shown_scale(iid), self.shown_offset(iid), c0):
             self._shown[iid], self._offset[iid] = scale, offset
             self.membership.show_costs(inst)
 
