@@ -58,7 +58,7 @@ def summarize(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for label, path, goal, at_least in POOLED:
         counts = [c for r in reports if isinstance(c := _at(r, path), Mapping)]
         met, of = sum(int(c.get("met", 0)) for c in counts), sum(int(c.get("of", 0)) for c in counts)
-        pooled[label] = share(met, of, goal, at_least)
+        pooled[label] = {**share(met, of, goal, at_least), "at_least": at_least}
     return {"runs": len(reports), "figures": figures, "pooled": pooled}
 
 
@@ -77,7 +77,7 @@ def summary_text(summary: Mapping[str, Any]) -> str:
             continue
         lo, hi = s["ci95"]
         lines.append(f"  {label:<36} {s['met']}/{s['of']} = {100 * s['share']:.1f}% "
-                     f"(95% CI {100 * lo:.1f}%–{100 * hi:.1f}%; goal {'≥' if label.startswith('admitted') else '≤'} "
+                     f"(95% CI {100 * lo:.1f}%–{100 * hi:.1f}%; goal {'≥' if s['at_least'] else '≤'} "
                      f"{100 * s['goal']:.0f}%: {'yes' if s['goal_met'] else 'NO'})")
     return "\n".join(lines)
 
