@@ -34,8 +34,8 @@ forwards run beside a busy neighbour, else ``compute``: the live conductor knows
 is busy) and learns each state from the requests priced in it; the simulator and every decode
 weigh the two by the moving share ``b`` of busy requests. They differ either way: on a 2-CPU box
 a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
-(``prefill/threads.py``) and the pack after it 1.3-1.45x. The idle state is a line, not a
-factor (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0``
+(``prefill/threads.py``) and the pack after it 1.3-1.45x. Each state is a line, not a factor
+(``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0`` once a job
 (:meth:`Corrections.prefill_offset`, :func:`scaled`); a state not yet observed borrows the
 other's. An instance never observed has factor 1 and offset 0 exactly.
 
@@ -83,7 +83,6 @@ from mooncake_lite.scheduler.shares import overtakes_used
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
 STATES = ("compute", "interference")   # a prefill's two node states: idle, beside a busy neighbour
-LINED = ("compute",)    # the states corrected as a line, not one factor (forward_fit.py: why the idle one only)
 TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a
 # share in absolute terms): a new model makes the scheduler derive that instance's estimates afresh,
@@ -169,7 +168,7 @@ class InstanceCorrection:
     overtake_share: float = 0.0   # of the overtake allowance's worst case, the share jobs met (0: none learned)
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
-    lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each LINED state's
+    lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each state's (forward_fit.py)
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
@@ -233,14 +232,12 @@ class Corrections:
         return None
 
     def _observe_state(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float) -> None:
-        """A prefill state moved by one forward (``x`` on the instance's own model, ``y`` measured): a LINED
-        state's line (``forward_fit.py``), another's factor; first seen, from the state it borrowed."""
+        """A prefill state's line (``forward_fit.py``) moved by one forward (``x`` on the instance's own
+        model, ``y`` measured); first seen, from the state it borrowed (its factor and offset)."""
         cfg, was = self.cfg, cur.state_term(term == "interference")
         start = cur.factors[term] if term in cur.factors else Factor(cur.log_of(was))
-        if term not in LINED:
-            self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: step(start, y / x, cfg)})
-            return
-        line, scale = moved_line(cur.lines.get(term, ForwardLine()), x, y, cfg.line_window, cfg.line_min, cfg.alpha)
+        line, scale = moved_line(cur.lines.get(term, ForwardLine(cur.offset(was))), x, y, cfg.line_window,
+                                 cfg.line_min, cfg.alpha)
         new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
                                                  lines={**cur.lines, term: line})
@@ -390,11 +387,13 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
 def scaled(model, factor: float, offset: float = 0.0):
     """A cost model (prefill or decode) with ``offset`` seconds added to its fixed cost ``c0`` (a
     prefill state's line, ``forward_fit.py``) and every coefficient multiplied by ``factor``: each
-    of its forwards' predictions is ``factor × (x + offset)`` (the formulas, a prefill's chunked sum
-    too, are linear in the coefficients), its chunk kept. The same object when ``factor`` is 1 and
-    ``offset`` 0, so an uncorrected instance's state is the one it had."""
+    job's prediction is ``factor × (x + offset)`` (the formulas, a prefill's chunked sum too, are
+    linear in the coefficients), its chunk kept; paid once a job, as fitted: a chunked model's later
+    chunks keep their ``c0`` (``later_c0``). The same object when ``factor`` is 1 and ``offset`` 0."""
     if (factor == 1.0 and offset == 0.0) or model is None:
         return model
     coefs = model.to_dict()
+    if offset and hasattr(model, "later_c0"):   # a prefill's
+        coefs.setdefault("later_c0", coefs["c0"])
     coefs["c0"] += offset
     return replace(model, **{k: v * factor for k, v in coefs.items()})

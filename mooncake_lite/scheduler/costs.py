@@ -39,7 +39,9 @@ class _Coefficients:
 
     def to_dict(self) -> dict[str, float]:
         # every subclass is a dataclass (this base has no fields of its own)
-        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items() if k not in LOCAL}
+        # an optional coefficient (None: unset) does not travel, so an unset one reads anywhere
+        return {k: float(v) for k, v in asdict(cast("DataclassInstance", self)).items()
+                if k not in LOCAL and v is not None}
 
     @classmethod
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
@@ -84,6 +86,10 @@ class PrefillCostModel(_Coefficients):
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    # The fixed cost of each chunk after a prompt's first (None: ``c0``; a one-pass model has none).
+    # A corrected model raises only the first's: its line's offset is fitted once a request
+    # (correction.scaled, forward_fit.py).
+    later_c0: float | None = None
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached:
@@ -104,10 +110,11 @@ class PrefillCostModel(_Coefficients):
         if chunk < 0:    # the wire's bound is checked where the message is decoded (protocol.Register)
             raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
         if not chunk:
-            return self if type(self) is PrefillCostModel else PrefillCostModel(self.c0, self.c1, self.c2, self.c3)
+            return self if type(self) is PrefillCostModel else \
+                PrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0)
         if isinstance(self, ChunkedPrefillCostModel) and self.chunk == chunk:
             return self
-        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, chunk)
+        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, chunk)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
@@ -146,7 +153,7 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         """``n`` > ``chunk`` uncached tokens after ``p`` cached ones, run as k full chunks of C and a
         remainder r (``n = k·C + r``, m = k + (r > 0) forwards), chunk i a forward of n_i new tokens
         over p_i = p + (the earlier chunks' tokens): Σ_i [c0 + c1·n_i + c2·n_i·(p_i + n_i) + c3·p_i]
-        in O(1). Σ n_i·(p_i + n_i) = n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with
+        (``later_c0`` for c0 after the first, where set) in O(1). Σ n_i·(p_i + n_i) = n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with
         itself and its own chunk's later ones too), Σ n_i² = k·C² + r²; Σ p_i = m·p + C·k(k−1)/2
         + k·C for the remainder. Exact in integers: n² + k·C² + r² is even."""
         c = self.chunk
@@ -154,7 +161,8 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         m = k + 1 if r else k
         pairs = n * p + (n * n + k * c * c + r * r) // 2
         loads = m * p + c * (k * (k - 1) // 2) + (k * c if r else 0)
-        t = self.c0 * m + self.c1 * n + self.c2 * pairs + self.c3 * loads
+        later = self.c0 if self.later_c0 is None else self.later_c0
+        t = self.c0 + later * (m - 1) + self.c1 * n + self.c2 * pairs + self.c3 * loads
         return t if t > 0.0 else 0.0
 
 

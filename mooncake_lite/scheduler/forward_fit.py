@@ -1,18 +1,18 @@
-"""A prefill's forward on an idle node as it is really served: ``scale · (x + offset)`` (issue #36).
+"""A prefill's forward in each node state as it is really served: ``scale · (x + offset)`` (issue #36).
 
 One factor corrected a prefill's speed, and it could not be right for a short forward and a long
 one at once. Replaying six live trace runs (Zen 5, docs/results/2026-11-30-zen5.md §16), a request
 priced under 0.15 s took 1.6-1.9x it and over 1.2 s 0.76-0.88x, in every run: a served forward
 pays per-forward costs the profile never timed (its KV frames and executor hops, the intake beside
-it), and a long one borrows an idle neighbour's CPU. So the idle state's correction is a line,
-``measured = scale · (x + offset)`` (``x``: the forward's seconds on the instance's own model),
+it), and a long one borrows an idle neighbour's CPU (beside a busy decode, one that outlasts the
+decode's work). So each state's correction is a line, ``measured = scale · (x + offset)`` (``x``:
+the request's forwards' seconds on the instance's own model, a long prompt's chunks summed),
 fitted to its last ``window`` requests by least squares in relative error (a 0.1 s forward counts
 as much as a 2 s one) with ``offset >= 0``. Shown as a model it is the same formula with ``c0``
 raised by ``offset`` and every coefficient multiplied by ``scale`` (``correction.scaled``), so
-every rule that prices with the model follows unchanged. The busy state keeps one factor: fitted
-live, its line came out flat (0.24 · (x + 2.2 s): the long jobs of a burst run last, when the decode
-has drained and lends its CPU), and priced every queued forward 0.5 s, the queue 1.5x too long
-(§16). An idle prefill has no queue: there the offset prices the request's own forward only.
+every rule that prices with the model follows unchanged; a chunked prompt pays the offset once,
+as it was fitted, not once a chunk (``PrefillCostModel.later_c0``). Paid once a chunk, a busy
+line of 0.24 · (x + 2.2 s) priced a queued 8-chunk prompt 4 s too long, the queue 1.5x (§16).
 
 The fit is used only once it can tell the two apart: ``min_pairs`` requests whose forwards span at
 least ``MIN_SPREAD``x; before that the factor moves toward each request's own ratio on the

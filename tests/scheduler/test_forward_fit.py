@@ -91,10 +91,10 @@ def test_the_shown_model_pays_the_offset_once_per_forward_and_a_rebase_keeps_the
     assert c.get("p").lines["compute"].pairs[-1] == pytest.approx((2 * last[0], last[1]))
 
 
-def test_only_the_idle_state_is_a_line_and_the_busy_one_starts_from_it():
-    """The busy state keeps one factor (forward_fit.py: its line came out flat live and priced the
-    queue 1.5x long); until observed it is priced on the idle line, and it starts from that line's
-    factor when it is."""
+def test_each_state_is_its_own_line_and_the_busy_one_starts_from_the_idle_one():
+    """Until observed, the busy state is priced on the idle line; its first observation moves it
+    from that line (scale and offset), not from scratch; then it learns a line of its own, and
+    the idle one stays where it was."""
     c = Corrections()
     for i in range(40):
         x = 0.03 + 0.05 * (i % 20)
@@ -102,10 +102,26 @@ def test_only_the_idle_state_is_a_line_and_the_busy_one_starts_from_it():
     scale, offset = c.prefill_scale("p", busy=False), c.prefill_offset("p", busy=False)
     assert offset > 0.03 and scale == pytest.approx(0.7, rel=0.15)
     assert (c.prefill_scale("p", busy=True), c.prefill_offset("p", busy=True)) == (scale, offset)   # borrowed
-    c.observe("p", "interference", 0.5, 0.5 * scale)        # its first: from the idle factor, toward its own
+    c.observe("p", "interference", 0.5, scale * (0.5 + offset))   # its first, on the borrowed line
     assert c.prefill_scale("p", busy=True) == pytest.approx(scale, rel=1e-9)
-    assert c.prefill_offset("p", busy=True) == 0.0 and "interference" not in c.get("p").lines
-    for i in range(40):
+    assert c.prefill_offset("p", busy=True) == pytest.approx(offset, rel=1e-9)
+    for i in range(80):
         x = 0.03 + 0.05 * (i % 20)
-        c.observe("p", "interference", x, 1.3 * (x + 0.06))  # a line's worth of data: still one factor
-    assert c.prefill_offset("p", busy=True) == 0.0 and "interference" not in c.get("p").lines
+        c.observe("p", "interference", x, 1.3 * (x + 0.15))
+    busy = c.prefill_scale("p", busy=True), c.prefill_offset("p", busy=True)
+    for x in (0.05, 0.3, 1.0):   # short and long forwards both within 5% of the busy line
+        assert busy[0] * (x + busy[1]) == pytest.approx(1.3 * (x + 0.15), rel=0.05)
+    assert (c.prefill_scale("p", busy=False), c.prefill_offset("p", busy=False)) == (scale, offset)
+
+def test_a_chunked_prompt_pays_the_offset_once_as_it_was_fitted():
+    """The line is fitted once a request (``x``: its forwards' seconds, chunks summed), so a long
+    prompt run chunk by chunk pays the offset once, not once a chunk; and the model with it reads
+    back the same from what ``sim export-costs`` writes."""
+    model = PrefillCostModel(0.01, 1e-4, 1e-8, 2e-6).with_chunk(512)
+    shown = scaled(model, 0.8, 0.1)
+    for n, p in ((100, 0), (512, 0), (2000, 0), (5000, 1000), (9000, 0)):
+        assert shown.predict(n, p) == pytest.approx(0.8 * (model.predict(n, p) + 0.1), rel=1e-9)
+        assert scaled(shown, 1.1, 0.05).predict(n, p) == pytest.approx(1.1 * (shown.predict(n, p) + 0.05), rel=1e-9)
+    assert "later_c0" not in model.to_dict()    # an uncorrected model's dict is what it always was
+    back = PrefillCostModel.from_dict(shown.to_dict()).with_chunk(512)
+    assert back.predict(9000) == pytest.approx(shown.predict(9000), rel=1e-12)
