@@ -48,9 +48,8 @@ its measured wait at its forward's speed, less the wait predicted before any ove
 allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an
-instance the queue's residual goes to the share first, and only what it cannot explain (a wait
-under the queue priced, or past the whole allowance) to the ``queue`` factor: each residual once
-(``PredictionBook._queue_explained``). With packing, later arrivals also *join* a job's forward
+instance the queue's residual goes to the share, not to the ``queue`` factor: one rule for each
+residual, never both. With packing, later arrivals also *join* a job's forward
 (``queue_order.join_allowance``): the prefill reports the forward that ran (its tokens and jobs),
 ``compute`` learns that forward's speed (a joined forward is no slowdown) and ``join_share`` (0
 until fed) what the joiners added over the allowance's worst case, by the same moving average.

@@ -29,7 +29,6 @@ from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, s
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
-from mooncake_lite.scheduler.shares import overtakes_used
 from mooncake_lite.scheduler.view import DecodeView
 
 log = logging.getLogger(__name__)
@@ -206,28 +205,17 @@ class PredictionBook:
         ran = self._forward_s(iid, check.forward) or own
         self._observe(iid, term, ran, check.compute_s)
         speed = check.compute_s / (ran + offset) if positive(check.compute_s) and ran > 0 else None
-        self._observe(iid, "queue", self._queue_explained(check, s, speed) / s, check.queue_s, speed)
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
                        join_full_s=p.join_full_s, ran_s=ran * s)
+        else:
+            self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
         c.note_shares(iid, busy=p.busy, queue_share=share)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
         self._refused(iid, "wait", c.note_wait(iid, p.queue_s, p.prefill_s, check.queue_s))
-
-    @staticmethod
-    def _queue_explained(check: Check, s: float, speed: float | None) -> float:
-        """The queue ``check``'s wait is set against for the queue factor (on the model shown): the
-        queue priced, or, served shortest first, its wait before overtakes plus the share of the
-        allowance the job met, so the factor learns only what that share cannot (a wait under the
-        queue priced, or past its allowance): each residual once. Measured (results §18): with each
-        forward priced within 8%, the trace's queues ran 0.8x their price, which no share can learn."""
-        p = check.predicted
-        wait = max(p.queue_s - p.overtake_s - p.join_s, 0.0)
-        used = overtakes_used(wait, p.overtake_full_s, check.queue_s, None if speed is None else speed / s)
-        return p.queue_s if used is None else wait + used * p.overtake_full_s + p.join_s
 
     def _forward_s(self, iid: str, forward: tuple[int, int, float, float] | None) -> float | None:
         """The forward a request's prefill ran in, on its instance's own model (None: not reported)."""
