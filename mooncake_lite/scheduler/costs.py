@@ -153,9 +153,10 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         """``n`` > ``chunk`` uncached tokens after ``p`` cached ones, run as k full chunks of C and a
         remainder r (``n = k·C + r``, m = k + (r > 0) forwards), chunk i a forward of n_i new tokens
         over p_i = p + (the earlier chunks' tokens): Σ_i [c0 + c1·n_i + c2·n_i·(p_i + n_i) + c3·p_i]
-        (``later_c0`` for c0 after the first, where set) in O(1). Σ n_i·(p_i + n_i) = n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with
-        itself and its own chunk's later ones too), Σ n_i² = k·C² + r²; Σ p_i = m·p + C·k(k−1)/2
-        + k·C for the remainder. Exact in integers: n² + k·C² + r² is even."""
+        (``later_c0`` for c0 after the first, where set) in O(1). Σ n_i·(p_i + n_i) = n·p +
+        (n² + Σ n_i²)/2 (each pair of tokens once, a token with itself and its own chunk's later
+        ones too), Σ n_i² = k·C² + r²; Σ p_i = m·p + C·k(k−1)/2 + k·C for the remainder. Exact in
+        integers: n² + k·C² + r² is even."""
         c = self.chunk
         k, r = divmod(n, c)
         m = k + 1 if r else k

@@ -113,6 +113,7 @@ def test_each_state_is_its_own_line_and_the_busy_one_starts_from_the_idle_one():
         assert busy[0] * (x + busy[1]) == pytest.approx(1.3 * (x + 0.15), rel=0.05)
     assert (c.prefill_scale("p", busy=False), c.prefill_offset("p", busy=False)) == (scale, offset)
 
+
 def test_a_chunked_prompt_pays_the_offset_once_as_it_was_fitted():
     """The line is fitted once a request (``x``: its forwards' seconds, chunks summed), so a long
     prompt run chunk by chunk pays the offset once, not once a chunk; and the model with it reads
