@@ -21,9 +21,11 @@ log = logging.getLogger(__name__)
 
 
 def annotate(result: PrefillResult, job: QueuedJob) -> PrefillResult:
-    """The queue's part of a result's timings (and a hot-spot migration's, which the conductor
-    learns the link's speed from)."""
+    """The queue's part of a result's timings: its wait, and how many later arrivals were served
+    before it (the conductor learns its queue's speed from the waits of jobs nobody passed); and a
+    hot-spot migration's, which the conductor learns the link's speed from."""
     result.timings["queue_s"] = job.started_at - job.arrived_at
+    result.timings["passed"] = float(job.passed)
     if job.migrated is not None:
         result.timings["migrate_bytes"], result.timings["migrate_s"] = job.migrated
     return result

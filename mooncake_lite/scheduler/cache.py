@@ -124,7 +124,7 @@ class EstimateCache:
             model = p.cost or default
             backlog = kept.get(p.instance_id)
             if backlog is None or backlog.queue is not p.queue or backlog.model is not model \
-                    or backlog.pack_tokens != p.pack_tokens:
+                    or backlog.pack_tokens != p.pack_tokens or backlog.queue_scale != p.queue_scale:
                 backlog = self._backlog(p, model)
             out.append(backlog)
         return out
@@ -134,6 +134,8 @@ class EstimateCache:
         backlog = self._backlogs.get(p.instance_id)
         if backlog is not None and backlog.queue is p.queue and backlog.model is model \
                 and backlog.pack_tokens == p.pack_tokens:
+            if backlog.queue_scale != p.queue_scale:     # the wait's scale alone moved: the work stands
+                backlog = self._backlogs[p.instance_id] = backlog._replace(queue_scale=p.queue_scale)
             return backlog
         if p.pack_tokens > 0:   # packed: one job more or less re-cuts the packs, so derive anew
             backlog = self._backlogs[p.instance_id] = backlog_of(p, model)
@@ -143,7 +145,10 @@ class EstimateCache:
             durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
         if durations is None:
             durations = durations_of(p.queue, model)
-        backlog = self._backlogs[p.instance_id] = backlog_from(p.queue, model, durations)
+        backlog = backlog_from(p.queue, model, durations)
+        if p.queue_scale != 1.0:
+            backlog = backlog._replace(queue_scale=p.queue_scale)
+        self._backlogs[p.instance_id] = backlog
         return backlog
 
     def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:

@@ -26,9 +26,13 @@ None of these constants describes a machine: they say how fast to believe new ev
 
 What the scheduler is given (:meth:`Corrections.prefill_scale`, :meth:`Corrections.decode_scale`)
 is one factor per model, its coefficients all multiplied by it, so every rule that prices with the
-model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change:
-``state · queue^w`` for a prefill (``w``: the moving share of the predicted TTFT that was queue),
-``decode · decode_interference^b`` for a decode. A prefill's state is ``interference`` when its next
+model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change: its
+node state's for a prefill (below), ``decode · decode_interference^b`` for a decode. A prefill's
+``queue`` factor is given apart (:meth:`Corrections.queue_scale`, the scheduler's
+``PrefillInstanceState.queue_scale``): the wait for the work queued ahead is that many times its
+price, and each request's own forward is not. On the model (as ``queue^w``, ``w`` the queue's
+share of the TTFT) it priced each forward 0.81x with the queue (docs/results/2026-11-30-zen5.md
+§19). A prefill's state is ``interference`` when its next
 forwards run beside a busy neighbour, else ``compute``: the live conductor knows which
 (``PredictionBook.show_node_states``: a job queued on it, or a decode on its node with requests,
 is busy) and learns each state from the requests priced in it; the simulator and every decode
@@ -48,11 +52,14 @@ its measured wait at its forward's speed, less the wait predicted before any ove
 allowance), and the instance's ``overtake_share`` (the scheduler's
 ``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
 [0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an
-instance the queue's residual goes to the share, not to the ``queue`` factor: one rule for each
-residual, never both. With packing, later arrivals also *join* a job's forward
-(``queue_order.join_allowance``): the prefill reports the forward that ran (its tokens and jobs),
-``compute`` learns that forward's speed (a joined forward is no slowdown) and ``join_share`` (0
-until fed) what the joiners added over the allowance's worst case, by the same moving average.
+instance the share learns from each job the wait beyond the queue ahead (as scaled), and the
+``queue`` factor, which prices that queue alone (:meth:`Corrections.queue_scale`), from the jobs
+the instance says no later arrival passed (their share met is 0): each residual once
+(:meth:`Corrections.note_met`). With packing, later arrivals also
+*join* a job's forward (``queue_order.join_allowance``): the prefill reports the forward that
+ran (its tokens and jobs), ``compute`` learns that forward's speed (a joined forward is no
+slowdown) and ``join_share`` (0 until fed) what the joiners added over the allowance's worst
+case, by the same moving average.
 
 What all this learns is a central prediction: half the requests meet less, half more. Admission must
 refuse on what a request may meet, not on what it meets usually (a refusal priced on the median
@@ -164,7 +171,6 @@ class InstanceCorrection:
 
     factors: Mapping[str, Factor] = field(default_factory=dict)
     busy_share: float = 0.0       # of its observations, those beside a busy neighbour
-    queue_share: float = 0.0      # of its predicted TTFT, the share that was queue
     overtake_share: float = 0.0   # of the overtake allowance's worst case, the share jobs met (0: none learned)
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
@@ -259,15 +265,11 @@ class Corrections:
             lines = {**cur.lines, t: cur.lines[t].rebased(math.exp(log_shift))} if t in cur.lines else cur.lines
             self._by_instance[instance_id] = replace(cur, factors={**cur.factors, t: moved}, lines=lines)
 
-    def note_shares(self, instance_id: str, *, busy: bool | None = None, queue_share: float | None = None) -> None:
-        """Move the moving shares: whether this observation ran beside a busy neighbour, and what
-        share of its predicted TTFT was queue (a number in [0, 1])."""
-        cur, a = self.get(instance_id), self.cfg.alpha
-        busy_share = cur.busy_share if busy is None else cur.busy_share + a * (float(busy) - cur.busy_share)
-        share = cur.queue_share
-        if queue_share is not None and 0.0 <= queue_share <= 1.0:
-            share += a * (queue_share - share)
-        self._by_instance[instance_id] = replace(cur, busy_share=busy_share, queue_share=share)
+    def note_busy(self, instance_id: str, busy: bool) -> None:
+        """Move the moving share of observations that ran beside a busy neighbour."""
+        cur = self.get(instance_id)
+        self._by_instance[instance_id] = replace(cur, busy_share=cur.busy_share + self.cfg.alpha *
+                                                 (float(busy) - cur.busy_share))
 
     def note_overtakes(self, instance_id: str, used: float) -> str | None:
         """Move ``instance_id``'s overtake share toward ``used`` (one job's, ``shares.overtakes_used``);
@@ -275,17 +277,37 @@ class Corrections:
         return self._move_share(instance_id, "overtake_share", used)
 
     def note_met(self, instance_id: str, *, wait_s: float, overtake_full_s: float, measured_queue_s: float | None,
-                 speed: float | None, own_s: float, join_full_s: float, ran_s: float) -> None:
+                 speed: float | None, own_s: float, join_full_s: float, ran_s: float, passed: float | None = None,
+                 queue_scale: float = 1.0) -> None:
         """One shortest-first job's shares met (module doc), each on the model it was priced with:
         of the overtake allowance's worst case ``overtake_full_s``, what its measured wait (at its
         forward's ``speed`` over that model) added to ``wait_s``, the queue priced before any
-        overtake; of the join allowance's ``join_full_s``, what its forward as run (``ran_s``)
-        added to its own (``own_s``). A job with no allowance, or a figure that is no number,
-        moves nothing. The live conductor and the simulator both learn through this."""
-        for share, used in (("overtake_share", overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)),
-                            ("join_share", overtakes_used(own_s, join_full_s, ran_s, None))):
+        overtake (× ``queue_scale``, as shown), or none when the instance said no later arrival
+        passed it (``passed`` 0; None: not said); of the join allowance's ``join_full_s``, what its
+        forward as run (``ran_s``) added to its own (``own_s``). A job with no allowance, or a
+        figure that is no number, moves nothing. A job nobody passed then teaches the ``queue``
+        factor (:meth:`_note_wait_scale`). The live conductor and the simulator both learn through this."""
+        alone = passed == 0
+        overtaken = 0.0 if alone and overtake_full_s > 0 else \
+            overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)
+        joined = overtakes_used(own_s, join_full_s, ran_s, None)
+        for share, used in (("overtake_share", overtaken), ("join_share", joined)):
             if used is not None:
                 self._move_share(instance_id, share, used)
+        if alone and wait_s > 0.0 and measured_queue_s is not None and speed is not None and speed > 0.0:
+            self._note_wait_scale(instance_id, wait_s / queue_scale, measured_queue_s / speed)
+
+    def _note_wait_scale(self, instance_id: str, wait_s: float, waited_s: float) -> None:
+        """The ``queue`` factor of a shortest-first instance, the scale of its wait for the work
+        queued ahead (``queue_scale``), from a job no later arrival passed: its wait
+        (``waited_s``) is that work's alone, set against it unscaled (``wait_s``; both on the
+        model shown). A job that was passed teaches the overtake share instead, against the wait
+        as scaled: each residual once. Measured: with each forward priced within 8% and the share
+        near 0, the trace's queues ran 0.8x their price, which no share can learn (it stops at 0;
+        docs/results/2026-11-30-zen5.md §18). Learned instead from every job (its wait less the
+        allowance priced) beside the share, neither held: on synthetic jobs (the queue 0.8x its
+        price, a fifth passed) the factor settled at 0.54-0.70, the share at 0.03-0.16 for 0.1."""
+        self.observe(instance_id, "queue", wait_s, waited_s, 1.0)
 
     def _move_share(self, instance_id: str, share: str, used: float) -> str | None:
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:
@@ -337,18 +359,17 @@ class Corrections:
         state of its node its next forwards are priced in (a neighbour at work: ``interference``;
         idle: ``compute``), None: the two weighed by the moving share of busy requests."""
         c = self.get(instance_id)
-        return self._clamped(self._compute_log(c, busy) + c.queue_share * c.log_of("queue"))
+        return self._clamped(self._compute_log(c, busy))
+
+    def queue_scale(self, instance_id: str) -> float:
+        """What a prefill's wait for the work queued ahead is multiplied by (module doc)."""
+        return self._clamped(self.get(instance_id).log_of("queue"))
 
     def prefill_offset(self, instance_id: str, busy: bool | None = None) -> float:
         """The seconds a prefill instance's model adds to each forward before its scale
         (``forward_fit.py``), in the state ``busy`` as :meth:`prefill_scale` takes it."""
         c = self.get(instance_id)
         return sum(w * c.offset(c.state_term(b)) for b, w in _state_weights(c, busy))
-
-    def compute_scale(self, instance_id: str) -> float:
-        """:meth:`prefill_scale` without the queue: what a forward takes (the simulator, which
-        queues by itself, is exported this one and :meth:`prefill_offset`'s moving share)."""
-        return self._clamped(self._compute_log(self.get(instance_id)))
 
     @staticmethod
     def _compute_log(c: InstanceCorrection, busy: bool | None = None) -> float:

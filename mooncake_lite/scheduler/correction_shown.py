@@ -44,6 +44,14 @@ def show_shares(c: Corrections, instance_id: str, view) -> None:
         view.set_overtake_share(share, join)
 
 
+def show_queue_scale(c: Corrections, instance_id: str, view) -> None:
+    """``view`` (a ``PrefillView``, live or simulated) shows the scale of its wait for the work
+    queued ahead (``Corrections.queue_scale``) once it moved by more than ``SHOW_TOLERANCE``."""
+    scale = c.queue_scale(instance_id)
+    if abs(math.log(scale / view.queue_scale)) >= SHOW_TOLERANCE:
+        view.set_queue_scale(scale)
+
+
 def model_moved(scale: float, offset: float, shown_scale: float, shown_offset: float, c0: float) -> bool:
     """Whether an instance's model is to be shown anew: its scale moved past ``SHOW_TOLERANCE`` in
     log, or its offset (a prefill's line, ``forward_fit.py``; 0 elsewhere) by that share of the

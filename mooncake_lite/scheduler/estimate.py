@@ -48,7 +48,9 @@ class Backlog(NamedTuple):
     the queue's work started), the (duration, started_at) of the leading jobs that have
     started, and the jobs' request ids. An instance that packs (``pack_tokens`` > 0) has its
     queue priced packed (:mod:`~mooncake_lite.scheduler.packing`: a pack's first job carries
-    its time) and names the last waiting pack a new request may join (``tail_tokens``, ``tail_s``)."""
+    its time) and names the last waiting pack a new request may join (``tail_tokens``, ``tail_s``).
+    ``queue_scale``: the instance's (``PrefillInstanceState.queue_scale``): its work left is waited
+    for that many times its price (:func:`queues_at`); the durations stay as priced."""
 
     queue: tuple[QueuedPrefill, ...]
     model: PrefillCostModel
@@ -60,6 +62,7 @@ class Backlog(NamedTuple):
     tail_tokens: int = NO_TAIL
     tail_s: float = 0.0
     tail_bound: int = 0
+    queue_scale: float = 1.0
 
 
 def durations_of(queue: Sequence[QueuedPrefill], model: PrefillCostModel) -> list[float]:
@@ -73,8 +76,9 @@ def backlog_of(p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
         packed = packed_queue(p.queue, model, p.pack_tokens)
         return backlog_from(p.queue, model, packed.durations_s)._replace(
             pack_tokens=p.pack_tokens, tail_tokens=packed.tail_tokens, tail_s=packed.tail_s,
-            tail_bound=packed.tail_bound)
-    return backlog_from(p.queue, model, durations_of(p.queue, model))
+            tail_bound=packed.tail_bound, queue_scale=p.queue_scale)
+    b = backlog_from(p.queue, model, durations_of(p.queue, model))
+    return b if p.queue_scale == 1.0 else b._replace(queue_scale=p.queue_scale)
 
 
 def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, durations: list[float]) -> Backlog:
@@ -85,7 +89,7 @@ def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, dura
             break
         started.append((duration, job.started_at))
     return _new(Backlog, (queue, model, durations, list(accumulate(durations)), tuple(started),
-                          tuple(map(_REQUEST_ID, queue)), 0, NO_TAIL, 0.0, 0))
+                          tuple(map(_REQUEST_ID, queue)), 0, NO_TAIL, 0.0, 0, 1.0))
 
 
 class QueuesAt(NamedTuple):
@@ -137,7 +141,8 @@ class Queues(Protocol):
 
 
 def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
-    """A started job counts as done for its elapsed time, never more than its duration."""
+    """A started job counts as done for its elapsed time, never more than its duration; the work
+    left is waited for ``queue_scale`` times its price (the backlog's)."""
     done_s, queue_s = [], []
     for b in backlogs:
         cum, done = b.cumulative_s, 0.0
@@ -146,7 +151,7 @@ def queues_at(backlogs: list[Backlog], now: float) -> QueuesAt:
             if elapsed > 0.0:
                 done += duration if elapsed > duration else elapsed
         done_s.append(done)
-        queue_s.append(cum[-1] - done if cum else 0.0)
+        queue_s.append((cum[-1] - done) * b.queue_scale if cum else 0.0)
     return QueuesAt(backlogs, done_s, queue_s)
 
 
@@ -164,7 +169,7 @@ def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
     horizon = t - now
     for b, done in zip(queues.backlogs, queues.done_s):
         cum = b.cumulative_s
-        first = bisect_right(cum, horizon + done)   # jobs run in order: the rest end later
+        first = bisect_right(cum, horizon / b.queue_scale + done)   # jobs run in order: the rest end later
         if first < len(cum):
             late.update(b.request_ids[first:])
     return late
@@ -172,11 +177,13 @@ def late_prefills(queues: Queues, now: float, t: float) -> set[str]:
 
 def prefill_ends(queues: Queues, now: float) -> dict[str, float]:
     """When each queued prefill is predicted (``queues``: at ``now``) to finish, by request id (job
-    i of instance k at ``now - done_s[k] + cumulative_s[i]``): when its incoming request joins."""
+    i of instance k at ``now + (cumulative_s[i] - done_s[k]) × queue_scale``): when its incoming
+    request joins."""
     ends: dict[str, float] = {}
     for b, done in zip(queues.backlogs, queues.done_s):
-        start = now - done
-        ends.update(zip(b.request_ids, [start + c for c in b.cumulative_s]))
+        q, start = b.queue_scale, now - done
+        ends.update(zip(b.request_ids, [start + c for c in b.cumulative_s] if q == 1.0 else
+                        [now + (c - done) * q for c in b.cumulative_s]))
     return ends
 
 

@@ -82,11 +82,14 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     queue, then its own prefill. On an instance serving shortest first (``p.overtakes``) it
     lands where scheduler/queue_order.py puts it: the forwards before its own, plus what the
     later arrivals allowed to pass it (if it waits at all), or joining its forward, are predicted
-    to add (the instance's learned shares of the most)."""
+    to add (the instance's learned shares of the most). ``queue_s`` is the backlog's work left ×
+    its ``queue_scale`` (estimate.queues_at): the forwards ahead are waited for that many times
+    their price, the allowances and its own forward are priced as they are."""
+    q = backlog.queue_scale if backlog is not None else 1.0
     if p is not None and p.overtakes > 0 and backlog is not None:
-        done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s
+        done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s / q
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
-        wait = start - done if start > done else 0.0
+        wait = (start - done) * q if start > done else 0.0
         # a job that starts at once (wait 0) is passed by nobody: only a waiting one is priced for it
         allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
                                        p.recent_uncached) if wait > 0.0 else 0.0
@@ -96,7 +99,7 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     if backlog is not None and backlog.pack_tokens > 0:
         n = req.num_tokens - min(prefix_tokens, req.num_tokens - 1)
         if joins_tail(backlog.tail_tokens, n, backlog.tail_bound):
-            ahead = queue_s - backlog.tail_s
+            ahead = queue_s - backlog.tail_s * q
             return ahead if ahead > 0.0 else 0.0, backlog.tail_s + own_seconds(model, req.num_tokens,
                                                                              prefix_tokens, True)
     return queue_s, model.predict(req.num_tokens, prefix_tokens)

@@ -62,6 +62,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         self.row: PricedRow | None = None
         self.overtake_share = 1.0     # what the online correction learned (state.py; 1: the worst case)
         self.join_share = 0.0         # likewise (0: the forward as the queue stands)
+        self.queue_scale = 1.0        # likewise (state.py; 1: the queue as its forwards price it)
         self._arrivals: deque[int] = deque(maxlen=RECENT_ARRIVALS)   # uncached tokens, as they came
         self._recent: tuple[int, ...] | None = ()     # the state's recent_uncached (None: sort afresh)
         self._learning = False                        # shown once a correction is: until then, the worst case
@@ -83,6 +84,12 @@ class PrefillView(Shown[PrefillInstanceState]):
         join = self.join_share if join_share is None else join_share
         if share != self.overtake_share or join != self.join_share or not self._learning:
             self.overtake_share, self.join_share, self._learning, self._recent = share, join, True, None
+            self._stale()
+
+    def set_queue_scale(self, scale: float) -> None:
+        """What the wait for the work queued ahead is multiplied by (the owner's online correction)."""
+        if scale != self.queue_scale:
+            self.queue_scale = scale
             self._stale()
 
     def note_arrival(self, uncached: int) -> None:
@@ -169,7 +176,7 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._state = state = PrefillInstanceState(self.instance_id, about.store_id, self._queue,
                                                        about.bandwidth_bytes_per_s, about.cost, about.pack_tokens,
                                                        about.overtakes, self.overtake_share, self._recent_uncached(),
-                                                       self.spread, self.join_share)
+                                                       self.spread, self.join_share, self.queue_scale)
             self.row = self._row(state) if self._model is not None else None
         return self._state
 

@@ -80,7 +80,11 @@ class PrefillInstanceState:
     of measured / predicted wait, ``Corrections.spread`` of ``wait``; 1: not measured): admission
     judges the queue × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
     packing, the share of :func:`~mooncake_lite.scheduler.queue_order.join_allowance`'s worst case
-    (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned."""
+    (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned.
+    ``queue_scale``: what the wait for the work queued ahead (before any overtake or join
+    allowance) is multiplied by: the online correction's ``queue`` factor, the queue alone, so a
+    queue that drains faster or slower than its forwards leaves each request's own forward priced
+    as it runs (1: not learned)."""
 
     instance_id: str
     store_id: Hashable
@@ -93,6 +97,7 @@ class PrefillInstanceState:
     recent_uncached: tuple[int, ...] = ()
     queue_spread: float = 1.0
     join_share: float = 0.0
+    queue_scale: float = 1.0
 
 
 @dataclass(slots=True, unsafe_hash=True)

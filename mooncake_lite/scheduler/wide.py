@@ -97,6 +97,8 @@ class PrefillTable:
         self.packing: set[int] = set()   # rows whose instance packs its queue (prefill batching)
         self.positions: dict[Hashable, list[int]] = {}   # store id -> its rows
         self.odd_bw: set[int] = set()    # rows whose fetch bandwidth is not the cluster default
+        self.queue_scale = np.ones(n)    # each row's PrefillInstanceState.queue_scale
+        self.odd_scale: set[int] = set()     # the rows whose queue_scale is not 1
         # id(list of stores of a PrefixMatch run) -> (that list, its stores' rows): a hot prefix's
         # holders are the same list on every request for it (block_index.PrefixMatch.runs)
         self._run_rows: dict[int, tuple[list[Hashable], np.ndarray]] = {}
@@ -146,6 +148,12 @@ class PrefillTable:
                 pos = self._model_pos[id(model)] = len(self.models)
                 self.models.append(model)
             self.model_of[i] = pos
+        if p.queue_scale != self.queue_scale[i]:
+            self.queue_scale[i] = p.queue_scale
+            if p.queue_scale == 1.0:
+                self.odd_scale.discard(i)
+            else:
+                self.odd_scale.add(i)
         bw = p.bandwidth_bytes_per_s or costs.bandwidth_bytes_per_s
         if bw != self._row_bw[i]:
             self._row_bw[i] = self.bw[i] = bw
@@ -211,7 +219,8 @@ class PrefillTable:
 
     def queues_at(self, now: float) -> RowQueues:
         """:func:`~mooncake_lite.scheduler.estimate.queues_at` of the rows. A started job counts as done for its elapsed time, never more than its
-        duration; an empty queue has no started job and a total of 0."""
+        duration; an empty queue has no started job and a total of 0; a row's work left is waited
+        for its ``queue_scale`` times."""
         done = now - self.head_s          # then clamped in place: no temporaries (the same values)
         np.maximum(done, 0.0, out=done)
         np.minimum(done, self.head_d, out=done)
@@ -223,6 +232,8 @@ class PrefillTable:
                 if elapsed > 0.0:
                     d += duration if elapsed > duration else elapsed
             done[i], queue[i] = d, b.cumulative_s[-1] - d
+        if self.odd_scale:
+            queue *= self.queue_scale
         return RowQueues(self, done, queue)
 
     def predict(self, num_tokens: int, num_prefix_tokens: int, rows: np.ndarray | None = None) -> float | np.ndarray:

@@ -116,7 +116,7 @@ class SimCorrecting:
         """``p``'s view as the live conductor's shows it: the model as its compute line, and the
         overtake share, each once it moved by more than ``SHOW_TOLERANCE``."""
         c, iid, view = self.corrections, p.instance_id, p.view
-        scale, offset, model = c.compute_scale(iid), c.prefill_offset(iid), p.cost or self.costs.prefill
+        scale, offset, model = c.prefill_scale(iid), c.prefill_offset(iid), p.cost or self.costs.prefill
         if model_moved(scale, offset, self._shown.get(iid, 1.0), self._offset.get(iid, 0.0), model.c0):
             self._shown[iid], self._offset[iid] = scale, offset
             view.set_instance(p.store_id, None, scaled(model, scale, offset), p.pack_tokens, p.overtakes)

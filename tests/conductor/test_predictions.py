@@ -72,7 +72,7 @@ async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_clu
     async with cluster.session.get(cluster.url + "/internal/v1/cost_model") as r:
         profile = await r.json()
     assert profile["corrections"]["p0"]["factors"]["compute"] > 2.0
-    exported = scaled(before or svc.scheduler.costs.prefill, svc.predictions.corrections.compute_scale("p0"))
+    exported = scaled(before or svc.scheduler.costs.prefill, svc.predictions.corrections.prefill_scale("p0"))
     assert profile["prefill"]["c1"] == pytest.approx(exported.c1, rel=1e-6)   # no queue term: the sim queues
     assert [i["corrected"] for i in profile["instances"] if i["instance_id"] == "p0"] == [True]
     # each measured TTFT over the one shown is kept (the fake reports its compute, it does not take
@@ -227,7 +227,8 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     learned from what the jobs meet. A job sent alone starts at once: priced for no overtakes, it
     teaches nothing. Sent at once, the jobs behind the first wait, and the instance reports each
     waited far longer than the queue ahead of it: they teach the share up, and the queue factor
-    stays untouched. Prompts grow, so each is likely to be passed (shorter ones came before it)."""
+    stays untouched (the fake does not say who passed whom). Prompts grow, so each is likely to be
+    passed (shorter ones came before it)."""
     cluster = await make_cluster(dead_after=SLOW_BOX)
     p0 = cluster.instances["p0"]
     status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
@@ -251,6 +252,52 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     waits = book.corrections.get("p0").ratios["wait"]
     assert len(waits) >= 1 and state.queue_spread == pytest.approx(book.corrections.spread("p0", "wait"), rel=1 / 30)
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)
+
+
+async def test_a_shortest_first_wait_priced_too_long_scales_the_wait_not_the_forward(make_cluster):
+    """Jobs sent at once, each reported to have waited less than the queue priced ahead of it, and
+    passed by nobody: no share of an overtake allowance explains a wait under the queue (it stops
+    at 0), so the queue factor learns it, and the scheduler is shown it as the wait's own scale:
+    the next job's queue is priced shorter while each job's own forward is priced as the compute
+    factor alone says."""
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    p0 = cluster.instances["p0"]
+    status, body = await fakes.register(cluster.session, cluster.url, p0, queue_overtakes=4)
+    assert status == 200, body
+    p0.behaviour.timings = {"queue_s": 0.001, "compute_s": 0.05, "passed": 0.0}
+    c, book = client(cluster), cluster.svc.predictions
+    for _ in range(3):
+        await asyncio.gather(*(c.completions.create(model="tiny", prompt="word " * (4 + 6 * i), max_tokens=2)
+                               for i in range(8)))
+    await c.close()
+    corr = book.corrections
+    assert corr.overtake_share("p0") == 0.0 and corr.get("p0").factor("queue") < 0.9
+    state = cluster.svc.membership.snapshot().prefills[0]
+    assert state.queue_scale == pytest.approx(corr.queue_scale("p0"), rel=1 / 30) and state.queue_scale < 0.9
+    # the wait's scale is no part of the model's: each forward is priced at its state's speed alone
+    assert corr.prefill_scale("p0", False) == pytest.approx(corr.get("p0").factor("compute"))
+
+
+async def test_a_fifo_queue_factor_scales_the_wait_and_is_judged_on_the_scale_it_was_shown(make_cluster):
+    """FIFO, each job reported to have waited far less than the queue priced ahead of it: the
+    queue factor learns it and the view shows it as the wait's scale, never the model's. Every
+    prediction keeps the scale it was priced with, so the next residual is judged against the
+    unscaled queue (recorded as 1, a factor shown at 0.5 would be told 0.5 too long again)."""
+    from mooncake_lite.scheduler import Decision
+    cluster = await make_cluster(dead_after=SLOW_BOX)
+    p0 = cluster.instances["p0"]
+    p0.behaviour.timings = {"queue_s": 0.0005, "compute_s": 0.05}
+    c, book = client(cluster), cluster.svc.predictions
+    for _ in range(3):
+        await asyncio.gather(*(c.completions.create(model="tiny", prompt="word " * (4 + 6 * i), max_tokens=2)
+                               for i in range(8)))
+    await c.close()
+    corr, view = book.corrections, cluster.svc.membership.get("p0").view
+    assert corr.get("p0").factor("queue") < 0.9
+    assert view.queue_scale == pytest.approx(corr.queue_scale("p0"), rel=1 / 30)
+    assert corr.prefill_scale("p0", False) == pytest.approx(corr.get("p0").factor("compute"))
+    shown = book.predicted(Decision(True, "", "p0", "d0", predicted_queue_s=1.0))
+    assert shown.queue_scale == view.queue_scale
 
 
 async def test_a_forward_joined_by_later_arrivals_is_no_slowdown_but_a_join_share(make_cluster):

@@ -19,12 +19,19 @@ def model():
     return build_model("tiny", seed=3)
 
 
-async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
+async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=None):
     """Queue prompts of ``lengths`` (r0 first) while the instance is held; the order the
-    instance's forwards took them in (a pack as one tuple) and each request's outcome."""
+    instance's forwards took them in (a pack as one tuple) and each request's outcome;
+    ``passed``: filled with what each result says of the later arrivals served before it."""
     c.prefill.overtakes, c.prefill.batch_tokens = overtakes, batch_tokens
     forwards = []
-    run, run_pack = c.prefill._run, c.prefill._run_pack
+    run, run_pack, prefill = c.prefill._run, c.prefill._run_pack, c.prefill.prefill
+
+    async def told(req):
+        result = await prefill(req)
+        if passed is not None:
+            passed[req.request_id] = result.timings.get("passed")
+        return result
 
     async def one(job):
         forwards.append((job.request_id,))
@@ -34,7 +41,7 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
         forwards.append(tuple(j.request_id for j in pack))
         return await run_pack(pack)
 
-    c.prefill._run, c.prefill._run_pack = one, packed
+    c.prefill._run, c.prefill._run_pack, c.prefill.prefill = one, packed, told
     prompts = [prompt(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
     await c.prefill.hold()
     tasks = []
@@ -44,6 +51,7 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
             await asyncio.sleep(0.001)
     c.prefill.unhold()
     results = await asyncio.gather(*tasks)
+    del c.prefill.prefill     # (the class's again)
     for p, (tokens, _, err) in zip(prompts, results):
         assert err is None and tokens == reference_greedy(c.prefill.stage.runner.model, p, 2)
     return forwards
@@ -52,7 +60,11 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0):
 async def test_fifo_and_shortest_first_within_the_bound(model):
     async with cluster(model, block_size=BS, chunk=64) as c:
         assert await served_order(c, [40, 30, 20, 10, 5], 0) == [("r0",), ("r1",), ("r2",), ("r3",), ("r4",)]
-        assert await served_order(c, [40, 30, 20, 10, 5], 4, seed=1) == [("r4",), ("r3",), ("r2",), ("r1",), ("r0",)]
+        passed = {}
+        assert await served_order(c, [40, 30, 20, 10, 5], 4, seed=1, passed=passed) == \
+            [("r4",), ("r3",), ("r2",), ("r1",), ("r0",)]
+        # each result says how many later arrivals were served before it (the conductor's queue factor)
+        assert passed == {"r0": 4.0, "r1": 3.0, "r2": 2.0, "r3": 1.0, "r4": 0.0}
         # bound 2: r0 passed twice stops r3, which r4 then passes (scheduler/queue_order.py's example)
         assert await served_order(c, [40, 30, 20, 10, 5], 2, seed=2) == [("r2",), ("r1",), ("r0",), ("r4",), ("r3",)]
         # packs are cut from the queue in the new order: the three short ones together

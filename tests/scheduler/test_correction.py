@@ -28,12 +28,13 @@ def test_the_correction_cannot_run_away():
     for _ in range(10_000):   # an adversary reporting the largest ratio it may, forever
         assert c.observe("p0", "compute", 0.01, 0.01 * CFG.max_ratio) is None
     assert c.get("p0").factor("compute") == pytest.approx(CFG.max_factor)
-    c.note_shares("p0", busy=True, queue_share=1.0)
+    c.note_busy("p0", True)
     for term in ("interference", "queue"):
         for _ in range(1000):
             c.observe("p0", term, 0.01, 10.0)
-    # every term at its bound, the combined scale still within it
+    # every term at its bound, the combined scale still within it, and the queue's
     assert c.prefill_scale("p0") == pytest.approx(CFG.max_factor)
+    assert c.queue_scale("p0") == pytest.approx(CFG.max_factor)
     for _ in range(40):       # and it comes back at the bounded step, not at once
         c.observe("p0", "compute", 1.0, 1.0)
     assert 1.0 < c.get("p0").factor("compute") < CFG.max_factor
@@ -80,12 +81,11 @@ def test_each_node_state_learns_its_own_speed_and_one_never_seen_borrows_the_oth
     corr = c.get("p0")
     assert corr.factor("compute") == pytest.approx(2.0, rel=1e-3)
     assert corr.factor("interference") == pytest.approx(3.0, rel=1e-3)
-    c.note_shares("p0", busy=True)
+    c.note_busy("p0", True)
     assert 2.0 < c.prefill_scale("p0") < 3.0           # a moving share of busy: between the two
     # where the node's state is known (the live conductor's prefills), each state's own speed
     assert c.prefill_scale("p0", busy=False) == pytest.approx(2.0, rel=1e-3)
     assert c.prefill_scale("p0", busy=True) == pytest.approx(3.0, rel=1e-3)
-    assert c.compute_scale("p0") == pytest.approx(c.prefill_scale("p0"), rel=1e-9)   # the simulator's: the share
     assert c.prefill_offset("p0", busy=True) == c.prefill_offset("p0") == 0.0  # one shape of forward: no line
 
 
@@ -100,12 +100,11 @@ def test_after_a_change_of_machine_the_median_ttft_error_is_within_15_percent_in
         own = model.predict(rng.randrange(64, 2048))
         queue = sum(model.predict(rng.randrange(64, 2048)) for _ in range(rng.randrange(0, 4)))
         s = c.prefill_scale("p0")
-        predicted_ttft = s * (queue + own)
+        predicted_ttft = s * (c.queue_scale("p0") * queue + own)
         measured_own, measured_queue = (slow * x * rng.lognormvariate(0, 0.2) for x in (own, queue))
         errors.append(abs((measured_own + measured_queue) / predicted_ttft - 1))
         c.observe("p0", "compute", own, measured_own)
         c.observe("p0", "queue", queue, measured_queue)
-        c.note_shares("p0", busy=False, queue_share=queue / (queue + own))
     assert statistics.median(errors[:5]) > 0.5        # it started wrong ...
     assert statistics.median(errors[40:]) <= 0.15     # ... and holds within 50 requests
 
@@ -168,6 +167,33 @@ def test_the_overtake_share_moves_by_a_bounded_step_and_refuses_a_broken_one():
     for _ in range(30):
         c.note_overtakes("p", 0.0)
     assert c.overtake_share("p") < 0.01                        # and back down, by the same steps
+
+
+def test_a_job_nobody_passed_teaches_the_queue_scale_and_one_passed_the_share():
+    """Shortest first, a job's wait is ``q`` × the queue priced ahead + what later arrivals that
+    passed it added. One nobody passed (the instance says so) waited for the queue alone: it
+    teaches the ``queue`` factor (the wait's own scale, both ways) and a share of 0; one passed
+    teaches the share against the wait as scaled, and leaves the factor. The model never moves."""
+    def met(c, measured, passed, queue=2.0, full=4.0):
+        q = c.queue_scale("p")
+        c.note_met("p", wait_s=queue * q, overtake_full_s=full, measured_queue_s=measured, speed=1.0, own_s=1.0,
+                   join_full_s=0.0, ran_s=1.0, passed=passed, queue_scale=q)
+
+    c = Corrections(CFG)
+    for i in range(200):      # the queue runs 0.7x its price; every fourth job is passed, meeting 0.4
+        met(c, 0.7 * 2.0 + (0.4 * 4.0 if i % 4 == 0 else 0.0), 1.0 if i % 4 == 0 else 0.0)
+    assert c.queue_scale("p") == pytest.approx(0.7, rel=0.01)
+    assert c.overtake_share("p") == pytest.approx(0.1, abs=0.06)      # a moving average of 0.4, 0, 0, 0
+    assert c.prefill_scale("p") == 1.0                   # the wait's scale is no part of the model's
+    for _ in range(40):
+        met(c, 2.0 * 1.3, 0.0)                           # slower now, and nobody passes: up again
+    assert c.queue_scale("p") == pytest.approx(1.3, rel=0.01) and c.overtake_share("p") < 0.01
+    held = c.queue_scale("p")
+    for passed in (1.0, None):                           # passed, or not said: the share's, not the factor's
+        met(c, 60.0, passed)
+        assert c.queue_scale("p") == held
+    met(c, 0.5, 0.0, queue=0.0, full=0.0)                # started at once: no wait to learn from
+    assert c.queue_scale("p") == held
 
 
 def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_broken_one():

@@ -105,6 +105,7 @@ class World:
             elif live_p:
                 i = rng.choice(live_p)
                 self.prefills[i].set_instance(f"s{rng.randrange(3)}", rng.choice([None, 1e4]), rng.choice(OWN_PREFILL))
+                self.prefills[i].set_queue_scale(rng.choice([1.0, 0.5, 1.7]))    # the correction's
         elif op == "die":
             iid = rng.choice(sorted(self.live)) if self.live else None
             if iid is not None:
@@ -206,12 +207,13 @@ def prefill_states(draw):
     started = draw(st.integers(0, n))
     queue = tuple(QueuedPrefill(f"q{i}", draw(st.integers(1, 4000)), draw(st.integers(0, 3000)),
                                 draw(times) if i < started else None) for i in range(n))
-    return PrefillInstanceState("p", "s", queue)
+    return PrefillInstanceState("p", "s", queue, queue_scale=draw(st.sampled_from([1.0, 0.5, 1.7])))
 
 
 @settings(max_examples=150, deadline=None)
 @given(prefill_states(), st.lists(times, min_size=1, max_size=5))
 def test_queue_time_matches_the_definition_at_every_now(p, nows):
+    """The work left (a started job done for its elapsed time), waited for ``queue_scale`` times."""
     for now in nows:
         total, done = 0.0, 0.0
         for i, job in enumerate(p.queue):
@@ -219,7 +221,7 @@ def test_queue_time_matches_the_definition_at_every_now(p, nows):
             total += cost
             if job.started_at is not None and all(j.started_at is not None for j in p.queue[:i]):
                 done += min(cost, max(0.0, now - job.started_at))
-        assert abs(prefill_queue_time(p, COSTS, now) - (total - done)) < 1e-9
+        assert abs(prefill_queue_time(p, COSTS, now) - (total - done) * p.queue_scale) < 1e-9
 
 
 # ---- how the cache edits a leave profile -----------------------------------------------------

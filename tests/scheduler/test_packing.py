@@ -110,6 +110,25 @@ def test_a_new_request_is_predicted_to_end_where_the_queue_with_it_appended_does
     assert d.predicted_ttft_s <= alone.predicted_ttft_s + 1e-12
 
 
+@settings(max_examples=100, deadline=None)
+@given(queues, st.integers(0, 4), st.integers(0, 600), st.integers(1, 900), st.floats(0.0, 3.0),
+       st.sampled_from([0.5, 1.7]))
+def test_the_queue_scale_scales_the_forwards_ahead_not_the_pack_a_request_joins(jobs, started, limit, n, now, scale):
+    """A correction's ``queue_scale`` multiplies the wait for the work ahead; a request joining the
+    last waiting pack runs in that pack's forward, priced as it is: its execution is unchanged."""
+    started = min(started, len(jobs))
+    queue = tuple(job(f"q{i}", k, p, 0.0 if i < started else None) for i, (k, p) in enumerate(jobs))
+    req = ScheduleRequest("new", (), n, 8)
+
+    def decide(q: float):
+        p = PrefillInstanceState("p", "s", queue, pack_tokens=limit, queue_scale=q)
+        return Scheduler(SchedulerConfig(block_size=BS), COSTS, BlockIndex(), cache=FromScratch()).schedule(
+            req, _cluster(p), now)
+    plain, scaled = decide(1.0), decide(scale)
+    assert scaled.predicted_queue_s == pytest.approx(scale * plain.predicted_queue_s, abs=1e-12)
+    assert scaled.predicted_prefill_s == pytest.approx(plain.predicted_prefill_s, abs=1e-12)
+
+
 def _cluster(p: PrefillInstanceState) -> ClusterState:
     return ClusterState((p,), (DecodeInstanceState("d"),))
 

@@ -158,6 +158,32 @@ def test_the_overtake_share_scales_the_allowance_in_the_price_and_the_view_shows
     assert queue_s(worst) - queue_s(learned) == pytest.approx(0.75 * full)
 
 
+def test_the_queue_scale_scales_the_wait_ahead_not_the_allowance_nor_the_forward():
+    """``queue_scale`` (the correction's queue factor, shown by the view) prices the work queued
+    ahead of a job; the overtake allowance is its share's, and the job's own forward its model's."""
+    queue = (QueuedPrefill("a", 400, 0, 0.0), QueuedPrefill("b", 300))
+    view = PrefillView("p", "s", None, None, 0, 4)
+    for job in queue:
+        view.add(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at)
+    view.set_overtake_share(0.5)
+    plain = view.state()
+    view.set_queue_scale(0.6)
+    scaled_state = view.state()
+    assert scaled_state.queue_scale == 0.6 and scaled_state is not plain
+    req = ScheduleRequest("x", (), 500, 8)
+
+    def decision(state):
+        cluster = ClusterState((state,), (DecodeInstanceState("d"),))
+        return Scheduler(SchedulerConfig(block_size=16), COSTS, BlockIndex()).schedule(req, cluster, 0.0)
+
+    before, after = decision(plain), decision(scaled_state)
+    wait = MODEL.predict(400) + MODEL.predict(300)
+    allowance = overtake_allowance(MODEL, 4, 500, 0, 0.5)
+    assert before.predicted_queue_s == pytest.approx(wait + allowance)
+    assert after.predicted_queue_s == pytest.approx(0.6 * wait + allowance)
+    assert after.predicted_prefill_s == pytest.approx(before.predicted_prefill_s)
+
+
 def test_once_learning_a_job_is_priced_by_how_likely_later_arrivals_are_shorter():
     full = overtake_allowance(MODEL, 4, 500, 0)
     recent = (100, 200, 300, 600)       # a quarter of the recent arrivals were longer than 500

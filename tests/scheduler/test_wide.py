@@ -111,7 +111,8 @@ def _wide_cluster(rng: random.Random, n: int, own_models: bool) -> tuple[BlockIn
                                     rng.uniform(-5, 1) if j < started else None)
                       for j in range(rng.choice([0, 0, 1, 3]) + started))
         prefills.append(PrefillInstanceState(f"p{i}", f"s{rng.randrange(n // 3)}", queue,
-                                             rng.choice([None, 1e4, 1e6]), model))
+                                             rng.choice([None, 1e4, 1e6]), model,
+                                             queue_scale=rng.choice([1.0, 1.0, 0.5, 1.7])))
         running = tuple(DecodingRequest(f"d{i}-{j}", rng.randint(1, 4000), -rng.uniform(0, 20), 100)
                         for j in range(rng.randint(0, 8)))
         incoming = tuple(IncomingRequest(f"i{i}-{j}", rng.randint(1, 4000), 50) for j in range(rng.randint(0, 2)))

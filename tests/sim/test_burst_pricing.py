@@ -46,4 +46,4 @@ def test_a_burst_s_members_packed_together_are_predicted_to_end_with_their_pack(
 def test_the_correction_sees_the_shifted_forward_and_learns_no_join_share_from_the_burst():
     sim, _ = _run(correct=True)
     c = sim.correcting.corrections
-    assert c.join_share("P0") < 0.02 and abs(c.compute_scale("P0") - 1.0) < 1 / 32
+    assert c.join_share("P0") < 0.02 and abs(c.prefill_scale("P0") - 1.0) < 1 / 32

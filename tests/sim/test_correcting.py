@@ -47,7 +47,7 @@ def test_the_simulator_learns_the_overtake_share_and_predicts_closer():
     # the first burst is priced alike; past it the corrected predictions are closer
     assert statistics.median(after[8:]) < 0.75 * statistics.median(before[8:])
     # the simulated hardware is the model: no compute factor worth showing
-    assert abs(sim.correcting.corrections.compute_scale("P0") - 1.0) < 1 / 32
+    assert abs(sim.correcting.corrections.prefill_scale("P0") - 1.0) < 1 / 32
 
 
 def test_a_packed_burst_teaches_the_join_share_not_a_slowdown():
@@ -70,7 +70,7 @@ def test_a_packed_burst_teaches_the_join_share_not_a_slowdown():
     _, before = run(False)
     sim, after = run(True)
     c = sim.correcting.corrections
-    assert abs(c.compute_scale("P0") - 1.0) < 1 / 32 and c.join_share("P0") > 0.05
+    assert abs(c.prefill_scale("P0") - 1.0) < 1 / 32 and c.join_share("P0") > 0.05
     assert sim.prefills[0].view.state().join_share > 0.05
     assert statistics.median(after[18:]) < statistics.median(before[18:])
 

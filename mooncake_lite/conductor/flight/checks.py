@@ -34,6 +34,7 @@ class Prediction:
     decode_tail: float = 1.0   # ``tbt_s`` is the step × this (DecodeInstanceState.tbt_tail)
     busy: bool = False         # its prefill was priced beside a busy neighbour (show_node_states)
     prefill_offset: float = 0.0   # seconds its state's line added to each forward (correction.py)
+    queue_scale: float = 1.0      # what its wait before any allowance was multiplied by (state.py)
 
     @property
     def step_s(self) -> float:
@@ -59,6 +60,7 @@ class Check:
     # (prompt tokens, prefix tokens, the forward's computed tokens and jobs: the prefill's report;
     # tokens 0: it ran alone, or did not say)
     forward: tuple[int, int, float, float] | None = None
+    passed: float | None = None   # the later arrivals served before it (shortest first; None: not said)
 
     def pairs(self) -> dict[str, tuple[float, float | None]]:
         """(predicted, measured) by metric."""

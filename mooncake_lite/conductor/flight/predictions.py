@@ -25,7 +25,7 @@ from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, quantile, scaled
-from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_tail
+from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_scale, show_shares, show_spread, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
@@ -62,7 +62,8 @@ class PredictionBook:
                           d.predicted_transfer_s, self.shown_scale(d.prefill_id), self.shown_scale(d.decode_id),
                           (self._base_log(d.prefill_id), self._base_log(d.decode_id)), share * full, full,
                           join * join_full, join_full, self._tail(d.decode_id),
-                          self._busy.get(d.prefill_id or "", False), self.shown_offset(d.prefill_id))
+                          self._busy.get(d.prefill_id or "", False), self.shown_offset(d.prefill_id),
+                          self._queue_scale(d.prefill_id))
 
     def _allowance(self, prefill_id: str | None, num_tokens: int, prefix_tokens: int,
                    queue_s: float) -> tuple[float, ...]:
@@ -79,6 +80,11 @@ class PredictionBook:
         full, join = worst_cases(model, inst.reg.queue_overtakes, inst.reg.pack_tokens, num_tokens, prefix_tokens,
                                  view.state().recent_uncached, queue_s, view.join_share)
         return view.overtake_share, full, view.join_share, join
+
+    def _queue_scale(self, prefill_id: str | None) -> float:
+        """The scale ``prefill_id``'s view prices its wait for the work ahead with (1: none)."""
+        inst = self.membership.get(prefill_id) if prefill_id else None
+        return inst.view.queue_scale if inst is not None and isinstance(inst.view, PrefillView) else 1.0
 
     def _tail(self, decode_id: str | None) -> float:
         """The tail ``decode_id``'s view shows (the decision's TBT is its step × it)."""
@@ -174,6 +180,7 @@ class PredictionBook:
             # and the TBT's from the corrections)
             show_spread(self.corrections, iid, "wait", inst.view)
             show_shares(self.corrections, iid, inst.view)
+            show_queue_scale(self.corrections, iid, inst.view)
         elif isinstance(inst.view, DecodeView):
             show_tail(self.corrections, iid, inst.view)
 
@@ -208,12 +215,11 @@ class PredictionBook:
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
-                       join_full_s=p.join_full_s, ran_s=ran * s)
-        else:
-            self._observe(iid, "queue", p.queue_s / s, check.queue_s, speed)
+                       join_full_s=p.join_full_s, ran_s=ran * s, passed=check.passed, queue_scale=p.queue_scale)
+        else:      # FIFO: the whole wait is the queue ahead's, on the model and queue scale it was shown
+            self._observe(iid, "queue", p.queue_s / (s * p.queue_scale), check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
-        share = p.queue_s / p.ttft_s if p.ttft_s > 0 else None
-        c.note_shares(iid, busy=p.busy, queue_share=share)
+        c.note_busy(iid, p.busy)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
         self._refused(iid, "wait", c.note_wait(iid, p.queue_s, p.prefill_s, check.queue_s))
 
@@ -233,7 +239,7 @@ class PredictionBook:
         self._observe(iid, term, p.step_s / s, check.mean_gap_s)
         if check.mean_gap_s is not None:
             self._observe(iid, "tail", check.mean_gap_s, check.tbt_s)
-        self.corrections.note_shares(iid, busy=check.decode_busy)
+        self.corrections.note_busy(iid, check.decode_busy)
         self._observe(iid, "tbt", p.tbt_s, check.tbt_s)
 
     def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None,
@@ -304,7 +310,7 @@ class PredictionBook:
         (``decode_step_ratios``). Measured: exporting it put the simulated TBT at -51% of live."""
         if inst.role == "prefill":
             c = self.corrections
-            return self._scaled(inst, c.compute_scale(inst.instance_id), c.prefill_offset(inst.instance_id))
+            return self._scaled(inst, c.prefill_scale(inst.instance_id), c.prefill_offset(inst.instance_id))
         return inst.costs
 
     def _scaled(self, inst: Instance, scale: float, offset: float = 0.0) -> InstanceCosts:
@@ -335,7 +341,7 @@ class PredictionBook:
                       "factors": {t: round(f.value, 6) for t, f in corr.factors.items()},
                       "observed": {t: f.num_observed for t, f in corr.factors.items()},
                       "offsets_s": {t: round(line.offset, 6) for t, line in corr.lines.items()},
-                      "busy_share": round(corr.busy_share, 4), "queue_share": round(corr.queue_share, 4),
+                      "busy_share": round(corr.busy_share, 4), "queue_scale": round(c.queue_scale(iid), 4),
                       "overtake_share": round(corr.overtake_share, 4), "join_share": round(corr.join_share, 4),
                       "spread": {m: round(c.spread(iid, m), 4) for m in corr.ratios}}
                 for iid, corr in c.items()}
