@@ -28,14 +28,11 @@ What the scheduler is given (:meth:`Corrections.prefill_scale`, :meth:`Correctio
 is one factor per model, its coefficients all multiplied by it, so every rule that prices with the
 model (Algorithm 1's queue and prefill, packing, the relative SLOs) follows without a change: its
 node state's for a prefill (below), ``decode · decode_interference^b`` for a decode. A prefill's
-``queue`` factor is given apart (:meth:`Corrections.queue_scale`, the scheduler's
-``PrefillInstanceState.queue_scale``): the wait for the work queued ahead is that many times its
-price, and each request's own forward is not. On the model (as ``queue^w``, ``w`` the queue's
-share of the TTFT) it priced each forward 0.81x with the queue (docs/results/2026-11-30-zen5.md
-§19). A prefill's state is ``interference`` when its next
-forwards run beside a busy neighbour, else ``compute``: the live conductor knows which
-(``PredictionBook.show_node_states``: a job queued on it, or a decode on its node with requests,
-is busy) and learns each state from the requests priced in it; the simulator and every decode
+``queue`` factor scales the wait for the work queued ahead alone (:meth:`Corrections.queue_scale`):
+on the model it priced each forward 0.81x too (docs/results/2026-11-30-zen5.md §19). A prefill's
+state is ``interference`` when its next forwards run beside a busy neighbour, else ``compute``: the
+live conductor knows which (``PredictionBook.show_node_states``: a job queued on it, or a decode on
+its node with requests, is busy) and learns each state from the requests priced in it; the simulator and every decode
 weigh the two by the moving share ``b`` of busy requests. They differ either way: on a 2-CPU box
 a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
 (``prefill/threads.py``) and the pack after it 1.3-1.45x. Each state is a line, not a factor
@@ -45,21 +42,15 @@ other's. An instance never observed has factor 1 and offset 0 exactly.
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
-the worst case). Most jobs meet a share of it (the shortest of a burst none, a pass by a job packed
-into the same forward only that job's tokens), and how much is a matter of the traffic, not of a
-speed: no factor fits it, a share does. Each job says what share it met (``shares.overtakes_used``:
-its measured wait at its forward's speed, less the wait predicted before any overtake, over the
-allowance), and the instance's ``overtake_share`` (the scheduler's
-``PrefillInstanceState.overtake_share``) is the moving average of those, weight ``alpha``, within
-[0, 1] by construction (so a step is at most ``alpha``), from 0 (:func:`show_start`). On such an
-instance the share learns from each job the wait beyond the queue ahead (as scaled), and the
-``queue`` factor, which prices that queue alone (:meth:`Corrections.queue_scale`), from the jobs
-the instance says no later arrival passed (their share met is 0): each residual once
-(:meth:`Corrections.note_met`). With packing, later arrivals also
-*join* a job's forward (``queue_order.join_allowance``): the prefill reports the forward that
-ran (its tokens and jobs), ``compute`` learns that forward's speed (a joined forward is no
-slowdown) and ``join_share`` (0 until fed) what the joiners added over the allowance's worst
-case, by the same moving average.
+the worst case). Most jobs meet a share of it, a matter of the traffic, not of a speed: a share
+fits it. Each job passed says what share it met (``shares.overtakes_used``: its measured wait at its
+forward's speed, less the queue ahead as priced, over the allowance), and ``overtake_share`` (the
+scheduler's ``PrefillInstanceState.overtake_share``) is their moving average, weight ``alpha``, in
+[0, 1], from 0 (:func:`show_start`); a job the prefill says nobody passed met 0 and teaches the
+``queue`` factor instead: each residual once (:meth:`Corrections.note_met`). With packing, later
+arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefill reports the
+forward that ran, ``compute`` learns its speed (a joined forward is no slowdown) and ``join_share``
+(0 until fed) what the joiners added over the allowance's worst case, by the same average.
 
 What all this learns is a central prediction: half the requests meet less, half more. Admission must
 refuse on what a request may meet, not on what it meets usually (a refusal priced on the median
@@ -73,8 +64,7 @@ one. The spread is measured on what it multiplies: a job's wait (:meth:`Correcti
 its TTFT, whose own forward (a burst's later members joining it) is no part of the queue; judged on
 the TTFT's, admission refused 31-60% of requests that would have met their SLO in the simulator, on
 the wait's 0-4% (docs/results/2026-11-29-burst-window.md). A window, not a moving quantile: it
-forgets a machine that changed after ``spread_window`` requests, and a broken report is refused as
-above.
+forgets a machine that changed after ``spread_window`` requests; a broken report is refused.
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
 """
@@ -281,12 +271,14 @@ class Corrections:
                  queue_scale: float = 1.0) -> None:
         """One shortest-first job's shares met (module doc), each on the model it was priced with:
         of the overtake allowance's worst case ``overtake_full_s``, what its measured wait (at its
-        forward's ``speed`` over that model) added to ``wait_s``, the queue priced before any
-        overtake (× ``queue_scale``, as shown), or none when the instance said no later arrival
-        passed it (``passed`` 0; None: not said); of the join allowance's ``join_full_s``, what its
-        forward as run (``ran_s``) added to its own (``own_s``). A job with no allowance, or a
-        figure that is no number, moves nothing. A job nobody passed then teaches the ``queue``
-        factor (:meth:`_note_wait_scale`). The live conductor and the simulator both learn through this."""
+        forward's ``speed`` over that model) added to ``wait_s``, the queue ahead as priced (×
+        ``queue_scale``), or 0 when the prefill says no later arrival passed it (``passed`` 0; None:
+        not said); of the join allowance's ``join_full_s``, what its forward as run (``ran_s``)
+        added to its own (``own_s``). A job with no allowance, or a figure that is no number, moves
+        nothing. A job nobody passed waited for the queue ahead alone: its wait against that queue
+        unscaled moves the ``queue`` factor, both ways. (The queues ran 0.8x their price, which no
+        share can learn, §18; learned from every job beside the share, neither was identified: on
+        synthetic jobs, the queue 0.8x its price, the factor settled at 0.54-0.70.)"""
         alone = passed == 0
         overtaken = 0.0 if alone and overtake_full_s > 0 else \
             overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)
@@ -295,19 +287,7 @@ class Corrections:
             if used is not None:
                 self._move_share(instance_id, share, used)
         if alone and wait_s > 0.0 and measured_queue_s is not None and speed is not None and speed > 0.0:
-            self._note_wait_scale(instance_id, wait_s / queue_scale, measured_queue_s / speed)
-
-    def _note_wait_scale(self, instance_id: str, wait_s: float, waited_s: float) -> None:
-        """The ``queue`` factor of a shortest-first instance, the scale of its wait for the work
-        queued ahead (``queue_scale``), from a job no later arrival passed: its wait
-        (``waited_s``) is that work's alone, set against it unscaled (``wait_s``; both on the
-        model shown). A job that was passed teaches the overtake share instead, against the wait
-        as scaled: each residual once. Measured: with each forward priced within 8% and the share
-        near 0, the trace's queues ran 0.8x their price, which no share can learn (it stops at 0;
-        docs/results/2026-11-30-zen5.md §18). Learned instead from every job (its wait less the
-        allowance priced) beside the share, neither held: on synthetic jobs (the queue 0.8x its
-        price, a fifth passed) the factor settled at 0.54-0.70, the share at 0.03-0.16 for 0.1."""
-        self.observe(instance_id, "queue", wait_s, waited_s, 1.0)
+            self.observe(instance_id, "queue", wait_s / queue_scale, measured_queue_s / speed, 1.0)
 
     def _move_share(self, instance_id: str, share: str, used: float) -> str | None:
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:
