@@ -216,7 +216,9 @@ class PredictionBook:
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
                        join_full_s=p.join_full_s, ran_s=ran * s, passed=check.passed, queue_scale=p.queue_scale)
-        else:      # FIFO: the whole wait is the queue ahead's, on the model and queue scale it was shown
+        elif p.queue_s >= p.prefill_s or not 0.0 <= (check.queue_s or 0.0) < math.inf:
+            # FIFO: the whole wait is the queue ahead's, on the scales it was shown; one priced under its
+            # own forward is mostly dispatch (note_wait's rule), kept out unless broken (refused, logged)
             self._observe(iid, "queue", p.queue_s / (s * p.queue_scale), check.queue_s, speed)
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         c.note_busy(iid, p.busy)
