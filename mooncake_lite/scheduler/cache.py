@@ -108,6 +108,7 @@ class EstimateCache:
         # instance id -> the value with what it was derived from (a backlog names its queue
         # and model; the tuples are unpacked by name below)
         self._backlogs: dict[str, Backlog] = {}
+        self._scaled: set[str] = set()    # ids whose kept backlog has a queue_scale other than 1
         self._loads: dict[str, tuple] = {}           # (running, its context, incoming, load now)
         self._profiles: dict[str, tuple] = {}        # (running, tbt_s, model, uniform t_d, profile)
         self._prefill_table, self._decode_table = PrefillTable(), DecodeTable()
@@ -124,7 +125,7 @@ class EstimateCache:
             model = p.cost or default
             backlog = kept.get(p.instance_id)
             if backlog is None or backlog.queue is not p.queue or backlog.model is not model \
-                    or backlog.pack_tokens != p.pack_tokens or backlog.queue_scale != p.queue_scale:
+                    or backlog.pack_tokens != p.pack_tokens:   # (a new queue_scale comes with a new queue: view)
                 backlog = self._backlog(p, model)
             out.append(backlog)
         return out
@@ -134,21 +135,25 @@ class EstimateCache:
         backlog = self._backlogs.get(p.instance_id)
         if backlog is not None and backlog.queue is p.queue and backlog.model is model \
                 and backlog.pack_tokens == p.pack_tokens:
-            if backlog.queue_scale != p.queue_scale:     # the wait's scale alone moved: the work stands
-                backlog = self._backlogs[p.instance_id] = backlog._replace(queue_scale=p.queue_scale)
             return backlog
         if p.pack_tokens > 0:   # packed: one job more or less re-cuts the packs, so derive anew
-            backlog = self._backlogs[p.instance_id] = backlog_of(p, model)
-            return backlog
+            return self._keep(p.instance_id, backlog_of(p, model))
         durations = None
         if backlog is not None and backlog.model is model and not backlog.pack_tokens:
             durations = _kept_durations(backlog.queue, p.queue, backlog.durations_s, model)
         if durations is None:
             durations = durations_of(p.queue, model)
         backlog = backlog_from(p.queue, model, durations)
-        if p.queue_scale != 1.0:
+        if p.queue_scale != 1.0 and p.queue:
             backlog = backlog._replace(queue_scale=p.queue_scale)
-        self._backlogs[p.instance_id] = backlog
+        return self._keep(p.instance_id, backlog)
+
+    def _keep(self, instance_id: str, backlog: Backlog) -> Backlog:
+        self._backlogs[instance_id] = backlog
+        if backlog.queue_scale != 1.0:
+            self._scaled.add(instance_id)
+        elif self._scaled:
+            self._scaled.discard(instance_id)
         return backlog
 
     def loads_now(self, decodes: Sequence[DecodeInstanceState]) -> list[tuple[int, int]]:
@@ -180,7 +185,8 @@ class EstimateCache:
         """As rows of arrays from :data:`wide.WIDE_MIN_INSTANCES` instances on, else as lists."""
         if len(prefills) >= wide.WIDE_MIN_INSTANCES:
             return self.prefill_table(prefills, costs).queues_at(now)
-        return queues_at(self.backlogs(prefills, costs), now)
+        backlogs = self.backlogs(prefills, costs)
+        return queues_at(backlogs, now, bool(self._scaled))   # (one that left keeps it set: right, slower)
 
     def decode_rows_now(self, decodes: Sequence[DecodeInstanceState], costs: CostModels,
                         req: ScheduleRequest) -> DecodeRow | None:

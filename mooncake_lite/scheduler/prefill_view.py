@@ -87,9 +87,11 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._stale()
 
     def set_queue_scale(self, scale: float) -> None:
-        """What the wait for the work queued ahead is multiplied by (the owner's online correction)."""
+        """What the wait for the work queued ahead is multiplied by (the owner's online correction).
+        The state shows a new queue tuple with it: the estimate cache keeps a backlog while its
+        queue is the same object, and this is rare (a move past the tolerance)."""
         if scale != self.queue_scale:
-            self.queue_scale = scale
+            self.queue_scale, self._queue = scale, None
             self._stale()
 
     def note_arrival(self, uncached: int) -> None:

@@ -148,9 +148,10 @@ class PrefillTable:
                 pos = self._model_pos[id(model)] = len(self.models)
                 self.models.append(model)
             self.model_of[i] = pos
-        if p.queue_scale != self.queue_scale[i]:
-            self.queue_scale[i] = p.queue_scale
-            if p.queue_scale == 1.0:
+        q = p.queue_scale if p.queue else 1.0      # (as its backlog's: estimate.Backlog)
+        if q != self.queue_scale[i]:
+            self.queue_scale[i] = q
+            if q == 1.0:
                 self.odd_scale.discard(i)
             else:
                 self.odd_scale.add(i)
@@ -286,6 +287,10 @@ class RowQueues:
         if self._queue_s is None:
             self._queue_s = self._queue.tolist()
         return self._queue_s
+
+    @property
+    def scaled(self) -> bool:
+        return bool(self._table.odd_scale)
 
     @property
     def packing(self) -> bool:

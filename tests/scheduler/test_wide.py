@@ -65,7 +65,7 @@ def _decide_cached_and_from_scratch(rng: random.Random, world: World, config: Sc
             assert cached.schedule(req, cluster, now) == scratch.schedule(req, cluster, now)
             if cluster.prefills:
                 rows = cached.cache.prefill_table(cluster.prefills, COSTS).queues_at(now)  # lists made when read
-                assert (rows.backlogs, rows.done_s, rows.queue_s) == \
+                assert (rows.backlogs, rows.done_s, rows.queue_s, rows.scaled) == \
                     tuple(queues_at(FromScratch.backlogs(cluster.prefills, COSTS), now))
 
 
