@@ -43,7 +43,7 @@ def full_recompute_logits(model: Transformer, token_ids: Sequence[int], block_si
     runner = ModelRunner(model, num_blocks=blocks_needed(len(token_ids), block_size), block_size=block_size)
     table = list(range(runner.cache.num_blocks))
     meta = runner.prefill_meta(table, 0, len(token_ids))
-    return model(torch.as_tensor(list(token_ids)), meta, runner.cache)
+    return model(torch.as_tensor(list(token_ids), device=runner.device), meta, runner.cache)
 
 
 def reference_greedy(model: Transformer, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:

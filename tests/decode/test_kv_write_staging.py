@@ -61,6 +61,9 @@ def test_slot_indices_are_staged_and_copied_like_the_kv(monkeypatch):
 @pytest.mark.gpu
 def test_a_frame_lands_in_its_slots_on_cuda():
     engine = make_engine("cuda")
+    pool, taken = engine.copier.pool, []
+    take = pool.take
+    pool.take = lambda nbytes: taken.append(nbytes) or take(nbytes)
     try:
         slots = torch.tensor([3, 4, 5, 9, 10, 11, 12])
         kv = frame(engine, len(slots))
@@ -68,6 +71,8 @@ def test_a_frame_lands_in_its_slots_on_cuda():
         torch.cuda.synchronize()
         layer = engine.runner.cache.kv[engine.runner.cache.local_layer(0)].flatten(1, 2)
         assert torch.equal(layer[:, slots.cuda()].cpu(), kv.to(layer.dtype))
-        assert engine.copier.pool.num_allocated >= 2 and engine.copier.pool.pin
+        # both through pinned staging: K/V, then the indices (which may reuse the K/V's buffer:
+        # on a GPU its copy is done by then, the first run on an H200 saw one buffer for both)
+        assert len(taken) == 2 and taken[1] == slots.numel() * slots.element_size() and pool.pin
     finally:
         engine.executor.shutdown(wait=True)

@@ -60,3 +60,30 @@ def test_a_bad_model_is_an_error_before_any_measuring(capsys, tmp_path):
     assert "unknown model preset" in capsys.readouterr().err
     assert main(["--models", str(tmp_path / "none.gguf")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cached_prefix_is_stored_in_the_cache_dtype(dtype):
+    """(b) caches the prompt's blocks in the store at the cache's bytes per layer: on CUDA the
+    cache is bfloat16, and blocks drawn in float32 were twice the store's size (the first GPU
+    run's `bench pd` failed so)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from mooncake_lite.bench.pd.overlap import BLOCK, measure_prefix
+    from mooncake_lite.model.runner import ModelRunner
+    from mooncake_lite.model.weights import build_model
+    from mooncake_lite.prefill.store_io import MemoryStore
+
+    model = build_model("tiny", dtype=getattr(torch, dtype))
+    runner = ModelRunner(model, num_blocks=8, block_size=BLOCK)
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    store = MemoryStore((0, model.args.num_layers), layer_bytes)
+
+    async def run(mode, hit=0):
+        return {"ttft_s": 1.0 + hit}
+    rig = SimpleNamespace(tokens=list(range(3 * BLOCK)), runner=runner, layer_bytes=layer_bytes, store=store, run=run)
+    rows = asyncio.run(measure_prefix(rig, repeats=1))
+    assert len(store) == 3 and [r["cached_tokens"] for r in rows] == [0, 0, BLOCK, 2 * BLOCK]

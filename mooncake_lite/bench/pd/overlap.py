@@ -154,7 +154,8 @@ async def measure_prefix(rig: PrefillRig, repeats: int) -> list[dict]:
     """(b): cache the prompt's blocks, then prefill with growing cached prefixes."""
     tokens, n, num_layers = rig.tokens, len(rig.tokens), rig.runner.args.num_layers
     full = n // BLOCK
-    packed = torch.randn(full, num_layers, rig.layer_bytes // rig.runner.cache.kv.element_size())
+    kv = rig.runner.cache.kv   # the cache's dtype (bfloat16 on CUDA): a block's bytes are the store's
+    packed = torch.randn(full, num_layers, rig.layer_bytes // kv.element_size()).to(kv.dtype).view(torch.uint8)
     await rig.store.put_layers(prefix_hash(tokens, BLOCK), [memoryview(p.numpy()).cast("B") for p in packed],
                                0, num_layers)
     prefix = []
