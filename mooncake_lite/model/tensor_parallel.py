@@ -202,10 +202,28 @@ def build_sharded_model(spec: str, layout: TPLayout, comms: Collectives | None, 
                         cls: type[Transformer] = Transformer) -> Transformer:
     """:func:`build_model`'s model for rank ``layout.rank`` (a preset, HF directory or GGUF file
     alike): the full weights are read on the CPU, this rank's slices copied to ``device``, and the
-    full model dropped. Loading thus peaks at the full model in host memory, once per rank."""
+    full model dropped. Loading thus peaks at the full model in host memory, once per rank.
+    A preset bound for CUDA is drawn there instead where it fits (:func:`dummy_draw_device`)."""
     from mooncake_lite.model.weights import build_model
     # (float weights: a GGUF's quantized blocks are not cut into ranks' slices)
-    full = build_model(spec, device="cpu", dtype=dtype, layer_range=layer_range, seed=seed, weights="dequantize")
+    full = build_model(spec, device=dummy_draw_device(spec, device, dtype), dtype=dtype, layer_range=layer_range,
+                       seed=seed, weights="dequantize")
     if full.args != layout.args:
         raise ValueError(f"tensor-parallel layout is for {layout.args}, the checkpoint is {full.args}")
     return shard_model(full, layout, comms, device, cls)
+
+
+def dummy_draw_device(spec: str, device: str | torch.device, dtype: torch.dtype,
+                      free_bytes: int | None = None) -> str | torch.device:
+    """Where a rank's full model is built: the CPU, but for a preset bound for CUDA that fits in
+    half the device's free memory, the device. A preset's dummy weights are drawn where they are
+    built (:func:`build_model`: on CUDA from the device's generator, an 8B preset in seconds), so a
+    rank cut from a CPU draw held other weights than a one-GPU instance of the same preset, and
+    TP 2 on CUDA did not compute TP 1's tokens (the first GPU run, 2026-11-30)."""
+    from mooncake_lite.model.source import resolve
+    from mooncake_lite.model.weights import build_meta, model_args
+    if torch.device(device).type != "cuda" or resolve(spec).kind in ("hf", "gguf"):
+        return "cpu"
+    need = sum(p.numel() for p in build_meta(model_args(spec)).parameters()) * dtype.itemsize
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if free_bytes is None else free_bytes
+    return device if need <= free // 2 else "cpu"

@@ -131,3 +131,13 @@ def test_tp2_on_cuda_matches_tp1(tmp_path):
     ref = _outputs(build_model("tiny", device="cuda"))
     ref["logits"] = ref["logits"].cpu()
     _check(run_ranks(2, _cuda_job, "tiny", tmp_path, devices=devices), [ref])
+
+
+def test_a_preset_for_cuda_is_drawn_where_a_one_gpu_instance_draws_it():
+    """Ranks cut from the weights a one-GPU instance of the preset holds (drawn on the device),
+    where the full model fits in half the free memory; checkpoints and the CPU read on the CPU."""
+    from mooncake_lite.model.tensor_parallel import dummy_draw_device
+    tiny_bytes = sum(p.numel() for p in build_model("tiny").parameters()) * 2
+    assert dummy_draw_device("tiny", "cuda:1", torch.bfloat16, free_bytes=2 * tiny_bytes) == "cuda:1"
+    assert dummy_draw_device("tiny", "cuda:1", torch.bfloat16, free_bytes=2 * tiny_bytes - 2) == "cpu"
+    assert dummy_draw_device("tiny", "cpu", torch.float32, free_bytes=10**12) == "cpu"
