@@ -7,8 +7,8 @@ logged, and decode drops the request (the conductor sees its token stream fail).
 ``{"error"}`` for a bad request (never retry as is), 502 when the KV stream to decode failed or
 the request was aborted (decode gone, transfer refused).
 
-Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store, start-up
-profile), then ``build_app`` (its ``PrefillService`` and routes). ``store_id`` asks the store its id
+Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store; its
+start-up profile is ``profiling.py``'s), then ``build_app`` (its ``PrefillService`` and routes). ``store_id`` asks the store its id
 (refusing one whose slots are too small); ``registration`` is what ``main.py`` tells the conductor.
 """
 
@@ -28,7 +28,6 @@ from mooncake_lite.common.metrics import add_metrics_route
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult, ProtocolError, Register, loads
 from mooncake_lite.instance.handlers import error, instance_app
 from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
-from mooncake_lite.instance.profile import prefill_refiner, profile_prefill
 from mooncake_lite.instance.refine import cost_report
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.model.checkpoint_config import model_args
@@ -217,19 +216,12 @@ def pack_weights(model: Transformer, mode: str, chunk: int) -> None:
     log.info("prefill weights: %s (%s)", "oneDNN-packed" if model.packed else "plain", why)
 
 
-def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[StageEngine, PrefillCostModel | None]:
-    """The stage engine of ``layer_range`` (model slice, paged cache, store) and, for a lone
-    instance unless --no-profile, the cost model its start-up timings fit."""
+def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> StageEngine:
+    """The stage engine of ``layer_range`` (model slice, paged cache, store); its start-up cost
+    model is timed through it once the loop runs (``profiling.py``), packed weights or not."""
     runner = build_runner(cfg, layer_range, follower_stores(cfg.store, cfg.cluster_token, cfg.kv_compression,
                                                             cfg.tensor_parallel))
     pack_weights(runner.model, cfg.pack_weights, cfg.prefill_chunk)
-    cost = None
-    if cfg.profile and cfg.pipeline_group == 1:   # profiled as it will run: packed or not
-        try:
-            cost, samples = profile_prefill(runner)
-            log.info("prefill cost model %s from %d timings", cost.to_dict(), len(samples))
-        except ValueError as exc:
-            log.warning("startup profiling skipped: %s", exc)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
     if cfg.borrow_threads:   # the decodes' idle CPUs, lent by `mooncake up` (prefill/threads.py)
         import torch
@@ -237,10 +229,7 @@ def build_stage(cfg: Config, layer_range: tuple[int, int] | None) -> tuple[Stage
         executor = BorrowingExecutor(borrower, thread_name_prefix="prefill-model")
         log.info("torch threads %d, up to %d more while %d CPUs of this machine are idle", borrower.own,
                  cfg.borrow_threads, cfg.borrow_threads)
-    stage = StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back)
-    if cost is not None:   # refined from every chunk this instance runs
-        stage.refiner = prefill_refiner(cost)
-    return stage, cost
+    return StageEngine(runner, make_store(cfg, runner), executor, write_back=cfg.write_back)
 
 
 def reported_cost(service: PrefillService) -> CostReport | None:

@@ -14,12 +14,14 @@ import sys
 from mooncake_lite.common import sdnotify
 from mooncake_lite.common.lifecycle import Listener, Membership, serve_role
 from mooncake_lite.common.service import run as run_loop
+from mooncake_lite.instance.profile import prefill_refiner
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import SERVICE, StoreUnfit, build_app, build_stage, registration, reported_cost, store_id
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.pipeline import StageUnreachable
-from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, profile_group, run_stage
+from mooncake_lite.prefill.profiling import profile_served
+from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, run_stage
 from mooncake_lite.scheduler.costs import PrefillCostModel
 
 # The head cannot serve as configured: it says why on stderr and exits 2 (not restarted in a loop).
@@ -28,20 +30,23 @@ REFUSALS = (StoreUnfit, StageUnreachable, GroupMismatch)
 log = logging.getLogger(__name__)
 
 
-async def _profile_group(cfg: Config, stage, downstream):
-    """A CPP group's cost model, timed through all its stages (None if that failed: it then
-    registers none, as with --no-profile)."""
+async def _profile(cfg: Config, stage: StageEngine, downstream) -> PrefillCostModel | None:
+    """The start-up cost model, timed through the stage engine as it serves (``profiling.py``)
+    and, for a CPP head, through all its stages; a lone instance's is then refined from every
+    chunk it runs. None if that failed: it then registers none, as with --no-profile."""
     try:
-        cost, samples = await profile_group(stage, downstream)
+        cost, samples = await profile_served(stage, downstream)
     except Exception as exc:
-        log.warning("start-up profiling of the CPP group skipped: %s", exc)
+        log.warning("start-up profiling skipped: %s", exc)
         return None
-    log.info("CPP group cost model %s from %d timings through its %d stages", cost.to_dict(), len(samples),
-             cfg.pipeline_group)
+    through = f"through its {cfg.pipeline_group} stages" if downstream else "through the stage engine"
+    log.info("prefill cost model %s from %d timings %s", cost.to_dict(), len(samples), through)
+    if downstream is None:
+        stage.refiner = prefill_refiner(cost)
     return cost
 
 
-async def serve(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None, group: StageGroup | None) -> int:
+async def serve(cfg: Config, stage: StageEngine, group: StageGroup | None) -> int:
     """Check the store, reach the group's other stages, then serve (the exit status)."""
     # Before serving: a store whose slots cannot hold our blocks refuses every write-back, and
     # one that encodes blocks otherwise (--kv-compression) would have them misread.
@@ -59,8 +64,8 @@ async def serve(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None, 
         if close is not None:
             await close()
         raise
-    group_cost = await _profile_group(cfg, stage, downstream) if downstream and cfg.profile else cost
-    app = build_app(cfg, stage, group_cost, downstream)
+    cost = await _profile(cfg, stage, downstream) if cfg.profile else None
+    app = build_app(cfg, stage, cost, downstream)
     service = app[SERVICE]
     conductor = cfg.joins()
     membership = None if conductor is None else Membership(
@@ -77,8 +82,8 @@ def run(cfg: Config) -> int:
     if cfg.pipeline_group > 1 and not cfg.stage_addresses:   # no --stages: the head starts its stages
         group = StageGroup.spawn(cfg, layer_slices(model_args(cfg.model).num_layers, cfg.pipeline_group))
     try:
-        stage, cost = build_stage(cfg, cfg.layer_range)
-        return run_loop(lambda: serve(cfg, stage, cost, group))
+        stage = build_stage(cfg, cfg.layer_range)
+        return run_loop(lambda: serve(cfg, stage, group))
     except REFUSALS as exc:
         sys.stderr.write(f"mooncake --role prefill: error: {exc}\n")
         return 2

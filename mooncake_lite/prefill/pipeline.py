@@ -16,7 +16,7 @@ framing, and every stage talks to the next the same way (the processes: ``stage_
     OP_STAGE_FLUSH {rid}                       -> ok once every chunk sent so far went through all stages
 
 BEGIN with ``decode_data: null`` runs a request whose KV goes nowhere: the head's start-up
-profile of the whole group (``stage_process.profile_group``) times chunks that way, with FLUSH.
+profile of the whole group (``profiling.profile_served``) times chunks that way, with FLUSH.
 A request whose link from the previous stage is lost is dropped (its KV cache blocks freed).
 
 Only stage-boundary activations cross between stages; each stage loads its own layers' prefix KV

@@ -7,7 +7,7 @@ other role, on any node (its own unit, ``--host`` its node's address, ``--data-p
 and the head is given the stages' addresses (``--stages``). Either way a stage prints a ready line
 with its ``"stage"`` socket address once its link to the next stage is up, and the head checks the
 group it dialled (``check_group``: every stage in its place, contiguous layers, one model) and
-times chunks through it for its cost model (``profile_group``).
+times chunks through it for its cost model (``profiling.profile_served``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from functools import partial
 
-import torch
 from aiohttp import web
 
 from mooncake_lite.common.config import flag_name
 from mooncake_lite.common.launch import RoleProcess, role_argv, to_stderr
 from mooncake_lite.common.lifecycle import EXIT, ExitStatus, Listener, serve_role
 from mooncake_lite.common.service import run as run_loop
-from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill, fits
 from mooncake_lite.instance.runner import build_runner
 from mooncake_lite.instance.tp_ranks import watch_tensor_parallel
 from mooncake_lite.model.checkpoint_config import model_args
@@ -38,12 +36,11 @@ from mooncake_lite.prefill.rank_store import follower_stores
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks
-from mooncake_lite.prefill.pipeline import NextStage, NullSender, StageServer
-from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.prefill.pipeline import NextStage, StageServer
 from mooncake_lite.transfer.server import server_address, start_server
 
-__all__ = ["GroupMismatch", "StageGroup", "check_group", "connect_group", "layer_slices", "profile_group",
-           "run_stage", "stage_argv"]
+__all__ = ["GroupMismatch", "StageGroup", "check_group", "connect_group", "layer_slices", "run_stage",
+           "stage_argv"]
 log = logging.getLogger(__name__)
 
 SKIP_FLAGS = {"pipeline_stage", "next_stage", "port", "data_port", "conductor", "instance_id", "profile",
@@ -174,46 +171,6 @@ def check_group(cfg: Config, stages: list[dict], store: str | None = None) -> No
             log.warning("CPP stage %d writes its layer slices to store %s, this head to %s: a block is whole "
                         "only in a store that gets every stage's slice, so this group will not reuse the "
                         "prefixes it computes", k, info.get("store"), store)
-
-
-async def profile_group(stage: StageEngine, downstream: NextStage,
-                        points=QUICK_PREFILL, repeats: int = 2) -> tuple[PrefillCostModel, list]:
-    """The group's cost model, fit like a lone instance's (``instance/profile.py``) from the time
-    a chunk of n new tokens on p cached ones takes through every stage, activations included; a
-    shape this stage's cache cannot hold is left out."""
-    points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
-    for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
-        await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
-    samples = []
-    for i, (n, p) in enumerate(points):
-        best = min([await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p) for r in range(repeats)])
-        samples.append((n + p, p, best))
-    return fit_prefill(samples), samples
-
-
-async def _time_chunk(stage: StageEngine, downstream: NextStage, rid: str, n: int, p: int) -> float:
-    """Seconds for tokens p..p+n-1 to go through the whole group (the prefix first, untimed)."""
-    vocab = stage.runner.args.vocab_size
-    tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
-    job = stage.begin(rid, tokens, [], 0, NullSender())    # no keys: nothing is written back
-    error = None
-    try:
-        await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
-        if p:
-            await downstream.send_chunk(rid, 0, await stage.run_chunk(job, 0, token_ids=tokens[:p]))
-            await downstream.flush(rid)
-        t0 = time.perf_counter()
-        await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
-        await downstream.flush(rid)
-        seconds = time.perf_counter() - t0
-        await downstream.end(rid)
-        return seconds
-    except BaseException as exc:
-        error = str(exc) or type(exc).__name__
-        await downstream.abort(rid, error)
-        raise
-    finally:
-        await stage.release(job, error)
 
 
 def run_stage(cfg: Config) -> int:

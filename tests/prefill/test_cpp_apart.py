@@ -154,7 +154,7 @@ async def test_group_profile_and_a_lost_upstream_link_leave_nothing_behind():
 
     from mooncake_lite.model.runner import ModelRunner
     from mooncake_lite.prefill.engine import StageEngine
-    from mooncake_lite.prefill.stage_process import profile_group
+    from mooncake_lite.prefill.profiling import profile_served
     from mooncake_lite.transfer.server import server_address, start_server
 
     def stage(layers):
@@ -166,7 +166,7 @@ async def test_group_profile_and_a_lost_upstream_link_leave_nothing_behind():
     listening = await start_server(server, "127.0.0.1", 0, name="stage")
     try:
         link = await NextStage.connect(server_address(listening), None)
-        cost, samples = await profile_group(head, link, repeats=1)
+        cost, samples = await profile_served(head, link, repeats=1)
         # every start-up shape the stages' 32 blocks hold, the long-context one left out
         assert [x[:2] for x in samples] == [(n + p, p) for n, p in QUICK_PREFILL if n + p <= 32 * BS] != []
         assert len(samples) < len(QUICK_PREFILL) and cost.predict(192, 0) > 0

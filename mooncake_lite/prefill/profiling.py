@@ -1,0 +1,75 @@
+"""The start-up cost model, timed as the instance serves: chunks through its stage engine.
+
+A prefill's served chunk is more than its forward: the layer-wise pass hands each layer to the
+model thread from the event loop, gathers the layer's KV and stages it for the host. On two CPU
+cores that is a few percent of a forward; on an H200 it was 25x the forward of the default model
+(docs/results/2026-11-30-h200-gpu-check.md), so a model fitted to ``runner.prefill`` timings
+priced the first requests 3-23x short and admission refused three in four. So the points of
+``instance/profile.QUICK_PREFILL`` are timed through :meth:`StageEngine.run_chunk`, the KV to
+nowhere (``NullSender``); a CPP head's also through its other stages (``downstream``, FLUSH).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill, fits
+from mooncake_lite.prefill.engine import StageEngine
+from mooncake_lite.prefill.pipeline import NextStage, NullSender
+from mooncake_lite.scheduler.costs import PrefillCostModel
+
+
+async def profile_served(stage: StageEngine, downstream: NextStage | None = None,
+                         points=QUICK_PREFILL, repeats: int = 2) -> tuple[PrefillCostModel, list]:
+    """The cost model of ``stage`` (and of the CPP stages after it, ``downstream``), fit like
+    ``instance/profile.profile_prefill``'s from the time a chunk of n new tokens on p cached ones
+    takes; a shape the stage's cache cannot hold is left out. The profile's chunks leave nothing
+    in the stage's timeline (what the conductor reads as this instance's forwards)."""
+    points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
+    for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
+        await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
+    samples = []
+    for i, (n, p) in enumerate(points):
+        best = min([await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p) for r in range(repeats)])
+        samples.append((n + p, p, best))
+    stage.timeline.clear()
+    return fit_prefill(samples), samples
+
+
+async def _time_chunk(stage: StageEngine, downstream: NextStage | None, rid: str, n: int, p: int) -> float:
+    """Seconds for tokens p..p+n-1 to go through the stage (and the group; the prefix first, untimed)."""
+    vocab = stage.runner.args.vocab_size
+    tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
+    job = stage.begin(rid, tokens, [], 0, NullSender())    # no keys: nothing is written back
+    error = None
+    try:
+        if downstream is None:
+            if p:
+                await stage.run_chunk(job, 0, token_ids=tokens[:p])
+            t0 = time.perf_counter()
+            await stage.run_chunk(job, p, token_ids=tokens[p:])
+            return time.perf_counter() - t0
+        return await _time_group_chunk(stage, downstream, job, rid, tokens, p)
+    except BaseException as exc:
+        error = str(exc) or type(exc).__name__
+        if downstream is not None:
+            await downstream.abort(rid, error)
+        raise
+    finally:
+        await stage.release(job, error)
+
+
+async def _time_group_chunk(stage: StageEngine, downstream: NextStage, job, rid: str, tokens: list[int],
+                            p: int) -> float:
+    await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
+    if p:
+        await downstream.send_chunk(rid, 0, await stage.run_chunk(job, 0, token_ids=tokens[:p]))
+        await downstream.flush(rid)
+    t0 = time.perf_counter()
+    await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
+    await downstream.flush(rid)
+    seconds = time.perf_counter() - t0
+    await downstream.end(rid)
+    return seconds

@@ -1,0 +1,45 @@
+"""The start-up cost model is timed as the instance serves: chunks through its stage engine, so a
+cost of the served path that the model's forward does not have (on a GPU, the per-layer hop
+between the event loop and the model thread) is in the model the conductor is first given."""
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mooncake_lite.instance.profile import profile_prefill
+from mooncake_lite.model.runner import ModelRunner
+from mooncake_lite.model.weights import build_model
+from mooncake_lite.prefill.engine import StageEngine
+from mooncake_lite.prefill.profiling import profile_served
+from mooncake_lite.prefill.store_io import MemoryStore
+
+HOP_S = 0.01   # per layer and chunk: what the served path adds here, and only here
+
+
+@pytest.fixture
+def stage():
+    runner = ModelRunner(build_model("tiny", seed=3), num_blocks=200, block_size=16)
+    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
+    engine = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
+                         write_back=False)
+    yield engine
+    engine.executor.shutdown(wait=True)
+
+
+def test_the_profile_prices_the_served_path_not_the_forward(stage, monkeypatch):
+    layer = StageEngine._layer
+
+    def slow_layer(self, *args):
+        time.sleep(HOP_S)
+        return layer(self, *args)
+    monkeypatch.setattr(StageEngine, "_layer", slow_layer)
+    served, samples = asyncio.run(profile_served(stage, repeats=1))
+    forward, _ = profile_prefill(stage.runner, repeats=1)
+    layers = stage.runner.args.num_layers
+    # every chunk paid the hop in each layer: the fixed cost holds it, the forward's does not
+    assert served.c0 >= 0.8 * layers * HOP_S > forward.c0
+    assert all(s >= layers * HOP_S for *_, s in samples)
+    assert len(stage.timeline) == 0 and not stage.jobs      # nothing left of the profile's requests
+    assert stage.runner.allocator.num_free == stage.runner.cache.num_blocks
