@@ -239,7 +239,7 @@ def build_engine(cfg: Config) -> DecodeEngine:
     cost = None
     if cfg.profile:
         try:
-            cost, samples = profile_decode(runner)
+            cost, samples = profile_decode(runner, step=graphs.decode if graphs is not None else None)
             log.info("decode cost model %s from %d timings", cost.to_dict(), len(samples))
         except ValueError as exc:
             log.warning("startup profiling skipped: %s", exc)
