@@ -48,6 +48,11 @@ def test_verdicts_follow_the_goals_on_cuda_only(mfu, share, met):
     pd = {"models": {"m": {"prompt_len": 2048, "overlap": {"hidden_share": 0.7, "transfer_s": 0.01,
                                                            "exposed_transfer_s": 0.003}}}}
     assert [r.met for r in pd_rows(plan_for("cuda", "m"), pd)] == [False]
+    # the served prefill against its forward: the H200's first run (0.40 s against 18 ms) misses
+    pd["models"]["m"]["overlap"] |= {"served_over_forward": 22.0, "compute_compute_only_s": 0.40, "forward_s": 0.018}
+    assert [r.met for r in pd_rows(plan_for("cuda", "m"), pd)] == [False, False]
+    pd["models"]["m"]["overlap"] |= {"served_over_forward": 1.2}
+    assert [r.met for r in pd_rows(plan_for("cuda", "m"), pd)][1] is True
 
 
 def test_a_stage_is_killed_at_its_limit_and_a_failure_is_reported(tmp_path):

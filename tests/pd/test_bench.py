@@ -25,6 +25,8 @@ def test_bench_pd_json_and_profile(tmp_path):
     res = orjson.loads(out.stdout)
     tiny = res["models"]["tiny"]
     assert tiny["overlap"]["kv_bytes"] == 128 * 1024 and tiny["overlap"]["transfer_s"] > 0
+    o = tiny["overlap"]
+    assert o["forward_s"] > 0 and o["served_over_forward"] == pytest.approx(o["compute_compute_only_s"] / o["forward_s"])
     assert [r["cached_tokens"] for r in tiny["prefix"]] == [0, 0, 64, 64]   # whole 64-token blocks only
     assert [r["batch"] for r in tiny["decode"]] == [1, 2]
     assert tiny["source"]["kind"] == "preset" and tiny["source"]["load_s"] > 0
