@@ -2,7 +2,7 @@
 
 A prefill's served chunk is more than its forward: the layer-wise pass hands each layer to the
 model thread from the event loop, gathers the layer's KV and stages it for the host. On two CPU
-cores that is a few percent of a forward; on an H200 it was 25x the forward of the default model
+cores that is a few percent of a forward; on an H200 it was ~27x the forward of the default model
 (docs/results/2026-11-30-h200-gpu-check.md), so a model fitted to ``runner.prefill`` timings
 priced the first requests 3-23x short and admission refused three in four. So the points of
 ``instance/profile.QUICK_PREFILL`` are timed through :meth:`StageEngine.run_chunk`, the KV to
