@@ -7,9 +7,10 @@ logged, and decode drops the request (the conductor sees its token stream fail).
 ``{"error"}`` for a bad request (never retry as is), 502 when the KV stream to decode failed or
 the request was aborted (decode gone, transfer refused).
 
-Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store; its
-start-up profile is ``profiling.py``'s), then ``build_app`` (its ``PrefillService`` and routes). ``store_id`` asks the store its id
-(refusing one whose slots are too small); ``registration`` is what ``main.py`` tells the conductor.
+Built here from the flags: ``build_stage(cfg, layers)`` (model slice, paged cache, store; the
+start-up profile is ``profiling.py``'s), then ``build_app`` (its ``PrefillService`` and routes).
+``store_id`` asks the store its id (refusing one whose slots are too small); ``registration`` is
+what ``main.py`` tells the conductor.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     takes; a shape the stage's cache cannot hold is left out. The profile's chunks leave nothing
     in the stage's timeline (what the conductor reads as this instance's forwards)."""
     points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
+    downstream = downstream or _NoStages()
     for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
         await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
     samples = []
@@ -38,38 +39,40 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     return fit_prefill(samples), samples
 
 
-async def _time_chunk(stage: StageEngine, downstream: NextStage | None, rid: str, n: int, p: int) -> float:
-    """Seconds for tokens p..p+n-1 to go through the stage (and the group; the prefix first, untimed)."""
+class _NoStages:
+    """What comes after a lone instance's stage in its profile: nothing (a CPP head's is a ``NextStage``)."""
+
+    async def begin(self, *args) -> None: ...
+
+    async def send_chunk(self, *args) -> None: ...
+
+    async def flush(self, rid: str) -> None: ...
+
+    async def end(self, rid: str) -> None: ...
+
+    async def abort(self, rid: str, reason: str) -> None: ...
+
+
+async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int) -> float:
+    """Seconds for tokens p..p+n-1 to go through the stage and those after it (the prefix first, untimed)."""
     vocab = stage.runner.args.vocab_size
     tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
     job = stage.begin(rid, tokens, [], 0, NullSender())    # no keys: nothing is written back
     error = None
     try:
-        if downstream is None:
-            if p:
-                await stage.run_chunk(job, 0, token_ids=tokens[:p])
-            t0 = time.perf_counter()
-            await stage.run_chunk(job, p, token_ids=tokens[p:])
-            return time.perf_counter() - t0
-        return await _time_group_chunk(stage, downstream, job, rid, tokens, p)
+        await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
+        if p:
+            await downstream.send_chunk(rid, 0, await stage.run_chunk(job, 0, token_ids=tokens[:p]))
+            await downstream.flush(rid)
+        t0 = time.perf_counter()
+        await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
+        await downstream.flush(rid)
+        seconds = time.perf_counter() - t0
+        await downstream.end(rid)
+        return seconds
     except BaseException as exc:
         error = str(exc) or type(exc).__name__
-        if downstream is not None:
-            await downstream.abort(rid, error)
+        await downstream.abort(rid, error)
         raise
     finally:
         await stage.release(job, error)
-
-
-async def _time_group_chunk(stage: StageEngine, downstream: NextStage, job, rid: str, tokens: list[int],
-                            p: int) -> float:
-    await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
-    if p:
-        await downstream.send_chunk(rid, 0, await stage.run_chunk(job, 0, token_ids=tokens[:p]))
-        await downstream.flush(rid)
-    t0 = time.perf_counter()
-    await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
-    await downstream.flush(rid)
-    seconds = time.perf_counter() - t0
-    await downstream.end(rid)
-    return seconds
