@@ -40,6 +40,15 @@ async def wait_metric(url: str, name: str, value: float, timeout: float = 15.0) 
     raise AssertionError(f"{name} never became {value} (now {metric(url, name)})")
 
 
+async def wait_log(proc, text: str, timeout: float = 10.0) -> None:
+    """The store counts before it logs, and its lines reach us through a pipe: wait for the line."""
+    for _ in range(int(timeout / 0.05)):
+        if text in proc.logs():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} never logged: {proc.logs()[-2000:]}")
+
+
 async def test_lease_protects_block_being_sent(role_procs):
     store = role_procs("store", "--port", "0", "--data-port", "0", "--dram", str(2 * SLOT), "--slot-bytes", "4MiB")
     client = await StoreClient.connect(store.addresses["data"])
@@ -84,7 +93,7 @@ async def test_lease_expires_and_closes_the_dead_reader(role_procs):
     reader, writer = await slow_reader(store.addresses["data"], a)
     try:
         await wait_metric(store.url(), "mooncake_store_leases_expired_total", 1)
-        assert "lease expired" in store.logs()
+        await wait_log(store, "lease expired")
         await client.put([b], [b"b"])  # the only slot is free to evict again
         assert await client.exists([a, b]) == [False, True]
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
