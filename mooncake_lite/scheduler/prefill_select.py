@@ -88,7 +88,9 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
     q = backlog.queue_scale if backlog is not None else 1.0
     if p is not None and p.overtakes > 0 and backlog is not None:
         done = (backlog.cumulative_s[-1] if backlog.cumulative_s else 0.0) - queue_s / q
-        start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens)
+        started = len(backlog.started)
+        start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens,
+                            backlog.cumulative_s[started - 1] if started else None)
         wait = (start - done) * q if start > done else 0.0
         # a job that starts at once (wait 0) is passed by nobody: only a waiting one is priced for it
         allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
