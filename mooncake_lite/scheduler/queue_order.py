@@ -82,20 +82,20 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
     new = QueuedPrefill("", num_tokens, prefix_tokens)
     at = queue_landing(queue, job_uncached(new), bound)
     jobs = (*queue[:at], new, *queue[at:])
-    own = [model.predict(j.num_tokens, j.num_prefix_tokens) for j in jobs]
     running = 0
     while running < len(jobs) and jobs[running].started_at is not None:
         running += 1
+    # Given the running jobs' seconds, they are not priced again: the count starts after them.
+    skip = running if running_s is not None else 0
+    predict = model.predict
+    own = [predict(j.num_tokens, j.num_prefix_tokens) for j in jobs[skip:]]
     if pack_tokens > 0:
         waiting = jobs[running:]
-        sizes = ([running] if running else []) + pack_sizes([job_uncached(j) for j in waiting], pack_tokens,
-                                                             queue_caps(waiting))
+        sizes = ([running] if running > skip else []) + pack_sizes([job_uncached(j) for j in waiting], pack_tokens,
+                                                                   queue_caps(waiting))
     else:
-        sizes = [1] * len(jobs)
-    start, i = 0.0, 0
-    if running_s is not None and running:
-        start, i = running_s, running
-        sizes = sizes[1 if pack_tokens > 0 else running:]
+        sizes = [1] * len(own)
+    start, i, at = (running_s if skip else 0.0), 0, at - skip
     for size in sizes:
         seconds = packed_seconds(own[i:i + size], model.c0)
         if i <= at < i + size:
