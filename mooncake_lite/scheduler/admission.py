@@ -22,8 +22,8 @@ from mooncake_lite.scheduler.cache import FROM_SCRATCH, Estimates
 from mooncake_lite.scheduler.config import SchedulerConfig
 from mooncake_lite.scheduler.costs import CostModels, DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.decision import RejectCause
-from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, loads_at, own_decode_span,
-                                              queues_at, running_load)
+from mooncake_lite.scheduler.estimate import (Queues, decode_has_room, decode_tbt, joining_step, loads_at,
+                                              own_decode_span, queues_at, running_load)
 from mooncake_lite.scheduler.prefill_select import PrefillChoice
 from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, ScheduleRequest
 
@@ -129,26 +129,28 @@ Held = tuple[float, int, int]
 
 def held_load_at(held: Sequence[Held], model: DecodeCostModel, now: float, t: float | None) -> tuple[int, int]:
     """(sequences, context tokens) of ``held`` still decoding at ``t``, when a new request's KV is
-    due: each decodes from its join (``now`` once that has passed: a late KV joins as it lands)
-    for t_d = :func:`~estimate.decode_span` of its tokens left at the step of those joined by
-    ``now`` (:func:`~estimate.pricing_tbt`'s running batch), at least its own step alone — the
-    conductor's rule for an incoming request (``estimate.loads_at``). One joining after ``t`` is
-    not beside it then. Counted together, a burst's tenth reservation was judged at batch 10 where
-    its members, prefilled one after another, decode one or two at a time. ``t`` None: when it
-    joins is unknown, and everything held counts, as if all decoded together from now."""
+    due: each decodes for t_d = :func:`~estimate.decode_span` of its tokens left, at least its
+    own step alone — the conductor's rules (``estimate.loads_at``): one joined by ``now`` from
+    now, at the step of those joined (:func:`~estimate.pricing_tbt`'s running batch); one still
+    to join from its join, at the step of the joined ones still there at ``t``
+    (:func:`~estimate.joining_step`). One joining after ``t`` is not beside it then. Counted
+    together, a burst's tenth reservation was judged at batch 10 where its members, prefilled one
+    after another, decode one or two at a time. ``t`` None: when it joins is unknown, and
+    everything held counts, as if all decoded together from now."""
     if t is None:
         return len(held), sum([tokens for _, _, tokens in held])
     joined = [tokens for join_at, _, tokens in held if join_at <= now]
     tbt = model.predict(len(joined), sum(joined))
     batch = context = 0
     for join_at, tokens_left, tokens in held:
-        start = join_at if join_at > now else now
-        if start > t:
-            continue
-        if start + own_decode_span(model, tokens_left, tokens, None, tbt) <= t:     # gone by t
-            continue
-        batch += 1
-        context += tokens
+        if join_at <= now and now + own_decode_span(model, tokens_left, tokens, None, tbt) > t:
+            batch += 1
+            context += tokens
+    step = joining_step(model, batch, context)
+    for join_at, tokens_left, tokens in held:
+        if now < join_at <= t < join_at + own_decode_span(model, tokens_left, tokens, None, step):
+            batch += 1
+            context += tokens
     return batch, context
 
 

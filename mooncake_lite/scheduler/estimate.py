@@ -283,6 +283,16 @@ def own_decode_span(model: DecodeCostModel, max_output_tokens: int | None, conte
     return decode_span(max_output_tokens, uniform_decode_s, step)
 
 
+def joining_step(model: DecodeCostModel, batch: int, context_tokens: int) -> float:
+    """The step a request yet to join a decode has its t_d sized with (at least its own step
+    alone, :func:`own_decode_span`): the batch of the ``batch`` sequences of ``context_tokens``
+    still decoding at ``t`` beside it, not the batch now. A step of the batch now holds
+    requests gone by then: a 3,800-token prompt's last tokens, gone 0.2 s later, priced a burst's
+    short prompts 0.018 s a step where they ran at 0.006-0.008 s, and refused three of them on
+    the TBT (docs/results/2026-11-30-zen5.md §28)."""
+    return model.predict(batch + 1, context_tokens)
+
+
 def leave_time(r: DecodingRequest, uniform_decode_s: float | None, tbt_s: float | None) -> float:
     """joined_at + t_d (:func:`decode_span`)."""
     return r.joined_at + decode_span(r.max_output_tokens, uniform_decode_s, tbt_s)
@@ -307,13 +317,15 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
              default: DecodeCostModel) -> list[tuple[int, int]]:
     """Each decode instance's (batch size, context tokens) predicted for time ``t`` (§3): running
     requests with joined_at + t_d <= ``t`` leave; an incoming one is there if its prefill ends by
-    ``t`` (``queues``: the backlogs at ``now``; in no queue: ended) and its t_d (at least its own
-    step alone: an idle decode's TBT is 0) has not run out since. Counted for ever, a burst's tenth
-    member was priced at a batch of ten where two ran (docs/results/2026-11-29-decode-load.md).
-    Per decode per request: when they joined is looked up only where one may have a t_d shorter
-    than ``t - now`` (``DecodeInstanceState.incoming_shortest``); elsewhere only the late leave
-    out (bin/decision-cost, issue #31's 5%), choice i > 0 of a late request of n counted (its
-    record is ``rid#i``, the queue's ``rid``): conservative, as before."""
+    ``t`` (``queues``: the backlogs at ``now``; in no queue: ended) and its t_d (at the step of the
+    running requests still there at ``t``, :func:`joining_step`; at least its own step alone: an
+    idle decode's TBT is 0) has not run out since. Counted for ever, a burst's tenth member was
+    priced at a batch of ten where two ran (docs/results/2026-11-29-decode-load.md). Per decode
+    per request: when they joined is looked up only where one may have a t_d at the batch's step
+    now shorter than ``t - now`` (``DecodeInstanceState.incoming_shortest``); elsewhere only the
+    late leave out (bin/decision-cost, issue #31's 5%: checked at the joining step, the look-up ran
+    in 8% of its decisions, not 0.1%, and cost 6%), choice i > 0 of a late request of n counted
+    (its record is ``rid#i``, the queue's ``rid``): conservative, as before."""
     late = _NO_IDS if queues is None else late_prefills(queues, now, t)
     ends: dict[str, float] | None = None
     ahead, loads = t - now, []
@@ -333,8 +345,9 @@ def loads_at(decodes: Sequence[DecodeInstanceState], profiles: list[LeaveProfile
             else:
                 if ends is None:
                     ends = {} if queues is None else prefill_ends(queues, now)
-                joined, tokens = _still_decoding(incoming, d.cost or default, late, ends, now, t, tbt,
-                                                 uniform_decode_s)
+                model = d.cost or default
+                step = tbt if tbt is None else joining_step(model, batch, context)
+                joined, tokens = _still_decoding(incoming, model, late, ends, now, t, step, uniform_decode_s)
                 batch += joined
                 context += tokens
         loads.append((batch, context))
@@ -345,8 +358,8 @@ def _still_decoding(incoming: tuple[IncomingRequest, ...], model: DecodeCostMode
                     ends: dict[str, float], now: float, t: float, tbt: float | None,
                     uniform_decode_s: float | None) -> tuple[int, int]:
     """(how many, their context tokens) of ``incoming`` that joined by ``t`` (their prefill's end in
-    ``ends``, else ``now``) and whose t_d (:func:`decode_span`; their step at least their own alone)
-    has not run out by then."""
+    ``ends``, else ``now``) and whose t_d (:func:`decode_span` at ``tbt``, :func:`joining_step`;
+    their step at least their own alone) has not run out by then."""
     joined = tokens = 0
     for r in incoming:
         rid = r.request_id

@@ -95,7 +95,8 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
                                                                    queue_caps(waiting))
     else:
         sizes = [1] * len(own)
-    start, i, at = (running_s if skip else 0.0), 0, at - skip
+    start = running_s if running_s is not None and skip else 0.0
+    i, at = 0, at - skip
     for size in sizes:
         seconds = packed_seconds(own[i:i + size], model.c0)
         if i <= at < i + size:

@@ -220,22 +220,39 @@ def test_an_incoming_request_counts_only_while_it_decodes():
     t_d later. A burst's earlier member, prefilled and decoded before t, is not in t's batch —
     counting it put a burst's tenth member's predicted TBT at a batch of ten."""
     from mooncake_lite.scheduler.estimate import decode_load_at
-    d = DecodeInstanceState("d0", incoming=(IncomingRequest("a", 50, max_output_tokens=10),
-                                            IncomingRequest("b", 70, max_output_tokens=10)),
-                            tbt_s=0.1)                # t_d = 10 × 0.1 s = 1 s
+    stay = tuple(DecodingRequest(f"r{i}", 0, 0.0) for i in range(8))     # no max_tokens: there at any t
+    d = DecodeInstanceState("d0", running=stay, incoming=(IncomingRequest("a", 50, max_output_tokens=10),
+                                                          IncomingRequest("b", 70, max_output_tokens=10)),
+                            tbt_s=0.09)               # beside the 8: a step of 0.1 s, t_d = 10 × 0.1 s = 1 s
     queues = _queues_at(0.0, a=1000, b=1500)          # a decodes over [1, 2), b over [2.5, 3.5)
     expected = {0.5: (0, 0), 1.0: (1, 50), 1.9: (1, 50), 2.0: (0, 0), 2.6: (1, 70), 3.5: (0, 0)}
-    for t, load in expected.items():
-        assert decode_load_at(d, COSTS, 0.0, t, queues, None) == load, t
-    assert decode_load_at(d, COSTS, 0.0, 0.5, None, None) == (2, 120)     # in no queue: both joined now
-    assert decode_load_at(d, COSTS, 0.0, 1.5, None, 3.0) == (2, 120)      # a uniform t_d of 3 s
+    for t, (batch, context) in expected.items():
+        assert decode_load_at(d, COSTS, 0.0, t, queues, None) == (8 + batch, context), t
+    assert decode_load_at(d, COSTS, 0.0, 0.5, None, None) == (10, 120)    # in no queue: both joined now
+    assert decode_load_at(d, COSTS, 0.0, 1.5, None, 3.0) == (10, 120)     # a uniform t_d of 3 s
     unknown = replace(d, incoming=(IncomingRequest("a", 50),))            # no max_tokens: never leaves
-    assert decode_load_at(unknown, COSTS, 0.0, 100.0, queues, None) == (1, 50)
+    assert decode_load_at(unknown, COSTS, 0.0, 100.0, queues, None) == (9, 50)
     # a request of n choices: choice 1 ("a#1") is queued under the request's id, so it joins with it
     second = replace(d, incoming=(IncomingRequest("a#1", 50, max_output_tokens=10),))
-    assert decode_load_at(second, COSTS, 0.0, 0.5, queues, None) == (0, 0)
-    assert decode_load_at(second, COSTS, 0.0, 1.5, queues, None) == (1, 50)
+    assert decode_load_at(second, COSTS, 0.0, 0.5, queues, None) == (8, 0)
+    assert decode_load_at(second, COSTS, 0.0, 1.5, queues, None) == (9, 50)
     # an idle decode (TBT 0): t_d is sized with the request's own step alone (COSTS: 0.02 s), 0.2 s
-    idle = replace(d, tbt_s=0.0)
+    idle = replace(d, running=(), tbt_s=0.0)
     assert decode_load_at(idle, COSTS, 0.0, 1.1, queues, None) == (1, 50)
     assert decode_load_at(idle, COSTS, 0.0, 1.25, queues, None) == (0, 0)
+
+
+def test_an_incoming_request_decodes_beside_those_still_there_not_those_gone_by_then():
+    """An incoming request's t_d is sized at the step of the running requests still decoding at
+    t, not of the batch now: a long prompt's last few tokens, gone before a burst's short prompts
+    joined, priced them a step 2-3x the one they ran at and refused them on the TBT (Zen 5, run 25b)."""
+    from mooncake_lite.scheduler.estimate import decode_load_at
+    leaving = tuple(DecodingRequest(f"r{i}", 0, 0.0, max_output_tokens=5) for i in range(8))   # gone at 0.45 s
+    d = DecodeInstanceState("d0", running=leaving, incoming=(IncomingRequest("a", 50, max_output_tokens=10),),
+                            tbt_s=0.09)
+    queues = _queues_at(0.0, a=500)                   # a joins at 0.5 s
+    # Now's step (0.09 s) would keep it to 1.4 s; alone (0.02 s a step) it is gone at 0.7 s.
+    assert decode_load_at(d, COSTS, 0.0, 0.6, queues, None) == (1, 50)
+    assert decode_load_at(d, COSTS, 0.0, 0.8, queues, None) == (0, 0)
+    staying = replace(d, running=tuple(replace(r, max_output_tokens=None) for r in leaving))
+    assert decode_load_at(staying, COSTS, 0.0, 1.4, queues, None) == (9, 50)   # beside the 8: 0.1 s a step

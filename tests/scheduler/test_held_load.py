@@ -47,6 +47,14 @@ def test_members_that_overlap_are_counted():
     assert held_load_at(late, MODEL, 0.0, 0.19) == (1, 100)
 
 
+def test_one_still_to_join_decodes_beside_those_still_there_at_t():
+    # three running, 40 ms a step, gone at 0.2 s; one joining at 0.3 s decodes alone (20 ms a
+    # step): 10 tokens, gone at 0.5 s, not at 0.7 s as at the step of the batch now
+    held = [(0.0, 5, 100)] * 3 + [(0.3, 10, 100)]
+    assert held_load_at(held, MODEL, 0.0, 0.45) == (1, 100)
+    assert held_load_at(held, MODEL, 0.0, 0.55) == (0, 0)
+
+
 @pytest.mark.parametrize("t", [0.0, 0.3, 0.55, 1.0, 1.2, 2.6, 4.51, 5.0, 7.5, 30.0])
 def test_the_same_rule_as_the_conductors_load_at_t(t):
     # Running requests that joined now, and a burst committed with its prefills queued: the decode's
