@@ -35,6 +35,7 @@ M = TypeVar("M")
 # The furthest ahead a decode takes a request's KV to be due (GenerateRequest.kv_in_s): an hour.
 MAX_KV_IN_S = 3600.0
 MAX_PACK_CAP = 1 << 24     # the largest PrefillRequest.pack_cap, Register.prefill_chunk: more than a forward holds
+MAX_BUSY_SCALE = 16.0      # the largest Register.busy_scale: a correction factor's bound (CorrectionConfig.max_factor)
 
 
 class ProtocolError(ValueError):
@@ -171,10 +172,16 @@ class Register:
     # A prefill's --prefill-chunk: a longer prompt runs (and is priced) as the sum of its chunks; 0: not
     # said (an older instance), priced as one pass.
     prefill_chunk: int = 0
+    # A prefill that borrows idle CPUs: its chunks' time on its own threads over with the borrowed
+    # ones, timed at start-up (prefill/profiling.busy_scale): what a busy decode beside it, taking
+    # its CPUs back, costs its forwards before any was measured. 1: none (or not said).
+    busy_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_chunk <= MAX_PACK_CAP:
             raise ValueError(f"prefill_chunk must be within [0, {MAX_PACK_CAP}] tokens, got {self.prefill_chunk}")
+        if not 1.0 <= self.busy_scale <= MAX_BUSY_SCALE:     # (NaN fails both)
+            raise ValueError(f"busy_scale must be within [1, {MAX_BUSY_SCALE:g}], got {self.busy_scale}")
 
 
 Figure = float | None   # a figure of a load: None when the instance does not report it

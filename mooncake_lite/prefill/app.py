@@ -133,13 +133,14 @@ async def timeline(request: web.Request) -> web.Response:
 
 
 def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,
-              downstream: NextStage | None = None) -> web.Application:
-    """The prefill app of this process's ``stage`` (a CPP group's other stages behind ``downstream``)."""
+              downstream: NextStage | None = None, busy_scale: float = 1.0) -> web.Application:
+    """The prefill app of this process's ``stage`` (a CPP group's other stages behind
+    ``downstream``); ``busy_scale``: its registration's (``Register.busy_scale``)."""
     service = PrefillService(stage, DecodeLinks(cfg.cluster_token), block_size=cfg.block_size,
                              hash_seed=cfg.hash_seed, chunk_size=cfg.prefill_chunk,
                              downstream=downstream, cost=cost, keepalive_s=cfg.kv_keepalive,
                              batch_tokens=cfg.prefill_batch_tokens, block_bytes=stored_block_bytes(cfg),
-                             overtakes=cfg.overtake_bound)
+                             overtakes=cfg.overtake_bound, busy_scale=busy_scale)
     return make_app(service, cfg.cluster_token)
 
 
@@ -320,4 +321,5 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     max_context=min(args.max_seq_len, runner.allocator.num_blocks * runner.block_size),
                     cost=cost_report(service.cost) or CostReport(), pipeline_stages=cfg.pipeline_group,
                     pack_tokens=service.pack_limit, queue_overtakes=service.overtakes,
-                    tensor_parallel=cfg.tensor_parallel, prefill_chunk=cfg.prefill_chunk)
+                    tensor_parallel=cfg.tensor_parallel, prefill_chunk=cfg.prefill_chunk,
+                    busy_scale=service.busy_scale)

@@ -20,7 +20,7 @@ from mooncake_lite.prefill.app import SERVICE, StoreUnfit, build_app, build_stag
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.pipeline import StageUnreachable
-from mooncake_lite.prefill.profiling import profile_served
+from mooncake_lite.prefill.profiling import busy_scale, profile_served
 from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, run_stage
 from mooncake_lite.scheduler.costs import PrefillCostModel
 
@@ -30,20 +30,23 @@ REFUSALS = (StoreUnfit, StageUnreachable, GroupMismatch)
 log = logging.getLogger(__name__)
 
 
-async def _profile(cfg: Config, stage: StageEngine, downstream) -> PrefillCostModel | None:
+async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[PrefillCostModel | None, float]:
     """The start-up cost model, timed through the stage engine as it serves (``profiling.py``)
     and, for a CPP head, through all its stages; a lone instance's is then refined from every
-    chunk it runs. None if that failed: it then registers none, as with --no-profile."""
+    chunk it runs, and timed on its own threads too where it borrows CPUs (``busy_scale``).
+    None (and 1) if that failed: it then registers none, as with --no-profile."""
     try:
         cost, samples = await profile_served(stage, downstream)
+        busy = await busy_scale(stage) if downstream is None else 1.0
     except Exception as exc:
         log.warning("start-up profiling skipped: %s", exc)
-        return None
+        return None, 1.0
     through = f"through its {cfg.pipeline_group} stages" if downstream else "through the stage engine"
-    log.info("prefill cost model %s from %d timings %s", cost.to_dict(), len(samples), through)
+    log.info("prefill cost model %s from %d timings %s; on its own threads %.2fx", cost.to_dict(), len(samples),
+             through, busy)
     if downstream is None:
         stage.refiner = prefill_refiner(cost)
-    return cost
+    return cost, busy
 
 
 async def serve(cfg: Config, stage: StageEngine, group: StageGroup | None) -> int:
@@ -64,8 +67,8 @@ async def serve(cfg: Config, stage: StageEngine, group: StageGroup | None) -> in
         if close is not None:
             await close()
         raise
-    cost = await _profile(cfg, stage, downstream) if cfg.profile else None
-    app = build_app(cfg, stage, cost, downstream)
+    cost, busy = await _profile(cfg, stage, downstream) if cfg.profile else (None, 1.0)
+    app = build_app(cfg, stage, cost, downstream, busy)
     service = app[SERVICE]
     conductor = cfg.joins()
     membership = None if conductor is None else Membership(

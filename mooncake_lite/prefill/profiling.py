@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from mooncake_lite.common.protocol import MAX_BUSY_SCALE
 from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill, fits
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.pipeline import NextStage, NullSender
@@ -37,6 +38,35 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
         samples.append((n + p, p, best))
     stage.timeline.clear()
     return fit_prefill(samples), samples
+
+
+# Timed on both thread counts: prompts of the sizes whose forwards a busy node slowed most.
+BUSY_POINTS = ((192, 0), (512, 0))
+
+
+async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2) -> float:
+    """How much longer ``stage``'s chunks take on its own threads than with the CPUs it borrows
+    while the machine idles (``prefill/threads.py``; 1 when it borrows none): what a decode
+    beside it, busy and so taking its CPUs back, costs its forwards. The conductor prices a busy
+    node's forwards by it until it has measured some (``Corrections.seed_states``): the start-up
+    profile ran with the CPUs borrowed, and a burst's first forwards beside a busy decode ran
+    1.6-1.95x its price on Zen 5 (docs/results/2026-11-30-zen5.md §29). Fewer threads never run
+    faster: a ratio under 1 is noise, and reads 1."""
+    borrower = getattr(stage.executor, "borrower", None)
+    if borrower is None or borrower.borrow <= 0:
+        return 1.0
+    points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
+    seconds = []
+    for threads in (borrower.own + borrower.borrow, borrower.own):
+        total = 0.0
+        with borrower.held(threads):
+            for i, (n, p) in enumerate(points):
+                total += min([await _time_chunk(stage, _NoStages(), f"profile-threads-{threads}-{i}-{r}", n, p)
+                              for r in range(repeats)])
+        seconds.append(total)
+    stage.timeline.clear()
+    lent, own = seconds
+    return min(MAX_BUSY_SCALE, max(1.0, own / lent)) if points and lent > 0.0 else 1.0
 
 
 class _NoStages:

@@ -50,8 +50,9 @@ class PrefillService(TurnTaking, Packing):
 
     def __init__(self, stage: StageEngine, links: DecodeLinks, *, block_size: int, hash_seed: int,
                  chunk_size: int, downstream=None, cost=None, keepalive_s: float = 1.0,
-                 batch_tokens: int = 0, block_bytes: int = 0, overtakes: int = 0):
+                 batch_tokens: int = 0, block_bytes: int = 0, overtakes: int = 0, busy_scale: float = 1.0):
         self.stage = stage
+        self.busy_scale = busy_scale   # its chunks on its own threads over with borrowed ones (Register's)
         self.block_bytes = block_bytes # one whole block as the store keeps it: prices a migration
         self.links = links
         self.block_size = block_size

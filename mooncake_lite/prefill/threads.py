@@ -14,6 +14,7 @@ the others reads as busy, so the prefill borrows less, never more.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -59,7 +60,18 @@ class ThreadBorrower:
         self._apply = apply or _set_torch_threads
         self.threads = own
         self.num_borrowed = 0            # pieces of work run with extra threads (/metrics, tests)
+        self._held: int | None = None
         self._last = self._sample()
+
+    @contextlib.contextmanager
+    def held(self, threads: int):
+        """Run every piece of work at ``threads`` meanwhile, whatever the machine does (the
+        start-up profile times both counts: ``prefill/profiling.busy_scale``)."""
+        self._held = threads
+        try:
+            yield
+        finally:
+            self._held = None
 
     def _sample(self) -> tuple[float, float, float] | None:
         busy = self._busy()
@@ -67,6 +79,9 @@ class ThreadBorrower:
 
     def pick(self) -> int:
         """The thread count for the work about to run: re-decided once a window has passed."""
+        if self._held is not None:
+            self._set(self._held)
+            return self.threads
         now = self._clock()
         if self._last is not None and now - self._last[0] >= WINDOW_S:
             sample = self._sample()

@@ -38,7 +38,8 @@ a burst's first forward, the decode idle, ran 0.7x the shown model with the deco
 (``prefill/threads.py``) and the pack after it 1.3-1.45x. Each state is a line, not a factor
 (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0`` once a job
 (:meth:`Corrections.prefill_offset`, :func:`scaled`); a state not yet observed borrows the
-other's. An instance never observed has factor 1 and offset 0 exactly.
+other's, except where the prefill measured its busy state at start-up (:meth:`Corrections.seed_states`).
+An instance never observed has factor 1 and offset 0 exactly (its busy state: that measure).
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
@@ -237,6 +238,19 @@ class Corrections:
         new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
                                                  lines={**cur.lines, term: line})
+
+    def seed_states(self, instance_id: str, busy_scale: float) -> None:
+        """A prefill's two node states before either was observed: idle as its model, busy
+        ``busy_scale`` times it (what it measured at start-up on its own threads against with
+        the CPUs it borrows: ``Register.busy_scale``); no state borrows the other's then. Once
+        a state was observed, nothing changes. A factor outside the bounds is clamped to them."""
+        cur = self.get(instance_id)
+        if busy_scale == 1.0 or any(t in cur.factors for t in STATES) or not math.isfinite(busy_scale) \
+                or busy_scale <= 0.0:
+            return
+        bound = math.log(self.cfg.max_factor)
+        seeded = {"compute": Factor(), "interference": Factor(min(bound, max(-bound, math.log(busy_scale))))}
+        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, **seeded})
 
     def rebase(self, instance_id: str, term: str, log_shift: float) -> None:
         """The model ``term`` corrects moved by ``exp(log_shift)`` by itself (an instance refines

@@ -6,6 +6,7 @@ reports refused without moving it; Retry-After from the predictions."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
@@ -361,3 +362,26 @@ async def test_a_prefill_is_priced_at_the_speed_of_its_nodes_state(make_cluster)
     book.show_node_states()                            # what the next decision does first
     assert book.shown_scale("p0") == pytest.approx(book.corrections.prefill_scale("p0", busy=False), rel=1 / 30)
     assert book.shown_scale("p0") < busy_scale / 1.5
+
+
+async def test_a_prefill_s_busy_state_starts_where_it_measured_it(make_cluster):
+    """A prefill that borrows idle CPUs times its chunks on its own threads too at start-up
+    (``Register.busy_scale``): the conductor prices its busy node's forwards by that until it has
+    measured some, its idle ones by its model; a scale out of bounds refuses the registration."""
+    cluster = await make_cluster(prefill=0, dead_after=SLOW_BOX)
+    book = cluster.svc.predictions
+    p0 = await cluster.add("prefill", "p0", store="store0:1", register=False)
+    for hostile in (0.5, 100.0, "fast"):               # (the fakes' own Register would refuse to build them)
+        raw = {**dataclasses.asdict(p0.register_msg()), "busy_scale": hostile}
+        status, _ = await fakes.post(cluster.session, f"{cluster.url}/internal/v1/register", raw, p0.token)
+        assert status == 400
+    status, body = await fakes.register(cluster.session, cluster.url, p0, busy_scale=1.8)
+    assert status == 200, body
+    assert book.corrections.prefill_scale("p0", busy=True) == pytest.approx(1.8)
+    assert book.corrections.prefill_scale("p0", busy=False) == 1.0
+    await cluster.add("decode", "d0")
+    p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.1}
+    await _complete(cluster, 3)                        # idle at each decision: the idle state learns
+    corr = book.corrections.get("p0")
+    assert corr.factors["compute"].num_observed == 3 and corr.factors["interference"].num_observed == 0
+    assert book.corrections.prefill_scale("p0", busy=True) == pytest.approx(1.8)

@@ -12,8 +12,9 @@ from mooncake_lite.instance.profile import profile_prefill
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.engine import StageEngine
-from mooncake_lite.prefill.profiling import profile_served
+from mooncake_lite.prefill.profiling import busy_scale, profile_served
 from mooncake_lite.prefill.store_io import MemoryStore
+from mooncake_lite.prefill.threads import BorrowingExecutor, ThreadBorrower
 
 HOP_S = 0.01   # per layer and chunk: what the served path adds here, and only here
 
@@ -43,3 +44,21 @@ def test_the_profile_prices_the_served_path_not_the_forward(stage, monkeypatch):
     assert all(s >= layers * HOP_S for *_, s in samples)
     assert len(stage.timeline) == 0 and not stage.jobs      # nothing left of the profile's requests
     assert stage.runner.allocator.num_free == stage.runner.cache.num_blocks
+
+
+def test_a_borrowing_stage_times_its_chunks_on_its_own_threads_too(stage, monkeypatch):
+    """busy_scale: the chunks' time on the stage's own threads over with the borrowed ones (here a
+    hop per layer twice as long on one thread: the scale nears 2); 1 where it borrows none."""
+    assert asyncio.run(busy_scale(stage)) == 1.0
+    borrower = ThreadBorrower(1, 1, num_cpus=2, busy=lambda: None, apply=lambda n: None)
+    stage.executor.shutdown(wait=True)
+    stage.executor = BorrowingExecutor(borrower)
+    layer = StageEngine._layer
+
+    def layer_by_threads(self, *args):
+        time.sleep(HOP_S * (2 if borrower.threads == borrower.own else 1))
+        return layer(self, *args)
+    monkeypatch.setattr(StageEngine, "_layer", layer_by_threads)
+    scale = asyncio.run(busy_scale(stage, repeats=1))
+    assert 1.5 < scale <= 2.0
+    assert len(stage.timeline) == 0 and not stage.jobs

@@ -62,3 +62,16 @@ def test_the_executor_picks_before_each_call():
         m.run(1.5 * WINDOW_S, 1, 0)
         assert ex.submit(lambda x: x + 1, 41).result() == 42
     assert m.applied == [2] and b.threads == 2
+
+
+def test_a_held_count_is_kept_whatever_the_machine_does():
+    m = Machine()
+    b = m.borrower()
+    with b.held(1):
+        m.run(1.5 * WINDOW_S, 1, 0.0)                          # idle: it would borrow
+        assert b.pick() == 1 and b.num_borrowed == 0
+    with b.held(2):
+        m.run(1.5 * WINDOW_S, 1.1, 0.9)                        # decode steps: it would give back
+        assert b.pick() == 2 and m.applied == [2]
+    m.run(1.5 * WINDOW_S, 1.1, 0.9)
+    assert b.pick() == 1 and m.applied == [2, 1]               # released: the machine decides again

@@ -239,3 +239,22 @@ def test_a_decode_learns_its_tail_from_two_measurements_and_no_model():
     assert c.tail("d") == pytest.approx(1.5, rel=1e-3)
     assert c.decode_scale("d") == 1.0
     assert c.observe("d", "tail", 0.02, float("nan")) is not None and c.tail("d") == pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_prefill_s_busy_state_starts_at_its_measured_scale_until_observed():
+    """``seed_states``: the busy state at the scale the prefill measured on its own threads, the
+    idle one at its model; no state borrows the other's; observed states keep what they learned."""
+    c = Corrections()
+    c.seed_states("p", 1.8)
+    assert c.prefill_scale("p", busy=True) == pytest.approx(1.8) and c.prefill_scale("p", busy=False) == 1.0
+    c.observe("p", "compute", 1.0, 1.2)                 # the idle state learns; the busy one is not moved
+    assert c.prefill_scale("p", busy=False) > 1.0 and c.prefill_scale("p", busy=True) == pytest.approx(1.8)
+    c.observe("p", "interference", 1.0, 1.8)            # measured at its seed: it stays there
+    assert c.prefill_scale("p", busy=True) == pytest.approx(1.8, rel=0.02)
+    c.seed_states("p", 3.0)                             # once observed, a seed changes nothing
+    assert c.prefill_scale("p", busy=True) == pytest.approx(1.8, rel=0.02)
+    for odd in (1.0, math.nan, -2.0):                    # nothing to seed: borrowing as before
+        c.seed_states("q", odd)
+        assert "interference" not in c.get("q").factors
+    c.seed_states("r", 1e6)                             # clamped to the factors' bound
+    assert c.prefill_scale("r", busy=True) == pytest.approx(CorrectionConfig().max_factor)

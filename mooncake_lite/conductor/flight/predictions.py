@@ -280,7 +280,10 @@ class PredictionBook:
     # ---- what the scheduler is shown -------------------------------------------------------
     def shown_costs(self, inst: Instance) -> InstanceCosts:
         """``inst``'s own costs (the cluster default where it reported none), its role's model
-        multiplied by its correction scale as last shown; its own object while that is 1."""
+        multiplied by its correction scale as last shown; its own object while that is 1. First
+        seen, a prefill's node states start where it measured them (``Register.busy_scale``)."""
+        if inst.instance_id not in self._base and inst.role == "prefill":
+            self.corrections.seed_states(inst.instance_id, inst.reg.busy_scale)
         self._rebased(inst)
         return self._scaled(inst, self.shown_scale(inst.instance_id), self.shown_offset(inst.instance_id))
 
