@@ -37,7 +37,7 @@ weigh the two by the moving share ``b`` of busy requests. They differ either way
 a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
 (``prefill/threads.py``) and the pack after it 1.3-1.45x. Each state is a line, not a factor
 (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0`` once a job
-(:meth:`Corrections.prefill_offset`, :func:`scaled`); a state not yet observed borrows the
+(:meth:`Corrections.prefill_offset`, :func:`~mooncake_lite.scheduler.costs.scaled`); a state not yet observed borrows the
 other's, except where the prefill measured its busy state at start-up (:meth:`Corrections.seed_states`).
 An instance never observed has factor 1 and offset 0 exactly (its busy state: that measure).
 
@@ -398,17 +398,3 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
-
-def scaled(model, factor: float, offset: float = 0.0):
-    """A cost model (prefill or decode) with ``offset`` seconds added to its fixed cost ``c0`` (a
-    prefill state's line, ``forward_fit.py``) and every coefficient multiplied by ``factor``: each
-    job's prediction is ``factor × (x + offset)`` (the formulas, a prefill's chunked sum too, are
-    linear in the coefficients), its chunk kept; paid once a job, as fitted: a chunked model's later
-    chunks keep their ``c0`` (``later_c0``). The same object when ``factor`` is 1 and ``offset`` 0."""
-    if (factor == 1.0 and offset == 0.0) or model is None:
-        return model
-    coefs = model.to_dict()
-    if offset and hasattr(model, "later_c0"):   # a prefill's
-        coefs.setdefault("later_c0", coefs["c0"])
-    coefs["c0"] += offset
-    return replace(model, **{k: v * factor for k, v in coefs.items()})

@@ -8,7 +8,7 @@ plain dicts (``to_dict``/``from_dict``) in registrations and heartbeats.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import numpy as np
@@ -88,7 +88,7 @@ class PrefillCostModel(_Coefficients):
     c3: float = 0.0
     # The fixed cost of each chunk after a prompt's first (None: ``c0``; a one-pass model has none).
     # A corrected model raises only the first's: its line's offset is fitted once a request
-    # (correction.scaled, forward_fit.py).
+    # (costs.scaled, forward_fit.py).
     later_c0: float | None = None
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
@@ -331,3 +331,18 @@ class CostModels:
             raise ValueError(f"kv_bytes_per_token must be positive, got {self.kv_bytes_per_token}")
         if self.bandwidth_bytes_per_s <= 0:
             raise ValueError(f"bandwidth_bytes_per_s must be positive, got {self.bandwidth_bytes_per_s}")
+
+
+def scaled(model, factor: float, offset: float = 0.0):
+    """A cost model (prefill or decode) with ``offset`` seconds added to its fixed cost ``c0`` (a
+    prefill state's line, ``forward_fit.py``) and every coefficient multiplied by ``factor``: each
+    job's prediction is ``factor × (x + offset)`` (the formulas, a prefill's chunked sum too, are
+    linear in the coefficients), its chunk kept; paid once a job, as fitted: a chunked model's later
+    chunks keep their ``c0`` (``later_c0``). The same object when ``factor`` is 1 and ``offset`` 0."""
+    if (factor == 1.0 and offset == 0.0) or model is None:
+        return model
+    coefs = model.to_dict()
+    if offset and hasattr(model, "later_c0"):   # a prefill's
+        coefs.setdefault("later_c0", coefs["c0"])
+    coefs["c0"] += offset
+    return replace(model, **{k: v * factor for k, v in coefs.items()})

@@ -9,7 +9,7 @@ decode's work). So each state's correction is a line, ``measured = scale · (x +
 the request's forwards' seconds on the instance's own model, a long prompt's chunks summed),
 fitted to its last ``window`` requests by least squares in relative error (a 0.1 s forward counts
 as much as a 2 s one) with ``offset >= 0``. Shown as a model it is the same formula with ``c0``
-raised by ``offset`` and every coefficient multiplied by ``scale`` (``correction.scaled``), so
+raised by ``offset`` and every coefficient multiplied by ``scale`` (``costs.scaled``), so
 every rule that prices with the model follows unchanged; a chunked prompt pays the offset once,
 as it was fitted, not once a chunk (``PrefillCostModel.later_c0``). Paid once a chunk, a busy
 line of 0.24 · (x + 2.2 s) priced a queued 8-chunk prompt 4 s too long, the queue 1.5x (§16).

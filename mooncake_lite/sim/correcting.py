@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import Corrections, scaled
+from mooncake_lite.scheduler.correction import Corrections
+from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from mooncake_lite.conductor.flight.checks import Check, Prediction
-from mooncake_lite.scheduler.correction import Corrections, scaled
+from mooncake_lite.scheduler.correction import Corrections
+from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import join_allowance
 from tests.conductor import fakes

@@ -17,7 +17,7 @@ from mooncake_lite.common.protocol import ProtocolError, Register, dumps, loads
 from mooncake_lite.conductor.cluster.membership import Membership, PrefillJob
 from mooncake_lite.scheduler import (BlockIndex, ClusterState, CostModels, DecodeCostModel, DecodeInstanceState,
                                      FromScratch, PrefillCostModel, ScheduleRequest, Scheduler, SchedulerConfig)
-from mooncake_lite.scheduler.correction import scaled
+from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.config import SimConfig
 from tests.sim.helpers import req, toy_hardware

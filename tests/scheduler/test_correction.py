@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 from mooncake_lite.scheduler import DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.correction import (TOO_SHORT, CorrectionConfig, Corrections, Factor, ratio_refusal,
-                                                scaled, step)
+from mooncake_lite.scheduler.correction import TOO_SHORT, CorrectionConfig, Corrections, Factor, ratio_refusal, step
+from mooncake_lite.scheduler.costs import scaled
 
 CFG = CorrectionConfig()
 

@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 from mooncake_lite.scheduler import PrefillCostModel
-from mooncake_lite.scheduler.correction import CorrectionConfig, Corrections, scaled
+from mooncake_lite.scheduler.correction import CorrectionConfig, Corrections
+from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.costs import packed_seconds
 from mooncake_lite.scheduler.forward_fit import ForwardLine, fit_line, moved_line
 

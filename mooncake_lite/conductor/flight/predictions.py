@@ -24,7 +24,8 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, quantile, scaled
+from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, quantile
+from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_scale, show_shares, show_spread, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
