@@ -38,6 +38,16 @@ async def decode_load(session, decode):
         return await resp.json()
 
 
+async def streaming(session, decode, timeout: float = 30.0) -> None:
+    """Until ``decode`` has a KV stream coming in: a peer killed then dies midway (after a fixed
+    sleep, a fast box had finished the whole prompt first)."""
+    for _ in range(int(timeout / 0.01)):
+        if (await decode_load(session, decode))["pending_transfers"] > 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no KV stream reached the decode")
+
+
 async def check_prompts(session, model, prefill, decode):
     shared = prompt(3 * BS, 1)
     prompts = [shared + prompt(5, 2), shared + prompt(BS + 3, 3), prompt(2 * BS, 4), prompt(7, 5),
@@ -112,7 +122,7 @@ async def test_dead_prefill_and_dead_decode(role_procs, model):
         # prefill dies midway through the stream: decode fails the request and frees its blocks
         task = asyncio.ensure_future(generate(session, prefill.url(), decode.url(), decode.addresses["data"],
                                               long_prompt, 4, kv_timeout_s=20))
-        await asyncio.sleep(1.0)
+        await streaming(session, decode)
         prefill.proc.kill()
         out = await asyncio.wait_for(task, 60)
         assert out.finish_reason == "error" and ("broke midway" in out.error or "did not arrive" in out.error)
@@ -122,7 +132,7 @@ async def test_dead_prefill_and_dead_decode(role_procs, model):
         # decode dies midway: prefill abandons the stream, answers 502, frees, and keeps serving
         task = asyncio.ensure_future(generate(session, prefill2.url(), decode.url(), decode.addresses["data"],
                                               long_prompt, 4))
-        await asyncio.sleep(1.0)
+        await streaming(session, decode)
         decode.proc.kill()
         out = await asyncio.wait_for(task, 60)
         assert out.prefill_status == 502 and "decode" in out.prefill["error"].lower()
