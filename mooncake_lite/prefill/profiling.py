@@ -34,8 +34,7 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
         await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
     samples = []
     for i, (n, p) in enumerate(points):
-        best = min([await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p) for r in range(repeats)])
-        samples.append((n + p, p, best))
+        samples.append((n + p, p, await _best(stage, downstream, f"profile-{i}", n, p, repeats)))
     stage.timeline.clear()
     return fit_prefill(samples), samples
 
@@ -61,12 +60,11 @@ async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2) -
         total = 0.0
         with borrower.held(threads):
             for i, (n, p) in enumerate(points):
-                total += min([await _time_chunk(stage, _NoStages(), f"profile-threads-{threads}-{i}-{r}", n, p)
-                              for r in range(repeats)])
+                total += await _best(stage, _NoStages(), f"profile-threads-{threads}-{i}", n, p, repeats)
         seconds.append(total)
     stage.timeline.clear()
     lent, own = seconds
-    return min(MAX_BUSY_SCALE, max(1.0, own / lent)) if points and lent > 0.0 else 1.0
+    return min(MAX_BUSY_SCALE, max(1.0, own / lent)) if lent > 0.0 else 1.0
 
 
 class _NoStages:
@@ -81,6 +79,12 @@ class _NoStages:
     async def end(self, rid: str) -> None: ...
 
     async def abort(self, rid: str, reason: str) -> None: ...
+
+
+async def _best(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int,
+                repeats: int) -> float:
+    """The fastest of ``repeats`` timings of :func:`_time_chunk` (other load only adds time)."""
+    return min([await _time_chunk(stage, downstream, f"{rid}-{r}", n, p) for r in range(repeats)])
 
 
 async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int) -> float:

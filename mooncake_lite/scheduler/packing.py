@@ -47,6 +47,14 @@ class PackedQueue(NamedTuple):
     tail_bound: int = 0
 
 
+def num_started(queue: Sequence[QueuedPrefill]) -> int:
+    """How many of ``queue``'s leading jobs (execution order) have started."""
+    running = 0
+    while running < len(queue) and queue[running].started_at is not None:
+        running += 1
+    return running
+
+
 def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit: int) -> PackedQueue:
     """``queue`` (execution order, started jobs first) priced as an instance packing up to
     ``limit`` uncached tokens a forward runs it (module doc)."""
@@ -54,9 +62,7 @@ def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit:
     own = [predict(job.num_tokens, job.num_prefix_tokens) for job in queue]
     if limit <= 0:
         return PackedQueue(own, NO_TAIL, 0.0)
-    running = 0
-    while running < len(queue) and queue[running].started_at is not None:
-        running += 1
+    running = num_started(queue)
     out: list[float] = []
     if running:
         out.append(packed_seconds(own[:running], model.c0))

@@ -30,7 +30,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from mooncake_lite.scheduler.costs import PrefillCostModel, pack_sizes, packed_seconds, uncached_tokens
-from mooncake_lite.scheduler.packing import queue_caps
+from mooncake_lite.scheduler.packing import num_started, queue_caps
 from mooncake_lite.scheduler.state import QueuedPrefill
 
 FIFO = "fifo"
@@ -62,10 +62,8 @@ def job_uncached(job: QueuedPrefill) -> int:
 
 def queue_landing(queue: Sequence[QueuedPrefill], new_uncached: int, bound: int) -> int:
     """:func:`landing` in a scheduler state's queue (started jobs first)."""
-    started = 0
-    while started < len(queue) and queue[started].started_at is not None:
-        started += 1
-    return landing([job_uncached(j) for j in queue], [j.passed for j in queue], started, new_uncached, bound)
+    return landing([job_uncached(j) for j in queue], [j.passed for j in queue], num_started(queue), new_uncached,
+                   bound)
 
 
 def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens: int, bound: int,
@@ -82,9 +80,7 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
     new = QueuedPrefill("", num_tokens, prefix_tokens)
     at = queue_landing(queue, job_uncached(new), bound)
     jobs = (*queue[:at], new, *queue[at:])
-    running = 0
-    while running < len(jobs) and jobs[running].started_at is not None:
-        running += 1
+    running = num_started(queue)      # (the new job lands behind them)
     # Given the running jobs' seconds, they are not priced again: the count starts after them.
     skip = running if running_s is not None else 0
     predict = model.predict
@@ -112,9 +108,7 @@ def landed_pack_tokens(queue: Sequence[QueuedPrefill], num_tokens: int, prefix_t
     :func:`priced` cuts it: the job with no cap of its own): what its own cap must let it keep."""
     new = QueuedPrefill("", num_tokens, prefix_tokens)
     at = queue_landing(queue, job_uncached(new), bound)
-    running = 0
-    while running < len(queue) and queue[running].started_at is not None:
-        running += 1
+    running = num_started(queue)
     waiting = (*queue[running:at], new, *queue[at:])
     uncached = [job_uncached(j) for j in waiting]
     i = 0
