@@ -12,40 +12,104 @@
 #include <string.h>
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 #include <immintrin.h>
-typedef __m512 v16f;
-static inline v16f vzero(void) { return _mm512_setzero_ps(); }
-static inline v16f vbroadcast(float f) { return _mm512_set1_ps(f); }
-static inline v16f load16(const float *p) { return _mm512_loadu_ps(p); }
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps(v); }
-static inline v16f fmadd(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
-static inline v16f u8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
-static inline v16f i8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+/* A block's 16 quant bytes: SSE2 operations, the same with AVX-512 or AVX2. */
 typedef __m128i bytes16;
 static inline bytes16 load_bytes(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
 static inline bytes16 low_nibbles(bytes16 q) { return _mm_and_si128(q, _mm_set1_epi8(15)); }
 static inline bytes16 high_nibbles(bytes16 q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)); }
 static inline bytes16 minus8(bytes16 q) { return _mm_sub_epi8(q, _mm_set1_epi8(8)); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512 v16f;
+static inline v16f vzero(void) { return _mm512_setzero_ps(); }
+static inline v16f vbroadcast(float f) { return _mm512_set1_ps(f); }
+static inline v16f load16(const float *p) { return _mm512_loadu_ps(p); }
+static inline void store16(float *p, v16f v) { _mm512_storeu_ps(p, v); }
+static inline float hsum(v16f v) { return _mm512_reduce_add_ps(v); }
+static inline v16f fmadd(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16f vmul(v16f a, v16f b) { return _mm512_mul_ps(a, b); }
+static inline v16f vadd(v16f a, v16f b) { return _mm512_add_ps(a, b); }
+static inline v16f u8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline v16f i8_to_f(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+/* An optimisation barrier: the product is rounded on its own, as gguf.quants computes it, and
+ * not contracted with the following add into one fused multiply-add. */
+static inline v16f rounded(v16f v) { __asm__("" : "+v"(v)); return v; }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 16 floats as two AVX2 registers. (A 64-byte GCC vector here compiled to stack round trips and
+ * a scalar convert per value: a batch-1 product ran at a seventeenth of its memory read on an
+ * AVX2-only EPYC, docs/results/2026-12-01-zen3.md.) */
+typedef struct { __m256 lo, hi; } v16f;
+static inline v16f pair(__m256 lo, __m256 hi) { v16f v = {lo, hi}; return v; }
+static inline v16f vzero(void) { return pair(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline v16f vbroadcast(float f) { return pair(_mm256_set1_ps(f), _mm256_set1_ps(f)); }
+static inline v16f load16(const float *p) { return pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void store16(float *p, v16f v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline v16f fmadd(v16f a, v16f b, v16f c) {
+    return pair(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline v16f vmul(v16f a, v16f b) { return pair(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline v16f vadd(v16f a, v16f b) { return pair(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline float hsum(v16f v) {
+    __m256 s = _mm256_add_ps(v.lo, v.hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+static inline v16f u8_to_f(bytes16 v) {
+    return pair(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))));
+}
+static inline v16f i8_to_f(bytes16 v) {
+    return pair(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))));
+}
+static inline v16f rounded(v16f v) { __asm__("" : "+x"(v.lo), "+x"(v.hi)); return v; }
 #else   /* portable: GCC vector types, which the compiler lowers to what the CPU has */
 typedef float v16f __attribute__((vector_size(64)));
-typedef uint8_t bytes16 __attribute__((vector_size(16)));
 typedef int8_t s16 __attribute__((vector_size(16)));
 static inline v16f vzero(void) { return (v16f){0}; }
 static inline v16f vbroadcast(float f) { return (v16f){0} + f; }
 static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+static inline void store16(float *p, v16f v) { memcpy(p, &v, 64); }
 static inline float hsum(v16f v) { float s = 0.0f; for (int i = 0; i < 16; i++) s += v[i]; return s; }
 static inline v16f fmadd(v16f a, v16f b, v16f c) { return a * b + c; }
-static inline v16f u8_to_f(bytes16 v) { v16f f; for (int i = 0; i < 16; i++) f[i] = (float)v[i]; return f; }
-static inline v16f i8_to_f(bytes16 v) { v16f f; for (int i = 0; i < 16; i++) f[i] = (float)(int8_t)v[i]; return f; }
+static inline v16f vmul(v16f a, v16f b) { return a * b; }
+static inline v16f vadd(v16f a, v16f b) { return a + b; }
+#if !defined(__AVX2__)
+typedef uint8_t bytes16 __attribute__((vector_size(16)));
 static inline bytes16 load_bytes(const uint8_t *p) { bytes16 v; memcpy(&v, p, 16); return v; }
 static inline bytes16 low_nibbles(bytes16 q) { return q & 15; }
 static inline bytes16 high_nibbles(bytes16 q) { return q >> 4; }
 static inline bytes16 minus8(bytes16 q) { return (bytes16)((s16)q - 8); }
 #endif
+static inline v16f u8_to_f(bytes16 v) {
+    v16f f; uint8_t b[16]; memcpy(b, &v, 16);
+    for (int i = 0; i < 16; i++) f[i] = (float)b[i];
+    return f;
+}
+static inline v16f i8_to_f(bytes16 v) {
+    v16f f; int8_t b[16]; memcpy(b, &v, 16);
+    for (int i = 0; i < 16; i++) f[i] = (float)b[i];
+    return f;
+}
+/* (A 64-byte vector fits one register only with AVX-512; here the barrier goes through memory.) */
+static inline v16f rounded(v16f v) { __asm__("" : "+m"(v)); return v; }
+#endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGMLQuantizationType values */
-#define MAX_TILE 8
+#if defined(__AVX512F__) && defined(__AVX512BW__) || !defined(__AVX2__)
+#define MAX_TILE 8   /* x rows a product holds at once */
+#define CHAINS 2     /* accumulators per (row, x row) pair: one per half of a block */
+#else
+/* AVX2 has 16 registers, not AVX-512's 32, and a vector here takes two: eight x rows with two
+ * accumulators each spilled to the stack (a batch of 16 ran at 15% of the matmul peak). Four x
+ * rows, one accumulator a pair: still eight independent chains of multiply-adds. */
+#define MAX_TILE 4
+#define CHAINS 1
+#endif
 
 static inline float half(const uint8_t *p) {
     _Float16 h;
@@ -53,19 +117,8 @@ static inline float half(const uint8_t *p) {
     return (float)h;
 }
 
-/* An optimisation barrier: the product is rounded on its own, as gguf.quants computes it, and
- * not contracted with the following add into one fused multiply-add. (A 64-byte vector fits one
- * register only with AVX-512; elsewhere the barrier goes through memory.) */
-static inline v16f rounded(v16f v) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __asm__("" : "+v"(v));
-#else
-    __asm__("" : "+m"(v));
-#endif
-    return v;
-}
 
-static inline v16f scale(v16f v, float d) { return v * d; }
+static inline v16f scale(v16f v, float d) { return vmul(v, vbroadcast(d)); }
 
 /* Block j of a row-planar row of nblk blocks: its scale, minimum and quants. */
 static inline const uint8_t *scale_at(const uint8_t *row, int64_t j) { return row + 2 * j; }
@@ -91,8 +144,8 @@ static inline __attribute__((always_inline)) void dequant(int qtype, const uint8
         *hi = scale(i8_to_f(minus8(high_nibbles(q))), d);
     } else {
         float m = half(min_at(row, nblk, j));
-        *lo = rounded(scale(u8_to_f(low_nibbles(q)), d)) + m;
-        *hi = rounded(scale(u8_to_f(high_nibbles(q)), d)) + m;
+        *lo = vadd(rounded(scale(u8_to_f(low_nibbles(q)), d)), vbroadcast(m));
+        *hi = vadd(rounded(scale(u8_to_f(high_nibbles(q)), d)), vbroadcast(m));
     }
 }
 
@@ -128,7 +181,7 @@ static inline __attribute__((always_inline)) void row_product(
             const uint8_t *row = w + (n + r) * row_bytes;
             v16f lo, hi;
             block_quants(qtype, quants_at(qtype, row, nblk, j), &lo, &hi);
-            acc[r] = fmadd(fmadd(hi, xh, lo * xl), vbroadcast(half(scale_at(row, j))), acc[r]);
+            acc[r] = fmadd(fmadd(hi, xh, vmul(lo, xl)), vbroadcast(half(scale_at(row, j))), acc[r]);
             if (qtype == Q4_1) msum[r] += half(min_at(row, nblk, j)) * xsum[j];
         }
     }
@@ -141,9 +194,10 @@ static inline __attribute__((always_inline)) void row_product(
 static inline __attribute__((always_inline)) void tile_product(
         int qtype, const uint8_t *w, int64_t row_bytes, int64_t nblk, const float *x,
         int64_t k, int64_t b0, int tile, int64_t n, int rows, float *out, int64_t n_out) {
-    v16f acc[4][MAX_TILE][2];
+    v16f acc[4][MAX_TILE][CHAINS];
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < tile; b++) acc[r][b][0] = acc[r][b][1] = vzero();
+        for (int b = 0; b < tile; b++)
+            for (int c = 0; c < CHAINS; c++) acc[r][b][c] = vzero();
     for (int64_t j = 0; j < nblk; j++) {
         for (int r = 0; r < rows; r++) {
             v16f lo, hi;
@@ -151,12 +205,12 @@ static inline __attribute__((always_inline)) void tile_product(
             for (int b = 0; b < tile; b++) {
                 const float *xb = x + (b0 + b) * k + j * 32;
                 acc[r][b][0] = fmadd(lo, load16(xb), acc[r][b][0]);
-                acc[r][b][1] = fmadd(hi, load16(xb + 16), acc[r][b][1]);
+                acc[r][b][CHAINS - 1] = fmadd(hi, load16(xb + 16), acc[r][b][CHAINS - 1]);
             }
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < tile; b++) out[(b0 + b) * n_out + n + r] = hsum(acc[r][b][0] + acc[r][b][1]);
+        for (int b = 0; b < tile; b++) out[(b0 + b) * n_out + n + r] = hsum(CHAINS == 2 ? vadd(acc[r][b][0], acc[r][b][CHAINS - 1]) : acc[r][b][0]);
 }
 
 #define PRODUCT(T, R) tile_product(qtype, w, row_bytes, nblk, x, k, b0, T, n, R, out, n_rows)
@@ -175,10 +229,16 @@ static inline __attribute__((always_inline)) void group_product(
         return;
     }
     if (rows == 4) {
-        switch (tile) {
+        switch (tile) {   /* at most 8 accumulators (AVX2: at most 12 registers) */
+#if MAX_TILE > 4
             case 2: PRODUCT(2, 4); return;
+#else
+            case 2: PRODUCT(2, 2); n += 2; PRODUCT(2, 2); return;
+#endif
             case 3: PRODUCT(3, 2); n += 2; PRODUCT(3, 2); return;
+#if MAX_TILE > 4
             case 4: PRODUCT(4, 2); n += 2; PRODUCT(4, 2); return;
+#endif
             default: break;
         }
     }
@@ -186,11 +246,13 @@ static inline __attribute__((always_inline)) void group_product(
         switch (tile) {
             case 2: PRODUCT(2, 1); break;
             case 3: PRODUCT(3, 1); break;
+#if MAX_TILE > 4
             case 4: PRODUCT(4, 1); break;
             case 5: PRODUCT(5, 1); break;
             case 6: PRODUCT(6, 1); break;
             case 7: PRODUCT(7, 1); break;
-            default: PRODUCT(8, 1); break;
+#endif
+            default: PRODUCT(MAX_TILE, 1); break;
         }
     }
 }
@@ -241,8 +303,8 @@ int quant_dequantize(int qtype, const uint8_t *w, int64_t n_rows, int64_t k, flo
             case Q4_1: dequant(Q4_1, row, nblk, i % nblk, &lo, &hi); break;
             default: dequant(Q8_0, row, nblk, i % nblk, &lo, &hi); break;
         }
-        memcpy(out + i * 32, &lo, 64);
-        memcpy(out + i * 32 + 16, &hi, 64);
+        store16(out + i * 32, lo);
+        store16(out + i * 32 + 16, hi);
     }
     return 0;
 }

@@ -42,13 +42,16 @@ def test_head_widths_off_the_vector_width_and_groups_past_four_heads(dim):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_the_portable_loops_match_the_reference(monkeypatch):
-    """The kernel built without AVX-512 (x86-64-v3) runs the plain loops."""
-    lib = build("x86-64-v3")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("dim", [40, 64, 136])
+def test_the_avx2_and_portable_builds_match_the_reference(monkeypatch, march, dim):
+    """Built without AVX-512 (x86-64-v3: the AVX2 path, eight lanes with masked tails) and
+    without AVX (x86-64: the plain loops), on head widths off either vector width."""
+    lib = build(march)
     if lib is None:
-        pytest.skip("the compiler cannot target x86-64-v3 here")
+        pytest.skip(f"the compiler cannot target {march} here")
     monkeypatch.setattr("kernels.quant_build.library", lambda: lib)
-    case = attention_case(9, 3, [5, 40, 17], 40)
+    case = attention_case(9, 3, [5, 40, 17, 300], dim)
     torch.testing.assert_close(paged_decode_attention_c(*case), paged_decode_attention_ref(*case),
                                atol=1e-5, rtol=1e-5)
 

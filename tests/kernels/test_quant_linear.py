@@ -133,20 +133,24 @@ def test_int8_rows_do_not_depend_on_their_batch(qtype):
 
 
 @needs_kernel
-def test_an_avx2_build_has_no_int8_path_and_its_float_path_matches(monkeypatch):
-    """What an AVX2-only machine runs (the build picks its code by the target's ISA)."""
-    lib = build("x86-64-v3")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_builds_without_avx512_have_no_int8_path_and_their_float_path_matches(monkeypatch, march):
+    """What an AVX2-only machine runs (x86-64-v3: two 8-float registers a vector) and one with no
+    AVX (x86-64: GCC's vector types); the build picks its code by the target's ISA."""
+    lib = build(march)
     if lib is None:
-        pytest.skip("the compiler cannot target x86-64-v3 here")
+        pytest.skip(f"the compiler cannot target {march} here")
     blocks, _ = quantized(Q4_1, 19, 96)
     x, out = torch.randn(3, 96), torch.empty(3, 19)
     assert lib.quant_matmul_i8(Q4_1, blocks.data_ptr(), 19, 96, x.data_ptr(), 96, 3, out.data_ptr(), 1, None, 0.0, 0,
                                None) == NO_INT8_PATH
-    monkeypatch.setenv(MARCH_ENV, "x86-64-v3")
+    monkeypatch.setenv(MARCH_ENV, march)
     for qtype in TYPES:
         blocks, values = quantized(qtype, 19, 96)
-        torch.testing.assert_close(quant_linear(x, blocks, qtype), quant_linear_ref(x, blocks, qtype),
-                                   atol=1e-4, rtol=1e-5)
+        for rows in (1, 3, 9):   # one row, a tile, and a tile of eight with one more
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(quant_linear(x, blocks, qtype), quant_linear_ref(x, blocks, qtype),
+                                       atol=1e-4, rtol=1e-5)
         assert torch.equal(dequantize(blocks, qtype, 96), values)
 
 

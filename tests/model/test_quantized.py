@@ -16,6 +16,7 @@ from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tokenizer import load_tokenizer
 from mooncake_lite.model.weights import build_model
+from tests.kernels.test_quant_linear import needs_int8
 from tests.real_model import SMOLLM, needs_smollm, smollm_path
 
 pytestmark = [needs_smollm, pytest.mark.skipif(library() is None, reason="no C compiler: nothing stays compact")]
@@ -138,6 +139,7 @@ def test_a_compact_layer_runs_in_c_calls_to_the_operator_paths_logits(models, mo
     assert torch.equal(fused, logits())
 
 
+@needs_int8   # decode_layers.c is built only beside the integer-activation kernel
 def test_the_step_in_one_c_call_is_within_its_tolerance_of_the_per_layer_path(models, monkeypatch):
     """``kernels/decode_layers.c`` on the default model (its SwiGLU's exp is its own: measured
     2.4e-3 at most): logits within tests/kernels/test_decode_layers.py's TOLERANCE, the same argmax;
