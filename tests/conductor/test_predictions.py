@@ -341,12 +341,13 @@ async def test_a_prefill_is_priced_at_the_speed_of_its_nodes_state(make_cluster)
     corr = book.corrections.get("p0")
     assert corr.factors["compute"].num_observed == 6 and "interference" not in corr.factors
     idle_scale = book.shown_scale("p0")
-    # a long answer keeps d0 busy while three more requests are placed; their forwards take 3x
-    d0.behaviour.token_delay_s = 0.05
+    # a long answer keeps d0 busy while three more requests are placed (it pauses at its 10th
+    # token, which their 4 never reach: a pace set by a delay ran out on a slow box); their
+    # forwards take 3x
+    d0.behaviour.pause_after = 10
     c = client(cluster)
     stream = await c.completions.create(model="tiny", prompt="a long answer", max_tokens=60, stream=True)
     await stream.__anext__()
-    d0.behaviour.token_delay_s = 0.0                   # (the stream above keeps its pace)
     p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.3}
     await _wait_for(lambda: svc.membership.get("d0").decode_jobs)
     await _complete(cluster, 3)
@@ -356,6 +357,7 @@ async def test_a_prefill_is_priced_at_the_speed_of_its_nodes_state(make_cluster)
     busy_scale = book.corrections.prefill_scale("p0", busy=True)
     assert busy_scale > 1.5 * idle_scale
     assert book.shown_scale("p0") == pytest.approx(busy_scale, rel=1 / 30)   # d0 still decoding
+    d0.behaviour.resume.set()
     async for _ in stream:
         pass
     await c.close()

@@ -48,7 +48,9 @@ def test_the_profile_prices_the_served_path_not_the_forward(stage, monkeypatch):
 
 def test_a_borrowing_stage_times_its_chunks_on_its_own_threads_too(stage, monkeypatch):
     """busy_scale: the chunks' time on the stage's own threads over with the borrowed ones (here a
-    hop per layer twice as long on one thread: the scale nears 2); 1 where it borrows none."""
+    hop per layer twice as long on one thread: (c + 2h) / (c + h) for a layer's compute c, which
+    nears 2 as h outgrows c); 1 where it borrows none. (h = 10 ms gave 1.46 on a Zen 3 under the
+    whole suite: its compute was past h.)"""
     assert asyncio.run(busy_scale(stage)) == 1.0
     borrower = ThreadBorrower(1, 1, num_cpus=2, busy=lambda: None, apply=lambda n: None)
     stage.executor.shutdown(wait=True)
@@ -56,9 +58,9 @@ def test_a_borrowing_stage_times_its_chunks_on_its_own_threads_too(stage, monkey
     layer = StageEngine._layer
 
     def layer_by_threads(self, *args):
-        time.sleep(HOP_S * (2 if borrower.threads == borrower.own else 1))
+        time.sleep(3 * HOP_S * (2 if borrower.threads == borrower.own else 1))
         return layer(self, *args)
     monkeypatch.setattr(StageEngine, "_layer", layer_by_threads)
     scale = asyncio.run(busy_scale(stage, repeats=1))
-    assert 1.5 < scale <= 2.0
+    assert 1.25 < scale <= 2.0   # above 1.25 while a layer computes in under 3 h
     assert len(stage.timeline) == 0 and not stage.jobs
