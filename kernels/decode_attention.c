@@ -24,7 +24,8 @@
  * prefetcher to run ahead (1.4x faster attention at 256 cached tokens, docs/results/2026-11-29-roof.md). */
 static inline void prefetch_rows(const float *base, const int64_t *rows, int64_t n, int64_t width) {
     for (int64_t t = 0; t < n; t++)
-        for (int64_t c = 0; c < width; c += 16)   /* a 64-byte line is 16 floats */ _mm_prefetch((const char *)(base + rows[t] + c), _MM_HINT_T0);
+        for (int64_t c = 0; c < width; c += 16)   /* a 64-byte line: 16 floats */
+            _mm_prefetch((const char *)(base + rows[t] + c), _MM_HINT_T0);
 }
 #endif
 
@@ -65,7 +66,7 @@ static inline __m512 sum16(__m512 *v) {
 /* scores[0..n) = scale * q . k_t for the n <= 16 tokens at rows (row offsets into keys). Each
  * token's products go to the slot sum16 reads it from, in two chains of multiply-adds (one chain
  * of four a token ran at its latency). */
-static void qk16(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
+static void qk_tile(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
                  float *scores) {
     __m512 acc[16];
     for (int64_t j = 0; j < 16; j++) {
@@ -123,23 +124,8 @@ static void pv_tile(const float *p, int64_t len, int hn, const float *vals, cons
             _mm512_mask_storeu_ps(out + h * dim + c + 16 * j, m[j], _mm512_div_ps(acc[h][j], _mm512_set1_ps(sums[h])));
 }
 
-/* One KV head's query group (group heads: q and out [group, dim]) over len tokens at rows: each
- * tile of 16 keys scored against every head of the group while it is in L1. */
-static void group_attention(const float *q, const float *keys, const float *vals, const int64_t *rows, int64_t len,
-                            int64_t group, int64_t dim, float scale, float *scores, float *out) {
-    float sums[group];
-    for (int64_t t = 0; t < len; t += 16) {
-        const int64_t n = len - t < 16 ? len - t : 16, next = len - t - n < 16 ? len - t - n : 16;
-        if (next > 0) prefetch_rows(keys, rows + t + n, next, dim);   /* the next tile's keys */
-        else prefetch_rows(vals, rows, len < 8 ? len : 8, dim);        /* the first values pv_tile reads */
-        for (int64_t h = 0; h < group; h++) qk16(q + h * dim, keys, rows + t, n, dim, scale, scores + h * len + t);
-    }
-    for (int64_t h = 0; h < group; h++) sums[h] = softmax_exps(scores + h * len, len);
-    for (int64_t h = 0; h < group; h += 4)
-        for (int64_t c = 0; c < dim; c += 64)
-            pv_tile(scores + h * len, len, group - h < 4 ? (int)(group - h) : 4, vals, rows, c, dim, sums + h,
-                    out + h * dim);
-}
+#define KEY_TILE 16   /* keys scored a tile (group_attention) */
+#define PV_COLS 64    /* V columns pv_tile sums at once */
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (8 floats a register): the AVX-512 path's plan at half its width. Eight tokens' scores come
  * out of one transposing reduction, V is summed for up to four query heads over 16 columns from
@@ -181,7 +167,7 @@ static inline __m256 sum8(const __m256 *v) {
 }
 
 /* scores[0..n) = scale * q . k_t for the n <= 8 tokens at rows, two chains of multiply-adds a token. */
-static void qk8(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
+static void qk_tile(const float *q, const float *keys, const int64_t *rows, int64_t n, int64_t dim, float scale,
                 float *scores) {
     __m256 acc[8];
     for (int64_t j = 0; j < 8; j++) {
@@ -242,19 +228,26 @@ static void pv_tile(const float *p, int64_t len, int hn, const float *vals, cons
             _mm256_maskstore_ps(out + h * dim + c + 8 * j, m[j], _mm256_div_ps(acc[h][j], _mm256_set1_ps(sums[h])));
 }
 
-/* One KV head's query group over len tokens at rows, as the AVX-512 path's, eight keys a tile. */
+#define KEY_TILE 8
+#define PV_COLS 16
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* One KV head's query group (group heads: q and out [group, dim]) over len tokens at rows: each
+ * tile of KEY_TILE keys scored against every head of the group while it is in L1. */
 static void group_attention(const float *q, const float *keys, const float *vals, const int64_t *rows, int64_t len,
                             int64_t group, int64_t dim, float scale, float *scores, float *out) {
     float sums[group];
-    for (int64_t t = 0; t < len; t += 8) {
-        const int64_t n = len - t < 8 ? len - t : 8, next = len - t - n < 8 ? len - t - n : 8;
-        if (next > 0) prefetch_rows(keys, rows + t + n, next, dim);
-        else prefetch_rows(vals, rows, len < 8 ? len : 8, dim);
-        for (int64_t h = 0; h < group; h++) qk8(q + h * dim, keys, rows + t, n, dim, scale, scores + h * len + t);
+    for (int64_t t = 0; t < len; t += KEY_TILE) {
+        const int64_t n = len - t < KEY_TILE ? len - t : KEY_TILE,
+                      next = len - t - n < KEY_TILE ? len - t - n : KEY_TILE;
+        if (next > 0) prefetch_rows(keys, rows + t + n, next, dim);   /* the next tile's keys */
+        else prefetch_rows(vals, rows, len < 8 ? len : 8, dim);        /* the first values pv_tile reads */
+        for (int64_t h = 0; h < group; h++) qk_tile(q + h * dim, keys, rows + t, n, dim, scale, scores + h * len + t);
     }
     for (int64_t h = 0; h < group; h++) sums[h] = softmax_exps(scores + h * len, len);
     for (int64_t h = 0; h < group; h += 4)
-        for (int64_t c = 0; c < dim; c += 16)
+        for (int64_t c = 0; c < dim; c += PV_COLS)
             pv_tile(scores + h * len, len, group - h < 4 ? (int)(group - h) : 4, vals, rows, c, dim, sums + h,
                     out + h * dim);
 }
