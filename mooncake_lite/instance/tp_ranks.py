@@ -36,7 +36,8 @@ from mooncake_lite.instance.config import ModelRoleConfig
 from mooncake_lite.instance.handlers import UNHEALTHY
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for
 from mooncake_lite.model.tp_follower import Follower
 from mooncake_lite.model.tp_step import TPLeaderRunner, build_rank_runner
 from mooncake_lite.model.weights import model_args

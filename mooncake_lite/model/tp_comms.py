@@ -8,7 +8,6 @@ collective fail with an error instead of waiting forever, and the instance resta
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,13 +34,6 @@ class GroupAddress:
             raise ValueError(f"tensor-parallel size must be at least 1, got {self.size}")
         if self.timeout_s <= 0:
             raise ValueError(f"collective timeout must be positive, got {self.timeout_s}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, for a group's rank 0 to listen on."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(devices: Sequence[str | torch.device]) -> str:

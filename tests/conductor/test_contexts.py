@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from mooncake_lite.common.ports import free_port
 from mooncake_lite.conductor.contexts.book import Context, ContextBook
 from mooncake_lite.conductor.api.errors import ApiError
 from mooncake_lite.model.generate import reference_greedy
@@ -29,12 +29,6 @@ BLOCK = 16
 COMMON = ("--block-size", str(BLOCK), "--log-level", "warning")
 SLOT = 16 << 10     # one block of the tiny preset (4 layers x 2 x 16 tokens x 2 heads x 16 x fp32)
 KEY = "sk-tenant-a"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str) -> None:
@@ -53,7 +47,7 @@ def cluster(role_procs, tmp_path):
                            "--api-key", KEY, "--context-quota", str(6 * BLOCK), *COMMON)
     url = conductor.url()
     # 16 DRAM slots and an SSD of about 30 blocks: a few dozen other blocks overflow both tiers.
-    store_args = ("--port", str(_free_port()), "--data-port", str(_free_port()), "--dram", str(16 * SLOT),
+    store_args = ("--port", str(free_port()), "--data-port", str(free_port()), "--dram", str(16 * SLOT),
                   "--slot-bytes", str(SLOT), "--ssd-dir", str(tmp_path), "--ssd", str(30 * (SLOT + 64)),
                   "--no-ssd-fsync", "--conductor", url, "--event-interval", "0.05", *COMMON)
     store = role_procs("store", *store_args)

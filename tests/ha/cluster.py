@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mooncake_lite.bench.chaos import rig
-from mooncake_lite.bench.chaos.rig import free_port, wait_http
+from mooncake_lite.bench.chaos.rig import wait_http
+from mooncake_lite.common.ports import free_port
 
 __all__ = ["Etcd", "HAProxy", "free_port", "need", "wait_http"]
 

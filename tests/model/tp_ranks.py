@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for
 
 # Ranks fork from one server process that imported torch and the TP model once (forkserver): a
 # spawned rank imported them afresh, ~2.5 s of CPU for each of the ~20 ranks the suite starts.

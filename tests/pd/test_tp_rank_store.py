@@ -16,7 +16,8 @@ import torch
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.generate import reference_greedy
-from mooncake_lite.model.tp_comms import GroupAddress, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress
 from mooncake_lite.prefill.rank_store import follower_stores, remote_prefix_store
 from mooncake_lite.store.client import StoreClient
 from tests.conftest import start_role

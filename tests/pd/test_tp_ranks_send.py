@@ -10,7 +10,8 @@ import pytest
 
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
 from mooncake_lite.model.generate import reference_greedy
-from mooncake_lite.model.tp_comms import GroupAddress, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress
 from mooncake_lite.model.weights import build_model
 from tests.pd.harness import cluster, prompt
 from tests.pd.test_e2e import BS

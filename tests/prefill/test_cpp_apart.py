@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 
 import aiohttp
 import pytest
 import torch
 
 from mooncake_lite.common.launch import RoleProcess, role_argv
+from mooncake_lite.common.ports import free_port
 from mooncake_lite.instance.profile import QUICK_PREFILL
 from mooncake_lite.model.generate import full_recompute_logits, reference_greedy
 from mooncake_lite.model.weights import build_model
@@ -32,12 +32,6 @@ BS = 16
 BASE = ("--host", "127.0.0.1", "--model", "tiny", "--block-size", str(BS), "--port", "0", "--threads", "1",
         "--num-blocks", "64")
 GROUP = (*BASE, "--prefill-chunk", "12", "--pipeline-group", "3")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,13 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from mooncake_lite.common.ports import free_port
+
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Missing(RuntimeError):

@@ -33,7 +33,8 @@ from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout, build_sharded_model, check_divides
-from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress, TPComms, backend_for
 from mooncake_lite.model.weights import build_model, model_args
 
 BLOCK_SIZE = 16

@@ -30,7 +30,8 @@ from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.bench.report import emit, machine, machine_text
 from mooncake_lite.common.launch import to_stderr
 from mooncake_lite.instance.tp_ranks import RankPlan, TPGroup
-from mooncake_lite.model.tp_comms import GroupAddress, free_port
+from mooncake_lite.common.ports import free_port
+from mooncake_lite.model.tp_comms import GroupAddress
 from mooncake_lite.model.weights import model_args
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
