@@ -47,11 +47,16 @@ def wilson(k: int, n: int, z: float = Z_95) -> tuple[float, float] | None:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request as the client saw it: ``status`` ok / rejected / failed, its TTFT and TBT."""
+    """One request as the client saw it: ``status`` ok / rejected / failed, its TTFT and TBT; a
+    refusal's central TTFT prediction and the bound admission judged (``X-Mooncake-Predicted-TTFT``
+    / ``-Bound-TTFT``); a simulated one's cached prefix (tokens)."""
 
     status: str
     ttft_s: float | None = None
     tbt_s: float | None = None
+    predicted_ttft_s: float | None = None
+    bound_ttft_s: float | None = None
+    reused_tokens: int = 0
 
 
 def met(ttft_s: float | None, tbt_s: float | None, limits: tuple[float, float]) -> bool:
@@ -73,11 +78,16 @@ def share(k: int, n: int, goal: float, at_least: bool) -> dict:
     return {"met": k, "of": n, "share": value, "ci95": wilson(k, n), "goal": goal, "goal_met": ok}
 
 
+Anchor = Callable[[Sequence[tuple[int, int, int]]], Mapping[int, float]]
+
+
 def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
           limits: Callable[[TraceRequest], tuple[float, float]],
-          simulate: Callable[[list[TraceRequest]], Mapping[int, Outcome]]) -> dict:
+          simulate: Callable[[list[TraceRequest]], Mapping[int, Outcome]], anchor: Anchor | None = None) -> dict:
     """The two shares (module doc). ``simulate(requests)`` runs the simulator on exactly those
-    requests, admitting all, and returns each one's outcome by id."""
+    requests, admitting all, and returns each one's outcome by id. ``anchor``, given the refused
+    (id, prompt tokens, cached prefix as simulated), their TTFTs on live's timeline (``anchored.py``):
+    the second judge, its TBT still the simulator's."""
     by_id = {t.request_id: t for t in trace}
     admitted = [t for t in trace if live.get(t.request_id, Outcome("failed")).status == "ok"]
     refused = [t for t in trace if live.get(t.request_id, Outcome("failed")).status == "rejected"]
@@ -87,9 +97,10 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
     would: list[int] = []
     adjusted = 0
     biases = [size_bias(t, admitted, live, baseline) for t in refused]
+    counterfactual = {}
     for t, bias in zip(refused, biases):
         with_it = sorted([*admitted, t], key=lambda r: (r.timestamp_ms, r.request_id))
-        o = simulate(with_it).get(t.request_id, Outcome("failed"))
+        o = counterfactual[t.request_id] = simulate(with_it).get(t.request_id, Outcome("failed"))
         if o.status == "ok" and met(o.ttft_s, o.tbt_s, limits(t)):
             would.append(t.request_id)
             adjusted += met(o.ttft_s / (bias or 1.0), o.tbt_s, limits(t))
@@ -101,7 +112,32 @@ def judge(trace: Sequence[TraceRequest], live: Mapping[int, Outcome],
             "sim_admitted_met": share(sim_met, len(admitted), GOAL_ADMITTED_MET, True),
             "refused_would_meet_ids": would,
             "refused_would_meet_bias_adjusted": share(adjusted, len(refused), GOAL_REFUSED_MET, False),
-            "refused_ttft_bias": biases}
+            "refused_ttft_bias": biases, **on_spread_alone(refused, live, limits, would),
+            **anchored_judgement(refused, counterfactual, limits, anchor)}
+
+
+def on_spread_alone(refused: Sequence[TraceRequest], live: Mapping[int, Outcome],
+                    limits: Callable[[TraceRequest], tuple[float, float]], would: Sequence[int]) -> dict:
+    """The refusals made on the measured spread alone (the central TTFT prediction within the
+    limit, the bound admission judged over it) and how many of those the counterfactual has meet:
+    a deterministic judge counts every one it simulates within the limit as wrong, so this is how
+    much of the refused share is the price of judging at an upper quantile."""
+    ids = [t.request_id for t in refused if (o := live[t.request_id]).predicted_ttft_s is not None
+           and o.bound_ttft_s is not None and o.predicted_ttft_s <= limits(t)[0] < o.bound_ttft_s]
+    return {"refused_on_spread": {"of": len(refused), "ids": ids, "would_meet": len(set(ids) & set(would))}}
+
+
+def anchored_judgement(refused: Sequence[TraceRequest], counterfactual: Mapping[int, Outcome],
+                       limits: Callable[[TraceRequest], tuple[float, float]], anchor: Anchor | None) -> dict:
+    """The refused share that would have met, each TTFT from live's timeline (``anchored.py``)
+    and its TBT (and any refusal for room) from the counterfactual; {} without an anchor."""
+    if anchor is None or not refused:
+        return {}
+    ttfts = anchor([(t.request_id, t.input_length, counterfactual[t.request_id].reused_tokens) for t in refused])
+    would = [t.request_id for t in refused if (o := counterfactual[t.request_id]).status == "ok"
+             and (a := ttfts.get(t.request_id)) is not None and met(a, o.tbt_s, limits(t))]
+    return {"refused_would_meet_anchored": share(len(would), len(refused), GOAL_REFUSED_MET, False),
+            "refused_would_meet_anchored_ids": would, "refused_anchored_ttft": {str(k): v for k, v in ttfts.items()}}
 
 
 def size_bias(t: TraceRequest, admitted: Sequence[TraceRequest], live: Mapping[int, Outcome],
@@ -122,7 +158,8 @@ def outcomes_of(records: Sequence) -> dict[int, Outcome]:
     from mooncake_lite.bench.replay.metrics import token_gaps, ttft
     from mooncake_lite.common.tbt import paper_tbt
     return {r.request_id: (Outcome("ok", ttft(r), paper_tbt(token_gaps(r))) if r.is_ok else
-                           Outcome("rejected") if r.is_rejected else Outcome("failed")) for r in records}
+                           Outcome("rejected", predicted_ttft_s=r.predicted_ttft_s, bound_ttft_s=r.bound_ttft_s)
+                           if r.is_rejected else Outcome("failed")) for r in records}
 
 
 def slo_limits(hw, absolute: tuple[float | None, float | None] | None, factors: tuple[float, float]):
@@ -158,6 +195,6 @@ def admitting_all(hw, ttft_slo_s: float | None = math.inf,
 
     def run(requests: list[TraceRequest]) -> dict[int, Outcome]:
         res = simulate(requests, hw, admission="none", ttft_slo_s=ttft_slo_s, tbt_slo_s=math.inf, **sim_kw)
-        return {r.request_id: Outcome("ok", r.ttft, r.tbt) if r.status == "completed" else Outcome(r.status or "lost")
-                for r in res.requests}
+        return {r.request_id: Outcome("ok", r.ttft, r.tbt, reused_tokens=r.reused_tokens) if r.status == "completed"
+                else Outcome(r.status or "lost") for r in res.requests}
     return run

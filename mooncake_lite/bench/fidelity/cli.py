@@ -177,7 +177,7 @@ def run(ns: Options, api: str) -> dict:
     if ns.held_out:
         report["held_out"] = held_out(ns, lr, trace, simulated, out)
     if ns.admission_outcomes:
-        report["admission"] = admission_outcomes(ns, trace, lr.records, hw, slos)
+        report["admission"] = admission_outcomes(ns, trace, lr.records, hw, slos, lr.timelines)
     plot = Path(ns.plot) if ns.plot else out / "fidelity_cdf.png"
     cdf_plot(plot, live, sim, f"{lr.served['model']} · first {len(lr.records)} requests · "
                               f"{ns.prefill}P+{ns.decode}D · {ns.speed:g}x · live vs sim (exported cost model)")
@@ -218,10 +218,12 @@ def held_out(ns: Options, lr, trace, simulated, out: Path) -> dict | None:
     return cmp
 
 
-def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
+def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: dict) -> dict:
     """Admission judged by its outcomes (``admission.py``): the live admitted requests' share that
-    met their SLO, the refused ones' that would have by the simulator's counterfactual."""
+    met their SLO, the refused ones' that would have by the simulator's counterfactual and by live's
+    own timeline (``anchored.py``)."""
     from mooncake_lite.bench.fidelity import admission
+    from mooncake_lite.bench.fidelity.anchored import live_anchor
     absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
     limits = admission.applied(records, admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor)))
     sim = admission.admitting_all(hw, absolute[0], slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor),
@@ -229,7 +231,9 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict) -> dict:
                                   batch_tokens=ns.prefill_batch_tokens,
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
-    out = admission.judge(trace, admission.outcomes_of(records), limits, sim)
+    anchor = live_anchor(records, {t.request_id: t.input_length for t in trace}, timelines, hw.prefill.predict,
+                         live_overtakes(getattr(ns, "prefill_args", "")))
+    out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor)
     stated = sum(r.slo_s[0] is not None for r in records)
     out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone " \
@@ -256,5 +260,6 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "sim_status": s.status if s else None, "input": s.input_length if s else None,
                      "live_cached_tokens": rec.cached_tokens, "sim_reused_tokens": s.reused_tokens if s else None,
                      "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s, "slo": rec.slo_s,
+                     "bound_ttft": rec.bound_ttft_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
     return rows

@@ -174,6 +174,11 @@ def admission_lines(a: Mapping) -> list[str]:
             "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
             *(["    the same with its TTFT over the simulator's bias at their size (sim / live TTFT, "
                "within 2x their prompts): " + one("", adjusted)[2:]] if adjusted else []),
+            *(["  " + one("refused that would have met it (TTFT on live's timeline)", anchored)]
+              if (anchored := a.get("refused_would_meet_anchored")) else []),
+            *([f"  refused on the measured spread alone (central TTFT under its SLO): {len(s['ids'])} of "
+               f"{s['of']}, {s['would_meet']} of them meeting it in the counterfactual"]
+              if (s := a.get("refused_on_spread")) else []),
             "  " + one("admitted that met it in the sim (the counterfactual's bias)", a["sim_admitted_met"])
             + f"; missed by TTFT {a['sim_admitted_missed_by']['ttft']}, TBT {a['sim_admitted_missed_by']['tbt']}"]
 

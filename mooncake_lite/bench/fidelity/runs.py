@@ -32,6 +32,7 @@ POOLED = (
     ("refused that would have met it", ("admission", "refused_would_meet"), GOAL_REFUSED_MET, False),
     ("  ... over the counterfactual's bias", ("admission", "refused_would_meet_bias_adjusted"), GOAL_REFUSED_MET,
      False),
+    ("  ... TTFT on live's timeline", ("admission", "refused_would_meet_anchored"), GOAL_REFUSED_MET, False),
 )
 
 

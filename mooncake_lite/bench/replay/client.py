@@ -69,6 +69,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
             reused = int(reused_hdr) if reused_hdr and reused_hdr.isdigit() else None
             base.update(predicted_ttft_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TTFT")),
                         predicted_tbt_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TBT")),
+                        bound_ttft_s=_seconds(resp.headers.get("X-Mooncake-Bound-TTFT")),
                         slo_s=(_seconds(resp.headers.get("X-Mooncake-SLO-TTFT")),
                                _seconds(resp.headers.get("X-Mooncake-SLO-TBT"))))
             if resp.status != 200:

@@ -43,6 +43,7 @@ class RequestRecord:
     reused_blocks: int | None = None    # X-Mooncake-Reused-Blocks, if reported
     predicted_ttft_s: float | None = None  # X-Mooncake-Predicted-TTFT: what admission predicted
     predicted_tbt_s: float | None = None   # X-Mooncake-Predicted-TBT
+    bound_ttft_s: float | None = None      # X-Mooncake-Bound-TTFT, on a refusal: what admission judged
     slo_s: tuple[float | None, float | None] = (None, None)   # X-Mooncake-SLO-TTFT/-TBT: the limits applied
     num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
     extra: Mapping[str, object] = field(default_factory=dict)

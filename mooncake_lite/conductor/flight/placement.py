@@ -70,7 +70,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     limits = applied_slos(svc, decision, sreq.num_tokens)
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
                    min(60, max(1, math.ceil(retry_after_s(svc, decision, limits[0], now)))), cause,
-                   headers=slo_headers(limits))
+                   headers={**refusal_headers(decision), **slo_headers(limits)})
 
 
 def applied_slos(svc: Services, decision: Decision, num_tokens: int) -> tuple[float, float]:
@@ -80,6 +80,17 @@ def applied_slos(svc: Services, decision: Decision, num_tokens: int) -> tuple[fl
     return slo_limits(svc.scheduler.config, num_tokens, svc.scheduler.costs,
                       prefill.view.state().cost if prefill is not None else None,
                       decode.view.state().cost if decode is not None else None)
+
+
+def refusal_headers(decision: Decision) -> dict[str, str]:
+    """A refusal's central predictions (``X-Mooncake-Predicted-TTFT`` / ``-TBT``) and what
+    admission judged against the SLO (``X-Mooncake-Bound-TTFT`` / ``-TBT``: the prediction with
+    the measured spread of its queue): a refusal whose central prediction was under its SLO was
+    made on the spread alone, which a client counting wrong refusals (``bench fidelity``) tells
+    apart from one the central prediction made."""
+    values = {"Predicted-TTFT": decision.predicted_ttft_s, "Predicted-TBT": decision.predicted_tbt_s,
+              "Bound-TTFT": decision.bound_ttft_s, "Bound-TBT": decision.bound_tbt_s}
+    return {f"X-Mooncake-{k}": f"{v:.6f}" for k, v in values.items() if v is not None and math.isfinite(v)}
 
 
 def slo_headers(limits: tuple[float, float]) -> dict[str, str]:

@@ -1,0 +1,160 @@
+"""A refused request's TTFT as live would have given it, read off live's own timeline (issue #36
+item 3, "live ... with the bias of that comparison stated"): the second judge of a refusal,
+beside the simulator's counterfactual (``admission.py``).
+
+Why a second one: the counterfactual re-runs the whole slice in the simulator, so a refused
+request lands in the simulator's timeline, not live's. In run z3b-2 (docs/results/
+2026-12-01-zen3.md §3) four short prompts of a burst were refused while live's prefill was in a
+3,000-token prompt they had to wait for (the two admitted beside them measured 10.1 and 11.6 s);
+the simulator had started that prompt 6 s later, the burst found its prefill idle, and the four
+"would have met" in 1.8 s. Here the request joins the queue live actually had when it arrived:
+
+- the prefill jobs of the admitted requests, each ending at its last forward before its first
+  token (the instance's ``GET /v1/timeline`` forwards and the client's clock are the host's
+  monotonic clock); the job in progress when the request arrived runs to its end;
+- of the jobs waiting then, the request lands where ``scheduler.queue_order.landing`` puts it,
+  each job's overtakes counted from live's order: a later arrival served before it passed it
+  (an arrival of the same instant counts if it was shorter: the order within a burst is not on
+  the client's clock), and a job a later, shorter arrival did *not* pass had no overtake left;
+- later arrivals shorter than it that came while it would still wait pass it (up to the bound),
+  and it starts when the last of those ahead of it ended live;
+- its own forward: the exported model's prefill for its uncached tokens × live's measured ratio
+  of forward to model (single-prompt forwards of ≤ 256 uncached tokens), then live's median lag
+  from a forward's end to the client's first token.
+
+Biases, stated with the figure: packing is left out (a short prompt could have joined a pack
+ahead of it and ended sooner), so is what the request would have done to others — neither matters
+for its own TTFT beyond its pack; the order within a burst is taken against the request. It
+judges TTFT only: no refusal in these runs was for TBT, whose outcome stays the simulator's.
+One prefill instance per node is assumed (`mooncake up`'s); with several, the first-token
+matches each request to the forward ending last before it on any of them, and the request is
+placed on the one that serves it first.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mooncake_lite.scheduler.costs import uncached_tokens
+from mooncake_lite.scheduler.queue_order import landing
+
+SCALE_MAX_TOKENS = 256   # the forwards live's compute ratio is measured on: short single prompts
+
+
+@dataclass(frozen=True)
+class Job:
+    """An admitted request's prefill job as live ran it: sent at ``send_s``, its last forward on
+    ``node`` [start, end], its prompt of ``tokens`` with a cached ``prefix``."""
+    request_id: int
+    send_s: float
+    node: str
+    start_s: float
+    end_s: float
+    tokens: int
+    prefix: int
+
+    @property
+    def uncached(self) -> int:
+        return uncached_tokens(self.tokens, self.prefix)
+
+
+Served = tuple[int, float, float, int, int]    # id, send, first token, prompt tokens, cached prefix
+Refused = tuple[int, float, int, int]          # id, send, prompt tokens, cached prefix (the simulator's)
+
+
+def jobs_of(served: Sequence[Served], forwards: Mapping[str, Sequence[Sequence[float]]]
+            ) -> tuple[list[Job], float]:
+    """Each served request matched to the forward that
+    ended last before its first token, on any node; and the median lag from that end to it."""
+    ends = sorted((f[1], f[0], node) for node, fs in forwards.items() for f in fs)
+    keys = [e[0] for e in ends]
+    jobs, lags = [], []
+    for rid, send, first, tokens, prefix in served:
+        i = bisect_right(keys, first) - 1
+        if i < 0:
+            continue
+        end, start, node = ends[i]
+        jobs.append(Job(rid, send, node, start, end, tokens, prefix))
+        lags.append(first - end)
+    return jobs, (statistics.median(lags) if lags else 0.0)
+
+
+def compute_scale(jobs: Sequence[Job], predict) -> float:
+    """Live's forward over the model's (``predict(tokens, prefix)``), median over forwards that held one
+    short prompt alone (1.0 with fewer than 5): what the model misses of this run's state."""
+    per_forward: dict[tuple[str, float], list[Job]] = {}
+    for j in jobs:
+        per_forward.setdefault((j.node, j.end_s), []).append(j)
+    ratios = [(j.end_s - j.start_s) / p for js in per_forward.values()
+              if len(js) == 1 and (j := js[0]).uncached <= SCALE_MAX_TOKENS and (p := predict(j.tokens, j.prefix)) > 0]
+    return statistics.median(ratios) if len(ratios) >= 5 else 1.0
+
+
+def passes(y: Job, jobs: Sequence[Job], until_s: float, bound: int) -> int:
+    """How many overtakes ``y`` had taken by ``until_s`` in live's order (module doc)."""
+    count = 0
+    for x in jobs:
+        if x is y or not y.send_s <= x.send_s < until_s:
+            continue
+        if x.send_s > y.send_s and x.uncached < y.uncached and x.end_s > y.end_s:
+            return bound     # a later, shorter arrival waited for it: no overtake was left
+        if x.end_s < y.end_s and (x.send_s > y.send_s or x.uncached < y.uncached):
+            count += 1
+    return count
+
+
+def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send_s: float, uncached: int,
+             bound: int) -> float:
+    """When a job of ``uncached`` tokens sent at ``send_s`` would have started on a node whose
+    admitted jobs and forwards these are (module doc)."""
+    ends = sorted(j.end_s for j in node_jobs)
+    running = next((f for f in forwards if f[0] <= send_s < f[1]), None)
+    busy_until = send_s
+    if running is not None and ends:
+        i = bisect_left(ends, running[1])
+        busy_until = ends[i] if i < len(ends) else running[1]
+    waiting = sorted((j for j in node_jobs if j.send_s < send_s and j.end_s > busy_until),
+                     key=lambda j: (j.end_s, j.send_s))
+    k = landing([j.uncached for j in waiting], [passes(j, node_jobs, send_s, bound) for j in waiting], 0,
+                uncached, bound)
+    start = max([busy_until, *(j.end_s for j in waiting[:k])])
+    passed = 0
+    for x in sorted((j for j in node_jobs if j.send_s > send_s), key=lambda j: j.send_s):
+        if x.send_s >= start or passed >= bound:
+            break
+        if x.uncached < uncached and x.end_s > start:
+            start, passed = x.end_s, passed + 1
+    return start
+
+
+def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served], forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int) -> dict[int, float]:
+    """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
+    prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound."""
+    jobs, lag = jobs_of(served, forwards)
+    if not jobs:
+        return {}
+    scale = compute_scale(jobs, predict)
+    by_node = {node: [j for j in jobs if j.node == node] for node in forwards}
+    out = {}
+    for rid, send, tokens, prefix in refused:
+        uncached = uncached_tokens(tokens, prefix)
+        start = min(start_on(by_node[n], forwards[n], send, uncached, bound) for n in forwards if by_node[n])
+        out[rid] = start + scale * predict(tokens, prefix) + lag - send
+    return out
+
+
+def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], predict, bound: int):
+    """``admission.judge``'s ``anchor`` for a live run: its client ``records``, each request's prompt
+    ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``)."""
+    forwards = {url: t["forwards"] for url, t in timelines.items() if t.get("forwards")}
+    served = [(r.request_id, r.send_s, r.chunk_s[0], tokens[r.request_id], r.cached_tokens or 0)
+              for r in records if r.is_ok and r.request_id in tokens]
+    sent = {r.request_id: r.send_s for r in records}
+
+    def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
+        return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,
+                              predict, bound)
+    return anchor

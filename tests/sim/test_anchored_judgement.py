@@ -1,0 +1,108 @@
+"""A refusal judged on live's own timeline (``bench/fidelity/anchored.py``): the refused request
+joins the queue live had when it arrived (the job in progress, the waiting jobs it may pass under
+the overtake bound, the later shorter arrivals that pass it), and its own forward is the model's
+× live's measured ratio. The seam it exists for: a burst that arrives while a long prompt runs
+waits for it, whatever the simulator's timeline says."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.bench.fidelity import admission
+from mooncake_lite.bench.fidelity.admission import Outcome
+from mooncake_lite.bench.fidelity.anchored import anchored_ttfts, compute_scale, jobs_of
+from mooncake_lite.bench.fidelity.report import admission_lines
+from mooncake_lite.trace.format import TraceRequest
+
+LAG = 0.01
+
+
+def predict(tokens: int, prefix: int = 0) -> float:
+    """A model of 0.1 s + 1 ms a token computed."""
+    return 0.1 + 1e-3 * (tokens - prefix)
+
+
+def served(rid: int, send: float, start: float, tokens: int) -> tuple[tuple, list[float]]:
+    """An admitted request whose one forward ran from ``start`` for exactly the model's time."""
+    end = start + predict(tokens)
+    return (rid, send, end + LAG, tokens, 0), [start, end]
+
+
+def timeline(*jobs):
+    return [j for j, _ in jobs], {"p0": [f for _, f in jobs]}
+
+
+def test_a_request_refused_during_a_long_forward_waits_for_it():
+    s, fw = timeline(served(0, 0.0, 0.0, 9000))                 # 9.1 s of forward, from 0
+    ttft = anchored_ttfts([(1, 1.0, 50, 0)], s, fw, predict, bound=4)[1]
+    assert ttft == pytest.approx(9.1 - 1.0 + predict(50) + LAG)
+    ttft = anchored_ttfts([(2, 9.5, 50, 0)], s, fw, predict, bound=4)[2]   # after it: alone
+    assert ttft == pytest.approx(predict(50) + LAG)
+
+
+def test_it_passes_longer_waiting_jobs_but_not_one_with_no_overtake_left():
+    # 0 runs; 1 (2,000 tokens) waits. A request of 50 arriving at 0.5 lands before 1.
+    s, fw = timeline(served(0, 0.0, 0.0, 1000), served(1, 0.1, 1.1, 2000))
+    assert anchored_ttfts([(9, 0.5, 50, 0)], s, fw, predict, 4)[9] == pytest.approx(1.1 - 0.5 + predict(50) + LAG)
+    # with FIFO (bound 0) it waits for 1 too
+    assert anchored_ttfts([(9, 0.5, 50, 0)], s, fw, predict, 0)[9] == pytest.approx(3.2 - 0.5 + predict(50) + LAG)
+    # a later, shorter arrival (2, sent 0.3) that live served after 1: 1 had no overtake left, so
+    # the request waits for 1 (and passes 2)
+    s2, fw2 = timeline(served(0, 0.0, 0.0, 1000), served(1, 0.1, 1.1, 2000), served(2, 0.3, 3.2, 100))
+    assert anchored_ttfts([(9, 0.5, 50, 0)], s2, fw2, predict, 4)[9] == pytest.approx(
+        3.2 - 0.5 + predict(50) + LAG)
+
+
+def test_later_shorter_arrivals_pass_it_up_to_the_bound():
+    # 0 runs to 1.1; 1 and 2 (10 tokens each) arrive after the refused one, before it would start
+    s, fw = timeline(served(0, 0.0, 0.0, 1000), served(1, 0.6, 1.1, 10), served(2, 0.7, 1.21, 10))
+    ends = {1: 1.1 + predict(10), 2: 1.21 + predict(10)}
+    assert anchored_ttfts([(9, 0.5, 50, 0)], s, fw, predict, 4)[9] == pytest.approx(
+        ends[2] - 0.5 + predict(50) + LAG)
+    assert anchored_ttfts([(9, 0.5, 50, 0)], s, fw, predict, 1)[9] == pytest.approx(
+        ends[1] - 0.5 + predict(50) + LAG)
+
+
+def test_its_own_forward_is_the_model_times_lives_ratio():
+    jobs = [(i, 10.0 * i, 10.0 * i + 2 * predict(100) + LAG, 100, 0) for i in range(5)]
+    fw = {"p0": [[10.0 * i, 10.0 * i + 2 * predict(100)] for i in range(5)]}   # live 2x the model
+    found, lag = jobs_of(jobs, fw)
+    assert compute_scale(found, predict) == pytest.approx(2.0) and lag == pytest.approx(LAG)
+    assert anchored_ttfts([(9, 55.0, 300, 0)], jobs, fw, predict, 4)[9] == pytest.approx(2 * predict(300) + LAG)
+    assert compute_scale(found[:4], predict) == 1.0     # too few to measure
+
+
+def _trace():
+    return [TraceRequest(0, 0.0, 200, 4, (1,)), TraceRequest(1, 1000.0, 50, 4, (2,)),
+            TraceRequest(2, 2000.0, 50, 4, (3,))]
+
+
+def test_judge_counts_a_refusal_by_both_judges_and_the_spread_alone():
+    limits = lambda t: (1.0, 1.0)        # noqa: E731
+    live = {0: Outcome("ok", 0.5, 0.01),
+            1: Outcome("rejected", predicted_ttft_s=0.8, bound_ttft_s=1.2),     # on the spread alone
+            2: Outcome("rejected", predicted_ttft_s=3.0, bound_ttft_s=3.6)}
+    simulated = lambda reqs: {t.request_id: Outcome("ok", 0.3, 0.01) for t in reqs}   # noqa: E731 (idle)
+    waited = lambda refused: {i: (0.9 if i == 1 else 2.5) for i, _, _ in refused}       # noqa: E731
+    out = admission.judge(_trace(), live, limits, simulated, waited)
+    assert out["refused_would_meet_ids"] == [1, 2]                 # the simulator's: both
+    assert out["refused_would_meet_anchored_ids"] == [1]           # live's timeline: 2 waited
+    a = out["refused_would_meet_anchored"]
+    assert (a["met"], a["of"], a["goal_met"]) == (1, 2, False)
+    assert out["refused_on_spread"] == {"of": 2, "ids": [1], "would_meet": 1}
+    text = "\n".join(admission_lines(out))
+    assert "TTFT on live's timeline): 1/2" in text and "spread alone (central TTFT under its SLO): 1 of 2" in text
+    # the simulator's TBT still judges: a TBT miss there is a miss by both
+    slow = lambda reqs: {t.request_id: Outcome("ok", 0.3, 5.0) for t in reqs}   # noqa: E731
+    assert admission.judge(_trace(), live, limits, slow, waited)["refused_would_meet_anchored_ids"] == []
+
+
+def test_the_live_anchor_reads_the_clients_records_and_the_instances_timelines():
+    from mooncake_lite.bench.fidelity.anchored import live_anchor
+    from mooncake_lite.bench.replay.metrics import RequestRecord
+    end = predict(9000)
+    records = [RequestRecord(0, 0.0, 0.0, chunk_s=(end + LAG, end + 0.1), status=200, cached_tokens=0),
+               RequestRecord(1, 1.0, 1.0, status=429)]
+    timelines = {"http://p0": {"forwards": [[0.0, end]]}, "http://d0": {"steps": [[end, 0.05, 1, 9000, 1, 9000]]}}
+    anchor = live_anchor(records, {0: 9000, 1: 50}, timelines, predict, 4)
+    assert anchor([(1, 50, 0)]) == {1: pytest.approx(end - 1.0 + predict(50) + LAG)}
