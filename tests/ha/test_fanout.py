@@ -5,7 +5,6 @@ only when every conductor refused it; signed etcd entries are verified on read."
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import aiohttp
@@ -14,6 +13,7 @@ from aiohttp import web
 
 from mooncake_lite.common import discovery
 from mooncake_lite.common.membership import Conductor, RegistrationRefused, conductor_urls, keep_membership
+from mooncake_lite.common.ports import free_port
 from mooncake_lite.common.protocol import BlockEvents, InstanceLoad, Register, loads
 from mooncake_lite.store.event_fanout import BlockEventFanout
 from tests.fakes import fake_conductor, serve_on_loopback
@@ -24,9 +24,7 @@ MSG = Register("prefill", "p0", "127.0.0.1:1", None, None, "tiny", 16, 0, 64, 12
 
 def dead_url() -> str:
     """A loopback port nothing listens on (connections are refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 async def until(cond, what: str, timeout: float = 10.0) -> None:

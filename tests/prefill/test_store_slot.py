@@ -3,12 +3,12 @@ the store names its slot size at the handshake, a prefill whose blocks do not fi
 and every refused or failed write-back is counted in /metrics and logged (not once per request)."""
 
 import logging
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from mooncake_lite.common.ports import free_port
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.prefill.app import make_app
 from mooncake_lite.prefill.app import StoreTooSmall, store_id
@@ -87,9 +87,7 @@ async def test_the_check_in_process():
 
 
 async def test_a_store_that_does_not_answer_is_registered_as_given_and_not_checked():
-    with socket.socket() as s:     # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()     # a port nobody listens on
     cfg = Config(model="tiny", store=f"127.0.0.1:{port}", block_size=TOO_BIG)
     store = RemoteStore(cfg.store, None, 4, 1)
     assert await store_id(cfg, store, timeout_s=5, check=True) == cfg.store

@@ -4,7 +4,6 @@ replication between two stores, and startup errors."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from mooncake_lite.common.ports import free_port
 from mooncake_lite.store.client import RemoteError, StoreClient
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
@@ -165,9 +165,7 @@ async def test_block_events_reach_the_conductor(role_procs):
 
 
 async def test_conductor_down_never_blocks_the_data_path(role_procs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = role_procs("store", *BASE, "--conductor", f"http://127.0.0.1:{port}", "--event-interval", "50ms")
     client = await StoreClient.connect(store.addresses["data"])
     keys = chain(4, seed=33)
@@ -235,9 +233,7 @@ async def test_sigterm_finishes_a_put_in_flight(role_procs):
 async def test_a_restarted_conductor_relearns_what_a_quiet_store_holds(role_procs):
     """No block changes after the conductor restarts: the store's keepalive gets the answer
     "resync" and its full sync refills the new conductor's index."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     conductor_args = ("conductor", "--port", str(port), "--model", "tiny", "--log-level", "warning")
     conductor = role_procs(*conductor_args)
     store = role_procs("store", *BASE, "--conductor", conductor.url(), "--event-interval", "50ms")

@@ -36,6 +36,7 @@ from mooncake_lite.bench.chaos.load import Load, Outcome, load_flags, phase_figu
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.launch import RoleProcess
+from mooncake_lite.common.ports import free_port
 
 TOKEN = "bench-chaos-ha"
 COMMON = ("--host", "127.0.0.1", "--cluster-token", TOKEN, "--block-size", "16")
@@ -71,8 +72,8 @@ class Cluster:
 def start(a: Options, num_conductors: int) -> Cluster:
     etcd = rig.Etcd()
     etcd.start()
-    cluster = Cluster(a, etcd, {f"c{i}": rig.free_port() for i in range(1, num_conductors + 1)})
-    data = [str(rig.free_port()) for _ in range(a.prefill)]   # a store per prefill: placement has a cache to choose by
+    cluster = Cluster(a, etcd, {f"c{i}": free_port() for i in range(1, num_conductors + 1)})
+    data = [str(free_port()) for _ in range(a.prefill)]   # a store per prefill: placement has a cache to choose by
     profile = () if a.replay else ("--no-profile",)   # a replay's placement and simulator need the cost models
     model = ("--model", a.model, "--threads", "1", *profile, "--heartbeat-interval", "0.2", "--port", "0",
              *cluster.discovery)

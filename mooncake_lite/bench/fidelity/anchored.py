@@ -67,8 +67,8 @@ Refused = tuple[int, float, int, int]          # id, send, prompt tokens, cached
 
 def jobs_of(served: Sequence[Served], forwards: Mapping[str, Sequence[Sequence[float]]]
             ) -> tuple[list[Job], float]:
-    """Each served request matched to the forward that
-    ended last before its first token, on any node; and the median lag from that end to it."""
+    """Each served request matched to the forward that ended last before its first token, on any
+    node; and the median lag from that end to it."""
     ends = sorted((f[1], f[0], node) for node, fs in forwards.items() for f in fs)
     keys = [e[0] for e in ends]
     jobs, lags = [], []
@@ -130,7 +130,8 @@ def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send
     return start
 
 
-def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served], forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int) -> dict[int, float]:
+def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
+                   forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int) -> dict[int, float]:
     """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
     prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound."""
     jobs, lag = jobs_of(served, forwards)
