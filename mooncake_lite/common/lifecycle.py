@@ -36,7 +36,7 @@ from mooncake_lite.common import sdnotify
 from mooncake_lite.common.cost_report import CostReport
 from mooncake_lite.common.membership import Conductor, RegistrationRefused, keep_membership
 from mooncake_lite.common.membership import log as membership_log
-from mooncake_lite.common.protocol import InstanceLoad, Register
+from mooncake_lite.common.protocol import InstanceLoad, Register, RunningPrefill
 from mooncake_lite.common.service import serve_app
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class Membership:
     registration: Callable[[dict[str, str]], Register]
     load: Callable[[], InstanceLoad]
     cost: Callable[[], CostReport | None]   # its current cost models, for each heartbeat
+    running: Callable[[], RunningPrefill | None] = lambda: None   # a prefill's job in progress, likewise
 
 
 async def serve_role(app: web.Application, listener: Listener, membership: Membership | None = None,
@@ -117,7 +118,8 @@ async def _join(membership: Membership, role: str, listening: asyncio.Future[dic
     msg = membership.registration(addresses)
     sdnotify.notify(f"STATUS={role} registering with {conductor}")
     try:
-        await keep_membership(membership.conductor, msg, membership.load, membership.cost, on_registered=lambda:
+        await keep_membership(membership.conductor, msg, membership.load, membership.cost, membership.running,
+                              on_registered=lambda:
                               sdnotify.ready(f"{role} serving on {addresses['http']}, registered with {conductor}"))
     except RegistrationRefused as exc:
         status.fail(f"{exc}; exiting", membership_log)   # logged where it always was

@@ -30,7 +30,7 @@ import orjson
 from mooncake_lite.common import discovery
 from mooncake_lite.common.auth import cluster_headers
 from mooncake_lite.common.cost_report import CostReport
-from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, dumps
+from mooncake_lite.common.protocol import Heartbeat, InstanceLoad, Register, RunningPrefill, dumps
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,10 @@ class _Links:
     """One task per conductor: register, then heartbeat; :meth:`set_urls` follows the list."""
 
     def __init__(self, session: aiohttp.ClientSession, conductor: Conductor, msg: Register,
-                 load: Callable[[], InstanceLoad], cost: Callable[[], CostReport | None]) -> None:
+                 load: Callable[[], InstanceLoad], cost: Callable[[], CostReport | None],
+                 running: Callable[[], RunningPrefill | None] = lambda: None) -> None:
         self.session, self.conductor, self.msg, self.load, self.cost = session, conductor, msg, load, cost
+        self.running = running
         self.tasks: dict[str, asyncio.Task] = {}
         self.refused: dict[str, str] = {}
         self.registered = asyncio.Event()
@@ -140,8 +142,8 @@ class _Links:
             current = self.cost()
             reported = InstanceLoad(**{k: float(v) for k, v in self.load().reported().items()})
             try:
-                async with self.session.post(hb_url, data=dumps(Heartbeat(self.msg.instance_id, reported, current)),
-                                             headers=headers) as resp:
+                beat = Heartbeat(self.msg.instance_id, reported, current, self.running())
+                async with self.session.post(hb_url, data=dumps(beat), headers=headers) as resp:
                     if resp.status == 404:
                         log.warning("conductor %s forgot this instance; registering again", url)
                         msg = replace(self.msg, cost=current) if current is not None else self.msg
@@ -193,13 +195,15 @@ async def _first(*events: asyncio.Event) -> None:
 
 async def keep_membership(conductor: Conductor, msg: Register, load: Callable[[], InstanceLoad],
                           cost: Callable[[], CostReport | None],
+                          running: Callable[[], RunningPrefill | None] = lambda: None,
                           on_registered: Callable[[], object] = lambda: None) -> None:
     """Register, then heartbeat forever, with every conductor (run as a background task);
     ``on_registered`` runs once, after the first conductor accepted (the instance can be sent
     work from then on). ``cost`` gives the instance's current cost model for each heartbeat (and
-    a re-registration). Raises RegistrationRefused as the module says."""
+    a re-registration), ``running`` a prefill's job in progress. Raises RegistrationRefused as
+    the module says."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        links = _Links(session, conductor, msg, load, cost)
+        links = _Links(session, conductor, msg, load, cost, running)
         background: list[asyncio.Task] = []
         if conductor.discovery:
             background = _discover(session, conductor, msg, links)

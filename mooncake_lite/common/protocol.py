@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import orjson
 
 from mooncake_lite.common.cost_report import CostReport, FlatCost
+from mooncake_lite.common.heartbeat import (MAX_ID_CHARS, MAX_LEFT_S, Heartbeat, InstanceLoad,  # noqa: F401
+                                            RunningPrefill)      # (the heartbeat's messages, decoded here)
 from mooncake_lite.common.store_events import BlockEvents, StoreCapacity  # noqa: F401 (the stores' messages, decoded here)
 
 M = TypeVar("M")
@@ -184,57 +186,6 @@ class Register:
             raise ValueError(f"busy_scale must be within [1, {MAX_BUSY_SCALE:g}], got {self.busy_scale}")
 
 
-Figure = float | None   # a figure of a load: None when the instance does not report it
-
-
-@dataclass(frozen=True)
-class InstanceLoad:
-    """What a heartbeat says of an instance's load now. Each role fills its own fields; one it
-    does not report is None, and left out on the wire."""
-    # prefill: seconds of queued work by its cost model, queued requests and their tokens
-    queued_s: Figure = None
-    num_queued: Figure = None
-    queued_tokens: Figure = None
-    free_blocks: Figure = None      # both roles: free blocks of the paged KV cache
-    # decode: its batch, the requests waiting for KV, their context, and what it can hold
-    num_running: Figure = None
-    num_waiting: Figure = None
-    context_tokens: Figure = None
-    max_context_tokens: Figure = None
-    max_batch_size: Figure = None
-    predicted_tbt_s: Figure = None
-    bandwidth_bytes_per_s: Figure = None   # measured inbound KV rate, where measured
-    # decode: the spread of its step times around its cost model, as deciles (instance/refine.py)
-    step_ratio_q05: Figure = None
-    step_ratio_q15: Figure = None
-    step_ratio_q25: Figure = None
-    step_ratio_q35: Figure = None
-    step_ratio_q45: Figure = None
-    step_ratio_q55: Figure = None
-    step_ratio_q65: Figure = None
-    step_ratio_q75: Figure = None
-    step_ratio_q85: Figure = None
-    step_ratio_q95: Figure = None
-
-    def reported(self) -> dict[str, float]:
-        """The fields the instance reported, by name (its wire form)."""
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
-    @property
-    def step_ratios(self) -> tuple[float, ...]:
-        """The reported step-time deciles, in quantile order (empty: none reported)."""
-        return tuple(v for k, v in self.__dict__.items() if k.startswith("step_ratio_q") and v is not None)
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    instance_id: str
-    load: InstanceLoad = field(default_factory=InstanceLoad)
-    # The instance's current cost models, refined from the work it ran (FlatCost: an older
-    # instance's, read with its registered role); None or absent: unchanged since the last report.
-    cost: CostReport | FlatCost | None = None
-
-
 def dumps(msg: Any) -> bytes:
     if isinstance(msg, Heartbeat):   # its load leaves out what the instance does not report
         return orjson.dumps(msg, default=_sparse_load, option=orjson.OPT_PASSTHROUGH_DATACLASS)
@@ -244,7 +195,11 @@ def dumps(msg: Any) -> bytes:
 
 
 def _sparse_load(obj: Any) -> dict[str, Any]:
-    return obj.reported() if isinstance(obj, InstanceLoad) else obj.__dict__   # the Heartbeat itself
+    if isinstance(obj, InstanceLoad):
+        return obj.reported()
+    if isinstance(obj, Heartbeat) and obj.running is None:   # readable by a conductor from before the field
+        return {k: v for k, v in obj.__dict__.items() if k != "running"}
+    return obj.__dict__      # the Heartbeat itself, its running job
 
 
 @functools.cache

@@ -26,11 +26,12 @@ import torch
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
-from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult, TokenLogprob
+from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult, RunningPrefill, TokenLogprob
 from mooncake_lite.model.sampling import chunk_logprobs, reports_logprobs
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks, KVSender
 from mooncake_lite.prefill.packs import Packing
+from mooncake_lite.prefill.progress import ChunkProgress
 from mooncake_lite.prefill.results import Firsts, annotate, request_params, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
@@ -73,6 +74,7 @@ class PrefillService(TurnTaking, Packing):
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0
+        self._progress: ChunkProgress | None = None   # the job running alone, chunk by chunk (running())
         # Cumulative, for /metrics: how much prompt KV was reused vs computed, and bytes streamed.
         # packed_*: forwards that served several requests at once, and the requests they served.
         self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0,
@@ -256,17 +258,30 @@ class PrefillService(TurnTaking, Packing):
         n = len(req.token_ids)
         k = req.sampling.prompt_logprobs if self.downstream is None else None
         out, lps = None, []
-        for start in range(prefix, n, self.chunk_size):
-            chunk = req.token_ids[start:start + self.chunk_size]
-            with tracing.span("prefill.chunk", start=start, tokens=len(chunk)):
-                out = await self.stage.run_chunk(job, start, token_ids=chunk, all_positions=k is not None)
-                if self.downstream is not None:
-                    await self.downstream.send_chunk(req.request_id, start, out)
-            if k is not None:
-                out, more = await asyncio.get_running_loop().run_in_executor(
-                    self.stage.executor, chunk_logprobs, out, req.token_ids, start, k)
-                lps += more
+        progress = self._progress = ChunkProgress(req.request_id, n, prefix, since=time.perf_counter())
+        try:
+            for start in range(prefix, n, self.chunk_size):
+                chunk = req.token_ids[start:start + self.chunk_size]
+                with tracing.span("prefill.chunk", start=start, tokens=len(chunk)):
+                    out = await self.stage.run_chunk(job, start, token_ids=chunk, all_positions=k is not None)
+                    if self.downstream is not None:
+                        await self.downstream.send_chunk(req.request_id, start, out)
+                if k is not None:
+                    out, more = await asyncio.get_running_loop().run_in_executor(
+                        self.stage.executor, chunk_logprobs, out, req.token_ids, start, k)
+                    lps += more
+                progress.chunk_done(len(chunk), time.perf_counter())
+        finally:
+            self._progress = None
         return out, tuple(lps)
+
+    def running(self) -> RunningPrefill | None:
+        """The job this instance runs alone now, priced from its chunks done (for its heartbeat;
+        None before its first chunk is done, or without a cost model)."""
+        progress, cost = self._progress, self.cost
+        if progress is None or cost is None or not progress.done_tokens:
+            return None
+        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter())
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no

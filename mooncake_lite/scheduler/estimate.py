@@ -83,7 +83,13 @@ def backlog_of(p: PrefillInstanceState, model: PrefillCostModel) -> Backlog:
 
 
 def backlog_from(queue: tuple[QueuedPrefill, ...], model: PrefillCostModel, durations: list[float]) -> Backlog:
-    """The backlog of ``queue`` whose jobs take ``durations`` by ``model``."""
+    """The backlog of ``queue`` whose jobs take ``durations`` by ``model``; the started head's
+    forward (its first job carries it) takes what its instance reported instead, where it did
+    (``QueuedPrefill.reported_s``); the list given is not changed (the estimate cache keeps it)."""
+    if queue and queue[0].ends_at is not None:
+        reported = queue[0].reported_s()
+        if reported is not None:
+            durations = [reported, *durations[1:]]
     started = []
     for duration, job in zip(durations, queue):
         if job.started_at is None:

@@ -117,8 +117,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         model = (about.cost or self._default) if about.pack_tokens == 0 else None
         if model is not self._model:
             self._model = model
-            self._durations = {} if model is None else \
-                {rid: model.predict(job.num_tokens, job.num_prefix_tokens) for rid, job in self._jobs.items()}
+            self._durations = {} if model is None else {rid: _priced(model, job) for rid, job in self._jobs.items()}
             self._total = None
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
@@ -147,7 +146,30 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._jobs[request_id] = started
             queue = self._queue
             self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
+            if job.ends_at is not None and self._model is not None:   # started again: a report no more
+                self._durations[request_id] = _priced(self._model, started)
+                self._total = None
             self._stale()
+
+    def report_end(self, request_id: str, ends_at: float) -> bool:
+        """The instance says its started head ``request_id`` ends at ``ends_at`` (from the chunks
+        it has run): priced to end then (``QueuedPrefill.reported_s``). False, and nothing
+        changes, when that job is not the started head here (the instance is ahead of this view,
+        or serves another conductor's job)."""
+        job = next(iter(self._jobs.values()), None)     # (execution order: the head first)
+        if job is None or job.request_id != request_id or job.started_at is None:
+            return False
+        if job.ends_at != ends_at:
+            reported = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at,
+                                     job.passed, job.pack_cap, ends_at)
+            self._jobs[request_id] = reported
+            queue = self._queue
+            self._queue = (reported, *queue[1:]) if queue and queue[0] is job else None
+            if self._model is not None:
+                self._durations[request_id] = _priced(self._model, reported)
+                self._total = None
+            self._stale()
+        return True
 
     def remove(self, request_id: str) -> bool:
         """The job ended (or was aborted): False if there was none of that id."""
@@ -206,3 +228,9 @@ class PrefillView(Shown[PrefillInstanceState]):
         if len(queue) > 1 and queue[1].started_at is not None:
             return None
         return _new(PricedRow, (state, model, total, (durations[head.request_id], head.started_at)))
+
+
+def _priced(model: PrefillCostModel, job: QueuedPrefill) -> float:
+    """A job's duration as the view prices it: what its instance reported of it, else ``model``'s."""
+    reported = job.reported_s()
+    return model.predict(job.num_tokens, job.num_prefix_tokens) if reported is None else reported

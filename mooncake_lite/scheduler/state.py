@@ -53,7 +53,10 @@ class QueuedPrefill:
     for *when* that request's prefill ends. ``passed``: how many later arrivals were queued ahead
     of it (shortest-first order, :mod:`~mooncake_lite.scheduler.queue_order`). ``pack_cap``: the
     most uncached tokens a packed forward holding it may have (0: the instance's budget alone;
-    ``costs.pack_sizes``, set by the decision: ``scheduler.packing.slo_pack_cap``).
+    ``costs.pack_sizes``, set by the decision: ``scheduler.packing.slo_pack_cap``). ``ends_at``: for
+    the started head, when its instance, reading the chunks it has run, says its forward ends (its
+    heartbeat, ``RunningPrefill``); it is then priced to end there, not at its predicted duration
+    (:meth:`reported_s`; None: nothing reported).
     """
 
     request_id: str
@@ -62,6 +65,14 @@ class QueuedPrefill:
     started_at: float | None = None
     passed: int = 0
     pack_cap: int = 0
+    ends_at: float | None = None
+
+    def reported_s(self) -> float | None:
+        """The duration its instance's report gives this started job (None: none reported): a
+        job that has run chunks is priced by them, not by the model that priced it before it ran."""
+        if self.ends_at is None or self.started_at is None:
+            return None
+        return max(0.0, self.ends_at - self.started_at)
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -226,6 +226,10 @@ class MooncakeSim(TraceDriver):
                                                         self.hw.decode_kv_write_s_per_token)
         p.busy_s += duration
         self.events.push(now + duration, self._prefill_done, p)
+        uncached = uncached_tokens(req.input_length, req.reused_tokens)
+        if not p.packed and uncached > p.chunk:   # run alone chunk by chunk: its end is reported
+            first = p.true_seconds(req.reused_tokens + p.chunk, req.reused_tokens)
+            self.events.push(now + min(first, duration), p.report_end, (req, now + duration))
 
     def _prefill_seconds(self, p: PrefillNode, req: SimRequest) -> float:
         """Sets the prefix ``req`` reuses from the node's store; its true time alone."""

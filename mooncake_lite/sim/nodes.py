@@ -120,6 +120,15 @@ class PrefillNode:
         self.view.start(req.rid, now)
         return req
 
+    def report_end(self, now: float, report: tuple[SimRequest, float]) -> None:
+        """The live prefill's heartbeat after its first chunk (``scheduler/progress.py``): the
+        conductor prices the job to end when it will. Here the end is known exactly and heard
+        at the first chunk's end; live it is estimated from the chunks done and heard at the
+        next heartbeat (up to ``--heartbeat-interval`` later)."""
+        req, ends_at = report
+        if self.current is req:
+            self.view.report_end(req.rid, ends_at)
+
     def end(self) -> SimRequest:
         """The running prefill is done."""
         req, self.current = self.current, None

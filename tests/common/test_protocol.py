@@ -3,8 +3,9 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from mooncake_lite.common.protocol import (MAX_KV_IN_S, MAX_PACK_CAP, GenerateRequest, Heartbeat, InstanceLoad,
-                                            PrefillRequest, ProtocolError, Sampling, dumps, loads)
+from mooncake_lite.common.protocol import (MAX_KV_IN_S, MAX_LEFT_S, MAX_PACK_CAP, GenerateRequest, Heartbeat,
+                                            InstanceLoad, PrefillRequest, ProtocolError, RunningPrefill, Sampling,
+                                            dumps, loads)
 
 
 def test_round_trip_nested():
@@ -75,3 +76,21 @@ def test_a_heartbeat_load_is_strict_and_leaves_out_what_is_not_reported():
             loads(Heartbeat, '{"instance_id": "d0", "load": %s}' % load)
     with pytest.raises(ProtocolError, match="missing field 'instance_id'"):
         loads(Heartbeat, '{"load": {}}')
+
+
+def test_a_running_prefill_report_is_bounded_and_absent_unless_made():
+    beat = Heartbeat("p0", running=RunningPrefill("r1", 1.25))
+    assert loads(Heartbeat, dumps(beat)) == beat
+    assert b"running" not in dumps(Heartbeat("p0"))     # an older conductor refuses a field it does not know
+    for running, why in (('{"request_id": "r1", "left_s": NaN}', "invalid JSON"),
+                         ('{"request_id": "r1", "left_s": 1e400}', "invalid JSON"),
+                         ('{"request_id": "r1", "left_s": -0.5}', "left_s must be within"),
+                         ('{"request_id": "r1", "left_s": %r}' % (2 * MAX_LEFT_S), "left_s must be within"),
+                         ('{"request_id": "", "left_s": 1}', "request_id must have"),
+                         ('{"request_id": "%s", "left_s": 1}' % ("x" * 300), "request_id must have"),
+                         ('{"request_id": 7, "left_s": 1}', "expected str"),
+                         ('{"left_s": 1}', "missing field")):
+        with pytest.raises(ProtocolError, match=why):
+            loads(Heartbeat, '{"instance_id": "p0", "running": %s}' % running)
+    with pytest.raises(ValueError, match="left_s must be within"):       # the value itself, built in Python
+        RunningPrefill("r1", float("nan"))

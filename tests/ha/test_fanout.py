@@ -14,7 +14,7 @@ from aiohttp import web
 from mooncake_lite.common import discovery
 from mooncake_lite.common.membership import Conductor, RegistrationRefused, conductor_urls, keep_membership
 from mooncake_lite.common.ports import free_port
-from mooncake_lite.common.protocol import BlockEvents, InstanceLoad, Register, loads
+from mooncake_lite.common.protocol import BlockEvents, InstanceLoad, Register, RunningPrefill, loads
 from mooncake_lite.store.event_fanout import BlockEventFanout
 from tests.fakes import fake_conductor, serve_on_loopback
 
@@ -45,7 +45,8 @@ async def test_instance_reports_to_every_conductor_and_a_dead_one_slows_none():
     (r1, u1, seen1), (r2, u2, seen2) = await fake_conductor(), await fake_conductor()
     registered = asyncio.Event()
     conductor = Conductor(f"{u1},{dead_url()},{u2}", None, heartbeat_interval_s=0.05)
-    task = asyncio.create_task(keep_membership(conductor, MSG, InstanceLoad, lambda: None,
+    running = RunningPrefill("r7", 0.25)       # a prefill's job in progress rides every heartbeat
+    task = asyncio.create_task(keep_membership(conductor, MSG, InstanceLoad, lambda: None, lambda: running,
                                                on_registered=registered.set))
     try:
         await asyncio.wait_for(registered.wait(), 5)
@@ -53,6 +54,7 @@ async def test_instance_reports_to_every_conductor_and_a_dead_one_slows_none():
         # the third refuses every connection.
         await until(lambda: len(seen1["heartbeat"]) >= 10 and len(seen2["heartbeat"]) >= 10, "heartbeats to both")
         assert [m.instance_id for m in seen1["register"]] == ["p0"] == [m.instance_id for m in seen2["register"]]
+        assert {hb.running for hb in seen1["heartbeat"] + seen2["heartbeat"]} == {running}
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -80,6 +80,11 @@ class World:
                 if d in self.live:
                     self.decodes[d].join(rid, tokens + 1, self.now, max_out)
                     self.running[d].append(rid)
+        elif op == "report":           # a heartbeat: the running head's end, as its chunks say
+            busy = [p for p in live_p if self.queues[p]]
+            if busy:
+                p = rng.choice(busy)
+                self.prefills[p].report_end(self.queues[p][0], self.now + rng.uniform(-0.5, 3.0))
         elif op == "tokens":
             for d in live_d:
                 for rid in self.running[d]:
@@ -120,7 +125,7 @@ class World:
 
 
 OPS = ["dispatch"] * 4 + ["prefill_end"] * 3 + ["tokens"] * 2 + ["finish"] * 2 + \
-    ["burst", "abort", "limits", "reregister", "die", "revive", "decide", "decide"]
+    ["burst", "abort", "limits", "reregister", "die", "revive", "decide", "decide", "report"]
 
 
 def _index(rng: random.Random) -> BlockIndex:

@@ -18,7 +18,7 @@ def test_states_are_plain_slotted_dataclasses():
     assert d == DecodeInstanceState(instance_id="d", running=(DecodingRequest("a", 10, 1.5),), max_context_tokens=100)
     assert replace(d, max_batch_size=4).max_batch_size == 4
     assert repr(QueuedPrefill("q", 5)) == ("QueuedPrefill(request_id='q', num_tokens=5, num_prefix_tokens=0, "
-                                           "started_at=None, passed=0, pack_cap=0)")
+                                           "started_at=None, passed=0, pack_cap=0, ends_at=None)")
     # nothing but the fields: what the scheduler derives lives in its estimate cache
     assert asdict(ClusterState((), (d,))) == {"prefills": (), "decodes": (
         {"instance_id": "d", "running": ({"request_id": "a", "context_tokens": 10, "joined_at": 1.5,

@@ -170,11 +170,11 @@ def test_a_prefill_views_priced_row_is_its_states_backlog(seed):
     models = [None, PrefillCostModel(c0=0.02, c1=2e-3), PrefillCostModel(c1=5e-4, c2=1e-6, c3=1e-5)]
     default = PrefillCostModel(c0=0.01, c1=1e-3, c2=1e-7)
     v = PrefillView("p", "s", None, rng.choice(models))
-    ids, now, priced = [f"r{i}" for i in range(10)], 0.0, False
+    ids, now, priced, reports = [f"r{i}" for i in range(10)], 0.0, False, 0
     for step in range(600):
         now += rng.uniform(0, 1)
         op = rng.choice(["add", "add", "add", "start", "start", "remove", "remove", "ordered", "instance",
-                         "default"] + (["clear"] if step % 97 == 96 else []))
+                         "default", "report"] + (["clear"] if step % 97 == 96 else []))
         jobs = list(v._jobs)
         if op == "add":                # a new id, or one queued already (replaced where it stands)
             v.add(rng.choice(ids), rng.randint(1, 4000), rng.randint(0, 3000), rng.choice([None, None, now]))
@@ -186,6 +186,13 @@ def test_a_prefill_views_priced_row_is_its_states_backlog(seed):
             v.start(jobs[0] if rng.random() < 0.8 else rng.choice(jobs), now)
         elif op == "remove" and jobs:  # mostly the head; an abort anywhere
             v.remove(jobs[0] if rng.random() < 0.7 else rng.choice(jobs))
+        elif op == "report" and jobs:  # its instance's heartbeat: the running job's end (the head's only)
+            rid = jobs[0] if rng.random() < 0.8 else rng.choice(jobs)
+            was = v._jobs[rid]
+            shown = v.report_end(rid, now + rng.uniform(-1.0, 5.0))
+            assert shown == (rid == jobs[0] and was.started_at is not None)
+            assert shown or v._jobs[rid] is was
+            reports += shown
         elif op == "instance":
             v.set_instance("s", None, rng.choice(models), rng.choice([0, 0, 0, 512]), rng.choice([0, 0, 2]))
         elif op == "default":
@@ -206,3 +213,4 @@ def test_a_prefill_views_priced_row_is_its_states_backlog(seed):
                 assert v.row == (s, model, b.cumulative_s[-1] if b.cumulative_s else 0.0,
                                  b.started[0] if b.started else None)
                 assert v.row[0] is s and v.row[1] is model
+    assert reports        # the reported ends were priced, not only refused

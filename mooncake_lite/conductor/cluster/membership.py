@@ -118,10 +118,8 @@ class Membership:
                  max_failures: int = 3, tie_salt: bytes | None = None) -> None:
         self.model_id = model_id(model)
         self.tie_salt = tie_salt   # snapshot order (ties go to the first): docs/conductor.md, Several conductors
-        self.block_size = block_size
-        self.hash_seed = hash_seed
-        self.dead_after_s = dead_after_s
-        self.max_failures = max_failures
+        self.block_size, self.hash_seed, self.dead_after_s, self.max_failures = \
+            block_size, hash_seed, dead_after_s, max_failures
         self.instances: dict[str, Instance] = {}
         self.stores = StoreWatch(dead_after_s)
         # (role, event) -> count for /metrics: suspect, cleared, dead-{failures,silent,replaced}, connection-failure
@@ -181,6 +179,8 @@ class Membership:
             inst.is_alive = True
             self._states = None
         inst.last_seen = now
+        if hb.running is not None and isinstance(inst.view, PrefillView):   # its job by its chunks (progress.py)
+            inst.view.report_end(hb.running.request_id, now + hb.running.left_s)
         old, inst.load = inst.load, hb.load
         if any(getattr(old, k) != getattr(inst.load, k) for k in STATE_LOAD_KEYS):
             registration.describe(inst.view, inst.reg, inst.load, self.shown_costs(inst))

@@ -1,0 +1,62 @@
+"""A started prefill job priced from its progress (scheduler/progress.py): the instance's reported
+end replaces the prediction made before the job ran, in every path that prices a queue, and
+admission then takes a request it would have refused behind a job nearly done."""
+
+import pytest
+
+from mooncake_lite.scheduler import BlockIndex, PrefillCostModel, PrefillView, QueuedPrefill, schedule
+from mooncake_lite.scheduler.estimate import backlog_of, queues_at
+from mooncake_lite.scheduler.progress import RATIO_BOUND, seconds_left
+from tests.scheduler.clusters import COSTS, cfg, cluster, prefill, request
+
+MODEL = PrefillCostModel(c1=1e-3)      # 1 ms a token, nothing else: chunks price exactly
+
+
+def test_seconds_left_scales_the_chunks_left_by_how_the_done_ones_ran():
+    # 4,000 tokens, 1,000 cached: 3,000 to compute, priced 3 s
+    assert seconds_left(MODEL, 4000, 1000, 0, 0.0, 0.4) == pytest.approx(2.6)      # no chunk done: the price
+    assert seconds_left(MODEL, 4000, 1000, 1000, 1.0, 0.0) == pytest.approx(2.0)   # as priced
+    assert seconds_left(MODEL, 4000, 1000, 1000, 0.5, 0.0) == pytest.approx(1.0)   # twice as fast
+    assert seconds_left(MODEL, 4000, 1000, 1000, 2.0, 0.5) == pytest.approx(3.5)   # half as fast, one in flight
+    assert seconds_left(MODEL, 4000, 1000, 3000, 9.0, 0.0) == 0.0                  # every token computed
+    assert seconds_left(MODEL, 4000, 1000, 1000, 0.1, 5.0) == 0.0                  # never below nothing
+
+
+def test_the_measured_speed_moves_the_price_within_its_bound():
+    # a first chunk 100x off either way (a burst beside it, a stall) moves the rest RATIO_BOUND x at most
+    assert seconds_left(MODEL, 2000, 0, 1000, 100.0, 0.0) == pytest.approx(1.0 * RATIO_BOUND)
+    assert seconds_left(MODEL, 2000, 0, 1000, 0.01, 0.0) == pytest.approx(1.0 / RATIO_BOUND)
+
+
+@pytest.mark.parametrize("pack_tokens", [0, 512])
+def test_a_reported_end_replaces_the_predicted_duration_of_the_started_head(pack_tokens):
+    # the head: 5,000 tokens priced 5 s, started at 0; behind it 300 tokens (0.3 s)
+    head, behind = QueuedPrefill("h", 5000, 0, 0.0), QueuedPrefill("b", 300)
+    p = prefill("p0", (head, behind), pack_tokens=pack_tokens)
+    assert queues_at([backlog_of(p, MODEL)], 1.0).queue_s[0] == pytest.approx(4.3)     # 5 - 1 + 0.3
+    for ends_at, at_1 in ((1.5, 0.8), (7.0, 6.3)):      # nearly done / running late
+        reported = prefill("p0", (QueuedPrefill("h", 5000, 0, 0.0, ends_at=ends_at), behind), pack_tokens=pack_tokens)
+        assert queues_at([backlog_of(reported, MODEL)], 1.0).queue_s[0] == pytest.approx(at_1)
+    # a report on a job not running says nothing
+    waiting = prefill("p0", (QueuedPrefill("h", 5000, ends_at=1.0), behind), pack_tokens=pack_tokens)
+    assert queues_at([backlog_of(waiting, MODEL)], 1.0).queue_s[0] == pytest.approx(5.3)
+
+
+def test_admission_takes_a_short_prompt_behind_a_long_job_its_instance_says_is_nearly_done():
+    """The Zen 3 burst (docs/results/2026-12-01-zen3.md §7): a long job priced seconds from its
+    end was 1.4 s from it, and the short prompts behind it were refused."""
+    view = PrefillView("p0", "s-p0", 10_000, None)
+    view.price_with(COSTS.prefill)
+    view.add("long", 5000, 0, started_at=0.0)
+    config = cfg(ttft_slo_s=2.0)
+
+    def decide(now):
+        return schedule(request(10, rid=f"r{now}"), cluster([view.state()]), index=BlockIndex(), config=config,
+                        costs=COSTS, now=now)
+    refused = decide(1.0)                       # 4 s left by the prediction, + 0.1 s of its own
+    assert not refused.accepted and refused.reject_cause == "ttft"
+    assert view.report_end("long", 2.4)         # its chunks say 1.4 s left
+    admitted = decide(1.0)
+    assert admitted.accepted and admitted.predicted_ttft_s == pytest.approx(1.5)
+    assert not view.report_end("other", 2.0)    # not the head here: the view's price stands
+    assert decide(1.0).predicted_ttft_s == pytest.approx(1.5)
