@@ -63,6 +63,21 @@ def test_later_shorter_arrivals_pass_it_up_to_the_bound():
         ends[1] - 0.5 + predict(50) + LAG)
 
 
+def test_the_shorter_members_of_its_burst_were_placed_before_it_and_took_the_overtakes():
+    """Live z34a-2 (docs/results/2026-12-01-zen3.md §9): a burst's four short prompts, decided
+    before a 90-token one within the burst window, took the last overtakes of the long prompts
+    waiting; the 90-token one would have waited for them, not passed them."""
+    short = [served(1 + i, 0.5001 + 1e-4 * i, 1.1 + 0.2 * i, 10 + 10 * i) for i in range(4)]
+    y_start = 1.1 + 0.2 * 4
+    s, fw = timeline(served(0, 0.0, 0.0, 1000), served(5, 0.1, y_start, 2000), *short)
+    refused = [(9, 0.5, 90, 0)]
+    waited = anchored_ttfts(refused, s, fw, predict, 4, window_s=0.02)[9]
+    assert waited == pytest.approx(y_start + predict(2000) - 0.5 + predict(90) + LAG)
+    # placed as it came (no window): it lands before the long one, behind the four
+    alone = anchored_ttfts(refused, s, fw, predict, 4)[9]
+    assert alone == pytest.approx(short[-1][0][2] - LAG - 0.5 + predict(90) + LAG)
+
+
 def test_its_own_forward_is_the_model_times_lives_ratio():
     jobs = [(i, 10.0 * i, 10.0 * i + 2 * predict(100) + LAG, 100, 0) for i in range(5)]
     fw = {"p0": [[10.0 * i, 10.0 * i + 2 * predict(100)] for i in range(5)]}   # live 2x the model

@@ -16,6 +16,8 @@ the simulator had started that prompt 6 s later, the burst found its prefill idl
   each job's overtakes counted from live's order: a later arrival served before it passed it
   (an arrival of the same instant counts if it was shorter: the order within a burst is not on
   the client's clock), and a job a later, shorter arrival did *not* pass had no overtake left;
+  the shorter members of its burst (sent within the conductor's burst window after it) were
+  placed before it, shortest first, and took their overtakes first;
 - later arrivals shorter than it that came while it would still wait pass it (up to the bound),
   and it starts when the last of those ahead of it ended live;
 - its own forward: the exported model's prefill for its uncached tokens × live's measured ratio
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import statistics
 from bisect import bisect_left, bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncake_lite.scheduler.costs import uncached_tokens
@@ -93,11 +95,12 @@ def compute_scale(jobs: Sequence[Job], predict) -> float:
     return statistics.median(ratios) if len(ratios) >= 5 else 1.0
 
 
-def passes(y: Job, jobs: Sequence[Job], until_s: float, bound: int) -> int:
-    """How many overtakes ``y`` had taken by ``until_s`` in live's order (module doc)."""
+def passes(y: Job, jobs: Sequence[Job], came_before: Callable[[Job], bool], bound: int) -> int:
+    """How many overtakes ``y`` had taken in live's order by the time the request it is judged
+    against was placed (``came_before``: the jobs placed before it; module doc)."""
     count = 0
     for x in jobs:
-        if x is y or not y.send_s <= x.send_s < until_s:
+        if x is y or x.send_s < y.send_s or not came_before(x):
             continue
         if x.send_s > y.send_s and x.uncached < y.uncached and x.end_s > y.end_s:
             return bound     # a later, shorter arrival waited for it: no overtake was left
@@ -107,22 +110,25 @@ def passes(y: Job, jobs: Sequence[Job], until_s: float, bound: int) -> int:
 
 
 def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send_s: float, uncached: int,
-             bound: int) -> float:
+             bound: int, window_s: float = 0.0) -> float:
     """When a job of ``uncached`` tokens sent at ``send_s`` would have started on a node whose
-    admitted jobs and forwards these are (module doc)."""
+    admitted jobs and forwards these are (module doc); ``window_s``: the conductor's burst window,
+    within which shorter arrivals after it were placed before it (shortest first)."""
+    def came_before(x: Job) -> bool:
+        return x.send_s < send_s or (x.send_s <= send_s + window_s and x.uncached < uncached)
     ends = sorted(j.end_s for j in node_jobs)
     running = next((f for f in forwards if f[0] <= send_s < f[1]), None)
     busy_until = send_s
     if running is not None and ends:
         i = bisect_left(ends, running[1])
         busy_until = ends[i] if i < len(ends) else running[1]
-    waiting = sorted((j for j in node_jobs if j.send_s < send_s and j.end_s > busy_until),
+    waiting = sorted((j for j in node_jobs if came_before(j) and j.end_s > busy_until),
                      key=lambda j: (j.end_s, j.send_s))
-    k = landing([j.uncached for j in waiting], [passes(j, node_jobs, send_s, bound) for j in waiting], 0,
+    k = landing([j.uncached for j in waiting], [passes(j, node_jobs, came_before, bound) for j in waiting], 0,
                 uncached, bound)
     start = max([busy_until, *(j.end_s for j in waiting[:k])])
     passed = 0
-    for x in sorted((j for j in node_jobs if j.send_s > send_s), key=lambda j: j.send_s):
+    for x in sorted((j for j in node_jobs if j.send_s > send_s and not came_before(j)), key=lambda j: j.send_s):
         if x.send_s >= start or passed >= bound:
             break
         if x.uncached < uncached and x.end_s > start:
@@ -131,9 +137,11 @@ def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send
 
 
 def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
-                   forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int) -> dict[int, float]:
+                   forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int,
+                   window_s: float = 0.0) -> dict[int, float]:
     """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
-    prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound."""
+    prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound;
+    ``window_s``: the conductor's burst window."""
     jobs, lag = jobs_of(served, forwards)
     if not jobs:
         return {}
@@ -142,12 +150,13 @@ def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
     out = {}
     for rid, send, tokens, prefix in refused:
         uncached = uncached_tokens(tokens, prefix)
-        start = min(start_on(by_node[n], forwards[n], send, uncached, bound) for n in forwards if by_node[n])
+        start = min(start_on(by_node[n], forwards[n], send, uncached, bound, window_s) for n in forwards if by_node[n])
         out[rid] = start + scale * predict(tokens, prefix) + lag - send
     return out
 
 
-def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], predict, bound: int):
+def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], predict, bound: int,
+                window_s: float = 0.0):
     """``admission.judge``'s ``anchor`` for a live run: its client ``records``, each request's prompt
     ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``)."""
     forwards = {url: t["forwards"] for url, t in timelines.items() if t.get("forwards")}
@@ -157,5 +166,5 @@ def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping
 
     def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
         return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,
-                              predict, bound)
+                              predict, bound, window_s)
     return anchor

@@ -232,7 +232,7 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: d
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
     anchor = live_anchor(records, {t.request_id: t.input_length for t in trace}, timelines, hw.prefill.predict,
-                         live_overtakes(getattr(ns, "prefill_args", "")))
+                         live_overtakes(getattr(ns, "prefill_args", "")), ns.burst_window)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor)
     stated = sum(r.slo_s[0] is not None for r in records)
     out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
