@@ -5,6 +5,8 @@ import math
 import random
 import statistics
 
+from dataclasses import replace
+
 import pytest
 
 from mooncake_lite.scheduler import DecodeCostModel, PrefillCostModel
@@ -197,7 +199,7 @@ def test_a_job_nobody_passed_teaches_the_queue_scale_and_one_passed_the_share():
 
 
 def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_broken_one():
-    c = Corrections()
+    c = Corrections(replace(CFG, spread_quantile=0.9))
     for i in range(CFG.spread_min - 1):
         c.note_ratio("p0", "ttft", 1.0, 3.0)
     assert c.spread("p0", "ttft") == 1.0          # too few measured: the prediction alone
@@ -211,6 +213,8 @@ def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_brok
     for r in ratios:
         c.note_ratio("p0", "ttft", 2.0, 2.0 * r)
     assert 1.3 <= c.spread("p0", "ttft") <= 1.4      # the 3.0s gone; 1.4 is the 0.1 above the quantile
+    c.cfg = CFG                                      # the default: the median, the wait's bias corrected
+    assert 0.9 <= c.spread("p0", "ttft") <= 1.0
     assert len(c.get("p0").ratios["ttft"]) == CFG.spread_window
     # per metric and instance; within the factors' bounds whatever the reports
     assert c.spread("p0", "tbt") == c.spread("p1", "ttft") == 1.0
