@@ -26,6 +26,15 @@ from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 # 2.2-3.4 s, measured 2.0 s); with it 0.78-0.96e-6 (1.9-2.2 s), for 2 s more start-up.
 QUICK_PREFILL = ((32, 0), (96, 0), (192, 0), (64, 128), (32, 192), (128, 64), (64, 1024))
 QUICK_DECODE = ((1, 64), (4, 64), (8, 64), (1, 512), (4, 256), (8, 256))
+
+
+def served_points(chunk: int) -> tuple[tuple[int, int], ...]:
+    """A prefill's start-up shapes where it computes ``chunk`` tokens a forward: the quick ones, and
+    a full chunk alone and after two: what a long prompt runs as. Fitted to the quick ones alone (at
+    most 192 new tokens) the growth of a chunk's time with its prefix came out at 1.2x to 3.2x over
+    2,048 tokens of prefix, where SmolLM2 measured 1.5x and, beside a busy decode, flat; with them,
+    1.7x (docs/results/2026-12-01-zen3.md §11)."""
+    return QUICK_PREFILL + ((chunk, 0), (chunk, 2 * chunk)) if chunk > 0 else QUICK_PREFILL
 # Shapes where a refiner keeps the start-up model's shape until it measures them (refine.py):
 # the profiled ones and a few larger, so long prompts and big batches extrapolate from it.
 PRIOR_PREFILL = QUICK_PREFILL + ((512, 0), (512, 512), (2048, 0), (512, 1536))

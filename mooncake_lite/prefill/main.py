@@ -14,7 +14,7 @@ import sys
 from mooncake_lite.common import sdnotify
 from mooncake_lite.common.lifecycle import Listener, Membership, serve_role
 from mooncake_lite.common.service import run as run_loop
-from mooncake_lite.instance.profile import prefill_refiner
+from mooncake_lite.instance.profile import prefill_refiner, served_points
 from mooncake_lite.model.checkpoint_config import model_args
 from mooncake_lite.prefill.app import SERVICE, StoreUnfit, build_app, build_stage, registration, reported_cost, store_id
 from mooncake_lite.prefill.config import Config, layer_slices
@@ -36,7 +36,7 @@ async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[Prefill
     chunk it runs, and timed on its own threads too where it borrows CPUs (``busy_scale``).
     None (and 1) if that failed: it then registers none, as with --no-profile."""
     try:
-        cost, samples = await profile_served(stage, downstream)
+        cost, samples = await profile_served(stage, downstream, served_points(cfg.prefill_chunk))
         busy = await busy_scale(stage) if downstream is None else 1.0
     except Exception as exc:
         log.warning("start-up profiling skipped: %s", exc)

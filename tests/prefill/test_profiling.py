@@ -64,3 +64,12 @@ def test_a_borrowing_stage_times_its_chunks_on_its_own_threads_too(stage, monkey
     scale = asyncio.run(busy_scale(stage, repeats=1))
     assert 1.25 < scale <= 2.0   # above 1.25 while a layer computes in under 3 h
     assert len(stage.timeline) == 0 and not stage.jobs
+
+
+def test_the_start_up_shapes_include_a_full_chunk_alone_and_after_two():
+    """A long prompt runs as full chunks at a growing prefix: the profile times that shape, so the
+    fitted model's growth with the prefix is measured, not extrapolated from short forwards."""
+    from mooncake_lite.instance.profile import QUICK_PREFILL, served_points
+    assert served_points(512)[:len(QUICK_PREFILL)] == QUICK_PREFILL
+    assert served_points(512)[len(QUICK_PREFILL):] == ((512, 0), (512, 1024))
+    assert served_points(0) == QUICK_PREFILL          # no chunk said: the quick shapes
