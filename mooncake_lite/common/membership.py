@@ -106,7 +106,7 @@ class _Links:
 
     def __init__(self, session: aiohttp.ClientSession, conductor: Conductor, msg: Register,
                  load: Callable[[], InstanceLoad], cost: Callable[[], CostReport | None],
-                 running: Callable[[], RunningPrefill | None] = lambda: None) -> None:
+                 running: Callable[[], RunningPrefill | None]) -> None:
         self.session, self.conductor, self.msg, self.load, self.cost = session, conductor, msg, load, cost
         self.running = running
         self.tasks: dict[str, asyncio.Task] = {}

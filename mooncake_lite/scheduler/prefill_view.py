@@ -142,14 +142,7 @@ class PrefillView(Shown[PrefillInstanceState]):
         """The job started executing at ``now``."""
         job = self._jobs[request_id]
         if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
-            started = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now, 0, job.pack_cap)
-            self._jobs[request_id] = started
-            queue = self._queue
-            self._queue = (started, *queue[1:]) if queue and queue[0] is job else None
-            if job.ends_at is not None and self._model is not None:   # started again: a report no more
-                self._durations[request_id] = _priced(self._model, started)
-                self._total = None
-            self._stale()
+            self._swap(job, QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now, 0, job.pack_cap))
 
     def report_end(self, request_id: str, ends_at: float) -> bool:
         """The instance says its started head ``request_id`` ends at ``ends_at`` (from the chunks
@@ -160,16 +153,20 @@ class PrefillView(Shown[PrefillInstanceState]):
         if job is None or job.request_id != request_id or job.started_at is None:
             return False
         if job.ends_at != ends_at:
-            reported = QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at,
-                                     job.passed, job.pack_cap, ends_at)
-            self._jobs[request_id] = reported
-            queue = self._queue
-            self._queue = (reported, *queue[1:]) if queue and queue[0] is job else None
-            if self._model is not None:
-                self._durations[request_id] = _priced(self._model, reported)
-                self._total = None
-            self._stale()
+            self._swap(job, QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at,
+                                          job.passed, job.pack_cap, ends_at))
         return True
+
+    def _swap(self, job: QueuedPrefill, new: QueuedPrefill) -> None:
+        """``new`` in ``job``'s place (started, or its end reported); repriced only where a report
+        comes or goes (a start alone leaves its duration as it was)."""
+        self._jobs[job.request_id] = new
+        queue = self._queue
+        self._queue = (new, *queue[1:]) if queue and queue[0] is job else None
+        if self._model is not None and (job.ends_at is not None or new.ends_at is not None):
+            self._durations[job.request_id] = _priced(self._model, new)
+            self._total = None
+        self._stale()
 
     def remove(self, request_id: str) -> bool:
         """The job ended (or was aborted): False if there was none of that id."""
