@@ -6,6 +6,8 @@ a queue long enough does not."""
 
 from __future__ import annotations
 
+import math
+
 import orjson
 import pytest
 
@@ -102,3 +104,31 @@ def test_a_refusal_that_would_have_met_only_within_the_simulators_bias_is_counte
     assert admission.size_bias(TraceRequest(9, 0.0, 1000, 4, ()), trace[:7], live, sim(trace)) is None
     text = "\n".join(admission_lines({**out, "slos": "absolute"}))
     assert "1/1 = 100.0%" in text and "0/1 = 0.0%" in text
+
+
+def test_the_slices_end_is_not_the_future_a_request_is_judged_by(hw):
+    """With the last arrival given, a request whose TTFT limit runs past it is left out of both
+    shares (the refused 9, alone at the end, would have met only because nothing came after it),
+    while every admitted request, judged or not, stays traffic in the counterfactuals."""
+    trace = _slice()
+    alone = hw.prefill.predict(4096)
+    limits = admission.slo_limits(hw, (3.5 * alone, 1.0), (10.0, 5.0))
+    live = {0: Outcome("ok", 1.1 * alone, 0.05), 1: Outcome("ok", 2.2 * alone, 0.05),
+            2: Outcome("ok", 5.0 * alone, 0.05), 8: Outcome("ok", 1.2 * alone, 0.05),
+            **{i: Outcome("rejected") for i in (3, 4, 5, 6, 7, 9)}}
+    given: list[list[int]] = []
+    sim = admission.admitting_all(hw, prefill=1, decode=1, block=16)
+
+    def recording(requests):
+        given.append([t.request_id for t in requests])
+        return sim(requests)
+    end_s = trace[-1].timestamp_ms / 1e3
+    out = admission.judge(trace, live, limits, recording, end_s=end_s)
+    assert out["judged"] == {"of": 10, "judged": 9, "end_s": end_s}
+    assert (out["refused_would_meet"]["met"], out["refused_would_meet"]["of"]) == (0, 5)   # 9 left out
+    assert (out["admitted_met"]["met"], out["admitted_met"]["of"]) == (3, 4)
+    assert all(8 in ids for ids in given)        # the admitted traffic, in the baseline and each counterfactual
+    text = "\n".join(admission_lines({**out, "slos": "absolute"}))
+    assert "judged: 9 of 10 requests" in text and "0/5 = 0.0%" in text
+    # a limit that is no number leaves nothing out
+    assert admission.judged(trace, lambda t: (math.inf, 1.0), end_s) == set(range(10))

@@ -233,7 +233,8 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: d
                                   burst_window_s=ns.burst_window)
     anchor = live_anchor(records, {t.request_id: t.input_length for t in trace}, timelines, hw.prefill.predict,
                          live_overtakes(getattr(ns, "prefill_args", "")), ns.burst_window)
-    out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor)
+    end_s = max((t.timestamp_ms for t in trace), default=0.0) / 1e3   # the last arrival (admission.judged)
+    out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor, end_s)
     stated = sum(r.slo_s[0] is not None for r in records)
     out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone " \

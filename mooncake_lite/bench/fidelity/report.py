@@ -168,7 +168,11 @@ def admission_lines(a: Mapping) -> list[str]:
         return (f"{label}: {s['met']}/{s['of']} = {s['share']:.1%} (95% CI {lo:.1%}–{hi:.1%}; "
                 f"goal {sign} {s['goal']:.0%}: {verdict})")
     adjusted = a.get("refused_would_meet_bias_adjusted")
+    j = a.get("judged") or {}
     return ["admission by outcome (SLOs: " + a.get("slos", "") + "):",
+            *([f"  judged: {j['judged']} of {j['of']} requests, those whose TTFT limit ended by the last arrival "
+               f"({j['end_s']:.1f} s; later, the slice's end would judge them, not the traffic they met)"]
+              if j.get("end_s") is not None else []),
             "  " + one("admitted that met their SLO (live)", a["admitted_met"])
             + f"; missed by TTFT {a['admitted_missed_by']['ttft']}, TBT {a['admitted_missed_by']['tbt']}",
             "  " + one("refused that would have met it (sim counterfactual)", a["refused_would_meet"]),
