@@ -34,7 +34,7 @@ from aiohttp import web
 
 from mooncake_lite.common import sdnotify
 from mooncake_lite.common.cost_report import CostReport
-from mooncake_lite.common.membership import Conductor, RegistrationRefused, keep_membership
+from mooncake_lite.common.membership import Conductor, Nudge, RegistrationRefused, keep_membership
 from mooncake_lite.common.membership import log as membership_log
 from mooncake_lite.common.protocol import InstanceLoad, Register, RunningPrefill
 from mooncake_lite.common.service import serve_app
@@ -84,6 +84,7 @@ class Membership:
     load: Callable[[], InstanceLoad]
     cost: Callable[[], CostReport | None]   # its current cost models, for each heartbeat
     running: Callable[[], RunningPrefill | None] = lambda: None   # a prefill's job in progress, likewise
+    nudge: Nudge | None = None   # fired when ``running`` has news: the next heartbeat goes at once
 
 
 async def serve_role(app: web.Application, listener: Listener, membership: Membership | None = None,
@@ -120,6 +121,7 @@ async def _join(membership: Membership, role: str, listening: asyncio.Future[dic
     try:
         await keep_membership(membership.conductor, msg, membership.load, membership.cost, membership.running,
                               on_registered=lambda:
-                              sdnotify.ready(f"{role} serving on {addresses['http']}, registered with {conductor}"))
+                              sdnotify.ready(f"{role} serving on {addresses['http']}, registered with {conductor}"),
+                              nudge=membership.nudge)
     except RegistrationRefused as exc:
         status.fail(f"{exc}; exiting", membership_log)   # logged where it always was

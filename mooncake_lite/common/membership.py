@@ -39,8 +39,36 @@ RETRY_MAX_S = 5.0
 REGISTRATION_WAIT_S = 60.0
 
 
+# A nudged heartbeat goes no sooner than this share of the interval after the last one: a prefill
+# whose chunks take milliseconds (a GPU) must not post one a chunk.
+NUDGE_MIN_GAP = 0.25
+
+
 class RegistrationRefused(RuntimeError):
     pass
+
+
+class Nudge:
+    """Tells every conductor link (:class:`_Links`) to send its next heartbeat now rather than at
+    the end of its interval: a prefill fires it as a chunk of a job it runs alone ends, when its
+    report of that job's end (``RunningPrefill``) is best. One event per link, so a link that
+    was posting when it fired still beats again at once."""
+
+    def __init__(self) -> None:
+        self._events: list[asyncio.Event] = []
+
+    def subscribe(self) -> asyncio.Event:
+        event = asyncio.Event()
+        self._events.append(event)
+        return event
+
+    def unsubscribe(self, event: asyncio.Event) -> None:
+        with contextlib.suppress(ValueError):
+            self._events.remove(event)
+
+    def fire(self) -> None:
+        for event in self._events:
+            event.set()
 
 
 def conductor_urls(value: str | None, option: str = "--conductor") -> tuple[str, ...]:
@@ -106,9 +134,9 @@ class _Links:
 
     def __init__(self, session: aiohttp.ClientSession, conductor: Conductor, msg: Register,
                  load: Callable[[], InstanceLoad], cost: Callable[[], CostReport | None],
-                 running: Callable[[], RunningPrefill | None]) -> None:
+                 running: Callable[[], RunningPrefill | None], nudge: Nudge | None = None) -> None:
         self.session, self.conductor, self.msg, self.load, self.cost = session, conductor, msg, load, cost
-        self.running = running
+        self.running, self.nudge = running, nudge
         self.tasks: dict[str, asyncio.Task] = {}
         self.refused: dict[str, str] = {}
         self.registered = asyncio.Event()
@@ -137,24 +165,33 @@ class _Links:
     async def _beat(self, url: str) -> None:
         hb_url = url + "/internal/v1/heartbeat"
         headers = {**JSON, **cluster_headers(self.conductor.token)}
-        while True:
-            await asyncio.sleep(self.conductor.heartbeat_interval_s)
-            current = self.cost()
-            reported = InstanceLoad(**{k: float(v) for k, v in self.load().reported().items()})
-            try:
-                beat = Heartbeat(self.msg.instance_id, reported, current, self.running())
-                async with self.session.post(hb_url, data=dumps(beat), headers=headers) as resp:
-                    if resp.status == 404:
-                        log.warning("conductor %s forgot this instance; registering again", url)
-                        msg = replace(self.msg, cost=current) if current is not None else self.msg
-                        await register(self.session, url, self.conductor.token, msg, max_wait_s=float("inf"))
-                    elif resp.status == 409:
-                        raise RegistrationRefused(f"conductor {url} refused heartbeat: {(await resp.text())[:300]}")
-                    elif resp.status >= 400:   # e.g. a field this conductor does not know: say so, keep beating
-                        log.warning("conductor %s answered a heartbeat with %d: %s", url, resp.status,
-                                    (await resp.text())[:300])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # a timeout must not end the loop
-                log.warning("heartbeat to %s failed: %r", url, exc)
+        nudged = self.nudge.subscribe() if self.nudge is not None else None
+        try:
+            while True:
+                await _pause(self.conductor.heartbeat_interval_s, nudged)
+                await self._post(url, hb_url, headers)
+        finally:
+            if nudged is not None:
+                self.nudge.unsubscribe(nudged)
+
+    async def _post(self, url: str, hb_url: str, headers: dict[str, str]) -> None:
+        """One heartbeat to ``url`` (a 404: register again; a 409 ends the link)."""
+        current = self.cost()
+        reported = InstanceLoad(**{k: float(v) for k, v in self.load().reported().items()})
+        try:
+            beat = Heartbeat(self.msg.instance_id, reported, current, self.running())
+            async with self.session.post(hb_url, data=dumps(beat), headers=headers) as resp:
+                if resp.status == 404:
+                    log.warning("conductor %s forgot this instance; registering again", url)
+                    msg = replace(self.msg, cost=current) if current is not None else self.msg
+                    await register(self.session, url, self.conductor.token, msg, max_wait_s=float("inf"))
+                elif resp.status == 409:
+                    raise RegistrationRefused(f"conductor {url} refused heartbeat: {(await resp.text())[:300]}")
+                elif resp.status >= 400:   # e.g. a field this conductor does not know: say so, keep beating
+                    log.warning("conductor %s answered a heartbeat with %d: %s", url, resp.status,
+                                (await resp.text())[:300])
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:   # a timeout must not end the loop
+            log.warning("heartbeat to %s failed: %r", url, exc)
 
     async def wait(self, on_registered: Callable[[], object]) -> None:
         """Until cancelled; raises RegistrationRefused when no conductor is left that may take
@@ -193,17 +230,30 @@ async def _first(*events: asyncio.Event) -> None:
             w.cancel()
 
 
+async def _pause(interval_s: float, nudged: asyncio.Event | None) -> None:
+    """Until the next heartbeat is due: ``interval_s`` on, or a nudge but never within
+    ``NUDGE_MIN_GAP`` of the interval (a nudge during that gap is kept for its end)."""
+    if nudged is None:
+        await asyncio.sleep(interval_s)
+        return
+    gap = interval_s * NUDGE_MIN_GAP
+    await asyncio.sleep(gap)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(nudged.wait(), interval_s - gap)
+    nudged.clear()
+
+
 async def keep_membership(conductor: Conductor, msg: Register, load: Callable[[], InstanceLoad],
                           cost: Callable[[], CostReport | None],
                           running: Callable[[], RunningPrefill | None] = lambda: None,
-                          on_registered: Callable[[], object] = lambda: None) -> None:
+                          on_registered: Callable[[], object] = lambda: None, nudge: Nudge | None = None) -> None:
     """Register, then heartbeat forever, with every conductor (run as a background task);
     ``on_registered`` runs once, after the first conductor accepted (the instance can be sent
     work from then on). ``cost`` gives the instance's current cost model for each heartbeat (and
-    a re-registration), ``running`` a prefill's job in progress. Raises RegistrationRefused as
-    the module says."""
+    a re-registration), ``running`` a prefill's job in progress, sent early when ``nudge`` fires.
+    Raises RegistrationRefused as the module says."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        links = _Links(session, conductor, msg, load, cost, running)
+        links = _Links(session, conductor, msg, load, cost, running, nudge)
         background: list[asyncio.Task] = []
         if conductor.discovery:
             background = _discover(session, conductor, msg, links)

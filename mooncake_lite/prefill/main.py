@@ -73,7 +73,7 @@ async def serve(cfg: Config, stage: StageEngine, group: StageGroup | None) -> in
     conductor = cfg.joins()
     membership = None if conductor is None else Membership(
         conductor, lambda addresses: registration(cfg, service, addresses, known_as), service.load,
-        lambda: reported_cost(service), service.running)
+        lambda: reported_cost(service), service.running, service.progressed)
     return await serve_role(app, Listener("prefill", cfg.host, cfg.port, cfg.advertise_host), membership)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from mooncake_lite.common import tracing
 from mooncake_lite.common.hashing import prefix_hash
+from mooncake_lite.common.membership import Nudge
 from mooncake_lite.common.protocol import InstanceLoad, PrefillRequest, PrefillResult, RunningPrefill, TokenLogprob
 from mooncake_lite.model.sampling import chunk_logprobs, reports_logprobs
 from mooncake_lite.prefill.engine import PrefillAborted, StageEngine
@@ -75,6 +76,7 @@ class PrefillService(TurnTaking, Packing):
         self.num_done = 0
         self.num_failed = 0
         self._progress: ChunkProgress | None = None   # the job running alone, chunk by chunk (running())
+        self.progressed = Nudge()   # fired as a chunk of it ends, with chunks left: its heartbeat goes then
         # Cumulative, for /metrics: how much prompt KV was reused vs computed, and bytes streamed.
         # packed_*: forwards that served several requests at once, and the requests they served.
         self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0,
@@ -271,6 +273,8 @@ class PrefillService(TurnTaking, Packing):
                         self.stage.executor, chunk_logprobs, out, req.token_ids, start, k)
                     lps += more
                 progress.chunk_done(len(chunk), time.perf_counter())
+                if start + self.chunk_size < n:
+                    self.progressed.fire()
         finally:
             self._progress = None
         return out, tuple(lps)

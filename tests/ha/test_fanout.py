@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from mooncake_lite.common import discovery
-from mooncake_lite.common.membership import Conductor, RegistrationRefused, conductor_urls, keep_membership
+from mooncake_lite.common.membership import (NUDGE_MIN_GAP, Conductor, Nudge, RegistrationRefused, conductor_urls,
+                                             keep_membership)
 from mooncake_lite.common.ports import free_port
 from mooncake_lite.common.protocol import BlockEvents, InstanceLoad, Register, RunningPrefill, loads
 from mooncake_lite.store.event_fanout import BlockEventFanout
@@ -55,6 +56,35 @@ async def test_instance_reports_to_every_conductor_and_a_dead_one_slows_none():
         await until(lambda: len(seen1["heartbeat"]) >= 10 and len(seen2["heartbeat"]) >= 10, "heartbeats to both")
         assert [m.instance_id for m in seen1["register"]] == ["p0"] == [m.instance_id for m in seen2["register"]]
         assert {hb.running for hb in seen1["heartbeat"] + seen2["heartbeat"]} == {running}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await r1.cleanup()
+        await r2.cleanup()
+
+
+async def test_a_nudge_sends_the_next_heartbeat_to_every_conductor_at_once_but_not_within_the_gap():
+    """A prefill nudges its links as a chunk ends (``PrefillService.progressed``): each conductor
+    hears the new report long before the interval is up, yet no sooner than its share of it after
+    the last heartbeat; a nudge during that gap is kept, not lost."""
+    (r1, u1, seen1), (r2, u2, seen2) = await fake_conductor(), await fake_conductor()
+    registered, nudge, interval = asyncio.Event(), Nudge(), 4.0
+    reports = iter(RunningPrefill("r9", 10.0 - i) for i in range(100))
+    task = asyncio.create_task(keep_membership(Conductor(f"{u1},{u2}", None, heartbeat_interval_s=interval), MSG,
+                                               InstanceLoad, lambda: None, lambda: next(reports),
+                                               on_registered=registered.set, nudge=nudge))
+    try:
+        await asyncio.wait_for(registered.wait(), 5)
+        t0 = time.monotonic()
+        await asyncio.sleep(0.1)            # (the links are waiting on their interval)
+        nudge.fire()                        # within the gap: it goes at the gap's end
+        await until(lambda: seen1["heartbeat"] and seen2["heartbeat"], "a nudged heartbeat to both", 3.0)
+        took = time.monotonic() - t0
+        assert interval * NUDGE_MIN_GAP - 0.05 <= took < interval / 2, took
+        assert len(seen1["heartbeat"]) == len(seen2["heartbeat"]) == 1   # one each, not one a nudge
+        nudge.fire()
+        await until(lambda: len(seen1["heartbeat"]) == 2 and len(seen2["heartbeat"]) == 2, "a second, nudged", 3.0)
+        assert time.monotonic() - t0 < interval
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

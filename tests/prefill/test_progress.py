@@ -23,9 +23,13 @@ async def test_a_prefill_reports_its_job_after_each_chunk_priced_by_the_chunks_d
             seen.append(c.prefill.running())      # as a heartbeat would read it as the chunk starts
             return await run_chunk(*args, **kwargs)
         c.prefill.stage.run_chunk = watched
+        nudges, fire = [], c.prefill.progressed.fire
+        c.prefill.progressed.fire = lambda: (nudges.append(c.prefill.running()), fire())
         tokens, _, error = await c.request("r", prompt(100, 1), 2)
         assert error is None and len(tokens) == 2
         assert len(seen) == 7 and seen[0] is None          # 100 tokens, 16 a chunk; nothing done yet
+        # its heartbeat is nudged as each chunk but the last ends, the report then already new
+        assert [n.request_id for n in nudges] == ["r"] * 6 and nudges[0].left_s > nudges[-1].left_s
         for done, report in zip(range(16, 100, 16), seen[1:]):
             assert report.request_id == "r"
             assert report.left_s == pytest.approx((100 - done) * 1.0 / RATIO_BOUND, abs=0.05)
