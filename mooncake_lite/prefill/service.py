@@ -36,6 +36,7 @@ from mooncake_lite.prefill.progress import ChunkProgress
 from mooncake_lite.prefill.results import Firsts, annotate, request_params, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
+from mooncake_lite.scheduler.progress import LaterChunks
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
@@ -77,6 +78,7 @@ class PrefillService(TurnTaking, Packing):
         self.num_failed = 0
         self._progress: ChunkProgress | None = None   # the job running alone, chunk by chunk (running())
         self.progressed = Nudge()   # fired as a chunk of it ends, with chunks left: its heartbeat goes then
+        self.later_chunks = LaterChunks()   # how the chunks after a job's first ran against their price
         # Cumulative, for /metrics: how much prompt KV was reused vs computed, and bytes streamed.
         # packed_*: forwards that served several requests at once, and the requests they served.
         self.totals = {"prefix_tokens_total": 0, "computed_tokens_total": 0, "kv_bytes_sent_total": 0,
@@ -272,7 +274,9 @@ class PrefillService(TurnTaking, Packing):
                     out, more = await asyncio.get_running_loop().run_in_executor(
                         self.stage.executor, chunk_logprobs, out, req.token_ids, start, k)
                     lps += more
-                progress.chunk_done(len(chunk), time.perf_counter())
+                took = progress.chunk_done(len(chunk), time.perf_counter())
+                if start > prefix and self.cost is not None:
+                    self.later_chunks.observe(self.cost.predict(start + len(chunk), start), took)
                 if start + self.chunk_size < n:
                     self.progressed.fire()
         finally:
@@ -285,7 +289,7 @@ class PrefillService(TurnTaking, Packing):
         progress, cost = self._progress, self.cost
         if progress is None or cost is None or not progress.done_tokens:
             return None
-        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter())
+        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter(), self.later_chunks.ratio)
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no

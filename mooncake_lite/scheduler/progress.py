@@ -10,10 +10,21 @@ scaled by how the chunks done ran against the model's price of them (the speed o
 this machine now, colocated work included), within :data:`RATIO_BOUND` either way, less the time
 the chunk in flight has run. The prefill reports it in its heartbeat (``RunningPrefill``), the
 conductor's view prices the job to end then (``PrefillView.report_end``). Pure, no IO.
+
+Save after the first chunk: that one runs beside the decode of the jobs just before it (their
+first tokens, their KV taken in) and says little of the rest. Over the saved Zen 3 runs a job's
+first chunk ran at its price (median ×1.02) and its second at ×0.75 of it; priced by the first,
+the rest of 1,005 jobs was over by a median ×1.39 (0.42 s), and by ×1.0 (0.15 s) priced at how
+the later chunks of the instance's earlier jobs ran (:class:`LaterChunks`: a bounded moving
+average, ``correction.step``'s rule; docs/results/2026-12-01-zen3-admission.md §3). From two
+chunks on, the job's own ratio holds (×1.04).
 """
 
 from __future__ import annotations
 
+import math
+
+from mooncake_lite.scheduler.correction import CorrectionConfig, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.costs import PrefillCostModel
 
 # How far the chunks done may move the price of the chunks left, either way: a first chunk slowed
@@ -22,15 +33,43 @@ RATIO_BOUND = 4.0
 
 
 def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, done_tokens: int,
-                 done_s: float, in_flight_s: float) -> float:
+                 done_s: float, in_flight_s: float, later: float | None = None) -> float:
     """Seconds until a prompt of ``num_tokens`` (``prefix_tokens`` cached) has computed its last
     chunk, ``done_tokens`` of its uncached tokens having taken ``done_s`` and the next chunk
     having run ``in_flight_s``; ``model`` prices chunk by chunk as the instance runs them
-    (``PrefillCostModel.with_chunk``). 0 once every token is computed."""
+    (``PrefillCostModel.with_chunk``). ``later``: the ratio the chunks left are priced at instead
+    of the done ones' (the caller's, after a first chunk alone: module doc). 0 once every token
+    is computed."""
     start = prefix_tokens + done_tokens
     if start >= num_tokens:
         return 0.0
     priced_done = model.predict(start, prefix_tokens) if done_tokens > 0 else 0.0
-    ratio = done_s / priced_done if priced_done > 0.0 else 1.0
+    ratio = later if later is not None else done_s / priced_done if priced_done > 0.0 else 1.0
     ratio = min(max(ratio, 1.0 / RATIO_BOUND), RATIO_BOUND)
     return max(model.predict(num_tokens, start) * ratio - in_flight_s, 0.0)
+
+
+class LaterChunks:
+    """How the chunks after a job's first ran against their price on one instance lately: a
+    moving average of log(measured / priced), its step bounded (``correction.step``, its default
+    constants); None until one was observed. A broken timing is refused and moves nothing."""
+
+    __slots__ = ("_factor", "_cfg")
+
+    def __init__(self, cfg: CorrectionConfig | None = None) -> None:
+        self._cfg = cfg or CorrectionConfig()
+        self._factor: Factor | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self._factor is None else self._factor.value
+
+    def observe(self, priced_s: float, measured_s: float) -> str | None:
+        """One later chunk; returns why it was refused (None: applied)."""
+        why = ratio_refusal(priced_s, measured_s, self._cfg)
+        if why is not None:
+            return why
+        ratio, bound = measured_s / priced_s, math.log(self._cfg.max_factor)
+        self._factor = Factor(min(bound, max(-bound, math.log(ratio))), 1) if self._factor is None \
+            else step(self._factor, ratio, self._cfg)
+        return None

@@ -5,7 +5,7 @@ import pytest
 
 from mooncake_lite.model.weights import build_model
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.progress import RATIO_BOUND
+from mooncake_lite.scheduler.progress import RATIO_BOUND, LaterChunks
 from tests.pd.harness import cluster, prompt
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,6 +34,15 @@ async def test_a_prefill_reports_its_job_after_each_chunk_priced_by_the_chunks_d
             assert report.request_id == "r"
             assert report.left_s == pytest.approx((100 - done) * 1.0 / RATIO_BOUND, abs=0.05)
         assert c.prefill.running() is None                 # over: nothing to report
+        # its later chunks ran thousands of times under their price: learned, as far as a factor may go
+        assert c.prefill.later_chunks.ratio == pytest.approx(1 / 16)
+        # after a first chunk alone the rest is priced at how later chunks ran lately, not as it ran
+        c.prefill.later_chunks = LaterChunks()
+        c.prefill.later_chunks.observe(1.0, 2.0)
+        seen.clear()
+        await c.request("t", prompt(100, 3), 2)
+        assert seen[1].left_s == pytest.approx((100 - 16) * 1.0 * 2.0, abs=0.05)
+        assert seen[2].left_s == pytest.approx((100 - 32) * 1.0 / RATIO_BOUND, abs=0.05)   # then its own
         c.prefill.cost = None                              # no model: nothing to price it with
         seen.clear()
         await c.request("s", prompt(40, 2), 2)

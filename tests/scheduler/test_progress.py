@@ -6,7 +6,7 @@ import pytest
 
 from mooncake_lite.scheduler import BlockIndex, PrefillCostModel, PrefillView, QueuedPrefill, schedule
 from mooncake_lite.scheduler.estimate import backlog_of, queues_at
-from mooncake_lite.scheduler.progress import RATIO_BOUND, seconds_left
+from mooncake_lite.scheduler.progress import RATIO_BOUND, LaterChunks, seconds_left
 from tests.scheduler.clusters import COSTS, cfg, cluster, prefill, request
 
 MODEL = PrefillCostModel(c1=1e-3)      # 1 ms a token, nothing else: chunks price exactly
@@ -26,6 +26,24 @@ def test_the_measured_speed_moves_the_price_within_its_bound():
     # a first chunk 100x off either way (a burst beside it, a stall) moves the rest RATIO_BOUND x at most
     assert seconds_left(MODEL, 2000, 0, 1000, 100.0, 0.0) == pytest.approx(1.0 * RATIO_BOUND)
     assert seconds_left(MODEL, 2000, 0, 1000, 0.01, 0.0) == pytest.approx(1.0 / RATIO_BOUND)
+
+
+def test_later_chunks_price_the_rest_in_place_of_the_done_ones_and_learn_within_bounds():
+    # the first chunk ran at its price (1 s), the later ones lately at half theirs: the rest at half
+    assert seconds_left(MODEL, 4000, 1000, 1000, 1.0, 0.0, later=0.5) == pytest.approx(1.0)
+    assert seconds_left(MODEL, 4000, 1000, 1000, 1.0, 0.0, later=100.0) == pytest.approx(2.0 * RATIO_BOUND)
+    later = LaterChunks()
+    assert later.ratio is None                                    # nothing observed: the caller's own rule
+    assert later.observe(2.0, 1.0) is None and later.ratio == pytest.approx(0.5)   # the first taken as is
+    for _ in range(3):
+        later.observe(1.0, 1.0)                                    # back at the price: bounded steps toward 1
+    assert 0.5 < later.ratio < 1.0
+    was = later.ratio
+    for bad in (float("nan"), -1.0, float("inf")):
+        assert later.observe(1.0, bad) is not None                 # refused, moves nothing
+    assert later.observe(1.0, 1e6) is not None and later.ratio == was
+    later.observe(1.0, 900.0)                                      # absurd but a number: one bounded step
+    assert later.ratio / was == pytest.approx(1.1618, rel=1e-3)
 
 
 @pytest.mark.parametrize("pack_tokens", [0, 512])

@@ -131,7 +131,7 @@ def judged(trace: Sequence[TraceRequest], limits: Callable[[TraceRequest], tuple
     cannot know will stop; a replay's slice does stop. Judged on it, the requests of its last
     burst would have met SLOs that live traffic would have taken from them: on Zen 3 that burst
     held three of the refusals that would have met in six of ten runs (docs/results/
-    2026-12-01-zen3.md §12). Admitted and refused are left out alike, and say how many."""
+    2026-12-01-zen3-admission.md §1). Admitted and refused are left out alike, and say how many."""
     if end_s is None:
         return {t.request_id for t in trace}
     return {t.request_id for t in trace
