@@ -11,11 +11,11 @@ this machine now, colocated work included), within :data:`RATIO_BOUND` either wa
 the chunk in flight has run. The prefill reports it in its heartbeat (``RunningPrefill``), the
 conductor's view prices the job to end then (``PrefillView.report_end``). Pure, no IO.
 
-Except after the first chunk alone: that one runs beside the decode of the jobs just before it (their
-first tokens, their KV taken in) and says little of the rest. Over the saved Zen 3 runs a job's
-first chunk ran at its price (median ×1.02) and its second at ×0.75 of it; priced by the first,
-the rest of 1,005 jobs was over by a median ×1.39 (0.42 s), and by ×1.0 (0.15 s) priced at how
-the later chunks of the instance's earlier jobs ran (:class:`LaterChunks`: a bounded moving
+Except after the first chunk alone: that one runs beside the decode of the jobs just before it
+(their first tokens, their KV taken in) and says little of the rest. Over the saved Zen 3 runs a
+job's first chunk ran at its price (median ×1.02) and its second at ×0.75 of it; priced by the
+first, the rest of 1,005 jobs was over by a median ×1.39 (0.42 s), and by ×1.0 (0.15 s) priced at
+how the later chunks of the instance's earlier jobs ran (:class:`LaterChunks`: a bounded moving
 average, ``correction.step``'s rule; docs/results/2026-12-01-zen3-admission.md §3). From two
 chunks on, the job's own ratio holds (×1.04).
 """
