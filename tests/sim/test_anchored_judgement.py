@@ -78,6 +78,30 @@ def test_the_shorter_members_of_its_burst_were_placed_before_it_and_took_the_ove
     assert alone == pytest.approx(short[-1][0][2] - LAG - 0.5 + predict(90) + LAG)
 
 
+def test_the_longer_members_of_its_burst_sent_just_before_it_were_placed_after_it():
+    """Live 35d-1 (docs/results/2026-12-01-zen3-admission.md §5): two prompts of a burst, longer
+    than a 28-token one and sent a millisecond before it, passed a long waiting prompt in live's
+    order and took its last overtakes. The conductor placed the burst shortest first: the 28-token
+    one passed the long prompt before them."""
+    t = 1.1
+    early = []
+    for i in range(2):                                     # two 20-token arrivals pass the long one first
+        early.append(served(2 + i, 0.2 + 0.01 * i, t, 20))
+        t = early[-1][1][1] + 0.001
+    longer = []
+    for i in range(2):                                     # then the burst's two 130-token members
+        longer.append(served(4 + i, 0.499 + 1e-4 * i, t, 130))
+        t = longer[-1][1][1] + 0.001
+    s, fw = timeline(served(0, 0.0, 0.0, 1000), served(1, 0.1, t, 2000), *early, *longer)
+    refused = [(9, 0.5, 28, 0)]
+    # shortest first: it passes the two longer ones and the long prompt (2 overtakes taken of 4)
+    placed_first = anchored_ttfts(refused, s, fw, predict, 4, window_s=0.02)[9]
+    assert placed_first == pytest.approx(early[-1][1][1] - 0.5 + predict(28) + LAG)
+    # taken in send order (no window), the longer two take the last overtakes: it waits for it
+    in_order = anchored_ttfts(refused, s, fw, predict, 4)[9]
+    assert in_order == pytest.approx(t + predict(2000) - 0.5 + predict(28) + LAG)
+
+
 def test_its_own_forward_is_the_model_times_lives_ratio():
     jobs = [(i, 10.0 * i, 10.0 * i + 2 * predict(100) + LAG, 100, 0) for i in range(5)]
     fw = {"p0": [[10.0 * i, 10.0 * i + 2 * predict(100)] for i in range(5)]}   # live 2x the model

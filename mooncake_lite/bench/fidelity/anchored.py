@@ -16,8 +16,9 @@ the simulator had started that prompt 6 s later, the burst found its prefill idl
   each job's overtakes counted from live's order: a later arrival served before it passed it
   (an arrival of the same instant counts if it was shorter: the order within a burst is not on
   the client's clock), and a job a later, shorter arrival did *not* pass had no overtake left;
-  the shorter members of its burst (sent within the conductor's burst window after it) were
-  placed before it, shortest first, and took their overtakes first;
+  its burst (the arrivals within the conductor's burst window either side of it) was placed
+  shortest first: its shorter members before it, taking their overtakes first, its longer ones
+  after it, even sent a millisecond before;
 - later arrivals shorter than it that came while it would still wait pass it (up to the bound),
   and it starts when the last of those ahead of it ended live;
 - its own forward: the exported model's prefill for its uncached tokens × live's measured ratio
@@ -113,9 +114,11 @@ def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send
              bound: int, window_s: float = 0.0) -> float:
     """When a job of ``uncached`` tokens sent at ``send_s`` would have started on a node whose
     admitted jobs and forwards these are (module doc); ``window_s``: the conductor's burst window,
-    within which shorter arrivals after it were placed before it (shortest first)."""
+    within which arrivals either side of it were placed shortest first."""
     def came_before(x: Job) -> bool:
-        return x.send_s < send_s or (x.send_s <= send_s + window_s and x.uncached < uncached)
+        if abs(x.send_s - send_s) <= window_s:    # its burst: shortest first (a tie: sent first)
+            return (x.uncached, x.send_s) < (uncached, send_s)
+        return x.send_s < send_s
     ends = sorted(j.end_s for j in node_jobs)
     running = next((f for f in forwards if f[0] <= send_s < f[1]), None)
     busy_until = send_s
