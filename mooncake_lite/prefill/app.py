@@ -127,9 +127,11 @@ async def load(request: web.Request) -> web.Response:
 async def timeline(request: web.Request) -> web.Response:
     """The newest forwards on this host's monotonic clock (``StageEngine.timeline``): when this
     prefill computed, for the conductor's cost export to split the steps of a decode on the
-    same host by (``instance/colocation.colocation_split``)."""
+    same host by (``instance/colocation.colocation_split``); and what its waiting list did
+    (``scheduler/waiting.py``: the order it served in, for ``bench fidelity``'s judge)."""
+    service = request.app[SERVICE]
     return web.json_response({"host": host_identity(), "clock": "monotonic",
-                              "forwards": list(request.app[SERVICE].stage.timeline)})
+                              "forwards": list(service.stage.timeline), "turns": list(service.turns.events)})
 
 
 def build_app(cfg: Config, stage: StageEngine, cost: PrefillCostModel | None,

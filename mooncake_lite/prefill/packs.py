@@ -19,6 +19,7 @@ from mooncake_lite.prefill.engine import PrefillAborted
 from mooncake_lite.prefill.results import Firsts, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob
 from mooncake_lite.scheduler.costs import pack_sizes
+from mooncake_lite.scheduler.waiting import START, UNSTART
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,12 @@ class Packing:
                 # Started as soon as chosen: arrivals during the next await (a store match) land
                 # behind it, as they will be served (and as the conductor's view has it).
                 job.started_at = time.perf_counter()
+                self.turns.note(START, job.request_id)
                 pack.append(job)
         except BaseException:
             for job in pack[1:]:
                 job.started_at = None          # the leader never served them: they wait on
+                self.turns.note(UNSTART, job.request_id)
             raise
         return pack
 

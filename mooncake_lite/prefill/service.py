@@ -37,6 +37,7 @@ from mooncake_lite.prefill.results import Firsts, annotate, request_params, samp
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
 from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
 from mooncake_lite.scheduler.progress import LaterChunks
+from mooncake_lite.scheduler.waiting import TurnRecord
 from mooncake_lite.transfer.client import RemoteError, split_address
 from mooncake_lite.transfer.kv_stream import OP_KV_ALIVE
 
@@ -73,6 +74,7 @@ class PrefillService(TurnTaking, Packing):
         self.overtakes = overtakes
         self._waiting: list[QueuedJob] = []
         self._busy = False
+        self.turns = TurnRecord()
         self._aborted: set[str] = set()
         self.num_done = 0
         self.num_failed = 0

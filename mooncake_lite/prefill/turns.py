@@ -1,24 +1,27 @@
 """Whose turn it is on a prefill instance: the waiting list in the queue order.
 
 Requests run one at a time per group; a job lands in the waiting list where
-``scheduler.queue_order.landing`` puts it (FIFO with ``overtakes`` 0, else shortest uncached
-prompt first, each passed by at most ``overtakes`` later arrivals), and the head is given its turn
-when the instance is free. A continuation (a stream whose decode failed mid-answer:
-``Sampling.num_generated`` > 0) goes ahead of every new request, behind earlier continuations:
-its client is already waiting, mid-answer; no new request passes it (issue #37). Kept apart from ``service.py``, which serves a turn (a pack), so the
-order's bookkeeping (placeholders, aborts, cancelled turns) reads as one piece.
-"""
+``scheduler.waiting.land`` puts it (FIFO with ``overtakes`` 0, else shortest uncached prompt
+first, each passed by at most ``overtakes`` later arrivals; a continuation, a stream whose decode
+failed mid-answer, ahead of every new request: issue #37), and the head is given its turn when the
+instance is free. Every change of the list goes into ``turns`` (``scheduler.waiting.TurnRecord``),
+which rebuilds it offline. Kept apart from ``service.py``, which serves a turn (a pack), so the
+order's bookkeeping (placeholders, aborts, cancelled turns) reads as one piece."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_lite.common.protocol import PrefillRequest, PrefillResult
 from mooncake_lite.prefill.job import PrefillAborted
-from mooncake_lite.scheduler.queue_order import landing
+from mooncake_lite.scheduler.waiting import FREE, GRANT, HOLD, LAND, LEAVE, TurnRecord, land
+
+_HOLDS = itertools.count()   # a hold's name in the record
+
 
 @dataclass(eq=False)    # a job is itself: the waiting list finds it by identity
 class QueuedJob:
@@ -57,6 +60,7 @@ class TurnTaking:
     _waiting: list[QueuedJob]
     _busy: bool
     overtakes: int
+    turns: TurnRecord     # what the waiting list did (GET /v1/timeline): an offline reader replays it
 
     def _drop_waiting(self, job: QueuedJob) -> None:
         """An aborted job that still waits for its turn (not started, in no pack) leaves the
@@ -66,6 +70,7 @@ class TurnTaking:
             return
         if any(j is job for j in self._waiting):
             self._waiting.remove(job)
+            self.turns.note(LEAVE, job.request_id)
             job.turn.set_exception(PrefillAborted("aborted while queued (by the conductor, or decode dropped it)"))
 
     @contextlib.asynccontextmanager
@@ -73,22 +78,8 @@ class TurnTaking:
         """Wait until ``job`` is first in the queue order and the instance is free, then hold it.
         The job lands where ``scheduler.queue_order.landing`` puts it (with ``overtakes`` 0, last:
         the FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
-        waiting = self._waiting
-        # Behind every started one (pack members a leader chose, even past a job it skipped).
-        first = 0
-        for i, other in enumerate(waiting):
-            if other.started_at is not None or other.result.done():
-                first = i + 1
-        while first < len(waiting) and waiting[first].is_continuation:   # (they wait at the head)
-            first += 1
-        if job.is_continuation:
-            at = first                         # ahead of new requests: a priority, not an overtake
-        else:
-            at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
-                         job.expected_uncached, self.overtakes)
-            for other in waiting[at:]:
-                other.passed += 1
-        waiting.insert(at, job)
+        land(self._waiting, job, self.overtakes, _started)
+        self.turns.note(LAND, job.request_id, job.expected_uncached, job.is_continuation)
         job.turn = asyncio.get_running_loop().create_future()
         self._grant()
         await self._await_turn(job)
@@ -105,6 +96,7 @@ class TurnTaking:
         except BaseException:
             if any(j is job for j in self._waiting):
                 self._waiting.remove(job)
+                self.turns.note(LEAVE, job.request_id)
             elif job.turn.done() and not job.turn.cancelled() and job.turn.exception() is None:
                 self._release()                # given its turn, then cancelled before taking it
             raise
@@ -114,8 +106,10 @@ class TurnTaking:
         (nothing is shorter than 0 tokens); :meth:`unhold` gives it back. Tests queue bursts
         behind a hold."""
         loop = asyncio.get_running_loop()
-        holder = QueuedJob("", 0, 0, result=loop.create_future(), turn=loop.create_future())
+        holder = QueuedJob(f"(hold {next(_HOLDS)})", 0, 0, result=loop.create_future(),
+                           turn=loop.create_future())
         self._waiting.append(holder)
+        self.turns.note(HOLD, holder.request_id)
         self._grant()
         await self._await_turn(holder)     # a cancelled hold leaves the list
 
@@ -125,6 +119,7 @@ class TurnTaking:
 
     def _release(self) -> None:
         self._busy = False
+        self.turns.note(FREE)
         self._grant()
 
     def _grant(self) -> None:
@@ -133,5 +128,12 @@ class TurnTaking:
             job = self._waiting.pop(0)
             if not job.turn.done():            # else cancelled while waiting: it removes nothing more
                 self._busy = True
+                self.turns.note(GRANT, job.request_id)
                 job.turn.set_result(None)
+            else:
+                self.turns.note(LEAVE, job.request_id)
 
+
+def _started(job: QueuedJob) -> bool:
+    """Chosen for a running leader's pack, or served in one: it keeps its place at the head."""
+    return job.started_at is not None or job.result.done()

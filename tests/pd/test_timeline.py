@@ -45,6 +45,11 @@ async def test_forwards_and_steps_on_one_clock(aiohttp_client):
         client = await aiohttp_client(app)
         body = await (await client.get("/p")).json()
         assert body["clock"] == "monotonic" and body["host"] and len(body["forwards"]) == 4
+        # what the waiting list did, on the same clock: each request landed, had its turn, gave it back
+        turns = body["turns"]
+        assert [(e[1], e[2]) for e in turns] == [("land", "a"), ("grant", "a"), ("free", ""),
+                                                ("land", "b"), ("grant", "b"), ("free", "")]
+        assert t0 <= turns[0][0] <= forwards[0][0] and forwards[2][1] <= turns[2][0] <= turns[3][0] <= t1
 
 
 async def test_the_decode_says_its_attention_pads_on_cpu(aiohttp_client):

@@ -42,6 +42,7 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=Non
         return await run_pack(pack)
 
     c.prefill._run, c.prefill._run_pack, c.prefill.prefill = one, packed, told
+    c.prefill.turns.events.clear()
     prompts = [prompt(n, 100 * seed + i) for i, n in enumerate(lengths)]   # no prefix in the store
     await c.prefill.hold()
     tasks = []
@@ -54,7 +55,16 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=Non
     del c.prefill.prefill     # (the class's again)
     for p, (tokens, _, err) in zip(prompts, results):
         assert err is None and tokens == reference_greedy(c.prefill.stage.runner.model, p, 2)
+    assert_replayed(c, len(lengths) + 1)      # every request and the hold
     return forwards
+
+
+def assert_replayed(c, num_grants):
+    """The instance's record of turns, replayed by ``scheduler.waiting``'s rule, gives every turn
+    to the job the instance gave it to: the order an offline judge rebuilds is the instance's."""
+    from mooncake_lite.scheduler.waiting import replay
+    replayed = replay(c.prefill.turns.events, c.prefill.overtakes)
+    assert replayed.agreed == replayed.grants == num_grants
 
 
 async def test_fifo_and_shortest_first_within_the_bound(model):
@@ -150,6 +160,7 @@ async def test_an_aborted_waiting_request_leaves_the_queue_at_once(model):
         c.prefill.unhold()
         tokens, _, err = await short
         assert err is None and not c.prefill._busy and c.prefill._waiting == []
+        assert_replayed(c, 2)                       # the hold's and short's: long left ungranted
 
 
 async def test_arrivals_during_a_packs_store_matches_land_behind_its_members(model):
@@ -173,6 +184,7 @@ async def test_arrivals_during_a_packs_store_matches_land_behind_its_members(mod
             assert err is None
         assert seen[0][0] == ("m1", 0)           # without: ("late", 0), m1 passed once
         assert not c.prefill._busy and c.prefill._waiting == []
+        assert_replayed(c, 5)                    # the record knows m1 had started when late landed
 
 
 async def test_a_packing_leader_skips_a_held_placeholder_and_a_cancelled_hold_leaves(model):
