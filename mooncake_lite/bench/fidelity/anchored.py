@@ -141,33 +141,44 @@ def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send
 
 def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
                    forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int,
-                   window_s: float = 0.0) -> dict[int, float]:
+                   window_s: float = 0.0, recorded: Mapping[str, Callable] | None = None) -> dict[int, float]:
     """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
     prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound;
-    ``window_s``: the conductor's burst window."""
+    ``window_s``: the conductor's burst window; ``recorded``: by node, the start its own record of
+    turns gives (``recorded.recorded_start``), taken over the guess where it tells."""
     jobs, lag = jobs_of(served, forwards)
     if not jobs:
         return {}
     scale = compute_scale(jobs, predict)
     by_node = {node: [j for j in jobs if j.node == node] for node in forwards}
+    recorded = recorded or {}
+
+    def start(n: str, send: float, uncached: int) -> float:
+        told = recorded[n](send, uncached) if n in recorded else None
+        return told if told is not None else start_on(by_node[n], forwards[n], send, uncached, bound, window_s)
     out = {}
     for rid, send, tokens, prefix in refused:
         uncached = uncached_tokens(tokens, prefix)
-        start = min(start_on(by_node[n], forwards[n], send, uncached, bound, window_s) for n in forwards if by_node[n])
-        out[rid] = start + scale * predict(tokens, prefix) + lag - send
+        first = min(start(n, send, uncached) for n in forwards if by_node[n])
+        out[rid] = first + scale * predict(tokens, prefix) + lag - send
     return out
 
 
 def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], predict, bound: int,
                 window_s: float = 0.0):
     """``admission.judge``'s ``anchor`` for a live run: its client ``records``, each request's prompt
-    ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``)."""
+    ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``): a
+    prefill's record of turns where it has one (``recorded.py``)."""
+    from mooncake_lite.bench.fidelity.recorded import recorded_start
     forwards = {url: t["forwards"] for url, t in timelines.items() if t.get("forwards")}
     served = [(r.request_id, r.send_s, r.chunk_s[0], tokens[r.request_id], r.cached_tokens or 0)
               for r in records if r.is_ok and r.request_id in tokens]
     sent = {r.request_id: r.send_s for r in records}
+    ids = {r.completion_id: r.request_id for r in records if r.completion_id}
+    recorded = {url: recorded_start(t["turns"], forwards[url], ids, sent, bound, window_s)
+                for url, t in timelines.items() if t.get("turns") and url in forwards}
 
     def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
         return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,
-                              predict, bound, window_s)
+                              predict, bound, window_s, recorded)
     return anchor

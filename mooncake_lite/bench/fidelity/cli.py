@@ -35,7 +35,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -235,11 +235,20 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: d
                          live_overtakes(getattr(ns, "prefill_args", "")), ns.burst_window)
     end_s = max((t.timestamp_ms for t in trace), default=0.0) / 1e3   # the last arrival (admission.judged)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor, end_s)
+    out["turns_replayed"] = turns_replayed(timelines, live_overtakes(getattr(ns, "prefill_args", "")))
     stated = sum(r.slo_s[0] is not None for r in records)
     out["slos"] = "absolute, as given" if ns.ttft_slo and ns.tbt_slo else \
         f"per request, {ns.ttft_slo_factor:g}x prefill alone / {ns.tbt_slo_factor:g}x one step alone " \
         f"(as the conductor applied them, {stated} of {len(records)} stated; else by the exported model)"
     return out
+
+
+def turns_replayed(timelines: Mapping, bound: int) -> dict[str, int]:
+    """How far the prefills' records of turns replay to their own order (``scheduler/waiting.py``):
+    turns given to the job the replay had at the head, of all turns; 0 of 0 without a record."""
+    from mooncake_lite.scheduler.waiting import replay
+    done = [replay(t["turns"], bound) for t in timelines.values() if t.get("turns")]
+    return {"agreed": sum(r.agreed for r in done), "grants": sum(r.grants for r in done)}
 
 
 # what the exported cost model adds to its prefill and decode fits (one-box effects), reported as is
@@ -262,5 +271,6 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "live_cached_tokens": rec.cached_tokens, "sim_reused_tokens": s.reused_tokens if s else None,
                      "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s, "slo": rec.slo_s,
                      "bound_ttft": rec.bound_ttft_s,
-                     "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s)})   # for offline analysis
+                     "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s),   # for offline analysis
+                     "completion_id": rec.completion_id})
     return rows

@@ -180,6 +180,9 @@ def admission_lines(a: Mapping) -> list[str]:
                "within 2x their prompts): " + one("", adjusted)[2:]] if adjusted else []),
             *(["  " + one("refused that would have met it (TTFT on live's timeline)", anchored)]
               if (anchored := a.get("refused_would_meet_anchored")) else []),
+            *([f"    placed by the prefills' own records of turns, which replay to their order at {r['agreed']} of "
+               f"{r['grants']} turns" if r["grants"] else "    placed by the order guessed from the client's clock "
+               "(the prefills kept no record of turns)"] if (r := a.get("turns_replayed")) else []),
             *([f"  refused on the measured spread alone (central TTFT under its SLO): {len(s['ids'])} of "
                f"{s['of']}, {s['would_meet']} of them meeting it in the counterfactual"]
               if (s := a.get("refused_on_spread")) else []),

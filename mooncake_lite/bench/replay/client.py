@@ -82,7 +82,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                 stream.error = "stream ended without data: [DONE]"
             return RequestRecord(**base, chunk_s=tuple(stream.chunks), output_tokens=stream.output_tokens,
                                  status=resp.status, error=stream.error, cached_tokens=stream.cached_tokens,
-                                 server_prompt_tokens=stream.prompt_tokens, reused_blocks=reused)
+                                 server_prompt_tokens=stream.prompt_tokens, reused_blocks=reused,
+                                 completion_id=stream.completion_id)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         return RequestRecord(**base, chunk_s=tuple(stream.chunks), error=f"{type(exc).__name__}: {exc}"[:300],
                              reused_blocks=reused)
@@ -100,6 +101,7 @@ class Stream:
     cached_tokens: int | None = None
     error: str | None = None
     done: bool = False
+    completion_id: str | None = None    # the server's id for it: what its instances' records name it by
 
     def take(self, payload: bytes, clock: Clock) -> bool:
         """One ``data:`` payload; True when the client stops reading."""
@@ -108,6 +110,8 @@ class Stream:
             return True
         now = clock()
         data = orjson.loads(payload)
+        if self.completion_id is None and isinstance(data.get("id"), str):
+            self.completion_id = data["id"]
         if data.get("error"):
             self.error = _error_text(payload.decode())
             return False

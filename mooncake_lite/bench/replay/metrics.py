@@ -46,6 +46,7 @@ class RequestRecord:
     bound_ttft_s: float | None = None      # X-Mooncake-Bound-TTFT, on a refusal: what admission judged
     slo_s: tuple[float | None, float | None] = (None, None)   # X-Mooncake-SLO-TTFT/-TBT: the limits applied
     num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
+    completion_id: str | None = None    # the response's "id" (the conductor's request id), if streamed
     extra: Mapping[str, object] = field(default_factory=dict)
 
     @property

@@ -1,0 +1,91 @@
+"""A refused request's turn read off the instance's own record of its waiting list
+(``scheduler/waiting.py``, ``GET /v1/timeline``'s ``turns``): where it would have landed among the
+jobs the instance really had, and when its turn would have come, each job's overtakes as the
+instance counted them. ``anchored.py`` guesses that order from the client's send times (kept for a
+timeline without a record); its worst guess was whether a long job's burst-mates that ran before it
+had passed it or were placed before it (docs/results/2026-12-01-zen3-admission.md §5).
+
+The record names a job by the conductor's request id, which the client saw as the completion's
+``id`` (a retry's or a continuation's attempt adds ``-retryN`` / ``-contN``). A refused request was
+never sent on, so where it would have landed is estimated:
+
+- when: its send time plus the median lag from an admitted request's send to its landing;
+- its burst (the sends within the conductor's burst window either side of it) was placed
+  shortest first: it lands just before the first member longer than it landed, else after the
+  last shorter one;
+- its forward starts after its turn by the median lag from a turn to the next forward's start.
+
+What it would have done to the others (delayed them, joined a pack) is not its own TTFT and is
+left out, as in ``anchored.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+
+from mooncake_lite.scheduler.waiting import GRANT, LAND, Added, replay
+
+_ATTEMPT = re.compile(r"-(retry|cont)\d+.*$")
+
+
+def landed(events: Sequence[Sequence], ids: Mapping[str, int]) -> dict[int, tuple[int, float, int]]:
+    """Each client request (by ``ids``: completion id → client id) the record saw land first:
+    (event index, time, uncached tokens)."""
+    out: dict[int, tuple[int, float, int]] = {}
+    for i, (t, kind, rid, uncached, _) in enumerate(events):
+        if kind == LAND and (cid := ids.get(_ATTEMPT.sub("", rid))) is not None and cid not in out:
+            out[cid] = (i, t, uncached)
+    return out
+
+
+def arrival_lag(land: Mapping[int, tuple[int, float, int]], sends: Mapping[int, float]) -> float | None:
+    """The median from a request's send to its landing (None: none matched)."""
+    lags = [t - sends[cid] for cid, (_, t, _) in land.items() if cid in sends]
+    return statistics.median(lags) if lags else None
+
+
+def turn_lead(events: Sequence[Sequence], forwards: Sequence[Sequence[float]]) -> float:
+    """The median from a turn to the start of the next forward (0 without either)."""
+    starts = sorted(f[0] for f in forwards)
+    leads = []
+    for t, kind, *_ in events:
+        i = bisect_left(starts, t)
+        if kind == GRANT and i < len(starts):
+            leads.append(starts[i] - t)
+    return statistics.median(leads) if leads else 0.0
+
+
+def placed(events: Sequence[Sequence], land: Mapping[int, tuple[int, float, int]], sends: Mapping[int, float],
+           send_s: float, uncached: int, lag: float, window_s: float) -> Added:
+    """Where a request of ``uncached`` tokens sent at ``send_s`` would have landed (module doc)."""
+    burst = [(i, t, n, sends[cid]) for cid, (i, t, n) in land.items()
+             if cid in sends and abs(sends[cid] - send_s) <= window_s]
+    longer = [(i, t) for i, t, n, s in burst if (n, s) > (uncached, send_s)]
+    if longer:
+        i, t = min(longer)
+        return Added(t, uncached, i)
+    at = Added(send_s + lag, uncached)
+    shorter = [(i, t) for i, t, n, s in burst if (n, s) < (uncached, send_s)]
+    if not shorter:
+        return at
+    i, t = max(shorter)
+    return Added(max(at.at_s, t), uncached, max(i + 1, at.position(events)))
+
+
+def recorded_start(events: Sequence[Sequence], forwards: Sequence[Sequence[float]], ids: Mapping[str, int],
+                   sends: Mapping[int, float], bound: int, window_s: float):
+    """A function (send time, uncached tokens) → when that request's forward would have started on
+    this instance (None: the record cannot tell: no request matched, or its turn not within it)."""
+    land = landed(events, ids)
+    lag = arrival_lag(land, sends)
+    lead = turn_lead(events, forwards)
+
+    def start(send_s: float, uncached: int) -> float | None:
+        if lag is None:
+            return None
+        turn = replay(events, bound, placed(events, land, sends, send_s, uncached, lag, window_s)).turn_s
+        return None if turn is None else turn + lead
+    return start

@@ -1,0 +1,68 @@
+"""A refusal judged on the instance's own record of its waiting list (``bench/fidelity/recorded.py``):
+the order is the instance's, not one guessed from the client's send times. The case the record
+settles (docs/results/2026-12-01-zen3-admission.md §5): a long job's burst-mate sent just after it
+and served before it was placed before it by the conductor (shortest first: no overtake) — the
+client's clock cannot tell that from a pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_lite.bench.fidelity.anchored import live_anchor
+from mooncake_lite.bench.fidelity.recorded import arrival_lag, landed, placed, turn_lead
+from mooncake_lite.bench.replay.metrics import RequestRecord
+from mooncake_lite.scheduler.waiting import FREE, GRANT, LAND
+
+LAG = 0.01    # a forward's end to the client's first token
+
+
+def predict(tokens: int, prefix: int = 0) -> float:
+    return 0.1 + 1e-3 * (tokens - prefix)
+
+
+def _run():
+    """Job 0 (1,000 tokens) runs from 0.001; Y (2,000) and a (20), sent just after it, form a burst
+    the conductor placed shortest first: a lands first. b (20), sent later, passes Y. Served a, b, Y."""
+    sends = {"0": 0.0, "Y": 0.1, "a": 0.1002, "b": 0.3}
+    tokens = {"0": 1000, "a": 20, "Y": 2000, "b": 20}
+    events, forwards, t = [], [], 0.001
+    events += [(0.001, LAND, "cmpl-0", 1000, False), (0.001, GRANT, "cmpl-0", 0, False)]
+    events += [(at, LAND, f"cmpl-{k}", tokens[k], False) for k, at in (("a", 0.1012), ("Y", 0.1013), ("b", 0.301))]
+    firsts = {}
+    for k in ("0", "a", "b", "Y"):
+        if k != "0":
+            events.append((t, GRANT, f"cmpl-{k}", 0, False))
+        forwards.append([t, t + predict(tokens[k])])
+        t += predict(tokens[k])
+        firsts[k] = t + LAG
+        events.append((t, FREE, "", 0, False))
+    ids = {k: i for i, k in enumerate(sends)}
+    records = [RequestRecord(ids[k], sends[k], sends[k], chunk_s=(firsts[k], firsts[k] + 0.1), status=200,
+                             cached_tokens=0, completion_id=f"cmpl-{k}") for k in sends]
+    records.append(RequestRecord(9, 0.5, 0.5, status=429))
+    lengths = {ids[k]: n for k, n in tokens.items()} | {9: 50}
+    return records, lengths, events, forwards, firsts
+
+
+def test_the_record_tells_a_burst_mate_that_came_first_from_one_that_passed():
+    records, lengths, events, forwards, firsts = _run()
+    guessed = live_anchor(records, lengths, {"p": {"forwards": forwards}}, predict, 2)([(9, 50, 0)])[9]
+    told = live_anchor(records, lengths, {"p": {"forwards": forwards, "turns": events}}, predict, 2)([(9, 50, 0)])[9]
+    # the guess counts both 20-token jobs as passes of Y (sent after it, served before it): bound
+    # 2 spent, it waits for Y
+    assert guessed == pytest.approx(firsts["Y"] - LAG - 0.5 + predict(50) + LAG)
+    # the record: only b passed Y; the refused request passes Y too, behind b
+    assert told == pytest.approx(firsts["b"] - LAG - 0.5 + predict(50) + LAG)
+
+
+def test_its_landing_is_estimated_from_the_admitted_ones():
+    records, _, events, forwards, _ = _run()
+    ids = {r.completion_id: r.request_id for r in records if r.completion_id}
+    sends = {r.request_id: r.send_s for r in records}
+    land = landed(events + [(9.0, LAND, "cmpl-a-retry1", 20, False)], ids)   # a retry: its first landing kept
+    assert land[ids["cmpl-a"]] == (2, pytest.approx(0.1012), 20)
+    assert arrival_lag(land, sends) == pytest.approx(0.001) and turn_lead(events, forwards) == pytest.approx(0.0)
+    # in Y's burst: longer than a, shorter than Y: it lands just before Y, whatever its send time
+    assert placed(events, land, sends, 0.0995, 100, 0.001, 0.02).index == 3
+    assert placed(events, land, sends, 0.0995, 3000, 0.001, 0.02).index == 4    # after Y, the last shorter
+    assert placed(events, land, sends, 0.5, 50, 0.001, 0.02).at_s == pytest.approx(0.501)   # alone
