@@ -52,6 +52,8 @@ class Services:
     on_placed: Callable[[Decision, list[bytes], float], None] | None = None
     # every prediction checked, and the online correction it feeds (conductor/flight/predictions.py)
     predictions: PredictionBook = field(init=False)
+    # requests placed so far (X-Mooncake-Placed): where a refusal fell among them (bench fidelity)
+    num_placed: int = 0
     # the last continuations (flight/continuation.py), newest last, for ``mooncake status``
     continuations: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTINUATIONS))
 

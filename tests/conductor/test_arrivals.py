@@ -114,6 +114,7 @@ async def test_the_prefill_is_told_the_cap_its_decision_set(make_cluster):
     n = len(sent.token_ids)
     assert sent.pack_cap == slo_pack_cap(PrefillCostModel(c1=1e-3), 512, 10 * 1e-3 * n, n, 0) == 10 * n
     assert float(raw.headers["X-Mooncake-SLO-TTFT"]) == pytest.approx(10 * 1e-3 * n, abs=1e-6)   # the SLO applied
+    assert raw.headers["X-Mooncake-Placed"] == "1"       # the first the conductor placed
     status, body = await fakes.register(cluster.session, cluster.url, p0, pack_tokens=512, cost=cost)
     assert status == 200, body
     await c.completions.create(model="tiny", prompt="word " * 3, max_tokens=2)

@@ -133,6 +133,8 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
     retry = int(info.value.response.headers["Retry-After"])
     assert -0.01 <= retry - (predicted - 4.5) < 1.01 and retry <= 3
     assert float(info.value.response.headers["X-Mooncake-SLO-TTFT"]) == 4.5   # what it was refused by
+    # where it fell in the conductor's order: after the three placed (bench fidelity lands it there)
+    assert info.value.response.headers["X-Mooncake-Placed"] == "3"
     # the refusal's central prediction and the bound judged (no spread measured yet: the same), so
     # a client tells a refusal on the spread alone from one on the central prediction
     headers = info.value.response.headers

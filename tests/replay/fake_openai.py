@@ -72,20 +72,21 @@ def make_app(st: FakeState) -> web.Application:
             return web.json_response({"error": {"message": "prompt must be printable text or token ids"}},
                                      status=400)
         hits, _ = st.cache(prompt)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "X-Mooncake-Reused-Blocks": str(hits)})
+        number = len(st.received)    # the completion's id and its place in the order, as the conductor's
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Mooncake-Reused-Blocks": str(hits),
+                                           "X-Mooncake-Placed": str(number)})
         await resp.prepare(request)
         n = body["max_tokens"]
         for i in range(n):
             await asyncio.sleep(0.001)
-            chunk = {"id": "c", "object": "text_completion", "model": st.model,
+            chunk = {"id": f"cmpl-{number}", "object": "text_completion", "model": st.model,
                      "choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
             if st.report_cached:
                 usage["prompt_tokens_details"] = {"cached_tokens": hits * st.block_chars}
-            await resp.write(b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: " + orjson.dumps({"id": f"cmpl-{number}", "choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
 

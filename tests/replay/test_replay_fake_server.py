@@ -107,6 +107,7 @@ async def test_recorded_stream_on_a_fake_clock():
             rec = await stream_one(s, srv.url + "/v1/completions", req,
                                    request_body(req, "fake-model", ignore_eos=True), scheduled_s=10.0, clock=clock)
     assert rec.is_ok and rec.chunk_s == (10.2, 10.25, 10.4) and rec.output_tokens == 3
+    assert (rec.completion_id, rec.num_placed) == ("cmpl-1", 1)    # what bench fidelity matches records by
     m = compute_metrics([rec], duration_s=1.0)
     assert m["mean_ttft_ms"] == pytest.approx(200)
     assert m["mean_tpot_ms"] == pytest.approx(100)       # (400 - 200) / (3 - 1)

@@ -66,3 +66,35 @@ def test_its_landing_is_estimated_from_the_admitted_ones():
     assert placed(events, land, sends, 0.0995, 100, 0.001, 0.02).index == 3
     assert placed(events, land, sends, 0.0995, 3000, 0.001, 0.02).index == 4    # after Y, the last shorter
     assert placed(events, land, sends, 0.5, 50, 0.001, 0.02).at_s == pytest.approx(0.501)   # alone
+
+
+def test_a_refusal_lands_where_the_conductor_placed_it_when_it_says():
+    """Live 36a-1 at t = 345 s: the conductor took a burst in two (a busy box accepted its HTTP
+    requests over more than the window): four admitted prompts took a long waiting job's last
+    overtakes, then a shorter one was refused. By send time it would have passed the long job; its
+    ``X-Mooncake-Placed`` puts it behind the four, and so behind the long job."""
+    sends = {"0": 0.0, "L": 0.01, **{f"a{i}": 0.5 for i in range(4)}}
+    tokens = {"0": 1000, "L": 3000, **{f"a{i}": 100 for i in range(4)}}
+    events = [(0.001, LAND, "cmpl-0", 1000, False), (0.001, GRANT, "cmpl-0", 0, False),
+              (0.011, LAND, "cmpl-L", 3000, False)]
+    events += [(0.55, LAND, f"cmpl-a{i}", 100, False) for i in range(4)]
+    forwards, firsts, t = [], {}, 0.001
+    for k in ("0", "a0", "a1", "a2", "a3", "L"):
+        if k != "0":
+            events.append((t, GRANT, f"cmpl-{k}", 0, False))
+        forwards.append([t, t + predict(tokens[k])])
+        t += predict(tokens[k])
+        firsts[k] = t + LAG
+        events.append((t, FREE, "", 0, False))
+    ids = {k: i for i, k in enumerate(sends)}
+    records = [RequestRecord(ids[k], sends[k], sends[k], chunk_s=(firsts[k], firsts[k] + 0.1), status=200,
+                             cached_tokens=0, completion_id=f"cmpl-{k}", num_placed=n + 1)
+               for n, k in enumerate(sends)]
+    lengths = {ids[k]: n for k, n in tokens.items()} | {9: 37}
+    timelines = {"p": {"forwards": forwards, "turns": events}}
+    by_send = [*records, RequestRecord(9, 0.5, 0.5, status=429)]
+    assert live_anchor(by_send, lengths, timelines, predict, 4, 0.02)([(9, 37, 0)])[9] == pytest.approx(
+        firsts["0"] - 0.5 + predict(37))                               # ahead of the four and of L
+    numbered = [*records, RequestRecord(9, 0.5, 0.5, status=429, num_placed=len(sends))]
+    assert live_anchor(numbered, lengths, timelines, predict, 4, 0.02)([(9, 37, 0)])[9] == pytest.approx(
+        firsts["L"] - 0.5 + predict(37))                               # behind L, which had none left

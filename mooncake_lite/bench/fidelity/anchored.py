@@ -153,13 +153,13 @@ def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
     by_node = {node: [j for j in jobs if j.node == node] for node in forwards}
     recorded = recorded or {}
 
-    def start(n: str, send: float, uncached: int) -> float:
-        told = recorded[n](send, uncached) if n in recorded else None
+    def start(n: str, rid: int, send: float, uncached: int) -> float:
+        told = recorded[n](rid, send, uncached) if n in recorded else None
         return told if told is not None else start_on(by_node[n], forwards[n], send, uncached, bound, window_s)
     out = {}
     for rid, send, tokens, prefix in refused:
         uncached = uncached_tokens(tokens, prefix)
-        first = min(start(n, send, uncached) for n in forwards if by_node[n])
+        first = min(start(n, rid, send, uncached) for n in forwards if by_node[n])
         out[rid] = first + scale * predict(tokens, prefix) + lag - send
     return out
 
@@ -169,14 +169,17 @@ def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping
     """``admission.judge``'s ``anchor`` for a live run: its client ``records``, each request's prompt
     ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``): a
     prefill's record of turns where it has one (``recorded.py``)."""
-    from mooncake_lite.bench.fidelity.recorded import recorded_start
+    from mooncake_lite.bench.fidelity.recorded import landed, numbered, recorded_start
     forwards = {url: t["forwards"] for url, t in timelines.items() if t.get("forwards")}
     served = [(r.request_id, r.send_s, r.chunk_s[0], tokens[r.request_id], r.cached_tokens or 0)
               for r in records if r.is_ok and r.request_id in tokens]
     sent = {r.request_id: r.send_s for r in records}
     ids = {r.completion_id: r.request_id for r in records if r.completion_id}
-    recorded = {url: recorded_start(t["turns"], forwards[url], ids, sent, bound, window_s)
-                for url, t in timelines.items() if t.get("turns") and url in forwards}
+    numbers = {r.request_id: r.num_placed for r in records if r.num_placed is not None}
+    turns = {url: t["turns"] for url, t in timelines.items() if t.get("turns") and url in forwards}
+    everywhere = {k: at for events in turns.values() for k, (_, at) in numbered(landed(events, ids), numbers).items()}
+    recorded = {url: recorded_start(events, forwards[url], ids, sent, bound, window_s, numbers, everywhere)
+                for url, events in turns.items()}
 
     def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
         return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,

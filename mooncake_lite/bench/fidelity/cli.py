@@ -272,5 +272,5 @@ def per_request(records: Sequence, res) -> list[dict]:
                      "predicted_ttft": rec.predicted_ttft_s, "predicted_tbt": rec.predicted_tbt_s, "slo": rec.slo_s,
                      "bound_ttft": rec.bound_ttft_s,
                      "live_send_s": rec.send_s, "live_chunk_s": list(rec.chunk_s),   # for offline analysis
-                     "completion_id": rec.completion_id})
+                     "completion_id": rec.completion_id, "placed": rec.num_placed})
     return rows

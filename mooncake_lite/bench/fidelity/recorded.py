@@ -7,12 +7,18 @@ had passed it or were placed before it (docs/results/2026-12-01-zen3-admission.m
 
 The record names a job by the conductor's request id, which the client saw as the completion's
 ``id`` (a retry's or a continuation's attempt adds ``-retryN`` / ``-contN``). A refused request was
-never sent on, so where it would have landed is estimated:
+never sent on; where it would have landed:
 
-- when: its send time plus the median lag from an admitted request's send to its landing;
-- its burst (the sends within the conductor's burst window either side of it) was placed
-  shortest first: it lands just before the first member longer than it landed, else after the
-  last shorter one;
+- after the request the conductor placed last before it: a refusal's ``X-Mooncake-Placed`` is how
+  many the conductor had placed, an admitted request's its own number, so it lands just behind the
+  landing of the admitted request of that number (on another instance: at that landing's time).
+  That is the conductor's own order, its bursts and their shortest-first placing included, where a
+  guess from send times missed a burst the conductor took in two (a busy box accepts a burst's
+  HTTP requests over more than the window);
+- without those numbers (an older conductor) or that request in no record: at its send time plus
+  the median lag from an admitted request's send to its landing, its burst (the sends within the
+  conductor's burst window either side of it) placed shortest first: just before the first
+  member longer than it landed, else after the last shorter one;
 - its forward starts after its turn by the median lag from a turn to the next forward's start.
 
 What it would have done to the others (delayed them, joined a pack) is not its own TTFT and is
@@ -75,17 +81,35 @@ def placed(events: Sequence[Sequence], land: Mapping[int, tuple[int, float, int]
     return Added(max(at.at_s, t), uncached, max(i + 1, at.position(events)))
 
 
+def numbered(land: Mapping[int, tuple[int, float, int]], numbers: Mapping[int, int]) -> dict[int, tuple[int, float]]:
+    """Each landed request's (event index, time) by its number in the conductor's order."""
+    return {numbers[cid]: (i, t) for cid, (i, t, _) in land.items() if cid in numbers}
+
+
 def recorded_start(events: Sequence[Sequence], forwards: Sequence[Sequence[float]], ids: Mapping[str, int],
-                   sends: Mapping[int, float], bound: int, window_s: float):
-    """A function (send time, uncached tokens) → when that request's forward would have started on
-    this instance (None: the record cannot tell: no request matched, or its turn not within it)."""
+                   sends: Mapping[int, float], bound: int, window_s: float, numbers: Mapping[int, int] | None = None,
+                   elsewhere: Mapping[int, float] | None = None):
+    """A function (client id, send time, uncached tokens) → when that request's forward would have
+    started on this instance (None: the record cannot tell: no request matched, or its turn not
+    within it); ``numbers``: each request's ``X-Mooncake-Placed``; ``elsewhere``: by number, the
+    landing time of the requests other instances' records hold (module doc)."""
     land = landed(events, ids)
     lag = arrival_lag(land, sends)
     lead = turn_lead(events, forwards)
+    numbers, elsewhere = numbers or {}, elsewhere or {}
+    here = numbered(land, numbers)
 
-    def start(send_s: float, uncached: int) -> float | None:
-        if lag is None:
+    def start(cid: int, send_s: float, uncached: int) -> float | None:
+        after = numbers.get(cid)
+        if after in here:
+            i, t = here[after]
+            added = Added(t, uncached, i + 1)
+        elif after in elsewhere:
+            added = Added(elsewhere[after], uncached)
+        elif lag is not None:
+            added = placed(events, land, sends, send_s, uncached, lag, window_s)
+        else:
             return None
-        turn = replay(events, bound, placed(events, land, sends, send_s, uncached, lag, window_s)).turn_s
+        turn = replay(events, bound, added).turn_s
         return None if turn is None else turn + lead
     return start

@@ -71,7 +71,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                         predicted_tbt_s=_seconds(resp.headers.get("X-Mooncake-Predicted-TBT")),
                         bound_ttft_s=_seconds(resp.headers.get("X-Mooncake-Bound-TTFT")),
                         slo_s=(_seconds(resp.headers.get("X-Mooncake-SLO-TTFT")),
-                               _seconds(resp.headers.get("X-Mooncake-SLO-TBT"))))
+                               _seconds(resp.headers.get("X-Mooncake-SLO-TBT"))),
+                        num_placed=_count_header(resp.headers.get("X-Mooncake-Placed")))
             if resp.status != 200:
                 return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
             async for raw in resp.content:
@@ -87,6 +88,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         return RequestRecord(**base, chunk_s=tuple(stream.chunks), error=f"{type(exc).__name__}: {exc}"[:300],
                              reused_blocks=reused)
+
+
+def _count_header(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() else None
 
 
 @dataclass

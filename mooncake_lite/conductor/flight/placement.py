@@ -43,6 +43,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         tenants.schedule(svc.tenants, s, sreq, snap, now, tenant=tenant)
     svc.metrics.decision.observe(time.perf_counter() - t0)
     if decision.accepted:
+        svc.num_placed += 1
         svc.metrics.routes.labels(decision.route).inc()
         svc.metrics.prompt_blocks.inc(len(keys))
         svc.metrics.reused_blocks.inc(decision.reused_prefix_blocks)
@@ -70,7 +71,15 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
     limits = applied_slos(svc, decision, sreq.num_tokens)
     raise Rejected(f"the cluster is overloaded: {decision.reason.removeprefix('rejected: ')}",
                    min(60, max(1, math.ceil(retry_after_s(svc, decision, limits[0], now)))), cause,
-                   headers={**refusal_headers(decision), **slo_headers(limits)})
+                   headers={**refusal_headers(decision), **slo_headers(limits), **placed_header(svc.num_placed)})
+
+
+def placed_header(num_placed: int) -> dict[str, str]:
+    """``X-Mooncake-Placed``: how many requests the conductor had placed with this one (admitted:
+    its own number; refused: the number of the last one placed before it). A refusal's place in
+    the conductor's order, which ``bench fidelity`` lands it at in the prefill's record of turns;
+    a count, naming no other client's request."""
+    return {"X-Mooncake-Placed": str(num_placed)}
 
 
 def applied_slos(svc: Services, decision: Decision, num_tokens: int) -> tuple[float, float]:
