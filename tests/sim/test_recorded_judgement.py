@@ -98,3 +98,16 @@ def test_a_refusal_lands_where_the_conductor_placed_it_when_it_says():
     numbered = [*records, RequestRecord(9, 0.5, 0.5, status=429, num_placed=len(sends))]
     assert live_anchor(numbered, lengths, timelines, predict, 4, 0.02)([(9, 37, 0)])[9] == pytest.approx(
         firsts["L"] - 0.5 + predict(37))                               # behind L, which had none left
+
+
+def test_a_refusal_placed_first_of_a_later_burst_lands_at_its_own_time():
+    """Its number says only that it came after request 1, which ran and ended long before it was
+    sent: it lands at its own send time (plus the usual lag), on an idle instance."""
+    end = 0.001 + predict(1000)
+    events = [(0.001, LAND, "cmpl-x", 1000, False), (0.001, GRANT, "cmpl-x", 0, False), (end, FREE, "", 0, False)]
+    records = [RequestRecord(0, 0.0, 0.0, chunk_s=(end + LAG, end + 0.1), status=200, cached_tokens=0,
+                             completion_id="cmpl-x", num_placed=1),
+               RequestRecord(9, 5.0, 5.0, status=429, num_placed=1)]
+    timelines = {"p": {"forwards": [[0.001, end]], "turns": events}}
+    ttft = live_anchor(records, {0: 1000, 9: 37}, timelines, predict, 4)([(9, 37, 0)])[9]
+    assert ttft == pytest.approx(0.001 + predict(37) + LAG)      # the lag to landing, its forward, the lag after

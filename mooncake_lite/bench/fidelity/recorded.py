@@ -86,6 +86,20 @@ def numbered(land: Mapping[int, tuple[int, float, int]], numbers: Mapping[int, i
     return {numbers[cid]: (i, t) for cid, (i, t, _) in land.items() if cid in numbers}
 
 
+def behind(events: Sequence[Sequence], here: Mapping[int, tuple[int, float]], elsewhere: Mapping[int, float],
+           after: int, at_s: float, uncached: int) -> Added:
+    """A refusal the conductor placed right after its request number ``after``: it lands after
+    that one's landing and before the next-numbered one's in this record, at ``at_s`` (its own
+    send plus the usual lag) where that falls between them (a burst's first member follows a
+    request placed long before it)."""
+    lo = here[after][0] + 1 if after in here else 0
+    at_s = max(at_s, here[after][1] if after in here else elsewhere[after])
+    nxt = min((n for n in here if n > after), default=None)
+    hi = here[nxt][0] if nxt is not None else len(events)
+    index = min(max(Added(at_s, uncached).position(events), lo), hi)
+    return Added(min(at_s, events[hi][0]) if hi < len(events) else at_s, uncached, index)
+
+
 def recorded_start(events: Sequence[Sequence], forwards: Sequence[Sequence[float]], ids: Mapping[str, int],
                    sends: Mapping[int, float], bound: int, window_s: float, numbers: Mapping[int, int] | None = None,
                    elsewhere: Mapping[int, float] | None = None):
@@ -101,11 +115,8 @@ def recorded_start(events: Sequence[Sequence], forwards: Sequence[Sequence[float
 
     def start(cid: int, send_s: float, uncached: int) -> float | None:
         after = numbers.get(cid)
-        if after in here:
-            i, t = here[after]
-            added = Added(t, uncached, i + 1)
-        elif after in elsewhere:
-            added = Added(elsewhere[after], uncached)
+        if after in here or after in elsewhere:
+            added = behind(events, here, elsewhere, after, send_s + (lag or 0.0), uncached)
         elif lag is not None:
             added = placed(events, land, sends, send_s, uncached, lag, window_s)
         else:

@@ -54,6 +54,7 @@ class Attempt:
         self.upstream_id = upstream_id     # what prefill, decode and the membership know it by
         self.transfer_id = uuid.uuid4().hex
         self.decision = decision
+        self.num_placed = svc.num_placed   # its number in the conductor's order (placement.placed_header)
         self.block_keys = block_keys
         self.prefill: Instance = svc.membership.get(decision.prefill_id)
         self.decode: Instance = svc.membership.get(decision.decode_id)

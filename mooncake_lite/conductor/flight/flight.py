@@ -26,8 +26,7 @@ from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.continuation import (Continuation, continued_request, is_continuable,
                                                          still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
-from mooncake_lite.conductor.flight.placement import (applied_slos, decision_attributes, place, placed_header,
-                                                   slo_headers)
+from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, placed_header, slo_headers
 from mooncake_lite.conductor.flight.checks import Check, Prediction
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
@@ -74,7 +73,6 @@ class Flight:
         self.prediction: Prediction | None = None
         self.slos: tuple[float, float] | None = None   # the (TTFT, TBT) limits admission applied
         self._placed_at = self._last_token_at = self._held_s = 0.0
-        self.num_placed = 0
         self._measured_ttft_s: float | None = None
         self._gaps: list[float] = []
         self._decode_busy = False
@@ -122,7 +120,6 @@ class Flight:
             raise
         if span is not None:
             tracing.end_span(span, **decision_attributes(d))
-        self.num_placed = self.svc.num_placed      # its number in the conductor's order (placed_header)
         if cont is None:
             self.prediction, self._placed_at = self.svc.predictions.predicted(
                 d, len(req.prompt_ids), d.reused_prefix_blocks * self.svc.scheduler.config.block_size), loop_now()
@@ -391,7 +388,7 @@ class Flight:
         p = self.prediction
         times = {} if p is None else {"TTFT": self._held_s + p.ttft_s, "TBT": p.tbt_s}
         return {**{f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None},
-                **(slo_headers(self.slos) if self.slos else {}), **placed_header(self.num_placed)}
+                **(slo_headers(self.slos) if self.slos else {}), **placed_header(self.attempt.num_placed if self.attempt else 0)}
 
 
 def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:
