@@ -69,6 +69,12 @@ async def test_the_measured_link_decides_whether_the_prefix_migrates(make_cluste
                                                                       seconds_per_mib, then):
     monkeypatch.setattr(fakes.FakeInstance, "prefill", _timing_prefill(seconds_per_mib))
     cluster = await make_cluster(prefill=2, decode=1, strategy="kvcache-centric")
+    # 1 ms a token: p0's busy 2,000-token prompt is priced 2 s, which no slow test run outlives
+    # (under the prior's microseconds, a CI run that took a few ms longer saw p0's queue drained)
+    for name in ("p0", "p1"):
+        status, body = await fakes.register(cluster.session, cluster.url, cluster.instances[name],
+                                            cost={"c0": 0.0, "c1": 1e-3, "c2": 0.0, "c3": 0.0})
+        assert status == 200, body
     keys = prefix_hash(TOK.encode(PROMPT), 4, 0)
     await fakes.block_events(cluster.session, cluster.url, "store0:1", stored=keys[:5])
     p0 = cluster.instances["p0"]
