@@ -20,22 +20,28 @@ def predict(tokens: int, prefix: int = 0) -> float:
     return 0.1 + 1e-3 * (tokens - prefix)
 
 
-def _run():
-    """Job 0 (1,000 tokens) runs from 0.001; Y (2,000) and a (20), sent just after it, form a burst
-    the conductor placed shortest first: a lands first. b (20), sent later, passes Y. Served a, b, Y."""
-    sends = {"0": 0.0, "Y": 0.1, "a": 0.1002, "b": 0.3}
-    tokens = {"0": 1000, "a": 20, "Y": 2000, "b": 20}
-    events, forwards, t = [], [], 0.001
-    events += [(0.001, LAND, "cmpl-0", 1000, False), (0.001, GRANT, "cmpl-0", 0, False)]
-    events += [(at, LAND, f"cmpl-{k}", tokens[k], False) for k, at in (("a", 0.1012), ("Y", 0.1013), ("b", 0.301))]
-    firsts = {}
-    for k in ("0", "a", "b", "Y"):
-        if k != "0":
+def served_in_turn(events: list, tokens: dict, order: tuple) -> tuple[list, dict]:
+    """Serve ``order`` one after another from 0.001 (the first already granted in ``events``): each
+    turn and forward appended, each first token ``LAG`` after its forward; (forwards, first tokens)."""
+    forwards, firsts, t = [], {}, 0.001
+    for k in order:
+        if k != order[0]:
             events.append((t, GRANT, f"cmpl-{k}", 0, False))
         forwards.append([t, t + predict(tokens[k])])
         t += predict(tokens[k])
         firsts[k] = t + LAG
         events.append((t, FREE, "", 0, False))
+    return forwards, firsts
+
+
+def _run():
+    """Job 0 (1,000 tokens) runs from 0.001; Y (2,000) and a (20), sent just after it, form a burst
+    the conductor placed shortest first: a lands first. b (20), sent later, passes Y. Served a, b, Y."""
+    sends = {"0": 0.0, "Y": 0.1, "a": 0.1002, "b": 0.3}
+    tokens = {"0": 1000, "a": 20, "Y": 2000, "b": 20}
+    events = [(0.001, LAND, "cmpl-0", 1000, False), (0.001, GRANT, "cmpl-0", 0, False)]
+    events += [(at, LAND, f"cmpl-{k}", tokens[k], False) for k, at in (("a", 0.1012), ("Y", 0.1013), ("b", 0.301))]
+    forwards, firsts = served_in_turn(events, tokens, ("0", "a", "b", "Y"))
     ids = {k: i for i, k in enumerate(sends)}
     records = [RequestRecord(ids[k], sends[k], sends[k], chunk_s=(firsts[k], firsts[k] + 0.1), status=200,
                              cached_tokens=0, completion_id=f"cmpl-{k}") for k in sends]
@@ -78,14 +84,7 @@ def test_a_refusal_lands_where_the_conductor_placed_it_when_it_says():
     events = [(0.001, LAND, "cmpl-0", 1000, False), (0.001, GRANT, "cmpl-0", 0, False),
               (0.011, LAND, "cmpl-L", 3000, False)]
     events += [(0.55, LAND, f"cmpl-a{i}", 100, False) for i in range(4)]
-    forwards, firsts, t = [], {}, 0.001
-    for k in ("0", "a0", "a1", "a2", "a3", "L"):
-        if k != "0":
-            events.append((t, GRANT, f"cmpl-{k}", 0, False))
-        forwards.append([t, t + predict(tokens[k])])
-        t += predict(tokens[k])
-        firsts[k] = t + LAG
-        events.append((t, FREE, "", 0, False))
+    forwards, firsts = served_in_turn(events, tokens, ("0", "a0", "a1", "a2", "a3", "L"))
     ids = {k: i for i, k in enumerate(sends)}
     records = [RequestRecord(ids[k], sends[k], sends[k], chunk_s=(firsts[k], firsts[k] + 0.1), status=200,
                              cached_tokens=0, completion_id=f"cmpl-{k}", num_placed=n + 1)
