@@ -76,8 +76,8 @@ class TurnTaking:
     @contextlib.asynccontextmanager
     async def _turn(self, job: QueuedJob):
         """Wait until ``job`` is first in the queue order and the instance is free, then hold it.
-        The job lands where ``scheduler.queue_order.landing`` puts it (with ``overtakes`` 0, last:
-        the FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
+        The job lands where ``scheduler.waiting.land`` puts it (with ``overtakes`` 0, last: the
+        FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
         land(self._waiting, job, self.overtakes, _started)
         self.turns.note(LAND, job.request_id, job.expected_uncached, job.is_continuation)
         job.turn = asyncio.get_running_loop().create_future()

@@ -74,7 +74,7 @@ def make_app(st: FakeState) -> web.Application:
         hits, _ = st.cache(prompt)
         number = len(st.received)    # the completion's id and its place in the order, as the conductor's
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Mooncake-Reused-Blocks": str(hits),
-                                           "X-Mooncake-Placed": str(number)})
+                                           "X-Mooncake-Placed": str(number), "X-Request-Id": f"cmpl-{number}"})
         await resp.prepare(request)
         n = body["max_tokens"]
         for i in range(n):

@@ -58,8 +58,7 @@ def turn_lead(events: Sequence[Sequence], forwards: Sequence[Sequence[float]]) -
     starts = sorted(f[0] for f in forwards)
     leads = []
     for t, kind, *_ in events:
-        i = bisect_left(starts, t)
-        if kind == GRANT and i < len(starts):
+        if kind == GRANT and (i := bisect_left(starts, t)) < len(starts):
             leads.append(starts[i] - t)
     return statistics.median(leads) if leads else 0.0
 

@@ -72,7 +72,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                         bound_ttft_s=_seconds(resp.headers.get("X-Mooncake-Bound-TTFT")),
                         slo_s=(_seconds(resp.headers.get("X-Mooncake-SLO-TTFT")),
                                _seconds(resp.headers.get("X-Mooncake-SLO-TBT"))),
-                        num_placed=_count_header(resp.headers.get("X-Mooncake-Placed")))
+                        num_placed=_count_header(resp.headers.get("X-Mooncake-Placed")),
+                        completion_id=resp.headers.get("X-Request-Id"))
             if resp.status != 200:
                 return RequestRecord(**base, status=resp.status, error=_error_text(await resp.text()))
             async for raw in resp.content:
@@ -83,8 +84,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, req: SynthRequest
                 stream.error = "stream ended without data: [DONE]"
             return RequestRecord(**base, chunk_s=tuple(stream.chunks), output_tokens=stream.output_tokens,
                                  status=resp.status, error=stream.error, cached_tokens=stream.cached_tokens,
-                                 server_prompt_tokens=stream.prompt_tokens, reused_blocks=reused,
-                                 completion_id=stream.completion_id)
+                                 server_prompt_tokens=stream.prompt_tokens, reused_blocks=reused)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
         return RequestRecord(**base, chunk_s=tuple(stream.chunks), error=f"{type(exc).__name__}: {exc}"[:300],
                              reused_blocks=reused)
@@ -106,7 +106,6 @@ class Stream:
     cached_tokens: int | None = None
     error: str | None = None
     done: bool = False
-    completion_id: str | None = None    # the server's id for it: what its instances' records name it by
 
     def take(self, payload: bytes, clock: Clock) -> bool:
         """One ``data:`` payload; True when the client stops reading."""
@@ -115,8 +114,6 @@ class Stream:
             return True
         now = clock()
         data = orjson.loads(payload)
-        if self.completion_id is None and isinstance(data.get("id"), str):
-            self.completion_id = data["id"]
         if data.get("error"):
             self.error = _error_text(payload.decode())
             return False

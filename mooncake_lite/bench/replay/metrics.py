@@ -46,7 +46,7 @@ class RequestRecord:
     bound_ttft_s: float | None = None      # X-Mooncake-Bound-TTFT, on a refusal: what admission judged
     slo_s: tuple[float | None, float | None] = (None, None)   # X-Mooncake-SLO-TTFT/-TBT: the limits applied
     num_prompt_blocks: int | None = None  # full trace blocks (scaled) in the synthesized prompt
-    completion_id: str | None = None    # the response's "id" (the conductor's request id), if streamed
+    completion_id: str | None = None    # X-Request-Id: the conductor's id, which its instances' records name it by
     num_placed: int | None = None       # X-Mooncake-Placed: where it fell in the conductor's order
     extra: Mapping[str, object] = field(default_factory=dict)
 

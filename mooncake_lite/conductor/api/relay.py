@@ -26,6 +26,7 @@ from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.api.state import ApiState
 from mooncake_lite.conductor.flight.events import Token
 from mooncake_lite.conductor.flight.flight import Flight
+from mooncake_lite.conductor.flight.placement import placed_header
 
 log = logging.getLogger(__name__)
 OUTCOMES = {400: "bad_request", 429: "rejected", 503: "unavailable"}
@@ -182,7 +183,8 @@ class Relay:
         f, d = self.flight, self.flight.decision
         return {"X-Request-Id": f.request_id, "X-Mooncake-Prefill": d.prefill_id,
                 "X-Mooncake-Decode": d.decode_id, "X-Mooncake-Route": d.route,
-                "X-Mooncake-Reused-Blocks": str(d.reused_prefix_blocks), **f.prediction_headers()}
+                "X-Mooncake-Reused-Blocks": str(d.reused_prefix_blocks), **placed_header(f.attempt.num_placed),
+                **f.prediction_headers()}
 
     # ---- non-streaming ---------------------------------------------------------------------
     async def collect(self) -> web.Response:

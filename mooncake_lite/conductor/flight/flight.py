@@ -26,7 +26,7 @@ from mooncake_lite.conductor.flight.attempt import Attempt, loop_now
 from mooncake_lite.conductor.flight.continuation import (Continuation, continued_request, is_continuable,
                                                          still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
-from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, placed_header, slo_headers
+from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, slo_headers
 from mooncake_lite.conductor.flight.checks import Check, Prediction
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
@@ -388,7 +388,7 @@ class Flight:
         p = self.prediction
         times = {} if p is None else {"TTFT": self._held_s + p.ttft_s, "TBT": p.tbt_s}
         return {**{f"X-Mooncake-Predicted-{k}": f"{v:.6f}" for k, v in times.items() if v is not None},
-                **(slo_headers(self.slos) if self.slos else {}), **placed_header(self.attempt.num_placed if self.attempt else 0)}
+                **(slo_headers(self.slos) if self.slos else {})}
 
 
 def _firsts(result: PrefillResult) -> list[tuple[int, TokenLogprob | None]]:

@@ -76,7 +76,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
 
 def placed_header(num_placed: int) -> dict[str, str]:
     """``X-Mooncake-Placed``: how many requests the conductor had placed with this one (admitted:
-    its own number; refused: the number of the last one placed before it). A refusal's place in
+    its own number, from its attempt; refused: the last one's before it). A refusal's place in
     the conductor's order, which ``bench fidelity`` lands it at in the prefill's record of turns;
     a count, naming no other client's request."""
     return {"X-Mooncake-Placed": str(num_placed)}
