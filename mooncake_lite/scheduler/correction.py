@@ -53,21 +53,8 @@ arrivals also *join* a job's forward (``queue_order.join_allowance``): the prefi
 forward that ran, ``compute`` learns its speed (a joined forward is no slowdown) and ``join_share``
 (0 until fed) what the joiners added over the allowance's worst case, by the same average.
 
-What all this learns is a central prediction: half the requests meet less, half more. Each
-instance also keeps the ratios measured / shown of its last ``spread_window`` requests, per metric
-(``ttft`` and ``wait`` on a prefill, ``tbt`` on a decode), and :meth:`Corrections.spread` is their
-``spread_quantile``: an upper one refuses on what a request may meet, the median (the default)
-corrects the wait's bias alone. Live on Zen 3 the 0.9 quantile had 99% of the admitted meet their
-SLO (goal 95%) and refused 19% that would have met (goal 10%), the median 96.5% and 14% (docs/results/
-2026-12-01-zen3.md §9-10): most admitted requests are far from their limits. The scheduler is
-shown the wait's (``PrefillInstanceState.queue_spread``; the TTFT's and the TBT's are measured and
-shown to people, not judged) and admission judges what others add to a request's time × spread
-against the SLO (``admission.bounds``), while the prediction shown and checked stays the central
-one. The spread is measured on what it multiplies: a job's wait (:meth:`Corrections.note_wait`), not
-its TTFT, whose own forward (a burst's later members joining it) is no part of the queue; judged on
-the TTFT's, admission refused 31-60% of requests that would have met their SLO in the simulator, on
-the wait's 0-4% (2026-11-29-burst-window.md). A window, not a moving quantile: it forgets a machine
-that changed after ``spread_window`` requests; a broken report is refused.
+What all this learns is a central prediction: half the requests meet less, half more. How far
+above it they land, the spread admission judges by, is kept beside it (``wait_spread.py``).
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
 """
@@ -80,6 +67,7 @@ from dataclasses import dataclass, field, replace
 
 from mooncake_lite.scheduler.forward_fit import ForwardLine, moved_line
 from mooncake_lite.scheduler.shares import overtakes_used
+from mooncake_lite.scheduler.wait_spread import KeptWait, ShownWait, kept, quantile, repriced
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
 STATES = ("compute", "interference")   # a prefill's two node states: idle, beside a busy neighbour
@@ -166,6 +154,12 @@ class InstanceCorrection:
     join_share: float = 0.0       # of the join allowance's worst case, the share jobs met (0: none learned)
     ratios: Mapping[str, tuple[float, ...]] = field(default_factory=dict)   # metric -> last measured / shown
     lines: Mapping[str, ForwardLine] = field(default_factory=dict)   # each state's (forward_fit.py)
+    waits: tuple[KeptWait, ...] = ()     # the last waits measured, their prices taken apart (wait_spread.py)
+
+    @property
+    def spread_metrics(self) -> tuple[str, ...]:
+        """The metrics a spread is measured of here."""
+        return (*self.ratios, "wait") if self.waits else tuple(self.ratios)
 
     def factor(self, term: str) -> float:
         f = self.factors.get(term)
@@ -260,6 +254,8 @@ class Corrections:
         if not math.isfinite(log_shift):
             return
         bound = math.log(self.cfg.max_factor)
+        if term in STATES and (cur := self.get(instance_id)).waits:   # kept in its seconds: the same work
+            self._by_instance[instance_id] = replace(cur, waits=tuple(w.rebased(math.exp(log_shift)) for w in cur.waits))
         for t in STATES if term in STATES else (term,):   # a prefill's model: both states' lines
             cur = self.get(instance_id)
             f = cur.factors.get(t)
@@ -324,21 +320,35 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, ratios={**cur.ratios, metric: kept})
         return None
 
-    def note_wait(self, instance_id: str, queue_s: float, own_s: float, measured_s: float | None) -> str | None:
-        """A job's measured wait against the queue it was priced with (both on the model shown),
-        kept for the ``wait`` spread (module doc) only if it was priced to wait at least its own
-        forward: a shorter wait is mostly dispatch, and its ratio would say nothing of a queue."""
-        if measured_s is None or not queue_s >= own_s > 0:
+    def note_wait(self, instance_id: str, shown: ShownWait, measured_s: float | None) -> str | None:
+        """A job's measured wait and the price it was shown (``wait_spread.py``), kept for the
+        ``wait`` spread (module doc) only if it was priced to wait at least its own forward: a
+        shorter wait is mostly dispatch, and its ratio would say nothing of a queue. Returns why it
+        was refused (None: kept, or not a queue)."""
+        if measured_s is None or not shown.queue_s >= shown.own_s > 0:
             return None
-        return self.note_ratio(instance_id, "wait", queue_s, measured_s)
+        why = ratio_refusal(shown.queue_s, measured_s, self.cfg)
+        wait = kept(shown, measured_s) if why is None else None
+        if wait is None:
+            self.num_refused += why != TOO_SHORT
+            return why or f"a wait priced at scales {shown.scale!r} and {shown.queue_scale!r}"
+        cur = self.get(instance_id)
+        self._by_instance[instance_id] = replace(cur, waits=(*cur.waits[1 - self.cfg.spread_window:], wait))
+        return None
 
     def spread(self, instance_id: str, metric: str) -> float:
         """What admission multiplies ``instance_id``'s predicted ``metric`` by (module doc): the
-        ``spread_quantile`` of its recent ratios, within the factors' bounds; 1 with too few."""
-        kept = sorted(self.get(instance_id).ratios.get(metric, ()))
-        if len(kept) < self.cfg.spread_min:
+        ``spread_quantile`` of its recent ratios (a wait's priced again as the corrections stand),
+        within the factors' bounds; 1 with too few."""
+        c = self.get(instance_id)
+        if metric == "wait":
+            ratios = repriced(c.waits, lambda busy: self.prefill_scale(instance_id, busy),
+                              self.queue_scale(instance_id), c.overtake_share, c.join_share)
+        else:
+            ratios = list(c.ratios.get(metric, ()))
+        if len(ratios) < self.cfg.spread_min:
             return 1.0
-        return self._clamped(math.log(quantile(kept, self.cfg.spread_quantile)))
+        return self._clamped(math.log(quantile(sorted(ratios), self.cfg.spread_quantile)))
 
     def overtake_share(self, instance_id: str) -> float:
         """The share of the overtake allowance a new job on ``instance_id`` is priced with."""
@@ -387,14 +397,3 @@ class Corrections:
 def _state_weights(c: InstanceCorrection, busy: bool | None) -> tuple[tuple[bool, float], ...]:
     """(state, weight): the one given, or both by the moving share of busy requests."""
     return ((busy, 1.0),) if busy is not None else ((False, 1.0 - c.busy_share), (True, c.busy_share))
-
-
-def quantile(sorted_values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not sorted_values:
-        return None
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-

@@ -29,6 +29,7 @@ from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
+from mooncake_lite.scheduler.wait_spread import ShownWait
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode
 from mooncake_lite.sim.request import SimRequest
 
@@ -90,7 +91,7 @@ class SimCorrecting:
                    speed=None if speed is None else speed / scale, own_s=own * scale, join_full_s=join_full,
                    ran_s=ran * scale)     # (on the model shown)
         c.note_ratio(iid, "ttft", ttft_s, now - req.arrival)
-        c.note_wait(iid, queue_s, own * scale, waited)
+        c.note_wait(iid, ShownWait(queue_s, own * scale, overtake_s, join_s, full, join_full, scale), waited)
         self._show(p)
 
     def finished(self, req: SimRequest, d: DecodeNode) -> None:

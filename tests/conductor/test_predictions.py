@@ -84,7 +84,7 @@ async def test_the_correction_moves_the_model_the_scheduler_prices_with(make_clu
     ratios, spread = corr.get("p0").ratios["ttft"], corr.spread("p0", "ttft")
     assert len(ratios) >= 8 and min(ratios) * (1 - 1e-9) <= spread <= max(ratios) * (1 + 1e-9)
     assert profile["corrections"]["p0"]["spread"]["ttft"] == pytest.approx(spread, rel=1e-3)
-    assert "wait" not in corr.get("p0").ratios and svc.membership.snapshot().prefills[0].queue_spread == 1.0
+    assert not corr.get("p0").waits and svc.membership.snapshot().prefills[0].queue_spread == 1.0
 
 
 async def test_a_broken_measurement_is_refused_logged_and_moves_nothing(make_cluster, caplog):
@@ -258,8 +258,9 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 11
     # the jobs that were priced to wait kept their waits, and admission's bound is their spread
-    waits = book.corrections.get("p0").ratios["wait"]
-    assert len(waits) >= 1 and state.queue_spread == pytest.approx(book.corrections.spread("p0", "wait"), rel=1 / 30)
+    # (each with the allowance it was priced with, to be priced again at the share learned since)
+    waits = book.corrections.get("p0").waits
+    assert len(waits) >= 1 and all(w.overtake_full_s > 0 for w in waits) and state.queue_spread == pytest.approx(book.corrections.spread("p0", "wait"), rel=1 / 30)
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)
 
 

@@ -12,6 +12,7 @@ import pytest
 from mooncake_lite.scheduler import DecodeCostModel, PrefillCostModel
 from mooncake_lite.scheduler.correction import TOO_SHORT, CorrectionConfig, Corrections, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.costs import scaled
+from mooncake_lite.scheduler.wait_spread import ShownWait
 
 CFG = CorrectionConfig()
 
@@ -225,12 +226,56 @@ def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_brok
 
 def test_a_wait_is_kept_for_the_queue_s_spread_only_where_a_queue_was_priced():
     c = Corrections(CFG)
-    assert c.note_wait("p", 0.1, 0.5, 3.0) is None and c.note_wait("p", 2.0, 0.5, None) is None
-    assert "wait" not in c.get("p").ratios                # priced to wait less than its own forward: dispatch
+    assert c.note_wait("p", ShownWait(0.1, 0.5), 3.0) is None and c.note_wait("p", ShownWait(2.0, 0.5), None) is None
+    assert not c.get("p").waits and "wait" not in c.get("p").spread_metrics   # priced under its own forward
     for _ in range(CFG.spread_min):
-        assert c.note_wait("p", 2.0, 0.5, 3.0) is None
+        assert c.note_wait("p", ShownWait(2.0, 0.5), 3.0) is None
     assert c.spread("p", "wait") == pytest.approx(1.5) and c.spread("p", "ttft") == 1.0
-    assert c.note_wait("p", 2.0, 0.5, math.nan) is not None   # refused as any ratio
+    assert c.get("p").spread_metrics == ("wait",)
+    for broken in (math.nan, -1.0, 1e9):                       # refused as any ratio
+        assert c.note_wait("p", ShownWait(2.0, 0.5), broken) is not None
+    assert c.note_wait("p", ShownWait(2.0, 0.5, scale=math.nan), 3.0) is not None
+    assert len(c.get("p").waits) == CFG.spread_min and c.num_refused == 4
+
+
+def test_a_wait_s_spread_is_taken_against_the_corrections_as_they_stand():
+    """Waits priced before the corrections caught up (their forwards 1.25x the model beside a busy
+    decode, overtakes priced at a share of 0) land 1.5x their price; once the interference factor
+    and the share hold that, the same waits priced again are met, and the spread is 1, not 1.5.
+    Where nothing moved the ratio is the one measured against the price shown."""
+    c = Corrections(CFG)
+    # ahead 2 s, an overtake allowance of 2 s worst case at share 0 (priced 2 s), measured 3 s:
+    # 1 s of it the busy forwards' slowness (x1.25 on 2 s = 2.5 s), 0.5 s the overtakes (share 0.25)
+    shown = ShownWait(2.0, 0.5, overtake_s=0.0, overtake_full_s=2.0, busy=True)
+    for _ in range(CFG.spread_min):
+        assert c.note_wait("p", shown, 3.0) is None
+    assert c.spread("p", "wait") == pytest.approx(1.5)
+    c.seed_states("p", 1.25)                                 # the busy state's speed, now known
+    while c.overtake_share("p") < 0.2 - 1e-9:                # jobs passed, each having met 0.2
+        assert c.note_overtakes("p", 0.2) is None
+    # priced again: 1.25 * (2 + 0.2 * 2) = 3.0 -> met as priced
+    assert c.spread("p", "wait") == pytest.approx(1.0, rel=1e-5)
+    # an idle state's waits are priced at the idle speed, not the busy one's
+    idle = Corrections(CFG)
+    for _ in range(CFG.spread_min):
+        idle.note_wait("q", ShownWait(2.0, 0.5, busy=False), 3.0)
+    idle.seed_states("q", 1.25)
+    assert idle.spread("q", "wait") == pytest.approx(1.5)
+
+
+def test_a_kept_wait_follows_the_instance_s_own_model_when_it_refines():
+    """The instance refines its model 1.2x slower while the factor held 1.2: the factor moves
+    back to 1 (``rebase``) and the waits kept, in the model's seconds, move with the model, so
+    the spread priced again is what it was."""
+    c = Corrections(CFG)
+    for _ in range(CFG.spread_min):
+        c.note_wait("p", ShownWait(2.0, 0.5, busy=False), 2.4)
+    c.observe("p", "compute", 1.0, 1.0)                       # a compute term for rebase to move
+    assert c.spread("p", "wait") == pytest.approx(1.2)
+    c.rebase("p", "compute", math.log(1.2))
+    assert c.prefill_scale("p", False) == pytest.approx(1 / 1.2)
+    assert c.spread("p", "wait") == pytest.approx(1.2)       # not 2.4 / (2 / 1.2) = 1.44
+    assert [w.ahead_s for w in c.get("p").waits] == pytest.approx([2.4] * CFG.spread_min)
 
 
 def test_a_decode_learns_its_tail_from_two_measurements_and_no_model():

@@ -24,13 +24,14 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections, quantile
+from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections
 from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_scale, show_shares, show_spread, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.scheduler.view import DecodeView
+from mooncake_lite.scheduler.wait_spread import ShownWait, quantile
 
 log = logging.getLogger(__name__)
 WINDOW_S = 60.0        # `mooncake status`: the last minute
@@ -224,7 +225,9 @@ class PredictionBook:
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         c.note_busy(iid, p.busy)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
-        self._refused(iid, "wait", c.note_wait(iid, p.queue_s, p.prefill_s, check.queue_s))
+        shown = ShownWait(p.queue_s, p.prefill_s, p.overtake_s, p.join_s, p.overtake_full_s, p.join_full_s, s,
+                          p.queue_scale, p.busy)
+        self._refused(iid, "wait", c.note_wait(iid, shown, check.queue_s))
 
     def _forward_s(self, iid: str, forward: tuple[int, int, float, float] | None) -> float | None:
         """The forward a request's prefill ran in, on its instance's own model (None: not reported)."""
@@ -270,7 +273,7 @@ class PredictionBook:
                 self.metrics.correction.labels(iid, term).set(f.value)
             self.metrics.correction.labels(iid, "scale").set(self.shown_scale(iid))
             self.metrics.correction.labels(iid, "offset_s").set(self.shown_offset(iid))
-            for metric in corr.ratios:
+            for metric in corr.spread_metrics:
                 self.metrics.correction.labels(iid, f"{metric}_spread").set(c.spread(iid, metric))
 
     def _scale(self, instance_id: str, role: str) -> float:
@@ -349,7 +352,7 @@ class PredictionBook:
                       "offsets_s": {t: round(line.offset, 6) for t, line in corr.lines.items()},
                       "busy_share": round(corr.busy_share, 4), "queue_scale": round(c.queue_scale(iid), 4),
                       "overtake_share": round(corr.overtake_share, 4), "join_share": round(corr.join_share, 4),
-                      "spread": {m: round(c.spread(iid, m), 4) for m in corr.ratios}}
+                      "spread": {m: round(c.spread(iid, m), 4) for m in corr.spread_metrics}}
                 for iid, corr in c.items()}
 
 
