@@ -116,7 +116,8 @@ async def test_a_hostile_cost_report_is_refused_logged_and_moves_nothing(make_cl
     assert "cost report refused" in caplog.text
 
 
-async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_cluster):
+async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_cluster, caplog):
+    caplog.set_level(logging.INFO, logger="mooncake_lite.conductor.flight.placement")
     cluster = await make_cluster(prefill=0, decode=1, admission="early", ttft_slo=4.5, dead_after=SLOW_BOX)
     p0 = await cluster.add("prefill", "p0", store="s0:1", cost={"prefill": {"c0": 1.0, "c1": 0.01}})
     p0.behaviour.hang = True          # short prefills of a predicted second each pile up
@@ -128,6 +129,9 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
     with pytest.raises(openai.RateLimitError) as info:   # ~3 s of queue + its own ~3.5 s
         await c.completions.create(model="tiny", prompt="x" * 250, max_tokens=2)
     predicted = float(re.search(r"predicted TTFT (\S+)s", info.value.message).group(1))
+    # its log line takes the wait apart (scheduler/explain.py): the three ahead, in order
+    said = next(r.getMessage() for r in caplog.records if "rejected: predicted TTFT" in r.getMessage())
+    assert re.search(r"left of the running job \(model\) \+ 2 job\(s\) ahead", said), said
     # ~2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of
     # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
     retry = int(info.value.response.headers["Retry-After"])

@@ -18,6 +18,7 @@ from mooncake_lite.conductor.api.params import ApiRequest
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import ClusterState, Decision, ScheduleRequest, schedule
 from mooncake_lite.scheduler.admission import slo_limits
+from mooncake_lite.scheduler.explain import wait_parts
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
         raise unavailable(message)
     if cause == "no-decode":   # (not logged: a continuation waiting for a decode polls this)
         _check_fits_some_decode(svc, req, exclude)
-    log.info("%s %s", request_id, decision.reason)
+    log.info("%s %s%s", request_id, decision.reason, _wait_told(svc, snap, decision, sreq.num_tokens, now))
     svc.metrics.rejections.labels(cause).inc()
     if cause == "priority":   # the tenant's class is shed at this load (conductor/tenants.py)
         raise tenants.refused(tenants.Refusal("priority", decision.reason.removeprefix("rejected: "), 1.0))
@@ -143,6 +144,18 @@ def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: st
                           migrate_from=str(m.source_store_id) if m else None,
                           migrate_keys=tuple(k.hex() for k in m.keys) if m else (),
                           pack_cap=pack_cap)
+
+
+def _wait_told(svc: Services, snap: ClusterState, decision: Decision, num_tokens: int, now: float) -> str:
+    """A TTFT refusal's wait taken apart (``scheduler/explain.py``), for its log line: what it
+    waited for, when the record later says it would have met its SLO."""
+    if decision.reject_cause != "ttft":
+        return ""
+    state = next((p for p in snap.prefills if p.instance_id == decision.prefill_id), None)
+    if state is None:
+        return ""
+    prefix = decision.reused_prefix_blocks * svc.block_size
+    return "; " + wait_parts(state, svc.scheduler.costs, num_tokens, prefix, now).describe()
 
 
 def _snapshot(svc: Services, req: ApiRequest, exclude: Collection[str]) -> ClusterState:
