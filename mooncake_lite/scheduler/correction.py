@@ -11,13 +11,13 @@ decode), ``transfer`` (a prefix fetched between stores: shown, not applied here,
 the scheduler corrects each store pair's speed itself, ``links.py``), ``decode`` (the request's mean
 token gap, no prefill computing on the decode's node: what the decode model predicts, a step),
 ``decode_interference`` (the reverse) and ``tail`` (the request's TBT as the paper defines it, the
-mean of its slowest tenth of gaps, over its mean gap: both measured, no model's). ``tail`` scales
-no model: it turns the step foreseen into the TBT predicted (``DecodeInstanceState.tbt_tail``;
-admission still judges the step, ``scheduler._decision``). Without it the TBT shown was a step,
-which the TBT measured exceeded on nearly every request (docs/results/2026-11-29-decode-load.md).
+mean of its slowest tenth of gaps, over its mean gap: both measured). ``tail`` scales no model: it
+turns the step foreseen into the TBT shown (``DecodeInstanceState.tbt_tail``; admission judges the
+step), which a step alone was under on nearly every request (2026-11-29-decode-load.md).
 
 The update rule (:func:`step`; a prefill's states fit a line, below): a moving average of
-``log(ratio)``, weight ``alpha``, its change per observation within ``max_step``, the factor within
+``log(ratio)``, weight ``alpha``, its change per observation within ``max_step`` (both × the share of
+an observation it is, ``weight``: a pack's jobs waited for one queue), the factor within
 ``[1/max_factor, max_factor]``. Working in logs makes a factor of 2 and of 1/2 equally far from 1
 and a product of terms a sum. The bounds make it safe to feed: one absurd measurement moves a
 factor by at most ``max_step`` (about 16%), so it cannot run away, and a ratio outside
@@ -134,13 +134,14 @@ def ratio_refusal(predicted_s: float, measured_s: float, cfg: CorrectionConfig) 
     return None
 
 
-def step(f: Factor, ratio: float, cfg: CorrectionConfig) -> Factor:
+def step(f: Factor, ratio: float, cfg: CorrectionConfig, weight: float = 1.0) -> Factor:
     """``f`` moved toward ``ratio`` by the bounded moving average (module doc); ``ratio`` must have
-    passed :func:`ratio_refusal`."""
+    passed :func:`ratio_refusal`. ``weight`` (in (0, 1]): the share of one observation this is
+    (a pack's jobs share one wait), its step and its bound scaled alike."""
     bound = math.log(cfg.max_factor)
     target = min(bound, max(-bound, math.log(ratio)))
-    delta = cfg.alpha * (target - f.log)
-    delta = min(cfg.max_step, max(-cfg.max_step, delta))
+    delta = weight * cfg.alpha * (target - f.log)
+    delta = min(weight * cfg.max_step, max(-weight * cfg.max_step, delta))
     return Factor(min(bound, max(-bound, f.log + delta)), f.num_observed + 1)
 
 
@@ -175,8 +176,7 @@ class InstanceCorrection:
         return own if own in self.factors or other not in self.factors else other
 
     def log_of(self, term: str) -> float:
-        f = self.factors.get(term)
-        return 0.0 if f is None else f.log
+        return self.factors[term].log if term in self.factors else 0.0
 
 
 class Corrections:
@@ -197,12 +197,13 @@ class Corrections:
         self._by_instance.pop(instance_id, None)
 
     def observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float,
-                speed: float | None = None) -> str | None:
+                speed: float | None = None, weight: float = 1.0) -> str | None:
         """Move ``instance_id``'s ``term`` by one observation of the uncorrected prediction and the
         measurement; returns why it was refused (None: applied). ``speed``, for ``queue``: how much
         slower than the uncorrected model (its state's offset added) the same request's forward ran,
         so the queue's factor holds only what the forwards' speed does not explain; without it the
-        corrected speed stands in, which lags a change of load, and both terms overshoot."""
+        corrected speed stands in, which lags a change of load, and both terms overshoot.
+        ``weight``: the share of one observation it is (:func:`step`)."""
         if term not in TERMS:
             raise ValueError(f"unknown correction term {term!r}; expected one of {TERMS}")
         why = ratio_refusal(predicted_s, measured_s, self.cfg)
@@ -218,7 +219,8 @@ class Corrections:
         elif term == "queue":      # the queue drains at the forwards' speed; beyond it, this
             usable = speed is not None and ratio_refusal(1.0, speed, self.cfg) is None
             measured_s /= speed if usable else math.exp(self._compute_log(cur))
-        new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg)
+        new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg,
+                   weight if 0.0 < weight <= 1.0 else 1.0)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
         return None
 
@@ -234,13 +236,11 @@ class Corrections:
                                                  lines={**cur.lines, term: line})
 
     def seed_states(self, instance_id: str, busy_scale: float) -> None:
-        """A prefill's two node states before either was observed: idle as its model, busy
-        ``busy_scale`` times it (what it measured at start-up on its own threads against with
-        the CPUs it borrows: ``Register.busy_scale``); no state borrows the other's then. Once
-        a state was observed, nothing changes. A factor outside the bounds is clamped to them."""
+        """A prefill's node states before either was observed: idle as its model, busy ``busy_scale``
+        times it (measured at start-up, ``Register.busy_scale``), clamped to the bounds; none
+        borrows the other's then. Once a state was observed, nothing changes."""
         cur = self.get(instance_id)
-        if busy_scale == 1.0 or any(t in cur.factors for t in STATES) or not math.isfinite(busy_scale) \
-                or busy_scale <= 0.0:
+        if busy_scale == 1.0 or any(t in cur.factors for t in STATES) or not 0.0 < busy_scale < math.inf:
             return
         bound = math.log(self.cfg.max_factor)
         seeded = {"compute": Factor(), "interference": Factor(min(bound, max(-bound, math.log(busy_scale))))}
@@ -278,7 +278,7 @@ class Corrections:
 
     def note_met(self, instance_id: str, *, wait_s: float, overtake_full_s: float, measured_queue_s: float | None,
                  speed: float | None, own_s: float, join_full_s: float, ran_s: float, passed: float | None = None,
-                 queue_scale: float = 1.0) -> None:
+                 queue_scale: float = 1.0, jobs: float = 1.0) -> None:
         """One shortest-first job's shares met (module doc), each on the model it was priced with:
         of the overtake allowance's worst case ``overtake_full_s``, what its measured wait (at its
         forward's ``speed`` over that model) added to ``wait_s``, the queue ahead as priced (×
@@ -286,9 +286,9 @@ class Corrections:
         not said); of the join allowance's ``join_full_s``, what its forward as run (``ran_s``)
         added to its own (``own_s``). A job with no allowance, or a figure that is no number, moves
         nothing. A job nobody passed waited for the queue ahead alone: its wait against that queue
-        unscaled moves the ``queue`` factor, both ways. (The queues ran 0.8x their price, which no
-        share can learn, §18; learned from every job beside the share, neither was identified: on
-        synthetic jobs, the queue 0.8x its price, the factor settled at 0.54-0.70.)"""
+        unscaled moves the ``queue`` factor, both ways (Zen 5's ran 0.8x their price, §18), as
+        ``1/jobs`` of an observation: its forward's ``jobs`` waited for one queue (Zen 3: a pack of
+        two behind a rest priced 0.58 s that took 1.2 s moved it x1.35)."""
         alone = passed == 0
         overtaken = 0.0 if alone and overtake_full_s > 0 else \
             overtakes_used(wait_s, overtake_full_s, measured_queue_s, speed)
@@ -297,7 +297,8 @@ class Corrections:
             if used is not None:
                 self._move_share(instance_id, share, used)
         if alone and wait_s > 0.0 and measured_queue_s is not None and speed is not None and speed > 0.0:
-            self.observe(instance_id, "queue", wait_s / queue_scale, measured_queue_s / speed, 1.0)
+            self.observe(instance_id, "queue", wait_s / queue_scale, measured_queue_s / speed, 1.0,
+                         1.0 / jobs if jobs >= 1.0 else 1.0)
 
     def _move_share(self, instance_id: str, share: str, used: float) -> str | None:
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not 0.0 <= used <= 1.0:

@@ -199,6 +199,26 @@ def test_a_job_nobody_passed_teaches_the_queue_scale_and_one_passed_the_share():
     assert c.queue_scale("p") == held
 
 
+def test_a_pack_s_jobs_move_the_queue_scale_as_one_observation():
+    """The jobs of one forward waited for one queue: a pack of four reporting the same residual
+    moves the ``queue`` factor as one job alone does, not four steps (each step is bounded by the
+    share of an observation it is); a broken weight counts as a whole observation."""
+    def pack(c, jobs):
+        for _ in range(int(jobs)):
+            c.note_met("p", wait_s=1.0, overtake_full_s=2.0, measured_queue_s=2.0, speed=1.0, own_s=0.5,
+                       join_full_s=0.0, ran_s=0.5, passed=0.0, jobs=jobs)
+        return c.queue_scale("p")
+
+    alone, packed = pack(Corrections(CFG), 1.0), pack(Corrections(CFG), 4.0)
+    assert alone == pytest.approx(math.exp(CFG.max_step)) and 1.0 < packed <= alone * (1 + 1e-9)
+    assert packed == pytest.approx(alone, rel=0.02)
+    c, whole = Corrections(CFG), Corrections(CFG)
+    for weight in (0.0, -1.0, math.nan, 3.0):
+        c.observe("q", "queue", 1.0, 2.0, 1.0, weight)
+        whole.observe("q", "queue", 1.0, 2.0, 1.0)
+    assert c.queue_scale("q") == whole.queue_scale("q") > alone
+
+
 def test_the_spread_is_an_upper_quantile_of_the_recent_ratios_and_refuses_a_broken_one():
     c = Corrections(replace(CFG, spread_quantile=0.9))
     for i in range(CFG.spread_min - 1):

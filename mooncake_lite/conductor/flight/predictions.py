@@ -217,11 +217,12 @@ class PredictionBook:
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
                        measured_queue_s=check.queue_s, speed=None if speed is None else speed / s, own_s=own * s,
-                       join_full_s=p.join_full_s, ran_s=ran * s, passed=check.passed, queue_scale=p.queue_scale)
+                       join_full_s=p.join_full_s, ran_s=ran * s, passed=check.passed, queue_scale=p.queue_scale,
+                       jobs=_jobs(check.forward))
         elif p.queue_s >= p.prefill_s or not 0.0 <= (check.queue_s or 0.0) < math.inf:
             # FIFO: the whole wait is the queue ahead's, on the scales it was shown; one priced under its
             # own forward is mostly dispatch (note_wait's rule), kept out unless broken (refused, logged)
-            self._observe(iid, "queue", p.queue_s / (s * p.queue_scale), check.queue_s, speed)
+            self._observe(iid, "queue", p.queue_s / (s * p.queue_scale), check.queue_s, speed, _jobs(check.forward))
         self._observe(iid, "transfer", p.transfer_s, check.transfer_s)   # corrected per link by LinkSpeeds
         c.note_busy(iid, p.busy)
         self._observe(iid, "ttft", p.ttft_s, check.ttft_s)
@@ -249,14 +250,14 @@ class PredictionBook:
         self._observe(iid, "tbt", p.tbt_s, check.tbt_s)
 
     def _observe(self, instance_id: str, term: str, predicted_s: float, measured_s: float | None,
-                 speed: float | None = None) -> None:
+                 speed: float | None = None, jobs: float = 1.0) -> None:
         """``term``: a correction term, or ``ttft``/``tbt``: the shown prediction's ratio kept for
         its spread (``Corrections.note_ratio``)."""
         if measured_s is None:
             return
         c = self.corrections
         why = c.note_ratio(instance_id, term, predicted_s, measured_s) if term in ("ttft", "tbt") else \
-            c.observe(instance_id, term, predicted_s, measured_s, speed)
+            c.observe(instance_id, term, predicted_s, measured_s, speed, 1.0 / jobs)
         self._refused(instance_id, term, why)
 
     def _refused(self, instance_id: str, term: str, why: str | None) -> None:
@@ -354,6 +355,13 @@ class PredictionBook:
                       "overtake_share": round(corr.overtake_share, 4), "join_share": round(corr.join_share, 4),
                       "spread": {m: round(c.spread(iid, m), 4) for m in corr.spread_metrics}}
                 for iid, corr in c.items()}
+
+
+def _jobs(forward: tuple[int, int, float, float] | None) -> float:
+    """The jobs of the forward a request ran in, as its prefill reported them (1: alone, or not
+    said): they waited for one queue, one observation of it between them (``Corrections.note_met``)."""
+    jobs = forward[3] if forward is not None else 1.0
+    return jobs if isinstance(jobs, (int, float)) and 1.0 <= jobs < math.inf else 1.0
 
 
 def _log_shift(old, new, role: str) -> float:
