@@ -174,9 +174,13 @@ def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | Non
     the tail). The prediction is central (half the requests land above it), so judged alone it admits half of those near the limit to miss it (measured:
     docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it
-    passes the SLO factor, and a request never admitted never measures the spread down again."""
+    passes the SLO factor, and a request never admitted never measures the spread down again.
+    Never under the central prediction: that already holds what the corrections learned of the
+    queue's bias; a spread under 1 (waits lately under the model as it stands, ``wait_spread.py``)
+    judged a request below it, and counted that bias twice: live on Zen 3 it admitted 7 requests
+    whose central prediction was over their SLO, and 5 missed it (2026-12-01-zen3-admission.md §11)."""
     spread = p.instance.queue_spread
-    ttft = p.ttft_s if spread == 1.0 else p.ttft_s + p.queue_s * (spread - 1.0)
+    ttft = p.ttft_s if spread <= 1.0 else p.ttft_s + p.queue_s * (spread - 1.0)
     # The TBT's spread is measured and shown (DecodeInstanceState.tbt_spread) but not judged here:
     # live, a bound on it refused mostly requests that would have met their SLO (47% and 60% of
     # those refused, against 11% with the TTFT bound alone): the TBT misses are the gap tail
