@@ -144,17 +144,40 @@ class PrefillView(Shown[PrefillInstanceState]):
         if job.started_at != now:     # its constructor: dataclasses.replace takes twice as long, per request
             self._swap(job, QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, now, 0, job.pack_cap))
 
-    def report_end(self, request_id: str, ends_at: float) -> bool:
-        """The instance says its started head ``request_id`` ends at ``ends_at`` (from the chunks
-        it has run): priced to end then (``QueuedPrefill.reported_s``). False, and nothing
-        changes, when that job is not the started head here (the instance is ahead of this view,
-        or serves another conductor's job)."""
+    def report_end(self, request_id: str, ends_at: float, now: float | None = None) -> bool:
+        """The instance says the job it runs alone, ``request_id``, ends at ``ends_at`` (from the
+        chunks it has run): priced to end then (``QueuedPrefill.reported_s``). Where this view
+        has another job started or first, it is behind the instance (given ``now``: the live
+        conductor): the instance's job is moved to the head, started ``now``, and the others wait
+        (:meth:`_follow`). False, and nothing changes, for a job this view does not hold (another
+        conductor's), or another than its started head without ``now``."""
         job = next(iter(self._jobs.values()), None)     # (execution order: the head first)
         if job is None or job.request_id != request_id or job.started_at is None:
-            return False
+            return now is not None and request_id in self._jobs and self._follow(request_id, ends_at, now)
         if job.ends_at != ends_at:
             self._swap(job, QueuedPrefill(job.request_id, job.num_tokens, job.num_prefix_tokens, job.started_at,
                                           job.passed, job.pack_cap, ends_at))
+        return True
+
+    def _follow(self, request_id: str, ends_at: float, now: float) -> bool:
+        """The instance runs ``request_id`` alone where this view started another job (or none):
+        the view had guessed its order from its own placements (the one after a job that ended
+        starts), and the instance's differs where a burst reached it in another order than it was
+        placed. Live on Zen 3 a view kept two 200-token prompts started for 28 s that the instance
+        held behind four long jobs, and priced the requests after them 15 s where they waited
+        1 s (docs/results/2026-12-01-zen3-admission.md §11)."""
+        moved = self._jobs[request_id]
+        head = QueuedPrefill(moved.request_id, moved.num_tokens, moved.num_prefix_tokens, now, moved.passed,
+                             moved.pack_cap, ends_at)
+        rest = [job if job.started_at is None else QueuedPrefill(job.request_id, job.num_tokens,
+                                                                 job.num_prefix_tokens, None, job.passed, job.pack_cap)
+                for rid, job in self._jobs.items() if rid != request_id]
+        self._jobs = {head.request_id: head, **{job.request_id: job for job in rest}}
+        self._queue = None
+        if self._model is not None:
+            self._durations = {rid: _priced(self._model, job) for rid, job in self._jobs.items()}
+            self._total = None
+        self._stale()
         return True
 
     def _swap(self, job: QueuedPrefill, new: QueuedPrefill) -> None:

@@ -78,3 +78,21 @@ def test_admission_takes_a_short_prompt_behind_a_long_job_its_instance_says_is_n
     assert admitted.accepted and admitted.predicted_ttft_s == pytest.approx(1.5)
     assert not view.report_end("other", 2.0)    # not the head here: the view's price stands
     assert decide(1.0).predicted_ttft_s == pytest.approx(1.5)
+
+
+def test_a_view_behind_its_instance_follows_the_job_the_instance_says_it_runs():
+    """Live on Zen 3 (docs/results/2026-12-01-zen3-admission.md §11) a view started the next job
+    of its own order when one ended, while the instance ran another: a long one the view still
+    priced whole behind the started short one. Told which job runs (``now`` given: the live
+    conductor's heartbeat), the view puts it first, started, and the short one waits again."""
+    view = PrefillView("p0", "s-p0", 10_000, None)
+    view.price_with(COSTS.prefill)
+    view.add("short", 200, 0, started_at=0.0)   # the view's guess: the short one runs
+    view.add("long", 5000, 0)
+    assert view.report_end("long", 3.0, 2.5)    # the instance: the long one runs, 0.5 s left
+    queue = view.state().queue
+    assert [j.request_id for j in queue] == ["long", "short"]
+    assert queue[0].started_at == 2.5 and queue[0].ends_at == 3.0 and queue[1].started_at is None
+    waited = queues_at([backlog_of(view.state(), COSTS.prefill)], 2.5).queue_s[0]
+    assert waited == pytest.approx(0.5 + COSTS.prefill.predict(200))
+    assert not view.report_end("gone", 3.0, 2.5)    # a job this view does not hold: another conductor's

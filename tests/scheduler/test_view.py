@@ -189,9 +189,17 @@ def test_a_prefill_views_priced_row_is_its_states_backlog(seed):
         elif op == "report" and jobs:  # its instance's heartbeat: the running job's end (the head's only)
             rid = jobs[0] if rng.random() < 0.8 else rng.choice(jobs)
             was = v._jobs[rid]
-            shown = v.report_end(rid, now + rng.uniform(-1.0, 5.0))
-            assert shown == (rid == jobs[0] and was.started_at is not None)
+            follow = rng.random() < 0.3     # the live conductor's: the view follows the instance's job
+            ends = now + rng.uniform(-1.0, 5.0)
+            shown = v.report_end(rid, ends, now if follow else None)
+            assert shown == (follow or rid == jobs[0] and was.started_at is not None)
             assert shown or v._jobs[rid] is was
+            if follow and not (rid == jobs[0] and was.started_at is not None):   # the view followed:
+                # the instance's job first, started, the rest waiting in their order
+                queue = v.state().queue
+                assert queue[0].request_id == rid and queue[0].ends_at == ends and queue[0].started_at is not None
+                assert [j.request_id for j in queue[1:]] == [j for j in jobs if j != rid]
+                assert all(j.started_at is None for j in queue[1:])
             reports += shown
         elif op == "instance":
             v.set_instance("s", None, rng.choice(models), rng.choice([0, 0, 0, 512]), rng.choice([0, 0, 2]))

@@ -180,7 +180,7 @@ class Membership:
             self._states = None
         inst.last_seen = now
         if hb.running is not None and isinstance(inst.view, PrefillView):   # its job by its chunks (progress.py)
-            inst.view.report_end(hb.running.request_id, now + hb.running.left_s)
+            inst.view.report_end(hb.running.request_id, now + hb.running.left_s, now)
         old, inst.load = inst.load, hb.load
         if any(getattr(old, k) != getattr(inst.load, k) for k in STATE_LOAD_KEYS):
             registration.describe(inst.view, inst.reg, inst.load, self.shown_costs(inst))
