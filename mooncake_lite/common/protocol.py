@@ -36,6 +36,7 @@ from mooncake_lite.common.store_events import BlockEvents, StoreCapacity  # noqa
 M = TypeVar("M")
 # The furthest ahead a decode takes a request's KV to be due (GenerateRequest.kv_in_s): an hour.
 MAX_KV_IN_S = 3600.0
+MAX_PLACER_CHARS = 64     # PrefillRequest.placer: a conductor's name
 MAX_PACK_CAP = 1 << 24     # the largest PrefillRequest.pack_cap, Register.prefill_chunk: more than a forward holds
 MAX_BUSY_SCALE = 16.0      # the largest Register.busy_scale: a correction factor's bound (CorrectionConfig.max_factor)
 
@@ -127,10 +128,18 @@ class PrefillRequest:
     migrate_from: str | None = None
     migrate_keys: tuple[str, ...] = ()
     pack_cap: int = 0     # its packed forward's most uncached tokens (its TTFT SLO's; 0: the budget's)
+    # Where its conductor (``placer``: a name of that conductor process) placed it among its requests
+    # (0: not said): a job placed earlier that reaches the instance later passes it uncounted
+    # (scheduler/waiting.placed_after), as the conductor's view has it.
+    placed: int = 0
+    placer: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.pack_cap <= MAX_PACK_CAP:
             raise ValueError(f"pack_cap must be within [0, {MAX_PACK_CAP}] tokens, got {self.pack_cap}")
+        if not 0 <= self.placed < 1 << 62 or len(self.placer) > MAX_PLACER_CHARS:
+            raise ValueError(f"placed must be within [0, 2^62) and placer at most {MAX_PLACER_CHARS} characters, "
+                             f"got {self.placed} and {len(self.placer)}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,8 @@ class Register:
     # ones, timed at start-up (prefill/profiling.busy_scale): what a busy decode beside it, taking
     # its CPUs back, costs its forwards before any was measured. 1: none (or not said).
     busy_scale: float = 1.0
+    # A prefill that reads PrefillRequest.placed (and so may be sent it: an older one refuses it).
+    reads_placed: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefill_chunk <= MAX_PACK_CAP:
@@ -189,8 +200,9 @@ class Register:
 def dumps(msg: Any) -> bytes:
     if isinstance(msg, Heartbeat):   # its load leaves out what the instance does not report
         return orjson.dumps(msg, default=_sparse_load, option=orjson.OPT_PASSTHROUGH_DATACLASS)
-    if isinstance(msg, PrefillRequest) and not msg.pack_cap:   # readable by a prefill from before caps
-        return orjson.dumps({k: v for k, v in msg.__dict__.items() if k != "pack_cap"})
+    if isinstance(msg, PrefillRequest) and not (msg.pack_cap and msg.placed):   # readable by an older prefill
+        left_out = ("pack_cap",) * (not msg.pack_cap) + ("placed", "placer") * (not msg.placed)
+        return orjson.dumps({k: v for k, v in msg.__dict__.items() if k not in left_out})
     return orjson.dumps(msg)  # orjson serialises dataclasses natively (no asdict copy)
 
 

@@ -8,6 +8,7 @@ public API and the flights, the contexts, the internal endpoints and the backgro
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,8 +53,10 @@ class Services:
     on_placed: Callable[[Decision, list[bytes], float], None] | None = None
     # every prediction checked, and the online correction it feeds (conductor/flight/predictions.py)
     predictions: PredictionBook = field(init=False)
-    # requests placed so far (X-Mooncake-Placed): where a refusal fell among them (bench fidelity)
+    # requests placed so far (X-Mooncake-Placed): where a refusal fell among them (bench fidelity);
+    # each admitted one's number goes to its prefill with this process's name (PrefillRequest.placed)
     num_placed: int = 0
+    placer: str = field(default_factory=lambda: secrets.token_hex(4))
     # the last continuations (flight/continuation.py), newest last, for ``mooncake status``
     continuations: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTINUATIONS))
 

@@ -324,4 +324,4 @@ def registration(cfg: Config, service: PrefillService, addresses: dict[str, str]
                     cost=cost_report(service.cost) or CostReport(), pipeline_stages=cfg.pipeline_group,
                     pack_tokens=service.pack_limit, queue_overtakes=service.overtakes,
                     tensor_parallel=cfg.tensor_parallel, prefill_chunk=cfg.prefill_chunk,
-                    busy_scale=service.busy_scale)
+                    busy_scale=service.busy_scale, reads_placed=True)

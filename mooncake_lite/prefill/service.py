@@ -146,7 +146,8 @@ class PrefillService(TurnTaking, Packing):
         expected = uncached_tokens(len(req.token_ids), len(req.prefix_keys) * self.block_size)
         job = QueuedJob(req.request_id, len(req.token_ids), 0, req=req, keys=keys,
                         result=asyncio.get_running_loop().create_future(), on_first=on_first,
-                        arrived_at=time.perf_counter(), expected_uncached=expected)
+                        arrived_at=time.perf_counter(), expected_uncached=expected,
+                        placed=(req.placer, req.placed) if req.placed else None)
         job.result.add_done_callback(_retrieved)
         self.queue[req.request_id] = job
         # Decode hears nothing of this request until its first KV frame: keep it from timing the

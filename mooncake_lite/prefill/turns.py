@@ -46,6 +46,7 @@ class QueuedJob:
     expected_uncached: int = 0
     passed: int = 0
     turn: asyncio.Future | None = None
+    placed: tuple[str, int] | None = None       # where its conductor placed it (PrefillRequest.placed)
 
     @property
     def is_continuation(self) -> bool:
@@ -79,7 +80,7 @@ class TurnTaking:
         The job lands where ``scheduler.waiting.land`` puts it (with ``overtakes`` 0, last: the
         FIFO an asyncio.Lock gave); pack members a running leader serves stay at the head."""
         land(self._waiting, job, self.overtakes, _started)
-        self.turns.note(LAND, job.request_id, job.expected_uncached, job.is_continuation)
+        self.turns.note(LAND, job.request_id, job.expected_uncached, job.is_continuation, job.placed)
         job.turn = asyncio.get_running_loop().create_future()
         self._grant()
         await self._await_turn(job)

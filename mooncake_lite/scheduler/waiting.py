@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from mooncake_lite.scheduler.queue_order import landing
 
-# The record's events: (monotonic time, kind, request id, uncached tokens, continuation).
+# The record's events: (monotonic time, kind, request id, uncached tokens, continuation, where its
+# conductor placed it: [conductor, number] or None; a record from before that field has five).
 LAND = "land"        # a job joined the list where ``land`` put it
 HOLD = "hold"        # a placeholder took the tail (``TurnTaking.hold``: tests)
 START = "start"      # a pack's leader chose a waiting job: it stays, started, at the head
@@ -31,10 +32,11 @@ RECORD_LEN = 8192    # events kept, newest: about 2,000 requests
 
 
 def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> int:
-    """Insert ``job`` (``expected_uncached``, ``passed``, ``is_continuation``) into ``waiting`` (its
-    serving order) behind every ``started`` one and the continuations after them: a continuation
-    there (its client is mid-answer: a priority, not an overtake), a new job where
-    ``queue_order.landing`` puts it, each job it passed counting one overtake more. Returns its index."""
+    """Insert ``job`` (``expected_uncached``, ``passed``, ``is_continuation``, ``placed``) into
+    ``waiting`` (its serving order) behind every ``started`` one and the continuations after them: a
+    continuation there (its client is mid-answer: a priority, not an overtake), a new job where
+    ``queue_order.landing`` puts it, each job it passed counting one overtake more, unless that job
+    was placed after it (:func:`placed_after`). Returns its index."""
     first = 0
     for i, other in enumerate(waiting):
         if started(other):
@@ -47,20 +49,34 @@ def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> i
         at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
                      job.expected_uncached, bound)
         for other in waiting[at:]:
-            other.passed += 1
+            if not placed_after(other, job):
+                other.passed += 1
     waiting.insert(at, job)
     return at
+
+
+def placed_after(a, b) -> bool:
+    """Whether the same conductor placed ``a`` after ``b`` (``PrefillRequest.placed``). Then ``b``
+    passing ``a`` here is no overtake: it reached the instance later though placed first (a
+    burst's requests travel side by side), and the conductor, whose view lands them in the order
+    it placed them, counted none. Counted, a long job's passes ran out at the instance while the
+    conductor still let shorter ones pass it: live on Zen 3 two 200-token prompts waited 30 s
+    behind a 2,724-token job that two of its own burst's members had 'passed' on arrival
+    (docs/results/2026-12-01-zen3-admission.md §11)."""
+    pa, pb = a.placed, b.placed
+    return pa is not None and pb is not None and pa[0] == pb[0] and pa[1] > pb[1]
 
 
 class TurnRecord:
     """The newest changes of a waiting list (module doc), bounded."""
 
     def __init__(self, maxlen: int = RECORD_LEN, clock: Callable[[], float] = time.monotonic) -> None:
-        self.events: deque[tuple[float, str, str, int, bool]] = deque(maxlen=maxlen)
+        self.events: deque[tuple[float, str, str, int, bool, tuple[str, int] | None]] = deque(maxlen=maxlen)
         self._clock = clock
 
-    def note(self, kind: str, request_id: str = "", uncached: int = 0, continuation: bool = False) -> None:
-        self.events.append((self._clock(), kind, request_id, uncached, continuation))
+    def note(self, kind: str, request_id: str = "", uncached: int = 0, continuation: bool = False,
+             placed: tuple[str, int] | None = None) -> None:
+        self.events.append((self._clock(), kind, request_id, uncached, continuation, placed))
 
 
 @dataclass(eq=False)
@@ -71,6 +87,7 @@ class Entry:
     is_continuation: bool = False
     passed: int = 0
     started: bool = False
+    placed: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,9 +130,10 @@ def replay(events: Iterable[Sequence], bound: int, added: Added | None = None) -
             turn_s = _turn(waiting, extra, busy, added.at_s, turn_s)
         if event is None:
             break
-        t, kind, rid, uncached, continuation = event
+        t, kind, rid, uncached, continuation = event[:5]
         if kind == LAND:
-            land(waiting, Entry(rid, uncached, bool(continuation)), bound, _started)
+            placed = tuple(event[5]) if len(event) > 5 and event[5] else None
+            land(waiting, Entry(rid, uncached, bool(continuation), placed=placed), bound, _started)
         elif kind == HOLD:
             waiting.append(Entry(rid, 0))
         elif kind in (START, UNSTART):

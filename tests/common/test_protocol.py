@@ -37,6 +37,17 @@ def test_a_prefill_request_carries_its_pack_cap_and_a_hostile_one_is_refused():
             loads(PrefillRequest, orjson.dumps(old)[:-1] + b',"pack_cap":' + bad + b"}")
 
 
+def test_a_prefill_request_says_where_it_was_placed_and_an_older_prefill_is_sent_none():
+    msg = PrefillRequest("r1", "t1", (1, 2), "127.0.0.1:9", Sampling(), placed=7, placer="c0ffee01")
+    back = loads(PrefillRequest, dumps(msg))
+    assert (back.placed, back.placer) == (7, "c0ffee01")
+    plain = orjson.loads(dumps(replace(msg, placed=0, placer="")))
+    assert "placed" not in plain and "placer" not in plain        # what a prefill from before reads
+    for bad in (b'"placed":-1', b'"placed":4611686018427387904', b'"placer":"' + b"x" * 65 + b'"', b'"placed":1.5'):
+        with pytest.raises(ProtocolError):
+            loads(PrefillRequest, dumps(msg)[:-1] + b"," + bad + b"}")
+
+
 @pytest.mark.parametrize("raw, needle", [
     (b"{", "invalid JSON"),
     (b"[]", "expected a JSON object"),

@@ -253,3 +253,23 @@ async def test_prefill_instances_too_small_for_a_prompt_are_skipped(make_cluster
         await c.completions.create(model="tiny", prompt="a" * 40, max_tokens=2)
     assert "largest prefill instance holds 32" in info.value.message
     await c.close()
+
+
+async def test_each_request_tells_a_prefill_that_reads_it_where_the_conductor_placed_it(make_cluster):
+    """``PrefillRequest.placed``: the conductor's number for the request, with its own name, so
+    the instance counts no overtake for a job placed earlier that reaches it later
+    (scheduler/waiting.placed_after); sent only to a prefill that registered it reads it."""
+    cluster = await make_cluster(prefill=0, decode=1)
+    p0 = await cluster.add("prefill", "p0", store="s0:1", register=False)
+    status, _ = await fakes.register(cluster.session, cluster.url, p0, reads_placed=True)
+    assert status == 200
+    c = client(cluster)
+    for i in range(3):
+        raw = await c.completions.with_raw_response.create(model="tiny", prompt=f"q{i}", max_tokens=2)
+        assert int(raw.headers["X-Mooncake-Placed"]) == p0.requests[-1].placed
+    numbers, names = [r.placed for r in p0.requests], {r.placer for r in p0.requests}
+    assert numbers == sorted(numbers) and len(set(numbers)) == 3 and len(names) == 1 and "" not in names
+    await fakes.register(cluster.session, cluster.url, p0)          # an older prefill: nothing sent
+    await c.completions.create(model="tiny", prompt="q9", max_tokens=2)
+    assert (p0.requests[-1].placed, p0.requests[-1].placer) == (0, "")
+    await c.close()

@@ -36,12 +36,15 @@ class Cluster:
     server: asyncio.Server
 
     async def request(self, rid: str, token_ids: list[int], max_tokens: int, kv_timeout_s: float = 30.0,
-                      sampling: Sampling | None = None, pack_cap: int = 0) -> tuple[list[int], str | None, str | None]:
-        """(tokens, finish_reason, error) the way the conductor would collect them."""
+                      sampling: Sampling | None = None, pack_cap: int = 0,
+                      placed: int = 0) -> tuple[list[int], str | None, str | None]:
+        """(tokens, finish_reason, error) the way the conductor would collect them; ``placed``:
+        its number in one conductor's order (0: not said)."""
         sampling = sampling or Sampling(max_tokens=max_tokens)
         events = self.decode.add_request(GenerateRequest(rid, f"t-{rid}", len(token_ids), sampling, kv_timeout_s))
         result = await self.prefill.prefill(PrefillRequest(rid, f"t-{rid}", tuple(token_ids), self.data, sampling,
-                                                           pack_cap=pack_cap))
+                                                           pack_cap=pack_cap, placed=placed,
+                                                           placer="c0" if placed else ""))
         tokens = [result.first_token]
         while True:
             ev = await events.get()

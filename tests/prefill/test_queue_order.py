@@ -19,10 +19,11 @@ def model():
     return build_model("tiny", seed=3)
 
 
-async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=None):
+async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=None, placed=None):
     """Queue prompts of ``lengths`` (r0 first) while the instance is held; the order the
     instance's forwards took them in (a pack as one tuple) and each request's outcome;
-    ``passed``: filled with what each result says of the later arrivals served before it."""
+    ``passed``: filled with what each result says of the later arrivals served before it;
+    ``placed``: each one's number in its conductor's order (None: not said)."""
     c.prefill.overtakes, c.prefill.batch_tokens = overtakes, batch_tokens
     forwards = []
     run, run_pack, prefill = c.prefill._run, c.prefill._run_pack, c.prefill.prefill
@@ -47,7 +48,7 @@ async def served_order(c, lengths, overtakes, batch_tokens=0, seed=0, passed=Non
     await c.prefill.hold()
     tasks = []
     for i, p in enumerate(prompts):      # one at a time: the arrival order is the index
-        tasks.append(asyncio.ensure_future(c.request(f"r{i}", p, 2)))
+        tasks.append(asyncio.ensure_future(c.request(f"r{i}", p, 2, placed=placed[i] if placed else 0)))
         while len(c.prefill.queue) <= i:
             await asyncio.sleep(0.001)
     c.prefill.unhold()
@@ -65,6 +66,19 @@ def assert_replayed(c, num_grants):
     from mooncake_lite.scheduler.waiting import replay
     replayed = replay(c.prefill.turns.events, c.prefill.overtakes)
     assert replayed.agreed == replayed.grants == num_grants
+
+
+async def test_a_burst_reaching_the_instance_out_of_its_placed_order_counts_no_overtakes(model):
+    """Placed shortest first (r4 #1 ... r0 #5) and reaching the instance longest first: each job
+    passing one placed after it is no overtake, so with a bound of 1 the instance still serves
+    them shortest first, as the conductor priced them; counted, r0's one pass goes to r1, r2's to
+    r3, and the rest wait behind them."""
+    async with cluster(model, block_size=BS, chunk=64) as c:
+        placed = [5, 4, 3, 2, 1]
+        assert await served_order(c, [40, 30, 20, 10, 5], 1, seed=2, placed=placed) == \
+            [("r4",), ("r3",), ("r2",), ("r1",), ("r0",)]
+        assert await served_order(c, [40, 30, 20, 10, 5], 1, seed=3) == \
+            [("r1",), ("r0",), ("r3",), ("r2",), ("r4",)]
 
 
 async def test_fifo_and_shortest_first_within_the_bound(model):

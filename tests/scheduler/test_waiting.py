@@ -47,3 +47,37 @@ def test_a_job_landing_after_a_packs_members_were_chosen_waits_behind_them():
     assert replay(pack, 4, Added(1.0, 10)).turn_s == 2.0
     unrecorded = [e for e in pack if e[1] != START]     # without the start, R would pass B
     assert replay(unrecorded, 4, Added(1.0, 10)).turn_s == 2.0 and replay(unrecorded, 4).agreed == 2
+
+
+def test_a_job_placed_first_that_reaches_the_instance_later_passes_uncounted():
+    """A burst placed shortest first (C #1, then L1-L4 #2-#5, all longer) reaches the instance in
+    another order: the long ones first. C passing them is no overtake (the conductor placed C
+    first and counted none), so their passes are left for the later arrivals the conductor lets
+    pass them: X (#6, longer than C) passes all four. Counted, the four would have used their one
+    each (a bound of 1), and X would have waited behind them."""
+    from mooncake_lite.scheduler.waiting import Entry, land, placed_after
+    waiting = [Entry(f"L{i}", 1000 + i, placed=("c0", 1 + i)) for i in range(1, 5)]   # arrived first
+    land(waiting, Entry("C", 10, placed=("c0", 1)), 1, lambda e: e.started)
+    assert waiting[0].request_id == "C" and all(e.passed == 0 for e in waiting[1:])
+    land(waiting, Entry("X", 15, placed=("c0", 6)), 1, lambda e: e.started)
+    assert [e.request_id for e in waiting][:2] == ["C", "X"] and all(e.passed == 1 for e in waiting[2:])
+    # another conductor's numbers are not comparable, and a job without one counts as before
+    assert not placed_after(Entry("a", 1, placed=("c1", 9)), Entry("b", 1, placed=("c0", 1)))
+    assert not placed_after(Entry("a", 1, placed=("c0", 9)), Entry("b", 1))
+    late = [Entry("L", 1000, placed=("c1", 2))]
+    land(late, Entry("C", 10, placed=("c0", 1)), 1, lambda e: e.started)
+    assert late[1].passed == 1
+
+
+def test_the_record_keeps_where_each_job_was_placed_and_replays_by_it():
+    """The record's landings carry their placement (a sixth field), the replay lands by the same
+    rule: here C, placed before L but reaching the instance after it, leaves L's one pass to X,
+    which the instance served before L. A record of five fields (an older instance) still reads."""
+    events = record((0.0, LAND, "A", 300, False, ("c0", 1)), (0.0, GRANT, "A"),
+                    (1.0, LAND, "L", 200, False, ("c0", 3)), (1.0, LAND, "C", 50, False, ("c0", 2)),
+                    (2.0, LAND, "X", 20, False, ("c0", 4)), (5.0, FREE), (5.0, GRANT, "X"), (6.0, FREE),
+                    (6.0, GRANT, "C"), (7.0, FREE), (7.0, GRANT, "L"), (9.0, FREE))
+    assert replay(events, 1).agreed == 4
+    uncounted = [(*e[:5], None) for e in events]      # without the placements: L out of passes, X behind it
+    assert replay(uncounted, 1).agreed < 4
+    assert replay([e[:5] for e in SHORTEST], 4).agreed == 3

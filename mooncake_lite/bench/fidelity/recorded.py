@@ -41,7 +41,7 @@ def landed(events: Sequence[Sequence], ids: Mapping[str, int]) -> dict[int, tupl
     """Each client request (by ``ids``: completion id → client id) the record saw land first:
     (event index, time, uncached tokens)."""
     out: dict[int, tuple[int, float, int]] = {}
-    for i, (t, kind, rid, uncached, _) in enumerate(events):
+    for i, (t, kind, rid, uncached, *_) in enumerate(events):
         if kind == LAND and (cid := ids.get(_ATTEMPT.sub("", rid))) is not None and cid not in out:
             out[cid] = (i, t, uncached)
     return out

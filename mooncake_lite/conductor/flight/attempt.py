@@ -205,7 +205,8 @@ class Attempt:
     async def _post_prefill(self, span) -> None:
         p, pid = self.prefill, self.prefill.instance_id
         msg = prefill_request(self.decision, self.block_keys, self.upstream_id, self.transfer_id,
-                              self.req.prompt_ids, self.decode.reg.data, self.req.sampling, sent_cap(self.decision, p.reg))
+                              self.req.prompt_ids, self.decode.reg.data, self.req.sampling, sent_cap(self.decision, p.reg),
+                              (self.svc.placer, self.num_placed) if p.reg.reads_placed else None)
         try:
             async with self.svc.session.post(
                     f"http://{p.reg.http}/v1/prefill", data=dumps(msg), headers=self._headers(span),

@@ -134,16 +134,19 @@ def sent_cap(decision: Decision, reg: Register) -> int:
 
 
 def prefill_request(decision: Decision, block_keys: list[bytes], upstream_id: str, transfer_id: str,
-                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling, pack_cap: int) -> PrefillRequest:
+                    prompt_ids: tuple[int, ...], kv_dest: str, sampling: Sampling, pack_cap: int,
+                    placed: tuple[str, int] | None = None) -> PrefillRequest:
     """The prefill call ``decision`` asks for: reuse its prefix blocks, and pull the migrated ones
     from their store first; the KV goes to ``kv_dest`` (decode's data address, or a sink);
-    ``pack_cap``: :func:`sent_cap`."""
+    ``pack_cap``: :func:`sent_cap`; ``placed``: (this conductor's name, the request's number in its
+    order), for a prefill that reads it (``Register.reads_placed``)."""
     m = decision.migration
+    placer, number = placed if placed is not None else ("", 0)
     return PrefillRequest(upstream_id, transfer_id, prompt_ids, kv_dest, sampling,
                           prefix_keys=tuple(k.hex() for k in block_keys[:decision.reused_prefix_blocks]),
                           migrate_from=str(m.source_store_id) if m else None,
                           migrate_keys=tuple(k.hex() for k in m.keys) if m else (),
-                          pack_cap=pack_cap)
+                          pack_cap=pack_cap, placed=number, placer=placer)
 
 
 def _wait_told(svc: Services, snap: ClusterState, decision: Decision, num_tokens: int, now: float) -> str:
