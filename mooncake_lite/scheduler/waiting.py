@@ -35,8 +35,8 @@ def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> i
     """Insert ``job`` (``expected_uncached``, ``passed``, ``is_continuation``, ``placed``) into
     ``waiting`` (its serving order) behind every ``started`` one and the continuations after them: a
     continuation there (its client is mid-answer: a priority, not an overtake), a new job where
-    ``queue_order.landing`` puts it, each job it passed counting one overtake more, unless that job
-    was placed after it (:func:`placed_after`). Returns its index."""
+    ``queue_order.landing`` puts it, each job it passed counting one overtake more, as its
+    conductor placed them (:func:`placed_after`). Returns its index."""
     first = 0
     for i, other in enumerate(waiting):
         if started(other):
@@ -51,18 +51,24 @@ def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> i
         for other in waiting[at:]:
             if not placed_after(other, job):
                 other.passed += 1
+        # and the reverse: shorter jobs placed after it that reached the instance first stand
+        # ahead of it, each an overtake in its conductor's order
+        job.passed += sum(placed_after(other, job) and other.expected_uncached < job.expected_uncached
+                          for other in waiting[first:at])
     waiting.insert(at, job)
     return at
 
 
 def placed_after(a, b) -> bool:
-    """Whether the same conductor placed ``a`` after ``b`` (``PrefillRequest.placed``). Then ``b``
-    passing ``a`` here is no overtake: it reached the instance later though placed first (a
-    burst's requests travel side by side), and the conductor, whose view lands them in the order
-    it placed them, counted none. Counted, a long job's passes ran out at the instance while the
-    conductor still let shorter ones pass it: live on Zen 3 two 200-token prompts waited 30 s
-    behind a 2,724-token job that two of its own burst's members had 'passed' on arrival
-    (docs/results/2026-12-01-zen3-admission.md §11)."""
+    """Whether the same conductor placed ``a`` after ``b`` (``PrefillRequest.placed``). A burst's
+    requests travel side by side and reach the instance in another order than placed; the
+    conductor's view lands them in its own order. So ``b`` passing ``a`` here is no overtake (the
+    conductor counted none), and a shorter ``a`` already ahead when ``b`` lands is one (the
+    conductor counted it). Counted by arrival alone, live on Zen 3 a 2,724-token job's passes ran
+    out at the instance while the conductor still let shorter prompts pass it (two waited 30 s
+    where priced 3 s), and in another run a job the conductor saw passed four times had been
+    passed twice, and ten prompts were refused on a queue of 28-48 s that the instance served in
+    1-3 s (docs/results/2026-12-01-zen3-admission.md §11)."""
     pa, pb = a.placed, b.placed
     return pa is not None and pb is not None and pa[0] == pb[0] and pa[1] > pb[1]
 

@@ -81,3 +81,17 @@ def test_the_record_keeps_where_each_job_was_placed_and_replays_by_it():
     uncounted = [(*e[:5], None) for e in events]      # without the placements: L out of passes, X behind it
     assert replay(uncounted, 1).agreed < 4
     assert replay([e[:5] for e in SHORTEST], 4).agreed == 3
+
+
+def test_a_shorter_job_placed_later_that_arrived_first_counts_as_passing_it():
+    """The reverse order: L (#1, long) is placed before S1 and S2 (#2, #3, shorter), which pass it
+    in the conductor's view; they reach the instance first, and L lands behind them. Its count is
+    what the conductor's view has, two, so with a bound of 3 one more later arrival may pass it,
+    not three."""
+    from mooncake_lite.scheduler.waiting import Entry, land
+    waiting = [Entry("S1", 100, placed=("c0", 2)), Entry("S2", 200, placed=("c0", 3))]
+    land(waiting, Entry("L", 2000, placed=("c0", 1)), 3, lambda e: e.started)
+    assert [e.request_id for e in waiting] == ["S1", "S2", "L"] and waiting[2].passed == 2
+    land(waiting, Entry("X", 50, placed=("c0", 4)), 3, lambda e: e.started)
+    land(waiting, Entry("Y", 60, placed=("c0", 5)), 3, lambda e: e.started)
+    assert waiting[-1].request_id == "Y" and waiting[-2].request_id == "L" and waiting[-2].passed == 3
