@@ -56,10 +56,12 @@ def test_dumps_is_byte_identical_to_encoding_asdict():
     # dumps hands the dataclass to orjson directly instead of deep-copying every token id via asdict.
     s = Sampling(max_tokens=4, temperature=0.5, seed=3, stop_token_ids=(257,))
     for msg in (GenerateRequest("r", "t", 9, s), PrefillRequest("r", "t", (1, 2, 3), "h:1", s, ("ab",), "s:2", ("ab",),
-                                                                pack_cap=7)):
+                                                                pack_cap=7, placed=3, placer="c0")):
         assert dumps(msg) == orjson.dumps(dataclasses.asdict(msg))
-    uncapped = PrefillRequest("r", "t", (1, 2, 3), "h:1", s)   # no cap: the field left off (a prefill from before it)
-    assert dumps(uncapped) == orjson.dumps({k: v for k, v in dataclasses.asdict(uncapped).items() if k != "pack_cap"})
+    # no cap, no placement: those fields left off (what a prefill from before them reads)
+    plain = PrefillRequest("r", "t", (1, 2, 3), "h:1", s)
+    assert dumps(plain) == orjson.dumps({k: v for k, v in dataclasses.asdict(plain).items()
+                                         if k not in ("pack_cap", "placed", "placer")})
 
 
 @pytest.mark.parametrize("body, text", [

@@ -43,16 +43,20 @@ def test_a_flat_report_that_does_not_fit_the_role_is_refused_whole():
 
 def test_a_heartbeat_prices_the_running_job_to_end_when_its_prefill_says():
     """scheduler/progress.py: the prefill's report of its job in progress reaches the view as
-    that job's end, on the conductor's clock; a report of a job it does not show started is
-    ignored (the instance ahead of the conductor, or another conductor's job)."""
+    that job's end, on the conductor's clock; where the view shows another job started, it
+    follows the instance (PrefillView.report_end); a job it does not hold (another conductor's)
+    is ignored."""
     from mooncake_lite.common.protocol import RunningPrefill
     from mooncake_lite.conductor.cluster.membership import PrefillJob
     m = Membership("tiny", 16, 0, dead_after_s=5)
     m.register(_reg("prefill", CostReport(prefill=PrefillCost(0.0, 1e-3))), 0.0)
     m.add_prefill("p0", PrefillJob("a", 4000, 0, "d0"), 10.0)       # the head: started on arrival
     m.add_prefill("p0", PrefillJob("b", 100, 0, "d0"), 10.0)
-    m.heartbeat(Heartbeat("p0", running=RunningPrefill("b", 0.5)), 11.0)   # not the started head
+    m.heartbeat(Heartbeat("p0", running=RunningPrefill("zz", 0.5)), 11.0)   # another conductor's job
     assert [j.ends_at for j in m.instances["p0"].view.state().queue] == [None, None]
     m.heartbeat(Heartbeat("p0", running=RunningPrefill("a", 0.5)), 11.0)
     head = m.instances["p0"].view.state().queue[0]
     assert (head.request_id, head.started_at, head.ends_at, head.reported_s()) == ("a", 10.0, 11.5, 1.5)
+    m.heartbeat(Heartbeat("p0", running=RunningPrefill("b", 0.25)), 12.0)   # the instance runs b, not a
+    queue = m.instances["p0"].view.state().queue
+    assert [(j.request_id, j.started_at, j.ends_at) for j in queue] == [("b", 12.0, 12.25), ("a", None, None)]
