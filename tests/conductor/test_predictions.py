@@ -129,9 +129,8 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
     with pytest.raises(openai.RateLimitError) as info:   # ~3 s of queue + its own ~3.5 s
         await c.completions.create(model="tiny", prompt="x" * 250, max_tokens=2)
     predicted = float(re.search(r"predicted TTFT (\S+)s", info.value.message).group(1))
-    # its log line takes the wait apart (scheduler/explain.py): the three ahead, in order
     said = next(r.getMessage() for r in caplog.records if "rejected: predicted TTFT" in r.getMessage())
-    assert re.search(r"left of the running job \(model\) \+ 2 job\(s\) ahead", said), said
+    assert re.search(r"left of the running job \(model\) \+ 2 job\(s\) ahead", said), said   # explain.py's parts
     # ~2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of
     # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
     retry = int(info.value.response.headers["Retry-After"])
@@ -261,10 +260,9 @@ async def test_a_shortest_first_queue_learns_the_share_of_overtakes_its_jobs_mee
     assert share > 0.5 and "queue" not in book.corrections.get("p0").factors
     state = cluster.svc.membership.snapshot().prefills[0]
     assert state.overtake_share == pytest.approx(share, abs=1 / 32) and len(state.recent_uncached) == 11
-    # the jobs that were priced to wait kept their waits, and admission's bound is their spread
-    # (each with the allowance it was priced with, to be priced again at the share learned since)
-    waits = book.corrections.get("p0").waits
-    assert len(waits) >= 1 and all(w.overtake_full_s > 0 for w in waits) and state.queue_spread == pytest.approx(book.corrections.spread("p0", "wait"), rel=1 / 30)
+    # the jobs priced to wait kept their waits (each with its allowance), admission's bound their spread
+    waits, spread = book.corrections.get("p0").waits, book.corrections.spread("p0", "wait")
+    assert waits and all(w.overtake_full_s > 0 for w in waits) and state.queue_spread == pytest.approx(spread, rel=1 / 30)
     assert book.export()["p0"]["overtake_share"] == pytest.approx(share, abs=1e-4)
 
 
