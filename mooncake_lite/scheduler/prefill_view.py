@@ -166,16 +166,17 @@ class PrefillView(Shown[PrefillInstanceState]):
         placed. Live on Zen 3 a view kept two 200-token prompts started for 28 s that the instance
         held behind four long jobs, and priced the requests after them 15 s where they waited
         1 s (docs/results/2026-12-01-zen3-admission.md §11)."""
-        moved = self._jobs[request_id]
-        head = QueuedPrefill(moved.request_id, moved.num_tokens, moved.num_prefix_tokens, now, moved.passed,
-                             moved.pack_cap, ends_at)
-        rest = [job if job.started_at is None else QueuedPrefill(job.request_id, job.num_tokens,
-                                                                 job.num_prefix_tokens, None, job.passed, job.pack_cap)
-                for rid, job in self._jobs.items() if rid != request_id]
-        self._jobs = {head.request_id: head, **{job.request_id: job for job in rest}}
+        moved = self._jobs.pop(request_id)
+        changed = {request_id: QueuedPrefill(moved.request_id, moved.num_tokens, moved.num_prefix_tokens, now,
+                                             moved.passed, moved.pack_cap, ends_at)}
+        for rid, job in self._jobs.items():      # the view's own started ones wait again
+            if job.started_at is not None:
+                changed[rid] = QueuedPrefill(rid, job.num_tokens, job.num_prefix_tokens, None, job.passed, job.pack_cap)
+        self._jobs = {request_id: changed[request_id], **self._jobs}
+        self._jobs.update(changed)               # (in place: the order stays the view's)
         self._queue = None
-        if self._model is not None:
-            self._durations = {rid: _priced(self._model, job) for rid, job in self._jobs.items()}
+        if self._model is not None:              # only a report, given or dropped, moves a price
+            self._durations.update((rid, _priced(self._model, job)) for rid, job in changed.items())
             self._total = None
         self._stale()
         return True
