@@ -91,6 +91,9 @@ def test_one_request_id_tags_its_log_lines_in_every_role(cluster):
     rid = _complete(cluster["url"])
     # decode logs "finished" as its stream ends, just before the conductor's answer completes
     wait_until(lambda: f"[{rid}]: finished: length" in cluster["decode"].logs(), "decode's last line")
+    # the conductor logs its outcome after the answer's last byte: the client can read it first
+    wait_until(lambda: any(e.get("request_id") == rid and e["msg"].startswith("completions ok")
+                           for e in _json_lines(cluster["conductor"].logs())), "conductor's last line")
     for role in ("conductor", "prefill"):
         tagged = [e for e in _json_lines(cluster[role].logs()) if e.get("request_id") == rid]
         # tagged by the context, not by quoting the id in the message
