@@ -5,7 +5,7 @@ from its own timings; the conductor turns them into those models (``conductor/cl
 the wire a :class:`CostReport` is the nested form, every part optional (null or absent: not
 reported)::
 
-    {"prefill": {"c0": .., "c1": .., "c2": .., "c3": ..},   # PrefillCost, seconds
+    {"prefill": {"c0": .., "c1": .., "c2": .., "c3": .., "later_c0": ..},   # PrefillCost, seconds
      "decode":  {"c0": .., "c1": .., "c2": ..},             # DecodeCost, seconds per step
      "bandwidth_bytes_per_s": 2.5e9}                        # measured inbound KV fetch rate
 
@@ -32,6 +32,7 @@ from typing import Any
 REPORT_KEYS = ("prefill", "decode", "bandwidth_bytes_per_s")
 MAX_COEFFICIENT_S = 3600.0        # seconds per call / token / token pair: beyond, absurd
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e15   # bytes/s: beyond either, absurd
+OPTIONAL = frozenset({"later_c0"})   # coefficients an instance may not have measured: null is "none"
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()         # refusals already logged (bounded: _MAX_LOGGED)
 _MAX_LOGGED = 1024
@@ -40,11 +41,12 @@ _MAX_LOGGED = 1024
 @dataclass(frozen=True)
 class PrefillCost:
     """Seconds to prefill n new tokens on p cached ones: c0 + c1·n + c2·n·(p + n) + c3·p
-    (``PrefillCostModel``)."""
+    (``PrefillCostModel``); ``later_c0`` for c0 in a chunk after a prompt's first (None: c0)."""
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    later_c0: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,13 @@ def _coefficients(cls: type, data: dict[str, Any], where: str) -> dict[str, floa
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ValueError(f"{where}: unknown coefficient(s) {unknown}; expected {names}")
-    for name, v in data.items():
+    given = {name: v for name, v in data.items() if v is not None or name not in OPTIONAL}
+    for name, v in given.items():
         if not (_is_number(v) and 0 <= v < math.inf):
             raise ValueError(f"{where}.{name}: must be a finite number >= 0, got {v!r}")
         if v > MAX_COEFFICIENT_S:
             raise ValueError(f"{where}.{name}: {v!r} s is absurd (over {MAX_COEFFICIENT_S:g} s)")
-    return {name: float(v) for name, v in data.items()}
+    return {name: float(v) for name, v in given.items()}
 
 
 def _log_refusal(message: str) -> None:

@@ -30,6 +30,14 @@ total context — and fits the same cost model to them, robust to outliers:
   slowest 10% of gaps, feels exactly that tail: :meth:`Refiner.ratio_quantiles` says how the
   newest samples (each step once, not a bucket's window) spread around the current model (each one's seconds over its prediction), which
   a decode reports beside its model for the simulator to replay (``sim/batch.py``);
+* a prefill's chunk after a prompt's first is a shape of its own (its bucket and its row): it
+  neither takes the request in nor loads the prefix, and it runs beside a quieter decode than the
+  first, which runs beside the first tokens and KV intake of the jobs just before it. One formula
+  for both, on Zen 3, priced a prompt's second chunk 1.33x what it took and its first at its time
+  (docs/results/2026-12-01-zen3-admission.md §3), and over three live runs the conductor priced
+  forwards over 8 s 1.18x long and those of 1-2 s 0.93x: the later chunks have their own fixed
+  cost (``later_c0``) and carry no load (``c3``), fitted together with the first's
+  (docs/results/2026-12-01-zen3-admission.md §12);
 * the model :meth:`Refiner.current` returns changes only when the new fit moves a prediction
   at some counting bucket by more than ``REPORT_TOLERANCE``: the conductor re-derives an
   instance's estimates whenever its model changes (its caches key on the model object), so
@@ -63,6 +71,8 @@ STEP_RATIO_PREFIX = "step_ratio_q"
 STEP_RATIO_KEYS = tuple(f"{STEP_RATIO_PREFIX}{round(q * 100):02d}" for q in RATIO_QUANTILES)
 
 Model = PrefillCostModel | DecodeCostModel
+Sample = tuple[int, int, float, int]     # (x, y, seconds, kind): Refiner's doc
+LATER = 1                                # a prefill chunk's kind after a prompt's first
 
 
 def cost_report(model: Model | None) -> CostReport | None:
@@ -92,14 +102,14 @@ def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [float(c) for c in coef]
 
 
-def _seconds(sample: tuple[int, int, float]) -> float:
+def _seconds(sample: Sample) -> float:
     return sample[2]
 
 
-def _nearest_ratio(level: list[tuple[tuple[int, int], float]], key: tuple[int, int]) -> float:
+def _nearest_ratio(level: list[tuple[tuple[int, ...], float]], key: tuple[int, ...]) -> float:
     """Of ``(bucket, ratio)`` pairs, the median ratio of the buckets nearest ``key``: by the first
     feature's power of two (a prefill's new tokens, a decode's batch), then by the second's."""
-    def far(bucket: tuple[int, int]) -> tuple[int, int]:
+    def far(bucket: tuple[int, ...]) -> tuple[int, int]:
         return abs(bucket[0] - key[0]), abs(bucket[1] - key[1])
     nearest = min(far(b) for b, _ in level)
     return median(r for b, r in level if far(b) == nearest)
@@ -107,8 +117,9 @@ def _nearest_ratio(level: list[tuple[tuple[int, int], float]], key: tuple[int, i
 
 class Refiner:
     """Recent measurements of one cost model, bucketed by shape (module doc). A measurement
-    is ``(x, y, seconds)`` in the model's own terms: prefill ``(num_tokens, num_prefix_tokens)``,
-    decode ``(batch_size, context_tokens)``. Subclasses say how a shape becomes a fit row."""
+    is ``(x, y, seconds, kind)`` in the model's own terms: prefill ``(num_tokens,
+    num_prefix_tokens)``, decode ``(batch_size, context_tokens)``; ``kind`` 0, or a prefill's
+    ``LATER`` chunk. Subclasses say how a shape becomes a fit row and a prediction."""
 
     MODEL: type[Model]
 
@@ -120,13 +131,13 @@ class Refiner:
         self.prior = prior
         self.prior_points = tuple(p for p in prior_points if self._valid(*p))
         self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
-        self._buckets: dict[tuple[int, int], deque[tuple[int, int, float]]] = {}
+        self._buckets: dict[tuple[int, ...], deque[Sample]] = {}
         self._published: Model | None = prior
         self._num_new = 0        # samples since the last fit
         self.num_samples = 0
         # The buckets keep each shape's newest, so a rare shape weighs as much as a common one:
         # the spread is read from the newest steps in the order they ran instead.
-        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RATIO_WINDOW)
+        self._recent: deque[Sample] = deque(maxlen=RATIO_WINDOW)
 
     # ---- what subclasses define -----------------------------------------------------------
     @staticmethod
@@ -134,24 +145,29 @@ class Refiner:
         raise NotImplementedError
 
     @staticmethod
-    def _bucket(x: int, y: int) -> tuple[int, int]:
+    def _bucket(x: int, y: int, kind: int = 0) -> tuple[int, ...]:
         raise NotImplementedError
 
     @staticmethod
-    def _row(x: int, y: int) -> list[float]:
+    def _row(x: int, y: int, kind: int = 0) -> list[float]:
         raise NotImplementedError
 
+    @staticmethod
+    def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
+        return model.predict(x, y)
+
     # ---- feeding and reading --------------------------------------------------------------
-    def observe(self, x: int, y: int, seconds: float) -> None:
+    def observe(self, x: int, y: int, seconds: float, kind: int = 0) -> None:
         """One measurement; nonsense (non-positive, non-finite) is ignored."""
         if not self._valid(x, y) or not (math.isfinite(seconds) and seconds > 0):
             return
-        key = self._bucket(x, y)
+        key = self._bucket(x, y, kind)
         samples = self._buckets.get(key)
         if samples is None:
             samples = self._buckets[key] = deque(maxlen=self.window)
-        samples.append((x, y, seconds))
-        self._recent.append((x, y, seconds))
+        sample = (x, y, seconds, kind)
+        samples.append(sample)
+        self._recent.append(sample)
         self._num_new += 1
         self.num_samples += 1
 
@@ -166,9 +182,9 @@ class Refiner:
                 self._published = fitted
         return self._published
 
-    def points(self) -> list[tuple[int, int, float]]:
-        """Each counting bucket's median sample ``(x, y, seconds)`` (by time; a real sample, so
-        its shape and time belong together)."""
+    def points(self) -> list[Sample]:
+        """Each counting bucket's median sample ``(x, y, seconds, kind)`` (by time; a real sample,
+        so its shape and time belong together)."""
         return [sorted(samples, key=_seconds)[len(samples) // 2] for samples in self._buckets.values()
                 if len(samples) >= self.min_samples]
 
@@ -179,46 +195,52 @@ class Refiner:
         model = self._published
         if model is None:
             return None
-        ratios = [t / p for x, y, t in self._recent if (p := model.predict(x, y)) > 0]
+        ratios = [t / p for x, y, t, k in self._recent if (p := self._predict(model, x, y, k)) > 0]
         if len(ratios) < min_samples:
             return None
         return [float(v) for v in np.quantile(ratios, quantiles)]
 
     # ---- fitting --------------------------------------------------------------------------
-    def _fit(self, points: list[tuple[int, int, float]]) -> Model | None:
+    def _fit(self, points: list[Sample]) -> Model | None:
         if not points:
             return None
         pts = points + self._prior_points(points)
-        if len(pts) < len(self._row(1, 1)):      # too few shapes to fit every coefficient
+        width = self._width(pts)
+        if len(pts) < width:      # too few shapes to fit every coefficient
             return self._scaled_prior(points)
         # Relative error: each point's row and target divided by its own time, so a 2 ms step
         # weighs as much as a 2 s prefill.
-        rows = [[v / t for v in self._row(x, y)] for x, y, t in pts]
+        rows = [[v / t for v in self._row(x, y, k)[:width]] for x, y, t, k in pts]
         coef = nonneg_fit(rows, [1.0] * len(pts))
         if not all(math.isfinite(c) for c in coef) or not any(coef):
             return None
         return self.MODEL(*coef)
 
-    def _scaled_prior(self, points: list[tuple[int, int, float]]) -> Model | None:
+    def _width(self, points: list[Sample]) -> int:
+        """The coefficients ``points`` can fit (all of a row's, unless a subclass says fewer)."""
+        return len(self._row(1, 0))
+
+    def _scaled_prior(self, points: list[Sample]) -> Model | None:
         scale = self._scale(points)
         if scale is None:
             return None
         return self.MODEL(*(scale * c for c in self.prior.to_dict().values()))
 
-    def _scale(self, points: list[tuple[int, int, float]]) -> float | None:
+    def _scale(self, points: list[Sample]) -> float | None:
         """The median ratio measured / predicted by the prior (None: nothing to compare)."""
         if self.prior is None:
             return None
-        ratios = [t / p for x, y, t in points if (p := self.prior.predict(x, y)) > 0]
+        ratios = [t / p for x, y, t, k in points if (p := self._predict(self.prior, x, y, k)) > 0]
         return median(ratios) if ratios else None
 
-    def _prior_points(self, points: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    def _prior_points(self, points: list[Sample]) -> list[Sample]:
         """The prior's shapes no counting bucket covers, each at the prior's prediction scaled by
         the measured/predicted ratio of the counting buckets nearest it (module doc)."""
         if self.prior is None:
             return []
-        level = [(self._bucket(x, y), t / p) for x, y, t in points if (p := self.prior.predict(x, y)) > 0]
-        covered = {self._bucket(x, y) for x, y, _ in points}
+        level = [(self._bucket(x, y, k), t / p) for x, y, t, k in points
+                 if (p := self._predict(self.prior, x, y, k)) > 0]
+        covered = {self._bucket(x, y, k) for x, y, _, k in points}
         out = []
         for x, y in self.prior_points:
             key = self._bucket(x, y)
@@ -226,15 +248,15 @@ class Refiner:
                 continue
             t = _nearest_ratio(level, key) * self.prior.predict(x, y)
             if t > 0:
-                out.append((x, y, t))
+                out.append((x, y, t, 0))
         return out
 
-    def _moved(self, fitted: Model, points: list[tuple[int, int, float]]) -> bool:
+    def _moved(self, fitted: Model, points: list[Sample]) -> bool:
         old = self._published
         if old is None:
             return True
-        for x, y, _ in points:
-            before, after = old.predict(x, y), fitted.predict(x, y)
+        for x, y, _, k in points:
+            before, after = self._predict(old, x, y, k), self._predict(fitted, x, y, k)
             if abs(after - before) > self.tolerance * max(before, 1e-12):
                 return True
         return False
@@ -242,7 +264,9 @@ class Refiner:
 
 class PrefillRefiner(Refiner):
     """``PrefillCostModel`` from ``(num_tokens, num_prefix_tokens, seconds)``: a chunk of
-    ``num_tokens - num_prefix_tokens`` new tokens computed on top of ``num_prefix_tokens``."""
+    ``num_tokens - num_prefix_tokens`` new tokens computed on top of ``num_prefix_tokens``, a
+    prompt's first (its prefix loaded) or a ``LATER`` one (module doc): the row's coefficients
+    are the model's fields in order, ``later_c0`` last, fitted once a later chunk's bucket counts."""
 
     MODEL = PrefillCostModel
 
@@ -251,13 +275,20 @@ class PrefillRefiner(Refiner):
         return 0 <= y < x
 
     @staticmethod
-    def _bucket(x: int, y: int) -> tuple[int, int]:
-        return (x - y).bit_length(), y.bit_length()
+    def _bucket(x: int, y: int, kind: int = 0) -> tuple[int, ...]:
+        return (x - y).bit_length(), y.bit_length(), kind
 
     @staticmethod
-    def _row(x: int, y: int) -> list[float]:
+    def _row(x: int, y: int, kind: int = 0) -> list[float]:
         n = x - y
-        return [1.0, n, n * x, y]
+        return [0.0, n, n * x, 0.0, 1.0] if kind == LATER else [1.0, n, n * x, y, 0.0]
+
+    @staticmethod
+    def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
+        return model.chunk_after(x, y) if kind == LATER else model.predict(x, y)   # type: ignore[union-attr]
+
+    def _width(self, points: list[Sample]) -> int:
+        return 5 if any(k == LATER for *_, k in points) else 4    # no later chunk: later_c0 is c0
 
 
 class DecodeRefiner(Refiner):
@@ -270,9 +301,9 @@ class DecodeRefiner(Refiner):
         return x > 0 and y >= x
 
     @staticmethod
-    def _bucket(x: int, y: int) -> tuple[int, int]:
+    def _bucket(x: int, y: int, kind: int = 0) -> tuple[int, ...]:
         return x.bit_length(), y.bit_length()
 
     @staticmethod
-    def _row(x: int, y: int) -> list[float]:
+    def _row(x: int, y: int, kind: int = 0) -> list[float]:
         return [1.0, x, y]

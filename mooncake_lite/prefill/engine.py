@@ -32,7 +32,7 @@ from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
 from mooncake_lite.instance.colocation import TIMELINE_LEN
-from mooncake_lite.instance.refine import PrefillRefiner
+from mooncake_lite.instance.refine import LATER, PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner, PackedPass
 from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame
@@ -170,7 +170,7 @@ class StageEngine(PrefixLoading):
         self._busy(seconds)
         job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
         if self.refiner is not None:
-            self.refiner.observe(start + piece.num_tokens, start, seconds)
+            self.refiner.observe(start + piece.num_tokens, start, seconds, chunk_kind(job, start))
         self._store_full_blocks(job, start + piece.num_tokens)
         return out
 
@@ -211,7 +211,8 @@ class StageEngine(PrefixLoading):
             if errors[i] is None:
                 self._store_full_blocks(job, start + len(toks))
         if self.refiner is not None and len(parts) == 1:   # the refined model is of one prompt's pass
-            self.refiner.observe(parts[0][1] + len(parts[0][2]), parts[0][1], seconds)
+            job, start, toks = parts[0]
+            self.refiner.observe(start + len(toks), start, seconds, chunk_kind(job, start))
         return out, errors
 
     def _busy(self, seconds: float) -> None:
@@ -284,3 +285,8 @@ class StageEngine(PrefixLoading):
         while self._puts:
             await asyncio.wait(set(self._puts))
         self.writebacks.flush()
+
+
+def chunk_kind(job: StageJob, start: int) -> int:
+    """The refiner's kind of the chunk of ``job`` from ``start``: its first (0), or a later one."""
+    return LATER if start > job.num_prefix_tokens else 0

@@ -279,7 +279,7 @@ class PrefillService(TurnTaking, Packing):
                     lps += more
                 took = progress.chunk_done(len(chunk), time.perf_counter())
                 if start > prefix and self.cost is not None:
-                    self.later_chunks.observe(self.cost.predict(start + len(chunk), start), took)
+                    self.later_chunks.observe(self.cost.chunk_after(start + len(chunk), start), took)
                 if start + self.chunk_size < n:
                     self.progressed.fire()
         finally:

@@ -78,8 +78,10 @@ class PrefillCostModel(_Coefficients):
     ``t = c0 + c1·n + c2·n·(p + n) + c3·p``
 
     c1 is the linear (MLP/projection) cost, c2 the attention cost of n queries over p + n keys,
-    c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0). An instance that
-    said its chunk has a :class:`ChunkedPrefillCostModel` (:meth:`with_chunk`).
+    c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0): the cached prefix
+    is loaded once, by a prompt's first pass. An instance that said its chunk has a
+    :class:`ChunkedPrefillCostModel` (:meth:`with_chunk`); a chunk after the first costs
+    ``later_c0`` fixed (:meth:`chunk_after`).
     """
 
     c0: float = 0.0
@@ -87,8 +89,9 @@ class PrefillCostModel(_Coefficients):
     c2: float = 0.0
     c3: float = 0.0
     # The fixed cost of each chunk after a prompt's first (None: ``c0``; a one-pass model has none).
-    # A corrected model raises only the first's: its line's offset is fitted once a request
-    # (costs.scaled, forward_fit.py).
+    # An instance measures it apart from the first's (instance/refine.py: the first chunk runs
+    # beside the decode of the jobs before it, and takes in the request); a corrected model
+    # raises only the first's: its line's offset is fitted once a request (costs.scaled, forward_fit.py).
     later_c0: float | None = None
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
@@ -102,6 +105,14 @@ class PrefillCostModel(_Coefficients):
             p = 0
         n = num_tokens - p
         t = self.c0 + self.c1 * n + self.c2 * n * (p + n) + self.c3 * p
+        return t if t > 0.0 else 0.0
+
+    def chunk_after(self, num_tokens: int, num_prefix_tokens: int) -> float:
+        """Seconds of a chunk after a prompt's first, computing tokens ``num_prefix_tokens`` to
+        ``num_tokens`` over the keys before them: ``later_c0`` (or ``c0``) fixed, nothing loaded."""
+        n = num_tokens - num_prefix_tokens
+        later = self.c0 if self.later_c0 is None else self.later_c0
+        t = later + self.c1 * n + self.c2 * n * num_tokens
         return t if t > 0.0 else 0.0
 
     def with_chunk(self, chunk: int) -> PrefillCostModel:
@@ -153,17 +164,16 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         """``n`` > ``chunk`` uncached tokens after ``p`` cached ones, run as k full chunks of C and a
         remainder r (``n = k·C + r``, m = k + (r > 0) forwards), chunk i a forward of n_i new tokens
         over p_i = p + (the earlier chunks' tokens): Σ_i [c0 + c1·n_i + c2·n_i·(p_i + n_i) + c3·p_i]
-        (``later_c0`` for c0 after the first, where set) in O(1). Σ n_i·(p_i + n_i) = n·p +
-        (n² + Σ n_i²)/2 (each pair of tokens once, a token with itself and its own chunk's later
-        ones too), Σ n_i² = k·C² + r²; Σ p_i = m·p + C·k(k−1)/2 + k·C for the remainder. Exact in
-        integers: n² + k·C² + r² is even."""
+        (``later_c0`` for c0 after the first, where set; c3·p once: the first chunk loads the
+        cached prefix, the later ones' keys are their own prompt's) in O(1). Σ n_i·(p_i + n_i) =
+        n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with itself and its own chunk's
+        later ones too), Σ n_i² = k·C² + r². Exact in integers: n² + k·C² + r² is even."""
         c = self.chunk
         k, r = divmod(n, c)
         m = k + 1 if r else k
         pairs = n * p + (n * n + k * c * c + r * r) // 2
-        loads = m * p + c * (k * (k - 1) // 2) + (k * c if r else 0)
         later = self.c0 if self.later_c0 is None else self.later_c0
-        t = self.c0 + later * (m - 1) + self.c1 * n + self.c2 * pairs + self.c3 * loads
+        t = self.c0 + later * (m - 1) + self.c1 * n + self.c2 * pairs + self.c3 * p
         return t if t > 0.0 else 0.0
 
 

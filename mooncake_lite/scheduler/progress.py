@@ -46,7 +46,10 @@ def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, d
     priced_done = model.predict(start, prefix_tokens) if done_tokens > 0 else 0.0
     ratio = later if later is not None else done_s / priced_done if priced_done > 0.0 else 1.0
     ratio = min(max(ratio, 1.0 / RATIO_BOUND), RATIO_BOUND)
-    return max(model.predict(num_tokens, start) * ratio - in_flight_s, 0.0)
+    # the chunks left are later ones (no request to take in, no prefix to load): the whole
+    # prompt's price less the done chunks'
+    rest = model.predict(num_tokens, prefix_tokens) - priced_done if done_tokens > 0 else model.predict(num_tokens, start)
+    return max(rest * ratio - in_flight_s, 0.0)
 
 
 class LaterChunks:

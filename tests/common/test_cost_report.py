@@ -20,6 +20,11 @@ def test_the_nested_form_round_trips_and_every_part_is_optional():
     assert loads(Heartbeat, beat('{"prefill": null, "decode": null}')).cost == CostReport()
     assert loads(Heartbeat, beat("{}")).cost == CostReport()
     assert loads(Heartbeat, beat("null")).cost is None
+    # a later chunk's fixed cost, where the instance measured one (instance/refine.py); null: none
+    chunked = CostReport(prefill=PrefillCost(0.4, 3e-3, 8e-7, 0.0, later_c0=0.05))
+    assert loads(Heartbeat, dumps(Heartbeat("p0", cost=chunked))).cost == chunked
+    assert loads(Heartbeat, beat('{"prefill": {"c0": 1, "later_c0": null}}')).cost == \
+        CostReport(prefill=PrefillCost(c0=1.0))
 
 
 def test_the_flat_form_of_older_instances_is_read_with_the_role():
@@ -40,6 +45,9 @@ def test_the_flat_form_of_older_instances_is_read_with_the_role():
     ('{"decode": {"c0": true}}', "Heartbeat.cost.decode.c0: must be a finite number"),
     ('{"decode": {"c0": null}}', "Heartbeat.cost.decode.c0: must be a finite number"),
     ('{"prefill": {"c1": -1e-9}}', "Heartbeat.cost.prefill.c1: must be a finite number >= 0"),
+    ('{"prefill": {"later_c0": -0.1}}', "Heartbeat.cost.prefill.later_c0: must be a finite number >= 0"),
+    ('{"prefill": {"later_c0": 1e5}}', "Heartbeat.cost.prefill.later_c0: 100000.0 s is absurd"),
+    ('{"later_c0": 1}', r"Heartbeat.cost: unknown key\(s\) \['later_c0'\]"),
     ('{"prefill": [1, 2]}', "Heartbeat.cost.prefill: expected an object of coefficients"),
     ('{"prefill": {"c0": 1}, "c1": 2}', r"Heartbeat.cost: unknown key\(s\) \['c1'\]"),
     ('{"bandwidth": 1}', r"Heartbeat.cost: unknown key\(s\) \['bandwidth'\]"),

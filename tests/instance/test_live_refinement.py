@@ -69,3 +69,4 @@ async def test_prefill_chunks_heal_the_profile_the_heartbeats_carry(model):
     healed = prefill_cost(service)
     assert healed == cost_report(service.cost)
     assert service.cost.predict(40) < BAD_PREFILL.predict(40) / 20
+    assert service.cost.later_c0 is not None     # the chunks after the first, fitted as their own kind

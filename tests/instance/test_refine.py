@@ -152,3 +152,35 @@ def test_any_timings_give_a_usable_model_or_the_prior(timings, prior):
 def test_the_step_ratio_names_are_the_heartbeat_loads_fields_in_quantile_order():
     spread = InstanceLoad(**dict(zip(STEP_RATIO_KEYS, range(len(STEP_RATIO_KEYS)))))
     assert spread.step_ratios == tuple(range(len(RATIO_QUANTILES)))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_prompts_later_chunks_are_fitted_apart_from_its_first(seed):
+    # The Zen 3 shape (instance/refine.py's module doc): a first chunk takes the request in and
+    # runs beside the decode of the jobs before it; the later ones cost less fixed and load nothing.
+    truth = PrefillCostModel(c0=0.5, c1=3e-3, c2=8e-7, c3=2e-4, later_c0=0.05)
+    rng, chunk = random.Random(seed), 512
+    refiner = prefill_refiner(scaled(truth, 1.0))
+    for _ in range(400):
+        prefix, new = rng.choice([0, 64, 512, 1024]), rng.choice([48, 200, 512, 2048])
+        start = prefix
+        while start < prefix + new:          # the instance's loop: chunk by chunk
+            end = min(start + chunk, prefix + new)
+            first = start == prefix
+            t = truth.predict(end, start) if first else truth.chunk_after(end, start)
+            refiner.observe(end, start, noisy(rng, t, 0.1), 0 if first else 1)
+            start = end
+    model = refiner.current().with_chunk(chunk)
+    assert model.later_c0 is not None and abs(model.later_c0 - 0.05) < 0.05 and rel_err(model.c0, 0.5) < 0.15
+    for first, later in [((512, 0), (1024, 512)), ((1536, 1024), (2048, 1536))]:
+        assert rel_err(model.predict(*first), truth.predict(*first)) < 0.06
+        assert rel_err(model.chunk_after(*later), truth.chunk_after(*later)) < 0.06
+    long = truth.with_chunk(chunk).predict(1024 + 2048, 1024)
+    assert rel_err(model.predict(1024 + 2048, 1024), long) < 0.06
+    # one formula for every chunk (the rule before) prices a first chunk or a later one off
+    one = prefill_refiner(scaled(truth, 1.0))
+    for x, y, t, _ in refiner._recent:
+        one.observe(x, y, t)
+    assert one.current().later_c0 is None
+    assert max(rel_err(one.current().predict(1024, 512), truth.chunk_after(1024, 512)),
+               rel_err(one.current().predict(512, 0), truth.predict(512, 0))) > 0.15

@@ -26,11 +26,14 @@ MODEL = PrefillCostModel(c0=0.005, c1=2e-4, c2=1e-7, c3=1e-5)
 
 
 def chunk_by_chunk(model: PrefillCostModel, num_tokens: int, prefix: int, chunk: int) -> float:
-    """The instance's loop (prefill/service.py ``_chunks``), each chunk priced as its own forward."""
-    total, start = 0.0, min(prefix, num_tokens - 1)
+    """The instance's loop (prefill/service.py ``_chunks``), each chunk priced as its own forward:
+    the first loads the cached prefix, a later one has its own fixed cost and loads nothing."""
+    start = min(prefix, num_tokens - 1)
+    end = min(start + chunk, num_tokens)
+    total, start = model.predict(end, start), end
     while start < num_tokens:
         end = min(start + chunk, num_tokens)
-        total += model.predict(end, start)
+        total += model.chunk_after(end, start)
         start = end
     return total
 
@@ -40,9 +43,10 @@ coefficient = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
 
 @settings(max_examples=400, deadline=None)
 @given(st.integers(1, 40_000), st.integers(0, 40_000), st.integers(1, 5_000),
-       st.tuples(coefficient, coefficient, coefficient, coefficient))
+       st.tuples(coefficient, coefficient, coefficient, coefficient, st.none() | coefficient))
 def test_the_closed_form_is_the_sum_of_the_chunks(num_tokens, prefix, chunk, scales):
-    model = PrefillCostModel(*(s * c for s, c in zip(scales, (0.01, 1e-4, 1e-8, 1e-6))))
+    later = None if scales[4] is None else scales[4] * 0.01
+    model = PrefillCostModel(*(s * c for s, c in zip(scales, (0.01, 1e-4, 1e-8, 1e-6))), later)
     got = model.with_chunk(chunk).predict(num_tokens, prefix)
     assert got == pytest.approx(chunk_by_chunk(model, num_tokens, prefix, chunk), rel=1e-12, abs=1e-15)
 

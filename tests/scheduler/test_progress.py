@@ -22,6 +22,17 @@ def test_seconds_left_scales_the_chunks_left_by_how_the_done_ones_ran():
     assert seconds_left(MODEL, 4000, 1000, 1000, 0.1, 5.0) == 0.0                  # never below nothing
 
 
+def test_the_chunks_left_are_priced_as_later_ones():
+    # 1,000 cached, 3,000 to compute in three chunks: the first loads the prefix and takes the
+    # request in (c0), the later ones neither (later_c0, no c3 load)
+    model = PrefillCostModel(c0=0.5, c1=1e-3, c3=1e-4, later_c0=0.1).with_chunk(1000)
+    first = model.predict(2000, 1000)
+    assert first == pytest.approx(0.5 + 1.0 + 0.1)
+    assert model.chunk_after(3000, 2000) == model.chunk_after(4000, 3000) == pytest.approx(1.1)
+    assert seconds_left(model, 4000, 1000, 1000, first, 0.0) == pytest.approx(2.2)     # as priced
+    assert model.predict(4000, 1000) == pytest.approx(first + 2.2)
+
+
 def test_the_measured_speed_moves_the_price_within_its_bound():
     # a first chunk 100x off either way (a burst beside it, a stall) moves the rest RATIO_BOUND x at most
     assert seconds_left(MODEL, 2000, 0, 1000, 100.0, 0.0) == pytest.approx(1.0 * RATIO_BOUND)
