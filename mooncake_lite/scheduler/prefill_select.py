@@ -91,11 +91,11 @@ def _packed(req: ScheduleRequest, model, queue_s: float, prefix_tokens: int,
         started = len(backlog.started)
         start, own = priced(backlog.queue, model, backlog.pack_tokens, p.overtakes, req.num_tokens, prefix_tokens,
                             backlog.cumulative_s[started - 1] if started else None)
-        # (done is the backlog's sum less its queue: a head just over leaves a rounding error, no wait)
-        wait = (start - done) * q if start > done + 1e-9 else 0.0
+        wait = (start - done) * q if start > done else 0.0
         # a job that starts at once (wait 0) is passed by nobody: only a waiting one is priced for it
+        # (done is the backlog's sum less its queue: a head just over leaves a rounding error, no wait)
         allowance = overtake_allowance(model, p.overtakes, req.num_tokens, prefix_tokens, p.overtake_share,
-                                       p.recent_uncached) if wait > 0.0 else 0.0
+                                       p.recent_uncached) if wait > 1e-9 else 0.0
         if p.join_share:
             allowance += join_allowance(model, backlog.pack_tokens, req.num_tokens, prefix_tokens, p.join_share)
         return wait + allowance, own
