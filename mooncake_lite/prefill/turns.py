@@ -47,6 +47,8 @@ class QueuedJob:
     passed: int = 0
     turn: asyncio.Future | None = None
     placed: tuple[str, int] | None = None       # where its conductor placed it (PrefillRequest.placed)
+    overtook: tuple = ()                        # what its landing counted (waiting.land: undone if it lands again)
+    counted: int = 0
 
     @property
     def is_continuation(self) -> bool:

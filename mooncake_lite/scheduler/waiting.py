@@ -32,11 +32,19 @@ RECORD_LEN = 8192    # events kept, newest: about 2,000 requests
 
 
 def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> int:
-    """Insert ``job`` (``expected_uncached``, ``passed``, ``is_continuation``, ``placed``) into
-    ``waiting`` (its serving order) behind every ``started`` one and the continuations after them: a
-    continuation there (its client is mid-answer: a priority, not an overtake), a new job where
-    ``queue_order.landing`` puts it, each job it passed counting one overtake more, as its
-    conductor placed them (:func:`placed_after`). Returns its index."""
+    """Insert ``job`` (``expected_uncached``, ``passed``, ``is_continuation``, ``placed``,
+    ``overtook``, ``counted``) into ``waiting`` (its serving order) behind every ``started`` one and
+    the continuations after them: a continuation there (its client is mid-answer: a priority, not
+    an overtake), a new job where ``queue_order.landing`` puts it, each job it passed counting one
+    overtake more, as its conductor placed them (:func:`placed_after`). Returns its index.
+
+    The waiting jobs its conductor placed after it, which reached the instance first, step back
+    and land again behind it, in their placed order. Counting overtakes in the placed order was
+    not enough: a later-placed job that arrived first took the last pass over a long job that
+    the conductor had given an earlier-placed one. Live on Zen 3 a 64-token prompt priced 2.2 s,
+    placed third of its burst, reached the instance after a 300-token one placed fifth, which
+    took the last pass over three waiting jobs; the 64-token one waited 10.9 s behind them, and a
+    198-token one 27 s where priced 5.7 s (docs/results/2026-12-01-zen3-admission.md §12)."""
     first = 0
     for i, other in enumerate(waiting):
         if started(other):
@@ -44,19 +52,42 @@ def land(waiting: list, job, bound: int, started: Callable[[object], bool]) -> i
     while first < len(waiting) and waiting[first].is_continuation:
         first += 1
     if job.is_continuation:
-        at = first
-    else:
-        at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
-                     job.expected_uncached, bound)
-        for other in waiting[at:]:
-            if not placed_after(other, job):
-                other.passed += 1
-        # and the reverse: shorter jobs placed after it that reached the instance first stand
-        # ahead of it, each an overtake in its conductor's order
-        job.passed += sum(placed_after(other, job) and other.expected_uncached < job.expected_uncached
-                          for other in waiting[first:at])
+        waiting.insert(first, job)
+        return first
+    early = [o for o in waiting[first:] if not o.is_continuation and placed_after(o, job)]
+    for other in early:
+        _unland(waiting, other)
+    _land_one(waiting, job, first, bound)
+    for other in sorted(early, key=_placed_number):
+        _land_one(waiting, other, first, bound)
+    return next(i for i, other in enumerate(waiting) if other is job)
+
+
+def _land_one(waiting: list, job, first: int, bound: int) -> None:
+    at = landing([j.expected_uncached for j in waiting], [j.passed for j in waiting], first,
+                 job.expected_uncached, bound)
+    job.overtook = tuple(other for other in waiting[at:] if not placed_after(other, job))
+    for other in job.overtook:
+        other.passed += 1
+    # and the reverse: shorter jobs placed after it that stand ahead of it (started, or landed
+    # where it could not pass them), each an overtake in its conductor's order
+    job.counted = sum(placed_after(other, job) and other.expected_uncached < job.expected_uncached
+                      for other in waiting[first:at])
+    job.passed += job.counted
     waiting.insert(at, job)
-    return at
+
+
+def _unland(waiting: list, job) -> None:
+    """Take ``job`` out as if it had not landed: the overtakes its landing counted, undone."""
+    waiting.remove(job)
+    for other in job.overtook:
+        other.passed -= 1
+    job.passed -= job.counted
+    job.overtook, job.counted = (), 0
+
+
+def _placed_number(job) -> int:
+    return job.placed[1]
 
 
 def placed_after(a, b) -> bool:
@@ -94,6 +125,8 @@ class Entry:
     passed: int = 0
     started: bool = False
     placed: tuple[str, int] | None = None
+    overtook: tuple = ()       # what its landing counted (land)
+    counted: int = 0
 
 
 @dataclass(frozen=True)

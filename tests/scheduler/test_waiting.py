@@ -95,3 +95,22 @@ def test_a_shorter_job_placed_later_that_arrived_first_counts_as_passing_it():
     land(waiting, Entry("X", 50, placed=("c0", 4)), 3, lambda e: e.started)
     land(waiting, Entry("Y", 60, placed=("c0", 5)), 3, lambda e: e.started)
     assert waiting[-1].request_id == "Y" and waiting[-2].request_id == "L" and waiting[-2].passed == 3
+
+
+def test_a_job_placed_earlier_takes_back_the_pass_a_later_placed_one_took_by_arriving_first():
+    """Three long jobs wait with one pass left each (a bound of 2). The conductor places C (64
+    tokens, #2) then L (300, #3): C passes them, L finds no pass left. L reaches the instance
+    first and takes the passes; when C lands, L steps back and lands again behind it, as placed
+    (live on Zen 3: C waited 10.9 s where priced 2.2 s, waiting.land). The record replays so."""
+    from mooncake_lite.scheduler.waiting import Entry, land
+    waiting = [Entry(f"W{i}", 800 + i, passed=1) for i in range(3)]
+    land(waiting, Entry("L", 300, placed=("c0", 3)), 2, lambda e: e.started)
+    assert waiting[0].request_id == "L" and all(e.passed == 2 for e in waiting[1:])   # as it arrived
+    land(waiting, Entry("C", 64, placed=("c0", 2)), 2, lambda e: e.started)
+    assert [e.request_id for e in waiting] == ["C", "W0", "W1", "W2", "L"]
+    assert [e.passed for e in waiting] == [0, 2, 2, 2, 0]
+    events = record(*[(0.0, LAND, f"W{i}", 800 + i, False, None) for i in range(3)],
+                    (0.1, LAND, "X", 10, False, None), (0.2, GRANT, "X"),   # (one pass each, as above)
+                    (1.0, LAND, "L", 300, False, ("c0", 3)), (1.0, LAND, "C", 64, False, ("c0", 2)), (2.0, FREE),
+                    *[e for rid in ("C", "W0", "W1", "W2", "L") for e in ((2.0, GRANT, rid), (3.0, FREE))])
+    assert replay(events, 2).agreed == 6
