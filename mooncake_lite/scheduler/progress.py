@@ -48,8 +48,7 @@ def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, d
     ratio = min(max(ratio, 1.0 / RATIO_BOUND), RATIO_BOUND)
     # the chunks left are later ones (no request to take in, no prefix to load): the whole
     # prompt's price less the done chunks'
-    rest = model.predict(num_tokens, prefix_tokens) - priced_done if done_tokens > 0 else model.predict(num_tokens, start)
-    return max(rest * ratio - in_flight_s, 0.0)
+    return max((model.predict(num_tokens, prefix_tokens) - priced_done) * ratio - in_flight_s, 0.0)
 
 
 class LaterChunks:

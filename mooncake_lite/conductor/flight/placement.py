@@ -52,7 +52,7 @@ def place(svc: Services, request_id: str, req: ApiRequest, now: float, *, tenant
             svc.metrics.migrations.inc(len(decision.migration.keys))
         if svc.on_placed is not None:
             svc.on_placed(decision, keys, now)
-        log.debug("%s: %s TBT %.3gs", request_id, decision.reason, decision.predicted_tbt_s)
+        log.debug("%s: %s TBT %.3gs", request_id, decision.reason, decision.bound_tbt_s)   # the step judged
         return decision, keys
     cause = decision.reject_cause
     if cause == "no-prefill" or (cause == "no-decode" and not svc.membership.alive("decode")):
