@@ -10,7 +10,7 @@ import pytest
 
 from mooncake_lite.bench.fidelity import admission
 from mooncake_lite.bench.fidelity.admission import Outcome
-from mooncake_lite.bench.fidelity.anchored import anchored_ttfts, compute_scale, jobs_of
+from mooncake_lite.bench.fidelity.anchored import Packing, anchored_ttfts, compute_scale, jobs_of
 from mooncake_lite.bench.fidelity.report import admission_lines
 from mooncake_lite.trace.format import TraceRequest
 
@@ -109,6 +109,44 @@ def test_its_own_forward_is_the_model_times_lives_ratio():
     assert compute_scale(found, predict) == pytest.approx(2.0) and lag == pytest.approx(LAG)
     assert anchored_ttfts([(9, 55.0, 300, 0)], jobs, fw, predict, 4)[9] == pytest.approx(2 * predict(300) + LAG)
     assert compute_scale(found[:4], predict) == 1.0     # too few to measure
+
+
+PACKS = Packing(512, 0.1)      # a pack holds 512 uncached tokens; a member saves the model's 0.1 s fixed
+
+
+def test_it_leads_the_pack_live_served_next_and_ends_with_it():
+    # a 2,000-token job runs 0-2.1 s; two prompts waiting behind it ran as one pack from 2.1 s
+    long = served(0, 0.0, 0.0, 2000)
+    pack_end = 2.1 + predict(200) + predict(150) - 0.1
+    s = [long[0], (1, 0.5, pack_end + LAG, 200, 0), (2, 0.6, pack_end + LAG, 150, 0)]
+    fw = {"p0": [long[1], [2.1, pack_end]]}
+    alone = anchored_ttfts([(9, 1.0, 50, 0)], s, fw, predict, 4)[9]
+    assert alone == pytest.approx(2.1 - 1.0 + predict(50) + LAG)        # packing left out
+    packed = anchored_ttfts([(9, 1.0, 50, 0)], s, fw, predict, 4, packing=PACKS)[9]
+    assert packed == pytest.approx(pack_end - 1.0 + predict(50) - 0.1 + LAG)   # live's pack, and its tokens
+    # room for one beside it: it leads a pack with the 150 (cut shortest first), priced by the model
+    part = anchored_ttfts([(9, 1.0, 100, 0)], s, fw, predict, 4, packing=Packing(300, 0.1))[9]
+    assert part == pytest.approx(2.1 - 1.0 + predict(100) + predict(150) - 0.1 + LAG)
+    # a prompt over the bound runs alone, chunked
+    assert anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4, packing=PACKS)[9] == pytest.approx(
+        anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4)[9])
+
+
+def test_it_joins_a_pack_that_formed_after_it_came_with_room_for_it():
+    # the 2,000-token job ran 0-2.1 s; a pack of two ran from 2.1 s: one sent before it (the
+    # refused is shorter: it lands before that one, so it leads), and here both are shorter than it
+    long = served(0, 0.0, 0.0, 2000)
+    pack_end = 2.1 + predict(30) + predict(40) - 0.1
+    s = [long[0], (1, 0.5, pack_end + LAG, 30, 0), (2, 0.6, pack_end + LAG, 40, 0)]
+    fw = {"p0": [long[1], [2.1, pack_end]]}
+    # without packing it waits for the pack of the two shorter ones, then runs alone
+    alone = anchored_ttfts([(9, 1.0, 100, 0)], s, fw, predict, 4)[9]
+    assert alone == pytest.approx(pack_end - 1.0 + predict(100) + LAG)
+    joined = anchored_ttfts([(9, 1.0, 100, 0)], s, fw, predict, 4, packing=PACKS)[9]
+    assert joined == pytest.approx(pack_end - 1.0 + predict(100) - 0.1 + LAG)    # in it: sooner
+    # sent after that pack formed, it could not join it
+    late = anchored_ttfts([(9, 2.2, 100, 0)], s, fw, predict, 4, packing=PACKS)[9]
+    assert late == pytest.approx(pack_end - 2.2 + predict(100) + LAG)
 
 
 def _trace():

@@ -23,11 +23,19 @@ the simulator had started that prompt 6 s later, the burst found its prefill idl
   and it starts when the last of those ahead of it ended live;
 - its own forward: the exported model's prefill for its uncached tokens × live's measured ratio
   of forward to model (single-prompt forwards of ≤ 256 uncached tokens), then live's median lag
-  from a forward's end to the client's first token.
+  from a forward's end to the client's first token;
+- on prefills that pack short prompts (``--prefill-batch-tokens``), that forward is a pack
+  (:func:`forward_end`): the one live ran just before its turn, if it formed after the request was
+  sent and had room for it (it ends with that pack, its own tokens added), else the one live ran
+  next, led by it, with the members that were waiting and fit beside it. Judged alone, as before
+  issue #36's session 39, a short prompt of a burst refused while a long prompt ran "would have
+  met" in 10.0 s where it would have led a pack with the 274-token prompt behind it (1.24 s
+  measured) and ended at 11.0 s, over its SLO of 10.1 s: over ten runs on Zen 3, 15 of 53 refusals
+  judged "would have met" alone were misses in the pack (docs/results/2026-12-01-zen3-admission.md §13).
 
-Biases, stated with the figure: packing is left out (a short prompt could have joined a pack
-ahead of it and ended sooner), so is what the request would have done to others — neither matters
-for its own TTFT beyond its pack; the order within a burst is taken against the request. It
+Biases, stated with the figure: the members' SLO caps on a pack (``packing.slo_pack_cap``) are left
+out (a pack is as large as the token bound lets it), so is what the request would have done to
+others — neither matters for its own TTFT beyond its pack; the order within a burst is taken against the request. It
 judges TTFT only: no refusal in these runs was for TBT, whose outcome stays the simulator's.
 One prefill instance per node is assumed (`mooncake up`'s); with several, the first-token
 matches each request to the forward ending last before it on any of them, and the request is
@@ -40,11 +48,15 @@ import statistics
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from mooncake_lite.scheduler.costs import uncached_tokens
+from mooncake_lite.scheduler.costs import pack_sizes, uncached_tokens
 from mooncake_lite.scheduler.queue_order import landing
 
 SCALE_MAX_TOKENS = 256   # the forwards live's compute ratio is measured on: short single prompts
+# How far from a refused request's turn the forward ending before it, or starting after it, may
+# lie and still be the one it would have joined or led (a turn's lead to its forward: milliseconds).
+JOIN_GAP_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -139,19 +151,73 @@ def start_on(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], send
     return start
 
 
+class Packing(NamedTuple):
+    """How the live prefills packed short prompts into one forward (``scheduler.costs.pack_sizes``):
+    ``tokens``, the uncached tokens a pack may hold (0: none); ``c0``, the exported model's fixed
+    seconds a forward, which a prompt joining a pack does not pay again (``packed_seconds``)."""
+
+    tokens: int = 0
+    c0: float = 0.0
+
+
+NO_PACKING = Packing()
+
+
+def _pack_members(node_jobs: Sequence[Job], forward: Sequence[float]) -> list[Job]:
+    """The admitted jobs that ``forward`` ran whole (a chunked prompt's last chunk holds no pack)."""
+    return [j for j in node_jobs if j.end_s == forward[1]]
+
+
+def forward_end(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], first: float, send_s: float,
+                uncached: int, own_s: float, packing: Packing, price: Callable[[Job], float]) -> float:
+    """When a refused request's forward would have ended, its turn coming at ``first`` (its forward
+    alone takes ``own_s``, an admitted job's ``price(job)``): it joins the pack that ended at
+    ``first`` where that pack formed after it was sent and had room for it (the jobs ahead of it,
+    cut with it behind them: it ends with them, adding its tokens); else it leads the next pack
+    with the jobs live served next that were there at ``first`` and fit beside it (cut shortest
+    first, as a burst lands). The members' caps from their SLOs (``packing.slo_pack_cap``) are
+    left out: a pack is taken as large as the token bound lets it."""
+    limit = packing.tokens
+    if limit <= 0 or uncached > limit:
+        return first + own_s
+    extra = max(own_s - packing.c0, 0.0)       # what it adds to a forward it joins
+    before = [f for f in forwards if first - JOIN_GAP_S <= f[1] <= first + 1e-9]
+    if before:
+        ahead = max(before, key=lambda f: f[1])
+        members = _pack_members(node_jobs, ahead)
+        if members and ahead[0] > send_s and sum(j.uncached for j in members) + uncached <= limit:
+            return ahead[1] + extra
+    after = [f for f in forwards if first - JOIN_GAP_S <= f[0] <= first + JOIN_GAP_S]
+    if not after:
+        return first + own_s
+    nxt = min(after, key=lambda f: f[0])
+    live = _pack_members(node_jobs, nxt)
+    there = sorted((j for j in live if j.send_s <= first), key=lambda j: (j.uncached, j.send_s))
+    size = pack_sizes([uncached, *(j.uncached for j in there)], limit)[0] - 1
+    if size == len(live) > 0:        # the whole of live's next forward, and it: measured, plus its own
+        return first + (nxt[1] - nxt[0]) + extra
+    return first + own_s + sum(max(price(j) - packing.c0, 0.0) for j in there[:size])
+
+
 def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
                    forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int,
-                   window_s: float = 0.0, recorded: Mapping[str, Callable] | None = None) -> dict[int, float]:
+                   window_s: float = 0.0, recorded: Mapping[str, Callable] | None = None,
+                   packing: Packing = NO_PACKING) -> dict[int, float]:
     """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
     prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound;
     ``window_s``: the conductor's burst window; ``recorded``: by node, the start its own record of
-    turns gives (``recorded.recorded_start``), taken over the guess where it tells."""
+    turns gives (``recorded.recorded_start``), taken over the guess where it tells; ``packing``:
+    how the live prefills packed (:func:`forward_end`)."""
     jobs, lag = jobs_of(served, forwards)
     if not jobs:
         return {}
     scale = compute_scale(jobs, predict)
     by_node = {node: [j for j in jobs if j.node == node] for node in forwards}
     recorded = recorded or {}
+    scaled = packing._replace(c0=scale * packing.c0)
+
+    def price(j: Job) -> float:
+        return scale * predict(j.tokens, j.prefix)
 
     def start(n: str, rid: int, send: float, uncached: int) -> float:
         told = recorded[n](rid, send, uncached) if n in recorded else None
@@ -159,16 +225,18 @@ def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
     out = {}
     for rid, send, tokens, prefix in refused:
         uncached = uncached_tokens(tokens, prefix)
-        first = min(start(n, rid, send, uncached) for n in forwards if by_node[n])
-        out[rid] = first + scale * predict(tokens, prefix) + lag - send
+        own = scale * predict(tokens, prefix)
+        end = min(forward_end(by_node[n], forwards[n], start(n, rid, send, uncached), send, uncached, own, scaled,
+                              price) for n in forwards if by_node[n])
+        out[rid] = end + lag - send
     return out
 
 
 def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], predict, bound: int,
-                window_s: float = 0.0):
+                window_s: float = 0.0, packing: Packing = NO_PACKING):
     """``admission.judge``'s ``anchor`` for a live run: its client ``records``, each request's prompt
     ``tokens`` as the simulator has them, the instances' ``timelines`` (``timelines.json``): a
-    prefill's record of turns where it has one (``recorded.py``)."""
+    prefill's record of turns where it has one (``recorded.py``); ``packing``: the prefills'."""
     from mooncake_lite.bench.fidelity.recorded import landed, numbered, recorded_start
     forwards = {url: t["forwards"] for url, t in timelines.items() if t.get("forwards")}
     served = [(r.request_id, r.send_s, r.chunk_s[0], tokens[r.request_id], r.cached_tokens or 0)
@@ -183,5 +251,5 @@ def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping
 
     def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
         return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,
-                              predict, bound, window_s, recorded)
+                              predict, bound, window_s, recorded, packing)
     return anchor

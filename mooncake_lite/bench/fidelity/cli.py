@@ -224,6 +224,7 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: d
     own timeline (``anchored.py``)."""
     from mooncake_lite.bench.fidelity import admission
     from mooncake_lite.bench.fidelity.anchored import live_anchor
+    from mooncake_lite.bench.fidelity.sim import live_packing
     absolute = (ns.ttft_slo or None, ns.tbt_slo or None)   # as the simulated and live conductors take them
     limits = admission.applied(records, admission.slo_limits(hw, absolute, (ns.ttft_slo_factor, ns.tbt_slo_factor)))
     sim = admission.admitting_all(hw, absolute[0], slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor),
@@ -232,7 +233,8 @@ def admission_outcomes(ns: Options, trace, records, hw, slos: dict, timelines: d
                                   overtakes=live_overtakes(getattr(ns, "prefill_args", "")),
                                   burst_window_s=ns.burst_window)
     anchor = live_anchor(records, {t.request_id: t.input_length for t in trace}, timelines, hw.prefill.predict,
-                         live_overtakes(getattr(ns, "prefill_args", "")), ns.burst_window)
+                         live_overtakes(getattr(ns, "prefill_args", "")), ns.burst_window,
+                         live_packing(ns, hw.prefill))
     end_s = max((t.timestamp_ms for t in trace), default=0.0) / 1e3   # the last arrival (admission.judged)
     out = admission.judge(trace, admission.outcomes_of(records), limits, sim, anchor, end_s)
     out["turns_replayed"] = turns_replayed(timelines, live_overtakes(getattr(ns, "prefill_args", "")))

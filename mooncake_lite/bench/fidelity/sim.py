@@ -102,6 +102,14 @@ def live_overtakes(prefill_args: str) -> int:
     return bound_of(known.queue_order, known.queue_overtakes)
 
 
+def live_packing(ns, model):
+    """How the prefills this bench starts pack (``anchored.Packing``): ``--prefill-batch-tokens``
+    within a chunk, as the prefill's ``pack_limit`` and the simulator's nodes cut them."""
+    from mooncake_lite.bench.fidelity.anchored import Packing
+    batch, chunk = ns.prefill_batch_tokens, _live_prefill_flags(getattr(ns, "prefill_args", "")).prefill_chunk
+    return Packing(min(batch, chunk) if batch > 0 else 0, model.c0)
+
+
 def live_profile(path, prefill_args: str):
     """The hardware a live export (``sim export-costs``) describes, its prefill run as the live
     prefills run it: a prompt over their chunk (the role's default ``--prefill-chunk`` unless
