@@ -127,6 +127,9 @@ def test_it_leads_the_pack_live_served_next_and_ends_with_it():
     # room for one beside it: it leads a pack with the 150 (cut shortest first), priced by the model
     part = anchored_ttfts([(9, 1.0, 100, 0)], s, fw, predict, 4, packing=Packing(300, 0.1))[9]
     assert part == pytest.approx(2.1 - 1.0 + predict(100) + predict(150) - 0.1 + LAG)
+    # sent before the two were placed, its decision priced it alone: its cap keeps them out
+    early = anchored_ttfts([(9, 0.4, 50, 0)], s, fw, predict, 4, packing=PACKS)[9]
+    assert early == pytest.approx(2.1 - 0.4 + predict(50) + LAG)
     # a prompt over the bound runs alone, chunked
     assert anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4, packing=PACKS)[9] == pytest.approx(
         anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4)[9])

@@ -27,16 +27,17 @@ the simulator had started that prompt 6 s later, the burst found its prefill idl
 - on prefills that pack short prompts (``--prefill-batch-tokens``), that forward is a pack
   (:func:`forward_end`): the one live ran just before its turn, if it formed after the request was
   sent and had room for it (it ends with that pack, its own tokens added), else the one live ran
-  next, led by it, with the members that were waiting and fit beside it. Judged alone, as before
-  issue #36's session 39, a short prompt of a burst refused while a long prompt ran "would have
-  met" in 10.0 s where it would have led a pack with the 274-token prompt behind it (1.24 s
-  measured) and ended at 11.0 s, over its SLO of 10.1 s: over ten runs on Zen 3, 15 of 53 refusals
-  judged "would have met" alone were misses in the pack (docs/results/2026-12-01-zen3-admission.md §13).
+  next, led by it, with the members that were waiting and fit beside it; within the cap its
+  decision would have set (the pack it was priced in: :func:`priced_pack`). Judged alone, a short
+  prompt of a burst refused while a long prompt ran "would have met" in 10.0 s where, priced in a
+  pack with the 324-token prompt placed before it, it would have led the 274-token one behind it
+  (1.24 s measured) and ended at 11.0 s, over its SLO of 10.1 s (run 38d-1). Re-judged, 3 of the
+  76 refusals of sixteen Zen 3 runs judged "would have met" alone were misses in their pack, none
+  the other way (docs/results/2026-12-01-zen3-admission.md §13).
 
-Biases, stated with the figure: the members' SLO caps on a pack (``packing.slo_pack_cap``) are left
-out (a pack is as large as the token bound lets it), so is what the request would have done to
-others — neither matters for its own TTFT beyond its pack; the order within a burst is taken against the request. It
-judges TTFT only: no refusal in these runs was for TBT, whose outcome stays the simulator's.
+Biases, stated with the figure: the members' own SLO caps on a pack are left out, so is what the
+request would have done to others — neither matters for its own TTFT beyond its pack; the order
+within a burst is taken against the request. It judges TTFT only: no refusal in these runs was for TBT, whose outcome stays the simulator's.
 One prefill instance per node is assumed (`mooncake up`'s); with several, the first-token
 matches each request to the forward ending last before it on any of them, and the request is
 placed on the one that serves it first.
@@ -168,22 +169,40 @@ def _pack_members(node_jobs: Sequence[Job], forward: Sequence[float]) -> list[Jo
     return [j for j in node_jobs if j.end_s == forward[1]]
 
 
+def priced_pack(node_jobs: Sequence[Job], send_s: float, uncached: int, limit: int,
+                before: Callable[[Job], bool]) -> int:
+    """The uncached tokens of the pack a refused request's decision priced it in: among the jobs
+    placed ``before`` it and not started when it was sent, landed shortest first and cut by the
+    bound (``queue_order.landed_pack_tokens``). Admitted, it would have capped its packs at that
+    (``scheduler._pack_cap``: its refusal left its SLO no room for more)."""
+    waiting = sorted(j.uncached for j in node_jobs if before(j) and j.start_s >= send_s)
+    at = bisect_right(waiting, uncached)
+    tokens = [*waiting[:at], uncached, *waiting[at:]]
+    i = 0
+    for size in pack_sizes(tokens, limit):
+        if i + size > at:
+            return sum(tokens[i:i + size])
+        i += size
+    return uncached      # unreachable: the sizes cover every job
+
+
 def forward_end(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], first: float, send_s: float,
-                uncached: int, own_s: float, packing: Packing, price: Callable[[Job], float]) -> float:
+                uncached: int, own_s: float, packing: Packing, price: Callable[[Job], float],
+                cap: int) -> float:
     """When a refused request's forward would have ended, its turn coming at ``first`` (its forward
     alone takes ``own_s``, an admitted job's ``price(job)``): it joins the pack that ended at
     ``first`` where that pack formed after it was sent and had room for it (the jobs ahead of it,
     cut with it behind them: it ends with them, adding its tokens); else it leads the next pack
     with the jobs live served next that were there at ``first`` and fit beside it (cut shortest
-    first, as a burst lands). The members' caps from their SLOs (``packing.slo_pack_cap``) are
-    left out: a pack is taken as large as the token bound lets it."""
-    limit = packing.tokens
+    first, as a burst lands). Within its own ``cap`` (:func:`priced_pack`); the members' caps are
+    left out."""
+    limit = min(packing.tokens, cap)
     if limit <= 0 or uncached > limit:
         return first + own_s
     extra = max(own_s - packing.c0, 0.0)       # what it adds to a forward it joins
-    before = [f for f in forwards if first - JOIN_GAP_S <= f[1] <= first + 1e-9]
-    if before:
-        ahead = max(before, key=lambda f: f[1])
+    ending = [f for f in forwards if first - JOIN_GAP_S <= f[1] <= first + 1e-9]
+    if ending:
+        ahead = max(ending, key=lambda f: f[1])
         members = _pack_members(node_jobs, ahead)
         if members and ahead[0] > send_s and sum(j.uncached for j in members) + uncached <= limit:
             return ahead[1] + extra
@@ -202,18 +221,20 @@ def forward_end(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], f
 def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
                    forwards: Mapping[str, Sequence[Sequence[float]]], predict, bound: int,
                    window_s: float = 0.0, recorded: Mapping[str, Callable] | None = None,
-                   packing: Packing = NO_PACKING) -> dict[int, float]:
+                   packing: Packing = NO_PACKING, numbers: Mapping[int, int] | None = None) -> dict[int, float]:
     """Each refused request's TTFT on live's timeline (module doc), by id; ``predict(tokens,
     prefix)``: the exported prefill model's seconds; ``bound``: the live prefills' overtake bound;
     ``window_s``: the conductor's burst window; ``recorded``: by node, the start its own record of
     turns gives (``recorded.recorded_start``), taken over the guess where it tells; ``packing``:
-    how the live prefills packed (:func:`forward_end`)."""
+    how the live prefills packed (:func:`forward_end`); ``numbers``: each request's
+    ``X-Mooncake-Placed`` (an admitted one's own number, a refused one's count placed before it),
+    which says who was placed before a refused request (without them: sent before it)."""
     jobs, lag = jobs_of(served, forwards)
     if not jobs:
         return {}
     scale = compute_scale(jobs, predict)
     by_node = {node: [j for j in jobs if j.node == node] for node in forwards}
-    recorded = recorded or {}
+    recorded, numbers = recorded or {}, numbers or {}
     scaled = packing._replace(c0=scale * packing.c0)
 
     def price(j: Job) -> float:
@@ -226,8 +247,14 @@ def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
     for rid, send, tokens, prefix in refused:
         uncached = uncached_tokens(tokens, prefix)
         own = scale * predict(tokens, prefix)
+        count = numbers.get(rid)
+
+        def before(j: Job) -> bool:
+            n = numbers.get(j.request_id)
+            return n <= count if n is not None and count is not None else j.send_s < send
         end = min(forward_end(by_node[n], forwards[n], start(n, rid, send, uncached), send, uncached, own, scaled,
-                              price) for n in forwards if by_node[n])
+                              price, priced_pack(by_node[n], send, uncached, packing.tokens, before))
+                  for n in forwards if by_node[n])
         out[rid] = end + lag - send
     return out
 
@@ -251,5 +278,5 @@ def live_anchor(records: Sequence, tokens: Mapping[int, int], timelines: Mapping
 
     def anchor(refused: Sequence[tuple[int, int, int]]) -> dict[int, float]:
         return anchored_ttfts([(i, sent[i], n, prefix) for i, n, prefix in refused if i in sent], served, forwards,
-                              predict, bound, window_s, recorded, packing)
+                              predict, bound, window_s, recorded, packing, numbers)
     return anchor
