@@ -12,6 +12,7 @@ from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
+from mooncake_lite.scheduler.admission import LIVE_TTFT_ADMIT_MARGIN
 from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
 
@@ -60,6 +61,9 @@ class Config(RoleConfig):
                                     "the prompt's prefill alone on the chosen instance, by its own profile")
     tbt_slo_factor: float = option(5.0, "relative TBT SLO without --tbt-slo: at most this many times one "
                                    "decode step of the request alone on the chosen instance, by its own profile")
+    ttft_admit_margin: float = option(LIVE_TTFT_ADMIT_MARGIN, "admission refuses on TTFT only when the prediction is over the SLO "
+                                      "by more than this share of it: predictions are central, and at the SLO "
+                                      "itself most of those refused would have met it (docs/scheduler.md)")
     kvcache_balancing_threshold: float = option(
         1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
              "from another store (Algorithm 1)")
@@ -146,6 +150,7 @@ class Config(RoleConfig):
         require(self.ttft_slo is None or self.ttft_slo > 0, f"--ttft-slo must be positive, got {self.ttft_slo}")
         require(self.tbt_slo is None or self.tbt_slo > 0, f"--tbt-slo must be positive, got {self.tbt_slo}")
         require(self.ttft_slo_factor >= 1, f"--ttft-slo-factor must be >= 1, got {self.ttft_slo_factor}")
+        require(0 <= self.ttft_admit_margin < 1, f"--ttft-admit-margin must be in [0, 1), got {self.ttft_admit_margin}")
         require(self.tbt_slo_factor >= 1, f"--tbt-slo-factor must be >= 1, got {self.tbt_slo_factor}")
         require(self.kvcache_balancing_threshold >= 1.0,
                 f"--kvcache-balancing-threshold is a ratio >= 1, got {self.kvcache_balancing_threshold}")
@@ -174,6 +179,6 @@ class Config(RoleConfig):
         """The scheduler's settings from these flags (each tenant's SLOs are applied over them)."""
         return SchedulerConfig(strategy=self.strategy, admission=self.admission, ttft_slo_s=self.ttft_slo,
                                tbt_slo_s=self.tbt_slo, ttft_slo_factor=self.ttft_slo_factor,
-                               tbt_slo_factor=self.tbt_slo_factor,
+                               tbt_slo_factor=self.tbt_slo_factor, ttft_admit_margin=self.ttft_admit_margin,
                                kvcache_balancing_threshold=self.kvcache_balancing_threshold,
                                block_size=self.block_size, uniform_decode_s=self.uniform_decode)

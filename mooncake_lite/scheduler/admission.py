@@ -29,6 +29,10 @@ from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, Sch
 
 _new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
+# The live conductor's margin over the TTFT SLO before it refuses (SchedulerConfig.ttft_admit_margin:
+# why; docs/results/2026-12-01-zen3-admission.md §13). The simulator's default stays the paper's 0.
+LIVE_TTFT_ADMIT_MARGIN = 0.1
+
 
 class DecodeChoice(NamedTuple):
     """The decode instance picked and its predicted TBT once the new request has joined."""
@@ -206,9 +210,9 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
     ttft, tbt = bound
-    if ttft > limit:
+    if ttft > limit and ttft > limit * (1.0 + cfg.ttft_admit_margin):    # (the margin: config.py)
         return "ttft", _refusal("TTFT", p.ttft_s, ttft, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
-                                p.instance.instance_id)
+                                p.instance.instance_id, cfg.ttft_admit_margin)
     step_alone: float | None = None
     tbt_limit = cfg.tbt_slo_s
     if tbt_limit is None:
@@ -229,11 +233,12 @@ def ttft_limit(cfg: SchedulerConfig, num_tokens: int, costs: CostModels, prefill
 
 
 def _refusal(metric: str, predicted_s: float, bound_s: float, limit_s: float, factor: float, alone_s: float | None,
-             unit: str, what: str, instance_id: str) -> str:
+             unit: str, what: str, instance_id: str, margin: float = 0.0) -> str:
     """Why admission refused: the predicted time (its bound, where a spread was measured) over
-    the limit (a relative one: of what alone)."""
+    the limit (a relative one: of what alone; and the margin admission allows over it)."""
     spread = "" if bound_s == predicted_s else f" (bound by its measured spread {bound_s:.3g}s)"
-    why = f"rejected: predicted {metric} {predicted_s:.3g}s{spread} > SLO {limit_s:.3g}s"
+    over = f" + {margin:.0%}" if margin else ""
+    why = f"rejected: predicted {metric} {predicted_s:.3g}s{spread} > SLO {limit_s:.3g}s{over}"
     if alone_s is None:
         return why
     return f"{why} ({factor:g}x the {alone_s:.3g}s{unit} of {what} on {instance_id})"

@@ -87,6 +87,9 @@ def _policy_options(ap: argparse.ArgumentParser) -> None:
                     help="without --ttft-slo: TTFT <= this many times the prompt's prefill alone (the conductor's)")
     ap.add_argument("--tbt-slo-factor", type=float, default=None,
                     help="without --tbt-slo: TBT <= this many times one step of the request alone (the conductor's)")
+    ap.add_argument("--ttft-admit-margin", type=float, default=0.0,
+                    help="refuse on TTFT only this share over its SLO (the paper's rule: 0; the live conductor's "
+                         "default is 0.1)")
     ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
     ap.add_argument("--max-tokens-policy", default="output", metavar="output|cap:N",
                     help="what clients send as max_tokens: the true output length, or a fixed cap "
@@ -185,7 +188,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Hardware, SimConfig]:
     factors = {k: v for k, v in (("ttft_slo_factor", args.ttft_slo_factor), ("tbt_slo_factor", args.tbt_slo_factor)) if v}
     sched = SchedulerConfig(strategy=args.strategy, admission=args.admission, ttft_slo_s=args.ttft_slo,
                             tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.threshold,
-                            block_size=hw.block_size, **factors)
+                            block_size=hw.block_size, ttft_admit_margin=args.ttft_admit_margin, **factors)
     return hw, SimConfig(num_prefill=args.prefill, num_decode=args.decode, cpp_group_size=args.cpp,
                          prefill_chunk=args.chunk, prefill_chunked=args.chunked, hardware=args.cost_model,
                          eviction=args.eviction,

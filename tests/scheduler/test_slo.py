@@ -80,6 +80,28 @@ def test_loaded_prefill_is_rejected_under_relative_ttft(admission):
                         "on p0)")
 
 
+@pytest.mark.parametrize("admission", ["early", "predictive"])
+def test_a_margin_admits_what_is_predicted_just_over_the_slo_and_no_more(admission):
+    # SLO 100 s (10x 10 s alone); 101 s predicted: refused at the SLO, admitted with 10% of margin;
+    # 111 s is over the margin too, and the refusal says both.
+    late = cluster([prefill("p0", queued(9100))], [decode("d0")])
+    assert not run(late, admission, **RELATIVE).accepted
+    assert run(late, admission, ttft_admit_margin=0.1, **RELATIVE).accepted
+    later = cluster([prefill("p0", queued(10100))], [decode("d0")])
+    d = run(later, admission, ttft_admit_margin=0.1, **RELATIVE)
+    assert not d.accepted and d.reject_cause == "ttft"
+    assert d.reason.startswith("rejected: predicted TTFT 111s > SLO 100s + 10% (10x the 10s")
+    # the margin is the TTFT's: the TBT is judged at its SLO
+    busy = cluster([prefill("p0")], [decode("d0", batch=245, joined_at=0.0)])      # TBT 3.06 > 3.05 s
+    assert run(busy, admission, uniform_decode_s=1e6, ttft_admit_margin=0.5, **RELATIVE).reject_cause == "tbt"
+
+
+def test_the_margin_is_a_share_below_one():
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="ttft_admit_margin"):
+            SchedulerConfig(ttft_admit_margin=bad)
+
+
 def test_the_reference_is_the_chosen_instances_own_model():
     # Two decodes, each idle: d0 reports a slow model (step alone 1 s), d1 a fast one (10 ms)
     # with 40 requests running (0.01 + 0.41 = 0.42 s). The smallest TBT wins: d1, judged

@@ -54,6 +54,7 @@ from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
+from mooncake_lite.scheduler.admission import LIVE_TTFT_ADMIT_MARGIN
 from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
@@ -84,6 +85,8 @@ FLAGS = (
     flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
     flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),
     flag("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO"),
+    flag("--ttft-admit-margin", type=float, default=LIVE_TTFT_ADMIT_MARGIN,
+         help="the conductor's margin over the TTFT SLO before it refuses (its default), on both sides"),
     flag("--prefill-batch-tokens", type=int, default=512,
                    help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
                         "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)"),
@@ -159,7 +162,7 @@ def run(ns: Options, api: str) -> dict:
                         ttft_slo_s=ns.ttft_slo or None, tbt_slo_s=ns.tbt_slo or None, block=ns.block_tokens,
                         slo_factors=(ns.ttft_slo_factor, ns.tbt_slo_factor), batch_tokens=ns.prefill_batch_tokens,
                         overtakes=overtakes, correct=True, decisions=decisions, burst_window_s=ns.burst_window,
-                        delivery_jitter=jitter)
+                        delivery_jitter=jitter, ttft_admit_margin=ns.ttft_admit_margin)
     decisions: list = []
     res = simulated(hw, decisions)
     live, sim = live_side(lr.records), sim_side(res)

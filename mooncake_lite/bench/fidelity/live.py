@@ -38,7 +38,8 @@ def start_cluster(ns: Options) -> UpCluster:
     args = ["--model", ns.model, "--prefill", str(ns.prefill), "--decode", str(ns.decode),
             "--block-size", str(ns.block_tokens)]
     conductor = ["--admission", ns.admission, "--ttft-slo-factor", str(ns.ttft_slo_factor),
-                 "--tbt-slo-factor", str(ns.tbt_slo_factor), "--burst-window", f"{ns.burst_window}s"]
+                 "--tbt-slo-factor", str(ns.tbt_slo_factor), "--burst-window", f"{ns.burst_window}s",
+                 "--ttft-admit-margin", str(ns.ttft_admit_margin)]
     conductor += ["--ttft-slo", f"{ns.ttft_slo}s"] if ns.ttft_slo else []
     conductor += ["--tbt-slo", f"{ns.tbt_slo}s"] if ns.tbt_slo else []
     args += ["--conductor-args", " ".join(conductor)]

@@ -51,17 +51,20 @@ def sim_trace(window: Sequence[TraceRequest], requests: Sequence, records: Seque
 def simulate(trace: Sequence[TraceRequest], hw, *, prefill: int, decode: int, admission: str,
              ttft_slo_s: float | None, tbt_slo_s: float | None, block: int, batch_tokens: int = 0,
              overtakes: int = 0, correct: bool = False, decisions: list | None = None, burst_window_s: float = 0.0,
-             slo_factors: tuple[float, float] = (10.0, 5.0), delivery_jitter: tuple[float, ...] = ()):
+             slo_factors: tuple[float, float] = (10.0, 5.0), delivery_jitter: tuple[float, ...] = (),
+             ttft_admit_margin: float = 0.0):
     """The slice simulated; an SLO None is relative by ``slo_factors`` (TTFT, TBT), as the live
     conductor's and its decodes'; ``overtakes``: the live prefills' queue-order bound (:func:`live_overtakes`),
     ``correct``: the live conductor's online correction, learned as the simulation runs;
     ``decisions``: a list the conductor's decisions are appended to, one per request in arrival order;
-    ``delivery_jitter``: what the path to the client moves a gap by, measured (``delivery.py``)."""
+    ``delivery_jitter``: what the path to the client moves a gap by, measured (``delivery.py``);
+    ``ttft_admit_margin``: the live conductor's (``SchedulerConfig``)."""
     from mooncake_lite.scheduler import SchedulerConfig
     from mooncake_lite.sim.cluster import MooncakeSim
     from mooncake_lite.sim.config import SimConfig
     sched = SchedulerConfig(admission=admission, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, block_size=block,
-                            ttft_slo_factor=slo_factors[0], tbt_slo_factor=slo_factors[1])
+                            ttft_slo_factor=slo_factors[0], tbt_slo_factor=slo_factors[1],
+                            ttft_admit_margin=ttft_admit_margin)
     cfg = SimConfig(num_prefill=prefill, num_decode=decode, hardware=hw.name, scheduler=sched,
                     max_tokens_policy="output", decode_check="reserve", prefill_batch_tokens=batch_tokens,
                     prefill_queue_overtakes=overtakes, correct=correct,
