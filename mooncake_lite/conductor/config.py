@@ -12,7 +12,6 @@ from mooncake_lite.common.roles import RoleConfig
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
 from mooncake_lite.scheduler import ADMISSIONS, STRATEGIES, SchedulerConfig
-from mooncake_lite.scheduler.admission import LIVE_TTFT_ADMIT_MARGIN
 from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 from mooncake_lite.scheduler.tenants import Tenants, parse_tenants
 
@@ -61,9 +60,8 @@ class Config(RoleConfig):
                                     "the prompt's prefill alone on the chosen instance, by its own profile")
     tbt_slo_factor: float = option(5.0, "relative TBT SLO without --tbt-slo: at most this many times one "
                                    "decode step of the request alone on the chosen instance, by its own profile")
-    ttft_admit_margin: float = option(LIVE_TTFT_ADMIT_MARGIN, "admission refuses on TTFT only when the prediction is over the SLO "
-                                      "by more than this share of it: predictions are central, and at the SLO "
-                                      "itself most of those refused would have met it (docs/scheduler.md)")
+    ttft_admit_margin: float = option(0.0, "refuse on TTFT only when the prediction is over the SLO by more "
+                                      "than this share of it (0: at the SLO; measured, docs/scheduler.md)")
     kvcache_balancing_threshold: float = option(
         1.5, "ratio best_len/local_len at or above which a prefill instance fetches the best prefix "
              "from another store (Algorithm 1)")

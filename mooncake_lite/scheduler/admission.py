@@ -29,10 +29,6 @@ from mooncake_lite.scheduler.state import ClusterState, DecodeInstanceState, Sch
 
 _new = tuple.__new__   # a NamedTuple without its constructor's Python frame (estimate.py)
 
-# The live conductor's margin over the TTFT SLO before it refuses (SchedulerConfig.ttft_admit_margin:
-# why; docs/results/2026-12-01-zen3-admission.md §13). The simulator's default stays the paper's 0.
-LIVE_TTFT_ADMIT_MARGIN = 0.1
-
 
 class DecodeChoice(NamedTuple):
     """The decode instance picked and its predicted TBT once the new request has joined."""

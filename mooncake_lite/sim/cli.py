@@ -88,8 +88,7 @@ def _policy_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tbt-slo-factor", type=float, default=None,
                     help="without --tbt-slo: TBT <= this many times one step of the request alone (the conductor's)")
     ap.add_argument("--ttft-admit-margin", type=float, default=0.0,
-                    help="refuse on TTFT only this share over its SLO (the paper's rule: 0; the live conductor's "
-                         "default is 0.1)")
+                    help="refuse on TTFT only this share over its SLO (0: the paper's rule, the conductor's default)")
     ap.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold")
     ap.add_argument("--max-tokens-policy", default="output", metavar="output|cap:N",
                     help="what clients send as max_tokens: the true output length, or a fixed cap "

@@ -29,6 +29,11 @@ def test_slos_are_relative_unless_given():
     assert (cfg.ttft_slo, cfg.tbt_slo, cfg.ttft_slo_factor, cfg.tbt_slo_factor) == (None, 0.3, 20.0, 3.0)
 
 
+def test_the_ttft_margin_reaches_the_scheduler_and_is_none_by_default():
+    assert _load().scheduler_config().ttft_admit_margin == 0.0
+    assert _load("--ttft-admit-margin", "0.1").scheduler_config().ttft_admit_margin == 0.1
+
+
 @pytest.mark.parametrize("argv, needle", [
     (("--ttft-slo", "-1"), "--ttft-slo must be positive"),
     (("--tbt-slo-factor", "0.5"), "--tbt-slo-factor must be >= 1"),
@@ -37,6 +42,7 @@ def test_slos_are_relative_unless_given():
     (("--kvcache-balancing-threshold", "0.5"), "ratio >= 1"),
     (("--dead-after", "0"), "--dead-after must be positive"),
     (("--port", "70000"), "--port must be in"),
+    (("--ttft-admit-margin", "1"), "--ttft-admit-margin must be in"),
 ])
 def test_bad_values_are_clear_errors(argv, needle):
     with pytest.raises(ConfigError, match=needle):

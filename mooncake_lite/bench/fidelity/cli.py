@@ -54,7 +54,6 @@ from mooncake_lite.bench.options import Options, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.common.units import parse_duration
 from mooncake_lite.model.source import DEFAULT_MODEL
-from mooncake_lite.scheduler.admission import LIVE_TTFT_ADMIT_MARGIN
 from mooncake_lite.scheduler.arrivals import DEFAULT_WINDOW_S
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
@@ -85,8 +84,8 @@ FLAGS = (
     flag("--tbt-slo", type=float, default=None, help="absolute TBT SLO, seconds, on both sides"),
     flag("--ttft-slo-factor", type=float, default=10.0, help="the conductor's relative TTFT SLO"),
     flag("--tbt-slo-factor", type=float, default=5.0, help="the conductor's relative TBT SLO"),
-    flag("--ttft-admit-margin", type=float, default=LIVE_TTFT_ADMIT_MARGIN,
-         help="the conductor's margin over the TTFT SLO before it refuses (its default), on both sides"),
+    flag("--ttft-admit-margin", type=float, default=0.0,
+         help="the conductor's margin over the TTFT SLO before it refuses (its default: 0), on both sides"),
     flag("--prefill-batch-tokens", type=int, default=512,
                    help="the simulated prefill packs queued prompts up to this many uncached tokens, as the "
                         "live prefill does by default (its --prefill-batch-tokens; 0: one prompt at a time)"),
