@@ -128,8 +128,9 @@ def test_the_live_decodes_check_by_the_conductors_slo(monkeypatch, tmp_path):
     monkeypatch.setattr(fidelity_live, "UpCluster", lambda args, **kw: args)
     ns = SimpleNamespace(model="m", prefill=1, decode=1, block_tokens=16, admission="predictive", ttft_slo_factor=10.0,
                          tbt_slo_factor=3.0, burst_window=0.02, ttft_slo=None, tbt_slo=None, prefill_args="",
-                         token=None, output_dir=str(tmp_path), ready_timeout=1.0)
+                         token=None, output_dir=str(tmp_path), ready_timeout=1.0, ttft_admit_margin=0.1)
     args = fidelity_live.start_cluster(ns)
     assert args[args.index("--decode-args") + 1] == "--tbt-slo-factor 3.0"
+    assert "--ttft-admit-margin 0.1" in args[args.index("--conductor-args") + 1]   # the conductor's, as the sim's
     args = fidelity_live.start_cluster(SimpleNamespace(**{**vars(ns), "tbt_slo": 0.5}))
     assert args[args.index("--decode-args") + 1] == "--tbt-slo-factor 3.0 --tbt-slo 0.5s"
