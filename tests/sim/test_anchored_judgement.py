@@ -114,12 +114,17 @@ def test_its_own_forward_is_the_model_times_lives_ratio():
 PACKS = Packing(512, 0.1)      # a pack holds 512 uncached tokens; a member saves the model's 0.1 s fixed
 
 
-def test_it_leads_the_pack_live_served_next_and_ends_with_it():
-    # a 2,000-token job runs 0-2.1 s; two prompts waiting behind it ran as one pack from 2.1 s
+def long_then_pack(a: int, b: int):
+    """A 2,000-token job from 0 to 2.1 s; prompts of ``a`` and ``b`` tokens, sent at 0.5 and 0.6 s
+    while it ran, served after it as one pack (the model's times, its fixed cost once)."""
     long = served(0, 0.0, 0.0, 2000)
-    pack_end = 2.1 + predict(200) + predict(150) - 0.1
-    s = [long[0], (1, 0.5, pack_end + LAG, 200, 0), (2, 0.6, pack_end + LAG, 150, 0)]
-    fw = {"p0": [long[1], [2.1, pack_end]]}
+    pack_end = 2.1 + predict(a) + predict(b) - 0.1
+    s = [long[0], (1, 0.5, pack_end + LAG, a, 0), (2, 0.6, pack_end + LAG, b, 0)]
+    return s, {"p0": [long[1], [2.1, pack_end]]}, pack_end
+
+
+def test_it_leads_the_pack_live_served_next_and_ends_with_it():
+    s, fw, pack_end = long_then_pack(200, 150)
     alone = anchored_ttfts([(9, 1.0, 50, 0)], s, fw, predict, 4)[9]
     assert alone == pytest.approx(2.1 - 1.0 + predict(50) + LAG)        # packing left out
     packed = anchored_ttfts([(9, 1.0, 50, 0)], s, fw, predict, 4, packing=PACKS)[9]
@@ -136,12 +141,7 @@ def test_it_leads_the_pack_live_served_next_and_ends_with_it():
 
 
 def test_it_joins_a_pack_that_formed_after_it_came_with_room_for_it():
-    # the 2,000-token job ran 0-2.1 s; a pack of two ran from 2.1 s: one sent before it (the
-    # refused is shorter: it lands before that one, so it leads), and here both are shorter than it
-    long = served(0, 0.0, 0.0, 2000)
-    pack_end = 2.1 + predict(30) + predict(40) - 0.1
-    s = [long[0], (1, 0.5, pack_end + LAG, 30, 0), (2, 0.6, pack_end + LAG, 40, 0)]
-    fw = {"p0": [long[1], [2.1, pack_end]]}
+    s, fw, pack_end = long_then_pack(30, 40)      # both shorter than it: they land ahead of it
     # without packing it waits for the pack of the two shorter ones, then runs alone
     alone = anchored_ttfts([(9, 1.0, 100, 0)], s, fw, predict, 4)[9]
     assert alone == pytest.approx(pack_end - 1.0 + predict(100) + LAG)
