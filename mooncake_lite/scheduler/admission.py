@@ -206,7 +206,8 @@ def slo_violation(cfg: SchedulerConfig, req: ScheduleRequest, costs: CostModels,
         alone = (p.instance.cost or costs.prefill).predict(req.num_tokens)
         limit = cfg.ttft_slo_factor * alone
     ttft, tbt = bound
-    if ttft > limit and ttft > limit * (1.0 + cfg.ttft_admit_margin):    # (the margin: config.py)
+    # over the SLO, then over its margin (config.py): a request under its SLO pays nothing for it
+    if ttft > limit and ttft > limit * (1.0 + cfg.ttft_admit_margin):
         return "ttft", _refusal("TTFT", p.ttft_s, ttft, limit, cfg.ttft_slo_factor, alone, "", "this prompt alone",
                                 p.instance.instance_id, cfg.ttft_admit_margin)
     step_alone: float | None = None

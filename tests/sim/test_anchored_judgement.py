@@ -135,6 +135,9 @@ def test_it_leads_the_pack_live_served_next_and_ends_with_it():
     # sent before the two were placed, its decision priced it alone: its cap keeps them out
     early = anchored_ttfts([(9, 0.4, 50, 0)], s, fw, predict, 4, packing=PACKS)[9]
     assert early == pytest.approx(2.1 - 0.4 + predict(50) + LAG)
+    # the conductor's placed numbers, where they are known, say who came before it, not the send times
+    placed = anchored_ttfts([(9, 0.4, 50, 0)], s, fw, predict, 4, packing=PACKS, numbers={1: 1, 2: 2, 9: 2})[9]
+    assert placed == pytest.approx(pack_end - 0.4 + predict(50) - 0.1 + LAG)
     # a prompt over the bound runs alone, chunked
     assert anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4, packing=PACKS)[9] == pytest.approx(
         anchored_ttfts([(9, 1.0, 600, 0)], s, fw, predict, 4)[9])

@@ -37,7 +37,8 @@ the simulator had started that prompt 6 s later, the burst found its prefill idl
 
 Biases, stated with the figure: the members' own SLO caps on a pack are left out, so is what the
 request would have done to others — neither matters for its own TTFT beyond its pack; the order
-within a burst is taken against the request. It judges TTFT only: no refusal in these runs was for TBT, whose outcome stays the simulator's.
+within a burst is taken against the request. It judges TTFT only: no refusal in these runs was
+for TBT, whose outcome stays the simulator's.
 One prefill instance per node is assumed (`mooncake up`'s); with several, the first-token
 matches each request to the forward ending last before it on any of them, and the request is
 placed on the one that serves it first.
@@ -52,7 +53,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mooncake_lite.scheduler.costs import pack_sizes, uncached_tokens
-from mooncake_lite.scheduler.queue_order import landing
+from mooncake_lite.scheduler.queue_order import landed_pack_tokens, landing
+from mooncake_lite.scheduler.state import QueuedPrefill
 
 SCALE_MAX_TOKENS = 256   # the forwards live's compute ratio is measured on: short single prompts
 # How far from a refused request's turn the forward ending before it, or starting after it, may
@@ -169,21 +171,15 @@ def _pack_members(node_jobs: Sequence[Job], forward: Sequence[float]) -> list[Jo
     return [j for j in node_jobs if j.end_s == forward[1]]
 
 
-def priced_pack(node_jobs: Sequence[Job], send_s: float, uncached: int, limit: int,
+def priced_pack(node_jobs: Sequence[Job], send_s: float, tokens: int, prefix: int, limit: int, bound: int,
                 before: Callable[[Job], bool]) -> int:
-    """The uncached tokens of the pack a refused request's decision priced it in: among the jobs
-    placed ``before`` it and not started when it was sent, landed shortest first and cut by the
-    bound (``queue_order.landed_pack_tokens``). Admitted, it would have capped its packs at that
+    """The uncached tokens of the pack a refused request's decision priced it in
+    (``queue_order.landed_pack_tokens``), its queue the jobs placed ``before`` it and not started when
+    it was sent, shortest first. Admitted, it would have capped its packs at that
     (``scheduler._pack_cap``: its refusal left its SLO no room for more)."""
-    waiting = sorted(j.uncached for j in node_jobs if before(j) and j.start_s >= send_s)
-    at = bisect_right(waiting, uncached)
-    tokens = [*waiting[:at], uncached, *waiting[at:]]
-    i = 0
-    for size in pack_sizes(tokens, limit):
-        if i + size > at:
-            return sum(tokens[i:i + size])
-        i += size
-    return uncached      # unreachable: the sizes cover every job
+    waiting = sorted((j for j in node_jobs if before(j) and j.start_s >= send_s), key=lambda j: j.uncached)
+    queue = [QueuedPrefill(str(j.request_id), j.tokens, j.prefix) for j in waiting]
+    return landed_pack_tokens(queue, tokens, prefix, limit, bound)
 
 
 def forward_end(node_jobs: Sequence[Job], forwards: Sequence[Sequence[float]], first: float, send_s: float,
@@ -253,7 +249,7 @@ def anchored_ttfts(refused: Sequence[Refused], served: Sequence[Served],
             n = numbers.get(j.request_id)
             return n <= count if n is not None and count is not None else j.send_s < send
         end = min(forward_end(by_node[n], forwards[n], start(n, rid, send, uncached), send, uncached, own, scaled,
-                              price, priced_pack(by_node[n], send, uncached, packing.tokens, before))
+                              price, priced_pack(by_node[n], send, tokens, prefix, packing.tokens, bound, before))
                   for n in forwards if by_node[n])
         out[rid] = end + lag - send
     return out
