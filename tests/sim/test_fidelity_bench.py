@@ -310,3 +310,5 @@ def test_runs_refuse_a_running_cluster_and_a_count_below_one(capsys):
     assert cli.main(["--runs", "2", "--conductor", "http://127.0.0.1:9"]) == 2
     assert cli.main(["--runs", "0"]) == 2
     assert "--runs" in capsys.readouterr().err
+    assert cli.main(["--ttft-admit-margin", "1.5"]) == 2       # before any cluster starts
+    assert "--ttft-admit-margin in [0, 1)" in capsys.readouterr().err

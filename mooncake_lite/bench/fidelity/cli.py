@@ -115,10 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     ns = freeze(build_parser().parse_args(list(argv)), "FidelityOptions")
     if ns.num_requests < 1 or ns.speed <= 0 or ns.block_tokens < 1 or ns.arrival_spread < 0 \
-            or not 0 <= ns.burst_window <= 1 or ns.runs < 1 or (ns.runs > 1 and ns.conductor):
+            or not 0 <= ns.burst_window <= 1 or ns.runs < 1 or (ns.runs > 1 and ns.conductor) \
+            or not 0 <= ns.ttft_admit_margin < 1:
         sys.stderr.write("mooncake bench fidelity: error: -n, --speed, --block-tokens and --runs must be positive, "
-                         "--arrival-spread >= 0, --burst-window between 0 and 1s; --runs above 1 starts its "
-                         "own clusters (no --conductor)\n")
+                         "--arrival-spread >= 0, --burst-window between 0 and 1s, --ttft-admit-margin in [0, 1); "
+                         "--runs above 1 starts its own clusters (no --conductor)\n")
         return 2
     try:
         report = one_run(ns) if ns.runs == 1 else repeated(ns.runs, lambda i: one_run(
