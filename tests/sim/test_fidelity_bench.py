@@ -39,6 +39,7 @@ def test_dist_interpolates_like_numpy():
 def test_rejection_agreement_counts_the_symmetric_difference():
     agree = fidelity_report.rejection_agreement(frozenset({1, 2, 3}), frozenset({2, 3, 4, 5}), 20)
     assert (agree["both"], agree["live_only"], agree["sim_only"]) == (2, 1, 2)
+    assert (agree["live_ids"], agree["sim_ids"], agree["of"]) == ([1, 2, 3], [2, 3, 4, 5], 20)
     assert agree["differ_share"] == pytest.approx(3 / 20)
 
 
@@ -303,6 +304,24 @@ def test_runs_give_each_figure_s_median_and_range_and_pool_the_admission_outcome
     assert "over 3 runs" in text and "+19.4% [+17.2%, +26.0%]" in text and "4/12" in text and "none" in text
     done = runs.repeated(2, lambda i: {**reports[i - 1], "text": f"report {i}"})
     assert done["runs"] == 2 and "run 2:\nreport 2" in done["text"] and "over 2 runs" in done["text"]
+
+
+def test_reruns_set_each_live_run_against_the_others_and_each_simulation_against_the_other_lives():
+    from mooncake_lite.bench.fidelity import runs
+    def run(live, sim):
+        return {"rejections": {"of": 20, "live_ids": live, "sim_ids": sim, "differ_share": 0.0}}
+    reports = [run([1, 2, 3], [1, 2]), run([2, 3, 4, 5], [2, 3, 4]), run([1, 2, 3, 4], [9])]
+    reruns = runs.summarize(reports)["reruns"]
+    # live pairs: {1}^{4,5} -> 3, {4} -> 1, {1,5} -> 2 of 20
+    assert sorted(reruns["live_vs_live"]["values"]) == pytest.approx([1 / 20, 2 / 20, 3 / 20])
+    assert reruns["live_vs_live"]["median"] == pytest.approx(2 / 20)
+    # a simulation against the other runs' lives, never its own: sim 1 vs lives 2 and 3, ...
+    cross = reruns["sim_vs_other_live"]["values"]
+    assert len(cross) == 6 and cross[0] == pytest.approx(len({1, 2} ^ {2, 3, 4, 5}) / 20)
+    assert "decisions that differ, live vs live" in runs.summary_text(runs.summarize(reports))
+    # one run, or reports written before the sets went along: nothing to set against
+    assert runs.summarize(reports[:1])["reruns"] is None
+    assert runs.summarize([{"rejections": {"differ_share": 0.1}}] * 2)["reruns"] is None
 
 
 def test_runs_refuse_a_running_cluster_and_a_count_below_one(capsys):

@@ -32,10 +32,12 @@ def dist(values: Sequence[float]) -> dict[str, float | None]:
 
 def rejection_agreement(live: frozenset[int], sim: frozenset[int], num_requests: int) -> dict[str, float | int]:
     """How far the two runs' rejected *sets* differ: requests rejected by one side only, as a
-    share of the slice (the goal: ≤ 10%)."""
+    share of the slice (the goal: ≤ 10%). The sets go along (ids), for ``--runs`` to set one run's
+    against another's (``runs.rerun_agreement``)."""
     differ = len(live ^ sim)
     return {"live": len(live), "sim": len(sim), "both": len(live & sim), "live_only": len(live - sim),
-            "sim_only": len(sim - live), "differ_share": differ / num_requests if num_requests else 0.0}
+            "sim_only": len(sim - live), "differ_share": differ / num_requests if num_requests else 0.0,
+            "of": num_requests, "live_ids": sorted(live), "sim_ids": sorted(sim)}
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,27 @@ def summarize(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         counts = [c for r in reports if isinstance(c := _at(r, path), Mapping)]
         met, of = sum(int(c.get("met", 0)) for c in counts), sum(int(c.get("of", 0)) for c in counts)
         pooled[label] = {**share(met, of, goal, at_least), "at_least": at_least}
-    return {"runs": len(reports), "figures": figures, "pooled": pooled}
+    return {"runs": len(reports), "figures": figures, "pooled": pooled, "reruns": rerun_agreement(reports)}
+
+
+def rerun_agreement(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The yardstick for "decisions that differ": the same slice, the same code, run again on a
+    fresh cluster refuses other requests too. For each pair of runs, the share of the slice one
+    live run refused and the other did not; and each run's simulation against the *other* runs'
+    live sets. A simulation as far from its own live run as one live run is from another is as
+    close as a rerun is; below two runs, or without the sets, None."""
+    sets = [(frozenset(a["live_ids"]), frozenset(a["sim_ids"]), int(a["of"]))
+            for r in reports if isinstance(a := _at(r, ("rejections",)), Mapping) and "live_ids" in a and a.get("of")]
+    pairs = [(i, j) for i in range(len(sets)) for j in range(len(sets)) if i != j]
+    if not pairs:
+        return None
+    live = [len(sets[i][0] ^ sets[j][0]) / sets[i][2] for i, j in pairs if i < j]
+    cross = [len(sets[i][1] ^ sets[j][0]) / sets[i][2] for i, j in pairs]
+    return {"live_vs_live": _spread(live), "sim_vs_other_live": _spread(cross)}
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    return {"values": list(values), "median": median(values), "min": min(values), "max": max(values)}
 
 
 def summary_text(summary: Mapping[str, Any]) -> str:
@@ -71,6 +91,12 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     for label, f in summary["figures"].items():
         goal = "" if f["goal"] is None else f"  (goal within {100 * f['goal']:.0f}%: {'yes' if f['goal_met'] else 'NO'})"
         lines.append(f"  {label:<36} {pct(f['median'])} [{pct(f['min'])}, {pct(f['max'])}]{goal}")
+    if (reruns := summary.get("reruns")) is not None:
+        for label, key in (("decisions that differ, live vs live", "live_vs_live"),
+                           ("  ... sim vs another run's live", "sim_vs_other_live")):
+            f = reruns[key]
+            lines.append(f"  {label:<36} {pct(f['median'])} [{pct(f['min'])}, {pct(f['max'])}]"
+                         f"  (a rerun's own spread: no goal)")
     lines.append("admission, pooled over the runs:")
     for label, s in summary["pooled"].items():
         if not s["of"]:
