@@ -124,7 +124,7 @@ class Entry:
     is_continuation: bool = False
     passed: int = 0
     started: bool = False
-    placed: tuple[str, int] | None = None
+    placed: tuple[str, float] | None = None
     overtook: tuple = ()       # what its landing counted (land)
     counted: int = 0
 
@@ -142,10 +142,13 @@ class Replayed:
 @dataclass(frozen=True)
 class Added:
     """A job landed in a record that did not have it: ``uncached`` tokens at ``at_s``, before the
-    record's event ``index`` (None: after every event up to ``at_s``)."""
+    record's event ``index`` (None: after every event up to ``at_s``); ``placed``: where its
+    conductor placed it (:func:`placed_after` orders it among the record's jobs as :func:`land`
+    orders theirs; a number between two of theirs: it fell between them)."""
     at_s: float
     uncached: int
     index: int | None = None
+    placed: tuple[str, float] | None = None
 
     def position(self, events: Sequence[Sequence]) -> int:
         if self.index is not None:
@@ -161,7 +164,7 @@ def replay(events: Iterable[Sequence], bound: int, added: Added | None = None) -
     events = list(events)
     waiting: list[Entry] = []
     busy, agreed, grants, turn_s = False, 0, 0, None
-    extra = Entry("", added.uncached) if added is not None else None
+    extra = Entry("", added.uncached, placed=added.placed) if added is not None else None
     at = added.position(events) if added is not None else -1
     for i, event in enumerate([*events, None]):
         if i == at:

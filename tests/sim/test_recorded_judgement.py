@@ -110,3 +110,27 @@ def test_a_refusal_placed_first_of_a_later_burst_lands_at_its_own_time():
     timelines = {"p": {"forwards": [[0.001, end]], "turns": events}}
     ttft = live_anchor(records, {0: 1000, 9: 37}, timelines, predict, 4)([(9, 37, 0)])[9]
     assert ttft == pytest.approx(0.001 + predict(37) + LAG)      # the lag to landing, its forward, the lag after
+
+
+def test_a_refusal_takes_its_place_in_the_conductor_s_order_when_its_burst_arrives_out_of_it():
+    """Live 40a-2 at t = 225 s: two long jobs waiting, a burst placed a, b, c, d (short: the four
+    passes each long job allows) then e (832 tokens), reaching the instance as a, c, b, e, d; a
+    351-token prompt refused right after d. The instance lands them in placed order: d takes the
+    last passes, e waits behind the long jobs, and so would the refused one. Landed by event
+    order alone, before e and d arrived, it took d's pass."""
+    sends = {"0": 0.0, "L": 0.01, "M": 0.012, "a": 0.5, "b": 0.5, "c": 0.5, "d": 0.5, "e": 0.5}
+    tokens = {"0": 1000, "L": 2500, "M": 3000, "a": 12, "b": 12, "c": 51, "d": 182, "e": 832}
+    number = {k: n + 1 for n, k in enumerate(sends)}
+    events = [(0.001, LAND, "cmpl-0", 1000, False, ["c0", 1]), (0.001, GRANT, "cmpl-0", 0, False, None),
+              (0.011, LAND, "cmpl-L", 2500, False, ["c0", 2]), (0.013, LAND, "cmpl-M", 3000, False, ["c0", 3])]
+    events += [(0.55 + i * 1e-4, LAND, f"cmpl-{k}", tokens[k], False, ["c0", number[k]])
+               for i, k in enumerate("acbed")]
+    forwards, firsts = served_in_turn(events, tokens, ("0", "a", "b", "c", "d", "L", "M", "e"))
+    ids = {k: i for i, k in enumerate(sends)}
+    records = [RequestRecord(ids[k], sends[k], sends[k], chunk_s=(firsts[k], firsts[k] + 0.1), status=200,
+                             cached_tokens=0, completion_id=f"cmpl-{k}", num_placed=number[k]) for k in sends]
+    records.append(RequestRecord(9, 0.5, 0.5, status=429, num_placed=number["d"]))
+    lengths = {ids[k]: n for k, n in tokens.items()} | {9: 351}
+    timelines = {"p": {"forwards": forwards, "turns": events}}
+    ttft = live_anchor(records, lengths, timelines, predict, 4, 0.02)([(9, 351, 0)])[9]
+    assert ttft == pytest.approx(firsts["M"] - LAG - 0.5 + predict(351) + LAG)    # behind L and M, before e
