@@ -54,7 +54,8 @@ forward that ran, ``compute`` learns its speed (a joined forward is no slowdown)
 (0 until fed) what the joiners added over the allowance's worst case, by the same average.
 
 What all this learns is a central prediction: half the requests meet less, half more. How far
-above it they land, the spread admission judges by, is kept beside it (``wait_spread.py``).
+above it they land, the spread, is kept beside it (``wait_spread.py``) and shown; admission judges
+the central prediction unless ``bound_quantile`` asks for a quantile of it (:meth:`Corrections.queue_bound`).
 Pure: no IO, no clock; the live conductor (``conductor/flight/predictions.py``) and the simulator
 (``sim/correcting.py``) feed it.
 """
@@ -85,7 +86,8 @@ class CorrectionConfig:
     max_factor: float = 16.0     # factors stay within [1/16, 16]
     max_ratio: float = 1000.0    # a measured/predicted beyond this is a broken report, not a slowdown
     min_seconds: float = 1e-4    # predictions or measurements shorter than this are timer noise
-    spread_quantile: float = 0.5  # admission's bound: this quantile of the recent ratios (module doc: why the median)
+    spread_quantile: float = 0.5  # the spread shown: this quantile of the recent ratios (the bias left)
+    bound_quantile: float | None = None   # admission's bound on the queue: None, the central prediction (queue_bound)
     spread_window: int = 64      # the ratios it is taken over, per instance and metric
     spread_min: int = 8          # fewer observed: no spread (1), the prediction alone
     line_window: int = 24        # a prefill state's line is fitted to its last this many requests
@@ -99,8 +101,10 @@ class CorrectionConfig:
         if not 1.0 < self.max_factor <= self.max_ratio:
             raise ValueError("CorrectionConfig: need 1 < max_factor <= max_ratio, got "
                              f"{self.max_factor} and {self.max_ratio}")
-        if not 0.5 <= self.spread_quantile < 1.0:
-            raise ValueError(f"CorrectionConfig.spread_quantile must be in [0.5, 1), got {self.spread_quantile}")
+        for name in ("spread_quantile", "bound_quantile"):
+            q = getattr(self, name)
+            if q is not None and not 0.5 <= q < 1.0:
+                raise ValueError(f"CorrectionConfig.{name} must be in [0.5, 1), got {q}")
         if not 1 <= self.spread_min <= self.spread_window:
             raise ValueError(f"CorrectionConfig: need 1 <= spread_min <= spread_window, got {self.spread_min} "
                              f"and {self.spread_window}")
@@ -337,10 +341,23 @@ class Corrections:
         self._by_instance[instance_id] = replace(cur, waits=(*cur.waits[1 - self.cfg.spread_window:], wait))
         return None
 
-    def spread(self, instance_id: str, metric: str) -> float:
-        """What admission multiplies ``instance_id``'s predicted ``metric`` by (module doc): the
-        ``spread_quantile`` of its recent ratios (a wait's priced again as the corrections stand),
-        within the factors' bounds; 1 with too few."""
+    def queue_bound(self, instance_id: str) -> float:
+        """What admission multiplies ``instance_id``'s predicted queue by: 1, the central prediction,
+        unless ``bound_quantile`` (then that quantile of the waits' ratios, :meth:`spread`).
+
+        Why 1: the central prediction already holds what the corrections learned of the queue's
+        bias, and a median of the waits' ratios priced again with those corrections is that bias
+        counted twice, plus the window's noise. Live on Zen 3, below 1 it admitted 7 requests whose
+        central prediction was over their SLO and 5 missed (docs/results/2026-12-01-zen3-admission.md
+        §11); kept at 1 or above, 33 of the 47 refused on it alone over twenty runs would have met
+        their SLO (sessions 37-40, §11-§14)."""
+        q = self.cfg.bound_quantile
+        return 1.0 if q is None else self.spread(instance_id, "wait", q)
+
+    def spread(self, instance_id: str, metric: str, q: float | None = None) -> float:
+        """The ``q`` quantile (default ``spread_quantile``) of ``instance_id``'s recent ratios of
+        ``metric`` (a wait's priced again as the corrections stand), within the factors' bounds;
+        1 with too few."""
         c = self.get(instance_id)
         if metric == "wait":
             ratios = repriced(c.waits, lambda busy: self.prefill_scale(instance_id, busy),
@@ -349,7 +366,7 @@ class Corrections:
             ratios = list(c.ratios.get(metric, ()))
         if len(ratios) < self.cfg.spread_min:
             return 1.0
-        return self._clamped(math.log(quantile(sorted(ratios), self.cfg.spread_quantile)))
+        return self._clamped(math.log(quantile(sorted(ratios), self.cfg.spread_quantile if q is None else q)))
 
     def overtake_share(self, instance_id: str) -> float:
         """The share of the overtake allowance a new job on ``instance_id`` is priced with."""

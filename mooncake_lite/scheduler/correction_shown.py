@@ -10,10 +10,11 @@ from mooncake_lite.scheduler.correction import SHOW_TOLERANCE, Corrections, Inst
 from mooncake_lite.scheduler.snapshot import Shown
 
 
-def show_spread(c: Corrections, instance_id: str, metric: str, view: Shown) -> None:
-    """``view`` (the instance's, live or simulated) shows its spread once it moved by more than
-    ``SHOW_TOLERANCE``: a new state makes the scheduler derive the instance's estimates afresh."""
-    spread = c.spread(instance_id, metric)
+def show_queue_bound(c: Corrections, instance_id: str, view: Shown) -> None:
+    """``view`` (a prefill's, live or simulated) shows what admission multiplies its queue by
+    (``Corrections.queue_bound``) once it moved by more than ``SHOW_TOLERANCE``: a new state makes
+    the scheduler derive the instance's estimates afresh."""
+    spread = c.queue_bound(instance_id)
     if abs(math.log(spread / view.spread)) >= SHOW_TOLERANCE:
         view.set_spread(spread)
 

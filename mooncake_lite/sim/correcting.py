@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import Corrections
 from mooncake_lite.scheduler.costs import scaled
-from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_spread, show_start, show_tail
+from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_queue_bound, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.scheduler.wait_spread import ShownWait
@@ -122,6 +122,6 @@ class SimCorrecting:
         if model_moved(scale, offset, self._shown.get(iid, 1.0), self._offset.get(iid, 0.0), model.c0):
             self._shown[iid], self._offset[iid] = scale, offset
             view.set_instance(p.store_id, None, scaled(model, scale, offset), p.pack_tokens, p.overtakes)
-        show_spread(c, iid, "wait", view)
+        show_queue_bound(c, iid, view)
         show_shares(c, iid, view)
 

@@ -252,6 +252,12 @@ def test_a_wait_is_kept_for_the_queue_s_spread_only_where_a_queue_was_priced():
         assert c.note_wait("p", ShownWait(2.0, 0.5), 3.0) is None
     assert c.spread("p", "wait") == pytest.approx(1.5) and c.spread("p", "ttft") == 1.0
     assert c.get("p").spread_metrics == ("wait",)
+    # shown, not judged: admission's bound is the central prediction unless a quantile is asked for
+    assert c.queue_bound("p") == 1.0
+    c.cfg = replace(CFG, bound_quantile=0.75)
+    assert c.queue_bound("p") == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="bound_quantile"):
+        replace(CFG, bound_quantile=0.3)
     for broken in (math.nan, -1.0, 1e9):                       # refused as any ratio
         assert c.note_wait("p", ShownWait(2.0, 0.5), broken) is not None
     assert c.note_wait("p", ShownWait(2.0, 0.5, scale=math.nan), 3.0) is not None

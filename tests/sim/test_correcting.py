@@ -81,10 +81,8 @@ def _admitting(spread: bool, slo_s: float = 4.0, correct: bool = True, quantile:
     cfg = SimConfig(num_prefill=1, num_decode=1, prefill_queue_overtakes=4, correct=correct, hardware="toy",
                     scheduler=SchedulerConfig(admission="predictive", ttft_slo_s=slo_s, tbt_slo_s=1e9))
     sim = MooncakeSim(cfg, hardware=toy_hardware(prefill_per_token=1e-3))
-    if correct and not spread:     # the rule before: admission judged the central prediction alone
-        sim.correcting.corrections.spread = lambda *_: 1.0
-    if quantile is not None:
-        sim.correcting.corrections.cfg = CorrectionConfig(spread_quantile=quantile)
+    if spread:     # the default judges the central prediction alone; a bound at a quantile of the waits
+        sim.correcting.corrections.cfg = CorrectionConfig(bound_quantile=0.5 if quantile is None else quantile)
     res = sim.run(_bursts(24))
     return sim, {r.request_id: Outcome("ok", r.ttft, r.tbt) if r.status == "completed" else Outcome("rejected")
                  for r in res.requests}
@@ -99,8 +97,8 @@ def test_admission_on_the_measured_spread_admits_fewer_that_then_miss():
         served = [o for o in outcomes.values() if o.status == "ok"]
         return sum(o.ttft_s <= 6.0 for o in served) / len(served), len(served)
     _, central = _admitting(False, slo_s=6.0)
-    sim, bounded = _admitting(True, slo_s=6.0, quantile=0.9)     # an upper quantile (the default is the median)
-    spread = sim.correcting.corrections.spread("P0", "wait")
+    sim, bounded = _admitting(True, slo_s=6.0, quantile=0.9)     # an upper quantile (the default judges none)
+    spread = sim.correcting.corrections.queue_bound("P0")
     assert 1.1 < spread < 2.0 and abs(math.log(sim.prefills[0].view.state().queue_spread / spread)) < 1 / 32
     (met_central, n_central), (met_bounded, n_bounded) = met(central), met(bounded)
     assert n_bounded < n_central and met_bounded > met_central + 0.02
