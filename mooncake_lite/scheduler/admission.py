@@ -169,10 +169,11 @@ def decode_admits(d: DecodeInstanceState, req: ScheduleRequest, costs: CostModel
 
 def bounds(p: PrefillChoice, d: DecodeChoice | None) -> tuple[float, float | None]:
     """The (TTFT, TBT) admission judges: the TTFT with what others add to it (its queue) × the
-    prefill's measured spread of it (``PrefillInstanceState.queue_spread``: an upper quantile of
-    measured / predicted waits there, 1 until measured), and the TBT step as predicted (without
-    the tail). The prediction is central (half the requests land above it), so judged alone it admits half of those near the limit to miss it (measured:
-    docs/results/2026-11-29-prediction-admission.md). The request alone is judged on its
+    prefill's ``PrefillInstanceState.queue_spread`` (1 by default: the central prediction, why in
+    ``Corrections.queue_bound``; a quantile of measured / predicted waits there where one is asked
+    for), and the TBT step as predicted (without the tail). A central prediction admits about half
+    of those near the limit to miss it (docs/results/2026-11-29-prediction-admission.md); an upper
+    quantile refuses them, and with them most of those that would have met. The request alone is judged on its
     prediction: a spread on the whole would refuse every request on an idle instance once it
     passes the SLO factor, and a request never admitted never measures the spread down again.
     Never under the central prediction: that already holds what the corrections learned of the

@@ -349,7 +349,7 @@ class Corrections:
         bias, and a median of the waits' ratios priced again with those corrections is that bias
         counted twice, plus the window's noise. Live on Zen 3, below 1 it admitted 7 requests whose
         central prediction was over their SLO and 5 missed (docs/results/2026-12-01-zen3-admission.md
-        §11); kept at 1 or above, 33 of the 47 refused on it alone over twenty runs would have met
+        §11); kept at 1 or above, 33 of the 47 refused on it alone over 22 runs would have met
         their SLO (sessions 37-40, §11-§14)."""
         q = self.cfg.bound_quantile
         return 1.0 if q is None else self.spread(instance_id, "wait", q)

@@ -87,9 +87,9 @@ class PrefillInstanceState:
     unless the online correction learns what this instance's jobs really met (from 0:
     :mod:`mooncake_lite.scheduler.correction`); ``recent_uncached``: then, the uncached tokens of
     the last jobs queued on it, sorted (how many later arrivals are likely shorter than a job).
-    ``queue_spread``: how far above its predicted queue a request here may wait (an upper quantile
-    of measured / predicted wait, ``Corrections.spread`` of ``wait``; 1: not measured): admission
-    judges the queue × spread (``admission.bounds``); the prediction itself stays central. ``join_share``: with
+    ``queue_spread``: what admission multiplies its predicted queue by (``admission.bounds``;
+    ``Corrections.queue_bound``: 1, the central prediction, unless a quantile of measured /
+    predicted waits is asked for); the prediction itself stays central. ``join_share``: with
     packing, the share of :func:`~mooncake_lite.scheduler.queue_order.join_allowance`'s worst case
     (later arrivals joining a job's forward) a new job is predicted to meet; 0 until learned.
     ``queue_scale``: what the wait for the work queued ahead (before any overtake or join

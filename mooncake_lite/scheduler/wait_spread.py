@@ -4,17 +4,17 @@ What the correction (``correction.py``) learns is a central prediction: half the
 less, half more. Each instance also keeps the ratios measured / shown of its last
 ``spread_window`` requests, per metric (``ttft`` on a prefill, ``tbt`` on a decode: shown to
 people), and a prefill its last waits (``wait``); ``Corrections.spread`` is their
-``spread_quantile``: an upper one refuses on what a request may meet, the median (the default)
-corrects the wait's bias alone. Live on Zen 3 the 0.9 quantile had 99% of the admitted meet their
-SLO (goal 95%) and refused 19% that would have met (goal 10%), the median 96.5% and 14%
-(docs/results/2026-12-01-zen3.md §9-10). A wait, not a TTFT, whose own forward (a burst's later
+``spread_quantile`` (the median: the bias the corrections left), shown. Admission judges the
+central prediction unless ``bound_quantile`` asks for one (``Corrections.queue_bound``): live on
+Zen 3 the 0.9 quantile had 99% of the admitted meet their SLO (goal 95%) and refused 19% that would
+have met (goal 10%), the median 96.5% and 14% (docs/results/2026-12-01-zen3.md §9-10), the central
+prediction 97.4% and 9.9% (2026-12-01-zen3-admission.md §14). A wait, not a TTFT, whose own forward (a burst's later
 members joining it) is no part of the queue: on the TTFT's, admission refused 31-60% of requests
 that would have met their SLO in the simulator, on the wait's 0-4% (2026-11-29-burst-window.md).
 A window forgets a machine that changed; a broken report is refused.
 
-Admission bounds a request's TTFT by what others add to it × the prefill's spread: a quantile of
-measured / priced waits over its last ``spread_window`` jobs (``correction.py``,
-``admission.bounds``). Each wait was priced with the corrections of its moment: the queue's
+A bound multiplies what others add to a request's TTFT by a quantile of measured / priced waits
+over the prefill's last ``spread_window`` jobs (``correction.py``, ``admission.bounds``). Each wait was priced with the corrections of its moment: the queue's
 scale, the speed of its node state, the overtake and join shares. Against those prices a window
 of ratios holds again what the corrections have learned since. Live on Zen 3 a run's second
 burst waited 1.2-1.9x its price (its forwards slower than the start-up profile beside a busy
