@@ -68,85 +68,14 @@ from dataclasses import dataclass, field, replace
 
 from mooncake_lite.scheduler.forward_fit import ForwardLine, moved_line
 from mooncake_lite.scheduler.shares import overtakes_used
+from mooncake_lite.scheduler.update_rule import TOO_SHORT, CorrectionConfig, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.wait_spread import KeptWait, ShownWait, kept, quantile, repriced
 
 TERMS = ("queue", "compute", "interference", "transfer", "decode", "decode_interference", "tail")
 STATES = ("compute", "interference")   # a prefill's two node states: idle, beside a busy neighbour
-TOO_SHORT = "too short to time"   # not a refusal: a sub-timer-resolution observation is skipped
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a share
 # in absolute terms): a new model makes the scheduler derive that instance's estimates afresh.
 SHOW_TOLERANCE = 1 / 32
-
-
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """The update rule's constants (module doc)."""
-    alpha: float = 0.25          # weight of one observation in the moving average of log(ratio)
-    max_step: float = 0.15       # largest change of a log factor per observation (x1.16)
-    max_factor: float = 16.0     # factors stay within [1/16, 16]
-    max_ratio: float = 1000.0    # a measured/predicted beyond this is a broken report, not a slowdown
-    min_seconds: float = 1e-4    # predictions or measurements shorter than this are timer noise
-    spread_quantile: float = 0.5  # the spread shown: this quantile of the recent ratios (the bias left)
-    bound_quantile: float | None = None   # admission's bound on the queue: None, the central prediction (queue_bound)
-    spread_window: int = 64      # the ratios it is taken over, per instance and metric
-    spread_min: int = 8          # fewer observed: no spread (1), the prediction alone
-    line_window: int = 24        # a prefill state's line is fitted to its last this many requests
-    line_min: int = 8            # ... once it has this many (forward_fit.py)
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"CorrectionConfig.alpha must be in (0, 1], got {self.alpha}")
-        if not self.max_step > 0.0:
-            raise ValueError(f"CorrectionConfig.max_step must be > 0, got {self.max_step}")
-        if not 1.0 < self.max_factor <= self.max_ratio:
-            raise ValueError("CorrectionConfig: need 1 < max_factor <= max_ratio, got "
-                             f"{self.max_factor} and {self.max_ratio}")
-        for name in ("spread_quantile", "bound_quantile"):
-            q = getattr(self, name)
-            if q is not None and not 0.5 <= q < 1.0:
-                raise ValueError(f"CorrectionConfig.{name} must be in [0.5, 1), got {q}")
-        if not 1 <= self.spread_min <= self.spread_window:
-            raise ValueError(f"CorrectionConfig: need 1 <= spread_min <= spread_window, got {self.spread_min} "
-                             f"and {self.spread_window}")
-        if not 2 <= self.line_min <= self.line_window:
-            raise ValueError("CorrectionConfig: need 2 <= line_min <= line_window, got "
-                             f"{self.line_min} and {self.line_window}")
-
-
-@dataclass(frozen=True)
-class Factor:
-    """One term's correction: ``log`` of the factor, and how many observations moved it."""
-
-    log: float = 0.0
-    num_observed: int = 0
-
-    @property
-    def value(self) -> float:
-        return math.exp(self.log)
-
-
-def ratio_refusal(predicted_s: float, measured_s: float, cfg: CorrectionConfig) -> str | None:
-    """Why an observation is refused (None: it may be used). A NaN, an infinity, a negative or a
-    ratio beyond ``max_ratio`` says the report is broken, and a broken report must not move a model."""
-    for name, v in (("predicted", predicted_s), ("measured", measured_s)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            return f"{name} seconds must be a finite number >= 0, got {v!r}"
-    if predicted_s < cfg.min_seconds or measured_s < cfg.min_seconds:
-        return TOO_SHORT    # (a queue a packing prefill skipped, a fully cached prefix: nothing to time)
-    if not 1.0 / cfg.max_ratio <= measured_s / predicted_s <= cfg.max_ratio:
-        return f"ratio {measured_s / predicted_s:.3g} outside [1/{cfg.max_ratio:g}, {cfg.max_ratio:g}]"
-    return None
-
-
-def step(f: Factor, ratio: float, cfg: CorrectionConfig, weight: float = 1.0) -> Factor:
-    """``f`` moved toward ``ratio`` by the bounded moving average (module doc); ``ratio`` must have
-    passed :func:`ratio_refusal`. ``weight`` (in (0, 1]): the share of one observation this is
-    (a pack's jobs share one wait), its step and its bound scaled alike."""
-    bound = math.log(cfg.max_factor)
-    target = min(bound, max(-bound, math.log(ratio)))
-    delta = weight * cfg.alpha * (target - f.log)
-    delta = min(weight * cfg.max_step, max(-weight * cfg.max_step, delta))
-    return Factor(min(bound, max(-bound, f.log + delta)), f.num_observed + 1)
 
 
 @dataclass(frozen=True)
@@ -342,15 +271,8 @@ class Corrections:
         return None
 
     def queue_bound(self, instance_id: str) -> float:
-        """What admission multiplies ``instance_id``'s predicted queue by: 1, the central prediction,
-        unless ``bound_quantile`` (then that quantile of the waits' ratios, :meth:`spread`).
-
-        Why 1: the central prediction already holds what the corrections learned of the queue's
-        bias, and a median of the waits' ratios priced again with those corrections is that bias
-        counted twice, plus the window's noise. Live on Zen 3, below 1 it admitted 7 requests whose
-        central prediction was over their SLO and 5 missed (docs/results/2026-12-01-zen3-admission.md
-        §11); kept at 1 or above, 33 of the 47 refused on it alone over 22 runs would have met
-        their SLO (sessions 37-40, §11-§14)."""
+        """What admission multiplies ``instance_id``'s predicted queue by: 1, the central prediction
+        (why: ``wait_spread.py``), unless ``bound_quantile``: that quantile of the waits' ratios."""
         q = self.cfg.bound_quantile
         return 1.0 if q is None else self.spread(instance_id, "wait", q)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from mooncake_lite.scheduler.correction import CorrectionConfig, Factor, ratio_refusal, step
+from mooncake_lite.scheduler.update_rule import CorrectionConfig, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.costs import PrefillCostModel
 
 # How far the chunks done may move the price of the chunks left, either way: a first chunk slowed

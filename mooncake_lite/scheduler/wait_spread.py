@@ -5,10 +5,13 @@ less, half more. Each instance also keeps the ratios measured / shown of its las
 ``spread_window`` requests, per metric (``ttft`` on a prefill, ``tbt`` on a decode: shown to
 people), and a prefill its last waits (``wait``); ``Corrections.spread`` is their
 ``spread_quantile`` (the median: the bias the corrections left), shown. Admission judges the
-central prediction unless ``bound_quantile`` asks for one (``Corrections.queue_bound``): live on
-Zen 3 the 0.9 quantile had 99% of the admitted meet their SLO (goal 95%) and refused 19% that would
-have met (goal 10%), the median 96.5% and 14% (docs/results/2026-12-01-zen3.md §9-10), the central
-prediction 97.4% and 9.9% (2026-12-01-zen3-admission.md §14). A wait, not a TTFT, whose own forward (a burst's later
+central prediction unless ``bound_quantile`` asks for one (``Corrections.queue_bound``): the median
+is the queue's bias, which the corrections already hold, so judged it counted that bias twice, plus
+a window's noise. Below 1 it admitted 7 whose central prediction was over their SLO, 5 missed
+(2026-12-01-zen3-admission.md §11); kept at 1 or above, 33 of the 47 refused on it alone over 22
+runs would have met (§11-§14). Live on Zen 3 the 0.9 quantile had 99% of the admitted meet their
+SLO (goal 95%) and refused 19% that would have met (goal 10%), the median 96.5% and 14%
+(docs/results/2026-12-01-zen3.md §9-10), the central prediction 96.9% and 11.3% (§14). A wait, not a TTFT, whose own forward (a burst's later
 members joining it) is no part of the queue: on the TTFT's, admission refused 31-60% of requests
 that would have met their SLO in the simulator, on the wait's 0-4% (2026-11-29-burst-window.md).
 A window forgets a machine that changed; a broken report is refused.
