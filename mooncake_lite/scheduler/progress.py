@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 
-from mooncake_lite.scheduler.update_rule import CorrectionConfig, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.costs import PrefillCostModel
+from mooncake_lite.scheduler.update_rule import CorrectionConfig, Factor, ratio_refusal, step
 
 # How far the chunks done may move the price of the chunks left, either way: a first chunk slowed
 # by a burst of decode steps beside it says little of the next seven.

@@ -11,18 +11,19 @@ a window's noise. Below 1 it admitted 7 whose central prediction was over their 
 (2026-12-01-zen3-admission.md §11); kept at 1 or above, 33 of the 47 refused on it alone over 22
 runs would have met (§11-§14). Live on Zen 3 the 0.9 quantile had 99% of the admitted meet their
 SLO (goal 95%) and refused 19% that would have met (goal 10%), the median 96.5% and 14%
-(docs/results/2026-12-01-zen3.md §9-10), the central prediction 96.9% and 11.3% (§14). A wait, not a TTFT, whose own forward (a burst's later
-members joining it) is no part of the queue: on the TTFT's, admission refused 31-60% of requests
-that would have met their SLO in the simulator, on the wait's 0-4% (2026-11-29-burst-window.md).
+(docs/results/2026-12-01-zen3.md §9-10), the central prediction 96.7% and 10.6% (§14). A wait,
+not a TTFT, whose own forward (a burst's later members joining it) is no part of the queue: on
+the TTFT's, admission refused 31-60% of requests that would have met their SLO in the simulator,
+on the wait's 0-4% (2026-11-29-burst-window.md).
 A window forgets a machine that changed; a broken report is refused.
 
 A bound multiplies what others add to a request's TTFT by a quantile of measured / priced waits
-over the prefill's last ``spread_window`` jobs (``correction.py``, ``admission.bounds``). Each wait was priced with the corrections of its moment: the queue's
-scale, the speed of its node state, the overtake and join shares. Against those prices a window
-of ratios holds again what the corrections have learned since. Live on Zen 3 a run's second
-burst waited 1.2-1.9x its price (its forwards slower than the start-up profile beside a busy
-decode, its first overtakes priced at a share of 0); by the fourth burst the interference factor
-and the share held both, yet the median of those ratios was 1.27, and at t = 45 s admission
+over the prefill's last ``spread_window`` jobs (``correction.py``, ``admission.bounds``). Each wait
+was priced with the corrections of its moment: the queue's scale, the speed of its node state,
+the overtake and join shares. Against those prices a window of ratios holds again what the
+corrections have learned since. Live on Zen 3 a run's second burst waited 1.2-1.9x its price
+(its forwards slower than the start-up profile beside a busy decode, its first overtakes priced
+at a share of 0); by the fourth burst the interference factor and the share held both, yet the median of those ratios was 1.27, and at t = 45 s admission
 refused requests whose central prediction met their SLOs and which the prefill's record has done
 in time (docs/results/2026-12-01-zen3-admission.md §11).
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import Corrections
 from mooncake_lite.scheduler.costs import scaled
-from mooncake_lite.scheduler.correction_shown import model_moved, show_shares, show_queue_bound, show_start, show_tail
+from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_bound, show_shares, show_start, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import worst_cases
 from mooncake_lite.scheduler.wait_spread import ShownWait

@@ -31,6 +31,7 @@ import re
 import statistics
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
 from mooncake_lite.scheduler.waiting import GRANT, LAND, Added, replay
 
@@ -108,11 +109,10 @@ def _placed_next(events: Sequence[Sequence], here: Mapping[int, tuple[int, float
     two long jobs was judged to pass them instead (5.3 s against 29 s priced). None: the record
     names no conductor."""
     at = here.get(after)
-    own = events[at[0]] if at is not None else None
-    for e in ([own] if own is not None else []) + [e for e in events if e[1] == LAND]:
-        if len(e) > 5 and e[5]:
-            return (e[5][0], after + 0.5)
-    return None
+    own = (events[at[0]],) if at is not None else ()
+    placed = (e[5] for e in chain(own, (e for e in events if e[1] == LAND)) if len(e) > 5 and e[5])
+    conductor = next(placed, None)
+    return None if conductor is None else (conductor[0], after + 0.5)
 
 
 def recorded_start(events: Sequence[Sequence], forwards: Sequence[Sequence[float]], ids: Mapping[str, int],

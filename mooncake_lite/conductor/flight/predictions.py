@@ -26,7 +26,7 @@ from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
 from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections
 from mooncake_lite.scheduler.costs import scaled
-from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_scale, show_shares, show_queue_bound, show_tail
+from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_bound, show_queue_scale, show_shares, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.prefill_view import PrefillView
 from mooncake_lite.scheduler.queue_order import worst_cases
@@ -177,9 +177,9 @@ class PredictionBook:
             return
         self._reshow_scale(inst)
         if isinstance(inst.view, PrefillView):
-            # Only the wait's spread is shown: admission judges it on the queue (admission.bounds);
-            # a decode's would rebuild its state for nothing (/metrics and status read the TTFT's
-            # and the TBT's from the corrections)
+            # Only the queue's bound is shown (1 unless a quantile is asked for: admission.bounds);
+            # a decode's spread would rebuild its state for nothing (/metrics and status read the
+            # spreads from the corrections)
             show_queue_bound(self.corrections, iid, inst.view)
             show_shares(self.corrections, iid, inst.view)
             show_queue_scale(self.corrections, iid, inst.view)
