@@ -23,9 +23,10 @@ was priced with the corrections of its moment: the queue's scale, the speed of i
 the overtake and join shares. Against those prices a window of ratios holds again what the
 corrections have learned since. Live on Zen 3 a run's second burst waited 1.2-1.9x its price
 (its forwards slower than the start-up profile beside a busy decode, its first overtakes priced
-at a share of 0); by the fourth burst the interference factor and the share held both, yet the median of those ratios was 1.27, and at t = 45 s admission
-refused requests whose central prediction met their SLOs and which the prefill's record has done
-in time (docs/results/2026-12-01-zen3-admission.md §11).
+at a share of 0); by the fourth burst the interference factor and the share held both, yet the
+median of those ratios was 1.27, and at t = 45 s admission refused requests whose central
+prediction met their SLOs and which the prefill's record has done in time
+(docs/results/2026-12-01-zen3-admission.md §11).
 
 So a wait is kept in the uncorrected model's seconds (:class:`KeptWait`: the work ahead before
 the queue's scale, the worst cases of the two allowances) and priced again with the corrections
