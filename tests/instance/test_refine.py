@@ -177,10 +177,38 @@ def test_a_prompts_later_chunks_are_fitted_apart_from_its_first(seed):
         assert rel_err(model.chunk_after(*later), truth.chunk_after(*later)) < 0.06
     long = truth.with_chunk(chunk).predict(1024 + 2048, 1024)
     assert rel_err(model.predict(1024 + 2048, 1024), long) < 0.06
-    # one formula for every chunk (the rule before) prices a first chunk or a later one off
-    one = prefill_refiner(scaled(truth, 1.0))
+    # one formula for every chunk (the rule before) prices a first chunk or a later one off (no
+    # prior shapes: they would stand for later chunks too)
+    one = PrefillRefiner(scaled(truth, 1.0))
     for x, y, t, _ in refiner._recent:
         one.observe(x, y, t)
     assert one.current().later_c0 is None
     assert max(rel_err(one.current().predict(1024, 512), truth.chunk_after(1024, 512)),
                rel_err(one.current().predict(512, 0), truth.predict(512, 0))) > 0.15
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_first_minute_of_short_prompts_does_not_price_a_long_one_at_their_level(seed):
+    """Issue #36, live on Zen 3: a first chunk ran ~1.7x the bare start-up profile (it takes the
+    request in, beside the decode of the jobs before it), the later chunks ~0.9x. After a first
+    minute of short prompts, the profile's long shapes scaled to that level priced the trace's
+    2,724-token prompt at 21.4 s where it took 11.4 s; the excess does not grow with the context,
+    and later chunks nobody has run yet carry none of it: within 20%."""
+    profile = PrefillCostModel(c0=0.19, c1=0.0015, c2=1.44e-6)          # the run's start-up model
+    chunk, rng = 512, random.Random(seed)
+
+    def served(x: int, y: int, first: bool) -> float:
+        return 1.7 * profile.predict(x, y) if first else 0.9 * profile.chunk_after(x, y)
+
+    refiner = prefill_refiner(profile)
+    for _ in range(40):                                  # short prompts on the trace's 16 cached tokens
+        n = rng.choice([13, 47, 120, 170, 210, 340, 400, 464, 503])
+        refiner.observe(n + 16, 16, noisy(rng, served(n + 16, 16, True), outliers=0.0))
+    for n in (76, 121, 211):                             # a few later chunks: no bucket counts yet
+        refiner.observe(512 + n, 512, noisy(rng, served(512 + n, 512, False), outliers=0.0), 1)
+    model = refiner.current().with_chunk(chunk)
+    truth = served(16 + chunk, 16, True) + sum(served(min(s + chunk, 2724), s, False)
+                                               for s in range(16 + chunk, 2724, chunk))
+    assert rel_err(model.predict(2724, 16), truth) < 0.2              # was 1.5-1.9x
+    for n in (170, 464):                                 # and the shapes it measured hold
+        assert rel_err(model.predict(n + 16, 16), served(n + 16, 16, True)) < 0.15
