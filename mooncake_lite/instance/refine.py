@@ -62,11 +62,6 @@ from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
 WINDOW = 32              # samples a bucket keeps (the newest)
 MIN_SAMPLES = 5          # a bucket counts from this many: its median outvotes 2 outliers
 REPORT_TOLERANCE = 0.10  # a new model is reported once it moves some prediction by more
-# A prior point is a guess, a counting bucket a measurement: where the model cannot pass through
-# both (a first chunk runs ~1.7x the profile, a later one ~0.9x, and they share c1 and c2), the
-# measured shapes win. At 1 the 17 guesses outvoted three measured buckets and priced a 512-token
-# first chunk 0.81-0.87x (tests/instance/test_refine.py, the first-minute case); at 0.25 0.89-0.97x.
-PRIOR_WEIGHT = 0.25
 # Equal-mass midpoints: a draw of one of them at random follows the measured spread.
 RATIO_QUANTILES = tuple((2 * i + 1) / 20 for i in range(10))
 MIN_RATIO_SAMPLES = 20   # fewer samples say little about a tail
@@ -134,9 +129,7 @@ class Refiner:
         if not 1 <= min_samples <= window:
             raise ValueError(f"need 1 <= min_samples <= window, got {min_samples} and {window}")
         self.prior = prior
-        # each shape as every kind of pass it can be (a prefill's: a first chunk, and a later one)
-        self.prior_points = tuple((x, y, k) for x, y in prior_points if self._valid(x, y)
-                                  for k in self._kinds(x, y))
+        self.prior_points = tuple(p for p in prior_points if self._valid(*p))
         self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
         self._buckets: dict[tuple[int, ...], deque[Sample]] = {}
         self._published: Model | None = prior
@@ -162,16 +155,6 @@ class Refiner:
     @staticmethod
     def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
         return model.predict(x, y)
-
-    @staticmethod
-    def _context_part(model: Model, x: int, y: int, kind: int = 0) -> float:
-        """The seconds of ``_predict`` that grow with the context (attention, a prefix's load)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _kinds(x: int, y: int) -> tuple[int, ...]:
-        """The kinds of pass a prior shape stands for."""
-        return (0,)
 
     # ---- feeding and reading --------------------------------------------------------------
     def observe(self, x: int, y: int, seconds: float, kind: int = 0) -> None:
@@ -227,9 +210,8 @@ class Refiner:
             return self._scaled_prior(points)
         # Relative error: each point's row and target divided by its own time, so a 2 ms step
         # weighs as much as a 2 s prefill.
-        weights = [1.0] * len(points) + [PRIOR_WEIGHT] * (len(pts) - len(points))
-        rows = [[w * v / t for v in self._row(x, y, k)[:width]] for w, (x, y, t, k) in zip(weights, pts)]
-        coef = nonneg_fit(rows, weights)
+        rows = [[v / t for v in self._row(x, y, k)[:width]] for x, y, t, k in pts]
+        coef = nonneg_fit(rows, [1.0] * len(pts))
         if not all(math.isfinite(c) for c in coef) or not any(coef):
             return None
         return self.MODEL(*coef)
@@ -252,40 +234,22 @@ class Refiner:
         return median(ratios) if ratios else None
 
     def _prior_points(self, points: list[Sample]) -> list[Sample]:
-        """The prior's shapes no counting bucket covers, each at the prior's prediction moved to
-        the level measured at the counting buckets nearest it (module doc): of its own kind; of
-        a kind nothing ran yet (a prefill's later chunks, early on), the other kind's, capped at 1."""
+        """The prior's shapes no counting bucket covers, each at the prior's prediction scaled by
+        the measured/predicted ratio of the counting buckets nearest it (module doc)."""
         if self.prior is None:
             return []
-        level: dict[int, list[tuple[tuple[int, ...], float]]] = {}
-        for x, y, t, k in points:
-            if (p := self._predict(self.prior, x, y, k)) > 0:
-                level.setdefault(k, []).append((self._bucket(x, y, k), t / p))
+        level = [(self._bucket(x, y, k), t / p) for x, y, t, k in points
+                 if (p := self._predict(self.prior, x, y, k)) > 0]
         covered = {self._bucket(x, y, k) for x, y, _, k in points}
-        measured = [b for bs in level.values() for b in bs]
         out = []
-        for x, y, k in self.prior_points:
-            key = self._bucket(x, y, k)
-            if key in covered or not measured:
+        for x, y in self.prior_points:
+            key = self._bucket(x, y)
+            if key in covered or not level:
                 continue
-            ratio = _nearest_ratio(level[k], key) if k in level else min(_nearest_ratio(measured, key), 1.0)
-            t = self._prior_at(x, y, k, ratio)
+            t = _nearest_ratio(level, key) * self.prior.predict(x, y)
             if t > 0:
-                out.append((x, y, t, k))
+                out.append((x, y, t, 0))
         return out
-
-    def _prior_at(self, x: int, y: int, kind: int, ratio: float) -> float:
-        """The prior's seconds at a shape, measured running ``ratio`` of its price nearby. Below 1
-        the start-up profile was pessimistic (a busy CPU): every term scales. Above 1 the excess is
-        the serving's own work (module doc), which does not grow with the context: the attention
-        and prefix terms keep the profile's price. Scaled whole, a first minute of short prompts
-        at 1.5-4x the profile priced the trace's 2,724-token prompt at 21.4 s where it took
-        11.4 s (issue #36, docs/results/2026-12-01-zen3-admission.md §15)."""
-        whole = self._predict(self.prior, x, y, kind)
-        if ratio <= 1.0:
-            return ratio * whole
-        context = self._context_part(self.prior, x, y, kind)
-        return ratio * (whole - context) + context
 
     def _moved(self, fitted: Model, points: list[Sample]) -> bool:
         old = self._published
@@ -323,15 +287,6 @@ class PrefillRefiner(Refiner):
     def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
         return model.chunk_after(x, y) if kind == LATER else model.predict(x, y)   # type: ignore[union-attr]
 
-    @staticmethod
-    def _context_part(model: Model, x: int, y: int, kind: int = 0) -> float:
-        n = x - y
-        return model.c2 * n * x + (0.0 if kind == LATER else model.c3 * y)   # type: ignore[union-attr]
-
-    @staticmethod
-    def _kinds(x: int, y: int) -> tuple[int, ...]:
-        return (0, LATER) if y > 0 else (0,)   # on a prefix: a prompt's first chunk, or a later one
-
     def _width(self, points: list[Sample]) -> int:
         return 5 if any(k == LATER for *_, k in points) else 4    # no later chunk: later_c0 is c0
 
@@ -352,7 +307,3 @@ class DecodeRefiner(Refiner):
     @staticmethod
     def _row(x: int, y: int, kind: int = 0) -> list[float]:
         return [1.0, x, y]
-
-    @staticmethod
-    def _context_part(model: Model, x: int, y: int, kind: int = 0) -> float:
-        return model.c2 * y
