@@ -213,6 +213,6 @@ def test_a_first_minute_of_short_prompts_does_not_price_a_long_one_at_their_leve
     model = refiner.current().with_chunk(chunk)
     truth = served(16 + chunk, 16, True) + sum(served(min(s + chunk, 2724), s, False)
                                                for s in range(16 + chunk, 2724, chunk))
-    assert rel_err(model.predict(2724, 16), truth) < 0.2              # was 1.5-1.9x
+    assert rel_err(model.predict(2724, 16), truth) < 0.2              # today 1.66-1.86x: xfail
     for n in (170, 464):                                 # and the shapes it measured hold
         assert rel_err(model.predict(n + 16, 16), served(n + 16, 16, True)) < 0.15
