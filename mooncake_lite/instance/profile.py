@@ -75,11 +75,19 @@ def time_decode(runner: ModelRunner, batch: int, context: int, repeats: int = 3,
 
 
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillCostModel:
-    """``PrefillCostModel`` (t = c0 + c1·n + c2·n·(p+n) + c3·p) from (num_tokens, prefix, s)."""
+    """``PrefillCostModel`` (t = c0 + c1·n + c2·n·(p+n) + c3·p) from (num_tokens, prefix, s), each
+    timing's error weighed relative to it, as the refiner fits (``refine.py``). Fitted in plain
+    seconds, the two full chunks (0.9 and 1.2 s on Zen 3, the seven short shapes 0.13-0.36 s)
+    decided it: one of them timed 1.8x slow took c1 to 0.36x and priced 192 tokens at 0.82x, and
+    a start-up's fit came out at c1 0.00034 s and c2 2.69e-6 where the next one's was 0.00166 and
+    0.99e-6 (docs/results/2026-12-01-zen3-admission.md §16). Relative, the short shapes hold c0
+    and c1, and the full chunks c2."""
     if len(samples) < 4:
         raise ValueError(f"need at least 4 prefill timings, got {len(samples)}")
     rows = [[1.0, t - p, (t - p) * t, p] for t, p, _ in samples]
-    return PrefillCostModel(*nonneg_fit(rows, [s for *_, s in samples]))
+    weights = [1.0 / max(s, 1e-9) for *_, s in samples]
+    return PrefillCostModel(*nonneg_fit([[x * w for x in row] for row, w in zip(rows, weights)],
+                                        [s * w for (*_, s), w in zip(samples, weights)]))
 
 
 def fit_decode(samples: list[tuple[int, int, float]]) -> DecodeCostModel:

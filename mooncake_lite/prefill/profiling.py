@@ -27,15 +27,24 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     """The cost model of ``stage`` (and of the CPP stages after it, ``downstream``), fit like
     ``instance/profile.profile_prefill``'s from the time a chunk of n new tokens on p cached ones
     takes; a shape the stage's cache cannot hold is left out. The profile's chunks leave nothing
-    in the stage's timeline (what the conductor reads as this instance's forwards)."""
+    in the stage's timeline (what the conductor reads as this instance's forwards).
+
+    Each shape's time is its best of ``repeats`` passes over all the shapes, not of ``repeats``
+    timings in a row: a few seconds of other work (a decode starting beside it) then slows one
+    pass of a shape, where back to back it slowed every timing of the one shape it fell on. With
+    4 s of another process at a random moment of each profile, eight profiles back to back priced
+    a 2,724-token prompt 1.00-1.57x what quiet ones did, interleaved 1.03-1.10x (§16 of
+    docs/results/2026-12-01-zen3-admission.md)."""
     points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
     downstream = downstream or _NoStages()
     for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
         await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
-    samples = []
-    for i, (n, p) in enumerate(points):
-        samples.append((n + p, p, await _best(stage, downstream, f"profile-{i}", n, p, repeats)))
+    best = [float("inf")] * len(points)
+    for r in range(repeats):
+        for i, (n, p) in enumerate(points):
+            best[i] = min(best[i], await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p))
     stage.timeline.clear()
+    samples = [(n + p, p, s) for (n, p), s in zip(points, best)]
     return fit_prefill(samples), samples
 
 

@@ -73,3 +73,34 @@ def test_the_start_up_shapes_include_a_full_chunk_alone_and_after_two():
     assert served_points(512)[:len(QUICK_PREFILL)] == QUICK_PREFILL
     assert served_points(512)[len(QUICK_PREFILL):] == ((512, 0), (512, 1024))
     assert served_points(0) == QUICK_PREFILL          # no chunk said: the quick shapes
+
+
+def test_one_slow_full_chunk_does_not_price_short_prompts_short():
+    """The start-up fit weighs each timing's error relative to it: a full chunk after two timed at
+    1.8x (other work on the machine) moves what the model says of a long prompt, but not a short
+    prompt's price (fitted in plain seconds it took c1 to 0.36x and priced 192 tokens at 0.82x,
+    as a Zen 3 start-up did: docs/results/2026-12-01-zen3-admission.md §16)."""
+    from mooncake_lite.instance.profile import fit_prefill, served_points
+    from mooncake_lite.scheduler.costs import PrefillCostModel
+    true = PrefillCostModel(0.09, 0.0013, 5.1e-7, 1e-5)     # Zen 3's default model, quiet
+    samples = [(n + p, p, true.predict(n + p, p) * (1.8 if (n, p) == (512, 1024) else 1.0))
+               for n, p in served_points(512)]
+    fitted = fit_prefill(samples)
+    for n in (32, 96, 192):
+        assert fitted.predict(n) == pytest.approx(true.predict(n), rel=0.06)
+    assert fitted.c1 == pytest.approx(true.c1, rel=0.2)
+
+
+def test_other_work_for_two_timings_in_a_row_slows_no_shape_s_best(stage, monkeypatch):
+    """Each shape's best is over passes of all the shapes: a disturbance as long as two timings
+    falls on two shapes' first pass, not on both timings of one shape."""
+    import mooncake_lite.prefill.profiling as profiling
+    calls = []
+
+    async def timed(stage, downstream, rid, n, p):
+        calls.append((n, p))
+        slow = 3.0 if len(calls) in (6, 7) else 1.0      # after the three warm-ups: timings 3 and 4
+        return slow * (0.01 + 1e-4 * n + 1e-6 * n * (n + p))
+    monkeypatch.setattr(profiling, "_time_chunk", timed)
+    _, samples = asyncio.run(profile_served(stage, repeats=2))
+    assert [s for *_, s in samples] == [0.01 + 1e-4 * (t - p) + 1e-6 * (t - p) * t for t, p, _ in samples]
