@@ -42,8 +42,9 @@ async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[Prefill
         log.warning("start-up profiling skipped: %s", exc)
         return None, 1.0
     through = f"through its {cfg.pipeline_group} stages" if downstream else "through the stage engine"
-    log.info("prefill cost model %s from %d timings %s; on its own threads %.2fx", cost.to_dict(), len(samples),
-             through, busy)
+    log.info("prefill cost model %s from %d timings %s (new on cached tokens: seconds %s); on its own threads "
+             "%.2fx", cost.to_dict(), len(samples), through,
+             ", ".join(f"{t - p}+{p}: {s:.3f}" for t, p, s in samples), busy)
     if downstream is None:
         stage.refiner = prefill_refiner(cost)
     return cost, busy
