@@ -21,11 +21,7 @@ total context — and fits the same cost model to them, robust to outliers:
   and samples, which weighs most on a short prompt. At the level the many long buckets set, the
   profile's short shapes (no prefix; the trace's prompts all had one cached) outvoted the few
   measured: replayed on four live runs (issue #36), forwards under 128 new tokens measured
-  1.4-1.8x the fit, at the nearest bucket's level 1.1-1.2x. A prefill's profile shapes on a
-  prefix stand for its later chunks too, at the level later chunks measured, or before any has,
-  at no more than 1x: a first chunk ran ~1.7x the profile, a later one ~0.9x, and the first
-  minute's short prompts at that level priced the trace's 2,724-token prompt at 21.4 s where it
-  took 11.4 s (docs/results/2026-12-01-zen3-admission.md §15);
+  1.4-1.8x the fit, at the nearest bucket's level 1.1-1.2x;
 * the fit is least squares in relative error with every coefficient >= 0 (``nonneg_fit``);
   with fewer shapes than coefficients it is the start-up model scaled by the median ratio
   measured / predicted over the counting buckets;
@@ -39,9 +35,9 @@ total context — and fits the same cost model to them, robust to outliers:
   first, which runs beside the first tokens and KV intake of the jobs just before it. One formula
   for both, on Zen 3, priced a prompt's second chunk 1.33x what it took and its first at its time
   (docs/results/2026-12-01-zen3-admission.md §3), and over three live runs the conductor priced
-  forwards over 8 s 1.18x long and those of 1-2 s 0.93x: the later chunks have a line of their
-  own (``later_c0``, ``later_c1``, ``later_c2``) and carry no load (``c3``), fitted together with
-  the first's (§12; one slope for both kinds priced a 512-token first chunk 0.89-0.97x, §15-§16);
+  forwards over 8 s 1.18x long and those of 1-2 s 0.93x: the later chunks have their own fixed
+  cost (``later_c0``) and carry no load (``c3``), fitted together with the first's
+  (docs/results/2026-12-01-zen3-admission.md §12);
 * the model :meth:`Refiner.current` returns changes only when the new fit moves a prediction
   at some counting bucket by more than ``REPORT_TOLERANCE``: the conductor re-derives an
   instance's estimates whenever its model changes (its caches key on the model object), so
@@ -133,9 +129,7 @@ class Refiner:
         if not 1 <= min_samples <= window:
             raise ValueError(f"need 1 <= min_samples <= window, got {min_samples} and {window}")
         self.prior = prior
-        # each shape as every kind of pass it can be (a prefill's: a first chunk, and a later one)
-        self.prior_points = tuple((x, y, k) for x, y in prior_points if self._valid(x, y)
-                                  for k in self._kinds(x, y))
+        self.prior_points = tuple(p for p in prior_points if self._valid(*p))
         self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
         self._buckets: dict[tuple[int, ...], deque[Sample]] = {}
         self._published: Model | None = prior
@@ -161,11 +155,6 @@ class Refiner:
     @staticmethod
     def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
         return model.predict(x, y)
-
-    @staticmethod
-    def _kinds(x: int, y: int) -> tuple[int, ...]:
-        """The kinds of pass a prior shape stands for."""
-        return (0,)
 
     # ---- feeding and reading --------------------------------------------------------------
     def observe(self, x: int, y: int, seconds: float, kind: int = 0) -> None:
@@ -245,26 +234,21 @@ class Refiner:
         return median(ratios) if ratios else None
 
     def _prior_points(self, points: list[Sample]) -> list[Sample]:
-        """The prior's shapes no counting bucket covers, each at the prior's prediction moved to
-        the level measured at the counting buckets nearest it (module doc): of its own kind; of
-        a kind nothing ran yet (a prefill's later chunks, early on), the other kind's, capped at 1."""
+        """The prior's shapes no counting bucket covers, each at the prior's prediction scaled by
+        the measured/predicted ratio of the counting buckets nearest it (module doc)."""
         if self.prior is None:
             return []
-        level: dict[int, list[tuple[tuple[int, ...], float]]] = {}
-        for x, y, t, k in points:
-            if (p := self._predict(self.prior, x, y, k)) > 0:
-                level.setdefault(k, []).append((self._bucket(x, y, k), t / p))
+        level = [(self._bucket(x, y, k), t / p) for x, y, t, k in points
+                 if (p := self._predict(self.prior, x, y, k)) > 0]
         covered = {self._bucket(x, y, k) for x, y, _, k in points}
-        measured = [b for bs in level.values() for b in bs]
         out = []
-        for x, y, k in self.prior_points:
-            key = self._bucket(x, y, k)
-            if key in covered or not measured:
+        for x, y in self.prior_points:
+            key = self._bucket(x, y)
+            if key in covered or not level:
                 continue
-            ratio = _nearest_ratio(level[k], key) if k in level else min(_nearest_ratio(measured, key), 1.0)
-            t = ratio * self._predict(self.prior, x, y, k)
+            t = _nearest_ratio(level, key) * self.prior.predict(x, y)
             if t > 0:
-                out.append((x, y, t, k))
+                out.append((x, y, t, 0))
         return out
 
     def _moved(self, fitted: Model, points: list[Sample]) -> bool:
@@ -282,7 +266,7 @@ class PrefillRefiner(Refiner):
     """``PrefillCostModel`` from ``(num_tokens, num_prefix_tokens, seconds)``: a chunk of
     ``num_tokens - num_prefix_tokens`` new tokens computed on top of ``num_prefix_tokens``, a
     prompt's first (its prefix loaded) or a ``LATER`` one (module doc): the row's coefficients
-    are the model's fields in order, the later line's three last."""
+    are the model's fields in order, ``later_c0`` last, fitted once a later chunk's bucket counts."""
 
     MODEL = PrefillCostModel
 
@@ -297,18 +281,14 @@ class PrefillRefiner(Refiner):
     @staticmethod
     def _row(x: int, y: int, kind: int = 0) -> list[float]:
         n = x - y
-        return [0.0, 0.0, 0.0, 0.0, 1.0, n, n * x] if kind == LATER else [1.0, n, n * x, y, 0.0, 0.0, 0.0]
+        return [0.0, n, n * x, 0.0, 1.0] if kind == LATER else [1.0, n, n * x, y, 0.0]
 
     @staticmethod
     def _predict(model: Model, x: int, y: int, kind: int = 0) -> float:
         return model.chunk_after(x, y) if kind == LATER else model.predict(x, y)   # type: ignore[union-attr]
 
-    @staticmethod
-    def _kinds(x: int, y: int) -> tuple[int, ...]:
-        return (0, LATER) if y > 0 else (0,)   # on a prefix: a prompt's first chunk, or a later one
-
     def _width(self, points: list[Sample]) -> int:
-        return 7 if any(k == LATER for *_, k in points) else 4    # no later chunk: the first's line
+        return 5 if any(k == LATER for *_, k in points) else 4    # no later chunk: later_c0 is c0
 
 
 class DecodeRefiner(Refiner):

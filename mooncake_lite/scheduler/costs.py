@@ -81,7 +81,7 @@ class PrefillCostModel(_Coefficients):
     c3 any prefix-loading cost the layer-wise overlap does not hide (often ~0): the cached prefix
     is loaded once, by a prompt's first pass. An instance that said its chunk has a
     :class:`ChunkedPrefillCostModel` (:meth:`with_chunk`); a chunk after the first costs
-    ``later_c0`` fixed and ``later_c1`` a token (:meth:`chunk_after`).
+    ``later_c0`` fixed (:meth:`chunk_after`).
     """
 
     c0: float = 0.0
@@ -93,11 +93,6 @@ class PrefillCostModel(_Coefficients):
     # beside the decode of the jobs before it, and takes in the request); a corrected model
     # raises only the first's: its line's offset is fitted once a request (costs.scaled, forward_fit.py).
     later_c0: float | None = None
-    # Its cost a new token and a token pair (None: ``c1``, ``c2``): on Zen 3 a first chunk ran ~1.7x
-    # the start-up profile and a later one ~0.9x, so no one line priced both
-    # (docs/results/2026-12-01-zen3-admission.md §15-§16).
-    later_c1: float | None = None
-    later_c2: float | None = None
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached:
@@ -114,13 +109,10 @@ class PrefillCostModel(_Coefficients):
 
     def chunk_after(self, num_tokens: int, num_prefix_tokens: int) -> float:
         """Seconds of a chunk after a prompt's first, computing tokens ``num_prefix_tokens`` to
-        ``num_tokens`` over the keys before them: ``later_c0``, ``later_c1``, ``later_c2`` (or
-        ``c0``, ``c1``, ``c2``), nothing loaded."""
+        ``num_tokens`` over the keys before them: ``later_c0`` (or ``c0``) fixed, nothing loaded."""
         n = num_tokens - num_prefix_tokens
         later = self.c0 if self.later_c0 is None else self.later_c0
-        slope = self.c1 if self.later_c1 is None else self.later_c1
-        pair = self.c2 if self.later_c2 is None else self.later_c2
-        t = later + slope * n + pair * n * num_tokens
+        t = later + self.c1 * n + self.c2 * n * num_tokens
         return t if t > 0.0 else 0.0
 
     def with_chunk(self, chunk: int) -> PrefillCostModel:
@@ -130,12 +122,10 @@ class PrefillCostModel(_Coefficients):
             raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
         if not chunk:
             return self if type(self) is PrefillCostModel else \
-                PrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, self.later_c1,
-                                 self.later_c2)
+                PrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0)
         if isinstance(self, ChunkedPrefillCostModel) and self.chunk == chunk:
             return self
-        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, self.later_c1,
-                                       self.later_c2, chunk)
+        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, chunk)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
@@ -174,8 +164,7 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         """``n`` > ``chunk`` uncached tokens after ``p`` cached ones, run as k full chunks of C and a
         remainder r (``n = k·C + r``, m = k + (r > 0) forwards), chunk i a forward of n_i new tokens
         over p_i = p + (the earlier chunks' tokens): Σ_i [c0 + c1·n_i + c2·n_i·(p_i + n_i) + c3·p_i]
-        (``later_c0``, ``later_c1``, ``later_c2`` for c0, c1, c2 after the first, where set: the first's
-        pairs are C·(p + C); c3·p once: the first chunk loads the
+        (``later_c0`` for c0 after the first, where set; c3·p once: the first chunk loads the
         cached prefix, the later ones' keys are their own prompt's) in O(1). Σ n_i·(p_i + n_i) =
         n·p + (n² + Σ n_i²)/2 (each pair of tokens once, a token with itself and its own chunk's
         later ones too), Σ n_i² = k·C² + r². Exact in integers: n² + k·C² + r² is even."""
@@ -184,11 +173,7 @@ class ChunkedPrefillCostModel(PrefillCostModel):
         m = k + 1 if r else k
         pairs = n * p + (n * n + k * c * c + r * r) // 2
         later = self.c0 if self.later_c0 is None else self.later_c0
-        slope = self.c1 if self.later_c1 is None else self.later_c1
-        pair = self.c2 if self.later_c2 is None else self.later_c2
-        first = c * (p + c)
-        t = (self.c0 + self.c1 * c + self.c2 * first + self.c3 * p
-             + later * (m - 1) + slope * (n - c) + pair * (pairs - first))
+        t = self.c0 + later * (m - 1) + self.c1 * n + self.c2 * pairs + self.c3 * p
         return t if t > 0.0 else 0.0
 
 

@@ -20,8 +20,8 @@ def test_the_nested_form_round_trips_and_every_part_is_optional():
     assert loads(Heartbeat, beat('{"prefill": null, "decode": null}')).cost == CostReport()
     assert loads(Heartbeat, beat("{}")).cost == CostReport()
     assert loads(Heartbeat, beat("null")).cost is None
-    # a later chunk's fixed cost and slope, where the instance measured them (instance/refine.py); null: none
-    chunked = CostReport(prefill=PrefillCost(0.4, 3e-3, 8e-7, 0.0, later_c0=0.05, later_c1=2e-3, later_c2=5e-7))
+    # a later chunk's fixed cost, where the instance measured one (instance/refine.py); null: none
+    chunked = CostReport(prefill=PrefillCost(0.4, 3e-3, 8e-7, 0.0, later_c0=0.05))
     assert loads(Heartbeat, dumps(Heartbeat("p0", cost=chunked))).cost == chunked
     assert loads(Heartbeat, beat('{"prefill": {"c0": 1, "later_c0": null}}')).cost == \
         CostReport(prefill=PrefillCost(c0=1.0))
