@@ -186,10 +186,11 @@ def test_a_prompts_later_chunks_are_fitted_apart_from_its_first(seed):
                rel_err(one.current().predict(512, 0), truth.predict(512, 0))) > 0.15
 
 
-# A known mispricing, left open: the one fix tried (ecd51b6: a level above 1 moving only the
-# context-free terms, later chunks priced from the profile, prior points weighing 0.25) priced this
-# within 20% but a 512-token first chunk 0.89-0.97x, and its live pair did worse than the old rule
-# beside it (docs/results/2026-12-01-zen3-admission.md §15). Strict: it fails the day it is fixed.
+# A known mispricing, left open. Two fixes passed it and lost their live pairs: ecd51b6 (a level
+# above 1 moving only the context-free terms, prior points weighing 0.25) priced a 512-token first
+# chunk 0.89-0.97x (docs/results/2026-12-01-zen3-admission.md §15); b7faa9f (a later line of its
+# own, the profile's shapes standing for it at <= 1x until measured) priced long prompts 1.10-1.15x
+# short where later chunks ran 1.3x a clean profile (§16). Strict: it fails the day it is fixed.
 @pytest.mark.xfail(strict=True, reason="issue #36: later chunks share c1 and c2 with a first chunk that runs ~1.7x the profile")
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_first_minute_of_short_prompts_does_not_price_a_long_one_at_their_level(seed):
