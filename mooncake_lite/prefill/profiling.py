@@ -11,7 +11,6 @@ nowhere (``NullSender``); a CPP head's also through its other stages (``downstre
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -38,13 +37,12 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     docs/results/2026-12-01-zen3-admission.md)."""
     points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
     downstream = downstream or _NoStages()
+    for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
+        await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
     best = [float("inf")] * len(points)
-    with _lent(stage):
-        for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
-            await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
-        for r in range(repeats):
-            for i, (n, p) in enumerate(points):
-                best[i] = min(best[i], await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p))
+    for r in range(repeats):
+        for i, (n, p) in enumerate(points):
+            best[i] = min(best[i], await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p))
     stage.timeline.clear()
     samples = [(n + p, p, s) for (n, p), s in zip(points, best)]
     return fit_prefill(samples), samples
@@ -76,18 +74,6 @@ async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2) -
     stage.timeline.clear()
     lent, own = seconds
     return min(MAX_BUSY_SCALE, max(1.0, own / lent)) if lent > 0.0 else 1.0
-
-
-def _lent(stage: StageEngine):
-    """Every chunk of the profile on the threads the stage has while the machine idles, its own
-    and all it may borrow: what the model says (``busy_scale`` prices the rest). Left to the
-    borrower, a live start-up on Zen 3 timed both full chunks ~1.35x slow in both passes, the
-    short shapes not, and ``busy_scale`` right after, holding the threads, read 1.85x: the full
-    chunks had run on one thread (docs/results/2026-12-01-zen3-admission.md §16)."""
-    borrower = getattr(stage.executor, "borrower", None)
-    if borrower is None or borrower.borrow <= 0:
-        return contextlib.nullcontext()
-    return borrower.held(borrower.own + borrower.borrow)
 
 
 class _NoStages:

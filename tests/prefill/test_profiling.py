@@ -104,21 +104,3 @@ def test_other_work_for_two_timings_in_a_row_slows_no_shape_s_best(stage, monkey
     monkeypatch.setattr(profiling, "_time_chunk", timed)
     _, samples = asyncio.run(profile_served(stage, repeats=2))
     assert [s for *_, s in samples] == [0.01 + 1e-4 * (t - p) + 1e-6 * (t - p) * t for t, p, _ in samples]
-
-
-def test_the_start_up_profile_runs_on_the_threads_it_may_borrow(stage, monkeypatch):
-    """The model it fits prices the idle machine's forwards (``busy_scale`` the busy one's): every
-    chunk it times runs on the stage's own threads and all it may borrow, whatever the borrower
-    would pick (here it reads no machine: left alone, it would stay on its own one)."""
-    borrower = ThreadBorrower(1, 1, num_cpus=2, busy=lambda: None, apply=lambda n: None)
-    stage.executor.shutdown(wait=True)
-    stage.executor = BorrowingExecutor(borrower)
-    seen = []
-    layer = StageEngine._layer
-
-    def counting_layer(self, *args):
-        seen.append(borrower.threads)
-        return layer(self, *args)
-    monkeypatch.setattr(StageEngine, "_layer", counting_layer)
-    asyncio.run(profile_served(stage, repeats=1))
-    assert seen and set(seen) == {2}
