@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.timing import best_seconds
-from mooncake_lite.instance.refine import DecodeRefiner, PrefillRefiner, nonneg_fit
+from mooncake_lite.instance.refine import DecodeRefiner, PrefillRefiner, nonneg_fit, relative_fit
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
@@ -85,9 +85,7 @@ def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillCostModel:
     if len(samples) < 4:
         raise ValueError(f"need at least 4 prefill timings, got {len(samples)}")
     rows = [[1.0, t - p, (t - p) * t, p] for t, p, _ in samples]
-    weights = [1.0 / max(s, 1e-9) for *_, s in samples]
-    return PrefillCostModel(*nonneg_fit([[x * w for x in row] for row, w in zip(rows, weights)],
-                                        [s * w for (*_, s), w in zip(samples, weights)]))
+    return PrefillCostModel(*relative_fit(rows, [max(s, 1e-9) for *_, s in samples]))
 
 
 def fit_decode(samples: list[tuple[int, int, float]]) -> DecodeCostModel:

@@ -22,7 +22,7 @@ total context — and fits the same cost model to them, robust to outliers:
   profile's short shapes (no prefix; the trace's prompts all had one cached) outvoted the few
   measured: replayed on four live runs (issue #36), forwards under 128 new tokens measured
   1.4-1.8x the fit, at the nearest bucket's level 1.1-1.2x;
-* the fit is least squares in relative error with every coefficient >= 0 (``nonneg_fit``);
+* the fit is least squares in relative error with every coefficient >= 0 (``relative_fit``);
   with fewer shapes than coefficients it is the start-up model scaled by the median ratio
   measured / predicted over the counting buckets;
 * the model speaks for a bucket's median, but a step's time scatters around it (a busy
@@ -100,6 +100,12 @@ def nonneg_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
             break
         active.pop(int(np.argmin(sol)))
     return [float(c) for c in coef]
+
+
+def relative_fit(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """:func:`nonneg_fit` in relative error: each row and its target divided by its own seconds
+    (positive), so every timing weighs alike whatever its length."""
+    return nonneg_fit([[v / t for v in row] for row, t in zip(rows, seconds)], [1.0] * len(seconds))
 
 
 def _seconds(sample: Sample) -> float:
@@ -208,10 +214,8 @@ class Refiner:
         width = self._width(pts)
         if len(pts) < width:      # too few shapes to fit every coefficient
             return self._scaled_prior(points)
-        # Relative error: each point's row and target divided by its own time, so a 2 ms step
-        # weighs as much as a 2 s prefill.
-        rows = [[v / t for v in self._row(x, y, k)[:width]] for x, y, t, k in pts]
-        coef = nonneg_fit(rows, [1.0] * len(pts))
+        # Relative error, so a 2 ms step weighs as much as a 2 s prefill.
+        coef = relative_fit([self._row(x, y, k)[:width] for x, y, _, k in pts], [t for _, _, t, _ in pts])
         if not all(math.isfinite(c) for c in coef) or not any(coef):
             return None
         return self.MODEL(*coef)
