@@ -54,24 +54,50 @@ def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, d
 class LaterChunks:
     """How the chunks after a job's first ran against their price on one instance lately: a
     moving average of log(measured / priced), its step bounded (``correction.step``, its default
-    constants); None until one was observed. A broken timing is refused and moves nothing."""
+    constants); None until one was observed. A broken timing is refused and moves nothing.
 
-    __slots__ = ("_factor", "_cfg")
+    The price is the instance's model as it stands, and the instance refines it from its forwards
+    (``instance/refine.py``): :meth:`rebase` moves the factor the other way as the model moves, so
+    a level both saw is counted once. Without it, a refinement that doubled the model (its first
+    counting buckets short prompts beside a busy decode: c0, c1 and c2 all 2.1-2.2x in the first
+    minute on Zen 3) left the factor at the old model's level, worn off only by bounded steps (at
+    most 16% a later chunk), and the rest of a long job one chunk in was priced long: live, the
+    2,724-token prompt running when the slice's fourth burst came was reported 9.2 and 11.6 s from
+    its end, 6.4 and ~7 s before it ended, and the burst's four short prompts refused in each run
+    would have met their SLOs (docs/results/2026-12-01-zen3-admission.md §17)."""
+
+    __slots__ = ("_factor", "_cfg", "_shape")
 
     def __init__(self, cfg: CorrectionConfig | None = None) -> None:
         self._cfg = cfg or CorrectionConfig()
         self._factor: Factor | None = None
+        self._shape: tuple[int, int] | None = None   # (tokens, prefix) of the chunk last learned from
 
     @property
     def ratio(self) -> float | None:
         return None if self._factor is None else self._factor.value
 
-    def observe(self, priced_s: float, measured_s: float) -> str | None:
-        """One later chunk; returns why it was refused (None: applied)."""
+    def observe(self, priced_s: float, measured_s: float, shape: tuple[int, int] | None = None) -> str | None:
+        """One later chunk, ``shape`` its (tokens, prefix) as ``chunk_after`` takes them (what
+        :meth:`rebase` prices); returns why it was refused (None: applied)."""
         why = ratio_refusal(priced_s, measured_s, self._cfg)
         if why is not None:
             return why
+        self._shape = shape or self._shape
         ratio, bound = measured_s / priced_s, math.log(self._cfg.max_factor)
         self._factor = Factor(min(bound, max(-bound, math.log(ratio))), 1) if self._factor is None \
             else step(self._factor, ratio, self._cfg)
         return None
+
+    def rebase(self, old: PrefillCostModel, new: PrefillCostModel) -> None:
+        """The instance now prices with ``new`` where it priced with ``old``: the factor moved by
+        their ratio at the chunk it last learned from, so that chunk's price times the factor
+        stays what it was (``Corrections.rebase``'s rule, on the instance's side)."""
+        if self._factor is None or self._shape is None:
+            return
+        was, now = old.chunk_after(*self._shape), new.chunk_after(*self._shape)
+        if not (0.0 < was < math.inf and 0.0 < now < math.inf):
+            return
+        bound = math.log(self._cfg.max_factor)
+        moved = self._factor.log - math.log(now / was)
+        self._factor = Factor(min(bound, max(-bound, moved)), self._factor.num_observed)

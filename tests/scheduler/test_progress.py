@@ -7,6 +7,7 @@ import pytest
 from mooncake_lite.scheduler import BlockIndex, PrefillCostModel, PrefillView, QueuedPrefill, schedule
 from mooncake_lite.scheduler.estimate import backlog_of, queues_at
 from mooncake_lite.scheduler.progress import RATIO_BOUND, LaterChunks, seconds_left
+from mooncake_lite.scheduler.update_rule import CorrectionConfig
 from tests.scheduler.clusters import COSTS, cfg, cluster, prefill, request
 
 MODEL = PrefillCostModel(c1=1e-3)      # 1 ms a token, nothing else: chunks price exactly
@@ -55,6 +56,27 @@ def test_later_chunks_price_the_rest_in_place_of_the_done_ones_and_learn_within_
     assert later.observe(1.0, 1e6) is not None and later.ratio == was
     later.observe(1.0, 900.0)                                      # absurd but a number: one bounded step
     assert later.ratio / was == pytest.approx(1.1618, rel=1e-3)
+
+
+def test_later_chunks_follow_the_model_they_are_priced_by():
+    # learned against one model, the instance then refined it to twice its level: what a later chunk
+    # is priced at (model x factor) stays what it was, the level counted once; then learned on as before
+    old, new = PrefillCostModel(c1=1e-3), PrefillCostModel(c0=0.2, c1=2e-3, later_c0=0.0)
+    later = LaterChunks()
+    later.rebase(old, new)
+    assert later.ratio is None                                     # nothing learned: nothing to move
+    later.observe(old.chunk_after(1024, 512), 0.6, (1024, 512))    # 0.512 s priced, 0.6 s taken
+    later.rebase(old, new)
+    assert later.ratio * new.chunk_after(1024, 512) == pytest.approx(0.6)
+    was = later.ratio
+    later.rebase(new, new)
+    assert later.ratio == was                                      # the same model: nothing moves
+    later.rebase(new, PrefillCostModel(c1=1e9))                    # absurd: held within its bound
+    assert later.ratio == pytest.approx(1 / CorrectionConfig().max_factor)
+    later = LaterChunks()
+    later.observe(1.0, 0.5)                                        # no shape said: nothing to price anew
+    later.rebase(old, new)
+    assert later.ratio == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("pack_tokens", [0, 512])
