@@ -244,7 +244,7 @@ def reported_cost(service: PrefillService) -> CostReport | None:
     refiner = service.stage.refiner
     if refiner is None:
         return None
-    service.use_cost(refiner.current())
+    service.cost = refiner.current()
     return cost_report(service.cost)
 
 

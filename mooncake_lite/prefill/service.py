@@ -35,7 +35,7 @@ from mooncake_lite.prefill.packs import Packing
 from mooncake_lite.prefill.progress import ChunkProgress
 from mooncake_lite.prefill.results import Firsts, annotate, request_params, sample_firsts, tell_first
 from mooncake_lite.prefill.turns import QueuedJob, TurnTaking
-from mooncake_lite.scheduler.costs import PrefillCostModel, packed_durations, uncached_tokens
+from mooncake_lite.scheduler.costs import packed_durations, uncached_tokens
 from mooncake_lite.scheduler.progress import LaterChunks
 from mooncake_lite.scheduler.waiting import TurnRecord
 from mooncake_lite.transfer.client import RemoteError, split_address
@@ -279,20 +279,12 @@ class PrefillService(TurnTaking, Packing):
                     lps += more
                 took = progress.chunk_done(len(chunk), time.perf_counter())
                 if start > prefix and self.cost is not None:
-                    shape = (start + len(chunk), start)
-                    self.later_chunks.observe(self.cost.chunk_after(*shape), took, shape)
+                    self.later_chunks.observe(self.cost, start + len(chunk), start, took)
                 if start + self.chunk_size < n:
                     self.progressed.fire()
         finally:
             self._progress = None
         return out, tuple(lps)
-
-    def use_cost(self, cost: PrefillCostModel | None) -> None:
-        """Price with ``cost`` from now on (the refiner's model, ``app.reported_cost``), the later
-        chunks' factor moved onto it (``LaterChunks.rebase``)."""
-        if cost is not self.cost and cost is not None and self.cost is not None:
-            self.later_chunks.rebase(self.cost, cost)
-        self.cost = cost
 
     def running(self) -> RunningPrefill | None:
         """The job this instance runs alone now, priced from its chunks done (for its heartbeat;
@@ -300,7 +292,7 @@ class PrefillService(TurnTaking, Packing):
         progress, cost = self._progress, self.cost
         if progress is None or cost is None or not progress.done_tokens:
             return None
-        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter(), self.later_chunks.ratio)
+        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter(), self.later_chunks.ratio(cost))
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no

@@ -15,21 +15,23 @@ Except after the first chunk alone: that one runs beside the decode of the jobs 
 (their first tokens, their KV taken in) and says little of the rest. Over the saved Zen 3 runs a
 job's first chunk ran at its price (median ×1.02) and its second at ×0.75 of it; priced by the
 first, the rest of 1,005 jobs was over by a median ×1.39 (0.42 s), and by ×1.0 (0.15 s) priced at
-how the later chunks of the instance's earlier jobs ran (:class:`LaterChunks`: a bounded moving
-average, ``correction.step``'s rule; docs/results/2026-12-01-zen3-admission.md §3). From two
-chunks on, the job's own ratio holds (×1.04).
+how the later chunks of the instance's earlier jobs ran (:class:`LaterChunks`; docs/results/
+2026-12-01-zen3-admission.md §3, §17). From two chunks on, the job's own ratio holds (×1.04).
 """
 
 from __future__ import annotations
 
-import math
+from collections import deque
+from statistics import median
 
 from mooncake_lite.scheduler.costs import PrefillCostModel
-from mooncake_lite.scheduler.update_rule import CorrectionConfig, Factor, ratio_refusal, step
+from mooncake_lite.scheduler.update_rule import CorrectionConfig, ratio_refusal
 
 # How far the chunks done may move the price of the chunks left, either way: a first chunk slowed
 # by a burst of decode steps beside it says little of the next seven.
 RATIO_BOUND = 4.0
+# The later chunks :class:`LaterChunks` keeps (the newest): its median turns within half of them.
+LATER_WINDOW = 32
 
 
 def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, done_tokens: int,
@@ -52,52 +54,43 @@ def seconds_left(model: PrefillCostModel, num_tokens: int, prefix_tokens: int, d
 
 
 class LaterChunks:
-    """How the chunks after a job's first ran against their price on one instance lately: a
-    moving average of log(measured / priced), its step bounded (``correction.step``, its default
-    constants); None until one was observed. A broken timing is refused and moves nothing.
+    """How the chunks after a job's first ran on one instance lately: its last
+    :data:`LATER_WINDOW` later chunks, each a shape and its seconds, and :meth:`ratio` their median
+    of seconds over the price the instance's model *as it stands* puts on that shape; None until
+    one was kept. A broken timing is refused and kept out.
 
-    The price is the instance's model as it stands, and the instance refines it from its forwards
-    (``instance/refine.py``): :meth:`rebase` moves the factor the other way as the model moves, so
-    a level both saw is counted once. Without it, a refinement that doubled the model (its first
-    counting buckets short prompts beside a busy decode: c0, c1 and c2 all 2.1-2.2x in the first
-    minute on Zen 3) left the factor at the old model's level, worn off only by bounded steps (at
-    most 16% a later chunk), and the rest of a long job one chunk in was priced long: live, the
-    2,724-token prompt running when the slice's fourth burst came was reported 9.2 and 11.6 s from
-    its end, 6.4 and ~7 s before it ended, and the burst's four short prompts refused in each run
-    would have met their SLOs (docs/results/2026-12-01-zen3-admission.md §17)."""
+    Priced anew, not a factor learned against the model of the day: the model is the refiner's
+    (``instance/refine.py``) and moves as the instance serves; on Zen 3 its first refinement put
+    c0, c1 and c2 at 2.1-2.2x the profile's (short prompts beside a busy decode), and a moving
+    average of log(seconds / price) learned before it priced a long job's rest ~2x long until
+    bounded steps (≤ 16% a chunk) wore it off: the 2,724-token prompt running when the slice's
+    fourth burst came was reported 9.2 and 11.6 s from its end 6.4 and ~7 s before it ended, and
+    the burst's four short prompts were refused in each run that would have met their SLOs. A
+    median, not an average: the short tail chunk of a prompt just over a chunk is priced mostly
+    by ``later_c0`` and runs at another ratio than the full chunks of a long job's rest. Replayed
+    on every report of two live runs (docs/results/2026-12-01-zen3-admission.md §17): the rest
+    after one chunk off by a median 0.24 s and p90 2.0 s (the moving average), 0.18 s and 0.36 s
+    (this)."""
 
-    __slots__ = ("_factor", "_cfg", "_shape")
+    __slots__ = ("_chunks", "_cfg")
 
-    def __init__(self, cfg: CorrectionConfig | None = None) -> None:
+    def __init__(self, cfg: CorrectionConfig | None = None, window: int = LATER_WINDOW) -> None:
         self._cfg = cfg or CorrectionConfig()
-        self._factor: Factor | None = None
-        self._shape: tuple[int, int] | None = None   # (tokens, prefix) of the chunk last learned from
+        self._chunks: deque[tuple[int, int, float]] = deque(maxlen=window)
 
-    @property
-    def ratio(self) -> float | None:
-        return None if self._factor is None else self._factor.value
+    def __len__(self) -> int:
+        return len(self._chunks)
 
-    def observe(self, priced_s: float, measured_s: float, shape: tuple[int, int] | None = None) -> str | None:
-        """One later chunk, ``shape`` its (tokens, prefix) as ``chunk_after`` takes them (what
-        :meth:`rebase` prices); returns why it was refused (None: applied)."""
-        why = ratio_refusal(priced_s, measured_s, self._cfg)
-        if why is not None:
-            return why
-        self._shape = shape or self._shape
-        ratio, bound = measured_s / priced_s, math.log(self._cfg.max_factor)
-        self._factor = Factor(min(bound, max(-bound, math.log(ratio))), 1) if self._factor is None \
-            else step(self._factor, ratio, self._cfg)
-        return None
+    def observe(self, model: PrefillCostModel, num_tokens: int, num_prefix_tokens: int, seconds: float) -> str | None:
+        """A later chunk of tokens ``num_prefix_tokens`` to ``num_tokens`` ran ``seconds``;
+        returns why it was refused against ``model``'s price of it (None: kept)."""
+        why = ratio_refusal(model.chunk_after(num_tokens, num_prefix_tokens), seconds, self._cfg)
+        if why is None:
+            self._chunks.append((num_tokens, num_prefix_tokens, seconds))
+        return why
 
-    def rebase(self, old: PrefillCostModel, new: PrefillCostModel) -> None:
-        """The instance now prices with ``new`` where it priced with ``old``: the factor moved by
-        their ratio at the chunk it last learned from, so that chunk's price times the factor
-        stays what it was (``Corrections.rebase``'s rule, on the instance's side)."""
-        if self._factor is None or self._shape is None:
-            return
-        was, now = old.chunk_after(*self._shape), new.chunk_after(*self._shape)
-        if not (0.0 < was < math.inf and 0.0 < now < math.inf):
-            return
-        bound = math.log(self._cfg.max_factor)
-        moved = self._factor.log - math.log(now / was)
-        self._factor = Factor(min(bound, max(-bound, moved)), self._factor.num_observed)
+    def ratio(self, model: PrefillCostModel) -> float | None:
+        """The kept chunks' median of seconds over ``model``'s price of each (None: none kept,
+        or ``model`` prices them all at nothing)."""
+        ratios = [s / p for n, q, s in self._chunks if (p := model.chunk_after(n, q)) > 0.0]
+        return median(ratios) if ratios else None

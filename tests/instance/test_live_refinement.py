@@ -20,7 +20,6 @@ from mooncake_lite.prefill.app import reported_cost as prefill_cost
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.service import PrefillService
 from mooncake_lite.scheduler.costs import DecodeCostModel, PrefillCostModel
-from mooncake_lite.scheduler.update_rule import CorrectionConfig
 from tests.prefill.test_stage import run_prompt, tokens_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,14 +66,10 @@ async def test_prefill_chunks_heal_the_profile_the_heartbeats_carry(model):
     for seed in range(6):             # chunks (16 on 0), (16 on 16), (8 on 32), 6 of each
         await run_prompt(stage, tokens_of(40, seed), chunk=16)
     assert stage.refiner.num_samples == 18
-    # a later chunk learned against the bad model: its factor follows the healed one, which prices
-    # the chunk hundreds of times lower (within a factor's bound: model x factor cannot follow all the way)
-    shape, bound = (32, 16), CorrectionConfig().max_factor
-    service.later_chunks.observe(BAD_PREFILL.chunk_after(*shape), 0.2, shape)
-    before = service.later_chunks.ratio
+    # a later chunk kept while the bad model stood: priced by the healed one once it stands
+    service.later_chunks.observe(service.cost, 32, 16, 0.2)
     healed = prefill_cost(service)
-    moved = before * BAD_PREFILL.chunk_after(*shape) / service.cost.chunk_after(*shape)
-    assert moved > 16 * before and service.later_chunks.ratio == pytest.approx(min(bound, moved))
+    assert service.later_chunks.ratio(service.cost) * service.cost.chunk_after(32, 16) == pytest.approx(0.2)
     assert healed == cost_report(service.cost)
     assert service.cost.predict(40) < BAD_PREFILL.predict(40) / 20
     assert service.cost.later_c0 is not None     # the chunks after the first, fitted as their own kind
