@@ -63,14 +63,14 @@ class LaterChunks:
     (``instance/refine.py``) and moves as the instance serves; on Zen 3 its first refinement put
     c0, c1 and c2 at 2.1-2.2x the profile's (short prompts beside a busy decode), and a moving
     average of log(seconds / price) learned before it priced a long job's rest ~2x long until
-    bounded steps (≤ 16% a chunk) wore it off: the 2,724-token prompt running when the slice's
-    fourth burst came was reported 9.2 and 11.6 s from its end 6.4 and ~7 s before it ended, and
-    the burst's four short prompts were refused in each run that would have met their SLOs. A
-    median, not an average: the short tail chunk of a prompt just over a chunk is priced mostly
-    by ``later_c0`` and runs at another ratio than the full chunks of a long job's rest. Replayed
-    on every report of two live runs (docs/results/2026-12-01-zen3-admission.md §17): the rest
-    after one chunk off by a median 0.24 s and p90 2.0 s (the moving average), 0.18 s and 0.36 s
-    (this)."""
+    bounded steps (≤ 16% a chunk) wore it off. In two runs the 2,724-token prompt running when
+    the slice's fourth burst came was reported 9.2 and 11.6 s from its end, 6.4 s before it ended
+    in each, and the burst's four short prompts were refused in both that would have met their
+    SLOs. A median, not an average: the short tail chunk of a prompt just over a chunk is priced
+    mostly by ``later_c0`` and runs at another ratio than the full chunks of a long job's rest.
+    Replayed on every report of two live runs (docs/results/2026-12-01-zen3-admission.md §17):
+    the rest after one chunk off by a median 0.24 s and p90 2.0 s (the moving average), 0.18 s
+    and 0.36 s (this)."""
 
     __slots__ = ("_chunks", "_cfg")
 
