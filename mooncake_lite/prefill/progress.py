@@ -36,7 +36,7 @@ class ChunkProgress:
     def report(self, model: PrefillCostModel, now: float, later: float | None = None) -> RunningPrefill | None:
         """What the heartbeat says of it (None: an id the wire does not carry, from a client of
         this instance's own API; the conductor's are short). ``later``: how the instance's later
-        chunks ran lately (``LaterChunks.ratio`` on this model), the price of the rest while only the first is done."""
+        chunks ran lately (``LaterChunks.ratio``), the price of the rest while only the first is done."""
         if len(self.request_id) > MAX_ID_CHARS:
             return None
         left = seconds_left(model, self.num_tokens, self.prefix_tokens, self.done_tokens, self.done_s,

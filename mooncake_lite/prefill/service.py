@@ -279,7 +279,7 @@ class PrefillService(TurnTaking, Packing):
                     lps += more
                 took = progress.chunk_done(len(chunk), time.perf_counter())
                 if start > prefix and self.cost is not None:
-                    self.later_chunks.observe(self.cost, start + len(chunk), start, took)
+                    self.later_chunks.observe(self.cost.chunk_after(start + len(chunk), start), took)
                 if start + self.chunk_size < n:
                     self.progressed.fire()
         finally:
@@ -292,7 +292,7 @@ class PrefillService(TurnTaking, Packing):
         progress, cost = self._progress, self.cost
         if progress is None or cost is None or not progress.done_tokens:
             return None
-        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter(), self.later_chunks.ratio(cost))
+        return progress.report(cost.with_chunk(self.chunk_size), time.perf_counter(), self.later_chunks.ratio)
 
     async def _keepalive(self, req: PrefillRequest) -> None:
         """Until the request's first KV frame, keep decode from timing it out; if decode no

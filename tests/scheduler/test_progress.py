@@ -39,37 +39,38 @@ def test_the_measured_speed_moves_the_price_within_its_bound():
     assert seconds_left(MODEL, 2000, 0, 1000, 0.01, 0.0) == pytest.approx(1.0 / RATIO_BOUND)
 
 
-def test_later_chunks_price_the_rest_in_place_of_the_done_ones():
+def test_later_chunks_price_the_rest_in_place_of_the_done_ones_and_learn_within_bounds():
     # the first chunk ran at its price (1 s), the later ones lately at half theirs: the rest at half
     assert seconds_left(MODEL, 4000, 1000, 1000, 1.0, 0.0, later=0.5) == pytest.approx(1.0)
     assert seconds_left(MODEL, 4000, 1000, 1000, 1.0, 0.0, later=100.0) == pytest.approx(2.0 * RATIO_BOUND)
-
-
-def test_later_chunks_speak_through_the_median_of_the_newest_and_keep_broken_timings_out():
-    later = LaterChunks(window=4)
-    assert later.ratio(MODEL) is None                              # nothing kept: the caller's own rule
-    assert later.observe(MODEL, 2000, 1000, 0.5) is None and later.ratio(MODEL) == pytest.approx(0.5)
-    for seconds in (1.0, 1.0, 3.0):                                # chunks of 1,000 tokens, priced 1 s each
-        later.observe(MODEL, 2000, 1000, seconds)
-    assert later.ratio(MODEL) == pytest.approx(1.0)                # one slow chunk does not move a median
-    for bad in (float("nan"), -1.0, float("inf"), 1e6):
-        assert later.observe(MODEL, 2000, 1000, bad) is not None   # refused: kept out
-    assert len(later) == 4 and later.ratio(MODEL) == pytest.approx(1.0)
-    for _ in range(4):
-        later.observe(MODEL, 3000, 2000, 2.0)                      # the newest four, twice their price
-    assert later.ratio(MODEL) == pytest.approx(2.0)                # the older ones forgotten
-
-
-def test_later_chunks_are_priced_by_the_model_as_it_stands():
-    # kept under one model, the instance then refined it to about twice its level (Zen 3's first
-    # refinement): the ratio falls as the price rose, the rest of a job is priced as before
-    old = PrefillCostModel(c1=1e-3)
-    new = PrefillCostModel(c0=0.05, c1=2e-3, c2=1e-8, later_c0=0.02)
     later = LaterChunks()
-    later.observe(old, 1024, 512, 0.6)                             # 0.512 s priced, 0.6 s taken
-    assert later.ratio(old) == pytest.approx(0.6 / 0.512)
-    assert later.ratio(new) * new.chunk_after(1024, 512) == pytest.approx(0.6)
-    assert later.ratio(PrefillCostModel()) is None                 # a model that prices nothing says nothing
+    assert later.ratio is None                                    # nothing observed: the caller's own rule
+    assert later.observe(2.0, 1.0) is None and later.ratio == pytest.approx(0.5)   # the first taken as is
+    for _ in range(3):
+        later.observe(1.0, 1.0)                                    # back at the price: bounded steps toward 1
+    assert 0.5 < later.ratio < 1.0
+    was = later.ratio
+    for bad in (float("nan"), -1.0, float("inf")):
+        assert later.observe(1.0, bad) is not None                 # refused, moves nothing
+    assert later.observe(1.0, 1e6) is not None and later.ratio == was
+    later.observe(1.0, 900.0)                                      # absurd but a number: one bounded step
+    assert later.ratio / was == pytest.approx(1.1618, rel=1e-3)
+
+
+@pytest.mark.xfail(strict=True, reason="the later chunks' factor is kept against the model of the day (results §17)")
+def test_a_refined_model_leaves_what_a_later_chunk_is_priced_at():
+    # learned against one model, the instance refines it to twice its level (Zen 3's first
+    # refinement): a later chunk's price times the factor should stay what the chunk took. Kept
+    # against the model of the day, the factor prices a job's rest after one chunk 2x long until
+    # bounded steps wear it off. Fixed twice (c0c10f3, a rebase; 4765728, the median of the last
+    # 32 re-priced: live, the rest's p90 error 1.54 -> 0.52 s) and reverted: with the rest priced
+    # right, the first 50's TTFT error was 16.7-24.5% in four runs of four (controls 12.8-14.9%),
+    # the long rest having hidden the served chunk's 1.23x over its start-up price. Fix that first.
+    old, new = PrefillCostModel(c1=1e-3), PrefillCostModel(c1=2e-3)
+    later = LaterChunks()
+    later.observe(old.chunk_after(1024, 512), 0.6)                 # 0.512 s priced, 0.6 s taken
+    # the instance now prices with `new`: the rest of a job, one chunk in, at what its chunks take
+    assert seconds_left(new, 2048, 0, 1024, 1.0, 0.0, later=later.ratio) == pytest.approx(1.2, rel=0.02)
 
 
 @pytest.mark.parametrize("pack_tokens", [0, 512])
