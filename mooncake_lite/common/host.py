@@ -16,3 +16,18 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def steal_seconds(stat: str = "/proc/stat") -> float | None:
+    """CPU seconds this machine's CPUs were ready to run but the hypervisor ran something else
+    (the ``cpu`` line's steal, summed over CPUs), or None where the kernel says nothing of it.
+    On a shared VM it is what a noisy neighbour takes: a prefill's chunk beside it runs longer
+    than its profile priced (docs/results/2026-12-01-zen3-admission.md §18)."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu" or not fields[8].isdigit():
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ import torch
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
+from mooncake_lite.common.host import steal_seconds
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import LATER, PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -73,6 +74,9 @@ class StageEngine(PrefixLoading):
         # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
         # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
+        # The machine's stolen CPU seconds (common/host.steal_seconds; None: not told): each
+        # job's forwards report what the hypervisor took while they ran (``steal_s``).
+        self.steal: Callable[[], float | None] = steal_seconds
         args = runner.args   # a TP rank 0 whose ranks load their own heads loads its own (prefill/rank_store.py)
         heads = runner.model.args.num_kv_heads if runner.ranks_store else args.num_kv_heads
         self.load_buffers = LoadBuffers((1, heads, 2, runner.block_size, args.head_dim), runner.dtype)
@@ -155,7 +159,7 @@ class StageEngine(PrefixLoading):
         as it is computed. Returns the last position's logits (last stage; every position's with
         ``all_positions``) or the hidden states."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        t0, stolen0 = time.perf_counter(), self.steal()
         piece = await loop.run_in_executor(self.executor, self._new_pass, job, start, token_ids, hidden)
         for layer in self.layer_ids:
             self._check(job)
@@ -168,7 +172,7 @@ class StageEngine(PrefixLoading):
         out = await loop.run_in_executor(self.executor, self._output, piece, all_positions)
         seconds = time.perf_counter() - t0
         self._busy(seconds)
-        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+        self._ran(job, seconds, self._stolen_since(stolen0))
         if self.refiner is not None:
             self.refiner.observe(start + piece.num_tokens, start, seconds, chunk_kind(job, start))
         self._store_full_blocks(job, start + piece.num_tokens)
@@ -181,7 +185,7 @@ class StageEngine(PrefixLoading):
         served (its frames and loads; its rows are computed and dropped), the others go on.
         Returns each job's last-position logits and its error (None when it went through)."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        t0, stolen0 = time.perf_counter(), self.steal()
         seqs = [(job.block_ids, start, toks) for job, start, toks in parts]
         piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs,
                                            any(job.exact for job, _, _ in parts))
@@ -203,10 +207,11 @@ class StageEngine(PrefixLoading):
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
         self._busy(seconds)
+        stolen = self._stolen_since(stolen0)
         forward = {"forward_tokens": float(sum(len(toks) for *_, toks in parts)), "forward_jobs": float(len(parts))}
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
-            job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+            self._ran(job, seconds, stolen)
             job.timings.update(forward)   # the forward that ran: the conductor's speed is of it, not of its forecast
             if errors[i] is None:
                 self._store_full_blocks(job, start + len(toks))
@@ -214,6 +219,17 @@ class StageEngine(PrefixLoading):
             job, start, toks = parts[0]
             self.refiner.observe(start + len(toks), start, seconds, chunk_kind(job, start))
         return out, errors
+
+    def _stolen_since(self, before: float | None) -> float | None:
+        after = self.steal() if before is not None else None
+        return None if after is None else max(0.0, after - before)
+
+    @staticmethod
+    def _ran(job: StageJob, seconds: float, stolen: float | None) -> None:
+        """``job`` computed for ``seconds`` of a forward while the machine lost ``stolen`` CPU seconds."""
+        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
+        if stolen is not None:
+            job.timings["steal_s"] = job.timings.get("steal_s", 0.0) + stolen
 
     def _busy(self, seconds: float) -> None:
         """A forward of ``seconds`` just ended: its interval on the monotonic clock, the one the

@@ -207,3 +207,37 @@ def test_kv_payload_round_trip_any_dtype(dtype):
     received = [memoryview(bytearray(raw[:7])), memoryview(bytearray(raw[7:]))]   # split across buffers
     assert torch.equal(tensor_from_payload(received, 5, 2, 16, dtype), kv)
     assert torch.equal(tensor_from_payload([memoryview(bytearray(raw))], 5, 2, 16, dtype), kv)
+
+
+async def test_each_job_reports_the_steal_its_forwards_ran_beside(model):
+    """The machine's stolen CPU seconds are read around each forward: a job's ``steal_s`` is what
+    the hypervisor took while its chunks ran (a packed forward's, for every job in it), and a
+    machine that does not say leaves it out."""
+    readings = iter([10.0, 10.25, 11.0, 11.5, 20.0, 20.0, 30.0, 30.75])
+    stage = StageEngine(ModelRunner(model, num_blocks=16, block_size=BS), None, ThreadPoolExecutor(1))
+    stage.steal = lambda: next(readings)
+    tokens = tokens_of(2 * BS, 2)
+    job = stage.begin("r", tokens, [], 0, RecordingSender())
+    try:
+        for start in range(0, len(tokens), BS):                # two chunks: 0.25 s and 0.5 s stolen
+            await stage.run_chunk(job, start, token_ids=tokens[start:start + BS])
+        assert job.timings["steal_s"] == pytest.approx(0.75)
+        assert job.timings["compute_s"] > 0
+    finally:
+        await stage.release(job)
+    prompts = [tokens_of(BS + 1, 3 + i) for i in range(2)]
+    jobs = [stage.begin(f"p{i}", p, [], 0, RecordingSender()) for i, p in enumerate(prompts)]
+    try:
+        await stage.run_packed([(j, 0, p[:BS]) for j, p in zip(jobs, prompts)])   # nothing stolen
+        await stage.run_packed([(jobs[0], BS, prompts[0][BS:])])                  # 0.75 s stolen
+        assert [j.timings["steal_s"] for j in jobs] == pytest.approx([0.75, 0.0])
+    finally:
+        for j in jobs:
+            await stage.release(j)
+    stage.steal = lambda: None
+    quiet = stage.begin("q", tokens, [], 0, RecordingSender())
+    try:
+        await stage.run_chunk(quiet, 0, token_ids=tokens)
+        assert "steal_s" not in quiet.timings and quiet.timings["compute_s"] > 0
+    finally:
+        await stage.release(quiet)

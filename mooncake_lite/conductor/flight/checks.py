@@ -61,6 +61,9 @@ class Check:
     # tokens 0: it ran alone, or did not say)
     forward: tuple[int, int, float, float] | None = None
     passed: float | None = None   # the later arrivals served before it (shortest first; None: not said)
+    # CPU seconds the hypervisor took from the prefill's machine while its forwards ran (summed
+    # over CPUs; None: not said): why a forward ran long on a shared VM (common/host.steal_seconds)
+    steal_s: float | None = None
 
     def pairs(self) -> dict[str, tuple[float, float | None]]:
         """(predicted, measured) by metric."""
@@ -84,6 +87,7 @@ class Check:
             out[f"measured_{metric}_s"] = measured
             out[f"{metric}_ratio"] = ratios.get(metric)
         out["prefill_node"] = _state(self.predicted.busy)
+        out["measured_steal_s"] = self.steal_s
         return out
 
     def describe(self) -> str:
@@ -93,8 +97,9 @@ class Check:
             ratio = self.ratios().get(name)
             return (f"{name} {predicted:.3g}s→{measured:.3g}s (x{ratio:.2f})" if ratio is not None
                     else f"{name} {predicted:.3g}s→{measured}")
-        return ("predicted→measured: " + ", ".join(one(m) for m in ("ttft", "queue", "compute", "transfer", "tbt",
-                                                                    "gap"))
+        stolen = "" if self.steal_s is None else f" (host steal {self.steal_s:.3g}s)"
+        return ("predicted→measured: " + ", ".join(one(m) + (stolen if m == "compute" else "")
+                                                   for m in ("ttft", "queue", "compute", "transfer", "tbt", "gap"))
                 + f" on {self.prefill_id} ({_state(self.predicted.busy)})+{self.decode_id}")
 
 
