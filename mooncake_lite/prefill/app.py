@@ -112,7 +112,7 @@ def _late_failure(request_id: str, task: asyncio.Task) -> None:
 def figures(service: PrefillService) -> dict[str, float]:
     return {**service.load().reported(), **service.totals, "requests_done_total": service.num_done,
             "requests_failed_total": service.num_failed, "blocks_stored_total": service.stage.num_blocks_stored,
-            **service.stage.writebacks.figures(), **service.stage.fallback_figures()}
+            **service.stage.writebacks.figures(), **service.stage.fallback_figures(), **service.stage.steal_figures()}
 
 
 async def load(request: web.Request) -> web.Response:

@@ -77,6 +77,8 @@ class StageEngine(PrefixLoading):
         # The machine's stolen CPU seconds (common/host.steal_seconds; None: not told): each
         # job's forwards report what the hypervisor took while they ran (``steal_s``).
         self.steal: Callable[[], float | None] = steal_seconds
+        self.forward_seconds = 0.0         # every forward's, and what was stolen while they ran (/metrics)
+        self.forward_steal_seconds = 0.0
         args = runner.args   # a TP rank 0 whose ranks load their own heads loads its own (prefill/rank_store.py)
         heads = runner.model.args.num_kv_heads if runner.ranks_store else args.num_kv_heads
         self.load_buffers = LoadBuffers((1, heads, 2, runner.block_size, args.head_dim), runner.dtype)
@@ -171,8 +173,8 @@ class StageEngine(PrefixLoading):
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece, all_positions)
         seconds = time.perf_counter() - t0
-        self._busy(seconds)
-        self._ran(job, seconds, self._stolen_since(stolen0))
+        stolen = self._busy(seconds, stolen0)
+        self._ran(job, seconds, stolen)
         if self.refiner is not None:
             self.refiner.observe(start + piece.num_tokens, start, seconds, chunk_kind(job, start))
         self._store_full_blocks(job, start + piece.num_tokens)
@@ -206,8 +208,7 @@ class StageEngine(PrefixLoading):
                     send_frame(job.sender, layer, start, kv)
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
-        self._busy(seconds)
-        stolen = self._stolen_since(stolen0)
+        stolen = self._busy(seconds, stolen0)
         forward = {"forward_tokens": float(sum(len(toks) for *_, toks in parts)), "forward_jobs": float(len(parts))}
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
@@ -220,9 +221,6 @@ class StageEngine(PrefixLoading):
             self.refiner.observe(start + len(toks), start, seconds, chunk_kind(job, start))
         return out, errors
 
-    def _stolen_since(self, before: float | None) -> float | None:
-        after = self.steal() if before is not None else None
-        return None if after is None else max(0.0, after - before)
 
     @staticmethod
     def _ran(job: StageJob, seconds: float, stolen: float | None) -> None:
@@ -231,11 +229,21 @@ class StageEngine(PrefixLoading):
         if stolen is not None:
             job.timings["steal_s"] = job.timings.get("steal_s", 0.0) + stolen
 
-    def _busy(self, seconds: float) -> None:
+    def _busy(self, seconds: float, stolen_before: float | None) -> float | None:
         """A forward of ``seconds`` just ended: its interval on the monotonic clock, the one the
-        other roles on this host read too."""
+        other roles on this host read too; the CPU seconds stolen since ``stolen_before`` (the
+        steal read as it began; None: not read) are returned."""
         end = time.monotonic()
         self.timeline.append((end - seconds, end))
+        after = self.steal() if stolen_before is not None else None
+        stolen = None if after is None else max(0.0, after - stolen_before)
+        self.forward_seconds += seconds
+        self.forward_steal_seconds += stolen or 0.0
+        return stolen
+
+    def steal_figures(self) -> dict[str, float]:
+        """/metrics: seconds of forwards, and CPU seconds the hypervisor took while they ran."""
+        return {"forward_seconds_total": self.forward_seconds, "forward_steal_seconds_total": self.forward_steal_seconds}
 
     def _packed_layer(self, piece: PackedPass, layer: int, routes: list = ()) -> list[Staged]:
         piece.run_layer(layer)

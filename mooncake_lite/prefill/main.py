@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from mooncake_lite.common import sdnotify
 from mooncake_lite.common.lifecycle import Listener, Membership, serve_role
@@ -35,19 +36,31 @@ async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[Prefill
     and, for a CPP head, through all its stages; a lone instance's is then refined from every
     chunk it runs, and timed on its own threads too where it borrows CPUs (``busy_scale``).
     None (and 1) if that failed: it then registers none, as with --no-profile."""
+    t0, stolen0 = time.monotonic(), stage.steal()
     try:
         cost, samples = await profile_served(stage, downstream, served_points(cfg.prefill_chunk))
+        stolen = _stolen(stage, stolen0, t0)
         busy = await busy_scale(stage) if downstream is None else 1.0
     except Exception as exc:
         log.warning("start-up profiling skipped: %s", exc)
         return None, 1.0
     through = f"through its {cfg.pipeline_group} stages" if downstream else "through the stage engine"
-    log.info("prefill cost model %s from %d timings %s (new on cached tokens: seconds %s); on its own threads "
+    log.info("prefill cost model %s from %d timings %s (new on cached tokens: seconds %s%s); on its own threads "
              "%.2fx", cost.to_dict(), len(samples), through,
-             ", ".join(f"{t - p}+{p}: {s:.3f}" for t, p, s in samples), busy)
+             ", ".join(f"{t - p}+{p}: {s:.3f}" for t, p, s in samples), stolen, busy)
     if downstream is None:
         stage.refiner = prefill_refiner(cost)
     return cost, busy
+
+
+def _stolen(stage: StageEngine, before: float | None, t0: float) -> str:
+    """What the hypervisor took of the machine while the profile ran, for its log line: the
+    served requests' steal (``steal_s``) is compared to it (docs/results/2026-12-01-zen3-admission.md §18)."""
+    after = stage.steal() if before is not None else None
+    elapsed = time.monotonic() - t0
+    if after is None or elapsed <= 0.0:
+        return ""
+    return f"; the host stole {after - before:.2f} CPU-s of its {elapsed:.1f} s"
 
 
 async def serve(cfg: Config, stage: StageEngine, group: StageGroup | None) -> int:

@@ -231,6 +231,8 @@ async def test_each_job_reports_the_steal_its_forwards_ran_beside(model):
         await stage.run_packed([(j, 0, p[:BS]) for j, p in zip(jobs, prompts)])   # nothing stolen
         await stage.run_packed([(jobs[0], BS, prompts[0][BS:])])                  # 0.75 s stolen
         assert [j.timings["steal_s"] for j in jobs] == pytest.approx([0.75, 0.0])
+        assert stage.forward_steal_seconds == pytest.approx(1.5)   # per forward, not per job: 0.25 + 0.5 + 0 + 0.75
+        assert stage.steal_figures()["forward_seconds_total"] == stage.forward_seconds > 0
     finally:
         for j in jobs:
             await stage.release(j)
@@ -241,3 +243,15 @@ async def test_each_job_reports_the_steal_its_forwards_ran_beside(model):
         assert "steal_s" not in quiet.timings and quiet.timings["compute_s"] > 0
     finally:
         await stage.release(quiet)
+
+
+def test_the_profile_line_says_what_the_host_stole_meanwhile():
+    import time
+    from types import SimpleNamespace
+
+    from mooncake_lite.prefill.main import _stolen
+    readings = iter([5.0, 5.75])
+    stage = SimpleNamespace(steal=lambda: next(readings))
+    t0 = time.monotonic() - 10.0
+    assert _stolen(stage, stage.steal(), t0).startswith("; the host stole 0.75 CPU-s of its 10.")
+    assert _stolen(SimpleNamespace(steal=lambda: None), None, t0) == ""

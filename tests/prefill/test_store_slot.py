@@ -131,6 +131,10 @@ async def test_a_refused_write_back_is_counted_and_logged_once(small_store, aioh
     assert metrics["mooncake_prefill_writeback_blocks_failed_total"] == 4
     assert metrics["mooncake_prefill_writebacks_total"] == 0
     assert metrics["mooncake_prefill_blocks_stored_total"] == 0
+    # the forwards ran (and the hypervisor's steal beside them is counted, 0 or more)
+    assert stage.forward_seconds > 0 and stage.forward_steal_seconds >= 0
+    assert metrics["mooncake_prefill_forward_seconds_total"] == pytest.approx(stage.forward_seconds)
+    assert metrics["mooncake_prefill_forward_steal_seconds_total"] == pytest.approx(stage.forward_steal_seconds)
     records = [r.getMessage() for r in caplog.records if r.name == "mooncake_lite.prefill.writeback"]
     # The first failure at WARNING with its reason; later ones only in summaries (here flushed by
     # the drain after each request), which account for every one of them.

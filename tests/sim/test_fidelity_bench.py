@@ -331,3 +331,15 @@ def test_runs_refuse_a_running_cluster_and_a_count_below_one(capsys):
     assert "--runs" in capsys.readouterr().err
     assert cli.main(["--ttft-admit-margin", "1.5"]) == 2       # before any cluster starts
     assert "--ttft-admit-margin in [0, 1)" in capsys.readouterr().err
+
+
+def test_the_report_says_what_the_hypervisor_took_while_the_prefills_computed():
+    """CPU seconds stolen per second of forwards over the replay, all prefills together; none
+    when the prefills ran no forward (or were not scraped)."""
+    before = {"0.mooncake_prefill_forward_seconds_total": 10.0, "0.mooncake_prefill_forward_steal_seconds_total": 1.0,
+              "1.mooncake_prefill_forward_seconds_total": 0.0, "1.mooncake_prefill_forward_steal_seconds_total": 0.0}
+    after = {"0.mooncake_prefill_forward_seconds_total": 40.0, "0.mooncake_prefill_forward_steal_seconds_total": 4.0,
+             "1.mooncake_prefill_forward_seconds_total": 10.0, "1.mooncake_prefill_forward_steal_seconds_total": 2.0}
+    assert fidelity_gaps.prefill_steal(before, after) == {"prefill_steal_per_forward_s": pytest.approx(0.125)}
+    assert fidelity_gaps.prefill_steal(before, before) == {}
+    assert fidelity_gaps.prefill_steal({}, {}) == {}

@@ -58,7 +58,19 @@ def measured_gaps(live: Side, records: Sequence, before: Mapping, after: Mapping
             out["between_steps_s"] = client_itl - step_s / steps
     out.update(gaps_by_prefill_activity(ok))
     out.update(first_token_shapes(ok))
+    out.update(prefill_steal(before.get("prefill") or {}, after.get("prefill") or {}))
     return out
+
+
+def prefill_steal(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """What the hypervisor took while the prefills computed, over the replay: CPU seconds stolen
+    per second of forwards (summed over the machine's CPUs). Where it is high a run's speed follows
+    it (one Zen 3 run: chunks at 0.05 ran 1.01x their price, at 0.09 1.24x; at 0.02 it explained
+    nothing: docs/results/2026-12-01-zen3-admission.md §18), so a figure says the hour it had."""
+    d = _deltas(before, after)
+    seconds = sum(v for k, v in d.items() if k.endswith("forward_seconds_total"))
+    stolen = sum(v for k, v in d.items() if k.endswith("forward_steal_seconds_total"))
+    return {"prefill_steal_per_forward_s": stolen / seconds} if seconds > 0 else {}
 
 
 def first_token_shapes(ok: Sequence, within_s: float = 0.05) -> dict[str, float]:

@@ -140,11 +140,11 @@ def scrape(url: str) -> dict[str, float]:
         return {}
 
 
-def scrape_all(api: str, decodes: Sequence[str]) -> dict[str, dict[str, float]]:
-    merged: dict[str, float] = {}
-    for i, url in enumerate(decodes):
-        merged.update({f"{i}.{k}": v for k, v in scrape(url).items()})
-    return {"conductor": scrape(api), "decode": merged}
+def scrape_all(api: str, decodes: Sequence[str], prefills: Sequence[str] = ()) -> dict[str, dict[str, float]]:
+    """Every role's /metrics, an instance's names prefixed by its place in its role's list."""
+    def merged(urls: Sequence[str]) -> dict[str, float]:
+        return {f"{i}.{k}": v for i, url in enumerate(urls) for k, v in scrape(url).items()}
+    return {"conductor": scrape(api), "decode": merged(decodes), "prefill": merged(prefills)}
 
 
 def export_profile(api: str, token: str | None, path: Path) -> dict:
@@ -219,16 +219,16 @@ def replay_live(ns: Options, api: str, out: Path) -> LiveRun:
 
     from mooncake_lite.common.auth import cluster_headers
     status = conductor_config(api, ns.token)
-    decodes = decode_urls(status)
+    decodes, prefills = decode_urls(status), decode_urls(status, "prefill")
     warm_up(api, ns.warmup)
-    before = scrape_all(api, decodes)
+    before = scrape_all(api, decodes, prefills)
     t0 = time.perf_counter()
     held_out = getattr(ns, "held_out", 0)
     window, requests, records, served = asyncio.run(
         live_replay(replay_options(ns, api, str(out)), cluster_headers(None),
                     lambda: export_profile(api, ns.token, out / "costs_learned.json"), held_out))
     live_s = time.perf_counter() - t0
-    after = scrape_all(api, decodes)
+    after = scrape_all(api, decodes, prefills)
     profile = export_profile(api, ns.token, out / "costs.json")
     lines = timelines(status, ns.token)
     (out / "timelines.json").write_bytes(orjson.dumps(lines))
