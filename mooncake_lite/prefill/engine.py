@@ -221,7 +221,6 @@ class StageEngine(PrefixLoading):
             self.refiner.observe(start + len(toks), start, seconds, chunk_kind(job, start))
         return out, errors
 
-
     @staticmethod
     def _ran(job: StageJob, seconds: float, stolen: float | None) -> None:
         """``job`` computed for ``seconds`` of a forward while the machine lost ``stolen`` CPU seconds."""
