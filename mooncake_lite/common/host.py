@@ -18,16 +18,21 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cpu_ticks(stat: str = "/proc/stat") -> list[int] | None:
+    """The machine's CPU time by state, in clock ticks summed over CPUs (``/proc/stat``'s ``cpu``
+    line: user, nice, system, idle, iowait, irq, softirq, steal, ...), or None where it cannot be read."""
+    try:
+        with open(stat) as f:
+            label, *fields = f.readline().split()
+        return [int(v) for v in fields] if label == "cpu" else None
+    except (OSError, ValueError):
+        return None
+
+
 def steal_seconds(stat: str = "/proc/stat") -> float | None:
     """CPU seconds this machine's CPUs were ready to run but the hypervisor ran something else
     (the ``cpu`` line's steal, summed over CPUs), or None where the kernel says nothing of it.
     On a shared VM it is what a noisy neighbour takes: a prefill's chunk beside it runs longer
     than its profile priced (docs/results/2026-12-01-zen3-admission.md §18)."""
-    try:
-        with open(stat) as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu" or not fields[8].isdigit():
-        return None
-    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    ticks = cpu_ticks(stat)
+    return None if ticks is None or len(ticks) < 8 else ticks[7] / os.sysconf("SC_CLK_TCK")

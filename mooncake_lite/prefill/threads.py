@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from mooncake_lite.common.host import cpu_ticks
+
 WINDOW_S = 0.1          # the shortest span a decision reads (/proc/stat counts in 10 ms ticks)
 IDLE_TO_BORROW = 0.75   # of a CPU idle over the window for the prefill to take a thread on it
 
@@ -28,12 +30,8 @@ IDLE_TO_BORROW = 0.75   # of a CPU idle over the window for the prefill to take 
 def machine_busy_seconds(path: str = "/proc/stat") -> float | None:
     """CPU seconds every process on the machine has run (the ``cpu`` line, less idle and
     iowait), or None where there is no such file."""
-    try:
-        with open(path) as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    if len(fields) < 4:
+    fields = cpu_ticks(path)
+    if fields is None or len(fields) < 4:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")   # guest time is already in user
