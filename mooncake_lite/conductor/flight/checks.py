@@ -107,6 +107,11 @@ def _state(busy: bool) -> str:
     return "busy" if busy else "idle"
 
 
+def reported_seconds(x: object) -> float | None:
+    """``x`` where it is a finite, non-negative number of seconds (a prefill's report), else None."""
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 else None
+
+
 def positive(x: float | None) -> bool:
     """Whether ``x`` is a positive finite number (a ratio can be taken of it)."""
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0

@@ -27,7 +27,7 @@ from mooncake_lite.conductor.flight.continuation import (Continuation, continued
                                                          still_registered)
 from mooncake_lite.conductor.flight.events import Failed, Finished, FirstToken, PrefillRefused, Token, client_error
 from mooncake_lite.conductor.flight.placement import applied_slos, decision_attributes, place, slo_headers
-from mooncake_lite.conductor.flight.checks import Check, Prediction
+from mooncake_lite.conductor.flight.checks import Check, Prediction, reported_seconds
 from mooncake_lite.conductor.flight.wait import placed_within, wait_limit
 from mooncake_lite.conductor.services import Services
 from mooncake_lite.scheduler import Decision, ScheduleRequest
@@ -382,7 +382,7 @@ class Flight:
                      decode_busy=self._decode_busy or self.svc.predictions.busy_beside(d.decode_id),
                      forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)), passed=t.get("passed"),
-                     steal_s=t.get("steal_s"))
+                     steal_s=reported_seconds(t.get("steal_s")))
 
     def prediction_headers(self) -> dict[str, str]:
         """The placed attempt's predicted TTFT (from arrival: a held burst's wait too), TBT, and SLOs (s)."""
