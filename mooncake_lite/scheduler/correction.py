@@ -17,7 +17,7 @@ step), which a step alone was under on nearly every request (2026-11-29-decode-l
 
 The update rule (:func:`step`; a prefill's states fit a line, below): a moving average of
 ``log(ratio)``, weight ``alpha``, its change per observation within ``max_step`` (both × the share of
-an observation it is, ``weight``: a pack's jobs waited for one queue and ran one forward), the factor within
+an observation it is, ``weight``: a pack's jobs waited for one queue), the factor within
 ``[1/max_factor, max_factor]``. Working in logs makes a factor of 2 and of 1/2 equally far from 1
 and a product of terms a sum. The bounds make it safe to feed: one absurd measurement moves a
 factor by at most ``max_step`` (about 16%), so it cannot run away, and a ratio outside
@@ -143,29 +143,28 @@ class Corrections:
         if why is not None:
             self.num_refused += why != TOO_SHORT
             return why
-        cur, weight = self.get(instance_id), weight if 0.0 < weight <= 1.0 else 1.0
+        cur = self.get(instance_id)
         if term in STATES:
-            self._observe_state(instance_id, cur, term, predicted_s, measured_s, weight)
+            self._observe_state(instance_id, cur, term, predicted_s, measured_s)
             return None
         if term == "decode_interference":   # over the decode's own factor alone
             measured_s /= cur.factor("decode")
         elif term == "queue":      # the queue drains at the forwards' speed; beyond it, this
             usable = speed is not None and ratio_refusal(1.0, speed, self.cfg) is None
             measured_s /= speed if usable else math.exp(self._compute_log(cur))
-        new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg, weight)
+        new = step(cur.factors.get(term, Factor()), measured_s / predicted_s, self.cfg,
+                   weight if 0.0 < weight <= 1.0 else 1.0)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new})
         return None
 
-    def _observe_state(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float,
-                       weight: float) -> None:
+    def _observe_state(self, instance_id: str, cur: InstanceCorrection, term: str, x: float, y: float) -> None:
         """A prefill state's line (``forward_fit.py``) moved by one forward (``x`` on the instance's own
-        model, ``y`` measured; ``weight``: this job's share of it, a pack's jobs report one forward);
-        first seen, from the state it borrowed (its factor and offset)."""
+        model, ``y`` measured); first seen, from the state it borrowed (its factor and offset)."""
         cfg, was = self.cfg, cur.state_term(term == "interference")
         start = cur.factors[term] if term in cur.factors else Factor(cur.log_of(was))
         line, scale = moved_line(cur.lines.get(term, ForwardLine(cur.offset(was))), x, y, cfg.line_window,
-                                 cfg.line_min, cfg.alpha, weight)
-        new = step(start, y / (x + line.offset) if scale is None else scale, cfg, weight)
+                                 cfg.line_min, cfg.alpha)
+        new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
         self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
                                                  lines={**cur.lines, term: line})
 

@@ -14,13 +14,7 @@ every rule that prices with the model follows unchanged; a chunked prompt pays t
 as it was fitted, not once a chunk (``PrefillCostModel.later_c0``). Paid once a chunk, a busy
 line of 0.24 · (x + 2.2 s) priced a queued 8-chunk prompt 4 s too long, the queue 1.5x (§16).
 
-A packed forward is one measurement, whichever of its jobs reports it: each job's pair weighs
-``1 / jobs``, the window holds the last ``window`` forwards and the fit waits for ``min_pairs`` of
-them. Counted once a job, a pack of six short prompts was six of the window's 24 points and six
-steps of the factor: on Zen 3 the busy line chased each burst's packs, short prompts then priced
-1.1-1.3x short and the long ones after them 0.8-0.9x long (docs/results/2026-12-01-zen3-admission.md §19).
-
-The fit is used only once it can tell the two apart: ``min_pairs`` forwards whose forwards span at
+The fit is used only once it can tell the two apart: ``min_pairs`` requests whose forwards span at
 least ``MIN_SPREAD``x; before that the factor moves toward each request's own ratio on the
 current line, after it toward the fitted scale, by the moving average every factor moves by
 (``correction.step``: bounded by ``max_step`` in log). The offset moves by ``alpha`` × the window's
@@ -46,31 +40,25 @@ class ForwardLine:
 
     offset: float = 0.0
     pairs: tuple[tuple[float, float], ...] = ()
-    weights: tuple[float, ...] = ()     # each pair's share of one forward (module doc); () = all 1
 
     def rebased(self, factor: float) -> "ForwardLine":
         """The instance's own model moved by ``factor`` by itself: its seconds, and so the pairs'
         ``x`` and the offset, are that many times what they were."""
-        return ForwardLine(self.offset * factor, tuple((x * factor, y) for x, y in self.pairs), self.weights)
-
-    def weighed(self) -> tuple[float, ...]:
-        return self.weights or (1.0,) * len(self.pairs)
+        return ForwardLine(self.offset * factor, tuple((x * factor, y) for x, y in self.pairs))
 
 
-def fit_line(pairs: Sequence[tuple[float, float]],
-             weights: Sequence[float] | None = None) -> tuple[float, float] | None:
+def fit_line(pairs: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     """``(scale, offset)`` of ``measured ≈ scale · (x + offset)`` over ``pairs``, least squares in
-    relative error (each pair's square times its weight, 1 by default), ``offset >= 0``; None
-    where the forwards do not span ``MIN_SPREAD``x or the fit is degenerate."""
+    relative error, ``offset >= 0``; None where the forwards do not span ``MIN_SPREAD``x or the fit
+    is degenerate."""
     xs = [x for x, _ in pairs]
     if not pairs or min(xs) <= 0 or max(xs) < MIN_SPREAD * min(xs):
         return None
-    w = weights or [1.0] * len(pairs)
-    # minimise sum(w·((fixed + scale·x)/y - 1)^2) over (fixed, scale): u = 1/y, v = x/y
-    suu = sum(k / (y * y) for k, (_, y) in zip(w, pairs))
-    suv = sum(k * x / (y * y) for k, (x, y) in zip(w, pairs))
-    svv = sum(k * x * x / (y * y) for k, (x, y) in zip(w, pairs))
-    su, sv = sum(k / y for k, (_, y) in zip(w, pairs)), sum(k * x / y for k, (x, y) in zip(w, pairs))
+    # minimise sum((fixed + scale·x)/y - 1)^2 over (fixed, scale): u = 1/y, v = x/y
+    suu = sum(1 / (y * y) for _, y in pairs)
+    suv = sum(x / (y * y) for x, y in pairs)
+    svv = sum(x * x / (y * y) for x, y in pairs)
+    su, sv = sum(1 / y for _, y in pairs), sum(x / y for x, y in pairs)
     det = suu * svv - suv * suv
     fixed, scale = ((svv * su - suv * sv) / det, (suu * sv - suv * su) / det) if det > 1e-12 * suu * svv \
         else (-1.0, 0.0)
@@ -82,46 +70,34 @@ def fit_line(pairs: Sequence[tuple[float, float]],
 
 
 def moved_line(line: ForwardLine, x: float, y: float, window: int, min_pairs: int,
-               alpha: float, weight: float = 1.0) -> tuple[ForwardLine, float | None]:
-    """``line`` with the pair ``(x, y)`` added (``weight``: its share of one forward, module doc)
-    and its offset moved toward the fit's, by at most ``alpha`` × the window's median ``x``; and
-    the scale that best fits the pairs at that offset, which the caller moves its factor toward
-    (None: too few forwards, or too little spread, to fit: the caller moves it toward
-    ``y / (x + offset)``)."""
-    pairs, weights = _window((*line.pairs, (x, y)), (*line.weighed(), weight), window)
-    fitted = fit_line(pairs, weights) if sum(weights) >= min_pairs - 1e-9 else None
+               alpha: float) -> tuple[ForwardLine, float | None]:
+    """``line`` with the pair ``(x, y)`` added and its offset moved toward the fit's, by at most
+    ``alpha`` × the window's median ``x``; and the scale that best fits the pairs at that offset,
+    which the caller moves its factor toward (None: too few pairs, or too little spread, to fit:
+    the caller moves it toward ``y / (x + offset)``)."""
+    pairs = (*line.pairs[1 - window:], (x, y)) if window > 1 else ((x, y),)
+    fitted = fit_line(pairs) if len(pairs) >= min_pairs else None
     if fitted is None:
-        return ForwardLine(line.offset, pairs, weights), None
+        return ForwardLine(line.offset, pairs), None
     bound = alpha * median(p for p, _ in pairs)
-    offset = capped(pairs, line.offset + min(bound, max(-bound, fitted[1] - line.offset)), weights)
-    return ForwardLine(offset, pairs, weights), scale_at(pairs, offset, weights)   # the best scale for the offset as moved
+    offset = capped(pairs, line.offset + min(bound, max(-bound, fitted[1] - line.offset)))
+    return ForwardLine(offset, pairs), scale_at(pairs, offset)   # the best scale for the offset as moved
 
 
-def _window(pairs: Sequence[tuple[float, float]], weights: Sequence[float],
-            window: int) -> tuple[tuple[tuple[float, float], ...], tuple[float, ...]]:
-    """The newest pairs, and their weights, that make up at most ``window`` forwards (the newest always)."""
-    i, total = len(pairs) - 1, weights[-1]
-    while i > 0 and total + weights[i - 1] <= window + 1e-9:
-        i, total = i - 1, total + weights[i - 1]
-    return tuple(pairs[i:]), tuple(weights[i:])
-
-
-def capped(pairs: Sequence[tuple[float, float]], offset: float, weights: Sequence[float] | None = None) -> float:
+def capped(pairs: Sequence[tuple[float, float]], offset: float) -> float:
     """The largest offset up to ``offset`` whose fixed part, ``scale_at(offset) · offset``, is
     within the fastest forward measured (bisection: the fixed part grows with the offset)."""
     fastest = min(y for _, y in pairs)
-    if offset * scale_at(pairs, offset, weights) <= fastest:
+    if offset * scale_at(pairs, offset) <= fastest:
         return offset
     lo, hi = 0.0, offset
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mid * scale_at(pairs, mid, weights) <= fastest else (lo, mid)
+        lo, hi = (mid, hi) if mid * scale_at(pairs, mid) <= fastest else (lo, mid)
     return lo
 
 
-def scale_at(pairs: Sequence[tuple[float, float]], offset: float, weights: Sequence[float] | None = None) -> float:
+def scale_at(pairs: Sequence[tuple[float, float]], offset: float) -> float:
     """The scale of ``measured ≈ scale · (x + offset)`` with ``offset`` given, least squares in
-    relative error (each pair's square times its weight)."""
-    w = weights or [1.0] * len(pairs)
-    return (sum(k * (x + offset) / y for k, (x, y) in zip(w, pairs))
-            / sum(k * ((x + offset) / y) ** 2 for k, (x, y) in zip(w, pairs)))
+    relative error."""
+    return sum((x + offset) / y for x, y in pairs) / sum(((x + offset) / y) ** 2 for x, y in pairs)

@@ -85,7 +85,7 @@ class SimCorrecting:
         c, iid = self.corrections, p.instance_id
         ran = forward_seconds(p.cost or self.costs.prefill, req.input_length, req.reused_tokens, *forward) \
             if forward[0] else own     # its speed on the forward that ran: joiners are no slowdown
-        c.observe(iid, "compute", ran, took, weight=1.0 / max(forward[1], 1.0))   # a pack's jobs: one forward
+        c.observe(iid, "compute", ran, took)
         speed = took / (ran + offset) if ran > 0 and took > 0 else None
         c.note_met(iid, wait_s=max(queue_s - overtake_s - join_s, 0.0), overtake_full_s=full, measured_queue_s=waited,
                    speed=None if speed is None else speed / scale, own_s=own * scale, join_full_s=join_full,

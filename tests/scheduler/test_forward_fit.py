@@ -127,34 +127,3 @@ def test_a_chunked_prompt_pays_the_offset_once_as_it_was_fitted():
     assert "later_c0" not in model.to_dict()    # an uncorrected model's dict is what it always was
     back = PrefillCostModel.from_dict(shown.to_dict()).with_chunk(512)
     assert back.predict(9000) == pytest.approx(shown.predict(9000), rel=1e-12)
-
-
-def _fed(forwards, jobs: int, weighed: bool = True) -> Corrections:
-    """Corrections fed ``forwards`` ((x, y) pairs), the last reported by each of ``jobs`` packed jobs."""
-    c = Corrections()
-    for x, y in forwards[:-1]:
-        c.observe("p", "compute", x, y)
-    for _ in range(jobs):
-        c.observe("p", "compute", *forwards[-1], weight=1.0 / jobs if weighed else 1.0)
-    return c
-
-
-def test_a_packed_forward_moves_the_line_and_factor_once_whichever_of_its_jobs_report_it():
-    """Six short prompts packed into one forward report it six times; counted once a job, that
-    forward is six of the window's points and six steps of the factor, and the line chases it."""
-    truth = lambda x: 1.1 * (x + 0.1)     # noqa: E731
-    rng = random.Random(7)
-    forwards = [(x, truth(x) * rng.lognormvariate(0, 0.05)) for x in (rng.uniform(0.2, 4.0) for _ in range(30))]
-    forwards.append((0.3, 1.6 * truth(0.3)))   # a slow pack of short prompts
-    alone, packed, per_job = _fed(forwards, 1), _fed(forwards, 6), _fed(forwards, 6, weighed=False)
-    line = packed.get("p").lines["compute"]
-    assert sum(line.weighed()) == pytest.approx(CFG.line_window)       # the window: 24 forwards
-    assert line.pairs[0] == alone.get("p").lines["compute"].pairs[0]   # none older pushed out by the pack
-    assert len(per_job.get("p").lines["compute"].pairs) == CFG.line_window   # (the old count: 6 of 24)
-
-    def price(c: Corrections, x: float) -> float:
-        return c.prefill_scale("p", busy=False) * (x + c.prefill_offset("p", busy=False))
-
-    for x in (0.3, 3.0):     # the pack moves every price about as the forward alone does, not six times as far
-        assert price(packed, x) == pytest.approx(price(alone, x), rel=0.03)
-    assert price(per_job, 0.3) > 1.15 * price(alone, 0.3)     # counted six times, the short price chased it

@@ -212,7 +212,7 @@ class PredictionBook:
         own = max(p.prefill_s / s - offset, 0.0)
         # its speed on the forward that ran: later arrivals that joined it are not a slowdown
         ran = self._forward_s(iid, check.forward) or own
-        self._observe(iid, term, ran, check.compute_s, jobs=_jobs(check.forward))   # a pack: one forward
+        self._observe(iid, term, ran, check.compute_s)
         speed = check.compute_s / (ran + offset) if positive(check.compute_s) and ran > 0 else None
         if p.overtake_full_s > 0 or p.join_full_s > 0:   # shortest first: residuals are the shares met
             c.note_met(iid, wait_s=max(p.queue_s - p.overtake_s - p.join_s, 0.0), overtake_full_s=p.overtake_full_s,
