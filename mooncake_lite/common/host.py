@@ -36,3 +36,24 @@ def steal_seconds(stat: str = "/proc/stat") -> float | None:
     than its profile priced (docs/results/2026-12-01-zen3-admission.md §18)."""
     ticks = cpu_ticks(stat)
     return None if ticks is None or len(ticks) < 8 else ticks[7] / os.sysconf("SC_CLK_TCK")
+
+
+def thread_seconds(tasks: str = "/proc/self/task") -> tuple[float, float] | None:
+    """Seconds this process's threads ran on a CPU and waited runnable for one while another task
+    of this machine ran (``schedstat``'s first two fields, summed over the threads), or None where
+    the kernel keeps no schedstat. Beside :func:`steal_seconds` it says where a slow forward's time
+    went: waiting behind this machine's other work (the run queue), taken by the hypervisor (steal),
+    or on the CPU but doing less per second (neither)."""
+    ran = waited = 0
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(f"{tasks}/{name}/schedstat") as f:
+                fields = f.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue              # a thread that ended between the listing and the read
+    return (ran / 1e9, waited / 1e9) if names else None

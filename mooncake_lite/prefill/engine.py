@@ -31,7 +31,7 @@ import torch
 from kernels.copies import Copier, Staged
 from kernels.device import sync
 from mooncake_lite.common import tracing
-from mooncake_lite.common.host import steal_seconds
+from mooncake_lite.common.host import steal_seconds, thread_seconds
 from mooncake_lite.instance.colocation import TIMELINE_LEN
 from mooncake_lite.instance.refine import LATER, PrefillRefiner
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -74,11 +74,14 @@ class StageEngine(PrefixLoading):
         # monotonic clock: GET /v1/timeline, for the cost export to tell a decode's steps on this
         # host run beside a forward from those run alone (instance/colocation.colocation_split).
         self.timeline: deque[tuple[float, float]] = deque(maxlen=TIMELINE_LEN)
-        # The machine's stolen CPU seconds (common/host.steal_seconds; None: not told): each
-        # job's forwards report what the hypervisor took while they ran (``steal_s``).
+        # The machine's stolen CPU seconds and this process's threads' seconds on a CPU and
+        # waiting for one (common/host.py; None: not told): each job's forwards report what the
+        # hypervisor took while they ran (``steal_s``), and what its threads ran and waited
+        # (``cpu_s``, ``runqueue_s``): where a slow forward's time went.
         self.steal: Callable[[], float | None] = steal_seconds
-        self.forward_seconds = 0.0         # every forward's, and what was stolen while they ran (/metrics)
-        self.forward_steal_seconds = 0.0
+        self.threads: Callable[[], tuple[float, float] | None] = thread_seconds
+        self.forward_seconds = 0.0         # every forward's, and the host's figures while they ran (/metrics)
+        self.forward_host = {"steal_s": 0.0, "cpu_s": 0.0, "runqueue_s": 0.0}
         args = runner.args   # a TP rank 0 whose ranks load their own heads loads its own (prefill/rank_store.py)
         heads = runner.model.args.num_kv_heads if runner.ranks_store else args.num_kv_heads
         self.load_buffers = LoadBuffers((1, heads, 2, runner.block_size, args.head_dim), runner.dtype)
@@ -161,7 +164,7 @@ class StageEngine(PrefixLoading):
         as it is computed. Returns the last position's logits (last stage; every position's with
         ``all_positions``) or the hidden states."""
         loop = asyncio.get_running_loop()
-        t0, stolen0 = time.perf_counter(), self.steal()
+        t0, host0 = time.perf_counter(), self._host()
         piece = await loop.run_in_executor(self.executor, self._new_pass, job, start, token_ids, hidden)
         for layer in self.layer_ids:
             self._check(job)
@@ -173,8 +176,8 @@ class StageEngine(PrefixLoading):
         self._prefix_in(job)   # the prefix is in (loaded, or recomputed): no-op after the first chunk
         out = await loop.run_in_executor(self.executor, self._output, piece, all_positions)
         seconds = time.perf_counter() - t0
-        stolen = self._busy(seconds, stolen0)
-        self._ran(job, seconds, stolen)
+        host = self._busy(seconds, host0)
+        self._ran(job, seconds, host)
         if self.refiner is not None:
             self.refiner.observe(start + piece.num_tokens, start, seconds, chunk_kind(job, start))
         self._store_full_blocks(job, start + piece.num_tokens)
@@ -187,7 +190,7 @@ class StageEngine(PrefixLoading):
         served (its frames and loads; its rows are computed and dropped), the others go on.
         Returns each job's last-position logits and its error (None when it went through)."""
         loop = asyncio.get_running_loop()
-        t0, stolen0 = time.perf_counter(), self.steal()
+        t0, host0 = time.perf_counter(), self._host()
         seqs = [(job.block_ids, start, toks) for job, start, toks in parts]
         piece = await loop.run_in_executor(self.executor, PackedPass, self.runner, seqs,
                                            any(job.exact for job, _, _ in parts))
@@ -208,11 +211,11 @@ class StageEngine(PrefixLoading):
                     send_frame(job.sender, layer, start, kv)
         out = await loop.run_in_executor(self.executor, self._output, piece)
         seconds = time.perf_counter() - t0
-        stolen = self._busy(seconds, stolen0)
+        host = self._busy(seconds, host0)
         forward = {"forward_tokens": float(sum(len(toks) for *_, toks in parts)), "forward_jobs": float(len(parts))}
         for i, (job, start, toks) in enumerate(parts):
             self._prefix_in(job)
-            self._ran(job, seconds, stolen)
+            self._ran(job, seconds, host)
             job.timings.update(forward)   # the forward that ran: the conductor's speed is of it, not of its forecast
             if errors[i] is None:
                 self._store_full_blocks(job, start + len(toks))
@@ -222,27 +225,39 @@ class StageEngine(PrefixLoading):
         return out, errors
 
     @staticmethod
-    def _ran(job: StageJob, seconds: float, stolen: float | None) -> None:
-        """``job`` computed for ``seconds`` of a forward while the machine lost ``stolen`` CPU seconds."""
-        job.timings["compute_s"] = job.timings.get("compute_s", 0.0) + seconds
-        if stolen is not None:
-            job.timings["steal_s"] = job.timings.get("steal_s", 0.0) + stolen
+    def _ran(job: StageJob, seconds: float, host: dict[str, float]) -> None:
+        """``job`` computed for ``seconds`` of a forward beside ``host`` (:meth:`_busy`)."""
+        for key, value in (("compute_s", seconds), *host.items()):
+            job.timings[key] = job.timings.get(key, 0.0) + value
 
-    def _busy(self, seconds: float, stolen_before: float | None) -> float | None:
+    def _host(self) -> tuple[float | None, tuple[float, float] | None]:
+        return self.steal(), self.threads()
+
+    def _busy(self, seconds: float, before: tuple[float | None, tuple[float, float] | None]) -> dict[str, float]:
         """A forward of ``seconds`` just ended: its interval on the monotonic clock, the one the
-        other roles on this host read too; the CPU seconds stolen since ``stolen_before`` (the
-        steal read as it began; None: not read) are returned."""
+        other roles on this host read too; the CPU seconds stolen, and this process's threads'
+        seconds on a CPU and on the run queue, since ``before`` (:meth:`_host` as it began) are
+        returned, those that were read."""
         end = time.monotonic()
         self.timeline.append((end - seconds, end))
-        after = self.steal() if stolen_before is not None else None
-        stolen = None if after is None else max(0.0, after - stolen_before)
+        (stolen0, threads0), (stolen1, threads1) = before, self._host()
+        host = {} if stolen0 is None or stolen1 is None else {"steal_s": max(0.0, stolen1 - stolen0)}
+        if threads0 is not None and threads1 is not None:
+            host.update(cpu_s=max(0.0, threads1[0] - threads0[0]), runqueue_s=max(0.0, threads1[1] - threads0[1]))
         self.forward_seconds += seconds
-        self.forward_steal_seconds += stolen or 0.0
-        return stolen
+        for key, value in host.items():
+            self.forward_host[key] += value
+        return host
+
+    @property
+    def forward_steal_seconds(self) -> float:
+        return self.forward_host["steal_s"]
 
     def steal_figures(self) -> dict[str, float]:
-        """/metrics: seconds of forwards, and CPU seconds the hypervisor took while they ran."""
-        return {"forward_seconds_total": self.forward_seconds, "forward_steal_seconds_total": self.forward_steal_seconds}
+        """/metrics: seconds of forwards; CPU seconds the hypervisor took while they ran, and this
+        process's threads' seconds on a CPU and waiting for one."""
+        return {"forward_seconds_total": self.forward_seconds,
+                **{f"forward_{k.removesuffix('_s')}_seconds_total": v for k, v in self.forward_host.items()}}
 
     def _packed_layer(self, piece: PackedPass, layer: int, routes: list = ()) -> list[Staged]:
         piece.run_layer(layer)

@@ -210,18 +210,22 @@ def test_kv_payload_round_trip_any_dtype(dtype):
 
 
 async def test_each_job_reports_the_steal_its_forwards_ran_beside(model):
-    """The machine's stolen CPU seconds are read around each forward: a job's ``steal_s`` is what
-    the hypervisor took while its chunks ran (a packed forward's, for every job in it), and a
-    machine that does not say leaves it out."""
+    """The machine's stolen CPU seconds, and the process's threads' seconds on a CPU and on the
+    run queue, are read around each forward: a job's ``steal_s``, ``cpu_s`` and ``runqueue_s``
+    are what its chunks met (a packed forward's, for every job in it), and a machine that does
+    not say leaves them out."""
     readings = iter([10.0, 10.25, 11.0, 11.5, 20.0, 20.0, 30.0, 30.75])
+    threads = iter([(1.0, 0.5), (1.5, 0.75), (2.0, 1.0), (2.25, 1.0)] + [(5.0, 2.0)] * 4)
     stage = StageEngine(ModelRunner(model, num_blocks=16, block_size=BS), None, ThreadPoolExecutor(1))
     stage.steal = lambda: next(readings)
+    stage.threads = lambda: next(threads)
     tokens = tokens_of(2 * BS, 2)
     job = stage.begin("r", tokens, [], 0, RecordingSender())
     try:
         for start in range(0, len(tokens), BS):                # two chunks: 0.25 s and 0.5 s stolen
             await stage.run_chunk(job, start, token_ids=tokens[start:start + BS])
         assert job.timings["steal_s"] == pytest.approx(0.75)
+        assert (job.timings["cpu_s"], job.timings["runqueue_s"]) == pytest.approx((0.75, 0.25))
         assert job.timings["compute_s"] > 0
     finally:
         await stage.release(job)
@@ -232,15 +236,18 @@ async def test_each_job_reports_the_steal_its_forwards_ran_beside(model):
         await stage.run_packed([(jobs[0], BS, prompts[0][BS:])])                  # 0.75 s stolen
         assert [j.timings["steal_s"] for j in jobs] == pytest.approx([0.75, 0.0])
         assert stage.forward_steal_seconds == pytest.approx(1.5)   # per forward, not per job: 0.25 + 0.5 + 0 + 0.75
-        assert stage.steal_figures()["forward_seconds_total"] == stage.forward_seconds > 0
+        figures = stage.steal_figures()
+        assert figures["forward_seconds_total"] == stage.forward_seconds > 0
+        assert (figures["forward_cpu_seconds_total"], figures["forward_runqueue_seconds_total"]) == \
+            pytest.approx((0.75, 0.25))   # the packed forwards' threads read the same before and after
     finally:
         for j in jobs:
             await stage.release(j)
-    stage.steal = lambda: None
+    stage.steal = stage.threads = lambda: None
     quiet = stage.begin("q", tokens, [], 0, RecordingSender())
     try:
         await stage.run_chunk(quiet, 0, token_ids=tokens)
-        assert "steal_s" not in quiet.timings and quiet.timings["compute_s"] > 0
+        assert not {"steal_s", "cpu_s", "runqueue_s"} & set(quiet.timings) and quiet.timings["compute_s"] > 0
     finally:
         await stage.release(quiet)
 

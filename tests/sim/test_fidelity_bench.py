@@ -341,5 +341,10 @@ def test_the_report_says_what_the_hypervisor_took_while_the_prefills_computed():
     after = {"0.mooncake_prefill_forward_seconds_total": 40.0, "0.mooncake_prefill_forward_steal_seconds_total": 4.0,
              "1.mooncake_prefill_forward_seconds_total": 10.0, "1.mooncake_prefill_forward_steal_seconds_total": 2.0}
     assert fidelity_gaps.prefill_steal(before, after) == {"prefill_steal_per_forward_s": pytest.approx(0.125)}
+    # and the prefills' threads' seconds on a CPU and on the run queue, where they report them
+    ran = {"0.mooncake_prefill_forward_cpu_seconds_total": 30.0, "0.mooncake_prefill_forward_runqueue_seconds_total": 6.0}
+    assert fidelity_gaps.prefill_steal(before, {**after, **ran}) == {
+        "prefill_steal_per_forward_s": pytest.approx(0.125), "prefill_cpu_per_forward_s": pytest.approx(0.75),
+        "prefill_runqueue_per_forward_s": pytest.approx(0.15)}
     assert fidelity_gaps.prefill_steal(before, before) == {}
     assert fidelity_gaps.prefill_steal({}, {}) == {}

@@ -66,11 +66,16 @@ def prefill_steal(before: Mapping[str, float], after: Mapping[str, float]) -> di
     """What the hypervisor took while the prefills computed, over the replay: CPU seconds stolen
     per second of forwards (summed over the machine's CPUs). Where it is high a run's speed follows
     it (one Zen 3 run: chunks at 0.05 ran 1.01x their price, at 0.09 1.24x; at 0.02 it explained
-    nothing: docs/results/2026-12-01-zen3-admission.md §18), so a figure says the hour it had."""
+    nothing: docs/results/2026-12-01-zen3-admission.md §18), so a figure says the hour it had.
+    The prefills' threads' seconds on a CPU and on the run queue per second of forwards say the
+    rest: a forward slower with neither more steal nor more waiting ran slower on its CPU."""
     d = _deltas(before, after)
     seconds = sum(v for k, v in d.items() if k.endswith("forward_seconds_total"))
-    stolen = sum(v for k, v in d.items() if k.endswith("forward_steal_seconds_total"))
-    return {"prefill_steal_per_forward_s": stolen / seconds} if seconds > 0 else {}
+    if seconds <= 0:
+        return {}
+    totals = {name: [v for k, v in d.items() if k.endswith(f"forward_{name}_seconds_total")]
+              for name in ("steal", "cpu", "runqueue")}
+    return {f"prefill_{name}_per_forward_s": sum(vs) / seconds for name, vs in totals.items() if vs}
 
 
 def first_token_shapes(ok: Sequence, within_s: float = 0.05) -> dict[str, float]:

@@ -64,6 +64,10 @@ class Check:
     # CPU seconds the hypervisor took from the prefill's machine while its forwards ran (summed
     # over CPUs; None: not said): why a forward ran long on a shared VM (common/host.steal_seconds)
     steal_s: float | None = None
+    # its process's threads' seconds on a CPU, and runnable waiting for one, while they ran
+    # (common/host.thread_seconds; None: not said): with steal, where a slow forward's time went
+    cpu_s: float | None = None
+    runqueue_s: float | None = None
 
     def pairs(self) -> dict[str, tuple[float, float | None]]:
         """(predicted, measured) by metric."""
@@ -87,7 +91,7 @@ class Check:
             out[f"measured_{metric}_s"] = measured
             out[f"{metric}_ratio"] = ratios.get(metric)
         out["prefill_node"] = _state(self.predicted.busy)
-        out["measured_steal_s"] = self.steal_s
+        out.update(measured_steal_s=self.steal_s, measured_cpu_s=self.cpu_s, measured_runqueue_s=self.runqueue_s)
         return out
 
     def describe(self) -> str:
@@ -97,7 +101,9 @@ class Check:
             ratio = self.ratios().get(name)
             return (f"{name} {predicted:.3g}s→{measured:.3g}s (x{ratio:.2f})" if ratio is not None
                     else f"{name} {predicted:.3g}s→{measured}")
-        stolen = "" if self.steal_s is None else f" (host steal {self.steal_s:.3g}s)"
+        host = ", ".join(f"{name} {v:.3g}s" for name, v in (("host steal", self.steal_s), ("on CPU", self.cpu_s),
+                                                             ("run queue", self.runqueue_s)) if v is not None)
+        stolen = f" ({host})" if host else ""
         return ("predicted→measured: " + ", ".join(one(m) + (stolen if m == "compute" else "")
                                                    for m in ("ttft", "queue", "compute", "transfer", "tbt", "gap"))
                 + f" on {self.prefill_id} ({_state(self.predicted.busy)})+{self.decode_id}")

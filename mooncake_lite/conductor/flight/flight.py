@@ -382,7 +382,8 @@ class Flight:
                      decode_busy=self._decode_busy or self.svc.predictions.busy_beside(d.decode_id),
                      forward=(result.num_prefix_tokens + result.num_computed_tokens, result.num_prefix_tokens,
                               t.get("forward_tokens", 0.0), t.get("forward_jobs", 1.0)), passed=t.get("passed"),
-                     steal_s=reported_seconds(t.get("steal_s")))
+                     steal_s=reported_seconds(t.get("steal_s")), cpu_s=reported_seconds(t.get("cpu_s")),
+                     runqueue_s=reported_seconds(t.get("runqueue_s")))
 
     def prediction_headers(self) -> dict[str, str]:
         """The placed attempt's predicted TTFT (from arrival: a held burst's wait too), TBT, and SLOs (s)."""
