@@ -3,7 +3,8 @@
 A refusal's log says its predicted TTFT and the bound over its SLO; why the wait was that long
 is in the prefill's backlog at that moment, gone a second later. A refusal that the instance's
 own record shows would have met (``bench fidelity``) is only explained by the parts: the started
-job's rest (priced from the instance's report of its chunks, or from the model), the jobs it lands
+job's rest (priced to its own end: the instance's report of its chunks, or its price when it
+started at once; else from the model), the jobs it lands
 behind (shortest first: not the whole queue), the queue's learned scale, the allowance for later
 arrivals passing it, and the spread the bound multiplies the wait by. :func:`wait_parts` derives
 them again from the same state, by the rules the decision priced with (``prefill_select._packed``,
@@ -25,7 +26,7 @@ class WaitParts(NamedTuple):
     """A new job's predicted wait on one prefill, in the seconds shown (module doc)."""
 
     head_left_s: float      # what is left of the started jobs
-    head_reported: bool     # priced from the instance's report of its chunks, not the model
+    head_reported: bool     # priced to its own end (its chunks' report, or its price as it started), not the model
     ahead_jobs: int         # queued jobs it lands behind
     ahead_s: float          # their forwards, before the queue scale
     queue_scale: float
@@ -38,7 +39,7 @@ class WaitParts(NamedTuple):
         return (self.head_left_s + self.ahead_s) * self.queue_scale + self.allowance_s
 
     def describe(self) -> str:
-        head = f"{self.head_left_s:.3g}s left of the running job ({'reported' if self.head_reported else 'model'})"
+        head = f"{self.head_left_s:.3g}s left of the running job ({'own end' if self.head_reported else 'model'})"
         return (f"waits {self.wait_s:.3g}s = ({head} + {self.ahead_jobs} job(s) ahead {self.ahead_s:.3g}s) x queue "
                 f"scale {self.queue_scale:.3g} + {self.allowance_s:.3g}s for later arrivals (overtake "
                 f"share {self.overtake_share:.3g}); spread {self.spread:.3g}")

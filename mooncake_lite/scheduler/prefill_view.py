@@ -121,18 +121,19 @@ class PrefillView(Shown[PrefillInstanceState]):
             self._total = None
 
     def add(self, request_id: str, num_tokens: int, num_prefix_tokens: int = 0,
-            started_at: float | None = None, passed: int = 0, pack_cap: int = 0) -> None:
+            started_at: float | None = None, passed: int = 0, pack_cap: int = 0, ends_at: float | None = None) -> None:
         """Queue a job behind the others (or replace the job of that id where it stands);
         ``passed``: its overtakes so far (shortest-first order, ``scheduler/queue_order.py``);
-        ``pack_cap``: the cap its decision set on its pack (``QueuedPrefill``)."""
-        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed, pack_cap)
+        ``pack_cap``: the cap its decision set on its pack; ``ends_at``: a started job's end as
+        priced when it started (``QueuedPrefill``)."""
+        job = QueuedPrefill(request_id, num_tokens, num_prefix_tokens, started_at, passed, pack_cap, ends_at)
         replaced = self._jobs.get(request_id)
         self._jobs[request_id] = job
         if self._queue is not None:
             self._queue = (*self._queue, job) if replaced is None else None
         model = self._model
         if model is not None:
-            self._durations[request_id] = duration = model.predict(num_tokens, num_prefix_tokens)
+            self._durations[request_id] = duration = _priced(model, job)
             total = self._total    # as itertools.accumulate adds: the first job's, then last + next
             self._total = None if replaced is not None or total is None else \
                 (total + duration if len(self._jobs) > 1 else duration)

@@ -175,16 +175,18 @@ def bound_of(order: str, overtakes: int) -> int:
 
 
 def enqueue(view, request_id: str, num_tokens: int, num_prefix_tokens: int, bound: int,
-            started_at: float | None = None, pack_cap: int = 0) -> tuple[str, ...]:
+            started_at: float | None = None, pack_cap: int = 0, ends_at: float | None = None) -> tuple[str, ...]:
     """Queue a job on a :class:`~mooncake_lite.scheduler.view.PrefillView` where the rule lands
     it (the jobs it passes shown again behind it, one overtake more each); returns the request
     ids of the view's queue in the new order, or () where it simply went last (FIFO, or it
-    passed nobody). The view's queue is the conductor's and the simulator's record of order."""
+    passed nobody). The view's queue is the conductor's and the simulator's record of order.
+    ``ends_at``: a job started now (``started_at``), when it is priced to end."""
     uncached = uncached_tokens(num_tokens, num_prefix_tokens)
     if bound <= 0 or started_at is not None:
         if bound > 0:
             view.note_arrival(uncached)
-        view.add(request_id, num_tokens, num_prefix_tokens, started_at, 0, pack_cap)
+        view.add(request_id, num_tokens, num_prefix_tokens, started_at, 0, pack_cap,
+                 ends_at if started_at is not None else None)
         return ()
     queue = view.state().queue
     at = queue_landing(queue, uncached, bound)

@@ -55,8 +55,12 @@ class QueuedPrefill:
     most uncached tokens a packed forward holding it may have (0: the instance's budget alone;
     ``costs.pack_sizes``, set by the decision: ``scheduler.packing.slo_pack_cap``). ``ends_at``: for
     the started head, when its instance, reading the chunks it has run, says its forward ends (its
-    heartbeat, ``RunningPrefill``); it is then priced to end there, not at its predicted duration
-    (:meth:`reported_s`; None: nothing reported).
+    heartbeat, ``RunningPrefill``), or, started at once on an empty queue, its start plus its forward
+    as its decision priced it; it is then priced to end there, not at its duration by the model as
+    it stands (:meth:`reported_s`; None: nothing reported). A job started alone runs at the speed of
+    the node's state then (idle: its neighbour's CPUs borrowed), while the queue behind it is priced
+    in the busy state its own presence makes: repriced busy, one 136-token head priced 0.29 s took
+    0.35 s and was held at 0.48 s for the jobs behind it (docs/results/2026-12-01-zen3-admission.md §20).
     """
 
     request_id: str

@@ -130,7 +130,8 @@ async def test_retry_after_is_when_the_prediction_says_the_request_fits(make_clu
         await c.completions.create(model="tiny", prompt="x" * 250, max_tokens=2)
     predicted = float(re.search(r"predicted TTFT (\S+)s", info.value.message).group(1))
     said = next(r.getMessage() for r in caplog.records if "rejected: predicted TTFT" in r.getMessage())
-    assert re.search(r"left of the running job \(model\) \+ 2 job\(s\) ahead", said), said   # explain.py's parts
+    # explain.py's parts: the head, started at once, priced to the end its decision gave it
+    assert re.search(r"left of the running job \(own end\) \+ 2 job\(s\) ahead", said), said
     # ~2 s of the ~3 s queue ahead must drain before this request would meet its SLO (not all of
     # it: the queue's own figure would say 4); the queue's remainder shrinks while the test runs
     retry = int(info.value.response.headers["Retry-After"])

@@ -109,3 +109,28 @@ async def test_a_request_the_decode_refused_gives_back_the_overtakes_it_took(mak
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     await c.close()
+
+
+@pytest.mark.parametrize("overtakes, pack_tokens", [(0, 0), (4, 0), (4, 512)])
+def test_a_head_started_on_an_empty_queue_keeps_the_price_it_started_with(overtakes, pack_tokens):
+    """A job that starts at once is priced to end as its decision priced it (the node's state
+    then: idle, its neighbour's CPUs borrowed), not as the model shown to the jobs behind it
+    prices it (busy, its own presence): the wait of those behind is what is left of that price.
+    A job queued behind it keeps the model's price; the instance's report of its chunks wins."""
+    costs = CostModels(MODEL, DecodeCostModel(c0=0.01, c1=1e-3), kv_bytes_per_token=64)
+    m = Membership("tiny", 16, 0, dead_after_s=5)
+    m.register(_reg("p", overtakes, pack_tokens), now=0)
+    m.register(Register(role="decode", instance_id="d", http="h-d:1", data="h-d:2", store="s:1", model="tiny",
+                        block_size=16, hash_seed=0, kv_bytes_per_token=64, max_context=100000), now=0)
+    assert MODEL.predict(300) > 0.3      # the model (the busy state's, say) prices the head longer
+    m.add_prefill("p", PrefillJob("head", 300, 0, "d", priced_s=0.2), now=10.0)
+    m.add_prefill("p", PrefillJob("next", 400, 0, "d", priced_s=9.0), now=10.0)   # queued: not started
+    sched = Scheduler(SchedulerConfig(block_size=16, admission="none"), costs, BlockIndex())
+    wait = sched.schedule(ScheduleRequest("x", (), 100, 8), m.snapshot(), now=10.05).predicted_queue_s
+    # what is left of the head's 0.2 s; in FIFO order the 400-token job's forward too (by the model)
+    assert wait == pytest.approx(0.15 + (MODEL.predict(400) if overtakes == 0 else 0.0))
+    m.get("p").view.report_end("head", 10.5, now=10.05)      # its chunks say it ends at 10.5
+    wait = sched.schedule(ScheduleRequest("y", (), 100, 8), m.snapshot(), now=10.05).predicted_queue_s
+    assert wait == pytest.approx(0.45 + (MODEL.predict(400) if overtakes == 0 else 0.0))
+    m.prefill_done("p", "head", now=10.5)                    # the next starts: the model prices it
+    assert m.snapshot().prefills[0].queue[0].ends_at is None

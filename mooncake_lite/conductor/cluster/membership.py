@@ -56,6 +56,7 @@ class PrefillJob:
     max_output_tokens: int | None = None
     num_sequences: int = 1             # OpenAI's n: the decode runs n sequences on its KV
     pack_cap: int = 0                  # its decision's cap on its packed forward (QueuedPrefill)
+    priced_s: float | None = None      # its forward's seconds as its decision priced them (QueuedPrefill.ends_at)
 
 
 @dataclass(frozen=True)
@@ -296,9 +297,12 @@ class Membership:
         assert isinstance(view, PrefillView), f"{instance_id} is no prefill instance"
         # Where the instance's queue order puts it (scheduler/queue_order.py; FIFO: last), with
         # the same uncached tokens the instance orders by (the prefix_keys dispatch sends it);
-        # the head of an empty queue starts now.
+        # the head of an empty queue starts now, priced to end as its decision priced it: in the
+        # node's state now, not in the busy one its presence shows to the jobs behind it.
+        started = None if view.state().queue else now
+        ends = now + job.priced_s if started is not None and job.priced_s is not None and job.priced_s > 0 else None
         order = enqueue(view, job.request_id, job.num_tokens, job.num_prefix_tokens,
-                        max(inst.reg.queue_overtakes, 0), None if view.state().queue else now, job.pack_cap)
+                        max(inst.reg.queue_overtakes, 0), started, job.pack_cap, ends)
         if order:       # it passed some: the head is still the one the instance serves next
             inst.passed[job.request_id] = order[order.index(job.request_id) + 1:]
         decode = self.instances.get(job.decode_id)

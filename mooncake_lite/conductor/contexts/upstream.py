@@ -44,7 +44,8 @@ async def prefill_only(svc: Services, sink: KVSink, job_id: str, req: ApiRequest
     cap = sent_cap(d, inst.reg)
     svc.membership.add_prefill(inst.instance_id, PrefillJob(job_id, len(req.prompt_ids),
                                                             d.reused_prefix_blocks * svc.block_size, "",
-                                                            pack_cap=cap), loop.time())
+                                                            pack_cap=cap, priced_s=d.predicted_prefill_s),
+                                  loop.time())
     msg = prefill_request(d, keys, job_id, transfer_id, req.prompt_ids, sink.address, Sampling(max_tokens=1), cap)
     try:
         async with svc.session.post(f"http://{inst.reg.http}/v1/prefill", data=dumps(msg),

@@ -79,7 +79,7 @@ class Attempt:
         svc.membership.add_prefill(self.prefill.instance_id, PrefillJob(
             self.upstream_id, len(self.req.prompt_ids), d.reused_prefix_blocks * svc.block_size,
             self.decode.instance_id, max_output_tokens=expected_output, num_sequences=self.req.sampling.n,
-            pack_cap=sent_cap(d, self.prefill.reg)), now)
+            pack_cap=sent_cap(d, self.prefill.reg), priced_s=d.predicted_prefill_s), now)
         try:
             failed = await self._reserve_unless_ended()
         except BaseException:
