@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-from kernels.device import traced
-from kernels.dispatch import fast_module
+from mooncake_kernels.device import traced
+from mooncake_kernels.dispatch import fast_module
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -156,7 +156,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens):
 
 
 def _c_kernel_runs(q, k_cache, v_cache, block_tables, context_lens) -> bool:
-    from kernels.quant_build import library
+    from mooncake_kernels.quant_build import library
     return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int64
             and context_lens.dtype == torch.int64 and os.environ.get("MOONCAKE_KERNELS") != "ref"
@@ -167,7 +167,7 @@ def paged_decode_attention_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """:func:`paged_decode_attention_ref`'s result from ``decode_attention.c``: K/V read in place
     through the block table (no gathered copy per layer), float32 on the CPU."""
-    from kernels.quant_build import library
+    from mooncake_kernels.quant_build import library
     q, tables, lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     batch, heads, dim = q.shape
     out = torch.empty_like(q)

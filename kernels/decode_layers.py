@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.device import traced
-from kernels.quant_build import library
-from kernels.quant_linear import DEQUANTIZE_ROWS, int8_runs
+from mooncake_kernels.device import traced
+from mooncake_kernels.quant_build import library
+from mooncake_kernels.quant_linear import DEQUANTIZE_ROWS, int8_runs
 
 LAYERS_ENV = "MOONCAKE_DECODE_LAYERS"   # c (default) or python
 

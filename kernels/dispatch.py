@@ -17,13 +17,13 @@ import torch
 @cache
 def _import(name: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"kernels.{name}")
+        return importlib.import_module(f"mooncake_kernels.{name}")
     except ImportError:  # no Triton (every CPU machine): the reference serves
         return None
 
 
 def fast_module(name: str, *tensors: torch.Tensor) -> ModuleType | None:
-    """``kernels.<name>`` if every tensor is on CUDA and the module imports, else ``None``."""
+    """``mooncake_kernels.<name>`` if every tensor is on CUDA and the module imports, else ``None``."""
     if os.environ.get("MOONCAKE_KERNELS", "") == "ref":
         return None
     if not tensors or not all(t.is_cuda for t in tensors):

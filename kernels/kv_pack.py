@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast_module
+from mooncake_kernels.dispatch import fast_module
 
 
 def pack_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, first_layer: int = 0,

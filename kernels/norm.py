@@ -9,7 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_build import library
+from mooncake_kernels.quant_build import library
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,9 +23,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels.norm import rms_norm
-from kernels.device import traced
-from kernels.quant_build import library
+from mooncake_kernels.norm import rms_norm
+from mooncake_kernels.device import traced
+from mooncake_kernels.quant_build import library
 
 # Above this many rows (a prefill chunk) the weight is dequantized into a float32 copy for one
 # matmul: the copy costs about one pass over the float32 bytes, which a product of this many rows
@@ -190,7 +190,7 @@ def quant_linear_fused(x: torch.Tensor, blocks: torch.Tensor, qtype: int, *, nor
     """``rms_norm(x) @ Wᵀ + residual`` for a decode step's rows ``x`` [B, K] (the norm by ``norm``
     = (weight, eps), each part where given). Where the integer-activation kernel runs, one C call
     does all of it (the work around a layer's products, each a dispatched operator otherwise);
-    elsewhere ``kernels.norm.rms_norm``, :func:`quant_linear` and an add."""
+    elsewhere ``mooncake_kernels.norm.rms_norm``, :func:`quant_linear` and an add."""
     return traced("quant_linear", _fused_linear, x, blocks, qtype, norm, residual)   # named as the products are
 
 

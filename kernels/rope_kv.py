@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from kernels.device import traced
-from kernels.quant_build import library
+from mooncake_kernels.device import traced
+from mooncake_kernels.quant_build import library
 
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,

@@ -1,7 +1,7 @@
 """The one way work is timed here: warm up, synchronise the device around each run, keep the times.
 
 CUDA runs kernels asynchronously, so a clock read right after a launch measures the launch: each
-timed run sits between two :func:`kernels.device.sync` calls (a no-op off CUDA). Self-profiling
+timed run sits between two :func:`mooncake_kernels.device.sync` calls (a no-op off CUDA). Self-profiling
 (``instance/profile.py``) and the benchmarks (``bench/model/measure.py``,
 ``bench/model/gpu_roofs.py``, the memcpy reference of ``bench/store/summary.py``) all time through :func:`run_times` or :func:`best_seconds`; on a shared machine the best run is the
 one least disturbed by others, so that is what is compared with roofs and fitted.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.device import sync
+from mooncake_kernels.device import sync
 
 
 def timed(fn: Callable[[], object], device: torch.device | str | None,

@@ -4,7 +4,7 @@ One program per (sequence, query head). It walks the sequence's context in tiles
 tokens, looks each token's physical block up in the block table, and keeps an online softmax
 (running max, running sum, weighted accumulator) in float32, so it never materialises the
 gathered context the torch reference builds. Importing this module raises ImportError without
-Triton, which makes :func:`kernels.attention.paged_decode_attention` use the reference.
+Triton, which makes :func:`mooncake_kernels.attention.paged_decode_attention` use the reference.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import paged_decode_attention_ref
+from mooncake_kernels.attention import paged_decode_attention_ref
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`kernels.attention.paged_decode_attention_ref`."""
+    """Same contract as :func:`mooncake_kernels.attention.paged_decode_attention_ref`."""
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     inner_ok = all(t.stride(-1) == 1 for t in (q, k_cache, v_cache)) and k_cache.stride() == v_cache.stride()

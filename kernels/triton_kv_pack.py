@@ -1,4 +1,4 @@
-"""Triton versions of the KV data movement in :mod:`kernels.kv_pack` (CUDA only).
+"""Triton versions of the KV data movement in :mod:`mooncake_kernels.kv_pack` (CUDA only).
 
 Importing this module raises ImportError without Triton, which makes the callers use the torch
 reference. Each program copies one ``BLOCK``-element piece of one contiguous run: a whole
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_pack import as_blocks, gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
+from mooncake_kernels.kv_pack import as_blocks, gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
 
 _BLOCK = 1024
 

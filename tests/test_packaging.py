@@ -1,11 +1,12 @@
-"""Installing the project beside a node's own CUDA torch keeps that torch: pyproject.toml sets a
-floor, and the exact CPU wheel is bin/_env.sh's choice, made only where the venv has no torch."""
+"""Packaging: installing the project beside a node's own CUDA torch keeps that torch (pyproject.toml
+sets a floor, the exact CPU wheel is bin/_env.sh's choice), and its top-level names are its own."""
 
 from __future__ import annotations
 
 import os
 import stat
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -61,3 +62,26 @@ def test_env_script_keeps_a_torch_the_venv_has(tmp_path, has_torch):
     torch_installs = [c for c in calls if c.startswith("-m pip install") and "torch==" in c]
     assert torch_installs == ([] if has_torch else ["-m pip install -q torch==2.13.0"])
     assert any(c.startswith("-m pip install -q -e ") and c.endswith("[test]") for c in calls)
+
+
+def test_the_kernels_install_under_a_name_no_other_distribution_owns():
+    """``kernels/`` installs as ``mooncake_kernels``: Hugging Face's ``kernels`` (which transformers
+    5.25 requires) owns the top-level name, and two distributions writing one package directory
+    break each other."""
+    from importlib.metadata import distribution
+
+    top_level = set(distribution("mooncake-lite").read_text("top_level.txt").split())
+    assert top_level == {"mooncake_lite", "mooncake_kernels"}
+
+
+def test_the_model_imports_beside_a_foreign_kernels_package(tmp_path):
+    # A package named ``kernels`` first on the path, as Hugging Face's is in a transformers venv,
+    # and the working directory away from the checkout (whose own folder would shadow it).
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("FOREIGN = True\n")
+    code = ("import kernels, mooncake_lite.model.llama, mooncake_kernels.attention\n"
+            "assert kernels.FOREIGN\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

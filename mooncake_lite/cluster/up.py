@@ -190,7 +190,7 @@ def with_store_sizing(opts: UpOptions, env: Mapping[str, str] | None = None) -> 
         return opts
     if (compression := role_setting(opts, "prefill", "kv_compression")) not in (None, "none"):
         # encoded blocks: 1-byte codes and per-head scales per layer, whatever the dtype
-        from kernels.kv_codec import encoded_layer_bytes
+        from mooncake_kernels.kv_codec import encoded_layer_bytes
         from mooncake_lite.model.kv_codec import model_codec
         try:
             rope_dim = model_codec(compression, args).rope_dim

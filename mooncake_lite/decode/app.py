@@ -172,7 +172,7 @@ def pads_decode_attention(device) -> bool:
     kernel), so a step costs batch × the longest context rather than the contexts' sum."""
     import torch
 
-    from kernels.dispatch import fast_module
+    from mooncake_kernels.dispatch import fast_module
     probe = torch.empty(0, device=device)
     return fast_module("triton_attention", probe) is None
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from kernels.copies import Copier
-from kernels.quant_linear import float_activations
+from mooncake_kernels.copies import Copier
+from mooncake_kernels.quant_linear import float_activations
 from mooncake_lite.common import tracing
 from mooncake_lite.common.protocol import GenerateRequest, InstanceLoad, TokenEvent, TokenLogprob
 from mooncake_lite.decode.batcher import DecodeBatcher, StepPlan

@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.copies import Copier, Staged
-from kernels.kv_codec import KVCodec, encode_heads
+from mooncake_kernels.copies import Copier, Staged
+from mooncake_kernels.kv_codec import KVCodec, encode_heads
 from mooncake_lite.common.hashing import block_key
 from mooncake_lite.decode.batcher import StepPlan
 from mooncake_lite.decode.pending import ResumePoint

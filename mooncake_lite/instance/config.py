@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from kernels.kv_codec import CODEC_NAMES, fp8_supported
+from mooncake_kernels.kv_codec import CODEC_NAMES, fp8_supported
 from mooncake_lite.common.config import option, require
 from mooncake_lite.common.membership import Conductor, conductor_urls
 from mooncake_lite.common.roles import RoleConfig

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.timing import best_seconds
+from mooncake_kernels.timing import best_seconds
 from mooncake_lite.instance.refine import DecodeRefiner, PrefillRefiner, nonneg_fit, relative_fit
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner

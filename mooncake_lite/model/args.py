@@ -231,7 +231,7 @@ def dtype_choice(device: str, model: str | None = None) -> tuple[str, str]:
     presets and float32 checkpoints keep their values (docs/results/2026-11-29-decode-layers.md)."""
     if str(device).startswith("cuda"):
         return "bfloat16", "CUDA: tensor cores, half the bytes a step"
-    from kernels.quant_build import cpu_flags
+    from mooncake_kernels.quant_build import cpu_flags
     native = sorted(set(cpu_flags().split()) & {"amx_bf16", "avx512_bf16"})
     if not native:
         return "float32", "no bfloat16 arithmetic on this CPU (every bfloat16 product would convert)"

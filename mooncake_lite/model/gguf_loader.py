@@ -19,7 +19,7 @@ import re
 import numpy as np
 import torch
 
-from kernels.quant_linear import BLOCK_BYTES
+from mooncake_kernels.quant_linear import BLOCK_BYTES
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.errors import CheckpointError
 from mooncake_lite.model.gguf_file import args_from_meta, read_meta
@@ -92,7 +92,7 @@ def _keep_dense(model: Transformer) -> None:
 
 def keeps_compact(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Where compact weights compute: a CPU in float32, with the block kernel built."""
-    from kernels.quant_build import library
+    from mooncake_kernels.quant_build import library
     return torch.device(device).type == "cpu" and dtype == torch.float32 and library() is not None
 
 

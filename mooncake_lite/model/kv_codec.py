@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.kv_codec import KVCodec, codec_for, encoded_layer_bytes, round_trip
+from mooncake_kernels.kv_codec import KVCodec, codec_for, encoded_layer_bytes, round_trip
 from mooncake_lite.model.args import ModelArgs
 
 if TYPE_CHECKING:   # the runner pulls in torch's compiler stack: not for the instance config's model_codec

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.timing import best_seconds
+from mooncake_kernels.timing import best_seconds
 from mooncake_lite.model.quantized import QuantizedWeight
 
 SKINNY_ROWS = 32   # up to this many rows (a decode batch), linear() takes the few-rows paths

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import packed_prefill_attention, paged_decode_attention, paged_prefill_attention
-from kernels.decode_layers import DecodePlan, LayerParts, decode_layers, plan_runs
-from kernels.norm import rms_norm
-from kernels.rope_kv import rope_kv_write
+from mooncake_kernels import packed_prefill_attention, paged_decode_attention, paged_prefill_attention
+from mooncake_kernels.decode_layers import DecodePlan, LayerParts, decode_layers, plan_runs
+from mooncake_kernels.norm import rms_norm
+from mooncake_kernels.rope_kv import rope_kv_write
 from mooncake_lite.model.args import ModelArgs, RopeScaling, YarnScaling
 from mooncake_lite.model.kv_cache import PagedKVCache
 from mooncake_lite.model.linear import PACK_GAIN, fuse_linears, linear, pack_weight, packing_speedup, unheld

@@ -1,7 +1,7 @@
 """Weights kept in a GGUF file's own quantization (Q4_0, Q4_1, Q8_0) instead of dequantized.
 
 A :class:`QuantizedWeight` holds a projection's rows as the file's blocks (4.5 to 8.5 bits a
-weight instead of 32) and computes with them (``kernels.quant_linear``); ``linear()`` runs it
+weight instead of 32) and computes with them (``mooncake_kernels.quant_linear``); ``linear()`` runs it
 where a plain or oneDNN-packed weight would run, and the model's own ``nn.Linear`` weight is
 then a shape on the ``meta`` device, as after ``Transformer.pack_``. :class:`QuantizedEmbedding`
 looks rows up in the same blocks, so a head tied to the embedding reads one copy.
@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.norm import rms_norm
-from kernels.quant_linear import (BLOCK, BLOCK_BYTES, DEQUANTIZE_ROWS, TYPE_NAMES, dequantize, dequantize_ref, quant_linear,
+from mooncake_kernels.norm import rms_norm
+from mooncake_kernels.quant_linear import (BLOCK, BLOCK_BYTES, DEQUANTIZE_ROWS, TYPE_NAMES, dequantize, dequantize_ref, quant_linear,
                                   quant_linear_fused, to_planar)
 
 
 class QuantizedWeight:
     """``rows`` × ``cols`` values given as a file's ``blocks`` (uint8 [rows, cols / 32 * block
     bytes]) of one GGML type and held as the same bytes row-planar (``blocks``: each row's
-    scales, minimums, then quants; ``kernels.quant_linear.to_planar``), the kernels' layout;
+    scales, minimums, then quants; ``mooncake_kernels.quant_linear.to_planar``), the kernels' layout;
     rows may be reordered and stacked without dequantizing."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, cols: int):
@@ -92,7 +92,7 @@ class QuantizedWeight:
     def fused(self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """``rms_norm(x) @ Wᵀ + residual`` (each where given), the norm and the sum folded into the
-        product (``kernels.quant_linear.quant_linear_fused``)."""
+        product (``mooncake_kernels.quant_linear.quant_linear_fused``)."""
         if self._wide(x):
             out = self._dense_product(x if norm is None else rms_norm(x, *norm))
             return out if residual is None else out.add_(residual)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
-from kernels.quant_linear import float_activations
+from mooncake_kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
+from mooncake_kernels.quant_linear import float_activations
 from mooncake_lite.model.grammar import Grammars
 from mooncake_lite.model.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
@@ -154,7 +154,7 @@ class LayerwisePass:
     def __init__(self, runner: ModelRunner, block_table: Sequence[int], start_pos: int, *,
                  token_ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None, exact: bool = False):
         """``exact``: float activations in every product where a compact (GGUF) model would round
-        them to int8 (``kernels.quant_linear.float_activations``): a request reporting logprobs."""
+        them to int8 (``mooncake_kernels.quant_linear.float_activations``): a request reporting logprobs."""
         model = runner.model
         if (token_ids is None) == (hidden is None):
             raise ValueError("pass exactly one of token_ids or hidden")

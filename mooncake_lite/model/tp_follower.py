@@ -9,7 +9,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kernels.quant_linear import float_activations
+from mooncake_kernels.quant_linear import float_activations
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.tensor_parallel import TPLayout
 from mooncake_lite.model.tp_comms import TPComms

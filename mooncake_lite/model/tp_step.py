@@ -43,7 +43,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from kernels.quant_linear import float_activations_on
+from mooncake_kernels.quant_linear import float_activations_on
 from mooncake_lite.common.tp_split import kv_head_range, writes_kv
 from mooncake_lite.model.llama import AttentionMetadata, Transformer
 from mooncake_lite.model.runner import ModelRunner

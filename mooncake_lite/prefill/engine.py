@@ -11,7 +11,7 @@ For each request (a :class:`StageJob`) the stage:
   background.
 
 Model compute runs in a one-thread executor; the loop only moves bytes and tracks state. KV
-leaves the device through a :class:`~kernels.copies.Copier`: on CUDA each layer's copy runs on
+leaves the device through a :class:`~mooncake_kernels.copies.Copier`: on CUDA each layer's copy runs on
 its own stream into a pooled pinned buffer and is awaited off the loop, so layer i's copy
 overlaps layer i+1's compute instead of a blocking ``.cpu()`` per layer (on the CPU it passes
 the tensors through).
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.copies import Copier, Staged
-from kernels.device import sync
+from mooncake_kernels.copies import Copier, Staged
+from mooncake_kernels.device import sync
 from mooncake_lite.common import tracing
 from mooncake_lite.common.host import steal_seconds, thread_seconds
 from mooncake_lite.instance.colocation import TIMELINE_LEN

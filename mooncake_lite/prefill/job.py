@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.copies import Staged
+from mooncake_kernels.copies import Staged
 from mooncake_lite.model.runner import LayerwisePass
 from mooncake_lite.prefill.kv_sender import KVSender
 

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from kernels.copies import Staged
+from mooncake_kernels.copies import Staged
 from mooncake_lite.common.tracing import add_to_meta
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.transfer.client import FrameClient, NoAnswer

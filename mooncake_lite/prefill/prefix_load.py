@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kernels.copies import Staged
+from mooncake_kernels.copies import Staged
 from mooncake_lite.common import tracing
 from mooncake_lite.model.runner import LayerwisePass
 from mooncake_lite.prefill.job import PrefillAborted, StageJob, send_frame

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.kv_codec import decode_heads, encode_heads
+from mooncake_kernels.kv_codec import decode_heads, encode_heads
 
 
 class PrefixStore(Protocol):

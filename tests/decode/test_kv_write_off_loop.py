@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import gather_tokens
+from mooncake_kernels import gather_tokens
 from mooncake_lite.common.protocol import GenerateRequest, Sampling
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine

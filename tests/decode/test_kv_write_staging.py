@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels.copies import Copier
+from mooncake_kernels.copies import Copier
 from mooncake_lite.decode.batcher import DecodeBatcher
 from mooncake_lite.decode.engine import DecodeEngine
 from mooncake_lite.model.runner import ModelRunner

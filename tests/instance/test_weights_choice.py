@@ -36,5 +36,5 @@ def test_where_blocks_cannot_compute_the_instance_says_it_serves_the_dequantized
     caplog.set_level(logging.INFO, "mooncake_lite.instance.runner")
     assert served_weights(PrefillConfig(dtype="bfloat16")) == "dequantize"
     assert "weights dequantize (a GGUF's blocks compute only on a CPU in float32" in caplog.text
-    from kernels.quant_build import library
+    from mooncake_kernels.quant_build import library
     assert served_weights(DecodeConfig(dtype="float32")) == ("quantized" if library() is not None else "dequantize")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention
+from mooncake_kernels import paged_decode_attention, paged_prefill_attention
 
 BS, KVH, HD = 4, 2, 16
 ATOL = 1e-5  # float32; the loop and SDPA differ only in summation order

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from kernels.copies import Copier, StagingPool
+from mooncake_kernels.copies import Copier, StagingPool
 from tests.kernels.fake_stream import FakeBackend
 
 

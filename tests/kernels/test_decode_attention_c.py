@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import paged_decode_attention, paged_decode_attention_c, paged_decode_attention_ref
-from kernels.quant_build import build, library
+from mooncake_kernels.attention import paged_decode_attention, paged_decode_attention_c, paged_decode_attention_ref
+from mooncake_kernels.quant_build import build, library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the reference serves")
 
@@ -50,7 +50,7 @@ def test_the_avx2_and_portable_builds_match_the_reference(monkeypatch, march, di
     lib = build(march)
     if lib is None:
         pytest.skip(f"the compiler cannot target {march} here")
-    monkeypatch.setattr("kernels.quant_build.library", lambda: lib)
+    monkeypatch.setattr("mooncake_kernels.quant_build.library", lambda: lib)
     case = attention_case(9, 3, [5, 40, 17, 300], dim)
     torch.testing.assert_close(paged_decode_attention_c(*case), paged_decode_attention_ref(*case),
                                atol=1e-5, rtol=1e-5)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import decode_layers as c_layers
-from kernels.quant_linear import Q4_0, Q4_1, Q8_0, float_activations
+from mooncake_kernels import decode_layers as c_layers
+from mooncake_kernels.quant_linear import Q4_0, Q4_1, Q8_0, float_activations
 from mooncake_lite.model import llama
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.gguf_loader import install_compact

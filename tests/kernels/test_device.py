@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.device import peaks_for_name, sync
+from mooncake_kernels.device import peaks_for_name, sync
 
 
 @pytest.mark.parametrize("reported, entry", [

@@ -1,4 +1,4 @@
-"""``kernels.quant_linear.float_activations`` (issue #32: the forwards of a request reporting
+"""``mooncake_kernels.quant_linear.float_activations`` (issue #32: the forwards of a request reporting
 logprobs): within it, this thread's block products take the float path where int8 activations
 would run, bit for bit what ``MOONCAKE_QUANT_ACTIVATIONS=float`` computes; outside it, and in
 another thread meanwhile, they stay on the int8 path."""
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kernels.quant_linear import ACTIVATIONS_ENV, Q4_1, float_activations, quant_linear
+from mooncake_kernels.quant_linear import ACTIVATIONS_ENV, Q4_1, float_activations, quant_linear
 from tests.kernels.test_quant_linear import needs_int8, quantized
 
 

@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
-from kernels.dispatch import fast_module
+from mooncake_kernels import gather_tokens, pack_blocks, scatter_tokens, unpack_blocks
+from mooncake_kernels.dispatch import fast_module
 from mooncake_lite.model.args import ModelArgs
 from mooncake_lite.model.kv_cache import PagedKVCache, slot_mapping
 

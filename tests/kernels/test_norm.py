@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.norm import rms_norm
-from kernels.quant_build import library
+from mooncake_kernels.norm import rms_norm
+from mooncake_kernels.quant_build import library
 
 
 @pytest.mark.skipif(library() is None, reason="no C compiler: F.rms_norm serves")

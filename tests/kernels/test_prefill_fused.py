@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-import kernels.attention as attention
-from kernels.attention import paged_prefill_attention, paged_prefill_attention_fused, paged_prefill_attention_ref
+import mooncake_kernels.attention as attention
+from mooncake_kernels.attention import paged_prefill_attention, paged_prefill_attention_fused, paged_prefill_attention_ref
 
 BS, HD = 4, 16
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quant_build import MARCH_ENV, build, library
-from kernels.quant_linear import (ACTIVATIONS_ENV, BLOCK, DEQUANTIZE_ROWS, NO_INT8_PATH, Q4_0, Q4_1, Q8_0, dequantize,
+from mooncake_kernels.quant_build import MARCH_ENV, build, library
+from mooncake_kernels.quant_linear import (ACTIVATIONS_ENV, BLOCK, DEQUANTIZE_ROWS, NO_INT8_PATH, Q4_0, Q4_1, Q8_0, dequantize,
                                   dequantize_ref, quant_linear, quant_linear_i8_ref, quant_linear_ref, to_planar)
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -181,7 +181,7 @@ def test_ref_mode_and_other_dtypes_take_the_reference(monkeypatch):
 def test_prefill_sized_products_run_tile_by_tile(monkeypatch):
     """More than DEQUANTIZE_ROWS rows: W dequantized 16 rows at a time here (a ragged last tile),
     each tile's product with its slice of the bias."""
-    import kernels.quant_linear as ql
+    import mooncake_kernels.quant_linear as ql
     monkeypatch.setattr(ql, "TILE_BYTES", 4 * 128 * 16)
     blocks, values = quantized(Q4_1, 67, 128)
     x, bias = torch.randn(DEQUANTIZE_ROWS + 9, 128), torch.randn(67)
@@ -194,8 +194,8 @@ def test_a_norm_and_a_residual_folded_into_the_product_equal_them_apart(monkeypa
     """``quant_linear_fused``: one C call on the integer path (the norm by rms_norm.c's own row
     function; a product may still differ in float32 rounding), torch's operators on the float
     path; x may be a view's columns (a split's first half)."""
-    from kernels.norm import rms_norm
-    from kernels.quant_linear import quant_linear_fused
+    from mooncake_kernels.norm import rms_norm
+    from mooncake_kernels.quant_linear import quant_linear_fused
     if not int8:
         monkeypatch.setenv(ACTIVATIONS_ENV, "float")
     elif not has_int8_path():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant_build import library
-from kernels.rope_kv import rope_kv_write
+from mooncake_kernels.quant_build import library
+from mooncake_kernels.rope_kv import rope_kv_write
 from mooncake_lite.model.llama import apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the kernel did not build")

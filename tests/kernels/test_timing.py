@@ -3,7 +3,7 @@
 
 import torch
 
-from kernels import timing
+from mooncake_kernels import timing
 
 
 class FakeStream:
@@ -15,7 +15,7 @@ class FakeStream:
 
 
 def fake_cuda(monkeypatch) -> list:
-    """A CUDA device that is only a log: ``kernels.device.sync`` reaches its stream's synchronize."""
+    """A CUDA device that is only a log: ``mooncake_kernels.device.sync`` reaches its stream's synchronize."""
     log = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(log))

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from kernels.attention import paged_decode_attention_ref
-from kernels.kv_pack import gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
+from mooncake_kernels.attention import paged_decode_attention_ref
+from mooncake_kernels.kv_pack import gather_tokens_ref, pack_blocks_ref, scatter_tokens_ref, unpack_blocks_ref
 
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu), "interpret"]
 
@@ -31,7 +31,7 @@ def randn(*shape, dtype, device, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 10, 4, 2, 8), (2, 7, 16, 8, 128), (1, 5, 3, 1, 80)])
 def test_pack_unpack(device, dtype, shape):
-    from kernels.triton_kv_pack import pack_blocks_triton, unpack_blocks_triton
+    from mooncake_kernels.triton_kv_pack import pack_blocks_triton, unpack_blocks_triton
 
     layers, blocks, bs, kvh, hd = shape
     kv = randn(layers, 2, blocks, bs, kvh, hd, dtype=dtype, device=device, seed=blocks)
@@ -54,7 +54,7 @@ def test_pack_unpack(device, dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_scatter(device, dtype):
-    from kernels.triton_kv_pack import gather_tokens_triton, scatter_tokens_triton
+    from mooncake_kernels.triton_kv_pack import gather_tokens_triton, scatter_tokens_triton
 
     kv = randn(3, 2, 9, 16, 4, 64, dtype=dtype, device=device, seed=4)
     slots = torch.tensor([0, 17, 143, 5, 64, 63], device=device)
@@ -68,7 +68,7 @@ def test_gather_scatter(device, dtype):
 
 
 def test_bad_ids_raise_instead_of_touching_memory(device):
-    from kernels.triton_kv_pack import gather_tokens_triton, pack_blocks_triton
+    from mooncake_kernels.triton_kv_pack import gather_tokens_triton, pack_blocks_triton
 
     kv = torch.zeros(2, 2, 4, 4, 1, 8, device=device)
     with pytest.raises(IndexError):
@@ -81,7 +81,7 @@ def test_bad_ids_raise_instead_of_touching_memory(device):
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
     (4, 4, 64, 16), (8, 2, 128, 16), (32, 8, 128, 32), (6, 3, 80, 8), (4, 1, 64, 1)])
 def test_paged_decode_attention(device, dtype, atol, heads, kv_heads, head_dim, block_size):
-    from kernels.triton_attention import paged_decode_attention_triton
+    from mooncake_kernels.triton_attention import paged_decode_attention_triton
 
     num_blocks = 64
     lens = [1, block_size, block_size + 1, 5 * block_size - 1, 300 if block_size > 1 else 37]
@@ -103,7 +103,7 @@ def test_paged_decode_attention(device, dtype, atol, heads, kv_heads, head_dim, 
 
 def test_decode_attention_on_a_paged_cache_view(device):
     """The model passes per-layer views of one big cache tensor, not standalone tensors."""
-    from kernels.triton_attention import paged_decode_attention_triton
+    from mooncake_kernels.triton_attention import paged_decode_attention_triton
 
     kv = randn(3, 2, 12, 8, 2, 64, dtype=torch.float32, device=device, seed=10)
     k, v = kv[1, 0], kv[1, 1]
@@ -116,8 +116,8 @@ def test_decode_attention_on_a_paged_cache_view(device):
 
 def test_model_decode_through_triton_matches_reference(device, monkeypatch):
     """The tiny model's paged decode with the Triton kernels chosen gives the reference tokens."""
-    import kernels.attention
-    from kernels.dispatch import _import, fast_module
+    import mooncake_kernels.attention
+    from mooncake_kernels.dispatch import _import, fast_module
     from mooncake_lite.model.generate import generate, reference_greedy
     from mooncake_lite.model.runner import ModelRunner
     from mooncake_lite.model.sampling import SamplingParams
@@ -126,7 +126,7 @@ def test_model_decode_through_triton_matches_reference(device, monkeypatch):
     if device == "cuda":
         assert fast_module("triton_attention", torch.zeros(1, device="cuda")) is not None
     else:  # interpreter on CPU: force the dispatcher to pick the Triton module anyway
-        monkeypatch.setattr(kernels.attention, "fast_module", lambda name, *t: _import(name))
+        monkeypatch.setattr(mooncake_kernels.attention, "fast_module", lambda name, *t: _import(name))
     model = build_model("tiny", device=device, seed=1)
     prompt = list(range(40, 61))
     runner = ModelRunner(model, num_blocks=16, block_size=8)

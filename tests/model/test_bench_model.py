@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from kernels.quant_build import library
+from mooncake_kernels.quant_build import library
 from mooncake_lite.bench.model import cli as bench_model
 from mooncake_lite.bench.model import roofs, sources
 from mooncake_lite.bench.model.cli import main, parse_args

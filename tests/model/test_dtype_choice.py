@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kernels import quant_build
+from mooncake_kernels import quant_build
 from mooncake_lite.decode.config import Config
 from mooncake_lite.model.args import default_dtype, dtype_choice
 

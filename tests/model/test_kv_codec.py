@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.kv_codec import (KVCodec, codec_for, decode_layers, dequantize, encode_layers,
+from mooncake_kernels.kv_codec import (KVCodec, codec_for, decode_layers, dequantize, encode_layers,
                               encoded_layer_bytes, fp8_supported, quantize, round_trip)
 
 CODECS = ["int8"] + (["fp8"] if fp8_supported() else [])

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.kv_codec import KVCodec, encoded_layer_bytes, round_trip
-from kernels.kv_pack import pack_blocks
+from mooncake_kernels.kv_codec import KVCodec, encoded_layer_bytes, round_trip
+from mooncake_kernels.kv_pack import pack_blocks
 from mooncake_lite.model.family_args import MLAArgs
 from mooncake_lite.model.kv_codec import compressed_prefix_run, model_codec
 from mooncake_lite.model.runner import ModelRunner

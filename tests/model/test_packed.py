@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.attention as attention
+import mooncake_kernels.attention as attention
 from mooncake_lite.model.linear import SKINNY_ROWS
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model

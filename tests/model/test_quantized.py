@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_layers import LAYERS_ENV
-from kernels.quant_build import library
+from mooncake_kernels.decode_layers import LAYERS_ENV
+from mooncake_kernels.quant_build import library
 from mooncake_lite.model.gguf_file import compact_weight_bytes, read_meta
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.quantized import QuantizedEmbedding, QuantizedWeight

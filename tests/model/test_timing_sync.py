@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import timing
+from mooncake_kernels import timing
 from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.model import cli as bench_model
 from mooncake_lite.bench.model import measure as bench_measure

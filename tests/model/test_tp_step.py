@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import orjson
 import torch
 
-from kernels.quant_linear import float_activations, float_activations_on
+from mooncake_kernels.quant_linear import float_activations, float_activations_on
 
 from mooncake_lite.model.generate import generate
 from mooncake_lite.model.runner import LayerwisePass, ModelRunner
@@ -91,7 +91,7 @@ class _Wire:
 
 
 def test_a_step_within_float_activations_runs_so_on_every_rank():
-    """A request reporting logprobs keeps float activations (kernels.quant_linear): rank 0 says
+    """A request reporting logprobs keeps float activations (mooncake_kernels.quant_linear): rank 0 says
     so in each step's header, and a follower runs that step within float_activations too."""
     leader = TPLeader(_Wire(), None)
     with float_activations():

@@ -110,7 +110,7 @@ async def test_under_kv_compression_the_written_back_blocks_are_encoded_as_the_p
     """--kv-compression int8: the decode encodes the blocks it writes back with the prefill's codec,
     so the continuation loads them through the prefill's decoding like any prefix: 5 blocks
     reused, and its token after the seam is the uninterrupted run's."""
-    from kernels.kv_codec import KVCodec, encoded_layer_bytes
+    from mooncake_kernels.kv_codec import KVCodec, encoded_layer_bytes
     from mooncake_lite.common.protocol import GenerateRequest, PrefillRequest
     from mooncake_lite.decode.writeback import GeneratedBlocks
     from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import torch
 
-from kernels.kv_codec import KVCodec, decode_layers, encoded_layer_bytes
+from mooncake_kernels.kv_codec import KVCodec, decode_layers, encoded_layer_bytes
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.model.generate import reference_greedy
 from mooncake_lite.model.kv_cache import blocks_needed
@@ -136,7 +136,7 @@ def test_the_bench_reports_agreement_bytes_and_capacity(capsys):
 
 
 async def test_compressed_store_keeps_encoded_blocks_and_loads_any_layer_range_decoded():
-    from kernels.kv_codec import round_trip
+    from mooncake_kernels.kv_codec import round_trip
     from mooncake_lite.prefill.store_io import CompressedStore, MemoryStore
     shape = (BS, KV_HEADS, HEAD_DIM)
     inner = MemoryStore((0, LAYERS), encoded_layer_bytes(*shape))

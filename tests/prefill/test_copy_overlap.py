@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels.copies import Copier
+from mooncake_kernels.copies import Copier
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import gather_tokens, unpack_blocks
+from mooncake_kernels import gather_tokens, unpack_blocks
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.model.weights import build_model

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import pack_blocks
+from mooncake_kernels import pack_blocks
 from mooncake_lite.common.hashing import prefix_hash
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.model.runner import ModelRunner

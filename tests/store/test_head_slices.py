@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from kernels.kv_codec import encode_heads, encoded_head_bytes, fp8_supported
+from mooncake_kernels.kv_codec import encode_heads, encoded_head_bytes, fp8_supported
 from mooncake_lite.common.hashing import KEY_BYTES
 from mooncake_lite.store.client import RemoteError, StoreClient
 from mooncake_lite.store.protocol import Op
@@ -51,7 +51,7 @@ def _bytes(kv: torch.Tensor, encoding: str) -> bytes:
     """What a rank holding exactly ``kv``'s heads writes: plain in the model dtype, or encoded by
     itself, with the scales of its own heads only."""
     if encoding in ("int8", "fp8"):
-        from kernels.kv_codec import KVCodec
+        from mooncake_kernels.kv_codec import KVCodec
         return encode_heads(kv, KVCodec(encoding)).numpy().tobytes()
     return kv.to(getattr(torch, encoding)).contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -133,7 +133,7 @@ async def test_a_layout_the_store_does_not_keep_is_refused_naming_it(store):
 async def test_prefill_store_adapters_of_tp_ranks_write_and_read_at_other_degrees(store):
     """RemoteStore as a TP rank's (its layout and heads): two TP=2 ranks write back a block
     through the int8 CompressedStore, a TP=3 rank loads its heads of one layer, decoded."""
-    from kernels.kv_codec import KVCodec, decode_heads
+    from mooncake_kernels.kv_codec import KVCodec, decode_heads
     from mooncake_lite.prefill.remote_store import RemoteStore
     from mooncake_lite.prefill.store_io import CompressedStore
     layout, kv, key = _layout("int8"), _kv(4), _keys("adapter")[:1]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.timing import best_seconds
+from mooncake_kernels.timing import best_seconds
 
 
 def measure(device: str, block_bytes: int, num_blocks: int, repeats: int = 5) -> dict:

@@ -16,8 +16,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kernels.device import gpu_peaks
-from kernels.timing import best_seconds
+from mooncake_kernels.device import gpu_peaks
+from mooncake_kernels.timing import best_seconds
 from mooncake_lite.bench.model.flops import weight_bytes
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.cuda_graphs import DecodeGraphs, graph_buckets

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.device import GPUPeaks, gpu_peaks
-from kernels.timing import best_seconds
+from mooncake_kernels.device import GPUPeaks, gpu_peaks
+from mooncake_kernels.timing import best_seconds
 
 
 def link_gbps(device: torch.device, num_bytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kernels.kv_codec import codec_for, encoded_layer_bytes, fp8_supported
+from mooncake_kernels.kv_codec import codec_for, encoded_layer_bytes, fp8_supported
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import emit
 from mooncake_lite.model.args import DTYPES

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kernels.timing import best_seconds, run_times, timed
+from mooncake_kernels.timing import best_seconds, run_times, timed
 from mooncake_lite.bench.model import gpu_roofs
 from mooncake_lite.bench.model.flops import (decode_flops, held_weight_bytes, matmul_weights, weight_bytes,
                                              prefill_flops)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.timing import run_times
+from mooncake_kernels.timing import run_times
 from mooncake_lite.bench.options import Options, build_parser, flag, freeze
 from mooncake_lite.bench.report import run_and_emit
 from mooncake_lite.model.args import PRESETS, ModelArgs, dtype_bytes

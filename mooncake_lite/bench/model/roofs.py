@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.timing import best_seconds
+from mooncake_kernels.timing import best_seconds
 from mooncake_lite.model.linear import linear, pack_weight
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from kernels.timing import run_times
+from mooncake_kernels.timing import run_times
 from mooncake_lite.model.args import DTYPES
 from mooncake_lite.model.kv_cache import blocks_needed
 from mooncake_lite.model.runner import ModelRunner

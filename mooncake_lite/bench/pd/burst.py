@@ -12,13 +12,13 @@ import aiohttp
 import torch
 import torch.nn.functional as F
 
-from kernels.timing import timed
+from mooncake_kernels.timing import timed
 from mooncake_lite.bench.options import Options
 from mooncake_lite.bench.pd.roles import BLOCK, announce
 from mooncake_lite.common.launch import RoleProcess
 from mooncake_lite.common.protocol import PrefillRequest, Sampling
 from mooncake_lite.instance.profile import profile_prefill
-from kernels import packed_prefill_attention
+from mooncake_kernels import packed_prefill_attention
 from mooncake_lite.model.runner import ModelRunner
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import DecodeLinks

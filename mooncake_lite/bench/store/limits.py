@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from kernels.timing import best_seconds
+from mooncake_kernels.timing import best_seconds
 from mooncake_lite.transfer.shm import aligned_buffer, copy
 
 MEMCPY_PASSES = 5
