@@ -39,12 +39,7 @@ a burst's first forward, the decode idle, ran 0.7x the shown model with the deco
 (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0`` once a job
 (:meth:`Corrections.prefill_offset`, :func:`~mooncake_lite.scheduler.costs.scaled`); a state not yet observed borrows the
 other's, except where the prefill measured its busy state at start-up (:meth:`Corrections.seed_states`).
-An instance never observed has factor 1 and offset 0 exactly (its busy state: that measure). The
-two states run on one machine: the state observed more, once its window is full, carries the
-machine's drift to the other (each of its steps moves the other's factor alike and takes the
-other's measurements as that much slower); the other's own requests move only itself, its ratio
-to the leader. Idle forwards, 9-20 a Zen 3 run, otherwise lagged the hour: a median 1.05-1.35x
-their price while the busy ones held 1.00-1.07 (docs/results/2026-12-01-zen3-admission.md §20).
+An instance never observed has factor 1 and offset 0 exactly (its busy state: that measure).
 
 The queue of an instance serving shortest first is priced with an allowance for the later, shorter
 arrivals that may still pass a job (``queue_order.overtake_allowance``: ``bound`` × its own prefill,
@@ -170,17 +165,8 @@ class Corrections:
         line, scale = moved_line(cur.lines.get(term, ForwardLine(cur.offset(was))), x, y, cfg.line_window,
                                  cfg.line_min, cfg.alpha)
         new = step(start, y / (x + line.offset) if scale is None else scale, cfg)
-        factors, lines = {**cur.factors, term: new}, {**cur.lines, term: line}
-        other = STATES[1 - STATES.index(term)]
-        follower = cur.factors.get(other)
-        # the drift the other follows: from the state observed more, once its window is full (its
-        # first steps learn its own line against the other's, which is no drift of the machine)
-        if follower is not None and 0 < follower.num_observed < new.num_observed and new.num_observed > cfg.line_window:
-            bound, shift = math.log(cfg.max_factor), new.log - start.log
-            factors[other] = Factor(min(bound, max(-bound, follower.log + shift)), follower.num_observed)
-            if other in lines:
-                lines[other] = lines[other].slowed(math.exp(shift))
-        self._by_instance[instance_id] = replace(cur, factors=factors, lines=lines)
+        self._by_instance[instance_id] = replace(cur, factors={**cur.factors, term: new},
+                                                 lines={**cur.lines, term: line})
 
     def seed_states(self, instance_id: str, busy_scale: float) -> None:
         """A prefill's node states before either was observed: idle as its model, busy ``busy_scale``

@@ -46,11 +46,6 @@ class ForwardLine:
         ``x`` and the offset, are that many times what they were."""
         return ForwardLine(self.offset * factor, tuple((x * factor, y) for x, y in self.pairs))
 
-    def slowed(self, factor: float) -> "ForwardLine":
-        """The machine ran ``factor`` times slower since its pairs were measured (the other state's
-        drift, ``Corrections._observe_state``): each measurement taken as that much longer."""
-        return ForwardLine(self.offset, tuple((x, y * factor) for x, y in self.pairs))
-
 
 def fit_line(pairs: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     """``(scale, offset)`` of ``measured ≈ scale · (x + offset)`` over ``pairs``, least squares in

@@ -333,31 +333,3 @@ def test_a_prefill_s_busy_state_starts_at_its_measured_scale_until_observed():
         assert "interference" not in c.get("q").factors
     c.seed_states("r", 1e6)                             # clamped to the factors' bound
     assert c.prefill_scale("r", busy=True) == pytest.approx(CorrectionConfig().max_factor)
-
-
-def test_the_rarer_state_follows_the_drift_the_commoner_one_measures():
-    """A prefill's two states run on one machine: when it slows, the state observed more (busy,
-    under load) sees it first, and the rarer one (idle: a burst's first forward) is moved by the
-    same step, its line's measurements taken as that much slower, so its next forward is priced
-    on the machine's speed now, not the hour its few requests came from; its own requests still
-    set its ratio to the other, and they move only itself. A state never observed stays at its
-    seed or borrows, as before; nor does a state that has not filled its window lead (its first
-    steps learn its own line against the other's, no drift of the machine)."""
-    c = Corrections()
-    c.seed_states("p", 1.5)
-    for x in (0.2, 0.4, 0.8):                       # each state observed: idle at its model, busy at its seed
-        c.observe("p", "compute", x, x)
-    for x in (0.2, 0.4, 0.8, 1.6) * 7:               # past its window: its own line learned
-        c.observe("p", "interference", x, 1.5 * x)
-    idle, busy = c.prefill_scale("p", busy=False), c.prefill_scale("p", busy=True)
-    assert idle == pytest.approx(1.0, rel=0.02) and busy == pytest.approx(1.5, rel=0.02)
-    for _ in range(12):                              # the machine 1.3x slower: busy forwards say so
-        for x in (0.2, 0.4, 0.8, 1.6):
-            c.observe("p", "interference", x, 1.3 * 1.5 * x)
-    assert c.prefill_scale("p", busy=True) == pytest.approx(1.95, rel=0.03)
-    assert c.prefill_scale("p", busy=False) == pytest.approx(1.3, rel=0.03)   # never observed meanwhile
-    line = c.get("p").lines["compute"]
-    assert [y / x for x, y in line.pairs] == pytest.approx([c.prefill_scale("p", busy=False)] * 3, rel=0.03)
-    was = c.prefill_scale("p", busy=True)
-    c.observe("p", "compute", 0.4, 0.4)              # the rarer state's own request moves only itself
-    assert c.prefill_scale("p", busy=False) < 1.3 and c.prefill_scale("p", busy=True) == was
