@@ -218,9 +218,10 @@ class MooncakeSim(TraceDriver):
             self._colocate(now)
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
-        duration = self._prefill_seconds(p, req)
+        busy = self._node_busy()
+        duration = self._prefill_seconds(p, req, busy)
         if p.pack_tokens:
-            duration = self._pack(now, p, req, duration)
+            duration = self._pack(now, p, req, duration, busy)
         if self.hw.decode_kv_write_s_per_token and duration > 0:   # KV written in the decodes as it streams
             self._writes[p.instance_id] = write_charges(now, p, duration, self.decode_by_id,
                                                         self.hw.decode_kv_write_s_per_token)
@@ -228,19 +229,26 @@ class MooncakeSim(TraceDriver):
         self.events.push(now + duration, self._prefill_done, p)
         uncached = uncached_tokens(req.input_length, req.reused_tokens)
         if not p.packed and uncached > p.chunk:   # run alone chunk by chunk: its end is reported
-            first = p.true_seconds(req.reused_tokens + p.chunk, req.reused_tokens)
+            first = p.true_seconds(req.reused_tokens + p.chunk, req.reused_tokens, busy)
             self.events.push(now + min(first, duration), p.report_end, (req, now + duration))
 
-    def _prefill_seconds(self, p: PrefillNode, req: SimRequest) -> float:
-        """Sets the prefix ``req`` reuses from the node's store; its true time alone."""
+    def _node_busy(self) -> bool:
+        """The node's state as a forward starts (its speed, ``Hardware.prefill_busy``): busy while a
+        decode computes beside it (one box: any decode). The live conductor also prices a job queued
+        behind another as busy: by its start the decodes of those ahead run, which this sees then."""
+        return self.hw.prefill_busy is not None and any(d.is_decoding() for d in self.decodes)
+
+    def _prefill_seconds(self, p: PrefillNode, req: SimRequest, busy: bool = False) -> float:
+        """Sets the prefix ``req`` reuses from the node's store; its true time alone, started
+        with the node ``busy`` or idle."""
         hits, on_ssd = p.cache.prefix(req.keys)
         req.reused_tokens = min(hits * self.block_size, req.input_length - 1)
-        duration = p.true_seconds(req.input_length, req.reused_tokens)
+        duration = p.true_seconds(req.input_length, req.reused_tokens, busy)
         if on_ssd:  # the prefix load may outlast the compute it is overlapped with
             duration = max(duration, self.hw.prefix_load_seconds(req.reused_tokens, on_ssd * self.block_size))
         return duration
 
-    def _pack(self, now: float, p: PrefillNode, head: SimRequest, head_s: float) -> float:
+    def _pack(self, now: float, p: PrefillNode, head: SimRequest, head_s: float, busy: bool = False) -> float:
         """Prefill batching as the live instance does it (``scheduler.costs.pack_sizes``): the
         ready requests behind the head join its forward while their uncached tokens fit, under
         every member's cap; the forward takes ``packed_seconds`` of their times alone."""
@@ -258,9 +266,9 @@ class MooncakeSim(TraceDriver):
             if pack_sizes(uncached + [n], limit, caps)[0] <= len(uncached):
                 break
             p.begin_packed(now)
-            alone.append(self._prefill_seconds(p, nxt))
+            alone.append(self._prefill_seconds(p, nxt, busy))
             uncached.append(n)
-        return packed_seconds(alone, self.hw.prefill.c0)
+        return packed_seconds(alone, self.hw.in_state(busy).prefill.c0)
 
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)

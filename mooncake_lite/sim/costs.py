@@ -38,6 +38,7 @@ MEASURED_PREFILL_S = {512: 0.094, 2048: 0.274, 8192: 1.544}  # 8×A100 TP8, batc
 # A profile's store keys (Hardware fields, written by to_dict when set); a count past the bound
 # (~8 PB of 786 KB slots) is a corrupt file, not a store.
 STORE_KEYS = ("store_blocks_per_node", "ssd_blocks_per_node", "store_block_tokens", "eviction")
+STATE_KEYS = ("prefill_idle", "prefill_busy")   # a prefill's true speed by node state: both or neither
 MAX_STORE_BLOCKS = 10**10
 
 
@@ -86,6 +87,12 @@ class Hardware:
     ssd_blocks_per_node: int | None = None
     store_block_tokens: int | None = None
     eviction: str | None = None
+    # A prefill's true speed by its node's state at a forward's start, as a live cluster measured
+    # each (conductor/cost_export.py: the live conductor's idle and busy corrections): busy when a
+    # job is queued behind it or a decode has requests, idle otherwise. None: every forward runs at
+    # ``prefill``, which stays the model the simulated conductor prices with.
+    prefill_idle: PrefillCostModel | None = None
+    prefill_busy: PrefillCostModel | None = None
 
     def block_bytes(self) -> int:
         """Bytes of one block as the store keeps (and moves) it."""
@@ -121,7 +128,15 @@ class Hardware:
         the live prefill does (its --prefill-chunk), its prefill model fitted per chunk as the live
         refiner fits it; every prefill time here and the scheduler's price of it then sum the chunks
         (``PrefillCostModel.with_chunk``; 0: one pass, as the paper presets' whole-prompt fits)."""
-        return replace(self, prefill=self.prefill.with_chunk(chunk))
+        return replace(self, prefill=self.prefill.with_chunk(chunk),
+                       prefill_idle=self.prefill_idle and self.prefill_idle.with_chunk(chunk),
+                       prefill_busy=self.prefill_busy and self.prefill_busy.with_chunk(chunk))
+
+    def in_state(self, busy: bool) -> Hardware:
+        """This hardware with its prefill's true speed in one node state (``prefill_idle``,
+        ``prefill_busy``); itself where the profile has no states."""
+        model = self.prefill_busy if busy else self.prefill_idle
+        return self if model is None else replace(self, prefill=model, prefill_idle=None, prefill_busy=None)
 
     def with_kv_compression(self, codec: str, dtype_bytes: int = 2, head_dim: int = 128) -> Hardware:
         """This hardware with store blocks encoded by ``codec`` (kernels/kv_codec.py: 1-byte codes
@@ -148,7 +163,8 @@ class Hardware:
                    if self.decode_padding_s_per_token else {}),
                 **({"decode_kv_write_s_per_token": self.decode_kv_write_s_per_token}
                    if self.decode_kv_write_s_per_token else {}),
-                **{key: value for key in STORE_KEYS if (value := getattr(self, key)) is not None}}
+                **{key: value for key in STORE_KEYS if (value := getattr(self, key)) is not None},
+                **{key: model.to_dict() for key in STATE_KEYS if (model := getattr(self, key)) is not None}}
 
 
 def _flops(n: float) -> float:
@@ -206,7 +222,8 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
          "decode_busy_step_ratios": [0.9, .., 1.9],   # and their spread
          "decode_padding_s_per_token": 2e-6,      # attention runs a batch to its longest context
          "store_blocks_per_node": 2465, "ssd_blocks_per_node": 0,   # a live store's slots, in
-         "eviction": "lru"}                        # blocks of store_block_tokens (or block_size)
+         "eviction": "lru",                        # blocks of store_block_tokens (or block_size)
+         "prefill_idle": {..}, "prefill_busy": {..}}   # the true prefill by node state (both or neither)
     """
     try:
         data = orjson.loads(Path(path).read_bytes())
@@ -224,6 +241,11 @@ def load_profile(path: str | Path, base: Hardware | None = None) -> Hardware:
         if key in data:
             changes[key] = _step_ratios(path, key, data[key])
     changes.update(_store_capacity(path, data))
+    if any(key in data for key in STATE_KEYS):
+        if not all(isinstance(data.get(key), dict) for key in STATE_KEYS):
+            raise ValueError(f"cost profile {path}: {' and '.join(STATE_KEYS)} come together, each a "
+                             "prefill coefficient dict")
+        changes.update({key: PrefillCostModel.from_dict(data[key]) for key in STATE_KEYS})
     return replace(hw, **changes)
 
 

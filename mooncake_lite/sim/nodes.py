@@ -67,6 +67,7 @@ class PrefillNode:
         self.store_id = instance_id
         self.cache = cache
         self.hw = hw
+        self._idle_hw, self._busy_hw = hw.in_state(busy=False), hw.in_state(busy=True)   # its true speed by state
         self.group_size = group_size
         self.chunk = chunk
         self.cost = cost
@@ -87,8 +88,10 @@ class PrefillNode:
         self.link_free_at = start + num_bytes / self.hw.network_bytes_per_s
         return self.link_free_at
 
-    def true_seconds(self, num_tokens: int, prefix_tokens: int) -> float:
-        return cpp_prefill_seconds(self.hw, num_tokens, prefix_tokens, self.group_size, self.chunk)
+    def true_seconds(self, num_tokens: int, prefix_tokens: int, busy: bool = False) -> float:
+        """A forward's time, started with its node ``busy`` or idle (``Hardware.in_state``)."""
+        hw = self._busy_hw if busy else self._idle_hw
+        return cpp_prefill_seconds(hw, num_tokens, prefix_tokens, self.group_size, self.chunk)
 
     def state(self) -> PrefillInstanceState:
         """The conductor's view: the running job (with its start) and the FIFO behind it."""
@@ -175,6 +178,11 @@ class DecodeNode:
 
     def state(self) -> DecodeInstanceState:
         return self.view.state()
+
+    def is_decoding(self) -> bool:
+        """Requests running or joining at the next step (a prefill beside it computes slower,
+        ``Hardware.prefill_busy``); those whose KV is still to come are not computing yet."""
+        return bool(len(self.batch) or self.pending)
 
     def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None,
                 now: float = 0.0, kv_in_s: float | None = None) -> str | None:

@@ -14,9 +14,10 @@ import re
 import openai
 import pytest
 
+from mooncake_lite.conductor.cluster.cost_export import cluster_profile, prefill_states
 from mooncake_lite.conductor.flight.checks import Check, Prediction
 from mooncake_lite.scheduler.correction import Corrections
-from mooncake_lite.scheduler.costs import scaled
+from mooncake_lite.scheduler.costs import PrefillCostModel, scaled
 from mooncake_lite.scheduler.packing import forward_seconds
 from mooncake_lite.scheduler.queue_order import join_allowance
 from tests.conductor import fakes
@@ -393,6 +394,14 @@ async def test_a_prefill_s_busy_state_starts_where_it_measured_it(make_cluster):
     assert status == 200, body
     assert book.corrections.prefill_scale("p0", busy=True) == pytest.approx(1.8)
     assert book.corrections.prefill_scale("p0", busy=False) == 1.0
+    # the export gives the simulator both speeds, each forward's by its node's state
+    inst, costs = cluster.svc.membership.get("p0"), cluster.svc.scheduler.costs
+    profile = cluster_profile(cluster.svc.membership, costs, corrected=book.simulated_costs,
+                              in_states=book.simulated_states)
+    idle, busy = (PrefillCostModel.from_dict(profile[k]) for k in ("prefill_idle", "prefill_busy"))
+    assert busy.predict(512) == pytest.approx(1.8 * idle.predict(512))
+    assert idle.predict(512) == pytest.approx((inst.costs.prefill or costs.prefill).predict(512))
+    assert prefill_states([inst], costs, lambda i: None) == {}       # a prefill without them: neither
     await cluster.add("decode", "d0")
     p0.behaviour.timings = {"queue_s": 0.0, "compute_s": 0.1}
     await _complete(cluster, 3)                        # idle at each decision: the idle state learns

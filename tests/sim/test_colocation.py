@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from mooncake_lite.scheduler import SchedulerConfig
+from mooncake_lite.scheduler import PrefillCostModel, SchedulerConfig
 from mooncake_lite.sim.cluster import MooncakeSim
 from mooncake_lite.sim.config import SimConfig
 from mooncake_lite.sim.costs import load_profile
@@ -118,3 +118,30 @@ def test_steps_beside_a_prefill_draw_the_busy_spread_and_alone_the_idle_one():
     assert busy[0].mean_gap == pytest.approx(idle[0].mean_gap, rel=0.15)   # the slowdown keeps the level
     assert busy[0].finish == idle[0].finish                   # only the replay draws differ
     assert (busy[1].tbt, busy[1].mean_gap, busy[1].finish) == (idle[1].tbt, idle[1].mean_gap, idle[1].finish)
+
+
+def test_a_forward_runs_at_its_node_states_speed_as_it_starts():
+    # The conductor prices every forward at 1.5 ms a token; the truth is 1 ms idle, 2 ms beside a decode.
+    states = toy_hardware(prefill_per_token=1.5e-3, prefill_idle=PrefillCostModel(c1=1e-3),
+                          prefill_busy=PrefillCostModel(c1=2e-3))
+    # A prefills alone (0-0.1 s) and decodes 0.1-0.3 s; B starts at 0.15 beside A's decode; C at 5 s alone.
+    trace = [req(0, 0.0, 100, 21), req(1, 0.15, 100, 3), req(2, 5.0, 100, 3)]
+    got = run(states, trace)
+    assert [got[i].ttft for i in range(3)] == pytest.approx([0.1, 0.2, 0.1])
+    weighed = run(dataclasses.replace(states, prefill_idle=None, prefill_busy=None), trace)
+    assert [weighed[i].ttft for i in range(3)] == pytest.approx([0.15, 0.15, 0.15])
+
+
+def test_the_profile_carries_both_node_states_or_neither(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"prefill": {"c1": 0.0015}, "prefill_idle": {"c1": 0.001}, "prefill_busy": {"c1": 0.002}}')
+    hw = load_profile(path).with_prefill_chunk(512)
+    assert hw.in_state(busy=True).prefill.predict(256) == pytest.approx(0.512)
+    assert hw.in_state(busy=False).prefill.predict(256) == pytest.approx(0.256)
+    assert hw.to_dict()["prefill_busy"]["c1"] == pytest.approx(0.002)
+    path.write_text('{"prefill": {"c1": 0.0015}, "prefill_busy": {"c1": 0.002}}')
+    with pytest.raises(ValueError, match="come together"):
+        load_profile(path)
+    path.write_text('{"prefill": {"c1": 0.0015}}')
+    plain = load_profile(path)
+    assert plain.in_state(busy=True) is plain and "prefill_busy" not in plain.to_dict()

@@ -18,6 +18,7 @@ from mooncake_lite.bench.fidelity import report as fidelity_report
 from mooncake_lite.bench.fidelity import sim as fidelity_sim
 from mooncake_lite.bench.replay.metrics import RequestRecord
 from mooncake_lite.bench.replay.workload import SynthRequest
+from mooncake_lite.scheduler.costs import PrefillCostModel
 from mooncake_lite.sim.costs import load_profile
 from mooncake_lite.trace.format import TraceRequest
 
@@ -156,11 +157,13 @@ def test_ablations_take_out_one_modelled_effect_at_a_time(tmp_path):
     hw = load_profile(tmp_path / "p.json")
     assert fidelity_sim.ablations(hw) == {}
     full = dataclasses.replace(hw, decode_step_ratios=(0.9, 1.3), decode_padding_s_per_token=2e-6,
-                               decode_colocated_slowdown=1.4, decode_kv_write_s_per_token=1e-5)
+                               decode_colocated_slowdown=1.4, decode_kv_write_s_per_token=1e-5,
+                               prefill_idle=PrefillCostModel(c1=8e-4), prefill_busy=PrefillCostModel(c1=1.3e-3))
     out = fidelity_sim.ablations(full)
     assert set(out) == {"without_step_spread", "without_padded_context", "without_colocated_slowdown",
-                        "without_kv_writes", "without_any"}
+                        "without_kv_writes", "without_node_states", "without_any"}
     assert out["without_padded_context"] == dataclasses.replace(full, decode_padding_s_per_token=0.0)
+    assert out["without_node_states"] == dataclasses.replace(full, prefill_idle=None, prefill_busy=None)
     assert out["without_any"] == hw
 
 

@@ -258,7 +258,8 @@ def turns_replayed(timelines: Mapping, bound: int) -> dict[str, int]:
 
 # what the exported cost model adds to its prefill and decode fits (one-box effects), reported as is
 PROFILE_KEYS = ("decode_max_context_tokens", "decode_step_ratios", "decode_busy_step_ratios",
-                "decode_colocated_slowdown", "decode_padding_s_per_token", "decode_kv_write_s_per_token", "colocation")
+                "decode_colocated_slowdown", "decode_padding_s_per_token", "decode_kv_write_s_per_token", "colocation",
+                "prefill_idle", "prefill_busy")
 
 
 def per_request(records: Sequence, res) -> list[dict]:

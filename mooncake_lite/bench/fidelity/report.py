@@ -131,8 +131,11 @@ def report_text(report: Mapping) -> str:
                  f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
                  f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
     lines += jitter_lines(report.get("delivery_jitter_s") or ())
+    if cm.get("prefill_busy"):
+        lines.append(f"exported prefill by node state, 512 tokens: idle {_ms(_pf(cm['prefill_idle']))}, busy "
+                     f"{_ms(_pf(cm['prefill_busy']))}, weighed (the conductor's price) {_ms(_pf(cm['prefill']))}")
     for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_kv_writes",
-                 "without_any", "without_delivery_jitter"):
+                 "without_node_states", "without_any", "without_delivery_jitter"):
         rows = report.get(f"sim_{name}")
         if rows:
             lines.append(f"sim {name.replace('_', ' ')}: " + ", ".join(
@@ -200,6 +203,12 @@ def ns_of(compared: Mapping) -> int:
 
 def _ms(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _pf(model: Mapping) -> float:
+    """An exported prefill model's 512-token forward, seconds."""
+    from mooncake_lite.scheduler.costs import PrefillCostModel
+    return PrefillCostModel.from_dict(model).predict(512)
 
 
 def _num(value: float | None) -> str:

@@ -158,9 +158,11 @@ def ablations(hw) -> dict:
         out["without_colocated_slowdown"] = replace(hw, decode_colocated_slowdown=1.0)
     if hw.decode_kv_write_s_per_token:
         out["without_kv_writes"] = replace(hw, decode_kv_write_s_per_token=0.0)
+    if hw.prefill_busy is not None:   # every forward at the two states weighed, as the conductor prices
+        out["without_node_states"] = replace(hw, prefill_idle=None, prefill_busy=None)
     if len(out) > 1:   # the delivery jitter is the bench's, not the model's: run without it (cli.py)
         out["without_any"] = replace(hw, decode_step_ratios=(), decode_busy_step_ratios=(),
-                                     decode_padding_s_per_token=0.0,
+                                     decode_padding_s_per_token=0.0, prefill_idle=None, prefill_busy=None,
                                      decode_colocated_slowdown=1.0, decode_kv_write_s_per_token=0.0)
     return out
 

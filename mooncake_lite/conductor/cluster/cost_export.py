@@ -13,6 +13,9 @@ and lists every instance's own model under ``instances`` for a reader to check t
 ``network_bytes_per_s`` is the median bandwidth instances reported, else the median of the
 store pairs' speeds the conductor measured from migrations (``scheduler/links.py``), else the
 conductor's prior, and then ``network_bytes_per_s_measured`` says ``false``.
+``prefill_idle`` and ``prefill_busy``, where every prefill's correction has both node states: its
+model at each state's speed (``PredictionBook.simulated_states``), which the simulator runs a
+forward at by its node's state as it starts; ``prefill`` weighs the two and prices its conductor.
 ``decode_step_ratios``, where every live decode reports them (``step_ratio_q*`` in its load,
 ``instance/refine.py``): equal-mass quantiles of a step's measured time over its model's
 prediction, the median over the decodes quantile by quantile; the simulator draws each step's
@@ -67,7 +70,8 @@ async def cost_model(request: web.Request) -> web.Response:
     timelines = await fetch_timelines(svc.session, svc.membership, svc.cluster_token)
     book = svc.predictions
     return web.json_response(cluster_profile(svc.membership, svc.scheduler.costs, timelines,
-                                             corrected=book.simulated_costs, corrections=book.export()))
+                                             corrected=book.simulated_costs, corrections=book.export(),
+                                             in_states=book.simulated_states))
 
 
 async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership,
@@ -92,9 +96,12 @@ async def fetch_timelines(session: aiohttp.ClientSession, membership: Membership
 def cluster_profile(membership: Membership, defaults: CostModels,
                     timelines: Mapping[str, Mapping] | None = None,
                     corrected: Callable[[Instance], InstanceCosts] = lambda inst: inst.costs,
-                    corrections: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    corrections: Mapping[str, Any] | None = None,
+                    in_states: Callable[[Instance], tuple[InstanceCosts, InstanceCosts] | None] = lambda inst: None,
+                    ) -> dict[str, Any]:
     """The profile dict (module doc) of the live instances (``timelines``: their ``/v1/timeline``
-    answers by id, for the co-location split; ``corrected``: an instance's models as corrected)."""
+    answers by id, for the co-location split; ``corrected``: an instance's models as corrected;
+    ``in_states``: a prefill's, idle and busy, or None)."""
     prefills, decodes = membership.alive("prefill"), membership.alive("decode")
     prefill_models = [corrected(i).prefill or defaults.prefill for i in prefills]
     decode_models = [corrected(i).decode or defaults.decode for i in decodes]
@@ -112,6 +119,7 @@ def cluster_profile(membership: Membership, defaults: CostModels,
         "corrections": dict(corrections or {}),   # each instance's factors, by id
     }
     profile.update(store_capacity(prefills, membership.stores))
+    profile.update(prefill_states(prefills, defaults, in_states))
     if decodes:   # a decode's Register.max_context is its KV capacity in tokens
         profile["decode_max_context_tokens"] = int(median(i.reg.max_context for i in decodes))
     splits = colocation(decodes, prefills, timelines or {}, defaults)
@@ -146,6 +154,18 @@ def colocation(decodes: list[Instance], prefills: list[Instance], timelines: Map
         if split is not None:
             out[d.instance_id] = split
     return out
+
+
+def prefill_states(prefills: list[Instance], defaults: CostModels,
+                   in_states: Callable[[Instance], tuple[InstanceCosts, InstanceCosts] | None]) -> dict[str, Any]:
+    """``prefill_idle`` and ``prefill_busy``: the prefill's model in each node state (the median over
+    the prefills, as ``prefill``), where every prefill has both; else nothing."""
+    states = [in_states(i) for i in prefills]
+    if not states or any(s is None for s in states):
+        return {}
+    return {key: _median_model([(s[k].prefill or defaults.prefill) for s in states if s is not None],
+                               defaults.prefill.to_dict())
+            for k, key in enumerate(("prefill_idle", "prefill_busy"))}
 
 
 def store_capacity(prefills: list[Instance], watch: StoreWatch) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import TOO_SHORT, Corrections
+from mooncake_lite.scheduler.correction import STATES, TOO_SHORT, Corrections
 from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_bound, show_queue_scale, show_shares, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
@@ -322,6 +322,16 @@ class PredictionBook:
             c = self.corrections
             return self._scaled(inst, c.prefill_scale(inst.instance_id), c.prefill_offset(inst.instance_id))
         return inst.costs
+
+    def simulated_states(self, inst: Instance) -> tuple[InstanceCosts, InstanceCosts] | None:
+        """A prefill's model in each node state, idle and busy, corrected as :meth:`simulated_costs`
+        (which weighs the two by the share of busy requests): the simulator runs each forward at its
+        state's speed. None until both states have a factor (measured, or seeded at start-up)."""
+        c, iid = self.corrections, inst.instance_id
+        if inst.role != "prefill" or not all(t in c.get(iid).factors for t in STATES):
+            return None
+        idle, busy = ((c.prefill_scale(iid, b), c.prefill_offset(iid, b)) for b in (False, True))
+        return self._scaled(inst, *idle), self._scaled(inst, *busy)
 
     def _scaled(self, inst: Instance, scale: float, offset: float = 0.0) -> InstanceCosts:
         costs = inst.costs
