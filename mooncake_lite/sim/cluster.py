@@ -167,6 +167,7 @@ class MooncakeSim(TraceDriver):
         if self.predictor is not None:
             req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
+        decodes_busy = self._decodes_busy()
         decision = self._decide(now, req, sreq)
         if self.decisions is not None:
             self.decisions.append(decision)
@@ -183,6 +184,7 @@ class MooncakeSim(TraceDriver):
             d.release(req)
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
+        req.placed_busy = decodes_busy or p.current is not None or bool(p.waiting)
         req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
         req.predicted_ttft, req.pack_cap = decision.predicted_ttft_s, decision.pack_cap
         req.planned_prefix_tokens = min(decision.reused_prefix_blocks * self.block_size, req.input_length - 1)
@@ -218,7 +220,7 @@ class MooncakeSim(TraceDriver):
             self._colocate(now)
         if req.fetched_blocks:  # the migrated prefix landed in this node's store before the start
             self._store(p, req.keys[: req.fetched_blocks])
-        busy = self._node_busy()
+        busy = req.placed_busy
         duration = self._prefill_seconds(p, req, busy)
         if p.pack_tokens:
             duration = self._pack(now, p, req, duration, busy)
@@ -232,11 +234,14 @@ class MooncakeSim(TraceDriver):
             first = p.true_seconds(req.reused_tokens + p.chunk, req.reused_tokens, busy)
             self.events.push(now + min(first, duration), p.report_end, (req, now + duration))
 
-    def _node_busy(self) -> bool:
-        """The node's state as a forward starts (its speed, ``Hardware.prefill_busy``): busy while a
-        decode computes beside it (one box: any decode). The live conductor also prices a job queued
-        behind another as busy: by its start the decodes of those ahead run, which this sees then."""
-        return self.hw.prefill_busy is not None and any(d.is_decoding() for d in self.decodes)
+    def _decodes_busy(self) -> bool:
+        """Whether a decode beside the prefills has requests, KV to come included (one box). With a
+        job queued on it, a prefill is busy too: the live conductor's node state before a decision,
+        by which it learns each state's speed (``PredictionBook.show_node_states``). A forward runs
+        at its head's state when placed (``SimRequest.placed_busy``): measured at the forward's own
+        start instead, a job behind another read idle (the decode of the one ahead not yet joined)
+        and the slice ran 0.75-0.78x live's TTFT (docs/results/2026-12-04-xeon-2vcpu.md)."""
+        return self.hw.prefill_busy is not None and any(d.has_requests() for d in self.decodes)
 
     def _prefill_seconds(self, p: PrefillNode, req: SimRequest, busy: bool = False) -> float:
         """Sets the prefix ``req`` reuses from the node's store; its true time alone, started

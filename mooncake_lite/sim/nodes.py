@@ -179,10 +179,10 @@ class DecodeNode:
     def state(self) -> DecodeInstanceState:
         return self.view.state()
 
-    def is_decoding(self) -> bool:
-        """Requests running or joining at the next step (a prefill beside it computes slower,
-        ``Hardware.prefill_busy``); those whose KV is still to come are not computing yet."""
-        return bool(len(self.batch) or self.pending)
+    def has_requests(self) -> bool:
+        """Requests running, joining, or dispatched here with their KV to come: the live conductor's
+        busy decode (``PredictionBook.show_node_states``)."""
+        return bool(len(self.batch) or self.pending or self.committed)
 
     def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None,
                 now: float = 0.0, kv_in_s: float | None = None) -> str | None:

@@ -55,7 +55,7 @@ class SimRequest:
                  "prefill_id", "decode_id", "reused_tokens", "predicted_ttft", "prefill_start", "first_token",
                  "finish", "status", "reject_stage", "reject_cause", "join_step", "join_log", "wait_extra", "tbt",
                  "mean_gap", "ready_at", "planned_prefix_tokens", "num_gaps", "join_time", "prefilled", "fetched_blocks",
-                 "pack_cap")
+                 "pack_cap", "placed_busy")
 
     def __init__(self, trace: TraceRequest, block_size: int) -> None:
         self.request_id = trace.request_id
@@ -72,6 +72,7 @@ class SimRequest:
         self.reused_tokens = 0
         self.planned_prefix_tokens = 0
         self.pack_cap = 0                        # the decision's cap on its packed forward (QueuedPrefill)
+        self.placed_busy = False                 # its node's state when placed (MooncakeSim._node_busy)
         self.predicted_ttft: float | None = None
         self.prefill_start: float | None = None
         self.ready_at = 0.0

@@ -145,3 +145,15 @@ def test_the_profile_carries_both_node_states_or_neither(tmp_path):
     path.write_text('{"prefill": {"c1": 0.0015}}')
     plain = load_profile(path)
     assert plain.in_state(busy=True) is plain and "prefill_busy" not in plain.to_dict()
+
+
+def test_a_job_placed_behind_another_runs_at_the_busy_speed_whatever_its_start_sees():
+    # Live learns each state's speed from the requests it priced in it: a job queued behind
+    # another is busy (show_node_states), though at its own start the decode of the one ahead may
+    # not have joined yet. B comes while A prefills; A's single token leaves nothing decoding.
+    states = toy_hardware(prefill_per_token=1.5e-3, prefill_idle=PrefillCostModel(c1=1e-3),
+                          prefill_busy=PrefillCostModel(c1=2e-3))
+    got = run(states, [req(0, 0.0, 100, 1), req(1, 0.01, 100, 1), req(2, 5.0, 100, 1)])
+    assert got[0].ttft == pytest.approx(0.1)            # placed on an empty node: idle
+    assert got[1].ttft == pytest.approx(0.09 + 0.2)     # placed behind A: busy for its whole forward
+    assert got[2].ttft == pytest.approx(0.1)            # placed on an empty node again
