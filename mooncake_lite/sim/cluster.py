@@ -22,11 +22,11 @@ from mooncake_lite.sim.config import SimConfig
 from mooncake_lite.sim.costs import Hardware, get_hardware
 from mooncake_lite.sim.driver import TraceDriver
 from mooncake_lite.sim.events import EventQueue
+from mooncake_lite.sim.load import load_sample
 from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model, write_charges
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler import arrivals
 from mooncake_lite.scheduler.admission import slo_limits as request_limits
-from mooncake_lite.scheduler.estimate import queues_at
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
 from mooncake_lite.scheduler.snapshot import StateTuple
@@ -167,7 +167,6 @@ class MooncakeSim(TraceDriver):
         if self.predictor is not None:
             req.expected_output = self.predictor.predict(req.keys, req.input_length, req.max_tokens)
         sreq = ScheduleRequest(req.rid, req.keys, req.input_length, req.max_tokens)
-        decodes_busy = self._decodes_busy()
         decision = self._decide(now, req, sreq)
         if self.decisions is not None:
             self.decisions.append(decision)
@@ -184,24 +183,27 @@ class MooncakeSim(TraceDriver):
             d.release(req)
             return self._reject(now, req, "prefill", "ttft")
         p = self.prefill_by_id[decision.prefill_id]
-        req.placed_busy = decodes_busy or p.current is not None or bool(p.waiting)
+        req.placed_busy = self._placed_busy(p)
         req.prefill_id, req.decode_id = decision.prefill_id, decision.decode_id
         req.predicted_ttft, req.pack_cap = decision.predicted_ttft_s, decision.pack_cap
         req.planned_prefix_tokens = min(decision.reused_prefix_blocks * self.block_size, req.input_length - 1)
         req.ready_at = now
         if (m := decision.migration) is not None and m.keys:
-            src = self.prefill_by_id.get(m.source_store_id)
-            if src is not None:
-                src.cache.touch(req.keys[:decision.reused_prefix_blocks])  # a read counts as a use
-            req.ready_at = p.fetch(now, len(m.keys) * self.hw.block_bytes())
-            req.fetched_blocks = decision.reused_prefix_blocks
-            self.recorder.migrated(len(m.keys))
+            self._migrate(now, req, p, m.source_store_id, len(m.keys), decision.reused_prefix_blocks)
         d.commit(req)
         if self.correcting is not None:
             self.correcting.placed(req, decision, p, d)
         p.enqueue(req)
         if p.current is None:
             self._start_prefill(now, p)
+
+    def _migrate(self, now: float, req: SimRequest, p: PrefillNode, source, num_blocks: int, reused: int) -> None:
+        """The decision's prefix, fetched from ``source``'s store over ``p``'s inbound link."""
+        if (src := self.prefill_by_id.get(source)) is not None:
+            src.cache.touch(req.keys[:reused])  # a read counts as a use
+        req.ready_at = p.fetch(now, num_blocks * self.hw.block_bytes())
+        req.fetched_blocks = reused
+        self.recorder.migrated(num_blocks)
 
     def _decide(self, now: float, req: SimRequest, sreq: ScheduleRequest) -> Decision:
         """The conductor's decision (``sim/tenants.py`` adds each tenant's limits and priority)."""
@@ -234,14 +236,14 @@ class MooncakeSim(TraceDriver):
             first = p.true_seconds(req.reused_tokens + p.chunk, req.reused_tokens, busy)
             self.events.push(now + min(first, duration), p.report_end, (req, now + duration))
 
-    def _decodes_busy(self) -> bool:
-        """Whether a decode beside the prefills has requests, KV to come included (one box). With a
-        job queued on it, a prefill is busy too: the live conductor's node state before a decision,
-        by which it learns each state's speed (``PredictionBook.show_node_states``). A forward runs
-        at its head's state when placed (``SimRequest.placed_busy``): measured at the forward's own
-        start instead, a job behind another read idle (the decode of the one ahead not yet joined)
-        and the slice ran 0.75-0.78x live's TTFT (docs/results/2026-12-04-xeon-2vcpu.md)."""
-        return self.hw.prefill_busy is not None and any(d.has_requests() for d in self.decodes)
+    def _placed_busy(self, p: PrefillNode) -> bool:
+        """``p``'s node state as a job is placed on it, by the live conductor's rule, the one it
+        learns each state's speed by (``PredictionBook.show_node_states``; one box): busy with a
+        job queued on ``p`` or a decode holding requests, KV to come included. Read at a forward's
+        start instead, a job behind another read idle and the slice ran 0.75x live's TTFT
+        (docs/results/2026-12-04-xeon-2vcpu.md)."""
+        return self.hw.prefill_busy is not None and (
+            p.num_jobs() > 0 or any(d.has_requests() for d in self.decodes))
 
     def _prefill_seconds(self, p: PrefillNode, req: SimRequest, busy: bool = False) -> float:
         """Sets the prefix ``req`` reuses from the node's store; its true time alone, started
@@ -363,44 +365,8 @@ class MooncakeSim(TraceDriver):
         return slo if slo is not None else self.slo_limits(num_tokens, prefill_id)[0]
 
     def sample(self, now: float) -> dict[str, float]:
-        """Load as the paper plots it (Fig. 9/10): prefill = mean predicted queue time over the
-        TTFT SLO; decode = mean step time (TBT) over the TBT SLO; ``decode_held_load`` = the same
-        with everything the decodes hold (running and reserved: what their own check judges);
-        cumulative rejections by stage; plus raw counts. Relative SLOs: each instance's time over
-        the limit of the mean prompt it holds (:meth:`_held_limits`)."""
-        # prefill_queue_time of each, through the scheduler's cache (the same values: tested)
-        queue = queues_at(self.scheduler.cache.backlogs(self._states[0].states(), self.costs), now).queue_s
-        tbts = [d.batch.step_time() for d in self.decodes]
-        held = [d.held_step_time() for d in self.decodes]
-        if self.ttft_slo_s is None or self.tbt_slo_s is None:
-            ttfts, tbt_lims = self._held_limits()
-            queue = [q / lim for q, lim in zip(queue, ttfts)]
-            tbts = [t / lim for t, lim in zip(tbts, tbt_lims)]
-            held = [t / lim for t, lim in zip(held, tbt_lims)]
-            ttft_slo = tbt_slo = 1.0
-        else:
-            ttft_slo, tbt_slo = self.ttft_slo_s, self.tbt_slo_s
-        return {"prefill_load": sum(queue) / len(queue) / ttft_slo,
-                "decode_load": sum(tbts) / len(tbts) / tbt_slo,
-                "decode_load_max": max(tbts) / tbt_slo,
-                "decode_held_load": sum(held) / len(held) / tbt_slo,
-                "refused_conductor": float(self.refused["conductor"]),
-                "refused_decode": float(self.refused["decode"]),
-                "prefill_queued": float(sum(len(p.waiting) + (p.current is not None) + len(p.packed)
-                                             for p in self.prefills)),
-                "decode_running": float(sum(len(d.batch) for d in self.decodes))}
-
-    def _held_limits(self) -> tuple[list[float], list[float]]:
-        """Each prefill's TTFT limit and each decode's TBT limit for the mean prompt it holds
-        (queued or prefilling; running, waiting to join or for its KV): what its load is judged
-        against under relative SLOs (an instance holding nothing has no load to judge)."""
-        def mean_prompt(reqs: list[SimRequest]) -> int:
-            return max(1, sum(r.input_length for r in reqs) // len(reqs)) if reqs else 1
-        ttft = [self.slo_limits(mean_prompt([*p.waiting, *p.packed, *([p.current] if p.current else [])]),
-                                p.instance_id)[0] for p in self.prefills]
-        tbt = [self.slo_limits(mean_prompt([*d.batch.running.values(), *d.pending, *d.committed.values()]))[1]
-               for d in self.decodes]
-        return ttft, tbt
+        """Load as the paper plots it (``sim/load.py``)."""
+        return load_sample(self, now)
 
     # ---- driver ------------------------------------------------------------------------------
 

@@ -108,6 +108,10 @@ class PrefillNode:
             waiting = {r.rid: r for r in self.waiting}
             self.waiting = deque(waiting[rid] for rid in order if rid in waiting)
 
+    def num_jobs(self) -> int:
+        """Jobs queued or running here (a packed forward's each)."""
+        return len(self.waiting) + (self.current is not None) + len(self.packed)
+
     def begin(self, now: float) -> SimRequest:
         """The head of the FIFO starts."""
         req = self.current = self.waiting.popleft()
