@@ -1,21 +1,18 @@
 """Cluster membership and in-flight bookkeeping: who is alive, what each instance is doing.
 
-Prefill and decode instances register (refused on model / block size / hash seed mismatch:
-``registration.py``) and heartbeat; one silent for ``dead_after_s`` is marked dead, leaves every
-scheduling snapshot, and the requests in flight on it are told (their ``on_death`` callback) so
-they fail cleanly. A dead instance that heartbeats again comes back. Dispatch reports what it
-sees at once: a refused or broken connection makes an instance *suspect* (left out of snapshots
-while another of its role is not), ``max_failures`` of them in a row mark it dead, and an answer
-or a heartbeat clears it. Stores are watched too (``stores``: the silent ones, for the index to
-drop).
+Prefill and decode instances register (refused on model / block size / hash seed mismatch: ``registration.py``) and
+heartbeat; one silent for ``dead_after_s`` is marked dead, leaves every scheduling snapshot, and the requests in
+flight on it are told (their ``on_death`` callback) so they fail cleanly. A dead instance that heartbeats again
+comes back. Dispatch reports what it sees at once: a refused or broken connection makes an instance *suspect* (left
+out of snapshots while another of its role is not), ``max_failures`` of them in a row mark it dead, and an answer or
+a heartbeat clears it. Stores are watched too (``stores``: the silent ones, for the index to drop).
 
-Each instance's jobs are kept in one place, its scheduler view (``scheduler/view.py``, which
-the simulator drives too): what the conductor dispatched there — the queue in the instance's
-order, the decode batch, and the requests whose KV is still coming (``incoming`` until the first
-token, so a burst is spread instead of herding onto one instance). The handlers here tell the view
-what happened; it builds a new state only when what the state shows changed, and a snapshot is a
-:class:`~mooncake_lite.scheduler.snapshot.StateTuple` per role over the live views, as in the
-simulator: an unchanged instance keeps its state object, so the scheduler's estimate cache hits.
+Each instance's jobs are kept in one place, its scheduler view (``scheduler/view.py``, which the simulator drives
+too): what the conductor dispatched there — the queue in the instance's order, the decode batch, and the requests
+whose KV is still coming (``incoming`` until the first token, so a burst is spread instead of herding onto one
+instance). The handlers here tell the view what happened; it builds a new state only when what the state shows
+changed, and a snapshot is a :class:`~mooncake_lite.scheduler.snapshot.StateTuple` per role over the live views,
+as in the simulator: an unchanged instance keeps its state object, so the scheduler's estimate cache hits.
 
 No IO here and no clock: ``now`` is passed in (the app uses the event loop's monotonic time).
 """
@@ -335,10 +332,9 @@ class Membership:
 
     @staticmethod
     def _start_pack(view: PrefillView, queue: tuple[QueuedPrefill, ...], pack_tokens: int, now: float) -> None:
-        """Prefill batching: the jobs the running head takes along into its forward (the
-        instance's rule, ``scheduler.packing.first_pack``) start with it. Re-run as members'
-        results arrive one by one, so the forward after a pack is shown whole once its own
-        head is."""
+        """Prefill batching: the jobs the running head takes along into its forward (the instance's rule,
+        ``scheduler.packing.first_pack``) start with it. Re-run as members' results arrive one by one,
+        so the forward after a pack is shown whole once its own head is."""
         size = first_pack(map(job_uncached, queue), pack_tokens, queue_caps(queue))
         for job in islice(queue, 1, size):
             if job.started_at is None:

@@ -3,8 +3,7 @@ elsewhere when it fails before its first token, close it.
 
 A :class:`Flight` owns its attempts (``attempt.py``: one placement, one decode reservation, one
 prefill, and their calls to the instances). It reads the current attempt's events (``events.py``)
-in one loop, matching them by type, so the relay is a plain ``await queue.get()`` whatever order
-they arrive in.
+in one loop, matching them by type, so the relay is a plain ``await queue.get()`` whatever order they arrive in.
 """
 
 from __future__ import annotations
