@@ -31,9 +31,10 @@ node state's for a prefill (below), ``decode · decode_interference^b`` for a de
 ``queue`` factor scales the wait for the work queued ahead alone (:meth:`Corrections.queue_scale`):
 on the model it priced each forward 0.81x too (docs/results/2026-11-30-zen5.md §19). A prefill's
 state is ``interference`` when its next forwards run beside a busy neighbour, else ``compute``: the
-live conductor knows which (``PredictionBook.show_node_states``: a job queued on it, or a decode on
-its node with requests, is busy) and learns each state from the requests priced in it; the simulator and every decode
-weigh the two by the moving share ``b`` of busy requests. They differ either way: on a 2-CPU box
+live conductor knows which (:func:`node_busy`: a job queued on it, or a decode on its node with
+requests, is busy) and learns each state from the requests priced in it; the simulated conductor and every
+decode weigh the two by the moving share ``b`` of busy requests (a simulated forward runs at the state
+:func:`node_busy` gave it when placed). They differ either way: on a 2-CPU box
 a burst's first forward, the decode idle, ran 0.7x the shown model with the decode's CPU borrowed
 (``prefill/threads.py``) and the pack after it 1.3-1.45x. Each state is a line, not a factor
 (``forward_fit.py``): ``scale · (x + offset)``, its offset added to the model's ``c0`` once a job
@@ -68,6 +69,7 @@ from dataclasses import dataclass, field, replace
 
 from mooncake_lite.scheduler.forward_fit import ForwardLine, moved_line
 from mooncake_lite.scheduler.shares import overtakes_used
+from mooncake_lite.scheduler.state import DecodeInstanceState, PrefillInstanceState
 from mooncake_lite.scheduler.update_rule import TOO_SHORT, CorrectionConfig, Factor, ratio_refusal, step
 from mooncake_lite.scheduler.wait_spread import KeptWait, ShownWait, kept, quantile, repriced
 
@@ -76,6 +78,17 @@ STATES = ("compute", "interference")   # a prefill's two node states: idle, besi
 # A correction is shown the scheduler anew only once it moved this much (a scale in log, ~3%; a share
 # in absolute terms): a new model makes the scheduler derive that instance's estimates afresh.
 SHOW_TOLERANCE = 1 / 32
+
+
+def holds_requests(decode: DecodeInstanceState) -> bool:
+    """A decode with requests, running or with their KV to come: the prefills on its node are busy."""
+    return bool(decode.running or decode.incoming)
+
+
+def node_busy(prefill: PrefillInstanceState, decode_beside_holds: bool) -> bool:
+    """A prefill's node state before a decision, the one each state's speed is learned by (module
+    doc): busy with a job queued on it or a decode on its node holding requests (:func:`holds_requests`)."""
+    return bool(prefill.queue) or decode_beside_holds
 
 
 @dataclass(frozen=True)

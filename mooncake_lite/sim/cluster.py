@@ -27,6 +27,7 @@ from mooncake_lite.sim.nodes import DecodeNode, PrefillNode, cpp_cost_model, wri
 from mooncake_lite.scheduler.costs import pack_sizes, packed_seconds, uncached_tokens
 from mooncake_lite.scheduler import arrivals
 from mooncake_lite.scheduler.admission import slo_limits as request_limits
+from mooncake_lite.scheduler.correction import holds_requests, node_busy
 from mooncake_lite.scheduler.predict import OutputPredictor
 from mooncake_lite.scheduler.prediction_accuracy import PredictionAccuracy
 from mooncake_lite.scheduler.snapshot import StateTuple
@@ -237,13 +238,11 @@ class MooncakeSim(TraceDriver):
             self.events.push(now + min(first, duration), p.report_end, (req, now + duration))
 
     def _placed_busy(self, p: PrefillNode) -> bool:
-        """``p``'s node state as a job is placed on it, by the live conductor's rule, the one it
-        learns each state's speed by (``PredictionBook.show_node_states``; one box): busy with a
-        job queued on ``p`` or a decode holding requests, KV to come included. Read at a forward's
-        start instead, a job behind another read idle and the slice ran 0.75x live's TTFT
-        (docs/results/2026-12-04-xeon-2vcpu.md)."""
-        return self.hw.prefill_busy is not None and (
-            p.num_jobs() > 0 or any(d.has_requests() for d in self.decodes))
+        """``p``'s node state as a job is placed on it, by the live conductor's rule (one box: every
+        decode beside it). Read at a forward's start instead, a job behind another read idle and
+        the slice ran 0.75x live's TTFT (docs/results/2026-12-04-xeon-2vcpu.md)."""
+        return self.hw.prefill_busy is not None and node_busy(
+            p.view.state(), any(holds_requests(d.view.state()) for d in self.decodes))
 
     def _prefill_seconds(self, p: PrefillNode, req: SimRequest, busy: bool = False) -> float:
         """Sets the prefix ``req`` reuses from the node's store; its true time alone, started

@@ -183,11 +183,6 @@ class DecodeNode:
     def state(self) -> DecodeInstanceState:
         return self.view.state()
 
-    def has_requests(self) -> bool:
-        """Requests running, joining, or dispatched here with their KV to come: the live conductor's
-        busy decode (``PredictionBook.show_node_states``)."""
-        return bool(len(self.batch) or self.pending or self.committed)
-
     def refusal(self, req: SimRequest, tbt_slo_s: float | None, tbt_slo_factor: float | None = None,
                 now: float = 0.0, kv_in_s: float | None = None) -> str | None:
         """The live decode's check at reservation (``decode/batcher.check_admit``): room for

@@ -72,7 +72,7 @@ class SimRequest:
         self.reused_tokens = 0
         self.planned_prefix_tokens = 0
         self.pack_cap = 0                        # the decision's cap on its packed forward (QueuedPrefill)
-        self.placed_busy = False                 # its node's state when placed (MooncakeSim._node_busy)
+        self.placed_busy = False                 # its node's state when placed (MooncakeSim._placed_busy)
         self.predicted_ttft: float | None = None
         self.prefill_start: float | None = None
         self.ready_at = 0.0

@@ -24,7 +24,7 @@ from mooncake_lite.conductor.cluster.membership import Instance, Membership
 from mooncake_lite.conductor.cluster.metrics import ConductorMetrics
 from mooncake_lite.conductor.flight.checks import Check, Prediction, positive
 from mooncake_lite.scheduler import CostModels, Decision
-from mooncake_lite.scheduler.correction import STATES, TOO_SHORT, Corrections
+from mooncake_lite.scheduler.correction import STATES, TOO_SHORT, Corrections, holds_requests, node_busy
 from mooncake_lite.scheduler.costs import scaled
 from mooncake_lite.scheduler.correction_shown import model_moved, show_queue_bound, show_queue_scale, show_shares, show_tail
 from mooncake_lite.scheduler.packing import forward_seconds
@@ -111,11 +111,11 @@ class PredictionBook:
         so its next forward runs alone (with the CPUs a busy decode would hold, prefill/threads.py).
         A flip re-prices its queue only where the two states' scales differ past the tolerance."""
         alive = self.membership.alive()
-        busy_nodes = {_node(o) for o in alive if o.role == "decode" and (o.decode_jobs or o.incoming_jobs)}
+        busy_nodes = {_node(o) for o in alive if o.role == "decode" and holds_requests(o.view.state())}
         for inst in alive:
             if inst.role != "prefill":
                 continue
-            busy = bool(inst.prefill_jobs) or _node(inst) in busy_nodes
+            busy = node_busy(inst.view.state(), _node(inst) in busy_nodes)
             if self._busy.get(inst.instance_id, False) != busy:
                 self._busy[inst.instance_id] = busy
                 self._reshow_scale(inst)
