@@ -21,6 +21,7 @@ from mooncake_lite.prefill.app import SERVICE, StoreUnfit, build_app, build_stag
 from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.pipeline import StageUnreachable
+from mooncake_lite.prefill.profile_sink import profile_sink
 from mooncake_lite.prefill.profiling import busy_scale, profile_served
 from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, run_stage
 from mooncake_lite.scheduler.costs import PrefillCostModel
@@ -32,21 +33,24 @@ log = logging.getLogger(__name__)
 
 
 async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[PrefillCostModel | None, float]:
-    """The start-up cost model, timed through the stage engine as it serves (``profiling.py``)
-    and, for a CPP head, through all its stages; a lone instance's is then refined from every
-    chunk it runs, and timed on its own threads too where it borrows CPUs (``busy_scale``).
+    """The start-up cost model, timed through the stage engine as it serves, its KV sent to a peer
+    process (``profiling.py``, ``profile_sink.py``), and for a CPP head through all its stages; a
+    lone instance's is then refined from every chunk it runs, and timed on its own threads too
+    where it borrows CPUs (``busy_scale``).
     None (and 1) if that failed: it then registers none, as with --no-profile."""
     t0, stolen0 = time.monotonic(), stage.steal()
     try:
-        cost, samples = await profile_served(stage, downstream, served_points(cfg.prefill_chunk))
-        stolen = _stolen(stage, stolen0, t0)
-        busy = await busy_scale(stage) if downstream is None else 1.0
+        async with profile_sink() as sink:
+            cost, samples = await profile_served(stage, downstream, served_points(cfg.prefill_chunk), sink=sink)
+            stolen = _stolen(stage, stolen0, t0)
+            busy = await busy_scale(stage, sink=sink) if downstream is None else 1.0
+            sent = "nowhere" if sink is None or sink.broken else "to a peer process"
     except Exception as exc:
         log.warning("start-up profiling skipped: %s", exc)
         return None, 1.0
     through = f"through its {cfg.pipeline_group} stages" if downstream else "through the stage engine"
-    log.info("prefill cost model %s from %d timings %s (new on cached tokens: seconds %s%s); on its own threads "
-             "%.2fx", cost.to_dict(), len(samples), through,
+    log.info("prefill cost model %s from %d timings %s, its KV %s (new on cached tokens: seconds %s%s); on its own threads "
+             "%.2fx", cost.to_dict(), len(samples), through, sent,
              ", ".join(f"{t - p}+{p}: {s:.3f}" for t, p, s in samples), stolen, busy)
     if downstream is None:
         stage.refiner = prefill_refiner(cost)

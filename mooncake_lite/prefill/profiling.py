@@ -5,12 +5,19 @@ model thread from the event loop, gathers the layer's KV and stages it for the h
 cores that is a few percent of a forward; on an H200 it was ~27x the forward of the default model
 (docs/results/2026-11-30-h200-gpu-check.md), so a model fitted to ``runner.prefill`` timings
 priced the first requests 3-23x short and admission refused three in four. So the points of
-``instance/profile.QUICK_PREFILL`` are timed through :meth:`StageEngine.run_chunk`, the KV to
-nowhere (``NullSender``); a CPP head's also through its other stages (``downstream``, FLUSH).
+``instance/profile.QUICK_PREFILL`` are timed through :meth:`StageEngine.run_chunk`; a CPP head's
+also through its other stages (``downstream``, FLUSH).
+
+Their KV goes where a served chunk's goes: over a frame connection to a peer process that reads and
+answers each layer (``profile_sink.py``; the caller starts it). Sent nowhere (``NullSender``), the
+profile priced a 512-token chunk at 0.59 s (median) that served took 0.68 s on an Intel Xeon with
+2 vCPU, and the first burst of a replay, decided before any forward is measured, ran 1.25x its
+prediction (docs/results/2026-12-04-xeon-2vcpu.md §"The start-up price").
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -18,16 +25,22 @@ import torch
 from mooncake_lite.common.protocol import MAX_BUSY_SCALE
 from mooncake_lite.instance.profile import QUICK_PREFILL, fit_prefill, fits
 from mooncake_lite.prefill.engine import StageEngine
+from mooncake_lite.prefill.job import PrefillAborted
 from mooncake_lite.prefill.pipeline import NextStage, NullSender
+from mooncake_lite.prefill.profile_sink import ProfileSink
 from mooncake_lite.scheduler.costs import PrefillCostModel
+
+log = logging.getLogger(__name__)
 
 
 async def profile_served(stage: StageEngine, downstream: NextStage | None = None,
-                         points=QUICK_PREFILL, repeats: int = 2) -> tuple[PrefillCostModel, list]:
+                         points=QUICK_PREFILL, repeats: int = 2,
+                         sink: ProfileSink | None = None) -> tuple[PrefillCostModel, list]:
     """The cost model of ``stage`` (and of the CPP stages after it, ``downstream``), fit like
     ``instance/profile.profile_prefill``'s from the time a chunk of n new tokens on p cached ones
-    takes; a shape the stage's cache cannot hold is left out. The profile's chunks leave nothing
-    in the stage's timeline (what the conductor reads as this instance's forwards).
+    takes, its KV sent to ``sink`` (None: nowhere); a shape the stage's cache cannot hold is left
+    out. The profile's chunks leave nothing in the stage's timeline (what the conductor reads as
+    this instance's forwards).
 
     Each shape's time is its best of ``repeats`` passes over all the shapes, not of ``repeats``
     timings in a row: a few seconds of other work (a decode starting beside it) then slows one
@@ -38,11 +51,11 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     points = [(n, p) for n, p in points if fits(stage.runner, n + p)]
     downstream = downstream or _NoStages()
     for i, (n, p) in enumerate(points[:3]):      # warm-up: first calls pay one-off costs
-        await _time_chunk(stage, downstream, f"profile-warm-{i}", n, p)
+        await _timed(stage, downstream, f"profile-warm-{i}", n, p, sink)
     best = [float("inf")] * len(points)
     for r in range(repeats):
         for i, (n, p) in enumerate(points):
-            best[i] = min(best[i], await _time_chunk(stage, downstream, f"profile-{i}-{r}", n, p))
+            best[i] = min(best[i], await _timed(stage, downstream, f"profile-{i}-{r}", n, p, sink))
     stage.timeline.clear()
     samples = [(n + p, p, s) for (n, p), s in zip(points, best)]
     return fit_prefill(samples), samples
@@ -52,14 +65,15 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
 BUSY_POINTS = ((192, 0), (512, 0))
 
 
-async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2) -> float:
+async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2,
+                     sink: ProfileSink | None = None) -> float:
     """How much longer ``stage``'s chunks take on its own threads than with the CPUs it borrows
     while the machine idles (``prefill/threads.py``; 1 when it borrows none): what a decode
     beside it, busy and so taking its CPUs back, costs its forwards. The conductor prices a busy
     node's forwards by it until it has measured some (``Corrections.seed_states``): the start-up
     profile ran with the CPUs borrowed, and a burst's first forwards beside a busy decode ran
     1.6-1.95x its price on Zen 5 (docs/results/2026-11-30-zen5.md §29). Fewer threads never run
-    faster: a ratio under 1 is noise, and reads 1."""
+    faster: a ratio under 1 is noise, and reads 1. Their KV goes to ``sink``, as the profile's."""
     borrower = getattr(stage.executor, "borrower", None)
     if borrower is None or borrower.borrow <= 0:
         return 1.0
@@ -69,7 +83,7 @@ async def busy_scale(stage: StageEngine, points=BUSY_POINTS, repeats: int = 2) -
         total = 0.0
         with borrower.held(threads):
             for i, (n, p) in enumerate(points):
-                total += await _best(stage, _NoStages(), f"profile-threads-{threads}-{i}", n, p, repeats)
+                total += await _best(stage, _NoStages(), f"profile-threads-{threads}-{i}", n, p, repeats, sink)
         seconds.append(total)
     stage.timeline.clear()
     lent, own = seconds
@@ -91,16 +105,34 @@ class _NoStages:
 
 
 async def _best(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int,
-                repeats: int) -> float:
-    """The fastest of ``repeats`` timings of :func:`_time_chunk` (other load only adds time)."""
-    return min([await _time_chunk(stage, downstream, f"{rid}-{r}", n, p) for r in range(repeats)])
+                repeats: int, sink: ProfileSink | None) -> float:
+    """The fastest of ``repeats`` timings of :func:`_timed` (other load only adds time)."""
+    return min([await _timed(stage, downstream, f"{rid}-{r}", n, p, sink) for r in range(repeats)])
 
 
-async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int) -> float:
-    """Seconds for tokens p..p+n-1 to go through the stage and those after it (the prefix first, untimed)."""
+async def _timed(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int,
+                 sink: ProfileSink | None) -> float:
+    """:func:`_time_chunk`, its KV to ``sink``; to nowhere once the sink broke (a stream it
+    refused, or left unanswered: the chunk is timed again without it)."""
+    if sink is not None and sink.broken is None:
+        sender = sink.sender(rid)
+        try:
+            return await _time_chunk(stage, downstream, rid, n, p, sender)
+        except (PrefillAborted, ConnectionError):
+            if sender.error is None:
+                raise
+            sink.give_up(sender.error)
+    return await _time_chunk(stage, downstream, rid, n, p, NullSender())
+
+
+async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid: str, n: int, p: int,
+                      sender) -> float:
+    """Seconds for tokens p..p+n-1 to go through the stage and those after it (the prefix first,
+    untimed), each layer's KV to ``sender``; its frames answered before it returns, untimed as a
+    served forward's time ends with its compute."""
     vocab = stage.runner.args.vocab_size
     tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
-    job = stage.begin(rid, tokens, [], 0, NullSender())    # no keys: nothing is written back
+    job = stage.begin(rid, tokens, [], 0, sender)    # no keys: nothing is written back
     error = None
     try:
         await downstream.begin(rid, "", tokens, None, {"max_tokens": 1}, [], 0)
@@ -111,6 +143,9 @@ async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid
         await downstream.send_chunk(rid, p, await stage.run_chunk(job, p, token_ids=tokens[p:]))
         await downstream.flush(rid)
         seconds = time.perf_counter() - t0
+        await sender.flush()
+        if sender.error is not None:
+            raise ConnectionError(sender.error)
         await downstream.end(rid)
         return seconds
     except BaseException as exc:

@@ -97,7 +97,7 @@ def test_other_work_for_two_timings_in_a_row_slows_no_shape_s_best(stage, monkey
     import mooncake_lite.prefill.profiling as profiling
     calls = []
 
-    async def timed(stage, downstream, rid, n, p):
+    async def timed(stage, downstream, rid, n, p, sender):
         calls.append((n, p))
         slow = 3.0 if len(calls) in (6, 7) else 1.0      # after the three warm-ups: timings 3 and 4
         return slow * (0.01 + 1e-4 * n + 1e-6 * n * (n + p))
