@@ -3,39 +3,24 @@ connection (``prefill/profile_sink.py``, ``transfer/sink.py``), so what sending 
 the conductor is first given; a peer that will not start or breaks leaves the profile as it was."""
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_lite.model.runner import ModelRunner
-from mooncake_lite.model.weights import build_model
-from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.kv_sender import KVSender
 from mooncake_lite.prefill.profile_sink import ProfileSink
 from mooncake_lite.prefill.profiling import profile_served
-from mooncake_lite.prefill.store_io import MemoryStore
 from mooncake_lite.transfer.client import FrameClient, RemoteError
-from mooncake_lite.transfer.server import reply_error, server_address
+from mooncake_lite.transfer.server import reply_error, server_address, start_server
 from mooncake_lite.transfer.sink import Sink, start_sink
+from tests.prefill.test_profiling import stage  # noqa: F401 - the tiny stage engine fixture
 
 POINTS = ((32, 0), (64, 0), (96, 0), (32, 64))
 SEND_S = 0.004   # per layer frame: a send path this slow on the loop
-
-
-@pytest.fixture
-def stage():
-    runner = ModelRunner(build_model("tiny", seed=3), num_blocks=200, block_size=16)
-    layer_bytes = runner.cache.kv[0].numel() // runner.cache.num_blocks * runner.cache.kv.element_size()
-    engine = StageEngine(runner, MemoryStore((0, runner.args.num_layers), layer_bytes), ThreadPoolExecutor(1),
-                         write_back=False)
-    yield engine
-    engine.executor.shutdown(wait=True)
 
 
 async def _profile_beside(stage, handler=None, token="t0k"):
@@ -44,7 +29,6 @@ async def _profile_beside(stage, handler=None, token="t0k"):
     if handler is None:
         server, handler = await start_sink(token)
     else:
-        from mooncake_lite.transfer.server import start_server
         server = await start_server(handler, "127.0.0.1", 0, token=token)
     host, port = server_address(server).rsplit(":", 1)
     client = await FrameClient.connect(host, int(port), token=token)
