@@ -9,10 +9,11 @@ priced the first requests 3-23x short and admission refused three in four. So th
 also through its other stages (``downstream``, FLUSH).
 
 Their KV goes where a served chunk's goes: over a frame connection to a peer process that reads and
-answers each layer (``profile_sink.py``; the caller starts it). Sent nowhere (``NullSender``), the
-profile priced a 512-token chunk at 0.59 s (median) that served took 0.68 s on an Intel Xeon with
-2 vCPU, and the first burst of a replay, decided before any forward is measured, ran 1.25x its
-prediction (docs/results/2026-12-04-xeon-2vcpu.md §"The start-up price").
+answers each layer (``profile_sink.py``; the caller starts it). On an Intel Xeon with 2 vCPU a
+512-token chunk took 5-15% longer so than with its KV sent nowhere (``NullSender``, what the
+profile did before), and the start-up price rose 6-11%. It did not measurably lower the error of
+a replay's first burst, whose TTFTs ran 1.13-1.58x their predictions from run to run
+(docs/results/2026-12-04-xeon-2vcpu.md, "The start-up price").
 """
 
 from __future__ import annotations

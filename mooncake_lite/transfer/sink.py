@@ -2,11 +2,10 @@
 KV of the chunks it times (``prefill/profiling.py``), so the price it registers holds what sending
 costs.
 
-The profile runs before any decode is known. With its KV sent nowhere, the forwards served
-afterwards ran 1.15x the profile's median on an Intel Xeon with 2 vCPU (a 512-token chunk 0.68 s
-served, 0.59 s profiled; docs/results/2026-12-04-xeon-2vcpu.md): a served chunk writes a frame per
-layer from the event loop while the next layer computes, and its decode reads them on the same
-CPUs. This peer is a child process, as a decode is, so its reads take a CPU and not the
+The profile runs before any decode is known. A served chunk writes a frame per layer from the
+event loop while the next layer computes, and its decode reads them on the same machine: sent to
+a peer process, a 512-token chunk took 5-15% longer than sent nowhere on an Intel Xeon with 2
+vCPU (docs/results/2026-12-04-xeon-2vcpu.md). This peer is a child process, as a decode is, so its reads take a CPU and not the
 prefill's loop. It answers without looking at the payload: nothing is kept.
 
 It runs as long as its stdin is open: its parent gone, even by ``kill -9``, it exits. It listens on
