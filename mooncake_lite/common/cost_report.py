@@ -5,7 +5,7 @@ from its own timings; the conductor turns them into those models (``conductor/cl
 the wire a :class:`CostReport` is the nested form, every part optional (null or absent: not
 reported)::
 
-    {"prefill": {"c0": .., "c1": .., "c2": .., "c3": .., "later_c0": ..},   # PrefillCost, seconds
+    {"prefill": {"c0": .., "c1": .., "c2": .., "c3": .., "later_c0": .., "member_c0": ..},  # seconds
      "decode":  {"c0": .., "c1": .., "c2": ..},             # DecodeCost, seconds per step
      "bandwidth_bytes_per_s": 2.5e9}                        # measured inbound KV fetch rate
 
@@ -32,7 +32,7 @@ from typing import Any
 REPORT_KEYS = ("prefill", "decode", "bandwidth_bytes_per_s")
 MAX_COEFFICIENT_S = 3600.0        # seconds per call / token / token pair: beyond, absurd
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e15   # bytes/s: beyond either, absurd
-OPTIONAL = frozenset({"later_c0"})   # coefficients an instance may not have measured: null is "none"
+OPTIONAL = frozenset({"later_c0", "member_c0"})   # coefficients an instance may not have measured: null is "none"
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()         # refusals already logged (bounded: _MAX_LOGGED)
 _MAX_LOGGED = 1024
@@ -41,12 +41,14 @@ _MAX_LOGGED = 1024
 @dataclass(frozen=True)
 class PrefillCost:
     """Seconds to prefill n new tokens on p cached ones: c0 + c1·n + c2·n·(p + n) + c3·p
-    (``PrefillCostModel``); ``later_c0`` for c0 in a chunk after a prompt's first (None: c0)."""
+    (``PrefillCostModel``); ``later_c0`` for c0 in a chunk after a prompt's first (None: c0);
+    ``member_c0`` what of c0 each job of a packed forward beyond the first pays (None: none)."""
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
     later_c0: float | None = None
+    member_c0: float | None = None
 
 
 @dataclass(frozen=True)

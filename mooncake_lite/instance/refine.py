@@ -49,6 +49,7 @@ for each heartbeat.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -218,7 +219,11 @@ class Refiner:
         coef = relative_fit([self._row(x, y, k)[:width] for x, y, _, k in pts], [t for _, _, t, _ in pts])
         if not all(math.isfinite(c) for c in coef) or not any(coef):
             return None
-        return self.MODEL(*coef)
+        return self._carried(self.MODEL(*coef))
+
+    def _carried(self, model: Model) -> Model:
+        """``model`` with what the prior has that the work run cannot refit (a subclass's)."""
+        return model
 
     def _width(self, points: list[Sample]) -> int:
         """The coefficients ``points`` can fit (all of a row's, unless a subclass says fewer)."""
@@ -228,7 +233,7 @@ class Refiner:
         scale = self._scale(points)
         if scale is None:
             return None
-        return self.MODEL(*(scale * c for c in self.prior.to_dict().values()))
+        return self.MODEL(**{k: scale * c for k, c in self.prior.to_dict().items()})
 
     def _scale(self, points: list[Sample]) -> float | None:
         """The median ratio measured / predicted by the prior (None: nothing to compare)."""
@@ -293,6 +298,11 @@ class PrefillRefiner(Refiner):
 
     def _width(self, points: list[Sample]) -> int:
         return 5 if any(k == LATER for *_, k in points) else 4    # no later chunk: later_c0 is c0
+
+    def _carried(self, model: Model) -> Model:
+        # a pack's member cost was timed at start-up; the chunks refined from run one prompt each
+        member = getattr(self.prior, "member_c0", None)
+        return model if member is None else dataclasses.replace(model, member_c0=member)
 
 
 class DecodeRefiner(Refiner):

@@ -22,7 +22,7 @@ from mooncake_lite.prefill.config import Config, layer_slices
 from mooncake_lite.prefill.engine import StageEngine
 from mooncake_lite.prefill.pipeline import StageUnreachable
 from mooncake_lite.prefill.profile_sink import profile_sink
-from mooncake_lite.prefill.profiling import busy_scale, profile_served
+from mooncake_lite.prefill.profiling import PACK_JOBS, PACK_TOKENS, busy_scale, profile_served, with_member_cost
 from mooncake_lite.prefill.stage_process import GroupMismatch, StageGroup, connect_group, run_stage
 from mooncake_lite.scheduler.costs import PrefillCostModel
 
@@ -42,6 +42,8 @@ async def _profile(cfg: Config, stage: StageEngine, downstream) -> tuple[Prefill
     try:
         async with profile_sink() as sink:
             cost, samples = await profile_served(stage, downstream, served_points(cfg.prefill_chunk), sink=sink)
+            if downstream is None and min(cfg.prefill_batch_tokens, cfg.prefill_chunk) >= PACK_JOBS * PACK_TOKENS:
+                cost = await with_member_cost(stage, cost, samples, sink=sink)   # packs: a CPP group never
             stolen = _stolen(stage, stolen0, t0)
             busy = await busy_scale(stage, sink=sink) if downstream is None else 1.0
             sent = "nowhere" if sink is None or sink.broken else "to a peer process"

@@ -18,6 +18,7 @@ a replay's first burst, whose TTFTs ran 1.13-1.58x their predictions from run to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -60,6 +61,56 @@ async def profile_served(stage: StageEngine, downstream: NextStage | None = None
     stage.timeline.clear()
     samples = [(n + p, p, s) for (n, p), s in zip(points, best)]
     return fit_prefill(samples), samples
+
+
+# A pack of short prompts, as a burst forms them, and the profile's shape they are alone.
+PACK_JOBS, PACK_TOKENS = 4, 96
+
+
+async def with_member_cost(stage: StageEngine, cost: PrefillCostModel, samples: list, repeats: int = 2,
+                           sink: ProfileSink | None = None) -> PrefillCostModel:
+    """``cost`` with its ``member_c0``: of ``c0``, what each job of a packed forward beyond the
+    first still pays (its own frames, begin, sampling), ``c0`` less what a pack of ``PACK_JOBS``
+    prompts of ``PACK_TOKENS`` saved over the same prompts alone (``samples``' time of that shape),
+    per job beyond the first, within [0, c0]. ``cost`` as it was where the stage cannot hold the
+    pack or the profile has no such shape. Live on a 2-vCPU Xeon, with the whole ``c0`` shared, packs
+    of four ran 1.11x their price and forwards of one 0.955x (docs/results/2026-12-04-xeon-2vcpu.md)."""
+    alone = [s for t, p, s in samples if (t, p) == (PACK_TOKENS, 0)]
+    if not alone or not fits(stage.runner, PACK_JOBS * PACK_TOKENS):
+        return cost
+    packed = min([await _time_pack(stage, f"profile-pack-{r}", sink) for r in range(repeats)])
+    stage.timeline.clear()
+    saved = (PACK_JOBS * alone[0] - packed) / (PACK_JOBS - 1)
+    return dataclasses.replace(cost, member_c0=min(max(cost.c0 - saved, 0.0), cost.c0))
+
+
+async def _time_pack(stage: StageEngine, rid: str, sink: ProfileSink | None) -> float:
+    """Seconds of one packed forward of ``PACK_JOBS`` prompts of ``PACK_TOKENS``, each its KV to
+    ``sink`` (nowhere once it broke), as ``prefill/packs.py`` runs a pack."""
+    vocab = stage.runner.args.vocab_size
+    parts, senders = [], []
+    for j in range(PACK_JOBS):
+        tokens = torch.randint(0, vocab, (PACK_TOKENS,), generator=torch.Generator().manual_seed(7919 + j)).tolist()
+        sender = sink.sender(f"{rid}-{j}") if sink is not None and sink.broken is None else NullSender()
+        senders.append(sender)
+        parts.append((stage.begin(f"{rid}-{j}", tokens, [], 0, sender), 0, tokens))
+    error = None
+    try:
+        t0 = time.perf_counter()
+        _, failed = await stage.run_packed(parts)
+        seconds = time.perf_counter() - t0
+        for sender in senders:
+            await sender.flush()
+        broken = next((s.error for s in senders if s.error is not None), None) or next(filter(None, failed), None)
+        if broken is not None and sink is not None:
+            sink.give_up(broken)      # timed with the frames refused: the next timing sends them nowhere
+        return seconds
+    except BaseException as exc:
+        error = str(exc) or type(exc).__name__
+        raise
+    finally:
+        for job, *_ in parts:
+            await stage.release(job, error)
 
 
 # Timed on both thread counts: prompts of the sizes whose forwards a busy node slowed most.

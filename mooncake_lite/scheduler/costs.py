@@ -93,6 +93,19 @@ class PrefillCostModel(_Coefficients):
     # beside the decode of the jobs before it, and takes in the request); a corrected model
     # raises only the first's: its line's offset is fitted once a request (costs.scaled, forward_fit.py).
     later_c0: float | None = None
+    # Of ``c0``, what each job of a packed forward beyond the first still pays (its own KV frames,
+    # begin, sampling and END; None: none): a pack shares ``shared_c0`` once. Timed at start-up by
+    # a pack against its jobs alone (prefill/profiling.py); 0.03-0.045 s of a busy c0 of 0.108 s
+    # on a 2-vCPU Xeon (docs/results/2026-12-04-xeon-2vcpu.md, "Packed forwards").
+    member_c0: float | None = None
+
+    @property
+    def shared_c0(self) -> float:
+        """The fixed cost a packed forward pays once for all its jobs (``packed_seconds``)."""
+        m = self.member_c0
+        if m is None or m <= 0.0:
+            return self.c0
+        return self.c0 - m if m < self.c0 else 0.0
 
     def predict(self, num_tokens: int, num_prefix_tokens: int = 0) -> float:
         """Seconds to prefill a ``num_tokens`` prompt whose first ``num_prefix_tokens`` are cached:
@@ -122,10 +135,10 @@ class PrefillCostModel(_Coefficients):
             raise ValueError(f"a prefill chunk must not be negative, got {chunk}")
         if not chunk:
             return self if type(self) is PrefillCostModel else \
-                PrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0)
+                PrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, self.member_c0)
         if isinstance(self, ChunkedPrefillCostModel) and self.chunk == chunk:
             return self
-        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, chunk)
+        return ChunkedPrefillCostModel(self.c0, self.c1, self.c2, self.c3, self.later_c0, self.member_c0, chunk)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]]) -> PrefillCostModel:
@@ -233,13 +246,13 @@ def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], l
                      caps: Sequence[int] | None = None) -> list[float]:
     """Each job's predicted duration in a queue of ``(num_tokens, num_prefix_tokens)`` jobs run
     packed by :func:`pack_sizes` (the prefill instance's ``--prefill-batch-tokens``, capped at its
-    chunk). One forward pays the fixed ``c0`` once and each job its own token terms, so a pack
-    takes ``c0 + Σ (predict(job) - c0)``. The last job of a pack carries the pack's time and the
+    chunk). One forward pays the shared part of the fixed ``c0`` once and each job the rest and
+    its own token terms, so a pack takes ``shared_c0 + Σ (predict(job) - shared_c0)``. The last job of a pack carries the pack's time and the
     others 0, so the total and each pack's end (the running sum at its last job) are right, and a
     started pack counts as done for its elapsed time, exactly as with one job at a time (which
     ``limit`` 0 gives: each job's own ``predict``). The conductor's estimate needs every job's
     finish time and the running forward as started: :func:`scheduler.packing.packed_queue`."""
-    predict, c0 = model.predict, model.c0
+    predict, c0 = model.predict, model.shared_c0
     own = [predict(n, p) for n, p in jobs]
     out: list[float] = []
     i = 0
@@ -251,7 +264,8 @@ def packed_durations(model: PrefillCostModel, jobs: Sequence[tuple[int, int]], l
 
 
 def packed_seconds(alone_s: Sequence[float], c0: float) -> float:
-    """One packed forward of jobs that take ``alone_s`` each alone: the fixed ``c0`` paid once."""
+    """One packed forward of jobs that take ``alone_s`` each alone: the fixed ``c0`` they share
+    (a model's ``shared_c0``) paid once."""
     return max(0.0, sum(alone_s) - c0 * (len(alone_s) - 1)) if alone_s else 0.0
 
 

@@ -65,14 +65,14 @@ def packed_queue(queue: Sequence[QueuedPrefill], model: PrefillCostModel, limit:
     running = num_started(queue)
     out: list[float] = []
     if running:
-        out.append(packed_seconds(own[:running], model.c0))
+        out.append(packed_seconds(own[:running], model.shared_c0))
         out.extend([0.0] * (running - 1))
     tail_tokens, tail_s, i, last = NO_TAIL, 0.0, running, running
     waiting = [uncached_tokens(job.num_tokens, job.num_prefix_tokens) for job in queue[running:]]
     caps = queue_caps(queue[running:])
     for size in pack_sizes(waiting, limit, caps):
         last = i
-        tail_s = packed_seconds(own[i:i + size], model.c0)
+        tail_s = packed_seconds(own[i:i + size], model.shared_c0)
         out.append(tail_s)
         out.extend([0.0] * (size - 1))
         tokens = sum(waiting[i - running:i - running + size])
@@ -128,11 +128,11 @@ def slo_pack_cap(model: PrefillCostModel, limit: int, forward_budget_s: float, n
 
 
 def own_seconds(model: PrefillCostModel, num_tokens: int, num_prefix_tokens: int, joins: bool) -> float:
-    """The new request's own share of the work: ``predict``, less the fixed ``c0`` its pack pays
-    anyway when it joins one."""
+    """The new request's own share of the work: ``predict``, less the fixed cost its pack pays
+    anyway when it joins one (``shared_c0``)."""
     t = model.predict(num_tokens, num_prefix_tokens)
     if joins:
-        t = t - model.c0
+        t = t - model.shared_c0
         return t if t > 0.0 else 0.0
     return t
 
@@ -154,4 +154,4 @@ def forward_seconds(model: PrefillCostModel, num_tokens: int, prefix_tokens: int
     rest = forward_tokens - uncached_tokens(num_tokens, prefix_tokens)
     if others < 1 or rest < others:
         return own
-    return packed_seconds([own, *[model.predict(round(rest / others))] * others], model.c0)
+    return packed_seconds([own, *[model.predict(round(rest / others))] * others], model.shared_c0)

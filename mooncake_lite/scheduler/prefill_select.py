@@ -188,12 +188,12 @@ def _packed_estimate(req: ScheduleRequest, model: PrefillCostModel, queue_s: flo
                      own_s: float, backlog: Backlog, p: PrefillInstanceState) -> tuple[float, float]:
     """(queue, execution) of the request on an instance that packs or serves shortest first, as
     Algorithm 1's loop costs it: where it lands in a shortest-first queue (:func:`_packed`); its
-    execution less ``c0`` when it joins the last waiting pack (its queue then holds that pack)."""
+    execution less ``shared_c0`` when it joins the last waiting pack (its queue then holds that pack)."""
     if p.overtakes:
         return _packed(req, model, queue_s, prefix_tokens, backlog, p)
     uncached = req.num_tokens - (prefix_tokens if prefix_tokens < req.num_tokens else req.num_tokens - 1)
     if joins_tail(backlog.tail_tokens, uncached, backlog.tail_bound):
-        own_s = own_s - model.c0
+        own_s = own_s - model.shared_c0
         return queue_s, own_s if own_s > 0.0 else 0.0
     return queue_s, own_s
 

@@ -94,7 +94,7 @@ def priced(queue: Sequence[QueuedPrefill], model: PrefillCostModel, pack_tokens:
     start = running_s if running_s is not None and skip else 0.0
     i, at = 0, at - skip
     for size in sizes:
-        seconds = packed_seconds(own[i:i + size], model.c0)
+        seconds = packed_seconds(own[i:i + size], model.shared_c0)
         if i <= at < i + size:
             return start, seconds
         start += seconds
@@ -144,12 +144,12 @@ def join_allowance(model: PrefillCostModel, pack_tokens: int, num_tokens: int, p
     forward starts (the instance also takes along what reaches it while its head matches its
     prefix, so even a job on an idle instance) they join while the pack has room, each adding its
     own token terms. The most they may is the room left beside the job filled
-    (``predict(room) - c0``); ``share`` is how much of that its jobs met lately (learned online,
+    (``predict(room) - shared_c0``); ``share`` is how much of that its jobs met lately (learned online,
     ``scheduler/correction.py``; 0 until then: the forward as the queue stands)."""
     room = pack_tokens - uncached_tokens(num_tokens, prefix_tokens)
     if share <= 0.0 or room <= 0:
         return 0.0
-    return share * max(model.predict(room) - model.c0, 0.0)
+    return share * max(model.predict(room) - model.shared_c0, 0.0)
 
 
 def worst_cases(model: PrefillCostModel, bound: int, pack_tokens: int, num_tokens: int, prefix_tokens: int,

@@ -274,7 +274,7 @@ class MooncakeSim(TraceDriver):
             p.begin_packed(now)
             alone.append(self._prefill_seconds(p, nxt, busy))
             uncached.append(n)
-        return packed_seconds(alone, self.hw.in_state(busy).prefill.c0)
+        return packed_seconds(alone, self.hw.in_state(busy).prefill.shared_c0)
 
     def _store(self, p: PrefillNode, keys: Sequence) -> None:
         store_chain(p.cache, self.scheduler.index, p.store_id, keys)

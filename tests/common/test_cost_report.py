@@ -25,6 +25,9 @@ def test_the_nested_form_round_trips_and_every_part_is_optional():
     assert loads(Heartbeat, dumps(Heartbeat("p0", cost=chunked))).cost == chunked
     assert loads(Heartbeat, beat('{"prefill": {"c0": 1, "later_c0": null}}')).cost == \
         CostReport(prefill=PrefillCost(c0=1.0))
+    # a pack member's part of c0, where the instance timed a pack (prefill/profiling.py)
+    packing = CostReport(prefill=PrefillCost(0.4, 3e-3, 8e-7, 0.0, member_c0=0.1))
+    assert loads(Heartbeat, dumps(Heartbeat("p0", cost=packing))).cost == packing
 
 
 def test_the_flat_form_of_older_instances_is_read_with_the_role():
@@ -47,6 +50,7 @@ def test_the_flat_form_of_older_instances_is_read_with_the_role():
     ('{"prefill": {"c1": -1e-9}}', "Heartbeat.cost.prefill.c1: must be a finite number >= 0"),
     ('{"prefill": {"later_c0": -0.1}}', "Heartbeat.cost.prefill.later_c0: must be a finite number >= 0"),
     ('{"prefill": {"later_c0": 1e5}}', "Heartbeat.cost.prefill.later_c0: 100000.0 s is absurd"),
+    ('{"prefill": {"member_c0": -0.1}}', "Heartbeat.cost.prefill.member_c0: must be a finite number >= 0"),
     ('{"later_c0": 1}', r"Heartbeat.cost: unknown key\(s\) \['later_c0'\]"),
     ('{"prefill": [1, 2]}', "Heartbeat.cost.prefill: expected an object of coefficients"),
     ('{"prefill": {"c0": 1}, "c1": 2}', r"Heartbeat.cost: unknown key\(s\) \['c1'\]"),

@@ -217,3 +217,21 @@ def test_a_first_minute_of_short_prompts_does_not_price_a_long_one_at_their_leve
     assert rel_err(model.predict(2724, 16), truth) < 0.2              # today 1.66-1.86x: xfail
     for n in (170, 464):                                 # and the shapes it measured hold
         assert rel_err(model.predict(n + 16, 16), served(n + 16, 16, True)) < 0.15
+
+
+def test_a_packs_member_cost_timed_at_start_up_survives_refinement():
+    """The chunks refined from run one prompt each: they cannot refit ``member_c0`` (start-up,
+    ``prefill/profiling.with_member_cost``), so it is carried, and a prior scaled as a whole keeps
+    each coefficient in its place (``later_c0`` unset, ``member_c0`` set)."""
+    from dataclasses import replace
+    prior = replace(scaled(TRUE_PREFILL, 3), member_c0=0.001)
+    refiner = prefill_refiner(prior)
+    feed_prefill(refiner, random.Random(4), outliers=0.0)
+    model = refiner.current()
+    assert model is not prior and model.member_c0 == 0.001
+    assert rel_err(model.c1, TRUE_PREFILL.c1) < 0.15
+    few = prefill_refiner(prior)     # a bucket or two: the prior, scaled by what they measured
+    for _ in range(MIN_SAMPLES):
+        few.observe(96, 0, TRUE_PREFILL.predict(96, 0))
+    moved = few.current()
+    assert moved is not prior and moved.later_c0 is None and 0 < moved.member_c0 < moved.c0

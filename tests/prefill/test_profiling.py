@@ -104,3 +104,24 @@ def test_other_work_for_two_timings_in_a_row_slows_no_shape_s_best(stage, monkey
     monkeypatch.setattr(profiling, "_time_chunk", timed)
     _, samples = asyncio.run(profile_served(stage, repeats=2))
     assert [s for *_, s in samples] == [0.01 + 1e-4 * (t - p) + 1e-6 * (t - p) * t for t, p, _ in samples]
+
+
+def test_a_packs_member_cost_is_timed_at_start_up(stage, monkeypatch):
+    """``member_c0``: a pack of four short prompts against the same prompts alone. Each job's own
+    frames cost here ``HOP_S`` a layer (what a member of a pack pays and the pack does not share):
+    the member cost holds them, and the fixed cost the pack shares does not."""
+    import mooncake_lite.prefill.engine as engine
+    from mooncake_lite.prefill.profiling import with_member_cost
+    send = engine.send_frame
+
+    def slow_send(*args):
+        time.sleep(HOP_S)
+        return send(*args)
+    monkeypatch.setattr(engine, "send_frame", slow_send)
+    cost, samples = asyncio.run(profile_served(stage, repeats=1))
+    priced = asyncio.run(with_member_cost(stage, cost, samples, repeats=1))
+    layers = stage.runner.args.num_layers
+    assert priced.member_c0 >= 0.8 * layers * HOP_S and priced.shared_c0 < cost.c0
+    assert (priced.c0, priced.c1) == (cost.c0, cost.c1)
+    assert len(stage.timeline) == 0 and not stage.jobs
+    assert stage.runner.allocator.num_free == stage.runner.cache.num_blocks

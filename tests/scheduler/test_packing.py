@@ -234,3 +234,27 @@ def test_a_prefill_instance_registers_its_budget_capped_at_its_chunk():
     # and its chunk, which long prompts are priced by (and which tells the conductor it reads pack caps)
     service = PrefillService(stage, None, block_size=8, hash_seed=0, chunk_size=64, batch_tokens=48)
     assert registration(Config(prefill_chunk=64), service, {"http": "127.0.0.1:1"}, None).prefill_chunk == 64
+
+
+def test_each_member_of_a_pack_pays_its_own_part_of_the_fixed_cost():
+    """``member_c0``: of ``c0``, what each job beyond a pack's first still pays (timed at start-up,
+    ``prefill/profiling.with_member_cost``); the pack shares the rest once, in the queue as priced,
+    a joining request's own share and the simulator's forward alike (one rule: ``shared_c0``)."""
+    from dataclasses import replace
+
+    from mooncake_lite.scheduler.costs import packed_durations, scaled
+    from mooncake_lite.scheduler.packing import forward_seconds, own_seconds
+    model = replace(MODEL, member_c0=0.02)
+    assert model.shared_c0 == pytest.approx(0.03)
+    alone = model.predict(100)
+    queue = tuple(job(f"w{i}", 100) for i in range(3))
+    assert packed_queue(queue, model, 512).durations_s == pytest.approx([3 * alone - 2 * 0.03, 0, 0])
+    assert packed_durations(model, [(100, 0)] * 3, 512) == pytest.approx([0, 0, 3 * alone - 2 * 0.03])
+    assert own_seconds(model, 100, 0, joins=True) == pytest.approx(alone - 0.03)
+    assert forward_seconds(model, 100, 0, 200, 2) == pytest.approx(2 * alone - 0.03)
+    # none said: the whole c0 shared, as before; all of it or more: nothing shared
+    assert MODEL.shared_c0 == MODEL.c0 and replace(MODEL, member_c0=0.9).shared_c0 == 0.0
+    # it travels, keeps with a chunk, and scales with the model's other coefficients
+    assert PrefillCostModel.from_dict(model.to_dict()) == model
+    assert model.with_chunk(512).member_c0 == 0.02 and model.with_chunk(512).shared_c0 == pytest.approx(0.03)
+    assert scaled(model, 2.0).member_c0 == pytest.approx(0.04)

@@ -110,7 +110,7 @@ def live_packing(ns, model):
     within a chunk, as the prefill's ``pack_limit`` and the simulator's nodes cut them."""
     from mooncake_lite.bench.fidelity.anchored import Packing
     batch, chunk = ns.prefill_batch_tokens, _live_prefill_flags(getattr(ns, "prefill_args", "")).prefill_chunk
-    return Packing(min(batch, chunk) if batch > 0 else 0, model.c0)
+    return Packing(min(batch, chunk) if batch > 0 else 0, model.shared_c0)
 
 
 def live_profile(path, prefill_args: str):
