@@ -87,10 +87,9 @@ async def with_member_cost(stage: StageEngine, cost: PrefillCostModel, samples: 
 async def _time_pack(stage: StageEngine, rid: str, sink: ProfileSink | None) -> float:
     """Seconds of one packed forward of ``PACK_JOBS`` prompts of ``PACK_TOKENS``, each its KV to
     ``sink`` (nowhere once it broke), as ``prefill/packs.py`` runs a pack."""
-    vocab = stage.runner.args.vocab_size
     parts, senders = [], []
     for j in range(PACK_JOBS):
-        tokens = torch.randint(0, vocab, (PACK_TOKENS,), generator=torch.Generator().manual_seed(7919 + j)).tolist()
+        tokens = _prompt(stage, PACK_TOKENS, 7919 + j)
         sender = sink.sender(f"{rid}-{j}") if sink is not None and sink.broken is None else NullSender()
         senders.append(sender)
         parts.append((stage.begin(f"{rid}-{j}", tokens, [], 0, sender), 0, tokens))
@@ -101,9 +100,11 @@ async def _time_pack(stage: StageEngine, rid: str, sink: ProfileSink | None) -> 
         seconds = time.perf_counter() - t0
         for sender in senders:
             await sender.flush()
-        broken = next((s.error for s in senders if s.error is not None), None) or next(filter(None, failed), None)
+        broken = next((s.error for s in senders if s.error is not None), None)
         if broken is not None and sink is not None:
             sink.give_up(broken)      # timed with the frames refused: the next timing sends them nowhere
+        elif any(failed):             # not the peer's doing: the profile fails, as a chunk's would
+            raise PrefillAborted(next(filter(None, failed)))
         return seconds
     except BaseException as exc:
         error = str(exc) or type(exc).__name__
@@ -182,8 +183,7 @@ async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid
     """Seconds for tokens p..p+n-1 to go through the stage and those after it (the prefix first,
     untimed), each layer's KV to ``sender``; its frames answered before it returns, untimed as a
     served forward's time ends with its compute."""
-    vocab = stage.runner.args.vocab_size
-    tokens = torch.randint(0, vocab, (n + p,), generator=torch.Generator().manual_seed(n + p)).tolist()
+    tokens = _prompt(stage, n + p, n + p)
     job = stage.begin(rid, tokens, [], 0, sender)    # no keys: nothing is written back
     error = None
     try:
@@ -206,3 +206,9 @@ async def _time_chunk(stage: StageEngine, downstream: NextStage | _NoStages, rid
         raise
     finally:
         await stage.release(job, error)
+
+
+def _prompt(stage: StageEngine, n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from ``seed``: a profile's prompt (the same shape, the same prompt)."""
+    vocab = stage.runner.args.vocab_size
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -5,8 +5,9 @@ costs.
 The profile runs before any decode is known. A served chunk writes a frame per layer from the
 event loop while the next layer computes, and its decode reads them on the same machine: sent to
 a peer process, a 512-token chunk took 5-15% longer than sent nowhere on an Intel Xeon with 2
-vCPU (docs/results/2026-12-04-xeon-2vcpu.md). This peer is a child process, as a decode is, so its reads take a CPU and not the
-prefill's loop. It answers without looking at the payload: nothing is kept.
+vCPU (docs/results/2026-12-04-xeon-2vcpu.md). This peer is a child process, as a decode is, so
+its reads take a CPU and not the prefill's loop. It answers without looking at the payload:
+nothing is kept.
 
 It runs as long as its stdin is open: its parent gone, even by ``kill -9``, it exits. It listens on
 127.0.0.1 only and takes only the token it was given (``MOONCAKE_SINK_TOKEN``).
@@ -18,9 +19,7 @@ import asyncio
 import os
 import sys
 
-import orjson
-
-from mooncake_lite.common.service import run
+from mooncake_lite.common.service import announce_ready, run
 from mooncake_lite.transfer.connection import FrameConnection, FrameHandler
 from mooncake_lite.transfer.framing import FLAG_REPLY, Frame, Limits
 from mooncake_lite.transfer.server import server_address, start_server
@@ -54,8 +53,7 @@ async def start_sink(token: str | None, host: str = "127.0.0.1") -> tuple[asynci
 
 async def _serve() -> None:
     server, _ = await start_sink(os.environ.get(TOKEN_ENV))
-    sys.stdout.write(orjson.dumps({"event": "ready", "role": "sink", "data": server_address(server)}).decode() + "\n")
-    sys.stdout.flush()
+    announce_ready("sink", data=server_address(server))
     # until the parent closes our stdin (or dies): a thread blocks on it, the loop serves
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
     server.close()
