@@ -149,7 +149,8 @@ class DecodeView(Shown[DecodeInstanceState]):
         self._num_sequences: dict[str, int] = {}   # requests of n > 1 sequences: n
         self.tail = 1.0          # the TBT's tail its states show (Corrections.tail)
         # at most the fewest max_output_tokens incoming: lowered at a commit, never raised but
-        # when none is left (a bound kept low costs a look-up in the load at t, never a wrong load)
+        # when none is left (a bound kept low costs a look-up in the load at t; too high, it would
+        # count requests gone by t)
         self._shortest = inf
 
     def _ids(self, request_id: str) -> Iterable[str]:
