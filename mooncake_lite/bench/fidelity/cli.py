@@ -43,6 +43,7 @@ import orjson
 
 from mooncake_lite.bench import options
 from mooncake_lite.bench.fidelity.delivery import delivery_jitter
+from mooncake_lite.bench.fidelity.drift import machine_drift
 from mooncake_lite.bench.fidelity.gaps import measured_gaps
 from mooncake_lite.bench.fidelity.live import LEARN_LEAD_S, live_side, replay_live, start_cluster
 from mooncake_lite.bench.replay.metrics import token_gaps
@@ -177,6 +178,7 @@ def run(ns: Options, api: str) -> dict:
                   cost_model={"prefill": lr.profile.get("prefill"), "decode": lr.profile.get("decode"),
                               **{k: lr.profile.get(k) for k in PROFILE_KEYS}})
     report["per_request"] = per_request(lr.records, res)
+    report["drift"] = machine_drift(lr.records, {t.request_id: t.input_length for t in trace}, lr.timelines, hw)
     if ns.held_out:
         report["held_out"] = held_out(ns, lr, trace, simulated, out)
     if ns.admission_outcomes:

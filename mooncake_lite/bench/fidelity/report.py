@@ -131,6 +131,9 @@ def report_text(report: Mapping) -> str:
                  f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
                  f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
     lines += jitter_lines(report.get("delivery_jitter_s") or ())
+    from mooncake_lite.bench.fidelity.drift import drift_line
+    if (line := drift_line(report.get("drift") or {})) is not None:
+        lines.append(line)
     if cm.get("prefill_busy"):
         lines.append(f"exported prefill by node state, 512 tokens: idle {_ms(_pf(cm['prefill_idle']))}, busy "
                      f"{_ms(_pf(cm['prefill_busy']))}, weighed (the conductor's price) {_ms(_pf(cm['prefill']))}")

@@ -25,6 +25,9 @@ FIGURES = (
     ("fidelity: mean TTFT, sim vs live", ("rows", "ttft_mean_s", "rel_error"), 0.15),
     ("fidelity: mean TBT, sim vs live", ("rows", "tbt_mean_s", "rel_error"), 0.15),
     ("fidelity: decisions that differ", ("rejections", "differ_share"), 0.10),
+    # the machine's own: its thirds' slowest over fastest (drift.py), so a run's hour is seen
+    ("machine drift, prefill forwards", ("drift", "prefill_spread"), None),
+    ("machine drift, decode steps", ("drift", "decode_spread"), None),
 )
 # (label, path to a {met, of} count in a run's report, goal, at least)
 POOLED = (
