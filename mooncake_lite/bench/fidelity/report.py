@@ -118,25 +118,7 @@ def report_text(report: Mapping) -> str:
              f"SLOs: TTFT {s['ttft_slo_s'] * 1e3:.0f} ms, TBT {s['tbt_slo_s'] * 1e3:.1f} ms ({s['how']})",
              f"sim rejected by: {report['simrejected_by'] or 'none'}; live failed (not 429): {report['live_failed']}",
              "measured gaps: " + ", ".join(f"{k} {v:.4g}" for k, v in report["gaps"].items() if v is not None)]
-    cm = report["cost_model"]
-    if cm.get("decode_step_ratios"):
-        lines.append("decode gap / model, exported deciles: " + " ".join(f"{r:.2f}" for r in cm["decode_step_ratios"]))
-    if cm.get("decode_busy_step_ratios"):
-        lines.append("  beside a prefill: " + " ".join(f"{r:.2f}" for r in cm["decode_busy_step_ratios"]))
-    for d, split in (cm.get("colocation") or {}).items():
-        lines.append(f"{d}: {split['gaps_busy']} gaps beside a prefill forward, mean "
-                     f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
-                     f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
-    lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
-                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
-                 f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
-    lines += jitter_lines(report.get("delivery_jitter_s") or ())
-    from mooncake_lite.bench.fidelity.drift import drift_line
-    if (line := drift_line(report.get("drift") or {})) is not None:
-        lines.append(line)
-    if cm.get("prefill_busy"):
-        lines.append(f"exported prefill by node state, 512 tokens: idle {_ms(_pf(cm['prefill_idle']))}, busy "
-                     f"{_ms(_pf(cm['prefill_busy']))}, weighed (the conductor's price) {_ms(_pf(cm['prefill']))}")
+    lines += cost_model_lines(report)
     for name in ("without_step_spread", "without_padded_context", "without_colocated_slowdown", "without_kv_writes",
                  "without_node_states", "without_any", "without_delivery_jitter"):
         rows = report.get(f"sim_{name}")
@@ -163,6 +145,31 @@ def report_text(report: Mapping) -> str:
         lines += admission_lines(report["admission"])
     lines.append(f"wrote {report['plot']}")
     return "\n".join(lines)
+
+
+def cost_model_lines(report: Mapping) -> list[str]:
+    """What the exported model adds to its fits (one-box effects), the delivery jitter, and the
+    machine's own drift through the replay (``drift.py``)."""
+    from mooncake_lite.bench.fidelity.drift import drift_line
+    cm, lines = report["cost_model"], []
+    if cm.get("decode_step_ratios"):
+        lines.append("decode gap / model, exported deciles: " + " ".join(f"{r:.2f}" for r in cm["decode_step_ratios"]))
+    if cm.get("decode_busy_step_ratios"):
+        lines.append("  beside a prefill: " + " ".join(f"{r:.2f}" for r in cm["decode_busy_step_ratios"]))
+    for d, split in (cm.get("colocation") or {}).items():
+        lines.append(f"{d}: {split['gaps_busy']} gaps beside a prefill forward, mean "
+                     f"{_ms(split['gap_mean_busy_s'])}; {split['gaps_idle']} without, mean {_ms(split['gap_mean_idle_s'])};"
+                     f" per model step {_num(split['slowdown'])}x; steps {split['step_share']:.1%} of the gaps")
+    lines.append(f"exported: decode_colocated_slowdown {_num(cm.get('decode_colocated_slowdown'))}, "
+                 f"decode_padding_s_per_token {_num(cm.get('decode_padding_s_per_token'))}, "
+                 f"decode_kv_write_s_per_token {_num(cm.get('decode_kv_write_s_per_token'))}")
+    lines += jitter_lines(report.get("delivery_jitter_s") or ())
+    if (line := drift_line(report.get("drift") or {})) is not None:
+        lines.append(line)
+    if cm.get("prefill_busy"):
+        lines.append(f"exported prefill by node state, 512 tokens: idle {_ms(_pf(cm['prefill_idle']))}, busy "
+                     f"{_ms(_pf(cm['prefill_busy']))}, weighed (the conductor's price) {_ms(_pf(cm['prefill']))}")
+    return lines
 
 
 def admission_lines(a: Mapping) -> list[str]:
