@@ -34,15 +34,15 @@ class Record:
     is_ok: bool = True
 
 
-def replay(slow_from: float | None, factor: float = 1.4, decode_beside: bool = False):
+def replay(slow_from: float | None, factor: float = 1.4, decode_beside: bool = False, slow_until: float = 1e9):
     """Thirty 200-token prompts, one every 10 s, each forward alone on one prefill, its first
     token 10 ms after it; a decode steps 50 times in every 10 s. From ``slow_from`` on the
-    machine runs ``factor`` times slower. ``decode_beside``: the steps overlap the forwards
+    machine runs ``factor`` times slower (until ``slow_until``). ``decode_beside``: the steps overlap the forwards
     (the forwards then run at the busy price), else they fall between them."""
     records, forwards, steps = [], [], []
     for i in range(30):
         t = 100.0 + 10 * i
-        scale = factor if slow_from is not None and t >= slow_from else 1.0
+        scale = factor if slow_from is not None and slow_from <= t < slow_until else 1.0
         seconds = (BUSY if decode_beside else IDLE).predict(200) * scale
         forwards.append([t, t + seconds])
         records.append(Record(i, t, [t + seconds + 0.01, t + seconds + 0.05]))
@@ -100,3 +100,13 @@ def _minimal_report(drift_figures: dict) -> dict:
     return {"rows": rows, "rejections": {"both": 0, "live_only": 0, "sim_only": 0, "differ_share": 0.0},
             "goals": {}, "slos": {"ttft_slo_s": 1.0, "tbt_slo_s": 0.1, "how": "test"}, "simrejected_by": {},
             "live_failed": 0, "gaps": {}, "cost_model": {}, "drift": drift_figures, "plot": "cdf.png"}
+
+
+def test_a_slow_half_minute_hides_in_the_thirds_but_not_in_the_stretch():
+    out = drift.machine_drift(*replay(slow_from=160.0, slow_until=210.0), Box())   # five forwards of thirty
+    assert not out["drifted"] and out["prefill_by_part"] == pytest.approx([1.0] * 3)
+    assert out["prefill_slowest_stretch"] == pytest.approx(1.4) and out["prefill_stretch_at_s"] == pytest.approx(60.0)
+    assert "1.40x the run's median, around 60 s (a slow stretch" in drift.drift_line(out)
+    steady = drift.machine_drift(*replay(None), Box())
+    assert steady["prefill_slowest_stretch"] == pytest.approx(1.0) and "slow stretch" not in drift.drift_line(steady)
+    assert drift.slowest_stretch([(0.0, 1.0)] * 9) is None

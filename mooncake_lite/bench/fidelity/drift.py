@@ -1,5 +1,6 @@
 """The machine's speed through the replay, measured: live's forwards and decode steps over the
-exported model's price, their median in each third of the replay's time.
+exported model's price, their median in each third of the replay's time, and the slowest
+stretch of consecutive forwards against the run's median.
 
 Why: the simulator runs the whole slice on one exported model, the speed the corrections had
 learned by the end. A shared VM is not that steady: on Zen 3 the same slice ran ~1.3x slower
@@ -23,6 +24,8 @@ from mooncake_lite.bench.fidelity.anchored import SCALE_MAX_TOKENS, jobs_of
 PARTS = 3
 MIN_POINTS = 5          # a part with fewer forwards or steps shows no figure
 DRIFT_NOTED = 0.15      # parts further apart than this (slowest over fastest − 1) are called drift
+STRETCH = 5             # consecutive single-prompt forwards: a burst or two, ~15-30 s at --speed 0.2
+STRETCH_NOTED = 1.25    # a stretch this much slower than the run's median is called out
 
 
 def by_part(points: Sequence[tuple[float, float]], start_s: float, end_s: float,
@@ -82,6 +85,23 @@ def stepping(timelines: Mapping[str, Mapping]) -> Callable[[float, float], bool]
     return busy
 
 
+def slowest_stretch(points: Sequence[tuple[float, float]], width: int = STRETCH) -> tuple[float, float] | None:
+    """(the slowest median of ``width`` consecutive points over the median of all, around when):
+    a slowdown of half a minute hides in a third's median (a run whose bursts at 45-60 s ran
+    1.4x their price read 0.96 0.96 0.95 by thirds). None with fewer than 2 × ``width`` points."""
+    if len(points) < 2 * width:
+        return None
+    ordered = sorted(points)
+    ratios = [r for _, r in ordered]
+    overall = statistics.median(ratios)
+    if overall <= 0:
+        return None
+    medians = [statistics.median(ratios[i:i + width]) for i in range(len(ratios) - width + 1)]
+    worst = max(medians)
+    first = next(i for i, m in enumerate(medians) if m >= worst * (1 - 1e-9))
+    return worst / overall, ordered[first + width // 2][0]     # its middle: the median's own forward
+
+
 def spread(parts: Sequence[float | None]) -> float | None:
     """Slowest part over fastest, less 1 (None with fewer than two parts measured)."""
     shown = [p for p in parts if p is not None]
@@ -102,12 +122,16 @@ def machine_drift(records: Sequence, tokens: Mapping[int, int], timelines: Mappi
     def price(num_tokens: int, prefix: int, busy: bool) -> float:
         return hw.in_state(busy).prefill.predict(num_tokens, prefix)
     chunk = getattr(hw.prefill, "chunk", None) or SCALE_MAX_TOKENS     # a prompt within it: one forward
-    prefill = by_part(prefill_points(jobs, price, stepping(timelines), chunk), start, end)
+    points = prefill_points(jobs, price, stepping(timelines), chunk)
+    prefill = by_part(points, start, end)
     decode = by_part(decode_points(timelines, hw.decode.predict), start, end)
     spreads = {"prefill": spread(prefill), "decode": spread(decode)}
+    stretch = slowest_stretch(points)
     return {"prefill_by_part": prefill, "decode_by_part": decode,
             **{f"{role}_spread": s for role, s in spreads.items()},
-            "drifted": any(s is not None and s > DRIFT_NOTED for s in spreads.values())}
+            "drifted": any(s is not None and s > DRIFT_NOTED for s in spreads.values()),
+            "prefill_slowest_stretch": None if stretch is None else stretch[0],
+            "prefill_stretch_at_s": None if stretch is None else stretch[1] - start}
 
 
 def drift_line(drift: Mapping) -> str | None:
@@ -119,5 +143,11 @@ def drift_line(drift: Mapping) -> str | None:
         return " ".join("—" if p is None else f"{p:.2f}" for p in parts)
     verdict = f"drifted (over {DRIFT_NOTED:.0%} apart): a figure here is the hour's as much as the scheduler's" \
         if drift["drifted"] else f"steady (within {DRIFT_NOTED:.0%})"
-    return (f"machine speed by third of the replay, live / exported model: prefill {shown(drift['prefill_by_part'])}, "
+    line = (f"machine speed by third of the replay, live / exported model: prefill {shown(drift['prefill_by_part'])}, "
             f"decode {shown(drift['decode_by_part'])}; {verdict}")
+    stretch = drift.get("prefill_slowest_stretch")
+    if stretch is not None:
+        called = " (a slow stretch: no one model of the run prices it)" if stretch > STRETCH_NOTED else ""
+        line += (f"; slowest {STRETCH} forwards in a row {stretch:.2f}x the run's median, around "
+                 f"{drift['prefill_stretch_at_s']:.0f} s{called}")
+    return line
