@@ -3,6 +3,7 @@ live forwards and decode steps over the exported model's price, by third of the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -20,6 +21,7 @@ class Box:
     """The exported hardware as drift.py reads it: a weighed prefill, one per node state, a decode."""
     prefill: PrefillCostModel = PrefillCostModel(c0=0.05, c1=1.3e-3)
     decode: DecodeCostModel = STEP
+    decode_padding_s_per_token: float = 0.0
 
     def in_state(self, busy: bool):
         return Box(BUSY if busy else IDLE, self.decode)
@@ -110,3 +112,66 @@ def test_a_slow_half_minute_hides_in_the_thirds_but_not_in_the_stretch():
     steady = drift.machine_drift(*replay(None), Box())
     assert steady["prefill_slowest_stretch"] == pytest.approx(1.0) and "slow stretch" not in drift.drift_line(steady)
     assert drift.slowest_stretch([(0.0, 1.0)] * 9) is None
+
+
+@dataclass(frozen=True)
+class PaddedBox(Box):
+    """A CPU decode's export: each padding token of a step (batch × longest − context) costs this."""
+    decode_padding_s_per_token: float = 1e-4
+
+
+def test_decode_steps_are_priced_with_their_padding_as_the_simulator_prices_them():
+    records, tokens, lines = replay(None)
+    # batch 2, context 400, longest 300: 200 padding tokens, 20 ms more than the model's step
+    lines["d"]["steps"] = [[s[0], STEP.predict(2, 400) + 0.02, 2, 400, 0, 300] for s in lines["d"]["steps"]]
+    assert drift.machine_drift(records, tokens, lines, PaddedBox())["decode_by_part"] == pytest.approx([1.0] * 3)
+    assert drift.machine_drift(records, tokens, lines, Box())["decode_by_part"][0] > 1.5   # read as slowness
+
+
+def test_a_forward_shared_by_two_prompts_or_past_the_chunk_is_not_a_point():
+    records, tokens, lines = replay(None)
+    # request 30 arrives with 0 and shares its forward: that forward is a pack, priced otherwise
+    records.append(Record(30, 100.0, list(records[0].chunk_s)))
+    tokens[30] = 200
+    out = drift.machine_drift(records, tokens, lines, Box())
+    assert out["prefill_by_part"][0] == pytest.approx(1.0)
+    with_pack = _points(records, tokens, lines, Box())
+    assert len(with_pack) == 29 and 100.0 not in [at for at, _ in with_pack]
+
+    @dataclass(frozen=True)
+    class Chunked:
+        c0: float = IDLE.c0
+        c1: float = IDLE.c1
+        chunk: int = 128            # the 200-token prompts run in two forwards: none is a point
+
+        def predict(self, n, prefix=0):
+            return IDLE.predict(n, prefix)
+    assert drift.machine_drift(records, tokens, lines, Box(prefill=Chunked()))["prefill_by_part"] == [None] * 3
+
+
+def _points(records, tokens, lines, hw):
+    served = [(r.request_id, r.send_s, r.chunk_s[0], tokens[r.request_id], r.cached_tokens) for r in records]
+    jobs, _ = drift.jobs_of(served, {"p": lines["p"]["forwards"]})
+    return drift.prefill_points(jobs, lambda n, prefix, busy: hw.in_state(busy).prefill.predict(n, prefix),
+                                drift.stepping(lines), 256)
+
+
+def test_forwards_before_a_cut_decode_timeline_are_left_out():
+    records, tokens, lines = replay(None, decode_beside=True)
+    steps = lines["d"]["steps"]
+    # the decode kept only its newest TIMELINE_LEN steps: those from 200 s on
+    kept = [s for s in steps if s[0] >= 200.0]
+    lines["d"]["steps"] = (kept * (drift.TIMELINE_LEN // len(kept) + 1))[:drift.TIMELINE_LEN]
+    lines["d"]["steps"].sort(key=lambda s: s[0])
+    out = drift.machine_drift(records, tokens, lines, Box())
+    # the first third's forwards (busy, but no step kept to say so) would read 1.5x idle
+    assert out["prefill_by_part"][0] is None and out["prefill_by_part"][1:] == pytest.approx([1.0, 1.0])
+    assert drift.complete_from({"d": {"steps": steps}}) == float("-inf")
+
+
+def test_a_point_a_hair_inside_the_end_falls_in_the_last_part():
+    # a span of a third rounds so that the last ulp before the end divides to 3
+    start, end = 22.32, 87.206
+    hair = math.nextafter(end, -math.inf)
+    assert int((hair - start) // ((end - start) / 3)) == 3
+    assert drift.by_part([(hair, 1.1)] * 5, start, end) == [None, None, 1.1]

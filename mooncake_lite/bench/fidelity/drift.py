@@ -15,11 +15,13 @@ moves it too, which is why both roles are shown: the decode's steps are many and
 
 from __future__ import annotations
 
+import math
 import statistics
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 
 from mooncake_lite.bench.fidelity.anchored import SCALE_MAX_TOKENS, jobs_of
+from mooncake_lite.instance.colocation import TIMELINE_LEN, padded_step
 
 PARTS = 3
 MIN_POINTS = 5          # a part with fewer forwards or steps shows no figure
@@ -37,24 +39,30 @@ def by_part(points: Sequence[tuple[float, float]], start_s: float, end_s: float,
     if span <= 0:
         return [None] * parts
     for at, ratio in points:
-        i = int((at - start_s) // span)
-        if 0 <= i < parts:
-            buckets[i].append(ratio)
-        elif at == end_s:
-            buckets[-1].append(ratio)
+        if start_s <= at <= end_s:      # the end itself, and a float's last ulp, in the last part
+            buckets[min(int((at - start_s) // span), parts - 1)].append(ratio)
     return [statistics.median(b) if len(b) >= MIN_POINTS else None for b in buckets]
 
 
-def decode_points(timelines: Mapping[str, Mapping], step: Callable[[int, int], float]) -> list[tuple[float, float]]:
-    """Each decode step's (start, measured / ``step(batch, context)``), every decode's timeline."""
+def decode_points(timelines: Mapping[str, Mapping], step: Callable[[int, int, int], float]) -> list[tuple[float, float]]:
+    """Each decode step's (start, measured / ``step(batch, context, longest)``), every decode's
+    timeline (a step is ``(start, seconds, batch, context, waited, longest context)``)."""
     out = []
     for line in timelines.values():
         for s in line.get("steps") or ():
             start, seconds, batch, context = s[0], s[1], s[2], s[3]
-            priced = step(batch, context)
+            priced = step(batch, context, s[5] if len(s) > 5 else 0)
             if priced > 0:
                 out.append((start, seconds / priced))
     return out
+
+
+def complete_from(timelines: Mapping[str, Mapping]) -> float:
+    """From when every decode's steps are all there: a role keeps its newest
+    :data:`~mooncake_lite.instance.colocation.TIMELINE_LEN`, so a long replay's first steps are
+    gone, and a forward then would read idle for want of them (-inf: none was cut)."""
+    cut = [line["steps"][0][0] for line in timelines.values() if len(line.get("steps") or ()) >= TIMELINE_LEN]
+    return max(cut, default=-math.inf)
 
 
 def prefill_points(jobs: Sequence, price: Callable[[int, int, bool], float], busy: Callable[[float, float], bool],
@@ -63,7 +71,11 @@ def prefill_points(jobs: Sequence, price: Callable[[int, int, bool], float], bus
     matched to forwards by first token): (start, measured / ``price(tokens, prefix, busy)``), the
     node state ``busy(start, end)``: a decode stepped during it. A longer prompt's matched forward
     is its last chunk only; a pack's price has parts a single prompt's has not; the weighed price
-    of both states read the first of a burst (idle) at 0.72x where its idle price read 1.0x."""
+    of both states read the first of a burst (idle) at 0.72x where its idle price read 1.0x.
+
+    The state is the one the forward ran in, where the live conductor learns each state's model
+    by the one it predicted at placement (a job queued behind another, or a decode with
+    requests); on three of session 50's replays the two differed for 0, 1 and 5 of 227 forwards."""
     per_forward: dict[tuple[str, float], list] = {}
     for j in jobs:
         per_forward.setdefault((j.node, j.end_s), []).append(j)
@@ -99,7 +111,8 @@ def slowest_stretch(points: Sequence[tuple[float, float]], width: int = STRETCH)
     medians = [statistics.median(ratios[i:i + width]) for i in range(len(ratios) - width + 1)]
     worst = max(medians)
     first = next(i for i, m in enumerate(medians) if m >= worst * (1 - 1e-9))
-    return worst / overall, ordered[first + width // 2][0]     # its middle: the median's own forward
+    # the middle of the first window that slow: about where the slowness begins
+    return worst / overall, ordered[first + width // 2][0]
 
 
 def spread(parts: Sequence[float | None]) -> float | None:
@@ -110,7 +123,8 @@ def spread(parts: Sequence[float | None]) -> float | None:
 
 def machine_drift(records: Sequence, tokens: Mapping[int, int], timelines: Mapping[str, Mapping], hw) -> dict:
     """Prefill and decode speed by third of the replay (from the first request sent to the last
-    first token), each role's spread, and whether either passed :data:`DRIFT_NOTED`."""
+    first token), each role's spread, and whether either passed :data:`DRIFT_NOTED`. A forward
+    before the decodes' kept steps (:func:`complete_from`) is left out: its state is not known."""
     ok = [r for r in records if r.is_ok and r.request_id in tokens and r.chunk_s]
     if not ok:
         return {}
@@ -121,10 +135,14 @@ def machine_drift(records: Sequence, tokens: Mapping[int, int], timelines: Mappi
 
     def price(num_tokens: int, prefix: int, busy: bool) -> float:
         return hw.in_state(busy).prefill.predict(num_tokens, prefix)
+
+    def step(batch: int, context: int, longest: int) -> float:     # as the simulator prices a step
+        return padded_step(hw.decode, batch, context, longest, hw.decode_padding_s_per_token)
     chunk = getattr(hw.prefill, "chunk", None) or SCALE_MAX_TOKENS     # a prompt within it: one forward
-    points = prefill_points(jobs, price, stepping(timelines), chunk)
+    known = complete_from(timelines)
+    points = [p for p in prefill_points(jobs, price, stepping(timelines), chunk) if p[0] >= known]
     prefill = by_part(points, start, end)
-    decode = by_part(decode_points(timelines, hw.decode.predict), start, end)
+    decode = by_part(decode_points(timelines, step), start, end)
     spreads = {"prefill": spread(prefill), "decode": spread(decode)}
     stretch = slowest_stretch(points)
     return {"prefill_by_part": prefill, "decode_by_part": decode,
