@@ -44,18 +44,22 @@ async def _profile_beside(stage, handler=None, token="t0k"):
 
 def test_every_layer_of_every_profiled_chunk_goes_to_the_peer_and_its_send_is_priced(stage, monkeypatch):
     layers = stage.runner.args.num_layers
-    send = KVSender.send_layer
+    send, calls = KVSender.send_layer, []
 
     def slow_send(self, *args, **kwargs):      # what a costly send does: holds the loop a while
+        calls.append(1)
         time.sleep(SEND_S)
         return send(self, *args, **kwargs)
     monkeypatch.setattr(KVSender, "send_layer", slow_send)
     peer, sink, sent = asyncio.run(_profile_beside(stage))
-    _, nowhere = asyncio.run(profile_served(stage, points=POINTS, repeats=1))
     # three warm-ups, the four points, and the prefix chunk of the one with a prefix (untimed)
     assert peer.num_frames == layers * (3 + len(POINTS) + 1) and sink.broken is None
-    assert all(s >= layers * SEND_S for *_, s in sent)
-    assert all(s < layers * SEND_S for *_, s in nowhere)   # with its KV to nowhere, the send was never paid
+    assert all(s >= layers * SEND_S for *_, s in sent)      # each timed chunk paid its sends
+    calls.clear()
+    asyncio.run(profile_served(stage, points=POINTS, repeats=1))
+    # with its KV to nowhere the send is never made (counted, not timed: a loaded CI box runs a
+    # tiny chunk slower than the sends' sleep, which a bound on its time then read as paid)
+    assert not calls
     assert not stage.jobs and stage.runner.allocator.num_free == stage.runner.cache.num_blocks
 
 
