@@ -1,7 +1,8 @@
-"""Small helpers for the store tests: keys, deterministic block bytes, metrics parsing."""
+"""Small helpers for the store tests: keys, deterministic block bytes, metrics parsing, waiting for a log line."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import urllib.request
 
@@ -36,3 +37,12 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if line.startswith(want + " "):
             return float(line.split()[-1])
     raise KeyError(f"{want} not in /metrics")
+
+
+async def wait_log(proc, text: str, timeout: float = 10.0) -> None:
+    """The store counts before it logs, and its lines reach us through a pipe: wait for the line."""
+    for _ in range(int(timeout / 0.05)):
+        if text in proc.logs():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} never logged: {proc.logs()[-2000:]}")

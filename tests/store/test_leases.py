@@ -10,7 +10,7 @@ import pytest
 from mooncake_lite.store.client import RemoteError, StoreClient
 from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.framing import HEADER_BYTES, decode_header, encode_frame, Limits
-from tests.store.helpers import block, chain, metric
+from tests.store.helpers import block, chain, metric, wait_log
 
 SLOT = 4 << 20
 COPIES = 16  # the slow GET asks for the same block this many times: far more than socket buffers hold
@@ -38,15 +38,6 @@ async def wait_metric(url: str, name: str, value: float, timeout: float = 15.0) 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{name} never became {value} (now {metric(url, name)})")
-
-
-async def wait_log(proc, text: str, timeout: float = 10.0) -> None:
-    """The store counts before it logs, and its lines reach us through a pipe: wait for the line."""
-    for _ in range(int(timeout / 0.05)):
-        if text in proc.logs():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{text!r} never logged: {proc.logs()[-2000:]}")
 
 
 async def test_lease_protects_block_being_sent(role_procs):

@@ -17,7 +17,7 @@ from mooncake_lite.store.protocol import Op
 from mooncake_lite.transfer.framing import HEADER, MAGIC, VERSION, encode_frame
 from mooncake_lite.transfer.rdma import TransportError, select_transport
 from tests.conftest import REPO
-from tests.store.helpers import block, chain, http_get
+from tests.store.helpers import block, chain, http_get, wait_log
 
 BASE = ("--port", "0", "--data-port", "0", "--dram", "4MiB", "--slot-bytes", "1MiB")
 
@@ -164,14 +164,6 @@ async def test_block_events_reach_the_conductor(role_procs):
         await conductor.runner.cleanup()
 
 
-async def _logged(proc, text: str, tries: int = 100) -> None:
-    """Until ``proc``'s log holds ``text``, for at most ``tries`` × 50 ms (the caller asserts)."""
-    for _ in range(tries):
-        if text in proc.logs():
-            return
-        await asyncio.sleep(0.05)
-
-
 async def test_conductor_down_never_blocks_the_data_path(role_procs):
     port = free_port()
     store = role_procs("store", *BASE, "--conductor", f"http://127.0.0.1:{port}", "--event-interval", "50ms")
@@ -181,14 +173,13 @@ async def test_conductor_down_never_blocks_the_data_path(role_procs):
     try:
         await client.put(keys[:2], [b"1", b"2"])
         assert [bytes(b) for b in await client.get(keys[:2])] == [b"1", b"2"]
-        await _logged(store, "unreachable")
+        await wait_log(store, "unreachable")
         assert store.logs().count("unreachable") == 1  # one line per outage, not per retry
         await conductor.start(port)  # the conductor comes up: queued events are delivered
         await client.put(keys[2:], [b"3", b"4"])
         await conductor.wait_for("stored", keys)
         # the store logs it once the post is answered, which may be after the conductor has the events
-        await _logged(store, "reachable again")
-        assert "reachable again" in store.logs()
+        await wait_log(store, "reachable again")
     finally:
         await client.close()
         await conductor.runner.cleanup()

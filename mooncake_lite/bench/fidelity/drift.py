@@ -50,8 +50,8 @@ def decode_points(timelines: Mapping[str, Mapping], step: Callable[[int, int, in
     out = []
     for line in timelines.values():
         for s in line.get("steps") or ():
-            start, seconds, batch, context = s[0], s[1], s[2], s[3]
-            priced = step(batch, context, s[5] if len(s) > 5 else 0)
+            start, seconds, batch, context, _, longest = s[:6]
+            priced = step(batch, context, longest)
             if priced > 0:
                 out.append((start, seconds / priced))
     return out
